@@ -1,0 +1,248 @@
+"""A pickle reader that runs no code from the checkpoint.
+
+Pickles can call any importable function. This reader resolves every global through an explicit
+allowlist of ``(module, name) -> stand-in``: a stand-in is a harmless function or stub class of
+ours (``torch.Size`` becomes ``tuple``, a DCP ``Metadata`` becomes a plain record). Anything else
+raises :class:`~ckpttool.errors.UnsafePickleError` naming the global, before it is resolved, so
+nothing from the file is imported or called. torch is never imported here.
+
+Each format module builds its allowlist from :data:`PLAIN` plus its own stubs.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpttool.dtypes import BY_NAME, BY_STORAGE_CLASS
+from ckpttool.errors import CorruptFileError, UnsafePickleError
+
+Allowlist = Mapping[tuple[str, str], Any]
+
+
+def _bytes(*args: Any) -> bytes:
+    # protocol-2 pickles spell b"" as bytes() and bytearrays as bytearray(bytes)
+    if not args:
+        return b""
+    if len(args) == 1 and isinstance(args[0], bytes | bytearray):
+        return bytes(args[0])
+    raise pickle.UnpicklingError(f"bytes{args!r} is not a plain bytes value")
+
+
+def _bytearray(*args: Any) -> bytearray:
+    return bytearray(_bytes(*args))
+
+
+def _codecs_encode(text: Any, encoding: str = "utf-8") -> bytes:
+    # protocol-2 pickles spell bytes as _codecs.encode(str, "latin1")
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError(f"_codecs.encode({type(text).__name__}, {encoding!r}) is not plain bytes")
+    return text.encode("latin1")
+
+
+PLAIN: dict[tuple[str, str], Any] = {
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "complex"): complex,
+    ("builtins", "slice"): slice,
+    ("builtins", "bytes"): _bytes,
+    ("builtins", "bytearray"): _bytearray,
+    ("__builtin__", "set"): set,
+    ("__builtin__", "frozenset"): frozenset,
+    ("_codecs", "encode"): _codecs_encode,
+    ("collections", "OrderedDict"): dict,
+}
+"""Globals that plain Python values (containers, numbers, bytes) need: safe for any format."""
+
+
+# -- torch tensors inside a torch.save archive ---------------------------------------------------
+
+
+class TorchDType(str):
+    """A torch dtype named in a pickle (``torch.float32``), kept as its name."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StorageType:
+    """A legacy typed-storage class (``torch.FloatStorage``) or ``torch.UntypedStorage``."""
+
+    dtype: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class StorageRef:
+    """A storage persisted in the archive as ``data/<key>``."""
+
+    key: str
+    dtype: str | None
+    numel: int
+    location: str
+
+
+@dataclass(slots=True)
+class TensorRef:
+    """A tensor in a pickle: where its elements are, not the elements."""
+
+    storage: StorageRef
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+    is_parameter: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _dtype_of(storage: Any, explicit: Any = None) -> str:
+    if explicit is not None:
+        return str(explicit)
+    if isinstance(storage, StorageRef) and storage.dtype is not None:
+        return storage.dtype
+    raise pickle.UnpicklingError("tensor without a dtype (untyped storage and no dtype argument)")
+
+
+def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, *_rest: Any) -> TensorRef:
+    return _tensor(storage, storage_offset, size, stride, None)
+
+
+def _rebuild_tensor_v3(
+    storage: Any, storage_offset: Any, size: Any, stride: Any, _rg: Any, _hooks: Any, dtype: Any, *_: Any
+) -> TensorRef:
+    return _tensor(storage, storage_offset, size, stride, dtype)
+
+
+def _tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, dtype: Any) -> TensorRef:
+    if not isinstance(storage, StorageRef):
+        raise pickle.UnpicklingError(f"tensor rebuilt from {type(storage).__name__}, not an archive storage")
+    if not (
+        isinstance(storage_offset, int)
+        and isinstance(size, tuple)
+        and isinstance(stride, tuple)
+        and len(size) == len(stride)
+        and all(isinstance(v, int) and v >= 0 for v in (*size, *stride))
+        and storage_offset >= 0
+    ):
+        raise pickle.UnpicklingError(f"malformed tensor geometry: size={size!r} stride={stride!r}")
+    return TensorRef(storage, storage_offset, size, stride, _dtype_of(storage, dtype))
+
+
+def _rebuild_parameter(data: Any, *_rest: Any) -> Any:
+    if isinstance(data, TensorRef):
+        data.is_parameter = True
+    return data
+
+
+class _TensorType:
+    """``torch.Tensor`` / ``torch.nn.Parameter`` named as the ``new_type`` of a rebuild."""
+
+
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    # plain tensors with Python attributes are pickled through here; subclasses are refused by
+    # the allowlist (new_type must be one of the two stand-ins above)
+    if new_type is not _TensorType:
+        raise pickle.UnpicklingError("tensor subclass")
+    result = func(*args)
+    if isinstance(result, TensorRef) and isinstance(state, dict):
+        result.extra.update({k: v for k, v in state.items() if isinstance(v, int | float | str | bool)})
+    return result
+
+
+def _size(*args: Any) -> tuple[int, ...]:
+    (values,) = args if args else ((),)
+    return tuple(values)
+
+
+def _device(*args: Any) -> str:
+    return ":".join(str(a) for a in args)
+
+
+TORCH_TENSORS: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    ("torch", "Tensor"): _TensorType,
+    ("torch.nn.parameter", "Parameter"): _TensorType,
+    ("torch", "Size"): _size,
+    ("torch", "device"): _device,
+    ("torch", "UntypedStorage"): StorageType(None),
+    **{("torch", cls): StorageType(dt.name) for cls, dt in BY_STORAGE_CLASS.items()},
+    **{("torch", name): TorchDType(dt.name) for name, dt in BY_NAME.items()},
+}
+"""Globals that ``torch.save`` writes for plain tensors and parameters (``data.pkl``)."""
+
+
+def storage_persistent_load(pid: Any) -> StorageRef:
+    """``persistent_load`` for torch.save archives: ``('storage', type, key, location, numel)``."""
+    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+        raise pickle.UnpicklingError(f"unexpected persistent id {pid!r:.80}")
+    _, storage_type, key, location, numel = pid
+    if not isinstance(storage_type, StorageType) or not isinstance(numel, int) or numel < 0:
+        raise pickle.UnpicklingError(f"malformed storage reference {pid!r:.80}")
+    if not isinstance(key, str) or not key or "/" in key or key in (".", ".."):
+        raise pickle.UnpicklingError(f"malformed storage key {key!r:.40}")
+    return StorageRef(key=key, dtype=storage_type.dtype, numel=numel, location=str(location))
+
+
+# -- the reader ----------------------------------------------------------------------------------
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(
+        self,
+        data: bytes,
+        allow: Allowlist,
+        source: str,
+        what: str,
+        persistent_load: Callable[[Any], Any] | None,
+    ) -> None:
+        super().__init__(io.BytesIO(data))
+        self._allow = allow
+        self._source = source
+        self._what = what
+        self._persistent = persistent_load
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self._allow[(module, name)]
+        except KeyError:
+            raise UnsafePickleError(self._source, f"{module}.{name}", what=self._what) from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._persistent is None:
+            raise pickle.UnpicklingError("persistent id in a pickle that may not have one")
+        return self._persistent(pid)
+
+
+def loads(
+    data: bytes,
+    *,
+    allow: Allowlist,
+    source: str,
+    what: str = "pickle",
+    persistent_load: Callable[[Any], Any] | None = None,
+) -> Any:
+    """Unpickle ``data`` resolving globals only through ``allow``.
+
+    ``source`` names the file (and item) in error messages. Raises UnsafePickleError for a global
+    outside the allowlist and CorruptFileError for anything else that goes wrong.
+    """
+    try:
+        return _Unpickler(data, allow, source, what, persistent_load).load()
+    except UnsafePickleError:
+        raise
+    except RecursionError:
+        raise CorruptFileError(
+            f"{source}: {what} is nested too deeply to read", hint="the file is damaged or hostile", path=source
+        ) from None
+    except Exception as exc:  # pickle raises many types on damaged input
+        raise CorruptFileError(
+            f"{source}: {what} could not be read ({type(exc).__name__}: {exc})",
+            hint="the file is damaged or was not written by the library the format expects",
+            path=source,
+        ) from None

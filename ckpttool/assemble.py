@@ -1,0 +1,76 @@
+"""Building logical tensors (or any box of one) from their pieces."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ckpttool.dtypes import carrier
+from ckpttool.errors import CorruptFileError
+from ckpttool.formats.base import PieceReader
+from ckpttool.geometry import Box, coverage, flat_range_boxes, intersect
+from ckpttool.manifest import Item, Piece
+
+
+def regions(piece: Piece) -> list[Box]:
+    """The boxes of the logical tensor a piece holds, in the order of its values."""
+    if piece.flat is None:
+        return [piece.box]
+    return flat_range_boxes(piece.box, *piece.flat)
+
+
+def check_coverage(item: Item) -> None:
+    """Raise unless the first copies of the pieces tile the tensor exactly."""
+    assert item.shape is not None
+    boxes = [b for p in item.pieces if p.replica == 0 for b in regions(p)]
+    cov = coverage(item.shape, boxes)
+    if not cov.exact:
+        files = sorted({p.file for p in item.pieces})
+        problem = []
+        if cov.gaps:
+            problem.append(f"{cov.gaps:,} of {cov.total:,} elements are in no piece")
+        if cov.overlapping:
+            problem.append(f"{cov.overlapping:,} elements are in two pieces")
+        raise CorruptFileError(
+            f"{item.name}: {' and '.join(problem)} (pieces in {', '.join(files[:4])}{'…' if len(files) > 4 else ''})",
+            hint="a rank's data is missing or the metadata is inconsistent; 'ckpttool verify' gives details",
+            path=files[0] if files else None,
+        )
+
+
+def assemble(reader: PieceReader, item: Item, out: np.ndarray | None = None, box: Box | None = None) -> np.ndarray:
+    """The values of ``item`` inside ``box`` (default: the whole tensor) as a C-ordered array of the
+    item's carrier dtype. Pieces whose region lies on contiguous memory of ``out`` are read straight
+    into it; others go through one temporary the size of the piece."""
+    assert item.dtype is not None and item.shape is not None
+    target = box or Box.whole(item.shape)
+    if out is None:
+        out = np.empty(target.sizes, dtype=carrier(item.dtype))
+    elif out.shape != target.sizes:
+        out = out.reshape(target.sizes)
+    for piece in item.pieces:
+        if piece.replica != 0:
+            continue
+        parts = regions(piece)
+        if piece.flat is None:
+            common = intersect(piece.box, target)
+            if common is None:
+                continue
+            if common == piece.box:
+                view = out[piece.box.slices(relative_to=target)] if target.ndim else out
+                if view.flags.c_contiguous:
+                    reader.read(piece, item, out=view)
+                    continue
+            values = reader.read(piece, item)
+            out[common.slices(relative_to=target)] = values[common.slices(relative_to=piece.box)]
+            continue
+        if not any(intersect(b, target) for b in parts):
+            continue
+        flat = reader.read(piece, item).reshape(-1)
+        pos = 0
+        for region in parts:
+            chunk = flat[pos : pos + region.volume].reshape(region.sizes)
+            pos += region.volume
+            common = intersect(region, target)
+            if common is not None:
+                out[common.slices(relative_to=target)] = chunk[common.slices(relative_to=region)]
+    return out

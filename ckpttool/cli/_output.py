@@ -1,0 +1,106 @@
+"""The one output sink: data on stdout (human tables or JSON), everything else on stderr."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+
+class Output:
+    def __init__(self, *, json_mode: bool = False, quiet: bool = False) -> None:
+        self.json_mode = json_mode
+        self.quiet = quiet
+        self.out = Console(highlight=False, soft_wrap=False)
+        self.err = Console(stderr=True, highlight=False)
+
+    # -- data (stdout) --------------------------------------------------------------------------
+
+    def json(self, payload: Any) -> None:
+        sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
+        sys.stdout.flush()
+
+    def line(self, text: str) -> None:
+        """A line of human data output (rich markup allowed)."""
+        if not self.json_mode:
+            self.out.print(text)
+
+    def table(
+        self,
+        columns: Sequence[str],
+        rows: Sequence[Sequence[Any]],
+        *,
+        title: str | None = None,
+        empty: str = "No items.",
+        right: Sequence[str] = (),
+        squeeze: str | None = None,
+    ) -> None:
+        """A table; cells never wrap. ``squeeze`` names the one column cut short (with an ellipsis)
+        when the terminal is too narrow."""
+        if self.json_mode:
+            return
+        if not rows:
+            self.out.print(empty)
+            return
+        table = Table(title=title, title_justify="left", box=None, header_style="bold", pad_edge=False)
+        for col in columns:
+            table.add_column(
+                col,
+                justify="right" if col in right else "left",
+                no_wrap=True,
+                overflow="ellipsis",
+                ratio=1 if col == squeeze else None,
+            )
+        for row in rows:
+            table.add_row(*(escape(str(c)) for c in row))
+        self.out.print(table)
+
+    # -- diagnostics (stderr) -------------------------------------------------------------------
+
+    def note(self, text: str) -> None:
+        if not self.quiet:
+            self.err.print(text)
+
+    def warning(self, text: str) -> None:
+        self.err.print(f"[yellow]warning:[/yellow] {escape(text)}")
+
+    def error(self, text: str, hint: str | None = None) -> None:
+        self.err.print(f"[red]error:[/red] {escape(text)}", soft_wrap=True)
+        if hint:
+            self.err.print(f"[dim]hint:[/dim] {escape(hint)}", soft_wrap=True)
+
+    @contextmanager
+    def progress(self, description: str, total: int) -> Iterator[Any]:
+        """A byte progress bar on stderr, only on a terminal and outside quiet/JSON modes; yields
+        an ``advance(n)`` callable."""
+        show = self.err.is_terminal and not self.quiet and not os.environ.get("CI")
+        if not show:
+            yield lambda n: None
+            return
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=self.err,
+            transient=True,
+        ) as bar:
+            task = bar.add_task(description, total=total)
+            yield lambda n: bar.advance(task, n)

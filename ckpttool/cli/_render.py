@@ -1,0 +1,69 @@
+"""Human renderings of library results (JSON renderings live with the results)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.filesize import decimal
+from rich.markup import escape
+
+from ckpttool.cli._output import Output
+from ckpttool.inspect import InspectReport
+from ckpttool.manifest import Item
+from ckpttool.values import describe_value
+
+
+def _shape(item: Item) -> str:
+    return "×".join(str(s) for s in item.shape) if item.shape else ("scalar" if item.shape == () else "-")
+
+
+def inspect_report(out: Output, report: InspectReport) -> None:
+    m = report.manifest
+    layout = (
+        ", ".join(
+            f"{k}={v}"
+            for k in ("world_size", "tp", "pp", "dp", "ep", "vpp", "zero_stage")
+            if (v := getattr(m.layout, k)) is not None
+        )
+        or "unknown"
+    )
+    out.line(
+        f"[bold]{escape(m.format)}[/bold] checkpoint  {escape(report.path)}"
+        + (f"  (format version {escape(m.format_version)})" if m.format_version else "")
+    )
+    out.line(f"step: {m.step if m.step is not None else 'unknown'}   layout: {layout}")
+    out.line(
+        f"files: {len(m.files)} ({decimal(report.file_bytes)})   items: {len(m.items)} "
+        f"({decimal(report.nbytes)} of values)"
+    )
+    if variant := m.extras.get("variant"):
+        out.line(f"variant: {escape(str(variant))}")
+    out.line("")
+    out.table(
+        ["KIND", "ITEMS", "BYTES"],
+        [(k, t.items, decimal(t.nbytes)) for k, t in report.by_kind.items()],
+        right=("ITEMS", "BYTES"),
+    )
+    out.line("")
+    out.table(
+        ["DTYPE", "ITEMS", "BYTES"],
+        [(k, t.items, decimal(t.nbytes)) for k, t in report.by_dtype.items()],
+        right=("ITEMS", "BYTES"),
+    )
+    out.line("")
+    if report.missing_state:
+        out.line(f"[yellow]missing training state:[/yellow] {', '.join(report.missing_state)}")
+    else:
+        out.line("training state: optimizer, rng, dataloader, scheduler and step all present")
+    for item in report.unloadable:
+        out.line(f"[red]unloadable:[/red] {escape(item.name)}: {escape(item.error or '')}")
+
+
+def item_table(out: Output, items: Sequence[Item]) -> None:
+    rows = []
+    for i in items:
+        value = "" if i.is_tensor else (f"! {i.error}" if i.error else i.summary or describe_value(i.value))
+        rows.append((i.name, i.kind, i.dtype or "object", _shape(i), len(i.pieces), decimal(i.nbytes), value))
+    out.table(
+        ["NAME", "KIND", "DTYPE", "SHAPE", "PIECES", "BYTES", "VALUE"], rows, right=("PIECES", "BYTES"), squeeze="VALUE"
+    )

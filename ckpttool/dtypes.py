@@ -1,0 +1,86 @@
+"""The dtypes ckpttool knows, under every spelling the formats use.
+
+Our canonical name is torch's (``float32``, ``bfloat16``, ...). Tensor bytes are handled as numpy
+arrays of a same-width *carrier* dtype: exact bit patterns move through numpy even for dtypes it
+lacks (bfloat16 travels as uint16, float8 as uint8), so nothing here needs torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class DType:
+    name: str
+    """torch's name: ``float32``, ``bfloat16``, ..."""
+    itemsize: int
+    safetensors: str | None
+    """the safetensors header code, e.g. ``F32``; None where safetensors has none"""
+    numpy: str
+    """the numpy dtype with the same bytes (a same-width carrier for dtypes numpy lacks)"""
+    exact_numpy: bool
+    """whether ``numpy`` is the real type (so values can be computed with), not only a carrier"""
+    storage_class: str | None
+    """torch's legacy typed-storage class name in pickles (``FloatStorage``), if any"""
+
+    @property
+    def is_floating(self) -> bool:
+        return self.name.startswith(("float", "bfloat")) or self.name in ("half", "double")
+
+
+_TABLE = [
+    DType("float64", 8, "F64", "<f8", True, "DoubleStorage"),
+    DType("float32", 4, "F32", "<f4", True, "FloatStorage"),
+    DType("float16", 2, "F16", "<f2", True, "HalfStorage"),
+    DType("bfloat16", 2, "BF16", "<u2", False, "BFloat16Storage"),
+    DType("int64", 8, "I64", "<i8", True, "LongStorage"),
+    DType("int32", 4, "I32", "<i4", True, "IntStorage"),
+    DType("int16", 2, "I16", "<i2", True, "ShortStorage"),
+    DType("int8", 1, "I8", "i1", True, "CharStorage"),
+    DType("uint8", 1, "U8", "u1", True, "ByteStorage"),
+    DType("uint16", 2, "U16", "<u2", True, None),
+    DType("uint32", 4, "U32", "<u4", True, None),
+    DType("uint64", 8, "U64", "<u8", True, None),
+    DType("bool", 1, "BOOL", "?", True, "BoolStorage"),
+    DType("complex64", 8, "C64", "<c8", True, "ComplexFloatStorage"),
+    DType("complex128", 16, None, "<c16", True, "ComplexDoubleStorage"),
+    DType("float8_e4m3fn", 1, "F8_E4M3", "u1", False, None),
+    DType("float8_e5m2", 1, "F8_E5M2", "u1", False, None),
+    DType("float8_e4m3fnuz", 1, None, "u1", False, None),
+    DType("float8_e5m2fnuz", 1, None, "u1", False, None),
+    DType("float8_e8m0fnu", 1, "F8_E8M0", "u1", False, None),
+]
+
+BY_NAME: dict[str, DType] = {d.name: d for d in _TABLE}
+# torch's aliases as they appear in pickles (torch.float is pickled as "float32", but old code and
+# users write the short names).
+for _alias, _name in {
+    "float": "float32",
+    "double": "float64",
+    "half": "float16",
+    "long": "int64",
+    "int": "int32",
+    "short": "int16",
+    "cfloat": "complex64",
+    "cdouble": "complex128",
+}.items():
+    BY_NAME[_alias] = BY_NAME[_name]
+BY_SAFETENSORS: dict[str, DType] = {d.safetensors: d for d in _TABLE if d.safetensors}
+BY_STORAGE_CLASS: dict[str, DType] = {d.storage_class: d for d in _TABLE if d.storage_class}
+
+
+def dtype(name: str) -> DType:
+    """Look a dtype up by torch name (``float32`` or ``torch.float32``)."""
+    key = name.removeprefix("torch.")
+    try:
+        return BY_NAME[key]
+    except KeyError:
+        raise KeyError(f"unknown dtype {name!r}") from None
+
+
+def carrier(name: str) -> np.dtype:
+    """The numpy dtype that carries this dtype's bytes unchanged."""
+    return np.dtype(dtype(name).numpy)

@@ -1,0 +1,72 @@
+"""Exceptions that reach the user.
+
+Every user-facing failure is a :class:`CkptError`: one line that names the object, says what was
+expected and what was found, plus a hint with the next step. The CLI maps them to exit codes once,
+in ``ckpttool.cli``; the library never prints.
+"""
+
+from __future__ import annotations
+
+
+class CkptError(Exception):
+    """A checkpoint could not be evaluated (exit 3)."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, *, hint: str | None = None, path: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.path = path
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class NotFoundError(CkptError):
+    """The path given does not exist or is not readable."""
+
+
+class FormatNotRecognizedError(CkptError):
+    """No adapter recognised the directory; ``reasons`` holds each adapter's answer."""
+
+    def __init__(self, path: str, reasons: dict[str, str]) -> None:
+        lines = "; ".join(f"{name}: {why}" for name, why in reasons.items())
+        super().__init__(
+            f"{path}: not a checkpoint format ckpttool reads ({lines})",
+            hint="point ckpttool at the checkpoint directory itself (the one holding the metadata file)",
+            path=path,
+        )
+        self.reasons = reasons
+
+
+class UnsafePickleError(CkptError):
+    """A pickle referenced a global outside the format's allowlist; nothing was executed."""
+
+    def __init__(self, file: str, global_name: str, *, what: str = "pickle") -> None:
+        super().__init__(
+            f"{file}: {what} refers to {global_name}, which is not allowed in this format; refused without running it",
+            hint="the file may be hostile or written by a tool ckpttool does not know; "
+            "do not load it with torch.load(weights_only=False) or pickle.load",
+            path=file,
+        )
+        self.file = file
+        self.global_name = global_name
+
+
+class CorruptFileError(CkptError):
+    """A file's bytes do not match what the metadata or the container format promises."""
+
+
+class IncompleteCheckpointError(CkptError):
+    """The checkpoint was never finished (interrupted save, missing metadata or rank files)."""
+
+
+class PathEscapeError(CkptError):
+    """A path taken from metadata points outside the checkpoint root."""
+
+
+class UsageError(CkptError):
+    """The request itself is wrong (bad option values, output exists, ...): exit 2."""
+
+    exit_code = 2

@@ -1,0 +1,103 @@
+"""``export``: the full logical tensors of a checkpoint as one safetensors file.
+
+Tensors are assembled one at a time into a single reusable buffer the size of the largest one and
+streamed into a temporary file published by rename, so memory is bounded by the largest tensor
+whatever the checkpoint size, and the output appears complete or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ckpttool import registry
+from ckpttool.assemble import assemble, check_coverage
+from ckpttool.dtypes import dtype as lookup_dtype
+from ckpttool.errors import UsageError
+from ckpttool.io import atomic_output
+from ckpttool.manifest import KINDS, Item
+
+_ALIGN = 8
+
+
+@dataclass(slots=True, kw_only=True)
+class ExportResult:
+    output: str
+    written: list[Item] = field(default_factory=list)
+    skipped: list[tuple[Item, str]] = field(default_factory=list)
+    """items not written, with the reason (non-tensor values, dtypes safetensors cannot hold)"""
+    nbytes: int = 0
+
+
+def select(items: list[Item], *, kind: str = "all", pattern: str | None = None) -> list[Item]:
+    if kind != "all" and kind not in KINDS:
+        raise UsageError(f"--kind {kind!r}: expected one of all, {', '.join(KINDS)}")
+    rx = re.compile(pattern) if pattern else None
+    return [i for i in items if (kind == "all" or i.kind == kind) and (rx is None or rx.search(i.name))]
+
+
+def export(
+    path: str | Path,
+    output: str | Path,
+    *,
+    kind: str = "all",
+    pattern: str | None = None,
+    force: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> ExportResult:
+    """Write the selected tensors of the checkpoint at ``path`` to ``output`` (safetensors)."""
+    out_path = Path(output)
+    if out_path.exists() and not force:
+        raise UsageError(f"{out_path} exists", hint="choose another -o path or pass --force to replace it")
+    if out_path.is_dir():
+        raise UsageError(f"{out_path} is a directory; -o takes a file name such as model.safetensors")
+    adapter, manifest = registry.describe(path)
+    result = ExportResult(output=str(out_path))
+    for item in select(list(manifest.items.values()), kind=kind, pattern=pattern):
+        if not item.is_tensor:
+            result.skipped.append((item, "not a tensor"))
+        elif lookup_dtype(item.dtype or "").safetensors is None:
+            result.skipped.append((item, f"safetensors has no {item.dtype} dtype"))
+        else:
+            check_coverage(item)
+            result.written.append(item)
+
+    header: dict[str, object] = {"__metadata__": {"format": "pt", "ckpttool.source_format": manifest.format}}
+    offset = 0
+    for item in result.written:
+        assert item.dtype is not None and item.shape is not None
+        n = _nbytes(item)
+        header[item.name] = {
+            "dtype": lookup_dtype(item.dtype).safetensors,
+            "shape": list(item.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % _ALIGN)
+    largest = max((_nbytes(i) for i in result.written), default=0)
+    buffer = np.empty(largest, dtype=np.uint8)
+    with adapter.reader(manifest) as reader, atomic_output(out_path) as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for item in result.written:
+            assert item.dtype is not None and item.shape is not None
+            n = _nbytes(item)
+            view = buffer[:n].view(lookup_dtype(item.dtype).numpy).reshape(item.shape)
+            assemble(reader, item, out=view)
+            f.write(memoryview(buffer[:n]))
+            result.nbytes += n
+            if progress is not None:
+                progress(n)
+    return result
+
+
+def _nbytes(item: Item) -> int:
+    assert item.dtype is not None and item.shape is not None
+    return math.prod(item.shape) * lookup_dtype(item.dtype).itemsize

@@ -1,0 +1,108 @@
+"""``inspect`` and ``ls``: what a checkpoint holds, from metadata alone."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpttool import registry
+from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, StateName
+
+
+@dataclass(frozen=True, slots=True)
+class Tally:
+    items: int = 0
+    nbytes: int = 0
+
+
+@dataclass(slots=True, kw_only=True)
+class InspectReport:
+    path: str
+    manifest: Manifest
+    by_kind: dict[str, Tally] = field(default_factory=dict)
+    by_dtype: dict[str, Tally] = field(default_factory=dict)
+    missing_state: list[StateName] = field(default_factory=list)
+    unloadable: list[Item] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.by_kind.values())
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(f.size for f in self.manifest.files)
+
+    def to_json(self) -> dict[str, Any]:
+        m = self.manifest
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "path": self.path,
+            "format": m.format,
+            "format_version": m.format_version,
+            "step": m.step,
+            "layout": asdict(m.layout),
+            "files": {"count": len(m.files), "bytes": self.file_bytes, "by_role": _count(f.role for f in m.files)},
+            "nbytes": self.nbytes,
+            "by_kind": {k: asdict(t) for k, t in self.by_kind.items()},
+            "by_dtype": {k: asdict(t) for k, t in self.by_dtype.items()},
+            "missing_state": list(self.missing_state),
+            "items": [item_row(i) for i in m.items.values()],
+            "unloadable": [{"name": i.name, "error": i.error} for i in self.unloadable],
+            "extras": m.extras,
+        }
+
+
+def _count(values: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+def item_row(item: Item) -> dict[str, Any]:
+    """One item as ``ls``/``inspect --json`` show it."""
+    row: dict[str, Any] = {
+        "name": item.name,
+        "kind": item.kind,
+        "dtype": item.dtype,
+        "shape": list(item.shape) if item.shape is not None else None,
+        "nbytes": item.nbytes,
+        "pieces": len(item.pieces),
+    }
+    if not item.is_tensor:
+        row["value"] = item.value
+    if item.error:
+        row["error"] = item.error
+    return row
+
+
+def inspect(path: str | Path) -> InspectReport:
+    """Detect the format and summarise the checkpoint; reads metadata, never tensor data."""
+    _, manifest = registry.describe(path)
+    by_kind: dict[str, Tally] = {}
+    by_dtype: dict[str, Tally] = {}
+    for item in manifest.items.values():
+        n = item.nbytes
+        t = by_kind.get(item.kind, Tally())
+        by_kind[item.kind] = Tally(t.items + 1, t.nbytes + n)
+        key = item.dtype or "object"
+        t = by_dtype.get(key, Tally())
+        by_dtype[key] = Tally(t.items + 1, t.nbytes + n)
+    return InspectReport(
+        path=str(path),
+        manifest=manifest,
+        by_kind=by_kind,
+        by_dtype=by_dtype,
+        missing_state=manifest.missing_state(),
+        unloadable=[i for i in manifest.items.values() if i.error],
+    )
+
+
+def ls(path: str | Path, pattern: str | None = None) -> tuple[Manifest, list[Item]]:
+    """The items of a checkpoint, optionally those whose name matches ``pattern`` (re.search)."""
+    _, manifest = registry.describe(path)
+    rx = re.compile(pattern) if pattern else None
+    items = [i for i in manifest.items.values() if rx is None or rx.search(i.name)]
+    return manifest, items

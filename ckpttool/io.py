@@ -1,0 +1,191 @@
+"""File access: confined paths, positional reads, atomic publication.
+
+Every byte ckpttool reads from a checkpoint goes through :func:`pread` (tests count them there),
+and every output is published by one rename of a fully written and fsync'd temporary sibling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from ckpttool.errors import CorruptFileError, NotFoundError, PathEscapeError
+
+TMP_MARKER = ".ckpttool-tmp-"
+
+
+def pread(fd: int, length: int, offset: int) -> bytes:
+    """Read ``length`` bytes at ``offset``; the one place checkpoint bytes are read."""
+    return os.pread(fd, length, offset)
+
+
+def preadinto(fd: int, buf: memoryview, offset: int) -> int:
+    """Fill ``buf`` from ``offset``; returns the bytes read (short only at end of file)."""
+    done = 0
+    total = len(buf)
+    while done < total:
+        chunk = pread(fd, min(total - done, 1 << 26), offset + done)
+        if not chunk:
+            break
+        buf[done : done + len(chunk)] = chunk
+        done += len(chunk)
+    return done
+
+
+class RandomAccessFile:
+    """An open checkpoint file read by offset; closes on exit."""
+
+    def __init__(self, path: str | os.PathLike[str], display: str | None = None) -> None:
+        self.path = os.fspath(path)
+        self.display = display or self.path
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise NotFoundError(f"{self.display}: file not found", path=self.display) from None
+        except OSError as exc:
+            raise NotFoundError(f"{self.display}: cannot open ({exc.strerror})", path=self.display) from None
+        self.size = os.fstat(self.fd).st_size
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Exactly ``length`` bytes at ``offset``, or a CorruptFileError naming the shortfall."""
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise CorruptFileError(
+                f"{self.display} is {self.size:,} bytes but the checkpoint needs bytes "
+                f"{offset:,}..{offset + length:,}: the file was cut short (copy or save interrupted?)",
+                hint="restore the file from its source, or run 'ckpttool verify' to list every damaged file",
+                path=self.display,
+            )
+        data = pread(self.fd, length, offset)
+        if len(data) != length:
+            raise CorruptFileError(f"{self.display}: short read at {offset:,}", path=self.display)
+        return data
+
+    def read_into(self, offset: int, buf: memoryview) -> None:
+        if offset < 0 or offset + len(buf) > self.size:
+            self.read(offset, len(buf))  # raises the truncation message
+        if preadinto(self.fd, buf, offset) != len(buf):
+            raise CorruptFileError(f"{self.display}: short read at {offset:,}", path=self.display)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> RandomAccessFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class FileCache:
+    """Keeps files open across many piece reads; one per command run."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = os.fspath(root)
+        self._open: dict[str, RandomAccessFile] = {}
+
+    def get(self, rel: str) -> RandomAccessFile:
+        f = self._open.get(rel)
+        if f is None:
+            f = RandomAccessFile(confine(self.root, rel), display=rel)
+            self._open[rel] = f
+        return f
+
+    def close(self) -> None:
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
+
+    def __enter__(self) -> FileCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def confine(root: str | os.PathLike[str], rel: str) -> str:
+    """The absolute path of ``rel`` under ``root``; refuses absolute paths, ``..`` and symlinks
+    that lead outside the root."""
+    root_s = os.fspath(root)
+    if not rel or os.path.isabs(rel) or rel.startswith(("/", "\\")) or "\x00" in rel:
+        raise PathEscapeError(
+            f"{rel!r}: the checkpoint metadata names a path outside the checkpoint directory",
+            hint="the metadata is damaged or hostile; ckpttool only reads files below the checkpoint root",
+            path=rel,
+        )
+    parts = rel.replace("\\", "/").split("/")
+    if ".." in parts:
+        raise PathEscapeError(
+            f"{rel!r}: the checkpoint metadata names a path outside the checkpoint directory",
+            hint="the metadata is damaged or hostile; ckpttool only reads files below the checkpoint root",
+            path=rel,
+        )
+    full = os.path.join(root_s, *parts)
+    real_root = os.path.realpath(root_s)
+    real = os.path.realpath(full)
+    if real != real_root and not real.startswith(real_root + os.sep):
+        raise PathEscapeError(
+            f"{rel!r} is a link to {real}, outside the checkpoint directory {real_root}",
+            hint="copy the data into the checkpoint directory instead of linking to it",
+            path=rel,
+        )
+    return full
+
+
+def list_files(root: str | os.PathLike[str]) -> list[tuple[str, int]]:
+    """Every regular file below ``root`` as ``(relative posix path, size)``, sorted.
+
+    Symbolic links are listed (with their target's size) only when they stay inside the root.
+    """
+    root_s = os.fspath(root)
+    out: list[tuple[str, int]] = []
+    for dirpath, dirnames, filenames in os.walk(root_s):
+        dirnames.sort()
+        for name in filenames:
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, root_s).replace(os.sep, "/")
+            try:
+                st = os.stat(full)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                out.append((rel, st.st_size))
+    out.sort()
+    return out
+
+
+@contextlib.contextmanager
+def atomic_output(dest: str | os.PathLike[str]) -> Iterator[BinaryIO]:
+    """Write a file that appears at ``dest`` complete or not at all.
+
+    Yields a binary file in the destination's directory; on success it is flushed, fsync'd and
+    renamed over ``dest`` and the directory fsync'd. On any error the temporary file is removed.
+    """
+    dest_p = Path(dest)
+    parent = dest_p.parent if str(dest_p.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest_p.name}{TMP_MARKER}", dir=parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest_p)
+        fsync_dir(parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    fd = os.open(os.fspath(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,165 @@
+"""The common manifest: what a checkpoint holds and where every byte of it lives.
+
+Adapters (``ckpttool.formats.*``) build a :class:`Manifest` from a directory; every command works
+on manifests only. The records are plain slotted dataclasses (cheap to build by the hundred
+thousand); pydantic is used only at the JSON boundary, to dump, to validate what is read back and
+to generate ``docs/manifest.schema.json``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ckpttool.geometry import Box
+
+SCHEMA_VERSION = 1
+
+Kind = Literal["param", "master", "optim", "rng", "dataloader", "scheduler", "counter", "object"]
+KINDS: tuple[Kind, ...] = ("param", "master", "optim", "rng", "dataloader", "scheduler", "counter", "object")
+
+StateName = Literal["optimizer", "rng", "dataloader", "scheduler", "step"]
+FileRole = Literal["metadata", "data", "tracker", "aux", "seal"]
+
+
+@dataclass(slots=True, kw_only=True)
+class Piece:
+    """One stored part of an item."""
+
+    file: str
+    """path of the file holding the bytes, relative to the checkpoint root"""
+    locator: dict[str, Any]
+    """where inside ``file``: format specific (byte range, zip member, tensor name, key path)"""
+    box: Box
+    """the region of the logical tensor this piece holds (``((), ())`` for 0-d and objects)"""
+    flat: tuple[int, int] | None = None
+    """``(start, length)``: the piece holds only these elements of ``box`` flattened in C order"""
+    replica: int = 0
+    """0 for the first copy of a box, 1.. for further copies written by other ranks"""
+    rank: int | None = None
+    """the rank that wrote the piece, where the format says"""
+    nbytes: int = 0
+    """bytes of the piece's values (uncompressed)"""
+    checksum: str | None = None
+    """xxh3-128 of the piece's value bytes in C order, when known"""
+
+    @property
+    def numel(self) -> int:
+        return self.flat[1] if self.flat is not None else self.box.volume
+
+
+@dataclass(slots=True, kw_only=True)
+class Item:
+    """A named logical value: a whole tensor, or a non-tensor object."""
+
+    name: str
+    """the checkpoint's own fully-qualified name, e.g. ``model.fc1.weight``"""
+    kind: Kind
+    dtype: str | None = None
+    """torch dtype name of the logical tensor; None for objects"""
+    shape: tuple[int, ...] | None = None
+    """global shape of the logical tensor; None for objects"""
+    pieces: list[Piece] = field(default_factory=list)
+    value: Any = None
+    """a small plain value (int, float, str, bool, short list) read from metadata, for display"""
+    summary: str | None = None
+    """for a value too large to keep in ``value``: its type and length, e.g. ``tuple of 3``"""
+    error: str | None = None
+    """why the item cannot be loaded (e.g. an unsafe pickle), when it cannot"""
+    claims: dict[str, int] = field(default_factory=dict)
+    """step/iteration values found for this item inside its files, keyed by file"""
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.dtype is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the logical value: one copy, replicas excluded."""
+        return sum(p.nbytes for p in self.pieces if p.replica == 0)
+
+
+@dataclass(slots=True, kw_only=True)
+class Layout:
+    """The parallel layout the writer used, as far as the format records it."""
+
+    world_size: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    ep: int | None = None
+    vpp: int | None = None
+    zero_stage: int | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class FileRecord:
+    path: str
+    """relative to the checkpoint root, '/'-separated"""
+    size: int
+    role: FileRole
+    ranks: list[int] = field(default_factory=list)
+    checksum: str | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class Manifest:
+    root: str
+    format: str
+    format_version: str | None = None
+    step: int | None = None
+    layout: Layout = field(default_factory=Layout)
+    files: list[FileRecord] = field(default_factory=list)
+    items: dict[str, Item] = field(default_factory=dict)
+    """in checkpoint order"""
+    extras: dict[str, Any] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    def add(self, item: Item) -> Item:
+        if item.name in self.items:
+            raise ValueError(f"duplicate item {item.name!r}")
+        self.items[item.name] = item
+        return item
+
+    def missing_state(self) -> list[StateName]:
+        """Training state a resume would need and this checkpoint does not hold."""
+        kinds = {item.kind for item in self.items.values()}
+        missing: list[StateName] = []
+        if "optim" not in kinds:
+            missing.append("optimizer")
+        for kind, state in (("rng", "rng"), ("dataloader", "dataloader"), ("scheduler", "scheduler")):
+            if kind not in kinds:
+                missing.append(state)  # type: ignore[arg-type]
+        if self.step is None:
+            missing.append("step")
+        return missing
+
+    def file(self, path: str) -> FileRecord:
+        for f in self.files:
+            if f.path == path:
+                return f
+        raise KeyError(path)
+
+    # -- JSON boundary -------------------------------------------------------------------------
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return _adapter().dump_python(self, mode="json")  # type: ignore[no-any-return]
+
+    @classmethod
+    def from_json_dict(cls, data: dict[str, Any]) -> Manifest:
+        manifest: Manifest = _adapter().validate_python(data)
+        return manifest
+
+
+def _adapter() -> Any:
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(Manifest)
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON schema of a serialised manifest (written to ``docs/manifest.schema.json``)."""
+    schema: dict[str, Any] = _adapter().json_schema(mode="serialization")
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "ckpttool manifest"
+    return schema

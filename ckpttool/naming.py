@@ -1,0 +1,50 @@
+"""Item names: what kind of state a name holds, and the one canonical spelling used to match
+names across checkpoints (diff, verify and reshard all go through :func:`canonical`)."""
+
+from __future__ import annotations
+
+import re
+
+from ckpttool.manifest import Kind
+
+_OPTIM_ROOTS = {"optim", "optimizer", "optimizers", "optim_state", "optimizer_state", "optimizer_states", "opt"}
+_MODEL_ROOTS = {"model", "models", "module", "state_dict", "model_state_dict", "params", "weights", "ema"}
+_RNG = re.compile(r"(^|_)(rng|rngs|random|generator|rng_state|rng_states|cuda_rng|np_rng|py_rng)($|_)", re.I)
+_DATA = re.compile(
+    r"(^|_)(dataloader|data_loader|dataloaders|sampler|train_loader|data_state|dataset_state)($|_)", re.I
+)
+_SCHED = re.compile(r"(^|_)(scheduler|lr_scheduler|schedulers|sched|opt_param_scheduler)($|_)", re.I)
+COUNTER_NAMES = ("step", "global_step", "global_steps", "iteration", "iter_num", "epoch", "train_state.step")
+STEP_NAMES = ("step", "iteration", "global_step", "global_steps", "train_state.step", "iter_num")
+"""Top-level entries whose value is the training step, most specific first."""
+
+_PREFIXES = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def classify(name: str, *, is_tensor: bool) -> Kind:
+    """The kind of state an item name holds, from its path segments."""
+    segments = name.split(".")
+    root = segments[0].lower()
+    if root in _OPTIM_ROOTS:
+        return "optim"
+    if root not in _MODEL_ROOTS:
+        for seg in segments:
+            if _RNG.search(seg):
+                return "rng"
+            if _DATA.search(seg):
+                return "dataloader"
+            if _SCHED.search(seg):
+                return "scheduler"
+        if name in COUNTER_NAMES or (len(segments) <= 2 and segments[-1] in COUNTER_NAMES):
+            return "counter"
+    return "param" if is_tensor else "object"
+
+
+def canonical(name: str) -> str:
+    """The spelling of a parameter name that wrappers do not change: drops ``module.``,
+    ``_orig_mod.`` (torch.compile), ``_checkpoint_wrapped_module.`` and FSDP1 wrapper segments
+    wherever they occur."""
+    out = name
+    for prefix in _PREFIXES:
+        out = out.replace(prefix, "")
+    return out

@@ -1,0 +1,53 @@
+"""Finding the adapter for a path.
+
+First-party adapters come from ``ckpttool.formats``; others register under the entry-point group
+``ckpttool.formats`` (each entry point names an object following the adapter protocol). Adapters
+are tried in order; when none matches, the error carries every adapter's reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from ckpttool.errors import FormatNotRecognizedError, NotFoundError
+from ckpttool.formats.base import Adapter
+from ckpttool.manifest import Manifest
+
+_FIRST_PARTY = ("dcp", "safetensors", "torchsave")
+
+
+def adapters() -> list[Adapter]:
+    """Every known adapter, first-party ones first, in detection order."""
+    found: list[Adapter] = [importlib.import_module(f"ckpttool.formats.{m}").ADAPTER for m in _FIRST_PARTY]
+    for ep in entry_points(group="ckpttool.formats"):
+        found.append(ep.load())
+    return found
+
+
+def detect(path: str | Path) -> Adapter:
+    """The adapter that recognises ``path``; FormatNotRecognizedError lists every reason if none."""
+    p = Path(path)
+    if not p.exists():
+        raise NotFoundError(f"{p}: no such file or directory", hint="check the path", path=str(p))
+    reasons: dict[str, str] = {}
+    for adapter in adapters():
+        verdict = adapter.detect(p)
+        if verdict.matches:
+            return adapter
+        reasons[adapter.name] = verdict.reason
+    raise FormatNotRecognizedError(str(p), reasons)
+
+
+def adapter_named(name: str) -> Adapter:
+    for adapter in adapters():
+        if adapter.name == name:
+            return adapter
+    raise KeyError(name)
+
+
+def describe(path: str | Path) -> tuple[Adapter, Manifest]:
+    """Detect the format of ``path`` and build its manifest from metadata."""
+    adapter = detect(path)
+    return adapter, adapter.describe(Path(path))

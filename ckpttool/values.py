@@ -1,0 +1,85 @@
+"""Helpers for the non-tensor values found in checkpoints."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ckpttool.manifest import Item
+from ckpttool.naming import STEP_NAMES
+
+_MAX_ELEMENTS = 16
+
+
+def plain_value(value: Any) -> Any:
+    """``value`` if it is small and JSON-plain (for display in ``inspect``/``ls``), else None."""
+    if value is None or isinstance(value, bool | int | str):
+        return value if not isinstance(value, str) or len(value) <= 200 else None
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, list | tuple) and len(value) <= _MAX_ELEMENTS:
+        inner = [plain_value(v) for v in value]
+        if all(i is not None or v is None for i, v in zip(inner, value, strict=True)):
+            return inner
+    if isinstance(value, dict) and len(value) <= _MAX_ELEMENTS and all(isinstance(k, str) for k in value):
+        inner_d = {k: plain_value(v) for k, v in value.items()}
+        if all(inner_d[k] is not None or value[k] is None for k in value):
+            return inner_d
+    return None
+
+
+def describe_value(value: Any) -> str:
+    """A short text for any value: its plain form, or its type and size."""
+    p = plain_value(value)
+    if p is not None or value is None:
+        return repr(p)
+    if isinstance(value, list | tuple | dict | set):
+        return f"{type(value).__name__} of {len(value)}"
+    return type(value).__name__
+
+
+def set_value(item: Item, value: Any) -> None:
+    """Record a non-tensor value on its item: the value itself when small and plain, else a summary."""
+    item.value = plain_value(value)
+    if item.value is None and value is not None:
+        item.summary = describe_value(value)
+
+
+def find_step(items: dict[str, Item]) -> int | None:
+    """The training step a checkpoint claims: the first of the usual top-level entries that holds
+    an integer."""
+    for name in STEP_NAMES:
+        item = items.get(name)
+        if item is not None and isinstance(item.value, int) and not isinstance(item.value, bool):
+            return item.value
+    return None
+
+
+def flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """Leaves of a nested state dict under dotted names, as DCP flattens them: mappings and the
+    lists/tuples that hold mappings or tensors are walked into (keys and indices become name
+    segments); any other value, tensors included, is a leaf."""
+    out: list[tuple[str, Any]] = []
+    _flatten(obj, prefix, out)
+    return out
+
+
+def _is_container_leaf(value: Any) -> bool:
+    return not any(isinstance(v, dict | list | tuple) or _is_tensor(v) for v in value)
+
+
+def _is_tensor(value: Any) -> bool:
+    from ckpttool._unpickle import TensorRef
+
+    return isinstance(value, TensorRef)
+
+
+def _flatten(obj: Any, prefix: str, out: list[tuple[str, Any]]) -> None:
+    if isinstance(obj, dict) and obj:
+        for key, value in obj.items():
+            _flatten(value, f"{prefix}.{key}" if prefix else str(key), out)
+    elif isinstance(obj, list | tuple) and obj and not _is_container_leaf(obj):
+        for i, value in enumerate(obj):
+            _flatten(value, f"{prefix}.{i}" if prefix else str(i), out)
+    else:
+        out.append((prefix, obj))

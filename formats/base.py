@@ -1,0 +1,64 @@
+"""The adapter protocol every format module follows.
+
+An adapter answers three questions about a path: is it mine (:meth:`Adapter.detect`, with a reason
+either way), what does it hold (:meth:`Adapter.describe`, a :class:`~ckpttool.manifest.Manifest`
+built from metadata alone), and what are the bytes of one piece (:meth:`Adapter.reader`). Commands
+never look past this protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from ckpttool.io import FileCache
+from ckpttool.manifest import Item, Manifest, Piece
+
+
+@dataclass(frozen=True, slots=True)
+class Detection:
+    matches: bool
+    reason: str
+    """why it matches (what was seen) or why not (what was missing)"""
+
+
+class PieceReader:
+    """Reads piece values of one manifest; keeps files open until closed."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self.files = FileCache(manifest.root)
+
+    def read(self, piece: Piece, item: Item, out: np.ndarray | None = None) -> np.ndarray:
+        """The piece's values as a C-ordered numpy array in the item's carrier dtype, shaped like
+        ``piece.box.sizes`` (or 1-d of ``piece.flat[1]`` elements for a flat piece). With ``out``
+        (C-contiguous, right size) the values are written there and ``out`` is returned."""
+        raise NotImplementedError
+
+    def read_object(self, item: Item) -> Any:
+        """The value of a non-tensor item, through the format's restricted unpickler."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.files.close()
+
+    def __enter__(self) -> PieceReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@runtime_checkable
+class Adapter(Protocol):
+    name: str
+    """the format name shown in ``inspect --json`` (``dcp``, ``safetensors``, ...)"""
+
+    def detect(self, path: Path) -> Detection: ...
+
+    def describe(self, path: Path) -> Manifest: ...
+
+    def reader(self, manifest: Manifest) -> PieceReader: ...

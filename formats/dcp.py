@@ -1,0 +1,402 @@
+"""PyTorch Distributed Checkpoint (``torch.distributed.checkpoint``), read without torch.
+
+Layout (torch 2.13 ``FileSystemWriter``): a pickled ``.metadata`` and data files
+``__{rank}_{n}.distcp``, each a concatenation of ``torch.save`` archives, one per stored chunk
+(optionally zstd-framed). ``use_collectives=False`` saves write one ``__{rank}.metadata`` per rank
+and no global file; we merge them. The ``HuggingFaceStorageWriter`` variant (safetensors shards
+carrying ``DCP_SHARDING_INFO``) is read by :mod:`ckpttool.formats.safetensors`.
+
+``.metadata`` is unpickled with stub classes for exactly the globals DCP writes (the allowlist
+below); bytes items (non-tensor values) through the plain-value allowlist. Nothing else loads.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from ckpttool.formats.base import Detection, PieceReader
+
+from ckpttool import _torchzip, _unpickle
+from ckpttool.dtypes import BY_NAME
+from ckpttool.dtypes import dtype as lookup_dtype
+from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, UnsafePickleError
+from ckpttool.geometry import Box
+from ckpttool.io import RandomAccessFile, confine, list_files
+from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece
+from ckpttool.naming import classify
+from ckpttool.values import find_step, plain_value, set_value
+
+_GLOBAL_MD = ".metadata"
+_RANK_MD = re.compile(r"^__(\d+)\.metadata$")
+_DATA = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+_ZSTD = "stream.zstd/1"
+
+
+# -- stand-ins for the classes pickled in .metadata ------------------------------------------------
+
+
+class _Record:
+    """A dataclass instance from the pickle: attributes only, no behaviour."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.__dict__})"
+
+
+class _Metadata(_Record):
+    state_dict_metadata: dict[str, Any]
+    planner_data: Any = None
+    storage_data: Any = None
+    storage_meta: Any = None
+    version: str | None = None
+
+
+class _TensorStorageMetadata(_Record):
+    properties: Any
+    size: tuple[int, ...]
+    chunks: list[Any]
+
+
+class _BytesStorageMetadata(_Record):
+    pass
+
+
+class _ChunkStorageMetadata(_Record):
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+class _TensorProperties(_Record):
+    dtype: str = "float32"
+
+    def __setstate__(self, state: Any) -> None:
+        # pickled as (dtype, layout, requires_grad, memory_format encoding, pin_memory)
+        if isinstance(state, tuple) and len(state) == 5:
+            self.dtype = str(state[0])
+        elif isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            raise ValueError(f"unexpected TensorProperties state {state!r:.80}")
+
+
+class _StorageMeta(_Record):
+    checkpoint_id: Any = None
+    save_id: str | None = None
+    load_id: str | None = None
+    modules: list[str] = []  # noqa: RUF012 - class default, never mutated
+
+
+class _MetadataIndex(_Record):
+    fqn: str
+    offset: tuple[int, ...] | None = None
+    index: int | None = None
+
+
+class _StorageInfo(_Record):
+    relative_path: str
+    offset: int
+    length: int
+    transform_descriptors: list[str] | None = None
+
+
+def _path(*parts: Any) -> str:
+    return "/".join(str(p) for p in parts)
+
+
+def _mem_format(value: Any) -> int:
+    return int(value)
+
+
+_DCP = "torch.distributed.checkpoint.metadata"
+METADATA_ALLOWLIST: dict[tuple[str, str], Any] = {
+    **_unpickle.PLAIN,
+    (_DCP, "Metadata"): _Metadata,
+    (_DCP, "TensorStorageMetadata"): _TensorStorageMetadata,
+    (_DCP, "BytesStorageMetadata"): _BytesStorageMetadata,
+    (_DCP, "ChunkStorageMetadata"): _ChunkStorageMetadata,
+    (_DCP, "TensorProperties"): _TensorProperties,
+    (_DCP, "MetadataIndex"): _MetadataIndex,
+    (_DCP, "StorageMeta"): _StorageMeta,
+    (_DCP, "_MEM_FORMAT_ENCODING"): _mem_format,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch", "Size"): _unpickle.TORCH_TENSORS[("torch", "Size")],
+    ("torch.serialization", "_get_layout"): str,
+    ("pathlib", "PosixPath"): _path,
+    ("pathlib", "WindowsPath"): _path,
+    ("pathlib", "PurePosixPath"): _path,
+    ("pathlib", "PureWindowsPath"): _path,
+    ("pathlib._local", "PosixPath"): _path,
+    ("pathlib._local", "WindowsPath"): _path,
+    **{("torch", name): _unpickle.TorchDType(dt.name) for name, dt in BY_NAME.items()},
+}
+"""Every global a torch 2.x ``FileSystemWriter`` puts in ``.metadata`` (research/dcp.md §4)."""
+
+OBJECT_ALLOWLIST: dict[tuple[str, str], Any] = {**_unpickle.PLAIN, **_unpickle.TORCH_TENSORS}
+"""Globals allowed in bytes items: plain Python values (and tensors inside them)."""
+
+
+def _load_metadata(root: Path, name: str) -> _Metadata:
+    with RandomAccessFile(root / name, display=name) as f:
+        data = f.read(0, f.size)
+    md = _unpickle.loads(data, allow=METADATA_ALLOWLIST, source=name, what="DCP metadata pickle")
+    if not isinstance(md, _Metadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict):
+        raise CorruptFileError(
+            f"{name}: expected a pickled DCP Metadata, found {type(md).__name__}",
+            hint="the file is not DCP metadata, or it is damaged",
+            path=name,
+        )
+    if not isinstance(md.storage_data, dict):
+        raise CorruptFileError(
+            f"{name}: the metadata has no file-system storage index (storage_data is "
+            f"{type(md.storage_data).__name__}); it was written by a storage writer ckpttool does not read",
+            path=name,
+        )
+    return md
+
+
+class DcpAdapter:
+    name = "dcp"
+
+    def detect(self, path: Path) -> Detection:
+        if not path.is_dir():
+            return Detection(False, "not a directory")
+        names = set(os.listdir(path))
+        if _GLOBAL_MD in names:
+            return Detection(True, "found .metadata")
+        if any(_RANK_MD.match(n) for n in names):
+            return Detection(True, "found rank-local __<rank>.metadata files (use_collectives=False)")
+        if ".metadata.tmp" in names or any(_DATA.match(n) for n in names):
+            return Detection(True, "found DCP data files or .metadata.tmp but no .metadata (interrupted save)")
+        return Detection(False, "no .metadata, __<rank>.metadata or *.distcp file")
+
+    # -- manifest ----------------------------------------------------------------------------------
+
+    def describe(self, path: Path) -> Manifest:
+        listing = list_files(path)
+        names = {rel for rel, _ in listing}
+        rank_local = sorted((int(m.group(1)), rel) for rel in names if (m := _RANK_MD.match(rel)))
+        if _GLOBAL_MD in names:
+            sources = [(None, _GLOBAL_MD)]
+        elif rank_local:
+            sources = [(rank, rel) for rank, rel in rank_local]
+        else:
+            found = ".metadata.tmp" if ".metadata.tmp" in names else "data files only"
+            raise IncompleteCheckpointError(
+                f"{path}: DCP checkpoint without .metadata (found {found}): the save was interrupted "
+                "before rank 0 committed it",
+                hint="use the previous checkpoint; this one cannot be loaded by dcp.load either",
+                path=str(path),
+            )
+        manifest = Manifest(root=str(path), format=self.name)
+        sizes = dict(listing)
+        roles: dict[str, FileRecord] = {}
+        for rel, size in listing:
+            m = _DATA.match(rel)
+            if rel in (_GLOBAL_MD,) or _RANK_MD.match(rel):
+                roles[rel] = FileRecord(path=rel, size=size, role="metadata")
+            elif m:
+                roles[rel] = FileRecord(path=rel, size=size, role="data", ranks=[int(m.group(1))])
+            else:
+                roles[rel] = FileRecord(path=rel, size=size, role="aux")
+        versions: set[str] = set()
+        for rank, md_name in sources:
+            md = _load_metadata(path, md_name)
+            versions.add(str(getattr(md, "version", None)))
+            if rank is None:
+                self._extras(manifest, md)
+            self._add_items(manifest, md, md_name, rank, path, sizes)
+        manifest.files = list(roles.values())
+        manifest.format_version = "/".join(sorted(versions))
+        if rank_local:
+            manifest.extras["variant"] = "rank-local (use_collectives=False)"
+        data_ranks = {r for f in manifest.files if f.role == "data" for r in f.ranks}
+        ranks = data_ranks | {r for r, _ in rank_local}
+        manifest.layout = Layout(world_size=max(ranks) + 1 if ranks else None)
+        self._read_objects(manifest)
+        manifest.step = find_step(manifest.items)
+        return manifest
+
+    @staticmethod
+    def _extras(manifest: Manifest, md: _Metadata) -> None:
+        meta = getattr(md, "storage_meta", None)
+        if meta is not None:
+            manifest.extras["save_id"] = getattr(meta, "save_id", None)
+            manifest.extras["checkpoint_id"] = plain_value(getattr(meta, "checkpoint_id", None))
+            modules = getattr(meta, "modules", None)
+            if modules:
+                manifest.extras["modules"] = list(modules)
+
+    def _add_items(
+        self,
+        manifest: Manifest,
+        md: _Metadata,
+        md_name: str,
+        rank: int | None,
+        root: Path,
+        sizes: dict[str, int],
+    ) -> None:
+        storage: dict[tuple[str, tuple[int, ...] | None], _StorageInfo] = {}
+        for key, info in md.storage_data.items():
+            if not isinstance(key, _MetadataIndex) or not isinstance(info, _StorageInfo):
+                raise CorruptFileError(f"{md_name}: malformed storage index entry", path=md_name)
+            offset = getattr(key, "offset", None)
+            storage[(key.fqn, tuple(offset) if offset is not None else None)] = info
+        checked: set[str] = set()
+        for fqn, meta in md.state_dict_metadata.items():
+            if not isinstance(fqn, str):
+                raise CorruptFileError(f"{md_name}: item key {fqn!r:.60} is not a string", path=md_name)
+            if isinstance(meta, _TensorStorageMetadata):
+                dt = str(meta.properties.dtype)
+                if dt not in BY_NAME:
+                    raise CorruptFileError(f"{md_name}: {fqn} has unknown dtype {dt}", path=md_name)
+                shape = tuple(int(s) for s in meta.size)
+                item = manifest.items.get(fqn)
+                if item is None:
+                    item = manifest.add(Item(name=fqn, kind=classify(fqn, is_tensor=True), dtype=dt, shape=shape))
+                elif item.dtype != dt or item.shape != shape:
+                    raise CorruptFileError(
+                        f"{md_name}: {fqn} is {dt}{list(shape)} here but {item.dtype}{list(item.shape or ())} "
+                        "in another rank's metadata",
+                        path=md_name,
+                    )
+                itemsize = lookup_dtype(dt).itemsize
+                for chunk in meta.chunks:
+                    box = Box(tuple(int(o) for o in chunk.offsets), tuple(int(s) for s in chunk.sizes))
+                    if not box.within(shape):
+                        raise CorruptFileError(
+                            f"{md_name}: chunk {list(box.offsets)}+{list(box.sizes)} of {fqn} lies outside "
+                            f"its shape {list(shape)}",
+                            path=md_name,
+                        )
+                    info = self._storage(storage, fqn, box.offsets, md_name)
+                    piece = self._piece(info, box, rank, root, sizes, checked, md_name)
+                    piece.nbytes = box.volume * itemsize
+                    piece.replica = sum(1 for p in item.pieces if p.box == box)
+                    item.pieces.append(piece)
+            elif isinstance(meta, _BytesStorageMetadata):
+                item = manifest.items.get(fqn)
+                if item is None:
+                    item = manifest.add(Item(name=fqn, kind=classify(fqn, is_tensor=False)))
+                elif item.dtype is not None:
+                    raise CorruptFileError(f"{md_name}: {fqn} is a tensor in another rank's metadata", path=md_name)
+                info = self._storage(storage, fqn, None, md_name)
+                piece = self._piece(info, Box((), ()), rank, root, sizes, checked, md_name)
+                piece.replica = len(item.pieces)
+                item.pieces.append(piece)
+            else:
+                raise CorruptFileError(
+                    f"{md_name}: {fqn} has storage metadata of type {type(meta).__name__}", path=md_name
+                )
+
+    @staticmethod
+    def _storage(
+        storage: dict[tuple[str, tuple[int, ...] | None], _StorageInfo],
+        fqn: str,
+        offsets: tuple[int, ...] | None,
+        md_name: str,
+    ) -> _StorageInfo:
+        info = storage.get((fqn, offsets))
+        if info is None:
+            where = f" at offsets {list(offsets)}" if offsets is not None else ""
+            raise CorruptFileError(f"{md_name}: {fqn}{where} is listed but has no storage entry", path=md_name)
+        return info
+
+    @staticmethod
+    def _piece(
+        info: _StorageInfo,
+        box: Box,
+        rank: int | None,
+        root: Path,
+        sizes: dict[str, int],
+        checked: set[str],
+        md_name: str,
+    ) -> Piece:
+        rel = str(info.relative_path)
+        if rel not in checked:
+            confine(root, rel)
+            checked.add(rel)
+        if rel not in sizes:
+            raise IncompleteCheckpointError(
+                f"{rel}: data file named by {md_name} is missing",
+                hint="a rank's file was not written or was deleted; restore it or use another checkpoint",
+                path=rel,
+            )
+        offset, length = int(info.offset), int(info.length)
+        if offset < 0 or length <= 0 or offset + length > sizes[rel]:
+            raise CorruptFileError(
+                f"{rel} is {sizes[rel]:,} bytes but {md_name} places data through byte "
+                f"{offset + length:,}: the file was cut short (copy or save interrupted?)",
+                hint="restore the file from its source; 'ckpttool verify' lists every damaged file",
+                path=rel,
+            )
+        transforms = list(getattr(info, "transform_descriptors", None) or [])
+        for t in transforms:
+            if t != _ZSTD:
+                raise CorruptFileError(f"{rel}: unsupported DCP storage transform {t!r}", path=rel)
+        m = _DATA.match(rel)
+        locator: dict[str, Any] = {"offset": offset, "length": length}
+        if transforms:
+            locator["transforms"] = transforms
+        return Piece(
+            file=rel, locator=locator, box=box, rank=rank if rank is not None else (int(m.group(1)) if m else None)
+        )
+
+    def _read_objects(self, manifest: Manifest) -> None:
+        """Read the (small) bytes items so step counters and hyperparameters show; an item whose
+        pickle is refused keeps the reason and the rest of the checkpoint is still described."""
+        with self.reader(manifest) as reader:
+            for item in manifest.items.values():
+                if item.is_tensor or not item.pieces:
+                    continue
+                try:
+                    set_value(item, reader.read_object(item))
+                except UnsafePickleError as exc:
+                    item.error = f"unsafe pickle: refers to {exc.global_name}"
+                except CkptError as exc:
+                    item.error = exc.message
+
+    def reader(self, manifest: Manifest) -> DcpReader:
+        return DcpReader(manifest)
+
+
+class DcpReader(PieceReader):
+    def _archive(self, piece: Piece) -> _torchzip.Archive:
+        f = self.files.get(piece.file)
+        loc = piece.locator
+        display = f"{piece.file}@{loc['offset']}"
+        if loc.get("transforms"):
+            import zstandard
+
+            raw = f.read(loc["offset"], loc["length"])
+            try:
+                data = zstandard.ZstdDecompressor().decompressobj().decompress(raw)
+            except zstandard.ZstdError as exc:
+                raise CorruptFileError(f"{display}: zstd frame does not decode ({exc})", path=piece.file) from None
+            return _torchzip.Archive(data, display=display, allow=OBJECT_ALLOWLIST)
+        return _torchzip.Archive(f, base=loc["offset"], length=loc["length"], display=display, allow=OBJECT_ALLOWLIST)
+
+    def read(self, piece: Piece, item: Item, out: np.ndarray | None = None) -> np.ndarray:
+        archive = self._archive(piece)
+        ref = archive.load()
+        if not isinstance(ref, _unpickle.TensorRef):
+            raise CorruptFileError(
+                f"{archive.display}: expected the tensor chunk of {item.name}, found {type(ref).__name__}",
+                path=piece.file,
+            )
+        if ref.dtype != item.dtype or ref.shape != piece.box.sizes:
+            raise CorruptFileError(
+                f"{archive.display}: chunk of {item.name} is {ref.dtype}{list(ref.shape)}, metadata says "
+                f"{item.dtype}{list(piece.box.sizes)}",
+                path=piece.file,
+            )
+        return _torchzip.read_tensor(archive, ref, out)
+
+    def read_object(self, item: Item) -> Any:
+        piece = item.pieces[0]
+        return self._archive(piece).load()
+
+
+ADAPTER = DcpAdapter()

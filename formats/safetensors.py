@@ -1,0 +1,270 @@
+"""safetensors files: one file, a directory of them, or a ``*.safetensors.index.json`` set.
+
+Headers are parsed by hand (8-byte length + JSON) with the checks of the safetensors spec
+(``tensor.rs::validate``): bounded header length, known dtypes, ``end - begin == numel * itemsize``,
+offsets contiguous from 0 and ending at the end of the file. No torch needed. Directories written by
+DCP's ``HuggingFaceStorageWriter`` (shards with ``DCP_SHARDING_INFO``) are left to the dcp adapter,
+which uses :func:`read_header` and :class:`SafetensorsReader` from here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from ckpttool.formats.base import Detection, PieceReader
+
+from ckpttool.dtypes import BY_SAFETENSORS, carrier
+from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError
+from ckpttool.geometry import Box
+from ckpttool.io import RandomAccessFile, confine, list_files
+from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece
+from ckpttool.naming import classify
+
+MAX_HEADER = 100_000_000
+SHARDING_INFO = "DCP_SHARDING_INFO"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    """torch dtype name"""
+    shape: tuple[int, ...]
+    begin: int
+    """absolute byte offset in the file"""
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    file: str
+    size: int
+    tensors: list[TensorEntry]
+    """in data order"""
+    metadata: dict[str, str]
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def read_header(path: Path, display: str) -> Header:
+    """Parse and validate a safetensors header; reads only the header bytes."""
+    with RandomAccessFile(path, display=display) as f:
+        if f.size < 8:
+            raise CorruptFileError(f"{display} is {f.size} bytes: too short for a safetensors header", path=display)
+        (n,) = struct.unpack("<Q", f.read(0, 8))
+        if n > MAX_HEADER or 8 + n > f.size:
+            raise CorruptFileError(
+                f"{display}: header length field says {n:,} bytes but the file is {f.size:,} bytes "
+                f"(limit {MAX_HEADER:,}): truncated or not a safetensors file",
+                path=display,
+            )
+        raw = f.read(8, n)
+        size = f.size
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CorruptFileError(f"{display}: header is not valid JSON ({exc})", path=display) from None
+    if not isinstance(header, dict):
+        raise CorruptFileError(f"{display}: header is not a JSON object", path=display)
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise CorruptFileError(f"{display}: __metadata__ must map strings to strings", path=display)
+    data_len = size - 8 - n
+    entries: list[TensorEntry] = []
+    for name, spec in header.items():
+        entries.append(_entry(display, name, spec, 8 + n))
+    entries.sort(key=lambda e: (e.begin, e.end))
+    pos = 8 + n
+    for e in entries:
+        if e.begin != pos:
+            what = "overlaps the previous tensor" if e.begin < pos else "leaves a gap after the previous tensor"
+            raise CorruptFileError(
+                f"{display}: tensor {e.name} starts at data byte {e.begin - 8 - n:,} and {what} "
+                f"(expected {pos - 8 - n:,})",
+                path=display,
+            )
+        pos = e.end
+    if pos - 8 - n != data_len:
+        if pos - 8 - n > data_len:
+            raise CorruptFileError(
+                f"{display} is {size:,} bytes but its header places tensor data through byte {pos:,}: "
+                "the file was cut short (copy or download interrupted?)",
+                hint="fetch the file again",
+                path=display,
+            )
+        raise CorruptFileError(
+            f"{display}: {data_len - (pos - 8 - n):,} bytes after the last tensor are not described by the header",
+            path=display,
+        )
+    return Header(file=display, size=size, tensors=entries, metadata=meta)
+
+
+def _entry(display: str, name: str, spec: Any, base: int) -> TensorEntry:
+    if not isinstance(spec, dict) or set(spec) - {"dtype", "shape", "data_offsets"}:
+        raise CorruptFileError(f"{display}: entry {name!r} is not {{dtype, shape, data_offsets}}", path=display)
+    code, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
+    dt = BY_SAFETENSORS.get(code) if isinstance(code, str) else None
+    if dt is None:
+        raise CorruptFileError(f"{display}: tensor {name} has unknown dtype {code!r}", path=display)
+    if not (isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
+        raise CorruptFileError(f"{display}: tensor {name} has invalid shape {shape!r:.80}", path=display)
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(isinstance(o, int) and o >= 0 for o in offsets)
+        and offsets[0] <= offsets[1]
+    ):
+        raise CorruptFileError(f"{display}: tensor {name} has invalid data_offsets {offsets!r:.80}", path=display)
+    nbytes = math.prod(shape) * dt.itemsize
+    if offsets[1] - offsets[0] != nbytes:
+        raise CorruptFileError(
+            f"{display}: tensor {name} is {dt.safetensors}{shape} = {nbytes:,} bytes but data_offsets span "
+            f"{offsets[1] - offsets[0]:,}",
+            path=display,
+        )
+    return TensorEntry(name, dt.name, tuple(shape), base + offsets[0], base + offsets[1])
+
+
+def _index_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.name.endswith(".safetensors.index.json"))
+
+
+def _has_sharding_info(path: Path) -> bool:
+    for p in sorted(path.glob("*.safetensors"))[:1]:
+        try:
+            return SHARDING_INFO in read_header(p, p.name).metadata
+        except CkptError:
+            return False
+    return False
+
+
+class SafetensorsAdapter:
+    name = "safetensors"
+
+    def detect(self, path: Path) -> Detection:
+        if path.is_file():
+            if path.name.endswith(".safetensors"):
+                return Detection(True, "a .safetensors file")
+            return Detection(False, f"{path.name} is not a .safetensors file")
+        if _index_files(path):
+            return Detection(True, f"found {_index_files(path)[0].name}")
+        if any(path.glob("*.safetensors")):
+            if _has_sharding_info(path):
+                return Detection(False, "safetensors shards written by DCP's HF storage writer (read as dcp)")
+            return Detection(True, "found *.safetensors files")
+        return Detection(False, "no *.safetensors file or *.safetensors.index.json")
+
+    def describe(self, path: Path) -> Manifest:
+        if path.is_file():
+            root, files, weight_map = path.parent, [path.name], None
+        else:
+            root = path
+            weight_map = None
+            indexes = _index_files(path)
+            if indexes:
+                weight_map = _read_index(path, indexes[0].name)
+                files = list(dict.fromkeys(weight_map.values()))
+            else:
+                files = sorted(p.name for p in path.glob("*.safetensors"))
+        manifest = Manifest(root=str(root), format=self.name, layout=Layout(world_size=None))
+        for rel in files:
+            full = Path(confine(root, rel))
+            if not full.exists():
+                raise IncompleteCheckpointError(
+                    f"{rel}: shard named by the index is missing", hint="download the missing shard", path=rel
+                )
+            header = read_header(full, rel)
+            manifest.files.append(FileRecord(path=rel, size=header.size, role="data"))
+            for e in header.tensors:
+                if weight_map is not None and weight_map.get(e.name) != rel:
+                    raise CorruptFileError(
+                        f"{rel}: holds {e.name}, which the index places in {weight_map.get(e.name)}", path=rel
+                    )
+                if e.name in manifest.items:
+                    raise CorruptFileError(f"{rel}: tensor {e.name} is also in another shard", path=rel)
+                manifest.add(
+                    Item(
+                        name=e.name,
+                        kind=classify(e.name, is_tensor=True),
+                        dtype=e.dtype,
+                        shape=e.shape,
+                        pieces=[
+                            Piece(
+                                file=rel,
+                                locator={"begin": e.begin, "end": e.end},
+                                box=Box.whole(e.shape),
+                                nbytes=e.end - e.begin,
+                            )
+                        ],
+                    )
+                )
+            if header.metadata:
+                manifest.extras.setdefault("metadata", {})[rel] = header.metadata
+        if weight_map is not None:
+            missing = [n for n in weight_map if n not in manifest.items]
+            if missing:
+                raise CorruptFileError(
+                    f"index names {len(missing)} tensors no shard holds (first: {missing[0]})",
+                    path=str(path),
+                )
+            manifest.files.append(
+                FileRecord(path=_index_files(path)[0].name, size=_index_files(path)[0].stat().st_size, role="metadata")
+            )
+        if path.is_dir():
+            known = {f.path for f in manifest.files}
+            manifest.files += [
+                FileRecord(path=rel, size=size, role="aux") for rel, size in list_files(path) if rel not in known
+            ]
+        return manifest
+
+    def reader(self, manifest: Manifest) -> SafetensorsReader:
+        return SafetensorsReader(manifest)
+
+
+def _read_index(root: Path, name: str) -> dict[str, str]:
+    try:
+        with open(root / name, encoding="utf-8") as fh:
+            index = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise CorruptFileError(f"{name}: not a readable JSON index ({exc})", path=name) from None
+    wm = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise CorruptFileError(f"{name}: no weight_map of tensor name -> file", path=name)
+    return wm
+
+
+class SafetensorsReader(PieceReader):
+    """Reads pieces whose locator is an absolute byte range ``begin..end`` of C-ordered values."""
+
+    def read(self, piece: Piece, item: Item, out: np.ndarray | None = None) -> np.ndarray:
+        assert item.dtype is not None
+        begin, end = piece.locator["begin"], piece.locator["end"]
+        shape = piece.box.sizes if piece.flat is None else (piece.flat[1],)
+        if out is None:
+            out = np.empty(shape, dtype=carrier(item.dtype))
+        buf = memoryview(out.reshape(-1).view(np.uint8))
+        if len(buf) != end - begin:
+            raise CorruptFileError(
+                f"{piece.file}: {item.name} spans {end - begin} bytes, expected {len(buf)}", path=piece.file
+            )
+        self.files.get(piece.file).read_into(begin, buf)
+        return out
+
+    def read_object(self, item: Item) -> Any:
+        raise CorruptFileError(f"{item.name}: safetensors files hold no objects", path=self.manifest.root)
+
+
+ADAPTER = SafetensorsAdapter()

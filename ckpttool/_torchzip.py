@@ -102,7 +102,7 @@ class Archive:
             self.length = source.size - base if length is None else length
             stream = _Window(source, base, self.length)
         try:
-            self._zip = zipfile.ZipFile(stream)  # type: ignore[arg-type]
+            self._zip = zipfile.ZipFile(stream)
         except CorruptFileError:
             raise
         except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as exc:
@@ -221,7 +221,7 @@ def read_tensor(archive: Archive, ref: _unpickle.TensorRef, out: np.ndarray | No
     if is_c_contiguous(ref.shape, ref.stride):
         if out is None:
             out = np.empty(ref.shape, dtype=carrier(ref.dtype))
-        buf = memoryview(out.reshape(-1).view(np.uint8))
+        buf = out.reshape(-1).view(np.uint8).data
         if isinstance(archive.source, bytes):
             buf[:] = archive.source[start : start + numel * itemsize]
         else:

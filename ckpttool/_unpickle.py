@@ -43,17 +43,24 @@ def _codecs_encode(text: Any, encoding: str = "utf-8") -> bytes:
     return text.encode("latin1")
 
 
+class OrderedDictStandIn(dict):  # type: ignore[type-arg]
+    """``collections.OrderedDict``: a dict that also takes the attributes a pickle may set on it
+    (``module.state_dict()`` carries ``_metadata``)."""
+
+
+_BUILTINS: dict[str, Any] = {
+    "set": set,
+    "frozenset": frozenset,
+    "complex": complex,
+    "slice": slice,
+    "bytes": _bytes,
+    "bytearray": _bytearray,
+}
 PLAIN: dict[tuple[str, str], Any] = {
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
-    ("builtins", "complex"): complex,
-    ("builtins", "slice"): slice,
-    ("builtins", "bytes"): _bytes,
-    ("builtins", "bytearray"): _bytearray,
-    ("__builtin__", "set"): set,
-    ("__builtin__", "frozenset"): frozenset,
+    # protocol <= 2 pickles written by Python 3 spell builtins the Python 2 way
+    **{(module, name): fn for module in ("builtins", "__builtin__") for name, fn in _BUILTINS.items()},
     ("_codecs", "encode"): _codecs_encode,
-    ("collections", "OrderedDict"): dict,
+    ("collections", "OrderedDict"): OrderedDictStandIn,
 }
 """Globals that plain Python values (containers, numbers, bytes) need: safe for any format."""
 
@@ -171,6 +178,7 @@ TORCH_TENSORS: dict[tuple[str, str], Any] = {
     ("torch", "Size"): _size,
     ("torch", "device"): _device,
     ("torch", "UntypedStorage"): StorageType(None),
+    ("torch.storage", "UntypedStorage"): StorageType(None),
     **{("torch", cls): StorageType(dt.name) for cls, dt in BY_STORAGE_CLASS.items()},
     **{("torch", name): TorchDType(dt.name) for name, dt in BY_NAME.items()},
 }

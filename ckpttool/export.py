@@ -91,7 +91,7 @@ def export(
             n = _nbytes(item)
             view = buffer[:n].view(lookup_dtype(item.dtype).numpy).reshape(item.shape)
             assemble(reader, item, out=view)
-            f.write(memoryview(buffer[:n]))
+            f.write(buffer[:n].data)
             result.nbytes += n
             if progress is not None:
                 progress(n)

@@ -109,20 +109,14 @@ class FileCache:
         self.close()
 
 
-def confine(root: str | os.PathLike[str], rel: str) -> str:
+def confine(root: str | os.PathLike[str], rel: str, *, named_by: str = "the checkpoint metadata") -> str:
     """The absolute path of ``rel`` under ``root``; refuses absolute paths, ``..`` and symlinks
-    that lead outside the root."""
+    that lead outside the root. ``named_by`` says where the path came from, for the message."""
     root_s = os.fspath(root)
-    if not rel or os.path.isabs(rel) or rel.startswith(("/", "\\")) or "\x00" in rel:
-        raise PathEscapeError(
-            f"{rel!r}: the checkpoint metadata names a path outside the checkpoint directory",
-            hint="the metadata is damaged or hostile; ckpttool only reads files below the checkpoint root",
-            path=rel,
-        )
     parts = rel.replace("\\", "/").split("/")
-    if ".." in parts:
+    if not rel or os.path.isabs(rel) or rel.startswith(("/", "\\")) or "\x00" in rel or ".." in parts:
         raise PathEscapeError(
-            f"{rel!r}: the checkpoint metadata names a path outside the checkpoint directory",
+            f"{named_by} names the data file {rel!r}, which is outside the checkpoint directory {root_s}",
             hint="the metadata is damaged or hostile; ckpttool only reads files below the checkpoint root",
             path=rel,
         )

@@ -124,15 +124,14 @@ class Manifest:
     def missing_state(self) -> list[StateName]:
         """Training state a resume would need and this checkpoint does not hold."""
         kinds = {item.kind for item in self.items.values()}
-        missing: list[StateName] = []
-        if "optim" not in kinds:
-            missing.append("optimizer")
-        for kind, state in (("rng", "rng"), ("dataloader", "dataloader"), ("scheduler", "scheduler")):
-            if kind not in kinds:
-                missing.append(state)  # type: ignore[arg-type]
-        if self.step is None:
-            missing.append("step")
-        return missing
+        present: dict[StateName, bool] = {
+            "optimizer": "optim" in kinds,
+            "rng": "rng" in kinds,
+            "dataloader": "dataloader" in kinds,
+            "scheduler": "scheduler" in kinds,
+            "step": self.step is not None,
+        }
+        return [state for state, ok in present.items() if not ok]
 
     def file(self, path: str) -> FileRecord:
         for f in self.files:
@@ -143,7 +142,8 @@ class Manifest:
     # -- JSON boundary -------------------------------------------------------------------------
 
     def to_json_dict(self) -> dict[str, Any]:
-        return _adapter().dump_python(self, mode="json")  # type: ignore[no-any-return]
+        data: dict[str, Any] = _adapter().dump_python(self, mode="json")
+        return data
 
     @classmethod
     def from_json_dict(cls, data: dict[str, Any]) -> Manifest:

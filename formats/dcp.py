@@ -12,12 +12,14 @@ below); bytes items (non-tensor values) through the plain-value allowlist. Nothi
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Detection, PieceReader
 
 from ckpttool import _torchzip, _unpickle
@@ -34,6 +36,7 @@ _GLOBAL_MD = ".metadata"
 _RANK_MD = re.compile(r"^__(\d+)\.metadata$")
 _DATA = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 _ZSTD = "stream.zstd/1"
+_HF_SHARD = re.compile(r"^shard-(\d+)-model-\d+-of-\d+\.safetensors$")
 
 
 # -- stand-ins for the classes pickled in .metadata ------------------------------------------------
@@ -168,6 +171,8 @@ class DcpAdapter:
             return Detection(True, "found .metadata")
         if any(_RANK_MD.match(n) for n in names):
             return Detection(True, "found rank-local __<rank>.metadata files (use_collectives=False)")
+        if any(n.endswith(".safetensors") for n in names) and st.has_sharding_info(path):
+            return Detection(True, "found safetensors shards with DCP_SHARDING_INFO (HuggingFaceStorageWriter)")
         if ".metadata.tmp" in names or any(_DATA.match(n) for n in names):
             return Detection(True, "found DCP data files or .metadata.tmp but no .metadata (interrupted save)")
         return Detection(False, "no .metadata, __<rank>.metadata or *.distcp file")
@@ -176,8 +181,11 @@ class DcpAdapter:
 
     def describe(self, path: Path) -> Manifest:
         listing = list_files(path)
+        if not any(rel == _GLOBAL_MD or _RANK_MD.match(rel) for rel, _ in listing) and st.has_sharding_info(path):
+            return self._describe_hf(path, listing)
         names = {rel for rel, _ in listing}
         rank_local = sorted((int(m.group(1)), rel) for rel in names if (m := _RANK_MD.match(rel)))
+        sources: list[tuple[int | None, str]]
         if _GLOBAL_MD in names:
             sources = [(None, _GLOBAL_MD)]
         elif rank_local:
@@ -217,6 +225,71 @@ class DcpAdapter:
         manifest.layout = Layout(world_size=max(ranks) + 1 if ranks else None)
         self._read_objects(manifest)
         manifest.step = find_step(manifest.items)
+        return manifest
+
+    def _describe_hf(self, path: Path, listing: list[tuple[str, int]]) -> Manifest:
+        """Shards of ``HuggingFaceStorageWriter(save_distributed=True)``: each rank's safetensors file
+        holds its local chunk of every tensor, placed by the offsets in ``DCP_SHARDING_INFO``; the
+        global shape is where the chunks end, as DCP's own reader computes it."""
+        manifest = Manifest(root=str(path), format=self.name, format_version=None)
+        manifest.extras["variant"] = "hf-safetensors (HuggingFaceStorageWriter)"
+        ends: dict[str, list[int]] = {}
+        pieces: dict[str, list[Piece]] = {}
+        dtypes: dict[str, str] = {}
+        for rel, size in listing:
+            if not rel.endswith(".safetensors") or "/" in rel:
+                manifest.files.append(FileRecord(path=rel, size=size, role="aux"))
+                continue
+            header = st.read_header(path / rel, rel)
+            try:
+                info = json.loads(header.metadata.get(st.SHARDING_INFO, "{}"))
+            except ValueError:
+                raise CorruptFileError(f"{rel}: {st.SHARDING_INFO} is not JSON", path=rel) from None
+            m = _HF_SHARD.match(rel)
+            rank = int(m.group(1)) - 1 if m else None
+            manifest.files.append(
+                FileRecord(path=rel, size=size, role="data", ranks=[rank] if rank is not None else [])
+            )
+            manifest.format_version = header.metadata.get("DCP_VERSION")
+            for e in header.tensors:
+                spec = info.get(e.name, {}) if isinstance(info, dict) else {}
+                offsets = spec.get("saved_offsets", [0] * len(e.shape)) if isinstance(spec, dict) else None
+                if not (
+                    isinstance(offsets, list)
+                    and len(offsets) == len(e.shape)
+                    and all(isinstance(o, int) and o >= 0 for o in offsets)
+                ):
+                    raise CorruptFileError(f"{rel}: bad saved_offsets for {e.name}: {offsets!r:.60}", path=rel)
+                if dtypes.setdefault(e.name, e.dtype) != e.dtype:
+                    raise CorruptFileError(f"{rel}: {e.name} is {e.dtype} here, {dtypes[e.name]} elsewhere", path=rel)
+                box = Box(tuple(offsets), e.shape)
+                prev = ends.setdefault(e.name, list(box.ends))
+                if len(prev) != box.ndim:
+                    raise CorruptFileError(f"{rel}: {e.name} changes rank between shards", path=rel)
+                ends[e.name] = [max(a, b) for a, b in zip(prev, box.ends, strict=True)]
+                same = sum(1 for p in pieces.get(e.name, []) if p.box == box)
+                pieces.setdefault(e.name, []).append(
+                    Piece(
+                        file=rel,
+                        locator={"begin": e.begin, "end": e.end},
+                        box=box,
+                        rank=rank,
+                        nbytes=e.end - e.begin,
+                        replica=same,
+                    )
+                )
+        for name, plist in pieces.items():
+            manifest.add(
+                Item(
+                    name=name,
+                    kind=classify(name, is_tensor=True),
+                    dtype=dtypes[name],
+                    shape=tuple(ends[name]),
+                    pieces=plist,
+                )
+            )
+        ranks = {r for f in manifest.files for r in f.ranks}
+        manifest.layout = Layout(world_size=max(ranks) + 1 if ranks else None)
         return manifest
 
     @staticmethod
@@ -316,7 +389,7 @@ class DcpAdapter:
     ) -> Piece:
         rel = str(info.relative_path)
         if rel not in checked:
-            confine(root, rel)
+            confine(root, rel, named_by=md_name)
             checked.add(rel)
         if rel not in sizes:
             raise IncompleteCheckpointError(
@@ -379,6 +452,8 @@ class DcpReader(PieceReader):
         return _torchzip.Archive(f, base=loc["offset"], length=loc["length"], display=display, allow=OBJECT_ALLOWLIST)
 
     def read(self, piece: Piece, item: Item, out: np.ndarray | None = None) -> np.ndarray:
+        if "begin" in piece.locator:  # HuggingFaceStorageWriter shard
+            return st.read_range(self.files, piece, item, out)
         archive = self._archive(piece)
         ref = archive.load()
         if not isinstance(ref, _unpickle.TensorRef):

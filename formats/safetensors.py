@@ -22,7 +22,7 @@ from ckpttool.formats.base import Detection, PieceReader
 from ckpttool.dtypes import BY_SAFETENSORS, carrier
 from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError
 from ckpttool.geometry import Box
-from ckpttool.io import RandomAccessFile, confine, list_files
+from ckpttool.io import FileCache, RandomAccessFile, confine, list_files
 from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece
 from ckpttool.naming import classify
 
@@ -142,7 +142,8 @@ def _index_files(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.name.endswith(".safetensors.index.json"))
 
 
-def _has_sharding_info(path: Path) -> bool:
+def has_sharding_info(path: Path) -> bool:
+    """Whether a directory holds safetensors shards written by DCP's HuggingFaceStorageWriter."""
     for p in sorted(path.glob("*.safetensors"))[:1]:
         try:
             return SHARDING_INFO in read_header(p, p.name).metadata
@@ -162,26 +163,28 @@ class SafetensorsAdapter:
         if _index_files(path):
             return Detection(True, f"found {_index_files(path)[0].name}")
         if any(path.glob("*.safetensors")):
-            if _has_sharding_info(path):
+            if has_sharding_info(path):
                 return Detection(False, "safetensors shards written by DCP's HF storage writer (read as dcp)")
             return Detection(True, "found *.safetensors files")
         return Detection(False, "no *.safetensors file or *.safetensors.index.json")
 
     def describe(self, path: Path) -> Manifest:
+        index_name: str | None = None
+        weight_map: dict[str, str] | None = None
         if path.is_file():
-            root, files, weight_map = path.parent, [path.name], None
+            root, files = path.parent, [path.name]
         else:
             root = path
-            weight_map = None
             indexes = _index_files(path)
             if indexes:
-                weight_map = _read_index(path, indexes[0].name)
+                index_name = indexes[0].name
+                weight_map = _read_index(path, index_name)
                 files = list(dict.fromkeys(weight_map.values()))
             else:
                 files = sorted(p.name for p in path.glob("*.safetensors"))
         manifest = Manifest(root=str(root), format=self.name, layout=Layout(world_size=None))
         for rel in files:
-            full = Path(confine(root, rel))
+            full = Path(confine(root, rel, named_by=index_name or "the listing"))
             if not full.exists():
                 raise IncompleteCheckpointError(
                     f"{rel}: shard named by the index is missing", hint="download the missing shard", path=rel
@@ -213,16 +216,14 @@ class SafetensorsAdapter:
                 )
             if header.metadata:
                 manifest.extras.setdefault("metadata", {})[rel] = header.metadata
-        if weight_map is not None:
+        if weight_map is not None and index_name is not None:
             missing = [n for n in weight_map if n not in manifest.items]
             if missing:
                 raise CorruptFileError(
                     f"index names {len(missing)} tensors no shard holds (first: {missing[0]})",
                     path=str(path),
                 )
-            manifest.files.append(
-                FileRecord(path=_index_files(path)[0].name, size=_index_files(path)[0].stat().st_size, role="metadata")
-            )
+            manifest.files.append(FileRecord(path=index_name, size=(root / index_name).stat().st_size, role="metadata"))
         if path.is_dir():
             known = {f.path for f in manifest.files}
             manifest.files += [
@@ -246,22 +247,25 @@ def _read_index(root: Path, name: str) -> dict[str, str]:
     return wm
 
 
-class SafetensorsReader(PieceReader):
-    """Reads pieces whose locator is an absolute byte range ``begin..end`` of C-ordered values."""
+def read_range(files: FileCache, piece: Piece, item: Item, out: np.ndarray | None = None) -> np.ndarray:
+    """Read a piece stored as C-ordered values at bytes ``begin..end`` of its file."""
+    assert item.dtype is not None
+    begin, end = piece.locator["begin"], piece.locator["end"]
+    shape = piece.box.sizes if piece.flat is None else (piece.flat[1],)
+    if out is None:
+        out = np.empty(shape, dtype=carrier(item.dtype))
+    buf = out.reshape(-1).view(np.uint8).data
+    if len(buf) != end - begin:
+        raise CorruptFileError(
+            f"{piece.file}: {item.name} spans {end - begin} bytes, expected {len(buf)}", path=piece.file
+        )
+    files.get(piece.file).read_into(begin, buf)
+    return out
 
+
+class SafetensorsReader(PieceReader):
     def read(self, piece: Piece, item: Item, out: np.ndarray | None = None) -> np.ndarray:
-        assert item.dtype is not None
-        begin, end = piece.locator["begin"], piece.locator["end"]
-        shape = piece.box.sizes if piece.flat is None else (piece.flat[1],)
-        if out is None:
-            out = np.empty(shape, dtype=carrier(item.dtype))
-        buf = memoryview(out.reshape(-1).view(np.uint8))
-        if len(buf) != end - begin:
-            raise CorruptFileError(
-                f"{piece.file}: {item.name} spans {end - begin} bytes, expected {len(buf)}", path=piece.file
-            )
-        self.files.get(piece.file).read_into(begin, buf)
-        return out
+        return read_range(self.files, piece, item, out)
 
     def read_object(self, item: Item) -> Any:
         raise CorruptFileError(f"{item.name}: safetensors files hold no objects", path=self.manifest.root)

@@ -51,7 +51,7 @@ def _handles_errors(fn: F) -> F:
                 traceback.print_exc()
             out.error(exc.message, exc.hint)
             raise typer.Exit(exc.exit_code) from None
-        except (typer.Exit, typer.Abort, KeyboardInterrupt):
+        except (typer.Exit, typer.Abort, typer.BadParameter, KeyboardInterrupt):
             raise
         except Exception as exc:
             if os.environ.get("CKPTTOOL_DEBUG"):
@@ -87,7 +87,8 @@ def _root(
 def inspect(path: PathArg, json_out: JsonOpt = False) -> None:
     """Format, step, layout, items by kind and dtype, and the training state that is missing.
 
-    Reads metadata only: no tensor data, no torch.
+    Reads metadata only: no tensor data, no torch. Exits 1 when some item cannot be loaded safely
+    (e.g. a pickle that would run code), 3 when the checkpoint cannot be read at all.
     """
     from ckpttool.cli import _render
     from ckpttool.inspect import inspect as run
@@ -98,6 +99,10 @@ def inspect(path: PathArg, json_out: JsonOpt = False) -> None:
         out.json(report.to_json())
     else:
         _render.inspect_report(out, report)
+    if report.unloadable:
+        out.warning(f"{len(report.unloadable)} item(s) cannot be loaded safely: "
+                    + "; ".join(f"{i.name}: {i.error}" for i in report.unloadable[:5]))
+        raise typer.Exit(1)
 
 
 @app.command(

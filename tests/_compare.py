@@ -1,0 +1,38 @@
+"""Helpers that compare our outputs with torch's own, bit for bit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def flatten_nested(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """DCP's flattening of a nested state dict (mappings and tensor-holding lists are walked)."""
+    out: dict[str, Any] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flatten_nested(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(obj, list | tuple) and any(isinstance(v, dict | list | tuple | torch.Tensor) for v in obj):
+        for i, v in enumerate(obj):
+            out.update(flatten_nested(v, f"{prefix}.{i}" if prefix else str(i)))
+    else:
+        out[prefix] = obj
+    return out
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.contiguous(), b.contiguous()
+    if a.numel() == 0:
+        return True
+    return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+
+
+def tensor_mismatches(got: dict[str, torch.Tensor], expected: dict[str, Any]) -> list[str]:
+    """Names whose tensors differ (dtype, shape or any bit), plus tensors missing on either side."""
+    want = {k: v for k, v in expected.items() if isinstance(v, torch.Tensor)}
+    bad = sorted(set(want) ^ set(got))
+    bad += [k for k in sorted(set(want) & set(got)) if not same_bits(got[k], want[k])]
+    return bad

@@ -1,0 +1,126 @@
+"""The command-line contract: exit codes, streams, JSON, lazy torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from safetensors import safe_open
+
+from tests.conftest import FIXTURES, run_cli
+
+FSDP2 = FIXTURES / "dcp" / "fsdp2"
+
+
+def _modules_after(argv: list[str]) -> set[str]:
+    code = (
+        "import sys; sys.argv = " + repr(["ckpttool", *argv]) + "\n"
+        "from ckpttool.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('\\n'.join(sys.modules), file=sys.stderr)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return set(proc.stderr.split())
+
+
+def test_help_does_not_import_torch():
+    mods = _modules_after(["--help"])
+    assert "ckpttool.cli" in mods
+    assert "torch" not in mods
+
+
+def test_inspect_of_dcp_does_not_import_torch():
+    mods = _modules_after(["inspect", str(FSDP2), "--json"])
+    assert "ckpttool.formats.dcp" in mods
+    assert "torch" not in mods
+
+
+def test_inspect_json_contract():
+    r = run_cli("inspect", FSDP2, "--json")
+    assert r.code == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert {"schema_version", "format", "step", "layout", "items", "missing_state"} <= set(data)
+    assert data["format"] == "dcp" and data["step"] == 3
+    assert {"world_size", "tp", "pp", "dp", "ep"} <= set(data["layout"])
+    assert data["layout"]["world_size"] == 4
+    assert data["missing_state"] == []
+    item = next(i for i in data["items"] if i["name"] == "model.tok.weight")
+    assert set(item) >= {"name", "kind", "dtype", "shape", "nbytes", "pieces"}
+    assert item["kind"] == "param" and item["pieces"] == 4
+    kinds = {i["kind"] for i in data["items"]}
+    assert {"param", "optim", "rng", "dataloader", "scheduler", "counter"} <= kinds
+
+
+def test_inspect_human():
+    r = run_cli("inspect", FSDP2)
+    assert r.code == 0, r.stderr
+    assert "dcp checkpoint" in r.stdout and "step: 3" in r.stdout and "world_size=4" in r.stdout
+    assert "training state: optimizer, rng, dataloader, scheduler and step all present" in r.stdout
+    assert r.stderr == ""
+
+
+def test_missing_state_is_reported():
+    r = run_cli("inspect", FIXTURES / "safetensors" / "model.safetensors", "--json")
+    assert r.code == 0, r.stderr
+    assert json.loads(r.stdout)["missing_state"] == ["optimizer", "rng", "dataloader", "scheduler", "step"]
+
+
+def test_ls_filter_and_json():
+    r = run_cli("ls", FSDP2, "--filter", r"exp_avg_sq$", "--json")
+    assert r.code == 0
+    items = json.loads(r.stdout)["items"]
+    assert items and all(i["name"].endswith("exp_avg_sq") for i in items)
+    human = run_cli("ls", FSDP2, "-f", "^step$")
+    assert "counter" in human.stdout and human.stdout.count("\n") == 2
+    empty = run_cli("ls", FSDP2, "-f", "nothing-matches")
+    assert empty.code == 0 and "No items." in empty.stdout
+    assert json.loads(run_cli("ls", FSDP2, "-f", "nothing-matches", "--json").stdout)["items"] == []
+
+
+def test_export_kind_and_stderr_listing(tmp_path):
+    out = tmp_path / "params.safetensors"
+    r = run_cli("export", FSDP2, "-o", out, "--kind", "param")
+    assert r.code == 0, r.stderr
+    assert "wrote" in r.stdout
+    with safe_open(out, "np") as f:
+        names = set(f.keys())
+    assert names and all(n.startswith("model.") for n in names)
+    again = run_cli("export", FSDP2, "-o", out)
+    assert again.code == 2 and "exists" in again.stderr
+    r = run_cli("export", FSDP2, "-o", tmp_path / "all.safetensors", "--json")
+    data = json.loads(r.stdout)
+    assert {s["name"] for s in data["skipped"]} >= {"step", "dataloader.cursor"}
+    assert "not written:" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (["inspect", "/nonexistent/ckpt"], 3),
+        (["inspect", str(FIXTURES)], 3),
+        (["ls", str(FSDP2), "--filter", "("], 2),
+        (["export", str(FSDP2), "-o", "x.safetensors", "--kind", "nope"], 2),
+        (["inspect"], 2),
+        (["frobnicate"], 2),
+    ],
+)
+def test_exit_codes(args, code, tmp_path):
+    r = run_cli(*args, cwd=tmp_path)
+    assert r.code == code, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    assert r.stdout == "" or code == 2
+
+
+def test_unrecognised_directory_lists_every_adapter_reason(tmp_path):
+    (tmp_path / "notes.txt").write_text("hi")
+    r = run_cli("inspect", tmp_path)
+    assert r.code == 3
+    for name in ("dcp:", "safetensors:", "torch:"):
+        assert name in r.stderr
+
+
+def test_version():
+    r = run_cli("--version")
+    assert r.code == 0 and r.stdout.startswith("ckpttool ")

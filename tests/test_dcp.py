@@ -1,0 +1,95 @@
+"""DCP: every writer variant torch 2.13 makes, read without torch and exported bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckpttool import registry
+from ckpttool.export import export
+from tests._compare import flatten_nested, tensor_mismatches
+from tests.conftest import DCP_FIXTURES, FIXTURES
+
+DCP = FIXTURES / "dcp"
+
+
+def _reference(name: str) -> dict:
+    return torch.load(DCP / f"{name}.reference.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("name", DCP_FIXTURES)
+def test_export_equals_full_reference(name, tmp_path):
+    out = tmp_path / "full.safetensors"
+    result = export(DCP / name, out)
+    got = load_file(out)
+    ref = _reference(name)
+    assert tensor_mismatches(got, ref) == []
+    # every moment and every parameter is there
+    assert any(k.endswith("exp_avg_sq") for k in got) and any(k.startswith("model.") for k in got)
+    skipped = {i.name for i, _ in result.skipped}
+    assert skipped == {k for k, v in ref.items() if not isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("name", [n for n in DCP_FIXTURES if n != "fsdp2_ranklocal"])
+def test_export_equals_dcp_to_torch_save(name, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    theirs = tmp_path / "theirs.pt"
+    dcp_to_torch_save(DCP / name, theirs)
+    expected = flatten_nested(torch.load(theirs, weights_only=True))
+    export(DCP / name, tmp_path / "ours.safetensors")
+    assert tensor_mismatches(load_file(tmp_path / "ours.safetensors"), expected) == []
+
+
+@pytest.mark.parametrize("name", DCP_FIXTURES)
+def test_manifest_matches_reference_keys_and_values(name):
+    _, m = registry.describe(DCP / name)
+    ref = _reference(name)
+    assert m.format == "dcp"
+    assert set(m.items) == set(ref)
+    for key, value in ref.items():
+        item = m.items[key]
+        if isinstance(value, torch.Tensor):
+            assert item.shape == tuple(value.shape)
+            assert item.dtype == str(value.dtype).removeprefix("torch.")
+        elif isinstance(value, int | float | str | bool) or value is None:
+            assert item.value == value, key
+    assert m.step == ref["step"]
+    assert m.layout.world_size == 4
+    assert m.missing_state() == []
+
+
+def test_rank_local_pieces_are_merged_with_replicas():
+    _, m = registry.describe(DCP / "fsdp2_ranklocal")
+    assert sorted(f.path for f in m.files if f.role == "metadata") == [f"__{r}.metadata" for r in range(4)]
+    # a plain (non-DTensor) tensor is written by every rank: one first copy, three replicas
+    replicated = [i for i in m.items.values() if i.is_tensor and len(i.pieces) == 4
+                  and {p.box for p in i.pieces} == {i.pieces[0].box}]
+    assert replicated
+    assert sorted(p.replica for p in replicated[0].pieces) == [0, 1, 2, 3]
+
+
+def test_mesh_pieces_are_boxes_of_the_2x2_mesh():
+    _, m = registry.describe(DCP / "mesh2x2")
+    two_d = [i for i in m.items.values() if i.kind == "param" and len({p.box.offsets for p in i.pieces}) == 4
+             and all(o != 0 for o in i.pieces[-1].box.offsets)]
+    assert two_d, "expected a tensor sharded along both mesh dimensions"
+
+
+def test_hf_storage_writer_shards(tmp_path):
+    _, m = registry.describe(DCP / "fsdp2_hf" / "sharded")
+    assert m.format == "dcp" and m.layout.world_size == 4
+    export(DCP / "fsdp2_hf" / "sharded", tmp_path / "a.safetensors")
+    ref = torch.load(DCP / "fsdp2_hf.reference.pt", weights_only=True)
+    assert tensor_mismatches(load_file(tmp_path / "a.safetensors"), ref) == []
+    # the consolidated file + index next to it is a safetensors set with the same tensors
+    _, consolidated = registry.describe(DCP / "fsdp2_hf")
+    assert consolidated.format == "safetensors"
+    export(DCP / "fsdp2_hf", tmp_path / "b.safetensors")
+    assert tensor_mismatches(load_file(tmp_path / "b.safetensors"), ref) == []
+
+
+def test_zstd_pieces_carry_the_transform():
+    _, m = registry.describe(DCP / "fsdp2_zstd")
+    assert all(p.locator.get("transforms") == ["stream.zstd/1"] for i in m.items.values() for p in i.pieces)

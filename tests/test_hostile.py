@@ -1,0 +1,102 @@
+"""Hostile and damaged DCP checkpoints: nothing executes, one clear line, the right exit code."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.conftest import FIXTURES, run_cli
+
+HOSTILE = FIXTURES / "hostile"
+MARKER = "CKPTTOOL_PWNED"
+
+
+def _no_marker(tmp_path) -> None:
+    assert not (tmp_path / MARKER).exists(), "a payload ran"
+    assert not (FIXTURES / MARKER).exists()
+
+
+@pytest.mark.parametrize(
+    ("case", "fragments"),
+    [
+        ("dcp_metadata_os_system", [".metadata", "posix.system", "refused without running it"]),
+        ("dcp_metadata_tmp_only", ["without .metadata", ".metadata.tmp", "interrupted"]),
+        ("dcp_truncated_distcp", ["__1_0.distcp is 51,753 bytes", "through byte 53,306", "cut short"]),
+        ("dcp_path_escape", [".metadata names the data file '../../outside.distcp'", "outside the checkpoint"]),
+    ],
+)
+@pytest.mark.parametrize("command", [["inspect"], ["ls"], ["inspect", "--json"]])
+def test_unreadable_checkpoints_exit_3_with_one_clear_line(case, fragments, command, tmp_path):
+    r = run_cli(*command[:1], HOSTILE / case, *command[1:], cwd=tmp_path)
+    _no_marker(tmp_path)
+    assert r.code == 3
+    assert r.stdout == ""
+    assert "Traceback" not in r.stderr
+    first = r.stderr.splitlines()[0]
+    assert first.startswith("error: ")
+    for fragment in fragments:
+        assert fragment in r.stderr
+    assert len([ln for ln in r.stderr.splitlines() if ln.startswith("error:")]) == 1
+
+
+def test_export_of_hostile_metadata_writes_nothing(tmp_path):
+    out = tmp_path / "out.safetensors"
+    r = run_cli("export", HOSTILE / "dcp_metadata_os_system", "-o", out, cwd=tmp_path)
+    assert r.code == 3 and not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_bytes_item_is_unloadable_and_the_rest_inspected(tmp_path):
+    r = run_cli("inspect", HOSTILE / "dcp_bytes_item_os_system", "--json", cwd=tmp_path)
+    _no_marker(tmp_path)
+    assert r.code == 1
+    data = json.loads(r.stdout)
+    assert data["unloadable"] == [{"name": "dataloader.cursor", "error": "unsafe pickle: refers to posix.system"}]
+    assert data["step"] == 3 and len(data["items"]) == 82
+    assert "dataloader.cursor" in r.stderr and "posix.system" in r.stderr
+    human = run_cli("ls", HOSTILE / "dcp_bytes_item_os_system", "-f", "dataloader", cwd=tmp_path)
+    assert human.code == 0 and "unsafe pickle: refers to posix.system" in human.stdout
+    _no_marker(tmp_path)
+
+
+def test_export_skips_the_bad_bytes_item_and_writes_the_tensors(tmp_path):
+    out = tmp_path / "out.safetensors"
+    r = run_cli("export", HOSTILE / "dcp_bytes_item_os_system", "-o", out, cwd=tmp_path)
+    assert r.code == 0 and out.exists()
+    _no_marker(tmp_path)
+
+
+def test_missing_rank_file(tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ck)
+    (ck / "__2_0.distcp").unlink()
+    r = run_cli("inspect", ck)
+    assert r.code == 3
+    assert "__2_0.distcp: data file named by .metadata is missing" in r.stderr
+
+
+def test_symlink_escaping_the_root_is_refused(tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ck)
+    outside = tmp_path / "elsewhere.distcp"
+    (ck / "__1_0.distcp").rename(outside)
+    (ck / "__1_0.distcp").symlink_to(outside)
+    r = run_cli("export", ck, "-o", tmp_path / "x.safetensors")
+    assert r.code == 3 and "outside the checkpoint directory" in r.stderr
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_inputs_are_never_modified(tmp_path):
+    import hashlib
+
+    def digest(root):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+    for case in sorted(HOSTILE.iterdir()):
+        before = digest(case)
+        run_cli("inspect", case, cwd=tmp_path)
+        run_cli("export", case, "-o", tmp_path / f"{case.name}.safetensors", cwd=tmp_path)
+        assert digest(case) == before
+    _no_marker(tmp_path)

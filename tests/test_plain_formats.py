@@ -1,0 +1,114 @@
+"""safetensors files and sets, and single torch.save files, against their writers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckpttool import registry
+from ckpttool.errors import CorruptFileError, IncompleteCheckpointError
+from ckpttool.export import export
+from tests._compare import flatten_nested, tensor_mismatches
+from tests.conftest import FIXTURES, run_cli
+
+ST = FIXTURES / "safetensors"
+PT = FIXTURES / "torch" / "train_state.pt"
+
+
+def test_single_safetensors_file(tmp_path):
+    _, m = registry.describe(ST / "model.safetensors")
+    assert m.format == "safetensors"
+    ref = load_file(ST / "model.safetensors")
+    assert set(m.items) == set(ref)
+    assert {i.dtype for i in m.items.values()} >= {"float32", "bfloat16", "float16", "int64", "bool"}
+    export(ST / "model.safetensors", tmp_path / "o.safetensors")
+    assert tensor_mismatches(load_file(tmp_path / "o.safetensors"), ref) == []
+
+
+def test_sharded_set_with_index(tmp_path):
+    _, m = registry.describe(ST / "sharded")
+    assert {f.path for f in m.files if f.role == "data"} == {
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
+    export(ST / "sharded", tmp_path / "o.safetensors")
+    ref = torch.load(ST / "sharded.reference.pt", weights_only=True)
+    assert tensor_mismatches(load_file(tmp_path / "o.safetensors"), ref) == []
+
+
+def test_missing_shard(tmp_path):
+    shutil.copytree(ST / "sharded", tmp_path / "s")
+    (tmp_path / "s" / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(IncompleteCheckpointError, match="model-00002-of-00002.safetensors"):
+        registry.describe(tmp_path / "s")
+
+
+def _rewrite_header(path, edit):
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    edit(header)
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + n :])
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda p: p.write_bytes(p.read_bytes()[:-10]), "cut short"),
+        (lambda p: p.write_bytes(struct.pack("<Q", 10**12) + p.read_bytes()[8:]), "header length field"),
+        (lambda p: p.write_bytes(b"\x05\0\0\0\0\0\0\0{bad}"), "not valid JSON"),
+        (lambda p: _rewrite_header(p, lambda h: h[next(k for k in h if k != "__metadata__")].update(
+            dtype="Q9")), "unknown dtype"),
+        (lambda p: _rewrite_header(p, lambda h: h[next(k for k in h if k != "__metadata__")].update(
+            shape=[10**9, 10**9])), "data_offsets span"),
+    ],
+)
+def test_safetensors_header_validation(tmp_path, damage, message):
+    p = tmp_path / "m.safetensors"
+    shutil.copy(ST / "model.safetensors", p)
+    damage(p)
+    with pytest.raises(CorruptFileError, match=message):
+        registry.describe(p)
+    r = run_cli("inspect", p)
+    assert r.code == 3 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_torch_save_nested_dict(tmp_path):
+    _, m = registry.describe(PT)
+    assert m.format == "torch"
+    ref = flatten_nested(torch.load(PT, weights_only=True))
+    assert set(m.items) == set(ref)
+    assert m.step == ref["step"]
+    assert m.missing_state() == ["dataloader"]  # the nanoGPT-style file keeps no loader cursor
+    export(PT, tmp_path / "o.safetensors")
+    got = load_file(tmp_path / "o.safetensors")
+    # strided views and storage-sharing tensors come out as their own values
+    assert tensor_mismatches(got, ref) == []
+    strided = [i for i in m.items.values() if i.is_tensor and i.pieces[0].locator["stride"][-1] != 1]
+    assert strided, "fixture should hold a non-contiguous tensor"
+
+
+def test_torch_save_hostile_global(tmp_path):
+    import os
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch CKPTTOOL_PWNED",))
+
+    p = tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(2), "x": Evil()}, p, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    r = run_cli("inspect", p, cwd=tmp_path)
+    assert r.code == 3 and "posix.system" in r.stderr
+    assert not (tmp_path / "CKPTTOOL_PWNED").exists()
+
+
+def test_truncated_torch_save(tmp_path):
+    p = tmp_path / "t.pt"
+    p.write_bytes(PT.read_bytes()[: PT.stat().st_size // 2])
+    r = run_cli("inspect", p)
+    assert r.code == 3 and "t.pt" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,110 @@
+"""The restricted unpickler: plain values load, every other global is refused unexecuted."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import random
+import subprocess
+from collections import OrderedDict
+
+import pytest
+
+from ckpttool import _torchzip, _unpickle
+from ckpttool.errors import CorruptFileError, UnsafePickleError
+
+
+class Evil:
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return (self.fn, self.args)
+
+
+def _loads(data: bytes):
+    return _unpickle.loads(data, allow=_unpickle.PLAIN, source="x.pkl")
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_plain_values_round_trip(protocol):
+    value = {
+        "int": 3, "float": 1.5, "str": "s", "bytes": b"\x00\xff", "empty": b"", "none": None,
+        "list": [1, (2, 3)], "set": {1, 2}, "fs": frozenset({4}), "od": OrderedDict(a=1), "c": 1 + 2j,
+        "ba": bytearray(b"xy"), "rng": random.getstate(),
+    }
+    got = _loads(pickle.dumps(value, protocol=protocol))
+    assert got == {**value, "od": {"a": 1}}
+
+
+@pytest.mark.parametrize(
+    ("fn", "args", "name"),
+    [
+        (os.system, ("touch PWNED",), "posix.system"),
+        (subprocess.call, (["touch", "PWNED"],), "subprocess.call"),
+        (eval, ("1+1",), "builtins.eval"),
+        (__import__, ("os",), "builtins.__import__"),
+    ],
+)
+def test_code_execution_is_refused_with_the_global_named(fn, args, name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for protocol in (2, 4):
+        data = pickle.dumps({"ok": 1, "bad": Evil(fn, *args)}, protocol=protocol)
+        with pytest.raises(UnsafePickleError) as err:
+            _loads(data)
+        if protocol == 4:  # protocol 2 spells some modules the Python 2 way (commands.call)
+            assert err.value.global_name == name
+            assert name in str(err.value)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_inst_and_obj_opcodes_go_through_the_allowlist():
+    # protocol 0 INST opcode: "i" module\nname\n
+    data = b"(S'touch PWNED'\nios\nsystem\n."
+    with pytest.raises(UnsafePickleError, match="os.system"):
+        _loads(data)
+
+
+def test_module_spelling_matters():
+    # allowlisted as collections.OrderedDict; the same class under another module is refused
+    data = b"\x80\x02ccollections.abc\nOrderedDict\n)R."
+    with pytest.raises(UnsafePickleError, match="collections.abc.OrderedDict"):
+        _loads(data)
+
+
+def test_garbage_is_a_corrupt_file_not_a_crash():
+    with pytest.raises(CorruptFileError, match="x.pkl"):
+        _loads(b"\x80\x04not a pickle")
+    with pytest.raises(CorruptFileError):
+        _loads(pickle.dumps(list(range(100)))[:-20])
+
+
+def test_torch_save_archive_without_torch_matches_torch():
+    torch = pytest.importorskip("torch")
+    t = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    obj = {"w": t, "wt": t.t(), "view": t[1:3], "bf": t.to(torch.bfloat16), "u16": t.to(torch.uint16),
+           "p": torch.nn.Parameter(torch.ones(2)), "step": 7}
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    archive = _torchzip.Archive(buf.getvalue(), display="mem")
+    loaded = archive.load()
+    assert loaded["step"] == 7
+    for key in ("w", "wt", "view", "bf", "u16", "p"):
+        ref = loaded[key]
+        arr = _torchzip.read_tensor(archive, ref)
+        expected = obj[key].detach()
+        assert ref.dtype == str(expected.dtype).removeprefix("torch.")
+        assert tuple(arr.shape) == tuple(expected.shape)
+        assert arr.tobytes() == expected.contiguous().view(torch.uint8).numpy().tobytes()
+    assert loaded["p"].is_parameter
+
+
+def test_tensor_subclass_is_refused():
+    torch = pytest.importorskip("torch")
+    from tests._subclass import MyTensor
+
+    buf = io.BytesIO()
+    torch.save({"x": torch.ones(2).as_subclass(MyTensor)}, buf)
+    with pytest.raises(UnsafePickleError, match="MyTensor"):
+        _torchzip.Archive(buf.getvalue(), display="mem").load()

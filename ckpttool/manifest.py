@@ -14,6 +14,7 @@ from typing import Any, Literal
 from ckpttool.geometry import Box
 
 SCHEMA_VERSION = 1
+_SCHEMA_CONFIG: Any = {"use_attribute_docstrings": True}  # read by pydantic at the JSON boundary
 
 Kind = Literal["param", "master", "optim", "rng", "dataloader", "scheduler", "counter", "object"]
 KINDS: tuple[Kind, ...] = ("param", "master", "optim", "rng", "dataloader", "scheduler", "counter", "object")
@@ -24,6 +25,7 @@ FileRole = Literal["metadata", "data", "tracker", "aux", "seal"]
 
 @dataclass(slots=True, kw_only=True)
 class Piece:
+    __pydantic_config__ = _SCHEMA_CONFIG
     """One stored part of an item."""
 
     file: str
@@ -50,6 +52,7 @@ class Piece:
 
 @dataclass(slots=True, kw_only=True)
 class Item:
+    __pydantic_config__ = _SCHEMA_CONFIG
     """A named logical value: a whole tensor, or a non-tensor object."""
 
     name: str
@@ -81,6 +84,7 @@ class Item:
 
 @dataclass(slots=True, kw_only=True)
 class Layout:
+    __pydantic_config__ = _SCHEMA_CONFIG
     """The parallel layout the writer used, as far as the format records it."""
 
     world_size: int | None = None
@@ -94,6 +98,7 @@ class Layout:
 
 @dataclass(slots=True, kw_only=True)
 class FileRecord:
+    __pydantic_config__ = _SCHEMA_CONFIG
     path: str
     """relative to the checkpoint root, '/'-separated"""
     size: int
@@ -104,6 +109,7 @@ class FileRecord:
 
 @dataclass(slots=True, kw_only=True)
 class Manifest:
+    __pydantic_config__ = _SCHEMA_CONFIG
     root: str
     format: str
     format_version: str | None = None

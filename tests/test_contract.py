@@ -1,0 +1,87 @@
+"""Contracts that must change only on purpose: CLI surface, generated docs, manifest JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ckpttool import _docs, registry
+from ckpttool.formats.base import Adapter, Detection
+from ckpttool.manifest import Manifest
+from tests.conftest import DCP_FIXTURES, FIXTURES
+
+CLI_SURFACE = {
+    "inspect": {"path", "--json", "--help"},
+    "ls": {"path", "--filter", "--json", "--help"},
+    "export": {"path", "--output", "--filter", "--kind", "--force", "--json", "--quiet", "--help"},
+}
+
+
+def test_cli_surface_is_frozen():
+    from typer.main import get_command
+
+    from ckpttool.cli import app
+
+    group = get_command(app)
+    surface = {}
+    for name, cmd in group.commands.items():  # type: ignore[attr-defined]
+        opts = set()
+        for p in cmd.params:
+            opts |= {o for o in p.opts if o.startswith("--")} if p.opts[0].startswith("-") else {p.name}
+        opts.add("--help")
+        surface[name] = opts
+    assert surface == CLI_SURFACE, "a CLI change: update CLI_SURFACE and docs/cli.md on purpose"
+
+
+@pytest.mark.parametrize("name", sorted(_docs.generated()))
+def test_generated_docs_are_current(name):
+    text = (_docs.DOCS / name).read_text()
+    assert text == _docs.generated()[name], f"docs/{name} is stale: run python -m ckpttool._docs"
+
+
+@pytest.mark.parametrize("path", [f"dcp/{n}" for n in DCP_FIXTURES] + ["safetensors/sharded", "torch/train_state.pt"])
+def test_manifest_json_round_trip(path):
+    _, m = registry.describe(FIXTURES / path)
+    data = json.loads(json.dumps(m.to_json_dict()))
+    assert data["schema_version"] == 1
+    assert Manifest.from_json_dict(data) == m
+
+
+ALL_FIXTURES = [FIXTURES / "dcp" / n for n in DCP_FIXTURES] + [
+    FIXTURES / "dcp" / "fsdp2_hf" / "sharded",
+    FIXTURES / "dcp" / "fsdp2_hf",
+    FIXTURES / "safetensors" / "model.safetensors",
+    FIXTURES / "safetensors" / "sharded",
+    FIXTURES / "torch" / "train_state.pt",
+]
+EXPECTED = {"dcp/fsdp2_hf": "safetensors", "safetensors/model.safetensors": "safetensors",
+            "safetensors/sharded": "safetensors", "torch/train_state.pt": "torch"}
+
+
+@pytest.mark.parametrize("path", ALL_FIXTURES, ids=lambda p: str(p.relative_to(FIXTURES)))
+def test_exactly_one_adapter_claims_each_fixture(path):
+    claims = [a.name for a in registry.adapters() if a.detect(path).matches]
+    expected = EXPECTED.get(str(path.relative_to(FIXTURES)), "dcp")
+    assert claims == [expected]
+
+
+@pytest.mark.parametrize("adapter", registry.adapters(), ids=lambda a: a.name)
+def test_adapter_conformance(adapter, tmp_path):
+    assert isinstance(adapter, Adapter)
+    verdict = adapter.detect(tmp_path)
+    assert isinstance(verdict, Detection) and not verdict.matches and verdict.reason
+    for path in ALL_FIXTURES:
+        if not adapter.detect(path).matches:
+            continue
+        m = adapter.describe(path)
+        assert m.format == adapter.name and m.items
+        with adapter.reader(m) as reader:
+            for item in m.items.values():
+                for piece in item.pieces:
+                    if item.is_tensor:
+                        arr = reader.read(piece, item)
+                        expected = piece.box.sizes if piece.flat is None else (piece.flat[1],)
+                        assert arr.shape == expected and arr.nbytes == piece.nbytes
+                if not item.is_tensor and item.error is None:
+                    reader.read_object(item)

@@ -1,0 +1,98 @@
+"""export of a >= 1 GB DCP checkpoint against torch's dcp_to_torch_save on the same files.
+
+    python benchmarks/bench_export.py [--width 2048] [--layers 24] [--repeat 3] [--keep]
+
+Writes the checkpoint under benchmarks/_data/ (git-ignored), then alternates the two tools, each
+in a fresh process (what a user runs), hot page cache for both (the files are read once before
+timing), no output file left from an earlier run and no dirty pages (``sync`` before each run).
+ckpttool fsyncs its output before publishing it; dcp_to_torch_save does not. Wall time and peak RSS (ru_maxrss of the child) per run; medians and ratios printed and
+saved to benchmarks/_data/export.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DATA = HERE / "_data"
+
+
+def run(cmd: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of one child process."""
+    pid_start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - pid_start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr.read().decode() if proc.stderr else ''}")
+    return wall, usage.ru_maxrss * 1024
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoint and outputs")
+    args = ap.parse_args()
+
+    DATA.mkdir(exist_ok=True)
+    ckpt = DATA / f"dcp_{args.width}x{args.layers}"
+    if not (ckpt / ".metadata").exists():
+        shutil.rmtree(ckpt, ignore_errors=True)
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(HERE / "_make_big_dcp.py"), str(ckpt), str(args.width), str(args.layers)],
+                       check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        print(f"made {ckpt} in {time.perf_counter() - t:.1f} s")
+    size = sum(p.stat().st_size for p in ckpt.iterdir())
+    for p in ckpt.iterdir():  # warm the page cache for both tools alike
+        with open(p, "rb") as fh:
+            while fh.read(1 << 24):
+                pass
+
+    ours_out, theirs_out = DATA / "ours.safetensors", DATA / "theirs.pt"
+    ours_cmd = [sys.executable, "-m", "ckpttool", "export", str(ckpt), "-o", str(ours_out), "--force", "-q"]
+    theirs_cmd = [sys.executable, "-c",
+                  "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
+                  "dcp_to_torch_save(sys.argv[1], sys.argv[2])", str(ckpt), str(theirs_out)]
+    results: dict[str, list[tuple[float, int]]] = {"ckpttool export": [], "dcp_to_torch_save": []}
+    for _ in range(args.repeat):
+        for name, cmd, out in (("dcp_to_torch_save", theirs_cmd, theirs_out), ("ckpttool export", ours_cmd, ours_out)):
+            # each run starts alike: no old output to replace, no dirty pages left by the other tool
+            out.unlink(missing_ok=True)
+            os.sync()
+            results[name].append(run(cmd))
+    out_size = ours_out.stat().st_size
+    summary = {
+        "checkpoint_bytes": size,
+        "output_bytes": out_size,
+        "cpus": os.cpu_count(),
+        "runs": {k: [{"wall_s": w, "peak_rss": r} for w, r in v] for k, v in results.items()},
+    }
+    med = {k: (statistics.median(w for w, _ in v), statistics.median(r for _, r in v)) for k, v in results.items()}
+    for name, (wall, rss) in med.items():
+        print(f"{name:20s} wall {wall:6.2f} s   peak RSS {rss / 1e6:8.1f} MB   {size / wall / 1e9:5.2f} GB/s")
+    speed = med["dcp_to_torch_save"][0] / med["ckpttool export"][0]
+    mem = med["ckpttool export"][1] / med["dcp_to_torch_save"][1]
+    print(f"checkpoint {size / 1e9:.2f} GB: ckpttool is {speed:.1f}x faster at {mem:.2f}x the peak memory "
+          f"(target >= 2x faster at <= 0.25x memory)")
+    summary["median"] = {k: {"wall_s": w, "peak_rss": r} for k, (w, r) in med.items()}
+    summary["speedup"], summary["memory_ratio"] = speed, mem
+    (DATA / "export.json").write_text(json.dumps(summary, indent=2))
+    if not args.keep:
+        ours_out.unlink(missing_ok=True)
+        theirs_out.unlink(missing_ok=True)
+    return 0 if speed >= 2 and mem <= 0.25 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -43,7 +43,7 @@ def _codecs_encode(text: Any, encoding: str = "utf-8") -> bytes:
     return text.encode("latin1")
 
 
-class OrderedDictStandIn(dict):  # type: ignore[type-arg]
+class OrderedDictStandIn(dict[Any, Any]):
     """``collections.OrderedDict``: a dict that also takes the attributes a pickle may set on it
     (``module.state_dict()`` carries ``_metadata``)."""
 

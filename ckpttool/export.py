@@ -49,9 +49,11 @@ def export(
     kind: str = "all",
     pattern: str | None = None,
     force: bool = False,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> ExportResult:
-    """Write the selected tensors of the checkpoint at ``path`` to ``output`` (safetensors)."""
+    """Write the selected tensors of the checkpoint at ``path`` to ``output`` (safetensors).
+
+    ``progress(done, total)`` is called with byte counts after each tensor."""
     out_path = Path(output)
     if out_path.exists() and not force:
         raise UsageError(f"{out_path} exists", hint="choose another -o path or pass --force to replace it")
@@ -94,7 +96,7 @@ def export(
             f.write(buffer[:n].data)
             result.nbytes += n
             if progress is not None:
-                progress(n)
+                progress(result.nbytes, offset)
     return result
 
 

@@ -100,8 +100,10 @@ def inspect(path: PathArg, json_out: JsonOpt = False) -> None:
     else:
         _render.inspect_report(out, report)
     if report.unloadable:
-        out.warning(f"{len(report.unloadable)} item(s) cannot be loaded safely: "
-                    + "; ".join(f"{i.name}: {i.error}" for i in report.unloadable[:5]))
+        out.warning(
+            f"{len(report.unloadable)} item(s) cannot be loaded safely: "
+            + "; ".join(f"{i.name}: {i.error}" for i in report.unloadable[:5])
+        )
         raise typer.Exit(1)
 
 
@@ -161,8 +163,8 @@ def export(
     from ckpttool.export import export as run
 
     out = Output(json_mode=json_out, quiet=quiet)
-    with out.progress("export", total=0) as advance:
-        result = run(path, output, kind=kind, pattern=_regex(filter_), force=force, progress=advance)
+    with out.progress("export") as update:
+        result = run(path, output, kind=kind, pattern=_regex(filter_), force=force, progress=update)
     if result.skipped and not quiet:
         names = ", ".join(f"{i.name} ({why})" for i, why in result.skipped[:20])
         more = f" and {len(result.skipped) - 20} more" if len(result.skipped) > 20 else ""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -77,12 +77,12 @@ class Output:
             self.err.print(f"[dim]hint:[/dim] {escape(hint)}", soft_wrap=True)
 
     @contextmanager
-    def progress(self, description: str, total: int) -> Iterator[Any]:
-        """A byte progress bar on stderr, only on a terminal and outside quiet/JSON modes; yields
-        an ``advance(n)`` callable."""
+    def progress(self, description: str) -> Iterator[Callable[[int, int], None]]:
+        """A byte progress bar on stderr, only on a terminal and outside quiet mode; yields an
+        ``update(done, total)`` callable."""
         show = self.err.is_terminal and not self.quiet and not os.environ.get("CI")
         if not show:
-            yield lambda n: None
+            yield lambda done, total: None
             return
         from rich.progress import (
             BarColumn,
@@ -102,5 +102,5 @@ class Output:
             console=self.err,
             transient=True,
         ) as bar:
-            task = bar.add_task(description, total=total)
-            yield lambda n: bar.advance(task, n)
+            task = bar.add_task(description, total=None)
+            yield lambda done, total: bar.update(task, completed=done, total=total)

@@ -197,6 +197,133 @@ def storage_persistent_load(pid: Any) -> StorageRef:
     return StorageRef(key=key, dtype=storage_type.dtype, numel=numel, location=str(location))
 
 
+# -- stand-ins for classes that training frameworks pickle -----------------------------------------
+
+
+class Record:
+    """An instance of an allowlisted class from a pickle: its attributes, no behaviour."""
+
+    _qualname = "record"
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots) from __reduce_ex__
+            for part in state:
+                if isinstance(part, dict):
+                    self.__dict__.update(part)
+        elif isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.__dict__["_state"] = state
+
+    def __repr__(self) -> str:
+        return f"{self._qualname}({', '.join(f'{k}={v!r:.40}' for k, v in self.__dict__.items())})"
+
+
+def record(qualname: str) -> type[Record]:
+    """A :class:`Record` subclass standing in for the class ``qualname``."""
+    return type(qualname.rsplit(".", 1)[-1], (Record,), {"_qualname": qualname})
+
+
+@dataclass(frozen=True, slots=True)
+class EnumValue:
+    """A member of an allowlisted enum, kept as the enum's name and the member's value."""
+
+    enum: str
+    value: Any
+
+    def __str__(self) -> str:
+        return f"{self.enum.rsplit('.', 1)[-1]}({self.value!r})"
+
+
+def enum(qualname: str) -> Callable[..., EnumValue]:
+    """A stand-in for calling the enum class ``qualname`` with a value (how enums unpickle)."""
+
+    def make(value: Any = None, *_: Any) -> EnumValue:
+        if not isinstance(value, int | str | float | bool | None):
+            raise pickle.UnpicklingError(f"{qualname} member with a {type(value).__name__} value")
+        return EnumValue(qualname, value)
+
+    return make
+
+
+class OpaqueBytes:
+    """``io.BytesIO`` from a pickle (e.g. old TransformerEngine extra state): its bytes are kept,
+    never parsed."""
+
+    def __init__(self, *args: Any) -> None:
+        self.data = bytes(args[0]) if args and isinstance(args[0], bytes | bytearray) else b""
+
+    def __setstate__(self, state: Any) -> None:
+        # BytesIO.__getstate__ is (value, position, __dict__)
+        if isinstance(state, tuple) and state and isinstance(state[0], bytes | bytearray):
+            self.data = bytes(state[0])
+
+    def __repr__(self) -> str:
+        return f"BytesIO({len(self.data)} bytes)"
+
+
+_NUMPY_KINDS = set("biufc?")  # bool, ints, unsigned, floats, complex; never objects or structured
+
+
+def _np_dtype(code: Any, *_: Any) -> Any:
+    import numpy as np
+
+    dt = np.dtype(code) if isinstance(code, str) else None
+    if dt is None or dt.kind not in _NUMPY_KINDS or dt.fields is not None:
+        raise pickle.UnpicklingError(f"numpy dtype {code!r:.40} is not a plain numeric dtype")
+    return dt
+
+
+def _np_reconstruct(cls: Any, shape: Any, typecode: Any) -> Any:
+    import numpy as np
+
+    if cls is not np.ndarray:
+        raise pickle.UnpicklingError("numpy _reconstruct of a class other than ndarray")
+    return np.ndarray.__new__(np.ndarray, shape, typecode)
+
+
+def _numpy() -> dict[tuple[str, str], Any]:
+    import numpy as np
+
+    table: dict[tuple[str, str], Any] = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): _np_dtype}
+    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        table[(module, "_reconstruct")] = _np_reconstruct
+    for name in (
+        "Bool",
+        "Int8",
+        "Int16",
+        "Int32",
+        "Int64",
+        "UInt8",
+        "UInt16",
+        "UInt32",
+        "UInt64",
+        "Float16",
+        "Float32",
+        "Float64",
+    ):
+        cls = getattr(getattr(np, "dtypes", None), f"{name}DType", None)
+        if cls is not None:
+            table[("numpy.dtypes", f"{name}DType")] = cls
+    return table
+
+
+def numpy_arrays() -> dict[tuple[str, str], Any]:
+    """Globals numpy pickles plain numeric arrays with (``np.random.get_state()``, ...)."""
+    return _numpy()
+
+
+NAMESPACES: dict[tuple[str, str], Any] = {
+    ("argparse", "Namespace"): record("argparse.Namespace"),
+    ("types", "SimpleNamespace"): record("types.SimpleNamespace"),
+    ("pathlib", "PosixPath"): lambda *parts: "/".join(str(p) for p in parts),
+    ("pathlib", "WindowsPath"): lambda *parts: "/".join(str(p) for p in parts),
+    ("io", "BytesIO"): OpaqueBytes,
+    ("_io", "BytesIO"): OpaqueBytes,
+}
+"""Configuration containers (``argparse.Namespace`` of Megatron ``args``) and opaque byte blobs."""
+
+
 # -- the reader ----------------------------------------------------------------------------------
 
 

@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from ckpttool.formats import safetensors as st
-from ckpttool.formats.base import Detection, PieceReader
 
 from ckpttool import _torchzip, _unpickle
 from ckpttool.dtypes import BY_NAME
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, UnsafePickleError
+from ckpttool.formats import safetensors as st
+from ckpttool.formats.base import Detection, PieceReader
 from ckpttool.geometry import Box
 from ckpttool.io import RandomAccessFile, confine, list_files
 from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from ckpttool.formats.base import Detection, PieceReader
 
 from ckpttool.dtypes import BY_SAFETENSORS, carrier
 from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError
+from ckpttool.formats.base import Detection, PieceReader
 from ckpttool.geometry import Box
 from ckpttool.io import FileCache, RandomAccessFile, confine, list_files
 from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece

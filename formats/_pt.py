@@ -1,0 +1,122 @@
+"""Pieces stored inside ``torch.save`` files, shared by the torch, megatron, deepspeed and
+rankshards adapters.
+
+A piece locator ``{"storage", "storage_offset", "shape", "stride"}`` names a strided view of one
+storage of a ``.pt`` archive; a flat range of a flat optimizer partition is such a view too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckpttool import _torchzip, _unpickle
+from ckpttool.dtypes import dtype as lookup_dtype
+from ckpttool.errors import CorruptFileError
+from ckpttool.formats.base import PieceReader
+from ckpttool.geometry import Box
+from ckpttool.io import RandomAccessFile
+from ckpttool.manifest import Item, Manifest, Piece
+from ckpttool.values import flatten
+
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+def is_torch_zip(path: Path) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == ZIP_MAGIC
+    except OSError:
+        return False
+
+
+def load(root: Path, rel: str, allow: Mapping[tuple[str, str], Any]) -> tuple[_torchzip.Archive, Any, int]:
+    """Parse one torch.save file below ``root``: its archive (file left open), object and size."""
+    f = RandomAccessFile(root / rel, display=rel)
+    try:
+        if f.read(0, min(4, f.size)) != ZIP_MAGIC:
+            raise CorruptFileError(
+                f"{rel}: not a zip-format torch.save file (legacy pickle or something else)",
+                hint="re-save it with a current torch, or check that the file is what its name says",
+                path=rel,
+            )
+        archive = _torchzip.Archive(f, display=rel, allow=allow)
+        return archive, archive.load(), f.size
+    except BaseException:
+        f.close()
+        raise
+
+
+def tensor_piece(
+    rel: str,
+    ref: _unpickle.TensorRef,
+    *,
+    box: Box | None = None,
+    start: int = 0,
+    numel: int | None = None,
+    flat: tuple[int, int] | None = None,
+    rank: int | None = None,
+    replica: int = 0,
+) -> Piece:
+    """A piece holding tensor ``ref`` of file ``rel`` (or, with ``numel``, the 1-d run of
+    ``numel`` elements from element ``start`` of a flat tensor)."""
+    if numel is None:
+        shape, stride, offset = ref.shape, ref.stride, ref.storage_offset
+        count = math.prod(shape)
+    else:
+        if len(ref.shape) != 1 or start < 0 or start + numel > ref.shape[0]:
+            raise CorruptFileError(
+                f"{rel}: range {start}..{start + numel} outside a flat tensor of {ref.shape}", path=rel
+            )
+        shape, stride, offset = (numel,), (ref.stride[0],), ref.storage_offset + start * ref.stride[0]
+        count = numel
+    return Piece(
+        file=rel,
+        locator={"storage": ref.storage.key, "storage_offset": offset, "shape": list(shape), "stride": list(stride)},
+        box=box if box is not None else Box.whole(shape),
+        flat=flat,
+        rank=rank,
+        replica=replica,
+        nbytes=count * lookup_dtype(ref.dtype).itemsize,
+    )
+
+
+def object_piece(rel: str, path: str, *, rank: int | None = None, replica: int = 0) -> Piece:
+    """A piece holding the non-tensor value at dotted ``path`` inside file ``rel``."""
+    return Piece(file=rel, locator={"path": path}, box=Box((), ()), rank=rank, replica=replica)
+
+
+class PtReader(PieceReader):
+    """Reads pieces located by :func:`tensor_piece` / :func:`object_piece`."""
+
+    def __init__(self, manifest: Manifest, allow: Mapping[tuple[str, str], Any]) -> None:
+        super().__init__(manifest)
+        self._allow = allow
+        self._archives: dict[str, _torchzip.Archive] = {}
+        self._objects: dict[str, dict[str, Any]] = {}
+
+    def archive(self, rel: str) -> _torchzip.Archive:
+        archive = self._archives.get(rel)
+        if archive is None:
+            archive = _torchzip.Archive(self.files.get(rel), display=rel, allow=self._allow)
+            self._archives[rel] = archive
+        return archive
+
+    def read(self, piece: Piece, item: Item, out: np.ndarray | None = None) -> np.ndarray:
+        assert item.dtype is not None
+        loc = piece.locator
+        storage = _unpickle.StorageRef(key=loc["storage"], dtype=item.dtype, numel=0, location="cpu")
+        ref = _unpickle.TensorRef(storage, loc["storage_offset"], tuple(loc["shape"]), tuple(loc["stride"]), item.dtype)
+        return _torchzip.read_tensor(self.archive(piece.file), ref, out)
+
+    def read_object(self, item: Item) -> Any:
+        piece = item.pieces[0]
+        objects = self._objects.get(piece.file)
+        if objects is None:
+            objects = dict(flatten(self.archive(piece.file).load()))
+            self._objects[piece.file] = objects
+        return objects[piece.locator["path"]]

@@ -15,12 +15,16 @@ from ckpttool.errors import FormatNotRecognizedError, NotFoundError
 from ckpttool.formats.base import Adapter
 from ckpttool.manifest import Manifest
 
-_FIRST_PARTY = ("dcp", "safetensors", "torchsave")
+_FIRST_PARTY = ("megatron", "dcp", "safetensors", "torchsave")
 
 
 def adapters() -> list[Adapter]:
-    """Every known adapter, first-party ones first, in detection order."""
-    found: list[Adapter] = [importlib.import_module(f"ckpttool.formats.{m}").ADAPTER for m in _FIRST_PARTY]
+    """Every known adapter, first-party ones first, in detection order (a module may define
+    several in ``ADAPTERS``)."""
+    found: list[Adapter] = []
+    for m in _FIRST_PARTY:
+        module = importlib.import_module(f"ckpttool.formats.{m}")
+        found += getattr(module, "ADAPTERS", None) or [module.ADAPTER]
     for ep in entry_points(group="ckpttool.formats"):
         found.append(ep.load())
     return found

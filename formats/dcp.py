@@ -167,6 +167,10 @@ class DcpAdapter:
         if not path.is_dir():
             return Detection(False, "not a directory")
         names = set(os.listdir(path))
+        if "metadata.json" in names and "common.pt" in names:
+            return Detection(
+                False, "a Megatron torch_dist checkpoint (metadata.json, common.pt): read as megatron-dist"
+            )
         if _GLOBAL_MD in names:
             return Detection(True, "found .metadata")
         if any(_RANK_MD.match(n) for n in names):
@@ -451,9 +455,26 @@ class DcpReader(PieceReader):
             return _torchzip.Archive(data, display=display, allow=OBJECT_ALLOWLIST)
         return _torchzip.Archive(f, base=loc["offset"], length=loc["length"], display=display, allow=OBJECT_ALLOWLIST)
 
+    _last: tuple[tuple[str, int], np.ndarray] | None = None
+
     def read(self, piece: Piece, item: Item, out: np.ndarray | None = None) -> np.ndarray:
         if "begin" in piece.locator:  # HuggingFaceStorageWriter shard
             return st.read_range(self.files, piece, item, out)
+        if "select0" in piece.locator:  # one index of a stored chunk (Megatron's stacked layers)
+            values = self._chunk(piece, item)[piece.locator["select0"]]
+            if out is None:
+                return np.ascontiguousarray(values)
+            out.reshape(values.shape)[...] = values
+            return out
+        return self._read_chunk(piece, item, piece.box.sizes, out)
+
+    def _chunk(self, piece: Piece, item: Item) -> np.ndarray:
+        key = (piece.file, piece.locator["offset"])
+        if self._last is None or self._last[0] != key:
+            self._last = (key, self._read_chunk(piece, item, tuple(piece.locator["chunk_sizes"]), None))
+        return self._last[1]
+
+    def _read_chunk(self, piece: Piece, item: Item, sizes: tuple[int, ...], out: np.ndarray | None) -> np.ndarray:
         archive = self._archive(piece)
         ref = archive.load()
         if not isinstance(ref, _unpickle.TensorRef):
@@ -461,10 +482,10 @@ class DcpReader(PieceReader):
                 f"{archive.display}: expected the tensor chunk of {item.name}, found {type(ref).__name__}",
                 path=piece.file,
             )
-        if ref.dtype != item.dtype or ref.shape != piece.box.sizes:
+        if ref.dtype != item.dtype or ref.shape != sizes:
             raise CorruptFileError(
                 f"{archive.display}: chunk of {item.name} is {ref.dtype}{list(ref.shape)}, metadata says "
-                f"{item.dtype}{list(piece.box.sizes)}",
+                f"{item.dtype}{list(sizes)}",
                 path=piece.file,
             )
         return _torchzip.read_tensor(archive, ref, out)

@@ -26,20 +26,38 @@ from ckpttool.manifest import KINDS, Item
 _ALIGN = 8
 
 
+MASTER_SUFFIX = ".fp32"
+
+
 @dataclass(slots=True, kw_only=True)
 class ExportResult:
     output: str
     written: list[Item] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    """the name each written item has in the output (parallel to ``written``)"""
     skipped: list[tuple[Item, str]] = field(default_factory=list)
     """items not written, with the reason (non-tensor values, dtypes safetensors cannot hold)"""
     nbytes: int = 0
 
 
-def select(items: list[Item], *, kind: str = "all", pattern: str | None = None) -> list[Item]:
+def select(items: list[Item], *, kind: str = "all", pattern: str | None = None) -> list[tuple[str, Item]]:
+    """(output name, item) pairs to export.
+
+    ``kind="master"`` gives the complete fp32 model the optimizer holds, as a loadable state dict:
+    each master copy ``<param>.fp32`` under its parameter's name, completed with the module tensors
+    (frozen parameters, buffers) that have no master copy, which is what DeepSpeed's
+    zero_to_fp32 produces.
+    """
     if kind != "all" and kind not in KINDS:
         raise UsageError(f"--kind {kind!r}: expected one of all, {', '.join(KINDS)}")
     rx = re.compile(pattern) if pattern else None
-    return [i for i in items if (kind == "all" or i.kind == kind) and (rx is None or rx.search(i.name))]
+    if kind == "master":
+        masters = {i.name.removesuffix(MASTER_SUFFIX): i for i in items if i.kind == "master"}
+        pairs = list(masters.items())
+        pairs += [(i.name, i) for i in items if i.kind == "param" and i.is_tensor and i.name not in masters]
+    else:
+        pairs = [(i.name, i) for i in items if kind == "all" or i.kind == kind]
+    return [(n, i) for n, i in pairs if rx is None or rx.search(n)]
 
 
 def export(
@@ -61,7 +79,7 @@ def export(
         raise UsageError(f"{out_path} is a directory; -o takes a file name such as model.safetensors")
     adapter, manifest = registry.describe(path)
     result = ExportResult(output=str(out_path))
-    for item in select(list(manifest.items.values()), kind=kind, pattern=pattern):
+    for name, item in select(list(manifest.items.values()), kind=kind, pattern=pattern):
         if not item.is_tensor:
             result.skipped.append((item, "not a tensor"))
         elif lookup_dtype(item.dtype or "").safetensors is None:
@@ -69,13 +87,14 @@ def export(
         else:
             check_coverage(item)
             result.written.append(item)
+            result.names.append(name)
 
     header: dict[str, object] = {"__metadata__": {"format": "pt", "ckpttool.source_format": manifest.format}}
     offset = 0
-    for item in result.written:
+    for name, item in zip(result.names, result.written, strict=True):
         assert item.dtype is not None and item.shape is not None
         n = _nbytes(item)
-        header[item.name] = {
+        header[name] = {
             "dtype": lookup_dtype(item.dtype).safetensors,
             "shape": list(item.shape),
             "data_offsets": [offset, offset + n],

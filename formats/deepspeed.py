@@ -1,0 +1,493 @@
+"""DeepSpeed checkpoints: ZeRO stages 0-3, bf16 (BF16_Optimizer), pipeline layer files.
+
+Read without importing DeepSpeed: its pickles name four classes, given inert stand-ins here
+(``ZeroStageEnum``, ``LossScaler``, ``DynamicLossScaler``, ``fragment_address``). Names (see
+``docs/formats/deepspeed.md``): module weights and buffers under their module names (kind
+``param``); fp32 master weights ``<param>.fp32`` (kind ``master``) rebuilt from the flat
+partitions; Adam moments ``<param>.exp_avg`` / ``<param>.exp_avg_sq`` (kind ``optim``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from ckpttool import _unpickle
+from ckpttool.errors import CorruptFileError, IncompleteCheckpointError
+from ckpttool.formats import _pt
+from ckpttool.formats.base import Detection
+from ckpttool.geometry import Box
+from ckpttool.io import list_files
+from ckpttool.manifest import FileRecord, Item, Kind, Layout, Manifest, Piece
+from ckpttool.naming import classify
+from ckpttool.values import flatten, set_value
+
+ALLOWLIST: dict[tuple[str, str], Any] = {
+    **_unpickle.PLAIN,
+    **_unpickle.TORCH_TENSORS,
+    **_unpickle.NAMESPACES,
+    **_unpickle.numpy_arrays(),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"): _unpickle.enum("deepspeed.runtime.zero.config.ZeroStageEnum"),
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"): _unpickle.record(
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler"
+    ),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"): _unpickle.record(
+        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
+    ),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"): _unpickle.record(
+        "deepspeed.utils.tensor_fragment.fragment_address"
+    ),
+}
+"""The globals DeepSpeed 0.19 pickles (research/deepspeed.md §1.4), as stand-ins."""
+
+_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+_Z3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_OPTIM = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_LAYER = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
+_AUX = {"zero_to_fp32.py", "zero_to_torch.py"}
+_RESERVED = {
+    "module",
+    "buffer_names",
+    "optimizer",
+    "param_shapes",
+    "frozen_param_shapes",
+    "frozen_param_fragments",
+    "shared_params",
+    "lr_scheduler",
+    "data_sampler",
+    "random_ltd",
+    "skipped_steps",
+    "global_steps",
+    "global_samples",
+    "dp_world_size",
+    "mp_world_size",
+    "ds_config",
+    "ds_version",
+    "checkpoint_parallel_dimensions",
+    "universal_checkpoint_info",
+}
+
+
+def _tag_dir(path: Path) -> tuple[Path, Path]:
+    """(save dir, tag dir) for a save directory with ``latest`` or a tag directory itself."""
+    if (path / "latest").is_file():
+        tag = (path / "latest").read_text().strip()
+        if not tag or "/" in tag or "\\" in tag or tag in (".", ".."):
+            raise CorruptFileError(f"latest: names {tag[:60]!r}, not a tag directory", path="latest")
+        target = path / tag
+        if not target.is_dir():
+            raise IncompleteCheckpointError(
+                f"latest names tag {tag!r} but {tag}/ does not exist in {path}",
+                hint="the save was interrupted or the tag was deleted; pass an existing global_step* directory",
+                path="latest",
+            )
+        return path, target
+    return path.parent, path
+
+
+def _is_tag_dir(path: Path) -> bool:
+    return path.is_dir() and any(
+        _MODEL.match(n) or _Z3_MODEL.match(n) or _LAYER.match(n) for n in (p.name for p in path.iterdir())
+    )
+
+
+class DeepSpeedAdapter:
+    name = "deepspeed"
+
+    def detect(self, path: Path) -> Detection:
+        if not path.is_dir():
+            return Detection(False, "not a directory")
+        if (path / "latest").is_file():
+            return Detection(True, "found a DeepSpeed 'latest' tag file")
+        if _is_tag_dir(path):
+            return Detection(True, "found *_model_states.pt files")
+        return Detection(False, "no 'latest' file and no *_model_states.pt")
+
+    def describe(self, path: Path) -> Manifest:
+        save_dir, tag_dir = _tag_dir(path)
+        # given the save directory, the manifest covers its tracker and scripts and the tag named by
+        # `latest` (not the other tags); given a tag directory, just that
+        root = save_dir if (path / "latest").is_file() else tag_dir
+        prefix = f"{tag_dir.name}/" if root == save_dir else ""
+        manifest = Manifest(root=str(root), format=self.name)
+        listing = [(prefix + rel, size) for rel, size in list_files(tag_dir)]
+        if prefix:
+            listing += [(p.name, p.stat().st_size) for p in sorted(root.iterdir()) if p.is_file()]
+        files: dict[str, Any] = {}
+        roles: list[FileRecord] = []
+        for rel, size in listing:
+            base = rel.rsplit("/", 1)[-1]
+            if base in ("latest", "latest_universal"):
+                roles.append(FileRecord(path=rel, size=size, role="tracker"))
+            elif base in _AUX or not (
+                _MODEL.match(base) or _Z3_MODEL.match(base) or _OPTIM.match(base) or _LAYER.match(base)
+            ):
+                roles.append(FileRecord(path=rel, size=size, role="aux"))
+            else:
+                archive, obj, _ = _pt.load(root, rel, ALLOWLIST)
+                archive.source.close()  # type: ignore[union-attr]
+                files[rel] = obj
+                roles.append(FileRecord(path=rel, size=size, role="data"))
+        if save_dir != tag_dir:
+            manifest.extras["tag"] = tag_dir.name
+        manifest.files = roles
+        base_names = {rel: rel.rsplit("/", 1)[-1] for rel in files}
+        models = {int(m.group(1)): rel for rel, b in base_names.items() if (m := _MODEL.match(b))}
+        z3_models = {
+            (int(m.group(1)), int(m.group(2))): rel for rel, b in base_names.items() if (m := _Z3_MODEL.match(b))
+        }
+        optims = {(int(m.group(2)), int(m.group(3))): rel for rel, b in base_names.items() if (m := _OPTIM.match(b))}
+        layers = {
+            (int(m.group(1)), int(m.group(2) or 0)): rel for rel, b in base_names.items() if (m := _LAYER.match(b))
+        }
+        first_model = files[models[min(models)]] if models else files[z3_models[min(z3_models)]] if z3_models else None
+        if first_model is None:
+            raise IncompleteCheckpointError(
+                f"{tag_dir}: no mp_rank_*_model_states.pt or zero_pp_rank_*_model_states.pt",
+                hint="the tag directory is incomplete",
+                path=str(tag_dir),
+            )
+        b = _Builder(manifest, files)
+        stage = self._stage(files, optims)
+        mp_size = max(len(models), len({mp for _, mp in z3_models}), 1)
+        dp_size = max((dp for dp, _ in optims), default=-1) + 1 or int(first_model.get("dp_world_size") or 1)
+        dims = first_model.get("checkpoint_parallel_dimensions") or {}
+        tp = dims.get("tp_degree") if isinstance(dims, dict) else None
+        pp = dims.get("pp_degree") if isinstance(dims, dict) else None
+        if layers:
+            tp = tp or max(t for _, t in layers) + 1
+            pp = pp or mp_size // tp
+        manifest.layout = Layout(
+            world_size=dp_size * mp_size, dp=dp_size, tp=tp or (1 if not layers else None), pp=pp or 1, zero_stage=stage
+        )
+        # module weights
+        if layers:
+            for (layer, tp_rank), rel in sorted(layers.items()):
+                for name, value in flatten(files[rel]):
+                    b.tensor_or_object(
+                        f"{layer}.{name}" if tp == 1 else f"{layer}.{name}[tp={tp_rank}]",
+                        value,
+                        rel,
+                        "param",
+                        rank=None,
+                    )
+        for mp, rel in sorted(models.items()):
+            module = files[rel].get("module")
+            if isinstance(module, dict) and mp == 0:
+                for name, value in module.items():
+                    b.tensor_or_object(name, value, rel, "param", rank=0, path=f"module.{name}")
+        if z3_models:
+            rel0 = z3_models[min(z3_models)]
+            module = files[rel0].get("module") or {}
+            buffers = set(files[rel0].get("buffer_names") or [])
+            for name, value in module.items():
+                if name in buffers:
+                    b.tensor_or_object(name, value, rel0, "param", rank=0, path=f"module.{name}")
+        # optimizer side
+        for mp in sorted({mp for _, mp in optims}):
+            ranks = sorted(dp for dp, m in optims if m == mp)
+            model_rel = models.get(mp) or z3_models.get((0, mp)) or models.get(0)
+            shapes = (files[model_rel] if model_rel else first_model).get("param_shapes") or []
+            per_rank = [(dp, optims[(dp, mp)]) for dp in ranks]
+            if stage == 3:
+                b.zero3(per_rank, shapes)
+            else:
+                b.zero12(per_rank, shapes)
+        if stage == 0 and not optims:
+            opt = first_model.get("optimizer")
+            if isinstance(opt, dict):
+                b.zero0(opt, models[min(models)], first_model.get("param_shapes") or [])
+        b.frozen(stage, models, z3_models, first_model)
+        b.shared(first_model.get("shared_params") or {})
+        b.common(first_model, models.get(0) or z3_models[min(z3_models)])
+        manifest.format_version = str(first_model.get("ds_version") or "") or None
+        steps = first_model.get("global_steps")
+        manifest.step = steps if isinstance(steps, int) else None
+        cfg = first_model.get("ds_config")
+        if isinstance(cfg, dict):
+            manifest.extras["ds_config"] = {k: v for k, v in flatten(cfg) if isinstance(v, int | float | str | bool)}
+        for (dp, mp), rel in optims.items():
+            manifest.file(rel).ranks = [dp * mp_size + mp]
+        return manifest
+
+    @staticmethod
+    def _stage(files: dict[str, Any], optims: dict[tuple[int, int], str]) -> int:
+        if not optims:
+            return 0
+        osd = files[next(iter(optims.values()))].get("optimizer_state_dict") or {}
+        stage = osd.get("zero_stage")
+        if isinstance(stage, _unpickle.EnumValue):
+            return int(stage.value)
+        if "single_partition_of_fp32_groups" in osd:  # BF16_Optimizer: no zero_stage
+            return 0
+        raise CorruptFileError(
+            f"{next(iter(optims.values()))}: no zero_stage in the optimizer state", path=next(iter(optims.values()))
+        )
+
+    def reader(self, manifest: Manifest) -> _pt.PtReader:
+        return _pt.PtReader(manifest, ALLOWLIST)
+
+
+class _Builder:
+    """Adds DeepSpeed items to a manifest."""
+
+    def __init__(self, manifest: Manifest, files: dict[str, Any]) -> None:
+        self.m = manifest
+        self.files = files
+
+    def item(self, name: str, kind: Kind, dtype: str, shape: tuple[int, ...], param: str | None = None) -> Item:
+        item = self.m.items.get(name)
+        if item is None:
+            item = self.m.add(Item(name=name, kind=kind, dtype=dtype, shape=shape))
+        elif item.dtype != dtype or item.shape != shape:
+            raise CorruptFileError(
+                f"{name}: {dtype}{list(shape)} in one file, {item.dtype}{list(item.shape or ())} in another",
+                path=self.m.root,
+            )
+        return item
+
+    def tensor_or_object(
+        self, name: str, value: Any, rel: str, kind: Kind, rank: int | None, path: str | None = None
+    ) -> None:
+        """Add a tensor piece or a non-tensor value; ``path`` is the value's dotted path in the file."""
+        if isinstance(value, _unpickle.TensorRef):
+            item = self.item(name, kind, value.dtype, value.shape)
+            item.pieces.append(_pt.tensor_piece(rel, value, rank=rank, replica=len(item.pieces)))
+        elif name not in self.m.items:
+            item = self.m.add(
+                Item(
+                    name=name,
+                    kind=classify(name, is_tensor=False) if kind == "param" else kind,
+                    pieces=[_pt.object_piece(rel, path or name, rank=rank)],
+                )
+            )
+            set_value(item, value)
+
+    def flat_state(
+        self,
+        osd_rel: str,
+        dp: int,
+        names: list[tuple[str, tuple[int, ...], int, int, int]],
+        refs: dict[str, _unpickle.TensorRef],
+    ) -> None:
+        """Per-parameter pieces of flat fp32/moment partitions: ``names`` holds
+        (param, shape, start in the partition, numel, start in the flattened param)."""
+        for param, shape, start, numel, local in names:
+            for state, ref in refs.items():
+                kind: Kind = "master" if state == "fp32" else "optim"
+                item = self.item(f"{param}.{state}", kind, ref.dtype, shape)
+                item.pieces.append(
+                    _pt.tensor_piece(
+                        osd_rel, ref, box=Box.whole(shape), start=start, numel=numel, flat=(local, numel), rank=dp
+                    )
+                )
+
+    def zero12(self, per_rank: list[tuple[int, str]], shapes: list[Any]) -> None:
+        consumed: dict[str, int] = defaultdict(int)
+        for dp, rel in per_rank:
+            osd = self.files[rel].get("optimizer_state_dict")
+            if not isinstance(osd, dict) or "single_partition_of_fp32_groups" not in osd:
+                raise CorruptFileError(
+                    f"{rel}: no single_partition_of_fp32_groups; not a ZeRO-1/2 optimizer file", path=rel
+                )
+            mappings = osd.get("param_slice_mappings")
+            if not isinstance(mappings, list):
+                raise CorruptFileError(
+                    f"{rel}: no param_slice_mappings (written by DeepSpeed older than 0.10?); not supported yet",
+                    path=rel,
+                )
+            base = osd.get("base_optimizer_state") or {}
+            state = base.get("state") or {}
+            for g, fp32 in enumerate(osd["single_partition_of_fp32_groups"]):
+                group_shapes = shapes[g] if g < len(shapes) else {}
+                refs = {"fp32": fp32}
+                gstate = state.get(g) or {}
+                refs.update(
+                    {
+                        k: v
+                        for k, v in gstate.items()
+                        if k in ("exp_avg", "exp_avg_sq") and isinstance(v, _unpickle.TensorRef)
+                    }
+                )
+                names = []
+                for param, frag in (mappings[g] if g < len(mappings) else {}).items():
+                    shape = tuple(group_shapes.get(param, ()))
+                    numel, start = int(frag.numel), int(frag.start)
+                    names.append((param, shape, start, numel, consumed[param]))
+                    consumed[param] += numel
+                self.flat_state(rel, dp, names, refs)
+                self.group_objects(rel, dp, g, base, gstate, "optimizer_state_dict.base_optimizer_state")
+
+    def zero3(self, per_rank: list[tuple[int, str]], shapes: list[Any]) -> None:
+        ws = len(per_rank)
+        for dp, rel in per_rank:
+            osd = self.files[rel].get("optimizer_state_dict")
+            if not isinstance(osd, dict) or "fp32_flat_groups" not in osd:
+                raise CorruptFileError(f"{rel}: no fp32_flat_groups; not a ZeRO-3 optimizer file", path=rel)
+            inner = osd.get("optimizer_state_dict") or {}
+            state = inner.get("state") or {}
+            flats = osd["fp32_flat_groups"]
+            # params are partitioned one by one (ceil(numel / ws) each) and laid back to back over
+            # the concatenated sub-group buffers
+            bounds = []
+            pos = 0
+            for s, ref in enumerate(flats):
+                bounds.append((pos, pos + ref.shape[0], s))
+                pos += ref.shape[0]
+            offset = 0
+            for group in shapes:
+                for param, shape in group.items():
+                    shape = tuple(shape)
+                    numel = math.prod(shape)
+                    part = -(-numel // ws)
+                    held = max(0, min(part, numel - dp * part))
+                    seg_lo, seg_hi = offset, offset + held
+                    for lo, hi, s in bounds:
+                        a, z = max(lo, seg_lo), min(hi, seg_hi)
+                        if a >= z:
+                            continue
+                        refs = {"fp32": flats[s]}
+                        refs.update(
+                            {
+                                k: v
+                                for k, v in (state.get(s) or {}).items()
+                                if k in ("exp_avg", "exp_avg_sq") and isinstance(v, _unpickle.TensorRef)
+                            }
+                        )
+                        self.flat_state(rel, dp, [(param, shape, a - lo, z - a, dp * part + (a - seg_lo))], refs)
+                    offset += part
+            for s in range(len(flats)):
+                self.group_objects(rel, dp, s, inner, state.get(s) or {}, "optimizer_state_dict.optimizer_state_dict")
+
+    def zero0(self, opt: dict[str, Any], rel: str, shapes: list[Any]) -> None:
+        """ZeRO off: the whole torch optimizer state dict sits in the model-states file."""
+        state = opt.get("state") or {}
+        groups = opt.get("param_groups") or []
+        for g, group in enumerate(groups):
+            names = list(shapes[g]) if g < len(shapes) else []
+            for i, pid in enumerate(group.get("params") or []):
+                param = names[i] if i < len(names) else f"param{pid}"
+                for k, v in (state.get(pid) or {}).items():
+                    if k == "step":
+                        continue
+                    if isinstance(v, _unpickle.TensorRef):
+                        item = self.item(f"{param}.{k}", "optim", v.dtype, v.shape)
+                        item.pieces.append(_pt.tensor_piece(rel, v, rank=0))
+            first = (state.get((group.get("params") or [None])[0]) or {}) if group.get("params") else {}
+            self.group_objects(rel, 0, g, opt, first, "optimizer")
+
+    def group_objects(
+        self, rel: str, dp: int, g: int, base: dict[str, Any], gstate: dict[str, Any], base_path: str
+    ) -> None:
+        """The group's step counter (a replica per rank) and, from rank 0, its hyperparameters;
+        ``base_path`` is where the torch optimizer state dict sits in the file."""
+        step = gstate.get("step")
+        name = f"optimizer.param_groups.{g}.step"
+        if isinstance(step, _unpickle.TensorRef):
+            item = self.item(name, "optim", step.dtype, step.shape)
+            item.pieces.append(_pt.tensor_piece(rel, step, rank=dp, replica=len(item.pieces)))
+        if dp != 0:
+            return
+        groups = base.get("param_groups") or []
+        if g < len(groups):
+            for k, v in groups[g].items():
+                if k == "params":
+                    continue
+                key = f"optimizer.param_groups.{g}.{k}"
+                if key not in self.m.items:
+                    where = f"{base_path}.param_groups.{g}.{k}"
+                    item = self.m.add(Item(name=key, kind="optim", pieces=[_pt.object_piece(rel, where, rank=dp)]))
+                    set_value(item, v)
+
+    def frozen(self, stage: int, models: dict[int, str], z3_models: dict[tuple[int, int], str], first: Any) -> None:
+        shapes = first.get("frozen_param_shapes") or {}
+        if stage == 3 and shapes:
+            ranks = sorted(dp for dp, mp in z3_models if mp == 0)
+            ws = len(ranks)
+            for name, shape in shapes.items():
+                shape = tuple(shape)
+                numel = math.prod(shape)
+                part = -(-numel // ws)
+                for dp in ranks:
+                    rel = z3_models[(dp, 0)]
+                    frag = (self.files[rel].get("frozen_param_fragments") or {}).get(name)
+                    held = max(0, min(part, numel - dp * part))
+                    if not isinstance(frag, _unpickle.TensorRef) or held == 0:
+                        continue
+                    flat = frag if len(frag.shape) == 1 else None
+                    if flat is None:
+                        raise CorruptFileError(f"{rel}: frozen fragment of {name} is not flat", path=rel)
+                    item = self.item(f"{name}.fp32", "master", frag.dtype, shape)
+                    item.pieces.append(
+                        _pt.tensor_piece(
+                            rel, frag, box=Box.whole(shape), start=0, numel=held, flat=(dp * part, held), rank=dp
+                        )
+                    )
+            return
+        # ZeRO 0-2: frozen params are whole in the module (and in frozen_param_fragments at ZeRO-2)
+        module = first.get("module") or {}
+        trainable = {n for group in (first.get("param_shapes") or []) for n in group}
+        buffers = set(first.get("buffer_names") or [])
+        shared = first.get("shared_params") or {}
+        rel = models.get(0)
+        if rel is None:
+            return
+        for name, value in module.items():
+            if name in trainable or name in buffers or name in shared or not isinstance(value, _unpickle.TensorRef):
+                continue
+            item = self.item(f"{name}.fp32", "master", value.dtype, value.shape)
+            item.pieces.append(_pt.tensor_piece(rel, value, rank=0))
+
+    def shared(self, shared: dict[str, str]) -> None:
+        """Tied weights: the alias gets the owner's master copy (DeepSpeed stores it once)."""
+        for alias, owner in shared.items():
+            src = self.m.items.get(f"{owner}.fp32")
+            if src is not None and f"{alias}.fp32" not in self.m.items:
+                self.m.add(
+                    Item(
+                        name=f"{alias}.fp32",
+                        kind="master",
+                        dtype=src.dtype,
+                        shape=src.shape,
+                        pieces=[
+                            Piece(
+                                file=p.file,
+                                locator=p.locator,
+                                box=p.box,
+                                flat=p.flat,
+                                rank=p.rank,
+                                replica=p.replica,
+                                nbytes=p.nbytes,
+                            )
+                            for p in src.pieces
+                        ],
+                    )
+                )
+        if shared:
+            self.m.extras["shared_params"] = dict(shared)
+
+    def common(self, first: dict[str, Any], rel: str) -> None:
+        for key in ("global_steps", "global_samples", "skipped_steps"):
+            if key in first:
+                item = self.m.add(Item(name=key, kind="counter", pieces=[_pt.object_piece(rel, key, rank=0)]))
+                set_value(item, first[key])
+        sched = first.get("lr_scheduler")
+        if isinstance(sched, dict):
+            for name, value in flatten(sched, "lr_scheduler"):
+                self.tensor_or_object(name, value, rel, "scheduler", rank=0)
+        sampler = first.get("data_sampler")
+        if sampler is not None:
+            for name, value in flatten(sampler, "data_sampler"):
+                self.tensor_or_object(name, value, rel, "dataloader", rank=0)
+        for key, value in first.items():
+            if key in _RESERVED:
+                continue
+            for name, leaf in flatten(value, key):
+                kind = classify(name, is_tensor=isinstance(leaf, _unpickle.TensorRef))
+                self.tensor_or_object(name, leaf, rel, kind, rank=0)
+
+
+ADAPTER = DeepSpeedAdapter()

@@ -88,6 +88,11 @@ def _tag_dir(path: Path) -> tuple[Path, Path]:
     return path.parent, path
 
 
+def _is_universal(path: Path) -> bool:
+    zero = path / "zero"
+    return zero.is_dir() and any((d / "fp32.pt").is_file() for d in zero.iterdir() if d.is_dir())
+
+
 def _is_tag_dir(path: Path) -> bool:
     return path.is_dir() and any(
         _MODEL.match(n) or _Z3_MODEL.match(n) or _LAYER.match(n) for n in (p.name for p in path.iterdir())
@@ -104,9 +109,13 @@ class DeepSpeedAdapter:
             return Detection(True, "found a DeepSpeed 'latest' tag file")
         if _is_tag_dir(path):
             return Detection(True, "found *_model_states.pt files")
+        if _is_universal(path):
+            return Detection(True, "found a universal checkpoint (zero/<param>/fp32.pt)")
         return Detection(False, "no 'latest' file and no *_model_states.pt")
 
     def describe(self, path: Path) -> Manifest:
+        if _is_universal(path) and not (path / "latest").is_file():
+            return self._describe_universal(path)
         save_dir, tag_dir = _tag_dir(path)
         # given the save directory, the manifest covers its tracker and scripts and the tag named by
         # `latest` (not the other tags); given a tag directory, just that
@@ -211,6 +220,55 @@ class DeepSpeedAdapter:
             manifest.extras["ds_config"] = {k: v for k, v in flatten(cfg) if isinstance(v, int | float | str | bool)}
         for (dp, mp), rel in optims.items():
             manifest.file(rel).ranks = [dp * mp_size + mp]
+        return manifest
+
+    def _describe_universal(self, path: Path) -> Manifest:
+        """ds_to_universal output: one folder per parameter under ``zero/`` holding the full fp32
+        weight and moments (ZeRO-1/2: ``{'param': tensor, ...}``; ZeRO-3: a flat tensor)."""
+        manifest = Manifest(root=str(path), format=self.name)
+        manifest.extras["variant"] = "universal"
+        files: dict[str, Any] = {}
+        for rel, size in list_files(path):
+            base = rel.rsplit("/", 1)[-1]
+            role = "data" if rel.endswith(".pt") else ("tracker" if base.startswith("latest") else "aux")
+            manifest.files.append(FileRecord(path=rel, size=size, role=role))  # type: ignore[arg-type]
+            if rel.endswith(".pt") and (_MODEL.match(base) or rel.startswith("zero/")):
+                archive, obj, _ = _pt.load(path, rel, ALLOWLIST)
+                archive.source.close()  # type: ignore[union-attr]
+                files[rel] = obj
+        b = _Builder(manifest, files)
+        model_rel = next((r for r in sorted(files) if _MODEL.match(r)), None)
+        first = files[model_rel] if model_rel else {}
+        shapes = {n: tuple(s) for group in (first.get("param_shapes") or []) for n, s in group.items()}
+        if model_rel and isinstance(first.get("module"), dict):
+            for name, value in first["module"].items():
+                b.tensor_or_object(name, value, model_rel, "param", rank=0, path=f"module.{name}")
+        for rel in sorted(files):
+            parts = rel.split("/")
+            if len(parts) != 3 or parts[0] != "zero":
+                continue
+            param, state = parts[1], parts[2].removesuffix(".pt")
+            obj = files[rel]
+            ref = obj.get("param") if isinstance(obj, dict) else obj
+            if not isinstance(ref, _unpickle.TensorRef):
+                continue
+            name = f"{param}.{state}"
+            kind: Kind = "master" if state == "fp32" else "optim"
+            shape = shapes.get(param, ref.shape) if state != "step" else ref.shape
+            item = b.item(name, kind, ref.dtype, shape)
+            if ref.shape == shape:
+                item.pieces.append(_pt.tensor_piece(rel, ref))
+            else:  # ZeRO-3 universal files are flat
+                numel = math.prod(shape)
+                item.pieces.append(
+                    _pt.tensor_piece(rel, ref, box=Box.whole(shape), start=0, numel=numel, flat=(0, numel))
+                )
+        if model_rel:
+            b.common(first, model_rel)
+            manifest.format_version = str(first.get("ds_version") or "") or None
+            steps = first.get("global_steps")
+            manifest.step = steps if isinstance(steps, int) else None
+        manifest.layout = Layout(world_size=None)
         return manifest
 
     @staticmethod

@@ -173,6 +173,11 @@ class Archive:
             return self.source[offset : offset + length]
         return self.source.read(self.base + offset, length)
 
+    def close(self) -> None:
+        """Close the underlying file (when the archive was opened on one)."""
+        if not isinstance(self.source, bytes):
+            self.source.close()
+
     def crc_errors(self) -> list[str]:
         """Members whose CRC32 does not match their bytes (reads the whole archive)."""
         bad: list[str] = []

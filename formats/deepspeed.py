@@ -137,7 +137,7 @@ class DeepSpeedAdapter:
                 roles.append(FileRecord(path=rel, size=size, role="aux"))
             else:
                 archive, obj, _ = _pt.load(root, rel, ALLOWLIST)
-                archive.source.close()  # type: ignore[union-attr]
+                archive.close()
                 files[rel] = obj
                 roles.append(FileRecord(path=rel, size=size, role="data"))
         if save_dir != tag_dir:
@@ -234,7 +234,7 @@ class DeepSpeedAdapter:
             manifest.files.append(FileRecord(path=rel, size=size, role=role))  # type: ignore[arg-type]
             if rel.endswith(".pt") and (_MODEL.match(base) or rel.startswith("zero/")):
                 archive, obj, _ = _pt.load(path, rel, ALLOWLIST)
-                archive.source.close()  # type: ignore[union-attr]
+                archive.close()
                 files[rel] = obj
         b = _Builder(manifest, files)
         model_rel = next((r for r in sorted(files) if _MODEL.match(r)), None)
@@ -490,14 +490,14 @@ class _Builder:
         trainable = {n for group in (first.get("param_shapes") or []) for n in group}
         buffers = set(first.get("buffer_names") or [])
         shared = first.get("shared_params") or {}
-        rel = models.get(0)
-        if rel is None:
+        model_rel = models.get(0)
+        if model_rel is None:
             return
         for name, value in module.items():
             if name in trainable or name in buffers or name in shared or not isinstance(value, _unpickle.TensorRef):
                 continue
             item = self.item(f"{name}.fp32", "master", value.dtype, value.shape)
-            item.pieces.append(_pt.tensor_piece(rel, value, rank=0))
+            item.pieces.append(_pt.tensor_piece(model_rel, value, rank=0))
 
     def shared(self, shared: dict[str, str]) -> None:
         """Tied weights: the alias gets the owner's master copy (DeepSpeed stores it once)."""

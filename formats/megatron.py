@@ -189,7 +189,7 @@ class MegatronDistAdapter:
         common: dict[str, Any] = {}
         if (path / "common.pt").is_file():
             archive, common, _ = _pt.load(path, "common.pt", ALLOWLIST)
-            archive.source.close()  # type: ignore[union-attr]
+            archive.close()
         for f in manifest.files:
             if f.path in ("metadata.json", "common.pt"):
                 f.role = "metadata"

@@ -72,7 +72,7 @@ class TorchSaveAdapter:
                     )
                     set_value(item, value)
         finally:
-            archive.source.close() if not isinstance(archive.source, bytes) else None
+            archive.close()
         manifest.step = find_step(manifest.items)
         return manifest
 

@@ -15,7 +15,7 @@ from ckpttool.errors import FormatNotRecognizedError, NotFoundError
 from ckpttool.formats.base import Adapter
 from ckpttool.manifest import Manifest
 
-_FIRST_PARTY = ("megatron", "deepspeed", "dcp", "safetensors", "torchsave")
+_FIRST_PARTY = ("megatron", "deepspeed", "rankshards", "dcp", "safetensors", "torchsave")
 
 
 def adapters() -> list[Adapter]:

@@ -64,8 +64,12 @@ def flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
     return out
 
 
-def _is_container_leaf(value: Any) -> bool:
-    return not any(isinstance(v, dict | list | tuple) or _is_tensor(v) for v in value)
+def is_container_leaf(value: Any) -> bool:
+    """Whether a list/tuple is a leaf value: it holds (at any depth) no mapping and no tensor."""
+    return not any(
+        isinstance(v, dict) or _is_tensor(v) or (isinstance(v, list | tuple) and not is_container_leaf(v))
+        for v in value
+    )
 
 
 def _is_tensor(value: Any) -> bool:
@@ -78,7 +82,7 @@ def _flatten(obj: Any, prefix: str, out: list[tuple[str, Any]]) -> None:
     if isinstance(obj, dict) and obj:
         for key, value in obj.items():
             _flatten(value, f"{prefix}.{key}" if prefix else str(key), out)
-    elif isinstance(obj, list | tuple) and obj and not _is_container_leaf(obj):
+    elif isinstance(obj, list | tuple) and obj and not is_container_leaf(obj):
         for i, value in enumerate(obj):
             _flatten(value, f"{prefix}.{i}" if prefix else str(i), out)
     else:

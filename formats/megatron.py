@@ -70,6 +70,14 @@ _TE_TO_LOCAL = {
 }
 
 
+def _is_dist_config(path: Path) -> bool:
+    """Whether ``path`` is megatron-core's dist_checkpointing ``metadata.json``."""
+    try:
+        return path.is_file() and "sharded_backend" in json.loads(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def _read_tracker(root: Path) -> Path:
     """The iteration directory a save directory's tracker file names."""
     text = (root / TRACKER).read_text().strip()
@@ -155,14 +163,14 @@ class MegatronDistAdapter:
     def _iter_dir(path: Path) -> Path | None:
         if not path.is_dir():
             return None
-        if (path / "metadata.json").is_file():
+        if _is_dist_config(path / "metadata.json"):
             return path
         if (path / TRACKER).is_file():
             try:
                 target = _read_tracker(path)
             except (CorruptFileError, IncompleteCheckpointError, OSError):
                 return None
-            return target if (target / "metadata.json").is_file() else None
+            return target if _is_dist_config(target / "metadata.json") else None
         return None
 
     def describe(self, path: Path) -> Manifest:

@@ -13,12 +13,18 @@ def flatten_nested(obj: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(obj, dict):
         for k, v in obj.items():
             out.update(flatten_nested(v, f"{prefix}.{k}" if prefix else str(k)))
-    elif isinstance(obj, list | tuple) and any(isinstance(v, dict | list | tuple | torch.Tensor) for v in obj):
+    elif isinstance(obj, list | tuple) and not _terminal(obj):
         for i, v in enumerate(obj):
             out.update(flatten_nested(v, f"{prefix}.{i}" if prefix else str(i)))
     else:
         out[prefix] = obj
     return out
+
+
+def _terminal(seq: list | tuple) -> bool:
+    # torch's _traverse rule: a sequence is a leaf unless it holds a mapping or tensor at any depth
+    return not any(isinstance(v, dict | torch.Tensor) or (isinstance(v, list | tuple) and not _terminal(v))
+                   for v in seq)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

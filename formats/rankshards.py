@@ -1,0 +1,213 @@
+"""Per-rank shard files written by hand-rolled trainers (``rankshards``).
+
+Recognised file layouts (one directory = one checkpoint):
+
+- ``shard_RRRRR.pt`` (often in ``step_NNNNNNNN/``, with an optional ``metadata.json`` holding
+  ``step`` and ``world_size``);
+- ``shard_RRRRR_of_NNNNN.pt``;
+- ``checkpoint_stepS_stageP.pt`` (pipeline stages, each with its own layers).
+
+Each file is a ``torch.save``'d dict. A tensor stored as ``{"local": t, "global_shape": [...],
+"global_offset": [...]}`` (also ``tensor``/``data`` and ``shape``/``offsets``) is one piece of the
+global tensor. A plain tensor saved under the same name by several ranks is one item with
+replicas, except RNG and dataloader state, which is per rank by nature: those items are named
+``<name>[rank=R]``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpttool import _unpickle
+from ckpttool.errors import CorruptFileError, IncompleteCheckpointError
+from ckpttool.formats import _pt
+from ckpttool.formats.base import Detection
+from ckpttool.geometry import Box
+from ckpttool.io import list_files
+from ckpttool.manifest import FileRecord, Item, Layout, Manifest
+from ckpttool.naming import classify
+from ckpttool.values import find_step, is_container_leaf, set_value
+
+ALLOWLIST: dict[tuple[str, str], Any] = {
+    **_unpickle.PLAIN,
+    **_unpickle.TORCH_TENSORS,
+    **_unpickle.numpy_arrays(),
+    **_unpickle.NAMESPACES,
+}
+_PATTERNS = [
+    re.compile(r"^shard_(?P<rank>\d+)_of_(?P<world>\d+)\.pt$"),
+    re.compile(r"^shard_(?P<rank>\d+)\.pt$"),
+    re.compile(r"^checkpoint_step(?P<step>\d+)_stage(?P<rank>\d+)\.pt$"),
+]
+_STEP_DIR = re.compile(r"^step_?(\d+)$")
+_LOCAL_KEYS = ("local", "tensor", "data")
+_SHAPE_KEYS = ("global_shape", "shape")
+_OFFSET_KEYS = ("global_offset", "offsets", "offset")
+_PER_RANK_KINDS = ("rng", "dataloader")
+
+
+@dataclass(frozen=True, slots=True)
+class _Sharded:
+    local: _unpickle.TensorRef
+    shape: tuple[int, ...]
+    offset: tuple[int, ...]
+
+
+def _sharded(value: Any) -> _Sharded | None:
+    if not isinstance(value, dict):
+        return None
+    local = next((value[k] for k in _LOCAL_KEYS if k in value), None)
+    shape = next((value[k] for k in _SHAPE_KEYS if k in value), None)
+    offset = next((value[k] for k in _OFFSET_KEYS if k in value), None)
+    if not isinstance(local, _unpickle.TensorRef) or shape is None or offset is None:
+        return None
+    if not (
+        isinstance(shape, list | tuple)
+        and isinstance(offset, list | tuple)
+        and len(shape) == len(offset) == len(local.shape)
+        and all(isinstance(v, int) and v >= 0 for v in (*shape, *offset))
+    ):
+        return None
+    return _Sharded(local, tuple(shape), tuple(offset))
+
+
+def _walk(obj: Any, prefix: str, out: list[tuple[str, Any]]) -> None:
+    sharded = _sharded(obj)
+    if sharded is not None:
+        out.append((prefix, sharded))
+    elif isinstance(obj, dict) and obj:
+        for k, v in obj.items():
+            _walk(v, f"{prefix}.{k}" if prefix else str(k), out)
+    elif isinstance(obj, list | tuple) and obj and not is_container_leaf(obj):
+        for i, v in enumerate(obj):
+            _walk(v, f"{prefix}.{i}" if prefix else str(i), out)
+    else:
+        out.append((prefix, obj))
+
+
+def _match(name: str) -> re.Match[str] | None:
+    for pattern in _PATTERNS:
+        m = pattern.match(name)
+        if m:
+            return m
+    return None
+
+
+class RankShardsAdapter:
+    name = "rankshards"
+
+    def detect(self, path: Path) -> Detection:
+        if not path.is_dir():
+            return Detection(False, "not a directory")
+        shards = [p.name for p in path.iterdir() if _match(p.name)]
+        if shards:
+            return Detection(True, f"found per-rank shard files ({shards[0]}, ...)")
+        return Detection(False, "no shard_<rank>.pt, shard_<rank>_of_<n>.pt or checkpoint_step<s>_stage<p>.pt")
+
+    def describe(self, path: Path) -> Manifest:
+        manifest = Manifest(root=str(path), format=self.name)
+        meta: dict[str, Any] = {}
+        shards: dict[int, str] = {}
+        world: int | None = None
+        step: int | None = None
+        for rel, size in list_files(path):
+            m = _match(rel)
+            if m is None:
+                manifest.files.append(
+                    FileRecord(path=rel, size=size, role="metadata" if rel == "metadata.json" else "aux")
+                )
+                continue
+            rank = int(m.group("rank"))
+            if rank in shards:
+                raise CorruptFileError(f"{rel} and {shards[rank]} both claim rank {rank}", path=rel)
+            shards[rank] = rel
+            manifest.files.append(FileRecord(path=rel, size=size, role="data", ranks=[rank]))
+            if "world" in m.groupdict():
+                world = int(m.group("world"))
+            if "step" in m.groupdict():
+                step = int(m.group("step"))
+        if (path / "metadata.json").is_file():
+            try:
+                meta = json.loads((path / "metadata.json").read_text())
+            except (OSError, ValueError) as exc:
+                raise CorruptFileError(f"metadata.json: not readable JSON ({exc})", path="metadata.json") from None
+            if isinstance(meta.get("world_size"), int):
+                world = meta["world_size"]
+            if isinstance(meta.get("step"), int):
+                step = meta["step"]
+        if world is not None:
+            missing = sorted(set(range(world)) - set(shards))
+            if missing:
+                raise IncompleteCheckpointError(
+                    f"{path}: {len(missing)} of {world} rank shards missing "
+                    f"(ranks {', '.join(map(str, missing[:12]))})",
+                    hint="a rank did not finish saving or its file was deleted; use another checkpoint",
+                    path=str(path),
+                )
+        for rank, rel in sorted(shards.items()):
+            archive, obj, _ = _pt.load(path, rel, ALLOWLIST)
+            archive.close()
+            leaves: list[tuple[str, Any]] = []
+            _walk(obj if isinstance(obj, dict) else {"value": obj}, "", leaves)
+            for name, value in leaves:
+                self._add(manifest, name, value, rel, rank)
+        if step is None:
+            m = _STEP_DIR.match(path.name)
+            step = int(m.group(1)) if m else find_step(manifest.items)
+        manifest.step = step
+        manifest.layout = Layout(world_size=world or len(shards))
+        return manifest
+
+    @staticmethod
+    def _add(manifest: Manifest, name: str, value: Any, rel: str, rank: int) -> None:
+        if isinstance(value, _Sharded):
+            ref = value.local
+            box = Box(value.offset, ref.shape)
+            if not box.within(value.shape):
+                raise CorruptFileError(
+                    f"{rel}: {name} local shard {list(ref.shape)} at {list(value.offset)} lies "
+                    f"outside its global shape {list(value.shape)}",
+                    path=rel,
+                )
+            item = manifest.items.get(name) or manifest.add(
+                Item(name=name, kind=classify(name, is_tensor=True), dtype=ref.dtype, shape=value.shape)
+            )
+            if item.dtype != ref.dtype or item.shape != value.shape:
+                raise CorruptFileError(
+                    f"{rel}: {name} is {ref.dtype}{list(value.shape)} here, {item.dtype}"
+                    f"{list(item.shape or ())} on another rank",
+                    path=rel,
+                )
+            same = sum(1 for p in item.pieces if p.box == box)
+            item.pieces.append(_pt.tensor_piece(rel, ref, box=box, rank=rank, replica=same))
+            return
+        is_tensor = isinstance(value, _unpickle.TensorRef)
+        kind = classify(name, is_tensor=is_tensor)
+        key = f"{name}[rank={rank}]" if kind in _PER_RANK_KINDS else name
+        if is_tensor:
+            item = manifest.items.get(key)
+            if item is None:
+                item = manifest.add(Item(name=key, kind=kind, dtype=value.dtype, shape=value.shape))
+            elif item.dtype != value.dtype or item.shape != value.shape:
+                raise CorruptFileError(
+                    f"{rel}: {name} is {value.dtype}{list(value.shape)} here but "
+                    f"{item.dtype}{list(item.shape or ())} on another rank, and has no sharding spec",
+                    path=rel,
+                )
+            item.pieces.append(_pt.tensor_piece(rel, value, rank=rank, replica=len(item.pieces)))
+        else:
+            item = manifest.items.get(key)
+            if item is None:
+                item = manifest.add(Item(name=key, kind=kind))
+                set_value(item, value)
+            item.pieces.append(_pt.object_piece(rel, name, rank=rank, replica=len(item.pieces)))
+
+    def reader(self, manifest: Manifest) -> _pt.PtReader:
+        return _pt.PtReader(manifest, ALLOWLIST)
+
+
+ADAPTER = RankShardsAdapter()

@@ -88,6 +88,29 @@ def _tag_dir(path: Path) -> tuple[Path, Path]:
     return path.parent, path
 
 
+def _zero0_names(first: dict[str, Any], groups: list[Any], state: dict[Any, Any]) -> dict[Any, str] | None:
+    """Parameter names for a ZeRO-0 torch optimizer state, which keeps only indices: each group's
+    parameters are taken in module order, matched by the moments' shapes. None if they don't fit."""
+    module = first.get("module") or {}
+    skip = set(first.get("buffer_names") or []) | set((first.get("shared_params") or {}).keys())
+    order = [(n, v.shape) for n, v in module.items() if n not in skip and isinstance(v, _unpickle.TensorRef)]
+    taken: set[str] = set()
+    names: dict[Any, str] = {}
+    for group in groups:
+        pos = 0
+        for pid in group.get("params") or []:
+            moment = (state.get(pid) or {}).get("exp_avg")
+            shape = moment.shape if isinstance(moment, _unpickle.TensorRef) else None
+            while pos < len(order) and (order[pos][0] in taken or (shape is not None and order[pos][1] != shape)):
+                pos += 1
+            if pos == len(order):
+                return None
+            names[pid] = order[pos][0]
+            taken.add(order[pos][0])
+            pos += 1
+    return names
+
+
 def _is_universal(path: Path) -> bool:
     zero = path / "zero"
     return zero.is_dir() and any((d / "fp32.pt").is_file() for d in zero.iterdir() if d.is_dir())
@@ -109,11 +132,18 @@ class DeepSpeedAdapter:
             return Detection(True, "found a DeepSpeed 'latest' tag file")
         if _is_tag_dir(path):
             return Detection(True, "found *_model_states.pt files")
-        if _is_universal(path):
+        if _is_universal(path) or (path / "latest_universal").is_file():
             return Detection(True, "found a universal checkpoint (zero/<param>/fp32.pt)")
         return Detection(False, "no 'latest' file and no *_model_states.pt")
 
     def describe(self, path: Path) -> Manifest:
+        if (path / "latest_universal").is_file() and not (path / "latest").is_file():
+            tag = (path / "latest_universal").read_text().strip()
+            if not tag or "/" in tag or tag in (".", "..") or not (path / tag).is_dir():
+                raise IncompleteCheckpointError(
+                    f"latest_universal names {tag[:60]!r}, which is not a directory in {path}", path="latest_universal"
+                )
+            path = path / tag
         if _is_universal(path) and not (path / "latest").is_file():
             return self._describe_universal(path)
         save_dir, tag_dir = _tag_dir(path)
@@ -174,15 +204,7 @@ class DeepSpeedAdapter:
         )
         # module weights
         if layers:
-            for (layer, tp_rank), rel in sorted(layers.items()):
-                for name, value in flatten(files[rel]):
-                    b.tensor_or_object(
-                        f"{layer}.{name}" if tp == 1 else f"{layer}.{name}[tp={tp_rank}]",
-                        value,
-                        rel,
-                        "param",
-                        rank=None,
-                    )
+            b.layers(layers)
         for mp, rel in sorted(models.items()):
             module = files[rel].get("module")
             if isinstance(module, dict) and mp == 0:
@@ -208,7 +230,7 @@ class DeepSpeedAdapter:
         if stage == 0 and not optims:
             opt = first_model.get("optimizer")
             if isinstance(opt, dict):
-                b.zero0(opt, models[min(models)], first_model.get("param_shapes") or [])
+                b.zero0(opt, models[min(models)], first_model)
         b.frozen(stage, models, z3_models, first_model)
         b.shared(first_model.get("shared_params") or {})
         b.common(first_model, models.get(0) or z3_models[min(z3_models)])
@@ -337,11 +359,35 @@ class _Builder:
             for state, ref in refs.items():
                 kind: Kind = "master" if state == "fp32" else "optim"
                 item = self.item(f"{param}.{state}", kind, ref.dtype, shape)
+                # a copy of a range already placed (layers that a TP axis of the topology does not
+                # slice) is a replica
+                same = sum(1 for p in item.pieces if p.flat == (local, numel))
                 item.pieces.append(
                     _pt.tensor_piece(
-                        osd_rel, ref, box=Box.whole(shape), start=start, numel=numel, flat=(local, numel), rank=dp
+                        osd_rel,
+                        ref,
+                        box=Box.whole(shape),
+                        start=start,
+                        numel=numel,
+                        flat=(local, numel),
+                        rank=dp,
+                        replica=same,
                     )
                 )
+
+    def layers(self, layers: dict[tuple[int, int], str]) -> None:
+        """Pipeline layer files: parameters named ``<layer>.<name>`` (DeepSpeed's own spelling).
+        Copies from several ranks of a TP axis are replicas when their shapes agree; DeepSpeed
+        records no split rule, so differing shapes keep one item per rank, ``<name>[tp=R]``."""
+        by_name: dict[str, list[tuple[int, str, Any]]] = defaultdict(list)
+        for (layer, tp_rank), rel in sorted(layers.items()):
+            for name, value in flatten(self.files[rel]):
+                by_name[f"{layer}.{name}"].append((tp_rank, rel, value))
+        for name, copies in by_name.items():
+            shapes = {v.shape for _, _, v in copies if isinstance(v, _unpickle.TensorRef)}
+            for tp_rank, rel, value in copies:
+                key = name if len(shapes) <= 1 else f"{name}[tp={tp_rank}]"
+                self.tensor_or_object(key, value, rel, "param", rank=None, path=name.split(".", 1)[1])
 
     def zero12(self, per_rank: list[tuple[int, str]], shapes: list[Any]) -> None:
         consumed: dict[str, int] = defaultdict(int)
@@ -420,22 +466,32 @@ class _Builder:
             for s in range(len(flats)):
                 self.group_objects(rel, dp, s, inner, state.get(s) or {}, "optimizer_state_dict.optimizer_state_dict")
 
-    def zero0(self, opt: dict[str, Any], rel: str, shapes: list[Any]) -> None:
-        """ZeRO off: the whole torch optimizer state dict sits in the model-states file."""
-        state = opt.get("state") or {}
-        groups = opt.get("param_groups") or []
+    def zero0(self, opt: dict[str, Any], rel: str, first: dict[str, Any]) -> None:
+        """ZeRO off: the whole torch optimizer state dict sits in the model-states file (inside
+        ``optimizer_state_dict`` with ``fp32_groups`` masters for the fp16/bf16 optimizer)."""
+        inner = opt.get("optimizer_state_dict") if isinstance(opt.get("optimizer_state_dict"), dict) else opt
+        base_path = "optimizer.optimizer_state_dict" if inner is not opt else "optimizer"
+        state = inner.get("state") or {}
+        groups = inner.get("param_groups") or []
+        names = _zero0_names(first, groups, state)
+        if names is not None:
+            self.m.extras["optimizer_names"] = "inferred from module parameter order and shapes (ZeRO-0 keeps none)"
+        masters = opt.get("fp32_groups") if isinstance(opt.get("fp32_groups"), list) else None
         for g, group in enumerate(groups):
-            names = list(shapes[g]) if g < len(shapes) else []
             for i, pid in enumerate(group.get("params") or []):
-                param = names[i] if i < len(names) else f"param{pid}"
+                param = names.get(pid, f"param{pid}") if names is not None else f"param{pid}"
                 for k, v in (state.get(pid) or {}).items():
-                    if k == "step":
-                        continue
-                    if isinstance(v, _unpickle.TensorRef):
+                    if k != "step" and isinstance(v, _unpickle.TensorRef):
                         item = self.item(f"{param}.{k}", "optim", v.dtype, v.shape)
                         item.pieces.append(_pt.tensor_piece(rel, v, rank=0))
-            first = (state.get((group.get("params") or [None])[0]) or {}) if group.get("params") else {}
-            self.group_objects(rel, 0, g, opt, first, "optimizer")
+                if masters is not None and g < len(masters) and i < len(masters[g]):
+                    ref = masters[g][i]
+                    if isinstance(ref, _unpickle.TensorRef):
+                        self.item(f"{param}.fp32", "master", ref.dtype, ref.shape).pieces.append(
+                            _pt.tensor_piece(rel, ref, rank=0)
+                        )
+            params = group.get("params") or []
+            self.group_objects(rel, 0, g, inner, (state.get(params[0]) or {}) if params else {}, base_path)
 
     def group_objects(
         self, rel: str, dp: int, g: int, base: dict[str, Any], gstate: dict[str, Any], base_path: str
@@ -461,6 +517,8 @@ class _Builder:
                     set_value(item, v)
 
     def frozen(self, stage: int, models: dict[int, str], z3_models: dict[tuple[int, int], str], first: Any) -> None:
+        if first.get("param_shapes") is None:  # ZeRO off: no partitioned optimizer, nothing is frozen apart
+            return
         shapes = first.get("frozen_param_shapes") or {}
         if stage == 3 and shapes:
             ranks = sorted(dp for dp, mp in z3_models if mp == 0)

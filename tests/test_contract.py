@@ -48,7 +48,11 @@ def test_manifest_json_round_trip(path):
     assert Manifest.from_json_dict(data) == m
 
 
-ALL_FIXTURES = [FIXTURES / "dcp" / n for n in DCP_FIXTURES] + [
+DS_FIXTURES = ["zero0", "zero1", "zero2", "zero2_bf16", "zero3", "bf16_zero0", "bf16_optimizer", "pipeline", "universal"]
+ALL_FIXTURES = [FIXTURES / "dcp" / n for n in DCP_FIXTURES] + [FIXTURES / "deepspeed" / n for n in DS_FIXTURES] + [
+    FIXTURES / "rankshards" / "tp_manual" / "step_00000003",
+    FIXTURES / "rankshards" / "ddp",
+    FIXTURES / "rankshards" / "pipeline",
     FIXTURES / "dcp" / "fsdp2_hf" / "sharded",
     FIXTURES / "dcp" / "fsdp2_hf",
     FIXTURES / "safetensors" / "model.safetensors",
@@ -62,7 +66,8 @@ EXPECTED = {"dcp/fsdp2_hf": "safetensors", "safetensors/model.safetensors": "saf
 @pytest.mark.parametrize("path", ALL_FIXTURES, ids=lambda p: str(p.relative_to(FIXTURES)))
 def test_exactly_one_adapter_claims_each_fixture(path):
     claims = [a.name for a in registry.adapters() if a.detect(path).matches]
-    expected = EXPECTED.get(str(path.relative_to(FIXTURES)), "dcp")
+    rel = str(path.relative_to(FIXTURES))
+    expected = EXPECTED.get(rel) or rel.split("/")[0]
     assert claims == [expected]
 
 

@@ -114,6 +114,7 @@ def _mem_format(value: Any) -> int:
 
 
 _DCP = "torch.distributed.checkpoint.metadata"
+_PLANNER = "torch.distributed.checkpoint.planner"
 METADATA_ALLOWLIST: dict[tuple[str, str], Any] = {
     **_unpickle.PLAIN,
     (_DCP, "Metadata"): _Metadata,
@@ -134,8 +135,12 @@ METADATA_ALLOWLIST: dict[tuple[str, str], Any] = {
     ("pathlib._local", "PosixPath"): _path,
     ("pathlib._local", "WindowsPath"): _path,
     **{("torch", name): _unpickle.TorchDType(dt.name) for name, dt in BY_NAME.items()},
+    # megatron-core's planner keeps every rank's save plan in the metadata (``all_local_plans``)
+    **{(_PLANNER, n): _unpickle.record(f"{_PLANNER}.{n}") for n in ("SavePlan", "WriteItem", "TensorWriteData")},
+    (_PLANNER, "WriteItemType"): _unpickle.enum(f"{_PLANNER}.WriteItemType"),
 }
-"""Every global a torch 2.x ``FileSystemWriter`` puts in ``.metadata`` (research/dcp.md §4)."""
+"""Every global a torch 2.x ``FileSystemWriter`` puts in ``.metadata`` (research/dcp.md §4), plus the
+save-plan records megatron-core's planner adds."""
 
 OBJECT_ALLOWLIST: dict[tuple[str, str], Any] = {**_unpickle.PLAIN, **_unpickle.TORCH_TENSORS}
 """Globals allowed in bytes items: plain Python values (and tensors inside them)."""
@@ -162,6 +167,10 @@ def _load_metadata(root: Path, name: str) -> _Metadata:
 
 class DcpAdapter:
     name = "dcp"
+
+    def __init__(self, object_allow: dict[tuple[str, str], Any] | None = None) -> None:
+        # formats built on DCP (megatron-core's torch_dist) keep richer objects in bytes items
+        self.object_allow = object_allow or OBJECT_ALLOWLIST
 
     def detect(self, path: Path) -> Detection:
         if not path.is_dir():
@@ -436,10 +445,16 @@ class DcpAdapter:
                     item.error = exc.message
 
     def reader(self, manifest: Manifest) -> DcpReader:
-        return DcpReader(manifest)
+        return DcpReader(manifest, self.object_allow)
 
 
 class DcpReader(PieceReader):
+    _last: tuple[tuple[str, int], np.ndarray] | None = None
+
+    def __init__(self, manifest: Manifest, object_allow: dict[tuple[str, str], Any] | None = None) -> None:
+        super().__init__(manifest)
+        self.object_allow = object_allow or OBJECT_ALLOWLIST
+
     def _archive(self, piece: Piece) -> _torchzip.Archive:
         f = self.files.get(piece.file)
         loc = piece.locator
@@ -452,10 +467,8 @@ class DcpReader(PieceReader):
                 data = zstandard.ZstdDecompressor().decompressobj().decompress(raw)
             except zstandard.ZstdError as exc:
                 raise CorruptFileError(f"{display}: zstd frame does not decode ({exc})", path=piece.file) from None
-            return _torchzip.Archive(data, display=display, allow=OBJECT_ALLOWLIST)
-        return _torchzip.Archive(f, base=loc["offset"], length=loc["length"], display=display, allow=OBJECT_ALLOWLIST)
-
-    _last: tuple[tuple[str, int], np.ndarray] | None = None
+            return _torchzip.Archive(data, display=display, allow=self.object_allow)
+        return _torchzip.Archive(f, base=loc["offset"], length=loc["length"], display=display, allow=self.object_allow)
 
     def read(self, piece: Piece, item: Item, out: np.ndarray | None = None) -> np.ndarray:
         if "begin" in piece.locator:  # HuggingFaceStorageWriter shard

@@ -469,7 +469,8 @@ class _Builder:
     def zero0(self, opt: dict[str, Any], rel: str, first: dict[str, Any]) -> None:
         """ZeRO off: the whole torch optimizer state dict sits in the model-states file (inside
         ``optimizer_state_dict`` with ``fp32_groups`` masters for the fp16/bf16 optimizer)."""
-        inner = opt.get("optimizer_state_dict") if isinstance(opt.get("optimizer_state_dict"), dict) else opt
+        nested = opt.get("optimizer_state_dict")
+        inner: dict[str, Any] = nested if isinstance(nested, dict) else opt
         base_path = "optimizer.optimizer_state_dict" if inner is not opt else "optimizer"
         state = inner.get("state") or {}
         groups = inner.get("param_groups") or []

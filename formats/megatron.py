@@ -21,9 +21,9 @@ from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection
 from ckpttool.formats.dcp import DcpAdapter, DcpReader
 from ckpttool.geometry import Box
-from ckpttool.manifest import Item, Layout, Manifest, Piece
+from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece
 from ckpttool.naming import classify
-from ckpttool.values import plain_value
+from ckpttool.values import flatten, plain_value, set_value
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
@@ -187,7 +187,7 @@ class MegatronDistAdapter:
                 hint="re-save with --ckpt-format torch_dist",
                 path="metadata.json",
             )
-        base = DcpAdapter().describe(path)
+        base = DcpAdapter(object_allow=ALLOWLIST).describe(path)
         manifest = Manifest(
             root=str(path),
             format=self.name,
@@ -242,7 +242,7 @@ class MegatronDistAdapter:
 
 class MegatronDistReader(DcpReader):
     def __init__(self, manifest: Manifest) -> None:
-        super().__init__(manifest)
+        super().__init__(manifest, ALLOWLIST)
         self._pt = _pt.PtReader(manifest, ALLOWLIST)
 
     def read_object(self, item: Item) -> Any:
@@ -315,4 +315,330 @@ def _rename(item: Item, local_spec: bool) -> None:
             item.kind = classify(param, is_tensor=True)
 
 
+# -- legacy (--ckpt-format torch) -------------------------------------------------------------------
+
+_MP_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+_LAYER = re.compile(r"^(?P<pre>(?:.*\.)?(?:decoder|encoder)\.layers\.)(?P<i>\d+)(?P<rest>\..*)$")
+_COLUMN = (
+    "linear_qkv.weight",
+    "linear_qkv.bias",
+    "word_embeddings.weight",
+    "output_layer.weight",
+    "query_key_value.weight",
+    "query_key_value.bias",
+    "linear_q_proj.weight",
+    "linear_q_up_proj.weight",
+    "linear_kv_up_proj.weight",
+)
+_GATED = ("linear_fc1.weight", "linear_fc1.bias", "dense_h_to_4h.weight", "dense_h_to_4h.bias")
+_ROW = ("linear_proj.weight", "linear_fc2.weight", "dense.weight", "dense_4h_to_h.weight")
+
+
+def split_rule(name: str, *, gated: bool) -> tuple[str, int | None]:
+    """How tensor parallelism splits parameter ``name``: ``("column", 0)``, ``("row", 1)``,
+    ``("gated", 0)`` (SwiGLU fc1: each rank holds ``[gate_r; up_r]``) or ``("replicated", None)``
+    (research/megatron.md §7)."""
+    if name.endswith(_GATED):
+        return ("gated", 0) if gated else ("column", 0)
+    if name.endswith(_COLUMN):
+        return "column", 0
+    if name.endswith(_ROW) and not name.endswith("layernorm.weight"):
+        return "row", 1
+    return "replicated", None
+
+
+def _layer_offset(args: Any, pp_rank: int, vp: int) -> int:
+    """Global index of the first layer a (pipeline rank, virtual chunk) holds."""
+    layers = int(getattr(args, "num_layers", 0) or 0)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+    first = getattr(args, "decoder_first_pipeline_num_layers", None)
+    last = getattr(args, "decoder_last_pipeline_num_layers", None)
+    if vpp == 1 and (first or last):
+        middle_ranks = pp - (1 if first else 0) - (1 if last else 0)
+        rest = layers - (first or 0) - (last or 0)
+        per = rest // middle_ranks if middle_ranks else 0
+        if pp_rank == 0:
+            return 0
+        return (first if first else per) + (pp_rank - 1) * per
+    per_chunk = layers // (pp * vpp)
+    return vp * (layers // vpp) + pp_rank * per_chunk
+
+
+def _match_param_ids(
+    order: list[tuple[str, tuple[int, ...]]], groups: list[Any], state: dict[Any, Any]
+) -> dict[Any, tuple[str, int, int]] | None:
+    """Optimizer indices -> (name, group, position): each group takes its parameters in module
+    order (how Megatron and DeepSpeed build param groups), matched by the moments' shapes."""
+    taken: set[str] = set()
+    out: dict[Any, tuple[str, int, int]] = {}
+    for g, group in enumerate(groups):
+        pos = 0
+        for i, pid in enumerate(group.get("params") or []):
+            moment = (state.get(pid) or {}).get("exp_avg")
+            shape = moment.shape if isinstance(moment, _unpickle.TensorRef) else None
+            while pos < len(order) and (order[pos][0] in taken or (shape is not None and order[pos][1] != shape)):
+                pos += 1
+            if pos == len(order):
+                return None
+            out[pid] = (order[pos][0], g, i)
+            taken.add(order[pos][0])
+            pos += 1
+    return out
+
+
+class MegatronLegacyAdapter:
+    """``iter_NNNNNNN/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` (``--ckpt-format torch``)."""
+
+    name = "megatron"
+
+    def detect(self, path: Path) -> Detection:
+        if not path.is_dir():
+            return Detection(False, "not a directory")
+        if (path / TRACKER).is_file():
+            try:
+                target = _read_tracker(path)
+            except (CorruptFileError, IncompleteCheckpointError):
+                return Detection(True, f"found {TRACKER} (naming a missing or bad iteration)")
+            if _is_dist_config(target / "metadata.json"):
+                return Detection(False, "a torch_dist checkpoint (read as megatron-dist)")
+            return Detection(True, f"found {TRACKER}")
+        if any(_MP_DIR.match(p.name) for p in path.iterdir() if p.is_dir()):
+            return Detection(True, "found mp_rank_* directories")
+        return Detection(False, f"no {TRACKER} and no mp_rank_* directories")
+
+    def describe(self, path: Path) -> Manifest:
+        root = path
+        if (path / TRACKER).is_file():
+            it_dir = _read_tracker(path)
+            prefix = f"{it_dir.name}/"
+        else:
+            it_dir, prefix = path, ""
+        dirs = sorted(p.name for p in it_dir.iterdir() if p.is_dir() and _MP_DIR.match(p.name))
+        if not dirs:
+            raise IncompleteCheckpointError(f"{it_dir}: no mp_rank_* directories", path=str(it_dir))
+        manifest = Manifest(root=str(root), format=self.name)
+        objs: dict[str, Any] = {}
+        for d in dirs:
+            rel = f"{prefix}{d}/model_optim_rng.pt"
+            if not (root / rel).is_file():
+                raise IncompleteCheckpointError(f"{rel} is missing", path=rel)
+            archive, obj, _ = _pt.load(root, rel, ALLOWLIST)
+            archive.close()
+            if not isinstance(obj, dict):
+                raise CorruptFileError(f"{rel}: expected a dict, found {type(obj).__name__}", path=rel)
+            objs[d] = obj
+        args = next((o.get("args") for o in objs.values() if o.get("args") is not None), None)
+        if args is None:
+            raise CorruptFileError(
+                f"{it_dir}: no 'args' in any model_optim_rng.pt; TP/PP cannot be known", path=str(it_dir)
+            )
+        layout = _args_layout(args)
+        tp, pp, ep = layout.tp or 1, layout.pp or 1, layout.ep or 1
+        ranks: dict[str, tuple[int, int, int]] = {}
+        for d in dirs:
+            m = _MP_DIR.match(d)
+            assert m is not None
+            a, b, c = int(m.group(1)), m.group(2), m.group(3)
+            if pp > 1:
+                ranks[d] = (a, int(b or 0), int(c or 0))
+            else:
+                ranks[d] = (a, 0, int(b or 0))
+        expected = {(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
+        missing = sorted(expected - set(ranks.values()))
+        if missing:
+            names = [
+                f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+                for t, p, e in missing
+            ]
+            raise IncompleteCheckpointError(
+                f"{it_dir}: args say TP={tp} PP={pp} EP={ep} but {len(missing)} rank directories are missing: "
+                + ", ".join(names[:8]),
+                hint="a rank did not save or the directory was deleted; use another iteration",
+                path=str(it_dir),
+            )
+        gated = bool(getattr(args, "swiglu", False) or getattr(args, "gated_linear_unit", False))
+        for f_rel, size in ((r, s) for r, s in _list(root, prefix, dirs)):
+            manifest.files.append(FileRecord(path=f_rel, size=size, role="data" if f_rel.endswith(".pt") else "aux"))
+        if prefix:
+            manifest.files.append(FileRecord(path=TRACKER, size=(root / TRACKER).stat().st_size, role="tracker"))
+        for d in dirs:
+            self._rank(manifest, objs[d], f"{prefix}{d}/model_optim_rng.pt", ranks[d], args, tp, gated)
+        first = objs[dirs[0]]
+        for key, kind in (
+            ("iteration", "counter"),
+            ("checkpoint_version", "object"),
+            ("num_floating_point_operations_so_far", "object"),
+        ):
+            if key in first:
+                item = manifest.add(
+                    Item(
+                        name=key,
+                        kind=kind,  # type: ignore[arg-type]
+                        pieces=[_pt.object_piece(f"{prefix}{dirs[0]}/model_optim_rng.pt", key)],
+                    )
+                )
+                set_value(item, first[key])
+        sched = first.get("opt_param_scheduler") or first.get("lr_scheduler")
+        if isinstance(sched, dict):
+            for k, v in sched.items():
+                item = manifest.add(
+                    Item(
+                        name=f"opt_param_scheduler.{k}",
+                        kind="scheduler",
+                        pieces=[_pt.object_piece(f"{prefix}{dirs[0]}/model_optim_rng.pt", f"opt_param_scheduler.{k}")],
+                    )
+                )
+                set_value(item, v)
+        it = first.get("iteration")
+        manifest.step = it if isinstance(it, int) else None
+        manifest.layout = layout
+        manifest.layout.world_size = layout.world_size or tp * pp * ep * (layout.dp or 1)
+        manifest.extras["args"] = _args_extras(args)
+        manifest.extras["iteration_dir"] = it_dir.name
+        if any((root / f"{prefix}{d}/distrib_optim.pt").is_file() for d in dirs):
+            manifest.extras["distrib_optim"] = (
+                "distrib_optim.pt present: the distributed optimizer's bucket-space state is not decoded yet"
+            )
+        return manifest
+
+    def _rank(
+        self,
+        manifest: Manifest,
+        obj: dict[str, Any],
+        rel: str,
+        rank: tuple[int, int, int],
+        args: Any,
+        tp: int,
+        gated: bool,
+    ) -> None:
+        t, p, _e = rank
+        chunks = (
+            [(0, obj["model"])]
+            if isinstance(obj.get("model"), dict)
+            else [(int(k[5:]), v) for k, v in obj.items() if re.fullmatch(r"model\d+", k) and isinstance(v, dict)]
+        )
+        global_names: dict[str, str] = {}
+        order: list[tuple[str, tuple[int, ...]]] = []
+        for vp, model in chunks:
+            offset = _layer_offset(args, p, vp)
+            for local, value in flatten(model):
+                m = _LAYER.match(local)
+                name = f"{m['pre']}{int(m['i']) + offset}{m['rest']}" if m else local
+                global_names[local] = name
+                if isinstance(value, _unpickle.TensorRef):
+                    self._place(manifest, name, value, rel, t, tp, gated, kind="param")
+                    order.append((name, value.shape))
+                elif name.endswith("_extra_state"):
+                    item = manifest.items.get(name) or manifest.add(Item(name=name, kind="object"))
+                    if not item.pieces:
+                        set_value(item, value)
+                    path = f"model.{local}" if len(chunks) == 1 else f"model{vp}.{local}"
+                    item.pieces.append(_pt.object_piece(rel, path, rank=t, replica=len(item.pieces)))
+        opt = obj.get("optimizer")
+        if isinstance(opt, dict) and isinstance(opt.get("optimizer"), dict):
+            inner = opt["optimizer"]
+            state = inner.get("state") or {}
+            groups = inner.get("param_groups") or []
+            ids = _match_param_ids(order, groups, state)
+            if ids is None:
+                raise CorruptFileError(f"{rel}: optimizer state does not match the model's parameters", path=rel)
+            masters = opt.get("fp32_from_fp16_params")
+            for pid, (name, g, i) in ids.items():
+                for key, value in (state.get(pid) or {}).items():
+                    if key in ("exp_avg", "exp_avg_sq") and isinstance(value, _unpickle.TensorRef):
+                        self._place(manifest, f"{name}.{key}", value, rel, t, tp, gated, kind="optim", param=name)
+                if isinstance(masters, list) and g < len(masters) and i < len(masters[g]):
+                    ref = masters[g][i]
+                    if isinstance(ref, _unpickle.TensorRef):
+                        self._place(manifest, f"{name}.fp32", ref, rel, t, tp, gated, kind="master", param=name)
+        rng = obj.get("rng_state")
+        if isinstance(rng, list):
+            for name, value in flatten(rng, "rng_state"):
+                key = f"{name}[tp={t},pp={p}]"
+                if isinstance(value, _unpickle.TensorRef):
+                    manifest.add(
+                        Item(
+                            name=key,
+                            kind="rng",
+                            dtype=value.dtype,
+                            shape=value.shape,
+                            pieces=[_pt.tensor_piece(rel, value, rank=t)],
+                        )
+                    )
+                else:
+                    item = manifest.add(Item(name=key, kind="rng", pieces=[_pt.object_piece(rel, name, rank=t)]))
+                    set_value(item, value)
+
+    @staticmethod
+    def _place(
+        manifest: Manifest,
+        name: str,
+        ref: _unpickle.TensorRef,
+        rel: str,
+        t: int,
+        tp: int,
+        gated: bool,
+        *,
+        kind: Any,
+        param: str | None = None,
+    ) -> None:
+        rule, dim = split_rule(param or name, gated=gated)
+        local = ref.shape
+        boxes: list[tuple[Box, int, int | None]]
+        if rule == "replicated" or tp == 1:
+            shape = local
+            boxes = [(Box.whole(local), 0, None)]
+        elif rule in ("column", "row"):
+            assert dim is not None
+            shape = tuple(n * tp if d == dim else n for d, n in enumerate(local))
+            offsets = tuple(t * local[d] if d == dim else 0 for d in range(len(local)))
+            boxes = [(Box(offsets, local), 0, None)]
+        else:  # gated: [gate_r; up_r] -> rows r*h of the gates and tp*h + r*h of the ups
+            half = local[0] // 2
+            shape = (local[0] * tp, *local[1:])
+            rest = (0,) * (len(local) - 1)
+            sub = (half, *local[1:])
+            boxes = [(Box((t * half, *rest), sub), 0, 0), (Box((tp * half + t * half, *rest), sub), half, 1)]
+        item = manifest.items.get(name)
+        if item is None:
+            item = manifest.add(
+                Item(
+                    name=name,
+                    kind=kind if kind != "param" else classify(name, is_tensor=True),
+                    dtype=ref.dtype,
+                    shape=shape,
+                )
+            )
+        elif item.shape != shape or item.dtype != ref.dtype:
+            raise CorruptFileError(
+                f"{rel}: {name} is {ref.dtype}{list(local)} here, inconsistent with "
+                f"{item.dtype}{list(item.shape or ())} from other ranks",
+                path=rel,
+            )
+        for box, row0, _half in boxes:
+            same = sum(1 for p in item.pieces if p.box == box)
+            if row0 or box.sizes != local:
+                # one half of the local rows: the same strided view, starting row0 rows in
+                view = _unpickle.TensorRef(
+                    ref.storage, ref.storage_offset + row0 * ref.stride[0], box.sizes, ref.stride, ref.dtype
+                )
+                item.pieces.append(_pt.tensor_piece(rel, view, box=box, rank=t, replica=same))
+            else:
+                item.pieces.append(_pt.tensor_piece(rel, ref, box=box, rank=t, replica=same))
+
+    def reader(self, manifest: Manifest) -> _pt.PtReader:
+        return _pt.PtReader(manifest, ALLOWLIST)
+
+
+def _list(root: Path, prefix: str, dirs: list[str]) -> list[tuple[str, int]]:
+    out = []
+    for d in dirs:
+        for p in sorted((root / prefix / d).iterdir()):
+            if p.is_file():
+                out.append((f"{prefix}{d}/{p.name}", p.stat().st_size))
+    return out
+
+
 ADAPTER = MegatronDistAdapter()
+ADAPTERS = [MegatronDistAdapter(), MegatronLegacyAdapter()]

@@ -188,11 +188,13 @@ class RankShardsAdapter:
         is_tensor = isinstance(value, _unpickle.TensorRef)
         kind = classify(name, is_tensor=is_tensor)
         key = f"{name}[rank={rank}]" if kind in _PER_RANK_KINDS else name
+        found = manifest.items.get(key)
         if is_tensor:
-            item = manifest.items.get(key)
-            if item is None:
+            if found is None:
                 item = manifest.add(Item(name=key, kind=kind, dtype=value.dtype, shape=value.shape))
-            elif item.dtype != value.dtype or item.shape != value.shape:
+            else:
+                item = found
+            if item.dtype != value.dtype or item.shape != value.shape:
                 raise CorruptFileError(
                     f"{rel}: {name} is {value.dtype}{list(value.shape)} here but "
                     f"{item.dtype}{list(item.shape or ())} on another rank, and has no sharding spec",
@@ -200,10 +202,11 @@ class RankShardsAdapter:
                 )
             item.pieces.append(_pt.tensor_piece(rel, value, rank=rank, replica=len(item.pieces)))
         else:
-            item = manifest.items.get(key)
-            if item is None:
+            if found is None:
                 item = manifest.add(Item(name=key, kind=kind))
                 set_value(item, value)
+            else:
+                item = found
             item.pieces.append(_pt.object_piece(rel, name, rank=rank, replica=len(item.pieces)))
 
     def reader(self, manifest: Manifest) -> _pt.PtReader:

@@ -53,14 +53,18 @@ ALL_FIXTURES = [FIXTURES / "dcp" / n for n in DCP_FIXTURES] + [FIXTURES / "deeps
     FIXTURES / "rankshards" / "tp_manual" / "step_00000003",
     FIXTURES / "rankshards" / "ddp",
     FIXTURES / "rankshards" / "pipeline",
+    *(FIXTURES / "megatron" / n for n in ("dist_tp2", "dist_tp2pp2", "legacy_tp2pp2", "legacy_tp2pp2_distopt")),
     FIXTURES / "dcp" / "fsdp2_hf" / "sharded",
     FIXTURES / "dcp" / "fsdp2_hf",
     FIXTURES / "safetensors" / "model.safetensors",
     FIXTURES / "safetensors" / "sharded",
     FIXTURES / "torch" / "train_state.pt",
 ]
-EXPECTED = {"dcp/fsdp2_hf": "safetensors", "safetensors/model.safetensors": "safetensors",
-            "safetensors/sharded": "safetensors", "torch/train_state.pt": "torch"}
+EXPECTED = {
+    "megatron/dist_tp2": "megatron-dist",
+    "megatron/dist_tp2pp2": "megatron-dist",
+    "dcp/fsdp2_hf": "safetensors", "safetensors/model.safetensors": "safetensors",
+    "safetensors/sharded": "safetensors", "torch/train_state.pt": "torch"}
 
 
 @pytest.mark.parametrize("path", ALL_FIXTURES, ids=lambda p: str(p.relative_to(FIXTURES)))

@@ -1,0 +1,90 @@
+"""Megatron checkpoints written by Megatron-LM core_v0.16.1's own save_checkpoint on CPU.
+
+References (fixtures/megatron/<name>.reference.pt) are the full TP=1 tensors gathered by
+megatron-core itself (dist_checkpointing.load into a TP=1 model): ``param.*`` (bf16), ``fp32.*``,
+``exp_avg.*``, ``exp_avg_sq.*``, with SwiGLU fc1 as [all gates; all ups] and QKV group-interleaved.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckpttool import registry
+from ckpttool.export import export
+from tests._compare import same_bits
+from tests.conftest import FIXTURES, run_cli
+
+MG = FIXTURES / "megatron"
+SUFFIX = {"param.": "", "exp_avg.": ".exp_avg", "exp_avg_sq.": ".exp_avg_sq", "fp32.": ".fp32"}
+
+
+def _expected(name: str) -> dict[str, torch.Tensor]:
+    ref = torch.load(MG / f"{name}.reference.pt", weights_only=True)
+    out = {}
+    for key, value in ref.items():
+        if isinstance(value, torch.Tensor):
+            prefix = max((p for p in SUFFIX if key.startswith(p)), key=len)
+            out[key[len(prefix):] + SUFFIX[prefix]] = value
+    return out
+
+
+@pytest.mark.parametrize(("name", "fmt"), [("dist_tp2", "megatron-dist"), ("dist_tp2pp2", "megatron-dist"),
+                                           ("legacy_tp2pp2", "megatron")])
+def test_export_equals_megatron_core_tp1_load(name, fmt, tmp_path):
+    adapter, m = registry.describe(MG / name)
+    assert adapter.name == fmt and m.step == 3
+    assert (m.layout.tp, m.layout.pp) == ((2, 1) if name == "dist_tp2" else (2, 2))
+    export(MG / name, tmp_path / "o.safetensors")
+    got = load_file(tmp_path / "o.safetensors")
+    want = _expected(name)
+    assert len(want) == 108
+    bad = [k for k, v in want.items() if k not in got or not same_bits(got[k], v)]
+    assert bad == []
+
+
+def test_legacy_split_rules_are_visible_in_the_manifest():
+    _, m = registry.describe(MG / "legacy_tp2pp2")
+    fc1 = m.items["decoder.layers.3.mlp.linear_fc1.weight"]  # layer 1 of pipeline stage 1
+    assert fc1.shape == (64, 16)
+    # each TP rank's [gate_r; up_r] becomes two pieces: gates at rows 0/16, ups at rows 32/48
+    assert sorted(p.box.offsets[0] for p in fc1.pieces) == [0, 16, 32, 48]
+    proj = m.items["decoder.layers.0.self_attention.linear_proj.weight"]
+    assert sorted(p.box.offsets for p in proj.pieces) == [(0, 0), (0, 16)]  # row-parallel: dim 1
+    norm = m.items["decoder.layers.0.input_layernorm.weight"]
+    assert sorted(p.replica for p in norm.pieces) == [0, 1]  # replicated over TP
+    assert m.items["embedding.word_embeddings.weight"].shape == (128, 16)  # padded vocab
+    roles = {f.path: f.role for f in m.files}
+    assert roles["latest_checkpointed_iteration.txt"] == "tracker"
+
+
+def test_distributed_optimizer_params_read_and_state_flagged(tmp_path):
+    _, m = registry.describe(MG / "legacy_tp2pp2_distopt")
+    assert "distrib_optim" in m.extras
+    export(MG / "legacy_tp2pp2_distopt", tmp_path / "o.safetensors", kind="param")
+    got = load_file(tmp_path / "o.safetensors")
+    want = {k: v for k, v in _expected("legacy_tp2pp2_distopt").items() if "." + k.rsplit(".", 1)[-1] not in
+            (".exp_avg", ".exp_avg_sq", ".fp32")}
+    assert want and [k for k, v in want.items() if not same_bits(got[k], v)] == []
+
+
+def test_hostile_args_class(tmp_path):
+    r = run_cli("inspect", FIXTURES / "hostile" / "megatron_args_evil_class", cwd=tmp_path)
+    assert r.code == 3 and "posix.system" in r.stderr and "mp_rank_00_000/model_optim_rng.pt" in r.stderr
+    assert not (tmp_path / "CKPTTOOL_PWNED").exists()
+
+
+def test_missing_mp_rank_directory(tmp_path):
+    r = run_cli("inspect", FIXTURES / "hostile" / "megatron_missing_mp_rank", cwd=tmp_path)
+    assert r.code == 3
+    assert "args say TP=2 PP=2 EP=1 but 1 rank directories are missing: mp_rank_01_001" in r.stderr
+
+
+def test_tracker_pointing_at_a_missing_iteration(tmp_path):
+    import shutil
+
+    shutil.copytree(MG / "legacy_tp2pp2", tmp_path / "ck")
+    (tmp_path / "ck" / "latest_checkpointed_iteration.txt").write_text("7")
+    r = run_cli("inspect", tmp_path / "ck")
+    assert r.code == 3 and "names iteration 7 but iter_0000007/ does not exist" in r.stderr

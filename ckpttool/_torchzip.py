@@ -101,17 +101,14 @@ class Archive:
             self.base = base
             self.length = source.size - base if length is None else length
             stream = _Window(source, base, self.length)
-        try:
-            self._zip = zipfile.ZipFile(stream)
-        except CorruptFileError:
-            raise
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as exc:
-            raise CorruptFileError(
-                f"{display}: not a readable torch.save archive ({exc})",
-                hint="the file is truncated or damaged; restore it from its source",
-                path=display,
-            ) from None
-        self.members = {info.filename: info for info in self._zip.infolist()}
+        self._stream = stream
+        self._zip: zipfile.ZipFile | None = None
+        members = _central_directory(self._read, self.length)
+        self.members: Mapping[str, Any] = (
+            members
+            if members is not None  # else anything unusual (comments, multi-disk, damage): zipfile judges
+            else {info.filename: info for info in self._zipfile().infolist()}
+        )
         pkl = [name for name in self.members if name.endswith("/data.pkl") and name.count("/") == 1]
         if len(pkl) != 1:
             raise CorruptFileError(
@@ -123,15 +120,33 @@ class Archive:
         self._allow = allow if allow is not None else {**_unpickle.PLAIN, **_unpickle.TORCH_TENSORS}
         self._spans: dict[str, StorageSpan] = {}
 
+    def _zipfile(self) -> zipfile.ZipFile:
+        if self._zip is None:
+            try:
+                self._zip = zipfile.ZipFile(self._stream)
+            except CorruptFileError:
+                raise
+            except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as exc:
+                raise CorruptFileError(
+                    f"{self.display}: not a readable torch.save archive ({exc})",
+                    hint="the file is truncated or damaged; restore it from its source",
+                    path=self.display,
+                ) from None
+        return self._zip
+
     def load(self) -> Any:
         """The archived object, tensors as :class:`~ckpttool._unpickle.TensorRef`."""
         info = self.members[self.prefix + "data.pkl"]
         if info.file_size > _MAX_PICKLE:
             raise CorruptFileError(f"{self.display}: data.pkl claims {info.file_size:,} bytes", path=self.display)
-        try:
-            data = self._zip.read(info)
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as exc:
-            raise CorruptFileError(f"{self.display}: data.pkl unreadable ({exc})", path=self.display) from None
+        if info.compress_type == zipfile.ZIP_STORED:
+            span = self._member_span(self.prefix + "data.pkl", info)
+            data = self._read(span.offset - self.base, span.length)
+        else:
+            try:
+                data = self._zipfile().read(info.filename)
+            except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as exc:
+                raise CorruptFileError(f"{self.display}: data.pkl unreadable ({exc})", path=self.display) from None
         return _unpickle.loads(
             data,
             allow=self._allow,
@@ -152,23 +167,29 @@ class Archive:
             raise CorruptFileError(
                 f"{self.display}: storage {name} is compressed; torch never does that", path=self.display
             )
+        span = self._member_span(name, info)
+        self._spans[key] = span
+        return span
+
+    def _member_span(self, name: str, info: Any) -> StorageSpan:
+        """Where a stored member's bytes are (after its local header)."""
         header = self._read(info.header_offset, _LFH.size)
-        fields = _LFH.unpack(header)
+        fields = _LFH.unpack(header) if len(header) == _LFH.size else (b"",)
         if fields[0] != b"PK\x03\x04":
             raise CorruptFileError(f"{self.display}: bad zip local header for {name}", path=self.display)
         name_len, extra_len = fields[-2], fields[-1]
         start = info.header_offset + _LFH.size + name_len + extra_len
         if start + info.file_size > self.length:
             raise CorruptFileError(
-                f"{self.display}: storage {name} runs to byte {start + info.file_size:,} of a "
+                f"{self.display}: {name} runs to byte {start + info.file_size:,} of a "
                 f"{self.length:,}-byte archive: the file was cut short",
                 path=self.display,
             )
-        span = StorageSpan(self.base + start, info.file_size)
-        self._spans[key] = span
-        return span
+        return StorageSpan(self.base + start, info.file_size)
 
     def _read(self, offset: int, length: int) -> bytes:
+        """Bytes at ``offset`` of the archive (short only past its end)."""
+        length = max(0, min(length, self.length - offset))
         if isinstance(self.source, bytes):
             return self.source[offset : offset + length]
         return self.source.read(self.base + offset, length)
@@ -185,10 +206,94 @@ class Archive:
             if info.CRC == 0 and info.file_size > 0:
                 continue  # torch writes 0 when CRCs are switched off
             try:
-                self._zip.read(info)
+                self._zipfile().read(info.filename)
             except zipfile.BadZipFile:
                 bad.append(info.filename)
         return bad
+
+
+@dataclass(frozen=True, slots=True)
+class _Member:
+    """A central-directory entry, with the attribute names of ``zipfile.ZipInfo``."""
+
+    filename: str
+    compress_type: int
+    CRC: int
+    compress_size: int
+    file_size: int
+    header_offset: int
+
+
+_EOCD = struct.Struct("<4s4H2LH")  # end of central directory, 22 bytes
+_EOCD64_LOCATOR = struct.Struct("<4sLQL")  # 20 bytes
+_EOCD64 = struct.Struct("<4sQ2H2L4Q")  # 56 bytes
+_CDH = struct.Struct("<4s6H3L5H2L")  # central directory header, 46 bytes
+_TAIL = 1024  # the EOCD and, for files with few members, the whole central directory
+
+
+def _central_directory(read: Any, length: int) -> dict[str, _Member] | None:
+    """Parse the central directory of a comment-less zip with two reads (torch.save writes no
+    comment). Returns None for anything else, so the caller can fall back to :mod:`zipfile`."""
+    if length < _EOCD.size:
+        return None
+    tail_start = max(0, length - _TAIL)
+    tail = read(tail_start, length - tail_start)
+    eocd_at = len(tail) - _EOCD.size
+    sig, _disk, _cd_disk, _n_disk, entries, cd_size, cd_offset, comment = _EOCD.unpack_from(tail, eocd_at)
+    if sig != b"PK\x05\x06" or comment != 0:
+        return None
+    if entries == 0xFFFF or cd_size == 0xFFFFFFFF or cd_offset == 0xFFFFFFFF:
+        loc_at = eocd_at - _EOCD64_LOCATOR.size
+        if loc_at < 0:
+            return None
+        lsig, _, eocd64_offset, _ = _EOCD64_LOCATOR.unpack_from(tail, loc_at)
+        if lsig != b"PK\x06\x07":
+            return None
+        rec = read(eocd64_offset, _EOCD64.size)
+        if len(rec) != _EOCD64.size or rec[:4] != b"PK\x06\x06":
+            return None
+        fields = _EOCD64.unpack(rec)
+        entries, cd_size, cd_offset = fields[7], fields[8], fields[9]
+    if cd_offset + cd_size > length:
+        return None
+    if cd_offset >= tail_start:
+        cd = tail[cd_offset - tail_start : cd_offset - tail_start + cd_size]
+    else:
+        cd = read(cd_offset, cd_size)
+    members: dict[str, _Member] = {}
+    pos = 0
+    for _ in range(entries):
+        if pos + _CDH.size > len(cd):
+            return None
+        f = _CDH.unpack_from(cd, pos)
+        if f[0] != b"PK\x01\x02":
+            return None
+        method, crc, csize, usize = f[4], f[7], f[8], f[9]
+        name_len, extra_len, comment_len, offset = f[10], f[11], f[12], f[16]
+        name = cd[pos + _CDH.size : pos + _CDH.size + name_len].decode("utf-8", "replace")
+        extra = cd[pos + _CDH.size + name_len : pos + _CDH.size + name_len + extra_len]
+        if 0xFFFFFFFF in (usize, csize, offset):
+            usize, csize, offset = _zip64_extra(extra, usize, csize, offset)
+        members[name] = _Member(name, method, crc, csize, usize, offset)
+        pos += _CDH.size + name_len + extra_len + comment_len
+    return members
+
+
+def _zip64_extra(extra: bytes, usize: int, csize: int, offset: int) -> tuple[int, int, int]:
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, size = struct.unpack_from("<2H", extra, pos)
+        if tag == 1:
+            values = list(struct.unpack_from(f"<{size // 8}Q", extra, pos + 4))
+            if usize == 0xFFFFFFFF and values:
+                usize = values.pop(0)
+            if csize == 0xFFFFFFFF and values:
+                csize = values.pop(0)
+            if offset == 0xFFFFFFFF and values:
+                offset = values.pop(0)
+            break
+        pos += 4 + size
+    return usize, csize, offset
 
 
 def tensor_nbytes(ref: _unpickle.TensorRef) -> int:

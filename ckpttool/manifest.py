@@ -157,6 +157,18 @@ class Manifest:
         return manifest
 
 
+class ReplicaCounter:
+    """Numbers copies of the same region of an item as adapters add pieces (0 for the first)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, Any], int] = {}
+
+    def next(self, item: str, region: Any) -> int:
+        n = self._seen.get((item, region), 0)
+        self._seen[(item, region)] = n + 1
+        return n
+
+
 def _adapter() -> Any:
     from pydantic import TypeAdapter
 

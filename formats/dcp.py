@@ -28,7 +28,7 @@ from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Detection, PieceReader
 from ckpttool.geometry import Box
 from ckpttool.io import RandomAccessFile, confine, list_files
-from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece
+from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
 from ckpttool.values import find_step, plain_value, set_value
 
@@ -223,6 +223,7 @@ class DcpAdapter:
             else:
                 roles[rel] = FileRecord(path=rel, size=size, role="aux")
         versions: set[str] = set()
+        self._replicas = ReplicaCounter()
         for rank, md_name in sources:
             md = _load_metadata(path, md_name)
             versions.add(str(getattr(md, "version", None)))
@@ -331,6 +332,7 @@ class DcpAdapter:
             offset = getattr(key, "offset", None)
             storage[(key.fqn, tuple(offset) if offset is not None else None)] = info
         checked: set[str] = set()
+        replicas = self._replicas
         for fqn, meta in md.state_dict_metadata.items():
             if not isinstance(fqn, str):
                 raise CorruptFileError(f"{md_name}: item key {fqn!r:.60} is not a string", path=md_name)
@@ -360,7 +362,7 @@ class DcpAdapter:
                     info = self._storage(storage, fqn, box.offsets, md_name)
                     piece = self._piece(info, box, rank, root, sizes, checked, md_name)
                     piece.nbytes = box.volume * itemsize
-                    piece.replica = sum(1 for p in item.pieces if p.box == box)
+                    piece.replica = replicas.next(fqn, box)
                     item.pieces.append(piece)
             elif isinstance(meta, _BytesStorageMetadata):
                 item = manifest.items.get(fqn)

@@ -21,7 +21,7 @@ from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection
 from ckpttool.geometry import Box
 from ckpttool.io import list_files
-from ckpttool.manifest import FileRecord, Item, Kind, Layout, Manifest, Piece
+from ckpttool.manifest import FileRecord, Item, Kind, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
 from ckpttool.values import flatten, set_value
 
@@ -317,6 +317,7 @@ class _Builder:
     def __init__(self, manifest: Manifest, files: dict[str, Any]) -> None:
         self.m = manifest
         self.files = files
+        self.replicas = ReplicaCounter()
 
     def item(self, name: str, kind: Kind, dtype: str, shape: tuple[int, ...], param: str | None = None) -> Item:
         item = self.m.items.get(name)
@@ -361,7 +362,7 @@ class _Builder:
                 item = self.item(f"{param}.{state}", kind, ref.dtype, shape)
                 # a copy of a range already placed (layers that a TP axis of the topology does not
                 # slice) is a replica
-                same = sum(1 for p in item.pieces if p.flat == (local, numel))
+                same = self.replicas.next(item.name, (local, numel))
                 item.pieces.append(
                     _pt.tensor_piece(
                         osd_rel,

@@ -21,7 +21,7 @@ from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection
 from ckpttool.formats.dcp import DcpAdapter, DcpReader
 from ckpttool.geometry import Box
-from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece
+from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
 from ckpttool.values import flatten, plain_value, set_value
 
@@ -458,6 +458,7 @@ class MegatronLegacyAdapter:
                 path=str(it_dir),
             )
         gated = bool(getattr(args, "swiglu", False) or getattr(args, "gated_linear_unit", False))
+        self._replicas = ReplicaCounter()
         for f_rel, size in ((r, s) for r, s in _list(root, prefix, dirs)):
             manifest.files.append(FileRecord(path=f_rel, size=size, role="data" if f_rel.endswith(".pt") else "aux"))
         if prefix:
@@ -570,8 +571,8 @@ class MegatronLegacyAdapter:
                     item = manifest.add(Item(name=key, kind="rng", pieces=[_pt.object_piece(rel, name, rank=t)]))
                     set_value(item, value)
 
-    @staticmethod
     def _place(
+        self,
         manifest: Manifest,
         name: str,
         ref: _unpickle.TensorRef,
@@ -617,7 +618,7 @@ class MegatronLegacyAdapter:
                 path=rel,
             )
         for box, row0, _half in boxes:
-            same = sum(1 for p in item.pieces if p.box == box)
+            same = self._replicas.next(name, box)
             if row0 or box.sizes != local:
                 # one half of the local rows: the same strided view, starting row0 rows in
                 view = _unpickle.TensorRef(

@@ -28,7 +28,7 @@ from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection
 from ckpttool.geometry import Box
 from ckpttool.io import list_files
-from ckpttool.manifest import FileRecord, Item, Layout, Manifest
+from ckpttool.manifest import FileRecord, Item, Layout, Manifest, ReplicaCounter
 from ckpttool.naming import classify
 from ckpttool.values import find_step, is_container_leaf, set_value
 
@@ -148,13 +148,14 @@ class RankShardsAdapter:
                     hint="a rank did not finish saving or its file was deleted; use another checkpoint",
                     path=str(path),
                 )
+        replicas = ReplicaCounter()
         for rank, rel in sorted(shards.items()):
             archive, obj, _ = _pt.load(path, rel, ALLOWLIST)
             archive.close()
             leaves: list[tuple[str, Any]] = []
             _walk(obj if isinstance(obj, dict) else {"value": obj}, "", leaves)
             for name, value in leaves:
-                self._add(manifest, name, value, rel, rank)
+                self._add(manifest, name, value, rel, rank, replicas)
         if step is None:
             m = _STEP_DIR.match(path.name)
             step = int(m.group(1)) if m else find_step(manifest.items)
@@ -163,7 +164,7 @@ class RankShardsAdapter:
         return manifest
 
     @staticmethod
-    def _add(manifest: Manifest, name: str, value: Any, rel: str, rank: int) -> None:
+    def _add(manifest: Manifest, name: str, value: Any, rel: str, rank: int, replicas: ReplicaCounter) -> None:
         if isinstance(value, _Sharded):
             ref = value.local
             box = Box(value.offset, ref.shape)
@@ -182,7 +183,7 @@ class RankShardsAdapter:
                     f"{list(item.shape or ())} on another rank",
                     path=rel,
                 )
-            same = sum(1 for p in item.pieces if p.box == box)
+            same = replicas.next(name, box)
             item.pieces.append(_pt.tensor_piece(rel, ref, box=box, rank=rank, replica=same))
             return
         is_tensor = isinstance(value, _unpickle.TensorRef)
@@ -200,7 +201,7 @@ class RankShardsAdapter:
                     f"{item.dtype}{list(item.shape or ())} on another rank, and has no sharding spec",
                     path=rel,
                 )
-            item.pieces.append(_pt.tensor_piece(rel, value, rank=rank, replica=len(item.pieces)))
+            item.pieces.append(_pt.tensor_piece(rel, value, rank=rank, replica=replicas.next(key, None)))
         else:
             if found is None:
                 item = manifest.add(Item(name=key, kind=kind))

@@ -108,3 +108,31 @@ def test_tensor_subclass_is_refused():
     torch.save({"x": torch.ones(2).as_subclass(MyTensor)}, buf)
     with pytest.raises(UnsafePickleError, match="MyTensor"):
         _torchzip.Archive(buf.getvalue(), display="mem").load()
+
+
+def test_fast_central_directory_matches_zipfile():
+    import zipfile
+
+    from tests.conftest import FIXTURES
+
+    files = sorted(FIXTURES.rglob("*.pt"))[:40]
+    assert files
+    for path in files:
+        data = path.read_bytes()
+        fast = _torchzip._central_directory(lambda off, n, d=data: d[off : off + n], len(data))
+        assert fast is not None, path
+        with zipfile.ZipFile(path) as zf:
+            slow = {i.filename: (i.header_offset, i.file_size, i.compress_size, i.CRC) for i in zf.infolist()}
+        assert {k: (m.header_offset, m.file_size, m.compress_size, m.CRC) for k, m in fast.items()} == slow
+
+
+def test_zip_with_a_comment_falls_back_to_zipfile():
+    torch = pytest.importorskip("torch")
+    buf = io.BytesIO()
+    torch.save({"x": torch.arange(3)}, buf)
+    data = bytearray(buf.getvalue())
+    data[-2:] = (4).to_bytes(2, "little")  # comment length 4
+    data += b"note"
+    assert _torchzip._central_directory(lambda off, n: bytes(data[off : off + n]), len(data)) is None
+    archive = _torchzip.Archive(bytes(data), display="mem")
+    assert archive.load()["x"].shape == (3,)

@@ -498,9 +498,7 @@ class MegatronLegacyAdapter:
         manifest.extras["args"] = _args_extras(args)
         manifest.extras["iteration_dir"] = it_dir.name
         if any((root / f"{prefix}{d}/distrib_optim.pt").is_file() for d in dirs):
-            manifest.extras["distrib_optim"] = (
-                "distrib_optim.pt present: the distributed optimizer's bucket-space state is not decoded yet"
-            )
+            manifest.extras["distrib_optim"] = "de-bucketed from distrib_optim.pt by replaying the grad-buffer layout"
         return manifest
 
     def _rank(
@@ -553,6 +551,9 @@ class MegatronLegacyAdapter:
                     ref = masters[g][i]
                     if isinstance(ref, _unpickle.TensorRef):
                         self._place(manifest, f"{name}.fp32", ref, rel, t, tp, gated, kind="master", param=name)
+        dist_rel = rel.rsplit("/", 1)[0] + "/distrib_optim.pt"
+        if Path(manifest.root, dist_rel).is_file():
+            self._distrib_optim(manifest, dist_rel, order, t, tp, gated)
         rng = obj.get("rng_state")
         if isinstance(rng, list):
             for name, value in flatten(rng, "rng_state"):
@@ -570,6 +571,50 @@ class MegatronLegacyAdapter:
                 else:
                     item = manifest.add(Item(name=key, kind="rng", pieces=[_pt.object_piece(rel, name, rank=t)]))
                     set_value(item, value)
+
+    def _distrib_optim(
+        self, manifest: Manifest, rel: str, order: list[tuple[str, tuple[int, ...]]], t: int, tp: int, gated: bool
+    ) -> None:
+        """De-bucket ``distrib_optim.pt`` (the distributed optimizer's state, gathered over DP) by
+        replaying the grad-buffer layout: parameters in reverse registration order, each starting
+        on a multiple of 64 elements, trailing bucket padding stripped. A buffer whose replayed
+        size disagrees with ``numel_unpadded`` (several buckets, expert buffers, other versions) is
+        refused rather than guessed."""
+        archive, obj, _ = _pt.load(Path(manifest.root), rel, ALLOWLIST)
+        archive.close()
+        buffers = obj.get(0) if isinstance(obj, dict) else None
+        if not isinstance(buffers, dict) or len(buffers) != 1:
+            raise CorruptFileError(
+                f"{rel}: expected one grad buffer in bucket 0, found {type(buffers).__name__}", path=rel
+            )
+        state = next(iter(buffers.values()))
+        numel = state.get("numel_unpadded") if isinstance(state, dict) else None
+        pos, layout = 0, []
+        for name, shape in reversed(order):
+            start = -(-pos // 64) * 64
+            size = 1
+            for n in shape:
+                size *= n
+            layout.append((name, shape, start))
+            pos = start + size
+        if pos != numel:
+            raise CorruptFileError(
+                f"{rel}: replaying the grad-buffer layout gives {pos} elements, the file says numel_unpadded="
+                f"{numel}; this distributed-optimizer layout (several buckets?) is not supported yet",
+                path=rel,
+            )
+        for key, suffix, kind in (
+            ("param", "fp32", "master"),
+            ("exp_avg", "exp_avg", "optim"),
+            ("exp_avg_sq", "exp_avg_sq", "optim"),
+        ):
+            flat = state.get(key)
+            if not isinstance(flat, _unpickle.TensorRef) or flat.shape != (numel,):
+                raise CorruptFileError(f"{rel}: no flat {key} tensor of {numel} elements", path=rel)
+            for name, shape, start in layout:
+                stride = tuple(int(x) for x in _c_strides(shape))
+                view = _unpickle.TensorRef(flat.storage, flat.storage_offset + start, shape, stride, flat.dtype)
+                self._place(manifest, f"{name}.{suffix}", view, rel, t, tp, gated, kind=kind, param=name)
 
     def _place(
         self,
@@ -630,6 +675,14 @@ class MegatronLegacyAdapter:
 
     def reader(self, manifest: Manifest) -> _pt.PtReader:
         return _pt.PtReader(manifest, ALLOWLIST)
+
+
+def _c_strides(shape: tuple[int, ...]) -> list[int]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return strides[::-1]
 
 
 def _list(root: Path, prefix: str, dirs: list[str]) -> list[tuple[str, int]]:

@@ -338,6 +338,7 @@ def split_rule(name: str, *, gated: bool) -> tuple[str, int | None]:
     """How tensor parallelism splits parameter ``name``: ``("column", 0)``, ``("row", 1)``,
     ``("gated", 0)`` (SwiGLU fc1: each rank holds ``[gate_r; up_r]``) or ``("replicated", None)``
     (research/megatron.md §7)."""
+    name = re.sub(r"\.(weight|bias)\d+$", r".\1", name)  # TEGroupedMLP: linear_fc1.weight<expert>
     if name.endswith(_GATED):
         return ("gated", 0) if gated else ("column", 0)
     if name.endswith(_COLUMN):
@@ -511,7 +512,10 @@ class MegatronLegacyAdapter:
         tp: int,
         gated: bool,
     ) -> None:
-        t, p, _e = rank
+        t, p, e = rank
+        experts = getattr(args, "num_experts", None)
+        ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+        local_experts = experts // ep if isinstance(experts, int) and experts and ep else None
         chunks = (
             [(0, obj["model"])]
             if isinstance(obj.get("model"), dict)
@@ -524,6 +528,8 @@ class MegatronLegacyAdapter:
             for local, value in flatten(model):
                 m = _LAYER.match(local)
                 name = f"{m['pre']}{int(m['i']) + offset}{m['rest']}" if m else local
+                if local_experts is not None:
+                    name = _global_expert(name, e, local_experts)
                 global_names[local] = name
                 if isinstance(value, _unpickle.TensorRef):
                     self._place(manifest, name, value, rel, t, tp, gated, kind="param")
@@ -675,6 +681,17 @@ class MegatronLegacyAdapter:
 
     def reader(self, manifest: Manifest) -> _pt.PtReader:
         return _pt.PtReader(manifest, ALLOWLIST)
+
+
+_LOCAL_EXPERT = re.compile(r"(\.experts\.local_experts\.)(\d+)(\.)")
+_GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
+
+
+def _global_expert(name: str, ep_rank: int, local_experts: int) -> str:
+    """MoE expert names carry local indices in legacy files: ``local_experts.<j>`` (SequentialMLP)
+    and ``linear_fc1.weight<j>`` (TEGroupedMLP) become ``ep_rank · local_experts + j``."""
+    name = _LOCAL_EXPERT.sub(lambda m: f"{m[1]}{ep_rank * local_experts + int(m[2])}{m[3]}", name)
+    return _GROUPED_EXPERT.sub(lambda m: f"{m[1]}{ep_rank * local_experts + int(m[2])}", name)
 
 
 def _c_strides(shape: tuple[int, ...]) -> list[int]:

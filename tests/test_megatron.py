@@ -91,3 +91,18 @@ def test_tracker_pointing_at_a_missing_iteration(tmp_path):
     (tmp_path / "ck" / "latest_checkpointed_iteration.txt").write_text("7")
     r = run_cli("inspect", tmp_path / "ck")
     assert r.code == 3 and "names iteration 7 but iter_0000007/ does not exist" in r.stderr
+
+
+def test_moe_local_expert_indices_become_global():
+    from ckpttool.formats.megatron import _global_expert, split_rule
+
+    assert _global_expert("decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight", 2, 4) == (
+        "decoder.layers.1.mlp.experts.local_experts.9.linear_fc1.weight"
+    )
+    assert _global_expert("decoder.layers.0.mlp.experts.linear_fc2.weight3", 1, 4) == (
+        "decoder.layers.0.mlp.experts.linear_fc2.weight7"
+    )
+    assert split_rule("decoder.layers.0.mlp.experts.local_experts.9.linear_fc1.weight", gated=True) == ("gated", 0)
+    assert split_rule("decoder.layers.0.mlp.experts.linear_fc2.weight7", gated=True) == ("row", 1)
+    assert split_rule("language_model.encoder.layers.0.self_attention.dense.weight", gated=False) == ("row", 1)
+    assert split_rule("decoder.layers.0.self_attention.linear_proj.bias", gated=False) == ("replicated", None)

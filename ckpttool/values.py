@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from ckpttool.manifest import Item
@@ -55,12 +56,13 @@ def find_step(items: dict[str, Item]) -> int | None:
     return None
 
 
-def flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
+def flatten(obj: Any, prefix: str = "", leaf: Callable[[Any], Any] | None = None) -> list[tuple[str, Any]]:
     """Leaves of a nested state dict under dotted names, as DCP flattens them: mappings and the
     lists/tuples that hold mappings or tensors are walked into (keys and indices become name
-    segments); any other value, tensors included, is a leaf."""
+    segments); any other value, tensors included, is a leaf. ``leaf(value)`` may claim a mapping
+    as a leaf by returning what to record for it (None: walk into it)."""
     out: list[tuple[str, Any]] = []
-    _flatten(obj, prefix, out)
+    _flatten(obj, prefix, out, leaf)
     return out
 
 
@@ -78,12 +80,15 @@ def _is_tensor(value: Any) -> bool:
     return isinstance(value, TensorRef)
 
 
-def _flatten(obj: Any, prefix: str, out: list[tuple[str, Any]]) -> None:
-    if isinstance(obj, dict) and obj:
+def _flatten(obj: Any, prefix: str, out: list[tuple[str, Any]], leaf: Callable[[Any], Any] | None) -> None:
+    claimed = leaf(obj) if leaf is not None else None
+    if claimed is not None:
+        out.append((prefix, claimed))
+    elif isinstance(obj, dict) and obj:
         for key, value in obj.items():
-            _flatten(value, f"{prefix}.{key}" if prefix else str(key), out)
+            _flatten(value, f"{prefix}.{key}" if prefix else str(key), out, leaf)
     elif isinstance(obj, list | tuple) and obj and not is_container_leaf(obj):
         for i, value in enumerate(obj):
-            _flatten(value, f"{prefix}.{i}" if prefix else str(i), out)
+            _flatten(value, f"{prefix}.{i}" if prefix else str(i), out, leaf)
     else:
         out.append((prefix, obj))

@@ -120,3 +120,30 @@ class PtReader(PieceReader):
             objects = dict(flatten(self.archive(piece.file).load()))
             self._objects[piece.file] = objects
         return objects[piece.locator["path"]]
+
+
+def match_param_ids(
+    order: list[tuple[str, tuple[int, ...]]], groups: list[Any], state: dict[Any, Any]
+) -> dict[Any, tuple[str, int, int]] | None:
+    """Name the parameters of a torch optimizer state dict, which keeps only integer ids.
+
+    ``order`` is the model's parameters in registration order with their shapes. Each param group
+    takes its parameters in that order (how Megatron and DeepSpeed build groups); they are matched
+    by the shape of their ``exp_avg``. Returns id -> (name, group, position in group), or None if
+    the state does not fit the model.
+    """
+    taken: set[str] = set()
+    out: dict[Any, tuple[str, int, int]] = {}
+    for g, group in enumerate(groups):
+        pos = 0
+        for i, pid in enumerate(group.get("params") or []):
+            moment = (state.get(pid) or {}).get("exp_avg")
+            shape = moment.shape if isinstance(moment, _unpickle.TensorRef) else None
+            while pos < len(order) and (order[pos][0] in taken or (shape is not None and order[pos][1] != shape)):
+                pos += 1
+            if pos == len(order):
+                return None
+            out[pid] = (order[pos][0], g, i)
+            taken.add(order[pos][0])
+            pos += 1
+    return out

@@ -89,26 +89,12 @@ def _tag_dir(path: Path) -> tuple[Path, Path]:
 
 
 def _zero0_names(first: dict[str, Any], groups: list[Any], state: dict[Any, Any]) -> dict[Any, str] | None:
-    """Parameter names for a ZeRO-0 torch optimizer state, which keeps only indices: each group's
-    parameters are taken in module order, matched by the moments' shapes. None if they don't fit."""
+    """Parameter names for a ZeRO-0 torch optimizer state (which keeps only indices)."""
     module = first.get("module") or {}
     skip = set(first.get("buffer_names") or []) | set((first.get("shared_params") or {}).keys())
     order = [(n, v.shape) for n, v in module.items() if n not in skip and isinstance(v, _unpickle.TensorRef)]
-    taken: set[str] = set()
-    names: dict[Any, str] = {}
-    for group in groups:
-        pos = 0
-        for pid in group.get("params") or []:
-            moment = (state.get(pid) or {}).get("exp_avg")
-            shape = moment.shape if isinstance(moment, _unpickle.TensorRef) else None
-            while pos < len(order) and (order[pos][0] in taken or (shape is not None and order[pos][1] != shape)):
-                pos += 1
-            if pos == len(order):
-                return None
-            names[pid] = order[pos][0]
-            taken.add(order[pos][0])
-            pos += 1
-    return names
+    ids = _pt.match_param_ids(order, groups, state)
+    return {pid: name for pid, (name, _, _) in ids.items()} if ids is not None else None
 
 
 def _is_universal(path: Path) -> bool:

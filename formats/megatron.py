@@ -366,28 +366,6 @@ def _layer_offset(args: Any, pp_rank: int, vp: int) -> int:
     return vp * (layers // vpp) + pp_rank * per_chunk
 
 
-def _match_param_ids(
-    order: list[tuple[str, tuple[int, ...]]], groups: list[Any], state: dict[Any, Any]
-) -> dict[Any, tuple[str, int, int]] | None:
-    """Optimizer indices -> (name, group, position): each group takes its parameters in module
-    order (how Megatron and DeepSpeed build param groups), matched by the moments' shapes."""
-    taken: set[str] = set()
-    out: dict[Any, tuple[str, int, int]] = {}
-    for g, group in enumerate(groups):
-        pos = 0
-        for i, pid in enumerate(group.get("params") or []):
-            moment = (state.get(pid) or {}).get("exp_avg")
-            shape = moment.shape if isinstance(moment, _unpickle.TensorRef) else None
-            while pos < len(order) and (order[pos][0] in taken or (shape is not None and order[pos][1] != shape)):
-                pos += 1
-            if pos == len(order):
-                return None
-            out[pid] = (order[pos][0], g, i)
-            taken.add(order[pos][0])
-            pos += 1
-    return out
-
-
 class MegatronLegacyAdapter:
     """``iter_NNNNNNN/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` (``--ckpt-format torch``)."""
 
@@ -545,7 +523,7 @@ class MegatronLegacyAdapter:
             inner = opt["optimizer"]
             state = inner.get("state") or {}
             groups = inner.get("param_groups") or []
-            ids = _match_param_ids(order, groups, state)
+            ids = _pt.match_param_ids(order, groups, state)
             if ids is None:
                 raise CorruptFileError(f"{rel}: optimizer state does not match the model's parameters", path=rel)
             masters = opt.get("fp32_from_fp16_params")

@@ -30,7 +30,7 @@ from ckpttool.geometry import Box
 from ckpttool.io import list_files
 from ckpttool.manifest import FileRecord, Item, Layout, Manifest, ReplicaCounter
 from ckpttool.naming import classify
-from ckpttool.values import find_step, is_container_leaf, set_value
+from ckpttool.values import find_step, flatten, set_value
 
 ALLOWLIST: dict[tuple[str, str], Any] = {
     **_unpickle.PLAIN,
@@ -73,20 +73,6 @@ def _sharded(value: Any) -> _Sharded | None:
     ):
         return None
     return _Sharded(local, tuple(shape), tuple(offset))
-
-
-def _walk(obj: Any, prefix: str, out: list[tuple[str, Any]]) -> None:
-    sharded = _sharded(obj)
-    if sharded is not None:
-        out.append((prefix, sharded))
-    elif isinstance(obj, dict) and obj:
-        for k, v in obj.items():
-            _walk(v, f"{prefix}.{k}" if prefix else str(k), out)
-    elif isinstance(obj, list | tuple) and obj and not is_container_leaf(obj):
-        for i, v in enumerate(obj):
-            _walk(v, f"{prefix}.{i}" if prefix else str(i), out)
-    else:
-        out.append((prefix, obj))
 
 
 def _match(name: str) -> re.Match[str] | None:
@@ -152,8 +138,7 @@ class RankShardsAdapter:
         for rank, rel in sorted(shards.items()):
             archive, obj, _ = _pt.load(path, rel, ALLOWLIST)
             archive.close()
-            leaves: list[tuple[str, Any]] = []
-            _walk(obj if isinstance(obj, dict) else {"value": obj}, "", leaves)
+            leaves = flatten(obj if isinstance(obj, dict) else {"value": obj}, leaf=_sharded)
             for name, value in leaves:
                 self._add(manifest, name, value, rel, rank, replicas)
         if step is None:

@@ -184,6 +184,7 @@ class Archive:
                 f"{self.display}: {name} runs to byte {start + info.file_size:,} of a "
                 f"{self.length:,}-byte archive: the file was cut short",
                 path=self.display,
+                rule="truncated-file",
             )
         return StorageSpan(self.base + start, info.file_size)
 
@@ -307,6 +308,15 @@ def is_c_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
             return False
         expected *= n
     return True
+
+
+def tensor_span(archive: Archive, ref: _unpickle.TensorRef) -> tuple[int, int] | None:
+    """``(offset, length)`` in the source of a C-contiguous tensor's bytes; None if strided."""
+    if not is_c_contiguous(ref.shape, ref.stride):
+        return None
+    itemsize = lookup_dtype(ref.dtype).itemsize
+    span = archive.storage_span(ref.storage.key)
+    return span.offset + ref.storage_offset * itemsize, math.prod(ref.shape) * itemsize
 
 
 def read_tensor(archive: Archive, ref: _unpickle.TensorRef, out: np.ndarray | None = None) -> np.ndarray:

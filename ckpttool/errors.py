@@ -9,15 +9,22 @@ from __future__ import annotations
 
 
 class CkptError(Exception):
-    """A checkpoint could not be evaluated (exit 3)."""
+    """A checkpoint could not be evaluated (exit 3).
+
+    ``rule`` names the ``verify`` rule this failure is a finding of, so ``verify`` can report it
+    instead of giving up."""
 
     exit_code = 3
+    default_rule: str | None = None
 
-    def __init__(self, message: str, *, hint: str | None = None, path: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, hint: str | None = None, path: str | None = None, rule: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
         self.path = path
+        self.rule = rule or self.default_rule
 
     def __str__(self) -> str:
         return self.message
@@ -52,18 +59,25 @@ class UnsafePickleError(CkptError):
         )
         self.file = file
         self.global_name = global_name
+        self.rule = "unsafe-pickle"
 
 
 class CorruptFileError(CkptError):
     """A file's bytes do not match what the metadata or the container format promises."""
 
+    default_rule = "corrupt-file"
+
 
 class IncompleteCheckpointError(CkptError):
     """The checkpoint was never finished (interrupted save, missing metadata or rank files)."""
 
+    default_rule = "incomplete-save"
+
 
 class PathEscapeError(CkptError):
     """A path taken from metadata points outside the checkpoint root."""
+
+    default_rule = "unsafe-path"
 
 
 class UsageError(CkptError):

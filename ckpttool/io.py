@@ -59,6 +59,7 @@ class RandomAccessFile:
                 f"{offset:,}..{offset + length:,}: the file was cut short (copy or save interrupted?)",
                 hint="restore the file from its source, or run 'ckpttool verify' to list every damaged file",
                 path=self.display,
+                rule="truncated-file",
             )
         data = pread(self.fd, length, offset)
         if len(data) != length:

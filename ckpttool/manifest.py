@@ -14,6 +14,8 @@ from typing import Any, Literal
 from ckpttool.geometry import Box
 
 SCHEMA_VERSION = 1
+SEAL_NAME = "ckpttool.manifest.json"
+"""The file ``seal`` writes beside a checkpoint; adapters list it with role ``seal``."""
 _SCHEMA_CONFIG: Any = {"use_attribute_docstrings": True}  # read by pydantic at the JSON boundary
 
 Kind = Literal["param", "master", "optim", "rng", "dataloader", "scheduler", "counter", "object"]

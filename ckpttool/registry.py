@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ckpttool.errors import FormatNotRecognizedError, NotFoundError
 from ckpttool.formats.base import Adapter
-from ckpttool.manifest import Manifest
+from ckpttool.manifest import SEAL_NAME, Manifest
 
 _FIRST_PARTY = ("megatron", "deepspeed", "rankshards", "dcp", "safetensors", "torchsave")
 
@@ -54,4 +54,8 @@ def adapter_named(name: str) -> Adapter:
 def describe(path: str | Path) -> tuple[Adapter, Manifest]:
     """Detect the format of ``path`` and build its manifest from metadata."""
     adapter = detect(path)
-    return adapter, adapter.describe(Path(path))
+    manifest = adapter.describe(Path(path))
+    for f in manifest.files:
+        if f.path.rsplit("/", 1)[-1].endswith(SEAL_NAME):
+            f.role = "seal"
+    return adapter, manifest

@@ -113,6 +113,15 @@ class PtReader(PieceReader):
         ref = _unpickle.TensorRef(storage, loc["storage_offset"], tuple(loc["shape"]), tuple(loc["stride"]), item.dtype)
         return _torchzip.read_tensor(self.archive(piece.file), ref, out)
 
+    def raw_span(self, piece: Piece, item: Item) -> tuple[int, int] | None:
+        assert item.dtype is not None
+        loc = piece.locator
+        if "storage" not in loc:
+            return None
+        storage = _unpickle.StorageRef(key=loc["storage"], dtype=item.dtype, numel=0, location="cpu")
+        ref = _unpickle.TensorRef(storage, loc["storage_offset"], tuple(loc["shape"]), tuple(loc["stride"]), item.dtype)
+        return _torchzip.tensor_span(self.archive(piece.file), ref)
+
     def read_object(self, item: Item) -> Any:
         piece = item.pieces[0]
         objects = self._objects.get(piece.file)

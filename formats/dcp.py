@@ -411,6 +411,7 @@ class DcpAdapter:
                 f"{rel}: data file named by {md_name} is missing",
                 hint="a rank's file was not written or was deleted; restore it or use another checkpoint",
                 path=rel,
+                rule="missing-file",
             )
         offset, length = int(info.offset), int(info.length)
         if offset < 0 or length <= 0 or offset + length > sizes[rel]:
@@ -419,6 +420,7 @@ class DcpAdapter:
                 f"{offset + length:,}: the file was cut short (copy or save interrupted?)",
                 hint="restore the file from its source; 'ckpttool verify' lists every damaged file",
                 path=rel,
+                rule="truncated-file",
             )
         transforms = list(getattr(info, "transform_descriptors", None) or [])
         for t in transforms:
@@ -508,6 +510,22 @@ class DcpReader(PieceReader):
     def read_object(self, item: Item) -> Any:
         piece = item.pieces[0]
         return self._archive(piece).load()
+
+    def raw_span(self, piece: Piece, item: Item) -> tuple[int, int] | None:
+        loc = piece.locator
+        if "begin" in loc:
+            return loc["begin"], loc["end"] - loc["begin"]
+        if loc.get("transforms"):
+            return None
+        archive = self._archive(piece)
+        ref = archive.load()
+        if not isinstance(ref, _unpickle.TensorRef):
+            return None
+        span = _torchzip.tensor_span(archive, ref)
+        if span is None or "select0" not in loc:
+            return span
+        row = span[1] // ref.shape[0] if ref.shape and ref.shape[0] else 0
+        return span[0] + loc["select0"] * row, row
 
 
 ADAPTER = DcpAdapter()

@@ -401,7 +401,7 @@ class MegatronLegacyAdapter:
         for d in dirs:
             rel = f"{prefix}{d}/model_optim_rng.pt"
             if not (root / rel).is_file():
-                raise IncompleteCheckpointError(f"{rel} is missing", path=rel)
+                raise IncompleteCheckpointError(f"{rel} is missing", path=rel, rule="missing-file")
             archive, obj, _ = _pt.load(root, rel, ALLOWLIST)
             archive.close()
             if not isinstance(obj, dict):
@@ -435,6 +435,7 @@ class MegatronLegacyAdapter:
                 + ", ".join(names[:8]),
                 hint="a rank did not save or the directory was deleted; use another iteration",
                 path=str(it_dir),
+                rule="missing-file",
             )
         gated = bool(getattr(args, "swiglu", False) or getattr(args, "gated_linear_unit", False))
         self._replicas = ReplicaCounter()

@@ -133,6 +133,7 @@ class RankShardsAdapter:
                     f"(ranks {', '.join(map(str, missing[:12]))})",
                     hint="a rank did not finish saving or its file was deleted; use another checkpoint",
                     path=str(path),
+                    rule="missing-file",
                 )
         replicas = ReplicaCounter()
         for rank, rel in sorted(shards.items()):

@@ -104,6 +104,7 @@ def read_header(path: Path, display: str) -> Header:
                 "the file was cut short (copy or download interrupted?)",
                 hint="fetch the file again",
                 path=display,
+                rule="truncated-file",
             )
         raise CorruptFileError(
             f"{display}: {data_len - (pos - 8 - n):,} bytes after the last tensor are not described by the header",
@@ -187,7 +188,10 @@ class SafetensorsAdapter:
             full = Path(confine(root, rel, named_by=index_name or "the listing"))
             if not full.exists():
                 raise IncompleteCheckpointError(
-                    f"{rel}: shard named by the index is missing", hint="download the missing shard", path=rel
+                    f"{rel}: shard named by the index is missing",
+                    hint="download the missing shard",
+                    path=rel,
+                    rule="missing-file",
                 )
             header = read_header(full, rel)
             manifest.files.append(FileRecord(path=rel, size=header.size, role="data"))
@@ -269,6 +273,9 @@ class SafetensorsReader(PieceReader):
 
     def read_object(self, item: Item) -> Any:
         raise CorruptFileError(f"{item.name}: safetensors files hold no objects", path=self.manifest.root)
+
+    def raw_span(self, piece: Piece, item: Item) -> tuple[int, int] | None:
+        return piece.locator["begin"], piece.locator["end"] - piece.locator["begin"]
 
 
 ADAPTER = SafetensorsAdapter()

@@ -1,0 +1,129 @@
+"""Checksums of files and of pieces, computed in one pass over each file.
+
+Every file is read once, sequentially, in chunks of ``CHUNK`` bytes, by a pool of threads (xxhash,
+hashlib and ``os.pread`` release the GIL). Each chunk feeds the file's hasher and the hashers of
+the pieces whose raw bytes it overlaps, so sealing a checkpoint costs one read of its bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import xxhash
+
+from ckpttool import io as ckio
+
+Algo = Literal["xxh3-128", "sha256"]
+CHUNK = 8 << 20
+
+
+class _Hasher(Protocol):
+    def update(self, data: Any, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
+
+
+def new_hasher(algo: Algo) -> _Hasher:
+    if algo == "xxh3-128":
+        return xxhash.xxh3_128()
+    if algo == "sha256":
+        return hashlib.sha256()
+    raise ValueError(f"unknown hash {algo!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Bytes ``[offset, offset + length)`` of one file, hashed under ``key``."""
+
+    key: Any
+    offset: int
+    length: int
+
+
+@dataclass(slots=True)
+class FileDigest:
+    path: str
+    size: int
+    digest: str | None
+    """None when the file could not be read"""
+    error: str | None = None
+
+
+def hash_file(
+    root: Path, rel: str, spans: list[Span], algo: Algo, progress: Callable[[int], None] | None = None
+) -> tuple[FileDigest, dict[Any, str]]:
+    """Digest of a whole file and of each span inside it, reading the file once."""
+    path = root / rel
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        return FileDigest(rel, -1, None, exc.strerror), {}
+    try:
+        size = os.fstat(fd).st_size
+        whole = new_hasher(algo)
+        ordered = sorted(spans, key=lambda s: s.offset)
+        hashers = {s.key: new_hasher(algo) for s in ordered}
+        active: list[Span] = []
+        nxt = 0
+        buf = bytearray(min(CHUNK, max(size, 1)))
+        view = memoryview(buf)
+        pos = 0
+        while pos < size:
+            n = ckio.preadinto(fd, view[: min(len(buf), size - pos)], pos)
+            if n == 0:
+                break
+            chunk = view[:n]
+            whole.update(chunk)
+            end = pos + n
+            while nxt < len(ordered) and ordered[nxt].offset < end:
+                active.append(ordered[nxt])
+                nxt += 1
+            still = []
+            for s in active:
+                lo, hi = max(s.offset, pos), min(s.offset + s.length, end)
+                if lo < hi:
+                    hashers[s.key].update(chunk[lo - pos : hi - pos])
+                if s.offset + s.length > end:
+                    still.append(s)
+            active = still
+            pos = end
+            if progress is not None:
+                progress(n)
+        digests = {s.key: hashers[s.key].hexdigest() for s in ordered if s.offset + s.length <= size}
+        return FileDigest(rel, size, whole.hexdigest()), digests
+    finally:
+        os.close(fd)
+
+
+def hash_files(
+    root: Path,
+    files: Iterable[str],
+    spans: dict[str, list[Span]],
+    algo: Algo = "xxh3-128",
+    *,
+    workers: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[dict[str, FileDigest], dict[Any, str]]:
+    """Hash ``files`` (relative to ``root``) and the spans inside them, files spread over threads."""
+    workers = workers or min(8, max(2, os.cpu_count() or 2))
+    file_digests: dict[str, FileDigest] = {}
+    span_digests: dict[Any, str] = {}
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(hash_file, root, rel, spans.get(rel, []), algo, progress) for rel in files]
+        for fut in futures:
+            fd, sd = fut.result()
+            file_digests[fd.path] = fd
+            span_digests.update(sd)
+    return file_digests, span_digests
+
+
+def hash_bytes(data: Any, algo: Algo = "xxh3-128") -> str:
+    h = new_hasher(algo)
+    h.update(data)
+    return h.hexdigest()

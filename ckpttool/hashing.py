@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import xxhash
 
 from ckpttool import io as ckio
 
-Algo = Literal["xxh3-128", "sha256"]
+Algo = Literal["xxh3-128", "sha256", "crc32"]
 CHUNK = 8 << 20
 
 
@@ -29,21 +30,38 @@ class _Hasher(Protocol):
     def hexdigest(self) -> str: ...
 
 
+class _Crc32:
+    """zlib's CRC32 (what zip archives store), as a hasher; hexdigest is 8 hex digits."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: Any, /) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
 def new_hasher(algo: Algo) -> _Hasher:
     if algo == "xxh3-128":
         return xxhash.xxh3_128()
     if algo == "sha256":
         return hashlib.sha256()
+    if algo == "crc32":
+        return _Crc32()
     raise ValueError(f"unknown hash {algo!r}")
 
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """Bytes ``[offset, offset + length)`` of one file, hashed under ``key``."""
+    """Bytes ``[offset, offset + length)`` of one file, hashed under ``key`` (with ``algo``, or
+    the algorithm of the whole pass)."""
 
     key: Any
     offset: int
     length: int
+    algo: Algo | None = None
 
 
 @dataclass(slots=True)
@@ -68,7 +86,7 @@ def hash_file(
         size = os.fstat(fd).st_size
         whole = new_hasher(algo)
         ordered = sorted(spans, key=lambda s: s.offset)
-        hashers = {s.key: new_hasher(algo) for s in ordered}
+        hashers = {s.key: new_hasher(s.algo or algo) for s in ordered}
         active: list[Span] = []
         nxt = 0
         buf = bytearray(min(CHUNK, max(size, 1)))

@@ -218,11 +218,25 @@ class DeepSpeedAdapter:
             if isinstance(opt, dict):
                 b.zero0(opt, models[min(models)], first_model)
         b.frozen(stage, models, z3_models, first_model)
+        trainable = {n for group in (first_model.get("param_shapes") or []) for n in group}
+        module = first_model.get("module") or {}
+        frozen = list((first_model.get("frozen_param_shapes") or {}).keys()) or [
+            n
+            for n in module
+            if trainable and n not in trainable and n not in set(first_model.get("buffer_names") or [])
+        ]
+        if frozen:
+            manifest.extras["frozen"] = frozen
         b.shared(first_model.get("shared_params") or {})
         b.common(first_model, models.get(0) or z3_models[min(z3_models)])
         manifest.format_version = str(first_model.get("ds_version") or "") or None
         steps = first_model.get("global_steps")
         manifest.step = steps if isinstance(steps, int) else None
+        manifest.extras["step_claims"] = {
+            rel: files[rel]["global_steps"]
+            for rel in [*models.values(), *z3_models.values()]
+            if isinstance(files[rel].get("global_steps"), int)
+        }
         cfg = first_model.get("ds_config")
         if isinstance(cfg, dict):
             manifest.extras["ds_config"] = {k: v for k, v in flatten(cfg) if isinstance(v, int | float | str | bool)}

@@ -136,10 +136,14 @@ class RankShardsAdapter:
                     rule="missing-file",
                 )
         replicas = ReplicaCounter()
+        claims: dict[str, int] = {}
         for rank, rel in sorted(shards.items()):
             archive, obj, _ = _pt.load(path, rel, ALLOWLIST)
             archive.close()
             leaves = flatten(obj if isinstance(obj, dict) else {"value": obj}, leaf=_sharded)
+            claim = next((v for k, v in leaves if k in ("step", "iteration", "global_step")), None)
+            if isinstance(claim, int) and not isinstance(claim, bool):
+                claims[rel] = claim
             for name, value in leaves:
                 self._add(manifest, name, value, rel, rank, replicas)
         if step is None:
@@ -147,6 +151,8 @@ class RankShardsAdapter:
             step = int(m.group(1)) if m else find_step(manifest.items)
         manifest.step = step
         manifest.layout = Layout(world_size=world or len(shards))
+        if claims:
+            manifest.extras["step_claims"] = claims
         return manifest
 
     @staticmethod

@@ -15,6 +15,9 @@ CLI_SURFACE = {
     "inspect": {"path", "--json", "--help"},
     "ls": {"path", "--filter", "--json", "--help"},
     "export": {"path", "--output", "--filter", "--kind", "--force", "--json", "--quiet", "--help"},
+    "seal": {"path", "--out", "--hash", "--workers", "--json", "--quiet", "--help"},
+    "verify": {"path", "--manifest", "--deep", "--require", "--fail-on", "--report", "--junit", "--workers", "--json",
+               "--quiet", "--help"},
 }
 
 

@@ -185,6 +185,135 @@ def export(
         out.line(f"wrote {len(result.written)} tensors ({decimal(result.nbytes)}) to {result.output}")
 
 
+@app.command(
+    epilog="Examples:  ckpttool seal ckpt/step_1000  ·  ckpttool seal ckpt/ --hash sha256  ·  "
+    "ckpttool seal ckpt/ --out /archive/step_1000.seal.json"
+)
+@_handles_errors
+def seal(
+    path: PathArg,
+    out_file: Annotated[
+        Path | None, typer.Option("--out", help="Write the seal here instead of beside the checkpoint.")
+    ] = None,
+    hash_: Annotated[str, typer.Option("--hash", help="xxh3-128 (fast) or sha256 (to match external digests).")] = (
+        "xxh3-128"
+    ),
+    workers: Annotated[int | None, typer.Option("--workers", help="Files hashed at once.")] = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Hash every file and every piece and write ckpttool.manifest.json beside the checkpoint.
+
+    One read of every byte, files in parallel; the seal is written atomically. 'ckpttool verify'
+    then checks the checkpoint against it and names the tensor behind any changed byte.
+    """
+    from ckpttool.seal import seal as run
+
+    out = Output(json_mode=json_out, quiet=quiet)
+    with out.progress("seal") as update:
+        done = [0]
+
+        def advance(n: int) -> None:
+            done[0] += n
+            update(done[0], 0)
+
+        result, target = run(path, out=out_file, algo=hash_, workers=workers, progress=advance)  # type: ignore[arg-type]
+    m = result.manifest
+    if json_out:
+        out.json(
+            {
+                "seal": str(target),
+                "hash": result.algo,
+                "files": len(m.files),
+                "pieces": len(result.pieces),
+                "bytes": sum(f.size for f in m.files if f.role != "seal"),
+            }
+        )
+    else:
+        from rich.filesize import decimal
+
+        size = decimal(sum(f.size for f in m.files if f.role != "seal"))
+        out.line(f"sealed {len(m.files)} files ({size}) and {len(result.pieces)} pieces with {result.algo}: {target}")
+
+
+@app.command(
+    epilog="Examples:  ckpttool verify ckpt/step_1000  ·  ckpttool verify ckpt/ --deep --json  ·  "
+    "ckpttool verify ckpt/ --require rng,dataloader --junit report.xml"
+)
+@_handles_errors
+def verify(
+    path: PathArg,
+    manifest: Annotated[
+        Path | None, typer.Option("--manifest", help="The seal to check against (default: beside the checkpoint).")
+    ] = None,
+    deep: Annotated[bool, typer.Option("--deep", help="Read every value: NaN/Inf census and statistics.")] = False,
+    require: Annotated[
+        str | None,
+        typer.Option(
+            "--require",
+            help="Training state that must be present (error, not warning): optimizer,rng,dataloader,scheduler,step.",
+        ),
+    ] = None,
+    fail_on: Annotated[str, typer.Option("--fail-on", help="Lowest severity that fails: error or warning.")] = "error",
+    report_file: Annotated[Path | None, typer.Option("--report", help="Also write the JSON report here.")] = None,
+    junit_file: Annotated[Path | None, typer.Option("--junit", help="Also write a JUnit XML report here.")] = None,
+    workers: Annotated[int | None, typer.Option("--workers", help="Files read at once.")] = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Completeness, checksums, step consistency, coverage, replicas, optimizer state, missing
+    training state (and NaN/Inf with --deep).
+
+    Exit 0: nothing at or above --fail-on; 1: findings; 3: could not evaluate. On GitHub Actions
+    findings also become annotations and a step summary.
+    """
+    import os
+
+    from ckpttool import reports
+    from ckpttool.cli import _render
+    from ckpttool.errors import UsageError
+    from ckpttool.io import atomic_output
+    from ckpttool.verify import Severity
+    from ckpttool.verify import verify as run
+
+    if fail_on not in ("error", "warning"):
+        raise UsageError(f"--fail-on {fail_on!r}: expected error or warning")
+    out = Output(json_mode=json_out, quiet=quiet)
+    needed = [s.strip() for s in require.split(",") if s.strip()] if require else []
+    with out.progress("verify") as update:
+        done = [0]
+
+        def advance(n: int) -> None:
+            done[0] += n
+            update(done[0], 0)
+
+        report = run(path, manifest_path=manifest, deep=deep, require=needed, workers=workers, progress=advance)
+    severity: Severity = "error" if fail_on == "error" else "warning"
+    payload = report.to_json(severity)
+    if json_out:
+        out.json(payload)
+    else:
+        _render.verify_report(out, report, severity)
+    import json as _json
+
+    if report_file is not None:
+        with atomic_output(report_file) as fh:
+            fh.write((_json.dumps(payload, indent=2) + "\n").encode())
+    if junit_file is not None:
+        with atomic_output(junit_file) as fh:
+            fh.write(reports.junit(report, severity).encode())
+    if os.environ.get("GITHUB_ACTIONS") == "true":
+        import sys
+
+        sys.stderr.write(reports.github_annotations(report))
+        summary = os.environ.get("GITHUB_STEP_SUMMARY")
+        if summary:
+            with open(summary, "a", encoding="utf-8") as summary_fh:
+                summary_fh.write(reports.github_summary(report, severity) + "\n")
+    if report.failing(severity):
+        raise typer.Exit(1)
+
+
 def _regex(pattern: str | None) -> str | None:
     if pattern is None:
         return None

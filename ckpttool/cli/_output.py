@@ -50,17 +50,28 @@ class Output:
             self.out.print(empty)
             return
         table = Table(title=title, title_justify="left", box=None, header_style="bold", pad_edge=False)
+        cells = [[str(c) for c in row] for row in rows]
+        widths = [max(len(col), *(len(r[i]) for r in cells)) for i, col in enumerate(columns)]
+        if squeeze in columns:
+            # cut the squeezable column to what the terminal leaves; the others are never cut
+            k = columns.index(squeeze)
+            room = self.out.width - sum(w for i, w in enumerate(widths) if i != k) - 2 * (len(columns) - 1)
+            room = max(room, 24)
+            if widths[k] > room:
+                for r in cells:
+                    if len(r[k]) > room:
+                        r[k] = r[k][: room - 1] + "…"
+                widths[k] = room
         for col in columns:
-            table.add_column(
-                col,
-                justify="right" if col in right else "left",
-                no_wrap=True,
-                overflow="ellipsis",
-                ratio=1 if col == squeeze else None,
-            )
-        for row in rows:
-            table.add_row(*(escape(str(c)) for c in row))
-        self.out.print(table)
+            table.add_column(col, justify="right" if col in right else "left", no_wrap=True)
+        for row in cells:
+            table.add_row(*(escape(c) for c in row))
+        saved = self.out.width
+        self.out.width = max(saved, sum(widths) + 2 * (len(columns) - 1))
+        try:
+            self.out.print(table, crop=False)
+        finally:
+            self.out.width = saved
 
     # -- diagnostics (stderr) -------------------------------------------------------------------
 

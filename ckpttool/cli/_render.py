@@ -11,6 +11,7 @@ from ckpttool.cli._output import Output
 from ckpttool.inspect import InspectReport
 from ckpttool.manifest import Item
 from ckpttool.values import describe_value
+from ckpttool.verify import Severity, VerifyReport
 
 
 def _shape(item: Item) -> str:
@@ -67,3 +68,24 @@ def item_table(out: Output, items: Sequence[Item]) -> None:
     out.table(
         ["NAME", "KIND", "DTYPE", "SHAPE", "PIECES", "BYTES", "VALUE"], rows, right=("PIECES", "BYTES"), squeeze="VALUE"
     )
+
+
+def verify_report(out: Output, report: VerifyReport, fail_on: Severity) -> None:
+    from ckpttool.reports import groups
+
+    s = report.summary()
+    ok = not report.failing(fail_on)
+    checked = ", ".join(f"{v:,} {k}" for k, v in report.checked.items())
+    head = f"[bold]{escape(str(report.format))}[/bold] checkpoint  {escape(report.path)}  step {report.step}"
+    out.line(head)
+    out.line(
+        f"checked: {checked or 'nothing'}"
+        + (f"   seal: {escape(report.seal)}" if report.seal else "   no seal (zip CRCs used where the format has them)")
+    )
+    rows = [(g.severity.upper(), g.rule, g.line) for g in groups(report)]
+    if rows:
+        out.line("")
+        out.table(["SEVERITY", "RULE", "FINDING"], rows, squeeze="FINDING")
+    out.line("")
+    verdict = "[green]OK[/green]" if ok else "[red]FAILED[/red]"
+    out.line(f"{verdict}: {s['error']} errors, {s['warning']} warnings (failing on {fail_on})")

@@ -1,0 +1,708 @@
+"""``verify``: is this checkpoint complete, consistent and intact?
+
+The library returns a :class:`VerifyReport` of :class:`Finding` s, each with a stable rule id; the
+CLI renders it (human, JSON, JUnit, GitHub) and picks the exit code. Checks:
+
+- against a seal (``ckpttool.manifest.json``): missing, extra, truncated files; file and piece
+  checksums (a flipped byte is reported with the tensor it belongs to);
+- without a seal: the CRC32s every ``torch.save`` archive carries (DCP items, ``.pt`` files),
+  which torch itself never checks;
+- from the manifest: interrupted saves, unsafe pickles, coverage gaps and overlaps, replicas that
+  differ, steps that disagree across files, optimizer state that does not match the parameters,
+  missing training state;
+- with ``deep``: every value read, NaN/Inf counted, per-tensor statistics.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from ckpttool import registry
+from ckpttool.assemble import assemble, regions
+from ckpttool.errors import CkptError, FormatNotRecognizedError, NotFoundError
+from ckpttool.formats.base import Adapter
+from ckpttool.geometry import coverage
+from ckpttool.hashing import Span, hash_bytes, hash_files
+from ckpttool.io import list_files
+from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, StateName
+from ckpttool.seal import Seal, default_seal_path
+
+Severity = Literal["error", "warning", "info"]
+SEVERITY_ORDER = {"info": 0, "warning": 1, "error": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    id: str
+    severity: Severity
+    summary: str
+    hint: str
+
+
+RULES: dict[str, Rule] = {
+    r.id: r
+    for r in [
+        Rule(
+            "missing-file",
+            "error",
+            "a file the checkpoint needs is absent",
+            "a rank did not finish writing or the file was deleted; restore it or use another checkpoint",
+        ),
+        Rule(
+            "extra-file",
+            "warning",
+            "a file not in the seal",
+            "something was added after sealing; remove it or re-seal if it belongs",
+        ),
+        Rule(
+            "truncated-file",
+            "error",
+            "a file shorter than its metadata says",
+            "the copy or save was interrupted; restore the file from its source",
+        ),
+        Rule(
+            "checksum-mismatch",
+            "error",
+            "bytes differ from the seal or from the file's own CRC",
+            "storage or transfer corruption; restore the file from a good copy",
+        ),
+        Rule(
+            "incomplete-save",
+            "error",
+            "the save never finished",
+            "use the previous checkpoint; this one cannot be loaded",
+        ),
+        Rule(
+            "step-mismatch",
+            "error",
+            "files claim different steps",
+            "files from two saves were mixed (an overwrite that did not finish?)",
+        ),
+        Rule(
+            "coverage-gap",
+            "error",
+            "parts of a tensor are in no piece",
+            "a rank's data is missing or the metadata is inconsistent",
+        ),
+        Rule(
+            "coverage-overlap",
+            "error",
+            "parts of a tensor are in two pieces",
+            "the metadata is inconsistent; the writer or a tool that edited it is at fault",
+        ),
+        Rule(
+            "replica-mismatch",
+            "error",
+            "copies of the same values differ",
+            "ranks diverged (non-deterministic op, a bad node) or a file was corrupted",
+        ),
+        Rule(
+            "optimizer-mismatch",
+            "error",
+            "optimizer state does not match the parameters",
+            "the optimizer state was dropped or saved from a different model",
+        ),
+        Rule(
+            "missing-state",
+            "warning",
+            "training state a resume needs is absent",
+            "save it with the checkpoint, or pass --require only for what you need",
+        ),
+        Rule("nonfinite", "error", "NaN or Inf values", "training diverged before the save"),
+        Rule(
+            "unsafe-pickle",
+            "error",
+            "a pickle refers to a global outside the format's allowlist",
+            "do not load this file with torch.load(weights_only=False) or pickle.load",
+        ),
+        Rule("unsafe-path", "error", "metadata names a path outside the checkpoint", "the metadata is hostile"),
+        Rule("corrupt-file", "error", "a file's structure is damaged", "restore the file from its source"),
+    ]
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Finding:
+    rule: str
+    severity: Severity
+    message: str
+    file: str | None = None
+    item: str | None = None
+    rank: int | None = None
+    hint: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rule": self.rule,
+            "severity": self.severity,
+            "message": self.message,
+            "file": self.file,
+            "item": self.item,
+            "rank": self.rank,
+            "hint": self.hint,
+        }
+
+
+def finding(rule: str, message: str, *, severity: Severity | None = None, **where: Any) -> Finding:
+    r = RULES[rule]
+    return Finding(rule=rule, severity=severity or r.severity, message=message, hint=where.pop("hint", r.hint), **where)
+
+
+@dataclass(slots=True, kw_only=True)
+class VerifyReport:
+    path: str
+    format: str | None = None
+    step: int | None = None
+    layout: dict[str, Any] = field(default_factory=dict)
+    seal: str | None = None
+    deep: bool = False
+    findings: list[Finding] = field(default_factory=list)
+    stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    checked: dict[str, int] = field(default_factory=dict)
+
+    def failing(self, fail_on: Severity = "error") -> list[Finding]:
+        return [f for f in self.findings if SEVERITY_ORDER[f.severity] >= SEVERITY_ORDER[fail_on]]
+
+    def summary(self) -> dict[str, int]:
+        out = {"error": 0, "warning": 0, "info": 0}
+        for f in self.findings:
+            out[f.severity] += 1
+        return out
+
+    def to_json(self, fail_on: Severity = "error") -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "inputs": {"path": self.path, "seal": self.seal, "deep": self.deep},
+            "format": self.format,
+            "step": self.step,
+            "layout": self.layout,
+            "ok": not self.failing(fail_on),
+            "fail_on": fail_on,
+            "summary": self.summary(),
+            "checked": self.checked,
+            "findings": [f.to_json() for f in self.findings],
+            "stats": self.stats,
+        }
+
+
+def verify(
+    path: str | Path,
+    *,
+    manifest_path: str | Path | None = None,
+    deep: bool = False,
+    require: Iterable[str] = (),
+    workers: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> VerifyReport:
+    """Check the checkpoint at ``path``; raises only when it cannot be evaluated at all."""
+    root = Path(path)
+    if not root.exists():
+        raise NotFoundError(f"{root}: no such file or directory", hint="check the path", path=str(root))
+    required = set(require)
+    unknown = required - {"optimizer", "rng", "dataloader", "scheduler", "step"}
+    if unknown:
+        from ckpttool.errors import UsageError
+
+        raise UsageError(
+            f"--require {', '.join(sorted(unknown))}: expected optimizer, rng, dataloader, scheduler or step"
+        )
+    report = VerifyReport(path=str(root), deep=deep)
+    seal_file = Path(manifest_path) if manifest_path else default_seal_path(root)
+    sealed = Seal.load(seal_file) if seal_file.is_file() else None
+    if manifest_path and sealed is None:
+        raise NotFoundError(f"{seal_file}: no such seal", hint="create one with 'ckpttool seal'", path=str(seal_file))
+    report.seal = str(seal_file) if sealed else None
+
+    adapter: Adapter | None = None
+    manifest: Manifest | None = None
+    try:
+        adapter, manifest = registry.describe(root)
+    except FormatNotRecognizedError:
+        if sealed is None:
+            raise
+    except NotFoundError:
+        raise
+    except CkptError as exc:
+        report.findings.append(_from_error(exc))
+    if manifest is not None:
+        report.format, report.step = manifest.format, manifest.step
+        report.layout = {
+            k: getattr(manifest.layout, k) for k in ("world_size", "tp", "pp", "dp", "ep", "vpp", "zero_stage")
+        }
+    elif sealed is not None:
+        report.format, report.step = sealed.manifest.format, sealed.manifest.step
+
+    piece_digests: dict[tuple[str, int], str] = {}
+    if sealed is not None:
+        piece_digests = _check_seal(report, root, sealed, manifest, adapter, workers, progress)
+    elif manifest is not None and adapter is not None:
+        piece_digests = _check_integrity(report, manifest, adapter, workers, progress)
+    if manifest is not None and adapter is not None:
+        _check_manifest(report, manifest, required)
+        _check_replicas(report, manifest, adapter, piece_digests)
+        _check_steps(report, manifest)
+        _check_optimizer(report, manifest, adapter, piece_digests, sealed.algo if sealed else "xxh3-128")
+        if deep:
+            _check_values(report, manifest, adapter)
+    return report
+
+
+def _from_error(exc: CkptError) -> Finding:
+    rule = exc.rule if exc.rule in RULES else "corrupt-file"
+    return finding(rule, exc.message, file=exc.path, hint=exc.hint or RULES[rule].hint)
+
+
+# -- files and bytes -------------------------------------------------------------------------------
+
+
+def _check_seal(
+    report: VerifyReport,
+    root: Path,
+    sealed: Seal,
+    manifest: Manifest | None,
+    adapter: Adapter | None,
+    workers: int | None,
+    progress: Callable[[int], None] | None,
+) -> dict[tuple[str, int], str]:
+    """Files and pieces against the seal, reading each present file once."""
+    scope = root if root.is_dir() else root.parent
+    on_disk = dict(list_files(scope)) if scope.is_dir() else {}
+    expected = {f.path: f for f in sealed.manifest.files if f.role != "seal"}
+    missing = sorted(set(expected) - set(on_disk))
+    for rel in missing:
+        report.findings.append(
+            finding("missing-file", f"{rel}: in the seal but not on disk", file=rel, rank=_rank_of(expected[rel]))
+        )
+    extra = sorted(
+        rel
+        for rel in set(on_disk) - set(expected)
+        if not rel.endswith(".ckpttool.manifest.json") and rel != "ckpttool.manifest.json"
+    )
+    for rel in extra:
+        report.findings.append(
+            finding("extra-file", f"{rel}: on disk but not in the seal ({on_disk[rel]:,} bytes)", file=rel)
+        )
+    present = [rel for rel in expected if rel in on_disk]
+    spans: dict[str, list[Span]] = defaultdict(list)
+    unspanned: list[tuple[str, int]] = []
+    for rec in sealed.pieces:
+        if rec.offset is not None and rec.length is not None:
+            spans[rec.file].append(Span((rec.item, rec.index), rec.offset, rec.length))
+        else:
+            unspanned.append((rec.item, rec.index))
+    file_digests, piece_digests = hash_files(scope, present, spans, sealed.algo, workers=workers, progress=progress)
+    report.checked["files"] = len(present)
+    report.checked["bytes"] = sum(on_disk[rel] for rel in present)
+    if manifest is not None and adapter is not None and unspanned:
+        with adapter.reader(manifest) as reader:
+            for name, i in unspanned:
+                item = manifest.items.get(name)
+                if item is not None and i < len(item.pieces):
+                    try:
+                        values = reader.read(item.pieces[i], item)
+                        piece_digests[(name, i)] = hash_bytes(values.reshape(-1).view("u1").data, sealed.algo)
+                    except CkptError:
+                        pass  # reported through the file checks
+    seal_pieces = {(r.item, r.index): r for r in sealed.pieces}
+    bad_files: set[str] = set()
+    for rel in present:
+        want, got = expected[rel], file_digests[rel]
+        if got.size < want.size:
+            report.findings.append(
+                finding(
+                    "truncated-file",
+                    f"{rel} is {got.size:,} bytes, the seal says {want.size:,}: cut short",
+                    file=rel,
+                    rank=_rank_of(want),
+                )
+            )
+            bad_files.add(rel)
+        elif got.digest != want.checksum:
+            bad_files.add(rel)
+            culprits = [
+                f"{k[0]}"
+                for k, r in seal_pieces.items()
+                if r.file == rel and piece_digests.get(k) not in (None, r.checksum)
+            ]
+            what = (
+                f"; the changed bytes are in {', '.join(culprits[:5])}" + (" …" if len(culprits) > 5 else "")
+                if culprits
+                else ""
+            )
+            size_note = f" (size {got.size:,}, sealed {want.size:,})" if got.size != want.size else ""
+            report.findings.append(
+                finding(
+                    "checksum-mismatch",
+                    f"{rel}: {sealed.algo} differs from the seal{size_note}{what}",
+                    file=rel,
+                    item=culprits[0] if len(culprits) == 1 else None,
+                    rank=_rank_of(want),
+                )
+            )
+    report.checked["pieces"] = len(piece_digests)
+    return piece_digests
+
+
+def _rank_of(record: Any) -> int | None:
+    return record.ranks[0] if getattr(record, "ranks", None) else None
+
+
+def _check_integrity(
+    report: VerifyReport,
+    manifest: Manifest,
+    adapter: Adapter,
+    workers: int | None,
+    progress: Callable[[int], None] | None,
+) -> dict[tuple[str, int], str]:
+    """No seal: the CRC32 of every zip member the format carries, and piece digests for the
+    replica and optimizer checks, in one read of every data file."""
+    root = Path(manifest.root)
+    spans: dict[str, list[Span]] = defaultdict(list)
+    expected_crc: dict[Any, tuple[int, str, str | None]] = {}
+    owners: dict[tuple[str, int], str] = {}
+    with adapter.reader(manifest) as reader:
+        archives: list[tuple[str, Any, str | None]] = []
+        seen: set[tuple[str, int]] = set()
+        for item in manifest.items.values():
+            for i, piece in enumerate(item.pieces):
+                owners[(piece.file, piece.locator.get("offset", -1))] = item.name
+                if item.is_tensor:
+                    try:
+                        span = reader.raw_span(piece, item)
+                    except CkptError as exc:
+                        report.findings.append(_from_error(exc))
+                        continue
+                    if span is not None:
+                        spans[piece.file].append(Span(("piece", item.name, i), span[0], span[1]))
+                arch = _archive_of(reader, piece)
+                if arch is not None:
+                    arch_key = (piece.file, arch.base)
+                    if arch_key not in seen:
+                        seen.add(arch_key)
+                        archives.append((piece.file, arch, item.name if "offset" in piece.locator else None))
+        for rel, arch, owner in archives:
+            if isinstance(arch.source, bytes):  # decompressed (zstd) item: check it in memory
+                for name in arch.crc_errors():
+                    report.findings.append(
+                        finding(
+                            "checksum-mismatch",
+                            f"{rel}: member {name} of {owner or 'the archive'} fails its CRC32",
+                            file=rel,
+                            item=owner,
+                        )
+                    )
+                continue
+            for name, info in arch.members.items():
+                if info.CRC == 0 and info.file_size > 0:
+                    continue  # torch wrote no CRCs
+                if info.compress_type != 0:
+                    continue
+                try:
+                    span = arch._member_span(name, info)
+                except CkptError as exc:
+                    report.findings.append(_from_error(exc))
+                    continue
+                key = ("crc", rel, span.offset)
+                spans[rel].append(Span(key, span.offset, span.length, algo="crc32"))
+                expected_crc[key] = (info.CRC, name, owner)
+    files = [f.path for f in manifest.files if f.role in ("data", "metadata") and f.path in spans]
+    file_digests, digests = hash_files(root, files, spans, "xxh3-128", workers=workers, progress=progress)
+    report.checked["files"] = len(files)
+    report.checked["bytes"] = sum(d.size for d in file_digests.values() if d.size > 0)
+    for key, (crc, member, owner) in expected_crc.items():
+        got = digests.get(key)
+        if got is not None and int(got, 16) != crc:
+            rel = key[1]
+            report.findings.append(
+                finding(
+                    "checksum-mismatch",
+                    f"{rel}: {member}{f' (of {owner})' if owner else ''} fails its zip CRC32 "
+                    f"(stored {crc:08x}, computed {got}): the bytes changed after the save",
+                    file=rel,
+                    item=owner,
+                )
+            )
+    pieces = {(k[1], k[2]): v for k, v in digests.items() if k[0] == "piece"}
+    report.checked["pieces"] = len(pieces)
+    return pieces
+
+
+def _archive_of(reader: Any, piece: Any) -> Any:
+    """The zip archive a piece sits in, for CRC checks (None for raw formats)."""
+    try:
+        if hasattr(reader, "_archive") and "offset" in piece.locator:  # DCP item
+            return reader._archive(piece)
+        if hasattr(reader, "archive") and ("storage" in piece.locator or "path" in piece.locator):
+            return reader.archive(piece.file)
+    except CkptError:
+        return None
+    return None
+
+
+# -- the manifest ----------------------------------------------------------------------------------
+
+
+def _check_manifest(report: VerifyReport, manifest: Manifest, required: set[str]) -> None:
+    for item in manifest.items.values():
+        if item.error and item.error.startswith("unsafe pickle"):
+            report.findings.append(
+                finding(
+                    "unsafe-pickle",
+                    f"{item.name}: {item.error}",
+                    item=item.name,
+                    file=item.pieces[0].file if item.pieces else None,
+                )
+            )
+        if not item.is_tensor or item.shape is None:
+            continue
+        boxes = [b for p in item.pieces if p.replica == 0 for b in regions(p)]
+        try:
+            cov = coverage(item.shape, boxes)
+        except ValueError as exc:
+            report.findings.append(finding("coverage-overlap", f"{item.name}: {exc}", item=item.name))
+            continue
+        if cov.gaps:
+            report.findings.append(
+                finding(
+                    "coverage-gap",
+                    f"{item.name}: {cov.gaps:,} of {cov.total:,} elements are in no piece",
+                    item=item.name,
+                )
+            )
+        if cov.overlapping:
+            report.findings.append(
+                finding(
+                    "coverage-overlap", f"{item.name}: {cov.overlapping:,} elements are in two pieces", item=item.name
+                )
+            )
+    report.checked["items"] = len(manifest.items)
+    for state in manifest.missing_state():
+        severity: Severity = "error" if state in required else "warning"
+        report.findings.append(
+            finding("missing-state", f"no {_STATE_WORDS[state]} in the checkpoint", severity=severity)
+        )
+
+
+_STATE_WORDS: dict[StateName, str] = {
+    "optimizer": "optimizer state",
+    "rng": "RNG state",
+    "dataloader": "dataloader position",
+    "scheduler": "LR scheduler state",
+    "step": "training step",
+}
+
+
+def _check_replicas(
+    report: VerifyReport, manifest: Manifest, adapter: Adapter, digests: dict[tuple[str, int], str]
+) -> None:
+    """Copies of the same box (TP-replicated norms, DP copies) must hold the same bytes."""
+    with adapter.reader(manifest) as reader:
+        for item in manifest.items.values():
+            if not item.is_tensor or not any(p.replica for p in item.pieces):
+                continue
+            groups: dict[Any, list[int]] = defaultdict(list)
+            for i, p in enumerate(item.pieces):
+                groups[(p.box, p.flat)].append(i)
+            for idxs in groups.values():
+                if len(idxs) < 2:
+                    continue
+                values = []
+                for i in idxs:
+                    d = digests.get((item.name, i))
+                    if d is None:
+                        try:
+                            d = hash_bytes(reader.read(item.pieces[i], item).reshape(-1).view("u1").data)
+                        except CkptError:
+                            continue
+                    values.append((i, d))
+                first = values[0][1] if values else None
+                for i, d in values[1:]:
+                    if d != first:
+                        p = item.pieces[i]
+                        report.findings.append(
+                            finding(
+                                "replica-mismatch",
+                                f"{item.name}: the copy in {p.file} (rank {p.rank}) differs from the one in "
+                                f"{item.pieces[values[0][0]].file}",
+                                item=item.name,
+                                file=p.file,
+                                rank=p.rank,
+                            )
+                        )
+
+
+def _check_steps(report: VerifyReport, manifest: Manifest) -> None:
+    claims: dict[str, int] = manifest.extras.get("step_claims") or {}
+    if not claims:
+        return
+    counts: dict[int, list[str]] = defaultdict(list)
+    for rel, step in claims.items():
+        counts[step].append(rel)
+    if len(counts) > 1:
+        majority = max(counts, key=lambda s: len(counts[s]))
+        for step, files in sorted(counts.items()):
+            if step == majority:
+                continue
+            for rel in files:
+                report.findings.append(
+                    finding(
+                        "step-mismatch",
+                        f"{rel} claims step {step}; {len(counts[majority])} other files claim {majority}",
+                        file=rel,
+                    )
+                )
+
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _param_of(name: str) -> tuple[str, str] | None:
+    for m in _MOMENTS:
+        if name.endswith("." + m):
+            return name[: -len(m) - 1], m
+    return None
+
+
+def _check_optimizer(
+    report: VerifyReport, manifest: Manifest, adapter: Adapter, digests: dict[tuple[str, int], str], algo: str
+) -> None:
+    """Every trained parameter has its moments, of its shape; moments are not all zero after a step."""
+    moments: dict[str, dict[str, Item]] = defaultdict(dict)
+    for item in manifest.items.values():
+        if item.kind == "optim" and item.is_tensor:
+            pm = _param_of(item.name)
+            if pm:
+                key = pm[0].removeprefix("optim.state.").removeprefix("optimizer.state.")
+                moments[key][pm[1]] = item
+    if not moments:
+        return
+    params = {
+        name.removeprefix("model."): item
+        for name, item in manifest.items.items()
+        if item.kind == "param" and item.is_tensor and (item.dtype or "").startswith(("float", "bfloat"))
+    }
+    for name, item in params.items():
+        got = moments.get(name)
+        if got is None:
+            continue
+        for mom in got.values():
+            if mom.shape != item.shape:
+                report.findings.append(
+                    finding(
+                        "optimizer-mismatch",
+                        f"{mom.name} has shape {list(mom.shape or ())}, its parameter "
+                        f"{item.name} {list(item.shape or ())}",
+                        item=mom.name,
+                    )
+                )
+    # weight matrices are trained unless the checkpoint says they are frozen or tied to another
+    exempt = set(manifest.extras.get("frozen") or []) | set((manifest.extras.get("shared_params") or {}).keys())
+    trained = [n for n in moments if n in params]
+    untracked = [
+        n for n, i in params.items() if n not in moments and trained and len(i.shape or ()) >= 2 and n not in exempt
+    ]
+    if untracked and len(untracked) < len(params):
+        names = ", ".join(untracked[:5]) + (" …" if len(untracked) > 5 else "")
+        report.findings.append(
+            finding(
+                "optimizer-mismatch",
+                f"{len(untracked)} parameters have no optimizer moments: {names}",
+                severity="warning",
+                item=untracked[0],
+            )
+        )
+    if (manifest.step or 0) > 0:
+        for zeroed in (m for pair in moments.values() for m in pair.values()):
+            if zeroed.pieces and all(_zero_piece(zeroed, i, digests, algo) for i in range(len(zeroed.pieces))):
+                report.findings.append(
+                    finding(
+                        "optimizer-mismatch",
+                        f"{zeroed.name} is all zeros at step {manifest.step}: the moments were reset or never saved",
+                        item=zeroed.name,
+                    )
+                )
+
+
+def _zero_piece(item: Item, i: int, digests: dict[tuple[str, int], str], algo: str) -> bool:
+    d = digests.get((item.name, i))
+    if d is None:
+        return False
+    nbytes = item.pieces[i].nbytes
+    return d == _zeros_digest(nbytes, algo)
+
+
+_ZERO_CACHE: dict[tuple[int, str], str] = {}
+
+
+def _zeros_digest(nbytes: int, algo: str) -> str:
+    key = (nbytes, algo)
+    if key not in _ZERO_CACHE:
+        _ZERO_CACHE[key] = hash_bytes(bytes(nbytes), algo)  # type: ignore[arg-type]
+    return _ZERO_CACHE[key]
+
+
+# -- values (--deep) -------------------------------------------------------------------------------
+
+
+def _as_float(values: np.ndarray, dtype: str) -> np.ndarray | None:
+    if dtype == "bfloat16":
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    if dtype in ("float16", "float32", "float64"):
+        return values
+    return None
+
+
+def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter) -> None:
+    with adapter.reader(manifest) as reader:
+        for item in manifest.items.values():
+            if not item.is_tensor or item.dtype is None or item.shape is None:
+                continue
+            try:
+                values = assemble(reader, item)
+            except CkptError as exc:
+                report.findings.append(_from_error(exc))
+                continue
+            floats = _as_float(values, item.dtype)
+            if floats is None or floats.size == 0:
+                continue
+            flat = floats.reshape(-1)
+            bad = ~np.isfinite(flat)
+            n_bad = int(bad.sum())
+            finite = flat[~bad] if n_bad else flat
+            f64 = finite.astype(np.float64)
+            stats = {
+                "numel": int(flat.size),
+                "nan": int(np.isnan(flat).sum()),
+                "inf": int(np.isinf(flat).sum()),
+                "min": float(f64.min()) if f64.size else None,
+                "max": float(f64.max()) if f64.size else None,
+                "mean": float(f64.mean()) if f64.size else None,
+                "std": float(f64.std()) if f64.size else None,
+                "absmax": float(np.abs(f64).max()) if f64.size else None,
+            }
+            report.stats[item.name] = stats
+            if n_bad:
+                first = int(np.argmax(bad))
+                index = [int(i) for i in np.unravel_index(first, item.shape)] if item.shape else []
+                report.findings.append(
+                    finding(
+                        "nonfinite",
+                        f"{item.name}: {stats['nan']:,} NaN and {stats['inf']:,} Inf of {flat.size:,} "
+                        f"values; first at index {index}",
+                        item=item.name,
+                    )
+                )
+    report.checked["values"] = len(report.stats)
+
+
+def rule_table() -> list[Rule]:
+    return list(RULES.values())
+
+
+__all__ = ["RULES", "Finding", "Rule", "VerifyReport", "finding", "verify"]

@@ -23,13 +23,13 @@ class Group:
         """One line for the group: the finding itself, or a count with the files/items/ranks."""
         if len(self.findings) == 1:
             return self.findings[0].message
-        ranks = sorted({f.rank for f in self.findings if f.rank is not None})
         names = [f.item or f.file or "" for f in self.findings]
         what = RULES[self.rule].summary
-        if ranks and len(ranks) == len(self.findings):
-            shown = ", ".join(map(str, ranks[:12])) + (" …" if len(ranks) > 12 else "")
-            return f"{len(self.findings)} findings ({what}), ranks {shown}"
         shown = ", ".join(n for n in names[:6] if n) + (" …" if len(names) > 6 else "")
+        if all(f.rank is not None for f in self.findings):
+            ranks = sorted({f.rank for f in self.findings if f.rank is not None})
+            listed = ", ".join(map(str, ranks[:12])) + (" …" if len(ranks) > 12 else "")
+            return f"{len(self.findings)} findings ({what}), ranks {listed}: {shown}"
         return f"{len(self.findings)} findings ({what}): {shown}"
 
 

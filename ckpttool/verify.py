@@ -29,7 +29,6 @@ from ckpttool.errors import CkptError, FormatNotRecognizedError, NotFoundError
 from ckpttool.formats.base import Adapter
 from ckpttool.geometry import coverage
 from ckpttool.hashing import Span, hash_bytes, hash_files
-from ckpttool.io import list_files
 from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, StateName
 from ckpttool.seal import Seal, default_seal_path
 
@@ -250,7 +249,20 @@ def verify(
         _check_optimizer(report, manifest, adapter, piece_digests, sealed.algo if sealed else "xxh3-128")
         if deep:
             _check_values(report, manifest, adapter)
+    report.findings = _dedupe(report.findings)
     return report
+
+
+def _dedupe(findings: list[Finding]) -> list[Finding]:
+    """One finding per (rule, file, item): the metadata walk and the seal may both see a missing file;
+    the one that knows the rank wins."""
+    best: dict[tuple[str, str | None, str | None], Finding] = {}
+    for f in findings:
+        key = (f.rule, f.file, f.item) if f.file or f.item else (f.rule, f.message, None)
+        old = best.get(key)
+        if old is None or (old.rank is None and f.rank is not None):
+            best[key] = f
+    return list(best.values())
 
 
 def _from_error(exc: CkptError) -> Finding:
@@ -271,9 +283,22 @@ def _check_seal(
     progress: Callable[[int], None] | None,
 ) -> dict[tuple[str, int], str]:
     """Files and pieces against the seal, reading each present file once."""
-    scope = root if root.is_dir() else root.parent
-    on_disk = dict(list_files(scope)) if scope.is_dir() else {}
+    if manifest is not None:
+        scope = Path(manifest.root)
+    elif Path(sealed.manifest.root).is_dir():
+        scope = Path(sealed.manifest.root)
+    else:
+        scope = root if root.is_dir() else root.parent
     expected = {f.path: f for f in sealed.manifest.files if f.role != "seal"}
+    # look for missing and extra files only in the directories the seal has files in (so the other
+    # tags or iterations of a save directory are not "extra")
+    on_disk: dict[str, int] = {}
+    for folder in sorted({rel.rsplit("/", 1)[0] if "/" in rel else "" for rel in expected}):
+        d = scope / folder if folder else scope
+        if d.is_dir():
+            for p in d.iterdir():
+                if p.is_file():
+                    on_disk[f"{folder}/{p.name}" if folder else p.name] = p.stat().st_size
     missing = sorted(set(expected) - set(on_disk))
     for rel in missing:
         report.findings.append(

@@ -1,0 +1,243 @@
+"""verify: one test per rule on corruptions of real fixtures, clean fixtures pass, every output mode."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpttool import registry
+from ckpttool.seal import seal
+from ckpttool.verify import verify
+from tests.conftest import DCP_FIXTURES, FIXTURES, run_cli
+
+CLEAN = [
+    *(f"dcp/{n}" for n in DCP_FIXTURES),
+    "dcp/fsdp2_hf/sharded",
+    *(f"deepspeed/{n}" for n in ("zero0", "zero1", "zero2", "zero2_bf16", "zero3", "bf16_zero0", "bf16_optimizer",
+                                 "pipeline", "universal")),
+    *(f"megatron/{n}" for n in ("dist_tp2", "dist_tp2pp2", "legacy_tp2pp2", "legacy_tp2pp2_distopt")),
+    "rankshards/tp_manual/step_00000003", "rankshards/ddp", "rankshards/pipeline",
+    "safetensors/sharded", "safetensors/model.safetensors", "torch/train_state.pt",
+]
+
+
+def _copy(rel: str, tmp_path: Path) -> Path:
+    src = FIXTURES / rel
+    dst = tmp_path / src.name
+    (shutil.copytree if src.is_dir() else shutil.copy)(src, dst)
+    return dst
+
+
+def _rules(report) -> set[str]:
+    return {f.rule for f in report.findings if f.severity == "error"}
+
+
+def _raw(path: Path, item_name: str, index: int = 0) -> tuple[Path, int, int]:
+    adapter, m = registry.describe(path)
+    item = m.items[item_name]
+    with adapter.reader(m) as reader:
+        span = reader.raw_span(item.pieces[index], item)
+    assert span is not None
+    return Path(m.root) / item.pieces[index].file, span[0], span[1]
+
+
+def _patch(file: Path, offset: int, data: bytes) -> None:
+    with open(file, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(data)
+
+
+@pytest.mark.parametrize("rel", CLEAN)
+def test_clean_fixtures_verify(rel):
+    report = verify(FIXTURES / rel, deep=True)
+    assert report.failing() == [], [f.message for f in report.failing()]
+
+
+FLIPS = [
+    ("dcp/fsdp2", "model.blocks.0.fc1.weight", True),
+    ("deepspeed/zero2", "blocks.0.fc1.weight.exp_avg", True),
+    ("megatron/legacy_tp2pp2", "decoder.layers.0.mlp.linear_fc2.weight", True),
+    ("megatron/dist_tp2", "embedding.word_embeddings.weight", True),
+    ("torch/train_state.pt", "model.blocks.0.fc1.weight", True),
+    ("rankshards/ddp", "model.body.0.weight", True),
+    ("safetensors/sharded", None, False),  # safetensors carries no integrity data: only the seal sees it
+]
+
+
+@pytest.mark.parametrize(("rel", "item", "crc"), FLIPS)
+def test_flipped_byte_caught_with_and_without_seal(rel, item, crc, tmp_path):
+    path = _copy(rel, tmp_path)
+    adapter, m = registry.describe(path)
+    item = item or next(n for n, i in m.items.items() if i.is_tensor and i.nbytes > 64)
+    _, sealed_at = seal(path, out=tmp_path / "seal.json")
+    file, off, n = _raw(path, item)
+    byte = file.read_bytes()[off + n // 2]
+    _patch(file, off + n // 2, bytes([byte ^ 0x40]))
+    with_seal = verify(path, manifest_path=sealed_at)
+    assert "checksum-mismatch" in _rules(with_seal)
+    named = [f for f in with_seal.findings if f.rule == "checksum-mismatch"]
+    assert item in named[0].message  # the seal names the tensor the byte belongs to
+    without = verify(path)
+    assert ("checksum-mismatch" in _rules(without)) == crc
+
+
+def test_truncated_file(tmp_path):
+    path = _copy("dcp/fsdp2", tmp_path)
+    seal(path, out=tmp_path / "seal.json")
+    f = path / "__2_0.distcp"
+    f.write_bytes(f.read_bytes()[:-5000])
+    for report in (verify(path), verify(path, manifest_path=tmp_path / "seal.json")):
+        assert "truncated-file" in _rules(report)
+        assert any("__2_0.distcp" in (x.file or x.message) for x in report.findings)
+
+
+def test_rank_file_deleted(tmp_path):
+    path = _copy("megatron/legacy_tp2pp2", tmp_path)
+    shutil.rmtree(path / "iter_0000003" / "mp_rank_01_000")
+    report = verify(path)
+    assert "missing-file" in _rules(report)
+    path2 = _copy("dcp/fsdp2", tmp_path / "b")
+    seal(path2)
+    (path2 / "__3_0.distcp").unlink()
+    report = verify(path2)
+    assert "missing-file" in _rules(report)
+    assert any(f.rank == 3 for f in report.findings if f.rule == "missing-file")
+
+
+def test_step_rewritten_in_one_rank(tmp_path):
+    path = _copy("rankshards/ddp", tmp_path)
+    f = path / "shard_00001_of_00002.pt"
+    state = torch.load(f, weights_only=True)
+    state["step"] = 4
+    torch.save(state, f)
+    report = verify(path)
+    steps = [x for x in report.findings if x.rule == "step-mismatch"]
+    assert steps and "claims step 4" in steps[0].message and steps[0].file == "shard_00001_of_00002.pt"
+
+
+def test_interrupted_dcp_save():
+    report = verify(FIXTURES / "hostile" / "dcp_metadata_tmp_only")
+    assert "incomplete-save" in _rules(report)
+
+
+def test_deepspeed_latest_missing_tag():
+    report = verify(FIXTURES / "hostile" / "ds_latest_missing_tag")
+    assert "incomplete-save" in _rules(report)
+    assert "global_step999" in report.findings[0].message
+
+
+def test_replicated_norm_altered_on_one_tp_rank(tmp_path):
+    path = _copy("megatron/legacy_tp2pp2", tmp_path)
+    _, m = registry.describe(path)
+    norm = m.items["decoder.layers.0.input_layernorm.weight"]
+    other = next(i for i, p in enumerate(norm.pieces) if p.replica == 1)
+    file, off, n = _raw(path, norm.name, other)
+    _patch(file, off, b"\x00\x40")  # one bf16 value becomes 2.0
+    report = verify(path)
+    found = [f for f in report.findings if f.rule == "replica-mismatch"]
+    assert found and found[0].item == norm.name
+
+
+def test_adam_moment_zeroed(tmp_path):
+    path = _copy("dcp/fsdp2", tmp_path)
+    _, m = registry.describe(path)
+    name = "optim.state.blocks.0.fc1.weight.exp_avg_sq"
+    for i in range(len(m.items[name].pieces)):
+        file, off, n = _raw(path, name, i)
+        _patch(file, off, bytes(n))
+    report = verify(path)
+    assert any(f.rule == "optimizer-mismatch" and f.item == name for f in report.findings)
+
+
+def test_nan_in_a_weight(tmp_path):
+    path = _copy("dcp/mesh2x2", tmp_path)
+    file, off, n = _raw(path, "model.head.weight", 0)
+    _patch(file, off + 8, struct.pack("<f", float("nan")))
+    assert "nonfinite" not in _rules(verify(path))  # values are only read with --deep
+    report = verify(path, deep=True)
+    nan = [f for f in report.findings if f.rule == "nonfinite"]
+    assert nan and nan[0].item == "model.head.weight" and "1 NaN" in nan[0].message
+    assert report.stats["model.head.weight"]["nan"] == 1
+
+
+def test_unsafe_pickle_is_a_finding():
+    report = verify(FIXTURES / "hostile" / "dcp_bytes_item_os_system")
+    assert "unsafe-pickle" in _rules(report)
+    report = verify(FIXTURES / "hostile" / "dcp_metadata_os_system")
+    assert "unsafe-pickle" in _rules(report)
+
+
+def test_require_turns_missing_state_into_an_error():
+    report = verify(FIXTURES / "deepspeed" / "zero2", require=["rng"])
+    assert any(f.rule == "missing-state" and f.severity == "error" for f in report.findings)
+    assert not verify(FIXTURES / "deepspeed" / "zero2").failing()
+
+
+def test_extra_file_against_the_seal(tmp_path):
+    path = _copy("dcp/fsdp2", tmp_path)
+    seal(path)
+    (path / "notes.txt").write_text("added later")
+    report = verify(path)
+    assert [f.file for f in report.findings if f.rule == "extra-file"] == ["notes.txt"]
+    assert not report.failing()  # a warning
+    assert report.failing("warning")
+
+
+# -- the command line, every output mode --------------------------------------------------------
+
+
+@pytest.fixture
+def broken(tmp_path):
+    path = _copy("dcp/fsdp2", tmp_path)
+    for rank in (1, 2, 3):
+        (path / f"__{rank}_0.distcp").unlink()
+    return path
+
+
+def test_cli_human_json_junit_github(broken, tmp_path):
+    clean = run_cli("verify", FIXTURES / "dcp" / "fsdp2")
+    assert clean.code == 0 and "OK: 0 errors" in clean.stdout
+
+    human = run_cli("verify", broken)
+    assert human.code == 1 and "Traceback" not in human.stderr
+    assert "FAILED" in human.stdout and "incomplete-save" not in human.stdout
+
+    r = run_cli("verify", broken, "--json", "--report", tmp_path / "r.json", "--junit", tmp_path / "j.xml")
+    data = json.loads(r.stdout)
+    assert r.code == 1 and data["ok"] is False and data["schema_version"] == 1
+    assert {"inputs", "format", "step", "layout", "summary", "findings"} <= set(data)
+    f = data["findings"][0]
+    assert set(f) >= {"rule", "severity", "message", "file", "item", "rank", "hint"}
+    assert json.loads((tmp_path / "r.json").read_text())["findings"] == data["findings"]
+    junit = (tmp_path / "j.xml").read_text()
+    assert junit.startswith("<?xml") and 'failures="1"' in junit and "missing-file" in junit
+
+    summary = tmp_path / "summary.md"
+    gh = run_cli("verify", broken, env={"GITHUB_ACTIONS": "true", "GITHUB_STEP_SUMMARY": str(summary)})
+    assert gh.code == 1
+    assert "::error title=ckpttool missing-file::" in gh.stderr
+    assert "ckpttool verify: FAILED" in summary.read_text()
+
+
+def test_cli_groups_many_findings(tmp_path):
+    path = _copy("dcp/fsdp2_per_item", tmp_path)
+    seal(path)
+    removed = sorted(path.glob("__1_*.distcp"))[:12]
+    for p in removed:
+        p.unlink()
+    r = run_cli("verify", path)
+    assert r.code == 1
+    line = next(ln for ln in r.stdout.splitlines() if "missing-file" in ln)
+    assert line.count("findings") == 1 and "ranks 1" in line  # one grouped line, not twelve
+
+
+def test_cli_exit_3_when_nothing_can_be_evaluated(tmp_path):
+    r = run_cli("verify", tmp_path / "nope")
+    assert r.code == 3
+    (tmp_path / "x").mkdir()
+    assert run_cli("verify", tmp_path / "x").code == 3

@@ -25,15 +25,15 @@ def pread(fd: int, length: int, offset: int) -> bytes:
 
 
 def preadinto(fd: int, buf: memoryview, offset: int) -> int:
-    """Fill ``buf`` from ``offset``; returns the bytes read (short only at end of file)."""
+    """Fill ``buf`` from ``offset`` without an intermediate copy; returns the bytes read (short only
+    at end of file). The other place checkpoint bytes are read."""
     done = 0
     total = len(buf)
     while done < total:
-        chunk = pread(fd, min(total - done, 1 << 26), offset + done)
-        if not chunk:
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n == 0:
             break
-        buf[done : done + len(chunk)] = chunk
-        done += len(chunk)
+        done += n
     return done
 
 

@@ -113,9 +113,9 @@ def hash_pieces(
     """One pass: digests of ``files`` (default: every file of the manifest but a seal) and of every
     tensor piece. Returns (file digests, piece digests, piece spans)."""
     root = Path(manifest.root)
+    targets = files if files is not None else [f.path for f in manifest.files if f.role != "seal"]
     with adapter.reader(manifest) as reader:
         spans, other = piece_spans(reader, manifest)
-        targets = files if files is not None else [f.path for f in manifest.files if f.role != "seal"]
         file_digests, span_digests = hash_files(root, targets, spans, algo, workers=workers, progress=progress)
         for name, i in other:
             item = manifest.items[name]

@@ -34,8 +34,18 @@ def manifest_schema() -> str:
     return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
 
 
+def verify_report_schema() -> str:
+    from ckpttool.verify import report_schema
+
+    return json.dumps(report_schema(), indent=2, sort_keys=True) + "\n"
+
+
 def generated() -> dict[str, str]:
-    return {"cli.md": cli_reference(), "manifest.schema.json": manifest_schema()}
+    return {
+        "cli.md": cli_reference(),
+        "manifest.schema.json": manifest_schema(),
+        "verify-report.schema.json": verify_report_schema(),
+    }
 
 
 def main() -> int:

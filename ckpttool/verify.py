@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+from typing_extensions import TypedDict  # pydantic needs this one on Python < 3.12
 
 from ckpttool import registry
 from ckpttool.assemble import assemble, regions
@@ -146,6 +147,42 @@ class Finding:
             "rank": self.rank,
             "hint": self.hint,
         }
+
+
+class FindingJSON(TypedDict):
+    rule: str
+    """a stable rule id (see RULES / docs/ci-gate.md)"""
+    severity: Severity
+    message: str
+    file: str | None
+    item: str | None
+    rank: int | None
+    hint: str | None
+
+
+class ReportJSON(TypedDict):
+    """What ``verify --json`` prints and ``--report`` writes (docs/verify-report.schema.json)."""
+
+    schema_version: int
+    inputs: dict[str, Any]
+    format: str | None
+    step: int | None
+    layout: dict[str, int | None]
+    ok: bool
+    fail_on: Severity
+    summary: dict[Severity, int]
+    checked: dict[str, int]
+    findings: list[FindingJSON]
+    stats: dict[str, dict[str, Any]]
+
+
+def report_schema() -> dict[str, Any]:
+    from pydantic import TypeAdapter
+
+    schema: dict[str, Any] = TypeAdapter(ReportJSON).json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "ckpttool verify report"
+    return schema
 
 
 def finding(rule: str, message: str, *, severity: Severity | None = None, **where: Any) -> Finding:

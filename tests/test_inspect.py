@@ -15,13 +15,18 @@ from tests.conftest import DCP_FIXTURES, FIXTURES
 @pytest.fixture
 def reads(monkeypatch):
     log: list[tuple[str, int, int]] = []
-    real = ckio.pread
+    real, real_into = ckio.pread, ckio.preadinto
 
     def spy(fd: int, length: int, offset: int) -> bytes:
         log.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, length))
         return real(fd, length, offset)
 
+    def spy_into(fd: int, buf: memoryview, offset: int) -> int:
+        log.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, len(buf)))
+        return real_into(fd, buf, offset)
+
     monkeypatch.setattr(ckio, "pread", spy)
+    monkeypatch.setattr(ckio, "preadinto", spy_into)
     return log
 
 

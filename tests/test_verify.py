@@ -241,3 +241,14 @@ def test_cli_exit_3_when_nothing_can_be_evaluated(tmp_path):
     assert r.code == 3
     (tmp_path / "x").mkdir()
     assert run_cli("verify", tmp_path / "x").code == 3
+
+
+def test_json_report_matches_its_schema(broken):
+    from pydantic import TypeAdapter
+
+    from ckpttool.verify import ReportJSON
+
+    for path in (broken, FIXTURES / "deepspeed" / "zero3"):
+        payload = json.loads(run_cli("verify", path, "--json", "--deep").stdout)
+        TypeAdapter(ReportJSON).validate_python(payload, strict=False)
+        assert set(payload) == set(ReportJSON.__annotations__)

@@ -150,7 +150,8 @@ class Manifest:
     # -- JSON boundary -------------------------------------------------------------------------
 
     def to_json_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = _adapter().dump_python(self, mode="json")
+        """The JSON form (``docs/manifest.schema.json``); plain code, as it runs for every seal."""
+        data: dict[str, Any] = _plain(self)
         return data
 
     @classmethod
@@ -169,6 +170,18 @@ class ReplicaCounter:
         n = self._seen.get((item, region), 0)
         self._seen[(item, region)] = n + 1
         return n
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, Box):
+        return {"offsets": list(obj.offsets), "sizes": list(obj.sizes)}
+    if hasattr(obj, "__dataclass_fields__"):
+        return {name: _plain(getattr(obj, name)) for name in obj.__dataclass_fields__}
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_plain(v) for v in obj]
+    return obj
 
 
 def _adapter() -> Any:

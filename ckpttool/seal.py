@@ -19,7 +19,7 @@ from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.hashing import Algo, Span, hash_bytes, hash_files
 from ckpttool.io import atomic_output
-from ckpttool.manifest import SEAL_NAME, Manifest
+from ckpttool.manifest import SEAL_NAME, Item, Manifest, Piece
 
 SEAL_KIND = "ckpttool.seal"
 
@@ -84,20 +84,30 @@ class Seal:
             ) from None
 
 
+def in_file_order(manifest: Manifest, *, tensors_only: bool = False) -> list[tuple[Item, int, Piece]]:
+    """Every (item, index, piece) sorted by file and position, so that locating pieces reads each
+    file forwards (the kernel's readahead then serves it) instead of seeking back and forth."""
+    out = [
+        (item, i, piece)
+        for item in manifest.items.values()
+        if item.is_tensor or not tensors_only
+        for i, piece in enumerate(item.pieces)
+    ]
+    out.sort(key=lambda t: (t[2].file, t[2].locator.get("offset", t[2].locator.get("begin", 0))))
+    return out
+
+
 def piece_spans(reader: PieceReader, manifest: Manifest) -> tuple[dict[str, list[Span]], list[tuple[str, int]]]:
     """Raw byte spans of every tensor piece, by file, keyed ``(item, index)``; and the pieces
     without one (compressed or strided), which must be read through the reader to be hashed."""
     spans: dict[str, list[Span]] = {}
     other: list[tuple[str, int]] = []
-    for item in manifest.items.values():
-        if not item.is_tensor:
-            continue
-        for i, piece in enumerate(item.pieces):
-            span = reader.raw_span(piece, item)
-            if span is None:
-                other.append((item.name, i))
-            else:
-                spans.setdefault(piece.file, []).append(Span((item.name, i), span[0], span[1]))
+    for item, i, piece in in_file_order(manifest, tensors_only=True):
+        span = reader.raw_span(piece, item)
+        if span is None:
+            other.append((item.name, i))
+        else:
+            spans.setdefault(piece.file, []).append(Span((item.name, i), span[0], span[1]))
     return spans, other
 
 

@@ -31,7 +31,7 @@ from ckpttool.formats.base import Adapter
 from ckpttool.geometry import coverage
 from ckpttool.hashing import Span, hash_bytes, hash_files
 from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, StateName
-from ckpttool.seal import Seal, default_seal_path
+from ckpttool.seal import Seal, default_seal_path, in_file_order
 
 Severity = Literal["error", "warning", "info"]
 SEVERITY_ORDER = {"info": 0, "warning": 1, "error": 2}
@@ -431,23 +431,22 @@ def _check_integrity(
     with adapter.reader(manifest) as reader:
         archives: list[tuple[str, Any, str | None]] = []
         seen: set[tuple[str, int]] = set()
-        for item in manifest.items.values():
-            for i, piece in enumerate(item.pieces):
-                owners[(piece.file, piece.locator.get("offset", -1))] = item.name
-                if item.is_tensor:
-                    try:
-                        span = reader.raw_span(piece, item)
-                    except CkptError as exc:
-                        report.findings.append(_from_error(exc))
-                        continue
-                    if span is not None:
-                        spans[piece.file].append(Span(("piece", item.name, i), span[0], span[1]))
-                arch = _archive_of(reader, piece)
-                if arch is not None:
-                    arch_key = (piece.file, arch.base)
-                    if arch_key not in seen:
-                        seen.add(arch_key)
-                        archives.append((piece.file, arch, item.name if "offset" in piece.locator else None))
+        for item, i, piece in in_file_order(manifest):
+            owners[(piece.file, piece.locator.get("offset", -1))] = item.name
+            if item.is_tensor:
+                try:
+                    span = reader.raw_span(piece, item)
+                except CkptError as exc:
+                    report.findings.append(_from_error(exc))
+                    continue
+                if span is not None:
+                    spans[piece.file].append(Span(("piece", item.name, i), span[0], span[1]))
+            arch = _archive_of(reader, piece)
+            if arch is not None:
+                arch_key = (piece.file, arch.base)
+                if arch_key not in seen:
+                    seen.add(arch_key)
+                    archives.append((piece.file, arch, item.name if "offset" in piece.locator else None))
         for rel, arch, owner in archives:
             if isinstance(arch.source, bytes):  # decompressed (zstd) item: check it in memory
                 for name in arch.crc_errors():

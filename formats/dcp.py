@@ -437,10 +437,10 @@ class DcpAdapter:
     def _read_objects(self, manifest: Manifest) -> None:
         """Read the (small) bytes items so step counters and hyperparameters show; an item whose
         pickle is refused keeps the reason and the rest of the checkpoint is still described."""
+        objects = [i for i in manifest.items.values() if not i.is_tensor and i.pieces]
+        objects.sort(key=lambda i: (i.pieces[0].file, i.pieces[0].locator.get("offset", 0)))  # read forwards
         with self.reader(manifest) as reader:
-            for item in manifest.items.values():
-                if item.is_tensor or not item.pieces:
-                    continue
+            for item in objects:
                 try:
                     set_value(item, reader.read_object(item))
                 except UnsafePickleError as exc:

@@ -140,7 +140,7 @@ class Archive:
         if info.file_size > _MAX_PICKLE:
             raise CorruptFileError(f"{self.display}: data.pkl claims {info.file_size:,} bytes", path=self.display)
         if info.compress_type == zipfile.ZIP_STORED:
-            span = self._member_span(self.prefix + "data.pkl", info)
+            span = self.member_span(self.prefix + "data.pkl", info)
             data = self._read(span.offset - self.base, span.length)
         else:
             try:
@@ -167,11 +167,11 @@ class Archive:
             raise CorruptFileError(
                 f"{self.display}: storage {name} is compressed; torch never does that", path=self.display
             )
-        span = self._member_span(name, info)
+        span = self.member_span(name, info)
         self._spans[key] = span
         return span
 
-    def _member_span(self, name: str, info: Any) -> StorageSpan:
+    def member_span(self, name: str, info: Any) -> StorageSpan:
         """Where a stored member's bytes are (after its local header)."""
         header = self._read(info.header_offset, _LFH.size)
         fields = _LFH.unpack(header) if len(header) == _LFH.size else (b"",)

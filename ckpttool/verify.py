@@ -441,7 +441,11 @@ def _check_integrity(
                     continue
                 if span is not None:
                     spans[piece.file].append(Span(("piece", item.name, i), span[0], span[1]))
-            arch = _archive_of(reader, piece)
+            try:
+                arch = reader.archive_of(piece)
+            except CkptError as exc:
+                report.findings.append(_from_error(exc))
+                arch = None
             if arch is not None:
                 arch_key = (piece.file, arch.base)
                 if arch_key not in seen:
@@ -465,7 +469,7 @@ def _check_integrity(
                 if info.compress_type != 0:
                     continue
                 try:
-                    span = arch._member_span(name, info)
+                    span = arch.member_span(name, info)
                 except CkptError as exc:
                     report.findings.append(_from_error(exc))
                     continue
@@ -492,18 +496,6 @@ def _check_integrity(
     pieces = {(k[1], k[2]): v for k, v in digests.items() if k[0] == "piece"}
     report.checked["pieces"] = len(pieces)
     return pieces
-
-
-def _archive_of(reader: Any, piece: Any) -> Any:
-    """The zip archive a piece sits in, for CRC checks (None for raw formats)."""
-    try:
-        if hasattr(reader, "_archive") and "offset" in piece.locator:  # DCP item
-            return reader._archive(piece)
-        if hasattr(reader, "archive") and ("storage" in piece.locator or "path" in piece.locator):
-            return reader.archive(piece.file)
-    except CkptError:
-        return None
-    return None
 
 
 # -- the manifest ----------------------------------------------------------------------------------

@@ -113,6 +113,9 @@ class PtReader(PieceReader):
         ref = _unpickle.TensorRef(storage, loc["storage_offset"], tuple(loc["shape"]), tuple(loc["stride"]), item.dtype)
         return _torchzip.read_tensor(self.archive(piece.file), ref, out)
 
+    def archive_of(self, piece: Piece) -> _torchzip.Archive | None:
+        return self.archive(piece.file)
+
     def raw_span(self, piece: Piece, item: Item) -> tuple[int, int] | None:
         assert item.dtype is not None
         loc = piece.locator

@@ -42,6 +42,11 @@ class PieceReader:
         """The value of a non-tensor item, through the format's restricted unpickler."""
         raise NotImplementedError
 
+    def archive_of(self, piece: Piece) -> Any:
+        """The ``torch.save`` zip archive holding the piece (for CRC checks), or None when the format
+        stores raw bytes."""
+        return None
+
     def raw_span(self, piece: Piece, item: Item) -> tuple[int, int] | None:
         """``(offset, length)`` of the bytes in ``piece.file`` that hold the piece's values in C
         order, when they are stored so (uncompressed, contiguous); None otherwise."""

@@ -511,6 +511,9 @@ class DcpReader(PieceReader):
         piece = item.pieces[0]
         return self._archive(piece).load()
 
+    def archive_of(self, piece: Piece) -> _torchzip.Archive | None:
+        return self._archive(piece) if "offset" in piece.locator else None
+
     def raw_span(self, piece: Piece, item: Item) -> tuple[int, int] | None:
         loc = piece.locator
         if "begin" in loc:

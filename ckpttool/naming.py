@@ -40,11 +40,26 @@ def classify(name: str, *, is_tensor: bool) -> Kind:
     return "param" if is_tensor else "object"
 
 
+_OPTIM_STATE = re.compile(r"^(?:optim|optimizer)\.state\.(.+)\.(exp_avg|exp_avg_sq|step|momentum_buffer)$")
+
+
 def canonical(name: str) -> str:
-    """The spelling of a parameter name that wrappers do not change: drops ``module.``,
-    ``_orig_mod.`` (torch.compile), ``_checkpoint_wrapped_module.`` and FSDP1 wrapper segments
-    wherever they occur."""
+    """The spelling of an item name that wrappers and formats do not change, so items of two
+    checkpoints can be matched (see docs/formats/naming.md):
+
+    - wrapper segments go wherever they occur: ``module.``, ``_orig_mod.`` (torch.compile),
+      ``_checkpoint_wrapped_module.``, FSDP1's ``_fsdp_wrapped_module.``;
+    - a top-level model container goes: ``model.fc1.weight`` -> ``fc1.weight``;
+    - optimizer state keyed by parameter becomes ``<param>.<state>``:
+      ``optim.state.fc1.weight.exp_avg`` -> ``fc1.weight.exp_avg``.
+    """
     out = name
     for prefix in _PREFIXES:
         out = out.replace(prefix, "")
+    m = _OPTIM_STATE.match(out)
+    if m:
+        return f"{canonical(m.group(1))}.{m.group(2)}"
+    head, _, rest = out.partition(".")
+    if rest and head in _MODEL_ROOTS:
+        return rest
     return out

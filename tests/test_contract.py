@@ -16,6 +16,7 @@ CLI_SURFACE = {
     "ls": {"path", "--filter", "--json", "--help"},
     "export": {"path", "--output", "--filter", "--kind", "--force", "--json", "--quiet", "--help"},
     "seal": {"path", "--out", "--hash", "--workers", "--json", "--quiet", "--help"},
+    "diff": {"a", "b", "--atol", "--rtol", "--tolerance", "--filter", "--map", "--json", "--quiet", "--help"},
     "verify": {"path", "--manifest", "--deep", "--require", "--fail-on", "--report", "--junit", "--workers", "--json",
                "--quiet", "--help"},
 }

@@ -314,6 +314,59 @@ def verify(
         raise typer.Exit(1)
 
 
+@app.command(
+    epilog="Examples:  ckpttool diff ckpt/step_1000 ckpt/step_1100  ·  "
+    "ckpttool diff megatron_tp2/ resharded_tp1/ --tolerance standard  ·  ckpttool diff a/ b/ --json"
+)
+@_handles_errors
+def diff(
+    a: Annotated[Path, typer.Argument(help="The first checkpoint.", show_default=False)],
+    b: Annotated[Path, typer.Argument(help="The second checkpoint.", show_default=False)],
+    atol: Annotated[float | None, typer.Option("--atol", help="Absolute tolerance.")] = None,
+    rtol: Annotated[float | None, typer.Option("--rtol", help="Relative tolerance.")] = None,
+    tolerance: Annotated[
+        str,
+        typer.Option(
+            "--tolerance", help="strict (bit for bit), standard (1e-8 + 1e-5·|b|) or relaxed (1e-5 + 1e-3·|b|)."
+        ),
+    ] = "strict",
+    filter_: Annotated[
+        str | None, typer.Option("--filter", "-f", help="Only items whose canonical name matches this regex.")
+    ] = None,
+    map_file: Annotated[
+        Path | None, typer.Option("--map", help="Renames of A's names to B's: JSON {old: new} or old=new lines.")
+    ] = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Compare the logical tensors of two checkpoints, whatever their formats and layouts.
+
+    Reports added, removed, shape/dtype changes and value changes (max abs difference, relative L2,
+    elements that differ, first differing index), naming the first diverging tensor in A's order
+    and the largest divergence. Exit 0 equal within tolerance, 1 different, 3 could not evaluate.
+    """
+    from ckpttool.cli import _render
+    from ckpttool.diff import diff as run
+    from ckpttool.diff import load_map
+
+    out = Output(json_mode=json_out, quiet=quiet)
+    report = run(
+        a,
+        b,
+        atol=atol,
+        rtol=rtol,
+        tolerance=tolerance,  # type: ignore[arg-type]  # checked by diff()
+        pattern=_regex(filter_),
+        renames=load_map(map_file),
+    )
+    if json_out:
+        out.json(report.to_json())
+    else:
+        _render.diff_report(out, report)
+    if report.different:
+        raise typer.Exit(1)
+
+
 def _regex(pattern: str | None) -> str | None:
     if pattern is None:
         return None

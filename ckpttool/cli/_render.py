@@ -8,6 +8,7 @@ from rich.filesize import decimal
 from rich.markup import escape
 
 from ckpttool.cli._output import Output
+from ckpttool.diff import DiffReport
 from ckpttool.inspect import InspectReport
 from ckpttool.manifest import Item
 from ckpttool.values import describe_value
@@ -89,3 +90,58 @@ def verify_report(out: Output, report: VerifyReport, fail_on: Severity) -> None:
     out.line("")
     verdict = "[green]OK[/green]" if ok else "[red]FAILED[/red]"
     out.line(f"{verdict}: {s['error']} errors, {s['warning']} warnings (failing on {fail_on})")
+
+
+def diff_report(out: Output, report: DiffReport) -> None:
+    out.line(f"A: {escape(report.a)} ({report.formats[0]})   B: {escape(report.b)} ({report.formats[1]})")
+    out.line(
+        f"compared {report.compared} tensors: {report.identical} identical, {len(report.values)} with "
+        f"different values; tolerance atol={report.atol:g} rtol={report.rtol:g}"
+    )
+    if report.removed:
+        out.line(
+            f"only in A ({len(report.removed)}): {escape(', '.join(report.removed[:10]))}"
+            + (" …" if len(report.removed) > 10 else "")
+        )
+    if report.added:
+        out.line(
+            f"only in B ({len(report.added)}): {escape(', '.join(report.added[:10]))}"
+            + (" …" if len(report.added) > 10 else "")
+        )
+    for c in report.changed_meta:
+        out.line(
+            f"changed: {escape(c['name'])}: {c['a']['dtype']}{c['a']['shape']} -> {c['b']['dtype']}{c['b']['shape']}"
+        )
+    for o in report.objects:
+        out.line(f"value: {escape(o['name'])}: {escape(repr(o['a']))} -> {escape(repr(o['b']))}")
+    if report.values:
+        out.line("")
+        rows = [
+            (
+                v.name,
+                f"{v.max_abs:.3g}",
+                f"{v.rel_l2:.3g}",
+                f"{v.differing:,}/{v.numel:,}",
+                str(v.first_index),
+                "yes" if v.within_tolerance else "no",
+            )
+            for v in report.values
+        ]
+        out.table(
+            ["TENSOR", "MAX ABS", "REL L2", "DIFFERING", "FIRST AT", "WITHIN TOL"],
+            rows,
+            right=("MAX ABS", "REL L2", "DIFFERING"),
+            squeeze="TENSOR",
+        )
+    out.line("")
+    if report.different:
+        first, largest = report.first, report.largest
+        if first is not None and largest is not None:
+            out.line(
+                f"[red]different[/red]: first divergence {escape(first.name)}, largest {escape(largest.name)} "
+                f"(rel L2 {largest.rel_l2:.3g})"
+            )
+        else:
+            out.line("[red]different[/red]")
+    else:
+        out.line("[green]equal[/green]" + (" within tolerance" if report.values else ""))

@@ -1,0 +1,295 @@
+"""``diff``: what changed between two checkpoints, whatever their formats and layouts.
+
+Items are matched by :func:`ckpttool.naming.canonical` (plus optional renames). Tensors whose
+pieces have the same geometry are compared piece by piece through their raw-byte digests first, so
+equal checkpoints diff at read speed; others are assembled (one tensor of each side at a time) and
+compared numerically: max abs difference, relative L2, elements that differ, first differing index.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from ckpttool import registry
+from ckpttool.assemble import assemble
+from ckpttool.errors import UsageError
+from ckpttool.formats.base import PieceReader
+from ckpttool.hashing import hash_bytes
+from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest
+from ckpttool.naming import canonical
+
+Tolerance = Literal["strict", "standard", "relaxed"]
+TOLERANCES: dict[str, tuple[float, float]] = {"strict": (0.0, 0.0), "standard": (1e-8, 1e-5), "relaxed": (1e-5, 1e-3)}
+"""(atol, rtol): ``|a - b| <= atol + rtol * |b|`` counts as equal."""
+
+
+@dataclass(slots=True, kw_only=True)
+class TensorDiff:
+    name: str
+    a: str
+    b: str
+    max_abs: float
+    rel_l2: float
+    differing: int
+    numel: int
+    first_index: list[int] | None
+    within_tolerance: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "a": self.a,
+            "b": self.b,
+            "max_abs_diff": self.max_abs,
+            "rel_l2": self.rel_l2,
+            "differing": self.differing,
+            "numel": self.numel,
+            "first_differing_index": self.first_index,
+            "within_tolerance": self.within_tolerance,
+        }
+
+
+@dataclass(slots=True, kw_only=True)
+class DiffReport:
+    a: str
+    b: str
+    formats: tuple[str, str]
+    atol: float
+    rtol: float
+    added: list[str] = field(default_factory=list)
+    """tensors only in B"""
+    removed: list[str] = field(default_factory=list)
+    """tensors only in A"""
+    changed_meta: list[dict[str, Any]] = field(default_factory=list)
+    """shape or dtype changes"""
+    values: list[TensorDiff] = field(default_factory=list)
+    """tensors whose values differ (within tolerance or not)"""
+    objects: list[dict[str, Any]] = field(default_factory=list)
+    """non-tensor values present on both sides that differ"""
+    identical: int = 0
+    compared: int = 0
+
+    @property
+    def different(self) -> bool:
+        return bool(
+            self.added
+            or self.removed
+            or self.changed_meta
+            or self.objects
+            or any(not v.within_tolerance for v in self.values)
+        )
+
+    @property
+    def first(self) -> TensorDiff | None:
+        """The first tensor out of tolerance, in A's checkpoint order."""
+        return next((v for v in self.values if not v.within_tolerance), None)
+
+    @property
+    def largest(self) -> TensorDiff | None:
+        out = [v for v in self.values if not v.within_tolerance]
+        return max(out, key=lambda v: (v.rel_l2, v.max_abs)) if out else None
+
+    def to_json(self) -> dict[str, Any]:
+        first, largest = self.first, self.largest
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "a": self.a,
+            "b": self.b,
+            "formats": list(self.formats),
+            "atol": self.atol,
+            "rtol": self.rtol,
+            "equal": not self.different,
+            "compared": self.compared,
+            "identical": self.identical,
+            "added": self.added,
+            "removed": self.removed,
+            "changed": self.changed_meta,
+            "values": [v.to_json() for v in self.values],
+            "objects": self.objects,
+            "first_divergence": first.name if first else None,
+            "largest_divergence": largest.name if largest else None,
+        }
+
+
+def load_map(path: str | Path | None) -> dict[str, str]:
+    """Renames from A's canonical names to B's: JSON ``{"old": "new"}`` or ``old=new`` lines, where
+    ``old`` may be a regular expression (``re.sub`` replacement syntax)."""
+    if path is None:
+        return {}
+    text = Path(path).read_text()
+    try:
+        data = json.loads(text)
+        if isinstance(data, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+            return data
+        raise UsageError(f"{path}: --map JSON must map strings to strings")
+    except ValueError:
+        pairs = [ln.split("=", 1) for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+        if any(len(p) != 2 for p in pairs):
+            raise UsageError(f"{path}: --map lines must read old=new") from None
+        return {a.strip(): b.strip() for a, b in pairs}
+
+
+def _keyed(manifest: Manifest, renames: dict[str, str], pattern: re.Pattern[str] | None) -> dict[str, Item]:
+    out: dict[str, Item] = {}
+    for item in manifest.items.values():
+        key = canonical(item.name)
+        for old, new in renames.items():
+            key = (
+                re.sub(rf"^{old}$", new, key) if any(c in old for c in "^$()[]*+?\\") else (new if key == old else key)
+            )
+        if pattern is not None and not pattern.search(key):
+            continue
+        out.setdefault(key, item)
+    return out
+
+
+def diff(
+    a: str | Path,
+    b: str | Path,
+    *,
+    atol: float | None = None,
+    rtol: float | None = None,
+    tolerance: Tolerance = "strict",
+    pattern: str | None = None,
+    renames: dict[str, str] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> DiffReport:
+    if tolerance not in TOLERANCES:
+        raise UsageError(f"--tolerance {tolerance!r}: expected strict, standard or relaxed")
+    base_atol, base_rtol = TOLERANCES[tolerance]
+    atol = base_atol if atol is None else atol
+    rtol = base_rtol if rtol is None else rtol
+    adapter_a, ma = registry.describe(a)
+    adapter_b, mb = registry.describe(b)
+    rx = re.compile(pattern) if pattern else None
+    ka, kb = _keyed(ma, renames or {}, rx), _keyed(mb, {}, rx)
+    report = DiffReport(a=str(a), b=str(b), formats=(ma.format, mb.format), atol=atol, rtol=rtol)
+    report.removed = [k for k, i in ka.items() if i.is_tensor and k not in kb]
+    report.added = [k for k, i in kb.items() if i.is_tensor and k not in ka]
+    with adapter_a.reader(ma) as ra, adapter_b.reader(mb) as rb:
+        for key, ia in ka.items():
+            ib = kb.get(key)
+            if ib is None:
+                continue
+            if not ia.is_tensor or not ib.is_tensor:
+                if not ia.is_tensor and not ib.is_tensor and ia.value != ib.value and ia.summary is None:
+                    report.objects.append({"name": key, "a": ia.value, "b": ib.value})
+                continue
+            report.compared += 1
+            if ia.shape != ib.shape or ia.dtype != ib.dtype:
+                report.changed_meta.append(
+                    {
+                        "name": key,
+                        "a": {"dtype": ia.dtype, "shape": list(ia.shape or ())},
+                        "b": {"dtype": ib.dtype, "shape": list(ib.shape or ())},
+                    }
+                )
+                continue
+            if _same_pieces(ra, ia, rb, ib):
+                report.identical += 1
+                continue
+            d = _compare(key, ra, ia, rb, ib, atol, rtol)
+            if d.differing == 0:
+                report.identical += 1
+            else:
+                report.values.append(d)
+            if progress is not None:
+                progress(ia.nbytes)
+    return report
+
+
+def _same_pieces(ra: PieceReader, ia: Item, rb: PieceReader, ib: Item) -> bool:
+    """Equal by digest, piece for piece, when both sides cut the tensor the same way."""
+    pa = [p for p in ia.pieces if p.replica == 0]
+    pb = [p for p in ib.pieces if p.replica == 0]
+
+    def key(p: Any) -> tuple[Any, ...]:
+        return (p.box.offsets, p.box.sizes, p.flat or (-1, -1))
+
+    if sorted(map(key, pa)) != sorted(map(key, pb)):
+        return False
+    by_key = {key(p): p for p in pb}
+    for p in pa:
+        q = by_key[key(p)]
+        if p.checksum and q.checksum:
+            if p.checksum != q.checksum:
+                return False
+            continue
+        va = ra.read(p, ia).reshape(-1).view(np.uint8)
+        vb = rb.read(q, ib).reshape(-1).view(np.uint8)
+        if hash_bytes(va.data) != hash_bytes(vb.data):
+            return False
+    return True
+
+
+def _floats(values: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    if values.dtype.kind in "fc":
+        return values
+    return values.astype(np.float64)
+
+
+_BLOCK = 1 << 22  # elements compared at a time: temporaries stay small whatever the tensor size
+
+
+def _compare(name: str, ra: PieceReader, ia: Item, rb: PieceReader, ib: Item, atol: float, rtol: float) -> TensorDiff:
+    """Compare two assembled tensors block by block (bits, then values as float64)."""
+    assert ia.dtype is not None and ia.shape is not None and ib.dtype is not None
+    va = assemble(ra, ia).reshape(-1)
+    vb = assemble(rb, ib).reshape(-1)
+    n = 0
+    first_flat: int | None = None
+    max_abs = 0.0
+    sq_diff = 0.0
+    sq_b = 0.0
+    ok = True
+    for lo in range(0, va.size, _BLOCK):
+        a, b = va[lo : lo + _BLOCK], vb[lo : lo + _BLOCK]
+        differs = a.view(np.uint8).reshape(a.size, -1) != b.view(np.uint8).reshape(b.size, -1)
+        differs_any = differs.any(axis=1)
+        count = int(differs_any.sum())
+        if not count:
+            fb = _floats(b, ia.dtype).astype(np.float64)
+            sq_b += float(np.dot(fb, fb))
+            continue
+        if first_flat is None:
+            first_flat = lo + int(np.argmax(differs_any))
+        n += count
+        fa, fb = _floats(a, ia.dtype).astype(np.float64), _floats(b, ib.dtype).astype(np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):
+            delta = np.abs(fa - fb)
+            both_nan = np.isnan(fa) & np.isnan(fb)
+            finite_delta = np.where(both_nan, 0.0, delta)
+            max_abs = max(max_abs, float(np.nanmax(finite_delta)) if finite_delta.size else 0.0)
+            sq_diff += float(np.nansum(finite_delta * finite_delta))
+            sq_b += float(np.nansum(fb * fb))
+            ok = ok and bool(np.all((delta <= atol + rtol * np.abs(fb)) | (fa == fb) | both_nan))
+    if n and atol == 0 and rtol == 0:
+        ok = False
+    first = None
+    if first_flat is not None:
+        first = [int(i) for i in np.unravel_index(first_flat, ia.shape)] if ia.shape else []
+    rel = math.sqrt(sq_diff) / max(math.sqrt(sq_b), 1e-30)
+    return TensorDiff(
+        name=name,
+        a=ia.name,
+        b=ib.name,
+        max_abs=max_abs if math.isfinite(max_abs) else float("inf"),
+        rel_l2=rel,
+        differing=n,
+        numel=int(va.size),
+        first_index=first,
+        within_tolerance=ok,
+    )
+
+
+__all__ = ["TOLERANCES", "DiffReport", "TensorDiff", "diff", "load_map"]

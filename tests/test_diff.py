@@ -1,0 +1,71 @@
+"""diff across formats and layouts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+
+from ckpttool import registry
+from ckpttool.diff import diff
+from ckpttool.export import export
+from tests.conftest import FIXTURES, run_cli
+
+FSDP2 = FIXTURES / "dcp" / "fsdp2"
+
+
+def test_itself_and_its_export(tmp_path):
+    assert not diff(FSDP2, FSDP2).different
+    out = tmp_path / "e.safetensors"
+    export(FSDP2, out)
+    report = diff(FSDP2, out)
+    assert not report.different and report.identical == report.compared == 54
+    assert run_cli("diff", FSDP2, out).code == 0
+
+
+def test_one_perturbed_tensor_is_first_and_largest(tmp_path):
+    copy = tmp_path / "ck"
+    shutil.copytree(FSDP2, copy)
+    adapter, m = registry.describe(copy)
+    item = m.items["model.blocks.0.fc2.weight"]
+    with adapter.reader(m) as reader:
+        off, _ = reader.raw_span(item.pieces[2], item)
+    with open(copy / item.pieces[2].file, "r+b") as fh:
+        fh.seek(off + 4 * 5)
+        fh.write(struct.pack("<f", 123.0))
+    report = diff(FSDP2, copy)
+    assert report.different
+    assert report.first.name == report.largest.name == "blocks.0.fc2.weight"
+    assert report.values[0].differing == 1 and report.values[0].first_index is not None
+    r = run_cli("diff", FSDP2, copy, "--json")
+    data = json.loads(r.stdout)
+    assert r.code == 1 and data["first_divergence"] == data["largest_divergence"] == "blocks.0.fc2.weight"
+    loose = run_cli("diff", FSDP2, copy, "--atol", "1000")
+    assert loose.code == 0
+
+
+def test_megatron_tp2pp2_legacy_against_torch_dist_same_state():
+    # the two fixtures were saved from the same live model: different formats, same tensors
+    report = diff(FIXTURES / "megatron" / "legacy_tp2pp2", FIXTURES / "megatron" / "dist_tp2pp2",
+                  pattern=r"^(embedding|decoder|output_layer)\.")
+    assert report.compared == 108 and not report.different, report.to_json()
+
+
+def test_different_layouts_of_one_model(tmp_path):
+    # FSDP2 (Shard(0)) and the rank-local save of the same state: pieces differ, values do not
+    report = diff(FSDP2, FIXTURES / "dcp" / "fsdp2_ranklocal")
+    assert not report.different
+
+
+def test_map_renames(tmp_path):
+    out = tmp_path / "e.safetensors"
+    export(FSDP2, out, pattern=r"^model\.")
+    renamed = tmp_path / "r.safetensors"
+    from safetensors.torch import load_file, save_file
+
+    save_file({k.replace("blocks.0.", "layers.0."): v for k, v in load_file(out).items()}, renamed)
+    assert diff(out, renamed).different
+    mapping = tmp_path / "map.txt"
+    mapping.write_text("blocks\\.0\\.(.*)=layers.0.\\1\n")
+    assert not diff(out, renamed, renames={"blocks\\.0\\.(.*)": "layers.0.\\1"}).different
+    assert run_cli("diff", out, renamed, "--map", mapping).code == 0

@@ -25,6 +25,13 @@ def cli_reference() -> str:
         name = command.name or (command.callback.__name__ if command.callback else "")
         result = runner.invoke(app, [name, "--help"], env=env, prog_name="ckpttool")
         parts += [f"## ckpttool {name}", "", "```", result.output.rstrip(), "```", ""]
+    for group in app.registered_groups:
+        sub = group.typer_instance
+        assert sub is not None and group.name
+        for command in sub.registered_commands:
+            name = command.name or ""
+            result = runner.invoke(app, [group.name, name, "--help"], env=env, prog_name="ckpttool")
+            parts += [f"## ckpttool {group.name} {name}", "", "```", result.output.rstrip(), "```", ""]
     return "\n".join(parts)
 
 

@@ -17,6 +17,11 @@ CLI_SURFACE = {
     "export": {"path", "--output", "--filter", "--kind", "--force", "--json", "--quiet", "--help"},
     "seal": {"path", "--out", "--hash", "--workers", "--json", "--quiet", "--help"},
     "diff": {"a", "b", "--atol", "--rtol", "--tolerance", "--filter", "--map", "--json", "--quiet", "--help"},
+    "delta create": {"base", "target", "--output", "--workers", "--force", "--json", "--quiet", "--help"},
+    "delta apply": {"base", "delta", "--output", "--workers", "--force", "--quiet", "--help"},
+    "delta info": {"delta", "--json", "--help"},
+    "compress": {"path", "--output", "--workers", "--force", "--json", "--quiet", "--help"},
+    "decompress": {"packed", "--output", "--workers", "--force", "--quiet", "--help"},
     "verify": {"path", "--manifest", "--deep", "--require", "--fail-on", "--report", "--junit", "--workers", "--json",
                "--quiet", "--help"},
 }
@@ -29,12 +34,19 @@ def test_cli_surface_is_frozen():
 
     group = get_command(app)
     surface = {}
-    for name, cmd in group.commands.items():  # type: ignore[attr-defined]
-        opts = set()
-        for p in cmd.params:
-            opts |= {o for o in p.opts if o.startswith("--")} if p.opts[0].startswith("-") else {p.name}
-        opts.add("--help")
-        surface[name] = opts
+
+    def walk(prefix: str, commands: dict) -> None:
+        for name, cmd in commands.items():
+            if hasattr(cmd, "commands"):
+                walk(f"{prefix}{name} ", cmd.commands)
+                continue
+            opts = set()
+            for p in cmd.params:
+                opts |= {o for o in p.opts if o.startswith("--")} if p.opts[0].startswith("-") else {p.name}
+            opts.add("--help")
+            surface[prefix + name] = opts
+
+    walk("", group.commands)  # type: ignore[attr-defined]
     assert surface == CLI_SURFACE, "a CLI change: update CLI_SURFACE and docs/cli.md on purpose"
 
 

@@ -1,0 +1,151 @@
+"""Lossless coding of tensor bytes: byte planes + zstd, optionally against a base.
+
+A tensor's elements are split into byte planes (all most-significant bytes, then the next, ...):
+exponent bytes of floats are low-entropy and compress well on their own, mantissa bytes do not
+(research/perf.md §2.3). Floats are first rotated left by one bit so the whole exponent sits in
+the top plane (ZipNN's ``reorder_signbit``). Against a base of the same shape the planes hold the
+XOR, or the zigzagged integer difference, of the two tensors (§2.4: consecutive training steps
+differ in few low bits). Every method is exactly invertible.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import zstandard
+
+Method = Literal["stored", "planes", "xor", "idiff"]
+METHODS: tuple[Method, ...] = ("stored", "planes", "xor", "idiff")
+LEVEL = 1  # zstd level 1 beats 3 and 9 on exponent planes (perf.md §2.3)
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def _words(data: memoryview | bytes, width: int) -> np.ndarray:
+    return np.frombuffer(data, dtype=_UINT[width])
+
+
+def _rotl(words: np.ndarray, bits: int) -> np.ndarray:
+    return (words << np.asarray(1, words.dtype)) | (words >> np.asarray(bits - 1, words.dtype))
+
+
+def _rotr(words: np.ndarray, bits: int) -> np.ndarray:
+    return (words >> np.asarray(1, words.dtype)) | (words << np.asarray(bits - 1, words.dtype))
+
+
+def _planes(words: np.ndarray) -> list[bytes]:
+    width = words.dtype.itemsize
+    as_bytes = words.view(np.uint8).reshape(-1, width)
+    # little-endian: byte width-1 is the most significant
+    return [np.ascontiguousarray(as_bytes[:, i]).tobytes() for i in range(width - 1, -1, -1)]
+
+
+def _unplanes(planes: list[bytes], width: int, count: int) -> np.ndarray:
+    out = np.empty((count, width), dtype=np.uint8)
+    for j, plane in enumerate(planes):
+        out[:, width - 1 - j] = np.frombuffer(plane, dtype=np.uint8)
+    return out.reshape(-1).view(_UINT[width])
+
+
+def _zigzag(d: np.ndarray, width: int) -> np.ndarray:
+    s = d.view(_INT[width])
+    return ((s << np.asarray(1, s.dtype)) ^ (s >> np.asarray(8 * width - 1, s.dtype))).view(_UINT[width])
+
+
+def _unzigzag(z: np.ndarray, width: int) -> np.ndarray:
+    u = z.view(_UINT[width])
+    return ((u >> np.asarray(1, u.dtype)) ^ (np.asarray(0, u.dtype) - (u & np.asarray(1, u.dtype)))).view(_UINT[width])
+
+
+def transform(
+    method: Method, target: bytes | memoryview, base: bytes | memoryview | None, width: int, floating: bool
+) -> list[bytes]:
+    """The byte planes a method codes (before zstd)."""
+    if method == "stored":
+        return [bytes(target)]
+    t = _words(target, width)
+    if method == "planes":
+        words = _rotl(t, 8 * width) if floating else t
+    else:
+        assert base is not None
+        b = _words(base, width)
+        xor = t ^ b
+        # idiff: the wrapping integer difference, zigzagged so small changes either way are small
+        words = (_rotl(xor, 8 * width) if floating else xor) if method == "xor" else _zigzag(t - b, width)
+    return _planes(words)
+
+
+def untransform(
+    method: Method, planes: list[bytes], base: bytes | memoryview | None, width: int, floating: bool, nbytes: int
+) -> bytes:
+    if method == "stored":
+        return planes[0]
+    count = nbytes // width
+    words = _unplanes(planes, width, count)
+    if method == "planes":
+        return (_rotr(words, 8 * width) if floating else words).tobytes()
+    assert base is not None
+    b = _words(base, width)
+    if method == "xor":
+        return ((_rotr(words, 8 * width) if floating else words) ^ b).tobytes()
+    return (b + _unzigzag(words, width)).tobytes()
+
+
+def compress_planes(planes: list[bytes]) -> list[bytes]:
+    cctx = zstandard.ZstdCompressor(level=LEVEL)
+    return [cctx.compress(p) for p in planes]
+
+
+def decompress_planes(frames: list[bytes], sizes: list[int]) -> list[bytes]:
+    dctx = zstandard.ZstdDecompressor()
+    return [dctx.decompress(f, max_output_size=n) for f, n in zip(frames, sizes, strict=True)]
+
+
+_SAMPLE = 1 << 20
+
+
+def encode(
+    target: bytes | memoryview, base: bytes | memoryview | None, width: int, floating: bool
+) -> tuple[Method, list[bytes], list[int]]:
+    """Code a tensor's bytes with the method that comes out smallest. Candidates are tried on a
+    sample of up to 1 MiB (whole elements) first; the winner codes the whole tensor.
+    Returns (method, zstd frames, plane sizes)."""
+    n = len(target)
+    if width not in _UINT or n % width or n == 0:
+        return "stored", [bytes(target)], [n]
+    candidates: list[Method] = ["planes"]
+    if base is not None and len(base) == n:
+        candidates += ["xor", "idiff"]
+    if n > _SAMPLE:
+        cut = _SAMPLE - _SAMPLE % width
+        sample_t = memoryview(target)[:cut]
+        sample_b = memoryview(base)[:cut] if base is not None else None
+        sizes = {
+            m: sum(map(len, compress_planes(transform(m, sample_t, sample_b, width, floating)))) for m in candidates
+        }
+        candidates = [min(sizes, key=lambda m: sizes[m])]
+    best: tuple[Method, list[bytes], list[int]] | None = None
+    for m in candidates:
+        planes = transform(m, target, base, width, floating)
+        frames = compress_planes(planes)
+        if best is None or sum(map(len, frames)) < sum(map(len, best[1])):
+            best = (m, frames, [len(p) for p in planes])
+    assert best is not None
+    if sum(map(len, best[1])) >= n:
+        return "stored", [bytes(target)], [n]
+    return best
+
+
+def decode(
+    method: Method,
+    frames: list[bytes],
+    sizes: list[int],
+    base: bytes | memoryview | None,
+    width: int,
+    floating: bool,
+    nbytes: int,
+) -> bytes:
+    if method == "stored":
+        return frames[0]
+    return untransform(method, decompress_planes(frames, sizes), base, width, floating, nbytes)

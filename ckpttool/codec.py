@@ -10,7 +10,7 @@ differ in few low bits). Every method is exactly invertible.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import zstandard
@@ -34,18 +34,18 @@ def _rotr(words: np.ndarray, bits: int) -> np.ndarray:
     return (words >> np.asarray(1, words.dtype)) | (words << np.asarray(bits - 1, words.dtype))
 
 
-def _planes(words: np.ndarray) -> list[bytes]:
+def _planes(words: np.ndarray) -> list[Any]:
     width = words.dtype.itemsize
-    as_bytes = words.view(np.uint8).reshape(-1, width)
-    # little-endian: byte width-1 is the most significant
-    return [np.ascontiguousarray(as_bytes[:, i]).tobytes() for i in range(width - 1, -1, -1)]
+    # one transposing copy; little-endian, so byte width-1 (the most significant) comes first
+    rows = np.ascontiguousarray(words.view(np.uint8).reshape(-1, width)[:, ::-1].T)
+    return [rows[i].data for i in range(width)]
 
 
-def _unplanes(planes: list[bytes], width: int, count: int) -> np.ndarray:
-    out = np.empty((count, width), dtype=np.uint8)
+def _unplanes(planes: list[Any], width: int, count: int) -> np.ndarray:
+    rows = np.empty((width, count), dtype=np.uint8)
     for j, plane in enumerate(planes):
-        out[:, width - 1 - j] = np.frombuffer(plane, dtype=np.uint8)
-    return out.reshape(-1).view(_UINT[width])
+        rows[j] = np.frombuffer(plane, dtype=np.uint8)
+    return np.ascontiguousarray(rows[::-1].T).reshape(-1).view(_UINT[width])
 
 
 def _zigzag(d: np.ndarray, width: int) -> np.ndarray:
@@ -92,7 +92,7 @@ def untransform(
     return (b + _unzigzag(words, width)).tobytes()
 
 
-def compress_planes(planes: list[bytes]) -> list[bytes]:
+def compress_planes(planes: list[Any]) -> list[bytes]:
     cctx = zstandard.ZstdCompressor(level=LEVEL)
     return [cctx.compress(p) for p in planes]
 

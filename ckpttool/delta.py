@@ -330,7 +330,7 @@ def apply(
                         t["length"],
                     )
                     buf[t["offset"] : t["offset"] + t["length"]] = values
-            if hash_bytes(bytes(buf)) != spec["xxh3"]:
+            if hash_bytes(buf) != spec["xxh3"]:
                 raise DeltaMismatchError(
                     f"{delta}: rebuilding {rel} does not give the stored xxh3-128; nothing was published",
                     hint="the delta or the base is damaged; re-create the delta",

@@ -22,6 +22,7 @@ CLI_SURFACE = {
     "delta info": {"delta", "--json", "--help"},
     "compress": {"path", "--output", "--workers", "--force", "--json", "--quiet", "--help"},
     "decompress": {"packed", "--output", "--workers", "--force", "--quiet", "--help"},
+    "rehearse": {"path", "--harness", "--steps", "--runs", "--tolerance", "--device", "--json", "--help"},
     "verify": {"path", "--manifest", "--deep", "--require", "--fail-on", "--report", "--junit", "--workers", "--json",
                "--quiet", "--help"},
 }

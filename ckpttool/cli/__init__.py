@@ -501,6 +501,55 @@ def decompress(
     out.line(f"restored {len(header['files'])} files to {output} (every file's xxh3-128 checked)")
 
 
+@app.command(
+    epilog="Examples:  ckpttool rehearse run/step_20 --harness ckpttool.harness.tinygpt:factory  ·  "
+    "ckpttool rehearse ckpt/ --harness mytrain.harness:factory --steps 3 --json"
+)
+@_handles_errors
+def rehearse(
+    path: PathArg,
+    harness: Annotated[
+        str, typer.Option("--harness", help="module:factory returning your training harness.", show_default=False)
+    ],
+    steps: Annotated[int, typer.Option("--steps", "-k", help="Training steps per run.")] = 5,
+    runs: Annotated[int, typer.Option("--runs", help="Fresh processes that restore and replay.")] = 2,
+    tolerance: Annotated[
+        float | None,
+        typer.Option(
+            "--tolerance",
+            help="Relative loss tolerance after the first step (for hardware known to be "
+            "nondeterministic); off: bit for bit.",
+        ),
+    ] = None,
+    device: Annotated[str | None, typer.Option("--device", help="Passed to the factory (cpu, cuda).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Restore the checkpoint into your training harness in fresh processes, replay K steps and
+    prove they are bit-identical to each other and to the saved run, or name the state that breaks
+    replay (RNG, dataloader position, scheduler, optimizer moments).
+
+    Exit 0 bit-identical, 1 diverged or a component not restored, 3 could not run.
+    """
+    from ckpttool.rehearse import rehearse as run
+
+    out = Output(json_mode=json_out)
+    report = run(path, harness, steps=steps, runs=runs, tolerance=tolerance, device=device)
+    if json_out:
+        out.json(report.to_json())
+    else:
+        losses = [float.fromhex(s["loss"]) for s in report.runs[0]["steps"]]
+        out.line(
+            f"{report.path}: {len(report.runs)} runs of {report.steps} steps with {report.harness}"
+            + ("" if report.trajectory else " (no recorded trajectory: runs compared with each other only)")
+        )
+        out.line("losses: " + ", ".join(f"{v:.6g}" for v in losses))
+        for f in report.findings:
+            out.line(f"[red]{f.component or 'replay'}[/red]: {f.message}")
+        out.line("[green]replay is bit-identical[/green]" if report.ok else "[red]replay is NOT exact[/red]")
+    if not report.ok:
+        raise typer.Exit(1)
+
+
 def _regex(pattern: str | None) -> str | None:
     if pattern is None:
         return None

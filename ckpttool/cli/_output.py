@@ -18,8 +18,8 @@ class Output:
     def __init__(self, *, json_mode: bool = False, quiet: bool = False) -> None:
         self.json_mode = json_mode
         self.quiet = quiet
-        self.out = Console(highlight=False, soft_wrap=False)
-        self.err = Console(stderr=True, highlight=False)
+        self.out = Console(highlight=False, soft_wrap=False, emoji=False)
+        self.err = Console(stderr=True, highlight=False, emoji=False)
 
     # -- data (stdout) --------------------------------------------------------------------------
 

@@ -1,0 +1,270 @@
+"""``rehearse``: restore a checkpoint into a real training harness and prove replay is exact.
+
+Each run is a fresh process (``python -m ckpttool.rehearse worker ...``) that builds the harness,
+restores the checkpoint, reports what it restored and the digest of every component, then runs K
+steps, reporting each step's loss bits and component digests. The parent compares:
+
+1. the restore: every component restored, and equal to the uninterrupted run's state at the save
+   (from ``ckpttool.trajectory.json`` beside the checkpoint, when present);
+2. the runs against each other (determinism) and against the recorded trajectory, step by step;
+3. on a divergence nobody is blamed for yet, re-runs with one component at a time forced to the
+   uninterrupted run's state (``ckpttool.trajectory.pt``): the one that makes replay match is named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpttool.errors import CkptError, UsageError
+from ckpttool.harness import COMPONENTS
+from ckpttool.manifest import SCHEMA_VERSION
+
+TRAJECTORY = "ckpttool.trajectory.json"
+TRAJECTORY_STATES = "ckpttool.trajectory.pt"
+_WORDS = {
+    "model": "model weights",
+    "optimizer": "optimizer state",
+    "scheduler": "LR scheduler state",
+    "rng": "RNG state",
+    "dataloader": "dataloader position",
+}
+
+
+class HarnessError(CkptError):
+    """The harness could not be imported, or could not restore the checkpoint (exit 3)."""
+
+
+@dataclass(slots=True, kw_only=True)
+class Blame:
+    component: str | None
+    message: str
+    step: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"component": self.component, "message": self.message, "step": self.step}
+
+
+@dataclass(slots=True, kw_only=True)
+class RehearseReport:
+    path: str
+    harness: str
+    steps: int
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    trajectory: bool = False
+    findings: list[Blame] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "path": self.path,
+            "harness": self.harness,
+            "steps": self.steps,
+            "runs": len(self.runs),
+            "trajectory": self.trajectory,
+            "ok": self.ok,
+            "restored": self.runs[0]["restored"] if self.runs else None,
+            "losses": [[s["loss"] for s in r["steps"]] for r in self.runs],
+            "findings": [f.to_json() for f in self.findings],
+        }
+
+
+def _run(path: Path, harness: str, steps: int, force: str | None = None, device: str | None = None) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "ckpttool.rehearse",
+        "worker",
+        "--harness",
+        harness,
+        "--path",
+        str(path),
+        "--steps",
+        str(steps),
+    ]
+    if force:
+        cmd += ["--force", force]
+    if device:
+        cmd += ["--device", device]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"})
+    try:
+        result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise HarnessError(
+            f"the harness process failed (exit {proc.returncode}): {tail[0][:300]}",
+            hint="run it by hand: " + " ".join(cmd),
+        ) from None
+    if "error" in result:
+        if result.get("stage") == "harness":
+            raise HarnessError(
+                f"cannot build the harness {harness}: {result['error']}",
+                hint="--harness takes module:factory, importable from the current directory",
+            )
+        raise HarnessError(
+            f"{path}: the harness cannot restore this checkpoint: {result['error']}",
+            hint="the checkpoint does not fit the harness's model, or is incomplete",
+        )
+    return result
+
+
+def _diverge(run: list[dict[str, Any]], ref: list[dict[str, Any]], tolerance: float | None) -> tuple[int, str] | None:
+    """First step (1-based) where a run differs from a reference, and what differs."""
+    for i, (a, b) in enumerate(zip(run, ref, strict=False), start=1):
+        la, lb = float.fromhex(a["loss"]), float.fromhex(b["loss"])
+        if tolerance is not None and i > 1:
+            if abs(la - lb) > tolerance * max(abs(lb), 1e-12):
+                return i, f"loss {la!r} vs {lb!r}"
+            continue
+        if a["loss"] != b["loss"]:
+            return i, f"loss {la!r} vs {lb!r}"
+        bad = sorted(k for k in b.get("digests", {}) if a["digests"].get(k) != b["digests"][k])
+        if bad:
+            return i, f"{', '.join(bad)} differ"
+    return None
+
+
+def rehearse(
+    path: str | Path,
+    harness: str,
+    *,
+    steps: int = 5,
+    runs: int = 2,
+    tolerance: float | None = None,
+    device: str | None = None,
+) -> RehearseReport:
+    p = Path(path)
+    if not p.exists():
+        from ckpttool.errors import NotFoundError
+
+        raise NotFoundError(f"{p}: no such checkpoint", path=str(p))
+    if ":" not in harness:
+        raise UsageError(f"--harness {harness!r}: expected module:factory")
+    if runs < 1 or steps < 1:
+        raise UsageError("--runs and --steps must be at least 1")
+    report = RehearseReport(path=str(p), harness=harness, steps=steps)
+    traj_file = p / TRAJECTORY
+    traj = json.loads(traj_file.read_text()) if traj_file.is_file() else None
+    report.trajectory = traj is not None
+    report.runs = [_run(p, harness, steps, device=device) for _ in range(runs)]
+    first = report.runs[0]
+    blamed: set[str] = set()
+    for comp in COMPONENTS:
+        if comp in first["restored"] and not first["restored"][comp]:
+            blamed.add(comp)
+            report.findings.append(
+                Blame(component=comp, message=f"{comp}: {_WORDS[comp]} not restored: the checkpoint does not hold it")
+            )
+    if traj is not None:
+        for comp, want in traj["components"].items():
+            if comp in blamed or first["components"].get(comp) == want:
+                continue
+            blamed.add(comp)
+            report.findings.append(
+                Blame(
+                    component=comp,
+                    message=f"{comp}: the restored {_WORDS.get(comp, comp)} "
+                    "differs from the saved run's at the moment of the save",
+                )
+            )
+    for i, other in enumerate(report.runs[1:], start=2):
+        d = _diverge(other["steps"], first["steps"], tolerance)
+        if d is not None:
+            report.findings.append(
+                Blame(
+                    component=None,
+                    step=d[0],
+                    message=(f"run {i} differs from run 1 at step {d[0]} ({d[1]}): training is not deterministic here"),
+                )
+            )
+    if traj is not None:
+        d = _diverge(first["steps"], traj["steps"][:steps], tolerance)
+        if d is not None:
+            where = f"replay differs from the saved run at step {d[0]} ({d[1]})"
+            if blamed:
+                for f in report.findings:
+                    if f.component in blamed and f.step is None:
+                        f.step = d[0]
+                        f.message += f"; {where}"
+            else:
+                culprit = _blame(p, harness, steps, traj, tolerance, device)
+                report.findings.append(
+                    Blame(
+                        component=culprit,
+                        step=d[0],
+                        message=(
+                            f"{culprit}: {_WORDS.get(culprit, culprit)} not restored exactly: {where}; "
+                            "forcing it to the saved run's state makes replay match"
+                            if culprit
+                            else f"{where}; forcing no single component equal makes it match"
+                        ),
+                    )
+                )
+    return report
+
+
+def _blame(
+    p: Path, harness: str, steps: int, traj: dict[str, Any], tolerance: float | None, device: str | None
+) -> str | None:
+    if not (p / TRAJECTORY_STATES).is_file():
+        return None
+    for comp in COMPONENTS:
+        forced = _run(p, harness, steps, force=comp, device=device)
+        if _diverge(forced["steps"], traj["steps"][:steps], tolerance) is None:
+            return comp
+    return None
+
+
+# -- the worker (one fresh process per run) ---------------------------------------------------------
+
+
+def _worker(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ckpttool.rehearse worker")
+    ap.add_argument("--harness", required=True)
+    ap.add_argument("--path", required=True)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--force")
+    ap.add_argument("--device")
+    args = ap.parse_args(argv)
+    module, _, name = args.harness.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), name)
+        h = factory(args.device) if args.device else factory()
+    except Exception as exc:
+        print(json.dumps({"error": f"{type(exc).__name__}: {exc}", "stage": "harness"}))
+        return 0
+    try:
+        restored = h.restore(args.path)
+        if args.force:
+            import torch
+
+            states = torch.load(Path(args.path) / TRAJECTORY_STATES, weights_only=True)
+            h.force(args.force, states[args.force])
+        components = h.digests()
+        out = []
+        for _ in range(args.steps):
+            loss = float(h.step())
+            out.append({"loss": loss.hex(), "digests": h.digests()})
+    except Exception as exc:  # reported to the parent as one line
+        msg = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else f"{type(exc).__name__}: {exc}"
+        print(json.dumps({"error": msg}))
+        return 0
+    print(json.dumps({"restored": restored, "components": components, "steps": out}))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        sys.exit(_worker(sys.argv[2:]))
+    sys.exit("usage: python -m ckpttool.rehearse worker --harness M:F --path P --steps K [--force C]")

@@ -1,0 +1,86 @@
+"""rehearse with the reference harness: exact replay, and each kind of broken resume named."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+from ckpttool.rehearse import HarnessError, rehearse
+from tests.conftest import run_cli
+
+H = "ckpttool.harness.tinygpt:factory"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from ckpttool.harness.tinygpt import train
+
+    out = tmp_path_factory.mktemp("run")
+    train(out, steps=30, save_every=10, k=5, omit=None, device="cpu")
+    return out
+
+
+@pytest.mark.parametrize("step", [10, 20])
+def test_clean_checkpoints_replay_bit_for_bit(trained, step):
+    r = run_cli("rehearse", trained / f"step_{step}", "--harness", H, "--json")
+    assert r.code == 0, r.stdout + r.stderr
+    data = json.loads(r.stdout)
+    assert data["ok"] and data["trajectory"] and data["runs"] == 2
+    assert data["losses"][0] == data["losses"][1]  # two fresh processes, same bits
+    traj = json.loads((trained / f"step_{step}" / "ckpttool.trajectory.json").read_text())
+    assert data["losses"][0] == [s["loss"] for s in traj["steps"]]  # and the recorded run's bits
+
+
+@pytest.mark.parametrize("omit", ["rng", "dataloader", "scheduler", "optimizer"])
+def test_each_missing_component_is_named(omit, tmp_path):
+    from ckpttool.harness.tinygpt import train
+
+    (ckpt,) = train(tmp_path, steps=10, save_every=10, k=3, omit=omit, device="cpu")
+    r = run_cli("rehearse", ckpt, "--harness", H, "--steps", "3", "--json")
+    assert r.code == 1
+    findings = json.loads(r.stdout)["findings"]
+    assert [f["component"] for f in findings] == [omit]
+    assert findings[0]["step"] == 1
+
+
+def test_restore_that_silently_skips_a_component(trained):
+    report = rehearse(trained / "step_10", "tests._buggy_harness:forgets_rng", steps=3)
+    assert [f.component for f in report.findings] == ["rng"]
+    assert "differs from the saved run" in report.findings[0].message
+
+
+def test_blame_by_forcing_each_component(trained):
+    report = rehearse(trained / "step_10", "tests._buggy_harness:loader_skips", steps=3)
+    assert [f.component for f in report.findings] == ["dataloader"]
+    assert "forcing it to the saved run's state makes replay match" in report.findings[0].message
+
+
+def test_nondeterministic_runs_are_reported(trained):
+    report = rehearse(trained / "step_10", "tests._buggy_harness:hidden_stream", steps=2)
+    assert not report.ok
+    assert any("not deterministic" in f.message for f in report.findings)
+
+
+def test_missing_parameter_exits_3_naming_it(trained, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from ckpttool.harness.tinygpt import TinyGPTHarness
+
+    h = TinyGPTHarness()
+    state = h.state()
+    del state["model"]["head.weight"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=tmp_path / "ck")
+    with pytest.raises(HarnessError, match="model.head.weight"):
+        rehearse(tmp_path / "ck", H, steps=1, runs=1)
+    r = run_cli("rehearse", tmp_path / "ck", "--harness", H)
+    assert r.code == 3 and "model.head.weight" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bad_harness_spec(trained):
+    assert run_cli("rehearse", trained / "step_10", "--harness", "no_colon").code == 2
+    r = run_cli("rehearse", trained / "step_10", "--harness", "no.such.module:factory")
+    assert r.code == 3 and "cannot build the harness no.such.module:factory" in r.stderr

@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,12 +239,14 @@ def _worker(argv: list[str]) -> int:
     ap.add_argument("--device")
     args = ap.parse_args(argv)
     module, _, name = args.harness.partition(":")
+    t0 = time.perf_counter()
     try:
         factory = getattr(importlib.import_module(module), name)
         h = factory(args.device) if args.device else factory()
     except Exception as exc:
         print(json.dumps({"error": f"{type(exc).__name__}: {exc}", "stage": "harness"}))
         return 0
+    t1 = time.perf_counter()
     try:
         restored = h.restore(args.path)
         if args.force:
@@ -252,15 +255,18 @@ def _worker(argv: list[str]) -> int:
             states = torch.load(Path(args.path) / TRAJECTORY_STATES, weights_only=True)
             h.force(args.force, states[args.force])
         components = h.digests()
+        t2 = time.perf_counter()
         out = []
         for _ in range(args.steps):
             loss = float(h.step())
             out.append({"loss": loss.hex(), "digests": h.digests()})
+        t3 = time.perf_counter()
     except Exception as exc:  # reported to the parent as one line
         msg = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else f"{type(exc).__name__}: {exc}"
         print(json.dumps({"error": msg}))
         return 0
-    print(json.dumps({"restored": restored, "components": components, "steps": out}))
+    timing = {"build_s": t1 - t0, "restore_s": t2 - t1, "steps_s": t3 - t2}
+    print(json.dumps({"restored": restored, "components": components, "steps": out, "timing": timing}))
     return 0
 
 

@@ -37,7 +37,7 @@ class LoaderSkips(TinyGPTHarness):
     def restore(self, path: str) -> dict[str, bool]:
         restored = super().restore(path)
         self._reported = self.loader.state_dict()
-        self.loader.cursor += 8
+        self.loader.cursor += 16
         return restored
 
     def digests(self) -> dict[str, str]:

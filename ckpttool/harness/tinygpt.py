@@ -31,7 +31,7 @@ from ckpttool.harness import COMPONENTS
 
 TRAJECTORY = "ckpttool.trajectory.json"
 TRAJECTORY_STATES = "ckpttool.trajectory.pt"
-VOCAB, DIM, SEQ, BATCH, SAMPLES = 64, 32, 16, 8, 256
+VOCAB, DIM, SEQ, BATCH, SAMPLES = 128, 64, 32, 16, 512
 WARMUP, TOTAL = 5, 60
 _KEYS = {"optimizer": "optim", "scheduler": "scheduler", "rng": "rng", "dataloader": "dataloader"}
 

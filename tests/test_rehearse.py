@@ -45,6 +45,16 @@ def test_each_missing_component_is_named(omit, tmp_path):
     assert findings[0]["step"] == 1
 
 
+def test_rank_shard_layout(tmp_path):
+    from ckpttool import registry
+    from ckpttool.harness.tinygpt import train
+
+    (ckpt,) = train(tmp_path, steps=10, save_every=10, k=3, omit=None, device="cpu", layout="rankshards")
+    adapter, m = registry.describe(ckpt)
+    assert adapter.name == "rankshards" and m.step == 10 and m.missing_state() == []
+    assert rehearse(ckpt, H, steps=3).ok
+
+
 def test_restore_that_silently_skips_a_component(trained):
     report = rehearse(trained / "step_10", "tests._buggy_harness:forgets_rng", steps=3)
     assert [f.component for f in report.findings] == ["rng"]
@@ -84,3 +94,11 @@ def test_bad_harness_spec(trained):
     assert run_cli("rehearse", trained / "step_10", "--harness", "no_colon").code == 2
     r = run_cli("rehearse", trained / "step_10", "--harness", "no.such.module:factory")
     assert r.code == 3 and "cannot build the harness no.such.module:factory" in r.stderr
+
+
+@pytest.mark.gpu
+def test_cuda_replay(tmp_path):
+    from ckpttool.harness.tinygpt import train
+
+    (ckpt,) = train(tmp_path, steps=10, save_every=10, k=3, omit=None, device="cuda")
+    assert rehearse(ckpt, H, steps=3, device="cuda").ok

@@ -3,7 +3,8 @@ with a resumable cursor, and CPU (and CUDA) RNG; saves its full state with ``dcp
 
     python -m ckpttool.harness.tinygpt train --out DIR --steps 30 --save-every 10 [--omit rng]
 
-writes ``DIR/step_10/``, ``DIR/step_20/``, ... and, beside each checkpoint (inside its directory),
+writes ``DIR/step_10/``, ``DIR/step_20/``, ... (``--layout rankshards``: a per-rank
+``shard_00000_of_00001.pt`` in each instead of DCP files) and, beside each checkpoint (inside its directory),
 ``ckpttool.trajectory.json`` (the next K steps' losses and state digests of the uninterrupted run)
 and ``ckpttool.trajectory.pt`` (that run's component states at the save, for blame). ``--omit``
 leaves one component out of the checkpoint, to show what ``ckpttool rehearse`` detects.
@@ -34,6 +35,7 @@ TRAJECTORY_STATES = "ckpttool.trajectory.pt"
 VOCAB, DIM, SEQ, BATCH, SAMPLES = 128, 64, 32, 16, 512
 WARMUP, TOTAL = 5, 60
 _KEYS = {"optimizer": "optim", "scheduler": "scheduler", "rng": "rng", "dataloader": "dataloader"}
+SHARD = "shard_00000_of_00001.pt"
 
 
 class TinyGPT(nn.Module):
@@ -140,21 +142,28 @@ class TinyGPTHarness:
     # -- the harness protocol -----------------------------------------------------------------------
 
     def restore(self, path: str) -> dict[str, bool]:
-        from torch.distributed.checkpoint import FileSystemReader
-
-        keys = set(FileSystemReader(path).read_metadata().state_dict_metadata)
-        roots = {k.split(".", 1)[0] for k in keys}
         template = self.state()
-        wanted = {k: v for k, v in template.items() if k in roots}
+        shard = Path(path) / SHARD
+        if shard.is_file():  # the per-rank layout: one torch.save file per rank (one rank here)
+            saved = torch.load(shard, weights_only=True)
+            keys = set(_flatten_keys(saved))
+            wanted = {k: v for k, v in saved.items() if k in template}
+        else:
+            from torch.distributed.checkpoint import FileSystemReader
+
+            keys = set(FileSystemReader(path).read_metadata().state_dict_metadata)
+            roots = {k.split(".", 1)[0] for k in keys}
+            wanted = {k: v for k, v in template.items() if k in roots}
         missing = sorted(k for k in _flatten_keys({"model": template["model"]}) if k not in keys)
         if missing:
             raise KeyError(
                 f"checkpoint {path} has no parameter {missing[0]}"
                 + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
             )
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dcp.load(wanted, checkpoint_id=path)
+        if not shard.is_file():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dcp.load(wanted, checkpoint_id=path)
         self.model.load_state_dict(wanted["model"])
         restored = {"model": True, "optimizer": False, "scheduler": False, "rng": False, "dataloader": False}
         if "optim" in wanted:
@@ -224,7 +233,9 @@ def factory(device: str = "cpu") -> TinyGPTHarness:
     return TinyGPTHarness(device)
 
 
-def train(out: Path, steps: int, save_every: int, k: int, omit: str | None, device: str) -> list[Path]:
+def train(
+    out: Path, steps: int, save_every: int, k: int, omit: str | None, device: str, layout: str = "dcp"
+) -> list[Path]:
     """Train, save every ``save_every`` steps, and record the next ``k`` steps after each save."""
     h = TinyGPTHarness(device)
     pending: list[dict[str, Any]] = []
@@ -244,9 +255,13 @@ def train(out: Path, steps: int, save_every: int, k: int, omit: str | None, devi
             )
         if step <= steps and step % save_every == 0:
             target = out / f"step_{step}"
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                dcp.save(h.state(omit), checkpoint_id=target)
+            if layout == "rankshards":
+                target.mkdir(parents=True, exist_ok=True)
+                torch.save(h.state(omit), target / SHARD)
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    dcp.save(h.state(omit), checkpoint_id=target)
             torch.save({c: h.capture(c) for c in COMPONENTS}, target / TRAJECTORY_STATES)
             pending.append({"dir": target, "step": step, "components": h.digests(), "steps": []})
             saved.append(target)
@@ -267,8 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("-k", "--record", type=int, default=5, help="steps recorded after each save")
     t.add_argument("--omit", choices=sorted(_KEYS), help="leave this state out of the checkpoints")
     t.add_argument("--device", default="cpu")
+    t.add_argument(
+        "--layout",
+        choices=("dcp", "rankshards"),
+        default="dcp",
+        help="dcp.save, or one torch.save file per rank (shard_RRRRR_of_NNNNN.pt)",
+    )
     args = ap.parse_args(argv)
-    for p in train(args.out, args.steps, args.save_every, args.record, args.omit, args.device):
+    for p in train(args.out, args.steps, args.save_every, args.record, args.omit, args.device, args.layout):
         print(p)
     return 0
 

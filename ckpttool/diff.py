@@ -2,8 +2,9 @@
 
 Items are matched by :func:`ckpttool.naming.canonical` (plus optional renames). Tensors whose
 pieces have the same geometry are compared piece by piece through their raw-byte digests first, so
-equal checkpoints diff at read speed; others are assembled (one tensor of each side at a time) and
-compared numerically: max abs difference, relative L2, elements that differ, first differing index.
+equal checkpoints diff at read speed; others are compared region by region (memory: a few pieces,
+whatever the tensor size): max abs difference, relative L2, elements that differ, first differing
+index.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from typing import Any, Literal
 import numpy as np
 
 from ckpttool import registry
-from ckpttool.assemble import assemble
+from ckpttool.assemble import assemble, regions
 from ckpttool.errors import UsageError
 from ckpttool.formats.base import PieceReader
+from ckpttool.geometry import Box
 from ckpttool.hashing import hash_bytes
 from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest
 from ckpttool.naming import canonical
@@ -242,52 +244,51 @@ _BLOCK = 1 << 22  # elements compared at a time: temporaries stay small whatever
 
 
 def _compare(name: str, ra: PieceReader, ia: Item, rb: PieceReader, ib: Item, atol: float, rtol: float) -> TensorDiff:
-    """Compare two assembled tensors block by block (bits, then values as float64)."""
+    """Compare region by region (the regions of A's pieces): each region of A is read as stored and
+    the same region of B assembled from whatever pieces hold it, so memory stays at a few pieces
+    whatever the tensor size; within a region, blocks of ``_BLOCK`` elements (bits, then values as
+    float64)."""
     assert ia.dtype is not None and ia.shape is not None and ib.dtype is not None
-    va = assemble(ra, ia).reshape(-1)
-    vb = assemble(rb, ib).reshape(-1)
     n = 0
-    first_flat: int | None = None
-    max_abs = 0.0
-    sq_diff = 0.0
-    sq_b = 0.0
+    first: tuple[int, ...] | None = None
+    max_abs = sq_diff = sq_b = 0.0
     ok = True
-    for lo in range(0, va.size, _BLOCK):
-        a, b = va[lo : lo + _BLOCK], vb[lo : lo + _BLOCK]
-        differs = a.view(np.uint8).reshape(a.size, -1) != b.view(np.uint8).reshape(b.size, -1)
-        differs_any = differs.any(axis=1)
-        count = int(differs_any.sum())
-        if not count:
-            fb = _floats(b, ia.dtype).astype(np.float64)
-            sq_b += float(np.dot(fb, fb))
-            continue
-        if first_flat is None:
-            first_flat = lo + int(np.argmax(differs_any))
-        n += count
-        fa, fb = _floats(a, ia.dtype).astype(np.float64), _floats(b, ib.dtype).astype(np.float64)
-        with np.errstate(invalid="ignore", over="ignore"):
-            delta = np.abs(fa - fb)
-            both_nan = np.isnan(fa) & np.isnan(fb)
-            finite_delta = np.where(both_nan, 0.0, delta)
-            max_abs = max(max_abs, float(np.nanmax(finite_delta)) if finite_delta.size else 0.0)
-            sq_diff += float(np.nansum(finite_delta * finite_delta))
-            sq_b += float(np.nansum(fb * fb))
-            ok = ok and bool(np.all((delta <= atol + rtol * np.abs(fb)) | (fa == fb) | both_nan))
+    boxes = [b for p in ia.pieces if p.replica == 0 for b in regions(p)] or [Box.whole(ia.shape)]
+    for box in boxes:
+        va = assemble(ra, ia, box=box).reshape(-1)
+        vb = assemble(rb, ib, box=box).reshape(-1)
+        for lo in range(0, va.size, _BLOCK):
+            a, b = va[lo : lo + _BLOCK], vb[lo : lo + _BLOCK]
+            differs = (a.view(np.uint8).reshape(a.size, -1) != b.view(np.uint8).reshape(b.size, -1)).any(axis=1)
+            count = int(differs.sum())
+            fb = _floats(b, ib.dtype).astype(np.float64)
+            if not count:
+                sq_b += float(np.dot(fb, fb))
+                continue
+            local = np.unravel_index(lo + int(np.argmax(differs)), box.sizes) if box.sizes else ()
+            where = tuple(int(o) + int(i) for o, i in zip(box.offsets, local, strict=True))
+            first = where if first is None or where < first else first
+            n += count
+            fa = _floats(a, ia.dtype).astype(np.float64)
+            with np.errstate(invalid="ignore", over="ignore"):
+                delta = np.abs(fa - fb)
+                both_nan = np.isnan(fa) & np.isnan(fb)
+                finite_delta = np.where(both_nan, 0.0, delta)
+                max_abs = max(max_abs, float(np.nanmax(finite_delta)) if finite_delta.size else 0.0)
+                sq_diff += float(np.nansum(finite_delta * finite_delta))
+                sq_b += float(np.nansum(fb * fb))
+                ok = ok and bool(np.all((delta <= atol + rtol * np.abs(fb)) | (fa == fb) | both_nan))
     if n and atol == 0 and rtol == 0:
         ok = False
-    first = None
-    if first_flat is not None:
-        first = [int(i) for i in np.unravel_index(first_flat, ia.shape)] if ia.shape else []
-    rel = math.sqrt(sq_diff) / max(math.sqrt(sq_b), 1e-30)
     return TensorDiff(
         name=name,
         a=ia.name,
         b=ib.name,
         max_abs=max_abs if math.isfinite(max_abs) else float("inf"),
-        rel_l2=rel,
+        rel_l2=math.sqrt(sq_diff) / max(math.sqrt(sq_b), 1e-30),
         differing=n,
-        numel=int(va.size),
-        first_index=first,
+        numel=math.prod(ia.shape),
+        first_index=list(first) if first is not None else None,
         within_tolerance=ok,
     )
 

@@ -36,7 +36,9 @@ def test_one_perturbed_tensor_is_first_and_largest(tmp_path):
     report = diff(FSDP2, copy)
     assert report.different
     assert report.first.name == report.largest.name == "blocks.0.fc2.weight"
-    assert report.values[0].differing == 1 and report.values[0].first_index is not None
+    assert report.values[0].differing == 1
+    row = item.pieces[2].box.offsets[0]
+    assert report.values[0].first_index == [row, 5]  # the global index, from the piece's region
     r = run_cli("diff", FSDP2, copy, "--json")
     data = json.loads(r.stdout)
     assert r.code == 1 and data["first_divergence"] == data["largest_divergence"] == "blocks.0.fc2.weight"

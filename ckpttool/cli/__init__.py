@@ -375,7 +375,7 @@ delta_app = typer.Typer(
 app.add_typer(delta_app, name="delta")
 
 
-def _coded_summary(out: Output, header: dict[str, object], target: Path) -> None:
+def _coded_summary(out: Output, target: Path) -> None:
     from rich.filesize import decimal
 
     from ckpttool.delta import info
@@ -406,11 +406,11 @@ def delta_create(
     from ckpttool.delta import create, info
 
     out = Output(json_mode=json_out, quiet=quiet)
-    header = create(target, output, base=base, workers=workers, force=force)
+    create(target, output, base=base, workers=workers, force=force)
     if json_out:
         out.json(info(output))
     else:
-        _coded_summary(out, header, output)
+        _coded_summary(out, output)
 
 
 @delta_app.command(
@@ -477,11 +477,11 @@ def compress(
     from ckpttool.delta import create, info
 
     out = Output(json_mode=json_out, quiet=quiet)
-    header = create(path, output, workers=workers, force=force)
+    create(path, output, workers=workers, force=force)
     if json_out:
         out.json(info(output))
     else:
-        _coded_summary(out, header, output)
+        _coded_summary(out, output)
 
 
 @app.command(epilog="Example:  ckpttool decompress step_1000.ckz -o restored/step_1000")

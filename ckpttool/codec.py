@@ -49,8 +49,12 @@ def _unplanes(planes: list[Any], width: int, count: int) -> np.ndarray:
 
 
 def _zigzag(d: np.ndarray, width: int) -> np.ndarray:
+    """(d << 1) ^ (d >> bits-1), computed in place on ``d`` (a fresh difference array)."""
     s = d.view(_INT[width])
-    return ((s << np.asarray(1, s.dtype)) ^ (s >> np.asarray(8 * width - 1, s.dtype))).view(_UINT[width])
+    sign = s >> np.asarray(8 * width - 1, s.dtype)
+    np.left_shift(s, np.asarray(1, s.dtype), out=s)
+    np.bitwise_xor(s, sign, out=s)
+    return s.view(_UINT[width])
 
 
 def _unzigzag(z: np.ndarray, width: int) -> np.ndarray:

@@ -15,6 +15,7 @@ little endian), ``MAGIC``.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import struct
@@ -105,15 +106,40 @@ def _read(path: Path, ranges: list[tuple[int, int]]) -> bytes:
     return b"".join(parts)
 
 
+class _Mapped:
+    """Files mapped read-only for the duration of a create/apply: segments are zero-copy views."""
+
+    def __init__(self) -> None:
+        self._maps: dict[Path, Any] = {}
+
+    def view(self, path: Path, offset: int, length: int) -> memoryview:
+        mm = self._maps.get(path)
+        if mm is None:
+            with open(path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+            self._maps[path] = mm
+        if offset + length > len(mm):
+            raise CorruptFileError(f"{path}: {len(mm):,} bytes, needs {offset + length:,}: cut short", path=str(path))
+        return memoryview(mm)[offset : offset + length]
+
+    def digest(self, path: Path) -> str:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+        return hash_bytes(self.view(path, 0, size)) if size else hash_bytes(b"")
+
+    def close(self) -> None:
+        for mm in self._maps.values():
+            if not isinstance(mm, bytes):
+                try:
+                    mm.close()
+                except BufferError:  # a view is still alive somewhere; the mapping goes with it
+                    pass
+        self._maps.clear()
+
+
 def _checkpoint_files(manifest: Manifest) -> list[tuple[str, int]]:
     return [(f.path, f.size) for f in manifest.files if f.role != "seal"]
-
-
-def _fingerprint(root: Path, files: list[tuple[str, int]]) -> dict[str, dict[str, Any]]:
-    out = {}
-    for rel, size in files:
-        out[rel] = {"size": size, "xxh3": hash_bytes((root / rel).read_bytes())}
-    return out
 
 
 def create(
@@ -182,9 +208,9 @@ def create(
             meta: dict[str, Any] = {"gaps": gaps, "dict": dict_ranges, "nbytes": len(data)}
             return meta, [frame]
         assert seg is not None
-        data = _read(t_root / rel, [(seg.offset, seg.length)])
-        base_bytes = _read(b_root / seg.base[0], [(seg.base[1], seg.length)]) if seg.base and b_root else None
-        method, frames, sizes = codec.encode(data, base_bytes, seg.width, seg.floating)
+        values = maps.view(t_root / rel, seg.offset, seg.length)
+        base_bytes = maps.view(b_root / seg.base[0], seg.base[1], seg.length) if seg.base and b_root else None
+        method, frames, sizes = codec.encode(values, base_bytes, seg.width, seg.floating)
         meta = {
             "offset": seg.offset,
             "length": seg.length,
@@ -198,40 +224,48 @@ def create(
         }
         return meta, frames
 
+    maps = _Mapped()
     header_files: dict[str, dict[str, Any]] = {
-        rel: {"size": size, "xxh3": hash_bytes((t_root / rel).read_bytes()), "other": None, "tensors": []}
-        for rel, size in t_files
+        rel: {"size": size, "xxh3": maps.digest(t_root / rel), "other": None, "tensors": []} for rel, size in t_files
     }
-    with ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 2)) as pool, atomic_output(out_path) as fh:
-        fh.write(MAGIC)
-        pos = len(MAGIC)
-        for (rel, what, _, _), (meta, frames) in zip(jobs, pool.map(code, jobs), strict=True):
-            spans = []
-            for frame in frames:
-                fh.write(frame)
-                spans.append([pos, len(frame)])
-                pos += len(frame)
-            meta["frames"] = spans
-            if what == "other":
-                header_files[rel]["other"] = meta
-            else:
-                header_files[rel]["tensors"].append(meta)
-            if progress is not None:
-                progress(meta.get("length") or meta.get("nbytes") or 0)
-        header = {
-            "kind": DELTA_KIND if base is not None else PACK_KIND,
-            "version": 1,
-            "format": tm.format,
-            "target_is_file": Path(target).is_file(),
-            "target_name": Path(target).name,
-            "base": {"files": _fingerprint(b_root, list(b_files.items()))} if b_root is not None else None,
-            "files": header_files,
-            "coded_bytes": pos - len(MAGIC),
-        }
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        fh.write(blob)
-        fh.write(struct.pack("<Q", len(blob)))
-        fh.write(MAGIC)
+    try:
+        with (
+            ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 2)) as pool,
+            atomic_output(out_path) as fh,
+        ):
+            fh.write(MAGIC)
+            pos = len(MAGIC)
+            for (rel, what, _, _), (meta, frames) in zip(jobs, pool.map(code, jobs), strict=True):
+                spans = []
+                for frame in frames:
+                    fh.write(frame)
+                    spans.append([pos, len(frame)])
+                    pos += len(frame)
+                meta["frames"] = spans
+                if what == "other":
+                    header_files[rel]["other"] = meta
+                else:
+                    header_files[rel]["tensors"].append(meta)
+                if progress is not None:
+                    progress(meta.get("length") or meta.get("nbytes") or 0)
+            header = {
+                "kind": DELTA_KIND if base is not None else PACK_KIND,
+                "version": 1,
+                "format": tm.format,
+                "target_is_file": Path(target).is_file(),
+                "target_name": Path(target).name,
+                "base": {"files": {rel: {"size": n, "xxh3": maps.digest(b_root / rel)} for rel, n in b_files.items()}}
+                if b_root is not None
+                else None,
+                "files": header_files,
+                "coded_bytes": pos - len(MAGIC),
+            }
+            blob = json.dumps(header, separators=(",", ":")).encode()
+            fh.write(blob)
+            fh.write(struct.pack("<Q", len(blob)))
+            fh.write(MAGIC)
+    finally:
+        maps.close()
     return header
 
 

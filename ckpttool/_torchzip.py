@@ -22,7 +22,7 @@ import numpy as np
 from ckpttool import _unpickle
 from ckpttool.dtypes import carrier
 from ckpttool.dtypes import dtype as lookup_dtype
-from ckpttool.errors import CorruptFileError, UnsafePickleError
+from ckpttool.errors import CorruptFileError
 from ckpttool.io import RandomAccessFile
 
 _LFH = struct.Struct("<4s2B4HL2L2H")  # zip local file header, 30 bytes
@@ -297,10 +297,6 @@ def _zip64_extra(extra: bytes, usize: int, csize: int, offset: int) -> tuple[int
     return usize, csize, offset
 
 
-def tensor_nbytes(ref: _unpickle.TensorRef) -> int:
-    return math.prod(ref.shape) * lookup_dtype(ref.dtype).itemsize
-
-
 def is_c_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     expected = 1
     for n, s in zip(reversed(shape), reversed(stride), strict=True):
@@ -362,10 +358,4 @@ def read_tensor(archive: Archive, ref: _unpickle.TensorRef, out: np.ndarray | No
     return out
 
 
-def load_object(data: bytes, *, display: str, allow: Mapping[tuple[str, str], Any] | None = None) -> Any:
-    """Unpickle a small torch.save archive held in memory (a DCP bytes item)."""
-    archive = Archive(data, display=display, allow=allow)
-    return archive.load()
-
-
-__all__ = ["Archive", "StorageSpan", "UnsafePickleError", "load_object", "read_tensor", "tensor_nbytes"]
+__all__ = ["Archive", "StorageSpan", "read_tensor", "tensor_span"]

@@ -44,13 +44,6 @@ def detect(path: str | Path) -> Adapter:
     raise FormatNotRecognizedError(str(p), reasons)
 
 
-def adapter_named(name: str) -> Adapter:
-    for adapter in adapters():
-        if adapter.name == name:
-            return adapter
-    raise KeyError(name)
-
-
 def describe(path: str | Path) -> tuple[Adapter, Manifest]:
     """Detect the format of ``path`` and build its manifest from metadata."""
     adapter = detect(path)

@@ -754,8 +754,4 @@ def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter) ->
     report.checked["values"] = len(report.stats)
 
 
-def rule_table() -> list[Rule]:
-    return list(RULES.values())
-
-
 __all__ = ["RULES", "Finding", "Rule", "VerifyReport", "finding", "verify"]

@@ -110,6 +110,26 @@ class FileCache:
         self.close()
 
 
+def read_tracker(path: str | os.PathLike[str], display: str) -> str:
+    """The text of a small tracker file (``latest``, ``latest_checkpointed_iteration.txt``)."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(4097)
+    except OSError as exc:
+        raise NotFoundError(f"{display}: cannot read ({exc.strerror})", path=display) from None
+    try:
+        if len(data) > 4096:
+            raise ValueError("longer than 4 KiB")
+        return data.decode("utf-8").strip()
+    except ValueError as exc:
+        raise CorruptFileError(
+            f"{display}: not a tracker file ({exc})",
+            hint="it should hold one tag or iteration number; the file is damaged",
+            path=display,
+            rule="incomplete-save",
+        ) from None
+
+
 def confine(root: str | os.PathLike[str], rel: str, *, named_by: str = "the checkpoint metadata") -> str:
     """The absolute path of ``rel`` under ``root``; refuses absolute paths, ``..`` and symlinks
     that lead outside the root. ``named_by`` says where the path came from, for the message."""

@@ -20,7 +20,7 @@ from ckpttool.errors import CorruptFileError, IncompleteCheckpointError
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection
 from ckpttool.geometry import Box
-from ckpttool.io import list_files
+from ckpttool.io import list_files, read_tracker
 from ckpttool.manifest import FileRecord, Item, Kind, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
 from ckpttool.values import flatten, set_value
@@ -74,7 +74,7 @@ _RESERVED = {
 def _tag_dir(path: Path) -> tuple[Path, Path]:
     """(save dir, tag dir) for a save directory with ``latest`` or a tag directory itself."""
     if (path / "latest").is_file():
-        tag = (path / "latest").read_text().strip()
+        tag = read_tracker(path / "latest", "latest")
         if not tag or "/" in tag or "\\" in tag or tag in (".", ".."):
             raise CorruptFileError(f"latest: names {tag[:60]!r}, not a tag directory", path="latest")
         target = path / tag
@@ -124,7 +124,7 @@ class DeepSpeedAdapter:
 
     def describe(self, path: Path) -> Manifest:
         if (path / "latest_universal").is_file() and not (path / "latest").is_file():
-            tag = (path / "latest_universal").read_text().strip()
+            tag = read_tracker(path / "latest_universal", "latest_universal")
             if not tag or "/" in tag or tag in (".", "..") or not (path / tag).is_dir():
                 raise IncompleteCheckpointError(
                     f"latest_universal names {tag[:60]!r}, which is not a directory in {path}", path="latest_universal"

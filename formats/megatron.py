@@ -21,6 +21,7 @@ from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection
 from ckpttool.formats.dcp import DcpAdapter, DcpReader
 from ckpttool.geometry import Box
+from ckpttool.io import read_tracker
 from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
 from ckpttool.values import flatten, plain_value, set_value
@@ -80,7 +81,7 @@ def _is_dist_config(path: Path) -> bool:
 
 def _read_tracker(root: Path) -> Path:
     """The iteration directory a save directory's tracker file names."""
-    text = (root / TRACKER).read_text().strip()
+    text = read_tracker(root / TRACKER, TRACKER)
     if text == "release":
         target = root / "release"
     elif text.isdigit():

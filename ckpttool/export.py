@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from ckpttool import registry
 from ckpttool.assemble import assemble, check_coverage
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import UsageError
+from ckpttool.formats.base import PieceReader
 from ckpttool.io import atomic_output
 from ckpttool.manifest import KINDS, Item
 
@@ -89,11 +91,35 @@ def export(
             result.written.append(item)
             result.names.append(name)
 
-    header: dict[str, object] = {"__metadata__": {"format": "pt", "ckpttool.source_format": manifest.format}}
+    total = sum(tensor_nbytes(i) for i in result.written)
+    with adapter.reader(manifest) as reader, atomic_output(out_path) as f:
+        write_safetensors(
+            f,
+            list(zip(result.names, result.written, strict=True)),
+            reader,
+            metadata={"format": "pt", "ckpttool.source_format": manifest.format},
+            progress=None if progress is None else lambda n: progress(n, total),
+        )
+    result.nbytes = total
+    return result
+
+
+def write_safetensors(
+    f: BinaryIO,
+    pairs: list[tuple[str, Item]],
+    reader: PieceReader,
+    *,
+    metadata: dict[str, str],
+    progress: Callable[[int], None] | None = None,
+    buffer: np.ndarray | None = None,
+) -> None:
+    """Stream ``pairs`` (output name, tensor item) into one safetensors file: the header first (every
+    shape is known from the manifest), then each tensor assembled into one reusable buffer."""
+    header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
-    for name, item in zip(result.names, result.written, strict=True):
+    for name, item in pairs:
         assert item.dtype is not None and item.shape is not None
-        n = _nbytes(item)
+        n = tensor_nbytes(item)
         header[name] = {
             "dtype": lookup_dtype(item.dtype).safetensors,
             "shape": list(item.shape),
@@ -102,23 +128,22 @@ def export(
         offset += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % _ALIGN)
-    largest = max((_nbytes(i) for i in result.written), default=0)
-    buffer = np.empty(largest, dtype=np.uint8)
-    with adapter.reader(manifest) as reader, atomic_output(out_path) as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for item in result.written:
-            assert item.dtype is not None and item.shape is not None
-            n = _nbytes(item)
-            view = buffer[:n].view(lookup_dtype(item.dtype).numpy).reshape(item.shape)
-            assemble(reader, item, out=view)
-            f.write(buffer[:n].data)
-            result.nbytes += n
-            if progress is not None:
-                progress(result.nbytes, offset)
-    return result
+    if buffer is None:
+        buffer = np.empty(max((tensor_nbytes(i) for _, i in pairs), default=0), dtype=np.uint8)
+    f.write(len(blob).to_bytes(8, "little"))
+    f.write(blob)
+    done = 0
+    for _, item in pairs:
+        assert item.dtype is not None and item.shape is not None
+        n = tensor_nbytes(item)
+        view = buffer[:n].view(lookup_dtype(item.dtype).numpy).reshape(item.shape)
+        assemble(reader, item, out=view)
+        f.write(buffer[:n].data)
+        done += n
+        if progress is not None:
+            progress(done)
 
 
-def _nbytes(item: Item) -> int:
+def tensor_nbytes(item: Item) -> int:
     assert item.dtype is not None and item.shape is not None
     return math.prod(item.shape) * lookup_dtype(item.dtype).itemsize

@@ -20,6 +20,8 @@ CLI_SURFACE = {
     "delta create": {"base", "target", "--output", "--workers", "--force", "--json", "--quiet", "--help"},
     "delta apply": {"base", "delta", "--output", "--workers", "--force", "--quiet", "--help"},
     "delta info": {"delta", "--json", "--help"},
+    "convert": {"src", "--output", "--to", "--max-shard-size", "--kind", "--filter", "--force", "--json", "--quiet",
+                "--help"},
     "compress": {"path", "--output", "--workers", "--force", "--json", "--quiet", "--help"},
     "decompress": {"packed", "--output", "--workers", "--force", "--quiet", "--help"},
     "rehearse": {"path", "--harness", "--steps", "--runs", "--tolerance", "--device", "--json", "--help"},

@@ -367,6 +367,45 @@ def diff(
         raise typer.Exit(1)
 
 
+@app.command(
+    epilog="Examples:  ckpttool convert ckpt/step_1000 -o hf/ --to safetensors  ·  "
+    "ckpttool convert ckpt/ -o hf/ --kind param --max-shard-size 2GB"
+)
+@_handles_errors
+def convert(
+    src: PathArg,
+    output: Annotated[Path, typer.Option("--output", "-o", help="The directory to write.", show_default=False)],
+    to: Annotated[str, typer.Option("--to", help="Target format: safetensors.")] = "safetensors",
+    max_shard_size: Annotated[
+        str, typer.Option("--max-shard-size", help="Largest shard (safetensors), e.g. 5GB, 500MB, 2GiB.")
+    ] = "5GB",
+    kind: Annotated[str, typer.Option("--kind", "-k", help="param, optim, master, ... or all.")] = "all",
+    filter_: Annotated[
+        str | None, typer.Option("--filter", "-f", help="Only items whose name matches this regular expression.")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """The same tensors in another format, layout unchanged (so far: sharded safetensors with an
+    index, the Hugging Face layout). Streams one tensor at a time; the output directory appears
+    complete or not at all."""
+    from rich.filesize import decimal
+
+    from ckpttool.convert import convert as run
+
+    out = Output(json_mode=json_out, quiet=quiet)
+    result = run(src, output, to=to, max_shard_size=max_shard_size, kind=kind, pattern=_regex(filter_), force=force)
+    if result.skipped and not quiet:
+        out.note(f"not written: {len(result.skipped)} non-tensor items ({result.skipped[0][0].name}, ...)")
+    if json_out:
+        out.json({"output": result.output, "files": result.files, "tensors": result.tensors, "nbytes": result.nbytes})
+    else:
+        out.line(
+            f"wrote {result.tensors} tensors ({decimal(result.nbytes)}) in {len(result.files)} files to {result.output}"
+        )
+
+
 delta_app = typer.Typer(
     name="delta",
     help="Lossless delta compression of one checkpoint against another (restores every file byte for byte).",

@@ -1,0 +1,149 @@
+"""``convert``: the same tensors in another format, layout unchanged.
+
+Today: ``--to safetensors``, the Hugging Face layout: ``model.safetensors``, or shards
+``model-0000k-of-0000n.safetensors`` of at most ``--max-shard-size`` each plus
+``model.safetensors.index.json``. Tensors are streamed one at a time (memory: the largest tensor),
+the output directory is built beside the destination and published by one rename.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ckpttool import registry
+from ckpttool.assemble import check_coverage
+from ckpttool.dtypes import dtype as lookup_dtype
+from ckpttool.errors import UsageError
+from ckpttool.export import select, tensor_nbytes, write_safetensors
+from ckpttool.io import TMP_MARKER, fsync_dir
+from ckpttool.manifest import Item
+
+TARGETS = ("safetensors",)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.I)
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+    "K": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+}
+
+
+def parse_size(text: str) -> int:
+    """``5GB`` -> 5e9, ``512MiB`` -> 512 * 2**20, ``1000`` -> 1000 bytes."""
+    m = _SIZE.match(text)
+    unit = (m.group(2) or "").upper() if m else None
+    if m is None or unit not in _UNITS:
+        raise UsageError(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass(slots=True, kw_only=True)
+class ConvertResult:
+    output: str
+    files: list[str] = field(default_factory=list)
+    tensors: int = 0
+    nbytes: int = 0
+    skipped: list[tuple[Item, str]] = field(default_factory=list)
+
+
+def _shards(pairs: list[tuple[str, Item]], limit: int) -> list[list[tuple[str, Item]]]:
+    """Greedy, in checkpoint order; a tensor larger than the limit gets a shard of its own."""
+    shards: list[list[tuple[str, Item]]] = [[]]
+    size = 0
+    for name, item in pairs:
+        n = tensor_nbytes(item)
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, item))
+        size += n
+    return [s for s in shards if s]
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    to: str = "safetensors",
+    max_shard_size: str = "5GB",
+    kind: str = "all",
+    pattern: str | None = None,
+    force: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> ConvertResult:
+    if to not in TARGETS:
+        raise UsageError(f"--to {to!r}: ckpttool converts to {', '.join(TARGETS)} so far")
+    limit = parse_size(max_shard_size)
+    out = Path(dst)
+    if out.exists() and not force:
+        raise UsageError(f"{out} exists", hint="choose another -o path or pass --force to replace it")
+    adapter, manifest = registry.describe(src)
+    result = ConvertResult(output=str(out))
+    pairs: list[tuple[str, Item]] = []
+    for name, item in select(list(manifest.items.values()), kind=kind, pattern=pattern):
+        if not item.is_tensor:
+            result.skipped.append((item, "not a tensor"))
+        elif lookup_dtype(item.dtype or "").safetensors is None:
+            result.skipped.append((item, f"safetensors has no {item.dtype} dtype"))
+        else:
+            check_coverage(item)
+            pairs.append((name, item))
+    shards = _shards(pairs, limit)
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{TMP_MARKER}", dir=out.parent))
+    try:
+        buffer = np.empty(max((tensor_nbytes(i) for _, i in pairs), default=0), dtype=np.uint8)
+        weight_map: dict[str, str] = {}
+        with adapter.reader(manifest) as reader:
+            for fname, shard in zip(names, shards, strict=True):
+                with open(tmp / fname, "wb") as fh:
+                    write_safetensors(
+                        fh,
+                        shard,
+                        reader,
+                        buffer=buffer,
+                        progress=progress,
+                        metadata={"format": "pt", "ckpttool.source_format": manifest.format},
+                    )
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                weight_map.update({name: fname for name, _ in shard})
+        total = sum(tensor_nbytes(i) for _, i in pairs)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+            names.append("model.safetensors.index.json")
+        fsync_dir(tmp)
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        os.replace(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    result.files, result.tensors, result.nbytes = names, len(pairs), total
+    return result

@@ -1,6 +1,8 @@
-"""``convert``: the same tensors in another format, layout unchanged.
+"""``convert``: the same tensors in another format.
 
-Today: ``--to safetensors``, the Hugging Face layout: ``model.safetensors``, or shards
+``--to dcp``: a PyTorch DCP checkpoint at ``--world-size`` ranks (default: the source's), every
+tensor cut along dim 0 as FSDP2 cuts it, non-tensor state kept (read through the restricted
+unpickler): what ``dcp.load`` reads. ``--to safetensors``: the Hugging Face layout: ``model.safetensors``, or shards
 ``model-0000k-of-0000n.safetensors`` of at most ``--max-shard-size`` each plus
 ``model.safetensors.index.json``. Tensors are streamed one at a time (memory: the largest tensor),
 the output directory is built beside the destination and published by one rename.
@@ -12,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,10 +25,10 @@ from ckpttool.assemble import check_coverage
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import UsageError
 from ckpttool.export import select, tensor_nbytes, write_safetensors
-from ckpttool.io import TMP_MARKER, fsync_dir
+from ckpttool.io import fsync_dir, temp_dir_beside
 from ckpttool.manifest import Item
 
-TARGETS = ("safetensors",)
+TARGETS = ("safetensors", "dcp")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.I)
 _UNITS = {
     "": 1,
@@ -85,6 +86,7 @@ def convert(
     *,
     to: str = "safetensors",
     max_shard_size: str = "5GB",
+    world_size: int | None = None,
     kind: str = "all",
     pattern: str | None = None,
     force: bool = False,
@@ -98,6 +100,17 @@ def convert(
         raise UsageError(f"{out} exists", hint="choose another -o path or pass --force to replace it")
     adapter, manifest = registry.describe(src)
     result = ConvertResult(output=str(out))
+    if to == "dcp":
+        from ckpttool.formats.dcp_write import write_dcp
+
+        chosen = [i for _, i in select(list(manifest.items.values()), kind=kind, pattern=pattern)]
+        keep = [i for i in chosen if not i.error]
+        result.skipped = [(i, i.error or "") for i in chosen if i.error]
+        ws = world_size or manifest.layout.world_size or 1
+        result.files = write_dcp(adapter, manifest, out, world_size=ws, items=keep, progress=progress)
+        result.tensors = sum(1 for i in keep if i.is_tensor)
+        result.nbytes = sum(tensor_nbytes(i) for i in keep if i.is_tensor)
+        return result
     pairs: list[tuple[str, Item]] = []
     for name, item in select(list(manifest.items.values()), kind=kind, pattern=pattern):
         if not item.is_tensor:
@@ -113,8 +126,7 @@ def convert(
         if len(shards) == 1
         else [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{TMP_MARKER}", dir=out.parent))
+    tmp = temp_dir_beside(out)
     try:
         buffer = np.empty(max((tensor_nbytes(i) for _, i in pairs), default=0), dtype=np.uint8)
         weight_map: dict[str, str] = {}

@@ -19,7 +19,6 @@ import mmap
 import os
 import shutil
 import struct
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from ckpttool import codec, registry
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CkptError, CorruptFileError, UsageError
 from ckpttool.hashing import hash_bytes
-from ckpttool.io import TMP_MARKER, atomic_output, fsync_dir
+from ckpttool.io import atomic_output, fsync_dir, temp_dir_beside
 from ckpttool.manifest import Manifest
 from ckpttool.naming import canonical
 
@@ -330,7 +329,7 @@ def apply(
     elif base is not None:
         raise UsageError(f"{delta} is a compressed checkpoint, not a delta: it takes no base")
     parent = out_path.parent
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}{TMP_MARKER}", dir=parent))
+    tmp = temp_dir_beside(out_path)
     try:
 
         def rebuild(item: tuple[str, dict[str, Any]]) -> None:

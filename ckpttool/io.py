@@ -198,6 +198,18 @@ def atomic_output(dest: str | os.PathLike[str]) -> Iterator[BinaryIO]:
         raise
 
 
+def temp_dir_beside(dest: str | os.PathLike[str]) -> Path:
+    """A fresh directory next to ``dest`` (same file system, so one rename publishes it), with the
+    permissions a plain ``mkdir`` would give (mkdtemp makes it private)."""
+    dest_p = Path(dest)
+    dest_p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest_p.name}{TMP_MARKER}", dir=dest_p.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    return tmp
+
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     fd = os.open(os.fspath(path), os.O_RDONLY)
     try:

@@ -375,10 +375,13 @@ def diff(
 def convert(
     src: PathArg,
     output: Annotated[Path, typer.Option("--output", "-o", help="The directory to write.", show_default=False)],
-    to: Annotated[str, typer.Option("--to", help="Target format: safetensors.")] = "safetensors",
+    to: Annotated[str, typer.Option("--to", help="Target format: safetensors or dcp.")] = "safetensors",
     max_shard_size: Annotated[
         str, typer.Option("--max-shard-size", help="Largest shard (safetensors), e.g. 5GB, 500MB, 2GiB.")
     ] = "5GB",
+    world_size: Annotated[
+        int | None, typer.Option("--world-size", help="Ranks of the DCP checkpoint (default: the source's).")
+    ] = None,
     kind: Annotated[str, typer.Option("--kind", "-k", help="param, optim, master, ... or all.")] = "all",
     filter_: Annotated[
         str | None, typer.Option("--filter", "-f", help="Only items whose name matches this regular expression.")
@@ -387,15 +390,24 @@ def convert(
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """The same tensors in another format, layout unchanged (so far: sharded safetensors with an
-    index, the Hugging Face layout). Streams one tensor at a time; the output directory appears
-    complete or not at all."""
+    """The same state in another format: sharded safetensors with an index (the Hugging Face
+    layout), or a PyTorch DCP checkpoint at --world-size ranks (optimizer and training state kept).
+    Streams one tensor at a time; the output directory appears complete or not at all."""
     from rich.filesize import decimal
 
     from ckpttool.convert import convert as run
 
     out = Output(json_mode=json_out, quiet=quiet)
-    result = run(src, output, to=to, max_shard_size=max_shard_size, kind=kind, pattern=_regex(filter_), force=force)
+    result = run(
+        src,
+        output,
+        to=to,
+        max_shard_size=max_shard_size,
+        world_size=world_size,
+        kind=kind,
+        pattern=_regex(filter_),
+        force=force,
+    )
     if result.skipped and not quiet:
         out.note(f"not written: {len(result.skipped)} non-tensor items ({result.skipped[0][0].name}, ...)")
     if json_out:

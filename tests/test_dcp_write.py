@@ -1,0 +1,48 @@
+"""convert --to dcp: torch's own DCP loader reads what ckpttool writes, at any world size."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckpttool import registry
+from ckpttool.convert import convert
+from ckpttool.diff import diff
+from ckpttool.export import export
+from tests._compare import flatten_nested, tensor_mismatches
+from tests.conftest import FIXTURES
+
+
+@pytest.mark.parametrize(("rel", "ranks"), [("megatron/legacy_tp2pp2", 3), ("deepspeed/zero2", 2), ("dcp/mesh2x2", 1)])
+def test_dcp_to_torch_save_reads_it(rel, ranks, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / "dcp"
+    convert(FIXTURES / rel, out, to="dcp", world_size=ranks)
+    _, m = registry.describe(out)
+    assert m.format == "dcp" and m.layout.world_size == ranks
+    assert not diff(FIXTURES / rel, out).different  # every tensor and plain value kept
+    export(FIXTURES / rel, tmp_path / "ref.safetensors")
+    dcp_to_torch_save(out, tmp_path / "theirs.pt")
+    # written by torch in this test from our output (Megatron's numpy RNG state included)
+    theirs = flatten_nested(torch.load(tmp_path / "theirs.pt", weights_only=False))
+    assert tensor_mismatches(load_file(tmp_path / "ref.safetensors"), theirs) == []
+
+
+@pytest.mark.slow
+def test_dcp_load_at_two_ranks(tmp_path):
+    out = tmp_path / "dcp"
+    convert(FIXTURES / "megatron" / "legacy_tp2pp2", out, to="dcp", world_size=3)
+    loaded = tmp_path / "loaded.pt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(FIXTURES.parent / "tests" / "_dcp_load_worker.py"), str(out), str(loaded)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    export(FIXTURES / "megatron" / "legacy_tp2pp2", tmp_path / "ref.safetensors")
+    assert tensor_mismatches(load_file(tmp_path / "ref.safetensors"), torch.load(loaded, weights_only=True)) == []

@@ -21,10 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from ckpttool import registry
-from ckpttool.assemble import check_coverage
-from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import UsageError
-from ckpttool.export import select, tensor_nbytes, write_safetensors
+from ckpttool.export import safetensors_selection, select, tensor_nbytes, write_safetensors
 from ckpttool.io import fsync_dir, temp_dir_beside
 from ckpttool.manifest import Item
 
@@ -111,15 +109,7 @@ def convert(
         result.tensors = sum(1 for i in keep if i.is_tensor)
         result.nbytes = sum(tensor_nbytes(i) for i in keep if i.is_tensor)
         return result
-    pairs: list[tuple[str, Item]] = []
-    for name, item in select(list(manifest.items.values()), kind=kind, pattern=pattern):
-        if not item.is_tensor:
-            result.skipped.append((item, "not a tensor"))
-        elif lookup_dtype(item.dtype or "").safetensors is None:
-            result.skipped.append((item, f"safetensors has no {item.dtype} dtype"))
-        else:
-            check_coverage(item)
-            pairs.append((name, item))
+    pairs, result.skipped = safetensors_selection(manifest, kind=kind, pattern=pattern)
     shards = _shards(pairs, limit)
     names = (
         ["model.safetensors"]

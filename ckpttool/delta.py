@@ -315,7 +315,7 @@ def apply(
     if header["kind"] == DELTA_KIND:
         if base is None:
             raise UsageError(f"{delta} is a delta: give the base checkpoint it was made against")
-        b_root = _base_root(Path(base), header)
+        b_root = _base_root(Path(base))
         for rel, fp in header["base"]["files"].items():
             f = b_root / rel
             if not f.is_file() or f.stat().st_size != fp["size"] or hash_bytes(f.read_bytes()) != fp["xxh3"]:
@@ -398,7 +398,7 @@ def apply(
     return header
 
 
-def _base_root(base: Path, header: dict[str, Any]) -> Path:
+def _base_root(base: Path) -> Path:
     """The directory the base's relative paths start from (the adapter's root for it)."""
     try:
         _, m = registry.describe(base)

@@ -23,7 +23,7 @@ from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import UsageError
 from ckpttool.formats.base import PieceReader
 from ckpttool.io import atomic_output
-from ckpttool.manifest import KINDS, Item
+from ckpttool.manifest import KINDS, Item, Manifest
 
 _ALIGN = 8
 
@@ -62,6 +62,24 @@ def select(items: list[Item], *, kind: str = "all", pattern: str | None = None) 
     return [(n, i) for n, i in pairs if rx is None or rx.search(n)]
 
 
+def safetensors_selection(
+    manifest: Manifest, *, kind: str = "all", pattern: str | None = None
+) -> tuple[list[tuple[str, Item]], list[tuple[Item, str]]]:
+    """The (output name, item) pairs a safetensors file can hold, each checked to tile its tensor,
+    and the selected items it cannot hold, with the reason."""
+    pairs: list[tuple[str, Item]] = []
+    skipped: list[tuple[Item, str]] = []
+    for name, item in select(list(manifest.items.values()), kind=kind, pattern=pattern):
+        if not item.is_tensor:
+            skipped.append((item, "not a tensor"))
+        elif lookup_dtype(item.dtype or "").safetensors is None:
+            skipped.append((item, f"safetensors has no {item.dtype} dtype"))
+        else:
+            check_coverage(item)
+            pairs.append((name, item))
+    return pairs, skipped
+
+
 def export(
     path: str | Path,
     output: str | Path,
@@ -81,15 +99,9 @@ def export(
         raise UsageError(f"{out_path} is a directory; -o takes a file name such as model.safetensors")
     adapter, manifest = registry.describe(path)
     result = ExportResult(output=str(out_path))
-    for name, item in select(list(manifest.items.values()), kind=kind, pattern=pattern):
-        if not item.is_tensor:
-            result.skipped.append((item, "not a tensor"))
-        elif lookup_dtype(item.dtype or "").safetensors is None:
-            result.skipped.append((item, f"safetensors has no {item.dtype} dtype"))
-        else:
-            check_coverage(item)
-            result.written.append(item)
-            result.names.append(name)
+    pairs, result.skipped = safetensors_selection(manifest, kind=kind, pattern=pattern)
+    result.names = [n for n, _ in pairs]
+    result.written = [i for _, i in pairs]
 
     total = sum(tensor_nbytes(i) for i in result.written)
     with adapter.reader(manifest) as reader, atomic_output(out_path) as f:

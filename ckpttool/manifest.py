@@ -71,8 +71,6 @@ class Item:
     """for a value too large to keep in ``value``: its type and length, e.g. ``tuple of 3``"""
     error: str | None = None
     """why the item cannot be loaded (e.g. an unsafe pickle), when it cannot"""
-    claims: dict[str, int] = field(default_factory=dict)
-    """step/iteration values found for this item inside its files, keyed by file"""
 
     @property
     def is_tensor(self) -> bool:

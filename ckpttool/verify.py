@@ -427,12 +427,10 @@ def _check_integrity(
     root = Path(manifest.root)
     spans: dict[str, list[Span]] = defaultdict(list)
     expected_crc: dict[Any, tuple[int, str, str | None]] = {}
-    owners: dict[tuple[str, int], str] = {}
     with adapter.reader(manifest) as reader:
         archives: list[tuple[str, Any, str | None]] = []
         seen: set[tuple[str, int]] = set()
         for item, i, piece in in_file_order(manifest):
-            owners[(piece.file, piece.locator.get("offset", -1))] = item.name
             if item.is_tensor:
                 try:
                     span = reader.raw_span(piece, item)

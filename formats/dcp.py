@@ -165,6 +165,15 @@ def _load_metadata(root: Path, name: str) -> _Metadata:
     return md
 
 
+def is_dist_config(path: Path) -> bool:
+    """Whether ``path`` is megatron-core dist_checkpointing's ``metadata.json`` (such a directory
+    is DCP underneath, but read as ``megatron-dist``)."""
+    try:
+        return path.is_file() and "sharded_backend" in json.loads(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 class DcpAdapter:
     name = "dcp"
 
@@ -176,10 +185,8 @@ class DcpAdapter:
         if not path.is_dir():
             return Detection(False, "not a directory")
         names = set(os.listdir(path))
-        if "metadata.json" in names and "common.pt" in names:
-            return Detection(
-                False, "a Megatron torch_dist checkpoint (metadata.json, common.pt): read as megatron-dist"
-            )
+        if "metadata.json" in names and is_dist_config(path / "metadata.json"):
+            return Detection(False, "a Megatron torch_dist checkpoint (metadata.json): read as megatron-dist")
         if _GLOBAL_MD in names:
             return Detection(True, "found .metadata")
         if any(_RANK_MD.match(n) for n in names):

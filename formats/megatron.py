@@ -19,7 +19,7 @@ from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CorruptFileError, IncompleteCheckpointError
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection
-from ckpttool.formats.dcp import DcpAdapter, DcpReader
+from ckpttool.formats.dcp import DcpAdapter, DcpReader, is_dist_config
 from ckpttool.geometry import Box
 from ckpttool.io import read_tracker
 from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece, ReplicaCounter
@@ -69,14 +69,6 @@ _TE_TO_LOCAL = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
-
-
-def _is_dist_config(path: Path) -> bool:
-    """Whether ``path`` is megatron-core's dist_checkpointing ``metadata.json``."""
-    try:
-        return path.is_file() and "sharded_backend" in json.loads(path.read_text())
-    except (OSError, ValueError, TypeError):
-        return False
 
 
 def _read_tracker(root: Path) -> Path:
@@ -164,14 +156,14 @@ class MegatronDistAdapter:
     def _iter_dir(path: Path) -> Path | None:
         if not path.is_dir():
             return None
-        if _is_dist_config(path / "metadata.json"):
+        if is_dist_config(path / "metadata.json"):
             return path
         if (path / TRACKER).is_file():
             try:
                 target = _read_tracker(path)
             except (CorruptFileError, IncompleteCheckpointError, OSError):
                 return None
-            return target if _is_dist_config(target / "metadata.json") else None
+            return target if is_dist_config(target / "metadata.json") else None
         return None
 
     def describe(self, path: Path) -> Manifest:
@@ -380,7 +372,7 @@ class MegatronLegacyAdapter:
                 target = _read_tracker(path)
             except (CorruptFileError, IncompleteCheckpointError):
                 return Detection(True, f"found {TRACKER} (naming a missing or bad iteration)")
-            if _is_dist_config(target / "metadata.json"):
+            if is_dist_config(target / "metadata.json"):
                 return Detection(False, "a torch_dist checkpoint (read as megatron-dist)")
             return Detection(True, f"found {TRACKER}")
         if any(_MP_DIR.match(p.name) for p in path.iterdir() if p.is_dir()):

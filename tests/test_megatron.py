@@ -106,3 +106,18 @@ def test_moe_local_expert_indices_become_global():
     assert split_rule("decoder.layers.0.mlp.experts.linear_fc2.weight7", gated=True) == ("row", 1)
     assert split_rule("language_model.encoder.layers.0.self_attention.dense.weight", gated=False) == ("row", 1)
     assert split_rule("decoder.layers.0.self_attention.linear_proj.bias", gated=False) == ("replicated", None)
+
+
+def test_torch_dist_without_common_pt_is_not_plain_dcp(tmp_path):
+    # newer megatron-core keeps the common state inside the DCP files: metadata.json alone decides
+    import shutil
+
+    ck = tmp_path / "iter"
+    shutil.copytree(MG / "dist_tp2" / "iter_0000003", ck)
+    (ck / "common.pt").unlink()
+    claims = [a.name for a in registry.adapters() if a.detect(ck).matches]
+    assert claims == ["megatron-dist"]
+    _, m = registry.describe(ck)
+    # without the args, the layer count is unknown: stacked layers stay one item with the layer axis
+    assert m.format == "megatron-dist" and m.step is None
+    assert m.items["decoder.layers.mlp.linear_fc1.weight"].shape == (4, 64, 16)

@@ -46,12 +46,12 @@ _UNITS = {
 }
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, option: str = "--max-shard-size") -> int:
     """``5GB`` -> 5e9, ``512MiB`` -> 512 * 2**20, ``1000`` -> 1000 bytes."""
     m = _SIZE.match(text)
     unit = (m.group(2) or "").upper() if m else None
     if m is None or unit not in _UNITS:
-        raise UsageError(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or 2GiB")
+        raise UsageError(f"{option} {text!r}: expected a size such as 5GB, 500MB or 2GiB")
     return int(float(m.group(1)) * _UNITS[unit])
 
 

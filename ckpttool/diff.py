@@ -25,7 +25,7 @@ from ckpttool.errors import UsageError
 from ckpttool.formats.base import PieceReader
 from ckpttool.geometry import Box
 from ckpttool.hashing import hash_bytes
-from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest
+from ckpttool.manifest import KINDS, SCHEMA_VERSION, Item, Manifest
 from ckpttool.naming import canonical
 
 Tolerance = Literal["strict", "standard", "relaxed"]
@@ -139,9 +139,13 @@ def load_map(path: str | Path | None) -> dict[str, str]:
         return {a.strip(): b.strip() for a, b in pairs}
 
 
-def _keyed(manifest: Manifest, renames: dict[str, str], pattern: re.Pattern[str] | None) -> dict[str, Item]:
+def _keyed(
+    manifest: Manifest, renames: dict[str, str], pattern: re.Pattern[str] | None, kinds: set[str] | None = None
+) -> dict[str, Item]:
     out: dict[str, Item] = {}
     for item in manifest.items.values():
+        if kinds is not None and item.kind not in kinds:
+            continue
         key = canonical(item.name)
         for old, new in renames.items():
             key = (
@@ -162,6 +166,7 @@ def diff(
     tolerance: Tolerance = "strict",
     pattern: str | None = None,
     renames: dict[str, str] | None = None,
+    kinds: list[str] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> DiffReport:
     if tolerance not in TOLERANCES:
@@ -172,7 +177,13 @@ def diff(
     adapter_a, ma = registry.describe(a)
     adapter_b, mb = registry.describe(b)
     rx = re.compile(pattern) if pattern else None
-    ka, kb = _keyed(ma, renames or {}, rx), _keyed(mb, {}, rx)
+    wanted = None
+    if kinds:
+        wanted = set(kinds)
+        unknown = sorted(wanted - set(KINDS))
+        if unknown:
+            raise UsageError(f"--kind {', '.join(unknown)}: expected kinds among {', '.join(KINDS)}")
+    ka, kb = _keyed(ma, renames or {}, rx, wanted), _keyed(mb, {}, rx, wanted)
     report = DiffReport(a=str(a), b=str(b), formats=(ma.format, mb.format), atol=atol, rtol=rtol)
     report.removed = [k for k, i in ka.items() if i.is_tensor and k not in kb]
     report.added = [k for k, i in kb.items() if i.is_tensor and k not in ka]

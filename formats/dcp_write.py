@@ -1,8 +1,10 @@
 """Writing a PyTorch DCP checkpoint at a chosen world size, from any manifest.
 
-Every tensor is cut along its first dimension into ``world_size`` chunks the way ``torch.chunk``
-(and FSDP2's ``Shard(0)``) cuts it; rank ``r``'s chunks go to ``__r_0.distcp`` as ``torch.save``
-archives, as torch's ``FileSystemWriter`` writes them. Non-tensor values go to rank 0's file.
+Every tensor the source holds in several pieces is cut along its first dimension into
+``world_size`` chunks the way ``torch.chunk`` (and FSDP2's ``Shard(0)``) cuts it; rank ``r``'s
+chunks go to ``__r_0.distcp`` as ``torch.save`` archives, as torch's ``FileSystemWriter`` writes
+them. A tensor the source holds whole (replicated, or unsharded state such as RNG) is written
+whole by rank 0, as DCP's de-duplication saves a replicated tensor. Non-tensor values go to rank 0's file.
 ``.metadata`` is torch's own ``Metadata`` with the ``_StorageInfo`` index, pickled as DCP pickles
 it. The result is what ``dcp.load`` reads at that world size (or any other).
 """
@@ -88,7 +90,9 @@ def write_dcp(
                 check_coverage(item)
                 tdtype = getattr(torch, item.dtype)
                 chunks = []
-                for r, box in enumerate(chunk_boxes(item.shape, world_size)):
+                sharded = sum(1 for p in item.pieces if p.replica == 0) > 1
+                cuts = chunk_boxes(item.shape, world_size) if sharded else chunk_boxes(item.shape, 1)
+                for r, box in enumerate(cuts):
                     if box is None:
                         continue
                     values = assemble(reader, item, box=box)

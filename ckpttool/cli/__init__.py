@@ -336,6 +336,10 @@ def diff(
     map_file: Annotated[
         Path | None, typer.Option("--map", help="Renames of A's names to B's: JSON {old: new} or old=new lines.")
     ] = None,
+    kinds: Annotated[
+        list[str] | None,
+        typer.Option("--kind", "-k", help="Only items of these kinds (repeat): param, master, optim, rng, ..."),
+    ] = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -358,6 +362,7 @@ def diff(
         tolerance=tolerance,  # type: ignore[arg-type]  # checked by diff()
         pattern=_regex(filter_),
         renames=load_map(map_file),
+        kinds=kinds,
     )
     if json_out:
         out.json(report.to_json())
@@ -416,6 +421,111 @@ def convert(
         out.line(
             f"wrote {result.tensors} tensors ({decimal(result.nbytes)}) in {len(result.files)} files to {result.output}"
         )
+
+
+@app.command(
+    epilog="Examples:  ckpttool reshard ckpt/iter_0001000 -o tp1/ --tp 1 --pp 1  ·  "
+    "ckpttool reshard dcp/step_100 -o dcp2/ --dp 2  ·  ckpttool reshard ckpt/ -o out/ --tp 4 --dry-run"
+)
+@_handles_errors
+def reshard(
+    src: PathArg,
+    output: Annotated[Path, typer.Option("--output", "-o", help="The directory to write.", show_default=False)],
+    tp: Annotated[int | None, typer.Option("--tp", help="Tensor-parallel size (default: the source's).")] = None,
+    pp: Annotated[int | None, typer.Option("--pp", help="Pipeline-parallel size (default: the source's).")] = None,
+    vpp: Annotated[int | None, typer.Option("--vpp", help="Virtual pipeline stages per rank.")] = None,
+    dp: Annotated[
+        int | None, typer.Option("--dp", help="Data-parallel size; for DCP, the world size of the new checkpoint.")
+    ] = None,
+    ep: Annotated[int | None, typer.Option("--ep", help="Expert-parallel size.")] = None,
+    to: Annotated[
+        str | None, typer.Option("--to", help="Output format: megatron or dcp (default: the source's).")
+    ] = None,
+    workers: Annotated[int, typer.Option("--workers", help="Output files written at once (processes).")] = 1,
+    device: Annotated[str, typer.Option("--device", help="Where pieces are assembled: cpu.")] = "cpu",
+    max_memory: Annotated[
+        str | None, typer.Option("--max-memory", help="Bound on the memory of all workers, e.g. 8GB.")
+    ] = None,
+    split_rule: Annotated[
+        list[str] | None,
+        typer.Option("--split-rule", help="REGEX=DIM (or REGEX=none): how TP splits parameters matching REGEX."),
+    ] = None,
+    vocab_padding: Annotated[
+        str,
+        typer.Option("--vocab-padding", help="keep (the padded rows, lossless) or megatron (re-pad for the new TP)."),
+    ] = "keep",
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the plan (files, bytes, peak memory) only.")
+    ] = False,
+    no_seal: Annotated[bool, typer.Option("--no-seal", help="Do not write ckpttool.manifest.json.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """The same training state at a new parallel layout: parameters, optimizer moments, fp32 master
+    copies, scheduler, step and RNG carried. Invalid layouts are refused before anything is
+    written; the output is written beside OUTPUT, sealed, and published by one rename."""
+    from rich.filesize import decimal
+
+    from ckpttool.errors import UsageError
+    from ckpttool.reshard import Target, parse_split_rules
+    from ckpttool.reshard import reshard as run
+
+    if device != "cpu":
+        raise UsageError(f"--device {device!r}: only cpu is available in this version")
+    out = Output(json_mode=json_out, quiet=quiet)
+    target = Target(
+        tp=tp,
+        pp=pp,
+        vpp=vpp,
+        dp=dp,
+        ep=ep,
+        to=to,
+        split_rules=parse_split_rules(split_rule or []),
+        vocab_padding=vocab_padding,
+    )
+    done = [0]
+    with out.progress("reshard") as update:
+
+        def advance(n: int) -> None:
+            done[0] += n
+            update(done[0], 0)
+
+        result = run(
+            src,
+            output,
+            target,
+            workers=workers,
+            max_memory=max_memory,
+            dry_run=dry_run,
+            force=force,
+            seal_output=not no_seal,
+            progress=advance,
+        )
+    plan = result.plan
+    if not quiet:
+        for note in plan.notes:
+            out.note(note)
+    if json_out:
+        out.json({**plan.to_json(), "output": result.output, "written": result.written, "sealed": result.sealed})
+        return
+    layout = " ".join(f"{k}={v}" for k, v in plan.layout.items())
+    if dry_run:
+        out.table(
+            ["FILE", "TENSORS", "BYTES", "PEAK"],
+            [[f.path, str(f.tensors), decimal(f.nbytes), decimal(f.peak)] for f in plan.files],
+            right=["TENSORS", "BYTES", "PEAK"],
+            squeeze="FILE",
+        )
+        out.line(
+            f"plan: {len(plan.files)} files, {decimal(plan.nbytes)} of tensors, {plan.format} {layout}, "
+            f"{plan.workers} workers, peak memory about {decimal(plan.peak)}; nothing written"
+        )
+        return
+    out.line(
+        f"wrote {len(plan.files)} files ({decimal(plan.nbytes)}) as {plan.format} {layout} to {result.output}"
+        + (" (sealed)" if result.sealed else "")
+    )
 
 
 delta_app = typer.Typer(

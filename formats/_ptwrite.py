@@ -1,0 +1,181 @@
+"""Writing ``torch.save`` files from ckpttool's own values, one tensor in memory at a time.
+
+A tree read through the restricted unpickler holds stand-ins (``Record`` for an allowlisted class,
+``EnumValue``, ``TorchDType``, ``OrderedDictStandIn``) and tensors. :func:`save` pickles such a tree
+back so that ``torch.load`` in the framework that wrote it rebuilds the original classes: a
+stand-in is written as a reference to the class it stands for (its module and name), never by
+importing that class, so Megatron or DeepSpeed need not be installed here.
+
+Tensors are :class:`OutTensor` placeholders: the pickle names their storage (``data/<key>``) and
+the bytes are produced by a callback, one storage at a time, straight into the zip record. The zip
+is torch's own writer (``torch._C.PyTorchFileWriter``: 64-byte aligned records, CRC-32s), so the
+output is what ``torch.save`` makes of the same tree.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckpttool import _unpickle
+from ckpttool.dtypes import carrier
+
+_STORAGE_CLASS = {
+    "float32": "FloatStorage",
+    "float64": "DoubleStorage",
+    "float16": "HalfStorage",
+    "bfloat16": "BFloat16Storage",
+    "int64": "LongStorage",
+    "int32": "IntStorage",
+    "int16": "ShortStorage",
+    "int8": "CharStorage",
+    "uint8": "ByteStorage",
+    "bool": "BoolStorage",
+    "complex64": "ComplexFloatStorage",
+    "complex128": "ComplexDoubleStorage",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalRef:
+    """A class or function written into the pickle by name only."""
+
+    module: str
+    name: str
+
+
+@dataclass(eq=False, slots=True)
+class OutTensor:
+    """A tensor to write: its dtype and shape; ``fill(buffer)`` produces its C-ordered bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    fill: Callable[[np.ndarray], None]
+    key: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        n = carrier(self.dtype).itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+_PurePickler: Any = pickle._Pickler  # pure Python: its save() can be extended
+
+
+class _Pickler(_PurePickler):
+    def __init__(self, file: io.BytesIO, tensors: list[OutTensor]) -> None:
+        super().__init__(file, protocol=2)
+        self.tensors = tensors
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StorageOf):
+            t = obj.tensor
+            numel = 1
+            for s in t.shape:
+                numel *= s
+            return ("storage", GlobalRef("torch", _STORAGE_CLASS[t.dtype]), t.key, "cpu", numel)
+        return None
+
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        t = type(obj)
+        if t is GlobalRef:
+            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+            return
+        if t is OutTensor:
+            if not obj.key:
+                obj.key = str(len(self.tensors))
+                self.tensors.append(obj)
+            self.save(GlobalRef("torch._utils", "_rebuild_tensor_v2"))
+            self.save((_StorageOf(obj), 0, tuple(obj.shape), _strides(obj.shape), False, collections.OrderedDict()))
+            self.write(pickle.REDUCE)
+            return
+        if isinstance(obj, _unpickle.Record):
+            module, name = type(obj)._qualname.rsplit(".", 1)
+            self.save(GlobalRef(module, name))
+            self.write(pickle.EMPTY_TUPLE + pickle.NEWOBJ)
+            self.memoize(obj)
+            self.save(dict(obj.__dict__))
+            self.write(pickle.BUILD)
+            return
+        if t is _unpickle.EnumValue:
+            module, name = obj.enum.rsplit(".", 1)
+            self.save(GlobalRef(module, name))
+            self.save((obj.value,))
+            self.write(pickle.REDUCE)
+            return
+        if t is _unpickle.TorchDType:
+            self.save(GlobalRef("torch", str(obj)))
+            return
+        if t is _unpickle.OrderedDictStandIn:
+            od = collections.OrderedDict(obj)
+            od.__dict__.update(getattr(obj, "__dict__", {}))
+            super().save(od, save_persistent_id)
+            return
+        if t is _unpickle.OpaqueBytes:
+            super().save(io.BytesIO(obj.data), save_persistent_id)
+            return
+        super().save(obj, save_persistent_id)
+
+
+@dataclass(eq=False, slots=True)
+class _StorageOf:
+    tensor: OutTensor
+
+
+def dumps(tree: Any) -> tuple[bytes, list[OutTensor]]:
+    """The ``data.pkl`` bytes of ``tree`` and the tensors it refers to, in storage-key order."""
+    buf = io.BytesIO()
+    tensors: list[OutTensor] = []
+    _Pickler(buf, tensors).dump(tree)
+    return buf.getvalue(), tensors
+
+
+def save(tree: Any, path: Path, *, buffer: np.ndarray | None = None) -> int:
+    """Write ``tree`` as a ``torch.save`` file at ``path`` (not atomically: callers write into a
+    directory that is published as a whole). Tensors are produced one at a time into ``buffer``
+    (grown when too small). Returns the bytes of tensor data written."""
+    import torch
+
+    data, tensors = dumps(tree)
+    writer: Any = torch._C.PyTorchFileWriter(str(path), True, 64)  # torch.save's own zip writer
+    total = 0
+    try:
+        writer.write_record("data.pkl", data, len(data))
+        writer.write_record(".format_version", "1", 1)
+        writer.write_record(".storage_alignment", "64", 2)
+        writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        for t in tensors:
+            n = t.nbytes
+            if buffer is None or buffer.nbytes < n:
+                buffer = np.empty(max(n, 1), dtype=np.uint8)
+            view = buffer[:n]
+            t.fill(view)
+            if n:
+                writer.write_record(f"data/{t.key}", torch.from_numpy(view).untyped_storage(), n)
+            else:
+                writer.write_record(f"data/{t.key}", b"", 0)
+            total += n
+    finally:
+        writer.write_end_of_file()
+    return total
+
+
+__all__ = ["GlobalRef", "OutTensor", "dumps", "save"]

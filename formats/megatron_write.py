@@ -1,0 +1,626 @@
+"""Writing a Megatron-LM legacy checkpoint (``iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt``) at a new
+tensor- and pipeline-parallel size, from a legacy checkpoint at any other.
+
+Everything a resume reads is carried:
+
+* the model state dict of each (TP, PP) rank, with layers renumbered locally, ``_extra_state``
+  entries and the module ``_metadata`` Megatron's ``load_state_dict`` sees;
+* the optimizer (``Float16OptimizerWithFloat16Params`` / ``FP32Optimizer`` state dicts): Adam
+  moments and fp32 master copies cut with the parameter's split rule, parameter ids renumbered
+  group by group in model order (the order ``torch.optim.Optimizer.load_state_dict`` matches them
+  by), group hyper-parameters and per-parameter ``step`` kept;
+* ``args`` with the new sizes (and the ``make_vocab_size_divisible_by`` that reproduces the
+  vocabulary padding at the new TP), ``iteration``, ``checkpoint_version``, the LR scheduler,
+  ``num_floating_point_operations_so_far``;
+* RNG state: rank (t, p) gets the source's rank (t mod TP, p mod PP) states (the per-rank RNG of a
+  different layout cannot exist; replay after a TP/PP change is not bit-identical anyway).
+
+The split rules are the reader's (:func:`ckpttool.formats.megatron.split_rule`): column, row,
+SwiGLU halves (``[gate_r; up_r]``), replicated. One tensor is in memory at a time.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckpttool import _unpickle
+from ckpttool.assemble import assemble, check_coverage
+from ckpttool.errors import CorruptFileError, UsageError
+from ckpttool.formats import _pt, _ptwrite
+from ckpttool.formats.base import PieceReader
+from ckpttool.formats.megatron import _LAYER, _MP_DIR, ALLOWLIST, TRACKER, split_rule
+from ckpttool.geometry import Box
+from ckpttool.manifest import Item, Manifest
+
+_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(slots=True)
+class _Source:
+    """What the writer needs from the source besides its items: one rank file's tree per (t, p)."""
+
+    tp: int
+    pp: int
+    objs: dict[tuple[int, int], Any]
+    rels: dict[tuple[int, int], str]
+    model_order: list[str] = field(default_factory=list)
+    """global names of model state-dict entries, in model order"""
+    group_of: dict[str, int] = field(default_factory=dict)
+    groups: list[dict[str, Any]] = field(default_factory=list)
+    """param-group hyper-parameters (without ``params``), in source order"""
+    step_of: dict[str, tuple[str, Any]] = field(default_factory=dict)
+    """per-parameter optimizer ``step`` (rank file, value) by global parameter name"""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """the module ``_metadata`` of all stages, layers numbered globally"""
+    stage_keys: list[set[str]] = field(default_factory=list)
+    optimizer_extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True, kw_only=True)
+class MegatronTarget:
+    tp: int
+    pp: int
+    repad_vocab: bool = False
+    """pad the vocabulary as Megatron pads it at the new TP (``make_vocab_size_divisible_by`` x TP
+    rows), instead of keeping the source's padded rows"""
+
+
+def _globalize(local: str, offset: int) -> str:
+    m = _LAYER.match(local)
+    return f"{m['pre']}{int(m['i']) + offset}{m['rest']}" if m else local
+
+
+def _layer_of(name: str) -> int | None:
+    m = _LAYER.match(name)
+    return int(m["i"]) if m else None
+
+
+def _uniform_offset(num_layers: int, pp: int, p: int) -> int:
+    return p * (num_layers // pp)
+
+
+def load_source(root: Path, manifest: Manifest) -> _Source:
+    """Re-read the rank files' pickles (no tensor bytes) for the state the manifest does not keep."""
+    from ckpttool.formats.megatron import _layer_offset
+
+    tp, pp = manifest.layout.tp or 1, manifest.layout.pp or 1
+    objs: dict[tuple[int, int], Any] = {}
+    rels: dict[tuple[int, int], str] = {}
+    for f in manifest.files:
+        parts = f.path.split("/")
+        if parts[-1] != "model_optim_rng.pt":
+            continue
+        m = _MP_DIR.match(parts[-2])
+        assert m is not None
+        if m.group(3) is not None or (manifest.layout.ep or 1) > 1:
+            raise UsageError("resharding Megatron checkpoints with expert parallelism is not supported yet")
+        t, p = int(m.group(1)), int(m.group(2) or 0)
+        archive, obj, _ = _pt.load(root, f.path, ALLOWLIST)
+        archive.close()
+        objs[(t, p)], rels[(t, p)] = obj, f.path
+    src = _Source(tp=tp, pp=pp, objs=objs, rels=rels)
+    first = objs[(0, 0)]
+    args = first.get("args")
+    if any(re.fullmatch(r"model\d+", k) for k in first):
+        raise UsageError("resharding Megatron checkpoints with virtual pipeline stages is not supported yet")
+    if any((root / rel).with_name("distrib_optim.pt").is_file() for rel in rels.values()):
+        raise UsageError(
+            "resharding a Megatron checkpoint saved with the distributed optimizer (distrib_optim.pt) is not "
+            "supported yet",
+            hint="'ckpttool convert --to dcp' keeps its state in a layout-free form",
+        )
+    for p in range(pp):
+        obj = objs[(0, p)]
+        offset = _layer_offset(args, p, 0)
+        model = obj.get("model") or {}
+        order: list[tuple[str, tuple[int, ...]]] = []
+        keys: set[str] = set()
+        for local, value in model.items():
+            name = _globalize(local, offset)
+            src.model_order.append(name)
+            if isinstance(value, _unpickle.TensorRef):
+                order.append((name, value.shape))
+        for key, value in (getattr(model, "__dict__", {}).get("_metadata") or {}).items():
+            gkey = _globalize(key + ".", offset)[:-1] if key else key
+            src.metadata.setdefault(gkey, value)
+            keys.add(gkey)
+        src.stage_keys.append(keys)
+        opt = obj.get("optimizer")
+        if not isinstance(opt, dict):
+            continue
+        inner: dict[str, Any] = opt["optimizer"] if isinstance(opt.get("optimizer"), dict) else opt
+        groups, state = inner.get("param_groups") or [], inner.get("state") or {}
+        ids = _pt.match_param_ids(order, groups, state)
+        if ids is None:
+            raise CorruptFileError(f"{rels[(0, p)]}: optimizer state does not match the model's parameters")
+        remap: dict[int, int] = {}
+        for g, group in enumerate(groups):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            if hyper not in src.groups:
+                src.groups.append(hyper)
+            remap[g] = src.groups.index(hyper)
+        for pid, (name, g, _i) in ids.items():
+            src.group_of[name] = remap[g]
+            entry = state.get(pid) or {}
+            extra = set(entry) - {"step", *_STATE_KEYS}
+            if extra:
+                raise UsageError(
+                    f"{rels[(0, p)]}: optimizer state {sorted(extra)} is not Adam's; resharding it is not supported yet"
+                )
+            if "step" in entry:
+                src.step_of[name] = (rels[(0, p)], entry["step"])
+        if not src.optimizer_extra:
+            src.optimizer_extra = {k: v for k, v in opt.items() if k not in ("optimizer", "fp32_from_fp16_params")}
+    return src
+
+
+def _num_layers(args: Any) -> int:
+    return int(getattr(args, "num_layers", 0) or 0)
+
+
+def validate(manifest: Manifest, src: _Source, target: MegatronTarget, rules: dict[str, Any]) -> list[str]:
+    """Reasons the target layout cannot hold this model (empty: it can)."""
+    args = src.objs[(0, 0)].get("args")
+    problems = []
+    tp, pp = target.tp, target.pp
+    if tp < 1 or pp < 1:
+        return ["TP and PP must be at least 1"]
+    layers = _num_layers(args)
+    if layers and layers % pp:
+        problems.append(f"PP={pp} does not divide the {layers} layers (uneven pipelines are not supported yet)")
+    if layers and pp > layers:
+        problems.append(f"PP={pp} is larger than the {layers} layers")
+    heads = getattr(args, "num_attention_heads", None)
+    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else heads
+    if isinstance(heads, int) and heads % tp:
+        problems.append(f"TP={tp} does not divide the {heads} attention heads")
+    if isinstance(groups, int) and groups % tp:
+        problems.append(f"TP={tp} does not divide the {groups} query groups")
+    ffn = getattr(args, "ffn_hidden_size", None)
+    if isinstance(ffn, int) and ffn % tp:
+        problems.append(f"TP={tp} does not divide ffn_hidden_size={ffn}")
+    gated = _gated(args)
+    uneven, unknown = [], []
+    for item in manifest.items.values():
+        if not item.is_tensor or item.kind not in ("param", "optim", "master") or item.shape is None:
+            continue
+        rule, dim = _rule(item, gated, rules)
+        if rule == "replicated" and (tp > 1 or src.tp > 1) and item.kind == "param" and not _known(item.name, rules):
+            unknown.append(item.name)
+        if rule == "replicated" or dim is None or _is_vocab(item.name):
+            continue
+        size = item.shape[dim] // (2 if rule == "gated" else 1)
+        if size % tp:
+            uneven.append(f"{item.name} (dim {dim} of size {size})")
+    if unknown:
+        problems.append(
+            f"no tensor-parallel split rule for {len(unknown)} parameters: {', '.join(unknown[:5])}"
+            + (" …" if len(unknown) > 5 else "")
+            + "; give one with --split-rule 'REGEX=DIM' (or REGEX=none if replicated)"
+        )
+    if uneven and not problems:
+        problems.append(
+            f"{len(uneven)} tensors cannot be split {tp} ways: {', '.join(uneven[:3])}"
+            + (" …" if len(uneven) > 3 else "")
+        )
+    return problems
+
+
+_REPLICATED = (
+    "layernorm.weight",
+    "layernorm.bias",
+    "layer_norm_weight",
+    "layer_norm_bias",
+    "norm.weight",
+    "norm.bias",
+    "linear_proj.bias",
+    "linear_fc2.bias",
+    "dense.bias",
+    "dense_4h_to_h.bias",
+    "router.weight",
+    "router.expert_bias",
+    "position_embeddings.weight",
+)
+
+
+def _known(name: str, rules: dict[str, Any]) -> bool:
+    """Whether ``name`` is a parameter Megatron keeps whole on every TP rank (or the user said how)."""
+    return name.endswith(_REPLICATED) or any(re.search(r, name) for r in rules)
+
+
+def _gated(args: Any) -> bool:
+    return bool(getattr(args, "swiglu", False) or getattr(args, "gated_linear_unit", False))
+
+
+def _base_param(item: Item) -> str:
+    if item.kind in ("optim", "master"):
+        return item.name.rsplit(".", 1)[0]
+    return item.name
+
+
+def _rule(item: Item, gated: bool, rules: dict[str, Any]) -> tuple[str, int | None]:
+    name = _base_param(item)
+    for pattern, dim in rules.items():
+        if re.search(pattern, name):
+            return ("replicated", None) if dim is None else ("column" if dim == 0 else "row", dim)
+    return split_rule(name, gated=gated)
+
+
+def _is_vocab(name: str) -> bool:
+    return name.startswith(("embedding.word_embeddings.weight", "output_layer.weight"))
+
+
+def _local(item: Item, t: int, tp: int, gated: bool, rules: dict[str, Any], rows: int | None) -> list[Box]:
+    """The boxes of the global tensor rank ``t`` of ``tp`` holds, stacked along their split dim."""
+    assert item.shape is not None
+    shape = item.shape
+    if rows is not None:  # vocabulary rows re-padded: the global tensor is seen with `rows` rows
+        shape = (rows, *shape[1:])
+    rule, dim = _rule(item, gated, rules)
+    if rule == "replicated" or tp == 1 or dim is None:
+        return [Box.whole(shape)]
+    if rule == "gated":
+        half = shape[0] // 2 // tp
+        rest = (0,) * (len(shape) - 1)
+        sub = (half, *shape[1:])
+        return [Box((t * half, *rest), sub), Box((shape[0] // 2 + t * half, *rest), sub)]
+    size = shape[dim] // tp
+    offsets = tuple(t * size if d == dim else 0 for d in range(len(shape)))
+    sizes = tuple(size if d == dim else n for d, n in enumerate(shape))
+    return [Box(offsets, sizes)]
+
+
+class _Fill:
+    """Produces one output tensor from the source's pieces (``OutTensor.fill``)."""
+
+    def __init__(self, reader: Callable[[], PieceReader] | None, item: Item, boxes: list[Box]) -> None:
+        self.get, self.item, self.boxes = reader, item, boxes
+
+    def reader(self) -> PieceReader:
+        assert self.get is not None, "a planned tensor is never written"
+        return self.get()
+
+    def __call__(self, buf: np.ndarray) -> None:
+        item = self.item
+        assert item.shape is not None and item.dtype is not None
+        from ckpttool.dtypes import carrier
+
+        values = buf.view(carrier(item.dtype))
+        pos = 0
+        for box in self.boxes:
+            n = box.volume
+            out = values[pos : pos + n].reshape(box.sizes)
+            pos += n
+            have = item.shape[0] if item.shape else 0
+            if box.ndim and box.offsets[0] + box.sizes[0] > have:  # re-padded vocabulary rows
+                out[...] = 0
+                keep = max(0, have - box.offsets[0])
+                if keep:
+                    assemble(self.reader(), item, out=out[:keep], box=Box(box.offsets, (keep, *box.sizes[1:])))
+                continue
+            assemble(self.reader(), item, out=out, box=box)
+
+
+def _stacked(boxes: list[Box]) -> tuple[int, ...]:
+    if len(boxes) == 1:
+        return boxes[0].sizes
+    return (sum(b.sizes[0] for b in boxes), *boxes[0].sizes[1:])
+
+
+def _carry(value: Any, archive_of: Callable[[], Any]) -> Any:
+    """A source tree (RNG state, ``_extra_state``, ``step``) with its tensors turned into
+    OutTensors that copy them from the archive ``archive_of()`` returns."""
+    if isinstance(value, _unpickle.TensorRef):
+        ref = value
+
+        def fill(buf: np.ndarray, ref: Any = ref) -> None:
+            from ckpttool import _torchzip
+            from ckpttool.dtypes import carrier
+
+            _torchzip.read_tensor(archive_of(), ref, buf.view(carrier(ref.dtype)).reshape(ref.shape))
+
+        return _ptwrite.OutTensor(dtype=ref.dtype, shape=ref.shape, fill=fill)
+    if isinstance(value, _unpickle.OrderedDictStandIn):
+        out = _unpickle.OrderedDictStandIn((k, _carry(v, archive_of)) for k, v in value.items())
+        out.__dict__.update(value.__dict__)
+        return out
+    if isinstance(value, dict):
+        return {k: _carry(v, archive_of) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_carry(v, archive_of) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_carry(v, archive_of) for v in value)
+    return value
+
+
+@dataclass(slots=True)
+class PlannedFile:
+    path: str
+    nbytes: int
+    tensors: int
+    largest: int
+    rank: tuple[int, int]
+
+
+def rank_dir(t: int, p: int, pp: int) -> str:
+    return f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
+
+
+class LegacyWriter:
+    """Plans and writes the rank files of one target layout."""
+
+    def __init__(
+        self, root: Path, manifest: Manifest, target: MegatronTarget, rules: dict[str, Any] | None = None
+    ) -> None:
+        self.root, self.manifest, self.target = root, manifest, target
+        self.rules = rules or {}
+        self.src = load_source(root, manifest)
+        self.args = self.src.objs[(0, 0)].get("args")
+        self.gated = _gated(self.args)
+        problems = validate(manifest, self.src, target, self.rules)
+        if problems:
+            raise UsageError(
+                f"cannot reshard to TP={target.tp} PP={target.pp}: " + "; ".join(problems),
+                hint="choose sizes that divide the model's heads, query groups, hidden sizes and layers",
+            )
+        self.iteration = self.src.objs[(0, 0)].get("iteration")
+        self.iter_dir = f"iter_{self.iteration:07d}" if isinstance(self.iteration, int) else "release"
+        self.rows = self._vocab_rows()
+        self.tied = not bool(getattr(self.args, "untie_embeddings_and_output_weights", False))
+        emb = manifest.items.get("embedding.word_embeddings.weight")
+        rows = self.rows or (emb.shape[0] if emb is not None and emb.shape else None)
+        if rows is not None and rows % target.tp:
+            raise UsageError(
+                f"cannot reshard to TP={target.tp}: the embedding's {rows} rows (padded vocabulary) cannot be split "
+                f"{target.tp} ways",
+                hint="pass --vocab-padding megatron to re-pad the vocabulary for the new TP",
+            )
+        missing = [n for n in self.src.model_order if n not in self.manifest.items]
+        if missing:
+            raise CorruptFileError(f"model entries missing from the manifest: {', '.join(missing[:4])}")
+
+    def _vocab_rows(self) -> int | None:
+        emb = self.manifest.items.get("embedding.word_embeddings.weight")
+        if emb is None or emb.shape is None:
+            return None
+        if not self.target.repad_vocab:
+            return None
+        vocab = getattr(self.args, "vocab_size", None)
+        multiple = getattr(self.args, "make_vocab_size_divisible_by", None)
+        if not isinstance(vocab, int) or not isinstance(multiple, int):
+            raise UsageError(
+                "--vocab-padding megatron needs args.vocab_size and make_vocab_size_divisible_by, which this "
+                "checkpoint lacks"
+            )
+        return -(-vocab // (multiple * self.target.tp)) * multiple * self.target.tp
+
+    # -- which entries go where ----------------------------------------------------------------
+
+    def stage_of(self, name: str) -> list[int]:
+        pp = self.target.pp
+        layer = _layer_of(name)
+        if layer is not None:
+            return [layer // (_num_layers(self.args) // pp)]
+        if name.startswith("embedding."):
+            return [0]
+        if name.startswith("output_layer.weight") and self.tied:
+            return [pp - 1] if pp > 1 else []
+        if name.startswith(("output_layer.", "decoder.final_layernorm", "final_layernorm")):
+            return [pp - 1]
+        return list(range(pp))
+
+    def _model_names(self, p: int) -> list[str]:
+        names = [n for n in self.src.model_order if p in self.stage_of(n)]
+        if self.tied and p == self.target.pp - 1 and self.target.pp > 1 and "output_layer.weight" not in names:
+            names.append("output_layer.weight")
+        return names
+
+    def _item(self, name: str) -> Item:
+        item = self.manifest.items.get(name)
+        if item is None and self.tied and name.startswith("output_layer.weight"):
+            item = self.manifest.items.get(name.replace("output_layer.weight", "embedding.word_embeddings.weight"))
+        if item is None:
+            raise CorruptFileError(f"{name}: not in the source checkpoint")
+        return item
+
+    def files(self) -> list[PlannedFile]:
+        out = []
+        for p in range(self.target.pp):
+            for t in range(self.target.tp):
+                sizes = [o.nbytes for o in self._tensors(t, p)]
+                out.append(
+                    PlannedFile(
+                        path=f"{self.iter_dir}/{rank_dir(t, p, self.target.pp)}/model_optim_rng.pt",
+                        nbytes=sum(sizes),
+                        tensors=len(sizes),
+                        largest=max(sizes, default=0),
+                        rank=(t, p),
+                    )
+                )
+        return out
+
+    def _tensors(self, t: int, p: int) -> Iterator[_ptwrite.OutTensor]:
+        for name in self._model_names(p):
+            item = self._item(name)
+            if item.is_tensor:
+                yield self._out(item, t, None)
+                for suffix in ("fp32", *_STATE_KEYS):
+                    extra = self.manifest.items.get(f"{item.name}.{suffix}")
+                    if extra is not None:
+                        yield self._out(extra, t, None)
+
+    def _out(self, item: Item, t: int, reader: Callable[[], PieceReader] | None) -> _ptwrite.OutTensor:
+        """Rank ``t``'s part of ``item`` (``reader`` None: for planning only, never filled)."""
+        assert item.dtype is not None
+        rows = self.rows if _is_vocab(_base_param(item)) else None
+        boxes = _local(item, t, self.target.tp, self.gated, self.rules, rows)
+        return _ptwrite.OutTensor(dtype=item.dtype, shape=_stacked(boxes), fill=_Fill(reader, item, boxes))
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def tracker(self) -> tuple[str, str]:
+        return TRACKER, f"{self.iteration}" if isinstance(self.iteration, int) else "release"
+
+    def write(self, t: int, p: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None) -> int:
+        """Write rank (t, p)'s file to ``out``; returns the tensor bytes written."""
+        pp = self.target.pp
+        src_key = (t % self.src.tp, p % self.src.pp)
+        template = self.src.objs[src_key]
+        rel = self.src.rels[src_key]
+        archives: dict[str, Any] = {}
+
+        def archive(path: str) -> Any:
+            if path not in archives:
+                archives[path] = _pt.load(self.root, path, ALLOWLIST)[0]
+            return archives[path]
+
+        def get() -> PieceReader:
+            return reader
+
+        offset = p * (_num_layers(self.args) // pp)
+        model = _unpickle.OrderedDictStandIn()
+        names = self._model_names(p)
+        for name in names:
+            item = self._item(name)
+            local = _localize(name, offset)
+            if item.is_tensor:
+                check_coverage(item)
+                model[local] = self._out(item, t, get)
+            else:
+                piece = next((pc for pc in item.pieces if pc.rank == t % self.src.tp), item.pieces[0])
+                value = reader.read_object(Item(name=item.name, kind=item.kind, pieces=[piece]))
+                model[local] = _carry(value, partial(archive, piece.file))
+        model.__dict__["_metadata"] = self._metadata(p, names, offset)
+        tree: dict[str, Any] = {}
+        for key, value in template.items():
+            if key == "model":
+                tree[key] = model
+            elif key == "optimizer":
+                tree[key] = self._optimizer(t, p, names, get, archive)
+            elif key == "rng_state":
+                tree[key] = _carry(value, lambda: archive(rel))
+            elif key == "args":
+                tree[key] = self._args(value, t, p)
+            else:
+                tree[key] = _carry(value, lambda: archive(rel))
+        try:
+            n = _ptwrite.save(tree, out)
+        finally:
+            for a in archives.values():
+                a.close()
+        if progress is not None:
+            progress(n)
+        return n
+
+    def _metadata(self, p: int, names: list[str], offset: int) -> dict[str, Any]:
+        layers = {_layer_of(n) for n in names} - {None}
+        out: dict[str, Any] = {}
+        for key, value in self.src.metadata.items():
+            layer = _layer_of(key + ".") if key else None
+            if layer is not None:
+                if layer in layers:
+                    out[_localize(key + ".", offset)[:-1]] = copy.deepcopy(value)
+            elif p in self.stage_of(key + ".") or (
+                self.tied and key.startswith("output_layer") and p == self.target.pp - 1
+            ):
+                out[key] = copy.deepcopy(value)
+        return out
+
+    def _args(self, args: Any, t: int, p: int) -> Any:
+        tp, pp = self.target.tp, self.target.pp
+        new = copy.copy(args)
+        new.__dict__ = dict(args.__dict__)
+        d = new.__dict__
+        old_tp = d.get("tensor_model_parallel_size")
+        dp = d.get("data_parallel_size") or 1
+        d["tensor_model_parallel_size"] = tp
+        d["pipeline_model_parallel_size"] = pp
+        if "transformer_pipeline_model_parallel_size" in d:
+            d["transformer_pipeline_model_parallel_size"] = pp
+        if d.get("expert_tensor_parallel_size") == old_tp:
+            d["expert_tensor_parallel_size"] = tp
+        if "world_size" in d:
+            d["world_size"] = tp * pp * dp
+        if "rank" in d:
+            if d.get("local_rank") == d["rank"]:
+                d["local_rank"] = t + tp * dp * p
+            d["rank"] = t + tp * dp * p
+        emb = self.manifest.items.get("embedding.word_embeddings.weight")
+        rows = self.rows or (emb.shape[0] if emb is not None and emb.shape else None)
+        if rows is not None and "padded_vocab_size" in d:
+            d["padded_vocab_size"] = rows
+            div = self.vocab_divisor(d.get("vocab_size"), d.get("make_vocab_size_divisible_by"), rows)
+            if div is not None:
+                d["make_vocab_size_divisible_by"] = div
+        return new
+
+    def vocab_divisor(self, vocab: Any, div: Any, rows: int) -> int | None:
+        """The ``--make-vocab-size-divisible-by`` that makes Megatron pad ``vocab`` to ``rows`` at
+        the new TP, when the source's value does not (None: it does, or nothing can)."""
+        tp = self.target.tp
+        if not isinstance(vocab, int) or not isinstance(div, int):
+            return None
+        if -(-vocab // (div * tp)) * div * tp == rows or rows % tp or not 0 < vocab <= rows:
+            return None
+        return rows // tp
+
+    def _optimizer(
+        self,
+        t: int,
+        p: int,
+        names: list[str],
+        get: Callable[[], PieceReader],
+        archive: Callable[[str], Any],
+    ) -> Any:
+        params = [n for n in names if self._item(n).is_tensor and f"{self._src_name(n)}.exp_avg" in self.manifest.items]
+        state: dict[int, Any] = {}
+        groups: list[dict[str, Any]] = []
+        masters: list[list[Any]] = []
+        pid = 0
+        for g, hyper in enumerate(self.src.groups):
+            members = [n for n in params if self.src.group_of.get(self._src_name(n), 0) == g]
+            if not members:
+                continue
+            ids = []
+            fp32 = []
+            for name in members:
+                src_name = self._src_name(name)
+                entry: dict[str, Any] = {}
+                step = self.src.step_of.get(src_name)
+                if step is not None:
+                    entry["step"] = _carry(step[1], partial(archive, step[0]))
+                for key in _STATE_KEYS:
+                    entry[key] = self._out(self.manifest.items[f"{src_name}.{key}"], t, get)
+                state[pid] = entry
+                master = self.manifest.items.get(f"{src_name}.fp32")
+                if master is not None:
+                    fp32.append(self._out(master, t, get))
+                ids.append(pid)
+                pid += 1
+            groups.append({**copy.deepcopy(hyper), "params": ids})
+            masters.append(fp32)
+        inner = {"state": state, "param_groups": groups}
+        if not any(masters):
+            return {"optimizer": inner, **self.src.optimizer_extra} if self.src.optimizer_extra else inner
+        return {"optimizer": inner, "fp32_from_fp16_params": masters, **self.src.optimizer_extra}
+
+    def _src_name(self, name: str) -> str:
+        if name not in self.manifest.items and self.tied and name.startswith("output_layer.weight"):
+            return name.replace("output_layer.weight", "embedding.word_embeddings.weight")
+        return name
+
+
+def _localize(name: str, offset: int) -> str:
+    m = _LAYER.match(name)
+    return f"{m['pre']}{int(m['i']) - offset}{m['rest']}" if m else name
+
+
+__all__ = ["LegacyWriter", "MegatronTarget", "PlannedFile", "load_source"]

@@ -1,0 +1,252 @@
+"""reshard: new TP/PP (Megatron legacy) and world sizes (DCP), exact round trips, refusals, atomicity."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ckpttool import _torchzip, _unpickle, registry
+from ckpttool.diff import diff
+from ckpttool.errors import UsageError
+from ckpttool.formats import _pt
+from ckpttool.formats.megatron import ALLOWLIST
+from ckpttool.hashing import hash_bytes
+from ckpttool.reshard import Target, parse_split_rules, reshard
+from ckpttool.verify import verify
+from tests.conftest import FIXTURES
+
+LEGACY = FIXTURES / "megatron" / "legacy_tp2pp2"
+STATE_KINDS = ["param", "optim", "master", "scheduler", "counter"]
+
+
+def _tree(path: Path) -> Any:
+    """A rank file's tree with every tensor replaced by (dtype, shape, bytes): read by ckpttool's
+    restricted unpickler, so Megatron need not be installed."""
+    archive, obj, _ = _pt.load(path.parent, path.name, ALLOWLIST)
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, _unpickle.TensorRef):
+            values = _torchzip.read_tensor(archive, v)
+            return ("tensor", v.dtype, v.shape, hash_bytes(np.ascontiguousarray(values).view(np.uint8).data))
+        if isinstance(v, _unpickle.Record):
+            return (type(v)._qualname, walk(dict(v.__dict__)))
+        if isinstance(v, dict):
+            meta = getattr(v, "__dict__", {}).get("_metadata")
+            return ("dict", [(k, walk(x)) for k, x in v.items()], meta)
+        if isinstance(v, list | tuple):
+            return (type(v).__name__, [walk(x) for x in v])
+        if isinstance(v, np.ndarray):
+            return ("array", v.dtype.str, v.shape, v.tobytes())
+        return v
+
+    try:
+        return walk(obj)
+    finally:
+        archive.close()
+
+
+def _rank_files(root: Path) -> dict[str, Path]:
+    return {p.parent.name: p for p in sorted(root.glob("iter_*/mp_rank_*/model_optim_rng.pt"))}
+
+
+def _drop_rng(tree: Any) -> Any:
+    kind, entries, meta = tree
+    return (kind, [(k, v) for k, v in entries if k != "rng_state"], meta)
+
+
+def test_megatron_round_trip_is_exact(tmp_path):
+    """TP=2 x PP=2 -> TP=1 x PP=1 -> TP=2 x PP=2 gives the original files' trees: every tensor
+    (params, moments, fp32 copies, steps), param groups, args, scheduler, module metadata."""
+    one, back = tmp_path / "tp1pp1", tmp_path / "back"
+    reshard(LEGACY, one, Target(tp=1, pp=1))
+    reshard(one, back, Target(tp=2, pp=2))
+    original, again = _rank_files(LEGACY), _rank_files(back)
+    assert list(original) == list(again) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    for name in original:
+        a, b = _tree(original[name]), _tree(again[name])
+        # RNG state is per rank: the TP=1 checkpoint has one rank's, which every rank gets back
+        assert _drop_rng(a) == _drop_rng(b), name
+    assert (back / "latest_checkpointed_iteration.txt").read_text() == "3"
+    for out in (one, back):
+        assert not diff(LEGACY, out, kinds=STATE_KINDS).different
+        report = verify(out)
+        assert report.failing() == [] and report.seal is not None
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 1), (1, 4), (2, 4)])
+def test_megatron_layouts_hold_the_same_state(tp, pp, tmp_path):
+    out = tmp_path / "out"
+    result = reshard(LEGACY, out, Target(tp=tp, pp=pp))
+    _, m = registry.describe(out)
+    assert (m.layout.tp, m.layout.pp) == (tp, pp)
+    assert len(result.plan.files) == tp * pp == len(_rank_files(out))
+    assert not diff(LEGACY, out, kinds=STATE_KINDS).different
+    # every rank of the new layout has RNG state, from the source rank it maps to
+    assert sum(1 for i in m.items.values() if i.kind == "rng" and i.name.startswith("rng_state.0.torch_rng_state")) == (
+        tp * pp
+    )
+
+
+def test_workers_write_the_same_bytes(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    reshard(LEGACY, a, Target(tp=1, pp=2), workers=1)
+    reshard(LEGACY, b, Target(tp=1, pp=2), workers=2)
+    for name, path in _rank_files(a).items():
+        assert path.read_bytes() == _rank_files(b)[name].read_bytes()
+
+
+def test_vocab_repadding(tmp_path):
+    """--vocab-padding megatron: rows re-padded for the new TP, the vocabulary rows kept."""
+    out = tmp_path / "out"
+    reshard(LEGACY, out, Target(tp=1, pp=1, vocab_padding="megatron"))
+    _, m = registry.describe(out)
+    emb = m.items["embedding.word_embeddings.weight"]
+    assert emb.shape == (64, 16)  # vocab_size 63 padded to a multiple of 64 at TP=1
+    assert not diff(LEGACY, out, kinds=STATE_KINDS, pattern=r"^(?!embedding\.word|output_layer\.weight)").different
+    assert _tree(_rank_files(out)["mp_rank_00"])[1][0][1][1][1] is not None  # args kept
+    _, src = registry.describe(LEGACY)
+    with registry.detect(LEGACY).reader(src) as ra, registry.detect(out).reader(m) as rb:
+        from ckpttool.assemble import assemble
+
+        for name in ("embedding.word_embeddings.weight", "output_layer.weight.exp_avg"):
+            a = assemble(ra, src.items[name])
+            b = assemble(rb, m.items[name])
+            assert np.array_equal(a[:64], b)  # the first 64 rows (vocabulary and one padding row) kept
+
+
+def test_dcp_world_size_round_trip(tmp_path):
+    src = FIXTURES / "dcp" / "fsdp2"
+    two, back = tmp_path / "two", tmp_path / "four"
+    reshard(src, two, Target(dp=2))
+    reshard(two, back, Target(dp=4))
+    _, a = registry.describe(src)
+    _, b = registry.describe(back)
+    assert b.layout.world_size == 4 and registry.describe(two)[1].layout.world_size == 2
+    assert not diff(src, two).different and not diff(src, back).different
+    # cut as FSDP2 cut the original: the same chunk boxes per tensor
+    for name, item in a.items.items():
+        if item.is_tensor:
+            boxes = sorted((p.box.offsets, p.box.sizes) for p in item.pieces if p.replica == 0)
+            assert boxes == sorted((p.box.offsets, p.box.sizes) for p in b.items[name].pieces if p.replica == 0), name
+
+
+@pytest.mark.slow
+def test_dcp_load_reads_the_new_world_size(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from ckpttool.export import export
+    from tests._compare import tensor_mismatches
+
+    out = tmp_path / "dcp2"
+    reshard(FIXTURES / "dcp" / "fsdp2", out, Target(dp=2))
+    loaded = tmp_path / "loaded.pt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(FIXTURES.parent / "tests" / "_dcp_load_worker.py"), str(out), str(loaded)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    export(FIXTURES / "dcp" / "fsdp2", tmp_path / "ref.safetensors")
+    assert tensor_mismatches(load_file(tmp_path / "ref.safetensors"), torch.load(loaded, weights_only=True)) == []
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        (Target(tp=3), "does not divide the 4 attention heads"),
+        (Target(pp=3), "PP=3 does not divide the 4 layers"),
+        (Target(pp=8), "PP=8 is larger than the 4 layers"),
+        (Target(tp=4), "TP=4 does not divide the 2 query groups"),
+        (Target(vpp=2), "virtual pipeline"),
+        (Target(to="deepspeed"), "--to 'deepspeed'"),
+        (Target(dp=2), "--dp"),
+    ],
+)
+def test_invalid_targets_are_refused_before_writing(target, message, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(UsageError, match=message.replace("(", r"\(")):
+        reshard(LEGACY, out, target)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_unknown_parameters_need_a_split_rule(tmp_path):
+    from ckpttool.formats.megatron_write import load_source, validate
+
+    _, m = registry.describe(LEGACY)
+    item = m.items.pop("decoder.layers.0.self_attention.linear_qkv.weight")
+    item.name = "decoder.layers.0.self_attention.adapter.weight"
+    m.items[item.name] = item
+    src = load_source(Path(m.root), m)
+    from ckpttool.formats.megatron_write import MegatronTarget
+
+    problems = validate(m, src, MegatronTarget(tp=1, pp=1), {})
+    assert any("no tensor-parallel split rule" in p and "adapter.weight" in p for p in problems)
+    assert validate(m, src, MegatronTarget(tp=1, pp=1), parse_split_rules([r"adapter\.weight$=0"])) == []
+    with pytest.raises(UsageError, match="expected REGEX=DIM"):
+        parse_split_rules(["adapter"])
+
+
+def test_max_memory_and_dry_run(tmp_path, cli):
+    out = tmp_path / "out"
+    r = cli("reshard", LEGACY, "-o", out, "--tp", "1", "--dry-run", "--json")
+    assert r.code == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert not out.exists() and plan["written"] is False
+    assert [f["path"] for f in plan["files"]] == ["iter_0000003/mp_rank_00_000/model_optim_rng.pt",
+                                                   "iter_0000003/mp_rank_00_001/model_optim_rng.pt"]
+    assert plan["nbytes"] == sum(f["nbytes"] for f in plan["files"]) > 0
+    r = cli("reshard", LEGACY, "-o", out, "--tp", "1", "--max-memory", "1MB")
+    assert r.code == 2 and "--max-memory 1MB" in r.stderr and not out.exists()
+    r = cli("reshard", LEGACY, "-o", out, "--tp", "1", "--workers", "2", "--max-memory", "350MB")
+    assert r.code == 0, r.stderr
+    assert "reduced to 1" in r.stderr
+    r = cli("reshard", LEGACY, "-o", out, "--tp", "1")
+    assert r.code == 2 and "exists" in r.stderr
+    r = cli("reshard", LEGACY, "-o", LEGACY / "inside", "--tp", "1")
+    assert r.code == 2 and "inside the source" in r.stderr
+
+
+def _digests(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hash_bytes(p.read_bytes()) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_sigkill_leaves_nothing_or_a_complete_checkpoint(tmp_path):
+    """SIGKILL at 20 random moments: the destination is absent or complete and verifies clean;
+    the source is unchanged."""
+    before = _digests(LEGACY)
+    cmd = [sys.executable, "-m", "ckpttool", "reshard", str(LEGACY), "--tp", "1", "--pp", "1", "--workers", "2"]
+    start = time.monotonic()
+    subprocess.run([*cmd, "-o", str(tmp_path / "timing")], check=True, capture_output=True)
+    full = time.monotonic() - start
+    rng = random.Random(1234)
+    outcomes = {"absent": 0, "complete": 0}
+    for k in range(20):
+        out = tmp_path / f"out{k}"
+        proc = subprocess.Popen([*cmd, "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        time.sleep(rng.uniform(0.3, 1.1) * full)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        if not out.exists():
+            outcomes["absent"] += 1
+            continue
+        report = verify(out)
+        assert report.failing() == [] and report.seal is not None, (k, [f.message for f in report.errors])
+        outcomes["complete"] += 1
+    assert _digests(LEGACY) == before
+    assert outcomes["absent"] and outcomes["complete"], outcomes

@@ -108,29 +108,73 @@ def parse_split_rules(rules: list[str]) -> dict[str, int | None]:
     return out
 
 
-# -- Megatron legacy ------------------------------------------------------------------------------
+# -- writers in worker processes -----------------------------------------------------------------
 
 _WRITER: Any = None
+_ADAPTER: Any = None
 
 
-def _megatron_init(root: str, manifest: Manifest, target: Any, rules: dict[str, Any]) -> None:
-    global _WRITER
-    from ckpttool.formats.megatron_write import LegacyWriter
-
-    _WRITER = LegacyWriter(Path(root), manifest, target, rules)
+def _init_worker(build: Callable[..., Any], args: tuple[Any, ...], adapter: Any) -> None:
+    global _WRITER, _ADAPTER
+    _WRITER, _ADAPTER = build(*args), adapter
 
 
-def _megatron_task(t: int, p: int, out: str) -> int:
+def _run_task(key: tuple[int, ...], out: str) -> int:
     assert _WRITER is not None
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    with _legacy_adapter().reader(_WRITER.manifest) as reader:
-        return int(_WRITER.write(t, p, Path(out), reader, None))
+    with _ADAPTER.reader(_WRITER.manifest) as reader:
+        return int(_WRITER.write(*key, Path(out), reader, None))
 
 
-def _legacy_adapter() -> Any:
-    from ckpttool.formats.megatron import MegatronLegacyAdapter
+def _build_legacy(root: str, manifest: Manifest, target: Any, rules: dict[str, Any]) -> Any:
+    from ckpttool.formats.megatron_write import LegacyWriter
 
-    return MegatronLegacyAdapter()
+    return LegacyWriter(Path(root), manifest, target, rules)
+
+
+def _build_zero(root: str, manifest: Manifest, dp: int) -> Any:
+    from ckpttool.formats.deepspeed_write import ZeroWriter
+
+    return ZeroWriter(Path(root), manifest, dp)
+
+
+class _FileExec:
+    """Output files written one per task by a format writer (``write(*key, out, reader, progress)``),
+    in this process or over a pool of worker processes that each build the same writer."""
+
+    build: Callable[..., Any]
+    args: tuple[Any, ...]
+    adapter: Any
+    manifest: Manifest
+    writer: Any
+    tasks: list[tuple[tuple[int, ...], str]]
+    layout: dict[str, Any]
+    notes: list[str]
+    _files: list[PlanFile]
+
+    def files(self) -> list[PlanFile]:
+        return self._files
+
+    def run(self, tmp: Path, workers: int, progress: Callable[[int], None] | None) -> None:
+        if workers <= 1:
+            with self.adapter.reader(self.manifest) as reader:
+                for key, rel in self.tasks:
+                    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                    self.writer.write(*key, tmp / rel, reader, progress)
+        else:
+            with ProcessPoolExecutor(
+                workers,
+                mp_context=get_context("spawn"),
+                initializer=_init_worker,
+                initargs=(self.build, self.args, self.adapter),
+            ) as pool:
+                keys, outs = zip(*((key, str(tmp / rel)) for key, rel in self.tasks), strict=True)
+                for n in pool.map(_run_task, keys, outs):
+                    if progress is not None:
+                        progress(n)
+        tracker = self.writer.tracker()
+        if tracker is not None:
+            (tmp / tracker[0]).write_text(tracker[1])
 
 
 def _largest_piece(manifest: Manifest) -> int:
@@ -146,14 +190,17 @@ def plan(src: str | Path, target: Target, *, workers: int = 1, max_memory: str |
     adapter, manifest = registry.describe(src)
     fmt = target.to or _default_format(manifest.format)
     src_layout = {k: v for k, v in _layout(manifest).items() if v is not None}
-    executor: _MegatronExec | _DcpExec
+    executor: _FileExec | _DcpExec
     if fmt == "megatron":
-        executor = _plan_megatron(adapter, manifest, target)
+        executor = _MegatronExec(adapter, manifest, target)
+    elif fmt == "deepspeed":
+        executor = _ZeroExec(adapter, manifest, target)
     elif fmt == "dcp":
-        executor = _plan_dcp(adapter, manifest, target)
+        executor = _DcpExec(adapter, manifest, target)
     else:
         raise UsageError(
-            f"--to {fmt!r}: reshard writes megatron (legacy, from Megatron legacy) and dcp so far",
+            f"--to {fmt!r}: reshard writes megatron (from Megatron legacy), deepspeed (ZeRO-1/2, from DeepSpeed) "
+            "and dcp (from anything) so far",
             hint="'ckpttool convert --to safetensors' writes the Hugging Face layout",
         )
     files = executor.files()
@@ -191,7 +238,7 @@ def plan(src: str | Path, target: Target, *, workers: int = 1, max_memory: str |
 
 
 def _default_format(source: str) -> str:
-    return {"megatron": "megatron", "dcp": "dcp"}.get(source, "dcp")
+    return {"megatron": "megatron", "dcp": "dcp", "deepspeed": "deepspeed"}.get(source, "dcp")
 
 
 def _layout(manifest: Manifest) -> dict[str, Any]:
@@ -199,10 +246,10 @@ def _layout(manifest: Manifest) -> dict[str, Any]:
     return {"world_size": lay.world_size, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "vpp": lay.vpp}
 
 
-class _MegatronExec:
+class _MegatronExec(_FileExec):
     def __init__(self, adapter: Any, manifest: Manifest, target: Target) -> None:
         from ckpttool.formats.megatron import MegatronLegacyAdapter
-        from ckpttool.formats.megatron_write import LegacyWriter, MegatronTarget
+        from ckpttool.formats.megatron_write import MegatronTarget
 
         if not isinstance(adapter, MegatronLegacyAdapter):
             raise UsageError(
@@ -218,11 +265,10 @@ class _MegatronExec:
         pp = target.pp or manifest.layout.pp or 1
         if target.vocab_padding not in ("keep", "megatron"):
             raise UsageError(f"--vocab-padding {target.vocab_padding!r}: expected keep or megatron")
-        self.mtarget = MegatronTarget(tp=tp, pp=pp, repad_vocab=target.vocab_padding == "megatron")
-        self.root = manifest.root
-        self.manifest = manifest
-        self.rules = target.split_rules
-        self.writer = LegacyWriter(Path(manifest.root), manifest, self.mtarget, self.rules)
+        mtarget = MegatronTarget(tp=tp, pp=pp, repad_vocab=target.vocab_padding == "megatron")
+        self.adapter, self.manifest = adapter, manifest
+        self.build, self.args = _build_legacy, (manifest.root, manifest, mtarget, target.split_rules)
+        self.writer = self.build(*self.args)
         self.layout = {"tp": tp, "pp": pp}
         self.notes: list[str] = []
         args = self.writer.args
@@ -244,34 +290,42 @@ class _MegatronExec:
             self.notes.append(
                 f"RNG state: rank (t, p) gets source rank (t mod {manifest.layout.tp}, p mod {manifest.layout.pp})'s"
             )
-        self._planned = self.writer.files()
+        planned = self.writer.files()
         largest = _largest_piece(manifest)
+        self.tasks = [(f.rank, f.path) for f in planned]
         self._files = [
-            PlanFile(path=f.path, nbytes=f.nbytes, tensors=f.tensors, peak=f.largest + largest) for f in self._planned
+            PlanFile(path=f.path, nbytes=f.nbytes, tensors=f.tensors, peak=f.largest + largest) for f in planned
         ]
 
-    def files(self) -> list[PlanFile]:
-        return self._files
 
-    def run(self, tmp: Path, workers: int, progress: Callable[[int], None] | None) -> None:
-        tasks = [(f.rank[0], f.rank[1], str(tmp / f.path)) for f in self._planned]
-        if workers <= 1:
-            with _legacy_adapter().reader(self.manifest) as reader:
-                for t, p, out in tasks:
-                    Path(out).parent.mkdir(parents=True, exist_ok=True)
-                    self.writer.write(t, p, Path(out), reader, progress)
-        else:
-            with ProcessPoolExecutor(
-                workers,
-                mp_context=get_context("spawn"),
-                initializer=_megatron_init,
-                initargs=(self.root, self.manifest, self.mtarget, self.rules),
-            ) as pool:
-                for n in pool.map(_megatron_task, *zip(*tasks, strict=True)):
-                    if progress is not None:
-                        progress(n)
-        name, text = self.writer.tracker()
-        (tmp / name).write_text(text)
+class _ZeroExec(_FileExec):
+    def __init__(self, adapter: Any, manifest: Manifest, target: Target) -> None:
+        from ckpttool.formats.deepspeed import DeepSpeedAdapter
+
+        if not isinstance(adapter, DeepSpeedAdapter):
+            raise UsageError(
+                f"--to deepspeed reshards DeepSpeed checkpoints; this one is {manifest.format}",
+                hint="'ckpttool convert --to dcp' or '--to safetensors' writes other formats",
+            )
+        if target.tp not in (None, 1) or target.pp not in (None, 1) or target.ep not in (None, 1):
+            raise UsageError("--to deepspeed: only the data-parallel size (--dp) can change so far")
+        dp = target.dp or manifest.layout.dp or 1
+        self.adapter, self.manifest = adapter, manifest
+        self.build, self.args = _build_zero, (manifest.root, manifest, dp)
+        self.writer = self.build(*self.args)
+        self.layout = {"dp": dp, "zero_stage": manifest.layout.zero_stage}
+        self.notes = []
+        if dp != manifest.layout.dp:
+            self.notes.append(
+                f"ds_config in the checkpoint still says train_batch_size for DP={manifest.layout.dp}; "
+                "DeepSpeed takes the batch sizes from the config you resume with"
+            )
+        planned = self.writer.files()
+        largest = _largest_piece(manifest)
+        self.tasks = [((f.rank,), f.path) for f in planned]
+        self._files = [
+            PlanFile(path=f.path, nbytes=f.nbytes, tensors=f.tensors, peak=f.largest + largest) for f in planned
+        ]
 
 
 class _DcpExec:
@@ -323,14 +377,6 @@ class _DcpExec:
         for p in out.iterdir():
             os.replace(p, tmp / p.name)
         out.rmdir()
-
-
-def _plan_megatron(adapter: Any, manifest: Manifest, target: Target) -> _MegatronExec:
-    return _MegatronExec(adapter, manifest, target)
-
-
-def _plan_dcp(adapter: Any, manifest: Manifest, target: Target) -> _DcpExec:
-    return _DcpExec(adapter, manifest, target)
 
 
 def _fsync_tree(root: Path) -> None:

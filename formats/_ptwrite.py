@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ckpttool import _unpickle
+from ckpttool import _torchzip, _unpickle
 from ckpttool.dtypes import carrier
 
 _STORAGE_CLASS = {
@@ -67,6 +67,33 @@ class OutTensor:
         for s in self.shape:
             n *= s
         return n
+
+
+def carry(value: Any, archive_of: Callable[[], Any]) -> Any:
+    """A source tree (RNG state, ``_extra_state``, ``step``) with its tensors turned into
+    OutTensors that copy them from the archive ``archive_of()`` returns."""
+    if isinstance(value, _unpickle.TensorRef):
+        ref = value
+
+        def fill(buf: np.ndarray, ref: Any = ref) -> None:
+            _torchzip.read_tensor(archive_of(), ref, buf.view(carrier(ref.dtype)).reshape(ref.shape))
+
+        return OutTensor(dtype=ref.dtype, shape=ref.shape, fill=fill)
+    if isinstance(value, _unpickle.Record):
+        record = type(value)()
+        record.__dict__.update({k: carry(v, archive_of) for k, v in value.__dict__.items()})
+        return record
+    if isinstance(value, _unpickle.OrderedDictStandIn):
+        out = _unpickle.OrderedDictStandIn((k, carry(v, archive_of)) for k, v in value.items())
+        out.__dict__.update(value.__dict__)
+        return out
+    if isinstance(value, dict):
+        return {k: carry(v, archive_of) for k, v in value.items()}
+    if isinstance(value, list):
+        return [carry(v, archive_of) for v in value]
+    if isinstance(value, tuple):
+        return tuple(carry(v, archive_of) for v in value)
+    return value
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -178,4 +205,4 @@ def save(tree: Any, path: Path, *, buffer: np.ndarray | None = None) -> int:
     return total
 
 
-__all__ = ["GlobalRef", "OutTensor", "dumps", "save"]
+__all__ = ["GlobalRef", "OutTensor", "carry", "dumps", "save"]

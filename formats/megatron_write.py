@@ -315,32 +315,6 @@ def _stacked(boxes: list[Box]) -> tuple[int, ...]:
     return (sum(b.sizes[0] for b in boxes), *boxes[0].sizes[1:])
 
 
-def _carry(value: Any, archive_of: Callable[[], Any]) -> Any:
-    """A source tree (RNG state, ``_extra_state``, ``step``) with its tensors turned into
-    OutTensors that copy them from the archive ``archive_of()`` returns."""
-    if isinstance(value, _unpickle.TensorRef):
-        ref = value
-
-        def fill(buf: np.ndarray, ref: Any = ref) -> None:
-            from ckpttool import _torchzip
-            from ckpttool.dtypes import carrier
-
-            _torchzip.read_tensor(archive_of(), ref, buf.view(carrier(ref.dtype)).reshape(ref.shape))
-
-        return _ptwrite.OutTensor(dtype=ref.dtype, shape=ref.shape, fill=fill)
-    if isinstance(value, _unpickle.OrderedDictStandIn):
-        out = _unpickle.OrderedDictStandIn((k, _carry(v, archive_of)) for k, v in value.items())
-        out.__dict__.update(value.__dict__)
-        return out
-    if isinstance(value, dict):
-        return {k: _carry(v, archive_of) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_carry(v, archive_of) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_carry(v, archive_of) for v in value)
-    return value
-
-
 @dataclass(slots=True)
 class PlannedFile:
     path: str
@@ -497,7 +471,7 @@ class LegacyWriter:
             else:
                 piece = next((pc for pc in item.pieces if pc.rank == t % self.src.tp), item.pieces[0])
                 value = reader.read_object(Item(name=item.name, kind=item.kind, pieces=[piece]))
-                model[local] = _carry(value, partial(archive, piece.file))
+                model[local] = _ptwrite.carry(value, partial(archive, piece.file))
         model.__dict__["_metadata"] = self._metadata(p, names, offset)
         tree: dict[str, Any] = {}
         for key, value in template.items():
@@ -506,11 +480,11 @@ class LegacyWriter:
             elif key == "optimizer":
                 tree[key] = self._optimizer(t, p, names, get, archive)
             elif key == "rng_state":
-                tree[key] = _carry(value, lambda: archive(rel))
+                tree[key] = _ptwrite.carry(value, lambda: archive(rel))
             elif key == "args":
                 tree[key] = self._args(value, t, p)
             else:
-                tree[key] = _carry(value, lambda: archive(rel))
+                tree[key] = _ptwrite.carry(value, lambda: archive(rel))
         try:
             n = _ptwrite.save(tree, out)
         finally:
@@ -596,7 +570,7 @@ class LegacyWriter:
                 entry: dict[str, Any] = {}
                 step = self.src.step_of.get(src_name)
                 if step is not None:
-                    entry["step"] = _carry(step[1], partial(archive, step[0]))
+                    entry["step"] = _ptwrite.carry(step[1], partial(archive, step[0]))
                 for key in _STATE_KEYS:
                     entry[key] = self._out(self.manifest.items[f"{src_name}.{key}"], t, get)
                 state[pid] = entry

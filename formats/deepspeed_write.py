@@ -1,0 +1,285 @@
+"""Writing a DeepSpeed ZeRO-1/2 checkpoint at a new data-parallel size, from one at any other.
+
+ZeRO-1/2 keep, per parameter group, one flat fp32 buffer of the group's parameters in
+``param_shapes`` order, padded at the end to a multiple of ``2 x DP`` elements (DeepSpeed's
+``nccl_start_alignment_factor`` times the DP size) and cut into DP equal partitions; rank ``r``'s
+``zero_pp_rank_r_mp_rank_00_optim_states.pt`` holds partition ``r`` of the fp32 master
+(``single_partition_of_fp32_groups``) and of each Adam moment, the fragments of each parameter
+it holds (``param_slice_mappings``: ``fragment_address(numel, start)``), and the padding (only
+the last rank's ``group_paddings`` is non-zero). This module lays the groups out again for the
+new DP and writes what DeepSpeed's ``load_checkpoint`` at that DP size reads; the model-states
+file is carried over with ``dp_world_size`` updated. Everything else (loss scaler, clip, step,
+param-group hyper-parameters, scheduler, counters, config) is kept.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckpttool import _unpickle
+from ckpttool.assemble import assemble
+from ckpttool.dtypes import carrier
+from ckpttool.errors import CorruptFileError, UsageError
+from ckpttool.formats import _pt, _ptwrite
+from ckpttool.formats.base import PieceReader
+from ckpttool.formats.deepspeed import ALLOWLIST
+from ckpttool.geometry import Box, flat_range_boxes
+from ckpttool.manifest import Manifest
+
+_OPTIM = re.compile(r"^(?P<dir>(?:.*/)?)(?P<prefix>bf16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_00_optim_states\.pt$")
+_MODEL = re.compile(r"^(?P<dir>(?:.*/)?)mp_rank_00_model_states\.pt$")
+ALIGN = 2
+"""DeepSpeed's ``nccl_start_alignment_factor``: groups are padded to a multiple of ALIGN x DP."""
+_FRAGMENT = "deepspeed.utils.tensor_fragment.fragment_address"
+
+
+@dataclass(slots=True)
+class GroupLayout:
+    params: list[tuple[str, tuple[int, ...], int]]
+    """(name, shape, offset in the flat group)"""
+    total: int
+    padded: int
+    partition: int
+
+    def padding(self, r: int) -> int:
+        """The zeros at the end of rank ``r``'s partition (DeepSpeed's ``groups_padding``)."""
+        return min(self.partition, max(0, (r + 1) * self.partition - self.total))
+
+
+def group_layout(shapes: dict[str, Any], dp: int, paddings: list[int] | None = None) -> GroupLayout:
+    """Where each parameter of a group lies in its flat buffer at ``dp`` ranks. ``paddings``: the
+    zeros after each parameter (``param_alignment_paddings``; they depend on the parameters' sizes
+    and dtype, not on DP). ``total`` counts them; the group is padded to ALIGN x DP after that."""
+    params, pos = [], 0
+    for k, (name, shape) in enumerate(shapes.items()):
+        shape = tuple(int(s) for s in shape)
+        n = 1
+        for s in shape:
+            n *= s
+        params.append((name, shape, pos))
+        pos += n + (paddings[k] if paddings and k < len(paddings) else 0)
+    padded = -(-pos // (ALIGN * dp)) * ALIGN * dp
+    return GroupLayout(params=params, total=pos, padded=padded, partition=padded // dp)
+
+
+@dataclass(slots=True)
+class PlannedFile:
+    path: str
+    nbytes: int
+    tensors: int
+    largest: int
+    rank: int
+    """-1: the model-states file"""
+
+
+class ZeroWriter:
+    def __init__(self, root: Path, manifest: Manifest, dp: int) -> None:
+        self.root, self.manifest, self.dp = root, manifest, dp
+        if dp < 1:
+            raise UsageError("--dp must be at least 1")
+        stage = manifest.layout.zero_stage
+        if stage not in (1, 2):
+            raise UsageError(
+                f"--dp: resharding DeepSpeed ZeRO stage {stage} checkpoints is not supported yet (ZeRO-1/2 are)",
+                hint="'ckpttool convert --to dcp' keeps the state in a layout-free form",
+            )
+        model_rel = None
+        optims: dict[int, str] = {}
+        self.prefix = ""
+        for f in manifest.files:
+            if m := _MODEL.match(f.path):
+                model_rel = f.path
+            elif m := _OPTIM.match(f.path):
+                optims[int(m["dp"])] = f.path
+                self.prefix = m["prefix"] or ""
+            elif f.role == "data" and f.path.endswith(".pt") and "model_states" in f.path:
+                raise UsageError(f"{f.path}: pipeline or model-parallel DeepSpeed checkpoints cannot be resharded yet")
+        if model_rel is None or not optims:
+            raise CorruptFileError(f"{manifest.root}: no mp_rank_00_model_states.pt with ZeRO optimizer files")
+        self.tag_dir = model_rel.rsplit("/", 1)[0] if "/" in model_rel else ""
+        self.model_rel, self.optim_rels = model_rel, optims
+        archive, self.model_obj, _ = _pt.load(root, model_rel, ALLOWLIST)
+        archive.close()
+        archive, optim, _ = _pt.load(root, optims[0], ALLOWLIST)
+        archive.close()
+        self.optim_obj = optim
+        osd = optim.get("optimizer_state_dict") if isinstance(optim, dict) else None
+        if not isinstance(osd, dict) or "single_partition_of_fp32_groups" not in osd:
+            raise CorruptFileError(f"{optims[0]}: not a ZeRO-1/2 optimizer file", path=optims[0])
+        if osd.get("round_robin_gradients") or any(
+            list(s) != sorted(s) for s in (osd.get("round_robin_indices") or [])
+        ):  # not saved by 0.19; refuse rather than guess if a version does
+            raise UsageError(f"{optims[0]}: round-robin gradient ordering is not supported yet")
+        shapes = self.model_obj.get("param_shapes")
+        pads = osd.get("param_alignment_paddings") or []
+        if not isinstance(shapes, list) or len(shapes) != len(osd["single_partition_of_fp32_groups"]):
+            raise CorruptFileError(f"{model_rel}: param_shapes does not match the optimizer's groups", path=model_rel)
+        self.groups = [group_layout(s, dp, pads[g] if g < len(pads) else None) for g, s in enumerate(shapes)]
+        for layout in self.groups:
+            for name, _shape, _off in layout.params:
+                for suffix in ("fp32", "exp_avg", "exp_avg_sq"):
+                    if f"{name}.{suffix}" not in manifest.items:
+                        raise CorruptFileError(f"{name}.{suffix} is not in the source checkpoint")
+        self.tag = self.tag_dir.rsplit("/", 1)[-1] if self.tag_dir else str(manifest.extras.get("tag") or "")
+
+    def _prefix(self) -> str:
+        return f"{self.tag}/" if self.tag else ""
+
+    def files(self) -> list[PlannedFile]:
+        out = []
+        model_bytes = [
+            int(np.prod(v.shape)) * carrier(v.dtype).itemsize
+            for _, v in _walk(self.model_obj)
+            if isinstance(v, _unpickle.TensorRef)
+        ]
+        out.append(
+            PlannedFile(
+                path=f"{self._prefix()}mp_rank_00_model_states.pt",
+                nbytes=sum(model_bytes),
+                tensors=len(model_bytes),
+                largest=max(model_bytes, default=0),
+                rank=-1,
+            )
+        )
+        for r in range(self.dp):
+            sizes = [g.partition * 4 for g in self.groups for _ in range(3)]
+            out.append(
+                PlannedFile(
+                    path=f"{self._prefix()}{self.prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+                    nbytes=sum(sizes),
+                    tensors=len(sizes),
+                    largest=max(sizes, default=0),
+                    rank=r,
+                )
+            )
+        return out
+
+    def tracker(self) -> tuple[str, str] | None:
+        return ("latest", self.tag) if self.tag else None
+
+    def write(self, rank: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None) -> int:
+        archives: dict[str, Any] = {}
+
+        def archive(path: str) -> Any:
+            if path not in archives:
+                archives[path] = _pt.load(self.root, path, ALLOWLIST)[0]
+            return archives[path]
+
+        try:
+            if rank < 0:
+                tree = _ptwrite.carry(self.model_obj, partial(archive, self.model_rel))
+                if isinstance(tree, dict) and "dp_world_size" in tree:
+                    tree["dp_world_size"] = self.dp
+            else:
+                tree = self._optim_tree(rank, reader, archive)
+            n = _ptwrite.save(tree, out)
+        finally:
+            for a in archives.values():
+                a.close()
+        if progress is not None:
+            progress(n)
+        return n
+
+    def _optim_tree(self, r: int, reader: PieceReader, archive: Callable[[str], Any]) -> Any:
+        template = self.optim_obj
+        src_rel = self.optim_rels[0]
+        tree = _ptwrite.carry(
+            {k: v for k, v in template.items() if k != "optimizer_state_dict"}, partial(archive, src_rel)
+        )
+        osd_src = template["optimizer_state_dict"]
+        osd: dict[str, Any] = {}
+        base_src = osd_src.get("base_optimizer_state") or {}
+        if not isinstance(base_src, dict):
+            raise UsageError(
+                f"{src_rel}: an elastic ZeRO checkpoint (base_optimizer_state is a list); resharding it is not "
+                "supported yet"
+            )
+        for key, value in osd_src.items():
+            if key == "base_optimizer_state":
+                state = {}
+                for g, gstate in (base_src.get("state") or {}).items():
+                    entry = {}
+                    for k, v in gstate.items():
+                        if k in ("exp_avg", "exp_avg_sq"):
+                            entry[k] = self._partition(g, r, k, reader)
+                        else:
+                            entry[k] = _ptwrite.carry(v, partial(archive, src_rel))
+                    state[g] = entry
+                osd[key] = {**_ptwrite.carry(base_src, partial(archive, src_rel)), "state": state}
+            elif key == "single_partition_of_fp32_groups":
+                # saved without the alignment padding (``_get_groups_without_padding``)
+                osd[key] = [self._partition(g, r, "fp32", reader, lean=True) for g in range(len(self.groups))]
+            elif key == "group_paddings":
+                osd[key] = [g.padding(r) for g in self.groups]
+            elif key == "partition_count":
+                osd[key] = [self.dp] * len(self.groups)
+            elif key == "param_slice_mappings":
+                osd[key] = [self._mappings(g, r) for g in range(len(self.groups))]
+            else:
+                osd[key] = _ptwrite.carry(value, partial(archive, src_rel))
+        tree["optimizer_state_dict"] = osd
+        return {k: tree[k] for k in template}
+
+    def _fragments(self, g: int, r: int) -> list[tuple[str, tuple[int, ...], int, int, int]]:
+        """(name, shape, first element of the param, count, position in the partition) for the
+        parameters partition ``r`` of group ``g`` holds."""
+        layout = self.groups[g]
+        lo, hi = r * layout.partition, (r + 1) * layout.partition
+        out = []
+        for name, shape, off in layout.params:
+            n = 1
+            for s in shape:
+                n *= s
+            a, b = max(off, lo), min(off + n, hi)
+            if a < b:
+                out.append((name, shape, a - off, b - a, a - lo))
+        return out
+
+    def _mappings(self, g: int, r: int) -> Any:
+        cls = _unpickle.record(_FRAGMENT)
+        out = _unpickle.OrderedDictStandIn()
+        for name, _shape, _first, count, pos in self._fragments(g, r):
+            frag = cls()
+            frag.__dict__.update(numel=count, start=pos)
+            out[name] = frag
+        return out
+
+    def _partition(self, g: int, r: int, suffix: str, reader: PieceReader, lean: bool = False) -> _ptwrite.OutTensor:
+        """Partition ``r`` of group ``g``'s flat ``suffix`` state (``lean``: without the padding)."""
+        layout = self.groups[g]
+        size = layout.partition - (layout.padding(r) if lean else 0)
+        fragments = self._fragments(g, r)
+        items = {name: self.manifest.items[f"{name}.{suffix}"] for name, *_ in fragments}
+        dtype = next(iter(items.values())).dtype if items else "float32"
+        assert dtype is not None
+
+        def fill(buf: np.ndarray) -> None:
+            values = buf.view(carrier(dtype))
+            values[...] = 0
+            for name, shape, first, count, pos in fragments:
+                item = items[name]
+                at = pos
+                for box in flat_range_boxes(Box.whole(shape), first, count):
+                    part = assemble(reader, item, box=box).reshape(-1)
+                    values[at : at + part.size] = part
+                    at += part.size
+
+        return _ptwrite.OutTensor(dtype=dtype, shape=(size,), fill=fill)
+
+
+def _walk(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(tree, dict):
+        return [kv for k, v in tree.items() for kv in _walk(v, f"{prefix}{k}.")]
+    if isinstance(tree, list | tuple):
+        return [kv for i, v in enumerate(tree) for kv in _walk(v, f"{prefix}{i}.")]
+    return [(prefix, tree)]
+
+
+__all__ = ["ALIGN", "GroupLayout", "ZeroWriter", "group_layout"]

@@ -119,17 +119,23 @@ def _init_worker(build: Callable[..., Any], args: tuple[Any, ...], adapter: Any)
     _WRITER, _ADAPTER = build(*args), adapter
 
 
-def _run_task(key: tuple[int, ...], out: str) -> int:
+def _run_task(key: tuple[int, ...], out: str) -> Any:
     assert _WRITER is not None
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with _ADAPTER.reader(_WRITER.manifest) as reader:
-        return int(_WRITER.write(*key, Path(out), reader, None))
+        return _WRITER.write(*key, Path(out), reader, None), Path(out).stat().st_size
 
 
 def _build_legacy(root: str, manifest: Manifest, target: Any, rules: dict[str, Any]) -> Any:
     from ckpttool.formats.megatron_write import LegacyWriter
 
     return LegacyWriter(Path(root), manifest, target, rules)
+
+
+def _build_dcp(root: str, manifest: Manifest, world: int, names: list[str]) -> Any:
+    from ckpttool.formats.dcp_write import DcpWriter
+
+    return DcpWriter(Path(root), manifest, world, [manifest.items[n] for n in names])
 
 
 def _build_zero(root: str, manifest: Manifest, dp: int) -> Any:
@@ -140,7 +146,8 @@ def _build_zero(root: str, manifest: Manifest, dp: int) -> Any:
 
 class _FileExec:
     """Output files written one per task by a format writer (``write(*key, out, reader, progress)``),
-    in this process or over a pool of worker processes that each build the same writer."""
+    in this process or over a pool of worker processes that each build the same writer; then the
+    writer's ``finish(tmp, results)`` writes what depends on all of them (index, tracker)."""
 
     build: Callable[..., Any]
     args: tuple[Any, ...]
@@ -156,11 +163,12 @@ class _FileExec:
         return self._files
 
     def run(self, tmp: Path, workers: int, progress: Callable[[int], None] | None) -> None:
+        results: list[Any] = []
         if workers <= 1:
             with self.adapter.reader(self.manifest) as reader:
                 for key, rel in self.tasks:
                     (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                    self.writer.write(*key, tmp / rel, reader, progress)
+                    results.append(self.writer.write(*key, tmp / rel, reader, progress))
         else:
             with ProcessPoolExecutor(
                 workers,
@@ -169,12 +177,11 @@ class _FileExec:
                 initargs=(self.build, self.args, self.adapter),
             ) as pool:
                 keys, outs = zip(*((key, str(tmp / rel)) for key, rel in self.tasks), strict=True)
-                for n in pool.map(_run_task, keys, outs):
+                for result, size in pool.map(_run_task, keys, outs):
+                    results.append(result)
                     if progress is not None:
-                        progress(n)
-        tracker = self.writer.tracker()
-        if tracker is not None:
-            (tmp / tracker[0]).write_text(tracker[1])
+                        progress(size)
+        self.writer.finish(tmp, results)
 
 
 def _largest_piece(manifest: Manifest) -> int:
@@ -190,7 +197,7 @@ def plan(src: str | Path, target: Target, *, workers: int = 1, max_memory: str |
     adapter, manifest = registry.describe(src)
     fmt = target.to or _default_format(manifest.format)
     src_layout = {k: v for k, v in _layout(manifest).items() if v is not None}
-    executor: _FileExec | _DcpExec
+    executor: _FileExec
     if fmt == "megatron":
         executor = _MegatronExec(adapter, manifest, target)
     elif fmt == "deepspeed":
@@ -328,55 +335,29 @@ class _ZeroExec(_FileExec):
         ]
 
 
-class _DcpExec:
+class _DcpExec(_FileExec):
     def __init__(self, adapter: Any, manifest: Manifest, target: Target) -> None:
-        from ckpttool.formats.dcp_write import chunk_boxes
-
         if target.tp not in (None, 1) or target.pp not in (None, 1) or target.ep not in (None, 1):
             raise UsageError(
                 "--to dcp: a DCP checkpoint is saved from one world of ranks; give its size with --dp "
                 "(--tp, --pp and --ep do not apply)"
             )
-        self.adapter, self.manifest = adapter, manifest
-        self.world = target.dp or manifest.layout.world_size or 1
-        if self.world < 1:
+        world = target.dp or manifest.layout.world_size or 1
+        if world < 1:
             raise UsageError("--dp must be at least 1")
-        self.items = [i for i in manifest.items.values() if not i.error]
-        self.skipped = [i for i in manifest.items.values() if i.error]
-        self.layout = {"world_size": self.world}
-        self.notes = [f"not written (unreadable): {i.name}: {i.error}" for i in self.skipped]
-        sizes = [0] * self.world
-        counts = [0] * self.world
-        largest = 0
-        from ckpttool.dtypes import carrier
-
-        for item in self.items:
-            if not item.is_tensor or item.shape is None or item.dtype is None:
-                counts[0] += 1
-                continue
-            sharded = sum(1 for p in item.pieces if p.replica == 0) > 1
-            for r, box in enumerate(chunk_boxes(item.shape, self.world if sharded else 1)):
-                if box is not None:
-                    n = box.volume * carrier(item.dtype).itemsize
-                    sizes[r] += n
-                    counts[r] += 1
-                    largest = max(largest, n)
-        peak = 3 * largest + _largest_piece(manifest)  # the chunk, its copy and torch.save's bytes
-        self._files = [PlanFile(path=".metadata", nbytes=0, tensors=0, peak=0)] + [
-            PlanFile(path=f"__{r}_0.distcp", nbytes=sizes[r], tensors=counts[r], peak=peak) for r in range(self.world)
+        names = [i.name for i in manifest.items.values() if not i.error]
+        self.adapter, self.manifest = adapter, manifest
+        self.build, self.args = _build_dcp, (manifest.root, manifest, world, names)
+        self.writer = self.build(*self.args)
+        self.layout = {"world_size": world}
+        self.notes = [f"not written (unreadable): {i.name}: {i.error}" for i in manifest.items.values() if i.error]
+        planned = self.writer.files()
+        largest = _largest_piece(manifest)
+        self.tasks = [((f.rank,), f.path) for f in planned]
+        # the chunk and a piece read into a temporary
+        self._files = [
+            PlanFile(path=f.path, nbytes=f.nbytes, tensors=f.tensors, peak=f.largest + largest) for f in planned
         ]
-
-    def files(self) -> list[PlanFile]:
-        return self._files
-
-    def run(self, tmp: Path, workers: int, progress: Callable[[int], None] | None) -> None:
-        from ckpttool.formats.dcp_write import write_dcp
-
-        out = tmp / "dcp"
-        write_dcp(self.adapter, self.manifest, out, world_size=self.world, items=self.items, progress=progress)
-        for p in out.iterdir():
-            os.replace(p, tmp / p.name)
-        out.rmdir()
 
 
 def _fsync_tree(root: Path) -> None:

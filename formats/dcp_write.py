@@ -16,12 +16,14 @@ import os
 import pickle
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckpttool.assemble import assemble, check_coverage
+from ckpttool.dtypes import carrier
 from ckpttool.errors import UsageError
-from ckpttool.formats.base import Adapter
+from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.geometry import Box
 from ckpttool.io import fsync_dir, temp_dir_beside
 from ckpttool.manifest import Item, Manifest
@@ -41,6 +43,129 @@ def chunk_boxes(shape: tuple[int, ...], parts: int) -> list[Box | None]:
     return out
 
 
+@dataclass(slots=True)
+class PlannedFile:
+    path: str
+    nbytes: int
+    tensors: int
+    largest: int
+    rank: int
+
+
+class DcpWriter:
+    """Writes rank files one at a time (``write``: any process may write any rank) and then the
+    ``.metadata`` index of all of them (``finish``)."""
+
+    def __init__(self, root: Path, manifest: Manifest, world_size: int, items: list[Item]) -> None:
+        if world_size < 1:
+            raise UsageError("--world-size must be at least 1")
+        self.root, self.manifest, self.world = root, manifest, world_size
+        self.items = items
+        self.cuts: dict[str, list[tuple[int, Box]]] = {}
+        for item in items:
+            if not item.is_tensor:
+                continue
+            assert item.shape is not None
+            sharded = sum(1 for p in item.pieces if p.replica == 0) > 1
+            boxes = chunk_boxes(item.shape, world_size if sharded else 1)
+            self.cuts[item.name] = [(r, b) for r, b in enumerate(boxes) if b is not None]
+
+    def files(self) -> list[PlannedFile]:
+        sizes: list[list[int]] = [[] for _ in range(self.world)]
+        for item in self.items:
+            if item.is_tensor:
+                assert item.dtype is not None
+                for r, box in self.cuts[item.name]:
+                    sizes[r].append(box.volume * carrier(item.dtype).itemsize)
+            else:
+                sizes[0].append(0)
+        return [
+            PlannedFile(path=f"__{r}_0.distcp", nbytes=sum(s), tensors=len(s), largest=max(s, default=0), rank=r)
+            for r, s in enumerate(sizes)
+        ]
+
+    def write(
+        self, rank: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None
+    ) -> list[tuple[str, tuple[int, ...] | None, int, int]]:
+        """Write rank ``rank``'s ``.distcp`` file; returns (item, chunk offsets or None for bytes,
+        byte offset, length) for each record, for ``finish``."""
+        import torch
+
+        entries: list[tuple[str, tuple[int, ...] | None, int, int]] = []
+        with open(out, "wb") as f:
+            for item in self.items:
+                if not item.is_tensor:
+                    if rank != 0:
+                        continue
+                    buf = io.BytesIO()
+                    torch.save(reader.read_object(item), buf)
+                    data = buf.getvalue()
+                    entries.append((item.name, None, f.tell(), len(data)))
+                    f.write(data)
+                    continue
+                assert item.dtype is not None
+                for r, box in self.cuts[item.name]:
+                    if r != rank:
+                        continue
+                    check_coverage(item)
+                    values = assemble(reader, item, box=box)
+                    tensor = torch.from_numpy(values).view(getattr(torch, item.dtype)).reshape(box.sizes)
+                    start = f.tell()
+                    torch.save(tensor, f)  # as DCP's FileSystemWriter: straight into the file
+                    entries.append((item.name, box.offsets, start, f.tell() - start))
+                    del tensor
+                    if progress is not None:
+                        progress(values.nbytes)
+        return entries
+
+    def finish(self, tmp: Path, results: list[list[tuple[str, tuple[int, ...] | None, int, int]]]) -> None:
+        """Write ``.metadata`` (torch's own ``Metadata``, pickled as DCP pickles it) for the rank
+        files whose ``write`` results are given, in rank order."""
+        import torch
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import (
+            BytesStorageMetadata,
+            ChunkStorageMetadata,
+            Metadata,
+            MetadataIndex,
+            StorageMeta,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
+
+        storage: dict[Any, Any] = {}
+        chunks: dict[str, list[Any]] = {}
+        for rank, entries in enumerate(results):
+            for name, offsets, at, length in entries:
+                index = MetadataIndex(name) if offsets is None else MetadataIndex(name, offsets)
+                storage[index] = _StorageInfo(f"__{rank}_0.distcp", at, length)
+        sd_meta: dict[str, Any] = {}
+        for item in self.items:
+            if not item.is_tensor:
+                sd_meta[item.name] = BytesStorageMetadata()
+                continue
+            assert item.shape is not None and item.dtype is not None
+            chunks[item.name] = [
+                ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes))
+                for _, b in self.cuts[item.name]
+            ]
+            sd_meta[item.name] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=getattr(torch, item.dtype)),
+                size=torch.Size(item.shape),
+                chunks=chunks[item.name],
+            )
+        md = Metadata(
+            state_dict_metadata=sd_meta,
+            # one flat level: names such as `w` and `w.exp_avg` cannot both be paths of one tree
+            planner_data={item.name: (item.name,) for item in self.items},
+            storage_data=storage,
+            storage_meta=StorageMeta(checkpoint_id=str(tmp), modules=[]),
+            version="1.0.0",
+        )
+        with open(tmp / ".metadata", "wb") as fh:
+            pickle.dump(md, fh)
+
+
 def write_dcp(
     adapter: Adapter,
     manifest: Manifest,
@@ -52,80 +177,17 @@ def write_dcp(
 ) -> list[str]:
     """Write ``items`` of ``manifest`` as a DCP checkpoint of ``world_size`` ranks at ``dst``
     (published atomically). Returns the files written."""
-    import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
-    if world_size < 1:
-        raise UsageError("--world-size must be at least 1")
+    writer = DcpWriter(Path(manifest.root), manifest, world_size, items)
     tmp = temp_dir_beside(dst)
     try:
-        files = [open(tmp / f"__{r}_0.distcp", "wb") for r in range(world_size)]  # noqa: SIM115
-        sd_meta: dict[str, Any] = {}
-        storage: dict[Any, Any] = {}
-        planner: dict[str, tuple[str, ...]] = {}
+        results = []
         with adapter.reader(manifest) as reader:
-            for item in items:
-                # one flat level: names such as `w` and `w.exp_avg` cannot both be paths of one tree
-                planner[item.name] = (item.name,)
-                if not item.is_tensor:
-                    value = reader.read_object(item)
-                    buf = io.BytesIO()
-                    torch.save(value, buf)
-                    data = buf.getvalue()
-                    f = files[0]
-                    storage[MetadataIndex(item.name)] = _StorageInfo("__0_0.distcp", f.tell(), len(data))
-                    f.write(data)
-                    sd_meta[item.name] = BytesStorageMetadata()
-                    continue
-                assert item.dtype is not None and item.shape is not None
-                check_coverage(item)
-                tdtype = getattr(torch, item.dtype)
-                chunks = []
-                sharded = sum(1 for p in item.pieces if p.replica == 0) > 1
-                cuts = chunk_boxes(item.shape, world_size) if sharded else chunk_boxes(item.shape, 1)
-                for r, box in enumerate(cuts):
-                    if box is None:
-                        continue
-                    values = assemble(reader, item, box=box)
-                    tensor = torch.from_numpy(values.copy()).view(tdtype).reshape(box.sizes)
-                    buf = io.BytesIO()
-                    torch.save(tensor, buf)
-                    data = buf.getvalue()
-                    f = files[r]
-                    storage[MetadataIndex(item.name, box.offsets)] = _StorageInfo(
-                        f"__{r}_0.distcp", f.tell(), len(data)
-                    )
-                    f.write(data)
-                    chunks.append(ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes)))
-                    if progress is not None:
-                        progress(values.nbytes)
-                sd_meta[item.name] = TensorStorageMetadata(
-                    properties=TensorProperties(dtype=tdtype), size=torch.Size(item.shape), chunks=chunks
-                )
-        for f in files:
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-        md = Metadata(
-            state_dict_metadata=sd_meta,
-            planner_data=planner,
-            storage_data=storage,
-            storage_meta=StorageMeta(checkpoint_id=str(dst), modules=[]),
-            version="1.0.0",
-        )
-        with open(tmp / ".metadata", "wb") as fh:
-            pickle.dump(md, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
+            for r in range(world_size):
+                results.append(writer.write(r, tmp / f"__{r}_0.distcp", reader, progress))
+        writer.finish(tmp, results)
+        for p in tmp.iterdir():
+            with open(p, "rb+") as fh:
+                os.fsync(fh.fileno())
         fsync_dir(tmp)
         if dst.exists():
             shutil.rmtree(dst)
@@ -137,4 +199,4 @@ def write_dcp(
     return [".metadata"] + [f"__{r}_0.distcp" for r in range(world_size)]
 
 
-__all__ = ["chunk_boxes", "write_dcp"]
+__all__ = ["DcpWriter", "chunk_boxes", "write_dcp"]

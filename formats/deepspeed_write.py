@@ -161,8 +161,10 @@ class ZeroWriter:
             )
         return out
 
-    def tracker(self) -> tuple[str, str] | None:
-        return ("latest", self.tag) if self.tag else None
+    def finish(self, tmp: Path, results: list[Any]) -> None:
+        """The ``latest`` file naming the tag directory, as DeepSpeed writes it."""
+        if self.tag:
+            (tmp / "latest").write_text(self.tag)
 
     def write(self, rank: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None) -> int:
         archives: dict[str, Any] = {}

@@ -440,8 +440,9 @@ class LegacyWriter:
 
     # -- writing -------------------------------------------------------------------------------
 
-    def tracker(self) -> tuple[str, str]:
-        return TRACKER, f"{self.iteration}" if isinstance(self.iteration, int) else "release"
+    def finish(self, tmp: Path, results: list[Any]) -> None:
+        """The tracker file Megatron's loader starts from."""
+        (tmp / TRACKER).write_text(f"{self.iteration}" if isinstance(self.iteration, int) else "release")
 
     def write(self, t: int, p: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None) -> int:
         """Write rank (t, p)'s file to ``out``; returns the tensor bytes written."""

@@ -1,0 +1,151 @@
+"""reshard of >= 1 GB DCP checkpoints (FSDP2, 2 ranks -> 4) against `cp -r` of the same bytes and
+torch's dcp_to_torch_save, and peak memory as the checkpoint grows.
+
+    python benchmarks/bench_reshard.py [--layers 24 96] [--repeat 3] [--keep]
+
+For each size (``--layers``: 24 -> 1.2 GB, 96 -> 4.8 GB; same 2048x2048 tensors, so the largest
+tensor stays 16.8 MB), the checkpoint is made under benchmarks/_data/ (git-ignored) by
+``_make_big_dcp.py`` (real FSDP2 + dcp.save), read once to warm the page cache, then each command
+runs in a fresh process, alternating, with ``sync`` before each run and no old output:
+
+* ``cp -r`` of the checkpoint followed by ``sync`` (the machine's durable copy speed for these
+  bytes: ckpttool fsyncs its output before publishing it);
+* ``ckpttool reshard --dp 4`` with ``--workers 1`` and ``--workers 2`` (output sealed, fsynced,
+  published by rename: the product's defaults);
+* ``dcp_to_torch_save`` (torch's offline conversion; on the smallest size only).
+
+Wall time and peak RSS (``ru_maxrss`` of the child; with ``--workers 2`` the largest process).
+Medians and ratios are printed and written to benchmarks/_data/reshard.json. Targets (issue 6):
+reshard >= 0.5x the throughput of cp; peak RSS <= 2x largest tensor + 300 MB at every size;
+>= 2x faster than dcp_to_torch_save at <= 1/4 its memory; --workers 2 >= 1.6x --workers 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DATA = HERE / "_data"
+WIDTH = 2048
+
+
+def run(cmd: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of one child process."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr.read().decode() if proc.stderr else ''}")
+    return wall, usage.ru_maxrss * 1024
+
+
+def make(layers: int) -> Path:
+    ckpt = DATA / f"dcp_{WIDTH}x{layers}"
+    if not (ckpt / ".metadata").exists():
+        shutil.rmtree(ckpt, ignore_errors=True)
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(HERE / "_make_big_dcp.py"), str(ckpt), str(WIDTH), str(layers)],
+                       check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        print(f"made {ckpt} in {time.perf_counter() - t:.1f} s")
+    return ckpt
+
+
+def warm(path: Path) -> int:
+    size = 0
+    for p in path.rglob("*"):
+        if p.is_file():
+            size += p.stat().st_size
+            with open(p, "rb") as fh:
+                while fh.read(1 << 24):
+                    pass
+    return size
+
+
+def bench(ckpt: Path, repeat: int, peer: bool) -> dict[str, object]:
+    size = warm(ckpt)
+    out = DATA / "reshard_out"
+    peer_out = DATA / "reshard_peer.pt"
+    ours = [sys.executable, "-m", "ckpttool", "reshard", str(ckpt), "-o", str(out), "--dp", "4", "-q"]
+    cmds = {
+        # ckpttool fsyncs what it publishes; the copy is made as durable with a sync after it
+        "cp -r": ["sh", "-c", 'cp -r "$0" "$1" && sync', str(ckpt), str(out)],
+        "reshard --workers 1": [*ours, "--workers", "1"],
+        "reshard --workers 2": [*ours, "--workers", "2"],
+    }
+    if peer:
+        cmds["dcp_to_torch_save"] = [
+            sys.executable, "-c",
+            "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
+            "dcp_to_torch_save(sys.argv[1], sys.argv[2])", str(ckpt), str(peer_out),
+        ]
+    results: dict[str, list[tuple[float, int]]] = {k: [] for k in cmds}
+    for _ in range(repeat):
+        for name, cmd in cmds.items():
+            shutil.rmtree(out, ignore_errors=True)
+            peer_out.unlink(missing_ok=True)
+            os.sync()
+            results[name].append(run(cmd))
+    shutil.rmtree(out, ignore_errors=True)
+    peer_out.unlink(missing_ok=True)
+    med = {k: (statistics.median(w for w, _ in v), statistics.median(r for _, r in v)) for k, v in results.items()}
+    for name, (wall, rss) in med.items():
+        print(f"  {name:22s} wall {wall:6.2f} s   peak RSS {rss / 1e6:8.1f} MB   {size / wall / 1e9:5.2f} GB/s")
+    largest = WIDTH * WIDTH * 4
+    bound = 2 * largest + 300e6
+    summary: dict[str, object] = {
+        "checkpoint_bytes": size,
+        "largest_tensor_bytes": largest,
+        "rss_bound": bound,
+        "runs": {k: [{"wall_s": w, "peak_rss": r} for w, r in v] for k, v in results.items()},
+        "median": {k: {"wall_s": w, "peak_rss": r} for k, (w, r) in med.items()},
+        "vs_cp": med["cp -r"][0] / med["reshard --workers 1"][0],
+        "vs_cp_workers2": med["cp -r"][0] / med["reshard --workers 2"][0],
+        "workers2_speedup": med["reshard --workers 1"][0] / med["reshard --workers 2"][0],
+        "rss_workers1": med["reshard --workers 1"][1],
+    }
+    if peer:
+        summary["vs_peer_speed"] = med["dcp_to_torch_save"][0] / med["reshard --workers 1"][0]
+        summary["vs_peer_memory"] = med["reshard --workers 1"][1] / med["dcp_to_torch_save"][1]
+    return summary
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, nargs="+", default=[24, 96])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--keep", action="store_true", help="keep the larger checkpoints")
+    args = ap.parse_args()
+    DATA.mkdir(exist_ok=True)
+    report: dict[str, object] = {"cpus": os.cpu_count(), "sizes": {}}
+    ok = True
+    for k, layers in enumerate(args.layers):
+        ckpt = make(layers)
+        print(f"{ckpt.name}:")
+        s = bench(ckpt, args.repeat, peer=k == 0)
+        report["sizes"][ckpt.name] = s  # type: ignore[index]
+        print(f"  {s['checkpoint_bytes'] / 1e9:.2f} GB: reshard {s['vs_cp']:.2f}x cp (workers 2: "
+              f"{s['vs_cp_workers2']:.2f}x), --workers 2 {s['workers2_speedup']:.2f}x --workers 1, peak RSS "
+              f"{s['rss_workers1'] / 1e6:.0f} MB (bound {s['rss_bound'] / 1e6:.0f} MB)"
+              + (f", {s['vs_peer_speed']:.1f}x faster than dcp_to_torch_save at {s['vs_peer_memory']:.2f}x its memory"
+                 if "vs_peer_speed" in s else ""))
+        ok &= s["vs_cp"] >= 0.5 and s["rss_workers1"] <= s["rss_bound"]  # type: ignore[operator]
+        if "vs_peer_speed" in s:
+            ok &= s["vs_peer_speed"] >= 2 and s["vs_peer_memory"] <= 0.25  # type: ignore[operator]
+        if not args.keep and k > 0:
+            shutil.rmtree(ckpt)
+    (DATA / "reshard.json").write_text(json.dumps(report, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -158,9 +158,16 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> An
     return result
 
 
-def _size(*args: Any) -> tuple[int, ...]:
+class TorchSize(tuple[int, ...]):
+    """A ``torch.Size`` from a pickle: a tuple that remembers it was one, so that a writer puts
+    ``torch.Size`` back (DeepSpeed's tools call ``.numel()`` on the shapes they saved)."""
+
+    __slots__ = ()
+
+
+def _size(*args: Any) -> TorchSize:
     (values,) = args if args else ((),)
-    return tuple(values)
+    return TorchSize(values)
 
 
 def _device(*args: Any) -> str:

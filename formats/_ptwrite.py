@@ -91,6 +91,8 @@ def carry(value: Any, archive_of: Callable[[], Any]) -> Any:
         return {k: carry(v, archive_of) for k, v in value.items()}
     if isinstance(value, list):
         return [carry(v, archive_of) for v in value]
+    if isinstance(value, _unpickle.TorchSize):
+        return value
     if isinstance(value, tuple):
         return tuple(carry(v, archive_of) for v in value)
     return value
@@ -146,6 +148,11 @@ class _Pickler(_PurePickler):
             module, name = obj.enum.rsplit(".", 1)
             self.save(GlobalRef(module, name))
             self.save((obj.value,))
+            self.write(pickle.REDUCE)
+            return
+        if t is _unpickle.TorchSize:
+            self.save(GlobalRef("torch", "Size"))
+            self.save((tuple(obj),))
             self.write(pickle.REDUCE)
             return
         if t is _unpickle.TorchDType:

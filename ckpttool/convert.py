@@ -23,7 +23,7 @@ import numpy as np
 from ckpttool import registry
 from ckpttool.errors import UsageError
 from ckpttool.export import safetensors_selection, select, tensor_nbytes, write_safetensors
-from ckpttool.io import fsync_dir, temp_dir_beside
+from ckpttool.io import fsync_dir, publish_dir, temp_dir_beside
 from ckpttool.manifest import Item
 
 TARGETS = ("safetensors", "dcp")
@@ -140,10 +140,7 @@ def convert(
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
             names.append("model.safetensors.index.json")
         fsync_dir(tmp)
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        os.replace(tmp, out)
-        fsync_dir(out.parent)
+        publish_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import stat
 import tempfile
 from collections.abc import Iterator
@@ -208,6 +209,15 @@ def temp_dir_beside(dest: str | os.PathLike[str]) -> Path:
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)
     return tmp
+
+
+def publish_dir(tmp: Path, dest: Path) -> None:
+    """Put the finished directory ``tmp`` (from :func:`temp_dir_beside`) in place of ``dest``: one
+    rename, then the parent's entry flushed. An existing ``dest`` (``--force``) is removed first."""
+    if dest.exists():
+        shutil.rmtree(dest) if dest.is_dir() else dest.unlink()
+    os.replace(tmp, dest)
+    fsync_dir(dest.parent)
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

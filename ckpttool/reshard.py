@@ -26,7 +26,7 @@ from typing import Any
 from ckpttool import registry
 from ckpttool.convert import parse_size
 from ckpttool.errors import UsageError
-from ckpttool.io import fsync_dir, temp_dir_beside
+from ckpttool.io import fsync_dir, publish_dir, temp_dir_beside
 from ckpttool.manifest import Manifest
 
 OVERHEAD = 300 * 10**6
@@ -414,10 +414,7 @@ def reshard(
             seal(tmp, workers=the_plan.workers)
             sealed = True
         _fsync_tree(tmp)
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        os.replace(tmp, out)
-        fsync_dir(out.parent)
+        publish_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

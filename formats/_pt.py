@@ -8,7 +8,7 @@ storage of a ``.pt`` archive; a flat range of a flat optimizer partition is such
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +132,14 @@ class PtReader(PieceReader):
             objects = dict(flatten(self.archive(piece.file).load()))
             self._objects[piece.file] = objects
         return objects[piece.locator["path"]]
+
+
+def archive_cache(reader: PieceReader) -> Callable[[str], _torchzip.Archive]:
+    """``rel -> open archive`` for a writer that copies objects out of the source's rank files:
+    the archives the reader keeps open (it closes them)."""
+    if not isinstance(reader, PtReader):
+        raise TypeError(f"expected a torch.save reader, got {type(reader).__name__}")
+    return reader.archive
 
 
 def match_param_ids(

@@ -25,7 +25,7 @@ from ckpttool.dtypes import carrier
 from ckpttool.errors import UsageError
 from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.geometry import Box
-from ckpttool.io import fsync_dir, temp_dir_beside
+from ckpttool.io import fsync_dir, publish_dir, temp_dir_beside
 from ckpttool.manifest import Item, Manifest
 
 
@@ -189,10 +189,7 @@ def write_dcp(
             with open(p, "rb+") as fh:
                 os.fsync(fh.fileno())
         fsync_dir(tmp)
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-        fsync_dir(dst.parent)
+        publish_dir(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -167,24 +167,15 @@ class ZeroWriter:
             (tmp / "latest").write_text(self.tag)
 
     def write(self, rank: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None) -> int:
-        archives: dict[str, Any] = {}
+        archive: Callable[[str], Any] = _pt.archive_cache(reader)  # the reader's open archives
 
-        def archive(path: str) -> Any:
-            if path not in archives:
-                archives[path] = _pt.load(self.root, path, ALLOWLIST)[0]
-            return archives[path]
-
-        try:
-            if rank < 0:
-                tree = _ptwrite.carry(self.model_obj, partial(archive, self.model_rel))
-                if isinstance(tree, dict) and "dp_world_size" in tree:
-                    tree["dp_world_size"] = self.dp
-            else:
-                tree = self._optim_tree(rank, reader, archive)
-            n = _ptwrite.save(tree, out)
-        finally:
-            for a in archives.values():
-                a.close()
+        if rank < 0:
+            tree = _ptwrite.carry(self.model_obj, partial(archive, self.model_rel))
+            if isinstance(tree, dict) and "dp_world_size" in tree:
+                tree["dp_world_size"] = self.dp
+        else:
+            tree = self._optim_tree(rank, reader, archive)
+        n = _ptwrite.save(tree, out)
         if progress is not None:
             progress(n)
         return n

@@ -450,12 +450,7 @@ class LegacyWriter:
         src_key = (t % self.src.tp, p % self.src.pp)
         template = self.src.objs[src_key]
         rel = self.src.rels[src_key]
-        archives: dict[str, Any] = {}
-
-        def archive(path: str) -> Any:
-            if path not in archives:
-                archives[path] = _pt.load(self.root, path, ALLOWLIST)[0]
-            return archives[path]
+        archive: Callable[[str], Any] = _pt.archive_cache(reader)  # the reader's open archives
 
         def get() -> PieceReader:
             return reader
@@ -486,11 +481,7 @@ class LegacyWriter:
                 tree[key] = self._args(value, t, p)
             else:
                 tree[key] = _ptwrite.carry(value, lambda: archive(rel))
-        try:
-            n = _ptwrite.save(tree, out)
-        finally:
-            for a in archives.values():
-                a.close()
+        n = _ptwrite.save(tree, out)
         if progress is not None:
             progress(n)
         return n

@@ -291,12 +291,12 @@ def test_sigkill_leaves_nothing_or_a_complete_checkpoint(tmp_path):
 
 def _megatron_lm() -> str | None:
     """A Megatron-LM source (tree or git mirror) for the oracle tests, when this machine has one."""
-    path = os.environ.get("MEGATRON_LM") or "/work/.mirror/NVIDIA+Megatron-LM"
+    path = os.environ.get("MEGATRON_LM")
     try:
         import megatron.core  # noqa: F401
     except ImportError:
         return None
-    return path if Path(path).exists() else None
+    return path if path and Path(path).exists() else None
 
 
 @pytest.mark.slow

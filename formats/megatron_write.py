@@ -60,7 +60,6 @@ class _Source:
     """per-parameter optimizer ``step`` (rank file, value) by global parameter name"""
     metadata: dict[str, Any] = field(default_factory=dict)
     """the module ``_metadata`` of all stages, layers numbered globally"""
-    stage_keys: list[set[str]] = field(default_factory=list)
     optimizer_extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -122,7 +121,6 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
         offset = _layer_offset(args, p, 0)
         model = obj.get("model") or {}
         order: list[tuple[str, tuple[int, ...]]] = []
-        keys: set[str] = set()
         for local, value in model.items():
             name = _globalize(local, offset)
             src.model_order.append(name)
@@ -131,8 +129,6 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
         for key, value in (getattr(model, "__dict__", {}).get("_metadata") or {}).items():
             gkey = _globalize(key + ".", offset)[:-1] if key else key
             src.metadata.setdefault(gkey, value)
-            keys.add(gkey)
-        src.stage_keys.append(keys)
         opt = obj.get("optimizer")
         if not isinstance(opt, dict):
             continue

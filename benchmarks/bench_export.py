@@ -21,19 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+from _bench import run  # the folder beside this script
+
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "_data"
-
-
-def run(cmd: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of one child process."""
-    pid_start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - pid_start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr.read().decode() if proc.stderr else ''}")
-    return wall, usage.ru_maxrss * 1024
 
 
 def main() -> int:

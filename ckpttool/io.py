@@ -211,6 +211,23 @@ def temp_dir_beside(dest: str | os.PathLike[str]) -> Path:
     return tmp
 
 
+def fsync_tree(root: Path) -> None:
+    """Flush every file and directory below ``root``, deepest directories first (for writers that do
+    not fsync what they write, such as torch's zip writer)."""
+    dirs = [root]
+    for path in root.rglob("*"):
+        if path.is_dir():
+            dirs.append(path)
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    for d in sorted(dirs, key=lambda p: -len(p.parts)):
+        fsync_dir(d)
+
+
 def publish_dir(tmp: Path, dest: Path) -> None:
     """Put the finished directory ``tmp`` (from :func:`temp_dir_beside`) in place of ``dest``: one
     rename, then the parent's entry flushed. An existing ``dest`` (``--force``) is removed first."""

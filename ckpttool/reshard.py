@@ -7,13 +7,14 @@ processes, each process holding one tensor at a time; it then writes the format'
 seals the directory (``ckpttool.manifest.json``) and publishes it with one rename. A run that
 dies leaves the destination absent (or, with ``--force``, as it was until the final rename).
 
-Targets so far: Megatron legacy at any TP/PP (from Megatron legacy) and PyTorch DCP at any world
-size (from any format). See ``docs/reshard.md``.
+Targets so far: Megatron legacy at any TP/PP (from Megatron legacy), DeepSpeed ZeRO-1/2 at any DP
+(from DeepSpeed ZeRO-1/2) and PyTorch DCP at any world size (from any format). Each format's writer
+(``formats/*_write.py``) plans its files (:class:`~ckpttool.formats.base.PlannedFile`), writes one
+(``write``) and then what depends on all of them (``finish``). See ``docs/reshard.md``.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from typing import Any
 from ckpttool import registry
 from ckpttool.convert import parse_size
 from ckpttool.errors import UsageError
-from ckpttool.io import fsync_dir, publish_dir, temp_dir_beside
+from ckpttool.io import fsync_tree, publish_dir, temp_dir_beside
 from ckpttool.manifest import Manifest
 
 OVERHEAD = 300 * 10**6
@@ -54,6 +55,11 @@ class PlanFile:
     """bytes of buffers the writer of this file holds at once"""
 
 
+def peak_memory(files: list[PlanFile], workers: int) -> int:
+    """Estimated peak memory: the ``workers`` largest per-file peaks plus each worker's overhead."""
+    return sum(sorted((f.peak for f in files), reverse=True)[:workers]) + workers * OVERHEAD
+
+
 @dataclass(slots=True, kw_only=True)
 class Plan:
     source: str
@@ -71,9 +77,7 @@ class Plan:
 
     @property
     def peak(self) -> int:
-        """Estimated peak memory: the ``workers`` largest per-file peaks plus each worker's overhead."""
-        peaks = sorted((f.peak for f in self.files), reverse=True)[: self.workers]
-        return sum(peaks) + self.workers * OVERHEAD
+        return peak_memory(self.files, self.workers)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -149,26 +153,34 @@ class _FileExec:
     in this process or over a pool of worker processes that each build the same writer; then the
     writer's ``finish(tmp, results)`` writes what depends on all of them (index, tracker)."""
 
-    build: Callable[..., Any]
-    args: tuple[Any, ...]
-    adapter: Any
-    manifest: Manifest
-    writer: Any
-    tasks: list[tuple[tuple[int, ...], str]]
-    layout: dict[str, Any]
-    notes: list[str]
-    _files: list[PlanFile]
+    def __init__(
+        self,
+        adapter: Any,
+        manifest: Manifest,
+        build: Callable[..., Any],
+        args: tuple[Any, ...],
+        layout: dict[str, Any],
+    ) -> None:
+        self.adapter, self.manifest, self.build, self.args, self.layout = adapter, manifest, build, args, layout
+        self.writer = build(*args)
+        self.notes: list[str] = []
+        self.planned = self.writer.files()
 
     def files(self) -> list[PlanFile]:
-        return self._files
+        """Each file with the memory its writer holds: its largest output tensor and the largest
+        source piece, read into a temporary when it does not lie contiguously in the output."""
+        largest = _largest_piece(self.manifest)
+        return [
+            PlanFile(path=f.path, nbytes=f.nbytes, tensors=f.tensors, peak=f.largest + largest) for f in self.planned
+        ]
 
     def run(self, tmp: Path, workers: int, progress: Callable[[int], None] | None) -> None:
         results: list[Any] = []
         if workers <= 1:
             with self.adapter.reader(self.manifest) as reader:
-                for key, rel in self.tasks:
-                    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                    results.append(self.writer.write(*key, tmp / rel, reader, progress))
+                for f in self.planned:
+                    (tmp / f.path).parent.mkdir(parents=True, exist_ok=True)
+                    results.append(self.writer.write(*f.key, tmp / f.path, reader, progress))
         else:
             with ProcessPoolExecutor(
                 workers,
@@ -176,7 +188,7 @@ class _FileExec:
                 initializer=_init_worker,
                 initargs=(self.build, self.args, self.adapter),
             ) as pool:
-                keys, outs = zip(*((key, str(tmp / rel)) for key, rel in self.tasks), strict=True)
+                keys, outs = zip(*((f.key, str(tmp / f.path)) for f in self.planned), strict=True)
                 for result, size in pool.map(_run_task, keys, outs):
                     results.append(result)
                     if progress is not None:
@@ -222,13 +234,8 @@ def plan(src: str | Path, target: Target, *, workers: int = 1, max_memory: str |
     if workers < 1:
         raise UsageError("--workers must be at least 1")
     n = max(1, min(workers, len(files)))
-    if limit is not None:
-        while (
-            n > 1
-            and Plan(source="", source_format="", source_layout={}, format="", layout={}, files=files, workers=n).peak
-            > limit
-        ):
-            n -= 1
+    while limit is not None and n > 1 and peak_memory(files, n) > limit:
+        n -= 1
     result = Plan(
         source=str(src),
         source_format=manifest.format,
@@ -273,36 +280,9 @@ class _MegatronExec(_FileExec):
         if target.vocab_padding not in ("keep", "megatron"):
             raise UsageError(f"--vocab-padding {target.vocab_padding!r}: expected keep or megatron")
         mtarget = MegatronTarget(tp=tp, pp=pp, repad_vocab=target.vocab_padding == "megatron")
-        self.adapter, self.manifest = adapter, manifest
-        self.build, self.args = _build_legacy, (manifest.root, manifest, mtarget, target.split_rules)
-        self.writer = self.build(*self.args)
-        self.layout = {"tp": tp, "pp": pp}
-        self.notes: list[str] = []
-        args = self.writer.args
-        rows = self.writer.rows
-        emb = manifest.items.get("embedding.word_embeddings.weight")
-        padded = rows or (emb.shape[0] if emb is not None and emb.shape else None)
-        if padded is not None:
-            div = self.writer.vocab_divisor(
-                getattr(args, "vocab_size", None), getattr(args, "make_vocab_size_divisible_by", None), padded
-            )
-            if div is not None:
-                self.notes.append(
-                    f"the vocabulary stays padded to {padded} rows: resume with --make-vocab-size-divisible-by {div} "
-                    "(recorded in args), or reshard with --vocab-padding megatron"
-                )
-        if (manifest.layout.tp, manifest.layout.pp) != (tp, pp) and any(
-            i.kind == "rng" for i in manifest.items.values()
-        ):
-            self.notes.append(
-                f"RNG state: rank (t, p) gets source rank (t mod {manifest.layout.tp}, p mod {manifest.layout.pp})'s"
-            )
-        planned = self.writer.files()
-        largest = _largest_piece(manifest)
-        self.tasks = [(f.rank, f.path) for f in planned]
-        self._files = [
-            PlanFile(path=f.path, nbytes=f.nbytes, tensors=f.tensors, peak=f.largest + largest) for f in planned
-        ]
+        args = (manifest.root, manifest, mtarget, target.split_rules)
+        super().__init__(adapter, manifest, _build_legacy, args, {"tp": tp, "pp": pp})
+        self.notes = self.writer.notes()
 
 
 class _ZeroExec(_FileExec):
@@ -317,22 +297,13 @@ class _ZeroExec(_FileExec):
         if target.tp not in (None, 1) or target.pp not in (None, 1) or target.ep not in (None, 1):
             raise UsageError("--to deepspeed: only the data-parallel size (--dp) can change so far")
         dp = target.dp or manifest.layout.dp or 1
-        self.adapter, self.manifest = adapter, manifest
-        self.build, self.args = _build_zero, (manifest.root, manifest, dp)
-        self.writer = self.build(*self.args)
-        self.layout = {"dp": dp, "zero_stage": manifest.layout.zero_stage}
-        self.notes = []
+        layout = {"dp": dp, "zero_stage": manifest.layout.zero_stage}
+        super().__init__(adapter, manifest, _build_zero, (manifest.root, manifest, dp), layout)
         if dp != manifest.layout.dp:
             self.notes.append(
                 f"ds_config in the checkpoint still says train_batch_size for DP={manifest.layout.dp}; "
                 "DeepSpeed takes the batch sizes from the config you resume with"
             )
-        planned = self.writer.files()
-        largest = _largest_piece(manifest)
-        self.tasks = [((f.rank,), f.path) for f in planned]
-        self._files = [
-            PlanFile(path=f.path, nbytes=f.nbytes, tensors=f.tensors, peak=f.largest + largest) for f in planned
-        ]
 
 
 class _DcpExec(_FileExec):
@@ -346,34 +317,8 @@ class _DcpExec(_FileExec):
         if world < 1:
             raise UsageError("--dp must be at least 1")
         names = [i.name for i in manifest.items.values() if not i.error]
-        self.adapter, self.manifest = adapter, manifest
-        self.build, self.args = _build_dcp, (manifest.root, manifest, world, names)
-        self.writer = self.build(*self.args)
-        self.layout = {"world_size": world}
+        super().__init__(adapter, manifest, _build_dcp, (manifest.root, manifest, world, names), {"world_size": world})
         self.notes = [f"not written (unreadable): {i.name}: {i.error}" for i in manifest.items.values() if i.error]
-        planned = self.writer.files()
-        largest = _largest_piece(manifest)
-        self.tasks = [((f.rank,), f.path) for f in planned]
-        # the chunk and a piece read into a temporary
-        self._files = [
-            PlanFile(path=f.path, nbytes=f.nbytes, tensors=f.tensors, peak=f.largest + largest) for f in planned
-        ]
-
-
-def _fsync_tree(root: Path) -> None:
-    """Flush every file and directory below ``root`` (torch's zip writer does not fsync)."""
-    dirs = [root]
-    for path in root.rglob("*"):
-        if path.is_dir():
-            dirs.append(path)
-            continue
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    for d in sorted(dirs, key=lambda p: -len(p.parts)):
-        fsync_dir(d)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -413,7 +358,7 @@ def reshard(
 
             seal(tmp, workers=the_plan.workers)
             sealed = True
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         publish_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

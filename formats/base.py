@@ -25,6 +25,20 @@ class Detection:
     """why it matches (what was seen) or why not (what was missing)"""
 
 
+@dataclass(frozen=True, slots=True)
+class PlannedFile:
+    """A file a writer will write (``reshard``'s plan): the writer's ``write(*key, out, ...)``
+    writes it, holding at most ``largest`` bytes of output tensor at once."""
+
+    path: str
+    """relative to the output root"""
+    key: tuple[int, ...]
+    nbytes: int
+    """bytes of tensor values"""
+    tensors: int
+    largest: int
+
+
 class PieceReader:
     """Reads piece values of one manifest; keeps files open until closed."""
 

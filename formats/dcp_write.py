@@ -12,20 +12,18 @@ it. The result is what ``dcp.load`` reads at that world size (or any other).
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckpttool.assemble import assemble, check_coverage
 from ckpttool.dtypes import carrier
 from ckpttool.errors import UsageError
-from ckpttool.formats.base import Adapter, PieceReader
+from ckpttool.formats.base import Adapter, PieceReader, PlannedFile
 from ckpttool.geometry import Box
-from ckpttool.io import fsync_dir, publish_dir, temp_dir_beside
+from ckpttool.io import fsync_tree, publish_dir, temp_dir_beside
 from ckpttool.manifest import Item, Manifest
 
 
@@ -41,15 +39,6 @@ def chunk_boxes(shape: tuple[int, ...], parts: int) -> list[Box | None]:
     if shape[0] == 0:
         out[0] = Box.whole(shape)
     return out
-
-
-@dataclass(slots=True)
-class PlannedFile:
-    path: str
-    nbytes: int
-    tensors: int
-    largest: int
-    rank: int
 
 
 class DcpWriter:
@@ -80,7 +69,7 @@ class DcpWriter:
             else:
                 sizes[0].append(0)
         return [
-            PlannedFile(path=f"__{r}_0.distcp", nbytes=sum(s), tensors=len(s), largest=max(s, default=0), rank=r)
+            PlannedFile(path=f"__{r}_0.distcp", nbytes=sum(s), tensors=len(s), largest=max(s, default=0), key=(r,))
             for r, s in enumerate(sizes)
         ]
 
@@ -104,10 +93,10 @@ class DcpWriter:
                     f.write(data)
                     continue
                 assert item.dtype is not None
-                for r, box in self.cuts[item.name]:
-                    if r != rank:
-                        continue
+                mine = [box for r, box in self.cuts[item.name] if r == rank]
+                if mine:
                     check_coverage(item)
+                for box in mine:
                     values = assemble(reader, item, box=box)
                     tensor = torch.from_numpy(values).view(getattr(torch, item.dtype)).reshape(box.sizes)
                     start = f.tell()
@@ -185,10 +174,7 @@ def write_dcp(
             for r in range(world_size):
                 results.append(writer.write(r, tmp / f"__{r}_0.distcp", reader, progress))
         writer.finish(tmp, results)
-        for p in tmp.iterdir():
-            with open(p, "rb+") as fh:
-                os.fsync(fh.fileno())
-        fsync_dir(tmp)
+        fsync_tree(tmp)
         publish_dir(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -28,10 +28,11 @@ from ckpttool.assemble import assemble
 from ckpttool.dtypes import carrier
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.formats import _pt, _ptwrite
-from ckpttool.formats.base import PieceReader
+from ckpttool.formats.base import PieceReader, PlannedFile
 from ckpttool.formats.deepspeed import ALLOWLIST
 from ckpttool.geometry import Box, flat_range_boxes
 from ckpttool.manifest import Manifest
+from ckpttool.values import flatten
 
 _OPTIM = re.compile(r"^(?P<dir>(?:.*/)?)(?P<prefix>bf16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_00_optim_states\.pt$")
 _MODEL = re.compile(r"^(?P<dir>(?:.*/)?)mp_rank_00_model_states\.pt$")
@@ -69,16 +70,6 @@ def group_layout(shapes: dict[str, Any], dp: int, paddings: list[int] | None = N
     return GroupLayout(params=params, total=pos, padded=padded, partition=padded // dp)
 
 
-@dataclass(slots=True)
-class PlannedFile:
-    path: str
-    nbytes: int
-    tensors: int
-    largest: int
-    rank: int
-    """-1: the model-states file"""
-
-
 class ZeroWriter:
     def __init__(self, root: Path, manifest: Manifest, dp: int) -> None:
         self.root, self.manifest, self.dp = root, manifest, dp
@@ -92,13 +83,13 @@ class ZeroWriter:
             )
         model_rel = None
         optims: dict[int, str] = {}
-        self.prefix = ""
+        self.file_prefix = ""
         for f in manifest.files:
             if m := _MODEL.match(f.path):
                 model_rel = f.path
             elif m := _OPTIM.match(f.path):
                 optims[int(m["dp"])] = f.path
-                self.prefix = m["prefix"] or ""
+                self.file_prefix = m["prefix"] or ""
             elif f.role == "data" and f.path.endswith(".pt") and "model_states" in f.path:
                 raise UsageError(f"{f.path}: pipeline or model-parallel DeepSpeed checkpoints cannot be resharded yet")
         if model_rel is None or not optims:
@@ -136,7 +127,7 @@ class ZeroWriter:
         out = []
         model_bytes = [
             int(np.prod(v.shape)) * carrier(v.dtype).itemsize
-            for _, v in _walk(self.model_obj)
+            for _, v in flatten(self.model_obj)
             if isinstance(v, _unpickle.TensorRef)
         ]
         out.append(
@@ -145,18 +136,18 @@ class ZeroWriter:
                 nbytes=sum(model_bytes),
                 tensors=len(model_bytes),
                 largest=max(model_bytes, default=0),
-                rank=-1,
+                key=(-1,),
             )
         )
         for r in range(self.dp):
             sizes = [g.partition * 4 for g in self.groups for _ in range(3)]
             out.append(
                 PlannedFile(
-                    path=f"{self._prefix()}{self.prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+                    path=f"{self._prefix()}{self.file_prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
                     nbytes=sum(sizes),
                     tensors=len(sizes),
                     largest=max(sizes, default=0),
-                    rank=r,
+                    key=(r,),
                 )
             )
         return out
@@ -265,14 +256,6 @@ class ZeroWriter:
                     at += part.size
 
         return _ptwrite.OutTensor(dtype=dtype, shape=(size,), fill=fill)
-
-
-def _walk(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    if isinstance(tree, dict):
-        return [kv for k, v in tree.items() for kv in _walk(v, f"{prefix}{k}.")]
-    if isinstance(tree, list | tuple):
-        return [kv for i, v in enumerate(tree) for kv in _walk(v, f"{prefix}{i}.")]
-    return [(prefix, tree)]
 
 
 __all__ = ["ALIGN", "GroupLayout", "ZeroWriter", "group_layout"]

@@ -341,6 +341,30 @@ def split_rule(name: str, *, gated: bool) -> tuple[str, int | None]:
     return "replicated", None
 
 
+def global_shape(local: tuple[int, ...], rule: str, dim: int | None, tp: int) -> tuple[int, ...]:
+    """The shape of the whole tensor whose TP rank parts have shape ``local``."""
+    if rule == "replicated" or dim is None or tp == 1:
+        return local
+    return tuple(n * tp if d == dim else n for d, n in enumerate(local))
+
+
+def tp_regions(shape: tuple[int, ...], rule: str, dim: int | None, t: int, tp: int) -> list[Box]:
+    """The regions of the whole tensor (of ``shape``) TP rank ``t`` of ``tp`` holds, in the order
+    of its local rows: the whole tensor (replicated), one slice of ``dim`` (column, row) or, for
+    SwiGLU's ``[gate_r; up_r]``, rows ``t*h`` of the gates and ``H + t*h`` of the ups. The reader
+    places each rank's tensor with it, the writer cuts with it."""
+    if rule == "replicated" or dim is None or tp == 1:
+        return [Box.whole(shape)]
+    if rule == "gated":
+        half = shape[0] // 2 // tp
+        rest = (0,) * (len(shape) - 1)
+        sub = (half, *shape[1:])
+        return [Box((t * half, *rest), sub), Box((shape[0] // 2 + t * half, *rest), sub)]
+    size = shape[dim] // tp
+    offsets = tuple(t * size if d == dim else 0 for d in range(len(shape)))
+    return [Box(offsets, tuple(size if d == dim else n for d, n in enumerate(shape)))]
+
+
 def _layer_offset(args: Any, pp_rank: int, vp: int) -> int:
     """Global index of the first layer a (pipeline rank, virtual chunk) holds."""
     layers = int(getattr(args, "num_layers", 0) or 0)
@@ -609,21 +633,8 @@ class MegatronLegacyAdapter:
     ) -> None:
         rule, dim = split_rule(param or name, gated=gated)
         local = ref.shape
-        boxes: list[tuple[Box, int, int | None]]
-        if rule == "replicated" or tp == 1:
-            shape = local
-            boxes = [(Box.whole(local), 0, None)]
-        elif rule in ("column", "row"):
-            assert dim is not None
-            shape = tuple(n * tp if d == dim else n for d, n in enumerate(local))
-            offsets = tuple(t * local[d] if d == dim else 0 for d in range(len(local)))
-            boxes = [(Box(offsets, local), 0, None)]
-        else:  # gated: [gate_r; up_r] -> rows r*h of the gates and tp*h + r*h of the ups
-            half = local[0] // 2
-            shape = (local[0] * tp, *local[1:])
-            rest = (0,) * (len(local) - 1)
-            sub = (half, *local[1:])
-            boxes = [(Box((t * half, *rest), sub), 0, 0), (Box((tp * half + t * half, *rest), sub), half, 1)]
+        shape = global_shape(local, rule, dim, tp)
+        boxes = tp_regions(shape, rule, dim, t, tp)
         item = manifest.items.get(name)
         if item is None:
             item = manifest.add(
@@ -640,7 +651,8 @@ class MegatronLegacyAdapter:
                 f"{item.dtype}{list(item.shape or ())} from other ranks",
                 path=rel,
             )
-        for box, row0, _half in boxes:
+        row0 = 0
+        for box in boxes:
             same = self._replicas.next(name, box)
             if row0 or box.sizes != local:
                 # one half of the local rows: the same strided view, starting row0 rows in
@@ -650,6 +662,7 @@ class MegatronLegacyAdapter:
                 item.pieces.append(_pt.tensor_piece(rel, view, box=box, rank=t, replica=same))
             else:
                 item.pieces.append(_pt.tensor_piece(rel, ref, box=box, rank=t, replica=same))
+            row0 += box.sizes[0] if box.ndim else 0
 
     def reader(self, manifest: Manifest) -> _pt.PtReader:
         return _pt.PtReader(manifest, ALLOWLIST)

@@ -33,10 +33,11 @@ import numpy as np
 
 from ckpttool import _unpickle
 from ckpttool.assemble import assemble, check_coverage
+from ckpttool.dtypes import carrier
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.formats import _pt, _ptwrite
-from ckpttool.formats.base import PieceReader
-from ckpttool.formats.megatron import _LAYER, _MP_DIR, ALLOWLIST, TRACKER, split_rule
+from ckpttool.formats.base import PieceReader, PlannedFile
+from ckpttool.formats.megatron import _LAYER, _MP_DIR, ALLOWLIST, TRACKER, split_rule, tp_regions
 from ckpttool.geometry import Box
 from ckpttool.manifest import Item, Manifest
 
@@ -80,10 +81,6 @@ def _globalize(local: str, offset: int) -> str:
 def _layer_of(name: str) -> int | None:
     m = _LAYER.match(name)
     return int(m["i"]) if m else None
-
-
-def _uniform_offset(num_layers: int, pp: int, p: int) -> int:
-    return p * (num_layers // pp)
 
 
 def load_source(root: Path, manifest: Manifest) -> _Source:
@@ -255,40 +252,24 @@ def _is_vocab(name: str) -> bool:
 
 
 def _local(item: Item, t: int, tp: int, gated: bool, rules: dict[str, Any], rows: int | None) -> list[Box]:
-    """The boxes of the global tensor rank ``t`` of ``tp`` holds, stacked along their split dim."""
+    """The regions of the global tensor rank ``t`` of ``tp`` holds, stacked along their split dim
+    (``rows``: the vocabulary re-padded to that many rows)."""
     assert item.shape is not None
-    shape = item.shape
-    if rows is not None:  # vocabulary rows re-padded: the global tensor is seen with `rows` rows
-        shape = (rows, *shape[1:])
+    shape = item.shape if rows is None else (rows, *item.shape[1:])
     rule, dim = _rule(item, gated, rules)
-    if rule == "replicated" or tp == 1 or dim is None:
-        return [Box.whole(shape)]
-    if rule == "gated":
-        half = shape[0] // 2 // tp
-        rest = (0,) * (len(shape) - 1)
-        sub = (half, *shape[1:])
-        return [Box((t * half, *rest), sub), Box((shape[0] // 2 + t * half, *rest), sub)]
-    size = shape[dim] // tp
-    offsets = tuple(t * size if d == dim else 0 for d in range(len(shape)))
-    sizes = tuple(size if d == dim else n for d, n in enumerate(shape))
-    return [Box(offsets, sizes)]
+    return tp_regions(shape, rule, dim, t, tp)
 
 
 class _Fill:
     """Produces one output tensor from the source's pieces (``OutTensor.fill``)."""
 
-    def __init__(self, reader: Callable[[], PieceReader] | None, item: Item, boxes: list[Box]) -> None:
-        self.get, self.item, self.boxes = reader, item, boxes
-
-    def reader(self) -> PieceReader:
-        assert self.get is not None, "a planned tensor is never written"
-        return self.get()
+    def __init__(self, reader: PieceReader | None, item: Item, boxes: list[Box]) -> None:
+        self.reader, self.item, self.boxes = reader, item, boxes
 
     def __call__(self, buf: np.ndarray) -> None:
-        item = self.item
+        item, reader = self.item, self.reader
         assert item.shape is not None and item.dtype is not None
-        from ckpttool.dtypes import carrier
-
+        assert reader is not None, "a tensor planned without a reader is never written"
         values = buf.view(carrier(item.dtype))
         pos = 0
         for box in self.boxes:
@@ -300,24 +281,15 @@ class _Fill:
                 out[...] = 0
                 keep = max(0, have - box.offsets[0])
                 if keep:
-                    assemble(self.reader(), item, out=out[:keep], box=Box(box.offsets, (keep, *box.sizes[1:])))
+                    assemble(reader, item, out=out[:keep], box=Box(box.offsets, (keep, *box.sizes[1:])))
                 continue
-            assemble(self.reader(), item, out=out, box=box)
+            assemble(reader, item, out=out, box=box)
 
 
 def _stacked(boxes: list[Box]) -> tuple[int, ...]:
     if len(boxes) == 1:
         return boxes[0].sizes
     return (sum(b.sizes[0] for b in boxes), *boxes[0].sizes[1:])
-
-
-@dataclass(slots=True)
-class PlannedFile:
-    path: str
-    nbytes: int
-    tensors: int
-    largest: int
-    rank: tuple[int, int]
 
 
 def rank_dir(t: int, p: int, pp: int) -> str:
@@ -346,13 +318,17 @@ class LegacyWriter:
         self.rows = self._vocab_rows()
         self.tied = not bool(getattr(self.args, "untie_embeddings_and_output_weights", False))
         emb = manifest.items.get("embedding.word_embeddings.weight")
-        rows = self.rows or (emb.shape[0] if emb is not None and emb.shape else None)
-        if rows is not None and rows % target.tp:
+        self.padded = self.rows or (emb.shape[0] if emb is not None and emb.shape else None)
+        """rows of the embedding (the padded vocabulary) in the output"""
+        if self.padded is not None and self.padded % target.tp:
             raise UsageError(
-                f"cannot reshard to TP={target.tp}: the embedding's {rows} rows (padded vocabulary) cannot be split "
-                f"{target.tp} ways",
+                f"cannot reshard to TP={target.tp}: the embedding's {self.padded} rows (padded vocabulary) cannot "
+                f"be split {target.tp} ways",
                 hint="pass --vocab-padding megatron to re-pad the vocabulary for the new TP",
             )
+        self.divisor = self._vocab_divisor()
+        """the ``make_vocab_size_divisible_by`` recorded in ``args`` when the source's would not
+        give ``padded`` rows at the new TP (None: it does)"""
         missing = [n for n in self.src.model_order if n not in self.manifest.items]
         if missing:
             raise CorruptFileError(f"model entries missing from the manifest: {', '.join(missing[:4])}")
@@ -412,7 +388,7 @@ class LegacyWriter:
                         nbytes=sum(sizes),
                         tensors=len(sizes),
                         largest=max(sizes, default=0),
-                        rank=(t, p),
+                        key=(t, p),
                     )
                 )
         return out
@@ -427,7 +403,7 @@ class LegacyWriter:
                     if extra is not None:
                         yield self._out(extra, t, None)
 
-    def _out(self, item: Item, t: int, reader: Callable[[], PieceReader] | None) -> _ptwrite.OutTensor:
+    def _out(self, item: Item, t: int, reader: PieceReader | None) -> _ptwrite.OutTensor:
         """Rank ``t``'s part of ``item`` (``reader`` None: for planning only, never filled)."""
         assert item.dtype is not None
         rows = self.rows if _is_vocab(_base_param(item)) else None
@@ -447,10 +423,6 @@ class LegacyWriter:
         template = self.src.objs[src_key]
         rel = self.src.rels[src_key]
         archive: Callable[[str], Any] = _pt.archive_cache(reader)  # the reader's open archives
-
-        def get() -> PieceReader:
-            return reader
-
         offset = p * (_num_layers(self.args) // pp)
         model = _unpickle.OrderedDictStandIn()
         names = self._model_names(p)
@@ -459,7 +431,7 @@ class LegacyWriter:
             local = _localize(name, offset)
             if item.is_tensor:
                 check_coverage(item)
-                model[local] = self._out(item, t, get)
+                model[local] = self._out(item, t, reader)
             else:
                 piece = next((pc for pc in item.pieces if pc.rank == t % self.src.tp), item.pieces[0])
                 value = reader.read_object(Item(name=item.name, kind=item.kind, pieces=[piece]))
@@ -470,13 +442,13 @@ class LegacyWriter:
             if key == "model":
                 tree[key] = model
             elif key == "optimizer":
-                tree[key] = self._optimizer(t, p, names, get, archive)
+                tree[key] = self._optimizer(t, names, reader, archive)
             elif key == "rng_state":
-                tree[key] = _ptwrite.carry(value, lambda: archive(rel))
+                tree[key] = _ptwrite.carry(value, partial(archive, rel))
             elif key == "args":
                 tree[key] = self._args(value, t, p)
             else:
-                tree[key] = _ptwrite.carry(value, lambda: archive(rel))
+                tree[key] = _ptwrite.carry(value, partial(archive, rel))
         n = _ptwrite.save(tree, out)
         if progress is not None:
             progress(n)
@@ -515,33 +487,37 @@ class LegacyWriter:
             if d.get("local_rank") == d["rank"]:
                 d["local_rank"] = t + tp * dp * p
             d["rank"] = t + tp * dp * p
-        emb = self.manifest.items.get("embedding.word_embeddings.weight")
-        rows = self.rows or (emb.shape[0] if emb is not None and emb.shape else None)
-        if rows is not None and "padded_vocab_size" in d:
-            d["padded_vocab_size"] = rows
-            div = self.vocab_divisor(d.get("vocab_size"), d.get("make_vocab_size_divisible_by"), rows)
-            if div is not None:
-                d["make_vocab_size_divisible_by"] = div
+        if self.padded is not None and "padded_vocab_size" in d:
+            d["padded_vocab_size"] = self.padded
+            if self.divisor is not None:
+                d["make_vocab_size_divisible_by"] = self.divisor
         return new
 
-    def vocab_divisor(self, vocab: Any, div: Any, rows: int) -> int | None:
-        """The ``--make-vocab-size-divisible-by`` that makes Megatron pad ``vocab`` to ``rows`` at
-        the new TP, when the source's value does not (None: it does, or nothing can)."""
-        tp = self.target.tp
-        if not isinstance(vocab, int) or not isinstance(div, int):
+    def _vocab_divisor(self) -> int | None:
+        tp, rows = self.target.tp, self.padded
+        vocab = getattr(self.args, "vocab_size", None)
+        div = getattr(self.args, "make_vocab_size_divisible_by", None)
+        if rows is None or not isinstance(vocab, int) or not isinstance(div, int):
             return None
         if -(-vocab // (div * tp)) * div * tp == rows or rows % tp or not 0 < vocab <= rows:
             return None
         return rows // tp
 
-    def _optimizer(
-        self,
-        t: int,
-        p: int,
-        names: list[str],
-        get: Callable[[], PieceReader],
-        archive: Callable[[str], Any],
-    ) -> Any:
+    def notes(self) -> list[str]:
+        """What a user resuming from the output must know."""
+        out = []
+        if self.divisor is not None:
+            out.append(
+                f"the vocabulary stays padded to {self.padded} rows: resume with --make-vocab-size-divisible-by "
+                f"{self.divisor} (recorded in args), or reshard with --vocab-padding megatron"
+            )
+        if (self.src.tp, self.src.pp) != (self.target.tp, self.target.pp) and any(
+            i.kind == "rng" for i in self.manifest.items.values()
+        ):
+            out.append(f"RNG state: rank (t, p) gets source rank (t mod {self.src.tp}, p mod {self.src.pp})'s")
+        return out
+
+    def _optimizer(self, t: int, names: list[str], reader: PieceReader, archive: Callable[[str], Any]) -> Any:
         params = [n for n in names if self._item(n).is_tensor and f"{self._src_name(n)}.exp_avg" in self.manifest.items]
         state: dict[int, Any] = {}
         groups: list[dict[str, Any]] = []
@@ -560,11 +536,11 @@ class LegacyWriter:
                 if step is not None:
                     entry["step"] = _ptwrite.carry(step[1], partial(archive, step[0]))
                 for key in _STATE_KEYS:
-                    entry[key] = self._out(self.manifest.items[f"{src_name}.{key}"], t, get)
+                    entry[key] = self._out(self.manifest.items[f"{src_name}.{key}"], t, reader)
                 state[pid] = entry
                 master = self.manifest.items.get(f"{src_name}.fp32")
                 if master is not None:
-                    fp32.append(self._out(master, t, get))
+                    fp32.append(self._out(master, t, reader))
                 ids.append(pid)
                 pid += 1
             groups.append({**copy.deepcopy(hyper), "params": ids})
@@ -585,4 +561,4 @@ def _localize(name: str, offset: int) -> str:
     return f"{m['pre']}{int(m['i']) - offset}{m['rest']}" if m else name
 
 
-__all__ = ["LegacyWriter", "MegatronTarget", "PlannedFile", "load_source"]
+__all__ = ["LegacyWriter", "MegatronTarget", "load_source"]

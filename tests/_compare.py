@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,3 +45,21 @@ def tensor_mismatches(got: dict[str, torch.Tensor], expected: dict[str, Any]) ->
     bad = sorted(set(want) ^ set(got))
     bad += [k for k in sorted(set(want) & set(got)) if not same_bits(got[k], want[k])]
     return bad
+
+
+def dcp_load_mismatches(ckpt: Path, source: Path, ranks: int, tmp: Path) -> list[str]:
+    """Load the DCP checkpoint ``ckpt`` with torch's ``dcp.load`` at ``ranks`` ranks (torchrun,
+    gloo) and compare the gathered tensors with ckpttool's export of ``source``."""
+    from safetensors.torch import load_file
+
+    from ckpttool.export import export
+
+    loaded = tmp / "loaded.pt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+         str(Path(__file__).with_name("_dcp_load_worker.py")), str(ckpt), str(loaded)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    export(source, tmp / "ref.safetensors")
+    return tensor_mismatches(load_file(tmp / "ref.safetensors"), torch.load(loaded, weights_only=True))

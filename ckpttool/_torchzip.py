@@ -188,6 +188,13 @@ class Archive:
             )
         return StorageSpan(self.base + start, info.file_size)
 
+    def read_storage(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes of storage ``key`` from byte ``start`` (short at its end)."""
+        span = self.storage_span(key)
+        start = max(0, min(start, span.length))
+        length = max(0, min(length, span.length - start))
+        return self._read(span.offset - self.base + start, length)
+
     def _read(self, offset: int, length: int) -> bytes:
         """Bytes at ``offset`` of the archive (short only past its end)."""
         length = max(0, min(length, self.length - offset))

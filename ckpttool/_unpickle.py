@@ -375,7 +375,7 @@ def loads(
     outside the allowlist and CorruptFileError for anything else that goes wrong.
     """
     try:
-        return _Unpickler(data, allow, source, what, persistent_load).load()
+        obj = _Unpickler(data, allow, source, what, persistent_load).load()
     except UnsafePickleError:
         raise
     except RecursionError:
@@ -388,3 +388,155 @@ def loads(
             hint="the file is damaged or was not written by the library the format expects",
             path=source,
         ) from None
+    problem = _shape_problem(obj)
+    if problem:
+        raise CorruptFileError(f"{source}: {what} {problem}", hint="the file is damaged or hostile", path=source)
+    return obj
+
+
+MAX_DEPTH = 200
+"""Deepest nesting of containers accepted from a pickle (real checkpoints nest a dozen levels;
+ckpttool's walkers recurse)."""
+MAX_NODES = 20_000_000
+"""Most values a pickle may expand to when shared containers are counted at every place they
+appear (a pickle can reference one list twice from each of 64 levels: 2**64 values to walk)."""
+
+
+_CONTAINERS = (dict, list, tuple, set, frozenset, Record)
+
+
+def _children(obj: Any) -> list[Any]:
+    if isinstance(obj, dict):
+        out = [*obj.keys(), *obj.values()]
+        if isinstance(obj, OrderedDictStandIn) and obj.__dict__:
+            out.extend(obj.__dict__.values())
+        return out
+    if isinstance(obj, Record):
+        return list(obj.__dict__.values())
+    return list(obj)
+
+
+class _Unwalkable(Exception):
+    pass
+
+
+def _shape_problem(root: Any) -> str | None:
+    """Why an unpickled tree cannot be walked safely (a cycle, too deep, too many values when
+    shared parts are expanded), or None. Each container is visited once; the recursion is
+    bounded by MAX_DEPTH."""
+    if not isinstance(root, _CONTAINERS):
+        return None
+    try:
+        _measure(root, 0, set(), {})
+    except _Unwalkable as exc:
+        return str(exc)
+    return None
+
+
+def _measure(obj: Any, depth: int, active: set[int], done: dict[int, int]) -> int:
+    """The number of values under ``obj`` with shared containers counted wherever they appear
+    (the containers are alive in the tree, so their ids are stable while this runs)."""
+    key = id(obj)
+    size = done.get(key)
+    if size is not None:
+        return size
+    if key in active:
+        raise _Unwalkable("contains a container that holds itself (a cycle)")
+    if depth >= MAX_DEPTH:
+        raise _Unwalkable(f"nests containers more than {MAX_DEPTH} levels deep")
+    active.add(key)
+    size = 1
+    for value in _children(obj):
+        size += _measure(value, depth + 1, active, done) if isinstance(value, _CONTAINERS) else 1
+    active.discard(key)
+    if size > MAX_NODES:
+        raise _Unwalkable(f"expands to more than {MAX_NODES:,} values (shared containers repeated)")
+    done[key] = size
+    return size
+
+
+# -- pickles nested inside values ------------------------------------------------------------------
+
+NESTED_MODULES = ("transformer_engine.common.recipe",)
+"""Modules whose classes a nested pickle may name besides the plain and torch-tensor globals:
+TransformerEngine pickles its FP8 recipe (dataclasses, enums, a namedtuple) into ``_extra_state``."""
+_NESTED_GLOBALS = {*PLAIN, *TORCH_TENSORS, ("torch.storage", "_load_from_bytes"), ("copyreg", "_reconstructor")}
+_STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING"}
+_BYTES_OPS = {"SHORT_BINBYTES", "BINBYTES", "BINBYTES8", "BYTEARRAY8"}
+
+
+def looks_pickled(data: bytes) -> bool:
+    """Whether ``data`` starts like a pickle of protocol 2 or later."""
+    return len(data) >= 3 and data[0] == 0x80 and 2 <= data[1] <= 5
+
+
+def nested_globals(data: bytes, depth: int = 0) -> list[str]:
+    """The globals a pickle names, read from its opcodes without running any of them. Byte strings
+    inside it that are torch.save archives (what ``torch.storage._load_from_bytes`` loads) are
+    scanned too. A global whose name is not a constant (built on the stack) is reported as
+    ``<computed>``; a pickle that cannot be parsed as ``<unreadable>``."""
+    import pickletools
+
+    found: list[str] = []
+    recent: list[Any] = []  # the last values pushed, for STACK_GLOBAL
+    memo: dict[int, Any] = {}
+    try:
+        arg: Any
+        for op, arg, _pos in pickletools.genops(data):
+            name = op.name
+            if name == "GLOBAL" or name == "INST":
+                module, _, attr = str(arg).partition(" ")
+                found.append(f"{module}.{attr}")
+            elif name == "STACK_GLOBAL":
+                pair = recent[-2:]
+                found.append(
+                    f"{pair[0]}.{pair[1]}" if len(pair) == 2 and all(isinstance(s, str) for s in pair) else "<computed>"
+                )
+            elif name in _STRING_OPS:
+                recent.append(str(arg))
+            elif name in _BYTES_OPS:
+                recent.append(None)
+                blob = bytes(arg)
+                if depth < 3 and blob[:4] == b"PK\x03\x04":
+                    found.extend(_archive_globals(blob, depth + 1))
+            elif name in ("BINPUT", "LONG_BINPUT", "PUT") and recent:
+                memo[int(arg)] = recent[-1]
+            elif name == "MEMOIZE" and recent:
+                memo[len(memo)] = recent[-1]
+            elif name in ("BINGET", "LONG_BINGET", "GET"):
+                recent.append(memo.get(int(arg)))
+            elif name != "FRAME":
+                recent.append(None)
+            del recent[:-4]
+    except Exception:  # a damaged pickle: not loadable by anyone, but also not proven safe
+        found.append("<unreadable>")
+    return found
+
+
+def _archive_globals(blob: bytes, depth: int) -> list[str]:
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as z:
+            names = [n for n in z.namelist() if n.endswith("data.pkl")]
+            return [g for n in names for g in nested_globals(z.read(n), depth)]
+    except Exception:
+        return ["<unreadable>"]
+
+
+def nested_refusal(data: bytes) -> str | None:
+    """Why bytes nested in a value (a pickle, or a torch.save archive) must not be loaded: the
+    first global they name outside the allowlist for nested pickles, or None (also for bytes that
+    are neither). Nothing in them is run."""
+    if data[:4] == b"PK\x03\x04":  # a torch.save archive (old TransformerEngine: io.BytesIO)
+        globs = _archive_globals(data, 1)
+    elif looks_pickled(data):
+        globs = nested_globals(data)
+    else:
+        return None
+    for glob in globs:
+        module, _, attr = glob.rpartition(".")
+        if (module, attr) in _NESTED_GLOBALS or module.startswith(NESTED_MODULES):
+            continue
+        return glob
+    return None

@@ -51,6 +51,28 @@ def load(root: Path, rel: str, allow: Mapping[tuple[str, str], Any]) -> tuple[_t
         raise
 
 
+NESTED_LIMIT = 64 * 2**20
+"""Largest byte value scanned for a nested pickle (TransformerEngine's are a few KiB)."""
+
+
+def nested_refusal(archive: _torchzip.Archive, value: Any) -> str | None:
+    """For a value that holds a nested pickle (``_extra_state``: a uint8 tensor of pickled bytes,
+    or an ``io.BytesIO``), the first global it names outside the nested allowlist; else None."""
+    if isinstance(value, _unpickle.OpaqueBytes):
+        data = value.data
+    elif (
+        isinstance(value, _unpickle.TensorRef)
+        and value.dtype == "uint8"
+        and len(value.shape) == 1
+        and value.stride == (1,)
+        and 0 < value.shape[0] <= NESTED_LIMIT
+    ):
+        data = archive.read_storage(value.storage.key, value.storage_offset, value.shape[0])
+    else:
+        return None
+    return _unpickle.nested_refusal(data)
+
+
 def tensor_piece(
     rel: str,
     ref: _unpickle.TensorRef,

@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from ckpttool.errors import CorruptFileError
 from ckpttool.io import FileCache
 from ckpttool.manifest import Item, Manifest, Piece
 
@@ -23,6 +24,18 @@ class Detection:
     matches: bool
     reason: str
     """why it matches (what was seen) or why not (what was missing)"""
+
+
+def claim(table: dict[Any, str], key: Any, rel: str, what: str) -> None:
+    """Record that file ``rel`` holds ``key`` (a rank); two files holding the same one is an error,
+    since either could be the stale copy."""
+    if key in table:
+        raise CorruptFileError(
+            f"{table[key]} and {rel} both claim {what}",
+            hint="one is a stray copy (a renamed or re-saved rank file); remove the one that does not belong",
+            path=rel,
+        )
+    table[key] = rel
 
 
 @dataclass(frozen=True, slots=True)

@@ -234,9 +234,17 @@ class DcpAdapter:
         for rank, md_name in sources:
             md = _load_metadata(path, md_name)
             versions.add(str(getattr(md, "version", None)))
-            if rank is None:
-                self._extras(manifest, md)
-            self._add_items(manifest, md, md_name, rank, path, sizes)
+            try:
+                if rank is None:
+                    self._extras(manifest, md)
+                self._add_items(manifest, md, md_name, rank, path, sizes)
+            except (AttributeError, TypeError, ValueError, OverflowError) as exc:
+                # the pickle loaded, but its records lack fields or hold the wrong types
+                raise CorruptFileError(
+                    f"{md_name}: not shaped like DCP metadata ({type(exc).__name__}: {exc})",
+                    hint="the file is damaged or was written by an unknown torch version; restore it from its source",
+                    path=md_name,
+                ) from None
         manifest.files = list(roles.values())
         manifest.format_version = "/".join(sorted(versions))
         if rank_local:
@@ -369,6 +377,14 @@ class DcpAdapter:
                     info = self._storage(storage, fqn, box.offsets, md_name)
                     piece = self._piece(info, box, rank, root, sizes, checked, md_name)
                     piece.nbytes = box.volume * itemsize
+                    if "transforms" not in piece.locator and piece.nbytes > piece.locator["length"]:
+                        raise CorruptFileError(
+                            f"{md_name}: chunk {list(box.offsets)}+{list(box.sizes)} of {fqn} holds "
+                            f"{piece.nbytes:,} bytes of {dt} but its storage in {piece.file} is "
+                            f"{piece.locator['length']:,} bytes",
+                            hint="the metadata does not describe the data files; it is damaged or hostile",
+                            path=md_name,
+                        )
                     piece.replica = replicas.next(fqn, box)
                     item.pieces.append(piece)
             elif isinstance(meta, _BytesStorageMetadata):

@@ -18,7 +18,7 @@ from typing import Any
 from ckpttool import _unpickle
 from ckpttool.errors import CorruptFileError, IncompleteCheckpointError
 from ckpttool.formats import _pt
-from ckpttool.formats.base import Detection
+from ckpttool.formats.base import Detection, claim
 from ckpttool.geometry import Box
 from ckpttool.io import list_files, read_tracker
 from ckpttool.manifest import FileRecord, Item, Kind, Layout, Manifest, Piece, ReplicaCounter
@@ -160,14 +160,22 @@ class DeepSpeedAdapter:
             manifest.extras["tag"] = tag_dir.name
         manifest.files = roles
         base_names = {rel: rel.rsplit("/", 1)[-1] for rel in files}
-        models = {int(m.group(1)): rel for rel, b in base_names.items() if (m := _MODEL.match(b))}
-        z3_models = {
-            (int(m.group(1)), int(m.group(2))): rel for rel, b in base_names.items() if (m := _Z3_MODEL.match(b))
-        }
-        optims = {(int(m.group(2)), int(m.group(3))): rel for rel, b in base_names.items() if (m := _OPTIM.match(b))}
-        layers = {
-            (int(m.group(1)), int(m.group(2) or 0)): rel for rel, b in base_names.items() if (m := _LAYER.match(b))
-        }
+        models: dict[int, str] = {}
+        z3_models: dict[tuple[int, int], str] = {}
+        optims: dict[tuple[int, int], str] = {}
+        layers: dict[tuple[int, int], str] = {}
+        for rel, base in base_names.items():
+            if m := _MODEL.match(base):
+                claim(models, int(m.group(1)), rel, f"model-parallel rank {int(m.group(1))}")
+            elif m := _Z3_MODEL.match(base):
+                dp, mp = int(m.group(1)), int(m.group(2))
+                claim(z3_models, (dp, mp), rel, f"the model states of DP rank {dp}, MP rank {mp}")
+            elif m := _OPTIM.match(base):
+                dp, mp = int(m.group(2)), int(m.group(3))
+                claim(optims, (dp, mp), rel, f"the optimizer states of DP rank {dp}, MP rank {mp}")
+            elif m := _LAYER.match(base):
+                key = (int(m.group(1)), int(m.group(2) or 0))
+                claim(layers, key, rel, f"layer {key[0]} of MP rank {key[1]}")
         first_model = files[models[min(models)]] if models else files[z3_models[min(z3_models)]] if z3_models else None
         if first_model is None:
             raise IncompleteCheckpointError(

@@ -18,7 +18,7 @@ from ckpttool import _unpickle
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CorruptFileError, IncompleteCheckpointError
 from ckpttool.formats import _pt
-from ckpttool.formats.base import Detection
+from ckpttool.formats.base import Detection, claim
 from ckpttool.formats.dcp import DcpAdapter, DcpReader, is_dist_config
 from ckpttool.geometry import Box
 from ckpttool.io import read_tracker
@@ -310,6 +310,17 @@ def _rename(item: Item, local_spec: bool) -> None:
 
 # -- legacy (--ckpt-format torch) -------------------------------------------------------------------
 
+
+def _model_leaves(obj: dict[str, Any]) -> list[tuple[str, Any]]:
+    """``(model.<name> or model<k>.<name>, value)`` for the model state of one legacy rank file."""
+    return [
+        (f"{key}.{local}", value)
+        for key, model in obj.items()
+        if isinstance(key, str) and re.fullmatch(r"model\d*", key) and isinstance(model, dict)
+        for local, value in flatten(model)
+    ]
+
+
 _MP_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^(?P<pre>(?:.*\.)?(?:decoder|encoder)\.layers\.)(?P<i>\d+)(?P<rest>\..*)$")
 _COLUMN = (
@@ -415,14 +426,20 @@ class MegatronLegacyAdapter:
             raise IncompleteCheckpointError(f"{it_dir}: no mp_rank_* directories", path=str(it_dir))
         manifest = Manifest(root=str(root), format=self.name)
         objs: dict[str, Any] = {}
+        self._nested: dict[tuple[str, str], str] = {}
         for d in dirs:
             rel = f"{prefix}{d}/model_optim_rng.pt"
             if not (root / rel).is_file():
                 raise IncompleteCheckpointError(f"{rel} is missing", path=rel, rule="missing-file")
             archive, obj, _ = _pt.load(root, rel, ALLOWLIST)
-            archive.close()
-            if not isinstance(obj, dict):
-                raise CorruptFileError(f"{rel}: expected a dict, found {type(obj).__name__}", path=rel)
+            try:
+                if not isinstance(obj, dict):
+                    raise CorruptFileError(f"{rel}: expected a dict, found {type(obj).__name__}", path=rel)
+                for local, value in _model_leaves(obj):
+                    if local.endswith("_extra_state") and (glob := _pt.nested_refusal(archive, value)):
+                        self._nested[(rel, local)] = glob
+            finally:
+                archive.close()
             objs[d] = obj
         args = next((o.get("args") for o in objs.values() if o.get("args") is not None), None)
         if args is None:
@@ -432,6 +449,7 @@ class MegatronLegacyAdapter:
         layout = _args_layout(args)
         tp, pp, ep = layout.tp or 1, layout.pp or 1, layout.ep or 1
         ranks: dict[str, tuple[int, int, int]] = {}
+        owners: dict[tuple[int, int, int], str] = {}
         for d in dirs:
             m = _MP_DIR.match(d)
             assert m is not None
@@ -440,6 +458,8 @@ class MegatronLegacyAdapter:
                 ranks[d] = (a, int(b or 0), int(c or 0))
             else:
                 ranks[d] = (a, 0, int(b or 0))
+            t, p, e = ranks[d]
+            claim(owners, ranks[d], f"{prefix}{d}", f"TP rank {t}, PP rank {p}" + (f", EP rank {e}" if ep > 1 else ""))
         expected = {(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
         missing = sorted(expected - set(ranks.values()))
         if missing:
@@ -527,14 +547,19 @@ class MegatronLegacyAdapter:
                 if local_experts is not None:
                     name = _global_expert(name, e, local_experts)
                 global_names[local] = name
-                if isinstance(value, _unpickle.TensorRef):
+                path = f"model.{local}" if len(chunks) == 1 else f"model{vp}.{local}"
+                refused = self._nested.get((rel, path))
+                if refused is not None:  # a nested pickle naming a global we would not load
+                    item = manifest.items.get(name) or manifest.add(Item(name=name, kind="object"))
+                    item.error = f"unsafe pickle: nested pickle refers to {refused}"
+                    item.pieces.append(_pt.object_piece(rel, path, rank=t, replica=len(item.pieces)))
+                elif isinstance(value, _unpickle.TensorRef):
                     self._place(manifest, name, value, rel, t, tp, gated, kind="param")
                     order.append((name, value.shape))
                 elif name.endswith("_extra_state"):
                     item = manifest.items.get(name) or manifest.add(Item(name=name, kind="object"))
                     if not item.pieces:
                         set_value(item, value)
-                    path = f"model.{local}" if len(chunks) == 1 else f"model{vp}.{local}"
                     item.pieces.append(_pt.object_piece(rel, path, rank=t, replica=len(item.pieces)))
         opt = obj.get("optimizer")
         if isinstance(opt, dict) and isinstance(opt.get("optimizer"), dict):

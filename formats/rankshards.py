@@ -25,7 +25,7 @@ from typing import Any
 from ckpttool import _unpickle
 from ckpttool.errors import CorruptFileError, IncompleteCheckpointError
 from ckpttool.formats import _pt
-from ckpttool.formats.base import Detection
+from ckpttool.formats.base import Detection, claim
 from ckpttool.geometry import Box
 from ckpttool.io import list_files
 from ckpttool.manifest import FileRecord, Item, Layout, Manifest, ReplicaCounter
@@ -108,9 +108,7 @@ class RankShardsAdapter:
                 )
                 continue
             rank = int(m.group("rank"))
-            if rank in shards:
-                raise CorruptFileError(f"{rel} and {shards[rank]} both claim rank {rank}", path=rel)
-            shards[rank] = rel
+            claim(shards, rank, rel, f"rank {rank}")
             manifest.files.append(FileRecord(path=rel, size=size, role="data", ranks=[rank]))
             if "world" in m.groupdict():
                 world = int(m.group("world"))
@@ -141,9 +139,9 @@ class RankShardsAdapter:
             archive, obj, _ = _pt.load(path, rel, ALLOWLIST)
             archive.close()
             leaves = flatten(obj if isinstance(obj, dict) else {"value": obj}, leaf=_sharded)
-            claim = next((v for k, v in leaves if k in ("step", "iteration", "global_step")), None)
-            if isinstance(claim, int) and not isinstance(claim, bool):
-                claims[rel] = claim
+            claimed = next((v for k, v in leaves if k in ("step", "iteration", "global_step")), None)
+            if isinstance(claimed, int) and not isinstance(claimed, bool):
+                claims[rel] = claimed
             for name, value in leaves:
                 self._add(manifest, name, value, rel, rank, replicas)
         if step is None:

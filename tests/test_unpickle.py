@@ -136,3 +136,44 @@ def test_zip_with_a_comment_falls_back_to_zipfile():
     assert _torchzip._central_directory(lambda off, n: bytes(data[off : off + n]), len(data)) is None
     archive = _torchzip.Archive(bytes(data), display="mem")
     assert archive.load()["x"].shape == (3,)
+
+
+def test_unwalkable_trees_are_refused_before_anything_walks_them():
+    import pickle as _pickle
+
+    from ckpttool import _unpickle as u
+    from ckpttool.errors import CorruptFileError
+
+    cycle = []
+    cycle.append(cycle)
+    laughs: list = [1]
+    for _ in range(70):
+        laughs = [laughs, laughs]
+    deep: list = []
+    for _ in range(u.MAX_DEPTH + 5):
+        deep = [deep]
+    for obj, words in ((cycle, "cycle"), (laughs, "expands to more than"), (deep, "levels deep")):
+        with pytest.raises(CorruptFileError, match=words):
+            u.loads(_pickle.dumps(obj, protocol=2), allow=u.PLAIN, source="f.pt")
+    shared = [1, 2]
+    ok = {"a": [shared, shared, {"b": (shared,)}], "c": [[[]]]}
+    assert u.loads(_pickle.dumps(ok, protocol=2), allow=u.PLAIN, source="f.pt") == ok
+
+
+def test_nested_pickles_are_judged_from_their_opcodes():
+    import os
+    import pickle as _pickle
+
+    import torch
+
+    from ckpttool import _unpickle as u
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    fp8_meta = {"scale_fwd": torch.ones(3), "amax_history": [torch.zeros(2, 2)], "recipe": None}
+    assert u.nested_refusal(_pickle.dumps(fp8_meta)) is None  # what TransformerEngine stores
+    assert u.nested_refusal(_pickle.dumps({"x": Evil()})) == "posix.system"
+    assert u.nested_refusal(b"\x80\x04\x95garbage") == "<unreadable>"
+    assert u.nested_refusal(b"not a pickle") is None

@@ -136,6 +136,23 @@ def _diverge(run: list[dict[str, Any]], ref: list[dict[str, Any]], tolerance: fl
     return None
 
 
+def _preflight(p: Path) -> None:
+    """Read the checkpoint with ckpttool's own reader before a harness loads it with torch: the
+    harness unpickles ``.metadata`` and bytes items for real, so a pickle that names a global
+    outside the allowlist must stop here, before any training code sees the files."""
+    from ckpttool import registry
+    from ckpttool.errors import UnsafePickleError
+
+    _, manifest = registry.describe(p)
+    for item in manifest.items.values():
+        if item.error and item.error.startswith("unsafe pickle"):
+            raise UnsafePickleError(
+                item.pieces[0].file if item.pieces else str(p),
+                item.error.rsplit("refers to ", 1)[-1],
+                what=f"item {item.name}",
+            )
+
+
 def rehearse(
     path: str | Path,
     harness: str,
@@ -154,6 +171,7 @@ def rehearse(
         raise UsageError(f"--harness {harness!r}: expected module:factory")
     if runs < 1 or steps < 1:
         raise UsageError("--runs and --steps must be at least 1")
+    _preflight(p)
     report = RehearseReport(path=str(p), harness=harness, steps=steps)
     traj_file = p / TRAJECTORY
     traj = json.loads(traj_file.read_text()) if traj_file.is_file() else None

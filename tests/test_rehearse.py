@@ -90,6 +90,21 @@ def test_missing_parameter_exits_3_naming_it(trained, tmp_path):
     assert r.code == 3 and "model.head.weight" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_hostile_checkpoint_never_reaches_the_harness(trained, tmp_path):
+    """The harness loads with torch (real unpickling): ckpttool's own reader goes first."""
+    import shutil
+
+    from tests.hostile.corpus import EVIL, MARKER, inject, payload
+
+    ck = tmp_path / "ck"
+    shutil.copytree(trained / "step_10", ck)
+    md = ck / ".metadata"
+    md.write_bytes(inject(md.read_bytes(), payload(*EVIL["os_system"])))
+    r = run_cli("rehearse", ck, "--harness", H, cwd=tmp_path)
+    assert r.code == 3 and "posix.system" in r.stderr and "refused without running it" in r.stderr
+    assert not (tmp_path / MARKER).exists()
+
+
 def test_bad_harness_spec(trained):
     assert run_cli("rehearse", trained / "step_10", "--harness", "no_colon").code == 2
     r = run_cli("rehearse", trained / "step_10", "--harness", "no.such.module:factory")

@@ -77,7 +77,9 @@ def verify_report(out: Output, report: VerifyReport, fail_on: Severity) -> None:
     s = report.summary()
     ok = not report.failing(fail_on)
     checked = ", ".join(f"{v:,} {k}" for k, v in report.checked.items())
-    head = f"[bold]{escape(str(report.format))}[/bold] checkpoint  {escape(report.path)}  step {report.step}"
+    fmt = report.format or "unreadable"
+    step = "unknown" if report.step is None else report.step
+    head = f"[bold]{escape(str(fmt))}[/bold] checkpoint  {escape(report.path)}  step {step}"
     out.line(head)
     out.line(
         f"checked: {checked or 'nothing'}"

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,7 @@ import numpy as np
 from ckpttool import registry
 from ckpttool.errors import UsageError
 from ckpttool.export import safetensors_selection, select, tensor_nbytes, write_safetensors
-from ckpttool.io import fsync_dir, publish_dir, temp_dir_beside
+from ckpttool.io import fsync_dir, publish_dir, staged_dir
 from ckpttool.manifest import Item
 
 TARGETS = ("safetensors", "dcp")
@@ -116,8 +115,7 @@ def convert(
         if len(shards) == 1
         else [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
     )
-    tmp = temp_dir_beside(out)
-    try:
+    with staged_dir(out) as tmp:
         buffer = np.empty(max((tensor_nbytes(i) for _, i in pairs), default=0), dtype=np.uint8)
         weight_map: dict[str, str] = {}
         with adapter.reader(manifest) as reader:
@@ -141,8 +139,5 @@ def convert(
             names.append("model.safetensors.index.json")
         fsync_dir(tmp)
         publish_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     result.files, result.tensors, result.nbytes = names, len(pairs), total
     return result

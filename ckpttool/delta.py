@@ -19,6 +19,7 @@ import mmap
 import os
 import shutil
 import struct
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from ckpttool import codec, registry
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CkptError, CorruptFileError, UsageError
 from ckpttool.hashing import hash_bytes
-from ckpttool.io import atomic_output, fsync_dir, temp_dir_beside
+from ckpttool.io import atomic_output, fsync_dir, publish_dir, staged_dir
 from ckpttool.manifest import Manifest
 from ckpttool.naming import canonical
 
@@ -286,7 +287,103 @@ def read_header(path: str | Path) -> dict[str, Any]:
                 raise ValueError("bad magic")
     except (OSError, ValueError) as exc:
         raise CorruptFileError(f"{p}: not a ckpttool delta or compressed checkpoint ({exc})", path=str(p)) from None
+    try:
+        _check_header(header, size - len(MAGIC) - 8 - n)
+    except _BadHeader as exc:
+        raise CorruptFileError(
+            f"{p}: damaged or forged container header: {exc}",
+            hint="re-create the delta; a header that names paths outside the output or bytes outside the file "
+            "is never applied",
+            path=str(p),
+        ) from None
     return header
+
+
+class _BadHeader(Exception):
+    pass
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise _BadHeader(what)
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _pairs(v: Any, what: str) -> list[tuple[int, int]]:
+    _need(isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 and all(map(_count, p)) for p in v), what)
+    return [(int(a), int(b)) for a, b in v]
+
+
+def safe_rel(rel: Any) -> bool:
+    """A relative POSIX path that stays below the directory it is joined to."""
+    if not isinstance(rel, str) or not rel or "\x00" in rel or "\\" in rel or rel.startswith("/"):
+        return False
+    return all(part not in ("", ".", "..") for part in rel.split("/"))
+
+
+def _check_header(header: Any, data_end: int) -> None:
+    """Every name, number and range a header holds, before anything is read or written by it:
+    paths relative and inside, frames inside the coded data, each file tiled exactly by its
+    non-tensor gaps and its tensors."""
+    _need(isinstance(header, dict), "not a JSON object")
+    _need(header.get("kind") in (DELTA_KIND, PACK_KIND), f"unknown kind {header.get('kind')!r:.40}")
+    files = header.get("files")
+    _need(isinstance(files, dict), "'files' is not an object")
+    _need(not header.get("target_is_file") or len(files) == 1, "a single-file target with several files")
+    base = header.get("base")
+    if header["kind"] == DELTA_KIND:
+        _need(isinstance(base, dict) and isinstance(base.get("files"), dict), "a delta without its base's files")
+        for rel, fp in base["files"].items():
+            _need(safe_rel(rel), f"base file name {rel!r:.60} leaves the base directory")
+            _need(isinstance(fp, dict) and _count(fp.get("size")) and isinstance(fp.get("xxh3"), str), f"base {rel}")
+    for rel, spec in files.items():
+        _need(safe_rel(rel), f"file name {rel!r:.60} leaves the output directory")
+        _need(isinstance(spec, dict) and _count(spec.get("size")) and isinstance(spec.get("xxh3"), str), rel)
+        size = spec["size"]
+        ranges: list[tuple[int, int]] = []
+        other = spec.get("other")
+        if other is not None:
+            _need(isinstance(other, dict) and _count(other.get("nbytes")), f"{rel}: non-tensor bytes")
+            gaps = _pairs(other.get("gaps"), f"{rel}: gaps")
+            _need(sum(n for _, n in gaps) == other["nbytes"], f"{rel}: gaps do not add up to nbytes")
+            _need(other.get("dict") is None or header["kind"] == DELTA_KIND, f"{rel}: a dictionary without a base")
+            if other.get("dict") is not None:
+                _pairs(other["dict"], f"{rel}: dictionary ranges")
+            frames = _pairs(other.get("frames"), f"{rel}: frames")
+            _need(len(frames) == 1 or (not frames and not other["nbytes"]), f"{rel}: non-tensor frames")
+            ranges += gaps
+            _frames_inside(frames, data_end, rel)
+        tensors = spec.get("tensors")
+        _need(isinstance(tensors, list), f"{rel}: 'tensors' is not a list")
+        for t in tensors:
+            _need(isinstance(t, dict) and _count(t.get("offset")) and _count(t.get("length")), f"{rel}: tensor range")
+            _need(t.get("method") in codec.METHODS, f"{rel}: unknown method {t.get('method')!r:.20}")
+            _need(t.get("width") in (1, 2, 4, 8) and isinstance(t.get("floating"), bool), f"{rel}: tensor width")
+            _need(t["length"] % t["width"] == 0, f"{rel}: tensor length not a multiple of its width")
+            _need(isinstance(t.get("sizes"), list) and all(map(_count, t["sizes"])), f"{rel}: plane sizes")
+            _need(isinstance(t.get("kind"), str), f"{rel}: tensor kind")
+            ref = t.get("base")
+            if t["method"] in ("xor", "idiff"):
+                _need(header["kind"] == DELTA_KIND, f"{rel}: {t['method']} needs a base")
+                _need(
+                    isinstance(ref, list) and len(ref) == 2 and safe_rel(ref[0]) and _count(ref[1]),
+                    f"{rel}: base piece reference",
+                )
+            _frames_inside(_pairs(t.get("frames"), f"{rel}: frames"), data_end, rel)
+            ranges.append((t["offset"], t["length"]))
+        pos = 0
+        for off, n in sorted(ranges):
+            _need(off == pos, f"{rel}: its pieces do not tile the file (at byte {pos:,})")
+            pos = off + n
+        _need(pos == size, f"{rel}: its pieces cover {pos:,} of {size:,} bytes")
+
+
+def _frames_inside(frames: list[tuple[int, int]], data_end: int, rel: str) -> None:
+    for off, n in frames:
+        _need(len(MAGIC) <= off and off + n <= data_end, f"{rel}: a frame lies outside the coded data")
 
 
 def _frames(fh: BinaryIO, spans: list[list[int]]) -> list[bytes]:
@@ -329,10 +426,12 @@ def apply(
     elif base is not None:
         raise UsageError(f"{delta} is a compressed checkpoint, not a delta: it takes no base")
     parent = out_path.parent
-    tmp = temp_dir_beside(out_path)
-    try:
+    cancelled = threading.Event()
+    with staged_dir(out_path) as tmp:
 
         def rebuild(item: tuple[str, dict[str, Any]]) -> None:
+            if cancelled.is_set():
+                return
             rel, spec = item
             buf = bytearray(spec["size"])
             with open(delta, "rb") as fh:
@@ -370,31 +469,34 @@ def apply(
                     path=str(delta),
                 )
             dest = tmp / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
+            if cancelled.is_set():
+                return
+            for d in reversed(dest.relative_to(tmp).parents[:-1]):  # below tmp only: never re-create tmp
+                (tmp / d).mkdir(exist_ok=True)
             with open(dest, "wb") as out:
                 out.write(buf)
                 out.flush()
                 os.fsync(out.fileno())
 
-        with ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 2)) as pool:
+        pool = ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 2))
+        try:
             list(pool.map(rebuild, header["files"].items()))
+        except BaseException:
+            cancelled.set()  # the threads still running stop before writing; then tmp is removed
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
         if header.get("target_is_file"):
             (only,) = header["files"]
-            src = tmp / only
-            if out_path.exists():
-                out_path.unlink()
-            os.replace(src, out_path)
+            if out_path.is_dir() and not out_path.is_symlink():
+                raise UsageError(f"{out_path} is a directory; the delta rebuilds a single file")
+            os.replace(tmp / only, out_path)
             shutil.rmtree(tmp)
         else:
             for d in sorted({p.parent for p in tmp.rglob("*")}, key=lambda p: -len(p.parts)):
                 fsync_dir(d)
-            if out_path.exists():
-                shutil.rmtree(out_path)
-            os.replace(tmp, out_path)
+            publish_dir(tmp, out_path)
         fsync_dir(parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return header
 
 

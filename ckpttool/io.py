@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import stat
 import tempfile
 from collections.abc import Iterator
@@ -162,8 +163,10 @@ def list_files(root: str | os.PathLike[str]) -> list[tuple[str, int]]:
     root_s = os.fspath(root)
     out: list[tuple[str, int]] = []
     for dirpath, dirnames, filenames in os.walk(root_s):
-        dirnames.sort()
+        dirnames[:] = sorted(d for d in dirnames if TMP_MARKER not in d)
         for name in filenames:
+            if TMP_MARKER in name:
+                continue  # a writer's temporary (in flight, or left by a killed run): not checkpoint data
             full = os.path.join(dirpath, name)
             rel = os.path.relpath(full, root_s).replace(os.sep, "/")
             try:
@@ -176,39 +179,107 @@ def list_files(root: str | os.PathLike[str]) -> list[tuple[str, int]]:
     return out
 
 
+def _owner_tag() -> str:
+    """``host-pid``: who made a temporary (so a later run can tell a dead writer's leftovers from
+    a live one's)."""
+    return f"{socket.gethostname()}-{os.getpid()}-"
+
+
+def _temp_prefix(dest: Path) -> str:
+    return f".{dest.name}{TMP_MARKER}"
+
+
+def sweep_stale(dest: str | os.PathLike[str]) -> list[str]:
+    """Remove the temporaries that writers killed before they finished left beside ``dest``
+    (made on this host by a process that no longer runs). Returns their names."""
+    dest_p = Path(dest)
+    parent = dest_p.parent if str(dest_p.parent) else Path(".")
+    prefix = _temp_prefix(dest_p)
+    host = socket.gethostname()
+    removed: list[str] = []
+    try:
+        siblings = [p for p in parent.iterdir() if p.name.startswith(prefix)]
+    except OSError:
+        return removed
+    for p in siblings:
+        owner = p.name[len(prefix) :].rsplit("-", 2)
+        if len(owner) != 3 or owner[0] != host or not owner[1].isdigit():
+            continue  # not ours to judge (another host, or an old naming)
+        if _alive(int(owner[1])):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+        removed.append(p.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # an earlier, interrupted call of this very process
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
 @contextlib.contextmanager
 def atomic_output(dest: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     """Write a file that appears at ``dest`` complete or not at all.
 
     Yields a binary file in the destination's directory; on success it is flushed, fsync'd and
     renamed over ``dest`` and the directory fsync'd. On any error the temporary file is removed.
+    Leftovers of killed earlier runs beside ``dest`` are removed first.
     """
     dest_p = Path(dest)
     parent = dest_p.parent if str(dest_p.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest_p.name}{TMP_MARKER}", dir=parent)
+    sweep_stale(dest_p)
+    tmp: str | None = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(dest_p) + _owner_tag(), dir=parent)
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # what open() would give, not mkstemp's 0600
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, dest_p)
         fsync_dir(parent)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        if tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
         raise
 
 
-def temp_dir_beside(dest: str | os.PathLike[str]) -> Path:
+@contextlib.contextmanager
+def staged_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
     """A fresh directory next to ``dest`` (same file system, so one rename publishes it), with the
-    permissions a plain ``mkdir`` would give (mkdtemp makes it private)."""
+    permissions a plain ``mkdir`` would give. The caller fills it and calls :func:`publish_dir`
+    inside the block; on any exception it is removed. Leftovers of killed earlier runs beside
+    ``dest`` are removed first."""
     dest_p = Path(dest)
     dest_p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest_p.name}{TMP_MARKER}", dir=dest_p.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
-    return tmp
+    sweep_stale(dest_p)
+    tmp: Path | None = None
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(dest_p) + _owner_tag(), dir=dest_p.parent))
+        os.chmod(tmp, 0o777 & ~_umask())
+        yield tmp
+    except BaseException:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def fsync_tree(root: Path) -> None:
@@ -229,12 +300,18 @@ def fsync_tree(root: Path) -> None:
 
 
 def publish_dir(tmp: Path, dest: Path) -> None:
-    """Put the finished directory ``tmp`` (from :func:`temp_dir_beside`) in place of ``dest``: one
-    rename, then the parent's entry flushed. An existing ``dest`` (``--force``) is removed first."""
-    if dest.exists():
-        shutil.rmtree(dest) if dest.is_dir() else dest.unlink()
+    """Put the finished directory ``tmp`` (from :func:`staged_dir`) in place of ``dest``: one
+    rename, then the parent's entry flushed. An existing ``dest`` (``--force``) is first renamed
+    aside and deleted only after the new one is in place, so a crash leaves the old output, the
+    new one, or (between the two renames) none, never a half-deleted one."""
+    old: Path | None = None
+    if dest.exists() or dest.is_symlink():
+        old = dest.parent / (_temp_prefix(dest) + _owner_tag() + "old")
+        os.replace(dest, old)
     os.replace(tmp, dest)
     fsync_dir(dest.parent)
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

@@ -16,7 +16,8 @@ Targets so far: Megatron legacy at any TP/PP (from Megatron legacy), DeepSpeed Z
 from __future__ import annotations
 
 import re
-import shutil
+import signal
+import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from typing import Any
 from ckpttool import registry
 from ckpttool.convert import parse_size
 from ckpttool.errors import UsageError
-from ckpttool.io import fsync_tree, publish_dir, temp_dir_beside
+from ckpttool.io import fsync_tree, publish_dir, staged_dir
 from ckpttool.manifest import Manifest
 
 OVERHEAD = 300 * 10**6
@@ -182,18 +183,44 @@ class _FileExec:
                     (tmp / f.path).parent.mkdir(parents=True, exist_ok=True)
                     results.append(self.writer.write(*f.key, tmp / f.path, reader, progress))
         else:
-            with ProcessPoolExecutor(
-                workers,
-                mp_context=get_context("spawn"),
-                initializer=_init_worker,
-                initargs=(self.build, self.args, self.adapter),
-            ) as pool:
+            # the workers ignore Ctrl-C (an ignored signal stays ignored in a spawned interpreter):
+            # this process alone handles it, stops them, and removes the output in flight
+            main = threading.current_thread() is threading.main_thread()
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+            try:
+                pool = ProcessPoolExecutor(
+                    workers,
+                    mp_context=get_context("spawn"),
+                    initializer=_init_worker,
+                    initargs=(self.build, self.args, self.adapter),
+                )
                 keys, outs = zip(*((f.key, str(tmp / f.path)) for f in self.planned), strict=True)
-                for result, size in pool.map(_run_task, keys, outs):
+                futures = [pool.submit(_run_task, k, o) for k, o in zip(keys, outs, strict=True)]
+            finally:
+                if main:
+                    signal.signal(signal.SIGINT, previous)
+            try:
+                for fut in futures:
+                    result, size = fut.result()
                     results.append(result)
                     if progress is not None:
                         progress(size)
+            except BaseException:
+                _stop(pool)
+                raise
+            pool.shutdown(wait=True)
         self.writer.finish(tmp, results)
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Stop a worker pool at once (a task failed, or Ctrl-C): its processes are killed so that none
+    writes into the output directory while it is being removed."""
+    procs = list(getattr(pool, "_processes", {}).values())  # the executor has no public handle on them
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in procs:
+        proc.kill()
+    for proc in procs:
+        proc.join()
 
 
 def _largest_piece(manifest: Manifest) -> int:
@@ -349,8 +376,7 @@ def reshard(
     the_plan, executor = plan(src, target, workers=workers, max_memory=max_memory)
     if dry_run:
         return ReshardResult(plan=the_plan, output=str(out), written=False)
-    tmp = temp_dir_beside(out)
-    try:
+    with staged_dir(out) as tmp:
         executor.run(tmp, the_plan.workers, progress)
         sealed = False
         if seal_output:
@@ -360,9 +386,6 @@ def reshard(
             sealed = True
         fsync_tree(tmp)
         publish_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return ReshardResult(plan=the_plan, output=str(out), written=True, sealed=sealed)
 
 

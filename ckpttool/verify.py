@@ -279,6 +279,7 @@ def verify(
         piece_digests = _check_seal(report, root, sealed, manifest, adapter, workers, progress)
     elif manifest is not None and adapter is not None:
         piece_digests = _check_integrity(report, manifest, adapter, workers, progress)
+    _check_in_flight(report, root, manifest, sealed is not None)
     if manifest is not None and adapter is not None:
         _check_manifest(report, manifest, required)
         _check_replicas(report, manifest, adapter, piece_digests)
@@ -288,6 +289,84 @@ def verify(
             _check_values(report, manifest, adapter)
     report.findings = _dedupe(report.findings)
     return report
+
+
+COMMIT_NAMES = {
+    ".metadata",
+    "metadata.json",
+    "latest",
+    "latest_checkpointed_iteration.txt",
+    "model.safetensors.index.json",
+}
+"""Files a save writes last, when the checkpoint's files cannot be read for their roles."""
+COMMIT_SLACK_S = 5.0
+"""Data files written more than this after the metadata that describes them were not written by
+the save that committed it (files a copy or a checkout writes within a few seconds are not)."""
+
+
+def _check_in_flight(report: VerifyReport, root: Path, manifest: Manifest | None, sealed: bool) -> None:
+    """Signs of a save that is still running, or that stopped half way: a writer's temporary
+    files, and data files rewritten after the metadata that describes them (a save over an
+    existing checkpoint keeps the old metadata until its very end)."""
+    import os
+
+    from ckpttool.io import TMP_MARKER
+
+    base = root if root.is_dir() else root.parent
+    for dirpath, dirnames, filenames in os.walk(base) if root.is_dir() else [(str(base), [], [root.name])]:
+        for name in [*dirnames, *filenames]:
+            rel = os.path.relpath(os.path.join(dirpath, name), base).replace(os.sep, "/")
+            if name.endswith(".metadata.tmp") or name == "metadata.json.tmp":
+                report.findings.append(
+                    finding(
+                        "incomplete-save",
+                        f"{rel}: a writer's temporary metadata is present: a save is running or was interrupted",
+                        file=rel,
+                    )
+                )
+            elif TMP_MARKER in name:
+                report.findings.append(
+                    finding(
+                        "incomplete-save",
+                        f"{rel}: a temporary of an interrupted ckpttool write",
+                        severity="warning",
+                        file=rel,
+                    )
+                )
+    if sealed or not root.is_dir():
+        return  # with a seal, every byte is compared instead
+    if manifest is not None:
+        roles = {f.path: f.role for f in manifest.files}
+    else:  # the checkpoint could not be read (a file being rewritten is often cut short): by name
+        from ckpttool.io import list_files
+
+        roles = {rel: "metadata" if rel.rsplit("/", 1)[-1] in COMMIT_NAMES else "data" for rel, _ in list_files(root)}
+    times: dict[str, float] = {}
+    for rel in roles:
+        try:
+            times[rel] = (base / rel).stat().st_mtime
+        except OSError:
+            continue
+    committed = [times[rel] for rel, role in roles.items() if role in ("metadata", "tracker") and rel in times]
+    if not committed:
+        return
+    commit = max(committed)
+    newer = sorted(
+        (rel for rel, role in roles.items() if role == "data" and times.get(rel, 0.0) > commit + COMMIT_SLACK_S),
+        key=lambda p: -times[p],
+    )
+    if newer:
+        report.findings.append(
+            finding(
+                "incomplete-save",
+                f"{len(newer)} data file(s) were written after the metadata that describes them, by up to "
+                f"{times[newer[0]] - commit:,.0f} s ({', '.join(sorted(newer)[:4])}{' …' if len(newer) > 4 else ''}): "
+                "a save is rewriting this checkpoint now, or one stopped before it committed",
+                file=newer[0],
+                hint="wait for the save to finish; if the files were copied without their timestamps, copy them "
+                "with their times (cp -p, rsync -a) or seal the checkpoint where it was written",
+            )
+        )
 
 
 def _dedupe(findings: list[Finding]) -> list[Finding]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from ckpttool.dtypes import carrier
 from ckpttool.errors import UsageError
 from ckpttool.formats.base import Adapter, PieceReader, PlannedFile
 from ckpttool.geometry import Box
-from ckpttool.io import fsync_tree, publish_dir, temp_dir_beside
+from ckpttool.io import fsync_tree, publish_dir, staged_dir
 from ckpttool.manifest import Item, Manifest
 
 
@@ -167,8 +166,7 @@ def write_dcp(
     """Write ``items`` of ``manifest`` as a DCP checkpoint of ``world_size`` ranks at ``dst``
     (published atomically). Returns the files written."""
     writer = DcpWriter(Path(manifest.root), manifest, world_size, items)
-    tmp = temp_dir_beside(dst)
-    try:
+    with staged_dir(dst) as tmp:
         results = []
         with adapter.reader(manifest) as reader:
             for r in range(world_size):
@@ -176,9 +174,6 @@ def write_dcp(
         writer.finish(tmp, results)
         fsync_tree(tmp)
         publish_dir(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return [".metadata"] + [f"__{r}_0.distcp" for r in range(world_size)]
 
 

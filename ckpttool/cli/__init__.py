@@ -51,7 +51,12 @@ def _handles_errors(fn: F) -> F:
                 traceback.print_exc()
             out.error(exc.message, exc.hint)
             raise typer.Exit(exc.exit_code) from None
-        except (typer.Exit, typer.Abort, typer.BadParameter, KeyboardInterrupt):
+        except KeyboardInterrupt:
+            # typer turns Ctrl-C into exit 130 by itself, silently; say what happened (outputs in
+            # flight were removed on the way out)
+            sys.stderr.write("interrupted\n")
+            raise typer.Exit(130) from None
+        except (typer.Exit, typer.Abort, typer.BadParameter):
             raise
         except Exception as exc:
             if os.environ.get("CKPTTOOL_DEBUG"):

@@ -653,18 +653,23 @@ class Damage:
         """Damage the copy at ``root``; return the file's original bytes (to put back)."""
         f = root / self.file if self.file else root
         original = f.read_bytes()
+        st = f.stat()
         if self.kind == "trunc":
             f.write_bytes(original[: self.at])
         else:
             data = bytearray(original)
             data[self.at] ^= 1 << self.bit
             f.write_bytes(bytes(data))
+        # damage at rest (bit rot, a cut copy): the file keeps its time, so it does not also look
+        # like a save rewriting the checkpoint now (verify watches those for a moment)
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
         return original
 
     def undo(self, root: Path, original: bytes) -> None:
         f = root / self.file if self.file else root
+        st = f.stat()
         f.write_bytes(original)
-        os.utime(f)
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def data_files(root: Path) -> list[str]:

@@ -13,6 +13,7 @@ import io
 import math
 import struct
 import zipfile
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -126,9 +127,9 @@ class Archive:
                 self._zip = zipfile.ZipFile(self._stream)
             except CorruptFileError:
                 raise
-            except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as exc:
+            except Exception as exc:  # zipfile raises many types on damaged input
                 raise CorruptFileError(
-                    f"{self.display}: not a readable torch.save archive ({exc})",
+                    f"{self.display}: not a readable torch.save archive ({type(exc).__name__}: {exc})",
                     hint="the file is truncated or damaged; restore it from its source",
                     path=self.display,
                 ) from None
@@ -139,14 +140,14 @@ class Archive:
         info = self.members[self.prefix + "data.pkl"]
         if info.file_size > _MAX_PICKLE:
             raise CorruptFileError(f"{self.display}: data.pkl claims {info.file_size:,} bytes", path=self.display)
-        if info.compress_type == zipfile.ZIP_STORED:
-            span = self.member_span(self.prefix + "data.pkl", info)
-            data = self._read(span.offset - self.base, span.length)
-        else:
-            try:
-                data = self._zipfile().read(info.filename)
-            except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as exc:
-                raise CorruptFileError(f"{self.display}: data.pkl unreadable ({exc})", path=self.display) from None
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise CorruptFileError(
+                f"{self.display}: data.pkl is compressed (method {info.compress_type}); torch.save never does that",
+                hint="the file was rewritten by another tool, or it is damaged or hostile",
+                path=self.display,
+            )
+        span = self.member_span(self.prefix + "data.pkl", info)
+        data = self._read(span.offset - self.base, span.length)
         return _unpickle.loads(
             data,
             allow=self._allow,
@@ -208,16 +209,33 @@ class Archive:
             self.source.close()
 
     def crc_errors(self) -> list[str]:
-        """Members whose CRC32 does not match their bytes (reads the whole archive)."""
+        """Members whose CRC32 does not match their bytes (reads the whole archive). Members torch
+        would not write (compressed ones) and members whose bytes cannot be found count as bad."""
         bad: list[str] = []
-        for info in self.members.values():
+        for name, info in self.members.items():
             if info.CRC == 0 and info.file_size > 0:
                 continue  # torch writes 0 when CRCs are switched off
+            if info.compress_type != zipfile.ZIP_STORED:
+                bad.append(name)
+                continue
             try:
-                self._zipfile().read(info.filename)
-            except zipfile.BadZipFile:
-                bad.append(info.filename)
+                span = self.member_span(name, info)
+            except CorruptFileError:
+                bad.append(name)
+                continue
+            crc, pos, end = 0, span.offset - self.base, span.offset - self.base + span.length
+            while pos < end:
+                chunk = self._read(pos, min(_CRC_CHUNK, end - pos))
+                if not chunk:
+                    break
+                crc = zlib.crc32(chunk, crc)
+                pos += len(chunk)
+            if pos != end or crc != info.CRC:
+                bad.append(name)
         return bad
+
+
+_CRC_CHUNK = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,7 +310,8 @@ def _zip64_extra(extra: bytes, usize: int, csize: int, offset: int) -> tuple[int
     while pos + 4 <= len(extra):
         tag, size = struct.unpack_from("<2H", extra, pos)
         if tag == 1:
-            values = list(struct.unpack_from(f"<{size // 8}Q", extra, pos + 4))
+            count = max(0, min(size, len(extra) - pos - 4)) // 8  # never past the field's real end
+            values = list(struct.unpack_from(f"<{count}Q", extra, pos + 4))
             if usize == 0xFFFFFFFF and values:
                 usize = values.pop(0)
             if csize == 0xFFFFFFFF and values:
@@ -338,6 +357,14 @@ def read_tensor(archive: Archive, ref: _unpickle.TensorRef, out: np.ndarray | No
         raise CorruptFileError(
             f"{archive.display}: tensor needs {extent * itemsize:,} bytes of storage "
             f"{ref.storage.key} which holds {span.length:,}",
+            path=archive.display,
+        )
+    stored = extent - ref.storage_offset
+    if numel > 1024 * stored and numel * itemsize > 256 << 20:
+        raise CorruptFileError(
+            f"{archive.display}: tensor of {numel:,} elements is a broadcast view of {stored:,} stored ones; "
+            "ckpttool does not expand it",
+            hint="the file is damaged or hostile (torch.save of an expanded tensor keeps the expansion lazy)",
             path=archive.display,
         )
     start = span.offset + ref.storage_offset * itemsize

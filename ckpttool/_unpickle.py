@@ -12,7 +12,9 @@ Each format module builds its allowlist from :data:`PLAIN` plus its own stubs.
 from __future__ import annotations
 
 import io
+import math
 import pickle
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,10 +108,16 @@ class TensorRef:
 
 def _dtype_of(storage: Any, explicit: Any = None) -> str:
     if explicit is not None:
+        if not isinstance(explicit, TorchDType):
+            raise pickle.UnpicklingError(f"tensor dtype {explicit!r:.40} is not a torch dtype")
         return str(explicit)
     if isinstance(storage, StorageRef) and storage.dtype is not None:
         return storage.dtype
     raise pickle.UnpicklingError("tensor without a dtype (untyped storage and no dtype argument)")
+
+
+MAX_DIM = 2**48
+"""Largest element count, dimension, stride or offset a tensor may claim (256 T elements)."""
 
 
 def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, *_rest: Any) -> TensorRef:
@@ -132,8 +140,10 @@ def _tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, dtype: An
         and len(size) == len(stride)
         and all(isinstance(v, int) and v >= 0 for v in (*size, *stride))
         and storage_offset >= 0
+        and all(v <= MAX_DIM for v in (*size, *stride, storage_offset))
+        and math.prod(size) <= MAX_DIM
     ):
-        raise pickle.UnpicklingError(f"malformed tensor geometry: size={size!r} stride={stride!r}")
+        raise pickle.UnpicklingError(f"malformed tensor geometry: size={size!r:.80} stride={stride!r:.80}")
     return TensorRef(storage, storage_offset, size, stride, _dtype_of(storage, dtype))
 
 
@@ -374,6 +384,13 @@ def loads(
     ``source`` names the file (and item) in error messages. Raises UnsafePickleError for a global
     outside the allowlist and CorruptFileError for anything else that goes wrong.
     """
+    if _memo_bomb(data):
+        raise CorruptFileError(
+            f"{source}: {what} stores a value at a memo index far beyond its own length (the reader would "
+            "allocate gigabytes for it)",
+            hint="the file is damaged or hostile",
+            path=source,
+        )
     try:
         obj = _Unpickler(data, allow, source, what, persistent_load).load()
     except UnsafePickleError:
@@ -392,6 +409,41 @@ def loads(
     if problem:
         raise CorruptFileError(f"{source}: {what} {problem}", hint="the file is damaged or hostile", path=source)
     return obj
+
+
+_PUT = re.compile(rb"p(\d{8,})\n")
+_SCAN_ALL = 4 << 20
+
+
+def _memo_bomb(data: bytes) -> bool:
+    """Whether a pickle stores into a memo index larger than the pickle itself. Python's unpickler
+    grows its memo table to the index it is given, so ten bytes can make it allocate gigabytes;
+    a real pickle numbers its memo entries from 0, one per stored object. A byte search finds
+    candidates; a pickle with one is parsed opcode by opcode to be sure. Pickles larger than
+    ``_SCAN_ALL`` (a big DCP ``.metadata``) are not parsed: a known gap, as parsing costs about
+    0.06 s per MB."""
+    import numpy as np
+
+    limit = len(data)
+    if limit > _SCAN_ALL:
+        return False
+    raw = np.frombuffer(data, dtype=np.uint8)
+    at = np.flatnonzero(raw[: max(limit - 4, 0)] == ord("r"))  # LONG_BINPUT and a 4-byte index
+    index = np.zeros(at.size, dtype=np.uint64)
+    for k in range(4):
+        index |= raw[at + 1 + k].astype(np.uint64) << np.uint64(8 * k)
+    if not bool((index > limit).any()) and not any(int(m.group(1)) > limit for m in _PUT.finditer(data)):
+        return False
+    import pickletools
+
+    try:
+        arg: Any
+        for op, arg, _pos in pickletools.genops(data):
+            if op.name in ("LONG_BINPUT", "PUT", "BINPUT") and int(arg) > limit:
+                return True
+    except Exception:
+        return False  # a damaged pickle: the unpickler reports it
+    return False
 
 
 MAX_DEPTH = 200

@@ -103,7 +103,13 @@ def compress_planes(planes: list[Any]) -> list[bytes]:
 
 def decompress_planes(frames: list[bytes], sizes: list[int]) -> list[bytes]:
     dctx = zstandard.ZstdDecompressor()
-    return [dctx.decompress(f, max_output_size=n) for f, n in zip(frames, sizes, strict=True)]
+    out = []
+    for f, n in zip(frames, sizes, strict=True):
+        declared = zstandard.frame_content_size(f)
+        if declared > n:  # zstd would allocate what the frame declares before checking
+            raise ValueError(f"a frame declares {declared:,} bytes where {n:,} are expected")
+        out.append(dctx.decompress(f, max_output_size=n))
+    return out
 
 
 _SAMPLE = 1 << 20

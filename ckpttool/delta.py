@@ -285,7 +285,7 @@ def read_header(path: str | Path) -> dict[str, Any]:
             fh.seek(0)
             if fh.read(len(MAGIC)) != MAGIC:
                 raise ValueError("bad magic")
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise CorruptFileError(f"{p}: not a ckpttool delta or compressed checkpoint ({exc})", path=str(p)) from None
     try:
         _check_header(header, size - len(MAGIC) - 8 - n)
@@ -330,10 +330,12 @@ def _check_header(header: Any, data_end: int) -> None:
     non-tensor gaps and its tensors."""
     _need(isinstance(header, dict), "not a JSON object")
     _need(header.get("kind") in (DELTA_KIND, PACK_KIND), f"unknown kind {header.get('kind')!r:.40}")
+    _need(isinstance(header.get("format"), str), "no format name")
     files = header.get("files")
     _need(isinstance(files, dict), "'files' is not an object")
     _need(not header.get("target_is_file") or len(files) == 1, "a single-file target with several files")
     base = header.get("base")
+    _need(base is None or header["kind"] == DELTA_KIND, "a compressed checkpoint with a base")
     if header["kind"] == DELTA_KIND:
         _need(isinstance(base, dict) and isinstance(base.get("files"), dict), "a delta without its base's files")
         for rel, fp in base["files"].items():
@@ -433,35 +435,15 @@ def apply(
             if cancelled.is_set():
                 return
             rel, spec = item
-            buf = bytearray(spec["size"])
-            with open(delta, "rb") as fh:
-                other = spec["other"]
-                if other is not None and other["nbytes"]:
-                    args: dict[str, Any] = {}
-                    if other["dict"] and b_root is not None:
-                        raw = _read(b_root / rel, [(int(a), int(n)) for a, n in other["dict"]])
-                        args["dict_data"] = zstandard.ZstdCompressionDict(raw, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
-                    data = zstandard.ZstdDecompressor(**args).decompress(
-                        _frames(fh, other["frames"])[0], max_output_size=other["nbytes"]
-                    )
-                    pos = 0
-                    for off, n in other["gaps"]:
-                        buf[off : off + n] = data[pos : pos + n]
-                        pos += n
-                for t in spec["tensors"]:
-                    base_bytes = None
-                    if t["base"] is not None and b_root is not None:
-                        base_bytes = _read(b_root / t["base"][0], [(t["base"][1], t["length"])])
-                    values = codec.decode(
-                        t["method"],
-                        _frames(fh, t["frames"]),
-                        t["sizes"],
-                        base_bytes,
-                        t["width"],
-                        t["floating"],
-                        t["length"],
-                    )
-                    buf[t["offset"] : t["offset"] + t["length"]] = values
+            try:
+                buf = _decode_file(Path(delta), rel, spec, b_root)
+            except (zstandard.ZstdError, ValueError, OverflowError, MemoryError, IndexError) as exc:
+                raise CorruptFileError(
+                    f"{delta}: the coded bytes of {rel} do not decode ({type(exc).__name__}: {exc}); "
+                    "nothing was published",
+                    hint="the delta is damaged; re-create it",
+                    path=str(delta),
+                ) from None
             if hash_bytes(buf) != spec["xxh3"]:
                 raise DeltaMismatchError(
                     f"{delta}: rebuilding {rel} does not give the stored xxh3-128; nothing was published",
@@ -498,6 +480,41 @@ def apply(
             publish_dir(tmp, out_path)
         fsync_dir(parent)
     return header
+
+
+def _decode_file(delta: Path, rel: str, spec: dict[str, Any], b_root: Path | None) -> bytearray:
+    """The bytes of one file of the target, decoded from the container (and the base)."""
+    buf = bytearray(spec["size"])
+    with open(delta, "rb") as fh:
+        other = spec["other"]
+        if other is not None and other["nbytes"]:
+            args: dict[str, Any] = {}
+            if other["dict"] and b_root is not None:
+                raw = _read(b_root / rel, [(int(a), int(n)) for a, n in other["dict"]])
+                args["dict_data"] = zstandard.ZstdCompressionDict(raw, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+            frame = _frames(fh, other["frames"])[0]
+            if zstandard.frame_content_size(frame) > other["nbytes"]:
+                raise ValueError(f"a frame declares more than the {other['nbytes']:,} bytes expected")
+            data = zstandard.ZstdDecompressor(**args).decompress(frame, max_output_size=other["nbytes"])
+            pos = 0
+            for off, n in other["gaps"]:
+                buf[off : off + n] = data[pos : pos + n]
+                pos += n
+        for t in spec["tensors"]:
+            base_bytes = None
+            if t["base"] is not None and b_root is not None:
+                base_bytes = _read(b_root / t["base"][0], [(t["base"][1], t["length"])])
+            values = codec.decode(
+                t["method"],
+                _frames(fh, t["frames"]),
+                t["sizes"],
+                base_bytes,
+                t["width"],
+                t["floating"],
+                t["length"],
+            )
+            buf[t["offset"] : t["offset"] + t["length"]] = values
+    return buf
 
 
 def _base_root(base: Path) -> Path:

@@ -153,6 +153,8 @@ def coverage(shape: Sequence[int], boxes: Iterable[Box]) -> Coverage:
     for b in boxes:
         if not b.within(shape):
             raise ValueError(f"box {b.offsets}+{b.sizes} outside a tensor of shape {shape}")
+    if total == 0:
+        return Coverage(0, 0, 0)  # a tensor with a zero-length dimension: nothing to hold
     cuts = [sorted({0, n, *(b.offsets[d] for b in boxes), *(b.ends[d] for b in boxes)}) for d, n in enumerate(shape)]
     if math.prod(len(c) - 1 for c in cuts) > _MAX_CELLS:
         return _coverage_pairwise(shape, boxes)

@@ -124,7 +124,13 @@ class Manifest:
 
     def add(self, item: Item) -> Item:
         if item.name in self.items:
-            raise ValueError(f"duplicate item {item.name!r}")
+            from ckpttool.errors import CorruptFileError
+
+            raise CorruptFileError(
+                f"two entries of the checkpoint are both named {item.name!r} (a dotted key and a nested one, "
+                "or two files holding the same state)",
+                hint="the checkpoint was written by a tool ckpttool does not know, or it is damaged",
+            )
         self.items[item.name] = item
         return item
 

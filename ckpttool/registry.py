@@ -11,7 +11,7 @@ import importlib
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from ckpttool.errors import FormatNotRecognizedError, NotFoundError
+from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedError, NotFoundError
 from ckpttool.formats.base import Adapter
 from ckpttool.manifest import SEAL_NAME, Manifest
 
@@ -47,8 +47,46 @@ def detect(path: str | Path) -> Adapter:
 def describe(path: str | Path) -> tuple[Adapter, Manifest]:
     """Detect the format of ``path`` and build its manifest from metadata."""
     adapter = detect(path)
-    manifest = adapter.describe(Path(path))
+    try:
+        manifest = adapter.describe(Path(path))
+    except CkptError:
+        raise
+    except UNTRUSTED_SHAPE as exc:
+        # the adapter met values of a type or size its format never writes (a list where a dict
+        # belongs, a negative count, a name used twice): the files are damaged or hostile
+        where = _innermost_frame(exc)
+        raise CorruptFileError(
+            f"{path}: the {adapter.name} checkpoint holds values its format does not write "
+            f"({type(exc).__name__}: {str(exc)[:160]}, in {where})",
+            hint="the checkpoint is damaged, hostile, or written by a version ckpttool does not know; "
+            "rerun with CKPTTOOL_DEBUG=1 and report it if the files are good",
+            path=str(path),
+        ) from exc
     for f in manifest.files:
         if f.path.rsplit("/", 1)[-1].endswith(SEAL_NAME):
             f.role = "seal"
     return adapter, manifest
+
+
+UNTRUSTED_SHAPE = (
+    AttributeError,
+    TypeError,
+    KeyError,
+    IndexError,
+    ValueError,
+    ZeroDivisionError,
+    OverflowError,
+    RecursionError,
+    UnicodeError,
+)
+"""What walking an unexpected object tree raises; turned into a clear error by :func:`describe`."""
+
+
+def _innermost_frame(exc: BaseException) -> str:
+    tb = exc.__traceback__
+    where = "?"
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        where = f"{Path(code.co_filename).parent.name}/{Path(code.co_filename).name}:{tb.tb_lineno} {code.co_name}"
+        tb = tb.tb_next
+    return where

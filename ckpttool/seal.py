@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from ckpttool import __version__, registry
 from ckpttool.errors import CorruptFileError, UsageError
@@ -63,22 +63,35 @@ class Seal:
     def load(cls, path: Path) -> Seal:
         try:
             data = json.loads(path.read_text())
-            if data.get("kind") != SEAL_KIND:
-                raise ValueError(f"kind is {data.get('kind')!r}")
+            if not isinstance(data, dict) or data.get("kind") != SEAL_KIND:
+                raise ValueError(f"kind is {data.get('kind') if isinstance(data, dict) else type(data).__name__!r}")
             pieces = [
                 PieceRecord(item=i, index=n, file=f, offset=o, length=ln, checksum=c)
                 for i, n, f, o, ln, c in data["pieces"]
             ]
+            for r in pieces:
+                if not (
+                    isinstance(r.item, str)
+                    and isinstance(r.file, str)
+                    and isinstance(r.checksum, str)
+                    and all(
+                        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (r.index, r.offset, r.length)
+                    )
+                ):
+                    raise ValueError(f"malformed piece record for {r.item!r:.60}")
+            algo = data["hash"]
+            if algo not in get_args(Algo):
+                raise ValueError(f"unknown hash {algo!r:.40}")
             return cls(
-                algo=data["hash"],
+                algo=algo,
                 manifest=Manifest.from_json_dict(data["manifest"]),
                 pieces=pieces,
                 created=data.get("created", ""),
                 tool=data.get("tool", ""),
             )
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise CorruptFileError(
-                f"{path}: not a readable ckpttool seal ({exc})",
+                f"{path}: not a readable ckpttool seal ({type(exc).__name__}: {exc})",
                 hint="re-create it with 'ckpttool seal', or pass the right file with --manifest",
                 path=str(path),
             ) from None

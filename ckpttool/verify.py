@@ -591,7 +591,11 @@ def _check_manifest(report: VerifyReport, manifest: Manifest, required: set[str]
             )
         if not item.is_tensor or item.shape is None:
             continue
-        boxes = [b for p in item.pieces if p.replica == 0 for b in regions(p)]
+        try:
+            boxes = [b for p in item.pieces if p.replica == 0 for b in regions(p)]
+        except ValueError as exc:
+            report.findings.append(finding("corrupt-file", f"{item.name}: {exc}", item=item.name))
+            continue
         try:
             cov = coverage(item.shape, boxes)
         except ValueError as exc:

@@ -21,7 +21,6 @@ from ckpttool.formats.base import PieceReader
 from ckpttool.geometry import Box
 from ckpttool.io import RandomAccessFile
 from ckpttool.manifest import Item, Manifest, Piece
-from ckpttool.values import flatten
 
 ZIP_MAGIC = b"PK\x03\x04"
 
@@ -131,6 +130,11 @@ class PtReader(PieceReader):
     def read(self, piece: Piece, item: Item, out: np.ndarray | None = None) -> np.ndarray:
         assert item.dtype is not None
         loc = piece.locator
+        if "storage" not in loc:
+            raise CorruptFileError(
+                f"{piece.file}: {item.name} is a tensor in one place and another value in {piece.file}",
+                path=piece.file,
+            )
         storage = _unpickle.StorageRef(key=loc["storage"], dtype=item.dtype, numel=0, location="cpu")
         ref = _unpickle.TensorRef(storage, loc["storage_offset"], tuple(loc["shape"]), tuple(loc["stride"]), item.dtype)
         return _torchzip.read_tensor(self.archive(piece.file), ref, out)
@@ -149,11 +153,39 @@ class PtReader(PieceReader):
 
     def read_object(self, item: Item) -> Any:
         piece = item.pieces[0]
-        objects = self._objects.get(piece.file)
-        if objects is None:
-            objects = dict(flatten(self.archive(piece.file).load()))
-            self._objects[piece.file] = objects
-        return objects[piece.locator["path"]]
+        tree = self._objects.get(piece.file)
+        if tree is None:
+            obj = self.archive(piece.file).load()
+            tree = obj if isinstance(obj, dict) else {"value": obj}  # as the adapters name them
+            self._objects[piece.file] = tree
+        try:
+            return lookup(tree, piece.locator["path"])
+        except KeyError:
+            raise CorruptFileError(
+                f"{piece.file}: no value at {piece.locator['path']!r} (the file changed since it was described?)",
+                path=piece.file,
+            ) from None
+
+
+def lookup(tree: Any, path: str) -> Any:
+    """The value at dotted ``path`` of a nested state dict, as :func:`~ckpttool.values.flatten`
+    names it (keys may hold dots themselves: the longest key that fits is tried first)."""
+    if isinstance(tree, dict):
+        keys = sorted((k for k in tree if isinstance(k, str | int)), key=lambda k: -len(str(k)))
+        for key in keys:
+            name = str(key)
+            if path == name:
+                return tree[key]
+            if path.startswith(name + "."):
+                try:
+                    return lookup(tree[key], path[len(name) + 1 :])
+                except KeyError:
+                    continue
+    elif isinstance(tree, list | tuple):
+        head, _, rest = path.partition(".")
+        if head.isdigit() and int(head) < len(tree):
+            return tree[int(head)] if not rest else lookup(tree[int(head)], rest)
+    raise KeyError(path)
 
 
 def archive_cache(reader: PieceReader) -> Callable[[str], _torchzip.Archive]:

@@ -12,6 +12,7 @@ below); bytes items (non-tensor values) through the plain-value allowlist. Nothi
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -42,8 +43,9 @@ _HF_SHARD = re.compile(r"^shard-(\d+)-model-\d+-of-\d+\.safetensors$")
 # -- stand-ins for the classes pickled in .metadata ------------------------------------------------
 
 
-class _Record:
-    """A dataclass instance from the pickle: attributes only, no behaviour."""
+class _Record(_unpickle.Record):
+    """A dataclass instance from the pickle: attributes only, no behaviour (a Record, so that the
+    unpickler's checks on the tree walk into it)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.__dict__})"
@@ -170,7 +172,7 @@ def is_dist_config(path: Path) -> bool:
     is DCP underneath, but read as ``megatron-dist``)."""
     try:
         return path.is_file() and "sharded_backend" in json.loads(path.read_text())
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, RecursionError):
         return False
 
 
@@ -272,7 +274,7 @@ class DcpAdapter:
             header = st.read_header(path / rel, rel)
             try:
                 info = json.loads(header.metadata.get(st.SHARDING_INFO, "{}"))
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise CorruptFileError(f"{rel}: {st.SHARDING_INFO} is not JSON", path=rel) from None
             m = _HF_SHARD.match(rel)
             rank = int(m.group(1)) - 1 if m else None
@@ -490,10 +492,21 @@ class DcpReader(PieceReader):
             import zstandard
 
             raw = f.read(loc["offset"], loc["length"])
+            # a torch.save archive of the piece: its bytes and a little zip; objects have no size
+            bound = 2 * piece.nbytes + (1 << 20) if piece.nbytes else max(32 << 20, 64 * len(raw))
+            out = bytearray()
             try:
-                data = zstandard.ZstdDecompressor().decompressobj().decompress(raw)
+                with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw)) as reader:
+                    while len(out) <= bound and (chunk := reader.read(1 << 20)):
+                        out += chunk
             except zstandard.ZstdError as exc:
                 raise CorruptFileError(f"{display}: zstd frame does not decode ({exc})", path=piece.file) from None
+            if len(out) > bound:
+                raise CorruptFileError(
+                    f"{display}: zstd frame of {len(raw):,} bytes expands past {bound:,} bytes (a decompression bomb)",
+                    path=piece.file,
+                )
+            data = bytes(out)
             return _torchzip.Archive(data, display=display, allow=self.object_allow)
         return _torchzip.Archive(f, base=loc["offset"], length=loc["length"], display=display, allow=self.object_allow)
 

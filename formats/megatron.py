@@ -171,7 +171,7 @@ class MegatronDistAdapter:
             path = _read_tracker(path)
         try:
             config = json.loads((path / "metadata.json").read_text())
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             raise CorruptFileError(f"metadata.json: not readable JSON ({exc})", path="metadata.json") from None
         backend = config.get("sharded_backend") if isinstance(config, dict) else None
         if backend != "torch_dist":
@@ -460,6 +460,13 @@ class MegatronLegacyAdapter:
                 ranks[d] = (a, 0, int(b or 0))
             t, p, e = ranks[d]
             claim(owners, ranks[d], f"{prefix}{d}", f"TP rank {t}, PP rank {p}" + (f", EP rank {e}" if ep > 1 else ""))
+        if tp * pp * ep > 64 * len(dirs):
+            raise CorruptFileError(
+                f"{it_dir}: args say TP={tp} PP={pp} EP={ep} ({tp * pp * ep:,} ranks) but {len(dirs)} rank "
+                "directories exist",
+                hint="the args are damaged, or most of the checkpoint is gone",
+                path=str(it_dir),
+            )
         expected = {(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
         missing = sorted(expected - set(ranks.values()))
         if missing:

@@ -117,14 +117,20 @@ class RankShardsAdapter:
         if (path / "metadata.json").is_file():
             try:
                 meta = json.loads((path / "metadata.json").read_text())
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, RecursionError) as exc:
                 raise CorruptFileError(f"metadata.json: not readable JSON ({exc})", path="metadata.json") from None
+            if not isinstance(meta, dict):
+                raise CorruptFileError("metadata.json: not a JSON object", path="metadata.json")
             if isinstance(meta.get("world_size"), int):
                 world = meta["world_size"]
             if isinstance(meta.get("step"), int):
                 step = meta["step"]
+        if world is not None and not 0 < world <= max(4 * len(shards), 1 << 16):
+            raise CorruptFileError(
+                f"{path}: world size {world:,} for {len(shards)} shard files is not plausible", path=str(path)
+            )
         if world is not None:
-            missing = sorted(set(range(world)) - set(shards))
+            missing = [r for r in range(world) if r not in shards]
             if missing:
                 raise IncompleteCheckpointError(
                     f"{path}: {len(missing)} of {world} rank shards missing "

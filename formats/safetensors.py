@@ -75,7 +75,7 @@ def read_header(path: Path, display: str) -> Header:
         size = f.size
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CorruptFileError(f"{display}: header is not valid JSON ({exc})", path=display) from None
     if not isinstance(header, dict):
         raise CorruptFileError(f"{display}: header is not a JSON object", path=display)
@@ -243,7 +243,7 @@ def _read_index(root: Path, name: str) -> dict[str, str]:
     try:
         with open(root / name, encoding="utf-8") as fh:
             index = json.load(fh)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise CorruptFileError(f"{name}: not a readable JSON index ({exc})", path=name) from None
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):

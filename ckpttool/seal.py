@@ -74,9 +74,8 @@ class Seal:
                     isinstance(r.item, str)
                     and isinstance(r.file, str)
                     and isinstance(r.checksum, str)
-                    and all(
-                        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (r.index, r.offset, r.length)
-                    )
+                    and _count(r.index)
+                    and all(v is None or _count(v) for v in (r.offset, r.length))  # None: not one byte run
                 ):
                     raise ValueError(f"malformed piece record for {r.item!r:.60}")
             algo = data["hash"]
@@ -95,6 +94,10 @@ class Seal:
                 hint="re-create it with 'ckpttool seal', or pass the right file with --manifest",
                 path=str(path),
             ) from None
+
+
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def in_file_order(manifest: Manifest, *, tensors_only: bool = False) -> list[tuple[Item, int, Piece]]:

@@ -12,6 +12,7 @@ import shutil
 import socket
 import stat
 import tempfile
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -45,13 +46,25 @@ class RandomAccessFile:
     def __init__(self, path: str | os.PathLike[str], display: str | None = None) -> None:
         self.path = os.fspath(path)
         self.display = display or self.path
+        self.fd = -1
+        self.size = -1
+        self._open()
+
+    def _open(self) -> int:
+        """Open (or, after :class:`FileCache` closed it to stay under the open-file limit,
+        re-open) the file; a file whose size changed in between is reported, not read."""
         try:
-            self.fd = os.open(self.path, os.O_RDONLY)
+            fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
             raise NotFoundError(f"{self.display}: file not found", path=self.display) from None
         except OSError as exc:
             raise NotFoundError(f"{self.display}: cannot open ({exc.strerror})", path=self.display) from None
-        self.size = os.fstat(self.fd).st_size
+        size = os.fstat(fd).st_size
+        if self.size >= 0 and size != self.size:
+            os.close(fd)
+            raise CorruptFileError(f"{self.display} changed size while being read", path=self.display)
+        self.fd, self.size = fd, size
+        return fd
 
     def read(self, offset: int, length: int) -> bytes:
         """Exactly ``length`` bytes at ``offset``, or a CorruptFileError naming the shortfall."""
@@ -63,7 +76,7 @@ class RandomAccessFile:
                 path=self.display,
                 rule="truncated-file",
             )
-        data = pread(self.fd, length, offset)
+        data = pread(self.fd if self.fd >= 0 else self._open(), length, offset)
         if len(data) != length:
             raise CorruptFileError(f"{self.display}: short read at {offset:,}", path=self.display)
         return data
@@ -71,7 +84,7 @@ class RandomAccessFile:
     def read_into(self, offset: int, buf: memoryview) -> None:
         if offset < 0 or offset + len(buf) > self.size:
             self.read(offset, len(buf))  # raises the truncation message
-        if preadinto(self.fd, buf, offset) != len(buf):
+        if preadinto(self.fd if self.fd >= 0 else self._open(), buf, offset) != len(buf):
             raise CorruptFileError(f"{self.display}: short read at {offset:,}", path=self.display)
 
     def close(self) -> None:
@@ -87,29 +100,59 @@ class RandomAccessFile:
 
 
 class FileCache:
-    """Keeps files open across many piece reads; one per command run."""
+    """Keeps files open across many piece reads; one per command run. At most ``max_open`` stay
+    open (least recently used closed first, re-opened on their next read), so a checkpoint of
+    10 000 files, or two of them in ``diff``, stays under the process's open-file limit."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], max_open: int | None = None) -> None:
         self.root = os.fspath(root)
-        self._open: dict[str, RandomAccessFile] = {}
+        self.max_open = max_open or default_max_open()
+        self._files: dict[str, RandomAccessFile] = {}
+        self._lru: OrderedDict[str, RandomAccessFile] = OrderedDict()  # the ones with an open fd
 
     def get(self, rel: str) -> RandomAccessFile:
-        f = self._open.get(rel)
+        f = self._files.get(rel)
         if f is None:
+            self._make_room()
             f = RandomAccessFile(confine(self.root, rel), display=rel)
-            self._open[rel] = f
+            self._files[rel] = f
+        elif f.fd < 0:
+            self._make_room()
+            f._open()
+        self._lru[rel] = f
+        self._lru.move_to_end(rel)
         return f
 
+    def _make_room(self) -> None:
+        while len(self._lru) >= self.max_open:
+            _, old = self._lru.popitem(last=False)
+            old.close()
+
     def close(self) -> None:
-        for f in self._open.values():
+        for f in self._files.values():
             f.close()
-        self._open.clear()
+        self._files.clear()
+        self._lru.clear()
 
     def __enter__(self) -> FileCache:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def default_max_open() -> int:
+    """A quarter of the soft open-file limit, between 16 and 256 (hashing threads, outputs and a
+    second checkpoint need the rest)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, ValueError, OSError):
+        return 256
+    if soft == resource.RLIM_INFINITY:
+        return 256
+    return max(16, min(256, soft // 4))
 
 
 def read_tracker(path: str | os.PathLike[str], display: str) -> str:

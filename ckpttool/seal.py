@@ -8,6 +8,7 @@ re-hash a checkpoint in one pass and name the tensor a flipped byte belongs to.
 from __future__ import annotations
 
 import datetime as _dt
+import gc
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,6 +62,16 @@ class Seal:
 
     @classmethod
     def load(cls, path: Path) -> Seal:
+        enabled = gc.isenabled()
+        gc.disable()  # a seal of 10^5 items is millions of JSON values, none of them cyclic garbage
+        try:
+            return cls._load(path)
+        finally:
+            if enabled:
+                gc.enable()
+
+    @classmethod
+    def _load(cls, path: Path) -> Seal:
         try:
             data = json.loads(path.read_text())
             if not isinstance(data, dict) or data.get("kind") != SEAL_KIND:

@@ -15,8 +15,10 @@ CLI renders it (human, JSON, JUnit, GitHub) and picks the exit code. Checks:
 
 from __future__ import annotations
 
-from collections import defaultdict
+import os
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -29,7 +31,7 @@ from ckpttool.assemble import assemble, regions
 from ckpttool.errors import CkptError, FormatNotRecognizedError, NotFoundError
 from ckpttool.formats.base import Adapter
 from ckpttool.geometry import coverage
-from ckpttool.hashing import Span, hash_bytes, hash_files
+from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
 from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, StateName
 from ckpttool.seal import Seal, default_seal_path, in_file_order
 
@@ -502,14 +504,56 @@ def _check_integrity(
     progress: Callable[[int], None] | None,
 ) -> dict[tuple[str, int], str]:
     """No seal: the CRC32 of every zip member the format carries, and piece digests for the
-    replica and optimizer checks, in one read of every data file."""
+    replica and optimizer checks, in one read of every data file.
+
+    File by file: the pieces and zip members of one file are located, the file is handed to a
+    hashing thread, and what was located is dropped once its digests are checked, so memory holds
+    the piece digests and a few files' spans, not an archive object per piece."""
     root = Path(manifest.root)
-    spans: dict[str, list[Span]] = defaultdict(list)
-    expected_crc: dict[Any, tuple[int, str, str | None]] = {}
-    with adapter.reader(manifest) as reader:
-        archives: list[tuple[str, Any, str | None]] = []
+    hashable = {f.path for f in manifest.files if f.role in ("data", "metadata")}
+    pieces: dict[tuple[str, int], str] = {}
+    counted = {"files": 0, "bytes": 0}
+    pool_size = workers or min(8, max(2, os.cpu_count() or 2))
+    Expected = dict[Any, tuple[int, str, str | None]]
+
+    def check(fut: Future[tuple[FileDigest, dict[Any, str]]], rel: str, expected: Expected) -> None:
+        digest, digests = fut.result()
+        counted["files"] += 1
+        counted["bytes"] += max(digest.size, 0)
+        for key, (crc, member, owner) in expected.items():
+            got = digests.get(key)
+            if got is not None and int(got, 16) != crc:
+                report.findings.append(
+                    finding(
+                        "checksum-mismatch",
+                        f"{rel}: {member}{f' (of {owner})' if owner else ''} fails its zip CRC32 "
+                        f"(stored {crc:08x}, computed {got}): the bytes changed after the save",
+                        file=rel,
+                        item=owner,
+                    )
+                )
+        for key, value in digests.items():
+            if key[0] == "piece":
+                pieces[(key[1], key[2])] = value
+
+    pending: deque[tuple[Future[tuple[FileDigest, dict[Any, str]]], str, Expected]] = deque()
+    with adapter.reader(manifest) as reader, ThreadPoolExecutor(max_workers=pool_size) as pool:
+
+        def submit(rel: str | None, spans: list[Span], expected: Expected) -> None:
+            if rel is None or not spans or rel not in hashable:
+                return
+            pending.append((pool.submit(hash_file, root, rel, spans, "xxh3-128", progress), rel, expected))
+            while len(pending) > 2 * pool_size:
+                check(*pending.popleft())
+
+        current: str | None = None
+        spans: list[Span] = []
+        expected: Expected = {}
         seen: set[tuple[str, int]] = set()
         for item, i, piece in in_file_order(manifest):
+            if piece.file != current:
+                submit(current, spans, expected)
+                current, spans, expected = piece.file, [], {}
             if item.is_tensor:
                 try:
                     span = reader.raw_span(piece, item)
@@ -517,60 +561,43 @@ def _check_integrity(
                     report.findings.append(_from_error(exc))
                     continue
                 if span is not None:
-                    spans[piece.file].append(Span(("piece", item.name, i), span[0], span[1]))
+                    spans.append(Span(("piece", item.name, i), span[0], span[1]))
             try:
                 arch = reader.archive_of(piece)
             except CkptError as exc:
                 report.findings.append(_from_error(exc))
                 arch = None
-            if arch is not None:
-                arch_key = (piece.file, arch.base)
-                if arch_key not in seen:
-                    seen.add(arch_key)
-                    archives.append((piece.file, arch, item.name if "offset" in piece.locator else None))
-        for rel, arch, owner in archives:
+            if arch is None or (piece.file, arch.base) in seen:
+                continue
+            seen.add((piece.file, arch.base))
+            owner = item.name if "offset" in piece.locator else None
             if isinstance(arch.source, bytes):  # decompressed (zstd) item: check it in memory
                 for name in arch.crc_errors():
                     report.findings.append(
                         finding(
                             "checksum-mismatch",
-                            f"{rel}: member {name} of {owner or 'the archive'} fails its CRC32",
-                            file=rel,
+                            f"{piece.file}: member {name} of {owner or 'the archive'} fails its CRC32",
+                            file=piece.file,
                             item=owner,
                         )
                     )
                 continue
             for name, info in arch.members.items():
-                if info.CRC == 0 and info.file_size > 0:
-                    continue  # torch wrote no CRCs
-                if info.compress_type != 0:
-                    continue
+                if (info.CRC == 0 and info.file_size > 0) or info.compress_type != 0:
+                    continue  # torch wrote no CRCs, or a member we do not inflate
                 try:
-                    span = arch.member_span(name, info)
+                    mspan = arch.member_span(name, info)
                 except CkptError as exc:
                     report.findings.append(_from_error(exc))
                     continue
-                key = ("crc", rel, span.offset)
-                spans[rel].append(Span(key, span.offset, span.length, algo="crc32"))
-                expected_crc[key] = (info.CRC, name, owner)
-    files = [f.path for f in manifest.files if f.role in ("data", "metadata") and f.path in spans]
-    file_digests, digests = hash_files(root, files, spans, "xxh3-128", workers=workers, progress=progress)
-    report.checked["files"] = len(files)
-    report.checked["bytes"] = sum(d.size for d in file_digests.values() if d.size > 0)
-    for key, (crc, member, owner) in expected_crc.items():
-        got = digests.get(key)
-        if got is not None and int(got, 16) != crc:
-            rel = key[1]
-            report.findings.append(
-                finding(
-                    "checksum-mismatch",
-                    f"{rel}: {member}{f' (of {owner})' if owner else ''} fails its zip CRC32 "
-                    f"(stored {crc:08x}, computed {got}): the bytes changed after the save",
-                    file=rel,
-                    item=owner,
-                )
-            )
-    pieces = {(k[1], k[2]): v for k, v in digests.items() if k[0] == "piece"}
+                key = ("crc", piece.file, mspan.offset)
+                spans.append(Span(key, mspan.offset, mspan.length, algo="crc32"))
+                expected[key] = (info.CRC, name, owner)
+        submit(current, spans, expected)
+        while pending:
+            check(*pending.popleft())
+    report.checked["files"] = counted["files"]
+    report.checked["bytes"] = counted["bytes"]
     report.checked["pieces"] = len(pieces)
     return pieces
 

@@ -484,7 +484,16 @@ class DcpReader(PieceReader):
         super().__init__(manifest)
         self.object_allow = object_allow or OBJECT_ALLOWLIST
 
+    _recent: tuple[tuple[str, int], _torchzip.Archive] | None = None
+
     def _archive(self, piece: Piece) -> _torchzip.Archive:
+        # raw_span then archive_of on the same piece (verify) parse its archive once
+        key = (piece.file, piece.locator["offset"])
+        if self._recent is None or self._recent[0] != key:
+            self._recent = (key, self._open_archive(piece))
+        return self._recent[1]
+
+    def _open_archive(self, piece: Piece) -> _torchzip.Archive:
         f = self.files.get(piece.file)
         loc = piece.locator
         display = f"{piece.file}@{loc['offset']}"

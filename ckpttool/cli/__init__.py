@@ -8,6 +8,7 @@ Ctrl-C. Library modules (and torch) are imported inside the commands so ``--help
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import sys
 import traceback
@@ -43,6 +44,10 @@ def _handles_errors(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        # a command holds one manifest (10^5..10^6 small records) for its whole run: collect
+        # cycles far less often than the default, which would rescan it every few thousand
+        # allocations (the library itself leaves the collector alone)
+        gc.set_threshold(100_000, 50, 100)
         out = Output()
         try:
             return fn(*args, **kwargs)

@@ -137,6 +137,15 @@ class Archive:
 
     def load(self) -> Any:
         """The archived object, tensors as :class:`~ckpttool._unpickle.TensorRef`."""
+        return _unpickle.loads(
+            self.pickle_bytes(),
+            allow=self._allow,
+            source=self.display,
+            persistent_load=_unpickle.storage_persistent_load,
+        )
+
+    def pickle_bytes(self) -> bytes:
+        """The bytes of ``data.pkl`` (not unpickled)."""
         info = self.members[self.prefix + "data.pkl"]
         if info.file_size > _MAX_PICKLE:
             raise CorruptFileError(f"{self.display}: data.pkl claims {info.file_size:,} bytes", path=self.display)
@@ -147,13 +156,7 @@ class Archive:
                 path=self.display,
             )
         span = self.member_span(self.prefix + "data.pkl", info)
-        data = self._read(span.offset - self.base, span.length)
-        return _unpickle.loads(
-            data,
-            allow=self._allow,
-            source=self.display,
-            persistent_load=_unpickle.storage_persistent_load,
-        )
+        return self._read(span.offset - self.base, span.length)
 
     def storage_span(self, key: str) -> StorageSpan:
         """Where the raw bytes of storage ``key`` start, without reading them."""
@@ -188,13 +191,6 @@ class Archive:
                 rule="truncated-file",
             )
         return StorageSpan(self.base + start, info.file_size)
-
-    def read_storage(self, key: str, start: int, length: int) -> bytes:
-        """``length`` bytes of storage ``key`` from byte ``start`` (short at its end)."""
-        span = self.storage_span(key)
-        start = max(0, min(start, span.length))
-        length = max(0, min(length, span.length - start))
-        return self._read(span.offset - self.base + start, length)
 
     def _read(self, offset: int, length: int) -> bytes:
         """Bytes at ``offset`` of the archive (short only past its end)."""

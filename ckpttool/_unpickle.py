@@ -566,14 +566,16 @@ def nested_globals(data: bytes, depth: int = 0) -> list[str]:
 
 
 def _archive_globals(blob: bytes, depth: int) -> list[str]:
-    import zipfile
+    """The globals of a torch.save archive held in bytes, read by ckpttool's own zip reader (which
+    refuses compressed members, so a nested archive cannot be a decompression bomb)."""
+    from ckpttool import _torchzip
+    from ckpttool.errors import CkptError
 
     try:
-        with zipfile.ZipFile(io.BytesIO(blob)) as z:
-            names = [n for n in z.namelist() if n.endswith("data.pkl")]
-            return [g for n in names for g in nested_globals(z.read(n), depth)]
-    except Exception:
+        data = _torchzip.Archive(blob, display="nested archive").pickle_bytes()
+    except CkptError:
         return ["<unreadable>"]
+    return nested_globals(data, depth)
 
 
 def nested_refusal(data: bytes) -> str | None:

@@ -32,9 +32,10 @@ from ckpttool import codec, registry
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CkptError, CorruptFileError, UsageError
 from ckpttool.hashing import hash_bytes
-from ckpttool.io import atomic_output, fsync_dir, publish_dir, staged_dir
+from ckpttool.io import atomic_output, escapes, fsync_dir, publish_dir, staged_dir
 from ckpttool.manifest import Manifest
 from ckpttool.naming import canonical
+from ckpttool.values import is_count
 
 MAGIC = b"CKPTDELTA1\n"
 DELTA_KIND = "ckpttool.delta"
@@ -308,20 +309,9 @@ def _need(ok: bool, what: str) -> None:
         raise _BadHeader(what)
 
 
-def _count(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
 def _pairs(v: Any, what: str) -> list[tuple[int, int]]:
-    _need(isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 and all(map(_count, p)) for p in v), what)
+    _need(isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 and all(map(is_count, p)) for p in v), what)
     return [(int(a), int(b)) for a, b in v]
-
-
-def safe_rel(rel: Any) -> bool:
-    """A relative POSIX path that stays below the directory it is joined to."""
-    if not isinstance(rel, str) or not rel or "\x00" in rel or "\\" in rel or rel.startswith("/"):
-        return False
-    return all(part not in ("", ".", "..") for part in rel.split("/"))
 
 
 def _check_header(header: Any, data_end: int) -> None:
@@ -339,16 +329,16 @@ def _check_header(header: Any, data_end: int) -> None:
     if header["kind"] == DELTA_KIND:
         _need(isinstance(base, dict) and isinstance(base.get("files"), dict), "a delta without its base's files")
         for rel, fp in base["files"].items():
-            _need(safe_rel(rel), f"base file name {rel!r:.60} leaves the base directory")
-            _need(isinstance(fp, dict) and _count(fp.get("size")) and isinstance(fp.get("xxh3"), str), f"base {rel}")
+            _need(not escapes(rel), f"base file name {rel!r:.60} leaves the base directory")
+            _need(isinstance(fp, dict) and is_count(fp.get("size")) and isinstance(fp.get("xxh3"), str), f"base {rel}")
     for rel, spec in files.items():
-        _need(safe_rel(rel), f"file name {rel!r:.60} leaves the output directory")
-        _need(isinstance(spec, dict) and _count(spec.get("size")) and isinstance(spec.get("xxh3"), str), rel)
+        _need(not escapes(rel), f"file name {rel!r:.60} leaves the output directory")
+        _need(isinstance(spec, dict) and is_count(spec.get("size")) and isinstance(spec.get("xxh3"), str), rel)
         size = spec["size"]
         ranges: list[tuple[int, int]] = []
         other = spec.get("other")
         if other is not None:
-            _need(isinstance(other, dict) and _count(other.get("nbytes")), f"{rel}: non-tensor bytes")
+            _need(isinstance(other, dict) and is_count(other.get("nbytes")), f"{rel}: non-tensor bytes")
             gaps = _pairs(other.get("gaps"), f"{rel}: gaps")
             _need(sum(n for _, n in gaps) == other["nbytes"], f"{rel}: gaps do not add up to nbytes")
             _need(other.get("dict") is None or header["kind"] == DELTA_KIND, f"{rel}: a dictionary without a base")
@@ -361,17 +351,19 @@ def _check_header(header: Any, data_end: int) -> None:
         tensors = spec.get("tensors")
         _need(isinstance(tensors, list), f"{rel}: 'tensors' is not a list")
         for t in tensors:
-            _need(isinstance(t, dict) and _count(t.get("offset")) and _count(t.get("length")), f"{rel}: tensor range")
+            _need(
+                isinstance(t, dict) and is_count(t.get("offset")) and is_count(t.get("length")), f"{rel}: tensor range"
+            )
             _need(t.get("method") in codec.METHODS, f"{rel}: unknown method {t.get('method')!r:.20}")
             _need(t.get("width") in (1, 2, 4, 8) and isinstance(t.get("floating"), bool), f"{rel}: tensor width")
             _need(t["length"] % t["width"] == 0, f"{rel}: tensor length not a multiple of its width")
-            _need(isinstance(t.get("sizes"), list) and all(map(_count, t["sizes"])), f"{rel}: plane sizes")
+            _need(isinstance(t.get("sizes"), list) and all(map(is_count, t["sizes"])), f"{rel}: plane sizes")
             _need(isinstance(t.get("kind"), str), f"{rel}: tensor kind")
             ref = t.get("base")
             if t["method"] in ("xor", "idiff"):
                 _need(header["kind"] == DELTA_KIND, f"{rel}: {t['method']} needs a base")
                 _need(
-                    isinstance(ref, list) and len(ref) == 2 and safe_rel(ref[0]) and _count(ref[1]),
+                    isinstance(ref, list) and len(ref) == 2 and not escapes(ref[0]) and is_count(ref[1]),
                     f"{rel}: base piece reference",
                 )
             _frames_inside(_pairs(t.get("frames"), f"{rel}: frames"), data_end, rel)

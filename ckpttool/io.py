@@ -175,18 +175,26 @@ def read_tracker(path: str | os.PathLike[str], display: str) -> str:
         ) from None
 
 
+def escapes(rel: object) -> bool:
+    """Whether a relative path named by a file (metadata, a delta header) could leave the directory
+    it is joined to, by its spelling alone: empty, absolute, ``..``, or a NUL byte."""
+    if not isinstance(rel, str) or not rel or "\x00" in rel:
+        return True
+    parts = rel.replace("\\", "/").split("/")
+    return os.path.isabs(rel) or rel.startswith(("/", "\\")) or ".." in parts
+
+
 def confine(root: str | os.PathLike[str], rel: str, *, named_by: str = "the checkpoint metadata") -> str:
     """The absolute path of ``rel`` under ``root``; refuses absolute paths, ``..`` and symlinks
     that lead outside the root. ``named_by`` says where the path came from, for the message."""
     root_s = os.fspath(root)
-    parts = rel.replace("\\", "/").split("/")
-    if not rel or os.path.isabs(rel) or rel.startswith(("/", "\\")) or "\x00" in rel or ".." in parts:
+    if escapes(rel):
         raise PathEscapeError(
             f"{named_by} names the data file {rel!r}, which is outside the checkpoint directory {root_s}",
             hint="the metadata is damaged or hostile; ckpttool only reads files below the checkpoint root",
             path=rel,
         )
-    full = os.path.join(root_s, *parts)
+    full = os.path.join(root_s, *rel.replace("\\", "/").split("/"))
     real_root = os.path.realpath(root_s)
     real = os.path.realpath(full)
     if real != real_root and not real.startswith(real_root + os.sep):

@@ -21,6 +21,7 @@ from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.hashing import Algo, Span, hash_bytes, hash_files
 from ckpttool.io import atomic_output
 from ckpttool.manifest import SEAL_NAME, Item, Manifest, Piece
+from ckpttool.values import is_count
 
 SEAL_KIND = "ckpttool.seal"
 
@@ -85,8 +86,8 @@ class Seal:
                     isinstance(r.item, str)
                     and isinstance(r.file, str)
                     and isinstance(r.checksum, str)
-                    and _count(r.index)
-                    and all(v is None or _count(v) for v in (r.offset, r.length))  # None: not one byte run
+                    and is_count(r.index)
+                    and all(v is None or is_count(v) for v in (r.offset, r.length))  # None: not one byte run
                 ):
                     raise ValueError(f"malformed piece record for {r.item!r:.60}")
             algo = data["hash"]
@@ -105,10 +106,6 @@ class Seal:
                 hint="re-create it with 'ckpttool seal', or pass the right file with --manifest",
                 path=str(path),
             ) from None
-
-
-def _count(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def in_file_order(manifest: Manifest, *, tensors_only: bool = False) -> list[tuple[Item, int, Piece]]:

@@ -92,3 +92,8 @@ def _flatten(obj: Any, prefix: str, out: list[tuple[str, Any]], leaf: Callable[[
             _flatten(value, f"{prefix}.{i}" if prefix else str(i), out, leaf)
     else:
         out.append((prefix, obj))
+
+
+def is_count(v: object) -> bool:
+    """A non-negative int (not a bool): a size, an offset or an index read from a file."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0

@@ -310,14 +310,13 @@ def _check_in_flight(report: VerifyReport, root: Path, manifest: Manifest | None
     """Signs of a save that is still running, or that stopped half way: a writer's temporary
     files, and data files rewritten after the metadata that describes them (a save over an
     existing checkpoint keeps the old metadata until its very end)."""
-    import os
+    from ckpttool.io import TMP_MARKER, list_files
 
-    from ckpttool.io import TMP_MARKER
-
-    base = root if root.is_dir() else root.parent
-    for dirpath, dirnames, filenames in os.walk(base) if root.is_dir() else [(str(base), [], [root.name])]:
+    if not root.is_dir():
+        return  # a single file is written whole by its own writer (or atomically by ckpttool)
+    for dirpath, dirnames, filenames in os.walk(root):
         for name in [*dirnames, *filenames]:
-            rel = os.path.relpath(os.path.join(dirpath, name), base).replace(os.sep, "/")
+            rel = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
             if name.endswith(".metadata.tmp") or name == "metadata.json.tmp":
                 report.findings.append(
                     finding(
@@ -335,18 +334,16 @@ def _check_in_flight(report: VerifyReport, root: Path, manifest: Manifest | None
                         file=rel,
                     )
                 )
-    if sealed or not root.is_dir():
+    if sealed:
         return  # with a seal, every byte is compared instead
     if manifest is not None:
         roles = {f.path: f.role for f in manifest.files}
     else:  # the checkpoint could not be read (a file being rewritten is often cut short): by name
-        from ckpttool.io import list_files
-
         roles = {rel: "metadata" if rel.rsplit("/", 1)[-1] in COMMIT_NAMES else "data" for rel, _ in list_files(root)}
     times: dict[str, float] = {}
     for rel in roles:
         try:
-            times[rel] = (base / rel).stat().st_mtime
+            times[rel] = (root / rel).stat().st_mtime
         except OSError:
             continue
     committed = [times[rel] for rel, role in roles.items() if role in ("metadata", "tracker") and rel in times]

@@ -21,6 +21,7 @@ from ckpttool.formats.base import PieceReader
 from ckpttool.geometry import Box
 from ckpttool.io import RandomAccessFile
 from ckpttool.manifest import Item, Manifest, Piece
+from ckpttool.values import flatten
 
 ZIP_MAGIC = b"PK\x03\x04"
 
@@ -66,7 +67,7 @@ def nested_refusal(archive: _torchzip.Archive, value: Any) -> str | None:
         and value.stride == (1,)
         and 0 < value.shape[0] <= NESTED_LIMIT
     ):
-        data = archive.read_storage(value.storage.key, value.storage_offset, value.shape[0])
+        data = _torchzip.read_tensor(archive, value).tobytes()
     else:
         return None
     return _unpickle.nested_refusal(data)
@@ -118,7 +119,7 @@ class PtReader(PieceReader):
         super().__init__(manifest)
         self._allow = allow
         self._archives: dict[str, _torchzip.Archive] = {}
-        self._objects: dict[str, dict[str, Any]] = {}
+        self._objects: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
 
     def archive(self, rel: str) -> _torchzip.Archive:
         archive = self._archives.get(rel)
@@ -153,13 +154,17 @@ class PtReader(PieceReader):
 
     def read_object(self, item: Item) -> Any:
         piece = item.pieces[0]
-        tree = self._objects.get(piece.file)
-        if tree is None:
+        cached = self._objects.get(piece.file)
+        if cached is None:
             obj = self.archive(piece.file).load()
             tree = obj if isinstance(obj, dict) else {"value": obj}  # as the adapters name them
-            self._objects[piece.file] = tree
-        try:
-            return lookup(tree, piece.locator["path"])
+            cached = self._objects[piece.file] = (tree, dict(flatten(tree)))
+        tree, leaves = cached
+        path = piece.locator["path"]
+        if path in leaves:
+            return leaves[path]
+        try:  # a value the adapter recorded whole (a dict-valued entry): walk to it
+            return lookup(tree, path)
         except KeyError:
             raise CorruptFileError(
                 f"{piece.file}: no value at {piece.locator['path']!r} (the file changed since it was described?)",

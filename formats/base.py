@@ -51,6 +51,11 @@ class PlannedFile:
     tensors: int
     largest: int
 
+    @classmethod
+    def of(cls, path: str, key: tuple[int, ...], sizes: list[int]) -> PlannedFile:
+        """The file at ``path`` holding output tensors of ``sizes`` bytes."""
+        return cls(path=path, key=key, nbytes=sum(sizes), tensors=len(sizes), largest=max(sizes, default=0))
+
 
 class PieceReader:
     """Reads piece values of one manifest; keeps files open until closed."""

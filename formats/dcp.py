@@ -236,17 +236,9 @@ class DcpAdapter:
         for rank, md_name in sources:
             md = _load_metadata(path, md_name)
             versions.add(str(getattr(md, "version", None)))
-            try:
-                if rank is None:
-                    self._extras(manifest, md)
-                self._add_items(manifest, md, md_name, rank, path, sizes)
-            except (AttributeError, TypeError, ValueError, OverflowError) as exc:
-                # the pickle loaded, but its records lack fields or hold the wrong types
-                raise CorruptFileError(
-                    f"{md_name}: not shaped like DCP metadata ({type(exc).__name__}: {exc})",
-                    hint="the file is damaged or was written by an unknown torch version; restore it from its source",
-                    path=md_name,
-                ) from None
+            if rank is None:
+                self._extras(manifest, md)
+            self._add_items(manifest, md, md_name, rank, path, sizes)
         manifest.files = list(roles.values())
         manifest.format_version = "/".join(sorted(versions))
         if rank_local:

@@ -67,10 +67,7 @@ class DcpWriter:
                     sizes[r].append(box.volume * carrier(item.dtype).itemsize)
             else:
                 sizes[0].append(0)
-        return [
-            PlannedFile(path=f"__{r}_0.distcp", nbytes=sum(s), tensors=len(s), largest=max(s, default=0), key=(r,))
-            for r, s in enumerate(sizes)
-        ]
+        return [PlannedFile.of(f"__{r}_0.distcp", (r,), s) for r, s in enumerate(sizes)]
 
     def write(
         self, rank: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None

@@ -130,26 +130,11 @@ class ZeroWriter:
             for _, v in flatten(self.model_obj)
             if isinstance(v, _unpickle.TensorRef)
         ]
-        out.append(
-            PlannedFile(
-                path=f"{self._prefix()}mp_rank_00_model_states.pt",
-                nbytes=sum(model_bytes),
-                tensors=len(model_bytes),
-                largest=max(model_bytes, default=0),
-                key=(-1,),
-            )
-        )
+        out.append(PlannedFile.of(f"{self._prefix()}mp_rank_00_model_states.pt", (-1,), model_bytes))
         for r in range(self.dp):
             sizes = [g.partition * 4 for g in self.groups for _ in range(3)]
-            out.append(
-                PlannedFile(
-                    path=f"{self._prefix()}{self.file_prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
-                    nbytes=sum(sizes),
-                    tensors=len(sizes),
-                    largest=max(sizes, default=0),
-                    key=(r,),
-                )
-            )
+            name = f"{self._prefix()}{self.file_prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+            out.append(PlannedFile.of(name, (r,), sizes))
         return out
 
     def finish(self, tmp: Path, results: list[Any]) -> None:

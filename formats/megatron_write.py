@@ -382,15 +382,8 @@ class LegacyWriter:
         for p in range(self.target.pp):
             for t in range(self.target.tp):
                 sizes = [o.nbytes for o in self._tensors(t, p)]
-                out.append(
-                    PlannedFile(
-                        path=f"{self.iter_dir}/{rank_dir(t, p, self.target.pp)}/model_optim_rng.pt",
-                        nbytes=sum(sizes),
-                        tensors=len(sizes),
-                        largest=max(sizes, default=0),
-                        key=(t, p),
-                    )
-                )
+                name = f"{self.iter_dir}/{rank_dir(t, p, self.target.pp)}/model_optim_rng.pt"
+                out.append(PlannedFile.of(name, (t, p), sizes))
         return out
 
     def _tensors(self, t: int, p: int) -> Iterator[_ptwrite.OutTensor]:

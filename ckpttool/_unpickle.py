@@ -522,6 +522,20 @@ def looks_pickled(data: bytes) -> bool:
     return len(data) >= 3 and data[0] == 0x80 and 2 <= data[1] <= 5
 
 
+def _parses(data: bytes) -> bool:
+    """Whether ``data`` reads as a whole pickle (every opcode valid, through STOP). Most other
+    bytes fail on their first few."""
+    import pickletools
+
+    try:
+        for op, _arg, pos in pickletools.genops(data):
+            if op.name == "STOP":
+                return pos == len(data) - 1
+    except Exception:
+        return False
+    return False
+
+
 def nested_globals(data: bytes, depth: int = 0) -> list[str]:
     """The globals a pickle names, read from its opcodes without running any of them. Byte strings
     inside it that are torch.save archives (what ``torch.storage._load_from_bytes`` loads) are
@@ -584,7 +598,7 @@ def nested_refusal(data: bytes) -> str | None:
     are neither). Nothing in them is run."""
     if data[:4] == b"PK\x03\x04":  # a torch.save archive (old TransformerEngine: io.BytesIO)
         globs = _archive_globals(data, 1)
-    elif looks_pickled(data):
+    elif looks_pickled(data) or _parses(data):  # protocols 0 and 1 have no header byte
         globs = nested_globals(data)
     else:
         return None

@@ -139,41 +139,30 @@ def test_zip_with_a_comment_falls_back_to_zipfile():
 
 
 def test_unwalkable_trees_are_refused_before_anything_walks_them():
-    import pickle as _pickle
-
-    from ckpttool import _unpickle as u
-    from ckpttool.errors import CorruptFileError
-
-    cycle = []
+    cycle: list = []
     cycle.append(cycle)
     laughs: list = [1]
     for _ in range(70):
         laughs = [laughs, laughs]
     deep: list = []
-    for _ in range(u.MAX_DEPTH + 5):
+    for _ in range(_unpickle.MAX_DEPTH + 5):
         deep = [deep]
     for obj, words in ((cycle, "cycle"), (laughs, "expands to more than"), (deep, "levels deep")):
         with pytest.raises(CorruptFileError, match=words):
-            u.loads(_pickle.dumps(obj, protocol=2), allow=u.PLAIN, source="f.pt")
+            _unpickle.loads(pickle.dumps(obj, protocol=2), allow=_unpickle.PLAIN, source="f.pt")
     shared = [1, 2]
     ok = {"a": [shared, shared, {"b": (shared,)}], "c": [[[]]]}
-    assert u.loads(_pickle.dumps(ok, protocol=2), allow=u.PLAIN, source="f.pt") == ok
+    assert _unpickle.loads(pickle.dumps(ok, protocol=2), allow=_unpickle.PLAIN, source="f.pt") == ok
 
 
-def test_nested_pickles_are_judged_from_their_opcodes():
-    import os
-    import pickle as _pickle
-
-    import torch
-
-    from ckpttool import _unpickle as u
-
-    class Evil:
-        def __reduce__(self):
-            return (os.system, ("true",))
+@pytest.mark.parametrize("protocol", [0, 1, 2, 4, 5])
+def test_nested_pickles_are_judged_from_their_opcodes(protocol):
+    torch = pytest.importorskip("torch")
 
     fp8_meta = {"scale_fwd": torch.ones(3), "amax_history": [torch.zeros(2, 2)], "recipe": None}
-    assert u.nested_refusal(_pickle.dumps(fp8_meta)) is None  # what TransformerEngine stores
-    assert u.nested_refusal(_pickle.dumps({"x": Evil()})) == "posix.system"
-    assert u.nested_refusal(b"\x80\x04\x95garbage") == "<unreadable>"
-    assert u.nested_refusal(b"not a pickle") is None
+    assert _unpickle.nested_refusal(pickle.dumps(fp8_meta, protocol=protocol)) is None  # what TE stores
+    evil = pickle.dumps({"x": Evil(os.system, "true")}, protocol=protocol)
+    assert _unpickle.nested_refusal(evil) == "posix.system"  # protocols 0 and 1 have no header byte
+    assert _unpickle.nested_refusal(b"\x80\x04\x95garbage") == "<unreadable>"
+    assert _unpickle.nested_refusal(b"not a pickle") is None  # opaque bytes: nothing to load
+    assert _unpickle.nested_refusal(bytes(range(256))) is None

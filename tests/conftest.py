@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,13 +21,34 @@ class Run:
     stderr: str
 
 
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment the CLI runs in under test: this one, with the terminal pinned (width 120,
+    no colour) and no debug tracebacks or GitHub annotations."""
+    env = {**os.environ, "COLUMNS": "120", "NO_COLOR": "1", "TERM": "dumb", **extra}
+    env.pop("CKPTTOOL_DEBUG", None)
+    env.pop("GITHUB_ACTIONS", None)
+    return env
+
+
+def tree_digests(root: Path, skip: Callable[[str], bool] = lambda rel: False) -> dict[str, str]:
+    """sha256 of every file below ``root`` (or of ``root`` itself, a file: key ``""``), by
+    relative posix path; ``skip(rel)`` leaves files out."""
+    import hashlib
+
+    if root.is_file():
+        return {"": hashlib.sha256(root.read_bytes()).hexdigest()}
+    return {
+        rel: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not skip(rel := p.relative_to(root).as_posix())
+    }
+
+
 def run_cli(*args: str | os.PathLike[str], cwd: str | os.PathLike[str] | None = None,
             env: dict[str, str] | None = None, timeout: float = 120) -> Run:
     """Run ``python -m ckpttool`` in a fresh process, as a user would."""
-    full_env = {**os.environ, "COLUMNS": "120", "NO_COLOR": "1", "TERM": "dumb", **(env or {})}
-    full_env.pop("CKPTTOOL_DEBUG", None)
     proc = subprocess.run([sys.executable, "-m", "ckpttool", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env=full_env, timeout=timeout)
+                          cwd=cwd, env=cli_env(**(env or {})), timeout=timeout)
     return Run(proc.returncode, proc.stdout, proc.stderr)
 
 

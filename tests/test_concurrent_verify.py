@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, cli_env, run_cli
 
 # argv: checkpoint dir, marker prefix, items, pause (s), seed, single file per rank (1/0), threads,
 # settle (s: the pause after the data files are written; default 8 pauses).
@@ -89,12 +89,6 @@ dcp.save(
 """
 
 
-def _env() -> dict[str, str]:
-    env = {**os.environ, "COLUMNS": "120", "NO_COLOR": "1", "TERM": "dumb"}
-    env.pop("CKPTTOOL_DEBUG", None)
-    return env
-
-
 def _state(ckpt: Path) -> str:
     """What is on disk now, as a reader sees it."""
     if not ckpt.is_dir():
@@ -109,18 +103,11 @@ def _state(ckpt: Path) -> str:
 
 
 def _verify(ckpt: Path) -> tuple[int, list[str], str]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "ckpttool", "verify", str(ckpt), "--json"],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_cli("verify", ckpt, "--json", cwd=ROOT)
     rules: list[str] = []
-    if proc.stdout.strip():
-        rules = sorted({f["rule"] for f in json.loads(proc.stdout).get("findings", []) if f["severity"] == "error"})
-    return proc.returncode, rules, proc.stderr.strip()
+    if r.stdout.strip():
+        rules = sorted({f["rule"] for f in json.loads(r.stdout).get("findings", []) if f["severity"] == "error"})
+    return r.code, rules, r.stderr.strip()
 
 
 def _writer(
@@ -140,7 +127,7 @@ def _writer(
     return subprocess.Popen(
         [sys.executable, "-c", WRITER, *argv],
         cwd=ROOT,
-        env=_env(),
+        env=cli_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -179,6 +166,8 @@ def _watch_save(ckpt: Path, tmp: Path, *, over_old: bool = False, **save: Any) -
                     problems.append(f"verify said ok while the save was in progress (state before it: {state})")
                 elif code == 1 and "incomplete-save" not in rules:
                     problems.append(f"exit 1 without incomplete-save while the save was in progress ({state}): {rules}")
+                elif code == 3 and state not in ("no directory", "empty directory"):
+                    problems.append(f"exit 3 (could not evaluate) with files to judge ({state}): {err[-200:]}")
                 elif code not in (1, 3):
                     problems.append(f"exit {code} while the save was in progress ({state}): {err[-200:]}")
             tally[f"{when:17s} | {state:28s} | exit {code} {','.join(rules)}"] += 1
@@ -230,6 +219,7 @@ def test_verify_never_ok_during_a_per_item_threaded_save(tmp_path, capsys):
     tally, problems = _watch_save(ckpt, tmp_path, items=30, pause=0.1, seed=0, single=False, threads=2)
     _print(capsys, "verify during a DCP save (one file per item, two threads)", tally)
     assert not problems, "\n".join(problems)
+    assert any(k.startswith("in progress") and "data files, no .metadata" in k for k in tally), tally
     assert _verify(ckpt)[0] == 0
 
 
@@ -251,4 +241,5 @@ def test_verify_never_ok_during_a_save_over_an_old_checkpoint(tmp_path, capsys):
     tally, problems = _watch_save(ckpt, tmp_path, over_old=True, items=20, pause=0.1, seed=1, settle=2.5)
     _print(capsys, "verify during a DCP save over an earlier checkpoint", tally)
     assert not problems, "\n".join(problems)
+    assert any(k.startswith("in progress") and "| data + .metadata " in k for k in tally), tally  # watched it
     assert _verify(ckpt)[0] == 0

@@ -31,29 +31,15 @@ from pathlib import Path
 
 import pytest
 
-from ckpttool.hashing import hash_bytes
 from ckpttool.io import TMP_MARKER
-from tests.conftest import FIXTURES, ROOT
+from tests.conftest import FIXTURES, ROOT, cli_env, run_cli, tree_digests
 
 KILLS = 20
 POLL_S = 0.001
 
 
 def _env(tmpdir: Path) -> dict[str, str]:
-    env = {**os.environ, "COLUMNS": "120", "NO_COLOR": "1", "TERM": "dumb", "TMPDIR": str(tmpdir)}
-    env.pop("CKPTTOOL_DEBUG", None)
-    return env
-
-
-def _tree(root: Path, skip: Callable[[str], bool] = lambda rel: False) -> dict[str, str]:
-    """Digest of every file below ``root`` (or of ``root`` itself when it is a file)."""
-    if root.is_file():
-        return {"": hash_bytes(root.read_bytes())}
-    return {
-        rel: hash_bytes(p.read_bytes())
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and not skip(rel := p.relative_to(root).as_posix())
-    }
+    return cli_env(TMPDIR=str(tmpdir))
 
 
 def _siblings(dest: Path) -> list[str]:
@@ -106,7 +92,7 @@ def _same_tree(dest: Path, ref: Path, *, except_seal: bool = False) -> str | Non
     """Same files, same bytes as ``ref`` (a DCP .metadata: the same content, storage_meta aside)."""
     if not dest.is_dir():
         return f"{dest.name} is not a directory"
-    got, want = _tree(dest), _tree(ref)
+    got, want = tree_digests(dest), tree_digests(ref)
     if sorted(got) != sorted(want):
         return f"files {sorted(got)} != the uninterrupted run's {sorted(want)}"
     bad = []
@@ -280,15 +266,25 @@ class Timeline:
     exited: float
 
 
-def _popen(cmd: Command, dest: Path, tmpdir: Path, *, stderr: int = subprocess.DEVNULL) -> subprocess.Popen:
+def _popen(
+    cmd: Command, dest: Path, tmpdir: Path, *, stderr: int = subprocess.DEVNULL, extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "ckpttool", *cmd.argv(dest)],
+        [sys.executable, "-m", "ckpttool", *cmd.argv(dest), *extra],
         cwd=ROOT,
         env=_env(tmpdir),
         stdout=subprocess.DEVNULL,
         stderr=stderr,
         start_new_session=True,  # its own process group: the kill reaches workers too, as Ctrl-C would
     )
+
+
+def _killpg(proc: subprocess.Popen, sig: int) -> None:
+    """Signal the command's whole process group (workers included), as a terminal would."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _wait(proc: subprocess.Popen, ready: Callable[[], bool], limit: float = 120) -> bool:
@@ -334,7 +330,7 @@ def _reference(cmd: Command, work: Path) -> tuple[Path, Timeline]:
     return dest, Timeline(tmp=seen_tmp if seen_tmp is not None else published, published=published, exited=exited)
 
 
-def _leftovers(cmd: Command, dest: Path, allowed: set[str], tmpdir: Path) -> list[str]:
+def _leftovers(dest: Path, allowed: set[str], tmpdir: Path) -> list[str]:
     """Anything beside the destination other than the destination, ckpttool's temp siblings and (for
     seal) the checkpoint's own files; and anything left in TMPDIR."""
     keep = {dest.name, *_siblings(dest), *allowed}
@@ -346,7 +342,7 @@ def _source_digests(cmd: Command, dest: Path) -> dict[str, dict[str, str]]:
     def skip(rel: str) -> bool:  # seal: the checkpoint is the source, less the seal being written
         return cmd.dest_inside_source and (rel == dest.name or rel.startswith(f".{dest.name}{TMP_MARKER}"))
 
-    return {str(p): _tree(p, skip) for p in cmd.sources(dest)}
+    return {str(p): tree_digests(p, skip) for p in cmd.sources(dest)}
 
 
 def _classify(cmd: Command, dest: Path, ref: Path) -> tuple[str, str | None]:
@@ -359,22 +355,15 @@ def _classify(cmd: Command, dest: Path, ref: Path) -> tuple[str, str | None]:
 def _rerun(cmd: Command, dest: Path, ref: Path, allowed: set[str], tmpdir: Path) -> list[str]:
     """Run the command again, uninterrupted: it must succeed, give a complete output and leave no
     temp sibling (the killed run's included) and nothing else beside it."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "ckpttool", *cmd.argv(dest), *cmd.rerun_flags],
-        cwd=ROOT,
-        env=_env(tmpdir),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = run_cli(*cmd.argv(dest), *cmd.rerun_flags, cwd=ROOT, env={"TMPDIR": str(tmpdir)}, timeout=300)
     problems = []
-    if proc.returncode != 0:
-        problems.append(f"rerun exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
+    if r.code != 0:
+        problems.append(f"rerun exited {r.code}: {r.stderr.strip()[-300:]}")
     elif (why := cmd.complete(dest, ref)) is not None:
         problems.append(f"rerun output not complete: {why}")
     if left := _siblings(dest):
         problems.append(f"rerun left temp siblings {left} in {dest.parent}")
-    if stray := _leftovers(cmd, dest, allowed, tmpdir):
+    if stray := _leftovers(dest, allowed, tmpdir):
         problems.append(f"rerun left {stray}")
     return problems
 
@@ -430,10 +419,7 @@ def kill_trials(
         elif when == "late" and _wait(proc, dest.exists):
             time.sleep(rng.uniform(0, max(tl.exited - tl.published, 0.001)))
         landed[_phase(proc, dest)] += 1
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _killpg(proc, signal.SIGKILL)
         proc.wait()
         outcome, why = _classify(cmd, dest, ref)
         outcomes[outcome] += 1
@@ -441,7 +427,7 @@ def kill_trials(
             problems.append(f"kill {k} ({when}): torn output {dest}: {why}")
         if _source_digests(cmd, dest) != before:
             problems.append(f"kill {k} ({when}): the source changed")
-        if stray := _leftovers(cmd, dest, allowed, tmpdir):
+        if stray := _leftovers(dest, allowed, tmpdir):
             problems.append(f"kill {k} ({when}): left {stray} beside the destination")
         left = _siblings(dest)
         left_tmp += bool(left)
@@ -505,14 +491,11 @@ def sigint_trials(
             time.sleep(rng.uniform(0.1, 0.6))
         elif writing and k:  # odd ones in the first 5 ms of the write, where thread pools start
             time.sleep(rng.uniform(0, max(tl.published - tl.tmp, 0.001) if k % 2 == 0 else 0.005))
-        try:
-            os.killpg(proc.pid, signal.SIGINT)
-        except ProcessLookupError:
-            pass
+        _killpg(proc, signal.SIGINT)
         try:
             _, err_b = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _killpg(proc, signal.SIGKILL)
             proc.communicate()
             problems.append(f"SIGINT {k}: still running 120 s after Ctrl-C")
             continue
@@ -533,8 +516,8 @@ def sigint_trials(
             if "Traceback" in err:
                 problems.append(f"SIGINT {k}: a traceback on stderr: ...{err.strip()[-300:]!r}")
         if left := _siblings(dest):
-            problems.append(f"SIGINT {k}: left temp siblings {left} (holding {sorted(_tree(dest.parent / left[0]))})")
-        if stray := _leftovers(cmd, dest, allowed, tmpdir):
+            problems.append(f"SIGINT {k}: left temp siblings {left} (holding {sorted(tree_digests(dest.parent / left[0]))})")
+        if stray := _leftovers(dest, allowed, tmpdir):
             problems.append(f"SIGINT {k}: left {stray}")
         if _source_digests(cmd, dest) != before:
             problems.append(f"SIGINT {k}: the source changed")
@@ -571,6 +554,7 @@ def test_sigkill_leaves_nothing_torn(name, commands, references, tmp_path, capsy
     figures, *problems = result.split("\n")
     assert " torn=0 " in figures, result
     assert " absent=0 " not in figures, result  # the early kills did find nothing published
+    assert "mid-write=" in figures, result  # some kills landed while the output was being written
     assert not problems, result
 
 
@@ -588,45 +572,41 @@ def test_sigint_exits_130_and_cleans_up(name, commands, references, tmp_path, ca
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["convert", "delta-apply"])
 def test_sigkill_while_force_replaces_an_output(name, commands, references, tmp_path, capsys):
-    """--force over an earlier output directory: a kill while the old one is being removed leaves the
-    old output, the new one, or nothing, never a half-deleted directory. The old output is given
-    many extra files so that its removal takes long enough to be caught (kill at its first missing
-    file)."""
+    """--force over an earlier output directory: the old output is renamed aside, the new one put in
+    its place, then the old one deleted. A kill while the aside copy is being deleted leaves the new
+    output (never a half-deleted one at the destination), and the next run removes the half-deleted
+    aside copy. The old output gets many extra files so that its deletion takes long enough to be
+    caught."""
     cmd = commands[name]
     ref, _ = references(cmd)
     outcomes: Counter[str] = Counter()
     problems: list[str] = []
+    caught = 0
     for k in range(3):
         dest = _prepare(cmd, tmp_path / f"force{k}")
         shutil.copytree(ref, dest)
         for i in range(5000):
             (dest / f"old-{i:05d}.txt").write_bytes(b"x")
-        old = _tree(dest)
+        old = tree_digests(dest)
         count = len(os.listdir(dest))
 
-        def removing(d: Path = dest, n: int = count) -> bool:
-            try:
-                return len(os.listdir(d)) < n
-            except FileNotFoundError:
-                return True
+        def deleting_aside(d: Path = dest, n: int = count) -> bool:
+            for sib in _siblings(d):
+                try:
+                    if sib.endswith("old") and len(os.listdir(d.parent / sib)) < n:
+                        return True
+                except FileNotFoundError:
+                    pass
+            return False
 
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ckpttool", *cmd.argv(dest), "--force"],
-            cwd=ROOT,
-            env=_env(dest.parent.parent / "tmp"),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        _wait(proc, removing)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        tmpdir = dest.parent.parent / "tmp"
+        proc = _popen(cmd, dest, tmpdir, extra=("--force",))
+        caught += _wait(proc, deleting_aside)
+        _killpg(proc, signal.SIGKILL)
         proc.wait()
         if not dest.exists():
             outcomes["absent"] += 1
-        elif _tree(dest) == old:
+        elif tree_digests(dest) == old:
             outcomes["old"] += 1
         elif cmd.complete(dest, ref) is None:
             outcomes["new"] += 1
@@ -634,7 +614,9 @@ def test_sigkill_while_force_replaces_an_output(name, commands, references, tmp_
             outcomes["torn"] += 1
             left = len(os.listdir(dest))
             problems.append(f"kill {k}: {dest} is half removed: {left} of its {count} entries left")
+        problems += [f"kill {k}: {p}" for p in _rerun(cmd, dest, ref, set(os.listdir(dest.parent)), tmpdir)]
         shutil.rmtree(dest.parent.parent)  # 5000 files: not kept for pytest's cleanup
     figures = f"{name} --force over an old output: " + " ".join(f"{o}={n}" for o, n in sorted(outcomes.items()))
-    _report(capsys, figures + "".join(f"\n  {p}" for p in problems))
+    _report(capsys, f"{figures} (kills during the aside copy's deletion: {caught})" + "".join(f"\n  {p}" for p in problems))
     assert not problems, "\n".join(problems)
+    assert caught, "no kill landed while the old output was being deleted"

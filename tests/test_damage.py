@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import shutil
-from pathlib import Path
 
 import pytest
 

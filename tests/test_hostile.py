@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import FIXTURES, run_cli
+from tests.conftest import FIXTURES, run_cli, tree_digests
 
 HOSTILE = FIXTURES / "hostile"
 MARKER = "CKPTTOOL_PWNED"
@@ -89,14 +89,9 @@ def test_symlink_escaping_the_root_is_refused(tmp_path):
 
 
 def test_inputs_are_never_modified(tmp_path):
-    import hashlib
-
-    def digest(root):
-        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
-
     for case in sorted(HOSTILE.iterdir()):
-        before = digest(case)
+        before = tree_digests(case)
         run_cli("inspect", case, cwd=tmp_path)
         run_cli("export", case, "-o", tmp_path / f"{case.name}.safetensors", cwd=tmp_path)
-        assert digest(case) == before
+        assert tree_digests(case) == before
     _no_marker(tmp_path)

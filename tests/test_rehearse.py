@@ -90,16 +90,23 @@ def test_missing_parameter_exits_3_naming_it(trained, tmp_path):
     assert r.code == 3 and "model.head.weight" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_a_hostile_checkpoint_never_reaches_the_harness(trained, tmp_path):
-    """The harness loads with torch (real unpickling): ckpttool's own reader goes first."""
+@pytest.mark.parametrize("where", ["metadata", "bytes item"])
+def test_a_hostile_checkpoint_never_reaches_the_harness(where, trained, tmp_path):
+    """The harness loads with torch (real unpickling): ckpttool's own reader goes first, whether the
+    payload is in ``.metadata`` (the reader refuses the file) or in a bytes item (the reader marks
+    the item unloadable and rehearse refuses it)."""
     import shutil
 
+    from tests.conftest import FIXTURES
     from tests.hostile.corpus import EVIL, MARKER, inject, payload
 
     ck = tmp_path / "ck"
-    shutil.copytree(trained / "step_10", ck)
-    md = ck / ".metadata"
-    md.write_bytes(inject(md.read_bytes(), payload(*EVIL["os_system"])))
+    if where == "metadata":
+        shutil.copytree(trained / "step_10", ck)
+        md = ck / ".metadata"
+        md.write_bytes(inject(md.read_bytes(), payload(*EVIL["os_system"])))
+    else:
+        shutil.copytree(FIXTURES / "hostile" / "dcp_bytes_item_os_system", ck)
     r = run_cli("rehearse", ck, "--harness", H, cwd=tmp_path)
     assert r.code == 3 and "posix.system" in r.stderr and "refused without running it" in r.stderr
     assert not (tmp_path / MARKER).exists()

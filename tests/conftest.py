@@ -24,10 +24,8 @@ class Run:
 def cli_env(**extra: str) -> dict[str, str]:
     """The environment the CLI runs in under test: this one, with the terminal pinned (width 120,
     no colour) and no debug tracebacks or GitHub annotations."""
-    env = {**os.environ, "COLUMNS": "120", "NO_COLOR": "1", "TERM": "dumb", **extra}
-    env.pop("CKPTTOOL_DEBUG", None)
-    env.pop("GITHUB_ACTIONS", None)
-    return env
+    base = {k: v for k, v in os.environ.items() if k not in ("CKPTTOOL_DEBUG", "GITHUB_ACTIONS")}
+    return {**base, "COLUMNS": "120", "NO_COLOR": "1", "TERM": "dumb", **extra}
 
 
 def tree_digests(root: Path, skip: Callable[[str], bool] = lambda rel: False) -> dict[str, str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -74,10 +75,20 @@ class FileDigest:
     error: str | None = None
 
 
+class Cancelled(Exception):
+    """The caller stopped a hashing pass it no longer needs."""
+
+
 def hash_file(
-    root: Path, rel: str, spans: list[Span], algo: Algo, progress: Callable[[int], None] | None = None
+    root: Path,
+    rel: str,
+    spans: list[Span],
+    algo: Algo,
+    progress: Callable[[int], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> tuple[FileDigest, dict[Any, str]]:
-    """Digest of a whole file and of each span inside it, reading the file once."""
+    """Digest of a whole file and of each span inside it, reading the file once. Raises
+    Cancelled soon after ``cancel`` is set."""
     path = root / rel
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -96,6 +107,8 @@ def hash_file(
         view = memoryview(buf)
         pos = 0
         while pos < size:
+            if cancel is not None and cancel.is_set():
+                raise Cancelled(rel)
             n = ckio.preadinto(fd, view[: min(len(buf), size - pos)], pos)
             if n == 0:
                 break
@@ -132,6 +145,7 @@ def hash_files(
     *,
     workers: int | None = None,
     progress: Callable[[int], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> tuple[dict[str, FileDigest], dict[Any, str]]:
     """Hash ``files`` (relative to ``root``) and the spans inside them, files spread over threads."""
     files = list(files)
@@ -141,7 +155,7 @@ def hash_files(
     sizes = {rel: _size(root / rel) for rel in files}
     with ThreadPoolExecutor(max_workers=workers) as pool:
         order = sorted(files, key=lambda r: -sizes[r])  # largest first: the workers finish together
-        futures = [pool.submit(hash_file, root, rel, spans.get(rel, []), algo, progress) for rel in order]
+        futures = [pool.submit(hash_file, root, rel, spans.get(rel, []), algo, progress, cancel) for rel in order]
         for fut in futures:
             fd, sd = fut.result()
             file_digests[fd.path] = fd

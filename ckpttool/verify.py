@@ -16,6 +16,7 @@ CLI renders it (human, JSON, JUnit, GitHub) and picks the exit code. Checks:
 from __future__ import annotations
 
 import os
+import threading
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -256,7 +257,30 @@ def verify(
     if manifest_path and sealed is None:
         raise NotFoundError(f"{seal_file}: no such seal", hint="create one with 'ckpttool seal'", path=str(seal_file))
     report.seal = str(seal_file) if sealed else None
+    early: _SealedBytes | None = None
+    if sealed is not None and root.is_dir():
+        # hash while the checkpoint is described, in the folder the seal was made in when that is
+        # this one or inside it (a save directory and its iteration); else in this one
+        sealed_root = Path(sealed.manifest.root)
+        inside = sealed_root.is_dir() and sealed_root.resolve().is_relative_to(root.resolve())
+        early = _hash_sealed_files(sealed_root if inside else root, sealed, workers, progress)
+    try:
+        return _verify(root, report, sealed, early, required, deep, workers, progress)
+    finally:
+        if early is not None:
+            early.cancel()
 
+
+def _verify(
+    root: Path,
+    report: VerifyReport,
+    sealed: Seal | None,
+    early: _SealedBytes | None,
+    required: set[str],
+    deep: bool,
+    workers: int | None,
+    progress: Callable[[int], None] | None,
+) -> VerifyReport:
     adapter: Adapter | None = None
     manifest: Manifest | None = None
     try:
@@ -278,7 +302,7 @@ def verify(
 
     piece_digests: dict[tuple[str, int], str] = {}
     if sealed is not None:
-        piece_digests = _check_seal(report, root, sealed, manifest, adapter, workers, progress)
+        piece_digests = _check_seal(report, root, sealed, manifest, adapter, workers, progress, early)
     elif manifest is not None and adapter is not None:
         piece_digests = _check_integrity(report, manifest, adapter, workers, progress)
     _check_in_flight(report, root, manifest, sealed is not None)
@@ -388,23 +412,42 @@ def _from_error(exc: CkptError) -> Finding:
 # -- files and bytes -------------------------------------------------------------------------------
 
 
-def _check_seal(
-    report: VerifyReport,
-    root: Path,
-    sealed: Seal,
-    manifest: Manifest | None,
-    adapter: Adapter | None,
-    workers: int | None,
-    progress: Callable[[int], None] | None,
-) -> dict[tuple[str, int], str]:
-    """Files and pieces against the seal, reading each present file once."""
+@dataclass
+class _SealedBytes:
+    """The files a seal lists, as found under ``scope``, and their digests being computed."""
+
+    scope: Path
+    on_disk: dict[str, int]
+    digests: Future[tuple[dict[str, FileDigest], dict[Any, str]]]
+    runner: ThreadPoolExecutor
+    stop: threading.Event
+
+    def result(self) -> dict[str, FileDigest]:
+        try:
+            return self.digests.result()[0]
+        finally:
+            self.runner.shutdown()
+
+    def cancel(self) -> None:
+        """Stop hashing (verify failed or was interrupted before it needed the digests)."""
+        self.stop.set()
+        self.runner.shutdown()
+
+
+def _seal_scope(root: Path, sealed: Seal, manifest: Manifest | None) -> Path:
     if manifest is not None:
-        scope = Path(manifest.root)
-    elif Path(sealed.manifest.root).is_dir():
-        scope = Path(sealed.manifest.root)
-    else:
-        scope = root if root.is_dir() else root.parent
-    expected = {f.path: f for f in sealed.manifest.files if f.role != "seal"}
+        return Path(manifest.root)
+    if Path(sealed.manifest.root).is_dir():
+        return Path(sealed.manifest.root)
+    return root if root.is_dir() else root.parent
+
+
+def _hash_sealed_files(
+    scope: Path, sealed: Seal, workers: int | None, progress: Callable[[int], None] | None
+) -> _SealedBytes:
+    """List the seal's folders under ``scope`` and start hashing the files it names that are
+    there, in the background: the hashing threads read while the caller describes the checkpoint."""
+    expected = {f.path for f in sealed.manifest.files if f.role != "seal"}
     # look for missing and extra files only in the directories the seal has files in (so the other
     # tags or iterations of a save directory are not "extra")
     on_disk: dict[str, int] = {}
@@ -414,6 +457,32 @@ def _check_seal(
             for p in d.iterdir():
                 if p.is_file():
                     on_disk[f"{folder}/{p.name}" if folder else p.name] = p.stat().st_size
+    present = [f.path for f in sealed.manifest.files if f.path in expected and f.path in on_disk]
+    runner, stop = ThreadPoolExecutor(max_workers=1), threading.Event()
+    future = runner.submit(hash_files, scope, present, {}, sealed.algo, workers=workers, progress=progress, cancel=stop)
+    return _SealedBytes(scope, on_disk, future, runner, stop)
+
+
+def _check_seal(
+    report: VerifyReport,
+    root: Path,
+    sealed: Seal,
+    manifest: Manifest | None,
+    adapter: Adapter | None,
+    workers: int | None,
+    progress: Callable[[int], None] | None,
+    early: _SealedBytes | None = None,
+) -> dict[tuple[str, int], str]:
+    """Files and pieces against the seal: every present file hashed once (by ``early`` when it
+    hashed the right folder); a file that differs is read again to name the pieces that changed."""
+    scope = _seal_scope(root, sealed, manifest)
+    if early is None or early.scope.resolve() != scope.resolve():
+        if early is not None:
+            early.cancel()  # the checkpoint's files lie elsewhere than guessed: hash them there
+        early = _hash_sealed_files(scope, sealed, workers, progress)
+    file_digests = early.result()
+    on_disk = early.on_disk
+    expected = {f.path: f for f in sealed.manifest.files if f.role != "seal"}
     missing = sorted(set(expected) - set(on_disk))
     for rel in missing:
         report.findings.append(
@@ -429,16 +498,28 @@ def _check_seal(
             finding("extra-file", f"{rel}: on disk but not in the seal ({on_disk[rel]:,} bytes)", file=rel)
         )
     present = [rel for rel in expected if rel in on_disk]
+    # a file whose digest matches holds the bytes the seal's piece digests were taken from
+    report.checked["files"] = len(present)
+    report.checked["bytes"] = sum(on_disk[rel] for rel in present)
+    changed = {
+        rel
+        for rel in present
+        if file_digests[rel].size != expected[rel].size or file_digests[rel].digest != expected[rel].checksum
+    }
+    trusted = set(present) - changed
+    piece_digests = {(r.item, r.index): r.checksum for r in sealed.pieces if r.file in trusted}
     spans: dict[str, list[Span]] = defaultdict(list)
     unspanned: list[tuple[str, int]] = []
     for rec in sealed.pieces:
+        if rec.file not in changed:
+            continue
         if rec.offset is not None and rec.length is not None:
             spans[rec.file].append(Span((rec.item, rec.index), rec.offset, rec.length))
         else:
             unspanned.append((rec.item, rec.index))
-    file_digests, piece_digests = hash_files(scope, present, spans, sealed.algo, workers=workers, progress=progress)
-    report.checked["files"] = len(present)
-    report.checked["bytes"] = sum(on_disk[rel] for rel in present)
+    if spans:
+        _, again = hash_files(scope, sorted(spans), spans, sealed.algo, workers=workers)
+        piece_digests.update(again)
     if manifest is not None and adapter is not None and unspanned:
         with adapter.reader(manifest) as reader:
             for name, i in unspanned:

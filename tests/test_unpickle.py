@@ -30,9 +30,19 @@ def _loads(data: bytes):
 @pytest.mark.parametrize("protocol", [2, 4, 5])
 def test_plain_values_round_trip(protocol):
     value = {
-        "int": 3, "float": 1.5, "str": "s", "bytes": b"\x00\xff", "empty": b"", "none": None,
-        "list": [1, (2, 3)], "set": {1, 2}, "fs": frozenset({4}), "od": OrderedDict(a=1), "c": 1 + 2j,
-        "ba": bytearray(b"xy"), "rng": random.getstate(),
+        "int": 3,
+        "float": 1.5,
+        "str": "s",
+        "bytes": b"\x00\xff",
+        "empty": b"",
+        "none": None,
+        "list": [1, (2, 3)],
+        "set": {1, 2},
+        "fs": frozenset({4}),
+        "od": OrderedDict(a=1),
+        "c": 1 + 2j,
+        "ba": bytearray(b"xy"),
+        "rng": random.getstate(),
     }
     got = _loads(pickle.dumps(value, protocol=protocol))
     assert got == {**value, "od": {"a": 1}}
@@ -83,8 +93,15 @@ def test_garbage_is_a_corrupt_file_not_a_crash():
 def test_torch_save_archive_without_torch_matches_torch():
     torch = pytest.importorskip("torch")
     t = torch.arange(24, dtype=torch.float32).reshape(4, 6)
-    obj = {"w": t, "wt": t.t(), "view": t[1:3], "bf": t.to(torch.bfloat16), "u16": t.to(torch.uint16),
-           "p": torch.nn.Parameter(torch.ones(2)), "step": 7}
+    obj = {
+        "w": t,
+        "wt": t.t(),
+        "view": t[1:3],
+        "bf": t.to(torch.bfloat16),
+        "u16": t.to(torch.uint16),
+        "p": torch.nn.Parameter(torch.ones(2)),
+        "step": 7,
+    }
     buf = io.BytesIO()
     torch.save(obj, buf)
     archive = _torchzip.Archive(buf.getvalue(), display="mem")
@@ -153,6 +170,36 @@ def test_unwalkable_trees_are_refused_before_anything_walks_them():
     shared = [1, 2]
     ok = {"a": [shared, shared, {"b": (shared,)}], "c": [[[]]]}
     assert _unpickle.loads(pickle.dumps(ok, protocol=2), allow=_unpickle.PLAIN, source="f.pt") == ok
+
+
+@pytest.mark.parametrize("protocol", [0, 1, 2, 3, 4, 5])
+def test_memo_index_bombs_are_found_by_walking_the_opcodes(protocol):
+    import pickletools
+
+    # a real pickle full of text that looks like a huge LONG_BINPUT index ('r' and four letters)
+    words = {f"torch.storage.{i}": ["layers", b"rrrrr" * 9, 1.5, i, None] for i in range(300)}
+    data = pickle.dumps(words, protocol=protocol)
+    assert not _unpickle._memo_bomb(data)
+    assert _loads(data) == words
+    # the same with one memo index pushed past the pickle's length, in the opcode the protocol uses
+    ops = list(pickletools.genops(data))
+    op, _arg, pos = next(o for o in ops if o[0].name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"))
+    if op.name == "MEMOIZE":  # protocol 4+: put one explicit LONG_BINPUT in its place
+        bomb = data[:pos] + b"r" + (2**31 - 1).to_bytes(4, "little") + data[pos + 1 :]
+    elif op.name == "PUT":
+        end = data.index(b"\n", pos)
+        bomb = data[:pos] + b"p9999999999" + data[end:]
+    else:
+        width = 1 if op.name == "BINPUT" else 4
+        bomb = data[:pos] + b"r" + (2**31 - 1).to_bytes(4, "little") + data[pos + 1 + width :]
+    assert _unpickle._memo_bomb(bomb)
+    with pytest.raises(CorruptFileError, match="memo index far beyond"):
+        _loads(bomb)
+    # cut short anywhere, or torn inside the index: not a bomb (the unpickler reports the damage)
+    for cut in range(0, len(bomb), max(1, len(bomb) // 97)):
+        if not _unpickle._memo_bomb(bomb[:cut]):
+            with pytest.raises(CorruptFileError):
+                _loads(bomb[:cut])
 
 
 @pytest.mark.parametrize("protocol", [0, 1, 2, 4, 5])

@@ -18,11 +18,27 @@ from tests.conftest import DCP_FIXTURES, FIXTURES, run_cli
 CLEAN = [
     *(f"dcp/{n}" for n in DCP_FIXTURES),
     "dcp/fsdp2_hf/sharded",
-    *(f"deepspeed/{n}" for n in ("zero0", "zero1", "zero2", "zero2_bf16", "zero3", "bf16_zero0", "bf16_optimizer",
-                                 "pipeline", "universal")),
+    *(
+        f"deepspeed/{n}"
+        for n in (
+            "zero0",
+            "zero1",
+            "zero2",
+            "zero2_bf16",
+            "zero3",
+            "bf16_zero0",
+            "bf16_optimizer",
+            "pipeline",
+            "universal",
+        )
+    ),
     *(f"megatron/{n}" for n in ("dist_tp2", "dist_tp2pp2", "legacy_tp2pp2", "legacy_tp2pp2_distopt")),
-    "rankshards/tp_manual/step_00000003", "rankshards/ddp", "rankshards/pipeline",
-    "safetensors/sharded", "safetensors/model.safetensors", "torch/train_state.pt",
+    "rankshards/tp_manual/step_00000003",
+    "rankshards/ddp",
+    "rankshards/pipeline",
+    "safetensors/sharded",
+    "safetensors/model.safetensors",
+    "torch/train_state.pt",
 ]
 
 
@@ -299,3 +315,46 @@ def test_verify_reads_each_byte_once(sealed, tmp_path, monkeypatch):
     _, m = registry.describe(path)
     pieces = sum(len(i.pieces) for i in m.items.values())
     assert total <= counted[0] <= total + 4096 * pieces
+
+
+def test_sealed_verify_rereads_only_the_file_that_changed(tmp_path, monkeypatch):
+    from ckpttool import io as ckio
+
+    path = _copy("dcp/fsdp2", tmp_path)
+    seal(path)
+    counted = [0]
+    real_into = ckio.preadinto
+
+    def spy_into(fd, buf, off):
+        n = real_into(fd, buf, off)
+        counted[0] += n
+        return n
+
+    monkeypatch.setattr(ckio, "preadinto", spy_into)
+    assert not verify(path).failing()
+    clean = counted[0]
+    file, off, n = _raw(path, "model.blocks.0.fc1.weight")
+    _patch(file, off + n // 2, bytes([file.read_bytes()[off + n // 2] ^ 1]))
+    counted[0] = 0
+    report = verify(path)
+    named = [f for f in report.findings if f.rule == "checksum-mismatch"]
+    assert len(named) == 1 and named[0].file == file.name and "model.blocks.0.fc1.weight" in named[0].message
+    # the whole checkpoint once for the file digests, then the one file that differs again
+    assert counted[0] - clean == file.stat().st_size
+
+
+def test_a_hashing_pass_stops_when_cancelled(tmp_path):
+    import threading
+    import time
+
+    from ckpttool.hashing import Cancelled, hash_files
+
+    big = tmp_path / "big.bin"
+    with big.open("wb") as fh:
+        fh.truncate(1 << 30)  # sparse: reads cost no disk, but a full pass takes a while
+    stop = threading.Event()
+    started = time.monotonic()
+    stop.set()
+    with pytest.raises(Cancelled):
+        hash_files(tmp_path, ["big.bin"], {}, cancel=stop)
+    assert time.monotonic() - started < 1.0

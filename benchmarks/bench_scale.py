@@ -65,7 +65,8 @@ if kind == "torch":  # reference: torch's own classes unpickling DCP's .metadata
 t = time.perf_counter()
 if kind == "json":
     with open(path, "rb") as fh:
-        n = len(json.load(fh)["pieces"])
+        doc = json.load(fh)
+    n = len(doc["pieces"]["checksum"] if isinstance(doc["pieces"], dict) else doc["pieces"])  # version 2 or 1
 elif kind == "seal":
     from ckpttool.seal import Seal
     t = time.perf_counter()

@@ -42,23 +42,75 @@ class PieceRecord:
     checksum: str
 
 
+SEAL_SCHEMA = 2
+"""Version 2 stores items and pieces as columns (one JSON list per field, checksums once): a
+seal of 400 000 pieces is a third of version 1's size and loads in a fraction of its time.
+Version 1 seals (the whole manifest as objects, plus a list of piece records) still load."""
+
+_ITEM_FIELDS = ("name", "kind", "dtype", "shape", "value", "summary", "error")
+_PIECE_FIELDS = ("file", "locator", "box", "flat", "replica", "rank", "nbytes", "checksum", "offset", "length")
+
+
 @dataclass(slots=True, kw_only=True)
 class Seal:
+    """A seal: the hash algorithm, the manifest's head (``head``: root, format, step, layout,
+    files with their checksums; no items) and every hashed piece. ``manifest`` (items and pieces
+    too) is built from the stored columns on first use; ``verify`` needs only the head."""
+
     algo: Algo
-    manifest: Manifest
+    head: Manifest
     pieces: list[PieceRecord] = field(default_factory=list)
     created: str = ""
     tool: str = ""
+    _manifest: Manifest | None = None
+    _columns: dict[str, Any] | None = None
+    _path: str = ""
+
+    @property
+    def manifest(self) -> Manifest:
+        if self._manifest is None:
+            self._manifest = _materialise(self.head, self._columns or {}, self._path)
+        return self._manifest
 
     def to_json(self) -> dict[str, Any]:
+        m = self.manifest
+        head = self.head.to_json_dict()
+        head.pop("items")
+        names = list(m.items)
+        files: dict[str, int] = {}
+        keysets: dict[tuple[str, ...], int] = {}
+        where = {(p.item, p.index): p for p in self.pieces}
+        items: dict[str, list[Any]] = {k: [] for k in (*_ITEM_FIELDS, "pieces")}
+        pieces: dict[str, list[Any]] = {k: [] for k in _PIECE_FIELDS}
+        for name in names:
+            item = m.items[name]
+            for k in _ITEM_FIELDS:
+                items[k].append(_plain_value(getattr(item, k)))
+            items["pieces"].append(len(item.pieces))
+            for i, p in enumerate(item.pieces):
+                keys = tuple(p.locator)
+                pieces["file"].append(files.setdefault(p.file, len(files)))
+                pieces["locator"].append([keysets.setdefault(keys, len(keysets)), *p.locator.values()])
+                pieces["box"].append([*p.box.offsets, *p.box.sizes])
+                pieces["flat"].append(list(p.flat) if p.flat is not None else None)
+                pieces["replica"].append(p.replica)
+                pieces["rank"].append(p.rank)
+                pieces["nbytes"].append(p.nbytes)
+                rec = where.get((name, i))
+                pieces["checksum"].append(rec.checksum if rec else p.checksum)
+                pieces["offset"].append(rec.offset if rec else None)
+                pieces["length"].append(rec.length if rec else None)
         return {
-            "schema_version": 1,
+            "schema_version": SEAL_SCHEMA,
             "kind": SEAL_KIND,
             "tool": self.tool,
             "created": self.created,
             "hash": self.algo,
-            "pieces": [[p.item, p.index, p.file, p.offset, p.length, p.checksum] for p in self.pieces],
-            "manifest": self.manifest.to_json_dict(),
+            "manifest": head,
+            "piece_files": list(files),
+            "locator_keys": [list(k) for k in keysets],
+            "items": items,
+            "pieces": pieces,
         }
 
     @classmethod
@@ -67,45 +119,152 @@ class Seal:
         gc.disable()  # a seal of 10^5 items is millions of JSON values, none of them cyclic garbage
         try:
             return cls._load(path)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
+            raise _corrupt(path, exc) from None
         finally:
             if enabled:
                 gc.enable()
 
     @classmethod
     def _load(cls, path: Path) -> Seal:
-        try:
-            data = json.loads(path.read_text())
-            if not isinstance(data, dict) or data.get("kind") != SEAL_KIND:
-                raise ValueError(f"kind is {data.get('kind') if isinstance(data, dict) else type(data).__name__!r}")
+        data = json.loads(path.read_bytes())
+        if not isinstance(data, dict) or data.get("kind") != SEAL_KIND:
+            raise ValueError(f"kind is {data.get('kind') if isinstance(data, dict) else type(data).__name__!r}")
+        algo = data["hash"]
+        if algo not in get_args(Algo):
+            raise ValueError(f"unknown hash {algo!r:.40}")
+        version = data.get("schema_version")
+        created, tool = data.get("created", ""), data.get("tool", "")
+        if version == 1:
+            manifest = Manifest.from_json_dict(data["manifest"])
             pieces = [
                 PieceRecord(item=i, index=n, file=f, offset=o, length=ln, checksum=c)
                 for i, n, f, o, ln, c in data["pieces"]
             ]
-            for r in pieces:
-                if not (
-                    isinstance(r.item, str)
-                    and isinstance(r.file, str)
-                    and isinstance(r.checksum, str)
-                    and is_count(r.index)
-                    and all(v is None or is_count(v) for v in (r.offset, r.length))  # None: not one byte run
-                ):
-                    raise ValueError(f"malformed piece record for {r.item!r:.60}")
-            algo = data["hash"]
-            if algo not in get_args(Algo):
-                raise ValueError(f"unknown hash {algo!r:.40}")
-            return cls(
-                algo=algo,
-                manifest=Manifest.from_json_dict(data["manifest"]),
-                pieces=pieces,
-                created=data.get("created", ""),
-                tool=data.get("tool", ""),
-            )
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-            raise CorruptFileError(
-                f"{path}: not a readable ckpttool seal ({type(exc).__name__}: {exc})",
-                hint="re-create it with 'ckpttool seal', or pass the right file with --manifest",
-                path=str(path),
-            ) from None
+            _check_records(pieces)
+            head = Manifest.from_json_dict({**data["manifest"], "items": {}})
+            return cls(algo=algo, head=head, pieces=pieces, created=created, tool=tool, _manifest=manifest)
+        if version != SEAL_SCHEMA:
+            raise ValueError(f"schema_version {version!r:.20} (this ckpttool reads 1 and {SEAL_SCHEMA})")
+        head_json = data["manifest"]
+        if not isinstance(head_json, dict):
+            raise TypeError("manifest is not an object")
+        head = Manifest.from_json_dict({**head_json, "items": {}})
+        columns = {k: data[k] for k in ("piece_files", "locator_keys", "items", "pieces")}
+        pieces = _records(columns)
+        return cls(algo=algo, head=head, pieces=pieces, created=created, tool=tool, _columns=columns, _path=str(path))
+
+
+def _corrupt(path: Path, exc: BaseException) -> CorruptFileError:
+    return CorruptFileError(
+        f"{path}: not a readable ckpttool seal ({type(exc).__name__}: {exc})",
+        hint="re-create it with 'ckpttool seal', or pass the right file with --manifest",
+        path=str(path),
+    )
+
+
+def _plain_value(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple) else v
+
+
+def _check_records(pieces: list[PieceRecord]) -> None:
+    for r in pieces:
+        if not (
+            isinstance(r.item, str)
+            and isinstance(r.file, str)
+            and isinstance(r.checksum, str)
+            and is_count(r.index)
+            and all(v is None or is_count(v) for v in (r.offset, r.length))  # None: not one byte run
+        ):
+            raise ValueError(f"malformed piece record for {r.item!r:.60}")
+
+
+def _column(table: Any, name: str, n: int | None, what: str) -> list[Any]:
+    col = table[name] if isinstance(table, dict) else None
+    if not isinstance(col, list) or (n is not None and len(col) != n):
+        raise ValueError(f"{what}.{name} is not a list of {n if n is not None else 'the'} entries")
+    return col
+
+
+def _records(columns: dict[str, Any]) -> list[PieceRecord]:
+    """The hashed pieces, from the columns: each piece with a checksum, under its item's name."""
+    items, pieces, files = columns["items"], columns["pieces"], columns["piece_files"]
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise ValueError("piece_files is not a list of paths")
+    names = _column(items, "name", None, "items")
+    counts = _column(items, "pieces", len(names), "items")
+    if not all(isinstance(n, str) for n in names) or not all(is_count(c) for c in counts):
+        raise ValueError("items.name or items.pieces holds a value of the wrong type")
+    total = sum(counts)
+    file_col = _column(pieces, "file", total, "pieces")
+    sums = _column(pieces, "checksum", total, "pieces")
+    offsets = _column(pieces, "offset", total, "pieces")
+    lengths = _column(pieces, "length", total, "pieces")
+    nfiles = len(files)
+    if not all(is_count(f) and f < nfiles for f in file_col):
+        raise ValueError("pieces.file holds an index outside piece_files")
+    if not all(c is None or isinstance(c, str) for c in sums):
+        raise ValueError("pieces.checksum holds a value that is not a string")
+    if not all(v is None or is_count(v) for v in (*offsets, *lengths)):
+        raise ValueError("pieces.offset or pieces.length holds a value that is not a byte count")
+    out: list[PieceRecord] = []
+    k = 0
+    for name, count in zip(names, counts, strict=True):
+        for i in range(count):
+            c = sums[k]
+            if c is not None:
+                out.append(
+                    PieceRecord(
+                        item=name, index=i, file=files[file_col[k]], offset=offsets[k], length=lengths[k], checksum=c
+                    )
+                )
+            k += 1
+    return out
+
+
+def _materialise(head: Manifest, columns: dict[str, Any], path: str) -> Manifest:
+    """The whole manifest from a version 2 seal's columns, validated as a version 1 one is."""
+    try:
+        items, pieces, files, keysets = (
+            columns["items"],
+            columns["pieces"],
+            columns["piece_files"],
+            columns["locator_keys"],
+        )
+        names = _column(items, "name", None, "items")
+        cols = {k: _column(items, k, len(names), "items") for k in (*_ITEM_FIELDS, "pieces")}
+        total = sum(cols["pieces"])
+        pcols = {k: _column(pieces, k, total, "pieces") for k in _PIECE_FIELDS}
+        if not isinstance(keysets, list) or not all(isinstance(k, list) for k in keysets):
+            raise ValueError("locator_keys is not a list of key lists")
+        out_items: dict[str, Any] = {}
+        k = 0
+        for j, name in enumerate(names):
+            plist = []
+            for _ in range(cols["pieces"][j]):
+                loc = pcols["locator"][k]
+                keys = keysets[loc[0]]
+                if len(loc) != len(keys) + 1:
+                    raise ValueError(f"pieces.locator[{k}] does not match its key set")
+                box = pcols["box"][k]
+                half = len(box) // 2
+                plist.append(
+                    {
+                        "file": files[pcols["file"][k]],
+                        "locator": dict(zip(keys, loc[1:], strict=True)),
+                        "box": {"offsets": box[:half], "sizes": box[half:]},
+                        "flat": pcols["flat"][k],
+                        "replica": pcols["replica"][k],
+                        "rank": pcols["rank"][k],
+                        "nbytes": pcols["nbytes"][k],
+                        "checksum": pcols["checksum"][k],
+                    }
+                )
+                k += 1
+            out_items[name] = {f: cols[f][j] for f in _ITEM_FIELDS} | {"pieces": plist}
+        return Manifest.from_json_dict({**head.to_json_dict(), "items": out_items})
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
+        raise _corrupt(Path(path), exc) from None
 
 
 def in_file_order(manifest: Manifest, *, tensors_only: bool = False) -> list[tuple[Item, int, Piece]]:
@@ -198,9 +357,11 @@ def seal(
                     checksum=digest,
                 )
             )
+    head = Manifest(**{f: getattr(manifest, f) for f in Manifest.__dataclass_fields__ if f != "items"})
     result = Seal(
         algo=algo,
-        manifest=manifest,
+        head=head,
+        _manifest=manifest,
         pieces=records,
         tool=f"ckpttool {__version__}",
         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),

@@ -261,7 +261,7 @@ def verify(
     if sealed is not None and root.is_dir():
         # hash while the checkpoint is described, in the folder the seal was made in when that is
         # this one or inside it (a save directory and its iteration); else in this one
-        sealed_root = Path(sealed.manifest.root)
+        sealed_root = Path(sealed.head.root)
         inside = sealed_root.is_dir() and sealed_root.resolve().is_relative_to(root.resolve())
         early = _hash_sealed_files(sealed_root if inside else root, sealed, workers, progress)
     try:
@@ -298,7 +298,7 @@ def _verify(
             k: getattr(manifest.layout, k) for k in ("world_size", "tp", "pp", "dp", "ep", "vpp", "zero_stage")
         }
     elif sealed is not None:
-        report.format, report.step = sealed.manifest.format, sealed.manifest.step
+        report.format, report.step = sealed.head.format, sealed.head.step
 
     piece_digests: dict[tuple[str, int], str] = {}
     if sealed is not None:
@@ -437,8 +437,8 @@ class _SealedBytes:
 def _seal_scope(root: Path, sealed: Seal, manifest: Manifest | None) -> Path:
     if manifest is not None:
         return Path(manifest.root)
-    if Path(sealed.manifest.root).is_dir():
-        return Path(sealed.manifest.root)
+    if Path(sealed.head.root).is_dir():
+        return Path(sealed.head.root)
     return root if root.is_dir() else root.parent
 
 
@@ -447,7 +447,7 @@ def _hash_sealed_files(
 ) -> _SealedBytes:
     """List the seal's folders under ``scope`` and start hashing the files it names that are
     there, in the background: the hashing threads read while the caller describes the checkpoint."""
-    expected = {f.path for f in sealed.manifest.files if f.role != "seal"}
+    expected = {f.path for f in sealed.head.files if f.role != "seal"}
     # look for missing and extra files only in the directories the seal has files in (so the other
     # tags or iterations of a save directory are not "extra")
     on_disk: dict[str, int] = {}
@@ -457,7 +457,7 @@ def _hash_sealed_files(
             for p in d.iterdir():
                 if p.is_file():
                     on_disk[f"{folder}/{p.name}" if folder else p.name] = p.stat().st_size
-    present = [f.path for f in sealed.manifest.files if f.path in expected and f.path in on_disk]
+    present = [f.path for f in sealed.head.files if f.path in expected and f.path in on_disk]
     runner, stop = ThreadPoolExecutor(max_workers=1), threading.Event()
     future = runner.submit(hash_files, scope, present, {}, sealed.algo, workers=workers, progress=progress, cancel=stop)
     return _SealedBytes(scope, on_disk, future, runner, stop)
@@ -482,7 +482,7 @@ def _check_seal(
         early = _hash_sealed_files(scope, sealed, workers, progress)
     file_digests = early.result()
     on_disk = early.on_disk
-    expected = {f.path: f for f in sealed.manifest.files if f.role != "seal"}
+    expected = {f.path: f for f in sealed.head.files if f.role != "seal"}
     missing = sorted(set(expected) - set(on_disk))
     for rel in missing:
         report.findings.append(

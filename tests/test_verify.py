@@ -358,3 +358,63 @@ def test_a_hashing_pass_stops_when_cancelled(tmp_path):
     with pytest.raises(Cancelled):
         hash_files(tmp_path, ["big.bin"], {}, cancel=stop)
     assert time.monotonic() - started < 1.0
+
+
+@pytest.mark.parametrize("rel", CLEAN)
+def test_seal_columns_round_trip_the_manifest(rel, tmp_path):
+    from ckpttool.seal import Seal
+
+    path = _copy(rel, tmp_path)
+    made, at = seal(path, out=tmp_path / "seal.json")
+    loaded = Seal.load(at)
+    assert json.loads(at.read_text())["schema_version"] == 2
+    assert loaded.head.files == made.manifest.files and loaded.head.items == {}
+    assert loaded.pieces == made.pieces
+    assert loaded.manifest == made.manifest  # every item and piece, built from the columns
+    assert loaded.manifest.to_json_dict() == registry.describe(path)[1].to_json_dict() | {
+        "files": loaded.manifest.to_json_dict()["files"],  # the files' checksums: only the seal has them
+        "items": loaded.manifest.to_json_dict()["items"],
+    }
+    # a version 1 seal (the manifest as objects and a list of piece records) still loads
+    v1 = {
+        "schema_version": 1,
+        "kind": "ckpttool.seal",
+        "tool": made.tool,
+        "created": made.created,
+        "hash": made.algo,
+        "pieces": [[p.item, p.index, p.file, p.offset, p.length, p.checksum] for p in made.pieces],
+        "manifest": made.manifest.to_json_dict(),
+    }
+    (tmp_path / "v1.json").write_text(json.dumps(v1))
+    old = Seal.load(tmp_path / "v1.json")
+    assert old.pieces == made.pieces and old.manifest == made.manifest and old.head.files == made.manifest.files
+    assert not verify(path, manifest_path=tmp_path / "v1.json").failing()
+
+
+def test_a_damaged_seal_column_is_a_clear_error(tmp_path):
+    from ckpttool.errors import CorruptFileError
+    from ckpttool.seal import Seal
+
+    path = _copy("dcp/fsdp2", tmp_path)
+    _, at = seal(path)
+    good = json.loads(at.read_text())
+    damages = {
+        "a column one entry short": lambda d: d["pieces"]["checksum"].pop(),
+        "a file index out of range": lambda d: d["pieces"]["file"].__setitem__(0, 10**6),
+        "a negative offset": lambda d: d["pieces"]["offset"].__setitem__(0, -1),
+        "a count of the wrong type": lambda d: d["items"]["pieces"].__setitem__(0, "3"),
+        "an unknown version": lambda d: d.__setitem__("schema_version", 3),
+    }
+    for what, damage in damages.items():
+        doc = json.loads(json.dumps(good))
+        damage(doc)
+        at.write_text(json.dumps(doc))
+        with pytest.raises(CorruptFileError, match="not a readable ckpttool seal"):
+            Seal.load(at)
+        assert run_cli("verify", path).code == 3, what
+    # a locator that does not match its key set: found when the whole manifest is built
+    doc = json.loads(json.dumps(good))
+    doc["pieces"]["locator"][0].append(7)
+    at.write_text(json.dumps(doc))
+    with pytest.raises(CorruptFileError, match="key set"):
+        Seal.load(at).manifest  # noqa: B018

@@ -11,7 +11,7 @@ import datetime as _dt
 import gc
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
@@ -48,7 +48,9 @@ seal of 400 000 pieces is a third of version 1's size and loads in a fraction of
 Version 1 seals (the whole manifest as objects, plus a list of piece records) still load."""
 
 _ITEM_FIELDS = ("name", "kind", "dtype", "shape", "value", "summary", "error")
-_PIECE_FIELDS = ("file", "locator", "box", "flat", "replica", "rank", "nbytes", "checksum", "offset", "length")
+_PIECE_FIELDS = ("file", "locator_set", "ndim", "flat", "replica", "rank", "nbytes", "checksum", "offset", "length")
+"""One entry per piece; ``locator_values`` and ``box`` hold each piece's locator values (in the
+order of its key set) and box (offsets, then sizes) one after another, flattened."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -59,12 +61,19 @@ class Seal:
 
     algo: Algo
     head: Manifest
-    pieces: list[PieceRecord] = field(default_factory=list)
+    _records: list[PieceRecord] | None = None
     created: str = ""
     tool: str = ""
     _manifest: Manifest | None = None
     _columns: dict[str, Any] | None = None
     _path: str = ""
+
+    @property
+    def pieces(self) -> list[PieceRecord]:
+        """Every hashed piece: its item, index, file, byte span and checksum."""
+        if self._records is None:
+            self._records = _records(self._columns or {})
+        return self._records
 
     @property
     def manifest(self) -> Manifest:
@@ -82,6 +91,8 @@ class Seal:
         where = {(p.item, p.index): p for p in self.pieces}
         items: dict[str, list[Any]] = {k: [] for k in (*_ITEM_FIELDS, "pieces")}
         pieces: dict[str, list[Any]] = {k: [] for k in _PIECE_FIELDS}
+        locator_values: list[Any] = []
+        boxes: list[int] = []
         for name in names:
             item = m.items[name]
             for k in _ITEM_FIELDS:
@@ -90,8 +101,11 @@ class Seal:
             for i, p in enumerate(item.pieces):
                 keys = tuple(p.locator)
                 pieces["file"].append(files.setdefault(p.file, len(files)))
-                pieces["locator"].append([keysets.setdefault(keys, len(keysets)), *p.locator.values()])
-                pieces["box"].append([*p.box.offsets, *p.box.sizes])
+                pieces["locator_set"].append(keysets.setdefault(keys, len(keysets)))
+                locator_values.extend(p.locator.values())
+                pieces["ndim"].append(len(p.box.offsets))
+                boxes.extend(p.box.offsets)
+                boxes.extend(p.box.sizes)
                 pieces["flat"].append(list(p.flat) if p.flat is not None else None)
                 pieces["replica"].append(p.replica)
                 pieces["rank"].append(p.rank)
@@ -110,7 +124,7 @@ class Seal:
             "piece_files": list(files),
             "locator_keys": [list(k) for k in keysets],
             "items": items,
-            "pieces": pieces,
+            "pieces": pieces | {"locator_values": locator_values, "box": boxes},
         }
 
     @classmethod
@@ -143,7 +157,7 @@ class Seal:
             ]
             _check_records(pieces)
             head = Manifest.from_json_dict({**data["manifest"], "items": {}})
-            return cls(algo=algo, head=head, pieces=pieces, created=created, tool=tool, _manifest=manifest)
+            return cls(algo=algo, head=head, _records=pieces, created=created, tool=tool, _manifest=manifest)
         if version != SEAL_SCHEMA:
             raise ValueError(f"schema_version {version!r:.20} (this ckpttool reads 1 and {SEAL_SCHEMA})")
         head_json = data["manifest"]
@@ -151,8 +165,8 @@ class Seal:
             raise TypeError("manifest is not an object")
         head = Manifest.from_json_dict({**head_json, "items": {}})
         columns = {k: data[k] for k in ("piece_files", "locator_keys", "items", "pieces")}
-        pieces = _records(columns)
-        return cls(algo=algo, head=head, pieces=pieces, created=created, tool=tool, _columns=columns, _path=str(path))
+        _validate(columns)
+        return cls(algo=algo, head=head, created=created, tool=tool, _columns=columns, _path=str(path))
 
 
 def _corrupt(path: Path, exc: BaseException) -> CorruptFileError:
@@ -186,27 +200,39 @@ def _column(table: Any, name: str, n: int | None, what: str) -> list[Any]:
     return col
 
 
-def _records(columns: dict[str, Any]) -> list[PieceRecord]:
-    """The hashed pieces, from the columns: each piece with a checksum, under its item's name."""
-    items, pieces, files = columns["items"], columns["pieces"], columns["piece_files"]
+def _validate(columns: dict[str, Any]) -> None:
+    """Type checks of the columns the piece records are built from (on load; the records
+    themselves are built on first use)."""
+    items, pieces, files, keysets = (columns[k] for k in ("items", "pieces", "piece_files", "locator_keys"))
     if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
         raise ValueError("piece_files is not a list of paths")
+    if not isinstance(keysets, list) or not all(
+        isinstance(k, list) and all(isinstance(x, str) for x in k) for k in keysets
+    ):
+        raise ValueError("locator_keys is not a list of key lists")
     names = _column(items, "name", None, "items")
     counts = _column(items, "pieces", len(names), "items")
     if not all(isinstance(n, str) for n in names) or not all(is_count(c) for c in counts):
         raise ValueError("items.name or items.pieces holds a value of the wrong type")
     total = sum(counts)
-    file_col = _column(pieces, "file", total, "pieces")
-    sums = _column(pieces, "checksum", total, "pieces")
-    offsets = _column(pieces, "offset", total, "pieces")
-    lengths = _column(pieces, "length", total, "pieces")
-    nfiles = len(files)
-    if not all(is_count(f) and f < nfiles for f in file_col):
-        raise ValueError("pieces.file holds an index outside piece_files")
-    if not all(c is None or isinstance(c, str) for c in sums):
+    for name in _PIECE_FIELDS:
+        _column(pieces, name, total, "pieces")
+    for name in ("locator_values", "box"):
+        _column(pieces, name, None, "pieces")
+    for name, bound in (("file", len(files)), ("locator_set", len(keysets))):
+        if not all(is_count(v) and v < bound for v in pieces[name]):
+            raise ValueError(f"pieces.{name} holds an index outside its table")
+    if not all(c is None or isinstance(c, str) for c in pieces["checksum"]):
         raise ValueError("pieces.checksum holds a value that is not a string")
-    if not all(v is None or is_count(v) for v in (*offsets, *lengths)):
+    if not all(v is None or is_count(v) for v in (*pieces["offset"], *pieces["length"])):
         raise ValueError("pieces.offset or pieces.length holds a value that is not a byte count")
+
+
+def _records(columns: dict[str, Any]) -> list[PieceRecord]:
+    """The hashed pieces, from validated columns: each piece with a checksum, under its item's name."""
+    items, pieces, files = columns["items"], columns["pieces"], columns["piece_files"]
+    names, counts = items["name"], items["pieces"]
+    file_col, sums, offsets, lengths = (pieces[k] for k in ("file", "checksum", "offset", "length"))
     out: list[PieceRecord] = []
     k = 0
     for name, count in zip(names, counts, strict=True):
@@ -237,22 +263,25 @@ def _materialise(head: Manifest, columns: dict[str, Any], path: str) -> Manifest
         pcols = {k: _column(pieces, k, total, "pieces") for k in _PIECE_FIELDS}
         if not isinstance(keysets, list) or not all(isinstance(k, list) for k in keysets):
             raise ValueError("locator_keys is not a list of key lists")
+        values = _column(pieces, "locator_values", None, "pieces")
+        boxes = _column(pieces, "box", None, "pieces")
         out_items: dict[str, Any] = {}
-        k = 0
+        k = at_value = at_box = 0
         for j, name in enumerate(names):
             plist = []
             for _ in range(cols["pieces"][j]):
-                loc = pcols["locator"][k]
-                keys = keysets[loc[0]]
-                if len(loc) != len(keys) + 1:
-                    raise ValueError(f"pieces.locator[{k}] does not match its key set")
-                box = pcols["box"][k]
-                half = len(box) // 2
+                keys = keysets[pcols["locator_set"][k]]
+                ndim = pcols["ndim"][k]
+                if not is_count(ndim) or at_value + len(keys) > len(values) or at_box + 2 * ndim > len(boxes):
+                    raise ValueError(f"pieces.locator_values or pieces.box ends before piece {k}")
                 plist.append(
                     {
                         "file": files[pcols["file"][k]],
-                        "locator": dict(zip(keys, loc[1:], strict=True)),
-                        "box": {"offsets": box[:half], "sizes": box[half:]},
+                        "locator": dict(zip(keys, values[at_value : at_value + len(keys)], strict=True)),
+                        "box": {
+                            "offsets": boxes[at_box : at_box + ndim],
+                            "sizes": boxes[at_box + ndim : at_box + 2 * ndim],
+                        },
                         "flat": pcols["flat"][k],
                         "replica": pcols["replica"][k],
                         "rank": pcols["rank"][k],
@@ -260,8 +289,12 @@ def _materialise(head: Manifest, columns: dict[str, Any], path: str) -> Manifest
                         "checksum": pcols["checksum"][k],
                     }
                 )
+                at_value += len(keys)
+                at_box += 2 * ndim
                 k += 1
             out_items[name] = {f: cols[f][j] for f in _ITEM_FIELDS} | {"pieces": plist}
+        if at_value != len(values) or at_box != len(boxes):
+            raise ValueError("pieces.locator_values or pieces.box holds more values than the pieces use")
         return Manifest.from_json_dict({**head.to_json_dict(), "items": out_items})
     except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
         raise _corrupt(Path(path), exc) from None
@@ -362,7 +395,7 @@ def seal(
         algo=algo,
         head=head,
         _manifest=manifest,
-        pieces=records,
+        _records=records,
         tool=f"ckpttool {__version__}",
         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     )

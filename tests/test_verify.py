@@ -401,6 +401,7 @@ def test_a_damaged_seal_column_is_a_clear_error(tmp_path):
     damages = {
         "a column one entry short": lambda d: d["pieces"]["checksum"].pop(),
         "a file index out of range": lambda d: d["pieces"]["file"].__setitem__(0, 10**6),
+        "a negative key set index": lambda d: d["pieces"]["locator_set"].__setitem__(0, -1),
         "a negative offset": lambda d: d["pieces"]["offset"].__setitem__(0, -1),
         "a count of the wrong type": lambda d: d["items"]["pieces"].__setitem__(0, "3"),
         "an unknown version": lambda d: d.__setitem__("schema_version", 3),
@@ -412,9 +413,9 @@ def test_a_damaged_seal_column_is_a_clear_error(tmp_path):
         with pytest.raises(CorruptFileError, match="not a readable ckpttool seal"):
             Seal.load(at)
         assert run_cli("verify", path).code == 3, what
-    # a locator that does not match its key set: found when the whole manifest is built
+    # locator values left over: found when the whole manifest is built
     doc = json.loads(json.dumps(good))
-    doc["pieces"]["locator"][0].append(7)
+    doc["pieces"]["locator_values"].append(7)
     at.write_text(json.dumps(doc))
-    with pytest.raises(CorruptFileError, match="key set"):
+    with pytest.raises(CorruptFileError, match="more values than the pieces use"):
         Seal.load(at).manifest  # noqa: B018

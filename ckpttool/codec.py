@@ -30,22 +30,11 @@ def _rotl(words: np.ndarray, bits: int) -> np.ndarray:
     return (words << np.asarray(1, words.dtype)) | (words >> np.asarray(bits - 1, words.dtype))
 
 
-def _rotr(words: np.ndarray, bits: int) -> np.ndarray:
-    return (words >> np.asarray(1, words.dtype)) | (words << np.asarray(bits - 1, words.dtype))
-
-
 def _planes(words: np.ndarray) -> list[Any]:
     width = words.dtype.itemsize
     # one transposing copy; little-endian, so byte width-1 (the most significant) comes first
     rows = np.ascontiguousarray(words.view(np.uint8).reshape(-1, width)[:, ::-1].T)
     return [rows[i].data for i in range(width)]
-
-
-def _unplanes(planes: list[Any], width: int, count: int) -> np.ndarray:
-    rows = np.empty((width, count), dtype=np.uint8)
-    for j, plane in enumerate(planes):
-        rows[j] = np.frombuffer(plane, dtype=np.uint8)
-    return np.ascontiguousarray(rows[::-1].T).reshape(-1).view(_UINT[width])
 
 
 def _zigzag(d: np.ndarray, width: int) -> np.ndarray:
@@ -55,11 +44,6 @@ def _zigzag(d: np.ndarray, width: int) -> np.ndarray:
     np.left_shift(s, np.asarray(1, s.dtype), out=s)
     np.bitwise_xor(s, sign, out=s)
     return s.view(_UINT[width])
-
-
-def _unzigzag(z: np.ndarray, width: int) -> np.ndarray:
-    u = z.view(_UINT[width])
-    return ((u >> np.asarray(1, u.dtype)) ^ (np.asarray(0, u.dtype) - (u & np.asarray(1, u.dtype)))).view(_UINT[width])
 
 
 def transform(
@@ -78,22 +62,6 @@ def transform(
         # idiff: the wrapping integer difference, zigzagged so small changes either way are small
         words = (_rotl(xor, 8 * width) if floating else xor) if method == "xor" else _zigzag(t - b, width)
     return _planes(words)
-
-
-def untransform(
-    method: Method, planes: list[bytes], base: bytes | memoryview | None, width: int, floating: bool, nbytes: int
-) -> bytes:
-    if method == "stored":
-        return planes[0]
-    count = nbytes // width
-    words = _unplanes(planes, width, count)
-    if method == "planes":
-        return (_rotr(words, 8 * width) if floating else words).tobytes()
-    assert base is not None
-    b = _words(base, width)
-    if method == "xor":
-        return ((_rotr(words, 8 * width) if floating else words) ^ b).tobytes()
-    return (b + _unzigzag(words, width)).tobytes()
 
 
 def compress_planes(planes: list[Any]) -> list[bytes]:
@@ -147,15 +115,53 @@ def encode(
     return best
 
 
-def decode(
+def decode_into(
+    out: memoryview,
     method: Method,
     frames: list[bytes],
     sizes: list[int],
     base: bytes | memoryview | None,
     width: int,
     floating: bool,
-    nbytes: int,
-) -> bytes:
+) -> None:
+    """Decode a piece straight into ``out`` (its bytes in the file being rebuilt): the planes are
+    interleaved into ``out`` and the inverse transform runs there in place, with no copy of the
+    piece in between. Raises ValueError when the frames do not decode to ``len(out)`` bytes."""
+    nbytes = len(out)
     if method == "stored":
-        return frames[0]
-    return untransform(method, decompress_planes(frames, sizes), base, width, floating, nbytes)
+        if len(frames) != 1 or len(frames[0]) != nbytes:
+            raise ValueError(f"a stored piece of {sum(map(len, frames)):,} bytes where {nbytes:,} are expected")
+        out[:] = frames[0]
+        return
+    planes = decompress_planes(frames, sizes)
+    if width not in _UINT or nbytes % width or len(planes) != width:
+        raise ValueError(f"{len(planes)} planes of a {width}-byte type do not make {nbytes:,} bytes")
+    count = nbytes // width
+    if any(len(p) != count for p in planes):
+        raise ValueError(f"planes of {[len(p) for p in planes]} bytes where {count:,} each are expected")
+    words = np.frombuffer(out, dtype=_UINT[width])  # writable: out is a writable view
+    lanes = words.view(np.uint8).reshape(count, width)
+    for j, plane in enumerate(planes):  # plane 0 holds the most significant bytes (little-endian: last)
+        lanes[:, width - 1 - j] = np.frombuffer(plane, dtype=np.uint8)
+    bits = 8 * width
+    if method == "idiff":
+        low = words & np.asarray(1, words.dtype)
+        np.right_shift(words, np.asarray(1, words.dtype), out=words)
+        np.negative(low, out=low)
+        np.bitwise_xor(words, low, out=words)
+        np.add(words, _words(_need_base(base, nbytes), width), out=words)
+        return
+    if floating:
+        top = words << np.asarray(bits - 1, words.dtype)
+        np.right_shift(words, np.asarray(1, words.dtype), out=words)
+        np.bitwise_or(words, top, out=words)
+    if method == "xor":
+        np.bitwise_xor(words, _words(_need_base(base, nbytes), width), out=words)
+    elif method != "planes":
+        raise ValueError(f"unknown coding method {method!r}")
+
+
+def _need_base(base: bytes | memoryview | None, nbytes: int) -> bytes | memoryview:
+    if base is None or len(base) != nbytes:
+        raise ValueError(f"a piece coded against a base of {nbytes:,} bytes, and no such base")
+    return base

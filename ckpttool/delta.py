@@ -492,20 +492,20 @@ def _decode_file(delta: Path, rel: str, spec: dict[str, Any], b_root: Path | Non
             for off, n in other["gaps"]:
                 buf[off : off + n] = data[pos : pos + n]
                 pos += n
+        view = memoryview(buf)
         for t in spec["tensors"]:
             base_bytes = None
             if t["base"] is not None and b_root is not None:
                 base_bytes = _read(b_root / t["base"][0], [(t["base"][1], t["length"])])
-            values = codec.decode(
+            codec.decode_into(
+                view[t["offset"] : t["offset"] + t["length"]],
                 t["method"],
                 _frames(fh, t["frames"]),
                 t["sizes"],
                 base_bytes,
                 t["width"],
                 t["floating"],
-                t["length"],
             )
-            buf[t["offset"] : t["offset"] + t["length"]] = values
     return buf
 
 

@@ -12,6 +12,7 @@ import gc
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Any, get_args
 
@@ -31,7 +32,7 @@ def default_seal_path(path: str | Path) -> Path:
     return p / SEAL_NAME if p.is_dir() else p.with_name(p.name + "." + SEAL_NAME)
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(slots=True)
 class PieceRecord:
     item: str
     index: int
@@ -72,7 +73,13 @@ class Seal:
     def pieces(self) -> list[PieceRecord]:
         """Every hashed piece: its item, index, file, byte span and checksum."""
         if self._records is None:
-            self._records = _records(self._columns or {})
+            enabled = gc.isenabled()
+            gc.disable()  # hundreds of thousands of records, no cycles among them
+            try:
+                self._records = _records(self._columns or {})
+            finally:
+                if enabled:
+                    gc.enable()
         return self._records
 
     @property
@@ -232,20 +239,16 @@ def _records(columns: dict[str, Any]) -> list[PieceRecord]:
     """The hashed pieces, from validated columns: each piece with a checksum, under its item's name."""
     items, pieces, files = columns["items"], columns["pieces"], columns["piece_files"]
     names, counts = items["name"], items["pieces"]
-    file_col, sums, offsets, lengths = (pieces[k] for k in ("file", "checksum", "offset", "length"))
-    out: list[PieceRecord] = []
-    k = 0
-    for name, count in zip(names, counts, strict=True):
-        for i in range(count):
-            c = sums[k]
-            if c is not None:
-                out.append(
-                    PieceRecord(
-                        item=name, index=i, file=files[file_col[k]], offset=offsets[k], length=lengths[k], checksum=c
-                    )
-                )
-            k += 1
-    return out
+    every = map(
+        PieceRecord,
+        chain.from_iterable(map(repeat, names, counts)),  # the item of each piece
+        chain.from_iterable(map(range, counts)),  # its index in the item
+        [files[i] for i in pieces["file"]],
+        pieces["offset"],
+        pieces["length"],
+        pieces["checksum"],
+    )
+    return [r for r in every if r.checksum is not None]
 
 
 def _materialise(head: Manifest, columns: dict[str, Any], path: str) -> Manifest:

@@ -69,7 +69,7 @@ def judge(rec: dict[str, Any], case: Case | None) -> list[str]:
     return problems
 
 
-def test_the_corpus_gets_its_verdicts(records):
+def test_the_corpus_gets_its_verdicts(records, capsys):
     by_case = {c.name: c for c in CASES}
     failures: list[str] = []
     counts: Counter[str] = Counter()
@@ -85,12 +85,14 @@ def test_the_corpus_gets_its_verdicts(records):
         failures += [f"{rec['case']} [{rec['command']}]: {p}" for p in judge(rec, case)]
     seen = {rec["case"] for rec in records if rec["case"] in by_case}
     assert seen == set(by_case), f"cases that did not run: {sorted(set(by_case) - seen)}"
-    print(
+    summary = (
         f"hostile corpus: {len(by_case)} cases, {counts['case runs']} case runs, {counts['sweep runs']} sweep runs; "
         f"payloads executed {counts['payloads executed']}, exit 0 on broken {counts['exit 0 on a broken checkpoint']}, "
         f"tracebacks {counts['tracebacks or internal errors']}, hangs {counts['hangs']}; "
         f"slowest {max(r['seconds'] for r in records):.1f} s"
     )
+    with capsys.disabled():  # in the test output itself, not only in a failure's captured log
+        print("\n" + summary)
     assert failures == [], "\n".join(failures[:40])
     assert counts["payloads executed"] == counts["tracebacks or internal errors"] == counts["hangs"] == 0
 

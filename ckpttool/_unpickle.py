@@ -11,6 +11,7 @@ Each format module builds its allowlist from :data:`PLAIN` plus its own stubs.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import pickle
@@ -416,50 +417,17 @@ _SCAN_ALL = 4 << 20
 def _memo_bomb(data: bytes) -> bool:
     """Whether a pickle stores into a memo index larger than the pickle itself. Python's unpickler
     grows its memo table to the index it is given, so ten bytes can make it allocate gigabytes;
-    a real pickle numbers its memo entries from 0, one per stored object. The pickle is walked
-    opcode by opcode, skipping over strings and bytes by their lengths (a byte search for
-    candidates does not help: torch's pickles spell ``torch`` and ``storage``, an ``r`` and four
-    bytes that read as a huge index). Pickles larger than ``_SCAN_ALL`` (a big DCP ``.metadata``) are
-    not walked: a known gap, as the walk costs about 0.03 s per MB."""
-    if len(data) > _SCAN_ALL:
-        return False
-    return _walk_for_memo_bomb(data)
+    a real pickle numbers its memo entries from 0, one per stored object.
 
-
-_ARG_SKIP: list[tuple[int, int] | None] = []
-"""Per opcode byte: None (not an opcode), (0, n) a fixed n-byte argument, (1, n) n newline-ended
-lines, (2, n) an n-byte length then that many bytes (n == 4 and signed: (3, 4))."""
-
-
-def _arg_skip() -> list[tuple[int, int] | None]:
-    if not _ARG_SKIP:
-        import pickletools
-
-        table: list[tuple[int, int] | None] = [None] * 256
-        for op in pickletools.opcodes:
-            arg = op.arg
-            if arg is None:
-                table[ord(op.code)] = (0, 0)
-            elif arg.n >= 0:
-                table[ord(op.code)] = (0, arg.n)
-            elif arg.n == pickletools.UP_TO_NEWLINE:
-                table[ord(op.code)] = (1, 2 if arg.name == "stringnl_noescape_pair" else 1)
-            else:
-                table[ord(op.code)] = {
-                    pickletools.TAKEN_FROM_ARGUMENT1: (2, 1),
-                    pickletools.TAKEN_FROM_ARGUMENT4: (3, 4),
-                    pickletools.TAKEN_FROM_ARGUMENT4U: (2, 4),
-                    pickletools.TAKEN_FROM_ARGUMENT8U: (2, 8),
-                }[arg.n]
-        _ARG_SKIP.extend(table)
-    return _ARG_SKIP
-
-
-def _walk_for_memo_bomb(data: bytes) -> bool:
-    """The exact check behind ``_memo_bomb``: walk the opcodes up to STOP and look at every PUT's
-    index. A pickle that does not parse is not a bomb (the unpickler reports it)."""
-    table = _arg_skip()
+    The opcodes are walked up to STOP, skipping strings and bytes by their lengths, and every PUT's
+    index is looked at (a byte search for candidates does not help: torch's pickles spell ``torch``
+    and ``storage``, an ``r`` and four bytes that read as a huge index). A pickle that does not
+    parse is not a bomb: the unpickler reports it. Pickles larger than ``_SCAN_ALL`` (a big DCP
+    ``.metadata``) are not walked: a known gap, as the walk costs about 0.03 s per MB."""
     limit = len(data)
+    if limit > _SCAN_ALL:
+        return False
+    table = _arg_skip()
     i = 0
     while i < limit:
         code = data[i]
@@ -488,6 +456,31 @@ def _walk_for_memo_bomb(data: bytes) -> bool:
                 return False
             i += n + length
     return False
+
+
+@functools.cache
+def _arg_skip() -> tuple[tuple[int, int] | None, ...]:
+    """Per opcode byte: None (not an opcode), (0, n) a fixed n-byte argument, (1, n) n newline-ended
+    lines, (2, n) an n-byte length then that many bytes ((3, 4): a signed 4-byte length)."""
+    import pickletools
+
+    table: list[tuple[int, int] | None] = [None] * 256
+    for op in pickletools.opcodes:
+        arg = op.arg
+        if arg is None:
+            table[ord(op.code)] = (0, 0)
+        elif arg.n >= 0:
+            table[ord(op.code)] = (0, arg.n)
+        elif arg.n == pickletools.UP_TO_NEWLINE:
+            table[ord(op.code)] = (1, 2 if arg.name == "stringnl_noescape_pair" else 1)
+        else:
+            table[ord(op.code)] = {
+                pickletools.TAKEN_FROM_ARGUMENT1: (2, 1),
+                pickletools.TAKEN_FROM_ARGUMENT4: (3, 4),
+                pickletools.TAKEN_FROM_ARGUMENT4U: (2, 4),
+                pickletools.TAKEN_FROM_ARGUMENT8U: (2, 8),
+            }[arg.n]
+    return tuple(table)
 
 
 MAX_DEPTH = 200

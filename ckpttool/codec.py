@@ -71,13 +71,16 @@ def compress_planes(planes: list[Any]) -> list[bytes]:
 
 def decompress_planes(frames: list[bytes], sizes: list[int]) -> list[bytes]:
     dctx = zstandard.ZstdDecompressor()
-    out = []
-    for f, n in zip(frames, sizes, strict=True):
-        declared = zstandard.frame_content_size(f)
-        if declared > n:  # zstd would allocate what the frame declares before checking
-            raise ValueError(f"a frame declares {declared:,} bytes where {n:,} are expected")
-        out.append(dctx.decompress(f, max_output_size=n))
-    return out
+    return [decompress_bounded(dctx, f, n) for f, n in zip(frames, sizes, strict=True)]
+
+
+def decompress_bounded(dctx: zstandard.ZstdDecompressor, frame: bytes, n: int) -> bytes:
+    """A zstd frame of at most ``n`` bytes, decompressed; ValueError for a frame that declares more
+    (zstd would allocate what the frame declares before checking)."""
+    declared = zstandard.frame_content_size(frame)
+    if declared > n:
+        raise ValueError(f"a frame declares {declared:,} bytes where {n:,} are expected")
+    return dctx.decompress(frame, max_output_size=n)
 
 
 _SAMPLE = 1 << 20

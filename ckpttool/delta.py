@@ -32,7 +32,7 @@ from ckpttool import codec, registry
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CkptError, CorruptFileError, UsageError
 from ckpttool.hashing import hash_bytes
-from ckpttool.io import atomic_output, escapes, fsync_dir, publish_dir, staged_dir
+from ckpttool.io import atomic_output, escapes, fsync_dir, fsync_tree, publish_dir, staged_dir
 from ckpttool.manifest import Manifest
 from ckpttool.naming import canonical
 from ckpttool.values import is_count
@@ -467,8 +467,7 @@ def apply(
             os.replace(tmp / only, out_path)
             shutil.rmtree(tmp)
         else:
-            for d in sorted({p.parent for p in tmp.rglob("*")}, key=lambda p: -len(p.parts)):
-                fsync_dir(d)
+            fsync_tree(tmp, files=False)  # each file was fsync'd as it was written
             publish_dir(tmp, out_path)
         fsync_dir(parent)
     return header
@@ -485,9 +484,7 @@ def _decode_file(delta: Path, rel: str, spec: dict[str, Any], b_root: Path | Non
                 raw = _read(b_root / rel, [(int(a), int(n)) for a, n in other["dict"]])
                 args["dict_data"] = zstandard.ZstdCompressionDict(raw, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
             frame = _frames(fh, other["frames"])[0]
-            if zstandard.frame_content_size(frame) > other["nbytes"]:
-                raise ValueError(f"a frame declares more than the {other['nbytes']:,} bytes expected")
-            data = zstandard.ZstdDecompressor(**args).decompress(frame, max_output_size=other["nbytes"])
+            data = codec.decompress_bounded(zstandard.ZstdDecompressor(**args), frame, other["nbytes"])
             pos = 0
             for off, n in other["gaps"]:
                 buf[off : off + n] = data[pos : pos + n]

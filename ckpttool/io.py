@@ -333,13 +333,16 @@ def staged_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
         raise
 
 
-def fsync_tree(root: Path) -> None:
-    """Flush every file and directory below ``root``, deepest directories first (for writers that do
-    not fsync what they write, such as torch's zip writer)."""
+def fsync_tree(root: Path, *, files: bool = True) -> None:
+    """Flush every file (unless ``files`` is False: the writer fsync'd them) and directory below
+    ``root``, deepest directories first (for writers that do not fsync what they write, such as
+    torch's zip writer)."""
     dirs = [root]
     for path in root.rglob("*"):
         if path.is_dir():
             dirs.append(path)
+            continue
+        if not files:
             continue
         fd = os.open(path, os.O_RDONLY)
         try:

@@ -163,8 +163,7 @@ class Seal:
                 for i, n, f, o, ln, c in data["pieces"]
             ]
             _check_records(pieces)
-            head = Manifest.from_json_dict({**data["manifest"], "items": {}})
-            return cls(algo=algo, head=head, _records=pieces, created=created, tool=tool, _manifest=manifest)
+            return cls(algo=algo, head=_head(manifest), _records=pieces, created=created, tool=tool, _manifest=manifest)
         if version != SEAL_SCHEMA:
             raise ValueError(f"schema_version {version!r:.20} (this ckpttool reads 1 and {SEAL_SCHEMA})")
         head_json = data["manifest"]
@@ -174,6 +173,11 @@ class Seal:
         columns = {k: data[k] for k in ("piece_files", "locator_keys", "items", "pieces")}
         _validate(columns)
         return cls(algo=algo, head=head, created=created, tool=tool, _columns=columns, _path=str(path))
+
+
+def _head(manifest: Manifest) -> Manifest:
+    """The manifest without its items (sharing its files, layout and extras)."""
+    return Manifest(**{f: getattr(manifest, f) for f in Manifest.__dataclass_fields__ if f != "items"})
 
 
 def _corrupt(path: Path, exc: BaseException) -> CorruptFileError:
@@ -260,14 +264,11 @@ def _materialise(head: Manifest, columns: dict[str, Any], path: str) -> Manifest
             columns["piece_files"],
             columns["locator_keys"],
         )
-        names = _column(items, "name", None, "items")
+        # the columns passed _validate on load; the item fields it does not check are checked by
+        # the manifest's validator below
+        names = items["name"]
         cols = {k: _column(items, k, len(names), "items") for k in (*_ITEM_FIELDS, "pieces")}
-        total = sum(cols["pieces"])
-        pcols = {k: _column(pieces, k, total, "pieces") for k in _PIECE_FIELDS}
-        if not isinstance(keysets, list) or not all(isinstance(k, list) for k in keysets):
-            raise ValueError("locator_keys is not a list of key lists")
-        values = _column(pieces, "locator_values", None, "pieces")
-        boxes = _column(pieces, "box", None, "pieces")
+        pcols, values, boxes = pieces, pieces["locator_values"], pieces["box"]
         out_items: dict[str, Any] = {}
         k = at_value = at_box = 0
         for j, name in enumerate(names):
@@ -393,10 +394,9 @@ def seal(
                     checksum=digest,
                 )
             )
-    head = Manifest(**{f: getattr(manifest, f) for f in Manifest.__dataclass_fields__ if f != "items"})
     result = Seal(
         algo=algo,
-        head=head,
+        head=_head(manifest),
         _manifest=manifest,
         _records=records,
         tool=f"ckpttool {__version__}",

@@ -34,7 +34,7 @@ from ckpttool.formats.base import Adapter
 from ckpttool.geometry import coverage
 from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
 from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, StateName
-from ckpttool.seal import Seal, default_seal_path, in_file_order
+from ckpttool.seal import PieceRecord, Seal, default_seal_path, in_file_order
 
 Severity = Literal["error", "warning", "info"]
 SEVERITY_ORDER = {"info": 0, "warning": 1, "error": 2}
@@ -506,17 +506,19 @@ def _check_seal(
         for rel in present
         if file_digests[rel].size != expected[rel].size or file_digests[rel].digest != expected[rel].checksum
     }
-    trusted = set(present) - changed
-    piece_digests = {(r.item, r.index): r.checksum for r in sealed.pieces if r.file in trusted}
+    piece_digests: dict[tuple[str, int], str] = {}
+    suspects: dict[str, list[PieceRecord]] = defaultdict(list)  # the seal's records of changed files
     spans: dict[str, list[Span]] = defaultdict(list)
     unspanned: list[tuple[str, int]] = []
     for rec in sealed.pieces:
-        if rec.file not in changed:
-            continue
-        if rec.offset is not None and rec.length is not None:
-            spans[rec.file].append(Span((rec.item, rec.index), rec.offset, rec.length))
-        else:
-            unspanned.append((rec.item, rec.index))
+        if rec.file in changed:
+            suspects[rec.file].append(rec)
+            if rec.offset is not None and rec.length is not None:
+                spans[rec.file].append(Span((rec.item, rec.index), rec.offset, rec.length))
+            else:
+                unspanned.append((rec.item, rec.index))
+        elif rec.file in on_disk:
+            piece_digests[(rec.item, rec.index)] = rec.checksum
     if spans:
         _, again = hash_files(scope, sorted(spans), spans, sealed.algo, workers=workers)
         piece_digests.update(again)
@@ -530,9 +532,7 @@ def _check_seal(
                         piece_digests[(name, i)] = hash_bytes(values.reshape(-1).view("u1").data, sealed.algo)
                     except CkptError:
                         pass  # reported through the file checks
-    seal_pieces = {(r.item, r.index): r for r in sealed.pieces}
-    bad_files: set[str] = set()
-    for rel in present:
+    for rel in (rel for rel in present if rel in changed):
         want, got = expected[rel], file_digests[rel]
         if got.size < want.size:
             report.findings.append(
@@ -543,29 +543,23 @@ def _check_seal(
                     rank=_rank_of(want),
                 )
             )
-            bad_files.add(rel)
-        elif got.digest != want.checksum:
-            bad_files.add(rel)
-            culprits = [
-                f"{k[0]}"
-                for k, r in seal_pieces.items()
-                if r.file == rel and piece_digests.get(k) not in (None, r.checksum)
-            ]
-            what = (
-                f"; the changed bytes are in {', '.join(culprits[:5])}" + (" …" if len(culprits) > 5 else "")
-                if culprits
-                else ""
+            continue
+        culprits = [r.item for r in suspects[rel] if piece_digests.get((r.item, r.index)) not in (None, r.checksum)]
+        what = (
+            f"; the changed bytes are in {', '.join(culprits[:5])}" + (" …" if len(culprits) > 5 else "")
+            if culprits
+            else ""
+        )
+        size_note = f" (size {got.size:,}, sealed {want.size:,})" if got.size != want.size else ""
+        report.findings.append(
+            finding(
+                "checksum-mismatch",
+                f"{rel}: {sealed.algo} differs from the seal{size_note}{what}",
+                file=rel,
+                item=culprits[0] if len(culprits) == 1 else None,
+                rank=_rank_of(want),
             )
-            size_note = f" (size {got.size:,}, sealed {want.size:,})" if got.size != want.size else ""
-            report.findings.append(
-                finding(
-                    "checksum-mismatch",
-                    f"{rel}: {sealed.algo} differs from the seal{size_note}{what}",
-                    file=rel,
-                    item=culprits[0] if len(culprits) == 1 else None,
-                    rank=_rank_of(want),
-                )
-            )
+        )
     report.checked["pieces"] = len(piece_digests)
     return piece_digests
 

@@ -130,6 +130,7 @@ def main() -> int:
               + (f", {s['vs_peer_speed']:.1f}x faster than dcp_to_torch_save at {s['vs_peer_memory']:.2f}x its memory"
                  if "vs_peer_speed" in s else ""))
         ok &= s["vs_cp"] >= 0.5 and s["rss_workers1"] <= s["rss_bound"]  # type: ignore[operator]
+        ok &= s["workers2_speedup"] >= 1.6  # type: ignore[operator]
         if "vs_peer_speed" in s:
             ok &= s["vs_peer_speed"] >= 2 and s["vs_peer_memory"] <= 0.25  # type: ignore[operator]
         if not args.keep and k > 0:

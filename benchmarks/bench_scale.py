@@ -4,9 +4,12 @@
     python benchmarks/bench_scale.py --check-full    # also dcp.load a sample of the full-size one
 
 Writes (once, cached under ``benchmarks/_data/``) a synthetic but format-valid PyTorch DCP
-checkpoint, byte for byte what torch 2.13's ``FileSystemWriter`` writes: ``__{rank}_0.distcp``
-files that are concatenations of ``torch.save`` archives (one per stored chunk, offset and length
-in ``_StorageInfo``) and a ``.metadata`` pickled with torch's own classes. A real ``dcp.save``
+checkpoint in the layout torch 2.13's ``FileSystemWriter`` writes: ``__{rank}_0.distcp`` files
+that are concatenations of ``torch.save`` archives (one per stored chunk, each archive byte for
+byte what torch writes; offset and length in ``_StorageInfo``) and a ``.metadata`` pickled with
+torch's own classes. The order of the archives inside a file differs from a real save's (torch
+writes every ``model.*`` chunk before the ``optim.*`` ones; here each parameter's three tensors
+sit together), so the files are not byte-identical to a real save of the same state. A real ``dcp.save``
 from 10 000 ranks cannot run on one machine, so the files are written directly.
 
 Geometry (default): ``--items`` items = one ``step`` counter (a bytes item in rank 0's file) and

@@ -3,8 +3,8 @@
 A real ``torch.distributed.checkpoint.save`` (one process, no process group) runs in a subprocess
 with a ``FileSystemWriter`` slowed down at each stage of a real save: a pause after it creates the
 directory, one before each item it writes, one after the data files are written (where rank 0 of a
-real save waits for the other ranks' results) and one before it renames ``.metadata.tmp`` to
-``.metadata`` (the commit). Meanwhile ``ckpttool verify DIR --json`` runs in a loop. Every verdict
+real save waits for the other ranks' results) and one (at least 2.5 s) before it renames
+``.metadata.tmp`` to ``.metadata`` (the commit). Meanwhile ``ckpttool verify DIR --json`` runs in a loop. Every verdict
 that ended before the commit must be non-ok: exit 3 (nothing to evaluate yet: no directory, an
 empty one) or exit 1 with the rule ``incomplete-save``. Verdicts that began after the commit must
 be exit 0. Each test prints how many verdicts it took in each state of the directory.
@@ -67,7 +67,7 @@ class SlowWriter(FileSystemWriter):
         rename = self.fs.rename
 
         def commit(src, dst):  # .metadata.tmp is written; the rename commits the save
-            time.sleep(8 * pause)
+            time.sleep(max(8 * pause, 2.5))  # long enough for whole verify runs to see this state
             rename(src, dst)
             open(marker + ".committed", "w").close()
 
@@ -208,6 +208,7 @@ def test_verify_never_ok_during_a_save(tmp_path, capsys):
     assert not problems, "\n".join(problems)
     states = {key.split("|")[1].strip() for key in tally if key.startswith("in progress")}
     assert "data files, no .metadata" in states, tally  # the loop did watch the write
+    assert "data + .metadata.tmp" in states, tally  # and the written, uncommitted metadata
     code, rules, err = _verify(ckpt)
     assert code == 0, (rules, err)
 

@@ -523,8 +523,8 @@ def sigint_trials(
             problems.append(f"SIGINT {k}: the source changed")
         if interrupted >= wanted:
             break
-    if not interrupted:
-        problems.append(f"no SIGINT landed before the publication in {attempts} attempts")
+    if interrupted < wanted:
+        problems.append(f"only {interrupted} of {wanted} SIGINTs landed before the publication in {attempts} attempts")
     figures = (
         f"{cmd.name} SIGINT: sent={sum(codes.values())} interrupted={interrupted} after-publish={late} "
         f"exit codes={dict(codes)}"
@@ -563,7 +563,7 @@ def test_sigint_exits_130_and_cleans_up(name, commands, references, tmp_path, ca
     """Ctrl-C mid-write: exit 130, 'interrupted' on stderr, no traceback, nothing left."""
     cmd = commands[name]
     figures, problems = sigint_trials(
-        cmd, tmp_path, references(cmd), wanted=cmd.interrupts, attempts=3 * cmd.interrupts
+        cmd, tmp_path, references(cmd), wanted=cmd.interrupts, attempts=4 * cmd.interrupts
     )
     _report(capsys, figures + "".join(f"\n  {p}" for p in problems))
     assert not problems, "\n".join(problems)

@@ -1,8 +1,13 @@
 """The hostile corpus: damaged and malicious copies of the real fixtures, each with the verdict it
 must get.
 
-Every case is built from a fixture that a real writer made (``fixtures/``), by a function that
-copies it into a scratch folder and then lies, truncates or plants a payload. Each case lists the
+Most cases are built from a fixture that a real writer made (``fixtures/``), by a function that
+copies it into a scratch folder and then lies, truncates or plants a payload. A few cannot be:
+the safetensors header bomb and the million-item file are written from nothing; the deep, cyclic
+and billion-laughs pickles replace a real archive's ``data.pkl`` whole; the TransformerEngine
+``_extra_state`` case rewrites a real Megatron rank file with ckpttool's own torch.save writer
+(``formats/_ptwrite.py``, which tests compare with ``torch.save``). Those cases carry the tag
+``synthetic``. Each case lists the
 commands to run on it and, for each, the exit code and the words its one message must contain.
 
 The sweeps (truncation at every 1/64th of every file, 64 single-byte flips) are generated too:
@@ -14,18 +19,17 @@ Run by hand: ``python -m tests.hostile.run --out DIR`` (see ``run.py``); in the 
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import pickle
 import random
 import shutil
 import struct
-import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests._zips import replace_member
 from tests.conftest import FIXTURES
 
 MARKER = "CKPTTOOL_PWNED"
@@ -83,17 +87,8 @@ def inject(pkl: bytes, code: bytes) -> bytes:
 
 
 def rewrite_zip_member(path: Path, suffix: str, change: Callable[[bytes], bytes]) -> None:
-    """Rewrite a torch.save archive with the member ending in ``suffix`` changed (stored, as
-    torch writes them)."""
-    with zipfile.ZipFile(path) as z:
-        members = [(info.filename, z.read(info.filename)) for info in z.infolist()]
-    hit = [n for n, _ in members if n.endswith(suffix)]
-    assert len(hit) == 1, (path, suffix, hit)
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
-        for n, data in members:
-            z.writestr(n, change(data) if n == hit[0] else data)
-    path.write_bytes(buf.getvalue())
+    """Rewrite a torch.save archive with the member ending in ``suffix`` changed."""
+    path.write_bytes(replace_member(path.read_bytes(), suffix, change))
 
 
 def _pt(fixture: str, member: str | None, change: Callable[[bytes], bytes]) -> Callable[[Path], Path]:
@@ -458,6 +453,7 @@ def _cases() -> Iterator[Case]:
                 "inspect": Expect(1, ("_extra_state", "posix.system")),
                 "verify": Expect(1, ("_extra_state", "posix.system"), rule="unsafe-pickle"),
             },
+            tags=("synthetic",),
         )
     for tag, code in OPCODE_TRICKS.items():
         yield Case(f"dcp.metadata.opcode_{tag}", _file("dcp/fsdp2", ".metadata", lambda b, c=code: inject(b, c)), _unsafe(".metadata", _glob("os_system")))
@@ -499,18 +495,20 @@ def _cases() -> Iterator[Case]:
         "safetensors.header_claims_10GB",
         _safetensors(b"{}", claim=10 * 10**9),
         {"inspect": Expect(3, ("model.safetensors", "10,000,000,000")), "verify": Expect((1, 3), ("model.safetensors",))},
+        tags=("synthetic",),
     )
     yield Case(
         "safetensors.shape_overflow",
         _safetensors({"w": {"dtype": "F32", "shape": [2**62, 2**62], "data_offsets": [0, 16]}}, bytes(16)),
         {"inspect": Expect(3, ("model.safetensors", "w")), "verify": Expect((1, 3), ("w",))},
+        tags=("synthetic",),
     )
     yield Case(
         "safetensors.million_items",
         _many_items(1_000_000),
         {"inspect": Expect(0, ("items: 1000000",))},
         limit_s=120,
-        tags=("valid",),
+        tags=("valid", "synthetic"),
     )
     yield Case(
         "torch.pt.member_claims_huge_size",
@@ -521,26 +519,31 @@ def _cases() -> Iterator[Case]:
         "torch.pt.nested_100k",
         _pt("torch/train_state.pt", None, lambda b: _deep_pickle(100_000)),
         {"inspect": Expect(3, ("train_state.pt", "nests containers more than 200 levels")), "verify": Expect(1, ("train_state.pt",), rule="corrupt-file")},
+        tags=("synthetic",),
     )
     yield Case(
         "dcp.metadata.nested_100k",
         _file("dcp/fsdp2", ".metadata", lambda b: _deep_pickle(100_000)),
         {"inspect": Expect(3, (".metadata",)), "verify": Expect((1, 3), (".metadata",))},
+        tags=("synthetic",),
     )
     yield Case(
         "dcp.metadata.cycle",
         _file("dcp/fsdp2", ".metadata", lambda b: _cycle_pickle()),
         {"inspect": Expect(3, (".metadata", "cycle")), "verify": Expect(1, (".metadata",), rule="corrupt-file")},
+        tags=("synthetic",),
     )
     yield Case(
         "torch.pt.billion_laughs",
         _pt("torch/train_state.pt", None, lambda b: _laughs_pickle(64)),
         {"inspect": Expect(3, ("train_state.pt", "expands to more than")), "verify": Expect(1, ("train_state.pt",), rule="corrupt-file")},
+        tags=("synthetic",),
     )
     yield Case(
         "megatron.rank_pt.nested_100k",
         _pt("megatron/legacy_tp2pp2", "iter_0000003/mp_rank_00_001/model_optim_rng.pt", lambda b: _deep_pickle(100_000)),
         {"inspect": Expect(3, ("mp_rank_00_001", "nests containers more than 200 levels")), "verify": Expect(1, ("mp_rank_00_001",), rule="corrupt-file")},
+        tags=("synthetic",),
     )
     yield Case(
         "dcp.shape_overflow",

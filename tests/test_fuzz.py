@@ -46,6 +46,7 @@ import pickle
 import random
 import shutil
 import signal
+import sys
 import struct
 import tempfile
 import threading
@@ -1533,3 +1534,10 @@ def test_the_regression_files_are_found():
 def test_regression(path):
     """A minimized finding of the fuzzers: only CkptError may escape (fails until fixed)."""
     check(TARGETS[path.parent.name], path.read_bytes())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident-memory budget needs Linux /proc")
+def test_the_memory_budget_is_enforced():
+    """On Linux the per-input memory budget is live (a kernel without a writable clear_refs would
+    switch it off silently, and the unbounded-allocation regressions would pass unchecked)."""
+    assert _reset_peak() is not None

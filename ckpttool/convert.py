@@ -25,7 +25,9 @@ from ckpttool.export import safetensors_selection, select, tensor_nbytes, write_
 from ckpttool.io import fsync_dir, publish_dir, staged_dir
 from ckpttool.manifest import Item
 
-TARGETS = ("safetensors", "dcp")
+TARGETS = ("safetensors", "dcp", "megatron", "megatron-dist", "deepspeed")
+FRAMEWORKS = ("megatron", "megatron-dist", "deepspeed")
+"""targets written by ``reshard``'s writers at the source's own layout"""
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.I)
 _UNITS = {
     "": 1,
@@ -95,6 +97,8 @@ def convert(
     out = Path(dst)
     if out.exists() and not force:
         raise UsageError(f"{out} exists", hint="choose another -o path or pass --force to replace it")
+    if to in FRAMEWORKS:
+        return _framework(src, out, to, kind=kind, pattern=pattern, force=force, progress=progress)
     adapter, manifest = registry.describe(src)
     result = ConvertResult(output=str(out))
     if to == "dcp":
@@ -141,3 +145,31 @@ def convert(
         publish_dir(tmp, out)
     result.files, result.tensors, result.nbytes = names, len(pairs), total
     return result
+
+
+def _framework(
+    src: str | Path,
+    out: Path,
+    to: str,
+    *,
+    kind: str,
+    pattern: str | None,
+    force: bool,
+    progress: Callable[[int], None] | None,
+) -> ConvertResult:
+    """``--to megatron|megatron-dist|deepspeed``: ``reshard`` with the layout unchanged (a framework
+    checkpoint keeps every entry: no ``--kind`` or ``--filter``)."""
+    from ckpttool.reshard import Target, reshard
+
+    if kind != "all" or pattern is not None:
+        raise UsageError(
+            f"--to {to} writes the whole training state; --kind and --filter apply to safetensors and dcp only"
+        )
+    done = reshard(src, out, Target(to=to), force=force, progress=progress)
+    written = [i for i in registry.describe(out)[1].items.values() if i.is_tensor]
+    return ConvertResult(
+        output=str(out),
+        files=sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()),
+        tensors=len(written),
+        nbytes=done.plan.nbytes,
+    )

@@ -137,6 +137,12 @@ def _build_legacy(root: str, manifest: Manifest, target: Any, rules: dict[str, A
     return LegacyWriter(Path(root), manifest, target, rules)
 
 
+def _build_dist(root: str, manifest: Manifest, target: Any, rules: dict[str, Any]) -> Any:
+    from ckpttool.formats.megatron_dist_write import DistWriter
+
+    return DistWriter(Path(root), manifest, target, rules)
+
+
 def _build_dcp(root: str, manifest: Manifest, world: int, names: list[str]) -> Any:
     from ckpttool.formats.dcp_write import DcpWriter
 
@@ -237,16 +243,16 @@ def plan(src: str | Path, target: Target, *, workers: int = 1, max_memory: str |
     fmt = target.to or _default_format(manifest.format)
     src_layout = {k: v for k, v in _layout(manifest).items() if v is not None}
     executor: _FileExec
-    if fmt == "megatron":
-        executor = _MegatronExec(adapter, manifest, target)
+    if fmt in ("megatron", "megatron-dist"):
+        executor = _MegatronExec(adapter, manifest, target, dist=fmt == "megatron-dist")
     elif fmt == "deepspeed":
         executor = _ZeroExec(adapter, manifest, target)
     elif fmt == "dcp":
         executor = _DcpExec(adapter, manifest, target)
     else:
         raise UsageError(
-            f"--to {fmt!r}: reshard writes megatron (from Megatron legacy), deepspeed (ZeRO-1/2, from DeepSpeed) "
-            "and dcp (from anything) so far",
+            f"--to {fmt!r}: reshard writes megatron (from Megatron legacy), megatron-dist (from Megatron legacy or "
+            "torch_dist), deepspeed (ZeRO-1/2, from DeepSpeed) and dcp (from anything) so far",
             hint="'ckpttool convert --to safetensors' writes the Hugging Face layout",
         )
     files = executor.files()
@@ -279,7 +285,9 @@ def plan(src: str | Path, target: Target, *, workers: int = 1, max_memory: str |
 
 
 def _default_format(source: str) -> str:
-    return {"megatron": "megatron", "dcp": "dcp", "deepspeed": "deepspeed"}.get(source, "dcp")
+    return {"megatron": "megatron", "megatron-dist": "megatron-dist", "dcp": "dcp", "deepspeed": "deepspeed"}.get(
+        source, "dcp"
+    )
 
 
 def _layout(manifest: Manifest) -> dict[str, Any]:
@@ -288,15 +296,18 @@ def _layout(manifest: Manifest) -> dict[str, Any]:
 
 
 class _MegatronExec(_FileExec):
-    def __init__(self, adapter: Any, manifest: Manifest, target: Target) -> None:
-        from ckpttool.formats.megatron import MegatronLegacyAdapter
+    def __init__(self, adapter: Any, manifest: Manifest, target: Target, *, dist: bool = False) -> None:
+        from ckpttool.formats.megatron import MegatronDistAdapter, MegatronLegacyAdapter
         from ckpttool.formats.megatron_write import MegatronTarget
 
-        if not isinstance(adapter, MegatronLegacyAdapter):
+        sources = (MegatronLegacyAdapter, MegatronDistAdapter) if dist else (MegatronLegacyAdapter,)
+        if not isinstance(adapter, sources):
             raise UsageError(
-                f"--to megatron reshards Megatron legacy checkpoints; this one is {manifest.format} "
+                f"--to {'megatron-dist' if dist else 'megatron'} reshards Megatron "
+                f"{'legacy or torch_dist' if dist else 'legacy'} checkpoints; this one is {manifest.format} "
                 f"({type(adapter).__name__})",
-                hint="'ckpttool convert --to dcp' or '--to safetensors' writes other formats",
+                hint="'ckpttool convert --to dcp' or '--to safetensors' writes other formats"
+                + ("; '--to megatron-dist' writes torch_dist from it" if manifest.format == "megatron-dist" else ""),
             )
         if target.vpp not in (None, 1):
             raise UsageError("--vpp: writing virtual pipeline stages is not supported yet")
@@ -308,7 +319,7 @@ class _MegatronExec(_FileExec):
             raise UsageError(f"--vocab-padding {target.vocab_padding!r}: expected keep or megatron")
         mtarget = MegatronTarget(tp=tp, pp=pp, repad_vocab=target.vocab_padding == "megatron")
         args = (manifest.root, manifest, mtarget, target.split_rules)
-        super().__init__(adapter, manifest, _build_legacy, args, {"tp": tp, "pp": pp})
+        super().__init__(adapter, manifest, _build_dist if dist else _build_legacy, args, {"tp": tp, "pp": pp})
         self.notes = self.writer.notes()
 
 

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -182,14 +182,16 @@ def dumps(tree: Any) -> tuple[bytes, list[OutTensor]]:
     return buf.getvalue(), tensors
 
 
-def save(tree: Any, path: Path, *, buffer: np.ndarray | None = None) -> int:
+def save(tree: Any, path: Path | BinaryIO, *, buffer: np.ndarray | None = None) -> int:
     """Write ``tree`` as a ``torch.save`` file at ``path`` (not atomically: callers write into a
-    directory that is published as a whole). Tensors are produced one at a time into ``buffer``
-    (grown when too small). Returns the bytes of tensor data written."""
+    directory that is published as a whole), or into an open binary file from its current position
+    on (as DCP stores its records). Tensors are produced one at a time into ``buffer`` (grown when
+    too small). Returns the bytes of tensor data written."""
     import torch
 
     data, tensors = dumps(tree)
-    writer: Any = torch._C.PyTorchFileWriter(str(path), True, 64)  # torch.save's own zip writer
+    target = path if not isinstance(path, Path) else str(path)
+    writer: Any = torch._C.PyTorchFileWriter(target, True, 64)  # torch.save's own zip writer
     total = 0
     try:
         writer.write_record("data.pkl", data, len(data))

@@ -104,51 +104,75 @@ class DcpWriter:
         return entries
 
     def finish(self, tmp: Path, results: list[list[tuple[str, tuple[int, ...] | None, int, int]]]) -> None:
-        """Write ``.metadata`` (torch's own ``Metadata``, pickled as DCP pickles it) for the rank
-        files whose ``write`` results are given, in rank order."""
-        import torch
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
-        from torch.distributed.checkpoint.metadata import (
-            BytesStorageMetadata,
-            ChunkStorageMetadata,
-            Metadata,
-            MetadataIndex,
-            StorageMeta,
-            TensorProperties,
-            TensorStorageMetadata,
+        """Write ``.metadata`` for the rank files whose ``write`` results are given, in rank order."""
+        tensors = {}
+        for item in self.items:
+            if item.is_tensor:
+                assert item.shape is not None and item.dtype is not None
+                tensors[item.name] = (item.dtype, item.shape, [b for _, b in self.cuts[item.name]])
+        names = [item.name for item in self.items]
+        write_metadata(
+            tmp / ".metadata",
+            tensors=tensors,
+            objects=[item.name for item in self.items if not item.is_tensor],
+            records={f"__{rank}_0.distcp": entries for rank, entries in enumerate(results)},
+            # one flat level: names such as `w` and `w.exp_avg` cannot both be paths of one tree
+            planner_data={name: (name,) for name in names},
+            checkpoint_id=str(tmp),
         )
 
-        storage: dict[Any, Any] = {}
-        chunks: dict[str, list[Any]] = {}
-        for rank, entries in enumerate(results):
-            for name, offsets, at, length in entries:
-                index = MetadataIndex(name) if offsets is None else MetadataIndex(name, offsets)
-                storage[index] = _StorageInfo(f"__{rank}_0.distcp", at, length)
-        sd_meta: dict[str, Any] = {}
-        for item in self.items:
-            if not item.is_tensor:
-                sd_meta[item.name] = BytesStorageMetadata()
-                continue
-            assert item.shape is not None and item.dtype is not None
-            chunks[item.name] = [
-                ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes))
-                for _, b in self.cuts[item.name]
-            ]
-            sd_meta[item.name] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=getattr(torch, item.dtype)),
-                size=torch.Size(item.shape),
-                chunks=chunks[item.name],
-            )
-        md = Metadata(
-            state_dict_metadata=sd_meta,
-            # one flat level: names such as `w` and `w.exp_avg` cannot both be paths of one tree
-            planner_data={item.name: (item.name,) for item in self.items},
-            storage_data=storage,
-            storage_meta=StorageMeta(checkpoint_id=str(tmp), modules=[]),
-            version="1.0.0",
+
+Record = tuple[str, tuple[int, ...] | None, int, int]
+"""(state-dict key, chunk offsets or None for a bytes item, byte offset in its file, length)"""
+
+
+def write_metadata(
+    path: Path,
+    *,
+    tensors: dict[str, tuple[str, tuple[int, ...], list[Box]]],
+    objects: list[str],
+    records: dict[str, list[Record]],
+    planner_data: Any,
+    checkpoint_id: str,
+) -> None:
+    """Write a DCP ``.metadata`` file: torch's own ``Metadata`` (``tensors``: key -> dtype, global
+    shape, chunk boxes; ``objects``: bytes keys; ``records``: for each data file, where each chunk
+    or object lies in it), pickled as DCP pickles it. Keys keep their insertion order."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    storage: dict[Any, Any] = {}
+    for rel, entries in records.items():
+        for name, offsets, at, length in entries:
+            index = MetadataIndex(name) if offsets is None else MetadataIndex(name, offsets)
+            storage[index] = _StorageInfo(rel, at, length)
+    sd_meta: dict[str, Any] = {}
+    for name, (dtype, shape, boxes) in tensors.items():
+        sd_meta[name] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=getattr(torch, dtype)),
+            size=torch.Size(shape),
+            chunks=[ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes)) for b in boxes],
         )
-        with open(tmp / ".metadata", "wb") as fh:
-            pickle.dump(md, fh)
+    for name in objects:
+        sd_meta[name] = BytesStorageMetadata()
+    md = Metadata(
+        state_dict_metadata=sd_meta,
+        planner_data=planner_data,
+        storage_data=storage,
+        storage_meta=StorageMeta(checkpoint_id=checkpoint_id, modules=[]),
+        version="1.0.0",
+    )
+    with open(path, "wb") as fh:
+        pickle.dump(md, fh)
 
 
 def write_dcp(
@@ -174,4 +198,4 @@ def write_dcp(
     return [".metadata"] + [f"__{r}_0.distcp" for r in range(world_size)]
 
 
-__all__ = ["DcpWriter", "chunk_boxes", "write_dcp"]
+__all__ = ["DcpWriter", "Record", "chunk_boxes", "write_dcp", "write_metadata"]

@@ -304,7 +304,7 @@ class LegacyWriter:
     ) -> None:
         self.root, self.manifest, self.target = root, manifest, target
         self.rules = rules or {}
-        self.src = load_source(root, manifest)
+        self.src = self._source(root, manifest)
         self.args = self.src.objs[(0, 0)].get("args")
         self.gated = _gated(self.args)
         problems = validate(manifest, self.src, target, self.rules)
@@ -332,6 +332,9 @@ class LegacyWriter:
         missing = [n for n in self.src.model_order if n not in self.manifest.items]
         if missing:
             raise CorruptFileError(f"model entries missing from the manifest: {', '.join(missing[:4])}")
+
+    def _source(self, root: Path, manifest: Manifest) -> _Source:
+        return load_source(root, manifest)
 
     def _vocab_rows(self) -> int | None:
         emb = self.manifest.items.get("embedding.word_embeddings.weight")

@@ -390,7 +390,9 @@ def diff(
 def convert(
     src: PathArg,
     output: Annotated[Path, typer.Option("--output", "-o", help="The directory to write.", show_default=False)],
-    to: Annotated[str, typer.Option("--to", help="Target format: safetensors or dcp.")] = "safetensors",
+    to: Annotated[
+        str, typer.Option("--to", help="Target format: safetensors, dcp, megatron, megatron-dist or deepspeed.")
+    ] = "safetensors",
     max_shard_size: Annotated[
         str, typer.Option("--max-shard-size", help="Largest shard (safetensors), e.g. 5GB, 500MB, 2GiB.")
     ] = "5GB",
@@ -406,8 +408,10 @@ def convert(
     quiet: QuietOpt = False,
 ) -> None:
     """The same state in another format: sharded safetensors with an index (the Hugging Face
-    layout), or a PyTorch DCP checkpoint at --world-size ranks (optimizer and training state kept).
-    Streams one tensor at a time; the output directory appears complete or not at all."""
+    layout), a PyTorch DCP checkpoint at --world-size ranks, or a framework's own layout
+    (megatron, megatron-dist, deepspeed) at the source's parallel sizes, optimizer and training
+    state kept ('ckpttool reshard' changes the sizes). Streams one tensor at a time; the output
+    directory appears complete or not at all."""
     from rich.filesize import decimal
 
     from ckpttool.convert import convert as run

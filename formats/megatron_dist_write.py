@@ -1,0 +1,380 @@
+"""Writing a Megatron ``torch_dist`` checkpoint (``iter_N/{metadata.json, common.pt, .metadata,
+__R_0.distcp}``) at any tensor- and pipeline-parallel size, from a Megatron legacy or
+``torch_dist`` checkpoint at any other.
+
+``torch_dist`` stores each parameter as one global tensor: the layers of ``decoder.layers.*``
+stacked along a prepended axis of ``num_layers`` rows (global layer numbers, so the pipeline
+layout leaves no trace in the keys), SwiGLU's ``linear_fc1`` as ``[all gates; all ups]``,
+local-spec norms under the TransformerEngine keys (``self_attention.linear_qkv.layer_norm_weight``).
+What the writer chooses is only how the global tensors are cut into chunks: as megatron-core's
+own save cuts them at the target layout (one chunk per layer and TP region, replicated tensors
+written once), with the chunks of pipeline stage ``p`` and TP rank ``t`` in ``__{p*TP+t}_0.distcp``.
+megatron-core's ``dist_checkpointing.load`` reads it at this layout or any other.
+
+What is carried besides the tensors:
+
+* optimizer state as megatron-core's ``Float16OptimizerWithFloat16Params.sharded_state_dict``
+  saves it: ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<key>`` cut like their parameter;
+  in ``common.pt`` the param groups' hyper-parameters (their ``params`` are rebuilt by the
+  loader) and the one ``common_step`` megatron-core keeps for all parameters;
+* ``_extra_state`` as megatron-core's ``ShardedObject`` per layer (``<key>/shard_<layer>_<L>``);
+* RNG as ``rng_state/shard_<p>.<t>_<PP>.<TP>``, rank (t, p) getting the source rank
+  (t mod TP, p mod PP)'s states (as the legacy writer does);
+* ``common.pt``: ``args`` with the new sizes (as the legacy writer updates them, and
+  ``ckpt_format`` set to ``torch_dist``), ``iteration``, ``checkpoint_version``, the scheduler,
+  ``num_floating_point_operations_so_far``, ``content_metadata``.
+
+From a ``torch_dist`` source, ``common.pt`` is re-pickled with the new ``args`` and every
+``ShardedObject`` record is copied byte for byte. The distributed optimizer's own layouts, expert
+parallelism and virtual pipeline stages are refused, never written wrong.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from ckpttool.assemble import check_coverage
+from ckpttool.dtypes import carrier
+from ckpttool.errors import UsageError
+from ckpttool.formats import _pt, _ptwrite
+from ckpttool.formats.base import PieceReader, PlannedFile
+from ckpttool.formats.dcp_write import Record, write_metadata
+from ckpttool.formats.megatron import _LAYER, _TE_TO_LOCAL, ALLOWLIST, MegatronDistReader
+from ckpttool.formats.megatron_write import (
+    LegacyWriter,
+    MegatronTarget,
+    _base_param,
+    _Fill,
+    _is_vocab,
+    _local,
+    _num_layers,
+    _Source,
+)
+from ckpttool.geometry import Box
+from ckpttool.manifest import Item, Manifest
+
+CONFIG = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+"""``metadata.json`` as megatron-core 0.16 writes it"""
+
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+"""``common.pt``'s ``content_metadata`` for the non-distributed optimizer (megatron-core 0.16)"""
+
+_LOCAL_TO_TE = {local: te for te, local in _TE_TO_LOCAL.items()}
+_STATE_PREFIX = {
+    "exp_avg": "optimizer.state.exp_avg.",
+    "exp_avg_sq": "optimizer.state.exp_avg_sq.",
+    "fp32": "optimizer.state.fp32_param.",
+}
+_SHARD = re.compile(r"^(?P<key>.+)/shard_(?P<offsets>\d+(?:\.\d+)*)_(?P<shape>\d+(?:\.\d+)*)$")
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """One chunk of a global tensor: ``region`` of the manifest item, at ``chunk`` of the key."""
+
+    key: str
+    item: Item
+    region: Box
+    chunk: Box
+
+    @property
+    def nbytes(self) -> int:
+        assert self.item.dtype is not None
+        return self.region.volume * carrier(self.item.dtype).itemsize
+
+
+@dataclass(slots=True)
+class _Object:
+    """One ``ShardedObject`` record: ``write(file, reader)`` stores its ``torch.save`` bytes."""
+
+    key: str
+    write: Callable[[BinaryIO, PieceReader], None]
+
+
+class DistWriter(LegacyWriter):
+    """Plans and writes the ``.distcp`` files of one target layout (one per TP x PP rank), then
+    ``.metadata`` and the tracker (``finish``); rank 0's task also writes ``common.pt`` and
+    ``metadata.json``."""
+
+    def __init__(
+        self, root: Path, manifest: Manifest, target: MegatronTarget, rules: dict[str, Any] | None = None
+    ) -> None:
+        self.from_dist = manifest.format == "megatron-dist"
+        super().__init__(root, manifest, target, rules)
+        if (manifest.layout.ep or 1) > 1 or any(".experts." in n for n in manifest.items):
+            raise UsageError("writing torch_dist checkpoints of mixture-of-experts models is not supported yet")
+        if (manifest.layout.vpp or 1) > 1:
+            raise UsageError("writing torch_dist checkpoints saved with virtual pipeline stages is not supported yet")
+        if getattr(self.args, "use_distributed_optimizer", False) and self.from_dist:
+            raise UsageError(
+                "this torch_dist checkpoint was saved with the distributed optimizer, whose optimizer layout "
+                "ckpttool does not rewrite yet",
+                hint="'ckpttool convert --to dcp' keeps its state in a layout-free form",
+            )
+        self.layers = _num_layers(self.args)
+        self.local_spec = getattr(self.args, "transformer_impl", None) == "local"
+        tp, pp = target.tp, target.pp
+        self.ranks: list[list[_Chunk | _Object]] = [[] for _ in range(tp * pp)]
+        self.tensors: dict[str, tuple[str, tuple[int, ...], list[Box]]] = {}
+        self.objects: list[str] = []
+        self._plan()
+
+    def _source(self, root: Path, manifest: Manifest) -> _Source:
+        if not self.from_dist:
+            return super()._source(root, manifest)
+        archive, common, _ = _pt.load(root, "common.pt", ALLOWLIST)
+        archive.close()
+        if not isinstance(common, dict) or "args" not in common:
+            raise UsageError("common.pt has no args: ckpttool cannot tell the model's layout")
+        lay = manifest.layout
+        return _Source(tp=lay.tp or 1, pp=lay.pp or 1, objs={(0, 0): common}, rels={(0, 0): "common.pt"})
+
+    # -- planning --------------------------------------------------------------------------------
+
+    def _key(self, param: str) -> tuple[str, int | None]:
+        """The torch_dist key of a manifest parameter name, and its layer (None: not a layer's)."""
+        m = _LAYER.match(param)
+        if m is None:
+            return param, None
+        rest = m["rest"][1:]
+        if self.local_spec:
+            rest = _LOCAL_TO_TE.get(rest, rest)
+        return f"{m['pre']}{rest}", int(m["i"])
+
+    def _stage(self, param: str, layer: int | None) -> int:
+        if layer is not None:
+            return layer // (self.layers // self.target.pp)
+        stages = self.stage_of(param)
+        return stages[0] if stages else 0
+
+    def _plan(self) -> None:
+        unknown: list[str] = []
+        for item in self.manifest.items.values():
+            if item.is_tensor:
+                if item.kind != "rng":
+                    self._plan_tensor(item)
+            elif item.kind == "rng" or (item.pieces and item.pieces[0].file == "common.pt"):
+                continue  # RNG: below, per target rank; counters, scheduler: in common.pt
+            elif item.name.endswith("_extra_state") or "._extra_state/shard_" in item.name:
+                self._plan_extra_state(item)
+            elif item.kind in ("counter", "object", "scheduler") and not self.from_dist:
+                continue  # legacy: args, iteration, ... are carried into common.pt
+            else:
+                unknown.append(item.name)
+        if unknown:
+            raise UsageError(
+                f"no rule to place {len(unknown)} non-tensor entries in a torch_dist checkpoint: "
+                + ", ".join(unknown[:4])
+                + (" …" if len(unknown) > 4 else "")
+            )
+        self._plan_rng()
+
+    def _plan_tensor(self, item: Item) -> None:
+        assert item.shape is not None and item.dtype is not None
+        param = _base_param(item)
+        if self.tied and param.startswith("output_layer.weight"):
+            return  # tied: megatron-core saves the output layer under the embedding's key
+        key, layer = self._key(param)
+        if item.kind in ("optim", "master"):
+            key = _STATE_PREFIX[item.name.rsplit(".", 1)[1]] + key
+        rows = self.rows if _is_vocab(param) else None
+        shape = item.shape if rows is None else (rows, *item.shape[1:])
+        whole = Box.whole(shape)
+        gshape = shape if layer is None else (self.layers, *shape)
+        dtype, have, chunks = self.tensors.setdefault(key, (item.dtype, gshape, []))
+        if (dtype, have) != (item.dtype, gshape):
+            raise UsageError(f"{item.name}: {item.dtype} {shape} does not stack with the other layers' {key}")
+        stage = self._stage(param, layer)
+        for t in range(self.target.tp):
+            for region in _local(item, t, self.target.tp, self.gated, self.rules, rows):
+                if t and region == whole:
+                    continue  # replicated on every TP rank: written once
+                chunk = region if layer is None else Box((layer, *region.offsets), (1, *region.sizes))
+                chunks.append(chunk)
+                self.ranks[stage * self.target.tp + t].append(_Chunk(key, item, region, chunk))
+
+    def _plan_extra_state(self, item: Item) -> None:
+        if self.from_dist:
+            m = _SHARD.match(item.name)
+            stacked = m is not None and "." not in m["offsets"] and m["key"].startswith("decoder.layers.")
+            stage = self._stage(item.name, int(m["offsets"])) if m is not None and stacked else 0
+            self._add_object(stage * self.target.tp, item.name, partial(self._copy_record, item))
+            return
+        param = item.name
+        if param == "output_layer._extra_state":
+            return  # megatron-core drops it on save (it holds no data)
+        key, layer = self._key(param)
+        key = f"{key}/shard_{layer}_{self.layers}" if layer is not None else f"{key}/shard_0_1"
+        stage = self._stage(param, layer)
+        piece = next((pc for pc in item.pieces if pc.rank == 0), item.pieces[0])
+        one = Item(name=item.name, kind=item.kind, pieces=[piece])
+        self._add_object(stage * self.target.tp, key, partial(self._pickle_object, one))
+
+    def _plan_rng(self) -> None:
+        stp, spp = self.src.tp, self.src.pp
+        tp, pp = self.target.tp, self.target.pp
+        for p in range(pp):
+            for t in range(tp):
+                ts, ps = t % stp, p % spp
+                key = f"rng_state/shard_{p}.{t}_{pp}.{tp}"
+                if self.from_dist:
+                    item = self.manifest.items.get(f"rng_state/shard_{ps}.{ts}_{spp}.{stp}")
+                    if item is not None:
+                        self._add_object(p * tp + t, key, partial(self._copy_record, item))
+                elif "rng_state" in self.src.objs[(ts, ps)]:
+                    self._add_object(p * tp + t, key, partial(self._pickle_rng, (ts, ps)))
+
+    def _add_object(self, rank: int, key: str, write: Callable[[BinaryIO, PieceReader], None]) -> None:
+        self.objects.append(key)
+        self.ranks[rank].append(_Object(key, write))
+
+    # -- object records ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _copy_record(item: Item, f: BinaryIO, reader: PieceReader) -> None:
+        """A torch_dist source's record, byte for byte."""
+        piece = item.pieces[0]
+        loc = piece.locator
+        if loc.get("transforms") or "offset" not in loc:
+            value = reader.read_object(item)
+            _ptwrite.save(_ptwrite.carry(value, partial(reader.archive_of, piece)), f)
+            return
+        f.write(reader.files.get(piece.file).read(loc["offset"], loc["length"]))
+
+    def _pickle_object(self, item: Item, f: BinaryIO, reader: PieceReader) -> None:
+        """A legacy ``_extra_state`` as megatron-core stores a ``ShardedObject``: ``[value]``."""
+        value = reader.read_object(item)
+        _ptwrite.save([_ptwrite.carry(value, partial(_pt.archive_cache(reader), item.pieces[0].file))], f)
+
+    def _pickle_rng(self, rank: tuple[int, int], f: BinaryIO, reader: PieceReader) -> None:
+        rel = self.src.rels[rank]
+        value = self.src.objs[rank]["rng_state"]
+        _ptwrite.save([_ptwrite.carry(value, partial(_pt.archive_cache(reader), rel))], f)
+
+    # -- the executor's protocol -------------------------------------------------------------------
+
+    def files(self) -> list[PlannedFile]:
+        out = []
+        for r, entries in enumerate(self.ranks):
+            sizes = [e.nbytes for e in entries if isinstance(e, _Chunk)]
+            out.append(PlannedFile.of(f"{self.iter_dir}/__{r}_0.distcp", (r,), sizes))
+        return out
+
+    def write(self, rank: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None) -> list[Record]:
+        """Write rank ``rank``'s ``.distcp`` file (and, for rank 0, ``common.pt`` and
+        ``metadata.json`` beside it); returns where each record lies, for ``finish``."""
+        import torch
+
+        entries: list[Record] = []
+        with open(out, "wb") as f:
+            for e in self.ranks[rank]:
+                start = f.tell()
+                if isinstance(e, _Object):
+                    e.write(f, reader)
+                    entries.append((e.key, None, start, f.tell() - start))
+                    continue
+                check_coverage(e.item)
+                assert e.item.dtype is not None
+                buf = np.empty(e.nbytes, dtype=np.uint8)
+                _Fill(reader, e.item, [e.region])(buf)
+                tensor = torch.from_numpy(buf).view(getattr(torch, e.item.dtype)).reshape(e.chunk.sizes)
+                torch.save(tensor, f)  # as DCP's FileSystemWriter: straight into the file
+                entries.append((e.key, e.chunk.offsets, start, f.tell() - start))
+                if progress is not None:
+                    progress(e.nbytes)
+        if rank == 0:
+            _ptwrite.save(self._common(reader), out.parent / "common.pt")
+            (out.parent / "metadata.json").write_text(json.dumps(CONFIG))
+        return entries
+
+    def finish(self, tmp: Path, results: list[Any]) -> None:
+        write_metadata(
+            tmp / self.iter_dir / ".metadata",
+            tensors=self.tensors,
+            objects=self.objects,
+            records={f"__{r}_0.distcp": entries for r, entries in enumerate(results)},
+            planner_data=None,
+            checkpoint_id=self.iter_dir,
+        )
+        super().finish(tmp, results)
+
+    # -- common.pt ---------------------------------------------------------------------------------
+
+    def _common(self, reader: PieceReader) -> dict[str, Any]:
+        if self.from_dist:
+            assert isinstance(reader, MegatronDistReader)
+            common = self.src.objs[(0, 0)]
+            archive = partial(_pt.archive_cache(reader._pt), "common.pt")
+            tree = {k: (self._dist_args(v) if k == "args" else _ptwrite.carry(v, archive)) for k, v in common.items()}
+            return tree
+        first, rel = self.src.objs[(0, 0)], self.src.rels[(0, 0)]
+        archives = _pt.archive_cache(reader)
+        tree = {}
+        for key, value in first.items():
+            if key == "args":
+                tree[key] = self._dist_args(value)
+            elif key == "optimizer":
+                tree[key] = self._common_optimizer(reader, archives)
+            elif key == "rng_state" or re.fullmatch(r"model\d*", key):
+                continue
+            else:
+                tree[key] = _ptwrite.carry(value, partial(archives, rel))
+        tree["content_metadata"] = dict(CONTENT_METADATA)
+        return tree
+
+    def _dist_args(self, args: Any) -> Any:
+        new = self._args(args, 0, 0)
+        if "ckpt_format" in new.__dict__:
+            new.__dict__["ckpt_format"] = "torch_dist"
+        return new
+
+    def _common_optimizer(self, reader: PieceReader, archives: Callable[[str], Any]) -> dict[str, Any]:
+        """The optimizer's non-sharded part: param groups without ``params`` and one common step."""
+        steps: dict[bytes, Any] = {}
+        for rel, value in self.src.step_of.values():
+            carried = _ptwrite.carry(value, partial(archives, rel))
+            steps.setdefault(_value_bytes(carried), carried)
+        if len(steps) > 1:
+            raise UsageError(
+                "the optimizer's step differs between parameters; torch_dist keeps one step for all "
+                "(megatron-core refuses such an optimizer too)"
+            )
+        state: dict[str, Any] = {}
+        if steps:
+            state["common_step"] = next(iter(steps.values()))
+        inner = {"state": state, "param_groups": [copy.deepcopy(g) for g in self.src.groups]}
+        first = partial(archives, self.src.rels[(0, 0)])
+        extra = {k: _ptwrite.carry(v, first) for k, v in self.src.optimizer_extra.items()}
+        return {"optimizer": inner, **extra}
+
+    def notes(self) -> list[str]:
+        out = super().notes()
+        if not self.from_dist:
+            out.append("written from a legacy checkpoint: load it with --ckpt-format torch_dist")
+        return out
+
+
+def _value_bytes(value: Any) -> bytes:
+    """Comparable bytes of a carried value (an OutTensor's contents, or its repr)."""
+    if isinstance(value, _ptwrite.OutTensor):
+        buf = np.empty(value.nbytes, dtype=np.uint8)
+        value.fill(buf)
+        return value.dtype.encode() + b":" + buf.tobytes()
+    return repr(value).encode()
+
+
+__all__ = ["CONFIG", "DistWriter"]

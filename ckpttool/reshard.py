@@ -15,10 +15,13 @@ Targets so far: Megatron legacy at any TP/PP (from Megatron legacy), DeepSpeed Z
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import signal
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -182,40 +185,47 @@ class _FileExec:
         ]
 
     def run(self, tmp: Path, workers: int, progress: Callable[[int], None] | None) -> None:
-        results: list[Any] = []
-        if workers <= 1:
+        results = self.write_files(tmp, list(range(len(self.planned))), workers, progress)
+        self.writer.finish(tmp, [results[i] for i in range(len(self.planned))])
+
+    def write_files(
+        self, tmp: Path, indices: list[int], workers: int, progress: Callable[[int], None] | None
+    ) -> dict[int, Any]:
+        """Write the planned files at ``indices`` into ``tmp``; returns each one's writer result."""
+        results: dict[int, Any] = {}
+        chosen = [self.planned[i] for i in indices]
+        if workers <= 1 or len(chosen) <= 1:
             with self.adapter.reader(self.manifest) as reader:
-                for f in self.planned:
+                for i, f in zip(indices, chosen, strict=True):
                     (tmp / f.path).parent.mkdir(parents=True, exist_ok=True)
-                    results.append(self.writer.write(*f.key, tmp / f.path, reader, progress))
-        else:
-            # the workers ignore Ctrl-C (an ignored signal stays ignored in a spawned interpreter):
-            # this process alone handles it, stops them, and removes the output in flight
-            main = threading.current_thread() is threading.main_thread()
-            previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-            try:
-                pool = ProcessPoolExecutor(
-                    workers,
-                    mp_context=get_context("spawn"),
-                    initializer=_init_worker,
-                    initargs=(self.build, self.args, self.adapter),
-                )
-                keys, outs = zip(*((f.key, str(tmp / f.path)) for f in self.planned), strict=True)
-                futures = [pool.submit(_run_task, k, o) for k, o in zip(keys, outs, strict=True)]
-            finally:
-                if main:
-                    signal.signal(signal.SIGINT, previous)
-            try:
-                for fut in futures:
-                    result, size = fut.result()
-                    results.append(result)
-                    if progress is not None:
-                        progress(size)
-            except BaseException:
-                _stop(pool)
-                raise
-            pool.shutdown(wait=True)
-        self.writer.finish(tmp, results)
+                    results[i] = self.writer.write(*f.key, tmp / f.path, reader, progress)
+            return results
+        # the workers ignore Ctrl-C (an ignored signal stays ignored in a spawned interpreter):
+        # this process alone handles it, stops them, and removes the output in flight
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            pool = ProcessPoolExecutor(
+                min(workers, len(chosen)),
+                mp_context=get_context("spawn"),
+                initializer=_init_worker,
+                initargs=(self.build, self.args, self.adapter),
+            )
+            futures = [pool.submit(_run_task, f.key, str(tmp / f.path)) for f in chosen]
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
+        try:
+            for i, fut in zip(indices, futures, strict=True):
+                result, size = fut.result()
+                results[i] = result
+                if progress is not None:
+                    progress(size)
+        except BaseException:
+            _stop(pool)
+            raise
+        pool.shutdown(wait=True)
+        return results
 
 
 def _stop(pool: ProcessPoolExecutor) -> None:
@@ -365,6 +375,162 @@ class ReshardResult:
     output: str
     written: bool
     sealed: bool = False
+    ranks: list[list[str]] = field(default_factory=list)
+    """under torchrun: the files each rank wrote (rank order); empty in one process"""
+
+
+# -- many processes, many nodes: the same command under torchrun ---------------------------------
+
+
+def torchrun_world() -> tuple[int, int] | None:
+    """(rank, world size) when this process is one of several that ``torchrun`` started (its
+    ``RANK`` and ``WORLD_SIZE``); None for a single process."""
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "1"))
+    except (KeyError, ValueError):
+        return None
+    return (rank, world) if world > 1 and 0 <= rank < world else None
+
+
+def share(files: list[PlanFile], world: int) -> list[list[int]]:
+    """The planned files' indices each rank writes: largest first, each to the rank with the fewest
+    bytes so far (the same answer on every rank)."""
+    load = [0] * world
+    out: list[list[int]] = [[] for _ in range(world)]
+    for i in sorted(range(len(files)), key=lambda i: (-files[i].nbytes, i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        out[r].append(i)
+        load[r] += files[i].nbytes + 1  # + 1: files without tensor bytes spread too
+    return [sorted(ix) for ix in out]
+
+
+def _reshard_ranks(
+    executor: _FileExec,
+    the_plan: Plan,
+    out: Path,
+    ranks: tuple[int, int],
+    *,
+    seal_output: bool,
+    progress: Callable[[int], None] | None,
+) -> ReshardResult:
+    """Every rank writes its share of the output files into one staging directory (which must be on
+    a file system all ranks see); rank 0 then writes what depends on all of them, seals and
+    publishes. A failure on any rank fails every rank, and the staging directory is removed."""
+    import datetime
+
+    import torch.distributed as dist
+
+    rank, world = ranks
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
+        try:
+            return _reshard_ranks(executor, the_plan, out, ranks, seal_output=seal_output, progress=progress)
+        finally:
+            dist.destroy_process_group()  # a process group left at exit aborts the interpreter
+    if dist.get_world_size() != world:
+        raise UsageError(f"torch.distributed has {dist.get_world_size()} ranks but WORLD_SIZE says {world}")
+    mine = share(the_plan.files, world)[rank]
+    if rank != 0:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)  # the staging directory, or rank 0's failure
+        if "error" in box[0]:
+            raise _rank_error(box[0]["error"])
+        status, results = _write_share(executor, Path(box[0]["tmp"]), mine, rank, the_plan.workers, progress)
+        dist.all_gather_object([None] * world, (status, results))
+        outcome: list[Any] = [None]
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None:
+            raise _rank_error(outcome[0])
+        return ReshardResult(plan=the_plan, output=str(out), written=True, sealed=seal_output)
+    # rank 0. (A rank that dies outright takes the others with it: torchrun stops them all.)
+    staging = staged_dir(out)
+    try:
+        tmp = staging.__enter__()
+    except BaseException as exc:
+        dist.broadcast_object_list([{"error": _describe(exc, 0)}], src=0)
+        raise
+    outcome = [None]
+    try:
+        with _entered(staging, tmp):
+            dist.broadcast_object_list([{"tmp": str(tmp)}], src=0)
+            status, results = _write_share(executor, tmp, mine, 0, the_plan.workers, progress)
+            every: list[Any] = [None] * world
+            dist.all_gather_object(every, (status, results))
+            failed = next((st for st, _ in every if st is not None), None)
+            if failed is not None:
+                outcome = [failed]
+                raise _rank_error(failed)
+            merged: dict[int, Any] = {}
+            for _, res in every:
+                merged.update(res)
+            executor.writer.finish(tmp, [merged[i] for i in range(len(the_plan.files))])
+            if seal_output:
+                from ckpttool.seal import seal
+
+                seal(tmp, workers=the_plan.workers)
+            fsync_tree(tmp)
+            publish_dir(tmp, out)
+    except BaseException as exc:
+        if outcome[0] is None:
+            outcome = [_describe(exc, 0)]
+        raise
+    finally:
+        dist.broadcast_object_list(outcome, src=0)
+    files = [[the_plan.files[i].path for i in ix] for ix in share(the_plan.files, world)]
+    return ReshardResult(plan=the_plan, output=str(out), written=True, sealed=seal_output, ranks=files)
+
+
+@contextlib.contextmanager
+def _entered(context: Any, value: Any) -> Iterator[Any]:
+    """Finish a context manager whose ``__enter__`` was called already (its exit runs on the way out)."""
+    try:
+        yield value
+    except BaseException:
+        if not context.__exit__(*sys.exc_info()):
+            raise
+    else:
+        context.__exit__(None, None, None)
+
+
+def _write_share(
+    executor: _FileExec,
+    tmp: Path,
+    indices: list[int],
+    rank: int,
+    workers: int,
+    progress: Callable[[int], None] | None,
+) -> tuple[dict[str, Any] | None, dict[int, Any]]:
+    """This rank's files; a failure is returned (for every rank to see), not raised."""
+    if not tmp.is_dir():
+        return {
+            "kind": "UsageError",
+            "message": f"the staging directory {tmp} that rank 0 made is not visible here",
+            "hint": "under torchrun on several nodes, -o must be on a file system every node shares",
+            "rank": rank,
+        }, {}
+    try:
+        return None, executor.write_files(tmp, indices, workers, progress)
+    except Exception as exc:
+        return _describe(exc, rank), {}
+
+
+def _describe(exc: BaseException, rank: int) -> dict[str, Any]:
+    from ckpttool.errors import CkptError
+
+    if isinstance(exc, CkptError):
+        return {"kind": type(exc).__name__, "message": exc.message, "hint": exc.hint, "path": exc.path, "rank": rank}
+    return {"kind": type(exc).__name__, "message": f"{type(exc).__name__}: {exc}", "hint": None, "rank": rank}
+
+
+def _rank_error(info: dict[str, Any]) -> Exception:
+    """The error a rank reported, raised again on every rank (same class for ckpttool's own)."""
+    from ckpttool import errors
+
+    cls = getattr(errors, info["kind"], None)
+    message = f"rank {info.get('rank', '?')}: {info['message']}"
+    if isinstance(cls, type) and issubclass(cls, errors.CkptError) and cls.__init__ is errors.CkptError.__init__:
+        return cls(message, hint=info.get("hint"), path=info.get("path"))
+    return errors.CkptError(message, hint=info.get("hint") or "see that rank's output")
 
 
 def reshard(
@@ -387,6 +553,9 @@ def reshard(
     the_plan, executor = plan(src, target, workers=workers, max_memory=max_memory)
     if dry_run:
         return ReshardResult(plan=the_plan, output=str(out), written=False)
+    ranks = torchrun_world()
+    if ranks is not None:
+        return _reshard_ranks(executor, the_plan, out, ranks, seal_output=seal_output, progress=progress)
     with staged_dir(out) as tmp:
         executor.run(tmp, the_plan.workers, progress)
         sealed = False

@@ -151,8 +151,12 @@ def write_metadata(
     )
 
     storage: dict[Any, Any] = {}
+    # the keys' own string objects (pickled once, referenced after): the same bytes whether the
+    # records were made in this process or came from other ranks
+    same = {name: name for name in [*tensors, *objects]}
     for rel, entries in records.items():
         for name, offsets, at, length in entries:
+            name = same.get(name, name)
             index = MetadataIndex(name) if offsets is None else MetadataIndex(name, offsets)
             storage[index] = _StorageInfo(rel, at, length)
     sd_meta: dict[str, Any] = {}

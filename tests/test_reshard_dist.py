@@ -207,3 +207,57 @@ def test_megatron_core_oracle_sees_a_wrong_value(tmp_path):
     (problem,) = result["ranks"][0]["problems"]
     assert problem.startswith(key) and "1/512 elements" in problem
     shutil.rmtree(out)
+
+
+# -- the same command under torchrun ---------------------------------------------------------------
+
+
+def _torchrun_cli(*args: str, script: str | None = None, nproc: int = 2) -> subprocess.CompletedProcess[str]:
+    target = [str(Path(__file__).parent / script)] if script else ["-m", "ckpttool"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *target]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("source", "options"),
+    [(LEGACY, ["--to", "megatron-dist", "--tp", "1", "--pp", "2"]), (LEGACY, ["--tp", "2", "--pp", "1"])],
+    ids=["megatron-dist", "megatron-legacy"],
+)
+def test_torchrun_ranks_split_the_files(source, options, tmp_path):
+    """`torchrun --nproc-per-node 2 -m ckpttool reshard ...`: each rank writes its share of the
+    files, rank 0 the metadata; the output is byte for byte the one-process output (the seal
+    aside, which records when it was made) and verifies clean."""
+    from tests.conftest import tree_digests
+
+    out, one = tmp_path / "ranks", tmp_path / "one"
+    proc = _torchrun_cli("reshard", source, "-o", out, *options, "--json")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    report = json.loads(proc.stdout[proc.stdout.index("{") :])
+    assert len(report["ranks"]) == 2 and all(report["ranks"]), report["ranks"]
+    assert sorted(sum(report["ranks"], [])) == sorted(f["path"] for f in report["files"])
+    reshard(source, one, Target(**_target(options)))
+    seal = "ckpttool.manifest.json"
+    assert tree_digests(out, skip=lambda rel: rel == seal) == tree_digests(one, skip=lambda rel: rel == seal)
+    report = verify(out)
+    assert report.failing() == [] and report.seal is not None
+
+
+def _target(options: list[str]) -> dict[str, Any]:
+    pairs = dict(zip(options[::2], options[1::2], strict=True))
+    return {k.lstrip("-"): (v if k == "--to" else int(v)) for k, v in pairs.items()}
+
+
+@pytest.mark.slow
+def test_torchrun_a_failing_rank_fails_all_and_publishes_nothing(tmp_path):
+    """Rank 1's files fail (as a damaged source would): rank 0 reports rank 1's error and exits 3,
+    the output does not appear and the staging directory is gone."""
+    out = tmp_path / "out"
+    proc = _torchrun_cli("reshard", LEGACY, "-o", out, "--tp", "1", "--pp", "2", script="_rank_failure_worker.py")
+    assert proc.returncode != 0
+    # every rank says so (torchrun's own traceback of its failed children aside: none from ckpttool)
+    assert proc.stderr.count("error: rank 1: model_optim_rng.pt: injected failure\n") == 2
+    assert "ckpttool/reshard.py" not in proc.stderr
+    assert "exitcode  : 3" in proc.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == []

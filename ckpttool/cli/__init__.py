@@ -482,11 +482,14 @@ def reshard(
     from rich.filesize import decimal
 
     from ckpttool.errors import UsageError
-    from ckpttool.reshard import Target, parse_split_rules
+    from ckpttool.reshard import Target, parse_split_rules, torchrun_world
     from ckpttool.reshard import reshard as run
 
     if device != "cpu":
         raise UsageError(f"--device {device!r}: only cpu is available in this version")
+    ranks = torchrun_world()
+    if ranks is not None and ranks[0] != 0:  # under torchrun, rank 0 reports for all
+        quiet, json_out = True, False
     out = Output(json_mode=json_out, quiet=quiet)
     target = Target(
         tp=tp,
@@ -517,11 +520,16 @@ def reshard(
             progress=advance,
         )
     plan = result.plan
+    if ranks is not None and ranks[0] != 0:
+        return
     if not quiet:
         for note in plan.notes:
             out.note(note)
     if json_out:
-        out.json({**plan.to_json(), "output": result.output, "written": result.written, "sealed": result.sealed})
+        report = {**plan.to_json(), "output": result.output, "written": result.written, "sealed": result.sealed}
+        if result.ranks:
+            report["ranks"] = result.ranks
+        out.json(report)
         return
     layout = " ".join(f"{k}={v}" for k, v in plan.layout.items())
     if dry_run:
@@ -539,6 +547,7 @@ def reshard(
     out.line(
         f"wrote {len(plan.files)} files ({decimal(plan.nbytes)}) as {plan.format} {layout} to {result.output}"
         + (" (sealed)" if result.sealed else "")
+        + (f" from {len(result.ranks)} ranks" if result.ranks else "")
     )
 
 

@@ -150,6 +150,13 @@ def test_convert_keeps_the_layout(tmp_path, cli):
     assert report["tensors"] == 108 and len([f for f in report["files"] if f.endswith(".distcp")]) == 4
     assert "ckpttool.manifest.json" in report["files"] and f"{ITER}/common.pt" in report["files"]
     assert _chunks(_metadata(out)) == _chunks(_metadata(DIST))
+    ds = tmp_path / "ds"
+    r = cli("convert", FIXTURES / "deepspeed" / "zero2", "-o", ds, "--to", "deepspeed")
+    assert r.code == 0, r.stderr
+    assert not diff(FIXTURES / "deepspeed" / "zero2", ds).different and registry.describe(ds)[1].layout.dp == 2
+    r = cli("convert", LEGACY, "-o", tmp_path / "no", "--to", "megatron", "--kind", "param")
+    assert r.code == 2 and "--kind and --filter apply to safetensors and dcp only" in r.stderr
+    assert not (tmp_path / "no").exists()
 
 
 def _torchrun(*args: str, nproc: int) -> dict[str, Any]:

@@ -453,7 +453,8 @@ def reshard(
     ] = None,
     ep: Annotated[int | None, typer.Option("--ep", help="Expert-parallel size.")] = None,
     to: Annotated[
-        str | None, typer.Option("--to", help="Output format: megatron or dcp (default: the source's).")
+        str | None,
+        typer.Option("--to", help="Output format: megatron, megatron-dist, deepspeed or dcp (default: the source's)."),
     ] = None,
     workers: Annotated[int, typer.Option("--workers", help="Output files written at once (processes).")] = 1,
     device: Annotated[str, typer.Option("--device", help="Where pieces are assembled: cpu.")] = "cpu",

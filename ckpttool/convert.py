@@ -166,10 +166,9 @@ def _framework(
             f"--to {to} writes the whole training state; --kind and --filter apply to safetensors and dcp only"
         )
     done = reshard(src, out, Target(to=to), force=force, progress=progress)
-    written = [i for i in registry.describe(out)[1].items.values() if i.is_tensor]
     return ConvertResult(
         output=str(out),
         files=sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()),
-        tensors=len(written),
+        tensors=done.tensors or 0,  # None on torchrun ranks other than 0, which print nothing
         nbytes=done.plan.nbytes,
     )

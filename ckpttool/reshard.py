@@ -15,13 +15,11 @@ Targets so far: Megatron legacy at any TP/PP (from Megatron legacy), DeepSpeed Z
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
-import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -375,6 +373,8 @@ class ReshardResult:
     output: str
     written: bool
     sealed: bool = False
+    tensors: int | None = None
+    """tensors the output holds (from its seal; None unsealed, and on ranks other than 0)"""
     ranks: list[list[str]] = field(default_factory=list)
     """under torchrun: the files each rank wrote (rank order); empty in one process"""
 
@@ -421,75 +421,96 @@ def _reshard_ranks(
     import torch.distributed as dist
 
     rank, world = ranks
-    if not dist.is_initialized():
+    owned = not dist.is_initialized()
+    if owned:
         dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
-        try:
-            return _reshard_ranks(executor, the_plan, out, ranks, seal_output=seal_output, progress=progress)
-        finally:
+    try:
+        if dist.get_world_size() != world:
+            raise UsageError(f"torch.distributed has {dist.get_world_size()} ranks but WORLD_SIZE says {world}")
+        shares = share(the_plan.files, world)
+        run = _rank_zero if rank == 0 else _other_rank
+        return run(executor, the_plan, out, shares, seal_output=seal_output, progress=progress)
+    finally:
+        if owned:
             dist.destroy_process_group()  # a process group left at exit aborts the interpreter
-    if dist.get_world_size() != world:
-        raise UsageError(f"torch.distributed has {dist.get_world_size()} ranks but WORLD_SIZE says {world}")
-    mine = share(the_plan.files, world)[rank]
-    if rank != 0:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)  # the staging directory, or rank 0's failure
-        if "error" in box[0]:
-            raise _rank_error(box[0]["error"])
-        status, results = _write_share(executor, Path(box[0]["tmp"]), mine, rank, the_plan.workers, progress)
-        dist.all_gather_object([None] * world, (status, results))
-        outcome: list[Any] = [None]
-        dist.broadcast_object_list(outcome, src=0)
-        if outcome[0] is not None:
-            raise _rank_error(outcome[0])
-        return ReshardResult(plan=the_plan, output=str(out), written=True, sealed=seal_output)
-    # rank 0. (A rank that dies outright takes the others with it: torchrun stops them all.)
-    staging = staged_dir(out)
+
+
+def _other_rank(
+    executor: _FileExec,
+    the_plan: Plan,
+    out: Path,
+    shares: list[list[int]],
+    *,
+    seal_output: bool,
+    progress: Callable[[int], None] | None,
+) -> ReshardResult:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0)  # the staging directory, or rank 0's failure to make it
+    if "error" in box[0]:
+        raise _rank_error(box[0]["error"])
+    status, results = _write_share(executor, Path(box[0]["tmp"]), shares[rank], rank, the_plan.workers, progress)
+    dist.all_gather_object([None] * len(shares), (status, results))
+    dist.broadcast_object_list(box, src=0)  # rank 0's outcome: None once published
+    if box[0] is not None:
+        raise _rank_error(box[0])
+    return ReshardResult(plan=the_plan, output=str(out), written=True, sealed=seal_output)
+
+
+def _rank_zero(
+    executor: _FileExec,
+    the_plan: Plan,
+    out: Path,
+    shares: list[list[int]],
+    *,
+    seal_output: bool,
+    progress: Callable[[int], None] | None,
+) -> ReshardResult:
+    """Rank 0's side of :func:`_reshard_ranks`: two broadcasts (the staging directory, then the
+    outcome) and one gather, matched on the other ranks whatever fails. (A rank that dies outright
+    takes the others with it: torchrun stops them all.)"""
+    import torch.distributed as dist
+
+    failure: dict[str, Any] | None = None
+    announced = False
     try:
-        tmp = staging.__enter__()
-    except BaseException as exc:
-        dist.broadcast_object_list([{"error": _describe(exc, 0)}], src=0)
-        raise
-    outcome = [None]
-    try:
-        with _entered(staging, tmp):
+        with staged_dir(out) as tmp:
             dist.broadcast_object_list([{"tmp": str(tmp)}], src=0)
-            status, results = _write_share(executor, tmp, mine, 0, the_plan.workers, progress)
-            every: list[Any] = [None] * world
+            announced = True
+            status, results = _write_share(executor, tmp, shares[0], 0, the_plan.workers, progress)
+            every: list[Any] = [None] * len(shares)
             dist.all_gather_object(every, (status, results))
-            failed = next((st for st, _ in every if st is not None), None)
-            if failed is not None:
-                outcome = [failed]
-                raise _rank_error(failed)
+            failure = next((st for st, _ in every if st is not None), None)
+            if failure is not None:
+                raise _rank_error(failure)
             merged: dict[int, Any] = {}
             for _, res in every:
                 merged.update(res)
             executor.writer.finish(tmp, [merged[i] for i in range(len(the_plan.files))])
-            if seal_output:
-                from ckpttool.seal import seal
-
-                seal(tmp, workers=the_plan.workers)
-            fsync_tree(tmp)
-            publish_dir(tmp, out)
+            tensors = _seal_and_publish(tmp, out, the_plan.workers, seal_output)
     except BaseException as exc:
-        if outcome[0] is None:
-            outcome = [_describe(exc, 0)]
+        failure = failure or _describe(exc, 0)
         raise
     finally:
-        dist.broadcast_object_list(outcome, src=0)
-    files = [[the_plan.files[i].path for i in ix] for ix in share(the_plan.files, world)]
-    return ReshardResult(plan=the_plan, output=str(out), written=True, sealed=seal_output, ranks=files)
+        dist.broadcast_object_list([failure if announced else {"error": failure}], src=0)
+    files = [[the_plan.files[i].path for i in ix] for ix in shares]
+    return ReshardResult(plan=the_plan, output=str(out), written=True, sealed=seal_output, tensors=tensors, ranks=files)
 
 
-@contextlib.contextmanager
-def _entered(context: Any, value: Any) -> Iterator[Any]:
-    """Finish a context manager whose ``__enter__`` was called already (its exit runs on the way out)."""
-    try:
-        yield value
-    except BaseException:
-        if not context.__exit__(*sys.exc_info()):
-            raise
-    else:
-        context.__exit__(None, None, None)
+def _seal_and_publish(tmp: Path, out: Path, workers: int, seal_output: bool) -> int | None:
+    """Seal the written directory (unless told not to), flush it and rename it into place; returns
+    how many tensors the output holds (None when not sealed: nobody described it)."""
+    tensors = None
+    if seal_output:
+        from ckpttool.seal import seal
+
+        sealed, _ = seal(tmp, workers=workers)
+        tensors = sum(1 for item in sealed.manifest.items.values() if item.is_tensor)
+    fsync_tree(tmp)
+    publish_dir(tmp, out)
+    return tensors
 
 
 def _write_share(
@@ -558,15 +579,8 @@ def reshard(
         return _reshard_ranks(executor, the_plan, out, ranks, seal_output=seal_output, progress=progress)
     with staged_dir(out) as tmp:
         executor.run(tmp, the_plan.workers, progress)
-        sealed = False
-        if seal_output:
-            from ckpttool.seal import seal
-
-            seal(tmp, workers=the_plan.workers)
-            sealed = True
-        fsync_tree(tmp)
-        publish_dir(tmp, out)
-    return ReshardResult(plan=the_plan, output=str(out), written=True, sealed=sealed)
+        tensors = _seal_and_publish(tmp, out, the_plan.workers, seal_output)
+    return ReshardResult(plan=the_plan, output=str(out), written=True, sealed=seal_output, tensors=tensors)
 
 
 __all__ = ["Plan", "PlanFile", "ReshardResult", "Target", "parse_split_rules", "plan", "reshard"]

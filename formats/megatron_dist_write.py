@@ -163,6 +163,7 @@ class DistWriter(LegacyWriter):
 
     def _plan(self) -> None:
         unknown: list[str] = []
+        model = set(self.src.model_order)  # legacy: the model state dict's entries
         for item in self.manifest.items.values():
             if item.is_tensor:
                 if item.kind != "rng":
@@ -171,10 +172,10 @@ class DistWriter(LegacyWriter):
                 continue  # RNG: below, per target rank; counters, scheduler: in common.pt
             elif item.name.endswith("_extra_state") or "._extra_state/shard_" in item.name:
                 self._plan_extra_state(item)
-            elif item.kind in ("counter", "object", "scheduler") and not self.from_dist:
-                continue  # legacy: args, iteration, ... are carried into common.pt
+            elif not self.from_dist and item.name not in model:
+                continue  # legacy: iteration, scheduler, ... are carried into common.pt from the rank file
             else:
-                unknown.append(item.name)
+                unknown.append(item.name)  # a model entry (or ShardedObject) with no rule: refused
         if unknown:
             raise UsageError(
                 f"no rule to place {len(unknown)} non-tensor entries in a torch_dist checkpoint: "
@@ -364,7 +365,7 @@ class DistWriter(LegacyWriter):
     def notes(self) -> list[str]:
         out = super().notes()
         if not self.from_dist:
-            out.append("written from a legacy checkpoint: load it with --ckpt-format torch_dist")
+            out.append("written from a legacy checkpoint: Megatron reads it with --ckpt-format torch_dist (default)")
         return out
 
 

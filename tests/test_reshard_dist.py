@@ -142,6 +142,31 @@ def test_refusals(tmp_path):
         reshard(FIXTURES / "dcp" / "fsdp2", out, Target(to="megatron-dist"))
 
 
+def test_a_model_entry_without_a_rule_is_refused(monkeypatch):
+    """A non-tensor entry of a legacy model state dict that is not ``_extra_state`` has no place in
+    torch_dist: it is named and refused, never silently dropped."""
+    from ckpttool.formats.megatron_dist_write import DistWriter
+    from ckpttool.formats.megatron_write import LegacyWriter, MegatronTarget, load_source
+    from ckpttool.manifest import Item
+
+    _, m = registry.describe(LEGACY)
+    like = m.items["decoder.layers.0.mlp.linear_fc1._extra_state"]
+    odd = Item(name="decoder.layers.0.mlp.odd_flag", kind="object", pieces=like.pieces)
+    m.items[odd.name] = odd
+
+    def source(self: Any, root: Path, manifest: Any) -> Any:
+        src = load_source(root, manifest)
+        src.model_order.append(odd.name)
+        return src
+
+    monkeypatch.setattr(LegacyWriter, "_source", source)
+    with pytest.raises(UsageError, match="no rule to place 1 non-tensor entries .*: decoder.layers.0.mlp.odd_flag$"):
+        DistWriter(Path(m.root), m, MegatronTarget(tp=1, pp=1))
+    del m.items[odd.name]
+    monkeypatch.undo()
+    assert DistWriter(Path(m.root), m, MegatronTarget(tp=1, pp=1)).objects  # the rest has a place
+
+
 def test_convert_keeps_the_layout(tmp_path, cli):
     out = tmp_path / "dist"
     r = cli("convert", LEGACY, "-o", out, "--to", "megatron-dist", "--json")

@@ -415,6 +415,7 @@ def convert(
     from rich.filesize import decimal
 
     from ckpttool.convert import convert as run
+    from ckpttool.reshard import torchrun_world
 
     out = Output(json_mode=json_out, quiet=quiet)
     result = run(
@@ -427,6 +428,9 @@ def convert(
         pattern=_regex(filter_),
         force=force,
     )
+    ranks = torchrun_world()
+    if ranks is not None and ranks[0] != 0:  # --to a framework under torchrun: rank 0 reports for all
+        return
     if result.skipped and not quiet:
         out.note(f"not written: {len(result.skipped)} non-tensor items ({result.skipped[0][0].name}, ...)")
     if json_out:

@@ -364,10 +364,11 @@ def _check_in_flight(report: VerifyReport, root: Path, manifest: Manifest | None
         roles = {f.path: f.role for f in manifest.files}
     else:  # the checkpoint could not be read (a file being rewritten is often cut short): by name
         roles = {rel: "metadata" if rel.rsplit("/", 1)[-1] in COMMIT_NAMES else "data" for rel, _ in list_files(root)}
+    base = Path(manifest.root) if manifest is not None else root  # a save directory's iteration folder
     times: dict[str, float] = {}
     for rel in roles:
         try:
-            times[rel] = (root / rel).stat().st_mtime
+            times[rel] = (base / rel).stat().st_mtime
         except OSError:
             continue
     committed = [times[rel] for rel, role in roles.items() if role in ("metadata", "tracker") and rel in times]

@@ -244,3 +244,22 @@ def test_verify_never_ok_during_a_save_over_an_old_checkpoint(tmp_path, capsys):
     assert not problems, "\n".join(problems)
     assert any(k.startswith("in progress") and "| data + .metadata " in k for k in tally), tally  # watched it
     assert _verify(ckpt)[0] == 0
+
+
+@pytest.mark.parametrize("sub", ["", "iter_0000003"], ids=["save-dir", "iter-dir"])
+def test_data_newer_than_its_metadata_in_a_megatron_save(sub, tmp_path):
+    """torch_dist given by its save directory (the manifest's root is then the iteration folder):
+    a data file rewritten after the metadata is found just as when the folder is given."""
+    import shutil
+
+    from tests.conftest import FIXTURES
+
+    ckpt = tmp_path / "dist"
+    shutil.copytree(FIXTURES / "megatron" / "dist_tp2pp2", ckpt)
+    now = time.time()
+    for f in ckpt.rglob("*"):
+        os.utime(f, (now - 600, now - 600))
+    assert _verify(ckpt / sub)[0] == 0
+    os.utime(ckpt / "iter_0000003" / "__1_0.distcp", (now, now))
+    code, rules, err = _verify(ckpt / sub)
+    assert code == 1 and "incomplete-save" in rules, (code, rules, err)

@@ -48,6 +48,9 @@ class RandomAccessFile:
         self.display = display or self.path
         self.fd = -1
         self.size = -1
+        self.cache: tuple[FileCache, str] | None = None
+        """the cache that keeps it (and its key there): a re-open goes through it, so the cache's
+        open-file limit holds even for readers that kept a reference to this file"""
         self._open()
 
     def _open(self) -> int:
@@ -66,6 +69,14 @@ class RandomAccessFile:
         self.fd, self.size = fd, size
         return fd
 
+    def _fd(self) -> int:
+        if self.fd >= 0:
+            return self.fd
+        if self.cache is not None and self.cache[0]._files.get(self.cache[1]) is self:
+            cache, rel = self.cache
+            return cache.get(rel).fd  # re-opened by the cache, which may close another file first
+        return self._open()
+
     def read(self, offset: int, length: int) -> bytes:
         """Exactly ``length`` bytes at ``offset``, or a CorruptFileError naming the shortfall."""
         if offset < 0 or length < 0 or offset + length > self.size:
@@ -76,7 +87,7 @@ class RandomAccessFile:
                 path=self.display,
                 rule="truncated-file",
             )
-        data = pread(self.fd if self.fd >= 0 else self._open(), length, offset)
+        data = pread(self._fd(), length, offset)
         if len(data) != length:
             raise CorruptFileError(f"{self.display}: short read at {offset:,}", path=self.display)
         return data
@@ -84,7 +95,7 @@ class RandomAccessFile:
     def read_into(self, offset: int, buf: memoryview) -> None:
         if offset < 0 or offset + len(buf) > self.size:
             self.read(offset, len(buf))  # raises the truncation message
-        if preadinto(self.fd if self.fd >= 0 else self._open(), buf, offset) != len(buf):
+        if preadinto(self._fd(), buf, offset) != len(buf):
             raise CorruptFileError(f"{self.display}: short read at {offset:,}", path=self.display)
 
     def close(self) -> None:
@@ -115,6 +126,7 @@ class FileCache:
         if f is None:
             self._make_room()
             f = RandomAccessFile(confine(self.root, rel), display=rel)
+            f.cache = (self, rel)
             self._files[rel] = f
         elif f.fd < 0:
             self._make_room()

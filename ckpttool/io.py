@@ -252,18 +252,17 @@ def _temp_prefix(dest: Path) -> str:
     return f".{dest.name}{TMP_MARKER}"
 
 
-def sweep_stale(dest: str | os.PathLike[str]) -> list[str]:
+def sweep_stale(dest: str | os.PathLike[str]) -> None:
     """Remove the temporaries that writers killed before they finished left beside ``dest``
-    (made on this host by a process that no longer runs). Returns their names."""
+    (made on this host by a process that no longer runs)."""
     dest_p = Path(dest)
     parent = dest_p.parent if str(dest_p.parent) else Path(".")
     prefix = _temp_prefix(dest_p)
     host = socket.gethostname()
-    removed: list[str] = []
     try:
         siblings = [p for p in parent.iterdir() if p.name.startswith(prefix)]
     except OSError:
-        return removed
+        return
     for p in siblings:
         owner = p.name[len(prefix) :].rsplit("-", 2)
         if len(owner) != 3 or owner[0] != host or not owner[1].isdigit():
@@ -275,8 +274,6 @@ def sweep_stale(dest: str | os.PathLike[str]) -> list[str]:
         else:
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
-        removed.append(p.name)
-    return removed
 
 
 def _alive(pid: int) -> bool:

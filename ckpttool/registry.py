@@ -7,7 +7,6 @@ are tried in order; when none matches, the error carries every adapter's reason.
 
 from __future__ import annotations
 
-import gc
 import importlib
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedError, NotFoundError
 from ckpttool.formats.base import Adapter
 from ckpttool.manifest import SEAL_NAME, Manifest
+from ckpttool.values import gc_paused
 
 _FIRST_PARTY = ("megatron", "deepspeed", "rankshards", "dcp", "safetensors", "torchsave")
 
@@ -51,10 +51,9 @@ def describe(path: str | Path) -> tuple[Adapter, Manifest]:
     # describe builds 10^5..10^6 small records (the unpickled metadata, then the manifest) and frees
     # none of them until it returns: the cycle collector would rescan them all, again and again
     # (about half of inspect's time at 100 000 items). Nothing it builds is cyclic garbage.
-    enabled = gc.isenabled()
-    gc.disable()
     try:
-        manifest = adapter.describe(Path(path))
+        with gc_paused():
+            manifest = adapter.describe(Path(path))
     except CkptError:
         raise
     except UNTRUSTED_SHAPE as exc:
@@ -68,9 +67,6 @@ def describe(path: str | Path) -> tuple[Adapter, Manifest]:
             "rerun with CKPTTOOL_DEBUG=1 and report it if the files are good",
             path=str(path),
         ) from exc
-    finally:
-        if enabled:
-            gc.enable()
     for f in manifest.files:
         if f.path.rsplit("/", 1)[-1].endswith(SEAL_NAME):
             f.role = "seal"

@@ -7,8 +7,8 @@ re-hash a checkpoint in one pass and name the tensor a flipped byte belongs to.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
-import gc
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +22,7 @@ from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.hashing import Algo, Span, hash_bytes, hash_files
 from ckpttool.io import atomic_output
 from ckpttool.manifest import SEAL_NAME, Item, Manifest, Piece
-from ckpttool.values import is_count
+from ckpttool.values import gc_paused, is_count
 
 SEAL_KIND = "ckpttool.seal"
 
@@ -73,13 +73,8 @@ class Seal:
     def pieces(self) -> list[PieceRecord]:
         """Every hashed piece: its item, index, file, byte span and checksum."""
         if self._records is None:
-            enabled = gc.isenabled()
-            gc.disable()  # hundreds of thousands of records, no cycles among them
-            try:
+            with gc_paused():  # hundreds of thousands of records
                 self._records = _records(self._columns or {})
-            finally:
-                if enabled:
-                    gc.enable()
         return self._records
 
     @property
@@ -136,15 +131,11 @@ class Seal:
 
     @classmethod
     def load(cls, path: Path) -> Seal:
-        enabled = gc.isenabled()
-        gc.disable()  # a seal of 10^5 items is millions of JSON values, none of them cyclic garbage
         try:
-            return cls._load(path)
+            with gc_paused():  # a seal of 10^5 items is millions of JSON values
+                return cls._load(path)
         except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
             raise _corrupt(path, exc) from None
-        finally:
-            if enabled:
-                gc.enable()
 
     @classmethod
     def _load(cls, path: Path) -> Seal:
@@ -177,7 +168,7 @@ class Seal:
 
 def _head(manifest: Manifest) -> Manifest:
     """The manifest without its items (sharing its files, layout and extras)."""
-    return Manifest(**{f: getattr(manifest, f) for f in Manifest.__dataclass_fields__ if f != "items"})
+    return dataclasses.replace(manifest, items={})
 
 
 def _corrupt(path: Path, exc: BaseException) -> CorruptFileError:

@@ -43,7 +43,7 @@ def _env(tmpdir: Path) -> dict[str, str]:
 
 
 def _siblings(dest: Path) -> list[str]:
-    """ckpttool's temp siblings of ``dest`` (files from atomic_output, dirs from temp_dir_beside)."""
+    """ckpttool's temp siblings of ``dest`` (files from atomic_output, dirs from staged_dir)."""
     prefix = f".{dest.name}{TMP_MARKER}"
     return sorted(n for n in os.listdir(dest.parent) if n.startswith(prefix))
 

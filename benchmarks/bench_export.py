@@ -1,12 +1,15 @@
-"""export of a >= 1 GB DCP checkpoint against torch's dcp_to_torch_save on the same files.
+"""export and convert --to torch of a >= 1 GB DCP checkpoint against torch's dcp_to_torch_save on the
+same files.
 
     python benchmarks/bench_export.py [--width 2048] [--layers 24] [--repeat 3] [--keep]
 
-Writes the checkpoint under benchmarks/_data/ (git-ignored), then alternates the two tools, each
+Writes the checkpoint under benchmarks/_data/ (git-ignored), then alternates the three commands, each
 in a fresh process (what a user runs), hot page cache for both (the files are read once before
 timing), no output file left from an earlier run and no dirty pages (``sync`` before each run).
-ckpttool fsyncs its output before publishing it; dcp_to_torch_save does not. Wall time and peak RSS (ru_maxrss of the child) per run; medians and ratios printed and
-saved to benchmarks/_data/export.json.
+ckpttool fsyncs its output before publishing it; dcp_to_torch_save does not. Wall time and peak RSS
+(ru_maxrss of the child) per run; medians and ratios printed and saved to
+benchmarks/_data/export.json. ``convert --to torch`` writes the file dcp_to_torch_save writes: the
+script checks the bytes are the same.
 """
 
 from __future__ import annotations
@@ -50,18 +53,24 @@ def main() -> int:
             while fh.read(1 << 24):
                 pass
 
-    ours_out, theirs_out = DATA / "ours.safetensors", DATA / "theirs.pt"
+    ours_out, theirs_out, pt_dir = DATA / "ours.safetensors", DATA / "theirs" / "model.pt", DATA / "ours_pt"
+    theirs_out.parent.mkdir(exist_ok=True)
     ours_cmd = [sys.executable, "-m", "ckpttool", "export", str(ckpt), "-o", str(ours_out), "--force", "-q"]
+    pt_cmd = [sys.executable, "-m", "ckpttool", "convert", str(ckpt), "-o", str(pt_dir), "--to", "torch", "-q"]
     theirs_cmd = [sys.executable, "-c",
                   "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
                   "dcp_to_torch_save(sys.argv[1], sys.argv[2])", str(ckpt), str(theirs_out)]
-    results: dict[str, list[tuple[float, int]]] = {"ckpttool export": [], "dcp_to_torch_save": []}
+    results: dict[str, list[tuple[float, int]]] = {"ckpttool export": [], "convert --to torch": [],
+                                                   "dcp_to_torch_save": []}
     for _ in range(args.repeat):
-        for name, cmd, out in (("dcp_to_torch_save", theirs_cmd, theirs_out), ("ckpttool export", ours_cmd, ours_out)):
+        for name, cmd, out in (("dcp_to_torch_save", theirs_cmd, theirs_out), ("ckpttool export", ours_cmd, ours_out),
+                               ("convert --to torch", pt_cmd, pt_dir)):
             # each run starts alike: no old output to replace, no dirty pages left by the other tool
-            out.unlink(missing_ok=True)
+            shutil.rmtree(out) if out.is_dir() else out.unlink(missing_ok=True)
             os.sync()
             results[name].append(run(cmd))
+    same = (pt_dir / "model.pt").read_bytes() == theirs_out.read_bytes()
+    print(f"convert --to torch wrote the same bytes as dcp_to_torch_save: {same}")
     out_size = ours_out.stat().st_size
     summary = {
         "checkpoint_bytes": size,
@@ -78,11 +87,17 @@ def main() -> int:
           f"(target >= 2x faster at <= 0.25x memory)")
     summary["median"] = {k: {"wall_s": w, "peak_rss": r} for k, (w, r) in med.items()}
     summary["speedup"], summary["memory_ratio"] = speed, mem
+    pt_speed = med["dcp_to_torch_save"][0] / med["convert --to torch"][0]
+    pt_mem = med["convert --to torch"][1] / med["dcp_to_torch_save"][1]
+    print(f"convert --to torch (the same file as dcp_to_torch_save): {pt_speed:.1f}x faster at {pt_mem:.2f}x "
+          "the peak memory")
+    summary["torch_speedup"], summary["torch_memory_ratio"], summary["torch_identical"] = pt_speed, pt_mem, same
     (DATA / "export.json").write_text(json.dumps(summary, indent=2))
     if not args.keep:
         ours_out.unlink(missing_ok=True)
         theirs_out.unlink(missing_ok=True)
-    return 0 if speed >= 2 and mem <= 0.25 else 1
+        shutil.rmtree(pt_dir, ignore_errors=True)
+    return 0 if speed >= 2 and mem <= 0.25 and same else 1
 
 
 if __name__ == "__main__":

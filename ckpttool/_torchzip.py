@@ -329,12 +329,16 @@ def is_c_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
 
 
 def tensor_span(archive: Archive, ref: _unpickle.TensorRef) -> tuple[int, int] | None:
-    """``(offset, length)`` in the source of a C-contiguous tensor's bytes; None if strided."""
+    """``(offset, length)`` in the source of a C-contiguous tensor's bytes; None if strided or if
+    the storage is too short to hold them (``read_tensor`` says why)."""
     if not is_c_contiguous(ref.shape, ref.stride):
         return None
     itemsize = lookup_dtype(ref.dtype).itemsize
     span = archive.storage_span(ref.storage.key)
-    return span.offset + ref.storage_offset * itemsize, math.prod(ref.shape) * itemsize
+    length = math.prod(ref.shape) * itemsize
+    if ref.storage_offset * itemsize + length > span.length:
+        return None
+    return span.offset + ref.storage_offset * itemsize, length
 
 
 def read_tensor(archive: Archive, ref: _unpickle.TensorRef, out: np.ndarray | None = None) -> np.ndarray:

@@ -18,6 +18,34 @@ def regions(piece: Piece) -> list[Box]:
     return flat_range_boxes(piece.box, *piece.flat)
 
 
+def contiguous_part(whole: Box, part: Box) -> int | None:
+    """The element offset of ``part`` inside ``whole`` stored in C order, when ``part``'s elements
+    lie there contiguously (one wide in every dimension before the last partial one); None
+    otherwise."""
+    k = next((d for d in reversed(range(whole.ndim)) if part.sizes[d] != whole.sizes[d]), 0)
+    if any(part.sizes[d] != 1 for d in range(k)):
+        return None
+    offset, stride = 0, 1
+    for d in reversed(range(whole.ndim)):
+        offset += (part.offsets[d] - whole.offsets[d]) * stride
+        stride *= whole.sizes[d]
+    return offset
+
+
+def _read_part(reader: PieceReader, piece: Piece, item: Item, part: Box, out: np.ndarray) -> bool:
+    """Read the values of ``part`` (inside a piece stored raw and C-ordered) straight into ``out``
+    (C-contiguous): only those bytes, not the whole piece. False when the piece is not stored so."""
+    at = contiguous_part(piece.box, part)
+    if at is None:
+        return False
+    span = reader.raw_span(piece, item)
+    itemsize = out.dtype.itemsize
+    if span is None or span[1] != piece.box.volume * itemsize:
+        return False
+    reader.files.get(piece.file).read_into(span[0] + at * itemsize, out.reshape(-1).view(np.uint8).data)
+    return True
+
+
 def check_coverage(item: Item) -> None:
     """Raise unless the first copies of the pieces tile the tensor exactly."""
     assert item.shape is not None
@@ -60,8 +88,11 @@ def assemble(reader: PieceReader, item: Item, out: np.ndarray | None = None, box
                 if view.flags.c_contiguous:
                     reader.read(piece, item, out=view)
                     continue
+            view = out[common.slices(relative_to=target)] if target.ndim else out
+            if view.flags.c_contiguous and _read_part(reader, piece, item, common, view):
+                continue
             values = reader.read(piece, item)
-            out[common.slices(relative_to=target)] = values[common.slices(relative_to=piece.box)]
+            view[...] = values[common.slices(relative_to=piece.box)]
             continue
         if not any(intersect(b, target) for b in parts):
             continue

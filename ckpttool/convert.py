@@ -4,28 +4,35 @@
 tensor cut along dim 0 as FSDP2 cuts it, non-tensor state kept (read through the restricted
 unpickler): what ``dcp.load`` reads. ``--to safetensors``: the Hugging Face layout: ``model.safetensors``, or shards
 ``model-0000k-of-0000n.safetensors`` of at most ``--max-shard-size`` each plus
-``model.safetensors.index.json``. Tensors are streamed one at a time (memory: the largest tensor),
-the output directory is built beside the destination and published by one rename.
+``model.safetensors.index.json``. ``--to torch``: one ``torch.save`` file, ``model.pt``, of the
+whole state dict (for a DCP source what ``dcp_to_torch_save`` writes). Tensors are streamed one at
+a time (memory: the largest tensor), the output directory is built beside the destination and
+published by one rename.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ckpttool import registry
-from ckpttool.errors import UsageError
+from ckpttool.assemble import assemble, check_coverage
+from ckpttool.dtypes import carrier
+from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.export import safetensors_selection, select, tensor_nbytes, write_safetensors
-from ckpttool.io import fsync_dir, publish_dir, staged_dir
-from ckpttool.manifest import Item
+from ckpttool.formats.base import Adapter
+from ckpttool.io import fsync_dir, fsync_tree, publish_dir, staged_dir
+from ckpttool.manifest import Item, Manifest
 
-TARGETS = ("safetensors", "dcp", "megatron", "megatron-dist", "deepspeed")
+TARGETS = ("safetensors", "dcp", "torch", "megatron", "megatron-dist", "deepspeed")
 FRAMEWORKS = ("megatron", "megatron-dist", "deepspeed")
 """targets written by ``reshard``'s writers at the source's own layout"""
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.I)
@@ -112,6 +119,8 @@ def convert(
         result.tensors = sum(1 for i in keep if i.is_tensor)
         result.nbytes = sum(tensor_nbytes(i) for i in keep if i.is_tensor)
         return result
+    if to == "torch":
+        return _torch(adapter, manifest, out, kind=kind, pattern=pattern, progress=progress)
     pairs, result.skipped = safetensors_selection(manifest, kind=kind, pattern=pattern)
     shards = _shards(pairs, limit)
     names = (
@@ -145,6 +154,87 @@ def convert(
         publish_dir(tmp, out)
     result.files, result.tensors, result.nbytes = names, len(pairs), total
     return result
+
+
+def _torch(
+    adapter: Adapter,
+    manifest: Manifest,
+    out: Path,
+    *,
+    kind: str,
+    pattern: str | None,
+    progress: Callable[[int], None] | None,
+) -> ConvertResult:
+    """``--to torch``: one ``torch.save`` file, ``model.pt``, of the whole state dict. A DCP source
+    is nested back as it was saved (``.metadata``'s planner data), which makes the file
+    ``dcp_to_torch_save``'s, byte for byte; other sources give a flat ``{name: value}``. Tensors
+    are produced one at a time into one buffer; non-tensor values are re-pickled from the
+    restricted unpickler's stand-ins."""
+    from ckpttool.formats import _ptwrite
+    from ckpttool.formats.dcp import nesting
+
+    result = ConvertResult(output=str(out), files=["model.pt"])
+    chosen = select(list(manifest.items.values()), kind=kind, pattern=pattern)
+    result.skipped = [(i, i.error or "") for _, i in chosen if i.error]
+    keep = [(name, i) for name, i in chosen if not i.error]
+    paths = nesting(manifest) if all(name == i.name for name, i in keep) else None
+    with staged_dir(out) as tmp, adapter.reader(manifest) as reader:
+        tree: dict[Any, Any] = {}
+        for name, item in keep:
+            value: Any
+            if item.is_tensor:
+                assert item.dtype is not None and item.shape is not None
+
+                def fill(buf: np.ndarray, item: Item = item, dtype: str = item.dtype) -> None:
+                    assemble(reader, item, out=buf.view(carrier(dtype)).reshape(item.shape or ()))
+                    if progress is not None:
+                        progress(buf.nbytes)
+
+                check_coverage(item)
+                value = _ptwrite.OutTensor(dtype=item.dtype, shape=item.shape, fill=fill)
+                result.tensors += 1
+                result.nbytes += tensor_nbytes(item)
+            else:
+                piece = item.pieces[0]
+                value = _ptwrite.carry(reader.read_object(item), lambda piece=piece: reader.archive_of(piece))
+            _place(tree, paths.get(name, (name,)) if paths else (name,), value, name)
+        _ptwrite.save(tree, tmp / "model.pt")
+        fsync_tree(tmp)
+        publish_dir(tmp, out)
+    return result
+
+
+def _place(root: dict[Any, Any], path: tuple[Any, ...], value: Any, name: str) -> None:
+    """Put ``value`` at ``path`` in the nested state dict, as DCP's ``set_element`` does: a string
+    step is a dict key, an integer step a list index (lists padded with None)."""
+    node: Any = root
+    for step, following in itertools.pairwise(path):
+        empty: Any = [] if type(following) is int else {}
+        if isinstance(node, dict):
+            node = node.setdefault(step, empty)
+        elif isinstance(node, list) and type(step) is int:
+            node.extend([None] * (step + 1 - len(node)))
+            if node[step] is None:
+                node[step] = empty
+            node = node[step]
+        else:
+            break
+        if not isinstance(node, (dict, list)):
+            break
+    else:
+        last = path[-1]
+        if isinstance(node, dict) and type(last) is str and last not in node:
+            node[last] = value
+            return
+        if isinstance(node, list) and type(last) is int and (last >= len(node) or node[last] is None):
+            node.extend([None] * (last + 1 - len(node)))
+            node[last] = value
+            return
+    raise CorruptFileError(
+        f".metadata: planner_data puts {name!r} at {path}, where another entry already is",
+        hint="the metadata is damaged or hostile",
+        path=".metadata",
+    )
 
 
 def _framework(

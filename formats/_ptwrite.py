@@ -8,14 +8,15 @@ importing that class, so Megatron or DeepSpeed need not be installed here.
 
 Tensors are :class:`OutTensor` placeholders: the pickle names their storage (``data/<key>``) and
 the bytes are produced by a callback, one storage at a time, straight into the zip record. The zip
-is torch's own writer (``torch._C.PyTorchFileWriter``: 64-byte aligned records, CRC-32s), so the
-output is what ``torch.save`` makes of the same tree.
+is :mod:`ckpttool._zipwrite` (64-byte aligned records, CRC-32s, torch's serialization id), so the
+output is what ``torch.save`` makes of the same tree, without importing torch.
 """
 
 from __future__ import annotations
 
 import collections
 import io
+import os
 import pickle
 import sys
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ckpttool import _torchzip, _unpickle
+from ckpttool._zipwrite import ZipWriter
 from ckpttool.dtypes import carrier
 
 _STORAGE_CLASS = {
@@ -59,7 +61,6 @@ class OutTensor:
     dtype: str
     shape: tuple[int, ...]
     fill: Callable[[np.ndarray], None]
-    key: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -113,6 +114,15 @@ class _Pickler(_PurePickler):
     def __init__(self, file: io.BytesIO, tensors: list[OutTensor]) -> None:
         super().__init__(file, protocol=2)
         self.tensors = tensors
+        self.refs: dict[tuple[str, str], GlobalRef] = {}  # one object per global, for the memo
+
+    def _memoized(self, obj: Any) -> bool:
+        """Write a reference to ``obj`` if it was pickled before (as torch's pickler does)."""
+        x = self.memo.get(id(obj))
+        if x is None:
+            return False
+        self.write(self.get(x[0]))
+        return True
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _StorageOf):
@@ -120,21 +130,28 @@ class _Pickler(_PurePickler):
             numel = 1
             for s in t.shape:
                 numel *= s
-            return ("storage", GlobalRef("torch", _STORAGE_CLASS[t.dtype]), t.key, "cpu", numel)
+            return ("storage", GlobalRef("torch", _STORAGE_CLASS[t.dtype]), obj.key, "cpu", numel)
         return None
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
         t = type(obj)
         if t is GlobalRef:
-            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+            ref = self.refs.setdefault((obj.module, obj.name), obj)
+            if not self._memoized(ref):
+                self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+                self.memoize(ref)
+            return
+        if t in (OutTensor, _unpickle.EnumValue, _unpickle.TorchSize) and self._memoized(obj):
             return
         if t is OutTensor:
-            if not obj.key:
-                obj.key = str(len(self.tensors))
-                self.tensors.append(obj)
+            key = str(len(self.tensors))  # a tensor met again is a memo reference (above)
+            self.tensors.append(obj)
             self.save(GlobalRef("torch._utils", "_rebuild_tensor_v2"))
-            self.save((_StorageOf(obj), 0, tuple(obj.shape), _strides(obj.shape), False, collections.OrderedDict()))
+            hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+            args = (_StorageOf(obj, key), 0, tuple(obj.shape), _strides(obj.shape), False, hooks)
+            self.save(args)
             self.write(pickle.REDUCE)
+            self.memoize(obj)
             return
         if isinstance(obj, _unpickle.Record):
             module, name = type(obj)._qualname.rsplit(".", 1)
@@ -149,11 +166,13 @@ class _Pickler(_PurePickler):
             self.save(GlobalRef(module, name))
             self.save((obj.value,))
             self.write(pickle.REDUCE)
+            self.memoize(obj)
             return
         if t is _unpickle.TorchSize:
             self.save(GlobalRef("torch", "Size"))
             self.save((tuple(obj),))
             self.write(pickle.REDUCE)
+            self.memoize(obj)
             return
         if t is _unpickle.TorchDType:
             self.save(GlobalRef("torch", str(obj)))
@@ -172,10 +191,12 @@ class _Pickler(_PurePickler):
 @dataclass(eq=False, slots=True)
 class _StorageOf:
     tensor: OutTensor
+    key: str
 
 
 def dumps(tree: Any) -> tuple[bytes, list[OutTensor]]:
-    """The ``data.pkl`` bytes of ``tree`` and the tensors it refers to, in storage-key order."""
+    """The ``data.pkl`` bytes of ``tree`` and the tensors it refers to, in storage-key order (the
+    key of the i-th is ``str(i)``)."""
     buf = io.BytesIO()
     tensors: list[OutTensor] = []
     _Pickler(buf, tensors).dump(tree)
@@ -186,31 +207,31 @@ def save(tree: Any, path: Path | BinaryIO, *, buffer: np.ndarray | None = None) 
     """Write ``tree`` as a ``torch.save`` file at ``path`` (not atomically: callers write into a
     directory that is published as a whole), or into an open binary file from its current position
     on (as DCP stores its records). Tensors are produced one at a time into ``buffer`` (grown when
-    too small). Returns the bytes of tensor data written."""
-    import torch
-
+    too small). Returns the bytes of tensor data written. No torch needed: the zip container is
+    :class:`ckpttool._zipwrite.ZipWriter`, which writes what torch's own writer writes."""
     data, tensors = dumps(tree)
-    target = path if not isinstance(path, Path) else str(path)
-    writer: Any = torch._C.PyTorchFileWriter(target, True, 64)  # torch.save's own zip writer
+    if isinstance(path, Path):
+        with open(path, "wb") as fh:
+            return _write(fh, os.path.splitext(path.name)[0], data, tensors, buffer)  # torch names it so
+    return _write(path, "archive", data, tensors, buffer)
+
+
+def _write(fh: BinaryIO, archive: str, data: bytes, tensors: list[OutTensor], buffer: np.ndarray | None) -> int:
+    zf = ZipWriter(fh, archive)
+    zf.write_record("data.pkl", data)
+    zf.write_record(".format_version", b"1")
+    zf.write_record(".storage_alignment", b"64")
+    zf.write_record("byteorder", sys.byteorder.encode())
     total = 0
-    try:
-        writer.write_record("data.pkl", data, len(data))
-        writer.write_record(".format_version", "1", 1)
-        writer.write_record(".storage_alignment", "64", 2)
-        writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-        for t in tensors:
-            n = t.nbytes
-            if buffer is None or buffer.nbytes < n:
-                buffer = np.empty(max(n, 1), dtype=np.uint8)
-            view = buffer[:n]
-            t.fill(view)
-            if n:
-                writer.write_record(f"data/{t.key}", torch.from_numpy(view).untyped_storage(), n)
-            else:
-                writer.write_record(f"data/{t.key}", b"", 0)
-            total += n
-    finally:
-        writer.write_end_of_file()
+    for key, t in enumerate(tensors):
+        n = t.nbytes
+        if buffer is None or buffer.nbytes < n:
+            buffer = np.empty(max(n, 1), dtype=np.uint8)
+        view = buffer[:n]
+        t.fill(view)
+        zf.write_record(f"data/{key}", view)
+        total += n
+    zf.finish()
     return total
 
 

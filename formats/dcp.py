@@ -167,6 +167,33 @@ def _load_metadata(root: Path, name: str) -> _Metadata:
     return md
 
 
+def nesting(manifest: Manifest) -> dict[str, tuple[str | int, ...]] | None:
+    """Where each flat key of a DCP checkpoint goes in the nested state dict it was saved from
+    (``.metadata``'s ``planner_data``, as ``dcp_to_torch_save`` rebuilds it), or None when the
+    checkpoint has no global ``.metadata`` or no such map. A path must be strings and list indices
+    (below the number of keys: an index is a list length to allocate)."""
+    root = Path(manifest.root)
+    if manifest.format != "dcp" or not (root / _GLOBAL_MD).is_file():
+        return None
+    data = getattr(_load_metadata(root, _GLOBAL_MD), "planner_data", None)
+    if not isinstance(data, dict) or not data:
+        return None
+    limit = len(data)
+    out: dict[str, tuple[str | int, ...]] = {}
+    for key, path in data.items():
+        ok = isinstance(key, str) and isinstance(path, tuple) and len(path) > 0
+        ok = ok and all(type(p) is str or (type(p) is int and 0 <= p < limit) for p in path)
+        if not ok or type(path[0]) is not str:
+            raise CorruptFileError(
+                f"{_GLOBAL_MD}: planner_data maps {str(key)[:80]!r} to {str(path)[:80]}, expected a tuple of "
+                f"names and list indices below {limit}, starting with a name",
+                hint="the metadata is damaged or hostile; convert --to safetensors or dcp does not need this map",
+                path=_GLOBAL_MD,
+            )
+        out[key] = path
+    return out
+
+
 def is_dist_config(path: Path) -> bool:
     """Whether ``path`` is megatron-core dist_checkpointing's ``metadata.json`` (such a directory
     is DCP underneath, but read as ``megatron-dist``)."""

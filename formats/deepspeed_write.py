@@ -231,14 +231,16 @@ class ZeroWriter:
 
         def fill(buf: np.ndarray) -> None:
             values = buf.view(carrier(dtype))
-            values[...] = 0
+            end = 0  # values before this are written; the gaps between fragments are padding (zeros)
             for name, shape, first, count, pos in fragments:
                 item = items[name]
+                values[end:pos] = 0
                 at = pos
                 for box in flat_range_boxes(Box.whole(shape), first, count):
-                    part = assemble(reader, item, box=box).reshape(-1)
-                    values[at : at + part.size] = part
-                    at += part.size
+                    assemble(reader, item, out=values[at : at + box.volume].reshape(box.sizes), box=box)
+                    at += box.volume
+                end = max(end, at)
+            values[end:] = 0
 
         return _ptwrite.OutTensor(dtype=dtype, shape=(size,), fill=fill)
 

@@ -278,9 +278,8 @@ class DistWriter(LegacyWriter):
     def write(self, rank: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None) -> list[Record]:
         """Write rank ``rank``'s ``.distcp`` file (and, for rank 0, ``common.pt`` and
         ``metadata.json`` beside it); returns where each record lies, for ``finish``."""
-        import torch
-
         entries: list[Record] = []
+        buffer = np.empty(0, dtype=np.uint8)
         with open(out, "wb") as f:
             for e in self.ranks[rank]:
                 start = f.tell()
@@ -290,10 +289,11 @@ class DistWriter(LegacyWriter):
                     continue
                 check_coverage(e.item)
                 assert e.item.dtype is not None
-                buf = np.empty(e.nbytes, dtype=np.uint8)
-                _Fill(reader, e.item, [e.region])(buf)
-                tensor = torch.from_numpy(buf).view(getattr(torch, e.item.dtype)).reshape(e.chunk.sizes)
-                torch.save(tensor, f)  # as DCP's FileSystemWriter: straight into the file
+                if buffer.nbytes < e.nbytes:
+                    buffer = np.empty(e.nbytes, dtype=np.uint8)
+                fill = _Fill(reader, e.item, [e.region])
+                tensor = _ptwrite.OutTensor(dtype=e.item.dtype, shape=e.chunk.sizes, fill=fill)
+                _ptwrite.save(tensor, f, buffer=buffer)  # as DCP's FileSystemWriter: straight into the file
                 entries.append((e.key, e.chunk.offsets, start, f.tell() - start))
                 if progress is not None:
                     progress(e.nbytes)

@@ -41,3 +41,58 @@ def test_sizes():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("1000") == 1000
     with pytest.raises(UsageError):
         parse_size("lots")
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp2_per_item", "fsdp2_zstd", "fsdp2_threads2", "mesh2x2"])
+def test_to_torch_is_dcp_to_torch_save_byte_for_byte(name, tmp_path):
+    """--to torch nests the flat keys back as the state dict was saved and pickles it as torch
+    does: the file equals torch's own dcp_to_torch_save output, byte for byte."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    result = convert(FIXTURES / "dcp" / name, tmp_path / "out", to="torch")
+    assert result.files == ["model.pt"] and result.tensors > 0
+    (tmp_path / "ref").mkdir()
+    dcp_to_torch_save(FIXTURES / "dcp" / name, tmp_path / "ref" / "model.pt")
+    assert (tmp_path / "out" / "model.pt").read_bytes() == (tmp_path / "ref" / "model.pt").read_bytes()
+
+
+def test_to_torch_from_megatron_holds_the_same_tensors(tmp_path):
+    """A flat {name: tensor} file from a TP2xPP2 Megatron checkpoint: torch.load (weights only)
+    reads it, and every tensor equals the one ckpttool assembles from the shards."""
+    import numpy as np
+    import torch
+
+    from ckpttool import registry
+    from ckpttool.assemble import assemble
+
+    src = FIXTURES / "megatron" / "legacy_tp2pp2"
+    r = run_cli("convert", src, "-o", tmp_path / "out", "--to", "torch", "--kind", "param")
+    assert r.code == 0, r.stderr
+    assert "in 1 file to" in r.stdout
+    loaded = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
+    adapter, manifest = registry.describe(src)
+    params = {i.name: i for i in manifest.items.values() if i.kind == "param"}
+    assert set(loaded) == set(params) and params
+    with adapter.reader(manifest) as reader:
+        for name, item in params.items():
+            want = assemble(reader, item)
+            got = loaded[name].contiguous().view(torch.uint8).numpy().reshape(-1)
+            assert np.array_equal(got, want.reshape(-1).view(np.uint8)), name
+
+
+def test_to_torch_refuses_a_hostile_nesting_map(tmp_path):
+    """planner_data asking for a list of 10**9 entries: refused before anything is written."""
+    import pickle
+    import shutil
+
+    import torch  # noqa: F401  (unpickles DCP's classes)
+
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", src)
+    md = pickle.loads((src / ".metadata").read_bytes())
+    first = next(iter(md.planner_data))
+    md.planner_data[first] = ("model", 10**9)
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    r = run_cli("convert", src, "-o", tmp_path / "out", "--to", "torch")
+    assert r.code == 3 and "planner_data" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()

@@ -93,3 +93,35 @@ def test_hf_storage_writer_shards(tmp_path):
 def test_zstd_pieces_carry_the_transform():
     _, m = registry.describe(DCP / "fsdp2_zstd")
     assert all(p.locator.get("transforms") == ["stream.zstd/1"] for i in m.items.values() for p in i.pieces)
+
+
+def test_part_of_a_piece_reads_only_its_bytes(monkeypatch):
+    """A box that is a contiguous part of a stored piece (a reshard's row range) is read straight
+    from the file: its bytes, not the whole piece's, and the values equal the full read's."""
+    import numpy as np
+
+    from ckpttool import io as ckio
+    from ckpttool import registry
+    from ckpttool.assemble import assemble
+    from ckpttool.geometry import Box
+
+    adapter, manifest = registry.describe(FIXTURES / "dcp" / "fsdp2")
+    item = max((i for i in manifest.items.values() if i.is_tensor and i.shape and len(i.pieces) > 1),
+               key=lambda i: i.pieces[0].box.sizes[0])
+    piece = item.pieces[0]
+    rows = piece.box.sizes[0] // 2
+    assert rows >= 1
+    box = Box(piece.box.offsets, (rows, *piece.box.sizes[1:]))
+    with adapter.reader(manifest) as reader:
+        whole = assemble(reader, item)
+        read: list[int] = []
+        real = ckio.preadinto
+
+        def counting(fd, buf, offset):
+            read.append(len(buf))
+            return real(fd, buf, offset)
+
+        monkeypatch.setattr(ckio, "preadinto", counting)
+        part = assemble(reader, item, box=box)
+    assert np.array_equal(part, whole[box.slices()])
+    assert sum(read) == part.nbytes

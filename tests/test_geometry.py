@@ -85,3 +85,22 @@ def test_coverage_of_row_splits(cuts, cols, drop):
         assert cov.gaps == removed.volume and cov.overlapping == 0
     else:
         assert coverage((rows, cols), boxes).exact
+
+
+def test_contiguous_part_agrees_with_numpy() -> None:
+    """``contiguous_part`` says where a sub-box lies in its piece's C-ordered storage exactly when
+    its elements are consecutive there."""
+    from ckpttool.assemble import contiguous_part
+
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        nd = int(rng.integers(0, 4))
+        sizes = tuple(int(x) for x in rng.integers(1, 5, nd))
+        offs = tuple(int(x) for x in rng.integers(0, 3, nd))
+        whole = Box(offs, sizes)
+        po = tuple(int(o + rng.integers(0, s)) for o, s in zip(offs, sizes, strict=True))
+        ps = tuple(int(rng.integers(1, o + s - p + 1)) for o, s, p in zip(offs, sizes, po, strict=True))
+        part = Box(po, ps)
+        flat = np.arange(int(np.prod(sizes))).reshape(sizes)[part.slices(relative_to=whole)].reshape(-1)
+        consecutive = flat.size < 2 or bool(np.all(np.diff(flat) == 1))
+        assert contiguous_part(whole, part) == (int(flat[0]) if consecutive else None), (whole, part)

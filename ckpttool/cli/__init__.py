@@ -391,7 +391,8 @@ def convert(
     src: PathArg,
     output: Annotated[Path, typer.Option("--output", "-o", help="The directory to write.", show_default=False)],
     to: Annotated[
-        str, typer.Option("--to", help="Target format: safetensors, dcp, megatron, megatron-dist or deepspeed.")
+        str,
+        typer.Option("--to", help="Target format: safetensors, dcp, torch, megatron, megatron-dist or deepspeed."),
     ] = "safetensors",
     max_shard_size: Annotated[
         str, typer.Option("--max-shard-size", help="Largest shard (safetensors), e.g. 5GB, 500MB, 2GiB.")
@@ -408,7 +409,8 @@ def convert(
     quiet: QuietOpt = False,
 ) -> None:
     """The same state in another format: sharded safetensors with an index (the Hugging Face
-    layout), a PyTorch DCP checkpoint at --world-size ranks, or a framework's own layout
+    layout), a PyTorch DCP checkpoint at --world-size ranks, one torch.save file (model.pt, nested
+    as the DCP source was saved: what dcp_to_torch_save writes), or a framework's own layout
     (megatron, megatron-dist, deepspeed) at the source's parallel sizes, optimizer and training
     state kept ('ckpttool reshard' changes the sizes). Streams one tensor at a time; the output
     directory appears complete or not at all."""
@@ -437,7 +439,8 @@ def convert(
         out.json({"output": result.output, "files": result.files, "tensors": result.tensors, "nbytes": result.nbytes})
     else:
         out.line(
-            f"wrote {result.tensors} tensors ({decimal(result.nbytes)}) in {len(result.files)} files to {result.output}"
+            f"wrote {result.tensors} tensors ({decimal(result.nbytes)}) in {len(result.files)} "
+            f"file{'s' if len(result.files) != 1 else ''} to {result.output}"
         )
 
 

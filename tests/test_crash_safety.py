@@ -74,6 +74,8 @@ class Command:
     interrupts: int = 2
     """SIGINTs aimed to land before the publication (more for the quick commands); the trials stop
     once they have, and at least two must"""
+    launcher: tuple[str, ...] = ()
+    """arguments between the interpreter and ``-m ckpttool`` (torchrun)"""
 
 
 def _same_file(dest: Path, ref: Path) -> str | None:
@@ -215,6 +217,14 @@ def _commands(work: Path) -> dict[str, Command]:
             complete=_sealed_tree,
             worker_processes=True,
         ),
+        "reshard-torchrun": Command(  # two ranks under torchrun, each in a session of its own
+            name="reshard-torchrun",
+            launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"),
+            argv=lambda d: ["reshard", str(legacy), "-o", str(d), "--tp", "1", "--pp", "2"],
+            dest_name="tp1pp2-torchrun",
+            sources=lambda d: [legacy],
+            complete=_sealed_tree,
+        ),
         "seal": Command(
             name="seal",
             interrupts=5,
@@ -311,7 +321,7 @@ def _popen(
     cmd: Command, dest: Path, tmpdir: Path, *, stderr: int = subprocess.DEVNULL, extra: tuple[str, ...] = ()
 ) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "ckpttool", *cmd.argv(dest), *extra],
+        [sys.executable, *cmd.launcher, "-m", "ckpttool", *cmd.argv(dest), *extra],
         cwd=ROOT,
         env=_env(tmpdir),
         stdout=subprocess.DEVNULL,
@@ -321,11 +331,48 @@ def _popen(
 
 
 def _killpg(proc: subprocess.Popen, sig: int) -> None:
-    """Signal the command's whole process group (workers included), as a terminal would."""
+    """Signal the command's whole process group (workers included), as a terminal would. SIGKILL
+    also reaches descendants in sessions of their own (torchrun starts each rank so): the machine
+    going down."""
+    doomed = _descendants(proc.pid) if sig == signal.SIGKILL else []
     try:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
+    for pid in doomed:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (from /proc), each stopped as it is found, the root first,
+    so that none starts another before the kill."""
+
+    def stop(pid: int) -> None:
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+
+    stop(root)
+    found: set[int] = set()
+    while True:
+        parents: dict[int, int] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as fh:
+                        parents[int(entry)] = int(fh.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+        new = {pid for pid, ppid in parents.items() if (ppid == root or ppid in found) and pid not in found}
+        if not new:
+            return sorted(found)
+        for pid in new:
+            stop(pid)
+        found |= new
 
 
 def _wait(proc: subprocess.Popen, ready: Callable[[], bool], limit: float = 120) -> bool:
@@ -376,7 +423,8 @@ def _leftovers(dest: Path, allowed: set[str], tmpdir: Path) -> list[str]:
     seal) the checkpoint's own files; and anything left in TMPDIR."""
     keep = {dest.name, *_siblings(dest), *allowed}
     stray = [str(dest.parent / n) for n in sorted(os.listdir(dest.parent)) if n not in keep]
-    return stray + [str(tmpdir / n) for n in sorted(os.listdir(tmpdir))]
+    # torchrun's own scratch directories (torchelastic_*) are not ckpttool's to clean up
+    return stray + [str(tmpdir / n) for n in sorted(os.listdir(tmpdir)) if not n.startswith("torchelastic_")]
 
 
 def _source_digests(cmd: Command, dest: Path) -> dict[str, dict[str, str]]:
@@ -583,6 +631,21 @@ def _report(capsys, text: str) -> None:
 FAST = ["export", "reshard"]
 SLOW = ["reshard-workers", "seal", "convert", "convert-dcp", "delta-apply", "compress"]
 PARAMS = [*FAST, *(pytest.param(n, marks=pytest.mark.slow) for n in SLOW)]
+TORCHRUN_KILLS = 8  # each run starts two interpreters that import torch: about 5 s
+
+
+@pytest.mark.slow
+def test_sigkill_under_torchrun_leaves_nothing_torn(commands, references, tmp_path, capsys):
+    """reshard under torchrun, two ranks, everything killed at 8 random moments (torchrun and both
+    ranks, as when the machine goes down): the destination is absent or complete and verifies
+    clean, the source is unchanged, and a rerun cleans up what the kill left."""
+    cmd = commands["reshard-torchrun"]
+    result = kill_trials(cmd, tmp_path, references(cmd), kills=TORCHRUN_KILLS, max_reruns=2, rerun_complete=False)
+    _report(capsys, result)
+    figures, *problems = result.split("\n")
+    assert " torn=0 " in figures, result
+    assert " absent=0 " not in figures, result
+    assert not problems, result
 
 
 @pytest.mark.parametrize("name", PARAMS)

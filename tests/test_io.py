@@ -39,3 +39,27 @@ def test_a_reader_under_a_small_limit_reads_the_same_values():
         for item, values in zip(tensors, want, strict=True):
             assert np.array_equal(assemble(reader, item), values)
             assert sum(f.fd >= 0 for f in reader.files._files.values()) <= 1
+
+
+def test_a_killed_writer_not_yet_reaped_counts_as_gone(tmp_path):
+    """A zombie (killed, its parent has not waited for it yet) writes nothing more: its temporaries
+    are swept by the next run (under torchrun the dead ranks stay zombies until the launcher
+    reaps them)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from ckpttool import io as ckio
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    for _ in range(200):  # wait until it has exited, without reaping it
+        with open(f"/proc/{child.pid}/stat", "rb") as fh:
+            if fh.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                break
+        time.sleep(0.01)
+    try:
+        assert not ckio._alive(child.pid)
+        assert ckio._alive(os.getppid())
+    finally:
+        child.wait()

@@ -104,6 +104,7 @@ class TensorRef:
     dtype: str
     is_parameter: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    requires_grad: bool = False
 
 
 def _dtype_of(storage: Any, explicit: Any = None) -> str:
@@ -120,14 +121,18 @@ MAX_DIM = 2**48
 """Largest element count, dimension, stride or offset a tensor may claim (256 T elements)."""
 
 
-def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, *_rest: Any) -> TensorRef:
-    return _tensor(storage, storage_offset, size, stride, None)
+def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> TensorRef:
+    ref = _tensor(storage, storage_offset, size, stride, None)
+    ref.requires_grad = bool(rest) and rest[0] is True
+    return ref
 
 
 def _rebuild_tensor_v3(
-    storage: Any, storage_offset: Any, size: Any, stride: Any, _rg: Any, _hooks: Any, dtype: Any, *_: Any
+    storage: Any, storage_offset: Any, size: Any, stride: Any, rg: Any, _hooks: Any, dtype: Any, *_: Any
 ) -> TensorRef:
-    return _tensor(storage, storage_offset, size, stride, dtype)
+    ref = _tensor(storage, storage_offset, size, stride, dtype)
+    ref.requires_grad = rg is True
+    return ref
 
 
 def _tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, dtype: Any) -> TensorRef:

@@ -32,8 +32,8 @@ from ckpttool.formats.base import Adapter
 from ckpttool.io import fsync_dir, fsync_tree, publish_dir, staged_dir
 from ckpttool.manifest import Item, Manifest
 
-TARGETS = ("safetensors", "dcp", "torch", "megatron", "megatron-dist", "deepspeed")
-FRAMEWORKS = ("megatron", "megatron-dist", "deepspeed")
+TARGETS = ("safetensors", "dcp", "torch", "megatron", "megatron-dist", "deepspeed", "deepspeed-universal")
+FRAMEWORKS = ("megatron", "megatron-dist", "deepspeed", "deepspeed-universal")
 """targets written by ``reshard``'s writers at the source's own layout"""
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.I)
 _UNITS = {

@@ -244,6 +244,12 @@ def _largest_piece(manifest: Manifest) -> int:
 # -- the command ----------------------------------------------------------------------------------
 
 
+def _build_universal(root: str, manifest: Manifest) -> Any:
+    from ckpttool.formats.deepspeed_write import UniversalWriter
+
+    return UniversalWriter(Path(root), manifest)
+
+
 def plan(src: str | Path, target: Target, *, workers: int = 1, max_memory: str | None = None) -> tuple[Plan, Any]:
     """The plan for ``target``, and the object that executes it. Raises UsageError for a target the
     checkpoint cannot take, before anything is written."""
@@ -255,12 +261,14 @@ def plan(src: str | Path, target: Target, *, workers: int = 1, max_memory: str |
         executor = _MegatronExec(adapter, manifest, target, dist=fmt == "megatron-dist")
     elif fmt == "deepspeed":
         executor = _ZeroExec(adapter, manifest, target)
+    elif fmt == "deepspeed-universal":
+        executor = _UniversalExec(adapter, manifest, target)
     elif fmt == "dcp":
         executor = _DcpExec(adapter, manifest, target)
     else:
         raise UsageError(
             f"--to {fmt!r}: reshard writes megatron (from Megatron legacy), megatron-dist (from Megatron legacy or "
-            "torch_dist), deepspeed (ZeRO-1/2, from DeepSpeed) and dcp (from anything) so far",
+            "torch_dist), deepspeed and deepspeed-universal (from DeepSpeed ZeRO-1/2) and dcp (from anything) so far",
             hint="'ckpttool convert --to safetensors' writes the Hugging Face layout",
         )
     files = executor.files()
@@ -350,6 +358,20 @@ class _ZeroExec(_FileExec):
                 f"ds_config in the checkpoint still says train_batch_size for DP={manifest.layout.dp}; "
                 "DeepSpeed takes the batch sizes from the config you resume with"
             )
+
+
+class _UniversalExec(_FileExec):
+    def __init__(self, adapter: Any, manifest: Manifest, target: Target) -> None:
+        from ckpttool.formats.deepspeed import DeepSpeedAdapter
+
+        if not isinstance(adapter, DeepSpeedAdapter):
+            raise UsageError(f"--to deepspeed-universal converts DeepSpeed checkpoints; this one is {manifest.format}")
+        if any(v not in (None, 1) for v in (target.tp, target.pp, target.ep)) or target.dp is not None:
+            raise UsageError(
+                "--to deepspeed-universal: a universal checkpoint has no parallel layout (DeepSpeed loads it at "
+                "any DP size); drop --tp, --pp, --dp and --ep"
+            )
+        super().__init__(adapter, manifest, _build_universal, (manifest.root, manifest), {})
 
 
 class _DcpExec(_FileExec):

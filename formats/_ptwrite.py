@@ -61,6 +61,7 @@ class OutTensor:
     dtype: str
     shape: tuple[int, ...]
     fill: Callable[[np.ndarray], None]
+    requires_grad: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -70,32 +71,50 @@ class OutTensor:
         return n
 
 
-def carry(value: Any, archive_of: Callable[[], Any]) -> Any:
+def carry(value: Any, archive_of: Callable[[], Any], _memo: dict[int, tuple[Any, Any]] | None = None) -> Any:
     """A source tree (RNG state, ``_extra_state``, ``step``) with its tensors turned into
-    OutTensors that copy them from the archive ``archive_of()`` returns."""
+    OutTensors that copy them from the archive ``archive_of()`` returns. An object the tree holds
+    twice (a ``betas`` tuple shared by two param groups, a tied tensor) comes out as one object, so
+    it is pickled once, as torch pickles it; a container holding itself comes out so too."""
+    memo: dict[int, tuple[Any, Any]] = {} if _memo is None else _memo
+    seen = memo.get(id(value))
+    if seen is not None:
+        return seen[0]
+
+    def keep(out: Any) -> Any:
+        memo[id(value)] = (out, value)  # the source object stays alive: its id is not reused
+        return out
+
     if isinstance(value, _unpickle.TensorRef):
         ref = value
 
         def fill(buf: np.ndarray, ref: Any = ref) -> None:
             _torchzip.read_tensor(archive_of(), ref, buf.view(carrier(ref.dtype)).reshape(ref.shape))
 
-        return OutTensor(dtype=ref.dtype, shape=ref.shape, fill=fill)
+        return keep(OutTensor(dtype=ref.dtype, shape=ref.shape, fill=fill, requires_grad=ref.requires_grad))
     if isinstance(value, _unpickle.Record):
-        record = type(value)()
-        record.__dict__.update({k: carry(v, archive_of) for k, v in value.__dict__.items()})
+        record = keep(type(value)())
+        record.__dict__.update({k: carry(v, archive_of, memo) for k, v in value.__dict__.items()})
         return record
     if isinstance(value, _unpickle.OrderedDictStandIn):
-        out = _unpickle.OrderedDictStandIn((k, carry(v, archive_of)) for k, v in value.items())
-        out.__dict__.update(value.__dict__)
-        return out
+        ordered = keep(_unpickle.OrderedDictStandIn())
+        for k, v in value.items():
+            ordered[k] = carry(v, archive_of, memo)
+        ordered.__dict__.update(value.__dict__)
+        return ordered
     if isinstance(value, dict):
-        return {k: carry(v, archive_of) for k, v in value.items()}
+        mapping = keep({})
+        for k, v in value.items():
+            mapping[k] = carry(v, archive_of, memo)
+        return mapping
     if isinstance(value, list):
-        return [carry(v, archive_of) for v in value]
+        items = keep([])
+        items.extend(carry(v, archive_of, memo) for v in value)
+        return items
     if isinstance(value, _unpickle.TorchSize):
         return value
     if isinstance(value, tuple):
-        return tuple(carry(v, archive_of) for v in value)
+        return keep(tuple(carry(v, archive_of, memo) for v in value))
     return value
 
 
@@ -148,7 +167,7 @@ class _Pickler(_PurePickler):
             self.tensors.append(obj)
             self.save(GlobalRef("torch._utils", "_rebuild_tensor_v2"))
             hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-            args = (_StorageOf(obj, key), 0, tuple(obj.shape), _strides(obj.shape), False, hooks)
+            args = (_StorageOf(obj, key), 0, tuple(obj.shape), _strides(obj.shape), obj.requires_grad, hooks)
             self.save(args)
             self.write(pickle.REDUCE)
             self.memoize(obj)

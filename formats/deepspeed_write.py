@@ -245,4 +245,128 @@ class ZeroWriter:
         return _ptwrite.OutTensor(dtype=dtype, shape=(size,), fill=fill)
 
 
-__all__ = ["ALIGN", "GroupLayout", "ZeroWriter", "group_layout"]
+class UniversalWriter(ZeroWriter):
+    """DeepSpeed's universal checkpoint, as ``ds_to_universal`` (0.19.x) writes it from a ZeRO-1/2
+    checkpoint without tensor or pipeline parallelism, next to a ``latest_universal`` naming it:
+
+    - ``<tag>_universal/zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt``: ``{"cat_dim": 0, "param": t}``
+      with the whole parameter, and ``step.pt`` (its group's step) for every parameter the
+      optimizer holds;
+    - ``zero/<name>/fp32.pt``: ``{"param": t.float()}`` for the module's other entries (tied,
+      frozen, buffers), from the model states;
+    - ``zero/optimizer_state.pt``: the rank-0 optimizer state without its sharded parts, with the
+      base optimizer's param groups;
+    - ``mp_rank_00_model_states.pt``, copied as it is.
+
+    A source whose ``universal_checkpoint_info`` names parameter patterns (Megatron-DeepSpeed's TP
+    rules) is refused: those change what ds_to_universal writes."""
+
+    _STATES = ("fp32", "exp_avg", "exp_avg_sq")
+
+    def __init__(self, root: Path, manifest: Manifest) -> None:
+        super().__init__(root, manifest, manifest.layout.dp or 1)
+        info = self.model_obj.get("universal_checkpoint_info") if isinstance(self.model_obj, dict) else None
+        if isinstance(info, dict) and any(k != "universal_checkpoint_version" for k in info):
+            raise UsageError(
+                f"{self.model_rel}: universal_checkpoint_info names parameter patterns ({', '.join(sorted(info))}); "
+                "writing a universal checkpoint with those rules is not supported yet",
+                hint="run DeepSpeed's ds_to_universal on this checkpoint",
+            )
+        self.out_dir = f"{self.tag or 'global_step' + str(manifest.step or 0)}_universal"
+        base = self.optim_obj["optimizer_state_dict"].get("base_optimizer_state") or {}
+        self.steps = {g: s.get("step") for g, s in (base.get("state") or {}).items() if isinstance(s, dict)}
+        held = {name for layout in self.groups for name, _shape, _off in layout.params}
+        module = self.model_obj.get("module") if isinstance(self.model_obj, dict) else None
+        entries = module if isinstance(module, dict) else {}
+        self.fallback = [n for n, v in entries.items() if n not in held and isinstance(v, _unpickle.TensorRef)]
+        groups = self.optim_obj["optimizer_state_dict"].get("single_partition_of_fp32_groups") or []
+        self.fp32_requires_grad = any(getattr(t, "requires_grad", False) for t in groups)
+        self.jobs: list[tuple[str, str, int]] = [("model", "", -1), ("optimizer", "", -1)]
+        for g, layout in enumerate(self.groups):
+            for name, _shape, _off in layout.params:
+                self.jobs += [(state, name, g) for state in self._STATES]
+                if self.steps.get(g) is not None:
+                    self.jobs.append(("step", name, g))
+        self.jobs += [("module", name, -1) for name in self.fallback]
+
+    def _path(self, kind: str, name: str) -> str:
+        if kind == "model":
+            return f"{self.out_dir}/mp_rank_00_model_states.pt"
+        if kind == "optimizer":
+            return f"{self.out_dir}/zero/optimizer_state.pt"
+        return f"{self.out_dir}/zero/{name}/{'fp32' if kind == 'module' else kind}.pt"
+
+    def files(self) -> list[PlannedFile]:
+        out = []
+        for k, (kind, name, _g) in enumerate(self.jobs):
+            if kind in self._STATES:
+                sizes = [self.manifest.items[f"{name}.{kind}"].nbytes or 0]
+            elif kind == "module":
+                sizes = [self.manifest.items[name].nbytes or 0]
+            else:
+                sizes = []
+            out.append(PlannedFile.of(self._path(kind, name), (k,), sizes))
+        return out
+
+    def finish(self, tmp: Path, results: list[Any]) -> None:
+        """``latest_universal`` naming the directory (what DeepSpeed's ``load_checkpoint`` reads
+        when the config asks for a universal checkpoint)."""
+        (tmp / "latest_universal").write_text(self.out_dir)
+
+    def write(self, k: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None) -> int:
+        kind, name, g = self.jobs[k]
+        archive: Callable[[str], Any] = _pt.archive_cache(reader)
+        if kind == "model":  # copied byte for byte, as ds_to_universal copies it
+            src = reader.files.get(self.model_rel)
+            with open(out, "wb") as fh:
+                at = 0
+                while at < src.size:
+                    chunk = src.read(at, min(1 << 24, src.size - at))
+                    fh.write(chunk)
+                    at += len(chunk)
+            return src.size
+        if kind == "optimizer":
+            osd = self.optim_obj["optimizer_state_dict"]
+            sharded = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
+            tree = {key: value for key, value in osd.items() if key not in sharded}
+            tree["param_groups"] = (osd.get("base_optimizer_state") or {}).get("param_groups")
+            return self._save(_ptwrite.carry(tree, partial(archive, self.optim_rels[0])), out, progress)
+        if kind == "step":
+            return self._save(_ptwrite.carry(self.steps[g], partial(archive, self.optim_rels[0])), out, progress)
+        if kind == "module":
+            return self._save({"param": self._as_float32(self.manifest.items[name], reader)}, out, progress)
+        item = self.manifest.items[f"{name}.{kind}"]
+        assert item.dtype is not None and item.shape is not None
+
+        def fill(buf: np.ndarray, item: Any = item, dtype: str = item.dtype) -> None:
+            assemble(reader, item, out=buf.view(carrier(dtype)).reshape(item.shape or ()))
+
+        # the fp32 partition is a leaf that requires grad, and ds_to_universal's slices of it keep that
+        grad = kind == "fp32" and self.fp32_requires_grad
+        tensor = _ptwrite.OutTensor(dtype=item.dtype, shape=item.shape, fill=fill, requires_grad=grad)
+        return self._save({"cat_dim": 0, "param": tensor}, out, progress)
+
+    @staticmethod
+    def _save(tree: Any, out: Path, progress: Callable[[int], None] | None) -> int:
+        n = _ptwrite.save(tree, out)
+        if progress is not None:
+            progress(n)
+        return n
+
+    @staticmethod
+    def _as_float32(item: Any, reader: PieceReader) -> _ptwrite.OutTensor:
+        """``tensor.float()``: the values in float32 (bf16 widened bit for bit, others converted)."""
+        assert item.dtype is not None and item.shape is not None
+
+        def fill(buf: np.ndarray) -> None:
+            values = assemble(reader, item)
+            out = buf.view(np.float32).reshape(item.shape or ())
+            if item.dtype == "bfloat16":
+                out[...] = (values.astype(np.uint32) << 16).view(np.float32)
+            else:
+                out[...] = values.astype(np.float32)
+
+        return _ptwrite.OutTensor(dtype="float32", shape=item.shape, fill=fill)
+
+
+__all__ = ["ALIGN", "GroupLayout", "UniversalWriter", "ZeroWriter", "group_layout"]

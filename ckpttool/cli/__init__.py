@@ -392,7 +392,10 @@ def convert(
     output: Annotated[Path, typer.Option("--output", "-o", help="The directory to write.", show_default=False)],
     to: Annotated[
         str,
-        typer.Option("--to", help="Target format: safetensors, dcp, torch, megatron, megatron-dist or deepspeed."),
+        typer.Option(
+            "--to",
+            help="Target format: safetensors, dcp, torch, megatron, megatron-dist, deepspeed or deepspeed-universal.",
+        ),
     ] = "safetensors",
     max_shard_size: Annotated[
         str, typer.Option("--max-shard-size", help="Largest shard (safetensors), e.g. 5GB, 500MB, 2GiB.")
@@ -461,7 +464,11 @@ def reshard(
     ep: Annotated[int | None, typer.Option("--ep", help="Expert-parallel size.")] = None,
     to: Annotated[
         str | None,
-        typer.Option("--to", help="Output format: megatron, megatron-dist, deepspeed or dcp (default: the source's)."),
+        typer.Option(
+            "--to",
+            help="Output format: megatron, megatron-dist, deepspeed, deepspeed-universal or dcp (default: the "
+            "source's).",
+        ),
     ] = None,
     workers: Annotated[int, typer.Option("--workers", help="Output files written at once (processes).")] = 1,
     device: Annotated[str, typer.Option("--device", help="Where pieces are assembled: cpu.")] = "cpu",
@@ -553,7 +560,8 @@ def reshard(
         )
         return
     out.line(
-        f"wrote {len(plan.files)} files ({decimal(plan.nbytes)}) as {plan.format} {layout} to {result.output}"
+        f"wrote {len(plan.files)} files ({decimal(plan.nbytes)}) as {' '.join(filter(None, (plan.format, layout)))} "
+        f"to {result.output}"
         + (" (sealed)" if result.sealed else "")
         + (f" from {len(result.ranks)} ranks" if result.ranks else "")
     )

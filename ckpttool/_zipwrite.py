@@ -177,6 +177,8 @@ class ZipWriter:
         view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
         size = len(view)
         full = self.prefix + name.encode()
+        if name.encode() in self.names.seen:
+            raise ValueError(f"zip record {name!r} written twice")
         at = self.pos
         crc = zlib.crc32(view)
         big_size, big_at = size >= _U32, at >= _U32
@@ -207,6 +209,10 @@ class ZipWriter:
             + cextra
         )  # fmt: skip
         self.names.add(name.encode())
+        # torch folds in a "CRC" for every write of 8 bytes or more that starts with the data
+        # descriptor's signature: its own descriptors, and a record whose data happens to start so
+        if size >= 8 and bytes(view[:4]) == b"PK\x07\x08":
+            self.crcs = hash_combine(self.crcs, int.from_bytes(bytes(view[4:8]), "little"))
         if size:  # torch combines the CRC-32s of non-empty records only
             self.crcs = hash_combine(self.crcs, crc)
 

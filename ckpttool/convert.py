@@ -180,6 +180,7 @@ def _torch(
     paths = nesting(manifest) if all(name == i.name for name, i in keep) else None
     with staged_dir(out) as tmp, adapter.reader(manifest) as reader:
         tree: dict[Any, Any] = {}
+        budget = [len(keep)]  # list slots the nesting may open in all: one per entry
         for name, item in keep:
             value: Any
             if item.is_tensor:
@@ -197,23 +198,38 @@ def _torch(
             else:
                 piece = item.pieces[0]
                 value = _ptwrite.carry(reader.read_object(item), lambda piece=piece: reader.archive_of(piece))
-            _place(tree, paths.get(name, (name,)) if paths else (name,), value, name)
+            _place(tree, paths.get(name, (name,)) if paths else (name,), value, name, budget)
         _ptwrite.save(tree, tmp / "model.pt")
         fsync_tree(tmp)
         publish_dir(tmp, out)
     return result
 
 
-def _place(root: dict[Any, Any], path: tuple[Any, ...], value: Any, name: str) -> None:
+def _place(root: dict[Any, Any], path: tuple[Any, ...], value: Any, name: str, budget: list[int]) -> None:
     """Put ``value`` at ``path`` in the nested state dict, as DCP's ``set_element`` does: a string
-    step is a dict key, an integer step a list index (lists padded with None)."""
+    step is a dict key, an integer step a list index (lists padded with None). ``budget[0]``: the
+    list slots still allowed (a hostile map could otherwise ask for huge lists)."""
+
+    def grow(node: list[Any], index: int) -> None:
+        more = index + 1 - len(node)
+        if more > 0:
+            budget[0] -= more
+            if budget[0] < 0:
+                raise CorruptFileError(
+                    f".metadata: planner_data asks for list index {index} for {name!r}, more list entries than "
+                    "the checkpoint has items",
+                    hint="the metadata is damaged or hostile",
+                    path=".metadata",
+                )
+            node.extend([None] * more)
+
     node: Any = root
     for step, following in itertools.pairwise(path):
         empty: Any = [] if type(following) is int else {}
         if isinstance(node, dict):
             node = node.setdefault(step, empty)
         elif isinstance(node, list) and type(step) is int:
-            node.extend([None] * (step + 1 - len(node)))
+            grow(node, step)
             if node[step] is None:
                 node[step] = empty
             node = node[step]
@@ -227,7 +243,7 @@ def _place(root: dict[Any, Any], path: tuple[Any, ...], value: Any, name: str) -
             node[last] = value
             return
         if isinstance(node, list) and type(last) is int and (last >= len(node) or node[last] is None):
-            node.extend([None] * (last + 1 - len(node)))
+            grow(node, last)
             node[last] = value
             return
     raise CorruptFileError(

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, ClassVar
 
 import numpy as np
 
@@ -149,8 +149,48 @@ class _Pickler(_PurePickler):
             numel = 1
             for s in t.shape:
                 numel *= s
-            return ("storage", GlobalRef("torch", _STORAGE_CLASS[t.dtype]), obj.key, "cpu", numel)
+            if t.dtype in _STORAGE_CLASS:
+                return ("storage", GlobalRef("torch", _STORAGE_CLASS[t.dtype]), obj.key, "cpu", numel)
+            # dtypes with no typed-storage class (float8, uint16/32/64): torch names the untyped
+            # storage, sized in bytes, and rebuilds with _rebuild_tensor_v3, which takes the dtype
+            return ("storage", GlobalRef("torch.storage", "UntypedStorage"), obj.key, "cpu", t.nbytes)
         return None
+
+    def _save_dict(self, obj: dict[Any, Any]) -> None:
+        """A dict as CPython's C pickler writes it (``batch_dict_exact``): one item with SETITEM,
+        more in batches of 1000, and an empty batch after a multiple of 1000."""
+        self.write(pickle.EMPTY_DICT)
+        self.memoize(obj)
+        items = list(obj.items())
+        if len(items) == 1:
+            self.save(items[0][0])
+            self.save(items[0][1])
+            self.write(pickle.SETITEM)
+            return
+        if items:
+            for at in range(0, len(items) + 1, self._BATCHSIZE):
+                self.write(pickle.MARK)
+                for k, v in items[at : at + self._BATCHSIZE]:
+                    self.save(k)
+                    self.save(v)
+                self.write(pickle.SETITEMS)
+
+    def _save_list(self, obj: list[Any]) -> None:
+        """A list as the C pickler writes it (``batch_list_exact``): one item with APPEND, more in
+        batches of 1000."""
+        self.write(pickle.EMPTY_LIST)
+        self.memoize(obj)
+        if len(obj) == 1:
+            self.save(obj[0])
+            self.write(pickle.APPEND)
+            return
+        for at in range(0, len(obj), self._BATCHSIZE):
+            self.write(pickle.MARK)
+            for v in obj[at : at + self._BATCHSIZE]:
+                self.save(v)
+            self.write(pickle.APPENDS)
+
+    dispatch: ClassVar[dict[type, Any]] = {**_PurePickler.dispatch, dict: _save_dict, list: _save_list}
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
         t = type(obj)
@@ -165,9 +205,14 @@ class _Pickler(_PurePickler):
         if t is OutTensor:
             key = str(len(self.tensors))  # a tensor met again is a memo reference (above)
             self.tensors.append(obj)
-            self.save(GlobalRef("torch._utils", "_rebuild_tensor_v2"))
+            v3 = obj.dtype not in _STORAGE_CLASS
+            self.save(GlobalRef("torch._utils", "_rebuild_tensor_v3" if v3 else "_rebuild_tensor_v2"))
             hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-            args = (_StorageOf(obj, key), 0, tuple(obj.shape), _strides(obj.shape), obj.requires_grad, hooks)
+            args: tuple[Any, ...] = (
+                _StorageOf(obj, key), 0, tuple(obj.shape), _strides(obj.shape), obj.requires_grad, hooks
+            )  # fmt: skip
+            if v3:
+                args += (_unpickle.TorchDType(obj.dtype),)
             self.save(args)
             self.write(pickle.REDUCE)
             self.memoize(obj)

@@ -167,26 +167,30 @@ def _load_metadata(root: Path, name: str) -> _Metadata:
     return md
 
 
+_MAX_NESTING = 64
+"""Deepest path ``planner_data`` may give (deeper ones are refused: each level is a container)."""
+
+
 def nesting(manifest: Manifest) -> dict[str, tuple[str | int, ...]] | None:
     """Where each flat key of a DCP checkpoint goes in the nested state dict it was saved from
     (``.metadata``'s ``planner_data``, as ``dcp_to_torch_save`` rebuilds it), or None when the
     checkpoint has no global ``.metadata`` or no such map. A path must be strings and list indices
-    (below the number of keys: an index is a list length to allocate)."""
+    (below the number of items: an index is a list length to allocate), at most 64 deep."""
     root = Path(manifest.root)
     if manifest.format != "dcp" or not (root / _GLOBAL_MD).is_file():
         return None
     data = getattr(_load_metadata(root, _GLOBAL_MD), "planner_data", None)
     if not isinstance(data, dict) or not data:
         return None
-    limit = len(data)
+    limit = len(manifest.items)
     out: dict[str, tuple[str | int, ...]] = {}
     for key, path in data.items():
-        ok = isinstance(key, str) and isinstance(path, tuple) and len(path) > 0
+        ok = isinstance(key, str) and isinstance(path, tuple) and 0 < len(path) <= _MAX_NESTING
         ok = ok and all(type(p) is str or (type(p) is int and 0 <= p < limit) for p in path)
         if not ok or type(path[0]) is not str:
             raise CorruptFileError(
                 f"{_GLOBAL_MD}: planner_data maps {str(key)[:80]!r} to {str(path)[:80]}, expected a tuple of "
-                f"names and list indices below {limit}, starting with a name",
+                f"at most {_MAX_NESTING} names and list indices below {limit}, starting with a name",
                 hint="the metadata is damaged or hostile; convert --to safetensors or dcp does not need this map",
                 path=_GLOBAL_MD,
             )
@@ -588,6 +592,8 @@ class DcpReader(PieceReader):
         ref = archive.load()
         if not isinstance(ref, _unpickle.TensorRef):
             return None
+        if ref.dtype != item.dtype or ref.shape != tuple(loc.get("chunk_sizes", piece.box.sizes)):
+            return None  # read() says what is wrong
         span = _torchzip.tensor_span(archive, ref)
         if span is None or "select0" not in loc:
             return span

@@ -147,7 +147,7 @@ def write_metadata(
 ) -> None:
     """Write a DCP ``.metadata`` file: torch's own ``Metadata`` (``tensors``: key -> dtype, global
     shape, chunk boxes; ``objects``: bytes keys; ``records``: for each data file, where each chunk
-    or object lies in it), pickled as DCP pickles it (``pickle.dump``, protocol 4). Keys keep their
+    or object lies in it), pickled as DCP pickles it (``pickle.dump``, the default protocol). Keys keep their
     insertion order. No torch needed: the pickle names torch's classes (see :class:`_Pickle4`);
     ``pickle.load`` with torch installed rebuilds them, and the bytes equal what pickling the real
     objects gives (a test checks).
@@ -156,10 +156,15 @@ def write_metadata(
     torch's own classes and the C pickler are faster despite the 2 s it takes to import them."""
     with open(path, "wb") as fh, gc_paused():
         count = sum(len(entries) for entries in records.values())
-        if count >= TORCH_PICKLE_FROM:
-            pickle.dump(_torch_metadata(tensors, objects, records, planner_data, checkpoint_id), fh, protocol=4)
-            return
-        fh.write(_Pickle4().dumps(_standin_metadata(tensors, objects, records, planner_data, checkpoint_id)))
+        if count < TORCH_PICKLE_FROM:
+            try:
+                fh.write(_Pickle4().dumps(_standin_metadata(tensors, objects, records, planner_data, checkpoint_id)))
+                return
+            except (ValueError, TypeError):  # a value _Pickle4 does not write (a str of 64 KiB, a subclass)
+                fh.seek(0)
+                fh.truncate()
+        # DCP's FileSystemWriter: pickle.dump with the default protocol
+        pickle.dump(_torch_metadata(tensors, objects, records, planner_data, checkpoint_id), fh)
 
 
 TORCH_PICKLE_FROM = 50_000
@@ -313,7 +318,7 @@ class _Names:
 
 
 class _Pickle4:
-    """``pickle.dumps(obj, protocol=4)`` as CPython's C pickler writes it, for the values a
+    """``pickle.dumps(obj)`` (protocol 4 or 5) as CPython's C pickler writes it, for the values a
     ``.metadata`` holds (None, bool, int, float, str, tuple, list, dict) and the stand-ins for
     torch's objects (:class:`_Global`, :class:`_New`, :class:`_Reduce`). Same opcodes, the same
     memo (by object identity), the same batches of 1000 (with the C pickler's empty batch after a
@@ -325,7 +330,9 @@ class _Pickle4:
     _BATCH = 1000
 
     def __init__(self) -> None:
-        self.done = bytearray(b"\x80\x04")
+        # pickle.dump's default protocol, as DCP uses it: 4, or 5 from Python 3.14 on (the same
+        # opcodes for these values, another PROTO byte)
+        self.done = bytearray(pickle.PROTO + bytes((pickle.DEFAULT_PROTOCOL,)))
         self.frame = bytearray()
         self.memo: dict[int, tuple[int, Any]] = {}  # id -> (index, object kept alive)
 

@@ -80,8 +80,10 @@ def test_to_torch_from_megatron_holds_the_same_tensors(tmp_path):
             assert np.array_equal(got, want.reshape(-1).view(np.uint8)), name
 
 
-def test_to_torch_refuses_a_hostile_nesting_map(tmp_path):
-    """planner_data asking for a list of 10**9 entries: refused before anything is written."""
+@pytest.mark.parametrize("attack", ["huge index", "junk keys", "deep path"])
+def test_to_torch_refuses_a_hostile_nesting_map(attack, tmp_path):
+    """planner_data asking for a list of 10**9 entries, for lists as long as 100 000 junk keys
+    (that name no item) allow, or for a path 3000 levels deep: refused, nothing written."""
     import pickle
     import shutil
 
@@ -90,9 +92,16 @@ def test_to_torch_refuses_a_hostile_nesting_map(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(FIXTURES / "dcp" / "fsdp2", src)
     md = pickle.loads((src / ".metadata").read_bytes())
-    first = next(iter(md.planner_data))
-    md.planner_data[first] = ("model", 10**9)
+    names = list(md.planner_data)
+    if attack == "huge index":
+        md.planner_data[names[0]] = ("model", 10**9)
+    elif attack == "junk keys":
+        md.planner_data.update({f"junk{i}": (f"junk{i}",) for i in range(100_000)})
+        for k, name in enumerate(names):
+            md.planner_data[name] = (f"l{k}", len(names) - 1)  # each entry its own long list
+    else:
+        md.planner_data[names[0]] = ("a",) * 3000
     (src / ".metadata").write_bytes(pickle.dumps(md))
     r = run_cli("convert", src, "-o", tmp_path / "out", "--to", "torch")
-    assert r.code == 3 and "planner_data" in r.stderr and "Traceback" not in r.stderr
+    assert r.code == 3 and "planner_data" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()

@@ -125,3 +125,30 @@ def test_part_of_a_piece_reads_only_its_bytes(monkeypatch):
         part = assemble(reader, item, box=box)
     assert np.array_equal(part, whole[box.slices()])
     assert sum(read) == part.nbytes
+
+
+def test_part_of_a_piece_checks_the_chunk_like_a_whole_read(tmp_path):
+    """.metadata says int32 where the chunk is float32: reading part of the piece fails as reading
+    all of it does, instead of handing back float bits as integers."""
+    import pickle
+    import shutil
+
+    from ckpttool import registry
+    from ckpttool.assemble import assemble
+    from ckpttool.errors import CorruptFileError
+    from ckpttool.geometry import Box
+
+    src = tmp_path / "fsdp2"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", src)
+    md = pickle.loads((src / ".metadata").read_bytes())
+    md.state_dict_metadata["model.pos"].properties.dtype = torch.int32
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    adapter, manifest = registry.describe(src)
+    item = manifest.items["model.pos"]
+    piece = item.pieces[0]
+    half = Box(piece.box.offsets, (max(1, piece.box.sizes[0] // 2), *piece.box.sizes[1:]))
+    with adapter.reader(manifest) as reader:
+        with pytest.raises(CorruptFileError, match="metadata says int32"):
+            assemble(reader, item)
+        with pytest.raises(CorruptFileError, match="metadata says int32"):
+            assemble(reader, item, box=half)

@@ -39,6 +39,8 @@ def _trees() -> list[object]:
         {f"t{i}": torch.full((i % 7,), float(i)) for i in range(50)},  # empty records among them
         [torch.ones(3, dtype=torch.bfloat16), shared, shared],
         {f"w{i}": torch.full((3,), float(i)) for i in range(2000)},  # rehashes of the name set
+        # data that starts with the data descriptor's signature: torch folds its bytes 4..8 into the id
+        {"a": torch.tensor([0x08074B50, 5, 6], dtype=torch.int32)},
     ]
 
 
@@ -81,7 +83,7 @@ def test_name_hash_matches_libstdcxx() -> None:
 
 
 def _out_tensor(t: torch.Tensor) -> _ptwrite.OutTensor:
-    data = t.contiguous().view(torch.int16 if t.dtype == torch.bfloat16 else t.dtype).numpy().reshape(-1).view(np.uint8)
+    data = t.contiguous().view(torch.uint8).numpy().reshape(-1)
 
     def fill(buf: np.ndarray) -> None:
         buf[:] = data
@@ -110,6 +112,27 @@ def test_ptwrite_save_equals_torch_save(tmp_path: Path) -> None:
     (tmp_path / "mine").mkdir()
     _ptwrite.save(mine, tmp_path / "mine" / "model_optim_rng.pt")
     assert (tmp_path / "mine" / "model_optim_rng.pt").read_bytes() == (tmp_path / "model_optim_rng.pt").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64, torch.bool]
+)
+def test_ptwrite_dtypes_without_a_storage_class(dtype: torch.dtype) -> None:
+    """float8 and unsigned dtypes have no typed-storage class: torch names the untyped storage and
+    rebuilds with _rebuild_tensor_v3; so does ckpttool."""
+    t = torch.arange(6, dtype=torch.int64).reshape(3, 2).to(torch.float32).to(dtype)
+    buf = io.BytesIO()
+    _ptwrite.save({"t": _out_tensor(t)}, buf)
+    assert buf.getvalue() == _torch_bytes({"t": t})
+
+
+@pytest.mark.parametrize("n", [999, 1000, 1001, 2000, 2001])
+def test_ptwrite_batches_like_the_c_pickler(n: int) -> None:
+    """Dicts and lists of 1000 entries and more are written in the C pickler's batches."""
+    tree = [{f"k{i}": i for i in range(n)}, list(range(n))]
+    buf = io.BytesIO()
+    _ptwrite.save(tree, buf)
+    assert buf.getvalue() == _torch_bytes(tree)
 
 
 def test_dcp_records_round_trip_byte_for_byte() -> None:
@@ -156,7 +179,7 @@ def test_pickle4_equals_the_c_pickler() -> None:
         value = _random_value(rng)
         shared = "shared" * 3
         obj = [value, shared, shared, (shared,), value] if i % 2 else value
-        ref = pickle.dumps(obj, protocol=4)
+        ref = pickle.dumps(obj)  # the default protocol, as DCP's .metadata
         big += len(ref) > 1 << 16
         assert dcp_write._Pickle4().dumps(obj) == ref, i
     assert big >= 3

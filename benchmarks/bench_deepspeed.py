@@ -29,12 +29,10 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from _bench import run  # the folder beside this script
+from _bench import make_once, run, warm  # the folder beside this script
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "_data"
@@ -42,29 +40,8 @@ WIDTH = 2048
 
 
 def make(layers: int) -> Path:
-    ckpt = DATA / f"ds_zero2_{WIDTH}x{layers}"
-    if not (ckpt / "latest").exists():
-        shutil.rmtree(ckpt, ignore_errors=True)
-        t = time.perf_counter()
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0"}
-        subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-             str(HERE / "_make_big_ds.py"), str(ckpt), str(WIDTH), str(layers)],
-            check=True, env=env,
-        )  # fmt: skip
-        print(f"made {ckpt} in {time.perf_counter() - t:.1f} s")
-    return ckpt
-
-
-def warm(path: Path) -> int:
-    size = 0
-    for p in path.rglob("*"):
-        if p.is_file():
-            size += p.stat().st_size
-            with open(p, "rb") as fh:
-                while fh.read(1 << 24):
-                    pass
-    return size
+    env = {"DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0"}
+    return make_once(DATA / f"ds_zero2_{WIDTH}x{layers}", "latest", HERE / "_make_big_ds.py", WIDTH, layers, env=env)
 
 
 def main() -> int:

@@ -27,12 +27,10 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from _bench import run  # the folder beside this script
+from _bench import make_once, run, warm  # the folder beside this script
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "_data"
@@ -40,26 +38,7 @@ WIDTH = 2048
 
 
 def make(layers: int) -> Path:
-    ckpt = DATA / f"dcp_{WIDTH}x{layers}"
-    if not (ckpt / ".metadata").exists():
-        shutil.rmtree(ckpt, ignore_errors=True)
-        t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(HERE / "_make_big_dcp.py"), str(ckpt), str(WIDTH), str(layers)],
-                       check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        print(f"made {ckpt} in {time.perf_counter() - t:.1f} s")
-    return ckpt
-
-
-def warm(path: Path) -> int:
-    size = 0
-    for p in path.rglob("*"):
-        if p.is_file():
-            size += p.stat().st_size
-            with open(p, "rb") as fh:
-                while fh.read(1 << 24):
-                    pass
-    return size
+    return make_once(DATA / f"dcp_{WIDTH}x{layers}", ".metadata", HERE / "_make_big_dcp.py", WIDTH, layers)
 
 
 def bench(ckpt: Path, repeat: int, peer: bool) -> dict[str, object]:

@@ -23,7 +23,7 @@ import numpy as np
 from ckpttool.assemble import assemble, check_coverage
 from ckpttool.dtypes import carrier
 from ckpttool.errors import UsageError
-from ckpttool.formats._ptwrite import OutTensor, carry, save
+from ckpttool.formats._ptwrite import GlobalRef, OutTensor, carry, save
 from ckpttool.formats.base import Adapter, PieceReader, PlannedFile
 from ckpttool.geometry import Box
 from ckpttool.io import fsync_tree, publish_dir, staged_dir
@@ -261,19 +261,11 @@ _FILESYSTEM = "torch.distributed.checkpoint.filesystem"
 
 
 @dataclass(eq=False, slots=True)
-class _Global:
-    """A class or function of torch, pickled by name (``STACK_GLOBAL``)."""
-
-    module: str
-    name: str
-
-
-@dataclass(eq=False, slots=True)
 class _New:
     """An instance of ``cls`` as ``copyreg.__newobj__`` pickles it: ``cls()`` then ``BUILD`` with
     ``state`` (no state: nothing to build)."""
 
-    cls: _Global
+    cls: GlobalRef
     state: Any
 
 
@@ -281,7 +273,7 @@ class _New:
 class _Reduce:
     """``func(*args)`` (``REDUCE``)."""
 
-    func: _Global
+    func: GlobalRef
     args: tuple[Any, ...]
 
 
@@ -291,26 +283,26 @@ class _Names:
     ``'torch'`` is not ``torch.Size``'s)."""
 
     def __init__(self) -> None:
-        self.classes: dict[tuple[str, str], _Global] = {}
+        self.classes: dict[tuple[str, str], GlobalRef] = {}
         self.modules: dict[str, str] = {}
-        self.dtypes: dict[str, _Global] = {}
+        self.dtypes: dict[str, GlobalRef] = {}
         torch_of_dtypes = "".join(["tor", "ch"])  # not the interned literal
         self.dtype_module = torch_of_dtypes
-        self.size_cls = _Global("".join(["tor", "ch"]), "Size")
-        self.strided = _Reduce(_Global("torch.serialization", "_get_layout"), ("torch.strided",))
-        self.contiguous = _Reduce(_Global(_METADATA, "_MEM_FORMAT_ENCODING"), (0,))
+        self.size_cls = GlobalRef("".join(["tor", "ch"]), "Size")
+        self.strided = _Reduce(GlobalRef("torch.serialization", "_get_layout"), ("torch.strided",))
+        self.contiguous = _Reduce(GlobalRef(_METADATA, "_MEM_FORMAT_ENCODING"), (0,))
         self.classes[(_METADATA, "_MEM_FORMAT_ENCODING")] = self.contiguous.func
 
-    def cls(self, module: str, name: str) -> _Global:
+    def cls(self, module: str, name: str) -> GlobalRef:
         ref = self.classes.get((module, name))
         if ref is None:
-            ref = self.classes[(module, name)] = _Global(self.modules.setdefault(module, module), name)
+            ref = self.classes[(module, name)] = GlobalRef(self.modules.setdefault(module, module), name)
         return ref
 
-    def dtype(self, name: str) -> _Global:
+    def dtype(self, name: str) -> GlobalRef:
         ref = self.dtypes.get(name)
         if ref is None:
-            ref = self.dtypes[name] = _Global(self.dtype_module, name)
+            ref = self.dtypes[name] = GlobalRef(self.dtype_module, name)
         return ref
 
     def size(self, dims: tuple[int, ...]) -> _Reduce:
@@ -320,7 +312,7 @@ class _Names:
 class _Pickle4:
     """``pickle.dumps(obj)`` (protocol 4 or 5) as CPython's C pickler writes it, for the values a
     ``.metadata`` holds (None, bool, int, float, str, tuple, list, dict) and the stand-ins for
-    torch's objects (:class:`_Global`, :class:`_New`, :class:`_Reduce`). Same opcodes, the same
+    torch's objects (:class:`GlobalRef`, :class:`_New`, :class:`_Reduce`). Same opcodes, the same
     memo (by object identity), the same batches of 1000 (with the C pickler's empty batch after a
     dict whose size is a multiple of 1000) and the same frames (cut after the object that takes a
     frame past 64 KiB). Written out rather than built on :class:`pickle._Pickler`, which frames
@@ -441,7 +433,7 @@ class _Pickle4:
                         self.save(k)
                         self.save(v)
                     self.frame += pickle.SETITEMS
-        elif t is _Global:
+        elif t is GlobalRef:
             self.save(obj.module)
             self.save(obj.name)
             self.frame += pickle.STACK_GLOBAL

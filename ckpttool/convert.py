@@ -24,17 +24,16 @@ from typing import Any
 import numpy as np
 
 from ckpttool import registry
-from ckpttool.assemble import assemble, check_coverage
-from ckpttool.dtypes import carrier
+from ckpttool.assemble import check_coverage
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.export import safetensors_selection, select, tensor_nbytes, write_safetensors
 from ckpttool.formats.base import Adapter
 from ckpttool.io import fsync_dir, fsync_tree, publish_dir, staged_dir
 from ckpttool.manifest import Item, Manifest
 
-TARGETS = ("safetensors", "dcp", "torch", "megatron", "megatron-dist", "deepspeed", "deepspeed-universal")
 FRAMEWORKS = ("megatron", "megatron-dist", "deepspeed", "deepspeed-universal")
 """targets written by ``reshard``'s writers at the source's own layout"""
+TARGETS = ("safetensors", "dcp", "torch", *FRAMEWORKS)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.I)
 _UNITS = {
     "": 1,
@@ -106,6 +105,13 @@ def convert(
         raise UsageError(f"{out} exists", hint="choose another -o path or pass --force to replace it")
     if to in FRAMEWORKS:
         return _framework(src, out, to, kind=kind, pattern=pattern, force=force, progress=progress)
+    from ckpttool.reshard import torchrun_world
+
+    if torchrun_world() is not None:  # every rank would write the same files and race to publish them
+        raise UsageError(
+            f"--to {to} is written by one process; run it without torchrun",
+            hint=f"under torchrun, the ranks share the work of convert --to {', '.join(FRAMEWORKS)}",
+        )
     adapter, manifest = registry.describe(src)
     result = ConvertResult(output=str(out))
     if to == "dcp":
@@ -184,22 +190,16 @@ def _torch(
         for name, item in keep:
             value: Any
             if item.is_tensor:
-                assert item.dtype is not None and item.shape is not None
-
-                def fill(buf: np.ndarray, item: Item = item, dtype: str = item.dtype) -> None:
-                    assemble(reader, item, out=buf.view(carrier(dtype)).reshape(item.shape or ()))
-                    if progress is not None:
-                        progress(buf.nbytes)
-
                 check_coverage(item)
-                value = _ptwrite.OutTensor(dtype=item.dtype, shape=item.shape, fill=fill)
+                value = _ptwrite.assembled(reader, item)
                 result.tensors += 1
                 result.nbytes += tensor_nbytes(item)
             else:
-                piece = item.pieces[0]
-                value = _ptwrite.carry(reader.read_object(item), lambda piece=piece: reader.archive_of(piece))
+                value = _ptwrite.carried(reader, item)
             _place(tree, paths.get(name, (name,)) if paths else (name,), value, name, budget)
-        _ptwrite.save(tree, tmp / "model.pt")
+        written = _ptwrite.save(tree, tmp / "model.pt")
+        if progress is not None:
+            progress(written)
         fsync_tree(tmp)
         publish_dir(tmp, out)
     return result
@@ -265,16 +265,19 @@ def _framework(
 ) -> ConvertResult:
     """``--to megatron|megatron-dist|deepspeed``: ``reshard`` with the layout unchanged (a framework
     checkpoint keeps every entry: no ``--kind`` or ``--filter``)."""
-    from ckpttool.reshard import Target, reshard
+    from ckpttool.reshard import Target, reshard, torchrun_world
 
     if kind != "all" or pattern is not None:
         raise UsageError(
             f"--to {to} writes the whole training state; --kind and --filter apply to safetensors and dcp only"
         )
     done = reshard(src, out, Target(to=to), force=force, progress=progress)
+    ranks = torchrun_world()
+    if ranks is not None and ranks[0] != 0:  # rank 0 reports for all
+        return ConvertResult(output=str(out), nbytes=done.plan.nbytes)
     return ConvertResult(
         output=str(out),
         files=sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()),
-        tensors=done.tensors or 0,  # None on torchrun ranks other than 0, which print nothing
+        tensors=done.tensors or 0,
         nbytes=done.plan.nbytes,
     )

@@ -21,6 +21,7 @@ import numpy as np
 
 from ckpttool import registry
 from ckpttool.assemble import assemble, regions
+from ckpttool.dtypes import bf16_to_float32
 from ckpttool.errors import UsageError
 from ckpttool.formats.base import PieceReader
 from ckpttool.geometry import Box
@@ -245,7 +246,7 @@ def _same_pieces(ra: PieceReader, ia: Item, rb: PieceReader, ib: Item) -> bool:
 
 def _floats(values: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bfloat16":
-        return (values.astype(np.uint32) << 16).view(np.float32)
+        return bf16_to_float32(values)
     if values.dtype.kind in "fc":
         return values
     return values.astype(np.float64)

@@ -84,3 +84,8 @@ def dtype(name: str) -> DType:
 def carrier(name: str) -> np.dtype:
     """The numpy dtype that carries this dtype's bytes unchanged."""
     return np.dtype(dtype(name).numpy)
+
+
+def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 values (carried as uint16 bit patterns) widened to float32, exactly."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)

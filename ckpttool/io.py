@@ -48,9 +48,9 @@ class RandomAccessFile:
         self.display = display or self.path
         self.fd = -1
         self.size = -1
-        self.cache: tuple[FileCache, str] | None = None
-        """the cache that keeps it (and its key there): a re-open goes through it, so the cache's
-        open-file limit holds even for readers that kept a reference to this file"""
+        self.cache: FileCache | None = None
+        """the cache that keeps it (under its ``display`` name): a re-open goes through it, so the
+        cache's open-file limit holds even for readers that kept a reference to this file"""
         self._open()
 
     def _open(self) -> int:
@@ -72,9 +72,8 @@ class RandomAccessFile:
     def _fd(self) -> int:
         if self.fd >= 0:
             return self.fd
-        if self.cache is not None and self.cache[0]._files.get(self.cache[1]) is self:
-            cache, rel = self.cache
-            return cache.get(rel).fd  # re-opened by the cache, which may close another file first
+        if self.cache is not None and self.cache.holds(self):
+            return self.cache.get(self.display).fd  # re-opened by the cache, which may close another first
         return self._open()
 
     def read(self, offset: int, length: int) -> bytes:
@@ -121,12 +120,15 @@ class FileCache:
         self._files: dict[str, RandomAccessFile] = {}
         self._lru: OrderedDict[str, RandomAccessFile] = OrderedDict()  # the ones with an open fd
 
+    def holds(self, f: RandomAccessFile) -> bool:
+        return self._files.get(f.display) is f
+
     def get(self, rel: str) -> RandomAccessFile:
         f = self._files.get(rel)
         if f is None:
             self._make_room()
             f = RandomAccessFile(confine(self.root, rel), display=rel)
-            f.cache = (self, rel)
+            f.cache = self
             self._files[rel] = f
         elif f.fd < 0:
             self._make_room()

@@ -474,7 +474,7 @@ def _other_rank(
     if "error" in box[0]:
         raise _rank_error(box[0]["error"])
     status, results = _write_share(executor, Path(box[0]["tmp"]), shares[rank], rank, the_plan.workers, progress)
-    dist.all_gather_object([None] * len(shares), (status, results))
+    dist.gather_object((status, results), None, dst=0)  # only rank 0 needs them
     dist.broadcast_object_list(box, src=0)  # rank 0's outcome: None once published
     if box[0] is not None:
         raise _rank_error(box[0])
@@ -503,7 +503,7 @@ def _rank_zero(
             announced = True
             status, results = _write_share(executor, tmp, shares[0], 0, the_plan.workers, progress)
             every: list[Any] = [None] * len(shares)
-            dist.all_gather_object(every, (status, results))
+            dist.gather_object((status, results), every, dst=0)
             failure = next((st for st, _ in every if st is not None), None)
             if failure is not None:
                 raise _rank_error(failure)

@@ -29,6 +29,7 @@ from typing_extensions import TypedDict  # pydantic needs this one on Python < 3
 
 from ckpttool import registry
 from ckpttool.assemble import assemble, regions
+from ckpttool.dtypes import bf16_to_float32
 from ckpttool.errors import CkptError, FormatNotRecognizedError, NotFoundError
 from ckpttool.formats.base import Adapter
 from ckpttool.geometry import coverage
@@ -886,7 +887,7 @@ def _zeros_digest(nbytes: int, algo: str) -> str:
 
 def _as_float(values: np.ndarray, dtype: str) -> np.ndarray | None:
     if dtype == "bfloat16":
-        return (values.astype(np.uint32) << 16).view(np.float32)
+        return bf16_to_float32(values)
     if dtype in ("float16", "float32", "float64"):
         return values
     return None

@@ -71,6 +71,26 @@ class OutTensor:
         return n
 
 
+def assembled(reader: Any, item: Any, box: Any = None, *, requires_grad: bool = False) -> OutTensor:
+    """``item`` (or the part ``box`` of it) as an OutTensor assembled from ``reader``'s pieces
+    straight into the buffer :func:`save` fills it into."""
+    from ckpttool.assemble import assemble
+
+    dtype, shape = item.dtype, tuple(box.sizes if box is not None else item.shape)
+
+    def fill(buf: np.ndarray) -> None:
+        assemble(reader, item, out=buf.view(carrier(dtype)).reshape(shape), box=box)
+
+    return OutTensor(dtype=dtype, shape=shape, fill=fill, requires_grad=requires_grad)
+
+
+def carried(reader: Any, item: Any) -> Any:
+    """The non-tensor ``item`` as the restricted unpickler reads it, ready to be pickled again (its
+    tensors, an RNG state say, copied from the archive that holds them)."""
+    piece = item.pieces[0]
+    return carry(reader.read_object(item), lambda: reader.archive_of(piece))
+
+
 def carry(value: Any, archive_of: Callable[[], Any], _memo: dict[int, tuple[Any, Any]] | None = None) -> Any:
     """A source tree (RNG state, ``_extra_state``, ``step``) with its tensors turned into
     OutTensors that copy them from the archive ``archive_of()`` returns. An object the tree holds
@@ -194,6 +214,8 @@ class _Pickler(_PurePickler):
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
         t = type(obj)
+        if t is _unpickle.TensorRef or t is _unpickle.StorageRef:
+            raise TypeError("a tensor of the source reached the writer without carry(): it would be pickled as ours")
         if t is GlobalRef:
             ref = self.refs.setdefault((obj.module, obj.name), obj)
             if not self._memoized(ref):
@@ -267,20 +289,35 @@ def dumps(tree: Any) -> tuple[bytes, list[OutTensor]]:
     return buf.getvalue(), tensors
 
 
-def save(tree: Any, path: Path | BinaryIO, *, buffer: np.ndarray | None = None) -> int:
+class Scratch:
+    """One reusable buffer for the tensors a writer produces, grown to the largest it has met (kept
+    between files: a writer holds one and passes it to every :func:`save`)."""
+
+    def __init__(self) -> None:
+        self._buf = np.empty(0, dtype=np.uint8)
+
+    def take(self, n: int) -> np.ndarray:
+        if self._buf.nbytes < n:
+            self._buf = np.empty(n, dtype=np.uint8)
+        return self._buf[:n]
+
+
+def save(tree: Any, path: Path | BinaryIO, *, scratch: Scratch | None = None) -> int:
     """Write ``tree`` as a ``torch.save`` file at ``path`` (not atomically: callers write into a
     directory that is published as a whole), or into an open binary file from its current position
-    on (as DCP stores its records). Tensors are produced one at a time into ``buffer`` (grown when
-    too small). Returns the bytes of tensor data written. No torch needed: the zip container is
-    :class:`ckpttool._zipwrite.ZipWriter`, which writes what torch's own writer writes."""
+    on (as DCP stores its records). Tensors are produced one at a time into ``scratch`` (a fresh
+    one when not given). Returns the bytes of tensor data written. No torch needed: the zip
+    container is :class:`ckpttool._zipwrite.ZipWriter`, which writes what torch's own writer
+    writes."""
     data, tensors = dumps(tree)
+    scratch = scratch or Scratch()
     if isinstance(path, Path):
         with open(path, "wb") as fh:
-            return _write(fh, os.path.splitext(path.name)[0], data, tensors, buffer)  # torch names it so
-    return _write(path, "archive", data, tensors, buffer)
+            return _write(fh, os.path.splitext(path.name)[0], data, tensors, scratch)  # torch names it so
+    return _write(path, "archive", data, tensors, scratch)
 
 
-def _write(fh: BinaryIO, archive: str, data: bytes, tensors: list[OutTensor], buffer: np.ndarray | None) -> int:
+def _write(fh: BinaryIO, archive: str, data: bytes, tensors: list[OutTensor], scratch: Scratch) -> int:
     zf = ZipWriter(fh, archive)
     zf.write_record("data.pkl", data)
     zf.write_record(".format_version", b"1")
@@ -288,15 +325,12 @@ def _write(fh: BinaryIO, archive: str, data: bytes, tensors: list[OutTensor], bu
     zf.write_record("byteorder", sys.byteorder.encode())
     total = 0
     for key, t in enumerate(tensors):
-        n = t.nbytes
-        if buffer is None or buffer.nbytes < n:
-            buffer = np.empty(max(n, 1), dtype=np.uint8)
-        view = buffer[:n]
+        view = scratch.take(t.nbytes)
         t.fill(view)
         zf.write_record(f"data/{key}", view)
-        total += n
+        total += t.nbytes
     zf.finish()
     return total
 
 
-__all__ = ["GlobalRef", "OutTensor", "carry", "dumps", "save"]
+__all__ = ["GlobalRef", "OutTensor", "Scratch", "assembled", "carried", "carry", "dumps", "save"]

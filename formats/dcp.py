@@ -31,7 +31,7 @@ from ckpttool.geometry import Box
 from ckpttool.io import RandomAccessFile, confine, list_files
 from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
-from ckpttool.values import find_step, plain_value, set_value
+from ckpttool.values import find_step, gc_paused, plain_value, set_value
 
 _GLOBAL_MD = ".metadata"
 _RANK_MD = re.compile(r"^__(\d+)\.metadata$")
@@ -179,7 +179,9 @@ def nesting(manifest: Manifest) -> dict[str, tuple[str | int, ...]] | None:
     root = Path(manifest.root)
     if manifest.format != "dcp" or not (root / _GLOBAL_MD).is_file():
         return None
-    data = getattr(_load_metadata(root, _GLOBAL_MD), "planner_data", None)
+    # parsed a second time: the manifest keeps no place for this map, which only --to torch needs
+    with gc_paused():
+        data = getattr(_load_metadata(root, _GLOBAL_MD), "planner_data", None)
     if not isinstance(data, dict) or not data:
         return None
     limit = len(manifest.items)

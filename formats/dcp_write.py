@@ -18,12 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from ckpttool.assemble import assemble, check_coverage
+from ckpttool.assemble import check_coverage
 from ckpttool.dtypes import carrier
 from ckpttool.errors import UsageError
-from ckpttool.formats._ptwrite import GlobalRef, OutTensor, carry, save
+from ckpttool.formats._ptwrite import GlobalRef, Scratch, assembled, carried, save
 from ckpttool.formats.base import Adapter, PieceReader, PlannedFile
 from ckpttool.geometry import Box
 from ckpttool.io import fsync_tree, publish_dir, staged_dir
@@ -54,7 +52,7 @@ class DcpWriter:
             raise UsageError("--world-size must be at least 1")
         self.root, self.manifest, self.world = root, manifest, world_size
         self.items = items
-        self._buffer = np.empty(0, dtype=np.uint8)  # one reusable tensor buffer, grown to the largest chunk
+        self._scratch = Scratch()  # one reusable tensor buffer, grown to the largest chunk
         self.cuts: dict[str, list[tuple[int, Box]]] = {}
         for item in items:
             if not item.is_tensor:
@@ -82,16 +80,13 @@ class DcpWriter:
         byte offset, length) for each record, for ``finish``. Every record is a ``torch.save``
         archive, written without torch (:func:`ckpttool.formats._ptwrite.save`)."""
         entries: list[tuple[str, tuple[int, ...] | None, int, int]] = []
-        buffer = self._buffer
         with open(out, "wb") as f:
             for item in self.items:
                 if not item.is_tensor:
                     if rank != 0:
                         continue
-                    piece = item.pieces[0]
-                    tree = carry(reader.read_object(item), lambda piece=piece: reader.archive_of(piece))
                     start = f.tell()
-                    save(tree, f)
+                    save(carried(reader, item), f)
                     entries.append((item.name, None, start, f.tell() - start))
                     continue
                 assert item.dtype is not None
@@ -99,15 +94,8 @@ class DcpWriter:
                 if mine:
                     check_coverage(item)
                 for box in mine:
-                    nbytes = box.volume * carrier(item.dtype).itemsize
-                    if buffer.nbytes < nbytes:
-                        buffer = self._buffer = np.empty(nbytes, dtype=np.uint8)
-
-                    def fill(view: np.ndarray, item: Item = item, box: Box = box, dtype: str = item.dtype) -> None:
-                        assemble(reader, item, out=view.view(carrier(dtype)).reshape(box.sizes), box=box)
-
                     start = f.tell()  # as DCP's FileSystemWriter: one archive per chunk, straight into the file
-                    save(OutTensor(dtype=item.dtype, shape=box.sizes, fill=fill), f, buffer=buffer)
+                    nbytes = save(assembled(reader, item, box), f, scratch=self._scratch)
                     entries.append((item.name, box.offsets, start, f.tell() - start))
                     if progress is not None:
                         progress(nbytes)

@@ -25,7 +25,7 @@ import numpy as np
 
 from ckpttool import _unpickle
 from ckpttool.assemble import assemble
-from ckpttool.dtypes import carrier
+from ckpttool.dtypes import bf16_to_float32, carrier
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.formats import _pt, _ptwrite
 from ckpttool.formats.base import PieceReader, PlannedFile
@@ -73,6 +73,7 @@ def group_layout(shapes: dict[str, Any], dp: int, paddings: list[int] | None = N
 class ZeroWriter:
     def __init__(self, root: Path, manifest: Manifest, dp: int) -> None:
         self.root, self.manifest, self.dp = root, manifest, dp
+        self.scratch = _ptwrite.Scratch()  # one tensor buffer for every file this writer writes
         if dp < 1:
             raise UsageError("--dp must be at least 1")
         stage = manifest.layout.zero_stage
@@ -151,7 +152,7 @@ class ZeroWriter:
                 tree["dp_world_size"] = self.dp
         else:
             tree = self._optim_tree(rank, reader, archive)
-        n = _ptwrite.save(tree, out)
+        n = _ptwrite.save(tree, out, scratch=self.scratch)
         if progress is not None:
             progress(n)
         return n
@@ -336,19 +337,13 @@ class UniversalWriter(ZeroWriter):
         if kind == "module":
             return self._save({"param": self._as_float32(self.manifest.items[name], reader)}, out, progress)
         item = self.manifest.items[f"{name}.{kind}"]
-        assert item.dtype is not None and item.shape is not None
-
-        def fill(buf: np.ndarray, item: Any = item, dtype: str = item.dtype) -> None:
-            assemble(reader, item, out=buf.view(carrier(dtype)).reshape(item.shape or ()))
-
         # the fp32 partition is a leaf that requires grad, and ds_to_universal's slices of it keep that
         grad = kind == "fp32" and self.fp32_requires_grad
-        tensor = _ptwrite.OutTensor(dtype=item.dtype, shape=item.shape, fill=fill, requires_grad=grad)
+        tensor = _ptwrite.assembled(reader, item, requires_grad=grad)
         return self._save({"cat_dim": 0, "param": tensor}, out, progress)
 
-    @staticmethod
-    def _save(tree: Any, out: Path, progress: Callable[[int], None] | None) -> int:
-        n = _ptwrite.save(tree, out)
+    def _save(self, tree: Any, out: Path, progress: Callable[[int], None] | None) -> int:
+        n = _ptwrite.save(tree, out, scratch=self.scratch)
         if progress is not None:
             progress(n)
         return n
@@ -362,7 +357,7 @@ class UniversalWriter(ZeroWriter):
             values = assemble(reader, item)
             out = buf.view(np.float32).reshape(item.shape or ())
             if item.dtype == "bfloat16":
-                out[...] = (values.astype(np.uint32) << 16).view(np.float32)
+                out[...] = bf16_to_float32(values)
             else:
                 out[...] = values.astype(np.float32)
 

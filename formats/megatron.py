@@ -243,6 +243,11 @@ class MegatronDistReader(DcpReader):
             return self._pt.read_object(item)
         return super().read_object(item)
 
+    def archive_of(self, piece: Piece) -> Any:
+        """``common.pt``'s archive for its pieces (a value there may hold tensors), else the DCP
+        record's."""
+        return self._pt.archive(piece.file) if piece.file == "common.pt" else super().archive_of(piece)
+
     def close(self) -> None:
         self._pt.close()
         super().close()

@@ -48,7 +48,7 @@ from ckpttool.errors import UsageError
 from ckpttool.formats import _pt, _ptwrite
 from ckpttool.formats.base import PieceReader, PlannedFile
 from ckpttool.formats.dcp_write import Record, write_metadata
-from ckpttool.formats.megatron import _LAYER, _TE_TO_LOCAL, ALLOWLIST, MegatronDistReader
+from ckpttool.formats.megatron import _LAYER, _STATE_SUFFIX, _TE_TO_LOCAL, ALLOWLIST
 from ckpttool.formats.megatron_write import (
     LegacyWriter,
     MegatronTarget,
@@ -74,11 +74,7 @@ CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix
 """``common.pt``'s ``content_metadata`` for the non-distributed optimizer (megatron-core 0.16)"""
 
 _LOCAL_TO_TE = {local: te for te, local in _TE_TO_LOCAL.items()}
-_STATE_PREFIX = {
-    "exp_avg": "optimizer.state.exp_avg.",
-    "exp_avg_sq": "optimizer.state.exp_avg_sq.",
-    "fp32": "optimizer.state.fp32_param.",
-}
+_STATE_PREFIX = {suffix: f"optimizer.state.{key}." for key, suffix in _STATE_SUFFIX.items()}
 _SHARD = re.compile(r"^(?P<key>.+)/shard_(?P<offsets>\d+(?:\.\d+)*)_(?P<shape>\d+(?:\.\d+)*)$")
 
 
@@ -251,8 +247,7 @@ class DistWriter(LegacyWriter):
         piece = item.pieces[0]
         loc = piece.locator
         if loc.get("transforms") or "offset" not in loc:
-            value = reader.read_object(item)
-            _ptwrite.save(_ptwrite.carry(value, partial(reader.archive_of, piece)), f)
+            _ptwrite.save(_ptwrite.carried(reader, item), f)
             return
         f.write(reader.files.get(piece.file).read(loc["offset"], loc["length"]))
 
@@ -279,7 +274,6 @@ class DistWriter(LegacyWriter):
         """Write rank ``rank``'s ``.distcp`` file (and, for rank 0, ``common.pt`` and
         ``metadata.json`` beside it); returns where each record lies, for ``finish``."""
         entries: list[Record] = []
-        buffer = np.empty(0, dtype=np.uint8)
         with open(out, "wb") as f:
             for e in self.ranks[rank]:
                 start = f.tell()
@@ -289,11 +283,9 @@ class DistWriter(LegacyWriter):
                     continue
                 check_coverage(e.item)
                 assert e.item.dtype is not None
-                if buffer.nbytes < e.nbytes:
-                    buffer = np.empty(e.nbytes, dtype=np.uint8)
                 fill = _Fill(reader, e.item, [e.region])
                 tensor = _ptwrite.OutTensor(dtype=e.item.dtype, shape=e.chunk.sizes, fill=fill)
-                _ptwrite.save(tensor, f, buffer=buffer)  # as DCP's FileSystemWriter: straight into the file
+                _ptwrite.save(tensor, f, scratch=self.scratch)  # as DCP's FileSystemWriter: straight into the file
                 entries.append((e.key, e.chunk.offsets, start, f.tell() - start))
                 if progress is not None:
                     progress(e.nbytes)
@@ -317,9 +309,8 @@ class DistWriter(LegacyWriter):
 
     def _common(self, reader: PieceReader) -> dict[str, Any]:
         if self.from_dist:
-            assert isinstance(reader, MegatronDistReader)
             common = self.src.objs[(0, 0)]
-            archive = partial(_pt.archive_cache(reader._pt), "common.pt")
+            archive = partial(reader.archive_of, _pt.object_piece("common.pt", ""))
             tree = {k: (self._dist_args(v) if k == "args" else _ptwrite.carry(v, archive)) for k, v in common.items()}
             return tree
         first, rel = self.src.objs[(0, 0)], self.src.rels[(0, 0)]
@@ -358,9 +349,7 @@ class DistWriter(LegacyWriter):
         if steps:
             state["common_step"] = next(iter(steps.values()))
         inner = {"state": state, "param_groups": [copy.deepcopy(g) for g in self.src.groups]}
-        first = partial(archives, self.src.rels[(0, 0)])
-        extra = {k: _ptwrite.carry(v, first) for k, v in self.src.optimizer_extra.items()}
-        return {"optimizer": inner, **extra}
+        return {"optimizer": inner, **self._optimizer_extra(archives)}
 
     def notes(self) -> list[str]:
         out = super().notes()

@@ -61,7 +61,8 @@ class _Source:
     """per-parameter optimizer ``step`` (rank file, value) by global parameter name"""
     metadata: dict[str, Any] = field(default_factory=dict)
     """the module ``_metadata`` of all stages, layers numbered globally"""
-    optimizer_extra: dict[str, Any] = field(default_factory=dict)
+    optimizer_extra: tuple[str, dict[str, Any]] = ("", {})
+    """(rank file, entries beside ``optimizer``: loss scaler, grad scaler with its tensors, ...)"""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -150,8 +151,9 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
                 )
             if "step" in entry:
                 src.step_of[name] = (rels[(0, p)], entry["step"])
-        if not src.optimizer_extra:
-            src.optimizer_extra = {k: v for k, v in opt.items() if k not in ("optimizer", "fp32_from_fp16_params")}
+        if not src.optimizer_extra[0]:
+            kept = {k: v for k, v in opt.items() if k not in ("optimizer", "fp32_from_fp16_params")}
+            src.optimizer_extra = (rels[(0, p)], kept)
     return src
 
 
@@ -303,6 +305,7 @@ class LegacyWriter:
         self, root: Path, manifest: Manifest, target: MegatronTarget, rules: dict[str, Any] | None = None
     ) -> None:
         self.root, self.manifest, self.target = root, manifest, target
+        self.scratch = _ptwrite.Scratch()  # one tensor buffer for every file this writer writes
         self.rules = rules or {}
         self.src = self._source(root, manifest)
         self.args = self.src.objs[(0, 0)].get("args")
@@ -445,7 +448,7 @@ class LegacyWriter:
                 tree[key] = self._args(value, t, p)
             else:
                 tree[key] = _ptwrite.carry(value, partial(archive, rel))
-        n = _ptwrite.save(tree, out)
+        n = _ptwrite.save(tree, out, scratch=self.scratch)
         if progress is not None:
             progress(n)
         return n
@@ -542,9 +545,15 @@ class LegacyWriter:
             groups.append({**copy.deepcopy(hyper), "params": ids})
             masters.append(fp32)
         inner = {"state": state, "param_groups": groups}
+        extra = self._optimizer_extra(archive)
         if not any(masters):
-            return {"optimizer": inner, **self.src.optimizer_extra} if self.src.optimizer_extra else inner
-        return {"optimizer": inner, "fp32_from_fp16_params": masters, **self.src.optimizer_extra}
+            return {"optimizer": inner, **extra} if extra else inner
+        return {"optimizer": inner, "fp32_from_fp16_params": masters, **extra}
+
+    def _optimizer_extra(self, archive: Callable[[str], Any]) -> dict[str, Any]:
+        """The source optimizer's other entries (loss and grad scalers: their tensors copied)."""
+        rel, extra = self.src.optimizer_extra
+        return {k: _ptwrite.carry(v, partial(archive, rel)) for k, v in extra.items()}
 
     def _src_name(self, name: str) -> str:
         if name not in self.manifest.items and self.tied and name.startswith("output_layer.weight"):

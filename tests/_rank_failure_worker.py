@@ -13,7 +13,7 @@ from ckpttool.errors import CorruptFileError
 
 if os.environ.get("RANK") == "1":
 
-    def _fail(self, tmp, indices, workers, progress):  # noqa: ARG001
+    def _fail(self, tmp, indices, workers, progress):
         raise CorruptFileError("model_optim_rng.pt: injected failure", hint="restore it", path="model_optim_rng.pt")
 
     reshard._FileExec.write_files = _fail  # type: ignore[method-assign]

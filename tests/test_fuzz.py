@@ -46,8 +46,8 @@ import pickle
 import random
 import shutil
 import signal
-import sys
 import struct
+import sys
 import tempfile
 import threading
 import traceback

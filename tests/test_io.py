@@ -1,8 +1,9 @@
-"""ckpttool.io: the open-file limit of FileCache."""
+"""ckpttool.io: the open-file limit of FileCache, and which writers count as gone."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from ckpttool import registry
 from ckpttool.assemble import assemble
@@ -58,6 +59,8 @@ def test_a_killed_writer_not_yet_reaped_counts_as_gone(tmp_path):
             if fh.read().rsplit(b")", 1)[1].split()[0] == b"Z":
                 break
         time.sleep(0.01)
+    else:
+        pytest.fail("the child never became a zombie")
     try:
         assert not ckio._alive(child.pid)
         assert ckio._alive(os.getppid())

@@ -333,3 +333,36 @@ def test_deepspeed_loads_our_universal_checkpoint():
     assert "native after load vs reference: OK" in proc.stdout
     assert "native DP=1 (same layout): step-4 loss" in proc.stdout
     assert "BIT-IDENTICAL; state after step 4 BIT-IDENTICAL" in proc.stdout
+
+
+def test_megatron_grad_scaler_tensors_are_carried(tmp_path):
+    """An fp16 run's optimizer also holds ``grad_scaler``, as megatron-core's
+    ``DynamicGradScaler.state_dict()`` stores it (``scale`` a tensor, the trackers ints). No fixture
+    was trained in fp16, so it is added to the real TP2xPP2 files. The output carries the tensor as
+    one torch loads, equal to the source's."""
+    import shutil
+
+    import torch
+
+    src = tmp_path / "fp16"
+    shutil.copytree(FIXTURES / "megatron" / "legacy_tp2pp2", src)
+    scaler = {"scale": torch.tensor([4096.0]), "growth_tracker": 3, "hysteresis_tracker": 2}
+    for f in src.rglob("model_optim_rng.pt"):
+        obj = torch.load(f, weights_only=False)
+        obj["optimizer"]["grad_scaler"] = scaler
+        torch.save(obj, f)
+    out = tmp_path / "tp1"
+    reshard(src, out, Target(tp=1, pp=1))
+    (written,) = list(out.rglob("model_optim_rng.pt"))
+    got = torch.load(written, weights_only=False)["optimizer"]["grad_scaler"]
+    assert set(got) == set(scaler)
+    assert torch.equal(got["scale"], scaler["scale"])
+    assert got["growth_tracker"] == 3 and got["hysteresis_tracker"] == 2
+
+
+def test_a_source_tensor_never_reaches_the_pickle_uncarried():
+    ref = _unpickle.TensorRef(_unpickle.StorageRef("0", "float32", 1, "cpu"), 0, (1,), (1,), "float32")
+    from ckpttool.formats import _ptwrite
+
+    with pytest.raises(TypeError, match="without carry"):
+        _ptwrite.dumps({"x": ref})

@@ -140,7 +140,7 @@ def test_dcp_records_round_trip_byte_for_byte() -> None:
     lists, RNG tensors), read through the restricted unpickler and written back: the same bytes."""
     count = 0
     for md in sorted(FIXTURES.glob("dcp/*/.metadata")):
-        adapter, manifest = registry.describe(md.parent)
+        _, manifest = registry.describe(md.parent)
         for item in manifest.items.values():
             for piece in item.pieces:
                 loc = piece.locator
@@ -164,19 +164,25 @@ def _random_value(rng: random.Random, depth: int = 0) -> object:
     if r < 0.5:
         return tuple(_random_value(rng, depth + 1) for _ in range(rng.choice([0, 1, 2, 3, 4, 7])))
     if r < 0.7:
-        n = rng.choice([0, 1, 2, 5, 1000, 1001]) if depth < 2 else rng.choice([0, 1, 3])
+        n = rng.choice([0, 1, 2, 5, 1000, 1001]) if depth < 1 else rng.choice([0, 1, 3])
         return [_random_value(rng, depth + 1) for _ in range(n)]
-    n = rng.choice([0, 1, 2, 5, 1000, 2000, 1500]) if depth < 2 else rng.choice([0, 1, 2])
+    n = rng.choice([0, 1, 2, 5, 1000, 2000, 1500]) if depth < 1 else rng.choice([0, 1, 2])
     return {f"k{i}": _random_value(rng, depth + 1) for i in range(n)}
 
 
 def test_pickle4_equals_the_c_pickler() -> None:
-    """Opcodes, memo, batches and 64 KiB frames as CPython's C pickler writes them, on values up to
-    tens of MB with shared objects."""
+    """Opcodes, memo, batches and 64 KiB frames as CPython's C pickler writes them, on random values
+    with shared objects, and on values of several frames whose boundaries fall on every kind of
+    opcode (strings, memo references, atoms, tuples, containers)."""
     rng = random.Random(1)
+    mixed = [
+        {f"key{i}": (f"v{i}", i, None, i * 0.5, [i] if i % 3 else (), {"s": "shared"}) for i in range(2000)},
+        [(i, f"s{i % 7}", -(2**40) + i) for i in range(6000)],
+        {f"k{i}": [f"x{i}"] * (i % 5) for i in range(3001)},
+    ]
     big = 0
-    for i in range(30):
-        value = _random_value(rng)
+    for i in range(30 + len(mixed)):
+        value = mixed[i - 30] if i >= 30 else _random_value(rng)
         shared = "shared" * 3
         obj = [value, shared, shared, (shared,), value] if i % 2 else value
         ref = pickle.dumps(obj)  # the default protocol, as DCP's .metadata
@@ -203,11 +209,13 @@ def _metadata_inputs(n: int) -> dict:
 
 @pytest.mark.parametrize("planner_data", ["flat", None])
 def test_metadata_equals_torch_pickle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, planner_data: str | None) -> None:
-    """The torch-free ``.metadata`` is byte for byte what pickling torch's own classes gives, and
-    torch reads it back as an equal ``Metadata``."""
+    """The torch-free ``.metadata`` is byte for byte what pickling torch's own classes gives (and the
+    torch-free pickler wrote it, not the fallback to torch's classes)."""
     inputs = _metadata_inputs(1500)
     pd = {k: (k,) for k in [*inputs["tensors"], *inputs["objects"]]} if planner_data else None
-    dcp_write.write_metadata(tmp_path / "mine", planner_data=pd, **inputs)
+    with monkeypatch.context() as m:
+        m.setattr(dcp_write, "_torch_metadata", lambda *a: pytest.fail("fell back to torch's classes"))
+        dcp_write.write_metadata(tmp_path / "mine", planner_data=pd, **inputs)
     monkeypatch.setattr(dcp_write, "TORCH_PICKLE_FROM", 0)
     dcp_write.write_metadata(tmp_path / "torch", planner_data=pd, **inputs)
     mine, ref = (tmp_path / "mine").read_bytes(), (tmp_path / "torch").read_bytes()

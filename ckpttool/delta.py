@@ -15,6 +15,7 @@ little endian), ``MAGIC``.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import shutil
@@ -24,11 +25,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
+import xxhash
 import zstandard
 
 from ckpttool import codec, registry
+from ckpttool import io as ckio
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CkptError, CorruptFileError, UsageError
 from ckpttool.hashing import hash_bytes
@@ -38,6 +41,7 @@ from ckpttool.naming import canonical
 from ckpttool.values import is_count
 
 MAGIC = b"CKPTDELTA1\n"
+_FIRST, _SECOND = "exp_avg", "exp_avg_sq"  # Adam's moments, as adapters name them (suffixes)
 DELTA_KIND = "ckpttool.delta"
 PACK_KIND = "ckpttool.compressed"
 
@@ -57,6 +61,8 @@ class _Segment:
     width: int = 1
     floating: bool = False
     base: tuple[str, int] | None = None
+    key: Any = None  # (box, flat) of the piece
+    partner: _Segment | None = None  # for an Adam second moment: the first moment of the same piece
 
 
 def _file_layout(adapter: Any, manifest: Manifest) -> dict[str, list[_Segment]]:
@@ -75,7 +81,9 @@ def _file_layout(adapter: Any, manifest: Manifest) -> dict[str, list[_Segment]]:
                 if span is None or span[1] == 0:
                     continue
                 out.setdefault(piece.file, []).append(
-                    _Segment(span[0], span[1], item.kind, item.name, dt.itemsize, dt.is_floating)
+                    _Segment(
+                        span[0], span[1], item.kind, item.name, dt.itemsize, dt.is_floating, key=(piece.box, piece.flat)
+                    )
                 )
     for rel, segs in out.items():
         segs.sort(key=lambda s: s.offset)
@@ -183,6 +191,14 @@ def create(
             item = tm.items[s.item]
             piece = next(p for p in item.pieces if p.file == rel)
             s.base = b_pieces.get((canonical(s.item), piece.box, piece.flat, s.length))
+    # an Adam second moment is predicted from its first moment in the same file (codec.ema2_*)
+    by_piece = {(rel, s.item, s.key): s for rel, segs in t_layout.items() for s in segs}
+    for rel, segs in t_layout.items():
+        for s in segs:
+            if s.base is not None and s.item is not None and s.item.endswith(_SECOND) and s.width == 4 and s.floating:
+                m = by_piece.get((rel, s.item[: -len(_SECOND)] + _FIRST, s.key))
+                if m is not None and m.base is not None and m.length == s.length and m.width == 4:
+                    s.partner = m
 
     jobs: list[tuple[str, str, _Segment | None, list[tuple[int, int]]]] = []
     for rel, size in t_files:
@@ -211,7 +227,17 @@ def create(
         assert seg is not None
         values = maps.view(t_root / rel, seg.offset, seg.length)
         base_bytes = maps.view(b_root / seg.base[0], seg.base[1], seg.length) if seg.base and b_root else None
-        method, frames, sizes = codec.encode(values, base_bytes, seg.width, seg.floating)
+        bases: list[Any] = [base_bytes]
+        predict: dict[str, Any] | None = None
+        m = seg.partner
+        if m is not None and m.base is not None and base_bytes is not None and b_root is not None:
+            m_new = maps.view(t_root / rel, m.offset, m.length)
+            m_old = maps.view(b_root / m.base[0], m.base[1], m.length)
+            coef = codec.ema2_fit(values, m_new, m_old, base_bytes)
+            if coef is not None:
+                bases.append(codec.ema2_predict(m_new, m_old, base_bytes, coef))
+                predict = {"ema2": list(coef), "m_new": m.offset, "m_old": [m.base[0], m.base[1]]}
+        used, method, frames, sizes = codec.encode_best(values, bases, seg.width, seg.floating)
         meta = {
             "offset": seg.offset,
             "length": seg.length,
@@ -222,6 +248,7 @@ def create(
             "method": method,
             "sizes": sizes,
             "base": [seg.base[0], seg.base[1]] if seg.base and method in ("xor", "idiff") else None,
+            "predict": predict if used == 1 else None,
         }
         return meta, frames
 
@@ -350,6 +377,8 @@ def _check_header(header: Any, data_end: int) -> None:
             _frames_inside(frames, data_end, rel)
         tensors = spec.get("tensors")
         _need(isinstance(tensors, list), f"{rel}: 'tensors' is not a list")
+        predicted: list[tuple[int, int]] = []
+        plain: set[tuple[int, int]] = set()
         for t in tensors:
             _need(
                 isinstance(t, dict) and is_count(t.get("offset")) and is_count(t.get("length")), f"{rel}: tensor range"
@@ -363,11 +392,22 @@ def _check_header(header: Any, data_end: int) -> None:
             if t["method"] in ("xor", "idiff"):
                 _need(header["kind"] == DELTA_KIND, f"{rel}: {t['method']} needs a base")
                 _need(
-                    isinstance(ref, list) and len(ref) == 2 and not escapes(ref[0]) and is_count(ref[1]),
-                    f"{rel}: base piece reference",
+                    isinstance(ref, list)
+                    and len(ref) == 2
+                    and isinstance(ref[0], str)
+                    and ref[0] in base["files"]
+                    and is_count(ref[1]),
+                    f"{rel}: a base piece reference to a file the delta does not record",
                 )
             _frames_inside(_pairs(t.get("frames"), f"{rel}: frames"), data_end, rel)
             ranges.append((t["offset"], t["length"]))
+            if t.get("predict") is not None:
+                predicted.append(_check_predict(t, header["kind"], rel))
+                _need(t["predict"]["m_old"][0] in base["files"], f"{rel}: a prediction from an unrecorded base file")
+            else:
+                plain.add((t["offset"], t["length"]))
+        for ref in predicted:
+            _need(ref in plain, f"{rel}: a prediction from bytes that are not a tensor decoded before it")
         pos = 0
         for off, n in sorted(ranges):
             _need(off == pos, f"{rel}: its pieces do not tile the file (at byte {pos:,})")
@@ -375,17 +415,31 @@ def _check_header(header: Any, data_end: int) -> None:
         _need(pos == size, f"{rel}: its pieces cover {pos:,} of {size:,} bytes")
 
 
+def _check_predict(t: dict[str, Any], kind: str, rel: str) -> tuple[int, int]:
+    """A second-moment prediction's fields; returns the (offset, length) it reads in the same file."""
+    pred = t["predict"]
+    _need(kind == DELTA_KIND and t["method"] in ("xor", "idiff"), f"{rel}: a prediction without a base")
+    _need(t["width"] == 4 and t["floating"], f"{rel}: a second-moment prediction of a non-float32 tensor")
+    _need(isinstance(pred, dict) and set(pred) == {"ema2", "m_new", "m_old"}, f"{rel}: prediction fields")
+    coef = pred["ema2"]
+    _need(
+        isinstance(coef, list)
+        and len(coef) == 3
+        and all(isinstance(x, float | int) and not isinstance(x, bool) and math.isfinite(x) for x in coef),
+        f"{rel}: prediction coefficients",
+    )
+    m_old = pred["m_old"]
+    _need(
+        isinstance(m_old, list) and len(m_old) == 2 and isinstance(m_old[0], str) and is_count(m_old[1]),
+        f"{rel}: prediction base reference",
+    )
+    _need(is_count(pred["m_new"]), f"{rel}: prediction source")
+    return pred["m_new"], t["length"]
+
+
 def _frames_inside(frames: list[tuple[int, int]], data_end: int, rel: str) -> None:
     for off, n in frames:
         _need(len(MAGIC) <= off and off + n <= data_end, f"{rel}: a frame lies outside the coded data")
-
-
-def _frames(fh: BinaryIO, spans: list[list[int]]) -> list[bytes]:
-    out = []
-    for off, n in spans:
-        fh.seek(off)
-        out.append(fh.read(n))
-    return out
 
 
 def apply(
@@ -403,13 +457,14 @@ def apply(
     if out_path.exists() and not force:
         raise UsageError(f"{out_path} exists", hint="choose another -o path or pass --force")
     b_root: Path | None = None
+    d_maps, b_maps = _Mapped(), _Mapped()
     if header["kind"] == DELTA_KIND:
         if base is None:
             raise UsageError(f"{delta} is a delta: give the base checkpoint it was made against")
         b_root = _base_root(Path(base))
         for rel, fp in header["base"]["files"].items():
             f = b_root / rel
-            if not f.is_file() or f.stat().st_size != fp["size"] or hash_bytes(f.read_bytes()) != fp["xxh3"]:
+            if not f.is_file() or f.stat().st_size != fp["size"] or b_maps.digest(f) != fp["xxh3"]:
                 raise DeltaMismatchError(
                     f"{base}: {rel} is not the file the delta was made against (size or xxh3 differ); "
                     "refused before writing anything",
@@ -427,8 +482,11 @@ def apply(
             if cancelled.is_set():
                 return
             rel, spec = item
+            dest = tmp / rel
+            for d in reversed(dest.relative_to(tmp).parents[:-1]):  # below tmp only: never re-create tmp
+                (tmp / d).mkdir(exist_ok=True)
             try:
-                buf = _decode_file(Path(delta), rel, spec, b_root)
+                digest = _rebuild_file(d_maps, Path(delta), rel, spec, b_maps, b_root, dest, cancelled)
             except (zstandard.ZstdError, ValueError, OverflowError, MemoryError, IndexError) as exc:
                 raise CorruptFileError(
                     f"{delta}: the coded bytes of {rel} do not decode ({type(exc).__name__}: {exc}); "
@@ -436,21 +494,12 @@ def apply(
                     hint="the delta is damaged; re-create it",
                     path=str(delta),
                 ) from None
-            if hash_bytes(buf) != spec["xxh3"]:
+            if digest is not None and digest != spec["xxh3"]:
                 raise DeltaMismatchError(
                     f"{delta}: rebuilding {rel} does not give the stored xxh3-128; nothing was published",
                     hint="the delta or the base is damaged; re-create the delta",
                     path=str(delta),
                 )
-            dest = tmp / rel
-            if cancelled.is_set():
-                return
-            for d in reversed(dest.relative_to(tmp).parents[:-1]):  # below tmp only: never re-create tmp
-                (tmp / d).mkdir(exist_ok=True)
-            with open(dest, "wb") as out:
-                out.write(buf)
-                out.flush()
-                os.fsync(out.fileno())
 
         pool = ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 2))
         try:
@@ -459,6 +508,9 @@ def apply(
             cancelled.set()  # the threads still running stop before writing; then tmp is removed
             pool.shutdown(wait=True, cancel_futures=True)
             raise
+        finally:
+            d_maps.close()
+            b_maps.close()
         pool.shutdown(wait=True)
         if header.get("target_is_file"):
             (only,) = header["files"]
@@ -473,37 +525,85 @@ def apply(
     return header
 
 
-def _decode_file(delta: Path, rel: str, spec: dict[str, Any], b_root: Path | None) -> bytearray:
-    """The bytes of one file of the target, decoded from the container (and the base)."""
-    buf = bytearray(spec["size"])
-    with open(delta, "rb") as fh:
+def _rebuild_file(
+    d_maps: _Mapped,
+    delta: Path,
+    rel: str,
+    spec: dict[str, Any],
+    b_maps: _Mapped,
+    b_root: Path | None,
+    dest: Path,
+    cancelled: threading.Event,
+) -> str | None:
+    """Write one file of the target to ``dest``, decoded from the container (and the base), and
+    return the xxh3-128 of what was written (None if cancelled). Memory: the largest piece.
+
+    Each piece is decoded into a buffer this thread reuses and written at its offset; pieces that
+    are predicted from another piece of the file come last and read it back from ``dest``. The
+    digest is taken by reading the written file back (from the page cache)."""
+    fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        os.ftruncate(fd, spec["size"])
         other = spec["other"]
         if other is not None and other["nbytes"]:
             args: dict[str, Any] = {}
             if other["dict"] and b_root is not None:
                 raw = _read(b_root / rel, [(int(a), int(n)) for a, n in other["dict"]])
                 args["dict_data"] = zstandard.ZstdCompressionDict(raw, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
-            frame = _frames(fh, other["frames"])[0]
-            data = codec.decompress_bounded(zstandard.ZstdDecompressor(**args), frame, other["nbytes"])
+            ((off, n),) = other["frames"]
+            frame = d_maps.view(delta, off, n)
+            data = memoryview(codec.decompress_bounded(zstandard.ZstdDecompressor(**args), frame, other["nbytes"]))
+            if len(data) != other["nbytes"]:
+                raise ValueError(f"{len(data):,} non-tensor bytes where {other['nbytes']:,} are expected")
             pos = 0
             for off, n in other["gaps"]:
-                buf[off : off + n] = data[pos : pos + n]
+                _pwrite(fd, data[pos : pos + n], off)
                 pos += n
-        view = memoryview(buf)
-        for t in spec["tensors"]:
-            base_bytes = None
+        for t in sorted(spec["tensors"], key=lambda t: t.get("predict") is not None):
+            if cancelled.is_set():
+                return None
+            n = t["length"]
+            base_bytes: Any = None
             if t["base"] is not None and b_root is not None:
-                base_bytes = _read(b_root / t["base"][0], [(t["base"][1], t["length"])])
+                base_bytes = b_maps.view(b_root / t["base"][0], t["base"][1], n)
+            pred = t.get("predict")
+            if pred is not None and base_bytes is not None and b_root is not None:
+                m_new = codec.scratch("m_new", n)
+                if ckio.preadinto(fd, m_new, pred["m_new"]) != n:
+                    raise ValueError("a prediction source outside the file")
+                m_old = b_maps.view(b_root / pred["m_old"][0], pred["m_old"][1], n)
+                base_bytes = codec.ema2_predict(m_new, m_old, base_bytes, tuple(pred["ema2"]))
+            out = codec.scratch("out", n)
             codec.decode_into(
-                view[t["offset"] : t["offset"] + t["length"]],
+                out,
                 t["method"],
-                _frames(fh, t["frames"]),
+                [d_maps.view(delta, off, k) for off, k in t["frames"]],
                 t["sizes"],
                 base_bytes,
                 t["width"],
                 t["floating"],
             )
-    return buf
+            _pwrite(fd, out, t["offset"])
+        hasher = xxhash.xxh3_128()
+        chunk = codec.scratch("hash", min(spec["size"], _HASH_CHUNK))
+        for off in range(0, spec["size"], _HASH_CHUNK):
+            n = ckio.preadinto(fd, chunk, off)
+            hasher.update(chunk[:n])
+        if cancelled.is_set():
+            return None
+        os.fsync(fd)
+        return hasher.hexdigest()
+    finally:
+        os.close(fd)
+
+
+_HASH_CHUNK = 4 << 20
+
+
+def _pwrite(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        k = os.pwrite(fd, data, offset)
+        data, offset = data[k:], offset + k
 
 
 def _base_root(base: Path) -> Path:

@@ -602,7 +602,8 @@ def delta_create(
 ) -> None:
     """Code TARGET against BASE: each tensor piece by XOR or integer difference with the matching
     BASE piece in byte planes (or alone, or stored: the smallest), other bytes with zstd using the
-    BASE file as dictionary. The BASE fingerprint goes into the delta."""
+    BASE file as dictionary. Adam's exp_avg_sq is coded against its prediction from exp_avg when
+    that is smaller (one optimizer step apart). The BASE fingerprint goes into the delta."""
     from ckpttool.delta import create, info
 
     out = Output(json_mode=json_out, quiet=quiet)

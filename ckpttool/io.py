@@ -7,6 +7,7 @@ and every output is published by one rename of a fully written and fsync'd tempo
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import shutil
 import socket
@@ -24,7 +25,67 @@ TMP_MARKER = ".ckpttool-tmp-"
 
 def pread(fd: int, length: int, offset: int) -> bytes:
     """Read ``length`` bytes at ``offset``; the one place checkpoint bytes are read."""
+    if _CAN_PROBE and length <= _PROBE_MAX and _PROBING.get() is not None:
+        return _probe(fd, length, offset)
     return os.pread(fd, length, offset)
+
+
+_PROBING: contextvars.ContextVar[dict[tuple[int, int], tuple[int, list[tuple[int, int]]]] | None] = (
+    contextvars.ContextVar("ckpttool_probing", default=None)
+)
+_PROBE_MAX = 1 << 20
+_READAHEAD = 512 << 10  # more than the kernel reads ahead of one small cold read
+
+
+@contextlib.contextmanager
+def probing() -> Iterator[None]:
+    """Small scattered reads made in this block (locating pieces before one sequential pass over
+    the files) leave the page cache as they found it.
+
+    Pages such reads bring in sit in the cache as islands, and a sequential reader that meets them
+    loses the kernel's readahead: measured on a cold 1.2 GB DCP checkpoint, two plain readers ran
+    25 % slower after the piece headers had been read, and as fast as before once those pages were
+    dropped again. So a read is first tried with ``RWF_NOWAIT`` (served from the cache: nothing
+    changes); when its bytes were not cached, it is read normally and the pages it and the
+    readahead it started brought in are dropped, once right away and once more when the block
+    ends (readahead still in flight at the first drop has landed by then)."""
+    dropped: dict[tuple[int, int], tuple[int, list[tuple[int, int]]]] = {}
+    token = _PROBING.set(dropped)
+    try:
+        yield
+    finally:
+        _PROBING.reset(token)
+        for fd, ranges in dropped.values():
+            try:
+                for start, n in ranges:
+                    os.posix_fadvise(fd, start, n, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _probe(fd: int, length: int, offset: int) -> bytes:
+    buf = bytearray(length)
+    try:
+        if os.preadv(fd, [buf], offset, _NOWAIT) == length:
+            return bytes(buf)
+    except OSError:  # EAGAIN: not cached; EOPNOTSUPP: a file system without RWF_NOWAIT
+        pass
+    data = os.pread(fd, length, offset)
+    start = offset - offset % 4096
+    span = offset + length + _READAHEAD - start
+    os.posix_fadvise(fd, start, span, os.POSIX_FADV_DONTNEED)
+    dropped = _PROBING.get()
+    if dropped is not None:
+        st = os.fstat(fd)
+        entry = dropped.get((st.st_dev, st.st_ino))
+        if entry is None:
+            entry = dropped[(st.st_dev, st.st_ino)] = (os.dup(fd), [])
+        entry[1].append((start, span))
+    return data
+
+
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+_CAN_PROBE = bool(_NOWAIT) and hasattr(os, "posix_fadvise")
 
 
 def preadinto(fd: int, buf: memoryview, offset: int) -> int:

@@ -66,3 +66,54 @@ def test_a_killed_writer_not_yet_reaped_counts_as_gone(tmp_path):
         assert ckio._alive(os.getppid())
     finally:
         child.wait()
+
+
+def _cached(path, offset):
+    """Whether the page at ``offset`` is in the page cache (mincore: starts no I/O, unlike a
+    RWF_NOWAIT read, which starts readahead when it fails)."""
+    import ctypes
+    import mmap
+
+    with open(path, "rb") as fh:
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+    anchor = ctypes.c_char.from_buffer(mm)
+    page = mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * 1)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor) + offset - offset % page), ctypes.c_size_t(page), vec)
+    assert rc == 0, ctypes.get_errno()
+    del anchor
+    mm.close()
+    return bool(vec[0] & 1)
+
+
+def test_probing_reads_leave_cold_pages_uncached(tmp_path):
+    """Reads under io.probing() (seal locating piece headers) give the right bytes, and pages that
+    were not cached before are not cached after; the same read outside probing caches them."""
+    import os
+
+    from ckpttool import io as ckio
+
+    if not ckio._CAN_PROBE:
+        pytest.skip("no RWF_NOWAIT / posix_fadvise here")
+    data = np.random.default_rng(0).integers(0, 256, 8 << 20, dtype=np.uint8).tobytes()
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if _cached(path, 3 << 20):
+            pytest.skip("this file system keeps the pages (tmpfs?)")
+        with ckio.probing():
+            assert ckio.pread(fd, 100, 3 << 20) == data[3 << 20 : (3 << 20) + 100]
+            assert ckio.pread(fd, 100, 5 << 20) == data[5 << 20 : (5 << 20) + 100]
+        assert not _cached(path, 5 << 20)
+        assert not _cached(path, 3 << 20) and not _cached(path, (3 << 20) + (64 << 10))
+        assert ckio.pread(fd, 100, 3 << 20) == data[3 << 20 : (3 << 20) + 100]  # not probing: cached
+        assert _cached(path, 3 << 20)
+        with ckio.probing():  # cached already: served from the cache, and left there
+            assert ckio.pread(fd, 100, 3 << 20) == data[3 << 20 : (3 << 20) + 100]
+        assert _cached(path, 3 << 20)
+    finally:
+        os.close(fd)

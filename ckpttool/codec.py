@@ -84,7 +84,7 @@ def _rotr1(words: np.ndarray, tmp: np.ndarray) -> None:
     np.bitwise_or(words, tmp, out=words)
 
 
-_TBLOCK = 1 << 15  # elements transformed at a time: a block's temporaries stay in the L2 cache
+_TBLOCK = 1 << 15  # elements transformed at a time: the temporaries are two blocks, not two pieces
 
 
 def _forward(method: Method, t: np.ndarray, b: Any, w: np.ndarray, tmp: np.ndarray, floating: bool) -> None:
@@ -132,11 +132,6 @@ def transform(
 def compress_planes(planes: list[Any]) -> list[bytes]:
     cctx = _scratch.cctx
     return [cctx.compress(p) for p in planes]
-
-
-def decompress_planes(frames: list[bytes], sizes: list[int]) -> list[bytes]:
-    dctx = _scratch.dctx
-    return [decompress_bounded(dctx, f, n) for f, n in zip(frames, sizes, strict=True)]
 
 
 def decompress_bounded(dctx: zstandard.ZstdDecompressor, frame: bytes | memoryview, n: int) -> bytes:

@@ -27,14 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import xxhash
 import zstandard
 
 from ckpttool import codec, registry
 from ckpttool import io as ckio
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CkptError, CorruptFileError, UsageError
-from ckpttool.hashing import hash_bytes
+from ckpttool.hashing import hash_bytes, new_hasher
 from ckpttool.io import atomic_output, escapes, fsync_dir, fsync_tree, publish_dir, staged_dir
 from ckpttool.manifest import Manifest
 from ckpttool.naming import canonical
@@ -57,11 +56,11 @@ class _Segment:
     offset: int
     length: int
     kind: str
-    item: str | None = None
-    width: int = 1
-    floating: bool = False
+    item: str
+    width: int
+    floating: bool
+    key: tuple[Any, Any]  # (box, flat) of the piece
     base: tuple[str, int] | None = None
-    key: Any = None  # (box, flat) of the piece
     partner: _Segment | None = None  # for an Adam second moment: the first moment of the same piece
 
 
@@ -80,11 +79,9 @@ def _file_layout(adapter: Any, manifest: Manifest) -> dict[str, list[_Segment]]:
                     span = None
                 if span is None or span[1] == 0:
                     continue
-                out.setdefault(piece.file, []).append(
-                    _Segment(
-                        span[0], span[1], item.kind, item.name, dt.itemsize, dt.is_floating, key=(piece.box, piece.flat)
-                    )
-                )
+                key = (piece.box, piece.flat)
+                seg = _Segment(span[0], span[1], item.kind, item.name, dt.itemsize, dt.is_floating, key)
+                out.setdefault(piece.file, []).append(seg)
     for rel, segs in out.items():
         segs.sort(key=lambda s: s.offset)
         kept: list[_Segment] = []
@@ -179,25 +176,19 @@ def create(
         b_files = dict(_checkpoint_files(bm))
         for rel, segs in b_layout.items():
             for s in segs:
-                assert s.item is not None
-                item = bm.items[s.item]
-                for piece in item.pieces:
-                    if piece.file == rel:
-                        b_pieces.setdefault((canonical(s.item), piece.box, piece.flat, s.length), (rel, s.offset))
+                b_pieces.setdefault((canonical(s.item), *s.key, s.length), (rel, s.offset))
     # match target segments to base pieces
-    for rel, segs in t_layout.items():
+    for segs in t_layout.values():
         for s in segs:
-            assert s.item is not None
-            item = tm.items[s.item]
-            piece = next(p for p in item.pieces if p.file == rel)
-            s.base = b_pieces.get((canonical(s.item), piece.box, piece.flat, s.length))
-    # an Adam second moment is predicted from its first moment in the same file (codec.ema2_*)
+            s.base = b_pieces.get((canonical(s.item), *s.key, s.length))
+    # an Adam second moment is predicted from its first moment, found earlier in the same file
+    # (apply decodes a file front to back: codec.ema2_*)
     by_piece = {(rel, s.item, s.key): s for rel, segs in t_layout.items() for s in segs}
     for rel, segs in t_layout.items():
         for s in segs:
-            if s.base is not None and s.item is not None and s.item.endswith(_SECOND) and s.width == 4 and s.floating:
+            if s.base is not None and s.item.endswith(_SECOND) and s.width == 4 and s.floating:
                 m = by_piece.get((rel, s.item[: -len(_SECOND)] + _FIRST, s.key))
-                if m is not None and m.base is not None and m.length == s.length and m.width == 4:
+                if m is not None and m.base is not None and m.length == s.length and m.offset + m.length <= s.offset:
                     s.partner = m
 
     jobs: list[tuple[str, str, _Segment | None, list[tuple[int, int]]]] = []
@@ -377,7 +368,7 @@ def _check_header(header: Any, data_end: int) -> None:
             _frames_inside(frames, data_end, rel)
         tensors = spec.get("tensors")
         _need(isinstance(tensors, list), f"{rel}: 'tensors' is not a list")
-        predicted: list[tuple[int, int]] = []
+        predicted: list[tuple[tuple[int, int], int]] = []  # ((source offset, length), offset)
         plain: set[tuple[int, int]] = set()
         for t in tensors:
             _need(
@@ -402,12 +393,12 @@ def _check_header(header: Any, data_end: int) -> None:
             _frames_inside(_pairs(t.get("frames"), f"{rel}: frames"), data_end, rel)
             ranges.append((t["offset"], t["length"]))
             if t.get("predict") is not None:
-                predicted.append(_check_predict(t, header["kind"], rel))
-                _need(t["predict"]["m_old"][0] in base["files"], f"{rel}: a prediction from an unrecorded base file")
+                predicted.append((_check_predict(t, base, rel), t["offset"]))
             else:
                 plain.add((t["offset"], t["length"]))
-        for ref in predicted:
-            _need(ref in plain, f"{rel}: a prediction from bytes that are not a tensor decoded before it")
+        for (src, n), at in predicted:
+            before = (src, n) in plain and src + n <= at
+            _need(before, f"{rel}: a prediction from bytes that are not a tensor decoded before it")
         pos = 0
         for off, n in sorted(ranges):
             _need(off == pos, f"{rel}: its pieces do not tile the file (at byte {pos:,})")
@@ -415,10 +406,10 @@ def _check_header(header: Any, data_end: int) -> None:
         _need(pos == size, f"{rel}: its pieces cover {pos:,} of {size:,} bytes")
 
 
-def _check_predict(t: dict[str, Any], kind: str, rel: str) -> tuple[int, int]:
+def _check_predict(t: dict[str, Any], base: Any, rel: str) -> tuple[int, int]:
     """A second-moment prediction's fields; returns the (offset, length) it reads in the same file."""
     pred = t["predict"]
-    _need(kind == DELTA_KIND and t["method"] in ("xor", "idiff"), f"{rel}: a prediction without a base")
+    _need(base is not None and t["method"] in ("xor", "idiff"), f"{rel}: a prediction without a base")
     _need(t["width"] == 4 and t["floating"], f"{rel}: a second-moment prediction of a non-float32 tensor")
     _need(isinstance(pred, dict) and set(pred) == {"ema2", "m_new", "m_old"}, f"{rel}: prediction fields")
     coef = pred["ema2"]
@@ -429,10 +420,8 @@ def _check_predict(t: dict[str, Any], kind: str, rel: str) -> tuple[int, int]:
         f"{rel}: prediction coefficients",
     )
     m_old = pred["m_old"]
-    _need(
-        isinstance(m_old, list) and len(m_old) == 2 and isinstance(m_old[0], str) and is_count(m_old[1]),
-        f"{rel}: prediction base reference",
-    )
+    _need(isinstance(m_old, list) and len(m_old) == 2 and is_count(m_old[1]), f"{rel}: prediction base reference")
+    _need(isinstance(m_old[0], str) and m_old[0] in base["files"], f"{rel}: a prediction from an unrecorded base file")
     _need(is_count(pred["m_new"]), f"{rel}: prediction source")
     return pred["m_new"], t["length"]
 
@@ -535,69 +524,64 @@ def _rebuild_file(
     dest: Path,
     cancelled: threading.Event,
 ) -> str | None:
-    """Write one file of the target to ``dest``, decoded from the container (and the base), and
-    return the xxh3-128 of what was written (None if cancelled). Memory: the largest piece.
-
-    Each piece is decoded into a buffer this thread reuses and written at its offset; pieces that
-    are predicted from another piece of the file come last and read it back from ``dest``. The
-    digest is taken by reading the written file back (from the page cache)."""
+    """Write one file of the target to ``dest``, front to back, decoded from the container (and
+    the base), and return the xxh3-128 of what was written (None if cancelled). Each tensor piece
+    is decoded into a buffer this thread reuses: memory is the largest piece. A predicted piece
+    reads its source, an earlier piece of the file (checked by ``_check_header``), back from
+    ``dest``."""
+    regions: list[tuple[int, int, dict[str, Any] | None]] = [(t["offset"], t["length"], t) for t in spec["tensors"]]
+    other = spec["other"]
+    data = memoryview(b"")
+    if other is not None and other["nbytes"]:
+        args: dict[str, Any] = {}
+        if other["dict"] and b_root is not None:
+            raw = _read(b_root / rel, [(int(a), int(n)) for a, n in other["dict"]])
+            args["dict_data"] = zstandard.ZstdCompressionDict(raw, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+        ((off, n),) = other["frames"]
+        frame = d_maps.view(delta, off, n)
+        data = memoryview(codec.decompress_bounded(zstandard.ZstdDecompressor(**args), frame, other["nbytes"]))
+        if len(data) != other["nbytes"]:
+            raise ValueError(f"{len(data):,} non-tensor bytes where {other['nbytes']:,} are expected")
+        regions += [(off, n, None) for off, n in other["gaps"]]
+    hasher = new_hasher("xxh3-128")
+    pos = 0  # in ``data``: the gaps come in file order
     fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o666)
     try:
-        os.ftruncate(fd, spec["size"])
-        other = spec["other"]
-        if other is not None and other["nbytes"]:
-            args: dict[str, Any] = {}
-            if other["dict"] and b_root is not None:
-                raw = _read(b_root / rel, [(int(a), int(n)) for a, n in other["dict"]])
-                args["dict_data"] = zstandard.ZstdCompressionDict(raw, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
-            ((off, n),) = other["frames"]
-            frame = d_maps.view(delta, off, n)
-            data = memoryview(codec.decompress_bounded(zstandard.ZstdDecompressor(**args), frame, other["nbytes"]))
-            if len(data) != other["nbytes"]:
-                raise ValueError(f"{len(data):,} non-tensor bytes where {other['nbytes']:,} are expected")
-            pos = 0
-            for off, n in other["gaps"]:
-                _pwrite(fd, data[pos : pos + n], off)
-                pos += n
-        for t in sorted(spec["tensors"], key=lambda t: t.get("predict") is not None):
+        for offset, n, t in sorted(regions, key=lambda r: r[0]):  # _check_header: they tile the file
             if cancelled.is_set():
                 return None
-            n = t["length"]
-            base_bytes: Any = None
-            if t["base"] is not None and b_root is not None:
-                base_bytes = b_maps.view(b_root / t["base"][0], t["base"][1], n)
-            pred = t.get("predict")
-            if pred is not None and base_bytes is not None and b_root is not None:
-                m_new = codec.scratch("m_new", n)
-                if ckio.preadinto(fd, m_new, pred["m_new"]) != n:
-                    raise ValueError("a prediction source outside the file")
-                m_old = b_maps.view(b_root / pred["m_old"][0], pred["m_old"][1], n)
-                base_bytes = codec.ema2_predict(m_new, m_old, base_bytes, tuple(pred["ema2"]))
-            out = codec.scratch("out", n)
-            codec.decode_into(
-                out,
-                t["method"],
-                [d_maps.view(delta, off, k) for off, k in t["frames"]],
-                t["sizes"],
-                base_bytes,
-                t["width"],
-                t["floating"],
-            )
-            _pwrite(fd, out, t["offset"])
-        hasher = xxhash.xxh3_128()
-        chunk = codec.scratch("hash", min(spec["size"], _HASH_CHUNK))
-        for off in range(0, spec["size"], _HASH_CHUNK):
-            n = ckio.preadinto(fd, chunk, off)
-            hasher.update(chunk[:n])
-        if cancelled.is_set():
-            return None
+            if t is None:
+                out = data[pos : pos + n]
+                pos += n
+            else:
+                out = _decode_piece(d_maps, delta, t, fd, b_maps, b_root)
+            _pwrite(fd, out, offset)
+            hasher.update(out)
         os.fsync(fd)
         return hasher.hexdigest()
     finally:
         os.close(fd)
 
 
-_HASH_CHUNK = 4 << 20
+def _decode_piece(
+    d_maps: _Mapped, delta: Path, t: dict[str, Any], fd: int, b_maps: _Mapped, b_root: Path | None
+) -> memoryview:
+    """One tensor piece, decoded into this thread's reused buffer."""
+    n = t["length"]
+    base_bytes: Any = None
+    if t["base"] is not None and b_root is not None:
+        base_bytes = b_maps.view(b_root / t["base"][0], t["base"][1], n)
+    pred = t.get("predict")
+    if pred is not None and base_bytes is not None and b_root is not None:
+        m_new = codec.scratch("m_new", n)
+        if ckio.preadinto(fd, m_new, pred["m_new"]) != n:
+            raise ValueError("a prediction source outside the file")
+        m_old = b_maps.view(b_root / pred["m_old"][0], pred["m_old"][1], n)
+        base_bytes = codec.ema2_predict(m_new, m_old, base_bytes, tuple(pred["ema2"]))
+    out = codec.scratch("out", n)
+    frames = [d_maps.view(delta, off, k) for off, k in t["frames"]]
+    codec.decode_into(out, t["method"], frames, t["sizes"], base_bytes, t["width"], t["floating"])
+    return out
 
 
 def _pwrite(fd: int, data: memoryview, offset: int) -> None:

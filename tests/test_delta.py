@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -192,37 +193,48 @@ def test_adam_second_moment_coded_against_its_prediction(tmp_path, monkeypatch):
 
 
 def _edit_header(path, edit):
-    import json
-    import struct
+    from tests.test_fuzz import join_container, split_container
 
-    data = path.read_bytes()
-    tail = len(delta.MAGIC) + 8
-    (n,) = struct.unpack("<Q", data[-tail : -len(delta.MAGIC)])
-    body, header = data[: -tail - n], json.loads(data[-tail - n : -tail])
+    body, header = split_container(path.read_bytes())
     edit(header)
-    blob = json.dumps(header).encode()
-    path.write_bytes(body + blob + struct.pack("<Q", len(blob)) + delta.MAGIC)
+    path.write_bytes(join_container(body, json.dumps(header).encode()))
 
 
 def _first_predicted(h):
     return next(t for f in h["files"].values() for t in f["tensors"] if t.get("predict"))
 
 
+def _source_after(h):
+    """Point the first prediction at a plain piece of the same size that lies after it: a source
+    apply has not written yet when it decodes the prediction."""
+    t = _first_predicted(h)
+    f = next(f for f in h["files"].values() if t in f["tensors"])
+    later = next(
+        u for u in f["tensors"] if u["offset"] > t["offset"] and u["length"] == t["length"] and not u.get("predict")
+    )
+    t["predict"]["m_new"] = later["offset"]
+
+
+def _on_first(edit):
+    return lambda h: edit(_first_predicted(h))
+
+
 @pytest.mark.parametrize(
     ("edit", "reason"),
     [
-        (lambda t: t["predict"].update(m_new=t["offset"]), "prediction from bytes that are not a tensor decoded"),
-        (lambda t: t["predict"].update(m_new=t["predict"]["m_new"] + 4), "not a tensor decoded"),
-        (lambda t: t["predict"].update(m_old=["../../etc/passwd", 0]), "unrecorded base file"),
-        (lambda t: t["predict"].update(ema2=[0.9, float("nan"), 1.0]), "prediction coefficients"),
-        (lambda t: t.update(width=2), "non-float32"),
-        (lambda t: t.update(base=[["a"], 0]), "base piece reference"),
+        (_on_first(lambda t: t["predict"].update(m_new=t["offset"])), "not a tensor decoded before it"),
+        (_on_first(lambda t: t["predict"].update(m_new=t["predict"]["m_new"] + 4)), "not a tensor decoded"),
+        (_source_after, "not a tensor decoded before it"),
+        (_on_first(lambda t: t["predict"].update(m_old=["../../etc/passwd", 0])), "unrecorded base file"),
+        (_on_first(lambda t: t["predict"].update(ema2=[0.9, float("nan"), 1.0])), "prediction coefficients"),
+        (_on_first(lambda t: t.update(width=2)), "non-float32"),
+        (_on_first(lambda t: t.update(base=[["a"], 0])), "base piece reference"),
     ],
 )
 def test_forged_prediction_is_refused_before_writing(edit, reason, tmp_path):
     d = tmp_path / "d"
     delta.create(RUN / "step_11", d, base=RUN / "step_10", workers=1)
-    _edit_header(d, lambda h: edit(_first_predicted(h)))
+    _edit_header(d, edit)
     out = tmp_path / "out"
     r = run_cli("delta", "apply", RUN / "step_10", d, "-o", out)
     assert r.code == 3 and reason in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+
 import numpy as np
 import pytest
 
@@ -42,6 +46,7 @@ def test_a_reader_under_a_small_limit_reads_the_same_values():
             assert sum(f.fd >= 0 for f in reader.files._files.values()) <= 1
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_killed_writer_not_yet_reaped_counts_as_gone(tmp_path):
     """A zombie (killed, its parent has not waited for it yet) writes nothing more: its temporaries
     are swept by the next run (under torchrun the dead ranks stay zombies until the launcher
@@ -117,3 +122,62 @@ def test_probing_reads_leave_cold_pages_uncached(tmp_path):
         assert _cached(path, 3 << 20)
     finally:
         os.close(fd)
+
+
+def _drop(paths):
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def test_locating_pieces_leaves_cold_files_uncached(tmp_path, monkeypatch):
+    """seal's first step (piece headers: small reads scattered over the files) leaves next to no
+    page of a cold checkpoint in the cache for the sequential pass that follows; without probing
+    the same step leaves islands all over the files."""
+    from ckpttool import io as ckio
+    from ckpttool import seal
+
+    if not ckio._CAN_PROBE:
+        pytest.skip("no RWF_NOWAIT / posix_fadvise here")
+    ckpt = shutil.copytree(FIXTURES / "megatron" / "legacy_tp2pp2", tmp_path / "c")
+    adapter, manifest = registry.describe(ckpt)
+    data = [ckpt / f.path for f in manifest.files if f.role == "data"]
+    pages = [(p, off) for p in data for off in range(0, p.stat().st_size, 4096)]
+
+    def cached_after_locating() -> int:
+        _drop(data)
+        if any(_cached(p, off) for p, off in pages):
+            pytest.skip("this file system keeps the pages (tmpfs?)")
+        spans, _ = seal.piece_spans(adapter, manifest)
+        assert spans
+        return sum(_cached(p, off) for p, off in pages)
+
+    # a page may rarely stay (the kernel keeps one it could not drop yet): islands, not none
+    assert cached_after_locating() <= 2
+    monkeypatch.setattr(ckio, "_CAN_PROBE", False)
+    assert cached_after_locating() >= len(pages) // 4
+
+
+def test_probing_many_cold_files_holds_the_open_file_limit(tmp_path):
+    """Probing keeps no descriptor of its own: 300 cold files read through a FileCache of 16 under
+    a limit of 128 open files."""
+    import resource
+
+    from ckpttool import io as ckio
+
+    names = [f"f{i}" for i in range(300)]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x" * 8192)
+    _drop(tmp_path / n for n in names)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(128, hard), hard))
+    try:
+        with ckio.probing(), FileCache(tmp_path, max_open=16) as files:
+            for n in names:
+                assert files.get(n).read(4096, 10) == b"x" * 10
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -47,3 +49,22 @@ def make_once(ckpt: Path, done: str, maker: Path, *args: object, env: dict[str, 
         )  # fmt: skip
         print(f"made {ckpt} in {time.perf_counter() - t:.1f} s")
     return ckpt
+
+
+Runs = dict[str, list[tuple[float, int]]]
+
+
+def alternate(
+    cmds: dict[str, list[str]], repeat: int, reset: Callable[[str], None]
+) -> tuple[Runs, dict[str, tuple[float, float]]]:
+    """Each command ``repeat`` times, taking turns, every run starting alike (``reset(name)``
+    removes old outputs, then no dirty pages are left by the run before). Returns every run and the
+    medians (wall seconds, peak RSS bytes) by name."""
+    results: Runs = {k: [] for k in cmds}
+    for _ in range(repeat):
+        for name, cmd in cmds.items():
+            reset(name)
+            os.sync()
+            results[name].append(run(cmd))
+    med = {k: (statistics.median(w for w, _ in v), statistics.median(r for _, r in v)) for k, v in results.items()}
+    return results, med

@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import statistics
 import sys
 from pathlib import Path
 
-from _bench import make_once, run, warm  # the folder beside this script
+from _bench import alternate, make_once, warm  # the folder beside this script
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "_data"
@@ -66,16 +64,13 @@ def main() -> int:
             "c(sys.argv[1], sys.argv[2])", str(ckpt), str(out),
         ],
     }  # fmt: skip
-    results: dict[str, list[tuple[float, int]]] = {k: [] for k in cmds}
-    for _ in range(args.repeat):
-        for name, cmd in cmds.items():
-            shutil.rmtree(out, ignore_errors=True)
-            if name == "export --kind master":
-                out.mkdir()
-            os.sync()
-            results[name].append(run(cmd))
+    def reset(name: str) -> None:
+        shutil.rmtree(out, ignore_errors=True)
+        if name == "export --kind master":
+            out.mkdir()
+
+    results, med = alternate(cmds, args.repeat, reset)
     shutil.rmtree(out, ignore_errors=True)
-    med = {k: (statistics.median(w for w, _ in v), statistics.median(r for _, r in v)) for k, v in results.items()}
     print(f"{ckpt.name}: {size / 1e9:.2f} GB")
     for name, (wall, rss) in med.items():
         print(f"  {name:22s} wall {wall:6.2f} s   peak RSS {rss / 1e6:8.1f} MB   {size / wall / 1e9:5.2f} GB/s")

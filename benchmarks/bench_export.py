@@ -18,13 +18,10 @@ import argparse
 import json
 import os
 import shutil
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from _bench import run  # the folder beside this script
+from _bench import alternate, make_once, warm  # the folder beside this script
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "_data"
@@ -39,19 +36,9 @@ def main() -> int:
     args = ap.parse_args()
 
     DATA.mkdir(exist_ok=True)
-    ckpt = DATA / f"dcp_{args.width}x{args.layers}"
-    if not (ckpt / ".metadata").exists():
-        shutil.rmtree(ckpt, ignore_errors=True)
-        t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(HERE / "_make_big_dcp.py"), str(ckpt), str(args.width), str(args.layers)],
-                       check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        print(f"made {ckpt} in {time.perf_counter() - t:.1f} s")
-    size = sum(p.stat().st_size for p in ckpt.iterdir())
-    for p in ckpt.iterdir():  # warm the page cache for both tools alike
-        with open(p, "rb") as fh:
-            while fh.read(1 << 24):
-                pass
+    ckpt = make_once(DATA / f"dcp_{args.width}x{args.layers}", ".metadata", HERE / "_make_big_dcp.py", args.width,
+                     args.layers)  # fmt: skip
+    size = warm(ckpt)  # a hot page cache for both tools alike
 
     ours_out, theirs_out, pt_dir = DATA / "ours.safetensors", DATA / "theirs" / "model.pt", DATA / "ours_pt"
     theirs_out.parent.mkdir(exist_ok=True)
@@ -60,15 +47,14 @@ def main() -> int:
     theirs_cmd = [sys.executable, "-c",
                   "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
                   "dcp_to_torch_save(sys.argv[1], sys.argv[2])", str(ckpt), str(theirs_out)]
-    results: dict[str, list[tuple[float, int]]] = {"ckpttool export": [], "convert --to torch": [],
-                                                   "dcp_to_torch_save": []}
-    for _ in range(args.repeat):
-        for name, cmd, out in (("dcp_to_torch_save", theirs_cmd, theirs_out), ("ckpttool export", ours_cmd, ours_out),
-                               ("convert --to torch", pt_cmd, pt_dir)):
-            # each run starts alike: no old output to replace, no dirty pages left by the other tool
-            shutil.rmtree(out) if out.is_dir() else out.unlink(missing_ok=True)
-            os.sync()
-            results[name].append(run(cmd))
+    cmds = {"dcp_to_torch_save": theirs_cmd, "ckpttool export": ours_cmd, "convert --to torch": pt_cmd}
+    outs = {"dcp_to_torch_save": theirs_out, "ckpttool export": ours_out, "convert --to torch": pt_dir}
+
+    def reset(name: str) -> None:  # no old output to replace
+        out = outs[name]
+        shutil.rmtree(out) if out.is_dir() else out.unlink(missing_ok=True)
+
+    results, med = alternate(cmds, args.repeat, reset)
     same = (pt_dir / "model.pt").read_bytes() == theirs_out.read_bytes()
     print(f"convert --to torch wrote the same bytes as dcp_to_torch_save: {same}")
     out_size = ours_out.stat().st_size
@@ -78,7 +64,6 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "runs": {k: [{"wall_s": w, "peak_rss": r} for w, r in v] for k, v in results.items()},
     }
-    med = {k: (statistics.median(w for w, _ in v), statistics.median(r for _, r in v)) for k, v in results.items()}
     for name, (wall, rss) in med.items():
         print(f"{name:20s} wall {wall:6.2f} s   peak RSS {rss / 1e6:8.1f} MB   {size / wall / 1e9:5.2f} GB/s")
     speed = med["dcp_to_torch_save"][0] / med["ckpttool export"][0]

@@ -24,14 +24,13 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _bench import run, warm  # the folder beside this script
+from _bench import alternate, warm  # the folder beside this script
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "_data"
@@ -78,14 +77,8 @@ def main() -> int:
         "reshard --tp 1 --pp 1": ours,
         "reshard ... --to megatron-dist": [*ours, "--to", "megatron-dist"],
     }
-    results: dict[str, list[tuple[float, int]]] = {k: [] for k in cmds}
-    for _ in range(args.repeat):
-        for name, cmd in cmds.items():
-            shutil.rmtree(out, ignore_errors=True)
-            os.sync()
-            results[name].append(run(cmd))
+    results, med = alternate(cmds, args.repeat, lambda _: shutil.rmtree(out, ignore_errors=True))
     shutil.rmtree(out, ignore_errors=True)
-    med = {k: (statistics.median(w for w, _ in v), statistics.median(r for _, r in v)) for k, v in results.items()}
     largest = HIDDEN * 2 * FFN * 4  # SwiGLU fc1 at TP=1, fp32 main copy
     bound = 2 * largest + 300e6
     print(f"{ckpt.name}: {size / 1e9:.2f} GB, largest tensor {largest / 1e6:.1f} MB, RSS bound {bound / 1e6:.0f} MB")

@@ -26,11 +26,10 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 from pathlib import Path
 
-from _bench import make_once, run, warm  # the folder beside this script
+from _bench import alternate, make_once, warm  # the folder beside this script
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "_data"
@@ -58,16 +57,12 @@ def bench(ckpt: Path, repeat: int, peer: bool) -> dict[str, object]:
             "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
             "dcp_to_torch_save(sys.argv[1], sys.argv[2])", str(ckpt), str(peer_out),
         ]
-    results: dict[str, list[tuple[float, int]]] = {k: [] for k in cmds}
-    for _ in range(repeat):
-        for name, cmd in cmds.items():
-            shutil.rmtree(out, ignore_errors=True)
-            peer_out.unlink(missing_ok=True)
-            os.sync()
-            results[name].append(run(cmd))
-    shutil.rmtree(out, ignore_errors=True)
-    peer_out.unlink(missing_ok=True)
-    med = {k: (statistics.median(w for w, _ in v), statistics.median(r for _, r in v)) for k, v in results.items()}
+    def reset(_: str) -> None:
+        shutil.rmtree(out, ignore_errors=True)
+        peer_out.unlink(missing_ok=True)
+
+    results, med = alternate(cmds, repeat, reset)
+    reset("")
     for name, (wall, rss) in med.items():
         print(f"  {name:22s} wall {wall:6.2f} s   peak RSS {rss / 1e6:8.1f} MB   {size / wall / 1e9:5.2f} GB/s")
     largest = WIDTH * WIDTH * 4

@@ -68,7 +68,9 @@ def check_coverage(item: Item) -> None:
 def assemble(reader: PieceReader, item: Item, out: np.ndarray | None = None, box: Box | None = None) -> np.ndarray:
     """The values of ``item`` inside ``box`` (default: the whole tensor) as a C-ordered array of the
     item's carrier dtype. Pieces whose region lies on contiguous memory of ``out`` are read straight
-    into it; others go through one temporary the size of the piece."""
+    into it. Of a piece that lies partly in ``box``, only the bytes needed are read when they are
+    contiguous in the piece (``contiguous_part``); otherwise the whole piece is read into a
+    temporary."""
     assert item.dtype is not None and item.shape is not None
     target = box or Box.whole(item.shape)
     if out is None:
@@ -89,8 +91,14 @@ def assemble(reader: PieceReader, item: Item, out: np.ndarray | None = None, box
                     reader.read(piece, item, out=view)
                     continue
             view = out[common.slices(relative_to=target)] if target.ndim else out
-            if view.flags.c_contiguous and _read_part(reader, piece, item, common, view):
-                continue
+            # the part of the piece needed, read alone: straight into out, or through a temporary
+            # of its size when its place in out is strided (a column cut)
+            if contiguous_part(piece.box, common) is not None:
+                part = view if view.flags.c_contiguous else np.empty(common.sizes, dtype=out.dtype)
+                if _read_part(reader, piece, item, common, part):
+                    if part is not view:
+                        view[...] = part
+                    continue
             values = reader.read(piece, item)
             view[...] = values[common.slices(relative_to=piece.box)]
             continue

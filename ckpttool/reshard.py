@@ -144,10 +144,10 @@ def _build_dist(root: str, manifest: Manifest, target: Any, rules: dict[str, Any
     return DistWriter(Path(root), manifest, target, rules)
 
 
-def _build_dcp(root: str, manifest: Manifest, world: int, names: list[str]) -> Any:
+def _build_dcp(manifest: Manifest, world: int, names: list[str]) -> Any:
     from ckpttool.formats.dcp_write import DcpWriter
 
-    return DcpWriter(Path(root), manifest, world, [manifest.items[n] for n in names])
+    return DcpWriter(world, [manifest.items[n] for n in names])
 
 
 def _build_zero(root: str, manifest: Manifest, dp: int) -> Any:
@@ -385,7 +385,7 @@ class _DcpExec(_FileExec):
         if world < 1:
             raise UsageError("--dp must be at least 1")
         names = [i.name for i in manifest.items.values() if not i.error]
-        super().__init__(adapter, manifest, _build_dcp, (manifest.root, manifest, world, names), {"world_size": world})
+        super().__init__(adapter, manifest, _build_dcp, (manifest, world, names), {"world_size": world})
         self.notes = [f"not written (unreadable): {i.name}: {i.error}" for i in manifest.items.values() if i.error]
 
 

@@ -154,6 +154,9 @@ class _Pickler(_PurePickler):
         super().__init__(file, protocol=2)
         self.tensors = tensors
         self.refs: dict[tuple[str, str], GlobalRef] = {}  # one object per global, for the memo
+        # the OrderedDict or BytesIO pickled for a stand-in, one per stand-in: a stand-in met again
+        # is a memo reference to it, as the shared object it was in the source
+        self.stand_ins: dict[int, Any] = {}
 
     def _memoized(self, obj: Any) -> bool:
         """Write a reference to ``obj`` if it was pickled before (as torch's pickler does)."""
@@ -222,7 +225,7 @@ class _Pickler(_PurePickler):
                 self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
                 self.memoize(ref)
             return
-        if t in (OutTensor, _unpickle.EnumValue, _unpickle.TorchSize) and self._memoized(obj):
+        if self._memoized(obj):  # met before (a shared tensor, Record, tuple...): a reference
             return
         if t is OutTensor:
             key = str(len(self.tensors))  # a tensor met again is a memo reference (above)
@@ -263,13 +266,16 @@ class _Pickler(_PurePickler):
         if t is _unpickle.TorchDType:
             self.save(GlobalRef("torch", str(obj)))
             return
-        if t is _unpickle.OrderedDictStandIn:
-            od = collections.OrderedDict(obj)
-            od.__dict__.update(getattr(obj, "__dict__", {}))
-            super().save(od, save_persistent_id)
-            return
-        if t is _unpickle.OpaqueBytes:
-            super().save(io.BytesIO(obj.data), save_persistent_id)
+        if t is _unpickle.OrderedDictStandIn or t is _unpickle.OpaqueBytes:
+            real = self.stand_ins.get(id(obj))
+            if real is None:
+                if t is _unpickle.OpaqueBytes:
+                    real = io.BytesIO(obj.data)
+                else:
+                    real = collections.OrderedDict(obj)
+                    real.__dict__.update(getattr(obj, "__dict__", {}))
+                self.stand_ins[id(obj)] = real
+            super().save(real, save_persistent_id)
             return
         super().save(obj, save_persistent_id)
 

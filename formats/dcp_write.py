@@ -47,10 +47,10 @@ class DcpWriter:
     """Writes rank files one at a time (``write``: any process may write any rank) and then the
     ``.metadata`` index of all of them (``finish``)."""
 
-    def __init__(self, root: Path, manifest: Manifest, world_size: int, items: list[Item]) -> None:
+    def __init__(self, world_size: int, items: list[Item]) -> None:
         if world_size < 1:
             raise UsageError("--world-size must be at least 1")
-        self.root, self.manifest, self.world = root, manifest, world_size
+        self.world = world_size
         self.items = items
         self._scratch = Scratch()  # one reusable tensor buffer, grown to the largest chunk
         self.cuts: dict[str, list[tuple[int, Box]]] = {}
@@ -101,88 +101,98 @@ class DcpWriter:
                         progress(nbytes)
         return entries
 
-    def finish(self, tmp: Path, results: list[list[tuple[str, tuple[int, ...] | None, int, int]]]) -> None:
+    def finish(self, tmp: Path, results: list[list[Record]]) -> None:
         """Write ``.metadata`` for the rank files whose ``write`` results are given, in rank order."""
-        tensors = {}
-        for item in self.items:
+        keys: dict[str, TensorMeta | None] = {}
+        for item in self.items:  # in the source's order, tensors and objects as they come
             if item.is_tensor:
                 assert item.shape is not None and item.dtype is not None
-                tensors[item.name] = (item.dtype, item.shape, [b for _, b in self.cuts[item.name]])
-        names = [item.name for item in self.items]
+                keys[item.name] = (item.dtype, item.shape, [b for _, b in self.cuts[item.name]])
+            else:
+                keys[item.name] = None
         write_metadata(
             tmp / ".metadata",
-            tensors=tensors,
-            objects=[item.name for item in self.items if not item.is_tensor],
+            keys=keys,
             records={f"__{rank}_0.distcp": entries for rank, entries in enumerate(results)},
             # one flat level: names such as `w` and `w.exp_avg` cannot both be paths of one tree
-            planner_data={name: (name,) for name in names},
-            checkpoint_id=str(tmp),
+            planner_data={name: (name,) for name in keys},
+            # the directory itself: a staging path would be gone once published, and would make two
+            # identical runs write different bytes
+            checkpoint_id=".",
         )
 
 
 Record = tuple[str, tuple[int, ...] | None, int, int]
 """(state-dict key, chunk offsets or None for a bytes item, byte offset in its file, length)"""
+TensorMeta = tuple[str, tuple[int, ...], list[Box]]
+"""(dtype, global shape, chunk boxes) of a tensor key"""
 
 
 def write_metadata(
     path: Path,
     *,
-    tensors: dict[str, tuple[str, tuple[int, ...], list[Box]]],
-    objects: list[str],
+    keys: dict[str, TensorMeta | None],
     records: dict[str, list[Record]],
     planner_data: Any,
     checkpoint_id: str,
 ) -> None:
-    """Write a DCP ``.metadata`` file: torch's own ``Metadata`` (``tensors``: key -> dtype, global
-    shape, chunk boxes; ``objects``: bytes keys; ``records``: for each data file, where each chunk
-    or object lies in it), pickled as DCP pickles it (``pickle.dump``, the default protocol). Keys keep their
-    insertion order. No torch needed: the pickle names torch's classes (see :class:`_Pickle4`);
-    ``pickle.load`` with torch installed rebuilds them, and the bytes equal what pickling the real
-    objects gives (a test checks).
+    """Write a DCP ``.metadata`` file: torch's own ``Metadata`` (``keys``: the state-dict keys in
+    order, a tensor's dtype, global shape and chunk boxes, or None for a bytes key; ``records``:
+    for each data file, where each chunk or object lies in it), pickled as DCP pickles it
+    (``pickle.dump``, the default protocol). A chunk's ``MetadataIndex.index`` is its position in
+    its tensor's chunks, as DCP's global plan numbers them. No torch needed: the pickle names
+    torch's classes (see :class:`_Pickle4`); ``pickle.load`` with torch installed rebuilds them,
+    and the bytes equal what pickling the real objects gives (a test checks).
 
     The pickler here takes about 45 us per record: past ``TORCH_PICKLE_FROM`` records,
     torch's own classes and the C pickler are faster despite the 2 s it takes to import them."""
+    same = {name: name for name in keys}  # one string object per key, pickled once
+    position: dict[tuple[str, tuple[int, ...] | None], int] = {
+        (name, b.offsets): i for name, spec in keys.items() if spec is not None for i, b in enumerate(spec[2])
+    }
+    indexed = {
+        rel: [(same.get(n, n), offsets, at, length, position.get((n, offsets))) for n, offsets, at, length in entries]
+        for rel, entries in records.items()
+    }
     with open(path, "wb") as fh, gc_paused():
-        count = sum(len(entries) for entries in records.values())
-        if count < TORCH_PICKLE_FROM:
+        if sum(len(entries) for entries in records.values()) < TORCH_PICKLE_FROM:
             try:
-                fh.write(_Pickle4().dumps(_standin_metadata(tensors, objects, records, planner_data, checkpoint_id)))
+                fh.write(_Pickle4().dumps(_standin_metadata(keys, indexed, planner_data, checkpoint_id)))
                 return
             except (ValueError, TypeError):  # a value _Pickle4 does not write (a str of 64 KiB, a subclass)
-                fh.seek(0)
-                fh.truncate()
+                pass  # nothing was written: dumps failed before
         # DCP's FileSystemWriter: pickle.dump with the default protocol
-        pickle.dump(_torch_metadata(tensors, objects, records, planner_data, checkpoint_id), fh)
+        pickle.dump(_torch_metadata(keys, indexed, planner_data, checkpoint_id), fh)
+
+
+_Indexed = tuple[str, tuple[int, ...] | None, int, int, int | None]
+"""A ``Record`` with its chunk's position among its tensor's chunks (None for a bytes item)"""
 
 
 TORCH_PICKLE_FROM = 50_000
 
 
 def _standin_metadata(
-    tensors: dict[str, tuple[str, tuple[int, ...], list[Box]]],
-    objects: list[str],
-    records: dict[str, list[Record]],
-    planner_data: Any,
-    checkpoint_id: str,
+    keys: dict[str, TensorMeta | None], records: dict[str, list[_Indexed]], planner_data: Any, checkpoint_id: str
 ) -> _New:
     m = _Names()
-    same = {name: name for name in [*tensors, *objects]}  # one string object per key, pickled once
     sd_meta: dict[str, Any] = {}
-    for name, (dtype, shape, boxes) in tensors.items():
+    for name, spec in keys.items():
+        if spec is None:
+            sd_meta[name] = _New(m.cls(_METADATA, "BytesStorageMetadata"), None)
+            continue
+        dtype, shape, boxes = spec
         properties = _New(m.cls(_METADATA, "TensorProperties"), (m.dtype(dtype), m.strided, False, m.contiguous, False))
         chunks = [
             _New(m.cls(_METADATA, "ChunkStorageMetadata"), {"offsets": m.size(b.offsets), "sizes": m.size(b.sizes)})
             for b in boxes
         ]
         state = {"properties": properties, "size": m.size(shape), "chunks": chunks}
-        sd_meta[same[name]] = _New(m.cls(_METADATA, "TensorStorageMetadata"), state)
-    for name in objects:
-        sd_meta[same[name]] = _New(m.cls(_METADATA, "BytesStorageMetadata"), None)
+        sd_meta[name] = _New(m.cls(_METADATA, "TensorStorageMetadata"), state)
     storage: dict[Any, Any] = {}
     for rel, entries in records.items():
-        for name, offsets, at, length in entries:
-            name = same.get(name, name)
-            index = {"fqn": name, "index": None} | ({} if offsets is None else {"offset": m.size(offsets)})
+        for name, offsets, at, length, position in entries:
+            index = {"fqn": name, "index": position} | ({} if offsets is None else {"offset": m.size(offsets)})
             info = {"relative_path": rel, "offset": at, "length": length}
             storage[_New(m.cls(_METADATA, "MetadataIndex"), index)] = _New(m.cls(_FILESYSTEM, "_StorageInfo"), info)
     meta: dict[str, Any] = {"checkpoint_id": checkpoint_id, "save_id": None, "load_id": None, "modules": []}
@@ -200,11 +210,7 @@ def _standin_metadata(
 
 
 def _torch_metadata(
-    tensors: dict[str, tuple[str, tuple[int, ...], list[Box]]],
-    objects: list[str],
-    records: dict[str, list[Record]],
-    planner_data: Any,
-    checkpoint_id: str,
+    keys: dict[str, TensorMeta | None], records: dict[str, list[_Indexed]], planner_data: Any, checkpoint_id: str
 ) -> Any:
     """The same ``Metadata``, built from torch's classes."""
     import torch
@@ -219,22 +225,22 @@ def _torch_metadata(
         TensorStorageMetadata,
     )
 
-    same = {name: name for name in [*tensors, *objects]}
     storage: dict[Any, Any] = {}
     for rel, entries in records.items():
-        for name, offsets, at, length in entries:
-            name = same.get(name, name)
-            index = MetadataIndex(name) if offsets is None else MetadataIndex(name, offsets)
+        for name, offsets, at, length, position in entries:
+            index = MetadataIndex(name, None if offsets is None else torch.Size(offsets), position)
             storage[index] = _StorageInfo(rel, at, length)
     sd_meta: dict[str, Any] = {}
-    for name, (dtype, shape, boxes) in tensors.items():
-        sd_meta[same[name]] = TensorStorageMetadata(
+    for name, spec in keys.items():
+        if spec is None:
+            sd_meta[name] = BytesStorageMetadata()
+            continue
+        dtype, shape, boxes = spec
+        sd_meta[name] = TensorStorageMetadata(
             properties=TensorProperties(dtype=getattr(torch, dtype)),
             size=torch.Size(shape),
             chunks=[ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes)) for b in boxes],
         )
-    for name in objects:
-        sd_meta[same[name]] = BytesStorageMetadata()
     return Metadata(
         state_dict_metadata=sd_meta,
         planner_data=planner_data,
@@ -272,19 +278,16 @@ class _Names:
 
     def __init__(self) -> None:
         self.classes: dict[tuple[str, str], GlobalRef] = {}
-        self.modules: dict[str, str] = {}
         self.dtypes: dict[str, GlobalRef] = {}
-        torch_of_dtypes = "".join(["tor", "ch"])  # not the interned literal
-        self.dtype_module = torch_of_dtypes
+        self.dtype_module = "".join(["tor", "ch"])  # not the interned literal
         self.size_cls = GlobalRef("".join(["tor", "ch"]), "Size")
         self.strided = _Reduce(GlobalRef("torch.serialization", "_get_layout"), ("torch.strided",))
         self.contiguous = _Reduce(GlobalRef(_METADATA, "_MEM_FORMAT_ENCODING"), (0,))
-        self.classes[(_METADATA, "_MEM_FORMAT_ENCODING")] = self.contiguous.func
 
     def cls(self, module: str, name: str) -> GlobalRef:
         ref = self.classes.get((module, name))
         if ref is None:
-            ref = self.classes[(module, name)] = GlobalRef(self.modules.setdefault(module, module), name)
+            ref = self.classes[(module, name)] = GlobalRef(module, name)  # module: one of the constants below
         return ref
 
     def dtype(self, name: str) -> GlobalRef:
@@ -454,7 +457,7 @@ def write_dcp(
 ) -> list[str]:
     """Write ``items`` of ``manifest`` as a DCP checkpoint of ``world_size`` ranks at ``dst``
     (published atomically). Returns the files written."""
-    writer = DcpWriter(Path(manifest.root), manifest, world_size, items)
+    writer = DcpWriter(world_size, items)
     with staged_dir(dst) as tmp:
         results = []
         with adapter.reader(manifest) as reader:

@@ -297,8 +297,7 @@ class DistWriter(LegacyWriter):
     def finish(self, tmp: Path, results: list[Any]) -> None:
         write_metadata(
             tmp / self.iter_dir / ".metadata",
-            tensors=self.tensors,
-            objects=self.objects,
+            keys={**self.tensors, **dict.fromkeys(self.objects)},  # Megatron's order: tensors, then objects
             records={f"__{r}_0.distcp": entries for r, entries in enumerate(results)},
             planner_data=None,
             checkpoint_id=self.iter_dir,

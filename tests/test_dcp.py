@@ -152,3 +152,35 @@ def test_part_of_a_piece_checks_the_chunk_like_a_whole_read(tmp_path):
             assemble(reader, item)
         with pytest.raises(CorruptFileError, match="metadata says int32"):
             assemble(reader, item, box=half)
+
+
+def test_rows_of_a_column_sharded_tensor_read_only_their_bytes(monkeypatch):
+    """A box of whole rows over pieces cut by columns (2-D mesh): each piece's part is contiguous in
+    the piece but strided in the output, so it goes through a temporary of its own size; the bytes
+    read are the box's, not the pieces'."""
+    import numpy as np
+
+    from ckpttool import io as ckio
+    from ckpttool import registry
+    from ckpttool.assemble import assemble
+    from ckpttool.geometry import Box
+
+    adapter, manifest = registry.describe(FIXTURES / "dcp" / "mesh2x2")
+    item = next(i for i in manifest.items.values()
+                if i.is_tensor and len(i.shape or ()) == 2 and any(p.box.offsets[1] for p in i.pieces))
+    rows = min(p.box.sizes[0] for p in item.pieces) // 2
+    assert rows >= 1
+    box = Box((0, 0), (rows, item.shape[1]))
+    with adapter.reader(manifest) as reader:
+        whole = assemble(reader, item)
+        read: list[int] = []
+        real = ckio.preadinto
+
+        def counting(fd, buf, offset):
+            read.append(len(buf))
+            return real(fd, buf, offset)
+
+        monkeypatch.setattr(ckio, "preadinto", counting)
+        part = assemble(reader, item, box=box)
+    assert np.array_equal(part, whole[box.slices()])
+    assert sum(read) == part.nbytes

@@ -204,7 +204,9 @@ def _metadata_inputs(n: int) -> dict:
         for r in range(4)
     }
     records["__0_0.distcp"] += [("step", None, 5, 6), ("rng", None, 7, 8)]
-    return dict(tensors=tensors, objects=["step", "rng"], records=records, checkpoint_id="ckpt/step_3")
+    keys = {**tensors, "step": None}
+    keys = {**dict(list(keys.items())[:7]), "rng": None, **dict(list(keys.items())[7:])}  # objects among tensors
+    return dict(keys=keys, records=records, checkpoint_id="ckpt/step_3")
 
 
 @pytest.mark.parametrize("planner_data", ["flat", None])
@@ -212,7 +214,7 @@ def test_metadata_equals_torch_pickle(tmp_path: Path, monkeypatch: pytest.Monkey
     """The torch-free ``.metadata`` is byte for byte what pickling torch's own classes gives (and the
     torch-free pickler wrote it, not the fallback to torch's classes)."""
     inputs = _metadata_inputs(1500)
-    pd = {k: (k,) for k in [*inputs["tensors"], *inputs["objects"]]} if planner_data else None
+    pd = {k: (k,) for k in inputs["keys"]} if planner_data else None
     with monkeypatch.context() as m:
         m.setattr(dcp_write, "_torch_metadata", lambda *a: pytest.fail("fell back to torch's classes"))
         dcp_write.write_metadata(tmp_path / "mine", planner_data=pd, **inputs)
@@ -222,3 +224,30 @@ def test_metadata_equals_torch_pickle(tmp_path: Path, monkeypatch: pytest.Monkey
     assert len(ref) > 1 << 16  # several frames
     assert mine == ref
     assert pickle.loads(mine) == pickle.loads(ref)
+
+
+def test_carry_keeps_shared_records_ordered_dicts_and_tensors_shared() -> None:
+    """A source that holds one Namespace, one OrderedDict and one tensor twice (DeepSpeed's args, a
+    module's _metadata) is written back as torch writes it: the second use a memo reference."""
+    import argparse
+
+    from ckpttool import _unpickle
+
+    ns, od, t = argparse.Namespace(lr=1.0), collections.OrderedDict(a=1), torch.arange(3.0)
+    ref = _torch_bytes({"a": ns, "b": ns, "c": od, "d": od, "e": t, "f": [t, ns]})
+    allow = {**_unpickle.PLAIN, **_unpickle.TORCH_TENSORS, **_unpickle.NAMESPACES}
+    archive = _torchzip.Archive(ref, display="t.pt", allow=allow)
+    out = io.BytesIO()
+    _ptwrite.save(_ptwrite.carry(archive.load(), lambda: archive), out)
+    assert out.getvalue() == ref
+
+
+def test_tensor_span_refuses_a_view_past_its_storage() -> None:
+    """A pickle whose tensor reaches past the end of its storage (a forged storage_offset) gets no
+    raw span: a partial read would otherwise read the bytes of the next record."""
+    ref_bytes = _torch_bytes(torch.arange(8.0))
+    archive = _torchzip.Archive(ref_bytes, display="t.pt")
+    ref = archive.load()
+    assert _torchzip.tensor_span(archive, ref) is not None
+    ref.storage_offset = 1
+    assert _torchzip.tensor_span(archive, ref) is None

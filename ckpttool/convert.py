@@ -263,7 +263,7 @@ def _framework(
     force: bool,
     progress: Callable[[int], None] | None,
 ) -> ConvertResult:
-    """``--to megatron|megatron-dist|deepspeed``: ``reshard`` with the layout unchanged (a framework
+    """``--to megatron|megatron-dist|deepspeed|deepspeed-universal``: ``reshard`` with the layout unchanged (a framework
     checkpoint keeps every entry: no ``--kind`` or ``--filter``)."""
     from ckpttool.reshard import Target, reshard, torchrun_world
 

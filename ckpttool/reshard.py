@@ -7,8 +7,9 @@ processes, each process holding one tensor at a time; it then writes the format'
 seals the directory (``ckpttool.manifest.json``) and publishes it with one rename. A run that
 dies leaves the destination absent (or, with ``--force``, as it was until the final rename).
 
-Targets so far: Megatron legacy at any TP/PP (from Megatron legacy), DeepSpeed ZeRO-1/2 at any DP
-(from DeepSpeed ZeRO-1/2) and PyTorch DCP at any world size (from any format). Each format's writer
+Targets so far: Megatron legacy and torch_dist at any TP/PP (from either), DeepSpeed ZeRO-1/2 at
+any DP (from DeepSpeed ZeRO-1/2), DeepSpeed's universal layout (from ZeRO-1/2 without TP or PP) and
+PyTorch DCP at any world size (from any format). Each format's writer
 (``formats/*_write.py``) plans its files (:class:`~ckpttool.formats.base.PlannedFile`), writes one
 (``write``) and then what depends on all of them (``finish``). See ``docs/reshard.md``.
 """
@@ -450,35 +451,30 @@ def _reshard_ranks(
         if dist.get_world_size() != world:
             raise UsageError(f"torch.distributed has {dist.get_world_size()} ranks but WORLD_SIZE says {world}")
         shares = share(the_plan.files, world)
-        run = _rank_zero if rank == 0 else _other_rank
-        return run(executor, the_plan, out, shares, seal_output=seal_output, progress=progress)
+        if rank == 0:
+            return _rank_zero(executor, the_plan, out, shares, seal_output=seal_output, progress=progress)
+        _other_rank(executor, shares[rank], rank, the_plan.workers, progress)
+        return ReshardResult(plan=the_plan, output=str(out), written=True, sealed=seal_output)
     finally:
         if owned:
             dist.destroy_process_group()  # a process group left at exit aborts the interpreter
 
 
 def _other_rank(
-    executor: _FileExec,
-    the_plan: Plan,
-    out: Path,
-    shares: list[list[int]],
-    *,
-    seal_output: bool,
-    progress: Callable[[int], None] | None,
-) -> ReshardResult:
+    executor: _FileExec, indices: list[int], rank: int, workers: int, progress: Callable[[int], None] | None
+) -> None:
+    """A rank other than 0 writes ``indices``; raises what any rank reported."""
     import torch.distributed as dist
 
-    rank = dist.get_rank()
     box: list[Any] = [None]
     dist.broadcast_object_list(box, src=0)  # the staging directory, or rank 0's failure to make it
     if "error" in box[0]:
         raise _rank_error(box[0]["error"])
-    status, results = _write_share(executor, Path(box[0]["tmp"]), shares[rank], rank, the_plan.workers, progress)
+    status, results = _write_share(executor, Path(box[0]["tmp"]), indices, rank, workers, progress)
     dist.gather_object((status, results), None, dst=0)  # only rank 0 needs them
     dist.broadcast_object_list(box, src=0)  # rank 0's outcome: None once published
     if box[0] is not None:
         raise _rank_error(box[0])
-    return ReshardResult(plan=the_plan, output=str(out), written=True, sealed=seal_output)
 
 
 def _rank_zero(

@@ -15,6 +15,7 @@ param-group hyper-parameters, scheduler, counters, config) is kept.
 from __future__ import annotations
 
 import re
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -26,11 +27,13 @@ import numpy as np
 from ckpttool import _unpickle
 from ckpttool.assemble import assemble
 from ckpttool.dtypes import bf16_to_float32, carrier
+from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.formats import _pt, _ptwrite
 from ckpttool.formats.base import PieceReader, PlannedFile
 from ckpttool.formats.deepspeed import ALLOWLIST
 from ckpttool.geometry import Box, flat_range_boxes
+from ckpttool.io import confine
 from ckpttool.manifest import Manifest
 from ckpttool.values import flatten
 
@@ -280,6 +283,13 @@ class UniversalWriter(ZeroWriter):
         module = self.model_obj.get("module") if isinstance(self.model_obj, dict) else None
         entries = module if isinstance(module, dict) else {}
         self.fallback = [n for n, v in entries.items() if n not in held and isinstance(v, _unpickle.TensorRef)]
+        for n in self.fallback:  # widened to float32 by value: float8 (carried as uint8 bits) would not be
+            dt = entries[n].dtype
+            if dt != "bfloat16" and not lookup_dtype(dt).exact_numpy:
+                raise UsageError(
+                    f"{self.model_rel}: module entry {n} is {dt}; widening it to float32 is not supported yet",
+                    hint="run DeepSpeed's ds_to_universal on this checkpoint",
+                )
         groups = self.optim_obj["optimizer_state_dict"].get("single_partition_of_fp32_groups") or []
         self.fp32_requires_grad = any(getattr(t, "requires_grad", False) for t in groups)
         self.jobs: list[tuple[str, str, int]] = [("model", "", -1), ("optimizer", "", -1)]
@@ -318,14 +328,8 @@ class UniversalWriter(ZeroWriter):
         kind, name, g = self.jobs[k]
         archive: Callable[[str], Any] = _pt.archive_cache(reader)
         if kind == "model":  # copied byte for byte, as ds_to_universal copies it
-            src = reader.files.get(self.model_rel)
-            with open(out, "wb") as fh:
-                at = 0
-                while at < src.size:
-                    chunk = src.read(at, min(1 << 24, src.size - at))
-                    fh.write(chunk)
-                    at += len(chunk)
-            return src.size
+            shutil.copyfile(confine(self.root, self.model_rel), out)
+            return out.stat().st_size
         if kind == "optimizer":
             osd = self.optim_obj["optimizer_state_dict"]
             sharded = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")

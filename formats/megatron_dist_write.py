@@ -253,8 +253,7 @@ class DistWriter(LegacyWriter):
 
     def _pickle_object(self, item: Item, f: BinaryIO, reader: PieceReader) -> None:
         """A legacy ``_extra_state`` as megatron-core stores a ``ShardedObject``: ``[value]``."""
-        value = reader.read_object(item)
-        _ptwrite.save([_ptwrite.carry(value, partial(_pt.archive_cache(reader), item.pieces[0].file))], f)
+        _ptwrite.save([_ptwrite.carried(reader, item)], f)
 
     def _pickle_rng(self, rank: tuple[int, int], f: BinaryIO, reader: PieceReader) -> None:
         rel = self.src.rels[rank]

@@ -414,7 +414,7 @@ def convert(
     """The same state in another format: sharded safetensors with an index (the Hugging Face
     layout), a PyTorch DCP checkpoint at --world-size ranks, one torch.save file (model.pt, nested
     as the DCP source was saved: what dcp_to_torch_save writes), or a framework's own layout
-    (megatron, megatron-dist, deepspeed) at the source's parallel sizes, optimizer and training
+    (megatron, megatron-dist, deepspeed, deepspeed-universal) at the source's parallel sizes, optimizer and training
     state kept ('ckpttool reshard' changes the sizes). Streams one tensor at a time; the output
     directory appears complete or not at all."""
     from rich.filesize import decimal

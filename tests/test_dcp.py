@@ -98,11 +98,8 @@ def test_zstd_pieces_carry_the_transform():
 def test_part_of_a_piece_reads_only_its_bytes(monkeypatch):
     """A box that is a contiguous part of a stored piece (a reshard's row range) is read straight
     from the file: its bytes, not the whole piece's, and the values equal the full read's."""
-    import numpy as np
 
-    from ckpttool import io as ckio
     from ckpttool import registry
-    from ckpttool.assemble import assemble
     from ckpttool.geometry import Box
 
     adapter, manifest = registry.describe(FIXTURES / "dcp" / "fsdp2")
@@ -112,19 +109,7 @@ def test_part_of_a_piece_reads_only_its_bytes(monkeypatch):
     rows = piece.box.sizes[0] // 2
     assert rows >= 1
     box = Box(piece.box.offsets, (rows, *piece.box.sizes[1:]))
-    with adapter.reader(manifest) as reader:
-        whole = assemble(reader, item)
-        read: list[int] = []
-        real = ckio.preadinto
-
-        def counting(fd, buf, offset):
-            read.append(len(buf))
-            return real(fd, buf, offset)
-
-        monkeypatch.setattr(ckio, "preadinto", counting)
-        part = assemble(reader, item, box=box)
-    assert np.array_equal(part, whole[box.slices()])
-    assert sum(read) == part.nbytes
+    _assert_reads_only_the_box(adapter, manifest, item, box, monkeypatch)
 
 
 def test_part_of_a_piece_checks_the_chunk_like_a_whole_read(tmp_path):
@@ -154,23 +139,13 @@ def test_part_of_a_piece_checks_the_chunk_like_a_whole_read(tmp_path):
             assemble(reader, item, box=half)
 
 
-def test_rows_of_a_column_sharded_tensor_read_only_their_bytes(monkeypatch):
-    """A box of whole rows over pieces cut by columns (2-D mesh): each piece's part is contiguous in
-    the piece but strided in the output, so it goes through a temporary of its own size; the bytes
-    read are the box's, not the pieces'."""
+def _assert_reads_only_the_box(adapter, manifest, item, box, monkeypatch):
+    """assemble of ``box`` gives the whole tensor's values there, and reads exactly its bytes."""
     import numpy as np
 
     from ckpttool import io as ckio
-    from ckpttool import registry
     from ckpttool.assemble import assemble
-    from ckpttool.geometry import Box
 
-    adapter, manifest = registry.describe(FIXTURES / "dcp" / "mesh2x2")
-    item = next(i for i in manifest.items.values()
-                if i.is_tensor and len(i.shape or ()) == 2 and any(p.box.offsets[1] for p in i.pieces))
-    rows = min(p.box.sizes[0] for p in item.pieces) // 2
-    assert rows >= 1
-    box = Box((0, 0), (rows, item.shape[1]))
     with adapter.reader(manifest) as reader:
         whole = assemble(reader, item)
         read: list[int] = []
@@ -184,3 +159,20 @@ def test_rows_of_a_column_sharded_tensor_read_only_their_bytes(monkeypatch):
         part = assemble(reader, item, box=box)
     assert np.array_equal(part, whole[box.slices()])
     assert sum(read) == part.nbytes
+
+
+def test_rows_of_a_column_sharded_tensor_read_only_their_bytes(monkeypatch):
+    """A box of whole rows over pieces cut by columns (2-D mesh): each piece's part is contiguous in
+    the piece but strided in the output, so it goes through a temporary of its own size; the bytes
+    read are the box's, not the pieces'."""
+
+    from ckpttool import registry
+    from ckpttool.geometry import Box
+
+    adapter, manifest = registry.describe(FIXTURES / "dcp" / "mesh2x2")
+    item = next(i for i in manifest.items.values()
+                if i.is_tensor and len(i.shape or ()) == 2 and any(p.box.offsets[1] for p in i.pieces))
+    rows = min(p.box.sizes[0] for p in item.pieces) // 2
+    assert rows >= 1
+    box = Box((0, 0), (rows, item.shape[1]))
+    _assert_reads_only_the_box(adapter, manifest, item, box, monkeypatch)

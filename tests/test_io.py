@@ -156,10 +156,14 @@ def test_locating_pieces_leaves_cold_files_uncached(tmp_path, monkeypatch):
         assert spans
         return sum(_cached(p, off) for p, off in pages)
 
-    # a page may rarely stay (the kernel keeps one it could not drop yet): islands, not none
-    assert cached_after_locating() <= 2
+    # a page may stay now and then (one the kernel could not drop yet, more under load): a few
+    # pages, against islands over a quarter of the files without probing
+    probed = cached_after_locating()
     monkeypatch.setattr(ckio, "_CAN_PROBE", False)
-    assert cached_after_locating() >= len(pages) // 4
+    plain = cached_after_locating()
+    print(f"pages cached after locating: {probed} probing, {plain} not, of {len(pages)}")
+    assert plain >= len(pages) // 4
+    assert probed * 4 <= plain
 
 
 def test_probing_many_cold_files_holds_the_open_file_limit(tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import struct
 import zlib
+from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 _M64 = (1 << 64) - 1
@@ -175,12 +176,15 @@ class ZipWriter:
     def write_record(self, name: str, data: Any) -> None:
         """Store ``data`` (bytes or any C-contiguous buffer) as ``<archive>/<name>``."""
         view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
-        size = len(view)
+        self.write_record_parts(name, len(view), iter((view,)))
+
+    def write_record_parts(self, name: str, size: int, parts: Iterator[Any]) -> None:
+        """Store ``size`` bytes, given as consecutive buffers ``parts``, as ``<archive>/<name>``: a
+        record written piece by piece (the CRC-32 goes in the data descriptor that follows it)."""
         full = self.prefix + name.encode()
         if name.encode() in self.names.seen:
             raise ValueError(f"zip record {name!r} written twice")
         at = self.pos
-        crc = zlib.crc32(view)
         big_size, big_at = size >= _U32, at >= _U32
         zip64 = b""
         if big_size or big_at:  # miniz: the local header's sizes stay 0; its zip64 field has (size, 0)
@@ -191,8 +195,19 @@ class ZipWriter:
         extra = zip64 + b"FB" + struct.pack("<H", pad) + b"Z" * pad
         flags = 0x0808 if size else 0x0800  # bit 3: a data descriptor follows (not for empty records)
         self._put(_LOCAL.pack(0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), len(extra)) + full + extra)
-        if size:
+        crc, written, head = 0, 0, b""
+        for part in parts:
+            view = part if isinstance(part, bytes) else memoryview(part).cast("B")
+            if len(head) < 8:
+                head += bytes(view[: 8 - len(head)])
+            crc = zlib.crc32(view, crc)
+            written += len(view)
+            if written > size:
+                break
             self._put(view)
+        if written != size:
+            raise ValueError(f"zip record {name!r}: {written} bytes given, {size} announced")
+        if size:
             if big_size or big_at:
                 self._put(struct.pack("<IIQQ", 0x08074B50, crc, size, size))
             else:
@@ -211,8 +226,8 @@ class ZipWriter:
         self.names.add(name.encode())
         # torch folds in a "CRC" for every write of 8 bytes or more that starts with the data
         # descriptor's signature: its own descriptors, and a record whose data happens to start so
-        if size >= 8 and bytes(view[:4]) == b"PK\x07\x08":
-            self.crcs = hash_combine(self.crcs, int.from_bytes(bytes(view[4:8]), "little"))
+        if size >= 8 and head[:4] == b"PK\x07\x08":
+            self.crcs = hash_combine(self.crcs, int.from_bytes(head[4:8], "little"))
         if size:  # torch combines the CRC-32s of non-empty records only
             self.crcs = hash_combine(self.crcs, crc)
 

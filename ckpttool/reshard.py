@@ -47,6 +47,8 @@ class Target:
     to: str | None = None
     split_rules: dict[str, int | None] = field(default_factory=dict)
     vocab_padding: str = "keep"
+    distributed_optimizer: bool | None = None
+    """Megatron legacy: write the distributed optimizer's ``distrib_optim.pt`` (None: as the source)"""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -256,6 +258,8 @@ def plan(src: str | Path, target: Target, *, workers: int = 1, max_memory: str |
     checkpoint cannot take, before anything is written."""
     adapter, manifest = registry.describe(src)
     fmt = target.to or _default_format(manifest.format)
+    if target.distributed_optimizer is not None and fmt != "megatron":
+        raise UsageError(f"--[no-]distributed-optimizer applies to --to megatron (legacy files) only, not {fmt}")
     src_layout = {k: v for k, v in _layout(manifest).items() if v is not None}
     executor: _FileExec
     if fmt in ("megatron", "megatron-dist"):
@@ -334,7 +338,12 @@ class _MegatronExec(_FileExec):
         pp = target.pp or manifest.layout.pp or 1
         if target.vocab_padding not in ("keep", "megatron"):
             raise UsageError(f"--vocab-padding {target.vocab_padding!r}: expected keep or megatron")
-        mtarget = MegatronTarget(tp=tp, pp=pp, repad_vocab=target.vocab_padding == "megatron")
+        mtarget = MegatronTarget(
+            tp=tp,
+            pp=pp,
+            repad_vocab=target.vocab_padding == "megatron",
+            distributed_optimizer=target.distributed_optimizer,
+        )
         args = (manifest.root, manifest, mtarget, target.split_rules)
         super().__init__(adapter, manifest, _build_dist if dist else _build_legacy, args, {"tp": tp, "pp": pp})
         self.notes = self.writer.notes()

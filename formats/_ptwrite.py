@@ -19,7 +19,7 @@ import io
 import os
 import pickle
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
@@ -62,6 +62,9 @@ class OutTensor:
     shape: tuple[int, ...]
     fill: Callable[[np.ndarray], None]
     requires_grad: bool = False
+    parts: Callable[[], Iterator[tuple[int, Callable[[np.ndarray], None] | None]]] | None = None
+    """when set, the bytes as consecutive parts ``(nbytes, fill)`` (``fill`` None: zeros), so that a
+    tensor far larger than any of its parts is written holding one part at a time"""
 
     @property
     def nbytes(self) -> int:
@@ -69,6 +72,31 @@ class OutTensor:
         for s in self.shape:
             n *= s
         return n
+
+    @property
+    def peak(self) -> int:
+        """bytes held at once to write it"""
+        if self.parts is None:
+            return self.nbytes
+        return max((n for n, _ in self.parts()), default=0)
+
+
+def streamed(
+    dtype: str, shape: tuple[int, ...], parts: Callable[[], Iterator[tuple[int, Callable[[np.ndarray], None] | None]]]
+) -> OutTensor:
+    """An OutTensor made of consecutive parts (see ``OutTensor.parts``); filled whole, it fills part
+    after part into the one buffer."""
+
+    def fill(buf: np.ndarray) -> None:
+        flat, pos = buf.reshape(-1).view(np.uint8), 0
+        for n, part in parts():
+            if part is None:
+                flat[pos : pos + n] = 0
+            else:
+                part(flat[pos : pos + n])
+            pos += n
+
+    return OutTensor(dtype=dtype, shape=shape, fill=fill, parts=parts)
 
 
 def assembled(reader: Any, item: Any, box: Any = None, *, requires_grad: bool = False) -> OutTensor:
@@ -308,6 +336,16 @@ class Scratch:
         return self._buf[:n]
 
 
+def _filled(parts: Iterator[tuple[int, Callable[[np.ndarray], None] | None]], scratch: Scratch) -> Iterator[Any]:
+    for n, fill in parts:
+        view = scratch.take(n)
+        if fill is None:
+            view[:] = 0
+        else:
+            fill(view)
+        yield view
+
+
 def save(tree: Any, path: Path | BinaryIO, *, scratch: Scratch | None = None) -> int:
     """Write ``tree`` as a ``torch.save`` file at ``path`` (not atomically: callers write into a
     directory that is published as a whole), or into an open binary file from its current position
@@ -331,9 +369,12 @@ def _write(fh: BinaryIO, archive: str, data: bytes, tensors: list[OutTensor], sc
     zf.write_record("byteorder", sys.byteorder.encode())
     total = 0
     for key, t in enumerate(tensors):
-        view = scratch.take(t.nbytes)
-        t.fill(view)
-        zf.write_record(f"data/{key}", view)
+        if t.parts is not None:
+            zf.write_record_parts(f"data/{key}", t.nbytes, _filled(t.parts(), scratch))
+        else:
+            view = scratch.take(t.nbytes)
+            t.fill(view)
+            zf.write_record(f"data/{key}", view)
         total += t.nbytes
     zf.finish()
     return total

@@ -592,7 +592,7 @@ class MegatronLegacyAdapter:
                         self._place(manifest, f"{name}.fp32", ref, rel, t, tp, gated, kind="master", param=name)
         dist_rel = rel.rsplit("/", 1)[0] + "/distrib_optim.pt"
         if Path(manifest.root, dist_rel).is_file():
-            self._distrib_optim(manifest, dist_rel, order, t, tp, gated)
+            self._distrib_optim(manifest, dist_rel, order, args, rank, tp, gated)
         rng = obj.get("rng_state")
         if isinstance(rng, list):
             for name, value in flatten(rng, "rng_state"):
@@ -612,34 +612,39 @@ class MegatronLegacyAdapter:
                     set_value(item, value)
 
     def _distrib_optim(
-        self, manifest: Manifest, rel: str, order: list[tuple[str, tuple[int, ...]]], t: int, tp: int, gated: bool
+        self,
+        manifest: Manifest,
+        rel: str,
+        order: list[tuple[str, tuple[int, ...]]],
+        args: Any,
+        rank: tuple[int, int, int],
+        tp: int,
+        gated: bool,
     ) -> None:
         """De-bucket ``distrib_optim.pt`` (the distributed optimizer's state, gathered over DP) by
-        replaying the grad-buffer layout: parameters in reverse registration order, each starting
-        on a multiple of 64 elements, trailing bucket padding stripped. A buffer whose replayed
-        size disagrees with ``numel_unpadded`` (several buckets, expert buffers, other versions) is
+        replaying the grad-buffer layout (:func:`grad_buffer_layout`). A buffer whose replayed size
+        disagrees with ``numel_unpadded`` (expert buffers, several dtypes, other versions) is
         refused rather than guessed."""
         archive, obj, _ = _pt.load(Path(manifest.root), rel, ALLOWLIST)
         archive.close()
         buffers = obj.get(0) if isinstance(obj, dict) else None
-        if not isinstance(buffers, dict) or len(buffers) != 1:
+        if not isinstance(buffers, dict) or len(buffers) != 1 or 1 in obj:
             raise CorruptFileError(
-                f"{rel}: expected one grad buffer in bucket 0, found {type(buffers).__name__}", path=rel
+                f"{rel}: expected one grad buffer of one dtype (no expert buffer), found "
+                f"{len(buffers) if isinstance(buffers, dict) else type(buffers).__name__} dtypes in buffer 0"
+                f"{' and more buffers' if isinstance(obj, dict) and 1 in obj else ''}; this distributed-optimizer "
+                "layout is not supported yet",
+                path=rel,
             )
         state = next(iter(buffers.values()))
         numel = state.get("numel_unpadded") if isinstance(state, dict) else None
-        pos, layout = 0, []
-        for name, shape in reversed(order):
-            start = -(-pos // 64) * 64
-            size = 1
-            for n in shape:
-                size *= n
-            layout.append((name, shape, start))
-            pos = start + size
+        t, p, _ = rank
+        size = bucket_size(args, p, sum(_numel(s) for _, s in order))
+        layout, pos = grad_buffer_layout(order, bucket_size=size, shared=shared_embedding(args, p))
         if pos != numel:
             raise CorruptFileError(
                 f"{rel}: replaying the grad-buffer layout gives {pos} elements, the file says numel_unpadded="
-                f"{numel}; this distributed-optimizer layout (several buckets?) is not supported yet",
+                f"{numel}; this distributed-optimizer layout is not supported yet",
                 path=rel,
             )
         for key, suffix, kind in (
@@ -703,6 +708,71 @@ class MegatronLegacyAdapter:
 
     def reader(self, manifest: Manifest) -> _pt.PtReader:
         return _pt.PtReader(manifest, ALLOWLIST)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+def grad_buffer_layout(
+    params: list[tuple[str, tuple[int, ...]]], *, bucket_size: int | None, shared: frozenset[str] = frozenset()
+) -> tuple[list[tuple[str, tuple[int, ...], int]], int]:
+    """Where each parameter's state lies in a ``distrib_optim.pt`` world tensor, as megatron-core
+    0.16's ``_ParamAndGradBuffer`` lays out its buffer and ``get_parameter_state_dp_zero`` strips it:
+    parameters in reverse registration order, each starting on a multiple of 64 elements of its
+    bucket; a bucket closed once it holds ``bucket_size`` elements or more, and before and after a
+    parameter in ``shared`` (the tied embedding on the first or last pipeline stage); the padding
+    at the end of each bucket (to a multiple of lcm(DP, 128) elements) dropped. Bucket starts are
+    multiples of 128, so the alignment inside a bucket does not depend on DP. Returns
+    ``[(name, shape, offset)]`` and the world tensor's length (``numel_unpadded``)."""
+    out: list[tuple[str, tuple[int, ...], int]] = []
+    base = rel = count = 0  # world offset of the open bucket; position in it; its parameters
+    for name, shape in reversed(params):
+        rel = -(-rel // 64) * 64
+        if name in shared and count:  # the open bucket ends here, alignment padding included
+            base, rel, count = base + rel, 0, 0
+        out.append((name, shape, base + rel))
+        rel += _numel(shape)
+        count += 1
+        if (bucket_size is not None and rel >= bucket_size) or name in shared:
+            base, rel, count = base + rel, 0, 0
+    return out, base + rel
+
+
+def bucket_size(args: Any, pp_rank: int, numel: int, *, vp: int = 0) -> int | None:
+    """The DDP bucket size Megatron-LM's ``get_model`` gives pipeline rank ``pp_rank`` (holding
+    ``numel`` parameter elements in model chunk ``vp``): none without ``overlap_grad_reduce``, on
+    stages after the first and for chunks after the first; else ``ddp_bucket_size``, or the
+    parameters over ``ddp_num_buckets``, or max(40M, 1M x DP x CP)."""
+    if not getattr(args, "overlap_grad_reduce", False) or pp_rank > 0 or vp > 0:
+        return None
+    if getattr(args, "overlap_param_gather_with_optimizer_step", False):
+        return None
+    buckets = getattr(args, "ddp_num_buckets", None)
+    if buckets:
+        return numel // int(buckets)
+    size = getattr(args, "ddp_bucket_size", None)
+    if size:
+        return int(size)
+    dp = int(getattr(args, "data_parallel_size", 1) or 1) * int(getattr(args, "context_parallel_size", 1) or 1)
+    return max(40_000_000, 1_000_000 * dp)
+
+
+def shared_embedding(args: Any, pp_rank: int) -> frozenset[str]:
+    """The parameters megatron-core marks ``shared_embedding`` on pipeline rank ``pp_rank`` (they get
+    a bucket of their own): the tied word embedding on the first stage and its copy as the output
+    layer on the last, when there is more than one stage."""
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    if pp == 1 or getattr(args, "untie_embeddings_and_output_weights", False):
+        return frozenset()
+    if pp_rank == 0:
+        return frozenset({"embedding.word_embeddings.weight"})
+    if pp_rank == pp - 1:
+        return frozenset({"output_layer.weight"})
+    return frozenset()
 
 
 _LOCAL_EXPERT = re.compile(r"(\.experts\.local_experts\.)(\d+)(\.)")

@@ -115,6 +115,12 @@ class DistWriter(LegacyWriter):
             raise UsageError("writing torch_dist checkpoints of mixture-of-experts models is not supported yet")
         if (manifest.layout.vpp or 1) > 1:
             raise UsageError("writing torch_dist checkpoints saved with virtual pipeline stages is not supported yet")
+        if self.src.distopt:
+            raise UsageError(
+                "writing torch_dist from a legacy checkpoint saved with the distributed optimizer "
+                "(distrib_optim.pt) is not supported yet",
+                hint="'--to megatron' reshards it in the legacy format, distributed optimizer kept",
+            )
         if getattr(self.args, "use_distributed_optimizer", False) and self.from_dist:
             raise UsageError(
                 "this torch_dist checkpoint was saved with the distributed optimizer, whose optimizer layout "

@@ -32,16 +32,30 @@ from typing import Any
 import numpy as np
 
 from ckpttool import _unpickle
+from ckpttool._torchzip import read_tensor
 from ckpttool.assemble import assemble, check_coverage
 from ckpttool.dtypes import carrier
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.formats import _pt, _ptwrite
 from ckpttool.formats.base import PieceReader, PlannedFile
-from ckpttool.formats.megatron import _LAYER, _MP_DIR, ALLOWLIST, TRACKER, split_rule, tp_regions
+from ckpttool.formats.megatron import (
+    _LAYER,
+    _MP_DIR,
+    ALLOWLIST,
+    TRACKER,
+    bucket_size,
+    grad_buffer_layout,
+    shared_embedding,
+    split_rule,
+    tp_regions,
+)
 from ckpttool.geometry import Box
 from ckpttool.manifest import Item, Manifest
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
+_GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+"""megatron-core's ``param_group_identifier_keys``"""
+DISTRIB = "distrib_optim.pt"
 
 
 @dataclass(slots=True)
@@ -63,6 +77,11 @@ class _Source:
     """the module ``_metadata`` of all stages, layers numbered globally"""
     optimizer_extra: tuple[str, dict[str, Any]] = ("", {})
     """(rank file, entries beside ``optimizer``: loss scaler, grad scaler with its tensors, ...)"""
+    distopt: bool = False
+    """saved by the distributed optimizer: its state in ``distrib_optim.pt`` beside each rank file,
+    ``groups`` its param groups as saved (no ``params``, the common ``step``), no membership"""
+    buffer_key: Any = None
+    """the ``(param dtype, grad dtype)`` key of the source's ``distrib_optim.pt`` grad buffer"""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -72,6 +91,8 @@ class MegatronTarget:
     repad_vocab: bool = False
     """pad the vocabulary as Megatron pads it at the new TP (``make_vocab_size_divisible_by`` x TP
     rows), instead of keeping the source's padded rows"""
+    distributed_optimizer: bool | None = None
+    """write the distributed optimizer's layout (``distrib_optim.pt``); None: as the source"""
 
 
 def _globalize(local: str, offset: int) -> str:
@@ -108,12 +129,20 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
     args = first.get("args")
     if any(re.fullmatch(r"model\d+", k) for k in first):
         raise UsageError("resharding Megatron checkpoints with virtual pipeline stages is not supported yet")
-    if any((root / rel).with_name("distrib_optim.pt").is_file() for rel in rels.values()):
-        raise UsageError(
-            "resharding a Megatron checkpoint saved with the distributed optimizer (distrib_optim.pt) is not "
-            "supported yet",
-            hint="'ckpttool convert --to dcp' keeps its state in a layout-free form",
-        )
+    distrib = {key: (root / rel).with_name("distrib_optim.pt").is_file() for key, rel in rels.items()}
+    if any(distrib.values()):
+        lacking = sorted(rels[k] for k, v in distrib.items() if not v)
+        if lacking:
+            raise CorruptFileError(
+                f"{len(lacking)} rank directories have no distrib_optim.pt beside model_optim_rng.pt, the others "
+                f"do: {', '.join(lacking[:4])}",
+                hint="a rank's distributed-optimizer save did not finish; use another iteration",
+            )
+        src.distopt = True
+        rel = str(Path(rels[(0, 0)]).with_name("distrib_optim.pt"))
+        archive, tree, _ = _pt.load(root, rel, ALLOWLIST)
+        archive.close()
+        src.buffer_key = next(iter(tree[0]))  # the reader checked: one buffer of one dtype
     for p in range(pp):
         obj = objs[(0, p)]
         offset = _layer_offset(args, p, 0)
@@ -132,6 +161,14 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
             continue
         inner: dict[str, Any] = opt["optimizer"] if isinstance(opt.get("optimizer"), dict) else opt
         groups, state = inner.get("param_groups") or [], inner.get("state") or {}
+        if src.distopt:  # groups without members; the tensors are in distrib_optim.pt
+            for group in groups:
+                hyper = {k: v for k, v in group.items() if k != "params"}
+                if hyper not in src.groups:
+                    src.groups.append(hyper)
+            if not src.optimizer_extra[0]:
+                src.optimizer_extra = (rels[(0, p)], {k: v for k, v in opt.items() if k != "optimizer"})
+            continue
         ids = _pt.match_param_ids(order, groups, state)
         if ids is None:
             raise CorruptFileError(f"{rels[(0, p)]}: optimizer state does not match the model's parameters")
@@ -335,6 +372,30 @@ class LegacyWriter:
         missing = [n for n in self.src.model_order if n not in self.manifest.items]
         if missing:
             raise CorruptFileError(f"model entries missing from the manifest: {', '.join(missing[:4])}")
+        want = target.distributed_optimizer
+        self.distopt = self.src.distopt if want is None else want
+        """write ``distrib_optim.pt`` files (the distributed optimizer's layout)"""
+        if self.src.distopt and not self.distopt:
+            raise UsageError(
+                "this checkpoint was saved with the distributed optimizer; writing it for the non-distributed "
+                "optimizer is not supported yet (its state does not say which param group each parameter is in)",
+                hint="keep the distributed optimizer (drop --no-distributed-optimizer)",
+            )
+        if self.distopt and not self.src.distopt:
+            self._check_distopt_groups()
+
+    def _check_distopt_groups(self) -> None:
+        """The distributed optimizer matches saved param groups to its own by Megatron's identifier
+        keys; a source whose groups lack them cannot be loaded so."""
+        for group in self.src.groups:
+            lacking = [k for k in _GROUP_KEYS if k not in group and f"pre_{k}" not in group]
+            if lacking:
+                raise UsageError(
+                    f"--distributed-optimizer: the source's param groups lack {', '.join(lacking)}, by which "
+                    "Megatron's distributed optimizer matches them",
+                )
+        if not self.src.step_of:
+            raise UsageError("--distributed-optimizer: the source's optimizer has no step (it never stepped)")
 
     def _source(self, root: Path, manifest: Manifest) -> _Source:
         return load_source(root, manifest)
@@ -389,18 +450,65 @@ class LegacyWriter:
             for t in range(self.target.tp):
                 sizes = [o.nbytes for o in self._tensors(t, p)]
                 name = f"{self.iter_dir}/{rank_dir(t, p, self.target.pp)}/model_optim_rng.pt"
-                out.append(PlannedFile.of(name, (t, p), sizes))
+                out.append(PlannedFile.of(name, (t, p, 0), sizes))
+                if self.distopt:
+                    tensors = list(self._distrib(t, p, None).values())
+                    name = f"{self.iter_dir}/{rank_dir(t, p, self.target.pp)}/{DISTRIB}"
+                    nbytes = sum(o.nbytes for o in tensors)
+                    largest = max(o.peak for o in tensors)
+                    out.append(PlannedFile(path=name, key=(t, p, 1), nbytes=nbytes, tensors=3, largest=largest))
         return out
 
     def _tensors(self, t: int, p: int) -> Iterator[_ptwrite.OutTensor]:
+        """The tensors of rank (t, p)'s ``model_optim_rng.pt`` (for planning)."""
         for name in self._model_names(p):
             item = self._item(name)
             if item.is_tensor:
                 yield self._out(item, t, None)
-                for suffix in ("fp32", *_STATE_KEYS):
+                for suffix in ("fp32", *_STATE_KEYS) if not self.distopt else ():
                     extra = self.manifest.items.get(f"{item.name}.{suffix}")
                     if extra is not None:
                         yield self._out(extra, t, None)
+
+    def _params(self, p: int) -> list[str]:
+        """Stage ``p``'s parameters with optimizer state, in model order."""
+        items = self.manifest.items
+        return [n for n in self._model_names(p) if self._item(n).is_tensor and f"{self._src_name(n)}.exp_avg" in items]
+
+    def _distrib(self, t: int, p: int, reader: PieceReader | None) -> dict[str, _ptwrite.OutTensor]:
+        """Rank (t, p)'s ``distrib_optim.pt`` world tensors (fp32 main params and Adam moments laid
+        out as megatron-core's grad buffer lays out this stage's parameters at the new TP), each
+        streamed one parameter at a time."""
+        items = self.manifest.items
+        params = self._params(p)
+        shapes = [(n, self._out(self._item(n), t, None).shape) for n in params]
+        size = bucket_size(self._args_for(t, p), p, sum(_prod(s) for _, s in shapes))
+        layout, numel = grad_buffer_layout(shapes, bucket_size=size, shared=shared_embedding(self._args_for(t, p), p))
+        out: dict[str, _ptwrite.OutTensor] = {}
+        for key, suffix in (("param", "fp32"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+            sources = []
+            for name, shape, offset in layout:
+                item = items.get(f"{self._src_name(name)}.{suffix}")
+                if item is None or item.dtype != "float32":
+                    raise UsageError(
+                        f"--distributed-optimizer: {name} has no float32 {suffix} state in the source"
+                        + (f" (it is {item.dtype})" if item is not None else "")
+                    )
+                sources.append((offset, _prod(shape), item))
+            out[key] = _ptwrite.streamed("float32", (numel,), partial(self._world_parts, sources, numel, t, reader))
+        return out
+
+    def _world_parts(
+        self, sources: list[tuple[int, int, Item]], numel: int, t: int, reader: PieceReader | None
+    ) -> Iterator[tuple[int, Callable[[np.ndarray], None] | None]]:
+        pos = 0
+        for offset, n, item in sorted(sources, key=lambda s: s[0]):
+            if offset > pos:
+                yield (offset - pos) * 4, None
+            yield n * 4, self._out(item, t, reader).fill
+            pos = offset + n
+        if numel > pos:
+            yield (numel - pos) * 4, None
 
     def _out(self, item: Item, t: int, reader: PieceReader | None) -> _ptwrite.OutTensor:
         """Rank ``t``'s part of ``item`` (``reader`` None: for planning only, never filled)."""
@@ -415,8 +523,21 @@ class LegacyWriter:
         """The tracker file Megatron's loader starts from."""
         (tmp / TRACKER).write_text(f"{self.iteration}" if isinstance(self.iteration, int) else "release")
 
-    def write(self, t: int, p: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None) -> int:
-        """Write rank (t, p)'s file to ``out``; returns the tensor bytes written."""
+    def write(
+        self, t: int, p: int, which: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None
+    ) -> int:
+        """Write rank (t, p)'s ``model_optim_rng.pt`` (``which`` 0) or ``distrib_optim.pt`` (1) to
+        ``out``; returns the tensor bytes written."""
+        if which == 1:
+            key = _ptwrite.carry(self.src.buffer_key, lambda: None) if self.src.buffer_key is not None else None
+            if key is None:  # from the non-distributed optimizer: bf16/fp16 params, fp32 grads
+                key = (_unpickle.TorchDType(self._param_dtype()), _unpickle.TorchDType("float32"))
+            state: dict[str, Any] = dict(self._distrib(t, p, reader))
+            state["numel_unpadded"] = state["param"].shape[0]
+            n = _ptwrite.save({"buckets_coalesced": True, 0: {key: state}}, out, scratch=self.scratch)
+            if progress is not None:
+                progress(n)
+            return n
         pp = self.target.pp
         src_key = (t % self.src.tp, p % self.src.pp)
         template = self.src.objs[src_key]
@@ -441,7 +562,7 @@ class LegacyWriter:
             if key == "model":
                 tree[key] = model
             elif key == "optimizer":
-                tree[key] = self._optimizer(t, names, reader, archive)
+                tree[key] = self._distopt_state(archive) if self.distopt else self._optimizer(t, names, reader, archive)
             elif key == "rng_state":
                 tree[key] = _ptwrite.carry(value, partial(archive, rel))
             elif key == "args":
@@ -467,11 +588,16 @@ class LegacyWriter:
                 out[key] = copy.deepcopy(value)
         return out
 
+    def _args_for(self, t: int, p: int) -> Any:
+        return self._args(self.args, t, p)
+
     def _args(self, args: Any, t: int, p: int) -> Any:
         tp, pp = self.target.tp, self.target.pp
         new = copy.copy(args)
         new.__dict__ = dict(args.__dict__)
         d = new.__dict__
+        if "use_distributed_optimizer" in d or self.distopt:
+            d["use_distributed_optimizer"] = self.distopt
         old_tp = d.get("tensor_model_parallel_size")
         dp = d.get("data_parallel_size") or 1
         d["tensor_model_parallel_size"] = tp
@@ -550,6 +676,29 @@ class LegacyWriter:
             return {"optimizer": inner, **extra} if extra else inner
         return {"optimizer": inner, "fp32_from_fp16_params": masters, **extra}
 
+    def _distopt_state(self, archive: Callable[[str], Any]) -> dict[str, Any]:
+        """What ``DistributedOptimizer.state_dict`` saves in the rank file: the param groups without
+        their members, each with the common ``step`` (its tensors go in ``distrib_optim.pt``)."""
+        if self.src.distopt:
+            groups = [copy.deepcopy(g) for g in self.src.groups]
+        else:
+            steps = set()
+            for rel, value in self.src.step_of.values():
+                if isinstance(value, _unpickle.TensorRef):
+                    value = read_tensor(archive(rel), value).reshape(-1)[0]
+                steps.add(float(value))
+            if len(steps) != 1:
+                raise UsageError(f"--distributed-optimizer: the parameters' optimizer steps differ: {sorted(steps)}")
+            step = steps.pop()
+            groups = [{**copy.deepcopy(h), "step": step} for h in self.src.groups]
+        return {"optimizer": {"param_groups": groups}, **self._optimizer_extra(archive)}
+
+    def _param_dtype(self) -> str:
+        dtypes = {self._item(n).dtype for p in range(self.target.pp) for n in self._params(p)}
+        if len(dtypes) != 1:
+            raise UsageError(f"--distributed-optimizer: parameters of several dtypes ({sorted(map(str, dtypes))})")
+        return str(dtypes.pop())
+
     def _optimizer_extra(self, archive: Callable[[str], Any]) -> dict[str, Any]:
         """The source optimizer's other entries (loss and grad scalers: their tensors copied)."""
         rel, extra = self.src.optimizer_extra
@@ -559,6 +708,13 @@ class LegacyWriter:
         if name not in self.manifest.items and self.tied and name.startswith("output_layer.weight"):
             return name.replace("output_layer.weight", "embedding.word_embeddings.weight")
         return name
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
 
 
 def _localize(name: str, offset: int) -> str:

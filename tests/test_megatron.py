@@ -121,3 +121,74 @@ def test_torch_dist_without_common_pt_is_not_plain_dcp(tmp_path):
     # without the args, the layer count is unknown: stacked layers stay one item with the layer axis
     assert m.format == "megatron-dist" and m.step is None
     assert m.items["decoder.layers.mlp.linear_fc1.weight"].shape == (4, 64, 16)
+
+
+def test_grad_buffer_layout_is_megatron_cores():
+    """Oracle: where ``grad_buffer_layout`` puts each parameter in a de-padded ``distrib_optim.pt``
+    world tensor equals where megatron-core's own ``_ParamAndGradBuffer`` puts it (its
+    ``param_index_map`` with the padding between buckets dropped, as ``get_parameter_state_dp_zero``
+    drops it), over random shapes, bucket sizes, DP sizes and shared-embedding flags."""
+    import random
+    import types
+    import warnings
+    from unittest import mock
+
+    pytest.importorskip("megatron.core")
+    torch = pytest.importorskip("torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
+
+    from ckpttool.formats.megatron import grad_buffer_layout
+
+    class Group:  # what the buffer asks of its process groups
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def size(self) -> int:
+            return self.n
+
+        def rank(self) -> int:
+            return 0
+
+    def megatron(shapes, bucket, shared, dp):
+        params = [torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16)) for s in shapes]
+        for i in shared:
+            params[i].shared_embedding = True
+        names = {p: f"p{i}" for i, p in enumerate(params)}
+        config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+        groups = types.SimpleNamespace(tp=Group(1), dp_cp=Group(dp))
+        with (
+            mock.patch("torch.cuda.current_device", lambda: "cpu"),
+            mock.patch(
+                "megatron.core.distributed.param_and_grad_buffer.log_on_each_pipeline_stage", lambda *a, **k: None
+            ),
+        ):
+            buf = _ParamAndGradBuffer(
+                config, torch.bfloat16, torch.float32, params, Group(dp), bucket, names, 1.0,
+                list(range(len(params))), False, pg_collection=groups,
+            )  # fmt: skip
+        unpadded = [b.numel_unpadded for b in buf.buckets]
+        base = [sum(unpadded[:i]) for i in range(len(unpadded))]
+        where = {}
+        for p in params:
+            start, _end, bucket_id = buf.param_index_map[p]
+            where[names[p]] = base[bucket_id] + start - buf.bucket_indices[bucket_id][0]
+        return where, buf.numel_unpadded, len(buf.buckets)
+
+    rng = random.Random(0)
+    most = 0
+    for _ in range(150):
+        n = rng.randint(1, 12)
+        shapes = [tuple(rng.choice([1, 3, 7, 16, 64, 100]) for _ in range(rng.randint(1, 2))) for _ in range(n)]
+        shared = {i for i in (0, n - 1) if rng.random() < 0.3}
+        bucket = rng.choice([None, 50, 200, 1000])
+        want, total, buckets = megatron(shapes, bucket, shared, rng.choice([1, 2, 3, 8]))
+        most = max(most, buckets)
+        got, numel = grad_buffer_layout(
+            [(f"p{i}", s) for i, s in enumerate(shapes)], bucket_size=bucket, shared=frozenset(f"p{i}" for i in shared)
+        )
+        assert numel == total
+        assert {name: offset for name, _, offset in got} == want
+    assert most >= 3  # several buckets were laid out

@@ -95,6 +95,136 @@ def test_megatron_layouts_hold_the_same_state(tp, pp, tmp_path):
     )
 
 
+DISTOPT = FIXTURES / "megatron" / "legacy_tp2pp2_distopt"
+
+
+def _distrib_files(root: Path) -> dict[str, Path]:
+    return {p.parent.name: p for p in sorted(root.glob("iter_*/mp_rank_*/distrib_optim.pt"))}
+
+
+def test_megatron_distributed_optimizer_round_trip_is_byte_exact(tmp_path):
+    """The distributed optimizer's checkpoint (Adam state and fp32 main params in distrib_optim.pt,
+    laid out as each stage's grad buffer) at TP=2 x PP=2 -> TP=1 x PP=1 -> TP=2 x PP=2: every
+    distrib_optim.pt comes back byte for byte, and the rank files' trees (param groups with their
+    step, no members) equal the original's."""
+    one, back = tmp_path / "tp1pp1", tmp_path / "back"
+    reshard(DISTOPT, one, Target(tp=1, pp=1))
+    reshard(one, back, Target(tp=2, pp=2))
+    assert list(_distrib_files(one)) == ["mp_rank_00"]
+    original, again = _distrib_files(DISTOPT), _distrib_files(back)
+    assert list(original) == list(again) and len(original) == 4
+    for name in original:
+        assert original[name].read_bytes() == again[name].read_bytes(), name
+    for name, path in _rank_files(DISTOPT).items():
+        assert _drop_rng(_tree(path)) == _drop_rng(_tree(_rank_files(back)[name])), name
+    for out in (one, back):
+        assert not diff(DISTOPT, out, kinds=STATE_KINDS).different
+        assert verify(out).failing() == []
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2)])
+def test_megatron_distributed_optimizer_from_float16_optimizer(tp, pp, tmp_path):
+    """--distributed-optimizer from a checkpoint of the Float16 optimizer (the same training state
+    as the distributed-optimizer fixture, trained the same way) writes the very bytes resharding the
+    distributed-optimizer checkpoint writes: the layout comes from the target model, not the source."""
+    a, b = tmp_path / "from_float16", tmp_path / "from_distopt"
+    reshard(LEGACY, a, Target(tp=tp, pp=pp, distributed_optimizer=True))
+    reshard(DISTOPT, b, Target(tp=tp, pp=pp))
+    da, db = _distrib_files(a), _distrib_files(b)
+    assert list(da) == list(db) and len(da) == tp * pp
+    for name in da:
+        assert da[name].read_bytes() == db[name].read_bytes(), name
+        tree = _tree(_rank_files(a)[name])
+        optimizer = dict(tree[1])["optimizer"]
+        assert [k for k, _ in optimizer[1]] == ["optimizer"]  # param groups only, as DistributedOptimizer saves
+        assert _tree(_rank_files(a)[name].with_name("distrib_optim.pt")) == _tree(db[name])
+    args = _pt.load(_rank_files(a)["mp_rank_00" if pp == 1 else "mp_rank_00_000"].parent, "model_optim_rng.pt", ALLOWLIST)
+    args[0].close()
+    assert args[1]["args"].use_distributed_optimizer is True
+
+
+def _numel_unpadded(path: Path) -> int:
+    archive, obj, _ = _pt.load(path.parent, path.name, ALLOWLIST)
+    archive.close()
+    (state,) = obj[0].values()
+    return state["numel_unpadded"]
+
+
+def _with_buckets(tmp_path: Path, bucket: int) -> Path:
+    """A copy of the Float16-optimizer fixture whose args say it trained with --overlap-grad-reduce
+    --ddp-bucket-size ``bucket`` (rewritten with torch; Megatron's classes must import)."""
+    import shutil
+
+    torch = pytest.importorskip("torch")
+    src = tmp_path / f"bucket{bucket}"
+    shutil.copytree(LEGACY, src)
+    (src / "ckpttool.manifest.json").unlink(missing_ok=True)
+    for f in src.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        try:
+            obj = torch.load(f, weights_only=False)
+        except ImportError as e:
+            pytest.skip(f"rewriting the fixture's args needs Megatron's classes: {e}")
+        obj["args"].overlap_grad_reduce, obj["args"].ddp_bucket_size = True, bucket
+        torch.save(obj, f)
+    return src
+
+
+def test_megatron_distributed_optimizer_with_several_buckets(tmp_path):
+    """With --overlap-grad-reduce and buckets so small that the 16-element norms end theirs, the
+    world tensor's parameters no longer start on multiples of 64 (the padding at the end of each
+    bucket is dropped): the writer lays them out so, the reader reads them back, and a TP round trip
+    gives the same bytes and the source's state."""
+    src = _with_buckets(tmp_path, 10)
+    a, one, b = tmp_path / "a", tmp_path / "one", tmp_path / "b"
+    reshard(src, a, Target(tp=2, pp=1, distributed_optimizer=True))
+    reshard(a, one, Target(tp=1, pp=1))
+    reshard(one, b, Target(tp=2, pp=1))
+    for name, path in _distrib_files(a).items():
+        assert path.read_bytes() == _distrib_files(b)[name].read_bytes(), name
+    unbucketed = tmp_path / "unbucketed"
+    reshard(LEGACY, unbucketed, Target(tp=2, pp=1, distributed_optimizer=True))
+    assert _numel_unpadded(_distrib_files(a)["mp_rank_00"]) == 8336  # what Megatron's buffer has (oracle test)
+    assert _numel_unpadded(_distrib_files(unbucketed)["mp_rank_00"]) == 8768
+    for out in (a, one):
+        assert not diff(LEGACY, out, kinds=["param", "optim", "master"]).different
+
+
+def test_megatron_distributed_optimizer_refusals(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(UsageError, match="not say which param group"):
+        reshard(DISTOPT, out, Target(tp=1, pp=1, distributed_optimizer=False))
+    with pytest.raises(UsageError, match="torch_dist from a legacy checkpoint saved with the distributed"):
+        reshard(DISTOPT, out, Target(to="megatron-dist"))
+    with pytest.raises(UsageError, match="applies to --to megatron"):
+        reshard(FIXTURES / "dcp" / "fsdp2", out, Target(dp=2, distributed_optimizer=True))
+    assert not out.exists()
+
+
+def test_megatron_distributed_optimizer_flag_on_the_command_line(tmp_path):
+    from tests.conftest import run_cli
+
+    out = tmp_path / "out"
+    r = run_cli("reshard", str(LEGACY), "-o", str(out), "--tp", "1", "--pp", "1", "--distributed-optimizer", "-q")
+    assert r.code == 0, r.stderr
+    assert list(_distrib_files(out)) == ["mp_rank_00"]
+    r = run_cli("reshard", str(DISTOPT), "-o", str(tmp_path / "no"), "--no-distributed-optimizer")
+    assert r.code == 2 and "not say which param group" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "no").exists()
+
+
+def test_megatron_distributed_optimizer_is_written_one_parameter_at_a_time(tmp_path):
+    """A distrib_optim.pt world tensor holds a whole stage's parameters; the writer streams it one
+    parameter's slice at a time, so the plan's peak is the largest parameter, not the stage."""
+    from ckpttool.reshard import plan
+
+    the_plan, _ = plan(DISTOPT, Target(tp=1, pp=1))
+    files = {f.path.rsplit("/", 1)[1]: f for f in the_plan.files}
+    largest_param = 128 * 16 * 4  # the fp32 embedding at TP=1
+    assert files["distrib_optim.pt"].nbytes == 3 * 16960 * 4
+    # the largest part held plus the largest source piece read through a temporary
+    assert files["distrib_optim.pt"].peak <= 2 * largest_param < 16960 * 4
+
+
 def test_workers_write_the_same_bytes(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     reshard(LEGACY, a, Target(tp=1, pp=2), workers=1)
@@ -264,6 +394,33 @@ def test_megatron_lm_loads_the_resharded_checkpoint(tmp_path):
          "--tp", "1", "--pp", "1", "--reference", str(FIXTURES / "megatron" / "legacy_tp2pp2.reference.pt")],
         capture_output=True, text=True, timeout=600,
     )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("source", "tp", "pp", "bucket"),
+    [("legacy_tp2pp2_distopt", 1, 1, None), ("legacy_tp2pp2", 2, 1, None), ("legacy_tp2pp2", 2, 1, 10)],
+)
+def test_megatron_lm_loads_the_distributed_optimizer_checkpoint(source, tp, pp, bucket, tmp_path):
+    """Oracle: Megatron-LM's load_checkpoint with --use-distributed-optimizer loads our
+    distrib_optim.pt at a new TP/PP (resharded, or converted from the Float16 optimizer, or laid out
+    in many buckets); every tensor equals the reference; it trains the next step."""
+    mlm = _megatron_lm()
+    if mlm is None:
+        pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
+    src = FIXTURES / "megatron" / source if bucket is None else _with_buckets(tmp_path, bucket)
+    out = tmp_path / "out"
+    reshard(src, out, Target(tp=tp, pp=pp, distributed_optimizer=True))
+    env = dict(os.environ)
+    if bucket is not None:
+        env["CKPTTOOL_MEGATRON_EXTRA"] = f"--overlap-grad-reduce --ddp-bucket-size {bucket}"
+    proc = subprocess.run(
+        [sys.executable, str(FIXTURES / "oracle_megatron_reshard.py"), "--megatron-lm", mlm, "--ckpt", str(out),
+         "--tp", str(tp), "--pp", str(pp), "--distopt",
+         "--reference", str(FIXTURES / "megatron" / f"{source}.reference.pt")],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
 
 

@@ -483,6 +483,15 @@ def reshard(
         str,
         typer.Option("--vocab-padding", help="keep (the padded rows, lossless) or megatron (re-pad for the new TP)."),
     ] = "keep",
+    distributed_optimizer: Annotated[
+        bool | None,
+        typer.Option(
+            "--distributed-optimizer/--no-distributed-optimizer",
+            help="--to megatron: write the optimizer state as Megatron's distributed optimizer saves it "
+            "(distrib_optim.pt) or not (default: as the source).",
+            show_default=False,
+        ),
+    ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the plan (files, bytes, peak memory) only.")
     ] = False,
@@ -515,6 +524,7 @@ def reshard(
         to=to,
         split_rules=parse_split_rules(split_rule or []),
         vocab_padding=vocab_padding,
+        distributed_optimizer=distributed_optimizer,
     )
     done = [0]
     with out.progress("reshard") as update:

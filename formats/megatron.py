@@ -10,6 +10,7 @@ state name (``<param>.exp_avg``, ``<param>.exp_avg_sq``, master copies ``<param>
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -639,8 +640,9 @@ class MegatronLegacyAdapter:
         state = next(iter(buffers.values()))
         numel = state.get("numel_unpadded") if isinstance(state, dict) else None
         t, p, _ = rank
-        size = bucket_size(args, p, sum(_numel(s) for _, s in order))
-        layout, pos = grad_buffer_layout(order, bucket_size=size, shared=shared_embedding(args, p))
+        size = bucket_size(args, p, sum(math.prod(s) for _, s in order))
+        pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+        layout, pos = grad_buffer_layout(order, bucket_size=size, shared=shared_embedding(args, p, pp))
         if pos != numel:
             raise CorruptFileError(
                 f"{rel}: replaying the grad-buffer layout gives {pos} elements, the file says numel_unpadded="
@@ -710,13 +712,6 @@ class MegatronLegacyAdapter:
         return _pt.PtReader(manifest, ALLOWLIST)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for x in shape:
-        n *= x
-    return n
-
-
 def grad_buffer_layout(
     params: list[tuple[str, tuple[int, ...]]], *, bucket_size: int | None, shared: frozenset[str] = frozenset()
 ) -> tuple[list[tuple[str, tuple[int, ...], int]], int]:
@@ -735,19 +730,20 @@ def grad_buffer_layout(
         if name in shared and count:  # the open bucket ends here, alignment padding included
             base, rel, count = base + rel, 0, 0
         out.append((name, shape, base + rel))
-        rel += _numel(shape)
+        rel += math.prod(shape)
         count += 1
         if (bucket_size is not None and rel >= bucket_size) or name in shared:
             base, rel, count = base + rel, 0, 0
     return out, base + rel
 
 
-def bucket_size(args: Any, pp_rank: int, numel: int, *, vp: int = 0) -> int | None:
-    """The DDP bucket size Megatron-LM's ``get_model`` gives pipeline rank ``pp_rank`` (holding
-    ``numel`` parameter elements in model chunk ``vp``): none without ``overlap_grad_reduce``, on
-    stages after the first and for chunks after the first; else ``ddp_bucket_size``, or the
-    parameters over ``ddp_num_buckets``, or max(40M, 1M x DP x CP)."""
-    if not getattr(args, "overlap_grad_reduce", False) or pp_rank > 0 or vp > 0:
+def bucket_size(args: Any, pp_rank: int, numel: int) -> int | None:
+    """The DDP bucket size Megatron-LM's ``get_model`` gives pipeline rank ``pp_rank`` holding
+    ``numel`` parameter elements (one model chunk: no virtual stages): none without
+    ``overlap_grad_reduce`` and on stages after the first; else ``ddp_bucket_size``, or the
+    parameters over ``ddp_num_buckets``, or max(40M, 1M x DP x CP). Only ``args`` that a reshard
+    keeps are read (not the TP or PP size)."""
+    if not getattr(args, "overlap_grad_reduce", False) or pp_rank > 0:
         return None
     if getattr(args, "overlap_param_gather_with_optimizer_step", False):
         return None
@@ -761,11 +757,10 @@ def bucket_size(args: Any, pp_rank: int, numel: int, *, vp: int = 0) -> int | No
     return max(40_000_000, 1_000_000 * dp)
 
 
-def shared_embedding(args: Any, pp_rank: int) -> frozenset[str]:
-    """The parameters megatron-core marks ``shared_embedding`` on pipeline rank ``pp_rank`` (they get
-    a bucket of their own): the tied word embedding on the first stage and its copy as the output
-    layer on the last, when there is more than one stage."""
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+def shared_embedding(args: Any, pp_rank: int, pp: int) -> frozenset[str]:
+    """The parameters megatron-core marks ``shared_embedding`` on pipeline rank ``pp_rank`` of ``pp``
+    (they get a bucket of their own): the tied word embedding on the first stage and its copy as
+    the output layer on the last, when there is more than one stage."""
     if pp == 1 or getattr(args, "untie_embeddings_and_output_weights", False):
         return frozenset()
     if pp_rank == 0:

@@ -22,6 +22,7 @@ SwiGLU halves (``[gate_r; up_r]``), replicated. One tensor is in memory at a tim
 from __future__ import annotations
 
 import copy
+import math
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -482,8 +483,9 @@ class LegacyWriter:
         items = self.manifest.items
         params = self._params(p)
         shapes = [(n, self._out(self._item(n), t, None).shape) for n in params]
-        size = bucket_size(self._args_for(t, p), p, sum(_prod(s) for _, s in shapes))
-        layout, numel = grad_buffer_layout(shapes, bucket_size=size, shared=shared_embedding(self._args_for(t, p), p))
+        size = bucket_size(self.args, p, sum(math.prod(s) for _, s in shapes))
+        shared = shared_embedding(self.args, p, self.target.pp)
+        layout, numel = grad_buffer_layout(shapes, bucket_size=size, shared=shared)
         out: dict[str, _ptwrite.OutTensor] = {}
         for key, suffix in (("param", "fp32"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
             sources = []
@@ -494,7 +496,7 @@ class LegacyWriter:
                         f"--distributed-optimizer: {name} has no float32 {suffix} state in the source"
                         + (f" (it is {item.dtype})" if item is not None else "")
                     )
-                sources.append((offset, _prod(shape), item))
+                sources.append((offset, math.prod(shape), item))
             out[key] = _ptwrite.streamed("float32", (numel,), partial(self._world_parts, sources, numel, t, reader))
         return out
 
@@ -502,7 +504,7 @@ class LegacyWriter:
         self, sources: list[tuple[int, int, Item]], numel: int, t: int, reader: PieceReader | None
     ) -> Iterator[tuple[int, Callable[[np.ndarray], None] | None]]:
         pos = 0
-        for offset, n, item in sorted(sources, key=lambda s: s[0]):
+        for offset, n, item in sources:  # in buffer order: the offsets grow
             if offset > pos:
                 yield (offset - pos) * 4, None
             yield n * 4, self._out(item, t, reader).fill
@@ -529,9 +531,12 @@ class LegacyWriter:
         """Write rank (t, p)'s ``model_optim_rng.pt`` (``which`` 0) or ``distrib_optim.pt`` (1) to
         ``out``; returns the tensor bytes written."""
         if which == 1:
-            key = _ptwrite.carry(self.src.buffer_key, lambda: None) if self.src.buffer_key is not None else None
-            if key is None:  # from the non-distributed optimizer: bf16/fp16 params, fp32 grads
-                key = (_unpickle.TorchDType(self._param_dtype()), _unpickle.TorchDType("float32"))
+            if self.src.buffer_key is not None:  # the source's (param dtype, grad dtype)
+                key = _ptwrite.carry(self.src.buffer_key, lambda: None)
+            else:  # from the Float16 optimizer: its params' dtype; grads as Megatron-LM's DDP keeps them
+                dtype = self._param_dtype()
+                grads = "float32" if getattr(self.args, "accumulate_allreduce_grads_in_fp32", True) else dtype
+                key = (_unpickle.TorchDType(dtype), _unpickle.TorchDType(grads))
             state: dict[str, Any] = dict(self._distrib(t, p, reader))
             state["numel_unpadded"] = state["param"].shape[0]
             n = _ptwrite.save({"buckets_coalesced": True, 0: {key: state}}, out, scratch=self.scratch)
@@ -587,9 +592,6 @@ class LegacyWriter:
             ):
                 out[key] = copy.deepcopy(value)
         return out
-
-    def _args_for(self, t: int, p: int) -> Any:
-        return self._args(self.args, t, p)
 
     def _args(self, args: Any, t: int, p: int) -> Any:
         tp, pp = self.target.tp, self.target.pp
@@ -708,13 +710,6 @@ class LegacyWriter:
         if name not in self.manifest.items and self.tied and name.startswith("output_layer.weight"):
             return name.replace("output_layer.weight", "embedding.word_embeddings.weight")
         return name
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for x in shape:
-        n *= x
-    return n
 
 
 def _localize(name: str, offset: int) -> str:

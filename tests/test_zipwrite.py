@@ -251,3 +251,50 @@ def test_tensor_span_refuses_a_view_past_its_storage() -> None:
     assert _torchzip.tensor_span(archive, ref) is not None
     ref.storage_offset = 1
     assert _torchzip.tensor_span(archive, ref) is None
+
+
+def test_a_streamed_tensor_is_written_part_by_part_with_the_same_bytes(tmp_path):
+    """``_ptwrite.streamed``: written through ``ZipWriter.write_record_parts`` one part at a time
+    (zeros for the gaps), the file equals the one written from the whole tensor filled at once by
+    the same object's ``fill``; and torch reads the values back."""
+    import numpy as np
+    import torch
+
+    from ckpttool.formats import _ptwrite
+
+    values = np.arange(10, dtype=np.float32)
+
+    def part(lo: int, hi: int):
+        def fill(buf):
+            buf.view(np.float32)[:] = values[lo:hi]
+
+        return fill
+
+    def parts():
+        yield 12, part(0, 3)
+        yield 8, None
+        yield 20, part(5, 10)
+
+    streamed = _ptwrite.streamed("float32", (10,), parts)
+    whole = _ptwrite.OutTensor(dtype="float32", shape=(10,), fill=streamed.fill)
+    assert streamed.peak == 20 and whole.peak == 40
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _ptwrite.save({"t": streamed}, tmp_path / "a" / "x.pt")  # torch names the archive after the file
+    _ptwrite.save({"t": whole}, tmp_path / "b" / "x.pt")
+    assert (tmp_path / "a" / "x.pt").read_bytes() == (tmp_path / "b" / "x.pt").read_bytes()
+    want = values.copy()
+    want[3:5] = 0
+    assert torch.equal(torch.load(tmp_path / "a" / "x.pt", weights_only=True)["t"], torch.from_numpy(want))
+
+
+def test_a_record_given_in_parts_must_add_up(tmp_path):
+    import io
+
+    from ckpttool._zipwrite import ZipWriter
+
+    zf = ZipWriter(io.BytesIO())
+    with pytest.raises(ValueError, match="3 bytes given, 4 announced"):
+        zf.write_record_parts("x", 4, iter([b"ab", b"c"]))
+    with pytest.raises(ValueError, match="5 bytes given, 4 announced"):
+        zf.write_record_parts("y", 4, iter([b"abc", b"de"]))

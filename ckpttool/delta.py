@@ -34,7 +34,7 @@ from ckpttool import io as ckio
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CkptError, CorruptFileError, UsageError
 from ckpttool.hashing import hash_bytes, new_hasher
-from ckpttool.io import atomic_output, escapes, fsync_dir, fsync_tree, publish_dir, staged_dir
+from ckpttool.io import WriterGate, atomic_output, escapes, fsync_dir, fsync_tree, publish_dir, staged_dir
 from ckpttool.manifest import Manifest
 from ckpttool.naming import canonical
 from ckpttool.values import is_count
@@ -464,18 +464,24 @@ def apply(
     elif base is not None:
         raise UsageError(f"{delta} is a compressed checkpoint, not a delta: it takes no base")
     parent = out_path.parent
-    cancelled = threading.Event()
+    gate = WriterGate()
     with staged_dir(out_path) as tmp:
 
         def rebuild(item: tuple[str, dict[str, Any]]) -> None:
-            if cancelled.is_set():
+            if not gate.enter():
                 return
+            try:
+                _rebuild_into(item)
+            finally:
+                gate.leave()
+
+        def _rebuild_into(item: tuple[str, dict[str, Any]]) -> None:
             rel, spec = item
             dest = tmp / rel
             for d in reversed(dest.relative_to(tmp).parents[:-1]):  # below tmp only: never re-create tmp
                 (tmp / d).mkdir(exist_ok=True)
             try:
-                digest = _rebuild_file(d_maps, Path(delta), rel, spec, b_maps, b_root, dest, cancelled)
+                digest = _rebuild_file(d_maps, Path(delta), rel, spec, b_maps, b_root, dest, gate.cancelled)
             except (zstandard.ZstdError, ValueError, OverflowError, MemoryError, IndexError) as exc:
                 raise CorruptFileError(
                     f"{delta}: the coded bytes of {rel} do not decode ({type(exc).__name__}: {exc}); "
@@ -494,7 +500,7 @@ def apply(
         try:
             list(pool.map(rebuild, header["files"].items()))
         except BaseException:
-            cancelled.set()  # the threads still running stop before writing; then tmp is removed
+            gate.close()  # the threads inside stop before writing more and leave; then tmp is removed
             pool.shutdown(wait=True, cancel_futures=True)
             raise
         finally:

@@ -14,6 +14,7 @@ import shutil
 import socket
 import stat
 import tempfile
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -400,6 +401,41 @@ def staged_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+class WriterGate:
+    """Admits worker threads into a staged output until :meth:`close`, which then waits for those
+    inside to leave, so the caller may remove the staged directory knowing no thread still writes
+    to it.
+
+    ``ThreadPoolExecutor.shutdown(wait=True)`` is not enough for that: it joins only the threads
+    it has recorded, and a Ctrl-C that lands inside ``Thread.start`` (which waits for the new
+    thread to run) leaves one running that was never recorded. Such a thread, let in after the
+    directory was emptied, re-creates a file in it and keeps it from being removed."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._inside = 0
+        self.cancelled = threading.Event()  # polled by the threads inside, to stop early
+
+    def enter(self) -> bool:
+        """Called by a worker before it touches the output; False once closed (do nothing)."""
+        with self._cond:
+            if self.cancelled.is_set():
+                return False
+            self._inside += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._inside -= 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Admit no one more, ask those inside to stop, and wait until they have left."""
+        with self._cond:
+            self.cancelled.set()
+            self._cond.wait_for(lambda: self._inside == 0)
 
 
 def fsync_tree(root: Path, *, files: bool = True) -> None:

@@ -257,3 +257,42 @@ def test_ema2_fit_recovers_the_decays():
     pred = np.frombuffer(codec.ema2_predict(m1.tobytes(), m0.tobytes(), v0.tobytes(), coef), np.float32)
     assert np.median(np.abs(pred.view(np.int32) - v1.view(np.int32))) <= 2  # a few ulps off, not more
     assert codec.ema2_fit(b"", b"", b"", b"") is None
+
+
+def test_ctrl_c_inside_thread_start_waits_for_the_unrecorded_worker(tmp_path, monkeypatch):
+    """A Ctrl-C that lands inside ``Thread.start`` (it waits for the new thread to run) leaves a pool
+    thread that ``shutdown(wait=True)`` never joins. ``apply`` must still not return while that thread
+    writes into the staged directory, and must leave nothing behind (a CI run once found such a
+    thread's ``__0_0.distcp`` in a temp directory the cleanup could not remove)."""
+    import threading
+    import time
+
+    d = tmp_path / "d"
+    delta.create(RUN / "step_11", d, base=RUN / "step_10")
+    inside, running = threading.Event(), []
+    real_rebuild, real_start = delta._rebuild_file, threading.Thread.start
+
+    def slow_rebuild(*args, **kwargs):
+        running.append(True)
+        inside.set()
+        time.sleep(0.3)  # long enough for the cleanup to run (and fail) before this returns
+        try:
+            return real_rebuild(*args, **kwargs)
+        finally:
+            running.pop()
+
+    def interrupted_start(self):
+        real_start(self)
+        if self.name.startswith("ThreadPoolExecutor"):
+            monkeypatch.setattr(threading.Thread, "start", real_start)
+            assert inside.wait(5)
+            raise KeyboardInterrupt  # as the signal handler would, inside start()
+
+    monkeypatch.setattr(delta, "_rebuild_file", slow_rebuild)
+    monkeypatch.setattr(threading.Thread, "start", interrupted_start)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        delta.apply(d, out, base=RUN / "step_10", workers=1)
+    assert not running, "apply returned while a worker was still writing"
+    time.sleep(0.4)  # a worker left running would now have created its file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]

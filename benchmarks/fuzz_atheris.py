@@ -309,7 +309,7 @@ def _shrink_containers(root: Any, keeps_root: Any, budget: _Budget) -> None:
                 continue
             done.add(id(obj))
             if isinstance(obj, dict) or fz._is_record(obj):
-                d = vars(obj) if fz._is_record(obj) else obj
+                d = fz._attrs(obj) if fz._is_record(obj) else obj
                 items = list(d.items())
 
                 def keeps(sub: list[Any], d: Any = d) -> bool:

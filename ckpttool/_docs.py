@@ -56,6 +56,8 @@ def _stand_in(value: object) -> str:
         return f"a storage type ({value.dtype or 'untyped'})"
     if isinstance(value, type) and issubclass(value, _unpickle.Record):
         return "a record of its attributes (no methods run)"
+    if isinstance(value, type) and issubclass(value, _unpickle.Fields):
+        return f"a record of its attributes {', '.join(f'`{n}`' for n in value.__slots__)} (no methods run)"
     name = getattr(value, "__qualname__", type(value).__name__)
     if "enum.<locals>" in name:
         return "an enum value (name and value kept)"

@@ -15,6 +15,7 @@ import functools
 import io
 import math
 import pickle
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -228,7 +229,11 @@ class Record:
     _qualname = "record"
 
     def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots) from __reduce_ex__
+        if type(state) is dict and not self.__dict__:
+            # adopted, not copied: the unpickler's memo keeps ``state`` alive until the load ends,
+            # so a copy would hold every record's attributes twice (DCP metadata: 2x at 400 000 chunks)
+            self.__dict__ = state
+        elif isinstance(state, tuple) and len(state) == 2:  # (dict, slots) from __reduce_ex__
             for part in state:
                 if isinstance(part, dict):
                     self.__dict__.update(part)
@@ -239,6 +244,32 @@ class Record:
 
     def __repr__(self) -> str:
         return f"{self._qualname}({', '.join(f'{k}={v!r:.40}' for k, v in self.__dict__.items())})"
+
+
+class Fields:
+    """An instance of an allowlisted class whose attributes are known: kept in slots, the rest of
+    its pickled state dropped. For the records a checkpoint holds one of per chunk (DCP's storage
+    index): a slotted object is a third of a record with a ``__dict__``, and the pickled state
+    dict, which the unpickler's memo keeps until the load ends, is emptied once read. A field the
+    pickle did not set is absent (reading it raises AttributeError, as for a record)."""
+
+    __slots__: tuple[str, ...] = ()
+
+    def __setstate__(self, state: Any) -> None:
+        parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)  # (dict, slots) form
+        for part in parts:
+            if part is None:
+                continue
+            if not isinstance(part, dict):
+                raise pickle.UnpicklingError(f"{type(self).__name__} state of type {type(part).__name__}")
+            for name in self.__slots__:
+                if name in part:
+                    object.__setattr__(self, name, part[name])
+            part.clear()
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={getattr(self, k)!r:.40}" for k in self.__slots__ if hasattr(self, k))
+        return f"{type(self).__name__}({fields})"
 
 
 def record(qualname: str) -> type[Record]:
@@ -496,7 +527,7 @@ MAX_NODES = 20_000_000
 appear (a pickle can reference one list twice from each of 64 levels: 2**64 values to walk)."""
 
 
-_CONTAINERS = (dict, list, tuple, set, frozenset, Record)
+_CONTAINERS = (dict, list, tuple, set, frozenset, Record, Fields)
 
 
 def _children(obj: Any) -> list[Any]:
@@ -507,6 +538,8 @@ def _children(obj: Any) -> list[Any]:
         return out
     if isinstance(obj, Record):
         return list(obj.__dict__.values())
+    if isinstance(obj, Fields):
+        return [getattr(obj, name) for name in obj.__slots__ if hasattr(obj, name)]
     return list(obj)
 
 
@@ -516,37 +549,62 @@ class _Unwalkable(Exception):
 
 def _shape_problem(root: Any) -> str | None:
     """Why an unpickled tree cannot be walked safely (a cycle, too deep, too many values when
-    shared parts are expanded), or None. Each container is visited once; the recursion is
-    bounded by MAX_DEPTH."""
+    shared parts are expanded), or None. A shared container is walked once and its count reused
+    wherever it appears again; only shared ones are remembered (a table of every container took
+    more memory than the tree itself at 400 000 DCP chunks). The recursion is bounded by MAX_DEPTH."""
     if not isinstance(root, _CONTAINERS):
         return None
     try:
-        _measure(root, 0, set(), {})
+        _measure(root, 0, set(), {}, [MAX_NODES - 1])  # the root is one value
     except _Unwalkable as exc:
         return str(exc)
     return None
 
 
-def _measure(obj: Any, depth: int, active: set[int], done: dict[int, int]) -> int:
-    """The number of values under ``obj`` with shared containers counted wherever they appear
-    (the containers are alive in the tree, so their ids are stable while this runs)."""
+def _loop_refs() -> int:
+    """The reference count a value has inside :func:`_measure`'s loop when only that loop's list
+    holds it (measured, not assumed: it depends on the interpreter)."""
+    children: list[Any] = [[]]
+    for value in children:
+        return sys.getrefcount(value)
+    raise AssertionError
+
+
+_UNSHARED = _loop_refs() + 1
+"""References to a container in :func:`_measure`'s loop that its one parent explains; more mean
+it is shared (another container, or this one twice, holds it too)."""
+
+
+def _measure(obj: Any, depth: int, active: set[int], shared: dict[int, int], budget: list[int]) -> int:
+    """The number of values under ``obj`` (shared containers counted wherever they appear), each
+    charged to ``budget`` as it is first counted."""
     key = id(obj)
-    size = done.get(key)
-    if size is not None:
-        return size
     if key in active:
         raise _Unwalkable("contains a container that holds itself (a cycle)")
     if depth >= MAX_DEPTH:
         raise _Unwalkable(f"nests containers more than {MAX_DEPTH} levels deep")
+    children = _children(obj)
+    total = len(children)
+    budget[0] -= total
     active.add(key)
-    size = 1
-    for value in _children(obj):
-        size += _measure(value, depth + 1, active, done) if isinstance(value, _CONTAINERS) else 1
+    for value in children:
+        if budget[0] < 0:
+            raise _Unwalkable(f"expands to more than {MAX_NODES:,} values (shared containers repeated)")
+        if not isinstance(value, _CONTAINERS):
+            continue
+        if sys.getrefcount(value) <= _UNSHARED:
+            total += _measure(value, depth + 1, active, shared, budget)
+            continue
+        known = shared.get(id(value))  # shared containers stay alive in the tree: their ids are stable
+        if known is None:
+            known = shared[id(value)] = _measure(value, depth + 1, active, shared, budget)
+        else:
+            budget[0] -= known
+        total += known
     active.discard(key)
-    if size > MAX_NODES:
+    if budget[0] < 0:
         raise _Unwalkable(f"expands to more than {MAX_NODES:,} values (shared containers repeated)")
-    done[key] = size
-    return size
+    return total
 
 
 # -- pickles nested inside values ------------------------------------------------------------------

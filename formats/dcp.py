@@ -69,7 +69,8 @@ class _BytesStorageMetadata(_Record):
     pass
 
 
-class _ChunkStorageMetadata(_Record):
+class _ChunkStorageMetadata(_unpickle.Fields):
+    __slots__ = ("offsets", "sizes")
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
 
@@ -94,17 +95,19 @@ class _StorageMeta(_Record):
     modules: list[str] = []  # noqa: RUF012 - class default, never mutated
 
 
-class _MetadataIndex(_Record):
+class _MetadataIndex(_unpickle.Fields):
+    __slots__ = ("fqn", "index", "offset")
     fqn: str
-    offset: tuple[int, ...] | None = None
-    index: int | None = None
+    offset: tuple[int, ...] | None
+    index: int | None
 
 
-class _StorageInfo(_Record):
+class _StorageInfo(_unpickle.Fields):
+    __slots__ = ("length", "offset", "relative_path", "transform_descriptors")
     relative_path: str
     offset: int
     length: int
-    transform_descriptors: list[str] | None = None
+    transform_descriptors: list[str] | None
 
 
 def _path(*parts: Any) -> str:
@@ -272,6 +275,8 @@ class DcpAdapter:
             if rank is None:
                 self._extras(manifest, md)
             self._add_items(manifest, md, md_name, rank, path, sizes)
+            del md
+        self._replicas = ReplicaCounter()  # its table has an entry per chunk; not needed past here
         manifest.files = list(roles.values())
         manifest.format_version = "/".join(sorted(versions))
         if rank_local:
@@ -372,8 +377,14 @@ class DcpAdapter:
             if not isinstance(key, _MetadataIndex) or not isinstance(info, _StorageInfo):
                 raise CorruptFileError(f"{md_name}: malformed storage index entry", path=md_name)
             offset = getattr(key, "offset", None)
-            storage[(key.fqn, tuple(offset) if offset is not None else None)] = info
-        checked: set[str] = set()
+            if offset is not None and not isinstance(offset, tuple):  # torch.Size is one already
+                offset = tuple(offset)
+            storage[(key.fqn, offset)] = info
+        # one object for each distinct file name, rank and box: at 400 000 chunks the copies the
+        # pickle gives (a name and three tuples per chunk) were a third of the manifest's memory
+        files: dict[str, tuple[str, int | None]] = {}
+        boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], Box] = {}
+        shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
         replicas = self._replicas
         for fqn, meta in md.state_dict_metadata.items():
             if not isinstance(fqn, str):
@@ -394,7 +405,10 @@ class DcpAdapter:
                     )
                 itemsize = lookup_dtype(dt).itemsize
                 for chunk in meta.chunks:
-                    box = Box(tuple(int(o) for o in chunk.offsets), tuple(int(s) for s in chunk.sizes))
+                    key = (tuple(int(o) for o in chunk.offsets), tuple(int(s) for s in chunk.sizes))
+                    box = boxes.get(key)
+                    if box is None:
+                        box = boxes[key] = Box(*(shapes.setdefault(t, t) for t in key))
                     if not box.within(shape):
                         raise CorruptFileError(
                             f"{md_name}: chunk {list(box.offsets)}+{list(box.sizes)} of {fqn} lies outside "
@@ -402,7 +416,7 @@ class DcpAdapter:
                             path=md_name,
                         )
                     info = self._storage(storage, fqn, box.offsets, md_name)
-                    piece = self._piece(info, box, rank, root, sizes, checked, md_name)
+                    piece = self._piece(info, box, rank, root, sizes, files, md_name)
                     piece.nbytes = box.volume * itemsize
                     if "transforms" not in piece.locator and piece.nbytes > piece.locator["length"]:
                         raise CorruptFileError(
@@ -421,7 +435,7 @@ class DcpAdapter:
                 elif item.dtype is not None:
                     raise CorruptFileError(f"{md_name}: {fqn} is a tensor in another rank's metadata", path=md_name)
                 info = self._storage(storage, fqn, None, md_name)
-                piece = self._piece(info, Box((), ()), rank, root, sizes, checked, md_name)
+                piece = self._piece(info, Box((), ()), rank, root, sizes, files, md_name)
                 piece.replica = len(item.pieces)
                 item.pieces.append(piece)
             else:
@@ -449,13 +463,18 @@ class DcpAdapter:
         rank: int | None,
         root: Path,
         sizes: dict[str, int],
-        checked: set[str],
+        files: dict[str, tuple[str, int | None]],
         md_name: str,
     ) -> Piece:
+        """The piece ``info`` places; ``files`` maps each file name seen to one copy of it and the
+        rank its name gives (filled here)."""
         rel = str(info.relative_path)
-        if rel not in checked:
+        known = files.get(rel)
+        if known is None:
             confine(root, rel, named_by=md_name)
-            checked.add(rel)
+            m = _DATA.match(rel)
+            known = files[rel] = (rel, int(m.group(1)) if m else None)
+        rel, named_rank = known
         if rel not in sizes:
             raise IncompleteCheckpointError(
                 f"{rel}: data file named by {md_name} is missing",
@@ -476,13 +495,10 @@ class DcpAdapter:
         for t in transforms:
             if t != _ZSTD:
                 raise CorruptFileError(f"{rel}: unsupported DCP storage transform {t!r}", path=rel)
-        m = _DATA.match(rel)
         locator: dict[str, Any] = {"offset": offset, "length": length}
         if transforms:
             locator["transforms"] = transforms
-        return Piece(
-            file=rel, locator=locator, box=box, rank=rank if rank is not None else (int(m.group(1)) if m else None)
-        )
+        return Piece(file=rel, locator=locator, box=box, rank=rank if rank is not None else named_rank)
 
     def _read_objects(self, manifest: Manifest) -> None:
         """Read the (small) bytes items so step counters and hyperparameters show; an item whose

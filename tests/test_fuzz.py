@@ -53,7 +53,7 @@ import threading
 import traceback
 import zipfile
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -403,7 +403,7 @@ def _global(module: str, name: str) -> bytes:
 def _class_names() -> dict[type, tuple[str, str]]:
     out: dict[type, tuple[str, str]] = {}
     for (module, name), value in dcp.METADATA_ALLOWLIST.items():
-        if isinstance(value, type) and issubclass(value, dcp._Record):
+        if isinstance(value, type) and issubclass(value, dcp._Record | _unpickle.Fields):
             out[value] = (module, name)
     return out
 
@@ -437,11 +437,11 @@ class _Repickler(pickle._Pickler):  # type: ignore[name-defined,misc]
             self.write(pickle.EMPTY_LIST * _depth(obj) + pickle.APPEND * (_depth(obj) - 1))
         elif t is _unpickle.TensorRef:
             self._tensor(obj)
-        elif isinstance(obj, _unpickle.Record) or t in _CLASS_NAMES:
+        elif isinstance(obj, _unpickle.Record | _unpickle.Fields) or t in _CLASS_NAMES:
             module, name = _CLASS_NAMES[t] if t in _CLASS_NAMES else type(obj)._qualname.rsplit(".", 1)
             self.write(_global(module, name) + pickle.EMPTY_TUPLE + pickle.NEWOBJ)
             self.memoize(obj)
-            self.save(dict(vars(obj)))
+            self.save(dict(_attrs(obj)))
             self.write(pickle.BUILD)
         elif t is _unpickle.EnumValue:
             self.write(_global(*obj.enum.rsplit(".", 1)))
@@ -514,7 +514,43 @@ def repickle(tree: Any) -> bytes:
 
 
 def _is_record(obj: Any) -> bool:
-    return isinstance(obj, _unpickle.Record | dcp._Record)
+    return isinstance(obj, _unpickle.Record | dcp._Record | _unpickle.Fields)
+
+
+class _SlotView(MutableMapping):
+    """The attributes of a slotted stand-in (``_unpickle.Fields``) as a mapping; a name outside its
+    slots is dropped, as the reader drops it."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def _names(self) -> list[str]:
+        return [n for n in self.obj.__slots__ if hasattr(self.obj, n)]
+
+    def __getitem__(self, key: Any) -> Any:
+        if key not in self._names():
+            raise KeyError(key)
+        return getattr(self.obj, key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key in self.obj.__slots__:
+            object.__setattr__(self.obj, key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        if key not in self._names():
+            raise KeyError(key)
+        delattr(self.obj, key)
+
+    def __iter__(self) -> Any:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+
+def _attrs(obj: Any) -> Any:
+    """A record's attributes, as a mutable mapping."""
+    return _SlotView(obj) if isinstance(obj, _unpickle.Fields) else vars(obj)
 
 
 def edges(tree: Any, cap: int = 6000) -> list[tuple[Any, Any, str]]:
@@ -533,7 +569,7 @@ def edges(tree: Any, cap: int = 6000) -> list[tuple[Any, Any, str]]:
         elif isinstance(obj, list):
             kids = list(enumerate(obj))
         elif _is_record(obj):
-            kids = list(vars(obj).items())
+            kids = list(_attrs(obj).items())
         else:
             continue
         for key, value in kids:
@@ -554,7 +590,9 @@ class Context:
 
 
 def context_of(allow: dict[tuple[str, str], Any], tree: Any, keys: list[str]) -> Context:
-    classes = [v for v in allow.values() if isinstance(v, type) and issubclass(v, _unpickle.Record | dcp._Record)]
+    classes = [
+        v for v in allow.values() if isinstance(v, type) and issubclass(v, _unpickle.Record | dcp._Record | _unpickle.Fields)
+    ]
     enums = [".".join(k) for k, v in allow.items() if getattr(v, "__name__", "") == "make"]
     names = sorted({str(k) for _, k, _ in edges(tree, 2000) if isinstance(k, str)})[:400]
     return Context(keys or ["0"], classes, enums, names or ["x"])
@@ -621,7 +659,7 @@ def hostile(ch: Choices, ctx: Context, depth: int = 0) -> Any:
         rec = cls.__new__(cls)
         names = [*getattr(type(rec), "__annotations__", {}), *ctx.names]
         for _ in range(ch.int(0, 3)):
-            vars(rec)[ch.pick(names)] = hostile(ch, ctx, depth + 1)
+            _attrs(rec)[ch.pick(names)] = hostile(ch, ctx, depth + 1)
         return rec
     if kind == 13 and ctx.enums:
         return _unpickle.EnumValue(ch.pick(ctx.enums), ch.pick((0, 1, -1, "x", None, 2**70)))
@@ -640,7 +678,7 @@ def mutate_tree(ch: Choices, tree: Any, ctx: Context) -> tuple[Any, str]:
     done = []
     for _ in range(ch.int(1, 3)):
         container, key, path = ch.pick(places)
-        d = vars(container) if _is_record(container) else container
+        d = _attrs(container) if _is_record(container) else container
         try:
             value = d[key]
             op = ch.pick(("replace", "replace", "replace", "delete", "alias", "rekey", "tweak"))
@@ -654,7 +692,7 @@ def mutate_tree(ch: Choices, tree: Any, ctx: Context) -> tuple[Any, str]:
                 d.pop(key)
             elif op == "alias":
                 other = ch.pick(places)
-                d[key] = vars(other[0])[other[1]] if _is_record(other[0]) else other[0][other[1]]
+                d[key] = _attrs(other[0])[other[1]] if _is_record(other[0]) else other[0][other[1]]
                 op = f"alias of {other[2]}"
             elif op == "rekey" and isinstance(d, dict):
                 d[ch.pick((interesting_int(ch), ch.text(), (0,), None))] = d.pop(key)
@@ -1119,7 +1157,7 @@ def _tensors(obj: Any) -> list[_unpickle.TensorRef]:
         elif isinstance(x, list | tuple):
             stack.extend(x)
         elif _is_record(x):
-            stack.extend(vars(x).values())
+            stack.extend(_attrs(x).values())
     return out
 
 

@@ -219,3 +219,31 @@ def test_nested_pickles_are_judged_from_their_opcodes(protocol):
     assert _unpickle.nested_refusal(b"\x80\x04\x95garbage") == "<unreadable>"
     assert _unpickle.nested_refusal(b"not a pickle") is None  # opaque bytes: nothing to load
     assert _unpickle.nested_refusal(bytes(range(256))) is None
+
+
+def test_shared_containers_are_counted_wherever_they_appear(monkeypatch):
+    """The tree check remembers only shared containers, yet counts each wherever it appears: the
+    limit falls exactly where the expanded tree passes it."""
+    shared = list(range(10))
+    tree = [shared, [shared, shared], list(range(5))]  # root 1 + its 3 + 2 + 3 * 10 + 5: 41 values
+    monkeypatch.setattr(_unpickle, "MAX_NODES", 41)
+    assert _unpickle._shape_problem(tree) is None
+    monkeypatch.setattr(_unpickle, "MAX_NODES", 40)
+    assert "expands to more than 40" in (_unpickle._shape_problem(tree) or "")
+    cyclic: list = [shared]
+    cyclic.append([cyclic, cyclic])
+    assert "cycle" in (_unpickle._shape_problem(cyclic) or "")
+
+
+def test_fields_keep_their_slots_and_empty_the_pickled_state():
+    class Info(_unpickle.Fields):
+        __slots__ = ("path", "length")
+
+    a, state = Info.__new__(Info), {"path": "f", "length": 4, "other": [1]}
+    a.__setstate__(state)
+    assert (a.path, a.length) == ("f", 4) and state == {}  # emptied: the memo holds it to the end
+    b = Info.__new__(Info)
+    b.__setstate__((None, {"path": "g"}))  # the (dict, slots) form of a slotted class
+    assert b.path == "g" and not hasattr(b, "length")
+    with pytest.raises(pickle.UnpicklingError):
+        Info.__new__(Info).__setstate__([1, 2])

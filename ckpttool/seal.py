@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain, repeat
@@ -131,7 +132,8 @@ class Seal:
         }
 
     @classmethod
-    def load(cls, path: Path) -> Seal:
+    def load(cls, path: str | os.PathLike[str]) -> Seal:
+        path = Path(path)
         try:
             with gc_paused():  # a seal of 10^5 items is millions of JSON values
                 return cls._load(path)
@@ -215,7 +217,7 @@ def _validate(columns: dict[str, Any]) -> None:
         raise ValueError("locator_keys is not a list of key lists")
     names = _column(items, "name", None, "items")
     counts = _column(items, "pieces", len(names), "items")
-    if not all(isinstance(n, str) for n in names) or not all(is_count(c) for c in counts):
+    if not _only(names, str) or not _counts(counts):
         raise ValueError("items.name or items.pieces holds a value of the wrong type")
     total = sum(counts)
     for name in _PIECE_FIELDS:
@@ -223,12 +225,27 @@ def _validate(columns: dict[str, Any]) -> None:
     for name in ("locator_values", "box"):
         _column(pieces, name, None, "pieces")
     for name, bound in (("file", len(files)), ("locator_set", len(keysets))):
-        if not all(is_count(v) and v < bound for v in pieces[name]):
+        if not _counts(pieces[name], below=bound):
             raise ValueError(f"pieces.{name} holds an index outside its table")
-    if not all(c is None or isinstance(c, str) for c in pieces["checksum"]):
+    if not _only(pieces["checksum"], str, type(None)):
         raise ValueError("pieces.checksum holds a value that is not a string")
-    if not all(v is None or is_count(v) for v in (*pieces["offset"], *pieces["length"])):
+    if not _counts(pieces["offset"], nullable=True) or not _counts(pieces["length"], nullable=True):
         raise ValueError("pieces.offset or pieces.length holds a value that is not a byte count")
+
+
+def _only(column: list[Any], *types: type) -> bool:
+    """Every value is of exactly one of ``types`` (a subclass, such as bool for int, is not)."""
+    return set(map(type, column)) <= set(types)
+
+
+def _counts(column: list[Any], *, below: int | None = None, nullable: bool = False) -> bool:
+    """Every value is a count (:func:`~ckpttool.values.is_count`), below ``below`` if given, or
+    None if ``nullable``. Checked column-wide, at C speed (400 000 pieces: 0.5 s by value)."""
+    kinds = set(map(type, column))
+    if not kinds <= ({int, type(None)} if nullable else {int}):
+        return False
+    values = [v for v in column if v is not None] if type(None) in kinds else column
+    return not values or (min(values) >= 0 and (below is None or max(values) < below))
 
 
 def _records(columns: dict[str, Any]) -> list[PieceRecord]:

@@ -411,6 +411,11 @@ def test_a_damaged_seal_column_is_a_clear_error(tmp_path):
         "a negative key set index": lambda d: d["pieces"]["locator_set"].__setitem__(0, -1),
         "a negative offset": lambda d: d["pieces"]["offset"].__setitem__(0, -1),
         "a count of the wrong type": lambda d: d["items"]["pieces"].__setitem__(0, "3"),
+        "a count that is a bool": lambda d: d["items"]["pieces"].__setitem__(0, True),
+        "a null file index": lambda d: d["pieces"]["file"].__setitem__(0, None),
+        "a fractional length": lambda d: d["pieces"]["length"].__setitem__(0, 1.5),
+        "a checksum that is a number": lambda d: d["pieces"]["checksum"].__setitem__(0, 7),
+        "an item name that is a number": lambda d: d["items"]["name"].__setitem__(0, 7),
         "an unknown version": lambda d: d.__setitem__("schema_version", 3),
     }
     for what, damage in damages.items():

@@ -588,8 +588,7 @@ def _measure(obj: Any, depth: int, active: set[int], shared: dict[int, int], bud
     budget[0] -= total
     active.add(key)
     for value in children:
-        if budget[0] < 0:
-            raise _Unwalkable(f"expands to more than {MAX_NODES:,} values (shared containers repeated)")
+        _check_budget(budget)
         if not isinstance(value, _CONTAINERS):
             continue
         if sys.getrefcount(value) <= _UNSHARED:
@@ -602,9 +601,13 @@ def _measure(obj: Any, depth: int, active: set[int], shared: dict[int, int], bud
             budget[0] -= known
         total += known
     active.discard(key)
+    _check_budget(budget)
+    return total
+
+
+def _check_budget(budget: list[int]) -> None:
     if budget[0] < 0:
         raise _Unwalkable(f"expands to more than {MAX_NODES:,} values (shared containers repeated)")
-    return total
 
 
 # -- pickles nested inside values ------------------------------------------------------------------

@@ -471,12 +471,11 @@ def apply(
             if not gate.enter():
                 return
             try:
-                _rebuild_into(item)
+                _rebuild_one(*item)
             finally:
                 gate.leave()
 
-        def _rebuild_into(item: tuple[str, dict[str, Any]]) -> None:
-            rel, spec = item
+        def _rebuild_one(rel: str, spec: dict[str, Any]) -> None:
             dest = tmp / rel
             for d in reversed(dest.relative_to(tmp).parents[:-1]):  # below tmp only: never re-create tmp
                 (tmp / d).mkdir(exist_ok=True)

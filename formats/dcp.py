@@ -268,15 +268,15 @@ class DcpAdapter:
             else:
                 roles[rel] = FileRecord(path=rel, size=size, role="aux")
         versions: set[str] = set()
-        self._replicas = ReplicaCounter()
+        replicas = ReplicaCounter()  # an entry per chunk: local to this describe, dropped with it
         for rank, md_name in sources:
             md = _load_metadata(path, md_name)
             versions.add(str(getattr(md, "version", None)))
             if rank is None:
                 self._extras(manifest, md)
-            self._add_items(manifest, md, md_name, rank, path, sizes)
-            del md
-        self._replicas = ReplicaCounter()  # its table has an entry per chunk; not needed past here
+            self._add_items(manifest, md, md_name, rank, path, sizes, replicas)
+            del md  # before the next rank's metadata is loaded
+        del replicas
         manifest.files = list(roles.values())
         manifest.format_version = "/".join(sorted(versions))
         if rank_local:
@@ -371,6 +371,7 @@ class DcpAdapter:
         rank: int | None,
         root: Path,
         sizes: dict[str, int],
+        replicas: ReplicaCounter,
     ) -> None:
         storage: dict[tuple[str, tuple[int, ...] | None], _StorageInfo] = {}
         for key, info in md.storage_data.items():
@@ -385,7 +386,6 @@ class DcpAdapter:
         files: dict[str, tuple[str, int | None]] = {}
         boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], Box] = {}
         shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
-        replicas = self._replicas
         for fqn, meta in md.state_dict_metadata.items():
             if not isinstance(fqn, str):
                 raise CorruptFileError(f"{md_name}: item key {fqn!r:.60} is not a string", path=md_name)

@@ -49,6 +49,11 @@ class Target:
     vocab_padding: str = "keep"
     distributed_optimizer: bool | None = None
     """Megatron legacy: write the distributed optimizer's ``distrib_optim.pt`` (None: as the source)"""
+    pp_first: int | None = None
+    pp_last: int | None = None
+    """Megatron: layers on the first / last pipeline stage (uneven pipeline; the other stages share
+    the rest evenly). Neither given: even stages at a new ``pp``, the source's split when ``pp`` is
+    not given."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -260,6 +265,8 @@ def plan(src: str | Path, target: Target, *, workers: int = 1, max_memory: str |
     fmt = target.to or _default_format(manifest.format)
     if target.distributed_optimizer is not None and fmt != "megatron":
         raise UsageError(f"--[no-]distributed-optimizer applies to --to megatron (legacy files) only, not {fmt}")
+    if (target.pp_first is not None or target.pp_last is not None) and fmt not in ("megatron", "megatron-dist"):
+        raise UsageError(f"--pp-first-layers and --pp-last-layers apply to Megatron targets only, not {fmt}")
     src_layout = {k: v for k, v in _layout(manifest).items() if v is not None}
     executor: _FileExec
     if fmt in ("megatron", "megatron-dist"):
@@ -338,11 +345,13 @@ class _MegatronExec(_FileExec):
         pp = target.pp or manifest.layout.pp or 1
         if target.vocab_padding not in ("keep", "megatron"):
             raise UsageError(f"--vocab-padding {target.vocab_padding!r}: expected keep or megatron")
+        uneven = (target.pp_first, target.pp_last)
         mtarget = MegatronTarget(
             tp=tp,
             pp=pp,
             repad_vocab=target.vocab_padding == "megatron",
             distributed_optimizer=target.distributed_optimizer,
+            uneven=None if uneven == (None, None) and target.pp is None else uneven,
         )
         args = (manifest.root, manifest, mtarget, target.split_rules)
         super().__init__(adapter, manifest, _build_dist if dist else _build_legacy, args, {"tp": tp, "pp": pp})

@@ -382,20 +382,86 @@ def tp_regions(shape: tuple[int, ...], rule: str, dim: int | None, t: int, tp: i
     return [Box(offsets, tuple(size if d == dim else n for d, n in enumerate(shape)))]
 
 
+def pipeline_stages(
+    layers: int,
+    pp: int,
+    first: int | None = None,
+    last: int | None = None,
+    *,
+    embedding: bool = False,
+    loss: bool = False,
+) -> list[tuple[int, int]]:
+    """``(first global layer, number of layers)`` of each pipeline stage (no virtual stages), as
+    megatron-core splits them (``get_num_layers_to_build``, ``get_transformer_layer_offset``):
+    evenly; or ``first`` (``last``) layers on the first (last) stage and the others evenly over the
+    stages between (``--decoder-first/last-pipeline-num-layers``; those may be left with none, as
+    megatron-core allows); or evenly with the embedding (the loss) counted as a layer of the first
+    (last) stage. ValueError, with the reason, when the layers do not split so."""
+    if pp < 1:
+        raise ValueError("PP must be at least 1")
+    if first is not None or last is not None:
+        if embedding or loss:
+            raise ValueError("an uneven first or last stage cannot be combined with counting the embedding or loss")
+        if pp == 1:
+            raise ValueError("a first or last stage size needs PP > 1")
+        for value, end in ((first, "first"), (last, "last")):
+            if value is not None and value < 1:
+                raise ValueError(f"the {end} stage needs at least one layer (got {value})")
+        middle = pp - (first is not None) - (last is not None)
+        rest = layers - (first or 0) - (last or 0)
+        if rest < 0:
+            ends = (first or 0) + (last or 0)
+            raise ValueError(f"the first and last stages' {ends} layers exceed the {layers} layers")
+        if middle == 0 and rest:
+            raise ValueError(f"PP={pp} with both end stages given leaves {rest} layers on no stage")
+        if middle and rest % middle:
+            raise ValueError(f"the {rest} layers between the end stages do not split evenly over {middle} stages")
+        counts = [rest // middle if middle else 0] * pp
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+    else:
+        total = layers + embedding + loss
+        counted = " (the embedding and loss counted as layers)" if embedding or loss else ""
+        if pp > total:
+            raise ValueError(f"PP={pp} is larger than the {layers} layers{counted}")
+        if total % pp:
+            raise ValueError(f"PP={pp} does not divide the {total} layers{counted}")
+        counts = [total // pp] * pp
+        counts[0] -= embedding
+        counts[-1] -= loss
+    out, offset = [], 0
+    for count in counts:
+        out.append((offset, count))
+        offset += count
+    return out
+
+
+def stage_split(args: Any) -> tuple[int | None, int | None]:
+    """The first and last stages' layer counts when ``args`` gives them (uneven pipeline)."""
+    first = getattr(args, "decoder_first_pipeline_num_layers", None)
+    last = getattr(args, "decoder_last_pipeline_num_layers", None)
+    return (first if isinstance(first, int) else None, last if isinstance(last, int) else None)
+
+
 def _layer_offset(args: Any, pp_rank: int, vp: int) -> int:
     """Global index of the first layer a (pipeline rank, virtual chunk) holds."""
     layers = int(getattr(args, "num_layers", 0) or 0)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
-    first = getattr(args, "decoder_first_pipeline_num_layers", None)
-    last = getattr(args, "decoder_last_pipeline_num_layers", None)
-    if vpp == 1 and (first or last):
-        middle_ranks = pp - (1 if first else 0) - (1 if last else 0)
-        rest = layers - (first or 0) - (last or 0)
-        per = rest // middle_ranks if middle_ranks else 0
-        if pp_rank == 0:
-            return 0
-        return (first if first else per) + (pp_rank - 1) * per
+    if vpp == 1:
+        try:
+            stages = pipeline_stages(
+                layers,
+                pp,
+                *stage_split(args),
+                embedding=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
+                loss=bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
+            )
+            return stages[pp_rank][0] if pp_rank < len(stages) else 0
+        except ValueError:
+            pass  # args Megatron itself would refuse: the even split, as before
     per_chunk = layers // (pp * vpp)
     return vp * (layers // vpp) + pp_rank * per_chunk
 

@@ -159,7 +159,7 @@ class DistWriter(LegacyWriter):
 
     def _stage(self, param: str, layer: int | None) -> int:
         if layer is not None:
-            return layer // (self.layers // self.target.pp)
+            return self.layer_stage(layer)
         stages = self.stage_of(param)
         return stages[0] if stages else 0
 

@@ -10,7 +10,8 @@ Everything a resume reads is carried:
   group by group in model order (the order ``torch.optim.Optimizer.load_state_dict`` matches them
   by), group hyper-parameters and per-parameter ``step`` kept;
 * ``args`` with the new sizes (and the ``make_vocab_size_divisible_by`` that reproduces the
-  vocabulary padding at the new TP), ``iteration``, ``checkpoint_version``, the LR scheduler,
+  vocabulary padding at the new TP; the first and last stages' layer counts of an uneven
+  pipeline), ``iteration``, ``checkpoint_version``, the LR scheduler,
   ``num_floating_point_operations_so_far``;
 * RNG state: rank (t, p) gets the source's rank (t mod TP, p mod PP) states (the per-rank RNG of a
   different layout cannot exist; replay after a TP/PP change is not bit-identical anyway).
@@ -46,8 +47,10 @@ from ckpttool.formats.megatron import (
     TRACKER,
     bucket_size,
     grad_buffer_layout,
+    pipeline_stages,
     shared_embedding,
     split_rule,
+    stage_split,
     tp_regions,
 )
 from ckpttool.geometry import Box
@@ -94,6 +97,9 @@ class MegatronTarget:
     rows), instead of keeping the source's padded rows"""
     distributed_optimizer: bool | None = None
     """write the distributed optimizer's layout (``distrib_optim.pt``); None: as the source"""
+    uneven: tuple[int | None, int | None] | None = None
+    """layers on the first and last pipeline stages (``--decoder-first/last-pipeline-num-layers``;
+    None for either: that stage like the middle ones); None: as the source"""
 
 
 def _globalize(local: str, offset: int) -> str:
@@ -199,6 +205,20 @@ def _num_layers(args: Any) -> int:
     return int(getattr(args, "num_layers", 0) or 0)
 
 
+def target_stages(args: Any, target: MegatronTarget) -> list[tuple[int, int]]:
+    """(first layer, layers) of each target pipeline stage; ValueError (the reason) when the
+    layers cannot be split so. The embedding and loss count as layers when the source counted them."""
+    first, last = stage_split(args) if target.uneven is None else target.uneven
+    return pipeline_stages(
+        _num_layers(args),
+        target.pp,
+        first,
+        last,
+        embedding=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
+        loss=bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
+    )
+
+
 def validate(manifest: Manifest, src: _Source, target: MegatronTarget, rules: dict[str, Any]) -> list[str]:
     """Reasons the target layout cannot hold this model (empty: it can)."""
     args = src.objs[(0, 0)].get("args")
@@ -206,11 +226,13 @@ def validate(manifest: Manifest, src: _Source, target: MegatronTarget, rules: di
     tp, pp = target.tp, target.pp
     if tp < 1 or pp < 1:
         return ["TP and PP must be at least 1"]
-    layers = _num_layers(args)
-    if layers and layers % pp:
-        problems.append(f"PP={pp} does not divide the {layers} layers (uneven pipelines are not supported yet)")
-    if layers and pp > layers:
-        problems.append(f"PP={pp} is larger than the {layers} layers")
+    if getattr(args, "pipeline_model_parallel_layout", None):
+        problems.append("the source was split by --pipeline-model-parallel-layout, which ckpttool does not read yet")
+    elif _num_layers(args):
+        try:
+            target_stages(args, target)
+        except ValueError as exc:
+            problems.append(str(exc))
     heads = getattr(args, "num_attention_heads", None)
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else heads
     if isinstance(heads, int) and heads % tp:
@@ -352,8 +374,19 @@ class LegacyWriter:
         if problems:
             raise UsageError(
                 f"cannot reshard to TP={target.tp} PP={target.pp}: " + "; ".join(problems),
-                hint="choose sizes that divide the model's heads, query groups, hidden sizes and layers",
+                hint="choose sizes that divide the model's heads, query groups, hidden sizes and layers"
+                + (
+                    " (--pp-first-layers / --pp-last-layers give the end stages other layer counts)"
+                    if any("layers" in p for p in problems)
+                    else ""
+                ),
             )
+        self.stages = target_stages(self.args, target) if _num_layers(self.args) else [(0, 0)] * target.pp
+        """(first layer, layers) of each target pipeline stage"""
+        self.split = (
+            (None, None) if target.pp == 1 else stage_split(self.args) if target.uneven is None else target.uneven
+        )
+        """the first and last stages' layer counts written to ``args`` (None: as the middle ones)"""
         self.iteration = self.src.objs[(0, 0)].get("iteration")
         self.iter_dir = f"iter_{self.iteration:07d}" if isinstance(self.iteration, int) else "release"
         self.rows = self._vocab_rows()
@@ -422,7 +455,7 @@ class LegacyWriter:
         pp = self.target.pp
         layer = _layer_of(name)
         if layer is not None:
-            return [layer // (_num_layers(self.args) // pp)]
+            return [self.layer_stage(layer)]
         if name.startswith("embedding."):
             return [0]
         if name.startswith("output_layer.weight") and self.tied:
@@ -430,6 +463,10 @@ class LegacyWriter:
         if name.startswith(("output_layer.", "decoder.final_layernorm", "final_layernorm")):
             return [pp - 1]
         return list(range(pp))
+
+    def layer_stage(self, layer: int) -> int:
+        """The target pipeline stage holding global ``layer``."""
+        return next((p for p, (first, n) in enumerate(self.stages) if first <= layer < first + n), len(self.stages) - 1)
 
     def _model_names(self, p: int) -> list[str]:
         names = [n for n in self.src.model_order if p in self.stage_of(n)]
@@ -543,12 +580,11 @@ class LegacyWriter:
             if progress is not None:
                 progress(n)
             return n
-        pp = self.target.pp
         src_key = (t % self.src.tp, p % self.src.pp)
         template = self.src.objs[src_key]
         rel = self.src.rels[src_key]
         archive: Callable[[str], Any] = _pt.archive_cache(reader)  # the reader's open archives
-        offset = p * (_num_layers(self.args) // pp)
+        offset = self.stages[p][0]
         model = _unpickle.OrderedDictStandIn()
         names = self._model_names(p)
         for name in names:
@@ -606,6 +642,8 @@ class LegacyWriter:
         d["pipeline_model_parallel_size"] = pp
         if "transformer_pipeline_model_parallel_size" in d:
             d["transformer_pipeline_model_parallel_size"] = pp
+        if self.split != stage_split(args) or "decoder_first_pipeline_num_layers" in d:
+            d["decoder_first_pipeline_num_layers"], d["decoder_last_pipeline_num_layers"] = self.split
         if d.get("expert_tensor_parallel_size") == old_tp:
             d["expert_tensor_parallel_size"] = tp
         if "world_size" in d:

@@ -192,3 +192,61 @@ def test_grad_buffer_layout_is_megatron_cores():
         assert numel == total
         assert {name: offset for name, _, offset in got} == want
     assert most >= 3  # several buckets were laid out
+
+
+def test_pipeline_stages_agree_with_megatron_core():
+    """Oracle: the pipeline split (even; uneven first/last stages; the embedding or loss counted as a
+    layer) equals megatron-core's own get_num_layers_to_build / get_transformer_layer_offset for every
+    split Megatron accepts, and is refused for the ones it asserts on."""
+    import types
+
+    try:
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    except ImportError:
+        pytest.skip("needs megatron-core")
+    from ckpttool.formats.megatron import pipeline_stages
+
+    checked = refused = 0
+    for layers in range(1, 9):
+        for pp in range(2, 6):
+            for first in (None, 1, 2, 3):
+                for last in (None, 1, 2):
+                    for emb, loss in ((False, False), (True, False), (False, True), (True, True)):
+                        if (first or last) and (emb or loss):
+                            continue  # megatron-core asserts on it; ckpttool refuses it (below)
+                        config = types.SimpleNamespace(
+                            num_layers=layers, pipeline_model_parallel_size=pp,
+                            num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
+                            account_for_embedding_in_pipeline_split=emb, account_for_loss_in_pipeline_split=loss,
+                            pipeline_model_parallel_layout=None, virtual_pipeline_model_parallel_size=None,
+                        )  # fmt: skip
+                        try:
+                            theirs = [
+                                (
+                                    get_transformer_layer_offset(config, None, p),
+                                    get_num_layers_to_build(config, None, p),
+                                )
+                                for p in range(pp)
+                            ]
+                        except AssertionError:
+                            theirs = None
+                        try:
+                            ours = pipeline_stages(layers, pp, first, last, embedding=emb, loss=loss)
+                        except ValueError:
+                            # refused: megatron-core asserts, or its stages do not hold the layers
+                            tiles = (
+                                theirs is not None
+                                and all(
+                                    n >= 0 and o == sum(c for _, c in theirs[:p]) for p, (o, n) in enumerate(theirs)
+                                )
+                                and sum(n for _, n in theirs) == layers
+                            )
+                            assert not tiles, (layers, pp, first, last, emb, loss, theirs)
+                            refused += 1
+                            continue
+                        assert ours == theirs, (layers, pp, first, last, emb, loss)
+                        checked += 1
+    assert checked > 100 and refused > 100
+    with pytest.raises(ValueError, match="cannot be combined"):
+        pipeline_stages(4, 2, 1, embedding=True)

@@ -526,3 +526,123 @@ def test_a_source_tensor_never_reaches_the_pickle_uncarried():
 
     with pytest.raises(TypeError, match="without carry"):
         _ptwrite.dumps({"x": ref})
+
+
+def _args(path: Path) -> dict[str, Any]:
+    archive, obj, _ = _pt.load(path.parent, path.name, ALLOWLIST)
+    archive.close()
+    return dict(obj["args"].__dict__)
+
+
+def _model_keys(path: Path) -> list[str]:
+    archive, obj, _ = _pt.load(path.parent, path.name, ALLOWLIST)
+    archive.close()
+    return [k for k in obj["model"] if not k.endswith("_extra_state")]
+
+
+def test_megatron_uneven_pipeline_round_trip(tmp_path):
+    """TP=2 x PP=2 -> TP=1 x PP=3 with 2 layers on the first stage (megatron-core's uneven split:
+    the other stages share the rest) -> TP=2 x PP=2 gives the original files' trees back; the uneven
+    checkpoint holds the same state, each stage numbering its layers from 0, and records the split in
+    args as Megatron-LM's --decoder-first-pipeline-num-layers does."""
+    uneven, back = tmp_path / "pp3", tmp_path / "back"
+    reshard(LEGACY, uneven, Target(tp=1, pp=3, pp_first=2))
+    files = _rank_files(uneven)
+    assert list(files) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_00_002"]
+    layers = [
+        sorted({k.split(".")[2] for k in _model_keys(f) if k.startswith("decoder.layers.")}) for f in files.values()
+    ]
+    assert layers == [["0", "1"], ["0"], ["0"]]
+    keys = [_model_keys(f) for f in files.values()]
+    assert "embedding.word_embeddings.weight" in keys[0] and "output_layer.weight" in keys[2]
+    assert not any(k.startswith(("embedding.", "output_layer.", "decoder.final")) for k in keys[1])
+    for f in files.values():
+        args = _args(f)
+        assert (args["decoder_first_pipeline_num_layers"], args["decoder_last_pipeline_num_layers"]) == (2, None)
+        assert args["pipeline_model_parallel_size"] == 3
+    assert not diff(LEGACY, uneven, kinds=STATE_KINDS).different
+    assert verify(uneven).failing() == []
+
+    reshard(uneven, back, Target(tp=2, pp=2))
+    original, again = _rank_files(LEGACY), _rank_files(back)
+    assert list(original) == list(again)
+    for name in original:
+        assert _drop_rng(_tree(original[name])) == _drop_rng(_tree(again[name])), name
+
+
+def test_megatron_uneven_pipeline_is_kept_unless_pp_is_given(tmp_path):
+    """Without --pp, a reshard keeps the source's uneven split; the last stage's size works too, and
+    the torch_dist writer places the layers by the same split."""
+    uneven, tp2, last, dist = tmp_path / "pp3", tmp_path / "tp2", tmp_path / "last", tmp_path / "dist"
+    reshard(LEGACY, uneven, Target(tp=1, pp=3, pp_first=2))
+    reshard(uneven, tp2, Target(tp=2))
+    for f in _rank_files(tp2).values():
+        args = _args(f)
+        assert (args["pipeline_model_parallel_size"], args["decoder_first_pipeline_num_layers"]) == (3, 2)
+    assert len(_rank_files(tp2)) == 6
+    reshard(uneven, last, Target(pp=2, pp_last=3))
+    stages = [
+        sorted({k.split(".")[2] for k in _model_keys(f) if k.startswith("decoder.layers.")})
+        for f in _rank_files(last).values()
+    ]
+    assert stages == [["0"], ["0", "1", "2"]]
+    reshard(uneven, dist, Target(to="megatron-dist", tp=1, pp=3, pp_first=2))
+    for out in (tp2, last, dist):
+        assert not diff(LEGACY, out, kinds=STATE_KINDS).different, out
+    for out in (tp2, last):  # the distributed optimizer's buffers follow the stages' parameters
+        d = tmp_path / f"{out.name}_distopt"
+        reshard(out, d, Target(distributed_optimizer=True))
+        assert not diff(LEGACY, d, kinds=STATE_KINDS).different, d
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        (Target(tp=1, pp=3), "PP=3 does not divide the 4 layers"),
+        (Target(pp=3, pp_first=3, pp_last=2), "the first and last stages' 5 layers exceed the 4 layers"),
+        (Target(pp=2, pp_first=1, pp_last=1), "PP=2 with both end stages given leaves 2 layers on no stage"),
+        (Target(pp=4, pp_first=2, pp_last=1), "the 1 layers between the end stages do not split evenly over 2"),
+        (Target(pp=1, pp_first=2), "needs PP > 1"),
+        (Target(pp=2, pp_first=0), "the first stage needs at least one layer"),
+        (Target(pp=3, pp_first=1, pp_last=1), "the 2 layers between the end stages"),  # 1 stage: fine, see below
+        (Target(to="dcp", pp_first=2), "apply to Megatron targets only"),
+    ],
+)
+def test_megatron_uneven_pipeline_refusals(target, message, tmp_path):
+    out = tmp_path / "out"
+    if message.startswith("the 2 layers"):  # PP=3, 1 + 2 + 1: valid, written
+        reshard(LEGACY, out, target)
+        assert not diff(LEGACY, out, kinds=STATE_KINDS).different
+        return
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
+        reshard(LEGACY, out, target)
+    if "layers" in message and "Megatron targets" not in message:
+        assert "--pp-first-layers" in (err.value.hint or "")
+    assert not out.exists()
+
+
+def test_megatron_uneven_pipeline_on_the_command_line(tmp_path, cli):
+    out = tmp_path / "out"
+    r = cli("reshard", LEGACY, "-o", out, "--tp", "1", "--pp", "3", "--pp-first-layers", "2", "--json")
+    assert r.code == 0, r.stderr
+    assert json.loads(r.stdout)["layout"]["pp"] == 3
+    r = cli("reshard", LEGACY, "-o", tmp_path / "bad", "--pp", "3")
+    assert r.code == 2 and "--pp-first-layers" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_megatron_lm_loads_the_uneven_pipeline_checkpoint(tmp_path):
+    """Oracle: Megatron-LM's load_checkpoint at TP=1 PP=3 with --decoder-first-pipeline-num-layers 2
+    loads our uneven output; every tensor equals the reference; it trains the next step."""
+    mlm = _megatron_lm()
+    if mlm is None:
+        pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
+    out = tmp_path / "pp3"
+    reshard(LEGACY, out, Target(tp=1, pp=3, pp_first=2))
+    env = dict(os.environ, CKPTTOOL_MEGATRON_EXTRA="--decoder-first-pipeline-num-layers 2")
+    proc = subprocess.run(
+        [sys.executable, str(FIXTURES / "oracle_megatron_reshard.py"), "--megatron-lm", mlm, "--ckpt", str(out),
+         "--tp", "1", "--pp", "3", "--reference", str(FIXTURES / "megatron" / "legacy_tp2pp2.reference.pt")],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

@@ -458,6 +458,17 @@ def reshard(
     tp: Annotated[int | None, typer.Option("--tp", help="Tensor-parallel size (default: the source's).")] = None,
     pp: Annotated[int | None, typer.Option("--pp", help="Pipeline-parallel size (default: the source's).")] = None,
     vpp: Annotated[int | None, typer.Option("--vpp", help="Virtual pipeline stages per rank.")] = None,
+    pp_first_layers: Annotated[
+        int | None,
+        typer.Option(
+            "--pp-first-layers",
+            help="Megatron: layers on the first pipeline stage (uneven pipeline; the middle stages split the "
+            "rest evenly). Default: even stages, or the source's split when --pp is not given.",
+        ),
+    ] = None,
+    pp_last_layers: Annotated[
+        int | None, typer.Option("--pp-last-layers", help="Megatron: layers on the last pipeline stage.")
+    ] = None,
     dp: Annotated[
         int | None, typer.Option("--dp", help="Data-parallel size; for DCP, the world size of the new checkpoint.")
     ] = None,
@@ -525,6 +536,8 @@ def reshard(
         split_rules=parse_split_rules(split_rule or []),
         vocab_padding=vocab_padding,
         distributed_optimizer=distributed_optimizer,
+        pp_first=pp_first_layers,
+        pp_last=pp_last_layers,
     )
     done = [0]
     with out.progress("reshard") as update:

@@ -554,13 +554,13 @@ class MegatronLegacyAdapter:
                 rule="missing-file",
             )
         gated = bool(getattr(args, "swiglu", False) or getattr(args, "gated_linear_unit", False))
-        self._replicas = ReplicaCounter()
+        replicas = ReplicaCounter()  # this describe's: the adapter is shared
         for f_rel, size in ((r, s) for r, s in _list(root, prefix, dirs)):
             manifest.files.append(FileRecord(path=f_rel, size=size, role="data" if f_rel.endswith(".pt") else "aux"))
         if prefix:
             manifest.files.append(FileRecord(path=TRACKER, size=(root / TRACKER).stat().st_size, role="tracker"))
         for d in dirs:
-            self._rank(manifest, objs[d], f"{prefix}{d}/model_optim_rng.pt", ranks[d], args, tp, gated)
+            self._rank(manifest, objs[d], f"{prefix}{d}/model_optim_rng.pt", ranks[d], args, tp, gated, replicas)
         first = objs[dirs[0]]
         for key, kind in (
             ("iteration", "counter"),
@@ -606,6 +606,7 @@ class MegatronLegacyAdapter:
         args: Any,
         tp: int,
         gated: bool,
+        replicas: ReplicaCounter,
     ) -> None:
         t, p, e = rank
         experts = getattr(args, "num_experts", None)
@@ -633,7 +634,7 @@ class MegatronLegacyAdapter:
                     item.error = f"unsafe pickle: nested pickle refers to {refused}"
                     item.pieces.append(_pt.object_piece(rel, path, rank=t, replica=len(item.pieces)))
                 elif isinstance(value, _unpickle.TensorRef):
-                    self._place(manifest, name, value, rel, t, tp, gated, kind="param")
+                    self._place(manifest, name, value, rel, t, tp, gated, replicas, kind="param")
                     order.append((name, value.shape))
                 elif name.endswith("_extra_state"):
                     item = manifest.items.get(name) or manifest.add(Item(name=name, kind="object"))
@@ -652,14 +653,18 @@ class MegatronLegacyAdapter:
             for pid, (name, g, i) in ids.items():
                 for key, value in (state.get(pid) or {}).items():
                     if key in ("exp_avg", "exp_avg_sq") and isinstance(value, _unpickle.TensorRef):
-                        self._place(manifest, f"{name}.{key}", value, rel, t, tp, gated, kind="optim", param=name)
+                        self._place(
+                            manifest, f"{name}.{key}", value, rel, t, tp, gated, replicas, kind="optim", param=name
+                        )
                 if isinstance(masters, list) and g < len(masters) and i < len(masters[g]):
                     ref = masters[g][i]
                     if isinstance(ref, _unpickle.TensorRef):
-                        self._place(manifest, f"{name}.fp32", ref, rel, t, tp, gated, kind="master", param=name)
+                        self._place(
+                            manifest, f"{name}.fp32", ref, rel, t, tp, gated, replicas, kind="master", param=name
+                        )
         dist_rel = rel.rsplit("/", 1)[0] + "/distrib_optim.pt"
         if Path(manifest.root, dist_rel).is_file():
-            self._distrib_optim(manifest, dist_rel, order, args, rank, tp, gated)
+            self._distrib_optim(manifest, dist_rel, order, args, rank, tp, gated, replicas)
         rng = obj.get("rng_state")
         if isinstance(rng, list):
             for name, value in flatten(rng, "rng_state"):
@@ -687,6 +692,7 @@ class MegatronLegacyAdapter:
         rank: tuple[int, int, int],
         tp: int,
         gated: bool,
+        replicas: ReplicaCounter,
     ) -> None:
         """De-bucket ``distrib_optim.pt`` (the distributed optimizer's state, gathered over DP) by
         replaying the grad-buffer layout (:func:`grad_buffer_layout`). A buffer whose replayed size
@@ -726,7 +732,7 @@ class MegatronLegacyAdapter:
             for name, shape, start in layout:
                 stride = tuple(int(x) for x in _c_strides(shape))
                 view = _unpickle.TensorRef(flat.storage, flat.storage_offset + start, shape, stride, flat.dtype)
-                self._place(manifest, f"{name}.{suffix}", view, rel, t, tp, gated, kind=kind, param=name)
+                self._place(manifest, f"{name}.{suffix}", view, rel, t, tp, gated, replicas, kind=kind, param=name)
 
     def _place(
         self,
@@ -737,6 +743,7 @@ class MegatronLegacyAdapter:
         t: int,
         tp: int,
         gated: bool,
+        replicas: ReplicaCounter,
         *,
         kind: Any,
         param: str | None = None,
@@ -763,7 +770,7 @@ class MegatronLegacyAdapter:
             )
         row0 = 0
         for box in boxes:
-            same = self._replicas.next(name, box)
+            same = replicas.next(name, box)
             if row0 or box.sizes != local:
                 # one half of the local rows: the same strided view, starting row0 rows in
                 view = _unpickle.TensorRef(

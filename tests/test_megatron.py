@@ -250,3 +250,28 @@ def test_pipeline_stages_agree_with_megatron_core():
     assert checked > 100 and refused > 100
     with pytest.raises(ValueError, match="cannot be combined"):
         pipeline_stages(4, 2, 1, embedding=True)
+
+
+def test_describes_do_not_share_replica_state(monkeypatch):
+    """The adapter is one shared object: a describe that runs while another is under way (threads,
+    diff of two checkpoints) must not disturb the other's count of replicated pieces."""
+    from ckpttool.formats import megatron
+
+    src = FIXTURES / "megatron" / "legacy_tp2pp2"
+
+    def replicas(m):
+        return {(n, i): p.replica for n, item in m.items.items() for i, p in enumerate(item.pieces)}
+
+    expected = replicas(registry.describe(src)[1])
+    real, nested, calls = megatron.MegatronLegacyAdapter._rank, [], [0]
+
+    def rank(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:  # between the first and second rank file of the outer describe
+            nested.append(registry.describe(src)[1])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(megatron.MegatronLegacyAdapter, "_rank", rank)
+    outer = registry.describe(src)[1]
+    assert replicas(outer) == expected and replicas(nested[0]) == expected
+    assert sum(1 for r in expected.values() if r) > 0

@@ -77,6 +77,7 @@ ALL_FIXTURES = [FIXTURES / "dcp" / n for n in DCP_FIXTURES] + [FIXTURES / "deeps
     FIXTURES / "rankshards" / "ddp",
     FIXTURES / "rankshards" / "pipeline",
     *(FIXTURES / "megatron" / n for n in ("dist_tp2", "dist_tp2pp2", "legacy_tp2pp2", "legacy_tp2pp2_distopt")),
+    *(FIXTURES / "megatron" / n for n in ("legacy_pp2vpp2", "dist_pp2vpp2")),
     FIXTURES / "dcp" / "fsdp2_hf" / "sharded",
     FIXTURES / "dcp" / "fsdp2_hf",
     FIXTURES / "safetensors" / "model.safetensors",
@@ -86,6 +87,7 @@ ALL_FIXTURES = [FIXTURES / "dcp" / n for n in DCP_FIXTURES] + [FIXTURES / "deeps
 EXPECTED = {
     "megatron/dist_tp2": "megatron-dist",
     "megatron/dist_tp2pp2": "megatron-dist",
+    "megatron/dist_pp2vpp2": "megatron-dist",
     "dcp/fsdp2_hf": "safetensors", "safetensors/model.safetensors": "safetensors",
     "safetensors/sharded": "safetensors", "torch/train_state.pt": "torch"}
 

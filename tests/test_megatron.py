@@ -47,6 +47,24 @@ def test_export_equals_megatron_core_tp1_load(name, fmt, tmp_path):
     assert bad == []
 
 
+@pytest.mark.parametrize(("name", "fmt"), [("legacy_pp2vpp2", "megatron"), ("dist_pp2vpp2", "megatron-dist")])
+def test_virtual_pipeline_stages_read_as_megatron_core_loads_them(name, fmt, tmp_path):
+    """Megatron-LM's interleaved-schedule checkpoint (TP=1 PP=2 VPP=2: model0 and model1 in each rank
+    file, layers numbered from 0 in each chunk): every tensor (params, fp32 copies, moments) equals
+    megatron-core's own TP=1 load of the torch_dist checkpoint saved from the same model chunks."""
+    adapter, m = registry.describe(MG / name)
+    assert adapter.name == fmt and m.step == 3
+    assert (m.layout.tp, m.layout.pp) == (1, 2)
+    if fmt == "megatron":
+        assert m.layout.vpp == 2
+    export(MG / name, tmp_path / "o.safetensors")
+    got = load_file(tmp_path / "o.safetensors")
+    want = _expected("legacy_pp2vpp2")
+    assert len(want) == 108
+    bad = [k for k, v in want.items() if k not in got or not same_bits(got[k], v)]
+    assert bad == []
+
+
 def test_legacy_split_rules_are_visible_in_the_manifest():
     _, m = registry.describe(MG / "legacy_tp2pp2")
     fc1 = m.items["decoder.layers.3.mlp.linear_fc1.weight"]  # layer 1 of pipeline stage 1

@@ -267,6 +267,8 @@ def plan(src: str | Path, target: Target, *, workers: int = 1, max_memory: str |
         raise UsageError(f"--[no-]distributed-optimizer applies to --to megatron (legacy files) only, not {fmt}")
     if (target.pp_first is not None or target.pp_last is not None) and fmt not in ("megatron", "megatron-dist"):
         raise UsageError(f"--pp-first-layers and --pp-last-layers apply to Megatron targets only, not {fmt}")
+    if target.vpp is not None and fmt not in ("megatron", "megatron-dist"):
+        raise UsageError(f"--vpp applies to Megatron targets only, not {fmt}")
     src_layout = {k: v for k, v in _layout(manifest).items() if v is not None}
     executor: _FileExec
     if fmt in ("megatron", "megatron-dist"):
@@ -337,8 +339,6 @@ class _MegatronExec(_FileExec):
                 hint="'ckpttool convert --to dcp' or '--to safetensors' writes other formats"
                 + ("; '--to megatron-dist' writes torch_dist from it" if manifest.format == "megatron-dist" else ""),
             )
-        if target.vpp not in (None, 1):
-            raise UsageError("--vpp: writing virtual pipeline stages is not supported yet")
         if target.ep not in (None, 1) or target.dp is not None:
             raise UsageError("--ep and --dp do not apply to Megatron legacy files (one file per TP x PP rank)")
         tp = target.tp or manifest.layout.tp or 1
@@ -352,6 +352,7 @@ class _MegatronExec(_FileExec):
             repad_vocab=target.vocab_padding == "megatron",
             distributed_optimizer=target.distributed_optimizer,
             uneven=None if uneven == (None, None) and target.pp is None else uneven,
+            vpp=target.vpp if target.vpp is not None else None if target.pp is None else 1,
         )
         args = (manifest.root, manifest, mtarget, target.split_rules)
         super().__init__(adapter, manifest, _build_dist if dist else _build_legacy, args, {"tp": tp, "pp": pp})

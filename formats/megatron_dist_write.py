@@ -57,6 +57,7 @@ from ckpttool.formats.megatron_write import (
     _is_vocab,
     _local,
     _num_layers,
+    _rule,
     _Source,
 )
 from ckpttool.geometry import Box
@@ -113,8 +114,6 @@ class DistWriter(LegacyWriter):
         super().__init__(root, manifest, target, rules)
         if (manifest.layout.ep or 1) > 1 or any(".experts." in n for n in manifest.items):
             raise UsageError("writing torch_dist checkpoints of mixture-of-experts models is not supported yet")
-        if (manifest.layout.vpp or 1) > 1:
-            raise UsageError("writing torch_dist checkpoints saved with virtual pipeline stages is not supported yet")
         if self.src.distopt:
             raise UsageError(
                 "writing torch_dist from a legacy checkpoint saved with the distributed optimizer "
@@ -202,8 +201,13 @@ class DistWriter(LegacyWriter):
         if (dtype, have) != (item.dtype, gshape):
             raise UsageError(f"{item.name}: {item.dtype} {shape} does not stack with the other layers' {key}")
         stage = self._stage(param, layer)
+        gated_whole = self.target.tp == 1 and _rule(item, self.gated, self.rules)[0] == "gated"
         for t in range(self.target.tp):
-            for region in _local(item, t, self.target.tp, self.gated, self.rules, rows):
+            regions = _local(item, t, self.target.tp, self.gated, self.rules, rows)
+            if gated_whole:  # megatron-core saves SwiGLU's gate and up halves as two chunks, even at TP=1
+                half = (shape[0] // 2, *shape[1:])
+                regions = [Box((0,) * len(shape), half), Box((shape[0] // 2, *(0,) * (len(shape) - 1)), half)]
+            for region in regions:
                 if t and region == whole:
                     continue  # replicated on every TP rank: written once
                 chunk = region if layer is None else Box((layer, *region.offsets), (1, *region.sizes))

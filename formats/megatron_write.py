@@ -100,6 +100,8 @@ class MegatronTarget:
     uneven: tuple[int | None, int | None] | None = None
     """layers on the first and last pipeline stages (``--decoder-first/last-pipeline-num-layers``;
     None for either: that stage like the middle ones); None: as the source"""
+    vpp: int | None = None
+    """virtual pipeline stages (model chunks) per pipeline rank; None: as the source"""
 
 
 def _globalize(local: str, offset: int) -> str:
@@ -134,8 +136,6 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
     src = _Source(tp=tp, pp=pp, objs=objs, rels=rels)
     first = objs[(0, 0)]
     args = first.get("args")
-    if any(re.fullmatch(r"model\d+", k) for k in first):
-        raise UsageError("resharding Megatron checkpoints with virtual pipeline stages is not supported yet")
     distrib = {key: (root / rel).with_name("distrib_optim.pt").is_file() for key, rel in rels.items()}
     if any(distrib.values()):
         lacking = sorted(rels[k] for k, v in distrib.items() if not v)
@@ -150,19 +150,24 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
         archive, tree, _ = _pt.load(root, rel, ALLOWLIST)
         archive.close()
         src.buffer_key = next(iter(tree[0]))  # the reader checked: one buffer of one dtype
+    if src.distopt and any(len(_chunks(obj)) > 1 for obj in objs.values()):
+        raise UsageError(
+            "resharding a checkpoint with virtual pipeline stages saved by the distributed optimizer is not "
+            "supported yet"
+        )
     for p in range(pp):
         obj = objs[(0, p)]
-        offset = _layer_offset(args, p, 0)
-        model = obj.get("model") or {}
-        order: list[tuple[str, tuple[int, ...]]] = []
-        for local, value in model.items():
-            name = _globalize(local, offset)
-            src.model_order.append(name)
-            if isinstance(value, _unpickle.TensorRef):
-                order.append((name, value.shape))
-        for key, value in (getattr(model, "__dict__", {}).get("_metadata") or {}).items():
-            gkey = _globalize(key + ".", offset)[:-1] if key else key
-            src.metadata.setdefault(gkey, value)
+        order: list[tuple[str, tuple[int, ...]]] = []  # the optimizer's parameters: chunk by chunk
+        for vp, model in _chunks(obj):
+            offset = _layer_offset(args, p, vp)
+            for local, value in model.items():
+                name = _globalize(local, offset)
+                src.model_order.append(name)
+                if isinstance(value, _unpickle.TensorRef):
+                    order.append((name, value.shape))
+            for key, value in (getattr(model, "__dict__", {}).get("_metadata") or {}).items():
+                gkey = _globalize(key + ".", offset)[:-1] if key else key
+                src.metadata.setdefault(gkey, value)
         opt = obj.get("optimizer")
         if not isinstance(opt, dict):
             continue
@@ -198,25 +203,65 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
         if not src.optimizer_extra[0]:
             kept = {k: v for k, v in opt.items() if k not in ("optimizer", "fp32_from_fp16_params")}
             src.optimizer_extra = (rels[(0, p)], kept)
+    src.model_order = _canonical(src.model_order)
     return src
+
+
+def _chunks(obj: dict[str, Any]) -> list[tuple[int, Any]]:
+    """A rank file's model chunks: ``[(0, model)]``, or with virtual pipeline stages
+    ``[(v, model<v>), ...]``."""
+    if isinstance(obj.get("model"), dict):
+        return [(0, obj["model"])]
+    found = [(int(k[5:]), v) for k, v in obj.items() if re.fullmatch(r"model\d+", k) and isinstance(v, dict)]
+    return sorted(found, key=lambda kv: kv[0])
+
+
+def _canonical(names: list[str]) -> list[str]:
+    """Model entries in the order of the whole model, whatever the source's pipeline split: the
+    entries before the layers (embedding), the layers by global number (each in its own order),
+    then the rest (final norm, output layer). Stages and chunks take their entries in this order."""
+    first_layer = next((i for i, n in enumerate(names) if _layer_of(n) is not None), len(names))
+
+    def key(item: tuple[int, str]) -> tuple[int, int, int]:
+        pos, name = item
+        layer = _layer_of(name)
+        if layer is not None:
+            return (1, layer, pos)
+        return (0 if pos < first_layer else 2, 0, pos)
+
+    seen: dict[str, None] = dict.fromkeys(names)  # each entry once (tied or shared entries)
+    return [n for _, n in sorted(enumerate(seen), key=key)]
 
 
 def _num_layers(args: Any) -> int:
     return int(getattr(args, "num_layers", 0) or 0)
 
 
-def target_stages(args: Any, target: MegatronTarget) -> list[tuple[int, int]]:
-    """(first layer, layers) of each target pipeline stage; ValueError (the reason) when the
-    layers cannot be split so. The embedding and loss count as layers when the source counted them."""
+def _source_vpp(args: Any) -> int:
+    return int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+
+
+def target_chunks(args: Any, target: MegatronTarget) -> list[list[tuple[int, int]]]:
+    """For each target pipeline stage, (first layer, layers) of each of its model chunks (one
+    without virtual stages); ValueError (the reason) when the layers cannot be split so. The
+    embedding and loss count as layers when the source counted them."""
     first, last = stage_split(args) if target.uneven is None else target.uneven
-    return pipeline_stages(
-        _num_layers(args),
-        target.pp,
-        first,
-        last,
-        embedding=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
-        loss=bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
-    )
+    layers, pp = _num_layers(args), target.pp
+    vpp = target.vpp or _source_vpp(args)
+    embedding = bool(getattr(args, "account_for_embedding_in_pipeline_split", False))
+    loss = bool(getattr(args, "account_for_loss_in_pipeline_split", False))
+    if vpp == 1:
+        return [[stage] for stage in pipeline_stages(layers, pp, first, last, embedding=embedding, loss=loss)]
+    if vpp < 1:
+        raise ValueError("VPP must be at least 1")
+    if pp == 1:
+        raise ValueError(f"VPP={vpp} needs PP > 1 (virtual stages interleave pipeline ranks)")
+    if first is not None or last is not None or embedding or loss:
+        raise ValueError("virtual pipeline stages with an uneven pipeline are not supported yet")
+    if layers % (pp * vpp):
+        raise ValueError(f"PP x VPP = {pp * vpp} does not divide the {layers} layers")
+    per = layers // (pp * vpp)  # chunk v of stage p: layers v*L/VPP + p*per .. (megatron-core's interleaving)
+    return [[(v * (layers // vpp) + p * per, per) for v in range(vpp)] for p in range(pp)]
 
 
 def validate(manifest: Manifest, src: _Source, target: MegatronTarget, rules: dict[str, Any]) -> list[str]:
@@ -230,7 +275,7 @@ def validate(manifest: Manifest, src: _Source, target: MegatronTarget, rules: di
         problems.append("the source was split by --pipeline-model-parallel-layout, which ckpttool does not read yet")
     elif _num_layers(args):
         try:
-            target_stages(args, target)
+            target_chunks(args, target)
         except ValueError as exc:
             problems.append(str(exc))
     heads = getattr(args, "num_attention_heads", None)
@@ -381,8 +426,10 @@ class LegacyWriter:
                     else ""
                 ),
             )
-        self.stages = target_stages(self.args, target) if _num_layers(self.args) else [(0, 0)] * target.pp
-        """(first layer, layers) of each target pipeline stage"""
+        self.vpp = target.vpp or _source_vpp(self.args)
+        """model chunks (virtual pipeline stages) per pipeline rank in the output"""
+        self.chunks = target_chunks(self.args, target) if _num_layers(self.args) else [[(0, 0)] * self.vpp] * target.pp
+        """(first layer, layers) of each model chunk of each target pipeline stage"""
         self.split = (
             (None, None) if target.pp == 1 else stage_split(self.args) if target.uneven is None else target.uneven
         )
@@ -409,6 +456,12 @@ class LegacyWriter:
         want = target.distributed_optimizer
         self.distopt = self.src.distopt if want is None else want
         """write ``distrib_optim.pt`` files (the distributed optimizer's layout)"""
+        if self.vpp > 1 and self.distopt:
+            raise UsageError(
+                "writing virtual pipeline stages with the distributed optimizer (distrib_optim.pt) is not supported "
+                "yet",
+                hint="--no-distributed-optimizer, or no --vpp",
+            )
         if self.src.distopt and not self.distopt:
             raise UsageError(
                 "this checkpoint was saved with the distributed optimizer; writing it for the non-distributed "
@@ -451,28 +504,45 @@ class LegacyWriter:
 
     # -- which entries go where ----------------------------------------------------------------
 
-    def stage_of(self, name: str) -> list[int]:
-        pp = self.target.pp
+    def place_of(self, name: str) -> list[tuple[int, int]]:
+        """The (pipeline stage, model chunk) pairs whose model holds entry ``name``."""
+        pp, last = self.target.pp, (self.target.pp - 1, self.vpp - 1)
         layer = _layer_of(name)
         if layer is not None:
-            return [self.layer_stage(layer)]
+            return [self.layer_place(layer)]
         if name.startswith("embedding."):
-            return [0]
+            return [(0, 0)]
         if name.startswith("output_layer.weight") and self.tied:
-            return [pp - 1] if pp > 1 else []
+            return [last] if pp > 1 else []
         if name.startswith(("output_layer.", "decoder.final_layernorm", "final_layernorm")):
-            return [pp - 1]
-        return list(range(pp))
+            return [last]
+        return [(p, v) for p in range(pp) for v in range(self.vpp)]
+
+    def stage_of(self, name: str) -> list[int]:
+        return sorted({p for p, _ in self.place_of(name)})
+
+    def layer_place(self, layer: int) -> tuple[int, int]:
+        """The target (pipeline stage, model chunk) holding global ``layer``."""
+        for p, chunks in enumerate(self.chunks):
+            for v, (first, n) in enumerate(chunks):
+                if first <= layer < first + n:
+                    return p, v
+        return len(self.chunks) - 1, self.vpp - 1
 
     def layer_stage(self, layer: int) -> int:
         """The target pipeline stage holding global ``layer``."""
-        return next((p for p, (first, n) in enumerate(self.stages) if first <= layer < first + n), len(self.stages) - 1)
+        return self.layer_place(layer)[0]
 
-    def _model_names(self, p: int) -> list[str]:
-        names = [n for n in self.src.model_order if p in self.stage_of(n)]
-        if self.tied and p == self.target.pp - 1 and self.target.pp > 1 and "output_layer.weight" not in names:
+    def _chunk_names(self, p: int, v: int) -> list[str]:
+        names = [n for n in self.src.model_order if (p, v) in self.place_of(n)]
+        last = (p, v) == (self.target.pp - 1, self.vpp - 1)
+        if self.tied and last and self.target.pp > 1 and "output_layer.weight" not in names:
             names.append("output_layer.weight")
         return names
+
+    def _model_names(self, p: int) -> list[str]:
+        """Stage ``p``'s model entries, chunk after chunk (the order of its optimizer's parameters)."""
+        return [n for v in range(self.vpp) for n in self._chunk_names(p, v)]
 
     def _item(self, name: str) -> Item:
         item = self.manifest.items.get(name)
@@ -584,24 +654,29 @@ class LegacyWriter:
         template = self.src.objs[src_key]
         rel = self.src.rels[src_key]
         archive: Callable[[str], Any] = _pt.archive_cache(reader)  # the reader's open archives
-        offset = self.stages[p][0]
-        model = _unpickle.OrderedDictStandIn()
-        names = self._model_names(p)
-        for name in names:
-            item = self._item(name)
-            local = _localize(name, offset)
-            if item.is_tensor:
-                check_coverage(item)
-                model[local] = self._out(item, t, reader)
-            else:
-                piece = next((pc for pc in item.pieces if pc.rank == t % self.src.tp), item.pieces[0])
-                value = reader.read_object(Item(name=item.name, kind=item.kind, pieces=[piece]))
-                model[local] = _ptwrite.carry(value, partial(archive, piece.file))
-        model.__dict__["_metadata"] = self._metadata(p, names, offset)
+        models: dict[str, Any] = {}
+        names: list[str] = []
+        for v in range(self.vpp):
+            offset = self.chunks[p][v][0]
+            model = _unpickle.OrderedDictStandIn()
+            chunk = self._chunk_names(p, v)
+            for name in chunk:
+                item = self._item(name)
+                local = _localize(name, offset)
+                if item.is_tensor:
+                    check_coverage(item)
+                    model[local] = self._out(item, t, reader)
+                else:
+                    piece = next((pc for pc in item.pieces if pc.rank == t % self.src.tp), item.pieces[0])
+                    value = reader.read_object(Item(name=item.name, kind=item.kind, pieces=[piece]))
+                    model[local] = _ptwrite.carry(value, partial(archive, piece.file))
+            model.__dict__["_metadata"] = self._metadata(p, v, chunk, offset)
+            models["model" if self.vpp == 1 else f"model{v}"] = model
+            names += chunk
         tree: dict[str, Any] = {}
         for key, value in template.items():
-            if key == "model":
-                tree[key] = model
+            if key == "model" or re.fullmatch(r"model\d+", key):
+                tree.update(models)  # where the source's model (or model chunks) stood
             elif key == "optimizer":
                 tree[key] = self._distopt_state(archive) if self.distopt else self._optimizer(t, names, reader, archive)
             elif key == "rng_state":
@@ -615,17 +690,16 @@ class LegacyWriter:
             progress(n)
         return n
 
-    def _metadata(self, p: int, names: list[str], offset: int) -> dict[str, Any]:
+    def _metadata(self, p: int, v: int, names: list[str], offset: int) -> dict[str, Any]:
         layers = {_layer_of(n) for n in names} - {None}
+        last = (p, v) == (self.target.pp - 1, self.vpp - 1)
         out: dict[str, Any] = {}
         for key, value in self.src.metadata.items():
             layer = _layer_of(key + ".") if key else None
             if layer is not None:
                 if layer in layers:
                     out[_localize(key + ".", offset)[:-1]] = copy.deepcopy(value)
-            elif p in self.stage_of(key + ".") or (
-                self.tied and key.startswith("output_layer") and p == self.target.pp - 1
-            ):
+            elif (p, v) in self.place_of(key + ".") or (self.tied and key.startswith("output_layer") and last):
                 out[key] = copy.deepcopy(value)
         return out
 
@@ -642,6 +716,10 @@ class LegacyWriter:
         d["pipeline_model_parallel_size"] = pp
         if "transformer_pipeline_model_parallel_size" in d:
             d["transformer_pipeline_model_parallel_size"] = pp
+        if self.vpp > 1 or _source_vpp(args) > 1:
+            d["virtual_pipeline_model_parallel_size"] = self.vpp if self.vpp > 1 else None
+            d["num_virtual_stages_per_pipeline_rank"] = self.vpp if self.vpp > 1 else None
+            d["num_layers_per_virtual_pipeline_stage"] = None
         if self.split != stage_split(args) or "decoder_first_pipeline_num_layers" in d:
             d["decoder_first_pipeline_num_layers"], d["decoder_last_pipeline_num_layers"] = self.split
         if d.get("expert_tensor_parallel_size") == old_tp:

@@ -619,7 +619,9 @@ class MegatronLegacyAdapter:
         )
         global_names: dict[str, str] = {}
         order: list[tuple[str, tuple[int, ...]]] = []
+        orders: list[list[tuple[str, tuple[int, ...]]]] = []  # the parameters of each model chunk
         for vp, model in chunks:
+            orders.append([])
             offset = _layer_offset(args, p, vp)
             for local, value in flatten(model):
                 m = _LAYER.match(local)
@@ -636,6 +638,7 @@ class MegatronLegacyAdapter:
                 elif isinstance(value, _unpickle.TensorRef):
                     self._place(manifest, name, value, rel, t, tp, gated, replicas, kind="param")
                     order.append((name, value.shape))
+                    orders[-1].append((name, value.shape))
                 elif name.endswith("_extra_state"):
                     item = manifest.items.get(name) or manifest.add(Item(name=name, kind="object"))
                     if not item.pieces:
@@ -664,7 +667,7 @@ class MegatronLegacyAdapter:
                         )
         dist_rel = rel.rsplit("/", 1)[0] + "/distrib_optim.pt"
         if Path(manifest.root, dist_rel).is_file():
-            self._distrib_optim(manifest, dist_rel, order, args, rank, tp, gated, replicas)
+            self._distrib_optim(manifest, dist_rel, orders, args, rank, tp, gated, replicas)
         rng = obj.get("rng_state")
         if isinstance(rng, list):
             for name, value in flatten(rng, "rng_state"):
@@ -687,7 +690,7 @@ class MegatronLegacyAdapter:
         self,
         manifest: Manifest,
         rel: str,
-        order: list[tuple[str, tuple[int, ...]]],
+        orders: list[list[tuple[str, tuple[int, ...]]]],
         args: Any,
         rank: tuple[int, int, int],
         tp: int,
@@ -700,39 +703,43 @@ class MegatronLegacyAdapter:
         refused rather than guessed."""
         archive, obj, _ = _pt.load(Path(manifest.root), rel, ALLOWLIST)
         archive.close()
-        buffers = obj.get(0) if isinstance(obj, dict) else None
-        if not isinstance(buffers, dict) or len(buffers) != 1 or 1 in obj:
+        chunks = sorted(k for k in obj if isinstance(k, int)) if isinstance(obj, dict) else []
+        if chunks != list(range(len(orders))) or any(not isinstance(obj[v], dict) or len(obj[v]) != 1 for v in chunks):
             raise CorruptFileError(
-                f"{rel}: expected one grad buffer of one dtype (no expert buffer), found "
-                f"{len(buffers) if isinstance(buffers, dict) else type(buffers).__name__} dtypes in buffer 0"
-                f"{' and more buffers' if isinstance(obj, dict) and 1 in obj else ''}; this distributed-optimizer "
-                "layout is not supported yet",
+                f"{rel}: expected one grad buffer of one dtype per model chunk ({len(orders)}; no expert buffer), "
+                f"found buffers {chunks} with "
+                f"{[len(obj[v]) if isinstance(obj[v], dict) else type(obj[v]).__name__ for v in chunks]} dtypes; "
+                "this distributed-optimizer layout is not supported yet",
                 path=rel,
             )
-        state = next(iter(buffers.values()))
-        numel = state.get("numel_unpadded") if isinstance(state, dict) else None
         t, p, _ = rank
-        size = bucket_size(args, p, sum(math.prod(s) for _, s in order))
         pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-        layout, pos = grad_buffer_layout(order, bucket_size=size, shared=shared_embedding(args, p, pp))
-        if pos != numel:
-            raise CorruptFileError(
-                f"{rel}: replaying the grad-buffer layout gives {pos} elements, the file says numel_unpadded="
-                f"{numel}; this distributed-optimizer layout is not supported yet",
-                path=rel,
-            )
-        for key, suffix, kind in (
-            ("param", "fp32", "master"),
-            ("exp_avg", "exp_avg", "optim"),
-            ("exp_avg_sq", "exp_avg_sq", "optim"),
-        ):
-            flat = state.get(key)
-            if not isinstance(flat, _unpickle.TensorRef) or flat.shape != (numel,):
-                raise CorruptFileError(f"{rel}: no flat {key} tensor of {numel} elements", path=rel)
-            for name, shape, start in layout:
-                stride = tuple(int(x) for x in _c_strides(shape))
-                view = _unpickle.TensorRef(flat.storage, flat.storage_offset + start, shape, stride, flat.dtype)
-                self._place(manifest, f"{name}.{suffix}", view, rel, t, tp, gated, replicas, kind=kind, param=name)
+        total = sum(math.prod(s) for order in orders for _, s in order)
+        for v, order in enumerate(orders):
+            state = next(iter(obj[v].values()))
+            numel = state.get("numel_unpadded") if isinstance(state, dict) else None
+            # megatron-core buckets only the first model chunk of the first stage (DDP's disable_bucketing)
+            size = bucket_size(args, p, total) if v == 0 else None
+            shared = chunk_shared_embedding(args, p, pp, v, len(orders))
+            layout, pos = grad_buffer_layout(order, bucket_size=size, shared=shared)
+            if pos != numel:
+                raise CorruptFileError(
+                    f"{rel}: replaying the grad-buffer layout of model chunk {v} gives {pos} elements, the file says "
+                    f"numel_unpadded={numel}; this distributed-optimizer layout is not supported yet",
+                    path=rel,
+                )
+            for key, suffix, kind in (
+                ("param", "fp32", "master"),
+                ("exp_avg", "exp_avg", "optim"),
+                ("exp_avg_sq", "exp_avg_sq", "optim"),
+            ):
+                flat = state.get(key)
+                if not isinstance(flat, _unpickle.TensorRef) or flat.shape != (numel,):
+                    raise CorruptFileError(f"{rel}: no flat {key} tensor of {numel} elements", path=rel)
+                for name, shape, start in layout:
+                    stride = tuple(int(x) for x in _c_strides(shape))
+                    view = _unpickle.TensorRef(flat.storage, flat.storage_offset + start, shape, stride, flat.dtype)
+                    self._place(manifest, f"{name}.{suffix}", view, rel, t, tp, gated, replicas, kind=kind, param=name)
 
     def _place(
         self,
@@ -828,6 +835,14 @@ def bucket_size(args: Any, pp_rank: int, numel: int) -> int | None:
         return int(size)
     dp = int(getattr(args, "data_parallel_size", 1) or 1) * int(getattr(args, "context_parallel_size", 1) or 1)
     return max(40_000_000, 1_000_000 * dp)
+
+
+def chunk_shared_embedding(args: Any, pp_rank: int, pp: int, chunk: int, chunks: int) -> frozenset[str]:
+    """:func:`shared_embedding` for model chunk ``chunk`` of ``chunks`` (virtual pipeline stages):
+    the embedding is in the first chunk of the first stage, the output layer in the last chunk of
+    the last stage."""
+    first, last = chunk == 0, chunk == chunks - 1
+    return frozenset(n for n in shared_embedding(args, pp_rank, pp) if (first if n.startswith("embedding.") else last))
 
 
 def shared_embedding(args: Any, pp_rank: int, pp: int) -> frozenset[str]:

@@ -46,9 +46,9 @@ from ckpttool.formats.megatron import (
     ALLOWLIST,
     TRACKER,
     bucket_size,
+    chunk_shared_embedding,
     grad_buffer_layout,
     pipeline_stages,
-    shared_embedding,
     split_rule,
     stage_split,
     tp_regions,
@@ -150,11 +150,6 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
         archive, tree, _ = _pt.load(root, rel, ALLOWLIST)
         archive.close()
         src.buffer_key = next(iter(tree[0]))  # the reader checked: one buffer of one dtype
-    if src.distopt and any(len(_chunks(obj)) > 1 for obj in objs.values()):
-        raise UsageError(
-            "resharding a checkpoint with virtual pipeline stages saved by the distributed optimizer is not "
-            "supported yet"
-        )
     for p in range(pp):
         obj = objs[(0, p)]
         order: list[tuple[str, tuple[int, ...]]] = []  # the optimizer's parameters: chunk by chunk
@@ -456,12 +451,6 @@ class LegacyWriter:
         want = target.distributed_optimizer
         self.distopt = self.src.distopt if want is None else want
         """write ``distrib_optim.pt`` files (the distributed optimizer's layout)"""
-        if self.vpp > 1 and self.distopt:
-            raise UsageError(
-                "writing virtual pipeline stages with the distributed optimizer (distrib_optim.pt) is not supported "
-                "yet",
-                hint="--no-distributed-optimizer, or no --vpp",
-            )
         if self.src.distopt and not self.distopt:
             raise UsageError(
                 "this checkpoint was saved with the distributed optimizer; writing it for the non-distributed "
@@ -560,7 +549,7 @@ class LegacyWriter:
                 name = f"{self.iter_dir}/{rank_dir(t, p, self.target.pp)}/model_optim_rng.pt"
                 out.append(PlannedFile.of(name, (t, p, 0), sizes))
                 if self.distopt:
-                    tensors = list(self._distrib(t, p, None).values())
+                    tensors = [o for v in range(self.vpp) for o in self._distrib(t, p, v, None).values()]
                     name = f"{self.iter_dir}/{rank_dir(t, p, self.target.pp)}/{DISTRIB}"
                     nbytes = sum(o.nbytes for o in tensors)
                     largest = max(o.peak for o in tensors)
@@ -578,20 +567,24 @@ class LegacyWriter:
                     if extra is not None:
                         yield self._out(extra, t, None)
 
-    def _params(self, p: int) -> list[str]:
-        """Stage ``p``'s parameters with optimizer state, in model order."""
+    def _params(self, p: int, v: int | None = None) -> list[str]:
+        """Stage ``p``'s parameters with optimizer state (of model chunk ``v`` only, if given), in
+        model order."""
         items = self.manifest.items
-        return [n for n in self._model_names(p) if self._item(n).is_tensor and f"{self._src_name(n)}.exp_avg" in items]
+        names = self._model_names(p) if v is None else self._chunk_names(p, v)
+        return [n for n in names if self._item(n).is_tensor and f"{self._src_name(n)}.exp_avg" in items]
 
-    def _distrib(self, t: int, p: int, reader: PieceReader | None) -> dict[str, _ptwrite.OutTensor]:
-        """Rank (t, p)'s ``distrib_optim.pt`` world tensors (fp32 main params and Adam moments laid
-        out as megatron-core's grad buffer lays out this stage's parameters at the new TP), each
-        streamed one parameter at a time."""
+    def _distrib(self, t: int, p: int, v: int, reader: PieceReader | None) -> dict[str, _ptwrite.OutTensor]:
+        """Rank (t, p)'s ``distrib_optim.pt`` world tensors of model chunk ``v`` (fp32 main params and
+        Adam moments laid out as megatron-core's grad buffer of that chunk lays out its parameters at
+        the new TP), each streamed one parameter at a time."""
         items = self.manifest.items
-        params = self._params(p)
+        params = self._params(p, v)
         shapes = [(n, self._out(self._item(n), t, None).shape) for n in params]
-        size = bucket_size(self.args, p, sum(math.prod(s) for _, s in shapes))
-        shared = shared_embedding(self.args, p, self.target.pp)
+        # megatron-core buckets only the first model chunk (DDP's disable_bucketing), sized by the stage
+        stage = sum(math.prod(self._out(self._item(n), t, None).shape) for n in self._params(p))
+        size = bucket_size(self.args, p, stage) if v == 0 else None
+        shared = chunk_shared_embedding(self.args, p, self.target.pp, v, self.vpp)
         layout, numel = grad_buffer_layout(shapes, bucket_size=size, shared=shared)
         out: dict[str, _ptwrite.OutTensor] = {}
         for key, suffix in (("param", "fp32"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
@@ -644,9 +637,13 @@ class LegacyWriter:
                 dtype = self._param_dtype()
                 grads = "float32" if getattr(self.args, "accumulate_allreduce_grads_in_fp32", True) else dtype
                 key = (_unpickle.TorchDType(dtype), _unpickle.TorchDType(grads))
-            state: dict[str, Any] = dict(self._distrib(t, p, reader))
-            state["numel_unpadded"] = state["param"].shape[0]
-            n = _ptwrite.save({"buckets_coalesced": True, 0: {key: state}}, out, scratch=self.scratch)
+            buffers: dict[Any, Any] = {"buckets_coalesced": True}
+            for v in range(self.vpp):  # one grad buffer per model chunk
+                state: dict[str, Any] = dict(self._distrib(t, p, v, reader))
+                state["numel_unpadded"] = state["param"].shape[0]
+                # a tuple of its own per buffer (the same dtypes), as megatron-core pickles them
+                buffers[v] = {tuple(k for k in key): state}
+            n = _ptwrite.save(buffers, out, scratch=self.scratch)
             if progress is not None:
                 progress(n)
             return n

@@ -34,6 +34,7 @@ CLEAN = [
     ),
     *(f"megatron/{n}" for n in ("dist_tp2", "dist_tp2pp2", "legacy_tp2pp2", "legacy_tp2pp2_distopt")),
     "megatron/legacy_pp2vpp2",
+    "megatron/legacy_pp2vpp2_distopt",
     "megatron/dist_pp2vpp2",
     "rankshards/tp_manual/step_00000003",
     "rankshards/ddp",

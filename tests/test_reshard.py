@@ -806,3 +806,25 @@ def test_megatron_lm_loads_virtual_stages_with_the_distributed_optimizer(tmp_pat
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("source", "pp"), [("legacy_tp2pp2_distopt", 1), ("legacy_tp2pp2", 2)])
+def test_megatron_lm_loads_the_distributed_optimizer_checkpoint_at_dp2(source, pp, tmp_path):
+    """Oracle: Megatron-LM's load_checkpoint with --use-distributed-optimizer at DP=2 (TP=1) loads our
+    distrib_optim.pt (resharded, or converted from the Float16 optimizer) and scatters it over the
+    two data-parallel ranks: each rank's shard of every fp32 main param and Adam moment equals the
+    reference's flat range, the shards cover every tensor exactly once; it trains the next step."""
+    mlm = _megatron_lm()
+    if mlm is None:
+        pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
+    out = tmp_path / "out"
+    reshard(FIXTURES / "megatron" / source, out, Target(tp=1, pp=pp, distributed_optimizer=True))
+    proc = subprocess.run(
+        [sys.executable, str(FIXTURES / "oracle_megatron_reshard.py"), "--megatron-lm", mlm, "--ckpt", str(out),
+         "--tp", "1", "--pp", str(pp), "--dp", "2", "--distopt",
+         "--reference", str(FIXTURES / "megatron" / f"{source}.reference.pt")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "DP=2" in proc.stdout and "coverage of the 108 reference tensors by the main replicas: OK" in proc.stdout

@@ -457,7 +457,14 @@ def reshard(
     output: Annotated[Path, typer.Option("--output", "-o", help="The directory to write.", show_default=False)],
     tp: Annotated[int | None, typer.Option("--tp", help="Tensor-parallel size (default: the source's).")] = None,
     pp: Annotated[int | None, typer.Option("--pp", help="Pipeline-parallel size (default: the source's).")] = None,
-    vpp: Annotated[int | None, typer.Option("--vpp", help="Virtual pipeline stages per rank.")] = None,
+    vpp: Annotated[
+        int | None,
+        typer.Option(
+            "--vpp",
+            help="Megatron: virtual pipeline stages (model chunks) per pipeline rank, the interleaved schedule's "
+            "layout. Default: the source's when --pp is not given, else 1.",
+        ),
+    ] = None,
     pp_first_layers: Annotated[
         int | None,
         typer.Option(

@@ -423,6 +423,8 @@ class LegacyWriter:
             )
         self.vpp = target.vpp or _source_vpp(self.args)
         """model chunks (virtual pipeline stages) per pipeline rank in the output"""
+        self._layer_places: dict[int, tuple[int, int]] | None = None
+        self._placement: dict[tuple[int, int], list[str]] | None = None
         self.chunks = target_chunks(self.args, target) if _num_layers(self.args) else [[(0, 0)] * self.vpp] * target.pp
         """(first layer, layers) of each model chunk of each target pipeline stage"""
         self.split = (
@@ -512,22 +514,35 @@ class LegacyWriter:
 
     def layer_place(self, layer: int) -> tuple[int, int]:
         """The target (pipeline stage, model chunk) holding global ``layer``."""
-        for p, chunks in enumerate(self.chunks):
-            for v, (first, n) in enumerate(chunks):
-                if first <= layer < first + n:
-                    return p, v
-        return len(self.chunks) - 1, self.vpp - 1
+        if self._layer_places is None:
+            self._layer_places = {
+                first + i: (p, v)
+                for p, chunks in enumerate(self.chunks)
+                for v, (first, n) in enumerate(chunks)
+                for i in range(n)
+            }
+        place = self._layer_places.get(layer)
+        if place is None:
+            raise CorruptFileError(
+                f"layer {layer} is in the checkpoint, but its args say {_num_layers(self.args)} layers"
+            )
+        return place
 
     def layer_stage(self, layer: int) -> int:
         """The target pipeline stage holding global ``layer``."""
         return self.layer_place(layer)[0]
 
     def _chunk_names(self, p: int, v: int) -> list[str]:
-        names = [n for n in self.src.model_order if (p, v) in self.place_of(n)]
-        last = (p, v) == (self.target.pp - 1, self.vpp - 1)
-        if self.tied and last and self.target.pp > 1 and "output_layer.weight" not in names:
-            names.append("output_layer.weight")
-        return names
+        """Model chunk ``v`` of stage ``p``'s entries, in model order (placed once, then kept)."""
+        if self._placement is None:
+            self._placement = {(q, w): [] for q in range(self.target.pp) for w in range(self.vpp)}
+            for n in self.src.model_order:
+                for place in self.place_of(n):
+                    self._placement[place].append(n)
+            last = self._placement[(self.target.pp - 1, self.vpp - 1)]
+            if self.tied and self.target.pp > 1 and "output_layer.weight" not in last:
+                last.append("output_layer.weight")
+        return list(self._placement[(p, v)])
 
     def _model_names(self, p: int) -> list[str]:
         """Stage ``p``'s model entries, chunk after chunk (the order of its optimizer's parameters)."""

@@ -383,6 +383,18 @@ def _megatron_lm() -> str | None:
     return path if path and Path(path).exists() else None
 
 
+def _ref(name: str) -> tuple[str, str]:
+    return "--reference", str(FIXTURES / "megatron" / f"{name}.reference.pt")
+
+
+def _oracle(mlm: str, ckpt: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run Megatron-LM's own loader on ``ckpt`` (fixtures/oracle_megatron_reshard.py) with ``args``."""
+    return subprocess.run(
+        [sys.executable, str(FIXTURES / "oracle_megatron_reshard.py"), "--megatron-lm", mlm, "--ckpt", str(ckpt), *args],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 def test_megatron_lm_loads_the_resharded_checkpoint(tmp_path):
     """Oracle: Megatron-LM's own load_checkpoint (optimizer and RNG on) at TP=1 PP=1 loads our
@@ -392,11 +404,7 @@ def test_megatron_lm_loads_the_resharded_checkpoint(tmp_path):
         pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
     out = tmp_path / "tp1"
     reshard(LEGACY, out, Target(tp=1, pp=1))
-    proc = subprocess.run(
-        [sys.executable, str(FIXTURES / "oracle_megatron_reshard.py"), "--megatron-lm", mlm, "--ckpt", str(out),
-         "--tp", "1", "--pp", "1", "--reference", str(FIXTURES / "megatron" / "legacy_tp2pp2.reference.pt")],
-        capture_output=True, text=True, timeout=600,
-    )
+    proc = _oracle(mlm, out, "--tp", "1", "--pp", "1", *_ref("legacy_tp2pp2"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
 
 
@@ -418,12 +426,7 @@ def test_megatron_lm_loads_the_distributed_optimizer_checkpoint(source, tp, pp, 
     env = dict(os.environ)
     if bucket is not None:
         env["CKPTTOOL_MEGATRON_EXTRA"] = f"--overlap-grad-reduce --ddp-bucket-size {bucket}"
-    proc = subprocess.run(
-        [sys.executable, str(FIXTURES / "oracle_megatron_reshard.py"), "--megatron-lm", mlm, "--ckpt", str(out),
-         "--tp", str(tp), "--pp", str(pp), "--distopt",
-         "--reference", str(FIXTURES / "megatron" / f"{source}.reference.pt")],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
+    proc = _oracle(mlm, out, "--tp", str(tp), "--pp", str(pp), "--distopt", *_ref(source), env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
 
 
@@ -641,11 +644,7 @@ def test_megatron_lm_loads_the_uneven_pipeline_checkpoint(tmp_path):
     out = tmp_path / "pp3"
     reshard(LEGACY, out, Target(tp=1, pp=3, pp_first=2))
     env = dict(os.environ, CKPTTOOL_MEGATRON_EXTRA="--decoder-first-pipeline-num-layers 2")
-    proc = subprocess.run(
-        [sys.executable, str(FIXTURES / "oracle_megatron_reshard.py"), "--megatron-lm", mlm, "--ckpt", str(out),
-         "--tp", "1", "--pp", "3", "--reference", str(FIXTURES / "megatron" / "legacy_tp2pp2.reference.pt")],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
+    proc = _oracle(mlm, out, "--tp", "1", "--pp", "3", *_ref("legacy_tp2pp2"), env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
 
 
@@ -750,12 +749,7 @@ def test_megatron_lm_loads_the_virtual_stages_checkpoint(tmp_path):
         pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
     out = tmp_path / "vpp"
     reshard(LEGACY, out, Target(tp=1, pp=2, vpp=2))
-    proc = subprocess.run(
-        [sys.executable, str(FIXTURES / "oracle_megatron_reshard.py"), "--megatron-lm", mlm, "--ckpt", str(out),
-         "--tp", "1", "--pp", "2", "--vpp", "2",
-         "--reference", str(FIXTURES / "megatron" / "legacy_tp2pp2.reference.pt")],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    proc = _oracle(mlm, out, "--tp", "1", "--pp", "2", "--vpp", "2", *_ref("legacy_tp2pp2"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
 
 
@@ -799,12 +793,7 @@ def test_megatron_lm_loads_virtual_stages_with_the_distributed_optimizer(tmp_pat
         pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
     out = tmp_path / "vpp"
     reshard(DISTOPT, out, Target(tp=1, pp=2, vpp=2))
-    proc = subprocess.run(
-        [sys.executable, str(FIXTURES / "oracle_megatron_reshard.py"), "--megatron-lm", mlm, "--ckpt", str(out),
-         "--tp", "1", "--pp", "2", "--vpp", "2", "--distopt",
-         "--reference", str(FIXTURES / "megatron" / "legacy_tp2pp2_distopt.reference.pt")],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    proc = _oracle(mlm, out, "--tp", "1", "--pp", "2", "--vpp", "2", "--distopt", *_ref("legacy_tp2pp2_distopt"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
 
 
@@ -820,11 +809,6 @@ def test_megatron_lm_loads_the_distributed_optimizer_checkpoint_at_dp2(source, p
         pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
     out = tmp_path / "out"
     reshard(FIXTURES / "megatron" / source, out, Target(tp=1, pp=pp, distributed_optimizer=True))
-    proc = subprocess.run(
-        [sys.executable, str(FIXTURES / "oracle_megatron_reshard.py"), "--megatron-lm", mlm, "--ckpt", str(out),
-         "--tp", "1", "--pp", str(pp), "--dp", "2", "--distopt",
-         "--reference", str(FIXTURES / "megatron" / f"{source}.reference.pt")],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    proc = _oracle(mlm, out, "--tp", "1", "--pp", str(pp), "--dp", "2", "--distopt", *_ref(source))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "DP=2" in proc.stdout and "coverage of the 108 reference tensors by the main replicas: OK" in proc.stdout

@@ -356,6 +356,8 @@ class _MegatronExec(_FileExec):
         )
         args = (manifest.root, manifest, mtarget, target.split_rules)
         super().__init__(adapter, manifest, _build_dist if dist else _build_legacy, args, {"tp": tp, "pp": pp})
+        if self.writer.vpp > 1:
+            self.layout["vpp"] = self.writer.vpp
         self.notes = self.writer.notes()
 
 

@@ -130,6 +130,11 @@ def _args_extras(args: Any) -> dict[str, Any]:
         "params_dtype",
         "num_experts",
         "ckpt_format",
+        "decoder_first_pipeline_num_layers",
+        "decoder_last_pipeline_num_layers",
+        "account_for_embedding_in_pipeline_split",
+        "account_for_loss_in_pipeline_split",
+        "pipeline_model_parallel_layout",
     )
     out = {}
     for k in keep:

@@ -14,6 +14,7 @@ param-group hyper-parameters, scheduler, counters, config) is kept.
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 from collections.abc import Callable
@@ -310,13 +311,18 @@ class UniversalWriter(ZeroWriter):
     def files(self) -> list[PlannedFile]:
         out = []
         for k, (kind, name, _g) in enumerate(self.jobs):
+            path = self._path(kind, name)
             if kind in self._STATES:
-                sizes = [self.manifest.items[f"{name}.{kind}"].nbytes or 0]
-            elif kind == "module":
-                sizes = [self.manifest.items[name].nbytes or 0]
+                out.append(PlannedFile.of(path, (k,), [self.manifest.items[f"{name}.{kind}"].nbytes or 0]))
+            elif kind == "module":  # widened to float32: its buffer, and the source values assembled
+                item = self.manifest.items[name]
+                wide = 4 * math.prod(item.shape or ())
+                out.append(PlannedFile(path=path, key=(k,), nbytes=wide, tensors=1, largest=wide + (item.nbytes or 0)))
+            elif kind == "model":  # copied as it is (what write() reports): its bytes, no tensor buffer
+                size = (self.root / self.model_rel).stat().st_size
+                out.append(PlannedFile(path=path, key=(k,), nbytes=size, tensors=0, largest=0))
             else:
-                sizes = []
-            out.append(PlannedFile.of(self._path(kind, name), (k,), sizes))
+                out.append(PlannedFile.of(path, (k,), []))
         return out
 
     def finish(self, tmp: Path, results: list[Any]) -> None:

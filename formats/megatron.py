@@ -443,6 +443,53 @@ def pipeline_stages(
     return out
 
 
+def pipeline_chunks(
+    layers: int,
+    pp: int,
+    vpp: int = 1,
+    first: int | None = None,
+    last: int | None = None,
+    *,
+    embedding: bool = False,
+    loss: bool = False,
+) -> list[list[tuple[int, int]]]:
+    """For each pipeline stage, ``(first global layer, number of layers)`` of each of its ``vpp``
+    model chunks, as megatron-core places them: each stage's layers (:func:`pipeline_stages`, the
+    embedding or loss counted where they are) cut into ``vpp`` equal chunks, and chunk ``v`` of every
+    stage following chunk ``v - 1`` of the last (the interleaved schedule). ValueError, with the
+    reason, when the layers do not split so."""
+    stages = pipeline_stages(layers, pp, first, last, embedding=embedding, loss=loss)
+    if vpp == 1:
+        return [[stage] for stage in stages]
+    if vpp < 1:
+        raise ValueError("VPP must be at least 1")
+    if pp == 1:
+        raise ValueError(f"VPP={vpp} needs PP > 1 (virtual stages interleave pipeline ranks)")
+    if first is not None and last is not None and pp == 2:  # megatron-core divides by the stages between
+        raise ValueError("virtual stages with both end stages given need a stage between them (PP > 2)")
+    counts = [n + (embedding and p == 0) + (loss and p == pp - 1) for p, (_, n) in enumerate(stages)]
+    for p, n in enumerate(counts):
+        if n % vpp:
+            raise ValueError(f"the {n} layers of pipeline stage {p} do not split into VPP={vpp} model chunks")
+    per = [n // vpp for n in counts]
+    rounds = sum(per)  # layers (the embedding and loss counted) in chunk v of all stages together
+    out = []
+    for p in range(pp):
+        row = []
+        for v in range(vpp):
+            offset, count = v * rounds + sum(per[:p]), per[p]
+            if embedding:  # the embedding takes a layer's place in the very first chunk
+                if (p, v) == (0, 0):
+                    count -= 1
+                else:
+                    offset -= 1
+            if loss and (p, v) == (pp - 1, vpp - 1):
+                count -= 1
+            row.append((offset, count))
+        out.append(row)
+    return out
+
+
 def stage_split(args: Any) -> tuple[int | None, int | None]:
     """The first and last stages' layer counts when ``args`` gives them (uneven pipeline)."""
     first = getattr(args, "decoder_first_pipeline_num_layers", None)
@@ -455,18 +502,19 @@ def _layer_offset(args: Any, pp_rank: int, vp: int) -> int:
     layers = int(getattr(args, "num_layers", 0) or 0)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
-    if vpp == 1:
-        try:
-            stages = pipeline_stages(
-                layers,
-                pp,
-                *stage_split(args),
-                embedding=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
-                loss=bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
-            )
-            return stages[pp_rank][0] if pp_rank < len(stages) else 0
-        except ValueError:
-            pass  # args Megatron itself would refuse: the even split, as before
+    try:
+        chunks = pipeline_chunks(
+            layers,
+            pp,
+            vpp,
+            *stage_split(args),
+            embedding=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
+            loss=bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
+        )
+        if pp_rank < len(chunks) and vp < len(chunks[pp_rank]):
+            return chunks[pp_rank][vp][0]
+    except ValueError:
+        pass  # args Megatron itself would refuse: the even split, as before
     per_chunk = layers // (pp * vpp)
     return vp * (layers // vpp) + pp_rank * per_chunk
 

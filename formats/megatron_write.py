@@ -48,7 +48,7 @@ from ckpttool.formats.megatron import (
     bucket_size,
     chunk_shared_embedding,
     grad_buffer_layout,
-    pipeline_stages,
+    pipeline_chunks,
     split_rule,
     stage_split,
     tp_regions,
@@ -241,22 +241,15 @@ def target_chunks(args: Any, target: MegatronTarget) -> list[list[tuple[int, int
     without virtual stages); ValueError (the reason) when the layers cannot be split so. The
     embedding and loss count as layers when the source counted them."""
     first, last = stage_split(args) if target.uneven is None else target.uneven
-    layers, pp = _num_layers(args), target.pp
-    vpp = target.vpp or _source_vpp(args)
-    embedding = bool(getattr(args, "account_for_embedding_in_pipeline_split", False))
-    loss = bool(getattr(args, "account_for_loss_in_pipeline_split", False))
-    if vpp == 1:
-        return [[stage] for stage in pipeline_stages(layers, pp, first, last, embedding=embedding, loss=loss)]
-    if vpp < 1:
-        raise ValueError("VPP must be at least 1")
-    if pp == 1:
-        raise ValueError(f"VPP={vpp} needs PP > 1 (virtual stages interleave pipeline ranks)")
-    if first is not None or last is not None or embedding or loss:
-        raise ValueError("virtual pipeline stages with an uneven pipeline are not supported yet")
-    if layers % (pp * vpp):
-        raise ValueError(f"PP x VPP = {pp * vpp} does not divide the {layers} layers")
-    per = layers // (pp * vpp)  # chunk v of stage p: layers v*L/VPP + p*per .. (megatron-core's interleaving)
-    return [[(v * (layers // vpp) + p * per, per) for v in range(vpp)] for p in range(pp)]
+    return pipeline_chunks(
+        _num_layers(args),
+        target.pp,
+        target.vpp or _source_vpp(args),
+        first,
+        last,
+        embedding=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
+        loss=bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
+    )
 
 
 def validate(manifest: Manifest, src: _Source, target: MegatronTarget, rules: dict[str, Any]) -> list[str]:

@@ -7,6 +7,8 @@ megatron-core itself (dist_checkpointing.load into a TP=1 model): ``param.*`` (b
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -214,8 +216,9 @@ def test_grad_buffer_layout_is_megatron_cores():
 
 def test_pipeline_stages_agree_with_megatron_core():
     """Oracle: the pipeline split (even; uneven first/last stages; the embedding or loss counted as a
-    layer) equals megatron-core's own get_num_layers_to_build / get_transformer_layer_offset for every
-    split Megatron accepts, and is refused for the ones it asserts on."""
+    layer; each with 1-3 virtual stages per rank) equals megatron-core's own get_num_layers_to_build /
+    get_transformer_layer_offset for every split Megatron accepts, and is refused for the ones it
+    asserts on or whose stages would not hold the layers."""
     import types
 
     try:
@@ -223,51 +226,48 @@ def test_pipeline_stages_agree_with_megatron_core():
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
     except ImportError:
         pytest.skip("needs megatron-core")
-    from ckpttool.formats.megatron import pipeline_stages
+    from ckpttool.formats.megatron import pipeline_chunks
 
-    checked = refused = 0
-    for layers in range(1, 9):
+    checked, refused = collections.Counter(), 0
+    for layers in range(1, 13):
         for pp in range(2, 6):
-            for first in (None, 1, 2, 3):
-                for last in (None, 1, 2):
-                    for emb, loss in ((False, False), (True, False), (False, True), (True, True)):
-                        if (first or last) and (emb or loss):
-                            continue  # megatron-core asserts on it; ckpttool refuses it (below)
-                        config = types.SimpleNamespace(
-                            num_layers=layers, pipeline_model_parallel_size=pp,
-                            num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
-                            account_for_embedding_in_pipeline_split=emb, account_for_loss_in_pipeline_split=loss,
-                            pipeline_model_parallel_layout=None, virtual_pipeline_model_parallel_size=None,
-                        )  # fmt: skip
-                        try:
-                            theirs = [
-                                (
-                                    get_transformer_layer_offset(config, None, p),
-                                    get_num_layers_to_build(config, None, p),
-                                )
-                                for p in range(pp)
-                            ]
-                        except AssertionError:
-                            theirs = None
-                        try:
-                            ours = pipeline_stages(layers, pp, first, last, embedding=emb, loss=loss)
-                        except ValueError:
-                            # refused: megatron-core asserts, or its stages do not hold the layers
-                            tiles = (
-                                theirs is not None
-                                and all(
-                                    n >= 0 and o == sum(c for _, c in theirs[:p]) for p, (o, n) in enumerate(theirs)
-                                )
-                                and sum(n for _, n in theirs) == layers
-                            )
-                            assert not tiles, (layers, pp, first, last, emb, loss, theirs)
-                            refused += 1
-                            continue
-                        assert ours == theirs, (layers, pp, first, last, emb, loss)
-                        checked += 1
-    assert checked > 100 and refused > 100
+            for vpp in (1, 2, 3):
+                for first in (None, 1, 2, 3, 4):
+                    for last in (None, 1, 2):
+                        for emb, loss in ((False, False), (True, False), (False, True), (True, True)):
+                            if (first or last) and (emb or loss):
+                                continue  # megatron-core asserts on it; ckpttool refuses it (below)
+                            config = types.SimpleNamespace(
+                                num_layers=layers, pipeline_model_parallel_size=pp,
+                                num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
+                                account_for_embedding_in_pipeline_split=emb, account_for_loss_in_pipeline_split=loss,
+                                pipeline_model_parallel_layout=None,
+                                virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                            )  # fmt: skip
+                            stages = [(p, v if vpp > 1 else None) for p in range(pp) for v in range(vpp)]
+                            try:
+                                theirs = [
+                                    (get_transformer_layer_offset(config, v, p), get_num_layers_to_build(config, v, p))
+                                    for p, v in stages
+                                ]
+                            except (AssertionError, ZeroDivisionError):  # megatron-core fails on it
+                                theirs = None
+                            try:
+                                ours = [c for row in pipeline_chunks(layers, pp, vpp, first, last, embedding=emb,
+                                                                     loss=loss) for c in row]  # fmt: skip
+                            except ValueError:
+                                # refused: megatron-core asserts, or its chunks do not tile the layers
+                                tiles = theirs is not None and sorted(
+                                    i for o, n in theirs if n >= 0 for i in range(o, o + n)
+                                ) == list(range(layers)) and all(n >= 0 for _, n in theirs)
+                                assert not tiles, (layers, pp, vpp, first, last, emb, loss, theirs)
+                                refused += 1
+                                continue
+                            assert ours == theirs, (layers, pp, vpp, first, last, emb, loss)
+                            checked[vpp] += 1
+    assert min(checked.values()) > 20 and refused > 100, (checked, refused)
     with pytest.raises(ValueError, match="cannot be combined"):
-        pipeline_stages(4, 2, 1, embedding=True)
+        pipeline_chunks(4, 2, 1, 1, embedding=True)
 
 
 def test_describes_do_not_share_replica_state(monkeypatch):

@@ -323,7 +323,7 @@ def test_deepspeed_any_dp(dp, tmp_path):
         (Target(pp=3), "PP=3 does not divide the 4 layers"),
         (Target(pp=8), "PP=8 is larger than the 4 layers"),
         (Target(tp=4), "TP=4 does not divide the 2 query groups"),
-        (Target(vpp=3), "PP x VPP = 6 does not divide the 4 layers"),
+        (Target(vpp=3), "the 2 layers of pipeline stage 0 do not split into VPP=3 model chunks"),
         (Target(to="deepspeed"), "--to deepspeed reshards DeepSpeed"),
         (Target(to="safetensors"), "--to 'safetensors'"),
         (Target(dp=2), "--dp"),
@@ -727,8 +727,9 @@ def test_megatron_virtual_stages_to_torch_dist_is_what_megatron_saves(tmp_path):
     ("target", "message"),
     [
         (Target(tp=1, pp=1, vpp=2), "VPP=2 needs PP > 1"),
-        (Target(tp=1, pp=2, vpp=3), "PP x VPP = 6 does not divide the 4 layers"),
-        (Target(tp=1, pp=2, vpp=2, pp_first=1), "virtual pipeline stages with an uneven pipeline"),
+        (Target(tp=1, pp=2, vpp=3), "the 2 layers of pipeline stage 0 do not split into VPP=3 model chunks"),
+        (Target(tp=1, pp=2, vpp=2, pp_first=1), "the 1 layers of pipeline stage 0 do not split into VPP=2"),
+        (Target(tp=1, pp=2, vpp=2, pp_first=2, pp_last=2), "virtual stages with both end stages given need"),
         (Target(to="dcp", vpp=2), "--vpp applies to Megatron targets only"),
     ],
 )
@@ -740,16 +741,20 @@ def test_megatron_virtual_stages_refusals(target, message, tmp_path):
 
 
 @pytest.mark.slow
-def test_megatron_lm_loads_the_virtual_stages_checkpoint(tmp_path):
+@pytest.mark.parametrize("first", [None, 2])
+def test_megatron_lm_loads_the_virtual_stages_checkpoint(first, tmp_path):
     """Oracle: Megatron-LM's load_checkpoint at TP=1 PP=2 with 2 virtual stages per rank (the
-    interleaved schedule) loads our output; every tensor of both model chunks equals the reference;
-    it trains the next step."""
+    interleaved schedule; and with --decoder-first-pipeline-num-layers 2, the uneven split's own
+    arithmetic) loads our output; every tensor of both model chunks equals the reference; it trains
+    the next step."""
     mlm = _megatron_lm()
     if mlm is None:
         pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
     out = tmp_path / "vpp"
-    reshard(LEGACY, out, Target(tp=1, pp=2, vpp=2))
-    proc = _oracle(mlm, out, "--tp", "1", "--pp", "2", "--vpp", "2", *_ref("legacy_tp2pp2"))
+    reshard(LEGACY, out, Target(tp=1, pp=2, vpp=2, pp_first=first))
+    extra = "" if first is None else f"--decoder-first-pipeline-num-layers {first}"
+    env = dict(os.environ, CKPTTOOL_MEGATRON_EXTRA=extra)
+    proc = _oracle(mlm, out, "--tp", "1", "--pp", "2", "--vpp", "2", *_ref("legacy_tp2pp2"), env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
 
 

@@ -497,9 +497,19 @@ def stage_split(args: Any) -> tuple[int | None, int | None]:
     return (first if isinstance(first, int) else None, last if isinstance(last, int) else None)
 
 
-def _layer_offset(args: Any, pp_rank: int, vp: int) -> int:
-    """Global index of the first layer a (pipeline rank, virtual chunk) holds."""
+def _layer_offset(args: Any, pp_rank: int, vp: int, rel: str = "") -> int:
+    """Global index of the first layer a (pipeline rank, virtual chunk) holds. CorruptFileError when
+    ``args`` place the layers in a way megatron-core cannot (or ckpttool does not read): numbering
+    them anyway would give wrong names."""
     layers = int(getattr(args, "num_layers", 0) or 0)
+    if not layers:
+        return 0
+    if getattr(args, "pipeline_model_parallel_layout", None):
+        raise CorruptFileError(
+            f"{rel}: its args split the layers by --pipeline-model-parallel-layout, which ckpttool does not read yet",
+            hint="the layer numbers cannot be made global without it; nothing is guessed",
+            path=rel,
+        )
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
     try:
@@ -511,12 +521,17 @@ def _layer_offset(args: Any, pp_rank: int, vp: int) -> int:
             embedding=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
             loss=bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
         )
-        if pp_rank < len(chunks) and vp < len(chunks[pp_rank]):
-            return chunks[pp_rank][vp][0]
-    except ValueError:
-        pass  # args Megatron itself would refuse: the even split, as before
-    per_chunk = layers // (pp * vpp)
-    return vp * (layers // vpp) + pp_rank * per_chunk
+    except ValueError as exc:
+        raise CorruptFileError(
+            f"{rel}: its args place {layers} layers on PP={pp} x VPP={vpp} stages in a way Megatron cannot ({exc})",
+            hint="the args are damaged, or from a Megatron version ckpttool does not know",
+            path=rel,
+        ) from None
+    if pp_rank >= len(chunks) or vp >= len(chunks[pp_rank]):
+        raise CorruptFileError(
+            f"{rel}: pipeline rank {pp_rank}, model chunk {vp} is outside the args' PP={pp} x VPP={vpp}", path=rel
+        )
+    return chunks[pp_rank][vp][0]
 
 
 class MegatronLegacyAdapter:
@@ -675,7 +690,7 @@ class MegatronLegacyAdapter:
         orders: list[list[tuple[str, tuple[int, ...]]]] = []  # the parameters of each model chunk
         for vp, model in chunks:
             orders.append([])
-            offset = _layer_offset(args, p, vp)
+            offset = _layer_offset(args, p, vp, rel)
             for local, value in flatten(model):
                 m = _LAYER.match(local)
                 name = f"{m['pre']}{int(m['i']) + offset}{m['rest']}" if m else local

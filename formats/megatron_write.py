@@ -154,7 +154,7 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
         obj = objs[(0, p)]
         order: list[tuple[str, tuple[int, ...]]] = []  # the optimizer's parameters: chunk by chunk
         for vp, model in _chunks(obj):
-            offset = _layer_offset(args, p, vp)
+            offset = _layer_offset(args, p, vp, rels[(0, p)])
             for local, value in model.items():
                 name = _globalize(local, offset)
                 src.model_order.append(name)

@@ -293,3 +293,40 @@ def test_describes_do_not_share_replica_state(monkeypatch):
     outer = registry.describe(src)[1]
     assert replicas(outer) == expected and replicas(nested[0]) == expected
     assert sum(1 for r in expected.values() if r) > 0
+
+
+def _with_args(tmp_path, **changes):
+    """A copy of legacy_tp2pp2 whose rank files' args carry ``changes`` (re-pickled by ckpttool's own
+    writer from the restricted unpickler's tree, tensors copied)."""
+    import shutil
+
+    from ckpttool.formats import _pt, _ptwrite
+    from ckpttool.formats.megatron import ALLOWLIST
+
+    src = tmp_path / "c"
+    shutil.copytree(MG / "legacy_tp2pp2", src)
+    for f in src.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        archive, obj, _ = _pt.load(MG / "legacy_tp2pp2", str(f.relative_to(src)), ALLOWLIST)
+        try:
+            obj["args"].__dict__.update(changes)
+            _ptwrite.save(_ptwrite.carry(obj, lambda archive=archive: archive), f)
+        finally:
+            archive.close()
+    return src
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"pipeline_model_parallel_layout": "Et|tL"}, "--pipeline-model-parallel-layout, which ckpttool does not read"),
+        ({"decoder_first_pipeline_num_layers": 5}, "in a way Megatron cannot (the first and last stages' 5 layers"),
+        ({"virtual_pipeline_model_parallel_size": 3}, "do not split into VPP=3 model chunks"),
+    ],
+)
+def test_layers_the_args_cannot_place_are_an_error_not_a_guess(changes, message, tmp_path):
+    """Legacy rank files number their layers locally; args that do not say how megatron-core placed
+    them (a layout ckpttool does not read, a split Megatron would refuse) stop the read with the file
+    named, instead of global names that may be wrong."""
+    r = run_cli("inspect", _with_args(tmp_path, **changes))
+    assert r.code == 3 and message in r.stderr and "mp_rank_00_000/model_optim_rng.pt" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

@@ -722,6 +722,21 @@ def test_megatron_virtual_stages_to_torch_dist_is_what_megatron_saves(tmp_path):
             assert _record(out, ours, key, offsets) == _record(dist, megatron, key, offsets), key
     assert (out / ITER / "common.pt").is_file() and not diff(dist, out).different
 
+    # from torch_dist itself: to TP=2 x PP=1 and back to PP=2 x VPP=2 gives Megatron's records again, but
+    # for the second stage's RNG (a PP=1 checkpoint holds one stage's)
+    flat, again = tmp_path / "flat", tmp_path / "again"
+    reshard(dist, flat, Target(tp=2, pp=1))
+    reshard(flat, again, Target(tp=1, pp=2, vpp=2))
+    mine = _metadata(again)
+    assert _chunks(mine) == _chunks(megatron)
+    differ = [
+        key
+        for key, meta in megatron.state_dict_metadata.items()
+        for offsets in ([c.offsets for c in meta.chunks] if hasattr(meta, "chunks") else [None])
+        if _record(again, mine, key, offsets) != _record(dist, megatron, key, offsets)
+    ]
+    assert differ == ["rng_state/shard_1.0_2.1"]
+
 
 @pytest.mark.parametrize(
     ("target", "message"),

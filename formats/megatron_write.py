@@ -763,7 +763,31 @@ class LegacyWriter:
             i.kind == "rng" for i in self.manifest.items.values()
         ):
             out.append(f"RNG state: rank (t, p) gets source rank (t mod {self.src.tp}, p mod {self.src.pp})'s")
+        if self.target.pp > 1 and _num_layers(self.args):
+            out.append(self._placement_note())
         return out
+
+    def _placement_note(self) -> str:
+        """The layers of each stage (and model chunk), e.g. ``layers by stage: [0-1] [2] [3]``; with
+        the Megatron-LM flags a resumed run needs to place them so."""
+
+        def span(first: int, n: int) -> str:
+            return "[]" if not n else f"[{first}]" if n == 1 else f"[{first}-{first + n - 1}]"
+
+        stages = " ".join(
+            "+".join(span(first, n) for first, n in chunks) if self.vpp > 1 else span(*chunks[0])
+            for chunks in self.chunks
+        )
+        flags = []
+        first, last = self.split
+        if first is not None:
+            flags.append(f"--decoder-first-pipeline-num-layers {first}")
+        if last is not None:
+            flags.append(f"--decoder-last-pipeline-num-layers {last}")
+        if self.vpp > 1:
+            flags.append(f"--num-virtual-stages-per-pipeline-rank {self.vpp}")
+        what = "layers by stage" + (" (model chunks joined by +)" if self.vpp > 1 else "")
+        return f"{what}: {stages}" + (f"; resume with {' '.join(flags)}" if flags else "")
 
     def _optimizer(self, t: int, names: list[str], reader: PieceReader, archive: Callable[[str], Any]) -> Any:
         params = [n for n in names if self._item(n).is_tensor and f"{self._src_name(n)}.exp_avg" in self.manifest.items]

@@ -630,6 +630,12 @@ def test_megatron_uneven_pipeline_on_the_command_line(tmp_path, cli):
     r = cli("reshard", LEGACY, "-o", out, "--tp", "1", "--pp", "3", "--pp-first-layers", "2", "--json")
     assert r.code == 0, r.stderr
     assert json.loads(r.stdout)["layout"]["pp"] == 3
+    # the plan says where the layers go, and what a resumed run must be told
+    note = "layers by stage: [0-1] [2] [3]; resume with --decoder-first-pipeline-num-layers 2"
+    assert note in json.loads(r.stdout)["notes"]
+    r = cli("reshard", LEGACY, "-o", tmp_path / "vpp", "--tp", "1", "--vpp", "2", "--dry-run", "--json")
+    assert "layers by stage (model chunks joined by +): [0]+[2] [1]+[3]; resume with " \
+        "--num-virtual-stages-per-pipeline-rank 2" in json.loads(r.stdout)["notes"]
     r = cli("reshard", LEGACY, "-o", tmp_path / "bad", "--pp", "3")
     assert r.code == 2 and "--pp-first-layers" in r.stderr and "Traceback" not in r.stderr
 

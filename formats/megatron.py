@@ -497,6 +497,34 @@ def stage_split(args: Any) -> tuple[int | None, int | None]:
     return (first if isinstance(first, int) else None, last if isinstance(last, int) else None)
 
 
+def placement(
+    args: Any,
+    *,
+    pp: int | None = None,
+    vpp: int | None = None,
+    split: tuple[int | None, int | None] | None = None,
+) -> list[list[tuple[int, int]]]:
+    """:func:`pipeline_chunks` for the model ``args`` describe (its layers, and whether the embedding
+    and loss count as layers), at ``pp`` / ``vpp`` / first-and-last ``split`` (default: the args')."""
+    return pipeline_chunks(
+        int(getattr(args, "num_layers", 0) or 0),
+        pp or int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
+        vpp or int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1),
+        *(stage_split(args) if split is None else split),
+        embedding=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
+        loss=bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
+    )
+
+
+def model_chunks(obj: dict[str, Any]) -> list[tuple[int, Any]]:
+    """A legacy rank file's model chunks: ``[(0, model)]``, or with virtual pipeline stages
+    ``[(v, model<v>), ...]`` in chunk order."""
+    if isinstance(obj.get("model"), dict):
+        return [(0, obj["model"])]
+    found = [(int(k[5:]), v) for k, v in obj.items() if re.fullmatch(r"model\d+", k) and isinstance(v, dict)]
+    return sorted(found, key=lambda kv: kv[0])
+
+
 def _layer_offset(args: Any, pp_rank: int, vp: int, rel: str = "") -> int:
     """Global index of the first layer a (pipeline rank, virtual chunk) holds. CorruptFileError when
     ``args`` place the layers in a way megatron-core cannot (or ckpttool does not read): numbering
@@ -513,14 +541,7 @@ def _layer_offset(args: Any, pp_rank: int, vp: int, rel: str = "") -> int:
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
     try:
-        chunks = pipeline_chunks(
-            layers,
-            pp,
-            vpp,
-            *stage_split(args),
-            embedding=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
-            loss=bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
-        )
+        chunks = placement(args)
     except ValueError as exc:
         raise CorruptFileError(
             f"{rel}: its args place {layers} layers on PP={pp} x VPP={vpp} stages in a way Megatron cannot ({exc})",
@@ -680,13 +701,7 @@ class MegatronLegacyAdapter:
         experts = getattr(args, "num_experts", None)
         ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
         local_experts = experts // ep if isinstance(experts, int) and experts and ep else None
-        chunks = (
-            [(0, obj["model"])]
-            if isinstance(obj.get("model"), dict)
-            else [(int(k[5:]), v) for k, v in obj.items() if re.fullmatch(r"model\d+", k) and isinstance(v, dict)]
-        )
-        global_names: dict[str, str] = {}
-        order: list[tuple[str, tuple[int, ...]]] = []
+        chunks = model_chunks(obj)
         orders: list[list[tuple[str, tuple[int, ...]]]] = []  # the parameters of each model chunk
         for vp, model in chunks:
             orders.append([])
@@ -696,7 +711,6 @@ class MegatronLegacyAdapter:
                 name = f"{m['pre']}{int(m['i']) + offset}{m['rest']}" if m else local
                 if local_experts is not None:
                     name = _global_expert(name, e, local_experts)
-                global_names[local] = name
                 path = f"model.{local}" if len(chunks) == 1 else f"model{vp}.{local}"
                 refused = self._nested.get((rel, path))
                 if refused is not None:  # a nested pickle naming a global we would not load
@@ -705,7 +719,6 @@ class MegatronLegacyAdapter:
                     item.pieces.append(_pt.object_piece(rel, path, rank=t, replica=len(item.pieces)))
                 elif isinstance(value, _unpickle.TensorRef):
                     self._place(manifest, name, value, rel, t, tp, gated, replicas, kind="param")
-                    order.append((name, value.shape))
                     orders[-1].append((name, value.shape))
                 elif name.endswith("_extra_state"):
                     item = manifest.items.get(name) or manifest.add(Item(name=name, kind="object"))
@@ -717,7 +730,8 @@ class MegatronLegacyAdapter:
             inner = opt["optimizer"]
             state = inner.get("state") or {}
             groups = inner.get("param_groups") or []
-            ids = _pt.match_param_ids(order, groups, state)
+            # one optimizer over all chunks: its parameters chunk by chunk
+            ids = _pt.match_param_ids([x for order in orders for x in order], groups, state)
             if ids is None:
                 raise CorruptFileError(f"{rel}: optimizer state does not match the model's parameters", path=rel)
             masters = opt.get("fp32_from_fp16_params")

@@ -48,7 +48,8 @@ from ckpttool.formats.megatron import (
     bucket_size,
     chunk_shared_embedding,
     grad_buffer_layout,
-    pipeline_chunks,
+    model_chunks,
+    placement,
     split_rule,
     stage_split,
     tp_regions,
@@ -153,7 +154,7 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
     for p in range(pp):
         obj = objs[(0, p)]
         order: list[tuple[str, tuple[int, ...]]] = []  # the optimizer's parameters: chunk by chunk
-        for vp, model in _chunks(obj):
+        for vp, model in model_chunks(obj):
             offset = _layer_offset(args, p, vp, rels[(0, p)])
             for local, value in model.items():
                 name = _globalize(local, offset)
@@ -202,15 +203,6 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
     return src
 
 
-def _chunks(obj: dict[str, Any]) -> list[tuple[int, Any]]:
-    """A rank file's model chunks: ``[(0, model)]``, or with virtual pipeline stages
-    ``[(v, model<v>), ...]``."""
-    if isinstance(obj.get("model"), dict):
-        return [(0, obj["model"])]
-    found = [(int(k[5:]), v) for k, v in obj.items() if re.fullmatch(r"model\d+", k) and isinstance(v, dict)]
-    return sorted(found, key=lambda kv: kv[0])
-
-
 def _canonical(names: list[str]) -> list[str]:
     """Model entries in the order of the whole model, whatever the source's pipeline split: the
     entries before the layers (embedding), the layers by global number (each in its own order),
@@ -236,20 +228,19 @@ def _source_vpp(args: Any) -> int:
     return int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
 
 
+def _target_vpp(args: Any, target: MegatronTarget) -> int:
+    return target.vpp or _source_vpp(args)
+
+
+def _target_split(args: Any, target: MegatronTarget) -> tuple[int | None, int | None]:
+    """The first and last stages' layer counts of the output (None: as the middle ones)."""
+    return stage_split(args) if target.uneven is None else target.uneven
+
+
 def target_chunks(args: Any, target: MegatronTarget) -> list[list[tuple[int, int]]]:
     """For each target pipeline stage, (first layer, layers) of each of its model chunks (one
-    without virtual stages); ValueError (the reason) when the layers cannot be split so. The
-    embedding and loss count as layers when the source counted them."""
-    first, last = stage_split(args) if target.uneven is None else target.uneven
-    return pipeline_chunks(
-        _num_layers(args),
-        target.pp,
-        target.vpp or _source_vpp(args),
-        first,
-        last,
-        embedding=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
-        loss=bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
-    )
+    without virtual stages); ValueError (the reason) when the layers cannot be split so."""
+    return placement(args, pp=target.pp, vpp=_target_vpp(args, target), split=_target_split(args, target))
 
 
 def validate(manifest: Manifest, src: _Source, target: MegatronTarget, rules: dict[str, Any]) -> list[str]:
@@ -414,15 +405,13 @@ class LegacyWriter:
                     else ""
                 ),
             )
-        self.vpp = target.vpp or _source_vpp(self.args)
+        self.vpp = _target_vpp(self.args, target)
         """model chunks (virtual pipeline stages) per pipeline rank in the output"""
         self._layer_places: dict[int, tuple[int, int]] | None = None
         self._placement: dict[tuple[int, int], list[str]] | None = None
         self.chunks = target_chunks(self.args, target) if _num_layers(self.args) else [[(0, 0)] * self.vpp] * target.pp
         """(first layer, layers) of each model chunk of each target pipeline stage"""
-        self.split = (
-            (None, None) if target.pp == 1 else stage_split(self.args) if target.uneven is None else target.uneven
-        )
+        self.split = _target_split(self.args, target)
         """the first and last stages' layer counts written to ``args`` (None: as the middle ones)"""
         self.iteration = self.src.objs[(0, 0)].get("iteration")
         self.iter_dir = f"iter_{self.iteration:07d}" if isinstance(self.iteration, int) else "release"
@@ -589,9 +578,10 @@ class LegacyWriter:
         items = self.manifest.items
         params = self._params(p, v)
         shapes = [(n, self._out(self._item(n), t, None).shape) for n in params]
-        # megatron-core buckets only the first model chunk (DDP's disable_bucketing), sized by the stage
-        stage = sum(math.prod(self._out(self._item(n), t, None).shape) for n in self._params(p))
-        size = bucket_size(self.args, p, stage) if v == 0 else None
+        size = None  # megatron-core buckets only the first model chunk (DDP's disable_bucketing)
+        if v == 0:  # sized by all the stage's parameters
+            stage = sum(math.prod(self._out(self._item(n), t, None).shape) for n in self._params(p))
+            size = bucket_size(self.args, p, stage)
         shared = chunk_shared_embedding(self.args, p, self.target.pp, v, self.vpp)
         layout, numel = grad_buffer_layout(shapes, bucket_size=size, shared=shared)
         out: dict[str, _ptwrite.OutTensor] = {}

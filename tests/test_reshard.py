@@ -590,6 +590,14 @@ def test_megatron_uneven_pipeline_is_kept_unless_pp_is_given(tmp_path):
         for f in _rank_files(last).values()
     ]
     assert stages == [["0"], ["0", "1", "2"]]
+    both = tmp_path / "both"  # both ends given, the 2 layers between on the one middle stage
+    reshard(LEGACY, both, Target(tp=1, pp=3, pp_first=1, pp_last=1))
+    stages = [
+        sorted({k.split(".")[2] for k in _model_keys(f) if k.startswith("decoder.layers.")})
+        for f in _rank_files(both).values()
+    ]
+    assert stages == [["0"], ["0", "1"], ["0"]]
+    assert not diff(LEGACY, both, kinds=STATE_KINDS).different
     reshard(uneven, dist, Target(to="megatron-dist", tp=1, pp=3, pp_first=2))
     for out in (tp2, last, dist):
         assert not diff(LEGACY, out, kinds=STATE_KINDS).different, out
@@ -608,16 +616,11 @@ def test_megatron_uneven_pipeline_is_kept_unless_pp_is_given(tmp_path):
         (Target(pp=4, pp_first=2, pp_last=1), "the 1 layers between the end stages do not split evenly over 2"),
         (Target(pp=1, pp_first=2), "needs PP > 1"),
         (Target(pp=2, pp_first=0), "the first stage needs at least one layer"),
-        (Target(pp=3, pp_first=1, pp_last=1), "the 2 layers between the end stages"),  # 1 stage: fine, see below
         (Target(to="dcp", pp_first=2), "apply to Megatron targets only"),
     ],
 )
 def test_megatron_uneven_pipeline_refusals(target, message, tmp_path):
     out = tmp_path / "out"
-    if message.startswith("the 2 layers"):  # PP=3, 1 + 2 + 1: valid, written
-        reshard(LEGACY, out, target)
-        assert not diff(LEGACY, out, kinds=STATE_KINDS).different
-        return
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
         reshard(LEGACY, out, target)
     if "layers" in message and "Megatron targets" not in message:

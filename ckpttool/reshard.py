@@ -339,8 +339,13 @@ class _MegatronExec(_FileExec):
                 hint="'ckpttool convert --to dcp' or '--to safetensors' writes other formats"
                 + ("; '--to megatron-dist' writes torch_dist from it" if manifest.format == "megatron-dist" else ""),
             )
-        if target.ep not in (None, 1) or target.dp is not None:
-            raise UsageError("--ep and --dp do not apply to Megatron legacy files (one file per TP x PP rank)")
+        if target.dp is not None:
+            raise UsageError(
+                "--dp does not apply to Megatron files (one per TP x PP x EP rank; the data-parallel size is "
+                "chosen when the run resumes)"
+            )
+        if dist and target.ep not in (None, 1):
+            raise UsageError("--ep: writing torch_dist checkpoints of mixture-of-experts models is not supported yet")
         tp = target.tp or manifest.layout.tp or 1
         pp = target.pp or manifest.layout.pp or 1
         if target.vocab_padding not in ("keep", "megatron"):
@@ -353,11 +358,14 @@ class _MegatronExec(_FileExec):
             distributed_optimizer=target.distributed_optimizer,
             uneven=None if uneven == (None, None) and target.pp is None else uneven,
             vpp=target.vpp if target.vpp is not None else None if target.pp is None else 1,
+            ep=target.ep,
         )
         args = (manifest.root, manifest, mtarget, target.split_rules)
         super().__init__(adapter, manifest, _build_dist if dist else _build_legacy, args, {"tp": tp, "pp": pp})
         if self.writer.vpp > 1:
             self.layout["vpp"] = self.writer.vpp
+        if self.writer.ep > 1:
+            self.layout["ep"] = self.writer.ep
         self.notes = self.writer.notes()
 
 

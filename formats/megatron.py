@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -612,13 +613,7 @@ class MegatronLegacyAdapter:
         ranks: dict[str, tuple[int, int, int]] = {}
         owners: dict[tuple[int, int, int], str] = {}
         for d in dirs:
-            m = _MP_DIR.match(d)
-            assert m is not None
-            a, b, c = int(m.group(1)), m.group(2), m.group(3)
-            if pp > 1:
-                ranks[d] = (a, int(b or 0), int(c or 0))
-            else:
-                ranks[d] = (a, 0, int(b or 0))
+            ranks[d] = rank_of(d, pp)
             t, p, e = ranks[d]
             claim(owners, ranks[d], f"{prefix}{d}", f"TP rank {t}, PP rank {p}" + (f", EP rank {e}" if ep > 1 else ""))
         if tp * pp * ep > 64 * len(dirs):
@@ -725,13 +720,13 @@ class MegatronLegacyAdapter:
                     if not item.pieces:
                         set_value(item, value)
                     item.pieces.append(_pt.object_piece(rel, path, rank=t, replica=len(item.pieces)))
-        opt = obj.get("optimizer")
-        if isinstance(opt, dict) and isinstance(opt.get("optimizer"), dict):
+        # one optimizer over all chunks: its parameters chunk by chunk; a ChainedOptimizer (dense
+        # and expert parameters, under expert parallelism) saves a list, one entry per optimizer
+        params = [x for order in orders for x in order]
+        for opt, members in optimizer_members(obj.get("optimizer"), params, rel):
             inner = opt["optimizer"]
             state = inner.get("state") or {}
-            groups = inner.get("param_groups") or []
-            # one optimizer over all chunks: its parameters chunk by chunk
-            ids = _pt.match_param_ids([x for order in orders for x in order], groups, state)
+            ids = _pt.match_param_ids(members, inner.get("param_groups") or [], state)
             if ids is None:
                 raise CorruptFileError(f"{rel}: optimizer state does not match the model's parameters", path=rel)
             masters = opt.get("fp32_from_fp16_params")
@@ -753,7 +748,7 @@ class MegatronLegacyAdapter:
         rng = obj.get("rng_state")
         if isinstance(rng, list):
             for name, value in flatten(rng, "rng_state"):
-                key = f"{name}[tp={t},pp={p}]"
+                key = f"{name}[tp={t},pp={p}" + (f",ep={e}]" if ep > 1 else "]")
                 if isinstance(value, _unpickle.TensorRef):
                     manifest.add(
                         Item(
@@ -940,15 +935,82 @@ def shared_embedding(args: Any, pp_rank: int, pp: int) -> frozenset[str]:
     return frozenset()
 
 
+def is_expert(name: str) -> bool:
+    """Whether ``name`` is a routed expert's parameter (megatron-core keeps those out of the dense
+    optimizer and grad buffers under expert parallelism; shared experts are dense)."""
+    return ".mlp.experts." in name
+
+
+def optimizer_members(
+    opt: Any, params: list[tuple[str, tuple[int, ...]]], rel: str
+) -> list[tuple[dict[str, Any], list[tuple[str, tuple[int, ...]]]]]:
+    """A rank file's ``optimizer`` entry as (optimizer state dict, the parameters it holds, in model
+    order) pairs: one for a single optimizer, one per member of a ``ChainedOptimizer`` list (the
+    dense parameters, then the experts': megatron-core's ``get_megatron_optimizer`` order). Nothing
+    for the distributed optimizer's (no per-parameter state) or a missing one."""
+
+    def usable(o: Any) -> bool:
+        return isinstance(o, dict) and isinstance(o.get("optimizer"), dict)
+
+    if usable(opt):
+        return [(opt, params)]
+    if not isinstance(opt, list):
+        return []
+    if not all(isinstance(o, dict) for o in opt):
+        raise CorruptFileError(f"{rel}: a chained optimizer entry is not a state dict", path=rel)
+    if not all(usable(o) for o in opt):
+        return []  # the distributed optimizer's members: their state is in distrib_optim.pt
+    dense = [x for x in params if not is_expert(x[0])]
+    experts = [x for x in params if is_expert(x[0])]
+    flags = [
+        {bool(g.get("is_expert_parallel")) for g in o["optimizer"].get("param_groups") or [] if isinstance(g, dict)}
+        for o in opt
+    ]
+    if len(opt) == 1:
+        return [(opt[0], params)]
+    if len(opt) != 2 or flags[0] == {True} or flags[1] == {False} or not experts:
+        raise CorruptFileError(
+            f"{rel}: a chained optimizer of {len(opt)} members (expert-parallel groups: "
+            f"{[sorted(f) for f in flags]}) over {len(experts)} expert parameters; expected two, the dense "
+            "parameters' then the experts'",
+            hint="ckpttool reads megatron-core's dense + expert chain; other chains are not supported yet",
+            path=rel,
+        )
+    return [(opt[0], dense), (opt[1], experts)]
+
+
 _LOCAL_EXPERT = re.compile(r"(\.experts\.local_experts\.)(\d+)(\.)")
 _GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
+
+
+def expert_of(name: str) -> int | None:
+    """The routed expert number in ``name`` (``local_experts.<j>.`` of SequentialMLP,
+    ``linear_fc1.weight<j>`` of TEGroupedMLP), or None for entries of no single expert."""
+    m = _LOCAL_EXPERT.search(name) or _GROUPED_EXPERT.search(name)
+    return int(m[2]) if m else None
+
+
+def renumber_expert(name: str, fn: Callable[[int], int]) -> str:
+    """``name`` with its expert number ``j`` replaced by ``fn(j)``."""
+    name = _LOCAL_EXPERT.sub(lambda m: f"{m[1]}{fn(int(m[2]))}{m[3]}", name)
+    return _GROUPED_EXPERT.sub(lambda m: f"{m[1]}{fn(int(m[2]))}", name)
 
 
 def _global_expert(name: str, ep_rank: int, local_experts: int) -> str:
     """MoE expert names carry local indices in legacy files: ``local_experts.<j>`` (SequentialMLP)
     and ``linear_fc1.weight<j>`` (TEGroupedMLP) become ``ep_rank · local_experts + j``."""
-    name = _LOCAL_EXPERT.sub(lambda m: f"{m[1]}{ep_rank * local_experts + int(m[2])}{m[3]}", name)
-    return _GROUPED_EXPERT.sub(lambda m: f"{m[1]}{ep_rank * local_experts + int(m[2])}", name)
+    return renumber_expert(name, lambda j: ep_rank * local_experts + j)
+
+
+def rank_of(directory: str, pp: int) -> tuple[int, int, int]:
+    """(TP, PP, EP) rank of a legacy rank directory: ``mp_rank_TT[_PPP][_EEE]``, where a lone
+    second number is the PP rank when PP > 1 and the EP rank otherwise (Megatron-LM appends the EP
+    suffix whatever came before; only ``args`` tell the two apart)."""
+    m = _MP_DIR.match(directory)
+    if m is None:
+        raise ValueError(f"{directory}: not an mp_rank_* directory")
+    t, b, c = int(m[1]), m[2], m[3]
+    return (t, int(b or 0), int(c or 0)) if pp > 1 else (t, 0, int(b or 0))
 
 
 def _c_strides(shape: tuple[int, ...]) -> list[int]:

@@ -142,7 +142,7 @@ class DistWriter(LegacyWriter):
         if not isinstance(common, dict) or "args" not in common:
             raise UsageError("common.pt has no args: ckpttool cannot tell the model's layout")
         lay = manifest.layout
-        return _Source(tp=lay.tp or 1, pp=lay.pp or 1, objs={(0, 0): common}, rels={(0, 0): "common.pt"})
+        return _Source(tp=lay.tp or 1, pp=lay.pp or 1, objs={(0, 0, 0): common}, rels={(0, 0, 0): "common.pt"})
 
     # -- planning --------------------------------------------------------------------------------
 
@@ -242,8 +242,8 @@ class DistWriter(LegacyWriter):
                     item = self.manifest.items.get(f"rng_state/shard_{ps}.{ts}_{spp}.{stp}")
                     if item is not None:
                         self._add_object(p * tp + t, key, partial(self._copy_record, item))
-                elif "rng_state" in self.src.objs[(ts, ps)]:
-                    self._add_object(p * tp + t, key, partial(self._pickle_rng, (ts, ps)))
+                elif "rng_state" in self.src.objs[(ts, ps, 0)]:
+                    self._add_object(p * tp + t, key, partial(self._pickle_rng, (ts, ps, 0)))
 
     def _add_object(self, rank: int, key: str, write: Callable[[BinaryIO, PieceReader], None]) -> None:
         self.objects.append(key)
@@ -265,7 +265,7 @@ class DistWriter(LegacyWriter):
         """A legacy ``_extra_state`` as megatron-core stores a ``ShardedObject``: ``[value]``."""
         _ptwrite.save([_ptwrite.carried(reader, item)], f)
 
-    def _pickle_rng(self, rank: tuple[int, int], f: BinaryIO, reader: PieceReader) -> None:
+    def _pickle_rng(self, rank: tuple[int, int, int], f: BinaryIO, reader: PieceReader) -> None:
         rel = self.src.rels[rank]
         value = self.src.objs[rank]["rng_state"]
         _ptwrite.save([_ptwrite.carry(value, partial(_pt.archive_cache(reader), rel))], f)
@@ -317,11 +317,11 @@ class DistWriter(LegacyWriter):
 
     def _common(self, reader: PieceReader) -> dict[str, Any]:
         if self.from_dist:
-            common = self.src.objs[(0, 0)]
+            common = self.src.objs[(0, 0, 0)]
             archive = partial(reader.archive_of, _pt.object_piece("common.pt", ""))
             tree = {k: (self._dist_args(v) if k == "args" else _ptwrite.carry(v, archive)) for k, v in common.items()}
             return tree
-        first, rel = self.src.objs[(0, 0)], self.src.rels[(0, 0)]
+        first, rel = self.src.objs[(0, 0, 0)], self.src.rels[(0, 0, 0)]
         archives = _pt.archive_cache(reader)
         tree = {}
         for key, value in first.items():

@@ -42,14 +42,18 @@ from ckpttool.formats import _pt, _ptwrite
 from ckpttool.formats.base import PieceReader, PlannedFile
 from ckpttool.formats.megatron import (
     _LAYER,
-    _MP_DIR,
     ALLOWLIST,
     TRACKER,
     bucket_size,
     chunk_shared_embedding,
+    expert_of,
     grad_buffer_layout,
+    is_expert,
     model_chunks,
+    optimizer_members,
     placement,
+    rank_of,
+    renumber_expert,
     split_rule,
     stage_split,
     tp_regions,
@@ -65,12 +69,14 @@ DISTRIB = "distrib_optim.pt"
 
 @dataclass(slots=True)
 class _Source:
-    """What the writer needs from the source besides its items: one rank file's tree per (t, p)."""
+    """What the writer needs from the source besides its items: one rank file's tree per (t, p, e)."""
 
     tp: int
     pp: int
-    objs: dict[tuple[int, int], Any]
-    rels: dict[tuple[int, int], str]
+    objs: dict[tuple[int, int, int], Any]
+    rels: dict[tuple[int, int, int], str]
+    ep: int = 1
+    """expert-parallel ranks (rank files per TP x PP rank)"""
     model_order: list[str] = field(default_factory=list)
     """global names of model state-dict entries, in model order"""
     group_of: dict[str, int] = field(default_factory=dict)
@@ -82,6 +88,8 @@ class _Source:
     """the module ``_metadata`` of all stages, layers numbered globally"""
     optimizer_extra: tuple[str, dict[str, Any]] = ("", {})
     """(rank file, entries beside ``optimizer``: loss scaler, grad scaler with its tensors, ...)"""
+    experts: int = 0
+    """routed experts of the model (``args.num_experts``; 0: none)"""
     distopt: bool = False
     """saved by the distributed optimizer: its state in ``distrib_optim.pt`` beside each rank file,
     ``groups`` its param groups as saved (no ``params``, the common ``step``), no membership"""
@@ -103,11 +111,14 @@ class MegatronTarget:
     None for either: that stage like the middle ones); None: as the source"""
     vpp: int | None = None
     """virtual pipeline stages (model chunks) per pipeline rank; None: as the source"""
+    ep: int | None = None
+    """expert-parallel ranks (each holds num_experts / EP routed experts); None: as the source"""
 
 
-def _globalize(local: str, offset: int) -> str:
+def _globalize(local: str, offset: int, expert_offset: int = 0) -> str:
     m = _LAYER.match(local)
-    return f"{m['pre']}{int(m['i']) + offset}{m['rest']}" if m else local
+    name = f"{m['pre']}{int(m['i']) + offset}{m['rest']}" if m else local
+    return renumber_expert(name, lambda j: j + expert_offset) if expert_offset else name
 
 
 def _layer_of(name: str) -> int | None:
@@ -119,24 +130,28 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
     """Re-read the rank files' pickles (no tensor bytes) for the state the manifest does not keep."""
     from ckpttool.formats.megatron import _layer_offset
 
-    tp, pp = manifest.layout.tp or 1, manifest.layout.pp or 1
-    objs: dict[tuple[int, int], Any] = {}
-    rels: dict[tuple[int, int], str] = {}
+    tp, pp, ep = manifest.layout.tp or 1, manifest.layout.pp or 1, manifest.layout.ep or 1
+    objs: dict[tuple[int, int, int], Any] = {}
+    rels: dict[tuple[int, int, int], str] = {}
     for f in manifest.files:
         parts = f.path.split("/")
         if parts[-1] != "model_optim_rng.pt":
             continue
-        m = _MP_DIR.match(parts[-2])
-        assert m is not None
-        if m.group(3) is not None or (manifest.layout.ep or 1) > 1:
-            raise UsageError("resharding Megatron checkpoints with expert parallelism is not supported yet")
-        t, p = int(m.group(1)), int(m.group(2) or 0)
+        rank = rank_of(parts[-2], pp)
         archive, obj, _ = _pt.load(root, f.path, ALLOWLIST)
         archive.close()
-        objs[(t, p)], rels[(t, p)] = obj, f.path
-    src = _Source(tp=tp, pp=pp, objs=objs, rels=rels)
-    first = objs[(0, 0)]
+        objs[rank], rels[rank] = obj, f.path
+    src = _Source(tp=tp, pp=pp, objs=objs, rels=rels, ep=ep)
+    first = objs[(0, 0, 0)]
     args = first.get("args")
+    src.experts = int(getattr(args, "num_experts", None) or 0)
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    if src.experts and etp not in (None, tp):
+        raise UsageError(
+            f"the experts are split {etp} ways (expert tensor parallelism), the other layers {tp} ways; "
+            "resharding that is not supported yet"
+        )
+    local = src.experts // ep if src.experts else 0
     distrib = {key: (root / rel).with_name("distrib_optim.pt").is_file() for key, rel in rels.items()}
     if any(distrib.values()):
         lacking = sorted(rels[k] for k, v in distrib.items() if not v)
@@ -146,40 +161,56 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
                 f"do: {', '.join(lacking[:4])}",
                 hint="a rank's distributed-optimizer save did not finish; use another iteration",
             )
+        if src.experts:
+            raise UsageError(
+                "resharding a mixture-of-experts checkpoint saved by the distributed optimizer is not supported "
+                "yet (its expert grad buffers)"
+            )
         src.distopt = True
-        rel = str(Path(rels[(0, 0)]).with_name("distrib_optim.pt"))
+        rel = str(Path(rels[(0, 0, 0)]).with_name("distrib_optim.pt"))
         archive, tree, _ = _pt.load(root, rel, ALLOWLIST)
         archive.close()
         src.buffer_key = next(iter(tree[0]))  # the reader checked: one buffer of one dtype
     for p in range(pp):
-        obj = objs[(0, p)]
-        order: list[tuple[str, tuple[int, ...]]] = []  # the optimizer's parameters: chunk by chunk
-        for vp, model in model_chunks(obj):
-            offset = _layer_offset(args, p, vp, rels[(0, p)])
-            for local, value in model.items():
-                name = _globalize(local, offset)
-                src.model_order.append(name)
-                if isinstance(value, _unpickle.TensorRef):
-                    order.append((name, value.shape))
-            for key, value in (getattr(model, "__dict__", {}).get("_metadata") or {}).items():
-                gkey = _globalize(key + ".", offset)[:-1] if key else key
-                src.metadata.setdefault(gkey, value)
-        opt = obj.get("optimizer")
+        for e in range(ep):  # the dense entries of every EP rank's file are the same
+            _read_stage(src, args, (0, p, e), _layer_offset, local)
+    src.model_order = _canonical(src.model_order)
+    return src
+
+
+def _read_stage(src: _Source, args: Any, rank: tuple[int, int, int], layer_offset: Any, local: int) -> None:
+    """Rank file ``rank``'s model order, module metadata and optimizer groups and steps, into ``src``."""
+    obj, rel = src.objs[rank], src.rels[rank]
+    _, p, e = rank
+    order: list[tuple[str, tuple[int, ...]]] = []  # the optimizer's parameters: chunk by chunk
+    for vp, model in model_chunks(obj):
+        offset = layer_offset(args, p, vp, rel)
+        for name_here, value in model.items():
+            name = _globalize(name_here, offset, e * local)
+            src.model_order.append(name)
+            if isinstance(value, _unpickle.TensorRef):
+                order.append((name, value.shape))
+        for key, value in (getattr(model, "__dict__", {}).get("_metadata") or {}).items():
+            gkey = _globalize(key + ".", offset, e * local)[:-1] if key else key
+            src.metadata.setdefault(gkey, value)
+    opt = obj.get("optimizer")
+    if src.distopt:  # groups without members; the tensors are in distrib_optim.pt
         if not isinstance(opt, dict):
-            continue
+            return
         inner: dict[str, Any] = opt["optimizer"] if isinstance(opt.get("optimizer"), dict) else opt
+        for group in inner.get("param_groups") or []:
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            if hyper not in src.groups:
+                src.groups.append(hyper)
+        if not src.optimizer_extra[0]:
+            src.optimizer_extra = (rel, {k: v for k, v in opt.items() if k != "optimizer"})
+        return
+    for member, params in optimizer_members(opt, order, rel):
+        inner = member["optimizer"]
         groups, state = inner.get("param_groups") or [], inner.get("state") or {}
-        if src.distopt:  # groups without members; the tensors are in distrib_optim.pt
-            for group in groups:
-                hyper = {k: v for k, v in group.items() if k != "params"}
-                if hyper not in src.groups:
-                    src.groups.append(hyper)
-            if not src.optimizer_extra[0]:
-                src.optimizer_extra = (rels[(0, p)], {k: v for k, v in opt.items() if k != "optimizer"})
-            continue
-        ids = _pt.match_param_ids(order, groups, state)
+        ids = _pt.match_param_ids(params, groups, state)
         if ids is None:
-            raise CorruptFileError(f"{rels[(0, p)]}: optimizer state does not match the model's parameters")
+            raise CorruptFileError(f"{rel}: optimizer state does not match the model's parameters")
         remap: dict[int, int] = {}
         for g, group in enumerate(groups):
             hyper = {k: v for k, v in group.items() if k != "params"}
@@ -192,15 +223,13 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
             extra = set(entry) - {"step", *_STATE_KEYS}
             if extra:
                 raise UsageError(
-                    f"{rels[(0, p)]}: optimizer state {sorted(extra)} is not Adam's; resharding it is not supported yet"
+                    f"{rel}: optimizer state {sorted(extra)} is not Adam's; resharding it is not supported yet"
                 )
             if "step" in entry:
-                src.step_of[name] = (rels[(0, p)], entry["step"])
+                src.step_of[name] = (rel, entry["step"])
         if not src.optimizer_extra[0]:
-            kept = {k: v for k, v in opt.items() if k not in ("optimizer", "fp32_from_fp16_params")}
-            src.optimizer_extra = (rels[(0, p)], kept)
-    src.model_order = _canonical(src.model_order)
-    return src
+            kept = {k: v for k, v in member.items() if k not in ("optimizer", "fp32_from_fp16_params")}
+            src.optimizer_extra = (rel, kept)
 
 
 def _canonical(names: list[str]) -> list[str]:
@@ -237,6 +266,10 @@ def _target_split(args: Any, target: MegatronTarget) -> tuple[int | None, int | 
     return stage_split(args) if target.uneven is None else target.uneven
 
 
+def _target_ep(src: _Source, target: MegatronTarget) -> int:
+    return target.ep or src.ep
+
+
 def target_chunks(args: Any, target: MegatronTarget) -> list[list[tuple[int, int]]]:
     """For each target pipeline stage, (first layer, layers) of each of its model chunks (one
     without virtual stages); ValueError (the reason) when the layers cannot be split so."""
@@ -245,11 +278,15 @@ def target_chunks(args: Any, target: MegatronTarget) -> list[list[tuple[int, int
 
 def validate(manifest: Manifest, src: _Source, target: MegatronTarget, rules: dict[str, Any]) -> list[str]:
     """Reasons the target layout cannot hold this model (empty: it can)."""
-    args = src.objs[(0, 0)].get("args")
+    args = src.objs[(0, 0, 0)].get("args")
     problems = []
-    tp, pp = target.tp, target.pp
-    if tp < 1 or pp < 1:
-        return ["TP and PP must be at least 1"]
+    tp, pp, ep = target.tp, target.pp, _target_ep(src, target)
+    if tp < 1 or pp < 1 or ep < 1:
+        return ["TP, PP and EP must be at least 1"]
+    if ep > 1 and not src.experts:
+        problems.append(f"EP={ep}: the model has no routed experts (args.num_experts is not set)")
+    elif src.experts % ep:
+        problems.append(f"EP={ep} does not divide the {src.experts} experts")
     if getattr(args, "pipeline_model_parallel_layout", None):
         problems.append("the source was split by --pipeline-model-parallel-layout, which ckpttool does not read yet")
     elif _num_layers(args):
@@ -378,8 +415,9 @@ def _stacked(boxes: list[Box]) -> tuple[int, ...]:
     return (sum(b.sizes[0] for b in boxes), *boxes[0].sizes[1:])
 
 
-def rank_dir(t: int, p: int, pp: int) -> str:
-    return f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
+def rank_dir(t: int, p: int, pp: int, e: int = 0, ep: int = 1) -> str:
+    """Megatron-LM's rank directory: ``mp_rank_TT``, ``_PPP`` when PP > 1, ``_EEE`` when EP > 1."""
+    return f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
 
 
 class LegacyWriter:
@@ -392,12 +430,19 @@ class LegacyWriter:
         self.scratch = _ptwrite.Scratch()  # one tensor buffer for every file this writer writes
         self.rules = rules or {}
         self.src = self._source(root, manifest)
-        self.args = self.src.objs[(0, 0)].get("args")
+        self.args = self.src.objs[(0, 0, 0)].get("args")
         self.gated = _gated(self.args)
+        self.ep = _target_ep(self.src, target)
+        """expert-parallel ranks of the output"""
+        self.local_experts = self.src.experts // self.ep if self.src.experts and self.ep else 0
+        """routed experts in each EP rank's files"""
         problems = validate(manifest, self.src, target, self.rules)
         if problems:
             raise UsageError(
-                f"cannot reshard to TP={target.tp} PP={target.pp}: " + "; ".join(problems),
+                f"cannot reshard to TP={target.tp} PP={target.pp}"
+                + (f" EP={self.ep}" if self.ep > 1 or self.src.ep > 1 else "")
+                + ": "
+                + "; ".join(problems),
                 hint="choose sizes that divide the model's heads, query groups, hidden sizes and layers"
                 + (
                     " (--pp-first-layers / --pp-last-layers give the end stages other layer counts)"
@@ -413,7 +458,7 @@ class LegacyWriter:
         """(first layer, layers) of each model chunk of each target pipeline stage"""
         self.split = _target_split(self.args, target)
         """the first and last stages' layer counts written to ``args`` (None: as the middle ones)"""
-        self.iteration = self.src.objs[(0, 0)].get("iteration")
+        self.iteration = self.src.objs[(0, 0, 0)].get("iteration")
         self.iter_dir = f"iter_{self.iteration:07d}" if isinstance(self.iteration, int) else "release"
         self.rows = self._vocab_rows()
         self.tied = not bool(getattr(self.args, "untie_embeddings_and_output_weights", False))
@@ -442,6 +487,11 @@ class LegacyWriter:
                 hint="keep the distributed optimizer (drop --no-distributed-optimizer)",
             )
         if self.distopt and not self.src.distopt:
+            if self.src.experts:
+                raise UsageError(
+                    "--distributed-optimizer: writing the distributed optimizer's expert grad buffers of a "
+                    "mixture-of-experts model is not supported yet"
+                )
             self._check_distopt_groups()
 
     def _check_distopt_groups(self) -> None:
@@ -514,8 +564,15 @@ class LegacyWriter:
         """The target pipeline stage holding global ``layer``."""
         return self.layer_place(layer)[0]
 
-    def _chunk_names(self, p: int, v: int) -> list[str]:
-        """Model chunk ``v`` of stage ``p``'s entries, in model order (placed once, then kept)."""
+    def _holds(self, e: int | None, name: str) -> bool:
+        """Whether EP rank ``e``'s files hold entry ``name`` (every rank holds the dense entries;
+        ``e`` None: all ranks together)."""
+        j = expert_of(name) if e is not None and self.local_experts else None
+        return j is None or j // self.local_experts == e
+
+    def _chunk_names(self, p: int, v: int, e: int | None = None) -> list[str]:
+        """Model chunk ``v`` of stage ``p``'s entries, in model order (placed once, then kept); of EP
+        rank ``e``'s files only, if given."""
         if self._placement is None:
             self._placement = {(q, w): [] for q in range(self.target.pp) for w in range(self.vpp)}
             for n in self.src.model_order:
@@ -524,11 +581,12 @@ class LegacyWriter:
             last = self._placement[(self.target.pp - 1, self.vpp - 1)]
             if self.tied and self.target.pp > 1 and "output_layer.weight" not in last:
                 last.append("output_layer.weight")
-        return list(self._placement[(p, v)])
+        return [n for n in self._placement[(p, v)] if self._holds(e, n)]
 
-    def _model_names(self, p: int) -> list[str]:
-        """Stage ``p``'s model entries, chunk after chunk (the order of its optimizer's parameters)."""
-        return [n for v in range(self.vpp) for n in self._chunk_names(p, v)]
+    def _model_names(self, p: int, e: int | None = None) -> list[str]:
+        """Stage ``p``'s model entries, chunk after chunk (the order of its optimizer's parameters);
+        of EP rank ``e``'s files only, if given."""
+        return [n for v in range(self.vpp) for n in self._chunk_names(p, v, e)]
 
     def _item(self, name: str) -> Item:
         item = self.manifest.items.get(name)
@@ -541,21 +599,24 @@ class LegacyWriter:
     def files(self) -> list[PlannedFile]:
         out = []
         for p in range(self.target.pp):
-            for t in range(self.target.tp):
-                sizes = [o.nbytes for o in self._tensors(t, p)]
-                name = f"{self.iter_dir}/{rank_dir(t, p, self.target.pp)}/model_optim_rng.pt"
-                out.append(PlannedFile.of(name, (t, p, 0), sizes))
-                if self.distopt:
-                    tensors = [o for v in range(self.vpp) for o in self._distrib(t, p, v, None).values()]
-                    name = f"{self.iter_dir}/{rank_dir(t, p, self.target.pp)}/{DISTRIB}"
-                    nbytes = sum(o.nbytes for o in tensors)
-                    largest = max(o.peak for o in tensors)
-                    out.append(PlannedFile(path=name, key=(t, p, 1), nbytes=nbytes, tensors=3, largest=largest))
+            for e in range(self.ep):
+                for t in range(self.target.tp):
+                    sizes = [o.nbytes for o in self._tensors(t, p, e)]
+                    folder = f"{self.iter_dir}/{rank_dir(t, p, self.target.pp, e, self.ep)}"
+                    out.append(PlannedFile.of(f"{folder}/model_optim_rng.pt", (t, p, e, 0), sizes))
+                    if self.distopt:
+                        tensors = [o for v in range(self.vpp) for o in self._distrib(t, p, v, None).values()]
+                        nbytes = sum(o.nbytes for o in tensors)
+                        largest = max(o.peak for o in tensors)
+                        key = (t, p, e, 1)
+                        out.append(
+                            PlannedFile(path=f"{folder}/{DISTRIB}", key=key, nbytes=nbytes, tensors=3, largest=largest)
+                        )
         return out
 
-    def _tensors(self, t: int, p: int) -> Iterator[_ptwrite.OutTensor]:
-        """The tensors of rank (t, p)'s ``model_optim_rng.pt`` (for planning)."""
-        for name in self._model_names(p):
+    def _tensors(self, t: int, p: int, e: int = 0) -> Iterator[_ptwrite.OutTensor]:
+        """The tensors of rank (t, p, e)'s ``model_optim_rng.pt`` (for planning)."""
+        for name in self._model_names(p, e):
             item = self._item(name)
             if item.is_tensor:
                 yield self._out(item, t, None)
@@ -624,9 +685,16 @@ class LegacyWriter:
         (tmp / TRACKER).write_text(f"{self.iteration}" if isinstance(self.iteration, int) else "release")
 
     def write(
-        self, t: int, p: int, which: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None
+        self,
+        t: int,
+        p: int,
+        e: int,
+        which: int,
+        out: Path,
+        reader: PieceReader,
+        progress: Callable[[int], None] | None,
     ) -> int:
-        """Write rank (t, p)'s ``model_optim_rng.pt`` (``which`` 0) or ``distrib_optim.pt`` (1) to
+        """Write rank (t, p, e)'s ``model_optim_rng.pt`` (``which`` 0) or ``distrib_optim.pt`` (1) to
         ``out``; returns the tensor bytes written."""
         if which == 1:
             if self.src.buffer_key is not None:  # the source's (param dtype, grad dtype)
@@ -645,7 +713,7 @@ class LegacyWriter:
             if progress is not None:
                 progress(n)
             return n
-        src_key = (t % self.src.tp, p % self.src.pp)
+        src_key = (t % self.src.tp, p % self.src.pp, e % self.src.ep)
         template = self.src.objs[src_key]
         rel = self.src.rels[src_key]
         archive: Callable[[str], Any] = _pt.archive_cache(reader)  # the reader's open archives
@@ -654,10 +722,10 @@ class LegacyWriter:
         for v in range(self.vpp):
             offset = self.chunks[p][v][0]
             model = _unpickle.OrderedDictStandIn()
-            chunk = self._chunk_names(p, v)
+            chunk = self._chunk_names(p, v, e)
             for name in chunk:
                 item = self._item(name)
-                local = _localize(name, offset)
+                local = _localize(name, offset, e * self.local_experts)
                 if item.is_tensor:
                     check_coverage(item)
                     model[local] = self._out(item, t, reader)
@@ -665,7 +733,7 @@ class LegacyWriter:
                     piece = next((pc for pc in item.pieces if pc.rank == t % self.src.tp), item.pieces[0])
                     value = reader.read_object(Item(name=item.name, kind=item.kind, pieces=[piece]))
                     model[local] = _ptwrite.carry(value, partial(archive, piece.file))
-            model.__dict__["_metadata"] = self._metadata(p, v, chunk, offset)
+            model.__dict__["_metadata"] = self._metadata(p, v, e, chunk, offset)
             models["model" if self.vpp == 1 else f"model{v}"] = model
             names += chunk
         tree: dict[str, Any] = {}
@@ -673,11 +741,14 @@ class LegacyWriter:
             if key == "model" or re.fullmatch(r"model\d+", key):
                 tree.update(models)  # where the source's model (or model chunks) stood
             elif key == "optimizer":
-                tree[key] = self._distopt_state(archive) if self.distopt else self._optimizer(t, names, reader, archive)
+                if self.distopt:
+                    tree[key] = self._distopt_state(archive)
+                else:
+                    tree[key] = self._optimizers(t, names, reader, archive)
             elif key == "rng_state":
                 tree[key] = _ptwrite.carry(value, partial(archive, rel))
             elif key == "args":
-                tree[key] = self._args(value, t, p)
+                tree[key] = self._args(value, t, p, e)
             else:
                 tree[key] = _ptwrite.carry(value, partial(archive, rel))
         n = _ptwrite.save(tree, out, scratch=self.scratch)
@@ -685,20 +756,20 @@ class LegacyWriter:
             progress(n)
         return n
 
-    def _metadata(self, p: int, v: int, names: list[str], offset: int) -> dict[str, Any]:
+    def _metadata(self, p: int, v: int, e: int, names: list[str], offset: int) -> dict[str, Any]:
         layers = {_layer_of(n) for n in names} - {None}
         last = (p, v) == (self.target.pp - 1, self.vpp - 1)
         out: dict[str, Any] = {}
         for key, value in self.src.metadata.items():
             layer = _layer_of(key + ".") if key else None
             if layer is not None:
-                if layer in layers:
-                    out[_localize(key + ".", offset)[:-1]] = copy.deepcopy(value)
+                if layer in layers and self._holds(e, key + "."):
+                    out[_localize(key + ".", offset, e * self.local_experts)[:-1]] = copy.deepcopy(value)
             elif (p, v) in self.place_of(key + ".") or (self.tied and key.startswith("output_layer") and last):
                 out[key] = copy.deepcopy(value)
         return out
 
-    def _args(self, args: Any, t: int, p: int) -> Any:
+    def _args(self, args: Any, t: int, p: int, e: int = 0) -> Any:
         tp, pp = self.target.tp, self.target.pp
         new = copy.copy(args)
         new.__dict__ = dict(args.__dict__)
@@ -719,12 +790,14 @@ class LegacyWriter:
             d["decoder_first_pipeline_num_layers"], d["decoder_last_pipeline_num_layers"] = self.split
         if d.get("expert_tensor_parallel_size") == old_tp:
             d["expert_tensor_parallel_size"] = tp
+        if "expert_model_parallel_size" in d or self.ep > 1:
+            d["expert_model_parallel_size"] = self.ep
         if "world_size" in d:
             d["world_size"] = tp * pp * dp
-        if "rank" in d:
+        if "rank" in d:  # the rank that saves the file: data-parallel rank e (rank order tp-cp-ep-dp-pp)
             if d.get("local_rank") == d["rank"]:
-                d["local_rank"] = t + tp * dp * p
-            d["rank"] = t + tp * dp * p
+                d["local_rank"] = t + tp * e + tp * dp * p
+            d["rank"] = t + tp * e + tp * dp * p
         if self.padded is not None and "padded_vocab_size" in d:
             d["padded_vocab_size"] = self.padded
             if self.divisor is not None:
@@ -749,10 +822,26 @@ class LegacyWriter:
                 f"the vocabulary stays padded to {self.padded} rows: resume with --make-vocab-size-divisible-by "
                 f"{self.divisor} (recorded in args), or reshard with --vocab-padding megatron"
             )
-        if (self.src.tp, self.src.pp) != (self.target.tp, self.target.pp) and any(
+        if (self.src.tp, self.src.pp, self.src.ep) != (self.target.tp, self.target.pp, self.ep) and any(
             i.kind == "rng" for i in self.manifest.items.values()
         ):
-            out.append(f"RNG state: rank (t, p) gets source rank (t mod {self.src.tp}, p mod {self.src.pp})'s")
+            if self.ep > 1 or self.src.ep > 1:
+                out.append(
+                    f"RNG state: rank (t, p, e) gets source rank (t mod {self.src.tp}, p mod {self.src.pp}, "
+                    f"e mod {self.src.ep})'s"
+                )
+            else:
+                out.append(f"RNG state: rank (t, p) gets source rank (t mod {self.src.tp}, p mod {self.src.pp})'s")
+        if self.ep != self.src.ep:
+            dp = getattr(self.args, "data_parallel_size", None)
+            out.append(
+                f"experts: {self.local_experts} per EP rank; resume with --expert-model-parallel-size {self.ep}"
+                + (
+                    f" and a data-parallel size that is a multiple of {self.ep} (the source ran DP={dp})"
+                    if isinstance(dp, int) and dp % self.ep
+                    else ""
+                )
+            )
         if self.target.pp > 1 and _num_layers(self.args):
             out.append(self._placement_note())
         return out
@@ -779,16 +868,51 @@ class LegacyWriter:
         what = "layers by stage" + (" (model chunks joined by +)" if self.vpp > 1 else "")
         return f"{what}: {stages}" + (f"; resume with {' '.join(flags)}" if flags else "")
 
-    def _optimizer(self, t: int, names: list[str], reader: PieceReader, archive: Callable[[str], Any]) -> Any:
+    def _optimizers(self, t: int, names: list[str], reader: PieceReader, archive: Callable[[str], Any]) -> Any:
+        """The rank file's ``optimizer``: one optimizer's state dict, or under expert parallelism
+        megatron-core's ``ChainedOptimizer`` list (the dense parameters', then the experts'; at EP=1
+        the experts are in the dense optimizer, as megatron-core builds it)."""
+        if self.ep > 1 and self.src.experts:
+            dense = [n for n in names if not is_expert(n)]
+            experts = [n for n in names if is_expert(n)]
+            return [
+                self._optimizer(t, dense, reader, archive, kind=False),
+                self._optimizer(t, experts, reader, archive, kind=True),
+            ]
+        return self._optimizer(t, names, reader, archive, kind=None)
+
+    def _target_groups(self, kind: bool | None) -> list[tuple[dict[str, Any], set[int]]]:
+        """The param groups of an output optimizer: (hyper-parameters, the source groups whose
+        parameters it takes). ``kind``: None for an optimizer of all parameters, False for the
+        dense member of a chain, True for the experts' member (``is_expert_parallel`` set). Every
+        group of that kind in the whole model, as megatron-core aligns groups over all ranks."""
+        kinds: dict[int, set[bool]] = {}
+        for name, g in self.src.group_of.items():
+            kinds.setdefault(g, set()).add(is_expert(name))
+        out: list[tuple[dict[str, Any], set[int]]] = []
+        for g, hyper in enumerate(self.src.groups):
+            if not kinds.get(g) or (kind is not None and kind not in kinds[g]):
+                continue
+            new = copy.deepcopy(hyper)
+            if "is_expert_parallel" in new or kind:
+                new["is_expert_parallel"] = bool(kind)
+            same = next((taken for h, taken in out if h == new), None)
+            if same is None:
+                out.append((new, {g}))
+            else:
+                same.add(g)
+        return out
+
+    def _optimizer(
+        self, t: int, names: list[str], reader: PieceReader, archive: Callable[[str], Any], *, kind: bool | None
+    ) -> Any:
         params = [n for n in names if self._item(n).is_tensor and f"{self._src_name(n)}.exp_avg" in self.manifest.items]
         state: dict[int, Any] = {}
         groups: list[dict[str, Any]] = []
         masters: list[list[Any]] = []
         pid = 0
-        for g, hyper in enumerate(self.src.groups):
-            members = [n for n in params if self.src.group_of.get(self._src_name(n), 0) == g]
-            if not members:
-                continue
+        for hyper, taken in self._target_groups(kind):
+            members = [n for n in params if self.src.group_of.get(self._src_name(n), 0) in taken]
             ids = []
             fp32 = []
             for name in members:
@@ -805,7 +929,7 @@ class LegacyWriter:
                     fp32.append(self._out(master, t, reader))
                 ids.append(pid)
                 pid += 1
-            groups.append({**copy.deepcopy(hyper), "params": ids})
+            groups.append({**hyper, "params": ids})
             masters.append(fp32)
         inner = {"state": state, "param_groups": groups}
         extra = self._optimizer_extra(archive)
@@ -847,9 +971,10 @@ class LegacyWriter:
         return name
 
 
-def _localize(name: str, offset: int) -> str:
+def _localize(name: str, offset: int, expert_offset: int = 0) -> str:
     m = _LAYER.match(name)
-    return f"{m['pre']}{int(m['i']) - offset}{m['rest']}" if m else name
+    name = f"{m['pre']}{int(m['i']) - offset}{m['rest']}" if m else name
+    return renumber_expert(name, lambda j: j - expert_offset) if expert_offset else name
 
 
 __all__ = ["LegacyWriter", "MegatronTarget", "load_source"]

@@ -67,6 +67,28 @@ def test_virtual_pipeline_stages_read_as_megatron_core_loads_them(name, fmt, tmp
     assert bad == []
 
 
+def test_experts_read_as_megatron_core_shards_them(tmp_path):
+    """Megatron-LM's mixture-of-experts checkpoint (PP=2 EP=2, 4 experts: rank files
+    mp_rank_00_<pp>_<ep>, each with its EP rank's 2 local experts and a chained optimizer list,
+    dense then experts): every tensor, experts under their global numbers, equals the run's own
+    sharded state dict; the dense entries each EP rank repeats are replicas, and the RNG state of
+    every (PP, EP) rank is kept apart."""
+    adapter, m = registry.describe(MG / "legacy_pp2ep2")
+    assert adapter.name == "megatron" and m.step == 3
+    assert (m.layout.tp, m.layout.pp, m.layout.ep) == (1, 2, 2)
+    export(MG / "legacy_pp2ep2", tmp_path / "o.safetensors")
+    got = load_file(tmp_path / "o.safetensors")
+    want = _expected("legacy_pp2ep2")
+    assert len(want) == 116  # 29 parameters x (param, fp32, exp_avg, exp_avg_sq)
+    assert [k for k, v in want.items() if k not in got or not same_bits(got[k], v)] == []
+    expert = m.items["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight.exp_avg"]
+    assert [p.file.split("/")[1] for p in expert.pieces] == ["mp_rank_00_001_001"]  # local expert 1 of EP rank 1
+    router = m.items["decoder.layers.1.mlp.router.weight"]
+    assert sorted((p.file.split("/")[1], p.replica) for p in router.pieces) == [
+        ("mp_rank_00_001_000", 0), ("mp_rank_00_001_001", 1)]
+    assert sum(1 for n in m.items if n.startswith("rng_state.0.torch_rng_state")) == 4
+
+
 def test_legacy_split_rules_are_visible_in_the_manifest():
     _, m = registry.describe(MG / "legacy_tp2pp2")
     fc1 = m.items["decoder.layers.3.mlp.linear_fc1.weight"]  # layer 1 of pipeline stage 1

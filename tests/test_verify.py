@@ -36,6 +36,7 @@ CLEAN = [
     "megatron/legacy_pp2vpp2",
     "megatron/legacy_pp2vpp2_distopt",
     "megatron/dist_pp2vpp2",
+    "megatron/legacy_pp2ep2",
     "rankshards/tp_manual/step_00000003",
     "rankshards/ddp",
     "rankshards/pipeline",

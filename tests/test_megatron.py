@@ -89,6 +89,24 @@ def test_experts_read_as_megatron_core_shards_them(tmp_path):
     assert sum(1 for n in m.items if n.startswith("rng_state.0.torch_rng_state")) == 4
 
 
+def test_a_chained_optimizer_other_than_dense_then_experts_is_refused():
+    from ckpttool.errors import CorruptFileError
+    from ckpttool.formats.megatron import optimizer_members
+
+    def member(expert: bool) -> dict:
+        return {"optimizer": {"state": {}, "param_groups": [{"params": [0], "is_expert_parallel": expert}]}}
+
+    params = [("decoder.layers.0.mlp.router.weight", (4, 16)),
+              ("decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight", (64, 16))]
+    dense, experts = optimizer_members([member(False), member(True)], params, "f.pt")
+    assert [n for n, _ in dense[1]] == [params[0][0]] and [n for n, _ in experts[1]] == [params[1][0]]
+    for chain in ([member(True), member(False)], [member(False)] * 3, [member(False), member(True), member(True)]):
+        with pytest.raises(CorruptFileError, match="expected two, the dense parameters' then the experts'"):
+            optimizer_members(chain, params, "f.pt")
+    with pytest.raises(CorruptFileError, match="expected two"):  # a chain over a model without experts
+        optimizer_members([member(False), member(True)], params[:1], "f.pt")
+
+
 def test_legacy_split_rules_are_visible_in_the_manifest():
     _, m = registry.describe(MG / "legacy_tp2pp2")
     fc1 = m.items["decoder.layers.3.mlp.linear_fc1.weight"]  # layer 1 of pipeline stage 1

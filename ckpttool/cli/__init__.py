@@ -479,7 +479,9 @@ def reshard(
     dp: Annotated[
         int | None, typer.Option("--dp", help="Data-parallel size; for DCP, the world size of the new checkpoint.")
     ] = None,
-    ep: Annotated[int | None, typer.Option("--ep", help="Expert-parallel size.")] = None,
+    ep: Annotated[
+        int | None, typer.Option("--ep", help="Megatron: expert-parallel ranks (routed experts split over them).")
+    ] = None,
     to: Annotated[
         str | None,
         typer.Option(

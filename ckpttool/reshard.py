@@ -7,8 +7,8 @@ processes, each process holding one tensor at a time; it then writes the format'
 seals the directory (``ckpttool.manifest.json``) and publishes it with one rename. A run that
 dies leaves the destination absent (or, with ``--force``, as it was until the final rename).
 
-Targets so far: Megatron legacy and torch_dist at any TP/PP (from either), DeepSpeed ZeRO-1/2 at
-any DP (from DeepSpeed ZeRO-1/2), DeepSpeed's universal layout (from ZeRO-1/2 without TP or PP) and
+Targets so far: Megatron legacy at any TP/PP/VPP/EP and torch_dist at any TP/PP (from either),
+DeepSpeed ZeRO-1/2/3 at any DP (from the same stage), DeepSpeed's universal layout (from ZeRO-1/2 without TP or PP) and
 PyTorch DCP at any world size (from any format). Each format's writer
 (``formats/*_write.py``) plans its files (:class:`~ckpttool.formats.base.PlannedFile`), writes one
 (``write``) and then what depends on all of them (``finish``). See ``docs/reshard.md``.
@@ -159,8 +159,10 @@ def _build_dcp(manifest: Manifest, world: int, names: list[str]) -> Any:
 
 
 def _build_zero(root: str, manifest: Manifest, dp: int) -> Any:
-    from ckpttool.formats.deepspeed_write import ZeroWriter
+    from ckpttool.formats.deepspeed_write import Zero3Writer, ZeroWriter
 
+    if manifest.layout.zero_stage == 3:
+        return Zero3Writer(Path(root), manifest, dp)
     return ZeroWriter(Path(root), manifest, dp)
 
 
@@ -282,7 +284,8 @@ def plan(src: str | Path, target: Target, *, workers: int = 1, max_memory: str |
     else:
         raise UsageError(
             f"--to {fmt!r}: reshard writes megatron (from Megatron legacy), megatron-dist (from Megatron legacy or "
-            "torch_dist), deepspeed and deepspeed-universal (from DeepSpeed ZeRO-1/2) and dcp (from anything) so far",
+            "torch_dist), deepspeed (from DeepSpeed ZeRO-1/2/3), deepspeed-universal (from ZeRO-1/2) and dcp (from "
+            "anything) so far",
             hint="'ckpttool convert --to safetensors' writes the Hugging Face layout",
         )
     files = executor.files()

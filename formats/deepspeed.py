@@ -472,8 +472,17 @@ class _Builder:
                         )
                         self.flat_state(rel, dp, [(param, shape, a - lo, z - a, dp * part + (a - seg_lo))], refs)
                     offset += part
+            # a param group is cut into sub-groups (how many depends on DP): each sub-group's step
+            # is a replica of its param group's
+            group_of = {
+                sid: g
+                for g, group in enumerate(inner.get("param_groups") or [])
+                if isinstance(group, dict)
+                for sid in group.get("params") or []
+            }
             for s in range(len(flats)):
-                self.group_objects(rel, dp, s, inner, state.get(s) or {}, "optimizer_state_dict.optimizer_state_dict")
+                g = group_of.get(s, s)
+                self.group_objects(rel, dp, g, inner, state.get(s) or {}, "optimizer_state_dict.optimizer_state_dict")
 
     def zero0(self, opt: dict[str, Any], rel: str, first: dict[str, Any]) -> None:
         """ZeRO off: the whole torch optimizer state dict sits in the model-states file (inside

@@ -1,4 +1,5 @@
-"""Writing a DeepSpeed ZeRO-1/2 checkpoint at a new data-parallel size, from one at any other.
+"""Writing a DeepSpeed ZeRO-1/2 (:class:`ZeroWriter`) or ZeRO-3 (:class:`Zero3Writer`) checkpoint at a
+new data-parallel size, from one of the same stage at any other.
 
 ZeRO-1/2 keep, per parameter group, one flat fp32 buffer of the group's parameters in
 ``param_shapes`` order, padded at the end to a multiple of ``2 x DP`` elements (DeepSpeed's
@@ -83,7 +84,7 @@ class ZeroWriter:
         stage = manifest.layout.zero_stage
         if stage not in (1, 2):
             raise UsageError(
-                f"--dp: resharding DeepSpeed ZeRO stage {stage} checkpoints is not supported yet (ZeRO-1/2 are)",
+                f"--dp: resharding DeepSpeed ZeRO stage {stage} checkpoints is not supported yet (ZeRO-1/2/3 are)",
                 hint="'ckpttool convert --to dcp' keeps the state in a layout-free form",
             )
         model_rel = None
@@ -250,6 +251,244 @@ class ZeroWriter:
         return _ptwrite.OutTensor(dtype=dtype, shape=(size,), fill=fill)
 
 
+_Z3_OPTIM = re.compile(r"^(?P<dir>(?:.*/)?)(?P<prefix>bf16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_00_optim_states\.pt$")
+_Z3_MODEL = re.compile(r"^(?P<dir>(?:.*/)?)zero_pp_rank_(?P<dp>\d+)_mp_rank_00_model_states\.pt$")
+SUB_GROUP_SIZE = 1_000_000_000
+"""DeepSpeed's default ``zero_optimization.sub_group_size``."""
+
+
+def zero3_sub_groups(params: list[tuple[str, tuple[int, ...]]], dp: int, sub_group_size: int) -> list[list[int]]:
+    """DeepSpeed ZeRO-3's sub-groups of one param group at ``dp`` ranks (``_create_fp16_sub_groups``):
+    indices into ``params``, a sub-group closed once its partitions (``ceil(numel / dp)`` elements
+    each) reach ``sub_group_size``; one sub-group when the whole group's partitions fit."""
+    sizes = [-(-math.prod(shape) // dp) for _, shape in params]
+    if sub_group_size >= sum(sizes):
+        return [list(range(len(params)))]
+    out: list[list[int]] = []
+    current: list[int] = []
+    held = 0
+    for k, size in enumerate(sizes):
+        current.append(k)
+        held += size
+        if held >= sub_group_size or k == len(params) - 1:
+            out.append(current)
+            current, held = [], 0
+    return out
+
+
+class Zero3Writer:
+    """A DeepSpeed ZeRO-3 checkpoint at a new data-parallel size, from one at any other.
+
+    ZeRO-3 partitions every parameter on its own: rank ``r`` holds elements ``[r·P, (r+1)·P)`` of
+    each (``P = ceil(numel / DP)``, the last rank's part padded with zeros), and keeps them back to
+    back in one flat fp32 tensor per *sub-group* (``fp32_flat_groups``), with the Adam moments of
+    that sub-group in the inner optimizer's state under the sub-group's index. Sub-groups cut each
+    param group where the partitions reach ``sub_group_size``, so they depend on DP: they are laid
+    out again (:func:`zero3_sub_groups`), and ``param_shapes`` in every model-states file with them.
+    Each rank's ``zero_pp_rank_r_mp_rank_00_model_states.pt`` also holds its part of the frozen
+    parameters (``frozen_param_fragments``); the tied-weight map is on rank 0 only, as DeepSpeed
+    saves it. Everything else (module placeholders and buffers, scheduler, counters, config, loss
+    scaler, the param groups' hyper-parameters and step) is carried."""
+
+    def __init__(self, root: Path, manifest: Manifest, dp: int) -> None:
+        self.root, self.manifest, self.dp = root, manifest, dp
+        self.scratch = _ptwrite.Scratch()
+        if dp < 1:
+            raise UsageError("--dp must be at least 1")
+        models: dict[int, str] = {}
+        optims: dict[int, str] = {}
+        self.file_prefix = ""
+        for f in manifest.files:
+            if m := _Z3_MODEL.match(f.path):
+                models[int(m["dp"])] = f.path
+            elif m := _Z3_OPTIM.match(f.path):
+                optims[int(m["dp"])] = f.path
+                self.file_prefix = m["prefix"] or ""
+        if 0 not in models or 0 not in optims or sorted(models) != sorted(optims):
+            raise CorruptFileError(
+                f"{manifest.root}: expected one ZeRO-3 model-states and one optimizer file per rank, found model "
+                f"states of ranks {sorted(models)} and optimizer files of ranks {sorted(optims)}"
+            )
+        self.model_rels, self.optim_rels = models, optims
+        self.tag_dir = models[0].rsplit("/", 1)[0] if "/" in models[0] else ""
+        self.tag = self.tag_dir.rsplit("/", 1)[-1] if self.tag_dir else str(manifest.extras.get("tag") or "")
+        archive, self.model_obj, _ = _pt.load(root, models[0], ALLOWLIST)
+        archive.close()
+        archive, self.optim_obj, _ = _pt.load(root, optims[0], ALLOWLIST)
+        archive.close()
+        osd = self.optim_obj.get("optimizer_state_dict") if isinstance(self.optim_obj, dict) else None
+        inner = osd.get("optimizer_state_dict") if isinstance(osd, dict) else None
+        if not isinstance(osd, dict) or "fp32_flat_groups" not in osd or not isinstance(inner, dict):
+            raise CorruptFileError(f"{optims[0]}: not a ZeRO-3 optimizer file", path=optims[0])
+        if osd.get("ds_zero_partition_groups") is not None:
+            raise UsageError(
+                f"{optims[0]}: a ZeRO-3 checkpoint with its own partition groups (AutoEP); resharding it is not "
+                "supported yet"
+            )
+        shapes = self.model_obj.get("param_shapes")
+        groups = inner.get("param_groups") or []
+        subs = [list(g.get("params") or []) for g in groups]
+        if not isinstance(shapes, list) or sorted(i for ids in subs for i in ids) != list(range(len(shapes))):
+            raise CorruptFileError(
+                f"{models[0]}: param_shapes ({len(shapes) if isinstance(shapes, list) else 'none'} sub-groups) does "
+                f"not match the optimizer's param groups (sub-groups {subs})",
+                path=models[0],
+            )
+        zero = (self.model_obj.get("ds_config") or {}).get("zero_optimization") or {}
+        size = int(zero.get("sub_group_size", SUB_GROUP_SIZE) or SUB_GROUP_SIZE)
+        state = inner.get("state") or {}
+        self.groups: list[dict[str, Any]] = []
+        """per param group: its hyper-parameters and its source step"""
+        self.subgroups: list[tuple[int, list[tuple[str, tuple[int, ...]]]]] = []
+        """(param group, [(name, shape)]) of each new sub-group, in order"""
+        self.shape_objs: dict[str, Any] = {}
+        for g, group in enumerate(groups):
+            params: list[tuple[str, tuple[int, ...]]] = []
+            for sid in subs[g]:
+                for name, shape in shapes[sid].items():
+                    self.shape_objs[name] = shape
+                    params.append((name, tuple(int(x) for x in shape)))
+            step = (state.get(subs[g][0]) or {}).get("step") if subs[g] else None
+            self.groups.append({"hyper": {k: v for k, v in group.items() if k != "params"}, "step": step})
+            for ids in zero3_sub_groups(params, dp, size):
+                self.subgroups.append((g, [params[k] for k in ids]))
+        for _, params in self.subgroups:
+            for name, _shape in params:
+                for suffix in ("fp32", "exp_avg", "exp_avg_sq"):
+                    if f"{name}.{suffix}" not in manifest.items:
+                        raise CorruptFileError(f"{name}.{suffix} is not in the source checkpoint")
+        extra = set().union(
+            *((set(v) - {"step", "exp_avg", "exp_avg_sq"}) for v in state.values() if isinstance(v, dict))
+        )
+        if extra:
+            raise UsageError(
+                f"{optims[0]}: optimizer state {sorted(extra)} is not Adam's; resharding it is not supported yet"
+            )
+        self.frozen = [
+            (n, tuple(int(x) for x in s)) for n, s in (self.model_obj.get("frozen_param_shapes") or {}).items()
+        ]
+
+    def _prefix(self) -> str:
+        return f"{self.tag}/" if self.tag else ""
+
+    def _part(self, numel: int) -> int:
+        return -(-numel // self.dp)
+
+    def files(self) -> list[PlannedFile]:
+        out = []
+        frozen = [self._part(math.prod(s)) * 4 for _, s in self.frozen]
+        flats = [sum(self._part(math.prod(s)) for _, s in params) * 4 for _, params in self.subgroups]
+        for r in range(self.dp):
+            out.append(PlannedFile.of(f"{self._prefix()}zero_pp_rank_{r}_mp_rank_00_model_states.pt", (r, 0), frozen))
+            name = f"{self._prefix()}{self.file_prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+            out.append(PlannedFile.of(name, (r, 1), [n for n in flats for _ in range(3)]))
+        return out
+
+    def finish(self, tmp: Path, results: list[Any]) -> None:
+        if self.tag:
+            (tmp / "latest").write_text(self.tag)
+
+    def write(
+        self, rank: int, which: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None
+    ) -> int:
+        archive: Callable[[str], Any] = _pt.archive_cache(reader)
+        tree = self._model_tree(rank, reader, archive) if which == 0 else self._optim_tree(rank, reader, archive)
+        n = _ptwrite.save(tree, out, scratch=self.scratch)
+        if progress is not None:
+            progress(n)
+        return n
+
+    def _model_tree(self, r: int, reader: PieceReader, archive: Callable[[str], Any]) -> Any:
+        src = self.model_rels[0]
+        tree: dict[str, Any] = {}
+        for key, value in self.model_obj.items():
+            if key == "param_shapes":
+                shapes = []
+                for _, params in self.subgroups:
+                    d = _unpickle.OrderedDictStandIn()
+                    for name, _shape in params:
+                        d[name] = _ptwrite.carry(self.shape_objs[name], partial(archive, src))
+                    shapes.append(d)
+                tree[key] = shapes
+            elif key == "frozen_param_fragments" and isinstance(value, dict):
+                frags = _unpickle.OrderedDictStandIn()
+                for name, shape in self.frozen:
+                    frags[name] = self._flat(r, [(name, shape)], "fp32", reader)
+                tree[key] = frags
+            elif key == "shared_params" and r > 0:
+                tree[key] = {}  # DeepSpeed computes the tied-weight map on global rank 0 only
+            elif key == "dp_world_size":
+                tree[key] = self.dp
+            else:
+                tree[key] = _ptwrite.carry(value, partial(archive, src))
+        return tree
+
+    def _optim_tree(self, r: int, reader: PieceReader, archive: Callable[[str], Any]) -> Any:
+        src = self.optim_rels[0]
+        template = self.optim_obj
+        tree = _ptwrite.carry({k: v for k, v in template.items() if k != "optimizer_state_dict"}, partial(archive, src))
+        osd: dict[str, Any] = {}
+        for key, value in template["optimizer_state_dict"].items():
+            if key == "optimizer_state_dict":
+                state: dict[int, Any] = {}
+                members: dict[int, list[int]] = {g: [] for g in range(len(self.groups))}
+                for sid, (g, params) in enumerate(self.subgroups):
+                    entry: dict[str, Any] = {}
+                    step = self.groups[g]["step"]
+                    if step is not None:
+                        entry["step"] = _ptwrite.carry(step, partial(archive, src))
+                    entry["exp_avg"] = self._flat(r, params, "exp_avg", reader)
+                    entry["exp_avg_sq"] = self._flat(r, params, "exp_avg_sq", reader)
+                    state[sid] = entry
+                    members[g].append(sid)
+                groups = [
+                    {**_ptwrite.carry(self.groups[g]["hyper"], partial(archive, src)), "params": members[g]}
+                    for g in range(len(self.groups))
+                ]
+                osd[key] = {"state": state, "param_groups": groups}
+            elif key == "fp32_flat_groups":
+                osd[key] = [self._flat(r, params, "fp32", reader, requires_grad=True) for _, params in self.subgroups]
+            elif key == "partition_count":
+                osd[key] = self.dp
+            else:
+                osd[key] = _ptwrite.carry(value, partial(archive, src))
+        tree["optimizer_state_dict"] = osd
+        return {k: tree[k] for k in template}
+
+    def _flat(
+        self,
+        r: int,
+        params: list[tuple[str, tuple[int, ...]]],
+        suffix: str,
+        reader: PieceReader,
+        requires_grad: bool = False,
+    ) -> _ptwrite.OutTensor:
+        """Rank ``r``'s partitions of ``params``' ``suffix`` state, back to back (zeros past a
+        parameter's end)."""
+        parts = []
+        for name, shape in params:
+            numel = math.prod(shape)
+            part = self._part(numel)
+            first = min(numel, r * part)
+            parts.append((self.manifest.items[f"{name}.{suffix}"], shape, first, min(part, numel - first), part))
+        dtype = parts[0][0].dtype if parts else "float32"
+        assert dtype is not None
+
+        def fill(buf: np.ndarray) -> None:
+            values = buf.view(carrier(dtype))
+            pos = 0
+            for item, shape, first, count, part in parts:
+                at = pos
+                for box in flat_range_boxes(Box.whole(shape), first, count):
+                    assemble(reader, item, out=values[at : at + box.volume].reshape(box.sizes), box=box)
+                    at += box.volume
+                values[at : pos + part] = 0
+                pos += part
+
+        size = sum(p[4] for p in parts)
+        return _ptwrite.OutTensor(dtype=dtype, shape=(size,), fill=fill, requires_grad=requires_grad)
+
+
 class UniversalWriter(ZeroWriter):
     """DeepSpeed's universal checkpoint, as ``ds_to_universal`` (0.19.x) writes it from a ZeRO-1/2
     checkpoint without tensor or pipeline parallelism, next to a ``latest_universal`` naming it:
@@ -374,4 +613,4 @@ class UniversalWriter(ZeroWriter):
         return _ptwrite.OutTensor(dtype="float32", shape=item.shape, fill=fill)
 
 
-__all__ = ["ALIGN", "GroupLayout", "UniversalWriter", "ZeroWriter", "group_layout"]
+__all__ = ["ALIGN", "GroupLayout", "UniversalWriter", "Zero3Writer", "ZeroWriter", "group_layout", "zero3_sub_groups"]

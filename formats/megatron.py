@@ -775,48 +775,90 @@ class MegatronLegacyAdapter:
         replicas: ReplicaCounter,
     ) -> None:
         """De-bucket ``distrib_optim.pt`` (the distributed optimizer's state, gathered over DP) by
-        replaying the grad-buffer layout (:func:`grad_buffer_layout`). A buffer whose replayed size
-        disagrees with ``numel_unpadded`` (expert buffers, several dtypes, other versions) is
-        refused rather than guessed."""
+        replaying the grad-buffer layout (:func:`grad_buffer_layout`). Under expert parallelism
+        the file holds megatron-core's ``ChainedOptimizer`` list: the dense optimizer's buffers
+        (None in the files of EP ranks > 0: its DP rank 0 saves them once) and the experts'. A
+        buffer whose replayed size disagrees with ``numel_unpadded`` (several dtypes, other
+        versions) is refused rather than guessed."""
         archive, obj, _ = _pt.load(Path(manifest.root), rel, ALLOWLIST)
         archive.close()
-        chunks = sorted(k for k in obj if isinstance(k, int)) if isinstance(obj, dict) else []
-        if chunks != list(range(len(orders))) or any(not isinstance(obj[v], dict) or len(obj[v]) != 1 for v in chunks):
-            raise CorruptFileError(
-                f"{rel}: expected one grad buffer of one dtype per model chunk ({len(orders)}; no expert buffer), "
-                f"found buffers {chunks} with "
-                f"{[len(obj[v]) if isinstance(obj[v], dict) else type(obj[v]).__name__ for v in chunks]} dtypes; "
-                "this distributed-optimizer layout is not supported yet",
-                path=rel,
-            )
+        if isinstance(obj, list):
+            if len(obj) != 2 or not any(isinstance(o, dict) for o in obj):
+                raise CorruptFileError(
+                    f"{rel}: expected the dense and the expert optimizers' states (a list of 2), found a list of "
+                    f"{len(obj)}; this distributed-optimizer layout is not supported yet",
+                    path=rel,
+                )
+            dense = [[x for x in order if not is_expert(x[0])] for order in orders]
+            experts = [[x for x in order if is_expert(x[0])] for order in orders]
+            members = [(obj[0], dense), (obj[1], experts)]
+        else:
+            members = [(obj, orders)]
         t, p, _ = rank
         pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
         total = sum(math.prod(s) for order in orders for _, s in order)
-        for v, order in enumerate(orders):
-            state = next(iter(obj[v].values()))
-            numel = state.get("numel_unpadded") if isinstance(state, dict) else None
-            # megatron-core buckets only the first model chunk of the first stage (DDP's disable_bucketing)
-            size = bucket_size(args, p, total) if v == 0 else None
-            shared = chunk_shared_embedding(args, p, pp, v, len(orders))
-            layout, pos = grad_buffer_layout(order, bucket_size=size, shared=shared)
-            if pos != numel:
+        for member, chunk_orders in members:
+            if member is None:
+                continue  # another EP rank's file holds this optimizer's state
+            # one grad buffer per model chunk that has parameters of this optimizer
+            held = [(v, order) for v, order in enumerate(chunk_orders) if order]
+            keys = sorted(k for k in member if isinstance(k, int)) if isinstance(member, dict) else []
+            if keys != list(range(len(held))) or any(
+                not isinstance(member[k], dict) or len(member[k]) != 1 for k in keys
+            ):
                 raise CorruptFileError(
-                    f"{rel}: replaying the grad-buffer layout of model chunk {v} gives {pos} elements, the file says "
-                    f"numel_unpadded={numel}; this distributed-optimizer layout is not supported yet",
+                    f"{rel}: expected one grad buffer of one dtype per model chunk ({len(held)}), found buffers "
+                    f"{keys} with "
+                    f"{[len(member[k]) if isinstance(member[k], dict) else type(member[k]).__name__ for k in keys]} "
+                    "dtypes; this distributed-optimizer layout is not supported yet",
                     path=rel,
                 )
-            for key, suffix, kind in (
-                ("param", "fp32", "master"),
-                ("exp_avg", "exp_avg", "optim"),
-                ("exp_avg_sq", "exp_avg_sq", "optim"),
-            ):
-                flat = state.get(key)
-                if not isinstance(flat, _unpickle.TensorRef) or flat.shape != (numel,):
-                    raise CorruptFileError(f"{rel}: no flat {key} tensor of {numel} elements", path=rel)
-                for name, shape, start in layout:
-                    stride = tuple(int(x) for x in _c_strides(shape))
-                    view = _unpickle.TensorRef(flat.storage, flat.storage_offset + start, shape, stride, flat.dtype)
-                    self._place(manifest, f"{name}.{suffix}", view, rel, t, tp, gated, replicas, kind=kind, param=name)
+            for k, (v, order) in enumerate(held):
+                self._debucket(
+                    manifest, rel, member[k], order, args, (t, p, v, len(orders)), pp, total, tp, gated, replicas
+                )
+
+    def _debucket(
+        self,
+        manifest: Manifest,
+        rel: str,
+        buffer: dict[Any, Any],
+        order: list[tuple[str, tuple[int, ...]]],
+        args: Any,
+        where: tuple[int, int, int, int],
+        pp: int,
+        total: int,
+        tp: int,
+        gated: bool,
+        replicas: ReplicaCounter,
+    ) -> None:
+        """One grad buffer's state (model chunk ``v`` of ``chunks`` of TP rank t, stage p) placed
+        parameter by parameter."""
+        t, p, v, chunks = where
+        state = next(iter(buffer.values()))
+        numel = state.get("numel_unpadded") if isinstance(state, dict) else None
+        # megatron-core buckets only the first model chunk of the first stage (DDP's disable_bucketing)
+        size = bucket_size(args, p, total) if v == 0 else None
+        shared = chunk_shared_embedding(args, p, pp, v, chunks)
+        layout, pos = grad_buffer_layout(order, bucket_size=size, shared=shared)
+        if pos != numel:
+            raise CorruptFileError(
+                f"{rel}: replaying the grad-buffer layout of model chunk {v} gives {pos} elements, the file says "
+                f"numel_unpadded={numel}; this distributed-optimizer layout is not supported yet",
+                path=rel,
+            )
+        for key, suffix, kind in (
+            ("param", "fp32", "master"),
+            ("exp_avg", "exp_avg", "optim"),
+            ("exp_avg_sq", "exp_avg_sq", "optim"),
+        ):
+            flat = state.get(key)
+            if not isinstance(flat, _unpickle.TensorRef) or flat.shape != (numel,):
+                raise CorruptFileError(f"{rel}: no flat {key} tensor of {numel} elements", path=rel)
+            for name, shape, start in layout:
+                stride = tuple(int(x) for x in _c_strides(shape))
+                view = _unpickle.TensorRef(flat.storage, flat.storage_offset + start, shape, stride, flat.dtype)
+                self._place(manifest, f"{name}.{suffix}", view, rel, t, tp, gated, replicas, kind=kind, param=name)
 
     def _place(
         self,

@@ -161,16 +161,13 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
                 f"do: {', '.join(lacking[:4])}",
                 hint="a rank's distributed-optimizer save did not finish; use another iteration",
             )
-        if src.experts:
-            raise UsageError(
-                "resharding a mixture-of-experts checkpoint saved by the distributed optimizer is not supported "
-                "yet (its expert grad buffers)"
-            )
         src.distopt = True
         rel = str(Path(rels[(0, 0, 0)]).with_name("distrib_optim.pt"))
         archive, tree, _ = _pt.load(root, rel, ALLOWLIST)
         archive.close()
-        src.buffer_key = next(iter(tree[0]))  # the reader checked: one buffer of one dtype
+        # the reader checked: one buffer of one dtype (a list under expert parallelism: dense, experts)
+        first_state = tree if isinstance(tree, dict) else next(m for m in tree if isinstance(m, dict))
+        src.buffer_key = next(iter(first_state[0]))
     for p in range(pp):
         for e in range(ep):  # the dense entries of every EP rank's file are the same
             _read_stage(src, args, (0, p, e), _layer_offset, local)
@@ -195,15 +192,16 @@ def _read_stage(src: _Source, args: Any, rank: tuple[int, int, int], layer_offse
             src.metadata.setdefault(gkey, value)
     opt = obj.get("optimizer")
     if src.distopt:  # groups without members; the tensors are in distrib_optim.pt
-        if not isinstance(opt, dict):
-            return
-        inner: dict[str, Any] = opt["optimizer"] if isinstance(opt.get("optimizer"), dict) else opt
-        for group in inner.get("param_groups") or []:
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            if hyper not in src.groups:
-                src.groups.append(hyper)
-        if not src.optimizer_extra[0]:
-            src.optimizer_extra = (rel, {k: v for k, v in opt.items() if k != "optimizer"})
+        for member in opt if isinstance(opt, list) else [opt]:  # a chain under expert parallelism
+            if not isinstance(member, dict):
+                continue
+            inner: dict[str, Any] = member["optimizer"] if isinstance(member.get("optimizer"), dict) else member
+            for group in inner.get("param_groups") or []:
+                hyper = {k: v for k, v in group.items() if k != "params"}
+                if hyper not in src.groups:
+                    src.groups.append(hyper)
+            if not src.optimizer_extra[0]:
+                src.optimizer_extra = (rel, {k: v for k, v in member.items() if k != "optimizer"})
         return
     for member, params in optimizer_members(opt, order, rel):
         inner = member["optimizer"]
@@ -487,12 +485,24 @@ class LegacyWriter:
                 hint="keep the distributed optimizer (drop --no-distributed-optimizer)",
             )
         if self.distopt and not self.src.distopt:
-            if self.src.experts:
-                raise UsageError(
-                    "--distributed-optimizer: writing the distributed optimizer's expert grad buffers of a "
-                    "mixture-of-experts model is not supported yet"
-                )
             self._check_distopt_groups()
+        if (
+            self.src.distopt
+            and self._chained
+            and not any(g.get("is_expert_parallel") for g in self.src.groups)
+            and self.src.experts
+        ):
+            raise UsageError(
+                f"EP={self.ep}: this checkpoint was saved by the distributed optimizer at EP=1, whose files do not "
+                "say which param group each expert parameter is in (a separate expert optimizer needs that)",
+                hint="reshard it at EP=1, or from a checkpoint saved at EP > 1 or without the distributed optimizer",
+            )
+
+    @property
+    def _chained(self) -> bool:
+        """Whether the output's optimizer is megatron-core's chain of a dense and an expert optimizer
+        (expert parallelism: the experts leave the dense optimizer and its grad buffers)."""
+        return self.ep > 1 and bool(self.src.experts)
 
     def _check_distopt_groups(self) -> None:
         """The distributed optimizer matches saved param groups to its own by Megatron's identifier
@@ -605,7 +615,12 @@ class LegacyWriter:
                     folder = f"{self.iter_dir}/{rank_dir(t, p, self.target.pp, e, self.ep)}"
                     out.append(PlannedFile.of(f"{folder}/model_optim_rng.pt", (t, p, e, 0), sizes))
                     if self.distopt:
-                        tensors = [o for v in range(self.vpp) for o in self._distrib(t, p, v, None).values()]
+                        tensors = [
+                            o
+                            for kind in self._kinds(e)
+                            for v in self._buffers(t, p, e, kind)
+                            for o in self._distrib(t, p, v, None, e, kind).values()
+                        ]
                         nbytes = sum(o.nbytes for o in tensors)
                         largest = max(o.peak for o in tensors)
                         key = (t, p, e, 1)
@@ -625,25 +640,45 @@ class LegacyWriter:
                     if extra is not None:
                         yield self._out(extra, t, None)
 
-    def _params(self, p: int, v: int | None = None) -> list[str]:
-        """Stage ``p``'s parameters with optimizer state (of model chunk ``v`` only, if given), in
-        model order."""
+    def _params(self, p: int, v: int | None = None, e: int | None = None, kind: bool | None = None) -> list[str]:
+        """Stage ``p``'s parameters with optimizer state (of model chunk ``v`` only, of EP rank
+        ``e``'s files only, of the dense (``kind`` False) or expert (True) parameters only, when
+        given), in model order."""
         items = self.manifest.items
-        names = self._model_names(p) if v is None else self._chunk_names(p, v)
-        return [n for n in names if self._item(n).is_tensor and f"{self._src_name(n)}.exp_avg" in items]
+        names = self._model_names(p, e) if v is None else self._chunk_names(p, v, e)
+        return [
+            n
+            for n in names
+            if self._item(n).is_tensor
+            and f"{self._src_name(n)}.exp_avg" in items
+            and (kind is None or is_expert(n) == kind)
+        ]
 
-    def _distrib(self, t: int, p: int, v: int, reader: PieceReader | None) -> dict[str, _ptwrite.OutTensor]:
-        """Rank (t, p)'s ``distrib_optim.pt`` world tensors of model chunk ``v`` (fp32 main params and
-        Adam moments laid out as megatron-core's grad buffer of that chunk lays out its parameters at
-        the new TP), each streamed one parameter at a time."""
+    def _buffers(self, t: int, p: int, e: int, kind: bool | None) -> list[int]:
+        """The model chunks whose grad buffer holds parameters of this kind (one buffer each)."""
+        return [v for v in range(self.vpp) if self._params(p, v, e, kind)]
+
+    def _distrib(
+        self,
+        t: int,
+        p: int,
+        v: int,
+        reader: PieceReader | None,
+        e: int = 0,
+        kind: bool | None = None,
+    ) -> dict[str, _ptwrite.OutTensor]:
+        """Rank (t, p, e)'s ``distrib_optim.pt`` world tensors of model chunk ``v`` (fp32 main params
+        and Adam moments laid out as megatron-core's grad buffer of that chunk lays out its
+        parameters at the new TP; ``kind``: the dense or the expert buffer under expert
+        parallelism), each streamed one parameter at a time."""
         items = self.manifest.items
-        params = self._params(p, v)
+        params = self._params(p, v, e, kind)
         shapes = [(n, self._out(self._item(n), t, None).shape) for n in params]
         size = None  # megatron-core buckets only the first model chunk (DDP's disable_bucketing)
-        if v == 0:  # sized by all the stage's parameters
-            stage = sum(math.prod(self._out(self._item(n), t, None).shape) for n in self._params(p))
+        if v == 0:  # sized by all the rank's parameters, as DDP sizes both its buffers
+            stage = sum(math.prod(self._out(self._item(n), t, None).shape) for n in self._params(p, None, e))
             size = bucket_size(self.args, p, stage)
-        shared = chunk_shared_embedding(self.args, p, self.target.pp, v, self.vpp)
+        shared = chunk_shared_embedding(self.args, p, self.target.pp, v, self.vpp) if not kind else frozenset()
         layout, numel = grad_buffer_layout(shapes, bucket_size=size, shared=shared)
         out: dict[str, _ptwrite.OutTensor] = {}
         for key, suffix in (("param", "fp32"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
@@ -703,13 +738,19 @@ class LegacyWriter:
                 dtype = self._param_dtype()
                 grads = "float32" if getattr(self.args, "accumulate_allreduce_grads_in_fp32", True) else dtype
                 key = (_unpickle.TorchDType(dtype), _unpickle.TorchDType(grads))
-            buffers: dict[Any, Any] = {"buckets_coalesced": True}
-            for v in range(self.vpp):  # one grad buffer per model chunk
-                state: dict[str, Any] = dict(self._distrib(t, p, v, reader))
-                state["numel_unpadded"] = state["param"].shape[0]
-                # a tuple of its own per buffer (the same dtypes), as megatron-core pickles them
-                buffers[v] = {tuple(k for k in key): state}
-            n = _ptwrite.save(buffers, out, scratch=self.scratch)
+            members: list[Any] = []
+            for kind in (False, True) if self._chained else (None,):
+                if kind is False and e > 0:  # the dense optimizer's DP rank 0 saves it, in the EP rank 0 file
+                    members.append(None)
+                    continue
+                buffers: dict[Any, Any] = {"buckets_coalesced": True}
+                for k, v in enumerate(self._buffers(t, p, e, kind)):  # one grad buffer per model chunk
+                    state: dict[str, Any] = dict(self._distrib(t, p, v, reader, e, kind))
+                    state["numel_unpadded"] = state["param"].shape[0]
+                    # a tuple of its own per buffer (the same dtypes), as megatron-core pickles them
+                    buffers[k] = {tuple(x for x in key): state}
+                members.append(buffers)
+            n = _ptwrite.save(members if self._chained else members[0], out, scratch=self.scratch)
             if progress is not None:
                 progress(n)
             return n
@@ -742,7 +783,9 @@ class LegacyWriter:
                 tree.update(models)  # where the source's model (or model chunks) stood
             elif key == "optimizer":
                 if self.distopt:
-                    tree[key] = self._distopt_state(archive)
+                    kinds = (False, True) if self._chained else (None,)
+                    states = [self._distopt_state(archive, kind) for kind in kinds]
+                    tree[key] = states if self._chained else states[0]
                 else:
                     tree[key] = self._optimizers(t, names, reader, archive)
             elif key == "rng_state":
@@ -937,11 +980,26 @@ class LegacyWriter:
             return {"optimizer": inner, **extra} if extra else inner
         return {"optimizer": inner, "fp32_from_fp16_params": masters, **extra}
 
-    def _distopt_state(self, archive: Callable[[str], Any]) -> dict[str, Any]:
+    def _kinds(self, e: int) -> tuple[bool | None, ...]:
+        """The optimizers whose state EP rank ``e``'s ``distrib_optim.pt`` holds."""
+        if not self._chained:
+            return (None,)
+        return (False, True) if e == 0 else (True,)
+
+    def _distopt_state(self, archive: Callable[[str], Any], kind: bool | None = None) -> dict[str, Any]:
         """What ``DistributedOptimizer.state_dict`` saves in the rank file: the param groups without
-        their members, each with the common ``step`` (its tensors go in ``distrib_optim.pt``)."""
+        their members, each with the common ``step`` (its tensors go in ``distrib_optim.pt``);
+        ``kind`` as for :meth:`_target_groups`."""
         if self.src.distopt:
-            groups = [copy.deepcopy(g) for g in self.src.groups]
+            groups = []
+            for g in self.src.groups:
+                if kind is not None and bool(g.get("is_expert_parallel")) != kind:
+                    continue
+                new = copy.deepcopy(g)
+                if "is_expert_parallel" in new:
+                    new["is_expert_parallel"] = bool(kind)
+                if new not in groups:
+                    groups.append(new)
         else:
             steps = set()
             for rel, value in self.src.step_of.values():
@@ -951,7 +1009,7 @@ class LegacyWriter:
             if len(steps) != 1:
                 raise UsageError(f"--distributed-optimizer: the parameters' optimizer steps differ: {sorted(steps)}")
             step = steps.pop()
-            groups = [{**copy.deepcopy(h), "step": step} for h in self.src.groups]
+            groups = [{**h, "step": step} for h, _ in self._target_groups(kind)]
         return {"optimizer": {"param_groups": groups}, **self._optimizer_extra(archive)}
 
     def _param_dtype(self) -> str:

@@ -89,6 +89,21 @@ def test_experts_read_as_megatron_core_shards_them(tmp_path):
     assert sum(1 for n in m.items if n.startswith("rng_state.0.torch_rng_state")) == 4
 
 
+def test_experts_with_the_distributed_optimizer_are_debucketed(tmp_path):
+    """Megatron-LM's MoE checkpoint saved by the distributed optimizer (PP=2 EP=2): distrib_optim.pt
+    holds the chained optimizers' states, dense (in the EP rank 0 files only) then experts, each
+    de-bucketed by its own grad buffer; every tensor equals the run's own sharded state dict."""
+    _, m = registry.describe(MG / "legacy_pp2ep2_distopt")
+    assert "distrib_optim" in m.extras and m.layout.ep == 2
+    export(MG / "legacy_pp2ep2_distopt", tmp_path / "o.safetensors")
+    got = load_file(tmp_path / "o.safetensors")
+    want = _expected("legacy_pp2ep2_distopt")
+    assert len(want) == 116
+    assert [k for k, v in want.items() if k not in got or not same_bits(got[k], v)] == []
+    dense = m.items["decoder.layers.0.mlp.router.weight.exp_avg"]
+    assert [p.file.split("/")[1:] for p in dense.pieces] == [["mp_rank_00_000_000", "distrib_optim.pt"]]
+
+
 def test_a_chained_optimizer_other_than_dense_then_experts_is_refused():
     from ckpttool.errors import CorruptFileError
     from ckpttool.formats.megatron import optimizer_members

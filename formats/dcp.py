@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -563,8 +564,8 @@ class DcpReader(PieceReader):
     def read(self, piece: Piece, item: Item, out: np.ndarray | None = None) -> np.ndarray:
         if "begin" in piece.locator:  # HuggingFaceStorageWriter shard
             return st.read_range(self.files, piece, item, out)
-        if "select0" in piece.locator:  # one index of a stored chunk (Megatron's stacked layers)
-            values = self._chunk(piece, item)[piece.locator["select0"]]
+        if "select0" in piece.locator:  # one index of a stored chunk (Megatron's stacked layers, experts)
+            values = self._chunk(piece, item)[_selected(piece.locator)]
             if out is None:
                 return np.ascontiguousarray(values)
             out.reshape(values.shape)[...] = values
@@ -615,8 +616,28 @@ class DcpReader(PieceReader):
         span = _torchzip.tensor_span(archive, ref)
         if span is None or "select0" not in loc:
             return span
-        row = span[1] // ref.shape[0] if ref.shape and ref.shape[0] else 0
-        return span[0] + loc["select0"] * row, row
+        return selected_span(span, ref.shape, _selected(loc))
+
+
+def selected_span(span: tuple[int, int], shape: tuple[int, ...], index: tuple[int, ...]) -> tuple[int, int] | None:
+    """The byte range of ``chunk[index]`` inside a C-ordered chunk of ``shape`` stored at ``span``
+    (``index``: leading indices, as in ``select0``)."""
+    lead = shape[: len(index)]
+    if len(lead) != len(index) or any(not 0 <= i < n for i, n in zip(index, lead, strict=True)):
+        return None
+    rows = math.prod(lead)
+    row = span[1] // rows if rows else 0
+    flat = 0
+    for i, n in zip(index, lead, strict=True):
+        flat = flat * n + i
+    return span[0] + flat * row, row
+
+
+def _selected(loc: dict[str, Any]) -> tuple[int, ...]:
+    """The leading indices a piece selects in its stored chunk (``select0``: one index, the layer of
+    Megatron's stacked layers; or a list, the layer and the expert)."""
+    sel = loc["select0"]
+    return tuple(int(i) for i in sel) if isinstance(sel, list) else (int(sel),)
 
 
 ADAPTER = DcpAdapter()

@@ -203,11 +203,13 @@ class MegatronDistAdapter:
                 f.role = "metadata"
         args = common.get("args")
         num_layers = getattr(args, "num_layers", None)
+        num_experts = getattr(args, "num_experts", None)
         local_spec = getattr(args, "transformer_impl", None) == "local"
         for item in base.items.values():
             for renamed in _split_layers(item, num_layers):
                 _rename(renamed, local_spec)
-                manifest.add(renamed)
+                for expert in _split_experts(renamed, num_experts):
+                    manifest.add(expert)
         for key in ("iteration", "checkpoint_version", "num_floating_point_operations_so_far"):
             if key in common:
                 manifest.add(
@@ -298,6 +300,48 @@ def _split_layers(item: Item, num_layers: Any) -> list[Item]:
                 )
             )
         out.append(Item(name=new_name, kind=item.kind, dtype=item.dtype, shape=item.shape[1:], pieces=pieces))
+    return out
+
+
+_STACKED_EXPERTS = re.compile(r"^(?P<pre>decoder\.layers\.\d+\.mlp\.experts\.)experts\.(?P<rest>.+)$")
+
+
+def _split_experts(item: Item, num_experts: Any) -> list[Item]:
+    """One item per routed expert for torch_dist's ``….mlp.experts.experts.<name>`` tensors (the
+    global expert number is a second prepended axis, after the layer's), named as the legacy
+    reader names them: ``….mlp.experts.local_experts.<global j>.<name>``."""
+    m = _STACKED_EXPERTS.match(item.name)
+    if (
+        m is None
+        or not isinstance(num_experts, int)
+        or not item.shape
+        or item.shape[0] != num_experts
+        or item.dtype is None
+        or any("select0" not in p.locator for p in item.pieces)
+    ):
+        return [item]
+    itemsize = lookup_dtype(item.dtype).itemsize
+    out = []
+    for j in range(num_experts):
+        pieces = []
+        for p in item.pieces:
+            lo, n = p.box.offsets[0], p.box.sizes[0]
+            if not lo <= j < lo + n:
+                continue
+            sub = Box(p.box.offsets[1:], p.box.sizes[1:])
+            first = p.locator["select0"]
+            pieces.append(
+                Piece(
+                    file=p.file,
+                    locator={**p.locator, "select0": [first, j - lo]},
+                    box=sub,
+                    replica=p.replica,
+                    rank=p.rank,
+                    nbytes=sub.volume * itemsize,
+                )
+            )
+        name = f"{m['pre']}local_experts.{j}.{m['rest']}"
+        out.append(Item(name=name, kind=item.kind, dtype=item.dtype, shape=item.shape[1:], pieces=pieces))
     return out
 
 

@@ -79,6 +79,7 @@ ALL_FIXTURES = [FIXTURES / "dcp" / n for n in DCP_FIXTURES] + [FIXTURES / "deeps
     *(FIXTURES / "megatron" / n for n in ("dist_tp2", "dist_tp2pp2", "legacy_tp2pp2", "legacy_tp2pp2_distopt")),
     *(FIXTURES / "megatron" / n for n in ("legacy_pp2vpp2", "legacy_pp2vpp2_distopt", "dist_pp2vpp2")),
     FIXTURES / "megatron" / "legacy_pp2ep2",
+    FIXTURES / "megatron" / "dist_pp2ep2",
     FIXTURES / "megatron" / "legacy_pp2ep2_distopt",
     FIXTURES / "dcp" / "fsdp2_hf" / "sharded",
     FIXTURES / "dcp" / "fsdp2_hf",
@@ -90,6 +91,7 @@ EXPECTED = {
     "megatron/dist_tp2": "megatron-dist",
     "megatron/dist_tp2pp2": "megatron-dist",
     "megatron/dist_pp2vpp2": "megatron-dist",
+    "megatron/dist_pp2ep2": "megatron-dist",
     "dcp/fsdp2_hf": "safetensors", "safetensors/model.safetensors": "safetensors",
     "safetensors/sharded": "safetensors", "torch/train_state.pt": "torch"}
 

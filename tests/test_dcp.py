@@ -270,3 +270,20 @@ def test_locating_a_piece_reads_its_archive_once(monkeypatch, tmp_path):
     assert span is not None and span[1] == 8192 * 4
     assert calls == [_torchzip._TAIL, _torchzip._HEAD], calls
     assert big.read_bytes()[span[0] : span[0] + 8] == torch.arange(2, dtype=torch.float32).numpy().tobytes()
+
+
+def test_selected_span_of_a_stacked_chunk():
+    """The bytes of chunk[i] / chunk[i, j] inside a stored C-ordered chunk (Megatron's stacked
+    layers and experts), against numpy's own indexing of the same bytes; out-of-range is None."""
+    import numpy as np
+
+    from ckpttool.formats.dcp import selected_span
+
+    chunk = np.arange(3 * 4 * 5, dtype=np.int32).reshape(3, 4, 5)
+    raw = chunk.tobytes()
+    for index in [(0,), (2,), (0, 0), (1, 2), (2, 3)]:
+        start, length = selected_span((100, len(raw)), chunk.shape, index)
+        got = np.frombuffer(raw[start - 100 : start - 100 + length], dtype=np.int32)
+        assert np.array_equal(got, chunk[index].reshape(-1)), index
+    assert selected_span((0, len(raw)), chunk.shape, (3,)) is None
+    assert selected_span((0, len(raw)), chunk.shape, (0, 4)) is None

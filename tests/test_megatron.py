@@ -89,6 +89,50 @@ def test_experts_read_as_megatron_core_shards_them(tmp_path):
     assert sum(1 for n in m.items if n.startswith("rng_state.0.torch_rng_state")) == 4
 
 
+def test_torch_dist_experts_read_as_the_legacy_files_name_them(tmp_path):
+    """Megatron-LM's torch_dist save of the same MoE state (experts stacked on a global axis after the
+    layer's: decoder.layers.mlp.experts.experts.*, [layers, experts, ...]): one item per layer and
+    expert, named as the legacy reader names them; every tensor equals the run's own sharded state
+    dict, and diff against the legacy files of the same state is empty."""
+    adapter, m = registry.describe(MG / "dist_pp2ep2")
+    assert adapter.name == "megatron-dist" and (m.layout.pp, m.layout.ep) == (2, 2)
+    fc1 = m.items["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]
+    assert fc1.shape == (64, 16) and sorted(p.box.offsets for p in fc1.pieces) == [(0, 0), (32, 0)]
+    assert not any(".experts.experts." in n and "_extra_state" not in n for n in m.items)
+    export(MG / "dist_pp2ep2", tmp_path / "o.safetensors")
+    got = load_file(tmp_path / "o.safetensors")
+    want = _expected("legacy_pp2ep2")
+    assert [k for k, v in want.items() if k not in got or not same_bits(got[k], v)] == []
+    from ckpttool.diff import diff
+
+    report = diff(MG / "legacy_pp2ep2", MG / "dist_pp2ep2", kinds=["param", "optim", "master"])
+    assert not report.different and report.compared == 116
+
+
+def test_an_expert_piece_is_named_when_its_bytes_change(tmp_path):
+    """A seal of the torch_dist MoE checkpoint locates an expert's bytes inside its stored chunk: one
+    byte flipped there is reported against that expert, by its global number."""
+    import shutil
+
+    from ckpttool.seal import seal
+    from ckpttool.verify import verify
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(MG / "dist_pp2ep2", ckpt)
+    seal(ckpt)
+    adapter, m = registry.describe(ckpt)
+    name = "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight.exp_avg"
+    item = m.items[name]
+    with adapter.reader(m) as reader:
+        start, length = reader.raw_span(item.pieces[0], item)
+    path = tmp_path / "ckpt" / "iter_0000003" / item.pieces[0].file
+    data = bytearray(path.read_bytes())
+    data[start + length // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    findings = [f for f in verify(ckpt).findings if f.rule == "checksum-mismatch"]
+    assert [f.item for f in findings] == [name]
+
+
 def test_experts_with_the_distributed_optimizer_are_debucketed(tmp_path):
     """Megatron-LM's MoE checkpoint saved by the distributed optimizer (PP=2 EP=2): distrib_optim.pt
     holds the chained optimizers' states, dense (in the EP rank 0 files only) then experts, each

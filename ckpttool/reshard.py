@@ -347,8 +347,6 @@ class _MegatronExec(_FileExec):
                 "--dp does not apply to Megatron files (one per TP x PP x EP rank; the data-parallel size is "
                 "chosen when the run resumes)"
             )
-        if dist and target.ep not in (None, 1):
-            raise UsageError("--ep: writing torch_dist checkpoints of mixture-of-experts models is not supported yet")
         tp = target.tp or manifest.layout.tp or 1
         pp = target.pp or manifest.layout.pp or 1
         if target.vocab_padding not in ("keep", "megatron"):

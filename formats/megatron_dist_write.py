@@ -17,22 +17,29 @@ What is carried besides the tensors:
   saves it: ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<key>`` cut like their parameter;
   in ``common.pt`` the param groups' hyper-parameters (their ``params`` are rebuilt by the
   loader) and the one ``common_step`` megatron-core keeps for all parameters;
-* ``_extra_state`` as megatron-core's ``ShardedObject`` per layer (``<key>/shard_<layer>_<L>``);
+* routed experts stacked on a second prepended axis, after the layer's:
+  ``decoder.layers.mlp.experts.experts.<name>`` of ``[layers, experts, ...]`` (global expert
+  numbers, so expert parallelism leaves no trace in the tensors); under expert parallelism the
+  optimizer's common part is the chain's ``{0: dense, 1: experts}``;
+* ``_extra_state`` as megatron-core's ``ShardedObject`` per layer (``<key>/shard_<layer>_<L>``;
+  an expert's ``<key>/shard_<layer>.<expert>_<L>.<E>``);
 * RNG as ``rng_state/shard_<p>.<t>_<PP>.<TP>``, rank (t, p) getting the source rank
-  (t mod TP, p mod PP)'s states (as the legacy writer does);
+  (t mod TP, p mod PP)'s states (as the legacy writer does); under expert parallelism sharded by
+  data-parallel rank too, ``rng_state/shard_<p>.<t>.<d>_<PP>.<TP>.<DP>`` (Megatron-LM's
+  ``get_rng_state``), rank d getting the source's (d mod source DP or EP);
 * ``common.pt``: ``args`` with the new sizes (as the legacy writer updates them, and
   ``ckpt_format`` set to ``torch_dist``), ``iteration``, ``checkpoint_version``, the scheduler,
   ``num_floating_point_operations_so_far``, ``content_metadata``.
 
 From a ``torch_dist`` source, ``common.pt`` is re-pickled with the new ``args`` and every
-``ShardedObject`` record is copied byte for byte. The distributed optimizer's own layouts, expert
-parallelism and virtual pipeline stages are refused, never written wrong.
+``ShardedObject`` record is copied byte for byte. The distributed optimizer's own layouts are
+refused, never written wrong.
 """
 
 from __future__ import annotations
 
-import copy
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,6 +84,8 @@ CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix
 _LOCAL_TO_TE = {local: te for te, local in _TE_TO_LOCAL.items()}
 _STATE_PREFIX = {suffix: f"optimizer.state.{key}." for key, suffix in _STATE_SUFFIX.items()}
 _SHARD = re.compile(r"^(?P<key>.+)/shard_(?P<offsets>\d+(?:\.\d+)*)_(?P<shape>\d+(?:\.\d+)*)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(?P<j>\d+)\.(?P<rest>.+)$")
+_GROUPED = re.compile(r"\.experts\.linear_fc[12]\.(?:weight|bias)\d+(?:\.\w+)?$")
 
 
 @dataclass(slots=True)
@@ -112,8 +121,22 @@ class DistWriter(LegacyWriter):
     ) -> None:
         self.from_dist = manifest.format == "megatron-dist"
         super().__init__(root, manifest, target, rules)
-        if (manifest.layout.ep or 1) > 1 or any(".experts." in n for n in manifest.items):
-            raise UsageError("writing torch_dist checkpoints of mixture-of-experts models is not supported yet")
+        self.experts = int(getattr(self.args, "num_experts", None) or 0)
+        if self.experts and any(_GROUPED.search(n) for n in manifest.items):  # TEGroupedMLP legacy names
+            raise UsageError("writing torch_dist checkpoints of grouped-GEMM experts is not supported yet")
+        etp = getattr(self.args, "expert_tensor_parallel_size", None)
+        if self.experts and etp not in (None, manifest.layout.tp or 1):
+            raise UsageError(
+                f"the experts are split {etp} ways (expert tensor parallelism), the other layers "
+                f"{manifest.layout.tp or 1} ways; resharding that is not supported yet"
+            )
+        if self.from_dist and self.experts and (self.ep > 1) != ((manifest.layout.ep or 1) > 1):
+            raise UsageError(
+                f"EP {manifest.layout.ep or 1} -> {self.ep}: the experts would move between the dense optimizer and "
+                "an expert optimizer of their own, and a torch_dist checkpoint does not say which param group each "
+                "parameter is in",
+                hint="keep EP = 1 or EP > 1, or reshard from the legacy checkpoint",
+            )
         if self.src.distopt:
             raise UsageError(
                 "writing torch_dist from a legacy checkpoint saved with the distributed optimizer "
@@ -142,19 +165,30 @@ class DistWriter(LegacyWriter):
         if not isinstance(common, dict) or "args" not in common:
             raise UsageError("common.pt has no args: ckpttool cannot tell the model's layout")
         lay = manifest.layout
-        return _Source(tp=lay.tp or 1, pp=lay.pp or 1, objs={(0, 0, 0): common}, rels={(0, 0, 0): "common.pt"})
+        experts = int(getattr(common["args"], "num_experts", None) or 0)
+        return _Source(
+            tp=lay.tp or 1,
+            pp=lay.pp or 1,
+            objs={(0, 0, 0): common},
+            rels={(0, 0, 0): "common.pt"},
+            ep=lay.ep or 1,
+            experts=experts,
+        )
 
     # -- planning --------------------------------------------------------------------------------
 
-    def _key(self, param: str) -> tuple[str, int | None]:
-        """The torch_dist key of a manifest parameter name, and its layer (None: not a layer's)."""
+    def _key(self, param: str) -> tuple[str, int | None, int | None]:
+        """The torch_dist key of a manifest parameter name, its layer (None: not a layer's) and its
+        routed expert (None: not an expert's)."""
         m = _LAYER.match(param)
         if m is None:
-            return param, None
+            return param, None, None
         rest = m["rest"][1:]
+        if (e := _EXPERT.match(rest)) is not None:
+            return f"{m['pre']}mlp.experts.experts.{e['rest']}", int(m["i"]), int(e["j"])
         if self.local_spec:
             rest = _LOCAL_TO_TE.get(rest, rest)
-        return f"{m['pre']}{rest}", int(m["i"])
+        return f"{m['pre']}{rest}", int(m["i"]), None
 
     def _stage(self, param: str, layer: int | None) -> int:
         if layer is not None:
@@ -190,13 +224,14 @@ class DistWriter(LegacyWriter):
         param = _base_param(item)
         if self.tied and param.startswith("output_layer.weight"):
             return  # tied: megatron-core saves the output layer under the embedding's key
-        key, layer = self._key(param)
+        key, layer, expert = self._key(param)
         if item.kind in ("optim", "master"):
             key = _STATE_PREFIX[item.name.rsplit(".", 1)[1]] + key
         rows = self.rows if _is_vocab(param) else None
         shape = item.shape if rows is None else (rows, *item.shape[1:])
         whole = Box.whole(shape)
-        gshape = shape if layer is None else (self.layers, *shape)
+        lead: tuple[int, ...] = () if layer is None else (layer,) if expert is None else (layer, expert)
+        gshape = (*(self.layers, self.experts)[: len(lead)], *shape)
         dtype, have, chunks = self.tensors.setdefault(key, (item.dtype, gshape, []))
         if (dtype, have) != (item.dtype, gshape):
             raise UsageError(f"{item.name}: {item.dtype} {shape} does not stack with the other layers' {key}")
@@ -210,22 +245,27 @@ class DistWriter(LegacyWriter):
             for region in regions:
                 if t and region == whole:
                     continue  # replicated on every TP rank: written once
-                chunk = region if layer is None else Box((layer, *region.offsets), (1, *region.sizes))
+                chunk = Box((*lead, *region.offsets), (*(1,) * len(lead), *region.sizes))
                 chunks.append(chunk)
                 self.ranks[stage * self.target.tp + t].append(_Chunk(key, item, region, chunk))
 
     def _plan_extra_state(self, item: Item) -> None:
         if self.from_dist:
             m = _SHARD.match(item.name)
-            stacked = m is not None and "." not in m["offsets"] and m["key"].startswith("decoder.layers.")
-            stage = self._stage(item.name, int(m["offsets"])) if m is not None and stacked else 0
+            stacked = m is not None and m["key"].startswith("decoder.layers.")  # offsets: layer[.expert]
+            stage = self._stage(item.name, int(m["offsets"].split(".")[0])) if m is not None and stacked else 0
             self._add_object(stage * self.target.tp, item.name, partial(self._copy_record, item))
             return
         param = item.name
         if param == "output_layer._extra_state":
             return  # megatron-core drops it on save (it holds no data)
-        key, layer = self._key(param)
-        key = f"{key}/shard_{layer}_{self.layers}" if layer is not None else f"{key}/shard_0_1"
+        key, layer, expert = self._key(param)
+        if expert is not None:
+            key = f"{key}/shard_{layer}.{expert}_{self.layers}.{self.experts}"
+        elif layer is not None:
+            key = f"{key}/shard_{layer}_{self.layers}"
+        else:
+            key = f"{key}/shard_0_1"
         stage = self._stage(param, layer)
         piece = next((pc for pc in item.pieces if pc.rank == 0), item.pieces[0])
         one = Item(name=item.name, kind=item.kind, pieces=[piece])
@@ -234,16 +274,40 @@ class DistWriter(LegacyWriter):
     def _plan_rng(self) -> None:
         stp, spp = self.src.tp, self.src.pp
         tp, pp = self.target.tp, self.target.pp
+        # under expert parallelism Megatron-LM shards the RNG state by data-parallel rank too
+        dp = self._rng_dp() if self.ep > 1 else 1
+        sdp = 1  # the DP size a torch_dist source's RNG records are sharded for (its names say)
+        for name in self.manifest.items:
+            if (m := _SHARD.match(name)) is not None and m["key"] == "rng_state" and m["shape"].count(".") == 2:
+                sdp = int(m["shape"].rsplit(".", 1)[1])
+                break
         for p in range(pp):
             for t in range(tp):
-                ts, ps = t % stp, p % spp
-                key = f"rng_state/shard_{p}.{t}_{pp}.{tp}"
-                if self.from_dist:
-                    item = self.manifest.items.get(f"rng_state/shard_{ps}.{ts}_{spp}.{stp}")
-                    if item is not None:
-                        self._add_object(p * tp + t, key, partial(self._copy_record, item))
-                elif "rng_state" in self.src.objs[(ts, ps, 0)]:
-                    self._add_object(p * tp + t, key, partial(self._pickle_rng, (ts, ps, 0)))
+                for d in range(dp):
+                    ts, ps = t % stp, p % spp
+                    key = (
+                        f"rng_state/shard_{p}.{t}.{d}_{pp}.{tp}.{dp}"
+                        if self.ep > 1
+                        else f"rng_state/shard_{p}.{t}_{pp}.{tp}"
+                    )
+                    if self.from_dist:
+                        name = (
+                            f"rng_state/shard_{ps}.{ts}.{d % sdp}_{spp}.{stp}.{sdp}"
+                            if self.src.ep > 1
+                            else f"rng_state/shard_{ps}.{ts}_{spp}.{stp}"
+                        )
+                        item = self.manifest.items.get(name)
+                        if item is not None:
+                            self._add_object(p * tp + t, key, partial(self._copy_record, item))
+                    elif "rng_state" in self.src.objs[(ts, ps, d % self.src.ep)]:
+                        self._add_object(p * tp + t, key, partial(self._pickle_rng, (ts, ps, d % self.src.ep)))
+
+    def _rng_dp(self) -> int:
+        """The data-parallel size the RNG state is sharded for under expert parallelism: the
+        source run's, or the smallest multiple of it that EP divides (Megatron needs DP a multiple
+        of EP)."""
+        dp = int(getattr(self.args, "data_parallel_size", 1) or 1)
+        return dp if dp % self.ep == 0 else math.lcm(dp, self.ep)
 
     def _add_object(self, rank: int, key: str, write: Callable[[BinaryIO, PieceReader], None]) -> None:
         self.objects.append(key)
@@ -328,7 +392,12 @@ class DistWriter(LegacyWriter):
             if key == "args":
                 tree[key] = self._dist_args(value)
             elif key == "optimizer":
-                tree[key] = self._common_optimizer(reader, archives)
+                if self._chained:  # megatron-core's ChainedOptimizer: {0: dense, 1: experts}
+                    tree[key] = {
+                        k: self._common_optimizer(reader, archives, kind) for k, kind in enumerate((False, True))
+                    }
+                else:
+                    tree[key] = self._common_optimizer(reader, archives, None)
             elif key == "rng_state" or re.fullmatch(r"model\d*", key):
                 continue
             else:
@@ -342,8 +411,11 @@ class DistWriter(LegacyWriter):
             new.__dict__["ckpt_format"] = "torch_dist"
         return new
 
-    def _common_optimizer(self, reader: PieceReader, archives: Callable[[str], Any]) -> dict[str, Any]:
-        """The optimizer's non-sharded part: param groups without ``params`` and one common step."""
+    def _common_optimizer(
+        self, reader: PieceReader, archives: Callable[[str], Any], kind: bool | None
+    ) -> dict[str, Any]:
+        """The optimizer's non-sharded part: param groups without ``params`` (of the chain's dense
+        or expert optimizer, ``kind``, as in ``_target_groups``) and one common step."""
         steps: dict[bytes, Any] = {}
         for rel, value in self.src.step_of.values():
             carried = _ptwrite.carry(value, partial(archives, rel))
@@ -356,11 +428,16 @@ class DistWriter(LegacyWriter):
         state: dict[str, Any] = {}
         if steps:
             state["common_step"] = next(iter(steps.values()))
-        inner = {"state": state, "param_groups": [copy.deepcopy(g) for g in self.src.groups]}
+        inner = {"state": state, "param_groups": [hyper for hyper, _ in self._target_groups(kind)]}
         return {"optimizer": inner, **self._optimizer_extra(archives)}
 
     def notes(self) -> list[str]:
         out = super().notes()
+        if self.ep > 1:
+            out.append(
+                "RNG state is sharded by data-parallel rank under expert parallelism: written for "
+                f"DP={self._rng_dp()}; resume at that DP, or with --no-load-rng"
+            )
         if not self.from_dist:
             out.append("written from a legacy checkpoint: Megatron reads it with --ckpt-format torch_dist (default)")
         return out

@@ -997,8 +997,6 @@ def test_megatron_experts_round_trips(tmp_path):
     [
         (MOE, Target(ep=3), "EP=3 does not divide the 4 experts"),
         (LEGACY, Target(ep=2), "EP=2: the model has no routed experts"),
-        (MOE, Target(to="megatron-dist"), "torch_dist checkpoints of mixture-of-experts models"),
-        (MOE, Target(to="megatron-dist", ep=2), "--ep: writing torch_dist"),
     ],
 )
 def test_megatron_experts_refusals(source, target, message, tmp_path):
@@ -1006,6 +1004,42 @@ def test_megatron_experts_refusals(source, target, message, tmp_path):
     with pytest.raises(UsageError, match=message.replace("(", r"\(")):
         reshard(source, out, target)
     assert not out.exists()
+
+
+def test_megatron_experts_to_torch_dist_is_what_megatron_saves(tmp_path):
+    """Megatron-LM's MoE legacy checkpoint -> torch_dist: every tensor chunk (experts stacked as
+    [layers, experts, ...]) and ShardedObject record (experts' _extra_state per layer and expert,
+    RNG per PP x TP x DP rank) is the one Megatron's own torch_dist save of the same state wrote;
+    through TP=2 x PP=1 x EP=4 and back (from torch_dist itself) gives those records again."""
+    from tests.test_reshard_dist import ITER, _chunks, _metadata, _record
+
+    dist = FIXTURES / "megatron" / "dist_pp2ep2"
+    megatron = _metadata(dist)
+
+    def differing(out: Path) -> list[str]:
+        ours = _metadata(out)
+        assert _chunks(ours) == _chunks(megatron)
+        return [
+            key
+            for key, meta in megatron.state_dict_metadata.items()
+            for offsets in ([c.offsets for c in meta.chunks] if hasattr(meta, "chunks") else [None])
+            if _record(out, ours, key, offsets) != _record(dist, megatron, key, offsets)
+        ]
+
+    out = tmp_path / "dist"
+    reshard(MOE, out, Target(to="megatron-dist"))
+    assert differing(out) == []
+    assert (out / ITER / "common.pt").is_file() and not diff(dist, out).different
+    wide, again = tmp_path / "wide", tmp_path / "again"
+    reshard(dist, wide, Target(tp=2, pp=1, ep=4))
+    assert _args(wide / ITER / "common.pt")["expert_model_parallel_size"] == 4
+    reshard(wide, again, Target(tp=1, pp=2, ep=2))
+    # the RNG of the second stage cannot come back from a PP=1 checkpoint
+    assert differing(again) == ["rng_state/shard_1.0.0_2.1.2", "rng_state/shard_1.0.1_2.1.2"]
+    for path in (wide, again):
+        assert not diff(dist, path, kinds=STATE_KINDS).different
+    with pytest.raises(UsageError, match="EP 2 -> 1: the experts would move"):
+        reshard(dist, tmp_path / "refused", Target(ep=1))
 
 
 MOE_DISTOPT = FIXTURES / "megatron" / "legacy_pp2ep2_distopt"

@@ -54,6 +54,9 @@ class Target:
     """Megatron: layers on the first / last pipeline stage (uneven pipeline; the other stages share
     the rest evenly). Neither given: even stages at a new ``pp``, the source's split when ``pp`` is
     not given."""
+    pipeline_layout: str | None = None
+    """Megatron: ``--pipeline-model-parallel-layout`` of the output (its stages give the virtual
+    stages too). None: the source's when none of pp, vpp and the first/last layers is given."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -271,6 +274,13 @@ def plan(src: str | Path, target: Target, *, workers: int = 1, max_memory: str |
         raise UsageError(f"--pp-first-layers and --pp-last-layers apply to Megatron targets only, not {fmt}")
     if target.vpp is not None and fmt not in ("megatron", "megatron-dist"):
         raise UsageError(f"--vpp applies to Megatron targets only, not {fmt}")
+    if target.pipeline_layout is not None:
+        if fmt not in ("megatron", "megatron-dist"):
+            raise UsageError(f"--pipeline-layout applies to Megatron targets only, not {fmt}")
+        if target.vpp is not None or target.pp_first is not None or target.pp_last is not None:
+            raise UsageError(
+                "--pipeline-layout places every layer itself: drop --vpp, --pp-first-layers and --pp-last-layers"
+            )
     src_layout = {k: v for k, v in _layout(manifest).items() if v is not None}
     executor: _FileExec
     if fmt in ("megatron", "megatron-dist"):
@@ -360,6 +370,11 @@ class _MegatronExec(_FileExec):
             uneven=None if uneven == (None, None) and target.pp is None else uneven,
             vpp=target.vpp if target.vpp is not None else None if target.pp is None else 1,
             ep=target.ep,
+            layout=target.pipeline_layout
+            if target.pipeline_layout is not None
+            else None
+            if (target.pp, target.vpp, target.pp_first, target.pp_last) == (None, None, None, None)
+            else "",
         )
         args = (manifest.root, manifest, mtarget, target.split_rules)
         super().__init__(adapter, manifest, _build_dist if dist else _build_legacy, args, {"tp": tp, "pp": pp})

@@ -535,6 +535,63 @@ def pipeline_chunks(
     return out
 
 
+_LAYOUT_GROUP = re.compile(r"\(([^)]+)\)\*(\d+)")
+_LAYOUT_REPEAT = re.compile(r"(.)\*(\d+)")
+_LAYOUT_CHARS = frozenset("ELtm")
+
+
+def layout_stages(layout: str) -> list[str]:
+    """A ``--pipeline-model-parallel-layout`` string as its list of stages, each a string of layer
+    letters (``E`` embedding, ``t`` transformer layer, ``L`` loss, ``m`` MTP), in the order
+    megatron-core lists them (virtual stage by virtual stage, each over the pipeline ranks):
+    commas dropped, ``(…)*n`` and ``x*n`` unrolled, stages split at ``|``. ValueError on a letter
+    megatron-core does not know, or an expansion past a million layers."""
+    text = layout.replace(",", "")
+    for pattern in (_LAYOUT_GROUP, _LAYOUT_REPEAT):
+
+        def unroll(m: re.Match[str]) -> str:
+            if len(m[1]) * int(m[2]) > 1_000_000:
+                raise ValueError(f"the layout {layout!r} expands past a million layers")
+            return m[1] * int(m[2])
+
+        text = pattern.sub(unroll, text)
+    stages = text.split("|")
+    bad = sorted({c for stage in stages for c in stage} - _LAYOUT_CHARS)
+    if bad:
+        raise ValueError(f"the layout {layout!r} has letters {bad} megatron-core does not know (E, t, L, m)")
+    return stages
+
+
+def layout_chunks(layout: str, pp: int, layers: int) -> list[list[tuple[int, int]]]:
+    """For each pipeline stage, ``(first global layer, number of layers)`` of each of its model
+    chunks, as megatron-core's ``PipelineParallelLayerLayout`` places them
+    (``get_layer_offset``, ``get_num_layers_to_build``): stage ``v·PP + p`` of the list is chunk
+    ``v`` of pipeline rank ``p``, and layers are numbered chunk by chunk in that order. ValueError,
+    with the reason, for a layout megatron-core refuses (its ``validate_layer_layout``) or one with
+    MTP layers, which ckpttool does not read."""
+    stages = layout_stages(layout)
+    if pp < 1 or len(stages) % pp:
+        raise ValueError(f"the layout's {len(stages)} stages do not divide over PP={pp}")
+    flat = "".join(stages)
+    if "m" in flat:
+        raise ValueError("the layout places MTP layers, which ckpttool does not read yet")
+    if not flat.startswith("E") or flat.count("E") != 1:
+        raise ValueError("the layout must start with the embedding (E), once")
+    if not flat.endswith("L") or flat.count("L") != 1:
+        raise ValueError("the layout must end with the loss (L), once")
+    if flat.count("t") != layers:
+        raise ValueError(f"the layout places {flat.count('t')} transformer layers, the model has {layers}")
+    vpp = len(stages) // pp
+    out: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
+    offset = 0
+    for v in range(vpp):
+        for p in range(pp):
+            n = stages[v * pp + p].count("t")
+            out[p].append((offset, n))
+            offset += n
+    return out
+
+
 def stage_split(args: Any) -> tuple[int | None, int | None]:
     """The first and last stages' layer counts when ``args`` gives them (uneven pipeline)."""
     first = getattr(args, "decoder_first_pipeline_num_layers", None)
@@ -548,9 +605,19 @@ def placement(
     pp: int | None = None,
     vpp: int | None = None,
     split: tuple[int | None, int | None] | None = None,
+    layout: str | None = None,
 ) -> list[list[tuple[int, int]]]:
     """:func:`pipeline_chunks` for the model ``args`` describe (its layers, and whether the embedding
-    and loss count as layers), at ``pp`` / ``vpp`` / first-and-last ``split`` (default: the args')."""
+    and loss count as layers), at ``pp`` / ``vpp`` / first-and-last ``split`` (default: the args'),
+    or :func:`layout_chunks` of ``layout`` (default: the args' ``--pipeline-model-parallel-layout``
+    when none of ``pp``, ``vpp``, ``split`` is given)."""
+    layers = int(getattr(args, "num_layers", 0) or 0)
+    if layout is None and pp is None and vpp is None and split is None:
+        layout = getattr(args, "pipeline_model_parallel_layout", None) or None
+    if layout is not None:
+        if not isinstance(layout, str):
+            raise ValueError(f"a pipeline layout of type {type(layout).__name__}, not a string")
+        return layout_chunks(layout, pp or int(getattr(args, "pipeline_model_parallel_size", 1) or 1), layers)
     return pipeline_chunks(
         int(getattr(args, "num_layers", 0) or 0),
         pp or int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
@@ -577,12 +644,6 @@ def _layer_offset(args: Any, pp_rank: int, vp: int, rel: str = "") -> int:
     layers = int(getattr(args, "num_layers", 0) or 0)
     if not layers:
         return 0
-    if getattr(args, "pipeline_model_parallel_layout", None):
-        raise CorruptFileError(
-            f"{rel}: its args split the layers by --pipeline-model-parallel-layout, which ckpttool does not read yet",
-            hint="the layer numbers cannot be made global without it; nothing is guessed",
-            path=rel,
-        )
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
     try:

@@ -49,6 +49,7 @@ from ckpttool.formats.megatron import (
     expert_of,
     grad_buffer_layout,
     is_expert,
+    layout_stages,
     model_chunks,
     optimizer_members,
     placement,
@@ -113,6 +114,9 @@ class MegatronTarget:
     """virtual pipeline stages (model chunks) per pipeline rank; None: as the source"""
     ep: int | None = None
     """expert-parallel ranks (each holds num_experts / EP routed experts); None: as the source"""
+    layout: str | None = None
+    """``--pipeline-model-parallel-layout`` of the output; "": none (even or ``uneven`` stages);
+    None: as the source"""
 
 
 def _globalize(local: str, offset: int, expert_offset: int = 0) -> str:
@@ -255,12 +259,25 @@ def _source_vpp(args: Any) -> int:
     return int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
 
 
+def _target_layout(args: Any, target: MegatronTarget) -> str | None:
+    """The output's pipeline layout string, if it has one."""
+    if target.layout is None:
+        source = getattr(args, "pipeline_model_parallel_layout", None)
+        return source if isinstance(source, str) and source else None
+    return target.layout or None
+
+
 def _target_vpp(args: Any, target: MegatronTarget) -> int:
+    layout = _target_layout(args, target)
+    if layout is not None:  # the layout's stages over the pipeline ranks
+        return max(1, len(layout_stages(layout)) // max(target.pp, 1))
     return target.vpp or _source_vpp(args)
 
 
 def _target_split(args: Any, target: MegatronTarget) -> tuple[int | None, int | None]:
     """The first and last stages' layer counts of the output (None: as the middle ones)."""
+    if _target_layout(args, target) is not None:
+        return (None, None)
     return stage_split(args) if target.uneven is None else target.uneven
 
 
@@ -271,7 +288,13 @@ def _target_ep(src: _Source, target: MegatronTarget) -> int:
 def target_chunks(args: Any, target: MegatronTarget) -> list[list[tuple[int, int]]]:
     """For each target pipeline stage, (first layer, layers) of each of its model chunks (one
     without virtual stages); ValueError (the reason) when the layers cannot be split so."""
-    return placement(args, pp=target.pp, vpp=_target_vpp(args, target), split=_target_split(args, target))
+    return placement(
+        args,
+        pp=target.pp,
+        vpp=_target_vpp(args, target),
+        split=_target_split(args, target),
+        layout=_target_layout(args, target),
+    )
 
 
 def validate(manifest: Manifest, src: _Source, target: MegatronTarget, rules: dict[str, Any]) -> list[str]:
@@ -285,9 +308,7 @@ def validate(manifest: Manifest, src: _Source, target: MegatronTarget, rules: di
         problems.append(f"EP={ep}: the model has no routed experts (args.num_experts is not set)")
     elif src.experts % ep:
         problems.append(f"EP={ep} does not divide the {src.experts} experts")
-    if getattr(args, "pipeline_model_parallel_layout", None):
-        problems.append("the source was split by --pipeline-model-parallel-layout, which ckpttool does not read yet")
-    elif _num_layers(args):
+    if _num_layers(args):
         try:
             target_chunks(args, target)
         except ValueError as exc:
@@ -825,10 +846,14 @@ class LegacyWriter:
         d["pipeline_model_parallel_size"] = pp
         if "transformer_pipeline_model_parallel_size" in d:
             d["transformer_pipeline_model_parallel_size"] = pp
+        layout = _target_layout(args, self.target)
         if self.vpp > 1 or _source_vpp(args) > 1:
             d["virtual_pipeline_model_parallel_size"] = self.vpp if self.vpp > 1 else None
-            d["num_virtual_stages_per_pipeline_rank"] = self.vpp if self.vpp > 1 else None
+            # Megatron-LM takes the virtual stages from one of these: the layout, or this count
+            d["num_virtual_stages_per_pipeline_rank"] = self.vpp if self.vpp > 1 and layout is None else None
             d["num_layers_per_virtual_pipeline_stage"] = None
+        if layout is not None or d.get("pipeline_model_parallel_layout"):
+            d["pipeline_model_parallel_layout"] = layout
         if self.split != stage_split(args) or "decoder_first_pipeline_num_layers" in d:
             d["decoder_first_pipeline_num_layers"], d["decoder_last_pipeline_num_layers"] = self.split
         if d.get("expert_tensor_parallel_size") == old_tp:
@@ -901,12 +926,15 @@ class LegacyWriter:
             for chunks in self.chunks
         )
         flags = []
+        layout = _target_layout(self.args, self.target)
+        if layout is not None:
+            flags.append(f"--pipeline-model-parallel-layout {layout!r}")
         first, last = self.split
         if first is not None:
             flags.append(f"--decoder-first-pipeline-num-layers {first}")
         if last is not None:
             flags.append(f"--decoder-last-pipeline-num-layers {last}")
-        if self.vpp > 1:
+        if self.vpp > 1 and layout is None:
             flags.append(f"--num-virtual-stages-per-pipeline-rank {self.vpp}")
         what = "layers by stage" + (" (model chunks joined by +)" if self.vpp > 1 else "")
         return f"{what}: {stages}" + (f"; resume with {' '.join(flags)}" if flags else "")

@@ -166,6 +166,23 @@ def test_a_chained_optimizer_other_than_dense_then_experts_is_refused():
         optimizer_members([member(False), member(True)], params[:1], "f.pt")
 
 
+def test_pipeline_layout_reads_as_megatron_core_loads_it(tmp_path):
+    """Megatron-LM's checkpoint of a run split by --pipeline-model-parallel-layout 'E|tt|tt|L' (PP=2:
+    two model chunks per rank, rank 0's first holding only the embedding, rank 1's last only the
+    final norm and output layer): every tensor, at the global layer megatron-core's layout gives it,
+    equals megatron-core's TP=1 load of the torch_dist save of the same state."""
+    adapter, m = registry.describe(MG / "legacy_pp2layout")
+    assert adapter.name == "megatron" and (m.layout.pp, m.layout.vpp) == (2, 2)
+    assert m.extras["args"]["pipeline_model_parallel_layout"] == "E|tt|tt|L"
+    export(MG / "legacy_pp2layout", tmp_path / "o.safetensors")
+    got = load_file(tmp_path / "o.safetensors")
+    want = _expected("legacy_pp2layout")
+    assert len(want) == 108
+    assert [k for k, v in want.items() if k not in got or not same_bits(got[k], v)] == []
+    files = {p.file.split("/")[1] for p in m.items["decoder.layers.3.mlp.linear_fc1.weight"].pieces}
+    assert files == {"mp_rank_00_000"}  # rank 0's second chunk holds layers 2 and 3
+
+
 def test_legacy_split_rules_are_visible_in_the_manifest():
     _, m = registry.describe(MG / "legacy_tp2pp2")
     fc1 = m.items["decoder.layers.3.mlp.linear_fc1.weight"]  # layer 1 of pipeline stage 1
@@ -369,6 +386,63 @@ def test_pipeline_stages_agree_with_megatron_core():
         pipeline_chunks(4, 2, 1, 1, embedding=True)
 
 
+def test_pipeline_layouts_agree_with_megatron_core():
+    """Oracle: --pipeline-model-parallel-layout strings (repetitions, groups, commas, empty stages,
+    virtual stages) place the layers as megatron-core's own PipelineParallelLayerLayout does
+    (get_layer_offset, get_num_layers_to_build), and the layouts megatron-core's
+    validate_layer_layout refuses are refused."""
+    import random
+
+    try:
+        from megatron.core import parallel_state
+        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+    except ImportError:
+        pytest.skip("needs megatron-core")
+    from ckpttool.formats.megatron import layout_chunks
+
+    fixed = ["Et|tL", "E|tt|tt|L", "Ettt|(tt|)*3,L", "E,t*2|t*2|t*2|t*2,L", "Et|(t|)*4tL", "E(tt|)*2,tt,L"]
+    rng = random.Random(8)
+    cases = [(text, pp) for text in fixed for pp in (1, 2, 4)]
+    for _ in range(300):
+        pp, vpp = rng.randint(1, 4), rng.randint(1, 3)
+        stages = ["t" * rng.randint(0, 3) for _ in range(pp * vpp)]
+        stages[0] = "E" + stages[0] if rng.random() < 0.9 else stages[0]
+        stages[-1] += "L" if rng.random() < 0.9 else ""
+        cases.append(("|".join(stages), pp))
+    checked = refused = 0
+    for text, pp in cases:
+        layers = text.replace(",", "").count("t")  # before unrolling: only for the fixed ones
+        try:
+            layout = PipelineParallelLayerLayout(text, pp)
+            layers = layout.flatten_layout.count(next(t for t in type(layout.flatten_layout[0])
+                                                      if t.name == "decoder"))  # fmt: skip
+            layout.validate_layer_layout(layers, None)
+            # megatron-core reads the virtual stages only when parallel_state says there are some
+            vpp = layout.virtual_pipeline_model_parallel_size
+            parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
+            theirs = [
+                [(layout.get_layer_offset(vp_stage=v, pp_rank=p), layout.get_num_layers_to_build(vp_stage=v, pp_rank=p))
+                 for v in range(layout.virtual_pipeline_model_parallel_size)]
+                for p in range(pp)
+            ]  # fmt: skip
+        except (AssertionError, StopIteration, IndexError):
+            theirs = None
+        try:
+            ours = layout_chunks(text, pp, layers)
+        except ValueError:
+            assert theirs is None, (text, pp)
+            refused += 1
+            continue
+        assert ours == theirs, (text, pp)
+        checked += 1
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
+    assert checked > 150 and refused > 20, (checked, refused)
+    with pytest.raises(ValueError, match="MTP layers"):
+        layout_chunks("Et|tmL", 2, 2)
+    with pytest.raises(ValueError, match="letters"):
+        layout_chunks("Ex|tL", 2, 1)
+
+
 def test_describes_do_not_share_replica_state(monkeypatch):
     """The adapter is one shared object: a describe that runs while another is under way (threads,
     diff of two checkpoints) must not disturb the other's count of replicated pieces."""
@@ -417,15 +491,17 @@ def _with_args(tmp_path, **changes):
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"pipeline_model_parallel_layout": "Et|tL"}, "--pipeline-model-parallel-layout, which ckpttool does not read"),
+        ({"pipeline_model_parallel_layout": "Et|tL"}, "(the layout places 2 transformer layers, the model has 4)"),
+        ({"pipeline_model_parallel_layout": "Et|tmL"}, "(the layout places MTP layers, which ckpttool does not read yet)"),
         ({"decoder_first_pipeline_num_layers": 5}, "in a way Megatron cannot (the first and last stages' 5 layers"),
         ({"virtual_pipeline_model_parallel_size": 3}, "do not split into VPP=3 model chunks"),
     ],
 )
 def test_layers_the_args_cannot_place_are_an_error_not_a_guess(changes, message, tmp_path):
     """Legacy rank files number their layers locally; args that do not say how megatron-core placed
-    them (a layout ckpttool does not read, a split Megatron would refuse) stop the read with the file
-    named, instead of global names that may be wrong."""
+    them (a layout that does not hold the layers, or with MTP layers ckpttool does not read, a split
+    Megatron would refuse) stop the read with the file named, instead of global names that may be
+    wrong."""
     r = run_cli("inspect", _with_args(tmp_path, **changes))
     assert r.code == 3 and message in r.stderr and "mp_rank_00_000/model_optim_rng.pt" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr

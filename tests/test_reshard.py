@@ -930,6 +930,75 @@ def test_megatron_lm_loads_the_distributed_optimizer_checkpoint_at_dp2(source, p
     assert "DP=2" in proc.stdout and "coverage of the 108 reference tensors by the main replicas: OK" in proc.stdout
 
 
+LAYOUT = FIXTURES / "megatron" / "legacy_pp2layout"
+
+
+def test_megatron_pipeline_layout(tmp_path):
+    """--pipeline-model-parallel-layout: Megatron-LM's own 'E|tt|tt|L' checkpoint resharded to its
+    layout gives its files' trees back; through TP=2 x PP=1 and back with --pipeline-layout gives them
+    again (RNG and the vocabulary divisor aside); the TP=2 x PP=2 fixture takes the layout (chunk
+    layers, args), and another layout at PP=4; all hold the same state."""
+    same = tmp_path / "same"
+    reshard(LAYOUT, same, Target())
+    for name, path in _rank_files(LAYOUT).items():
+        assert _tree(path) == _tree(_rank_files(same)[name]), name
+    flat, back = tmp_path / "flat", tmp_path / "back"
+    reshard(LAYOUT, flat, Target(tp=2, pp=1))
+    assert _args(_rank_files(flat)["mp_rank_00"])["pipeline_model_parallel_layout"] is None
+    reshard(flat, back, Target(tp=1, pp=2, pipeline_layout="E|tt|tt|L"))
+    for name, path in _rank_files(LAYOUT).items():
+        assert _drop_rng(_tree(path), "args") == _drop_rng(_tree(_rank_files(back)[name]), "args"), name
+        a, b = _args(path), _args(_rank_files(back)[name])
+        assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} == {"make_vocab_size_divisible_by"}
+
+    out = tmp_path / "from_tp2pp2"
+    result = reshard(LEGACY, out, Target(tp=1, pp=2, pipeline_layout="E|tt|tt|L"))
+    assert any("[]+[2-3] [0-1]+[]" in n and "--pipeline-model-parallel-layout 'E|tt|tt|L'" in n for n in result.plan.notes)
+    files = _rank_files(out)
+    assert [_chunk_layers(f) for f in files.values()] == [{"model0": [], "model1": ["0", "1"]}, {"model0": ["0", "1"], "model1": []}]
+    args = _args(files["mp_rank_00_000"])
+    assert (args["pipeline_model_parallel_layout"], args["virtual_pipeline_model_parallel_size"]) == ("E|tt|tt|L", 2)
+    assert args["num_virtual_stages_per_pipeline_rank"] is None
+    four = tmp_path / "pp4"
+    reshard(LAYOUT, four, Target(pp=4, pipeline_layout="Et|t|t|tL"))
+    assert [_chunk_layers(f) for f in _rank_files(four).values()] == [{"model": ["0"]}] * 4
+    for path in (same, flat, back, out, four):
+        assert not diff(LAYOUT if path != out else LEGACY, path, kinds=STATE_KINDS).different, path
+        assert verify(path).failing() == []
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        (Target(tp=1, pp=2, pipeline_layout="E|ttt|L"), "the layout's 3 stages do not divide over PP=2"),
+        (Target(tp=1, pp=2, pipeline_layout="E|tt|t|L"), "places 3 transformer layers, the model has 4"),
+        (Target(tp=1, pp=2, pipeline_layout="tE|tt|t|L"), "must start with the embedding"),
+        (Target(tp=1, pp=2, pipeline_layout="E|tt|tt|mL"), "MTP layers"),
+        (Target(tp=1, pp=2, vpp=2, pipeline_layout="E|tt|tt|L"), "drop --vpp"),
+        (Target(to="dcp", pipeline_layout="E|tt|tt|L"), "Megatron targets only"),
+    ],
+)
+def test_megatron_pipeline_layout_refusals(target, message, tmp_path):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(")):
+        reshard(LEGACY, tmp_path / "out", target)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_megatron_lm_loads_the_pipeline_layout_checkpoint(tmp_path):
+    """Oracle: Megatron-LM's load_checkpoint with --pipeline-model-parallel-layout 'E|tt|tt|L' (PP=2,
+    two virtual stages each, two of them empty) loads the TP=2 x PP=2 fixture resharded to that
+    layout: every tensor equals the reference, and it trains the next step."""
+    mlm = _megatron_lm()
+    if mlm is None:
+        pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
+    out = tmp_path / "layout"
+    reshard(LEGACY, out, Target(tp=1, pp=2, pipeline_layout="E|tt|tt|L"))
+    proc = _oracle(mlm, out, "--tp", "1", "--pp", "2", "--layout", "E|tt|tt|L", *_ref("legacy_tp2pp2"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "coverage of the 108 reference tensors by the main replicas: OK" in proc.stdout
+
+
 MOE = FIXTURES / "megatron" / "legacy_pp2ep2"
 
 

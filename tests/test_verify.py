@@ -37,6 +37,7 @@ CLEAN = [
     "megatron/legacy_pp2vpp2_distopt",
     "megatron/dist_pp2vpp2",
     "megatron/legacy_pp2ep2",
+    "megatron/legacy_pp2layout",
     "megatron/dist_pp2ep2",
     "megatron/legacy_pp2ep2_distopt",
     "rankshards/tp_manual/step_00000003",

@@ -476,6 +476,15 @@ def reshard(
     pp_last_layers: Annotated[
         int | None, typer.Option("--pp-last-layers", help="Megatron: layers on the last pipeline stage.")
     ] = None,
+    pipeline_layout: Annotated[
+        str | None,
+        typer.Option(
+            "--pipeline-layout",
+            help="Megatron: the layers of every (virtual) stage, as --pipeline-model-parallel-layout, e.g. "
+            "'E|tt|tt|L' (E embedding, t layer, L loss; stages split by |, virtual stage by virtual stage). "
+            "Default: the source's when --pp, --vpp and the first/last layers are not given.",
+        ),
+    ] = None,
     dp: Annotated[
         int | None, typer.Option("--dp", help="Data-parallel size; for DCP, the world size of the new checkpoint.")
     ] = None,
@@ -547,6 +556,7 @@ def reshard(
         distributed_optimizer=distributed_optimizer,
         pp_first=pp_first_layers,
         pp_last=pp_last_layers,
+        pipeline_layout=pipeline_layout,
     )
     done = [0]
     with out.progress("reshard") as update:

@@ -166,6 +166,28 @@ def test_replicated_norm_altered_on_one_tp_rank(tmp_path):
     assert found and found[0].item == norm.name
 
 
+@pytest.mark.parametrize(
+    ("fixture", "name"),
+    [
+        ("megatron/legacy_pp2ep2", "decoder.layers.0.mlp.router.weight"),
+        ("megatron/legacy_pp2ep2", "decoder.layers.1.self_attention.linear_qkv.weight.exp_avg"),
+    ],
+)
+def test_dense_entry_altered_in_one_expert_parallel_rank_file(fixture, name, tmp_path):
+    """Every EP rank's file repeats the dense entries (router, attention, their optimizer state): a
+    copy that differs in one of them is a replica-mismatch naming the entry."""
+    path = _copy(fixture, tmp_path)
+    _, m = registry.describe(path)
+    item = m.items[name]
+    other = next(i for i, p in enumerate(item.pieces) if p.replica == 1)
+    assert "_001/" in item.pieces[other].file  # the EP rank 1 file's copy
+    file, off, n = _raw(path, name, other)
+    _patch(file, off, b"\x00\x40")
+    report = verify(path)
+    found = [f for f in report.findings if f.rule == "replica-mismatch"]
+    assert found and found[0].item == name
+
+
 def test_adam_moment_zeroed(tmp_path):
     path = _copy("dcp/fsdp2", tmp_path)
     _, m = registry.describe(path)

@@ -7,7 +7,7 @@ processes, each process holding one tensor at a time; it then writes the format'
 seals the directory (``ckpttool.manifest.json``) and publishes it with one rename. A run that
 dies leaves the destination absent (or, with ``--force``, as it was until the final rename).
 
-Targets so far: Megatron legacy at any TP/PP/VPP/EP and torch_dist at any TP/PP (from either),
+Targets so far: Megatron legacy and torch_dist at any TP/PP/VPP/EP or pipeline layout (from either),
 DeepSpeed ZeRO-1/2/3 at any DP (from the same stage), DeepSpeed's universal layout (from ZeRO-1/2 without TP or PP) and
 PyTorch DCP at any world size (from any format). Each format's writer
 (``formats/*_write.py``) plans its files (:class:`~ckpttool.formats.base.PlannedFile`), writes one

@@ -481,7 +481,13 @@ class _Builder:
                 for sid in group.get("params") or []
             }
             for s in range(len(flats)):
-                g = group_of.get(s, s)
+                g = group_of.get(s)
+                if g is None:
+                    raise CorruptFileError(
+                        f"{rel}: fp32 sub-group {s} is in none of the optimizer's param groups "
+                        f"({sorted(group_of)} listed)",
+                        path=rel,
+                    )
                 self.group_objects(rel, dp, g, inner, state.get(s) or {}, "optimizer_state_dict.optimizer_state_dict")
 
     def zero0(self, opt: dict[str, Any], rel: str, first: dict[str, Any]) -> None:

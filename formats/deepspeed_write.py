@@ -304,6 +304,8 @@ class Zero3Writer:
             elif m := _Z3_OPTIM.match(f.path):
                 optims[int(m["dp"])] = f.path
                 self.file_prefix = m["prefix"] or ""
+            elif re.search(r"mp_rank_(?!00_)\d+_\w+_states\.pt$", f.path) or "layer_" in f.path.rsplit("/", 1)[-1]:
+                raise UsageError(f"{f.path}: model-parallel or pipeline ZeRO-3 checkpoints cannot be resharded yet")
         if 0 not in models or 0 not in optims or sorted(models) != sorted(optims):
             raise CorruptFileError(
                 f"{manifest.root}: expected one ZeRO-3 model-states and one optimizer file per rank, found model "
@@ -334,8 +336,7 @@ class Zero3Writer:
                 f"not match the optimizer's param groups (sub-groups {subs})",
                 path=models[0],
             )
-        zero = (self.model_obj.get("ds_config") or {}).get("zero_optimization") or {}
-        size = int(zero.get("sub_group_size", SUB_GROUP_SIZE) or SUB_GROUP_SIZE)
+        size = self._sub_group_size(shapes, subs, int(osd.get("partition_count") or len(optims)), models[0])
         state = inner.get("state") or {}
         self.groups: list[dict[str, Any]] = []
         """per param group: its hyper-parameters and its source step"""
@@ -367,6 +368,29 @@ class Zero3Writer:
         self.frozen = [
             (n, tuple(int(x) for x in s)) for n, s in (self.model_obj.get("frozen_param_shapes") or {}).items()
         ]
+
+    def _sub_group_size(self, shapes: list[Any], subs: list[list[int]], dp: int, rel: str) -> int:
+        """``zero_optimization.sub_group_size`` from the saved ``ds_config`` (DeepSpeed's default
+        when it has none), checked against the source: its param groups cut into sub-groups at
+        the source's DP must give the sub-groups the checkpoint has. DeepSpeed saves the config's
+        path instead of the config when it was launched with one: then the default is tried."""
+        config = self.model_obj.get("ds_config")
+        zero = config.get("zero_optimization") if isinstance(config, dict) else None
+        value = zero.get("sub_group_size") if isinstance(zero, dict) else None
+        size = int(value) if isinstance(value, int | float) and value > 0 else SUB_GROUP_SIZE
+        for ids in subs:
+            params = [(n, tuple(int(x) for x in s)) for sid in ids for n, s in shapes[sid].items()]
+            cut = zero3_sub_groups(params, dp, size)
+            if [len(c) for c in cut] != [len(shapes[sid]) for sid in ids]:
+                said = f"sub_group_size {value}" if value is not None else f"no sub_group_size (default {size:,})"
+                raise UsageError(
+                    f"{rel}: the saved config gives {said}, which cuts the param groups into other sub-groups "
+                    f"({[len(c) for c in cut]} parameters) than the checkpoint's "
+                    f"({[len(shapes[sid]) for sid in ids]}); the new sub-groups cannot be laid out",
+                    hint="the saved ds_config is not the config the run used (DeepSpeed saves the path of a config "
+                    "file instead of the config when launched with one)",
+                )
+        return size
 
     def _prefix(self) -> str:
         return f"{self.tag}/" if self.tag else ""

@@ -548,9 +548,11 @@ def layout_stages(layout: str) -> list[str]:
     megatron-core does not know, or an expansion past a million layers."""
     text = layout.replace(",", "")
     for pattern in (_LAYOUT_GROUP, _LAYOUT_REPEAT):
+        grown = [len(text)]  # the expanded length so far, over all the matches of this pass
 
-        def unroll(m: re.Match[str]) -> str:
-            if len(m[1]) * int(m[2]) > 1_000_000:
+        def unroll(m: re.Match[str], grown: list[int] = grown) -> str:
+            grown[0] += len(m[1]) * int(m[2]) - len(m[0])
+            if grown[0] > 1_000_000:
                 raise ValueError(f"the layout {layout!r} expands past a million layers")
             return m[1] * int(m[2])
 
@@ -649,6 +651,12 @@ def _layer_offset(args: Any, pp_rank: int, vp: int, rel: str = "") -> int:
     try:
         chunks = placement(args)
     except ValueError as exc:
+        if "not read yet" in str(exc):  # valid for Megatron, not placed by ckpttool: no guess either
+            raise CorruptFileError(
+                f"{rel}: its args place the layers in a way ckpttool cannot follow ({exc})",
+                hint="the layer numbers cannot be made global without it; nothing is guessed",
+                path=rel,
+            ) from None
         raise CorruptFileError(
             f"{rel}: its args place {layers} layers on PP={pp} x VPP={vpp} stages in a way Megatron cannot ({exc})",
             hint="the args are damaged, or from a Megatron version ckpttool does not know",
@@ -731,10 +739,7 @@ class MegatronLegacyAdapter:
         expected = {(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
         missing = sorted(expected - set(ranks.values()))
         if missing:
-            names = [
-                f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
-                for t, p, e in missing
-            ]
+            names = [rank_dir(t, p, pp, e, ep) for t, p, e in missing]
             raise IncompleteCheckpointError(
                 f"{it_dir}: args say TP={tp} PP={pp} EP={ep} but {len(missing)} rank directories are missing: "
                 + ", ".join(names[:8]),
@@ -1093,29 +1098,40 @@ def optimizer_members(
 ) -> list[tuple[dict[str, Any], list[tuple[str, tuple[int, ...]]]]]:
     """A rank file's ``optimizer`` entry as (optimizer state dict, the parameters it holds, in model
     order) pairs: one for a single optimizer, one per member of a ``ChainedOptimizer`` list (the
-    dense parameters, then the experts': megatron-core's ``get_megatron_optimizer`` order). Nothing
-    for the distributed optimizer's (no per-parameter state) or a missing one."""
+    dense parameters, then the experts': megatron-core's ``get_megatron_optimizer`` order; a stage
+    without experts still has the expert member, with empty groups). Each state dict is
+    ``{"optimizer": torch state dict, ...}``: the mixed-precision optimizers' own, an FP32
+    optimizer's bare torch state dict wrapped so. Nothing for a missing entry; a distributed
+    optimizer's members (groups without parameters) give pairs that match no parameter."""
 
-    def usable(o: Any) -> bool:
-        return isinstance(o, dict) and isinstance(o.get("optimizer"), dict)
+    def wrapped(o: Any) -> dict[str, Any]:
+        if isinstance(o, dict) and isinstance(o.get("optimizer"), dict):
+            return o
+        if isinstance(o, dict) and "param_groups" in o and "state" in o:  # FP32Optimizer: torch's own
+            return {"optimizer": o}
+        raise CorruptFileError(
+            f"{rel}: the optimizer entry is a {type(o).__name__}"
+            + (f" with keys {sorted(map(str, o))[:6]}" if isinstance(o, dict) else "")
+            + ", not an optimizer state dict",
+            hint="the file is damaged, or was saved by an optimizer ckpttool does not know",
+            path=rel,
+        )
 
-    if usable(opt):
-        return [(opt, params)]
-    if not isinstance(opt, list):
+    if opt is None:
         return []
-    if not all(isinstance(o, dict) for o in opt):
-        raise CorruptFileError(f"{rel}: a chained optimizer entry is not a state dict", path=rel)
-    if not all(usable(o) for o in opt):
-        return []  # the distributed optimizer's members: their state is in distrib_optim.pt
+    if not isinstance(opt, list):
+        return [(wrapped(opt), params)]
+    members = [wrapped(o) for o in opt]
+    if len(members) == 1:
+        return [(members[0], params)]
     dense = [x for x in params if not is_expert(x[0])]
     experts = [x for x in params if is_expert(x[0])]
-    flags = [
-        {bool(g.get("is_expert_parallel")) for g in o["optimizer"].get("param_groups") or [] if isinstance(g, dict)}
-        for o in opt
-    ]
-    if len(opt) == 1:
-        return [(opt[0], params)]
-    if len(opt) != 2 or flags[0] == {True} or flags[1] == {False} or not experts:
+    groups = [[g for g in m["optimizer"].get("param_groups") or [] if isinstance(g, dict)] for m in members]
+    flags = [{bool(g.get("is_expert_parallel")) for g in gs} for gs in groups]
+    # a stage without routed experts: megatron-core aligns the groups over all ranks, so its expert
+    # optimizer is there with empty groups
+    idle = len(members) == 2 and not experts and not any(g.get("params") for g in groups[1])
+    if len(members) != 2 or flags[0] == {True} or flags[1] == {False} or (not experts and not idle):
         raise CorruptFileError(
             f"{rel}: a chained optimizer of {len(opt)} members (expert-parallel groups: "
             f"{[sorted(f) for f in flags]}) over {len(experts)} expert parameters; expected two, the dense "
@@ -1123,11 +1139,22 @@ def optimizer_members(
             hint="ckpttool reads megatron-core's dense + expert chain; other chains are not supported yet",
             path=rel,
         )
-    return [(opt[0], dense), (opt[1], experts)]
+    return [(members[0], dense), (members[1], experts)]
 
 
 _LOCAL_EXPERT = re.compile(r"(\.experts\.local_experts\.)(\d+)(\.)")
 _GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
+
+
+def expert_slot(name: str) -> tuple[str, int, bool] | None:
+    """For a routed expert's entry: the name with its expert number replaced by ``*``, the number,
+    and whether it is a grouped-GEMM name (``linear_fc1.weight<j>``: the experts' tensors follow
+    one another weight by weight, where SequentialMLP's follow expert by expert). None otherwise."""
+    for pattern, grouped in ((_LOCAL_EXPERT, False), (_GROUPED_EXPERT, True)):
+        m = pattern.search(name)
+        if m is not None:
+            return name[: m.start(2)] + "*" + name[m.end(2) :], int(m[2]), grouped
+    return None
 
 
 def expert_of(name: str) -> int | None:
@@ -1147,6 +1174,11 @@ def _global_expert(name: str, ep_rank: int, local_experts: int) -> str:
     """MoE expert names carry local indices in legacy files: ``local_experts.<j>`` (SequentialMLP)
     and ``linear_fc1.weight<j>`` (TEGroupedMLP) become ``ep_rank · local_experts + j``."""
     return renumber_expert(name, lambda j: ep_rank * local_experts + j)
+
+
+def rank_dir(t: int, p: int, pp: int, e: int = 0, ep: int = 1) -> str:
+    """Megatron-LM's rank directory: ``mp_rank_TT``, ``_PPP`` when PP > 1, ``_EEE`` when EP > 1."""
+    return f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
 
 
 def rank_of(directory: str, pp: int) -> tuple[int, int, int]:

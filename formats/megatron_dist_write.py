@@ -124,8 +124,8 @@ class DistWriter(LegacyWriter):
         self.experts = int(getattr(self.args, "num_experts", None) or 0)
         if self.experts and any(_GROUPED.search(n) for n in manifest.items):  # TEGroupedMLP legacy names
             raise UsageError("writing torch_dist checkpoints of grouped-GEMM experts is not supported yet")
-        etp = getattr(self.args, "expert_tensor_parallel_size", None)
-        if self.experts and etp not in (None, manifest.layout.tp or 1):
+        etp = getattr(self.args, "expert_tensor_parallel_size", None)  # (legacy sources: load_source checks)
+        if self.from_dist and self.experts and etp not in (None, manifest.layout.tp or 1):
             raise UsageError(
                 f"the experts are split {etp} ways (expert tensor parallelism), the other layers "
                 f"{manifest.layout.tp or 1} ways; resharding that is not supported yet"

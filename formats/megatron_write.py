@@ -47,12 +47,14 @@ from ckpttool.formats.megatron import (
     bucket_size,
     chunk_shared_embedding,
     expert_of,
+    expert_slot,
     grad_buffer_layout,
     is_expert,
     layout_stages,
     model_chunks,
     optimizer_members,
     placement,
+    rank_dir,
     rank_of,
     renumber_expert,
     split_rule,
@@ -91,6 +93,9 @@ class _Source:
     """(rank file, entries beside ``optimizer``: loss scaler, grad scaler with its tensors, ...)"""
     experts: int = 0
     """routed experts of the model (``args.num_experts``; 0: none)"""
+    fp32_masters: bool = False
+    """the optimizer keeps fp32 master copies (``fp32_from_fp16_params``: Megatron's Float16
+    optimizer); without, an FP32 optimizer's bare torch state dict"""
     distopt: bool = False
     """saved by the distributed optimizer: its state in ``distrib_optim.pt`` beside each rank file,
     ``groups`` its param groups as saved (no ``params``, the common ``step``), no membership"""
@@ -229,25 +234,43 @@ def _read_stage(src: _Source, args: Any, rank: tuple[int, int, int], layer_offse
                 )
             if "step" in entry:
                 src.step_of[name] = (rel, entry["step"])
+        src.fp32_masters |= "fp32_from_fp16_params" in member
         if not src.optimizer_extra[0]:
             kept = {k: v for k, v in member.items() if k not in ("optimizer", "fp32_from_fp16_params")}
             src.optimizer_extra = (rel, kept)
 
 
 def _canonical(names: list[str]) -> list[str]:
-    """Model entries in the order of the whole model, whatever the source's pipeline split: the
-    entries before the layers (embedding), the layers by global number (each in its own order),
-    then the rest (final norm, output layer). Stages and chunks take their entries in this order."""
-    first_layer = next((i for i, n in enumerate(names) if _layer_of(n) is not None), len(names))
+    """Model entries in the order of the whole model, whatever the source's pipeline split and
+    however many EP ranks' files they were gathered from: the entries before the layers
+    (embedding), the layers by global number, then the rest (final norm, output layer). In a layer
+    the entries keep their order, but its routed experts form one block where the first of them
+    stands: SequentialMLP's expert by expert (``local_experts.<j>.*``), grouped GEMM's weight by
+    weight (``linear_fc1.weight<j>`` for every j, then ``linear_fc2``), as megatron-core registers
+    them; what follows the block (shared experts) stays after it. Stages and chunks take their
+    entries in this order."""
+    seen = list(dict.fromkeys(names))  # each entry once (tied or shared entries)
+    first_layer = next((i for i, n in enumerate(seen) if _layer_of(n) is not None), len(seen))
+    pattern_at: dict[str, int] = {}  # an expert entry with its number starred -> where it first stands
+    block_at: dict[int, int] = {}  # layer -> where its first expert entry stands
+    for pos, name in enumerate(seen):
+        layer, slot = _layer_of(name), expert_slot(name)
+        if layer is not None and slot is not None:
+            pattern_at.setdefault(slot[0], pos)
+            block_at.setdefault(layer, pos)
 
-    def key(item: tuple[int, str]) -> tuple[int, int, int]:
+    def key(item: tuple[int, str]) -> tuple[int, ...]:
         pos, name = item
         layer = _layer_of(name)
-        if layer is not None:
-            return (1, layer, pos)
-        return (0 if pos < first_layer else 2, 0, pos)
+        if layer is None:
+            return (0 if pos < first_layer else 2, 0, pos, 0, 0)
+        slot = expert_slot(name)
+        if slot is None:
+            return (1, layer, pos, 0, 0)
+        pattern, j, grouped = slot
+        inner = (pattern_at[pattern], j) if grouped else (j, pattern_at[pattern])
+        return (1, layer, block_at[layer], *inner)
 
-    seen: dict[str, None] = dict.fromkeys(names)  # each entry once (tied or shared entries)
     return [n for _, n in sorted(enumerate(seen), key=key)]
 
 
@@ -432,11 +455,6 @@ def _stacked(boxes: list[Box]) -> tuple[int, ...]:
     if len(boxes) == 1:
         return boxes[0].sizes
     return (sum(b.sizes[0] for b in boxes), *boxes[0].sizes[1:])
-
-
-def rank_dir(t: int, p: int, pp: int, e: int = 0, ep: int = 1) -> str:
-    """Megatron-LM's rank directory: ``mp_rank_TT``, ``_PPP`` when PP > 1, ``_EEE`` when EP > 1."""
-    return f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
 
 
 class LegacyWriter:
@@ -643,7 +661,7 @@ class LegacyWriter:
                             for o in self._distrib(t, p, v, None, e, kind).values()
                         ]
                         nbytes = sum(o.nbytes for o in tensors)
-                        largest = max(o.peak for o in tensors)
+                        largest = max((o.peak for o in tensors), default=0)  # a stage may hold none
                         key = (t, p, e, 1)
                         out.append(
                             PlannedFile(path=f"{folder}/{DISTRIB}", key=key, nbytes=nbytes, tensors=3, largest=largest)
@@ -1004,8 +1022,9 @@ class LegacyWriter:
             masters.append(fp32)
         inner = {"state": state, "param_groups": groups}
         extra = self._optimizer_extra(archive)
-        if not any(masters):
+        if not self.src.fp32_masters:  # an FP32 optimizer's state dict is torch's own
             return {"optimizer": inner, **extra} if extra else inner
+        # the Float16 optimizer's, even for a chain member that holds no parameters here
         return {"optimizer": inner, "fp32_from_fp16_params": masters, **extra}
 
     def _kinds(self, e: int) -> tuple[bool | None, ...]:

@@ -493,6 +493,7 @@ def _with_args(tmp_path, **changes):
     [
         ({"pipeline_model_parallel_layout": "Et|tL"}, "(the layout places 2 transformer layers, the model has 4)"),
         ({"pipeline_model_parallel_layout": "Et|tmL"}, "(the layout places MTP layers, which ckpttool does not read yet)"),
+        ({"pipeline_model_parallel_layout": "E|(t*999999)*5000|L"}, "expands past a million layers"),
         ({"decoder_first_pipeline_num_layers": 5}, "in a way Megatron cannot (the first and last stages' 5 layers"),
         ({"virtual_pipeline_model_parallel_size": 3}, "do not split into VPP=3 model chunks"),
     ],

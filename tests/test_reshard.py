@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -1109,6 +1110,82 @@ def test_megatron_experts_to_torch_dist_is_what_megatron_saves(tmp_path):
         assert not diff(dist, path, kinds=STATE_KINDS).different
     with pytest.raises(UsageError, match="EP 2 -> 1: the experts would move"):
         reshard(dist, tmp_path / "refused", Target(ep=1))
+
+
+def test_model_order_keeps_expert_blocks_whole():
+    """Entries gathered from several EP ranks' files go back in megatron-core's registration order:
+    a layer's routed experts as one block where the first stood (SequentialMLP expert by expert,
+    grouped GEMM weight by weight), shared experts after it."""
+    from ckpttool.formats.megatron_write import _canonical
+
+    layer = "decoder.layers.0."
+
+    def sequential(experts: list[int]) -> list[str]:
+        names = [f"{layer}input_layernorm.weight", f"{layer}mlp.router.weight"]
+        for j in experts:
+            names += [f"{layer}mlp.experts.local_experts.{j}.linear_fc{k}.weight" for k in (1, 2)]
+        return [*names, f"{layer}mlp.shared_experts.linear_fc1.weight", "decoder.layers.1.input_layernorm.weight"]
+
+    def grouped(experts: list[int]) -> list[str]:
+        return [f"{layer}mlp.router.weight"] + [
+            f"{layer}mlp.experts.linear_fc{k}.weight{j}" for k in (1, 2) for j in experts
+        ]
+
+    assert _canonical(sequential([0, 1]) + sequential([2, 3])) == sequential([0, 1, 2, 3])
+    assert _canonical(grouped([0, 1]) + grouped([2, 3])) == grouped([0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("source", ["legacy_pp2ep2", "legacy_pp2ep2_distopt"])
+def test_megatron_experts_with_stages_that_hold_none(source, tmp_path):
+    """A pipeline stage without routed experts (here the layout 'E|t|t|L' puts the embedding and the
+    loss on stages of their own) still has the chain's expert optimizer, with empty groups (and an
+    empty expert grad buffer), as megatron-core aligns the groups over all ranks; it is written so
+    and read back, and the state is the source's."""
+    out = tmp_path / "pp4"
+    reshard(FIXTURES / "megatron" / source, out, Target(pp=4, pipeline_layout="E|t|t|L"))
+    files = _rank_files(out)
+    assert len(files) == 8
+    chain = _optimizer(files["mp_rank_00_000_001"])
+    assert isinstance(chain, list) and len(chain) == 2
+    assert [len(g.get("params", [])) for g in chain[1]["optimizer"]["param_groups"]] == [0]
+    if source.endswith("distopt"):
+        assert _distrib(files["mp_rank_00_000_001"]) == [None, {"buckets_coalesced": True}]
+    else:
+        assert chain[1]["fp32_from_fp16_params"] == [[]]  # the Float16 optimizer's, though empty
+    assert not diff(FIXTURES / "megatron" / source, out, kinds=STATE_KINDS).different
+    assert verify(out).failing() == []
+
+
+@pytest.mark.slow
+def test_megatron_lm_loads_experts_with_stages_that_hold_none(tmp_path):
+    """Oracle: Megatron-LM's load_checkpoint at PP=4 EP=2 with the layout 'E|t|t|L' loads the MoE
+    fixture resharded so: every tensor equals the reference, and it trains the next step."""
+    mlm = _megatron_lm()
+    if mlm is None:
+        pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
+    out = tmp_path / "pp4"
+    reshard(MOE, out, Target(pp=4, pipeline_layout="E|t|t|L"))
+    args = ("--tp", "1", "--pp", "4", "--ep", "2", "--layout", "E|t|t|L", "--padded-vocab", "64")
+    proc = _oracle(mlm, out, *args, *_ref("legacy_pp2ep2"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "coverage of the 116 reference tensors by the main replicas: OK" in proc.stdout
+
+
+def test_deepspeed_zero3_needs_the_sub_group_size_it_was_trained_with(tmp_path):
+    """DeepSpeed saves the config file's path, not the config, when launched with one: the sub-group
+    size is then unknown, and the default does not cut the fixture's groups as its sub-groups are cut,
+    so the reshard is refused (not laid out with a guess)."""
+    import torch
+
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "deepspeed" / "zero3", src)
+    for path in (src / "global_step3").glob("*_model_states.pt"):
+        model = torch.load(path, weights_only=False)
+        model["ds_config"] = "ds_config.json"
+        torch.save(model, path)
+    with pytest.raises(UsageError, match="gives no sub_group_size"):
+        reshard(src, tmp_path / "out", Target(dp=1))
+    assert not (tmp_path / "out").exists()
 
 
 MOE_DISTOPT = FIXTURES / "megatron" / "legacy_pp2ep2_distopt"

@@ -277,30 +277,38 @@ def _split_layers(item: Item, num_layers: Any) -> list[Item]:
     )
     if not stacked or item.shape is None or item.dtype is None:
         return [item]
-    itemsize = lookup_dtype(item.dtype).itemsize
     out = []
     for layer in range(item.shape[0]):
         rest = param[len("decoder.layers.") :]
         layer_param = f"decoder.layers.{layer}.{rest}"
         new_name = f"optimizer.state.{m.group(1)}.{layer_param}" if m else layer_param
-        pieces = []
-        for p in item.pieces:
-            lo, n = p.box.offsets[0], p.box.sizes[0]
-            if not lo <= layer < lo + n:
-                continue
-            sub = Box(p.box.offsets[1:], p.box.sizes[1:])
-            pieces.append(
-                Piece(
-                    file=p.file,
-                    locator={**p.locator, "select0": layer - lo, "chunk_sizes": list(p.box.sizes)},
-                    box=sub,
-                    replica=p.replica,
-                    rank=p.rank,
-                    nbytes=sub.volume * itemsize,
-                )
-            )
-        out.append(Item(name=new_name, kind=item.kind, dtype=item.dtype, shape=item.shape[1:], pieces=pieces))
+        out.append(_leading_index(item, layer, new_name, lambda p, k: {"select0": k, "chunk_sizes": list(p.box.sizes)}))
     return out
+
+
+def _leading_index(item: Item, index: int, name: str, select: Callable[[Piece, int], dict[str, Any]]) -> Item:
+    """``item[index]`` (one index of its leading axis) as an item of its own, named ``name``: each
+    piece holding that index, its box without the axis, its locator updated by ``select(piece, k)``
+    to read index ``k`` of the stored chunk."""
+    assert item.shape is not None and item.dtype is not None
+    itemsize = lookup_dtype(item.dtype).itemsize
+    pieces = []
+    for p in item.pieces:
+        lo, n = p.box.offsets[0], p.box.sizes[0]
+        if not lo <= index < lo + n:
+            continue
+        sub = Box(p.box.offsets[1:], p.box.sizes[1:])
+        pieces.append(
+            Piece(
+                file=p.file,
+                locator={**p.locator, **select(p, index - lo)},
+                box=sub,
+                replica=p.replica,
+                rank=p.rank,
+                nbytes=sub.volume * itemsize,
+            )
+        )
+    return Item(name=name, kind=item.kind, dtype=item.dtype, shape=item.shape[1:], pieces=pieces)
 
 
 _STACKED_EXPERTS = re.compile(r"^(?P<pre>decoder\.layers\.\d+\.mlp\.experts\.)experts\.(?P<rest>.+)$")
@@ -320,29 +328,15 @@ def _split_experts(item: Item, num_experts: Any) -> list[Item]:
         or any("select0" not in p.locator for p in item.pieces)
     ):
         return [item]
-    itemsize = lookup_dtype(item.dtype).itemsize
-    out = []
-    for j in range(num_experts):
-        pieces = []
-        for p in item.pieces:
-            lo, n = p.box.offsets[0], p.box.sizes[0]
-            if not lo <= j < lo + n:
-                continue
-            sub = Box(p.box.offsets[1:], p.box.sizes[1:])
-            first = p.locator["select0"]
-            pieces.append(
-                Piece(
-                    file=p.file,
-                    locator={**p.locator, "select0": [first, j - lo]},
-                    box=sub,
-                    replica=p.replica,
-                    rank=p.rank,
-                    nbytes=sub.volume * itemsize,
-                )
-            )
-        name = f"{m['pre']}local_experts.{j}.{m['rest']}"
-        out.append(Item(name=name, kind=item.kind, dtype=item.dtype, shape=item.shape[1:], pieces=pieces))
-    return out
+    return [
+        _leading_index(
+            item,
+            j,
+            f"{m['pre']}local_experts.{j}.{m['rest']}",
+            lambda p, k: {"select0": [p.locator["select0"], k]},  # the layer's index, then the expert's
+        )
+        for j in range(num_experts)
+    ]
 
 
 def _rename(item: Item, local_spec: bool) -> None:

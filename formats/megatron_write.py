@@ -657,7 +657,7 @@ class LegacyWriter:
                         tensors = [
                             o
                             for kind in self._kinds(e)
-                            for v in self._buffers(t, p, e, kind)
+                            for v in self._buffers(p, e, kind)
                             for o in self._distrib(t, p, v, None, e, kind).values()
                         ]
                         nbytes = sum(o.nbytes for o in tensors)
@@ -693,7 +693,7 @@ class LegacyWriter:
             and (kind is None or is_expert(n) == kind)
         ]
 
-    def _buffers(self, t: int, p: int, e: int, kind: bool | None) -> list[int]:
+    def _buffers(self, p: int, e: int, kind: bool | None) -> list[int]:
         """The model chunks whose grad buffer holds parameters of this kind (one buffer each)."""
         return [v for v in range(self.vpp) if self._params(p, v, e, kind)]
 
@@ -783,7 +783,7 @@ class LegacyWriter:
                     members.append(None)
                     continue
                 buffers: dict[Any, Any] = {"buckets_coalesced": True}
-                for k, v in enumerate(self._buffers(t, p, e, kind)):  # one grad buffer per model chunk
+                for k, v in enumerate(self._buffers(p, e, kind)):  # one grad buffer per model chunk
                     state: dict[str, Any] = dict(self._distrib(t, p, v, reader, e, kind))
                     state["numel_unpadded"] = state["param"].shape[0]
                     # a tuple of its own per buffer (the same dtypes), as megatron-core pickles them
@@ -974,10 +974,14 @@ class LegacyWriter:
         """The param groups of an output optimizer: (hyper-parameters, the source groups whose
         parameters it takes). ``kind``: None for an optimizer of all parameters, False for the
         dense member of a chain, True for the experts' member (``is_expert_parallel`` set). Every
-        group of that kind in the whole model, as megatron-core aligns groups over all ranks."""
+        group of that kind in the whole model, as megatron-core aligns groups over all ranks. A
+        group's kind is that of its parameters; the distributed optimizer saves no membership, so
+        there it is the group's own ``is_expert_parallel``."""
         kinds: dict[int, set[bool]] = {}
         for name, g in self.src.group_of.items():
             kinds.setdefault(g, set()).add(is_expert(name))
+        if self.src.distopt:
+            kinds = {g: {bool(h.get("is_expert_parallel"))} for g, h in enumerate(self.src.groups)}
         out: list[tuple[dict[str, Any], set[int]]] = []
         for g, hyper in enumerate(self.src.groups):
             if not kinds.get(g) or (kind is not None and kind not in kinds[g]):
@@ -1037,16 +1041,8 @@ class LegacyWriter:
         """What ``DistributedOptimizer.state_dict`` saves in the rank file: the param groups without
         their members, each with the common ``step`` (its tensors go in ``distrib_optim.pt``);
         ``kind`` as for :meth:`_target_groups`."""
-        if self.src.distopt:
-            groups = []
-            for g in self.src.groups:
-                if kind is not None and bool(g.get("is_expert_parallel")) != kind:
-                    continue
-                new = copy.deepcopy(g)
-                if "is_expert_parallel" in new:
-                    new["is_expert_parallel"] = bool(kind)
-                if new not in groups:
-                    groups.append(new)
+        if self.src.distopt:  # the groups as saved, each with its step
+            groups = [hyper for hyper, _ in self._target_groups(kind)]
         else:
             steps = set()
             for rel, value in self.src.step_of.values():

@@ -300,6 +300,8 @@ def measure(cmd: list[str], *, ok: tuple[int, ...] = (0,), stdout: Path | None =
     with tempfile.TemporaryFile() as err, open(stdout or os.devnull, "wb") as out:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        samples: list[tuple[float, int]] = []  # (seconds since start, resident bytes)
+        polls = 0
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
             if pid:
@@ -308,16 +310,35 @@ def measure(cmd: list[str], *, ok: tuple[int, ...] = (0,), stdout: Path | None =
                 proc.kill()
                 _, status, usage = os.wait4(proc.pid, 0)
                 break
+            polls += 1
+            if polls % 10 == 0:  # every 50 ms
+                rss = _resident(proc.pid)
+                if rss is not None:
+                    samples.append((time.perf_counter() - start, rss))
             time.sleep(0.005)
         wall = time.perf_counter() - start
         proc.returncode = rc = os.waitstatus_to_exitcode(status)
         err.seek(0)
         tail = err.read().decode(errors="replace")[-2000:]
     result: dict = {"wall_s": wall, "rss": usage.ru_maxrss * 1024, "rc": rc, "ok": rc in ok and wall <= timeout}
+    # resident memory at each quarter of the run: flat once the metadata is read means the data
+    # phase (reading and hashing every byte) adds nothing
+    result["rss_quarters"] = [max((r for t, r in samples if t <= wall * q / 4), default=0) for q in (1, 2, 3, 4)]
     if not result["ok"]:
         result["stderr"] = tail
         print(f"  FAILED (rc {rc}, {wall:.1f} s): {' '.join(cmd)}\n{tail}", flush=True)
     return result
+
+
+def _resident(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def run_size(root: Path, record: dict, timeout: float) -> dict:
@@ -346,7 +367,9 @@ def run_size(root: Path, record: dict, timeout: float) -> dict:
     for label, cmd, kw in steps:
         print(f"  {label} ...", end="", flush=True)
         r = measure(cmd, timeout=timeout, **kw)
-        print(f" {r['wall_s']:.1f} s, {r['rss'] / 1e6:.0f} MB, rc {r['rc']}", flush=True)
+        quarters = " / ".join(f"{q / 1e6:.0f}" for q in r["rss_quarters"])
+        peak = r["rss"] / 1e6
+        print(f" {r['wall_s']:.1f} s, {peak:.0f} MB (by each quarter: {quarters} MB), rc {r['rc']}", flush=True)
         out[label] = r
     d = out["diff (one tensor changed)"]
     if d["ok"]:
@@ -393,7 +416,7 @@ def provenance() -> str:
 
 
 def table(sizes: list[tuple[str, dict, dict]]) -> str:
-    head = "| |" + "|".join(f" {label}: wall | peak RSS " for label, _, _ in sizes) + "|"
+    head = "| |" + "|".join(f" {label}: wall | peak RSS (by each quarter of the run) " for label, _, _ in sizes) + "|"
     rule = "|---|" + "---|---|" * len(sizes)
     rows = [head, rule]
     labels = [
@@ -420,7 +443,10 @@ def table(sizes: list[tuple[str, dict, dict]]) -> str:
                 wall = f"{r['load_s']:.2f} s ({r['wall_s']:.2f} s with start-up)"
             if not r["ok"]:
                 wall += f" **FAILED (rc {r['rc']})**"
-            cells += [wall, f"{r['rss'] / 1e6:.0f} MB"]
+            rss = f"{r['rss'] / 1e6:.0f} MB"
+            if any(r.get("rss_quarters", ())) and "load_s" not in r:
+                rss += " (" + " / ".join(f"{q / 1e6:.0f}" for q in r["rss_quarters"]) + ")"
+            cells += [wall, rss]
         rows.append(f"| `{label}` | " + " | ".join(cells) + " |")
     facts = []
     for label, rec, res in sizes:

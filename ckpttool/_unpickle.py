@@ -15,6 +15,7 @@ import functools
 import io
 import math
 import pickle
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -447,9 +448,6 @@ def loads(
     return obj
 
 
-_SCAN_ALL = 4 << 20
-
-
 def _memo_bomb(data: bytes) -> bool:
     """Whether a pickle stores into a memo index larger than the pickle itself. Python's unpickler
     grows its memo table to the index it is given, so ten bytes can make it allocate gigabytes;
@@ -457,15 +455,19 @@ def _memo_bomb(data: bytes) -> bool:
 
     The opcodes are walked up to STOP, skipping strings and bytes by their lengths, and every PUT's
     index is looked at (a byte search for candidates does not help: torch's pickles spell ``torch``
-    and ``storage``, an ``r`` and four bytes that read as a huge index). A pickle that does not
-    parse is not a bomb: the unpickler reports it. Pickles larger than ``_SCAN_ALL`` (a big DCP
-    ``.metadata``) are not walked: a known gap, as the walk costs about 0.03 s per MB."""
+    and ``storage``, an ``r`` and four bytes that read as a huge index). Runs of opcodes whose
+    arguments have a fixed size (most of any pickle: MEMOIZE, BINGET, BININT1, MARK, TUPLE2...) are
+    skipped by one regular-expression match, so Python steps only through strings, bytes and
+    4-byte PUTs: a 75 MB DCP ``.metadata`` of 30 million opcodes is walked in about a tenth of the
+    time it takes to unpickle. A pickle that does not parse is not a bomb: the unpickler reports it."""
     limit = len(data)
-    if limit > _SCAN_ALL:
-        return False
     table = _arg_skip()
+    run = _fixed_run()
     i = 0
     while i < limit:
+        i = run.match(data, i).end()  # type: ignore[union-attr]  # the pattern matches the empty string
+        if i >= limit:
+            return False
         code = data[i]
         i += 1
         skip = table[code]
@@ -492,6 +494,19 @@ def _memo_bomb(data: bytes) -> bool:
                 return False
             i += n + length
     return False
+
+
+@functools.cache
+def _fixed_run() -> re.Pattern[bytes]:
+    """A run of opcodes with fixed-size arguments, LONG_BINPUT (whose index is checked) and STOP
+    left out. Every opcode is one distinct byte, so the alternatives never overlap and the match
+    is possessive (no backtracking state kept)."""
+    by_size: dict[int, list[int]] = {}
+    for code, skip in enumerate(_arg_skip()):
+        if skip is not None and skip[0] == 0 and code not in (0x72, 0x2E):
+            by_size.setdefault(skip[1], []).append(code)
+    parts = [b"[" + b"".join(re.escape(bytes([c])) for c in codes) + b"]" + b"." * n for n, codes in sorted(by_size.items())]
+    return re.compile(b"(?:" + b"|".join(parts) + b")*+", re.DOTALL)
 
 
 @functools.cache

@@ -208,6 +208,27 @@ def test_memo_index_bombs_are_found_by_walking_the_opcodes(protocol):
             _loads(bomb[:cut])
 
 
+def test_memo_index_bombs_are_found_in_large_pickles_too():
+    # a DCP .metadata can be tens of MB: the walk has no size cut-off (one used to skip pickles over
+    # 4 MB), and runs of fixed-size opcodes are skipped in one step
+    import pickletools
+
+    big = {f"model.layers.{i}.weight": [(i, i + 1), (0, 64), "__0_0.distcp", i * 4096, 1.5] for i in range(120_000)}
+    data = pickle.dumps(big, protocol=4)
+    assert len(data) > 6 << 20
+    assert not _unpickle._memo_bomb(data)
+    pos = [pos for op, _arg, pos in pickletools.genops(data) if op.name == "MEMOIZE"][-3]
+    bomb = data[:pos] + b"r" + (2**31 - 1).to_bytes(4, "little") + data[pos + 1 :]
+    assert _unpickle._memo_bomb(bomb)
+    with pytest.raises(CorruptFileError, match="memo index far beyond"):
+        _loads(bomb)
+    # the same index spelled as text (PUT) deep in a protocol-0 pickle
+    text = pickle.dumps(big, protocol=0)
+    put = text.rindex(b"\np", 0, len(text) - 100) + 1
+    end = text.index(b"\n", put)
+    assert _unpickle._memo_bomb(text[:put] + b"p9999999999" + text[end:])
+
+
 @pytest.mark.parametrize("protocol", [0, 1, 2, 4, 5])
 def test_nested_pickles_are_judged_from_their_opcodes(protocol):
     torch = pytest.importorskip("torch")

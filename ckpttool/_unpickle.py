@@ -505,7 +505,9 @@ def _fixed_run() -> re.Pattern[bytes]:
     for code, skip in enumerate(_arg_skip()):
         if skip is not None and skip[0] == 0 and code not in (0x72, 0x2E):
             by_size.setdefault(skip[1], []).append(code)
-    parts = [b"[" + b"".join(re.escape(bytes([c])) for c in codes) + b"]" + b"." * n for n, codes in sorted(by_size.items())]
+    parts = [
+        b"[" + b"".join(re.escape(bytes([c])) for c in codes) + b"]" + b"." * n for n, codes in sorted(by_size.items())
+    ]
     return re.compile(b"(?:" + b"|".join(parts) + b")*+", re.DOTALL)
 
 

@@ -518,11 +518,7 @@ class LegacyWriter:
         self.distopt = self.src.distopt if want is None else want
         """write ``distrib_optim.pt`` files (the distributed optimizer's layout)"""
         if self.src.distopt and not self.distopt:
-            raise UsageError(
-                "this checkpoint was saved with the distributed optimizer; writing it for the non-distributed "
-                "optimizer is not supported yet (its state does not say which param group each parameter is in)",
-                hint="keep the distributed optimizer (drop --no-distributed-optimizer)",
-            )
+            self._infer_membership()
         if self.distopt and not self.src.distopt:
             self._check_distopt_groups()
         if (
@@ -542,6 +538,61 @@ class LegacyWriter:
         """Whether the output's optimizer is megatron-core's chain of a dense and an expert optimizer
         (expert parallelism: the experts leave the dense optimizer and its grad buffers)."""
         return self.ep > 1 and bool(self.src.experts)
+
+    def _infer_membership(self) -> None:
+        """``--no-distributed-optimizer`` from a distributed-optimizer checkpoint: the param group of
+        each parameter, and its step. The distributed optimizer saves its groups without members;
+        megatron-core (``_get_param_groups``, 0.16) forms them by its standard rule: no weight decay
+        (``wd_mult`` 0) for biases and 1-D parameters (with ``--apply-wd-to-qk-layernorm``, the q/k
+        layernorms excepted), weight decay for the rest. That rule is applied here, and each
+        parameter must land in exactly one saved group and every group must get one, or the
+        checkpoint is refused: a run with other overrides (``--decoupled-lr``, experts, custom
+        groups) saved groups the rule cannot tell apart."""
+        args = self.args
+        refuse = "--no-distributed-optimizer from this distributed-optimizer checkpoint: "
+        hint = "keep the distributed optimizer (drop --no-distributed-optimizer)"
+        if getattr(args, "decoupled_lr", None) is not None:
+            raise UsageError(refuse + "it was trained with --decoupled-lr, not supported yet", hint=hint)
+        if self.src.experts:
+            raise UsageError(refuse + "MoE checkpoints are not supported yet", hint=hint)
+        steps = {float(h["step"]) for h in self.src.groups if isinstance(h.get("step"), (int, float))}
+        if len(steps) != 1 or any("step" not in h for h in self.src.groups):
+            raise UsageError(refuse + f"its param groups do not carry one common step ({sorted(steps)})", hint=hint)
+        step = steps.pop()
+        self.src.groups = [{k: v for k, v in h.items() if k != "step"} for h in self.src.groups]
+        qk = bool(getattr(args, "apply_wd_to_qk_layernorm", False))
+        items = self.manifest.items
+        used: set[int] = set()
+        for name in dict.fromkeys(self.src.model_order):
+            item = items.get(name)
+            if item is None or not item.is_tensor or f"{name}.exp_avg" not in items:
+                continue
+            skip_wd = len(item.shape or ()) == 1 or name.endswith(".bias")
+            if qk and ("q_layernorm." in name or "k_layernorm." in name):
+                skip_wd = False
+            wd_mult = 0.0 if skip_wd else 1.0
+            groups = [
+                g
+                for g, h in enumerate(self.src.groups)
+                if float(h.get("wd_mult", 1.0)) == wd_mult and not h.get("is_expert_parallel")
+            ]
+            if len(groups) != 1:
+                raise UsageError(
+                    refuse + f"{len(groups)} of its {len(self.src.groups)} param groups have wd_mult {wd_mult}, "
+                    f"the group megatron-core's standard rule puts {name} in",
+                    hint=hint,
+                )
+            self.src.group_of[name] = groups[0]
+            self.src.step_of[name] = ("", _scalar(step))
+            used.add(groups[0])
+        if len(used) != len(self.src.groups):
+            raise UsageError(
+                refuse + f"{len(self.src.groups) - len(used)} of its param groups would hold no parameter under "
+                "megatron-core's standard rule (the run used other group overrides)",
+                hint=hint,
+            )
+        # megatron-core's Float16 optimizer (fp32 masters) for bf16 and fp16 models, torch's own otherwise
+        self.src.fp32_masters = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
 
     def _check_distopt_groups(self) -> None:
         """The distributed optimizer matches saved param groups to its own by Megatron's identifier
@@ -1070,6 +1121,15 @@ class LegacyWriter:
         if name not in self.manifest.items and self.tied and name.startswith("output_layer.weight"):
             return name.replace("output_layer.weight", "embedding.word_embeddings.weight")
         return name
+
+
+def _scalar(value: float) -> _ptwrite.OutTensor:
+    """A 0-d float32 tensor (torch's Adam keeps ``step`` so), one object per use."""
+
+    def fill(buf: np.ndarray) -> None:
+        buf.view(np.float32).reshape(())[...] = value
+
+    return _ptwrite.OutTensor(dtype="float32", shape=(), fill=fill)
 
 
 def _localize(name: str, offset: int, expert_offset: int = 0) -> str:

@@ -139,7 +139,9 @@ def test_megatron_distributed_optimizer_from_float16_optimizer(tp, pp, tmp_path)
         optimizer = dict(tree[1])["optimizer"]
         assert [k for k, _ in optimizer[1]] == ["optimizer"]  # param groups only, as DistributedOptimizer saves
         assert _tree(_rank_files(a)[name].with_name("distrib_optim.pt")) == _tree(db[name])
-    args = _pt.load(_rank_files(a)["mp_rank_00" if pp == 1 else "mp_rank_00_000"].parent, "model_optim_rng.pt", ALLOWLIST)
+    args = _pt.load(
+        _rank_files(a)["mp_rank_00" if pp == 1 else "mp_rank_00_000"].parent, "model_optim_rng.pt", ALLOWLIST
+    )
     args[0].close()
     assert args[1]["args"].use_distributed_optimizer is True
 
@@ -153,24 +155,29 @@ def _numel_unpadded(path: Path) -> int:
 
 def _with_buckets(tmp_path: Path, bucket: int) -> Path:
     """A copy of the Float16-optimizer fixture whose args say it trained with --overlap-grad-reduce
-    --ddp-bucket-size ``bucket``: each rank file re-pickled by ckpttool's own writer from the
-    restricted unpickler's tree (tensors copied from the original), so neither torch nor Megatron
-    is needed. Only the args change; the target layout is what the bucket size decides."""
+    --ddp-bucket-size ``bucket``. Only the args change; the target layout is what the bucket size
+    decides."""
+    return _with_args(tmp_path / f"bucket{bucket}", LEGACY, overlap_grad_reduce=True, ddp_bucket_size=bucket)
+
+
+def _with_args(dst: Path, source: Path, **args: Any) -> Path:
+    """A copy of a legacy fixture with ``args`` changed in every rank file: each re-pickled by
+    ckpttool's own writer from the restricted unpickler's tree (tensors copied from the original),
+    so neither torch nor Megatron is needed."""
     import shutil
 
     from ckpttool.formats import _ptwrite
 
-    src = tmp_path / f"bucket{bucket}"
-    shutil.copytree(LEGACY, src)
-    (src / "ckpttool.manifest.json").unlink(missing_ok=True)
-    for f in src.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
-        archive, obj, _ = _pt.load(LEGACY, str(f.relative_to(src)), ALLOWLIST)
+    shutil.copytree(source, dst)
+    (dst / "ckpttool.manifest.json").unlink(missing_ok=True)
+    for f in dst.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        archive, obj, _ = _pt.load(source, str(f.relative_to(dst)), ALLOWLIST)
         try:
-            obj["args"].__dict__.update(overlap_grad_reduce=True, ddp_bucket_size=bucket)
+            obj["args"].__dict__.update(args)
             _ptwrite.save(_ptwrite.carry(obj, lambda archive=archive: archive), f)
         finally:
             archive.close()
-    return src
+    return dst
 
 
 def test_megatron_distributed_optimizer_with_several_buckets(tmp_path):
@@ -193,10 +200,49 @@ def test_megatron_distributed_optimizer_with_several_buckets(tmp_path):
         assert not diff(LEGACY, out, kinds=["param", "optim", "master"]).different
 
 
+@pytest.mark.parametrize(("tp", "pp"), [(2, 2), (1, 1), (2, 1), (1, 2)])
+def test_megatron_no_distributed_optimizer_from_the_distributed_optimizer(tp, pp, tmp_path):
+    """--no-distributed-optimizer from the distributed-optimizer fixture (the same training state as
+    the Float16-optimizer fixture, trained the same way) writes what resharding the Float16 fixture
+    writes: every rank file's tree equal (param groups and their members, per-parameter Adam state
+    and step, fp32 masters, model, scheduler, metadata), args aside from the save path. The members
+    come from megatron-core's standard grouping rule, checked against the saved groups."""
+    a, b = tmp_path / "from_distopt", tmp_path / "from_float16"
+    reshard(DISTOPT, a, Target(tp=tp, pp=pp, distributed_optimizer=False))
+    reshard(LEGACY, b, Target(tp=tp, pp=pp))
+    assert not list(a.glob("iter_*/mp_rank_*/distrib_optim.pt"))
+    ra, rb = _rank_files(a), _rank_files(b)
+    assert list(ra) == list(rb) and len(ra) == tp * pp
+    for name in ra:
+        ta, tb = _drop_rng(_tree(ra[name]), "args"), _drop_rng(_tree(rb[name]), "args")
+        assert ta == tb, name
+        args = [_pt.load(r.parent, r.name, ALLOWLIST) for r in (ra[name], rb[name])]
+        for archive, _, _ in args:
+            archive.close()
+        va, vb = (dict(obj["args"].__dict__) for _, obj, _ in args)
+        assert va["use_distributed_optimizer"] is False
+        assert {k for k in va.keys() | vb.keys() if va.get(k) != vb.get(k)} == {"save"}
+    assert not diff(DISTOPT, a, kinds=STATE_KINDS).different
+    assert verify(a).failing() == []
+
+
+def test_megatron_no_distributed_optimizer_refusals(tmp_path):
+    """Where megatron-core's standard grouping rule cannot say which saved group a parameter is in,
+    --no-distributed-optimizer is refused before anything is written, naming why."""
+    out = tmp_path / "out"
+    decoupled = _with_args(tmp_path / "decoupled", DISTOPT, decoupled_lr=0.001)
+    with pytest.raises(UsageError, match="--decoupled-lr"):
+        reshard(decoupled, out, Target(tp=1, pp=1, distributed_optimizer=False))
+    qk = _with_args(tmp_path / "qk", DISTOPT, apply_wd_to_qk_layernorm=True)
+    reshard(qk, out, Target(tp=1, pp=1, distributed_optimizer=False))  # no q/k layernorms: same groups
+    shutil.rmtree(out)
+    with pytest.raises(UsageError, match="MoE checkpoints are not supported yet"):
+        reshard(FIXTURES / "megatron" / "legacy_pp2ep2_distopt", out, Target(distributed_optimizer=False))
+    assert not out.exists()
+
+
 def test_megatron_distributed_optimizer_refusals(tmp_path):
     out = tmp_path / "out"
-    with pytest.raises(UsageError, match="not say which param group"):
-        reshard(DISTOPT, out, Target(tp=1, pp=1, distributed_optimizer=False))
     with pytest.raises(UsageError, match="torch_dist from a legacy checkpoint saved with the distributed"):
         reshard(DISTOPT, out, Target(to="megatron-dist"))
     with pytest.raises(UsageError, match="applies to --to megatron"):
@@ -211,9 +257,24 @@ def test_megatron_distributed_optimizer_flag_on_the_command_line(tmp_path):
     r = run_cli("reshard", str(LEGACY), "-o", str(out), "--tp", "1", "--pp", "1", "--distributed-optimizer", "-q")
     assert r.code == 0, r.stderr
     assert list(_distrib_files(out)) == ["mp_rank_00"]
-    r = run_cli("reshard", str(DISTOPT), "-o", str(tmp_path / "no"), "--no-distributed-optimizer")
-    assert r.code == 2 and "not say which param group" in r.stderr and "Traceback" not in r.stderr
+    moe = FIXTURES / "megatron" / "legacy_pp2ep2_distopt"
+    r = run_cli("reshard", str(moe), "-o", str(tmp_path / "no"), "--no-distributed-optimizer")
+    assert r.code == 2 and "MoE checkpoints are not supported yet" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "no").exists()
+    r = run_cli(
+        "reshard",
+        str(DISTOPT),
+        "-o",
+        str(tmp_path / "yes"),
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--no-distributed-optimizer",
+        "-q",
+    )
+    assert r.code == 0, r.stderr
+    assert not list((tmp_path / "yes").glob("iter_*/mp_rank_*/distrib_optim.pt"))
 
 
 def test_megatron_distributed_optimizer_is_written_one_parameter_at_a_time(tmp_path):
@@ -425,8 +486,10 @@ def test_max_memory_and_dry_run(tmp_path, cli):
     assert r.code == 0, r.stderr
     plan = json.loads(r.stdout)
     assert not out.exists() and plan["written"] is False
-    assert [f["path"] for f in plan["files"]] == ["iter_0000003/mp_rank_00_000/model_optim_rng.pt",
-                                                   "iter_0000003/mp_rank_00_001/model_optim_rng.pt"]
+    assert [f["path"] for f in plan["files"]] == [
+        "iter_0000003/mp_rank_00_000/model_optim_rng.pt",
+        "iter_0000003/mp_rank_00_001/model_optim_rng.pt",
+    ]
     assert plan["nbytes"] == sum(f["nbytes"] for f in plan["files"]) > 0
     r = cli("reshard", LEGACY, "-o", out, "--tp", "1", "--max-memory", "1MB")
     assert r.code == 2 and "--max-memory 1MB" in r.stderr and not out.exists()
@@ -475,6 +538,21 @@ def test_megatron_lm_loads_the_resharded_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1)])
+def test_megatron_lm_loads_the_checkpoint_without_the_distributed_optimizer(tp, pp, tmp_path):
+    """Oracle: from the distributed-optimizer fixture, --no-distributed-optimizer; Megatron-LM's
+    load_checkpoint with the Float16 optimizer (no --use-distributed-optimizer) loads it at the new
+    TP; every tensor equals the reference; it trains the next step."""
+    mlm = _megatron_lm()
+    if mlm is None:
+        pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
+    out = tmp_path / "out"
+    reshard(DISTOPT, out, Target(tp=tp, pp=pp, distributed_optimizer=False))
+    proc = _oracle(mlm, out, "--tp", str(tp), "--pp", str(pp), *_ref("legacy_tp2pp2_distopt"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("source", "tp", "pp", "bucket"),
     [("legacy_tp2pp2_distopt", 1, 1, None), ("legacy_tp2pp2", 2, 1, None), ("legacy_tp2pp2", 2, 1, 10)],
@@ -507,7 +585,9 @@ def test_deepspeed_resumes_from_the_resharded_checkpoint():
         pytest.skip("needs deepspeed (an oracle, not a dependency)")
     proc = subprocess.run(
         [sys.executable, str(FIXTURES / "oracle_deepspeed_reshard.py"), "--variant", "zero2", "--dp", "1"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "step-4 loss: BIT-IDENTICAL" in proc.stdout
@@ -725,8 +805,10 @@ def test_megatron_uneven_pipeline_on_the_command_line(tmp_path, cli):
     note = "layers by stage: [0-1] [2] [3]; resume with --decoder-first-pipeline-num-layers 2"
     assert note in json.loads(r.stdout)["notes"]
     r = cli("reshard", LEGACY, "-o", tmp_path / "vpp", "--tp", "1", "--vpp", "2", "--dry-run", "--json")
-    assert "layers by stage (model chunks joined by +): [0]+[2] [1]+[3]; resume with " \
+    assert (
+        "layers by stage (model chunks joined by +): [0]+[2] [1]+[3]; resume with "
         "--num-virtual-stages-per-pipeline-rank 2" in json.loads(r.stdout)["notes"]
+    )
     r = cli("reshard", LEGACY, "-o", tmp_path / "bad", "--pp", "3")
     assert r.code == 2 and "--pp-first-layers" in r.stderr and "Traceback" not in r.stderr
 
@@ -785,7 +867,9 @@ def test_megatron_virtual_stages_round_trips(tmp_path):
     args = _args(files["mp_rank_00_000"])
     assert (args["virtual_pipeline_model_parallel_size"], args["num_virtual_stages_per_pipeline_rank"]) == (2, 2)
     keys0 = _model_keys(files["mp_rank_00_000"])
-    assert keys0[0] == "embedding.word_embeddings.weight" and "output_layer.weight" in _model_keys(files["mp_rank_00_001"])
+    assert keys0[0] == "embedding.word_embeddings.weight" and "output_layer.weight" in _model_keys(
+        files["mp_rank_00_001"]
+    )
     assert not diff(LEGACY, vpp, kinds=STATE_KINDS).different
     reshard(vpp, back, Target(tp=2, pp=2))
     for name, path in _rank_files(LEGACY).items():
@@ -954,9 +1038,14 @@ def test_megatron_pipeline_layout(tmp_path):
 
     out = tmp_path / "from_tp2pp2"
     result = reshard(LEGACY, out, Target(tp=1, pp=2, pipeline_layout="E|tt|tt|L"))
-    assert any("[]+[2-3] [0-1]+[]" in n and "--pipeline-model-parallel-layout 'E|tt|tt|L'" in n for n in result.plan.notes)
+    assert any(
+        "[]+[2-3] [0-1]+[]" in n and "--pipeline-model-parallel-layout 'E|tt|tt|L'" in n for n in result.plan.notes
+    )
     files = _rank_files(out)
-    assert [_chunk_layers(f) for f in files.values()] == [{"model0": [], "model1": ["0", "1"]}, {"model0": ["0", "1"], "model1": []}]
+    assert [_chunk_layers(f) for f in files.values()] == [
+        {"model0": [], "model1": ["0", "1"]},
+        {"model0": ["0", "1"], "model1": []},
+    ]
     args = _args(files["mp_rank_00_000"])
     assert (args["pipeline_model_parallel_layout"], args["virtual_pipeline_model_parallel_size"]) == ("E|tt|tt|L", 2)
     assert args["num_virtual_stages_per_pipeline_rank"] is None

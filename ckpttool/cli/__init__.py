@@ -517,7 +517,7 @@ def reshard(
         typer.Option(
             "--distributed-optimizer/--no-distributed-optimizer",
             help="--to megatron: write the optimizer state as Megatron's distributed optimizer saves it "
-            "(distrib_optim.pt) or not (default: as the source).",
+            "(distrib_optim.pt) or as the Float16/FP32 optimizer does, per parameter (default: as the source).",
             show_default=False,
         ),
     ] = None,

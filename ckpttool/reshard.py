@@ -129,17 +129,18 @@ def parse_split_rules(rules: list[str]) -> dict[str, int | None]:
 
 _WRITER: Any = None
 _ADAPTER: Any = None
+_MANIFEST: Manifest | None = None
 
 
-def _init_worker(build: Callable[..., Any], args: tuple[Any, ...], adapter: Any) -> None:
-    global _WRITER, _ADAPTER
-    _WRITER, _ADAPTER = build(*args), adapter
+def _init_worker(build: Callable[..., Any], args: tuple[Any, ...], adapter: Any, manifest: Manifest) -> None:
+    global _WRITER, _ADAPTER, _MANIFEST
+    _WRITER, _ADAPTER, _MANIFEST = build(*args), adapter, manifest
 
 
 def _run_task(key: tuple[int, ...], out: str) -> Any:
-    assert _WRITER is not None
+    assert _WRITER is not None and _MANIFEST is not None
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    with _ADAPTER.reader(_WRITER.manifest) as reader:
+    with _ADAPTER.reader(_MANIFEST) as reader:  # the source's pieces (writers need not keep the manifest)
         return _WRITER.write(*key, Path(out), reader, None), Path(out).stat().st_size
 
 
@@ -220,7 +221,7 @@ class _FileExec:
                 min(workers, len(chosen)),
                 mp_context=get_context("spawn"),
                 initializer=_init_worker,
-                initargs=(self.build, self.args, self.adapter),
+                initargs=(self.build, self.args, self.adapter, self.manifest),
             )
             futures = [pool.submit(_run_task, f.key, str(tmp / f.path)) for f in chosen]
         finally:

@@ -290,12 +290,27 @@ def test_megatron_distributed_optimizer_is_written_one_parameter_at_a_time(tmp_p
     assert files["distrib_optim.pt"].peak <= 2 * largest_param < 16960 * 4
 
 
-def test_workers_write_the_same_bytes(tmp_path):
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [
+        ("megatron/legacy_tp2pp2", Target(tp=1, pp=2)),
+        ("megatron/legacy_tp2pp2", Target(tp=1, pp=2, to="megatron-dist")),
+        ("dcp/fsdp2", Target(dp=2)),  # a writer that keeps no manifest: the workers get the source's
+        ("deepspeed/zero2", Target(to="deepspeed-universal")),
+    ],
+    ids=["legacy", "torch_dist", "dcp", "universal"],
+)
+def test_workers_write_the_same_bytes(source, target, tmp_path):
+    """--workers 2 (files written by spawned worker processes) gives the bytes one process writes,
+    for every kind of writer."""
     a, b = tmp_path / "a", tmp_path / "b"
-    reshard(LEGACY, a, Target(tp=1, pp=2), workers=1)
-    reshard(LEGACY, b, Target(tp=1, pp=2), workers=2)
-    for name, path in _rank_files(a).items():
-        assert path.read_bytes() == _rank_files(b)[name].read_bytes()
+    reshard(FIXTURES / source, a, target, workers=1)
+    reshard(FIXTURES / source, b, target, workers=2)
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file() and p.name != "ckpttool.manifest.json")
+    assert len(files) > 1
+    assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file() and p.name != "ckpttool.manifest.json")
+    for rel in files:
+        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
 
 
 def test_vocab_repadding(tmp_path):

@@ -138,11 +138,10 @@ class DistWriter(LegacyWriter):
                 hint="keep EP = 1 or EP > 1, or reshard from the legacy checkpoint",
             )
         if self.src.distopt:
-            raise UsageError(
-                "writing torch_dist from a legacy checkpoint saved with the distributed optimizer "
-                "(distrib_optim.pt) is not supported yet",
-                hint="'--to megatron' reshards it in the legacy format, distributed optimizer kept",
-            )
+            # torch_dist keeps the optimizer state per parameter, as megatron-core saves it for the
+            # Float16 optimizer: the members of each group, which distrib_optim.pt does not record
+            self._infer_membership()
+            self.distopt = False
         if getattr(self.args, "use_distributed_optimizer", False) and self.from_dist:
             raise UsageError(
                 "this torch_dist checkpoint was saved with the distributed optimizer, whose optimizer layout "

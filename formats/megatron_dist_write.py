@@ -137,11 +137,11 @@ class DistWriter(LegacyWriter):
                 "parameter is in",
                 hint="keep EP = 1 or EP > 1, or reshard from the legacy checkpoint",
             )
-        if self.src.distopt:
+        if self.src.distopt and self.distopt:  # (--no-distributed-optimizer already did it)
             # torch_dist keeps the optimizer state per parameter, as megatron-core saves it for the
             # Float16 optimizer: the members of each group, which distrib_optim.pt does not record
-            self._infer_membership()
-            self.distopt = False
+            self._infer_membership("--to megatron-dist")
+            self.distopt: bool = False
         if getattr(self.args, "use_distributed_optimizer", False) and self.from_dist:
             raise UsageError(
                 "this torch_dist checkpoint was saved with the distributed optimizer, whose optimizer layout "

@@ -460,6 +460,9 @@ def _stacked(boxes: list[Box]) -> tuple[int, ...]:
 class LegacyWriter:
     """Plans and writes the rank files of one target layout."""
 
+    distopt: bool
+    """write ``distrib_optim.pt`` files (the distributed optimizer's layout)"""
+
     def __init__(
         self, root: Path, manifest: Manifest, target: MegatronTarget, rules: dict[str, Any] | None = None
     ) -> None:
@@ -515,8 +518,7 @@ class LegacyWriter:
         if missing:
             raise CorruptFileError(f"model entries missing from the manifest: {', '.join(missing[:4])}")
         want = target.distributed_optimizer
-        self.distopt = self.src.distopt if want is None else want
-        """write ``distrib_optim.pt`` files (the distributed optimizer's layout)"""
+        self.distopt = self.src.distopt if want is None else bool(want)
         if self.src.distopt and not self.distopt:
             self._infer_membership()
         if self.distopt and not self.src.distopt:
@@ -539,7 +541,7 @@ class LegacyWriter:
         (expert parallelism: the experts leave the dense optimizer and its grad buffers)."""
         return self.ep > 1 and bool(self.src.experts)
 
-    def _infer_membership(self) -> None:
+    def _infer_membership(self, why: str = "--no-distributed-optimizer") -> None:
         """``--no-distributed-optimizer`` from a distributed-optimizer checkpoint: the param group of
         each parameter, and its step. The distributed optimizer saves its groups without members;
         megatron-core (``_get_param_groups``, 0.16) forms them by its standard rule: no weight decay
@@ -549,16 +551,30 @@ class LegacyWriter:
         checkpoint is refused: a run with other overrides (``--decoupled-lr``, experts, custom
         groups) saved groups the rule cannot tell apart."""
         args = self.args
-        refuse = "--no-distributed-optimizer from this distributed-optimizer checkpoint: "
-        hint = "keep the distributed optimizer (drop --no-distributed-optimizer)"
+        refuse = f"{why} from this distributed-optimizer checkpoint (its state per parameter): "
+        hint = "keep the distributed optimizer: '--to megatron' without --no-distributed-optimizer"
         if getattr(args, "decoupled_lr", None) is not None:
             raise UsageError(refuse + "it was trained with --decoupled-lr, not supported yet", hint=hint)
+        if getattr(args, "embedding_init_method_std", None) is not None:
+            # megatron-core 0.14-0.15 then also took weight decay off every "embedding" parameter
+            raise UsageError(refuse + "it was trained with --embedding-init-method-std, not supported yet", hint=hint)
+        if getattr(args, "optimizer", "adam") != "adam":
+            raise UsageError(refuse + f"only Adam's state is supported, not {args.optimizer}'s", hint=hint)
         if self.src.experts:
             raise UsageError(refuse + "MoE checkpoints are not supported yet", hint=hint)
-        steps = {float(h["step"]) for h in self.src.groups if isinstance(h.get("step"), (int, float))}
-        if len(steps) != 1 or any("step" not in h for h in self.src.groups):
-            raise UsageError(refuse + f"its param groups do not carry one common step ({sorted(steps)})", hint=hint)
-        step = steps.pop()
+        raw: list[Any] = [h.get("step") for h in self.src.groups]
+        if any(type(v) is not float for v in raw):
+            # torch's Adam gives float (megatron-core saves step.item()); TransformerEngine's and apex's
+            # FusedAdam keep an int step per group only, and refuse a step per parameter
+            raise UsageError(
+                refuse + f"its param groups' steps are {raw}, not torch Adam's float steps (TransformerEngine's "
+                "or apex's FusedAdam keep the step per group, and their state has no step per parameter)",
+                hint=hint,
+            )
+        steps = set(raw)
+        if len(steps) != 1:
+            raise UsageError(refuse + f"its param groups do not carry one common step ({raw})", hint=hint)
+        step = float(steps.pop())
         self.src.groups = [{k: v for k, v in h.items() if k != "step"} for h in self.src.groups]
         qk = bool(getattr(args, "apply_wd_to_qk_layernorm", False))
         items = self.manifest.items

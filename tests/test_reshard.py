@@ -161,11 +161,14 @@ def _with_buckets(tmp_path: Path, bucket: int) -> Path:
 
 
 def _with_args(dst: Path, source: Path, **args: Any) -> Path:
-    """A copy of a legacy fixture with ``args`` changed in every rank file: each re-pickled by
-    ckpttool's own writer from the restricted unpickler's tree (tensors copied from the original),
-    so neither torch nor Megatron is needed."""
-    import shutil
+    """A copy of a legacy fixture with ``args`` changed in every rank file."""
+    return _rewritten(dst, source, lambda obj: obj["args"].__dict__.update(args))
 
+
+def _rewritten(dst: Path, source: Path, edit: Any) -> Path:
+    """A copy of a legacy fixture with ``edit(tree)`` applied to every rank file's tree: each
+    re-pickled by ckpttool's own writer from the restricted unpickler's tree (tensors copied from
+    the original), so neither torch nor Megatron is needed."""
     from ckpttool.formats import _ptwrite
 
     shutil.copytree(source, dst)
@@ -173,7 +176,7 @@ def _with_args(dst: Path, source: Path, **args: Any) -> Path:
     for f in dst.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
         archive, obj, _ = _pt.load(source, str(f.relative_to(dst)), ALLOWLIST)
         try:
-            obj["args"].__dict__.update(args)
+            edit(obj)
             _ptwrite.save(_ptwrite.carry(obj, lambda archive=archive: archive), f)
         finally:
             archive.close()
@@ -200,16 +203,26 @@ def test_megatron_distributed_optimizer_with_several_buckets(tmp_path):
         assert not diff(LEGACY, out, kinds=["param", "optim", "master"]).different
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(2, 2), (1, 1), (2, 1), (1, 2)])
-def test_megatron_no_distributed_optimizer_from_the_distributed_optimizer(tp, pp, tmp_path):
+@pytest.mark.parametrize(
+    ("source", "float16", "tp", "pp"),
+    [
+        ("legacy_tp2pp2_distopt", "legacy_tp2pp2", 2, 2),
+        ("legacy_tp2pp2_distopt", "legacy_tp2pp2", 1, 1),
+        ("legacy_tp2pp2_distopt", "legacy_tp2pp2", 2, 1),
+        ("legacy_tp2pp2_distopt", "legacy_tp2pp2", 1, 2),
+        ("legacy_pp2vpp2_distopt", "legacy_pp2vpp2", 2, 1),
+        ("legacy_pp2vpp2_distopt", "legacy_pp2vpp2", 1, 2),
+    ],
+)
+def test_megatron_no_distributed_optimizer_from_the_distributed_optimizer(source, float16, tp, pp, tmp_path):
     """--no-distributed-optimizer from the distributed-optimizer fixture (the same training state as
     the Float16-optimizer fixture, trained the same way) writes what resharding the Float16 fixture
     writes: every rank file's tree equal (param groups and their members, per-parameter Adam state
     and step, fp32 masters, model, scheduler, metadata), args aside from the save path. The members
     come from megatron-core's standard grouping rule, checked against the saved groups."""
     a, b = tmp_path / "from_distopt", tmp_path / "from_float16"
-    reshard(DISTOPT, a, Target(tp=tp, pp=pp, distributed_optimizer=False))
-    reshard(LEGACY, b, Target(tp=tp, pp=pp))
+    reshard(FIXTURES / "megatron" / source, a, Target(tp=tp, pp=pp, distributed_optimizer=False))
+    reshard(FIXTURES / "megatron" / float16, b, Target(tp=tp, pp=pp))
     assert not list(a.glob("iter_*/mp_rank_*/distrib_optim.pt"))
     ra, rb = _rank_files(a), _rank_files(b)
     assert list(ra) == list(rb) and len(ra) == tp * pp
@@ -222,6 +235,23 @@ def test_megatron_no_distributed_optimizer_from_the_distributed_optimizer(tp, pp
         va, vb = (dict(obj["args"].__dict__) for _, obj, _ in args)
         assert va["use_distributed_optimizer"] is False
         assert {k for k in va.keys() | vb.keys() if va.get(k) != vb.get(k)} == {"save"}
+    assert not diff(FIXTURES / "megatron" / source, a, kinds=STATE_KINDS).different
+    assert verify(a).failing() == []
+
+
+def test_megatron_dist_from_the_distributed_optimizer(tmp_path):
+    """--to megatron-dist from the distributed-optimizer fixture: the per-parameter optimizer state of
+    torch_dist, cut out of distrib_optim.pt, equals what the Float16 fixture gives (every record's
+    values; only the args' save path and the RNG differ between the two runs)."""
+    a, b = tmp_path / "from_distopt", tmp_path / "from_float16"
+    reshard(DISTOPT, a, Target(to="megatron-dist", tp=2, pp=1))
+    reshard(LEGACY, b, Target(to="megatron-dist", tp=2, pp=1))
+    ma, mb = registry.describe(a)[1], registry.describe(b)[1]
+    optim = sorted(n for n in ma.items if n.endswith((".exp_avg", ".exp_avg_sq", ".fp32")))
+    assert len(optim) >= 3 * 13 and optim == sorted(
+        n for n in mb.items if n.endswith((".exp_avg", ".exp_avg_sq", ".fp32"))
+    )
+    assert not diff(a, b).different
     assert not diff(DISTOPT, a, kinds=STATE_KINDS).different
     assert verify(a).failing() == []
 
@@ -233,6 +263,32 @@ def test_megatron_no_distributed_optimizer_refusals(tmp_path):
     decoupled = _with_args(tmp_path / "decoupled", DISTOPT, decoupled_lr=0.001)
     with pytest.raises(UsageError, match="--decoupled-lr"):
         reshard(decoupled, out, Target(tp=1, pp=1, distributed_optimizer=False))
+    embedding = _with_args(tmp_path / "embedding", DISTOPT, embedding_init_method_std=0.02)
+    with pytest.raises(UsageError, match="--embedding-init-method-std"):
+        reshard(embedding, out, Target(to="megatron-dist"))
+    sgd = _with_args(tmp_path / "sgd", DISTOPT, optimizer="sgd")
+    with pytest.raises(UsageError, match="only Adam's state is supported, not sgd's"):
+        reshard(sgd, out, Target(tp=1, pp=1, distributed_optimizer=False))
+
+    def groups(edit: Any) -> Any:
+        def apply(obj: Any) -> None:
+            edit(obj["optimizer"]["optimizer"]["param_groups"])
+
+        return apply
+
+    def int_steps(gs: list[dict[str, Any]]) -> None:
+        for g in gs:
+            g["step"] = 3
+
+    fused = _rewritten(tmp_path / "fused", DISTOPT, groups(int_steps))
+    with pytest.raises(UsageError, match="FusedAdam keep the step per group"):
+        reshard(fused, out, Target(tp=1, pp=1, distributed_optimizer=False))
+    twin = _rewritten(tmp_path / "twin", DISTOPT, groups(lambda gs: gs.append({**gs[0], "lr_mult": 2.0})))
+    with pytest.raises(UsageError, match="2 of its 3 param groups have wd_mult 1.0"):
+        reshard(twin, out, Target(tp=1, pp=1, distributed_optimizer=False))
+    idle = _rewritten(tmp_path / "idle", DISTOPT, groups(lambda gs: gs.append({**gs[0], "wd_mult": 0.5})))
+    with pytest.raises(UsageError, match="1 of its param groups would hold no parameter"):
+        reshard(idle, out, Target(to="megatron-dist"))
     qk = _with_args(tmp_path / "qk", DISTOPT, apply_wd_to_qk_layernorm=True)
     reshard(qk, out, Target(tp=1, pp=1, distributed_optimizer=False))  # no q/k layernorms: same groups
     shutil.rmtree(out)

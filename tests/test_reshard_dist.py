@@ -84,13 +84,18 @@ def test_from_legacy_is_what_megatron_saves(tmp_path):
                 assert _record(out, ours, key, c.offsets) == _record(DIST, megatron, key, c.offsets), key
         else:
             assert _record(out, ours, key) == _record(DIST, megatron, key), key
-    assert json.loads((out / ITER / "metadata.json").read_text()) == json.loads((DIST / ITER / "metadata.json").read_text())
+    assert json.loads((out / ITER / "metadata.json").read_text()) == json.loads(
+        (DIST / ITER / "metadata.json").read_text()
+    )
     import torch
 
     common = torch.load(out / ITER / "common.pt", weights_only=False)
     theirs = torch.load(DIST / ITER / "common.pt", weights_only=False)
     assert list(common) == list(theirs)
-    assert _same(common["optimizer"], theirs["optimizer"]) and common["opt_param_scheduler"] == theirs["opt_param_scheduler"]
+    assert (
+        _same(common["optimizer"], theirs["optimizer"])
+        and common["opt_param_scheduler"] == theirs["opt_param_scheduler"]
+    )
     assert common["content_metadata"] == theirs["content_metadata"] and common["iteration"] == 3
     assert common["args"].ckpt_format == "torch_dist" and common["args"].tensor_model_parallel_size == 2
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "3"
@@ -155,7 +160,9 @@ def test_a_model_entry_without_a_rule_is_refused(monkeypatch):
         return src
 
     monkeypatch.setattr(LegacyWriter, "_source", source)
-    with pytest.raises(UsageError, match=r"no rule to place 1 non-tensor entries .*: decoder\.layers\.0\.mlp\.odd_flag$"):
+    with pytest.raises(
+        UsageError, match=r"no rule to place 1 non-tensor entries .*: decoder\.layers\.0\.mlp\.odd_flag$"
+    ):
         DistWriter(Path(m.root), m, MegatronTarget(tp=1, pp=1))
     del m.items[odd.name]
     monkeypatch.undo()
@@ -221,7 +228,9 @@ def test_megatron_core_loads_the_output(source, tp, pp, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("source", "ep"), [("legacy_pp2ep2", 1), ("legacy_pp2ep2", 2), ("dist_pp2ep2", 4)], ids=["legacy-ep1", "legacy-ep2", "dist-ep4"]
+    ("source", "ep"),
+    [("legacy_pp2ep2", 1), ("legacy_pp2ep2", 2), ("dist_pp2ep2", 4)],
+    ids=["legacy-ep1", "legacy-ep2", "dist-ep4"],
 )
 def test_megatron_core_loads_the_experts_output(source, ep, tmp_path):
     """Oracle: megatron-core's dist_checkpointing.load of our torch_dist output of the MoE fixtures at

@@ -229,6 +229,26 @@ def test_memo_index_bombs_are_found_in_large_pickles_too():
     assert _unpickle._memo_bomb(text[:put] + b"p9999999999" + text[end:])
 
 
+@pytest.mark.parametrize("index", [b"1000000", b" 1000000", b"+1000000", b"1_000_000", b"99999999999999"])
+def test_a_text_memo_index_is_read_as_the_unpickler_reads_it(index):
+    # the C unpickler parses PUT's argument as int() does: spaces, a sign and underscores are allowed
+    bomb = b"Np" + index + b"\n."
+    assert _unpickle._memo_bomb(bomb)
+    with pytest.raises(CorruptFileError, match="memo index far beyond"):
+        _loads(bomb)
+    assert not _unpickle._memo_bomb(b"Np0\n.") and _loads(b"Np0\n.") is None
+
+
+def test_a_pickle_of_countless_tiny_strings_is_refused_not_walked_for_minutes(monkeypatch):
+    # the walk steps through strings one by one (the unpickler is ten times faster at them); past
+    # MAX_WALK_STEPS the pickle is refused, so a 1 GB pickle of empty strings cannot take minutes
+    tiny = pickle.dumps([str(i) for i in range(2000)], protocol=4)
+    monkeypatch.setattr(_unpickle, "MAX_WALK_STEPS", 1000)
+    with pytest.raises(CorruptFileError, match="holds more than 1,000 strings"):
+        _loads(tiny)
+    assert _loads(pickle.dumps([str(i) for i in range(500)], protocol=4)) == [str(i) for i in range(500)]
+
+
 @pytest.mark.parametrize("protocol", [0, 1, 2, 4, 5])
 def test_nested_pickles_are_judged_from_their_opcodes(protocol):
     torch = pytest.importorskip("torch")

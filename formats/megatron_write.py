@@ -997,6 +997,14 @@ class LegacyWriter:
             )
         if self.target.pp > 1 and _num_layers(self.args):
             out.append(self._placement_note())
+        if self.src.distopt != self.distopt:
+            out.append(
+                "optimizer state written for megatron-core's distributed optimizer: resume with "
+                "--use-distributed-optimizer"
+                if self.distopt
+                else "optimizer state written per parameter (Float16/FP32 optimizer): resume without "
+                "--use-distributed-optimizer"
+            )
         return out
 
     def _placement_note(self) -> str:

@@ -129,8 +129,9 @@ def test_megatron_distributed_optimizer_from_float16_optimizer(tp, pp, tmp_path)
     as the distributed-optimizer fixture, trained the same way) writes the very bytes resharding the
     distributed-optimizer checkpoint writes: the layout comes from the target model, not the source."""
     a, b = tmp_path / "from_float16", tmp_path / "from_distopt"
-    reshard(LEGACY, a, Target(tp=tp, pp=pp, distributed_optimizer=True))
-    reshard(DISTOPT, b, Target(tp=tp, pp=pp))
+    result = reshard(LEGACY, a, Target(tp=tp, pp=pp, distributed_optimizer=True))
+    assert any("resume with --use-distributed-optimizer" in n for n in result.plan.notes), result.plan.notes
+    assert not any("distributed-optimizer" in n for n in reshard(DISTOPT, b, Target(tp=tp, pp=pp)).plan.notes)
     da, db = _distrib_files(a), _distrib_files(b)
     assert list(da) == list(db) and len(da) == tp * pp
     for name in da:
@@ -221,7 +222,8 @@ def test_megatron_no_distributed_optimizer_from_the_distributed_optimizer(source
     and step, fp32 masters, model, scheduler, metadata), args aside from the save path. The members
     come from megatron-core's standard grouping rule, checked against the saved groups."""
     a, b = tmp_path / "from_distopt", tmp_path / "from_float16"
-    reshard(FIXTURES / "megatron" / source, a, Target(tp=tp, pp=pp, distributed_optimizer=False))
+    result = reshard(FIXTURES / "megatron" / source, a, Target(tp=tp, pp=pp, distributed_optimizer=False))
+    assert any("resume without --use-distributed-optimizer" in n for n in result.plan.notes), result.plan.notes
     reshard(FIXTURES / "megatron" / float16, b, Target(tp=tp, pp=pp))
     assert not list(a.glob("iter_*/mp_rank_*/distrib_optim.pt"))
     ra, rb = _rank_files(a), _rank_files(b)

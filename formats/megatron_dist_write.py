@@ -39,7 +39,6 @@ refused, never written wrong.
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -274,7 +273,7 @@ class DistWriter(LegacyWriter):
         stp, spp = self.src.tp, self.src.pp
         tp, pp = self.target.tp, self.target.pp
         # under expert parallelism Megatron-LM shards the RNG state by data-parallel rank too
-        dp = self._rng_dp() if self.ep > 1 else 1
+        dp = self._resume_dp() if self.ep > 1 else 1
         sdp = 1  # the DP size a torch_dist source's RNG records are sharded for (its names say)
         for name in self.manifest.items:
             if (m := _SHARD.match(name)) is not None and m["key"] == "rng_state" and m["shape"].count(".") == 2:
@@ -300,13 +299,6 @@ class DistWriter(LegacyWriter):
                             self._add_object(p * tp + t, key, partial(self._copy_record, item))
                     elif "rng_state" in self.src.objs[(ts, ps, d % self.src.ep)]:
                         self._add_object(p * tp + t, key, partial(self._pickle_rng, (ts, ps, d % self.src.ep)))
-
-    def _rng_dp(self) -> int:
-        """The data-parallel size the RNG state is sharded for under expert parallelism: the
-        source run's, or the smallest multiple of it that EP divides (Megatron needs DP a multiple
-        of EP)."""
-        dp = int(getattr(self.args, "data_parallel_size", 1) or 1)
-        return dp if dp % self.ep == 0 else math.lcm(dp, self.ep)
 
     def _add_object(self, rank: int, key: str, write: Callable[[BinaryIO, PieceReader], None]) -> None:
         self.objects.append(key)
@@ -435,7 +427,7 @@ class DistWriter(LegacyWriter):
         if self.ep > 1:
             out.append(
                 "RNG state is sharded by data-parallel rank under expert parallelism: written for "
-                f"DP={self._rng_dp()}; resume at that DP, or with --no-load-rng"
+                f"DP={self._resume_dp()}; resume at that DP, or with --no-load-rng"
             )
         if not self.from_dist:
             out.append("written from a legacy checkpoint: Megatron reads it with --ckpt-format torch_dist (default)")

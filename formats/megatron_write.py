@@ -926,7 +926,9 @@ class LegacyWriter:
         if "use_distributed_optimizer" in d or self.distopt:
             d["use_distributed_optimizer"] = self.distopt
         old_tp = d.get("tensor_model_parallel_size")
-        dp = d.get("data_parallel_size") or 1
+        # ranks and world size for the DP the output resumes at; data_parallel_size stays the source
+        # run's (what the RNG of a later reshard is laid out for)
+        dp = self._resume_dp()
         d["tensor_model_parallel_size"] = tp
         d["pipeline_model_parallel_size"] = pp
         if "transformer_pipeline_model_parallel_size" in d:
@@ -956,6 +958,13 @@ class LegacyWriter:
             if self.divisor is not None:
                 d["make_vocab_size_divisible_by"] = self.divisor
         return new
+
+    def _resume_dp(self) -> int:
+        """The data-parallel size the output is written for: the source run's, or under expert
+        parallelism the smallest multiple of it that EP divides (Megatron needs DP a multiple of EP;
+        ``args``' rank and world size and the sharded RNG of ``torch_dist`` follow it)."""
+        dp = int(getattr(self.args, "data_parallel_size", 1) or 1)
+        return dp if dp % self.ep == 0 else math.lcm(dp, self.ep)
 
     def _vocab_divisor(self) -> int | None:
         tp, rows = self.target.tp, self.padded
@@ -990,7 +999,8 @@ class LegacyWriter:
             out.append(
                 f"experts: {self.local_experts} per EP rank; resume with --expert-model-parallel-size {self.ep}"
                 + (
-                    f" and a data-parallel size that is a multiple of {self.ep} (the source ran DP={dp})"
+                    f" and a data-parallel size that is a multiple of {self.ep} (the source ran DP={dp}; written "
+                    f"for DP={self._resume_dp()})"
                     if isinstance(dp, int) and dp % self.ep
                     else ""
                 )

@@ -1213,6 +1213,14 @@ def test_megatron_experts_round_trips(tmp_path):
     args = _args(files["mp_rank_01_003"])
     assert (args["rank"], args["expert_model_parallel_size"], args["tensor_model_parallel_size"]) == (7, 4, 2)
     assert "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight" in _model_keys(files["mp_rank_01_003"])
+    # EP 4 over the source's DP of 2: ranks are written for DP 4 (Megatron needs DP a multiple of EP),
+    # so each file names a distinct saving rank of a world of TP x PP x 4; data_parallel_size stays
+    # the source run's
+    deep = tmp_path / "pp2ep4"
+    reshard(MOE, deep, Target(tp=1, pp=2, ep=4))
+    every = [_args(f) for f in _rank_files(deep).values()]
+    assert len(every) == 8 and len({a["rank"] for a in every}) == 8
+    assert {(a["data_parallel_size"], a["world_size"]) for a in every} == {(2, 8)}
     reshard(wide, again, Target(tp=1, pp=2, ep=2))
     for name, path in _rank_files(MOE).items():
         # the 64 vocabulary rows at TP=2 were recorded as divisible-by 32; at TP=1 that still gives 64

@@ -529,6 +529,10 @@ def pipeline_chunks(
     return out
 
 
+class UnreadLayout(ValueError):
+    """A pipeline placement megatron-core accepts but ckpttool does not follow yet (MTP layers)."""
+
+
 _LAYOUT_GROUP = re.compile(r"\(([^)]+)\)\*(\d+)")
 _LAYOUT_REPEAT = re.compile(r"(.)\*(\d+)")
 _LAYOUT_CHARS = frozenset("ELtm")
@@ -570,7 +574,7 @@ def layout_chunks(layout: str, pp: int, layers: int) -> list[list[tuple[int, int
         raise ValueError(f"the layout's {len(stages)} stages do not divide over PP={pp}")
     flat = "".join(stages)
     if "m" in flat:
-        raise ValueError("the layout places MTP layers, which ckpttool does not read yet")
+        raise UnreadLayout("the layout places MTP layers, which ckpttool does not read yet")
     if not flat.startswith("E") or flat.count("E") != 1:
         raise ValueError("the layout must start with the embedding (E), once")
     if not flat.endswith("L") or flat.count("L") != 1:
@@ -615,7 +619,7 @@ def placement(
             raise ValueError(f"a pipeline layout of type {type(layout).__name__}, not a string")
         return layout_chunks(layout, pp or int(getattr(args, "pipeline_model_parallel_size", 1) or 1), layers)
     return pipeline_chunks(
-        int(getattr(args, "num_layers", 0) or 0),
+        layers,
         pp or int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
         vpp or int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1),
         *(stage_split(args) if split is None else split),
@@ -644,13 +648,13 @@ def _layer_offset(args: Any, pp_rank: int, vp: int, rel: str = "") -> int:
     vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
     try:
         chunks = placement(args)
+    except UnreadLayout as exc:  # valid for Megatron, not placed by ckpttool: no guess either
+        raise CorruptFileError(
+            f"{rel}: its args place the layers in a way ckpttool cannot follow ({exc})",
+            hint="the layer numbers cannot be made global without it; nothing is guessed",
+            path=rel,
+        ) from None
     except ValueError as exc:
-        if "not read yet" in str(exc):  # valid for Megatron, not placed by ckpttool: no guess either
-            raise CorruptFileError(
-                f"{rel}: its args place the layers in a way ckpttool cannot follow ({exc})",
-                hint="the layer numbers cannot be made global without it; nothing is guessed",
-                path=rel,
-            ) from None
         raise CorruptFileError(
             f"{rel}: its args place {layers} layers on PP={pp} x VPP={vpp} stages in a way Megatron cannot ({exc})",
             hint="the args are damaged, or from a Megatron version ckpttool does not know",
@@ -1154,8 +1158,8 @@ def expert_slot(name: str) -> tuple[str, int, bool] | None:
 def expert_of(name: str) -> int | None:
     """The routed expert number in ``name`` (``local_experts.<j>.`` of SequentialMLP,
     ``linear_fc1.weight<j>`` of TEGroupedMLP), or None for entries of no single expert."""
-    m = _LOCAL_EXPERT.search(name) or _GROUPED_EXPERT.search(name)
-    return int(m[2]) if m else None
+    slot = expert_slot(name)
+    return slot[1] if slot else None
 
 
 def renumber_expert(name: str, fn: Callable[[int], int]) -> str:

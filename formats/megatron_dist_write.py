@@ -54,7 +54,7 @@ from ckpttool.errors import UsageError
 from ckpttool.formats import _pt, _ptwrite
 from ckpttool.formats.base import PieceReader, PlannedFile
 from ckpttool.formats.dcp_write import Record, write_metadata
-from ckpttool.formats.megatron import _LAYER, _STATE_SUFFIX, _TE_TO_LOCAL, ALLOWLIST
+from ckpttool.formats.megatron import _LAYER, _STATE_SUFFIX, _TE_TO_LOCAL, ALLOWLIST, expert_slot
 from ckpttool.formats.megatron_write import (
     LegacyWriter,
     MegatronTarget,
@@ -84,7 +84,6 @@ _LOCAL_TO_TE = {local: te for te, local in _TE_TO_LOCAL.items()}
 _STATE_PREFIX = {suffix: f"optimizer.state.{key}." for key, suffix in _STATE_SUFFIX.items()}
 _SHARD = re.compile(r"^(?P<key>.+)/shard_(?P<offsets>\d+(?:\.\d+)*)_(?P<shape>\d+(?:\.\d+)*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(?P<j>\d+)\.(?P<rest>.+)$")
-_GROUPED = re.compile(r"\.experts\.linear_fc[12]\.(?:weight|bias)\d+(?:\.\w+)?$")
 
 
 @dataclass(slots=True)
@@ -121,7 +120,7 @@ class DistWriter(LegacyWriter):
         self.from_dist = manifest.format == "megatron-dist"
         super().__init__(root, manifest, target, rules)
         self.experts = int(getattr(self.args, "num_experts", None) or 0)
-        if self.experts and any(_GROUPED.search(n) for n in manifest.items):  # TEGroupedMLP legacy names
+        if self.experts and any((slot := expert_slot(n)) and slot[2] for n in manifest.items):  # TEGroupedMLP
             raise UsageError("writing torch_dist checkpoints of grouped-GEMM experts is not supported yet")
         etp = getattr(self.args, "expert_tensor_parallel_size", None)  # (legacy sources: load_source checks)
         if self.from_dist and self.experts and etp not in (None, manifest.layout.tp or 1):
@@ -383,12 +382,9 @@ class DistWriter(LegacyWriter):
             if key == "args":
                 tree[key] = self._dist_args(value)
             elif key == "optimizer":
-                if self._chained:  # megatron-core's ChainedOptimizer: {0: dense, 1: experts}
-                    tree[key] = {
-                        k: self._common_optimizer(reader, archives, kind) for k, kind in enumerate((False, True))
-                    }
-                else:
-                    tree[key] = self._common_optimizer(reader, archives, None)
+                commons = {k: self._common_optimizer(reader, archives, kind) for k, kind in enumerate(self._members)}
+                # megatron-core's ChainedOptimizer: {0: dense, 1: experts}
+                tree[key] = commons if self._chained else commons[0]
             elif key == "rng_state" or re.fullmatch(r"model\d*", key):
                 continue
             else:

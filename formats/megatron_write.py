@@ -541,6 +541,12 @@ class LegacyWriter:
         (expert parallelism: the experts leave the dense optimizer and its grad buffers)."""
         return self.ep > 1 and bool(self.src.experts)
 
+    @property
+    def _members(self) -> tuple[bool | None, ...]:
+        """The output optimizers, by the ``kind`` of :meth:`_target_groups`: the chain's dense and
+        expert members, or one optimizer of every parameter."""
+        return (False, True) if self._chained else (None,)
+
     def _infer_membership(self, why: str = "--no-distributed-optimizer") -> None:
         """``--no-distributed-optimizer`` from a distributed-optimizer checkpoint: the param group of
         each parameter, and its step. The distributed optimizer saves its groups without members;
@@ -845,8 +851,8 @@ class LegacyWriter:
                 grads = "float32" if getattr(self.args, "accumulate_allreduce_grads_in_fp32", True) else dtype
                 key = (_unpickle.TorchDType(dtype), _unpickle.TorchDType(grads))
             members: list[Any] = []
-            for kind in (False, True) if self._chained else (None,):
-                if kind is False and e > 0:  # the dense optimizer's DP rank 0 saves it, in the EP rank 0 file
+            for kind in self._members:
+                if kind not in self._kinds(e):  # another EP rank's file holds it
                     members.append(None)
                     continue
                 buffers: dict[Any, Any] = {"buckets_coalesced": True}
@@ -889,8 +895,7 @@ class LegacyWriter:
                 tree.update(models)  # where the source's model (or model chunks) stood
             elif key == "optimizer":
                 if self.distopt:
-                    kinds = (False, True) if self._chained else (None,)
-                    states = [self._distopt_state(archive, kind) for kind in kinds]
+                    states = [self._distopt_state(archive, kind) for kind in self._members]
                     tree[key] = states if self._chained else states[0]
                 else:
                     tree[key] = self._optimizers(t, names, reader, archive)
@@ -1046,14 +1051,11 @@ class LegacyWriter:
         """The rank file's ``optimizer``: one optimizer's state dict, or under expert parallelism
         megatron-core's ``ChainedOptimizer`` list (the dense parameters', then the experts'; at EP=1
         the experts are in the dense optimizer, as megatron-core builds it)."""
-        if self.ep > 1 and self.src.experts:
-            dense = [n for n in names if not is_expert(n)]
-            experts = [n for n in names if is_expert(n)]
-            return [
-                self._optimizer(t, dense, reader, archive, kind=False),
-                self._optimizer(t, experts, reader, archive, kind=True),
-            ]
-        return self._optimizer(t, names, reader, archive, kind=None)
+        members = [
+            self._optimizer(t, [n for n in names if kind is None or is_expert(n) == kind], reader, archive, kind=kind)
+            for kind in self._members
+        ]
+        return members if self._chained else members[0]
 
     def _target_groups(self, kind: bool | None) -> list[tuple[dict[str, Any], set[int]]]:
         """The param groups of an output optimizer: (hyper-parameters, the source groups whose
@@ -1118,9 +1120,8 @@ class LegacyWriter:
 
     def _kinds(self, e: int) -> tuple[bool | None, ...]:
         """The optimizers whose state EP rank ``e``'s ``distrib_optim.pt`` holds."""
-        if not self._chained:
-            return (None,)
-        return (False, True) if e == 0 else (True,)
+        # the dense optimizer's DP rank 0 saves its state, in the EP rank 0 files
+        return self._members if e == 0 else (True,)
 
     def _distopt_state(self, archive: Callable[[str], Any], kind: bool | None = None) -> dict[str, Any]:
         """What ``DistributedOptimizer.state_dict`` saves in the rank file: the param groups without

@@ -570,7 +570,7 @@ def _seal_and_publish(tmp: Path, out: Path, workers: int, seal_output: bool) -> 
     if seal_output:
         from ckpttool.seal import seal
 
-        sealed, _ = seal(tmp, workers=workers)
+        sealed, _ = seal(tmp, workers=workers, published_as=out)
         tensors = sum(1 for item in sealed.manifest.items.values() if item.is_tensor)
     fsync_tree(tmp)
     publish_dir(tmp, out)

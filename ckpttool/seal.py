@@ -379,8 +379,11 @@ def seal(
     algo: Algo = "xxh3-128",
     workers: int | None = None,
     progress: Callable[[int], None] | None = None,
+    published_as: str | Path | None = None,
 ) -> tuple[Seal, Path]:
-    """Hash every file and piece of the checkpoint at ``path`` and write the seal atomically."""
+    """Hash every file and piece of the checkpoint at ``path`` and write the seal atomically.
+    ``published_as``: the path the directory will be renamed to (a writer sealing its staging
+    directory), recorded as the seal's root instead of ``path``."""
     if algo not in ("xxh3-128", "sha256"):
         raise UsageError(f"--hash {algo!r}: expected xxh3-128 or sha256")
     adapter, manifest = registry.describe(path)
@@ -409,6 +412,8 @@ def seal(
                     checksum=digest,
                 )
             )
+    if published_as is not None:
+        manifest.root = str(published_as)
     result = Seal(
         algo=algo,
         head=_head(manifest),

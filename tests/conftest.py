@@ -6,6 +6,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,11 +43,21 @@ def tree_digests(root: Path, skip: Callable[[str], bool] = lambda rel: False) ->
     }
 
 
-def run_cli(*args: str | os.PathLike[str], cwd: str | os.PathLike[str] | None = None,
-            env: dict[str, str] | None = None, timeout: float = 120) -> Run:
+def run_cli(
+    *args: str | os.PathLike[str],
+    cwd: str | os.PathLike[str] | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+) -> Run:
     """Run ``python -m ckpttool`` in a fresh process, as a user would."""
-    proc = subprocess.run([sys.executable, "-m", "ckpttool", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env=cli_env(**(env or {})), timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckpttool", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=cli_env(**(env or {})),
+        timeout=timeout,
+    )
     return Run(proc.returncode, proc.stdout, proc.stderr)
 
 
@@ -66,3 +77,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip)
+
+
+def rewritten_copy(dst: Path, source: Path, edit: Callable[[Any], None]) -> Path:
+    """A copy of a Megatron legacy checkpoint with ``edit(tree)`` applied to every rank file's tree:
+    each re-pickled by ckpttool's own writer from the restricted unpickler's tree (tensors copied
+    from the original), so neither torch nor Megatron is needed. For edge-case inputs (changed
+    args, param groups), never presented as a library's own output."""
+    import shutil
+
+    from ckpttool.formats import _pt, _ptwrite
+    from ckpttool.formats.megatron import ALLOWLIST
+
+    shutil.copytree(source, dst)
+    (dst / "ckpttool.manifest.json").unlink(missing_ok=True)
+    for f in dst.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        archive, obj, _ = _pt.load(source, str(f.relative_to(dst)), ALLOWLIST)
+        try:
+            edit(obj)
+            _ptwrite.save(_ptwrite.carry(obj, lambda archive=archive: archive), f)
+        finally:
+            archive.close()
+    return dst

@@ -28,14 +28,18 @@ def _expected(name: str) -> dict[str, torch.Tensor]:
     for key, value in ref.items():
         if isinstance(value, torch.Tensor):
             prefix = max((p for p in SUFFIX if key.startswith(p)), key=len)
-            out[key[len(prefix):] + SUFFIX[prefix]] = value
+            out[key[len(prefix) :] + SUFFIX[prefix]] = value
     return out
 
 
 @pytest.mark.parametrize(
     ("name", "fmt"),
-    [("dist_tp2", "megatron-dist"), ("dist_tp2pp2", "megatron-dist"), ("legacy_tp2pp2", "megatron"),
-     ("legacy_tp2pp2_distopt", "megatron")],
+    [
+        ("dist_tp2", "megatron-dist"),
+        ("dist_tp2pp2", "megatron-dist"),
+        ("legacy_tp2pp2", "megatron"),
+        ("legacy_tp2pp2_distopt", "megatron"),
+    ],
 )
 def test_export_equals_megatron_core_tp1_load(name, fmt, tmp_path):
     adapter, m = registry.describe(MG / name)
@@ -85,7 +89,9 @@ def test_experts_read_as_megatron_core_shards_them(tmp_path):
     assert [p.file.split("/")[1] for p in expert.pieces] == ["mp_rank_00_001_001"]  # local expert 1 of EP rank 1
     router = m.items["decoder.layers.1.mlp.router.weight"]
     assert sorted((p.file.split("/")[1], p.replica) for p in router.pieces) == [
-        ("mp_rank_00_001_000", 0), ("mp_rank_00_001_001", 1)]
+        ("mp_rank_00_001_000", 0),
+        ("mp_rank_00_001_001", 1),
+    ]
     assert sum(1 for n in m.items if n.startswith("rng_state.0.torch_rng_state")) == 4
 
 
@@ -125,8 +131,10 @@ def test_an_expert_piece_is_named_when_its_bytes_change(tmp_path):
     item = m.items[name]
     with adapter.reader(m) as reader:
         start, length = reader.raw_span(item.pieces[0], item)
+        values = reader.read(item.pieces[0], item)
     path = tmp_path / "ckpt" / "iter_0000003" / item.pieces[0].file
     data = bytearray(path.read_bytes())
+    assert bytes(data[start : start + length]) == values.tobytes()  # the span holds this expert's values
     data[start + length // 2] ^= 0x40
     path.write_bytes(bytes(data))
     findings = [f for f in verify(ckpt).findings if f.rule == "checksum-mismatch"]
@@ -155,8 +163,10 @@ def test_a_chained_optimizer_other_than_dense_then_experts_is_refused():
     def member(expert: bool) -> dict:
         return {"optimizer": {"state": {}, "param_groups": [{"params": [0], "is_expert_parallel": expert}]}}
 
-    params = [("decoder.layers.0.mlp.router.weight", (4, 16)),
-              ("decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight", (64, 16))]
+    params = [
+        ("decoder.layers.0.mlp.router.weight", (4, 16)),
+        ("decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight", (64, 16)),
+    ]
     dense, experts = optimizer_members([member(False), member(True)], params, "f.pt")
     assert [n for n, _ in dense[1]] == [params[0][0]] and [n for n, _ in experts[1]] == [params[1][0]]
     for chain in ([member(True), member(False)], [member(False)] * 3, [member(False), member(True), member(True)]):
@@ -373,9 +383,12 @@ def test_pipeline_stages_agree_with_megatron_core():
                                                                      loss=loss) for c in row]  # fmt: skip
                             except ValueError:
                                 # refused: megatron-core asserts, or its chunks do not tile the layers
-                                tiles = theirs is not None and sorted(
-                                    i for o, n in theirs if n >= 0 for i in range(o, o + n)
-                                ) == list(range(layers)) and all(n >= 0 for _, n in theirs)
+                                tiles = (
+                                    theirs is not None
+                                    and sorted(i for o, n in theirs if n >= 0 for i in range(o, o + n))
+                                    == list(range(layers))
+                                    and all(n >= 0 for _, n in theirs)
+                                )
                                 assert not tiles, (layers, pp, vpp, first, last, emb, loss, theirs)
                                 refused += 1
                                 continue
@@ -469,30 +482,20 @@ def test_describes_do_not_share_replica_state(monkeypatch):
 
 
 def _with_args(tmp_path, **changes):
-    """A copy of legacy_tp2pp2 whose rank files' args carry ``changes`` (re-pickled by ckpttool's own
-    writer from the restricted unpickler's tree, tensors copied)."""
-    import shutil
+    """A copy of legacy_tp2pp2 whose rank files' args carry ``changes``."""
+    from tests.conftest import rewritten_copy
 
-    from ckpttool.formats import _pt, _ptwrite
-    from ckpttool.formats.megatron import ALLOWLIST
-
-    src = tmp_path / "c"
-    shutil.copytree(MG / "legacy_tp2pp2", src)
-    for f in src.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
-        archive, obj, _ = _pt.load(MG / "legacy_tp2pp2", str(f.relative_to(src)), ALLOWLIST)
-        try:
-            obj["args"].__dict__.update(changes)
-            _ptwrite.save(_ptwrite.carry(obj, lambda archive=archive: archive), f)
-        finally:
-            archive.close()
-    return src
+    return rewritten_copy(tmp_path / "c", MG / "legacy_tp2pp2", lambda obj: obj["args"].__dict__.update(changes))
 
 
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
         ({"pipeline_model_parallel_layout": "Et|tL"}, "(the layout places 2 transformer layers, the model has 4)"),
-        ({"pipeline_model_parallel_layout": "Et|tmL"}, "(the layout places MTP layers, which ckpttool does not read yet)"),
+        (
+            {"pipeline_model_parallel_layout": "Et|tmL"},
+            "(the layout places MTP layers, which ckpttool does not read yet)",
+        ),
         ({"pipeline_model_parallel_layout": "E|(t*999999)*5000|L"}, "expands past a million layers"),
         ({"decoder_first_pipeline_num_layers": 5}, "in a way Megatron cannot (the first and last stages' 5 layers"),
         ({"virtual_pipeline_model_parallel_size": 3}, "do not split into VPP=3 model chunks"),

@@ -564,6 +564,15 @@ class DcpReader(PieceReader):
     def read(self, piece: Piece, item: Item, out: np.ndarray | None = None) -> np.ndarray:
         if "begin" in piece.locator:  # HuggingFaceStorageWriter shard
             return st.read_range(self.files, piece, item, out)
+        if "range" in piece.locator:  # elements [a, b) of a stored 1-D chunk (Megatron's optimizer buckets)
+            a, b = piece.locator["range"]
+            values = self._chunk(piece, item)[a:b]
+            if piece.flat is None:
+                values = values.reshape(piece.box.sizes)
+            if out is None:
+                return np.ascontiguousarray(values)
+            out.reshape(values.shape)[...] = values
+            return out
         if "select0" in piece.locator:  # one index of a stored chunk (Megatron's stacked layers, experts)
             values = self._chunk(piece, item)[_selected(piece.locator)]
             if out is None:
@@ -614,6 +623,10 @@ class DcpReader(PieceReader):
         if ref.dtype != item.dtype or ref.shape != tuple(loc.get("chunk_sizes", piece.box.sizes)):
             return None  # read() says what is wrong
         span = _torchzip.tensor_span(archive, ref)
+        if span is not None and "range" in loc:
+            itemsize = span[1] // ref.shape[0] if ref.shape and ref.shape[0] else 0
+            a, b = loc["range"]
+            return span[0] + a * itemsize, (b - a) * itemsize
         if span is None or "select0" not in loc:
             return span
         return selected_span(span, ref.shape, _selected(loc))

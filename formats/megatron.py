@@ -24,7 +24,7 @@ from ckpttool.formats.base import Detection, claim
 from ckpttool.formats.dcp import DcpAdapter, DcpReader, is_dist_config
 from ckpttool.geometry import Box
 from ckpttool.io import read_tracker
-from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece, ReplicaCounter
+from ckpttool.manifest import FileRecord, Item, Kind, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
 from ckpttool.values import flatten, plain_value, set_value
 
@@ -62,8 +62,44 @@ ALLOWLIST: dict[tuple[str, str], Any] = {
 """Globals Megatron-LM writes into ``args``, ``rng_state`` and ``common.pt`` (megatron-core's own
 ``safe_globals`` list, as stand-ins; research/megatron.md §1)."""
 
-_OPT_STATE = re.compile(r"^optimizer\.state\.(fp32_param|exp_avg|exp_avg_sq)\.(.+)$")
-_STATE_SUFFIX = {"fp32_param": "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+# the Float16 optimizer's state (fp32_param), and the distributed optimizer's fully_reshardable
+# model-space view of it (param)
+_OPT_STATE = re.compile(r"^optimizer\.state\.(fp32_param|param|exp_avg|exp_avg_sq)\.(.+)$")
+_STATE_SUFFIX = {"fp32_param": "fp32", "param": "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+# the distributed optimizer's dp_reshardable layout: one 1-D tensor per grad-buffer bucket
+_BUCKET = re.compile(
+    r"^optimizer\.distributed\.dp_group_idx_(?P<g>\d+)\.gbuf_idx_(?P<i>\d+)\.dtype_(?P<dt>.+)"
+    r"\.bucket_idx_(?P<b>\d+)\.(?P<key>param|exp_avg|exp_avg_sq)$"
+)
+_BUCKET_SUFFIX: dict[str, tuple[str, Kind]] = {
+    "param": ("fp32", "master"),
+    "exp_avg": ("exp_avg", "optim"),
+    "exp_avg_sq": ("exp_avg_sq", "optim"),
+}
+# the order megatron-core registers a transformer layer's parameters in (TransformerLayer,
+# SelfAttention, MLP; TransformerEngine's fused LayerNormLinear: the norm's before the weight);
+# the grad buffer lays them out in reverse
+_LAYER_ORDER = tuple(
+    f"{module}.{param}"
+    for module, params in (
+        ("input_layernorm", ("weight", "bias")),
+        ("self_attention.linear_proj", ("weight", "bias")),
+        ("self_attention.linear_qkv", ("layer_norm_weight", "layer_norm_bias", "weight", "bias")),
+        ("self_attention.q_layernorm", ("weight", "bias")),
+        ("self_attention.k_layernorm", ("weight", "bias")),
+        ("pre_mlp_layernorm", ("weight", "bias")),
+        ("mlp.linear_fc1", ("layer_norm_weight", "layer_norm_bias", "weight", "bias")),
+        ("mlp.linear_fc2", ("weight", "bias")),
+    )
+    for param in params
+)
+_PRE_LAYERS = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
+_POST_LAYERS = (
+    "decoder.final_layernorm.weight",
+    "decoder.final_layernorm.bias",
+    "output_layer.weight",
+    "output_layer.bias",
+)
 # local-spec norms are saved under the TransformerEngine-spec keys in torch_dist
 _TE_TO_LOCAL = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -233,6 +269,17 @@ class MegatronDistAdapter:
         it = common.get("iteration")
         manifest.step = it if isinstance(it, int) else None
         manifest.layout = _args_layout(args) if args is not None else base.layout
+        content = common.get("content_metadata")
+        sharding = content.get("distrib_optim_sharding_type") if isinstance(content, dict) else None
+        if isinstance(sharding, str):
+            manifest.extras["distrib_optim_sharding_type"] = sharding
+        if any(_BUCKET.match(name) for name in manifest.items):
+            problem = _debucket_dist(manifest, args)
+            manifest.extras["distrib_optim"] = (
+                f"kept as the distributed optimizer's buckets: {problem}"
+                if problem
+                else "de-bucketed from the dp_reshardable buckets by replaying the grad-buffer layout"
+            )
         if args is not None:
             manifest.extras["args"] = _args_extras(args)
         manifest.extras["dcp"] = {"world_size": base.layout.world_size}
@@ -240,6 +287,164 @@ class MegatronDistAdapter:
 
     def reader(self, manifest: Manifest) -> MegatronDistReader:
         return MegatronDistReader(manifest)
+
+
+def _debucket_dist(manifest: Manifest, args: Any) -> str | None:
+    """Place the distributed optimizer's ``dp_reshardable`` state (one 1-D tensor per grad-buffer
+    bucket and state, ``optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<i>.dtype_<dt>.bucket_idx_<b>
+    .<param|exp_avg|exp_avg_sq>``, cut between the DP ranks) parameter by parameter, as
+    ``<param>.fp32`` / ``.exp_avg`` / ``.exp_avg_sq``: dp_group_idx ``g`` is model-parallel rank
+    ``g = p * TP + t``, grad buffer ``i`` its ``i``-th model chunk with parameters, and the buffer's
+    layout is replayed as for ``distrib_optim.pt`` (:func:`grad_buffer_layout`), the buckets one after
+    the other. megatron-core saves each parameter (and each gap) as a chunk of its own, so every
+    parameter must start and end on a chunk boundary: a replay that disagrees is not used. Returns
+    None once placed (the bucket items replaced), else why the buckets were kept as they are."""
+    buckets: dict[tuple[int, int], dict[int, dict[str, Item]]] = {}
+    for name, item in manifest.items.items():
+        if (m := _BUCKET.match(name)) is not None:
+            buffer = buckets.setdefault((int(m["g"]), int(m["i"])), {})
+            buffer.setdefault(int(m["b"]), {})[m["key"]] = item
+    if args is None:
+        return "common.pt has no args to replay the layout with"
+    if int(getattr(args, "num_experts", None) or 0):
+        return "the layout of expert-parallel buffers is not replayed yet"
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    gated = bool(getattr(args, "swiglu", False) or getattr(args, "gated_linear_unit", False))
+    try:
+        chunks = placement(args)
+    except ValueError as exc:
+        return f"the args' pipeline placement is not followed ({exc})"
+    params = {n: i for n, i in manifest.items.items() if i.kind == "param" and i.is_tensor and i.shape is not None}
+    unknown = sorted(n for n in params if not (n in _PRE_LAYERS or n in _POST_LAYERS or _layer_rest(n) in _LAYER_ORDER))
+    if unknown:
+        return f"parameters whose registration order ckpttool does not know: {', '.join(unknown[:4])}"
+    tied = not getattr(args, "untie_embeddings_and_output_weights", False) and pp > 1
+    placed: dict[tuple[int, int], list[list[tuple[str, tuple[int, ...]]]]] = {}
+    for p in range(pp):
+        for t in range(tp):
+            orders: list[list[tuple[str, tuple[int, ...]]]] = []
+            for v, (first, count) in enumerate(chunks[p]):
+                names: list[str] = []
+                if (p, v) == (0, 0):
+                    names += [n for n in _PRE_LAYERS if n in params]
+                for layer in range(first, first + count):
+                    names += [n for rest in _LAYER_ORDER if (n := f"decoder.layers.{layer}.{rest}") in params]
+                if (p, v) == (pp - 1, len(chunks[p]) - 1):
+                    names += [n for n in _POST_LAYERS if n in params]
+                    if tied and "embedding.word_embeddings.weight" in params:
+                        names.append("output_layer.weight")  # the last stage's copy of the tied embedding
+                orders.append([(n, (_local_numel(params, n, t, tp, gated),)) for n in names])
+            placed[(t, p)] = orders
+    replicas = ReplicaCounter()
+    for (g, i), buffer in sorted(buckets.items()):
+        t, p = g % tp, g // tp
+        if p >= pp:
+            return f"dp_group_idx_{g} is outside TP={tp} x PP={pp}"
+        orders = placed[(t, p)]
+        held = [(v, order) for v, order in enumerate(orders) if order]
+        if i >= len(held) or sorted(buffer) != list(range(len(buffer))):
+            return f"dp_group_idx_{g} has grad buffer {i} and buckets {sorted(buffer)}, not what its stage holds"
+        v, order = held[i]
+        total = sum(n for o in orders for _, (n,) in o)
+        size = bucket_size(args, p, total) if v == 0 else None
+        shared = chunk_shared_embedding(args, p, pp, v, len(orders))
+        layout, end = grad_buffer_layout(order, bucket_size=size, shared=shared)
+        sizes = []
+        for b in range(len(buffer)):
+            states = buffer[b]
+            lengths = {it.shape for it in states.values()}
+            if set(states) != set(_BUCKET_SUFFIX) or len(lengths) != 1 or any(len(x or ()) != 1 for x in lengths):
+                return (
+                    f"bucket {b} of dp_group_idx_{g} grad buffer {i} does not hold param, exp_avg and exp_avg_sq alike"
+                )
+            sizes.append(next(iter(lengths))[0])  # type: ignore[index]
+        if sum(sizes) != end:
+            return (
+                f"replaying the grad-buffer layout of dp_group_idx_{g} buffer {i} gives {end} elements, "
+                f"its buckets hold {sum(sizes)}"
+            )
+        starts = [sum(sizes[:b]) for b in range(len(sizes))]
+        for name, (numel,), offset in layout:
+            b = max(k for k, s0 in enumerate(starts) if s0 <= offset)
+            lo = offset - starts[b]
+            if lo + numel > sizes[b]:
+                return f"{name} would cross the end of bucket {b} of dp_group_idx_{g}"
+            target = "embedding.word_embeddings.weight" if tied and name == "output_layer.weight" and p else name
+            shape = params[target].shape
+            assert shape is not None
+            rule, dim = split_rule(target, gated=gated)
+            for key, (suffix, kind) in _BUCKET_SUFFIX.items():
+                src = buffer[b][key]
+                pieces = _bucket_pieces(src, lo, lo + numel, tp_regions(shape, rule, dim, t, tp), t)
+                if pieces is None:
+                    return (
+                        f"{name} does not start and end on chunk boundaries of {src.name}: the replayed layout is "
+                        "not the saved one"
+                    )
+                state = manifest.items.get(f"{target}.{suffix}")
+                if state is None:
+                    state = Item(name=f"{target}.{suffix}", kind=kind, dtype=src.dtype, shape=shape)
+                    manifest.items[state.name] = state
+                for piece in pieces:
+                    piece.replica = replicas.next(state.name, (piece.box, piece.flat))
+                    state.pieces.append(piece)
+    for name in [n for n in manifest.items if _BUCKET.match(n)]:
+        del manifest.items[name]
+    return None
+
+
+def _layer_rest(name: str) -> str | None:
+    m = _LAYER.match(name)
+    return m["rest"][1:] if m and m["pre"] == "decoder.layers." else None
+
+
+def _local_numel(params: dict[str, Item], name: str, t: int, tp: int, gated: bool) -> int:
+    """Elements of ``name`` TP rank ``t`` holds (the tied output layer: the embedding's)."""
+    item = params.get(name) or params["embedding.word_embeddings.weight"]
+    assert item.shape is not None
+    rule, dim = split_rule(name, gated=gated)
+    return sum(box.volume for box in tp_regions(item.shape, rule, dim, t, tp))
+
+
+def _bucket_pieces(src: Item, lo: int, hi: int, boxes: list[Box], t: int) -> list[Piece] | None:
+    """Pieces for the elements ``[lo, hi)`` of bucket item ``src``: the local tensor of TP rank
+    ``t``, whose values fill ``boxes`` one after the other. None unless the chunks there lie
+    wholly inside ``[lo, hi)`` and tile it."""
+    chunks = sorted(
+        (p for p in src.pieces if p.replica == 0 and p.box.offsets[0] < hi and p.box.offsets[0] + p.box.sizes[0] > lo),
+        key=lambda p: p.box.offsets[0],
+    )
+    pos = lo
+    for c in chunks:
+        if c.box.offsets[0] != pos or "transforms" in c.locator:
+            return None
+        pos += c.box.sizes[0]
+    if pos != hi:
+        return None
+    itemsize = lookup_dtype(src.dtype or "float32").itemsize
+    out = []
+    start = lo
+    for box in boxes:
+        end = start + box.volume
+        for c in chunks:
+            c_lo, c_hi = c.box.offsets[0], c.box.offsets[0] + c.box.sizes[0]
+            a, z = max(start, c_lo), min(end, c_hi)
+            if a >= z:
+                continue
+            whole = (a, z) == (start, end)
+            out.append(
+                Piece(
+                    file=c.file,
+                    locator={**c.locator, "chunk_sizes": [c.box.sizes[0]], "range": [a - c_lo, z - c_lo]},
+                    box=box,
+                    flat=None if whole else (a - start, z - a),
+                    rank=t if c.rank is None else c.rank,
+                    nbytes=(z - a) * itemsize,
+                )
+            )
+        start = end
+    return out
 
 
 class MegatronDistReader(DcpReader):

@@ -79,8 +79,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def rewritten_copy(dst: Path, source: Path, edit: Callable[[Any], None]) -> Path:
-    """A copy of a Megatron legacy checkpoint with ``edit(tree)`` applied to every rank file's tree:
+def rewritten_copy(
+    dst: Path, source: Path, edit: Callable[[Any], None], files: str = "iter_*/mp_rank_*/model_optim_rng.pt"
+) -> Path:
+    """A copy of a Megatron checkpoint with ``edit(tree)`` applied to the tree of every file
+    matching ``files`` (default: each legacy rank file; ``iter_*/common.pt`` for torch_dist):
     each re-pickled by ckpttool's own writer from the restricted unpickler's tree (tensors copied
     from the original), so neither torch nor Megatron is needed. For edge-case inputs (changed
     args, param groups), never presented as a library's own output."""
@@ -91,7 +94,7 @@ def rewritten_copy(dst: Path, source: Path, edit: Callable[[Any], None]) -> Path
 
     shutil.copytree(source, dst)
     (dst / "ckpttool.manifest.json").unlink(missing_ok=True)
-    for f in dst.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+    for f in dst.glob(files):
         archive, obj, _ = _pt.load(source, str(f.relative_to(dst)), ALLOWLIST)
         try:
             edit(obj)

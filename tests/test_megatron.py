@@ -8,6 +8,7 @@ megatron-core itself (dist_checkpointing.load into a TP=1 model): ``param.*`` (b
 from __future__ import annotations
 
 import collections
+import json
 
 import pytest
 import torch
@@ -216,6 +217,72 @@ def test_distributed_optimizer_state_is_debucketed(tmp_path):
     want = _expected("legacy_tp2pp2_distopt")
     assert len(want) == 108
     assert [k for k, v in want.items() if k not in got or not same_bits(got[k], v)] == []
+
+
+@pytest.mark.parametrize("name", ["dist_tp2pp2dp2_distopt", "dist_tp2pp2dp2_distopt_fr"])
+def test_torch_dist_distributed_optimizer_reads_as_its_gather(name, tmp_path):
+    """Megatron-LM's torch_dist save with --use-distributed-optimizer at TP=2 x PP=2 x DP=2: the
+    default dp_reshardable layout (each grad-buffer bucket one 1-D tensor per state, cut between
+    the two DP ranks, de-bucketed by replaying the buffer layout) and the fully_reshardable one
+    (model space) both read as the run's own fully_reshardable gather, bit for bit."""
+    _, m = registry.describe(MG / name)
+    assert (m.layout.tp, m.layout.pp, m.layout.dp) == (2, 2, 2)
+    sharding = "fully_reshardable" if name.endswith("_fr") else "dp_reshardable"
+    assert m.extras["distrib_optim_sharding_type"] == sharding
+    assert not any(n.startswith("optimizer.") and m.items[n].is_tensor for n in m.items)
+    export(MG / name, tmp_path / "o.safetensors")
+    got = load_file(tmp_path / "o.safetensors")
+    want = _expected("dist_tp2pp2dp2_distopt")
+    assert len(want) == 108
+    assert [k for k, v in want.items() if k not in got or not same_bits(got[k], v)] == []
+    if sharding == "dp_reshardable":
+        assert m.extras["distrib_optim"].startswith("de-bucketed")
+        # a parameter the DP boundary of its bucket cuts in two: pieces of flat ranges, one per DP rank
+        cut = [i for i in m.items.values() if i.kind == "master" and any(p.flat for p in i.pieces)]
+        assert cut
+        fc1 = m.items["decoder.layers.0.mlp.linear_fc1.weight.exp_avg"]
+        assert len({p.box for p in fc1.pieces}) == 4  # SwiGLU: TP rank t holds [gate_t; up_t]
+        norm = m.items["decoder.layers.0.input_layernorm.weight.fp32"]
+        assert sorted(p.replica for p in norm.pieces) == [0, 1]  # replicated over TP
+
+
+def test_the_two_distributed_optimizer_layouts_diff_equal(tmp_path):
+    r = run_cli("diff", MG / "dist_tp2pp2dp2_distopt", MG / "dist_tp2pp2dp2_distopt_fr", "--json", cwd=tmp_path)
+    assert r.code == 0, r.stdout + r.stderr
+    report = json.loads(r.stdout)
+    assert report["equal"] and report["compared"] == report["identical"] == 108
+
+
+def test_a_bucket_layout_that_does_not_replay_is_kept_as_buckets(tmp_path):
+    """A dp_reshardable checkpoint whose args give another layout (here tied embeddings: the last
+    stage would hold a copy of the embedding) is not placed by a wrong replay: its buckets stay as
+    they are, with the reason."""
+    from tests.conftest import rewritten_copy
+
+    root = rewritten_copy(
+        tmp_path / "c",
+        MG / "dist_tp2pp2dp2_distopt",
+        lambda obj: obj["args"].__dict__.update(untie_embeddings_and_output_weights=False),
+        "iter_*/common.pt",
+    )
+    _, m = registry.describe(root)
+    assert m.extras["distrib_optim"].startswith("kept as the distributed optimizer's buckets")
+    assert "gives 5392 elements, its buckets hold 4368" in m.extras["distrib_optim"]
+    assert any(n.startswith("optimizer.distributed.") and m.items[n].is_tensor for n in m.items)
+
+
+def test_a_replay_in_another_order_is_caught_by_the_chunk_boundaries(monkeypatch):
+    """The sizes alone cannot tell a wrong parameter order: each parameter must also start and end
+    on the chunk boundaries megatron-core saved (here linear_qkv's weight laid out before
+    linear_proj's, as no megatron-core version registers them)."""
+    from ckpttool.formats import megatron
+
+    order = list(megatron._LAYER_ORDER)
+    a, b = order.index("self_attention.linear_proj.weight"), order.index("self_attention.linear_qkv.weight")
+    order[a], order[b] = order[b], order[a]
+    monkeypatch.setattr(megatron, "_LAYER_ORDER", tuple(order))
+    _, m = registry.describe(MG / "dist_tp2pp2dp2_distopt")
+    assert "does not start and end on chunk boundaries" in m.extras["distrib_optim"]
 
 
 def test_hostile_args_class(tmp_path):

@@ -9,6 +9,7 @@ state name (``<param>.exp_avg``, ``<param>.exp_avg_sq``, master copies ``<param>
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
@@ -337,6 +338,7 @@ def _debucket_dist(manifest: Manifest, args: Any) -> str | None:
                 orders.append([(n, (_local_numel(params, n, t, tp, gated),)) for n in names])
             placed[(t, p)] = orders
     replicas = ReplicaCounter()
+    indexes: dict[str, tuple[list[int], list[Piece]]] = {}  # bucket item -> its chunks, sorted
     for (g, i), buffer in sorted(buckets.items()):
         t, p = g % tp, g // tp
         if p >= pp:
@@ -376,7 +378,11 @@ def _debucket_dist(manifest: Manifest, args: Any) -> str | None:
             rule, dim = split_rule(target, gated=gated)
             for key, (suffix, kind) in _BUCKET_SUFFIX.items():
                 src = buffer[b][key]
-                pieces = _bucket_pieces(src, lo, lo + numel, tp_regions(shape, rule, dim, t, tp), t)
+                if src.name not in indexes:
+                    ranked = sorted((c for c in src.pieces if c.replica == 0), key=lambda c: c.box.offsets[0])
+                    indexes[src.name] = ([c.box.offsets[0] for c in ranked], ranked)
+                regions = tp_regions(shape, rule, dim, t, tp)
+                pieces = _bucket_pieces(src, indexes[src.name], lo, lo + numel, regions, t)
                 if pieces is None:
                     return (
                         f"{name} does not start and end on chunk boundaries of {src.name}: the replayed layout is "
@@ -407,14 +413,19 @@ def _local_numel(params: dict[str, Item], name: str, t: int, tp: int, gated: boo
     return sum(box.volume for box in tp_regions(item.shape, rule, dim, t, tp))
 
 
-def _bucket_pieces(src: Item, lo: int, hi: int, boxes: list[Box], t: int) -> list[Piece] | None:
-    """Pieces for the elements ``[lo, hi)`` of bucket item ``src``: the local tensor of TP rank
-    ``t``, whose values fill ``boxes`` one after the other. None unless the chunks there lie
-    wholly inside ``[lo, hi)`` and tile it."""
-    chunks = sorted(
-        (p for p in src.pieces if p.replica == 0 and p.box.offsets[0] < hi and p.box.offsets[0] + p.box.sizes[0] > lo),
-        key=lambda p: p.box.offsets[0],
-    )
+def _bucket_pieces(
+    src: Item, index: tuple[list[int], list[Piece]], lo: int, hi: int, boxes: list[Box], t: int
+) -> list[Piece] | None:
+    """Pieces for the elements ``[lo, hi)`` of bucket item ``src`` (``index``: its first copies'
+    starts and pieces, sorted): the local tensor of TP rank ``t``, whose values fill ``boxes`` one
+    after the other. None unless the chunks there lie wholly inside ``[lo, hi)`` and tile it."""
+    starts, sorted_pieces = index
+    k = max(bisect.bisect_right(starts, lo) - 1, 0)
+    chunks = []
+    while k < len(starts) and starts[k] < hi:
+        if starts[k] + sorted_pieces[k].box.sizes[0] > lo:
+            chunks.append(sorted_pieces[k])
+        k += 1
     pos = lo
     for c in chunks:
         if c.box.offsets[0] != pos or "transforms" in c.locator:

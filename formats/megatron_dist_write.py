@@ -32,8 +32,12 @@ What is carried besides the tensors:
   ``num_floating_point_operations_so_far``, ``content_metadata``.
 
 From a ``torch_dist`` source, ``common.pt`` is re-pickled with the new ``args`` and every
-``ShardedObject`` record is copied byte for byte. The distributed optimizer's own layouts are
-refused, never written wrong.
+``ShardedObject`` record is copied byte for byte. A ``torch_dist`` source saved with the
+distributed optimizer (``dp_reshardable``, read de-bucketed, or ``fully_reshardable``) is written
+in the distributed optimizer's ``fully_reshardable`` layout, which megatron-core loads at any TP
+and PP: ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`` cut like the parameter, and in
+``common.pt`` the optimizer state dict without per-parameter state, ``param_state_sharding_type``
+and the content metadata that names the layout.
 """
 
 from __future__ import annotations
@@ -50,11 +54,11 @@ import numpy as np
 
 from ckpttool.assemble import check_coverage
 from ckpttool.dtypes import carrier
-from ckpttool.errors import UsageError
+from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.formats import _pt, _ptwrite
 from ckpttool.formats.base import PieceReader, PlannedFile
 from ckpttool.formats.dcp_write import Record, write_metadata
-from ckpttool.formats.megatron import _LAYER, _STATE_SUFFIX, _TE_TO_LOCAL, ALLOWLIST, expert_slot
+from ckpttool.formats.megatron import _LAYER, _TE_TO_LOCAL, ALLOWLIST, expert_slot
 from ckpttool.formats.megatron_write import (
     LegacyWriter,
     MegatronTarget,
@@ -81,7 +85,15 @@ CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix
 """``common.pt``'s ``content_metadata`` for the non-distributed optimizer (megatron-core 0.16)"""
 
 _LOCAL_TO_TE = {local: te for te, local in _TE_TO_LOCAL.items()}
-_STATE_PREFIX = {suffix: f"optimizer.state.{key}." for key, suffix in _STATE_SUFFIX.items()}
+_STATE_PREFIX = {
+    "fp32": "optimizer.state.fp32_param.",
+    "exp_avg": "optimizer.state.exp_avg.",
+    "exp_avg_sq": "optimizer.state.exp_avg_sq.",
+}
+"""the Float16 optimizer's keys"""
+_MODEL_SPACE_PREFIX = {**_STATE_PREFIX, "fp32": "optimizer.state.param."}
+"""the distributed optimizer's ``fully_reshardable`` keys"""
+_BUCKET_OBJECT = re.compile(r"^optimizer\.distributed\.dp_group_idx_(?P<g>\d+)\.(?P<key>[^./]+)/shard_0_1$")
 _SHARD = re.compile(r"^(?P<key>.+)/shard_(?P<offsets>\d+(?:\.\d+)*)_(?P<shape>\d+(?:\.\d+)*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(?P<j>\d+)\.(?P<rest>.+)$")
 
@@ -135,17 +147,17 @@ class DistWriter(LegacyWriter):
                 "parameter is in",
                 hint="keep EP = 1 or EP > 1, or reshard from the legacy checkpoint",
             )
-        if self.src.distopt and self.distopt:  # (--no-distributed-optimizer already did it)
+        self.model_space = self.from_dist and self.src.distopt
+        """write the distributed optimizer's ``fully_reshardable`` layout (from a torch_dist source
+        saved with the distributed optimizer, in either of its layouts)"""
+        self.optimizer_common: dict[str, Any] = {}
+        if self.model_space:
+            self.optimizer_common = self._model_space_common(root)
+        elif self.src.distopt and self.distopt:  # (--no-distributed-optimizer already did it)
             # torch_dist keeps the optimizer state per parameter, as megatron-core saves it for the
             # Float16 optimizer: the members of each group, which distrib_optim.pt does not record
             self._infer_membership("--to megatron-dist")
             self.distopt: bool = False
-        if getattr(self.args, "use_distributed_optimizer", False) and self.from_dist:
-            raise UsageError(
-                "this torch_dist checkpoint was saved with the distributed optimizer, whose optimizer layout "
-                "ckpttool does not rewrite yet",
-                hint="'ckpttool convert --to dcp' keeps its state in a layout-free form",
-            )
         self.layers = _num_layers(self.args)
         self.local_spec = getattr(self.args, "transformer_impl", None) == "local"
         tp, pp = target.tp, target.pp
@@ -163,6 +175,9 @@ class DistWriter(LegacyWriter):
             raise UsageError("common.pt has no args: ckpttool cannot tell the model's layout")
         lay = manifest.layout
         experts = int(getattr(common["args"], "num_experts", None) or 0)
+        distopt = bool(getattr(common["args"], "use_distributed_optimizer", False))
+        if distopt:
+            self._check_distopt_source(manifest, experts)
         return _Source(
             tp=lay.tp or 1,
             pp=lay.pp or 1,
@@ -170,7 +185,63 @@ class DistWriter(LegacyWriter):
             rels={(0, 0, 0): "common.pt"},
             ep=lay.ep or 1,
             experts=experts,
+            distopt=distopt,
         )
+
+    def _check_distopt_source(self, manifest: Manifest, experts: int) -> None:
+        """Refuse what the ``fully_reshardable`` output cannot be written from, with the reason."""
+        sharding = manifest.extras.get("distrib_optim_sharding_type")
+        kept = str(manifest.extras.get("distrib_optim", ""))
+        if sharding not in ("dp_reshardable", "fully_reshardable"):
+            raise UsageError(
+                f"this torch_dist checkpoint's distributed-optimizer layout is {sharding!r}; ckpttool rewrites "
+                "dp_reshardable and fully_reshardable (megatron-core 0.13 and later)",
+                hint="'ckpttool convert --to dcp' keeps its state in a layout-free form",
+            )
+        if kept.startswith("kept as"):
+            raise UsageError(
+                f"this torch_dist checkpoint's distributed-optimizer state is {kept}",
+                hint="'ckpttool inspect' shows the buckets as saved; 'ckpttool convert --to dcp' keeps them",
+            )
+        if experts:
+            raise UsageError("rewriting the distributed optimizer's torch_dist layouts of experts is not supported yet")
+
+    def _model_space_common(self, root: Path) -> dict[str, Any]:
+        """The optimizer's part of ``common.pt`` in the ``fully_reshardable`` layout: the optimizer
+        state dict without per-parameter state (param groups with their step; a grad scaler),
+        which a ``dp_reshardable`` source keeps once per model-parallel rank as ShardedObjects
+        (``optimizer.distributed.dp_group_idx_<g>.<key>``); those must agree."""
+        common = self.src.objs[(0, 0, 0)].get("optimizer")
+        if self.manifest.extras.get("distrib_optim_sharding_type") == "fully_reshardable":
+            if not isinstance(common, dict) or not isinstance(common.get("optimizer"), dict):
+                raise CorruptFileError("common.pt: no optimizer state dict beside the fully_reshardable state")
+            return {k: v for k, v in common.items() if k != "param_state_sharding_type"}
+        from ckpttool.formats.megatron import MegatronDistReader
+
+        found: dict[int, dict[str, Any]] = {}
+        with MegatronDistReader(self.manifest) as reader:
+            for name, item in self.manifest.items.items():
+                m = _BUCKET_OBJECT.match(name)
+                if m is None or m["key"] in ("per_bucket_numel", "per_bucket_numel_unpadded"):
+                    continue
+                value = reader.read_object(item)
+                # megatron-core stores a ShardedObject as [value]
+                if not isinstance(value, list) or len(value) != 1:
+                    raise CorruptFileError(f"{name}: expected [value], found {type(value).__name__}")
+                found.setdefault(int(m["g"]), {})[m["key"]] = value[0]
+        if not found or "optimizer" not in found.get(0, {}):
+            raise CorruptFileError(
+                "no optimizer.distributed.dp_group_idx_0.optimizer object: the param groups of this "
+                "dp_reshardable checkpoint are missing"
+            )
+        first = found[0]
+        differ = sorted(g for g, v in found.items() if repr(v) != repr(first))
+        if differ:
+            raise UsageError(
+                f"the optimizer state of model-parallel ranks {differ} differs from rank 0's (param groups, step); "
+                "the fully_reshardable layout keeps one for all"
+            )
+        return first
 
     # -- planning --------------------------------------------------------------------------------
 
@@ -202,6 +273,8 @@ class DistWriter(LegacyWriter):
                     self._plan_tensor(item)
             elif item.kind == "rng" or (item.pieces and item.pieces[0].file == "common.pt"):
                 continue  # RNG: below, per target rank; counters, scheduler: in common.pt
+            elif self.model_space and _BUCKET_OBJECT.match(item.name):
+                continue  # dp_reshardable's optimizer objects: into common.pt
             elif item.name.endswith("_extra_state") or "._extra_state/shard_" in item.name:
                 self._plan_extra_state(item)
             elif not self.from_dist and item.name not in model:
@@ -223,7 +296,7 @@ class DistWriter(LegacyWriter):
             return  # tied: megatron-core saves the output layer under the embedding's key
         key, layer, expert = self._key(param)
         if item.kind in ("optim", "master"):
-            key = _STATE_PREFIX[item.name.rsplit(".", 1)[1]] + key
+            key = (_MODEL_SPACE_PREFIX if self.model_space else _STATE_PREFIX)[item.name.rsplit(".", 1)[1]] + key
         rows = self.rows if _is_vocab(param) else None
         shape = item.shape if rows is None else (rows, *item.shape[1:])
         whole = Box.whole(shape)
@@ -374,6 +447,16 @@ class DistWriter(LegacyWriter):
             common = self.src.objs[(0, 0, 0)]
             archive = partial(reader.archive_of, _pt.object_piece("common.pt", ""))
             tree = {k: (self._dist_args(v) if k == "args" else _ptwrite.carry(v, archive)) for k, v in common.items()}
+            if self.model_space:
+                tree["optimizer"] = {
+                    **{k: _ptwrite.carry(v, archive) for k, v in self.optimizer_common.items()},
+                    "param_state_sharding_type": "fully_reshardable",
+                }
+                tree["content_metadata"] = {
+                    "distrib_optim_sharding_type": "fully_reshardable",
+                    "distrib_optim_fully_reshardable_mem_efficient": False,
+                    **CONTENT_METADATA,
+                }
             return tree
         first, rel = self.src.objs[(0, 0, 0)], self.src.rels[(0, 0, 0)]
         archives = _pt.archive_cache(reader)
@@ -427,6 +510,11 @@ class DistWriter(LegacyWriter):
             )
         if not self.from_dist:
             out.append("written from a legacy checkpoint: Megatron reads it with --ckpt-format torch_dist (default)")
+        if self.model_space:
+            out.append(
+                "the distributed optimizer's state is written in its fully_reshardable layout (model space), "
+                "which Megatron-LM loads at any TP and PP: resume with --use-distributed-optimizer"
+            )
         return out
 
 

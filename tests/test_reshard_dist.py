@@ -24,6 +24,8 @@ from tests.conftest import FIXTURES, cli_env
 LEGACY = FIXTURES / "megatron" / "legacy_tp2pp2"
 DIST = FIXTURES / "megatron" / "dist_tp2pp2"
 DISTOPT = FIXTURES / "megatron" / "legacy_tp2pp2_distopt"
+DIST_DP = FIXTURES / "megatron" / "dist_tp2pp2dp2_distopt"  # distributed optimizer, dp_reshardable
+DIST_FR = FIXTURES / "megatron" / "dist_tp2pp2dp2_distopt_fr"  # the same state, fully_reshardable
 ITER = "iter_0000003"
 
 
@@ -128,6 +130,70 @@ def test_round_trip_is_exact(tmp_path):
     assert not diff(DIST, one).different and not diff(DIST, back).different
 
 
+def _same_records(out: Path, theirs: Path) -> None:
+    """``out``'s keys, dtypes, global shapes and chunks are ``theirs``', and every record (tensor
+    chunk, ShardedObject) is theirs byte for byte."""
+    ours, megatron = _metadata(out), _metadata(theirs)
+    assert _chunks(ours) == _chunks(megatron)
+    for key, meta in megatron.state_dict_metadata.items():
+        for offsets in [c.offsets for c in meta.chunks] if hasattr(meta, "chunks") else [None]:
+            assert _record(out, ours, key, offsets) == _record(theirs, megatron, key, offsets), key
+
+
+@pytest.mark.parametrize("source", [DIST_DP, DIST_FR], ids=["dp_reshardable", "fully_reshardable"])
+def test_distributed_optimizer_is_written_as_megatron_saves_it_fully_reshardable(source, tmp_path):
+    """A torch_dist checkpoint saved with the distributed optimizer, in Megatron-LM's default
+    dp_reshardable layout (bucket space, which megatron-core reshards only across DP) or in
+    fully_reshardable, rewritten at the same TP=2 x PP=2: every key, chunk and record is
+    Megatron's own fully_reshardable save of the same state, byte for byte, and so are common.pt's
+    optimizer part and content metadata."""
+    import torch
+
+    out = tmp_path / "out"
+    result = reshard(source, out, Target(to="megatron-dist"))
+    assert any("fully_reshardable" in n and "--use-distributed-optimizer" in n for n in result.plan.notes)
+    _same_records(out, DIST_FR)
+    common = torch.load(out / ITER / "common.pt", weights_only=False)
+    theirs = torch.load(DIST_FR / ITER / "common.pt", weights_only=False)
+    assert list(common) == list(theirs) and _same(common["optimizer"], theirs["optimizer"])
+    assert common["content_metadata"] == theirs["content_metadata"]
+    assert common["args"].use_distributed_optimizer is True
+    assert not diff(source, out).different and verify(out).failing() == []
+
+
+def test_distributed_optimizer_round_trip_is_exact(tmp_path):
+    """dp_reshardable TP=2 x PP=2 -> TP=1 x PP=1 -> TP=2 x PP=2: Megatron's fully_reshardable save
+    of the same state, record for record (the RNG of the ranks a TP=1 x PP=1 file cannot keep aside)."""
+    one, back = tmp_path / "tp1", tmp_path / "back"
+    reshard(DIST_DP, one, Target(tp=1, pp=1))
+    reshard(one, back, Target(tp=2, pp=2))
+    _, m = registry.describe(one)
+    assert (m.layout.tp, m.layout.pp) == (1, 1) and m.extras["distrib_optim_sharding_type"] == "fully_reshardable"
+    ours, megatron = _metadata(back), _metadata(DIST_FR)
+    assert _chunks(ours) == _chunks(megatron)
+    for key, meta in megatron.state_dict_metadata.items():
+        if key.startswith("rng_state/") and key != "rng_state/shard_0.0_2.2":
+            continue
+        for offsets in [c.offsets for c in meta.chunks] if hasattr(meta, "chunks") else [None]:
+            assert _record(back, ours, key, offsets) == _record(DIST_FR, megatron, key, offsets), key
+    assert not diff(DIST_DP, one).different and not diff(DIST_FR, back).different
+
+
+def test_distributed_optimizer_refusals(tmp_path):
+    from tests.conftest import rewritten_copy
+
+    # buckets whose layout does not replay (the args changed to tied embeddings) are not rewritten
+    changed = rewritten_copy(
+        tmp_path / "tied",
+        DIST_DP,
+        lambda obj: obj["args"].__dict__.update(untie_embeddings_and_output_weights=False),
+        "iter_*/common.pt",
+    )
+    with pytest.raises(UsageError, match="kept as the distributed optimizer's buckets: replaying"):
+        reshard(changed, tmp_path / "b", Target(tp=1, pp=1))
+    assert not (tmp_path / "b").exists()
+
+
 def test_refusals(tmp_path):
     out = tmp_path / "out"
     for target, message in [
@@ -201,8 +267,16 @@ def _torchrun(*args: str, nproc: int) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("source", "tp", "pp"),
-    [(LEGACY, 1, 1), (LEGACY, 2, 2), (DIST, 1, 2), (DIST, 2, 1), (DISTOPT, 2, 1)],
-    ids=["legacy-tp1pp1", "legacy-tp2pp2", "dist-tp1pp2", "dist-tp2pp1", "legacy-distopt-tp2pp1"],
+    [(LEGACY, 1, 1), (LEGACY, 2, 2), (DIST, 1, 2), (DIST, 2, 1), (DISTOPT, 2, 1), (DIST_DP, 2, 1), (DIST_FR, 1, 2)],
+    ids=[
+        "legacy-tp1pp1",
+        "legacy-tp2pp2",
+        "dist-tp1pp2",
+        "dist-tp2pp1",
+        "legacy-distopt-tp2pp1",
+        "dist-dp_reshardable-tp2pp1",
+        "dist-fully_reshardable-tp1pp2",
+    ],
 )
 def test_megatron_core_loads_the_output(source, tp, pp, tmp_path):
     """Oracle: megatron-core's dist_checkpointing.load, at the new TP x PP (torchrun, gloo), loads
@@ -211,19 +285,38 @@ def test_megatron_core_loads_the_output(source, tp, pp, tmp_path):
     cover each reference tensor exactly once, step and iteration are 3 and, from the legacy
     source, each rank's RNG is the source rank (t mod 2, p mod 2)'s. From the distributed-optimizer
     legacy source, the per-parameter optimizer state comes out of distrib_optim.pt, its members
-    by megatron-core's grouping rule."""
+    by megatron-core's grouping rule. From the torch_dist sources saved with the distributed optimizer
+    (DP=2, dp_reshardable or fully_reshardable), megatron-core's DistributedOptimizer loads the
+    fully_reshardable output at a TP x PP the dp_reshardable source itself cannot be loaded at."""
     pytest.importorskip("megatron.core")
     out = tmp_path / "out"
     reshard(source, out, Target(to="megatron-dist", tp=tp, pp=pp))
     args = ["--ckpt", str(out), "--tp", str(tp), "--pp", str(pp)]
-    args += ["--reference", str(FIXTURES / "megatron" / f"{source.name}.reference.pt")]
-    if source != DIST:
+    distopt = source in (DIST_DP, DIST_FR)
+    args += ["--reference", str(FIXTURES / "megatron" / f"{DIST_DP.name if distopt else source.name}.reference.pt")]
+    legacy = source.name.startswith("legacy")
+    if legacy:
         args += ["--rng-source", str(source)]
+    if distopt:
+        args += ["--distopt"]
     result = _torchrun(*args, nproc=tp * pp)
     assert len(result["ranks"]) == tp * pp and result["groups"] == 2
     for rank in result["ranks"]:
         assert rank["problems"] == [] and rank["checked"] >= 60
-        assert rank["rng_matches"] is (True if source != DIST else None)
+        assert rank["rng_matches"] is (True if legacy else None)
+
+
+@pytest.mark.slow
+def test_megatron_core_loads_megatron_s_own_fully_reshardable_save():
+    """The control for the distributed-optimizer oracle above (its CPU shims included): megatron-core
+    loads Megatron-LM's own fully_reshardable save at its TP=2 x PP=2 (the RNG records are there for
+    that layout only), every tensor equal to the reference."""
+    pytest.importorskip("megatron.core")
+    args = ["--ckpt", str(DIST_FR), "--tp", "2", "--pp", "2", "--distopt"]
+    args += ["--reference", str(FIXTURES / "megatron" / f"{DIST_DP.name}.reference.pt")]
+    result = _torchrun(*args, nproc=4)
+    assert [rank["problems"] for rank in result["ranks"]] == [[]] * 4
+    assert min(rank["checked"] for rank in result["ranks"]) >= 60
 
 
 @pytest.mark.slow

@@ -69,8 +69,8 @@ _OPT_STATE = re.compile(r"^optimizer\.state\.(fp32_param|param|exp_avg|exp_avg_s
 _STATE_SUFFIX = {"fp32_param": "fp32", "param": "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 # the distributed optimizer's dp_reshardable layout: one 1-D tensor per grad-buffer bucket
 _BUCKET = re.compile(
-    r"^optimizer\.distributed\.dp_group_idx_(?P<g>\d+)\.gbuf_idx_(?P<i>\d+)\.dtype_(?P<dt>.+)"
-    r"\.bucket_idx_(?P<b>\d+)\.(?P<key>param|exp_avg|exp_avg_sq)$"
+    r"^(?P<chain>chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(?P<g>\d+)\.gbuf_idx_(?P<i>\d+)"
+    r"\.dtype_(?P<dt>.+)\.bucket_idx_(?P<b>\d+)\.(?P<key>param|exp_avg|exp_avg_sq)$"
 )
 _BUCKET_SUFFIX: dict[str, tuple[str, Kind]] = {
     "param": ("fp32", "master"),
@@ -301,10 +301,18 @@ def _debucket_dist(manifest: Manifest, args: Any) -> str | None:
     parameter must start and end on a chunk boundary: a replay that disagrees is not used. Returns
     None once placed (the bucket items replaced), else why the buckets were kept as they are."""
     buckets: dict[tuple[int, int], dict[int, dict[str, Item]]] = {}
+    dtypes: dict[tuple[int, int], set[str]] = {}
     for name, item in manifest.items.items():
         if (m := _BUCKET.match(name)) is not None:
+            if m["chain"]:
+                return "a chain of distributed optimizers (chained_<i>.optimizer...) is not replayed yet"
             buffer = buckets.setdefault((int(m["g"]), int(m["i"])), {})
             buffer.setdefault(int(m["b"]), {})[m["key"]] = item
+            dtypes.setdefault((int(m["g"]), int(m["i"])), set()).add(m["dt"])
+    several = sorted(k for k, v in dtypes.items() if len(v) > 1)
+    if several:
+        g, i = several[0]
+        return f"dp_group_idx_{g} grad buffer {i} has buckets of {len(dtypes[(g, i)])} dtypes, not replayed yet"
     if args is None:
         return "common.pt has no args to replay the layout with"
     if int(getattr(args, "num_experts", None) or 0):
@@ -339,6 +347,7 @@ def _debucket_dist(manifest: Manifest, args: Any) -> str | None:
             placed[(t, p)] = orders
     replicas = ReplicaCounter()
     indexes: dict[str, tuple[list[int], list[Piece]]] = {}  # bucket item -> its chunks, sorted
+    made: dict[str, Item] = {}  # the per-parameter items, added to the manifest at the end
     for (g, i), buffer in sorted(buckets.items()):
         t, p = g % tp, g // tp
         if p >= pp:
@@ -388,15 +397,19 @@ def _debucket_dist(manifest: Manifest, args: Any) -> str | None:
                         f"{name} does not start and end on chunk boundaries of {src.name}: the replayed layout is "
                         "not the saved one"
                     )
-                state = manifest.items.get(f"{target}.{suffix}")
+                state = made.get(f"{target}.{suffix}")
                 if state is None:
                     state = Item(name=f"{target}.{suffix}", kind=kind, dtype=src.dtype, shape=shape)
-                    manifest.items[state.name] = state
+                    made[state.name] = state
                 for piece in pieces:
                     piece.replica = replicas.next(state.name, (piece.box, piece.flat))
                     state.pieces.append(piece)
+    taken = [n for n in made if n in manifest.items]
+    if taken:
+        return f"{taken[0]} is in the checkpoint already"
     for name in [n for n in manifest.items if _BUCKET.match(n)]:
         del manifest.items[name]
+    manifest.items.update(made)  # only once every buffer is placed: a failed replay leaves nothing behind
     return None
 
 

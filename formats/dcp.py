@@ -564,17 +564,14 @@ class DcpReader(PieceReader):
     def read(self, piece: Piece, item: Item, out: np.ndarray | None = None) -> np.ndarray:
         if "begin" in piece.locator:  # HuggingFaceStorageWriter shard
             return st.read_range(self.files, piece, item, out)
-        if "range" in piece.locator:  # elements [a, b) of a stored 1-D chunk (Megatron's optimizer buckets)
-            a, b = piece.locator["range"]
-            values = self._chunk(piece, item)[a:b]
-            if piece.flat is None:
-                values = values.reshape(piece.box.sizes)
-            if out is None:
-                return np.ascontiguousarray(values)
-            out.reshape(values.shape)[...] = values
-            return out
-        if "select0" in piece.locator:  # one index of a stored chunk (Megatron's stacked layers, experts)
-            values = self._chunk(piece, item)[_selected(piece.locator)]
+        loc = piece.locator
+        if "range" in loc or "select0" in loc:  # part of a stored chunk, which is read whole (and kept)
+            chunk = self._chunk(piece, item)
+            if "range" in loc:  # elements [a, b) of a 1-D chunk (Megatron's optimizer buckets)
+                a, b = loc["range"]
+                values = chunk[a:b] if piece.flat is not None else chunk[a:b].reshape(piece.box.sizes)
+            else:  # one index (Megatron's stacked layers, experts)
+                values = chunk[_selected(loc)]
             if out is None:
                 return np.ascontiguousarray(values)
             out.reshape(values.shape)[...] = values
@@ -624,8 +621,8 @@ class DcpReader(PieceReader):
             return None  # read() says what is wrong
         span = _torchzip.tensor_span(archive, ref)
         if span is not None and "range" in loc:
-            itemsize = span[1] // ref.shape[0] if ref.shape and ref.shape[0] else 0
             a, b = loc["range"]
+            itemsize = lookup_dtype(ref.dtype).itemsize
             return span[0] + a * itemsize, (b - a) * itemsize
         if span is None or "select0" not in loc:
             return span

@@ -72,6 +72,9 @@ _BUCKET = re.compile(
     r"^(?P<chain>chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(?P<g>\d+)\.gbuf_idx_(?P<i>\d+)"
     r"\.dtype_(?P<dt>.+)\.bucket_idx_(?P<b>\d+)\.(?P<key>param|exp_avg|exp_avg_sq)$"
 )
+BUCKET_OBJECT = re.compile(r"^optimizer\.distributed\.dp_group_idx_(?P<g>\d+)\.(?P<key>[^./]+)/shard_0_1$")
+"""the ``dp_reshardable`` optimizer's ShardedObjects: its state dict without per-parameter state
+(``optimizer``, ``grad_scaler``) and ``per_bucket_numel[_unpadded]``, once per model-parallel rank"""
 _BUCKET_SUFFIX: dict[str, tuple[str, Kind]] = {
     "param": ("fp32", "master"),
     "exp_avg": ("exp_avg", "optim"),
@@ -358,9 +361,7 @@ def _debucket_dist(manifest: Manifest, args: Any) -> str | None:
             return f"dp_group_idx_{g} has grad buffer {i} and buckets {sorted(buffer)}, not what its stage holds"
         v, order = held[i]
         total = sum(n for o in orders for _, (n,) in o)
-        size = bucket_size(args, p, total) if v == 0 else None
-        shared = chunk_shared_embedding(args, p, pp, v, len(orders))
-        layout, end = grad_buffer_layout(order, bucket_size=size, shared=shared)
+        layout, end = chunk_buffer_layout(args, order, (p, pp, v, len(orders)), total)
         sizes = []
         for b in range(len(buffer)):
             states = buffer[b]
@@ -384,14 +385,13 @@ def _debucket_dist(manifest: Manifest, args: Any) -> str | None:
             target = "embedding.word_embeddings.weight" if tied and name == "output_layer.weight" and p else name
             shape = params[target].shape
             assert shape is not None
-            rule, dim = split_rule(target, gated=gated)
+            regions = tp_regions(shape, *split_rule(target, gated=gated), t, tp)
             for key, (suffix, kind) in _BUCKET_SUFFIX.items():
                 src = buffer[b][key]
                 if src.name not in indexes:
                     ranked = sorted((c for c in src.pieces if c.replica == 0), key=lambda c: c.box.offsets[0])
                     indexes[src.name] = ([c.box.offsets[0] for c in ranked], ranked)
-                regions = tp_regions(shape, rule, dim, t, tp)
-                pieces = _bucket_pieces(src, indexes[src.name], lo, lo + numel, regions, t)
+                pieces = _bucket_pieces(src, indexes[src.name], lo, lo + numel, regions)
                 if pieces is None:
                     return (
                         f"{name} does not start and end on chunk boundaries of {src.name}: the replayed layout is "
@@ -427,11 +427,11 @@ def _local_numel(params: dict[str, Item], name: str, t: int, tp: int, gated: boo
 
 
 def _bucket_pieces(
-    src: Item, index: tuple[list[int], list[Piece]], lo: int, hi: int, boxes: list[Box], t: int
+    src: Item, index: tuple[list[int], list[Piece]], lo: int, hi: int, boxes: list[Box]
 ) -> list[Piece] | None:
     """Pieces for the elements ``[lo, hi)`` of bucket item ``src`` (``index``: its first copies'
-    starts and pieces, sorted): the local tensor of TP rank ``t``, whose values fill ``boxes`` one
-    after the other. None unless the chunks there lie wholly inside ``[lo, hi)`` and tile it."""
+    starts and pieces, sorted): one TP rank's local tensor, whose values fill ``boxes`` one after
+    the other. None unless the chunks there lie wholly inside ``[lo, hi)`` and tile it."""
     starts, sorted_pieces = index
     k = max(bisect.bisect_right(starts, lo) - 1, 0)
     chunks = []
@@ -463,7 +463,7 @@ def _bucket_pieces(
                     locator={**c.locator, "chunk_sizes": [c.box.sizes[0]], "range": [a - c_lo, z - c_lo]},
                     box=box,
                     flat=None if whole else (a - start, z - a),
-                    rank=t if c.rank is None else c.rank,
+                    rank=c.rank,
                     nbytes=(z - a) * itemsize,
                 )
             )
@@ -1174,10 +1174,7 @@ class MegatronLegacyAdapter:
         t, p, v, chunks = where
         state = next(iter(buffer.values()))
         numel = state.get("numel_unpadded") if isinstance(state, dict) else None
-        # megatron-core buckets only the first model chunk of the first stage (DDP's disable_bucketing)
-        size = bucket_size(args, p, total) if v == 0 else None
-        shared = chunk_shared_embedding(args, p, pp, v, chunks)
-        layout, pos = grad_buffer_layout(order, bucket_size=size, shared=shared)
+        layout, pos = chunk_buffer_layout(args, order, (p, pp, v, chunks), total)
         if pos != numel:
             raise CorruptFileError(
                 f"{rel}: replaying the grad-buffer layout of model chunk {v} gives {pos} elements, the file says "
@@ -1271,6 +1268,18 @@ def grad_buffer_layout(
         if (bucket_size is not None and rel >= bucket_size) or name in shared:
             base, rel, count = base + rel, 0, 0
     return out, base + rel
+
+
+def chunk_buffer_layout(
+    args: Any, order: list[tuple[str, tuple[int, ...]]], where: tuple[int, int, int, int], total: int
+) -> tuple[list[tuple[str, tuple[int, ...], int]], int]:
+    """:func:`grad_buffer_layout` of the grad buffer of model chunk ``v`` of ``chunks`` on pipeline
+    rank ``p`` of ``pp`` (``where``), whose parameters in registration order are ``order``, the rank
+    holding ``total`` parameter elements: megatron-core buckets only the first model chunk of the
+    first stage (DDP's disable_bucketing), and gives a tied embedding a bucket of its own."""
+    p, pp, v, chunks = where
+    size = bucket_size(args, p, total) if v == 0 else None
+    return grad_buffer_layout(order, bucket_size=size, shared=chunk_shared_embedding(args, p, pp, v, chunks))
 
 
 def bucket_size(args: Any, pp_rank: int, numel: int) -> int | None:

@@ -58,7 +58,7 @@ from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.formats import _pt, _ptwrite
 from ckpttool.formats.base import PieceReader, PlannedFile
 from ckpttool.formats.dcp_write import Record, write_metadata
-from ckpttool.formats.megatron import _LAYER, _TE_TO_LOCAL, ALLOWLIST, expert_slot
+from ckpttool.formats.megatron import _LAYER, _TE_TO_LOCAL, ALLOWLIST, BUCKET_OBJECT, expert_slot
 from ckpttool.formats.megatron_write import (
     LegacyWriter,
     MegatronTarget,
@@ -93,7 +93,6 @@ _STATE_PREFIX = {
 """the Float16 optimizer's keys"""
 _MODEL_SPACE_PREFIX = {**_STATE_PREFIX, "fp32": "optimizer.state.param."}
 """the distributed optimizer's ``fully_reshardable`` keys"""
-_BUCKET_OBJECT = re.compile(r"^optimizer\.distributed\.dp_group_idx_(?P<g>\d+)\.(?P<key>[^./]+)/shard_0_1$")
 _SHARD = re.compile(r"^(?P<key>.+)/shard_(?P<offsets>\d+(?:\.\d+)*)_(?P<shape>\d+(?:\.\d+)*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(?P<j>\d+)\.(?P<rest>.+)$")
 
@@ -221,7 +220,7 @@ class DistWriter(LegacyWriter):
         found: dict[int, dict[str, Any]] = {}
         with MegatronDistReader(self.manifest) as reader:
             for name, item in self.manifest.items.items():
-                m = _BUCKET_OBJECT.match(name)
+                m = BUCKET_OBJECT.match(name)
                 if m is None or m["key"] in ("per_bucket_numel", "per_bucket_numel_unpadded"):
                     continue
                 value = reader.read_object(item)
@@ -273,7 +272,7 @@ class DistWriter(LegacyWriter):
                     self._plan_tensor(item)
             elif item.kind == "rng" or (item.pieces and item.pieces[0].file == "common.pt"):
                 continue  # RNG: below, per target rank; counters, scheduler: in common.pt
-            elif self.model_space and _BUCKET_OBJECT.match(item.name):
+            elif self.model_space and BUCKET_OBJECT.match(item.name):
                 continue  # dp_reshardable's optimizer objects: into common.pt
             elif item.name.endswith("_extra_state") or "._extra_state/shard_" in item.name:
                 self._plan_extra_state(item)

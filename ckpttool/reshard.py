@@ -8,7 +8,7 @@ seals the directory (``ckpttool.manifest.json``) and publishes it with one renam
 dies leaves the destination absent (or, with ``--force``, as it was until the final rename).
 
 Targets so far: Megatron legacy and torch_dist at any TP/PP/VPP/EP or pipeline layout (from either),
-DeepSpeed ZeRO-1/2/3 at any DP (from the same stage), DeepSpeed's universal layout (from ZeRO-1/2 without TP or PP) and
+DeepSpeed ZeRO-1/2/3 at any DP (from the same stage), DeepSpeed's universal layout (from ZeRO-1/2 without TP or PP, ZeRO-3 without TP) and
 PyTorch DCP at any world size (from any format). Each format's writer
 (``formats/*_write.py``) plans its files (:class:`~ckpttool.formats.base.PlannedFile`), writes one
 (``write``) and then what depends on all of them (``finish``). See ``docs/reshard.md``.
@@ -259,8 +259,10 @@ def _largest_piece(manifest: Manifest) -> int:
 
 
 def _build_universal(root: str, manifest: Manifest) -> Any:
-    from ckpttool.formats.deepspeed_write import UniversalWriter
+    from ckpttool.formats.deepspeed_write import Universal3Writer, UniversalWriter
 
+    if manifest.layout.zero_stage == 3:
+        return Universal3Writer(Path(root), manifest)
     return UniversalWriter(Path(root), manifest)
 
 
@@ -419,6 +421,13 @@ class _UniversalExec(_FileExec):
                 "any DP size); drop --tp, --pp, --dp and --ep"
             )
         super().__init__(adapter, manifest, _build_universal, (manifest.root, manifest), {})
+        if manifest.layout.zero_stage == 3:
+            self.notes.append(
+                "DeepSpeed 0.19.8's ZeRO-3 universal load restores no frozen parameter or buffer, gives every "
+                "param group the first group's hyper-parameters and shares one Adam step among the sub-groups "
+                "(seen with ds_to_universal's own output); '--to deepspeed --dp N' resumes a ZeRO-3 run at a new "
+                "DP size exactly"
+            )
 
 
 class _DcpExec(_FileExec):

@@ -63,6 +63,9 @@ class OutTensor:
     fill: Callable[[np.ndarray], None]
     requires_grad: bool = False
     parts: Callable[[], Iterator[tuple[int, Callable[[np.ndarray], None] | None]]] | None = None
+    attrs: dict[str, Any] | None = None
+    """Python attributes the tensor carries (DeepSpeed's ``ds_id``): pickled, as torch pickles a
+    tensor with a ``__dict__``, through ``_rebuild_from_type_v2`` with them as its state"""
     """when set, the bytes as consecutive parts ``(nbytes, fill)`` (``fill`` None: zeros), so that a
     tensor far larger than any of its parts is written holding one part at a time"""
 
@@ -139,7 +142,8 @@ def carry(value: Any, archive_of: Callable[[], Any], _memo: dict[int, tuple[Any,
         def fill(buf: np.ndarray, ref: Any = ref) -> None:
             _torchzip.read_tensor(archive_of(), ref, buf.view(carrier(ref.dtype)).reshape(ref.shape))
 
-        return keep(OutTensor(dtype=ref.dtype, shape=ref.shape, fill=fill, requires_grad=ref.requires_grad))
+        attrs = dict(ref.extra) or None
+        return keep(OutTensor(ref.dtype, ref.shape, fill, requires_grad=ref.requires_grad, attrs=attrs))
     if isinstance(value, _unpickle.Record):
         record = keep(type(value)())
         record.__dict__.update({k: carry(v, archive_of, memo) for k, v in value.__dict__.items()})
@@ -259,14 +263,19 @@ class _Pickler(_PurePickler):
             key = str(len(self.tensors))  # a tensor met again is a memo reference (above)
             self.tensors.append(obj)
             v3 = obj.dtype not in _STORAGE_CLASS
-            self.save(GlobalRef("torch._utils", "_rebuild_tensor_v3" if v3 else "_rebuild_tensor_v2"))
+            rebuild = GlobalRef("torch._utils", "_rebuild_tensor_v3" if v3 else "_rebuild_tensor_v2")
             hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
             args: tuple[Any, ...] = (
                 _StorageOf(obj, key), 0, tuple(obj.shape), _strides(obj.shape), obj.requires_grad, hooks
             )  # fmt: skip
             if v3:
                 args += (_unpickle.TorchDType(obj.dtype),)
-            self.save(args)
+            if obj.attrs:  # torch's Tensor.__reduce_ex__ for a tensor with a __dict__
+                self.save(GlobalRef("torch._tensor", "_rebuild_from_type_v2"))
+                self.save((rebuild, GlobalRef("torch", "Tensor"), args, dict(obj.attrs)))
+            else:
+                self.save(rebuild)
+                self.save(args)
             self.write(pickle.REDUCE)
             self.memoize(obj)
             return

@@ -254,7 +254,8 @@ class DeepSpeedAdapter:
 
     def _describe_universal(self, path: Path) -> Manifest:
         """ds_to_universal output: one folder per parameter under ``zero/`` holding the full fp32
-        weight and moments (ZeRO-1/2: ``{'param': tensor, ...}``; ZeRO-3: a flat tensor)."""
+        weight and moments (ZeRO-1/2: ``{'param': tensor, ...}``; ZeRO-3: a flat tensor), beside the
+        source's model-states files (ZeRO-3: every rank's, with the frozen parameters' fragments)."""
         manifest = Manifest(root=str(path), format=self.name)
         manifest.extras["variant"] = "universal"
         files: dict[str, Any] = {}
@@ -262,17 +263,20 @@ class DeepSpeedAdapter:
             base = rel.rsplit("/", 1)[-1]
             role = "data" if rel.endswith(".pt") else ("tracker" if base.startswith("latest") else "aux")
             manifest.files.append(FileRecord(path=rel, size=size, role=role))  # type: ignore[arg-type]
-            if rel.endswith(".pt") and (_MODEL.match(base) or rel.startswith("zero/")):
+            if rel.endswith(".pt") and (_MODEL.match(base) or _Z3_MODEL.match(base) or rel.startswith("zero/")):
                 archive, obj, _ = _pt.load(path, rel, ALLOWLIST)
                 archive.close()
                 files[rel] = obj
         b = _Builder(manifest, files)
-        model_rel = next((r for r in sorted(files) if _MODEL.match(r)), None)
+        z3 = {(int(m[1]), int(m[2])): r for r in files if (m := _Z3_MODEL.match(r))}  # copied from ZeRO-3
+        model_rel = next((r for r in sorted(files) if _MODEL.match(r)), None) or (z3[min(z3)] if z3 else None)
         first = files[model_rel] if model_rel else {}
         shapes = {n: tuple(s) for group in (first.get("param_shapes") or []) for n, s in group.items()}
         if model_rel and isinstance(first.get("module"), dict):
+            buffers = set(first.get("buffer_names") or [])
             for name, value in first["module"].items():
-                b.tensor_or_object(name, value, model_rel, "param", rank=0, path=f"module.{name}")
+                if not z3 or name in buffers:  # ZeRO-3 modules hold empty placeholders for the parameters
+                    b.tensor_or_object(name, value, model_rel, "param", rank=0, path=f"module.{name}")
         for rel in sorted(files):
             parts = rel.split("/")
             if len(parts) != 3 or parts[0] != "zero":
@@ -293,6 +297,10 @@ class DeepSpeedAdapter:
                 item.pieces.append(
                     _pt.tensor_piece(rel, ref, box=Box.whole(shape), start=0, numel=numel, flat=(0, numel))
                 )
+        if z3:  # the frozen parameters' fragments are in every rank's model states, as in the source
+            b.frozen(3, {}, z3, first)
+            b.universal3_groups("zero/optimizer_state.pt")
+        b.shared(first.get("shared_params") or {})
         if model_rel:
             b.common(first, model_rel)
             manifest.format_version = str(first.get("ds_version") or "") or None
@@ -489,6 +497,19 @@ class _Builder:
                         path=rel,
                     )
                 self.group_objects(rel, dp, g, inner, state.get(s) or {}, "optimizer_state_dict.optimizer_state_dict")
+
+    def universal3_groups(self, rel: str) -> None:
+        """A ZeRO-3 universal checkpoint has no ``step.pt``: the step (and the hyper-parameters) of
+        each param group are in ``optimizer_state.pt``, rank 0's whole optimizer state, one replica
+        per sub-group as in the source."""
+        osd = self.files.get(rel)
+        inner = osd.get("optimizer_state_dict") if isinstance(osd, dict) else None
+        if not isinstance(inner, dict):
+            return
+        state = inner.get("state") or {}
+        for g, group in enumerate(inner.get("param_groups") or []):
+            for sid in group.get("params") or [] if isinstance(group, dict) else []:
+                self.group_objects(rel, 0, g, inner, state.get(sid) or {}, "optimizer_state_dict")
 
     def zero0(self, opt: dict[str, Any], rel: str, first: dict[str, Any]) -> None:
         """ZeRO off: the whole torch optimizer state dict sits in the model-states file (inside

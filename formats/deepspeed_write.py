@@ -513,7 +513,28 @@ class Zero3Writer:
         return _ptwrite.OutTensor(dtype=dtype, shape=(size,), fill=fill, requires_grad=requires_grad)
 
 
-class UniversalWriter(ZeroWriter):
+class _UniversalOut:
+    """What both universal writers share: ``<tag>_universal/`` beside a ``latest_universal`` naming
+    it (what DeepSpeed's ``load_checkpoint`` reads when the config asks for a universal checkpoint),
+    and each file saved with the writer's one buffer."""
+
+    scratch: _ptwrite.Scratch
+    out_dir: str
+
+    def _name_dir(self, tag: str, manifest: Manifest) -> None:
+        self.out_dir = f"{tag or 'global_step' + str(manifest.step or 0)}_universal"
+
+    def finish(self, tmp: Path, results: list[Any]) -> None:
+        (tmp / "latest_universal").write_text(self.out_dir)
+
+    def _save(self, tree: Any, out: Path, progress: Callable[[int], None] | None) -> int:
+        n = _ptwrite.save(tree, out, scratch=self.scratch)
+        if progress is not None:
+            progress(n)
+        return n
+
+
+class UniversalWriter(_UniversalOut, ZeroWriter):
     """DeepSpeed's universal checkpoint, as ``ds_to_universal`` (0.19.x) writes it from a ZeRO-1/2
     checkpoint without tensor or pipeline parallelism, next to a ``latest_universal`` naming it:
 
@@ -540,7 +561,7 @@ class UniversalWriter(ZeroWriter):
                 "writing a universal checkpoint with those rules is not supported yet",
                 hint="run DeepSpeed's ds_to_universal on this checkpoint",
             )
-        self.out_dir = f"{self.tag or 'global_step' + str(manifest.step or 0)}_universal"
+        self._name_dir(self.tag, manifest)
         base = self.optim_obj["optimizer_state_dict"].get("base_optimizer_state") or {}
         self.steps = {g: s.get("step") for g, s in (base.get("state") or {}).items() if isinstance(s, dict)}
         held = {name for layout in self.groups for name, _shape, _off in layout.params}
@@ -588,11 +609,6 @@ class UniversalWriter(ZeroWriter):
                 out.append(PlannedFile.of(path, (k,), []))
         return out
 
-    def finish(self, tmp: Path, results: list[Any]) -> None:
-        """``latest_universal`` naming the directory (what DeepSpeed's ``load_checkpoint`` reads
-        when the config asks for a universal checkpoint)."""
-        (tmp / "latest_universal").write_text(self.out_dir)
-
     def write(self, k: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None) -> int:
         kind, name, g = self.jobs[k]
         archive: Callable[[str], Any] = _pt.archive_cache(reader)
@@ -615,12 +631,6 @@ class UniversalWriter(ZeroWriter):
         tensor = _ptwrite.assembled(reader, item, requires_grad=grad)
         return self._save({"cat_dim": 0, "param": tensor}, out, progress)
 
-    def _save(self, tree: Any, out: Path, progress: Callable[[int], None] | None) -> int:
-        n = _ptwrite.save(tree, out, scratch=self.scratch)
-        if progress is not None:
-            progress(n)
-        return n
-
     @staticmethod
     def _as_float32(item: Any, reader: PieceReader) -> _ptwrite.OutTensor:
         """``tensor.float()``: the values in float32 (bf16 widened bit for bit, others converted)."""
@@ -637,4 +647,80 @@ class UniversalWriter(ZeroWriter):
         return _ptwrite.OutTensor(dtype="float32", shape=item.shape, fill=fill)
 
 
-__all__ = ["ALIGN", "GroupLayout", "UniversalWriter", "Zero3Writer", "ZeroWriter", "group_layout", "zero3_sub_groups"]
+class Universal3Writer(_UniversalOut, Zero3Writer):
+    """DeepSpeed's universal checkpoint, as ``ds_to_universal`` (0.19.x) writes it from a ZeRO-3
+    checkpoint without tensor parallelism, next to a ``latest_universal`` naming it:
+
+    - ``<tag>_universal/zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt``: the whole parameter as a bare
+      flat 1-D tensor (no dict, no shape, no ``step.pt``: the ZeRO-3 loader reshapes nothing and
+      takes the step from ``optimizer_state.pt``), for every parameter the optimizer holds;
+    - ``zero/optimizer_state.pt``: rank 0's ``optimizer_state_dict`` whole (its flat fp32 groups
+      and moments included), with the inner optimizer's ``param_groups`` also at the top;
+    - every rank's ``zero_pp_rank_*_model_states.pt``, copied as it is.
+
+    Frozen parameters and buffers get no file, as ds_to_universal writes none: DeepSpeed's
+    universal load restores neither (it loads the optimizer's parameters only)."""
+
+    _STATES = ("fp32", "exp_avg", "exp_avg_sq")
+
+    def __init__(self, root: Path, manifest: Manifest) -> None:
+        super().__init__(root, manifest, manifest.layout.dp or len(self._optims(manifest)) or 1)
+        self._name_dir(self.tag, manifest)
+        osd = self.optim_obj["optimizer_state_dict"]
+        self.fp32_requires_grad = any(getattr(t, "requires_grad", False) for t in osd.get("fp32_flat_groups") or [])
+        names = [name for _g, params in self.subgroups for name, _shape in params]
+        self.jobs: list[tuple[str, str]] = [("optimizer", "")]
+        self.jobs += [("model", rel) for _r, rel in sorted(self.model_rels.items())]
+        self.jobs += [(state, name) for name in names for state in self._STATES]
+
+    @staticmethod
+    def _optims(manifest: Manifest) -> list[str]:
+        return [f.path for f in manifest.files if _Z3_OPTIM.match(f.path)]
+
+    def files(self) -> list[PlannedFile]:
+        out = []
+        for k, (kind, name) in enumerate(self.jobs):
+            if kind == "optimizer":  # the whole rank-0 state, its tensors carried
+                refs = flatten(self.optim_obj["optimizer_state_dict"])
+                sizes = [
+                    math.prod(v.shape) * carrier(v.dtype).itemsize
+                    for _n, v in refs
+                    if isinstance(v, _unpickle.TensorRef)
+                ]
+                out.append(PlannedFile.of(f"{self.out_dir}/zero/optimizer_state.pt", (k,), sizes))
+            elif kind == "model":  # copied as it is: its bytes, no tensor buffer
+                size = (self.root / name).stat().st_size
+                out.append(PlannedFile(path=f"{self.out_dir}/{name.rsplit('/', 1)[-1]}", key=(k,), nbytes=size,
+                                       tensors=0, largest=0))  # fmt: skip
+            else:
+                path = f"{self.out_dir}/zero/{name}/{kind}.pt"
+                out.append(PlannedFile.of(path, (k,), [self.manifest.items[f"{name}.{kind}"].nbytes or 0]))
+        return out
+
+    def write(self, k: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None) -> int:  # type: ignore[override]
+        kind, name = self.jobs[k]
+        if kind == "model":  # copied byte for byte, as ds_to_universal copies it
+            shutil.copyfile(confine(self.root, name), out)
+            return out.stat().st_size
+        if kind == "optimizer":
+            archive: Callable[[str], Any] = _pt.archive_cache(reader)
+            osd = self.optim_obj["optimizer_state_dict"]
+            tree = dict(osd)
+            tree["param_groups"] = osd["optimizer_state_dict"]["param_groups"]  # the same list, pickled once
+            return self._save(_ptwrite.carry(tree, partial(archive, self.optim_rels[0])), out, progress)
+        item = self.manifest.items[f"{name}.{kind}"]
+        whole = _ptwrite.assembled(reader, item, requires_grad=kind == "fp32" and self.fp32_requires_grad)
+        flat = _ptwrite.OutTensor(whole.dtype, (math.prod(whole.shape),), whole.fill, whole.requires_grad)
+        return self._save(flat, out, progress)
+
+
+__all__ = [
+    "ALIGN",
+    "GroupLayout",
+    "Universal3Writer",
+    "UniversalWriter",
+    "Zero3Writer",
+    "ZeroWriter",
+    "group_layout",
+    "zero3_sub_groups",
+]

@@ -43,6 +43,44 @@ def tree_digests(root: Path, skip: Callable[[str], bool] = lambda rel: False) ->
     }
 
 
+class _Missing:
+    """An object of a class this machine cannot import (Megatron's enums in ``args``), as
+    :func:`load_pt` rebuilds it: its constructor arguments and state, equal to another of the same
+    class name with the same arguments and state."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._args = args
+        self.__dict__.update(kwargs)
+
+    def __setstate__(self, state: Any) -> None:
+        self.__dict__.update(state if isinstance(state, dict) else {"_state": state})
+
+    def __eq__(self, other: object) -> bool:
+        return type(self).__qualname__ == type(other).__qualname__ and self.__dict__ == other.__dict__
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def load_pt(path: Path) -> Any:
+    """``torch.load`` of a file that pickles classes of a library that need not be installed
+    (a Megatron ``common.pt``): such a class comes back as a :class:`_Missing` stand-in, tensors
+    and everything else as torch gives them."""
+    import pickle
+    import types
+
+    import torch
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            try:
+                return super().find_class(module, name)
+            except (ImportError, AttributeError):
+                return type(name, (_Missing,), {"__qualname__": f"{module}.{name}", "__module__": module})
+
+    stand_in = types.SimpleNamespace(Unpickler=Unpickler, load=pickle.load, __name__="pickle")
+    return torch.load(path, weights_only=False, pickle_module=stand_in)
+
+
 def run_cli(
     *args: str | os.PathLike[str],
     cwd: str | os.PathLike[str] | None = None,

@@ -22,7 +22,7 @@ from ckpttool.hashing import hash_bytes
 from ckpttool.reshard import Target, parse_split_rules, reshard
 from ckpttool.verify import verify
 from tests._compare import dcp_load_mismatches
-from tests.conftest import FIXTURES, rewritten_copy, tree_digests
+from tests.conftest import FIXTURES, load_pt, rewritten_copy, tree_digests
 
 LEGACY = FIXTURES / "megatron" / "legacy_tp2pp2"
 STATE_KINDS = ["param", "optim", "master", "scheduler", "counter"]
@@ -1322,12 +1322,11 @@ def test_megatron_experts_to_torch_dist_is_what_megatron_saves(tmp_path):
     assert differing(out) == []
     assert (out / ITER / "common.pt").is_file() and not diff(dist, out).different
     # the non-sharded part too: the chain's param groups and common step, content metadata
-    import torch
 
     from tests.test_reshard_dist import _same
 
-    common = torch.load(out / ITER / "common.pt", weights_only=False)
-    theirs = torch.load(dist / ITER / "common.pt", weights_only=False)
+    common = load_pt(out / ITER / "common.pt")
+    theirs = load_pt(dist / ITER / "common.pt")
     assert list(common) == list(theirs) and _same(common["optimizer"], theirs["optimizer"])
     assert common["content_metadata"] == theirs["content_metadata"]
     assert common["opt_param_scheduler"] == theirs["opt_param_scheduler"]

@@ -19,7 +19,7 @@ from ckpttool.errors import UsageError
 from ckpttool.reshard import Target, reshard
 from ckpttool.verify import verify
 from tests._compare import same_bits
-from tests.conftest import FIXTURES, cli_env
+from tests.conftest import FIXTURES, cli_env, load_pt
 
 LEGACY = FIXTURES / "megatron" / "legacy_tp2pp2"
 DIST = FIXTURES / "megatron" / "dist_tp2pp2"
@@ -89,10 +89,9 @@ def test_from_legacy_is_what_megatron_saves(tmp_path):
     assert json.loads((out / ITER / "metadata.json").read_text()) == json.loads(
         (DIST / ITER / "metadata.json").read_text()
     )
-    import torch
 
-    common = torch.load(out / ITER / "common.pt", weights_only=False)
-    theirs = torch.load(DIST / ITER / "common.pt", weights_only=False)
+    common = load_pt(out / ITER / "common.pt")
+    theirs = load_pt(DIST / ITER / "common.pt")
     assert list(common) == list(theirs)
     assert (
         _same(common["optimizer"], theirs["optimizer"])
@@ -147,14 +146,13 @@ def test_distributed_optimizer_is_written_as_megatron_saves_it_fully_reshardable
     fully_reshardable, rewritten at the same TP=2 x PP=2: every key, chunk and record is
     Megatron's own fully_reshardable save of the same state, byte for byte, and so are common.pt's
     optimizer part and content metadata."""
-    import torch
 
     out = tmp_path / "out"
     result = reshard(source, out, Target(to="megatron-dist"))
     assert any("fully_reshardable" in n and "--use-distributed-optimizer" in n for n in result.plan.notes)
     _same_records(out, DIST_FR)
-    common = torch.load(out / ITER / "common.pt", weights_only=False)
-    theirs = torch.load(DIST_FR / ITER / "common.pt", weights_only=False)
+    common = load_pt(out / ITER / "common.pt")
+    theirs = load_pt(DIST_FR / ITER / "common.pt")
     assert list(common) == list(theirs) and _same(common["optimizer"], theirs["optimizer"])
     assert common["content_metadata"] == theirs["content_metadata"]
     assert common["args"].use_distributed_optimizer is True

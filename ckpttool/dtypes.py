@@ -89,3 +89,13 @@ def carrier(name: str) -> np.dtype:
 def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
     """bfloat16 values (carried as uint16 bit patterns) widened to float32, exactly."""
     return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def float32_to_bf16(values: np.ndarray) -> np.ndarray:
+    """float32 values narrowed to bfloat16 bit patterns (uint16) as torch's ``.to(torch.bfloat16)``
+    rounds them on the CPU: to nearest, ties to even; a NaN becomes 0xFFFF (ATen's vectorised
+    conversion; its scalar one gives 0x7FC0)."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + (((bits >> 16) & 1) + np.uint32(0x7FFF))) >> 16).astype(np.uint16)
+    rounded[np.isnan(values)] = 0xFFFF
+    return rounded

@@ -8,8 +8,9 @@ seals the directory (``ckpttool.manifest.json``) and publishes it with one renam
 dies leaves the destination absent (or, with ``--force``, as it was until the final rename).
 
 Targets so far: Megatron legacy and torch_dist at any TP/PP/VPP/EP or pipeline layout (from either),
-DeepSpeed ZeRO-1/2/3 at any DP (from the same stage), DeepSpeed's universal layout (from ZeRO-1/2 without TP or PP, ZeRO-3 without TP) and
-PyTorch DCP at any world size (from any format). Each format's writer
+DeepSpeed ZeRO-1/2/3 at any DP (ZeRO-1/2 from any stage, ZeRO-3 from ZeRO-3), DeepSpeed's universal
+layout (from ZeRO-1/2 without TP or PP, ZeRO-3 without TP) and PyTorch DCP at any world size (from
+any format). Each format's writer
 (``formats/*_write.py``) plans its files (:class:`~ckpttool.formats.base.PlannedFile`), writes one
 (``write``) and then what depends on all of them (``finish``). See ``docs/reshard.md``.
 """
@@ -57,6 +58,8 @@ class Target:
     pipeline_layout: str | None = None
     """Megatron: ``--pipeline-model-parallel-layout`` of the output (its stages give the virtual
     stages too). None: the source's when none of pp, vpp and the first/last layers is given."""
+    zero_stage: int | None = None
+    """DeepSpeed: the ZeRO stage of the output (1, 2 or 3; None: the source's)"""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -162,12 +165,20 @@ def _build_dcp(manifest: Manifest, world: int, names: list[str]) -> Any:
     return DcpWriter(world, [manifest.items[n] for n in names])
 
 
-def _build_zero(root: str, manifest: Manifest, dp: int) -> Any:
-    from ckpttool.formats.deepspeed_write import Zero3Writer, ZeroWriter
+def _build_zero(root: str, manifest: Manifest, dp: int, stage: int) -> Any:
+    from ckpttool.formats.deepspeed_write import Zero3Writer, ZeroFrom3Writer, ZeroWriter
 
-    if manifest.layout.zero_stage == 3:
+    source = manifest.layout.zero_stage
+    if source == 3 and stage == 3:
         return Zero3Writer(Path(root), manifest, dp)
-    return ZeroWriter(Path(root), manifest, dp)
+    if source == 3:
+        return ZeroFrom3Writer(Path(root), manifest, dp, stage)
+    if stage == 3 and source in (1, 2):
+        raise UsageError(
+            f"--zero-stage 3 from a ZeRO-{source} checkpoint is not supported yet (ZeRO-3 to 1 or 2 is)",
+            hint="ZeRO-3 partitions by sub-groups whose size the ZeRO-1/2 checkpoint does not record",
+        )
+    return ZeroWriter(Path(root), manifest, dp, stage)
 
 
 class _FileExec:
@@ -273,6 +284,10 @@ def plan(src: str | Path, target: Target, *, workers: int = 1, max_memory: str |
     fmt = target.to or _default_format(manifest.format)
     if target.distributed_optimizer is not None and fmt != "megatron":
         raise UsageError(f"--[no-]distributed-optimizer applies to --to megatron (legacy files) only, not {fmt}")
+    if target.zero_stage is not None and fmt != "deepspeed":
+        raise UsageError(f"--zero-stage applies to --to deepspeed only, not {fmt}")
+    if target.zero_stage is not None and target.zero_stage not in (1, 2, 3):
+        raise UsageError(f"--zero-stage {target.zero_stage}: DeepSpeed's partitioned stages are 1, 2 and 3")
     if (target.pp_first is not None or target.pp_last is not None) and fmt not in ("megatron", "megatron-dist"):
         raise UsageError(f"--pp-first-layers and --pp-last-layers apply to Megatron targets only, not {fmt}")
     if target.vpp is not None and fmt not in ("megatron", "megatron-dist"):
@@ -400,8 +415,14 @@ class _ZeroExec(_FileExec):
         if target.tp not in (None, 1) or target.pp not in (None, 1) or target.ep not in (None, 1):
             raise UsageError("--to deepspeed: only the data-parallel size (--dp) can change so far")
         dp = target.dp or manifest.layout.dp or 1
-        layout = {"dp": dp, "zero_stage": manifest.layout.zero_stage}
-        super().__init__(adapter, manifest, _build_zero, (manifest.root, manifest, dp), layout)
+        stage = target.zero_stage or manifest.layout.zero_stage
+        layout = {"dp": dp, "zero_stage": stage}
+        super().__init__(adapter, manifest, _build_zero, (manifest.root, manifest, dp, stage), layout)
+        if stage != manifest.layout.zero_stage:
+            self.notes.append(
+                f"ZeRO-{manifest.layout.zero_stage} -> ZeRO-{stage}: resume with zero_optimization.stage {stage} "
+                "in the config (the saved ds_config says so too)"
+            )
         if dp != manifest.layout.dp:
             self.notes.append(
                 f"ds_config in the checkpoint still says train_batch_size for DP={manifest.layout.dp}; "

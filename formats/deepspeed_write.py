@@ -28,7 +28,7 @@ import numpy as np
 
 from ckpttool import _unpickle
 from ckpttool.assemble import assemble
-from ckpttool.dtypes import bf16_to_float32, carrier
+from ckpttool.dtypes import bf16_to_float32, carrier, float32_to_bf16
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.formats import _pt, _ptwrite
@@ -75,8 +75,26 @@ def group_layout(shapes: dict[str, Any], dp: int, paddings: list[int] | None = N
     return GroupLayout(params=params, total=pos, padded=padded, partition=padded // dp)
 
 
+def with_stage(config: Any, stage: int) -> Any:
+    """The saved ``ds_config`` with ``zero_optimization.stage`` set to ``stage``, ZeRO-3's own
+    settings dropped below stage 3 (a config DeepSpeed saved as a path is left as it is)."""
+    if not isinstance(config, dict):
+        return config
+    saved = config.get("zero_optimization")
+    zero: dict[str, Any] = saved if isinstance(saved, dict) else {}
+    if stage < 3:  # ZeRO-3's own settings (sub-groups, persistence, gathering) mean nothing below it
+        zero = {k: v for k, v in zero.items() if not k.startswith("stage3_") and k != "sub_group_size"}
+    return {**config, "zero_optimization": {**zero, "stage": stage}}
+
+
 class ZeroWriter:
-    def __init__(self, root: Path, manifest: Manifest, dp: int) -> None:
+    """A ZeRO-1/2 checkpoint at ``dp`` ranks from one of either stage (``stage``: the output's,
+    None: the source's). ZeRO-1 and ZeRO-2 save the same layout: a change of stage rewrites the
+    ``zero_stage`` the optimizer files record and the saved config's stage, and adds (ZeRO-2) or
+    drops (ZeRO-1) the frozen parameters' shapes and values DeepSpeed saves only when it
+    partitions gradients."""
+
+    def __init__(self, root: Path, manifest: Manifest, dp: int, target_stage: int | None = None) -> None:
         self.root, self.manifest, self.dp = root, manifest, dp
         self.scratch = _ptwrite.Scratch()  # one tensor buffer for every file this writer writes
         if dp < 1:
@@ -125,6 +143,7 @@ class ZeroWriter:
                     if f"{name}.{suffix}" not in manifest.items:
                         raise CorruptFileError(f"{name}.{suffix} is not in the source checkpoint")
         self.tag = self.tag_dir.rsplit("/", 1)[-1] if self.tag_dir else str(manifest.extras.get("tag") or "")
+        self.stage: int = target_stage or stage
 
     def _prefix(self) -> str:
         return f"{self.tag}/" if self.tag else ""
@@ -152,7 +171,7 @@ class ZeroWriter:
         archive: Callable[[str], Any] = _pt.archive_cache(reader)  # the reader's open archives
 
         if rank < 0:
-            tree = _ptwrite.carry(self.model_obj, partial(archive, self.model_rel))
+            tree = _ptwrite.carry(self._model_template(), partial(archive, self.model_rel))
             if isinstance(tree, dict) and "dp_world_size" in tree:
                 tree["dp_world_size"] = self.dp
         else:
@@ -162,8 +181,30 @@ class ZeroWriter:
             progress(n)
         return n
 
+    def _model_template(self) -> Any:
+        """The source's model states, at the output's stage."""
+        obj = self.model_obj
+        if self.stage == self.manifest.layout.zero_stage or not isinstance(obj, dict):
+            return obj
+        obj = {**obj, "ds_config": with_stage(obj.get("ds_config"), self.stage)}
+        if self.stage == 1:  # DeepSpeed saves the frozen parameters' shapes and values from ZeRO-2 on
+            obj.update(frozen_param_shapes=None, frozen_param_fragments=None)
+            return obj
+        module = obj["module"] if isinstance(obj.get("module"), dict) else {}
+        held = {n for group in (obj.get("param_shapes") or []) for n in group}
+        others = held | set(obj.get("buffer_names") or []) | set(obj.get("shared_params") or {})
+        frozen = [(n, v) for n, v in module.items() if n not in others and isinstance(v, _unpickle.TensorRef)]
+        shapes, values = _unpickle.OrderedDictStandIn(), _unpickle.OrderedDictStandIn()
+        for name, ref in frozen:
+            shapes[name] = _unpickle.TorchSize(ref.shape)
+            values[name] = ref  # the module's tensor: pickled once, as DeepSpeed saves the parameter itself
+        obj.update(frozen_param_shapes=shapes, frozen_param_fragments=values)
+        return obj
+
     def _optim_tree(self, r: int, reader: PieceReader, archive: Callable[[str], Any]) -> Any:
         template = self.optim_obj
+        if self.stage != self.manifest.layout.zero_stage:
+            template = {**template, "ds_config": with_stage(template.get("ds_config"), self.stage)}
         src_rel = self.optim_rels[0]
         tree = _ptwrite.carry(
             {k: v for k, v in template.items() if k != "optimizer_state_dict"}, partial(archive, src_rel)
@@ -197,6 +238,8 @@ class ZeroWriter:
                 osd[key] = [self.dp] * len(self.groups)
             elif key == "param_slice_mappings":
                 osd[key] = [self._mappings(g, r) for g in range(len(self.groups))]
+            elif key == "zero_stage" and isinstance(value, _unpickle.EnumValue):
+                osd[key] = _unpickle.EnumValue(value.enum, self.stage)
             else:
                 osd[key] = _ptwrite.carry(value, partial(archive, src_rel))
         tree["optimizer_state_dict"] = osd
@@ -511,6 +554,168 @@ class Zero3Writer:
 
         size = sum(p[4] for p in parts)
         return _ptwrite.OutTensor(dtype=dtype, shape=(size,), fill=fill, requires_grad=requires_grad)
+
+
+class ZeroFrom3Writer(ZeroWriter):
+    """A ZeRO-1/2 checkpoint at ``dp`` ranks from a ZeRO-3 one: the state DeepSpeed's ZeRO-1/2
+    engine saves for the same run.
+
+    - ``mp_rank_00_model_states.pt``: the ZeRO-3 model states (rank 0's) with the module whole:
+      each trainable parameter its fp32 master in the module's dtype (what ZeRO copies into the
+      module after each step), each frozen parameter gathered from every rank's fragment, a tied
+      alias its owner's value, buffers as saved; ``param_shapes`` one mapping per param group (the
+      ZeRO-3 sub-groups joined); ZeRO-2's frozen shapes and values, none at ZeRO-1.
+    - ``zero_pp_rank_r_mp_rank_00_optim_states.pt``: ZeRO-1/2's layout (see :class:`ZeroWriter`),
+      one flat group per param group, with the ZeRO-3 run's loss scaler, hyper-parameters and step,
+      ``clip_grad`` from the saved config's ``gradient_clipping``, and no parameter alignment
+      padding (``zero_optimization.parameter_alignment`` off, DeepSpeed's default)."""
+
+    def __init__(self, root: Path, manifest: Manifest, dp: int, stage: int) -> None:
+        if dp < 1:
+            raise UsageError("--dp must be at least 1")
+        self.root, self.manifest, self.dp, self.stage = root, manifest, dp, stage
+        self.scratch = _ptwrite.Scratch()
+        src = self.src = Zero3Writer(root, manifest, manifest.layout.dp or 1)
+        self.tag_dir, self.tag, self.file_prefix = src.tag_dir, src.tag, src.file_prefix
+        self.model_rel, self.model_obj = src.model_rels[0], src.model_obj
+        self.optim_rels = {0: src.optim_rels[0]}  # the archive the carried optimizer objects come from
+        module = src.model_obj.get("module")
+        self.module = module if isinstance(module, dict) else {}
+        self.buffers = set(src.model_obj.get("buffer_names") or [])
+        self.shared = dict(src.model_obj.get("shared_params") or {})
+        for name, ref in self.module.items():
+            if name in self.buffers or not isinstance(ref, _unpickle.TensorRef):
+                continue
+            owner = self.shared.get(name, name)
+            if f"{owner}.fp32" not in manifest.items:
+                raise CorruptFileError(f"{name}: no value for it in the ZeRO-3 checkpoint (no {owner}.fp32)")
+            if ref.dtype not in ("float32", "bfloat16"):
+                raise UsageError(
+                    f"{self.model_rel}: module parameter {name} is {ref.dtype}; writing ZeRO-1/2 from a {ref.dtype} "
+                    "ZeRO-3 run is not supported yet (float32 and bfloat16 are)"
+                )
+        self.param_groups: list[_unpickle.OrderedDictStandIn] = []
+        for g in range(len(src.groups)):
+            shapes = _unpickle.OrderedDictStandIn()
+            for sg, params in src.subgroups:
+                if sg == g:
+                    for name, _shape in params:
+                        shapes[name] = src.shape_objs[name]
+            self.param_groups.append(shapes)
+        self.groups = [group_layout(shapes, dp) for shapes in self.param_groups]
+        self.optim_obj = self._optim_template()
+
+    def _optim_template(self) -> dict[str, Any]:
+        """ZeRO-1/2's optimizer file as :meth:`ZeroWriter._optim_tree` fills it in: its keys in
+        DeepSpeed's order, the partitioned entries left for it to lay out."""
+        top = self.src.optim_obj
+        z3 = top["optimizer_state_dict"]
+        inner = z3["optimizer_state_dict"]
+        state = inner.get("state") or {}
+        config = top.get("ds_config")
+        clip = config.get("gradient_clipping", 0.0) if isinstance(config, dict) else 0.0
+        groups, gstate = [], {}
+        for g, group in enumerate(inner.get("param_groups") or []):
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [g]})
+            first = (group.get("params") or [None])[0]
+            step = (state.get(first) or {}).get("step")
+            gstate[g] = {**({"step": step} if step is not None else {}), "exp_avg": None, "exp_avg_sq": None}
+        stage = z3.get("zero_stage")
+        enum = stage.enum if isinstance(stage, _unpickle.EnumValue) else "deepspeed.runtime.zero.config.ZeroStageEnum"
+        osd = {
+            "loss_scaler": z3.get("loss_scaler"),
+            "dynamic_loss_scale": z3.get("dynamic_loss_scale", False),
+            "overflow": z3.get("overflow", False),
+            "clip_grad": clip,
+            "base_optimizer_state": {"state": gstate, "param_groups": groups},
+            "single_partition_of_fp32_groups": None,
+            "zero_stage": _unpickle.EnumValue(enum, self.stage),
+            "group_paddings": None,
+            "param_alignment_paddings": [[0] * len(shapes) for shapes in self.param_groups],
+            "partition_count": None,
+            "ds_version": top.get("ds_version"),
+            "param_slice_mappings": None,
+        }
+        out: dict[str, Any] = {}
+        for key, value in top.items():
+            out[key] = (
+                osd if key == "optimizer_state_dict" else with_stage(value, self.stage) if key == "ds_config" else value
+            )
+        return out
+
+    def files(self) -> list[PlannedFile]:
+        out = super().files()
+        sizes = [
+            math.prod(self._shape(n)) * carrier(ref.dtype).itemsize
+            for n, ref in self.module.items()
+            if isinstance(ref, _unpickle.TensorRef)
+        ]
+        out[0] = PlannedFile.of(out[0].path, out[0].key, sizes)
+        return out
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        item = self.manifest.items.get(f"{self.shared.get(name, name)}.fp32")
+        if name in self.buffers or item is None:
+            return tuple(self.module[name].shape)
+        return tuple(item.shape or ())
+
+    def _model_template(self) -> Any:
+        raise AssertionError("ZeroFrom3Writer builds its model states in write()")
+
+    def write(self, rank: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None) -> int:
+        if rank >= 0:
+            return super().write(rank, out, reader, progress)
+        archive: Callable[[str], Any] = _pt.archive_cache(reader)
+        src = self.src.model_obj
+        module = type(self.module)()
+        module.__dict__.update(getattr(self.module, "__dict__", {}))  # the state dict's _metadata
+        whole: dict[str, _ptwrite.OutTensor] = {}
+        for name, ref in self.module.items():
+            if name in self.buffers or not isinstance(ref, _unpickle.TensorRef):
+                module[name] = ref  # carried below
+            else:
+                module[name] = whole[name] = self._whole(str(self.shared.get(name, name)), ref.dtype, reader)
+        frozen = [n for n, _shape in self.src.frozen]
+        tree: dict[str, Any] = {}
+        for key, value in src.items():
+            if key == "module":
+                tree[key] = module
+            elif key == "param_shapes":
+                tree[key] = self.param_groups
+            elif key in ("frozen_param_shapes", "frozen_param_fragments") and self.stage == 1:
+                tree[key] = None  # DeepSpeed saves them from ZeRO-2 on
+            elif key == "frozen_param_fragments":
+                fragments = _unpickle.OrderedDictStandIn()
+                for name in frozen:
+                    fragments[name] = whole[name]  # the module's tensor, pickled once
+                tree[key] = fragments
+            elif key == "dp_world_size":
+                tree[key] = self.dp
+            elif key == "ds_config":
+                tree[key] = with_stage(value, self.stage)
+            else:
+                tree[key] = value
+        n = _ptwrite.save(_ptwrite.carry(tree, partial(archive, self.model_rel)), out, scratch=self.scratch)
+        if progress is not None:
+            progress(n)
+        return n
+
+    def _whole(self, name: str, dtype: str, reader: PieceReader) -> _ptwrite.OutTensor:
+        """Parameter ``name``'s fp32 value (master or gathered frozen fragments) in ``dtype``."""
+        item = self.manifest.items[f"{name}.fp32"]
+        shape = tuple(item.shape or ())
+        if dtype == item.dtype:
+            return _ptwrite.assembled(reader, item)
+
+        def fill(buf: np.ndarray) -> None:
+            values = assemble(reader, item)
+            wide = bf16_to_float32(values) if item.dtype == "bfloat16" else values.astype(np.float32, copy=False)
+            if dtype == "bfloat16":
+                buf.view(np.uint16).reshape(shape)[...] = float32_to_bf16(wide)
+            else:
+                buf.view(np.float32).reshape(shape)[...] = wide
+
+        return _ptwrite.OutTensor(dtype=dtype, shape=shape, fill=fill)
 
 
 class _UniversalOut:

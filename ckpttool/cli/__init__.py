@@ -521,6 +521,14 @@ def reshard(
             show_default=False,
         ),
     ] = None,
+    zero_stage: Annotated[
+        int | None,
+        typer.Option(
+            "--zero-stage",
+            help="--to deepspeed: the ZeRO stage of the output, 1, 2 or 3 (default: the source's; ZeRO-3 to 1 or 2 "
+            "and 1 to 2 or back so far).",
+        ),
+    ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the plan (files, bytes, peak memory) only.")
     ] = False,
@@ -557,6 +565,7 @@ def reshard(
         pp_first=pp_first_layers,
         pp_last=pp_last_layers,
         pipeline_layout=pipeline_layout,
+        zero_stage=zero_stage,
     )
     done = [0]
     with out.progress("reshard") as update:

@@ -8,7 +8,7 @@ seals the directory (``ckpttool.manifest.json``) and publishes it with one renam
 dies leaves the destination absent (or, with ``--force``, as it was until the final rename).
 
 Targets so far: Megatron legacy and torch_dist at any TP/PP/VPP/EP or pipeline layout (from either),
-DeepSpeed ZeRO-1/2/3 at any DP (ZeRO-1/2 from any stage, ZeRO-3 from ZeRO-3), DeepSpeed's universal
+DeepSpeed ZeRO-1/2/3 at any DP (from any of the three stages), DeepSpeed's universal
 layout (from ZeRO-1/2 without TP or PP, ZeRO-3 without TP) and PyTorch DCP at any world size (from
 any format). Each format's writer
 (``formats/*_write.py``) plans its files (:class:`~ckpttool.formats.base.PlannedFile`), writes one
@@ -60,6 +60,9 @@ class Target:
     stages too). None: the source's when none of pp, vpp and the first/last layers is given."""
     zero_stage: int | None = None
     """DeepSpeed: the ZeRO stage of the output (1, 2 or 3; None: the source's)"""
+    sub_group_size: int | None = None
+    """DeepSpeed ZeRO-3 from ZeRO-1/2: ``zero_optimization.sub_group_size`` of the run that resumes
+    (None: DeepSpeed's default)"""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -165,19 +168,18 @@ def _build_dcp(manifest: Manifest, world: int, names: list[str]) -> Any:
     return DcpWriter(world, [manifest.items[n] for n in names])
 
 
-def _build_zero(root: str, manifest: Manifest, dp: int, stage: int) -> Any:
-    from ckpttool.formats.deepspeed_write import Zero3Writer, ZeroFrom3Writer, ZeroWriter
+def _build_zero(root: str, manifest: Manifest, dp: int, stage: int, sub_group_size: int | None) -> Any:
+    from ckpttool.formats.deepspeed_write import Zero3From12Writer, Zero3Writer, ZeroFrom3Writer, ZeroWriter
 
     source = manifest.layout.zero_stage
+    if source == 3 and sub_group_size is not None:
+        raise UsageError("--sub-group-size: a ZeRO-3 checkpoint keeps the sub-group size it was saved with")
     if source == 3 and stage == 3:
         return Zero3Writer(Path(root), manifest, dp)
     if source == 3:
         return ZeroFrom3Writer(Path(root), manifest, dp, stage)
-    if stage == 3 and source in (1, 2):
-        raise UsageError(
-            f"--zero-stage 3 from a ZeRO-{source} checkpoint is not supported yet (ZeRO-3 to 1 or 2 is)",
-            hint="ZeRO-3 partitions by sub-groups whose size the ZeRO-1/2 checkpoint does not record",
-        )
+    if stage == 3:
+        return Zero3From12Writer(Path(root), manifest, dp, sub_group_size)
     return ZeroWriter(Path(root), manifest, dp, stage)
 
 
@@ -288,6 +290,11 @@ def plan(src: str | Path, target: Target, *, workers: int = 1, max_memory: str |
         raise UsageError(f"--zero-stage applies to --to deepspeed only, not {fmt}")
     if target.zero_stage is not None and target.zero_stage not in (1, 2, 3):
         raise UsageError(f"--zero-stage {target.zero_stage}: DeepSpeed's partitioned stages are 1, 2 and 3")
+    if target.sub_group_size is not None and (target.zero_stage != 3 or target.sub_group_size < 1):
+        raise UsageError(
+            "--sub-group-size (at least 1) applies with --zero-stage 3 from a ZeRO-1/2 checkpoint (a ZeRO-3 one "
+            "records its own)"
+        )
     if (target.pp_first is not None or target.pp_last is not None) and fmt not in ("megatron", "megatron-dist"):
         raise UsageError(f"--pp-first-layers and --pp-last-layers apply to Megatron targets only, not {fmt}")
     if target.vpp is not None and fmt not in ("megatron", "megatron-dist"):
@@ -417,11 +424,20 @@ class _ZeroExec(_FileExec):
         dp = target.dp or manifest.layout.dp or 1
         stage = target.zero_stage or manifest.layout.zero_stage
         layout = {"dp": dp, "zero_stage": stage}
-        super().__init__(adapter, manifest, _build_zero, (manifest.root, manifest, dp, stage), layout)
+        args = (manifest.root, manifest, dp, stage, target.sub_group_size)
+        super().__init__(adapter, manifest, _build_zero, args, layout)
         if stage != manifest.layout.zero_stage:
             self.notes.append(
                 f"ZeRO-{manifest.layout.zero_stage} -> ZeRO-{stage}: resume with zero_optimization.stage {stage} "
                 "in the config (the saved ds_config says so too)"
+            )
+        if stage == 3 and manifest.layout.zero_stage != 3:
+            from ckpttool.formats.deepspeed_write import SUB_GROUP_SIZE
+
+            size = target.sub_group_size or SUB_GROUP_SIZE
+            self.notes.append(
+                f"ZeRO-3 sub-groups of up to {size:,} elements per rank: resume with zero_optimization.sub_group_size "
+                f"{size} (set it with --sub-group-size; DeepSpeed refuses a checkpoint cut otherwise)"
             )
         if dp != manifest.layout.dp:
             self.notes.append(

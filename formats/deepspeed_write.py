@@ -1,5 +1,7 @@
 """Writing a DeepSpeed ZeRO-1/2 (:class:`ZeroWriter`) or ZeRO-3 (:class:`Zero3Writer`) checkpoint at a
-new data-parallel size, from one of the same stage at any other.
+new data-parallel size, from one of the same stage at any other, or of another stage
+(:class:`ZeroFrom3Writer`, :class:`Zero3From12Writer`); and DeepSpeed's universal checkpoint
+(:class:`UniversalWriter`, :class:`Universal3Writer`).
 
 ZeRO-1/2 keep, per parameter group, one flat fp32 buffer of the group's parameters in
 ``param_shapes`` order, padded at the end to a multiple of ``2 x DP`` elements (DeepSpeed's
@@ -554,6 +556,109 @@ class Zero3Writer:
 
         size = sum(p[4] for p in parts)
         return _ptwrite.OutTensor(dtype=dtype, shape=(size,), fill=fill, requires_grad=requires_grad)
+
+
+def _nothing(buf: np.ndarray) -> None:
+    """The fill of an empty tensor (ZeRO-3's module placeholders)."""
+
+
+class Zero3From12Writer(Zero3Writer):
+    """A ZeRO-3 checkpoint at ``dp`` ranks from a ZeRO-1/2 one: the state DeepSpeed's ZeRO-3 engine
+    saves for the same run, its param groups cut into sub-groups of ``sub_group_size`` (which the
+    ZeRO-1/2 checkpoint does not record: the value the resuming config gives, DeepSpeed's default
+    otherwise).
+
+    - ``zero_pp_rank_r_mp_rank_00_model_states.pt``: the ZeRO-1/2 model states with the module's
+      parameters as ZeRO-3's empty placeholders (buffers kept), ``param_shapes`` per sub-group,
+      each rank's part of every frozen parameter, the tied-weight map on rank 0 only;
+    - ``…_optim_states.pt``: ZeRO-3's layout (see :class:`Zero3Writer`) with the ZeRO-1/2 run's
+      loss scaler, hyper-parameters and step."""
+
+    def __init__(self, root: Path, manifest: Manifest, dp: int, sub_group_size: int | None) -> None:
+        if dp < 1:
+            raise UsageError("--dp must be at least 1")
+        self.root, self.manifest, self.dp = root, manifest, dp
+        self.scratch = _ptwrite.Scratch()
+        src = ZeroWriter(root, manifest, manifest.layout.dp or 1)  # parses and checks the source
+        self.tag_dir, self.tag, self.file_prefix = src.tag_dir, src.tag, src.file_prefix
+        self.model_rels, self.optim_rels = {0: src.model_rel}, {0: src.optim_rels[0]}
+        size = sub_group_size or SUB_GROUP_SIZE
+        model, optim = src.model_obj, src.optim_obj
+        osd = optim["optimizer_state_dict"]
+        base = osd.get("base_optimizer_state") or {}
+        if not isinstance(base, dict):
+            raise UsageError(
+                f"{src.optim_rels[0]}: an elastic ZeRO checkpoint; writing ZeRO-3 from it is not supported yet"
+            )
+        state = base.get("state") or {}
+        self.groups, self.subgroups, self.shape_objs = [], [], {}
+        for g, group in enumerate(base.get("param_groups") or []):
+            shapes = model["param_shapes"][g]
+            params = [(n, tuple(int(x) for x in s)) for n, s in shapes.items()]
+            self.shape_objs.update(shapes)
+            step = (state.get(g) or {}).get("step")
+            self.groups.append({"hyper": {k: v for k, v in group.items() if k != "params"}, "step": step})
+            for ids in zero3_sub_groups(params, dp, size):
+                self.subgroups.append((g, [params[k] for k in ids]))
+        extra = set().union(
+            *((set(v) - {"step", "exp_avg", "exp_avg_sq"}) for v in state.values() if isinstance(v, dict))
+        )
+        if extra:
+            raise UsageError(
+                f"{src.optim_rels[0]}: optimizer state {sorted(extra)} is not Adam's; writing ZeRO-3 from it is not "
+                "supported yet"
+            )
+        module = model.get("module") if isinstance(model.get("module"), dict) else {}
+        buffers = set(model.get("buffer_names") or [])
+        held = set(self.shape_objs)
+        shared = model.get("shared_params") or {}
+        frozen = [
+            (n, tuple(v.shape))
+            for n, v in module.items()
+            if n not in held and n not in buffers and n not in shared and isinstance(v, _unpickle.TensorRef)
+        ]
+        self.frozen = frozen
+        placeholders = type(module)()
+        placeholders.__dict__.update(getattr(module, "__dict__", {}))
+        for name, value in module.items():
+            if name in buffers or not isinstance(value, _unpickle.TensorRef):
+                placeholders[name] = value
+            else:
+                placeholders[name] = _ptwrite.OutTensor(value.dtype, (0,), _nothing)
+        frozen_shapes = _unpickle.OrderedDictStandIn()
+        for name, shape in frozen:
+            frozen_shapes[name] = _unpickle.TorchSize(shape)
+        config = with_stage(model.get("ds_config"), 3)
+        if isinstance(config, dict):
+            config["zero_optimization"]["sub_group_size"] = size
+        self.model_obj = {}
+        for key, value in model.items():
+            if key == "module":
+                value = placeholders
+            elif key == "frozen_param_shapes":
+                value = frozen_shapes
+            elif key == "frozen_param_fragments":
+                value = {}  # filled per rank by _model_tree
+            elif key == "ds_config":
+                value = config
+            self.model_obj[key] = value
+        stage = osd.get("zero_stage")
+        enum = stage.enum if isinstance(stage, _unpickle.EnumValue) else "deepspeed.runtime.zero.config.ZeroStageEnum"
+        z3 = {
+            "zero_stage": _unpickle.EnumValue(enum, 3),
+            "loss_scaler": osd.get("loss_scaler"),
+            "dynamic_loss_scale": osd.get("dynamic_loss_scale", False),
+            "overflow": osd.get("overflow", False),
+            "partition_count": dp,
+            "optimizer_state_dict": None,
+            "fp32_flat_groups": None,
+        }
+        self.optim_obj = {
+            k: z3 if k == "optimizer_state_dict" else with_stage(v, 3) if k == "ds_config" else v
+            for k, v in optim.items()
+        }
+        if isinstance(self.optim_obj.get("ds_config"), dict):
+            self.optim_obj["ds_config"]["zero_optimization"]["sub_group_size"] = size
 
 
 class ZeroFrom3Writer(ZeroWriter):

@@ -19,7 +19,7 @@ CLI_SURFACE = {
     "diff": {"a", "b", "--atol", "--rtol", "--tolerance", "--filter", "--map", "--kind", "--json", "--quiet",
              "--help"},
     "reshard": {"src", "--output", "--tp", "--pp", "--vpp", "--pp-first-layers", "--pp-last-layers", "--pipeline-layout", "--dp", "--ep",
-                "--to", "--workers", "--device", "--max-memory", "--split-rule", "--vocab-padding", "--distributed-optimizer", "--zero-stage", "--dry-run",
+                "--to", "--workers", "--device", "--max-memory", "--split-rule", "--vocab-padding", "--distributed-optimizer", "--zero-stage", "--sub-group-size", "--dry-run",
                 "--no-seal", "--force", "--json", "--quiet", "--help"},
     "delta create": {"base", "target", "--output", "--workers", "--force", "--json", "--quiet", "--help"},
     "delta apply": {"base", "delta", "--output", "--workers", "--force", "--quiet", "--help"},

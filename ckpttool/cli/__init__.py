@@ -525,8 +525,15 @@ def reshard(
         int | None,
         typer.Option(
             "--zero-stage",
-            help="--to deepspeed: the ZeRO stage of the output, 1, 2 or 3 (default: the source's; ZeRO-3 to 1 or 2 "
-            "and 1 to 2 or back so far).",
+            help="--to deepspeed: the ZeRO stage of the output, 1, 2 or 3 (default: the source's).",
+        ),
+    ] = None,
+    sub_group_size: Annotated[
+        int | None,
+        typer.Option(
+            "--sub-group-size",
+            help="--zero-stage 3 from ZeRO-1/2: zero_optimization.sub_group_size of the run that resumes "
+            "(default: DeepSpeed's, 1e9).",
         ),
     ] = None,
     dry_run: Annotated[
@@ -566,6 +573,7 @@ def reshard(
         pp_last=pp_last_layers,
         pipeline_layout=pipeline_layout,
         zero_stage=zero_stage,
+        sub_group_size=sub_group_size,
     )
     done = [0]
     with out.progress("reshard") as update:

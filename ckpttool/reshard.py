@@ -290,9 +290,11 @@ def plan(src: str | Path, target: Target, *, workers: int = 1, max_memory: str |
         raise UsageError(f"--zero-stage applies to --to deepspeed only, not {fmt}")
     if target.zero_stage is not None and target.zero_stage not in (1, 2, 3):
         raise UsageError(f"--zero-stage {target.zero_stage}: DeepSpeed's partitioned stages are 1, 2 and 3")
-    if target.sub_group_size is not None and (target.zero_stage != 3 or target.sub_group_size < 1):
+    if target.dp is not None and target.dp < 1:
+        raise UsageError(f"--dp {target.dp}: the data-parallel size (or DCP world size) is at least 1")
+    if target.sub_group_size is not None and (target.zero_stage != 3 or target.sub_group_size < 0):
         raise UsageError(
-            "--sub-group-size (at least 1) applies with --zero-stage 3 from a ZeRO-1/2 checkpoint (a ZeRO-3 one "
+            "--sub-group-size (0 or more) applies with --zero-stage 3 from a ZeRO-1/2 checkpoint (a ZeRO-3 one "
             "records its own)"
         )
     if (target.pp_first is not None or target.pp_last is not None) and fmt not in ("megatron", "megatron-dist"):
@@ -434,7 +436,7 @@ class _ZeroExec(_FileExec):
         if stage == 3 and manifest.layout.zero_stage != 3:
             from ckpttool.formats.deepspeed_write import SUB_GROUP_SIZE
 
-            size = target.sub_group_size or SUB_GROUP_SIZE
+            size = SUB_GROUP_SIZE if target.sub_group_size is None else target.sub_group_size
             self.notes.append(
                 f"ZeRO-3 sub-groups of up to {size:,} elements per rank: resume with zero_optimization.sub_group_size "
                 f"{size} (set it with --sub-group-size; DeepSpeed refuses a checkpoint cut otherwise)"

@@ -63,11 +63,11 @@ class OutTensor:
     fill: Callable[[np.ndarray], None]
     requires_grad: bool = False
     parts: Callable[[], Iterator[tuple[int, Callable[[np.ndarray], None] | None]]] | None = None
+    """when set, the bytes as consecutive parts ``(nbytes, fill)`` (``fill`` None: zeros), so that a
+    tensor far larger than any of its parts is written holding one part at a time"""
     attrs: dict[str, Any] | None = None
     """Python attributes the tensor carries (DeepSpeed's ``ds_id``): pickled, as torch pickles a
     tensor with a ``__dict__``, through ``_rebuild_from_type_v2`` with them as its state"""
-    """when set, the bytes as consecutive parts ``(nbytes, fill)`` (``fill`` None: zeros), so that a
-    tensor far larger than any of its parts is written holding one part at a time"""
 
     @property
     def nbytes(self) -> int:

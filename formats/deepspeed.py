@@ -573,6 +573,11 @@ class _Builder:
                 shape = tuple(shape)
                 numel = math.prod(shape)
                 part = -(-numel // ws)
+                if numel == 0:  # DeepSpeed counts empty parameters as frozen: no rank holds an element
+                    frag = (self.files[z3_models[(ranks[0], 0)]].get("frozen_param_fragments") or {}).get(name)
+                    dtype = frag.dtype if isinstance(frag, _unpickle.TensorRef) else "float32"
+                    self.item(f"{name}.fp32", "master", dtype, shape)
+                    continue
                 for dp in ranks:
                     rel = z3_models[(dp, 0)]
                     frag = (self.files[rel].get("frozen_param_fragments") or {}).get(name)

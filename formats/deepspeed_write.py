@@ -103,8 +103,9 @@ class ZeroWriter:
             raise UsageError("--dp must be at least 1")
         stage = manifest.layout.zero_stage
         if stage not in (1, 2):
+            what = "a universal checkpoint" if manifest.extras.get("variant") == "universal" else f"ZeRO stage {stage}"
             raise UsageError(
-                f"--dp: resharding DeepSpeed ZeRO stage {stage} checkpoints is not supported yet (ZeRO-1/2/3 are)",
+                f"--to deepspeed: writing ZeRO files from {what} is not supported yet (from ZeRO-1/2/3 it is)",
                 hint="'ckpttool convert --to dcp' keeps the state in a layout-free form",
             )
         model_rel = None
@@ -335,10 +336,12 @@ class Zero3Writer:
     saves it. Everything else (module placeholders and buffers, scheduler, counters, config, loss
     scaler, the param groups' hyper-parameters and step) is carried."""
 
-    def __init__(self, root: Path, manifest: Manifest, dp: int) -> None:
-        self.root, self.manifest, self.dp = root, manifest, dp
+    def __init__(self, root: Path, manifest: Manifest, dp: int | None) -> None:
+        """``dp`` None: the source's DP and sub-groups, as saved (for the writers that read a
+        ZeRO-3 checkpoint through this one and do not lay sub-groups out again)."""
+        self.root, self.manifest = root, manifest
         self.scratch = _ptwrite.Scratch()
-        if dp < 1:
+        if dp is not None and dp < 1:
             raise UsageError("--dp must be at least 1")
         models: dict[int, str] = {}
         optims: dict[int, str] = {}
@@ -381,7 +384,9 @@ class Zero3Writer:
                 f"not match the optimizer's param groups (sub-groups {subs})",
                 path=models[0],
             )
-        size = self._sub_group_size(shapes, subs, int(osd.get("partition_count") or len(optims)), models[0])
+        source_dp = int(osd.get("partition_count") or len(optims))
+        self.dp = source_dp if dp is None else dp
+        size = self._sub_group_size(shapes, subs, source_dp, models[0]) if dp is not None else 0
         state = inner.get("state") or {}
         self.groups: list[dict[str, Any]] = []
         """per param group: its hyper-parameters and its source step"""
@@ -396,6 +401,10 @@ class Zero3Writer:
                     params.append((name, tuple(int(x) for x in shape)))
             step = (state.get(subs[g][0]) or {}).get("step") if subs[g] else None
             self.groups.append({"hyper": {k: v for k, v in group.items() if k != "params"}, "step": step})
+            if dp is None:  # as saved
+                for sid in subs[g]:
+                    self.subgroups.append((g, [(n, tuple(int(x) for x in s)) for n, s in shapes[sid].items()]))
+                continue
             for ids in zero3_sub_groups(params, dp, size):
                 self.subgroups.append((g, [params[k] for k in ids]))
         for _, params in self.subgroups:
@@ -422,7 +431,7 @@ class Zero3Writer:
         config = self.model_obj.get("ds_config")
         zero = config.get("zero_optimization") if isinstance(config, dict) else None
         value = zero.get("sub_group_size") if isinstance(zero, dict) else None
-        size = int(value) if isinstance(value, int | float) and value > 0 else SUB_GROUP_SIZE
+        size = int(value) if isinstance(value, int | float) and value >= 0 else SUB_GROUP_SIZE
         for ids in subs:
             params = [(n, tuple(int(x) for x in s)) for sid in ids for n, s in shapes[sid].items()]
             cut = zero3_sub_groups(params, dp, size)
@@ -558,6 +567,10 @@ class Zero3Writer:
         return _ptwrite.OutTensor(dtype=dtype, shape=(size,), fill=fill, requires_grad=requires_grad)
 
 
+_CAST_SLICE = 1 << 20
+"""Elements converted at once between float32 and bfloat16 (a few MB of temporaries)."""
+
+
 def _nothing(buf: np.ndarray) -> None:
     """The fill of an empty tensor (ZeRO-3's module placeholders)."""
 
@@ -582,7 +595,7 @@ class Zero3From12Writer(Zero3Writer):
         src = ZeroWriter(root, manifest, manifest.layout.dp or 1)  # parses and checks the source
         self.tag_dir, self.tag, self.file_prefix = src.tag_dir, src.tag, src.file_prefix
         self.model_rels, self.optim_rels = {0: src.model_rel}, {0: src.optim_rels[0]}
-        size = sub_group_size or SUB_GROUP_SIZE
+        size = SUB_GROUP_SIZE if sub_group_size is None else sub_group_size
         model, optim = src.model_obj, src.optim_obj
         osd = optim["optimizer_state_dict"]
         base = osd.get("base_optimizer_state") or {}
@@ -672,15 +685,16 @@ class ZeroFrom3Writer(ZeroWriter):
       ZeRO-3 sub-groups joined); ZeRO-2's frozen shapes and values, none at ZeRO-1.
     - ``zero_pp_rank_r_mp_rank_00_optim_states.pt``: ZeRO-1/2's layout (see :class:`ZeroWriter`),
       one flat group per param group, with the ZeRO-3 run's loss scaler, hyper-parameters and step,
-      ``clip_grad`` from the saved config's ``gradient_clipping``, and no parameter alignment
-      padding (``zero_optimization.parameter_alignment`` off, DeepSpeed's default)."""
+      ``clip_grad`` from the saved config's ``gradient_clipping``, and the parameters padded as
+      the saved config's ``zero_optimization.parameter_alignment`` pads them (not, when the config
+      was saved as a path: DeepSpeed's default)."""
 
     def __init__(self, root: Path, manifest: Manifest, dp: int, stage: int) -> None:
         if dp < 1:
             raise UsageError("--dp must be at least 1")
         self.root, self.manifest, self.dp, self.stage = root, manifest, dp, stage
         self.scratch = _ptwrite.Scratch()
-        src = self.src = Zero3Writer(root, manifest, manifest.layout.dp or 1)
+        src = self.src = Zero3Writer(root, manifest, None)  # the sub-groups are joined: their size is moot
         self.tag_dir, self.tag, self.file_prefix = src.tag_dir, src.tag, src.file_prefix
         self.model_rel, self.model_obj = src.model_rels[0], src.model_obj
         self.optim_rels = {0: src.optim_rels[0]}  # the archive the carried optimizer objects come from
@@ -707,8 +721,34 @@ class ZeroFrom3Writer(ZeroWriter):
                     for name, _shape in params:
                         shapes[name] = src.shape_objs[name]
             self.param_groups.append(shapes)
-        self.groups = [group_layout(shapes, dp) for shapes in self.param_groups]
+        config = src.model_obj.get("ds_config")
+        zero = config.get("zero_optimization") if isinstance(config, dict) else None
+        aligned = bool(zero.get("parameter_alignment")) if isinstance(zero, dict) else False
+        dtypes = {
+            ref.dtype
+            for n, ref in self.module.items()
+            if isinstance(ref, _unpickle.TensorRef) and n not in self.buffers
+        }
+        self.paddings = [self._paddings(shapes, dtypes, aligned) for shapes in self.param_groups]
+        self.groups = [
+            group_layout(shapes, dp, pads) for shapes, pads in zip(self.param_groups, self.paddings, strict=True)
+        ]
         self.optim_obj = self._optim_template()
+
+    @staticmethod
+    def _paddings(shapes: dict[str, Any], dtypes: set[str], aligned: bool) -> list[int]:
+        """ZeRO-1/2's ``param_alignment_paddings`` of a group (``zero_optimization.parameter_alignment``:
+        each parameter but the last padded to 16 bytes of the module's dtype; none without it)."""
+        if not aligned:
+            return [0] * len(shapes)
+        size = max(carrier(d).itemsize for d in dtypes) if dtypes else 4
+        step, at, out = 16 // math.gcd(16, size), 0, []
+        for k, shape in enumerate(shapes.values()):
+            at += math.prod(int(x) for x in shape)
+            pad = 0 if k == len(shapes) - 1 else (-at) % step
+            out.append(pad)
+            at += pad
+        return out
 
     def _optim_template(self) -> dict[str, Any]:
         """ZeRO-1/2's optimizer file as :meth:`ZeroWriter._optim_tree` fills it in: its keys in
@@ -718,7 +758,6 @@ class ZeroFrom3Writer(ZeroWriter):
         inner = z3["optimizer_state_dict"]
         state = inner.get("state") or {}
         config = top.get("ds_config")
-        clip = config.get("gradient_clipping", 0.0) if isinstance(config, dict) else 0.0
         groups, gstate = [], {}
         for g, group in enumerate(inner.get("param_groups") or []):
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [g]})
@@ -731,12 +770,14 @@ class ZeroFrom3Writer(ZeroWriter):
             "loss_scaler": z3.get("loss_scaler"),
             "dynamic_loss_scale": z3.get("dynamic_loss_scale", False),
             "overflow": z3.get("overflow", False),
-            "clip_grad": clip,
+            # ZeRO-3 saves no clip_grad: the run's config gives it (DeepSpeed's default 0.0); a config saved as
+            # a path does not, and without the key DeepSpeed keeps the resuming config's
+            **({"clip_grad": config.get("gradient_clipping", 0.0)} if isinstance(config, dict) else {}),
             "base_optimizer_state": {"state": gstate, "param_groups": groups},
             "single_partition_of_fp32_groups": None,
             "zero_stage": _unpickle.EnumValue(enum, self.stage),
             "group_paddings": None,
-            "param_alignment_paddings": [[0] * len(shapes) for shapes in self.param_groups],
+            "param_alignment_paddings": self.paddings,
             "partition_count": None,
             "ds_version": top.get("ds_version"),
             "param_slice_mappings": None,
@@ -750,12 +791,20 @@ class ZeroFrom3Writer(ZeroWriter):
 
     def files(self) -> list[PlannedFile]:
         out = super().files()
-        sizes = [
-            math.prod(self._shape(n)) * carrier(ref.dtype).itemsize
-            for n, ref in self.module.items()
-            if isinstance(ref, _unpickle.TensorRef)
-        ]
-        out[0] = PlannedFile.of(out[0].path, out[0].key, sizes)
+        sizes, peaks, seen = [], [0], set()
+        for name, ref in self.module.items():
+            if not isinstance(ref, _unpickle.TensorRef) or (self.shared.get(name, name), ref.dtype) in seen:
+                continue
+            seen.add((self.shared.get(name, name), ref.dtype))
+            size = math.prod(self._shape(name)) * carrier(ref.dtype).itemsize
+            sizes.append(size)
+            item = self.manifest.items.get(f"{self.shared.get(name, name)}.fp32")
+            converted = name not in self.buffers and item is not None and item.dtype != ref.dtype
+            # a converted parameter: its values assembled whole, then narrowed a slice at a time
+            peaks.append(size + ((item.nbytes or 0) + 12 * _CAST_SLICE if converted and item else 0))
+        out[0] = PlannedFile(
+            path=out[0].path, key=out[0].key, nbytes=sum(sizes), tensors=len(sizes), largest=max(peaks)
+        )
         return out
 
     def _shape(self, name: str) -> tuple[int, ...]:
@@ -775,11 +824,15 @@ class ZeroFrom3Writer(ZeroWriter):
         module = type(self.module)()
         module.__dict__.update(getattr(self.module, "__dict__", {}))  # the state dict's _metadata
         whole: dict[str, _ptwrite.OutTensor] = {}
+        made: dict[tuple[str, str], _ptwrite.OutTensor] = {}  # a tied alias is its owner's tensor, saved once
         for name, ref in self.module.items():
             if name in self.buffers or not isinstance(ref, _unpickle.TensorRef):
                 module[name] = ref  # carried below
-            else:
-                module[name] = whole[name] = self._whole(str(self.shared.get(name, name)), ref.dtype, reader)
+                continue
+            owner = str(self.shared.get(name, name))
+            if (owner, ref.dtype) not in made:
+                made[owner, ref.dtype] = self._whole(owner, ref.dtype, reader)
+            module[name] = whole[name] = made[owner, ref.dtype]
         frozen = [n for n, _shape in self.src.frozen]
         tree: dict[str, Any] = {}
         for key, value in src.items():
@@ -813,12 +866,12 @@ class ZeroFrom3Writer(ZeroWriter):
             return _ptwrite.assembled(reader, item)
 
         def fill(buf: np.ndarray) -> None:
-            values = assemble(reader, item)
-            wide = bf16_to_float32(values) if item.dtype == "bfloat16" else values.astype(np.float32, copy=False)
-            if dtype == "bfloat16":
-                buf.view(np.uint16).reshape(shape)[...] = float32_to_bf16(wide)
-            else:
-                buf.view(np.float32).reshape(shape)[...] = wide
+            values = assemble(reader, item).reshape(-1)
+            out = buf.view(np.uint16 if dtype == "bfloat16" else np.float32).reshape(-1)
+            for a in range(0, values.size, _CAST_SLICE):  # the conversion's temporaries stay small
+                part = values[a : a + _CAST_SLICE]
+                wide = bf16_to_float32(part) if item.dtype == "bfloat16" else part.astype(np.float32, copy=False)
+                out[a : a + _CAST_SLICE] = float32_to_bf16(wide) if dtype == "bfloat16" else wide
 
         return _ptwrite.OutTensor(dtype=dtype, shape=shape, fill=fill)
 
@@ -974,7 +1027,7 @@ class Universal3Writer(_UniversalOut, Zero3Writer):
     _STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
     def __init__(self, root: Path, manifest: Manifest) -> None:
-        super().__init__(root, manifest, manifest.layout.dp or len(self._optims(manifest)) or 1)
+        super().__init__(root, manifest, None)  # ds_to_universal takes param_shapes as saved
         self._name_dir(self.tag, manifest)
         osd = self.optim_obj["optimizer_state_dict"]
         self.fp32_requires_grad = any(getattr(t, "requires_grad", False) for t in osd.get("fp32_flat_groups") or [])
@@ -982,10 +1035,6 @@ class Universal3Writer(_UniversalOut, Zero3Writer):
         self.jobs: list[tuple[str, str]] = [("optimizer", "")]
         self.jobs += [("model", rel) for _r, rel in sorted(self.model_rels.items())]
         self.jobs += [(state, name) for name in names for state in self._STATES]
-
-    @staticmethod
-    def _optims(manifest: Manifest) -> list[str]:
-        return [f.path for f in manifest.files if _Z3_OPTIM.match(f.path)]
 
     def files(self) -> list[PlannedFile]:
         out = []

@@ -118,10 +118,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 def rewritten_copy(
-    dst: Path, source: Path, edit: Callable[[Any], None], files: str = "iter_*/mp_rank_*/model_optim_rng.pt"
+    dst: Path,
+    source: Path,
+    edit: Callable[[Any], None],
+    files: str = "iter_*/mp_rank_*/model_optim_rng.pt",
+    allow: Any = None,
 ) -> Path:
     """A copy of a Megatron checkpoint with ``edit(tree)`` applied to the tree of every file
-    matching ``files`` (default: each legacy rank file; ``iter_*/common.pt`` for torch_dist):
+    matching ``files`` (default: each legacy rank file; ``iter_*/common.pt`` for torch_dist), read
+    with the pickle allowlist ``allow`` (default: Megatron's):
     each re-pickled by ckpttool's own writer from the restricted unpickler's tree (tensors copied
     from the original), so neither torch nor Megatron is needed. For edge-case inputs (changed
     args, param groups), never presented as a library's own output."""
@@ -130,10 +135,12 @@ def rewritten_copy(
     from ckpttool.formats import _pt, _ptwrite
     from ckpttool.formats.megatron import ALLOWLIST
 
+    allow = ALLOWLIST if allow is None else allow  # Megatron's, unless told
+
     shutil.copytree(source, dst)
     (dst / "ckpttool.manifest.json").unlink(missing_ok=True)
     for f in dst.glob(files):
-        archive, obj, _ = _pt.load(source, str(f.relative_to(dst)), ALLOWLIST)
+        archive, obj, _ = _pt.load(source, str(f.relative_to(dst)), allow)
         try:
             edit(obj)
             _ptwrite.save(_ptwrite.carry(obj, lambda archive=archive: archive), f)

@@ -16,7 +16,7 @@ import pytest
 from ckpttool import _torchzip, _unpickle, registry
 from ckpttool.diff import diff
 from ckpttool.errors import UsageError
-from ckpttool.formats import _pt
+from ckpttool.formats import _pt, _ptwrite
 from ckpttool.formats.megatron import ALLOWLIST
 from ckpttool.hashing import hash_bytes
 from ckpttool.reshard import Target, parse_split_rules, reshard
@@ -842,6 +842,81 @@ def test_deepspeed_zero2_to_zero3_is_the_zero3_run(tmp_path):
     assert any("sub_group_size 1000000000" in n for n in default.plan.notes)
     shapes = _tree(tmp_path / "d" / "global_step3" / names[0], DS)
     assert len(dict(shapes[1])["param_shapes"][1]) == 2  # one sub-group per param group
+
+
+def test_deepspeed_zero2_bf16_through_zero3_and_back(tmp_path):
+    """The bf16 ZeRO-2 fixture (trained with zero_optimization.parameter_alignment) at ZeRO-3, DP=3,
+    one parameter per sub-group (--sub-group-size 0, as DeepSpeed cuts it), then back at ZeRO-2,
+    DP=2: DeepSpeed's own files' trees again: the module in bf16 is the masters rounded as ZeRO
+    rounds them, the parameters padded for alignment as the saved config asks, the config as it
+    was."""
+    from ckpttool.formats.deepspeed import ALLOWLIST as DS
+
+    src = FIXTURES / "deepspeed" / "zero2_bf16"
+    three, back = tmp_path / "z3", tmp_path / "z2"
+    reshard(src, three, Target(dp=3, zero_stage=3, sub_group_size=0))
+    shapes = dict(_tree(three / "global_step3" / "zero_pp_rank_0_mp_rank_00_model_states.pt", DS)[1])
+    assert all(len(group[1]) == 1 for group in shapes["param_shapes"][1])
+    reshard(three, back, Target(dp=2, zero_stage=2))
+    names = sorted(p.name for p in (src / "global_step3").glob("*.pt"))
+    assert names == sorted(p.name for p in (back / "global_step3").glob("*.pt"))
+    for name in names:
+        assert _tree(src / "global_step3" / name, DS) == _tree(back / "global_step3" / name, DS), name
+
+
+def test_deepspeed_zero3_empty_parameter(tmp_path):
+    """DeepSpeed files a parameter with no elements among the frozen ones, with an empty fragment on
+    every rank. It reads as an empty tensor and survives a new DP, a new stage and the universal
+    layout."""
+    from ckpttool.formats.deepspeed import ALLOWLIST as DS
+
+    src = FIXTURES / "deepspeed" / "zero3"
+    dst = tmp_path / "empty"
+    shutil.copytree(src, dst)
+
+    def nothing(buf: np.ndarray) -> None:
+        pass
+
+    for f in dst.glob("global_step3/zero_pp_rank_*_model_states.pt"):
+        archive, obj, _ = _pt.load(src, str(f.relative_to(dst)), DS)
+        try:
+            obj["module"]["empty.weight"] = _ptwrite.OutTensor("float32", (0,), nothing)
+            obj["frozen_param_shapes"]["empty.weight"] = _unpickle.TorchSize((0, 16))
+            obj["frozen_param_fragments"]["empty.weight"] = _ptwrite.OutTensor("float32", (0,), nothing)
+            _ptwrite.save(_ptwrite.carry(obj, lambda archive=archive: archive), f)
+        finally:
+            archive.close()
+    assert registry.describe(dst)[1].items["empty.weight.fp32"].shape == (0, 16)
+    for n, target in enumerate([Target(dp=3), Target(zero_stage=2), Target(to="deepspeed-universal")]):
+        out = tmp_path / str(n)
+        reshard(dst, out, target)
+        assert verify(out).failing() == []
+        assert registry.describe(out)[1].items["empty.weight.fp32" if n == 0 else "frozen.weight.fp32"] is not None
+    assert not diff(dst, tmp_path / "0").different
+
+
+def test_deepspeed_zero3_to_zero2_without_a_saved_config(tmp_path):
+    """DeepSpeed saves the config's path when launched with a file. The ZeRO-3 sub-groups are then
+    taken as saved (joining them needs no sub_group_size) and clip_grad, which ZeRO-3 does not
+    save, is left out: DeepSpeed keeps the resuming config's."""
+    from ckpttool.formats.deepspeed import ALLOWLIST as DS
+
+    def path_config(obj: Any) -> None:
+        obj["ds_config"] = "/runs/ds_config.json"
+
+    src = rewritten_copy(
+        tmp_path / "src", FIXTURES / "deepspeed" / "zero3", path_config, files="global_step3/*.pt", allow=DS
+    )
+    out = tmp_path / "z2"
+    reshard(src, out, Target(zero_stage=2))
+    osd = dict(
+        dict(_tree(out / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", DS)[1])["optimizer_state_dict"][
+            1
+        ]
+    )
+    assert "clip_grad" not in osd and "base_optimizer_state" in osd
+    reshard(src, tmp_path / "uni", Target(to="deepspeed-universal"))
+    assert not diff(FIXTURES / "deepspeed" / "zero3", tmp_path / "uni").different
 
 
 def test_deepspeed_zero_stage_refusals(tmp_path):

@@ -1,11 +1,12 @@
-"""torchrun worker for bench_deepspeed.py: a real DeepSpeed ZeRO-2 fp32 checkpoint of about 1 GB.
+"""torchrun worker for bench_deepspeed.py: a real DeepSpeed ZeRO-2 (or ZeRO-3) fp32 checkpoint of about 1 GB.
 
-    DS_ACCELERATOR=cpu torchrun --standalone --nproc-per-node 2 _make_big_ds.py OUT WIDTH LAYERS
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc-per-node 2 _make_big_ds.py OUT WIDTH LAYERS [STAGE]
 
 A stack of LAYERS Linear(WIDTH, WIDTH) layers trained for one real step with DeepSpeed 0.19.x on CPU
 (gloo, torch AdamW), saved with ``engine.save_checkpoint(OUT, tag="global_step1")``: fp32 module
 weights in ``mp_rank_00_model_states.pt``, and per rank the flat fp32 partition with both Adam
-moments in ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` (16 bytes per parameter in all).
+moments in ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` (16 bytes per parameter in all). STAGE 3:
+ZeRO-3 (DeepSpeed's default sub-group size), the module as placeholders: 12 bytes per parameter.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.nn as nn
 
 def main() -> None:
     out, width, layers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    stage = int(sys.argv[4]) if len(sys.argv) > 4 else 2
     import deepspeed
     import deepspeed.comm.torch as ds_comm_torch
     import torch.distributed as dist
@@ -38,7 +40,7 @@ def main() -> None:
         "train_micro_batch_size_per_gpu": 2,
         "train_batch_size": 2 * dist.get_world_size(),
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-        "zero_optimization": {"stage": 2},
+        "zero_optimization": {"stage": stage},
         "steps_per_print": 10**9,
     }
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)

@@ -20,6 +20,11 @@ before each run and no old output:
 Wall time and peak RSS (``ru_maxrss`` of the child), medians printed and written to
 benchmarks/_data/deepspeed.json. Targets (issue 6): against zero_to_fp32 >= 2x faster at <= 1/4 of
 its peak memory; reshard >= 0.5x the throughput of cp.
+
+``--stage 3`` does the same on a ZeRO-3 checkpoint of the same model (``deepspeed3.json``), with
+two more pairs: ``reshard --to deepspeed-universal`` against DeepSpeed's ``ds_to_universal`` (its
+default workers; the peak RSS is the largest of its processes), and ``reshard --zero-stage 2 --dp
+1`` (the ZeRO-3 run as ZeRO-2 files, which DeepSpeed has no tool for) against cp.
 """
 
 from __future__ import annotations
@@ -37,18 +42,20 @@ DATA = HERE / "_data"
 WIDTH = 2048
 
 
-def make(layers: int) -> Path:
+def make(layers: int, stage: int) -> Path:
     env = {"DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0"}
-    return make_once(DATA / f"ds_zero2_{WIDTH}x{layers}", "latest", HERE / "_make_big_ds.py", WIDTH, layers, env=env)
+    ckpt = DATA / f"ds_zero{stage}_{WIDTH}x{layers}"
+    return make_once(ckpt, "latest", HERE / "_make_big_ds.py", WIDTH, layers, stage, env=env)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--stage", type=int, choices=(2, 3), default=2)
     args = ap.parse_args()
     DATA.mkdir(exist_ok=True)
-    ckpt = make(args.layers)
+    ckpt = make(args.layers, args.stage)
     size = warm(ckpt)
     out = DATA / "ds_out"
     env_py = [sys.executable]
@@ -64,6 +71,18 @@ def main() -> int:
             "c(sys.argv[1], sys.argv[2])", str(ckpt), str(out),
         ],
     }  # fmt: skip
+    if args.stage == 3:
+        tag = (ckpt / "latest").read_text().strip()
+        cmds["reshard --zero-stage 2 --dp 1"] = [*env_py, "-m", "ckpttool", "reshard", str(ckpt), "-o", str(out),
+                                                 "--zero-stage", "2", "--dp", "1", "-q"]
+        cmds["reshard --to deepspeed-universal"] = [*env_py, "-m", "ckpttool", "reshard", str(ckpt), "-o", str(out),
+                                                    "--to", "deepspeed-universal", "-q"]
+        cmds["ds_to_universal"] = [
+            "env", "DS_ACCELERATOR=cpu", *env_py, "-m", "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder", str(ckpt / tag), "--output_folder", str(out / f"{tag}_universal"),
+            "--inject_missing_state",
+        ]
+
     def reset(name: str) -> None:
         shutil.rmtree(out, ignore_errors=True)
         if name == "export --kind master":
@@ -91,7 +110,17 @@ def main() -> int:
         f"its memory, reshard {summary['reshard_vs_zero_to_fp32_speed']:.1f}x at "
         f"{summary['reshard_vs_zero_to_fp32_memory']:.2f}x"
     )
-    (DATA / "deepspeed.json").write_text(json.dumps(summary, indent=2))
+    if args.stage == 3:
+        u, d = med["reshard --to deepspeed-universal"], med["ds_to_universal"]
+        summary["universal_vs_ds_to_universal_speed"] = d[0] / u[0]
+        summary["universal_vs_ds_to_universal_memory"] = u[1] / d[1]
+        summary["zero_stage_2_vs_cp"] = med["cp -r"][0] / med["reshard --zero-stage 2 --dp 1"][0]
+        print(
+            f"  against ds_to_universal: {summary['universal_vs_ds_to_universal_speed']:.1f}x faster at "
+            f"{summary['universal_vs_ds_to_universal_memory']:.2f}x its memory; --zero-stage 2 "
+            f"{summary['zero_stage_2_vs_cp']:.2f}x cp"
+        )
+    (DATA / ("deepspeed.json" if args.stage == 2 else "deepspeed3.json")).write_text(json.dumps(summary, indent=2))
     ok = summary["export_vs_zero_to_fp32_speed"] >= 2 and summary["export_vs_zero_to_fp32_memory"] <= 0.25
     return 0 if ok and summary["reshard_vs_cp"] >= 0.5 else 1
 

@@ -71,6 +71,21 @@ def _padding_blind(tree: Any) -> Any:
     return tree
 
 
+def _ds_oracle(*args: str, codes: tuple[int, ...] = (0,)) -> str:
+    """Run fixtures/oracle_deepspeed_reshard.py with ``args`` (skipped without DeepSpeed, an oracle and
+    not a dependency); its report, once it exited with one of ``codes``."""
+    try:
+        import deepspeed  # noqa: F401
+    except Exception:
+        pytest.skip("needs deepspeed (an oracle, not a dependency)")
+    proc = subprocess.run(
+        [sys.executable, str(FIXTURES / "oracle_deepspeed_reshard.py"), *args], capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode in codes, (proc.stdout + proc.stderr)[-3000:]
+    return proc.stdout
+
+
 def _rank_files(root: Path) -> dict[str, Path]:
     return {p.parent.name: p for p in sorted(root.glob("iter_*/mp_rank_*/model_optim_rng.pt"))}
 
@@ -663,18 +678,8 @@ def test_deepspeed_resumes_from_the_resharded_checkpoint():
     """Oracle: DeepSpeed's load_checkpoint at DP=1 resumes from our DP=1 output of the DP=2
     ZeRO-2 fixture; the state equals the reference, the next step's loss is bit-identical to the
     uninterrupted DP=2 run's, and DeepSpeed's zero_to_fp32 reads the output."""
-    try:
-        import deepspeed  # noqa: F401
-    except Exception:
-        pytest.skip("needs deepspeed (an oracle, not a dependency)")
-    proc = subprocess.run(
-        [sys.executable, str(FIXTURES / "oracle_deepspeed_reshard.py"), "--variant", "zero2", "--dp", "1"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert "step-4 loss: BIT-IDENTICAL" in proc.stdout
+    report = _ds_oracle("--variant", "zero2", "--dp", "1")
+    assert "step-4 loss: BIT-IDENTICAL" in report
 
 
 @pytest.mark.slow
@@ -688,18 +693,9 @@ def test_deepspeed_resumes_from_the_resharded_zero3_checkpoint(variant, dp):
     the reference bit for bit, the next step's loss is bit-identical to the uninterrupted DP=2
     run's, and zero_to_fp32 reads it. (DeepSpeed's own route, ds_to_universal + load_universal, is
     not compared here: for ZeRO-3 it leaves the frozen parameters unrestored.)"""
-    try:
-        import deepspeed  # noqa: F401
-    except Exception:
-        pytest.skip("needs deepspeed (an oracle, not a dependency)")
-    proc = subprocess.run(
-        [sys.executable, str(FIXTURES / "oracle_deepspeed_reshard.py"), "--variant", variant, "--dp", str(dp),
-         "--no-native"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert "step-4 loss: BIT-IDENTICAL" in proc.stdout
-    assert "zero_to_fp32: 18 tensors, 18 bit-identical to the reference" in proc.stdout
+    report = _ds_oracle("--variant", variant, "--dp", str(dp), "--no-native")
+    assert "step-4 loss: BIT-IDENTICAL" in report
+    assert "zero_to_fp32: 18 tensors, 18 bit-identical to the reference" in report
 
 
 def test_deepspeed_universal_is_ds_to_universal_byte_for_byte(tmp_path):
@@ -964,24 +960,15 @@ def test_deepspeed_zero3_engine_resumes_the_zero2_run():
     --sub-group-size 700 of the DP=2 ZeRO-2 fixture: the state after the load equals the reference,
     and the next step's loss and the whole state after it are bit-identical to the uninterrupted
     ZeRO-2 run's."""
-    try:
-        import deepspeed  # noqa: F401
-    except Exception:
-        pytest.skip("needs deepspeed (an oracle, not a dependency)")
-    proc = subprocess.run(
-        [sys.executable, str(FIXTURES / "oracle_deepspeed_reshard.py"), "--variant", "zero2", "--dp", "1",
-         "--into", "zero3"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert "--zero-stage 3 --sub-group-size 700" in proc.stdout and "DeepSpeedZeroOptimizer_Stage3" in proc.stdout
-    loaded = proc.stdout.split("== state after load", 1)[1].split("==", 1)[0]
+    report = _ds_oracle("--variant", "zero2", "--dp", "1", "--into", "zero3")
+    assert "--zero-stage 3 --sub-group-size 700" in report and "DeepSpeedZeroOptimizer_Stage3" in report
+    loaded = report.split("== state after load", 1)[1].split("==", 1)[0]
     for state in ("fp32", "exp_avg", "exp_avg_sq"):
         assert f"{state}: 14/14 params bit-identical to the reference" in loaded, loaded
     assert "module: 18/18 tensors bit-identical" in loaded
-    assert "step-4 loss: BIT-IDENTICAL" in proc.stdout
-    assert "state after step 4 vs control: BIT-IDENTICAL" in proc.stdout
-    assert "zero_to_fp32: 18 tensors, 18 bit-identical to the reference" in proc.stdout
+    assert "step-4 loss: BIT-IDENTICAL" in report
+    assert "state after step 4 vs control: BIT-IDENTICAL" in report
+    assert "zero_to_fp32: 18 tensors, 18 bit-identical to the reference" in report
 
 
 @pytest.mark.slow
@@ -993,25 +980,16 @@ def test_deepspeed_zero2_engine_resumes_the_zero3_run(variant):
     uninterrupted ZeRO-3 run's. In bf16 they are not, and the state is not why: ZeRO-3 replaces
     ``F.linear`` with its own function (matmul, then the bias added: two bf16 roundings), and the
     ZeRO-2 engine gives the same step at DP=1 as at DP=2."""
-    try:
-        import deepspeed  # noqa: F401
-    except Exception:
-        pytest.skip("needs deepspeed (an oracle, not a dependency)")
     into = "zero2" if variant == "zero3" else "zero2_bf16_tied"
-    proc = subprocess.run(
-        [sys.executable, str(FIXTURES / "oracle_deepspeed_reshard.py"), "--variant", variant, "--dp", "1",
-         "--into", into],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    loaded = proc.stdout.split("== state after load", 1)[1].split("==", 1)[0]
+    report = _ds_oracle("--variant", variant, "--dp", "1", "--into", into)
+    loaded = report.split("== state after load", 1)[1].split("==", 1)[0]
     for state in ("fp32", "exp_avg", "exp_avg_sq"):
         assert f"{state}: 14/14 params bit-identical to the reference" in loaded, loaded
-    assert "DeepSpeedZeroOptimizer" in proc.stdout and "module: 18/18 tensors bit-identical" in loaded
-    assert "zero_to_fp32: 18 tensors, 18 bit-identical to the reference" in proc.stdout
+    assert "DeepSpeedZeroOptimizer" in report and "module: 18/18 tensors bit-identical" in loaded
+    assert "zero_to_fp32: 18 tensors, 18 bit-identical to the reference" in report
     if variant == "zero3":
-        assert "step-4 loss: BIT-IDENTICAL" in proc.stdout
-        assert "state after step 4 vs control: BIT-IDENTICAL" in proc.stdout
+        assert "step-4 loss: BIT-IDENTICAL" in report
+        assert "state after step 4 vs control: BIT-IDENTICAL" in report
 
 
 def test_deepspeed_universal_refusals(tmp_path):
@@ -1027,20 +1005,11 @@ def test_deepspeed_loads_our_universal_checkpoint():
     """Oracle: DeepSpeed's load_checkpoint with checkpoint.load_universal, at DP=1, loads ckpttool's
     universal checkpoint of the DP=2 ZeRO-2 fixture: the state equals the reference, and the next
     step is bit-identical to the uninterrupted run's."""
-    try:
-        import deepspeed  # noqa: F401
-    except Exception:
-        pytest.skip("needs deepspeed (an oracle, not a dependency)")
-    proc = subprocess.run(
-        [sys.executable, str(FIXTURES / "oracle_deepspeed_reshard.py"), "--variant", "zero2", "--dp", "1",
-         "--universal-by", "ckpttool"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert "using ckpttool's universal checkpoint" in proc.stdout
-    assert "native after load vs reference: OK" in proc.stdout
-    assert "native DP=1 (same layout): step-4 loss" in proc.stdout
-    assert "BIT-IDENTICAL; state after step 4 BIT-IDENTICAL" in proc.stdout
+    report = _ds_oracle("--variant", "zero2", "--dp", "1", "--universal-by", "ckpttool")
+    assert "using ckpttool's universal checkpoint" in report
+    assert "native after load vs reference: OK" in report
+    assert "native DP=1 (same layout): step-4 loss" in report
+    assert "BIT-IDENTICAL; state after step 4 BIT-IDENTICAL" in report
 
 
 @pytest.mark.slow
@@ -1050,17 +1019,9 @@ def test_deepspeed_loads_our_zero3_universal_checkpoint():
     equal the reference and our direct ZeRO-3 reshard's after its load, bit for bit. (What that
     loader itself gets wrong, frozen parameters, the second group's hyper-parameters, a shared
     step, is DeepSpeed's: the files are ds_to_universal's byte for byte, see above.)"""
-    try:
-        import deepspeed  # noqa: F401
-    except Exception:
-        pytest.skip("needs deepspeed (an oracle, not a dependency)")
-    proc = subprocess.run(
-        [sys.executable, str(FIXTURES / "oracle_deepspeed_reshard.py"), "--variant", "zero3", "--dp", "1",
-         "--universal-by", "ckpttool", "--no-control"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode in (0, 3), (proc.stdout + proc.stderr)[-3000:]  # 3: DeepSpeed's save differs
-    native = proc.stdout.split("using ckpttool's universal checkpoint", 1)[1].split("== step 4", 1)[0]
+    # exit 3: DeepSpeed's own save after that load differs (its loader's doing)
+    report = _ds_oracle("--variant", "zero3", "--dp", "1", "--universal-by", "ckpttool", "--no-control", codes=(0, 3))
+    native = report.split("using ckpttool's universal checkpoint", 1)[1].split("== step 4", 1)[0]
     after = native.split("resharded-after-load vs native-after-load", 1)[1]
     for state in ("fp32", "exp_avg", "exp_avg_sq"):
         assert f"{state}: 14/14 bit-identical" in after, native

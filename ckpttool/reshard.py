@@ -169,8 +169,18 @@ def _build_dcp(manifest: Manifest, world: int, names: list[str]) -> Any:
 
 
 def _build_zero(root: str, manifest: Manifest, dp: int, stage: int, sub_group_size: int | None) -> Any:
-    from ckpttool.formats.deepspeed_write import Zero3From12Writer, Zero3Writer, ZeroFrom3Writer, ZeroWriter
+    from ckpttool.formats.deepspeed_write import (
+        Zero3From12Writer,
+        Zero3Writer,
+        ZeroFrom3Writer,
+        ZeroFromUniversalWriter,
+        ZeroWriter,
+    )
 
+    if manifest.extras.get("variant") == "universal":
+        if stage == 3 or sub_group_size is not None:
+            raise UsageError("--zero-stage 3 from a universal checkpoint is not supported yet (1 and 2 are)")
+        return ZeroFromUniversalWriter(Path(root), manifest, dp, stage)
     source = manifest.layout.zero_stage
     if source == 3 and sub_group_size is not None:
         raise UsageError("--sub-group-size: a ZeRO-3 checkpoint keeps the sub-group size it was saved with")
@@ -423,14 +433,18 @@ class _ZeroExec(_FileExec):
             )
         if target.tp not in (None, 1) or target.pp not in (None, 1) or target.ep not in (None, 1):
             raise UsageError("--to deepspeed: only the data-parallel size (--dp) can change so far")
+        universal = manifest.extras.get("variant") == "universal"
+        if universal and target.dp is None:
+            raise UsageError("--to deepspeed from a universal checkpoint: give the data-parallel size to write (--dp)")
         dp = target.dp or manifest.layout.dp or 1
         stage = target.zero_stage or manifest.layout.zero_stage
-        layout = {"dp": dp, "zero_stage": stage}
         args = (manifest.root, manifest, dp, stage, target.sub_group_size)
-        super().__init__(adapter, manifest, _build_zero, args, layout)
-        if stage != manifest.layout.zero_stage:
+        super().__init__(adapter, manifest, _build_zero, args, {"dp": dp, "zero_stage": stage})
+        source = getattr(self.writer, "source_stage", manifest.layout.zero_stage)  # a universal one's run's
+        stage = self.layout["zero_stage"] = self.writer.stage if stage is None else stage
+        if stage != source:
             self.notes.append(
-                f"ZeRO-{manifest.layout.zero_stage} -> ZeRO-{stage}: resume with zero_optimization.stage {stage} "
+                f"ZeRO-{source} -> ZeRO-{stage}: resume with zero_optimization.stage {stage} "
                 "in the config (the saved ds_config says so too)"
             )
         if stage == 3 and manifest.layout.zero_stage != 3:
@@ -441,7 +455,7 @@ class _ZeroExec(_FileExec):
                 f"ZeRO-3 sub-groups of up to {size:,} elements per rank: resume with zero_optimization.sub_group_size "
                 f"{size} (set it with --sub-group-size; DeepSpeed refuses a checkpoint cut otherwise)"
             )
-        if dp != manifest.layout.dp:
+        if dp != manifest.layout.dp and not universal:
             self.notes.append(
                 f"ds_config in the checkpoint still says train_batch_size for DP={manifest.layout.dp}; "
                 "DeepSpeed takes the batch sizes from the config you resume with"

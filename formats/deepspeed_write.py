@@ -146,6 +146,7 @@ class ZeroWriter:
                     if f"{name}.{suffix}" not in manifest.items:
                         raise CorruptFileError(f"{name}.{suffix} is not in the source checkpoint")
         self.tag = self.tag_dir.rsplit("/", 1)[-1] if self.tag_dir else str(manifest.extras.get("tag") or "")
+        self.source_stage: int = stage
         self.stage: int = target_stage or stage
 
     def _prefix(self) -> str:
@@ -187,7 +188,7 @@ class ZeroWriter:
     def _model_template(self) -> Any:
         """The source's model states, at the output's stage."""
         obj = self.model_obj
-        if self.stage == self.manifest.layout.zero_stage or not isinstance(obj, dict):
+        if self.stage == self.source_stage or not isinstance(obj, dict):
             return obj
         obj = {**obj, "ds_config": with_stage(obj.get("ds_config"), self.stage)}
         if self.stage == 1:  # DeepSpeed saves the frozen parameters' shapes and values from ZeRO-2 on
@@ -206,7 +207,7 @@ class ZeroWriter:
 
     def _optim_tree(self, r: int, reader: PieceReader, archive: Callable[[str], Any]) -> Any:
         template = self.optim_obj
-        if self.stage != self.manifest.layout.zero_stage:
+        if self.stage != self.source_stage:
             template = {**template, "ds_config": with_stage(template.get("ds_config"), self.stage)}
         src_rel = self.optim_rels[0]
         tree = _ptwrite.carry(
@@ -674,6 +675,88 @@ class Zero3From12Writer(Zero3Writer):
             self.optim_obj["ds_config"]["zero_optimization"]["sub_group_size"] = size
 
 
+class ZeroFromUniversalWriter(ZeroWriter):
+    """ZeRO-1/2 files at ``dp`` ranks from DeepSpeed's universal checkpoint of a ZeRO-1/2 run (what
+    ``ds_to_universal`` writes: ``zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt``, the run's
+    ``mp_rank_00_model_states.pt`` copied, and ``zero/optimizer_state.pt``, the optimizer state
+    without its partitioned parts). The model states are the copied file's; the optimizer files
+    take ZeRO-1/2's layout at ``dp`` with the loss scaler, clip, paddings and param groups of
+    ``optimizer_state.pt`` and each group's step from its parameters' ``step.pt``. Resuming from
+    these, unlike ``checkpoint.load_universal``, restores the frozen parameters and buffers."""
+
+    def __init__(self, root: Path, manifest: Manifest, dp: int, target_stage: int | None) -> None:
+        if dp < 1:
+            raise UsageError("--dp must be at least 1")
+        self.root, self.manifest, self.dp = root, manifest, dp
+        self.scratch = _ptwrite.Scratch()
+        paths = {f.path for f in manifest.files}
+        model_rel = next((p for p in sorted(paths) if _MODEL.match(p)), None)
+        optim_rel = next((p for p in sorted(paths) if p.endswith("zero/optimizer_state.pt")), None)
+        if model_rel is None or optim_rel is None:
+            raise UsageError(
+                f"{manifest.root}: a universal checkpoint without mp_rank_00_model_states.pt and "
+                "zero/optimizer_state.pt (from ZeRO-3, or with tensor or pipeline parallelism): writing ZeRO files "
+                "from it is not supported yet"
+            )
+        self.model_rel, self.optim_rels, self.file_prefix = model_rel, {0: optim_rel}, ""
+        archive, self.model_obj, _ = _pt.load(root, model_rel, ALLOWLIST)
+        archive.close()
+        archive, state, _ = _pt.load(root, optim_rel, ALLOWLIST)
+        archive.close()
+        stage = state.get("zero_stage") if isinstance(state, dict) else None
+        if not isinstance(stage, _unpickle.EnumValue) or stage.value not in (1, 2):
+            raise UsageError(f"{optim_rel}: not the optimizer state of a ZeRO-1/2 run (zero_stage {stage})")
+        self.source_stage = int(stage.value)
+        self.stage = target_stage or self.source_stage
+        self.tag_dir = ""
+        name = Path(manifest.root).name
+        self.tag = (
+            name.removesuffix("_universal") if name.endswith("_universal") else f"global_step{manifest.step or 0}"
+        )
+        shapes = self.model_obj.get("param_shapes")
+        groups = state.get("param_groups") or []
+        pads = state.get("param_alignment_paddings") or []
+        if not isinstance(shapes, list) or len(shapes) != len(groups):
+            raise CorruptFileError(f"{model_rel}: param_shapes does not match the optimizer's groups", path=model_rel)
+        self.groups = [group_layout(s, dp, pads[g] if g < len(pads) else None) for g, s in enumerate(shapes)]
+        self.steps: dict[int, str] = {}
+        """the step.pt each param group's step comes from (its first parameter's)"""
+        for g, layout in enumerate(self.groups):
+            for name_, _shape, _off in layout.params:
+                for suffix in ("fp32", "exp_avg", "exp_avg_sq"):
+                    if f"{name_}.{suffix}" not in manifest.items:
+                        raise CorruptFileError(f"{name_}.{suffix} is not in the universal checkpoint")
+            first = layout.params[0][0] if layout.params else None
+            step_rel = optim_rel.removesuffix("optimizer_state.pt") + f"{first}/step.pt"
+            if first is not None and step_rel in paths:
+                self.steps[g] = step_rel
+        module = self.model_obj.get("module") if isinstance(self.model_obj.get("module"), dict) else {}
+        if any(isinstance(v, _unpickle.TensorRef) and v.dtype == "bfloat16" for v in module.values()):
+            self.file_prefix = "bf16_"  # DeepSpeed's name for a bf16 run's optimizer files
+        keys = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
+        osd: dict[str, Any] = {k: state[k] for k in keys if k in state}
+        states = {g: {"step": None, "exp_avg": None, "exp_avg_sq": None} for g in self.steps}
+        osd["base_optimizer_state"] = {"state": states, "param_groups": groups}
+        osd["single_partition_of_fp32_groups"] = None
+        for key in ("zero_stage", "group_paddings", "param_alignment_paddings", "partition_count", "ds_version"):
+            osd[key] = state.get(key)
+        osd["param_slice_mappings"] = None
+        self.optim_obj = {
+            "optimizer_state_dict": osd,
+            "ds_config": self.model_obj.get("ds_config"),
+            "ds_version": self.model_obj.get("ds_version"),
+        }
+
+    def _optim_tree(self, r: int, reader: PieceReader, archive: Callable[[str], Any]) -> Any:
+        tree = super()._optim_tree(r, reader, archive)
+        state = tree["optimizer_state_dict"]["base_optimizer_state"]["state"]
+        for g, rel in self.steps.items():  # each group's step, from its first parameter's step.pt
+            archive_, step, _ = _pt.load(self.root, rel, ALLOWLIST)
+            archive_.close()
+            state[g]["step"] = _ptwrite.carry(step, partial(archive, rel))
+        return tree
+
+
 class ZeroFrom3Writer(ZeroWriter):
     """A ZeRO-1/2 checkpoint at ``dp`` ranks from a ZeRO-3 one: the state DeepSpeed's ZeRO-1/2
     engine saves for the same run.
@@ -692,7 +775,7 @@ class ZeroFrom3Writer(ZeroWriter):
     def __init__(self, root: Path, manifest: Manifest, dp: int, stage: int) -> None:
         if dp < 1:
             raise UsageError("--dp must be at least 1")
-        self.root, self.manifest, self.dp, self.stage = root, manifest, dp, stage
+        self.root, self.manifest, self.dp, self.stage, self.source_stage = root, manifest, dp, stage, 3
         self.scratch = _ptwrite.Scratch()
         src = self.src = Zero3Writer(root, manifest, None)  # the sub-groups are joined: their size is moot
         self.tag_dir, self.tag, self.file_prefix = src.tag_dir, src.tag, src.file_prefix

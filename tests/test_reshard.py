@@ -915,6 +915,48 @@ def test_deepspeed_zero3_to_zero2_without_a_saved_config(tmp_path):
     assert not diff(FIXTURES / "deepspeed" / "zero3", tmp_path / "uni").different
 
 
+def test_deepspeed_universal_back_to_zero_files(tmp_path):
+    """DeepSpeed's universal checkpoint of the ZeRO-2 run (ds_to_universal's own output) written as
+    ZeRO-2 files at DP=2 gives the ZeRO-2 fixture's trees: optimizer partitions, fragment
+    mappings, paddings and each group's step rebuilt from the per-parameter files, the model
+    states as they were copied. Any DP and ZeRO-1 too; from ZeRO-3's universal layout, or without
+    a DP size, refused."""
+    from ckpttool.formats.deepspeed import ALLOWLIST as DS
+
+    universal = FIXTURES / "deepspeed" / "universal"
+    zero2 = FIXTURES / "deepspeed" / "zero2" / "global_step3"
+    out = tmp_path / "dp2"
+    result = reshard(universal, out, Target(to="deepspeed", dp=2))
+    assert result.plan.layout == {"dp": 2, "zero_stage": 2} and (out / "latest").read_text() == "global_step3"
+    names = sorted(p.name for p in zero2.glob("*.pt"))
+    assert names == sorted(p.name for p in (out / "global_step3").glob("*.pt"))
+    for name in names:
+        assert _tree(zero2 / name, DS) == _tree(out / "global_step3" / name, DS), name
+    for n, target in enumerate([Target(to="deepspeed", dp=3), Target(to="deepspeed", dp=1, zero_stage=1)]):
+        reshard(universal, tmp_path / str(n), target)
+        assert verify(tmp_path / str(n)).failing() == []
+        assert not diff(FIXTURES / "deepspeed" / "zero2", tmp_path / str(n)).different  # the run it was made of
+    with pytest.raises(UsageError, match="give the data-parallel size"):
+        reshard(universal, tmp_path / "a", Target(to="deepspeed"))
+    with pytest.raises(UsageError, match="from ZeRO-3, or with tensor or pipeline parallelism"):
+        reshard(FIXTURES / "deepspeed" / "universal3", tmp_path / "b", Target(to="deepspeed", dp=1))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.slow
+def test_deepspeed_resumes_from_a_universal_checkpoint_made_zero_files_again(tmp_path):
+    """Oracle: the universal checkpoint written as ZeRO-2 files at DP=1, DeepSpeed's ZeRO-2 engine at
+    DP=1 resumes: the state after the load equals the reference, frozen parameters and buffer
+    included (which checkpoint.load_universal leaves at their initial values), and the next step
+    is bit-identical to the uninterrupted DP=2 run's."""
+    out = tmp_path / "dp1"
+    reshard(FIXTURES / "deepspeed" / "universal", out, Target(to="deepspeed", dp=1))
+    report = _ds_oracle("--variant", "zero2", "--dp", "1", "--ckpt", str(out), "--no-native")
+    loaded = report.split("== state after load", 1)[1].split("==", 1)[0]
+    assert "module: 18/18 tensors bit-identical" in loaded
+    assert "step-4 loss: BIT-IDENTICAL" in report and "state after step 4 vs control: BIT-IDENTICAL" in report
+
+
 def test_deepspeed_zero_stage_refusals(tmp_path):
     with pytest.raises(UsageError, match="keeps the sub-group size it was saved with"):
         reshard(FIXTURES / "deepspeed" / "zero3", tmp_path / "a", Target(zero_stage=3, sub_group_size=100))

@@ -171,6 +171,7 @@ def _build_dcp(manifest: Manifest, world: int, names: list[str]) -> Any:
 def _build_zero(root: str, manifest: Manifest, dp: int, stage: int, sub_group_size: int | None) -> Any:
     from ckpttool.formats.deepspeed_write import (
         Zero3From12Writer,
+        Zero3FromUniversalWriter,
         Zero3Writer,
         ZeroFrom3Writer,
         ZeroFromUniversalWriter,
@@ -178,8 +179,19 @@ def _build_zero(root: str, manifest: Manifest, dp: int, stage: int, sub_group_si
     )
 
     if manifest.extras.get("variant") == "universal":
+        of_zero3 = any(
+            re.search(r"(^|/)zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$", f.path) for f in manifest.files
+        )
+        if of_zero3 and sub_group_size is not None:
+            raise UsageError("--sub-group-size: a ZeRO-3 run's universal checkpoint keeps the sub-group size it had")
+        if of_zero3 and stage in (None, 3):
+            return Zero3FromUniversalWriter(Path(root), manifest, dp)
+        if of_zero3:
+            return ZeroFrom3Writer(Path(root), manifest, dp, stage)
         if stage == 3 or sub_group_size is not None:
-            raise UsageError("--zero-stage 3 from a universal checkpoint is not supported yet (1 and 2 are)")
+            raise UsageError(
+                "--zero-stage 3 from the universal checkpoint of a ZeRO-1/2 run is not supported yet (1 and 2 are)"
+            )
         return ZeroFromUniversalWriter(Path(root), manifest, dp, stage)
     source = manifest.layout.zero_stage
     if source == 3 and sub_group_size is not None:

@@ -344,29 +344,8 @@ class Zero3Writer:
         self.scratch = _ptwrite.Scratch()
         if dp is not None and dp < 1:
             raise UsageError("--dp must be at least 1")
-        models: dict[int, str] = {}
-        optims: dict[int, str] = {}
-        self.file_prefix = ""
-        for f in manifest.files:
-            if m := _Z3_MODEL.match(f.path):
-                models[int(m["dp"])] = f.path
-            elif m := _Z3_OPTIM.match(f.path):
-                optims[int(m["dp"])] = f.path
-                self.file_prefix = m["prefix"] or ""
-            elif re.search(r"mp_rank_(?!00_)\d+_\w+_states\.pt$", f.path) or "layer_" in f.path.rsplit("/", 1)[-1]:
-                raise UsageError(f"{f.path}: model-parallel or pipeline ZeRO-3 checkpoints cannot be resharded yet")
-        if 0 not in models or 0 not in optims or sorted(models) != sorted(optims):
-            raise CorruptFileError(
-                f"{manifest.root}: expected one ZeRO-3 model-states and one optimizer file per rank, found model "
-                f"states of ranks {sorted(models)} and optimizer files of ranks {sorted(optims)}"
-            )
-        self.model_rels, self.optim_rels = models, optims
-        self.tag_dir = models[0].rsplit("/", 1)[0] if "/" in models[0] else ""
-        self.tag = self.tag_dir.rsplit("/", 1)[-1] if self.tag_dir else str(manifest.extras.get("tag") or "")
-        archive, self.model_obj, _ = _pt.load(root, models[0], ALLOWLIST)
-        archive.close()
-        archive, self.optim_obj, _ = _pt.load(root, optims[0], ALLOWLIST)
-        archive.close()
+        self._load_source()
+        optims, models = self.optim_rels, self.model_rels
         osd = self.optim_obj.get("optimizer_state_dict") if isinstance(self.optim_obj, dict) else None
         inner = osd.get("optimizer_state_dict") if isinstance(osd, dict) else None
         if not isinstance(osd, dict) or "fp32_flat_groups" not in osd or not isinstance(inner, dict):
@@ -423,6 +402,33 @@ class Zero3Writer:
         self.frozen = [
             (n, tuple(int(x) for x in s)) for n, s in (self.model_obj.get("frozen_param_shapes") or {}).items()
         ]
+
+    def _load_source(self) -> None:
+        """The source's files (``model_rels``, ``optim_rels`` by rank), rank 0's model states and
+        optimizer file (``model_obj``, ``optim_obj``), ``file_prefix``, ``tag_dir`` and ``tag``."""
+        models: dict[int, str] = {}
+        optims: dict[int, str] = {}
+        self.file_prefix = ""
+        for f in self.manifest.files:
+            if m := _Z3_MODEL.match(f.path):
+                models[int(m["dp"])] = f.path
+            elif m := _Z3_OPTIM.match(f.path):
+                optims[int(m["dp"])] = f.path
+                self.file_prefix = m["prefix"] or ""
+            elif re.search(r"mp_rank_(?!00_)\d+_\w+_states\.pt$", f.path) or "layer_" in f.path.rsplit("/", 1)[-1]:
+                raise UsageError(f"{f.path}: model-parallel or pipeline ZeRO-3 checkpoints cannot be resharded yet")
+        if 0 not in models or 0 not in optims or sorted(models) != sorted(optims):
+            raise CorruptFileError(
+                f"{self.manifest.root}: expected one ZeRO-3 model-states and one optimizer file per rank, found "
+                f"model states of ranks {sorted(models)} and optimizer files of ranks {sorted(optims)}"
+            )
+        self.model_rels, self.optim_rels = models, optims
+        self.tag_dir = models[0].rsplit("/", 1)[0] if "/" in models[0] else ""
+        self.tag = self.tag_dir.rsplit("/", 1)[-1] if self.tag_dir else str(self.manifest.extras.get("tag") or "")
+        archive, self.model_obj, _ = _pt.load(self.root, models[0], ALLOWLIST)
+        archive.close()
+        archive, self.optim_obj, _ = _pt.load(self.root, optims[0], ALLOWLIST)
+        archive.close()
 
     def _sub_group_size(self, shapes: list[Any], subs: list[list[int]], dp: int, rel: str) -> int:
         """``zero_optimization.sub_group_size`` from the saved ``ds_config`` (DeepSpeed's default
@@ -566,6 +572,49 @@ class Zero3Writer:
 
         size = sum(p[4] for p in parts)
         return _ptwrite.OutTensor(dtype=dtype, shape=(size,), fill=fill, requires_grad=requires_grad)
+
+
+class Zero3FromUniversalWriter(Zero3Writer):
+    """ZeRO-3 files at ``dp`` ranks from DeepSpeed's universal checkpoint of a ZeRO-3 run: the
+    copied ``zero_pp_rank_*_model_states.pt`` are the model states, ``zero/optimizer_state.pt``
+    (rank 0's whole optimizer state) the optimizer file's template; the values come from the
+    per-parameter flat files. Resuming from these, unlike DeepSpeed 0.19.8's ZeRO-3
+    ``load_universal``, restores frozen parameters and buffers, every param group's own
+    hyper-parameters and one Adam step per sub-group."""
+
+    def _load_source(self) -> None:
+        models: dict[int, str] = {}
+        optim_rel = None
+        for f in self.manifest.files:
+            if m := _Z3_MODEL.match(f.path):
+                models[int(m["dp"])] = f.path
+            elif f.path.endswith("zero/optimizer_state.pt"):
+                optim_rel = f.path
+        if 0 not in models or optim_rel is None:
+            raise UsageError(
+                f"{self.manifest.root}: a universal checkpoint without zero_pp_rank_*_model_states.pt and "
+                "zero/optimizer_state.pt: not one of a ZeRO-3 run"
+            )
+        self.model_rels, self.optim_rels = models, {0: optim_rel}
+        archive, self.model_obj, _ = _pt.load(self.root, models[0], ALLOWLIST)
+        archive.close()
+        archive, state, _ = _pt.load(self.root, optim_rel, ALLOWLIST)
+        archive.close()
+        if not isinstance(state, dict):
+            raise CorruptFileError(f"{optim_rel}: not an optimizer state", path=optim_rel)
+        osd = {k: v for k, v in state.items() if k != "param_groups"}  # ds_to_universal's copy of the inner ones
+        top = {"optimizer_state_dict": osd}
+        top.update({k: self.model_obj.get(k) for k in ("ds_config", "ds_version")})
+        self.optim_obj = top
+        name = Path(self.manifest.root).name
+        self.tag_dir = ""
+        self.tag = (
+            name.removesuffix("_universal") if name.endswith("_universal") else f"global_step{self.manifest.step or 0}"
+        )
+        module = self.model_obj.get("module") if isinstance(self.model_obj.get("module"), dict) else {}
+        bf16 = any(isinstance(v, _unpickle.TensorRef) and v.dtype == "bfloat16" for v in module.values())
+        self.file_prefix = "bf16_" if bf16 else ""  # DeepSpeed's name for a bf16 run's optimizer files
+        self.stage = self.source_stage = 3
 
 
 _CAST_SLICE = 1 << 20
@@ -777,7 +826,9 @@ class ZeroFrom3Writer(ZeroWriter):
             raise UsageError("--dp must be at least 1")
         self.root, self.manifest, self.dp, self.stage, self.source_stage = root, manifest, dp, stage, 3
         self.scratch = _ptwrite.Scratch()
-        src = self.src = Zero3Writer(root, manifest, None)  # the sub-groups are joined: their size is moot
+        universal = manifest.extras.get("variant") == "universal"
+        source = Zero3FromUniversalWriter if universal else Zero3Writer
+        src = self.src = source(root, manifest, None)  # the sub-groups are joined: their size is moot
         self.tag_dir, self.tag, self.file_prefix = src.tag_dir, src.tag, src.file_prefix
         self.model_rel, self.model_obj = src.model_rels[0], src.model_obj
         self.optim_rels = {0: src.optim_rels[0]}  # the archive the carried optimizer objects come from

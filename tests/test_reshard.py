@@ -938,20 +938,44 @@ def test_deepspeed_universal_back_to_zero_files(tmp_path):
         assert not diff(FIXTURES / "deepspeed" / "zero2", tmp_path / str(n)).different  # the run it was made of
     with pytest.raises(UsageError, match="give the data-parallel size"):
         reshard(universal, tmp_path / "a", Target(to="deepspeed"))
-    with pytest.raises(UsageError, match="from ZeRO-3, or with tensor or pipeline parallelism"):
-        reshard(FIXTURES / "deepspeed" / "universal3", tmp_path / "b", Target(to="deepspeed", dp=1))
+    with pytest.raises(UsageError, match="universal checkpoint of a ZeRO-1/2 run is not supported yet"):
+        reshard(universal, tmp_path / "b", Target(to="deepspeed", dp=1, zero_stage=3))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+def test_deepspeed_zero3_universal_back_to_zero_files(tmp_path):
+    """ds_to_universal's output of the ZeRO-3 run written as ZeRO-3 files at DP=2 gives the ZeRO-3
+    fixture's trees (model states from the copied ones, sub-groups cut as the saved config says,
+    steps and param groups from optimizer_state.pt); at ZeRO-2 the ZeRO-2 fixture's (the same run)."""
+    from ckpttool.formats.deepspeed import ALLOWLIST as DS
+
+    universal3 = FIXTURES / "deepspeed" / "universal3"
+    for stage, fixture in ((3, "zero3"), (2, "zero2")):
+        out = tmp_path / fixture
+        result = reshard(universal3, out, Target(to="deepspeed", dp=2, zero_stage=None if stage == 3 else 2))
+        assert result.plan.layout == {"dp": 2, "zero_stage": stage} and (out / "latest").read_text() == "global_step3"
+        ours = FIXTURES / "deepspeed" / fixture / "global_step3"
+        names = sorted(p.name for p in ours.glob("*.pt"))
+        assert names == sorted(p.name for p in (out / "global_step3").glob("*.pt"))
+        for name in names:
+            assert _tree(ours / name, DS) == _tree(out / "global_step3" / name, DS), name
+        assert verify(out).failing() == []
+    with pytest.raises(UsageError, match="keeps the sub-group size it had"):
+        reshard(universal3, tmp_path / "a", Target(to="deepspeed", dp=1, zero_stage=3, sub_group_size=9))
+
+
 @pytest.mark.slow
-def test_deepspeed_resumes_from_a_universal_checkpoint_made_zero_files_again(tmp_path):
-    """Oracle: the universal checkpoint written as ZeRO-2 files at DP=1, DeepSpeed's ZeRO-2 engine at
-    DP=1 resumes: the state after the load equals the reference, frozen parameters and buffer
-    included (which checkpoint.load_universal leaves at their initial values), and the next step
-    is bit-identical to the uninterrupted DP=2 run's."""
+@pytest.mark.parametrize(("universal", "variant"), [("universal", "zero2"), ("universal3", "zero3")])
+def test_deepspeed_resumes_from_a_universal_checkpoint_made_zero_files_again(universal, variant, tmp_path):
+    """Oracle: ds_to_universal's output of the ZeRO-2 (ZeRO-3) run written as ZeRO-2 (ZeRO-3) files
+    at DP=1; DeepSpeed's engine at DP=1 resumes: the state after the load equals the reference,
+    frozen parameters and buffer included (which checkpoint.load_universal leaves at their initial
+    values; for ZeRO-3 it also gives every param group the first one's hyper-parameters and shares
+    one step among the sub-groups), and the next step is bit-identical to the uninterrupted DP=2
+    run's."""
     out = tmp_path / "dp1"
-    reshard(FIXTURES / "deepspeed" / "universal", out, Target(to="deepspeed", dp=1))
-    report = _ds_oracle("--variant", "zero2", "--dp", "1", "--ckpt", str(out), "--no-native")
+    reshard(FIXTURES / "deepspeed" / universal, out, Target(to="deepspeed", dp=1))
+    report = _ds_oracle("--variant", variant, "--dp", "1", "--ckpt", str(out), "--no-native")
     loaded = report.split("== state after load", 1)[1].split("==", 1)[0]
     assert "module: 18/18 tensors bit-identical" in loaded
     assert "step-4 loss: BIT-IDENTICAL" in report and "state after step 4 vs control: BIT-IDENTICAL" in report

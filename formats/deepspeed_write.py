@@ -574,6 +574,19 @@ class Zero3Writer:
         return _ptwrite.OutTensor(dtype=dtype, shape=(size,), fill=fill, requires_grad=requires_grad)
 
 
+def universal_names(manifest: Manifest, model_obj: Any) -> tuple[str, str]:
+    """The tag and optimizer-file prefix of the run a universal checkpoint was made from: the tag
+    its ``<tag>_universal`` folder is named after (else ``global_step<step>``), and ``bf16_`` when
+    the module is bf16 (DeepSpeed's name for a bf16 run's optimizer files)."""
+    name = Path(manifest.root).name
+    tag = name.removesuffix("_universal") if name.endswith("_universal") else f"global_step{manifest.step or 0}"
+    module = (
+        model_obj.get("module") if isinstance(model_obj, dict) and isinstance(model_obj.get("module"), dict) else {}
+    )
+    bf16 = any(isinstance(v, _unpickle.TensorRef) and v.dtype == "bfloat16" for v in module.values())
+    return tag, "bf16_" if bf16 else ""
+
+
 class Zero3FromUniversalWriter(Zero3Writer):
     """ZeRO-3 files at ``dp`` ranks from DeepSpeed's universal checkpoint of a ZeRO-3 run: the
     copied ``zero_pp_rank_*_model_states.pt`` are the model states, ``zero/optimizer_state.pt``
@@ -606,14 +619,7 @@ class Zero3FromUniversalWriter(Zero3Writer):
         top = {"optimizer_state_dict": osd}
         top.update({k: self.model_obj.get(k) for k in ("ds_config", "ds_version")})
         self.optim_obj = top
-        name = Path(self.manifest.root).name
-        self.tag_dir = ""
-        self.tag = (
-            name.removesuffix("_universal") if name.endswith("_universal") else f"global_step{self.manifest.step or 0}"
-        )
-        module = self.model_obj.get("module") if isinstance(self.model_obj.get("module"), dict) else {}
-        bf16 = any(isinstance(v, _unpickle.TensorRef) and v.dtype == "bfloat16" for v in module.values())
-        self.file_prefix = "bf16_" if bf16 else ""  # DeepSpeed's name for a bf16 run's optimizer files
+        self.tag_dir, (self.tag, self.file_prefix) = "", universal_names(self.manifest, self.model_obj)
         self.stage = self.source_stage = 3
 
 
@@ -747,7 +753,7 @@ class ZeroFromUniversalWriter(ZeroWriter):
                 "zero/optimizer_state.pt (from ZeRO-3, or with tensor or pipeline parallelism): writing ZeRO files "
                 "from it is not supported yet"
             )
-        self.model_rel, self.optim_rels, self.file_prefix = model_rel, {0: optim_rel}, ""
+        self.model_rel, self.optim_rels = model_rel, {0: optim_rel}
         archive, self.model_obj, _ = _pt.load(root, model_rel, ALLOWLIST)
         archive.close()
         archive, state, _ = _pt.load(root, optim_rel, ALLOWLIST)
@@ -757,11 +763,7 @@ class ZeroFromUniversalWriter(ZeroWriter):
             raise UsageError(f"{optim_rel}: not the optimizer state of a ZeRO-1/2 run (zero_stage {stage})")
         self.source_stage = int(stage.value)
         self.stage = target_stage or self.source_stage
-        self.tag_dir = ""
-        name = Path(manifest.root).name
-        self.tag = (
-            name.removesuffix("_universal") if name.endswith("_universal") else f"global_step{manifest.step or 0}"
-        )
+        self.tag_dir, (self.tag, self.file_prefix) = "", universal_names(manifest, self.model_obj)
         shapes = self.model_obj.get("param_shapes")
         groups = state.get("param_groups") or []
         pads = state.get("param_alignment_paddings") or []
@@ -779,9 +781,6 @@ class ZeroFromUniversalWriter(ZeroWriter):
             step_rel = optim_rel.removesuffix("optimizer_state.pt") + f"{first}/step.pt"
             if first is not None and step_rel in paths:
                 self.steps[g] = step_rel
-        module = self.model_obj.get("module") if isinstance(self.model_obj.get("module"), dict) else {}
-        if any(isinstance(v, _unpickle.TensorRef) and v.dtype == "bfloat16" for v in module.values()):
-            self.file_prefix = "bf16_"  # DeepSpeed's name for a bf16 run's optimizer files
         keys = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
         osd: dict[str, Any] = {k: state[k] for k in keys if k in state}
         states = {g: {"step": None, "exp_avg": None, "exp_avg_sq": None} for g in self.steps}

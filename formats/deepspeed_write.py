@@ -580,10 +580,9 @@ def universal_names(manifest: Manifest, model_obj: Any) -> tuple[str, str]:
     the module is bf16 (DeepSpeed's name for a bf16 run's optimizer files)."""
     name = Path(manifest.root).name
     tag = name.removesuffix("_universal") if name.endswith("_universal") else f"global_step{manifest.step or 0}"
-    module = (
-        model_obj.get("module") if isinstance(model_obj, dict) and isinstance(model_obj.get("module"), dict) else {}
-    )
-    bf16 = any(isinstance(v, _unpickle.TensorRef) and v.dtype == "bfloat16" for v in module.values())
+    module = model_obj.get("module") if isinstance(model_obj, dict) else None
+    values = module.values() if isinstance(module, dict) else []
+    bf16 = any(isinstance(v, _unpickle.TensorRef) and v.dtype == "bfloat16" for v in values)
     return tag, "bf16_" if bf16 else ""
 
 

@@ -77,16 +77,36 @@ def group_layout(shapes: dict[str, Any], dp: int, paddings: list[int] | None = N
     return GroupLayout(params=params, total=pos, padded=padded, partition=padded // dp)
 
 
-def with_stage(config: Any, stage: int) -> Any:
-    """The saved ``ds_config`` with ``zero_optimization.stage`` set to ``stage``, ZeRO-3's own
-    settings dropped below stage 3 (a config DeepSpeed saved as a path is left as it is)."""
+def with_stage(config: Any, stage: int, sub_group_size: int | None = None) -> Any:
+    """The saved ``ds_config`` with ``zero_optimization.stage`` set to ``stage`` (and its
+    ``sub_group_size``, when given), ZeRO-3's own settings dropped below stage 3 (a config
+    DeepSpeed saved as a path is left as it is)."""
     if not isinstance(config, dict):
         return config
     saved = config.get("zero_optimization")
     zero: dict[str, Any] = saved if isinstance(saved, dict) else {}
     if stage < 3:  # ZeRO-3's own settings (sub-groups, persistence, gathering) mean nothing below it
         zero = {k: v for k, v in zero.items() if not k.startswith("stage3_") and k != "sub_group_size"}
-    return {**config, "zero_optimization": {**zero, "stage": stage}}
+    zero = {**zero, "stage": stage}
+    if sub_group_size is not None:
+        zero["sub_group_size"] = sub_group_size
+    return {**config, "zero_optimization": zero}
+
+
+def zero_stage_enum(saved: Any, stage: int) -> _unpickle.EnumValue:
+    """DeepSpeed's ``ZeroStageEnum`` member for ``stage``, named as the source's ``saved`` one is."""
+    enum = saved.enum if isinstance(saved, _unpickle.EnumValue) else "deepspeed.runtime.zero.config.ZeroStageEnum"
+    return _unpickle.EnumValue(enum, stage)
+
+
+def frozen_of(model: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The module entries of a model-states file the optimizer does not hold: not in
+    ``param_shapes``, not buffers, not tied aliases (DeepSpeed's frozen parameters), in module
+    order, with their tensors."""
+    module = model["module"] if isinstance(model.get("module"), dict) else {}
+    held = {n for group in (model.get("param_shapes") or []) for n in group}
+    others = held | set(model.get("buffer_names") or []) | set(model.get("shared_params") or {})
+    return [(n, v) for n, v in module.items() if n not in others and isinstance(v, _unpickle.TensorRef)]
 
 
 class ZeroWriter:
@@ -194,12 +214,8 @@ class ZeroWriter:
         if self.stage == 1:  # DeepSpeed saves the frozen parameters' shapes and values from ZeRO-2 on
             obj.update(frozen_param_shapes=None, frozen_param_fragments=None)
             return obj
-        module = obj["module"] if isinstance(obj.get("module"), dict) else {}
-        held = {n for group in (obj.get("param_shapes") or []) for n in group}
-        others = held | set(obj.get("buffer_names") or []) | set(obj.get("shared_params") or {})
-        frozen = [(n, v) for n, v in module.items() if n not in others and isinstance(v, _unpickle.TensorRef)]
         shapes, values = _unpickle.OrderedDictStandIn(), _unpickle.OrderedDictStandIn()
-        for name, ref in frozen:
+        for name, ref in frozen_of(obj):
             shapes[name] = _unpickle.TorchSize(ref.shape)
             values[name] = ref  # the module's tensor: pickled once, as DeepSpeed saves the parameter itself
         obj.update(frozen_param_shapes=shapes, frozen_param_fragments=values)
@@ -243,7 +259,7 @@ class ZeroWriter:
             elif key == "param_slice_mappings":
                 osd[key] = [self._mappings(g, r) for g in range(len(self.groups))]
             elif key == "zero_stage" and isinstance(value, _unpickle.EnumValue):
-                osd[key] = _unpickle.EnumValue(value.enum, self.stage)
+                osd[key] = zero_stage_enum(value, self.stage)
             else:
                 osd[key] = _ptwrite.carry(value, partial(archive, src_rel))
         tree["optimizer_state_dict"] = osd
@@ -678,14 +694,7 @@ class Zero3From12Writer(Zero3Writer):
             )
         module = model.get("module") if isinstance(model.get("module"), dict) else {}
         buffers = set(model.get("buffer_names") or [])
-        held = set(self.shape_objs)
-        shared = model.get("shared_params") or {}
-        frozen = [
-            (n, tuple(v.shape))
-            for n, v in module.items()
-            if n not in held and n not in buffers and n not in shared and isinstance(v, _unpickle.TensorRef)
-        ]
-        self.frozen = frozen
+        self.frozen = [(n, tuple(v.shape)) for n, v in frozen_of(model)]
         placeholders = type(module)()
         placeholders.__dict__.update(getattr(module, "__dict__", {}))
         for name, value in module.items():
@@ -694,11 +703,9 @@ class Zero3From12Writer(Zero3Writer):
             else:
                 placeholders[name] = _ptwrite.OutTensor(value.dtype, (0,), _nothing)
         frozen_shapes = _unpickle.OrderedDictStandIn()
-        for name, shape in frozen:
+        for name, shape in self.frozen:
             frozen_shapes[name] = _unpickle.TorchSize(shape)
-        config = with_stage(model.get("ds_config"), 3)
-        if isinstance(config, dict):
-            config["zero_optimization"]["sub_group_size"] = size
+        config = with_stage(model.get("ds_config"), 3, size)
         self.model_obj = {}
         for key, value in model.items():
             if key == "module":
@@ -710,10 +717,8 @@ class Zero3From12Writer(Zero3Writer):
             elif key == "ds_config":
                 value = config
             self.model_obj[key] = value
-        stage = osd.get("zero_stage")
-        enum = stage.enum if isinstance(stage, _unpickle.EnumValue) else "deepspeed.runtime.zero.config.ZeroStageEnum"
         z3 = {
-            "zero_stage": _unpickle.EnumValue(enum, 3),
+            "zero_stage": zero_stage_enum(osd.get("zero_stage"), 3),
             "loss_scaler": osd.get("loss_scaler"),
             "dynamic_loss_scale": osd.get("dynamic_loss_scale", False),
             "overflow": osd.get("overflow", False),
@@ -722,11 +727,9 @@ class Zero3From12Writer(Zero3Writer):
             "fp32_flat_groups": None,
         }
         self.optim_obj = {
-            k: z3 if k == "optimizer_state_dict" else with_stage(v, 3) if k == "ds_config" else v
+            k: z3 if k == "optimizer_state_dict" else with_stage(v, 3, size) if k == "ds_config" else v
             for k, v in optim.items()
         }
-        if isinstance(self.optim_obj.get("ds_config"), dict):
-            self.optim_obj["ds_config"]["zero_optimization"]["sub_group_size"] = size
 
 
 class ZeroFromUniversalWriter(ZeroWriter):
@@ -769,8 +772,8 @@ class ZeroFromUniversalWriter(ZeroWriter):
         if not isinstance(shapes, list) or len(shapes) != len(groups):
             raise CorruptFileError(f"{model_rel}: param_shapes does not match the optimizer's groups", path=model_rel)
         self.groups = [group_layout(s, dp, pads[g] if g < len(pads) else None) for g, s in enumerate(shapes)]
-        self.steps: dict[int, str] = {}
-        """the step.pt each param group's step comes from (its first parameter's)"""
+        self.steps: dict[int, tuple[str, Any]] = {}
+        """each param group's step: its first parameter's step.pt and the tensor in it"""
         for g, layout in enumerate(self.groups):
             for name_, _shape, _off in layout.params:
                 for suffix in ("fp32", "exp_avg", "exp_avg_sq"):
@@ -779,7 +782,9 @@ class ZeroFromUniversalWriter(ZeroWriter):
             first = layout.params[0][0] if layout.params else None
             step_rel = optim_rel.removesuffix("optimizer_state.pt") + f"{first}/step.pt"
             if first is not None and step_rel in paths:
-                self.steps[g] = step_rel
+                archive, step, _ = _pt.load(root, step_rel, ALLOWLIST)
+                archive.close()
+                self.steps[g] = (step_rel, step)
         keys = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
         osd: dict[str, Any] = {k: state[k] for k in keys if k in state}
         states = {g: {"step": None, "exp_avg": None, "exp_avg_sq": None} for g in self.steps}
@@ -797,9 +802,7 @@ class ZeroFromUniversalWriter(ZeroWriter):
     def _optim_tree(self, r: int, reader: PieceReader, archive: Callable[[str], Any]) -> Any:
         tree = super()._optim_tree(r, reader, archive)
         state = tree["optimizer_state_dict"]["base_optimizer_state"]["state"]
-        for g, rel in self.steps.items():  # each group's step, from its first parameter's step.pt
-            archive_, step, _ = _pt.load(self.root, rel, ALLOWLIST)
-            archive_.close()
+        for g, (rel, step) in self.steps.items():  # each group's step, from its first parameter's step.pt
             state[g]["step"] = _ptwrite.carry(step, partial(archive, rel))
         return tree
 
@@ -896,8 +899,6 @@ class ZeroFrom3Writer(ZeroWriter):
             first = (group.get("params") or [None])[0]
             step = (state.get(first) or {}).get("step")
             gstate[g] = {**({"step": step} if step is not None else {}), "exp_avg": None, "exp_avg_sq": None}
-        stage = z3.get("zero_stage")
-        enum = stage.enum if isinstance(stage, _unpickle.EnumValue) else "deepspeed.runtime.zero.config.ZeroStageEnum"
         osd = {
             "loss_scaler": z3.get("loss_scaler"),
             "dynamic_loss_scale": z3.get("dynamic_loss_scale", False),
@@ -907,7 +908,7 @@ class ZeroFrom3Writer(ZeroWriter):
             **({"clip_grad": config.get("gradient_clipping", 0.0)} if isinstance(config, dict) else {}),
             "base_optimizer_state": {"state": gstate, "param_groups": groups},
             "single_partition_of_fp32_groups": None,
-            "zero_stage": _unpickle.EnumValue(enum, self.stage),
+            "zero_stage": zero_stage_enum(z3.get("zero_stage"), self.stage),
             "group_paddings": None,
             "param_alignment_paddings": self.paddings,
             "partition_count": None,
@@ -1210,8 +1211,16 @@ __all__ = [
     "GroupLayout",
     "Universal3Writer",
     "UniversalWriter",
+    "Zero3From12Writer",
+    "Zero3FromUniversalWriter",
     "Zero3Writer",
+    "ZeroFrom3Writer",
+    "ZeroFromUniversalWriter",
     "ZeroWriter",
+    "frozen_of",
     "group_layout",
+    "universal_names",
+    "with_stage",
     "zero3_sub_groups",
+    "zero_stage_enum",
 ]

@@ -887,7 +887,10 @@ def test_deepspeed_zero3_empty_parameter(tmp_path):
         out = tmp_path / str(n)
         reshard(dst, out, target)
         assert verify(out).failing() == []
-        assert registry.describe(out)[1].items["empty.weight.fp32" if n == 0 else "frozen.weight.fp32"] is not None
+        items = registry.describe(out)[1].items
+        assert items["empty.weight.fp32"].shape == (0, 16)  # ZeRO-3 and universal: the frozen fragments
+        if n == 1:  # ZeRO-2: the module holds it whole, as every other parameter
+            assert items["empty.weight"].shape == (0, 16) and items["frozen.weight"].shape == (16, 16)
     assert not diff(dst, tmp_path / "0").different
 
 

@@ -10,16 +10,21 @@ The last record, ``.data/serialization_id``, is 40 decimal digits: a combined ha
 names (libstdc++'s ``std::hash<std::string>``, combined in the iteration order of the
 ``std::unordered_set`` torch keeps them in) followed by a combined hash of the records' CRC-32s.
 Both are reproduced here, so a file written by :class:`ZipWriter` equals what ``torch.save`` writes
-for the same records, which the tests check. CRC-32 is ``zlib.crc32`` (it releases the GIL).
+for the same records, which the tests check. CRC-32 is ``zlib.crc32``, computed for big records on
+a helper thread while the record is written; the disk is told to start writing big records at once
+(:func:`ckpttool.io.start_writeback`).
 """
 
 from __future__ import annotations
 
 import bisect
+import os
 import struct
 import zlib
 from collections.abc import Iterator
 from typing import Any, BinaryIO
+
+from ckpttool.io import start_writeback
 
 _M64 = (1 << 64) - 1
 _MUL = 0xC6A4A7935BD1E995
@@ -157,12 +162,32 @@ class NameOrder:
         return h
 
 
+_PARALLEL = 1 << 20  # records from this size on: CRC-32 beside the write
+_CHUNK = 32 << 20  # written (and their write-back started) this much at a time
+_CRC: dict[str, Any] = {}
+
+
+def _crc_pool() -> Any:
+    """The helper thread that computes CRC-32s (``zlib.crc32`` releases the GIL, as ``write``
+    does: on two cores the CRC costs no wall time)."""
+    pool = _CRC.get("pool")
+    if pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = _CRC["pool"] = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-crc")
+    return pool
+
+
+os.register_at_fork(after_in_child=_CRC.clear)
+
+
 class ZipWriter:
     """Writes one ``torch.save`` archive into ``fh`` from its current position; offsets inside the
     archive count from there (as in a DCP ``.distcp`` file, which holds one archive per item)."""
 
-    def __init__(self, fh: BinaryIO, archive: str = "archive") -> None:
+    def __init__(self, fh: BinaryIO, archive: str = "archive", *, writeback: bool = True) -> None:
         self.fh = fh
+        self.writeback = writeback  # start the disk writing big records as they are written
         self.prefix = archive.encode() + b"/"
         self.pos = 0
         self.central: list[bytes] = []
@@ -200,11 +225,20 @@ class ZipWriter:
             view = part if isinstance(part, bytes) else memoryview(part).cast("B")
             if len(head) < 8:
                 head += bytes(view[: 8 - len(head)])
-            crc = zlib.crc32(view, crc)
             written += len(view)
             if written > size:
                 break
-            self._put(view)
+            if len(view) < _PARALLEL:
+                crc = zlib.crc32(view, crc)
+                self._put(view)
+                continue
+            for lo in range(0, len(view), _CHUNK):  # CRC-32 on a helper thread while this one writes
+                chunk = view[lo : lo + _CHUNK]
+                pending = _crc_pool().submit(zlib.crc32, chunk, crc)
+                self._put(chunk)
+                crc = pending.result()
+                if self.writeback:
+                    start_writeback(self.fh)
         if written != size:
             raise ValueError(f"zip record {name!r}: {written} bytes given, {size} announced")
         if size:

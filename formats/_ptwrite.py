@@ -21,6 +21,7 @@ import pickle
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
 
@@ -78,10 +79,12 @@ class OutTensor:
 
     @property
     def peak(self) -> int:
-        """bytes held at once to write it"""
+        """bytes held at once to write it (two parts: one filled while the other is written)"""
         if self.parts is None:
             return self.nbytes
-        return max((n for n, _ in self.parts()), default=0)
+        sizes = [n for n, _ in self.parts()]
+        biggest = max(sizes, default=0)
+        return biggest * (2 if len(sizes) > 1 and biggest >= PIPELINED else 1)
 
 
 def streamed(
@@ -143,7 +146,10 @@ def carry(value: Any, archive_of: Callable[[], Any], _memo: dict[int, tuple[Any,
             _torchzip.read_tensor(archive_of(), ref, buf.view(carrier(ref.dtype)).reshape(ref.shape))
 
         attrs = dict(ref.extra) or None
-        return keep(OutTensor(ref.dtype, ref.shape, fill, requires_grad=ref.requires_grad, attrs=attrs))
+        out = OutTensor(ref.dtype, ref.shape, fill, requires_grad=ref.requires_grad, attrs=attrs)
+        if out.nbytes > CARRY_PART and _torchzip.is_c_contiguous(ref.shape, ref.stride):
+            out.parts = partial(_carried_parts, ref, archive_of, out.nbytes)
+        return keep(out)
     if isinstance(value, _unpickle.Record):
         record = keep(type(value)())
         record.__dict__.update({k: carry(v, archive_of, memo) for k, v in value.__dict__.items()})
@@ -168,6 +174,47 @@ def carry(value: Any, archive_of: Callable[[], Any], _memo: dict[int, tuple[Any,
     if isinstance(value, tuple):
         return keep(tuple(carry(v, archive_of, memo) for v in value))
     return value
+
+
+CARRY_PART = 32 << 20
+"""a carried tensor bigger than this (a ZeRO flat partition copied as it is) is copied this many bytes
+at a time, straight from the source record into the output's"""
+
+
+PIPELINED = 1 << 20
+"""a tensor given in parts of this size or more is filled on a helper thread a part ahead"""
+
+
+def held(nbytes: int) -> int:
+    """Bytes held at once to write a tensor of ``nbytes`` produced in ``CARRY_PART`` parts (a
+    carried contiguous tensor, a ZeRO partition): two parts, one filled while the other is
+    written."""
+    return nbytes if nbytes <= CARRY_PART else 2 * CARRY_PART
+
+
+def _carried_parts(
+    ref: Any, archive_of: Callable[[], Any], nbytes: int
+) -> Iterator[tuple[int, Callable[[np.ndarray], None] | None]]:
+    """A contiguous source tensor's bytes, ``CARRY_PART`` at a time."""
+    span: list[tuple[int, int]] = []
+
+    def part(lo: int, buf: np.ndarray) -> None:
+        archive = archive_of()
+        if not span:
+            found = _torchzip.tensor_span(archive, ref)
+            if found is None:  # the storage is too short for it: read_tensor names the damage
+                _torchzip.read_tensor(archive, ref)
+                raise AssertionError("unreachable: read_tensor accepted a tensor its storage cannot hold")
+            span.append(found)
+        start = span[0][0] + lo
+        view = buf.reshape(-1).view(np.uint8)
+        if isinstance(archive.source, bytes):
+            view[:] = np.frombuffer(archive.source, np.uint8, view.nbytes, start)
+        else:
+            archive.source.read_into(start, view.data)
+
+    for lo in range(0, nbytes, CARRY_PART):
+        yield min(CARRY_PART, nbytes - lo), partial(part, lo)
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -345,14 +392,50 @@ class Scratch:
         return self._buf[:n]
 
 
+def _fill_into(view: np.ndarray, fill: Callable[[np.ndarray], None] | None) -> np.ndarray:
+    if fill is None:
+        view[:] = 0
+    else:
+        fill(view)
+    return view
+
+
+_FILLER: dict[str, Any] = {}
+os.register_at_fork(after_in_child=_FILLER.clear)
+
+
+def _filler() -> Any:
+    """The helper thread that fills a tensor's next part while this one writes the last (reads
+    and numpy copies release the GIL)."""
+    pool = _FILLER.get("pool")
+    if pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = _FILLER["pool"] = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-fill")
+    return pool
+
+
 def _filled(parts: Iterator[tuple[int, Callable[[np.ndarray], None] | None]], scratch: Scratch) -> Iterator[Any]:
-    for n, fill in parts:
-        view = scratch.take(n)
-        if fill is None:
-            view[:] = 0
-        else:
-            fill(view)
-        yield view
+    """The parts, filled: one part on the helper thread while the caller writes the one before, in
+    the two halves of ``scratch`` (so two parts are held at once)."""
+    todo = list(parts)
+    if len(todo) < 2 or max(n for n, _ in todo) < PIPELINED:
+        for n, fill in todo:
+            yield _fill_into(scratch.take(n), fill)
+        return
+    biggest = max(n for n, _ in todo)
+    halves = (scratch.take(2 * biggest)[:biggest], scratch.take(2 * biggest)[biggest:])
+    pool = _filler()
+    pending = pool.submit(_fill_into, halves[0][: todo[0][0]], todo[0][1])
+    try:
+        for k in range(len(todo)):
+            view = pending.result()
+            if k + 1 < len(todo):
+                n, fill = todo[k + 1]
+                pending = pool.submit(_fill_into, halves[(k + 1) % 2][:n], fill)
+            yield view
+    finally:  # stopped early (the write failed): the helper must be done with the buffer first
+        pending.cancel() or pending.exception()
 
 
 def save(tree: Any, path: Path | BinaryIO, *, scratch: Scratch | None = None) -> int:
@@ -389,4 +472,15 @@ def _write(fh: BinaryIO, archive: str, data: bytes, tensors: list[OutTensor], sc
     return total
 
 
-__all__ = ["GlobalRef", "OutTensor", "Scratch", "assembled", "carried", "carry", "dumps", "save"]
+__all__ = [
+    "CARRY_PART",
+    "GlobalRef",
+    "OutTensor",
+    "Scratch",
+    "assembled",
+    "carried",
+    "carry",
+    "dumps",
+    "held",
+    "save",
+]

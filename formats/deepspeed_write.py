@@ -183,7 +183,8 @@ class ZeroWriter:
         for r in range(self.dp):
             sizes = [g.partition * 4 for g in self.groups for _ in range(3)]
             name = f"{self._prefix()}{self.file_prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
-            out.append(PlannedFile.of(name, (r,), sizes))
+            largest = max(map(_ptwrite.held, sizes), default=0)  # partitions are written in parts
+            out.append(PlannedFile(path=name, key=(r,), nbytes=sum(sizes), tensors=len(sizes), largest=largest))
         return out
 
     def finish(self, tmp: Path, results: list[Any]) -> None:
@@ -293,25 +294,56 @@ class ZeroWriter:
         """Partition ``r`` of group ``g``'s flat ``suffix`` state (``lean``: without the padding)."""
         layout = self.groups[g]
         size = layout.partition - (layout.padding(r) if lean else 0)
-        fragments = self._fragments(g, r)
-        items = {name: self.manifest.items[f"{name}.{suffix}"] for name, *_ in fragments}
-        dtype = next(iter(items.values())).dtype if items else "float32"
-        assert dtype is not None
+        segments = [
+            (self.manifest.items[f"{name}.{suffix}"], shape, first, count, pos)
+            for name, shape, first, count, pos in self._fragments(g, r)
+        ]
+        dtype = segments[0][0].dtype if segments else "float32"
+        return flat_tensor(dtype, size, segments, reader)
 
-        def fill(buf: np.ndarray) -> None:
-            values = buf.view(carrier(dtype))
-            end = 0  # values before this are written; the gaps between fragments are padding (zeros)
-            for name, shape, first, count, pos in fragments:
-                item = items[name]
-                values[end:pos] = 0
-                at = pos
-                for box in flat_range_boxes(Box.whole(shape), first, count):
-                    assemble(reader, item, out=values[at : at + box.volume].reshape(box.sizes), box=box)
-                    at += box.volume
-                end = max(end, at)
-            values[end:] = 0
 
-        return _ptwrite.OutTensor(dtype=dtype, shape=(size,), fill=fill)
+Segment = tuple[Any, tuple[int, ...], int, int, int]
+"""(item, its shape, first element of it, element count, position in the flat tensor)"""
+
+
+def flat_tensor(
+    dtype: str | None, size: int, segments: list[Segment], reader: PieceReader, requires_grad: bool = False
+) -> _ptwrite.OutTensor:
+    """A flat tensor of ``size`` elements made of the ``segments`` (in position order, not
+    overlapping), zeros between and after them: a ZeRO partition. Bigger than ``CARRY_PART``, it
+    is produced in parts of that size, each assembled from the ranges of the segments it covers,
+    so a partition of any size is written holding two parts at a time (one filled while the other
+    is written)."""
+    assert dtype is not None
+    itemsize = carrier(dtype).itemsize
+
+    def fill_range(buf: np.ndarray, lo: int, hi: int) -> None:
+        values = buf.view(carrier(dtype))
+        end = lo  # elements before this are written; gaps between segments are padding (zeros)
+        for item, shape, first, count, pos in segments:
+            a, b = max(pos, lo), min(pos + count, hi)
+            if a >= b:
+                continue
+            values[end - lo : a - lo] = 0
+            at = a - lo
+            for box in flat_range_boxes(Box.whole(shape), first + a - pos, b - a):
+                assemble(reader, item, out=values[at : at + box.volume].reshape(box.sizes), box=box)
+                at += box.volume
+            end = b
+        values[end - lo : hi - lo] = 0
+
+    out = _ptwrite.OutTensor(dtype=dtype, shape=(size,), fill=partial(fill_range, lo=0, hi=size),
+                             requires_grad=requires_grad)  # fmt: skip
+    per = max(1, _ptwrite.CARRY_PART // itemsize)
+    if size > per:
+
+        def parts() -> Any:
+            for lo in range(0, size, per):
+                hi = min(size, lo + per)
+                yield (hi - lo) * itemsize, partial(fill_range, lo=lo, hi=hi)
+
+        out.parts = parts
+    return out
 
 
 _Z3_OPTIM = re.compile(r"^(?P<dir>(?:.*/)?)(?P<prefix>bf16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_00_optim_states\.pt$")
@@ -482,7 +514,9 @@ class Zero3Writer:
         for r in range(self.dp):
             out.append(PlannedFile.of(f"{self._prefix()}zero_pp_rank_{r}_mp_rank_00_model_states.pt", (r, 0), frozen))
             name = f"{self._prefix()}{self.file_prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
-            out.append(PlannedFile.of(name, (r, 1), [n for n in flats for _ in range(3)]))
+            sizes = [n for n in flats for _ in range(3)]
+            largest = max(map(_ptwrite.held, sizes), default=0)  # partitions are written in parts
+            out.append(PlannedFile(path=name, key=(r, 1), nbytes=sum(sizes), tensors=len(sizes), largest=largest))
         return out
 
     def finish(self, tmp: Path, results: list[Any]) -> None:
@@ -566,28 +600,16 @@ class Zero3Writer:
     ) -> _ptwrite.OutTensor:
         """Rank ``r``'s partitions of ``params``' ``suffix`` state, back to back (zeros past a
         parameter's end)."""
-        parts = []
+        segments: list[Segment] = []
+        pos = 0
         for name, shape in params:
             numel = math.prod(shape)
             part = self._part(numel)
             first = min(numel, r * part)
-            parts.append((self.manifest.items[f"{name}.{suffix}"], shape, first, min(part, numel - first), part))
-        dtype = parts[0][0].dtype if parts else "float32"
-        assert dtype is not None
-
-        def fill(buf: np.ndarray) -> None:
-            values = buf.view(carrier(dtype))
-            pos = 0
-            for item, shape, first, count, part in parts:
-                at = pos
-                for box in flat_range_boxes(Box.whole(shape), first, count):
-                    assemble(reader, item, out=values[at : at + box.volume].reshape(box.sizes), box=box)
-                    at += box.volume
-                values[at : pos + part] = 0
-                pos += part
-
-        size = sum(p[4] for p in parts)
-        return _ptwrite.OutTensor(dtype=dtype, shape=(size,), fill=fill, requires_grad=requires_grad)
+            segments.append((self.manifest.items[f"{name}.{suffix}"], shape, first, min(part, numel - first), pos))
+            pos += part
+        dtype = segments[0][0].dtype if segments else "float32"
+        return flat_tensor(dtype, pos, segments, reader, requires_grad)
 
 
 def universal_names(manifest: Manifest, model_obj: Any) -> tuple[str, str]:
@@ -1179,7 +1201,9 @@ class Universal3Writer(_UniversalOut, Zero3Writer):
                     for _n, v in refs
                     if isinstance(v, _unpickle.TensorRef)
                 ]
-                out.append(PlannedFile.of(f"{self.out_dir}/zero/optimizer_state.pt", (k,), sizes))
+                path = f"{self.out_dir}/zero/optimizer_state.pt"  # copied CARRY_PART at a time
+                largest = max(map(_ptwrite.held, sizes), default=0)
+                out.append(PlannedFile(path=path, key=(k,), nbytes=sum(sizes), tensors=len(sizes), largest=largest))
             elif kind == "model":  # copied as it is: its bytes, no tensor buffer
                 size = (self.root / name).stat().st_size
                 out.append(PlannedFile(path=f"{self.out_dir}/{name.rsplit('/', 1)[-1]}", key=(k,), nbytes=size,
@@ -1217,6 +1241,7 @@ __all__ = [
     "ZeroFrom3Writer",
     "ZeroFromUniversalWriter",
     "ZeroWriter",
+    "flat_tensor",
     "frozen_of",
     "group_layout",
     "universal_names",

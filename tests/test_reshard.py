@@ -394,6 +394,43 @@ def test_workers_write_the_same_bytes(source, target, tmp_path):
     assert sa == sb
 
 
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [
+        ("deepspeed/zero2", Target(dp=1)),
+        ("deepspeed/zero3", Target(dp=1)),
+        ("deepspeed/zero2", Target(dp=3, zero_stage=3)),
+        ("deepspeed/zero3", Target(to="deepspeed-universal")),
+    ],
+    ids=["zero2", "zero3", "zero2-to-3", "universal3"],
+)
+def test_tensors_written_in_parts_are_the_same_bytes(source, target, tmp_path, monkeypatch):
+    """ZeRO partitions and carried flat tensors bigger than CARRY_PART are produced a part at a
+    time, the next part filled on a helper thread while the last is written: with parts of 256
+    bytes (so every partition of the fixtures is cut, across parameters and padding) the files
+    are the bytes written whole."""
+    from ckpttool.formats import _ptwrite
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    reshard(FIXTURES / source, a, target)
+    monkeypatch.setattr(_ptwrite, "CARRY_PART", 256)
+    monkeypatch.setattr(_ptwrite, "PIPELINED", 0)
+    cut: list[int] = []
+    filled = _ptwrite._filled
+
+    def counting(parts, scratch):
+        todo = list(parts)
+        cut.append(len(todo))
+        return filled(iter(todo), scratch)
+
+    monkeypatch.setattr(_ptwrite, "_filled", counting)
+    reshard(FIXTURES / source, b, target)
+    assert max(cut) > 10
+    seal = "ckpttool.manifest.json"
+    files = tree_digests(a, skip=lambda rel: rel == seal)
+    assert len(files) > 1 and files == tree_digests(b, skip=lambda rel: rel == seal)
+
+
 def test_vocab_repadding(tmp_path):
     """--vocab-padding megatron: rows re-padded for the new TP, the vocabulary rows kept."""
     out = tmp_path / "out"

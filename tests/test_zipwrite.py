@@ -298,3 +298,59 @@ def test_a_record_given_in_parts_must_add_up(tmp_path):
         zf.write_record_parts("x", 4, iter([b"ab", b"c"]))
     with pytest.raises(ValueError, match="5 bytes given, 4 announced"):
         zf.write_record_parts("y", 4, iter([b"abc", b"de"]))
+
+
+def test_big_records_are_the_bytes_torch_writes(tmp_path, monkeypatch):
+    """Records from 1 MiB on have their CRC-32 computed on a helper thread while they are written,
+    in 32 MiB chunks, the disk's write-back started after each: the file is still torch's, byte for
+    byte, and the write-back was asked for once per chunk."""
+    import ckpttool._zipwrite as zw
+
+    started: list[int] = []
+    monkeypatch.setattr(zw, "start_writeback", lambda fh: started.append(fh.tell()))
+    rng = np.random.default_rng(5)
+    tree = {
+        "big": torch.from_numpy(rng.standard_normal((70 << 20) // 4).astype(np.float32)),  # three chunks
+        "mid": torch.from_numpy(rng.integers(0, 255, (1 << 20) + 3, dtype=np.uint8)),
+        "small": torch.arange(100, dtype=torch.int16),
+    }
+
+    def out(v: torch.Tensor) -> _ptwrite.OutTensor:
+        def fill(buf: np.ndarray) -> None:
+            buf.reshape(-1).view(np.uint8)[:] = v.numpy().reshape(-1).view(np.uint8)
+
+        return _ptwrite.OutTensor(str(v.dtype).removeprefix("torch."), tuple(v.shape), fill)
+
+    _ptwrite.save({k: out(v) for k, v in tree.items()}, tmp_path / "x.pt")
+    assert len(started) == 4  # three chunks of the big record, one of the 1 MiB one
+    (tmp_path / "t").mkdir()
+    torch.save(tree, tmp_path / "t" / "x.pt")  # the archive is named after the file
+    assert (tmp_path / "x.pt").read_bytes() == (tmp_path / "t" / "x.pt").read_bytes()
+
+
+def test_a_big_carried_tensor_is_copied_a_part_at_a_time(tmp_path: Path) -> None:
+    """A carried tensor over CARRY_PART (a ZeRO flat partition) is copied from its source record in
+    parts, holding one part at a time: the file is torch's, from a file and from bytes; a forged
+    storage_offset that reaches past the storage is named as damage, not read from the next record."""
+    from ckpttool import _unpickle
+    from ckpttool.errors import CorruptFileError
+
+    big = torch.from_numpy(np.random.default_rng(1).standard_normal((80 << 20) // 4).astype(np.float32))
+    tree = {"flat": big, "small": torch.arange(4.0)}
+    (tmp_path / "src").mkdir()
+    torch.save(tree, tmp_path / "src" / "x.pt")
+    raw = (tmp_path / "src" / "x.pt").read_bytes()
+    with RandomAccessFile(tmp_path / "src" / "x.pt") as f:
+        for source in (f, raw):
+            archive = _torchzip.Archive(source, display="x.pt")
+            carried = _ptwrite.carry(archive.load(), lambda a=archive: a)
+            assert carried["flat"].peak == 2 * _ptwrite.CARRY_PART  # two parts, not the whole 80 MiB
+            assert carried["small"].parts is None
+            _ptwrite.save(carried, tmp_path / "x.pt")
+            assert (tmp_path / "x.pt").read_bytes() == raw
+    archive = _torchzip.Archive(raw, display="x.pt")
+    loaded = archive.load()
+    loaded["flat"].storage_offset = 10  # 10 elements past the end of the storage
+    assert isinstance(loaded["flat"], _unpickle.TensorRef)
+    with pytest.raises(CorruptFileError, match="needs .* bytes of storage"):
+        _ptwrite.save(_ptwrite.carry(loaded, lambda: archive), io.BytesIO())

@@ -188,10 +188,8 @@ def _build_zero(root: str, manifest: Manifest, dp: int, stage: int, sub_group_si
             return Zero3FromUniversalWriter(Path(root), manifest, dp)
         if of_zero3:
             return ZeroFrom3Writer(Path(root), manifest, dp, stage)
-        if stage == 3 or sub_group_size is not None:
-            raise UsageError(
-                "--zero-stage 3 from the universal checkpoint of a ZeRO-1/2 run is not supported yet (1 and 2 are)"
-            )
+        if stage == 3:
+            return Zero3From12Writer(Path(root), manifest, dp, sub_group_size)
         return ZeroFromUniversalWriter(Path(root), manifest, dp, stage)
     source = manifest.layout.zero_stage
     if source == 3 and sub_group_size is not None:

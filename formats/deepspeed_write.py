@@ -571,7 +571,7 @@ class Zero3Writer:
                     entry: dict[str, Any] = {}
                     step = self.groups[g]["step"]
                     if step is not None:
-                        entry["step"] = _ptwrite.carry(step, partial(archive, src))
+                        entry["step"] = _ptwrite.carry(step, partial(archive, self.groups[g].get("step_rel", src)))
                     entry["exp_avg"] = self._flat(r, params, "exp_avg", reader)
                     entry["exp_avg_sq"] = self._flat(r, params, "exp_avg_sq", reader)
                     state[sid] = entry
@@ -685,7 +685,13 @@ class Zero3From12Writer(Zero3Writer):
             raise UsageError("--dp must be at least 1")
         self.root, self.manifest, self.dp = root, manifest, dp
         self.scratch = _ptwrite.Scratch()
-        src = ZeroWriter(root, manifest, manifest.layout.dp or 1)  # parses and checks the source
+        src: ZeroWriter  # parses and checks the source
+        if manifest.extras.get("variant") == "universal":  # ds_to_universal's output of a ZeRO-1/2 run
+            src = ZeroFromUniversalWriter(root, manifest, 1, None)
+        else:
+            src = ZeroWriter(root, manifest, manifest.layout.dp or 1)
+        steps: dict[int, tuple[str, Any]] = getattr(src, "steps", {})
+        self.source_stage, self.stage = src.source_stage, 3
         self.tag_dir, self.tag, self.file_prefix = src.tag_dir, src.tag, src.file_prefix
         self.model_rels, self.optim_rels = {0: src.model_rel}, {0: src.optim_rels[0]}
         size = SUB_GROUP_SIZE if sub_group_size is None else sub_group_size
@@ -703,7 +709,11 @@ class Zero3From12Writer(Zero3Writer):
             params = [(n, tuple(int(x) for x in s)) for n, s in shapes.items()]
             self.shape_objs.update(shapes)
             step = (state.get(g) or {}).get("step")
-            self.groups.append({"hyper": {k: v for k, v in group.items() if k != "params"}, "step": step})
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            if g in steps:  # a universal checkpoint's: in the group's first parameter's step.pt
+                self.groups.append({"hyper": hyper, "step": steps[g][1], "step_rel": steps[g][0]})
+            else:
+                self.groups.append({"hyper": hyper, "step": step})
             for ids in zero3_sub_groups(params, dp, size):
                 self.subgroups.append((g, [params[k] for k in ids]))
         extra = set().union(

@@ -959,8 +959,7 @@ def test_deepspeed_universal_back_to_zero_files(tmp_path):
     """DeepSpeed's universal checkpoint of the ZeRO-2 run (ds_to_universal's own output) written as
     ZeRO-2 files at DP=2 gives the ZeRO-2 fixture's trees: optimizer partitions, fragment
     mappings, paddings and each group's step rebuilt from the per-parameter files, the model
-    states as they were copied. Any DP and ZeRO-1 too; from ZeRO-3's universal layout, or without
-    a DP size, refused."""
+    states as they were copied. Any DP and ZeRO-1 too; without a DP size, refused."""
     from ckpttool.formats.deepspeed import ALLOWLIST as DS
 
     universal = FIXTURES / "deepspeed" / "universal"
@@ -978,9 +977,31 @@ def test_deepspeed_universal_back_to_zero_files(tmp_path):
         assert not diff(FIXTURES / "deepspeed" / "zero2", tmp_path / str(n)).different  # the run it was made of
     with pytest.raises(UsageError, match="give the data-parallel size"):
         reshard(universal, tmp_path / "a", Target(to="deepspeed"))
-    with pytest.raises(UsageError, match="universal checkpoint of a ZeRO-1/2 run is not supported yet"):
-        reshard(universal, tmp_path / "b", Target(to="deepspeed", dp=1, zero_stage=3))
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not (tmp_path / "a").exists()
+
+
+def test_deepspeed_universal_of_zero2_to_zero3(tmp_path):
+    """ds_to_universal's output of the ZeRO-2 run written as ZeRO-3 files at DP=2, sub-groups cut
+    at 700 elements: the ZeRO-3 fixture's trees (the same run saved by DeepSpeed's ZeRO-3 engine),
+    the saved config aside, each sub-group's step from its group's step.pt. At DP=1 it verifies
+    clean and holds the run's state."""
+    from ckpttool.formats.deepspeed import ALLOWLIST as DS
+
+    universal = FIXTURES / "deepspeed" / "universal"
+    zero3 = FIXTURES / "deepspeed" / "zero3" / "global_step3"
+    out = tmp_path / "z3"
+    result = reshard(universal, out, Target(to="deepspeed", dp=2, zero_stage=3, sub_group_size=700))
+    assert result.plan.layout == {"dp": 2, "zero_stage": 3} and (out / "latest").read_text() == "global_step3"
+    assert any("zero_optimization.sub_group_size 700" in n for n in result.plan.notes)
+    names = sorted(p.name for p in zero3.glob("*.pt"))
+    assert names == sorted(p.name for p in (out / "global_step3").glob("*.pt"))
+    for name in names:
+        ours = _tree(out / "global_step3" / name, DS)
+        assert _blind_config(_tree(zero3 / name, DS)) == _blind_config(ours), name
+    one = tmp_path / "dp1"
+    reshard(universal, one, Target(to="deepspeed", dp=1, zero_stage=3))
+    assert verify(one).failing() == []
+    assert not diff(FIXTURES / "deepspeed" / "zero2", one, kinds=["optim", "master", "scheduler"]).different
 
 
 def test_deepspeed_zero3_universal_back_to_zero_files(tmp_path):
@@ -1075,6 +1096,24 @@ def test_deepspeed_zero3_engine_resumes_the_zero2_run():
     assert "step-4 loss: BIT-IDENTICAL" in report
     assert "state after step 4 vs control: BIT-IDENTICAL" in report
     assert "zero_to_fp32: 18 tensors, 18 bit-identical to the reference" in report
+
+
+@pytest.mark.slow
+def test_deepspeed_zero3_engine_resumes_the_universal_of_the_zero2_run(tmp_path):
+    """Oracle: DeepSpeed's ZeRO-3 engine at DP=1 (sub_group_size 700) resumes from ds_to_universal's
+    output of the DP=2 ZeRO-2 run written as ZeRO-3 files: the state after the load equals the
+    reference (frozen parameters and buffer included), and the next step is bit-identical to the
+    uninterrupted run's."""
+    out = tmp_path / "z3"
+    reshard(FIXTURES / "deepspeed" / "universal", out, Target(to="deepspeed", dp=1, zero_stage=3, sub_group_size=700))
+    report = _ds_oracle("--variant", "zero2", "--dp", "1", "--into", "zero3", "--ckpt", str(out))
+    assert "DeepSpeedZeroOptimizer_Stage3" in report
+    loaded = report.split("== state after load", 1)[1].split("==", 1)[0]
+    for state in ("fp32", "exp_avg", "exp_avg_sq"):
+        assert f"{state}: 14/14 params bit-identical to the reference" in loaded, loaded
+    assert "module: 18/18 tensors bit-identical" in loaded
+    assert "step-4 loss: BIT-IDENTICAL" in report
+    assert "state after step 4 vs control: BIT-IDENTICAL" in report
 
 
 @pytest.mark.slow

@@ -222,11 +222,15 @@ class _FileExec:
         self.planned = self.writer.files()
 
     def files(self) -> list[PlanFile]:
-        """Each file with the memory its writer holds: its largest output tensor and the largest
-        source piece, read into a temporary when it does not lie contiguously in the output."""
+        """Each file with the memory its writer holds: its largest output tensor (two, one filled
+        while the other is written) and the largest source piece, read into a temporary when it
+        does not lie contiguously in the output."""
+        from ckpttool.formats._ptwrite import written_peak
+
         largest = _largest_piece(self.manifest)
         return [
-            PlanFile(path=f.path, nbytes=f.nbytes, tensors=f.tensors, peak=f.largest + largest) for f in self.planned
+            PlanFile(path=f.path, nbytes=f.nbytes, tensors=f.tensors, peak=written_peak(f.largest) + largest)
+            for f in self.planned
         ]
 
     def run(self, tmp: Path, workers: int, progress: Callable[[int], None] | None) -> None:

@@ -438,22 +438,102 @@ def _filled(parts: Iterator[tuple[int, Callable[[np.ndarray], None] | None]], sc
         pending.cancel() or pending.exception()
 
 
+PREFETCH_MAX = 64 << 20
+"""whole tensors up to this size are filled one ahead (two held at once); bigger ones one at a time"""
+
+
+def written_peak(largest: int) -> int:
+    """Bytes of output tensor held at once to write a file whose largest tensor (or pair of parts,
+    see :func:`held`) is ``largest``: whole tensors up to ``PREFETCH_MAX`` are filled one ahead."""
+    return 2 * largest if largest <= PREFETCH_MAX else largest
+
+
+class _Feeder:
+    """Fills the whole tensors (those not given in parts) of a sequence of archives in the order
+    they are written, the next one on the helper thread while the caller writes this one, into the
+    two halves of the scratch buffer. A tensor given in parts is never filled ahead of, nor while
+    one is filled ahead (its parts use the same buffer)."""
+
+    def __init__(self, tensors: list[OutTensor], scratch: Scratch) -> None:
+        self.tensors, self.scratch = tensors, scratch
+        whole = [t.nbytes for t in tensors if t.parts is None]
+        big = max(whole, default=0)
+        self.ahead = len(whole) >= 2 and PIPELINED <= big <= PREFETCH_MAX
+        self.halves: tuple[np.ndarray, np.ndarray] | None = None
+        if self.ahead:
+            both = scratch.take(2 * big)
+            self.halves = (both[:big], both[big:])
+        self.k = 0  # the next tensor to write, in ``tensors``
+        self.pending: Any = None  # the fill of tensors[k] under way, into halves[k % 2]
+
+    def filled(self, t: OutTensor) -> np.ndarray:
+        """``t``'s bytes (``t`` is ``tensors[k]``, without parts)."""
+        assert self.tensors[self.k] is t and t.parts is None
+        k, self.k = self.k, self.k + 1
+        if self.halves is None:
+            return _fill_into(self.scratch.take(t.nbytes), t.fill)
+        if self.pending is not None:
+            view, self.pending = self.pending.result(), None
+        else:
+            view = _fill_into(self.halves[k % 2][: t.nbytes], t.fill)
+        if k + 1 < len(self.tensors) and self.tensors[k + 1].parts is None:
+            nxt = self.tensors[k + 1]
+            self.pending = _filler().submit(_fill_into, self.halves[(k + 1) % 2][: nxt.nbytes], nxt.fill)
+        return view
+
+    def skip(self, t: OutTensor) -> None:
+        """``t`` (given in parts) is written now."""
+        assert self.tensors[self.k] is t and self.pending is None
+        self.k += 1
+
+    def close(self) -> None:
+        """Wait for a fill under way (after a failure: the scratch buffer is about to be reused)."""
+        if self.pending is not None:
+            self.pending.cancel() or self.pending.exception()
+            self.pending = None
+
+
 def save(tree: Any, path: Path | BinaryIO, *, scratch: Scratch | None = None) -> int:
     """Write ``tree`` as a ``torch.save`` file at ``path`` (not atomically: callers write into a
     directory that is published as a whole), or into an open binary file from its current position
-    on (as DCP stores its records). Tensors are produced one at a time into ``scratch`` (a fresh
-    one when not given). Returns the bytes of tensor data written. No torch needed: the zip
-    container is :class:`ckpttool._zipwrite.ZipWriter`, which writes what torch's own writer
-    writes."""
+    on (as DCP stores its records). Tensors are produced into ``scratch`` (a fresh one when not
+    given), the next filled while the last is written. Returns the bytes of tensor data written. No
+    torch needed: the zip container is :class:`ckpttool._zipwrite.ZipWriter`, which writes what
+    torch's own writer writes."""
     data, tensors = dumps(tree)
-    scratch = scratch or Scratch()
-    if isinstance(path, Path):
-        with open(path, "wb") as fh:
-            return _write(fh, os.path.splitext(path.name)[0], data, tensors, scratch)  # torch names it so
-    return _write(path, "archive", data, tensors, scratch)
+    feeder = _Feeder(tensors, scratch or Scratch())
+    try:
+        if isinstance(path, Path):
+            with open(path, "wb") as fh:
+                return _write(fh, os.path.splitext(path.name)[0], data, tensors, feeder)  # torch names it so
+        return _write(path, "archive", data, tensors, feeder)
+    finally:
+        feeder.close()
 
 
-def _write(fh: BinaryIO, archive: str, data: bytes, tensors: list[OutTensor], scratch: Scratch) -> int:
+def save_each(
+    trees: Iterator[Any], fh: BinaryIO, *, scratch: Scratch, progress: Callable[[int], None] | None = None
+) -> list[tuple[int, int]]:
+    """Write each of ``trees`` as its own ``torch.save`` archive, one after the other into ``fh``
+    (a DCP rank file): what :func:`save` into ``fh`` does for each, with the tensors of the next
+    archive filled while this one's are written. Returns each archive's (offset, length) in the
+    file; ``progress`` gets each archive's bytes of tensor data."""
+    dumped = [dumps(tree) for tree in trees]
+    feeder = _Feeder([t for _, tensors in dumped for t in tensors], scratch)
+    spans = []
+    try:
+        for data, tensors in dumped:
+            start = fh.tell()
+            n = _write(fh, "archive", data, tensors, feeder)
+            spans.append((start, fh.tell() - start))
+            if progress is not None:
+                progress(n)
+    finally:
+        feeder.close()
+    return spans
+
+
+def _write(fh: BinaryIO, archive: str, data: bytes, tensors: list[OutTensor], feeder: _Feeder) -> int:
     zf = ZipWriter(fh, archive)
     zf.write_record("data.pkl", data)
     zf.write_record(".format_version", b"1")
@@ -462,11 +542,10 @@ def _write(fh: BinaryIO, archive: str, data: bytes, tensors: list[OutTensor], sc
     total = 0
     for key, t in enumerate(tensors):
         if t.parts is not None:
-            zf.write_record_parts(f"data/{key}", t.nbytes, _filled(t.parts(), scratch))
+            feeder.skip(t)
+            zf.write_record_parts(f"data/{key}", t.nbytes, _filled(t.parts(), feeder.scratch))
         else:
-            view = scratch.take(t.nbytes)
-            t.fill(view)
-            zf.write_record(f"data/{key}", view)
+            zf.write_record(f"data/{key}", feeder.filled(t))
         total += t.nbytes
     zf.finish()
     return total
@@ -483,4 +562,6 @@ __all__ = [
     "dumps",
     "held",
     "save",
+    "save_each",
+    "written_peak",
 ]

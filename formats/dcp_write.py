@@ -21,7 +21,7 @@ from typing import Any
 from ckpttool.assemble import check_coverage
 from ckpttool.dtypes import carrier
 from ckpttool.errors import UsageError
-from ckpttool.formats._ptwrite import GlobalRef, Scratch, assembled, carried, save
+from ckpttool.formats._ptwrite import GlobalRef, Scratch, assembled, carried, save_each
 from ckpttool.formats.base import Adapter, PieceReader, PlannedFile
 from ckpttool.geometry import Box
 from ckpttool.io import fsync_tree, publish_dir, staged_dir
@@ -78,28 +78,25 @@ class DcpWriter:
     ) -> list[tuple[str, tuple[int, ...] | None, int, int]]:
         """Write rank ``rank``'s ``.distcp`` file; returns (item, chunk offsets or None for bytes,
         byte offset, length) for each record, for ``finish``. Every record is a ``torch.save``
-        archive, written without torch (:func:`ckpttool.formats._ptwrite.save`)."""
-        entries: list[tuple[str, tuple[int, ...] | None, int, int]] = []
-        with open(out, "wb") as f:
-            for item in self.items:
-                if not item.is_tensor:
-                    if rank != 0:
-                        continue
-                    start = f.tell()
-                    save(carried(reader, item), f)
-                    entries.append((item.name, None, start, f.tell() - start))
-                    continue
-                assert item.dtype is not None
-                mine = [box for r, box in self.cuts[item.name] if r == rank]
-                if mine:
-                    check_coverage(item)
-                for box in mine:
-                    start = f.tell()  # as DCP's FileSystemWriter: one archive per chunk, straight into the file
-                    nbytes = save(assembled(reader, item, box), f, scratch=self._scratch)
-                    entries.append((item.name, box.offsets, start, f.tell() - start))
-                    if progress is not None:
-                        progress(nbytes)
-        return entries
+        archive, written without torch (:func:`ckpttool.formats._ptwrite.save_each`)."""
+        keys: list[tuple[str, tuple[int, ...] | None]] = []
+        trees: list[Any] = []
+        for item in self.items:
+            if not item.is_tensor:
+                if rank == 0:
+                    keys.append((item.name, None))
+                    trees.append(carried(reader, item))
+                continue
+            assert item.dtype is not None
+            mine = [box for r, box in self.cuts[item.name] if r == rank]
+            if mine:
+                check_coverage(item)
+            for box in mine:  # as DCP's FileSystemWriter: one archive per chunk, straight into the file
+                keys.append((item.name, box.offsets))
+                trees.append(assembled(reader, item, box))
+        with open(out, "wb") as f:  # each archive's tensor filled while the one before is written
+            spans = save_each(iter(trees), f, scratch=self._scratch, progress=progress)
+        return [(name, offsets, start, length) for (name, offsets), (start, length) in zip(keys, spans, strict=True)]
 
     def finish(self, tmp: Path, results: list[list[Record]]) -> None:
         """Write ``.metadata`` for the rank files whose ``write`` results are given, in rank order."""

@@ -409,21 +409,30 @@ class DistWriter(LegacyWriter):
         """Write rank ``rank``'s ``.distcp`` file (and, for rank 0, ``common.pt`` and
         ``metadata.json`` beside it); returns where each record lies, for ``finish``."""
         entries: list[Record] = []
-        with open(out, "wb") as f:
-            for e in self.ranks[rank]:
-                start = f.tell()
-                if isinstance(e, _Object):
-                    e.write(f, reader)
-                    entries.append((e.key, None, start, f.tell() - start))
-                    continue
+        run: list[_Chunk] = []  # chunks in a row: each archive's tensor filled while the one before is written
+
+        def flush(f: BinaryIO) -> None:
+            tensors = []
+            for e in run:
                 check_coverage(e.item)
                 assert e.item.dtype is not None
                 fill = _Fill(reader, e.item, [e.region])
-                tensor = _ptwrite.OutTensor(dtype=e.item.dtype, shape=e.chunk.sizes, fill=fill)
-                _ptwrite.save(tensor, f, scratch=self.scratch)  # as DCP's FileSystemWriter: straight into the file
-                entries.append((e.key, e.chunk.offsets, start, f.tell() - start))
-                if progress is not None:
-                    progress(e.nbytes)
+                tensors.append(_ptwrite.OutTensor(dtype=e.item.dtype, shape=e.chunk.sizes, fill=fill))
+            # as DCP's FileSystemWriter: one archive per chunk, straight into the file
+            spans = _ptwrite.save_each(iter(tensors), f, scratch=self.scratch, progress=progress)
+            entries.extend((e.key, e.chunk.offsets, start, n) for e, (start, n) in zip(run, spans, strict=True))
+            run.clear()
+
+        with open(out, "wb") as f:
+            for e in self.ranks[rank]:
+                if isinstance(e, _Object):
+                    flush(f)
+                    start = f.tell()
+                    e.write(f, reader)
+                    entries.append((e.key, None, start, f.tell() - start))
+                else:
+                    run.append(e)
+            flush(f)
         if rank == 0:
             _ptwrite.save(self._common(reader), out.parent / "common.pt")
             (out.parent / "metadata.json").write_text(json.dumps(CONFIG))

@@ -431,6 +431,43 @@ def test_tensors_written_in_parts_are_the_same_bytes(source, target, tmp_path, m
     assert len(files) > 1 and files == tree_digests(b, skip=lambda rel: rel == seal)
 
 
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [
+        ("dcp/fsdp2", Target(dp=4)),
+        ("megatron/legacy_tp2pp2", Target(tp=1, pp=1)),
+        ("megatron/legacy_tp2pp2", Target(tp=1, pp=2, to="megatron-dist")),
+        ("deepspeed/zero2", Target(dp=1)),
+    ],
+    ids=["dcp", "legacy", "torch_dist", "zero2"],
+)
+def test_tensors_filled_ahead_are_the_same_bytes(source, target, tmp_path, monkeypatch):
+    """Whole tensors are filled one ahead on a helper thread (from 1 MiB on; here from 0 bytes, so
+    every tensor of the fixtures is): within one file and, for DCP, across the archives of a rank
+    file. The files are the bytes written one tensor at a time."""
+    import threading
+
+    from ckpttool.formats import _ptwrite
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    reshard(FIXTURES / source, a, target)
+    monkeypatch.setattr(_ptwrite, "PIPELINED", 0)
+    ahead: list[int] = []
+    fill_into = _ptwrite._fill_into
+
+    def counting(view, fill):
+        if threading.current_thread() is not threading.main_thread():
+            ahead.append(view.nbytes)
+        return fill_into(view, fill)
+
+    monkeypatch.setattr(_ptwrite, "_fill_into", counting)
+    reshard(FIXTURES / source, b, target)
+    assert len(ahead) > 10
+    seal = "ckpttool.manifest.json"
+    files = tree_digests(a, skip=lambda rel: rel == seal)
+    assert len(files) > 1 and files == tree_digests(b, skip=lambda rel: rel == seal)
+
+
 def test_vocab_repadding(tmp_path):
     """--vocab-padding megatron: rows re-padded for the new TP, the vocabulary rows kept."""
     out = tmp_path / "out"

@@ -79,12 +79,11 @@ class OutTensor:
 
     @property
     def peak(self) -> int:
-        """bytes held at once to write it (two parts: one filled while the other is written)"""
+        """its largest piece filled at once: the whole tensor, or its largest part (see
+        :func:`written_peak` for the one filled ahead)"""
         if self.parts is None:
             return self.nbytes
-        sizes = [n for n, _ in self.parts()]
-        biggest = max(sizes, default=0)
-        return biggest * (2 if len(sizes) > 1 and biggest >= PIPELINED else 1)
+        return max((n for n, _ in self.parts()), default=0)
 
 
 def streamed(
@@ -186,10 +185,10 @@ PIPELINED = 1 << 20
 
 
 def held(nbytes: int) -> int:
-    """Bytes held at once to write a tensor of ``nbytes`` produced in ``CARRY_PART`` parts (a
-    carried contiguous tensor, a ZeRO partition): two parts, one filled while the other is
-    written."""
-    return nbytes if nbytes <= CARRY_PART else 2 * CARRY_PART
+    """The largest piece of output a tensor of ``nbytes`` produced in ``CARRY_PART`` parts (a carried
+    contiguous tensor, a ZeRO partition) is filled as; :func:`written_peak` counts the part filled
+    ahead."""
+    return min(nbytes, CARRY_PART)
 
 
 def _carried_parts(
@@ -443,9 +442,9 @@ PREFETCH_MAX = 64 << 20
 
 
 def written_peak(largest: int) -> int:
-    """Bytes of output tensor held at once to write a file whose largest tensor (or pair of parts,
-    see :func:`held`) is ``largest``: whole tensors up to ``PREFETCH_MAX`` are filled one ahead."""
-    return 2 * largest if largest <= PREFETCH_MAX else largest
+    """Bytes of output held at once to write a file whose largest tensor, or part of one, is
+    ``largest``: from ``PIPELINED`` up to ``PREFETCH_MAX`` the next one is filled ahead."""
+    return 2 * largest if PIPELINED <= largest <= PREFETCH_MAX else largest
 
 
 class _Feeder:

@@ -426,9 +426,7 @@ def test_tensors_written_in_parts_are_the_same_bytes(source, target, tmp_path, m
     monkeypatch.setattr(_ptwrite, "_filled", counting)
     reshard(FIXTURES / source, b, target)
     assert max(cut) > 10
-    seal = "ckpttool.manifest.json"
-    files = tree_digests(a, skip=lambda rel: rel == seal)
-    assert len(files) > 1 and files == tree_digests(b, skip=lambda rel: rel == seal)
+    _assert_same_files(a, b)
 
 
 @pytest.mark.parametrize(
@@ -463,6 +461,11 @@ def test_tensors_filled_ahead_are_the_same_bytes(source, target, tmp_path, monke
     monkeypatch.setattr(_ptwrite, "_fill_into", counting)
     reshard(FIXTURES / source, b, target)
     assert len(ahead) > 10
+    _assert_same_files(a, b)
+
+
+def _assert_same_files(a: Path, b: Path) -> None:
+    """The two outputs hold the same files, byte for byte, their seals aside (which carry a time)."""
     seal = "ckpttool.manifest.json"
     files = tree_digests(a, skip=lambda rel: rel == seal)
     assert len(files) > 1 and files == tree_digests(b, skip=lambda rel: rel == seal)
@@ -1119,13 +1122,22 @@ def test_deepspeed_zero3_bf16_to_zero2_module_is_the_run_s(tmp_path):
 
 
 @pytest.mark.slow
-def test_deepspeed_zero3_engine_resumes_the_zero2_run():
+@pytest.mark.parametrize("source", ["zero2", "universal"])
+def test_deepspeed_zero3_engine_resumes_the_zero2_run(source, tmp_path):
     """Oracle: DeepSpeed's ZeRO-3 engine at DP=1 (sub_group_size 700) resumes from --zero-stage 3
-    --sub-group-size 700 of the DP=2 ZeRO-2 fixture: the state after the load equals the reference,
-    and the next step's loss and the whole state after it are bit-identical to the uninterrupted
-    ZeRO-2 run's."""
-    report = _ds_oracle("--variant", "zero2", "--dp", "1", "--into", "zero3")
-    assert "--zero-stage 3 --sub-group-size 700" in report and "DeepSpeedZeroOptimizer_Stage3" in report
+    --sub-group-size 700 of the DP=2 ZeRO-2 fixture (the oracle reshards it), or of ds_to_universal's
+    output of it: the state after the load equals the reference (frozen parameters and buffer
+    included), and the next step's loss and the whole state after it are bit-identical to the
+    uninterrupted ZeRO-2 run's."""
+    given: tuple[str, ...] = ()
+    if source == "universal":
+        out = tmp_path / "z3"
+        reshard(FIXTURES / "deepspeed" / source, out, Target(to="deepspeed", dp=1, zero_stage=3, sub_group_size=700))
+        given = ("--ckpt", str(out))
+    report = _ds_oracle("--variant", "zero2", "--dp", "1", "--into", "zero3", *given)
+    assert "DeepSpeedZeroOptimizer_Stage3" in report
+    if source == "zero2":
+        assert "--zero-stage 3 --sub-group-size 700" in report
     loaded = report.split("== state after load", 1)[1].split("==", 1)[0]
     for state in ("fp32", "exp_avg", "exp_avg_sq"):
         assert f"{state}: 14/14 params bit-identical to the reference" in loaded, loaded
@@ -1133,24 +1145,6 @@ def test_deepspeed_zero3_engine_resumes_the_zero2_run():
     assert "step-4 loss: BIT-IDENTICAL" in report
     assert "state after step 4 vs control: BIT-IDENTICAL" in report
     assert "zero_to_fp32: 18 tensors, 18 bit-identical to the reference" in report
-
-
-@pytest.mark.slow
-def test_deepspeed_zero3_engine_resumes_the_universal_of_the_zero2_run(tmp_path):
-    """Oracle: DeepSpeed's ZeRO-3 engine at DP=1 (sub_group_size 700) resumes from ds_to_universal's
-    output of the DP=2 ZeRO-2 run written as ZeRO-3 files: the state after the load equals the
-    reference (frozen parameters and buffer included), and the next step is bit-identical to the
-    uninterrupted run's."""
-    out = tmp_path / "z3"
-    reshard(FIXTURES / "deepspeed" / "universal", out, Target(to="deepspeed", dp=1, zero_stage=3, sub_group_size=700))
-    report = _ds_oracle("--variant", "zero2", "--dp", "1", "--into", "zero3", "--ckpt", str(out))
-    assert "DeepSpeedZeroOptimizer_Stage3" in report
-    loaded = report.split("== state after load", 1)[1].split("==", 1)[0]
-    for state in ("fp32", "exp_avg", "exp_avg_sq"):
-        assert f"{state}: 14/14 params bit-identical to the reference" in loaded, loaded
-    assert "module: 18/18 tensors bit-identical" in loaded
-    assert "step-4 loss: BIT-IDENTICAL" in report
-    assert "state after step 4 vs control: BIT-IDENTICAL" in report
 
 
 @pytest.mark.slow

@@ -24,6 +24,8 @@ import zlib
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
+import xxhash
+
 from ckpttool.io import start_writeback
 
 _M64 = (1 << 64) - 1
@@ -181,6 +183,13 @@ def _crc_pool() -> Any:
 os.register_at_fork(after_in_child=_CRC.clear)
 
 
+def _checksums(chunk: Any, crc: int, piece: Any) -> int:
+    """The CRC-32 of ``chunk`` continued from ``crc``; ``piece`` (an xxh3 hasher, or None) fed too."""
+    if piece is not None:
+        piece.update(chunk)
+    return zlib.crc32(chunk, crc)
+
+
 class ZipWriter:
     """Writes one ``torch.save`` archive into ``fh`` from its current position; offsets inside the
     archive count from there (as in a DCP ``.distcp`` file, which holds one archive per item)."""
@@ -198,14 +207,17 @@ class ZipWriter:
         self.fh.write(data)
         self.pos += len(data) if isinstance(data, bytes) else memoryview(data).nbytes
 
-    def write_record(self, name: str, data: Any) -> None:
+    def write_record(self, name: str, data: Any, spans: Any = None) -> None:
         """Store ``data`` (bytes or any C-contiguous buffer) as ``<archive>/<name>``."""
         view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
-        self.write_record_parts(name, len(view), iter((view,)))
+        self.write_record_parts(name, len(view), iter((view,)), spans)
 
-    def write_record_parts(self, name: str, size: int, parts: Iterator[Any]) -> None:
+    def write_record_parts(self, name: str, size: int, parts: Iterator[Any], spans: Any = None) -> None:
         """Store ``size`` bytes, given as consecutive buffers ``parts``, as ``<archive>/<name>``: a
-        record written piece by piece (the CRC-32 goes in the data descriptor that follows it)."""
+        record written piece by piece (the CRC-32 goes in the data descriptor that follows it).
+        Into a file that takes span digests (``add_span``: a :class:`ckpttool.hashing.HashingFile`),
+        the xxh3-128 of the record's data goes too, and of each ``(offset, length)`` of ``spans``
+        (byte ranges of the data: the parameters of a ZeRO partition)."""
         full = self.prefix + name.encode()
         if name.encode() in self.names.seen:
             raise ValueError(f"zip record {name!r} written twice")
@@ -221,26 +233,40 @@ class ZipWriter:
         flags = 0x0808 if size else 0x0800  # bit 3: a data descriptor follows (not for empty records)
         self._put(_LOCAL.pack(0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), len(extra)) + full + extra)
         crc, written, head = 0, 0, b""
+        add_span = getattr(self.fh, "add_span", None) if size else None  # a HashingFile: digests too
+        piece = xxhash.xxh3_128() if add_span is not None else None
+        data_at = self.fh.tell() if add_span is not None else 0
+        ranges = sorted((lo, lo + n, xxhash.xxh3_128()) for lo, n in spans or () if n > 0) if add_span else []
         for part in parts:
             view = part if isinstance(part, bytes) else memoryview(part).cast("B")
             if len(head) < 8:
                 head += bytes(view[: 8 - len(head)])
+            done = written  # (``at`` is the local header's offset, for the central directory)
             written += len(view)
             if written > size:
                 break
+            for lo, hi, h in ranges:
+                if lo < written and hi > done:
+                    h.update(view[max(lo, done) - done : min(hi, written) - done])
             if len(view) < _PARALLEL:
                 crc = zlib.crc32(view, crc)
+                if piece is not None:
+                    piece.update(view)
                 self._put(view)
                 continue
             for lo in range(0, len(view), _CHUNK):  # CRC-32 on a helper thread while this one writes
                 chunk = view[lo : lo + _CHUNK]
-                pending = _crc_pool().submit(zlib.crc32, chunk, crc)
+                pending = _crc_pool().submit(_checksums, chunk, crc, piece)
                 self._put(chunk)
                 crc = pending.result()
                 if self.writeback:
                     start_writeback(self.fh)
         if written != size:
             raise ValueError(f"zip record {name!r}: {written} bytes given, {size} announced")
+        if add_span is not None and piece is not None:
+            add_span(data_at, size, piece.hexdigest())
+            for lo, hi, h in ranges:
+                add_span(data_at + lo, hi - lo, h.hexdigest())
         if size:
             if big_size or big_at:
                 self._put(struct.pack("<IIQQ", 0x08074B50, crc, size, size))

@@ -8,11 +8,12 @@ threads: reads release the GIL, and one core hashes (xxh3) far faster than stora
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,6 +136,85 @@ def hash_file(
         return FileDigest(rel, -1, None, str(exc)), {}
     finally:
         os.close(fd)
+
+
+@dataclass(slots=True)
+class Written:
+    """What a writer hashed as it wrote a file (see :func:`open_output`): its size, the xxh3-128
+    digest of all its bytes, and digests of spans in it, by ``(offset, length)``."""
+
+    size: int
+    digest: str
+    spans: dict[tuple[int, int], str]
+
+
+class HashingFile:
+    """A binary file being written from its start, front to back, that hashes (xxh3-128) every byte
+    written and keeps the digests of spans its writer reports (``add_span``): the seal of a
+    reshard output then reads back none of the files written so (:func:`ckpttool.seal.seal`'s
+    ``known``)."""
+
+    def __init__(self, fh: Any) -> None:
+        self.fh = fh
+        self.whole = xxhash.xxh3_128()
+        self.size = 0
+        self.spans: dict[tuple[int, int], str] = {}
+
+    def write(self, data: Any) -> int:
+        n = self.fh.write(data)
+        self.whole.update(data)
+        self.size += len(data) if isinstance(data, bytes) else memoryview(data).nbytes
+        return int(n)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+    def fileno(self) -> int:
+        return int(self.fh.fileno())
+
+    def add_span(self, offset: int, length: int, digest: str) -> None:
+        """The xxh3-128 digest of bytes ``[offset, offset + length)``, already written."""
+        self.spans[(offset, length)] = digest
+
+    def written(self) -> Written:
+        return Written(self.size, self.whole.hexdigest(), self.spans)
+
+
+_WRITTEN: dict[str, Any] = {}
+_WRITTEN_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def collecting_written() -> Iterator[dict[str, Written]]:
+    """While active, files written through :func:`open_output` in this process are hashed as they
+    are written; the dict maps each one's absolute path to what was hashed."""
+    found: dict[str, Written] = {}
+    with _WRITTEN_LOCK:
+        previous = _WRITTEN.get("into")
+        _WRITTEN["into"] = found
+    try:
+        yield found
+    finally:
+        with _WRITTEN_LOCK:
+            _WRITTEN["into"] = previous
+
+
+@contextlib.contextmanager
+def open_output(path: str | os.PathLike[str]) -> Iterator[Any]:
+    """``open(path, "wb")``; while :func:`collecting_written` is active, wrapped in a
+    :class:`HashingFile` whose digests are recorded once the file is complete."""
+    into = _WRITTEN.get("into")
+    with open(path, "wb") as fh:
+        if into is None:
+            yield fh
+            return
+        hashed = HashingFile(fh)
+        yield hashed
+    with _WRITTEN_LOCK:
+        into[os.path.abspath(path)] = hashed.written()
 
 
 def hash_files(

@@ -31,6 +31,7 @@ from typing import Any
 from ckpttool import registry
 from ckpttool.convert import parse_size
 from ckpttool.errors import UsageError
+from ckpttool.hashing import Written, collecting_written
 from ckpttool.io import fsync_tree, publish_dir, staged_dir
 from ckpttool.manifest import Manifest
 
@@ -146,8 +147,9 @@ def _init_worker(build: Callable[..., Any], args: tuple[Any, ...], adapter: Any,
 def _run_task(key: tuple[int, ...], out: str) -> Any:
     assert _WRITER is not None and _MANIFEST is not None
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    with _ADAPTER.reader(_MANIFEST) as reader:  # the source's pieces (writers need not keep the manifest)
-        return _WRITER.write(*key, Path(out), reader, None), Path(out).stat().st_size
+    with collecting_written() as known, _ADAPTER.reader(_MANIFEST) as reader:  # (writers need not keep the manifest)
+        result = _WRITER.write(*key, Path(out), reader, None)
+    return result, Path(out).stat().st_size, known
 
 
 def _build_legacy(root: str, manifest: Manifest, target: Any, rules: dict[str, Any]) -> Any:
@@ -220,6 +222,8 @@ class _FileExec:
         self.writer = build(*args)
         self.notes: list[str] = []
         self.planned = self.writer.files()
+        self.known: dict[str, Written] = {}
+        """what the writers hashed of the files they wrote, for the seal (by absolute path)"""
 
     def files(self) -> list[PlanFile]:
         """Each file with the memory its writer holds: its largest output tensor (two, one filled
@@ -244,10 +248,11 @@ class _FileExec:
         results: dict[int, Any] = {}
         chosen = [self.planned[i] for i in indices]
         if workers <= 1 or len(chosen) <= 1:
-            with self.adapter.reader(self.manifest) as reader:
+            with collecting_written() as known, self.adapter.reader(self.manifest) as reader:
                 for i, f in zip(indices, chosen, strict=True):
                     (tmp / f.path).parent.mkdir(parents=True, exist_ok=True)
                     results[i] = self.writer.write(*f.key, tmp / f.path, reader, progress)
+            self.known.update(known)
             return results
         # the workers ignore Ctrl-C (an ignored signal stays ignored in a spawned interpreter):
         # this process alone handles it, stops them, and removes the output in flight
@@ -266,8 +271,9 @@ class _FileExec:
                 signal.signal(signal.SIGINT, previous)
         try:
             for i, fut in zip(indices, futures, strict=True):
-                result, size = fut.result()
+                result, size, known = fut.result()
                 results[i] = result
+                self.known.update(known)
                 if progress is not None:
                     progress(size)
         except BaseException:
@@ -629,7 +635,7 @@ def _rank_zero(
             for _, res in every:
                 merged.update(res)
             executor.writer.finish(tmp, [merged[i] for i in range(len(the_plan.files))])
-            tensors = _seal_and_publish(tmp, out, the_plan.workers, seal_output)
+            tensors = _seal_and_publish(tmp, out, the_plan.workers, seal_output, executor.known)
     except BaseException as exc:
         failure = failure or _describe(exc, 0)
         raise
@@ -639,14 +645,17 @@ def _rank_zero(
     return ReshardResult(plan=the_plan, output=str(out), written=True, sealed=seal_output, tensors=tensors, ranks=files)
 
 
-def _seal_and_publish(tmp: Path, out: Path, workers: int, seal_output: bool) -> int | None:
+def _seal_and_publish(
+    tmp: Path, out: Path, workers: int, seal_output: bool, known: dict[str, Written] | None = None
+) -> int | None:
     """Seal the written directory (unless told not to), flush it and rename it into place; returns
-    how many tensors the output holds (None when not sealed: nobody described it)."""
+    how many tensors the output holds (None when not sealed: nobody described it). ``known``: what
+    the writers hashed as they wrote (those files are not read back)."""
     tensors = None
     if seal_output:
         from ckpttool.seal import seal
 
-        sealed, _ = seal(tmp, workers=workers, published_as=out)
+        sealed, _ = seal(tmp, workers=workers, published_as=out, known=known)
         tensors = sum(1 for item in sealed.manifest.items.values() if item.is_tensor)
     fsync_tree(tmp)
     publish_dir(tmp, out)
@@ -719,7 +728,7 @@ def reshard(
         return _reshard_ranks(executor, the_plan, out, ranks, seal_output=seal_output, progress=progress)
     with staged_dir(out) as tmp:
         executor.run(tmp, the_plan.workers, progress)
-        tensors = _seal_and_publish(tmp, out, the_plan.workers, seal_output)
+        tensors = _seal_and_publish(tmp, out, the_plan.workers, seal_output, executor.known)
     return ReshardResult(plan=the_plan, output=str(out), written=True, sealed=seal_output, tensors=tensors)
 
 

@@ -21,7 +21,7 @@ from ckpttool import __version__, registry
 from ckpttool import io as ckio
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.formats.base import Adapter
-from ckpttool.hashing import Algo, Span, hash_bytes, hash_files
+from ckpttool.hashing import Algo, FileDigest, Span, Written, hash_bytes, hash_files
 from ckpttool.io import atomic_output
 from ckpttool.manifest import SEAL_NAME, Item, Manifest, Piece
 from ckpttool.values import gc_paused, is_count
@@ -354,14 +354,28 @@ def hash_pieces(
     files: list[str] | None = None,
     workers: int | None = None,
     progress: Callable[[int], None] | None = None,
+    known: dict[str, Written] | None = None,
 ) -> tuple[dict[str, Any], dict[tuple[str, int], str], dict[tuple[str, int], tuple[str, int, int] | None]]:
     """One pass: digests of ``files`` (default: every file of the manifest but a seal) and of every
-    tensor piece. Returns (file digests, piece digests, piece spans)."""
+    tensor piece. Returns (file digests, piece digests, piece spans). A file in ``known`` (by
+    absolute path: what its writer hashed as it wrote it) is not read when its size and the spans
+    of its pieces are the ones hashed (xxh3-128 only)."""
     root = Path(manifest.root)
     targets = files if files is not None else [f.path for f in manifest.files if f.role != "seal"]
     spans, other = piece_spans(adapter, manifest)
+    trusted: dict[str, Written] = {}
+    for rel in targets if known and algo == "xxh3-128" else []:
+        w = known.get(os.path.abspath(root / rel)) if known else None
+        if w is None or (root / rel).stat().st_size != w.size:
+            continue
+        if all(s.algo is None and (s.offset, s.length) in w.spans for s in spans.get(rel, [])):
+            trusted[rel] = w
     with adapter.reader(manifest) as reader:
-        file_digests, span_digests = hash_files(root, targets, spans, algo, workers=workers, progress=progress)
+        to_read = [rel for rel in targets if rel not in trusted]
+        file_digests, span_digests = hash_files(root, to_read, spans, algo, workers=workers, progress=progress)
+        for rel, w in trusted.items():
+            file_digests[rel] = FileDigest(rel, w.size, w.digest)
+            span_digests.update({s.key: w.spans[(s.offset, s.length)] for s in spans.get(rel, [])})
         for name, i in other:
             item = manifest.items[name]
             span_digests[(name, i)] = hash_bytes(reader.read(item.pieces[i], item).reshape(-1).view("u1").data, algo)
@@ -380,14 +394,18 @@ def seal(
     workers: int | None = None,
     progress: Callable[[int], None] | None = None,
     published_as: str | Path | None = None,
+    known: dict[str, Written] | None = None,
 ) -> tuple[Seal, Path]:
     """Hash every file and piece of the checkpoint at ``path`` and write the seal atomically.
     ``published_as``: the path the directory will be renamed to (a writer sealing its staging
-    directory), recorded as the seal's root instead of ``path``."""
+    directory), recorded as the seal's root instead of ``path``. ``known``: digests a writer took
+    of the bytes it wrote (see :func:`hash_pieces`), so that those files are not read back."""
     if algo not in ("xxh3-128", "sha256"):
         raise UsageError(f"--hash {algo!r}: expected xxh3-128 or sha256")
     adapter, manifest = registry.describe(path)
-    file_digests, piece_digests, where = hash_pieces(adapter, manifest, algo, workers=workers, progress=progress)
+    file_digests, piece_digests, where = hash_pieces(
+        adapter, manifest, algo, workers=workers, progress=progress, known=known
+    )
     for f in manifest.files:
         d = file_digests.get(f.path)
         if d is not None:

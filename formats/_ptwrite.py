@@ -30,6 +30,7 @@ import numpy as np
 from ckpttool import _torchzip, _unpickle
 from ckpttool._zipwrite import ZipWriter
 from ckpttool.dtypes import carrier
+from ckpttool.hashing import open_output
 
 _STORAGE_CLASS = {
     "float32": "FloatStorage",
@@ -69,6 +70,9 @@ class OutTensor:
     attrs: dict[str, Any] | None = None
     """Python attributes the tensor carries (DeepSpeed's ``ds_id``): pickled, as torch pickles a
     tensor with a ``__dict__``, through ``_rebuild_from_type_v2`` with them as its state"""
+    spans: tuple[tuple[int, int], ...] = ()
+    """byte ranges of its data that the output's manifest makes pieces of (the parameters in a ZeRO
+    partition): hashed on their own as they are written, for the seal"""
 
     @property
     def nbytes(self) -> int:
@@ -503,7 +507,7 @@ def save(tree: Any, path: Path | BinaryIO, *, scratch: Scratch | None = None) ->
     feeder = _Feeder(tensors, scratch or Scratch())
     try:
         if isinstance(path, Path):
-            with open(path, "wb") as fh:
+            with open_output(path) as fh:
                 return _write(fh, os.path.splitext(path.name)[0], data, tensors, feeder)  # torch names it so
         return _write(path, "archive", data, tensors, feeder)
     finally:
@@ -542,9 +546,9 @@ def _write(fh: BinaryIO, archive: str, data: bytes, tensors: list[OutTensor], fe
     for key, t in enumerate(tensors):
         if t.parts is not None:
             feeder.skip(t)
-            zf.write_record_parts(f"data/{key}", t.nbytes, _filled(t.parts(), feeder.scratch))
+            zf.write_record_parts(f"data/{key}", t.nbytes, _filled(t.parts(), feeder.scratch), t.spans)
         else:
-            zf.write_record(f"data/{key}", feeder.filled(t))
+            zf.write_record(f"data/{key}", feeder.filled(t), t.spans)
         total += t.nbytes
     zf.finish()
     return total

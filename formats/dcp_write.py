@@ -24,6 +24,7 @@ from ckpttool.errors import UsageError
 from ckpttool.formats._ptwrite import GlobalRef, Scratch, assembled, carried, save_each
 from ckpttool.formats.base import Adapter, PieceReader, PlannedFile
 from ckpttool.geometry import Box
+from ckpttool.hashing import open_output
 from ckpttool.io import fsync_tree, publish_dir, staged_dir
 from ckpttool.manifest import Item, Manifest
 from ckpttool.values import gc_paused
@@ -94,7 +95,7 @@ class DcpWriter:
             for box in mine:  # as DCP's FileSystemWriter: one archive per chunk, straight into the file
                 keys.append((item.name, box.offsets))
                 trees.append(assembled(reader, item, box))
-        with open(out, "wb") as f:  # each archive's tensor filled while the one before is written
+        with open_output(out) as f:  # each archive's tensor filled while the one before is written
             spans = save_each(iter(trees), f, scratch=self._scratch, progress=progress)
         return [(name, offsets, start, length) for (name, offsets), (start, length) in zip(keys, spans, strict=True)]
 

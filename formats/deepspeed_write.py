@@ -334,6 +334,7 @@ def flat_tensor(
 
     out = _ptwrite.OutTensor(dtype=dtype, shape=(size,), fill=partial(fill_range, lo=0, hi=size),
                              requires_grad=requires_grad)  # fmt: skip
+    out.spans = tuple((pos * itemsize, count * itemsize) for _item, _shape, _first, count, pos in segments)
     per = max(1, _ptwrite.CARRY_PART // itemsize)
     if size > per:
 

@@ -71,6 +71,7 @@ from ckpttool.formats.megatron_write import (
     _Source,
 )
 from ckpttool.geometry import Box
+from ckpttool.hashing import open_output
 from ckpttool.manifest import Item, Manifest
 
 CONFIG = {
@@ -423,7 +424,7 @@ class DistWriter(LegacyWriter):
             entries.extend((e.key, e.chunk.offsets, start, n) for e, (start, n) in zip(run, spans, strict=True))
             run.clear()
 
-        with open(out, "wb") as f:
+        with open_output(out) as f:
             for e in self.ranks[rank]:
                 if isinstance(e, _Object):
                     flush(f)

@@ -18,7 +18,6 @@ a helper thread while the record is written; the disk is told to start writing b
 from __future__ import annotations
 
 import bisect
-import os
 import struct
 import zlib
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ from typing import Any, BinaryIO
 
 import xxhash
 
-from ckpttool.io import start_writeback
+from ckpttool.io import helper, start_writeback
 
 _M64 = (1 << 64) - 1
 _MUL = 0xC6A4A7935BD1E995
@@ -166,21 +165,6 @@ class NameOrder:
 
 _PARALLEL = 1 << 20  # records from this size on: CRC-32 beside the write
 _CHUNK = 32 << 20  # written (and their write-back started) this much at a time
-_CRC: dict[str, Any] = {}
-
-
-def _crc_pool() -> Any:
-    """The helper thread that computes CRC-32s (``zlib.crc32`` releases the GIL, as ``write``
-    does: on two cores the CRC costs no wall time)."""
-    pool = _CRC.get("pool")
-    if pool is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        pool = _CRC["pool"] = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-crc")
-    return pool
-
-
-os.register_at_fork(after_in_child=_CRC.clear)
 
 
 def _checksums(chunk: Any, crc: int, piece: Any) -> int:
@@ -194,9 +178,8 @@ class ZipWriter:
     """Writes one ``torch.save`` archive into ``fh`` from its current position; offsets inside the
     archive count from there (as in a DCP ``.distcp`` file, which holds one archive per item)."""
 
-    def __init__(self, fh: BinaryIO, archive: str = "archive", *, writeback: bool = True) -> None:
+    def __init__(self, fh: BinaryIO, archive: str = "archive") -> None:
         self.fh = fh
-        self.writeback = writeback  # start the disk writing big records as they are written
         self.prefix = archive.encode() + b"/"
         self.pos = 0
         self.central: list[bytes] = []
@@ -256,11 +239,10 @@ class ZipWriter:
                 continue
             for lo in range(0, len(view), _CHUNK):  # CRC-32 on a helper thread while this one writes
                 chunk = view[lo : lo + _CHUNK]
-                pending = _crc_pool().submit(_checksums, chunk, crc, piece)
+                pending = helper("crc").submit(_checksums, chunk, crc, piece)  # (both release the GIL)
                 self._put(chunk)
                 crc = pending.result()
-                if self.writeback:
-                    start_writeback(self.fh)
+                start_writeback(self.fh)
         if written != size:
             raise ValueError(f"zip record {name!r}: {written} bytes given, {size} announced")
         if add_span is not None and piece is not None:

@@ -439,20 +439,36 @@ class WriterGate:
             self._cond.wait_for(lambda: self._inside == 0)
 
 
+_HELPERS: dict[str, Any] = {}
+
+
+def helper(name: str) -> Any:
+    """The process's one helper thread for ``name`` (a single-thread executor, started on first
+    use): the writers compute CRC-32s (``crc``), fill the next tensor (``fill``) and start the
+    disk's write-back (``writeback``) beside their main thread. Work that releases the GIL (zlib,
+    xxhash, reads, numpy copies, syscalls) then runs on the other core."""
+    pool = _HELPERS.get(name)
+    if pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = _HELPERS[name] = ThreadPoolExecutor(1, thread_name_prefix=f"ckpttool-{name}")
+    return pool
+
+
 _SYNC_FILE_RANGE_WRITE = 2
 _writeback_lock = threading.Lock()
 _writeback_queued: set[tuple[int, int]] = set()  # files (device, inode) with a write-back job waiting
 _writeback_state: dict[str, Any] = {}
 
 
-def _writeback_reset() -> None:
+def _after_fork() -> None:  # a forked child has none of the parent's threads
     global _writeback_lock
     _writeback_lock = threading.Lock()
     _writeback_queued.clear()
-    _writeback_state.pop("pool", None)
+    _HELPERS.clear()
 
 
-os.register_at_fork(after_in_child=_writeback_reset)
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def _sync_file_range() -> Any:
@@ -492,13 +508,8 @@ def start_writeback(fh: BinaryIO) -> None:
         if key in _writeback_queued:
             return
         _writeback_queued.add(key)
-        pool = _writeback_state.get("pool")
-        if pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            pool = _writeback_state["pool"] = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-writeback")
     dup = os.dup(fd)  # its own descriptor: the caller may close the file before the job runs
-    pool.submit(_writeback, fn, dup, key)
+    helper("writeback").submit(_writeback, fn, dup, key)
 
 
 def _writeback(fn: Any, fd: int, key: tuple[int, int]) -> None:

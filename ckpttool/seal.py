@@ -364,7 +364,8 @@ def hash_pieces(
     targets = files if files is not None else [f.path for f in manifest.files if f.role != "seal"]
     spans, other = piece_spans(adapter, manifest)
     trusted: dict[str, Written] = {}
-    for rel in targets if known and algo == "xxh3-128" else []:
+    known = known if algo == "xxh3-128" else None  # the writers take xxh3-128 digests
+    for rel in targets if known else []:
         w = known.get(os.path.abspath(root / rel)) if known else None
         if w is None or (root / rel).stat().st_size != w.size:
             continue

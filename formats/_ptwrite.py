@@ -15,7 +15,9 @@ output is what ``torch.save`` makes of the same tree, without importing torch.
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
+import itertools
 import os
 import pickle
 import sys
@@ -31,6 +33,7 @@ from ckpttool import _torchzip, _unpickle
 from ckpttool._zipwrite import ZipWriter
 from ckpttool.dtypes import carrier
 from ckpttool.hashing import open_output
+from ckpttool.io import helper
 
 _STORAGE_CLASS = {
     "float32": "FloatStorage",
@@ -403,46 +406,8 @@ def _fill_into(view: np.ndarray, fill: Callable[[np.ndarray], None] | None) -> n
     return view
 
 
-_FILLER: dict[str, Any] = {}
-os.register_at_fork(after_in_child=_FILLER.clear)
-
-
-def _filler() -> Any:
-    """The helper thread that fills a tensor's next part while this one writes the last (reads
-    and numpy copies release the GIL)."""
-    pool = _FILLER.get("pool")
-    if pool is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        pool = _FILLER["pool"] = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-fill")
-    return pool
-
-
-def _filled(parts: Iterator[tuple[int, Callable[[np.ndarray], None] | None]], scratch: Scratch) -> Iterator[Any]:
-    """The parts, filled: one part on the helper thread while the caller writes the one before, in
-    the two halves of ``scratch`` (so two parts are held at once)."""
-    todo = list(parts)
-    if len(todo) < 2 or max(n for n, _ in todo) < PIPELINED:
-        for n, fill in todo:
-            yield _fill_into(scratch.take(n), fill)
-        return
-    biggest = max(n for n, _ in todo)
-    halves = (scratch.take(2 * biggest)[:biggest], scratch.take(2 * biggest)[biggest:])
-    pool = _filler()
-    pending = pool.submit(_fill_into, halves[0][: todo[0][0]], todo[0][1])
-    try:
-        for k in range(len(todo)):
-            view = pending.result()
-            if k + 1 < len(todo):
-                n, fill = todo[k + 1]
-                pending = pool.submit(_fill_into, halves[(k + 1) % 2][:n], fill)
-            yield view
-    finally:  # stopped early (the write failed): the helper must be done with the buffer first
-        pending.cancel() or pending.exception()
-
-
 PREFETCH_MAX = 64 << 20
-"""whole tensors up to this size are filled one ahead (two held at once); bigger ones one at a time"""
+"""pieces up to this size are filled one ahead (two held at once); with a bigger one, one at a time"""
 
 
 def written_peak(largest: int) -> int:
@@ -451,49 +416,37 @@ def written_peak(largest: int) -> int:
     return 2 * largest if PIPELINED <= largest <= PREFETCH_MAX else largest
 
 
-class _Feeder:
-    """Fills the whole tensors (those not given in parts) of a sequence of archives in the order
-    they are written, the next one on the helper thread while the caller writes this one, into the
-    two halves of the scratch buffer. A tensor given in parts is never filled ahead of, nor while
-    one is filled ahead (its parts use the same buffer)."""
+@contextlib.contextmanager
+def _filled_ahead(tensors: list[OutTensor], scratch: Scratch) -> Iterator[Iterator[np.ndarray]]:
+    """The bytes of ``tensors`` (a whole tensor, or each of its parts in turn), in the order they
+    are written: the next piece filled on the helper thread while the caller writes this one,
+    into the two halves of ``scratch``. When no piece reaches ``PIPELINED`` bytes, or one is over
+    ``PREFETCH_MAX``, they are filled one at a time. On leaving, a fill under way is waited for
+    (after a failed write: the buffer is about to be reused)."""
+    todo: list[tuple[int, Callable[[np.ndarray], None] | None]] = []
+    for t in tensors:
+        todo += list(t.parts()) if t.parts is not None else [(t.nbytes, t.fill)]
+    biggest = max((n for n, _ in todo), default=0)
+    if len(todo) < 2 or written_peak(biggest) == biggest:
+        yield (_fill_into(scratch.take(n), fill) for n, fill in todo)
+        return
+    both = scratch.take(2 * biggest)
+    halves = (both[:biggest], both[biggest:])
+    pool = helper("fill")
+    pending = [pool.submit(_fill_into, halves[0][: todo[0][0]], todo[0][1])]
 
-    def __init__(self, tensors: list[OutTensor], scratch: Scratch) -> None:
-        self.tensors, self.scratch = tensors, scratch
-        whole = [t.nbytes for t in tensors if t.parts is None]
-        big = max(whole, default=0)
-        self.ahead = len(whole) >= 2 and PIPELINED <= big <= PREFETCH_MAX
-        self.halves: tuple[np.ndarray, np.ndarray] | None = None
-        if self.ahead:
-            both = scratch.take(2 * big)
-            self.halves = (both[:big], both[big:])
-        self.k = 0  # the next tensor to write, in ``tensors``
-        self.pending: Any = None  # the fill of tensors[k] under way, into halves[k % 2]
+    def stream() -> Iterator[np.ndarray]:
+        for k in range(len(todo)):
+            view = pending[0].result()
+            if k + 1 < len(todo):
+                n, fill = todo[k + 1]
+                pending[0] = pool.submit(_fill_into, halves[(k + 1) % 2][:n], fill)
+            yield view
 
-    def filled(self, t: OutTensor) -> np.ndarray:
-        """``t``'s bytes (``t`` is ``tensors[k]``, without parts)."""
-        assert self.tensors[self.k] is t and t.parts is None
-        k, self.k = self.k, self.k + 1
-        if self.halves is None:
-            return _fill_into(self.scratch.take(t.nbytes), t.fill)
-        if self.pending is not None:
-            view, self.pending = self.pending.result(), None
-        else:
-            view = _fill_into(self.halves[k % 2][: t.nbytes], t.fill)
-        if k + 1 < len(self.tensors) and self.tensors[k + 1].parts is None:
-            nxt = self.tensors[k + 1]
-            self.pending = _filler().submit(_fill_into, self.halves[(k + 1) % 2][: nxt.nbytes], nxt.fill)
-        return view
-
-    def skip(self, t: OutTensor) -> None:
-        """``t`` (given in parts) is written now."""
-        assert self.tensors[self.k] is t and self.pending is None
-        self.k += 1
-
-    def close(self) -> None:
-        """Wait for a fill under way (after a failure: the scratch buffer is about to be reused)."""
-        if self.pending is not None:
-            self.pending.cancel() or self.pending.exception()
-            self.pending = None
+    try:
+        yield stream()
+    finally:
+        pending[0].cancel() or pending[0].exception()
 
 
 def save(tree: Any, path: Path | BinaryIO, *, scratch: Scratch | None = None) -> int:
@@ -504,14 +457,11 @@ def save(tree: Any, path: Path | BinaryIO, *, scratch: Scratch | None = None) ->
     torch needed: the zip container is :class:`ckpttool._zipwrite.ZipWriter`, which writes what
     torch's own writer writes."""
     data, tensors = dumps(tree)
-    feeder = _Feeder(tensors, scratch or Scratch())
-    try:
+    with _filled_ahead(tensors, scratch or Scratch()) as views:
         if isinstance(path, Path):
             with open_output(path) as fh:
-                return _write(fh, os.path.splitext(path.name)[0], data, tensors, feeder)  # torch names it so
-        return _write(path, "archive", data, tensors, feeder)
-    finally:
-        feeder.close()
+                return _write(fh, os.path.splitext(path.name)[0], data, tensors, views)  # torch names it so
+        return _write(path, "archive", data, tensors, views)
 
 
 def save_each(
@@ -522,21 +472,19 @@ def save_each(
     archive filled while this one's are written. Returns each archive's (offset, length) in the
     file; ``progress`` gets each archive's bytes of tensor data."""
     dumped = [dumps(tree) for tree in trees]
-    feeder = _Feeder([t for _, tensors in dumped for t in tensors], scratch)
     spans = []
-    try:
+    with _filled_ahead([t for _, tensors in dumped for t in tensors], scratch) as views:
         for data, tensors in dumped:
             start = fh.tell()
-            n = _write(fh, "archive", data, tensors, feeder)
+            n = _write(fh, "archive", data, tensors, views)
             spans.append((start, fh.tell() - start))
             if progress is not None:
                 progress(n)
-    finally:
-        feeder.close()
     return spans
 
 
-def _write(fh: BinaryIO, archive: str, data: bytes, tensors: list[OutTensor], feeder: _Feeder) -> int:
+def _write(fh: BinaryIO, archive: str, data: bytes, tensors: list[OutTensor], views: Iterator[np.ndarray]) -> int:
+    """One archive; ``views`` gives its tensors' bytes (whole, or part after part) in order."""
     zf = ZipWriter(fh, archive)
     zf.write_record("data.pkl", data)
     zf.write_record(".format_version", b"1")
@@ -545,10 +493,10 @@ def _write(fh: BinaryIO, archive: str, data: bytes, tensors: list[OutTensor], fe
     total = 0
     for key, t in enumerate(tensors):
         if t.parts is not None:
-            feeder.skip(t)
-            zf.write_record_parts(f"data/{key}", t.nbytes, _filled(t.parts(), feeder.scratch), t.spans)
+            count = sum(1 for _ in t.parts())
+            zf.write_record_parts(f"data/{key}", t.nbytes, itertools.islice(views, count), t.spans)
         else:
-            zf.write_record(f"data/{key}", feeder.filled(t), t.spans)
+            zf.write_record(f"data/{key}", next(views), t.spans)
         total += t.nbytes
     zf.finish()
     return total

@@ -445,6 +445,49 @@ def test_tensors_in_parts_and_filled_ahead_are_the_same_bytes(source, target, pa
     _assert_same_files(a, b)
 
 
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [
+        ("dcp/fsdp2", Target(dp=4)),
+        ("megatron/legacy_tp2pp2", Target(tp=1, pp=2)),
+        ("megatron/legacy_tp2pp2", Target(tp=1, pp=2, to="megatron-dist")),
+        ("deepspeed/zero3", Target(dp=1)),
+        ("deepspeed/zero2", Target(to="deepspeed-universal")),
+    ],
+    ids=["dcp", "legacy", "torch_dist", "zero3", "universal"],
+)
+def test_the_seal_takes_the_digests_the_writers_took(source, target, tmp_path, monkeypatch):
+    """The writers hash what they write (each file whole, each tensor record's data); the seal of
+    the output reads back none of those files, only the others (trackers, .metadata, copied
+    files). It equals a seal that reads every file, digests and spans alike, and verifies clean."""
+    from ckpttool import hashing
+    from ckpttool.seal import seal
+
+    read: list[str] = []
+    hash_file = hashing.hash_file
+
+    def counting(root, rel, *args, **kwargs):
+        read.append(rel)
+        return hash_file(root, rel, *args, **kwargs)
+
+    monkeypatch.setattr(hashing, "hash_file", counting)
+    out = tmp_path / "out"
+    reshard(FIXTURES / source, out, target)
+    written = [rel for rel in tree_digests(out) if rel.endswith((".pt", ".distcp")) and "zero/" not in rel]
+    assert written and not set(written) & set(read), read
+    ours = json.loads((out / "ckpttool.manifest.json").read_text())
+    monkeypatch.setattr(hashing, "hash_file", hash_file)
+    seal(out, out=tmp_path / "again.json")
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert ours["pieces"] == again["pieces"]
+
+    def files(sealed: dict[str, Any]) -> dict[str, str]:
+        return {f["path"]: f["checksum"] for f in sealed["manifest"]["files"] if f["role"] != "seal"}
+
+    assert len(files(ours)) > 1 and files(ours) == files(again)
+    assert verify(out).failing() == []
+
+
 def _slow_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every write of a tensor's bytes waits a little first, so that a fill running ahead on the
     helper thread has finished by then: one that wrote into the buffer being written would show

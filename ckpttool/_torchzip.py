@@ -13,7 +13,6 @@ import io
 import math
 import struct
 import zipfile
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ckpttool import _unpickle
+from ckpttool._crc import crc32
 from ckpttool.dtypes import carrier
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CorruptFileError
@@ -244,7 +244,7 @@ class Archive:
                 chunk = self._read(pos, min(_CRC_CHUNK, end - pos))
                 if not chunk:
                     break
-                crc = zlib.crc32(chunk, crc)
+                crc = crc32(chunk, crc)
                 pos += len(chunk)
             if pos != end or crc != info.CRC:
                 bad.append(name)

@@ -10,7 +10,7 @@ The last record, ``.data/serialization_id``, is 40 decimal digits: a combined ha
 names (libstdc++'s ``std::hash<std::string>``, combined in the iteration order of the
 ``std::unordered_set`` torch keeps them in) followed by a combined hash of the records' CRC-32s.
 Both are reproduced here, so a file written by :class:`ZipWriter` equals what ``torch.save`` writes
-for the same records, which the tests check. CRC-32 is ``zlib.crc32``, computed for big records on
+for the same records, which the tests check. CRC-32 comes from :mod:`ckpttool._crc` (ISA-L), computed for big records on
 a helper thread while the record is written; the disk is told to start writing big records at once
 (:func:`ckpttool.io.start_writeback`).
 """
@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import bisect
 import struct
-import zlib
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 import xxhash
 
+from ckpttool._crc import crc32
 from ckpttool.io import helper, start_writeback
 
 _M64 = (1 << 64) - 1
@@ -171,7 +171,7 @@ def _checksums(chunk: Any, crc: int, piece: Any) -> int:
     """The CRC-32 of ``chunk`` continued from ``crc``; ``piece`` (an xxh3 hasher, or None) fed too."""
     if piece is not None:
         piece.update(chunk)
-    return zlib.crc32(chunk, crc)
+    return crc32(chunk, crc)
 
 
 class ZipWriter:
@@ -232,7 +232,7 @@ class ZipWriter:
                 if lo < written and hi > done:
                     h.update(view[max(lo, done) - done : min(hi, written) - done])
             if len(view) < _PARALLEL:
-                crc = zlib.crc32(view, crc)
+                crc = crc32(view, crc)
                 if piece is not None:
                     piece.update(view)
                 self._put(view)

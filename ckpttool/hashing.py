@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import os
 import threading
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import Any, Literal, Protocol
 import xxhash
 
 from ckpttool import io as ckio
+from ckpttool._crc import crc32
 
 Algo = Literal["xxh3-128", "sha256", "crc32"]
 CHUNK = 1 << 20
@@ -34,13 +34,13 @@ class _Hasher(Protocol):
 
 
 class _Crc32:
-    """zlib's CRC32 (what zip archives store), as a hasher; hexdigest is 8 hex digits."""
+    """The CRC-32 that zip archives store, as a hasher; hexdigest is 8 hex digits."""
 
     def __init__(self) -> None:
         self.value = 0
 
     def update(self, data: Any, /) -> None:
-        self.value = zlib.crc32(data, self.value)
+        self.value = crc32(data, self.value)
 
     def hexdigest(self) -> str:
         return f"{self.value:08x}"

@@ -4,6 +4,7 @@ the ones torch writes for the same content (torch itself is the oracle here)."""
 from __future__ import annotations
 
 import collections
+import importlib.util
 import io
 import pickle
 import random
@@ -80,6 +81,23 @@ def test_name_hash_matches_libstdcxx() -> None:
         hash_combine(hash_combine(0, std_hash(b"a")), std_hash(b"b")),
         hash_combine(hash_combine(0, std_hash(b"b")), std_hash(b"a")),
     }
+
+
+def test_the_crc32_is_zlibs() -> None:
+    """The CRC-32 the writers and verify use (ISA-L's where installed) gives zlib's values, also
+    continued from a previous value and over memoryviews and numpy arrays."""
+    import zlib
+
+    from ckpttool import _crc
+
+    rng = np.random.default_rng(11)
+    for n in (0, 1, 7, 64, 4095, 1 << 20, (1 << 20) + 17):
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        start = int(rng.integers(0, 1 << 32))
+        assert _crc.crc32(data) == zlib.crc32(data)
+        assert _crc.crc32(memoryview(data.tobytes()), start) == zlib.crc32(data, start)
+    if importlib.util.find_spec("isal") is not None:
+        assert _crc.crc32.__module__.startswith("isal")
 
 
 def _out_tensor(t: torch.Tensor) -> _ptwrite.OutTensor:

@@ -18,10 +18,11 @@ param-group hyper-parameters, scheduler, counters, config) is kept.
 from __future__ import annotations
 
 import math
+import os
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -38,11 +39,14 @@ from ckpttool.formats.base import PieceReader, PlannedFile
 from ckpttool.formats.deepspeed import ALLOWLIST
 from ckpttool.geometry import Box, flat_range_boxes
 from ckpttool.io import confine
-from ckpttool.manifest import Manifest
+from ckpttool.manifest import Item, Manifest
 from ckpttool.values import flatten
 
-_OPTIM = re.compile(r"^(?P<dir>(?:.*/)?)(?P<prefix>bf16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_00_optim_states\.pt$")
-_MODEL = re.compile(r"^(?P<dir>(?:.*/)?)mp_rank_00_model_states\.pt$")
+_OPTIM = re.compile(
+    r"^(?P<dir>(?:.*/)?)(?P<prefix>bf16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$"
+)
+_MODEL = re.compile(r"^(?P<dir>(?:.*/)?)mp_rank_(?P<mp>\d+)_model_states\.pt$")
+_LAYER = re.compile(r"^(?:.*/)?layer_\d+(?:-model_\d+)?-model_states\.pt$")
 ALIGN = 2
 """DeepSpeed's ``nccl_start_alignment_factor``: groups are padded to a multiple of ALIGN x DP."""
 _FRAGMENT = "deepspeed.utils.tensor_fragment.fragment_address"
@@ -116,8 +120,13 @@ class ZeroWriter:
     drops (ZeRO-1) the frozen parameters' shapes and values DeepSpeed saves only when it
     partitions gradients."""
 
-    def __init__(self, root: Path, manifest: Manifest, dp: int, target_stage: int | None = None) -> None:
+    def __init__(
+        self, root: Path, manifest: Manifest, dp: int, target_stage: int | None = None, mp: int | None = None
+    ) -> None:
+        """``mp``: the model-parallel rank whose files to write (:class:`ZeroModelParallelWriter`
+        makes one writer per rank); None: a run without model or pipeline parallelism."""
         self.root, self.manifest, self.dp = root, manifest, dp
+        self.mp = mp or 0
         self.scratch = _ptwrite.Scratch()  # one tensor buffer for every file this writer writes
         if dp < 1:
             raise UsageError("--dp must be at least 1")
@@ -132,17 +141,23 @@ class ZeroWriter:
         optims: dict[int, str] = {}
         self.file_prefix = ""
         for f in manifest.files:
-            if m := _MODEL.match(f.path):
+            if (m := _MODEL.match(f.path)) and int(m["mp"]) == self.mp:
                 model_rel = f.path
-            elif m := _OPTIM.match(f.path):
+            elif (m := _OPTIM.match(f.path)) and int(m["mp"]) == self.mp:
                 optims[int(m["dp"])] = f.path
                 self.file_prefix = m["prefix"] or ""
-            elif f.role == "data" and f.path.endswith(".pt") and "model_states" in f.path:
-                raise UsageError(f"{f.path}: pipeline or model-parallel DeepSpeed checkpoints cannot be resharded yet")
+            elif mp is None and (_MODEL.match(f.path) or _OPTIM.match(f.path) or _LAYER.match(f.path)):
+                raise UsageError(
+                    f"{f.path}: a pipeline or model-parallel DeepSpeed checkpoint can change its DP size at the "
+                    "same ZeRO stage only (not its stage, nor to a universal checkpoint, yet)"
+                )
         if model_rel is None or not optims:
-            raise CorruptFileError(f"{manifest.root}: no mp_rank_00_model_states.pt with ZeRO optimizer files")
+            raise CorruptFileError(
+                f"{manifest.root}: no mp_rank_{self.mp:02d}_model_states.pt with ZeRO optimizer files"
+            )
         self.tag_dir = model_rel.rsplit("/", 1)[0] if "/" in model_rel else ""
         self.model_rel, self.optim_rels = model_rel, optims
+        self._optim_files = set(optims.values())
         archive, self.model_obj, _ = _pt.load(root, model_rel, ALLOWLIST)
         archive.close()
         archive, optim, _ = _pt.load(root, optims[0], ALLOWLIST)
@@ -179,10 +194,10 @@ class ZeroWriter:
             for _, v in flatten(self.model_obj)
             if isinstance(v, _unpickle.TensorRef)
         ]
-        out.append(PlannedFile.of(f"{self._prefix()}mp_rank_00_model_states.pt", (-1,), model_bytes))
+        out.append(PlannedFile.of(f"{self._prefix()}mp_rank_{self.mp:02d}_model_states.pt", (-1,), model_bytes))
         for r in range(self.dp):
             sizes = [g.partition * 4 for g in self.groups for _ in range(3)]
-            name = f"{self._prefix()}{self.file_prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+            name = f"{self._prefix()}{self.file_prefix}zero_pp_rank_{r}_mp_rank_{self.mp:02d}_optim_states.pt"
             largest = max(map(_ptwrite.held, sizes), default=0)  # partitions are written in parts
             out.append(PlannedFile(path=name, key=(r,), nbytes=sum(sizes), tensors=len(sizes), largest=largest))
         return out
@@ -295,11 +310,73 @@ class ZeroWriter:
         layout = self.groups[g]
         size = layout.partition - (layout.padding(r) if lean else 0)
         segments = [
-            (self.manifest.items[f"{name}.{suffix}"], shape, first, count, pos)
+            (self._own(f"{name}.{suffix}"), shape, first, count, pos)
             for name, shape, first, count, pos in self._fragments(g, r)
         ]
         dtype = segments[0][0].dtype if segments else "float32"
         return flat_tensor(dtype, size, segments, reader)
+
+    def _own(self, name: str) -> Item:
+        """The item ``name`` as this writer's model-parallel rank holds it: its pieces in that rank's
+        optimizer files only. Copies on other ranks of a TP axis are not read in its place: the
+        manifest counts same-shaped copies as replicas, which DeepSpeed, knowing no split rule,
+        cannot tell from TP slices of the same shape."""
+        item = self.manifest.items[name]
+        if self.mp == 0 and all(p.file in self._optim_files for p in item.pieces):
+            return item
+        pieces = [replace(p, replica=0) for p in item.pieces if p.file in self._optim_files]
+        if not pieces:
+            raise CorruptFileError(f"{name} is in none of the optimizer files of model-parallel rank {self.mp}")
+        return replace(item, pieces=pieces)
+
+
+def model_parallel(manifest: Manifest) -> bool:
+    """Whether a ZeRO checkpoint was saved by a pipeline or model-parallel run: layer files, or the
+    model states of more than one model-parallel rank."""
+    return any(
+        _LAYER.match(f.path) or ((m := _MODEL.match(f.path)) is not None and int(m["mp"]) > 0) for f in manifest.files
+    )
+
+
+class ZeroModelParallelWriter:
+    """A ZeRO-1/2 checkpoint of a pipeline or model-parallel run at ``dp`` ranks, at the same stage
+    and the same TP x PP. DeepSpeed keeps one ZeRO layout per model-parallel rank ``m``: its
+    parameters (``param_shapes`` of ``mp_rank_{m}_model_states.pt``) flattened per group and
+    partitioned over the DP ranks in ``zero_pp_rank_{r}_mp_rank_{m}_optim_states.pt``. (DeepSpeed's
+    pipeline engine runs ZeRO-1 at most; a change of stage is refused by :class:`ZeroWriter`.) Each rank's
+    layout is written again for the new DP by a :class:`ZeroWriter` of its own, reading that
+    rank's files only; the pipeline's ``layer_*-model_states.pt`` files (module weights, which do
+    not depend on DP) are copied byte for byte."""
+
+    def __init__(self, root: Path, manifest: Manifest, dp: int) -> None:
+        ranks = sorted({int(m["mp"]) for f in manifest.files if (m := _MODEL.match(f.path))})
+        if ranks != list(range(len(ranks))):
+            raise CorruptFileError(f"{manifest.root}: model-parallel ranks {ranks}, expected 0 to {len(ranks) - 1}")
+        self.ranks = [ZeroWriter(root, manifest, dp, mp=m) for m in ranks]
+        self.root, self.dp = root, dp
+        self.layers = sorted(f.path for f in manifest.files if _LAYER.match(f.path))
+
+    def files(self) -> list[PlannedFile]:
+        out = [replace(f, key=(m, *f.key)) for m, w in enumerate(self.ranks) for f in w.files()]
+        prefix = self.ranks[0]._prefix()
+        for k, rel in enumerate(self.layers):  # copied as they are: their bytes, no tensor buffer
+            size = os.stat(confine(self.root, rel)).st_size
+            out.append(
+                PlannedFile(path=prefix + rel.rsplit("/", 1)[-1], key=(-1, k), nbytes=size, tensors=0, largest=0)
+            )
+        return out
+
+    def finish(self, tmp: Path, results: list[Any]) -> None:
+        self.ranks[0].finish(tmp, results)
+
+    def write(self, m: int, k: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None) -> int:
+        if m < 0:
+            shutil.copyfile(confine(self.root, self.layers[k]), out)
+            n = out.stat().st_size
+            if progress is not None:
+                progress(n)
+            return n
+        return self.ranks[m].write(k, out, reader, progress)
 
 
 Segment = tuple[Any, tuple[int, ...], int, int, int]
@@ -1251,10 +1328,12 @@ __all__ = [
     "Zero3Writer",
     "ZeroFrom3Writer",
     "ZeroFromUniversalWriter",
+    "ZeroModelParallelWriter",
     "ZeroWriter",
     "flat_tensor",
     "frozen_of",
     "group_layout",
+    "model_parallel",
     "universal_names",
     "with_stage",
     "zero3_sub_groups",

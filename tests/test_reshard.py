@@ -558,12 +558,13 @@ def test_dcp_load_reads_the_new_world_size(tmp_path):
     assert dcp_load_mismatches(out, FIXTURES / "dcp" / "fsdp2", 2, tmp_path) == []
 
 
-@pytest.mark.parametrize("variant", ["zero2", "zero2_bf16", "zero1", "zero3", "zero3_bf16"])
+@pytest.mark.parametrize("variant", ["zero2", "zero2_bf16", "zero1", "zero3", "zero3_bf16", "pipeline"])
 def test_deepspeed_round_trip_is_exact(variant, tmp_path):
     """ZeRO DP=2 -> DP=1 -> DP=2 gives the original files' trees: flat fp32 partitions (padding
     stripped as DeepSpeed strips it), Adam moments, fragment mappings, paddings, module, config;
     ZeRO-3: per-parameter partitions in sub-groups laid out again, frozen fragments, the
-    tied-weight map on rank 0 only."""
+    tied-weight map on rank 0 only; a pipeline run (PP=2 x TP=2, ZeRO-1): each model-parallel
+    rank's layout, and its layer files as they were."""
     from ckpttool.formats.deepspeed import ALLOWLIST as DS
 
     src = FIXTURES / "deepspeed" / variant
@@ -583,6 +584,40 @@ def test_deepspeed_round_trip_is_exact(variant, tmp_path):
         assert not diff(src, out).different
         report = verify(out)
         assert report.failing() == [] and report.seal is not None
+
+
+def test_deepspeed_model_parallel_ranks_keep_their_own_values(tmp_path):
+    """Each model-parallel rank's partitions are made from that rank's files: the manifest counts
+    same-shaped copies on the ranks of a TP axis as replicas, but TP slices can share a shape and
+    differ. A value changed in MP rank 1's files (the fixture's TP copies are equal) is found in
+    rank 1's output only; the stage and universal targets are refused, naming the file."""
+    torch = pytest.importorskip("torch")
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "deepspeed" / "pipeline", src)
+    for dp in (0, 1):
+        path = src / "global_step3" / f"zero_pp_rank_{dp}_mp_rank_01_optim_states.pt"
+        obj = torch.load(path, weights_only=False)
+        osd = obj["optimizer_state_dict"]
+        osd["single_partition_of_fp32_groups"][0].data[0] = 1234.5  # first element of the partition
+        osd["base_optimizer_state"]["state"][0]["exp_avg"][0] = -7.0
+        torch.save(obj, path)
+    out = tmp_path / "dp1"
+    reshard(src, out, Target(dp=1))
+    firsts = {}
+    for mp in range(4):
+        osd = torch.load(out / "global_step3" / f"zero_pp_rank_0_mp_rank_{mp:02d}_optim_states.pt", weights_only=False)[
+            "optimizer_state_dict"
+        ]
+        fp32 = osd["single_partition_of_fp32_groups"][0]
+        avg = osd["base_optimizer_state"]["state"][0]["exp_avg"]
+        firsts[mp] = (float(fp32[0]), float(avg[0]), float(fp32[fp32.numel() // 2]), float(avg[fp32.numel() // 2]))
+    assert firsts[1] == (1234.5, -7.0) * 2  # the first element of each source rank's partition
+    for mp in (0, 2, 3):
+        assert not {1234.5, -7.0} & set(firsts[mp]), mp
+    for target in (Target(dp=1, zero_stage=2), Target(dp=1, zero_stage=3), Target(to="deepspeed-universal")):
+        with pytest.raises(UsageError, match="model_states.pt: a pipeline .* at the same ZeRO stage only"):
+            reshard(FIXTURES / "deepspeed" / "pipeline", tmp_path / "x", target)
+        assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize("dp", [1, 3, 4])
@@ -1161,6 +1196,59 @@ def test_deepspeed_zero3_bf16_to_zero2_module_is_the_run_s(tmp_path):
     finally:
         reader.close()
     assert verify(out).failing() == []
+
+
+def _pipe_oracle(ckpt: Path, dp: int, result: Path) -> dict[tuple[int, int], Any]:
+    """fixtures/_ds_pipe_oracle_worker.py under torchrun at ``dp`` DP ranks (4 x ``dp`` processes):
+    each (stage, model rank)'s state after DeepSpeed's PipelineEngine loaded ``ckpt``, and after
+    one more step."""
+    import torch
+
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(4 * dp),
+         str(FIXTURES / "_ds_pipe_oracle_worker.py"), "--ckpt", str(ckpt), "--dp", str(dp), "--result", str(result)],
+        capture_output=True, text=True, timeout=600, env=env, cwd=FIXTURES,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    ranks = torch.load(result, weights_only=False)["ranks"]
+    assert len(ranks) == 4 * dp and all(r["failed"] is None for r in ranks)
+    return {(r["coord"][0], r["coord"][1]): r for r in ranks if r["coord"][2] == 0}
+
+
+@pytest.mark.slow
+def test_deepspeed_pipeline_engine_resumes_at_dp1(tmp_path):
+    """Oracle: DeepSpeed's PipelineEngine (PP=2 x model axis 2) at DP=1 loads the DP=2 pipeline
+    fixture resharded to --dp 1: on every stage and model rank the fp32 masters, both moments
+    and the module equal the fixture's reference and what the same engine at DP=2 loads from the
+    fixture itself (the uninterrupted run), bit for bit; the step-4 loss is bit-identical. After
+    the step the two differ by float reassociation only: DP=1 accumulates 4 micro-batches in turn
+    where DP=2 adds two ranks' sums of 2."""
+    pytest.importorskip("deepspeed", reason="needs deepspeed (an oracle, not a dependency)")
+    import torch
+
+    out = tmp_path / "dp1"
+    reshard(FIXTURES / "deepspeed" / "pipeline", out, Target(dp=1))
+    ours = _pipe_oracle(out, 1, tmp_path / "dp1.pt")
+    control = _pipe_oracle(FIXTURES / "deepspeed" / "pipeline", 2, tmp_path / "dp2.pt")
+    ref = torch.load(FIXTURES / "deepspeed" / "pipeline.reference.pt", weights_only=False)
+    assert sorted(ours) == sorted(control) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    checked = 0
+    for key, mine in ours.items():
+        theirs = control[key]
+        assert mine["counters"] == theirs["counters"] == (3, 24)
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            assert sorted(mine["loaded"][state]) == sorted(theirs["loaded"][state])
+            for name, value in mine["loaded"][state].items():
+                assert torch.equal(value, theirs["loaded"][state][name]), (key, state, name)
+                assert torch.equal(value, ref[f"{state}.{name}"]), (key, state, name)
+                checked += 1
+            for name, value in mine["after"][state].items():
+                assert torch.allclose(value, theirs["after"][state][name], rtol=1e-6, atol=1e-7), (key, state, name)
+        assert mine["module"].keys() == theirs["module"].keys()
+        assert all(torch.equal(v, theirs["module"][k]) for k, v in mine["module"].items()), key
+        assert mine["loss"] == theirs["loss"], key
+    assert checked == 3 * 2 * 23  # every parameter of both stages, on both model ranks
 
 
 @pytest.mark.slow

@@ -120,6 +120,11 @@ class ZeroWriter:
     drops (ZeRO-1) the frozen parameters' shapes and values DeepSpeed saves only when it
     partitions gradients."""
 
+    mp = 0
+    """the model-parallel rank whose files this writer writes"""
+    _own_files: set[str] | None = None
+    """that rank's optimizer files, when the run is model-parallel (None: every piece is the rank's)"""
+
     def __init__(
         self, root: Path, manifest: Manifest, dp: int, target_stage: int | None = None, mp: int | None = None
     ) -> None:
@@ -157,7 +162,7 @@ class ZeroWriter:
             )
         self.tag_dir = model_rel.rsplit("/", 1)[0] if "/" in model_rel else ""
         self.model_rel, self.optim_rels = model_rel, optims
-        self._optim_files = set(optims.values())
+        self._own_files = set(optims.values()) if mp is not None else None
         archive, self.model_obj, _ = _pt.load(root, model_rel, ALLOWLIST)
         archive.close()
         archive, optim, _ = _pt.load(root, optims[0], ALLOWLIST)
@@ -322,9 +327,9 @@ class ZeroWriter:
         manifest counts same-shaped copies as replicas, which DeepSpeed, knowing no split rule,
         cannot tell from TP slices of the same shape."""
         item = self.manifest.items[name]
-        if self.mp == 0 and all(p.file in self._optim_files for p in item.pieces):
+        if self._own_files is None:
             return item
-        pieces = [replace(p, replica=0) for p in item.pieces if p.file in self._optim_files]
+        pieces = [replace(p, replica=0) for p in item.pieces if p.file in self._own_files]
         if not pieces:
             raise CorruptFileError(f"{name} is in none of the optimizer files of model-parallel rank {self.mp}")
         return replace(item, pieces=pieces)

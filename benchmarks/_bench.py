@@ -58,13 +58,18 @@ def alternate(
     cmds: dict[str, list[str]], repeat: int, reset: Callable[[str], None]
 ) -> tuple[Runs, dict[str, tuple[float, float]]]:
     """Each command ``repeat`` times, taking turns, every run starting alike (``reset(name)``
-    removes old outputs, then no dirty pages are left by the run before). Returns every run and the
-    medians (wall seconds, peak RSS bytes) by name."""
+    removes old outputs, then no dirty pages are left by the run before). The order rotates by one
+    each round, so that every command runs as often in every position: on the virtual machines of
+    docs/benchmarks.md a run that writes right after another big write pays for it (page-cache
+    memory just freed by the host comes back slowly), which favoured whichever came later. Returns
+    every run and the medians (wall seconds, peak RSS bytes) by name."""
     results: Runs = {k: [] for k in cmds}
-    for _ in range(repeat):
-        for name, cmd in cmds.items():
+    names = list(cmds)
+    for round_ in range(repeat):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
             reset(name)
             os.sync()
-            results[name].append(run(cmd))
+            results[name].append(run(cmds[name]))
     med = {k: (statistics.median(w for w, _ in v), statistics.median(r for _, r in v)) for k, v in results.items()}
     return results, med

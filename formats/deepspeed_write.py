@@ -145,17 +145,17 @@ class ZeroWriter:
         model_rel = None
         optims: dict[int, str] = {}
         self.file_prefix = ""
+        if mp is None and (shown := model_parallel(manifest)):
+            raise UsageError(
+                f"{shown}: a pipeline or model-parallel DeepSpeed checkpoint can change its DP size at the "
+                "same ZeRO stage only (not its stage, nor to a universal checkpoint, yet)"
+            )
         for f in manifest.files:
             if (m := _MODEL.match(f.path)) and int(m["mp"]) == self.mp:
                 model_rel = f.path
             elif (m := _OPTIM.match(f.path)) and int(m["mp"]) == self.mp:
                 optims[int(m["dp"])] = f.path
                 self.file_prefix = m["prefix"] or ""
-            elif mp is None and (_MODEL.match(f.path) or _OPTIM.match(f.path) or _LAYER.match(f.path)):
-                raise UsageError(
-                    f"{f.path}: a pipeline or model-parallel DeepSpeed checkpoint can change its DP size at the "
-                    "same ZeRO stage only (not its stage, nor to a universal checkpoint, yet)"
-                )
         if model_rel is None or not optims:
             raise CorruptFileError(
                 f"{manifest.root}: no mp_rank_{self.mp:02d}_model_states.pt with ZeRO optimizer files"
@@ -335,12 +335,28 @@ class ZeroWriter:
         return replace(item, pieces=pieces)
 
 
-def model_parallel(manifest: Manifest) -> bool:
-    """Whether a ZeRO checkpoint was saved by a pipeline or model-parallel run: layer files, or the
-    model states of more than one model-parallel rank."""
-    return any(
-        _LAYER.match(f.path) or ((m := _MODEL.match(f.path)) is not None and int(m["mp"]) > 0) for f in manifest.files
-    )
+def copy_plan(root: Path, rel: str, path: str, key: tuple[int, ...]) -> PlannedFile:
+    """The plan of a source file copied as it is to ``path``: its bytes, no tensor buffer."""
+    size = os.stat(confine(root, rel)).st_size
+    return PlannedFile(path=path, key=key, nbytes=size, tensors=0, largest=0)
+
+
+def copy_source(root: Path, rel: str, out: Path, progress: Callable[[int], None] | None) -> int:
+    """Copy the source file ``rel`` to ``out`` byte for byte; returns (and reports) its size."""
+    shutil.copyfile(confine(root, rel), out)
+    n = out.stat().st_size
+    if progress is not None:
+        progress(n)
+    return n
+
+
+def model_parallel(manifest: Manifest) -> str | None:
+    """A file that shows a ZeRO checkpoint was saved by a pipeline or model-parallel run (a layer
+    file, or the model states of a model-parallel rank other than 0); None when there is none."""
+    for f in manifest.files:
+        if _LAYER.match(f.path) or ((m := _MODEL.match(f.path)) is not None and int(m["mp"]) > 0):
+            return f.path
+    return None
 
 
 class ZeroModelParallelWriter:
@@ -358,17 +374,15 @@ class ZeroModelParallelWriter:
         if ranks != list(range(len(ranks))):
             raise CorruptFileError(f"{manifest.root}: model-parallel ranks {ranks}, expected 0 to {len(ranks) - 1}")
         self.ranks = [ZeroWriter(root, manifest, dp, mp=m) for m in ranks]
-        self.root, self.dp = root, dp
+        self.root = root
         self.layers = sorted(f.path for f in manifest.files if _LAYER.match(f.path))
 
     def files(self) -> list[PlannedFile]:
         out = [replace(f, key=(m, *f.key)) for m, w in enumerate(self.ranks) for f in w.files()]
         prefix = self.ranks[0]._prefix()
-        for k, rel in enumerate(self.layers):  # copied as they are: their bytes, no tensor buffer
-            size = os.stat(confine(self.root, rel)).st_size
-            out.append(
-                PlannedFile(path=prefix + rel.rsplit("/", 1)[-1], key=(-1, k), nbytes=size, tensors=0, largest=0)
-            )
+        out += [
+            copy_plan(self.root, rel, prefix + rel.rsplit("/", 1)[-1], (-1, k)) for k, rel in enumerate(self.layers)
+        ]
         return out
 
     def finish(self, tmp: Path, results: list[Any]) -> None:
@@ -376,11 +390,7 @@ class ZeroModelParallelWriter:
 
     def write(self, m: int, k: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None) -> int:
         if m < 0:
-            shutil.copyfile(confine(self.root, self.layers[k]), out)
-            n = out.stat().st_size
-            if progress is not None:
-                progress(n)
-            return n
+            return copy_source(self.root, self.layers[k], out, progress)
         return self.ranks[m].write(k, out, reader, progress)
 
 
@@ -1213,9 +1223,8 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
                 item = self.manifest.items[name]
                 wide = 4 * math.prod(item.shape or ())
                 out.append(PlannedFile(path=path, key=(k,), nbytes=wide, tensors=1, largest=wide + (item.nbytes or 0)))
-            elif kind == "model":  # copied as it is (what write() reports): its bytes, no tensor buffer
-                size = (self.root / self.model_rel).stat().st_size
-                out.append(PlannedFile(path=path, key=(k,), nbytes=size, tensors=0, largest=0))
+            elif kind == "model":
+                out.append(copy_plan(self.root, self.model_rel, path, (k,)))
             else:
                 out.append(PlannedFile.of(path, (k,), []))
         return out
@@ -1224,8 +1233,7 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
         kind, name, g = self.jobs[k]
         archive: Callable[[str], Any] = _pt.archive_cache(reader)
         if kind == "model":  # copied byte for byte, as ds_to_universal copies it
-            shutil.copyfile(confine(self.root, self.model_rel), out)
-            return out.stat().st_size
+            return copy_source(self.root, self.model_rel, out, progress)
         if kind == "optimizer":
             osd = self.optim_obj["optimizer_state_dict"]
             sharded = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
@@ -1297,10 +1305,8 @@ class Universal3Writer(_UniversalOut, Zero3Writer):
                 path = f"{self.out_dir}/zero/optimizer_state.pt"  # copied CARRY_PART at a time
                 largest = max(map(_ptwrite.held, sizes), default=0)
                 out.append(PlannedFile(path=path, key=(k,), nbytes=sum(sizes), tensors=len(sizes), largest=largest))
-            elif kind == "model":  # copied as it is: its bytes, no tensor buffer
-                size = (self.root / name).stat().st_size
-                out.append(PlannedFile(path=f"{self.out_dir}/{name.rsplit('/', 1)[-1]}", key=(k,), nbytes=size,
-                                       tensors=0, largest=0))  # fmt: skip
+            elif kind == "model":
+                out.append(copy_plan(self.root, name, f"{self.out_dir}/{name.rsplit('/', 1)[-1]}", (k,)))
             else:
                 path = f"{self.out_dir}/zero/{name}/{kind}.pt"
                 out.append(PlannedFile.of(path, (k,), [self.manifest.items[f"{name}.{kind}"].nbytes or 0]))
@@ -1309,8 +1315,7 @@ class Universal3Writer(_UniversalOut, Zero3Writer):
     def write(self, k: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None) -> int:  # type: ignore[override]
         kind, name = self.jobs[k]
         if kind == "model":  # copied byte for byte, as ds_to_universal copies it
-            shutil.copyfile(confine(self.root, name), out)
-            return out.stat().st_size
+            return copy_source(self.root, name, out, progress)
         if kind == "optimizer":
             archive: Callable[[str], Any] = _pt.archive_cache(reader)
             osd = self.optim_obj["optimizer_state_dict"]
@@ -1335,6 +1340,8 @@ __all__ = [
     "ZeroFromUniversalWriter",
     "ZeroModelParallelWriter",
     "ZeroWriter",
+    "copy_plan",
+    "copy_source",
     "flat_tensor",
     "frozen_of",
     "group_layout",

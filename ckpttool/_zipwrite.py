@@ -163,15 +163,39 @@ class NameOrder:
         return h
 
 
-_PARALLEL = 1 << 20  # records from this size on: CRC-32 beside the write
-_CHUNK = 32 << 20  # written (and their write-back started) this much at a time
+PARALLEL = 1 << 20
+"""record data from this size on: checksums on a helper thread beside the write"""
+WRITE_CHUNK = 32 << 20
+"""record data is written (and its write-back started) this much at a time"""
 
 
-def _checksums(chunk: Any, crc: int, piece: Any) -> int:
-    """The CRC-32 of ``chunk`` continued from ``crc``; ``piece`` (an xxh3 hasher, or None) fed too."""
-    if piece is not None:
-        piece.update(chunk)
+def _checksums(chunk: Any, crc: int, feeds: list[tuple[Any, Any]]) -> int:
+    """The CRC-32 of ``chunk`` continued from ``crc``; each ``(hasher, bytes)`` of ``feeds`` fed too."""
+    for h, data in feeds:
+        h.update(data)
     return crc32(chunk, crc)
+
+
+class _Digests:
+    """The xxh3-128 digests a :class:`ckpttool.hashing.HashingFile` takes of one record's data: of
+    each ``(offset, length)`` of ``spans`` (byte ranges of the data: the parameters of a ZeRO
+    partition), or of the whole data when there are none."""
+
+    def __init__(self, size: int, spans: Any) -> None:
+        ranges = sorted((lo, n) for lo, n in spans or () if n > 0) if spans else [(0, size)]
+        self.ranges = [(lo, lo + n, xxhash.xxh3_128()) for lo, n in ranges]
+        self.next = 0  # ranges before this one end before the bytes fed so far
+
+    def feeds(self, view: Any, done: int) -> list[tuple[Any, Any]]:
+        """What of ``view``, the data's bytes from ``done`` on, goes to which hasher."""
+        out, end = [], done + len(view)
+        while self.next < len(self.ranges) and self.ranges[self.next][1] <= done:
+            self.next += 1
+        for lo, hi, h in self.ranges[self.next :]:
+            if lo >= end:
+                break
+            out.append((h, view[max(lo, done) - done : min(hi, end) - done]))
+        return out
 
 
 class ZipWriter:
@@ -217,9 +241,8 @@ class ZipWriter:
         self._put(_LOCAL.pack(0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), len(extra)) + full + extra)
         crc, written, head = 0, 0, b""
         add_span = getattr(self.fh, "add_span", None) if size else None  # a HashingFile: digests too
-        piece = xxhash.xxh3_128() if add_span is not None else None
+        digests = _Digests(size, spans) if add_span is not None else None
         data_at = self.fh.tell() if add_span is not None else 0
-        ranges = sorted((lo, lo + n, xxhash.xxh3_128()) for lo, n in spans or () if n > 0) if add_span else []
         for part in parts:
             view = part if isinstance(part, bytes) else memoryview(part).cast("B")
             if len(head) < 8:
@@ -228,26 +251,23 @@ class ZipWriter:
             written += len(view)
             if written > size:
                 break
-            for lo, hi, h in ranges:
-                if lo < written and hi > done:
-                    h.update(view[max(lo, done) - done : min(hi, written) - done])
-            if len(view) < _PARALLEL:
-                crc = crc32(view, crc)
-                if piece is not None:
-                    piece.update(view)
+            if len(view) < PARALLEL:
+                crc = _checksums(view, crc, digests.feeds(view, done) if digests else [])
                 self._put(view)
                 continue
-            for lo in range(0, len(view), _CHUNK):  # CRC-32 on a helper thread while this one writes
-                chunk = view[lo : lo + _CHUNK]
-                pending = helper("crc").submit(_checksums, chunk, crc, piece)  # (both release the GIL)
-                self._put(chunk)
-                crc = pending.result()
+            for lo in range(0, len(view), WRITE_CHUNK):  # checksums on a helper thread while this one writes
+                chunk = view[lo : lo + WRITE_CHUNK]
+                feeds = digests.feeds(chunk, done + lo) if digests else []
+                pending = helper("crc").submit(_checksums, chunk, crc, feeds)  # (all release the GIL)
+                try:
+                    self._put(chunk)
+                finally:  # not left reading a buffer its owner reuses once this returns
+                    crc = pending.result()
                 start_writeback(self.fh)
         if written != size:
             raise ValueError(f"zip record {name!r}: {written} bytes given, {size} announced")
-        if add_span is not None and piece is not None:
-            add_span(data_at, size, piece.hexdigest())
-            for lo, hi, h in ranges:
+        if add_span is not None and digests is not None:
+            for lo, hi, h in digests.ranges:
                 add_span(data_at + lo, hi - lo, h.hexdigest())
         if size:
             if big_size or big_at:
@@ -291,4 +311,4 @@ class ZipWriter:
         return self.pos
 
 
-__all__ = ["NameOrder", "ZipWriter", "hash_combine", "std_hash"]
+__all__ = ["PARALLEL", "WRITE_CHUNK", "NameOrder", "ZipWriter", "hash_combine", "std_hash"]

@@ -440,6 +440,7 @@ class WriterGate:
 
 
 _HELPERS: dict[str, Any] = {}
+_helpers_lock = threading.Lock()
 
 
 def helper(name: str) -> Any:
@@ -451,7 +452,10 @@ def helper(name: str) -> Any:
     if pool is None:
         from concurrent.futures import ThreadPoolExecutor
 
-        pool = _HELPERS[name] = ThreadPoolExecutor(1, thread_name_prefix=f"ckpttool-{name}")
+        with _helpers_lock:  # two threads asking at once get the same one
+            pool = _HELPERS.get(name)
+            if pool is None:
+                pool = _HELPERS[name] = ThreadPoolExecutor(1, thread_name_prefix=f"ckpttool-{name}")
     return pool
 
 
@@ -462,8 +466,8 @@ _writeback_state: dict[str, Any] = {}
 
 
 def _after_fork() -> None:  # a forked child has none of the parent's threads
-    global _writeback_lock
-    _writeback_lock = threading.Lock()
+    global _writeback_lock, _helpers_lock
+    _writeback_lock, _helpers_lock = threading.Lock(), threading.Lock()
     _writeback_queued.clear()
     _HELPERS.clear()
 
@@ -509,7 +513,13 @@ def start_writeback(fh: BinaryIO) -> None:
             return
         _writeback_queued.add(key)
     dup = os.dup(fd)  # its own descriptor: the caller may close the file before the job runs
-    helper("writeback").submit(_writeback, fn, dup, key)
+    try:
+        helper("writeback").submit(_writeback, fn, dup, key)
+    except BaseException:  # (no job: at interpreter shutdown) nothing left holding the descriptor
+        os.close(dup)
+        with _writeback_lock:
+            _writeback_queued.discard(key)
+        raise
 
 
 def _writeback(fn: Any, fd: int, key: tuple[int, int]) -> None:

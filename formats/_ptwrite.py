@@ -30,7 +30,7 @@ from typing import Any, BinaryIO, ClassVar
 import numpy as np
 
 from ckpttool import _torchzip, _unpickle
-from ckpttool._zipwrite import ZipWriter
+from ckpttool._zipwrite import PARALLEL, WRITE_CHUNK, ZipWriter
 from ckpttool.dtypes import carrier
 from ckpttool.hashing import open_output
 from ckpttool.io import helper
@@ -182,13 +182,14 @@ def carry(value: Any, archive_of: Callable[[], Any], _memo: dict[int, tuple[Any,
     return value
 
 
-CARRY_PART = 32 << 20
+CARRY_PART = WRITE_CHUNK
 """a carried tensor bigger than this (a ZeRO flat partition copied as it is) is copied this many bytes
-at a time, straight from the source record into the output's"""
+at a time, straight from the source record into the output's: one chunk of the zip writer's"""
 
 
-PIPELINED = 1 << 20
-"""a tensor given in parts of this size or more is filled on a helper thread a part ahead"""
+PIPELINED = PARALLEL
+"""a tensor given in parts of this size or more is filled on a helper thread a part ahead (from the
+size on which the zip writer computes checksums beside the write)"""
 
 
 def held(nbytes: int) -> int:

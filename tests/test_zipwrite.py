@@ -372,3 +372,28 @@ def test_a_big_carried_tensor_is_copied_a_part_at_a_time(tmp_path: Path) -> None
     assert isinstance(loaded["flat"], _unpickle.TensorRef)
     with pytest.raises(CorruptFileError, match="needs .* bytes of storage"):
         _ptwrite.save(_ptwrite.carry(loaded, lambda: archive), io.BytesIO())
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_span_digests_are_those_of_the_bytes(chunked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Into a HashingFile, a record's span digests (unordered, repeated, crossing the parts and the
+    helper thread's chunks) are the xxh3-128 of those bytes; without spans, the whole data's."""
+    import xxhash
+
+    import ckpttool._zipwrite as zw
+    from ckpttool.hashing import HashingFile
+
+    if chunked:  # every part through the helper thread, in 7-byte chunks
+        monkeypatch.setattr(zw, "PARALLEL", 1)
+        monkeypatch.setattr(zw, "WRITE_CHUNK", 7)
+    data = bytes(range(256)) * 4
+    spans = ((100, 50), (0, 10), (100, 50), (10, 0), (900, 124))
+    out = HashingFile(io.BytesIO())
+    zf = ZipWriter(out)
+    zf.write_record_parts("data/0", len(data), iter([data[:333], data[333:334], data[334:]]), spans)
+    at = next(lo for (lo, n) in out.spans if n == 10)  # where the data starts in the file
+    want = {(at + lo, n): xxhash.xxh3_128(data[lo : lo + n]).hexdigest() for lo, n in spans if n}
+    assert out.spans == want
+    zf.write_record("data/1", data[:40])
+    whole = {k: v for k, v in out.spans.items() if k not in want}
+    assert list(whole.values()) == [xxhash.xxh3_128(data[:40]).hexdigest()] and next(iter(whole))[1] == 40

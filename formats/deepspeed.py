@@ -71,6 +71,91 @@ _RESERVED = {
 }
 
 
+PER_RANK = "rank"
+"""a TP split rule: the copies' relation is unknown; one item per TP rank, ``<param>[tp=R]``"""
+Rule = int | str | None
+
+
+class TpRules:
+    """How the copies of a parameter on the ranks of a tensor-parallel axis make the whole tensor.
+    DeepSpeed records no split rule of its own; Megatron-DeepSpeed and AutoTP save the model's in
+    ``universal_checkpoint_info``: the regular expressions by which ``ds_to_universal`` merges TP
+    slices (research/deepspeed.md §2.2). :meth:`rule` follows them as it does: replicated patterns
+    are replicas; row-parallel ones are joined on dim 1, the rest on dim 0 (vocabulary parameters
+    keep their padding rows). Sub-parameters (fused QKV, SwiGLU halves), averaged parameters and
+    affine maps are not joined: their copies, like every copy when there is no
+    ``universal_checkpoint_info``, stay one item per TP rank (``PER_RANK``)."""
+
+    def __init__(self, raw: Any, tp: int, rel: str) -> None:
+        self.tp = tp
+        self.info: dict[str, Any] | None = raw if isinstance(raw, dict) else None
+        self.compiled: dict[str, list[re.Pattern[str]]] = {}
+        if self.info is not None:
+            try:
+                self._compile(self.info)
+            except (re.error, TypeError) as e:
+                raise CorruptFileError(
+                    f"{rel}: universal_checkpoint_info is not the lists of regular expressions "
+                    f"ds_to_universal reads ({e})",
+                    path=rel,
+                    hint="the file was damaged, or written by a tool that spells the model's split rules its own way",
+                ) from None
+
+    def _compile(self, info: dict[str, Any]) -> None:
+        def patterns(key: str, value: Any) -> list[str]:
+            if not isinstance(value, list | tuple) or not all(isinstance(p, str) for p in value):
+                raise TypeError(f"{key} holds {str(value)[:120]}, not a list of strings")
+            return list(value)
+
+        for key in (
+            "tp_replicated_parameter_patterns",
+            "parameter_with_row_parallelism_patterns",
+            "vocabulary_parameter_patterns",
+        ):
+            self.compiled[key] = [re.compile(p) for p in patterns(key, info.get(key) or [])]
+        apart = [
+            *patterns("parameter_to_average_patterns", info.get("parameter_to_average_patterns") or []),
+            *patterns("parameter_with_2_sub_params_cat_dim_0", info.get("parameter_with_2_sub_params_cat_dim_0") or []),
+        ]
+        for sub in patterns_of_dicts(info.get("parameter_with_sub_params")):
+            apart += patterns("parameter_with_sub_params.patterns", sub.get("patterns") or [])
+        affine = info.get("affine_map")
+        if isinstance(affine, dict) and isinstance(affine.get("params"), dict):
+            apart += patterns("affine_map.params", list(affine["params"]))
+        self.compiled["not joined"] = [re.compile(p) for p in apart]
+
+    def _matches(self, key: str, name: str) -> bool:
+        return any(p.match(name) for p in self.compiled.get(key, ()))
+
+    def rule(self, name: str, ndim: int, trainable: bool = True) -> Rule:
+        """None: the TP ranks' copies of ``name`` are replicas; an int: TP slices joined along that
+        dim; ``PER_RANK``: unknown. Without a TP axis every copy is a replica. A parameter no
+        pattern names is a slice on dim 0 if the optimizer trains it (ds_to_universal's default);
+        anything else (buffers, frozen weights) is joined only where a pattern says so."""
+        if self.tp <= 1:
+            return None
+        if self.info is None or self._matches("not joined", name):
+            return PER_RANK
+        if self._matches("tp_replicated_parameter_patterns", name):
+            return None
+        if self._matches("parameter_with_row_parallelism_patterns", name):
+            dim = 1
+        elif trainable or self._matches("vocabulary_parameter_patterns", name):
+            dim = 0
+        else:
+            return PER_RANK
+        return dim if dim < ndim else PER_RANK
+
+
+def patterns_of_dicts(value: Any) -> list[dict[str, Any]]:
+    """``parameter_with_sub_params``: a list of dicts (``SubparamShape`` fields), or nothing."""
+    if value is None:
+        return []
+    if not isinstance(value, list | tuple) or not all(isinstance(d, dict) for d in value):
+        raise TypeError(f"parameter_with_sub_params holds {str(value)[:120]}, not a list of dicts")
+    return list(value)
+
+
 def _tag_dir(path: Path) -> tuple[Path, Path]:
     """(save dir, tag dir) for a save directory with ``latest`` or a tag directory itself."""
     if (path / "latest").is_file():
@@ -183,7 +268,6 @@ class DeepSpeedAdapter:
                 hint="the tag directory is incomplete",
                 path=str(tag_dir),
             )
-        b = _Builder(manifest, files)
         stage = self._stage(files, optims)
         mp_size = max(len(models), len({mp for _, mp in z3_models}), 1)
         dp_size = max((dp for dp, _ in optims), default=-1) + 1 or int(first_model.get("dp_world_size") or 1)
@@ -196,14 +280,21 @@ class DeepSpeedAdapter:
         manifest.layout = Layout(
             world_size=dp_size * mp_size, dp=dp_size, tp=tp or (1 if not layers else None), pp=pp or 1, zero_stage=stage
         )
+        tp_size = int(tp or 1)
+        first_rel = models.get(0) or z3_models[min(z3_models)]
+        b = _Builder(manifest, files, TpRules(first_model.get("universal_checkpoint_info"), tp_size, first_rel))
+        if tp_size > 1:
+            how = "universal_checkpoint_info" if b.rules.info is not None else None
+            manifest.extras["tp_split"] = how or "unknown (no universal_checkpoint_info): one item per TP rank"
         # module weights
+        trainable = {n for rel in models.values() for group in (files[rel].get("param_shapes") or []) for n in group}
         if layers:
-            b.layers(layers)
+            b.layers(layers, trainable)
         for mp, rel in sorted(models.items()):
             module = files[rel].get("module")
-            if isinstance(module, dict) and mp == 0:
+            if isinstance(module, dict):
                 for name, value in module.items():
-                    b.tensor_or_object(name, value, rel, "param", rank=0, path=f"module.{name}")
+                    b.module_value(name, value, rel, mp % tp_size, name in trainable, f"module.{name}")
         if z3_models:
             rel0 = z3_models[min(z3_models)]
             module = files[rel0].get("module") or {}
@@ -220,13 +311,12 @@ class DeepSpeedAdapter:
             if stage == 3:
                 b.zero3(per_rank, shapes)
             else:
-                b.zero12(per_rank, shapes)
+                b.zero12(per_rank, shapes, mp % tp_size)
         if stage == 0 and not optims:
             opt = first_model.get("optimizer")
             if isinstance(opt, dict):
                 b.zero0(opt, models[min(models)], first_model)
         b.frozen(stage, models, z3_models, first_model)
-        trainable = {n for group in (first_model.get("param_shapes") or []) for n in group}
         module = first_model.get("module") or {}
         frozen = list((first_model.get("frozen_param_shapes") or {}).keys()) or [
             n
@@ -330,10 +420,34 @@ class DeepSpeedAdapter:
 class _Builder:
     """Adds DeepSpeed items to a manifest."""
 
-    def __init__(self, manifest: Manifest, files: dict[str, Any]) -> None:
+    def __init__(self, manifest: Manifest, files: dict[str, Any], rules: TpRules | None = None) -> None:
         self.m = manifest
         self.files = files
         self.replicas = ReplicaCounter()
+        self.rules = rules or TpRules(None, 1, "")
+
+    def tp_item(
+        self, param: str, suffix: str, kind: Kind, dtype: str, shape: tuple[int, ...], t: int, rule: Rule
+    ) -> tuple[Item, Box]:
+        """The item that TP rank ``t``'s copy (of ``shape``) of ``param`` + ``suffix`` belongs to
+        under ``rule``, and the region of it that the copy holds."""
+        if isinstance(rule, int):
+            full = tuple(n * self.rules.tp if d == rule else n for d, n in enumerate(shape))
+            offsets = tuple(t * n if d == rule else 0 for d, n in enumerate(shape))
+            return self.item(param + suffix, kind, dtype, full), Box(offsets, shape)
+        name = f"{param}[tp={t}]{suffix}" if rule == PER_RANK else param + suffix
+        return self.item(name, kind, dtype, shape), Box.whole(shape)
+
+    def module_value(self, name: str, value: Any, rel: str, t: int, trainable: bool, path: str) -> None:
+        """A module weight or buffer of TP rank ``t``, placed by the TP rule."""
+        if not isinstance(value, _unpickle.TensorRef):
+            if t == 0:
+                self.tensor_or_object(name, value, rel, "param", rank=0, path=path)
+            return
+        rule = self.rules.rule(name, len(value.shape), trainable)
+        item, box = self.tp_item(name, "", "param", value.dtype, value.shape, t, rule)
+        replica = self.replicas.next(item.name, box)
+        item.pieces.append(_pt.tensor_piece(rel, value, box=box, rank=t, replica=replica))
 
     def item(self, name: str, kind: Kind, dtype: str, shape: tuple[int, ...], param: str | None = None) -> Item:
         item = self.m.items.get(name)
@@ -369,21 +483,22 @@ class _Builder:
         dp: int,
         names: list[tuple[str, tuple[int, ...], int, int, int]],
         refs: dict[str, _unpickle.TensorRef],
+        t: int = 0,
     ) -> None:
-        """Per-parameter pieces of flat fp32/moment partitions: ``names`` holds
+        """Per-parameter pieces of flat fp32/moment partitions of TP rank ``t``: ``names`` holds
         (param, shape, start in the partition, numel, start in the flattened param)."""
         for param, shape, start, numel, local in names:
+            rule = self.rules.rule(param, len(shape))
             for state, ref in refs.items():
                 kind: Kind = "master" if state == "fp32" else "optim"
-                item = self.item(f"{param}.{state}", kind, ref.dtype, shape)
-                # a copy of a range already placed (layers that a TP axis of the topology does not
-                # slice) is a replica
-                same = self.replicas.next(item.name, (local, numel))
+                item, box = self.tp_item(param, f".{state}", kind, ref.dtype, shape, t, rule)
+                # a copy of a range already placed (a parameter replicated over a TP axis) is a replica
+                same = self.replicas.next(item.name, (box, local, numel))
                 item.pieces.append(
                     _pt.tensor_piece(
                         osd_rel,
                         ref,
-                        box=Box.whole(shape),
+                        box=box,
                         start=start,
                         numel=numel,
                         flat=(local, numel),
@@ -392,21 +507,15 @@ class _Builder:
                     )
                 )
 
-    def layers(self, layers: dict[tuple[int, int], str]) -> None:
-        """Pipeline layer files: parameters named ``<layer>.<name>`` (DeepSpeed's own spelling).
-        Copies from several ranks of a TP axis are replicas when their shapes agree; DeepSpeed
-        records no split rule, so differing shapes keep one item per rank, ``<name>[tp=R]``."""
-        by_name: dict[str, list[tuple[int, str, Any]]] = defaultdict(list)
+    def layers(self, layers: dict[tuple[int, int], str], trainable: set[str]) -> None:
+        """Pipeline layer files: parameters named ``<layer>.<name>`` (DeepSpeed's own spelling),
+        the copies of the ranks of a TP axis placed by the TP rules."""
         for (layer, tp_rank), rel in sorted(layers.items()):
             for name, value in flatten(self.files[rel]):
-                by_name[f"{layer}.{name}"].append((tp_rank, rel, value))
-        for name, copies in by_name.items():
-            shapes = {v.shape for _, _, v in copies if isinstance(v, _unpickle.TensorRef)}
-            for tp_rank, rel, value in copies:
-                key = name if len(shapes) <= 1 else f"{name}[tp={tp_rank}]"
-                self.tensor_or_object(key, value, rel, "param", rank=None, path=name.split(".", 1)[1])
+                full = f"{layer}.{name}"
+                self.module_value(full, value, rel, tp_rank, full in trainable, name)
 
-    def zero12(self, per_rank: list[tuple[int, str]], shapes: list[Any]) -> None:
+    def zero12(self, per_rank: list[tuple[int, str]], shapes: list[Any], t: int = 0) -> None:
         consumed: dict[str, int] = defaultdict(int)
         for dp, rel in per_rank:
             osd = self.files[rel].get("optimizer_state_dict")
@@ -439,7 +548,7 @@ class _Builder:
                     numel, start = int(frag.numel), int(frag.start)
                     names.append((param, shape, start, numel, consumed[param]))
                     consumed[param] += numel
-                self.flat_state(rel, dp, names, refs)
+                self.flat_state(rel, dp, names, refs, t)
                 self.group_objects(rel, dp, g, base, gstate, "optimizer_state_dict.base_optimizer_state")
 
     def zero3(self, per_rank: list[tuple[int, str]], shapes: list[Any]) -> None:

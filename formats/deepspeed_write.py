@@ -183,8 +183,7 @@ class ZeroWriter:
         for layout in self.groups:
             for name, _shape, _off in layout.params:
                 for suffix in ("fp32", "exp_avg", "exp_avg_sq"):
-                    if f"{name}.{suffix}" not in manifest.items:
-                        raise CorruptFileError(f"{name}.{suffix} is not in the source checkpoint")
+                    self._own(name, suffix)
         self.tag = self.tag_dir.rsplit("/", 1)[-1] if self.tag_dir else str(manifest.extras.get("tag") or "")
         self.source_stage: int = stage
         self.stage: int = target_stage or stage
@@ -315,24 +314,35 @@ class ZeroWriter:
         layout = self.groups[g]
         size = layout.partition - (layout.padding(r) if lean else 0)
         segments = [
-            (self._own(f"{name}.{suffix}"), shape, first, count, pos)
+            (self._own(name, suffix), shape, first, count, pos)
             for name, shape, first, count, pos in self._fragments(g, r)
         ]
         dtype = segments[0][0].dtype if segments else "float32"
         return flat_tensor(dtype, size, segments, reader)
 
-    def _own(self, name: str) -> Item:
-        """The item ``name`` as this writer's model-parallel rank holds it: its pieces in that rank's
-        optimizer files only. Copies on other ranks of a TP axis are not read in its place: the
-        manifest counts same-shaped copies as replicas, which DeepSpeed, knowing no split rule,
-        cannot tell from TP slices of the same shape."""
-        item = self.manifest.items[name]
+    def _own(self, param: str, suffix: str) -> Item:
+        """The state ``suffix`` of ``param`` as this writer's model-parallel rank holds it: its
+        pieces in that rank's optimizer files only, in the coordinates of the rank's own tensor (the
+        manifest joins the TP slices of a parameter into one item where the checkpoint says how,
+        and names each rank's copy ``<param>[tp=R]`` where it does not)."""
+        tp = self.manifest.layout.tp or 1
+        item = self.manifest.items.get(f"{param}.{suffix}") or self.manifest.items.get(
+            f"{param}[tp={self.mp % tp}].{suffix}"
+        )
+        if item is None:
+            raise CorruptFileError(f"{param}.{suffix} is not in the source checkpoint")
         if self._own_files is None:
             return item
-        pieces = [replace(p, replica=0) for p in item.pieces if p.file in self._own_files]
-        if not pieces:
-            raise CorruptFileError(f"{name} is in none of the optimizer files of model-parallel rank {self.mp}")
-        return replace(item, pieces=pieces)
+        pieces = [p for p in item.pieces if p.file in self._own_files]
+        boxes = {p.box for p in pieces}
+        if len(boxes) != 1:
+            raise CorruptFileError(
+                f"{item.name}: the optimizer files of model-parallel rank {self.mp} hold "
+                f"{'none' if not boxes else f'{len(boxes)} different regions'} of it, expected one"
+            )
+        box = boxes.pop()
+        local = Box.whole(box.sizes)
+        return replace(item, shape=box.sizes, pieces=[replace(p, replica=0, box=local) for p in pieces])
 
 
 def copy_plan(root: Path, rel: str, path: str, key: tuple[int, ...]) -> PlannedFile:

@@ -17,18 +17,22 @@ from tests._compare import same_bits
 from tests.conftest import FIXTURES, run_cli
 
 DS = FIXTURES / "deepspeed"
-ALL = ["zero0", "zero1", "zero2", "zero2_bf16", "zero3", "bf16_zero0", "bf16_optimizer", "pipeline"]
+ALL = ["zero0", "zero1", "zero2", "zero2_bf16", "zero3", "bf16_zero0", "bf16_optimizer", "pipeline", "tp2"]
 ZERO_TO_FP32 = ["zero1", "zero2", "zero2_bf16", "zero3"]
 
 
 def _ref(name: str, prefix: str) -> dict[str, torch.Tensor]:
     ref = torch.load(DS / f"{name}.reference.pt", weights_only=True)
-    return {k[len(prefix):]: v for k, v in ref.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in ref.items() if k.startswith(prefix)}
 
 
 def _export(name: str, kind: str, tmp_path) -> dict[str, torch.Tensor]:
-    out = tmp_path / f"{name}-{kind}.safetensors"
-    export(DS / name, out, kind=kind)
+    return _export_path(DS / name, kind, tmp_path)
+
+
+def _export_path(path, kind: str, tmp_path) -> dict[str, torch.Tensor]:
+    out = tmp_path / f"{path.name}-{kind}.safetensors"
+    export(path, out, kind=kind)
     return load_file(out)
 
 
@@ -44,7 +48,7 @@ def test_master_weights(name, tmp_path):
         assert extra == {"frozen.weight", "frozen.bias"}
     elif name in ZERO_TO_FP32:
         assert extra == set()
-    elif name == "pipeline":  # its layers hold no buffers
+    elif name in ("pipeline", "tp2"):  # their models hold no buffers
         assert extra == set()
     else:  # references from the live optimizer hold no buffers; the export completes them
         assert extra == {"seen_tokens"}
@@ -80,6 +84,61 @@ def test_layout_step_and_files(name):
     assert "rng" in m.missing_state()  # DeepSpeed saves no RNG state
     if name == "pipeline":
         assert (m.layout.pp, m.layout.tp, m.layout.dp, m.layout.world_size) == (2, 2, 2, 8)
+    if name == "tp2":
+        assert (m.layout.pp, m.layout.tp, m.layout.dp, m.layout.world_size) == (1, 2, 2, 4)
+
+
+def test_tensor_parallel_slices_are_joined_by_the_models_rules():
+    """tp2 (Megatron-style TP=2, saved with the model's universal_checkpoint_info): every TP slice
+    has the same shape as its partner, and the items are the whole tensors ds_to_universal makes
+    (the reference's TP slices joined, which the generator checked against ds_to_universal):
+    column-parallel and vocabulary weights joined on dim 0 (32 padded rows), row-parallel fc2 on
+    dim 1, norms and fc2's bias one tensor with a replica per TP rank. The tests above compare
+    every exported value with the reference."""
+    _, m = registry.describe(DS / "tp2")
+    assert m.extras["tp_split"] == "universal_checkpoint_info"
+    shapes = {n: m.items[n].shape for n in ("emb.weight", "blocks.0.fc1.weight", "blocks.0.fc1.bias",
+                                              "blocks.0.fc2.weight", "blocks.0.norm.weight", "head.weight.exp_avg")}  # fmt: skip
+    assert shapes == {"emb.weight": (32, 16), "blocks.0.fc1.weight": (32, 16), "blocks.0.fc1.bias": (32,),
+                      "blocks.0.fc2.weight": (16, 32), "blocks.0.norm.weight": (16,), "head.weight.exp_avg": (32, 16)}  # fmt: skip
+    fc2 = m.items["blocks.1.fc2.weight.fp32"]
+    assert sorted((p.box.offsets, p.replica) for p in fc2.pieces) == [((0, 0), 0), ((0, 16), 0)]
+    norm = m.items["blocks.1.norm.weight.exp_avg_sq"]
+    assert sorted((p.box.offsets, p.replica) for p in norm.pieces) == [((0,), 0), ((0,), 1)]
+    assert not [n for n in m.items if "[tp=" in n]
+
+
+def test_tensor_parallel_without_split_rules_keeps_each_rank(tmp_path):
+    """A TP run saved without universal_checkpoint_info (DeepSpeed records no split rule of its
+    own): nothing says whether the TP ranks' same-shaped copies are slices or replicas, so each
+    rank's copy is an item of its own, ``<param>[tp=R]``; none is compared with another, the
+    values are those of the rank's files, and --dp still round-trips."""
+    import shutil
+
+    from ckpttool.diff import diff
+    from ckpttool.reshard import Target, reshard
+    from ckpttool.verify import verify
+
+    src = tmp_path / "tp2"
+    shutil.copytree(DS / "tp2", src)
+    for t in (0, 1):
+        path = src / "global_step3" / f"mp_rank_0{t}_model_states.pt"
+        obj = torch.load(path, weights_only=False)
+        del obj["universal_checkpoint_info"]
+        torch.save(obj, path)
+        shutil.copystat(DS / "tp2" / "global_step3" / path.name, path)  # as saved before `latest`
+    _, m = registry.describe(src)
+    assert m.extras["tp_split"].startswith("unknown")
+    assert "emb.weight" not in m.items and m.items["emb.weight[tp=1]"].shape == (16, 16)
+    ref = _ref("tp2", "exp_avg.")
+    got = _export_path(src, "optim", tmp_path)
+    for t in (0, 1):
+        assert same_bits(got[f"blocks.0.fc2.weight[tp={t}].exp_avg"], ref["blocks.0.fc2.weight"].chunk(2, 1)[t])
+        assert same_bits(got[f"blocks.0.norm.weight[tp={t}].exp_avg"], ref["blocks.0.norm.weight"])
+    assert verify(src).failing() == []
+    one = tmp_path / "dp1"
+    reshard(src, one, Target(dp=1))
+    assert not diff(src, one).different
 
 
 def test_universal_checkpoint_matches_its_source(tmp_path):
@@ -101,3 +160,22 @@ def test_latest_names_a_missing_tag(tmp_path):
     r = run_cli("inspect", FIXTURES / "hostile" / "ds_latest_missing_tag", cwd=tmp_path)
     assert r.code == 3
     assert "latest names tag 'global_step999' but global_step999/ does not exist" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "rules", [{"tp_replicated_parameter_patterns": "blocks"}, {"vocabulary_parameter_patterns": ["("]}]
+)
+def test_unreadable_split_rules_are_refused(rules, tmp_path):
+    """universal_checkpoint_info that is not lists of regular expressions: exit 3 naming the file,
+    no traceback (a string would have matched each of its characters as a pattern)."""
+    import shutil
+
+    src = tmp_path / "tp2"
+    shutil.copytree(DS / "tp2", src)
+    path = src / "global_step3" / "mp_rank_00_model_states.pt"
+    obj = torch.load(path, weights_only=False)
+    obj["universal_checkpoint_info"] = rules
+    torch.save(obj, path)
+    r = run_cli("ls", src, cwd=tmp_path)
+    assert r.code == 3 and "Traceback" not in r.stderr
+    assert "mp_rank_00_model_states.pt: universal_checkpoint_info is not the lists of regular expressions" in r.stderr

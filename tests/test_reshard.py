@@ -558,13 +558,14 @@ def test_dcp_load_reads_the_new_world_size(tmp_path):
     assert dcp_load_mismatches(out, FIXTURES / "dcp" / "fsdp2", 2, tmp_path) == []
 
 
-@pytest.mark.parametrize("variant", ["zero2", "zero2_bf16", "zero1", "zero3", "zero3_bf16", "pipeline"])
+@pytest.mark.parametrize("variant", ["zero2", "zero2_bf16", "zero1", "zero3", "zero3_bf16", "pipeline", "tp2"])
 def test_deepspeed_round_trip_is_exact(variant, tmp_path):
     """ZeRO DP=2 -> DP=1 -> DP=2 gives the original files' trees: flat fp32 partitions (padding
     stripped as DeepSpeed strips it), Adam moments, fragment mappings, paddings, module, config;
     ZeRO-3: per-parameter partitions in sub-groups laid out again, frozen fragments, the
     tied-weight map on rank 0 only; a pipeline run (PP=2 x TP=2, ZeRO-1): each model-parallel
-    rank's layout, and its layer files as they were."""
+    rank's layout, and its layer files as they were; a TP=2 run (ZeRO-2): each TP rank's
+    partitions made of its own slices of the joined items."""
     from ckpttool.formats.deepspeed import ALLOWLIST as DS
 
     src = FIXTURES / "deepspeed" / variant
@@ -587,10 +588,10 @@ def test_deepspeed_round_trip_is_exact(variant, tmp_path):
 
 
 def test_deepspeed_model_parallel_ranks_keep_their_own_values(tmp_path):
-    """Each model-parallel rank's partitions are made from that rank's files: the manifest counts
-    same-shaped copies on the ranks of a TP axis as replicas, but TP slices can share a shape and
-    differ. A value changed in MP rank 1's files (the fixture's TP copies are equal) is found in
-    rank 1's output only; the stage and universal targets are refused, naming the file."""
+    """Each model-parallel rank's partitions are made from that rank's files, never from a replica
+    on another rank: the fixture's model declares its TP copies replicas, and a value changed in
+    MP rank 1's files (so no longer equal) is found in rank 1's output only; the stage and
+    universal targets are refused, naming the file."""
     torch = pytest.importorskip("torch")
     src = tmp_path / "src"
     shutil.copytree(FIXTURES / "deepspeed" / "pipeline", src)
@@ -1198,22 +1199,24 @@ def test_deepspeed_zero3_bf16_to_zero2_module_is_the_run_s(tmp_path):
     assert verify(out).failing() == []
 
 
-def _pipe_oracle(ckpt: Path, dp: int, result: Path) -> dict[tuple[int, int], Any]:
-    """fixtures/_ds_pipe_oracle_worker.py under torchrun at ``dp`` DP ranks (4 x ``dp`` processes):
-    each (stage, model rank)'s state after DeepSpeed's PipelineEngine loaded ``ckpt``, and after
-    one more step."""
+def _pipe_oracle(ckpt: Path, dp: int, result: Path, variant: str = "pipeline") -> dict[tuple[int, ...], Any]:
+    """fixtures/_ds_pipe_oracle_worker.py under torchrun at ``dp`` DP ranks (4 x ``dp`` processes
+    for the pipeline, 2 x ``dp`` for tp2): each (stage, model rank, DP rank)'s state after
+    DeepSpeed's engine loaded ``ckpt``, and after one more step."""
     import torch
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0", "OMP_NUM_THREADS": "1"}
+    n = (4 if variant == "pipeline" else 2) * dp
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(4 * dp),
-         str(FIXTURES / "_ds_pipe_oracle_worker.py"), "--ckpt", str(ckpt), "--dp", str(dp), "--result", str(result)],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+         str(FIXTURES / "_ds_pipe_oracle_worker.py"), "--ckpt", str(ckpt), "--dp", str(dp), "--result", str(result),
+         "--variant", variant],
         capture_output=True, text=True, timeout=600, env=env, cwd=FIXTURES,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     ranks = torch.load(result, weights_only=False)["ranks"]
-    assert len(ranks) == 4 * dp and all(r["failed"] is None for r in ranks)
-    return {(r["coord"][0], r["coord"][1]): r for r in ranks if r["coord"][2] == 0}
+    assert len(ranks) == n and all(r["failed"] is None for r in ranks)
+    return {tuple(r["coord"]): r for r in ranks}
 
 
 @pytest.mark.slow
@@ -1229,8 +1232,9 @@ def test_deepspeed_pipeline_engine_resumes_at_dp1(tmp_path):
 
     out = tmp_path / "dp1"
     reshard(FIXTURES / "deepspeed" / "pipeline", out, Target(dp=1))
-    ours = _pipe_oracle(out, 1, tmp_path / "dp1.pt")
-    control = _pipe_oracle(FIXTURES / "deepspeed" / "pipeline", 2, tmp_path / "dp2.pt")
+    ours = {k[:2]: r for k, r in _pipe_oracle(out, 1, tmp_path / "dp1.pt").items()}
+    control = {k[:2]: r for k, r in _pipe_oracle(FIXTURES / "deepspeed" / "pipeline", 2, tmp_path / "dp2.pt").items()
+               if k[2] == 0}  # fmt: skip
     ref = torch.load(FIXTURES / "deepspeed" / "pipeline.reference.pt", weights_only=False)
     assert sorted(ours) == sorted(control) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     checked = 0
@@ -1249,6 +1253,47 @@ def test_deepspeed_pipeline_engine_resumes_at_dp1(tmp_path):
         assert all(torch.equal(v, theirs["module"][k]) for k, v in mine["module"].items()), key
         assert mine["loss"] == theirs["loss"], key
     assert checked == 3 * 2 * 23  # every parameter of both stages, on both model ranks
+
+
+def _tp_slice(whole: Any, part: Any, t: int) -> Any:
+    """TP rank ``t``'s slice of ``whole`` if ``part`` is one (the dim where their shapes differ), or
+    ``whole`` itself (a replica)."""
+    dims = [d for d, (a, b) in enumerate(zip(whole.shape, part.shape, strict=True)) if a != b]
+    return whole if not dims else whole.chunk(whole.shape[dims[0]] // part.shape[dims[0]], dims[0])[t]
+
+
+@pytest.mark.slow
+def test_deepspeed_tensor_parallel_engine_resumes_at_dp1(tmp_path):
+    """Oracle: the tp2 fixture (a Megatron-style TP=2 model, ZeRO-2, DP=2, with its
+    universal_checkpoint_info) resharded to --dp 1 is loaded by DeepSpeed's engine at TP=2 x DP=1:
+    on both TP ranks the fp32 masters, both moments and the module equal the fixture's reference
+    (its TP slices) and what the same engine at DP=2 loads from the fixture itself, bit for bit;
+    the step-4 losses of both micro-batches equal those of the DP=2 run's two ranks, bit for bit;
+    the state after the step agrees to float reassociation."""
+    pytest.importorskip("deepspeed", reason="needs deepspeed (an oracle, not a dependency)")
+    import torch
+
+    out = tmp_path / "dp1"
+    reshard(FIXTURES / "deepspeed" / "tp2", out, Target(dp=1))
+    ours = _pipe_oracle(out, 1, tmp_path / "dp1.pt", "tp2")
+    control = _pipe_oracle(FIXTURES / "deepspeed" / "tp2", 2, tmp_path / "dp2.pt", "tp2")
+    ref = torch.load(FIXTURES / "deepspeed" / "tp2.reference.pt", weights_only=False)
+    assert sorted(ours) == [(0, 0, 0), (0, 1, 0)] and len(control) == 4
+    checked = 0
+    for (_, t, _), mine in ours.items():
+        theirs = control[(0, t, 0)]
+        assert mine["counters"] == theirs["counters"] == (3, 24)
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            assert sorted(mine["loaded"][state]) == sorted(theirs["loaded"][state])
+            for name, value in mine["loaded"][state].items():
+                assert torch.equal(value, theirs["loaded"][state][name]), (t, state, name)
+                assert torch.equal(value, _tp_slice(ref[f"{state}.{name}"], value, t)), (t, state, name)
+                checked += 1
+            for name, value in mine["after"][state].items():
+                assert torch.allclose(value, theirs["after"][state][name], rtol=1e-6, atol=1e-7), (t, state, name)
+        assert all(torch.equal(v, theirs["module"][k]) for k, v in mine["module"].items()), t
+        assert mine["loss"] == [control[(0, t, d)]["loss"][0] for d in (0, 1)], t
+    assert checked == 2 * 3 * 14
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ CLEAN = [
             "bf16_zero0",
             "bf16_optimizer",
             "pipeline",
+            "tp2",
             "universal",
         )
     ),
@@ -164,6 +165,26 @@ def test_replicated_norm_altered_on_one_tp_rank(tmp_path):
     report = verify(path)
     found = [f for f in report.findings if f.rule == "replica-mismatch"]
     assert found and found[0].item == norm.name
+
+
+@pytest.mark.parametrize(
+    ("name", "finds"),
+    [("blocks.0.norm.weight", True), ("blocks.0.fc2.bias.exp_avg", True), ("blocks.0.fc1.weight", False)],
+)
+def test_deepspeed_tensor_parallel_copies(name, finds, tmp_path):
+    """A real TP=2 DeepSpeed run (the tp2 fixture, with the model's universal_checkpoint_info): a
+    replicated norm or a replicated bias's moment altered on TP rank 1 is a replica-mismatch; a
+    column-parallel weight's rank-1 slice, same shape as rank 0's, is its own region and is not
+    compared (before the TP rules it was, and every TP slice was a false replica-mismatch)."""
+    path = _copy("deepspeed/tp2", tmp_path)
+    _, m = registry.describe(path)
+    item = m.items[name]
+    index = next(i for i, p in enumerate(item.pieces) if "mp_rank_01" in p.file)
+    assert (item.pieces[index].replica == 1) is finds
+    file, off, n = _raw(path, name, index)
+    _patch(file, off, b"\x00\x40")  # the first float32 becomes about 2.0
+    found = [f for f in verify(path).findings if f.rule == "replica-mismatch"]
+    assert [f.item for f in found] == ([name] if finds else [])
 
 
 @pytest.mark.parametrize(

@@ -127,6 +127,22 @@ class TpRules:
     def _matches(self, key: str, name: str) -> bool:
         return any(p.match(name) for p in self.compiled.get(key, ()))
 
+    def kind(self, name: str) -> str:
+        """``name``'s category in the patterns: "apart" (averaged, sub-parameters, affine map: not
+        joined here), "replicated", "row" (joined on dim 1), "named" (a vocabulary parameter) or
+        "default" (no pattern names it)."""
+        if self._matches("not joined", name):
+            return "apart"
+        if self._matches("tp_replicated_parameter_patterns", name):
+            return "replicated"
+        if self._matches("parameter_with_row_parallelism_patterns", name):
+            return "row"
+        return "named" if self.vocab(name) else "default"
+
+    def vocab(self, name: str) -> bool:
+        """Whether ``name`` is a vocabulary parameter (ds_to_universal cuts its padding rows)."""
+        return self._matches("vocabulary_parameter_patterns", name)
+
     def rule(self, name: str, ndim: int, trainable: bool = True) -> Rule:
         """None: the TP ranks' copies of ``name`` are replicas; an int: TP slices joined along that
         dim; ``PER_RANK``: unknown. Without a TP axis every copy is a replica. A parameter no
@@ -134,16 +150,14 @@ class TpRules:
         anything else (buffers, frozen weights) is joined only where a pattern says so."""
         if self.tp <= 1:
             return None
-        if self.info is None or self._matches("not joined", name):
+        if self.info is None:
             return PER_RANK
-        if self._matches("tp_replicated_parameter_patterns", name):
+        kind = self.kind(name)
+        if kind == "apart" or (kind == "default" and not trainable):
+            return PER_RANK
+        if kind == "replicated":
             return None
-        if self._matches("parameter_with_row_parallelism_patterns", name):
-            dim = 1
-        elif trainable or self._matches("vocabulary_parameter_patterns", name):
-            dim = 0
-        else:
-            return PER_RANK
+        dim = 1 if kind == "row" else 0
         return dim if dim < ndim else PER_RANK
 
 
@@ -357,16 +371,26 @@ class DeepSpeedAdapter:
                 archive, obj, _ = _pt.load(path, rel, ALLOWLIST)
                 archive.close()
                 files[rel] = obj
-        b = _Builder(manifest, files)
         z3 = {(int(m[1]), int(m[2])): r for r in files if (m := _Z3_MODEL.match(r))}  # copied from ZeRO-3
-        model_rel = next((r for r in sorted(files) if _MODEL.match(r)), None) or (z3[min(z3)] if z3 else None)
+        models = {int(m[1]): r for r in files if (m := _MODEL.match(r))}
+        model_rel = models.get(min(models)) if models else (z3[min(z3)] if z3 else None)
         first = files[model_rel] if model_rel else {}
         shapes = {n: tuple(s) for group in (first.get("param_shapes") or []) for n, s in group.items()}
-        if model_rel and isinstance(first.get("module"), dict):
+        # a TP run's universal checkpoint keeps every TP rank's model states: its module is joined
+        # by the same rules as the source's
+        tp = len(models) if not z3 else 1
+        b = _Builder(manifest, files, TpRules(first.get("universal_checkpoint_info"), tp, model_rel or ""))
+        if z3 and model_rel and isinstance(first.get("module"), dict):
             buffers = set(first.get("buffer_names") or [])
             for name, value in first["module"].items():
-                if not z3 or name in buffers:  # ZeRO-3 modules hold empty placeholders for the parameters
+                if name in buffers:  # ZeRO-3 modules hold empty placeholders for the parameters
                     b.tensor_or_object(name, value, model_rel, "param", rank=0, path=f"module.{name}")
+        for mp, rel in sorted(models.items()):
+            module = files[rel].get("module")
+            if isinstance(module, dict):
+                for name, value in module.items():
+                    b.module_value(name, value, rel, mp % tp, name in shapes, f"module.{name}")
+        cut = []
         for rel in sorted(files):
             parts = rel.split("/")
             if len(parts) != 3 or parts[0] != "zero":
@@ -378,7 +402,10 @@ class DeepSpeedAdapter:
                 continue
             name = f"{param}.{state}"
             kind: Kind = "master" if state == "fp32" else "optim"
-            shape = shapes.get(param, ref.shape) if state != "step" else ref.shape
+            # ZeRO-1/2 files hold the whole tensor; ZeRO-3's are flat, shaped by param_shapes
+            shape = shapes.get(param, ref.shape) if state != "step" and not isinstance(obj, dict) else ref.shape
+            if isinstance(obj, dict) and obj.get("vocab_tensor") is True and state == "fp32":
+                cut.append(param)
             item = b.item(name, kind, ref.dtype, shape)
             if ref.shape == shape:
                 item.pieces.append(_pt.tensor_piece(rel, ref))
@@ -387,6 +414,8 @@ class DeepSpeedAdapter:
                 item.pieces.append(
                     _pt.tensor_piece(rel, ref, box=Box.whole(shape), start=0, numel=numel, flat=(0, numel))
                 )
+        if cut:
+            manifest.extras["vocab_cut"] = cut
         if z3:  # the frozen parameters' fragments are in every rank's model states, as in the source
             b.frozen(3, {}, z3, first)
             b.universal3_groups("zero/optimizer_state.pt")

@@ -36,7 +36,7 @@ from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.formats import _pt, _ptwrite
 from ckpttool.formats.base import PieceReader, PlannedFile
-from ckpttool.formats.deepspeed import ALLOWLIST
+from ckpttool.formats.deepspeed import ALLOWLIST, TpRules
 from ckpttool.geometry import Box, flat_range_boxes
 from ckpttool.io import confine
 from ckpttool.manifest import Item, Manifest
@@ -1176,22 +1176,70 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
       frozen, buffers), from the model states;
     - ``zero/optimizer_state.pt``: the rank-0 optimizer state without its sharded parts, with the
       base optimizer's param groups;
-    - ``mp_rank_00_model_states.pt``, copied as it is.
+    - every ``mp_rank_XX_model_states.pt``, copied as it is.
 
-    A source whose ``universal_checkpoint_info`` names parameter patterns (Megatron-DeepSpeed's TP
-    rules) is refused: those change what ds_to_universal writes."""
+    A tensor-parallel run (no pipeline) is written from the whole tensors the manifest joins by the
+    model's ``universal_checkpoint_info`` patterns, as ds_to_universal merges them: replicated
+    parameters as ``{"param": t}``, row-parallel ones with ``"cat_dim": 1``, vocabulary parameters
+    cut to ``original_vocab_size`` rows with ``"vocab_tensor": True``. The patterns mark the
+    parameters at TP=1 too. Averaged parameters and sub-parameters (fused QKV, SwiGLU halves) are
+    refused, as is a TP run saved without the patterns."""
 
     _STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
+    _KNOWN = frozenset(
+        {
+            "universal_checkpoint_version",
+            "tp_replicated_parameter_patterns",
+            "parameter_to_average_patterns",
+            "parameter_with_row_parallelism_patterns",
+            "vocabulary_parameter_patterns",
+            "parameter_with_2_sub_params_cat_dim_0",
+            "parameter_with_sub_params",
+            "original_vocab_size",
+            "padded_vocab_size",
+        }
+    )
+    """universal_checkpoint_info keys whose meaning this writer follows (or refuses by parameter)"""
+
     def __init__(self, root: Path, manifest: Manifest) -> None:
-        super().__init__(root, manifest, manifest.layout.dp or 1)
+        tp = manifest.layout.tp or 1
+        layered = any(_LAYER.match(f.path) for f in manifest.files)
+        # a TP run: rank 0's files give the layout, the optimizer's common state and the steps
+        super().__init__(root, manifest, manifest.layout.dp or 1, mp=0 if tp > 1 and not layered else None)
         info = self.model_obj.get("universal_checkpoint_info") if isinstance(self.model_obj, dict) else None
-        if isinstance(info, dict) and any(k != "universal_checkpoint_version" for k in info):
+        self.rules = TpRules(info, tp, self.model_rel)
+        hint = "run DeepSpeed's ds_to_universal on this checkpoint"
+        if tp > 1 and self.rules.info is None:
             raise UsageError(
-                f"{self.model_rel}: universal_checkpoint_info names parameter patterns ({', '.join(sorted(info))}); "
-                "writing a universal checkpoint with those rules is not supported yet",
-                hint="run DeepSpeed's ds_to_universal on this checkpoint",
+                f"{self.model_rel}: a TP={tp} run saved without universal_checkpoint_info: nothing says how "
+                "its TP slices join into whole tensors",
+                hint="Megatron-DeepSpeed and AutoTP save it; a checkpoint of another client cannot be made universal",
             )
+        unknown = sorted(set(self.rules.info or {}) - self._KNOWN)
+        if unknown:
+            raise UsageError(
+                f"{self.model_rel}: universal_checkpoint_info holds {', '.join(unknown)}; writing a universal "
+                "checkpoint with those is not supported yet",
+                hint=hint,
+            )
+        names = [name for layout in self.groups for name, _shape, _off in layout.params]
+        apart = [n for n in names if self.rules.kind(n) == "apart"]
+        if apart:
+            raise UsageError(
+                f"{self.model_rel}: universal_checkpoint_info averages or splits into sub-parameters "
+                f"{', '.join(apart[:3])}{' …' if len(apart) > 3 else ''}; writing those is not supported yet",
+                hint=hint,
+            )
+        rows = (self.rules.info or {}).get("original_vocab_size")
+        if any(self.rules.vocab(n) for n in names) and not (isinstance(rows, int) and rows > 0):
+            raise CorruptFileError(
+                f"{self.model_rel}: universal_checkpoint_info names vocabulary parameters but its "
+                f"original_vocab_size is {rows!r}",
+                path=self.model_rel,
+            )
+        self.vocab_rows: int = rows if isinstance(rows, int) else 0
+        self.model_rels = sorted(f.path for f in manifest.files if _MODEL.match(f.path))
         self._name_dir(self.tag, manifest)
         base = self.optim_obj["optimizer_state_dict"].get("base_optimizer_state") or {}
         self.steps = {g: s.get("step") for g, s in (base.get("state") or {}).items() if isinstance(s, dict)}
@@ -1208,7 +1256,15 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
                 )
         groups = self.optim_obj["optimizer_state_dict"].get("single_partition_of_fp32_groups") or []
         self.fp32_requires_grad = any(getattr(t, "requires_grad", False) for t in groups)
-        self.jobs: list[tuple[str, str, int]] = [("model", "", -1), ("optimizer", "", -1)]
+        missing = [n for n in self.fallback if n not in manifest.items]
+        if missing:
+            raise UsageError(
+                f"{self.model_rel}: no split rule joins the TP ranks' copies of {', '.join(missing[:3])}, which "
+                "the optimizer does not hold; writing them is not supported yet",
+                hint=hint,
+            )
+        self.jobs: list[tuple[str, str, int]] = [("model", rel, -1) for rel in self.model_rels]
+        self.jobs.append(("optimizer", "", -1))
         for g, layout in enumerate(self.groups):
             for name, _shape, _off in layout.params:
                 self.jobs += [(state, name, g) for state in self._STATES]
@@ -1218,7 +1274,7 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
 
     def _path(self, kind: str, name: str) -> str:
         if kind == "model":
-            return f"{self.out_dir}/mp_rank_00_model_states.pt"
+            return f"{self.out_dir}/{name.rsplit('/', 1)[-1]}"
         if kind == "optimizer":
             return f"{self.out_dir}/zero/optimizer_state.pt"
         return f"{self.out_dir}/zero/{name}/{'fp32' if kind == 'module' else kind}.pt"
@@ -1234,7 +1290,7 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
                 wide = 4 * math.prod(item.shape or ())
                 out.append(PlannedFile(path=path, key=(k,), nbytes=wide, tensors=1, largest=wide + (item.nbytes or 0)))
             elif kind == "model":
-                out.append(copy_plan(self.root, self.model_rel, path, (k,)))
+                out.append(copy_plan(self.root, name, path, (k,)))
             else:
                 out.append(PlannedFile.of(path, (k,), []))
         return out
@@ -1243,7 +1299,7 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
         kind, name, g = self.jobs[k]
         archive: Callable[[str], Any] = _pt.archive_cache(reader)
         if kind == "model":  # copied byte for byte, as ds_to_universal copies it
-            return copy_source(self.root, self.model_rel, out, progress)
+            return copy_source(self.root, name, out, progress)
         if kind == "optimizer":
             osd = self.optim_obj["optimizer_state_dict"]
             sharded = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
@@ -1257,8 +1313,15 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
         item = self.manifest.items[f"{name}.{kind}"]
         # the fp32 partition is a leaf that requires grad, and ds_to_universal's slices of it keep that
         grad = kind == "fp32" and self.fp32_requires_grad
-        tensor = _ptwrite.assembled(reader, item, requires_grad=grad)
-        return self._save({"cat_dim": 0, "param": tensor}, out, progress)
+        category = self.rules.kind(name)
+        head: dict[str, Any] = {} if category == "replicated" else {"cat_dim": 1 if category == "row" else 0}
+        box = None
+        if self.rules.vocab(name):  # its padding rows cut, as ds_to_universal cuts them
+            dims: tuple[int, ...] = tuple(item.shape or ())
+            box = Box((0,) * len(dims), (min(self.vocab_rows, dims[0]), *dims[1:]))
+            head["vocab_tensor"] = True
+        head["param"] = _ptwrite.assembled(reader, item, box, requires_grad=grad)
+        return self._save(head, out, progress)
 
     @staticmethod
     def _as_float32(item: Any, reader: PieceReader) -> _ptwrite.OutTensor:

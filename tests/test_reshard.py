@@ -1343,6 +1343,81 @@ def test_deepspeed_zero2_engine_resumes_the_zero3_run(variant):
         assert "state after step 4 vs control: BIT-IDENTICAL" in report
 
 
+def test_deepspeed_universal_of_a_tensor_parallel_run(tmp_path):
+    """--to deepspeed-universal of the tp2 fixture (TP=2 x DP=2, with the model's
+    universal_checkpoint_info): one folder per parameter with the whole tensor, as ds_to_universal
+    merges it: column-parallel slices joined on dim 0 (``cat_dim`` 0), row-parallel fc2 on dim 1,
+    replicated norms and fc2's bias once with no ``cat_dim``, vocabulary parameters cut to 31 rows
+    with ``vocab_tensor``; both TP ranks' model states copied as they are. Without the patterns
+    the run is refused before anything is written."""
+    import torch
+
+    out = tmp_path / "uni"
+    reshard(FIXTURES / "deepspeed" / "tp2", out, Target(to="deepspeed-universal"))
+    root = out / "global_step3_universal"
+    ref = torch.load(FIXTURES / "deepspeed" / "tp2.reference.pt", weights_only=True)
+    heads = {}
+    for state in ("fp32", "exp_avg", "exp_avg_sq"):
+        for name in [k[len("fp32.") :] for k in ref if k.startswith("fp32.")]:
+            got = torch.load(root / "zero" / name / f"{state}.pt", weights_only=True)
+            want = ref[f"{state}.{name}"]
+            want = want[:31] if name.split(".")[0] in ("emb", "head") else want
+            assert torch.equal(got.pop("param"), want), (state, name)
+            heads[name] = got
+    assert heads["blocks.0.fc1.weight"] == heads["blocks.1.fc1.bias"] == {"cat_dim": 0}
+    assert heads["blocks.0.fc2.weight"] == {"cat_dim": 1}
+    assert heads["blocks.0.norm.weight"] == heads["blocks.1.fc2.bias"] == {}
+    assert heads["emb.weight"] == heads["head.weight"] == {"cat_dim": 0, "vocab_tensor": True}
+    for t in (0, 1):
+        rel = f"mp_rank_0{t}_model_states.pt"
+        assert (root / rel).read_bytes() == (FIXTURES / "deepspeed" / "tp2" / "global_step3" / rel).read_bytes()
+    report = verify(out)
+    assert report.failing() == [] and report.seal is not None
+    _, m = registry.describe(out)
+    assert m.items["emb.weight"].shape == (32, 16) and m.items["emb.weight.fp32"].shape == (31, 16)
+
+    src = tmp_path / "bare"
+    shutil.copytree(FIXTURES / "deepspeed" / "tp2", src)
+    for t in (0, 1):
+        path = src / "global_step3" / f"mp_rank_0{t}_model_states.pt"
+        obj = torch.load(path, weights_only=False)
+        del obj["universal_checkpoint_info"]
+        torch.save(obj, path)
+        shutil.copystat(FIXTURES / "deepspeed" / "tp2" / "global_step3" / path.name, path)
+    with pytest.raises(UsageError, match="a TP=2 run saved without universal_checkpoint_info"):
+        reshard(src, tmp_path / "x", Target(to="deepspeed-universal"))
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+def test_deepspeed_universal_of_a_tensor_parallel_run_is_ds_to_universals(tmp_path):
+    """Oracle: DeepSpeed's ds_to_universal of the tp2 fixture and ckpttool's --to
+    deepspeed-universal give the same files, byte for byte, but the six of the two vocabulary
+    parameters; those hold the same tensors (ds_to_universal pickles its 31-row slice with the
+    32-row storage under it)."""
+    pytest.importorskip("deepspeed", reason="needs deepspeed (an oracle, not a dependency)")
+    from ckpttool.formats.deepspeed import ALLOWLIST as DS
+
+    theirs = tmp_path / "theirs"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+         str(FIXTURES / "deepspeed" / "tp2" / "global_step3"), "--output_folder", str(theirs),
+         "--num_extract_workers", "1", "--num_merge_workers", "1"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    out = tmp_path / "ours"
+    reshard(FIXTURES / "deepspeed" / "tp2", out, Target(to="deepspeed-universal"))
+    ours = out / "global_step3_universal"
+    names = sorted(str(p.relative_to(theirs)) for p in theirs.rglob("*") if p.is_file())
+    assert names == sorted(str(p.relative_to(ours)) for p in ours.rglob("*") if p.is_file())
+    differ = [n for n in names if (ours / n).read_bytes() != (theirs / n).read_bytes()]
+    assert differ == sorted(f"zero/{p}.weight/{s}.pt" for p in ("emb", "head") for s in ("exp_avg", "exp_avg_sq", "fp32"))
+    for n in differ:
+        assert _tree(ours / n, DS) == _tree(theirs / n, DS), n
+
+
 def test_deepspeed_universal_refusals(tmp_path):
     with pytest.raises(UsageError, match="no parallel layout"):
         reshard(FIXTURES / "deepspeed" / "zero2", tmp_path / "a", Target(to="deepspeed-universal", dp=2))

@@ -97,10 +97,15 @@ def test_tensor_parallel_slices_are_joined_by_the_models_rules():
     every exported value with the reference."""
     _, m = registry.describe(DS / "tp2")
     assert m.extras["tp_split"] == "universal_checkpoint_info"
-    shapes = {n: m.items[n].shape for n in ("emb.weight", "blocks.0.fc1.weight", "blocks.0.fc1.bias",
-                                              "blocks.0.fc2.weight", "blocks.0.norm.weight", "head.weight.exp_avg")}  # fmt: skip
-    assert shapes == {"emb.weight": (32, 16), "blocks.0.fc1.weight": (32, 16), "blocks.0.fc1.bias": (32,),
-                      "blocks.0.fc2.weight": (16, 32), "blocks.0.norm.weight": (16,), "head.weight.exp_avg": (32, 16)}  # fmt: skip
+    want = {
+        "emb.weight": (32, 16),
+        "blocks.0.fc1.weight": (32, 16),
+        "blocks.0.fc1.bias": (32,),
+        "blocks.0.fc2.weight": (16, 32),
+        "blocks.0.norm.weight": (16,),
+        "head.weight.exp_avg": (32, 16),
+    }
+    assert {n: m.items[n].shape for n in want} == want
     fc2 = m.items["blocks.1.fc2.weight.fp32"]
     assert sorted((p.box.offsets, p.replica) for p in fc2.pieces) == [((0, 0), 0), ((0, 16), 0)]
     norm = m.items["blocks.1.norm.weight.exp_avg_sq"]

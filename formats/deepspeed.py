@@ -117,7 +117,7 @@ class TpRules:
             *patterns("parameter_to_average_patterns", info.get("parameter_to_average_patterns") or []),
             *patterns("parameter_with_2_sub_params_cat_dim_0", info.get("parameter_with_2_sub_params_cat_dim_0") or []),
         ]
-        for sub in patterns_of_dicts(info.get("parameter_with_sub_params")):
+        for sub in _sub_param_dicts(info.get("parameter_with_sub_params")):
             apart += patterns("parameter_with_sub_params.patterns", sub.get("patterns") or [])
         affine = info.get("affine_map")
         if isinstance(affine, dict) and isinstance(affine.get("params"), dict):
@@ -129,15 +129,15 @@ class TpRules:
 
     def kind(self, name: str) -> str:
         """``name``'s category in the patterns: "apart" (averaged, sub-parameters, affine map: not
-        joined here), "replicated", "row" (joined on dim 1), "named" (a vocabulary parameter) or
-        "default" (no pattern names it)."""
+        joined here), "replicated", "row" (joined on dim 1), "vocab" (a vocabulary parameter,
+        joined on dim 0) or "default" (no pattern names it)."""
         if self._matches("not joined", name):
             return "apart"
         if self._matches("tp_replicated_parameter_patterns", name):
             return "replicated"
         if self._matches("parameter_with_row_parallelism_patterns", name):
             return "row"
-        return "named" if self.vocab(name) else "default"
+        return "vocab" if self.vocab(name) else "default"
 
     def vocab(self, name: str) -> bool:
         """Whether ``name`` is a vocabulary parameter (ds_to_universal cuts its padding rows)."""
@@ -161,7 +161,15 @@ class TpRules:
         return dim if dim < ndim else PER_RANK
 
 
-def patterns_of_dicts(value: Any) -> list[dict[str, Any]]:
+def _degree(model_states: Any, key: str) -> int | None:
+    """``checkpoint_parallel_dimensions[key]`` (``tp_degree``, ``pp_degree``) of a model-states
+    file, when it is a positive int."""
+    dims = model_states.get("checkpoint_parallel_dimensions") if isinstance(model_states, dict) else None
+    value = dims.get(key) if isinstance(dims, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _sub_param_dicts(value: Any) -> list[dict[str, Any]]:
     """``parameter_with_sub_params``: a list of dicts (``SubparamShape`` fields), or nothing."""
     if value is None:
         return []
@@ -285,9 +293,8 @@ class DeepSpeedAdapter:
         stage = self._stage(files, optims)
         mp_size = max(len(models), len({mp for _, mp in z3_models}), 1)
         dp_size = max((dp for dp, _ in optims), default=-1) + 1 or int(first_model.get("dp_world_size") or 1)
-        dims = first_model.get("checkpoint_parallel_dimensions") or {}
-        tp = dims.get("tp_degree") if isinstance(dims, dict) else None
-        pp = dims.get("pp_degree") if isinstance(dims, dict) else None
+        tp = _degree(first_model, "tp_degree")
+        pp = _degree(first_model, "pp_degree")
         if layers:
             tp = tp or max(t for _, t in layers) + 1
             pp = pp or mp_size // tp
@@ -298,8 +305,11 @@ class DeepSpeedAdapter:
         first_rel = models.get(0) or z3_models[min(z3_models)]
         b = _Builder(manifest, files, TpRules(first_model.get("universal_checkpoint_info"), tp_size, first_rel))
         if tp_size > 1:
-            how = "universal_checkpoint_info" if b.rules.info is not None else None
-            manifest.extras["tp_split"] = how or "unknown (no universal_checkpoint_info): one item per TP rank"
+            manifest.extras["tp_split"] = (
+                "universal_checkpoint_info"
+                if b.rules.info is not None
+                else "unknown (no universal_checkpoint_info): one item per TP rank"
+            )
         # module weights
         trainable = {n for rel in models.values() for group in (files[rel].get("param_shapes") or []) for n in group}
         if layers:
@@ -378,7 +388,7 @@ class DeepSpeedAdapter:
         shapes = {n: tuple(s) for group in (first.get("param_shapes") or []) for n, s in group.items()}
         # a TP run's universal checkpoint keeps every TP rank's model states: its module is joined
         # by the same rules as the source's
-        tp = len(models) if not z3 else 1
+        tp = _degree(first, "tp_degree") or (len(models) if not z3 else 1)
         b = _Builder(manifest, files, TpRules(first.get("universal_checkpoint_info"), tp, model_rel or ""))
         if z3 and model_rel and isinstance(first.get("module"), dict):
             buffers = set(first.get("buffer_names") or [])

@@ -148,7 +148,7 @@ class ZeroWriter:
         if mp is None and (shown := model_parallel(manifest)):
             raise UsageError(
                 f"{shown}: a pipeline or model-parallel DeepSpeed checkpoint can change its DP size at the "
-                "same ZeRO stage only (not its stage, nor to a universal checkpoint, yet)"
+                "same ZeRO stage (not its stage, yet) or be written as a universal one (--to deepspeed-universal)"
             )
         for f in manifest.files:
             if (m := _MODEL.match(f.path)) and int(m["mp"]) == self.mp:
@@ -1167,7 +1167,7 @@ class _UniversalOut:
 
 class UniversalWriter(_UniversalOut, ZeroWriter):
     """DeepSpeed's universal checkpoint, as ``ds_to_universal`` (0.19.x) writes it from a ZeRO-1/2
-    checkpoint without tensor or pipeline parallelism, next to a ``latest_universal`` naming it:
+    checkpoint, next to a ``latest_universal`` naming it:
 
     - ``<tag>_universal/zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt``: ``{"cat_dim": 0, "param": t}``
       with the whole parameter, and ``step.pt`` (its group's step) for every parameter the
@@ -1183,7 +1183,13 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
     parameters as ``{"param": t}``, row-parallel ones with ``"cat_dim": 1``, vocabulary parameters
     cut to ``original_vocab_size`` rows with ``"vocab_tensor": True``. The patterns mark the
     parameters at TP=1 too. Averaged parameters and sub-parameters (fused QKV, SwiGLU halves) are
-    refused, as is a TP run saved without the patterns."""
+    refused, as is a TP run saved without the patterns.
+
+    A pipeline run gets a folder for every parameter of every stage (each stage's optimizer files
+    hold its own layers'), each with its stage's step; its ``layer_*-model_states.pt`` files are
+    not written, as ds_to_universal writes none: a universal load takes the module weights from the
+    fp32 masters. Weights tied across stages (``pipeline_replicated_parameter_patterns``) are
+    refused."""
 
     _STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
@@ -1204,9 +1210,9 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
 
     def __init__(self, root: Path, manifest: Manifest) -> None:
         tp = manifest.layout.tp or 1
-        layered = any(_LAYER.match(f.path) for f in manifest.files)
-        # a TP run: rank 0's files give the layout, the optimizer's common state and the steps
-        super().__init__(root, manifest, manifest.layout.dp or 1, mp=0 if tp > 1 and not layered else None)
+        # a model-parallel run: rank 0's files give the optimizer's common state (each stage's
+        # files its parameters and their steps, below)
+        super().__init__(root, manifest, manifest.layout.dp or 1, mp=0 if model_parallel(manifest) else None)
         info = self.model_obj.get("universal_checkpoint_info") if isinstance(self.model_obj, dict) else None
         self.rules = TpRules(info, tp, self.model_rel)
         hint = "run DeepSpeed's ds_to_universal on this checkpoint"
@@ -1223,7 +1229,8 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
                 "checkpoint with those is not supported yet",
                 hint=hint,
             )
-        names = [name for layout in self.groups for name, _shape, _off in layout.params]
+        self.held = self._held_by_stage()
+        names = list(self.held)
         apart = [n for n in names if self.rules.kind(n) == "apart"]
         if apart:
             raise UsageError(
@@ -1241,12 +1248,9 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
         self.vocab_rows: int = rows if isinstance(rows, int) else 0
         self.model_rels = sorted(f.path for f in manifest.files if _MODEL.match(f.path))
         self._name_dir(self.tag, manifest)
-        base = self.optim_obj["optimizer_state_dict"].get("base_optimizer_state") or {}
-        self.steps = {g: s.get("step") for g, s in (base.get("state") or {}).items() if isinstance(s, dict)}
-        held = {name for layout in self.groups for name, _shape, _off in layout.params}
         module = self.model_obj.get("module") if isinstance(self.model_obj, dict) else None
-        entries = module if isinstance(module, dict) else {}
-        self.fallback = [n for n, v in entries.items() if n not in held and isinstance(v, _unpickle.TensorRef)]
+        entries = module if isinstance(module, dict) else {}  # None in a pipeline run's: its layer files hold it
+        self.fallback = [n for n, v in entries.items() if n not in self.held and isinstance(v, _unpickle.TensorRef)]
         for n in self.fallback:  # widened to float32 by value: float8 (carried as uint8 bits) would not be
             dt = entries[n].dtype
             if dt != "bfloat16" and not lookup_dtype(dt).exact_numpy:
@@ -1254,8 +1258,7 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
                     f"{self.model_rel}: module entry {n} is {dt}; widening it to float32 is not supported yet",
                     hint="run DeepSpeed's ds_to_universal on this checkpoint",
                 )
-        groups = self.optim_obj["optimizer_state_dict"].get("single_partition_of_fp32_groups") or []
-        self.fp32_requires_grad = any(getattr(t, "requires_grad", False) for t in groups)
+
         missing = [n for n in self.fallback if n not in manifest.items]
         if missing:
             raise UsageError(
@@ -1263,14 +1266,52 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
                 "the optimizer does not hold; writing them is not supported yet",
                 hint=hint,
             )
-        self.jobs: list[tuple[str, str, int]] = [("model", rel, -1) for rel in self.model_rels]
-        self.jobs.append(("optimizer", "", -1))
-        for g, layout in enumerate(self.groups):
-            for name, _shape, _off in layout.params:
-                self.jobs += [(state, name, g) for state in self._STATES]
-                if self.steps.get(g) is not None:
-                    self.jobs.append(("step", name, g))
-        self.jobs += [("module", name, -1) for name in self.fallback]
+        self.jobs: list[tuple[str, str]] = [("model", rel) for rel in self.model_rels]
+        self.jobs.append(("optimizer", ""))
+        for name, (_rel, step, _grad) in self.held.items():
+            self.jobs += [(state, name) for state in self._STATES]
+            if step is not None:
+                self.jobs.append(("step", name))
+        self.jobs += [("module", name) for name in self.fallback]
+
+    def _held_by_stage(self) -> dict[str, tuple[str, Any, bool]]:
+        """Every parameter the optimizer holds, in any pipeline stage, in the order ds_to_universal
+        meets them (stage by stage), with the optimizer file of the first model-parallel rank that
+        holds it (its data-parallel rank 0), its group's step there, and whether that file's fp32
+        partitions require grad. A pipeline stage holds its own layers' parameters; a parameter tied
+        across stages is met in each and written once."""
+        out: dict[str, tuple[str, Any, bool]] = {}
+        models = sorted((int(m["mp"]), f.path) for f in self.manifest.files if (m := _MODEL.match(f.path)) is not None)
+        optims = {
+            int(m["mp"]): f.path
+            for f in self.manifest.files
+            if (m := _OPTIM.match(f.path)) is not None and int(m["dp"]) == 0
+        }
+        for mp, model_rel in models:
+            if mp == self.mp:
+                model, optim_rel, optim = self.model_obj, self.optim_rels[0], self.optim_obj
+            elif mp in optims:
+                archive, model, _ = _pt.load(self.root, model_rel, ALLOWLIST)
+                archive.close()
+                optim_rel = optims[mp]
+                archive, optim, _ = _pt.load(self.root, optim_rel, ALLOWLIST)
+                archive.close()
+            else:
+                raise CorruptFileError(f"{model_rel}: no optimizer file of its data-parallel rank 0", path=model_rel)
+            osd = optim.get("optimizer_state_dict") if isinstance(optim, dict) else None
+            shapes = model.get("param_shapes") if isinstance(model, dict) else None
+            if not isinstance(osd, dict) or not isinstance(shapes, list):
+                raise CorruptFileError(f"{optim_rel}: not a ZeRO-1/2 optimizer file", path=optim_rel)
+            base = osd.get("base_optimizer_state") or {}
+            states = base.get("state") if isinstance(base, dict) else None
+            states = states if isinstance(states, dict) else {}
+            grad = any(getattr(t, "requires_grad", False) for t in osd.get("single_partition_of_fp32_groups") or [])
+            for g, group in enumerate(shapes):
+                state = states.get(g)
+                step = state.get("step") if isinstance(state, dict) else None
+                for name in group if isinstance(group, dict) else ():
+                    out.setdefault(name, (optim_rel, step, grad))
+        return out
 
     def _path(self, kind: str, name: str) -> str:
         if kind == "model":
@@ -1281,7 +1322,7 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
 
     def files(self) -> list[PlannedFile]:
         out = []
-        for k, (kind, name, _g) in enumerate(self.jobs):
+        for k, (kind, name) in enumerate(self.jobs):
             path = self._path(kind, name)
             if kind in self._STATES:
                 out.append(PlannedFile.of(path, (k,), [self.manifest.items[f"{name}.{kind}"].nbytes or 0]))
@@ -1296,7 +1337,7 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
         return out
 
     def write(self, k: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None) -> int:
-        kind, name, g = self.jobs[k]
+        kind, name = self.jobs[k]
         archive: Callable[[str], Any] = _pt.archive_cache(reader)
         if kind == "model":  # copied byte for byte, as ds_to_universal copies it
             return copy_source(self.root, name, out, progress)
@@ -1307,12 +1348,13 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
             tree["param_groups"] = (osd.get("base_optimizer_state") or {}).get("param_groups")
             return self._save(_ptwrite.carry(tree, partial(archive, self.optim_rels[0])), out, progress)
         if kind == "step":
-            return self._save(_ptwrite.carry(self.steps[g], partial(archive, self.optim_rels[0])), out, progress)
+            rel, step, _grad = self.held[name]
+            return self._save(_ptwrite.carry(step, partial(archive, rel)), out, progress)
         if kind == "module":
             return self._save({"param": self._as_float32(self.manifest.items[name], reader)}, out, progress)
         item = self.manifest.items[f"{name}.{kind}"]
         # the fp32 partition is a leaf that requires grad, and ds_to_universal's slices of it keep that
-        grad = kind == "fp32" and self.fp32_requires_grad
+        grad = kind == "fp32" and self.held[name][2]
         category = self.rules.kind(name)
         head: dict[str, Any] = {} if category == "replicated" else {"cat_dim": 1 if category == "row" else 0}
         box = None

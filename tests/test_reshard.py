@@ -590,8 +590,8 @@ def test_deepspeed_round_trip_is_exact(variant, tmp_path):
 def test_deepspeed_model_parallel_ranks_keep_their_own_values(tmp_path):
     """Each model-parallel rank's partitions are made from that rank's files, never from a replica
     on another rank: the fixture's model declares its TP copies replicas, and a value changed in
-    MP rank 1's files (so no longer equal) is found in rank 1's output only; the stage and
-    universal targets are refused, naming the file."""
+    MP rank 1's files (so no longer equal) is found in rank 1's output only; a change of ZeRO stage
+    is refused, naming the file."""
     torch = pytest.importorskip("torch")
     src = tmp_path / "src"
     shutil.copytree(FIXTURES / "deepspeed" / "pipeline", src)
@@ -615,8 +615,8 @@ def test_deepspeed_model_parallel_ranks_keep_their_own_values(tmp_path):
     assert firsts[1] == (1234.5, -7.0) * 2  # the first element of each source rank's partition
     for mp in (0, 2, 3):
         assert not {1234.5, -7.0} & set(firsts[mp]), mp
-    for target in (Target(dp=1, zero_stage=2), Target(dp=1, zero_stage=3), Target(to="deepspeed-universal")):
-        with pytest.raises(UsageError, match="model_states.pt: a pipeline .* at the same ZeRO stage only"):
+    for target in (Target(dp=1, zero_stage=2), Target(dp=1, zero_stage=3)):
+        with pytest.raises(UsageError, match=r"model_states.pt: a pipeline .* at the same ZeRO stage \(not its stage"):
             reshard(FIXTURES / "deepspeed" / "pipeline", tmp_path / "x", target)
         assert not (tmp_path / "x").exists()
 
@@ -1199,18 +1199,21 @@ def test_deepspeed_zero3_bf16_to_zero2_module_is_the_run_s(tmp_path):
     assert verify(out).failing() == []
 
 
-def _pipe_oracle(ckpt: Path, dp: int, result: Path, variant: str = "pipeline") -> dict[tuple[int, ...], Any]:
-    """fixtures/_ds_pipe_oracle_worker.py under torchrun at ``dp`` DP ranks (4 x ``dp`` processes
-    for the pipeline, 2 x ``dp`` for tp2): each (stage, model rank, DP rank)'s state after
-    DeepSpeed's engine loaded ``ckpt``, and after one more step."""
+def _pipe_oracle(
+    ckpt: Path, dp: int, result: Path, variant: str = "pipeline", pp: int = 2, tp: int = 2, universal: bool = False
+) -> dict[tuple[int, ...], Any]:
+    """fixtures/_ds_pipe_oracle_worker.py under torchrun at ``dp`` DP ranks (``pp`` x ``tp`` x ``dp``
+    processes for the pipeline, 2 x ``dp`` for tp2): each (stage, model rank, DP rank)'s state after
+    DeepSpeed's engine loaded ``ckpt`` (a universal checkpoint with ``universal``), and after one
+    more step."""
     import torch
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0", "OMP_NUM_THREADS": "1"}
-    n = (4 if variant == "pipeline" else 2) * dp
+    n = (pp * tp if variant == "pipeline" else 2) * dp
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
          str(FIXTURES / "_ds_pipe_oracle_worker.py"), "--ckpt", str(ckpt), "--dp", str(dp), "--result", str(result),
-         "--variant", variant],
+         "--variant", variant, "--pp", str(pp), "--tp", str(tp), *(["--universal"] if universal else [])],
         capture_output=True, text=True, timeout=600, env=env, cwd=FIXTURES,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
@@ -1416,6 +1419,85 @@ def test_deepspeed_universal_of_a_tensor_parallel_run_is_ds_to_universals(tmp_pa
     assert differ == sorted(f"zero/{p}.weight/{s}.pt" for p in ("emb", "head") for s in ("exp_avg", "exp_avg_sq", "fp32"))
     for n in differ:
         assert _tree(ours / n, DS) == _tree(theirs / n, DS), n
+
+
+def test_deepspeed_universal_of_a_pipeline_run(tmp_path):
+    """--to deepspeed-universal of the pipeline fixture (PP=2 x model axis 2 x DP=2, ZeRO-1, its
+    model axis declared replicated): one folder per parameter of both stages with the whole tensor
+    once (no ``cat_dim``) and its step, the four model-parallel ranks' model states copied as they
+    are; the layer files, whose weights the universal load takes from the fp32 masters, are not
+    written (as ds_to_universal writes none)."""
+    import torch
+
+    out = tmp_path / "uni"
+    src = FIXTURES / "deepspeed" / "pipeline"
+    reshard(src, out, Target(to="deepspeed-universal"))
+    root = out / "global_step3_universal"
+    ref = torch.load(FIXTURES / "deepspeed" / "pipeline.reference.pt", weights_only=True)
+    names = sorted(k[len("fp32.") :] for k in ref if k.startswith("fp32."))
+    assert len(names) == 23 and sorted(p.name for p in (root / "zero").iterdir() if p.is_dir()) == names
+    for name in names:
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            got = torch.load(root / "zero" / name / f"{state}.pt", weights_only=True)
+            assert got.keys() == {"param"} and torch.equal(got["param"], ref[f"{state}.{name}"]), (state, name)
+        assert torch.load(root / "zero" / name / "step.pt", weights_only=True).item() == 3
+    models = sorted(p.name for p in root.iterdir() if p.is_file())
+    assert models == [f"mp_rank_0{r}_model_states.pt" for r in range(4)]
+    assert all((root / m).read_bytes() == (src / "global_step3" / m).read_bytes() for m in models)
+    report = verify(out)
+    assert report.failing() == [] and report.seal is not None
+
+
+@pytest.mark.slow
+def test_deepspeed_universal_of_a_pipeline_run_is_ds_to_universals(tmp_path):
+    """Oracle: DeepSpeed's ds_to_universal of the pipeline fixture and ckpttool's --to
+    deepspeed-universal give the same 97 files, byte for byte."""
+    pytest.importorskip("deepspeed", reason="needs deepspeed (an oracle, not a dependency)")
+    theirs = tmp_path / "theirs"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+         str(FIXTURES / "deepspeed" / "pipeline" / "global_step3"), "--output_folder", str(theirs),
+         "--num_extract_workers", "1", "--num_merge_workers", "1"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    out = tmp_path / "ours"
+    reshard(FIXTURES / "deepspeed" / "pipeline", out, Target(to="deepspeed-universal"))
+    ours = out / "global_step3_universal"
+    names = sorted(str(p.relative_to(theirs)) for p in theirs.rglob("*") if p.is_file())
+    assert len(names) == 97
+    assert names == sorted(str(p.relative_to(ours)) for p in ours.rglob("*") if p.is_file())
+    assert [n for n in names if (ours / n).read_bytes() != (theirs / n).read_bytes()] == []
+
+
+@pytest.mark.slow
+def test_deepspeed_pipeline_engine_loads_our_universal_at_pp1(tmp_path):
+    """Oracle: ckpttool's universal checkpoint of the pipeline fixture (PP=2 x model axis 2 x
+    DP=2) is loaded by DeepSpeed's PipelineEngine at PP=1 x TP=1 x DP=1 with
+    ``checkpoint.load_universal``: one process holds all five layers; its fp32 masters, both
+    moments and module equal the fixture's reference bit for bit; its step-4 loss equals the
+    uninterrupted run's (the fixture loaded by the engine at its own layout), bit for bit; the state
+    after the step agrees to float reassociation."""
+    pytest.importorskip("deepspeed", reason="needs deepspeed (an oracle, not a dependency)")
+    import torch
+
+    out = tmp_path / "uni"
+    reshard(FIXTURES / "deepspeed" / "pipeline", out, Target(to="deepspeed-universal"))
+    (mine,) = _pipe_oracle(out, 1, tmp_path / "pp1.pt", pp=1, tp=1, universal=True).values()
+    control = _pipe_oracle(FIXTURES / "deepspeed" / "pipeline", 2, tmp_path / "pp2.pt")
+    ref = torch.load(FIXTURES / "deepspeed" / "pipeline.reference.pt", weights_only=False)
+    assert mine["coord"] == (0, 0, 0) and mine["counters"] == (3, 24)
+    states = ("fp32", "exp_avg", "exp_avg_sq")
+    after = {(s, k): v for r in control.values() for s in states for k, v in r["after"][s].items()}
+    for state in ("fp32", "exp_avg", "exp_avg_sq"):
+        assert sorted(mine["loaded"][state]) == sorted(k[len(state) + 1 :] for k in ref if k.startswith(f"{state}."))
+        for name, value in mine["loaded"][state].items():
+            assert torch.equal(value, ref[f"{state}.{name}"]), (state, name)
+            assert torch.allclose(mine["after"][state][name], after[(state, name)], rtol=1e-6, atol=1e-7), (state, name)
+    assert len(mine["module"]) == 23
+    assert all(torch.equal(v, ref[f"module.{k}"]) for k, v in mine["module"].items())
+    assert {r["loss"] for r in control.values()} == {mine["loss"]}
 
 
 def test_deepspeed_universal_refusals(tmp_path):

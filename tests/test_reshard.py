@@ -1203,13 +1203,13 @@ def _pipe_oracle(
     ckpt: Path, dp: int, result: Path, variant: str = "pipeline", pp: int = 2, tp: int = 2, universal: bool = False
 ) -> dict[tuple[int, ...], Any]:
     """fixtures/_ds_pipe_oracle_worker.py under torchrun at ``dp`` DP ranks (``pp`` x ``tp`` x ``dp``
-    processes for the pipeline, 2 x ``dp`` for tp2): each (stage, model rank, DP rank)'s state after
+    processes for the pipeline, ``tp`` x ``dp`` for tp2): each (stage, model rank, DP rank)'s state after
     DeepSpeed's engine loaded ``ckpt`` (a universal checkpoint with ``universal``), and after one
     more step."""
     import torch
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0", "OMP_NUM_THREADS": "1"}
-    n = (pp * tp if variant == "pipeline" else 2) * dp
+    n = (pp * tp if variant == "pipeline" else tp) * dp
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
          str(FIXTURES / "_ds_pipe_oracle_worker.py"), "--ckpt", str(ckpt), "--dp", str(dp), "--result", str(result),
@@ -1498,6 +1498,39 @@ def test_deepspeed_pipeline_engine_loads_our_universal_at_pp1(tmp_path):
     assert len(mine["module"]) == 23
     assert all(torch.equal(v, ref[f"module.{k}"]) for k, v in mine["module"].items())
     assert {r["loss"] for r in control.values()} == {mine["loss"]}
+
+
+@pytest.mark.slow
+def test_deepspeed_tensor_parallel_engine_loads_our_universal_at_tp1(tmp_path):
+    """Oracle: ckpttool's universal checkpoint of the tp2 fixture (a Megatron-style TP=2 x DP=2
+    run) is loaded by DeepSpeed's engine with ``checkpoint.load_universal`` at TP=1 x DP=1, one
+    process holding the whole model (vocabulary padded to 32 rows again): its fp32 masters, both
+    moments and module equal the fixture's reference bit for bit; the step-4 losses of both
+    micro-batches equal the uninterrupted run's two DP ranks', bit for bit; the state after the
+    step agrees to float reassociation."""
+    pytest.importorskip("deepspeed", reason="needs deepspeed (an oracle, not a dependency)")
+    import torch
+
+    out = tmp_path / "uni"
+    reshard(FIXTURES / "deepspeed" / "tp2", out, Target(to="deepspeed-universal"))
+    (mine,) = _pipe_oracle(out, 1, tmp_path / "tp1.pt", "tp2", tp=1, universal=True).values()
+    control = _pipe_oracle(FIXTURES / "deepspeed" / "tp2", 2, tmp_path / "tp2.pt", "tp2")
+    ref = torch.load(FIXTURES / "deepspeed" / "tp2.reference.pt", weights_only=False)
+    assert mine["coord"] == (0, 0, 0) and mine["counters"] == (3, 24)
+    checked = 0
+    for state in ("fp32", "exp_avg", "exp_avg_sq"):
+        assert sorted(mine["loaded"][state]) == sorted(k[len(state) + 1 :] for k in ref if k.startswith(f"{state}."))
+        for name, value in mine["loaded"][state].items():
+            assert torch.equal(value, ref[f"{state}.{name}"]), (state, name)
+            for t in (0, 1):  # each TP rank's slice of the step's result
+                theirs = control[(0, t, 0)]["after"][state][name]
+                got = _tp_slice(mine["after"][state][name], theirs, t)
+                assert torch.allclose(got, theirs, rtol=1e-6, atol=1e-7), (state, name, t)
+            checked += 1
+    assert checked == 3 * 14
+    assert len(mine["module"]) == 14
+    assert all(torch.equal(v, ref[f"module.{k}"]) for k, v in mine["module"].items())
+    assert mine["loss"] == [control[(0, 0, d)]["loss"][0] for d in (0, 1)]
 
 
 def test_deepspeed_universal_refusals(tmp_path):

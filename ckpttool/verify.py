@@ -34,7 +34,7 @@ from ckpttool.errors import CkptError, FormatNotRecognizedError, NotFoundError
 from ckpttool.formats.base import Adapter
 from ckpttool.geometry import coverage
 from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
-from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, StateName
+from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, Piece, StateName
 from ckpttool.seal import PieceRecord, Seal, default_seal_path, in_file_order
 
 Severity = Literal["error", "warning", "info"]
@@ -759,17 +759,54 @@ def _check_replicas(
                 first = values[0][1] if values else None
                 for i, d in values[1:]:
                     if d != first:
-                        p = item.pieces[i]
-                        report.findings.append(
-                            finding(
-                                "replica-mismatch",
-                                f"{item.name}: the copy in {p.file} (rank {p.rank}) differs from the one in "
-                                f"{item.pieces[values[0][0]].file}",
-                                item=item.name,
-                                file=p.file,
-                                rank=p.rank,
-                            )
-                        )
+                        _replica_mismatch(report, item, item.pieces[i], item.pieces[values[0][0]])
+            lone = [
+                i
+                for idxs in groups.values()
+                if len(idxs) == 1
+                for i in idxs
+                if item.pieces[i].replica and item.pieces[i].flat is not None
+            ]
+            if lone:
+                _compare_ranges(report, item, reader, lone)
+
+
+def _replica_mismatch(report: VerifyReport, item: Item, p: Piece, first: Piece) -> None:
+    report.findings.append(
+        finding(
+            "replica-mismatch",
+            f"{item.name}: the copy in {p.file} (rank {p.rank}) differs from the one in {first.file}",
+            item=item.name,
+            file=p.file,
+            rank=p.rank,
+        )
+    )
+
+
+def _compare_ranges(report: VerifyReport, item: Item, reader: Any, lone: list[int]) -> None:
+    """Pieces of a copy cut at other boundaries than the first copy's (a weight tied across
+    pipeline stages, each stage's flat groups partitioned their own way): each against the
+    overlapping parts of the first copy's pieces. These pieces are read a second time."""
+    base = [q for q in item.pieces if q.replica == 0 and q.flat is not None]
+    for i in lone:
+        p = item.pieces[i]
+        assert p.flat is not None
+        a, n = p.flat
+        mine = None
+        for q in base:
+            assert q.flat is not None
+            b, m = q.flat
+            lo, hi = max(a, b), min(a + n, b + m)
+            if q.box != p.box or lo >= hi:
+                continue
+            try:
+                mine = reader.read(p, item).reshape(-1) if mine is None else mine
+                theirs = reader.read(q, item).reshape(-1)
+            except CkptError:
+                break
+            if mine[lo - a : hi - a].view("u1").tobytes() != theirs[lo - b : hi - b].view("u1").tobytes():
+                _replica_mismatch(report, item, p, q)
+                break
 
 
 def _check_steps(report: VerifyReport, manifest: Manifest) -> None:

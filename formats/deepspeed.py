@@ -335,7 +335,7 @@ class DeepSpeedAdapter:
             if stage == 3:
                 b.zero3(per_rank, shapes)
             else:
-                b.zero12(per_rank, shapes, mp % tp_size)
+                b.zero12(per_rank, shapes, mp % tp_size, mp)
         if stage == 0 and not optims:
             opt = first_model.get("optimizer")
             if isinstance(opt, dict):
@@ -463,6 +463,8 @@ class _Builder:
         self.m = manifest
         self.files = files
         self.replicas = ReplicaCounter()
+        self.copies: dict[tuple[str, Box], list[int]] = {}
+        """the model-parallel ranks holding a copy of a region of a flat-partitioned item, in order"""
         self.rules = rules or TpRules(None, 1, "")
 
     def tp_item(
@@ -523,16 +525,23 @@ class _Builder:
         names: list[tuple[str, tuple[int, ...], int, int, int]],
         refs: dict[str, _unpickle.TensorRef],
         t: int = 0,
+        mp: int = 0,
     ) -> None:
-        """Per-parameter pieces of flat fp32/moment partitions of TP rank ``t``: ``names`` holds
-        (param, shape, start in the partition, numel, start in the flattened param)."""
+        """Per-parameter pieces of flat fp32/moment partitions of TP rank ``t`` of model-parallel
+        rank ``mp``: ``names`` holds (param, shape, start in the partition, numel, start in the
+        flattened param). Each model-parallel rank holding the same region (TP ranks of a replicated
+        parameter, the pipeline stages of a tied one) has a copy of its own, numbered in the order
+        the ranks come: a stage's copy is cut at its own partition boundaries, which need not be
+        another's."""
         for param, shape, start, numel, local in names:
             rule = self.rules.rule(param, len(shape))
             for state, ref in refs.items():
                 kind: Kind = "master" if state == "fp32" else "optim"
                 item, box = self.tp_item(param, f".{state}", kind, ref.dtype, shape, t, rule)
-                # a copy of a range already placed (a parameter replicated over a TP axis) is a replica
-                same = self.replicas.next(item.name, (box, local, numel))
+                copies = self.copies.setdefault((item.name, box), [])
+                if mp not in copies:
+                    copies.append(mp)
+                same = copies.index(mp)
                 item.pieces.append(
                     _pt.tensor_piece(
                         osd_rel,
@@ -548,13 +557,25 @@ class _Builder:
 
     def layers(self, layers: dict[tuple[int, int], str], trainable: set[str]) -> None:
         """Pipeline layer files: parameters named ``<layer>.<name>`` (DeepSpeed's own spelling),
-        the copies of the ranks of a TP axis placed by the TP rules."""
+        the copies of the ranks of a TP axis placed by the TP rules. A layer that is a module tied
+        across stages (``TiedLayerSpec``) is saved under its layer number, but the module and the
+        optimizer name it ``tied_modules.<key>.<name>``: a layer none of whose tensors the
+        optimizer knows by number, and whose tensors are known under exactly one tied key, is
+        named so. (A tied layer with a ``forward_fn``, the output layer reusing the embedding, has
+        no file: DeepSpeed saves only modules.)"""
+        tied = {n.split(".")[1] for n in trainable if n.startswith("tied_modules.") and n.count(".") >= 2}
         for (layer, tp_rank), rel in sorted(layers.items()):
-            for name, value in flatten(self.files[rel]):
-                full = f"{layer}.{name}"
+            entries = flatten(self.files[rel])
+            tensors = [name for name, value in entries if isinstance(value, _unpickle.TensorRef)]
+            prefix = f"{layer}."
+            if not any(prefix + n in trainable for n in tensors):
+                keys = [k for k in sorted(tied) if any(f"tied_modules.{k}.{n}" in trainable for n in tensors)]
+                prefix = f"tied_modules.{keys[0]}." if len(keys) == 1 else prefix
+            for name, value in entries:
+                full = prefix + name
                 self.module_value(full, value, rel, tp_rank, full in trainable, name)
 
-    def zero12(self, per_rank: list[tuple[int, str]], shapes: list[Any], t: int = 0) -> None:
+    def zero12(self, per_rank: list[tuple[int, str]], shapes: list[Any], t: int = 0, mp: int = 0) -> None:
         consumed: dict[str, int] = defaultdict(int)
         for dp, rel in per_rank:
             osd = self.files[rel].get("optimizer_state_dict")
@@ -587,7 +608,7 @@ class _Builder:
                     numel, start = int(frag.numel), int(frag.start)
                     names.append((param, shape, start, numel, consumed[param]))
                     consumed[param] += numel
-                self.flat_state(rel, dp, names, refs, t)
+                self.flat_state(rel, dp, names, refs, t, mp)
                 self.group_objects(rel, dp, g, base, gstate, "optimizer_state_dict.base_optimizer_state")
 
     def zero3(self, per_rank: list[tuple[int, str]], shapes: list[Any]) -> None:

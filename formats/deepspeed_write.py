@@ -1188,8 +1188,8 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
     A pipeline run gets a folder for every parameter of every stage (each stage's optimizer files
     hold its own layers'), each with its stage's step; its ``layer_*-model_states.pt`` files are
     not written, as ds_to_universal writes none: a universal load takes the module weights from the
-    fp32 masters. Weights tied across stages (``pipeline_replicated_parameter_patterns``) are
-    refused."""
+    fp32 masters. A weight tied across stages is written once, from the first stage's copy (what
+    ds_to_universal keeps of one its ``pipeline_replicated_parameter_patterns`` name)."""
 
     _STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
@@ -1204,6 +1204,7 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
             "parameter_with_sub_params",
             "original_vocab_size",
             "padded_vocab_size",
+            "pipeline_replicated_parameter_patterns",
         }
     )
     """universal_checkpoint_info keys whose meaning this writer follows (or refuses by parameter)"""

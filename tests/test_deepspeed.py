@@ -17,7 +17,7 @@ from tests._compare import same_bits
 from tests.conftest import FIXTURES, run_cli
 
 DS = FIXTURES / "deepspeed"
-ALL = ["zero0", "zero1", "zero2", "zero2_bf16", "zero3", "bf16_zero0", "bf16_optimizer", "pipeline", "tp2"]
+ALL = ["zero0", "zero1", "zero2", "zero2_bf16", "zero3", "bf16_zero0", "bf16_optimizer", "pipeline", "pipeline_tied", "tp2"]
 ZERO_TO_FP32 = ["zero1", "zero2", "zero2_bf16", "zero3"]
 
 
@@ -48,7 +48,7 @@ def test_master_weights(name, tmp_path):
         assert extra == {"frozen.weight", "frozen.bias"}
     elif name in ZERO_TO_FP32:
         assert extra == set()
-    elif name in ("pipeline", "tp2"):  # their models hold no buffers
+    elif name in ("pipeline", "pipeline_tied", "tp2"):  # their models hold no buffers
         assert extra == set()
     else:  # references from the live optimizer hold no buffers; the export completes them
         assert extra == {"seen_tokens"}
@@ -86,6 +86,27 @@ def test_layout_step_and_files(name):
         assert (m.layout.pp, m.layout.tp, m.layout.dp, m.layout.world_size) == (2, 2, 2, 8)
     if name == "tp2":
         assert (m.layout.pp, m.layout.tp, m.layout.dp, m.layout.world_size) == (1, 2, 2, 4)
+    if name == "pipeline_tied":
+        assert (m.layout.pp, m.layout.tp, m.layout.dp, m.layout.world_size) == (2, 1, 2, 4)
+
+
+def test_a_module_tied_across_pipeline_stages():
+    """pipeline_tied (PP=2 x DP=2, the embedding tied to the output layer across the stages, as
+    Megatron-DeepSpeed's GPTModelPipe ties them): the layer file that holds the tied module (layer
+    0; the output layer reusing it has no file) is read under the name the module and the
+    optimizer give it, ``tied_modules.embed.emb.weight``; each stage's optimizer holds a copy of
+    its master and moments, the second stage's a replica of the first's."""
+    _, m = registry.describe(DS / "pipeline_tied")
+    assert "0.emb.weight" not in m.items
+    assert [p.file for p in m.items["tied_modules.embed.emb.weight"].pieces] == [
+        "global_step3/layer_00-model_00-model_states.pt"
+    ]
+    for state in ("fp32", "exp_avg", "exp_avg_sq"):
+        pieces = m.items[f"tied_modules.embed.emb.weight.{state}"].pieces
+        assert sorted((p.file.split("/")[-1], p.replica) for p in pieces) == [
+            ("zero_pp_rank_0_mp_rank_00_optim_states.pt", 0),
+            ("zero_pp_rank_0_mp_rank_01_optim_states.pt", 1),
+        ]
 
 
 def test_tensor_parallel_slices_are_joined_by_the_models_rules():

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import functools
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -558,7 +560,9 @@ def test_dcp_load_reads_the_new_world_size(tmp_path):
     assert dcp_load_mismatches(out, FIXTURES / "dcp" / "fsdp2", 2, tmp_path) == []
 
 
-@pytest.mark.parametrize("variant", ["zero2", "zero2_bf16", "zero1", "zero3", "zero3_bf16", "pipeline", "tp2"])
+@pytest.mark.parametrize(
+    "variant", ["zero2", "zero2_bf16", "zero1", "zero3", "zero3_bf16", "pipeline", "pipeline_tied", "tp2"]
+)
 def test_deepspeed_round_trip_is_exact(variant, tmp_path):
     """ZeRO DP=2 -> DP=1 -> DP=2 gives the original files' trees: flat fp32 partitions (padding
     stripped as DeepSpeed strips it), Adam moments, fragment mappings, paddings, module, config;
@@ -1209,7 +1213,7 @@ def _pipe_oracle(
     import torch
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0", "OMP_NUM_THREADS": "1"}
-    n = (pp * tp if variant == "pipeline" else tp) * dp
+    n = (pp * tp if variant.startswith("pipeline") else tp) * dp
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
          str(FIXTURES / "_ds_pipe_oracle_worker.py"), "--ckpt", str(ckpt), "--dp", str(dp), "--result", str(result),
@@ -1220,6 +1224,15 @@ def _pipe_oracle(
     ranks = torch.load(result, weights_only=False)["ranks"]
     assert len(ranks) == n and all(r["failed"] is None for r in ranks)
     return {tuple(r["coord"]): r for r in ranks}
+
+
+@functools.cache
+def _pipe_control(variant: str) -> dict[tuple[int, ...], Any]:
+    """:func:`_pipe_oracle` on the fixture ``variant`` itself at its own layout (DP=2): the
+    uninterrupted run, run once per session for every oracle that compares with it."""
+    tp = 1 if variant == "pipeline_tied" else 2
+    result = Path(tempfile.mkdtemp(prefix="ckpttool-control-")) / f"{variant}.pt"
+    return _pipe_oracle(FIXTURES / "deepspeed" / variant, 2, result, variant, tp=tp)
 
 
 @pytest.mark.slow
@@ -1236,8 +1249,7 @@ def test_deepspeed_pipeline_engine_resumes_at_dp1(tmp_path):
     out = tmp_path / "dp1"
     reshard(FIXTURES / "deepspeed" / "pipeline", out, Target(dp=1))
     ours = {k[:2]: r for k, r in _pipe_oracle(out, 1, tmp_path / "dp1.pt").items()}
-    control = {k[:2]: r for k, r in _pipe_oracle(FIXTURES / "deepspeed" / "pipeline", 2, tmp_path / "dp2.pt").items()
-               if k[2] == 0}  # fmt: skip
+    control = {k[:2]: r for k, r in _pipe_control("pipeline").items() if k[2] == 0}
     ref = torch.load(FIXTURES / "deepspeed" / "pipeline.reference.pt", weights_only=False)
     assert sorted(ours) == sorted(control) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     checked = 0
@@ -1279,7 +1291,7 @@ def test_deepspeed_tensor_parallel_engine_resumes_at_dp1(tmp_path):
     out = tmp_path / "dp1"
     reshard(FIXTURES / "deepspeed" / "tp2", out, Target(dp=1))
     ours = _pipe_oracle(out, 1, tmp_path / "dp1.pt", "tp2")
-    control = _pipe_oracle(FIXTURES / "deepspeed" / "tp2", 2, tmp_path / "dp2.pt", "tp2")
+    control = _pipe_control("tp2")
     ref = torch.load(FIXTURES / "deepspeed" / "tp2.reference.pt", weights_only=False)
     assert sorted(ours) == [(0, 0, 0), (0, 1, 0)] and len(control) == 4
     checked = 0
@@ -1449,58 +1461,91 @@ def test_deepspeed_universal_of_a_pipeline_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_deepspeed_universal_of_a_pipeline_run_is_ds_to_universals(tmp_path):
-    """Oracle: DeepSpeed's ds_to_universal of the pipeline fixture and ckpttool's --to
-    deepspeed-universal give the same 97 files, byte for byte."""
+@pytest.mark.parametrize(("variant", "count"), [("pipeline", 97), ("pipeline_tied", 87)])
+def test_deepspeed_universal_of_a_pipeline_run_is_ds_to_universals(variant, count, tmp_path):
+    """Oracle: DeepSpeed's ds_to_universal of a pipeline fixture and ckpttool's --to
+    deepspeed-universal give the same files, byte for byte (pipeline_tied: its embedding, tied
+    across the stages, once, as ds_to_universal keeps one of what its
+    pipeline_replicated_parameter_patterns name)."""
     pytest.importorskip("deepspeed", reason="needs deepspeed (an oracle, not a dependency)")
     theirs = tmp_path / "theirs"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-         str(FIXTURES / "deepspeed" / "pipeline" / "global_step3"), "--output_folder", str(theirs),
+         str(FIXTURES / "deepspeed" / variant / "global_step3"), "--output_folder", str(theirs),
          "--num_extract_workers", "1", "--num_merge_workers", "1"],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     out = tmp_path / "ours"
-    reshard(FIXTURES / "deepspeed" / "pipeline", out, Target(to="deepspeed-universal"))
+    reshard(FIXTURES / "deepspeed" / variant, out, Target(to="deepspeed-universal"))
     ours = out / "global_step3_universal"
     names = sorted(str(p.relative_to(theirs)) for p in theirs.rglob("*") if p.is_file())
-    assert len(names) == 97
+    assert len(names) == count
     assert names == sorted(str(p.relative_to(ours)) for p in ours.rglob("*") if p.is_file())
     assert [n for n in names if (ours / n).read_bytes() != (theirs / n).read_bytes()] == []
 
 
 @pytest.mark.slow
-def test_deepspeed_pipeline_engine_loads_our_universal_at_pp1(tmp_path):
-    """Oracle: ckpttool's universal checkpoint of the pipeline fixture (PP=2 x model axis 2 x
-    DP=2) is loaded by DeepSpeed's PipelineEngine at PP=1 x TP=1 x DP=1 with
-    ``checkpoint.load_universal``: one process holds all five layers; its fp32 masters, both
-    moments and module equal the fixture's reference bit for bit; its step-4 loss equals the
-    uninterrupted run's (the fixture loaded by the engine at its own layout), bit for bit; the state
-    after the step agrees to float reassociation."""
+@pytest.mark.parametrize("variant", ["pipeline", "pipeline_tied"])
+def test_deepspeed_pipeline_engine_loads_our_universal_at_pp1(variant, tmp_path):
+    """Oracle: ckpttool's universal checkpoint of a pipeline fixture (PP=2 x model axis 2 x DP=2;
+    pipeline_tied: PP=2 x DP=2, the embedding tied across the stages) is loaded by DeepSpeed's
+    PipelineEngine at PP=1 x TP=1 x DP=1 with ``checkpoint.load_universal``: one process holds all
+    the layers; its fp32 masters, both moments and module equal the fixture's reference bit for
+    bit; its step-4 loss equals the uninterrupted PP=2 run's (bit for bit for pipeline; within
+    1e-7 for pipeline_tied, whose engines average the four micro-batch losses in another order);
+    the state after the step agrees to float reassociation."""
     pytest.importorskip("deepspeed", reason="needs deepspeed (an oracle, not a dependency)")
     import torch
 
     out = tmp_path / "uni"
-    reshard(FIXTURES / "deepspeed" / "pipeline", out, Target(to="deepspeed-universal"))
-    (mine,) = _pipe_oracle(out, 1, tmp_path / "pp1.pt", pp=1, tp=1, universal=True).values()
-    control = _pipe_oracle(FIXTURES / "deepspeed" / "pipeline", 2, tmp_path / "pp2.pt")
-    ref = torch.load(FIXTURES / "deepspeed" / "pipeline.reference.pt", weights_only=False)
+    reshard(FIXTURES / "deepspeed" / variant, out, Target(to="deepspeed-universal"))
+    (mine,) = _pipe_oracle(out, 1, tmp_path / "pp1.pt", variant, pp=1, tp=1, universal=True).values()
+    control = _pipe_control(variant)
+    ref = torch.load(FIXTURES / "deepspeed" / f"{variant}.reference.pt", weights_only=False)
     assert mine["coord"] == (0, 0, 0) and mine["counters"] == (3, 24)
     states = ("fp32", "exp_avg", "exp_avg_sq")
     after = {(s, k): v for r in control.values() for s in states for k, v in r["after"][s].items()}
-    for state in ("fp32", "exp_avg", "exp_avg_sq"):
+    for state in states:
         assert sorted(mine["loaded"][state]) == sorted(k[len(state) + 1 :] for k in ref if k.startswith(f"{state}."))
         for name, value in mine["loaded"][state].items():
             assert torch.equal(value, ref[f"{state}.{name}"]), (state, name)
             assert torch.allclose(mine["after"][state][name], after[(state, name)], rtol=1e-6, atol=1e-7), (state, name)
-    assert len(mine["module"]) == 23
+    assert mine["module"].keys() == {k[len("module.") :] for k in ref if k.startswith("module.")}
     assert all(torch.equal(v, ref[f"module.{k}"]) for k, v in mine["module"].items())
-    assert {r["loss"] for r in control.values()} == {mine["loss"]}
+    (loss,) = {r["loss"] for r in control.values()}
+    assert mine["loss"] == loss if variant == "pipeline" else mine["loss"] == pytest.approx(loss, rel=1e-7)
 
 
 @pytest.mark.slow
+def test_deepspeed_tied_pipeline_engine_resumes_at_dp4(tmp_path):
+    """Oracle: the pipeline_tied fixture (PP=2 x DP=2, the embedding tied across the stages)
+    resharded to --dp 4, where stage 1 cuts the tied weight's partitions at other boundaries than
+    stage 0, is loaded by DeepSpeed's PipelineEngine at PP=2 x DP=4: on all eight ranks the fp32
+    masters, both moments (the tied weight's in both stages) and the module equal the reference
+    bit for bit; the step-4 loss equals the uninterrupted DP=2 run's bit for bit."""
+    pytest.importorskip("deepspeed", reason="needs deepspeed (an oracle, not a dependency)")
+    import torch
+
+    out = tmp_path / "dp4"
+    reshard(FIXTURES / "deepspeed" / "pipeline_tied", out, Target(dp=4))
+    ours = _pipe_oracle(out, 4, tmp_path / "dp4.pt", "pipeline_tied", tp=1)
+    ref = torch.load(FIXTURES / "deepspeed" / "pipeline_tied.reference.pt", weights_only=False)
+    assert sorted(ours) == [(s, 0, d) for s in (0, 1) for d in range(4)]
+    checked = 0
+    for key, mine in ours.items():
+        assert mine["counters"] == (3, 24)
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            for name, value in mine["loaded"][state].items():
+                assert torch.equal(value, ref[f"{state}.{name}"]), (key, state, name)
+                checked += 1
+        assert all(torch.equal(v, ref[f"module.{k}"]) for k, v in mine["module"].items()), key
+    assert checked == 4 * 3 * (13 + 9)  # per DP rank: stage 0's 12 and stage 1's 8 parameters, each with the tied one
+    (loss,) = {r["loss"] for r in _pipe_control("pipeline_tied").values()}
+    assert {r["loss"] for r in ours.values()} == {loss}
+
+
 def test_deepspeed_tensor_parallel_engine_loads_our_universal_at_tp1(tmp_path):
     """Oracle: ckpttool's universal checkpoint of the tp2 fixture (a Megatron-style TP=2 x DP=2
     run) is loaded by DeepSpeed's engine with ``checkpoint.load_universal`` at TP=1 x DP=1, one
@@ -1514,7 +1559,7 @@ def test_deepspeed_tensor_parallel_engine_loads_our_universal_at_tp1(tmp_path):
     out = tmp_path / "uni"
     reshard(FIXTURES / "deepspeed" / "tp2", out, Target(to="deepspeed-universal"))
     (mine,) = _pipe_oracle(out, 1, tmp_path / "tp1.pt", "tp2", tp=1, universal=True).values()
-    control = _pipe_oracle(FIXTURES / "deepspeed" / "tp2", 2, tmp_path / "tp2.pt", "tp2")
+    control = _pipe_control("tp2")
     ref = torch.load(FIXTURES / "deepspeed" / "tp2.reference.pt", weights_only=False)
     assert mine["coord"] == (0, 0, 0) and mine["counters"] == (3, 24)
     checked = 0

@@ -29,6 +29,7 @@ CLEAN = [
             "bf16_zero0",
             "bf16_optimizer",
             "pipeline",
+            "pipeline_tied",
             "tp2",
             "universal",
         )
@@ -185,6 +186,35 @@ def test_deepspeed_tensor_parallel_copies(name, finds, tmp_path):
     _patch(file, off, b"\x00\x40")  # the first float32 becomes about 2.0
     found = [f for f in verify(path).findings if f.rule == "replica-mismatch"]
     assert [f.item for f in found] == ([name] if finds else [])
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_deepspeed_tied_copies_cut_at_other_boundaries(stage, tmp_path):
+    """The embedding tied across the pipeline_tied fixture's two stages, resharded to DP=4: stage 0's
+    optimizer holds its master whole in DP rank 0's partition, stage 1's cuts it at element 380
+    (its groups are smaller). Clean, the copies verify equal; a value altered in either stage's copy
+    (stage 1: inside DP rank 1's part) is a replica-mismatch naming the altered file; the copies are
+    compared range by range."""
+    from ckpttool.reshard import Target, reshard
+
+    path = tmp_path / "dp4"
+    reshard(FIXTURES / "deepspeed" / "pipeline_tied", path, Target(dp=4))
+    (path / "ckpttool.manifest.json").unlink()  # the seal would name the altered file by itself
+    name = "tied_modules.embed.emb.weight.fp32"
+    _, m = registry.describe(path)
+    pieces = m.items[name].pieces
+    assert [(p.file.rsplit("/", 1)[1], p.flat, p.replica) for p in pieces] == [
+        ("zero_pp_rank_0_mp_rank_00_optim_states.pt", (0, 496), 0),
+        ("zero_pp_rank_0_mp_rank_01_optim_states.pt", (0, 380), 1),
+        ("zero_pp_rank_1_mp_rank_01_optim_states.pt", (380, 116), 1),
+    ]
+    assert not [f for f in verify(path).findings if f.rule == "replica-mismatch"]
+    index = 0 if stage == 0 else 2
+    file, off, _ = _raw(path, name, index)
+    _patch(file, off + 4 * (400 if stage == 0 else 20), b"\x00\x00\x00\x40")  # element 400 becomes 2.0
+    found = [f for f in verify(path).findings if f.rule == "replica-mismatch"]
+    assert [f.item for f in found] == [name]
+    assert found[0].file == pieces[index].file or found[0].message.endswith(pieces[index].file)
 
 
 @pytest.mark.parametrize(

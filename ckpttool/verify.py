@@ -759,31 +759,39 @@ def _check_replicas(
                 first = values[0][1] if values else None
                 for i, d in values[1:]:
                     if d != first:
-                        _replica_mismatch(report, item, item.pieces[i], item.pieces[values[0][0]])
+                        _replica_mismatch(report, manifest, item, item.pieces[i], item.pieces[values[0][0]])
+            # a region no piece of the first copy holds as such: a copy cut at other boundaries
             lone = [
-                i
+                idxs[0]
                 for idxs in groups.values()
-                if len(idxs) == 1
-                for i in idxs
-                if item.pieces[i].replica and item.pieces[i].flat is not None
+                if all(item.pieces[i].replica for i in idxs) and item.pieces[idxs[0]].flat is not None
             ]
             if lone:
-                _compare_ranges(report, item, reader, lone)
+                _compare_ranges(report, manifest, item, reader, lone)
 
 
-def _replica_mismatch(report: VerifyReport, item: Item, p: Piece, first: Piece) -> None:
-    report.findings.append(
-        finding(
-            "replica-mismatch",
-            f"{item.name}: the copy in {p.file} (rank {p.rank}) differs from the one in {first.file}",
-            item=item.name,
-            file=p.file,
-            rank=p.rank,
+def _replica_mismatch(report: VerifyReport, manifest: Manifest, item: Item, p: Piece, first: Piece) -> None:
+    message = f"{item.name}: the copy in {p.file} (rank {p.rank}) differs from the one in {first.file}"
+    if item.name in (manifest.extras.get("stage_copies") or ()):
+        # DeepSpeed keeps only a tied module's tied_weight_attr in sync across the stages
+        # (Megatron-DeepSpeed: the word embeddings, not the position embeddings it also ties)
+        report.findings.append(
+            finding(
+                "replica-mismatch",
+                message + ": the copies of a weight tied across pipeline stages",
+                severity="warning",
+                item=item.name,
+                file=p.file,
+                rank=p.rank,
+                hint="DeepSpeed keeps only the tied_weight_attr of a tied module in sync across the stages; "
+                "if this weight is one (it is used in every stage that holds it), the stages diverged",
+            )
         )
-    )
+        return
+    report.findings.append(finding("replica-mismatch", message, item=item.name, file=p.file, rank=p.rank))
 
 
-def _compare_ranges(report: VerifyReport, item: Item, reader: Any, lone: list[int]) -> None:
+def _compare_ranges(report: VerifyReport, manifest: Manifest, item: Item, reader: Any, lone: list[int]) -> None:
     """Pieces of a copy cut at other boundaries than the first copy's (a weight tied across
     pipeline stages, each stage's flat groups partitioned their own way): each against the
     overlapping parts of the first copy's pieces. These pieces are read a second time."""
@@ -805,7 +813,7 @@ def _compare_ranges(report: VerifyReport, item: Item, reader: Any, lone: list[in
             except CkptError:
                 break
             if mine[lo - a : hi - a].view("u1").tobytes() != theirs[lo - b : hi - b].view("u1").tobytes():
-                _replica_mismatch(report, item, p, q)
+                _replica_mismatch(report, manifest, item, p, q)
                 break
 
 

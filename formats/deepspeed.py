@@ -123,6 +123,8 @@ class TpRules:
         if isinstance(affine, dict) and isinstance(affine.get("params"), dict):
             apart += patterns("affine_map.params", list(affine["params"]))
         self.compiled["not joined"] = [re.compile(p) for p in apart]
+        key = "pipeline_replicated_parameter_patterns"
+        self.compiled[key] = [re.compile(p) for p in patterns(key, info.get(key) or [])]
 
     def _matches(self, key: str, name: str) -> bool:
         return any(p.match(name) for p in self.compiled.get(key, ()))
@@ -311,9 +313,16 @@ class DeepSpeedAdapter:
                 else "unknown (no universal_checkpoint_info): one item per TP rank"
             )
         # module weights
-        trainable = {n for rel in models.values() for group in (files[rel].get("param_shapes") or []) for n in group}
+        shapes_of = {
+            n: tuple(s) if isinstance(s, list | tuple) else None
+            for rel in models.values()
+            for group in (files[rel].get("param_shapes") or [])
+            if isinstance(group, dict)
+            for n, s in group.items()
+        }
+        trainable = set(shapes_of)
         if layers:
-            b.layers(layers, trainable)
+            b.layers(layers, shapes_of)
         for mp, rel in sorted(models.items()):
             module = files[rel].get("module")
             if isinstance(module, dict):
@@ -333,9 +342,12 @@ class DeepSpeedAdapter:
             shapes = (files[model_rel] if model_rel else first_model).get("param_shapes") or []
             per_rank = [(dp, optims[(dp, mp)]) for dp in ranks]
             if stage == 3:
-                b.zero3(per_rank, shapes)
+                b.zero3(per_rank, shapes, mp % tp_size, mp)
             else:
                 b.zero12(per_rank, shapes, mp % tp_size, mp)
+        staged = sorted(p for p, s in b.stages.items() if len(s) > 1)
+        if staged:  # a weight tied across pipeline stages: each stage's optimizer holds a copy
+            manifest.extras["stage_copies"] = [f"{p}.{s}" for p in staged for s in ("fp32", "exp_avg", "exp_avg_sq")]
         if stage == 0 and not optims:
             opt = first_model.get("optimizer")
             if isinstance(opt, dict):
@@ -465,6 +477,8 @@ class _Builder:
         self.replicas = ReplicaCounter()
         self.copies: dict[tuple[str, Box], list[int]] = {}
         """the model-parallel ranks holding a copy of a region of a flat-partitioned item, in order"""
+        self.stages: dict[str, set[int]] = defaultdict(set)
+        """the pipeline stages whose optimizer holds each parameter"""
         self.rules = rules or TpRules(None, 1, "")
 
     def tp_item(
@@ -538,6 +552,7 @@ class _Builder:
             for state, ref in refs.items():
                 kind: Kind = "master" if state == "fp32" else "optim"
                 item, box = self.tp_item(param, f".{state}", kind, ref.dtype, shape, t, rule)
+                self.stages[param].add(mp // max(self.rules.tp, 1))
                 copies = self.copies.setdefault((item.name, box), [])
                 if mp not in copies:
                     copies.append(mp)
@@ -555,21 +570,28 @@ class _Builder:
                     )
                 )
 
-    def layers(self, layers: dict[tuple[int, int], str], trainable: set[str]) -> None:
+    def layers(self, layers: dict[tuple[int, int], str], shapes: dict[str, tuple[int, ...] | None]) -> None:
         """Pipeline layer files: parameters named ``<layer>.<name>`` (DeepSpeed's own spelling),
         the copies of the ranks of a TP axis placed by the TP rules. A layer that is a module tied
         across stages (``TiedLayerSpec``) is saved under its layer number, but the module and the
         optimizer name it ``tied_modules.<key>.<name>``: a layer none of whose tensors the
-        optimizer knows by number, and whose tensors are known under exactly one tied key, is
-        named so. (A tied layer with a ``forward_fn``, the output layer reusing the embedding, has
-        no file: DeepSpeed saves only modules.)"""
+        optimizer knows by number, and all of whose tensors it knows under exactly one tied key with
+        those shapes, is named so. (A tied layer with a ``forward_fn``, the output layer reusing the
+        embedding, has no file: DeepSpeed saves only modules. A frozen layer with the very names and
+        shapes of a tied module cannot be told from it: DeepSpeed's pipeline engine runs ZeRO-1 at
+        most, which records no frozen parameters.)"""
+        trainable = set(shapes)
         tied = {n.split(".")[1] for n in trainable if n.startswith("tied_modules.") and n.count(".") >= 2}
         for (layer, tp_rank), rel in sorted(layers.items()):
             entries = flatten(self.files[rel])
-            tensors = [name for name, value in entries if isinstance(value, _unpickle.TensorRef)]
+            tensors = {name: value for name, value in entries if isinstance(value, _unpickle.TensorRef)}
             prefix = f"{layer}."
-            if not any(prefix + n in trainable for n in tensors):
-                keys = [k for k in sorted(tied) if any(f"tied_modules.{k}.{n}" in trainable for n in tensors)]
+            if tensors and not any(prefix + n in trainable for n in tensors):
+                keys = [
+                    k
+                    for k in sorted(tied)
+                    if all(shapes.get(f"tied_modules.{k}.{n}", ()) == tuple(v.shape) for n, v in tensors.items())
+                ]
                 prefix = f"tied_modules.{keys[0]}." if len(keys) == 1 else prefix
             for name, value in entries:
                 full = prefix + name
@@ -611,7 +633,7 @@ class _Builder:
                 self.flat_state(rel, dp, names, refs, t, mp)
                 self.group_objects(rel, dp, g, base, gstate, "optimizer_state_dict.base_optimizer_state")
 
-    def zero3(self, per_rank: list[tuple[int, str]], shapes: list[Any]) -> None:
+    def zero3(self, per_rank: list[tuple[int, str]], shapes: list[Any], t: int = 0, mp: int = 0) -> None:
         ws = len(per_rank)
         for dp, rel in per_rank:
             osd = self.files[rel].get("optimizer_state_dict")
@@ -647,7 +669,8 @@ class _Builder:
                                 if k in ("exp_avg", "exp_avg_sq") and isinstance(v, _unpickle.TensorRef)
                             }
                         )
-                        self.flat_state(rel, dp, [(param, shape, a - lo, z - a, dp * part + (a - seg_lo))], refs)
+                        names = [(param, shape, a - lo, z - a, dp * part + (a - seg_lo))]
+                        self.flat_state(rel, dp, names, refs, t, mp)
                     offset += part
             # a param group is cut into sub-groups (how many depends on DP): each sub-group's step
             # is a replica of its param group's

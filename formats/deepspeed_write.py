@@ -1188,8 +1188,10 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
     A pipeline run gets a folder for every parameter of every stage (each stage's optimizer files
     hold its own layers'), each with its stage's step; its ``layer_*-model_states.pt`` files are
     not written, as ds_to_universal writes none: a universal load takes the module weights from the
-    fp32 masters. A weight tied across stages is written once, from the first stage's copy (what
-    ds_to_universal keeps of one its ``pipeline_replicated_parameter_patterns`` name)."""
+    fp32 masters. A weight tied across stages is written once, from the first stage's copy: what
+    ds_to_universal keeps of one its ``pipeline_replicated_parameter_patterns`` name (of one they
+    do not name it keeps fragments of the stages in turn, each overwriting the last; and it drops
+    a parameter they name that only later stages hold, which this writer writes)."""
 
     _STATES = ("fp32", "exp_avg", "exp_avg_sq")
 

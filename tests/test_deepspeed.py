@@ -90,6 +90,22 @@ def test_layout_step_and_files(name):
         assert (m.layout.pp, m.layout.tp, m.layout.dp, m.layout.world_size) == (2, 1, 2, 4)
 
 
+def test_a_layer_is_named_after_a_tied_module_only_when_it_fits_it(tmp_path):
+    """A layer file whose tensors the optimizer does not know by number (a frozen layer, say) is not
+    taken for the tied module unless all its tensors have the tied module's names and shapes: an
+    extra layer holding an ``emb.weight`` of another shape stays ``<layer>.emb.weight``."""
+    import shutil
+
+    src = tmp_path / "tied"
+    shutil.copytree(DS / "pipeline_tied", src)
+    torch.save({"emb.weight": torch.zeros(16)}, src / "global_step3" / "layer_06-model_00-model_states.pt")
+    _, m = registry.describe(src)
+    assert m.items["6.emb.weight"].shape == (16,)
+    assert [p.file for p in m.items["tied_modules.embed.emb.weight"].pieces] == [
+        "global_step3/layer_00-model_00-model_states.pt"
+    ]
+
+
 def test_a_module_tied_across_pipeline_stages():
     """pipeline_tied (PP=2 x DP=2, the embedding tied to the output layer across the stages, as
     Megatron-DeepSpeed's GPTModelPipe ties them): the layer file that holds the tied module (layer
@@ -98,6 +114,9 @@ def test_a_module_tied_across_pipeline_stages():
     its master and moments, the second stage's a replica of the first's."""
     _, m = registry.describe(DS / "pipeline_tied")
     assert "0.emb.weight" not in m.items
+    states = ("fp32", "exp_avg", "exp_avg_sq")
+    assert m.extras["stage_copies"] == [f"tied_modules.embed.emb.weight.{s}" for s in states]
+    assert "stage_copies" not in registry.describe(DS / "pipeline")[1].extras  # TP copies, not stages'
     assert [p.file for p in m.items["tied_modules.embed.emb.weight"].pieces] == [
         "global_step3/layer_00-model_00-model_states.pt"
     ]

@@ -8,7 +8,6 @@ import shutil
 import functools
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -1226,17 +1225,22 @@ def _pipe_oracle(
     return {tuple(r["coord"]): r for r in ranks}
 
 
-@functools.cache
-def _pipe_control(variant: str) -> dict[tuple[int, ...], Any]:
-    """:func:`_pipe_oracle` on the fixture ``variant`` itself at its own layout (DP=2): the
-    uninterrupted run, run once per session for every oracle that compares with it."""
-    tp = 1 if variant == "pipeline_tied" else 2
-    result = Path(tempfile.mkdtemp(prefix="ckpttool-control-")) / f"{variant}.pt"
-    return _pipe_oracle(FIXTURES / "deepspeed" / variant, 2, result, variant, tp=tp)
+@pytest.fixture(scope="session")
+def pipe_control(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``pipe_control(variant)``: :func:`_pipe_oracle` on the fixture ``variant`` itself at its own
+    layout (DP=2), the uninterrupted run; run once per session for every oracle comparing with it."""
+
+    @functools.cache
+    def run(variant: str) -> dict[tuple[int, ...], Any]:
+        tp = 1 if variant == "pipeline_tied" else 2
+        result = tmp_path_factory.mktemp("control") / f"{variant}.pt"
+        return _pipe_oracle(FIXTURES / "deepspeed" / variant, 2, result, variant, tp=tp)
+
+    return run
 
 
 @pytest.mark.slow
-def test_deepspeed_pipeline_engine_resumes_at_dp1(tmp_path):
+def test_deepspeed_pipeline_engine_resumes_at_dp1(tmp_path, pipe_control):
     """Oracle: DeepSpeed's PipelineEngine (PP=2 x model axis 2) at DP=1 loads the DP=2 pipeline
     fixture resharded to --dp 1: on every stage and model rank the fp32 masters, both moments
     and the module equal the fixture's reference and what the same engine at DP=2 loads from the
@@ -1249,7 +1253,7 @@ def test_deepspeed_pipeline_engine_resumes_at_dp1(tmp_path):
     out = tmp_path / "dp1"
     reshard(FIXTURES / "deepspeed" / "pipeline", out, Target(dp=1))
     ours = {k[:2]: r for k, r in _pipe_oracle(out, 1, tmp_path / "dp1.pt").items()}
-    control = {k[:2]: r for k, r in _pipe_control("pipeline").items() if k[2] == 0}
+    control = {k[:2]: r for k, r in pipe_control("pipeline").items() if k[2] == 0}
     ref = torch.load(FIXTURES / "deepspeed" / "pipeline.reference.pt", weights_only=False)
     assert sorted(ours) == sorted(control) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     checked = 0
@@ -1278,7 +1282,7 @@ def _tp_slice(whole: Any, part: Any, t: int) -> Any:
 
 
 @pytest.mark.slow
-def test_deepspeed_tensor_parallel_engine_resumes_at_dp1(tmp_path):
+def test_deepspeed_tensor_parallel_engine_resumes_at_dp1(tmp_path, pipe_control):
     """Oracle: the tp2 fixture (a Megatron-style TP=2 model, ZeRO-2, DP=2, with its
     universal_checkpoint_info) resharded to --dp 1 is loaded by DeepSpeed's engine at TP=2 x DP=1:
     on both TP ranks the fp32 masters, both moments and the module equal the fixture's reference
@@ -1291,7 +1295,7 @@ def test_deepspeed_tensor_parallel_engine_resumes_at_dp1(tmp_path):
     out = tmp_path / "dp1"
     reshard(FIXTURES / "deepspeed" / "tp2", out, Target(dp=1))
     ours = _pipe_oracle(out, 1, tmp_path / "dp1.pt", "tp2")
-    control = _pipe_control("tp2")
+    control = pipe_control("tp2")
     ref = torch.load(FIXTURES / "deepspeed" / "tp2.reference.pt", weights_only=False)
     assert sorted(ours) == [(0, 0, 0), (0, 1, 0)] and len(control) == 4
     checked = 0
@@ -1488,7 +1492,7 @@ def test_deepspeed_universal_of_a_pipeline_run_is_ds_to_universals(variant, coun
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["pipeline", "pipeline_tied"])
-def test_deepspeed_pipeline_engine_loads_our_universal_at_pp1(variant, tmp_path):
+def test_deepspeed_pipeline_engine_loads_our_universal_at_pp1(variant, tmp_path, pipe_control):
     """Oracle: ckpttool's universal checkpoint of a pipeline fixture (PP=2 x model axis 2 x DP=2;
     pipeline_tied: PP=2 x DP=2, the embedding tied across the stages) is loaded by DeepSpeed's
     PipelineEngine at PP=1 x TP=1 x DP=1 with ``checkpoint.load_universal``: one process holds all
@@ -1502,7 +1506,7 @@ def test_deepspeed_pipeline_engine_loads_our_universal_at_pp1(variant, tmp_path)
     out = tmp_path / "uni"
     reshard(FIXTURES / "deepspeed" / variant, out, Target(to="deepspeed-universal"))
     (mine,) = _pipe_oracle(out, 1, tmp_path / "pp1.pt", variant, pp=1, tp=1, universal=True).values()
-    control = _pipe_control(variant)
+    control = pipe_control(variant)
     ref = torch.load(FIXTURES / "deepspeed" / f"{variant}.reference.pt", weights_only=False)
     assert mine["coord"] == (0, 0, 0) and mine["counters"] == (3, 24)
     states = ("fp32", "exp_avg", "exp_avg_sq")
@@ -1519,7 +1523,7 @@ def test_deepspeed_pipeline_engine_loads_our_universal_at_pp1(variant, tmp_path)
 
 
 @pytest.mark.slow
-def test_deepspeed_tied_pipeline_engine_resumes_at_dp4(tmp_path):
+def test_deepspeed_tied_pipeline_engine_resumes_at_dp4(tmp_path, pipe_control):
     """Oracle: the pipeline_tied fixture (PP=2 x DP=2, the embedding tied across the stages)
     resharded to --dp 4, where stage 1 cuts the tied weight's partitions at other boundaries than
     stage 0, is loaded by DeepSpeed's PipelineEngine at PP=2 x DP=4: on all eight ranks the fp32
@@ -1542,11 +1546,12 @@ def test_deepspeed_tied_pipeline_engine_resumes_at_dp4(tmp_path):
                 checked += 1
         assert all(torch.equal(v, ref[f"module.{k}"]) for k, v in mine["module"].items()), key
     assert checked == 4 * 3 * (13 + 9)  # per DP rank: stage 0's 12 and stage 1's 8 parameters, each with the tied one
-    (loss,) = {r["loss"] for r in _pipe_control("pipeline_tied").values()}
+    (loss,) = {r["loss"] for r in pipe_control("pipeline_tied").values()}
     assert {r["loss"] for r in ours.values()} == {loss}
 
 
-def test_deepspeed_tensor_parallel_engine_loads_our_universal_at_tp1(tmp_path):
+@pytest.mark.slow
+def test_deepspeed_tensor_parallel_engine_loads_our_universal_at_tp1(tmp_path, pipe_control):
     """Oracle: ckpttool's universal checkpoint of the tp2 fixture (a Megatron-style TP=2 x DP=2
     run) is loaded by DeepSpeed's engine with ``checkpoint.load_universal`` at TP=1 x DP=1, one
     process holding the whole model (vocabulary padded to 32 rows again): its fp32 masters, both
@@ -1559,7 +1564,7 @@ def test_deepspeed_tensor_parallel_engine_loads_our_universal_at_tp1(tmp_path):
     out = tmp_path / "uni"
     reshard(FIXTURES / "deepspeed" / "tp2", out, Target(to="deepspeed-universal"))
     (mine,) = _pipe_oracle(out, 1, tmp_path / "tp1.pt", "tp2", tp=1, universal=True).values()
-    control = _pipe_control("tp2")
+    control = pipe_control("tp2")
     ref = torch.load(FIXTURES / "deepspeed" / "tp2.reference.pt", weights_only=False)
     assert mine["coord"] == (0, 0, 0) and mine["counters"] == (3, 24)
     checked = 0

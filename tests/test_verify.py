@@ -193,8 +193,9 @@ def test_deepspeed_tied_copies_cut_at_other_boundaries(stage, tmp_path):
     """The embedding tied across the pipeline_tied fixture's two stages, resharded to DP=4: stage 0's
     optimizer holds its master whole in DP rank 0's partition, stage 1's cuts it at element 380
     (its groups are smaller). Clean, the copies verify equal; a value altered in either stage's copy
-    (stage 1: inside DP rank 1's part) is a replica-mismatch naming the altered file; the copies are
-    compared range by range."""
+    (stage 1: inside DP rank 1's part) is found, the copies compared range by range: a
+    replica-mismatch naming stage 1's piece against stage 0's, a warning (DeepSpeed keeps only a
+    tied module's tied_weight_attr in sync: a tied module's other weights may differ by design)."""
     from ckpttool.reshard import Target, reshard
 
     path = tmp_path / "dp4"
@@ -213,8 +214,8 @@ def test_deepspeed_tied_copies_cut_at_other_boundaries(stage, tmp_path):
     file, off, _ = _raw(path, name, index)
     _patch(file, off + 4 * (400 if stage == 0 else 20), b"\x00\x00\x00\x40")  # element 400 becomes 2.0
     found = [f for f in verify(path).findings if f.rule == "replica-mismatch"]
-    assert [f.item for f in found] == [name]
-    assert found[0].file == pieces[index].file or found[0].message.endswith(pieces[index].file)
+    assert [(f.item, f.severity, f.file) for f in found] == [(name, "warning", pieces[2].file)]
+    assert pieces[0].file in found[0].message and "tied across pipeline stages" in found[0].message
 
 
 @pytest.mark.parametrize(

@@ -327,7 +327,15 @@ def _popen(
         stdout=subprocess.DEVNULL,
         stderr=stderr,
         start_new_session=True,  # its own process group: the kill reaches workers too, as Ctrl-C would
+        preexec_fn=_ctrl_c_default,
     )
+
+
+def _ctrl_c_default() -> None:
+    """In the child before it runs the command: SIGINT's default disposition, as in a terminal. A
+    shell starts a background job (``.ci/run &``) with SIGINT ignored, which the command would inherit
+    and Ctrl-C would never reach it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _killpg(proc: subprocess.Popen, sig: int) -> None:

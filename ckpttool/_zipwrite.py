@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 import xxhash
 
 from ckpttool._crc import crc32
+from ckpttool.hashing import SpanFeeder
 from ckpttool.io import helper, start_writeback
 
 _M64 = (1 << 64) - 1
@@ -182,20 +183,9 @@ class _Digests:
     partition), or of the whole data when there are none."""
 
     def __init__(self, size: int, spans: Any) -> None:
-        ranges = sorted((lo, n) for lo, n in spans or () if n > 0) if spans else [(0, size)]
-        self.ranges = [(lo, lo + n, xxhash.xxh3_128()) for lo, n in ranges]
-        self.next = 0  # ranges before this one end before the bytes fed so far
-
-    def feeds(self, view: Any, done: int) -> list[tuple[Any, Any]]:
-        """What of ``view``, the data's bytes from ``done`` on, goes to which hasher."""
-        out, end = [], done + len(view)
-        while self.next < len(self.ranges) and self.ranges[self.next][1] <= done:
-            self.next += 1
-        for lo, hi, h in self.ranges[self.next :]:
-            if lo >= end:
-                break
-            out.append((h, view[max(lo, done) - done : min(hi, end) - done]))
-        return out
+        ranges = sorted((lo, n) for lo, n in spans if n > 0) if spans else [(0, size)]
+        self.ranges = [(lo, n, xxhash.xxh3_128()) for lo, n in ranges]
+        self.feeds = SpanFeeder(self.ranges).feeds
 
 
 class ZipWriter:
@@ -267,8 +257,8 @@ class ZipWriter:
         if written != size:
             raise ValueError(f"zip record {name!r}: {written} bytes given, {size} announced")
         if add_span is not None and digests is not None:
-            for lo, hi, h in digests.ranges:
-                add_span(data_at + lo, hi - lo, h.hexdigest())
+            for lo, n, h in digests.ranges:
+                add_span(data_at + lo, n, h.hexdigest())
         if size:
             if big_size or big_at:
                 self._put(struct.pack("<IIQQ", 0x08074B50, crc, size, size))

@@ -80,6 +80,34 @@ class Cancelled(Exception):
     """The caller stopped a hashing pass it no longer needs."""
 
 
+class SpanFeeder:
+    """Hashers of byte ranges of a stream that is fed in order: :meth:`feeds` says which part of
+    each next stretch of bytes goes to which range's hasher. Ranges may overlap."""
+
+    def __init__(self, ranges: Iterable[tuple[int, int, Any]]) -> None:
+        """``ranges``: (offset, length, hasher)."""
+        self.ranges = sorted(ranges, key=lambda r: r[0])
+        self.active: list[tuple[int, int, Any]] = []
+        self.next = 0
+
+    def feeds(self, view: Any, pos: int) -> list[tuple[Any, Any]]:
+        """(hasher, part of ``view``) for ``view``, the stream's bytes from ``pos`` on (each call
+        continuing where the last ended)."""
+        end = pos + len(view)
+        while self.next < len(self.ranges) and self.ranges[self.next][0] < end:
+            self.active.append(self.ranges[self.next])
+            self.next += 1
+        out, still = [], []
+        for r in self.active:
+            lo, hi = max(r[0], pos), min(r[0] + r[1], end)
+            if lo < hi:
+                out.append((r[2], view[lo - pos : hi - pos]))
+            if r[0] + r[1] > end:
+                still.append(r)
+        self.active = still
+        return out
+
+
 def hash_file(
     root: Path,
     rel: str,
@@ -98,10 +126,8 @@ def hash_file(
     try:
         size = os.fstat(fd).st_size
         whole = new_hasher(algo)
-        ordered = sorted(spans, key=lambda s: s.offset)
-        hashers = {s.key: new_hasher(s.algo or algo) for s in ordered}
-        active: list[Span] = []
-        nxt = 0
+        hashers = {s.key: new_hasher(s.algo or algo) for s in spans}
+        feeder = SpanFeeder((s.offset, s.length, hashers[s.key]) for s in spans)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         buf = bytearray(min(CHUNK, max(size, 1)))
@@ -114,23 +140,13 @@ def hash_file(
             if n == 0:
                 break
             chunk = view[:n]
-            end = pos + n
             whole.update(chunk)
-            while nxt < len(ordered) and ordered[nxt].offset < end:
-                active.append(ordered[nxt])
-                nxt += 1
-            still = []
-            for s in active:
-                lo, hi = max(s.offset, pos), min(s.offset + s.length, end)
-                if lo < hi:
-                    hashers[s.key].update(chunk[lo - pos : hi - pos])
-                if s.offset + s.length > end:
-                    still.append(s)
-            active = still
+            for h, part in feeder.feeds(chunk, pos):
+                h.update(part)
             if progress is not None:
                 progress(n)
-            pos = end
-        digests = {s.key: hashers[s.key].hexdigest() for s in ordered if s.offset + s.length <= size}
+            pos += n
+        digests = {s.key: hashers[s.key].hexdigest() for s in spans if s.offset + s.length <= size}
         return FileDigest(rel, size, whole.hexdigest()), digests
     except (OSError, ValueError) as exc:
         return FileDigest(rel, -1, None, str(exc)), {}

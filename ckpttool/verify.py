@@ -794,9 +794,11 @@ def _replica_mismatch(report: VerifyReport, manifest: Manifest, item: Item, p: P
 def _compare_ranges(report: VerifyReport, manifest: Manifest, item: Item, reader: Any, lone: list[int]) -> None:
     """Pieces of a copy cut at other boundaries than the first copy's (a weight tied across
     pipeline stages, each stage's flat groups partitioned their own way): each against the
-    overlapping parts of the first copy's pieces. These pieces are read a second time."""
-    base = [q for q in item.pieces if q.replica == 0 and q.flat is not None]
-    for i in lone:
+    overlapping parts of the first copy's pieces, taken in order so that a piece of the first copy
+    is read once for the run of pieces it overlaps. These pieces are read a second time."""
+    base = sorted((q for q in item.pieces if q.replica == 0 and q.flat is not None), key=lambda q: q.flat or (0, 0))
+    held: tuple[Piece, Any] | None = None  # the last piece of the first copy read, with its values
+    for i in sorted(lone, key=lambda i: item.pieces[i].flat or (0, 0)):
         p = item.pieces[i]
         assert p.flat is not None
         a, n = p.flat
@@ -809,10 +811,11 @@ def _compare_ranges(report: VerifyReport, manifest: Manifest, item: Item, reader
                 continue
             try:
                 mine = reader.read(p, item).reshape(-1) if mine is None else mine
-                theirs = reader.read(q, item).reshape(-1)
+                if held is None or held[0] is not q:
+                    held = (q, reader.read(q, item).reshape(-1))
             except CkptError:
                 break
-            if mine[lo - a : hi - a].view("u1").tobytes() != theirs[lo - b : hi - b].view("u1").tobytes():
+            if not np.array_equal(mine[lo - a : hi - a].view("u1"), held[1][lo - b : hi - b].view("u1")):
                 _replica_mismatch(report, manifest, item, p, q)
                 break
 

@@ -123,8 +123,6 @@ class TpRules:
         if isinstance(affine, dict) and isinstance(affine.get("params"), dict):
             apart += patterns("affine_map.params", list(affine["params"]))
         self.compiled["not joined"] = [re.compile(p) for p in apart]
-        key = "pipeline_replicated_parameter_patterns"
-        self.compiled[key] = [re.compile(p) for p in patterns(key, info.get(key) or [])]
 
     def _matches(self, key: str, name: str) -> bool:
         return any(p.match(name) for p in self.compiled.get(key, ()))
@@ -345,9 +343,8 @@ class DeepSpeedAdapter:
                 b.zero3(per_rank, shapes, mp % tp_size, mp)
             else:
                 b.zero12(per_rank, shapes, mp % tp_size, mp)
-        staged = sorted(p for p, s in b.stages.items() if len(s) > 1)
-        if staged:  # a weight tied across pipeline stages: each stage's optimizer holds a copy
-            manifest.extras["stage_copies"] = [f"{p}.{s}" for p in staged for s in ("fp32", "exp_avg", "exp_avg_sq")]
+        if staged := b.stage_copies():
+            manifest.extras["stage_copies"] = staged
         if stage == 0 and not optims:
             opt = first_model.get("optimizer")
             if isinstance(opt, dict):
@@ -477,9 +474,13 @@ class _Builder:
         self.replicas = ReplicaCounter()
         self.copies: dict[tuple[str, Box], list[int]] = {}
         """the model-parallel ranks holding a copy of a region of a flat-partitioned item, in order"""
-        self.stages: dict[str, set[int]] = defaultdict(set)
-        """the pipeline stages whose optimizer holds each parameter"""
         self.rules = rules or TpRules(None, 1, "")
+
+    def stage_copies(self) -> list[str]:
+        """The flat-partitioned items whose copies are held by more than one pipeline stage (a
+        weight tied across the stages: each stage's optimizer holds one)."""
+        tp = max(self.rules.tp, 1)
+        return sorted({name for (name, _box), mps in self.copies.items() if len({m // tp for m in mps}) > 1})
 
     def tp_item(
         self, param: str, suffix: str, kind: Kind, dtype: str, shape: tuple[int, ...], t: int, rule: Rule
@@ -552,7 +553,6 @@ class _Builder:
             for state, ref in refs.items():
                 kind: Kind = "master" if state == "fp32" else "optim"
                 item, box = self.tp_item(param, f".{state}", kind, ref.dtype, shape, t, rule)
-                self.stages[param].add(mp // max(self.rules.tp, 1))
                 copies = self.copies.setdefault((item.name, box), [])
                 if mp not in copies:
                     copies.append(mp)

@@ -387,8 +387,9 @@ def test_span_digests_are_those_of_the_bytes(chunked: bool, monkeypatch: pytest.
         monkeypatch.setattr(zw, "PARALLEL", 1)
         monkeypatch.setattr(zw, "WRITE_CHUNK", 7)
     data = bytes(range(256)) * 4
-    spans = ((100, 50), (0, 10), (100, 50), (10, 0), (900, 124))
-    out = HashingFile(io.BytesIO())
+    spans = ((100, 50), (0, 10), (100, 50), (10, 0), (900, 124), (0, 300), (20, 30))  # the last two overlap
+    buf = io.BytesIO()
+    out = HashingFile(buf)
     zf = ZipWriter(out)
     zf.write_record_parts("data/0", len(data), iter([data[:333], data[333:334], data[334:]]), spans)
     at = next(lo for (lo, n) in out.spans if n == 10)  # where the data starts in the file
@@ -397,3 +398,5 @@ def test_span_digests_are_those_of_the_bytes(chunked: bool, monkeypatch: pytest.
     zf.write_record("data/1", data[:40])
     whole = {k: v for k, v in out.spans.items() if k not in want}
     assert list(whole.values()) == [xxhash.xxh3_128(data[:40]).hexdigest()] and next(iter(whole))[1] == 40
+    written = buf.getvalue()  # the offsets are the file's: each digest is that of the bytes there
+    assert all(xxhash.xxh3_128(written[o : o + n]).hexdigest() == d for (o, n), d in out.spans.items())

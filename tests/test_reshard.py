@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
-import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -467,15 +467,22 @@ def test_the_seal_takes_the_digests_the_writers_took(source, target, tmp_path, m
     read: list[str] = []
     hash_file = hashing.hash_file
 
-    def counting(root, rel, *args, **kwargs):
-        read.append(rel)
+    out = tmp_path / "out"
+
+    def counting(root, rel, *args, **kwargs):  # the file's path in the output (the seal's root may be below it)
+        parts = Path(root, rel).parts
+        staged = next(k for k, part in enumerate(parts) if part.startswith(".out.ckpttool-tmp"))
+        read.append(str(Path(*parts[staged + 1 :])))
         return hash_file(root, rel, *args, **kwargs)
 
     monkeypatch.setattr(hashing, "hash_file", counting)
-    out = tmp_path / "out"
     reshard(FIXTURES / source, out, target)
-    written = [rel for rel in tree_digests(out) if rel.endswith((".pt", ".distcp")) and "zero/" not in rel]
-    assert written and not set(written) & set(read), read
+    tensors = [rel for rel in tree_digests(out) if rel.endswith((".pt", ".distcp"))]
+    copied = {rel for rel in tensors if "_universal/" in rel and rel.endswith("model_states.pt")}  # copied as is
+    written = set(tensors) - copied
+    assert written and not written & set(read), read
+    assert copied <= set(read)  # a copied file is read by the seal: no writer hashed it
+
     ours = json.loads((out / "ckpttool.manifest.json").read_text())
     monkeypatch.setattr(hashing, "hash_file", hash_file)
     seal(out, out=tmp_path / "again.json")
@@ -856,6 +863,28 @@ def test_deepspeed_resumes_from_the_resharded_zero3_checkpoint(variant, dp):
     assert "zero_to_fp32: 18 tensors, 18 bit-identical to the reference" in report
 
 
+def _differing_files(ours: Path, theirs: Path) -> tuple[list[str], list[str]]:
+    """The files under ``theirs`` (asserted to be the files under ``ours``), and those whose bytes
+    differ between the two."""
+    names = sorted(str(p.relative_to(theirs)) for p in theirs.rglob("*") if p.is_file())
+    assert names == sorted(str(p.relative_to(ours)) for p in ours.rglob("*") if p.is_file())
+    return names, [n for n in names if (ours / n).read_bytes() != (theirs / n).read_bytes()]
+
+
+def _ds_to_universal(src: Path, out: Path) -> Path:
+    """DeepSpeed's ds_to_universal (a subprocess) of the checkpoint ``src``'s global_step3 into
+    ``out``, which it returns."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+         str(src / "global_step3"), "--output_folder", str(out),
+         "--num_extract_workers", "1", "--num_merge_workers", "1"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return out
+
+
 def test_deepspeed_universal_is_ds_to_universal_byte_for_byte(tmp_path):
     """--to deepspeed-universal of the ZeRO-2 fixture: the same files as DeepSpeed's ds_to_universal
     (kept in fixtures/deepspeed/universal), byte for byte, but one. That one is the tied
@@ -867,9 +896,7 @@ def test_deepspeed_universal_is_ds_to_universal_byte_for_byte(tmp_path):
     reshard(FIXTURES / "deepspeed" / "zero2", out, Target(to="deepspeed-universal"))
     assert (out / "latest_universal").read_text() == "global_step3_universal"
     ours, theirs = out / "global_step3_universal", FIXTURES / "deepspeed" / "universal" / "global_step3_universal"
-    names = sorted(str(p.relative_to(theirs)) for p in theirs.rglob("*") if p.is_file())
-    assert names == sorted(str(p.relative_to(ours)) for p in ours.rglob("*") if p.is_file())
-    differ = [n for n in names if (ours / n).read_bytes() != (theirs / n).read_bytes()]
+    _, differ = _differing_files(ours, theirs)
     assert differ == ["zero/head.weight/fp32.pt"], differ
     a = torch.load(ours / differ[0], weights_only=True)
     b = torch.load(theirs / differ[0], weights_only=True)
@@ -888,10 +915,9 @@ def test_deepspeed_universal_from_zero3_is_ds_to_universal_byte_for_byte(tmp_pat
     assert any("ZeRO-3 universal load restores no frozen parameter" in n for n in result.plan.notes)
     assert (out / "latest_universal").read_text() == "global_step3_universal"
     ours, theirs = out / "global_step3_universal", FIXTURES / "deepspeed" / "universal3" / "global_step3_universal"
-    names = sorted(str(p.relative_to(theirs)) for p in theirs.rglob("*") if p.is_file())
+    names, differ = _differing_files(ours, theirs)
     assert len(names) == 45 and "zero/blocks.0.fc1.weight/fp32.pt" in names
-    assert names == sorted(str(p.relative_to(ours)) for p in ours.rglob("*") if p.is_file())
-    assert [n for n in names if (ours / n).read_bytes() != (theirs / n).read_bytes()] == []
+    assert differ == []
     assert verify(out).failing() == []
     assert not diff(FIXTURES / "deepspeed" / "zero3", out).different
 
@@ -1375,18 +1401,18 @@ def test_deepspeed_universal_of_a_tensor_parallel_run(tmp_path):
     reshard(FIXTURES / "deepspeed" / "tp2", out, Target(to="deepspeed-universal"))
     root = out / "global_step3_universal"
     ref = torch.load(FIXTURES / "deepspeed" / "tp2.reference.pt", weights_only=True)
-    heads = {}
-    for state in ("fp32", "exp_avg", "exp_avg_sq"):
+    for state in ("fp32", "exp_avg", "exp_avg_sq"):  # every state's file has its parameter's header
+        heads = {}
         for name in [k[len("fp32.") :] for k in ref if k.startswith("fp32.")]:
             got = torch.load(root / "zero" / name / f"{state}.pt", weights_only=True)
             want = ref[f"{state}.{name}"]
             want = want[:31] if name.split(".")[0] in ("emb", "head") else want
             assert torch.equal(got.pop("param"), want), (state, name)
             heads[name] = got
-    assert heads["blocks.0.fc1.weight"] == heads["blocks.1.fc1.bias"] == {"cat_dim": 0}
-    assert heads["blocks.0.fc2.weight"] == {"cat_dim": 1}
-    assert heads["blocks.0.norm.weight"] == heads["blocks.1.fc2.bias"] == {}
-    assert heads["emb.weight"] == heads["head.weight"] == {"cat_dim": 0, "vocab_tensor": True}
+        assert heads["blocks.0.fc1.weight"] == heads["blocks.1.fc1.bias"] == {"cat_dim": 0}, state
+        assert heads["blocks.0.fc2.weight"] == {"cat_dim": 1}, state
+        assert heads["blocks.0.norm.weight"] == heads["blocks.1.fc2.bias"] == {}, state
+        assert heads["emb.weight"] == heads["head.weight"] == {"cat_dim": 0, "vocab_tensor": True}, state
     for t in (0, 1):
         rel = f"mp_rank_0{t}_model_states.pt"
         assert (root / rel).read_bytes() == (FIXTURES / "deepspeed" / "tp2" / "global_step3" / rel).read_bytes()
@@ -1417,22 +1443,13 @@ def test_deepspeed_universal_of_a_tensor_parallel_run_is_ds_to_universals(tmp_pa
     pytest.importorskip("deepspeed", reason="needs deepspeed (an oracle, not a dependency)")
     from ckpttool.formats.deepspeed import ALLOWLIST as DS
 
-    theirs = tmp_path / "theirs"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-         str(FIXTURES / "deepspeed" / "tp2" / "global_step3"), "--output_folder", str(theirs),
-         "--num_extract_workers", "1", "--num_merge_workers", "1"],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    theirs = _ds_to_universal(FIXTURES / "deepspeed" / "tp2", tmp_path / "theirs")
     out = tmp_path / "ours"
     reshard(FIXTURES / "deepspeed" / "tp2", out, Target(to="deepspeed-universal"))
     ours = out / "global_step3_universal"
-    names = sorted(str(p.relative_to(theirs)) for p in theirs.rglob("*") if p.is_file())
-    assert names == sorted(str(p.relative_to(ours)) for p in ours.rglob("*") if p.is_file())
-    differ = [n for n in names if (ours / n).read_bytes() != (theirs / n).read_bytes()]
-    assert differ == sorted(f"zero/{p}.weight/{s}.pt" for p in ("emb", "head") for s in ("exp_avg", "exp_avg_sq", "fp32"))
+    _, differ = _differing_files(ours, theirs)
+    vocab = ("emb", "head")
+    assert differ == sorted(f"zero/{p}.weight/{s}.pt" for p in vocab for s in ("exp_avg", "exp_avg_sq", "fp32"))
     for n in differ:
         assert _tree(ours / n, DS) == _tree(theirs / n, DS), n
 
@@ -1472,22 +1489,13 @@ def test_deepspeed_universal_of_a_pipeline_run_is_ds_to_universals(variant, coun
     across the stages, once, as ds_to_universal keeps one of what its
     pipeline_replicated_parameter_patterns name)."""
     pytest.importorskip("deepspeed", reason="needs deepspeed (an oracle, not a dependency)")
-    theirs = tmp_path / "theirs"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-         str(FIXTURES / "deepspeed" / variant / "global_step3"), "--output_folder", str(theirs),
-         "--num_extract_workers", "1", "--num_merge_workers", "1"],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    theirs = _ds_to_universal(FIXTURES / "deepspeed" / variant, tmp_path / "theirs")
     out = tmp_path / "ours"
     reshard(FIXTURES / "deepspeed" / variant, out, Target(to="deepspeed-universal"))
     ours = out / "global_step3_universal"
-    names = sorted(str(p.relative_to(theirs)) for p in theirs.rglob("*") if p.is_file())
+    names, differ = _differing_files(ours, theirs)
     assert len(names) == count
-    assert names == sorted(str(p.relative_to(ours)) for p in ours.rglob("*") if p.is_file())
-    assert [n for n in names if (ours / n).read_bytes() != (theirs / n).read_bytes()] == []
+    assert differ == []
 
 
 @pytest.mark.slow

@@ -183,7 +183,7 @@ def test_deepspeed_tensor_parallel_copies(name, finds, tmp_path):
     index = next(i for i, p in enumerate(item.pieces) if "mp_rank_01" in p.file)
     assert (item.pieces[index].replica == 1) is finds
     file, off, _ = _raw(path, name, index)
-    _patch(file, off, b"\x00\x40")  # the first float32 becomes about 2.0
+    _patch(file, off, b"\x00\x00\x00\x40")  # the first float32 becomes 2.0
     found = [f for f in verify(path).findings if f.rule == "replica-mismatch"]
     assert [f.item for f in found] == ([name] if finds else [])
 

@@ -83,10 +83,18 @@ def tensor_piece(
     flat: tuple[int, int] | None = None,
     rank: int | None = None,
     replica: int = 0,
+    rows: tuple[int, int] | None = None,
 ) -> Piece:
-    """A piece holding tensor ``ref`` of file ``rel`` (or, with ``numel``, the 1-d run of
-    ``numel`` elements from element ``start`` of a flat tensor)."""
-    if numel is None:
+    """A piece holding tensor ``ref`` of file ``rel`` (with ``rows``, its rows ``lo..hi`` on dim 0;
+    with ``numel``, the 1-d run of ``numel`` elements from element ``start`` of a flat tensor)."""
+    if rows is not None:
+        lo, hi = rows
+        if not ref.shape or not 0 <= lo <= hi <= ref.shape[0]:
+            raise CorruptFileError(f"{rel}: rows {lo}..{hi} outside a tensor of {ref.shape}", path=rel)
+        shape, stride = (hi - lo, *ref.shape[1:]), ref.stride
+        offset = ref.storage_offset + lo * ref.stride[0]
+        count = math.prod(shape)
+    elif numel is None:
         shape, stride, offset = ref.shape, ref.stride, ref.storage_offset
         count = math.prod(shape)
     else:

@@ -73,6 +73,9 @@ _RESERVED = {
 
 PER_RANK = "rank"
 """a TP split rule: the copies' relation is unknown; one item per TP rank, ``<param>[tp=R]``"""
+HALVES = "halves"
+"""a TP split rule: two sub-parameters fused on dim 0 (SwiGLU's gate and up projections), each
+sliced over the TP ranks: rank t's copy is ``[a_t; b_t]``, the whole tensor ``[a_0 … a_T; b_0 … b_T]``"""
 Rule = int | str | None
 
 
@@ -80,11 +83,14 @@ class TpRules:
     """How the copies of a parameter on the ranks of a tensor-parallel axis make the whole tensor.
     DeepSpeed records no split rule of its own; Megatron-DeepSpeed and AutoTP save the model's in
     ``universal_checkpoint_info``: the regular expressions by which ``ds_to_universal`` merges TP
-    slices (research/deepspeed.md §2.2). :meth:`rule` follows them as it does: replicated patterns
-    are replicas; row-parallel ones are joined on dim 1, the rest on dim 0 (vocabulary parameters
-    keep their padding rows). Sub-parameters (fused QKV, SwiGLU halves), averaged parameters and
-    affine maps are not joined: their copies, like every copy when there is no
-    ``universal_checkpoint_info``, stay one item per TP rank (``PER_RANK``)."""
+    slices (research/deepspeed.md §2.2). :meth:`rule` follows them as it does, in its order:
+    replicated patterns are replicas; two sub-parameters on dim 0 (SwiGLU's fused gate and up
+    projections) are joined sub-parameter by sub-parameter (``HALVES``); row-parallel ones are
+    joined on dim 1, the rest on dim 0 (vocabulary parameters keep their padding rows). Averaged
+    parameters (copies that may differ, which ds_to_universal averages), other sub-parameters
+    (fused QKV by ``parameter_with_sub_params``) and affine maps are not joined: their copies, like
+    every copy when there is no ``universal_checkpoint_info``, stay one item per TP rank
+    (``PER_RANK``)."""
 
     def __init__(self, raw: Any, tp: int, rel: str) -> None:
         self.tp = tp
@@ -109,32 +115,39 @@ class TpRules:
 
         for key in (
             "tp_replicated_parameter_patterns",
+            "parameter_to_average_patterns",
+            "parameter_with_2_sub_params_cat_dim_0",
             "parameter_with_row_parallelism_patterns",
             "vocabulary_parameter_patterns",
         ):
             self.compiled[key] = [re.compile(p) for p in patterns(key, info.get(key) or [])]
-        apart = [
-            *patterns("parameter_to_average_patterns", info.get("parameter_to_average_patterns") or []),
-            *patterns("parameter_with_2_sub_params_cat_dim_0", info.get("parameter_with_2_sub_params_cat_dim_0") or []),
-        ]
+        subs: list[str] = []
         for sub in _sub_param_dicts(info.get("parameter_with_sub_params")):
-            apart += patterns("parameter_with_sub_params.patterns", sub.get("patterns") or [])
+            subs += patterns("parameter_with_sub_params.patterns", sub.get("patterns") or [])
+        self.compiled["sub-parameters"] = [re.compile(p) for p in subs]
         affine = info.get("affine_map")
-        if isinstance(affine, dict) and isinstance(affine.get("params"), dict):
-            apart += patterns("affine_map.params", list(affine["params"]))
-        self.compiled["not joined"] = [re.compile(p) for p in apart]
+        maps = list(affine["params"]) if isinstance(affine, dict) and isinstance(affine.get("params"), dict) else []
+        self.compiled["affine"] = [re.compile(p) for p in patterns("affine_map.params", maps)]
 
     def _matches(self, key: str, name: str) -> bool:
         return any(p.match(name) for p in self.compiled.get(key, ()))
 
     def kind(self, name: str) -> str:
-        """``name``'s category in the patterns: "apart" (averaged, sub-parameters, affine map: not
-        joined here), "replicated", "row" (joined on dim 1), "vocab" (a vocabulary parameter,
+        """``name``'s category in the patterns, taken in ds_to_universal's order: "apart" (an
+        affine map, or sub-parameters by ``parameter_with_sub_params``: not joined here),
+        "replicated", "average" (copies averaged by ds_to_universal, kept apart here), "halves"
+        (two sub-parameters on dim 0), "row" (joined on dim 1), "vocab" (a vocabulary parameter,
         joined on dim 0) or "default" (no pattern names it)."""
-        if self._matches("not joined", name):
+        if self._matches("affine", name):
             return "apart"
         if self._matches("tp_replicated_parameter_patterns", name):
             return "replicated"
+        if self._matches("parameter_to_average_patterns", name):
+            return "average"
+        if self._matches("parameter_with_2_sub_params_cat_dim_0", name):
+            return "halves"
+        if self._matches("sub-parameters", name):
+            return "apart"
         if self._matches("parameter_with_row_parallelism_patterns", name):
             return "row"
         return "vocab" if self.vocab(name) else "default"
@@ -153,10 +166,12 @@ class TpRules:
         if self.info is None:
             return PER_RANK
         kind = self.kind(name)
-        if kind == "apart" or (kind == "default" and not trainable):
+        if kind in ("apart", "average") or (kind == "default" and not trainable):
             return PER_RANK
         if kind == "replicated":
             return None
+        if kind == "halves":
+            return HALVES if ndim >= 1 else PER_RANK
         dim = 1 if kind == "row" else 0
         return dim if dim < ndim else PER_RANK
 
@@ -484,15 +499,23 @@ class _Builder:
 
     def tp_item(
         self, param: str, suffix: str, kind: Kind, dtype: str, shape: tuple[int, ...], t: int, rule: Rule
-    ) -> tuple[Item, Box]:
+    ) -> tuple[Item, list[tuple[Box, int]]]:
         """The item that TP rank ``t``'s copy (of ``shape``) of ``param`` + ``suffix`` belongs to
-        under ``rule``, and the region of it that the copy holds."""
+        under ``rule``, and the regions of it that the copy holds, each with the element of the
+        (flattened) copy it starts at: one region, or one per sub-parameter (``HALVES``)."""
+        if rule == HALVES and shape[0] % 2 == 0:
+            half = (shape[0] // 2, *shape[1:])
+            full = (shape[0] * self.rules.tp, *shape[1:])
+            rest = (0,) * (len(shape) - 1)
+            return self.item(param + suffix, kind, dtype, full), [
+                (Box((s * half[0] * self.rules.tp + t * half[0], *rest), half), s * math.prod(half)) for s in (0, 1)
+            ]
         if isinstance(rule, int):
             full = tuple(n * self.rules.tp if d == rule else n for d, n in enumerate(shape))
             offsets = tuple(t * n if d == rule else 0 for d, n in enumerate(shape))
-            return self.item(param + suffix, kind, dtype, full), Box(offsets, shape)
-        name = f"{param}[tp={t}]{suffix}" if rule == PER_RANK else param + suffix
-        return self.item(name, kind, dtype, shape), Box.whole(shape)
+            return self.item(param + suffix, kind, dtype, full), [(Box(offsets, shape), 0)]
+        name = f"{param}[tp={t}]{suffix}" if rule in (PER_RANK, HALVES) else param + suffix
+        return self.item(name, kind, dtype, shape), [(Box.whole(shape), 0)]
 
     def module_value(self, name: str, value: Any, rel: str, t: int, trainable: bool, path: str) -> None:
         """A module weight or buffer of TP rank ``t``, placed by the TP rule."""
@@ -501,9 +524,12 @@ class _Builder:
                 self.tensor_or_object(name, value, rel, "param", rank=0, path=path)
             return
         rule = self.rules.rule(name, len(value.shape), trainable)
-        item, box = self.tp_item(name, "", "param", value.dtype, value.shape, t, rule)
-        replica = self.replicas.next(item.name, box)
-        item.pieces.append(_pt.tensor_piece(rel, value, box=box, rank=t, replica=replica))
+        item, regions = self.tp_item(name, "", "param", value.dtype, value.shape, t, rule)
+        for box, first in regions:
+            replica = self.replicas.next(item.name, box)
+            lo = first // max(1, math.prod(value.shape[1:]))  # a sub-parameter: rows of the copy
+            rows = (lo, lo + box.sizes[0]) if box.sizes != tuple(value.shape) else None
+            item.pieces.append(_pt.tensor_piece(rel, value, box=box, rank=t, replica=replica, rows=rows))
 
     def item(self, name: str, kind: Kind, dtype: str, shape: tuple[int, ...], param: str | None = None) -> Item:
         item = self.m.items.get(name)
@@ -552,23 +578,27 @@ class _Builder:
             rule = self.rules.rule(param, len(shape))
             for state, ref in refs.items():
                 kind: Kind = "master" if state == "fp32" else "optim"
-                item, box = self.tp_item(param, f".{state}", kind, ref.dtype, shape, t, rule)
-                copies = self.copies.setdefault((item.name, box), [])
-                if mp not in copies:
-                    copies.append(mp)
-                same = copies.index(mp)
-                item.pieces.append(
-                    _pt.tensor_piece(
-                        osd_rel,
-                        ref,
-                        box=box,
-                        start=start,
-                        numel=numel,
-                        flat=(local, numel),
-                        rank=dp,
-                        replica=same,
+                item, regions = self.tp_item(param, f".{state}", kind, ref.dtype, shape, t, rule)
+                for box, first in regions:  # the part of the fragment in each region the copy holds
+                    a, z = max(local, first), min(local + numel, first + box.volume)
+                    if a >= z:
+                        continue
+                    copies = self.copies.setdefault((item.name, box), [])
+                    if mp not in copies:
+                        copies.append(mp)
+                    same = copies.index(mp)
+                    item.pieces.append(
+                        _pt.tensor_piece(
+                            osd_rel,
+                            ref,
+                            box=box,
+                            start=start + a - local,
+                            numel=z - a,
+                            flat=(a - first, z - a),
+                            rank=dp,
+                            replica=same,
+                        )
                     )
-                )
 
     def layers(self, layers: dict[tuple[int, int], str], shapes: dict[str, tuple[int, ...] | None]) -> None:
         """Pipeline layer files: parameters named ``<layer>.<name>`` (DeepSpeed's own spelling),

@@ -334,15 +334,21 @@ class ZeroWriter:
         if self._own_files is None:
             return item
         pieces = [p for p in item.pieces if p.file in self._own_files]
-        boxes = {p.box for p in pieces}
-        if len(boxes) != 1:
+        boxes = sorted({p.box for p in pieces}, key=lambda b: b.offsets)
+        if not boxes or any(b.sizes[1:] != boxes[0].sizes[1:] or b.offsets[1:] != boxes[0].offsets[1:] for b in boxes):
             raise CorruptFileError(
                 f"{item.name}: the optimizer files of model-parallel rank {self.mp} hold "
-                f"{'none' if not boxes else f'{len(boxes)} different regions'} of it, expected one"
+                f"{'none' if not boxes else f'{len(boxes)} regions that do not stack on dim 0'} of it, expected "
+                "one (or one per sub-parameter)"
             )
-        box = boxes.pop()
-        local = Box.whole(box.sizes)
-        return replace(item, shape=box.sizes, pieces=[replace(p, replica=0, box=local) for p in pieces])
+        # the rank's own tensor: its regions stacked on dim 0 in order (one per sub-parameter)
+        local: dict[Box, Box] = {}
+        row = 0
+        for b in boxes:
+            local[b] = Box((row, *(0,) * (len(b.sizes) - 1)), b.sizes)
+            row += b.sizes[0]
+        shape = (row, *boxes[0].sizes[1:])
+        return replace(item, shape=shape, pieces=[replace(p, replica=0, box=local[p.box]) for p in pieces])
 
 
 def copy_plan(root: Path, rel: str, path: str, key: tuple[int, ...]) -> PlannedFile:
@@ -1180,10 +1186,12 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
 
     A tensor-parallel run (no pipeline) is written from the whole tensors the manifest joins by the
     model's ``universal_checkpoint_info`` patterns, as ds_to_universal merges them: replicated
-    parameters as ``{"param": t}``, row-parallel ones with ``"cat_dim": 1``, vocabulary parameters
-    cut to ``original_vocab_size`` rows with ``"vocab_tensor": True``. The patterns mark the
-    parameters at TP=1 too. Averaged parameters and sub-parameters (fused QKV, SwiGLU halves) are
-    refused, as is a TP run saved without the patterns.
+    parameters as ``{"param": t}``, row-parallel ones with ``"cat_dim": 1``, two sub-parameters on
+    dim 0 (SwiGLU's fused gate and up projections) joined sub-parameter by sub-parameter with
+    ``"param_n_sub_params": 2``, averaged parameters as the mean of the TP ranks' copies,
+    vocabulary parameters cut to ``original_vocab_size`` rows with ``"vocab_tensor": True``. The
+    patterns mark the parameters at TP=1 too. Sub-parameters by ``parameter_with_sub_params``
+    (fused QKV) and affine maps are refused, as is a TP run saved without the patterns.
 
     A pipeline run gets a folder for every parameter of every stage (each stage's optimizer files
     hold its own layers'), each with its stage's step; its ``layer_*-model_states.pt`` files are
@@ -1235,10 +1243,12 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
         self.held = self._held_by_stage()
         names = list(self.held)
         apart = [n for n in names if self.rules.kind(n) == "apart"]
+        apart += [n for n in names if self.rules.kind(n) == "halves" and f"{n}.fp32" not in manifest.items]
         if apart:
             raise UsageError(
-                f"{self.model_rel}: universal_checkpoint_info averages or splits into sub-parameters "
-                f"{', '.join(apart[:3])}{' …' if len(apart) > 3 else ''}; writing those is not supported yet",
+                f"{self.model_rel}: universal_checkpoint_info splits {', '.join(apart[:3])}"
+                f"{' …' if len(apart) > 3 else ''} into sub-parameters by a map (parameter_with_sub_params, "
+                "affine_map) or into halves of an odd size; writing those is not supported yet",
                 hint=hint,
             )
         rows = (self.rules.info or {}).get("original_vocab_size")
@@ -1328,7 +1338,13 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
         for k, (kind, name) in enumerate(self.jobs):
             path = self._path(kind, name)
             if kind in self._STATES:
-                out.append(PlannedFile.of(path, (k,), [self.manifest.items[f"{name}.{kind}"].nbytes or 0]))
+                copies = self._copies(name, kind)  # an averaged parameter's are summed in a buffer
+                extra = (copies[0].nbytes or 0) if len(copies) > 1 else 0
+                out.append(
+                    replace(
+                        PlannedFile.of(path, (k,), [copies[0].nbytes or 0]), largest=(copies[0].nbytes or 0) + extra
+                    )
+                )
             elif kind == "module":  # widened to float32: its buffer, and the source values assembled
                 item = self.manifest.items[name]
                 wide = 4 * math.prod(item.shape or ())
@@ -1355,18 +1371,62 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
             return self._save(_ptwrite.carry(step, partial(archive, rel)), out, progress)
         if kind == "module":
             return self._save({"param": self._as_float32(self.manifest.items[name], reader)}, out, progress)
-        item = self.manifest.items[f"{name}.{kind}"]
+        copies = self._copies(name, kind)
+        item = copies[0]
         # the fp32 partition is a leaf that requires grad, and ds_to_universal's slices of it keep that
         grad = kind == "fp32" and self.held[name][2]
         category = self.rules.kind(name)
-        head: dict[str, Any] = {} if category == "replicated" else {"cat_dim": 1 if category == "row" else 0}
+        head: dict[str, Any] = {}
+        if category == "halves":
+            head.update(cat_dim=0, param_n_sub_params=2)
+        elif category not in ("replicated", "average"):
+            head["cat_dim"] = 1 if category == "row" else 0
         box = None
         if self.rules.vocab(name):  # its padding rows cut, as ds_to_universal cuts them
             dims: tuple[int, ...] = tuple(item.shape or ())
             box = Box((0,) * len(dims), (min(self.vocab_rows, dims[0]), *dims[1:]))
             head["vocab_tensor"] = True
-        head["param"] = _ptwrite.assembled(reader, item, box, requires_grad=grad)
+        if len(copies) > 1:
+            head["param"] = self._mean(copies, box, reader, grad)
+        else:
+            head["param"] = _ptwrite.assembled(reader, item, box, requires_grad=grad)
         return self._save(head, out, progress)
+
+    def _copies(self, name: str, state: str) -> list[Item]:
+        """The items of ``name``'s ``state``: the whole tensor, or the TP ranks' copies of an
+        averaged parameter."""
+        whole = self.manifest.items.get(f"{name}.{state}")
+        if whole is not None:
+            return [whole]
+        tp = self.manifest.layout.tp or 1
+        copies = [self.manifest.items.get(f"{name}[tp={t}].{state}") for t in range(tp)]
+        if any(c is None for c in copies):
+            raise CorruptFileError(f"{name}.{state} is not in the source checkpoint")
+        return [c for c in copies if c is not None]
+
+    @staticmethod
+    def _mean(copies: list[Item], box: Box | None, reader: PieceReader, grad: bool) -> _ptwrite.OutTensor:
+        """``sum(copies) / len(copies)`` as ds_to_universal takes it: summed in their dtype from
+        0, one copy after another, then divided (a true division, as torch's)."""
+        first = copies[0]
+        if first.dtype not in ("float32", "float64") or any(
+            (c.dtype, c.shape) != (first.dtype, first.shape) for c in copies
+        ):
+            raise UsageError(
+                f"{first.name}: averaging TP copies of {sorted({f'{c.dtype}{list(c.shape or ())}' for c in copies})} "
+                "is not supported yet",
+                hint="run DeepSpeed's ds_to_universal on this checkpoint",
+            )
+        shape = tuple(box.sizes if box is not None else first.shape or ())
+
+        def fill(buf: np.ndarray) -> None:
+            total = buf.view(first.dtype).reshape(shape)
+            total[...] = 0
+            for c in copies:
+                total += assemble(reader, c, box=box)
+            np.divide(total, total.dtype.type(len(copies)), out=total)
+
+        return _ptwrite.OutTensor(dtype=first.dtype or "float32", shape=shape, fill=fill, requires_grad=grad)
 
     @staticmethod
     def _as_float32(item: Any, reader: PieceReader) -> _ptwrite.OutTensor:

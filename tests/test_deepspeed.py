@@ -17,7 +17,9 @@ from tests._compare import same_bits
 from tests.conftest import FIXTURES, run_cli
 
 DS = FIXTURES / "deepspeed"
-ALL = ["zero0", "zero1", "zero2", "zero2_bf16", "zero3", "bf16_zero0", "bf16_optimizer", "pipeline", "pipeline_tied", "tp2"]
+ALL = [
+    "zero0", "zero1", "zero2", "zero2_bf16", "zero3", "bf16_zero0", "bf16_optimizer", "pipeline", "pipeline_tied", "tp2", "tp2_glu"
+]
 ZERO_TO_FP32 = ["zero1", "zero2", "zero2_bf16", "zero3"]
 
 
@@ -48,7 +50,7 @@ def test_master_weights(name, tmp_path):
         assert extra == {"frozen.weight", "frozen.bias"}
     elif name in ZERO_TO_FP32:
         assert extra == set()
-    elif name in ("pipeline", "pipeline_tied", "tp2"):  # their models hold no buffers
+    elif name in ("pipeline", "pipeline_tied", "tp2", "tp2_glu"):  # their models hold no buffers
         assert extra == set()
     else:  # references from the live optimizer hold no buffers; the export completes them
         assert extra == {"seen_tokens"}
@@ -84,7 +86,7 @@ def test_layout_step_and_files(name):
     assert "rng" in m.missing_state()  # DeepSpeed saves no RNG state
     if name == "pipeline":
         assert (m.layout.pp, m.layout.tp, m.layout.dp, m.layout.world_size) == (2, 2, 2, 8)
-    if name == "tp2":
+    if name in ("tp2", "tp2_glu"):
         assert (m.layout.pp, m.layout.tp, m.layout.dp, m.layout.world_size) == (1, 2, 2, 4)
     if name == "pipeline_tied":
         assert (m.layout.pp, m.layout.tp, m.layout.dp, m.layout.world_size) == (2, 1, 2, 4)
@@ -151,6 +153,29 @@ def test_tensor_parallel_slices_are_joined_by_the_models_rules():
     norm = m.items["blocks.1.norm.weight.exp_avg_sq"]
     assert sorted((p.box.offsets, p.replica) for p in norm.pieces) == [((0,), 0), ((0,), 1)]
     assert not [n for n in m.items if "[tp=" in n]
+
+
+def test_sub_parameters_and_averaged_copies():
+    """tp2_glu (TP=2 x DP=2, Megatron-DeepSpeed's ``--swiglu`` layout): each TP rank's fused fc1
+    holds its slice of the gate and then of the up projection, ``[gate_t; up_t]``; the item is the
+    whole tensor ds_to_universal makes, ``[gate_0; gate_1; up_0; up_1]`` (the tests above compare
+    its values with the reference, which the generator checked against ds_to_universal), each rank
+    holding two regions of it, in its model states and in its flat partitions alike. The position
+    embedding the patterns average keeps one item per TP rank (its copies differ by design), and
+    no replica of it is compared."""
+    from ckpttool.verify import verify
+
+    _, m = registry.describe(DS / "tp2_glu")
+    for name in ("blocks.0.fc1.weight", "blocks.1.fc1.bias.exp_avg"):
+        item = m.items[name]
+        assert item.shape[0] == 64 and {p.box.sizes[0] for p in item.pieces} == {16}
+        by_rank: dict[bool, set[int]] = {}
+        for p in item.pieces:
+            by_rank.setdefault("mp_rank_01" in p.file, set()).add(p.box.offsets[0])
+        assert by_rank == {False: {0, 32}, True: {16, 48}}, name
+    assert "pos.weight" not in m.items
+    assert m.items["pos.weight[tp=0].fp32"].shape == m.items["pos.weight[tp=1]"].shape == (8, 16)
+    assert verify(DS / "tp2_glu").failing() == []
 
 
 def test_tensor_parallel_without_split_rules_keeps_each_rank(tmp_path):

@@ -1435,23 +1435,67 @@ def test_deepspeed_universal_of_a_tensor_parallel_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_deepspeed_universal_of_a_tensor_parallel_run_is_ds_to_universals(tmp_path):
-    """Oracle: DeepSpeed's ds_to_universal of the tp2 fixture and ckpttool's --to
-    deepspeed-universal give the same files, byte for byte, but the six of the two vocabulary
-    parameters; those hold the same tensors (ds_to_universal pickles its 31-row slice with the
-    32-row storage under it)."""
+@pytest.mark.parametrize("variant", ["tp2", "tp2_glu"])
+def test_deepspeed_universal_of_a_tensor_parallel_run_is_ds_to_universals(variant, tmp_path):
+    """Oracle: DeepSpeed's ds_to_universal of the tp2 fixture (and of tp2_glu: a fused SwiGLU fc1,
+    an averaged position embedding) and ckpttool's --to deepspeed-universal give the same files,
+    byte for byte, but the six of the two vocabulary parameters; those hold the same tensors
+    (ds_to_universal pickles its 31-row slice with the 32-row storage under it)."""
     pytest.importorskip("deepspeed", reason="needs deepspeed (an oracle, not a dependency)")
     from ckpttool.formats.deepspeed import ALLOWLIST as DS
 
-    theirs = _ds_to_universal(FIXTURES / "deepspeed" / "tp2", tmp_path / "theirs")
+    theirs = _ds_to_universal(FIXTURES / "deepspeed" / variant, tmp_path / "theirs")
     out = tmp_path / "ours"
-    reshard(FIXTURES / "deepspeed" / "tp2", out, Target(to="deepspeed-universal"))
+    reshard(FIXTURES / "deepspeed" / variant, out, Target(to="deepspeed-universal"))
     ours = out / "global_step3_universal"
     _, differ = _differing_files(ours, theirs)
     vocab = ("emb", "head")
     assert differ == sorted(f"zero/{p}.weight/{s}.pt" for p in vocab for s in ("exp_avg", "exp_avg_sq", "fp32"))
     for n in differ:
         assert _tree(ours / n, DS) == _tree(theirs / n, DS), n
+
+
+def test_deepspeed_universal_of_sub_parameters_and_averaged_copies(tmp_path):
+    """--to deepspeed-universal of tp2_glu: each fused SwiGLU fc1 (TP rank t holding
+    ``[gate_t; up_t]``) is written whole, gates first, with ``cat_dim`` 0 and
+    ``param_n_sub_params`` 2, so that DeepSpeed cuts it per sub-parameter at any TP; the position
+    embedding the patterns average is the mean of the two TP ranks' copies (their masters differ),
+    with no ``cat_dim``, as ds_to_universal takes it: summed from 0, then divided."""
+    import torch
+
+    out = tmp_path / "uni"
+    reshard(FIXTURES / "deepspeed" / "tp2_glu", out, Target(to="deepspeed-universal"))
+    root = out / "global_step3_universal" / "zero"
+    ref = torch.load(FIXTURES / "deepspeed" / "tp2_glu.reference.pt", weights_only=True)
+    for state in ("fp32", "exp_avg", "exp_avg_sq"):
+        for name in ("blocks.0.fc1.weight", "blocks.1.fc1.bias"):
+            got = torch.load(root / name / f"{state}.pt", weights_only=True)
+            assert torch.equal(got.pop("param"), ref[f"{state}.{name}"]), (state, name)
+            assert got == {"cat_dim": 0, "param_n_sub_params": 2}
+        copies = [ref[f"{state}.pos.weight[tp={t}]"] for t in (0, 1)]
+        assert torch.equal(*copies) is (state != "fp32")  # equal gradients, different values
+        got = torch.load(root / "pos.weight" / f"{state}.pt", weights_only=True)
+        assert list(got) == ["param"] and torch.equal(got["param"], sum(copies) / 2), state
+    report = verify(out)
+    assert report.failing() == [] and report.seal is not None
+
+
+def test_deepspeed_sub_parameters_round_trip_through_an_odd_dp(tmp_path):
+    """tp2_glu DP=2 -> DP=3 -> DP=2 gives the original files' trees. At DP=3 a flat partition's
+    fragment of a fused fc1 runs from one sub-parameter into the other: the reader cuts it in two
+    regions, and each rank's partitions are made again from its two regions in its own order."""
+    from ckpttool.formats.deepspeed import ALLOWLIST as DS
+
+    src = FIXTURES / "deepspeed" / "tp2_glu"
+    three, back = tmp_path / "dp3", tmp_path / "dp2"
+    reshard(src, three, Target(dp=3))
+    reshard(three, back, Target(dp=2))
+    item = registry.describe(three)[1].items["blocks.0.fc1.weight.fp32"]
+    files = [p.file for p in item.pieces]
+    assert any(files.count(f) > 1 and len({p.box for p in item.pieces if p.file == f}) > 1 for f in files)
+    for path in sorted((src / "global_step3").iterdir()):
+        assert _tree(path, DS) == _tree(back / "global_step3" / path.name, DS), path.name
+    assert not diff(src, three).different
 
 
 def test_deepspeed_universal_of_a_pipeline_run(tmp_path):
@@ -1589,6 +1633,32 @@ def test_deepspeed_tensor_parallel_engine_loads_our_universal_at_tp1(tmp_path, p
     assert len(mine["module"]) == 14
     assert all(torch.equal(v, ref[f"module.{k}"]) for k, v in mine["module"].items())
     assert mine["loss"] == [control[(0, 0, d)]["loss"][0] for d in (0, 1)]
+
+
+@pytest.mark.slow
+def test_deepspeed_engine_loads_our_universal_of_sub_parameters_at_tp1(tmp_path, pipe_control):
+    """Oracle: DeepSpeed's engine at TP=1 x DP=1 loads ckpttool's universal checkpoint of tp2_glu
+    (TP=2 x DP=2, fused SwiGLU fc1, an averaged position embedding): the fused fc1's masters and
+    moments are the whole tensors, gates first (DeepSpeed cuts them per sub-parameter), the
+    position embedding the mean of the TP copies, all bit for bit; the step-4 losses equal the
+    uninterrupted TP=2 run's to float reassociation (TP=2 adds each rank's half of the position
+    embedding to its partial sum, TP=1 the mean once)."""
+    pytest.importorskip("deepspeed", reason="needs deepspeed (an oracle, not a dependency)")
+    import torch
+
+    out = tmp_path / "uni"
+    reshard(FIXTURES / "deepspeed" / "tp2_glu", out, Target(to="deepspeed-universal"))
+    (mine,) = _pipe_oracle(out, 1, tmp_path / "tp1.pt", "tp2_glu", tp=1, universal=True).values()
+    ref = torch.load(FIXTURES / "deepspeed" / "tp2_glu.reference.pt", weights_only=False)
+    assert mine["counters"] == (3, 24)
+    for state in ("fp32", "exp_avg", "exp_avg_sq"):
+        assert len(mine["loaded"][state]) == 15
+        for name, value in mine["loaded"][state].items():
+            copies = [ref[f"{state}.{name}[tp={t}]"] for t in (0, 1)] if name == "pos.weight" else []
+            assert torch.equal(value, sum(copies) / 2 if copies else ref[f"{state}.{name}"]), (state, name)
+    control = pipe_control("tp2_glu")
+    want = [control[(0, 0, d)]["loss"][0] for d in (0, 1)]
+    assert mine["loss"] == pytest.approx(want, rel=1e-6)
 
 
 def test_deepspeed_universal_refusals(tmp_path):

@@ -31,6 +31,7 @@ CLEAN = [
             "pipeline",
             "pipeline_tied",
             "tp2",
+            "tp2_glu",
             "universal",
         )
     ),

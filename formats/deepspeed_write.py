@@ -1418,15 +1418,16 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
                 hint="run DeepSpeed's ds_to_universal on this checkpoint",
             )
         shape = tuple(box.sizes if box is not None else first.shape or ())
+        dtype = first.dtype
 
         def fill(buf: np.ndarray) -> None:
-            total = buf.view(first.dtype).reshape(shape)
+            total = buf.view(dtype).reshape(shape)
             total[...] = 0
             for c in copies:
                 total += assemble(reader, c, box=box)
             np.divide(total, total.dtype.type(len(copies)), out=total)
 
-        return _ptwrite.OutTensor(dtype=first.dtype or "float32", shape=shape, fill=fill, requires_grad=grad)
+        return _ptwrite.OutTensor(dtype=dtype, shape=shape, fill=fill, requires_grad=grad)
 
     @staticmethod
     def _as_float32(item: Any, reader: PieceReader) -> _ptwrite.OutTensor:

@@ -196,8 +196,8 @@ def _build_zero(root: str, manifest: Manifest, dp: int, stage: int, sub_group_si
             return Zero3From12Writer(Path(root), manifest, dp, sub_group_size)
         return ZeroFromUniversalWriter(Path(root), manifest, dp, stage)
     source = manifest.layout.zero_stage
-    if source in (1, 2) and stage in (None, source) and model_parallel(manifest):
-        return ZeroModelParallelWriter(Path(root), manifest, dp)
+    if source in (1, 2) and stage in (None, 1, 2) and model_parallel(manifest):
+        return ZeroModelParallelWriter(Path(root), manifest, dp, stage)
     if source == 3 and sub_group_size is not None:
         raise UsageError("--sub-group-size: a ZeRO-3 checkpoint keeps the sub-group size it was saved with")
     if source == 3 and stage == 3:

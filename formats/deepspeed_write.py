@@ -147,8 +147,9 @@ class ZeroWriter:
         self.file_prefix = ""
         if mp is None and (shown := model_parallel(manifest)):
             raise UsageError(
-                f"{shown}: a pipeline or model-parallel DeepSpeed checkpoint can change its DP size at the "
-                "same ZeRO stage (not its stage, yet) or be written as a universal one (--to deepspeed-universal)"
+                f"{shown}: a pipeline or model-parallel DeepSpeed checkpoint can change its DP size and its "
+                "stage between ZeRO-1 and ZeRO-2 (not to or from ZeRO-3, yet) or be written as a universal one "
+                "(--to deepspeed-universal)"
             )
         for f in manifest.files:
             if (m := _MODEL.match(f.path)) and int(m["mp"]) == self.mp:
@@ -376,22 +377,29 @@ def model_parallel(manifest: Manifest) -> str | None:
 
 
 class ZeroModelParallelWriter:
-    """A ZeRO-1/2 checkpoint of a pipeline or model-parallel run at ``dp`` ranks, at the same stage
-    and the same TP x PP. DeepSpeed keeps one ZeRO layout per model-parallel rank ``m``: its
-    parameters (``param_shapes`` of ``mp_rank_{m}_model_states.pt``) flattened per group and
-    partitioned over the DP ranks in ``zero_pp_rank_{r}_mp_rank_{m}_optim_states.pt``. (DeepSpeed's
-    pipeline engine runs ZeRO-1 at most; a change of stage is refused by :class:`ZeroWriter`.) Each rank's
-    layout is written again for the new DP by a :class:`ZeroWriter` of its own, reading that
-    rank's files only; the pipeline's ``layer_*-model_states.pt`` files (module weights, which do
-    not depend on DP) are copied byte for byte."""
+    """A ZeRO-1/2 checkpoint of a pipeline or model-parallel run at ``dp`` ranks and the same TP x
+    PP, at either stage (``stage``; None: the source's). DeepSpeed keeps one ZeRO layout per
+    model-parallel rank ``m``: its parameters (``param_shapes`` of ``mp_rank_{m}_model_states.pt``)
+    flattened per group and partitioned over the DP ranks in
+    ``zero_pp_rank_{r}_mp_rank_{m}_optim_states.pt``. Each rank's layout is written again for the
+    new DP (and stage) by a :class:`ZeroWriter` of its own, reading that rank's files only; the
+    pipeline's ``layer_*-model_states.pt`` files (module weights, which depend on neither) are
+    copied byte for byte. A pipeline run at ZeRO-2 is refused: DeepSpeed's pipeline engine runs
+    ZeRO-1 at most."""
 
-    def __init__(self, root: Path, manifest: Manifest, dp: int) -> None:
+    def __init__(self, root: Path, manifest: Manifest, dp: int, stage: int | None = None) -> None:
         ranks = sorted({int(m["mp"]) for f in manifest.files if (m := _MODEL.match(f.path))})
         if ranks != list(range(len(ranks))):
             raise CorruptFileError(f"{manifest.root}: model-parallel ranks {ranks}, expected 0 to {len(ranks) - 1}")
-        self.ranks = [ZeroWriter(root, manifest, dp, mp=m) for m in ranks]
-        self.root = root
         self.layers = sorted(f.path for f in manifest.files if _LAYER.match(f.path))
+        if self.layers and stage is not None and stage >= 2:
+            raise UsageError(
+                f"{self.layers[0]}: a pipeline run at ZeRO-{stage}: DeepSpeed's pipeline engine runs ZeRO-1 at "
+                "most (it asserts 'ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism')",
+                hint="leave --zero-stage out, or give 1",
+            )
+        self.ranks = [ZeroWriter(root, manifest, dp, stage, mp=m) for m in ranks]
+        self.root = root
 
     def files(self) -> list[PlannedFile]:
         out = [replace(f, key=(m, *f.key)) for m, w in enumerate(self.ranks) for f in w.files()]

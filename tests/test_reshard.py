@@ -625,9 +625,13 @@ def test_deepspeed_model_parallel_ranks_keep_their_own_values(tmp_path):
     assert firsts[1] == (1234.5, -7.0) * 2  # the first element of each source rank's partition
     for mp in (0, 2, 3):
         assert not {1234.5, -7.0} & set(firsts[mp]), mp
-    for target in (Target(dp=1, zero_stage=2), Target(dp=1, zero_stage=3)):
-        with pytest.raises(UsageError, match=r"model_states.pt: a pipeline .* at the same ZeRO stage \(not its stage"):
-            reshard(FIXTURES / "deepspeed" / "pipeline", tmp_path / "x", target)
+    refusals = {
+        2: r"layer_00-model_00-model_states.pt: a pipeline run at ZeRO-2: DeepSpeed's pipeline engine runs ZeRO-1",
+        3: r"model_states.pt: a pipeline .* between ZeRO-1 and ZeRO-2 \(not to or from ZeRO-3",
+    }
+    for stage, refusal in refusals.items():
+        with pytest.raises(UsageError, match=refusal):
+            reshard(FIXTURES / "deepspeed" / "pipeline", tmp_path / "x", Target(dp=1, zero_stage=stage))
         assert not (tmp_path / "x").exists()
 
 
@@ -986,6 +990,28 @@ def test_deepspeed_zero2_to_zero1_and_back(tmp_path):
         assert _tree(zero2 / name, DS) == _tree(back / "global_step3" / name, DS), name
 
 
+def test_deepspeed_tensor_parallel_zero2_to_zero1_and_back(tmp_path):
+    """A model-parallel run changes stage between ZeRO-1 and ZeRO-2 as a plain one does, rank by
+    rank: tp2 (TP=2, ZeRO-2) at --dp 1 --zero-stage 1 records stage 1 in every model-parallel rank's
+    files (the optimizer's enum, the config); --dp 2 --zero-stage 2 gives the fixture's trees again.
+    (DeepSpeed's ZeRO-1 engine at TP=2 resumes from it: the slow oracle above.)"""
+    from ckpttool.formats.deepspeed import ALLOWLIST as DS
+
+    src = FIXTURES / "deepspeed" / "tp2"
+    one, back = tmp_path / "z1", tmp_path / "z2"
+    reshard(src, one, Target(dp=1, zero_stage=1))
+    for mp in (0, 1):
+        optim = _tree(one / "global_step3" / f"zero_pp_rank_0_mp_rank_0{mp}_optim_states.pt", DS)
+        osd = dict(dict(optim[1])["optimizer_state_dict"][1])
+        assert osd["zero_stage"] == _unpickle.EnumValue("deepspeed.runtime.zero.config.ZeroStageEnum", 1)
+        model = dict(_tree(one / "global_step3" / f"mp_rank_0{mp}_model_states.pt", DS)[1])
+        assert dict(dict(model["ds_config"][1])["zero_optimization"][1]) == {"stage": 1}
+    assert registry.describe(one)[1].layout.zero_stage == 1
+    reshard(one, back, Target(dp=2, zero_stage=2))
+    for path in sorted((src / "global_step3").iterdir()):
+        assert _tree(path, DS) == _tree(back / "global_step3" / path.name, DS), path.name
+
+
 def _blind_config(tree: Any) -> Any:
     """A :func:`_tree` of a DeepSpeed file without its saved ``ds_config`` (ZeRO-3's own settings,
     which a ZeRO-1/2 checkpoint does not know, are in it)."""
@@ -1229,12 +1255,19 @@ def test_deepspeed_zero3_bf16_to_zero2_module_is_the_run_s(tmp_path):
 
 
 def _pipe_oracle(
-    ckpt: Path, dp: int, result: Path, variant: str = "pipeline", pp: int = 2, tp: int = 2, universal: bool = False
+    ckpt: Path,
+    dp: int,
+    result: Path,
+    variant: str = "pipeline",
+    pp: int = 2,
+    tp: int = 2,
+    universal: bool = False,
+    zero_stage: int | None = None,
 ) -> dict[tuple[int, ...], Any]:
     """fixtures/_ds_pipe_oracle_worker.py under torchrun at ``dp`` DP ranks (``pp`` x ``tp`` x ``dp``
     processes for the pipeline, ``tp`` x ``dp`` for tp2): each (stage, model rank, DP rank)'s state after
-    DeepSpeed's engine loaded ``ckpt`` (a universal checkpoint with ``universal``), and after one
-    more step."""
+    DeepSpeed's engine (tp2's at ``zero_stage``) loaded ``ckpt`` (a universal checkpoint with
+    ``universal``), and after one more step."""
     import torch
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0", "OMP_NUM_THREADS": "1"}
@@ -1242,7 +1275,8 @@ def _pipe_oracle(
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
          str(FIXTURES / "_ds_pipe_oracle_worker.py"), "--ckpt", str(ckpt), "--dp", str(dp), "--result", str(result),
-         "--variant", variant, "--pp", str(pp), "--tp", str(tp), *(["--universal"] if universal else [])],
+         "--variant", variant, "--pp", str(pp), "--tp", str(tp), *(["--universal"] if universal else []),
+         *(["--zero-stage", str(zero_stage)] if zero_stage is not None else [])],
         capture_output=True, text=True, timeout=600, env=env, cwd=FIXTURES,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
@@ -1308,19 +1342,21 @@ def _tp_slice(whole: Any, part: Any, t: int) -> Any:
 
 
 @pytest.mark.slow
-def test_deepspeed_tensor_parallel_engine_resumes_at_dp1(tmp_path, pipe_control):
+@pytest.mark.parametrize("stage", [None, 1])
+def test_deepspeed_tensor_parallel_engine_resumes_at_dp1(stage, tmp_path, pipe_control):
     """Oracle: the tp2 fixture (a Megatron-style TP=2 model, ZeRO-2, DP=2, with its
-    universal_checkpoint_info) resharded to --dp 1 is loaded by DeepSpeed's engine at TP=2 x DP=1:
-    on both TP ranks the fp32 masters, both moments and the module equal the fixture's reference
-    (its TP slices) and what the same engine at DP=2 loads from the fixture itself, bit for bit;
-    the step-4 losses of both micro-batches equal those of the DP=2 run's two ranks, bit for bit;
-    the state after the step agrees to float reassociation."""
+    universal_checkpoint_info) resharded to --dp 1 (and to --zero-stage 1) is loaded by
+    DeepSpeed's engine at TP=2 x DP=1 (at ZeRO-1): on both TP ranks the fp32 masters, both moments
+    and the module equal the fixture's reference (its TP slices) and what the same engine at DP=2
+    loads from the fixture itself, bit for bit; the step-4 losses of both micro-batches equal those
+    of the DP=2 run's two ranks, bit for bit; the state after the step agrees to float
+    reassociation."""
     pytest.importorskip("deepspeed", reason="needs deepspeed (an oracle, not a dependency)")
     import torch
 
     out = tmp_path / "dp1"
-    reshard(FIXTURES / "deepspeed" / "tp2", out, Target(dp=1))
-    ours = _pipe_oracle(out, 1, tmp_path / "dp1.pt", "tp2")
+    reshard(FIXTURES / "deepspeed" / "tp2", out, Target(dp=1, zero_stage=stage))
+    ours = _pipe_oracle(out, 1, tmp_path / "dp1.pt", "tp2", zero_stage=stage)
     control = pipe_control("tp2")
     ref = torch.load(FIXTURES / "deepspeed" / "tp2.reference.pt", weights_only=False)
     assert sorted(ours) == [(0, 0, 0), (0, 1, 0)] and len(control) == 4

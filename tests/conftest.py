@@ -124,12 +124,13 @@ def rewritten_copy(
     files: str = "iter_*/mp_rank_*/model_optim_rng.pt",
     allow: Any = None,
 ) -> Path:
-    """A copy of a Megatron checkpoint with ``edit(tree)`` applied to the tree of every file
-    matching ``files`` (default: each legacy rank file; ``iter_*/common.pt`` for torch_dist), read
-    with the pickle allowlist ``allow`` (default: Megatron's):
-    each re-pickled by ckpttool's own writer from the restricted unpickler's tree (tensors copied
-    from the original), so neither torch nor Megatron is needed. For edge-case inputs (changed
-    args, param groups), never presented as a library's own output."""
+    """A copy of a Megatron checkpoint (or another, with ``files`` and ``allow``) with ``edit(tree)``
+    applied to the tree of every file matching ``files`` (default: each legacy rank file;
+    ``iter_*/common.pt`` for torch_dist), read with the pickle allowlist ``allow`` (default:
+    Megatron's): each re-pickled by ckpttool's own writer from the restricted unpickler's tree
+    (tensors copied from the original), so neither torch nor Megatron is needed, and given its
+    original's times (a DeepSpeed file newer than ``latest`` reads as an incomplete save). For
+    edge-case inputs (changed args, param groups), never presented as a library's own output."""
     import shutil
 
     from ckpttool.formats import _pt, _ptwrite
@@ -146,4 +147,5 @@ def rewritten_copy(
             _ptwrite.save(_ptwrite.carry(obj, lambda archive=archive: archive), f)
         finally:
             archive.close()
+        shutil.copystat(source / f.relative_to(dst), f)
     return dst

@@ -14,9 +14,10 @@ from safetensors.torch import load_file
 from ckpttool import registry
 from ckpttool.export import export
 from tests._compare import same_bits
-from tests.conftest import FIXTURES, run_cli
+from tests.conftest import FIXTURES, rewritten_copy, run_cli
 
 DS = FIXTURES / "deepspeed"
+MODEL_STATES = "global_step3/mp_rank_*_model_states.pt"
 ALL = [
     "zero0", "zero1", "zero2", "zero2_bf16", "zero3", "bf16_zero0", "bf16_optimizer", "pipeline", "pipeline_tied", "tp2", "tp2_glu"
 ]
@@ -183,20 +184,14 @@ def test_tensor_parallel_without_split_rules_keeps_each_rank(tmp_path):
     own): nothing says whether the TP ranks' same-shaped copies are slices or replicas, so each
     rank's copy is an item of its own, ``<param>[tp=R]``; none is compared with another, the
     values are those of the rank's files, and --dp still round-trips."""
-    import shutil
-
     from ckpttool.diff import diff
+    from ckpttool.formats.deepspeed import ALLOWLIST
     from ckpttool.reshard import Target, reshard
     from ckpttool.verify import verify
 
-    src = tmp_path / "tp2"
-    shutil.copytree(DS / "tp2", src)
-    for t in (0, 1):
-        path = src / "global_step3" / f"mp_rank_0{t}_model_states.pt"
-        obj = torch.load(path, weights_only=False)
-        del obj["universal_checkpoint_info"]
-        torch.save(obj, path)
-        shutil.copystat(DS / "tp2" / "global_step3" / path.name, path)  # as saved before `latest`
+    src = rewritten_copy(
+        tmp_path / "tp2", DS / "tp2", lambda t: t.pop("universal_checkpoint_info"), MODEL_STATES, ALLOWLIST
+    )
     _, m = registry.describe(src)
     assert m.extras["tp_split"].startswith("unknown")
     assert "emb.weight" not in m.items and m.items["emb.weight[tp=1]"].shape == (16, 16)

@@ -1457,14 +1457,11 @@ def test_deepspeed_universal_of_a_tensor_parallel_run(tmp_path):
     _, m = registry.describe(out)
     assert m.items["emb.weight"].shape == (32, 16) and m.items["emb.weight.fp32"].shape == (31, 16)
 
-    src = tmp_path / "bare"
-    shutil.copytree(FIXTURES / "deepspeed" / "tp2", src)
-    for t in (0, 1):
-        path = src / "global_step3" / f"mp_rank_0{t}_model_states.pt"
-        obj = torch.load(path, weights_only=False)
-        del obj["universal_checkpoint_info"]
-        torch.save(obj, path)
-        shutil.copystat(FIXTURES / "deepspeed" / "tp2" / "global_step3" / path.name, path)
+    from ckpttool.formats.deepspeed import ALLOWLIST as DS
+
+    files = "global_step3/mp_rank_*_model_states.pt"
+    unset = lambda tree: tree.pop("universal_checkpoint_info")  # noqa: E731
+    src = rewritten_copy(tmp_path / "bare", FIXTURES / "deepspeed" / "tp2", unset, files, DS)
     with pytest.raises(UsageError, match="a TP=2 run saved without universal_checkpoint_info"):
         reshard(src, tmp_path / "x", Target(to="deepspeed-universal"))
     assert not (tmp_path / "x").exists()

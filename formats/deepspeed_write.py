@@ -182,9 +182,15 @@ class ZeroWriter:
             raise CorruptFileError(f"{model_rel}: param_shapes does not match the optimizer's groups", path=model_rel)
         self.groups = [group_layout(s, dp, pads[g] if g < len(pads) else None) for g, s in enumerate(shapes)]
         for layout in self.groups:
-            for name, _shape, _off in layout.params:
+            for name, shape, _off in layout.params:
                 for suffix in ("fp32", "exp_avg", "exp_avg_sq"):
-                    self._own(name, suffix)
+                    own = self._own(name, suffix).shape
+                    if own != tuple(shape):
+                        raise CorruptFileError(
+                            f"{name}.{suffix}: model-parallel rank {self.mp}'s pieces make a {list(own or ())} "
+                            f"tensor; its param_shapes say {list(shape)}",
+                            path=self.model_rel,
+                        )
         self.tag = self.tag_dir.rsplit("/", 1)[-1] if self.tag_dir else str(manifest.extras.get("tag") or "")
         self.source_stage: int = stage
         self.stage: int = target_stage or stage
@@ -907,6 +913,18 @@ class ZeroFromUniversalWriter(ZeroWriter):
         self.model_rel, self.optim_rels = model_rel, {0: optim_rel}
         archive, self.model_obj, _ = _pt.load(root, model_rel, ALLOWLIST)
         archive.close()
+        ranks = sorted(p for p in paths if _MODEL.match(p))
+        dims = self.model_obj.get("checkpoint_parallel_dimensions") if isinstance(self.model_obj, dict) else None
+        degrees = {k: v for k, v in (dims or {}).items() if k in ("tp_degree", "pp_degree") and v != 1}
+        if len(ranks) > 1 or degrees:
+            raise UsageError(
+                f"{manifest.root}: the universal checkpoint of a model-parallel run "
+                f"({', '.join(f'{k} {v}' for k, v in degrees.items()) or f'{len(ranks)} model-parallel ranks'}): "
+                "its zero/ folders hold whole tensors, its model states each rank's slices; writing ZeRO files "
+                "from it is not supported yet",
+                hint="load it with DeepSpeed's checkpoint.load_universal, at any TP and PP, or reshard the "
+                "checkpoint it was made from",
+            )
         archive, state, _ = _pt.load(root, optim_rel, ALLOWLIST)
         archive.close()
         stage = state.get("zero_stage") if isinstance(state, dict) else None
@@ -1251,14 +1269,29 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
         self.held = self._held_by_stage()
         names = list(self.held)
         apart = [n for n in names if self.rules.kind(n) == "apart"]
-        apart += [n for n in names if self.rules.kind(n) == "halves" and f"{n}.fp32" not in manifest.items]
         if apart:
             raise UsageError(
                 f"{self.model_rel}: universal_checkpoint_info splits {', '.join(apart[:3])}"
                 f"{' …' if len(apart) > 3 else ''} into sub-parameters by a map (parameter_with_sub_params, "
-                "affine_map) or into halves of an odd size; writing those is not supported yet",
+                "affine_map); writing those is not supported yet",
                 hint=hint,
             )
+        # every other parameter is one whole tensor, or (averaged) one copy per TP rank
+        unjoined = [
+            n for n in names if f"{n}.fp32" not in manifest.items and (self.rules.kind(n) != "average" or tp == 1)
+        ]
+        if unjoined:
+            raise UsageError(
+                f"{self.model_rel}: no pattern of universal_checkpoint_info joins the TP ranks' copies of "
+                f"{', '.join(unjoined[:3])}{' …' if len(unjoined) > 3 else ''} into one tensor (a row-parallel "
+                "pattern naming a 1-D parameter, halves of an odd size, a 0-d parameter); writing it is not "
+                "supported yet",
+                hint=hint,
+            )
+        for n in names:
+            if f"{n}.fp32" not in manifest.items:
+                for state in self._STATES:
+                    self._averaged(n, state)
         rows = (self.rules.info or {}).get("original_vocab_size")
         if any(self.rules.vocab(n) for n in names) and not (isinstance(rows, int) and rows > 0):
             raise CorruptFileError(
@@ -1404,29 +1437,34 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
         """The items of ``name``'s ``state``: the whole tensor, or the TP ranks' copies of an
         averaged parameter."""
         whole = self.manifest.items.get(f"{name}.{state}")
-        if whole is not None:
-            return [whole]
+        return [whole] if whole is not None else self._averaged(name, state)
+
+    def _averaged(self, name: str, state: str) -> list[Item]:
+        """The TP ranks' copies of the averaged parameter ``name``'s ``state``, checked to be
+        averaged as they are: of one float dtype and shape."""
         tp = self.manifest.layout.tp or 1
-        copies = [self.manifest.items.get(f"{name}[tp={t}].{state}") for t in range(tp)]
-        if any(c is None for c in copies):
-            raise CorruptFileError(f"{name}.{state} is not in the source checkpoint")
-        return [c for c in copies if c is not None]
+        found = [self.manifest.items.get(f"{name}[tp={t}].{state}") for t in range(tp)]
+        copies = [c for c in found if c is not None]
+        if len(copies) != tp:
+            raise CorruptFileError(f"{name}.{state}: {len(copies)} of the {tp} TP ranks' copies in the source")
+        first = copies[0]
+        if first.dtype not in ("float32", "float64") or any(
+            (c.dtype, c.shape) != (first.dtype, first.shape) for c in copies
+        ):
+            raise UsageError(
+                f"{name}.{state}: averaging TP copies of "
+                f"{sorted({f'{c.dtype}{list(c.shape or ())}' for c in copies})} is not supported yet",
+                hint="run DeepSpeed's ds_to_universal on this checkpoint",
+            )
+        return copies
 
     @staticmethod
     def _mean(copies: list[Item], box: Box | None, reader: PieceReader, grad: bool) -> _ptwrite.OutTensor:
         """``sum(copies) / len(copies)`` as ds_to_universal takes it: summed in their dtype from
         0, one copy after another, then divided (a true division, as torch's)."""
         first = copies[0]
-        if first.dtype not in ("float32", "float64") or any(
-            (c.dtype, c.shape) != (first.dtype, first.shape) for c in copies
-        ):
-            raise UsageError(
-                f"{first.name}: averaging TP copies of {sorted({f'{c.dtype}{list(c.shape or ())}' for c in copies})} "
-                "is not supported yet",
-                hint="run DeepSpeed's ds_to_universal on this checkpoint",
-            )
         shape = tuple(box.sizes if box is not None else first.shape or ())
-        dtype = first.dtype
+        dtype = first.dtype or "float32"  # checked float32 or float64 by _averaged
 
         def fill(buf: np.ndarray) -> None:
             total = buf.view(dtype).reshape(shape)

@@ -1700,6 +1700,29 @@ def test_deepspeed_universal_refusals(tmp_path):
     with pytest.raises(UsageError, match="converts DeepSpeed checkpoints"):
         reshard(FIXTURES / "dcp" / "fsdp2", tmp_path / "b", Target(to="deepspeed-universal"))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    # ZeRO files from the universal checkpoint of a TP run: its zero/ folders hold whole tensors,
+    # its model states each TP rank's slices (once written, verify found coverage gaps in them)
+    universal = tmp_path / "uni"
+    reshard(FIXTURES / "deepspeed" / "tp2", universal, Target(to="deepspeed-universal"))
+    for stage in (None, 3):
+        with pytest.raises(UsageError, match=r"universal checkpoint of a model-parallel run \(tp_degree 2\)"):
+            reshard(universal, tmp_path / "c", Target(to="deepspeed", dp=1, zero_stage=stage))
+        assert not (tmp_path / "c").exists()
+    # a pattern that leaves a trained parameter one copy per TP rank (a row-parallel pattern naming
+    # a 1-D bias) is refused, as ds_to_universal fails on it; only averaged parameters are averaged
+    from ckpttool.formats.deepspeed import ALLOWLIST as DS
+
+    def row_bias(tree: Any) -> None:
+        info = tree["universal_checkpoint_info"]
+        info["tp_replicated_parameter_patterns"].remove(r"blocks\.\d+\.fc2\.bias")
+        info["parameter_with_row_parallelism_patterns"].append(r"blocks\.\d+\.fc2\.bias")
+
+    src = rewritten_copy(tmp_path / "rowbias", FIXTURES / "deepspeed" / "tp2", row_bias,
+                         "global_step3/mp_rank_*_model_states.pt", DS)  # fmt: skip
+    assert "blocks.0.fc2.bias[tp=1].fp32" in registry.describe(src)[1].items
+    with pytest.raises(UsageError, match=r"no pattern .* joins the TP ranks' copies of blocks\.0\.fc2\.bias"):
+        reshard(src, tmp_path / "d", Target(to="deepspeed-universal"))
+    assert not (tmp_path / "d").exists()
 
 
 @pytest.mark.slow

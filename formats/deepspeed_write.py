@@ -1289,7 +1289,7 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
                 hint=hint,
             )
         for n in names:
-            if f"{n}.fp32" not in manifest.items:
+            if self.rules.kind(n) == "average":
                 for state in self._STATES:
                     self._averaged(n, state)
         rows = (self.rules.info or {}).get("original_vocab_size")
@@ -1380,7 +1380,7 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
             path = self._path(kind, name)
             if kind in self._STATES:
                 copies = self._copies(name, kind)  # an averaged parameter's are summed in a buffer
-                extra = (copies[0].nbytes or 0) if len(copies) > 1 else 0
+                extra = (copies[0].nbytes or 0) if self.rules.kind(name) == "average" else 0
                 out.append(
                     replace(
                         PlannedFile.of(path, (k,), [copies[0].nbytes or 0]), largest=(copies[0].nbytes or 0) + extra
@@ -1427,7 +1427,7 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
             dims: tuple[int, ...] = tuple(item.shape or ())
             box = Box((0,) * len(dims), (min(self.vocab_rows, dims[0]), *dims[1:]))
             head["vocab_tensor"] = True
-        if len(copies) > 1:
+        if category == "average":  # at TP=1 too: (0 + x) / 1 is x with its negative zeros made positive
             head["param"] = self._mean(copies, box, reader, grad)
         else:
             head["param"] = _ptwrite.assembled(reader, item, box, requires_grad=grad)
@@ -1436,14 +1436,16 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
     def _copies(self, name: str, state: str) -> list[Item]:
         """The items of ``name``'s ``state``: the whole tensor, or the TP ranks' copies of an
         averaged parameter."""
-        whole = self.manifest.items.get(f"{name}.{state}")
-        return [whole] if whole is not None else self._averaged(name, state)
+        if self.rules.kind(name) == "average":
+            return self._averaged(name, state)
+        return [self.manifest.items[f"{name}.{state}"]]
 
     def _averaged(self, name: str, state: str) -> list[Item]:
-        """The TP ranks' copies of the averaged parameter ``name``'s ``state``, checked to be
-        averaged as they are: of one float dtype and shape."""
+        """The TP ranks' copies of the averaged parameter ``name``'s ``state`` (at TP=1 the one
+        tensor), checked to be averaged as they are: of one float dtype and shape."""
         tp = self.manifest.layout.tp or 1
-        found = [self.manifest.items.get(f"{name}[tp={t}].{state}") for t in range(tp)]
+        one = self.manifest.items.get(f"{name}.{state}") if tp == 1 else None
+        found = [one] if one is not None else [self.manifest.items.get(f"{name}[tp={t}].{state}") for t in range(tp)]
         copies = [c for c in found if c is not None]
         if len(copies) != tp:
             raise CorruptFileError(f"{name}.{state}: {len(copies)} of the {tp} TP ranks' copies in the source")

@@ -138,19 +138,20 @@ class TpRules:
         "replicated", "average" (copies averaged by ds_to_universal, kept apart here), "halves"
         (two sub-parameters on dim 0), "row" (joined on dim 1), "vocab" (a vocabulary parameter,
         joined on dim 0) or "default" (no pattern names it)."""
-        if self._matches("affine", name):
-            return "apart"
-        if self._matches("tp_replicated_parameter_patterns", name):
-            return "replicated"
-        if self._matches("parameter_to_average_patterns", name):
-            return "average"
-        if self._matches("parameter_with_2_sub_params_cat_dim_0", name):
-            return "halves"
-        if self._matches("sub-parameters", name):
-            return "apart"
-        if self._matches("parameter_with_row_parallelism_patterns", name):
-            return "row"
+        for key, kind in self._ORDER:
+            if self._matches(key, name):
+                return kind
         return "vocab" if self.vocab(name) else "default"
+
+    _ORDER = (
+        ("affine", "apart"),
+        ("tp_replicated_parameter_patterns", "replicated"),
+        ("parameter_to_average_patterns", "average"),
+        ("parameter_with_2_sub_params_cat_dim_0", "halves"),
+        ("sub-parameters", "apart"),
+        ("parameter_with_row_parallelism_patterns", "row"),
+    )
+    """the pattern lists :meth:`kind` tries, in ds_to_universal's order, and the category each gives"""
 
     def vocab(self, name: str) -> bool:
         """Whether ``name`` is a vocabulary parameter (ds_to_universal cuts its padding rows)."""

@@ -177,7 +177,7 @@ class TpRules:
         return dim if dim < ndim else PER_RANK
 
 
-def _degree(model_states: Any, key: str) -> int | None:
+def parallel_degree(model_states: Any, key: str) -> int | None:
     """``checkpoint_parallel_dimensions[key]`` (``tp_degree``, ``pp_degree``) of a model-states
     file, when it is a positive int."""
     dims = model_states.get("checkpoint_parallel_dimensions") if isinstance(model_states, dict) else None
@@ -309,8 +309,8 @@ class DeepSpeedAdapter:
         stage = self._stage(files, optims)
         mp_size = max(len(models), len({mp for _, mp in z3_models}), 1)
         dp_size = max((dp for dp, _ in optims), default=-1) + 1 or int(first_model.get("dp_world_size") or 1)
-        tp = _degree(first_model, "tp_degree")
-        pp = _degree(first_model, "pp_degree")
+        tp = parallel_degree(first_model, "tp_degree")
+        pp = parallel_degree(first_model, "pp_degree")
         if layers:
             tp = tp or max(t for _, t in layers) + 1
             pp = pp or mp_size // tp
@@ -413,7 +413,7 @@ class DeepSpeedAdapter:
         shapes = {n: tuple(s) for group in (first.get("param_shapes") or []) for n, s in group.items()}
         # a TP run's universal checkpoint keeps every TP rank's model states: its module is joined
         # by the same rules as the source's
-        tp = _degree(first, "tp_degree") or (len(models) if not z3 else 1)
+        tp = parallel_degree(first, "tp_degree") or (len(models) if not z3 else 1)
         b = _Builder(manifest, files, TpRules(first.get("universal_checkpoint_info"), tp, model_rel or ""))
         if z3 and model_rel and isinstance(first.get("module"), dict):
             buffers = set(first.get("buffer_names") or [])

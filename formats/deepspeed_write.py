@@ -36,7 +36,7 @@ from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.formats import _pt, _ptwrite
 from ckpttool.formats.base import PieceReader, PlannedFile
-from ckpttool.formats.deepspeed import ALLOWLIST, TpRules
+from ckpttool.formats.deepspeed import ALLOWLIST, TpRules, parallel_degree
 from ckpttool.geometry import Box, flat_range_boxes
 from ckpttool.io import confine
 from ckpttool.manifest import Item, Manifest
@@ -914,8 +914,7 @@ class ZeroFromUniversalWriter(ZeroWriter):
         archive, self.model_obj, _ = _pt.load(root, model_rel, ALLOWLIST)
         archive.close()
         ranks = sorted(p for p in paths if _MODEL.match(p))
-        dims = self.model_obj.get("checkpoint_parallel_dimensions") if isinstance(self.model_obj, dict) else None
-        degrees = {k: v for k, v in (dims or {}).items() if k in ("tp_degree", "pp_degree") and v != 1}
+        degrees = {k: v for k in ("tp_degree", "pp_degree") if (v := parallel_degree(self.model_obj, k) or 1) > 1}
         if len(ranks) > 1 or degrees:
             raise UsageError(
                 f"{manifest.root}: the universal checkpoint of a model-parallel run "
@@ -1268,7 +1267,9 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
             )
         self.held = self._held_by_stage()
         names = list(self.held)
-        apart = [n for n in names if self.rules.kind(n) == "apart"]
+        self.kinds = {n: self.rules.kind(n) for n in names}
+        """each parameter's category in the patterns (:meth:`TpRules.kind`)"""
+        apart = [n for n in names if self.kinds[n] == "apart"]
         if apart:
             raise UsageError(
                 f"{self.model_rel}: universal_checkpoint_info splits {', '.join(apart[:3])}"
@@ -1277,9 +1278,11 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
                 hint=hint,
             )
         # every other parameter is one whole tensor, or (averaged) one copy per TP rank
-        unjoined = [
-            n for n in names if f"{n}.fp32" not in manifest.items and (self.rules.kind(n) != "average" or tp == 1)
-        ]
+        for n in names:
+            if self.kinds[n] == "average":
+                for state in self._STATES:
+                    self._averaged(n, state)
+        unjoined = [n for n in names if self.kinds[n] != "average" and f"{n}.fp32" not in manifest.items]
         if unjoined:
             raise UsageError(
                 f"{self.model_rel}: no pattern of universal_checkpoint_info joins the TP ranks' copies of "
@@ -1288,10 +1291,6 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
                 "supported yet",
                 hint=hint,
             )
-        for n in names:
-            if self.rules.kind(n) == "average":
-                for state in self._STATES:
-                    self._averaged(n, state)
         rows = (self.rules.info or {}).get("original_vocab_size")
         if any(self.rules.vocab(n) for n in names) and not (isinstance(rows, int) and rows > 0):
             raise CorruptFileError(
@@ -1380,7 +1379,7 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
             path = self._path(kind, name)
             if kind in self._STATES:
                 copies = self._copies(name, kind)  # an averaged parameter's are summed in a buffer
-                extra = (copies[0].nbytes or 0) if self.rules.kind(name) == "average" else 0
+                extra = (copies[0].nbytes or 0) if self.kinds[name] == "average" else 0
                 out.append(
                     replace(
                         PlannedFile.of(path, (k,), [copies[0].nbytes or 0]), largest=(copies[0].nbytes or 0) + extra
@@ -1416,7 +1415,7 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
         item = copies[0]
         # the fp32 partition is a leaf that requires grad, and ds_to_universal's slices of it keep that
         grad = kind == "fp32" and self.held[name][2]
-        category = self.rules.kind(name)
+        category = self.kinds[name]
         head: dict[str, Any] = {}
         if category == "halves":
             head.update(cat_dim=0, param_n_sub_params=2)
@@ -1436,7 +1435,7 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
     def _copies(self, name: str, state: str) -> list[Item]:
         """The items of ``name``'s ``state``: the whole tensor, or the TP ranks' copies of an
         averaged parameter."""
-        if self.rules.kind(name) == "average":
+        if self.kinds[name] == "average":
             return self._averaged(name, state)
         return [self.manifest.items[f"{name}.{state}"]]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,9 @@ from ckpttool.io import list_files, read_tracker
 from ckpttool.manifest import FileRecord, Item, Kind, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
 from ckpttool.values import flatten, set_value
+
+SUBPARAM_SHAPE = "deepspeed.checkpoint.universal_checkpoint.SubparamShape"
+"""the dataclass ds_to_universal saves with a parameter of sub-parameters (``sub_param_shape``)"""
 
 ALLOWLIST: dict[tuple[str, str], Any] = {
     **_unpickle.PLAIN,
@@ -40,8 +44,10 @@ ALLOWLIST: dict[tuple[str, str], Any] = {
     ("deepspeed.utils.tensor_fragment", "fragment_address"): _unpickle.record(
         "deepspeed.utils.tensor_fragment.fragment_address"
     ),
+    ("deepspeed.checkpoint.universal_checkpoint", "SubparamShape"): _unpickle.record(SUBPARAM_SHAPE),
 }
-"""The globals DeepSpeed 0.19 pickles (research/deepspeed.md §1.4), as stand-ins."""
+"""The globals DeepSpeed 0.19 pickles (research/deepspeed.md §1.4; ``SubparamShape`` in a universal
+checkpoint), as stand-ins."""
 
 _MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 _Z3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -73,29 +79,197 @@ _RESERVED = {
 
 PER_RANK = "rank"
 """a TP split rule: the copies' relation is unknown; one item per TP rank, ``<param>[tp=R]``"""
-HALVES = "halves"
-"""a TP split rule: two sub-parameters fused on dim 0 (SwiGLU's gate and up projections), each
-sliced over the TP ranks: rank t's copy is ``[a_t; b_t]``, the whole tensor ``[a_0 … a_T; b_0 … b_T]``"""
-Rule = int | str | None
+
+
+@dataclass(frozen=True)
+class Regions:
+    """A TP split rule given region by region: the whole tensor's shape, each TP rank's copy's shape,
+    and the regions of the whole tensor each copy holds, with the element of the (flattened) copy
+    where each starts. A rank's regions are whole rows of its copy, in the order they come in the
+    whole tensor (or the one region is the whole copy), so a copy is its regions stacked on dim 0.
+    Made from an affine map, from sub-parameters (fused QKV, ``parameter_with_sub_params``) and
+    from two sub-parameters on dim 0 (SwiGLU's gate and up projections)."""
+
+    full: tuple[int, ...]
+    shards: tuple[tuple[int, ...], ...]
+    held: tuple[tuple[tuple[Box, int], ...], ...]
+
+
+Rule = int | str | Regions | None
+
+
+def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _strides_match(shape: tuple[int, ...], got: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    """Whether ``got`` walks a tensor of ``shape`` as ``want`` does (a dim of size 1 has no stride to keep)."""
+    return len(got) == len(shape) and all(n == 1 or g == w for n, g, w in zip(shape, got, want, strict=True))
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise TypeError(f"{what} holds {str(value)[:80]}, not a list of ints")
+    return tuple(value)
+
+
+def _rows_rule(full: tuple[int, ...], tp: int, held: list[list[tuple[Box, int]]]) -> Regions | None:
+    """``held`` (each rank's regions, in the order of its copy) as :class:`Regions`, or None when a
+    copy is not its regions stacked on dim 0 in the whole tensor's order."""
+    shards = []
+    for regions in held:
+        regions = [(b, f) for b, f in regions if b.volume]  # a rank may hold none of an uneven sub-parameter
+        if not regions:
+            return None
+        if len(regions) == 1:
+            box, first = regions[0]
+            if first:
+                return None
+            shards.append(box.sizes)
+            continue
+        rest = regions[0][0].sizes[1:]
+        row = math.prod(rest)
+        at = 0
+        for box, first in regions:
+            if box.sizes[1:] != rest or any(box.offsets[1:]) or first != at * row:
+                return None
+            at += box.sizes[0]
+        if [b.offsets[0] for b, _ in regions] != sorted(b.offsets[0] for b, _ in regions):
+            return None
+        shards.append((at, *rest))
+    return Regions(full, tuple(shards), tuple(tuple((b, f) for b, f in regions if b.volume) for regions in held))
+
+
+def affine_regions(entry: Any, tp: int) -> Regions | None:
+    """An affine map of DeepSpeed's (``affine_map.params[pattern]``: for each TP rank the pieces of
+    the whole tensor its copy holds, each a strided view on both sides, with a scale) as
+    :class:`Regions`, or None when the map says something regions cannot: a scaled piece (a bias
+    pre-divided by the TP size), a piece that is not a box of the whole tensor or not contiguous in
+    the copy, ranks other than 0 … TP-1. Raises TypeError for a map that is not one."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("ranks"), dict):
+        raise TypeError(f"an affine map holds {str(entry)[:80]}, not logical_shape and ranks")
+    full = _ints(entry.get("logical_shape"), "affine_map logical_shape")
+    ranks = entry["ranks"]
+    if sorted(ranks, key=str) != sorted(range(tp), key=str):
+        return None
+    whole = _row_major(full)
+    held: list[list[tuple[Box, int]]] = []
+    for t in range(tp):
+        value = ranks[t]
+        if not isinstance(value, dict) or not isinstance(value.get("pieces"), list | tuple):
+            raise TypeError(f"affine_map rank {t} holds {str(value)[:80]}, not shard_shape and pieces")
+        shard = _ints(value.get("shard_shape"), "affine_map shard_shape")
+        regions = []
+        for piece in value["pieces"]:
+            if not isinstance(piece, dict):
+                raise TypeError(f"affine_map piece {str(piece)[:80]}")
+            shape = _ints(piece.get("shape"), "affine_map piece shape")
+            src, dest = piece.get("source"), piece.get("dest")
+            if not (
+                isinstance(src, list | tuple) and len(src) == 2 and isinstance(dest, list | tuple) and len(dest) == 2
+            ):
+                raise TypeError(f"affine_map piece source/dest {str(piece)[:80]}")
+            src_off, src_strides = _ints((src[0],), "source offset")[0], _ints(src[1], "source strides")
+            dest_off, dest_strides = _ints((dest[0],), "dest offset")[0], _ints(dest[1], "dest strides")
+            if piece.get("scale", 1.0) != 1.0 or len(shape) != len(full) or len(shard) != len(full):
+                return None
+            if not _strides_match(shape, src_strides, whole) or not _strides_match(
+                shape, dest_strides, _row_major(shape)
+            ):
+                return None
+            corner = tuple((src_off // w) % n if n else 0 for w, n in zip(whole, full, strict=True))
+            box = Box(corner, shape)
+            if (
+                sum(o * w for o, w in zip(corner, whole, strict=True)) != src_off
+                or not box.within(full)
+                or dest_off < 0
+            ):
+                return None
+            regions.append((box, dest_off))
+        regions.sort(key=lambda r: r[1])
+        rule = _rows_rule(full, 1, [regions])
+        if rule is None or rule.shards[0] != shard:
+            return None
+        held.append(regions)
+    return _rows_rule(full, tp, held)
+
+
+def sub_param_regions(
+    shape: tuple[int, ...], dim: int, sizes: tuple[int, ...] | int | None, widths: Any, tp: int
+) -> Regions | None:
+    """Sub-parameters fused on dim ``dim`` (q, k and v; a gate and an up projection), each split over
+    the TP ranks, rank t's copy (of ``shape``) holding its slice of each in turn: ``widths[s][t]``
+    rows of sub-parameter s (None: equal slices of the sub-parameters' ``sizes``, or of ``sizes``
+    equal sub-parameters when it is an int). None where it is not rows of dim 0 or the numbers do
+    not add up."""
+    if dim != 0 or not shape:
+        return None
+    if isinstance(sizes, int):  # a count of equal sub-parameters
+        if widths is not None:
+            sizes = None
+        elif sizes < 1 or (shape[0] * tp) % sizes:
+            return None
+        else:
+            sizes = (shape[0] * tp // sizes,) * sizes
+    if widths is None:
+        if sizes is None:
+            return None
+        if any(size % tp for size in sizes):
+            return None
+        widths = [[size // tp] * tp for size in sizes]
+    if not isinstance(widths, list | tuple) or not widths:
+        raise TypeError(f"sub_param_shard_widths holds {str(widths)[:80]}, not a list of lists")
+    rows = [_ints(w, "sub_param_shard_widths") for w in widths]
+    if any(len(w) != tp or min(w) < 0 for w in rows):
+        return None
+    if sizes is not None and (len(sizes) != len(rows) or any(sum(w) != n for w, n in zip(rows, sizes, strict=True))):
+        return None
+    rest = shape[1:]
+    per_row = math.prod(rest)
+    full = (sum(sum(w) for w in rows), *rest)
+    held: list[list[tuple[Box, int]]] = []
+    for t in range(tp):
+        regions, start, at = [], 0, 0
+        for w in rows:
+            regions.append((Box((start + sum(w[:t]), *(0,) * len(rest)), (w[t], *rest)), at * per_row))
+            at += w[t]
+            start += sum(w)
+        held.append(regions)
+    return _rows_rule(full, tp, held)
 
 
 class TpRules:
     """How the copies of a parameter on the ranks of a tensor-parallel axis make the whole tensor.
     DeepSpeed records no split rule of its own; Megatron-DeepSpeed and AutoTP save the model's in
     ``universal_checkpoint_info``: the regular expressions by which ``ds_to_universal`` merges TP
-    slices (research/deepspeed.md §2.2). :meth:`rule` follows them as it does, in its order:
-    replicated patterns are replicas; two sub-parameters on dim 0 (SwiGLU's fused gate and up
-    projections) are joined sub-parameter by sub-parameter (``HALVES``); row-parallel ones are
-    joined on dim 1, the rest on dim 0 (vocabulary parameters keep their padding rows). Averaged
-    parameters (copies that may differ, which ds_to_universal averages), other sub-parameters
-    (fused QKV by ``parameter_with_sub_params``) and affine maps are not joined: their copies, like
-    every copy when there is no ``universal_checkpoint_info``, stay one item per TP rank
-    (``PER_RANK``)."""
+    slices (research/deepspeed.md §2.2), and AutoTP an affine map per parameter, which supersedes
+    them. :meth:`rule` follows them as ds_to_universal does, in its order: an affine map places each
+    rank's pieces; replicated patterns are replicas; two sub-parameters on dim 0 (SwiGLU's fused
+    gate and up projections) and sub-parameters by ``parameter_with_sub_params`` (fused QKV, with
+    ``sub_param_shard_widths`` when uneven) are joined sub-parameter by sub-parameter; row-parallel
+    ones are joined on dim 1, the rest on dim 0 (vocabulary parameters keep their padding rows).
+    Averaged parameters (copies that may differ, which ds_to_universal averages), parameters AutoTP
+    could not describe, and maps that regions cannot express (a scaled piece) are not joined: their
+    copies, like every copy when there is no ``universal_checkpoint_info``, stay one item per TP
+    rank (``PER_RANK``)."""
 
     def __init__(self, raw: Any, tp: int, rel: str) -> None:
         self.tp = tp
+        self.rel = rel
         self.info: dict[str, Any] | None = raw if isinstance(raw, dict) else None
         self.compiled: dict[str, list[re.Pattern[str]]] = {}
+        self.maps: list[Regions | None] = []
+        """each affine map's regions (None: not expressible), in the order of ``compiled["affine"]``"""
+        self.subs: list[tuple[int, tuple[int, ...] | int | None, Any]] = []
+        """each sub-parameter pattern's (dim, sizes, widths), in the order of ``compiled["sub-parameters"]``"""
+        self.copy_shapes: dict[str, dict[int, tuple[int, ...]]] = {}
+        """each module tensor's shape on each TP rank (:meth:`note_copies`)"""
+        self.sub_specs: list[tuple[str, dict[str, Any]]] = []
+        """each sub-parameter pattern, with the ``parameter_with_sub_params`` dict holding it"""
         if self.info is not None:
             try:
                 self._compile(self.info)
@@ -121,34 +295,60 @@ class TpRules:
             "vocabulary_parameter_patterns",
         ):
             self.compiled[key] = [re.compile(p) for p in patterns(key, info.get(key) or [])]
+        widths = info.get("sub_param_shard_widths") or {}
+        if not isinstance(widths, dict):
+            raise TypeError(f"sub_param_shard_widths holds {str(widths)[:120]}, not a dict")
         subs: list[str] = []
         for sub in _sub_param_dicts(info.get("parameter_with_sub_params")):
-            subs += patterns("parameter_with_sub_params.patterns", sub.get("patterns") or [])
+            spec, dim = sub.get("shape"), sub.get("partition_dim")
+            sizes: tuple[int, ...] | int | None = None
+            if isinstance(spec, list | tuple) and isinstance(dim, int) and 0 <= dim < len(spec):
+                at = spec[dim]
+                sizes = _ints(at, "parameter_with_sub_params shape") if isinstance(at, list | tuple) else None
+                if isinstance(at, int) and not isinstance(at, bool):
+                    sizes = at  # a count of equal sub-parameters
+            for p in patterns("parameter_with_sub_params.patterns", sub.get("patterns") or []):
+                subs.append(p)
+                self.subs.append((dim if isinstance(dim, int) else -1, sizes, widths.get(p)))
+                self.sub_specs.append((p, sub))
         self.compiled["sub-parameters"] = [re.compile(p) for p in subs]
+        unsupported = info.get("autotp_unsupported_parameter_patterns") or {}
+        if not isinstance(unsupported, dict):
+            raise TypeError(f"autotp_unsupported_parameter_patterns holds {str(unsupported)[:120]}, not a dict")
+        self.compiled["unsupported"] = [re.compile(p) for p in patterns("unsupported", list(unsupported))]
         affine = info.get("affine_map")
-        maps = list(affine["params"]) if isinstance(affine, dict) and isinstance(affine.get("params"), dict) else []
-        self.compiled["affine"] = [re.compile(p) for p in patterns("affine_map.params", maps)]
+        params = affine.get("params") if isinstance(affine, dict) else None
+        maps = params if isinstance(params, dict) else {}
+        self.compiled["affine"] = [re.compile(p) for p in patterns("affine_map.params", list(maps))]
+        version = affine.get("version", 1) if isinstance(affine, dict) else 1
+        known = isinstance(version, int) and version <= 1  # a later map format may mean more than this reads
+        self.maps = [affine_regions(entry, self.tp) if known and self.tp > 1 else None for entry in maps.values()]
 
     def _matches(self, key: str, name: str) -> bool:
         return any(p.match(name) for p in self.compiled.get(key, ()))
 
+    def _first(self, key: str, name: str) -> int | None:
+        return next((i for i, p in enumerate(self.compiled.get(key, ())) if p.match(name)), None)
+
     def kind(self, name: str) -> str:
-        """``name``'s category in the patterns, taken in ds_to_universal's order: "apart" (an
-        affine map, or sub-parameters by ``parameter_with_sub_params``: not joined here),
+        """``name``'s category in the patterns, taken in ds_to_universal's order: "unsupported"
+        (AutoTP could not describe it), "map" (an affine map, which supersedes the patterns),
         "replicated", "average" (copies averaged by ds_to_universal, kept apart here), "halves"
-        (two sub-parameters on dim 0), "row" (joined on dim 1), "vocab" (a vocabulary parameter,
-        joined on dim 0) or "default" (no pattern names it)."""
+        (two sub-parameters on dim 0), "sub-parameters" (``parameter_with_sub_params``), "row"
+        (joined on dim 1), "vocab" (a vocabulary parameter, joined on dim 0) or "default" (no
+        pattern names it)."""
         for key, kind in self._ORDER:
             if self._matches(key, name):
                 return kind
         return "vocab" if self.vocab(name) else "default"
 
     _ORDER = (
-        ("affine", "apart"),
+        ("unsupported", "unsupported"),
+        ("affine", "map"),
         ("tp_replicated_parameter_patterns", "replicated"),
         ("parameter_to_average_patterns", "average"),
         ("parameter_with_2_sub_params_cat_dim_0", "halves"),
-        ("sub-parameters", "apart"),
+        ("sub-parameters", "sub-parameters"),
         ("parameter_with_row_parallelism_patterns", "row"),
     )
     """the pattern lists :meth:`kind` tries, in ds_to_universal's order, and the category each gives"""
@@ -157,24 +357,75 @@ class TpRules:
         """Whether ``name`` is a vocabulary parameter (ds_to_universal cuts its padding rows)."""
         return self._matches("vocabulary_parameter_patterns", name)
 
-    def rule(self, name: str, ndim: int, trainable: bool = True) -> Rule:
-        """None: the TP ranks' copies of ``name`` are replicas; an int: TP slices joined along that
-        dim; ``PER_RANK``: unknown. Without a TP axis every copy is a replica. A parameter no
-        pattern names is a slice on dim 0 if the optimizer trains it (ds_to_universal's default);
-        anything else (buffers, frozen weights) is joined only where a pattern says so."""
+    def sub_params(self, name: str) -> int | None:
+        """The index of the first ``parameter_with_sub_params`` pattern naming ``name``, in the order
+        the patterns come (one dict may hold several)."""
+        return self._first("sub-parameters", name)
+
+    def rule(self, name: str, shape: tuple[int, ...], trainable: bool = True) -> Rule:
+        """None: the TP ranks' copies of ``name`` (each of ``shape``) are replicas; an int: TP slices
+        joined along that dim; :class:`Regions`: placed region by region; ``PER_RANK``: unknown.
+        Without a TP axis every copy is a replica. A parameter no pattern names is a slice on dim 0
+        if the optimizer trains it (ds_to_universal's default); anything else (buffers, frozen
+        weights) is joined only where a pattern says so."""
         if self.tp <= 1:
             return None
         if self.info is None:
             return PER_RANK
         kind = self.kind(name)
-        if kind in ("apart", "average") or (kind == "default" and not trainable):
+        regions: Regions | None = None
+        if kind == "map":
+            index = self._first("affine", name)
+            regions = self.maps[index] if index is not None else None
+        elif kind == "halves" and shape and shape[0] % 2 == 0:
+            regions = sub_param_regions(shape, 0, None, [[shape[0] // 2] * self.tp] * 2, self.tp)
+        elif kind == "sub-parameters":
+            index = self.sub_params(name)
+            if index is not None:
+                dim, sizes, widths = self.subs[index]
+                try:
+                    regions = sub_param_regions(shape, dim, sizes, widths, self.tp)
+                except TypeError as e:
+                    raise CorruptFileError(
+                        f"{self.rel}: universal_checkpoint_info's sub-parameters of {name}: {e}", path=self.rel
+                    ) from None
+        if kind in ("map", "halves", "sub-parameters"):
+            return regions if regions is not None else PER_RANK
+        if kind in ("unsupported", "average") or (kind == "default" and not trainable):
             return PER_RANK
         if kind == "replicated":
             return None
-        if kind == "halves":
-            return HALVES if ndim >= 1 else PER_RANK
         dim = 1 if kind == "row" else 0
-        return dim if dim < ndim else PER_RANK
+        if dim >= len(shape):
+            return PER_RANK
+        copies = self.copy_shapes.get(name, {})
+        if len(copies) == self.tp and len(set(copies.values())) > 1:  # uneven slices, joined as torch.cat joins them
+            return uneven_regions([copies[t] for t in range(self.tp)], dim) or PER_RANK
+        return dim
+
+    def note_copies(self, modules: dict[int, Any]) -> None:
+        """Note the shape of each tensor of each TP rank's module (``modules``: TP rank -> its
+        ``module`` dict), so that slices of uneven sizes (AutoTP splits 31 rows 16 + 15) are joined
+        where the last one ends."""
+        for t, module in modules.items():
+            for name, value in module.items() if isinstance(module, dict) else ():
+                if isinstance(value, _unpickle.TensorRef):
+                    self.copy_shapes.setdefault(name, {})[t] = tuple(value.shape)
+
+
+def uneven_regions(shapes: list[tuple[int, ...]], dim: int) -> Regions | None:
+    """TP slices of ``shapes`` (one per rank) joined on ``dim`` as ``torch.cat`` joins them, or None
+    when they differ elsewhere than on ``dim``."""
+    rest = {s[:dim] + s[dim + 1 :] for s in shapes}
+    if len(rest) != 1 or any(len(s) <= dim for s in shapes):
+        return None
+    full = list(shapes[0])
+    full[dim] = sum(s[dim] for s in shapes)
+    held, at = [], 0
+    for s in shapes:
+        held.append(((Box(tuple(at if d == dim else 0 for d in range(len(s))), s), 0),))
+        at += s[dim]
+    return Regions(tuple(full), tuple(shapes), tuple(held))
 
 
 def parallel_degree(model_states: Any, key: str) -> int | None:
@@ -320,6 +571,8 @@ class DeepSpeedAdapter:
         tp_size = int(tp or 1)
         first_rel = models.get(0) or z3_models[min(z3_models)]
         b = _Builder(manifest, files, TpRules(first_model.get("universal_checkpoint_info"), tp_size, first_rel))
+        if tp_size > 1 and mp_size == tp_size:
+            b.rules.note_copies({mp: files[rel].get("module") for mp, rel in models.items()})
         if tp_size > 1:
             manifest.extras["tp_split"] = (
                 "universal_checkpoint_info"
@@ -415,6 +668,8 @@ class DeepSpeedAdapter:
         # by the same rules as the source's
         tp = parallel_degree(first, "tp_degree") or (len(models) if not z3 else 1)
         b = _Builder(manifest, files, TpRules(first.get("universal_checkpoint_info"), tp, model_rel or ""))
+        if tp > 1 and len(models) == tp:
+            b.rules.note_copies({mp: files[rel].get("module") for mp, rel in models.items()})
         if z3 and model_rel and isinstance(first.get("module"), dict):
             buffers = set(first.get("buffer_names") or [])
             for name, value in first["module"].items():
@@ -503,19 +758,21 @@ class _Builder:
     ) -> tuple[Item, list[tuple[Box, int]]]:
         """The item that TP rank ``t``'s copy (of ``shape``) of ``param`` + ``suffix`` belongs to
         under ``rule``, and the regions of it that the copy holds, each with the element of the
-        (flattened) copy it starts at: one region, or one per sub-parameter (``HALVES``)."""
-        if rule == HALVES and shape[0] % 2 == 0:
-            half = (shape[0] // 2, *shape[1:])
-            full = (shape[0] * self.rules.tp, *shape[1:])
-            rest = (0,) * (len(shape) - 1)
-            return self.item(param + suffix, kind, dtype, full), [
-                (Box((s * half[0] * self.rules.tp + t * half[0], *rest), half), s * math.prod(half)) for s in (0, 1)
-            ]
+        (flattened) copy it starts at: one region, or several (:class:`Regions`)."""
+        if isinstance(rule, Regions):
+            if t >= len(rule.shards) or rule.shards[t] != tuple(shape):
+                raise CorruptFileError(
+                    f"{param}{suffix}: TP rank {t} holds a {list(shape)} tensor; universal_checkpoint_info's map of "
+                    f"it says {list(rule.shards[t]) if t < len(rule.shards) else 'no copy'}",
+                    path=self.rules.rel,
+                    hint="the checkpoint's files and its split rules disagree: it was damaged or mixed from two runs",
+                )
+            return self.item(param + suffix, kind, dtype, rule.full), list(rule.held[t])
         if isinstance(rule, int):
             full = tuple(n * self.rules.tp if d == rule else n for d, n in enumerate(shape))
             offsets = tuple(t * n if d == rule else 0 for d, n in enumerate(shape))
             return self.item(param + suffix, kind, dtype, full), [(Box(offsets, shape), 0)]
-        name = f"{param}[tp={t}]{suffix}" if rule in (PER_RANK, HALVES) else param + suffix
+        name = f"{param}[tp={t}]{suffix}" if rule == PER_RANK else param + suffix
         return self.item(name, kind, dtype, shape), [(Box.whole(shape), 0)]
 
     def module_value(self, name: str, value: Any, rel: str, t: int, trainable: bool, path: str) -> None:
@@ -524,7 +781,7 @@ class _Builder:
             if t == 0:
                 self.tensor_or_object(name, value, rel, "param", rank=0, path=path)
             return
-        rule = self.rules.rule(name, len(value.shape), trainable)
+        rule = self.rules.rule(name, tuple(value.shape), trainable)
         item, regions = self.tp_item(name, "", "param", value.dtype, value.shape, t, rule)
         for box, first in regions:
             replica = self.replicas.next(item.name, box)
@@ -576,7 +833,7 @@ class _Builder:
         the ranks come: a stage's copy is cut at its own partition boundaries, which need not be
         another's."""
         for param, shape, start, numel, local in names:
-            rule = self.rules.rule(param, len(shape))
+            rule = self.rules.rule(param, tuple(shape))
             for state, ref in refs.items():
                 kind: Kind = "master" if state == "fp32" else "optim"
                 item, regions = self.tp_item(param, f".{state}", kind, ref.dtype, shape, t, rule)

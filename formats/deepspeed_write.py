@@ -36,7 +36,7 @@ from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.formats import _pt, _ptwrite
 from ckpttool.formats.base import PieceReader, PlannedFile
-from ckpttool.formats.deepspeed import ALLOWLIST, TpRules, parallel_degree
+from ckpttool.formats.deepspeed import ALLOWLIST, SUBPARAM_SHAPE, TpRules, parallel_degree
 from ckpttool.geometry import Box, flat_range_boxes
 from ckpttool.io import confine
 from ckpttool.manifest import Item, Manifest
@@ -1237,6 +1237,9 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
             "vocabulary_parameter_patterns",
             "parameter_with_2_sub_params_cat_dim_0",
             "parameter_with_sub_params",
+            "sub_param_shard_widths",
+            "affine_map",
+            "autotp_unsupported_parameter_patterns",
             "original_vocab_size",
             "padded_vocab_size",
             "pipeline_replicated_parameter_patterns",
@@ -1269,14 +1272,24 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
         names = list(self.held)
         self.kinds = {n: self.rules.kind(n) for n in names}
         """each parameter's category in the patterns (:meth:`TpRules.kind`)"""
-        apart = [n for n in names if self.kinds[n] == "apart"]
+        unsupported = (self.rules.info or {}).get("autotp_unsupported_parameter_patterns")
+        if unsupported:  # ds_to_universal refuses the whole checkpoint
+            raise UsageError(
+                f"{self.model_rel}: AutoTP could not describe how it split "
+                f"{', '.join(f'{p} ({r})' for p, r in sorted(unsupported.items())[:3])}: no universal checkpoint "
+                "of it can be written",
+                hint="keep it in its TP layout: 'ckpttool reshard --dp N' changes its data-parallel size",
+            )
+        apart = [n for n in names if self.kinds[n] in ("map", "sub-parameters") and f"{n}.fp32" not in manifest.items]
         if apart:
             raise UsageError(
-                f"{self.model_rel}: universal_checkpoint_info splits {', '.join(apart[:3])}"
-                f"{' …' if len(apart) > 3 else ''} into sub-parameters by a map (parameter_with_sub_params, "
-                "affine_map); writing those is not supported yet",
+                f"{self.model_rel}: universal_checkpoint_info places {', '.join(apart[:3])}"
+                f"{' …' if len(apart) > 3 else ''} by a map ckpttool cannot follow (a scaled piece, a piece "
+                "that is not whole rows of a rank's copy, sub-parameters off dim 0); writing those is not "
+                "supported yet",
                 hint=hint,
             )
+        self.sub_shapes = {n: self._sub_param_shape(n) for n in names if self.kinds[n] == "sub-parameters"}
         # every other parameter is one whole tensor, or (averaged) one copy per TP rank
         for n in names:
             if self.kinds[n] == "average":
@@ -1419,7 +1432,9 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
         head: dict[str, Any] = {}
         if category == "halves":
             head.update(cat_dim=0, param_n_sub_params=2)
-        elif category not in ("replicated", "average"):
+        elif category == "sub-parameters":
+            head["sub_param_shape"] = self.sub_shapes[name]
+        elif category not in ("replicated", "average", "map"):  # an affine map: the param alone
             head["cat_dim"] = 1 if category == "row" else 0
         box = None
         if self.rules.vocab(name):  # its padding rows cut, as ds_to_universal cuts them
@@ -1431,6 +1446,35 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
         else:
             head["param"] = _ptwrite.assembled(reader, item, box, requires_grad=grad)
         return self._save(head, out, progress)
+
+    def _sub_param_shape(self, name: str) -> Any:
+        """The ``SubparamShape`` ds_to_universal saves with ``name``'s sub-parameters: the
+        ``parameter_with_sub_params`` entry naming it, its count of equal sub-parameters (in a
+        checkpoint before universal version 0.4) made their sizes."""
+        info = self.rules.info or {}
+        index = self.rules.sub_params(name)
+        assert index is not None  # its kind says a pattern names it
+        pattern, spec = self.rules.sub_specs[index]
+        version = info.get("universal_checkpoint_version", 0.0)
+        shape, dim = spec.get("shape"), spec.get("partition_dim")
+        widths = info.get("sub_param_shard_widths") or {}
+        if set(spec) != {"patterns", "shape", "partition_dim"} or (
+            isinstance(version, int | float) and version >= 0.4 and pattern not in widths
+        ):
+            raise UsageError(
+                f"{self.model_rel}: universal_checkpoint_info's sub-parameters of {name} "
+                f"({sorted(spec)}, version {version!r}) are not what ds_to_universal reads",
+                hint="run DeepSpeed's ds_to_universal on this checkpoint",
+            )
+        assert isinstance(shape, list | tuple) and isinstance(dim, int)  # checked by the reader's rule
+        if not (isinstance(version, int | float) and version >= 0.4) and isinstance(shape[dim], int):
+            whole = self.manifest.items[f"{name}.fp32"].shape or ()
+            normalized = list(shape)
+            normalized[dim] = (whole[dim] // shape[dim],) * shape[dim]
+            shape = tuple(normalized)
+        out = _unpickle.record(SUBPARAM_SHAPE)()
+        out.__dict__.update(patterns=spec["patterns"], shape=shape, partition_dim=dim)
+        return out
 
     def _copies(self, name: str, state: str) -> list[Item]:
         """The items of ``name``'s ``state``: the whole tensor, or the TP ranks' copies of an

@@ -19,7 +19,8 @@ from tests.conftest import FIXTURES, rewritten_copy, run_cli
 DS = FIXTURES / "deepspeed"
 MODEL_STATES = "global_step3/mp_rank_*_model_states.pt"
 ALL = [
-    "zero0", "zero1", "zero2", "zero2_bf16", "zero3", "bf16_zero0", "bf16_optimizer", "pipeline", "pipeline_tied", "tp2", "tp2_glu"
+    "zero0", "zero1", "zero2", "zero2_bf16", "zero3", "bf16_zero0", "bf16_optimizer", "pipeline", "pipeline_tied", "tp2", "tp2_glu",
+    "autotp",
 ]
 ZERO_TO_FP32 = ["zero1", "zero2", "zero2_bf16", "zero3"]
 
@@ -51,7 +52,7 @@ def test_master_weights(name, tmp_path):
         assert extra == {"frozen.weight", "frozen.bias"}
     elif name in ZERO_TO_FP32:
         assert extra == set()
-    elif name in ("pipeline", "pipeline_tied", "tp2", "tp2_glu"):  # their models hold no buffers
+    elif name in ("pipeline", "pipeline_tied", "tp2", "tp2_glu", "autotp"):  # their models hold no buffers
         assert extra == set()
     else:  # references from the live optimizer hold no buffers; the export completes them
         assert extra == {"seen_tokens"}
@@ -87,7 +88,7 @@ def test_layout_step_and_files(name):
     assert "rng" in m.missing_state()  # DeepSpeed saves no RNG state
     if name == "pipeline":
         assert (m.layout.pp, m.layout.tp, m.layout.dp, m.layout.world_size) == (2, 2, 2, 8)
-    if name in ("tp2", "tp2_glu"):
+    if name in ("tp2", "tp2_glu", "autotp"):
         assert (m.layout.pp, m.layout.tp, m.layout.dp, m.layout.world_size) == (1, 2, 2, 4)
     if name == "pipeline_tied":
         assert (m.layout.pp, m.layout.tp, m.layout.dp, m.layout.world_size) == (2, 1, 2, 4)

@@ -326,6 +326,8 @@ COMMIT_NAMES = {
     "model.safetensors.index.json",
 }
 """Files a save writes last, when the checkpoint's files cannot be read for their roles."""
+AUX_NAMES = {"zero_to_fp32.py", "zero_to_torch.py"}
+"""Files beside a checkpoint that hold no state (DeepSpeed's scripts), when it cannot be read for roles."""
 COMMIT_SLACK_S = 5.0
 """Data files written more than this after the metadata that describes them were not written by
 the save that committed it (files a copy or a checkout writes within a few seconds are not)."""
@@ -364,7 +366,11 @@ def _check_in_flight(report: VerifyReport, root: Path, manifest: Manifest | None
     if manifest is not None:
         roles = {f.path: f.role for f in manifest.files}
     else:  # the checkpoint could not be read (a file being rewritten is often cut short): by name
-        roles = {rel: "metadata" if rel.rsplit("/", 1)[-1] in COMMIT_NAMES else "data" for rel, _ in list_files(root)}
+        names = {rel: rel.rsplit("/", 1)[-1] for rel, _ in list_files(root)}
+        roles = {
+            rel: "metadata" if name in COMMIT_NAMES else "aux" if name in AUX_NAMES else "data"
+            for rel, name in names.items()
+        }
     base = Path(manifest.root) if manifest is not None else root  # a save directory's iteration folder
     times: dict[str, float] = {}
     for rel in roles:

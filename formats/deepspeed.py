@@ -190,6 +190,11 @@ def affine_regions(entry: Any, tp: int) -> Regions | None:
             ):
                 return None
             regions.append((box, dest_off))
+        if sum(b.volume for b, _ in regions) != math.prod(shard):  # DeepSpeed's validate() refuses it too
+            raise TypeError(
+                f"affine_map rank {t}'s pieces hold {sum(b.volume for b, _ in regions)} elements, "
+                f"its shard_shape {list(shard)} {math.prod(shard)}"
+            )
         regions.sort(key=lambda r: r[1])
         rule = _rows_rule(full, 1, [regions])
         if rule is None or rule.shards[0] != shard:

@@ -149,3 +149,39 @@ def rewritten_copy(
             archive.close()
         shutil.copystat(source / f.relative_to(dst), f)
     return dst
+
+
+def _autotp_without_maps(tree: Any) -> None:
+    tree["universal_checkpoint_info"].pop("affine_map")
+
+
+def _autotp_legacy(tree: Any) -> None:
+    info = tree["universal_checkpoint_info"]
+    for key in ("affine_map", "sub_param_shard_widths"):
+        info.pop(key)
+    info["universal_checkpoint_version"] = 0.3
+    for spec in info["parameter_with_sub_params"]:
+        if "gate_up" in spec["patterns"][0]:
+            spec["shape"] = [2, -1]  # a count of equal sub-parameters, as AutoTP's spec says it
+
+
+AUTOTP_METADATA: dict[str, Callable[[Any], None] | None] = {
+    "affine maps": None,
+    "sub-parameters": _autotp_without_maps,
+    "legacy": _autotp_legacy,
+}
+"""The autotp fixture's universal_checkpoint_info as DeepSpeed 0.19.8 saves it (affine maps, which
+supersede the patterns), without the maps (parameter_with_sub_params with the widths of version
+0.4), and as before version 0.4 (no widths; the gate_up projection's sub-parameters a count): the
+edit making each, for :func:`rewritten_copy` of the model states."""
+
+
+def autotp_copy(tmp_path: Path, metadata: str) -> Path:
+    """The autotp fixture with its split rules in the form ``metadata`` (:data:`AUTOTP_METADATA`)."""
+    from ckpttool.formats.deepspeed import ALLOWLIST
+
+    edit = AUTOTP_METADATA[metadata]
+    src = FIXTURES / "deepspeed" / "autotp"
+    if edit is None:
+        return src
+    return rewritten_copy(tmp_path / "autotp", src, edit, "global_step3/mp_rank_*_model_states.pt", ALLOWLIST)

@@ -7,6 +7,8 @@ ds_to_universal where it runs (otherwise the live optimizer), ``module.*`` the e
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -14,7 +16,7 @@ from safetensors.torch import load_file
 from ckpttool import registry
 from ckpttool.export import export
 from tests._compare import same_bits
-from tests.conftest import FIXTURES, rewritten_copy, run_cli
+from tests.conftest import AUTOTP_METADATA, FIXTURES, autotp_copy, rewritten_copy, run_cli
 
 DS = FIXTURES / "deepspeed"
 MODEL_STATES = "global_step3/mp_rank_*_model_states.pt"
@@ -178,6 +180,89 @@ def test_sub_parameters_and_averaged_copies():
     assert "pos.weight" not in m.items
     assert m.items["pos.weight[tp=0].fp32"].shape == m.items["pos.weight[tp=1]"].shape == (8, 16)
     assert verify(DS / "tp2_glu").failing() == []
+
+
+def _rows_by_rank(item) -> dict[int, list[tuple[int, int]]]:
+    """Each TP rank's regions of ``item`` as (first row, rows), from the files the pieces are in."""
+    out: dict[int, set[tuple[int, int]]] = {}
+    for p in item.pieces:
+        out.setdefault(int("mp_rank_01" in p.file), set()).add((p.box.offsets[0], p.box.sizes[0]))
+    return {t: sorted(v) for t, v in out.items()}
+
+
+@pytest.mark.parametrize("metadata", list(AUTOTP_METADATA))
+def test_autotp_pieces_are_placed_in_the_whole_tensors(metadata, tmp_path):
+    """autotp (DeepSpeed's AutoTP, TP=2 x DP=2): every parameter is one whole tensor, each TP rank's
+    copy placed by the split rules, whichever form they take (AutoTP 0.19.8's affine maps; the
+    sub-parameter patterns with their widths; the form before universal version 0.4): the fused
+    GQA qkv ``[q; k; v]`` (16, 8 and 8 rows) with rank t's ``[q_t; k_t; v_t]`` as three regions, in
+    its model states and its flat partitions alike; gate_up's two halves; lm_head's 31 rows split
+    16 + 15; o_proj's weight on dim 1 and its bias whole on both ranks (a replica each). The values
+    are the reference's (DeepSpeed's own ParamAffineMap joined the live slices); the copy verifies
+    clean."""
+    from ckpttool.verify import verify
+
+    src = autotp_copy(tmp_path, metadata)
+    _, m = registry.describe(src)
+    assert not [n for n in m.items if "[tp=" in n]
+    qkv = {0: [(0, 8), (16, 4), (24, 4)], 1: [(8, 8), (20, 4), (28, 4)]}
+    for name in ("layers.0.self_attn.qkv_proj.weight", "layers.1.self_attn.qkv_proj.bias.exp_avg"):
+        assert m.items[name].shape[0] == 32 and _rows_by_rank(m.items[name]) == qkv, name
+    assert _rows_by_rank(m.items["layers.1.mlp.gate_up_proj.weight.fp32"]) == {
+        0: [(0, 16), (32, 16)],
+        1: [(16, 16), (48, 16)],
+    }
+    assert _rows_by_rank(m.items["lm_head.weight.exp_avg_sq"]) == {0: [(0, 16)], 1: [(16, 15)]}
+    o = m.items["layers.0.self_attn.o_proj.weight"]
+    assert o.shape == (16, 16) and sorted(p.box.offsets for p in o.pieces) == [(0, 0), (0, 8)]
+    bias = m.items["layers.0.self_attn.o_proj.bias.fp32"]
+    assert sorted((p.box.offsets, p.replica) for p in bias.pieces) == [((0,), 0), ((0,), 1)]
+    ref = _ref("autotp", "exp_avg.")
+    got = _export_path(src, "optim", tmp_path)
+    assert [k for k in ref if not same_bits(got[f"{k}.exp_avg"], ref[k])] == []
+    assert verify(src).failing() == []
+
+
+def test_autotp_split_rules_that_contradict_the_files(tmp_path):
+    """An affine map whose rank holds another shape than the file's copy: exit 3 naming the
+    parameter, both shapes, no traceback; a map whose pieces do not make its rank's shard, likewise.
+    A scaled piece (a row-parallel bias pre-divided by the TP size, which ckpttool cannot hold as a
+    region): that parameter stays one item per TP rank, compared with nothing."""
+    from ckpttool.formats.deepspeed import ALLOWLIST
+    from ckpttool.verify import verify
+
+    src = DS / "autotp"
+    key = r"^layers\.0\.self_attn\.o_proj\.bias$"
+
+    def shard(tree, piece=False):
+        rank = tree["universal_checkpoint_info"]["affine_map"]["params"][key]["ranks"][1]
+        rank["shard_shape"] = [15]
+        if piece:
+            rank["pieces"][0]["shape"] = [15]
+
+    for piece, says in (
+        (False, "affine_map rank 1's pieces hold 16 elements, its shard_shape [15] 15"),
+        (True, "layers.0.self_attn.o_proj.bias: TP rank 1 holds a [16] tensor; universal_checkpoint_info's map of it says [15]"),
+    ):  # fmt: skip
+        bad = rewritten_copy(tmp_path / f"shape{piece}", src, partial(shard, piece=piece), MODEL_STATES, ALLOWLIST)
+        r = run_cli("ls", bad, cwd=tmp_path)
+        assert r.code == 3 and "Traceback" not in r.stderr
+        assert says in r.stderr
+        # verify reports it, and nothing else (DeepSpeed's scripts, copied later than the save, are no data)
+        assert [(f.rule, says in f.message) for f in verify(bad).failing()] == [("corrupt-file", True)]
+
+    def scaled(tree):
+        for rank in tree["universal_checkpoint_info"]["affine_map"]["params"][key]["ranks"].values():
+            rank["pieces"][0]["scale"] = 0.5
+
+    half = rewritten_copy(tmp_path / "scaled", src, scaled, MODEL_STATES, ALLOWLIST)
+    _, m = registry.describe(half)
+    assert "layers.0.self_attn.o_proj.bias" not in m.items
+    assert {n.split("]")[0] + "]" for n in m.items if "[tp=" in n} == {
+        "layers.0.self_attn.o_proj.bias[tp=0]",
+        "layers.0.self_attn.o_proj.bias[tp=1]",
+    }
+    assert verify(half).failing() == []
 
 
 def test_tensor_parallel_without_split_rules_keeps_each_rank(tmp_path):

@@ -23,6 +23,7 @@ from ckpttool.hashing import hash_bytes
 from ckpttool.reshard import Target, parse_split_rules, reshard
 from ckpttool.verify import verify
 from tests._compare import dcp_load_mismatches
+from tests.conftest import AUTOTP_METADATA, autotp_copy
 from tests.conftest import FIXTURES, load_pt, rewritten_copy, tree_digests
 
 LEGACY = FIXTURES / "megatron" / "legacy_tp2pp2"
@@ -567,15 +568,16 @@ def test_dcp_load_reads_the_new_world_size(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "variant", ["zero2", "zero2_bf16", "zero1", "zero3", "zero3_bf16", "pipeline", "pipeline_tied", "tp2"]
+    "variant", ["zero2", "zero2_bf16", "zero1", "zero3", "zero3_bf16", "pipeline", "pipeline_tied", "tp2", "autotp"]
 )
 def test_deepspeed_round_trip_is_exact(variant, tmp_path):
     """ZeRO DP=2 -> DP=1 -> DP=2 gives the original files' trees: flat fp32 partitions (padding
     stripped as DeepSpeed strips it), Adam moments, fragment mappings, paddings, module, config;
     ZeRO-3: per-parameter partitions in sub-groups laid out again, frozen fragments, the
     tied-weight map on rank 0 only; a pipeline run (PP=2 x TP=2, ZeRO-1): each model-parallel
-    rank's layout, and its layer files as they were; a TP=2 run (ZeRO-2): each TP rank's
-    partitions made of its own slices of the joined items."""
+    rank's layout, and its layer files as they were; a TP=2 run (tp2, ZeRO-2; autotp, AutoTP's
+    ZeRO-1 with fused qkv and gate_up and an uneven lm_head): each TP rank's partitions made of its
+    own regions of the joined items."""
     from ckpttool.formats.deepspeed import ALLOWLIST as DS
 
     src = FIXTURES / "deepspeed" / variant
@@ -1469,7 +1471,7 @@ def test_deepspeed_universal_of_a_tensor_parallel_run(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("variant", "count"), [("tp2", 59), ("tp2_glu", 63), ("pipeline", 97), ("pipeline_tied", 87)]
+    ("variant", "count"), [("tp2", 59), ("tp2_glu", 63), ("autotp", 99), ("pipeline", 97), ("pipeline_tied", 87)]
 )
 def test_deepspeed_universal_of_a_model_parallel_run_is_ds_to_universals(variant, count, tmp_path):
     """Oracle: DeepSpeed's ds_to_universal and ckpttool's --to deepspeed-universal give the same
@@ -1477,6 +1479,8 @@ def test_deepspeed_universal_of_a_model_parallel_run_is_ds_to_universals(variant
     - of a TP run (tp2; tp2_glu, a fused SwiGLU fc1 and an averaged position embedding) all but the
       six of the two vocabulary parameters, which hold the same tensors (ds_to_universal pickles
       its 31-row slice with the 32-row storage under it);
+    - of an AutoTP run (autotp: a fused GQA qkv, a fused gate_up, an lm_head split 16 + 15, placed
+      by affine maps) all of them;
     - of a pipeline run all of them (pipeline_tied: its embedding, tied across the stages, once, as
       ds_to_universal keeps one of what its pipeline_replicated_parameter_patterns name)."""
     pytest.importorskip("deepspeed", reason="needs deepspeed (an oracle, not a dependency)")
@@ -1519,18 +1523,23 @@ def test_deepspeed_universal_of_sub_parameters_and_averaged_copies(tmp_path):
     assert report.failing() == [] and report.seal is not None
 
 
-def test_deepspeed_sub_parameters_round_trip_through_an_odd_dp(tmp_path):
-    """tp2_glu DP=2 -> DP=3 -> DP=2 gives the original files' trees. At DP=3 a partition boundary
-    falls inside a sub-parameter of a fused fc1, and a partition's fragment runs from one
-    sub-parameter into the other: the reader cuts it in two regions, and each rank's partitions are
-    made again from its two regions in its own order."""
+@pytest.mark.parametrize(
+    ("variant", "dp", "name"),
+    [("tp2_glu", 3, "blocks.0.fc1.weight.fp32"), ("autotp", 5, "layers.0.self_attn.qkv_proj.weight.fp32")],
+)
+def test_deepspeed_sub_parameters_round_trip_through_an_odd_dp(variant, dp, name, tmp_path):
+    """tp2_glu DP=2 -> DP=3 -> DP=2 and autotp DP=2 -> DP=5 -> DP=2 give the original files' trees.
+    At the odd DP a partition boundary falls inside a sub-parameter (of tp2_glu's fused fc1, of
+    autotp's fused qkv), and a partition's fragment runs from one sub-parameter into the next: the
+    reader cuts it in regions, and each rank's partitions are made again from its regions in its
+    own order."""
     from ckpttool.formats.deepspeed import ALLOWLIST as DS
 
-    src = FIXTURES / "deepspeed" / "tp2_glu"
-    three, back = tmp_path / "dp3", tmp_path / "dp2"
-    reshard(src, three, Target(dp=3))
+    src = FIXTURES / "deepspeed" / variant
+    three, back = tmp_path / f"dp{dp}", tmp_path / "dp2"
+    reshard(src, three, Target(dp=dp))
     reshard(three, back, Target(dp=2))
-    item = registry.describe(three)[1].items["blocks.0.fc1.weight.fp32"]
+    item = registry.describe(three)[1].items[name]
     # a partition boundary inside a sub-parameter: one region's pieces in two files
     assert any(len({p.file for p in item.pieces if p.box == q.box}) > 1 for q in item.pieces)
     # a fragment running from one sub-parameter into the other: two pieces of one file, in two
@@ -1692,6 +1701,99 @@ def test_deepspeed_engine_loads_our_universal_of_sub_parameters_at_tp1(tmp_path,
     assert mine["loss"] == pytest.approx(want, rel=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("metadata", [m for m in AUTOTP_METADATA if AUTOTP_METADATA[m] is not None])
+def test_deepspeed_universal_of_autotp_split_rules_is_ds_to_universals(metadata, tmp_path):
+    """Oracle: the autotp fixture with its split rules as DeepSpeed wrote them before affine maps
+    (``parameter_with_sub_params`` with the widths of universal version 0.4; version 0.3, without
+    widths, gate_up's sub-parameters a count): ds_to_universal takes its sub-parameter branch, and
+    ckpttool's --to deepspeed-universal writes the same 99 files, byte for byte, the
+    ``SubparamShape`` it pickles with each fused parameter included (version 0.3: gate_up's count
+    made the sizes, ``((32, 32), -1)``); without a map the lm_head's uneven slices are joined where
+    each ends, as torch.cat joins them."""
+    pytest.importorskip("deepspeed", reason="needs deepspeed (an oracle, not a dependency)")
+    from ckpttool.formats.deepspeed import ALLOWLIST as DS
+
+    src = autotp_copy(tmp_path, metadata)
+    theirs = _ds_to_universal(src, tmp_path / "theirs")
+    out = tmp_path / "ours"
+    reshard(src, out, Target(to="deepspeed-universal"))
+    ours = out / "global_step3_universal"
+    names, differ = _differing_files(ours, theirs)
+    assert len(names) == 99 and differ == []
+    archive, tree, _ = _pt.load(ours, "zero/layers.1.mlp.gate_up_proj.weight/exp_avg.pt", DS)
+    archive.close()
+    shape = tree["sub_param_shape"]
+    assert type(shape).__name__ == "SubparamShape" and shape.partition_dim == 0
+    assert shape.shape == ([(32, 32), -1] if metadata == "sub-parameters" else ((32, 32), -1))
+    assert verify(out).failing() == []
+
+
+@pytest.mark.slow
+def test_deepspeed_autotp_engine_resumes_at_dp1(tmp_path, pipe_control):
+    """Oracle: the autotp fixture (DeepSpeed's AutoTP, TP=2 x DP=2, ZeRO-1) resharded to --dp 1 is
+    loaded by DeepSpeed's AutoTP engine at TP=2 x DP=1: on both TP ranks the fp32 masters, both
+    moments and the module equal what the same engine at DP=2 loads from the fixture itself (the
+    uninterrupted run), bit for bit; the step-4 losses of both micro-batches equal those of the DP=2
+    run's two ranks, bit for bit."""
+    pytest.importorskip("deepspeed", reason="needs deepspeed (an oracle, not a dependency)")
+    import torch
+
+    out = tmp_path / "dp1"
+    reshard(FIXTURES / "deepspeed" / "autotp", out, Target(dp=1))
+    ours = _pipe_oracle(out, 1, tmp_path / "dp1.pt", "autotp")
+    control = pipe_control("autotp")
+    assert sorted(ours) == [(0, 0, 0), (0, 1, 0)] and len(control) == 4
+    checked = 0
+    for (_, t, _), mine in ours.items():
+        theirs = control[(0, t, 0)]
+        assert mine["counters"] == theirs["counters"]
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            assert sorted(mine["loaded"][state]) == sorted(theirs["loaded"][state])
+            for name, value in mine["loaded"][state].items():
+                assert torch.equal(value, theirs["loaded"][state][name]), (t, state, name)
+                checked += 1
+            for name, value in mine["after"][state].items():
+                assert torch.allclose(value, theirs["after"][state][name], rtol=1e-6, atol=1e-7), (t, state, name)
+        assert all(torch.equal(v, theirs["module"][k]) for k, v in mine["module"].items()), t
+        assert mine["loss"] == [control[(0, t, d)]["loss"][0] for d in (0, 1)], t
+    assert checked == 2 * 3 * 24
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_deepspeed_autotp_engine_loads_our_universal(tp, tmp_path, pipe_control):
+    """Oracle: ckpttool's universal checkpoint of the autotp fixture is loaded by DeepSpeed's engine
+    with ``checkpoint.load_universal`` at DP=1: at TP=2 by AutoTP (which cuts each rank's slices by
+    its affine maps), every loaded master, moment and module tensor equals what the uninterrupted
+    run's engine loads from the fixture, bit for bit, and so do the step-4 losses; at TP=1 (the
+    plain model, one process) every loaded tensor equals the reference's whole tensor, bit for bit,
+    and the losses agree to float reassociation (TP=2 sums the row-parallel halves)."""
+    pytest.importorskip("deepspeed", reason="needs deepspeed (an oracle, not a dependency)")
+    import torch
+
+    out = tmp_path / "uni"
+    reshard(FIXTURES / "deepspeed" / "autotp", out, Target(to="deepspeed-universal"))
+    ours = _pipe_oracle(out, 1, tmp_path / "u.pt", "autotp", tp=tp, universal=True)
+    control = pipe_control("autotp")
+    ref = torch.load(FIXTURES / "deepspeed" / "autotp.reference.pt", weights_only=False)
+    assert sorted(ours) == [(0, t, 0) for t in range(tp)]
+    checked = 0
+    for (_, t, _), mine in ours.items():
+        theirs = control[(0, t, 0)]
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            assert len(mine["loaded"][state]) == 24
+            for name, value in mine["loaded"][state].items():
+                want = theirs["loaded"][state][name] if tp == 2 else ref[f"{state}.{name}"]
+                assert torch.equal(value, want), (t, state, name)
+                checked += 1
+        want_module = theirs["module"] if tp == 2 else {k: ref[f"module.{k}"] for k in mine["module"]}
+        assert all(torch.equal(v, want_module[k]) for k, v in mine["module"].items()), t
+        losses = [control[(0, t, d)]["loss"][0] for d in (0, 1)]
+        assert mine["loss"] == losses if tp == 2 else mine["loss"] == pytest.approx(losses, rel=1e-6)
+    assert checked == tp * 3 * 24
+
+
 def test_deepspeed_universal_refusals(tmp_path):
     with pytest.raises(UsageError, match="no parallel layout"):
         reshard(FIXTURES / "deepspeed" / "zero2", tmp_path / "a", Target(to="deepspeed-universal", dp=2))
@@ -1721,6 +1823,26 @@ def test_deepspeed_universal_refusals(tmp_path):
     with pytest.raises(UsageError, match=r"no pattern .* joins the TP ranks' copies of blocks\.0\.fc2\.bias"):
         reshard(src, tmp_path / "d", Target(to="deepspeed-universal"))
     assert not (tmp_path / "d").exists()
+    # AutoTP: a map with a scaled piece (ckpttool keeps that parameter one copy per TP rank), and a
+    # parameter AutoTP could not describe (ds_to_universal refuses the whole checkpoint)
+    key = r"^layers\.1\.self_attn\.o_proj\.bias$"
+
+    def scaled(tree: Any) -> None:
+        for rank in tree["universal_checkpoint_info"]["affine_map"]["params"][key]["ranks"].values():
+            rank["pieces"][0]["scale"] = 0.5
+
+    def unsupported(tree: Any) -> None:
+        tree["universal_checkpoint_info"]["autotp_unsupported_parameter_patterns"][key] = "a layout of its own"
+
+    for edit, says in (
+        (scaled, r"places layers\.1\.self_attn\.o_proj\.bias by a map ckpttool cannot follow"),
+        (unsupported, r"AutoTP could not describe how it split .*o_proj.* \(a layout of its own\)"),
+    ):
+        src = rewritten_copy(tmp_path / edit.__name__, FIXTURES / "deepspeed" / "autotp", edit,
+                             "global_step3/mp_rank_*_model_states.pt", DS)  # fmt: skip
+        with pytest.raises(UsageError, match=says):
+            reshard(src, tmp_path / "e", Target(to="deepspeed-universal"))
+        assert not (tmp_path / "e").exists()
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ CLEAN = [
             "pipeline_tied",
             "tp2",
             "tp2_glu",
+            "autotp",
             "universal",
         )
     ),
@@ -170,15 +171,23 @@ def test_replicated_norm_altered_on_one_tp_rank(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("name", "finds"),
-    [("blocks.0.norm.weight", True), ("blocks.0.fc2.bias.exp_avg", True), ("blocks.0.fc1.weight", False)],
+    ("fixture", "name", "finds"),
+    [
+        ("tp2", "blocks.0.norm.weight", True),
+        ("tp2", "blocks.0.fc2.bias.exp_avg", True),
+        ("tp2", "blocks.0.fc1.weight", False),
+        ("autotp", "layers.0.self_attn.o_proj.bias", True),
+        ("autotp", "layers.1.input_layernorm.weight.exp_avg", True),
+        ("autotp", "layers.0.self_attn.qkv_proj.weight", False),
+    ],
 )
-def test_deepspeed_tensor_parallel_copies(name, finds, tmp_path):
-    """A real TP=2 DeepSpeed run (the tp2 fixture, with the model's universal_checkpoint_info): a
-    replicated norm or a replicated bias's moment altered on TP rank 1 is a replica-mismatch; a
-    column-parallel weight's rank-1 slice, same shape as rank 0's, is its own region and is not
+def test_deepspeed_tensor_parallel_copies(fixture, name, finds, tmp_path):
+    """Real TP=2 DeepSpeed runs (tp2, with a Megatron-style model's universal_checkpoint_info;
+    autotp, with AutoTP's affine maps): a replicated norm or bias, or a replicated parameter's
+    moment, altered on TP rank 1 is a replica-mismatch; a column-parallel weight's rank-1 slice
+    (of a fused qkv: its three regions), same shape as rank 0's, is its own region and is not
     compared (before the TP rules it was, and every TP slice was a false replica-mismatch)."""
-    path = _copy("deepspeed/tp2", tmp_path)
+    path = _copy(f"deepspeed/{fixture}", tmp_path)
     _, m = registry.describe(path)
     item = m.items[name]
     index = next(i for i, p in enumerate(item.pieces) if "mp_rank_01" in p.file)

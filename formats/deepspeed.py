@@ -20,7 +20,7 @@ from ckpttool import _unpickle
 from ckpttool.errors import CorruptFileError, IncompleteCheckpointError
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection, claim
-from ckpttool.geometry import Box
+from ckpttool.geometry import Box, coverage
 from ckpttool.io import list_files, read_tracker
 from ckpttool.manifest import FileRecord, Item, Kind, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
@@ -153,9 +153,10 @@ def affine_regions(entry: Any, tp: int) -> Regions | None:
     if not isinstance(entry, dict) or not isinstance(entry.get("ranks"), dict):
         raise TypeError(f"an affine map holds {str(entry)[:80]}, not logical_shape and ranks")
     full = _ints(entry.get("logical_shape"), "affine_map logical_shape")
-    ranks = entry["ranks"]
-    if sorted(ranks, key=str) != sorted(range(tp), key=str):
-        return None
+    # DeepSpeed's from_dict takes int(rank): a map that went through JSON has string keys
+    ranks = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in entry["ranks"].items()}
+    if set(ranks) != set(range(tp)) or len(ranks) != len(entry["ranks"]) or min(full, default=1) < 1:
+        return None  # other ranks than the TP axis's; an empty tensor (nothing to place)
     whole = _row_major(full)
     held: list[list[tuple[Box, int]]] = []
     for t in range(tp):
@@ -177,6 +178,8 @@ def affine_regions(entry: Any, tp: int) -> Regions | None:
             dest_off, dest_strides = _ints((dest[0],), "dest offset")[0], _ints(dest[1], "dest strides")
             if piece.get("scale", 1.0) != 1.0 or len(shape) != len(full) or len(shard) != len(full):
                 return None
+            if not math.prod(shape):
+                continue  # a rank holding none of an uneven sub-parameter
             if not _strides_match(shape, src_strides, whole) or not _strides_match(
                 shape, dest_strides, _row_major(shape)
             ):
@@ -200,6 +203,13 @@ def affine_regions(entry: Any, tp: int) -> Regions | None:
         if rule is None or rule.shards[0] != shard:
             return None
         held.append(regions)
+    tiling = coverage(full, {b for regions in held for b, _ in regions})
+    if not tiling.exact or any(coverage(full, [b for b, _ in regions]).overlapping for regions in held):
+        # DeepSpeed's validate_coverage refuses it too: the whole tensor cannot be made from it
+        raise TypeError(
+            f"affine_map of a {list(full)} tensor: its pieces leave {tiling.gaps} elements uncovered, "
+            f"{tiling.overlapping} held by pieces that only partly overlap, or a rank holds rows twice"
+        )
     return _rows_rule(full, tp, held)
 
 
@@ -280,7 +290,7 @@ class TpRules:
                 self._compile(self.info)
             except (re.error, TypeError) as e:
                 raise CorruptFileError(
-                    f"{rel}: universal_checkpoint_info is not the lists of regular expressions "
+                    f"{rel}: universal_checkpoint_info is not the split rules (regular expressions, maps) "
                     f"ds_to_universal reads ({e})",
                     path=rel,
                     hint="the file was damaged, or written by a tool that spells the model's split rules its own way",
@@ -303,6 +313,10 @@ class TpRules:
         widths = info.get("sub_param_shard_widths") or {}
         if not isinstance(widths, dict):
             raise TypeError(f"sub_param_shard_widths holds {str(widths)[:120]}, not a dict")
+        version = info.get("universal_checkpoint_version", 0.0)
+        self.recorded_widths = isinstance(version, int | float) and not isinstance(version, bool) and version >= 0.4
+        """version 0.4 on: sub-parameters are cut by their recorded widths, and only by them
+        (ds_to_universal reads the widths from that version on, and an even split before it)"""
         subs: list[str] = []
         for sub in _sub_param_dicts(info.get("parameter_with_sub_params")):
             spec, dim = sub.get("shape"), sub.get("partition_dim")
@@ -314,7 +328,11 @@ class TpRules:
                     sizes = at  # a count of equal sub-parameters
             for p in patterns("parameter_with_sub_params.patterns", sub.get("patterns") or []):
                 subs.append(p)
-                self.subs.append((dim if isinstance(dim, int) else -1, sizes, widths.get(p)))
+                if self.recorded_widths and (p not in widths or not isinstance(sizes, tuple)):
+                    sizes = None  # ds_to_universal fails on it: no rule (one item per TP rank)
+                self.subs.append(
+                    (dim if isinstance(dim, int) else -1, sizes, widths.get(p) if self.recorded_widths else None)
+                )
                 self.sub_specs.append((p, sub))
         self.compiled["sub-parameters"] = [re.compile(p) for p in subs]
         unsupported = info.get("autotp_unsupported_parameter_patterns") or {}
@@ -326,7 +344,8 @@ class TpRules:
         maps = params if isinstance(params, dict) else {}
         self.compiled["affine"] = [re.compile(p) for p in patterns("affine_map.params", list(maps))]
         version = affine.get("version", 1) if isinstance(affine, dict) else 1
-        known = isinstance(version, int) and version <= 1  # a later map format may mean more than this reads
+        known = isinstance(version, int | float) and not isinstance(version, bool) and version <= 1
+        # (a later map format may mean more than this reads)
         self.maps = [affine_regions(entry, self.tp) if known and self.tp > 1 else None for entry in maps.values()]
 
     def _matches(self, key: str, name: str) -> bool:
@@ -404,7 +423,7 @@ class TpRules:
         if dim >= len(shape):
             return PER_RANK
         copies = self.copy_shapes.get(name, {})
-        if len(copies) == self.tp and len(set(copies.values())) > 1:  # uneven slices, joined as torch.cat joins them
+        if set(copies) == set(range(self.tp)) and len(set(copies.values())) > 1:  # uneven: as torch.cat joins them
             return uneven_regions([copies[t] for t in range(self.tp)], dim) or PER_RANK
         return dim
 

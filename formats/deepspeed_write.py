@@ -1455,22 +1455,28 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
         index = self.rules.sub_params(name)
         assert index is not None  # its kind says a pattern names it
         pattern, spec = self.rules.sub_specs[index]
-        version = info.get("universal_checkpoint_version", 0.0)
         shape, dim = spec.get("shape"), spec.get("partition_dim")
-        widths = info.get("sub_param_shard_widths") or {}
-        if set(spec) != {"patterns", "shape", "partition_dim"} or (
-            isinstance(version, int | float) and version >= 0.4 and pattern not in widths
+        whole = self.manifest.items[f"{name}.fp32"].shape or ()
+        at = shape[dim] if isinstance(shape, list | tuple) and isinstance(dim, int) and 0 <= dim < len(shape) else None
+        rows = whole[dim] if isinstance(dim, int) and 0 <= dim < len(whole) else -1
+        sized = isinstance(at, list | tuple) and all(isinstance(n, int) for n in at) and sum(at) == rows
+        counted = isinstance(at, int) and not isinstance(at, bool) and 0 < at <= rows and rows % at == 0
+        recorded = self.rules.recorded_widths
+        if (
+            set(spec) != {"patterns", "shape", "partition_dim"}
+            or not (sized or (counted and not recorded))
+            or (recorded and pattern not in (info.get("sub_param_shard_widths") or {}))
         ):
             raise UsageError(
-                f"{self.model_rel}: universal_checkpoint_info's sub-parameters of {name} "
-                f"({sorted(spec)}, version {version!r}) are not what ds_to_universal reads",
+                f"{self.model_rel}: universal_checkpoint_info's sub-parameters of {name} ({str(spec)[:160]}, "
+                f"universal version {info.get('universal_checkpoint_version', 0.0)!r}) do not describe its "
+                f"{list(whole)} tensor as ds_to_universal reads them",
                 hint="run DeepSpeed's ds_to_universal on this checkpoint",
             )
-        assert isinstance(shape, list | tuple) and isinstance(dim, int)  # checked by the reader's rule
-        if not (isinstance(version, int | float) and version >= 0.4) and isinstance(shape[dim], int):
-            whole = self.manifest.items[f"{name}.fp32"].shape or ()
+        assert isinstance(shape, list | tuple) and isinstance(dim, int)
+        if counted and isinstance(at, int):  # before version 0.4: a count of equal sub-parameters, made their sizes
             normalized = list(shape)
-            normalized[dim] = (whole[dim] // shape[dim],) * shape[dim]
+            normalized[dim] = (rows // at,) * at
             shape = tuple(normalized)
         out = _unpickle.record(SUBPARAM_SHAPE)()
         out.__dict__.update(patterns=spec["patterns"], shape=shape, partition_dim=dim)

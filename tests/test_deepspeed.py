@@ -225,7 +225,8 @@ def test_autotp_pieces_are_placed_in_the_whole_tensors(metadata, tmp_path):
 
 def test_autotp_split_rules_that_contradict_the_files(tmp_path):
     """An affine map whose rank holds another shape than the file's copy: exit 3 naming the
-    parameter, both shapes, no traceback; a map whose pieces do not make its rank's shard, likewise.
+    parameter, both shapes, no traceback; a map whose pieces do not make its rank's shard, or do not
+    tile the tensor, likewise. String rank keys (a map through JSON) are read as DeepSpeed reads them.
     A scaled piece (a row-parallel bias pre-divided by the TP size, which ckpttool cannot hold as a
     region): that parameter stays one item per TP rank, compared with nothing."""
     from ckpttool.formats.deepspeed import ALLOWLIST
@@ -235,14 +236,16 @@ def test_autotp_split_rules_that_contradict_the_files(tmp_path):
     key = r"^layers\.0\.self_attn\.o_proj\.bias$"
 
     def shard(tree, piece=False):
-        rank = tree["universal_checkpoint_info"]["affine_map"]["params"][key]["ranks"][1]
-        rank["shard_shape"] = [15]
-        if piece:
-            rank["pieces"][0]["shape"] = [15]
+        ranks = tree["universal_checkpoint_info"]["affine_map"]["params"][key]["ranks"]
+        ranks[1]["shard_shape"] = [15]
+        if piece:  # a map that tiles the bias, 8 + 8, where the files hold it whole on both ranks
+            for t, rank in ranks.items():
+                rank["shard_shape"] = [8]
+                rank["pieces"] = [{"shape": [8], "source": [8 * t, [1]], "dest": [0, [1]], "locations": [t]}]
 
     for piece, says in (
         (False, "affine_map rank 1's pieces hold 16 elements, its shard_shape [15] 15"),
-        (True, "layers.0.self_attn.o_proj.bias: TP rank 1 holds a [16] tensor; universal_checkpoint_info's map of it says [15]"),
+        (True, "layers.0.self_attn.o_proj.bias: TP rank 0 holds a [16] tensor; universal_checkpoint_info's map of it says [8]"),
     ):  # fmt: skip
         bad = rewritten_copy(tmp_path / f"shape{piece}", src, partial(shard, piece=piece), MODEL_STATES, ALLOWLIST)
         r = run_cli("ls", bad, cwd=tmp_path)
@@ -250,6 +253,22 @@ def test_autotp_split_rules_that_contradict_the_files(tmp_path):
         assert says in r.stderr
         # verify reports it, and nothing else (DeepSpeed's scripts, copied later than the save, are no data)
         assert [(f.rule, says in f.message) for f in verify(bad).failing()] == [("corrupt-file", True)]
+
+    def overlap(tree):  # rank 1's columns of down_proj said to be rank 0's: columns 16-31 held by no rank
+        down = tree["universal_checkpoint_info"]["affine_map"]["params"][r"^layers\.0\.mlp\.down_proj\.weight$"]
+        down["ranks"][1]["pieces"][0]["source"][0] = 0
+
+    bad = rewritten_copy(tmp_path / "overlap", src, overlap, MODEL_STATES, ALLOWLIST)
+    r = run_cli("ls", bad, cwd=tmp_path)
+    assert r.code == 3 and "Traceback" not in r.stderr
+    assert "affine_map of a [16, 32] tensor: its pieces leave 256 elements uncovered" in r.stderr
+
+    def json_keys(tree):  # a map that went through JSON: its ranks keyed "0", "1" (DeepSpeed takes int(rank))
+        for entry in tree["universal_checkpoint_info"]["affine_map"]["params"].values():
+            entry["ranks"] = {str(k): v for k, v in entry["ranks"].items()}
+
+    _, m = registry.describe(rewritten_copy(tmp_path / "json", src, json_keys, MODEL_STATES, ALLOWLIST))
+    assert not [n for n in m.items if "[tp=" in n] and m.items["lm_head.weight"].shape == (31, 16)
 
     def scaled(tree):
         for rank in tree["universal_checkpoint_info"]["affine_map"]["params"][key]["ranks"].values():
@@ -329,4 +348,4 @@ def test_unreadable_split_rules_are_refused(rules, tmp_path):
     torch.save(obj, path)
     r = run_cli("ls", src, cwd=tmp_path)
     assert r.code == 3 and "Traceback" not in r.stderr
-    assert "mp_rank_00_model_states.pt: universal_checkpoint_info is not the lists of regular expressions" in r.stderr
+    assert "mp_rank_00_model_states.pt: universal_checkpoint_info is not the split rules" in r.stderr

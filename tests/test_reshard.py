@@ -1834,9 +1834,28 @@ def test_deepspeed_universal_refusals(tmp_path):
     def unsupported(tree: Any) -> None:
         tree["universal_checkpoint_info"]["autotp_unsupported_parameter_patterns"][key] = "a layout of its own"
 
+    def qkv_spec(tree: Any, version: float, shape: Any, maps: bool = False) -> None:
+        info = tree["universal_checkpoint_info"]
+        if not maps:
+            info.pop("affine_map")
+        info["universal_checkpoint_version"] = version
+        info["parameter_with_sub_params"][0]["shape"] = shape  # layer 0's qkv weight
+
+    def shapeless(tree: Any) -> None:  # no view spec at version 0.4
+        qkv_spec(tree, 0.4, None)
+
+    def count_at_04(tree: Any) -> None:  # a count with widths at 0.4: ds_to_universal fails on it
+        qkv_spec(tree, 0.4, [3, -1])
+
+    def count_of_3(tree: Any) -> None:  # 3 equal sub-parameters of 32 rows, before 0.4 (its widths unread)
+        qkv_spec(tree, 0.3, [3, -1])
+
     for edit, says in (
         (scaled, r"places layers\.1\.self_attn\.o_proj\.bias by a map ckpttool cannot follow"),
         (unsupported, r"AutoTP could not describe how it split .*o_proj.* \(a layout of its own\)"),
+        (shapeless, r"sub-parameters of layers\.0\.self_attn\.qkv_proj\.weight .* do not describe its \[32, 16\]"),
+        (count_at_04, r"sub-parameters of layers\.0\.self_attn\.qkv_proj\.weight .* do not describe"),
+        (count_of_3, r"places layers\.0\.self_attn\.qkv_proj\.weight by a map ckpttool cannot follow"),
     ):
         src = rewritten_copy(tmp_path / edit.__name__, FIXTURES / "deepspeed" / "autotp", edit,
                              "global_step3/mp_rank_*_model_states.pt", DS)  # fmt: skip

@@ -59,6 +59,15 @@ class Box:
         return tuple(slice(o - b, o - b + s) for o, s, b in zip(self.offsets, self.sizes, base, strict=True))
 
 
+def row_major_strides(shape: Sequence[int]) -> Shape:
+    """The element strides of a contiguous (C-order) tensor of ``shape``."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
 def intersect(a: Box, b: Box) -> Box | None:
     """The common part of two boxes, or None when they do not meet (or meet in an empty box)."""
     if a.ndim != b.ndim:

@@ -32,6 +32,7 @@ import numpy as np
 from ckpttool import _torchzip, _unpickle
 from ckpttool._zipwrite import PARALLEL, WRITE_CHUNK, ZipWriter
 from ckpttool.dtypes import carrier
+from ckpttool.geometry import row_major_strides
 from ckpttool.hashing import open_output
 from ckpttool.io import helper
 
@@ -224,14 +225,6 @@ def _carried_parts(
         yield min(CARRY_PART, nbytes - lo), partial(part, lo)
 
 
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return tuple(reversed(out))
-
-
 _PurePickler: Any = pickle._Pickler  # pure Python: its save() can be extended
 
 
@@ -320,7 +313,7 @@ class _Pickler(_PurePickler):
             rebuild = GlobalRef("torch._utils", "_rebuild_tensor_v3" if v3 else "_rebuild_tensor_v2")
             hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
             args: tuple[Any, ...] = (
-                _StorageOf(obj, key), 0, tuple(obj.shape), _strides(obj.shape), obj.requires_grad, hooks
+                _StorageOf(obj, key), 0, tuple(obj.shape), row_major_strides(obj.shape), obj.requires_grad, hooks
             )  # fmt: skip
             if v3:
                 args += (_unpickle.TorchDType(obj.dtype),)

@@ -20,7 +20,7 @@ from ckpttool import _unpickle
 from ckpttool.errors import CorruptFileError, IncompleteCheckpointError
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection, claim
-from ckpttool.geometry import Box, coverage
+from ckpttool.geometry import Box, coverage, row_major_strides
 from ckpttool.io import list_files, read_tracker
 from ckpttool.manifest import FileRecord, Item, Kind, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
@@ -98,14 +98,6 @@ class Regions:
 Rule = int | str | Regions | None
 
 
-def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
-
-
 def _strides_match(shape: tuple[int, ...], got: tuple[int, ...], want: tuple[int, ...]) -> bool:
     """Whether ``got`` walks a tensor of ``shape`` as ``want`` does (a dim of size 1 has no stride to keep)."""
     return len(got) == len(shape) and all(n == 1 or g == w for n, g, w in zip(shape, got, want, strict=True))
@@ -157,7 +149,7 @@ def affine_regions(entry: Any, tp: int) -> Regions | None:
     ranks = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in entry["ranks"].items()}
     if set(ranks) != set(range(tp)) or len(ranks) != len(entry["ranks"]) or min(full, default=1) < 1:
         return None  # other ranks than the TP axis's; an empty tensor (nothing to place)
-    whole = _row_major(full)
+    whole = row_major_strides(full)
     held: list[list[tuple[Box, int]]] = []
     for t in range(tp):
         value = ranks[t]
@@ -181,7 +173,7 @@ def affine_regions(entry: Any, tp: int) -> Regions | None:
             if not math.prod(shape):
                 continue  # a rank holding none of an uneven sub-parameter
             if not _strides_match(shape, src_strides, whole) or not _strides_match(
-                shape, dest_strides, _row_major(shape)
+                shape, dest_strides, row_major_strides(shape)
             ):
                 return None
             corner = tuple((src_off // w) % n if n else 0 for w, n in zip(whole, full, strict=True))

@@ -23,7 +23,7 @@ from ckpttool.errors import CorruptFileError, IncompleteCheckpointError
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection, claim
 from ckpttool.formats.dcp import DcpAdapter, DcpReader, is_dist_config
-from ckpttool.geometry import Box
+from ckpttool.geometry import Box, row_major_strides
 from ckpttool.io import read_tracker
 from ckpttool.manifest import FileRecord, Item, Kind, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
@@ -1190,7 +1190,7 @@ class MegatronLegacyAdapter:
             if not isinstance(flat, _unpickle.TensorRef) or flat.shape != (numel,):
                 raise CorruptFileError(f"{rel}: no flat {key} tensor of {numel} elements", path=rel)
             for name, shape, start in layout:
-                stride = tuple(int(x) for x in _c_strides(shape))
+                stride = row_major_strides(shape)
                 view = _unpickle.TensorRef(flat.storage, flat.storage_offset + start, shape, stride, flat.dtype)
                 self._place(manifest, f"{name}.{suffix}", view, rel, t, tp, gated, replicas, kind=kind, param=name)
 
@@ -1426,14 +1426,6 @@ def rank_of(directory: str, pp: int) -> tuple[int, int, int]:
         raise ValueError(f"{directory}: not an mp_rank_* directory")
     t, b, c = int(m[1]), m[2], m[3]
     return (t, int(b or 0), int(c or 0)) if pp > 1 else (t, 0, int(b or 0))
-
-
-def _c_strides(shape: tuple[int, ...]) -> list[int]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
-    return strides[::-1]
 
 
 def _list(root: Path, prefix: str, dirs: list[str]) -> list[tuple[str, int]]:

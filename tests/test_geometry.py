@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpttool.geometry import Box, coverage, flat_range_boxes, intersect
+from ckpttool.geometry import Box, coverage, flat_range_boxes, intersect, row_major_strides
 
 
 def test_intersect_basic():
@@ -104,3 +104,13 @@ def test_contiguous_part_agrees_with_numpy() -> None:
         flat = np.arange(int(np.prod(sizes))).reshape(sizes)[part.slices(relative_to=whole)].reshape(-1)
         consecutive = flat.size < 2 or bool(np.all(np.diff(flat) == 1))
         assert contiguous_part(whole, part) == (int(flat[0]) if consecutive else None), (whole, part)
+
+
+def test_row_major_strides():
+    """C-order strides, as torch gives a contiguous tensor's (torch counts a size-0 dim as 1 in the
+    strides before it; no element is ever reached through them)."""
+    import torch
+
+    for shape in [(), (5,), (3, 4), (2, 3, 4, 1)]:
+        assert row_major_strides(shape) == torch.empty(shape).stride()
+    assert row_major_strides((2, 0, 3)) == (0, 3, 1)

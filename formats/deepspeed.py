@@ -98,6 +98,20 @@ class Regions:
 Rule = int | str | Regions | None
 
 
+@dataclass(frozen=True)
+class SubParams:
+    """A ``parameter_with_sub_params`` pattern as ds_to_universal reads it: the dict holding it
+    (``SubparamShape``'s fields), the dim the sub-parameters are fused on, their sizes on it (a
+    tuple, or an int: a count of equal ones; None where ds_to_universal cannot read them) and, from
+    universal version 0.4, their recorded widths on each TP rank (before it: None, equal slices)."""
+
+    pattern: str
+    spec: dict[str, Any]
+    dim: int
+    sizes: tuple[int, ...] | int | None
+    widths: Any
+
+
 def _strides_match(shape: tuple[int, ...], got: tuple[int, ...], want: tuple[int, ...]) -> bool:
     """Whether ``got`` walks a tensor of ``shape`` as ``want`` does (a dim of size 1 has no stride to keep)."""
     return len(got) == len(shape) and all(n == 1 or g == w for n, g, w in zip(shape, got, want, strict=True))
@@ -109,7 +123,7 @@ def _ints(value: Any, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _rows_rule(full: tuple[int, ...], tp: int, held: list[list[tuple[Box, int]]]) -> Regions | None:
+def _rows_rule(full: tuple[int, ...], held: list[list[tuple[Box, int]]]) -> Regions | None:
     """``held`` (each rank's regions, in the order of its copy) as :class:`Regions`, or None when a
     copy is not its regions stacked on dim 0 in the whole tensor's order."""
     shards = []
@@ -151,6 +165,7 @@ def affine_regions(entry: Any, tp: int) -> Regions | None:
         return None  # other ranks than the TP axis's; an empty tensor (nothing to place)
     whole = row_major_strides(full)
     held: list[list[tuple[Box, int]]] = []
+    shards: list[tuple[int, ...]] = []
     for t in range(tp):
         value = ranks[t]
         if not isinstance(value, dict) or not isinstance(value.get("pieces"), list | tuple):
@@ -191,10 +206,8 @@ def affine_regions(entry: Any, tp: int) -> Regions | None:
                 f"its shard_shape {list(shard)} {math.prod(shard)}"
             )
         regions.sort(key=lambda r: r[1])
-        rule = _rows_rule(full, 1, [regions])
-        if rule is None or rule.shards[0] != shard:
-            return None
         held.append(regions)
+        shards.append(shard)
     tiling = coverage(full, {b for regions in held for b, _ in regions})
     if not tiling.exact or any(coverage(full, [b for b, _ in regions]).overlapping for regions in held):
         # DeepSpeed's validate_coverage refuses it too: the whole tensor cannot be made from it
@@ -202,7 +215,8 @@ def affine_regions(entry: Any, tp: int) -> Regions | None:
             f"affine_map of a {list(full)} tensor: its pieces leave {tiling.gaps} elements uncovered, "
             f"{tiling.overlapping} held by pieces that only partly overlap, or a rank holds rows twice"
         )
-    return _rows_rule(full, tp, held)
+    rule = _rows_rule(full, held)
+    return rule if rule is not None and rule.shards == tuple(shards) else None
 
 
 def sub_param_regions(
@@ -215,13 +229,10 @@ def sub_param_regions(
     not add up."""
     if dim != 0 or not shape:
         return None
-    if isinstance(sizes, int):  # a count of equal sub-parameters
-        if widths is not None:
-            sizes = None
-        elif sizes < 1 or (shape[0] * tp) % sizes:
+    if isinstance(sizes, int):  # a count of equal sub-parameters (before version 0.4: no widths)
+        if sizes < 1 or (shape[0] * tp) % sizes:
             return None
-        else:
-            sizes = (shape[0] * tp // sizes,) * sizes
+        sizes = (shape[0] * tp // sizes,) * sizes
     if widths is None:
         if sizes is None:
             return None
@@ -246,7 +257,7 @@ def sub_param_regions(
             at += w[t]
             start += sum(w)
         held.append(regions)
-    return _rows_rule(full, tp, held)
+    return _rows_rule(full, held)
 
 
 class TpRules:
@@ -271,12 +282,10 @@ class TpRules:
         self.compiled: dict[str, list[re.Pattern[str]]] = {}
         self.maps: list[Regions | None] = []
         """each affine map's regions (None: not expressible), in the order of ``compiled["affine"]``"""
-        self.subs: list[tuple[int, tuple[int, ...] | int | None, Any]] = []
-        """each sub-parameter pattern's (dim, sizes, widths), in the order of ``compiled["sub-parameters"]``"""
+        self.subs: list[SubParams] = []
+        """each sub-parameter pattern, in the order of ``compiled["sub-parameters"]``"""
         self.copy_shapes: dict[str, dict[int, tuple[int, ...]]] = {}
         """each module tensor's shape on each TP rank (:meth:`note_copies`)"""
-        self.sub_specs: list[tuple[str, dict[str, Any]]] = []
-        """each sub-parameter pattern, with the ``parameter_with_sub_params`` dict holding it"""
         if self.info is not None:
             try:
                 self._compile(self.info)
@@ -320,12 +329,16 @@ class TpRules:
                     sizes = at  # a count of equal sub-parameters
             for p in patterns("parameter_with_sub_params.patterns", sub.get("patterns") or []):
                 subs.append(p)
-                if self.recorded_widths and (p not in widths or not isinstance(sizes, tuple)):
-                    sizes = None  # ds_to_universal fails on it: no rule (one item per TP rank)
-                self.subs.append(
-                    (dim if isinstance(dim, int) else -1, sizes, widths.get(p) if self.recorded_widths else None)
+                readable = not self.recorded_widths or (p in widths and isinstance(sizes, tuple))
+                self.subs.append(  # one ds_to_universal fails on has no rule (one item per TP rank)
+                    SubParams(
+                        p,
+                        sub,
+                        dim if isinstance(dim, int) else -1,
+                        sizes if readable else None,
+                        widths.get(p) if self.recorded_widths else None,
+                    )
                 )
-                self.sub_specs.append((p, sub))
         self.compiled["sub-parameters"] = [re.compile(p) for p in subs]
         unsupported = info.get("autotp_unsupported_parameter_patterns") or {}
         if not isinstance(unsupported, dict):
@@ -398,9 +411,9 @@ class TpRules:
         elif kind == "sub-parameters":
             index = self.sub_params(name)
             if index is not None:
-                dim, sizes, widths = self.subs[index]
+                sub = self.subs[index]
                 try:
-                    regions = sub_param_regions(shape, dim, sizes, widths, self.tp)
+                    regions = sub_param_regions(shape, sub.dim, sub.sizes, sub.widths, self.tp)
                 except TypeError as e:
                     raise CorruptFileError(
                         f"{self.rel}: universal_checkpoint_info's sub-parameters of {name}: {e}", path=self.rel

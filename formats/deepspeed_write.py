@@ -1215,8 +1215,11 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
     dim 0 (SwiGLU's fused gate and up projections) joined sub-parameter by sub-parameter with
     ``"param_n_sub_params": 2``, averaged parameters as the mean of the TP ranks' copies,
     vocabulary parameters cut to ``original_vocab_size`` rows with ``"vocab_tensor": True``. The
-    patterns mark the parameters at TP=1 too. Sub-parameters by ``parameter_with_sub_params``
-    (fused QKV) and affine maps are refused, as is a TP run saved without the patterns.
+    patterns mark the parameters at TP=1 too. AutoTP's affine maps are followed as ds_to_universal
+    follows them (``{"param": t}`` alone), and sub-parameters by ``parameter_with_sub_params``
+    (fused QKV) are written with the ``SubparamShape`` it pickles beside them. Refused: a TP run
+    saved without the patterns, a map the reader cannot follow (a scaled piece), parameters AutoTP
+    could not describe.
 
     A pipeline run gets a folder for every parameter of every stage (each stage's optimizer files
     hold its own layers'), each with its stage's step; its ``layer_*-model_states.pt`` files are
@@ -1451,35 +1454,28 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
         """The ``SubparamShape`` ds_to_universal saves with ``name``'s sub-parameters: the
         ``parameter_with_sub_params`` entry naming it, its count of equal sub-parameters (in a
         checkpoint before universal version 0.4) made their sizes."""
-        info = self.rules.info or {}
         index = self.rules.sub_params(name)
         assert index is not None  # its kind says a pattern names it
-        pattern, spec = self.rules.sub_specs[index]
-        shape, dim = spec.get("shape"), spec.get("partition_dim")
-        whole = self.manifest.items[f"{name}.fp32"].shape or ()
-        at = shape[dim] if isinstance(shape, list | tuple) and isinstance(dim, int) and 0 <= dim < len(shape) else None
-        rows = whole[dim] if isinstance(dim, int) and 0 <= dim < len(whole) else -1
-        sized = isinstance(at, list | tuple) and all(isinstance(n, int) for n in at) and sum(at) == rows
-        counted = isinstance(at, int) and not isinstance(at, bool) and 0 < at <= rows and rows % at == 0
-        recorded = self.rules.recorded_widths
-        if (
-            set(spec) != {"patterns", "shape", "partition_dim"}
-            or not (sized or (counted and not recorded))
-            or (recorded and pattern not in (info.get("sub_param_shard_widths") or {}))
+        sub = self.rules.subs[index]
+        whole = self.manifest.items[f"{name}.fp32"].shape or (0,)
+        rows = whole[0]  # joined by the reader: the sub-parameters are on dim 0
+        sizes = sub.sizes
+        counted = isinstance(sizes, int) and 0 < sizes <= rows and rows % sizes == 0
+        if set(sub.spec) != {"patterns", "shape", "partition_dim"} or not (
+            counted or (isinstance(sizes, tuple) and sum(sizes) == rows)
         ):
+            info = self.rules.info or {}
             raise UsageError(
-                f"{self.model_rel}: universal_checkpoint_info's sub-parameters of {name} ({str(spec)[:160]}, "
+                f"{self.model_rel}: universal_checkpoint_info's sub-parameters of {name} ({str(sub.spec)[:160]}, "
                 f"universal version {info.get('universal_checkpoint_version', 0.0)!r}) do not describe its "
                 f"{list(whole)} tensor as ds_to_universal reads them",
                 hint="run DeepSpeed's ds_to_universal on this checkpoint",
             )
-        assert isinstance(shape, list | tuple) and isinstance(dim, int)
-        if counted and isinstance(at, int):  # before version 0.4: a count of equal sub-parameters, made their sizes
-            normalized = list(shape)
-            normalized[dim] = (rows // at,) * at
-            shape = tuple(normalized)
+        shape = sub.spec["shape"]
+        if isinstance(sizes, int):  # before version 0.4: a count of equal sub-parameters, made their sizes
+            shape = tuple((rows // sizes,) * sizes if d == sub.dim else n for d, n in enumerate(shape))
         out = _unpickle.record(SUBPARAM_SHAPE)()
-        out.__dict__.update(patterns=spec["patterns"], shape=shape, partition_dim=dim)
+        out.__dict__.update(patterns=sub.spec["patterns"], shape=shape, partition_dim=sub.dim)
         return out
 
     def _copies(self, name: str, state: str) -> list[Item]:

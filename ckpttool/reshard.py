@@ -46,6 +46,8 @@ class Target:
     vpp: int | None = None
     dp: int | None = None
     ep: int | None = None
+    etp: int | None = None
+    """Megatron: expert tensor-parallel ranks (None: the source's when it differs from its TP, else TP)"""
     to: str | None = None
     split_rules: dict[str, int | None] = field(default_factory=dict)
     vocab_padding: str = "keep"
@@ -431,6 +433,7 @@ class _MegatronExec(_FileExec):
             uneven=None if uneven == (None, None) and target.pp is None else uneven,
             vpp=target.vpp if target.vpp is not None else None if target.pp is None else 1,
             ep=target.ep,
+            etp=target.etp,
             layout=target.pipeline_layout
             if target.pipeline_layout is not None
             else None
@@ -455,7 +458,12 @@ class _ZeroExec(_FileExec):
                 f"--to deepspeed reshards DeepSpeed checkpoints; this one is {manifest.format}",
                 hint="'ckpttool convert --to dcp' or '--to safetensors' writes other formats",
             )
-        if target.tp not in (None, 1) or target.pp not in (None, 1) or target.ep not in (None, 1):
+        if (
+            target.tp not in (None, 1)
+            or target.pp not in (None, 1)
+            or target.ep not in (None, 1)
+            or target.etp not in (None, 1)
+        ):
             raise UsageError("--to deepspeed: only the data-parallel size (--dp) can change so far")
         universal = manifest.extras.get("variant") == "universal"
         if universal and target.dp is None:
@@ -492,7 +500,7 @@ class _UniversalExec(_FileExec):
 
         if not isinstance(adapter, DeepSpeedAdapter):
             raise UsageError(f"--to deepspeed-universal converts DeepSpeed checkpoints; this one is {manifest.format}")
-        if any(v not in (None, 1) for v in (target.tp, target.pp, target.ep)) or target.dp is not None:
+        if any(v not in (None, 1) for v in (target.tp, target.pp, target.ep, target.etp)) or target.dp is not None:
             raise UsageError(
                 "--to deepspeed-universal: a universal checkpoint has no parallel layout (DeepSpeed loads it at "
                 "any DP size); drop --tp, --pp, --dp and --ep"
@@ -509,7 +517,12 @@ class _UniversalExec(_FileExec):
 
 class _DcpExec(_FileExec):
     def __init__(self, adapter: Any, manifest: Manifest, target: Target) -> None:
-        if target.tp not in (None, 1) or target.pp not in (None, 1) or target.ep not in (None, 1):
+        if (
+            target.tp not in (None, 1)
+            or target.pp not in (None, 1)
+            or target.ep not in (None, 1)
+            or target.etp not in (None, 1)
+        ):
             raise UsageError(
                 "--to dcp: a DCP checkpoint is saved from one world of ranks; give its size with --dp "
                 "(--tp, --pp and --ep do not apply)"

@@ -900,6 +900,7 @@ class MegatronLegacyAdapter:
     """``iter_NNNNNNN/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` (``--ckpt-format torch``)."""
 
     name = "megatron"
+    _etp: dict[str, tuple[int, int]] = {}  # noqa: RUF012 (describe replaces it, never mutates it)
 
     def detect(self, path: Path) -> Detection:
         if not path.is_dir():
@@ -929,6 +930,7 @@ class MegatronLegacyAdapter:
         manifest = Manifest(root=str(root), format=self.name)
         objs: dict[str, Any] = {}
         self._nested: dict[tuple[str, str], str] = {}
+        self._etp: dict[str, tuple[int, int]] = {}  # rank directory -> (its experts' ETP rank, ETP)
         for d in dirs:
             rel = f"{prefix}{d}/model_optim_rng.pt"
             if not (root / rel).is_file():
@@ -963,7 +965,28 @@ class MegatronLegacyAdapter:
                 hint="the args are damaged, or most of the checkpoint is gone",
                 path=str(it_dir),
             )
-        expected = {(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
+        try:
+            etp_of = expert_tp_ranks(args)
+        except ValueError as exc:
+            raise CorruptFileError(
+                f"{it_dir}: the args' expert tensor parallelism cannot be laid out: {exc}",
+                hint="a legacy checkpoint of this layout cannot be read; save it with --ckpt-format torch_dist",
+                path=str(it_dir),
+            ) from None
+        if etp_of is None:
+            expected = {(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
+        else:
+            expected = set(etp_of)
+            etp = _int_arg(args, "expert_tensor_parallel_size")
+            self._etp = {f"{prefix}{d}": (etp_of[r][0], etp) for d, r in ranks.items() if r in etp_of}
+            stray = sorted(d for d, r in ranks.items() if r not in etp_of)
+            if stray:
+                raise CorruptFileError(
+                    f"{it_dir}: no rank saves {', '.join(stray[:4])} under the args' layout (TP={tp} PP={pp} EP={ep} "
+                    f"ETP={etp}, world size {layout.world_size})",
+                    hint="the directory comes from another run or the args are damaged; use another iteration",
+                    path=str(it_dir),
+                )
         missing = sorted(expected - set(ranks.values()))
         if missing:
             names = [rank_dir(t, p, pp, e, ep) for t, p, e in missing]
@@ -1208,6 +1231,8 @@ class MegatronLegacyAdapter:
         kind: Any,
         param: str | None = None,
     ) -> None:
+        if self._etp and is_expert(param or name):  # the experts are split by an expert TP of their own
+            t, tp = self._etp.get(rel.rsplit("/", 1)[0], (t, tp))
         rule, dim = split_rule(param or name, gated=gated)
         local = ref.shape
         shape = global_shape(local, rule, dim, tp)
@@ -1415,6 +1440,67 @@ def _global_expert(name: str, ep_rank: int, local_experts: int) -> str:
 def rank_dir(t: int, p: int, pp: int, e: int = 0, ep: int = 1) -> str:
     """Megatron-LM's rank directory: ``mp_rank_TT``, ``_PPP`` when PP > 1, ``_EEE`` when EP > 1."""
     return f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+
+
+def _int_arg(args: Any, name: str, default: int = 1) -> int:
+    v = getattr(args, name, None)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else default
+
+
+def _coords(rank: int, order: list[str], sizes: dict[str, int]) -> dict[str, int]:
+    """The rank's coordinate on each axis of megatron-core's ``RankGenerator``: mixed radix, the
+    first axis of ``order`` varying fastest."""
+    out = {}
+    for axis in order:
+        out[axis] = rank % sizes[axis]
+        rank //= sizes[axis]
+    return out
+
+
+def expert_tp_ranks(args: Any) -> dict[tuple[int, int, int], tuple[int, int]] | None:
+    """Under expert tensor parallelism (``expert_tensor_parallel_size`` ≠ TP), the ETP rank of the
+    experts in each legacy rank directory and the global rank that saves it, by the directory's
+    (TP, PP, EP) rank; None when the experts are split as the other layers.
+
+    megatron-core lays both the dense ranks (TP, CP, DP, PP) and the expert ranks (ETP, EP, expert
+    DP, PP) over the world in one order (``tp-cp-ep-dp-pp``, or ``tp-cp-ep-pp-dp`` with
+    ``--use-tp-pp-dp-mapping``), and the ranks of expert DP rank 0 save the legacy files, named by
+    their dense TP rank and their EP rank.
+
+    Raises ValueError for args that lay out no such world, or where two ranks save one directory
+    (Megatron-LM then writes one over the other)."""
+    tp, etp = _int_arg(args, "tensor_model_parallel_size"), _int_arg(args, "expert_tensor_parallel_size", 0)
+    if not int(getattr(args, "num_experts", None) or 0) or etp in (0, tp):
+        return None
+    pp, cp, ep = (
+        _int_arg(args, n)
+        for n in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size")
+    )
+    world = _int_arg(args, "world_size", 0)
+    if not world or world % (tp * cp * pp) or world % (etp * ep * pp):
+        raise ValueError(
+            f"world size {world or 'unknown'} is not a whole number of TP={tp} x CP={cp} x PP={pp} dense and "
+            f"ETP={etp} x EP={ep} x PP={pp} expert groups"
+        )
+    order = (
+        ["tp", "cp", "ep", "pp", "dp"]
+        if getattr(args, "use_tp_pp_dp_mapping", False)
+        else ["tp", "cp", "ep", "dp", "pp"]
+    )
+    dense = {"tp": tp, "cp": cp, "ep": 1, "dp": world // (tp * cp * pp), "pp": pp}
+    expert = {"tp": etp, "cp": 1, "ep": ep, "dp": world // (etp * ep * pp), "pp": pp}
+    out: dict[tuple[int, int, int], tuple[int, int]] = {}
+    for r in range(world):
+        d, x = _coords(r, order, dense), _coords(r, order, expert)
+        if x["dp"]:
+            continue
+        key = (d["tp"], d["pp"], x["ep"])
+        if out.setdefault(key, (x["tp"], r))[0] != x["tp"]:
+            raise ValueError(
+                f"the experts of ETP ranks {out[key][0]} and {x['tp']} are both saved as TP rank {key[0]}, PP rank "
+                f"{key[1]}, EP rank {key[2]}: one rank's file overwrote the other's"
+            )
+    return out
 
 
 def rank_of(directory: str, pp: int) -> tuple[int, int, int]:

@@ -126,6 +126,8 @@ class DistWriter(LegacyWriter):
     ``.metadata`` and the tracker (``finish``); rank 0's task also writes ``common.pt`` and
     ``metadata.json``."""
 
+    rank_files = False
+
     def __init__(
         self, root: Path, manifest: Manifest, target: MegatronTarget, rules: dict[str, Any] | None = None
     ) -> None:
@@ -134,12 +136,6 @@ class DistWriter(LegacyWriter):
         self.experts = int(getattr(self.args, "num_experts", None) or 0)
         if self.experts and any((slot := expert_slot(n)) and slot[2] for n in manifest.items):  # TEGroupedMLP
             raise UsageError("writing torch_dist checkpoints of grouped-GEMM experts is not supported yet")
-        etp = getattr(self.args, "expert_tensor_parallel_size", None)  # (legacy sources: load_source checks)
-        if self.from_dist and self.experts and etp not in (None, manifest.layout.tp or 1):
-            raise UsageError(
-                f"the experts are split {etp} ways (expert tensor parallelism), the other layers "
-                f"{manifest.layout.tp or 1} ways; resharding that is not supported yet"
-            )
         if self.from_dist and self.experts and (self.ep > 1) != ((manifest.layout.ep or 1) > 1):
             raise UsageError(
                 f"EP {manifest.layout.ep or 1} -> {self.ep}: the experts would move between the dense optimizer and "
@@ -175,6 +171,7 @@ class DistWriter(LegacyWriter):
             raise UsageError("common.pt has no args: ckpttool cannot tell the model's layout")
         lay = manifest.layout
         experts = int(getattr(common["args"], "num_experts", None) or 0)
+        etp = getattr(common["args"], "expert_tensor_parallel_size", None)
         distopt = bool(getattr(common["args"], "use_distributed_optimizer", False))
         if distopt:
             self._check_distopt_source(manifest, experts)
@@ -186,6 +183,7 @@ class DistWriter(LegacyWriter):
             ep=lay.ep or 1,
             experts=experts,
             distopt=distopt,
+            etp=etp if experts and isinstance(etp, int) and etp != (lay.tp or 1) else 0,
         )
 
     def _check_distopt_source(self, manifest: Manifest, experts: int) -> None:
@@ -306,9 +304,11 @@ class DistWriter(LegacyWriter):
         if (dtype, have) != (item.dtype, gshape):
             raise UsageError(f"{item.name}: {item.dtype} {shape} does not stack with the other layers' {key}")
         stage = self._stage(param, layer)
-        gated_whole = self.target.tp == 1 and _rule(item, self.gated, self.rules)[0] == "gated"
-        for t in range(self.target.tp):
-            regions = _local(item, t, self.target.tp, self.gated, self.rules, rows)
+        # the experts split by their own TP (ETP), each part in the file of a TP rank that holds it
+        ways = self.etp if expert is not None else self.target.tp
+        gated_whole = ways == 1 and _rule(item, self.gated, self.rules)[0] == "gated"
+        for t in range(ways):
+            regions = _local(item, t, ways, self.gated, self.rules, rows)
             if gated_whole:  # megatron-core saves SwiGLU's gate and up halves as two chunks, even at TP=1
                 half = (shape[0] // 2, *shape[1:])
                 regions = [Box((0,) * len(shape), half), Box((shape[0] // 2, *(0,) * (len(shape) - 1)), half)]
@@ -317,7 +317,7 @@ class DistWriter(LegacyWriter):
                     continue  # replicated on every TP rank: written once
                 chunk = Box((*lead, *region.offsets), (*(1,) * len(lead), *region.sizes))
                 chunks.append(chunk)
-                self.ranks[stage * self.target.tp + t].append(_Chunk(key, item, region, chunk))
+                self.ranks[stage * self.target.tp + t % self.target.tp].append(_Chunk(key, item, region, chunk))
 
     def _plan_extra_state(self, item: Item) -> None:
         if self.from_dist:
@@ -369,8 +369,8 @@ class DistWriter(LegacyWriter):
                         item = self.manifest.items.get(name)
                         if item is not None:
                             self._add_object(p * tp + t, key, partial(self._copy_record, item))
-                    elif "rng_state" in self.src.objs[(ts, ps, d % self.src.ep)]:
-                        self._add_object(p * tp + t, key, partial(self._pickle_rng, (ts, ps, d % self.src.ep)))
+                    elif "rng_state" in self.src.objs[self.src.key(ts, ps, d)]:
+                        self._add_object(p * tp + t, key, partial(self._pickle_rng, self.src.key(ts, ps, d)))
 
     def _add_object(self, rank: int, key: str, write: Callable[[BinaryIO, PieceReader], None]) -> None:
         self.objects.append(key)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -48,6 +49,7 @@ from ckpttool.formats.megatron import (
     chunk_shared_embedding,
     expert_of,
     expert_slot,
+    expert_tp_ranks,
     grad_buffer_layout,
     is_expert,
     layout_stages,
@@ -101,6 +103,17 @@ class _Source:
     ``groups`` its param groups as saved (no ``params``, the common ``step``), no membership"""
     buffer_key: Any = None
     """the ``(param dtype, grad dtype)`` key of the source's ``distrib_optim.pt`` grad buffer"""
+    etp: int = 0
+    """expert tensor-parallel ranks (``args.expert_tensor_parallel_size``; 0: the experts split as
+    the other layers, TP ways)"""
+
+    def key(self, t: int, p: int, e: int) -> tuple[int, int, int]:
+        """A rank file of PP rank ``p`` and EP rank ``e`` (TP rank ``t`` if it has one: under expert
+        tensor parallelism not every (TP, EP) pair saves a file)."""
+        want = (t % self.tp, p % self.pp, e % self.ep)
+        if want in self.objs:
+            return want
+        return next(k for k in sorted(self.objs) if k[1:] == want[1:])
 
 
 @dataclass(slots=True, kw_only=True)
@@ -119,6 +132,9 @@ class MegatronTarget:
     """virtual pipeline stages (model chunks) per pipeline rank; None: as the source"""
     ep: int | None = None
     """expert-parallel ranks (each holds num_experts / EP routed experts); None: as the source"""
+    etp: int | None = None
+    """expert tensor-parallel ranks (each routed expert split over them); None: the source's when it
+    differs from its TP, else TP"""
     layout: str | None = None
     """``--pipeline-model-parallel-layout`` of the output; "": none (even or ``uneven`` stages);
     None: as the source"""
@@ -155,11 +171,7 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
     args = first.get("args")
     src.experts = int(getattr(args, "num_experts", None) or 0)
     etp = getattr(args, "expert_tensor_parallel_size", None)
-    if src.experts and etp not in (None, tp):
-        raise UsageError(
-            f"the experts are split {etp} ways (expert tensor parallelism), the other layers {tp} ways; "
-            "resharding that is not supported yet"
-        )
+    src.etp = etp if src.experts and isinstance(etp, int) and etp != tp else 0
     local = src.experts // ep if src.experts else 0
     distrib = {key: (root / rel).with_name("distrib_optim.pt").is_file() for key, rel in rels.items()}
     if any(distrib.values()):
@@ -179,7 +191,7 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
         src.buffer_key = next(iter(first_state[0]))
     for p in range(pp):
         for e in range(ep):  # the dense entries of every EP rank's file are the same
-            _read_stage(src, args, (0, p, e), _layer_offset, local)
+            _read_stage(src, args, src.key(0, p, e), _layer_offset, local)
     src.model_order = _canonical(src.model_order)
     return src
 
@@ -327,6 +339,11 @@ def validate(manifest: Manifest, src: _Source, target: MegatronTarget, rules: di
     tp, pp, ep = target.tp, target.pp, _target_ep(src, target)
     if tp < 1 or pp < 1 or ep < 1:
         return ["TP, PP and EP must be at least 1"]
+    etp = target.etp or src.etp or tp
+    if target.etp is not None and (target.etp < 1 or not src.experts):
+        problems.append(
+            f"ETP={target.etp}: " + ("must be at least 1" if src.experts else "the model has no routed experts")
+        )
     if ep > 1 and not src.experts:
         problems.append(f"EP={ep}: the model has no routed experts (args.num_experts is not set)")
     elif src.experts % ep:
@@ -356,8 +373,9 @@ def validate(manifest: Manifest, src: _Source, target: MegatronTarget, rules: di
         if rule == "replicated" or dim is None or _is_vocab(item.name):
             continue
         size = item.shape[dim] // (2 if rule == "gated" else 1)
-        if size % tp:
-            uneven.append(f"{item.name} (dim {dim} of size {size})")
+        ways = etp if is_expert(_base_param(item)) else tp
+        if size % ways:
+            uneven.append(f"{item.name} (dim {dim} of size {size}, split {ways} ways)")
     if unknown:
         problems.append(
             f"no tensor-parallel split rule for {len(unknown)} parameters: {', '.join(unknown[:5])}"
@@ -366,8 +384,7 @@ def validate(manifest: Manifest, src: _Source, target: MegatronTarget, rules: di
         )
     if uneven and not problems:
         problems.append(
-            f"{len(uneven)} tensors cannot be split {tp} ways: {', '.join(uneven[:3])}"
-            + (" …" if len(uneven) > 3 else "")
+            f"{len(uneven)} tensors cannot be split evenly: {', '.join(uneven[:3])}" + (" …" if len(uneven) > 3 else "")
         )
     return problems
 
@@ -463,6 +480,10 @@ class LegacyWriter:
     distopt: bool
     """write ``distrib_optim.pt`` files (the distributed optimizer's layout)"""
 
+    rank_files = True
+    """one file per (TP, PP, EP) rank, saved by the rank that holds it (legacy); False: any
+    rank's file may hold any piece (torch_dist)"""
+
     def __init__(
         self, root: Path, manifest: Manifest, target: MegatronTarget, rules: dict[str, Any] | None = None
     ) -> None:
@@ -476,6 +497,9 @@ class LegacyWriter:
         """expert-parallel ranks of the output"""
         self.local_experts = self.src.experts // self.ep if self.src.experts and self.ep else 0
         """routed experts in each EP rank's files"""
+        self.etp = target.etp or self.src.etp or target.tp
+        """expert tensor-parallel ranks of the output: as asked, else the source's when it split its
+        experts its own way, else TP (Megatron's default)"""
         problems = validate(manifest, self.src, target, self.rules)
         if problems:
             raise UsageError(
@@ -519,6 +543,11 @@ class LegacyWriter:
             raise CorruptFileError(f"model entries missing from the manifest: {', '.join(missing[:4])}")
         want = target.distributed_optimizer
         self.distopt = self.src.distopt if want is None else bool(want)
+        self._xranks: dict[tuple[int, int, int], tuple[int, int]] | None = None
+        """under expert tensor parallelism, (ETP rank of its experts, global rank) of each output rank
+        file by its (TP, PP, EP) rank; None: the experts split as the other layers"""
+        if self.src.etp or self.etp != target.tp:
+            self._expert_layout()
         if self.src.distopt and not self.distopt:
             self._infer_membership()
         if self.distopt and not self.src.distopt:
@@ -534,6 +563,41 @@ class LegacyWriter:
                 "say which param group each expert parameter is in (a separate expert optimizer needs that)",
                 hint="reshard it at EP=1, or from a checkpoint saved at EP > 1 or without the distributed optimizer",
             )
+
+    def _expert_layout(self) -> None:
+        if self.distopt or self.src.distopt:
+            raise UsageError(
+                f"the experts are split {self.etp} ways (expert tensor parallelism), the other layers "
+                f"{self.target.tp} ways: the distributed optimizer's layout of that is not supported yet",
+                hint="reshard with --no-distributed-optimizer, or from a checkpoint saved without it",
+            )
+        if self.etp == self.target.tp or not self.rank_files:
+            return
+        args = self.args
+        cp = int(getattr(args, "context_parallel_size", 1) or 1)
+        tp, pp = self.target.tp, self.target.pp
+        layout = types.SimpleNamespace(
+            num_experts=self.src.experts,
+            tensor_model_parallel_size=tp,
+            expert_tensor_parallel_size=self.etp,
+            pipeline_model_parallel_size=pp,
+            context_parallel_size=cp,
+            expert_model_parallel_size=self.ep,
+            world_size=tp * cp * pp * self._resume_dp(),
+            use_tp_pp_dp_mapping=bool(getattr(args, "use_tp_pp_dp_mapping", False)),
+        )
+        try:
+            self._xranks = expert_tp_ranks(layout)
+        except ValueError as exc:
+            raise UsageError(
+                f"cannot reshard to TP={tp} PP={pp} EP={self.ep} with the experts split {self.etp} ways: {exc}"
+            ) from None
+
+    def _experts_at(self, t: int, p: int, e: int) -> tuple[int, int]:
+        """(rank, ranks) of the experts' tensor-parallel split in output rank file (t, p, e)."""
+        if self._xranks is None:
+            return t, self.target.tp
+        return self._xranks[(t, p, e)][0], self.etp
 
     @property
     def _chained(self) -> bool:
@@ -723,6 +787,8 @@ class LegacyWriter:
         for p in range(self.target.pp):
             for e in range(self.ep):
                 for t in range(self.target.tp):
+                    if self._xranks is not None and (t, p, e) not in self._xranks:
+                        continue  # no rank of expert DP rank 0 has these TP and EP ranks: none saves it
                     sizes = [o.nbytes for o in self._tensors(t, p, e)]
                     folder = f"{self.iter_dir}/{rank_dir(t, p, self.target.pp, e, self.ep)}"
                     out.append(PlannedFile.of(f"{folder}/model_optim_rng.pt", (t, p, e, 0), sizes))
@@ -743,14 +809,15 @@ class LegacyWriter:
 
     def _tensors(self, t: int, p: int, e: int = 0) -> Iterator[_ptwrite.OutTensor]:
         """The tensors of rank (t, p, e)'s ``model_optim_rng.pt`` (for planning)."""
+        at = self._experts_at(t, p, e)
         for name in self._model_names(p, e):
             item = self._item(name)
             if item.is_tensor:
-                yield self._out(item, t, None)
+                yield self._out(item, t, None, at)
                 for suffix in ("fp32", *_STATE_KEYS) if not self.distopt else ():
                     extra = self.manifest.items.get(f"{item.name}.{suffix}")
                     if extra is not None:
-                        yield self._out(extra, t, None)
+                        yield self._out(extra, t, None, at)
 
     def _params(self, p: int, v: int | None = None, e: int | None = None, kind: bool | None = None) -> list[str]:
         """Stage ``p``'s parameters with optimizer state (of model chunk ``v`` only, of EP rank
@@ -818,11 +885,16 @@ class LegacyWriter:
         if numel > pos:
             yield (numel - pos) * 4, None
 
-    def _out(self, item: Item, t: int, reader: PieceReader | None) -> _ptwrite.OutTensor:
-        """Rank ``t``'s part of ``item`` (``reader`` None: for planning only, never filled)."""
+    def _out(
+        self, item: Item, t: int, reader: PieceReader | None, experts: tuple[int, int] | None = None
+    ) -> _ptwrite.OutTensor:
+        """Rank ``t``'s part of ``item`` (``reader`` None: for planning only, never filled); of a
+        routed expert's, part ``experts`` = (rank, ranks) when given (expert tensor parallelism)."""
         assert item.dtype is not None
-        rows = self.rows if _is_vocab(_base_param(item)) else None
-        boxes = _local(item, t, self.target.tp, self.gated, self.rules, rows)
+        param = _base_param(item)
+        rows = self.rows if _is_vocab(param) else None
+        t, tp = experts if experts is not None and is_expert(param) else (t, self.target.tp)
+        boxes = _local(item, t, tp, self.gated, self.rules, rows)
         return _ptwrite.OutTensor(dtype=item.dtype, shape=_stacked(boxes), fill=_Fill(reader, item, boxes))
 
     # -- writing -------------------------------------------------------------------------------
@@ -866,7 +938,8 @@ class LegacyWriter:
             if progress is not None:
                 progress(n)
             return n
-        src_key = (t % self.src.tp, p % self.src.pp, e % self.src.ep)
+        src_key = self.src.key(t, p, e)
+        at = self._experts_at(t, p, e)
         template = self.src.objs[src_key]
         rel = self.src.rels[src_key]
         archive: Callable[[str], Any] = _pt.archive_cache(reader)  # the reader's open archives
@@ -881,7 +954,7 @@ class LegacyWriter:
                 local = _localize(name, offset, e * self.local_experts)
                 if item.is_tensor:
                     check_coverage(item)
-                    model[local] = self._out(item, t, reader)
+                    model[local] = self._out(item, t, reader, at)
                 else:
                     piece = next((pc for pc in item.pieces if pc.rank == t % self.src.tp), item.pieces[0])
                     value = reader.read_object(Item(name=item.name, kind=item.kind, pieces=[piece]))
@@ -898,7 +971,7 @@ class LegacyWriter:
                     states = [self._distopt_state(archive, kind) for kind in self._members]
                     tree[key] = states if self._chained else states[0]
                 else:
-                    tree[key] = self._optimizers(t, names, reader, archive)
+                    tree[key] = self._optimizers(t, names, reader, archive, at)
             elif key == "rng_state":
                 tree[key] = _ptwrite.carry(value, partial(archive, rel))
             elif key == "args":
@@ -948,16 +1021,17 @@ class LegacyWriter:
             d["pipeline_model_parallel_layout"] = layout
         if self.split != stage_split(args) or "decoder_first_pipeline_num_layers" in d:
             d["decoder_first_pipeline_num_layers"], d["decoder_last_pipeline_num_layers"] = self.split
-        if d.get("expert_tensor_parallel_size") == old_tp:
-            d["expert_tensor_parallel_size"] = tp
+        if d.get("expert_tensor_parallel_size") == old_tp or self.src.etp:
+            d["expert_tensor_parallel_size"] = self.etp
         if "expert_model_parallel_size" in d or self.ep > 1:
             d["expert_model_parallel_size"] = self.ep
         if "world_size" in d:
             d["world_size"] = tp * pp * dp
         if "rank" in d:  # the rank that saves the file: data-parallel rank e (rank order tp-cp-ep-dp-pp)
+            rank = t + tp * e + tp * dp * p if self._xranks is None else self._xranks[(t, p, e)][1]
             if d.get("local_rank") == d["rank"]:
-                d["local_rank"] = t + tp * e + tp * dp * p
-            d["rank"] = t + tp * e + tp * dp * p
+                d["local_rank"] = rank
+            d["rank"] = rank
         if self.padded is not None and "padded_vocab_size" in d:
             d["padded_vocab_size"] = self.padded
             if self.divisor is not None:
@@ -966,10 +1040,13 @@ class LegacyWriter:
 
     def _resume_dp(self) -> int:
         """The data-parallel size the output is written for: the source run's, or under expert
-        parallelism the smallest multiple of it that EP divides (Megatron needs DP a multiple of EP;
-        ``args``' rank and world size and the sharded RNG of ``torch_dist`` follow it)."""
+        parallelism the smallest multiple of it whose TP x DP ranks hold whole ETP x EP expert
+        groups (at ETP = TP: a multiple of EP, as Megatron needs; ``args``' rank and world size and
+        the sharded RNG of ``torch_dist`` follow it)."""
         dp = int(getattr(self.args, "data_parallel_size", 1) or 1)
-        return dp if dp % self.ep == 0 else math.lcm(dp, self.ep)
+        # the world (TP x DP ranks a stage) must hold whole ETP x EP expert groups
+        group = self.etp * self.ep
+        return math.lcm(dp, group // math.gcd(self.target.tp, group))
 
     def _vocab_divisor(self) -> int | None:
         tp, rows = self.target.tp, self.padded
@@ -999,14 +1076,17 @@ class LegacyWriter:
                 )
             else:
                 out.append(f"RNG state: rank (t, p) gets source rank (t mod {self.src.tp}, p mod {self.src.pp})'s")
-        if self.ep != self.src.ep:
+        if self.ep != self.src.ep or self.etp != (self.src.etp or self.src.tp):
             dp = getattr(self.args, "data_parallel_size", None)
+            group = self.etp * self.ep
+            multiple = group // math.gcd(self.target.tp, group)  # TP x DP ranks hold whole ETP x EP groups
             out.append(
                 f"experts: {self.local_experts} per EP rank; resume with --expert-model-parallel-size {self.ep}"
+                + (f" --expert-tensor-parallel-size {self.etp}" if self.etp != self.target.tp else "")
                 + (
-                    f" and a data-parallel size that is a multiple of {self.ep} (the source ran DP={dp}; written "
+                    f" and a data-parallel size that is a multiple of {multiple} (the source ran DP={dp}; written "
                     f"for DP={self._resume_dp()})"
-                    if isinstance(dp, int) and dp % self.ep
+                    if isinstance(dp, int) and dp % multiple
                     else ""
                 )
             )
@@ -1047,12 +1127,26 @@ class LegacyWriter:
         what = "layers by stage" + (" (model chunks joined by +)" if self.vpp > 1 else "")
         return f"{what}: {stages}" + (f"; resume with {' '.join(flags)}" if flags else "")
 
-    def _optimizers(self, t: int, names: list[str], reader: PieceReader, archive: Callable[[str], Any]) -> Any:
+    def _optimizers(
+        self,
+        t: int,
+        names: list[str],
+        reader: PieceReader,
+        archive: Callable[[str], Any],
+        experts: tuple[int, int] | None = None,
+    ) -> Any:
         """The rank file's ``optimizer``: one optimizer's state dict, or under expert parallelism
         megatron-core's ``ChainedOptimizer`` list (the dense parameters', then the experts'; at EP=1
         the experts are in the dense optimizer, as megatron-core builds it)."""
         members = [
-            self._optimizer(t, [n for n in names if kind is None or is_expert(n) == kind], reader, archive, kind=kind)
+            self._optimizer(
+                t,
+                [n for n in names if kind is None or is_expert(n) == kind],
+                reader,
+                archive,
+                kind=kind,
+                experts=experts,
+            )
             for kind in self._members
         ]
         return members if self._chained else members[0]
@@ -1084,7 +1178,14 @@ class LegacyWriter:
         return out
 
     def _optimizer(
-        self, t: int, names: list[str], reader: PieceReader, archive: Callable[[str], Any], *, kind: bool | None
+        self,
+        t: int,
+        names: list[str],
+        reader: PieceReader,
+        archive: Callable[[str], Any],
+        *,
+        kind: bool | None,
+        experts: tuple[int, int] | None = None,
     ) -> Any:
         params = [n for n in names if self._item(n).is_tensor and f"{self._src_name(n)}.exp_avg" in self.manifest.items]
         state: dict[int, Any] = {}
@@ -1102,11 +1203,11 @@ class LegacyWriter:
                 if step is not None:
                     entry["step"] = _ptwrite.carry(step[1], partial(archive, step[0]))
                 for key in _STATE_KEYS:
-                    entry[key] = self._out(self.manifest.items[f"{src_name}.{key}"], t, reader)
+                    entry[key] = self._out(self.manifest.items[f"{src_name}.{key}"], t, reader, experts)
                 state[pid] = entry
                 master = self.manifest.items.get(f"{src_name}.fp32")
                 if master is not None:
-                    fp32.append(self._out(master, t, reader))
+                    fp32.append(self._out(master, t, reader, experts))
                 ids.append(pid)
                 pid += 1
             groups.append({**hyper, "params": ids})

@@ -116,6 +116,46 @@ def test_torch_dist_experts_read_as_the_legacy_files_name_them(tmp_path):
     assert not report.different and report.compared == 116
 
 
+@pytest.mark.parametrize("name", ["legacy_tp2ep2etp1", "dist_tp2ep2etp1"])
+def test_experts_split_by_an_expert_tensor_parallelism_of_their_own(name, tmp_path):
+    """Megatron-LM at TP=2 EP=2 with --expert-tensor-parallel-size 1 (world 2): the dense layers are
+    split over TP, each routed expert is whole on its EP rank. The legacy save has only the
+    directories of expert-DP rank 0's ranks (mp_rank_00_000 and mp_rank_01_001, not the 2 x 2 grid);
+    both saves read, every tensor equal to the run's own sharded state dict, verify clean."""
+    adapter, m = registry.describe(MG / name)
+    assert (m.layout.tp, m.layout.ep) == (2, 2) and m.step == 3
+    export(MG / name, tmp_path / "o.safetensors")
+    got = load_file(tmp_path / "o.safetensors")
+    want = _expected("legacy_tp2ep2etp1")
+    assert len(want) == 116
+    assert [k for k, v in want.items() if k not in got or not same_bits(got[k], v)] == []
+    fc1 = m.items["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]
+    # whole: one piece in a legacy file; torch_dist keeps SwiGLU's gate and up halves apart, even whole
+    halves = [(0, 0)] if name.startswith("legacy") else [(0, 0), (32, 0)]
+    assert fc1.shape == (64, 16) and sorted(p.box.offsets for p in fc1.pieces) == halves
+    if name.startswith("legacy"):
+        assert sorted({p.file.split("/")[1] for p in fc1.pieces}) == ["mp_rank_01_001"]
+        qkv = m.items["decoder.layers.1.self_attention.linear_qkv.weight"]
+        assert sorted(p.file.split("/")[1] for p in qkv.pieces) == ["mp_rank_00_000", "mp_rank_01_001"]
+    r = run_cli("verify", MG / name, "--json")
+    assert r.code == 0 and json.loads(r.stdout)["summary"]["error"] == 0
+
+
+def test_expert_tensor_parallel_args_that_lay_out_no_world(tmp_path):
+    """The legacy rank directories follow from the args' ETP layout; args whose world cannot hold it
+    are refused by name (exit 3), not read as a grid of missing ranks."""
+    from tests.conftest import rewritten_copy
+
+    def edit(obj):
+        obj["args"].world_size = 3
+        return obj
+
+    ckpt = tmp_path / "c"
+    rewritten_copy(ckpt, MG / "legacy_tp2ep2etp1", edit, "**/model_optim_rng.pt", allow=None)
+    r = run_cli("ls", ckpt)
+    assert r.code == 3 and "expert tensor parallelism cannot be laid out" in r.stderr and "world size 3" in r.stderr
+
+
 def test_an_expert_piece_is_named_when_its_bytes_change(tmp_path):
     """A seal of the torch_dist MoE checkpoint locates an expert's bytes inside its stored chunk: one
     byte flipped there is reported against that expert, by its global number."""

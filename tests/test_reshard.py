@@ -2448,6 +2448,72 @@ def test_model_order_keeps_expert_blocks_whole():
     assert _canonical(grouped([0, 1]) + grouped([2, 3])) == grouped([0, 1, 2, 3])
 
 
+ETP = FIXTURES / "megatron" / "legacy_tp2ep2etp1"
+
+
+def test_megatron_expert_tensor_parallelism_round_trips(tmp_path):
+    """Megatron-LM's TP=2 EP=2 ETP=1 files (mp_rank_00_000 and mp_rank_01_001 only: the ranks of
+    expert-DP rank 0; the experts whole) resharded to their own layout give Megatron's trees back,
+    args and RNG included. Through TP=1 EP=1 and back with --etp 1, the trees come back (RNG aside);
+    without --etp the TP=1 source's experts follow the new TP (Megatron's default): 4 files, the
+    experts halved, the same state; and torch_dist from the legacy files holds the same state as
+    Megatron-LM's own torch_dist save."""
+    same = tmp_path / "same"
+    reshard(ETP, same, Target())
+    original = _rank_files(ETP)
+    assert list(original) == list(_rank_files(same)) == ["mp_rank_00_000", "mp_rank_01_001"]
+    for name, path in original.items():
+        assert _tree(path) == _tree(_rank_files(same)[name]), name
+    one, back, wide = tmp_path / "one", tmp_path / "back", tmp_path / "wide"
+    reshard(ETP, one, Target(tp=1, ep=1))
+    (only,) = _rank_files(one).values()
+    assert (_args(only)["tensor_model_parallel_size"], _args(only)["expert_tensor_parallel_size"]) == (1, 1)
+    reshard(one, back, Target(tp=2, ep=2, etp=1))
+    for name, path in original.items():
+        assert _drop_rng(_tree(path)) == _drop_rng(_tree(_rank_files(back)[name])), name
+    reshard(one, wide, Target(tp=2, ep=2))
+    files = _rank_files(wide)
+    assert list(files) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    assert {_args(f)["expert_tensor_parallel_size"] for f in files.values()} == {2}
+    assert not diff(ETP, wide, kinds=STATE_KINDS).different and verify(wide).failing() == []
+    dist = tmp_path / "dist"
+    reshard(ETP, dist, Target(to="megatron-dist"))
+    assert not diff(FIXTURES / "megatron" / "dist_tp2ep2etp1", dist, kinds=STATE_KINDS).different
+    assert verify(dist).failing() == []
+
+
+def test_megatron_expert_tensor_parallel_targets_refused(tmp_path):
+    """--etp on a model without routed experts, an ETP that does not divide the experts' hidden
+    size, and the distributed optimizer's layout under ETP != TP are refused before anything is
+    written."""
+    for src, target, match in [
+        (FIXTURES / "megatron" / "legacy_tp2pp2", Target(etp=1), "no routed experts"),
+        (ETP, Target(etp=3, ep=2), "cannot be split evenly"),
+        (ETP, Target(distributed_optimizer=True), "distributed optimizer's layout of that is not supported"),
+        (MOE_DISTOPT, Target(tp=2, pp=1, etp=1), "distributed optimizer's layout of that is not supported"),
+    ]:
+        with pytest.raises(UsageError, match=match):
+            reshard(src, tmp_path / "out", target)
+        assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_megatron_lm_loads_expert_tensor_parallel_output(tmp_path):
+    """Oracle: Megatron-LM's load_checkpoint at TP=2 EP=2 ETP=1 (world 2) loads the ETP fixture
+    brought back from TP=1 EP=1: every tensor equals the run's reference, the main replicas cover
+    each reference tensor once, and it trains the next step."""
+    mlm = _megatron_lm()
+    if mlm is None:
+        pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
+    one, back = tmp_path / "one", tmp_path / "back"
+    reshard(ETP, one, Target(tp=1, ep=1))
+    reshard(one, back, Target(tp=2, ep=2, etp=1))
+    args = ("--tp", "2", "--pp", "1", "--ep", "2", "--etp", "1", "--padded-vocab", "128")
+    proc = _oracle(mlm, back, *args, *_ref("legacy_tp2ep2etp1"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "coverage of the 116 reference tensors by the main replicas: OK" in proc.stdout
+
+
 @pytest.mark.parametrize("source", ["legacy_pp2ep2", "legacy_pp2ep2_distopt"])
 def test_megatron_experts_with_stages_that_hold_none(source, tmp_path):
     """A pipeline stage without routed experts (here the layout 'E|t|t|L' puts the embedding and the

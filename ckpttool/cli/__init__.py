@@ -491,6 +491,14 @@ def reshard(
     ep: Annotated[
         int | None, typer.Option("--ep", help="Megatron: expert-parallel ranks (routed experts split over them).")
     ] = None,
+    etp: Annotated[
+        int | None,
+        typer.Option(
+            "--etp",
+            help="Megatron: expert tensor-parallel ranks (each routed expert split over them). Default: the "
+            "source's when it differs from its TP, else the new TP.",
+        ),
+    ] = None,
     to: Annotated[
         str | None,
         typer.Option(
@@ -565,6 +573,7 @@ def reshard(
         vpp=vpp,
         dp=dp,
         ep=ep,
+        etp=etp,
         to=to,
         split_rules=parse_split_rules(split_rule or []),
         vocab_padding=vocab_padding,

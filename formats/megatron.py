@@ -1470,13 +1470,15 @@ def expert_tp_ranks(args: Any) -> dict[tuple[int, int, int], tuple[int, int]] | 
     Raises ValueError for args that lay out no such world, or where two ranks save one directory
     (Megatron-LM then writes one over the other)."""
     tp, etp = _int_arg(args, "tensor_model_parallel_size"), _int_arg(args, "expert_tensor_parallel_size", 0)
-    if not int(getattr(args, "num_experts", None) or 0) or etp in (0, tp):
+    if not _int_arg(args, "num_experts", 0) or etp in (0, tp):
         return None
     pp, cp, ep = (
         _int_arg(args, n)
         for n in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size")
     )
     world = _int_arg(args, "world_size", 0)
+    if world > 1 << 20:
+        raise ValueError(f"world size {world:,} is not plausible")
     if not world or world % (tp * cp * pp) or world % (etp * ep * pp):
         raise ValueError(
             f"world size {world or 'unknown'} is not a whole number of TP={tp} x CP={cp} x PP={pp} dense and "
@@ -1500,6 +1502,15 @@ def expert_tp_ranks(args: Any) -> dict[tuple[int, int, int], tuple[int, int]] | 
                 f"the experts of ETP ranks {out[key][0]} and {x['tp']} are both saved as TP rank {key[0]}, PP rank "
                 f"{key[1]}, EP rank {key[2]}: one rank's file overwrote the other's"
             )
+    # Megatron-LM's legacy save can drop ranks: every dense TP part and every expert part must be saved
+    dropped = sorted({(t, p) for t in range(tp) for p in range(pp)} - {(t, p) for t, p, _ in out})
+    experts_held = {(x, p, e) for (_, p, e), (x, _) in out.items()}
+    if dropped or len(experts_held) != etp * pp * ep:
+        raise ValueError(
+            "the ranks of expert-DP rank 0, which save the legacy files, do not hold "
+            + (f"TP rank {dropped[0][0]} of PP rank {dropped[0][1]}" if dropped else "every expert's part")
+            + f" (TP={tp} ETP={etp} EP={ep}): a legacy checkpoint cannot hold this layout"
+        )
     return out
 
 

@@ -113,7 +113,10 @@ class _Source:
         want = (t % self.tp, p % self.pp, e % self.ep)
         if want in self.objs:
             return want
-        return next(k for k in sorted(self.objs) if k[1:] == want[1:])
+        found = next((k for k in sorted(self.objs) if k[1:] == want[1:]), None)
+        if found is None:
+            raise CorruptFileError(f"no rank file of PP rank {want[1]} and EP rank {want[2]} in the source")
+        return found
 
 
 @dataclass(slots=True, kw_only=True)
@@ -590,7 +593,8 @@ class LegacyWriter:
             self._xranks = expert_tp_ranks(layout)
         except ValueError as exc:
             raise UsageError(
-                f"cannot reshard to TP={tp} PP={pp} EP={self.ep} with the experts split {self.etp} ways: {exc}"
+                f"cannot reshard to TP={tp} PP={pp} EP={self.ep} with the experts split {self.etp} ways: {exc}",
+                hint="choose --etp and --ep so that ETP x EP >= TP, or write --to megatron-dist",
             ) from None
 
     def _experts_at(self, t: int, p: int, e: int) -> tuple[int, int]:
@@ -1021,12 +1025,12 @@ class LegacyWriter:
             d["pipeline_model_parallel_layout"] = layout
         if self.split != stage_split(args) or "decoder_first_pipeline_num_layers" in d:
             d["decoder_first_pipeline_num_layers"], d["decoder_last_pipeline_num_layers"] = self.split
-        if d.get("expert_tensor_parallel_size") == old_tp or self.src.etp:
+        if d.get("expert_tensor_parallel_size") == old_tp or self.src.etp or self.etp != tp:
             d["expert_tensor_parallel_size"] = self.etp
         if "expert_model_parallel_size" in d or self.ep > 1:
             d["expert_model_parallel_size"] = self.ep
         if "world_size" in d:
-            d["world_size"] = tp * pp * dp
+            d["world_size"] = tp * int(d.get("context_parallel_size") or 1) * pp * dp
         if "rank" in d:  # the rank that saves the file: data-parallel rank e (rank order tp-cp-ep-dp-pp)
             rank = t + tp * e + tp * dp * p if self._xranks is None else self._xranks[(t, p, e)][1]
             if d.get("local_rank") == d["rank"]:
@@ -1076,7 +1080,8 @@ class LegacyWriter:
                 )
             else:
                 out.append(f"RNG state: rank (t, p) gets source rank (t mod {self.src.tp}, p mod {self.src.pp})'s")
-        if self.ep != self.src.ep or self.etp != (self.src.etp or self.src.tp):
+        own = self.etp if self.etp != self.target.tp else 0  # the output's experts split their own way
+        if self.ep != self.src.ep or own != self.src.etp:
             dp = getattr(self.args, "data_parallel_size", None)
             group = self.etp * self.ep
             multiple = group // math.gcd(self.target.tp, group)  # TP x DP ranks hold whole ETP x EP groups

@@ -141,6 +141,60 @@ def test_experts_split_by_an_expert_tensor_parallelism_of_their_own(name, tmp_pa
     assert r.code == 0 and json.loads(r.stdout)["summary"]["error"] == 0
 
 
+def test_expert_tensor_parallel_rank_layout_is_megatron_cores():
+    """Oracle: the legacy rank directories under ETP != TP, and the ETP rank of each one's experts,
+    are the ones megatron-core's own RankGenerator lays out (both rank orders, TP/ETP/EP 1-4, PP and
+    CP 1-2, worlds up to 16): the ranks of expert-DP rank 0, by dense TP rank, PP rank and EP rank.
+    Layouts where two such ranks share a directory, or that leave a TP part or an expert part
+    unsaved (Megatron-LM's legacy save then loses it), are refused."""
+    import itertools
+    import types
+
+    pytest.importorskip("megatron.core")
+    from megatron.core.parallel_state import RankGenerator
+
+    from ckpttool.formats.megatron import expert_tp_ranks
+
+    def coords(gen, world):
+        out = {r: {} for r in range(world)}
+        for axis in ("tp", "ep", "dp", "pp", "cp"):
+            for group in gen.get_ranks(axis):
+                for i, r in enumerate(group):
+                    out[r][axis] = i
+        return out
+
+    cases = refused = 0
+    for tp, etp, ep, pp, cp, mapping in itertools.product(range(1, 5), range(1, 5), range(1, 5), (1, 2), (1, 2), (0, 1)):
+        for world in range(1, 17):
+            if tp == etp or world % (tp * cp * pp) or world % (etp * ep * pp):
+                continue
+            order = "tp-cp-ep-pp-dp" if mapping else "tp-cp-ep-dp-pp"
+            dense = coords(RankGenerator(tp=tp, ep=1, dp=world // (tp * cp * pp), pp=pp, cp=cp, order=order), world)
+            expert = coords(RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=order), world)
+            want: dict = {}
+            clash = False
+            for r in range(world):
+                if expert[r]["dp"] == 0:
+                    key = (dense[r]["tp"], dense[r]["pp"], expert[r]["ep"])
+                    clash |= want.setdefault(key, (expert[r]["tp"], r))[0] != expert[r]["tp"]
+            lossy = {(t, q) for t in range(tp) for q in range(pp)} != {k[:2] for k in want} or len(
+                {(x, k[1], k[2]) for k, (x, _) in want.items()}
+            ) != etp * pp * ep
+            args = types.SimpleNamespace(
+                num_experts=8, tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp,
+                pipeline_model_parallel_size=pp, context_parallel_size=cp, expert_model_parallel_size=ep,
+                world_size=world, use_tp_pp_dp_mapping=bool(mapping),
+            )  # fmt: skip
+            cases += 1
+            if clash or lossy:
+                refused += 1
+                with pytest.raises(ValueError):
+                    expert_tp_ranks(args)
+            else:
+                assert expert_tp_ranks(args) == want, (tp, etp, ep, pp, cp, world, order)
+    assert cases > 300 and 0 < refused < cases
+
+
 def test_expert_tensor_parallel_args_that_lay_out_no_world(tmp_path):
     """The legacy rank directories follow from the args' ETP layout; args whose world cannot hold it
     are refused by name (exit 3), not read as a grid of missing ranks."""

@@ -2484,11 +2484,13 @@ def test_megatron_expert_tensor_parallelism_round_trips(tmp_path):
 
 def test_megatron_expert_tensor_parallel_targets_refused(tmp_path):
     """--etp on a model without routed experts, an ETP that does not divide the experts' hidden
-    size, and the distributed optimizer's layout under ETP != TP are refused before anything is
-    written."""
+    size, a layout whose legacy files would leave a TP rank unsaved (Megatron-LM saves only the
+    ranks of expert-DP rank 0) and the distributed optimizer's layout under ETP != TP are refused
+    before anything is written."""
     for src, target, match in [
         (FIXTURES / "megatron" / "legacy_tp2pp2", Target(etp=1), "no routed experts"),
         (ETP, Target(etp=3, ep=2), "cannot be split evenly"),
+        (ETP, Target(ep=1), "a legacy checkpoint cannot hold this layout"),  # ETP x EP < TP: a TP rank unsaved
         (ETP, Target(distributed_optimizer=True), "distributed optimizer's layout of that is not supported"),
         (MOE_DISTOPT, Target(tp=2, pp=1, etp=1), "distributed optimizer's layout of that is not supported"),
     ]:

@@ -133,10 +133,15 @@ def _read_tracker(root: Path) -> Path:
     return target
 
 
+def _int_arg(args: Any, name: str, default: int = 1) -> int:
+    """``args.<name>`` when it is a positive int, else ``default``."""
+    v = getattr(args, name, None)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else default
+
+
 def _args_layout(args: Any) -> Layout:
     def get(name: str) -> int | None:
-        v = getattr(args, name, None)
-        return v if isinstance(v, int) and not isinstance(v, bool) else None
+        return _int_arg(args, name, 0) or None
 
     tp, pp = get("tensor_model_parallel_size"), get("pipeline_model_parallel_size")
     world = get("world_size")
@@ -900,7 +905,6 @@ class MegatronLegacyAdapter:
     """``iter_NNNNNNN/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` (``--ckpt-format torch``)."""
 
     name = "megatron"
-    _etp: dict[str, tuple[int, int]] = {}  # noqa: RUF012 (describe replaces it, never mutates it)
 
     def detect(self, path: Path) -> Detection:
         if not path.is_dir():
@@ -977,7 +981,7 @@ class MegatronLegacyAdapter:
             expected = {(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
         else:
             expected = set(etp_of)
-            etp = _int_arg(args, "expert_tensor_parallel_size")
+            etp = own_etp(args)
             self._etp = {f"{prefix}{d}": (etp_of[r][0], etp) for d, r in ranks.items() if r in etp_of}
             stray = sorted(d for d, r in ranks.items() if r not in etp_of)
             if stray:
@@ -1442,11 +1446,6 @@ def rank_dir(t: int, p: int, pp: int, e: int = 0, ep: int = 1) -> str:
     return f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
 
 
-def _int_arg(args: Any, name: str, default: int = 1) -> int:
-    v = getattr(args, name, None)
-    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else default
-
-
 def _coords(rank: int, order: list[str], sizes: dict[str, int]) -> dict[str, int]:
     """The rank's coordinate on each axis of megatron-core's ``RankGenerator``: mixed radix, the
     first axis of ``order`` varying fastest."""
@@ -1457,26 +1456,45 @@ def _coords(rank: int, order: list[str], sizes: dict[str, int]) -> dict[str, int
     return out
 
 
+def own_etp(args: Any) -> int:
+    """The expert tensor-parallel size of a run whose routed experts are split their own way
+    (``expert_tensor_parallel_size`` set and ≠ TP); 0 when they are split as the other layers."""
+    etp = _int_arg(args, "expert_tensor_parallel_size", 0)
+    if not _int_arg(args, "num_experts", 0) or etp == _int_arg(args, "tensor_model_parallel_size"):
+        return 0
+    return etp
+
+
 def expert_tp_ranks(args: Any) -> dict[tuple[int, int, int], tuple[int, int]] | None:
-    """Under expert tensor parallelism (``expert_tensor_parallel_size`` ≠ TP), the ETP rank of the
-    experts in each legacy rank directory and the global rank that saves it, by the directory's
-    (TP, PP, EP) rank; None when the experts are split as the other layers.
+    """:func:`saving_ranks` of a run's ``args``; None when its experts are split as the other layers."""
+    etp = own_etp(args)
+    if not etp:
+        return None
+    return saving_ranks(
+        tp=_int_arg(args, "tensor_model_parallel_size"),
+        etp=etp,
+        ep=_int_arg(args, "expert_model_parallel_size"),
+        pp=_int_arg(args, "pipeline_model_parallel_size"),
+        cp=_int_arg(args, "context_parallel_size"),
+        world=_int_arg(args, "world_size", 0),
+        tp_pp_dp=bool(getattr(args, "use_tp_pp_dp_mapping", False)),
+    )
+
+
+def saving_ranks(
+    *, tp: int, etp: int, ep: int, pp: int, cp: int, world: int, tp_pp_dp: bool
+) -> dict[tuple[int, int, int], tuple[int, int]]:
+    """Under expert tensor parallelism (ETP ≠ TP), the ETP rank of the experts in each legacy rank
+    directory and the global rank that saves it, by the directory's (TP, PP, EP) rank.
 
     megatron-core lays both the dense ranks (TP, CP, DP, PP) and the expert ranks (ETP, EP, expert
     DP, PP) over the world in one order (``tp-cp-ep-dp-pp``, or ``tp-cp-ep-pp-dp`` with
-    ``--use-tp-pp-dp-mapping``), and the ranks of expert DP rank 0 save the legacy files, named by
-    their dense TP rank and their EP rank.
+    ``--use-tp-pp-dp-mapping``: ``tp_pp_dp``), and the ranks of expert DP rank 0 save the legacy
+    files, named by their dense TP rank and their EP rank.
 
-    Raises ValueError for args that lay out no such world, or where two ranks save one directory
-    (Megatron-LM then writes one over the other)."""
-    tp, etp = _int_arg(args, "tensor_model_parallel_size"), _int_arg(args, "expert_tensor_parallel_size", 0)
-    if not _int_arg(args, "num_experts", 0) or etp in (0, tp):
-        return None
-    pp, cp, ep = (
-        _int_arg(args, n)
-        for n in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size")
-    )
-    world = _int_arg(args, "world_size", 0)
+    Raises ValueError for sizes that lay out no such world, where two ranks save one directory
+    (Megatron-LM then writes one over the other), or where the saving ranks leave a TP or expert
+    part unsaved."""
     if world > 1 << 20:
         raise ValueError(f"world size {world:,} is not plausible")
     if not world or world % (tp * cp * pp) or world % (etp * ep * pp):
@@ -1484,11 +1502,7 @@ def expert_tp_ranks(args: Any) -> dict[tuple[int, int, int], tuple[int, int]] | 
             f"world size {world or 'unknown'} is not a whole number of TP={tp} x CP={cp} x PP={pp} dense and "
             f"ETP={etp} x EP={ep} x PP={pp} expert groups"
         )
-    order = (
-        ["tp", "cp", "ep", "pp", "dp"]
-        if getattr(args, "use_tp_pp_dp_mapping", False)
-        else ["tp", "cp", "ep", "dp", "pp"]
-    )
+    order = ["tp", "cp", "ep", "pp", "dp"] if tp_pp_dp else ["tp", "cp", "ep", "dp", "pp"]
     dense = {"tp": tp, "cp": cp, "ep": 1, "dp": world // (tp * cp * pp), "pp": pp}
     expert = {"tp": etp, "cp": 1, "ep": ep, "dp": world // (etp * ep * pp), "pp": pp}
     out: dict[tuple[int, int, int], tuple[int, int]] = {}

@@ -58,7 +58,7 @@ from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.formats import _pt, _ptwrite
 from ckpttool.formats.base import PieceReader, PlannedFile
 from ckpttool.formats.dcp_write import Record, write_metadata
-from ckpttool.formats.megatron import _LAYER, _TE_TO_LOCAL, ALLOWLIST, BUCKET_OBJECT, expert_slot
+from ckpttool.formats.megatron import _LAYER, _TE_TO_LOCAL, ALLOWLIST, BUCKET_OBJECT, expert_slot, own_etp
 from ckpttool.formats.megatron_write import (
     LegacyWriter,
     MegatronTarget,
@@ -171,7 +171,6 @@ class DistWriter(LegacyWriter):
             raise UsageError("common.pt has no args: ckpttool cannot tell the model's layout")
         lay = manifest.layout
         experts = int(getattr(common["args"], "num_experts", None) or 0)
-        etp = getattr(common["args"], "expert_tensor_parallel_size", None)
         distopt = bool(getattr(common["args"], "use_distributed_optimizer", False))
         if distopt:
             self._check_distopt_source(manifest, experts)
@@ -183,7 +182,7 @@ class DistWriter(LegacyWriter):
             ep=lay.ep or 1,
             experts=experts,
             distopt=distopt,
-            etp=etp if experts and isinstance(etp, int) and etp != (lay.tp or 1) else 0,
+            etp=own_etp(common["args"]),
         )
 
     def _check_distopt_source(self, manifest: Manifest, experts: int) -> None:
@@ -369,8 +368,8 @@ class DistWriter(LegacyWriter):
                         item = self.manifest.items.get(name)
                         if item is not None:
                             self._add_object(p * tp + t, key, partial(self._copy_record, item))
-                    elif "rng_state" in self.src.objs[self.src.key(ts, ps, d)]:
-                        self._add_object(p * tp + t, key, partial(self._pickle_rng, self.src.key(ts, ps, d)))
+                    elif "rng_state" in self.src.objs[src := self.src.key(ts, ps, d)]:
+                        self._add_object(p * tp + t, key, partial(self._pickle_rng, src))
 
     def _add_object(self, rank: int, key: str, write: Callable[[BinaryIO, PieceReader], None]) -> None:
         self.objects.append(key)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import math
 import re
-import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -49,16 +48,17 @@ from ckpttool.formats.megatron import (
     chunk_shared_embedding,
     expert_of,
     expert_slot,
-    expert_tp_ranks,
     grad_buffer_layout,
     is_expert,
     layout_stages,
     model_chunks,
     optimizer_members,
+    own_etp,
     placement,
     rank_dir,
     rank_of,
     renumber_expert,
+    saving_ranks,
     split_rule,
     stage_split,
     tp_regions,
@@ -173,8 +173,7 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
     first = objs[(0, 0, 0)]
     args = first.get("args")
     src.experts = int(getattr(args, "num_experts", None) or 0)
-    etp = getattr(args, "expert_tensor_parallel_size", None)
-    src.etp = etp if src.experts and isinstance(etp, int) and etp != tp else 0
+    src.etp = own_etp(args)
     local = src.experts // ep if src.experts else 0
     distrib = {key: (root / rel).with_name("distrib_optim.pt").is_file() for key, rel in rels.items()}
     if any(distrib.values()):
@@ -323,6 +322,12 @@ def _target_ep(src: _Source, target: MegatronTarget) -> int:
     return target.ep or src.ep
 
 
+def _target_etp(src: _Source, target: MegatronTarget) -> int:
+    """The output's expert TP: as asked, else the source's when it split its experts its own way,
+    else TP (Megatron's default)."""
+    return target.etp or src.etp or target.tp
+
+
 def target_chunks(args: Any, target: MegatronTarget) -> list[list[tuple[int, int]]]:
     """For each target pipeline stage, (first layer, layers) of each of its model chunks (one
     without virtual stages); ValueError (the reason) when the layers cannot be split so."""
@@ -342,7 +347,7 @@ def validate(manifest: Manifest, src: _Source, target: MegatronTarget, rules: di
     tp, pp, ep = target.tp, target.pp, _target_ep(src, target)
     if tp < 1 or pp < 1 or ep < 1:
         return ["TP, PP and EP must be at least 1"]
-    etp = target.etp or src.etp or tp
+    etp = _target_etp(src, target)
     if target.etp is not None and (target.etp < 1 or not src.experts):
         problems.append(
             f"ETP={target.etp}: " + ("must be at least 1" if src.experts else "the model has no routed experts")
@@ -500,9 +505,8 @@ class LegacyWriter:
         """expert-parallel ranks of the output"""
         self.local_experts = self.src.experts // self.ep if self.src.experts and self.ep else 0
         """routed experts in each EP rank's files"""
-        self.etp = target.etp or self.src.etp or target.tp
-        """expert tensor-parallel ranks of the output: as asked, else the source's when it split its
-        experts its own way, else TP (Megatron's default)"""
+        self.etp = _target_etp(self.src, target)
+        """expert tensor-parallel ranks of the output"""
         problems = validate(manifest, self.src, target, self.rules)
         if problems:
             raise UsageError(
@@ -576,21 +580,18 @@ class LegacyWriter:
             )
         if self.etp == self.target.tp or not self.rank_files:
             return
-        args = self.args
-        cp = int(getattr(args, "context_parallel_size", 1) or 1)
+        cp = int(getattr(self.args, "context_parallel_size", 1) or 1)
         tp, pp = self.target.tp, self.target.pp
-        layout = types.SimpleNamespace(
-            num_experts=self.src.experts,
-            tensor_model_parallel_size=tp,
-            expert_tensor_parallel_size=self.etp,
-            pipeline_model_parallel_size=pp,
-            context_parallel_size=cp,
-            expert_model_parallel_size=self.ep,
-            world_size=tp * cp * pp * self._resume_dp(),
-            use_tp_pp_dp_mapping=bool(getattr(args, "use_tp_pp_dp_mapping", False)),
-        )
         try:
-            self._xranks = expert_tp_ranks(layout)
+            self._xranks = saving_ranks(
+                tp=tp,
+                etp=self.etp,
+                ep=self.ep,
+                pp=pp,
+                cp=cp,
+                world=tp * cp * pp * self._resume_dp(),
+                tp_pp_dp=bool(getattr(self.args, "use_tp_pp_dp_mapping", False)),
+            )
         except ValueError as exc:
             raise UsageError(
                 f"cannot reshard to TP={tp} PP={pp} EP={self.ep} with the experts split {self.etp} ways: {exc}",
@@ -813,15 +814,14 @@ class LegacyWriter:
 
     def _tensors(self, t: int, p: int, e: int = 0) -> Iterator[_ptwrite.OutTensor]:
         """The tensors of rank (t, p, e)'s ``model_optim_rng.pt`` (for planning)."""
-        at = self._experts_at(t, p, e)
         for name in self._model_names(p, e):
             item = self._item(name)
             if item.is_tensor:
-                yield self._out(item, t, None, at)
+                yield self._out(item, (t, p, e), None)
                 for suffix in ("fp32", *_STATE_KEYS) if not self.distopt else ():
                     extra = self.manifest.items.get(f"{item.name}.{suffix}")
                     if extra is not None:
-                        yield self._out(extra, t, None, at)
+                        yield self._out(extra, (t, p, e), None)
 
     def _params(self, p: int, v: int | None = None, e: int | None = None, kind: bool | None = None) -> list[str]:
         """Stage ``p``'s parameters with optimizer state (of model chunk ``v`` only, of EP rank
@@ -856,10 +856,10 @@ class LegacyWriter:
         parallelism), each streamed one parameter at a time."""
         items = self.manifest.items
         params = self._params(p, v, e, kind)
-        shapes = [(n, self._out(self._item(n), t, None).shape) for n in params]
+        shapes = [(n, self._out(self._item(n), (t, p, e), None).shape) for n in params]
         size = None  # megatron-core buckets only the first model chunk (DDP's disable_bucketing)
         if v == 0:  # sized by all the rank's parameters, as DDP sizes both its buffers
-            stage = sum(math.prod(self._out(self._item(n), t, None).shape) for n in self._params(p, None, e))
+            stage = sum(math.prod(self._out(self._item(n), (t, p, e), None).shape) for n in self._params(p, None, e))
             size = bucket_size(self.args, p, stage)
         shared = chunk_shared_embedding(self.args, p, self.target.pp, v, self.vpp) if not kind else frozenset()
         layout, numel = grad_buffer_layout(shapes, bucket_size=size, shared=shared)
@@ -874,30 +874,30 @@ class LegacyWriter:
                         + (f" (it is {item.dtype})" if item is not None else "")
                     )
                 sources.append((offset, math.prod(shape), item))
-            out[key] = _ptwrite.streamed("float32", (numel,), partial(self._world_parts, sources, numel, t, reader))
+            out[key] = _ptwrite.streamed(
+                "float32", (numel,), partial(self._world_parts, sources, numel, (t, p, e), reader)
+            )
         return out
 
     def _world_parts(
-        self, sources: list[tuple[int, int, Item]], numel: int, t: int, reader: PieceReader | None
+        self, sources: list[tuple[int, int, Item]], numel: int, rank: tuple[int, int, int], reader: PieceReader | None
     ) -> Iterator[tuple[int, Callable[[np.ndarray], None] | None]]:
         pos = 0
         for offset, n, item in sources:  # in buffer order: the offsets grow
             if offset > pos:
                 yield (offset - pos) * 4, None
-            yield n * 4, self._out(item, t, reader).fill
+            yield n * 4, self._out(item, rank, reader).fill
             pos = offset + n
         if numel > pos:
             yield (numel - pos) * 4, None
 
-    def _out(
-        self, item: Item, t: int, reader: PieceReader | None, experts: tuple[int, int] | None = None
-    ) -> _ptwrite.OutTensor:
-        """Rank ``t``'s part of ``item`` (``reader`` None: for planning only, never filled); of a
-        routed expert's, part ``experts`` = (rank, ranks) when given (expert tensor parallelism)."""
+    def _out(self, item: Item, rank: tuple[int, int, int], reader: PieceReader | None) -> _ptwrite.OutTensor:
+        """Output rank file ``rank`` = (t, p, e)'s part of ``item`` (``reader`` None: for planning
+        only, never filled): TP rank t's, or for a routed expert's its ETP rank's."""
         assert item.dtype is not None
         param = _base_param(item)
         rows = self.rows if _is_vocab(param) else None
-        t, tp = experts if experts is not None and is_expert(param) else (t, self.target.tp)
+        t, tp = self._experts_at(*rank) if is_expert(param) else (rank[0], self.target.tp)
         boxes = _local(item, t, tp, self.gated, self.rules, rows)
         return _ptwrite.OutTensor(dtype=item.dtype, shape=_stacked(boxes), fill=_Fill(reader, item, boxes))
 
@@ -943,7 +943,6 @@ class LegacyWriter:
                 progress(n)
             return n
         src_key = self.src.key(t, p, e)
-        at = self._experts_at(t, p, e)
         template = self.src.objs[src_key]
         rel = self.src.rels[src_key]
         archive: Callable[[str], Any] = _pt.archive_cache(reader)  # the reader's open archives
@@ -958,7 +957,7 @@ class LegacyWriter:
                 local = _localize(name, offset, e * self.local_experts)
                 if item.is_tensor:
                     check_coverage(item)
-                    model[local] = self._out(item, t, reader, at)
+                    model[local] = self._out(item, (t, p, e), reader)
                 else:
                     piece = next((pc for pc in item.pieces if pc.rank == t % self.src.tp), item.pieces[0])
                     value = reader.read_object(Item(name=item.name, kind=item.kind, pieces=[piece]))
@@ -975,7 +974,7 @@ class LegacyWriter:
                     states = [self._distopt_state(archive, kind) for kind in self._members]
                     tree[key] = states if self._chained else states[0]
                 else:
-                    tree[key] = self._optimizers(t, names, reader, archive, at)
+                    tree[key] = self._optimizers((t, p, e), names, reader, archive)
             elif key == "rng_state":
                 tree[key] = _ptwrite.carry(value, partial(archive, rel))
             elif key == "args":
@@ -1048,9 +1047,13 @@ class LegacyWriter:
         groups (at ETP = TP: a multiple of EP, as Megatron needs; ``args``' rank and world size and
         the sharded RNG of ``torch_dist`` follow it)."""
         dp = int(getattr(self.args, "data_parallel_size", 1) or 1)
-        # the world (TP x DP ranks a stage) must hold whole ETP x EP expert groups
+        return math.lcm(dp, self._dp_multiple())
+
+    def _dp_multiple(self) -> int:
+        """What the data-parallel size of the output must be a multiple of: its TP x DP ranks (a
+        stage's) must hold whole ETP x EP expert groups (EP itself at ETP = TP)."""
         group = self.etp * self.ep
-        return math.lcm(dp, group // math.gcd(self.target.tp, group))
+        return group // math.gcd(self.target.tp, group)
 
     def _vocab_divisor(self) -> int | None:
         tp, rows = self.target.tp, self.padded
@@ -1077,14 +1080,18 @@ class LegacyWriter:
                 out.append(
                     f"RNG state: rank (t, p, e) gets source rank (t mod {self.src.tp}, p mod {self.src.pp}, "
                     f"e mod {self.src.ep})'s"
+                    + (
+                        ", or the saved file of that PP and EP rank (the source's expert TP saved no other)"
+                        if self.src.etp
+                        else ""
+                    )
                 )
             else:
                 out.append(f"RNG state: rank (t, p) gets source rank (t mod {self.src.tp}, p mod {self.src.pp})'s")
         own = self.etp if self.etp != self.target.tp else 0  # the output's experts split their own way
         if self.ep != self.src.ep or own != self.src.etp:
             dp = getattr(self.args, "data_parallel_size", None)
-            group = self.etp * self.ep
-            multiple = group // math.gcd(self.target.tp, group)  # TP x DP ranks hold whole ETP x EP groups
+            multiple = self._dp_multiple()
             out.append(
                 f"experts: {self.local_experts} per EP rank; resume with --expert-model-parallel-size {self.ep}"
                 + (f" --expert-tensor-parallel-size {self.etp}" if self.etp != self.target.tp else "")
@@ -1133,24 +1140,14 @@ class LegacyWriter:
         return f"{what}: {stages}" + (f"; resume with {' '.join(flags)}" if flags else "")
 
     def _optimizers(
-        self,
-        t: int,
-        names: list[str],
-        reader: PieceReader,
-        archive: Callable[[str], Any],
-        experts: tuple[int, int] | None = None,
+        self, rank: tuple[int, int, int], names: list[str], reader: PieceReader, archive: Callable[[str], Any]
     ) -> Any:
         """The rank file's ``optimizer``: one optimizer's state dict, or under expert parallelism
         megatron-core's ``ChainedOptimizer`` list (the dense parameters', then the experts'; at EP=1
         the experts are in the dense optimizer, as megatron-core builds it)."""
         members = [
             self._optimizer(
-                t,
-                [n for n in names if kind is None or is_expert(n) == kind],
-                reader,
-                archive,
-                kind=kind,
-                experts=experts,
+                rank, [n for n in names if kind is None or is_expert(n) == kind], reader, archive, kind=kind
             )
             for kind in self._members
         ]
@@ -1184,13 +1181,12 @@ class LegacyWriter:
 
     def _optimizer(
         self,
-        t: int,
+        rank: tuple[int, int, int],
         names: list[str],
         reader: PieceReader,
         archive: Callable[[str], Any],
         *,
         kind: bool | None,
-        experts: tuple[int, int] | None = None,
     ) -> Any:
         params = [n for n in names if self._item(n).is_tensor and f"{self._src_name(n)}.exp_avg" in self.manifest.items]
         state: dict[int, Any] = {}
@@ -1208,11 +1204,11 @@ class LegacyWriter:
                 if step is not None:
                     entry["step"] = _ptwrite.carry(step[1], partial(archive, step[0]))
                 for key in _STATE_KEYS:
-                    entry[key] = self._out(self.manifest.items[f"{src_name}.{key}"], t, reader, experts)
+                    entry[key] = self._out(self.manifest.items[f"{src_name}.{key}"], rank, reader)
                 state[pid] = entry
                 master = self.manifest.items.get(f"{src_name}.fp32")
                 if master is not None:
-                    fp32.append(self._out(master, t, reader, experts))
+                    fp32.append(self._out(master, rank, reader))
                 ids.append(pid)
                 pid += 1
             groups.append({**hyper, "params": ids})

@@ -171,9 +171,11 @@ AUTOTP_METADATA: dict[str, Callable[[Any], None] | None] = {
     "legacy": _autotp_legacy,
 }
 """The autotp fixture's universal_checkpoint_info as DeepSpeed 0.19.8 saves it (affine maps, which
-supersede the patterns), without the maps (parameter_with_sub_params with the widths of version
-0.4), and as before version 0.4 (no widths; the gate_up projection's sub-parameters a count): the
-edit making each, for :func:`rewritten_copy` of the model states."""
+supersede the patterns), and two forms ckpttool reconstructs from it by editing a copy (no
+DeepSpeed wrote these files; ds_to_universal, run on the same copies, is the oracle): without the
+maps (parameter_with_sub_params with the widths of version 0.4), and as before version 0.4 (no
+widths; the gate_up projection's sub-parameters a count). The edit making each, for
+:func:`rewritten_copy` of the model states."""
 
 
 def autotp_copy(tmp_path: Path, metadata: str) -> Path:

@@ -8,6 +8,7 @@ ds_to_universal where it runs (otherwise the live optimizer), ``module.*`` the e
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import pytest
 import torch
@@ -221,6 +222,33 @@ def test_autotp_pieces_are_placed_in_the_whole_tensors(metadata, tmp_path):
     got = _export_path(src, "optim", tmp_path)
     assert [k for k in ref if not same_bits(got[f"{k}.exp_avg"], ref[k])] == []
     assert verify(src).failing() == []
+
+
+def test_autotp_recorded_widths_place_the_sub_parameters(tmp_path):
+    """sub_param_shard_widths are followed, not an even split assumed: a copy of autotp (edited by
+    ckpttool, not DeepSpeed's output) whose layer-0 qkv widths say k is cut 5 + 3 and v 3 + 5 (each
+    rank still 16 rows) places rank 0's copy as q[0:8], k[0:5], v[0:3] and rank 1's as q[8:16],
+    k[5:8], v[3:8]."""
+    from ckpttool.formats.deepspeed import ALLOWLIST
+
+    def widths(tree: Any) -> None:
+        info = tree["universal_checkpoint_info"]
+        info.pop("affine_map")
+        info["sub_param_shard_widths"][r"^layers\.0\.self_attn\.qkv_proj\.weight$"] = [[8, 8], [5, 3], [3, 5]]
+
+    src = rewritten_copy(
+        tmp_path / "w", FIXTURES / "deepspeed" / "autotp", widths, "global_step3/mp_rank_*_model_states.pt", ALLOWLIST
+    )
+    _, m = registry.describe(src)
+    assert _rows_by_rank(m.items["layers.0.self_attn.qkv_proj.weight"]) == {
+        0: [(0, 8), (16, 5), (24, 3)],
+        1: [(8, 8), (21, 3), (27, 5)],
+    }
+    # the other layer keeps its even widths
+    assert _rows_by_rank(m.items["layers.1.self_attn.qkv_proj.weight"]) == {
+        0: [(0, 8), (16, 4), (24, 4)],
+        1: [(8, 8), (20, 4), (28, 4)],
+    }
 
 
 def test_autotp_split_rules_that_contradict_the_files(tmp_path):

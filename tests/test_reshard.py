@@ -483,6 +483,7 @@ def test_the_seal_takes_the_digests_the_writers_took(source, target, tmp_path, m
     written = set(tensors) - copied
     assert written and not written & set(read), read
     assert copied <= set(read)  # a copied file is read by the seal: no writer hashed it
+    assert bool(copied) == (target.to == "deepspeed-universal")  # only the universal output copies files
 
     ours = json.loads((out / "ckpttool.manifest.json").read_text())
     monkeypatch.setattr(hashing, "hash_file", hash_file)

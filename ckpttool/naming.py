@@ -18,6 +18,7 @@ COUNTER_NAMES = ("step", "global_step", "global_steps", "iteration", "iter_num",
 STEP_NAMES = ("step", "iteration", "global_step", "global_steps", "train_state.step", "iter_num")
 """Top-level entries whose value is the training step, most specific first."""
 
+_CHAIN = re.compile(r"chained_\d+")
 _PREFIXES = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
@@ -25,6 +26,8 @@ def classify(name: str, *, is_tensor: bool) -> Kind:
     """The kind of state an item name holds, from its path segments."""
     segments = name.split(".")
     root = segments[0].lower()
+    if _CHAIN.fullmatch(root) and len(segments) > 1:  # megatron-core's ChainedOptimizer prefix
+        root = segments[1].lower()
     if root in _OPTIM_ROOTS:
         return "optim"
     if root not in _MODEL_ROOTS:

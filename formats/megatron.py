@@ -72,17 +72,21 @@ _BUCKET = re.compile(
     r"^(?P<chain>chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(?P<g>\d+)\.gbuf_idx_(?P<i>\d+)"
     r"\.dtype_(?P<dt>.+)\.bucket_idx_(?P<b>\d+)\.(?P<key>param|exp_avg|exp_avg_sq)$"
 )
-BUCKET_OBJECT = re.compile(r"^optimizer\.distributed\.dp_group_idx_(?P<g>\d+)\.(?P<key>[^./]+)/shard_0_1$")
+BUCKET_OBJECT = re.compile(
+    r"^(?:chained_(?P<c>\d+)\.)?optimizer\.distributed\.dp_group_idx_(?P<g>\d+)\.(?P<key>[^./]+)/shard_0_1$"
+)
 """the ``dp_reshardable`` optimizer's ShardedObjects: its state dict without per-parameter state
-(``optimizer``, ``grad_scaler``) and ``per_bucket_numel[_unpadded]``, once per model-parallel rank"""
+(``optimizer``, ``grad_scaler``) and ``per_bucket_numel[_unpadded]``, once per model-parallel rank
+(and per member ``c`` of a chain)"""
 _BUCKET_SUFFIX: dict[str, tuple[str, Kind]] = {
     "param": ("fp32", "master"),
     "exp_avg": ("exp_avg", "optim"),
     "exp_avg_sq": ("exp_avg_sq", "optim"),
 }
 # the order megatron-core registers a transformer layer's parameters in (TransformerLayer,
-# SelfAttention, MLP; TransformerEngine's fused LayerNormLinear: the norm's before the weight);
-# the grad buffer lays them out in reverse
+# SelfAttention, MLP; TransformerEngine's fused LayerNormLinear: the norm's before the weight; an
+# MoE layer's router, its routed experts (``*``: each local expert's in turn), then its shared
+# experts); the grad buffer lays them out in reverse
 _LAYER_ORDER = tuple(
     f"{module}.{param}"
     for module, params in (
@@ -94,9 +98,16 @@ _LAYER_ORDER = tuple(
         ("pre_mlp_layernorm", ("weight", "bias")),
         ("mlp.linear_fc1", ("layer_norm_weight", "layer_norm_bias", "weight", "bias")),
         ("mlp.linear_fc2", ("weight", "bias")),
+        ("mlp.router", ("weight", "bias")),
+        ("mlp.experts.local_experts.*", ("",)),
+        ("mlp.shared_experts.linear_fc1", ("weight", "bias")),
+        ("mlp.shared_experts.linear_fc2", ("weight", "bias")),
+        ("mlp.shared_experts", ("gate_weight",)),
     )
     for param in params
 )
+_EXPERT_ORDER = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
+"""a SequentialMLP expert's parameters, in registration order"""
 _PRE_LAYERS = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 _POST_LAYERS = (
     "decoder.final_layernorm.weight",
@@ -300,103 +311,141 @@ class MegatronDistAdapter:
 
 def _debucket_dist(manifest: Manifest, args: Any) -> str | None:
     """Place the distributed optimizer's ``dp_reshardable`` state (one 1-D tensor per grad-buffer
-    bucket and state, ``optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<i>.dtype_<dt>.bucket_idx_<b>
-    .<param|exp_avg|exp_avg_sq>``, cut between the DP ranks) parameter by parameter, as
-    ``<param>.fp32`` / ``.exp_avg`` / ``.exp_avg_sq``: dp_group_idx ``g`` is model-parallel rank
-    ``g = p * TP + t``, grad buffer ``i`` its ``i``-th model chunk with parameters, and the buffer's
-    layout is replayed as for ``distrib_optim.pt`` (:func:`grad_buffer_layout`), the buckets one after
-    the other. megatron-core saves each parameter (and each gap) as a chunk of its own, so every
-    parameter must start and end on a chunk boundary: a replay that disagrees is not used. Returns
-    None once placed (the bucket items replaced), else why the buckets were kept as they are."""
-    buckets: dict[tuple[int, int], dict[int, dict[str, Item]]] = {}
-    dtypes: dict[tuple[int, int], set[str]] = {}
+    bucket and state, ``[chained_<c>.]optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<i>.dtype_<dt>
+    .bucket_idx_<b>.<param|exp_avg|exp_avg_sq>``, cut between the DP ranks) parameter by parameter,
+    as ``<param>.fp32`` / ``.exp_avg`` / ``.exp_avg_sq``. Under expert parallelism megatron-core
+    chains two optimizers: ``chained_0`` over the dense parameters, whose ``g`` is the rank in the
+    TP x PP group (``g = p * TP + t``), and ``chained_1`` over the routed experts, whose ``g`` is the
+    rank in the expert TP x EP x PP group (``g = (p * EP + e) * ETP + t``). Grad buffer ``i`` is the
+    ``i``-th model chunk with parameters of that optimizer, and its layout is replayed as for
+    ``distrib_optim.pt`` (:func:`grad_buffer_layout`), the buckets one after the other.
+    megatron-core saves each parameter (and each gap) as a chunk of its own, so every parameter must
+    start and end on a chunk boundary: a replay that disagrees is not used. Returns None once placed
+    (the bucket items replaced), else why the buckets were kept as they are."""
+    buckets: dict[tuple[int | None, int, int], dict[int, dict[str, Item]]] = {}  # (chain, g, i) -> b -> key
+    dtypes: dict[tuple[int | None, int, int], set[str]] = {}
     for name, item in manifest.items.items():
         if (m := _BUCKET.match(name)) is not None:
-            if m["chain"]:
-                return "a chain of distributed optimizers (chained_<i>.optimizer...) is not replayed yet"
-            buffer = buckets.setdefault((int(m["g"]), int(m["i"])), {})
+            c = int(m["chain"][len("chained_") : -1]) if m["chain"] else None
+            buffer = buckets.setdefault((c, int(m["g"]), int(m["i"])), {})
             buffer.setdefault(int(m["b"]), {})[m["key"]] = item
-            dtypes.setdefault((int(m["g"]), int(m["i"])), set()).add(m["dt"])
-    several = sorted(k for k, v in dtypes.items() if len(v) > 1)
+            dtypes.setdefault((c, int(m["g"]), int(m["i"])), set()).add(m["dt"])
+    several = sorted((k for k, v in dtypes.items() if len(v) > 1), key=repr)
     if several:
-        g, i = several[0]
-        return f"dp_group_idx_{g} grad buffer {i} has buckets of {len(dtypes[(g, i)])} dtypes, not replayed yet"
+        c, g, i = several[0]
+        chain = "" if c is None else f"chained_{c}."
+        return f"{chain}dp_group_idx_{g} grad buffer {i} has buckets of several dtypes, not replayed yet"
     if args is None:
         return "common.pt has no args to replay the layout with"
-    if int(getattr(args, "num_experts", None) or 0):
-        return "the layout of expert-parallel buffers is not replayed yet"
-    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    chains = {c for c, _, _ in buckets}
+    if chains - {None, 0, 1} or (None in chains and len(chains) > 1):
+        return f"a chain of optimizers {sorted(map(str, chains))} other than megatron-core's dense and expert pair"
+    experts = _int_arg(args, "num_experts", 0)
+    chained = chains != {None}
+    if chained and not experts:
+        return "a chain of distributed optimizers in a model without routed experts, not replayed yet"
+    tp = _int_arg(args, "tensor_model_parallel_size")
+    pp = _int_arg(args, "pipeline_model_parallel_size")
+    ep = _int_arg(args, "expert_model_parallel_size") if experts else 1
+    etp = (own_etp(args) or tp) if experts else tp
+    if experts % ep:
+        return f"{experts} experts do not split over EP={ep}"
     gated = bool(getattr(args, "swiglu", False) or getattr(args, "gated_linear_unit", False))
     try:
         chunks = placement(args)
     except ValueError as exc:
         return f"the args' pipeline placement is not followed ({exc})"
     params = {n: i for n, i in manifest.items.items() if i.kind == "param" and i.is_tensor and i.shape is not None}
-    unknown = sorted(n for n in params if not (n in _PRE_LAYERS or n in _POST_LAYERS or _layer_rest(n) in _LAYER_ORDER))
+    unknown = sorted(n for n in params if not (n in _PRE_LAYERS or n in _POST_LAYERS or _layer_slot(n) is not None))
     if unknown:
         return f"parameters whose registration order ckpttool does not know: {', '.join(unknown[:4])}"
     tied = not getattr(args, "untie_embeddings_and_output_weights", False) and pp > 1
-    placed: dict[tuple[int, int], list[list[tuple[str, tuple[int, ...]]]]] = {}
-    for p in range(pp):
-        for t in range(tp):
-            orders: list[list[tuple[str, tuple[int, ...]]]] = []
-            for v, (first, count) in enumerate(chunks[p]):
-                names: list[str] = []
-                if (p, v) == (0, 0):
-                    names += [n for n in _PRE_LAYERS if n in params]
-                for layer in range(first, first + count):
-                    names += [n for rest in _LAYER_ORDER if (n := f"decoder.layers.{layer}.{rest}") in params]
-                if (p, v) == (pp - 1, len(chunks[p]) - 1):
-                    names += [n for n in _POST_LAYERS if n in params]
-                    if tied and "embedding.word_embeddings.weight" in params:
-                        names.append("output_layer.weight")  # the last stage's copy of the tied embedding
-                orders.append([(n, (_local_numel(params, n, t, tp, gated),)) for n in names])
-            placed[(t, p)] = orders
+    local = experts // ep
+    by_layer: dict[int, list[tuple[tuple[int, int, int], str]]] = {}  # each layer's parameters, in order
+    for n in params:
+        if (slot := _layer_slot(n)) is not None:
+            by_layer.setdefault(int(_LAYER.match(n)["i"]), []).append((slot, n))  # type: ignore[index]
+    for found in by_layer.values():
+        found.sort()
+
+    def chunk_orders(p: int, e: int) -> list[list[str]]:
+        """The parameter names of each model chunk of stage ``p`` on EP rank ``e``, in registration order."""
+        orders: list[list[str]] = []
+        for v, (first, count) in enumerate(chunks[p]):
+            names: list[str] = []
+            if (p, v) == (0, 0):
+                names += [n for n in _PRE_LAYERS if n in params]
+            for layer in range(first, first + count):
+                names += [
+                    n
+                    for _, n in by_layer.get(layer, ())
+                    if (j := expert_of(n)) is None or e * local <= j < (e + 1) * local
+                ]
+            if (p, v) == (pp - 1, len(chunks[p]) - 1):
+                names += [n for n in _POST_LAYERS if n in params]
+                if tied and "embedding.word_embeddings.weight" in params:
+                    names.append("output_layer.weight")  # the last stage's copy of the tied embedding
+            orders.append(names)
+        return orders
+
+    def split(name: str, t: int) -> tuple[int, int]:
+        """(TP rank, ways) of ``name`` on a rank: the experts by ETP, the rest by TP."""
+        return (t, etp) if is_expert(name) else (t, tp)
+
+    def numel(name: str, t: int) -> int:
+        """Elements of ``name`` on a rank of TP (or ETP) rank ``t`` (the splits are even: any rank's count)."""
+        t, ways = split(name, t)
+        return _local_numel(params, name, t % ways, ways, gated)
+
     replicas = ReplicaCounter()
     indexes: dict[str, tuple[list[int], list[Piece]]] = {}  # bucket item -> its chunks, sorted
     made: dict[str, Item] = {}  # the per-parameter items, added to the manifest at the end
-    for (g, i), buffer in sorted(buckets.items()):
-        t, p = g % tp, g // tp
+    for (c, g, i), buffer in sorted(buckets.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1], kv[0][2])):
+        group = f"{'' if c is None else f'chained_{c}.'}dp_group_idx_{g}"
+        if c == 1:  # the experts' optimizer: rank in the expert TP x EP x PP group
+            t, e, p = g % etp, g // etp % ep, g // (etp * ep)
+        else:
+            t, e, p = g % tp, 0, g // tp
         if p >= pp:
-            return f"dp_group_idx_{g} is outside TP={tp} x PP={pp}"
-        orders = placed[(t, p)]
+            return f"{group} is outside the {'expert ' if c == 1 else ''}model-parallel group"
+        names = chunk_orders(p, e)
+        # every parameter of the rank counts towards its bucket size (Megatron-LM's get_model)
+        total = sum(numel(n, t) for order in names for n in order)
+        mine = [[n for n in order if c is None or is_expert(n) == (c == 1)] for order in names]
+        orders: list[list[tuple[str, tuple[int, ...]]]] = [[(n, (numel(n, t),)) for n in order] for order in mine]
         held = [(v, order) for v, order in enumerate(orders) if order]
         if i >= len(held) or sorted(buffer) != list(range(len(buffer))):
-            return f"dp_group_idx_{g} has grad buffer {i} and buckets {sorted(buffer)}, not what its stage holds"
+            return f"{group} has grad buffer {i} and buckets {sorted(buffer)}, not what its stage holds"
         v, order = held[i]
-        total = sum(n for o in orders for _, (n,) in o)
         layout, end = chunk_buffer_layout(args, order, (p, pp, v, len(orders)), total)
         sizes = []
         for b in range(len(buffer)):
             states = buffer[b]
             lengths = {it.shape for it in states.values()}
             if set(states) != set(_BUCKET_SUFFIX) or len(lengths) != 1 or any(len(x or ()) != 1 for x in lengths):
-                return (
-                    f"bucket {b} of dp_group_idx_{g} grad buffer {i} does not hold param, exp_avg and exp_avg_sq alike"
-                )
+                return f"bucket {b} of {group} grad buffer {i} does not hold param, exp_avg and exp_avg_sq alike"
             sizes.append(next(iter(lengths))[0])  # type: ignore[index]
         if sum(sizes) != end:
             return (
-                f"replaying the grad-buffer layout of dp_group_idx_{g} buffer {i} gives {end} elements, "
+                f"replaying the grad-buffer layout of {group} buffer {i} gives {end} elements, "
                 f"its buckets hold {sum(sizes)}"
             )
         starts = [sum(sizes[:b]) for b in range(len(sizes))]
-        for name, (numel,), offset in layout:
+        for name, (count,), offset in layout:
             b = max(k for k, s0 in enumerate(starts) if s0 <= offset)
             lo = offset - starts[b]
-            if lo + numel > sizes[b]:
-                return f"{name} would cross the end of bucket {b} of dp_group_idx_{g}"
+            if lo + count > sizes[b]:
+                return f"{name} would cross the end of bucket {b} of {group}"
             target = "embedding.word_embeddings.weight" if tied and name == "output_layer.weight" and p else name
             shape = params[target].shape
             assert shape is not None
-            regions = tp_regions(shape, *split_rule(target, gated=gated), t, tp)
+            regions = tp_regions(shape, *split_rule(target, gated=gated), *split(target, t))
             for key, (suffix, kind) in _BUCKET_SUFFIX.items():
                 src = buffer[b][key]
                 if src.name not in indexes:
-                    ranked = sorted((c for c in src.pieces if c.replica == 0), key=lambda c: c.box.offsets[0])
-                    indexes[src.name] = ([c.box.offsets[0] for c in ranked], ranked)
-                pieces = _bucket_pieces(src, indexes[src.name], lo, lo + numel, regions)
+                    ranked = sorted((pc for pc in src.pieces if pc.replica == 0), key=lambda pc: pc.box.offsets[0])
+                    indexes[src.name] = ([pc.box.offsets[0] for pc in ranked], ranked)
+                pieces = _bucket_pieces(src, indexes[src.name], lo, lo + count, regions)
                 if pieces is None:
                     return (
                         f"{name} does not start and end on chunk boundaries of {src.name}: the replayed layout is "
@@ -418,9 +467,23 @@ def _debucket_dist(manifest: Manifest, args: Any) -> str | None:
     return None
 
 
-def _layer_rest(name: str) -> str | None:
+def _layer_slot(name: str) -> tuple[int, int, int] | None:
+    """Where a decoder layer's parameter comes in its layer's registration order (:data:`_LAYER_ORDER`;
+    a routed expert's by its number, then :data:`_EXPERT_ORDER`), or None for one ckpttool does not place."""
     m = _LAYER.match(name)
-    return m["rest"][1:] if m and m["pre"] == "decoder.layers." else None
+    if m is None or m["pre"] != "decoder.layers.":
+        return None
+    rest = m["rest"][1:]
+    if rest in _LAYER_ORDER:
+        return _LAYER_ORDER.index(rest), 0, 0
+    slot = expert_slot(rest)
+    if slot is None or slot[2]:  # grouped-GEMM experts: not placed
+        return None
+    pattern, j, _ = slot
+    head, _, tail = pattern.partition("*.")
+    if f"{head}*." not in _LAYER_ORDER or tail not in _EXPERT_ORDER:
+        return None
+    return _LAYER_ORDER.index(f"{head}*."), j, _EXPERT_ORDER.index(tail)
 
 
 def _local_numel(params: dict[str, Item], name: str, t: int, tp: int, gated: bool) -> int:

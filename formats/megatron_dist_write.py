@@ -146,9 +146,11 @@ class DistWriter(LegacyWriter):
         self.model_space = self.from_dist and self.src.distopt
         """write the distributed optimizer's ``fully_reshardable`` layout (from a torch_dist source
         saved with the distributed optimizer, in either of its layouts)"""
-        self.optimizer_common: dict[str, Any] = {}
+        self.optimizer_commons: list[dict[str, Any]] = []
+        """per optimizer (one, or the chain's dense and expert members): the optimizer's part of
+        ``common.pt`` in the ``fully_reshardable`` layout"""
         if self.model_space:
-            self.optimizer_common = self._model_space_common(root)
+            self.optimizer_commons = self._model_space_commons()
         elif self.src.distopt and self.distopt:  # (--no-distributed-optimizer already did it)
             # torch_dist keeps the optimizer state per parameter, as megatron-core saves it for the
             # Float16 optimizer: the members of each group, which distrib_optim.pt does not record
@@ -173,7 +175,7 @@ class DistWriter(LegacyWriter):
         experts = int(getattr(common["args"], "num_experts", None) or 0)
         distopt = bool(getattr(common["args"], "use_distributed_optimizer", False))
         if distopt:
-            self._check_distopt_source(manifest, experts)
+            self._check_distopt_source(manifest)
         return _Source(
             tp=lay.tp or 1,
             pp=lay.pp or 1,
@@ -185,7 +187,7 @@ class DistWriter(LegacyWriter):
             etp=own_etp(common["args"]),
         )
 
-    def _check_distopt_source(self, manifest: Manifest, experts: int) -> None:
+    def _check_distopt_source(self, manifest: Manifest) -> None:
         """Refuse what the ``fully_reshardable`` output cannot be written from, with the reason."""
         sharding = manifest.extras.get("distrib_optim_sharding_type")
         kept = str(manifest.extras.get("distrib_optim", ""))
@@ -200,22 +202,26 @@ class DistWriter(LegacyWriter):
                 f"this torch_dist checkpoint's distributed-optimizer state is {kept}",
                 hint="'ckpttool inspect' shows the buckets as saved; 'ckpttool convert --to dcp' keeps them",
             )
-        if experts:
-            raise UsageError("rewriting the distributed optimizer's torch_dist layouts of experts is not supported yet")
 
-    def _model_space_common(self, root: Path) -> dict[str, Any]:
-        """The optimizer's part of ``common.pt`` in the ``fully_reshardable`` layout: the optimizer
-        state dict without per-parameter state (param groups with their step; a grad scaler),
-        which a ``dp_reshardable`` source keeps once per model-parallel rank as ShardedObjects
-        (``optimizer.distributed.dp_group_idx_<g>.<key>``); those must agree."""
+    def _model_space_commons(self) -> list[dict[str, Any]]:
+        """The optimizer's part of ``common.pt`` in the ``fully_reshardable`` layout, per optimizer
+        (megatron-core's ChainedOptimizer under expert parallelism: the dense, then the experts'):
+        the optimizer state dict without per-parameter state (param groups with their step; a grad
+        scaler), which a ``dp_reshardable`` source keeps once per model-parallel rank as
+        ShardedObjects (``[chained_<c>.]optimizer.distributed.dp_group_idx_<g>.<key>``); those must
+        agree."""
         common = self.src.objs[(0, 0, 0)].get("optimizer")
         if self.manifest.extras.get("distrib_optim_sharding_type") == "fully_reshardable":
-            if not isinstance(common, dict) or not isinstance(common.get("optimizer"), dict):
-                raise CorruptFileError("common.pt: no optimizer state dict beside the fully_reshardable state")
-            return {k: v for k, v in common.items() if k != "param_state_sharding_type"}
+            members = [common[k] for k in sorted(common)] if _is_chain(common) else [common]
+            for k, member in enumerate(members):
+                if not isinstance(member, dict) or not isinstance(member.get("optimizer"), dict):
+                    raise CorruptFileError(
+                        f"common.pt: no optimizer state dict beside the fully_reshardable state (optimizer {k})"
+                    )
+            return [{k: v for k, v in m.items() if k != "param_state_sharding_type"} for m in members]
         from ckpttool.formats.megatron import MegatronDistReader
 
-        found: dict[int, dict[str, Any]] = {}
+        found: dict[tuple[int | None, int], dict[str, Any]] = {}  # (chain member, dp_group_idx) -> objects
         with MegatronDistReader(self.manifest) as reader:
             for name, item in self.manifest.items.items():
                 m = BUCKET_OBJECT.match(name)
@@ -225,20 +231,28 @@ class DistWriter(LegacyWriter):
                 # megatron-core stores a ShardedObject as [value]
                 if not isinstance(value, list) or len(value) != 1:
                     raise CorruptFileError(f"{name}: expected [value], found {type(value).__name__}")
-                found.setdefault(int(m["g"]), {})[m["key"]] = value[0]
-        if not found or "optimizer" not in found.get(0, {}):
+                c = None if m["c"] is None else int(m["c"])
+                found.setdefault((c, int(m["g"])), {})[m["key"]] = value[0]
+        chain = sorted({c for c, _ in found}, key=lambda c: -1 if c is None else c)
+        if chain not in ([None], [0, 1]) or any("optimizer" not in v for v in found.values()):
             raise CorruptFileError(
-                "no optimizer.distributed.dp_group_idx_0.optimizer object: the param groups of this "
-                "dp_reshardable checkpoint are missing"
+                "the param groups of this dp_reshardable checkpoint are missing: expected an "
+                "optimizer.distributed.dp_group_idx_<g>.optimizer object for every model-parallel rank (chained_0. "
+                f"and chained_1. under expert parallelism), found them for {sorted(map(str, found))[:6]}"
             )
-        first = found[0]
-        differ = sorted(g for g, v in found.items() if repr(v) != repr(first))
-        if differ:
-            raise UsageError(
-                f"the optimizer state of model-parallel ranks {differ} differs from rank 0's (param groups, step); "
-                "the fully_reshardable layout keeps one for all"
-            )
-        return first
+        out = []
+        for c in chain:
+            groups = {g: v for (k, g), v in found.items() if k == c}
+            first = groups[min(groups)]
+            differ = sorted(g for g, v in groups.items() if repr(v) != repr(first))
+            if differ:
+                member = "" if c is None else f" ({'dense' if c == 0 else 'expert'} optimizer)"
+                raise UsageError(
+                    f"the optimizer state{member} of model-parallel ranks {differ} differs from rank "
+                    f"{min(groups)}'s (param groups, step); the fully_reshardable layout keeps one for all"
+                )
+            out.append(first)
+        return out
 
     # -- planning --------------------------------------------------------------------------------
 
@@ -456,10 +470,15 @@ class DistWriter(LegacyWriter):
             archive = partial(reader.archive_of, _pt.object_piece("common.pt", ""))
             tree = {k: (self._dist_args(v) if k == "args" else _ptwrite.carry(v, archive)) for k, v in common.items()}
             if self.model_space:
-                tree["optimizer"] = {
-                    **{k: _ptwrite.carry(v, archive) for k, v in self.optimizer_common.items()},
-                    "param_state_sharding_type": "fully_reshardable",
-                }
+                members = [
+                    {
+                        **{k: _ptwrite.carry(v, archive) for k, v in common.items()},
+                        "param_state_sharding_type": "fully_reshardable",
+                    }
+                    for common in self.optimizer_commons
+                ]
+                # megatron-core's ChainedOptimizer: {0: dense, 1: experts}
+                tree["optimizer"] = dict(enumerate(members)) if len(members) > 1 else members[0]
                 tree["content_metadata"] = {
                     "distrib_optim_sharding_type": "fully_reshardable",
                     "distrib_optim_fully_reshardable_mem_efficient": False,
@@ -524,6 +543,11 @@ class DistWriter(LegacyWriter):
                 "which Megatron-LM loads at any TP and PP: resume with --use-distributed-optimizer"
             )
         return out
+
+
+def _is_chain(optimizer: Any) -> bool:
+    """Whether a ``common.pt`` optimizer entry is megatron-core's ChainedOptimizer ``{0: ..., 1: ...}``."""
+    return isinstance(optimizer, dict) and bool(optimizer) and all(isinstance(k, int) for k in optimizer)
 
 
 def _value_bytes(value: Any) -> bytes:

@@ -562,6 +562,7 @@ class LegacyWriter:
         if (
             self.src.distopt
             and self._chained
+            and self.src.groups  # (a torch_dist source carries none here: DistWriter checks its EP itself)
             and not any(g.get("is_expert_parallel") for g in self.src.groups)
             and self.src.experts
         ):

@@ -164,7 +164,9 @@ def test_expert_tensor_parallel_rank_layout_is_megatron_cores():
         return out
 
     cases = refused = 0
-    for tp, etp, ep, pp, cp, mapping in itertools.product(range(1, 5), range(1, 5), range(1, 5), (1, 2), (1, 2), (0, 1)):
+    for tp, etp, ep, pp, cp, mapping in itertools.product(
+        range(1, 5), range(1, 5), range(1, 5), (1, 2), (1, 2), (0, 1)
+    ):
         for world in range(1, 17):
             if tp == etp or world % (tp * cp * pp) or world % (etp * ep * pp):
                 continue
@@ -338,6 +340,51 @@ def test_torch_dist_distributed_optimizer_reads_as_its_gather(name, tmp_path):
         assert len({p.box for p in fc1.pieces}) == 4  # SwiGLU: TP rank t holds [gate_t; up_t]
         norm = m.items["decoder.layers.0.input_layernorm.weight.fp32"]
         assert sorted(p.replica for p in norm.pieces) == [0, 1]  # replicated over TP
+
+
+@pytest.mark.parametrize("name", ["dist_pp2ep2_distopt", "dist_pp2ep2_distopt_fr"])
+def test_torch_dist_distributed_optimizer_with_experts_reads_as_its_gather(name, tmp_path):
+    """Megatron-LM's MoE torch_dist save with --use-distributed-optimizer at PP=2 x EP=2 (dense DP=2):
+    megatron-core chains a dense and an expert distributed optimizer. dp_reshardable saves each
+    member's buckets under ``chained_<c>.`` with its own ``dp_group_idx`` (the TP x PP rank for the
+    dense member, the expert TP x EP x PP rank for the experts'); both layouts read as the run's own
+    gather (the legacy save's reference, one run), bit for bit."""
+    _, m = registry.describe(MG / name)
+    assert (m.layout.pp, m.layout.ep, m.layout.dp) == (2, 2, 2)
+    assert not [n for n, i in m.items.items() if ".optimizer." in n and i.is_tensor]
+    export(MG / name, tmp_path / "o.safetensors")
+    got = load_file(tmp_path / "o.safetensors")
+    want = _expected("legacy_pp2ep2_distopt")
+    assert len(want) == 116
+    assert [k for k, v in want.items() if k not in got or not same_bits(got[k], v)] == []
+    if not name.endswith("_fr"):
+        assert m.extras["distrib_optim"].startswith("de-bucketed")
+        # expert 3 of stage 1 is EP rank 1's (expert group rank (1 x 2 + 1) = 3, world rank 3); the
+        # router is dense, in the dense member's buckets of stage 1
+        expert = m.items["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight.exp_avg"]
+        assert [p.file for p in expert.pieces] == ["__3_0.distcp"]
+        assert m.items["decoder.layers.1.mlp.router.weight.fp32"].pieces[0].file.startswith("__2_")
+
+
+def test_chained_buckets_kept_as_saved_are_optimizer_state(tmp_path):
+    """When the replay is not used, the chain's buckets stay as saved, but as optimizer state: verify
+    does not report a missing optimizer."""
+    from tests.conftest import rewritten_copy
+
+    root = rewritten_copy(
+        tmp_path / "c",
+        MG / "dist_pp2ep2_distopt",
+        lambda obj: obj["args"].__dict__.update(expert_model_parallel_size=4),  # one expert a rank, not two
+        "iter_*/common.pt",
+    )
+    _, m = registry.describe(root)
+    assert m.extras["distrib_optim"] == (
+        "kept as the distributed optimizer's buckets: replaying the grad-buffer layout of "
+        "chained_1.dp_group_idx_0 buffer 0 gives 1536 elements, its buckets hold 3072"
+    )
+    kept = [i for n, i in m.items.items() if n.startswith("chained_1.optimizer.distributed.") and i.is_tensor]
+    assert len(kept) == 12 and {i.kind for i in kept} == {"optim"}
+    assert "no optimizer state" not in run_cli("verify", root, cwd=tmp_path).stdout
 
 
 def test_the_two_distributed_optimizer_layouts_diff_equal(tmp_path):

@@ -26,6 +26,8 @@ DIST = FIXTURES / "megatron" / "dist_tp2pp2"
 DISTOPT = FIXTURES / "megatron" / "legacy_tp2pp2_distopt"
 DIST_DP = FIXTURES / "megatron" / "dist_tp2pp2dp2_distopt"  # distributed optimizer, dp_reshardable
 DIST_FR = FIXTURES / "megatron" / "dist_tp2pp2dp2_distopt_fr"  # the same state, fully_reshardable
+MOE_DP = FIXTURES / "megatron" / "dist_pp2ep2_distopt"  # MoE PP=2 EP=2, chained distributed optimizers
+MOE_FR = FIXTURES / "megatron" / "dist_pp2ep2_distopt_fr"  # the same state, fully_reshardable
 ITER = "iter_0000003"
 
 
@@ -175,6 +177,49 @@ def test_distributed_optimizer_round_trip_is_exact(tmp_path):
         for offsets in [c.offsets for c in meta.chunks] if hasattr(meta, "chunks") else [None]:
             assert _record(back, ours, key, offsets) == _record(DIST_FR, megatron, key, offsets), key
     assert not diff(DIST_DP, one).different and not diff(DIST_FR, back).different
+
+
+@pytest.mark.parametrize("source", [MOE_DP, MOE_FR], ids=["dp_reshardable", "fully_reshardable"])
+def test_experts_with_the_distributed_optimizer_are_written_as_megatron_saves_them(source, tmp_path):
+    """The MoE fixture (PP=2 x EP=2) saved with the distributed optimizer: megatron-core chains a dense
+    and an expert optimizer, whose dp_reshardable buckets (``chained_0.`` / ``chained_1.``, each with
+    its own dp_group_idx) are de-bucketed and written at the same layout as Megatron-LM's own
+    fully_reshardable save of the same run, record for record; common.pt's optimizer is the chain
+    ``{0: dense, 1: experts}`` as Megatron saves it."""
+    out = tmp_path / "out"
+    result = reshard(source, out, Target(to="megatron-dist"))
+    assert any("fully_reshardable" in n for n in result.plan.notes)
+    _same_records(out, MOE_FR)
+    common = load_pt(out / ITER / "common.pt")
+    theirs = load_pt(MOE_FR / ITER / "common.pt")
+    assert sorted(common["optimizer"]) == [0, 1]
+    assert [g["is_expert_parallel"] for g in common["optimizer"][1]["optimizer"]["param_groups"]] == [True]
+    assert _same(common["optimizer"], theirs["optimizer"])
+    assert common["content_metadata"] == theirs["content_metadata"]
+    assert not diff(source, out).different and verify(out).failing() == []
+
+
+def test_experts_with_the_distributed_optimizer_round_trip(tmp_path):
+    """dp_reshardable PP=2 x EP=2 -> TP=2 x PP=1 x EP=4 -> TP=1 x PP=2 x EP=2: Megatron's own
+    fully_reshardable save again, record for record (the RNG of the ranks the middle layout cannot
+    keep aside); a change between EP=1 and EP > 1 is still refused (the experts would move between
+    the dense and the expert optimizer)."""
+    wide, back = tmp_path / "wide", tmp_path / "back"
+    reshard(MOE_DP, wide, Target(tp=2, pp=1, ep=4))
+    reshard(wide, back, Target(tp=1, pp=2, ep=2))
+    _, m = registry.describe(wide)
+    assert (m.layout.tp, m.layout.pp, m.layout.ep) == (2, 1, 4)
+    ours, megatron = _metadata(back), _metadata(MOE_FR)
+    assert _chunks(ours) == _chunks(megatron)
+    for key, meta in megatron.state_dict_metadata.items():
+        if key.startswith("rng_state/"):
+            continue
+        for offsets in [c.offsets for c in meta.chunks] if hasattr(meta, "chunks") else [None]:
+            assert _record(back, ours, key, offsets) == _record(MOE_FR, megatron, key, offsets), key
+    assert not diff(MOE_DP, wide).different and not diff(MOE_FR, back).different
+    with pytest.raises(UsageError, match="the experts would move between the dense optimizer and an expert"):
+        reshard(MOE_DP, tmp_path / "ep1", Target(pp=1, ep=1))
+    assert not (tmp_path / "ep1").exists()
 
 
 def test_distributed_optimizer_refusals(tmp_path):
@@ -342,6 +387,32 @@ def test_megatron_core_loads_the_experts_output(source, ep, tmp_path):
     for rank in result["ranks"]:
         assert rank["problems"] == [] and rank["checked"] >= 70
         assert rank["rng_matches"] is (True if source.startswith("legacy") else None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("source", "pp", "ep"),
+    [(MOE_DP, 1, 2), (MOE_FR, 1, 4), (None, 2, 2)],
+    ids=["dp_reshardable-pp1ep2", "fully_reshardable-pp1ep4", "megatron-s-own-save"],
+)
+def test_megatron_core_loads_the_experts_output_with_the_distributed_optimizer(source, pp, ep, tmp_path):
+    """Oracle: megatron-core's dist_checkpointing.load with its DistributedOptimizers chained (dense,
+    experts) loads our fully_reshardable torch_dist output of the MoE distributed-optimizer fixtures at
+    a new PP and EP: every tensor each rank holds (fp32 main params and moments of its experts
+    included) equals the reference slice, the main replicas cover each reference tensor exactly once,
+    step and iteration are 3. The control: Megatron-LM's own fully_reshardable save at its PP=2 x EP=2."""
+    pytest.importorskip("megatron.core")
+    out = MOE_FR
+    if source is not None:
+        out = tmp_path / "out"
+        reshard(source, out, Target(to="megatron-dist", tp=1, pp=pp, ep=ep))
+    args = ["--ckpt", str(out), "--tp", "1", "--pp", str(pp), "--ep", str(ep), "--padded-vocab", "64", "--distopt"]
+    args += ["--reference", str(FIXTURES / "megatron" / "legacy_pp2ep2_distopt.reference.pt")]
+    nproc = max(ep, pp * 2)
+    result = _torchrun(*args, nproc=nproc)
+    assert len(result["ranks"]) == nproc and result["groups"] == 3
+    for rank in result["ranks"]:
+        assert rank["problems"] == [] and rank["checked"] >= 39
 
 
 @pytest.mark.slow

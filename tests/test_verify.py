@@ -36,14 +36,7 @@ CLEAN = [
             "universal",
         )
     ),
-    *(f"megatron/{n}" for n in ("dist_tp2", "dist_tp2pp2", "legacy_tp2pp2", "legacy_tp2pp2_distopt")),
-    "megatron/legacy_pp2vpp2",
-    "megatron/legacy_pp2vpp2_distopt",
-    "megatron/dist_pp2vpp2",
-    "megatron/legacy_pp2ep2",
-    "megatron/legacy_pp2layout",
-    "megatron/dist_pp2ep2",
-    "megatron/legacy_pp2ep2_distopt",
+    *(f"megatron/{p.name}" for p in sorted((FIXTURES / "megatron").iterdir()) if p.is_dir()),  # every one
     "rankshards/tp_manual/step_00000003",
     "rankshards/ddp",
     "rankshards/pipeline",

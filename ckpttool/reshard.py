@@ -320,8 +320,8 @@ def plan(src: str | Path, target: Target, *, workers: int = 1, max_memory: str |
     checkpoint cannot take, before anything is written."""
     adapter, manifest = registry.describe(src)
     fmt = target.to or _default_format(manifest.format)
-    if target.distributed_optimizer is not None and fmt != "megatron":
-        raise UsageError(f"--[no-]distributed-optimizer applies to --to megatron (legacy files) only, not {fmt}")
+    if target.distributed_optimizer is not None and fmt not in ("megatron", "megatron-dist"):
+        raise UsageError(f"--[no-]distributed-optimizer applies to --to megatron and megatron-dist only, not {fmt}")
     if target.zero_stage is not None and fmt != "deepspeed":
         raise UsageError(f"--zero-stage applies to --to deepspeed only, not {fmt}")
     if target.zero_stage is not None and target.zero_stage not in (1, 2, 3):

@@ -143,19 +143,15 @@ class DistWriter(LegacyWriter):
                 "parameter is in",
                 hint="keep EP = 1 or EP > 1, or reshard from the legacy checkpoint",
             )
-        self.model_space = self.from_dist and self.src.distopt
-        """write the distributed optimizer's ``fully_reshardable`` layout (from a torch_dist source
-        saved with the distributed optimizer, in either of its layouts)"""
+        self.model_space = self.distopt
+        """write the distributed optimizer's ``fully_reshardable`` layout (model space): kept from a
+        source saved with the distributed optimizer (torch_dist in either of its layouts, or legacy
+        ``distrib_optim.pt``), or asked for with ``--distributed-optimizer``"""
         self.optimizer_commons: list[dict[str, Any]] = []
-        """per optimizer (one, or the chain's dense and expert members): the optimizer's part of
-        ``common.pt`` in the ``fully_reshardable`` layout"""
-        if self.model_space:
+        """per optimizer (one, or the chain's dense and expert members) of a torch_dist source: the
+        optimizer's part of ``common.pt`` in the ``fully_reshardable`` layout"""
+        if self.model_space and self.from_dist:
             self.optimizer_commons = self._model_space_commons()
-        elif self.src.distopt and self.distopt:  # (--no-distributed-optimizer already did it)
-            # torch_dist keeps the optimizer state per parameter, as megatron-core saves it for the
-            # Float16 optimizer: the members of each group, which distrib_optim.pt does not record
-            self._infer_membership("--to megatron-dist")
-            self.distopt: bool = False
         self.layers = _num_layers(self.args)
         self.local_spec = getattr(self.args, "transformer_impl", None) == "local"
         tp, pp = target.tp, target.pp
@@ -163,6 +159,22 @@ class DistWriter(LegacyWriter):
         self.tensors: dict[str, tuple[str, tuple[int, ...], list[Box]]] = {}
         self.objects: list[str] = []
         self._plan()
+
+    def _check_distopt_groups(self) -> None:
+        if self.from_dist:  # (the Float16 optimizer's torch_dist state keeps its groups' members by index)
+            raise UsageError(
+                "--distributed-optimizer from a torch_dist checkpoint saved without it is not supported yet",
+                hint="write it from the legacy checkpoint, or keep its optimizer",
+            )
+        super()._check_distopt_groups()
+
+    def _infer_membership(self, why: str = "--no-distributed-optimizer") -> None:
+        if self.from_dist:  # its param groups are in common.pt without members, as distrib_optim.pt's
+            raise UsageError(
+                f"{why} from a torch_dist checkpoint saved with the distributed optimizer is not supported yet",
+                hint="keep the distributed optimizer (the default): ckpttool writes its fully_reshardable layout",
+            )
+        super()._infer_membership(why)
 
     def _source(self, root: Path, manifest: Manifest) -> _Source:
         if not self.from_dist:
@@ -479,11 +491,7 @@ class DistWriter(LegacyWriter):
                 ]
                 # megatron-core's ChainedOptimizer: {0: dense, 1: experts}
                 tree["optimizer"] = dict(enumerate(members)) if len(members) > 1 else members[0]
-                tree["content_metadata"] = {
-                    "distrib_optim_sharding_type": "fully_reshardable",
-                    "distrib_optim_fully_reshardable_mem_efficient": False,
-                    **CONTENT_METADATA,
-                }
+                tree["content_metadata"] = self._content_metadata()
             return tree
         first, rel = self.src.objs[(0, 0, 0)], self.src.rels[(0, 0, 0)]
         archives = _pt.archive_cache(reader)
@@ -491,6 +499,13 @@ class DistWriter(LegacyWriter):
         for key, value in first.items():
             if key == "args":
                 tree[key] = self._dist_args(value)
+            elif key == "optimizer" and self.model_space:
+                # DistributedOptimizer.state_dict(): the param groups without members, with their step
+                members = [
+                    {**self._distopt_state(archives, kind), "param_state_sharding_type": "fully_reshardable"}
+                    for kind in self._members
+                ]
+                tree[key] = dict(enumerate(members)) if self._chained else members[0]
             elif key == "optimizer":
                 commons = {k: self._common_optimizer(reader, archives, kind) for k, kind in enumerate(self._members)}
                 # megatron-core's ChainedOptimizer: {0: dense, 1: experts}
@@ -499,8 +514,19 @@ class DistWriter(LegacyWriter):
                 continue
             else:
                 tree[key] = _ptwrite.carry(value, partial(archives, rel))
-        tree["content_metadata"] = dict(CONTENT_METADATA)
+        tree["content_metadata"] = self._content_metadata()
         return tree
+
+    def _content_metadata(self) -> dict[str, Any]:
+        """``common.pt``'s ``content_metadata``: Megatron-LM's, with the distributed optimizer's
+        sharding type first when its state is written (model space)."""
+        if not self.model_space:
+            return dict(CONTENT_METADATA)
+        return {
+            "distrib_optim_sharding_type": "fully_reshardable",
+            "distrib_optim_fully_reshardable_mem_efficient": False,
+            **CONTENT_METADATA,
+        }
 
     def _dist_args(self, args: Any) -> Any:
         new = self._args(args, 0, 0)

@@ -286,7 +286,9 @@ def test_megatron_no_distributed_optimizer_refusals(tmp_path):
         reshard(decoupled, out, Target(tp=1, pp=1, distributed_optimizer=False))
     embedding = _with_args(tmp_path / "embedding", DISTOPT, embedding_init_method_std=0.02)
     with pytest.raises(UsageError, match="--embedding-init-method-std"):
-        reshard(embedding, out, Target(to="megatron-dist"))
+        reshard(embedding, out, Target(to="megatron-dist", distributed_optimizer=False))
+    reshard(embedding, out, Target(to="megatron-dist"))  # keeping the distributed optimizer needs no rule
+    shutil.rmtree(out)
     sgd = _with_args(tmp_path / "sgd", DISTOPT, optimizer="sgd")
     with pytest.raises(UsageError, match="only Adam's state is supported, not sgd's"):
         reshard(sgd, out, Target(tp=1, pp=1, distributed_optimizer=False))
@@ -309,7 +311,7 @@ def test_megatron_no_distributed_optimizer_refusals(tmp_path):
         reshard(twin, out, Target(tp=1, pp=1, distributed_optimizer=False))
     idle = rewritten_copy(tmp_path / "idle", DISTOPT, groups(lambda gs: gs.append({**gs[0], "wd_mult": 0.5})))
     with pytest.raises(UsageError, match="1 of its param groups would hold no parameter"):
-        reshard(idle, out, Target(to="megatron-dist"))
+        reshard(idle, out, Target(to="megatron-dist", distributed_optimizer=False))
     qk = _with_args(tmp_path / "qk", DISTOPT, apply_wd_to_qk_layernorm=True)
     plain = tmp_path / "plain"
     reshard(qk, out, Target(tp=1, pp=1, distributed_optimizer=False))  # no q/k layernorms: the same groups

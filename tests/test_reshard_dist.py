@@ -222,6 +222,37 @@ def test_experts_with_the_distributed_optimizer_round_trip(tmp_path):
     assert not (tmp_path / "ep1").exists()
 
 
+def test_legacy_distributed_optimizer_to_torch_dist_is_what_megatron_saves(tmp_path):
+    """The legacy save of the MoE distributed-optimizer run (distrib_optim.pt, chained) written as
+    torch_dist keeps the distributed optimizer: every key, chunk and record (params, fp32 mains,
+    moments, RNG, _extra_state) and common.pt's optimizer chain and content metadata are Megatron-LM's
+    own fully_reshardable save of the same run, byte for byte. The Float16 run's legacy save with
+    --distributed-optimizer gives the same keys, chunks and common.pt optimizer (its values differ
+    by rounding: another run). --no-distributed-optimizer from a torch_dist source is refused."""
+    out = tmp_path / "out"
+    result = reshard(FIXTURES / "megatron" / "legacy_pp2ep2_distopt", out, Target(to="megatron-dist"))
+    assert any("fully_reshardable" in n for n in result.plan.notes)
+    _same_records(out, MOE_FR)
+    common, theirs = load_pt(out / ITER / "common.pt"), load_pt(MOE_FR / ITER / "common.pt")
+    assert list(common) == list(theirs) and _same(common["optimizer"], theirs["optimizer"])
+    assert common["content_metadata"] == theirs["content_metadata"]
+
+    asked = tmp_path / "asked"
+    reshard(FIXTURES / "megatron" / "legacy_pp2ep2", asked, Target(to="megatron-dist", distributed_optimizer=True))
+    assert _chunks(_metadata(asked)) == _chunks(_metadata(MOE_FR))
+    assert _same(load_pt(asked / ITER / "common.pt")["optimizer"], theirs["optimizer"])
+    state = ["param", "optim", "master", "scheduler", "counter"]  # (RNG: named per rank file in legacy)
+    assert not diff(FIXTURES / "megatron" / "legacy_pp2ep2", asked, kinds=state).different
+    assert verify(asked).failing() == []
+    for source, flag, message in [
+        (MOE_FR, False, "--no-distributed-optimizer from a torch_dist checkpoint saved with the distributed"),
+        (FIXTURES / "megatron" / "dist_pp2ep2", True, "--distributed-optimizer from a torch_dist checkpoint saved"),
+    ]:
+        with pytest.raises(UsageError, match=message):
+            reshard(source, tmp_path / "no", Target(to="megatron-dist", distributed_optimizer=flag))
+        assert not (tmp_path / "no").exists()
+
+
 def test_distributed_optimizer_refusals(tmp_path):
     from tests.conftest import rewritten_copy
 
@@ -309,38 +340,55 @@ def _torchrun(*args: str, nproc: int) -> dict[str, Any]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("source", "tp", "pp"),
-    [(LEGACY, 1, 1), (LEGACY, 2, 2), (DIST, 1, 2), (DIST, 2, 1), (DISTOPT, 2, 1), (DIST_DP, 2, 1), (DIST_FR, 1, 2)],
+    ("source", "tp", "pp", "distopt"),
+    [
+        (LEGACY, 1, 1, None),
+        (LEGACY, 2, 2, None),
+        (DIST, 1, 2, None),
+        (DIST, 2, 1, None),
+        (DISTOPT, 2, 1, False),
+        (DISTOPT, 1, 2, None),
+        (LEGACY, 2, 1, True),
+        (DIST_DP, 2, 1, None),
+        (DIST_FR, 1, 2, None),
+    ],
     ids=[
         "legacy-tp1pp1",
         "legacy-tp2pp2",
         "dist-tp1pp2",
         "dist-tp2pp1",
-        "legacy-distopt-tp2pp1",
+        "legacy-distopt-no-distributed-optimizer-tp2pp1",
+        "legacy-distopt-tp1pp2",
+        "legacy-distributed-optimizer-tp2pp1",
         "dist-dp_reshardable-tp2pp1",
         "dist-fully_reshardable-tp1pp2",
     ],
 )
-def test_megatron_core_loads_the_output(source, tp, pp, tmp_path):
+def test_megatron_core_loads_the_output(source, tp, pp, distopt, tmp_path):
     """Oracle: megatron-core's dist_checkpointing.load, at the new TP x PP (torchrun, gloo), loads
     our torch_dist output into a GPT model and its optimizer; every tensor each rank holds (bf16
     params, fp32 main params, exp_avg, exp_avg_sq) equals the reference slice, the main replicas
     cover each reference tensor exactly once, step and iteration are 3 and, from the legacy
     source, each rank's RNG is the source rank (t mod 2, p mod 2)'s. From the distributed-optimizer
-    legacy source, the per-parameter optimizer state comes out of distrib_optim.pt, its members
-    by megatron-core's grouping rule. From the torch_dist sources saved with the distributed optimizer
-    (DP=2, dp_reshardable or fully_reshardable), megatron-core's DistributedOptimizer loads the
-    fully_reshardable output at a TP x PP the dp_reshardable source itself cannot be loaded at."""
+    legacy source, the optimizer state comes out of distrib_optim.pt: kept for the distributed
+    optimizer (fully_reshardable, loaded by megatron-core's DistributedOptimizer), or with
+    --no-distributed-optimizer per parameter, its members by megatron-core's grouping rule; the
+    Float16 legacy source with --distributed-optimizer is loaded by the DistributedOptimizer too.
+    From the torch_dist sources saved with the distributed optimizer (DP=2, dp_reshardable or
+    fully_reshardable), megatron-core's DistributedOptimizer loads the fully_reshardable output at a
+    TP x PP the dp_reshardable source itself cannot be loaded at."""
     pytest.importorskip("megatron.core")
     out = tmp_path / "out"
-    reshard(source, out, Target(to="megatron-dist", tp=tp, pp=pp))
+    reshard(source, out, Target(to="megatron-dist", tp=tp, pp=pp, distributed_optimizer=distopt))
     args = ["--ckpt", str(out), "--tp", str(tp), "--pp", str(pp)]
-    distopt = source in (DIST_DP, DIST_FR)
-    args += ["--reference", str(FIXTURES / "megatron" / f"{DIST_DP.name if distopt else source.name}.reference.pt")]
+    ref = DIST_DP.name if source in (DIST_DP, DIST_FR) else source.name
+    args += ["--reference", str(FIXTURES / "megatron" / f"{ref}.reference.pt")]
     legacy = source.name.startswith("legacy")
     if legacy:
         args += ["--rng-source", str(source)]
-    if distopt:
+    if source in (DIST_DP, DIST_FR) or distopt or (source == DISTOPT and distopt is None):
+        content = load_pt(out / ITER / "common.pt")["content_metadata"]
+        assert content["distrib_optim_sharding_type"] == "fully_reshardable"
         args += ["--distopt"]
     result = _torchrun(*args, nproc=tp * pp)
     assert len(result["ranks"]) == tp * pp and result["groups"] == 2

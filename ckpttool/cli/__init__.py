@@ -524,8 +524,9 @@ def reshard(
         bool | None,
         typer.Option(
             "--distributed-optimizer/--no-distributed-optimizer",
-            help="--to megatron: write the optimizer state as Megatron's distributed optimizer saves it "
-            "(distrib_optim.pt) or as the Float16/FP32 optimizer does, per parameter (default: as the source).",
+            help="--to megatron, megatron-dist: write the optimizer state as Megatron's distributed optimizer "
+            "saves it (distrib_optim.pt; torch_dist: its fully_reshardable layout) or as the Float16/FP32 "
+            "optimizer does, per parameter (default: as the source).",
             show_default=False,
         ),
     ] = None,

@@ -110,16 +110,21 @@ def test_probing_reads_leave_cold_pages_uncached(tmp_path):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         if _cached(path, 3 << 20):
             pytest.skip("this file system keeps the pages (tmpfs?)")
+        # the kernel drops pages on a best-effort basis (a page still locked by the read it came in
+        # with stays; CI saw one of two): most must go, all of them stay without probing
+        offsets = [(k << 18) + 100 * k for k in range(1, 32)]
         with ckio.probing():
-            assert ckio.pread(fd, 100, 3 << 20) == data[3 << 20 : (3 << 20) + 100]
-            assert ckio.pread(fd, 100, 5 << 20) == data[5 << 20 : (5 << 20) + 100]
-        assert not _cached(path, 5 << 20)
-        assert not _cached(path, 3 << 20) and not _cached(path, (3 << 20) + (64 << 10))
-        assert ckio.pread(fd, 100, 3 << 20) == data[3 << 20 : (3 << 20) + 100]  # not probing: cached
-        assert _cached(path, 3 << 20)
+            for off in offsets:
+                assert ckio.pread(fd, 100, off) == data[off : off + 100]
+        left = [off for off in offsets if _cached(path, off)]
+        assert len(left) <= len(offsets) // 4, left
+        for off in offsets:  # not probing: cached
+            assert ckio.pread(fd, 100, off) == data[off : off + 100]
+        assert all(_cached(path, off) for off in offsets)
         with ckio.probing():  # cached already: served from the cache, and left there
-            assert ckio.pread(fd, 100, 3 << 20) == data[3 << 20 : (3 << 20) + 100]
-        assert _cached(path, 3 << 20)
+            for off in offsets:
+                assert ckio.pread(fd, 100, off) == data[off : off + 100]
+        assert all(_cached(path, off) for off in offsets)
     finally:
         os.close(fd)
 

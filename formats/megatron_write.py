@@ -622,10 +622,11 @@ class LegacyWriter:
         each parameter, and its step. The distributed optimizer saves its groups without members;
         megatron-core (``_get_param_groups``, 0.16) forms them by its standard rule: no weight decay
         (``wd_mult`` 0) for biases and 1-D parameters (with ``--apply-wd-to-qk-layernorm``, the q/k
-        layernorms excepted), weight decay for the rest. That rule is applied here, and each
-        parameter must land in exactly one saved group and every group must get one, or the
-        checkpoint is refused: a run with other overrides (``--decoupled-lr``, experts, custom
-        groups) saved groups the rule cannot tell apart."""
+        layernorms excepted), weight decay for the rest; under expert parallelism the routed experts
+        in groups of their own (``is_expert_parallel``, the chain's expert optimizer). That rule is
+        applied here, and each parameter must land in exactly one saved group and every group must
+        get one, or the checkpoint is refused: a run with other overrides (``--decoupled-lr``,
+        custom groups) saved groups the rule cannot tell apart."""
         args = self.args
         refuse = f"{why} from this distributed-optimizer checkpoint (its state per parameter): "
         hint = "keep the distributed optimizer: '--to megatron' without --no-distributed-optimizer"
@@ -636,8 +637,6 @@ class LegacyWriter:
             raise UsageError(refuse + "it was trained with --embedding-init-method-std, not supported yet", hint=hint)
         if getattr(args, "optimizer", "adam") != "adam":
             raise UsageError(refuse + f"only Adam's state is supported, not {args.optimizer}'s", hint=hint)
-        if self.src.experts:
-            raise UsageError(refuse + "MoE checkpoints are not supported yet", hint=hint)
         raw: list[Any] = [h.get("step") for h in self.src.groups]
         if any(type(v) is not float for v in raw):
             # torch's Adam gives float (megatron-core saves step.item()); TransformerEngine's and apex's
@@ -663,15 +662,21 @@ class LegacyWriter:
             if qk and ("q_layernorm." in name or "k_layernorm." in name):
                 skip_wd = False
             wd_mult = 0.0 if skip_wd else 1.0
+            # under expert parallelism the routed experts' groups are the expert optimizer's
+            # (``is_expert_parallel``: megatron-core's experts do not all-reduce there); at EP=1 they
+            # are in the dense groups
+            expert = self.src.ep > 1 and is_expert(name)
             groups = [
                 g
                 for g, h in enumerate(self.src.groups)
-                if float(h.get("wd_mult", 1.0)) == wd_mult and not h.get("is_expert_parallel")
+                if float(h.get("wd_mult", 1.0)) == wd_mult and bool(h.get("is_expert_parallel")) == expert
             ]
             if len(groups) != 1:
                 raise UsageError(
-                    refuse + f"{len(groups)} of its {len(self.src.groups)} param groups have wd_mult {wd_mult}, "
-                    f"the group megatron-core's standard rule puts {name} in",
+                    refuse
+                    + f"{len(groups)} of its {len(self.src.groups)} param groups have wd_mult {wd_mult}"
+                    + (" and is_expert_parallel" if expert else "")
+                    + f", the group megatron-core's standard rule puts {name} in",
                     hint=hint,
                 )
             self.src.group_of[name] = groups[0]

@@ -160,6 +160,14 @@ class DistWriter(LegacyWriter):
         self.objects: list[str] = []
         self._plan()
 
+    def _expert_layout(self) -> None:
+        """torch_dist keeps each parameter and its optimizer state as one global tensor, the experts'
+        chunked by their own TP (``_plan_tensor``): any ETP, with or without the distributed
+        optimizer, except from a legacy ``distrib_optim.pt`` saved with an ETP of its own (its
+        buffers under ETP are not read)."""
+        if self.src.distopt and not self.from_dist and self.src.etp:
+            super()._expert_layout()
+
     def _check_distopt_groups(self) -> None:
         if self.from_dist:  # (the Float16 optimizer's torch_dist state keeps its groups' members by index)
             raise UsageError(

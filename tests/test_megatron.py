@@ -366,6 +366,33 @@ def test_torch_dist_distributed_optimizer_with_experts_reads_as_its_gather(name,
         assert m.items["decoder.layers.1.mlp.router.weight.fp32"].pieces[0].file.startswith("__2_")
 
 
+@pytest.mark.parametrize("name", ["dist_tp2ep2etp1_distopt", "dist_tp2ep2etp1_distopt_fr"])
+def test_torch_dist_distributed_optimizer_with_expert_tensor_parallelism_reads_as_its_gather(name, tmp_path):
+    """The same MoE model at TP=2 DP=2 with the experts whole (--expert-tensor-parallel-size 1, EP=2,
+    expert DP=2) and the distributed optimizer: the dense member's buckets by TP rank, the experts'
+    by expert TP x EP rank (ETP=1: the EP rank), each split between two DP ranks; both layouts read
+    as the run's own gather, bit for bit."""
+    _, m = registry.describe(MG / name)
+    assert (m.layout.tp, m.layout.ep, m.layout.dp) == (2, 2, 2)
+    assert not [n for n, i in m.items.items() if ".optimizer." in n and i.is_tensor]
+    export(MG / name, tmp_path / "o.safetensors")
+    got = load_file(tmp_path / "o.safetensors")
+    want = _expected("dist_tp2ep2etp1_distopt")
+    assert len(want) == 116
+    assert [k for k, v in want.items() if k not in got or not same_bits(got[k], v)] == []
+    if not name.endswith("_fr"):
+        assert m.extras["distrib_optim"].startswith("de-bucketed")
+        # an expert whole (ETP=1) in its EP rank's buckets (expert rank 1: world rank 1 of the
+        # experts' tp-ep-dp order); a dense column-parallel weight in two TP halves; the dense
+        # router replicated over TP
+        expert = m.items["decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight.fp32"]
+        assert [(p.file, p.box and p.box.sizes) for p in expert.pieces] == [("__1_0.distcp", (16, 32))]
+        qkv = m.items["decoder.layers.0.self_attention.linear_qkv.weight.exp_avg"]
+        assert [(p.box.offsets, p.box.sizes) for p in qkv.pieces] == [((0, 0), (32, 16)), ((32, 0), (32, 16))]
+        router = m.items["decoder.layers.0.mlp.router.weight.fp32"]
+        assert sorted(p.replica for p in router.pieces) == [0, 1]
+
+
 def test_chained_buckets_kept_as_saved_are_optimizer_state(tmp_path):
     """When the replay is not used, the chain's buckets stay as saved, but as optimizer state: verify
     does not report a missing optimizer."""

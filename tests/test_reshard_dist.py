@@ -28,6 +28,9 @@ DIST_DP = FIXTURES / "megatron" / "dist_tp2pp2dp2_distopt"  # distributed optimi
 DIST_FR = FIXTURES / "megatron" / "dist_tp2pp2dp2_distopt_fr"  # the same state, fully_reshardable
 MOE_DP = FIXTURES / "megatron" / "dist_pp2ep2_distopt"  # MoE PP=2 EP=2, chained distributed optimizers
 MOE_FR = FIXTURES / "megatron" / "dist_pp2ep2_distopt_fr"  # the same state, fully_reshardable
+MOE_LEGACY_DISTOPT = FIXTURES / "megatron" / "legacy_pp2ep2_distopt"
+ETP_DP = FIXTURES / "megatron" / "dist_tp2ep2etp1_distopt"  # MoE TP=2 DP=2, experts ETP=1 EP=2, distopt
+ETP_FR = FIXTURES / "megatron" / "dist_tp2ep2etp1_distopt_fr"  # the same state, fully_reshardable
 ITER = "iter_0000003"
 
 
@@ -220,6 +223,45 @@ def test_experts_with_the_distributed_optimizer_round_trip(tmp_path):
     with pytest.raises(UsageError, match="the experts would move between the dense optimizer and an expert"):
         reshard(MOE_DP, tmp_path / "ep1", Target(pp=1, ep=1))
     assert not (tmp_path / "ep1").exists()
+
+
+@pytest.mark.parametrize("source", [ETP_DP, ETP_FR], ids=["dp_reshardable", "fully_reshardable"])
+def test_expert_tensor_parallelism_with_the_distributed_optimizer_is_written_as_megatron_saves_it(source, tmp_path):
+    """The MoE model at TP=2 with the experts whole (ETP=1, EP=2) and the distributed optimizer: the
+    experts' buckets (chained_1, dp_group_idx the expert TP x EP rank) de-bucketed and written at the
+    same layout are Megatron-LM's own fully_reshardable save of the same run, record for record, and
+    common.pt's optimizer chain too; through TP=1 EP=4 (experts one a rank) and back, likewise."""
+    out = tmp_path / "out"
+    reshard(source, out, Target(to="megatron-dist"))
+    _same_records(out, ETP_FR)
+    common, theirs = load_pt(out / ITER / "common.pt"), load_pt(ETP_FR / ITER / "common.pt")
+    assert list(common) == list(theirs) and _same(common["optimizer"], theirs["optimizer"])
+    assert common["content_metadata"] == theirs["content_metadata"]
+    assert common["args"].expert_tensor_parallel_size == 1
+    assert not diff(source, out).different and verify(out).failing() == []
+    if source != ETP_DP:
+        return
+    wide, back = tmp_path / "wide", tmp_path / "back"
+    reshard(source, wide, Target(tp=1, ep=4))
+    reshard(wide, back, Target(tp=2, ep=2, etp=1))
+    assert load_pt(wide / ITER / "common.pt")["args"].expert_tensor_parallel_size == 1
+    ours, megatron = _metadata(back), _metadata(ETP_FR)
+    assert _chunks(ours) == _chunks(megatron)
+    for key, meta in megatron.state_dict_metadata.items():
+        if key.startswith("rng_state/"):
+            continue
+        for offsets in [c.offsets for c in meta.chunks] if hasattr(meta, "chunks") else [None]:
+            assert _record(back, ours, key, offsets) == _record(ETP_FR, megatron, key, offsets), key
+    assert not diff(source, wide).different and not diff(ETP_FR, back).different
+    # the PP=2 EP=2 run's legacy distrib_optim.pt (ETP = TP = 1) at this layout: the keys and chunks
+    # of Megatron-LM's save at it (the vocabulary aside: that run padded it to 64 rows, this one 128)
+    legacy = tmp_path / "legacy"
+    reshard(FIXTURES / "megatron" / "legacy_pp2ep2_distopt", legacy, Target(to="megatron-dist", tp=2, pp=1, etp=1))
+    ours, megatron = _chunks(_metadata(legacy)), _chunks(megatron)
+    vocab = {k for k in megatron if k.endswith(("embedding.word_embeddings.weight", "output_layer.weight"))}
+    assert len(vocab) == 8 and {k: v for k, v in ours.items() if k not in vocab} == {
+        k: v for k, v in megatron.items() if k not in vocab
+    }
 
 
 def test_legacy_distributed_optimizer_to_torch_dist_is_what_megatron_saves(tmp_path):
@@ -461,6 +503,33 @@ def test_megatron_core_loads_the_experts_output_with_the_distributed_optimizer(s
     assert len(result["ranks"]) == nproc and result["groups"] == 3
     for rank in result["ranks"]:
         assert rank["problems"] == [] and rank["checked"] >= 39
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("source", "tp", "ep", "etp"),
+    [(ETP_DP, 2, 4, 1), (ETP_FR, 1, 2, 2), (MOE_LEGACY_DISTOPT, 2, 2, 1)],
+    ids=["tp2ep4etp1", "tp1ep2etp2", "legacy-tp2ep2etp1"],
+)
+def test_megatron_core_loads_expert_tensor_parallel_output_with_the_distributed_optimizer(source, tp, ep, etp, tmp_path):
+    """Oracle: megatron-core's dist_checkpointing.load with the chained DistributedOptimizers at world
+    4 loads our torch_dist output of the ETP=1 fixture at a new layout: the experts whole on four EP
+    ranks beside TP=2 dense layers (dense DP=2), or split two ways (ETP=2 > TP=1, dense DP=4); and
+    of the PP=2 EP=2 run's legacy distrib_optim.pt at TP=2 with the experts whole (ETP=1). Every
+    tensor each rank holds, its DP shard of the fp32 mains and moments included, equals the
+    reference slice; the main replicas cover each reference tensor exactly once."""
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "out"
+    reshard(source, out, Target(to="megatron-dist", tp=tp, pp=1, ep=ep, etp=etp))
+    args = ["--ckpt", str(out), "--tp", str(tp), "--pp", "1", "--ep", str(ep), "--etp", str(etp), "--distopt"]
+    legacy = source == MOE_LEGACY_DISTOPT  # the PP=2 EP=2 run (ETP = TP = 1): 64 vocabulary rows
+    args += ["--padded-vocab", "64" if legacy else "128", "--reference", str(FIXTURES / "megatron" / (
+        "legacy_pp2ep2_distopt.reference.pt" if legacy else "dist_tp2ep2etp1_distopt.reference.pt"
+    ))]  # fmt: skip
+    result = _torchrun(*args, nproc=4)
+    assert len(result["ranks"]) == 4 and result["groups"] == 3
+    for rank in result["ranks"]:
+        assert rank["problems"] == [] and rank["checked"] >= 55
 
 
 @pytest.mark.slow

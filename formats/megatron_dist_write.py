@@ -52,6 +52,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from ckpttool import _unpickle
+from ckpttool._torchzip import read_tensor
 from ckpttool.assemble import check_coverage
 from ckpttool.dtypes import carrier
 from ckpttool.errors import CorruptFileError, UsageError
@@ -60,6 +62,7 @@ from ckpttool.formats.base import PieceReader, PlannedFile
 from ckpttool.formats.dcp_write import Record, write_metadata
 from ckpttool.formats.megatron import _LAYER, _TE_TO_LOCAL, ALLOWLIST, BUCKET_OBJECT, expert_slot, own_etp
 from ckpttool.formats.megatron_write import (
+    _GROUP_KEYS,
     LegacyWriter,
     MegatronTarget,
     _base_param,
@@ -68,6 +71,7 @@ from ckpttool.formats.megatron_write import (
     _local,
     _num_layers,
     _rule,
+    _scalar,
     _Source,
 )
 from ckpttool.geometry import Box
@@ -148,10 +152,11 @@ class DistWriter(LegacyWriter):
         source saved with the distributed optimizer (torch_dist in either of its layouts, or legacy
         ``distrib_optim.pt``), or asked for with ``--distributed-optimizer``"""
         self.optimizer_commons: list[dict[str, Any]] = []
-        """per optimizer (one, or the chain's dense and expert members) of a torch_dist source: the
-        optimizer's part of ``common.pt`` in the ``fully_reshardable`` layout"""
-        if self.model_space and self.from_dist:
-            self.optimizer_commons = self._model_space_commons()
+        """per optimizer (one, or the chain's dense and expert members) of a torch_dist source whose
+        optimizer layout is rewritten or kept in model space: the optimizer's part of ``common.pt``
+        in the output's layout (empty: ``common.pt``'s optimizer is copied as it is)"""
+        if self.from_dist and (self.model_space or self.src.distopt):
+            self.optimizer_commons = self._source_commons()
         self.layers = _num_layers(self.args)
         self.local_spec = getattr(self.args, "transformer_impl", None) == "local"
         tp, pp = target.tp, target.pp
@@ -169,20 +174,83 @@ class DistWriter(LegacyWriter):
             super()._expert_layout()
 
     def _check_distopt_groups(self) -> None:
-        if self.from_dist:  # (the Float16 optimizer's torch_dist state keeps its groups' members by index)
-            raise UsageError(
-                "--distributed-optimizer from a torch_dist checkpoint saved without it is not supported yet",
-                hint="write it from the legacy checkpoint, or keep its optimizer",
-            )
-        super()._check_distopt_groups()
+        if not self.from_dist:  # (from torch_dist: _source_commons checks the groups)
+            super()._check_distopt_groups()
 
     def _infer_membership(self, why: str = "--no-distributed-optimizer") -> None:
-        if self.from_dist:  # its param groups are in common.pt without members, as distrib_optim.pt's
+        # torch_dist keeps no param-group membership in either layout (megatron-core matches groups by
+        # their identifier keys): nothing to infer from a torch_dist source
+        if not self.from_dist:
+            super()._infer_membership(why)
+
+    def _source_commons(self) -> list[dict[str, Any]]:
+        """The optimizer's part of ``common.pt`` per optimizer of a torch_dist source, in the
+        output's layout. The Float16 optimizer's is ``{'optimizer': {'state': {'common_step': t},
+        'param_groups': [...]}}``; the distributed optimizer's (``fully_reshardable``) keeps the
+        step in each group instead: ``{'optimizer': {'param_groups': [{..., 'step': s}]}}``. Between
+        the two only the step moves (neither names the groups' members: megatron-core matches them
+        by their identifier keys), and the per-parameter state is renamed (``_plan_tensor``)."""
+        members = self._model_space_commons() if self.src.distopt else self._float16_commons()
+        if not (bool(getattr(self.args, "bf16", False)) or bool(getattr(self.args, "fp16", False))):
             raise UsageError(
-                f"{why} from a torch_dist checkpoint saved with the distributed optimizer is not supported yet",
-                hint="keep the distributed optimizer (the default): ckpttool writes its fully_reshardable layout",
+                "changing the optimizer of an fp32 model's torch_dist checkpoint between the distributed and the "
+                "FP32 optimizer is not supported yet (their fp32 parameter state differs)",
+                hint="keep its optimizer: leave out --[no-]distributed-optimizer",
             )
-        super()._infer_membership(why)
+        out = []
+        for k, member in enumerate(members):
+            inner = member["optimizer"]
+            groups = inner.get("param_groups") or []
+            for group in groups:
+                lacking = [key for key in _GROUP_KEYS if key not in group]
+                if lacking:
+                    raise UsageError(
+                        f"common.pt: the param groups of optimizer {k} lack {', '.join(lacking)}, by which "
+                        "megatron-core matches them"
+                    )
+            extra = {key: v for key, v in member.items() if key != "optimizer"}
+            if self.src.distopt and self.model_space:
+                out.append(member)
+                continue
+            if self.src.distopt:  # -> Float16: one common step for all
+                steps = {repr(g.get("step")) for g in groups}
+                if len(steps) != 1 or not isinstance(groups[0].get("step"), float):
+                    raise UsageError(
+                        f"--no-distributed-optimizer: the param groups of optimizer {k} do not carry one common float "
+                        f"step ({sorted(steps)}); the Float16 optimizer's torch_dist state keeps one"
+                    )
+                state = {"common_step": _scalar(groups[0]["step"])}
+                plain = [{key: v for key, v in g.items() if key != "step"} for g in groups]
+                out.append({"optimizer": {"state": state, "param_groups": plain}, **extra})
+            else:  # Float16 -> the distributed optimizer: the common step into every group
+                step = inner["state"]["common_step"]
+                out.append({"optimizer": {"param_groups": [{**g, "step": step} for g in groups]}, **extra})
+        return out
+
+    def _float16_commons(self) -> list[dict[str, Any]]:
+        """The Float16 optimizer's part of a torch_dist ``common.pt``, per optimizer, with its common
+        step read (the distributed optimizer keeps it as a float in each group)."""
+        common = self.src.objs[(0, 0, 0)].get("optimizer")
+        members = [common[k] for k in sorted(common)] if _is_chain(common) else [common]
+        archive, _, _ = _pt.load(self.root, "common.pt", ALLOWLIST)
+        try:
+            out = []
+            for k, member in enumerate(members):
+                inner: dict[str, Any] = member.get("optimizer") or {} if isinstance(member, dict) else {}
+                state = inner.get("state")
+                step = state.get("common_step") if isinstance(state, dict) else None
+                if step is None:
+                    raise UsageError(
+                        f"--distributed-optimizer: common.pt's optimizer {k} has no common_step (it never stepped, "
+                        "or it is not megatron-core's Float16 optimizer state)"
+                    )
+                if isinstance(step, _unpickle.TensorRef):
+                    step = read_tensor(archive, step).reshape(-1)[0]
+                value = {**inner, "state": {**inner["state"], "common_step": float(step)}}
+                out.append({**member, "optimizer": value})
+            return out
+        finally:
+            archive.close()
 
     def _source(self, root: Path, manifest: Manifest) -> _Source:
         if not self.from_dist:
@@ -304,7 +372,7 @@ class DistWriter(LegacyWriter):
                     self._plan_tensor(item)
             elif item.kind == "rng" or (item.pieces and item.pieces[0].file == "common.pt"):
                 continue  # RNG: below, per target rank; counters, scheduler: in common.pt
-            elif self.model_space and BUCKET_OBJECT.match(item.name):
+            elif self.src.distopt and BUCKET_OBJECT.match(item.name):
                 continue  # dp_reshardable's optimizer objects: into common.pt
             elif item.name.endswith("_extra_state") or "._extra_state/shard_" in item.name:
                 self._plan_extra_state(item)
@@ -489,12 +557,10 @@ class DistWriter(LegacyWriter):
             common = self.src.objs[(0, 0, 0)]
             archive = partial(reader.archive_of, _pt.object_piece("common.pt", ""))
             tree = {k: (self._dist_args(v) if k == "args" else _ptwrite.carry(v, archive)) for k, v in common.items()}
-            if self.model_space:
+            if self.optimizer_commons:
+                sharding = {"param_state_sharding_type": "fully_reshardable"} if self.model_space else {}
                 members = [
-                    {
-                        **{k: _ptwrite.carry(v, archive) for k, v in common.items()},
-                        "param_state_sharding_type": "fully_reshardable",
-                    }
+                    {**{k: _ptwrite.carry(v, archive) for k, v in common.items()}, **sharding}
                     for common in self.optimizer_commons
                 ]
                 # megatron-core's ChainedOptimizer: {0: dense, 1: experts}

@@ -270,7 +270,7 @@ def test_legacy_distributed_optimizer_to_torch_dist_is_what_megatron_saves(tmp_p
     moments, RNG, _extra_state) and common.pt's optimizer chain and content metadata are Megatron-LM's
     own fully_reshardable save of the same run, byte for byte. The Float16 run's legacy save with
     --distributed-optimizer gives the same keys, chunks and common.pt optimizer (its values differ
-    by rounding: another run). --no-distributed-optimizer from a torch_dist source is refused."""
+    by rounding: another run)."""
     out = tmp_path / "out"
     result = reshard(FIXTURES / "megatron" / "legacy_pp2ep2_distopt", out, Target(to="megatron-dist"))
     assert any("fully_reshardable" in n for n in result.plan.notes)
@@ -286,13 +286,41 @@ def test_legacy_distributed_optimizer_to_torch_dist_is_what_megatron_saves(tmp_p
     state = ["param", "optim", "master", "scheduler", "counter"]  # (RNG: named per rank file in legacy)
     assert not diff(FIXTURES / "megatron" / "legacy_pp2ep2", asked, kinds=state).different
     assert verify(asked).failing() == []
-    for source, flag, message in [
-        (MOE_FR, False, "--no-distributed-optimizer from a torch_dist checkpoint saved with the distributed"),
-        (FIXTURES / "megatron" / "dist_pp2ep2", True, "--distributed-optimizer from a torch_dist checkpoint saved"),
-    ]:
-        with pytest.raises(UsageError, match=message):
-            reshard(source, tmp_path / "no", Target(to="megatron-dist", distributed_optimizer=flag))
-        assert not (tmp_path / "no").exists()
+
+
+def test_torch_dist_changes_optimizer_both_ways(tmp_path):
+    """Between torch_dist checkpoints, --distributed-optimizer and --no-distributed-optimizer move
+    only the step (the Float16 optimizer's common_step <-> a float in each of the distributed
+    optimizer's param groups; neither layout names the groups' members) and rename the fp32 state
+    (``fp32_param`` <-> ``param``). Megatron-LM's own Float16 save (TP=2 x PP=2) through the
+    distributed optimizer and back is itself again, every record byte for byte and common.pt's
+    optimizer equal; its distributed-optimizer saves (dense dp_reshardable and fully_reshardable,
+    MoE chained) through the Float16 optimizer and back are its fully_reshardable save."""
+    f16 = FIXTURES / "megatron" / "dist_tp2pp2"
+    there, back = tmp_path / "there", tmp_path / "back"
+    reshard(f16, there, Target(to="megatron-dist", distributed_optimizer=True))
+    common = load_pt(there / ITER / "common.pt")
+    assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
+    assert {g["step"] for g in common["optimizer"]["optimizer"]["param_groups"]} == {3.0}
+    assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
+    assert common["args"].use_distributed_optimizer
+    assert not diff(f16, there).different and verify(there).failing() == []
+    reshard(there, back, Target(to="megatron-dist", distributed_optimizer=False))
+    _same_records(back, f16)
+    ours, theirs = load_pt(back / ITER / "common.pt"), load_pt(f16 / ITER / "common.pt")
+    assert list(ours) == list(theirs) and _same(ours["optimizer"], theirs["optimizer"])
+    assert ours["content_metadata"] == theirs["content_metadata"] and not ours["args"].use_distributed_optimizer
+    for source, fr in [(DIST_DP, DIST_FR), (DIST_FR, DIST_FR), (MOE_DP, MOE_FR)]:
+        plain, again = tmp_path / f"{source.name}-f16", tmp_path / f"{source.name}-again"
+        reshard(source, plain, Target(to="megatron-dist", distributed_optimizer=False))
+        optimizer = load_pt(plain / ITER / "common.pt")["optimizer"]
+        for member in optimizer.values() if source == MOE_DP else [optimizer]:
+            assert list(member) == ["optimizer"] and list(member["optimizer"]) == ["state", "param_groups"]
+        assert not diff(source, plain).different and verify(plain).failing() == []
+        reshard(plain, again, Target(to="megatron-dist", distributed_optimizer=True))
+        _same_records(again, fr)
+        ours, theirs = load_pt(again / ITER / "common.pt"), load_pt(fr / ITER / "common.pt")
+        assert _same(ours["optimizer"], theirs["optimizer"]) and ours["content_metadata"] == theirs["content_metadata"]
 
 
 def test_distributed_optimizer_refusals(tmp_path):
@@ -307,6 +335,22 @@ def test_distributed_optimizer_refusals(tmp_path):
     )
     with pytest.raises(UsageError, match="kept as the distributed optimizer's buckets: replaying"):
         reshard(changed, tmp_path / "b", Target(tp=1, pp=1))
+    assert not (tmp_path / "b").exists()
+    # an fp32 model: the FP32 optimizer keeps no fp32 copy, the distributed optimizer does
+    fp32 = rewritten_copy(
+        tmp_path / "fp32", DIST, lambda obj: obj["args"].__dict__.update(bf16=False), "iter_*/common.pt"
+    )
+    with pytest.raises(UsageError, match="an fp32 model's torch_dist checkpoint between the distributed and the FP32"):
+        reshard(fp32, tmp_path / "b", Target(to="megatron-dist", distributed_optimizer=True))
+    assert not (tmp_path / "b").exists()
+    # groups without megatron-core's identifier keys cannot be matched by the distributed optimizer
+    def strip(obj: Any) -> None:
+        for group in obj["optimizer"]["optimizer"]["param_groups"]:
+            del group["wd_mult"]
+
+    keyless = rewritten_copy(tmp_path / "keyless", DIST, strip, "iter_*/common.pt")
+    with pytest.raises(UsageError, match="the param groups of optimizer 0 lack wd_mult"):
+        reshard(keyless, tmp_path / "b", Target(to="megatron-dist", distributed_optimizer=True))
     assert not (tmp_path / "b").exists()
 
 
@@ -393,6 +437,8 @@ def _torchrun(*args: str, nproc: int) -> dict[str, Any]:
         (LEGACY, 2, 1, True),
         (DIST_DP, 2, 1, None),
         (DIST_FR, 1, 2, None),
+        (DIST, 2, 1, True),
+        (DIST_DP, 1, 2, False),
     ],
     ids=[
         "legacy-tp1pp1",
@@ -404,6 +450,8 @@ def _torchrun(*args: str, nproc: int) -> dict[str, Any]:
         "legacy-distributed-optimizer-tp2pp1",
         "dist-dp_reshardable-tp2pp1",
         "dist-fully_reshardable-tp1pp2",
+        "dist-distributed-optimizer-tp2pp1",
+        "dist-dp_reshardable-no-distributed-optimizer-tp1pp2",
     ],
 )
 def test_megatron_core_loads_the_output(source, tp, pp, distopt, tmp_path):
@@ -418,7 +466,9 @@ def test_megatron_core_loads_the_output(source, tp, pp, distopt, tmp_path):
     Float16 legacy source with --distributed-optimizer is loaded by the DistributedOptimizer too.
     From the torch_dist sources saved with the distributed optimizer (DP=2, dp_reshardable or
     fully_reshardable), megatron-core's DistributedOptimizer loads the fully_reshardable output at a
-    TP x PP the dp_reshardable source itself cannot be loaded at."""
+    TP x PP the dp_reshardable source itself cannot be loaded at; between torch_dist sources and
+    outputs --distributed-optimizer and --no-distributed-optimizer change the optimizer, each loaded
+    by its own megatron-core optimizer."""
     pytest.importorskip("megatron.core")
     out = tmp_path / "out"
     reshard(source, out, Target(to="megatron-dist", tp=tp, pp=pp, distributed_optimizer=distopt))
@@ -428,7 +478,7 @@ def test_megatron_core_loads_the_output(source, tp, pp, distopt, tmp_path):
     legacy = source.name.startswith("legacy")
     if legacy:
         args += ["--rng-source", str(source)]
-    if source in (DIST_DP, DIST_FR) or distopt or (source == DISTOPT and distopt is None):
+    if (source in (DIST_DP, DIST_FR) or source == DISTOPT) and distopt is None or distopt:
         content = load_pt(out / ITER / "common.pt")["content_metadata"]
         assert content["distrib_optim_sharding_type"] == "fully_reshardable"
         args += ["--distopt"]

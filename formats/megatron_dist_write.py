@@ -190,6 +190,8 @@ class DistWriter(LegacyWriter):
         step in each group instead: ``{'optimizer': {'param_groups': [{..., 'step': s}]}}``. Between
         the two only the step moves (neither names the groups' members: megatron-core matches them
         by their identifier keys), and the per-parameter state is renamed (``_plan_tensor``)."""
+        if self.src.distopt and self.model_space:  # kept: as saved (fully_reshardable) or read from the buckets
+            return self._model_space_commons()
         members = self._model_space_commons() if self.src.distopt else self._float16_commons()
         if not (bool(getattr(self.args, "bf16", False)) or bool(getattr(self.args, "fp16", False))):
             raise UsageError(
@@ -209,9 +211,6 @@ class DistWriter(LegacyWriter):
                         "megatron-core matches them"
                     )
             extra = {key: v for key, v in member.items() if key != "optimizer"}
-            if self.src.distopt and self.model_space:
-                out.append(member)
-                continue
             if self.src.distopt:  # -> Float16: one common step for all
                 steps = {repr(g.get("step")) for g in groups}
                 if len(steps) != 1 or not isinstance(groups[0].get("step"), float):

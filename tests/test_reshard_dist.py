@@ -333,6 +333,10 @@ def test_distributed_optimizer_refusals(tmp_path):
     with pytest.raises(UsageError, match="an fp32 model's torch_dist checkpoint between the distributed and the FP32"):
         reshard(fp32, tmp_path / "b", Target(to="megatron-dist", distributed_optimizer=True))
     assert not (tmp_path / "b").exists()
+    kept = rewritten_copy(
+        tmp_path / "fp32fr", DIST_FR, lambda obj: obj["args"].__dict__.update(bf16=False), "iter_*/common.pt"
+    )
+    reshard(kept, tmp_path / "kept", Target(to="megatron-dist", tp=1))  # keeping its optimizer needs no change
     # groups without megatron-core's identifier keys cannot be matched by the distributed optimizer
     def strip(obj: Any) -> None:
         for group in obj["optimizer"]["optimizer"]["param_groups"]:

@@ -62,7 +62,6 @@ from ckpttool.formats.base import PieceReader, PlannedFile
 from ckpttool.formats.dcp_write import Record, write_metadata
 from ckpttool.formats.megatron import _LAYER, _TE_TO_LOCAL, ALLOWLIST, BUCKET_OBJECT, expert_slot, own_etp
 from ckpttool.formats.megatron_write import (
-    _GROUP_KEYS,
     LegacyWriter,
     MegatronTarget,
     _base_param,
@@ -73,6 +72,8 @@ from ckpttool.formats.megatron_write import (
     _rule,
     _scalar,
     _Source,
+    check_group_keys,
+    group_step,
 )
 from ckpttool.geometry import Box
 from ckpttool.hashing import open_output
@@ -203,25 +204,16 @@ class DistWriter(LegacyWriter):
         for k, member in enumerate(members):
             inner = member["optimizer"]
             groups = inner.get("param_groups") or []
-            for group in groups:
-                lacking = [key for key in _GROUP_KEYS if key not in group]
-                if lacking:
-                    raise UsageError(
-                        f"common.pt: the param groups of optimizer {k} lack {', '.join(lacking)}, by which "
-                        "megatron-core matches them"
-                    )
             extra = {key: v for key, v in member.items() if key != "optimizer"}
             if self.src.distopt:  # -> Float16: one common step for all
-                steps = {repr(g.get("step")) for g in groups}
-                if len(steps) != 1 or not isinstance(groups[0].get("step"), float):
-                    raise UsageError(
-                        f"--no-distributed-optimizer: the param groups of optimizer {k} do not carry one common float "
-                        f"step ({sorted(steps)}); the Float16 optimizer's torch_dist state keeps one"
-                    )
-                state = {"common_step": _scalar(groups[0]["step"])}
+                step = group_step(
+                    groups, f"--no-distributed-optimizer from this torch_dist checkpoint (optimizer {k}): "
+                )
+                state = {"common_step": _scalar(step)}
                 plain = [{key: v for key, v in g.items() if key != "step"} for g in groups]
                 out.append({"optimizer": {"state": state, "param_groups": plain}, **extra})
             else:  # Float16 -> the distributed optimizer: the common step into every group
+                check_group_keys(groups, f"the param groups of common.pt's optimizer {k}")
                 step = inner["state"]["common_step"]
                 out.append({"optimizer": {"param_groups": [{**g, "step": step} for g in groups]}, **extra})
         return out
@@ -557,13 +549,8 @@ class DistWriter(LegacyWriter):
             archive = partial(reader.archive_of, _pt.object_piece("common.pt", ""))
             tree = {k: (self._dist_args(v) if k == "args" else _ptwrite.carry(v, archive)) for k, v in common.items()}
             if self.optimizer_commons:
-                sharding = {"param_state_sharding_type": "fully_reshardable"} if self.model_space else {}
-                members = [
-                    {**{k: _ptwrite.carry(v, archive) for k, v in common.items()}, **sharding}
-                    for common in self.optimizer_commons
-                ]
-                # megatron-core's ChainedOptimizer: {0: dense, 1: experts}
-                tree["optimizer"] = dict(enumerate(members)) if len(members) > 1 else members[0]
+                members = [{k: _ptwrite.carry(v, archive) for k, v in m.items()} for m in self.optimizer_commons]
+                tree["optimizer"] = self._optimizer_entry(members)
                 tree["content_metadata"] = self._content_metadata()
             return tree
         first, rel = self.src.objs[(0, 0, 0)], self.src.rels[(0, 0, 0)]
@@ -574,21 +561,25 @@ class DistWriter(LegacyWriter):
                 tree[key] = self._dist_args(value)
             elif key == "optimizer" and self.model_space:
                 # DistributedOptimizer.state_dict(): the param groups without members, with their step
-                members = [
-                    {**self._distopt_state(archives, kind), "param_state_sharding_type": "fully_reshardable"}
-                    for kind in self._members
-                ]
-                tree[key] = dict(enumerate(members)) if self._chained else members[0]
+                tree[key] = self._optimizer_entry([self._distopt_state(archives, kind) for kind in self._members])
             elif key == "optimizer":
-                commons = {k: self._common_optimizer(reader, archives, kind) for k, kind in enumerate(self._members)}
-                # megatron-core's ChainedOptimizer: {0: dense, 1: experts}
-                tree[key] = commons if self._chained else commons[0]
+                tree[key] = self._optimizer_entry(
+                    [self._common_optimizer(reader, archives, kind) for kind in self._members]
+                )
             elif key == "rng_state" or re.fullmatch(r"model\d*", key):
                 continue
             else:
                 tree[key] = _ptwrite.carry(value, partial(archives, rel))
         tree["content_metadata"] = self._content_metadata()
         return tree
+
+    def _optimizer_entry(self, members: list[dict[str, Any]]) -> Any:
+        """``common.pt``'s ``optimizer``: the one optimizer's part, or under expert parallelism
+        megatron-core's ChainedOptimizer ``{0: dense, 1: experts}``; in model space each member with
+        its ``param_state_sharding_type``."""
+        if self.model_space:
+            members = [{**m, "param_state_sharding_type": "fully_reshardable"} for m in members]
+        return dict(enumerate(members)) if len(members) > 1 else members[0]
 
     def _content_metadata(self) -> dict[str, Any]:
         """``common.pt``'s ``content_metadata``: Megatron-LM's, with the distributed optimizer's

@@ -637,19 +637,7 @@ class LegacyWriter:
             raise UsageError(refuse + "it was trained with --embedding-init-method-std, not supported yet", hint=hint)
         if getattr(args, "optimizer", "adam") != "adam":
             raise UsageError(refuse + f"only Adam's state is supported, not {args.optimizer}'s", hint=hint)
-        raw: list[Any] = [h.get("step") for h in self.src.groups]
-        if any(type(v) is not float for v in raw):
-            # torch's Adam gives float (megatron-core saves step.item()); TransformerEngine's and apex's
-            # FusedAdam keep an int step per group only, and refuse a step per parameter
-            raise UsageError(
-                refuse + f"its param groups' steps are {raw}, not torch Adam's float steps (TransformerEngine's "
-                "or apex's FusedAdam keep the step per group, and their state has no step per parameter)",
-                hint=hint,
-            )
-        steps = set(raw)
-        if len(steps) != 1:
-            raise UsageError(refuse + f"its param groups do not carry one common step ({raw})", hint=hint)
-        step = float(steps.pop())
+        step = group_step(self.src.groups, refuse, hint)
         self.src.groups = [{k: v for k, v in h.items() if k != "step"} for h in self.src.groups]
         qk = bool(getattr(args, "apply_wd_to_qk_layernorm", False))
         items = self.manifest.items
@@ -694,13 +682,7 @@ class LegacyWriter:
     def _check_distopt_groups(self) -> None:
         """The distributed optimizer matches saved param groups to its own by Megatron's identifier
         keys; a source whose groups lack them cannot be loaded so."""
-        for group in self.src.groups:
-            lacking = [k for k in _GROUP_KEYS if k not in group and f"pre_{k}" not in group]
-            if lacking:
-                raise UsageError(
-                    f"--distributed-optimizer: the source's param groups lack {', '.join(lacking)}, by which "
-                    "Megatron's distributed optimizer matches them",
-                )
+        check_group_keys(self.src.groups, "the source's param groups")
         if not self.src.step_of:
             raise UsageError("--distributed-optimizer: the source's optimizer has no step (it never stepped)")
 
@@ -1264,6 +1246,35 @@ class LegacyWriter:
         if name not in self.manifest.items and self.tied and name.startswith("output_layer.weight"):
             return name.replace("output_layer.weight", "embedding.word_embeddings.weight")
         return name
+
+
+def group_step(groups: list[dict[str, Any]], refuse: str, hint: str | None = None) -> float:
+    """The one step the distributed optimizer saved in each of its param groups; ``refuse`` (the
+    reason's start) when they do not carry one common float step."""
+    raw: list[Any] = [h.get("step") for h in groups]
+    if any(type(v) is not float for v in raw):
+        # torch's Adam gives float (megatron-core saves step.item()); TransformerEngine's and apex's
+        # FusedAdam keep an int step per group only, and refuse a step per parameter
+        raise UsageError(
+            refuse + f"its param groups' steps are {raw}, not torch Adam's float steps (TransformerEngine's "
+            "or apex's FusedAdam keep the step per group, and their state has no step per parameter)",
+            hint=hint,
+        )
+    if len(set(raw)) != 1:
+        raise UsageError(refuse + f"its param groups do not carry one common step ({raw})", hint=hint)
+    return float(raw[0])
+
+
+def check_group_keys(groups: list[dict[str, Any]], what: str) -> None:
+    """The distributed optimizer matches saved param groups to its own by megatron-core's
+    identifier keys: refuse groups (``what``) that lack them."""
+    for group in groups:
+        lacking = [k for k in _GROUP_KEYS if k not in group and f"pre_{k}" not in group]
+        if lacking:
+            raise UsageError(
+                f"--distributed-optimizer: {what} lack {', '.join(lacking)}, by which Megatron's distributed "
+                "optimizer matches them",
+            )
 
 
 def _scalar(value: float) -> _ptwrite.OutTensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from safetensors.torch import load_file
 
 from ckpttool import registry
 from ckpttool.export import export
+from ckpttool.manifest import Manifest
 from tests._compare import same_bits
 from tests.conftest import FIXTURES, run_cli
 
@@ -31,6 +33,20 @@ def _expected(name: str) -> dict[str, torch.Tensor]:
             prefix = max((p for p in SUFFIX if key.startswith(p)), key=len)
             out[key[len(prefix) :] + SUFFIX[prefix]] = value
     return out
+
+
+def _distopt_reads_as(name: str, ref: str, count: int, tmp_path: Path) -> Manifest:
+    """A torch_dist save with the distributed optimizer: no bucket is left as a tensor item, and the
+    export equals the reference ``ref`` (``count`` tensors) bit for bit. Returns its manifest."""
+    _, m = registry.describe(MG / name)
+    buckets = [n for n, i in m.items.items() if i.is_tensor and (n.startswith("optimizer.") or ".optimizer." in n)]
+    assert buckets == []
+    export(MG / name, tmp_path / "o.safetensors")
+    got = load_file(tmp_path / "o.safetensors")
+    want = _expected(ref)
+    assert len(want) == count
+    assert [k for k, v in want.items() if k not in got or not same_bits(got[k], v)] == []
+    return m
 
 
 @pytest.mark.parametrize(
@@ -321,16 +337,10 @@ def test_torch_dist_distributed_optimizer_reads_as_its_gather(name, tmp_path):
     default dp_reshardable layout (each grad-buffer bucket one 1-D tensor per state, cut between
     the two DP ranks, de-bucketed by replaying the buffer layout) and the fully_reshardable one
     (model space) both read as the run's own fully_reshardable gather, bit for bit."""
-    _, m = registry.describe(MG / name)
+    m = _distopt_reads_as(name, "dist_tp2pp2dp2_distopt", 108, tmp_path)
     assert (m.layout.tp, m.layout.pp, m.layout.dp) == (2, 2, 2)
     sharding = "fully_reshardable" if name.endswith("_fr") else "dp_reshardable"
     assert m.extras["distrib_optim_sharding_type"] == sharding
-    assert not any(n.startswith("optimizer.") and m.items[n].is_tensor for n in m.items)
-    export(MG / name, tmp_path / "o.safetensors")
-    got = load_file(tmp_path / "o.safetensors")
-    want = _expected("dist_tp2pp2dp2_distopt")
-    assert len(want) == 108
-    assert [k for k, v in want.items() if k not in got or not same_bits(got[k], v)] == []
     if sharding == "dp_reshardable":
         assert m.extras["distrib_optim"].startswith("de-bucketed")
         # a parameter the DP boundary of its bucket cuts in two: pieces of flat ranges, one per DP rank
@@ -349,14 +359,8 @@ def test_torch_dist_distributed_optimizer_with_experts_reads_as_its_gather(name,
     member's buckets under ``chained_<c>.`` with its own ``dp_group_idx`` (the TP x PP rank for the
     dense member, the expert TP x EP x PP rank for the experts'); both layouts read as the run's own
     gather (the legacy save's reference, one run), bit for bit."""
-    _, m = registry.describe(MG / name)
+    m = _distopt_reads_as(name, "legacy_pp2ep2_distopt", 116, tmp_path)
     assert (m.layout.pp, m.layout.ep, m.layout.dp) == (2, 2, 2)
-    assert not [n for n, i in m.items.items() if ".optimizer." in n and i.is_tensor]
-    export(MG / name, tmp_path / "o.safetensors")
-    got = load_file(tmp_path / "o.safetensors")
-    want = _expected("legacy_pp2ep2_distopt")
-    assert len(want) == 116
-    assert [k for k, v in want.items() if k not in got or not same_bits(got[k], v)] == []
     if not name.endswith("_fr"):
         assert m.extras["distrib_optim"].startswith("de-bucketed")
         # expert 3 of stage 1 is EP rank 1's (expert group rank (1 x 2 + 1) = 3, world rank 3); the
@@ -372,14 +376,8 @@ def test_torch_dist_distributed_optimizer_with_expert_tensor_parallelism_reads_a
     expert DP=2) and the distributed optimizer: the dense member's buckets by TP rank, the experts'
     by expert TP x EP rank (ETP=1: the EP rank), each split between two DP ranks; both layouts read
     as the run's own gather, bit for bit."""
-    _, m = registry.describe(MG / name)
+    m = _distopt_reads_as(name, "dist_tp2ep2etp1_distopt", 116, tmp_path)
     assert (m.layout.tp, m.layout.ep, m.layout.dp) == (2, 2, 2)
-    assert not [n for n, i in m.items.items() if ".optimizer." in n and i.is_tensor]
-    export(MG / name, tmp_path / "o.safetensors")
-    got = load_file(tmp_path / "o.safetensors")
-    want = _expected("dist_tp2ep2etp1_distopt")
-    assert len(want) == 116
-    assert [k for k, v in want.items() if k not in got or not same_bits(got[k], v)] == []
     if not name.endswith("_fr"):
         assert m.extras["distrib_optim"].startswith("de-bucketed")
         # an expert whole (ETP=1) in its EP rank's buckets (expert rank 1: world rank 1 of the

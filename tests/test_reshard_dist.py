@@ -343,7 +343,7 @@ def test_distributed_optimizer_refusals(tmp_path):
             del group["wd_mult"]
 
     keyless = rewritten_copy(tmp_path / "keyless", DIST, strip, "iter_*/common.pt")
-    with pytest.raises(UsageError, match="the param groups of optimizer 0 lack wd_mult"):
+    with pytest.raises(UsageError, match="the param groups of common.pt's optimizer 0 lack wd_mult"):
         reshard(keyless, tmp_path / "b", Target(to="megatron-dist", distributed_optimizer=True))
     assert not (tmp_path / "b").exists()
 

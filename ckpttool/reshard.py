@@ -356,7 +356,7 @@ def plan(src: str | Path, target: Target, *, workers: int = 1, max_memory: str |
         executor = _DcpExec(adapter, manifest, target)
     else:
         raise UsageError(
-            f"--to {fmt!r}: reshard writes megatron (from Megatron legacy), megatron-dist (from Megatron legacy or "
+            f"--to {fmt!r}: reshard writes megatron and megatron-dist (from Megatron legacy or "
             "torch_dist), deepspeed (from DeepSpeed ZeRO-1/2/3), deepspeed-universal (from ZeRO-1/2) and dcp (from "
             "anything) so far",
             hint="'ckpttool convert --to safetensors' writes the Hugging Face layout",
@@ -406,14 +406,11 @@ class _MegatronExec(_FileExec):
         from ckpttool.formats.megatron import MegatronDistAdapter, MegatronLegacyAdapter
         from ckpttool.formats.megatron_write import MegatronTarget
 
-        sources = (MegatronLegacyAdapter, MegatronDistAdapter) if dist else (MegatronLegacyAdapter,)
-        if not isinstance(adapter, sources):
+        if not isinstance(adapter, MegatronLegacyAdapter | MegatronDistAdapter):
             raise UsageError(
-                f"--to {'megatron-dist' if dist else 'megatron'} reshards Megatron "
-                f"{'legacy or torch_dist' if dist else 'legacy'} checkpoints; this one is {manifest.format} "
-                f"({type(adapter).__name__})",
-                hint="'ckpttool convert --to dcp' or '--to safetensors' writes other formats"
-                + ("; '--to megatron-dist' writes torch_dist from it" if manifest.format == "megatron-dist" else ""),
+                f"--to {'megatron-dist' if dist else 'megatron'} reshards Megatron legacy or torch_dist checkpoints; "
+                f"this one is {manifest.format} ({type(adapter).__name__})",
+                hint="'ckpttool convert --to dcp' or '--to safetensors' writes other formats",
             )
         if target.dp is not None:
             raise UsageError(

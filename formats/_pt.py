@@ -204,9 +204,12 @@ def lookup(tree: Any, path: str) -> Any:
 def archive_cache(reader: PieceReader) -> Callable[[str], _torchzip.Archive]:
     """``rel -> open archive`` for a writer that copies objects out of the source's rank files:
     the archives the reader keeps open (it closes them)."""
-    if not isinstance(reader, PtReader):
-        raise TypeError(f"expected a torch.save reader, got {type(reader).__name__}")
-    return reader.archive
+    if isinstance(reader, PtReader):
+        return reader.archive
+    inner = getattr(reader, "pt", None)  # a reader of other files that has torch.save files beside them
+    if isinstance(inner, PtReader):
+        return inner.archive
+    raise TypeError(f"expected a torch.save reader, got {type(reader).__name__}")
 
 
 def match_param_ids(

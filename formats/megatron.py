@@ -544,6 +544,11 @@ class MegatronDistReader(DcpReader):
         super().__init__(manifest, ALLOWLIST)
         self._pt = _pt.PtReader(manifest, ALLOWLIST)
 
+    @property
+    def pt(self) -> _pt.PtReader:
+        """The reader of ``common.pt`` (a torch.save file)."""
+        return self._pt
+
     def read_object(self, item: Item) -> Any:
         if item.pieces and item.pieces[0].file == "common.pt":
             return self._pt.read_object(item)

@@ -64,6 +64,7 @@ from ckpttool.formats.megatron import _LAYER, _TE_TO_LOCAL, ALLOWLIST, BUCKET_OB
 from ckpttool.formats.megatron_write import (
     LegacyWriter,
     MegatronTarget,
+    SourceObject,
     _base_param,
     _Fill,
     _is_vocab,
@@ -74,6 +75,7 @@ from ckpttool.formats.megatron_write import (
     _Source,
     check_group_keys,
     group_step,
+    module_order,
 )
 from ckpttool.geometry import Box
 from ckpttool.hashing import open_output
@@ -219,29 +221,7 @@ class DistWriter(LegacyWriter):
         return out
 
     def _float16_commons(self) -> list[dict[str, Any]]:
-        """The Float16 optimizer's part of a torch_dist ``common.pt``, per optimizer, with its common
-        step read (the distributed optimizer keeps it as a float in each group)."""
-        common = self.src.objs[(0, 0, 0)].get("optimizer")
-        members = [common[k] for k in sorted(common)] if _is_chain(common) else [common]
-        archive, _, _ = _pt.load(self.root, "common.pt", ALLOWLIST)
-        try:
-            out = []
-            for k, member in enumerate(members):
-                inner: dict[str, Any] = member.get("optimizer") or {} if isinstance(member, dict) else {}
-                state = inner.get("state")
-                step = state.get("common_step") if isinstance(state, dict) else None
-                if step is None:
-                    raise UsageError(
-                        f"--distributed-optimizer: common.pt's optimizer {k} has no common_step (it never stepped, "
-                        "or it is not megatron-core's Float16 optimizer state)"
-                    )
-                if isinstance(step, _unpickle.TensorRef):
-                    step = read_tensor(archive, step).reshape(-1)[0]
-                value = {**inner, "state": {**inner["state"], "common_step": float(step)}}
-                out.append({**member, "optimizer": value})
-            return out
-        finally:
-            archive.close()
+        return float16_members(self.root, self.src.objs[(0, 0, 0)].get("optimizer"), "--distributed-optimizer")
 
     def _source(self, root: Path, manifest: Manifest) -> _Source:
         if not self.from_dist:
@@ -254,7 +234,7 @@ class DistWriter(LegacyWriter):
         experts = int(getattr(common["args"], "num_experts", None) or 0)
         distopt = bool(getattr(common["args"], "use_distributed_optimizer", False))
         if distopt:
-            self._check_distopt_source(manifest)
+            check_distopt_source(manifest)
         return _Source(
             tp=lay.tp or 1,
             pp=lay.pp or 1,
@@ -264,74 +244,11 @@ class DistWriter(LegacyWriter):
             experts=experts,
             distopt=distopt,
             etp=own_etp(common["args"]),
+            dist=True,
         )
 
-    def _check_distopt_source(self, manifest: Manifest) -> None:
-        """Refuse what the ``fully_reshardable`` output cannot be written from, with the reason."""
-        sharding = manifest.extras.get("distrib_optim_sharding_type")
-        kept = str(manifest.extras.get("distrib_optim", ""))
-        if sharding not in ("dp_reshardable", "fully_reshardable"):
-            raise UsageError(
-                f"this torch_dist checkpoint's distributed-optimizer layout is {sharding!r}; ckpttool rewrites "
-                "dp_reshardable and fully_reshardable (megatron-core 0.13 and later)",
-                hint="'ckpttool convert --to dcp' keeps its state in a layout-free form",
-            )
-        if kept.startswith("kept as"):
-            raise UsageError(
-                f"this torch_dist checkpoint's distributed-optimizer state is {kept}",
-                hint="'ckpttool inspect' shows the buckets as saved; 'ckpttool convert --to dcp' keeps them",
-            )
-
     def _model_space_commons(self) -> list[dict[str, Any]]:
-        """The optimizer's part of ``common.pt`` in the ``fully_reshardable`` layout, per optimizer
-        (megatron-core's ChainedOptimizer under expert parallelism: the dense, then the experts'):
-        the optimizer state dict without per-parameter state (param groups with their step; a grad
-        scaler), which a ``dp_reshardable`` source keeps once per model-parallel rank as
-        ShardedObjects (``[chained_<c>.]optimizer.distributed.dp_group_idx_<g>.<key>``); those must
-        agree."""
-        common = self.src.objs[(0, 0, 0)].get("optimizer")
-        if self.manifest.extras.get("distrib_optim_sharding_type") == "fully_reshardable":
-            members = [common[k] for k in sorted(common)] if _is_chain(common) else [common]
-            for k, member in enumerate(members):
-                if not isinstance(member, dict) or not isinstance(member.get("optimizer"), dict):
-                    raise CorruptFileError(
-                        f"common.pt: no optimizer state dict beside the fully_reshardable state (optimizer {k})"
-                    )
-            return [{k: v for k, v in m.items() if k != "param_state_sharding_type"} for m in members]
-        from ckpttool.formats.megatron import MegatronDistReader
-
-        found: dict[tuple[int | None, int], dict[str, Any]] = {}  # (chain member, dp_group_idx) -> objects
-        with MegatronDistReader(self.manifest) as reader:
-            for name, item in self.manifest.items.items():
-                m = BUCKET_OBJECT.match(name)
-                if m is None or m["key"] in ("per_bucket_numel", "per_bucket_numel_unpadded"):
-                    continue
-                value = reader.read_object(item)
-                # megatron-core stores a ShardedObject as [value]
-                if not isinstance(value, list) or len(value) != 1:
-                    raise CorruptFileError(f"{name}: expected [value], found {type(value).__name__}")
-                c = None if m["c"] is None else int(m["c"])
-                found.setdefault((c, int(m["g"])), {})[m["key"]] = value[0]
-        chain = sorted({c for c, _ in found}, key=lambda c: -1 if c is None else c)
-        if chain not in ([None], [0, 1]) or any("optimizer" not in v for v in found.values()):
-            raise CorruptFileError(
-                "the param groups of this dp_reshardable checkpoint are missing: expected an "
-                "optimizer.distributed.dp_group_idx_<g>.optimizer object for every model-parallel rank (chained_0. "
-                f"and chained_1. under expert parallelism), found them for {sorted(map(str, found))[:6]}"
-            )
-        out = []
-        for c in chain:
-            groups = {g: v for (k, g), v in found.items() if k == c}
-            first = groups[min(groups)]
-            differ = sorted(g for g, v in groups.items() if repr(v) != repr(first))
-            if differ:
-                member = "" if c is None else f" ({'dense' if c == 0 else 'expert'} optimizer)"
-                raise UsageError(
-                    f"the optimizer state{member} of model-parallel ranks {differ} differs from rank "
-                    f"{min(groups)}'s (param groups, step); the fully_reshardable layout keeps one for all"
-                )
-            out.append(first)
-        return out
+        return model_space_members(self.manifest, self.src.objs[(0, 0, 0)].get("optimizer"))
 
     # -- planning --------------------------------------------------------------------------------
 
@@ -633,6 +550,246 @@ class DistWriter(LegacyWriter):
                 "which Megatron-LM loads at any TP and PP: resume with --use-distributed-optimizer"
             )
         return out
+
+
+_LEGACY_ORDER = ("args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler")
+"""the first entries of a legacy rank file, as Megatron-LM's ``generate_state_dict`` makes them
+(then ``rerun_state_machine``, ``rng_state`` and what ``save_checkpoint`` adds)"""
+
+
+def load_dist_source(root: Path, manifest: Manifest) -> _Source:
+    """A ``torch_dist`` checkpoint as the legacy writer's source: one rank-file template per source
+    (TP, PP, EP) rank (``common.pt``'s entries in a legacy rank file's order, the rank's
+    ``rng_state`` record), the model entries in megatron-core's module order (:func:`module_order`:
+    torch_dist does not keep it), ``_extra_state`` records by their legacy names, and the param
+    groups of ``common.pt`` (of the distributed optimizer's ``dp_reshardable`` records), each with
+    the common step. torch_dist keeps no module ``_metadata`` (Megatron-LM's own torch_dist load
+    gives the model none either)."""
+    archive, common, _ = _pt.load(root, "common.pt", ALLOWLIST)
+    archive.close()
+    if not isinstance(common, dict) or "args" not in common:
+        raise UsageError("common.pt has no args: ckpttool cannot tell the model's layout")
+    args = common["args"]
+    lay = manifest.layout
+    src = _Source(
+        tp=lay.tp or 1,
+        pp=lay.pp or 1,
+        objs={},
+        rels={},
+        ep=lay.ep or 1,
+        experts=int(getattr(args, "num_experts", None) or 0),
+        distopt=bool(getattr(args, "use_distributed_optimizer", False)),
+        etp=own_etp(args),
+        dist=True,
+    )
+    if src.experts and any((slot := expert_slot(n)) and slot[2] for n in manifest.items):
+        raise UsageError("writing legacy checkpoints of grouped-GEMM experts from torch_dist is not supported yet")
+    local_spec = getattr(args, "transformer_impl", None) == "local"
+    names: list[str] = []
+    unknown: list[str] = []
+    rng: dict[str, Item] = {}
+    for name, item in manifest.items.items():
+        if item.pieces and item.pieces[0].file == "common.pt":
+            continue  # common.pt's entries: carried from the template
+        if item.is_tensor:
+            if item.kind not in ("optim", "master", "rng"):
+                names.append(name)
+        elif name.startswith("rng_state/shard_"):
+            rng[name] = item
+        elif src.distopt and BUCKET_OBJECT.match(name):
+            continue  # the dp_reshardable optimizer's records: read for the param groups
+        elif (legacy := _legacy_object_name(name, local_spec)) is not None:
+            src.objects[legacy] = item
+        else:
+            unknown.append(name)
+    if unknown:
+        raise UsageError(
+            f"no rule to place {len(unknown)} torch_dist records in a legacy checkpoint: "
+            + ", ".join(unknown[:4])
+            + (" …" if len(unknown) > 4 else "")
+        )
+    if any(n.startswith("output_layer.") for n in names) or "embedding.word_embeddings.weight" in names:
+        # megatron-core drops the output layer's _extra_state on save; it is always None
+        src.objects.setdefault("output_layer._extra_state", None)
+    src.model_order = module_order([*names, *src.objects])
+    opt = common.get("optimizer")
+    if opt is not None:
+        why = "--to megatron from this torch_dist checkpoint"
+        if src.distopt:
+            check_distopt_source(manifest)
+            members = model_space_members(manifest, opt)
+        else:
+            members = float16_members(root, opt, why)
+        for member in members:
+            inner = member["optimizer"]
+            step = inner.get("state", {}).get("common_step")
+            for group in inner.get("param_groups") or []:
+                hyper = {k: v for k, v in group.items() if k != "params"}
+                if step is not None:
+                    hyper["step"] = step
+                if hyper not in src.groups:
+                    src.groups.append(hyper)
+        extra = {k: v for k, v in members[0].items() if k not in ("optimizer", "param_state_sharding_type")}
+        bucketed = manifest.extras.get("distrib_optim_sharding_type") == "dp_reshardable"
+        if src.distopt and bucketed and _has_tensor(extra):
+            raise UsageError(
+                "--to megatron from a dp_reshardable checkpoint whose optimizer keeps tensors beside its state (a "
+                "grad scaler's) is not supported yet",
+                hint="'ckpttool convert --to megatron-dist' rewrites it as torch_dist",
+            )
+        src.optimizer_extra = ("common.pt", extra)
+    template = {
+        k: None if k in ("model", "optimizer") else common[k] for k in _LEGACY_ORDER if k in common or k == "model"
+    }
+    if "rerun_state_machine" in common:
+        template["rerun_state_machine"] = common["rerun_state_machine"]
+    after = {k: v for k, v in common.items() if k not in template and k != "content_metadata"}
+    sdp = next(
+        (int(n.rsplit("_", 1)[1].rsplit(".", 1)[1]) for n in rng if n.rsplit("_", 1)[1].count(".") == 2), 0
+    )  # under expert parallelism: sharded by data-parallel rank too
+    for t in range(src.tp):
+        for p in range(src.pp):
+            for e in range(src.ep):
+                name = (
+                    f"rng_state/shard_{p}.{t}.{e % sdp}_{src.pp}.{src.tp}.{sdp}"
+                    if sdp
+                    else f"rng_state/shard_{p}.{t}_{src.pp}.{src.tp}"
+                )
+                obj = dict(template)
+                if name in rng:
+                    obj["rng_state"] = SourceObject(rng[name])
+                obj.update(after)
+                src.objs[(t, p, e)], src.rels[(t, p, e)] = obj, "common.pt"
+    return src
+
+
+def _legacy_object_name(name: str, local_spec: bool) -> str | None:
+    """The legacy model entry of a torch_dist ``_extra_state`` record (None: not one): a layer's
+    ``<key>/shard_<layer>_<L>``, a routed expert's
+    ``decoder.layers.mlp.experts.experts.<rest>/shard_<layer>.<expert>_<L>.<E>``."""
+    m = _SHARD.match(name)
+    if m is None or not m["key"].endswith("._extra_state"):
+        return None
+    key, offsets = m["key"], m["offsets"].split(".")
+    if not key.startswith("decoder.layers."):
+        return key if offsets == ["0"] else None
+    rest = key[len("decoder.layers.") :]
+    if rest.startswith("mlp.experts.experts."):
+        if len(offsets) != 2:
+            return None
+        rest = f"mlp.experts.local_experts.{offsets[1]}.{rest[len('mlp.experts.experts.') :]}"
+    elif len(offsets) != 1:
+        return None
+    if local_spec:
+        rest = _TE_TO_LOCAL.get(rest, rest)
+    return f"decoder.layers.{offsets[0]}.{rest}"
+
+
+def _has_tensor(value: Any) -> bool:
+    if isinstance(value, _unpickle.TensorRef):
+        return True
+    if isinstance(value, dict):
+        return any(_has_tensor(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_has_tensor(v) for v in value)
+    return False
+
+
+def float16_members(root: Path, optimizer: Any, why: str) -> list[dict[str, Any]]:
+    """The Float16 (or FP32) optimizer's part of a torch_dist ``common.pt`` (its ``optimizer``
+    entry), per optimizer: one, or megatron-core's chain's dense and expert members. Each is
+    ``{'optimizer': {'state': {'common_step': t}, 'param_groups': [...]}, ...}``, its common step
+    read as a float here (the distributed optimizer keeps it so in each group); ``why``: what
+    needs it, for the refusal."""
+    members = [optimizer[k] for k in sorted(optimizer)] if _is_chain(optimizer) else [optimizer]
+    archive, _, _ = _pt.load(root, "common.pt", ALLOWLIST)
+    try:
+        out = []
+        for k, member in enumerate(members):
+            inner: dict[str, Any] = member.get("optimizer") or {} if isinstance(member, dict) else {}
+            state = inner.get("state")
+            step = state.get("common_step") if isinstance(state, dict) else None
+            if step is None:
+                raise UsageError(
+                    f"{why}: common.pt's optimizer {k} has no common_step (it never stepped, or it is not "
+                    "megatron-core's Float16 optimizer state)"
+                )
+            if isinstance(step, _unpickle.TensorRef):
+                step = read_tensor(archive, step).reshape(-1)[0]
+            value = {**inner, "state": {**inner["state"], "common_step": float(step)}}
+            out.append({**member, "optimizer": value})
+        return out
+    finally:
+        archive.close()
+
+
+def check_distopt_source(manifest: Manifest) -> None:
+    """Refuse a torch_dist distributed-optimizer layout that is not read as the run's parameters,
+    with the reason."""
+    sharding = manifest.extras.get("distrib_optim_sharding_type")
+    kept = str(manifest.extras.get("distrib_optim", ""))
+    if sharding not in ("dp_reshardable", "fully_reshardable"):
+        raise UsageError(
+            f"this torch_dist checkpoint's distributed-optimizer layout is {sharding!r}; ckpttool rewrites "
+            "dp_reshardable and fully_reshardable (megatron-core 0.13 and later)",
+            hint="'ckpttool convert --to dcp' keeps its state in a layout-free form",
+        )
+    if kept.startswith("kept as"):
+        raise UsageError(
+            f"this torch_dist checkpoint's distributed-optimizer state is {kept}",
+            hint="'ckpttool inspect' shows the buckets as saved; 'ckpttool convert --to dcp' keeps them",
+        )
+
+
+def model_space_members(manifest: Manifest, optimizer: Any) -> list[dict[str, Any]]:
+    """The optimizer's part of ``common.pt`` in the ``fully_reshardable`` layout, per optimizer
+    (megatron-core's ChainedOptimizer under expert parallelism: the dense, then the experts'):
+    the optimizer state dict without per-parameter state (param groups with their step; a grad
+    scaler), which a ``dp_reshardable`` source keeps once per model-parallel rank as
+    ShardedObjects (``[chained_<c>.]optimizer.distributed.dp_group_idx_<g>.<key>``); those must
+    agree. ``optimizer``: ``common.pt``'s entry."""
+    if manifest.extras.get("distrib_optim_sharding_type") == "fully_reshardable":
+        members = [optimizer[k] for k in sorted(optimizer)] if _is_chain(optimizer) else [optimizer]
+        for k, member in enumerate(members):
+            if not isinstance(member, dict) or not isinstance(member.get("optimizer"), dict):
+                raise CorruptFileError(
+                    f"common.pt: no optimizer state dict beside the fully_reshardable state (optimizer {k})"
+                )
+        return [{k: v for k, v in m.items() if k != "param_state_sharding_type"} for m in members]
+    from ckpttool.formats.megatron import MegatronDistReader
+
+    found: dict[tuple[int | None, int], dict[str, Any]] = {}  # (chain member, dp_group_idx) -> objects
+    with MegatronDistReader(manifest) as reader:
+        for name, item in manifest.items.items():
+            m = BUCKET_OBJECT.match(name)
+            if m is None or m["key"] in ("per_bucket_numel", "per_bucket_numel_unpadded"):
+                continue
+            value = reader.read_object(item)
+            # megatron-core stores a ShardedObject as [value]
+            if not isinstance(value, list) or len(value) != 1:
+                raise CorruptFileError(f"{name}: expected [value], found {type(value).__name__}")
+            c = None if m["c"] is None else int(m["c"])
+            found.setdefault((c, int(m["g"])), {})[m["key"]] = value[0]
+    chain = sorted({c for c, _ in found}, key=lambda c: -1 if c is None else c)
+    if chain not in ([None], [0, 1]) or any("optimizer" not in v for v in found.values()):
+        raise CorruptFileError(
+            "the param groups of this dp_reshardable checkpoint are missing: expected an "
+            "optimizer.distributed.dp_group_idx_<g>.optimizer object for every model-parallel rank (chained_0. "
+            f"and chained_1. under expert parallelism), found them for {sorted(map(str, found))[:6]}"
+        )
+    out = []
+    for c in chain:
+        groups = {g: v for (k, g), v in found.items() if k == c}
+        first = groups[min(groups)]
+        differ = sorted(g for g, v in groups.items() if repr(v) != repr(first))
+        if differ:
+            member = "" if c is None else f" ({'dense' if c == 0 else 'expert'} optimizer)"
+            raise UsageError(
+                f"the optimizer state{member} of model-parallel ranks {differ} differs from rank "
+                f"{min(groups)}'s (param groups, step); the fully_reshardable layout keeps one for all"
+            )
+        out.append(first)
+    return out
 
 
 def _is_chain(optimizer: Any) -> bool:

@@ -106,6 +106,19 @@ class _Source:
     etp: int = 0
     """expert tensor-parallel ranks (``args.expert_tensor_parallel_size``; 0: the experts split as
     the other layers, TP ways)"""
+    dist: bool = False
+    """a ``torch_dist`` source: one ``common.pt`` for all ranks, global tensors, ``ShardedObject``
+    records; its param groups (from ``common.pt``, each given the common step) name no members"""
+    objects: dict[str, Item | None] = field(default_factory=dict)
+    """model entries that are no manifest items by their legacy name: a ``torch_dist`` source's
+    ``_extra_state`` records (``ShardedObject`` items) by the entry's name, or None for an entry
+    megatron-core does not save (``output_layer._extra_state``, always None)"""
+
+    @property
+    def memberless(self) -> bool:
+        """Whether the param groups do not say which parameters are theirs (the distributed
+        optimizer's, and any ``torch_dist`` checkpoint's): each carries the common ``step``."""
+        return self.distopt or self.dist
 
     def key(self, t: int, p: int, e: int) -> tuple[int, int, int]:
         """A rank file of PP rank ``p`` and EP rank ``e`` (TP rank ``t`` if it has one: under expert
@@ -117,6 +130,21 @@ class _Source:
         if found is None:
             raise CorruptFileError(f"no rank file of PP rank {want[1]} and EP rank {want[2]} in the source")
         return found
+
+
+@dataclass(frozen=True, slots=True)
+class SourceObject:
+    """A ``torch_dist`` source's ``ShardedObject`` record (megatron-core stores it as ``[value]``),
+    read when the file that holds its value is written."""
+
+    item: Item
+
+    def value(self, reader: PieceReader) -> Any:
+        """The record's value, its tensors carried."""
+        got = _ptwrite.carried(reader, self.item)
+        if not isinstance(got, list) or len(got) != 1:
+            raise CorruptFileError(f"{self.item.name}: expected a ShardedObject's [value], found {type(got).__name__}")
+        return got[0]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -286,6 +314,82 @@ def _canonical(names: list[str]) -> list[str]:
         return (1, layer, block_at[layer], *inner)
 
     return [n for _, n in sorted(enumerate(seen), key=key)]
+
+
+_CHILD_ORDER = {
+    # GPTModel
+    "embedding": 0,
+    "rotary_pos_emb": 1,
+    "decoder": 2,
+    "output_layer": 3,
+    # LanguageModelEmbedding
+    "word_embeddings": 0,
+    "position_embeddings": 1,
+    "tokentype_embeddings": 2,
+    # TransformerBlock
+    "layers": 0,
+    "final_layernorm": 1,
+    # TransformerLayer
+    "input_layernorm": 0,
+    "self_attention": 1,
+    "pre_cross_attn_layernorm": 2,
+    "cross_attention": 3,
+    "pre_mlp_layernorm": 4,
+    "mlp": 5,
+    # SelfAttention (Attention builds core_attention and linear_proj before linear_qkv)
+    "core_attention": 0,
+    "linear_proj": 1,
+    "linear_qkv": 2,
+    "q_layernorm": 3,
+    "k_layernorm": 4,
+    # MLP, MoELayer, SequentialMLP
+    "linear_fc1": 0,
+    "linear_fc2": 1,
+    "router": 0,
+    "experts": 1,
+    "shared_experts": 2,
+    "local_experts": 0,
+}
+"""megatron-core 0.16's GPT modules: the order in which each registers its submodules"""
+_LEAF_ORDER = {
+    "layer_norm_weight": 0,
+    "layer_norm_bias": 1,
+    "weight": 2,
+    "bias": 3,
+    "gate_weight": 4,
+    "expert_bias": 10,
+    "global_tokens_per_expert": 11,
+    "_extra_state": 20,
+}
+"""a module's own entries: its parameters in registration order, then its persistent buffers, then
+``_extra_state`` (``torch.nn.Module.state_dict`` saves them so, before its submodules')"""
+
+
+def module_order(names: list[str]) -> list[str]:
+    """Model entries (global layer and expert numbers) in the order megatron-core's GPT model
+    registers them: the order of its ``state_dict`` and of ``parameters()``, by which Megatron's
+    optimizers number their parameters and lay out their grad buffers. For a source that does not
+    keep that order (``torch_dist``, whose ``.metadata`` lists keys in the order ranks saved them).
+    A module or entry this table does not know is refused: guessing would give the optimizer state
+    of one parameter to another of the same shape."""
+
+    def key(name: str) -> tuple[tuple[int, int], ...]:
+        parts = name.split(".")
+        out = []
+        for i, part in enumerate(parts):
+            leaf = i == len(parts) - 1
+            rank = int(part) if part.isdigit() and not leaf else (_LEAF_ORDER if leaf else _CHILD_ORDER).get(part)
+            if rank is None:
+                raise UsageError(
+                    f"{name}: ckpttool does not know where megatron-core's GPT model registers "
+                    f"{'entry' if leaf else 'module'} {part!r}, and a torch_dist checkpoint does not record the "
+                    "module order a legacy checkpoint's optimizer state follows",
+                    hint="'ckpttool convert --to megatron-dist' or '--to dcp' keeps it in a layout that needs no order",
+                )
+            out.append((0, rank) if leaf else (1, rank))
+        return tuple(out)
+
+    return sorted(dict.fromkeys(names), key=key)
 
 
 def _num_layers(args: Any) -> int:
@@ -545,7 +649,7 @@ class LegacyWriter:
         self.divisor = self._vocab_divisor()
         """the ``make_vocab_size_divisible_by`` recorded in ``args`` when the source's would not
         give ``padded`` rows at the new TP (None: it does)"""
-        missing = [n for n in self.src.model_order if n not in self.manifest.items]
+        missing = [n for n in self.src.model_order if n not in self.manifest.items and n not in self.src.objects]
         if missing:
             raise CorruptFileError(f"model entries missing from the manifest: {', '.join(missing[:4])}")
         want = target.distributed_optimizer
@@ -555,12 +659,12 @@ class LegacyWriter:
         file by its (TP, PP, EP) rank; None: the experts split as the other layers"""
         if self.src.etp or self.etp != target.tp:
             self._expert_layout()
-        if self.src.distopt and not self.distopt:
+        if self.src.memberless and not self.distopt:
             self._infer_membership()
         if self.distopt and not self.src.distopt:
             self._check_distopt_groups()
         if (
-            self.src.distopt
+            self.src.memberless
             and self._chained
             and self.src.groups  # (a torch_dist source carries none here: DistWriter checks its EP itself)
             and not any(g.get("is_expert_parallel") for g in self.src.groups)
@@ -573,7 +677,7 @@ class LegacyWriter:
             )
 
     def _expert_layout(self) -> None:
-        if self.distopt or self.src.distopt:
+        if self.distopt or (self.src.distopt and not self.src.dist):
             raise UsageError(
                 f"the experts are split {self.etp} ways (expert tensor parallelism), the other layers "
                 f"{self.target.tp} ways: the distributed optimizer's layout of that is not supported yet",
@@ -683,10 +787,14 @@ class LegacyWriter:
         """The distributed optimizer matches saved param groups to its own by Megatron's identifier
         keys; a source whose groups lack them cannot be loaded so."""
         check_group_keys(self.src.groups, "the source's param groups")
-        if not self.src.step_of:
+        if not self.src.step_of and not self.src.memberless:
             raise UsageError("--distributed-optimizer: the source's optimizer has no step (it never stepped)")
 
     def _source(self, root: Path, manifest: Manifest) -> _Source:
+        if manifest.format == "megatron-dist":
+            from ckpttool.formats.megatron_dist_write import load_dist_source
+
+            return load_dist_source(root, manifest)
         return load_source(root, manifest)
 
     def _vocab_rows(self) -> int | None:
@@ -768,6 +876,8 @@ class LegacyWriter:
         return [n for v in range(self.vpp) for n in self._chunk_names(p, v, e)]
 
     def _item(self, name: str) -> Item:
+        if name in self.src.objects:  # a torch_dist record (or an entry it does not save)
+            return self.src.objects[name] or Item(name=name, kind="object")
         item = self.manifest.items.get(name)
         if item is None and self.tied and name.startswith("output_layer.weight"):
             item = self.manifest.items.get(name.replace("output_layer.weight", "embedding.word_embeddings.weight"))
@@ -946,11 +1056,15 @@ class LegacyWriter:
                 if item.is_tensor:
                     check_coverage(item)
                     model[local] = self._out(item, (t, p, e), reader)
+                elif name in self.src.objects:
+                    record = self.src.objects[name]
+                    model[local] = None if record is None else SourceObject(record).value(reader)
                 else:
                     piece = next((pc for pc in item.pieces if pc.rank == t % self.src.tp), item.pieces[0])
                     value = reader.read_object(Item(name=item.name, kind=item.kind, pieces=[piece]))
                     model[local] = _ptwrite.carry(value, partial(archive, piece.file))
-            model.__dict__["_metadata"] = self._metadata(p, v, e, chunk, offset)
+            if self.src.metadata:  # (torch_dist keeps none)
+                model.__dict__["_metadata"] = self._metadata(p, v, e, chunk, offset)
             models["model" if self.vpp == 1 else f"model{v}"] = model
             names += chunk
         tree: dict[str, Any] = {}
@@ -963,8 +1077,8 @@ class LegacyWriter:
                     tree[key] = states if self._chained else states[0]
                 else:
                     tree[key] = self._optimizers((t, p, e), names, reader, archive)
-            elif key == "rng_state":
-                tree[key] = _ptwrite.carry(value, partial(archive, rel))
+            elif isinstance(value, SourceObject):  # a torch_dist source's RNG record
+                tree[key] = value.value(reader)
             elif key == "args":
                 tree[key] = self._args(value, t, p, e)
             else:
@@ -994,6 +1108,10 @@ class LegacyWriter:
         d = new.__dict__
         if "use_distributed_optimizer" in d or self.distopt:
             d["use_distributed_optimizer"] = self.distopt
+        if self.rank_files and d.get("ckpt_format") == "torch_dist":  # legacy, from torch_dist
+            d["ckpt_format"] = "torch"
+            if "use_dist_ckpt" in d:
+                d["use_dist_ckpt"] = False
         old_tp = d.get("tensor_model_parallel_size")
         # ranks and world size for the DP the output resumes at; data_parallel_size stays the source
         # run's (what the RNG of a later reshard is laid out for)
@@ -1092,6 +1210,12 @@ class LegacyWriter:
             )
         if self.target.pp > 1 and _num_layers(self.args):
             out.append(self._placement_note())
+        if self.src.dist and self.rank_files:
+            out.append(
+                "written from a torch_dist checkpoint: Megatron-LM reads it with --ckpt-format torch; the modules' "
+                "_metadata (versions) is left out, as torch_dist keeps none (Megatron-LM's torch_dist load gives "
+                "the model none either)"
+            )
         if self.src.distopt != self.distopt:
             out.append(
                 "optimizer state written for megatron-core's distributed optimizer: resume with "
@@ -1151,7 +1275,7 @@ class LegacyWriter:
         kinds: dict[int, set[bool]] = {}
         for name, g in self.src.group_of.items():
             kinds.setdefault(g, set()).add(is_expert(name))
-        if self.src.distopt:
+        if self.src.memberless:
             kinds = {g: {bool(h.get("is_expert_parallel"))} for g, h in enumerate(self.src.groups)}
         out: list[tuple[dict[str, Any], set[int]]] = []
         for g, hyper in enumerate(self.src.groups):
@@ -1217,7 +1341,7 @@ class LegacyWriter:
         """What ``DistributedOptimizer.state_dict`` saves in the rank file: the param groups without
         their members, each with the common ``step`` (its tensors go in ``distrib_optim.pt``);
         ``kind`` as for :meth:`_target_groups`."""
-        if self.src.distopt:  # the groups as saved, each with its step
+        if self.src.memberless:  # the groups as saved, each with its step
             groups = [hyper for hyper, _ in self._target_groups(kind)]
         else:
             steps = set()

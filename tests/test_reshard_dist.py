@@ -353,13 +353,14 @@ def test_refusals(tmp_path):
     for target, message in [
         (Target(to="megatron-dist", tp=3), "does not divide the 4 attention heads"),
         (Target(to="megatron-dist", pp=3), "PP=3 does not divide the 4 layers"),
-        (Target(to="megatron", tp=1), "--to megatron reshards Megatron legacy"),
+        (Target(to="megatron", tp=3), "does not divide the 4 attention heads"),
     ]:
         with pytest.raises(UsageError, match=message):
             reshard(DIST if target.to == "megatron" else LEGACY, out, target)
         assert not out.exists()
-    with pytest.raises(UsageError, match="--to megatron-dist reshards Megatron legacy or torch_dist"):
-        reshard(FIXTURES / "dcp" / "fsdp2", out, Target(to="megatron-dist"))
+    for to in ("megatron-dist", "megatron"):
+        with pytest.raises(UsageError, match=f"--to {to} reshards Megatron legacy or torch_dist"):
+            reshard(FIXTURES / "dcp" / "fsdp2", out, Target(to=to))
 
 
 def test_a_model_entry_without_a_rule_is_refused(monkeypatch):

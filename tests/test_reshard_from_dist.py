@@ -1,0 +1,169 @@
+"""reshard / convert from Megatron ``torch_dist`` to the legacy layout (``--to megatron``): the files
+Megatron-LM's own legacy save of the same training state writes, and Megatron-LM's
+``load_checkpoint`` as the oracle at new layouts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckpttool import registry
+from ckpttool.diff import diff
+from ckpttool.errors import UsageError
+from ckpttool.reshard import Target, reshard
+from ckpttool.verify import verify
+from tests.conftest import FIXTURES, load_pt
+from tests.test_reshard import STATE_KINDS, _megatron_lm, _oracle, _rank_files, _ref, _tree
+
+MEGATRON = FIXTURES / "megatron"
+
+
+_RUN_ARGS = ("save", "dist_ckpt_optim_fully_reshardable")
+"""args that differ between two saves of one state: the folder, the torch_dist layout asked for"""
+
+
+def _blind(tree: Any) -> Any:
+    """A :func:`_tree` without the modules' ``_metadata`` (torch_dist keeps none) and the args of
+    :data:`_RUN_ARGS`."""
+    if isinstance(tree, tuple) and len(tree) == 3 and tree[0] == "dict":
+        return ("dict", [(k, _blind(v)) for k, v in tree[1] if k not in _RUN_ARGS], None)
+    if isinstance(tree, tuple) and len(tree) == 2 and isinstance(tree[1], list):
+        return (tree[0], [_blind(v) for v in tree[1]])
+    if isinstance(tree, tuple) and len(tree) == 2 and isinstance(tree[1], tuple):
+        return (tree[0], _blind(tree[1]))
+    return tree
+
+
+def _same_files(ours: Path, theirs: Path) -> None:
+    """Every rank file of ``ours`` holds ``theirs``' tree (model, optimizer, RNG, scheduler, args),
+    and every ``distrib_optim.pt`` is theirs byte for byte."""
+    a, b = _rank_files(ours), _rank_files(theirs)
+    assert list(a) == list(b)
+    for name in b:
+        assert _blind(_tree(a[name])) == _blind(_tree(b[name])), name
+    distrib = sorted(p.relative_to(theirs) for p in theirs.glob("iter_*/*/distrib_optim.pt"))
+    assert distrib == sorted(p.relative_to(ours) for p in ours.glob("iter_*/*/distrib_optim.pt"))
+    for rel in distrib:
+        assert (ours / rel).read_bytes() == (theirs / rel).read_bytes(), rel
+
+
+@pytest.mark.parametrize(
+    ("source", "theirs"),
+    [
+        ("dist_tp2pp2", "legacy_tp2pp2"),
+        ("dist_pp2vpp2", "legacy_pp2vpp2"),
+        ("dist_tp2ep2etp1", "legacy_tp2ep2etp1"),
+        ("dist_pp2ep2_distopt", "legacy_pp2ep2_distopt"),
+        ("dist_pp2ep2_distopt_fr", "legacy_pp2ep2_distopt"),
+    ],
+)
+def test_is_what_megatron_lm_saves(source, theirs, tmp_path):
+    """torch_dist -> legacy at the same layout: Megatron-LM's own legacy save of the same training
+    state (one run saved both, or two runs of the same seeds): every rank file's model entries in
+    Megatron's module order, ``_extra_state``, optimizer (Float16 ids and fp32 copies, the MoE
+    chain; the distributed optimizer's distrib_optim.pt byte for byte, from dp_reshardable and from
+    fully_reshardable), RNG, scheduler and args; only the modules' ``_metadata`` is left out."""
+    out = tmp_path / "out"
+    result = reshard(MEGATRON / source, out, Target(to="megatron"))
+    assert result.plan.format == "megatron"
+    assert any("written from a torch_dist checkpoint" in n for n in result.plan.notes)
+    _same_files(out, MEGATRON / theirs)
+    for path in _rank_files(out).values():
+        tree = load_pt(path)
+        assert tree["args"].ckpt_format == "torch" and tree["args"].use_dist_ckpt is False
+        assert not hasattr(tree.get("model", tree.get("model0")), "_metadata")
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert not diff(MEGATRON / theirs, out).different
+    report = verify(out)
+    assert report.failing() == [] and report.seal is not None
+
+
+@pytest.mark.parametrize(
+    ("source", "theirs", "target"),
+    [
+        ("dist_tp2pp2", "legacy_tp2pp2", Target(to="megatron", tp=1, pp=1)),
+        ("dist_tp2pp2", "legacy_tp2pp2", Target(to="megatron", tp=1, pp=4, distributed_optimizer=True)),
+        ("dist_pp2vpp2", "legacy_pp2vpp2", Target(to="megatron", pp=1)),
+        ("dist_pp2ep2_distopt", "legacy_pp2ep2_distopt", Target(to="megatron", pp=1, ep=1)),
+        ("dist_pp2ep2_distopt_fr", "legacy_pp2ep2_distopt", Target(to="megatron", ep=2, distributed_optimizer=False)),
+    ],
+    ids=["tp1pp1", "tp1pp4-distopt", "vpp-pp1", "moe-distopt-ep1", "moe-float16"],
+)
+def test_new_layouts_are_the_legacy_run_resharded(source, theirs, target, tmp_path):
+    """torch_dist -> legacy at a new layout (and optimizer) holds what ckpttool writes from
+    Megatron-LM's legacy save of the same state: the module order, the param groups inferred by
+    megatron-core's rule and the grad-buffer layouts all agree."""
+    ours, legacy = tmp_path / "ours", tmp_path / "legacy"
+    reshard(MEGATRON / source, ours, target)
+    reshard(MEGATRON / theirs, legacy, target)
+    _same_files(ours, legacy)
+    assert not diff(MEGATRON / source, ours, kinds=STATE_KINDS).different
+
+
+def test_module_order_is_megatron_s():
+    """The module order the torch_dist source is given is the order of every legacy rank file
+    Megatron-LM saved (dense, MoE with SequentialMLP experts, virtual stages, pipeline layouts)."""
+    from ckpttool.formats.megatron_write import load_source, module_order
+
+    for root in sorted(p for p in MEGATRON.glob("legacy_*") if p.is_dir()):
+        _, m = registry.describe(root)
+        order = load_source(Path(m.root), m).model_order
+        assert module_order(list(reversed(order))) == order, root.name
+
+
+def test_an_unknown_module_is_refused(monkeypatch, tmp_path):
+    """A module whose place in megatron-core's order ckpttool does not know is named and refused
+    before anything is written: a guessed order would give one parameter's optimizer state to
+    another of the same shape."""
+    from ckpttool.formats import megatron_write
+
+    order = {k: v for k, v in megatron_write._CHILD_ORDER.items() if k != "router"}
+    monkeypatch.setattr(megatron_write, "_CHILD_ORDER", order)
+    out = tmp_path / "out"
+    with pytest.raises(UsageError, match=r"decoder\.layers\.0\.mlp\.router\.weight: .* module 'router'"):
+        reshard(MEGATRON / "dist_pp2ep2", out, Target(to="megatron"))
+    assert not out.exists()
+
+
+def test_an_unknown_record_is_refused(monkeypatch, tmp_path):
+    """A torch_dist ShardedObject with no place in a legacy rank file is named, never dropped."""
+    from ckpttool.formats import megatron_dist_write
+
+    monkeypatch.setattr(megatron_dist_write, "_legacy_object_name", lambda name, local_spec: None)
+    out = tmp_path / "out"
+    with pytest.raises(
+        UsageError, match=r"no rule to place 16 torch_dist records .*linear_proj._extra_state/shard_0_4"
+    ):
+        reshard(MEGATRON / "dist_tp2", out, Target(to="megatron"))
+    assert not out.exists()
+
+
+def test_convert_to_megatron_on_the_command_line(tmp_path, cli):
+    out = tmp_path / "legacy"
+    r = cli("convert", MEGATRON / "dist_tp2", "-o", out, "--to", "megatron")
+    assert r.code == 0, r.stderr
+    _, m = registry.describe(out)
+    assert m.format == "megatron" and (m.layout.tp, m.layout.pp) == (2, 1)
+    assert not diff(MEGATRON / "dist_tp2", out, kinds=STATE_KINDS).different
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("source", "tp", "pp", "distopt"),
+    [("dist_tp2pp2", 1, 1, False), ("dist_tp2pp2dp2_distopt", 1, 1, True), ("dist_tp2pp2dp2_distopt", 2, 1, False)],
+    ids=["float16", "distopt", "distopt-to-float16"],
+)
+def test_megatron_lm_loads_the_legacy_output(source, tp, pp, distopt, tmp_path):
+    """Oracle: Megatron-LM's own load_checkpoint (optimizer and RNG on; with
+    --use-distributed-optimizer when the output keeps it) loads our legacy files written from
+    torch_dist at a new TP/PP; every tensor equals the run's reference; it trains the next step."""
+    mlm = _megatron_lm()
+    if mlm is None:
+        pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
+    out = tmp_path / "out"
+    reshard(MEGATRON / source, out, Target(to="megatron", tp=tp, pp=pp, distributed_optimizer=distopt))
+    flags = ["--distopt"] if distopt else []
+    proc = _oracle(mlm, out, "--tp", str(tp), "--pp", str(pp), *flags, *_ref(source))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

@@ -1,5 +1,5 @@
-"""reshard of a real Megatron legacy checkpoint of about 1 GB (TP=2 x PP=2 -> TP=1 x PP=1) against
-``cp -r`` of the same bytes.
+"""reshard of a real Megatron legacy checkpoint of about 1 GB (TP=2 x PP=2 -> TP=1 x PP=1), and of
+the torch_dist save of the same state to legacy, against ``cp -r`` of the same bytes.
 
     MEGATRON_LM=/path/to/Megatron-LM python benchmarks/bench_megatron.py [--layers 6] [--repeat 3]
 
@@ -12,7 +12,9 @@ runs in a fresh process, alternating, hot page cache, ``sync`` before each run:
 
 * ``cp -r`` followed by ``sync``;
 * ``ckpttool reshard --tp 1 --pp 1`` (Megatron legacy, optimizer and RNG carried, sealed);
-* ``ckpttool reshard --tp 1 --pp 1 --to megatron-dist`` (torch_dist).
+* ``ckpttool reshard --tp 1 --pp 1 --to megatron-dist`` (torch_dist);
+* ``cp -r`` of the run's torch_dist save, and ``ckpttool reshard --tp 1 --pp 1 --to megatron`` of it
+  (torch_dist -> legacy: module order, param groups and RNG records rebuilt).
 
 Wall time and peak RSS, medians printed and written to benchmarks/_data/megatron.json. Targets
 (issue 6): >= 0.5x the throughput of cp; peak RSS <= 2x the largest tensor + 300 MB.
@@ -39,11 +41,14 @@ HIDDEN, FFN = 1024, 4096
 MODEL = f"hidden-size={HIDDEN},ffn-hidden-size={FFN},num-attention-heads=8,num-query-groups=2,kv-channels=128"
 
 
-def make(layers: int) -> Path:
+def make(layers: int) -> tuple[Path, Path]:
+    """The run's legacy and torch_dist saves (one run saves both)."""
     ckpt = DATA / f"megatron_tp2pp2_{HIDDEN}x{layers}"
-    if (ckpt / "latest_checkpointed_iteration.txt").exists():
-        return ckpt
+    dist = DATA / f"megatron_dist_tp2pp2_{HIDDEN}x{layers}"
+    if all((d / "latest_checkpointed_iteration.txt").exists() for d in (ckpt, dist)):
+        return ckpt, dist
     shutil.rmtree(ckpt, ignore_errors=True)
+    shutil.rmtree(dist, ignore_errors=True)
     sys.path.insert(0, str(FIXTURES))
     from make_megatron_fixtures import resolve_megatron_lm  # the fixtures' own Megatron-LM set-up
 
@@ -55,11 +60,11 @@ def make(layers: int) -> Path:
         subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
              str(FIXTURES / "_megatron_worker.py"), "--mode", "train", "--megatron-lm", mlm, "--scratch", scratch,
-             "--tag", "bench", "--tp", "2", "--pp", "2", "--save", f"torch={ckpt}"],
+             "--tag", "bench", "--tp", "2", "--pp", "2", "--save", f"torch={ckpt}", f"torch_dist={dist}"],
             check=True, env=env, cwd=scratch,
         )  # fmt: skip
-        print(f"made {ckpt} in {time.perf_counter() - t:.1f} s")
-    return ckpt
+        print(f"made {ckpt} and {dist} in {time.perf_counter() - t:.1f} s")
+    return ckpt, dist
 
 
 def main() -> int:
@@ -68,35 +73,49 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     DATA.mkdir(exist_ok=True)
-    ckpt = make(args.layers)
+    ckpt, dist = make(args.layers)
     size = warm(ckpt)
+    dist_size = warm(dist)
     out = DATA / "megatron_out"
     ours = [sys.executable, "-m", "ckpttool", "reshard", str(ckpt), "-o", str(out), "--tp", "1", "--pp", "1", "-q"]
     cmds = {
         "cp -r": ["sh", "-c", 'cp -r "$0" "$1" && sync', str(ckpt), str(out)],
         "reshard --tp 1 --pp 1": ours,
         "reshard ... --to megatron-dist": [*ours, "--to", "megatron-dist"],
-    }
+        "cp -r (torch_dist)": ["sh", "-c", 'cp -r "$0" "$1" && sync', str(dist), str(out)],
+        "reshard torch_dist --to megatron": [
+            sys.executable, "-m", "ckpttool", "reshard", str(dist), "-o", str(out), "--tp", "1", "--pp", "1",
+            "--to", "megatron", "-q",
+        ],
+    }  # fmt: skip
     results, med = alternate(cmds, args.repeat, lambda _: shutil.rmtree(out, ignore_errors=True))
     shutil.rmtree(out, ignore_errors=True)
     largest = HIDDEN * 2 * FFN * 4  # SwiGLU fc1 at TP=1, fp32 main copy
     bound = 2 * largest + 300e6
     print(f"{ckpt.name}: {size / 1e9:.2f} GB, largest tensor {largest / 1e6:.1f} MB, RSS bound {bound / 1e6:.0f} MB")
+    print(f"{dist.name}: {dist_size / 1e9:.2f} GB")
     for name, (wall, rss) in med.items():
-        print(f"  {name:32s} wall {wall:6.2f} s   peak RSS {rss / 1e6:8.1f} MB   {size / wall / 1e9:5.2f} GB/s")
+        nbytes = dist_size if "torch_dist" in name else size
+        print(f"  {name:34s} wall {wall:6.2f} s   peak RSS {rss / 1e6:8.1f} MB   {nbytes / wall / 1e9:5.2f} GB/s")
     summary = {
         "checkpoint_bytes": size,
+        "torch_dist_bytes": dist_size,
         "largest_tensor_bytes": largest,
         "rss_bound": bound,
         "runs": {k: [{"wall_s": w, "peak_rss": r} for w, r in v] for k, v in results.items()},
         "median": {k: {"wall_s": w, "peak_rss": r} for k, (w, r) in med.items()},
         "legacy_vs_cp": med["cp -r"][0] / med["reshard --tp 1 --pp 1"][0],
         "dist_vs_cp": med["cp -r"][0] / med["reshard ... --to megatron-dist"][0],
+        "from_dist_vs_cp": med["cp -r (torch_dist)"][0] / med["reshard torch_dist --to megatron"][0],
     }
-    print(f"  reshard {summary['legacy_vs_cp']:.2f}x cp (to megatron-dist {summary['dist_vs_cp']:.2f}x)")
+    print(
+        f"  reshard {summary['legacy_vs_cp']:.2f}x cp (to megatron-dist {summary['dist_vs_cp']:.2f}x; "
+        f"torch_dist to megatron {summary['from_dist_vs_cp']:.2f}x its cp)"
+    )
     (DATA / "megatron.json").write_text(json.dumps(summary, indent=2))
-    worst = max(r for _, r in list(med.values())[1:])
-    return 0 if min(summary["legacy_vs_cp"], summary["dist_vs_cp"]) >= 0.5 and worst <= bound else 1
+    worst = max(r for name, (_, r) in med.items() if not name.startswith("cp"))
+    ratios = (summary["legacy_vs_cp"], summary["dist_vs_cp"], summary["from_dist_vs_cp"])
+    return 0 if min(ratios) >= 0.5 and worst <= bound else 1
 
 
 if __name__ == "__main__":

@@ -620,10 +620,16 @@ def load_dist_source(root: Path, manifest: Manifest) -> _Source:
             members = model_space_members(manifest, opt)
         else:
             members = float16_members(root, opt, why)
-        for member in members:
-            inner = member["optimizer"]
-            step = inner.get("state", {}).get("common_step")
-            for group in inner.get("param_groups") or []:
+        for c, member in enumerate(members):
+            inner: Any = member.get("optimizer") if isinstance(member, dict) else None
+            groups = inner.get("param_groups") if isinstance(inner, dict) else None
+            if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+                raise CorruptFileError(
+                    f"the optimizer state of this torch_dist checkpoint (optimizer {c}) has no param groups"
+                )
+            state = inner.get("state")
+            step = state.get("common_step") if isinstance(state, dict) else None
+            for group in groups:
                 hyper = {k: v for k, v in group.items() if k != "params"}
                 if step is not None:
                     hyper["step"] = step
@@ -644,9 +650,8 @@ def load_dist_source(root: Path, manifest: Manifest) -> _Source:
     if "rerun_state_machine" in common:
         template["rerun_state_machine"] = common["rerun_state_machine"]
     after = {k: v for k, v in common.items() if k not in template and k != "content_metadata"}
-    sdp = next(
-        (int(n.rsplit("_", 1)[1].rsplit(".", 1)[1]) for n in rng if n.rsplit("_", 1)[1].count(".") == 2), 0
-    )  # under expert parallelism: sharded by data-parallel rank too
+    shapes = [m["shape"].split(".") for n in rng if (m := _SHARD.match(n)) is not None]
+    sdp = next((int(s[2]) for s in shapes if len(s) == 3), 0)  # under expert parallelism: by DP rank too
     for t in range(src.tp):
         for p in range(src.pp):
             for e in range(src.ep):
@@ -702,6 +707,8 @@ def float16_members(root: Path, optimizer: Any, why: str) -> list[dict[str, Any]
     read as a float here (the distributed optimizer keeps it so in each group); ``why``: what
     needs it, for the refusal."""
     members = [optimizer[k] for k in sorted(optimizer)] if _is_chain(optimizer) else [optimizer]
+    # megatron-core's FP32Optimizer (an fp32 model's) saves its torch optimizer's state dict bare
+    members = [{"optimizer": m} if isinstance(m, dict) and "param_groups" in m else m for m in members]
     archive, _, _ = _pt.load(root, "common.pt", ALLOWLIST)
     try:
         out = []

@@ -659,7 +659,7 @@ class LegacyWriter:
         file by its (TP, PP, EP) rank; None: the experts split as the other layers"""
         if self.src.etp or self.etp != target.tp:
             self._expert_layout()
-        if self.src.memberless and not self.distopt:
+        if self.src.memberless and not self.distopt and self.src.groups:  # (none: no optimizer saved)
             self._infer_membership()
         if self.distopt and not self.src.distopt:
             self._check_distopt_groups()
@@ -671,9 +671,12 @@ class LegacyWriter:
             and self.src.experts
         ):
             raise UsageError(
-                f"EP={self.ep}: this checkpoint was saved by the distributed optimizer at EP=1, whose files do not "
-                "say which param group each expert parameter is in (a separate expert optimizer needs that)",
-                hint="reshard it at EP=1, or from a checkpoint saved at EP > 1 or without the distributed optimizer",
+                f"EP={self.ep}: this checkpoint was saved at EP=1 "
+                + ("in torch_dist" if self.src.dist else "by the distributed optimizer")
+                + ", whose files do not say which param group each expert parameter is in (a separate expert "
+                "optimizer needs that)",
+                hint="reshard it at EP=1, or from a legacy checkpoint saved at EP > 1 without the distributed "
+                "optimizer",
             )
 
     def _expert_layout(self) -> None:
@@ -732,8 +735,17 @@ class LegacyWriter:
         get one, or the checkpoint is refused: a run with other overrides (``--decoupled-lr``,
         custom groups) saved groups the rule cannot tell apart."""
         args = self.args
-        refuse = f"{why} from this distributed-optimizer checkpoint (its state per parameter): "
-        hint = "keep the distributed optimizer: '--to megatron' without --no-distributed-optimizer"
+        if self.src.dist:  # torch_dist names no members in either optimizer's layout
+            refuse = (
+                f"--to megatron{' --no-distributed-optimizer' if self.src.distopt else ''} from this torch_dist "
+                "checkpoint (its param groups do not name their parameters): "
+            )
+            hint = (
+                "'--to megatron --distributed-optimizer' needs no membership; '--to megatron-dist' keeps it torch_dist"
+            )
+        else:
+            refuse = f"{why} from this distributed-optimizer checkpoint (its state per parameter): "
+            hint = "keep the distributed optimizer: '--to megatron' without --no-distributed-optimizer"
         if getattr(args, "decoupled_lr", None) is not None:
             raise UsageError(refuse + "it was trained with --decoupled-lr, not supported yet", hint=hint)
         if getattr(args, "embedding_init_method_std", None) is not None:
@@ -786,6 +798,8 @@ class LegacyWriter:
     def _check_distopt_groups(self) -> None:
         """The distributed optimizer matches saved param groups to its own by Megatron's identifier
         keys; a source whose groups lack them cannot be loaded so."""
+        if not self.src.groups:
+            raise UsageError("--distributed-optimizer: the source has no optimizer state (it was saved without it)")
         check_group_keys(self.src.groups, "the source's param groups")
         if not self.src.step_of and not self.src.memberless:
             raise UsageError("--distributed-optimizer: the source's optimizer has no step (it never stepped)")
@@ -867,7 +881,9 @@ class LegacyWriter:
                     self._placement[place].append(n)
             last = self._placement[(self.target.pp - 1, self.vpp - 1)]
             if self.tied and self.target.pp > 1 and "output_layer.weight" not in last:
-                last.append("output_layer.weight")
+                # the last stage's copy of the tied embedding, before the output layer's _extra_state
+                extra = "output_layer._extra_state"
+                last.insert(last.index(extra) if extra in last else len(last), "output_layer.weight")
         return [n for n in self._placement[(p, v)] if self._holds(e, n)]
 
     def _model_names(self, p: int, e: int | None = None) -> list[str]:

@@ -14,7 +14,7 @@ from ckpttool.diff import diff
 from ckpttool.errors import UsageError
 from ckpttool.reshard import Target, reshard
 from ckpttool.verify import verify
-from tests.conftest import FIXTURES, load_pt
+from tests.conftest import FIXTURES, load_pt, rewritten_copy
 from tests.test_reshard import STATE_KINDS, _megatron_lm, _oracle, _rank_files, _ref, _tree
 
 MEGATRON = FIXTURES / "megatron"
@@ -138,6 +138,35 @@ def test_an_unknown_record_is_refused(monkeypatch, tmp_path):
     ):
         reshard(MEGATRON / "dist_tp2", out, Target(to="megatron"))
     assert not out.exists()
+
+
+def test_refusals_say_what_torch_dist_lacks(tmp_path):
+    """Edge-case common.pt files (rewritten copies): a run with --decoupled-lr (whose param groups
+    the standard rule cannot tell apart) is refused for the Float16 layout with the ways that do
+    work; without saved optimizer state the model and the rest are written, and
+    --distributed-optimizer is refused."""
+    decoupled = rewritten_copy(
+        tmp_path / "decoupled",
+        MEGATRON / "dist_tp2",
+        lambda obj: obj["args"].__dict__.update(decoupled_lr=1e-3),
+        "iter_*/common.pt",
+    )
+    out = tmp_path / "out"
+    with pytest.raises(UsageError, match=r"--to megatron from this torch_dist checkpoint .*--decoupled-lr") as err:
+        reshard(decoupled, out, Target(to="megatron"))
+    assert "--distributed-optimizer" in str(err.value.hint) and not out.exists()
+
+    def drop(obj: Any) -> None:
+        del obj["optimizer"]
+
+    bare = rewritten_copy(tmp_path / "bare", MEGATRON / "dist_tp2", drop, "iter_*/common.pt")
+    with pytest.raises(UsageError, match="the source has no optimizer state"):
+        reshard(bare, out, Target(to="megatron", distributed_optimizer=True))
+    assert not out.exists()
+    reshard(bare, out, Target(to="megatron", tp=1))
+    tree = load_pt(next(out.glob("iter_*/mp_rank_00/model_optim_rng.pt")))
+    assert "optimizer" not in tree and "rng_state" in tree
+    assert not diff(MEGATRON / "dist_tp2", out, kinds=["param"]).different
 
 
 def test_convert_to_megatron_on_the_command_line(tmp_path, cli):

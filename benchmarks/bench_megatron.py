@@ -67,6 +67,28 @@ def make(layers: int) -> tuple[Path, Path]:
     return ckpt, dist
 
 
+def read_all(dist: Path, repeat: int = 3) -> float:
+    """Seconds (best of ``repeat``, hot cache) to read every tensor of the torch_dist save into
+    memory through ckpttool's reader, nothing written: the read side of torch_dist -> legacy."""
+    import numpy as np
+
+    from ckpttool.assemble import assemble
+    from ckpttool.dtypes import carrier
+    from ckpttool.formats.megatron import MegatronDistReader
+    from ckpttool.registry import describe
+
+    _, m = describe(dist)
+    items = [i for i in m.items.values() if i.is_tensor and i.shape is not None and i.pieces[0].file != "common.pt"]
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        with MegatronDistReader(m) as reader:
+            for item in items:
+                assemble(reader, item, np.empty(item.shape, dtype=carrier(item.dtype or "")))
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=6)
@@ -93,13 +115,16 @@ def main() -> int:
     largest = HIDDEN * 2 * FFN * 4  # SwiGLU fc1 at TP=1, fp32 main copy
     bound = 2 * largest + 300e6
     print(f"{ckpt.name}: {size / 1e9:.2f} GB, largest tensor {largest / 1e6:.1f} MB, RSS bound {bound / 1e6:.0f} MB")
-    print(f"{dist.name}: {dist_size / 1e9:.2f} GB")
+    read_s = read_all(dist)
+    rate = dist_size / read_s / 1e9
+    print(f"{dist.name}: {dist_size / 1e9:.2f} GB; every tensor read in {read_s:.2f} s ({rate:.2f} GB/s)")
     for name, (wall, rss) in med.items():
         nbytes = dist_size if "torch_dist" in name else size
         print(f"  {name:34s} wall {wall:6.2f} s   peak RSS {rss / 1e6:8.1f} MB   {nbytes / wall / 1e9:5.2f} GB/s")
     summary = {
         "checkpoint_bytes": size,
         "torch_dist_bytes": dist_size,
+        "torch_dist_read_s": read_s,
         "largest_tensor_bytes": largest,
         "rss_bound": bound,
         "runs": {k: [{"wall_s": w, "peak_rss": r} for w, r in v] for k, v in results.items()},

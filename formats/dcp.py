@@ -565,6 +565,14 @@ class DcpReader(PieceReader):
         if "begin" in piece.locator:  # HuggingFaceStorageWriter shard
             return st.read_range(self.files, piece, item, out)
         loc = piece.locator
+        if (
+            "select0" in loc
+            and out is not None
+            and out.flags.c_contiguous
+            and math.prod(loc["chunk_sizes"]) == out.size
+        ):  # the index selects the whole chunk (megatron-core's record of one layer or expert): no copy
+            self._read_chunk(piece, item, tuple(loc["chunk_sizes"]), out)
+            return out
         if "range" in loc or "select0" in loc:  # part of a stored chunk, which is read whole (and kept)
             chunk = self._chunk(piece, item)
             if "range" in loc:  # elements [a, b) of a 1-D chunk (Megatron's optimizer buckets)

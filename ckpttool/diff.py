@@ -77,6 +77,9 @@ class DiffReport:
     """tensors whose values differ (within tolerance or not)"""
     objects: list[dict[str, Any]] = field(default_factory=list)
     """non-tensor values present on both sides that differ"""
+    opaque: list[str] = field(default_factory=list)
+    """RNG tensors of one side that the other side keeps inside opaque records (Megatron
+    ``torch_dist``'s ``rng_state`` objects): not compared, and not a difference"""
     identical: int = 0
     compared: int = 0
 
@@ -117,6 +120,7 @@ class DiffReport:
             "changed": self.changed_meta,
             "values": [v.to_json() for v in self.values],
             "objects": self.objects,
+            "not_compared_rng": self.opaque,
             "first_divergence": first.name if first else None,
             "largest_divergence": largest.name if largest else None,
         }
@@ -188,6 +192,13 @@ def diff(
     report = DiffReport(a=str(a), b=str(b), formats=(ma.format, mb.format), atol=atol, rtol=rtol)
     report.removed = [k for k, i in ka.items() if i.is_tensor and k not in kb]
     report.added = [k for k, i in kb.items() if i.is_tensor and k not in ka]
+    # RNG state one side splits into tensors and the other keeps in opaque records (named otherwise)
+    if _opaque_rng(mb):
+        report.opaque += [k for k in report.removed if ka[k].kind == "rng"]
+        report.removed = [k for k in report.removed if ka[k].kind != "rng"]
+    if _opaque_rng(ma):
+        report.opaque += [k for k in report.added if kb[k].kind == "rng"]
+        report.added = [k for k in report.added if kb[k].kind != "rng"]
     with adapter_a.reader(ma) as ra, adapter_b.reader(mb) as rb:
         for key, ia in ka.items():
             ib = kb.get(key)
@@ -218,6 +229,12 @@ def diff(
             if progress is not None:
                 progress(ia.nbytes)
     return report
+
+
+def _opaque_rng(manifest: Manifest) -> bool:
+    """Whether the checkpoint keeps its RNG state only as opaque records (no RNG tensors)."""
+    rng = [i for i in manifest.items.values() if i.kind == "rng"]
+    return bool(rng) and not any(i.is_tensor for i in rng)
 
 
 def _same_pieces(ra: PieceReader, ia: Item, rb: PieceReader, ib: Item) -> bool:

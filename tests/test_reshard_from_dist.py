@@ -76,6 +76,9 @@ def test_is_what_megatron_lm_saves(source, theirs, tmp_path):
         assert not hasattr(tree.get("model", tree.get("model0")), "_metadata")
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "3"
     assert not diff(MEGATRON / theirs, out).different
+    across = diff(MEGATRON / source, out)  # torch_dist keeps its RNG in opaque records: listed, not compared
+    assert not across.different and across.compared == across.identical > 0
+    assert across.opaque and all(n.startswith("rng_state.") for n in across.opaque)
     report = verify(out)
     assert report.failing() == [] and report.seal is not None
 
@@ -176,6 +179,8 @@ def test_convert_to_megatron_on_the_command_line(tmp_path, cli):
     _, m = registry.describe(out)
     assert m.format == "megatron" and (m.layout.tp, m.layout.pp) == (2, 1)
     assert not diff(MEGATRON / "dist_tp2", out, kinds=STATE_KINDS).different
+    r = cli("diff", MEGATRON / "dist_tp2", out)
+    assert r.code == 0 and "RNG not compared (10 tensors)" in r.stdout, r.stdout
 
 
 @pytest.mark.slow

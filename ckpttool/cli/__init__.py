@@ -357,7 +357,9 @@ def diff(
 
     Reports added, removed, shape/dtype changes and value changes (max abs difference, relative L2,
     elements that differ, first differing index), naming the first diverging tensor in A's order
-    and the largest divergence. Exit 0 equal within tolerance, 1 different, 3 could not evaluate.
+    and the largest divergence. RNG state that one side keeps in opaque records (Megatron
+    torch_dist) is listed as not compared. Exit 0 equal within tolerance, 1 different, 3 could not
+    evaluate.
     """
     from ckpttool.cli import _render
     from ckpttool.diff import diff as run

@@ -110,6 +110,11 @@ def diff_report(out: Output, report: DiffReport) -> None:
             f"only in B ({len(report.added)}): {escape(', '.join(report.added[:10]))}"
             + (" …" if len(report.added) > 10 else "")
         )
+    if report.opaque:
+        out.line(
+            f"RNG not compared ({len(report.opaque)} tensors): one side keeps its RNG state in opaque records "
+            "(torch_dist's rng_state)"
+        )
     for c in report.changed_meta:
         out.line(
             f"changed: {escape(c['name'])}: {c['a']['dtype']}{c['a']['shape']} -> {c['b']['dtype']}{c['b']['shape']}"

@@ -76,6 +76,7 @@ from ckpttool.formats.megatron_write import (
     check_group_keys,
     group_step,
     module_order,
+    sharded_value,
 )
 from ckpttool.geometry import Box
 from ckpttool.hashing import open_output
@@ -226,26 +227,9 @@ class DistWriter(LegacyWriter):
     def _source(self, root: Path, manifest: Manifest) -> _Source:
         if not self.from_dist:
             return super()._source(root, manifest)
-        archive, common, _ = _pt.load(root, "common.pt", ALLOWLIST)
-        archive.close()
-        if not isinstance(common, dict) or "args" not in common:
-            raise UsageError("common.pt has no args: ckpttool cannot tell the model's layout")
-        lay = manifest.layout
-        experts = int(getattr(common["args"], "num_experts", None) or 0)
-        distopt = bool(getattr(common["args"], "use_distributed_optimizer", False))
-        if distopt:
-            check_distopt_source(manifest)
-        return _Source(
-            tp=lay.tp or 1,
-            pp=lay.pp or 1,
-            objs={(0, 0, 0): common},
-            rels={(0, 0, 0): "common.pt"},
-            ep=lay.ep or 1,
-            experts=experts,
-            distopt=distopt,
-            etp=own_etp(common["args"]),
-            dist=True,
-        )
+        common, src = _dist_common(root, manifest)
+        src.objs, src.rels = {(0, 0, 0): common}, {(0, 0, 0): "common.pt"}
+        return src
 
     def _model_space_commons(self) -> list[dict[str, Any]]:
         return model_space_members(self.manifest, self.src.objs[(0, 0, 0)].get("optimizer"))
@@ -355,26 +339,14 @@ class DistWriter(LegacyWriter):
         tp, pp = self.target.tp, self.target.pp
         # under expert parallelism Megatron-LM shards the RNG state by data-parallel rank too
         dp = self._resume_dp() if self.ep > 1 else 1
-        sdp = 1  # the DP size a torch_dist source's RNG records are sharded for (its names say)
-        for name in self.manifest.items:
-            if (m := _SHARD.match(name)) is not None and m["key"] == "rng_state" and m["shape"].count(".") == 2:
-                sdp = int(m["shape"].rsplit(".", 1)[1])
-                break
+        sdp = rng_dp(self.manifest.items) or 1  # the DP size a torch_dist source's RNG records are for
         for p in range(pp):
             for t in range(tp):
                 for d in range(dp):
                     ts, ps = t % stp, p % spp
-                    key = (
-                        f"rng_state/shard_{p}.{t}.{d}_{pp}.{tp}.{dp}"
-                        if self.ep > 1
-                        else f"rng_state/shard_{p}.{t}_{pp}.{tp}"
-                    )
+                    key = rng_record(p, t, pp, tp, (d, dp) if self.ep > 1 else None)
                     if self.from_dist:
-                        name = (
-                            f"rng_state/shard_{ps}.{ts}.{d % sdp}_{spp}.{stp}.{sdp}"
-                            if self.src.ep > 1
-                            else f"rng_state/shard_{ps}.{ts}_{spp}.{stp}"
-                        )
+                        name = rng_record(ps, ts, spp, stp, (d % sdp, sdp) if self.src.ep > 1 else None)
                         item = self.manifest.items.get(name)
                         if item is not None:
                             self._add_object(p * tp + t, key, partial(self._copy_record, item))
@@ -565,23 +537,8 @@ def load_dist_source(root: Path, manifest: Manifest) -> _Source:
     groups of ``common.pt`` (of the distributed optimizer's ``dp_reshardable`` records), each with
     the common step. torch_dist keeps no module ``_metadata`` (Megatron-LM's own torch_dist load
     gives the model none either)."""
-    archive, common, _ = _pt.load(root, "common.pt", ALLOWLIST)
-    archive.close()
-    if not isinstance(common, dict) or "args" not in common:
-        raise UsageError("common.pt has no args: ckpttool cannot tell the model's layout")
+    common, src = _dist_common(root, manifest)
     args = common["args"]
-    lay = manifest.layout
-    src = _Source(
-        tp=lay.tp or 1,
-        pp=lay.pp or 1,
-        objs={},
-        rels={},
-        ep=lay.ep or 1,
-        experts=int(getattr(args, "num_experts", None) or 0),
-        distopt=bool(getattr(args, "use_distributed_optimizer", False)),
-        etp=own_etp(args),
-        dist=True,
-    )
     if src.experts and any((slot := expert_slot(n)) and slot[2] for n in manifest.items):
         raise UsageError("writing legacy checkpoints of grouped-GEMM experts from torch_dist is not supported yet")
     local_spec = getattr(args, "transformer_impl", None) == "local"
@@ -615,11 +572,7 @@ def load_dist_source(root: Path, manifest: Manifest) -> _Source:
     opt = common.get("optimizer")
     if opt is not None:
         why = "--to megatron from this torch_dist checkpoint"
-        if src.distopt:
-            check_distopt_source(manifest)
-            members = model_space_members(manifest, opt)
-        else:
-            members = float16_members(root, opt, why)
+        members = model_space_members(manifest, opt) if src.distopt else float16_members(root, opt, why)
         for c, member in enumerate(members):
             inner: Any = member.get("optimizer") if isinstance(member, dict) else None
             groups = inner.get("param_groups") if isinstance(inner, dict) else None
@@ -650,22 +603,60 @@ def load_dist_source(root: Path, manifest: Manifest) -> _Source:
     if "rerun_state_machine" in common:
         template["rerun_state_machine"] = common["rerun_state_machine"]
     after = {k: v for k, v in common.items() if k not in template and k != "content_metadata"}
-    shapes = [m["shape"].split(".") for n in rng if (m := _SHARD.match(n)) is not None]
-    sdp = next((int(s[2]) for s in shapes if len(s) == 3), 0)  # under expert parallelism: by DP rank too
+    sdp = rng_dp(rng)  # under expert parallelism the records are by DP rank too
     for t in range(src.tp):
         for p in range(src.pp):
             for e in range(src.ep):
-                name = (
-                    f"rng_state/shard_{p}.{t}.{e % sdp}_{src.pp}.{src.tp}.{sdp}"
-                    if sdp
-                    else f"rng_state/shard_{p}.{t}_{src.pp}.{src.tp}"
-                )
+                name = rng_record(p, t, src.pp, src.tp, (e % sdp, sdp) if sdp else None)
                 obj = dict(template)
                 if name in rng:
                     obj["rng_state"] = SourceObject(rng[name])
                 obj.update(after)
                 src.objs[(t, p, e)], src.rels[(t, p, e)] = obj, "common.pt"
     return src
+
+
+def _dist_common(root: Path, manifest: Manifest) -> tuple[dict[str, Any], _Source]:
+    """A torch_dist checkpoint's ``common.pt`` and what its ``args`` and the manifest's layout say
+    of the source (no rank files yet); a distributed-optimizer layout ckpttool cannot rewrite is
+    refused here."""
+    archive, common, _ = _pt.load(root, "common.pt", ALLOWLIST)
+    archive.close()
+    if not isinstance(common, dict) or "args" not in common:
+        raise UsageError("common.pt has no args: ckpttool cannot tell the model's layout")
+    args, lay = common["args"], manifest.layout
+    src = _Source(
+        tp=lay.tp or 1,
+        pp=lay.pp or 1,
+        objs={},
+        rels={},
+        ep=lay.ep or 1,
+        experts=int(getattr(args, "num_experts", None) or 0),
+        distopt=bool(getattr(args, "use_distributed_optimizer", False)),
+        etp=own_etp(args),
+        dist=True,
+    )
+    if src.distopt:
+        check_distopt_source(manifest)
+    return common, src
+
+
+def rng_record(p: int, t: int, pp: int, tp: int, dp: tuple[int, int] | None = None) -> str:
+    """The name of Megatron-LM's torch_dist RNG record of rank (t, p): ``rng_state/shard_<p>.<t>_<PP>.<TP>``;
+    under expert parallelism, with ``dp`` = (DP rank, DP size), ``rng_state/shard_<p>.<t>.<d>_<PP>.<TP>.<DP>``
+    (``get_rng_state``)."""
+    if dp is None:
+        return f"rng_state/shard_{p}.{t}_{pp}.{tp}"
+    return f"rng_state/shard_{p}.{t}.{dp[0]}_{pp}.{tp}.{dp[1]}"
+
+
+def rng_dp(names: Any) -> int:
+    """The data-parallel size the RNG records among ``names`` are sharded for (0: not by DP)."""
+    for name in names:
+        m = _SHARD.match(name)
+        if m is not None and m["key"] == "rng_state" and m["shape"].count(".") == 2:
+            return int(m["shape"].rsplit(".", 1)[1])
+    return 0
 
 
 def _legacy_object_name(name: str, local_spec: bool) -> str | None:
@@ -771,12 +762,8 @@ def model_space_members(manifest: Manifest, optimizer: Any) -> list[dict[str, An
             m = BUCKET_OBJECT.match(name)
             if m is None or m["key"] in ("per_bucket_numel", "per_bucket_numel_unpadded"):
                 continue
-            value = reader.read_object(item)
-            # megatron-core stores a ShardedObject as [value]
-            if not isinstance(value, list) or len(value) != 1:
-                raise CorruptFileError(f"{name}: expected [value], found {type(value).__name__}")
             c = None if m["c"] is None else int(m["c"])
-            found.setdefault((c, int(m["g"])), {})[m["key"]] = value[0]
+            found.setdefault((c, int(m["g"])), {})[m["key"]] = sharded_value(reader.read_object(item), name)
     chain = sorted({c for c, _ in found}, key=lambda c: -1 if c is None else c)
     if chain not in ([None], [0, 1]) or any("optimizer" not in v for v in found.values()):
         raise CorruptFileError(

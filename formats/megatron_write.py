@@ -141,10 +141,14 @@ class SourceObject:
 
     def value(self, reader: PieceReader) -> Any:
         """The record's value, its tensors carried."""
-        got = _ptwrite.carried(reader, self.item)
-        if not isinstance(got, list) or len(got) != 1:
-            raise CorruptFileError(f"{self.item.name}: expected a ShardedObject's [value], found {type(got).__name__}")
-        return got[0]
+        return sharded_value(_ptwrite.carried(reader, self.item), self.item.name)
+
+
+def sharded_value(record: Any, name: str) -> Any:
+    """The value of a ``ShardedObject`` record as megatron-core stores it, ``[value]``."""
+    if not isinstance(record, list) or len(record) != 1:
+        raise CorruptFileError(f"{name}: expected a ShardedObject's [value], found {type(record).__name__}")
+    return record[0]
 
 
 @dataclass(slots=True, kw_only=True)

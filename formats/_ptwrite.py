@@ -22,7 +22,7 @@ import os
 import pickle
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
@@ -125,18 +125,27 @@ def assembled(reader: Any, item: Any, box: Any = None, *, requires_grad: bool = 
     return OutTensor(dtype=dtype, shape=shape, fill=fill, requires_grad=requires_grad)
 
 
-def carried(reader: Any, item: Any) -> Any:
+def carried(reader: Any, item: Any, *, now: bool = False) -> Any:
     """The non-tensor ``item`` as the restricted unpickler reads it, ready to be pickled again (its
-    tensors, an RNG state say, copied from the archive that holds them)."""
+    tensors, an RNG state say, copied from the archive that holds them; with ``now``, read at once,
+    for a tree kept after the reader is closed)."""
     piece = item.pieces[0]
-    return carry(reader.read_object(item), lambda: reader.archive_of(piece))
+    return carry(reader.read_object(item), lambda: reader.archive_of(piece), now=now)
 
 
-def carry(value: Any, archive_of: Callable[[], Any], _memo: dict[int, tuple[Any, Any]] | None = None) -> Any:
+def carry(
+    value: Any, archive_of: Callable[[], Any], _memo: dict[int, tuple[Any, Any]] | None = None, *, now: bool = False
+) -> Any:
     """A source tree (RNG state, ``_extra_state``, ``step``) with its tensors turned into
     OutTensors that copy them from the archive ``archive_of()`` returns. An object the tree holds
     twice (a ``betas`` tuple shared by two param groups, a tied tensor) comes out as one object, so
-    it is pickled once, as torch pickles it; a container holding itself comes out so too."""
+    it is pickled once, as torch pickles it; a container holding itself comes out so too.
+
+    ``now``: the tensors' bytes are read here and kept (small trees whose archive will not be open
+    when they are written: a ShardedObject's grad scaler). Carrying the result again leaves it as it
+    is, whatever archive that carry is given."""
+    if now:
+        return _read_now(carry(value, archive_of, _memo))
     memo: dict[int, tuple[Any, Any]] = {} if _memo is None else _memo
     seen = memo.get(id(value))
     if seen is not None:
@@ -180,6 +189,34 @@ def carry(value: Any, archive_of: Callable[[], Any], _memo: dict[int, tuple[Any,
         return value
     if isinstance(value, tuple):
         return keep(tuple(carry(v, archive_of, memo) for v in value))
+    return value
+
+
+def _read_now(value: Any, _seen: dict[int, Any] | None = None) -> Any:
+    """``value`` (a carried tree) with each OutTensor's bytes read now into one that holds them."""
+    seen: dict[int, Any] = {} if _seen is None else _seen
+    if id(value) in seen:
+        return seen[id(value)]
+    if isinstance(value, OutTensor):
+        data = np.empty(value.nbytes, dtype=np.uint8)
+        value.fill(data)
+
+        def fill(buf: np.ndarray, data: np.ndarray = data) -> None:
+            buf.reshape(-1).view(np.uint8)[...] = data
+
+        seen[id(value)] = out = replace(value, fill=fill, parts=None)
+        return out
+    if isinstance(value, tuple) and not isinstance(value, _unpickle.TorchSize):
+        items = seen[id(value)] = tuple(_read_now(v, seen) for v in value)  # carry makes plain tuples
+        return items
+    seen[id(value)] = value  # (first: a container may hold itself)
+    if isinstance(value, dict):  # plain dicts, OrderedDictStandIn (its __dict__ kept)
+        for k, v in value.items():
+            value[k] = _read_now(v, seen)
+    elif isinstance(value, list):
+        value[:] = [_read_now(v, seen) for v in value]
+    elif isinstance(value, _unpickle.Record):
+        value.__dict__.update({k: _read_now(v, seen) for k, v in value.__dict__.items()})
     return value
 
 

@@ -589,13 +589,6 @@ def load_dist_source(root: Path, manifest: Manifest) -> _Source:
                 if hyper not in src.groups:
                     src.groups.append(hyper)
         extra = {k: v for k, v in members[0].items() if k not in ("optimizer", "param_state_sharding_type")}
-        bucketed = manifest.extras.get("distrib_optim_sharding_type") == "dp_reshardable"
-        if src.distopt and bucketed and _has_tensor(extra):
-            raise UsageError(
-                "--to megatron from a dp_reshardable checkpoint whose optimizer keeps tensors beside its state (a "
-                "grad scaler's) is not supported yet",
-                hint="'ckpttool convert --to megatron-dist' rewrites it as torch_dist",
-            )
         src.optimizer_extra = ("common.pt", extra)
     template = {
         k: None if k in ("model", "optimizer") else common[k] for k in _LEGACY_ORDER if k in common or k == "model"
@@ -681,16 +674,6 @@ def _legacy_object_name(name: str, local_spec: bool) -> str | None:
     return f"decoder.layers.{offsets[0]}.{rest}"
 
 
-def _has_tensor(value: Any) -> bool:
-    if isinstance(value, _unpickle.TensorRef):
-        return True
-    if isinstance(value, dict):
-        return any(_has_tensor(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return any(_has_tensor(v) for v in value)
-    return False
-
-
 def float16_members(root: Path, optimizer: Any, why: str) -> list[dict[str, Any]]:
     """The Float16 (or FP32) optimizer's part of a torch_dist ``common.pt`` (its ``optimizer``
     entry), per optimizer: one, or megatron-core's chain's dense and expert members. Each is
@@ -763,7 +746,9 @@ def model_space_members(manifest: Manifest, optimizer: Any) -> list[dict[str, An
             if m is None or m["key"] in ("per_bucket_numel", "per_bucket_numel_unpadded"):
                 continue
             c = None if m["c"] is None else int(m["c"])
-            found.setdefault((c, int(m["g"])), {})[m["key"]] = sharded_value(reader.read_object(item), name)
+            value = sharded_value(reader.read_object(item), name)  # its tensors (a grad scaler's) read now:
+            archive = partial(reader.archive_of, item.pieces[0])  # they live in this record, not in common.pt
+            found.setdefault((c, int(m["g"])), {})[m["key"]] = _ptwrite.carry(value, archive, now=True)
     chain = sorted({c for c, _ in found}, key=lambda c: -1 if c is None else c)
     if chain not in ([None], [0, 1]) or any("optimizer" not in v for v in found.values()):
         raise CorruptFileError(
@@ -775,7 +760,7 @@ def model_space_members(manifest: Manifest, optimizer: Any) -> list[dict[str, An
     for c in chain:
         groups = {g: v for (k, g), v in found.items() if k == c}
         first = groups[min(groups)]
-        differ = sorted(g for g, v in groups.items() if repr(v) != repr(first))
+        differ = sorted(g for g, v in groups.items() if _content(v) != _content(first))
         if differ:
             member = "" if c is None else f" ({'dense' if c == 0 else 'expert'} optimizer)"
             raise UsageError(
@@ -789,6 +774,19 @@ def model_space_members(manifest: Manifest, optimizer: Any) -> list[dict[str, An
 def _is_chain(optimizer: Any) -> bool:
     """Whether a ``common.pt`` optimizer entry is megatron-core's ChainedOptimizer ``{0: ..., 1: ...}``."""
     return isinstance(optimizer, dict) and bool(optimizer) and all(isinstance(k, int) for k in optimizer)
+
+
+def _content(value: Any) -> Any:
+    """A comparable form of a carried tree: its structure, its plain values, its tensors' bytes."""
+    if isinstance(value, _ptwrite.OutTensor):
+        return ("tensor", _value_bytes(value))
+    if isinstance(value, dict):
+        return (type(value).__name__, [(k, _content(v)) for k, v in value.items()])
+    if isinstance(value, list | tuple):
+        return (type(value).__name__, [_content(v) for v in value])
+    if isinstance(value, _unpickle.Record):
+        return (type(value).__name__, _content(value.__dict__))
+    return repr(value)
 
 
 def _value_bytes(value: Any) -> bytes:

@@ -260,6 +260,34 @@ def test_carry_keeps_shared_records_ordered_dicts_and_tensors_shared() -> None:
     assert out.getvalue() == ref
 
 
+def test_carry_now_reads_the_tensors_while_their_archive_is_open() -> None:
+    """``carry(now=True)`` (a ShardedObject's grad scaler, kept after its reader closes): the tensors'
+    bytes are read at once, so writing needs no archive, and carrying the tree again with another
+    archive leaves it alone; shared objects stay shared, and the bytes written are torch's."""
+    import argparse
+
+    from ckpttool import _unpickle
+
+    ns, t = argparse.Namespace(lr=1.0), torch.tensor([1024.0])
+    ref = _torch_bytes({"scaler": {"scale": t, "growth_tracker": 3}, "again": t, "ns": ns, "pair": (t, ns)})
+    allow = {**_unpickle.PLAIN, **_unpickle.TORCH_TENSORS, **_unpickle.NAMESPACES}
+    opened = [_torchzip.Archive(ref, display="t.pt", allow=allow)]
+
+    def archive_of() -> _torchzip.Archive:
+        if not opened:
+            raise AssertionError("the archive was asked for after it was closed")
+        return opened[0]
+
+    tree = _ptwrite.carry(opened[0].load(), archive_of, now=True)
+    opened.clear()
+    other = _torchzip.Archive(_torch_bytes({"x": torch.tensor([7.0])}), display="other.pt")
+    again = _ptwrite.carry(tree, lambda: other)
+    assert again["scaler"]["scale"] is tree["scaler"]["scale"] is tree["again"] is tree["pair"][0]
+    out = io.BytesIO()
+    _ptwrite.save(again, out)
+    assert out.getvalue() == ref
+
+
 def test_tensor_span_refuses_a_view_past_its_storage() -> None:
     """A pickle whose tensor reaches past the end of its storage (a forged storage_offset) gets no
     raw span: a partial read would otherwise read the bytes of the next record."""

@@ -22,7 +22,7 @@ import os
 import pickle
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
@@ -144,8 +144,6 @@ def carry(
     ``now``: the tensors' bytes are read here and kept (small trees whose archive will not be open
     when they are written: a ShardedObject's grad scaler). Carrying the result again leaves it as it
     is, whatever archive that carry is given."""
-    if now:
-        return _read_now(carry(value, archive_of, _memo))
     memo: dict[int, tuple[Any, Any]] = {} if _memo is None else _memo
     seen = memo.get(id(value))
     if seen is not None:
@@ -163,61 +161,41 @@ def carry(
 
         attrs = dict(ref.extra) or None
         out = OutTensor(ref.dtype, ref.shape, fill, requires_grad=ref.requires_grad, attrs=attrs)
-        if out.nbytes > CARRY_PART and _torchzip.is_c_contiguous(ref.shape, ref.stride):
+        if now:  # its bytes, read while the archive is open
+            data = np.empty(out.nbytes, dtype=np.uint8)
+            fill(data)
+            out.fill = partial(_copy_into, data)
+        elif out.nbytes > CARRY_PART and _torchzip.is_c_contiguous(ref.shape, ref.stride):
             out.parts = partial(_carried_parts, ref, archive_of, out.nbytes)
         return keep(out)
     if isinstance(value, _unpickle.Record):
         record = keep(type(value)())
-        record.__dict__.update({k: carry(v, archive_of, memo) for k, v in value.__dict__.items()})
+        record.__dict__.update({k: carry(v, archive_of, memo, now=now) for k, v in value.__dict__.items()})
         return record
     if isinstance(value, _unpickle.OrderedDictStandIn):
         ordered = keep(_unpickle.OrderedDictStandIn())
         for k, v in value.items():
-            ordered[k] = carry(v, archive_of, memo)
+            ordered[k] = carry(v, archive_of, memo, now=now)
         ordered.__dict__.update(value.__dict__)
         return ordered
     if isinstance(value, dict):
         mapping = keep({})
         for k, v in value.items():
-            mapping[k] = carry(v, archive_of, memo)
+            mapping[k] = carry(v, archive_of, memo, now=now)
         return mapping
     if isinstance(value, list):
         items = keep([])
-        items.extend(carry(v, archive_of, memo) for v in value)
+        items.extend(carry(v, archive_of, memo, now=now) for v in value)
         return items
     if isinstance(value, _unpickle.TorchSize):
         return value
     if isinstance(value, tuple):
-        return keep(tuple(carry(v, archive_of, memo) for v in value))
+        return keep(tuple(carry(v, archive_of, memo, now=now) for v in value))
     return value
 
 
-def _read_now(value: Any, _seen: dict[int, Any] | None = None) -> Any:
-    """``value`` (a carried tree) with each OutTensor's bytes read now into one that holds them."""
-    seen: dict[int, Any] = {} if _seen is None else _seen
-    if id(value) in seen:
-        return seen[id(value)]
-    if isinstance(value, OutTensor):
-        data = np.empty(value.nbytes, dtype=np.uint8)
-        value.fill(data)
-
-        def fill(buf: np.ndarray, data: np.ndarray = data) -> None:
-            buf.reshape(-1).view(np.uint8)[...] = data
-
-        seen[id(value)] = out = replace(value, fill=fill, parts=None)
-        return out
-    if isinstance(value, tuple) and not isinstance(value, _unpickle.TorchSize):
-        items = seen[id(value)] = tuple(_read_now(v, seen) for v in value)  # carry makes plain tuples
-        return items
-    seen[id(value)] = value  # (first: a container may hold itself)
-    if isinstance(value, dict):  # plain dicts, OrderedDictStandIn (its __dict__ kept)
-        for k, v in value.items():
-            value[k] = _read_now(v, seen)
-    elif isinstance(value, list):
-        value[:] = [_read_now(v, seen) for v in value]
-    elif isinstance(value, _unpickle.Record):
-        value.__dict__.update({k: _read_now(v, seen) for k, v in value.__dict__.items()})
-    return value
+def _copy_into(data: np.ndarray, buf: np.ndarray) -> None:
+    buf.reshape(-1).view(np.uint8)[...] = data
 
 
 CARRY_PART = WRITE_CHUNK

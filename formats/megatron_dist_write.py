@@ -746,9 +746,10 @@ def model_space_members(manifest: Manifest, optimizer: Any) -> list[dict[str, An
             if m is None or m["key"] in ("per_bucket_numel", "per_bucket_numel_unpadded"):
                 continue
             c = None if m["c"] is None else int(m["c"])
-            value = sharded_value(reader.read_object(item), name)  # its tensors (a grad scaler's) read now:
-            archive = partial(reader.archive_of, item.pieces[0])  # they live in this record, not in common.pt
-            found.setdefault((c, int(m["g"])), {})[m["key"]] = _ptwrite.carry(value, archive, now=True)
+            # its tensors (a grad scaler's) live in this record, not in common.pt: read while it is open
+            found.setdefault((c, int(m["g"])), {})[m["key"]] = sharded_value(
+                _ptwrite.carried(reader, item, now=True), name
+            )
     chain = sorted({c for c, _ in found}, key=lambda c: -1 if c is None else c)
     if chain not in ([None], [0, 1]) or any("optimizer" not in v for v in found.values()):
         raise CorruptFileError(

@@ -1,5 +1,11 @@
-"""Worker for bench_export.py: an FSDP2 model of about 100M parameters on 2 gloo ranks, one real
-AdamW step, saved with dcp.save (params + 2 moments = about 1.2 GB). Run under torchrun."""
+"""Worker for bench_export.py, bench_reshard.py and bench_device.py: an FSDP2 model of WIDTH x WIDTH
+Linear layers on 2 gloo ranks, one real AdamW step, saved with dcp.save (params + 2 moments: 1.2 GB
+at 2048 x 24). Run under torchrun:
+
+    torchrun --standalone --nproc-per-node 2 _make_big_dcp.py OUT WIDTH LAYERS [rows|cols]
+
+``cols``: the weights sharded along their columns (FSDP2's ``shard_placement_fn`` giving
+``Shard(1)``), so that a reshard to rows cuts every piece across."""
 
 import os
 import sys
@@ -10,16 +16,19 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard
 
 
 def main() -> None:
     out, width, layers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    cols = len(sys.argv) > 4 and sys.argv[4] == "cols"
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    placement = (lambda p: Shard(1) if p.ndim == 2 else Shard(0)) if cols else None
     for layer in model:
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(4, width)).sum().backward()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ckpttool import device
 from ckpttool.dtypes import carrier
 from ckpttool.errors import CorruptFileError
 from ckpttool.formats.base import PieceReader
@@ -70,13 +71,16 @@ def assemble(reader: PieceReader, item: Item, out: np.ndarray | None = None, box
     item's carrier dtype. Pieces whose region lies on contiguous memory of ``out`` are read straight
     into it. Of a piece that lies partly in ``box``, only the bytes needed are read when they are
     contiguous in the piece (``contiguous_part``); otherwise the whole piece is read into a
-    temporary."""
+    temporary. Under ``--device cuda`` (:mod:`ckpttool.device`) the GPU does this work."""
     assert item.dtype is not None and item.shape is not None
     target = box or Box.whole(item.shape)
     if out is None:
         out = np.empty(target.sizes, dtype=carrier(item.dtype))
     elif out.shape != target.sizes:
         out = out.reshape(target.sizes)
+    on = device.active()
+    if on is not None and on.assemble(reader, item, out, box):
+        return out
     for piece in item.pieces:
         if piece.replica != 0:
             continue

@@ -28,7 +28,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from ckpttool import registry
+from ckpttool import device, registry
 from ckpttool.convert import parse_size
 from ckpttool.errors import UsageError
 from ckpttool.hashing import Written, collecting_written
@@ -92,6 +92,8 @@ class Plan:
     files: list[PlanFile]
     workers: int
     notes: list[str] = field(default_factory=list)
+    device: str = "cpu"
+    """where the tensors are assembled (``cpu`` or ``cuda:N``)"""
 
     @property
     def nbytes(self) -> int:
@@ -109,6 +111,7 @@ class Plan:
             "format": self.format,
             "layout": self.layout,
             "workers": self.workers,
+            "device": self.device,
             "files": [{"path": f.path, "nbytes": f.nbytes, "tensors": f.tensors, "peak": f.peak} for f in self.files],
             "nbytes": self.nbytes,
             "peak_memory": self.peak,
@@ -141,8 +144,11 @@ _ADAPTER: Any = None
 _MANIFEST: Manifest | None = None
 
 
-def _init_worker(build: Callable[..., Any], args: tuple[Any, ...], adapter: Any, manifest: Manifest) -> None:
+def _init_worker(
+    build: Callable[..., Any], args: tuple[Any, ...], adapter: Any, manifest: Manifest, on: str | None
+) -> None:
     global _WRITER, _ADAPTER, _MANIFEST
+    device.start(on)
     _WRITER, _ADAPTER, _MANIFEST = build(*args), adapter, manifest
 
 
@@ -230,6 +236,8 @@ class _FileExec:
         self.planned = self.writer.files()
         self.known: dict[str, Written] = {}
         """what the writers hashed of the files they wrote, for the seal (by absolute path)"""
+        self.device: str | None = None
+        """where the tensors are assembled (:func:`ckpttool.device.resolve`; None: the CPU)"""
 
     def files(self) -> list[PlanFile]:
         """Each file with the memory its writer holds: its largest output tensor (two, one filled
@@ -237,7 +245,7 @@ class _FileExec:
         does not lie contiguously in the output."""
         from ckpttool.formats._ptwrite import written_peak
 
-        largest = _largest_piece(self.manifest)
+        largest = _largest_piece(self.manifest) * (1 if self.device is None else 2)  # a GPU reads into two
         return [
             PlanFile(path=f.path, nbytes=f.nbytes, tensors=f.tensors, peak=written_peak(f.largest) + largest)
             for f in self.planned
@@ -254,7 +262,11 @@ class _FileExec:
         results: dict[int, Any] = {}
         chosen = [self.planned[i] for i in indices]
         if workers <= 1 or len(chosen) <= 1:
-            with collecting_written() as known, self.adapter.reader(self.manifest) as reader:
+            with (
+                device.using(self.device),
+                collecting_written() as known,
+                self.adapter.reader(self.manifest) as reader,
+            ):
                 for i, f in zip(indices, chosen, strict=True):
                     (tmp / f.path).parent.mkdir(parents=True, exist_ok=True)
                     results[i] = self.writer.write(*f.key, tmp / f.path, reader, progress)
@@ -269,7 +281,7 @@ class _FileExec:
                 min(workers, len(chosen)),
                 mp_context=get_context("spawn"),
                 initializer=_init_worker,
-                initargs=(self.build, self.args, self.adapter, self.manifest),
+                initargs=(self.build, self.args, self.adapter, self.manifest, self.device),
             )
             futures = [pool.submit(_run_task, f.key, str(tmp / f.path)) for f in chosen]
         finally:
@@ -315,9 +327,13 @@ def _build_universal(root: str, manifest: Manifest) -> Any:
     return UniversalWriter(Path(root), manifest)
 
 
-def plan(src: str | Path, target: Target, *, workers: int = 1, max_memory: str | None = None) -> tuple[Plan, Any]:
-    """The plan for ``target``, and the object that executes it. Raises UsageError for a target the
-    checkpoint cannot take, before anything is written."""
+def plan(
+    src: str | Path, target: Target, *, workers: int = 1, max_memory: str | None = None, on: str = "cpu"
+) -> tuple[Plan, Any]:
+    """The plan for ``target``, and the object that executes it, assembling tensors ``on`` a device
+    (``cpu``, ``cuda``, ``cuda:N``: :mod:`ckpttool.device`). Raises UsageError for a target the
+    checkpoint cannot take, or a device this machine lacks, before anything is written."""
+    on = device.resolve(on)
     adapter, manifest = registry.describe(src)
     fmt = target.to or _default_format(manifest.format)
     if target.distributed_optimizer is not None and fmt not in ("megatron", "megatron-dist"):
@@ -361,6 +377,7 @@ def plan(src: str | Path, target: Target, *, workers: int = 1, max_memory: str |
             "anything) so far",
             hint="'ckpttool convert --to safetensors' writes the Hugging Face layout",
         )
+    executor.device = None if on == "cpu" else on
     files = executor.files()
     limit = parse_size(max_memory, option="--max-memory") if max_memory else None
     need = max((f.peak for f in files), default=0) + OVERHEAD
@@ -387,6 +404,14 @@ def plan(src: str | Path, target: Target, *, workers: int = 1, max_memory: str |
     )
     if n < workers and len(files) >= workers:
         result.notes.append(f"--workers {workers} reduced to {n} to stay within --max-memory {max_memory}")
+    if executor.device is not None:
+        biggest = max((f.largest for f in executor.planned), default=0)
+        gpu = n * (biggest + 2 * _largest_piece(manifest))
+        result.device = on
+        result.notes.append(
+            f"tensors assembled on {device.describe(on)}: about {gpu / 1e6:,.0f} MB of its memory "
+            f"({n} worker{'s' if n > 1 else ''}: the largest output tensor and two source pieces each)"
+        )
     return result, executor
 
 
@@ -728,13 +753,16 @@ def reshard(
     force: bool = False,
     seal_output: bool = True,
     progress: Callable[[int], None] | None = None,
+    on: str = "cpu",
 ) -> ReshardResult:
+    """Write ``src`` at the layout ``target`` to ``dst`` (see the module's description); ``on``:
+    where the tensors are assembled (``cpu``, ``cuda``, ``cuda:N``)."""
     out = Path(dst)
     if Path(src).resolve() == out.resolve() or out.resolve().is_relative_to(Path(src).resolve()):
         raise UsageError(f"-o {out} is inside the source {src}", hint="write the resharded checkpoint elsewhere")
     if out.exists() and not force and not dry_run:
         raise UsageError(f"{out} exists", hint="choose another -o path or pass --force to replace it")
-    the_plan, executor = plan(src, target, workers=workers, max_memory=max_memory)
+    the_plan, executor = plan(src, target, workers=workers, max_memory=max_memory, on=on)
     if dry_run:
         return ReshardResult(plan=the_plan, output=str(out), written=False)
     ranks = torchrun_world()

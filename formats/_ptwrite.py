@@ -29,7 +29,7 @@ from typing import Any, BinaryIO, ClassVar
 
 import numpy as np
 
-from ckpttool import _torchzip, _unpickle
+from ckpttool import _torchzip, _unpickle, device
 from ckpttool._zipwrite import PARALLEL, WRITE_CHUNK, ZipWriter
 from ckpttool.dtypes import carrier
 from ckpttool.geometry import row_major_strides
@@ -403,7 +403,8 @@ class Scratch:
 
     def take(self, n: int) -> np.ndarray:
         if self._buf.nbytes < n:
-            self._buf = np.empty(n, dtype=np.uint8)
+            on = device.active()  # a GPU fills it: pinned, so the values cross back at the bus's speed
+            self._buf = on.host_empty(n) if on is not None else np.empty(n, dtype=np.uint8)
         return self._buf[:n]
 
 

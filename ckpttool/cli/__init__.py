@@ -510,7 +510,14 @@ def reshard(
         ),
     ] = None,
     workers: Annotated[int, typer.Option("--workers", help="Output files written at once (processes).")] = 1,
-    device: Annotated[str, typer.Option("--device", help="Where pieces are assembled: cpu.")] = "cpu",
+    device: Annotated[
+        str,
+        typer.Option(
+            "--device",
+            help="Where tensors are assembled: cpu, or cuda / cuda:N (pinned buffers, the GPU cutting and "
+            "placing pieces; under torchrun, cuda is each rank's local GPU).",
+        ),
+    ] = "cpu",
     max_memory: Annotated[
         str | None, typer.Option("--max-memory", help="Bound on the memory of all workers, e.g. 8GB.")
     ] = None,
@@ -560,12 +567,9 @@ def reshard(
     written; the output is written beside OUTPUT, sealed, and published by one rename."""
     from rich.filesize import decimal
 
-    from ckpttool.errors import UsageError
     from ckpttool.reshard import Target, parse_split_rules, torchrun_world
     from ckpttool.reshard import reshard as run
 
-    if device != "cpu":
-        raise UsageError(f"--device {device!r}: only cpu is available in this version")
     ranks = torchrun_world()
     if ranks is not None and ranks[0] != 0:  # under torchrun, rank 0 reports for all
         quiet, json_out = True, False
@@ -604,6 +608,7 @@ def reshard(
             force=force,
             seal_output=not no_seal,
             progress=advance,
+            on=device,
         )
     plan = result.plan
     if ranks is not None and ranks[0] != 0:

@@ -1,0 +1,259 @@
+"""Where ``reshard`` assembles its output tensors: on the CPU (numpy; the default) or on a GPU
+(``--device cuda``).
+
+On a GPU each output tensor, or each box of one that a writer asks for, is built in GPU memory:
+
+* each source piece it needs is read from disk into one of two pinned host buffers, used in turn,
+  and copied to the GPU asynchronously, so that the next piece is read while this one crosses;
+* there it is cut and placed: box slices, the flat ranges of a ZeRO partition, the column cuts of
+  a row-parallel split, the rows of a vocabulary (strided copies);
+* the finished tensor is copied back into the pinned buffer the writer saves from, while the
+  writer's own pipeline (``_ptwrite._filled_ahead``) is still writing the tensor before it.
+
+Bytes move as integers of the dtype's width, never as floats, so the output is the CPU path's byte
+for byte (NaN payloads and denormals included); ``tests/test_device.py`` compares the two. A value
+whose width has no integer type (complex128) is assembled on the CPU.
+
+The same code runs on the CPU through torch (``torch-cpu``, each copy done at once): the tests exercise it
+where no GPU is present.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ckpttool.errors import UsageError
+from ckpttool.geometry import Box, intersect
+
+PIN_MIN = 1 << 20
+"""host buffers from this size up are pinned (page-locked) when a GPU assembles: copies from and to
+them run at the bus's speed and overlap the CPU's work"""
+
+_ACTIVE: Assembler | None = None
+
+
+def active() -> Assembler | None:
+    """The device assembling this process's tensors (None: the CPU, with numpy)."""
+    return _ACTIVE
+
+
+def resolve(spec: str) -> str:
+    """``spec`` checked and made definite: ``cpu``, ``cuda:N`` (``cuda`` alone: this process's
+    local rank under torchrun, else device 0) or ``torch-cpu``. Raises UsageError for a device this
+    machine does not have, before anything is read or written."""
+    if spec in ("cpu", "torch-cpu"):
+        return spec
+    kind, _, index = spec.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise UsageError(f"--device {spec!r}: choose cpu, cuda or cuda:N")
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - torch is a dependency
+        raise UsageError(f"--device {spec}: torch is not importable ({exc})") from exc
+    if not torch.cuda.is_available():
+        raise UsageError(
+            f"--device {spec}: this machine has no CUDA device torch can use (torch {torch.__version__})",
+            hint="run with --device cpu (the default), or on a machine with a GPU and a CUDA build of torch",
+        )
+    count = torch.cuda.device_count()
+    if index:
+        n = int(index)
+    else:
+        local = os.environ.get("LOCAL_RANK", "")
+        n = int(local) % count if local.isdigit() else 0
+    if n >= count:
+        raise UsageError(f"--device {spec}: this machine has {count} CUDA device{'s' if count > 1 else ''}")
+    return f"cuda:{n}"
+
+
+@contextlib.contextmanager
+def using(spec: str | None) -> Iterator[Assembler | None]:
+    """Assemble on ``spec`` (a :func:`resolve`-d name; None or ``cpu``: numpy) inside the block."""
+    global _ACTIVE
+    previous = _ACTIVE
+    _ACTIVE = None if spec is None or spec == "cpu" else Assembler(spec)
+    try:
+        yield _ACTIVE
+    finally:
+        if _ACTIVE is not None:
+            _ACTIVE.close()
+        _ACTIVE = previous
+
+
+def start(spec: str | None) -> None:
+    """Assemble on ``spec`` from now on, for the life of this process (a worker process)."""
+    global _ACTIVE
+    _ACTIVE = None if spec is None or spec == "cpu" else Assembler(spec)
+
+
+def describe(spec: str) -> str:
+    """What ``spec`` is, for the plan's notes."""
+    if not spec.startswith("cuda"):
+        return spec
+    import torch
+
+    return f"{spec} ({torch.cuda.get_device_name(torch.device(spec))})"
+
+
+class Assembler:
+    """Assembles boxes of logical tensors on one torch device (see the module's description)."""
+
+    def __init__(self, spec: str) -> None:
+        import torch
+
+        self.torch = torch
+        self.device = torch.device("cpu" if spec == "torch-cpu" else spec)
+        self.cuda = self.device.type == "cuda"
+        self.lock = threading.Lock()
+        self._host: list[Any] = [None, None]
+        """the pinned staging buffers pieces are read into (torch uint8 tensors)"""
+        self._staged: list[Any] = [None, None]
+        """their twins on the device"""
+        self._out: Any = None
+        """the device buffer the tensor is built in"""
+        self._done: list[Any] = [None, None]
+        """per slot: its copy to the device is done and its values placed (both its buffers may be
+        used again)"""
+        self._finished: Any = None
+        """the tensor's copy back to the host is done"""
+        self._slot = 0
+        if self.cuda:
+            # one stream, the device's default: its copies and cuts run in order, each asynchronous
+            # to this thread, which reads the next piece meanwhile (switching streams per copy costs
+            # more, in torch's Python, than the overlap of a copy and a cut gains)
+            torch.cuda.set_device(self.device)
+            self._done = [torch.cuda.Event(), torch.cuda.Event()]
+            self._finished = torch.cuda.Event()
+        self.moved = 0
+        """bytes copied to the device so far"""
+
+    # -- buffers -----------------------------------------------------------------------------
+
+    def host_empty(self, n: int) -> np.ndarray:
+        """``n`` bytes of host memory for the writer to fill and save from: pinned on a GPU (from
+        ``PIN_MIN`` up), so the finished tensor crosses back at the bus's speed."""
+        if not self.cuda or n < PIN_MIN:
+            return np.empty(n, dtype=np.uint8)
+        # the array keeps the pinned tensor alive (torch makes it the array's base)
+        return self.torch.empty(n, dtype=self.torch.uint8, pin_memory=True).numpy()
+
+    def _grown(self, buf: Any, n: int, *, pinned: bool = False, on_device: bool = False) -> Any:
+        if buf is not None and buf.numel() >= n:
+            return buf
+        size = max(n, 2 * buf.numel() if buf is not None else 0)
+        device = self.device if on_device else "cpu"
+        return self.torch.empty(size, dtype=self.torch.uint8, device=device, pin_memory=pinned and self.cuda)
+
+    def close(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize(self.device)
+        self._host = [None, None]
+        self._staged = [None, None]
+        self._out = None
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+
+    # -- assembling ---------------------------------------------------------------------------
+
+    def assemble(self, reader: Any, item: Any, out: np.ndarray, box: Box | None) -> bool:
+        """Fill ``out`` (C-contiguous, shaped like ``box``) with the values of ``item`` inside
+        ``box`` (default: all of it), assembled on the device. False, having done nothing, when
+        the dtype's width has no integer type to carry it."""
+        torch = self.torch
+        width = out.dtype.itemsize
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        if width not in ints or not out.flags.c_contiguous:
+            return False
+        target = box or Box.whole(item.shape)
+        if target.volume == 0:
+            return True
+        with self.lock, self._on_device():
+            self._out = self._grown(self._out, target.volume * width, on_device=True)
+            whole = self._out[: target.volume * width].view(ints[width]).reshape(target.sizes)
+            for piece in item.pieces:
+                if piece.replica == 0:
+                    self._place(reader, piece, item, target, whole, width, ints[width])
+            host = torch.from_numpy(out.reshape(-1).view(np.uint8))
+            host.copy_(self._out[: target.volume * width], non_blocking=self.cuda)
+            if self.cuda:
+                self._finished.record()
+                self._finished.synchronize()
+        return True
+
+    def _place(self, reader: Any, piece: Any, item: Any, target: Box, whole: Any, width: int, dtype: Any) -> None:
+        """Read what ``target`` needs of ``piece`` and place it in ``whole`` (the device tensor
+        shaped like ``target``)."""
+        from ckpttool.assemble import contiguous_part, regions
+
+        if piece.flat is None:
+            common = intersect(piece.box, target)
+            if common is None:
+                return
+            # only the part needed, when it is contiguous in the stored piece; else all of it
+            at = contiguous_part(piece.box, common)
+            span = reader.raw_span(piece, item) if at is not None else None
+            if span is not None and span[1] == piece.box.volume * width:
+                assert at is not None
+                offset = span[0] + at * width
+                staged = self._stage(common.volume * width, lambda buf: self._read_at(reader, piece, offset, buf))
+                placements = [(common, common, 0)]
+            else:
+                staged = self._stage(piece.box.volume * width, lambda buf: self._read(reader, piece, item, buf))
+                placements = [(common, piece.box, 0)]
+        else:
+            parts = regions(piece)
+            if not any(intersect(b, target) for b in parts):
+                return
+            staged = self._stage(piece.flat[1] * width, lambda buf: self._read(reader, piece, item, buf))
+            placements, pos = [], 0
+            for region in parts:
+                common = intersect(region, target)
+                if common is not None:
+                    placements.append((common, region, pos))
+                pos += region.volume
+        slot, n = staged
+        values = self._staged[slot][:n].view(dtype)
+        for common, region, pos in placements:
+            src = values[pos : pos + region.volume].reshape(region.sizes)
+            whole[common.slices(relative_to=target)] = src[common.slices(relative_to=region)]
+        if self.cuda:
+            self._done[slot].record()
+
+    @staticmethod
+    def _read(reader: Any, piece: Any, item: Any, buf: np.ndarray) -> None:
+        from ckpttool.dtypes import carrier
+
+        shape = piece.box.sizes if piece.flat is None else (piece.flat[1],)
+        reader.read(piece, item, out=buf.view(carrier(item.dtype)).reshape(shape))
+
+    @staticmethod
+    def _read_at(reader: Any, piece: Any, offset: int, buf: np.ndarray) -> None:
+        reader.files.get(piece.file).read_into(offset, buf.data)
+
+    def _stage(self, n: int, read: Any) -> tuple[int, int]:
+        """Read ``n`` bytes (``read(host_buffer)``) into the next pinned slot and start their copy to
+        the device; returns (slot, n). The slot's last use (its copy across and its values
+        placed) must be done before it is read into again."""
+        slot = self._slot
+        self._slot ^= 1
+        if self.cuda:
+            self._done[slot].synchronize()
+        if self._host[slot] is None or self._host[slot].numel() < n:
+            self._host[slot] = self._grown(self._host[slot], n, pinned=True)
+            self._staged[slot] = self._grown(self._staged[slot], n, on_device=True)
+        read(self._host[slot][:n].numpy())
+        self._staged[slot][:n].copy_(self._host[slot][:n], non_blocking=self.cuda)
+        self.moved += n
+        return slot, n
+
+    def _on_device(self) -> contextlib.AbstractContextManager[Any]:
+        return self.torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext()
+
+
+__all__ = ["PIN_MIN", "Assembler", "active", "describe", "resolve", "start", "using"]

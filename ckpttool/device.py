@@ -35,6 +35,17 @@ PIN_MIN = 1 << 20
 """host buffers from this size up are pinned (page-locked) when a GPU assembles: copies from and to
 them run at the bus's speed and overlap the CPU's work"""
 
+CUDA_OVERHEAD = 500 * 10**6
+"""host memory a process assembling on a GPU takes beyond the CPU path's: torch imported and a CUDA
+context (the process measured 0.78 GB on the H200 machine of docs/benchmarks.md)"""
+
+
+def pinned(n: int) -> int:
+    """The host memory a buffer of ``n`` bytes takes when it is pinned: torch's pinned allocator
+    rounds each block up to a power of two."""
+    return n if n < PIN_MIN else 1 << (n - 1).bit_length()
+
+
 _ACTIVE: Assembler | None = None
 
 
@@ -73,11 +84,12 @@ def resolve(spec: str) -> str:
 
 
 @contextlib.contextmanager
-def using(spec: str | None) -> Iterator[Assembler | None]:
-    """Assemble on ``spec`` (a :func:`resolve`-d name; None or ``cpu``: numpy) inside the block."""
+def using(spec: str | None, staging: int = 0) -> Iterator[Assembler | None]:
+    """Assemble on ``spec`` (a :func:`resolve`-d name; None or ``cpu``: numpy) inside the block;
+    ``staging``: the largest source piece, the size of each pinned buffer pieces are read into."""
     global _ACTIVE
     previous = _ACTIVE
-    _ACTIVE = None if spec is None or spec == "cpu" else Assembler(spec)
+    _ACTIVE = None if spec is None or spec == "cpu" else Assembler(spec, staging)
     try:
         yield _ACTIVE
     finally:
@@ -86,10 +98,10 @@ def using(spec: str | None) -> Iterator[Assembler | None]:
         _ACTIVE = previous
 
 
-def start(spec: str | None) -> None:
+def start(spec: str | None, staging: int = 0) -> None:
     """Assemble on ``spec`` from now on, for the life of this process (a worker process)."""
     global _ACTIVE
-    _ACTIVE = None if spec is None or spec == "cpu" else Assembler(spec)
+    _ACTIVE = None if spec is None or spec == "cpu" else Assembler(spec, staging)
 
 
 def describe(spec: str) -> str:
@@ -104,7 +116,7 @@ def describe(spec: str) -> str:
 class Assembler:
     """Assembles boxes of logical tensors on one torch device (see the module's description)."""
 
-    def __init__(self, spec: str) -> None:
+    def __init__(self, spec: str, staging: int = 0) -> None:
         import torch
 
         self.torch = torch
@@ -123,11 +135,14 @@ class Assembler:
         self._finished: Any = None
         """the tensor's copy back to the host is done"""
         self._slot = 0
+        self._staging = staging
+        """the size both staging buffers are made at once (the largest source piece): one block
+        each, never regrown through smaller ones"""
         if self.cuda:
             # one stream, the device's default: its copies and cuts run in order, each asynchronous
             # to this thread, which reads the next piece meanwhile (switching streams per copy costs
-            # more, in torch's Python, than the overlap of a copy and a cut gains)
-            torch.cuda.set_device(self.device)
+            # more, in torch's Python, than the overlap of a copy and a cut gains). The work runs
+            # under _on_device(): the caller's current device is left as it is.
             self._done = [torch.cuda.Event(), torch.cuda.Event()]
             self._finished = torch.cuda.Event()
         self.moved = 0
@@ -143,12 +158,22 @@ class Assembler:
         # the array keeps the pinned tensor alive (torch makes it the array's base)
         return self.torch.empty(n, dtype=self.torch.uint8, pin_memory=True).numpy()
 
-    def _grown(self, buf: Any, n: int, *, pinned: bool = False, on_device: bool = False) -> Any:
+    def _grown(self, buf: Any, n: int) -> Any:
+        """The device buffer ``buf``, or one of exactly ``n`` bytes when it is smaller."""
         if buf is not None and buf.numel() >= n:
             return buf
-        size = max(n, 2 * buf.numel() if buf is not None else 0)
-        device = self.device if on_device else "cpu"
-        return self.torch.empty(size, dtype=self.torch.uint8, device=device, pin_memory=pinned and self.cuda)
+        return self.torch.empty(n, dtype=self.torch.uint8, device=self.device)
+
+    def trim(self) -> None:
+        """Hand back the pinned host memory no buffer holds any more: torch's pinned allocator keeps
+        freed blocks for reuse, which would leave every outgrown buffer locked in RAM."""
+        if not self.cuda:
+            return
+        torch = self.torch
+        accelerator = getattr(torch, "accelerator", None)
+        empty = getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+        if empty is not None:
+            empty()
 
     def close(self) -> None:
         if self.cuda:
@@ -158,6 +183,7 @@ class Assembler:
         self._out = None
         if self.cuda:
             self.torch.cuda.empty_cache()
+            self.trim()
 
     # -- assembling ---------------------------------------------------------------------------
 
@@ -174,16 +200,18 @@ class Assembler:
         if target.volume == 0:
             return True
         with self.lock, self._on_device():
-            self._out = self._grown(self._out, target.volume * width, on_device=True)
-            whole = self._out[: target.volume * width].view(ints[width]).reshape(target.sizes)
-            for piece in item.pieces:
-                if piece.replica == 0:
-                    self._place(reader, piece, item, target, whole, width, ints[width])
-            host = torch.from_numpy(out.reshape(-1).view(np.uint8))
-            host.copy_(self._out[: target.volume * width], non_blocking=self.cuda)
-            if self.cuda:
-                self._finished.record()
-                self._finished.synchronize()
+            try:
+                self._out = self._grown(self._out, target.volume * width)
+                whole = self._out[: target.volume * width].view(ints[width]).reshape(target.sizes)
+                for piece in item.pieces:
+                    if piece.replica == 0:
+                        self._place(reader, piece, item, target, whole, width, ints[width])
+                host = torch.from_numpy(out.reshape(-1).view(np.uint8))
+                host.copy_(self._out[: target.volume * width], non_blocking=self.cuda)
+            finally:  # done, or failed: nothing may still be copying from or into the buffers
+                if self.cuda:
+                    self._finished.record()
+                    self._finished.synchronize()
         return True
 
     def _place(self, reader: Any, piece: Any, item: Any, target: Box, whole: Any, width: int, dtype: Any) -> None:
@@ -240,13 +268,17 @@ class Assembler:
         """Read ``n`` bytes (``read(host_buffer)``) into the next pinned slot and start their copy to
         the device; returns (slot, n). The slot's last use (its copy across and its values
         placed) must be done before it is read into again."""
+        torch = self.torch
         slot = self._slot
         self._slot ^= 1
         if self.cuda:
             self._done[slot].synchronize()
         if self._host[slot] is None or self._host[slot].numel() < n:
-            self._host[slot] = self._grown(self._host[slot], n, pinned=True)
-            self._staged[slot] = self._grown(self._staged[slot], n, on_device=True)
+            size = max(n, self._staging)
+            self._host[slot] = self._staged[slot] = None  # (no longer in use: waited for above)
+            self.trim()
+            self._host[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=self.cuda)
+            self._staged[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
         read(self._host[slot][:n].numpy())
         self._staged[slot][:n].copy_(self._host[slot][:n], non_blocking=self.cuda)
         self.moved += n
@@ -256,4 +288,4 @@ class Assembler:
         return self.torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext()
 
 
-__all__ = ["PIN_MIN", "Assembler", "active", "describe", "resolve", "start", "using"]
+__all__ = ["CUDA_OVERHEAD", "PIN_MIN", "Assembler", "active", "describe", "pinned", "resolve", "start", "using"]

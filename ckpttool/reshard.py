@@ -77,9 +77,9 @@ class PlanFile:
     """bytes of buffers the writer of this file holds at once"""
 
 
-def peak_memory(files: list[PlanFile], workers: int) -> int:
+def peak_memory(files: list[PlanFile], workers: int, overhead: int = OVERHEAD) -> int:
     """Estimated peak memory: the ``workers`` largest per-file peaks plus each worker's overhead."""
-    return sum(sorted((f.peak for f in files), reverse=True)[:workers]) + workers * OVERHEAD
+    return sum(sorted((f.peak for f in files), reverse=True)[:workers]) + workers * overhead
 
 
 @dataclass(slots=True, kw_only=True)
@@ -94,6 +94,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     device: str = "cpu"
     """where the tensors are assembled (``cpu`` or ``cuda:N``)"""
+    overhead: int = OVERHEAD
+    """memory of each worker process besides its buffers"""
 
     @property
     def nbytes(self) -> int:
@@ -101,7 +103,7 @@ class Plan:
 
     @property
     def peak(self) -> int:
-        return peak_memory(self.files, self.workers)
+        return peak_memory(self.files, self.workers, self.overhead)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -148,7 +150,7 @@ def _init_worker(
     build: Callable[..., Any], args: tuple[Any, ...], adapter: Any, manifest: Manifest, on: str | None
 ) -> None:
     global _WRITER, _ADAPTER, _MANIFEST
-    device.start(on)
+    device.start(on, staging=_largest_piece(manifest) if on else 0)
     _WRITER, _ADAPTER, _MANIFEST = build(*args), adapter, manifest
 
 
@@ -245,9 +247,20 @@ class _FileExec:
         does not lie contiguously in the output."""
         from ckpttool.formats._ptwrite import written_peak
 
-        largest = _largest_piece(self.manifest) * (1 if self.device is None else 2)  # a GPU reads into two
+        largest = _largest_piece(self.manifest)
+        if self.device is None:
+            return [
+                PlanFile(path=f.path, nbytes=f.nbytes, tensors=f.tensors, peak=written_peak(f.largest) + largest)
+                for f in self.planned
+            ]
+        # on a GPU: the scratch and two staging buffers for source pieces, pinned (rounded up)
         return [
-            PlanFile(path=f.path, nbytes=f.nbytes, tensors=f.tensors, peak=written_peak(f.largest) + largest)
+            PlanFile(
+                path=f.path,
+                nbytes=f.nbytes,
+                tensors=f.tensors,
+                peak=device.pinned(written_peak(f.largest)) + 2 * device.pinned(largest),
+            )
             for f in self.planned
         ]
 
@@ -263,7 +276,7 @@ class _FileExec:
         chosen = [self.planned[i] for i in indices]
         if workers <= 1 or len(chosen) <= 1:
             with (
-                device.using(self.device),
+                device.using(self.device, staging=_largest_piece(self.manifest) if self.device else 0),
                 collecting_written() as known,
                 self.adapter.reader(self.manifest) as reader,
             ):
@@ -380,17 +393,18 @@ def plan(
     executor.device = None if on == "cpu" else on
     files = executor.files()
     limit = parse_size(max_memory, option="--max-memory") if max_memory else None
-    need = max((f.peak for f in files), default=0) + OVERHEAD
+    overhead = OVERHEAD + (device.CUDA_OVERHEAD if executor.device is not None else 0)
+    need = max((f.peak for f in files), default=0) + overhead
     if limit is not None and need > limit:
         raise UsageError(
             f"--max-memory {max_memory}: writing {max(files, key=lambda f: f.peak).path} alone needs about "
-            f"{need / 1e6:,.0f} MB (its largest tensor, the largest source piece, {OVERHEAD // 10**6} MB of process)",
-            hint="raise --max-memory",
+            f"{need / 1e6:,.0f} MB (its largest tensor, the largest source piece, {overhead // 10**6} MB of process)",
+            hint="raise --max-memory" + (" or assemble on the CPU" if executor.device is not None else ""),
         )
     if workers < 1:
         raise UsageError("--workers must be at least 1")
     n = max(1, min(workers, len(files)))
-    while limit is not None and n > 1 and peak_memory(files, n) > limit:
+    while limit is not None and n > 1 and peak_memory(files, n, overhead) > limit:
         n -= 1
     result = Plan(
         source=str(src),
@@ -401,6 +415,7 @@ def plan(
         files=files,
         workers=n,
         notes=list(executor.notes),
+        overhead=overhead,
     )
     if n < workers and len(files) >= workers:
         result.notes.append(f"--workers {workers} reduced to {n} to stay within --max-memory {max_memory}")

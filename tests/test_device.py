@@ -47,8 +47,8 @@ def assemblers(monkeypatch):
     made: list[device.Assembler] = []
 
     class Kept(device.Assembler):
-        def __init__(self, spec: str) -> None:
-            super().__init__(spec)
+        def __init__(self, spec: str, staging: int = 0) -> None:
+            super().__init__(spec, staging)
             made.append(self)
 
     monkeypatch.setattr(device, "Assembler", Kept)
@@ -132,6 +132,32 @@ def test_unknown_and_missing_devices_are_refused(tmp_path, cli):
     assert not out.exists()
     with pytest.raises(UsageError, match=r"CUDA devices?$|no CUDA device"):
         plan(FIXTURES / "dcp/fsdp2", Target(dp=4), on="cuda:99")
+
+
+def test_the_plan_counts_pinned_buffers_and_the_cuda_process(monkeypatch):
+    """On a GPU a worker holds its scratch and two staging buffers pinned, each rounded up to a power
+    of two as torch's pinned allocator does, and a CUDA context: the plan's peak says so, and
+    --max-memory lowers --workers by it."""
+    from ckpttool import reshard as rs
+    from ckpttool.formats._ptwrite import written_peak
+
+    monkeypatch.setattr(device, "resolve", lambda spec: "cuda:0" if spec == "cuda" else spec)
+    monkeypatch.setattr(device, "describe", lambda spec: spec)
+    src = FIXTURES / "dcp/fsdp2"
+    cpu, _ = plan(src, Target(dp=4), workers=2)
+    gpu, executor = plan(src, Target(dp=4), workers=2, on="cuda")
+    assert gpu.device == "cuda:0" and cpu.device == "cpu" and any("assembled on cuda:0" in n for n in gpu.notes)
+    piece = rs._largest_piece(executor.manifest)
+    for c, g, f in zip(cpu.files, gpu.files, executor.planned, strict=True):
+        assert g.peak == device.pinned(written_peak(f.largest)) + 2 * device.pinned(piece) >= c.peak
+    assert gpu.peak - cpu.peak >= 2 * device.CUDA_OVERHEAD
+    assert device.pinned(3 << 20) == 4 << 20 and device.pinned(100) == 100
+    limit = max(f.peak for f in gpu.files) + rs.OVERHEAD + device.CUDA_OVERHEAD + 1
+    one, _ = plan(src, Target(dp=4), workers=2, on="cuda", max_memory=str(limit))
+    assert one.workers == 1
+    with pytest.raises(UsageError, match="800 MB of process") as refused:
+        plan(src, Target(dp=4), on="cuda", max_memory=str(limit - 2))
+    assert refused.value.hint == "raise --max-memory or assemble on the CPU"
 
 
 def test_without_a_gpu_cuda_is_refused_before_writing(tmp_path, cli):

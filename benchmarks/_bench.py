@@ -73,3 +73,11 @@ def alternate(
             results[name].append(run(cmds[name]))
     med = {k: (statistics.median(w for w, _ in v), statistics.median(r for _, r in v)) for k, v in results.items()}
     return results, med
+
+
+def as_json(results: Runs, med: dict[str, tuple[float, float]]) -> dict[str, object]:
+    """Every run and the medians of :func:`alternate`, as the scripts' JSON reports hold them."""
+    return {
+        "runs": {k: [{"wall_s": w, "peak_rss": r} for w, r in v] for k, v in results.items()},
+        "median": {k: {"wall_s": w, "peak_rss": r} for k, (w, r) in med.items()},
+    }

@@ -35,7 +35,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from _bench import alternate, make_once, warm  # the folder beside this script
+from _bench import alternate, as_json, make_once, warm  # the folder beside this script
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "_data"
@@ -96,8 +96,7 @@ def main() -> int:
     z = med["zero_to_fp32"]
     summary = {
         "checkpoint_bytes": size,
-        "runs": {k: [{"wall_s": w, "peak_rss": r} for w, r in v] for k, v in results.items()},
-        "median": {k: {"wall_s": w, "peak_rss": r} for k, (w, r) in med.items()},
+        **as_json(results, med),
         "reshard_vs_cp": med["cp -r"][0] / med["reshard --dp 1"][0],
         "export_vs_zero_to_fp32_speed": z[0] / med["export --kind master"][0],
         "export_vs_zero_to_fp32_memory": med["export --kind master"][1] / z[1],

@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _bench import alternate, warm  # the folder beside this script
+from _bench import alternate, as_json, warm  # the folder beside this script
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "_data"
@@ -127,8 +127,7 @@ def main() -> int:
         "torch_dist_read_s": read_s,
         "largest_tensor_bytes": largest,
         "rss_bound": bound,
-        "runs": {k: [{"wall_s": w, "peak_rss": r} for w, r in v] for k, v in results.items()},
-        "median": {k: {"wall_s": w, "peak_rss": r} for k, (w, r) in med.items()},
+        **as_json(results, med),
         "legacy_vs_cp": med["cp -r"][0] / med["reshard --tp 1 --pp 1"][0],
         "dist_vs_cp": med["cp -r"][0] / med["reshard ... --to megatron-dist"][0],
         "from_dist_vs_cp": med["cp -r (torch_dist)"][0] / med["reshard torch_dist --to megatron"][0],

@@ -29,7 +29,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from _bench import alternate, make_once, warm  # the folder beside this script
+from _bench import alternate, as_json, make_once, warm  # the folder beside this script
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "_data"
@@ -71,8 +71,7 @@ def bench(ckpt: Path, repeat: int, peer: bool) -> dict[str, object]:
         "checkpoint_bytes": size,
         "largest_tensor_bytes": largest,
         "rss_bound": bound,
-        "runs": {k: [{"wall_s": w, "peak_rss": r} for w, r in v] for k, v in results.items()},
-        "median": {k: {"wall_s": w, "peak_rss": r} for k, (w, r) in med.items()},
+        **as_json(results, med),
         "vs_cp": med["cp -r"][0] / med["reshard --workers 1"][0],
         "vs_cp_workers2": med["cp -r"][0] / med["reshard --workers 2"][0],
         "workers2_speedup": med["reshard --workers 1"][0] / med["reshard --workers 2"][0],

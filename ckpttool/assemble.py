@@ -33,17 +33,25 @@ def contiguous_part(whole: Box, part: Box) -> int | None:
     return offset
 
 
-def _read_part(reader: PieceReader, piece: Piece, item: Item, part: Box, out: np.ndarray) -> bool:
-    """Read the values of ``part`` (inside a piece stored raw and C-ordered) straight into ``out``
-    (C-contiguous): only those bytes, not the whole piece. False when the piece is not stored so."""
+def part_offset(reader: PieceReader, piece: Piece, item: Item, part: Box, itemsize: int) -> int | None:
+    """Where in ``piece.file`` the values of ``part`` (inside the piece) start, when they can be
+    read alone: the piece stored raw and C-ordered, ``part`` contiguous in it. None otherwise."""
     at = contiguous_part(piece.box, part)
     if at is None:
-        return False
+        return None
     span = reader.raw_span(piece, item)
-    itemsize = out.dtype.itemsize
     if span is None or span[1] != piece.box.volume * itemsize:
+        return None
+    return span[0] + at * itemsize
+
+
+def _read_part(reader: PieceReader, piece: Piece, item: Item, part: Box, out: np.ndarray) -> bool:
+    """Read the values of ``part`` straight into ``out`` (C-contiguous): only those bytes, not the
+    whole piece. False when they cannot be read alone (:func:`part_offset`)."""
+    offset = part_offset(reader, piece, item, part, out.dtype.itemsize)
+    if offset is None:
         return False
-    reader.files.get(piece.file).read_into(span[0] + at * itemsize, out.reshape(-1).view(np.uint8).data)
+    reader.files.get(piece.file).read_into(offset, out.reshape(-1).view(np.uint8).data)
     return True
 
 

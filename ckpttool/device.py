@@ -84,12 +84,11 @@ def resolve(spec: str) -> str:
 
 
 @contextlib.contextmanager
-def using(spec: str | None, staging: int = 0) -> Iterator[Assembler | None]:
-    """Assemble on ``spec`` (a :func:`resolve`-d name; None or ``cpu``: numpy) inside the block;
-    ``staging``: the largest source piece, the size of each pinned buffer pieces are read into."""
+def using(spec: str | None) -> Iterator[Assembler | None]:
+    """Assemble on ``spec`` (a :func:`resolve`-d name; None or ``cpu``: numpy) inside the block."""
     global _ACTIVE
     previous = _ACTIVE
-    _ACTIVE = None if spec is None or spec == "cpu" else Assembler(spec, staging)
+    _ACTIVE = None if spec is None or spec == "cpu" else Assembler(spec)
     try:
         yield _ACTIVE
     finally:
@@ -98,10 +97,16 @@ def using(spec: str | None, staging: int = 0) -> Iterator[Assembler | None]:
         _ACTIVE = previous
 
 
-def start(spec: str | None, staging: int = 0) -> None:
+def start(spec: str | None) -> None:
     """Assemble on ``spec`` from now on, for the life of this process (a worker process)."""
     global _ACTIVE
-    _ACTIVE = None if spec is None or spec == "cpu" else Assembler(spec, staging)
+    _ACTIVE = None if spec is None or spec == "cpu" else Assembler(spec)
+
+
+def host_empty(n: int) -> np.ndarray:
+    """At least ``n`` bytes of host memory for a writer to fill and save from: pinned when a GPU
+    assembles (see :meth:`Assembler.host_empty`), plain otherwise."""
+    return np.empty(n, dtype=np.uint8) if _ACTIVE is None else _ACTIVE.host_empty(n)
 
 
 def describe(spec: str) -> str:
@@ -116,7 +121,7 @@ def describe(spec: str) -> str:
 class Assembler:
     """Assembles boxes of logical tensors on one torch device (see the module's description)."""
 
-    def __init__(self, spec: str, staging: int = 0) -> None:
+    def __init__(self, spec: str) -> None:
         import torch
 
         self.torch = torch
@@ -135,9 +140,6 @@ class Assembler:
         self._finished: Any = None
         """the tensor's copy back to the host is done"""
         self._slot = 0
-        self._staging = staging
-        """the size both staging buffers are made at once (the largest source piece): one block
-        each, never regrown through smaller ones"""
         if self.cuda:
             # one stream, the device's default: its copies and cuts run in order, each asynchronous
             # to this thread, which reads the next piece meanwhile (switching streams per copy costs
@@ -151,12 +153,14 @@ class Assembler:
     # -- buffers -----------------------------------------------------------------------------
 
     def host_empty(self, n: int) -> np.ndarray:
-        """``n`` bytes of host memory for the writer to fill and save from: pinned on a GPU (from
-        ``PIN_MIN`` up), so the finished tensor crosses back at the bus's speed."""
+        """At least ``n`` bytes of host memory: on a GPU from ``PIN_MIN`` up, the whole pinned block
+        torch's allocator gives for them (:func:`pinned`), so that the values cross at the bus's
+        speed; pinned memory no buffer holds any more is handed back first (:meth:`trim`)."""
         if not self.cuda or n < PIN_MIN:
             return np.empty(n, dtype=np.uint8)
+        self.trim()
         # the array keeps the pinned tensor alive (torch makes it the array's base)
-        return self.torch.empty(n, dtype=self.torch.uint8, pin_memory=True).numpy()
+        return self.torch.empty(pinned(n), dtype=self.torch.uint8, pin_memory=True).numpy()
 
     def _grown(self, buf: Any, n: int) -> Any:
         """The device buffer ``buf``, or one of exactly ``n`` bytes when it is smaller."""
@@ -217,19 +221,17 @@ class Assembler:
     def _place(self, reader: Any, piece: Any, item: Any, target: Box, whole: Any, width: int, dtype: Any) -> None:
         """Read what ``target`` needs of ``piece`` and place it in ``whole`` (the device tensor
         shaped like ``target``)."""
-        from ckpttool.assemble import contiguous_part, regions
+        from ckpttool.assemble import part_offset, regions
 
         if piece.flat is None:
             common = intersect(piece.box, target)
             if common is None:
                 return
             # only the part needed, when it is contiguous in the stored piece; else all of it
-            at = contiguous_part(piece.box, common)
-            span = reader.raw_span(piece, item) if at is not None else None
-            if span is not None and span[1] == piece.box.volume * width:
-                assert at is not None
-                offset = span[0] + at * width
-                staged = self._stage(common.volume * width, lambda buf: self._read_at(reader, piece, offset, buf))
+            offset = part_offset(reader, piece, item, common, width)
+            if offset is not None:
+                file = reader.files.get(piece.file)
+                staged = self._stage(common.volume * width, lambda buf: file.read_into(offset, buf.data))
                 placements = [(common, common, 0)]
             else:
                 staged = self._stage(piece.box.volume * width, lambda buf: self._read(reader, piece, item, buf))
@@ -260,10 +262,6 @@ class Assembler:
         shape = piece.box.sizes if piece.flat is None else (piece.flat[1],)
         reader.read(piece, item, out=buf.view(carrier(item.dtype)).reshape(shape))
 
-    @staticmethod
-    def _read_at(reader: Any, piece: Any, offset: int, buf: np.ndarray) -> None:
-        reader.files.get(piece.file).read_into(offset, buf.data)
-
     def _stage(self, n: int, read: Any) -> tuple[int, int]:
         """Read ``n`` bytes (``read(host_buffer)``) into the next pinned slot and start their copy to
         the device; returns (slot, n). The slot's last use (its copy across and its values
@@ -274,11 +272,11 @@ class Assembler:
         if self.cuda:
             self._done[slot].synchronize()
         if self._host[slot] is None or self._host[slot].numel() < n:
-            size = max(n, self._staging)
-            self._host[slot] = self._staged[slot] = None  # (no longer in use: waited for above)
-            self.trim()
-            self._host[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=self.cuda)
-            self._staged[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
+            # grown a whole pinned block at a time, the outgrown one handed back first (no longer in
+            # use: waited for above)
+            self._host[slot] = self._staged[slot] = None
+            self._host[slot] = torch.from_numpy(self.host_empty(n))
+            self._staged[slot] = torch.empty(self._host[slot].numel(), dtype=torch.uint8, device=self.device)
         read(self._host[slot][:n].numpy())
         self._staged[slot][:n].copy_(self._host[slot][:n], non_blocking=self.cuda)
         self.moved += n
@@ -288,4 +286,15 @@ class Assembler:
         return self.torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext()
 
 
-__all__ = ["CUDA_OVERHEAD", "PIN_MIN", "Assembler", "active", "describe", "pinned", "resolve", "start", "using"]
+__all__ = [
+    "CUDA_OVERHEAD",
+    "PIN_MIN",
+    "Assembler",
+    "active",
+    "describe",
+    "host_empty",
+    "pinned",
+    "resolve",
+    "start",
+    "using",
+]

@@ -17,6 +17,7 @@ any format). Each format's writer
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -77,6 +78,12 @@ class PlanFile:
     """bytes of buffers the writer of this file holds at once"""
 
 
+def worker_overhead(on: str) -> int:
+    """Memory of a worker process besides its tensor buffers, assembling ``on`` a device: on a GPU,
+    torch and a CUDA context too."""
+    return OVERHEAD + (device.CUDA_OVERHEAD if on != "cpu" else 0)
+
+
 def peak_memory(files: list[PlanFile], workers: int, overhead: int = OVERHEAD) -> int:
     """Estimated peak memory: the ``workers`` largest per-file peaks plus each worker's overhead."""
     return sum(sorted((f.peak for f in files), reverse=True)[:workers]) + workers * overhead
@@ -94,8 +101,11 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     device: str = "cpu"
     """where the tensors are assembled (``cpu`` or ``cuda:N``)"""
-    overhead: int = OVERHEAD
-    """memory of each worker process besides its buffers"""
+
+    @property
+    def overhead(self) -> int:
+        """memory of each worker process besides its buffers"""
+        return worker_overhead(self.device)
 
     @property
     def nbytes(self) -> int:
@@ -146,11 +156,9 @@ _ADAPTER: Any = None
 _MANIFEST: Manifest | None = None
 
 
-def _init_worker(
-    build: Callable[..., Any], args: tuple[Any, ...], adapter: Any, manifest: Manifest, on: str | None
-) -> None:
+def _init_worker(build: Callable[..., Any], args: tuple[Any, ...], adapter: Any, manifest: Manifest, on: str) -> None:
     global _WRITER, _ADAPTER, _MANIFEST
-    device.start(on, staging=_largest_piece(manifest) if on else 0)
+    device.start(on)
     _WRITER, _ADAPTER, _MANIFEST = build(*args), adapter, manifest
 
 
@@ -238,8 +246,13 @@ class _FileExec:
         self.planned = self.writer.files()
         self.known: dict[str, Written] = {}
         """what the writers hashed of the files they wrote, for the seal (by absolute path)"""
-        self.device: str | None = None
-        """where the tensors are assembled (:func:`ckpttool.device.resolve`; None: the CPU)"""
+        self.device = "cpu"
+        """where the tensors are assembled (:func:`ckpttool.device.resolve`)"""
+
+    @functools.cached_property
+    def largest_piece(self) -> int:
+        """bytes of the source's largest piece (the temporary, or staging buffer, one is read into)"""
+        return _largest_piece(self.manifest)
 
     def files(self) -> list[PlanFile]:
         """Each file with the memory its writer holds: its largest output tensor (two, one filled
@@ -247,22 +260,15 @@ class _FileExec:
         does not lie contiguously in the output."""
         from ckpttool.formats._ptwrite import written_peak
 
-        largest = _largest_piece(self.manifest)
-        if self.device is None:
-            return [
-                PlanFile(path=f.path, nbytes=f.nbytes, tensors=f.tensors, peak=written_peak(f.largest) + largest)
-                for f in self.planned
-            ]
-        # on a GPU: the scratch and two staging buffers for source pieces, pinned (rounded up)
-        return [
-            PlanFile(
-                path=f.path,
-                nbytes=f.nbytes,
-                tensors=f.tensors,
-                peak=device.pinned(written_peak(f.largest)) + 2 * device.pinned(largest),
-            )
-            for f in self.planned
-        ]
+        largest = self.largest_piece
+
+        def held(f: Any) -> int:
+            if self.device == "cpu":
+                return written_peak(f.largest) + largest
+            # on a GPU: the scratch and two staging buffers for source pieces, pinned (rounded up)
+            return device.pinned(written_peak(f.largest)) + 2 * device.pinned(largest)
+
+        return [PlanFile(path=f.path, nbytes=f.nbytes, tensors=f.tensors, peak=held(f)) for f in self.planned]
 
     def run(self, tmp: Path, workers: int, progress: Callable[[int], None] | None) -> None:
         results = self.write_files(tmp, list(range(len(self.planned))), workers, progress)
@@ -276,7 +282,7 @@ class _FileExec:
         chosen = [self.planned[i] for i in indices]
         if workers <= 1 or len(chosen) <= 1:
             with (
-                device.using(self.device, staging=_largest_piece(self.manifest) if self.device else 0),
+                device.using(self.device),
                 collecting_written() as known,
                 self.adapter.reader(self.manifest) as reader,
             ):
@@ -390,16 +396,16 @@ def plan(
             "anything) so far",
             hint="'ckpttool convert --to safetensors' writes the Hugging Face layout",
         )
-    executor.device = None if on == "cpu" else on
+    executor.device = on
     files = executor.files()
     limit = parse_size(max_memory, option="--max-memory") if max_memory else None
-    overhead = OVERHEAD + (device.CUDA_OVERHEAD if executor.device is not None else 0)
+    overhead = worker_overhead(on)
     need = max((f.peak for f in files), default=0) + overhead
     if limit is not None and need > limit:
         raise UsageError(
             f"--max-memory {max_memory}: writing {max(files, key=lambda f: f.peak).path} alone needs about "
             f"{need / 1e6:,.0f} MB (its largest tensor, the largest source piece, {overhead // 10**6} MB of process)",
-            hint="raise --max-memory" + (" or assemble on the CPU" if executor.device is not None else ""),
+            hint="raise --max-memory" + (" or assemble on the CPU" if on != "cpu" else ""),
         )
     if workers < 1:
         raise UsageError("--workers must be at least 1")
@@ -415,14 +421,13 @@ def plan(
         files=files,
         workers=n,
         notes=list(executor.notes),
-        overhead=overhead,
+        device=on,
     )
     if n < workers and len(files) >= workers:
         result.notes.append(f"--workers {workers} reduced to {n} to stay within --max-memory {max_memory}")
-    if executor.device is not None:
+    if on != "cpu":
         biggest = max((f.largest for f in executor.planned), default=0)
-        gpu = n * (biggest + 2 * _largest_piece(manifest))
-        result.device = on
+        gpu = n * (biggest + 2 * device.pinned(executor.largest_piece))
         result.notes.append(
             f"tensors assembled on {device.describe(on)}: about {gpu / 1e6:,.0f} MB of its memory "
             f"({n} worker{'s' if n > 1 else ''}: the largest output tensor and two source pieces each)"

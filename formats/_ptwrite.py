@@ -403,11 +403,8 @@ class Scratch:
 
     def take(self, n: int) -> np.ndarray:
         if self._buf.nbytes < n:
-            on = device.active()  # a GPU fills it: pinned, so the values cross back at the bus's speed
-            self._buf = np.empty(0, dtype=np.uint8)
-            if on is not None:
-                on.trim()  # the outgrown buffer's pinned memory
-            self._buf = on.host_empty(n) if on is not None else np.empty(n, dtype=np.uint8)
+            self._buf = np.empty(0, dtype=np.uint8)  # the outgrown one freed before the next is made
+            self._buf = device.host_empty(n)  # pinned when a GPU fills it
         return self._buf[:n]
 
 

@@ -43,13 +43,21 @@ def _same_files(a, b) -> None:
 
 @pytest.fixture
 def assemblers(monkeypatch):
-    """The Assemblers this process makes, kept to see what they moved."""
+    """The Assemblers this process makes, kept to see what they moved and how often they left a
+    tensor to numpy."""
     made: list[device.Assembler] = []
 
     class Kept(device.Assembler):
-        def __init__(self, spec: str, staging: int = 0) -> None:
-            super().__init__(spec, staging)
+        declined = 0
+
+        def __init__(self, spec: str) -> None:
+            super().__init__(spec)
             made.append(self)
+
+        def assemble(self, reader, item, out, box):
+            done = super().assemble(reader, item, out, box)
+            self.declined += not done
+            return done
 
     monkeypatch.setattr(device, "Assembler", Kept)
     return made
@@ -73,6 +81,7 @@ def test_device_assembly_writes_the_numpy_bytes(source, target, on, tmp_path, as
     a, b = _reshard_both(source, target, tmp_path, on)
     _same_files(a, b)
     assert assemblers and sum(x.moved for x in assemblers) > 0
+    assert sum(x.declined for x in assemblers) == 0  # every tensor built on the device, none by numpy
     assert assemblers[0].cuda == (on == "cuda")
     assert device.active() is None  # left as it was
 
@@ -113,11 +122,8 @@ def test_any_box_of_any_tensor(source, on):
             for _ in range(3):
                 lo = [rng.randrange(s) for s in item.shape]
                 box = Box(tuple(lo), tuple(rng.randint(1, s - o) for s, o in zip(item.shape, lo, strict=True)))
-                device._ACTIVE = None
-                try:
+                with device.using("cpu"):
                     want = assemble(reader, item, box=box)
-                finally:
-                    device._ACTIVE = dev
                 got = np.full_like(want, 0x5A)
                 assert dev.assemble(reader, item, got, box)
                 assert got.tobytes() == want.tobytes(), (item.name, box)

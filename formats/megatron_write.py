@@ -734,10 +734,11 @@ class LegacyWriter:
         megatron-core (``_get_param_groups``, 0.16) forms them by its standard rule: no weight decay
         (``wd_mult`` 0) for biases and 1-D parameters (with ``--apply-wd-to-qk-layernorm``, the q/k
         layernorms excepted), weight decay for the rest; under expert parallelism the routed experts
-        in groups of their own (``is_expert_parallel``, the chain's expert optimizer). That rule is
+        in groups of their own (``is_expert_parallel``, the chain's expert optimizer); with
+        ``--decoupled-lr`` the embedding and the output layer in groups of that LR. That rule is
         applied here, and each parameter must land in exactly one saved group and every group must
-        get one, or the checkpoint is refused: a run with other overrides (``--decoupled-lr``,
-        custom groups) saved groups the rule cannot tell apart."""
+        get one, or the checkpoint is refused: a run with other overrides (custom groups) saved
+        groups the rule cannot tell apart."""
         args = self.args
         if self.src.dist:  # torch_dist names no members in either optimizer's layout
             refuse = (
@@ -750,8 +751,6 @@ class LegacyWriter:
         else:
             refuse = f"{why} from this distributed-optimizer checkpoint (its state per parameter): "
             hint = "keep the distributed optimizer: '--to megatron' without --no-distributed-optimizer"
-        if getattr(args, "decoupled_lr", None) is not None:
-            raise UsageError(refuse + "it was trained with --decoupled-lr, not supported yet", hint=hint)
         if getattr(args, "embedding_init_method_std", None) is not None:
             # megatron-core 0.14-0.15 then also took weight decay off every "embedding" parameter
             raise UsageError(refuse + "it was trained with --embedding-init-method-std, not supported yet", hint=hint)
@@ -760,6 +759,7 @@ class LegacyWriter:
         step = group_step(self.src.groups, refuse, hint)
         self.src.groups = [{k: v for k, v in h.items() if k != "step"} for h in self.src.groups]
         qk = bool(getattr(args, "apply_wd_to_qk_layernorm", False))
+        decoupled_lr = getattr(args, "decoupled_lr", None)
         items = self.manifest.items
         used: set[int] = set()
         for name in dict.fromkeys(self.src.model_order):
@@ -774,16 +774,21 @@ class LegacyWriter:
             # (``is_expert_parallel``: megatron-core's experts do not all-reduce there); at EP=1 they
             # are in the dense groups
             expert = self.src.ep > 1 and is_expert(name)
+            # --decoupled-lr: the embedding and the output layer in groups of their own LR
+            decoupled = decoupled_lr is not None and name in _EMBEDDING_OR_OUTPUT
             groups = [
                 g
                 for g, h in enumerate(self.src.groups)
-                if float(h.get("wd_mult", 1.0)) == wd_mult and bool(h.get("is_expert_parallel")) == expert
+                if float(h.get("wd_mult", 1.0)) == wd_mult
+                and bool(h.get("is_expert_parallel")) == expert
+                and _decoupled_group(h, decoupled_lr) == decoupled
             ]
             if len(groups) != 1:
                 raise UsageError(
                     refuse
                     + f"{len(groups)} of its {len(self.src.groups)} param groups have wd_mult {wd_mult}"
                     + (" and is_expert_parallel" if expert else "")
+                    + (f" and the --decoupled-lr {decoupled_lr}" if decoupled else "")
                     + f", the group megatron-core's standard rule puts {name} in",
                     hint=hint,
                 )
@@ -1236,6 +1241,14 @@ class LegacyWriter:
                 "_metadata (versions) is left out, as torch_dist keeps none (Megatron-LM's torch_dist load gives "
                 "the model none either)"
             )
+        alike = _alike_groups(self.src.groups)
+        if alike:
+            out.append(
+                f"param groups {' and '.join(map(str, alike))} differ only in their LR schedule (max_lr, min_lr: "
+                "--decoupled-lr), which megatron-core before 0.19 does not match saved groups by (Megatron-LM "
+                "#4705): there, as with the source, the Float16 optimizer fails to load them and the distributed "
+                "optimizer gives both the last one's schedule; resume with megatron-core 0.19 or later"
+            )
         if self.src.distopt != self.distopt:
             out.append(
                 "optimizer state written for megatron-core's distributed optimizer: resume with "
@@ -1407,6 +1420,37 @@ def group_step(groups: list[dict[str, Any]], refuse: str, hint: str | None = Non
     if len(set(raw)) != 1:
         raise UsageError(refuse + f"its param groups do not carry one common step ({raw})", hint=hint)
     return float(raw[0])
+
+
+_EMBEDDING_OR_OUTPUT = frozenset({"embedding.word_embeddings.weight", "output_layer.weight"})
+"""the parameters megatron-core marks ``is_embedding_or_output_parameter`` (the ones ``--decoupled-lr``
+applies to)"""
+
+
+def _decoupled_group(group: dict[str, Any], decoupled_lr: float | None) -> bool:
+    """Whether a saved param group is ``--decoupled-lr``'s. megatron-core before 0.16 marks it
+    ``is_decoupled_lr``; 0.16 forms it from a ``max_lr`` (and ``min_lr``) override, so it is the group
+    whose LR schedule is not the default one (``default_config`` False) and whose ``max_lr`` is the
+    decoupled LR."""
+    if group.get("is_decoupled_lr"):
+        return True
+    return (
+        decoupled_lr is not None
+        and group.get("default_config") is False
+        and float(group.get("max_lr", float("nan"))) == float(decoupled_lr)
+    )
+
+
+def _alike_groups(groups: list[dict[str, Any]]) -> list[int]:
+    """The first param groups that megatron-core's identifier keys before 0.19 do not tell apart
+    (its loaders match saved groups to their own by those keys alone), or none."""
+    seen: dict[tuple[Any, ...], int] = {}
+    for g, group in enumerate(groups):
+        key = tuple(group.get(k, group.get(f"pre_{k}")) for k in _GROUP_KEYS)
+        if key in seen:
+            return [seen[key], g]
+        seen[key] = g
+    return []
 
 
 def check_group_keys(groups: list[dict[str, Any]], what: str) -> None:

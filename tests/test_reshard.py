@@ -157,15 +157,25 @@ def test_megatron_distributed_optimizer_round_trip_is_byte_exact(tmp_path):
         assert verify(out).failing() == []
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2)])
-def test_megatron_distributed_optimizer_from_float16_optimizer(tp, pp, tmp_path):
+@pytest.mark.parametrize(
+    ("float16", "distopt", "tp", "pp"),
+    [
+        ("legacy_tp2pp2", "legacy_tp2pp2_distopt", 1, 1),
+        ("legacy_tp2pp2", "legacy_tp2pp2_distopt", 2, 1),
+        ("legacy_tp2pp2", "legacy_tp2pp2_distopt", 1, 2),
+        ("legacy_pp2_decoupled", "legacy_pp2_decoupled_distopt", 1, 2),
+        ("legacy_pp2_decoupled", "legacy_pp2_decoupled_distopt", 2, 1),
+    ],
+)
+def test_megatron_distributed_optimizer_from_float16_optimizer(float16, distopt, tp, pp, tmp_path):
     """--distributed-optimizer from a checkpoint of the Float16 optimizer (the same training state
     as the distributed-optimizer fixture, trained the same way) writes the very bytes resharding the
     distributed-optimizer checkpoint writes: the layout comes from the target model, not the source."""
     a, b = tmp_path / "from_float16", tmp_path / "from_distopt"
-    result = reshard(LEGACY, a, Target(tp=tp, pp=pp, distributed_optimizer=True))
+    result = reshard(FIXTURES / "megatron" / float16, a, Target(tp=tp, pp=pp, distributed_optimizer=True))
     assert any("resume with --use-distributed-optimizer" in n for n in result.plan.notes), result.plan.notes
-    assert not any("distributed-optimizer" in n for n in reshard(DISTOPT, b, Target(tp=tp, pp=pp)).plan.notes)
+    plain = reshard(FIXTURES / "megatron" / distopt, b, Target(tp=tp, pp=pp)).plan.notes
+    assert not any("distributed-optimizer" in n for n in plain)
     da, db = _distrib_files(a), _distrib_files(b)
     assert list(da) == list(db) and len(da) == tp * pp
     for name in da:
@@ -229,6 +239,9 @@ def test_megatron_distributed_optimizer_with_several_buckets(tmp_path):
         ("legacy_tp2pp2_distopt", "legacy_tp2pp2", 1, 2),
         ("legacy_pp2vpp2_distopt", "legacy_pp2vpp2", 2, 1),
         ("legacy_pp2vpp2_distopt", "legacy_pp2vpp2", 1, 2),
+        ("legacy_pp2_decoupled_distopt", "legacy_pp2_decoupled", 1, 1),
+        ("legacy_pp2_decoupled_distopt", "legacy_pp2_decoupled", 2, 1),
+        ("legacy_pp2_decoupled_distopt", "legacy_pp2_decoupled", 2, 2),
     ],
 )
 def test_megatron_no_distributed_optimizer_from_the_distributed_optimizer(source, float16, tp, pp, tmp_path):
@@ -260,6 +273,42 @@ def test_megatron_no_distributed_optimizer_from_the_distributed_optimizer(source
     assert verify(a).failing() == []
 
 
+DECOUPLED = FIXTURES / "megatron" / "legacy_pp2_decoupled_distopt"
+
+
+def test_megatron_decoupled_lr_groups_are_megatrons(tmp_path):
+    """--decoupled-lr in megatron-core 0.16 puts the embedding and the output layer in param groups
+    of their own max_lr and min_lr (not marked is_decoupled_lr, as before 0.16). From the
+    distributed-optimizer run, --no-distributed-optimizer at the source layout writes rank files
+    whose trees are the Float16 run's own save (param groups, their members, per-parameter state,
+    fp32 masters, model, scheduler), the args' optimizer flag and save path aside; the plan says
+    that megatron-core before 0.19 cannot tell the decoupled group from the default one."""
+    out = tmp_path / "out"
+    result = reshard(DECOUPLED, out, Target(distributed_optimizer=False))
+    assert any("megatron-core 0.19" in n and "--decoupled-lr" in n for n in result.plan.notes), result.plan.notes
+    own = _rank_files(FIXTURES / "megatron" / "legacy_pp2_decoupled")
+    ours = _rank_files(out)
+    assert list(own) == list(ours) == ["mp_rank_00_000", "mp_rank_00_001"]
+    for name, path in own.items():
+        assert _drop_rng(_tree(path), "args") == _drop_rng(_tree(ours[name]), "args"), name
+        archive, obj, _ = _pt.load(path.parent, path.name, ALLOWLIST)
+        archive.close()
+        groups = obj["optimizer"]["optimizer"]["param_groups"]
+        decoupled = [g for g in groups if g["max_lr"] == 0.003]
+        assert len(groups) == 3 and len(decoupled) == 1 and decoupled[0]["min_lr"] == 0.0003
+        assert len(decoupled[0]["params"]) == 1 and not decoupled[0]["is_decoupled_lr"]
+    # through torch_dist, whose groups name no members, and back to legacy: the rule places them again
+    dist, back, direct = tmp_path / "dist", tmp_path / "back", tmp_path / "direct"
+    reshard(DECOUPLED, dist, Target(to="megatron-dist", distributed_optimizer=False))
+    reshard(dist, back, Target(to="megatron", tp=1, pp=1))
+    reshard(FIXTURES / "megatron" / "legacy_pp2_decoupled", direct, Target(tp=1, pp=1))
+    (a,), (b,) = _rank_files(back).values(), _rank_files(direct).values()
+    assert dict(_tree(a)[1])["optimizer"] == dict(_tree(b)[1])["optimizer"]
+    # a checkpoint without decoupled groups gets no such note
+    plain = reshard(DISTOPT, tmp_path / "plain", Target(tp=1, pp=1)).plan.notes
+    assert not any("megatron-core 0.19" in n for n in plain)
+
+
 def test_megatron_dist_from_the_distributed_optimizer(tmp_path):
     """--to megatron-dist from the distributed-optimizer fixture: the per-parameter optimizer state of
     torch_dist, cut out of distrib_optim.pt, equals what the Float16 fixture gives (every record's
@@ -281,9 +330,14 @@ def test_megatron_no_distributed_optimizer_refusals(tmp_path):
     """Where megatron-core's standard grouping rule cannot say which saved group a parameter is in,
     --no-distributed-optimizer is refused before anything is written, naming why."""
     out = tmp_path / "out"
-    decoupled = _with_args(tmp_path / "decoupled", DISTOPT, decoupled_lr=0.001)
-    with pytest.raises(UsageError, match="--decoupled-lr"):
+    decoupled = _with_args(tmp_path / "decoupled", DISTOPT, decoupled_lr=0.001)  # groups without its LR
+    with pytest.raises(UsageError, match=r"0 of its 2 param groups have wd_mult 1.0 and the --decoupled-lr 0.001"):
         reshard(decoupled, out, Target(tp=1, pp=1, distributed_optimizer=False))
+    # the decoupled run's checkpoint read as if trained without it: the default group and the
+    # embedding and output layer's are alike to the rule
+    undecoupled = _with_args(tmp_path / "undecoupled", DECOUPLED, decoupled_lr=None)
+    with pytest.raises(UsageError, match="2 of its 3 param groups have wd_mult 1.0, the group"):
+        reshard(undecoupled, out, Target(tp=1, pp=1, distributed_optimizer=False))
     embedding = _with_args(tmp_path / "embedding", DISTOPT, embedding_init_method_std=0.02)
     with pytest.raises(UsageError, match="--embedding-init-method-std"):
         reshard(embedding, out, Target(to="megatron-dist", distributed_optimizer=False))
@@ -840,6 +894,27 @@ def test_megatron_lm_loads_the_distributed_optimizer_checkpoint(source, tp, pp, 
     if bucket is not None:
         env["CKPTTOOL_MEGATRON_EXTRA"] = f"--overlap-grad-reduce --ddp-bucket-size {bucket}"
     proc = _oracle(mlm, out, "--tp", str(tp), "--pp", str(pp), "--distopt", *_ref(source), env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("source", "tp", "pp"), [("legacy_pp2_decoupled", 2, 1), ("legacy_pp2_decoupled_distopt", 1, 1)]
+)
+def test_megatron_lm_loads_the_decoupled_lr_checkpoint(source, tp, pp, tmp_path):
+    """Oracle: from the --decoupled-lr runs (the Float16 one converted, or the distributed-optimizer
+    one resharded), --distributed-optimizer at a new TP/PP: Megatron-LM's load_checkpoint with
+    --use-distributed-optimizer loads it, every tensor equals the reference, it trains the next step.
+    megatron-core 0.16.1's Float16 optimizer cannot load a checkpoint with decoupled-LR groups at all,
+    its own run's included (Megatron-LM #4705, fixed in 0.19), so --no-distributed-optimizer is
+    checked against that run's own save instead (test_megatron_decoupled_lr_groups_are_megatrons)."""
+    mlm = _megatron_lm()
+    if mlm is None:
+        pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
+    out = tmp_path / "out"
+    reshard(FIXTURES / "megatron" / source, out, Target(tp=tp, pp=pp, distributed_optimizer=True))
+    args = ("--tp", str(tp), "--pp", str(pp), "--distopt", "--decoupled", "--padded-vocab", "64")
+    proc = _oracle(mlm, out, *args, *_ref("legacy_pp2_decoupled_distopt"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
 
 

@@ -197,12 +197,6 @@ class DistWriter(LegacyWriter):
         if self.src.distopt and self.model_space:  # kept: as saved (fully_reshardable) or read from the buckets
             return self._model_space_commons()
         members = self._model_space_commons() if self.src.distopt else self._float16_commons()
-        if not (bool(getattr(self.args, "bf16", False)) or bool(getattr(self.args, "fp16", False))):
-            raise UsageError(
-                "changing the optimizer of an fp32 model's torch_dist checkpoint between the distributed and the "
-                "FP32 optimizer is not supported yet (their fp32 parameter state differs)",
-                hint="keep its optimizer: leave out --[no-]distributed-optimizer",
-            )
         out = []
         for k, member in enumerate(members):
             inner = member["optimizer"]
@@ -214,7 +208,7 @@ class DistWriter(LegacyWriter):
                 )
                 state = {"common_step": _scalar(step)}
                 plain = [{key: v for key, v in g.items() if key != "step"} for g in groups]
-                out.append({"optimizer": {"state": state, "param_groups": plain}, **extra})
+                out.append(self._plain_optimizer({"state": state, "param_groups": plain}, extra))
             else:  # Float16 -> the distributed optimizer: the common step into every group
                 check_group_keys(groups, f"the param groups of common.pt's optimizer {k}")
                 step = inner["state"]["common_step"]
@@ -262,6 +256,15 @@ class DistWriter(LegacyWriter):
             if item.is_tensor:
                 if item.kind != "rng":
                     self._plan_tensor(item)
+                if self.model_space and item.kind == "param" and f"{item.name}.exp_avg" in self.manifest.items:
+                    master = self._master(item.name)
+                    if master is None:
+                        raise UsageError(
+                            f"--distributed-optimizer: {item.name} has no float32 main param in the source (its "
+                            f"parameter is {item.dtype}, and its optimizer kept no fp32 copy)"
+                        )
+                    if master is item:  # an fp32 model's FP32 optimizer: the main param is the parameter
+                        self._plan_tensor(item, as_master=True)
             elif item.kind == "rng" or (item.pieces and item.pieces[0].file == "common.pt"):
                 continue  # RNG: below, per target rank; counters, scheduler: in common.pt
             elif self.src.distopt and BUCKET_OBJECT.match(item.name):
@@ -280,13 +283,19 @@ class DistWriter(LegacyWriter):
             )
         self._plan_rng()
 
-    def _plan_tensor(self, item: Item) -> None:
+    def _plan_tensor(self, item: Item, as_master: bool = False) -> None:
+        """Plan ``item``'s chunks (``as_master``: a parameter planned a second time as its own main
+        param, the distributed optimizer's ``param`` state of an fp32 model)."""
         assert item.shape is not None and item.dtype is not None
         param = _base_param(item)
         if self.tied and param.startswith("output_layer.weight"):
             return  # tied: megatron-core saves the output layer under the embedding's key
         key, layer, expert = self._key(param)
-        if item.kind in ("optim", "master"):
+        if item.kind == "master" and self.fp32_model and not self.model_space:
+            return  # the FP32 optimizer keeps no main copy of an fp32 model (it is the parameter)
+        if as_master:
+            key = _MODEL_SPACE_PREFIX["fp32"] + key
+        elif item.kind in ("optim", "master"):
             key = (_MODEL_SPACE_PREFIX if self.model_space else _STATE_PREFIX)[item.name.rsplit(".", 1)[1]] + key
         rows = self.rows if _is_vocab(param) else None
         shape = item.shape if rows is None else (rows, *item.shape[1:])
@@ -505,7 +514,12 @@ class DistWriter(LegacyWriter):
         if steps:
             state["common_step"] = next(iter(steps.values()))
         inner = {"state": state, "param_groups": [hyper for hyper, _ in self._target_groups(kind)]}
-        return {"optimizer": inner, **self._optimizer_extra(archives)}
+        return self._plain_optimizer(inner, self._optimizer_extra(archives))
+
+    def _plain_optimizer(self, inner: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+        """``common.pt``'s part of the Float16 optimizer, ``{'optimizer': inner, ...extra}``; of an
+        fp32 model's FP32Optimizer, which saves its torch optimizer's state dict bare, ``inner``."""
+        return inner if self.fp32_model and not extra else {"optimizer": inner, **extra}
 
     def notes(self) -> list[str]:
         out = super().notes()

@@ -900,6 +900,22 @@ class LegacyWriter:
         of EP rank ``e``'s files only, if given."""
         return [n for v in range(self.vpp) for n in self._chunk_names(p, v, e)]
 
+    @property
+    def fp32_model(self) -> bool:
+        """An fp32 model (trained without --bf16 and --fp16): megatron-core's FP32Optimizer keeps no
+        main copy of it, and the distributed optimizer's main params are the parameters themselves."""
+        return not (getattr(self.args, "bf16", False) or getattr(self.args, "fp16", False))
+
+    def _master(self, name: str) -> Item | None:
+        """The fp32 main param of parameter ``name`` (a source name): its saved copy, or an fp32
+        model's parameter itself, which an FP32 optimizer's checkpoint keeps no other copy of."""
+        master = self.manifest.items.get(f"{name}.fp32")
+        if master is None and self.fp32_model:
+            item = self.manifest.items.get(name)
+            if item is not None and item.dtype == "float32" and f"{name}.exp_avg" in self.manifest.items:
+                return item
+        return master
+
     def _item(self, name: str) -> Item:
         if name in self.src.objects:  # a torch_dist record (or an entry it does not save)
             return self.src.objects[name] or Item(name=name, kind="object")
@@ -990,7 +1006,8 @@ class LegacyWriter:
         for key, suffix in (("param", "fp32"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
             sources = []
             for name, shape, offset in layout:
-                item = items.get(f"{self._src_name(name)}.{suffix}")
+                src = self._src_name(name)
+                item = self._master(src) if suffix == "fp32" else items.get(f"{src}.{suffix}")
                 if item is None or item.dtype != "float32":
                     raise UsageError(
                         f"--distributed-optimizer: {name} has no float32 {suffix} state in the source"

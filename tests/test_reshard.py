@@ -919,6 +919,25 @@ def test_megatron_lm_loads_the_decoupled_lr_checkpoint(source, tp, pp, tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("tp", "distopt"), [(1, True), (1, False)])
+def test_megatron_lm_loads_the_fp32_model(tp, distopt, tmp_path):
+    """Oracle: from the fp32 model's FP32-optimizer run (legacy_tp2_fp32), at TP=1 with the
+    distributed optimizer (distrib_optim.pt's main params written from the parameters, which that
+    optimizer keeps no copy of) or without: Megatron-LM's load_checkpoint loads it, every tensor
+    equals the reference (the distributed-optimizer run's gather), it trains the next step."""
+    mlm = _megatron_lm()
+    if mlm is None:
+        pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
+    out = tmp_path / "out"
+    reshard(FIXTURES / "megatron" / "legacy_tp2_fp32", out, Target(tp=tp, pp=1, distributed_optimizer=distopt))
+    args = ["--tp", str(tp), "--pp", "1", "--fp32", *(["--distopt"] if distopt else [])]
+    if distopt:  # (the FP32 optimizer holds no main copy for the reference's fp32 entries)
+        args += _ref("dist_tp2_fp32_distopt")
+    proc = _oracle(mlm, out, *args)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+
+@pytest.mark.slow
 def test_deepspeed_resumes_from_the_resharded_checkpoint():
     """Oracle: DeepSpeed's load_checkpoint at DP=1 resumes from our DP=1 output of the DP=2
     ZeRO-2 fixture; the state equals the reference, the next step's loss is bit-identical to the

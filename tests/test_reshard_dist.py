@@ -313,6 +313,75 @@ def test_torch_dist_changes_optimizer_both_ways(tmp_path):
         assert _same(ours["optimizer"], theirs["optimizer"]) and ours["content_metadata"] == theirs["content_metadata"]
 
 
+FP32 = FIXTURES / "megatron" / "dist_tp2_fp32"  # an fp32 model: megatron-core's FP32Optimizer
+FP32_LEGACY = FIXTURES / "megatron" / "legacy_tp2_fp32"  # the same state saved legacy
+FP32_DISTOPT = FIXTURES / "megatron" / "dist_tp2_fp32_distopt"  # the same state, distributed optimizer (dp_reshardable)
+
+
+def _rank_trees(root: Path, rng: bool = True) -> dict[str, Any]:
+    """Each legacy rank file's entries (args aside, and the RNG unless ``rng``; the model's entries
+    without the modules' _metadata, which torch_dist does not keep), tensors by their digest."""
+    from tests.test_reshard import _rank_files, _tree
+
+    out = {}
+    for name, path in _rank_files(root).items():
+        entries = dict(_tree(path)[1])
+        drop = {"args"} if rng else {"args", "rng_state"}
+        out[name] = {k: v[1] if k == "model" else v for k, v in entries.items() if k not in drop}
+    return out
+
+
+def test_fp32_model_is_written_as_megatron_saves_it(tmp_path):
+    """An fp32 model (no --bf16): megatron-core's FP32Optimizer keeps no main copy and saves its
+    torch optimizer's state dict bare in common.pt (``{'state': {'common_step'}, 'param_groups'}``).
+    Its legacy save -> torch_dist at the same layout is Megatron's own torch_dist save of the same
+    state: every record byte for byte, common.pt's optimizer equal. Before, the state dict was
+    wrapped as the Float16 optimizer's (``{'optimizer': ...}``), which FP32Optimizer cannot load.
+    Its torch_dist save -> legacy is its legacy save: every entry of every rank file."""
+    out, back = tmp_path / "dist", tmp_path / "legacy"
+    reshard(FP32_LEGACY, out, Target(to="megatron-dist"))
+    _same_records(out, FP32)
+    ours, theirs = load_pt(out / ITER / "common.pt"), load_pt(FP32 / ITER / "common.pt")
+    assert list(ours["optimizer"]) == ["state", "param_groups"]
+    assert _same(ours["optimizer"], theirs["optimizer"]) and ours["content_metadata"] == theirs["content_metadata"]
+    reshard(FP32, back, Target(to="megatron"))
+    assert _rank_trees(back) == _rank_trees(FP32_LEGACY)
+
+
+def test_fp32_model_changes_optimizer_both_ways(tmp_path):
+    """An fp32 model between the FP32 and the distributed optimizer. The distributed optimizer's
+    main params are the parameters themselves (the fixture driver checks it on the live run), which
+    the FP32 optimizer keeps no copy of. From the distributed-optimizer run (dp_reshardable),
+    --no-distributed-optimizer gives the FP32 run's own torch_dist save, every record byte for byte
+    and common.pt's optimizer equal, and with --to megatron its own legacy save. The FP32 run (either
+    save) with --distributed-optimizer gives what resharding the distributed-optimizer run writes
+    (fully_reshardable): every record, the main params being the parameters' bytes; legacy
+    distrib_optim.pt too, and back."""
+    plain, legacy = tmp_path / "plain", tmp_path / "legacy"
+    reshard(FP32_DISTOPT, plain, Target(to="megatron-dist", distributed_optimizer=False))
+    _same_records(plain, FP32)
+    ours, theirs = load_pt(plain / ITER / "common.pt"), load_pt(FP32 / ITER / "common.pt")
+    assert _same(ours["optimizer"], theirs["optimizer"]) and ours["content_metadata"] == theirs["content_metadata"]
+    reshard(FP32_DISTOPT, legacy, Target(to="megatron", distributed_optimizer=False))
+    assert _rank_trees(legacy) == _rank_trees(FP32_LEGACY)
+    kept = tmp_path / "kept"
+    reshard(FP32_DISTOPT, kept, Target(to="megatron-dist"))
+    for source in (FP32, FP32_LEGACY):
+        there = tmp_path / f"{source.name}-there"
+        reshard(source, there, Target(to="megatron-dist", distributed_optimizer=True))
+        _same_records(there, kept)
+        ours, theirs = load_pt(there / ITER / "common.pt"), load_pt(kept / ITER / "common.pt")
+        assert _same(ours["optimizer"], theirs["optimizer"]) and ours["content_metadata"] == theirs["content_metadata"]
+        assert verify(there).failing() == []
+    # legacy: the distributed optimizer's distrib_optim.pt from the FP32 run, at TP=1, and back
+    one, again = tmp_path / "one", tmp_path / "again"
+    reshard(FP32_LEGACY, one, Target(tp=1, distributed_optimizer=True))
+    assert len(list(one.glob("iter_*/mp_rank_00/distrib_optim.pt"))) == 1
+    assert not diff(FP32_DISTOPT, one, kinds=["param", "optim", "master"]).different
+    reshard(one, again, Target(tp=2, distributed_optimizer=False))
+    assert _rank_trees(again, rng=False) == _rank_trees(FP32_LEGACY, rng=False)  # (TP=1 kept rank 0's RNG only)
+
+
 def test_distributed_optimizer_refusals(tmp_path):
     from tests.conftest import rewritten_copy
 
@@ -326,11 +395,12 @@ def test_distributed_optimizer_refusals(tmp_path):
     with pytest.raises(UsageError, match="kept as the distributed optimizer's buckets: replaying"):
         reshard(changed, tmp_path / "b", Target(tp=1, pp=1))
     assert not (tmp_path / "b").exists()
-    # an fp32 model: the FP32 optimizer keeps no fp32 copy, the distributed optimizer does
+    # the FP32 optimizer's checkpoint with args of a bf16 run: its parameters are not the main params
+    # a bf16 run's distributed optimizer keeps, and there is no fp32 copy to take them from
     fp32 = rewritten_copy(
-        tmp_path / "fp32", DIST, lambda obj: obj["args"].__dict__.update(bf16=False), "iter_*/common.pt"
+        tmp_path / "fp32", FP32, lambda obj: obj["args"].__dict__.update(bf16=True), "iter_*/common.pt"
     )
-    with pytest.raises(UsageError, match="an fp32 model's torch_dist checkpoint between the distributed and the FP32"):
+    with pytest.raises(UsageError, match="has no float32 main param in the source .its parameter is float32, and"):
         reshard(fp32, tmp_path / "b", Target(to="megatron-dist", distributed_optimizer=True))
     assert not (tmp_path / "b").exists()
     kept = rewritten_copy(
@@ -482,6 +552,31 @@ def test_megatron_core_loads_the_output(source, tp, pp, distopt, tmp_path):
     for rank in result["ranks"]:
         assert rank["problems"] == [] and rank["checked"] >= 60
         assert rank["rng_matches"] is (True if legacy else None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("source", "tp", "distopt"),
+    [(FP32_LEGACY, 1, None), (FP32, 1, True), (FP32_DISTOPT, 1, False), (FP32_LEGACY, 2, True)],
+    ids=["legacy-fp32", "fp32-to-distopt", "distopt-to-fp32", "legacy-fp32-to-distopt"],
+)
+def test_megatron_core_loads_the_fp32_model_output(source, tp, distopt, tmp_path):
+    """Oracle: megatron-core's dist_checkpointing.load loads our torch_dist output of the fp32
+    model, with its FP32Optimizer (from the FP32 run's legacy save; from the distributed-optimizer
+    run with --no-distributed-optimizer) or its DistributedOptimizer (from the FP32 run with
+    --distributed-optimizer: the main params written from the parameters); every tensor each rank
+    holds equals the reference slice, main replicas cover it exactly once, step and iteration are 3."""
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "out"
+    reshard(source, out, Target(to="megatron-dist", tp=tp, distributed_optimizer=distopt))
+    args = ["--ckpt", str(out), "--tp", str(tp), "--pp", "1", "--fp32"]
+    args += ["--reference", str(FIXTURES / "megatron" / "dist_tp2_fp32_distopt.reference.pt")]
+    if distopt:
+        args += ["--distopt"]
+    result = _torchrun(*args, nproc=tp)
+    assert len(result["ranks"]) == tp and result["groups"] == 2
+    for rank in result["ranks"]:
+        assert rank["problems"] == [] and rank["checked"] >= 45
 
 
 @pytest.mark.slow

@@ -74,6 +74,7 @@ from ckpttool.formats.megatron_write import (
     _scalar,
     _Source,
     check_group_keys,
+    fp32_scaler,
     group_step,
     module_order,
     sharded_value,
@@ -193,7 +194,9 @@ class DistWriter(LegacyWriter):
         'param_groups': [...]}}``; the distributed optimizer's (``fully_reshardable``) keeps the
         step in each group instead: ``{'optimizer': {'param_groups': [{..., 'step': s}]}}``. Between
         the two only the step moves (neither names the groups' members: megatron-core matches them
-        by their identifier keys), and the per-parameter state is renamed (``_plan_tensor``)."""
+        by their identifier keys), and the per-parameter state is renamed (``_plan_tensor``). An fp32
+        model's FP32Optimizer saves its state dict bare (``{'state': ..., 'param_groups': ...}``, see
+        ``_plain_optimizer``) and keeps no main copy."""
         if self.src.distopt and self.model_space:  # kept: as saved (fully_reshardable) or read from the buckets
             return self._model_space_commons()
         members = self._model_space_commons() if self.src.distopt else self._float16_commons()
@@ -202,10 +205,11 @@ class DistWriter(LegacyWriter):
             inner = member["optimizer"]
             groups = inner.get("param_groups") or []
             extra = {key: v for key, v in member.items() if key != "optimizer"}
-            if self.src.distopt:  # -> Float16: one common step for all
-                step = group_step(
-                    groups, f"--no-distributed-optimizer from this torch_dist checkpoint (optimizer {k}): "
-                )
+            if self.src.distopt:  # -> Float16 (an fp32 model: FP32): one common step for all
+                refuse = f"--no-distributed-optimizer from this torch_dist checkpoint (optimizer {k}): "
+                if self.fp32_model and extra:
+                    raise UsageError(refuse + fp32_scaler(extra), hint="keep the distributed optimizer")
+                step = group_step(groups, refuse)
                 state = {"common_step": _scalar(step)}
                 plain = [{key: v for key, v in g.items() if key != "step"} for g in groups]
                 out.append(self._plain_optimizer({"state": state, "param_groups": plain}, extra))
@@ -213,6 +217,20 @@ class DistWriter(LegacyWriter):
                 check_group_keys(groups, f"the param groups of common.pt's optimizer {k}")
                 step = inner["state"]["common_step"]
                 out.append({"optimizer": {"param_groups": [{**g, "step": step} for g in groups]}, **extra})
+        return out
+
+    def _saved_groups(self) -> list[dict[str, Any]]:
+        if self.src.groups or not self.from_dist:
+            return self.src.groups
+        if self.optimizer_commons:  # read for the output (dp_reshardable: from its records)
+            members = self.optimizer_commons
+        else:  # copied as it is: the Float16 (FP32: bare) optimizer's, or a chain of them
+            optimizer = self.src.objs[(0, 0, 0)].get("optimizer")
+            members = [optimizer[k] for k in sorted(optimizer)] if _is_chain(optimizer) else [optimizer]
+        out: list[dict[str, Any]] = []
+        for member in members:
+            inner = member.get("optimizer", member) if isinstance(member, dict) else None
+            out += inner.get("param_groups") or [] if isinstance(inner, dict) else []
         return out
 
     def _float16_commons(self) -> list[dict[str, Any]]:
@@ -259,10 +277,12 @@ class DistWriter(LegacyWriter):
                 if self.model_space and item.kind == "param" and f"{item.name}.exp_avg" in self.manifest.items:
                     master = self._master(item.name)
                     if master is None:
-                        raise UsageError(
-                            f"--distributed-optimizer: {item.name} has no float32 main param in the source (its "
-                            f"parameter is {item.dtype}, and its optimizer kept no fp32 copy)"
+                        why = (
+                            f"an fp32 run's by its args, but the parameter is {item.dtype}"
+                            if self.fp32_model
+                            else "its args say a bf16 or fp16 run, whose optimizer keeps an fp32 copy; none was saved"
                         )
+                        raise UsageError(f"--distributed-optimizer: {item.name} has no float32 main param ({why})")
                     if master is item:  # an fp32 model's FP32 optimizer: the main param is the parameter
                         self._plan_tensor(item, as_master=True)
             elif item.kind == "rng" or (item.pieces and item.pieces[0].file == "common.pt"):

@@ -803,6 +803,8 @@ class LegacyWriter:
             )
         # megatron-core's Float16 optimizer (fp32 masters) for bf16 and fp16 models, torch's own otherwise
         self.src.fp32_masters = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
+        if not self.src.fp32_masters and self.src.optimizer_extra[1]:
+            raise UsageError(refuse + fp32_scaler(self.src.optimizer_extra[1]), hint=hint)
 
     def _check_distopt_groups(self) -> None:
         """The distributed optimizer matches saved param groups to its own by Megatron's identifier
@@ -1258,7 +1260,7 @@ class LegacyWriter:
                 "_metadata (versions) is left out, as torch_dist keeps none (Megatron-LM's torch_dist load gives "
                 "the model none either)"
             )
-        alike = _alike_groups(self.src.groups)
+        alike = _alike_groups(self._saved_groups())
         if alike:
             out.append(
                 f"param groups {' and '.join(map(str, alike))} differ only in their LR schedule (max_lr, min_lr: "
@@ -1275,6 +1277,10 @@ class LegacyWriter:
                 "--use-distributed-optimizer"
             )
         return out
+
+    def _saved_groups(self) -> list[dict[str, Any]]:
+        """The source optimizer's param groups (of every member of a chain)."""
+        return self.src.groups
 
     def _placement_note(self) -> str:
         """The layers of each stage (and model chunk), e.g. ``layers by stage: [0-1] [2] [3]``; with
@@ -1422,6 +1428,15 @@ class LegacyWriter:
         return name
 
 
+def fp32_scaler(extra: dict[str, Any]) -> str:
+    """Why an fp32 model's distributed-optimizer state with other entries (a grad scaler:
+    ``--loss-scale``) cannot become the FP32 optimizer's, which keeps torch's state dict alone."""
+    return (
+        f"it is an fp32 model whose distributed optimizer also saved {', '.join(sorted(map(str, extra)))} "
+        "(--loss-scale), which megatron-core's FP32 optimizer has no place for"
+    )
+
+
 def group_step(groups: list[dict[str, Any]], refuse: str, hint: str | None = None) -> float:
     """The one step the distributed optimizer saved in each of its param groups; ``refuse`` (the
     reason's start) when they do not carry one common float step."""
@@ -1459,14 +1474,18 @@ def _decoupled_group(group: dict[str, Any], decoupled_lr: float | None) -> bool:
 
 
 def _alike_groups(groups: list[dict[str, Any]]) -> list[int]:
-    """The first param groups that megatron-core's identifier keys before 0.19 do not tell apart
-    (its loaders match saved groups to their own by those keys alone), or none."""
-    seen: dict[tuple[Any, ...], int] = {}
+    """The first two param groups that differ in their LR schedule (``max_lr``, ``min_lr``) only,
+    which megatron-core's identifier keys before 0.19 do not tell apart (its loaders match saved
+    groups to their own by those keys alone), or none. Groups without the keys are not compared."""
+    seen: dict[tuple[Any, ...], tuple[int, tuple[Any, ...]]] = {}
     for g, group in enumerate(groups):
         key = tuple(group.get(k, group.get(f"pre_{k}")) for k in _GROUP_KEYS)
-        if key in seen:
-            return [seen[key], g]
-        seen[key] = g
+        if any(v is None for v in key):
+            continue
+        schedule = (group.get("max_lr"), group.get("min_lr"))
+        if key in seen and seen[key][1] != schedule:
+            return [seen[key][0], g]
+        seen.setdefault(key, (g, schedule))
     return []
 
 

@@ -304,9 +304,38 @@ def test_megatron_decoupled_lr_groups_are_megatrons(tmp_path):
     reshard(FIXTURES / "megatron" / "legacy_pp2_decoupled", direct, Target(tp=1, pp=1))
     (a,), (b,) = _rank_files(back).values(), _rank_files(direct).values()
     assert dict(_tree(a)[1])["optimizer"] == dict(_tree(b)[1])["optimizer"]
+    # through torch_dist -> torch_dist (groups read from common.pt) the plan says so too
+    notes = reshard(dist, tmp_path / "again", Target(to="megatron-dist", distributed_optimizer=True)).plan.notes
+    assert any("megatron-core 0.19" in n for n in notes), notes
+    # megatron-core 0.13-0.15 marked the group is_decoupled_lr (and saved no default_config): the same
+    # members
+    def as_before_016(obj: Any) -> None:
+        for group in obj["optimizer"]["optimizer"]["param_groups"]:
+            group["is_decoupled_lr"] = group["max_lr"] == 0.003
+            del group["default_config"]
+
+    old = rewritten_copy(tmp_path / "old", DECOUPLED, as_before_016)
+    reshard(old, tmp_path / "from_old", Target(distributed_optimizer=False))
+    for name, path in _rank_files(tmp_path / "from_old").items():
+        ours, theirs = (load_pt(p)["optimizer"]["optimizer"]["param_groups"] for p in (path, own[name]))
+        assert [g["params"] for g in ours] == [g["params"] for g in theirs]
+        assert [g["is_decoupled_lr"] for g in ours] == [False, True, False]
     # a checkpoint without decoupled groups gets no such note
     plain = reshard(DISTOPT, tmp_path / "plain", Target(tp=1, pp=1)).plan.notes
     assert not any("megatron-core 0.19" in n for n in plain)
+
+
+def test_alike_groups_are_those_only_their_lr_schedule_tells_apart():
+    """The plan's note on megatron-core before 0.19: two groups equal on its identifier keys whose
+    max_lr or min_lr differ; groups without the keys (older Megatron-LM) are not compared."""
+    from ckpttool.formats.megatron_write import _alike_groups
+
+    base = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
+    assert _alike_groups([{}, {}]) == [] and _alike_groups([{"max_lr": 1.0}, {"max_lr": 2.0}]) == []
+    assert _alike_groups([{**base, "max_lr": 0.01}, {**base, "wd_mult": 0.0, "max_lr": 0.003}]) == []
+    assert _alike_groups([{**base, "max_lr": 0.01}, {**base, "max_lr": 0.01, "min_lr": 0.0}]) == [0, 1]
+    nemo = {"pre_wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
+    assert _alike_groups([{**base, "max_lr": 0.01}, {**nemo, "max_lr": 0.003}]) == [0, 1]
 
 
 def test_megatron_dist_from_the_distributed_optimizer(tmp_path):
@@ -931,9 +960,7 @@ def test_megatron_lm_loads_the_fp32_model(tp, distopt, tmp_path):
     out = tmp_path / "out"
     reshard(FIXTURES / "megatron" / "legacy_tp2_fp32", out, Target(tp=tp, pp=1, distributed_optimizer=distopt))
     args = ["--tp", str(tp), "--pp", "1", "--fp32", *(["--distopt"] if distopt else [])]
-    if distopt:  # (the FP32 optimizer holds no main copy for the reference's fp32 entries)
-        args += _ref("dist_tp2_fp32_distopt")
-    proc = _oracle(mlm, out, *args)
+    proc = _oracle(mlm, out, *args, *_ref("dist_tp2_fp32_distopt"))  # (FP32Optimizer: its fp32 entries aside)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
 
 

@@ -375,11 +375,27 @@ def test_fp32_model_changes_optimizer_both_ways(tmp_path):
         assert verify(there).failing() == []
     # legacy: the distributed optimizer's distrib_optim.pt from the FP32 run, at TP=1, and back
     one, again = tmp_path / "one", tmp_path / "again"
-    reshard(FP32_LEGACY, one, Target(tp=1, distributed_optimizer=True))
+    result = reshard(FP32_LEGACY, one, Target(tp=1, distributed_optimizer=True))
+    assert not any("megatron-core 0.19" in n for n in result.plan.notes)
     assert len(list(one.glob("iter_*/mp_rank_00/distrib_optim.pt"))) == 1
     assert not diff(FP32_DISTOPT, one, kinds=["param", "optim", "master"]).different
     reshard(one, again, Target(tp=2, distributed_optimizer=False))
     assert _rank_trees(again, rng=False) == _rank_trees(FP32_LEGACY, rng=False)  # (TP=1 kept rank 0's RNG only)
+    # an fp32 run's distributed optimizer with a grad scaler (--loss-scale): the FP32 optimizer keeps
+    # torch's state dict alone, so that is refused, from legacy and from torch_dist
+    from tests.conftest import rewritten_copy
+
+    def scaled(obj: Any) -> None:
+        obj["optimizer"]["grad_scaler"] = {"scale": 1024.0}
+
+    for source, files, target in [
+        (one, "iter_*/mp_rank_*/model_optim_rng.pt", Target(distributed_optimizer=False)),
+        (kept, "iter_*/common.pt", Target(to="megatron-dist", distributed_optimizer=False)),
+    ]:
+        copy = rewritten_copy(tmp_path / f"{source.name}-scaled", source, scaled, files)
+        with pytest.raises(UsageError, match="fp32 model whose distributed optimizer also saved grad_scaler"):
+            reshard(copy, tmp_path / "no", target)
+        assert not (tmp_path / "no").exists()
 
 
 def test_distributed_optimizer_refusals(tmp_path):
@@ -400,7 +416,7 @@ def test_distributed_optimizer_refusals(tmp_path):
     fp32 = rewritten_copy(
         tmp_path / "fp32", FP32, lambda obj: obj["args"].__dict__.update(bf16=True), "iter_*/common.pt"
     )
-    with pytest.raises(UsageError, match="has no float32 main param in the source .its parameter is float32, and"):
+    with pytest.raises(UsageError, match="has no float32 main param .its args say a bf16 or fp16 run, whose optim"):
         reshard(fp32, tmp_path / "b", Target(to="megatron-dist", distributed_optimizer=True))
     assert not (tmp_path / "b").exists()
     kept = rewritten_copy(

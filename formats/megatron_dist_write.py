@@ -226,7 +226,7 @@ class DistWriter(LegacyWriter):
             members = self.optimizer_commons
         else:  # copied as it is: the Float16 (FP32: bare) optimizer's, or a chain of them
             optimizer = self.src.objs[(0, 0, 0)].get("optimizer")
-            members = [optimizer[k] for k in sorted(optimizer)] if _is_chain(optimizer) else [optimizer]
+            members = _chain_members(optimizer)
         out: list[dict[str, Any]] = []
         for member in members:
             inner = member.get("optimizer", member) if isinstance(member, dict) else None
@@ -714,7 +714,7 @@ def float16_members(root: Path, optimizer: Any, why: str) -> list[dict[str, Any]
     ``{'optimizer': {'state': {'common_step': t}, 'param_groups': [...]}, ...}``, its common step
     read as a float here (the distributed optimizer keeps it so in each group); ``why``: what
     needs it, for the refusal."""
-    members = [optimizer[k] for k in sorted(optimizer)] if _is_chain(optimizer) else [optimizer]
+    members = _chain_members(optimizer)
     # megatron-core's FP32Optimizer (an fp32 model's) saves its torch optimizer's state dict bare
     members = [{"optimizer": m} if isinstance(m, dict) and "param_groups" in m else m for m in members]
     archive, _, _ = _pt.load(root, "common.pt", ALLOWLIST)
@@ -764,7 +764,7 @@ def model_space_members(manifest: Manifest, optimizer: Any) -> list[dict[str, An
     ShardedObjects (``[chained_<c>.]optimizer.distributed.dp_group_idx_<g>.<key>``); those must
     agree. ``optimizer``: ``common.pt``'s entry."""
     if manifest.extras.get("distrib_optim_sharding_type") == "fully_reshardable":
-        members = [optimizer[k] for k in sorted(optimizer)] if _is_chain(optimizer) else [optimizer]
+        members = _chain_members(optimizer)
         for k, member in enumerate(members):
             if not isinstance(member, dict) or not isinstance(member.get("optimizer"), dict):
                 raise CorruptFileError(
@@ -806,9 +806,12 @@ def model_space_members(manifest: Manifest, optimizer: Any) -> list[dict[str, An
     return out
 
 
-def _is_chain(optimizer: Any) -> bool:
-    """Whether a ``common.pt`` optimizer entry is megatron-core's ChainedOptimizer ``{0: ..., 1: ...}``."""
-    return isinstance(optimizer, dict) and bool(optimizer) and all(isinstance(k, int) for k in optimizer)
+def _chain_members(optimizer: Any) -> list[Any]:
+    """The optimizers of a ``common.pt`` optimizer entry: megatron-core's ChainedOptimizer
+    ``{0: ..., 1: ...}``'s members in order, or the entry itself."""
+    if isinstance(optimizer, dict) and optimizer and all(isinstance(k, int) for k in optimizer):
+        return [optimizer[k] for k in sorted(optimizer)]
+    return [optimizer]
 
 
 def _content(value: Any) -> Any:

@@ -536,11 +536,6 @@ class DistWriter(LegacyWriter):
         inner = {"state": state, "param_groups": [hyper for hyper, _ in self._target_groups(kind)]}
         return self._plain_optimizer(inner, self._optimizer_extra(archives))
 
-    def _plain_optimizer(self, inner: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-        """``common.pt``'s part of the Float16 optimizer, ``{'optimizer': inner, ...extra}``; of an
-        fp32 model's FP32Optimizer, which saves its torch optimizer's state dict bare, ``inner``."""
-        return inner if self.fp32_model and not extra else {"optimizer": inner, **extra}
-
     def notes(self) -> list[str]:
         out = super().notes()
         if self.ep > 1:

@@ -1384,9 +1384,16 @@ class LegacyWriter:
         inner = {"state": state, "param_groups": groups}
         extra = self._optimizer_extra(archive)
         if not self.src.fp32_masters:  # an FP32 optimizer's state dict is torch's own
-            return {"optimizer": inner, **extra} if extra else inner
+            return self._plain_optimizer(inner, extra)
         # the Float16 optimizer's, even for a chain member that holds no parameters here
         return {"optimizer": inner, "fp32_from_fp16_params": masters, **extra}
+
+    def _plain_optimizer(self, inner: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+        """An optimizer's state dict without fp32 masters: the FP32Optimizer's (an fp32 model's)
+        is torch's own, ``inner``, bare; otherwise ``{'optimizer': inner, ...extra}`` (in torch_dist's
+        ``common.pt``, the Float16 optimizer's). An fp32 run's grad scaler is refused before
+        (``fp32_scaler``)."""
+        return inner if self.fp32_model and not extra else {"optimizer": inner, **extra}
 
     def _kinds(self, e: int) -> tuple[bool | None, ...]:
         """The optimizers whose state EP rank ``e``'s ``distrib_optim.pt`` holds."""

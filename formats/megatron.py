@@ -356,10 +356,17 @@ def _debucket_dist(manifest: Manifest, args: Any) -> str | None:
     except ValueError as exc:
         return f"the args' pipeline placement is not followed ({exc})"
     params = {n: i for n, i in manifest.items.items() if i.kind == "param" and i.is_tensor and i.shape is not None}
-    unknown = sorted(n for n in params if not (n in _PRE_LAYERS or n in _POST_LAYERS or _layer_slot(n) is not None))
+    unknown = sorted(
+        n
+        for n in params
+        if not (n in _PRE_LAYERS or n in _POST_LAYERS or _layer_slot(n) is not None or _mtp_slot(n) is not None)
+    )
     if unknown:
         return f"parameters whose registration order ckpttool does not know: {', '.join(unknown[:4])}"
     tied = not getattr(args, "untie_embeddings_and_output_weights", False) and pp > 1
+    mtp = sorted((at, n) for n in params if (at := _mtp_slot(n)) is not None)
+    if mtp and (experts or tied or "embedding.position_embeddings.weight" in params):
+        return "multi-token prediction layers with experts, tied embeddings or position embeddings, not replayed yet"
     local = experts // ep
     by_layer: dict[int, list[tuple[tuple[int, int, int], str]]] = {}  # each layer's parameters, in order
     for n in params:
@@ -382,7 +389,11 @@ def _debucket_dist(manifest: Manifest, args: Any) -> str | None:
                     if (j := expert_of(n)) is None or e * local <= j < (e + 1) * local
                 ]
             if (p, v) == (pp - 1, len(chunks[p]) - 1):
-                names += [n for n in _POST_LAYERS if n in params]
+                if mtp and (p, v) != (0, 0):  # the MTP stage's copy of the word embeddings, registered first
+                    names.insert(0, "embedding.word_embeddings.weight")
+                names += [n for n in _POST_LAYERS[:2] if n in params]  # the final norm
+                names += [n for _, n in mtp]  # the MTP block, between the decoder and the output layer
+                names += [n for n in _POST_LAYERS[2:] if n in params]
                 if tied and "embedding.word_embeddings.weight" in params:
                     names.append("output_layer.weight")  # the last stage's copy of the tied embedding
             orders.append(names)
@@ -484,6 +495,28 @@ def _layer_slot(name: str) -> tuple[int, int, int] | None:
     if f"{head}*." not in _LAYER_ORDER or tail not in _EXPERT_ORDER:
         return None
     return _LAYER_ORDER.index(f"{head}*."), j, _EXPERT_ORDER.index(tail)
+
+
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.*)$")
+_MTP_OWN = ("enorm.weight", "enorm.bias", "hnorm.weight", "hnorm.bias", "eh_proj.weight", "eh_proj.bias")
+
+
+def _mtp_slot(name: str) -> tuple[int, int, tuple[int, int, int]] | None:
+    """Where a multi-token prediction layer's parameter comes in megatron-core's registration order
+    (MultiTokenPredictionLayer: enorm, hnorm, eh_proj, its transformer layer, final_layernorm), or None
+    for one that is not, or that ckpttool does not place."""
+    m = _MTP_LAYER.match(name)
+    if m is None:
+        return None
+    k, rest = int(m[1]), m[2]
+    if rest in _MTP_OWN:
+        return k, 0, (_MTP_OWN.index(rest), 0, 0)
+    if rest.startswith("transformer_layer."):
+        slot = _layer_slot("decoder.layers.0." + rest[len("transformer_layer.") :])
+        return None if slot is None else (k, 1, slot)
+    if rest in ("final_layernorm.weight", "final_layernorm.bias"):
+        return k, 2, (int(rest.endswith("bias")), 0, 0)
+    return None
 
 
 def _local_numel(params: dict[str, Item], name: str, t: int, tp: int, gated: bool) -> int:
@@ -685,6 +718,7 @@ _COLUMN = (
     "linear_q_proj.weight",
     "linear_q_up_proj.weight",
     "linear_kv_up_proj.weight",
+    "eh_proj.weight",  # a multi-token prediction layer's projection of [embedding; hidden] to hidden
 )
 _GATED = ("linear_fc1.weight", "linear_fc1.bias", "dense_h_to_4h.weight", "dense_h_to_4h.bias")
 _ROW = ("linear_proj.weight", "linear_fc2.weight", "dense.weight", "dense_4h_to_h.weight")

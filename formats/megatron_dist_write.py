@@ -253,6 +253,9 @@ class DistWriter(LegacyWriter):
         routed expert (None: not an expert's)."""
         m = _LAYER.match(param)
         if m is None:
+            head, sep, rest = param.partition(".transformer_layer.")  # a multi-token prediction layer's
+            if sep and self.local_spec and head.startswith("mtp.layers."):
+                return head + sep + _LOCAL_TO_TE.get(rest, rest), None, None
             return param, None, None
         rest = m["rest"][1:]
         if (e := _EXPERT.match(rest)) is not None:

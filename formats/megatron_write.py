@@ -325,14 +325,19 @@ _CHILD_ORDER = {
     "embedding": 0,
     "rotary_pos_emb": 1,
     "decoder": 2,
-    "output_layer": 3,
+    "mtp": 3,
+    "output_layer": 4,
     # LanguageModelEmbedding
     "word_embeddings": 0,
     "position_embeddings": 1,
     "tokentype_embeddings": 2,
-    # TransformerBlock
+    # TransformerBlock, MultiTokenPredictionBlock; MultiTokenPredictionLayer (between them)
     "layers": 0,
-    "final_layernorm": 1,
+    "enorm": 1,
+    "hnorm": 2,
+    "eh_proj": 3,
+    "transformer_layer": 4,
+    "final_layernorm": 5,
     # TransformerLayer
     "input_layernorm": 0,
     "self_attention": 1,
@@ -478,6 +483,7 @@ def validate(manifest: Manifest, src: _Source, target: MegatronTarget, rules: di
     ffn = getattr(args, "ffn_hidden_size", None)
     if isinstance(ffn, int) and ffn % tp:
         problems.append(f"TP={tp} does not divide ffn_hidden_size={ffn}")
+    problems += _mtp_problems(manifest, src, target)
     gated = _gated(args)
     uneven, unknown = [], []
     for item in manifest.items.values():
@@ -502,6 +508,37 @@ def validate(manifest: Manifest, src: _Source, target: MegatronTarget, rules: di
         problems.append(
             f"{len(uneven)} tensors cannot be split evenly: {', '.join(uneven[:3])}" + (" …" if len(uneven) > 3 else "")
         )
+    return problems
+
+
+def _has_mtp(src: _Source) -> bool:
+    """Whether the model has multi-token prediction layers (``mtp.layers.<k>.*``, megatron-core's
+    MultiTokenPredictionBlock)."""
+    return any(n.startswith("mtp.") for n in src.model_order)
+
+
+def _mtp_problems(manifest: Manifest, src: _Source, target: MegatronTarget) -> list[str]:
+    """Why the target layout cannot hold this model's multi-token prediction layers (empty: it can,
+    or there are none). Without a pipeline layout megatron-core builds them in the last stage's last
+    model chunk, which then also keeps a copy of the word embeddings (its own parameter, synced with
+    the first stage's)."""
+    if not _has_mtp(src):
+        return []
+    args = src.objs[(0, 0, 0)].get("args")
+    problems = []
+    if _target_layout(args, target) is not None:
+        problems.append("a pipeline layout with multi-token prediction layers is not supported yet")
+    if target.pp > 1 or src.pp > 1:
+        if not getattr(args, "untie_embeddings_and_output_weights", False):
+            problems.append(
+                "multi-token prediction layers with embeddings tied to the output layer at PP > 1 are not "
+                "supported yet (the last stage's copies of both)"
+            )
+        if "embedding.position_embeddings.weight" in manifest.items:
+            problems.append(
+                "multi-token prediction layers with learned position embeddings at PP > 1 are not supported "
+                "yet (the last stage's copy of them)"
+            )
     return problems
 
 
@@ -641,6 +678,8 @@ class LegacyWriter:
         self.iter_dir = f"iter_{self.iteration:07d}" if isinstance(self.iteration, int) else "release"
         self.rows = self._vocab_rows()
         self.tied = not bool(getattr(self.args, "untie_embeddings_and_output_weights", False))
+        self.mtp = _has_mtp(self.src)
+        """multi-token prediction layers: in the last stage, with a copy of the word embeddings"""
         emb = manifest.items.get("embedding.word_embeddings.weight")
         self.padded = self.rows or (emb.shape[0] if emb is not None and emb.shape else None)
         """rows of the embedding (the padded vocabulary) in the output"""
@@ -845,8 +884,10 @@ class LegacyWriter:
         layer = _layer_of(name)
         if layer is not None:
             return [self.layer_place(layer)]
+        if name.startswith("mtp."):
+            return [last]
         if name.startswith("embedding."):
-            return [(0, 0)]
+            return [(0, 0), last] if self.mtp and pp > 1 else [(0, 0)]  # the MTP stage's copy
         if name.startswith("output_layer.weight") and self.tied:
             return [last] if pp > 1 else []
         if name.startswith(("output_layer.", "decoder.final_layernorm", "final_layernorm")):

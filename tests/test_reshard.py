@@ -686,26 +686,47 @@ def test_deepspeed_model_parallel_ranks_keep_their_own_values(tmp_path):
     on another rank: the fixture's model declares its TP copies replicas, and a value changed in
     MP rank 1's files (so no longer equal) is found in rank 1's output only; a change of ZeRO stage
     is refused, naming the file."""
-    torch = pytest.importorskip("torch")
-    src = tmp_path / "src"
-    shutil.copytree(FIXTURES / "deepspeed" / "pipeline", src)
+    from ckpttool.formats.deepspeed import ALLOWLIST as DS_ALLOW
+
+    def poked(out: _ptwrite.OutTensor, value: float) -> None:
+        """``out`` written with its first element set to ``value``."""
+        inner = out.fill
+
+        def fill(buf: np.ndarray) -> None:
+            inner(buf)
+            buf.reshape(-1).view(np.float32)[0] = value
+
+        out.fill, out.parts = fill, None
+
+    src = FIXTURES / "deepspeed" / "pipeline"
+    # (re-pickled by ckpttool's own writer from the restricted unpickler's tree: DeepSpeed, whose
+    # classes the files name, need not be installed)
+    edited = tmp_path / "src"
+    shutil.copytree(src, edited)
     for dp in (0, 1):
-        path = src / "global_step3" / f"zero_pp_rank_{dp}_mp_rank_01_optim_states.pt"
-        obj = torch.load(path, weights_only=False)
-        osd = obj["optimizer_state_dict"]
-        osd["single_partition_of_fp32_groups"][0].data[0] = 1234.5  # first element of the partition
-        osd["base_optimizer_state"]["state"][0]["exp_avg"][0] = -7.0
-        torch.save(obj, path)
+        rel = f"global_step3/zero_pp_rank_{dp}_mp_rank_01_optim_states.pt"
+        archive, obj, _ = _pt.load(src, rel, DS_ALLOW)
+        try:
+            tree = _ptwrite.carry(obj, lambda archive=archive: archive, now=True)
+        finally:
+            archive.close()
+        osd = tree["optimizer_state_dict"]
+        poked(osd["single_partition_of_fp32_groups"][0], 1234.5)  # first element of the partition
+        poked(osd["base_optimizer_state"]["state"][0]["exp_avg"], -7.0)
+        _ptwrite.save(tree, edited / rel)
+        shutil.copystat(src / rel, edited / rel)  # (newer than ``latest`` reads as an incomplete save)
     out = tmp_path / "dp1"
-    reshard(src, out, Target(dp=1))
+    reshard(edited, out, Target(dp=1))
     firsts = {}
     for mp in range(4):
-        osd = torch.load(out / "global_step3" / f"zero_pp_rank_0_mp_rank_{mp:02d}_optim_states.pt", weights_only=False)[
-            "optimizer_state_dict"
-        ]
-        fp32 = osd["single_partition_of_fp32_groups"][0]
-        avg = osd["base_optimizer_state"]["state"][0]["exp_avg"]
-        firsts[mp] = (float(fp32[0]), float(avg[0]), float(fp32[fp32.numel() // 2]), float(avg[fp32.numel() // 2]))
+        archive, obj, _ = _pt.load(out, f"global_step3/zero_pp_rank_0_mp_rank_{mp:02d}_optim_states.pt", DS_ALLOW)
+        try:
+            osd = obj["optimizer_state_dict"]
+            fp32 = _torchzip.read_tensor(archive, osd["single_partition_of_fp32_groups"][0]).reshape(-1)
+            avg = _torchzip.read_tensor(archive, osd["base_optimizer_state"]["state"][0]["exp_avg"]).reshape(-1)
+        finally:
+            archive.close()
+        firsts[mp] = (float(fp32[0]), float(avg[0]), float(fp32[fp32.size // 2]), float(avg[fp32.size // 2]))
     assert firsts[1] == (1234.5, -7.0) * 2  # the first element of each source rank's partition
     for mp in (0, 2, 3):
         assert not {1234.5, -7.0} & set(firsts[mp]), mp

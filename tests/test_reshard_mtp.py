@@ -1,0 +1,164 @@
+"""Multi-token prediction layers (megatron-core's MultiTokenPredictionBlock, DeepSeek-V3's MTP) in
+checkpoints Megatron-LM core_v0.16.1 wrote: ``legacy_tp2_mtp`` and ``dist_tp2_mtp`` (TP=2, saved from
+the same state), ``legacy_pp2_mtp`` (PP=2: the MTP layer in the last stage, which keeps its own
+copy of the word embeddings) and ``dist_tp2pp2_mtp_distopt`` (TP=2 x PP=2, the distributed
+optimizer's ``dp_reshardable`` buckets). Their references are the runs' own sharded state dicts, gathered
+before the saves."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from ckpttool import registry
+from ckpttool.diff import diff
+from ckpttool.errors import UsageError
+from ckpttool.export import export
+from ckpttool.reshard import Target, reshard
+from ckpttool.verify import verify
+from tests._compare import same_bits
+from tests.conftest import FIXTURES
+from tests.test_megatron import _expected
+from tests.test_reshard import STATE_KINDS, _drop_rng, _megatron_lm, _oracle, _rank_files, _ref, _tree, _with_args
+from tests.test_reshard_dist import ITER, _chunks, _metadata, _record
+
+MG = FIXTURES / "megatron"
+MTP_TP2, MTP_DIST, MTP_PP2 = MG / "legacy_tp2_mtp", MG / "dist_tp2_mtp", MG / "legacy_pp2_mtp"
+MTP_DISTOPT = MG / "dist_tp2pp2_mtp_distopt"
+
+
+@pytest.mark.parametrize(
+    ("source", "ref"),
+    [
+        (MTP_TP2, "legacy_tp2_mtp"),
+        (MTP_DIST, "legacy_tp2_mtp"),
+        (MTP_PP2, "legacy_pp2_mtp"),
+        (MTP_DISTOPT, "dist_tp2pp2_mtp_distopt"),
+    ],
+)
+def test_mtp_reads_as_megatron_saved_it(source, ref, tmp_path):
+    """Every tensor (params, fp32 copies, moments) of the MTP layer and the rest equals the run's own
+    gather; eh_proj is split by rows at TP=2 (read as a whole copy before, it was half of the tensor,
+    and verify saw the two halves as copies that differ). The MTP stage's embedding copy agrees. The
+    dp_reshardable buckets are placed by replaying the grad buffers with the MTP block and the
+    embedding copy in the last stage (before, they were refused as modules of unknown order)."""
+    if source == MTP_DISTOPT:
+        _, m = registry.describe(source)
+        assert not [n for n in m.items if n.startswith("optimizer.distributed.") and m.items[n].is_tensor]
+    export(source, tmp_path / "o.safetensors")
+    got = load_file(tmp_path / "o.safetensors")
+    want = _expected(ref)
+    assert len(want) == 100 and sum(k.startswith("mtp.") for k in want) == 40
+    assert [k for k, v in want.items() if k not in got or not same_bits(got[k], v)] == []
+    assert got["mtp.layers.0.eh_proj.weight"].shape == (16, 32)
+    assert verify(source).failing() == []
+
+
+@pytest.mark.parametrize(("source", "via"), [(MTP_TP2, Target(tp=1, pp=2)), (MTP_PP2, Target(tp=1, pp=1))])
+def test_mtp_round_trip_is_exact(source, via, tmp_path):
+    """TP=2 -> TP=1 x PP=2 -> TP=2, and PP=2 -> PP=1 -> PP=2: the rank files' trees come back as
+    Megatron-LM wrote them (every tensor, the param groups and their order, args), the PP=2 last
+    stage with the embedding copy first, its optimizer state included; the state stays the same."""
+    one, back = tmp_path / "one", tmp_path / "back"
+    layout = registry.describe(source)[1].layout
+    reshard(source, one, via)
+    reshard(one, back, Target(tp=layout.tp, pp=layout.pp))
+    original, again = _rank_files(source), _rank_files(back)
+    assert list(original) == list(again)
+    for name in original:
+        assert _drop_rng(_tree(original[name])) == _drop_rng(_tree(again[name])), name
+    stages = _rank_files(one if via.pp == 2 else source)
+    model = dict(_tree(stages["mp_rank_00_001"])[1])["model"][1]
+    assert model[0][0] == "embedding.word_embeddings.weight" and model[-1][0].startswith("output_layer.")
+    assert any(k.startswith("mtp.layers.0.") for k, _ in model)
+    for out in (one, back):
+        assert not diff(source, out, kinds=STATE_KINDS).different
+        assert verify(out).failing() == []
+
+
+def test_mtp_torch_dist_from_legacy_is_what_megatron_saves(tmp_path):
+    """Legacy TP=2 -> torch_dist: every key, chunk and tensor record of Megatron's own torch_dist save
+    of the same state, the MTP layer's local-spec norms under megatron-core's TransformerEngine keys
+    (``mtp.layers.0.transformer_layer.self_attention.linear_qkv.layer_norm_weight``)."""
+    out = tmp_path / "dist"
+    reshard(MTP_TP2, out, Target(to="megatron-dist"))
+    ours, megatron = _metadata(out), _metadata(MTP_DIST)
+    assert _chunks(ours) == _chunks(megatron)
+    assert "mtp.layers.0.transformer_layer.self_attention.linear_qkv.layer_norm_weight" in megatron.state_dict_metadata
+    for key, meta in megatron.state_dict_metadata.items():
+        if hasattr(meta, "chunks"):
+            for c in meta.chunks:
+                assert _record(out, ours, key, c.offsets) == _record(MTP_DIST, megatron, key, c.offsets), key
+    assert not diff(MTP_DIST, out, kinds=STATE_KINDS).different
+    assert (out / ITER / "common.pt").exists()
+
+
+def test_mtp_torch_dist_to_legacy_at_pp2(tmp_path):
+    """torch_dist TP=2 -> legacy TP=1 x PP=2 (the order megatron-core registers the MTP block's
+    modules in, which torch_dist does not keep): the same state, and the rank files of the legacy run
+    resharded to that layout."""
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    reshard(MTP_DIST, ours, Target(to="megatron", tp=1, pp=2))
+    reshard(MTP_TP2, theirs, Target(tp=1, pp=2))
+    assert not diff(MTP_TP2, ours, kinds=STATE_KINDS).different
+    for name, path in _rank_files(theirs).items():
+        a, b = dict(_tree(path)[1]), dict(_tree(_rank_files(ours)[name])[1])
+        assert [k for k, _ in a["model"][1]] == [k for k, _ in b["model"][1]], name
+        assert a["optimizer"] == b["optimizer"], name
+
+
+@pytest.mark.parametrize(
+    ("args", "target", "message"),
+    [
+        ({"untie_embeddings_and_output_weights": False}, Target(tp=1, pp=1), "tied to the output layer at PP > 1"),
+        ({}, Target(pp=2, pipeline_layout="Et|tmL"), "pipeline layout with multi-token prediction"),
+    ],
+)
+def test_mtp_refusals(args, target, message, tmp_path):
+    """What is not supported yet is refused before anything is written: tied embeddings at PP > 1 (the
+    MTP stage's copies of the embedding and output layer), a pipeline layout that places MTP layers."""
+    source = _with_args(tmp_path / "src", MTP_PP2, **args) if args else MTP_PP2
+    out = tmp_path / "out"
+    with pytest.raises(UsageError, match=message):
+        reshard(source, out, target)
+    assert not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("source", "target", "padded", "ref"),
+    [
+        (MTP_TP2, Target(tp=1, pp=2, distributed_optimizer=True), 128, "legacy_tp2_mtp"),
+        (MTP_PP2, Target(tp=2, pp=1), 64, "legacy_pp2_mtp"),
+        (MTP_DIST, Target(to="megatron", tp=1, pp=2), 128, "legacy_tp2_mtp"),
+        (MTP_PP2, Target(to="megatron-dist", tp=2, pp=1), 64, "legacy_pp2_mtp"),
+        (MTP_DISTOPT, Target(to="megatron", tp=1, pp=2), 128, "dist_tp2pp2_mtp_distopt"),
+        (MTP_DISTOPT, Target(to="megatron", tp=2, pp=1, distributed_optimizer=False), 128, "dist_tp2pp2_mtp_distopt"),
+    ],
+    ids=[
+        "tp2-to-pp2-distopt",
+        "pp2-to-tp2",
+        "dist-to-legacy-pp2",
+        "pp2-to-dist-tp2",
+        "dp_reshardable-to-legacy-pp2",
+        "dp_reshardable-to-float16-tp2",
+    ],
+)
+def test_megatron_lm_loads_the_mtp_checkpoint(source, target, padded, ref, tmp_path):
+    """Oracle: Megatron-LM's load_checkpoint, building the MTP model at the new layout, loads our
+    output (legacy, the distributed optimizer's too, or torch_dist); every tensor equals the
+    reference; it trains the next step."""
+    mlm = _megatron_lm()
+    if mlm is None:
+        pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
+    out = tmp_path / "out"
+    reshard(source, out, target)
+    args = ["--tp", str(target.tp), "--pp", str(target.pp), "--mtp", "--padded-vocab", str(padded)]
+    distopt = target.distributed_optimizer or (source == MTP_DISTOPT and target.distributed_optimizer is None)
+    args += ["--distopt"] if distopt else []
+    args += ["--no-load-rng"] if target.to == "megatron-dist" else []  # (its RNG checks read legacy rank files)
+    proc = _oracle(mlm, Path(out), *args, *_ref(ref), env=dict(os.environ))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

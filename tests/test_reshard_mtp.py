@@ -23,7 +23,7 @@ from tests._compare import same_bits
 from tests.conftest import FIXTURES
 from tests.test_megatron import _expected
 from tests.test_reshard import STATE_KINDS, _drop_rng, _megatron_lm, _oracle, _rank_files, _ref, _tree, _with_args
-from tests.test_reshard_dist import ITER, _chunks, _metadata, _record
+from tests.test_reshard_dist import ITER, _chunks, _metadata, _record, _torchrun
 
 MG = FIXTURES / "megatron"
 MTP_TP2, MTP_DIST, MTP_PP2 = MG / "legacy_tp2_mtp", MG / "dist_tp2_mtp", MG / "legacy_pp2_mtp"
@@ -162,3 +162,36 @@ def test_megatron_lm_loads_the_mtp_checkpoint(source, target, padded, ref, tmp_p
     args += ["--no-load-rng"] if target.to == "megatron-dist" else []  # (its RNG checks read legacy rank files)
     proc = _oracle(mlm, Path(out), *args, *_ref(ref), env=dict(os.environ))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("source", "tp", "pp", "distopt", "ref"),
+    [
+        (MTP_DISTOPT, 1, 2, None, "dist_tp2pp2_mtp_distopt"),
+        (MTP_DIST, 1, 2, None, "legacy_tp2_mtp"),
+        (MTP_PP2, 2, 1, True, "legacy_pp2_mtp"),
+    ],
+    ids=["dp_reshardable-tp1pp2", "dist-tp1pp2", "legacy-pp2-distributed-optimizer-tp2"],
+)
+def test_megatron_core_loads_the_mtp_output(source, tp, pp, distopt, ref, tmp_path):
+    """Oracle: megatron-core's dist_checkpointing.load (the wheel alone), building the MTP model at the
+    new TP x PP, loads our torch_dist output with the DistributedOptimizer (fully_reshardable, from the
+    dp_reshardable save or the Float16 legacy one) or the Float16 optimizer: every tensor each rank
+    holds, the MTP stage's embedding copy included, equals the reference slice, main replicas cover
+    each reference tensor exactly once, and from the legacy source each rank's RNG is the intended one."""
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "out"
+    reshard(source, out, Target(to="megatron-dist", tp=tp, pp=pp, distributed_optimizer=distopt))
+    padded = registry.describe(source)[1].items["embedding.word_embeddings.weight"].shape[0]
+    args = ["--ckpt", str(out), "--tp", str(tp), "--pp", str(pp), "--mtp", "--padded-vocab", str(padded)]
+    args += ["--reference", str(MG / f"{ref}.reference.pt")]
+    if distopt or source == MTP_DISTOPT:
+        args += ["--distopt"]
+    if source == MTP_PP2:
+        args += ["--rng-source", str(source), "--rng-source-layout", "1", "2"]
+    result = _torchrun(*args, nproc=tp * pp)
+    assert len(result["ranks"]) == tp * pp and result["groups"] == 2
+    for rank in result["ranks"]:
+        assert rank["problems"] == [] and rank["checked"] >= 32
+        assert rank["rng_matches"] is (True if source == MTP_PP2 else None)

@@ -28,6 +28,7 @@ from tests.test_reshard_dist import ITER, _chunks, _metadata, _record, _torchrun
 MG = FIXTURES / "megatron"
 MTP_TP2, MTP_DIST, MTP_PP2 = MG / "legacy_tp2_mtp", MG / "dist_tp2_mtp", MG / "legacy_pp2_mtp"
 MTP_DISTOPT = MG / "dist_tp2pp2_mtp_distopt"
+MTP_PP2_DISTOPT = MG / "legacy_pp2_mtp_distopt"  # the same state as MTP_PP2, the distributed optimizer's
 
 
 @pytest.mark.parametrize(
@@ -37,6 +38,7 @@ MTP_DISTOPT = MG / "dist_tp2pp2_mtp_distopt"
         (MTP_DIST, "legacy_tp2_mtp"),
         (MTP_PP2, "legacy_pp2_mtp"),
         (MTP_DISTOPT, "dist_tp2pp2_mtp_distopt"),
+        (MTP_PP2_DISTOPT, "legacy_pp2_mtp"),
     ],
 )
 def test_mtp_reads_as_megatron_saved_it(source, ref, tmp_path):
@@ -77,6 +79,37 @@ def test_mtp_round_trip_is_exact(source, via, tmp_path):
     for out in (one, back):
         assert not diff(source, out, kinds=STATE_KINDS).different
         assert verify(out).failing() == []
+
+
+def _blind_save(tree):
+    """A rank file's tree with ``args.save`` (the run's output folder) left out."""
+    kind, entries, meta = tree
+    out = []
+    for k, v in entries:
+        if k == "args":
+            name, (dkind, fields, dmeta) = v
+            v = (name, (dkind, [(f, x) for f, x in fields if f != "save"], dmeta))
+        out.append((k, v))
+    return kind, out, meta
+
+
+def test_mtp_changes_optimizer_as_megatron_saves_it(tmp_path):
+    """The Float16-optimizer PP=2 save with --distributed-optimizer is Megatron-LM's own
+    distributed-optimizer save of the same state: distrib_optim.pt byte for byte (the last stage's
+    grad buffer: the embedding copy, the decoder's layer, the final norm, the MTP layer, the output
+    layer), the rank files' trees equal but for args.save; and back with --no-distributed-optimizer,
+    the Float16 save's trees."""
+    distopt, float16 = tmp_path / "distopt", tmp_path / "float16"
+    reshard(MTP_PP2, distopt, Target(distributed_optimizer=True))
+    reshard(MTP_PP2_DISTOPT, float16, Target(distributed_optimizer=False))
+    for ours, theirs in ((distopt, MTP_PP2_DISTOPT), (float16, MTP_PP2)):
+        mine, megatron = _rank_files(ours), _rank_files(theirs)
+        assert list(mine) == list(megatron) == ["mp_rank_00_000", "mp_rank_00_001"]
+        for name in mine:
+            assert _blind_save(_tree(mine[name])) == _blind_save(_tree(megatron[name])), name
+    for stage in ("mp_rank_00_000", "mp_rank_00_001"):
+        rel = f"{ITER}/{stage}/distrib_optim.pt"
+        assert (distopt / rel).read_bytes() == (MTP_PP2_DISTOPT / rel).read_bytes(), stage
 
 
 def test_mtp_torch_dist_from_legacy_is_what_megatron_saves(tmp_path):

@@ -365,6 +365,7 @@ def _debucket_dist(manifest: Manifest, args: Any) -> str | None:
         return f"parameters whose registration order ckpttool does not know: {', '.join(unknown[:4])}"
     tied = not getattr(args, "untie_embeddings_and_output_weights", False) and pp > 1
     mtp = sorted((at, n) for n in params if (at := _mtp_slot(n)) is not None)
+    layers = sum(n for chunk in chunks for _, n in chunk)
     if mtp and (experts or tied or "embedding.position_embeddings.weight" in params):
         return "multi-token prediction layers with experts, tied embeddings or position embeddings, not replayed yet"
     local = experts // ep
@@ -388,10 +389,13 @@ def _debucket_dist(manifest: Manifest, args: Any) -> str | None:
                     for _, n in by_layer.get(layer, ())
                     if (j := expert_of(n)) is None or e * local <= j < (e + 1) * local
                 ]
+            # the final norm: in the last chunk, or with MTP layers the last decoder layer's
+            # (TransformerBlock.has_final_layernorm_in_this_stage), which a layout may put before it
+            if (first <= layers - 1 < first + count) if mtp else (p, v) == (pp - 1, len(chunks[p]) - 1):
+                names += [n for n in _POST_LAYERS[:2] if n in params]
             if (p, v) == (pp - 1, len(chunks[p]) - 1):
                 if mtp and (p, v) != (0, 0):  # the MTP stage's copy of the word embeddings, registered first
                     names.insert(0, "embedding.word_embeddings.weight")
-                names += [n for n in _POST_LAYERS[:2] if n in params]  # the final norm
                 names += [n for _, n in mtp]  # the MTP block, between the decoder and the output layer
                 names += [n for n in _POST_LAYERS[2:] if n in params]
                 if tied and "embedding.word_embeddings.weight" in params:
@@ -904,13 +908,20 @@ def layout_chunks(layout: str, pp: int, layers: int) -> list[list[tuple[int, int
     (``get_layer_offset``, ``get_num_layers_to_build``): stage ``v·PP + p`` of the list is chunk
     ``v`` of pipeline rank ``p``, and layers are numbered chunk by chunk in that order. ValueError,
     with the reason, for a layout megatron-core refuses (its ``validate_layer_layout``) or one with
-    MTP layers, which ckpttool does not read."""
+    MTP layers in a stage of their own (standalone MTP), which ckpttool does not read; MTP layers with
+    the loss are read and placed as without a layout."""
     stages = layout_stages(layout)
     if pp < 1 or len(stages) % pp:
         raise ValueError(f"the layout's {len(stages)} stages do not divide over PP={pp}")
     flat = "".join(stages)
     if "m" in flat:
-        raise UnreadLayout("the layout places MTP layers, which ckpttool does not read yet")
+        if "t" in flat[flat.index("m") :]:
+            raise ValueError("the layout places transformer layers after MTP layers")
+        # megatron-core builds the MTP block in the model chunk its layers are in; one of the last
+        # stage's (with the loss) keeps the output layer and the embedding copy where ckpttool puts them
+        if any("m" in stage and "L" not in stage for stage in stages):
+            raise UnreadLayout("the layout places MTP layers in a stage without the loss (standalone MTP), "
+                               "which ckpttool does not read yet")  # fmt: skip
     if not flat.startswith("E") or flat.count("E") != 1:
         raise ValueError("the layout must start with the embedding (E), once")
     if not flat.endswith("L") or flat.count("L") != 1:

@@ -519,15 +519,23 @@ def _has_mtp(src: _Source) -> bool:
 
 def _mtp_problems(manifest: Manifest, src: _Source, target: MegatronTarget) -> list[str]:
     """Why the target layout cannot hold this model's multi-token prediction layers (empty: it can,
-    or there are none). Without a pipeline layout megatron-core builds them in the last stage's last
-    model chunk, which then also keeps a copy of the word embeddings (its own parameter, synced with
-    the first stage's)."""
+    or there are none). megatron-core builds them in the last stage's last model chunk (a pipeline
+    layout must put all of them there, with the loss: ``m`` before ``L``), which then also keeps a
+    copy of the word embeddings (its own parameter, synced with the first stage's)."""
     if not _has_mtp(src):
         return []
     args = src.objs[(0, 0, 0)].get("args")
     problems = []
-    if _target_layout(args, target) is not None:
-        problems.append("a pipeline layout with multi-token prediction layers is not supported yet")
+    layout = _target_layout(args, target)
+    mtp = len({n.split(".", 3)[2] for n in src.model_order if n.startswith("mtp.layers.")})
+    if layout is not None:
+        try:
+            stages = layout_stages(layout)
+        except ValueError:
+            stages = []  # (target_chunks names what is wrong with it)
+        placed = "".join(stages).count("m")
+        if stages and placed != mtp:
+            problems.append(f"the pipeline layout places {placed} MTP layers (m), the model has {mtp}")
     if target.pp > 1 or src.pp > 1:
         if not getattr(args, "untie_embeddings_and_output_weights", False):
             problems.append(
@@ -890,6 +898,10 @@ class LegacyWriter:
             return [(0, 0), last] if self.mtp and pp > 1 else [(0, 0)]  # the MTP stage's copy
         if name.startswith("output_layer.weight") and self.tied:
             return [last] if pp > 1 else []
+        if name.startswith(("decoder.final_layernorm", "final_layernorm")) and self.mtp and _num_layers(self.args):
+            # with MTP layers megatron-core builds the final norm with the last decoder layer (its
+            # TransformerBlock.has_final_layernorm_in_this_stage), which a layout may put before the last chunk
+            return [self.layer_place(_num_layers(self.args) - 1)]
         if name.startswith(("output_layer.", "decoder.final_layernorm", "final_layernorm")):
             return [last]
         return [(p, v) for p in range(pp) for v in range(self.vpp)]

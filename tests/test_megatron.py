@@ -686,8 +686,29 @@ def test_pipeline_layouts_agree_with_megatron_core():
         checked += 1
     parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
     assert checked > 150 and refused > 20, (checked, refused)
-    with pytest.raises(ValueError, match="MTP layers"):
-        layout_chunks("Et|tmL", 2, 2)
+    # MTP layers (m): with the loss they leave the decoder's placement as megatron-core's; in a stage
+    # of their own (megatron-core's standalone MTP, which it accepts) ckpttool refuses them
+    mtp_checked = 0
+    for text, pp, mtp in [("Et|tmL", 2, 1), ("E|t|t|mL", 2, 1), ("Ett|ttmmL", 2, 2), ("E|t|t|tmL", 4, 1)]:
+        layout = PipelineParallelLayerLayout(text, pp)
+        layers = text.count("t")
+        layout.validate_layer_layout(layers, mtp)
+        vpp = layout.virtual_pipeline_model_parallel_size
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
+        theirs = [
+            [(layout.get_layer_offset(vp_stage=v, pp_rank=p), layout.get_num_layers_to_build(vp_stage=v, pp_rank=p))
+             for v in range(vpp)]
+            for p in range(pp)
+        ]  # fmt: skip
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
+        assert layout_chunks(text, pp, layers) == theirs, text
+        mtp_checked += 1
+    assert mtp_checked == 4
+    PipelineParallelLayerLayout("Et|t|m|L", 2).validate_layer_layout(2, 1)  # valid for megatron-core
+    with pytest.raises(ValueError, match="standalone MTP"):
+        layout_chunks("Et|t|m|L", 2, 2)
+    with pytest.raises(ValueError, match="transformer layers after MTP layers"):
+        layout_chunks("Et|mtL", 2, 2)
     with pytest.raises(ValueError, match="letters"):
         layout_chunks("Ex|tL", 2, 1)
 
@@ -729,8 +750,9 @@ def _with_args(tmp_path, **changes):
     [
         ({"pipeline_model_parallel_layout": "Et|tL"}, "(the layout places 2 transformer layers, the model has 4)"),
         (
-            {"pipeline_model_parallel_layout": "Et|tmL"},
-            "(the layout places MTP layers, which ckpttool does not read yet)",
+            {"pipeline_model_parallel_layout": "Ett|tt|m|L"},
+            "(the layout places MTP layers in a stage without the loss (standalone MTP), which ckpttool does not "
+            "read yet)",
         ),
         ({"pipeline_model_parallel_layout": "E|(t*999999)*5000|L"}, "expands past a million layers"),
         ({"decoder_first_pipeline_num_layers": 5}, "in a way Megatron cannot (the first and last stages' 5 layers"),
@@ -739,7 +761,7 @@ def _with_args(tmp_path, **changes):
 )
 def test_layers_the_args_cannot_place_are_an_error_not_a_guess(changes, message, tmp_path):
     """Legacy rank files number their layers locally; args that do not say how megatron-core placed
-    them (a layout that does not hold the layers, or with MTP layers ckpttool does not read, a split
+    them (a layout that does not hold the layers, or with MTP layers in a stage of their own, a split
     Megatron would refuse) stop the read with the file named, instead of global names that may be
     wrong."""
     r = run_cli("inspect", _with_args(tmp_path, **changes))

@@ -112,6 +112,37 @@ def test_mtp_changes_optimizer_as_megatron_saves_it(tmp_path):
         assert (distopt / rel).read_bytes() == (MTP_PP2_DISTOPT / rel).read_bytes(), stage
 
 
+def test_mtp_pipeline_layout(tmp_path):
+    """A pipeline layout that puts the MTP layer with the loss (``Et|tmL``): read, resharded to another
+    (``E|t|t|mL``: two virtual stages per rank, the MTP layer and the embedding copy in rank 1's second)
+    and back to the rank files it came from. Megatron-LM's own save of
+    the PP=2 run with ``--pipeline-model-parallel-layout Et|tmL`` is ``legacy_pp2_mtp`` but for its
+    args' ``save`` and layout (compared once, 2026-11-23), so the fixture with the layout in its args
+    stands for it."""
+    source = _with_args(tmp_path / "src", MTP_PP2, pipeline_model_parallel_layout="Et|tmL")
+    assert registry.describe(source)[1].layout.pp == 2
+    assert [n for n, i in registry.describe(source)[1].items.items() if i.kind == "param"] == [
+        n for n, i in registry.describe(MTP_PP2)[1].items.items() if i.kind == "param"
+    ]
+    wide, back = tmp_path / "wide", tmp_path / "back"
+    reshard(source, wide, Target(pp=2, pipeline_layout="E|t|t|mL"))
+    reshard(wide, back, Target(pp=2, pipeline_layout="Et|tmL"))
+    files = _rank_files(wide)
+    last = dict(_tree(files["mp_rank_00_001"])[1])
+    assert next(k for k, _ in last["model1"][1]) == "embedding.word_embeddings.weight"
+    assert any(k.startswith("mtp.layers.0.") for k, _ in last["model1"][1])
+    assert not any(k.startswith("mtp.") for k, _ in last["model0"][1])
+    # with MTP layers the final norm is built with the last decoder layer: rank 0's second chunk
+    first = dict(_tree(files["mp_rank_00_000"])[1])
+    assert [k for k, _ in first["model1"][1] if not k.endswith("_extra_state")][-1] == "decoder.final_layernorm.weight"
+    assert not any(k.startswith("decoder.final_layernorm") for k, _ in last["model1"][1])
+    for name, path in _rank_files(source).items():
+        assert _drop_rng(_tree(path)) == _drop_rng(_tree(_rank_files(back)[name])), name
+    for out in (wide, back):
+        assert not diff(MTP_PP2, out, kinds=STATE_KINDS).different
+        assert verify(out).failing() == []
+
+
 def test_mtp_torch_dist_from_legacy_is_what_megatron_saves(tmp_path):
     """Legacy TP=2 -> torch_dist: every key, chunk and tensor record of Megatron's own torch_dist save
     of the same state, the MTP layer's local-spec norms under megatron-core's TransformerEngine keys
@@ -147,12 +178,14 @@ def test_mtp_torch_dist_to_legacy_at_pp2(tmp_path):
     ("args", "target", "message"),
     [
         ({"untie_embeddings_and_output_weights": False}, Target(tp=1, pp=1), "tied to the output layer at PP > 1"),
-        ({}, Target(pp=2, pipeline_layout="Et|tmL"), "pipeline layout with multi-token prediction"),
+        ({}, Target(pp=2, pipeline_layout="Et|tL"), "the pipeline layout places 0 MTP layers"),
+        ({}, Target(pp=2, pipeline_layout="Et|t|m|L"), "standalone MTP"),
     ],
 )
 def test_mtp_refusals(args, target, message, tmp_path):
-    """What is not supported yet is refused before anything is written: tied embeddings at PP > 1 (the
-    MTP stage's copies of the embedding and output layer), a pipeline layout that places MTP layers."""
+    """What is not supported yet, or not valid, is refused before anything is written: tied
+    embeddings at PP > 1 (the MTP stage's copies of the embedding and output layer), a pipeline layout
+    without the model's MTP layers, or with them in a stage without the loss (standalone MTP)."""
     source = _with_args(tmp_path / "src", MTP_PP2, **args) if args else MTP_PP2
     out = tmp_path / "out"
     with pytest.raises(UsageError, match=message):
@@ -228,3 +261,24 @@ def test_megatron_core_loads_the_mtp_output(source, tp, pp, distopt, ref, tmp_pa
     for rank in result["ranks"]:
         assert rank["problems"] == [] and rank["checked"] >= 32
         assert rank["rng_matches"] is (True if source == MTP_PP2 else None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("distopt", [True, False])
+def test_megatron_lm_loads_the_mtp_layout_checkpoint(distopt, tmp_path):
+    """Oracle: from the PP=2 MTP run with the layout ``Et|tmL`` in its args, written with the layout
+    ``E|t|t|mL`` (two chunks per rank: the final norm with the last decoder layer in rank 0's second,
+    as megatron-core builds it when the model has MTP layers; the MTP layer, the embedding copy and
+    the output layer in rank 1's second): Megatron-LM's load_checkpoint with that layout loads it,
+    with the distributed optimizer (whose grad buffers would disagree with a misplaced norm) or
+    without, every tensor equals the reference and it trains the next step."""
+    mlm = _megatron_lm()
+    if mlm is None:
+        pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
+    source = _with_args(tmp_path / "src", MTP_PP2, pipeline_model_parallel_layout="Et|tmL")
+    out = tmp_path / "out"
+    reshard(source, out, Target(pp=2, pipeline_layout="E|t|t|mL", distributed_optimizer=distopt))
+    args = ["--tp", "1", "--pp", "2", "--layout", "E|t|t|mL", "--mtp", "--padded-vocab", "64"]
+    args += ["--distopt"] if distopt else []
+    proc = _oracle(mlm, Path(out), *args, *_ref("legacy_pp2_mtp"), env=dict(os.environ))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

@@ -522,8 +522,6 @@ def _mtp_problems(manifest: Manifest, src: _Source, target: MegatronTarget) -> l
     or there are none). megatron-core builds them in the last stage's last model chunk (a pipeline
     layout must put all of them there, with the loss: ``m`` before ``L``), which then also keeps a
     copy of the word embeddings (its own parameter, synced with the first stage's)."""
-    if not _has_mtp(src):
-        return []
     args = src.objs[(0, 0, 0)].get("args")
     problems = []
     layout = _target_layout(args, target)
@@ -536,6 +534,8 @@ def _mtp_problems(manifest: Manifest, src: _Source, target: MegatronTarget) -> l
         placed = "".join(stages).count("m")
         if stages and placed != mtp:
             problems.append(f"the pipeline layout places {placed} MTP layers (m), the model has {mtp}")
+    if not mtp:
+        return problems
     if target.pp > 1 or src.pp > 1:
         if not getattr(args, "untie_embeddings_and_output_weights", False):
             problems.append(

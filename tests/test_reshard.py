@@ -2408,7 +2408,7 @@ def test_megatron_pipeline_layout(tmp_path):
         (Target(tp=1, pp=2, pipeline_layout="E|ttt|L"), "the layout's 3 stages do not divide over PP=2"),
         (Target(tp=1, pp=2, pipeline_layout="E|tt|t|L"), "places 3 transformer layers, the model has 4"),
         (Target(tp=1, pp=2, pipeline_layout="tE|tt|t|L"), "must start with the embedding"),
-        (Target(tp=1, pp=2, pipeline_layout="E|tt|tt|mL"), "MTP layers"),
+        (Target(tp=1, pp=2, pipeline_layout="E|tt|tt|mL"), "the pipeline layout places 1 MTP layers"),
         (Target(tp=1, pp=2, vpp=2, pipeline_layout="E|tt|tt|L"), "drop --vpp"),
         (Target(to="dcp", pipeline_layout="E|tt|tt|L"), "Megatron targets only"),
     ],

@@ -81,6 +81,22 @@ def test_mtp_round_trip_is_exact(source, via, tmp_path):
         assert verify(out).failing() == []
 
 
+def test_mtp_with_routed_experts_is_refused():
+    """MTP layers whose transformer layer is a mixture of experts (DeepSeek-V3's) are refused by name
+    before anything is written (their local expert numbering, torch_dist's expert axis and the expert
+    optimizer are not followed there yet): no fixture has them, so the source's entries are extended."""
+    from ckpttool.formats.megatron_write import MegatronTarget, _mtp_problems, load_source
+
+    _, m = registry.describe(MTP_TP2)
+    src = load_source(MTP_TP2, m)
+    assert _mtp_problems(m, src, MegatronTarget(tp=1, pp=1)) == []
+    src.model_order.append("mtp.layers.0.transformer_layer.mlp.router.weight")
+    assert _mtp_problems(m, src, MegatronTarget(tp=1, pp=1)) == [
+        "multi-token prediction layers with routed experts (mtp.layers.0.transformer_layer.mlp.router.weight) "
+        "are not supported yet"
+    ]
+
+
 def _blind_save(tree):
     """A rank file's tree with ``args.save`` (the run's output folder) left out."""
     kind, entries, meta = tree
@@ -180,12 +196,14 @@ def test_mtp_torch_dist_to_legacy_at_pp2(tmp_path):
         ({"untie_embeddings_and_output_weights": False}, Target(tp=1, pp=1), "tied to the output layer at PP > 1"),
         ({}, Target(pp=2, pipeline_layout="Et|tL"), "the pipeline layout places 0 MTP layers"),
         ({}, Target(pp=2, pipeline_layout="Et|t|m|L"), "standalone MTP"),
+        ({"decoupled_lr": 0.003}, Target(tp=1, pp=1), "--decoupled-lr at PP > 1"),
     ],
 )
 def test_mtp_refusals(args, target, message, tmp_path):
     """What is not supported yet, or not valid, is refused before anything is written: tied
     embeddings at PP > 1 (the MTP stage's copies of the embedding and output layer), a pipeline layout
-    without the model's MTP layers, or with them in a stage without the loss (standalone MTP)."""
+    without the model's MTP layers, or with them in a stage without the loss (standalone MTP),
+    --decoupled-lr at PP > 1 (megatron-core leaves the MTP stage's embedding copy in the default group)."""
     source = _with_args(tmp_path / "src", MTP_PP2, **args) if args else MTP_PP2
     out = tmp_path / "out"
     with pytest.raises(UsageError, match=message):

@@ -511,10 +511,10 @@ def validate(manifest: Manifest, src: _Source, target: MegatronTarget, rules: di
     return problems
 
 
-def _has_mtp(src: _Source) -> bool:
-    """Whether the model has multi-token prediction layers (``mtp.layers.<k>.*``, megatron-core's
+def _mtp_layers(src: _Source) -> int:
+    """The model's multi-token prediction layers (``mtp.layers.<k>.*``, megatron-core's
     MultiTokenPredictionBlock)."""
-    return any(n.startswith("mtp.") for n in src.model_order)
+    return len({n.split(".", 3)[2] for n in src.model_order if n.startswith("mtp.layers.")})
 
 
 def _mtp_problems(manifest: Manifest, src: _Source, target: MegatronTarget) -> list[str]:
@@ -525,7 +525,7 @@ def _mtp_problems(manifest: Manifest, src: _Source, target: MegatronTarget) -> l
     args = src.objs[(0, 0, 0)].get("args")
     problems = []
     layout = _target_layout(args, target)
-    mtp = len({n.split(".", 3)[2] for n in src.model_order if n.startswith("mtp.layers.")})
+    mtp = _mtp_layers(src)
     if layout is not None:
         try:
             stages = layout_stages(layout)
@@ -694,7 +694,7 @@ class LegacyWriter:
         self.iter_dir = f"iter_{self.iteration:07d}" if isinstance(self.iteration, int) else "release"
         self.rows = self._vocab_rows()
         self.tied = not bool(getattr(self.args, "untie_embeddings_and_output_weights", False))
-        self.mtp = _has_mtp(self.src)
+        self.mtp = _mtp_layers(self.src) > 0
         """multi-token prediction layers: in the last stage, with a copy of the word embeddings"""
         emb = manifest.items.get("embedding.word_embeddings.weight")
         self.padded = self.rows or (emb.shape[0] if emb is not None and emb.shape else None)

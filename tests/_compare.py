@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +51,14 @@ def dcp_load_mismatches(ckpt: Path, source: Path, ranks: int, tmp: Path) -> list
     from safetensors.torch import load_file
 
     from ckpttool.export import export
+    from tests._ranks import DCP, run_ranks
 
     loaded = tmp / "loaded.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           str(Path(__file__).with_name("_dcp_load_worker.py")), str(ckpt), str(loaded)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    worker, args = Path(__file__).with_name("_dcp_load_worker.py"), [str(ckpt), str(loaded)]
+    proc = run_ranks(worker, args, ranks, preload=DCP, timeout=300)
     if proc.returncode != 0:  # once seen failing and never again: a launch flake is retried, a bug fails twice
         print(f"dcp.load run failed once (rc {proc.returncode}), retrying:\n{proc.stderr[-2000:]}")
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        proc = run_ranks(worker, args, ranks, preload=DCP, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     export(source, tmp / "ref.safetensors")
     return tensor_mismatches(load_file(tmp / "ref.safetensors"), torch.load(loaded, weights_only=True))

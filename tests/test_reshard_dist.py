@@ -4,7 +4,6 @@ trips, megatron-core's ``dist_checkpointing.load`` as the oracle at new TP/PP.""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from ckpttool.errors import UsageError
 from ckpttool.reshard import Target, reshard
 from ckpttool.verify import verify
 from tests._compare import same_bits
+from tests._ranks import run_ranks
 from tests.conftest import FIXTURES, cli_env, load_pt
 
 LEGACY = FIXTURES / "megatron" / "legacy_tp2pp2"
@@ -494,12 +494,8 @@ def test_convert_keeps_the_layout(tmp_path, cli):
 
 
 def _torchrun(*args: str, nproc: int) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [*cmd, str(FIXTURES / "_megatron_core_load_worker.py"), *args],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
+    """megatron-core's loader on ``nproc`` gloo ranks (forked warm: tests/_ranks.py)."""
+    proc = run_ranks(FIXTURES / "_megatron_core_load_worker.py", list(args), nproc)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-4000:]
     return json.loads(lines[-1][len("RESULT ") :])

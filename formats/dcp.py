@@ -148,8 +148,14 @@ METADATA_ALLOWLIST: dict[tuple[str, str], Any] = {
 """Every global a torch 2.x ``FileSystemWriter`` puts in ``.metadata`` (research/dcp.md §4), plus the
 save-plan records megatron-core's planner adds."""
 
-OBJECT_ALLOWLIST: dict[tuple[str, str], Any] = {**_unpickle.PLAIN, **_unpickle.TORCH_TENSORS}
-"""Globals allowed in bytes items: plain Python values (and tensors inside them)."""
+OBJECT_ALLOWLIST: dict[tuple[str, str], Any] = {
+    **_unpickle.PLAIN,
+    **_unpickle.TORCH_TENSORS,
+    **_unpickle.numpy_arrays(),
+}
+"""Globals allowed in bytes items: plain Python values, tensors and plain numeric numpy arrays inside
+them (``np.random.get_state()``: Megatron's RNG records, carried by ``--to dcp``, and what training
+loops keep beside their torch RNG)."""
 
 
 def _load_metadata(root: Path, name: str) -> _Metadata:

@@ -18,7 +18,9 @@ from ckpttool.manifest import FileRecord, Item, Layout, Manifest
 from ckpttool.naming import classify
 from ckpttool.values import find_step, flatten, set_value
 
-ALLOWLIST: dict[tuple[str, str], Any] = {**_unpickle.PLAIN, **_unpickle.TORCH_TENSORS}
+# plain numeric numpy arrays too: RNG states (``np.random.get_state()``) that training loops save
+# (Hugging Face's ``rng_state.pth``; Megatron's records, carried by ``convert --to torch``)
+ALLOWLIST: dict[tuple[str, str], Any] = {**_unpickle.PLAIN, **_unpickle.TORCH_TENSORS, **_unpickle.numpy_arrays()}
 _LEGACY_MAGIC = b"\x80\x02\x8a"
 
 

@@ -50,8 +50,11 @@ def _launcher(preload: tuple[str, ...]) -> subprocess.Popen[str]:
 def _stop() -> None:
     for proc in _warm.values():
         if proc.stdin:
-            proc.stdin.close()
-        proc.wait(timeout=30)
+            proc.stdin.close()  # the launcher ends at the end of its input
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def run_ranks(script: Path, args: list[str], nproc: int, preload: list[str] = MEGATRON_CORE, timeout: int = 600):

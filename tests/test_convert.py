@@ -118,3 +118,32 @@ def test_one_process_targets_are_refused_under_torchrun(tmp_path, monkeypatch):
         with pytest.raises(UsageError, match="run it without torchrun"):
             convert(FIXTURES / "dcp" / "fsdp2", tmp_path / to, to=to)
         assert not (tmp_path / to).exists()
+
+
+@pytest.mark.parametrize("to", ["dcp", "torch"])
+def test_megatron_rng_records_carried_to_dcp_and_torch_verify_clean(to, tmp_path):
+    """Megatron's RNG records hold numpy's MT19937 state (a uint32 ndarray). --to dcp and --to
+    torch carry them; ckpttool's own verify of the output then finds no unsafe pickle (plain
+    numeric numpy arrays are allowed in DCP bytes items and torch.save files, as in Megatron's
+    files), and the records read back equal the source rank's."""
+    from ckpttool import registry
+    from ckpttool.formats import _pt, megatron
+
+    src = FIXTURES / "megatron" / "legacy_tp2pp2"
+    out = tmp_path / "out"
+    r = run_cli("convert", src, "-o", out, "--to", to)
+    assert r.code == 0, r.stderr
+    target = out if to == "dcp" else out / "model.pt"
+    v = run_cli("verify", target, "--json")
+    report = json.loads(v.stdout)
+    assert [f["rule"] for f in report["findings"] if f["severity"] == "error"] == [] and v.code == 0, v.stdout
+    adapter, m = registry.describe(target)
+    rng = [name for name in m.items if "np_rng_state" in name]
+    assert rng, sorted(m.items)[:20]
+    src_rank = _pt.load(src, "iter_0000003/mp_rank_00_000/model_optim_rng.pt", megatron.ALLOWLIST)[1]
+    want = src_rank["rng_state"][0]["np_rng_state"]
+    with adapter.reader(m) as reader:
+        name = next(n for n in rng if n.endswith("[tp=0,pp=0]"))
+        got = reader.read_object(m.items[name])
+    assert got[0] == want[0] == "MT19937" and got[2:] == want[2:]
+    assert got[1].dtype == want[1].dtype and got[1].tobytes() == want[1].tobytes()

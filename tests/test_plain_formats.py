@@ -107,6 +107,29 @@ def test_torch_save_hostile_global(tmp_path):
     assert not (tmp_path / "CKPTTOOL_PWNED").exists()
 
 
+def test_torch_save_with_numpy_rng_state(tmp_path):
+    """A training loop's RNG file (Hugging Face's rng_state.pth: Python's, numpy's and torch's RNG
+    states) is read and verifies clean: numpy's state is a plain uint32 array. An object array
+    (whose elements would be arbitrary pickles) is still refused, and nothing it names runs."""
+    import random
+
+    import numpy as np
+
+    np.random.seed(7)
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+    torch.save(state, tmp_path / "rng_state.pth")
+    r = run_cli("verify", tmp_path / "rng_state.pth", "--json")
+    assert r.code == 0 and not [f for f in json.loads(r.stdout)["findings"] if f["severity"] == "error"], r.stdout
+    adapter, m = registry.describe(tmp_path / "rng_state.pth")
+    with adapter.reader(m) as reader:
+        got = reader.read_object(m.items["numpy"])
+    want = state["numpy"]
+    assert got[0] == "MT19937" and got[2:] == want[2:] and got[1].tobytes() == want[1].tobytes()
+    torch.save({"w": torch.ones(2), "x": np.array([1, "a"], dtype=object)}, tmp_path / "objects.pt")
+    r = run_cli("inspect", tmp_path / "objects.pt")
+    assert r.code == 3 and "not a plain numeric dtype" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_truncated_torch_save(tmp_path):
     p = tmp_path / "t.pt"
     p.write_bytes(PT.read_bytes()[: PT.stat().st_size // 2])

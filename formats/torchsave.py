@@ -1,4 +1,5 @@
-"""A single ``torch.save`` file holding a (nested) dict of tensors and plain values.
+"""A single ``torch.save`` file holding a (nested) dict of tensors and plain values, given as the
+file or as a directory holding only it (and its seal), as ``convert --to torch`` writes.
 
 The zip archive is read with :mod:`ckpttool._torchzip`: ``data.pkl`` through the restricted
 unpickler (tensors and plain Python values only), tensors located by byte offset and read on
@@ -7,14 +8,15 @@ demand. Nested names are flattened with dots, as DCP does (``optimizer.state.0.e
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from ckpttool import _unpickle
-from ckpttool.errors import CorruptFileError
+from ckpttool.errors import CorruptFileError, FormatNotRecognizedError
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection
-from ckpttool.manifest import FileRecord, Item, Layout, Manifest
+from ckpttool.manifest import SEAL_NAME, FileRecord, Item, Layout, Manifest
 from ckpttool.naming import classify
 from ckpttool.values import find_step, flatten, set_value
 
@@ -28,6 +30,14 @@ class TorchSaveAdapter:
     name = "torch"
 
     def detect(self, path: Path) -> Detection:
+        if path.is_dir():
+            file = _only_file(path)
+            if file is None:
+                return Detection(False, "not a single file, nor a directory holding one .pt/.pth/.bin file")
+            verdict = self.detect(file)
+            if verdict.matches:
+                return Detection(True, f"a directory holding one torch.save file ({file.name})")
+            return verdict
         if not path.is_file():
             return Detection(False, "not a single file")
         with open(path, "rb") as fh:
@@ -39,6 +49,11 @@ class TorchSaveAdapter:
         return Detection(False, f"{path.name} is not a torch.save file (magic {head.hex()})")
 
     def describe(self, path: Path) -> Manifest:
+        if path.is_dir():  # what convert --to torch writes: DIR/model.pt (and the seal, if sealed)
+            file = _only_file(path)
+            if file is None:
+                raise FormatNotRecognizedError(str(path), {"torch": "no single .pt/.pth/.bin file here"})
+            path = file
         root, rel = path.parent, path.name
         if not _pt.is_torch_zip(path):
             raise CorruptFileError(
@@ -80,6 +95,19 @@ class TorchSaveAdapter:
 
     def reader(self, manifest: Manifest) -> _pt.PtReader:
         return _pt.PtReader(manifest, ALLOWLIST)
+
+
+def _only_file(directory: Path) -> Path | None:
+    """The one ``.pt``/``.pth``/``.bin`` file of ``directory`` when it holds nothing else but its
+    seal (``convert --to torch``'s output); else None."""
+    try:
+        names = [e.name for e in os.scandir(directory) if not e.name.endswith(SEAL_NAME)]
+    except OSError:
+        return None
+    if len(names) != 1 or not names[0].endswith((".pt", ".pth", ".bin")):
+        return None
+    file = directory / names[0]
+    return file if file.is_file() else None
 
 
 ADAPTER = TorchSaveAdapter()

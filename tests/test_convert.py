@@ -147,3 +147,23 @@ def test_megatron_rng_records_carried_to_dcp_and_torch_verify_clean(to, tmp_path
         got = reader.read_object(m.items[name])
     assert got[0] == want[0] == "MT19937" and got[2:] == want[2:]
     assert got[1].dtype == want[1].dtype and got[1].tobytes() == want[1].tobytes()
+
+
+def test_the_torch_output_directory_is_read_as_its_file(tmp_path):
+    """convert --to torch writes DIR/model.pt; ckpttool reads DIR as that file: inspect, seal and
+    verify of the directory work, and a flipped byte is caught against the seal. A directory with
+    a second file is not taken for one torch.save file."""
+    out = tmp_path / "out"
+    assert run_cli("convert", FIXTURES / "dcp" / "fsdp2", "-o", out, "--to", "torch").code == 0
+    r = run_cli("inspect", out, "--json")
+    assert r.code == 0 and json.loads(r.stdout)["format"] == "torch", r.stderr
+    assert run_cli("seal", out).code == 0 and (out / "ckpttool.manifest.json").exists()
+    assert run_cli("verify", out).code == 0
+    data = bytearray((out / "model.pt").read_bytes())
+    data[len(data) // 2] ^= 1
+    (out / "model.pt").write_bytes(data)
+    r = run_cli("verify", out, "--json")
+    assert r.code == 1 and "checksum-mismatch" in {f["rule"] for f in json.loads(r.stdout)["findings"]}
+    (out / "notes.txt").write_text("x")
+    r = run_cli("inspect", out)
+    assert r.code == 3 and "not a checkpoint format" in r.stderr

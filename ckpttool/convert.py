@@ -28,7 +28,7 @@ from ckpttool.assemble import check_coverage
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.export import safetensors_selection, select, tensor_nbytes, write_safetensors
 from ckpttool.formats.base import Adapter
-from ckpttool.io import fsync_dir, fsync_tree, publish_dir, staged_dir
+from ckpttool.io import fsync_dir, fsync_tree, publish_dir, refuse_overlap, staged_dir
 from ckpttool.manifest import Item, Manifest
 
 FRAMEWORKS = ("megatron", "megatron-dist", "deepspeed", "deepspeed-universal")
@@ -101,6 +101,7 @@ def convert(
         raise UsageError(f"--to {to!r}: ckpttool converts to {', '.join(TARGETS)} so far")
     limit = parse_size(max_shard_size)
     out = Path(dst)
+    refuse_overlap(out, source=src)
     if out.exists() and not force:
         raise UsageError(f"{out} exists", hint="choose another -o path or pass --force to replace it")
     if to in FRAMEWORKS:

@@ -34,7 +34,16 @@ from ckpttool import io as ckio
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CkptError, CorruptFileError, UsageError
 from ckpttool.hashing import hash_bytes, new_hasher
-from ckpttool.io import WriterGate, atomic_output, escapes, fsync_dir, fsync_tree, publish_dir, staged_dir
+from ckpttool.io import (
+    WriterGate,
+    atomic_output,
+    escapes,
+    fsync_dir,
+    fsync_tree,
+    publish_dir,
+    refuse_overlap,
+    staged_dir,
+)
 from ckpttool.manifest import Manifest
 from ckpttool.naming import canonical
 from ckpttool.values import is_count
@@ -159,6 +168,7 @@ def create(
 ) -> dict[str, Any]:
     """Code ``target`` (against ``base`` when given) into the container ``output``."""
     out_path = Path(output)
+    refuse_overlap(out_path, checkpoint=target, base=base)
     if out_path.exists() and not force:
         raise UsageError(f"{out_path} exists", hint="choose another -o path or pass --force")
     t_adapter, tm = registry.describe(target)
@@ -441,8 +451,9 @@ def apply(
 ) -> dict[str, Any]:
     """Rebuild the target of ``delta`` (against ``base``) into ``output``: every file checked
     against its stored hash before the output appears."""
-    header = read_header(delta)
     out_path = Path(output)
+    refuse_overlap(out_path, delta=delta, base=base)
+    header = read_header(delta)
     if out_path.exists() and not force:
         raise UsageError(f"{out_path} exists", hint="choose another -o path or pass --force")
     b_root: Path | None = None

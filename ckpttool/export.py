@@ -22,7 +22,7 @@ from ckpttool.assemble import assemble, check_coverage
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import UsageError
 from ckpttool.formats.base import PieceReader
-from ckpttool.io import atomic_output
+from ckpttool.io import atomic_output, refuse_overlap
 from ckpttool.manifest import KINDS, Item, Manifest
 
 _ALIGN = 8
@@ -93,6 +93,7 @@ def export(
 
     ``progress(done, total)`` is called with byte counts after each tensor."""
     out_path = Path(output)
+    refuse_overlap(out_path, source=path)
     if out_path.exists() and not force:
         raise UsageError(f"{out_path} exists", hint="choose another -o path or pass --force to replace it")
     if out_path.is_dir():

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ckpttool.errors import CorruptFileError, NotFoundError, PathEscapeError
+from ckpttool.errors import CorruptFileError, NotFoundError, PathEscapeError, UsageError
 
 TMP_MARKER = ".ckpttool-tmp-"
 
@@ -549,6 +549,24 @@ def fsync_tree(root: Path, *, files: bool = True) -> None:
             os.close(fd)
     for d in sorted(dirs, key=lambda p: -len(p.parts)):
         fsync_dir(d)
+
+
+def refuse_overlap(out: str | os.PathLike[str], **inputs: str | os.PathLike[str] | None) -> None:
+    """Refuse an output path ``out`` that is one of the ``inputs`` (by role: ``source=...``), lies
+    inside one, or holds one: publishing replaces the whole ``out`` path (``--force`` deletes what
+    stood there), and inputs are never modified. Symlinks are resolved first."""
+    o = Path(out).resolve()
+    for role, given in inputs.items():
+        if given is None:
+            continue
+        i = Path(given).resolve()
+        if o == i or o.is_relative_to(i):
+            raise UsageError(f"-o {out} is inside the {role} {given}", hint="write the output elsewhere")
+        if i.is_relative_to(o):
+            raise UsageError(
+                f"-o {out} holds the {role} {given}: replacing it would delete the {role}",
+                hint="write the output elsewhere",
+            )
 
 
 def publish_dir(tmp: Path, dest: Path) -> None:

@@ -33,7 +33,7 @@ from ckpttool import device, registry
 from ckpttool.convert import parse_size
 from ckpttool.errors import UsageError
 from ckpttool.hashing import Written, collecting_written
-from ckpttool.io import fsync_tree, publish_dir, staged_dir
+from ckpttool.io import fsync_tree, publish_dir, refuse_overlap, staged_dir
 from ckpttool.manifest import Manifest
 
 OVERHEAD = 300 * 10**6
@@ -778,8 +778,7 @@ def reshard(
     """Write ``src`` at the layout ``target`` to ``dst`` (see the module's description); ``on``:
     where the tensors are assembled (``cpu``, ``cuda``, ``cuda:N``)."""
     out = Path(dst)
-    if Path(src).resolve() == out.resolve() or out.resolve().is_relative_to(Path(src).resolve()):
-        raise UsageError(f"-o {out} is inside the source {src}", hint="write the resharded checkpoint elsewhere")
+    refuse_overlap(out, source=src)
     if out.exists() and not force and not dry_run:
         raise UsageError(f"{out} exists", hint="choose another -o path or pass --force to replace it")
     the_plan, executor = plan(src, target, workers=workers, max_memory=max_memory, on=on)

@@ -124,3 +124,51 @@ def test_unrecognised_directory_lists_every_adapter_reason(tmp_path):
 def test_version():
     r = run_cli("--version")
     assert r.code == 0 and r.stdout.startswith("ckpttool ")
+
+
+def _tree(root):
+    return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        (["reshard", "{src}", "-o", "{parent}", "--tp", "1", "--force"], "holds the source"),
+        (["reshard", "{src}", "-o", "{src}", "--tp", "1", "--force"], "is inside the source"),
+        (["convert", "{src}", "-o", "{src}", "--to", "safetensors", "--force"], "is inside the source"),
+        (["convert", "{src}", "-o", "{parent}", "--to", "safetensors", "--force"], "holds the source"),
+        (["convert", "{src}", "-o", "{src}/sub", "--to", "megatron-dist", "--force"], "is inside the source"),
+        (["export", "{src}", "-o", "{src}/model.safetensors", "--force"], "is inside the source"),
+        (["compress", "{src}", "-o", "{parent}", "--force"], "holds the checkpoint"),
+        (["delta", "create", "{src}", "{src}", "-o", "{src}/x.delta", "--force"], "is inside the checkpoint"),
+    ],
+)
+def test_an_output_that_is_holds_or_lies_in_an_input_is_refused(argv, why, tmp_path):
+    """--force replaces the whole -o path: an -o holding the source (its parent) once deleted the
+    source with the old output, and convert let -o be the source itself. Each is refused before
+    anything is written (exit 2), and the source and its siblings are left as they were."""
+    parent = tmp_path / "runs"
+    src = parent / "src"
+    src.parent.mkdir()
+    import shutil
+
+    shutil.copytree(FIXTURES / "megatron" / "legacy_tp2pp2", src)
+    (parent / "sibling.txt").write_text("keep me")
+    before = _tree(parent)
+    r = run_cli(*[a.format(src=src, parent=parent) for a in argv], cwd=tmp_path)
+    assert r.code == 2 and why in r.stderr and "Traceback" not in r.stderr, (r.code, r.stderr)
+    assert _tree(parent) == before
+
+
+def test_delta_apply_into_its_base_is_refused(tmp_path):
+    base = tmp_path / "base"
+    import shutil
+
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", base)
+    assert run_cli("delta", "create", base, base, "-o", tmp_path / "d.delta").code == 0
+    before = _tree(base)
+    r = run_cli("delta", "apply", base, tmp_path / "d.delta", "-o", base, "--force")
+    assert r.code == 2 and "is inside the base" in r.stderr, r.stderr
+    r = run_cli("delta", "apply", base, tmp_path / "d.delta", "-o", tmp_path, "--force")
+    assert r.code == 2 and "holds the delta" in r.stderr, r.stderr
+    assert _tree(base) == before

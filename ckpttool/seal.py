@@ -442,6 +442,12 @@ def seal(
         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     )
     target = Path(out) if out is not None else default_seal_path(path)
+    if out is not None:  # --out must not replace the checkpoint or one of its files
+        data = {(Path(manifest.root) / f.path).resolve() for f in manifest.files if f.role != "seal"}
+        if target.resolve() in data | {Path(path).resolve()} or Path(path).resolve().is_relative_to(target.resolve()):
+            raise UsageError(
+                f"--out {out} is, or holds, the checkpoint or one of its files", hint="write the seal elsewhere"
+            )
     with atomic_output(target) as fh:
         fh.write(json.dumps(result.to_json(), separators=(",", ":")).encode())
     return result, target

@@ -172,3 +172,18 @@ def test_delta_apply_into_its_base_is_refused(tmp_path):
     r = run_cli("delta", "apply", base, tmp_path / "d.delta", "-o", tmp_path, "--force")
     assert r.code == 2 and "holds the delta" in r.stderr, r.stderr
     assert _tree(base) == before
+
+
+def test_seal_out_never_replaces_the_checkpoint(tmp_path):
+    """seal --out naming one of the checkpoint's files (or a directory holding it) is refused; the
+    files stay as they were."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ckpt)
+    before = _tree(ckpt)
+    for out in (ckpt / "__0_0.distcp", ckpt / ".metadata", ckpt, tmp_path):
+        r = run_cli("seal", ckpt, "--out", out)
+        assert r.code == 2 and "is, or holds, the checkpoint" in r.stderr, (out, r.stderr)
+    assert _tree(ckpt) == before
+    assert run_cli("seal", ckpt, "--out", tmp_path / "elsewhere.json").code == 0

@@ -404,6 +404,13 @@ def seal(
     if algo not in ("xxh3-128", "sha256"):
         raise UsageError(f"--hash {algo!r}: expected xxh3-128 or sha256")
     adapter, manifest = registry.describe(path)
+    target = Path(out) if out is not None else default_seal_path(path)
+    if out is not None:  # --out must not replace the checkpoint or one of its files
+        data = {(Path(manifest.root) / f.path).resolve() for f in manifest.files if f.role != "seal"}
+        if target.resolve() in data | {Path(path).resolve()} or Path(path).resolve().is_relative_to(target.resolve()):
+            raise UsageError(
+                f"--out {out} is, or holds, the checkpoint or one of its files", hint="write the seal elsewhere"
+            )
     file_digests, piece_digests, where = hash_pieces(
         adapter, manifest, algo, workers=workers, progress=progress, known=known
     )
@@ -441,13 +448,6 @@ def seal(
         tool=f"ckpttool {__version__}",
         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     )
-    target = Path(out) if out is not None else default_seal_path(path)
-    if out is not None:  # --out must not replace the checkpoint or one of its files
-        data = {(Path(manifest.root) / f.path).resolve() for f in manifest.files if f.role != "seal"}
-        if target.resolve() in data | {Path(path).resolve()} or Path(path).resolve().is_relative_to(target.resolve()):
-            raise UsageError(
-                f"--out {out} is, or holds, the checkpoint or one of its files", hint="write the seal elsewhere"
-            )
     with atomic_output(target) as fh:
         fh.write(json.dumps(result.to_json(), separators=(",", ":")).encode())
     return result, target

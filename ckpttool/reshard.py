@@ -68,6 +68,13 @@ class Target:
     """DeepSpeed ZeRO-3 from ZeRO-1/2: ``zero_optimization.sub_group_size`` of the run that resumes
     (None: DeepSpeed's default)"""
 
+    def __post_init__(self) -> None:
+        # 0 is a size given, not "the source's" (None): the writers test sizes for truth
+        for name in ("tp", "pp", "vpp", "dp", "ep", "etp"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UsageError(f"--{name} {value}: a parallel size must be at least 1")
+
 
 @dataclass(slots=True, kw_only=True)
 class PlanFile:

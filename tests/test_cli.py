@@ -187,3 +187,11 @@ def test_seal_out_never_replaces_the_checkpoint(tmp_path):
         assert r.code == 2 and "is, or holds, the checkpoint" in r.stderr, (out, r.stderr)
     assert _tree(ckpt) == before
     assert run_cli("seal", ckpt, "--out", tmp_path / "elsewhere.json").code == 0
+
+
+@pytest.mark.parametrize("size", ["--tp", "--pp", "--vpp", "--ep", "--etp", "--dp"])
+def test_a_parallel_size_of_zero_is_refused(size, tmp_path):
+    """0 was taken for "not given" by the Megatron writer: --tp 0 wrote the source's layout."""
+    r = run_cli("reshard", FIXTURES / "megatron" / "legacy_tp2pp2", "-o", tmp_path / "out", size, "0")
+    assert r.code == 2 and f"{size} 0: a parallel size must be at least 1" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()

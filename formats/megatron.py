@@ -778,9 +778,10 @@ def pipeline_stages(
     """``(first global layer, number of layers)`` of each pipeline stage (no virtual stages), as
     megatron-core splits them (``get_num_layers_to_build``, ``get_transformer_layer_offset``):
     evenly; or ``first`` (``last``) layers on the first (last) stage and the others evenly over the
-    stages between (``--decoder-first/last-pipeline-num-layers``; those may be left with none, as
-    megatron-core allows); or evenly with the embedding (the loss) counted as a layer of the first
-    (last) stage. ValueError, with the reason, when the layers do not split so."""
+    stages between (``--decoder-first/last-pipeline-num-layers``; megatron-core's
+    ``TransformerConfig`` refuses middle stages left with none, and so does this); or evenly with
+    the embedding (the loss) counted as a layer of the first (last) stage. ValueError, with the
+    reason, when the layers do not split so."""
     if pp < 1:
         raise ValueError("PP must be at least 1")
     if first is not None or last is not None:
@@ -798,6 +799,11 @@ def pipeline_stages(
             raise ValueError(f"the first and last stages' {ends} layers exceed the {layers} layers")
         if middle == 0 and rest:
             raise ValueError(f"PP={pp} with both end stages given leaves {rest} layers on no stage")
+        if middle and not rest:
+            raise ValueError(
+                f"the end stages take all {layers} layers and leave the {middle} stages between them none "
+                "(megatron-core refuses a middle stage without layers)"
+            )
         if middle and rest % middle:
             raise ValueError(f"the {rest} layers between the end stages do not split evenly over {middle} stages")
         counts = [rest // middle if middle else 0] * pp

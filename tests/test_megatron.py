@@ -576,11 +576,29 @@ def test_grad_buffer_layout_is_megatron_cores():
     assert most >= 3  # several buckets were laid out
 
 
+def _config_accepts(layers, pp, vpp, first, last, emb, loss) -> bool:
+    """Whether megatron-core's TransformerConfig takes this pipeline split (its __post_init__ checks)."""
+    from megatron.core.transformer import TransformerConfig
+
+    try:
+        TransformerConfig(
+            num_layers=layers, hidden_size=8, num_attention_heads=1, pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+            num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
+            account_for_embedding_in_pipeline_split=emb, account_for_loss_in_pipeline_split=loss,
+            pipeline_dtype=torch.float32,
+        )  # fmt: skip
+    except (ValueError, AssertionError):
+        return False
+    return True
+
+
 def test_pipeline_stages_agree_with_megatron_core():
     """Oracle: the pipeline split (even; uneven first/last stages; the embedding or loss counted as a
     layer; each with 1-3 virtual stages per rank) equals megatron-core's own get_num_layers_to_build /
     get_transformer_layer_offset for every split Megatron accepts, and is refused for the ones it
-    asserts on or whose stages would not hold the layers."""
+    asserts on, whose stages would not hold the layers, or that its TransformerConfig refuses
+    (middle stages left without layers)."""
     import types
 
     try:
@@ -625,7 +643,8 @@ def test_pipeline_stages_agree_with_megatron_core():
                                     == list(range(layers))
                                     and all(n >= 0 for _, n in theirs)
                                 )
-                                assert not tiles, (layers, pp, vpp, first, last, emb, loss, theirs)
+                                accepted = tiles and _config_accepts(layers, pp, vpp, first, last, emb, loss)
+                                assert not accepted, (layers, pp, vpp, first, last, emb, loss, theirs)
                                 refused += 1
                                 continue
                             assert ours == theirs, (layers, pp, vpp, first, last, emb, loss)

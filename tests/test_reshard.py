@@ -2127,6 +2127,8 @@ def test_megatron_uneven_pipeline_is_kept_unless_pp_is_given(tmp_path):
         (Target(pp=3, pp_first=3, pp_last=2), "the first and last stages' 5 layers exceed the 4 layers"),
         (Target(pp=2, pp_first=1, pp_last=1), "PP=2 with both end stages given leaves 2 layers on no stage"),
         (Target(pp=4, pp_first=2, pp_last=1), "the 1 layers between the end stages do not split evenly over 2"),
+        (Target(pp=3, pp_first=4), "the end stages take all 4 layers and leave the 2 stages between them none"),
+        (Target(pp=4, pp_first=2, pp_last=2), "the end stages take all 4 layers and leave the 2 stages between"),
         (Target(pp=1, pp_first=2), "needs PP > 1"),
         (Target(pp=2, pp_first=0), "the first stage needs at least one layer"),
         (Target(to="dcp", pp_first=2), "apply to Megatron targets only"),

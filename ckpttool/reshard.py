@@ -516,7 +516,10 @@ class _ZeroExec(_FileExec):
             raise UsageError("--to deepspeed: only the data-parallel size (--dp) can change so far")
         universal = manifest.extras.get("variant") == "universal"
         if universal and target.dp is None:
-            raise UsageError("--to deepspeed from a universal checkpoint: give the data-parallel size to write (--dp)")
+            raise UsageError(
+                "--to deepspeed from a universal checkpoint needs the data-parallel size to write (it records none)",
+                hint="ckpttool reshard SRC -o DST --to deepspeed --dp N",
+            )
         dp = target.dp or manifest.layout.dp or 1
         stage = target.zero_stage or manifest.layout.zero_stage
         args = (manifest.root, manifest, dp, stage, target.sub_group_size)
@@ -553,6 +556,17 @@ class _UniversalExec(_FileExec):
             raise UsageError(
                 "--to deepspeed-universal: a universal checkpoint has no parallel layout (DeepSpeed loads it at "
                 "any DP size); drop --tp, --pp, --dp and --ep"
+            )
+        if manifest.extras.get("variant") == "universal":
+            raise UsageError(
+                "--to deepspeed-universal: this checkpoint is a universal one already",
+                hint="'ckpttool reshard SRC -o DST --to deepspeed --dp N' writes ZeRO files from it",
+            )
+        if manifest.layout.zero_stage not in (1, 2, 3):
+            raise UsageError(
+                f"--to deepspeed-universal: from ZeRO stage {manifest.layout.zero_stage} is not supported yet "
+                "(from ZeRO-1/2/3 it is)",
+                hint="'ckpttool convert --to dcp' keeps the state in a layout-free form",
             )
         super().__init__(adapter, manifest, _build_universal, (manifest.root, manifest), {})
         if manifest.layout.zero_stage == 3:

@@ -1291,8 +1291,12 @@ def test_deepspeed_universal_back_to_zero_files(tmp_path):
         reshard(universal, tmp_path / str(n), target)
         assert verify(tmp_path / str(n)).failing() == []
         assert not diff(FIXTURES / "deepspeed" / "zero2", tmp_path / str(n)).different  # the run it was made of
-    with pytest.raises(UsageError, match="give the data-parallel size"):
+    with pytest.raises(UsageError, match="needs the data-parallel size to write"):
         reshard(universal, tmp_path / "a", Target(to="deepspeed"))
+    with pytest.raises(UsageError, match="is a universal one already"):  # once named --to deepspeed
+        reshard(universal, tmp_path / "a", Target(to="deepspeed-universal"))
+    with pytest.raises(UsageError, match="--to deepspeed-universal: from ZeRO stage 0 is not supported"):
+        reshard(FIXTURES / "deepspeed" / "zero0", tmp_path / "a", Target(to="deepspeed-universal"))
     assert not (tmp_path / "a").exists()
 
 

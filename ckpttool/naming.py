@@ -40,7 +40,17 @@ def classify(name: str, *, is_tensor: bool) -> Kind:
                 return "scheduler"
         if name in COUNTER_NAMES or (len(segments) <= 2 and segments[-1] in COUNTER_NAMES):
             return "counter"
+    if is_tensor and len(segments) > 2:  # ckpttool's own names for per-parameter state (export, convert)
+        if segments[-1] in _MOMENTS:
+            return "optim"
+        if segments[-1] == "fp32":
+            return "master"
     return "param" if is_tensor else "object"
+
+
+_MOMENTS = {"exp_avg", "exp_avg_sq", "momentum_buffer"}
+"""Last name segments of optimizer moments kept per parameter (``<param>.exp_avg``, as export and
+convert write Megatron's and DeepSpeed's); ``<param>.fp32`` is the fp32 master copy."""
 
 
 _OPTIM_STATE = re.compile(r"^(?:optim|optimizer)\.state\.(.+)\.(exp_avg|exp_avg_sq|step|momentum_buffer)$")

@@ -125,7 +125,8 @@ def test_megatron_rng_records_carried_to_dcp_and_torch_verify_clean(to, tmp_path
     """Megatron's RNG records hold numpy's MT19937 state (a uint32 ndarray). --to dcp and --to
     torch carry them; ckpttool's own verify of the output then finds no unsafe pickle (plain
     numeric numpy arrays are allowed in DCP bytes items and torch.save files, as in Megatron's
-    files), and the records read back equal the source rank's."""
+    files), and the records read back equal the source rank's. The optimizer state written under
+    ckpttool's names (<param>.exp_avg, <param>.fp32) reads back as optimizer state and masters."""
     from ckpttool import registry
     from ckpttool.formats import _pt, megatron
 
@@ -137,7 +138,11 @@ def test_megatron_rng_records_carried_to_dcp_and_torch_verify_clean(to, tmp_path
     v = run_cli("verify", target, "--json")
     report = json.loads(v.stdout)
     assert [f["rule"] for f in report["findings"] if f["severity"] == "error"] == [] and v.code == 0, v.stdout
+    # the moments and fp32 copies, written as <param>.exp_avg / .fp32, read back as optimizer state
+    assert not [f for f in report["findings"] if f["rule"] == "missing-state" and "optimizer" in f["message"]]
     adapter, m = registry.describe(target)
+    kinds = {name.rsplit(".", 1)[-1]: item.kind for name, item in m.items.items() if item.is_tensor}
+    assert kinds["exp_avg"] == kinds["exp_avg_sq"] == "optim" and kinds["fp32"] == "master" and kinds["weight"] == "param"
     rng = [name for name in m.items if "np_rng_state" in name]
     assert rng, sorted(m.items)[:20]
     src_rank = _pt.load(src, "iter_0000003/mp_rank_00_000/model_optim_rng.pt", megatron.ALLOWLIST)[1]

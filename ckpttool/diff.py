@@ -21,8 +21,8 @@ import numpy as np
 
 from ckpttool import registry
 from ckpttool.assemble import assemble, regions
-from ckpttool.dtypes import bf16_to_float32
-from ckpttool.errors import UsageError
+from ckpttool.dtypes import bf16_to_float32, carrier
+from ckpttool.errors import CkptError, UsageError
 from ckpttool.formats.base import PieceReader
 from ckpttool.geometry import Box
 from ckpttool.hashing import hash_bytes
@@ -200,6 +200,19 @@ def diff(
         report.opaque += [k for k in report.added if kb[k].kind == "rng"]
         report.added = [k for k in report.added if kb[k].kind != "rng"]
     with adapter_a.reader(ma) as ra, adapter_b.reader(mb) as rb:
+        # a tensor one side names on its own and the other keeps inside an object item (megatron-core's
+        # grad scaler: a ShardedObject in torch_dist, its scale a tensor once written as torch.save)
+        for mine, other, theirs, r_mine, r_theirs in (
+            (report.added, ka, kb, ra, rb),
+            (report.removed, kb, ka, rb, ra),
+        ):
+            objects: dict[str, Any] = {}  # each object item read once
+            for key in list(mine):
+                inner = _inside_object(key, other, r_mine, objects)
+                if inner is not None and _same_values(inner, assemble(r_theirs, theirs[key])):
+                    mine.remove(key)
+                    report.compared += 1
+                    report.identical += 1
         for key, ia in ka.items():
             ib = kb.get(key)
             if ib is None:
@@ -229,6 +242,47 @@ def diff(
             if progress is not None:
                 progress(ia.nbytes)
     return report
+
+
+def _inside_object(key: str, keyed: dict[str, Item], reader: PieceReader, cache: dict[str, Any]) -> np.ndarray | None:
+    """The values of the tensor ``key`` names inside a non-tensor item of ``keyed`` (the item named
+    by a prefix of ``key``, the rest of ``key`` the path of dict keys and list indices inside it);
+    None when there is no such item, no tensor at that path, or the item cannot be read (``cache``:
+    the items read so far, by key)."""
+    from ckpttool.formats import _ptwrite
+
+    parts = key.split(".")
+    for n in range(len(parts) - 1, 0, -1):
+        head = ".".join(parts[:n])
+        item = keyed.get(head)
+        if item is None:
+            continue
+        if item.is_tensor or not hasattr(reader, "archive_of"):
+            return None
+        if head not in cache:
+            try:
+                cache[head] = _ptwrite.carried(reader, item, now=True)
+            except CkptError:  # a damaged record: the tensor stays unmatched
+                cache[head] = None
+        value: Any = cache[head]
+        for seg in parts[n:]:
+            if isinstance(value, dict) and seg in value:
+                value = value[seg]
+            elif isinstance(value, list | tuple) and seg.isdigit() and int(seg) < len(value):
+                value = value[int(seg)]
+            else:
+                return None
+        if not isinstance(value, _ptwrite.OutTensor):
+            return None
+        buf = np.empty(value.nbytes, dtype=np.uint8)
+        value.fill(buf)
+        return buf.view(carrier(value.dtype)).reshape(value.shape)
+    return None
+
+
+def _same_values(inner: np.ndarray, values: np.ndarray) -> bool:
+    """Bit for bit: the tensor found inside an object against the item's values."""
+    return inner.dtype == values.dtype and inner.shape == values.shape and inner.tobytes() == values.tobytes()
 
 
 def _opaque_rng(manifest: Manifest) -> bool:

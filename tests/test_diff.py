@@ -71,3 +71,24 @@ def test_map_renames(tmp_path):
     mapping.write_text("blocks\\.0\\.(.*)=layers.0.\\1\n")
     assert not diff(out, renamed, renames={"blocks\\.0\\.(.*)": "layers.0.\\1"}).different
     assert run_cli("diff", out, renamed, "--map", mapping).code == 0
+
+
+def test_a_tensor_kept_inside_an_object_on_one_side_is_compared(tmp_path):
+    """megatron-core's grad scaler is one ShardedObject in torch_dist; written as torch.save its
+    scale is a tensor of its own. diff finds that tensor inside the other side's object and compares
+    it bit for bit, both ways: equal as converted, different once the scale changes."""
+    import torch
+
+    src = FIXTURES / "megatron" / "dist_dp2_fp16_distopt"
+    out = tmp_path / "out"
+    assert run_cli("convert", src, "-o", out, "--to", "torch").code == 0
+    key = "optimizer.distributed.dp_group_idx_0.grad_scaler/shard_0_1.0.scale"
+    for a, b in ((src, out / "model.pt"), (out / "model.pt", src)):
+        report = diff(a, b)
+        assert not report.different and key not in report.added + report.removed, report.to_json()
+    tree = torch.load(out / "model.pt", weights_only=False)
+    scaler = tree[key.removesuffix(".0.scale")]  # a flat file: [{"scale": tensor, ...}] under the record's key
+    scaler[0]["scale"] = scaler[0]["scale"] * 2
+    torch.save(tree, tmp_path / "changed.pt")
+    report = diff(src, tmp_path / "changed.pt")
+    assert report.different and report.added == [key]

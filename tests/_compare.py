@@ -46,8 +46,8 @@ def tensor_mismatches(got: dict[str, torch.Tensor], expected: dict[str, Any]) ->
 
 
 def dcp_load_mismatches(ckpt: Path, source: Path, ranks: int, tmp: Path) -> list[str]:
-    """Load the DCP checkpoint ``ckpt`` with torch's ``dcp.load`` at ``ranks`` ranks (torchrun,
-    gloo) and compare the gathered tensors with ckpttool's export of ``source``."""
+    """Load the DCP checkpoint ``ckpt`` with torch's ``dcp.load`` at ``ranks`` gloo ranks
+    (tests/_ranks.py) and compare the gathered tensors with ckpttool's export of ``source``."""
     from safetensors.torch import load_file
 
     from ckpttool.export import export

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 from safetensors import safe_open
 
-from tests.conftest import FIXTURES, run_cli
+from tests.conftest import FIXTURES, run_cli, tree_digests
 
 FSDP2 = FIXTURES / "dcp" / "fsdp2"
 
@@ -126,10 +127,6 @@ def test_version():
     assert r.code == 0 and r.stdout.startswith("ckpttool ")
 
 
-def _tree(root):
-    return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 @pytest.mark.parametrize(
     ("argv", "why"),
     [
@@ -150,42 +147,36 @@ def test_an_output_that_is_holds_or_lies_in_an_input_is_refused(argv, why, tmp_p
     parent = tmp_path / "runs"
     src = parent / "src"
     src.parent.mkdir()
-    import shutil
-
     shutil.copytree(FIXTURES / "megatron" / "legacy_tp2pp2", src)
     (parent / "sibling.txt").write_text("keep me")
-    before = _tree(parent)
+    before = tree_digests(parent)
     r = run_cli(*[a.format(src=src, parent=parent) for a in argv], cwd=tmp_path)
     assert r.code == 2 and why in r.stderr and "Traceback" not in r.stderr, (r.code, r.stderr)
-    assert _tree(parent) == before
+    assert tree_digests(parent) == before
 
 
 def test_delta_apply_into_its_base_is_refused(tmp_path):
     base = tmp_path / "base"
-    import shutil
-
     shutil.copytree(FIXTURES / "dcp" / "fsdp2", base)
     assert run_cli("delta", "create", base, base, "-o", tmp_path / "d.delta").code == 0
-    before = _tree(base)
+    before = tree_digests(base)
     r = run_cli("delta", "apply", base, tmp_path / "d.delta", "-o", base, "--force")
     assert r.code == 2 and "is inside the base" in r.stderr, r.stderr
     r = run_cli("delta", "apply", base, tmp_path / "d.delta", "-o", tmp_path, "--force")
     assert r.code == 2 and "holds the delta" in r.stderr, r.stderr
-    assert _tree(base) == before
+    assert tree_digests(base) == before
 
 
 def test_seal_out_never_replaces_the_checkpoint(tmp_path):
     """seal --out naming one of the checkpoint's files (or a directory holding it) is refused; the
     files stay as they were."""
-    import shutil
-
     ckpt = tmp_path / "ckpt"
     shutil.copytree(FIXTURES / "dcp" / "fsdp2", ckpt)
-    before = _tree(ckpt)
+    before = tree_digests(ckpt)
     for out in (ckpt / "__0_0.distcp", ckpt / ".metadata", ckpt, tmp_path):
         r = run_cli("seal", ckpt, "--out", out)
         assert r.code == 2 and "is, or holds, the checkpoint" in r.stderr, (out, r.stderr)
-    assert _tree(ckpt) == before
+    assert tree_digests(ckpt) == before
     assert run_cli("seal", ckpt, "--out", tmp_path / "elsewhere.json").code == 0
 
 

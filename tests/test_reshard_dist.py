@@ -493,7 +493,7 @@ def test_convert_keeps_the_layout(tmp_path, cli):
     assert not (tmp_path / "no").exists()
 
 
-def _torchrun(*args: str, nproc: int) -> dict[str, Any]:
+def _megatron_core_load(*args: str, nproc: int) -> dict[str, Any]:
     """megatron-core's loader on ``nproc`` gloo ranks (forked warm: tests/_ranks.py)."""
     proc = run_ranks(FIXTURES / "_megatron_core_load_worker.py", list(args), nproc)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -532,7 +532,7 @@ def _torchrun(*args: str, nproc: int) -> dict[str, Any]:
     ],
 )
 def test_megatron_core_loads_the_output(source, tp, pp, distopt, tmp_path):
-    """Oracle: megatron-core's dist_checkpointing.load, at the new TP x PP (torchrun, gloo), loads
+    """Oracle: megatron-core's dist_checkpointing.load, at the new TP x PP (gloo ranks: tests/_ranks.py), loads
     our torch_dist output into a GPT model and its optimizer; every tensor each rank holds (bf16
     params, fp32 main params, exp_avg, exp_avg_sq) equals the reference slice, the main replicas
     cover each reference tensor exactly once, step and iteration are 3 and, from the legacy
@@ -559,7 +559,7 @@ def test_megatron_core_loads_the_output(source, tp, pp, distopt, tmp_path):
         content = load_pt(out / ITER / "common.pt")["content_metadata"]
         assert content["distrib_optim_sharding_type"] == "fully_reshardable"
         args += ["--distopt"]
-    result = _torchrun(*args, nproc=tp * pp)
+    result = _megatron_core_load(*args, nproc=tp * pp)
     assert len(result["ranks"]) == tp * pp and result["groups"] == 2
     for rank in result["ranks"]:
         assert rank["problems"] == [] and rank["checked"] >= 60
@@ -585,7 +585,7 @@ def test_megatron_core_loads_the_fp32_model_output(source, tp, distopt, tmp_path
     args += ["--reference", str(FIXTURES / "megatron" / "dist_tp2_fp32_distopt.reference.pt")]
     if distopt:
         args += ["--distopt"]
-    result = _torchrun(*args, nproc=tp)
+    result = _megatron_core_load(*args, nproc=tp)
     assert len(result["ranks"]) == tp and result["groups"] == 2
     for rank in result["ranks"]:
         assert rank["problems"] == [] and rank["checked"] >= 45
@@ -599,7 +599,7 @@ def test_megatron_core_loads_megatron_s_own_fully_reshardable_save():
     pytest.importorskip("megatron.core")
     args = ["--ckpt", str(DIST_FR), "--tp", "2", "--pp", "2", "--distopt"]
     args += ["--reference", str(FIXTURES / "megatron" / f"{DIST_DP.name}.reference.pt")]
-    result = _torchrun(*args, nproc=4)
+    result = _megatron_core_load(*args, nproc=4)
     assert [rank["problems"] for rank in result["ranks"]] == [[]] * 4
     assert min(rank["checked"] for rank in result["ranks"]) >= 60
 
@@ -624,7 +624,7 @@ def test_megatron_core_loads_the_experts_output(source, ep, tmp_path):
     if source.startswith("legacy"):
         args += ["--rng-source", str(FIXTURES / "megatron" / source), "--rng-source-layout", "1", "2"]
         args += ["--rng-source-ep", "2"]
-    result = _torchrun(*args, nproc=ep)
+    result = _megatron_core_load(*args, nproc=ep)
     assert len(result["ranks"]) == ep and result["groups"] == (2 if ep == 1 else 3)
     for rank in result["ranks"]:
         assert rank["problems"] == [] and rank["checked"] >= 70
@@ -651,7 +651,7 @@ def test_megatron_core_loads_the_experts_output_with_the_distributed_optimizer(s
     args = ["--ckpt", str(out), "--tp", "1", "--pp", str(pp), "--ep", str(ep), "--padded-vocab", "64", "--distopt"]
     args += ["--reference", str(FIXTURES / "megatron" / "legacy_pp2ep2_distopt.reference.pt")]
     nproc = max(ep, pp * 2)
-    result = _torchrun(*args, nproc=nproc)
+    result = _megatron_core_load(*args, nproc=nproc)
     assert len(result["ranks"]) == nproc and result["groups"] == 3
     for rank in result["ranks"]:
         assert rank["problems"] == [] and rank["checked"] >= 39
@@ -678,7 +678,7 @@ def test_megatron_core_loads_expert_tensor_parallel_output_with_the_distributed_
     args += ["--padded-vocab", "64" if legacy else "128", "--reference", str(FIXTURES / "megatron" / (
         "legacy_pp2ep2_distopt.reference.pt" if legacy else "dist_tp2ep2etp1_distopt.reference.pt"
     ))]  # fmt: skip
-    result = _torchrun(*args, nproc=4)
+    result = _megatron_core_load(*args, nproc=4)
     assert len(result["ranks"]) == 4 and result["groups"] == 3
     for rank in result["ranks"]:
         assert rank["problems"] == [] and rank["checked"] >= 55
@@ -697,7 +697,7 @@ def test_megatron_core_oracle_sees_a_wrong_value(tmp_path):
     torch.save(ref, tmp_path / "ref.pt")
     out = tmp_path / "out"
     reshard(LEGACY, out, Target(to="megatron-dist", tp=1, pp=1))
-    result = _torchrun("--ckpt", str(out), "--tp", "1", "--pp", "1", "--reference", str(tmp_path / "ref.pt"), nproc=1)
+    result = _megatron_core_load("--ckpt", str(out), "--tp", "1", "--pp", "1", "--reference", str(tmp_path / "ref.pt"), nproc=1)
     (problem,) = result["ranks"][0]["problems"]
     assert problem.startswith(key) and "1/512 elements" in problem
     shutil.rmtree(out)

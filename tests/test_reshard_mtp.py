@@ -20,7 +20,7 @@ from tests._compare import same_bits
 from tests.conftest import FIXTURES
 from tests.test_megatron import _expected
 from tests.test_reshard import STATE_KINDS, _drop_rng, _megatron_lm, _oracle, _rank_files, _ref, _tree, _with_args
-from tests.test_reshard_dist import ITER, _chunks, _metadata, _record, _torchrun
+from tests.test_reshard_dist import ITER, _chunks, _megatron_core_load, _metadata, _record
 from tests.test_reshard_from_dist import _same_files
 
 MG = FIXTURES / "megatron"
@@ -258,7 +258,7 @@ def test_megatron_core_loads_the_mtp_output(source, tp, pp, distopt, ref, tmp_pa
         args += ["--distopt"]
     if source == MTP_PP2:
         args += ["--rng-source", str(source), "--rng-source-layout", "1", "2"]
-    result = _torchrun(*args, nproc=tp * pp)
+    result = _megatron_core_load(*args, nproc=tp * pp)
     assert len(result["ranks"]) == tp * pp and result["groups"] == 2
     for rank in result["ranks"]:
         assert rank["problems"] == [] and rank["checked"] >= 32

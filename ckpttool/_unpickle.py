@@ -319,12 +319,25 @@ class OpaqueBytes:
 _NUMPY_KINDS = set("biufc?")  # bool, ints, unsigned, floats, complex; never objects or structured
 
 
+class _RefusedValue(pickle.UnpicklingError):
+    """An allowed global called with a value that would make it unsafe (numpy's ``dtype('O')``:
+    an object array, whose elements are arbitrary pickled objects); :func:`loads` reports it as an
+    unsafe pickle naming ``name``."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
 def _np_dtype(code: Any, *_: Any) -> Any:
     import numpy as np
 
-    dt = np.dtype(code) if isinstance(code, str) else None
+    try:
+        dt = np.dtype(code) if isinstance(code, str) else None
+    except TypeError:
+        dt = None
     if dt is None or dt.kind not in _NUMPY_KINDS or dt.fields is not None:
-        raise pickle.UnpicklingError(f"numpy dtype {code!r:.40} is not a plain numeric dtype")
+        raise _RefusedValue(f"numpy.dtype({code!r:.40}) (not a plain numeric dtype)")
     return dt
 
 
@@ -428,6 +441,8 @@ def loads(
         obj = _Unpickler(data, allow, source, what, persistent_load).load()
     except UnsafePickleError:
         raise
+    except _RefusedValue as exc:
+        raise UnsafePickleError(source, exc.name, what=what) from None
     except RecursionError:
         raise CorruptFileError(
             f"{source}: {what} is nested too deeply to read", hint="the file is damaged or hostile", path=source

@@ -202,17 +202,37 @@ def diff(
     with adapter_a.reader(ma) as ra, adapter_b.reader(mb) as rb:
         # a tensor one side names on its own and the other keeps inside an object item (megatron-core's
         # grad scaler: a ShardedObject in torch_dist, its scale a tensor once written as torch.save)
-        for mine, other, theirs, r_mine, r_theirs in (
-            (report.added, ka, kb, ra, rb),
-            (report.removed, kb, ka, rb, ra),
+        for mine, other, theirs, r_mine, r_theirs, mine_is_a in (
+            (report.added, ka, kb, ra, rb, False),
+            (report.removed, kb, ka, rb, ra, True),
         ):
             objects: dict[str, Any] = {}  # each object item read once
             for key in list(mine):
                 inner = _inside_object(key, other, r_mine, objects)
-                if inner is not None and _same_values(inner, assemble(r_theirs, theirs[key])):
-                    mine.remove(key)
-                    report.compared += 1
+                if inner is None:
+                    continue
+                item = theirs[key]
+                values = assemble(r_theirs, item)
+                mine.remove(key)
+                report.compared += 1
+                va, vb = (values, inner) if mine_is_a else (inner, values)
+                if va.dtype != vb.dtype or va.shape != vb.shape:
+                    report.changed_meta.append(
+                        {
+                            "name": key,
+                            "a": {"dtype": str(va.dtype), "shape": list(va.shape)},
+                            "b": {"dtype": str(vb.dtype), "shape": list(vb.shape)},
+                        }
+                    )
+                    continue
+                dtype = item.dtype or str(values.dtype)  # the carrier of both: bfloat16 read as uint16
+                acc = _Accumulator(atol, rtol)
+                acc.add(va.reshape(-1), vb.reshape(-1), dtype, dtype, Box.whole(va.shape))
+                d = acc.result(key, key, key, va.size)
+                if d.differing == 0:
                     report.identical += 1
+                else:
+                    report.values.append(d)
         for key, ia in ka.items():
             ib = kb.get(key)
             if ib is None:
@@ -280,11 +300,6 @@ def _inside_object(key: str, keyed: dict[str, Item], reader: PieceReader, cache:
     return None
 
 
-def _same_values(inner: np.ndarray, values: np.ndarray) -> bool:
-    """Bit for bit: the tensor found inside an object against the item's values."""
-    return inner.dtype == values.dtype and inner.shape == values.shape and inner.tobytes() == values.tobytes()
-
-
 def _opaque_rng(manifest: Manifest) -> bool:
     """Whether the checkpoint keeps its RNG state only as opaque records (no RNG tensors)."""
     rng = [i for i in manifest.items.values() if i.kind == "rng"]
@@ -326,54 +341,68 @@ def _floats(values: np.ndarray, dtype: str) -> np.ndarray:
 _BLOCK = 1 << 22  # elements compared at a time: temporaries stay small whatever the tensor size
 
 
-def _compare(name: str, ra: PieceReader, ia: Item, rb: PieceReader, ib: Item, atol: float, rtol: float) -> TensorDiff:
-    """Compare region by region (the regions of A's pieces): each region of A is read as stored and
-    the same region of B assembled from whatever pieces hold it, so memory stays at a few pieces
-    whatever the tensor size; within a region, blocks of ``_BLOCK`` elements (bits, then values as
-    float64)."""
-    assert ia.dtype is not None and ia.shape is not None and ib.dtype is not None
-    n = 0
-    first: tuple[int, ...] | None = None
-    max_abs = sq_diff = sq_b = 0.0
-    ok = True
-    boxes = [b for p in ia.pieces if p.replica == 0 for b in regions(p)] or [Box.whole(ia.shape)]
-    for box in boxes:
-        va = assemble(ra, ia, box=box).reshape(-1)
-        vb = assemble(rb, ib, box=box).reshape(-1)
+class _Accumulator:
+    """The figures of one tensor's comparison, gathered region by region (blocks of ``_BLOCK``
+    elements: bits, then values as float64)."""
+
+    def __init__(self, atol: float, rtol: float) -> None:
+        self.atol, self.rtol = atol, rtol
+        self.n = 0
+        self.first: tuple[int, ...] | None = None
+        self.max_abs = self.sq_diff = self.sq_b = 0.0
+        self.ok = True
+
+    def add(self, va: np.ndarray, vb: np.ndarray, dtype_a: str, dtype_b: str, box: Box) -> None:
+        """Region ``box`` of the tensor: ``va`` and ``vb`` its elements, flat, on either side."""
         for lo in range(0, va.size, _BLOCK):
             a, b = va[lo : lo + _BLOCK], vb[lo : lo + _BLOCK]
             differs = (a.view(np.uint8).reshape(a.size, -1) != b.view(np.uint8).reshape(b.size, -1)).any(axis=1)
             count = int(differs.sum())
-            fb = _floats(b, ib.dtype).astype(np.float64)
+            fb = _floats(b, dtype_b).astype(np.float64)
             if not count:
-                sq_b += float(np.dot(fb, fb))
+                self.sq_b += float(np.dot(fb, fb))
                 continue
             local = np.unravel_index(lo + int(np.argmax(differs)), box.sizes) if box.sizes else ()
             where = tuple(int(o) + int(i) for o, i in zip(box.offsets, local, strict=True))
-            first = where if first is None or where < first else first
-            n += count
-            fa = _floats(a, ia.dtype).astype(np.float64)
+            self.first = where if self.first is None or where < self.first else self.first
+            self.n += count
+            fa = _floats(a, dtype_a).astype(np.float64)
             with np.errstate(invalid="ignore", over="ignore"):
                 delta = np.abs(fa - fb)
                 both_nan = np.isnan(fa) & np.isnan(fb)
                 finite_delta = np.where(both_nan, 0.0, delta)
-                max_abs = max(max_abs, float(np.nanmax(finite_delta)) if finite_delta.size else 0.0)
-                sq_diff += float(np.nansum(finite_delta * finite_delta))
-                sq_b += float(np.nansum(fb * fb))
-                ok = ok and bool(np.all((delta <= atol + rtol * np.abs(fb)) | (fa == fb) | both_nan))
-    if n and atol == 0 and rtol == 0:
-        ok = False
-    return TensorDiff(
-        name=name,
-        a=ia.name,
-        b=ib.name,
-        max_abs=max_abs if math.isfinite(max_abs) else float("inf"),
-        rel_l2=math.sqrt(sq_diff) / max(math.sqrt(sq_b), 1e-30),
-        differing=n,
-        numel=math.prod(ia.shape),
-        first_index=list(first) if first is not None else None,
-        within_tolerance=ok,
-    )
+                self.max_abs = max(self.max_abs, float(np.nanmax(finite_delta)) if finite_delta.size else 0.0)
+                self.sq_diff += float(np.nansum(finite_delta * finite_delta))
+                self.sq_b += float(np.nansum(fb * fb))
+                close = (delta <= self.atol + self.rtol * np.abs(fb)) | (fa == fb) | both_nan
+                self.ok = self.ok and bool(np.all(close))
+
+    def result(self, name: str, a: str, b: str, numel: int) -> TensorDiff:
+        return TensorDiff(
+            name=name,
+            a=a,
+            b=b,
+            max_abs=self.max_abs if math.isfinite(self.max_abs) else float("inf"),
+            rel_l2=math.sqrt(self.sq_diff) / max(math.sqrt(self.sq_b), 1e-30),
+            differing=self.n,
+            numel=numel,
+            first_index=list(self.first) if self.first is not None else None,
+            within_tolerance=self.ok and not (self.n and self.atol == 0 and self.rtol == 0),
+        )
+
+
+def _compare(name: str, ra: PieceReader, ia: Item, rb: PieceReader, ib: Item, atol: float, rtol: float) -> TensorDiff:
+    """Compare region by region (the regions of A's pieces): each region of A is read as stored and
+    the same region of B assembled from whatever pieces hold it, so memory stays at a few pieces
+    whatever the tensor size."""
+    assert ia.dtype is not None and ia.shape is not None and ib.dtype is not None
+    acc = _Accumulator(atol, rtol)
+    boxes = [b for p in ia.pieces if p.replica == 0 for b in regions(p)] or [Box.whole(ia.shape)]
+    for box in boxes:
+        va = assemble(ra, ia, box=box).reshape(-1)
+        vb = assemble(rb, ib, box=box).reshape(-1)
+        acc.add(va, vb, ia.dtype, ib.dtype, box)
+    return acc.result(name, ia.name, ib.name, math.prod(ia.shape))
 
 
 __all__ = ["TOLERANCES", "DiffReport", "TensorDiff", "diff", "load_map"]

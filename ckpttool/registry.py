@@ -44,11 +44,16 @@ def detect(path: str | Path) -> Adapter:
     if not p.exists():
         raise NotFoundError(f"{p}: no such file or directory", hint="check the path", path=str(p))
     reasons: dict[str, str] = {}
+    guess: Adapter | None = None
     for adapter in adapters():
         verdict = adapter.detect(p)
-        if verdict.matches:
+        if verdict.matches and not verdict.weak:
             return adapter
+        if verdict.matches:
+            guess = guess or adapter  # taken only if no adapter after it claims the path
         reasons[adapter.name] = verdict.reason
+    if guess is not None:
+        return guess
     raise FormatNotRecognizedError(str(p), reasons)
 
 

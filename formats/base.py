@@ -24,6 +24,9 @@ class Detection:
     matches: bool
     reason: str
     """why it matches (what was seen) or why not (what was missing)"""
+    weak: bool = False
+    """a match by a guess that any other adapter overrides, plugins included (a directory holding
+    one ``.pt`` file is torch's, unless a plugin's format claims it)"""
 
 
 def claim(table: dict[Any, str], key: Any, rel: str, what: str) -> None:

@@ -36,7 +36,7 @@ class TorchSaveAdapter:
                 return Detection(False, "not a single file, nor a directory holding one .pt/.pth/.bin file")
             verdict = self.detect(file)
             if verdict.matches:
-                return Detection(True, f"a directory holding one torch.save file ({file.name})")
+                return Detection(True, f"a directory holding one torch.save file ({file.name})", weak=True)
             return verdict
         if not path.is_file():
             return Detection(False, "not a single file")

@@ -154,6 +154,31 @@ def test_megatron_rng_records_carried_to_dcp_and_torch_verify_clean(to, tmp_path
     assert got[1].dtype == want[1].dtype and got[1].tobytes() == want[1].tobytes()
 
 
+def test_a_plugin_format_claims_a_directory_before_the_torch_guess(tmp_path, monkeypatch):
+    """A directory holding one .pt file is torch's only as a guess: a plugin adapter (entry-point
+    group ckpttool.formats) that recognises the directory takes it, although plugins are tried after
+    the first-party adapters; without the plugin the guess stands."""
+    import torch
+
+    from ckpttool import registry
+    from ckpttool.formats.base import Detection
+
+    class Plugin:
+        name = "myformat"
+
+        def detect(self, path):
+            ok = path.is_dir() and (path / "model.pt").is_file() and path.name.endswith(".myformat")
+            return Detection(ok, "a .myformat directory" if ok else "not a .myformat directory")
+
+    for name in ("run.myformat", "plain"):
+        (tmp_path / name).mkdir()
+        torch.save({"w": torch.ones(2)}, tmp_path / name / "model.pt")
+    monkeypatch.setattr(registry, "_plugins", lambda: (Plugin(),))
+    assert registry.detect(tmp_path / "run.myformat").name == "myformat"
+    assert registry.detect(tmp_path / "plain").name == "torch"
+    assert registry.detect(tmp_path / "plain" / "model.pt").name == "torch"
+
+
 def test_the_torch_output_directory_is_read_as_its_file(tmp_path):
     """convert --to torch writes DIR/model.pt; ckpttool reads DIR as that file: inspect, seal and
     verify of the directory work, and a flipped byte is caught against the seal. A directory with

@@ -76,7 +76,8 @@ def test_map_renames(tmp_path):
 def test_a_tensor_kept_inside_an_object_on_one_side_is_compared(tmp_path):
     """megatron-core's grad scaler is one ShardedObject in torch_dist; written as torch.save its
     scale is a tensor of its own. diff finds that tensor inside the other side's object and compares
-    it bit for bit, both ways: equal as converted, different once the scale changes."""
+    it, both ways: equal as converted, a value difference (with its figures and the tolerances) once
+    the scale changes."""
     import torch
 
     src = FIXTURES / "megatron" / "dist_dp2_fp16_distopt"
@@ -88,7 +89,14 @@ def test_a_tensor_kept_inside_an_object_on_one_side_is_compared(tmp_path):
         assert not report.different and key not in report.added + report.removed, report.to_json()
     tree = torch.load(out / "model.pt", weights_only=False)
     scaler = tree[key.removesuffix(".0.scale")]  # a flat file: [{"scale": tensor, ...}] under the record's key
+    scale = float(scaler[0]["scale"])
     scaler[0]["scale"] = scaler[0]["scale"] * 2
     torch.save(tree, tmp_path / "changed.pt")
-    report = diff(src, tmp_path / "changed.pt")
-    assert report.different and report.added == [key]
+    for a, b, rel_l2 in ((src, tmp_path / "changed.pt", 0.5), (tmp_path / "changed.pt", src, 1.0)):
+        report = diff(a, b)  # strict: found, compared, named among the values that differ
+        assert report.different and not report.added and not report.removed, report.to_json()
+        [d] = [v for v in report.values if v.name == key]
+        assert (d.differing, d.numel, d.max_abs, d.within_tolerance) == (1, 1, scale, False)
+        assert d.rel_l2 == rel_l2  # |a - b| / |b|
+        # the tolerances apply as to any tensor: |a - b| = scale is within rtol 1 of either side
+        assert not diff(a, b, atol=0.0, rtol=1.0).different

@@ -128,6 +128,9 @@ def test_torch_save_with_numpy_rng_state(tmp_path):
     torch.save({"w": torch.ones(2), "x": np.array([1, "a"], dtype=object)}, tmp_path / "objects.pt")
     r = run_cli("inspect", tmp_path / "objects.pt")
     assert r.code == 3 and "not a plain numeric dtype" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("verify", tmp_path / "objects.pt", "--json")  # reported as what it is: an unsafe pickle
+    rules = {f["rule"] for f in json.loads(r.stdout)["findings"] if f["severity"] == "error"}
+    assert r.code == 1 and rules == {"unsafe-pickle"}, r.stdout
 
 
 def test_truncated_torch_save(tmp_path):

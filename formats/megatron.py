@@ -14,6 +14,7 @@ import json
 import math
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -1053,6 +1054,7 @@ class MegatronLegacyAdapter:
         manifest = Manifest(root=str(root), format=self.name)
         objs: dict[str, Any] = {}
         self._nested: dict[tuple[str, str], str] = {}
+        self._grouped: dict[str, GroupedWeights] = {}
         self._etp: dict[str, tuple[int, int]] = {}  # rank directory -> (its experts' ETP rank, ETP)
         for d in dirs:
             rel = f"{prefix}{d}/model_optim_rng.pt"
@@ -1181,6 +1183,8 @@ class MegatronLegacyAdapter:
         local_experts = experts // ep if isinstance(experts, int) and experts and ep else None
         chunks = model_chunks(obj)
         orders: list[list[tuple[str, tuple[int, ...]]]] = []  # the parameters of each model chunk
+        # GroupedMLP's weight1 / weight2 (named as in ``orders``) -> how to cut them into experts
+        self._grouped.clear()
         for vp, model in chunks:
             orders.append([])
             offset = _layer_offset(args, p, vp, rel)
@@ -1196,7 +1200,9 @@ class MegatronLegacyAdapter:
                     item.error = f"unsafe pickle: nested pickle refers to {refused}"
                     item.pieces.append(_pt.object_piece(rel, path, rank=t, replica=len(item.pieces)))
                 elif isinstance(value, _unpickle.TensorRef):
-                    self._place(manifest, name, value, rel, t, tp, gated, replicas, kind="param")
+                    if _GROUPED_WEIGHT.search(name):
+                        self._grouped[name] = GroupedWeights.of(name, value, args, e, local_experts, rel)
+                    self._place_state(manifest, name, None, value, rel, t, tp, gated, replicas, kind="param")
                     orders[-1].append((name, value.shape))
                 elif name.endswith("_extra_state"):
                     item = manifest.items.get(name) or manifest.add(Item(name=name, kind="object"))
@@ -1216,15 +1222,11 @@ class MegatronLegacyAdapter:
             for pid, (name, g, i) in ids.items():
                 for key, value in (state.get(pid) or {}).items():
                     if key in ("exp_avg", "exp_avg_sq") and isinstance(value, _unpickle.TensorRef):
-                        self._place(
-                            manifest, f"{name}.{key}", value, rel, t, tp, gated, replicas, kind="optim", param=name
-                        )
+                        self._place_state(manifest, name, key, value, rel, t, tp, gated, replicas, kind="optim")
                 if isinstance(masters, list) and g < len(masters) and i < len(masters[g]):
                     ref = masters[g][i]
                     if isinstance(ref, _unpickle.TensorRef):
-                        self._place(
-                            manifest, f"{name}.fp32", ref, rel, t, tp, gated, replicas, kind="master", param=name
-                        )
+                        self._place_state(manifest, name, "fp32", ref, rel, t, tp, gated, replicas, kind="master")
         dist_rel = rel.rsplit("/", 1)[0] + "/distrib_optim.pt"
         if Path(manifest.root, dist_rel).is_file():
             self._distrib_optim(manifest, dist_rel, orders, args, rank, tp, gated, replicas)
@@ -1338,7 +1340,37 @@ class MegatronLegacyAdapter:
             for name, shape, start in layout:
                 stride = row_major_strides(shape)
                 view = _unpickle.TensorRef(flat.storage, flat.storage_offset + start, shape, stride, flat.dtype)
-                self._place(manifest, f"{name}.{suffix}", view, rel, t, tp, gated, replicas, kind=kind, param=name)
+                self._place_state(manifest, name, suffix, view, rel, t, tp, gated, replicas, kind=kind)
+
+    def _place_state(
+        self,
+        manifest: Manifest,
+        param: str,
+        suffix: str | None,
+        ref: _unpickle.TensorRef,
+        rel: str,
+        t: int,
+        tp: int,
+        gated: bool,
+        replicas: ReplicaCounter,
+        *,
+        kind: Any,
+    ) -> None:
+        """Parameter ``param`` (``suffix`` None) or its state ``<param>.<suffix>`` placed; a
+        GroupedMLP weight (and its state, of the same shape) as one item per expert, each a strided
+        view of it (:class:`GroupedWeights`)."""
+        grouped = self._grouped.get(param)
+        if grouped is None:
+            name = param if suffix is None else f"{param}.{suffix}"
+            self._place(
+                manifest, name, ref, rel, t, tp, gated, replicas, kind=kind, param=None if suffix is None else param
+            )
+            return
+        for expert, view in grouped.views(ref, rel):
+            name = expert if suffix is None else f"{expert}.{suffix}"
+            self._place(
+                manifest, name, view, rel, t, tp, gated, replicas, kind=kind, param=None if suffix is None else expert
+            )
 
     def _place(
         self,
@@ -1469,6 +1501,69 @@ def shared_embedding(args: Any, pp_rank: int, pp: int) -> frozenset[str]:
     if pp_rank == pp - 1:
         return frozenset({"output_layer.weight"})
     return frozenset()
+
+
+_GROUPED_WEIGHT = re.compile(r"\.mlp\.experts\.weight([12])$")
+
+
+@dataclass(frozen=True, slots=True)
+class GroupedWeights:
+    """How megatron-core's legacy GroupedMLP keeps one rank's local experts (``experts.py``): two
+    parameters, ``weight1`` of nominal shape ``[hidden, E·c1]`` and ``weight2`` of ``[E·c2, hidden]``
+    (``c1`` = the rank's fc1 rows: ``2·ffn/ETP`` under SwiGLU, its ``[gate_t; up_t]`` as
+    SequentialMLP's; ``c2 = ffn/ETP``), whose memory is really ``[E, hidden, c1]`` and ``[E, c2,
+    hidden]`` (its forward and its sharded state dict view them so). Expert ``j``'s
+    ``linear_fc1.weight`` (``[c1, hidden]``, as SequentialMLP's) is the transpose of block ``j`` of
+    weight1, and its ``linear_fc2.weight`` (``[hidden, c2]``) the transpose of block ``j`` of weight2:
+    strided views of the same bytes, named ``local_experts.<ep_rank·E + j>.linear_fc<1|2>.weight``
+    as SequentialMLP's, so every command reads them as it reads SequentialMLP's experts. The
+    optimizer's state of a weight has its shape and is cut the same way."""
+
+    prefix: str  # the name up to ``mlp.experts.``
+    which: int  # 1: weight1 (fc1), 2: weight2 (fc2)
+    shape: tuple[int, int]  # the nominal shape
+    hidden: int
+    first: int  # the global number of the rank's first expert
+    local: int  # experts on the rank
+
+    @classmethod
+    def of(
+        cls, name: str, ref: _unpickle.TensorRef, args: Any, ep_rank: int, local: int | None, rel: str
+    ) -> GroupedWeights:
+        hidden = getattr(args, "hidden_size", None)
+        which = int(name[-1])
+        rows, cols = ref.shape if len(ref.shape) == 2 else (0, 0)
+        block = cols if which == 1 else rows
+        if not local or not isinstance(hidden, int) or (rows if which == 1 else cols) != hidden or block % local:
+            raise CorruptFileError(
+                f"{rel}: {name} is {list(ref.shape)}; a GroupedMLP weight{which} of {local} local experts and "
+                f"hidden size {hidden} is [{'hidden, experts x ffn' if which == 1 else 'experts x ffn, hidden'}]",
+                hint="the args do not describe this model (num_experts, expert_model_parallel_size, hidden_size)",
+                path=rel,
+            )
+        prefix = name[: -len("weight1")]
+        return cls(prefix, which, (rows, cols), hidden, ep_rank * local, local)
+
+    def views(self, ref: _unpickle.TensorRef, rel: str) -> list[tuple[str, _unpickle.TensorRef]]:
+        """Each expert's name and its view of ``ref`` (the weight or a state of its shape)."""
+        rows, cols = self.shape
+        if ref.shape != self.shape or ref.stride != (cols, 1):
+            raise CorruptFileError(
+                f"{rel}: the state of {self.prefix}weight{self.which} is {list(ref.shape)} with strides "
+                f"{list(ref.stride)}; expected the weight's own contiguous {list(self.shape)}",
+                path=rel,
+            )
+        c = (cols if self.which == 1 else rows) // self.local
+        block = self.hidden * c
+        shape = (c, self.hidden) if self.which == 1 else (self.hidden, c)
+        stride = (1, c) if self.which == 1 else (1, self.hidden)
+        return [
+            (
+                f"{self.prefix}local_experts.{self.first + j}.linear_fc{self.which}.weight",
+                _unpickle.TensorRef(ref.storage, ref.storage_offset + j * block, shape, stride, ref.dtype),
+            )
+            for j in range(self.local)
+        ]
 
 
 def is_expert(name: str) -> bool:

@@ -107,6 +107,10 @@ _SHARD = re.compile(r"^(?P<key>.+)/shard_(?P<offsets>\d+(?:\.\d+)*)_(?P<shape>\d
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(?P<j>\d+)\.(?P<rest>.+)$")
 
 
+_EXPERT_FC = re.compile(r"(\.mlp\.experts\.local_experts\.\d+\.linear_fc[12])\.weight$")
+"""a routed expert's fc weight (the entry its ``_extra_state`` goes with)"""
+
+
 @dataclass(slots=True)
 class _Chunk:
     """One chunk of a global tensor: ``region`` of the manifest item, at ``chunk`` of the key."""
@@ -298,6 +302,8 @@ class DistWriter(LegacyWriter):
                 continue  # legacy: iteration, scheduler, ... are carried into common.pt from the rank file
             else:
                 unknown.append(item.name)  # a model entry (or ShardedObject) with no rule: refused
+        if not self.from_dist and self.src.grouped_mlp:
+            self._plan_grouped_extra_states()
         if unknown:
             raise UsageError(
                 f"no rule to place {len(unknown)} non-tensor entries in a torch_dist checkpoint: "
@@ -354,6 +360,12 @@ class DistWriter(LegacyWriter):
         param = item.name
         if param == "output_layer._extra_state":
             return  # megatron-core drops it on save (it holds no data)
+        piece = next((pc for pc in item.pieces if pc.rank == 0), item.pieces[0])
+        one = Item(name=item.name, kind=item.kind, pieces=[piece])
+        self._add_object(*self._extra_state_record(param), partial(self._pickle_object, one))
+
+    def _extra_state_record(self, param: str) -> tuple[int, str]:
+        """The rank that writes legacy ``_extra_state`` entry ``param`` and its torch_dist key."""
         key, layer, expert = self._key(param)
         if expert is not None:
             key = f"{key}/shard_{layer}.{expert}_{self.layers}.{self.experts}"
@@ -361,10 +373,20 @@ class DistWriter(LegacyWriter):
             key = f"{key}/shard_{layer}_{self.layers}"
         else:
             key = f"{key}/shard_0_1"
-        stage = self._stage(param, layer)
-        piece = next((pc for pc in item.pieces if pc.rank == 0), item.pieces[0])
-        one = Item(name=item.name, kind=item.kind, pieces=[piece])
-        self._add_object(stage * self.target.tp, key, partial(self._pickle_object, one))
+        return self._stage(param, layer) * self.target.tp, key
+
+    def _plan_grouped_extra_states(self) -> None:
+        """A legacy GroupedMLP source's experts: its rank files keep no ``_extra_state`` for them,
+        but its sharded state dict has one per layer, expert and fc, holding None (for SequentialMLP's
+        layout), and megatron-core's load asks for them; written as its save writes them."""
+        for name in self.manifest.items:
+            m = _EXPERT_FC.search(name)
+            if m is not None and (param := f"{name[: m.end(1)]}._extra_state") not in self.manifest.items:
+                self._add_object(*self._extra_state_record(param), self._pickle_none)
+
+    @staticmethod
+    def _pickle_none(f: BinaryIO, reader: PieceReader) -> None:
+        _ptwrite.save([None], f)
 
     def _plan_rng(self) -> None:
         stp, spp = self.src.tp, self.src.pp

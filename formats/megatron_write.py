@@ -41,6 +41,7 @@ from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.formats import _pt, _ptwrite
 from ckpttool.formats.base import PieceReader, PlannedFile
 from ckpttool.formats.megatron import (
+    _GROUPED_WEIGHT,
     _LAYER,
     ALLOWLIST,
     TRACKER,
@@ -95,6 +96,9 @@ class _Source:
     """(rank file, entries beside ``optimizer``: loss scaler, grad scaler with its tensors, ...)"""
     experts: int = 0
     """routed experts of the model (``args.num_experts``; 0: none)"""
+    grouped_mlp: bool = False
+    """the experts were saved by megatron-core's legacy GroupedMLP (``mlp.experts.weight1`` and
+    ``weight2``, read one item per expert: :class:`~ckpttool.formats.megatron.GroupedWeights`)"""
     fp32_masters: bool = False
     """the optimizer keeps fp32 master copies (``fp32_from_fp16_params``: Megatron's Float16
     optimizer); without, an FP32 optimizer's bare torch state dict"""
@@ -235,11 +239,20 @@ def _read_stage(src: _Source, args: Any, rank: tuple[int, int, int], layer_offse
     obj, rel = src.objs[rank], src.rels[rank]
     _, p, e = rank
     order: list[tuple[str, tuple[int, ...]]] = []  # the optimizer's parameters: chunk by chunk
+    experts_of: dict[str, list[str]] = {}  # a GroupedMLP weight -> its experts' items (the reader's names)
     for vp, model in model_chunks(obj):
         offset = layer_offset(args, p, vp, rel)
         for name_here, value in model.items():
             name = _globalize(name_here, offset, e * local)
-            src.model_order.append(name)
+            if _GROUPED_WEIGHT.search(name) and local:
+                fc = f"linear_fc{name[-1]}.weight"
+                experts_of[name] = [
+                    f"{name[: -len('weight1')]}local_experts.{e * local + j}.{fc}" for j in range(local)
+                ]
+                src.model_order += experts_of[name]
+                src.grouped_mlp = True
+            else:
+                src.model_order.append(name)
             if isinstance(value, _unpickle.TensorRef):
                 order.append((name, value.shape))
         for key, value in (getattr(model, "__dict__", {}).get("_metadata") or {}).items():
@@ -271,15 +284,16 @@ def _read_stage(src: _Source, args: Any, rank: tuple[int, int, int], layer_offse
                 src.groups.append(hyper)
             remap[g] = src.groups.index(hyper)
         for pid, (name, g, _i) in ids.items():
-            src.group_of[name] = remap[g]
             entry = state.get(pid) or {}
             extra = set(entry) - {"step", *_STATE_KEYS}
             if extra:
                 raise UsageError(
                     f"{rel}: optimizer state {sorted(extra)} is not Adam's; resharding it is not supported yet"
                 )
-            if "step" in entry:
-                src.step_of[name] = (rel, entry["step"])
+            for member_name in experts_of.get(name, [name]):  # a GroupedMLP weight's state: its experts'
+                src.group_of[member_name] = remap[g]
+                if "step" in entry:
+                    src.step_of[member_name] = (rel, entry["step"])
         src.fp32_masters |= "fp32_from_fp16_params" in member
         if not src.optimizer_extra[0]:
             kept = {k: v for k, v in member.items() if k not in ("optimizer", "fp32_from_fp16_params")}
@@ -661,6 +675,14 @@ class LegacyWriter:
         self.rules = rules or {}
         self.src = self._source(root, manifest)
         self.args = self.src.objs[(0, 0, 0)].get("args")
+        if self.rank_files and (self.src.grouped_mlp or getattr(self.args, "moe_grouped_gemm", False)):
+            raise UsageError(
+                "this model's experts run as grouped GEMM (--moe-grouped-gemm: GroupedMLP keeps each rank's experts "
+                "in mlp.experts.weight1/weight2, TEGroupedMLP in linear_fc1.weight<j>); writing them in a legacy "
+                "checkpoint is not supported yet",
+                hint="'--to megatron-dist' writes torch_dist, whose expert layout megatron-core loads into "
+                "SequentialMLP, GroupedMLP and TEGroupedMLP alike",
+            )
         self.gated = _gated(self.args)
         self.ep = _target_ep(self.src, target)
         """expert-parallel ranks of the output"""

@@ -112,6 +112,29 @@ def test_experts_read_as_megatron_core_shards_them(tmp_path):
     assert sum(1 for n in m.items if n.startswith("rng_state.0.torch_rng_state")) == 4
 
 
+@pytest.mark.parametrize("name", ["legacy_tp2ep2_gg", "dist_tp2ep2_gg"])
+def test_grouped_gemm_experts_read_as_megatron_core_shards_them(name, tmp_path):
+    """Megatron-LM's MoE run with --moe-grouped-gemm (the local spec's GroupedMLP; TP=2 EP=2, 4
+    experts): each legacy rank file keeps its 2 local experts in mlp.experts.weight1 [hidden, 2 x 2
+    ffn/TP] and weight2 [2 x ffn/TP, hidden], and the optimizer's fp32 copies and moments in the same
+    shapes. Read as one item per expert, named as SequentialMLP's: every tensor equals the run's own
+    sharded state dict (megatron-core's transform of those weights, expert by expert, on the global
+    axis), and diff of the legacy and torch_dist saves of the same state is empty."""
+    adapter, m = registry.describe(MG / name)
+    assert m.step == 3 and (m.layout.tp, m.layout.ep) == (2, 2)
+    assert not [n for n in m.items if ".weight1" in n or ".weight2" in n]
+    export(MG / name, tmp_path / "o.safetensors")
+    got = load_file(tmp_path / "o.safetensors")
+    want = _expected("legacy_tp2ep2_gg")
+    assert len(want) == 116  # 29 parameters x (param, fp32, exp_avg, exp_avg_sq)
+    assert [k for k, v in want.items() if k not in got or not same_bits(got[k], v)] == []
+    if name.startswith("legacy"):
+        fc1 = m.items["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight.exp_avg_sq"]
+        assert sorted(p.file.split("/")[1] for p in fc1.pieces) == ["mp_rank_00_001"] * 2 + ["mp_rank_01_001"] * 2
+        r = run_cli("diff", MG / name, MG / "dist_tp2ep2_gg", "--json")
+        assert r.code == 0 and json.loads(r.stdout)["equal"], r.stdout[-2000:]
+
+
 def test_torch_dist_experts_read_as_the_legacy_files_name_them(tmp_path):
     """Megatron-LM's torch_dist save of the same MoE state (experts stacked on a global axis after the
     layer's: decoder.layers.mlp.experts.experts.*, [layers, experts, ...]): one item per layer and

@@ -551,22 +551,33 @@ def fsync_tree(root: Path, *, files: bool = True) -> None:
         fsync_dir(d)
 
 
-def refuse_overlap(out: str | os.PathLike[str], **inputs: str | os.PathLike[str] | None) -> None:
-    """Refuse an output path ``out`` that is one of the ``inputs`` (by role: ``source=...``), lies
-    inside one, or holds one: publishing replaces the whole ``out`` path (``--force`` deletes what
-    stood there), and inputs are never modified. Symlinks are resolved first."""
+def refuse_overlap(out: str | os.PathLike[str], *, flag: str = "-o", **inputs: str | os.PathLike[str] | None) -> None:
+    """Refuse an output path ``out`` (given as option ``flag``) that is one of the ``inputs`` (by
+    role: ``source=...``), lies inside one, or holds one: publishing replaces the whole ``out`` path
+    (``--force`` deletes what stood there), and inputs are never modified. Symlinks are resolved
+    first."""
     o = Path(out).resolve()
     for role, given in inputs.items():
         if given is None:
             continue
         i = Path(given).resolve()
         if o == i or o.is_relative_to(i):
-            raise UsageError(f"-o {out} is inside the {role} {given}", hint="write the output elsewhere")
+            raise UsageError(f"{flag} {out} is inside the {role} {given}", hint="write the output elsewhere")
         if i.is_relative_to(o):
             raise UsageError(
-                f"-o {out} holds the {role} {given}: replacing it would delete the {role}",
+                f"{flag} {out} holds the {role} {given}: replacing it would delete the {role}",
                 hint="write the output elsewhere",
             )
+
+
+def check_output_file(out: str | os.PathLike[str], flag: str) -> None:
+    """Refuse, before any work, an output file that cannot be published: a directory, or a path
+    whose parent directory does not exist."""
+    o = Path(out)
+    if o.is_dir():
+        raise UsageError(f"{flag} {out} is a directory", hint="give a file path")
+    if not o.resolve().parent.is_dir():
+        raise UsageError(f"{flag} {out}: directory {o.resolve().parent} does not exist", hint="create it first")
 
 
 def publish_dir(tmp: Path, dest: Path) -> None:

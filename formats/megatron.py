@@ -1360,16 +1360,10 @@ class MegatronLegacyAdapter:
         GroupedMLP weight (and its state, of the same shape) as one item per expert, each a strided
         view of it (:class:`GroupedWeights`)."""
         grouped = self._grouped.get(param)
-        if grouped is None:
-            name = param if suffix is None else f"{param}.{suffix}"
+        for owner, view in [(param, ref)] if grouped is None else grouped.views(ref, rel):
+            name = owner if suffix is None else f"{owner}.{suffix}"
             self._place(
-                manifest, name, ref, rel, t, tp, gated, replicas, kind=kind, param=None if suffix is None else param
-            )
-            return
-        for expert, view in grouped.views(ref, rel):
-            name = expert if suffix is None else f"{expert}.{suffix}"
-            self._place(
-                manifest, name, view, rel, t, tp, gated, replicas, kind=kind, param=None if suffix is None else expert
+                manifest, name, view, rel, t, tp, gated, replicas, kind=kind, param=None if suffix is None else owner
             )
 
     def _place(
@@ -1506,6 +1500,17 @@ def shared_embedding(args: Any, pp_rank: int, pp: int) -> frozenset[str]:
 _GROUPED_WEIGHT = re.compile(r"\.mlp\.experts\.weight([12])$")
 
 
+def grouped_experts(name: str, first: int, local: int) -> list[str] | None:
+    """The items a GroupedMLP weight ``name`` (``….mlp.experts.weight1``/``weight2``, layer numbered
+    globally) is read as: its ``local`` experts' ``….mlp.experts.local_experts.<first + j>.linear_fc<1|2>.weight``
+    (None: ``name`` is not such a weight)."""
+    m = _GROUPED_WEIGHT.search(name)
+    if m is None:
+        return None
+    head = name[: m.start() + len(".mlp.experts.")]
+    return [f"{head}local_experts.{first + j}.linear_fc{m[1]}.weight" for j in range(local)]
+
+
 @dataclass(frozen=True, slots=True)
 class GroupedWeights:
     """How megatron-core's legacy GroupedMLP keeps one rank's local experts (``experts.py``): two
@@ -1557,12 +1562,10 @@ class GroupedWeights:
         block = self.hidden * c
         shape = (c, self.hidden) if self.which == 1 else (self.hidden, c)
         stride = (1, c) if self.which == 1 else (1, self.hidden)
+        names = grouped_experts(f"{self.prefix}weight{self.which}", self.first, self.local) or []
         return [
-            (
-                f"{self.prefix}local_experts.{self.first + j}.linear_fc{self.which}.weight",
-                _unpickle.TensorRef(ref.storage, ref.storage_offset + j * block, shape, stride, ref.dtype),
-            )
-            for j in range(self.local)
+            (name, _unpickle.TensorRef(ref.storage, ref.storage_offset + j * block, shape, stride, ref.dtype))
+            for j, name in enumerate(names)
         ]
 
 

@@ -41,7 +41,6 @@ from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.formats import _pt, _ptwrite
 from ckpttool.formats.base import PieceReader, PlannedFile
 from ckpttool.formats.megatron import (
-    _GROUPED_WEIGHT,
     _LAYER,
     ALLOWLIST,
     TRACKER,
@@ -50,6 +49,7 @@ from ckpttool.formats.megatron import (
     expert_of,
     expert_slot,
     grad_buffer_layout,
+    grouped_experts,
     is_expert,
     layout_stages,
     model_chunks,
@@ -244,15 +244,11 @@ def _read_stage(src: _Source, args: Any, rank: tuple[int, int, int], layer_offse
         offset = layer_offset(args, p, vp, rel)
         for name_here, value in model.items():
             name = _globalize(name_here, offset, e * local)
-            if _GROUPED_WEIGHT.search(name) and local:
-                fc = f"linear_fc{name[-1]}.weight"
-                experts_of[name] = [
-                    f"{name[: -len('weight1')]}local_experts.{e * local + j}.{fc}" for j in range(local)
-                ]
-                src.model_order += experts_of[name]
+            experts = grouped_experts(name, e * local, local) if local else None
+            if experts is not None:
+                experts_of[name] = experts
                 src.grouped_mlp = True
-            else:
-                src.model_order.append(name)
+            src.model_order += experts or [name]
             if isinstance(value, _unpickle.TensorRef):
                 order.append((name, value.shape))
         for key, value in (getattr(model, "__dict__", {}).get("_metadata") or {}).items():

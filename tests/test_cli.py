@@ -180,6 +180,28 @@ def test_seal_out_never_replaces_the_checkpoint(tmp_path):
     assert run_cli("seal", ckpt, "--out", tmp_path / "elsewhere.json").code == 0
 
 
+def test_verify_reports_never_replace_the_checkpoint(tmp_path):
+    """verify --report / --junit naming one of the checkpoint's files, the checkpoint itself, a
+    directory holding it or the seal read is refused with exit 2 before anything is checked (it
+    overwrote __0_0.distcp and exited 0); so is a report into a missing directory or onto a
+    directory (an internal error before). The files stay as they were."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ckpt)
+    seal = tmp_path / "seal.json"
+    assert run_cli("seal", ckpt, "--out", seal).code == 0
+    before = tree_digests(tmp_path)
+    for flag in ("--report", "--junit"):
+        for out in (ckpt / "__0_0.distcp", ckpt / ".metadata", ckpt, tmp_path, seal):
+            r = run_cli("verify", ckpt, "--manifest", seal, flag, out)
+            assert r.code == 2 and f"{flag} {out}" in r.stderr and "Traceback" not in r.stderr, (out, r.stderr)
+        for out, why in ((tmp_path / "nodir" / "r.json", "does not exist"), (FIXTURES, "is a directory")):
+            r = run_cli("verify", ckpt, "--manifest", seal, flag, out)
+            assert r.code == 2 and why in r.stderr, (out, r.stderr)
+    assert tree_digests(tmp_path) == before
+    r = run_cli("verify", ckpt, "--manifest", seal, "--report", tmp_path / "r.json", "--junit", tmp_path / "j.xml")
+    assert r.code == 0 and (tmp_path / "r.json").exists() and (tmp_path / "j.xml").exists()
+
+
 @pytest.mark.parametrize("size", ["--tp", "--pp", "--vpp", "--ep", "--etp", "--dp"])
 def test_a_parallel_size_of_zero_is_refused(size, tmp_path):
     """0 was taken for "not given" by the Megatron writer: --tp 0 wrote the source's layout."""

@@ -282,12 +282,16 @@ def verify(
     from ckpttool import reports
     from ckpttool.cli import _render
     from ckpttool.errors import UsageError
-    from ckpttool.io import atomic_output
+    from ckpttool.io import atomic_output, check_output_file, refuse_overlap
     from ckpttool.verify import Severity
     from ckpttool.verify import verify as run
 
     if fail_on not in ("error", "warning"):
         raise UsageError(f"--fail-on {fail_on!r}: expected error or warning")
+    for flag, given in (("--report", report_file), ("--junit", junit_file)):
+        if given is not None:  # checked before any work; a report never replaces what it reports on
+            refuse_overlap(given, flag=flag, checkpoint=path, seal=manifest)
+            check_output_file(given, flag)
     out = Output(json_mode=json_out, quiet=quiet)
     needed = [s.strip() for s in require.split(",") if s.strip()] if require else []
     with out.progress("verify") as update:

@@ -35,6 +35,7 @@ from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CkptError, CorruptFileError, UsageError
 from ckpttool.hashing import hash_bytes, new_hasher
 from ckpttool.io import (
+    TMP_MARKER,
     WriterGate,
     atomic_output,
     escapes,
@@ -157,6 +158,39 @@ def _checkpoint_files(manifest: Manifest) -> list[tuple[str, int]]:
     return [(f.path, f.size) for f in manifest.files if f.role != "seal"]
 
 
+def _is_seal_name(name: str) -> bool:
+    return name == "ckpttool.manifest.json" or name.endswith(".ckpttool.manifest.json")
+
+
+def _pack_root(path: str | Path, manifest: Manifest) -> tuple[Path, str]:
+    """The directory a container's paths start from, and the manifest root's path below it.
+
+    Given a save directory whose manifest covers one iteration folder inside it (Megatron
+    ``torch_dist``, a DeepSpeed universal checkpoint), that is the save directory: the container
+    then restores the folder under its own name, with the tracker beside it."""
+    root, given = Path(manifest.root), Path(path)
+    if given.is_dir() and root.resolve() != given.resolve() and root.resolve().is_relative_to(given.resolve()):
+        return given, root.resolve().relative_to(given.resolve()).as_posix() + "/"
+    return root, ""
+
+
+def _packed(
+    path: str | Path, adapter: Any, manifest: Manifest
+) -> tuple[Path, dict[str, list[_Segment]], list[tuple[str, int]]]:
+    """Root, tensor segments by file and files (path, size) of a checkpoint as a container holds it."""
+    root, prefix = _pack_root(path, manifest)
+    layout = {prefix + rel: segs for rel, segs in _file_layout(adapter, manifest).items()}
+    files = [(prefix + rel, size) for rel, size in _checkpoint_files(manifest)]
+    if prefix:  # the files beside the iteration folder: its tracker (and scripts a save leaves there)
+        held = {rel for rel, _ in files}
+        for entry in sorted(root.iterdir(), key=lambda e: e.name):
+            name = entry.name
+            if name in held or _is_seal_name(name) or TMP_MARKER in name or not entry.is_file():
+                continue
+            files.append((name, os.stat(ckio.confine(root, name, named_by="the listing")).st_size))
+    return root, layout, files
+
+
 def create(
     target: str | Path,
     output: str | Path,
@@ -172,18 +206,15 @@ def create(
     if out_path.exists() and not force:
         raise UsageError(f"{out_path} exists", hint="choose another -o path or pass --force")
     t_adapter, tm = registry.describe(target)
-    t_root = Path(tm.root)
-    t_layout = _file_layout(t_adapter, tm)
-    t_files = _checkpoint_files(tm)
+    t_root, t_layout, t_files = _packed(target, t_adapter, tm)
     b_root: Path | None = None
     b_pieces: dict[tuple[str, Any, Any, int], tuple[str, int]] = {}
     b_layout: dict[str, list[_Segment]] = {}
     b_files: dict[str, int] = {}
     if base is not None:
         b_adapter, bm = registry.describe(base)
-        b_root = Path(bm.root)
-        b_layout = _file_layout(b_adapter, bm)
-        b_files = dict(_checkpoint_files(bm))
+        b_root, b_layout, b_listing = _packed(base, b_adapter, bm)
+        b_files = dict(b_listing)
         for rel, segs in b_layout.items():
             for s in segs:
                 b_pieces.setdefault((canonical(s.item), *s.key, s.length), (rel, s.offset))
@@ -461,7 +492,7 @@ def apply(
     if header["kind"] == DELTA_KIND:
         if base is None:
             raise UsageError(f"{delta} is a delta: give the base checkpoint it was made against")
-        b_root = _base_root(Path(base))
+        b_root = _base_root(Path(base), header["base"]["files"])
         for rel, fp in header["base"]["files"].items():
             f = b_root / rel
             if not f.is_file() or f.stat().st_size != fp["size"] or b_maps.digest(f) != fp["xxh3"]:
@@ -606,13 +637,19 @@ def _pwrite(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[k:], offset + k
 
 
-def _base_root(base: Path) -> Path:
-    """The directory the base's relative paths start from (the adapter's root for it)."""
+def _base_root(base: Path, wanted: dict[str, Any]) -> Path:
+    """The directory the base's relative paths start from: its save directory or the adapter's
+    root for it, whichever holds the files the delta names (a delta made before save directories
+    were packed whole names them from the iteration folder)."""
     try:
         _, m = registry.describe(base)
-        return Path(m.root)
     except CkptError:
         return base if base.is_dir() else base.parent
+    packed, _ = _pack_root(base, m)
+    old = Path(m.root)
+    if all((old / rel).is_file() for rel in wanted) and not all((packed / rel).is_file() for rel in wanted):
+        return old
+    return packed
 
 
 def info(delta: str | Path) -> dict[str, Any]:

@@ -254,6 +254,24 @@ def escapes(rel: object) -> bool:
     return os.path.isabs(rel) or rel.startswith(("/", "\\")) or ".." in parts
 
 
+def outside(root: str | os.PathLike[str], full: str | os.PathLike[str]) -> str | None:
+    """Where ``full`` (a path below ``root``) really leads when a symbolic link on the way takes it
+    out of ``root``; None when it stays inside."""
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(full)
+    if real != real_root and not real.startswith(real_root.rstrip(os.sep) + os.sep):
+        return real
+    return None
+
+
+def _link_refusal(rel: str, real: str, root: str | os.PathLike[str]) -> PathEscapeError:
+    return PathEscapeError(
+        f"{rel!r} is a link to {real}, outside the checkpoint directory {os.path.realpath(root)}",
+        hint="copy the data into the checkpoint directory instead of linking to it",
+        path=rel,
+    )
+
+
 def confine(root: str | os.PathLike[str], rel: str, *, named_by: str = "the checkpoint metadata") -> str:
     """The absolute path of ``rel`` under ``root``; refuses absolute paths, ``..`` and symlinks
     that lead outside the root. ``named_by`` says where the path came from, for the message."""
@@ -265,26 +283,31 @@ def confine(root: str | os.PathLike[str], rel: str, *, named_by: str = "the chec
             path=rel,
         )
     full = os.path.join(root_s, *rel.replace("\\", "/").split("/"))
-    real_root = os.path.realpath(root_s)
-    real = os.path.realpath(full)
-    if real != real_root and not real.startswith(real_root + os.sep):
-        raise PathEscapeError(
-            f"{rel!r} is a link to {real}, outside the checkpoint directory {real_root}",
-            hint="copy the data into the checkpoint directory instead of linking to it",
-            path=rel,
-        )
+    real = outside(root_s, full)
+    if real is not None:
+        raise _link_refusal(rel, real, root_s)
     return full
 
 
-def list_files(root: str | os.PathLike[str]) -> list[tuple[str, int]]:
+def list_files(
+    root: str | os.PathLike[str], *, relative_to: str | os.PathLike[str] | None = None
+) -> list[tuple[str, int]]:
     """Every regular file below ``root`` as ``(relative posix path, size)``, sorted.
 
-    Symbolic links are listed (with their target's size) only when they stay inside the root.
+    A symbolic link that stays inside ``relative_to`` (default: ``root``) is listed with its
+    target's size; one that leads out of it, to a file or a directory, is refused
+    (:class:`PathEscapeError`): ckpttool reads nothing outside the checkpoint. Links to
+    directories are not followed.
     """
     root_s = os.fspath(root)
+    confine_to = os.fspath(relative_to) if relative_to is not None else root_s
     out: list[tuple[str, int]] = []
     for dirpath, dirnames, filenames in os.walk(root_s):
         dirnames[:] = sorted(d for d in dirnames if TMP_MARKER not in d)
+        for name in [*filenames, *dirnames]:
+            full = os.path.join(dirpath, name)
+            if os.path.islink(full) and (real := outside(confine_to, full)) is not None:
+                raise _link_refusal(os.path.relpath(full, confine_to).replace(os.sep, "/"), real, confine_to)
         for name in filenames:
             if TMP_MARKER in name:
                 continue  # a writer's temporary (in flight, or left by a killed run): not checkpoint data

@@ -34,6 +34,7 @@ from ckpttool.errors import CkptError, FormatNotRecognizedError, NotFoundError
 from ckpttool.formats.base import Adapter
 from ckpttool.geometry import coverage
 from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
+from ckpttool.io import outside
 from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, Piece, StateName
 from ckpttool.seal import PieceRecord, Seal, default_seal_path, in_file_order
 
@@ -429,6 +430,8 @@ class _SealedBytes:
     digests: Future[tuple[dict[str, FileDigest], dict[Any, str]]]
     runner: ThreadPoolExecutor
     stop: threading.Event
+    escaping: dict[str, str] = field(default_factory=dict)
+    """Links among the seal's folders that lead out of ``scope`` (not read): path → target."""
 
     def result(self) -> dict[str, FileDigest]:
         try:
@@ -451,24 +454,41 @@ def _seal_scope(root: Path, sealed: Seal, manifest: Manifest | None) -> Path:
 
 
 def _hash_sealed_files(
-    scope: Path, sealed: Seal, workers: int | None, progress: Callable[[int], None] | None
+    scope: Path,
+    sealed: Seal,
+    workers: int | None,
+    progress: Callable[[int], None] | None,
+    *,
+    one_file: bool = False,
 ) -> _SealedBytes:
     """List the seal's folders under ``scope`` and start hashing the files it names that are
-    there, in the background: the hashing threads read while the caller describes the checkpoint."""
+    there, in the background: the hashing threads read while the caller describes the checkpoint.
+
+    A link that leads out of ``scope`` is not read (it is an ``unsafe-path`` finding). With
+    ``one_file`` (the checkpoint is a single file) the files beside it are not looked at."""
     expected = {f.path for f in sealed.head.files if f.role != "seal"}
     # look for missing and extra files only in the directories the seal has files in (so the other
     # tags or iterations of a save directory are not "extra")
     on_disk: dict[str, int] = {}
+    escaping: dict[str, str] = {}
     for folder in sorted({rel.rsplit("/", 1)[0] if "/" in rel else "" for rel in expected}):
         d = scope / folder if folder else scope
+        if folder and (real := outside(scope, d)) is not None:
+            escaping[folder] = real  # the folder is (or lies in) a link out: nothing in it is read
+            continue
         if d.is_dir():
             for p in d.iterdir():
-                if p.is_file():
-                    on_disk[f"{folder}/{p.name}" if folder else p.name] = p.stat().st_size
+                rel = f"{folder}/{p.name}" if folder else p.name
+                if one_file and rel not in expected:
+                    continue
+                if p.is_symlink() and (real := outside(scope, p)) is not None:
+                    escaping[rel] = real
+                elif p.is_file():
+                    on_disk[rel] = p.stat().st_size
     present = [f.path for f in sealed.head.files if f.path in expected and f.path in on_disk]
     runner, stop = ThreadPoolExecutor(max_workers=1), threading.Event()
     future = runner.submit(hash_files, scope, present, {}, sealed.algo, workers=workers, progress=progress, cancel=stop)
-    return _SealedBytes(scope, on_disk, future, runner, stop)
+    return _SealedBytes(scope, on_disk, future, runner, stop, escaping)
 
 
 def _check_seal(
@@ -487,11 +507,24 @@ def _check_seal(
     if early is None or early.scope.resolve() != scope.resolve():
         if early is not None:
             early.cancel()  # the checkpoint's files lie elsewhere than guessed: hash them there
-        early = _hash_sealed_files(scope, sealed, workers, progress)
+        early = _hash_sealed_files(scope, sealed, workers, progress, one_file=not root.is_dir())
     file_digests = early.result()
     on_disk = early.on_disk
     expected = {f.path: f for f in sealed.head.files if f.role != "seal"}
-    missing = sorted(set(expected) - set(on_disk))
+    for rel, real in sorted(early.escaping.items()):
+        report.findings.append(
+            finding(
+                "unsafe-path",
+                f"{rel!r} is a link to {real}, outside the checkpoint directory {scope.resolve()}: not read",
+                file=rel,
+                hint="copy the data into the checkpoint directory instead of linking to it",
+            )
+        )
+    missing = sorted(
+        rel
+        for rel in set(expected) - set(on_disk)
+        if not any(rel == e or rel.startswith(e + "/") for e in early.escaping)
+    )
     for rel in missing:
         report.findings.append(
             finding("missing-file", f"{rel}: in the seal but not on disk", file=rel, rank=_rank_of(expected[rel]))

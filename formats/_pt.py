@@ -19,7 +19,7 @@ from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CorruptFileError
 from ckpttool.formats.base import PieceReader
 from ckpttool.geometry import Box
-from ckpttool.io import RandomAccessFile
+from ckpttool.io import RandomAccessFile, confine
 from ckpttool.manifest import Item, Manifest, Piece
 from ckpttool.values import flatten
 
@@ -36,7 +36,7 @@ def is_torch_zip(path: Path) -> bool:
 
 def load(root: Path, rel: str, allow: Mapping[tuple[str, str], Any]) -> tuple[_torchzip.Archive, Any, int]:
     """Parse one torch.save file below ``root``: its archive (file left open), object and size."""
-    f = RandomAccessFile(root / rel, display=rel)
+    f = RandomAccessFile(confine(root, rel, named_by="the listing"), display=rel)
     try:
         if f.read(0, min(4, f.size)) != ZIP_MAGIC:
             raise CorruptFileError(

@@ -10,6 +10,7 @@ partitions; Adam moments ``<param>.exp_avg`` / ``<param>.exp_avg_sq`` (kind ``op
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from ckpttool.errors import CorruptFileError, IncompleteCheckpointError
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection, claim
 from ckpttool.geometry import Box, coverage, row_major_strides
-from ckpttool.io import list_files, read_tracker
+from ckpttool.io import confine, list_files, read_tracker
 from ckpttool.manifest import FileRecord, Item, Kind, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
 from ckpttool.values import flatten, set_value
@@ -541,9 +542,9 @@ class DeepSpeedAdapter:
         root = save_dir if (path / "latest").is_file() else tag_dir
         prefix = f"{tag_dir.name}/" if root == save_dir else ""
         manifest = Manifest(root=str(root), format=self.name)
-        listing = [(prefix + rel, size) for rel, size in list_files(tag_dir)]
+        listing = [(prefix + rel, size) for rel, size in list_files(tag_dir, relative_to=root)]
         if prefix:
-            listing += [(p.name, p.stat().st_size) for p in sorted(root.iterdir()) if p.is_file()]
+            listing += [(p.name, os.stat(confine(root, p.name)).st_size) for p in sorted(root.iterdir()) if p.is_file()]
         files: dict[str, Any] = {}
         roles: list[FileRecord] = []
         for rel, size in listing:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection, claim
 from ckpttool.formats.dcp import DcpAdapter, DcpReader, is_dist_config
 from ckpttool.geometry import Box, row_major_strides
-from ckpttool.io import read_tracker
+from ckpttool.io import confine, read_tracker
 from ckpttool.manifest import FileRecord, Item, Kind, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
 from ckpttool.values import flatten, plain_value, set_value
@@ -1127,7 +1128,9 @@ class MegatronLegacyAdapter:
         for f_rel, size in ((r, s) for r, s in _list(root, prefix, dirs)):
             manifest.files.append(FileRecord(path=f_rel, size=size, role="data" if f_rel.endswith(".pt") else "aux"))
         if prefix:
-            manifest.files.append(FileRecord(path=TRACKER, size=(root / TRACKER).stat().st_size, role="tracker"))
+            manifest.files.append(
+                FileRecord(path=TRACKER, size=os.stat(confine(root, TRACKER)).st_size, role="tracker")
+            )
         for d in dirs:
             self._rank(manifest, objs[d], f"{prefix}{d}/model_optim_rng.pt", ranks[d], args, tp, gated, replicas)
         first = objs[dirs[0]]
@@ -1759,9 +1762,10 @@ def rank_of(directory: str, pp: int) -> tuple[int, int, int]:
 def _list(root: Path, prefix: str, dirs: list[str]) -> list[tuple[str, int]]:
     out = []
     for d in dirs:
-        for p in sorted((root / prefix / d).iterdir()):
+        for p in sorted(Path(confine(root, f"{prefix}{d}", named_by="the listing")).iterdir()):
             if p.is_file():
-                out.append((f"{prefix}{d}/{p.name}", p.stat().st_size))
+                rel = f"{prefix}{d}/{p.name}"
+                out.append((rel, os.stat(confine(root, rel, named_by="the listing")).st_size))
     return out
 
 

@@ -11,22 +11,24 @@ import pytest
 
 from ckpttool import delta, registry
 from ckpttool.delta import DeltaMismatchError
-from tests.conftest import FIXTURES, run_cli
+from tests.conftest import FIXTURES, run_cli, tree_digests
 
 RUN = FIXTURES / "run"
 
 
 def _files(path: Path) -> dict[str, str]:
-    _, m = registry.describe(path)
-    root = Path(m.root)
-    return {f.path: hashlib.sha256((root / f.path).read_bytes()).hexdigest() for f in m.files}
+    """sha256 of every file the user gave: a whole save directory (tracker, iteration folder and
+    scripts) or one file (key: its name)."""
+    if path.is_file():
+        return {path.name: hashlib.sha256(path.read_bytes()).hexdigest()}
+    return tree_digests(path)
 
 
 def _restored(out: Path, names: dict[str, str]) -> dict[str, str]:
     if out.is_file():
         (only,) = names
         return {only: hashlib.sha256(out.read_bytes()).hexdigest()}
-    return {rel: hashlib.sha256((out / rel).read_bytes()).hexdigest() for rel in names}
+    return tree_digests(out)
 
 
 PAIRS = [
@@ -57,8 +59,9 @@ def test_delta_round_trip(base, target, tmp_path):
     assert _restored(out, want) == want
 
 
-@pytest.mark.parametrize("rel", ["dcp/fsdp2", "deepspeed/zero3", "megatron/legacy_tp2pp2", "rankshards/ddp",
-                                 "safetensors/model.safetensors", "torch/train_state.pt"])
+@pytest.mark.parametrize("rel", ["dcp/fsdp2", "deepspeed/zero3", "deepspeed/universal", "megatron/legacy_tp2pp2",
+                                 "megatron/dist_tp2", "rankshards/ddp", "safetensors/model.safetensors",
+                                 "torch/train_state.pt"])
 def test_compress_round_trip(rel, tmp_path):
     packed = tmp_path / "p.ckz"
     r = run_cli("compress", FIXTURES / rel, "-o", packed)
@@ -296,3 +299,22 @@ def test_ctrl_c_inside_thread_start_waits_for_the_unrecorded_worker(tmp_path, mo
     assert not running, "apply returned while a worker was still writing"
     time.sleep(0.4)  # a worker left running would now have created its file
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+
+def test_a_save_directory_is_packed_whole_and_old_deltas_still_apply(tmp_path, monkeypatch):
+    """Megatron torch_dist given its save directory: the container restores the tracker and the
+    iteration folder (it used to restore the folder's files flattened, tracker lost). A delta made
+    that old way, against the iteration folder's paths, still applies to the save directory."""
+    src, base = FIXTURES / "megatron" / "dist_tp2pp2", FIXTURES / "megatron" / "dist_tp2"
+    d = tmp_path / "d.delta"
+    delta.create(src, d, base=base)
+    assert "latest_checkpointed_iteration.txt" in delta.read_header(d)["files"]
+    delta.apply(d, tmp_path / "new", base=base)
+    assert tree_digests(tmp_path / "new") == tree_digests(src)
+
+    monkeypatch.setattr(delta, "_pack_root", lambda path, m: (Path(m.root), ""))
+    delta.create(src, tmp_path / "old.delta", base=base)
+    monkeypatch.undo()
+    assert "latest_checkpointed_iteration.txt" not in delta.read_header(tmp_path / "old.delta")["files"]
+    delta.apply(tmp_path / "old.delta", tmp_path / "old", base=base)
+    assert tree_digests(tmp_path / "old") == tree_digests(src / "iter_0000003")

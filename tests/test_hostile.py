@@ -95,3 +95,54 @@ def test_inputs_are_never_modified(tmp_path):
         run_cli("export", case, "-o", tmp_path / f"{case.name}.safetensors", cwd=tmp_path)
         assert tree_digests(case) == before
     _no_marker(tmp_path)
+
+
+LINKED = [
+    ("deepspeed/zero1", "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+    ("megatron/legacy_tp2pp2", "iter_0000003/mp_rank_01_001/model_optim_rng.pt"),
+    ("megatron/legacy_tp2pp2", "iter_0000003/mp_rank_01_001"),  # a rank directory
+    ("rankshards/ddp", "shard_00001_of_00002.pt"),
+    ("deepspeed/universal", "global_step3_universal/zero/blocks.0.fc2.weight/exp_avg.pt"),
+]
+
+
+@pytest.mark.parametrize(("fixture", "rel"), LINKED, ids=lambda v: v.replace("/", "-"))
+def test_a_link_out_of_a_sealed_checkpoint_is_never_followed(fixture, rel, tmp_path):
+    """A file (or rank directory) swapped after `seal` for a link to elsewhere: every command
+    refuses it by name, sealed `verify` too (it read the data through the link and said OK)."""
+    from ckpttool.seal import seal
+
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / fixture, ck)
+    assert (ck / rel).exists(), rel
+    seal(ck)
+    outside = tmp_path / "elsewhere"
+    (ck / rel).rename(outside)
+    (ck / rel).symlink_to(outside)
+    before = tree_digests(outside)
+
+    for command in (["inspect"], ["compress", "-o", tmp_path / "c.ckz"], ["diff", FIXTURES / fixture]):
+        r = run_cli(command[0], ck, *command[1:], cwd=tmp_path)
+        assert r.code == 3, (command, r.stderr)
+        assert "Traceback" not in r.stderr
+        assert "/".join(rel.split("/")[-2:]) in r.stderr and f"is a link to {outside}" in r.stderr
+        assert "outside the checkpoint directory" in r.stderr
+    assert not (tmp_path / "c.ckz").exists()
+
+    r = run_cli("verify", ck, "--json", cwd=tmp_path)
+    assert r.code == 1, r.stderr
+    findings = json.loads(r.stdout)["findings"]
+    assert {f["rule"] for f in findings if f["severity"] == "error"} == {"unsafe-path"}, findings
+    assert any(f["file"].endswith(rel.split("/", 1)[-1]) for f in findings if f["rule"] == "unsafe-path")
+    assert not [f for f in findings if f["rule"] in ("missing-file", "changed-file")]
+    assert tree_digests(outside) == before
+
+
+def test_a_link_that_stays_inside_the_checkpoint_is_read(tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "rankshards" / "ddp", ck)
+    (ck / "store").mkdir()
+    (ck / "shard_00001_of_00002.pt").rename(ck / "store" / "s1.pt")
+    (ck / "shard_00001_of_00002.pt").symlink_to("store/s1.pt")
+    r = run_cli("diff", ck, FIXTURES / "rankshards" / "ddp", cwd=tmp_path)
+    assert r.code == 0, r.stderr

@@ -288,6 +288,22 @@ def test_extra_file_against_the_seal(tmp_path):
     assert report.failing("warning")
 
 
+def test_a_sealed_single_file_owns_nothing_beside_it(tmp_path):
+    """A file checkpoint's folder holds other things (a config, other checkpoints): none of them
+    is an extra file of its seal; the file itself still is checked."""
+    path = _copy("torch/train_state.pt", tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    seal(path)
+    (tmp_path / "notes.txt").write_text("added later")
+    report = verify(path)
+    assert not [f for f in report.findings if f.rule in ("extra-file", "missing-file")], report.findings
+    assert report.checked["files"] == 1
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 1
+    path.write_bytes(bytes(data))
+    assert "checksum-mismatch" in {f.rule for f in verify(path).findings}
+
+
 # -- the command line, every output mode --------------------------------------------------------
 
 

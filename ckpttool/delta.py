@@ -334,19 +334,27 @@ def read_header(path: str | Path) -> dict[str, Any]:
     try:
         with open(p, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
+            starts = fh.read(len(MAGIC)) == MAGIC
+            if not starts:
+                raise CorruptFileError(
+                    f"{p}: not a ckpttool delta or compressed checkpoint (it does not start with {MAGIC!r})",
+                    hint="give a file written by 'ckpttool delta create' or 'ckpttool compress'",
+                    path=str(p),
+                )
             if size < 2 * len(MAGIC) + 8:
-                raise ValueError("too short")
+                raise ValueError(f"{size:,} bytes, shorter than an empty container")
             fh.seek(size - len(MAGIC) - 8)
             (n,) = struct.unpack("<Q", fh.read(8))
             if fh.read(len(MAGIC)) != MAGIC or n > size:
-                raise ValueError("bad trailer")
+                raise ValueError(f"no container trailer in its last {len(MAGIC) + 8} bytes")
             fh.seek(size - len(MAGIC) - 8 - n)
             header: dict[str, Any] = json.loads(fh.read(n))
-            fh.seek(0)
-            if fh.read(len(MAGIC)) != MAGIC:
-                raise ValueError("bad magic")
     except (OSError, ValueError, RecursionError) as exc:
-        raise CorruptFileError(f"{p}: not a ckpttool delta or compressed checkpoint ({exc})", path=str(p)) from None
+        raise CorruptFileError(
+            f"{p}: a ckpttool container cut short or damaged ({exc})",
+            hint="the copy or the write was interrupted: copy it again, or re-create it from the checkpoint",
+            path=str(p),
+        ) from None
     try:
         _check_header(header, size - len(MAGIC) - 8 - n)
     except _BadHeader as exc:
@@ -653,7 +661,9 @@ def _base_root(base: Path, wanted: dict[str, Any]) -> Path:
 
 
 def info(delta: str | Path) -> dict[str, Any]:
-    """Original and coded bytes per item kind (``other`` for non-tensor bytes), and methods used."""
+    """Original and coded bytes per item kind (``other`` for non-tensor bytes), and methods used.
+    ``ratio`` is the checkpoint's bytes over the container file's (header included); each kind's
+    ratio is over its coded frames."""
     header = read_header(delta)
     kinds: dict[str, dict[str, int]] = {}
     methods: dict[str, int] = {}
@@ -676,7 +686,9 @@ def info(delta: str | Path) -> dict[str, Any]:
         "files": len(header["files"]),
         "bytes": total,
         "coded": coded,
-        "ratio": total / coded if coded else None,
+        # the container as stored, its header (the index of files and frames) included
+        "container_bytes": os.path.getsize(delta),
+        "ratio": total / os.path.getsize(delta),
         "by_kind": {k: {**v, "ratio": v["bytes"] / v["coded"] if v["coded"] else None} for k, v in kinds.items()},
         "methods": methods,
         "base_files": len(header["base"]["files"]) if header.get("base") else 0,

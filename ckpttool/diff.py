@@ -131,7 +131,13 @@ def load_map(path: str | Path | None) -> dict[str, str]:
     ``old`` may be a regular expression (``re.sub`` replacement syntax)."""
     if path is None:
         return {}
-    text = Path(path).read_text()
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise UsageError(
+            f"--map {path}: cannot be read ({reason})", hint="give a readable JSON or old=new file"
+        ) from None
     try:
         data = json.loads(text)
         if isinstance(data, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
@@ -179,6 +185,10 @@ def diff(
     base_atol, base_rtol = TOLERANCES[tolerance]
     atol = base_atol if atol is None else atol
     rtol = base_rtol if rtol is None else rtol
+    for flag, value in (("--atol", atol), ("--rtol", rtol)):
+        if not (math.isfinite(value) and value >= 0):
+            # a negative bound makes equal values "different"; NaN makes every difference "within"
+            raise UsageError(f"{flag} {value}: a tolerance is a finite number, 0 or more")
     adapter_a, ma = registry.describe(a)
     adapter_b, mb = registry.describe(b)
     rx = re.compile(pattern) if pattern else None
@@ -369,8 +379,10 @@ class _Accumulator:
             fa = _floats(a, dtype_a).astype(np.float64)
             with np.errstate(invalid="ignore", over="ignore"):
                 delta = np.abs(fa - fb)
-                both_nan = np.isnan(fa) & np.isnan(fb)
-                finite_delta = np.where(both_nan, 0.0, delta)
+                nan_a, nan_b = np.isnan(fa), np.isnan(fb)
+                both_nan = nan_a & nan_b
+                # NaN on one side only: as far apart as values get (nanmax would skip it: max abs 0)
+                finite_delta = np.where(both_nan, 0.0, np.where(nan_a ^ nan_b, np.inf, delta))
                 self.max_abs = max(self.max_abs, float(np.nanmax(finite_delta)) if finite_delta.size else 0.0)
                 self.sq_diff += float(np.nansum(finite_delta * finite_delta))
                 self.sq_b += float(np.nansum(fb * fb))

@@ -43,6 +43,12 @@ def detect(path: str | Path) -> Adapter:
     p = Path(path)
     if not p.exists():
         raise NotFoundError(f"{p}: no such file or directory", hint="check the path", path=str(p))
+    if not (p.is_dir() or p.is_file()):
+        raise CkptError(
+            f"{p}: neither a regular file nor a directory (a device, a pipe or a socket)",
+            hint="point ckpttool at the checkpoint file or directory",
+            path=str(p),
+        )
     reasons: dict[str, str] = {}
     guess: Adapter | None = None
     for adapter in adapters():

@@ -91,7 +91,9 @@ def github_summary(report: VerifyReport, fail_on: Severity = "error") -> str:
     out = [
         f"### ckpttool verify: {'passed' if ok else 'FAILED'}",
         "",
-        f"`{report.path}` · format `{report.format}` · step {report.step} · "
+        f"`{report.path}` · "
+        + (f"format `{report.format}`" if report.format else "format not read")
+        + f" · step {report.step if report.step is not None else 'unknown'} · "
         f"{s['error']} errors, {s['warning']} warnings",
         "",
     ]

@@ -411,6 +411,14 @@ def seal(
             raise UsageError(
                 f"--out {out} is, or holds, the checkpoint or one of its files", hint="write the seal elsewhere"
             )
+        ckio.check_output_file(out, "--out")
+        inside = Path(path).is_dir() and target.resolve().is_relative_to(Path(manifest.root).resolve())
+        if inside and not target.name.endswith(SEAL_NAME):
+            # inside the checkpoint a file is checkpoint data unless its name says it is a seal
+            raise UsageError(
+                f"--out {out} lies inside the checkpoint, where {target.name} would count as one of its files",
+                hint=f"name it {target.stem}.{SEAL_NAME}, or write it outside the checkpoint",
+            )
     file_digests, piece_digests, where = hash_pieces(
         adapter, manifest, algo, workers=workers, progress=progress, known=known
     )

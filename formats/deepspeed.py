@@ -619,6 +619,7 @@ class DeepSpeedAdapter:
         }
         trainable = set(shapes_of)
         if layers:
+            _check_layer_files(tag_dir, layers, trainable)
             b.layers(layers, shapes_of)
         for mp, rel in sorted(models.items()):
             module = files[rel].get("module")
@@ -694,6 +695,7 @@ class DeepSpeedAdapter:
         model_rel = models.get(min(models)) if models else (z3[min(z3)] if z3 else None)
         first = files[model_rel] if model_rel else {}
         shapes = {n: tuple(s) for group in (first.get("param_shapes") or []) for n, s in group.items()}
+        _check_universal_states(path, files, shapes)
         # a TP run's universal checkpoint keeps every TP rank's model states: its module is joined
         # by the same rules as the source's
         tp = parallel_degree(first, "tp_degree") or (len(models) if not z3 else 1)
@@ -764,6 +766,52 @@ class DeepSpeedAdapter:
 
     def reader(self, manifest: Manifest) -> _pt.PtReader:
         return _pt.PtReader(manifest, ALLOWLIST)
+
+
+def _check_universal_states(path: Path, files: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> None:
+    """ds_to_universal writes, for every trained parameter (``param_shapes``), a ``zero/<name>/``
+    folder with its fp32 weight and the same optimizer states as the others: one absent is a
+    deleted or unfinished file, not a parameter without state."""
+    held: dict[str, set[str]] = defaultdict(set)
+    for rel in files:
+        parts = rel.split("/")
+        if len(parts) == 3 and parts[0] == "zero":
+            held[parts[1]].add(parts[2])
+    states = {"fp32.pt"}.union(*(held[n] for n in shapes if n in held))
+    absent = [f"zero/{n}/{st}" for n in shapes for st in sorted(states) if st not in held.get(n, ())]
+    if absent:
+        raise IncompleteCheckpointError(
+            f"{path}: {len(absent)} universal state file(s) missing: {', '.join(absent[:6])}"
+            + (" …" if len(absent) > 6 else "")
+            + " (every trained parameter has the same files)",
+            hint="ds_to_universal did not finish or a file was deleted; convert again from the source checkpoint",
+            path=absent[0],
+            rule="missing-file",
+        )
+
+
+def _check_layer_files(tag_dir: Path, layers: dict[tuple[int, int], str], trainable: set[str]) -> None:
+    """A pipeline save writes one file per layer with parameters and model-parallel rank: a layer
+    the optimizer trains (``<layer>.<name>`` in ``param_shapes``) with no file, or a file for some
+    model-parallel ranks only, is a deleted or unfinished file."""
+    tps = sorted({t for _, t in layers})
+    wanted = {int(n.split(".", 1)[0]) for n in trainable if n.split(".", 1)[0].isdigit()}
+    wanted |= {layer for layer, _ in layers}
+    absent = [
+        f"layer_{layer:02d}-model_{t:02d}-model_states.pt"
+        for layer in sorted(wanted)
+        for t in tps
+        if (layer, t) not in layers
+    ]
+    if absent:
+        raise IncompleteCheckpointError(
+            f"{tag_dir}: {len(absent)} pipeline layer file(s) missing: {', '.join(absent[:6])}"
+            + (" …" if len(absent) > 6 else "")
+            + " (the optimizer trains these layers' parameters)",
+            hint="a stage did not finish saving or the file was deleted; use another checkpoint",
+            path=absent[0],
+            rule="missing-file",
+        )
 
 
 class _Builder:

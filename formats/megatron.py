@@ -1233,6 +1233,16 @@ class MegatronLegacyAdapter:
         dist_rel = rel.rsplit("/", 1)[0] + "/distrib_optim.pt"
         if Path(manifest.root, dist_rel).is_file():
             self._distrib_optim(manifest, dist_rel, orders, args, rank, tp, gated, replicas)
+        elif getattr(args, "use_distributed_optimizer", False) and isinstance(obj.get("optimizer"), dict | list):
+            # Megatron-LM saves the distributed optimizer's state beside every rank's model file
+            # whenever it saves the optimizer (the model file then holds its param groups)
+            raise IncompleteCheckpointError(
+                f"{dist_rel} is missing: {rel} holds the distributed optimizer's param groups, so its "
+                "state was saved beside it",
+                hint="a rank did not finish saving or the file was deleted; use another iteration",
+                path=dist_rel,
+                rule="missing-file",
+            )
         rng = obj.get("rng_state")
         if isinstance(rng, list):
             for name, value in flatten(rng, "rng_state"):

@@ -129,12 +129,15 @@ class RankShardsAdapter:
             raise CorruptFileError(
                 f"{path}: world size {world:,} for {len(shards)} shard files is not plausible", path=str(path)
             )
-        if world is not None:
-            missing = [r for r in range(world) if r not in shards]
+        # without a world size, the ranks still run from 0 without a gap (the last one's absence
+        # shows only as a sharded tensor's coverage gap)
+        expect = world if world is not None else (max(shards) + 1 if shards else 0)
+        if expect:
+            missing = [r for r in range(expect) if r not in shards]
             if missing:
+                said = f"{world}" if world is not None else f"at least {expect}"
                 raise IncompleteCheckpointError(
-                    f"{path}: {len(missing)} of {world} rank shards missing "
-                    f"(ranks {', '.join(map(str, missing[:12]))})",
+                    f"{path}: {len(missing)} of {said} rank shards missing (ranks {', '.join(map(str, missing[:12]))})",
                     hint="a rank did not finish saving or its file was deleted; use another checkpoint",
                     path=str(path),
                     rule="missing-file",

@@ -40,6 +40,10 @@ class TorchSaveAdapter:
             return verdict
         if not path.is_file():
             return Detection(False, "not a single file")
+        if path.suffix == ".distcp" or (path.parent / ".metadata").is_file():
+            # torch.save records one after another, named by the directory's .metadata: the first
+            # alone would pass for the whole file
+            return Detection(False, f"{path.name} is one data file of the DCP checkpoint {path.parent}: give that")
         with open(path, "rb") as fh:
             head = fh.read(4)
         if head == _pt.ZIP_MAGIC:

@@ -202,6 +202,43 @@ def test_verify_reports_never_replace_the_checkpoint(tmp_path):
     assert r.code == 0 and (tmp_path / "r.json").exists() and (tmp_path / "j.xml").exists()
 
 
+def test_bad_requests_are_refused_not_internal_errors(tmp_path):
+    """Each of these was an "internal error" with a traceback hint (or, --workers 0, accepted)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ckpt)
+    cases = [
+        (["seal", ckpt, "--out", tmp_path / "nodir" / "s.json"], 2, "does not exist"),
+        (["seal", ckpt, "--out", FIXTURES / "dcp"], 2, "is a directory"),
+        (["seal", ckpt, "--out", ckpt / "notes.json"], 2, "inside the checkpoint"),
+        (["diff", ckpt, ckpt, "--map", tmp_path / "absent.json"], 2, "--map"),
+        (["inspect", ""], 2, "empty path"),
+        (["diff", ckpt, ckpt, "--atol", "-1"], 2, "--atol -1.0: a tolerance is a finite number"),
+        (["diff", ckpt, ckpt, "--rtol", "nan"], 2, "--rtol nan: a tolerance is a finite number"),
+        (["inspect", ckpt / "__0_0.distcp"], 3, "is one data file of the DCP checkpoint"),
+        (["inspect", "/dev/null"], 3, "neither a regular file nor a directory"),
+        (["compress", "/dev/null", "-o", tmp_path / "x.ckz"], 3, "neither a regular file nor a directory"),
+    ]
+    for command in ("verify", "seal", "compress"):
+        for n in ("0", "-1"):
+            cases.append(
+                (
+                    [command, ckpt, "--workers", n, *(["-o", tmp_path / "w.ckz"] * (command == "compress"))],
+                    2,
+                    "--workers",
+                )
+            )
+    before = tree_digests(ckpt)
+    for args, code, says in cases:
+        r = run_cli(*args, cwd=tmp_path)
+        assert r.code == code and says in r.stderr, (args, r.code, r.stderr)
+        assert "internal error" not in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    assert tree_digests(ckpt) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    named = run_cli("seal", ckpt, "--out", ckpt / "mine.ckpttool.manifest.json", cwd=tmp_path)
+    assert named.code == 0, named.stderr
+    assert run_cli("verify", ckpt, "--manifest", ckpt / "mine.ckpttool.manifest.json", cwd=tmp_path).code == 0
+
+
 @pytest.mark.parametrize("size", ["--tp", "--pp", "--vpp", "--ep", "--etp", "--dp"])
 def test_a_parallel_size_of_zero_is_refused(size, tmp_path):
     """0 was taken for "not given" by the Megatron writer: --tp 0 wrote the source's layout."""

@@ -126,7 +126,11 @@ def test_truncated_delta_is_a_clear_error(tmp_path):
     delta.create(RUN / "step_11", d, base=RUN / "step_10")
     d.write_bytes(d.read_bytes()[:-100])
     r = run_cli("delta", "apply", RUN / "step_10", d, "-o", tmp_path / "out")
-    assert r.code == 3 and "not a ckpttool delta" in r.stderr and "Traceback" not in r.stderr
+    assert r.code == 3 and "cut short or damaged" in r.stderr and "Traceback" not in r.stderr
+    assert "hint: the copy or the write was interrupted" in r.stderr
+    r = run_cli("delta", "apply", RUN / "step_10", RUN / "step_10" / ".metadata", "-o", tmp_path / "out")
+    assert r.code == 3 and "not a ckpttool delta or compressed checkpoint" in r.stderr and "hint:" in r.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_info_and_cli(tmp_path):

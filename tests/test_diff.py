@@ -100,3 +100,27 @@ def test_a_tensor_kept_inside_an_object_on_one_side_is_compared(tmp_path):
         assert d.rel_l2 == rel_l2  # |a - b| / |b|
         # the tolerances apply as to any tensor: |a - b| = scale is within rtol 1 of either side
         assert not diff(a, b, atol=0.0, rtol=1.0).different
+
+
+def test_a_value_become_nan_is_the_largest_difference_not_zero(tmp_path):
+    """One element turned NaN: max abs was reported 0 (nanmax skipped it), so the tensor ranked
+    below any finite change and looked equal by its figures."""
+    copy = tmp_path / "ck"
+    shutil.copytree(FSDP2, copy)
+    adapter, m = registry.describe(copy)
+    for name, value in (("model.blocks.0.fc2.weight", float("nan")), ("model.blocks.0.fc1.weight", 123.0)):
+        item = m.items[name]
+        with adapter.reader(m) as reader:
+            off, _ = reader.raw_span(item.pieces[0], item)
+        with open(copy / item.pieces[0].file, "r+b") as fh:
+            fh.seek(off)
+            fh.write(struct.pack("<f", value))
+    report = diff(FSDP2, copy, atol=1e9)
+    by_name = {v.name: v for v in report.values}
+    assert by_name["blocks.0.fc2.weight"].max_abs == float("inf")
+    assert not by_name["blocks.0.fc2.weight"].within_tolerance
+    assert by_name["blocks.0.fc1.weight"].within_tolerance
+    assert report.largest.name == "blocks.0.fc2.weight"
+    r = run_cli("diff", FSDP2, copy, "--json")
+    assert r.code == 1
+    assert {v["name"]: v for v in json.loads(r.stdout)["values"]}["blocks.0.fc2.weight"]["max_abs_diff"] == "inf"

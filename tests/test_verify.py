@@ -304,6 +304,34 @@ def test_a_sealed_single_file_owns_nothing_beside_it(tmp_path):
     assert "checksum-mismatch" in {f.rule for f in verify(path).findings}
 
 
+@pytest.mark.parametrize(
+    ("fixture", "rel", "named"),
+    [
+        ("deepspeed/pipeline_tied", "global_step3/layer_04-model_00-model_states.pt", "layer_04-model_00"),
+        ("deepspeed/universal3", "global_step3_universal/zero/emb.weight/fp32.pt", "zero/emb.weight/fp32.pt"),
+        ("deepspeed/universal3", "global_step3_universal/zero/emb.weight/exp_avg_sq.pt", "emb.weight/exp_avg_sq"),
+        ("deepspeed/universal", "global_step3_universal/zero/blocks.1.fc1.weight", "blocks.1.fc1.weight/exp_avg.pt"),
+        (
+            "megatron/legacy_pp2ep2_distopt",
+            "iter_0000003/mp_rank_00_000_001/distrib_optim.pt",
+            "mp_rank_00_000_001/distrib_optim.pt",
+        ),
+        ("rankshards/pipeline", "checkpoint_step3_stage0.pt", "ranks 0"),
+    ],
+    ids=lambda v: v.replace("/", "-"),
+)
+def test_a_deleted_file_only_the_format_knows_of_fails_unsealed_verify(fixture, rel, named, tmp_path):
+    """No metadata lists these files by name (a pipeline layer, a universal state file, the
+    distributed optimizer's state, a stage): verify without a seal still says which is missing."""
+    path = _copy(fixture, tmp_path)
+    gone = path / rel
+    shutil.rmtree(gone) if gone.is_dir() else gone.unlink()
+    report = verify(path)
+    assert "missing-file" in _rules(report), report.findings
+    assert any(named in f.message for f in report.findings if f.rule == "missing-file"), report.findings
+    assert report.failing()
+
+
 # -- the command line, every output mode --------------------------------------------------------
 
 
@@ -338,6 +366,8 @@ def test_cli_human_json_junit_github(broken, tmp_path):
     assert gh.code == 1
     assert "::error title=ckpttool missing-file::" in gh.stderr
     assert "ckpttool verify: FAILED" in summary.read_text()
+    assert "None" not in summary.read_text()  # an unreadable checkpoint has no format or step
+    assert "format not read · step unknown" in summary.read_text()
 
 
 def test_cli_groups_many_findings(tmp_path):

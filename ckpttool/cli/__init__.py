@@ -18,7 +18,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from ckpttool.cli._output import Output
+from ckpttool.cli._output import Output, dumps
 from ckpttool.errors import CkptError
 
 app = typer.Typer(
@@ -36,7 +36,17 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or notes on stderr.")]
-PathArg = Annotated[Path, typer.Argument(help="Checkpoint directory or file.", show_default=False)]
+
+
+def _a_path(value: str) -> Path:
+    """A path argument as typed: an empty one is refused (``Path("")`` would be the working
+    directory, which the command would then walk)."""
+    if not value.strip():
+        raise typer.BadParameter("an empty path names nothing")
+    return Path(value)
+
+
+PathArg = Annotated[Path, typer.Argument(help="Checkpoint directory or file.", show_default=False, parser=_a_path)]
 
 
 def _handles_errors(fn: F) -> F:
@@ -208,7 +218,7 @@ def seal(
     hash_: Annotated[str, typer.Option("--hash", help="xxh3-128 (fast) or sha256 (to match external digests).")] = (
         "xxh3-128"
     ),
-    workers: Annotated[int | None, typer.Option("--workers", help="Files hashed at once.")] = None,
+    workers: Annotated[int | None, typer.Option("--workers", min=1, help="Files hashed at once.")] = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -267,7 +277,7 @@ def verify(
     fail_on: Annotated[str, typer.Option("--fail-on", help="Lowest severity that fails: error or warning.")] = "error",
     report_file: Annotated[Path | None, typer.Option("--report", help="Also write the JSON report here.")] = None,
     junit_file: Annotated[Path | None, typer.Option("--junit", help="Also write a JUnit XML report here.")] = None,
-    workers: Annotated[int | None, typer.Option("--workers", help="Files read at once.")] = None,
+    workers: Annotated[int | None, typer.Option("--workers", min=1, help="Files read at once.")] = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -308,11 +318,9 @@ def verify(
         out.json(payload)
     else:
         _render.verify_report(out, report, severity)
-    import json as _json
-
     if report_file is not None:
         with atomic_output(report_file) as fh:
-            fh.write((_json.dumps(payload, indent=2) + "\n").encode())
+            fh.write((dumps(payload) + "\n").encode())
     if junit_file is not None:
         with atomic_output(junit_file) as fh:
             fh.write(reports.junit(report, severity).encode())
@@ -334,8 +342,8 @@ def verify(
 )
 @_handles_errors
 def diff(
-    a: Annotated[Path, typer.Argument(help="The first checkpoint.", show_default=False)],
-    b: Annotated[Path, typer.Argument(help="The second checkpoint.", show_default=False)],
+    a: Annotated[Path, typer.Argument(help="The first checkpoint.", show_default=False, parser=_a_path)],
+    b: Annotated[Path, typer.Argument(help="The second checkpoint.", show_default=False, parser=_a_path)],
     atol: Annotated[float | None, typer.Option("--atol", help="Absolute tolerance.")] = None,
     rtol: Annotated[float | None, typer.Option("--rtol", help="Relative tolerance.")] = None,
     tolerance: Annotated[
@@ -361,7 +369,8 @@ def diff(
 
     Reports added, removed, shape/dtype changes and value changes (max abs difference, relative L2,
     elements that differ, first differing index), naming the first diverging tensor in A's order
-    and the largest divergence. RNG state that one side keeps in opaque records (Megatron
+    and the largest divergence (a value that became NaN on one side differs by inf; JSON spells
+    such numbers "inf" and "nan"). RNG state that one side keeps in opaque records (Megatron
     torch_dist) is listed as not compared. Exit 0 equal within tolerance, 1 different, 3 could not
     evaluate.
     """
@@ -513,7 +522,7 @@ def reshard(
             "source's).",
         ),
     ] = None,
-    workers: Annotated[int, typer.Option("--workers", help="Output files written at once (processes).")] = 1,
+    workers: Annotated[int, typer.Option("--workers", min=1, help="Output files written at once (processes).")] = 1,
     device: Annotated[
         str,
         typer.Option(
@@ -663,7 +672,7 @@ def _coded_summary(out: Output, target: Path) -> None:
     stats = info(target)
     ratio = stats["ratio"]
     out.line(
-        f"{stats['files']} files, {decimal(int(stats['bytes']))} -> {decimal(int(stats['coded']))}"
+        f"{stats['files']} files, {decimal(int(stats['bytes']))} -> {decimal(int(stats['container_bytes']))}"
         + (f" (ratio {ratio:.3f})" if ratio else "")
         + f": {target}"
     )
@@ -672,10 +681,10 @@ def _coded_summary(out: Output, target: Path) -> None:
 @delta_app.command("create", epilog="Example:  ckpttool delta create ckpt/step_1000 ckpt/step_1010 -o step_1010.delta")
 @_handles_errors
 def delta_create(
-    base: Annotated[Path, typer.Argument(help="The checkpoint to code against.", show_default=False)],
-    target: Annotated[Path, typer.Argument(help="The checkpoint to code.", show_default=False)],
+    base: Annotated[Path, typer.Argument(help="The checkpoint to code against.", show_default=False, parser=_a_path)],
+    target: Annotated[Path, typer.Argument(help="The checkpoint to code.", show_default=False, parser=_a_path)],
     output: Annotated[Path, typer.Option("--output", "-o", help="The delta file to write.", show_default=False)],
-    workers: Annotated[int | None, typer.Option("--workers", help="Pieces coded at once.")] = None,
+    workers: Annotated[int | None, typer.Option("--workers", min=1, help="Pieces coded at once.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -699,10 +708,12 @@ def delta_create(
 )
 @_handles_errors
 def delta_apply(
-    base: Annotated[Path, typer.Argument(help="The checkpoint the delta was made against.", show_default=False)],
-    delta: Annotated[Path, typer.Argument(help="The delta file.", show_default=False)],
+    base: Annotated[
+        Path, typer.Argument(help="The checkpoint the delta was made against.", show_default=False, parser=_a_path)
+    ],
+    delta: Annotated[Path, typer.Argument(help="The delta file.", show_default=False, parser=_a_path)],
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to restore TARGET.", show_default=False)],
-    workers: Annotated[int | None, typer.Option("--workers", help="Files rebuilt at once.")] = None,
+    workers: Annotated[int | None, typer.Option("--workers", min=1, help="Files rebuilt at once.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -719,7 +730,9 @@ def delta_apply(
 @delta_app.command("info", epilog="Example:  ckpttool delta info step_1010.delta --json")
 @_handles_errors
 def delta_info(
-    delta: Annotated[Path, typer.Argument(help="A delta or compressed checkpoint.", show_default=False)],
+    delta: Annotated[
+        Path, typer.Argument(help="A delta or compressed checkpoint.", show_default=False, parser=_a_path)
+    ],
     json_out: JsonOpt = False,
 ) -> None:
     """Bytes before and after coding, per item kind, and the coding methods used."""
@@ -749,7 +762,7 @@ def delta_info(
 def compress(
     path: PathArg,
     output: Annotated[Path, typer.Option("--output", "-o", help="The file to write.", show_default=False)],
-    workers: Annotated[int | None, typer.Option("--workers", help="Pieces coded at once.")] = None,
+    workers: Annotated[int | None, typer.Option("--workers", min=1, help="Pieces coded at once.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -768,9 +781,11 @@ def compress(
 @app.command(epilog="Example:  ckpttool decompress step_1000.ckz -o restored/step_1000")
 @_handles_errors
 def decompress(
-    packed: Annotated[Path, typer.Argument(help="A file written by 'ckpttool compress'.", show_default=False)],
+    packed: Annotated[
+        Path, typer.Argument(help="A file written by 'ckpttool compress'.", show_default=False, parser=_a_path)
+    ],
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to restore it.", show_default=False)],
-    workers: Annotated[int | None, typer.Option("--workers", help="Files rebuilt at once.")] = None,
+    workers: Annotated[int | None, typer.Option("--workers", min=1, help="Files rebuilt at once.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
     quiet: QuietOpt = False,
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -12,6 +13,24 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+
+def strict(value: Any) -> Any:
+    """``value`` with every infinite or NaN float spelled as the string ``"inf"``, ``"-inf"`` or
+    ``"nan"`` (``float()`` reads them back): JSON has no such numbers, and ``Infinity`` breaks
+    strict parsers (jq, JavaScript)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict(v) for v in value]
+    return value
+
+
+def dumps(payload: Any) -> str:
+    """The JSON text of a command's payload: indented, strict (no ``Infinity``/``NaN``)."""
+    return json.dumps(strict(payload), indent=2, default=str, allow_nan=False)
 
 
 class Output:
@@ -24,7 +43,7 @@ class Output:
     # -- data (stdout) --------------------------------------------------------------------------
 
     def json(self, payload: Any) -> None:
-        sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
+        sys.stdout.write(dumps(payload) + "\n")
         sys.stdout.flush()
 
     def line(self, text: str) -> None:

@@ -30,7 +30,7 @@ from typing_extensions import TypedDict  # pydantic needs this one on Python < 3
 from ckpttool import registry
 from ckpttool.assemble import assemble, regions
 from ckpttool.dtypes import bf16_to_float32
-from ckpttool.errors import CkptError, FormatNotRecognizedError, NotFoundError
+from ckpttool.errors import CkptError, FormatNotRecognizedError, NotFoundError, PathEscapeError
 from ckpttool.formats.base import Adapter
 from ckpttool.geometry import coverage
 from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
@@ -367,7 +367,10 @@ def _check_in_flight(report: VerifyReport, root: Path, manifest: Manifest | None
     if manifest is not None:
         roles = {f.path: f.role for f in manifest.files}
     else:  # the checkpoint could not be read (a file being rewritten is often cut short): by name
-        names = {rel: rel.rsplit("/", 1)[-1] for rel, _ in list_files(root)}
+        try:
+            names = {rel: rel.rsplit("/", 1)[-1] for rel, _ in list_files(root)}
+        except PathEscapeError:
+            return  # a link out of the checkpoint: reported as unsafe-path by the read that failed
         roles = {
             rel: "metadata" if name in COMMIT_NAMES else "aux" if name in AUX_NAMES else "data"
             for rel, name in names.items()

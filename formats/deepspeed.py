@@ -779,12 +779,23 @@ def _check_universal_states(path: Path, files: dict[str, Any], shapes: dict[str,
             held[parts[1]].add(parts[2])
     states = {"fp32.pt"}.union(*(held[n] for n in shapes if n in held))
     absent = [f"zero/{n}/{st}" for n in shapes for st in sorted(states) if st not in held.get(n, ())]
+    _refuse_absent(
+        path,
+        absent,
+        "universal state",
+        "every trained parameter has the same files",
+        "ds_to_universal did not finish or a file was deleted; convert again from the source checkpoint",
+    )
+
+
+def _refuse_absent(where: Path, absent: list[str], what: str, why: str, hint: str) -> None:
+    """Files the format implies but no metadata lists, found missing: one ``missing-file`` error."""
     if absent:
         raise IncompleteCheckpointError(
-            f"{path}: {len(absent)} universal state file(s) missing: {', '.join(absent[:6])}"
+            f"{where}: {len(absent)} {what} file(s) missing: {', '.join(absent[:6])}"
             + (" …" if len(absent) > 6 else "")
-            + " (every trained parameter has the same files)",
-            hint="ds_to_universal did not finish or a file was deleted; convert again from the source checkpoint",
+            + f" ({why})",
+            hint=hint,
             path=absent[0],
             rule="missing-file",
         )
@@ -803,15 +814,13 @@ def _check_layer_files(tag_dir: Path, layers: dict[tuple[int, int], str], traina
         for t in tps
         if (layer, t) not in layers
     ]
-    if absent:
-        raise IncompleteCheckpointError(
-            f"{tag_dir}: {len(absent)} pipeline layer file(s) missing: {', '.join(absent[:6])}"
-            + (" …" if len(absent) > 6 else "")
-            + " (the optimizer trains these layers' parameters)",
-            hint="a stage did not finish saving or the file was deleted; use another checkpoint",
-            path=absent[0],
-            rule="missing-file",
-        )
+    _refuse_absent(
+        tag_dir,
+        absent,
+        "pipeline layer",
+        "the optimizer trains these layers' parameters",
+        "a stage did not finish saving or the file was deleted; use another checkpoint",
+    )
 
 
 class _Builder:

@@ -296,6 +296,9 @@ def _read_stage(src: _Source, args: Any, rank: tuple[int, int, int], layer_offse
             src.optimizer_extra = (rel, kept)
 
 
+_SEQUENTIAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(?P<j>\d+)\.linear_fc(?P<fc>[12])\.(?P<what>\w+)$")
+
+
 def _canonical(names: list[str]) -> list[str]:
     """Model entries in the order of the whole model, whatever the source's pipeline split and
     however many EP ranks' files they were gathered from: the entries before the layers
@@ -647,6 +650,23 @@ class _Fill:
             assemble(reader, item, out=out, box=box)
 
 
+class _GroupedFill:
+    """Produces a GroupedMLP weight (or its state) of one rank file: block ``j`` of its memory is
+    the transpose of its ``j``-th expert's part, one expert read at a time."""
+
+    def __init__(self, reader: PieceReader | None, parts: list[tuple[Item, list[Box]]], dtype: str) -> None:
+        self.reader, self.parts, self.dtype = reader, parts, dtype
+
+    def __call__(self, buf: np.ndarray) -> None:
+        kind = carrier(self.dtype)
+        rows, cols = _stacked(self.parts[0][1])
+        blocks = buf.view(kind).reshape(len(self.parts), cols, rows)
+        one = np.empty(rows * cols * np.dtype(kind).itemsize, np.uint8)
+        for j, (item, boxes) in enumerate(self.parts):
+            _Fill(self.reader, item, boxes)(one)
+            blocks[j] = one.view(kind).reshape(rows, cols).T
+
+
 def _stacked(boxes: list[Box]) -> tuple[int, ...]:
     if len(boxes) == 1:
         return boxes[0].sizes
@@ -671,11 +691,15 @@ class LegacyWriter:
         self.rules = rules or {}
         self.src = self._source(root, manifest)
         self.args = self.src.objs[(0, 0, 0)].get("args")
-        if self.rank_files and (self.src.grouped_mlp or getattr(self.args, "moe_grouped_gemm", False)):
+        self.grouped = self.rank_files and (self.src.grouped_mlp or bool(getattr(self.args, "moe_grouped_gemm", False)))
+        """legacy output of grouped-GEMM experts: each rank's in GroupedMLP's ``weight1``/``weight2``"""
+        self._composed: dict[str, tuple[int, list[Item]]] = {}
+        """a GroupedMLP weight (or its state) of the output -> (fc, its experts' items, by global number)"""
+        if self.grouped and getattr(self.args, "transformer_impl", "local") != "local":
             raise UsageError(
-                "this model's experts run as grouped GEMM (--moe-grouped-gemm: GroupedMLP keeps each rank's experts "
-                "in mlp.experts.weight1/weight2, TEGroupedMLP in linear_fc1.weight<j>); writing them in a legacy "
-                "checkpoint is not supported yet",
+                "this model's experts run as TransformerEngine's grouped GEMM (TEGroupedMLP keeps each rank's "
+                "experts in linear_fc1.weight<j> with TE's _extra_state); writing them in a legacy checkpoint is "
+                "not supported yet",
                 hint="'--to megatron-dist' writes torch_dist, whose expert layout megatron-core loads into "
                 "SequentialMLP, GroupedMLP and TEGroupedMLP alike",
             )
@@ -740,6 +764,8 @@ class LegacyWriter:
             self._infer_membership()
         if self.distopt and not self.src.distopt:
             self._check_distopt_groups()
+        if self.grouped:
+            self._group_experts()
         if (
             self.src.memberless
             and self._chained
@@ -755,6 +781,57 @@ class LegacyWriter:
                 hint="reshard it at EP=1, or from a legacy checkpoint saved at EP > 1 without the distributed "
                 "optimizer",
             )
+
+    def _group_experts(self) -> None:
+        """Write the routed experts as megatron-core's legacy GroupedMLP keeps them (the model was
+        trained with ``--moe-grouped-gemm``): in each layer, ``mlp.experts.weight1`` and ``weight2``
+        stand where the experts' block stood, each EP rank's file holding its experts' blocks
+        (:class:`~ckpttool.formats.megatron.GroupedWeights`, the reader's inverse); the optimizer
+        state of a weight is its experts' state laid out the same way. GroupedMLP has no biases
+        and saves no ``_extra_state`` for its experts."""
+        items = dict(self.manifest.items)
+        order: list[str] = []
+        placed: set[str] = set()
+        for name in self.src.model_order:
+            m = _SEQUENTIAL_EXPERT.search(name)
+            if m is None:
+                order.append(name)
+                continue
+            if m["what"] == "bias":
+                raise UsageError(
+                    f"{name}: GroupedMLP (--moe-grouped-gemm) has no expert biases, and this model's experts have",
+                    hint="'--to megatron-dist' writes the experts as megatron-core's sharded state dict names them",
+                )
+            if m["what"] != "weight":
+                continue  # an expert's _extra_state: GroupedMLP saves none
+            head, fc = name[: m.start("j") - len("local_experts.")], int(m["fc"])
+            grouped = f"{head}weight{fc}"
+            if grouped in placed:
+                continue
+            placed.add(grouped)
+            order.append(grouped)
+            members = [items.get(f"{head}local_experts.{j}.linear_fc{fc}.weight") for j in range(self.src.experts)]
+            if any(x is None or x.shape is None or len(x.shape) != 2 for x in members):
+                raise CorruptFileError(f"{grouped}: the source lacks some of its {self.src.experts} experts' fc{fc}")
+            first = members[0]
+            assert first is not None and first.shape is not None
+            rows, cols = first.shape
+            shape = (cols, self.src.experts * rows) if fc == 1 else (self.src.experts * cols, rows)
+            for suffix in ("", ".fp32", *(f".{k}" for k in _STATE_KEYS)):
+                states = [items.get(f"{x.name}{suffix}") for x in members if x is not None]
+                if not all(states) or len(states) != len(members):
+                    continue
+                top = states[0]
+                assert top is not None
+                items[grouped + suffix] = Item(name=grouped + suffix, kind=top.kind, dtype=top.dtype, shape=shape)
+                self._composed[grouped + suffix] = (fc, [x for x in states if x is not None])
+            if first.name in self.src.group_of:
+                self.src.group_of[grouped] = self.src.group_of[first.name]
+            if first.name in self.src.step_of:
+                self.src.step_of[grouped] = self.src.step_of[first.name]
+        self.src.model_order = order
+        self.manifest = copy.copy(self.manifest)
+        self.manifest.items = items
 
     def _expert_layout(self) -> None:
         if self.distopt or (self.src.distopt and not self.src.dist):
@@ -1116,6 +1193,15 @@ class LegacyWriter:
         """Output rank file ``rank`` = (t, p, e)'s part of ``item`` (``reader`` None: for planning
         only, never filled): TP rank t's, or for a routed expert's its ETP rank's."""
         assert item.dtype is not None
+        composed = self._composed.get(item.name)
+        if composed is not None:  # a GroupedMLP weight: EP rank e's experts, each transposed
+            fc, members = composed
+            t, tp = self._experts_at(*rank)
+            mine = members[rank[2] * self.local_experts : (rank[2] + 1) * self.local_experts]
+            parts = [(x, _local(x, t, tp, self.gated, self.rules, None)) for x in mine]
+            a, b = _stacked(parts[0][1])  # one expert's part, as SequentialMLP's
+            shape = (b, len(mine) * a) if fc == 1 else (len(mine) * b, a)
+            return _ptwrite.OutTensor(dtype=item.dtype, shape=shape, fill=_GroupedFill(reader, parts, item.dtype))
         param = _base_param(item)
         rows = self.rows if _is_vocab(param) else None
         t, tp = self._experts_at(*rank) if is_expert(param) else (rank[0], self.target.tp)
@@ -1177,7 +1263,8 @@ class LegacyWriter:
                 item = self._item(name)
                 local = _localize(name, offset, e * self.local_experts)
                 if item.is_tensor:
-                    check_coverage(item)
+                    for part in self._composed.get(name, (0, [item]))[1]:  # a GroupedMLP weight: its experts
+                        check_coverage(part)
                     model[local] = self._out(item, (t, p, e), reader)
                 elif name in self.src.objects:
                     record = self.src.objects[name]

@@ -135,6 +135,10 @@ def test_a_link_out_of_a_sealed_checkpoint_is_never_followed(fixture, rel, tmp_p
     assert {f["rule"] for f in findings if f["severity"] == "error"} == {"unsafe-path"}, findings
     assert any(f["file"].endswith(rel.split("/", 1)[-1]) for f in findings if f["rule"] == "unsafe-path")
     assert not [f for f in findings if f["rule"] in ("missing-file", "changed-file")]
+    (ck / "ckpttool.manifest.json").unlink()  # and without the seal
+    r = run_cli("verify", ck, "--json", cwd=tmp_path)
+    assert r.code == 1, r.stderr
+    assert {f["rule"] for f in json.loads(r.stdout)["findings"] if f["severity"] == "error"} == {"unsafe-path"}
     assert tree_digests(outside) == before
 
 

@@ -968,6 +968,76 @@ def test_megatron_lm_loads_the_decoupled_lr_checkpoint(source, tp, pp, tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
 
 
+GROUPED = FIXTURES / "megatron" / "legacy_tp2ep2_gg"
+ITER = "iter_0000003"
+
+
+def _same_tree(a: Any, b: Any, where: str = "") -> list[str]:
+    """Where two unpickled rank files differ: keys and their order, tensors bit for bit with their
+    strides, other values by equality (``args`` left out: it records the layout)."""
+    import torch
+
+    if isinstance(a, dict):
+        if list(a) != list(b):
+            return [f"{where}: keys {list(a)[:6]} != {list(b)[:6]}"]
+        return [d for k in a if k != "args" for d in _same_tree(a[k], b[k], f"{where}.{k}")]
+    if isinstance(a, list | tuple):
+        if len(a) != len(b):
+            return [f"{where}: {len(a)} != {len(b)} entries"]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _same_tree(x, y, f"{where}[{i}]")]
+    if isinstance(a, torch.Tensor):
+        same = a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+        return [] if same else [f"{where}: tensor {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}"]
+    if isinstance(a, np.ndarray):
+        return [] if np.array_equal(a, b) else [f"{where}: array"]
+    return [] if a == b else [f"{where}: {a!r:.60} != {b!r:.60}"]
+
+
+def test_grouped_gemm_experts_written_as_legacy_grouped_mlp(tmp_path):
+    """A model trained with --moe-grouped-gemm (legacy GroupedMLP) is written back in its own legacy
+    layout: at the source's TP=2 x EP=2 every rank file holds exactly what Megatron-LM saved
+    (weight1/weight2 with each expert's block transposed in place, the Float16 optimizer's state
+    and fp32 copies composed the same way, same keys in the same order); at other TP/EP, with or
+    without the distributed optimizer, and from the torch_dist save, ckpttool reads back the
+    source's tensors."""
+    same = tmp_path / "same"
+    reshard(GROUPED, same, Target(tp=2, pp=1, ep=2))
+    for rank in ("mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"):
+        theirs, ours = (load_pt(root / ITER / rank / "model_optim_rng.pt") for root in (GROUPED, same))
+        assert "decoder.layers.0.mlp.experts.weight1" in ours["model"]
+        assert _same_tree(theirs, ours) == [], rank
+    for name, target, source in [
+        ("tp1ep1", Target(tp=1, pp=1, ep=1), GROUPED),
+        ("tp1ep2_distopt", Target(tp=1, pp=1, ep=2, distributed_optimizer=True), GROUPED),
+        ("from_dist", Target(to="megatron", tp=1, pp=1, ep=2), FIXTURES / "megatron" / "dist_tp2ep2_gg"),
+    ]:
+        out = tmp_path / name
+        reshard(source, out, target)
+        report = diff(GROUPED, out)
+        assert report.compared >= 116 and not report.values and not report.changed_meta and not report.objects, name
+        assert not [n for n in report.added + report.removed if "rng_state" not in n], name
+        first = load_pt(next((out / ITER).glob("mp_rank_*")) / "model_optim_rng.pt")["model"]
+        assert not [k for k in first if "local_experts" in k], name  # GroupedMLP's names, no _extra_state
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tp", "ep", "distopt"), [(1, 2, False), (2, 1, False), (1, 2, True)])
+def test_megatron_lm_loads_the_grouped_gemm_experts(tp, ep, distopt, tmp_path):
+    """Oracle: Megatron-LM's load_checkpoint, run with --moe-grouped-gemm (GroupedMLP, its CUDA
+    kernel stood in by plain torch), loads our legacy output of the grouped-GEMM fixture at a new
+    TP and EP, with the Float16 or the distributed optimizer; every tensor, the experts' through
+    megatron-core's own sharded state dict, equals the reference; it trains the next step."""
+    mlm = _megatron_lm()
+    if mlm is None:
+        pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
+    out = tmp_path / "out"
+    reshard(GROUPED, out, Target(tp=tp, pp=1, ep=ep, distributed_optimizer=distopt))
+    args = ["--tp", str(tp), "--pp", "1", "--ep", str(ep), "--grouped-gemm", *(["--distopt"] * distopt)]
+    proc = _oracle(mlm, out, *args, *_ref("legacy_tp2ep2_gg"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "every check passed" in proc.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("tp", "distopt"), [(1, True), (1, False)])
 def test_megatron_lm_loads_the_fp32_model(tp, distopt, tmp_path):

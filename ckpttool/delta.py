@@ -32,7 +32,7 @@ import zstandard
 from ckpttool import codec, registry
 from ckpttool import io as ckio
 from ckpttool.dtypes import dtype as lookup_dtype
-from ckpttool.errors import CkptError, CorruptFileError, UsageError
+from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, UsageError
 from ckpttool.hashing import hash_bytes, new_hasher
 from ckpttool.io import (
     TMP_MARKER,
@@ -45,7 +45,7 @@ from ckpttool.io import (
     refuse_overlap,
     staged_dir,
 )
-from ckpttool.manifest import Manifest
+from ckpttool.manifest import Manifest, is_seal_name
 from ckpttool.naming import canonical
 from ckpttool.values import is_count
 
@@ -158,10 +158,6 @@ def _checkpoint_files(manifest: Manifest) -> list[tuple[str, int]]:
     return [(f.path, f.size) for f in manifest.files if f.role != "seal"]
 
 
-def _is_seal_name(name: str) -> bool:
-    return name == "ckpttool.manifest.json" or name.endswith(".ckpttool.manifest.json")
-
-
 def _pack_root(path: str | Path, manifest: Manifest) -> tuple[Path, str]:
     """The directory a container's paths start from, and the manifest root's path below it.
 
@@ -175,17 +171,19 @@ def _pack_root(path: str | Path, manifest: Manifest) -> tuple[Path, str]:
 
 
 def _packed(
-    path: str | Path, adapter: Any, manifest: Manifest
+    path: str | Path, adapter: Any, manifest: Manifest, *, beside: bool = True
 ) -> tuple[Path, dict[str, list[_Segment]], list[tuple[str, int]]]:
-    """Root, tensor segments by file and files (path, size) of a checkpoint as a container holds it."""
+    """Root, tensor segments by file and files (path, size) of a checkpoint as a container holds it
+    (``beside``: with the files beside its iteration folder; a base's are not needed, and its
+    tracker may move on after the delta is made)."""
     root, prefix = _pack_root(path, manifest)
     layout = {prefix + rel: segs for rel, segs in _file_layout(adapter, manifest).items()}
     files = [(prefix + rel, size) for rel, size in _checkpoint_files(manifest)]
-    if prefix:  # the files beside the iteration folder: its tracker (and scripts a save leaves there)
+    if prefix and beside:  # the files beside the iteration folder: its tracker (and scripts a save leaves there)
         held = {rel for rel, _ in files}
         for entry in sorted(root.iterdir(), key=lambda e: e.name):
             name = entry.name
-            if name in held or _is_seal_name(name) or TMP_MARKER in name or not entry.is_file():
+            if name in held or is_seal_name(name) or TMP_MARKER in name or not entry.is_file():
                 continue
             files.append((name, os.stat(ckio.confine(root, name, named_by="the listing")).st_size))
     return root, layout, files
@@ -213,7 +211,7 @@ def create(
     b_files: dict[str, int] = {}
     if base is not None:
         b_adapter, bm = registry.describe(base)
-        b_root, b_layout, b_listing = _packed(base, b_adapter, bm)
+        b_root, b_layout, b_listing = _packed(base, b_adapter, bm, beside=False)
         b_files = dict(b_listing)
         for rel, segs in b_layout.items():
             for s in segs:
@@ -285,6 +283,7 @@ def create(
         return meta, frames
 
     maps = _Mapped()
+    before = _stamps(t_root, [rel for rel, _ in t_files])
     header_files: dict[str, dict[str, Any]] = {
         rel: {"size": size, "xxh3": maps.digest(t_root / rel), "other": None, "tensors": []} for rel, size in t_files
     }
@@ -308,6 +307,14 @@ def create(
                     header_files[rel]["tensors"].append(meta)
                 if progress is not None:
                     progress(meta.get("length") or meta.get("nbytes") or 0)
+            changed = [rel for rel, stamp in _stamps(t_root, list(before)).items() if stamp != before[rel]]
+            if changed:  # the container would hold a mix of two saves (a tracker naming another iteration)
+                raise IncompleteCheckpointError(
+                    f"{target}: {', '.join(changed[:4])} changed while being packed; nothing was written",
+                    hint="a save is still writing to it: wait for it to finish, or give the iteration folder",
+                    path=changed[0],
+                    rule="incomplete-save",
+                )
             header = {
                 "kind": DELTA_KIND if base is not None else PACK_KIND,
                 "version": 1,
@@ -327,6 +334,18 @@ def create(
     finally:
         maps.close()
     return header
+
+
+def _stamps(root: Path, rels: list[str]) -> dict[str, tuple[int, int] | None]:
+    """(size, modification time in ns) of each file, None for one that is gone."""
+    out: dict[str, tuple[int, int] | None] = {}
+    for rel in rels:
+        try:
+            st = os.stat(root / rel)
+            out[rel] = (st.st_size, st.st_mtime_ns)
+        except OSError:
+            out[rel] = None
+    return out
 
 
 def read_header(path: str | Path) -> dict[str, Any]:
@@ -504,9 +523,13 @@ def apply(
         for rel, fp in header["base"]["files"].items():
             f = b_root / rel
             if not f.is_file() or f.stat().st_size != fp["size"] or b_maps.digest(f) != fp["xxh3"]:
+                how = (
+                    "is not there"
+                    if not f.is_file()
+                    else "is not the file the delta was made against (size or xxh3 differ)"
+                )
                 raise DeltaMismatchError(
-                    f"{base}: {rel} is not the file the delta was made against (size or xxh3 differ); "
-                    "refused before writing anything",
+                    f"{base}: {rel} {how}; refused before writing anything",
                     hint="apply the delta to the exact base checkpoint it was created from (or the chain's previous "
                     "output)",
                     path=str(base),
@@ -646,17 +669,19 @@ def _pwrite(fd: int, data: memoryview, offset: int) -> None:
 
 
 def _base_root(base: Path, wanted: dict[str, Any]) -> Path:
-    """The directory the base's relative paths start from: its save directory or the adapter's
-    root for it, whichever holds the files the delta names (a delta made before save directories
-    were packed whole names them from the iteration folder)."""
+    """The directory the base's relative paths start from: the one of its save directory, its
+    iteration folder (the adapter's root) or the folder holding what was given that holds every
+    file the delta names (a delta made against a save directory, applied to its iteration folder,
+    or made before save directories were packed whole)."""
     try:
         _, m = registry.describe(base)
     except CkptError:
         return base if base.is_dir() else base.parent
     packed, _ = _pack_root(base, m)
-    old = Path(m.root)
-    if all((old / rel).is_file() for rel in wanted) and not all((packed / rel).is_file() for rel in wanted):
-        return old
+    candidates = [packed, Path(m.root), base.parent if base.is_dir() else base.parent.parent]
+    for root in candidates:
+        if all((root / rel).is_file() for rel in wanted):
+            return root
     return packed
 
 

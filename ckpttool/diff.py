@@ -370,7 +370,8 @@ class _Accumulator:
             count = int(differs.sum())
             fb = _floats(b, dtype_b).astype(np.float64)
             if not count:
-                self.sq_b += float(np.dot(fb, fb))
+                sq = float(np.dot(fb, fb))
+                self.sq_b += sq if math.isfinite(sq) else float(np.nansum(fb * fb))  # NaN on both sides
                 continue
             local = np.unravel_index(lo + int(np.argmax(differs)), box.sizes) if box.sizes else ()
             where = tuple(int(o) + int(i) for o, i in zip(box.offsets, local, strict=True))

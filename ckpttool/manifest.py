@@ -17,6 +17,14 @@ from ckpttool.geometry import Box
 SCHEMA_VERSION = 1
 SEAL_NAME = "ckpttool.manifest.json"
 """The file ``seal`` writes beside a checkpoint; adapters list it with role ``seal``."""
+
+
+def is_seal_name(name: str) -> bool:
+    """Whether a file name is a seal's: ``ckpttool.manifest.json``, or ``<anything>.ckpttool.manifest.json``
+    (a single file's seal, or one written with ``seal --out``)."""
+    return name == SEAL_NAME or name.endswith("." + SEAL_NAME)
+
+
 _SCHEMA_CONFIG: Any = {"use_attribute_docstrings": True}  # read by pydantic at the JSON boundary
 
 Kind = Literal["param", "master", "optim", "rng", "dataloader", "scheduler", "counter", "object"]

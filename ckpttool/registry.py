@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedError, NotFoundError
 from ckpttool.formats.base import Adapter
-from ckpttool.manifest import SEAL_NAME, Manifest
+from ckpttool.manifest import Manifest, is_seal_name
 from ckpttool.values import gc_paused
 
 _FIRST_PARTY = ("megatron", "deepspeed", "rankshards", "dcp", "safetensors", "torchsave")
@@ -44,7 +44,7 @@ def detect(path: str | Path) -> Adapter:
     if not p.exists():
         raise NotFoundError(f"{p}: no such file or directory", hint="check the path", path=str(p))
     if not (p.is_dir() or p.is_file()):
-        raise CkptError(
+        raise NotFoundError(
             f"{p}: neither a regular file nor a directory (a device, a pipe or a socket)",
             hint="point ckpttool at the checkpoint file or directory",
             path=str(p),
@@ -86,7 +86,7 @@ def describe(path: str | Path) -> tuple[Adapter, Manifest]:
             path=str(path),
         ) from exc
     for f in manifest.files:
-        if f.path.rsplit("/", 1)[-1].endswith(SEAL_NAME):
+        if is_seal_name(f.path.rsplit("/", 1)[-1]):
             f.role = "seal"
     return adapter, manifest
 

@@ -23,7 +23,7 @@ from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.formats.base import Adapter
 from ckpttool.hashing import Algo, FileDigest, Span, Written, hash_bytes, hash_files
 from ckpttool.io import atomic_output
-from ckpttool.manifest import SEAL_NAME, Item, Manifest, Piece
+from ckpttool.manifest import SEAL_NAME, Item, Manifest, Piece, is_seal_name
 from ckpttool.values import gc_paused, is_count
 
 SEAL_KIND = "ckpttool.seal"
@@ -413,7 +413,7 @@ def seal(
             )
         ckio.check_output_file(out, "--out")
         inside = Path(path).is_dir() and target.resolve().is_relative_to(Path(manifest.root).resolve())
-        if inside and not target.name.endswith(SEAL_NAME):
+        if inside and not is_seal_name(target.name):
             # inside the checkpoint a file is checkpoint data unless its name says it is a seal
             raise UsageError(
                 f"--out {out} lies inside the checkpoint, where {target.name} would count as one of its files",

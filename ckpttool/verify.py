@@ -35,7 +35,7 @@ from ckpttool.formats.base import Adapter
 from ckpttool.geometry import coverage
 from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
 from ckpttool.io import outside
-from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, Piece, StateName
+from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, Piece, StateName, is_seal_name
 from ckpttool.seal import PieceRecord, Seal, default_seal_path, in_file_order
 
 Severity = Literal["error", "warning", "info"]
@@ -532,11 +532,7 @@ def _check_seal(
         report.findings.append(
             finding("missing-file", f"{rel}: in the seal but not on disk", file=rel, rank=_rank_of(expected[rel]))
         )
-    extra = sorted(
-        rel
-        for rel in set(on_disk) - set(expected)
-        if not rel.endswith(".ckpttool.manifest.json") and rel != "ckpttool.manifest.json"
-    )
+    extra = sorted(rel for rel in set(on_disk) - set(expected) if not is_seal_name(rel.rsplit("/", 1)[-1]))
     for rel in extra:
         report.findings.append(
             finding("extra-file", f"{rel}: on disk but not in the seal ({on_disk[rel]:,} bytes)", file=rel)

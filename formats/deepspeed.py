@@ -489,6 +489,8 @@ def _tag_dir(path: Path) -> tuple[Path, Path]:
                 path="latest",
             )
         return path, target
+    if path.name in ("", ".", ".."):  # "." has no parent of its own: name the folder
+        path = Path(os.path.abspath(path))
     return path.parent, path
 
 
@@ -808,12 +810,12 @@ def _check_layer_files(tag_dir: Path, layers: dict[tuple[int, int], str], traina
     tps = sorted({t for _, t in layers})
     wanted = {int(n.split(".", 1)[0]) for n in trainable if n.split(".", 1)[0].isdigit()}
     wanted |= {layer for layer, _ in layers}
-    absent = [
-        f"layer_{layer:02d}-model_{t:02d}-model_states.pt"
-        for layer in sorted(wanted)
-        for t in tps
-        if (layer, t) not in layers
-    ]
+    spelled = "-model_" in next(iter(layers.values()))  # the files' own naming: with the MP rank or without
+
+    def named(layer: int, t: int) -> str:
+        return f"layer_{layer:02d}-model_{t:02d}-model_states.pt" if spelled else f"layer_{layer:02d}-model_states.pt"
+
+    absent = [named(layer, t) for layer in sorted(wanted) for t in tps if (layer, t) not in layers]
     _refuse_absent(
         tag_dir,
         absent,

@@ -695,7 +695,10 @@ class LegacyWriter:
         """legacy output of grouped-GEMM experts: each rank's in GroupedMLP's ``weight1``/``weight2``"""
         self._composed: dict[str, tuple[int, list[Item]]] = {}
         """a GroupedMLP weight (or its state) of the output -> (fc, its experts' items, by global number)"""
-        if self.grouped and getattr(self.args, "transformer_impl", "local") != "local":
+        te_grouped = getattr(self.args, "transformer_impl", "local") != "local" and not getattr(
+            self.args, "moe_use_legacy_grouped_gemm", False
+        )  # TransformerEngine's spec builds TEGroupedMLP unless told to keep the legacy GroupedMLP
+        if self.grouped and te_grouped:
             raise UsageError(
                 "this model's experts run as TransformerEngine's grouped GEMM (TEGroupedMLP keeps each rank's "
                 "experts in linear_fc1.weight<j> with TE's _extra_state); writing them in a legacy checkpoint is "

@@ -16,7 +16,7 @@ from ckpttool import _unpickle
 from ckpttool.errors import CorruptFileError, FormatNotRecognizedError
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection
-from ckpttool.manifest import SEAL_NAME, FileRecord, Item, Layout, Manifest
+from ckpttool.manifest import FileRecord, Item, Layout, Manifest, is_seal_name
 from ckpttool.naming import classify
 from ckpttool.values import find_step, flatten, set_value
 
@@ -40,7 +40,7 @@ class TorchSaveAdapter:
             return verdict
         if not path.is_file():
             return Detection(False, "not a single file")
-        if path.suffix == ".distcp" or (path.parent / ".metadata").is_file():
+        if path.suffix == ".distcp":
             # torch.save records one after another, named by the directory's .metadata: the first
             # alone would pass for the whole file
             return Detection(False, f"{path.name} is one data file of the DCP checkpoint {path.parent}: give that")
@@ -105,7 +105,7 @@ def _only_file(directory: Path) -> Path | None:
     """The one ``.pt``/``.pth``/``.bin`` file of ``directory`` when it holds nothing else but its
     seal (``convert --to torch``'s output); else None."""
     try:
-        names = [e.name for e in os.scandir(directory) if not e.name.endswith(SEAL_NAME)]
+        names = [e.name for e in os.scandir(directory) if not is_seal_name(e.name)]
     except OSError:
         return None
     if len(names) != 1 or not names[0].endswith((".pt", ".pth", ".bin")):

@@ -215,6 +215,9 @@ def test_bad_requests_are_refused_not_internal_errors(tmp_path):
         (["diff", ckpt, ckpt, "--atol", "-1"], 2, "--atol -1.0: a tolerance is a finite number"),
         (["diff", ckpt, ckpt, "--rtol", "nan"], 2, "--rtol nan: a tolerance is a finite number"),
         (["inspect", ckpt / "__0_0.distcp"], 3, "is one data file of the DCP checkpoint"),
+        (["verify", "/dev/null"], 3, "neither a regular file nor a directory"),
+        (["compress", ckpt, "-o", ""], 2, "empty path"),
+        (["seal", ckpt, "--out", ckpt / "xckpttool.manifest.json"], 2, "inside the checkpoint"),
         (["inspect", "/dev/null"], 3, "neither a regular file nor a directory"),
         (["compress", "/dev/null", "-o", tmp_path / "x.ckz"], 3, "neither a regular file nor a directory"),
     ]
@@ -245,3 +248,19 @@ def test_a_parallel_size_of_zero_is_refused(size, tmp_path):
     r = run_cli("reshard", FIXTURES / "megatron" / "legacy_tp2pp2", "-o", tmp_path / "out", size, "0")
     assert r.code == 2 and f"{size} 0: a parallel size must be at least 1" in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_torch_file_beside_dcp_metadata_is_read_and_a_tag_dir_given_as_dot(tmp_path):
+    """Only a .distcp file is one DCP record stream: a torch.save file in a DCP folder (Lightning's
+    meta.pt) is read as any. A DeepSpeed tag directory given as "." (verify run inside it) has a
+    parent of its own."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ckpt)
+    shutil.copy(FIXTURES / "torch" / "train_state.pt", ckpt / "meta.pt")
+    r = run_cli("inspect", ckpt / "meta.pt", cwd=tmp_path)
+    assert r.code == 0 and "torch checkpoint" in r.stdout, r.stderr
+    ds = tmp_path / "ds"
+    shutil.copytree(FIXTURES / "deepspeed" / "zero1", ds)
+    r = run_cli("verify", ".", cwd=ds / "global_step3")
+    assert r.code == 0 and "deepspeed checkpoint" in r.stdout, r.stderr
+

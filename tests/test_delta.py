@@ -11,6 +11,7 @@ import pytest
 
 from ckpttool import delta, registry
 from ckpttool.delta import DeltaMismatchError
+from ckpttool.errors import IncompleteCheckpointError
 from tests.conftest import FIXTURES, run_cli, tree_digests
 
 RUN = FIXTURES / "run"
@@ -322,3 +323,32 @@ def test_a_save_directory_is_packed_whole_and_old_deltas_still_apply(tmp_path, m
     assert "latest_checkpointed_iteration.txt" not in delta.read_header(tmp_path / "old.delta")["files"]
     delta.apply(tmp_path / "old.delta", tmp_path / "old", base=base)
     assert tree_digests(tmp_path / "old") == tree_digests(src / "iter_0000003")
+
+
+def test_a_save_directory_changing_while_packed_writes_nothing(tmp_path, monkeypatch):
+    """A save still running moves the tracker on while compress reads the iteration it named: the
+    container would restore a tracker naming an iteration it does not hold. It is refused instead,
+    and a delta made against a save directory applies to its iteration folder too."""
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "megatron" / "dist_tp2", src)
+    real_read, moved = delta._read, []
+
+    def read_and_save(path, ranges):
+        if not moved:
+            (src / "latest_checkpointed_iteration.txt").write_text("4")
+            moved.append(path)
+        return real_read(path, ranges)
+
+    monkeypatch.setattr(delta, "_read", read_and_save)
+    out = tmp_path / "p.ckz"
+    with pytest.raises(IncompleteCheckpointError, match="changed while being packed"):
+        delta.create(src, out)
+    assert moved and not out.exists() and not list(tmp_path.glob(".p.ckz*"))
+    monkeypatch.undo()
+
+    base = FIXTURES / "megatron" / "dist_tp2"
+    d = tmp_path / "d.delta"
+    delta.create(FIXTURES / "megatron" / "dist_tp2pp2", d, base=base)
+    delta.apply(d, tmp_path / "from_iter", base=base / "iter_0000003")
+    assert tree_digests(tmp_path / "from_iter") == tree_digests(FIXTURES / "megatron" / "dist_tp2pp2")
+

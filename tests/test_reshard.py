@@ -1021,18 +1021,22 @@ def test_grouped_gemm_experts_written_as_legacy_grouped_mlp(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("tp", "ep", "distopt"), [(1, 2, False), (2, 1, False), (1, 2, True)])
-def test_megatron_lm_loads_the_grouped_gemm_experts(tp, ep, distopt, tmp_path):
+@pytest.mark.parametrize(
+    ("tp", "ep", "etp", "distopt"), [(1, 2, None, False), (2, 1, None, False), (1, 2, None, True), (2, 2, 1, False)]
+)
+def test_megatron_lm_loads_the_grouped_gemm_experts(tp, ep, etp, distopt, tmp_path):
     """Oracle: Megatron-LM's load_checkpoint, run with --moe-grouped-gemm (GroupedMLP, its CUDA
     kernel stood in by plain torch), loads our legacy output of the grouped-GEMM fixture at a new
-    TP and EP, with the Float16 or the distributed optimizer; every tensor, the experts' through
-    megatron-core's own sharded state dict, equals the reference; it trains the next step."""
+    TP and EP (and an expert TP of its own), with the Float16 or the distributed optimizer; every
+    tensor, the experts' through megatron-core's own sharded state dict, equals the reference; it
+    trains the next step."""
     mlm = _megatron_lm()
     if mlm is None:
         pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
     out = tmp_path / "out"
-    reshard(GROUPED, out, Target(tp=tp, pp=1, ep=ep, distributed_optimizer=distopt))
+    reshard(GROUPED, out, Target(tp=tp, pp=1, ep=ep, etp=etp, distributed_optimizer=distopt))
     args = ["--tp", str(tp), "--pp", "1", "--ep", str(ep), "--grouped-gemm", *(["--distopt"] * distopt)]
+    args += ["--etp", str(etp)] if etp else []
     proc = _oracle(mlm, out, *args, *_ref("legacy_tp2ep2_gg"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "every check passed" in proc.stdout

@@ -166,7 +166,9 @@ def ls(
 @_handles_errors
 def export(
     path: PathArg,
-    output: Annotated[Path, typer.Option("--output", "-o", help="The .safetensors file to write.", show_default=False)],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="The .safetensors file to write.", show_default=False, parser=_a_path)
+    ],
     filter_: Annotated[
         str | None, typer.Option("--filter", "-f", help="Only items whose name matches this regular expression.")
     ] = None,
@@ -213,7 +215,7 @@ def export(
 def seal(
     path: PathArg,
     out_file: Annotated[
-        Path | None, typer.Option("--out", help="Write the seal here instead of beside the checkpoint.")
+        Path | None, typer.Option("--out", help="Write the seal here instead of beside the checkpoint.", parser=_a_path)
     ] = None,
     hash_: Annotated[str, typer.Option("--hash", help="xxh3-128 (fast) or sha256 (to match external digests).")] = (
         "xxh3-128"
@@ -264,7 +266,8 @@ def seal(
 def verify(
     path: PathArg,
     manifest: Annotated[
-        Path | None, typer.Option("--manifest", help="The seal to check against (default: beside the checkpoint).")
+        Path | None,
+        typer.Option("--manifest", help="The seal to check against (default: beside the checkpoint).", parser=_a_path),
     ] = None,
     deep: Annotated[bool, typer.Option("--deep", help="Read every value: NaN/Inf census and statistics.")] = False,
     require: Annotated[
@@ -275,8 +278,12 @@ def verify(
         ),
     ] = None,
     fail_on: Annotated[str, typer.Option("--fail-on", help="Lowest severity that fails: error or warning.")] = "error",
-    report_file: Annotated[Path | None, typer.Option("--report", help="Also write the JSON report here.")] = None,
-    junit_file: Annotated[Path | None, typer.Option("--junit", help="Also write a JUnit XML report here.")] = None,
+    report_file: Annotated[
+        Path | None, typer.Option("--report", help="Also write the JSON report here.", parser=_a_path)
+    ] = None,
+    junit_file: Annotated[
+        Path | None, typer.Option("--junit", help="Also write a JUnit XML report here.", parser=_a_path)
+    ] = None,
     workers: Annotated[int | None, typer.Option("--workers", min=1, help="Files read at once.")] = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -356,7 +363,8 @@ def diff(
         str | None, typer.Option("--filter", "-f", help="Only items whose canonical name matches this regex.")
     ] = None,
     map_file: Annotated[
-        Path | None, typer.Option("--map", help="Renames of A's names to B's: JSON {old: new} or old=new lines.")
+        Path | None,
+        typer.Option("--map", help="Renames of A's names to B's: JSON {old: new} or old=new lines.", parser=_a_path),
     ] = None,
     kinds: Annotated[
         list[str] | None,
@@ -404,7 +412,9 @@ def diff(
 @_handles_errors
 def convert(
     src: PathArg,
-    output: Annotated[Path, typer.Option("--output", "-o", help="The directory to write.", show_default=False)],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="The directory to write.", show_default=False, parser=_a_path)
+    ],
     to: Annotated[
         str,
         typer.Option(
@@ -469,7 +479,9 @@ def convert(
 @_handles_errors
 def reshard(
     src: PathArg,
-    output: Annotated[Path, typer.Option("--output", "-o", help="The directory to write.", show_default=False)],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="The directory to write.", show_default=False, parser=_a_path)
+    ],
     tp: Annotated[int | None, typer.Option("--tp", help="Tensor-parallel size (default: the source's).")] = None,
     pp: Annotated[int | None, typer.Option("--pp", help="Pipeline-parallel size (default: the source's).")] = None,
     vpp: Annotated[
@@ -683,7 +695,9 @@ def _coded_summary(out: Output, target: Path) -> None:
 def delta_create(
     base: Annotated[Path, typer.Argument(help="The checkpoint to code against.", show_default=False, parser=_a_path)],
     target: Annotated[Path, typer.Argument(help="The checkpoint to code.", show_default=False, parser=_a_path)],
-    output: Annotated[Path, typer.Option("--output", "-o", help="The delta file to write.", show_default=False)],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="The delta file to write.", show_default=False, parser=_a_path)
+    ],
     workers: Annotated[int | None, typer.Option("--workers", min=1, help="Pieces coded at once.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
     json_out: JsonOpt = False,
@@ -712,7 +726,9 @@ def delta_apply(
         Path, typer.Argument(help="The checkpoint the delta was made against.", show_default=False, parser=_a_path)
     ],
     delta: Annotated[Path, typer.Argument(help="The delta file.", show_default=False, parser=_a_path)],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Where to restore TARGET.", show_default=False)],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="Where to restore TARGET.", show_default=False, parser=_a_path)
+    ],
     workers: Annotated[int | None, typer.Option("--workers", min=1, help="Files rebuilt at once.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
     quiet: QuietOpt = False,
@@ -761,7 +777,9 @@ def delta_info(
 @_handles_errors
 def compress(
     path: PathArg,
-    output: Annotated[Path, typer.Option("--output", "-o", help="The file to write.", show_default=False)],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="The file to write.", show_default=False, parser=_a_path)
+    ],
     workers: Annotated[int | None, typer.Option("--workers", min=1, help="Pieces coded at once.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
     json_out: JsonOpt = False,
@@ -784,7 +802,9 @@ def decompress(
     packed: Annotated[
         Path, typer.Argument(help="A file written by 'ckpttool compress'.", show_default=False, parser=_a_path)
     ],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Where to restore it.", show_default=False)],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="Where to restore it.", show_default=False, parser=_a_path)
+    ],
     workers: Annotated[int | None, typer.Option("--workers", min=1, help="Files rebuilt at once.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
     quiet: QuietOpt = False,

@@ -265,7 +265,7 @@ def verify(
         # this one or inside it (a save directory and its iteration); else in this one
         sealed_root = Path(sealed.head.root)
         inside = sealed_root.is_dir() and sealed_root.resolve().is_relative_to(root.resolve())
-        early = _hash_sealed_files(sealed_root if inside else root, sealed, workers, progress)
+        early = _hash_sealed_files(sealed_root if inside else root, sealed, workers, progress, within=root)
     try:
         return _verify(root, report, sealed, early, required, deep, workers, progress)
     finally:
@@ -463,12 +463,15 @@ def _hash_sealed_files(
     progress: Callable[[int], None] | None,
     *,
     one_file: bool = False,
+    within: Path | None = None,
 ) -> _SealedBytes:
     """List the seal's folders under ``scope`` and start hashing the files it names that are
     there, in the background: the hashing threads read while the caller describes the checkpoint.
 
-    A link that leads out of ``scope`` is not read (it is an ``unsafe-path`` finding). With
+    Nothing whose real path leaves ``within`` (default ``scope``: the directory the user gave) is
+    read: a link out, the seal's folder itself being one, is an ``unsafe-path`` finding. With
     ``one_file`` (the checkpoint is a single file) the files beside it are not looked at."""
+    limit = within or scope
     expected = {f.path for f in sealed.head.files if f.role != "seal"}
     # look for missing and extra files only in the directories the seal has files in (so the other
     # tags or iterations of a save directory are not "extra")
@@ -476,7 +479,7 @@ def _hash_sealed_files(
     escaping: dict[str, str] = {}
     for folder in sorted({rel.rsplit("/", 1)[0] if "/" in rel else "" for rel in expected}):
         d = scope / folder if folder else scope
-        if folder and (real := outside(scope, d)) is not None:
+        if (real := outside(limit, d)) is not None:
             escaping[folder] = real  # the folder is (or lies in) a link out: nothing in it is read
             continue
         if d.is_dir():
@@ -484,7 +487,7 @@ def _hash_sealed_files(
                 rel = f"{folder}/{p.name}" if folder else p.name
                 if one_file and rel not in expected:
                     continue
-                if p.is_symlink() and (real := outside(scope, p)) is not None:
+                if p.is_symlink() and (real := outside(limit, p)) is not None:
                     escaping[rel] = real
                 elif p.is_file():
                     on_disk[rel] = p.stat().st_size
@@ -510,23 +513,26 @@ def _check_seal(
     if early is None or early.scope.resolve() != scope.resolve():
         if early is not None:
             early.cancel()  # the checkpoint's files lie elsewhere than guessed: hash them there
-        early = _hash_sealed_files(scope, sealed, workers, progress, one_file=not root.is_dir())
+        within = root if root.is_dir() else root.parent
+        early = _hash_sealed_files(scope, sealed, workers, progress, one_file=not root.is_dir(), within=within)
     file_digests = early.result()
     on_disk = early.on_disk
     expected = {f.path: f for f in sealed.head.files if f.role != "seal"}
+    given = (root if root.is_dir() else root.parent).resolve()
     for rel, real in sorted(early.escaping.items()):
+        shown = rel or os.path.relpath(scope, root if root.is_dir() else root.parent)
         report.findings.append(
             finding(
                 "unsafe-path",
-                f"{rel!r} is a link to {real}, outside the checkpoint directory {scope.resolve()}: not read",
-                file=rel,
+                f"{shown!r} is a link to {real}, outside the checkpoint directory {given}: not read",
+                file=shown,
                 hint="copy the data into the checkpoint directory instead of linking to it",
             )
         )
     missing = sorted(
         rel
         for rel in set(expected) - set(on_disk)
-        if not any(rel == e or rel.startswith(e + "/") for e in early.escaping)
+        if not any(e == "" or rel == e or rel.startswith(e + "/") for e in early.escaping)
     )
     for rel in missing:
         report.findings.append(

@@ -482,6 +482,7 @@ def _tag_dir(path: Path) -> tuple[Path, Path]:
         if not tag or "/" in tag or "\\" in tag or tag in (".", ".."):
             raise CorruptFileError(f"latest: names {tag[:60]!r}, not a tag directory", path="latest")
         target = path / tag
+        confine(path, tag, named_by="latest")  # a tag folder linked out of the save directory
         if not target.is_dir():
             raise IncompleteCheckpointError(
                 f"latest names tag {tag!r} but {tag}/ does not exist in {path}",
@@ -535,6 +536,7 @@ class DeepSpeedAdapter:
                 raise IncompleteCheckpointError(
                     f"latest_universal names {tag[:60]!r}, which is not a directory in {path}", path="latest_universal"
                 )
+            confine(path, tag, named_by="latest_universal")  # a tag folder linked out of the save directory
             path = path / tag
         if _is_universal(path) and not (path / "latest").is_file():
             return self._describe_universal(path)

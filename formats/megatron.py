@@ -137,6 +137,7 @@ def _read_tracker(root: Path) -> Path:
         raise CorruptFileError(
             f"{TRACKER}: expected an iteration number or 'release', found {text[:40]!r}", path=TRACKER
         )
+    confine(root, target.name, named_by=TRACKER)  # an iteration folder linked out of the save directory
     if not target.is_dir():
         raise IncompleteCheckpointError(
             f"{TRACKER} names iteration {text} but {target.name}/ does not exist",
@@ -1058,6 +1059,7 @@ class MegatronLegacyAdapter:
         self._grouped: dict[str, GroupedWeights] = {}
         self._etp: dict[str, tuple[int, int]] = {}  # rank directory -> (its experts' ETP rank, ETP)
         for d in dirs:
+            confine(root, f"{prefix}{d}", named_by="the listing")  # a rank folder linked out
             rel = f"{prefix}{d}/model_optim_rng.pt"
             if not (root / rel).is_file():
                 raise IncompleteCheckpointError(f"{rel} is missing", path=rel, rule="missing-file")

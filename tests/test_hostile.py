@@ -103,6 +103,8 @@ LINKED = [
     ("megatron/legacy_tp2pp2", "iter_0000003/mp_rank_01_001"),  # a rank directory
     ("rankshards/ddp", "shard_00001_of_00002.pt"),
     ("deepspeed/universal", "global_step3_universal/zero/blocks.0.fc2.weight/exp_avg.pt"),
+    ("deepspeed/zero1", "global_step3"),  # the tag folder `latest` names
+    ("megatron/dist_tp2", "iter_0000003"),  # the iteration folder the tracker names
 ]
 
 

@@ -259,6 +259,8 @@ def verify(
     if manifest_path and sealed is None:
         raise NotFoundError(f"{seal_file}: no such seal", hint="create one with 'ckpttool seal'", path=str(seal_file))
     report.seal = str(seal_file) if sealed else None
+    if root.is_symlink() and root.is_file():  # a file named by a link: checked where it leads (as read)
+        root = Path(os.path.realpath(root))
     early: _SealedBytes | None = None
     if sealed is not None and root.is_dir():
         # hash while the checkpoint is described, in the folder the seal was made in when that is

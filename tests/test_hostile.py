@@ -152,3 +152,23 @@ def test_a_link_that_stays_inside_the_checkpoint_is_read(tmp_path):
     (ck / "shard_00001_of_00002.pt").symlink_to("store/s1.pt")
     r = run_cli("diff", ck, FIXTURES / "rankshards" / "ddp", cwd=tmp_path)
     assert r.code == 0, r.stderr
+
+
+def test_a_single_file_named_by_a_link_is_read_where_it_leads(tmp_path):
+    """links/ckpt.pt -> ../data/x.pt: the user named the link, so the file behind it is the
+    checkpoint (it was refused as a link out of links/); sealed beside the link, verified there."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "links").mkdir()
+    shutil.copy(FIXTURES / "torch" / "train_state.pt", tmp_path / "data" / "x.pt")
+    link = tmp_path / "links" / "ckpt.pt"
+    link.symlink_to("../data/x.pt")
+    assert run_cli("inspect", link, cwd=tmp_path).code == 0
+    assert run_cli("seal", link, cwd=tmp_path).code == 0
+    assert (tmp_path / "links" / "ckpt.pt.ckpttool.manifest.json").is_file()
+    r = run_cli("verify", link, cwd=tmp_path)
+    assert r.code == 0, r.stdout + r.stderr
+    data = bytearray((tmp_path / "data" / "x.pt").read_bytes())
+    data[-200] ^= 1
+    (tmp_path / "data" / "x.pt").write_bytes(bytes(data))
+    r = run_cli("verify", link, "--json", cwd=tmp_path)
+    assert r.code == 1 and "checksum-mismatch" in {f["rule"] for f in json.loads(r.stdout)["findings"]}

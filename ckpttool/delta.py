@@ -216,6 +216,15 @@ def create(
         for rel, segs in b_layout.items():
             for s in segs:
                 b_pieces.setdefault((canonical(s.item), *s.key, s.length), (rel, s.offset))
+    t_prefix = _pack_root(target, tm)[1]
+    b_prefix = _pack_root(base, bm)[1] if base is not None else ""
+
+    def twin(rel: str) -> str | None:
+        """The base's file of the same name and place as the target's ``rel``, when one of the
+        two was given as a save directory and the other as its iteration folder."""
+        tail = rel[len(t_prefix) :] if rel.startswith(t_prefix) else rel
+        return next((r for r in (rel, b_prefix + tail) if r in b_files), None)
+
     # match target segments to base pieces
     for segs in t_layout.values():
         for s in segs:
@@ -242,9 +251,10 @@ def create(
             data = _read(t_root / rel, gaps)
             cctx_args: dict[str, Any] = {"level": 3}
             dict_ranges = None
-            if b_root is not None and rel in b_files:
-                dict_ranges = _gaps(b_files[rel], b_layout.get(rel, []))
-                raw = _read(b_root / rel, dict_ranges)
+            other_rel = twin(rel) if b_root is not None else None
+            if b_root is not None and other_rel is not None:
+                dict_ranges = _gaps(b_files[other_rel], b_layout.get(other_rel, []))
+                raw = _read(b_root / other_rel, dict_ranges)
                 if raw:
                     cctx_args["dict_data"] = zstandard.ZstdCompressionDict(
                         raw, dict_type=zstandard.DICT_TYPE_RAWCONTENT
@@ -253,6 +263,8 @@ def create(
                     dict_ranges = None
             frame = zstandard.ZstdCompressor(**cctx_args).compress(data) if data else b""
             meta: dict[str, Any] = {"gaps": gaps, "dict": dict_ranges, "nbytes": len(data)}
+            if dict_ranges is not None and other_rel != rel:
+                meta["dict_file"] = other_rel  # (absent: the base's file of the same path)
             return meta, [frame]
         assert seg is not None
         values = maps.view(t_root / rel, seg.offset, seg.length)
@@ -430,6 +442,9 @@ def _check_header(header: Any, data_end: int) -> None:
             _need(other.get("dict") is None or header["kind"] == DELTA_KIND, f"{rel}: a dictionary without a base")
             if other.get("dict") is not None:
                 _pairs(other["dict"], f"{rel}: dictionary ranges")
+            if "dict_file" in other:  # a base file the delta checks before it reads it
+                known = header["base"]["files"] if header["kind"] == DELTA_KIND else {}
+                _need(isinstance(other["dict_file"], str) and other["dict_file"] in known, f"{rel}: a dictionary file")
             frames = _pairs(other.get("frames"), f"{rel}: frames")
             _need(len(frames) == 1 or (not frames and not other["nbytes"]), f"{rel}: non-tensor frames")
             ranges += gaps
@@ -613,7 +628,7 @@ def _rebuild_file(
     if other is not None and other["nbytes"]:
         args: dict[str, Any] = {}
         if other["dict"] and b_root is not None:
-            raw = _read(b_root / rel, [(int(a), int(n)) for a, n in other["dict"]])
+            raw = _read(b_root / other.get("dict_file", rel), [(int(a), int(n)) for a, n in other["dict"]])
             args["dict_data"] = zstandard.ZstdCompressionDict(raw, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
         ((off, n),) = other["frames"]
         frame = d_maps.view(delta, off, n)

@@ -237,6 +237,7 @@ def _on_first(edit):
         (_on_first(lambda t: t["predict"].update(ema2=[0.9, float("nan"), 1.0])), "prediction coefficients"),
         (_on_first(lambda t: t.update(width=2)), "non-float32"),
         (_on_first(lambda t: t.update(base=[["a"], 0])), "base piece reference"),
+        (lambda h: next(iter(h["files"].values()))["other"].update(dict_file="../../etc/passwd"), "a dictionary file"),
     ],
 )
 def test_forged_prediction_is_refused_before_writing(edit, reason, tmp_path):
@@ -352,3 +353,23 @@ def test_a_save_directory_changing_while_packed_writes_nothing(tmp_path, monkeyp
     delta.apply(d, tmp_path / "from_iter", base=base / "iter_0000003")
     assert tree_digests(tmp_path / "from_iter") == tree_digests(FIXTURES / "megatron" / "dist_tp2pp2")
 
+
+
+def test_a_base_given_at_another_level_codes_as_well(tmp_path):
+    """Target as a save directory, base as its iteration folder (or the other way round): the
+    non-tensor bytes are coded against the base's file of the same place (a ``dict_file``), and
+    the tensors against its pieces, as well as when both are given alike."""
+    save = FIXTURES / "megatron" / "dist_tp2"
+    alike, across, back = (tmp_path / n for n in ("alike.delta", "across.delta", "back.delta"))
+    delta.create(save, alike, base=save)
+    delta.create(save, across, base=save / "iter_0000003")
+    delta.create(save / "iter_0000003", back, base=save)
+    same = delta.info(alike)["coded"]
+    assert delta.info(across)["coded"] <= same + 64 and delta.info(back)["coded"] <= same + 64
+    assert delta.info(across)["methods"] == delta.info(alike)["methods"]
+    files = delta.read_header(across)["files"]
+    assert files["iter_0000003/common.pt"]["other"]["dict_file"] == "common.pt"
+    delta.apply(across, tmp_path / "out", base=save / "iter_0000003")
+    assert tree_digests(tmp_path / "out") == tree_digests(save)
+    delta.apply(back, tmp_path / "out_back", base=save)
+    assert tree_digests(tmp_path / "out_back") == tree_digests(save / "iter_0000003")

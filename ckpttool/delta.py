@@ -727,8 +727,8 @@ def info(delta: str | Path) -> dict[str, Any]:
         "bytes": total,
         "coded": coded,
         # the container as stored, its header (the index of files and frames) included
-        "container_bytes": os.path.getsize(delta),
-        "ratio": total / os.path.getsize(delta),
+        "container_bytes": (size := os.path.getsize(delta)),
+        "ratio": total / size,
         "by_kind": {k: {**v, "ratio": v["bytes"] / v["coded"] if v["coded"] else None} for k, v in kinds.items()},
         "methods": methods,
         "base_files": len(header["base"]["files"]) if header.get("base") else 0,

@@ -272,6 +272,13 @@ def _link_refusal(rel: str, real: str, root: str | os.PathLike[str]) -> PathEsca
     )
 
 
+def followed(path: str | os.PathLike[str]) -> Path:
+    """``path``, or where it leads when it is a link to a single file: the user named that file
+    (links inside a checkpoint directory stay confined to it: :func:`confine`)."""
+    p = Path(path)
+    return Path(os.path.realpath(p)) if p.is_symlink() and p.is_file() else p
+
+
 def confine(root: str | os.PathLike[str], rel: str, *, named_by: str = "the checkpoint metadata") -> str:
     """The absolute path of ``rel`` under ``root``; refuses absolute paths, ``..`` and symlinks
     that lead outside the root. ``named_by`` says where the path came from, for the message."""

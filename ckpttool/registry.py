@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from importlib.metadata import entry_points
 from pathlib import Path
 
 from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedError, NotFoundError
 from ckpttool.formats.base import Adapter
+from ckpttool.io import followed
 from ckpttool.manifest import Manifest, is_seal_name
 from ckpttool.values import gc_paused
 
@@ -68,8 +68,7 @@ def describe(path: str | Path) -> tuple[Adapter, Manifest]:
     """Detect the format of ``path`` and build its manifest from metadata. A single file given by a
     link is read where the link leads: the user named it (the links inside a checkpoint directory
     stay confined to it)."""
-    if Path(path).is_symlink() and Path(path).is_file():
-        path = Path(os.path.realpath(path))
+    path = followed(path)
     adapter = detect(path)
     # describe builds 10^5..10^6 small records (the unpickled metadata, then the manifest) and frees
     # none of them until it returns: the cycle collector would rescan them all, again and again

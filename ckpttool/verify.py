@@ -34,7 +34,7 @@ from ckpttool.errors import CkptError, FormatNotRecognizedError, NotFoundError, 
 from ckpttool.formats.base import Adapter
 from ckpttool.geometry import coverage
 from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
-from ckpttool.io import outside
+from ckpttool.io import followed, outside
 from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, Piece, StateName, is_seal_name
 from ckpttool.seal import PieceRecord, Seal, default_seal_path, in_file_order
 
@@ -259,8 +259,7 @@ def verify(
     if manifest_path and sealed is None:
         raise NotFoundError(f"{seal_file}: no such seal", hint="create one with 'ckpttool seal'", path=str(seal_file))
     report.seal = str(seal_file) if sealed else None
-    if root.is_symlink() and root.is_file():  # a file named by a link: checked where it leads (as read)
-        root = Path(os.path.realpath(root))
+    root = followed(root)  # a file named by a link: checked where it leads, as it is read
     early: _SealedBytes | None = None
     if sealed is not None and root.is_dir():
         # hash while the checkpoint is described, in the folder the seal was made in when that is

@@ -1371,64 +1371,45 @@ class MegatronLegacyAdapter:
         *,
         kind: Any,
     ) -> None:
-        """Parameter ``param`` (``suffix`` None) or its state ``<param>.<suffix>`` placed; a
-        GroupedMLP weight (and its state, of the same shape) as one item per expert, each a strided
-        view of it (:class:`GroupedWeights`)."""
+        """Parameter ``param`` (``suffix`` None) or its state ``<param>.<suffix>`` placed as the
+        pieces of its global item, split by the parameter's TP rule (its expert TP for a routed
+        expert); a GroupedMLP weight (and its state, of the same shape) as one item per expert,
+        each a strided view of it (:class:`GroupedWeights`)."""
         grouped = self._grouped.get(param)
         for owner, view in [(param, ref)] if grouped is None else grouped.views(ref, rel):
             name = owner if suffix is None else f"{owner}.{suffix}"
-            self._place(
-                manifest, name, view, rel, t, tp, gated, replicas, kind=kind, param=None if suffix is None else owner
-            )
-
-    def _place(
-        self,
-        manifest: Manifest,
-        name: str,
-        ref: _unpickle.TensorRef,
-        rel: str,
-        t: int,
-        tp: int,
-        gated: bool,
-        replicas: ReplicaCounter,
-        *,
-        kind: Any,
-        param: str | None = None,
-    ) -> None:
-        if self._etp and is_expert(param or name):  # the experts are split by an expert TP of their own
-            t, tp = self._etp.get(rel.rsplit("/", 1)[0], (t, tp))
-        rule, dim = split_rule(param or name, gated=gated)
-        local = ref.shape
-        shape = global_shape(local, rule, dim, tp)
-        boxes = tp_regions(shape, rule, dim, t, tp)
-        item = manifest.items.get(name)
-        if item is None:
-            item = manifest.add(
-                Item(
-                    name=name,
-                    kind=kind if kind != "param" else classify(name, is_tensor=True),
-                    dtype=ref.dtype,
-                    shape=shape,
+            rt, rtp = t, tp
+            if self._etp and is_expert(owner):  # the experts are split by an expert TP of their own
+                rt, rtp = self._etp.get(rel.rsplit("/", 1)[0], (t, tp))
+            rule, dim = split_rule(owner, gated=gated)
+            local = view.shape
+            shape = global_shape(local, rule, dim, rtp)
+            item = manifest.items.get(name)
+            if item is None:
+                item = manifest.add(
+                    Item(
+                        name=name,
+                        kind=kind if kind != "param" else classify(name, is_tensor=True),
+                        dtype=view.dtype,
+                        shape=shape,
+                    )
                 )
-            )
-        elif item.shape != shape or item.dtype != ref.dtype:
-            raise CorruptFileError(
-                f"{rel}: {name} is {ref.dtype}{list(local)} here, inconsistent with "
-                f"{item.dtype}{list(item.shape or ())} from other ranks",
-                path=rel,
-            )
-        row0 = 0
-        for box in boxes:
-            same = replicas.next(name, box)
-            if row0 or box.sizes != local:
-                # one half of the local rows: the same strided view, starting row0 rows in
-                view = _unpickle.TensorRef(
-                    ref.storage, ref.storage_offset + row0 * ref.stride[0], box.sizes, ref.stride, ref.dtype
+            elif item.shape != shape or item.dtype != view.dtype:
+                raise CorruptFileError(
+                    f"{rel}: {name} is {view.dtype}{list(local)} here, inconsistent with "
+                    f"{item.dtype}{list(item.shape or ())} from other ranks",
+                    path=rel,
                 )
-                item.pieces.append(_pt.tensor_piece(rel, view, box=box, rank=t, replica=same))
-            else:
-                item.pieces.append(_pt.tensor_piece(rel, ref, box=box, rank=t, replica=same))
-            row0 += box.sizes[0] if box.ndim else 0
+            row0 = 0
+            for box in tp_regions(shape, rule, dim, rt, rtp):
+                same = replicas.next(name, box)
+                part = view
+                if row0 or box.sizes != local:  # one half of the local rows: the same strided view, row0 rows in
+                    part = _unpickle.TensorRef(
+                        view.storage, view.storage_offset + row0 * view.stride[0], box.sizes, view.stride, view.dtype
+                    )
+                item.pieces.append(_pt.tensor_piece(rel, part, box=box, rank=rt, replica=same))
+                row0 += box.sizes[0] if box.ndim else 0
 
     def reader(self, manifest: Manifest) -> _pt.PtReader:
         return _pt.PtReader(manifest, ALLOWLIST)

@@ -813,21 +813,19 @@ class LegacyWriter:
                 continue
             placed.add(grouped)
             order.append(grouped)
-            members = [items.get(f"{head}local_experts.{j}.linear_fc{fc}.weight") for j in range(self.src.experts)]
-            if any(x is None or x.shape is None or len(x.shape) != 2 for x in members):
+            found = [items.get(f"{head}local_experts.{j}.linear_fc{fc}.weight") for j in range(self.src.experts)]
+            members = [x for x in found if x is not None and x.shape is not None and len(x.shape) == 2]
+            if len(members) != self.src.experts:
                 raise CorruptFileError(f"{grouped}: the source lacks some of its {self.src.experts} experts' fc{fc}")
             first = members[0]
-            assert first is not None and first.shape is not None
-            rows, cols = first.shape
+            rows, cols = first.shape or (0, 0)
             shape = (cols, self.src.experts * rows) if fc == 1 else (self.src.experts * cols, rows)
             for suffix in ("", ".fp32", *(f".{k}" for k in _STATE_KEYS)):
-                states = [items.get(f"{x.name}{suffix}") for x in members if x is not None]
-                if not all(states) or len(states) != len(members):
-                    continue
-                top = states[0]
-                assert top is not None
-                items[grouped + suffix] = Item(name=grouped + suffix, kind=top.kind, dtype=top.dtype, shape=shape)
-                self._composed[grouped + suffix] = (fc, [x for x in states if x is not None])
+                states = [st for x in members if (st := items.get(f"{x.name}{suffix}")) is not None]
+                if len(states) == len(members):  # a state every expert has: composed as the weight
+                    top = states[0]
+                    items[grouped + suffix] = Item(name=grouped + suffix, kind=top.kind, dtype=top.dtype, shape=shape)
+                    self._composed[grouped + suffix] = (fc, states)
             if first.name in self.src.group_of:
                 self.src.group_of[grouped] = self.src.group_of[first.name]
             if first.name in self.src.step_of:

@@ -121,6 +121,11 @@ def test_a_link_out_of_a_sealed_checkpoint_is_never_followed(fixture, rel, tmp_p
     outside = tmp_path / "elsewhere"
     (ck / rel).rename(outside)
     (ck / rel).symlink_to(outside)
+    # other bytes behind the link than the seal's: a verify that hashed through it would say so
+    victim = outside if outside.is_file() else sorted(p for p in outside.rglob("*") if p.is_file())[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
     before = tree_digests(outside)
 
     for command in (["inspect"], ["compress", "-o", tmp_path / "c.ckz"], ["diff", FIXTURES / fixture]):

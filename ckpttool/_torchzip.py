@@ -24,7 +24,7 @@ from ckpttool._crc import crc32
 from ckpttool.dtypes import carrier
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CorruptFileError
-from ckpttool.io import RandomAccessFile
+from ckpttool.io import MemberCrcs, RandomAccessFile
 
 _LFH = struct.Struct("<4s2B4HL2L2H")  # zip local file header, 30 bytes
 _MAX_PICKLE = 1 << 30
@@ -91,9 +91,13 @@ class Archive:
         length: int | None = None,
         display: str,
         allow: Mapping[tuple[str, str], Any] | None = None,
+        check: bool = False,
     ) -> None:
+        """``check``: an archive in memory checks the CRC-32 of each storage it is asked for (an
+        archive in a file does when the file's reads are checked: ``RandomAccessFile.crcs``)."""
         self.display = display
         self.source = source
+        self.check = check
         if isinstance(source, bytes):
             self.base = 0
             self.length = len(source)
@@ -159,7 +163,10 @@ class Archive:
                 path=self.display,
             )
         span = self.member_span(self.prefix + "data.pkl", info)
-        return self._read(span.offset - self.base, span.length)
+        data = self._read(span.offset - self.base, span.length)
+        if self.checked:  # read through the windows, not the file's watched reads: checked here
+            self._check_now(self.prefix + "data.pkl", info, span, data)
+        return data
 
     def storage_span(self, key: str) -> StorageSpan:
         """Where the raw bytes of storage ``key`` start, without reading them."""
@@ -176,7 +183,36 @@ class Archive:
             )
         span = self.member_span(name, info)
         self._spans[key] = span
+        self._watch(name, info, span)
         return span
+
+    def watch_all(self) -> None:
+        """Have every stored member checked against its CRC-32 as it is read (:meth:`_watch`): an
+        archive about to be copied byte for byte."""
+        for name, info in self.members.items():
+            if info.compress_type == zipfile.ZIP_STORED:
+                self._watch(name, info, self.member_span(name, info))
+
+    def _watch(self, name: str, info: Any, span: StorageSpan) -> None:
+        """Have the storage's bytes checked against its stored CRC-32 as they are read, when the
+        file's reads are checked (:func:`ckpttool.io.checking_crcs`); an archive held in memory
+        (a decompressed DCP record) is checked here and now, when ``check`` was asked."""
+        if isinstance(self.source, bytes):
+            if self.check:
+                self._check_now(name, info, span, memoryview(self.source)[span.offset : span.offset + span.length])
+        elif self.source.crcs is not None:  # (tensors are read from the file, never from _windows)
+            self.source.crcs.expect(span.offset, span.length, info.CRC, f"{self.display}: {name}")
+
+    @property
+    def checked(self) -> bool:
+        """whether the members read are checked against their CRC-32s"""
+        return self.check if isinstance(self.source, bytes) else self.source.crcs is not None
+
+    def _check_now(self, name: str, info: Any, span: StorageSpan, data: Any) -> None:
+        """A member's bytes, all in hand, against its CRC-32 (CorruptFileError if they differ)."""
+        watch = MemberCrcs(self.display)
+        watch.expect(span.offset, span.length, info.CRC, f"{self.display}: {name}")
+        watch.saw(span.offset, data)
 
     def member_span(self, name: str, info: Any) -> StorageSpan:
         """Where a stored member's bytes are (after its local header)."""

@@ -28,7 +28,7 @@ from ckpttool.assemble import check_coverage
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.export import safetensors_selection, select, tensor_nbytes, write_safetensors
 from ckpttool.formats.base import Adapter
-from ckpttool.io import fsync_dir, fsync_tree, publish_dir, refuse_overlap, staged_dir
+from ckpttool.io import checking_crcs, fsync_dir, fsync_tree, publish_dir, refuse_overlap, staged_dir
 from ckpttool.manifest import Item, Manifest
 
 FRAMEWORKS = ("megatron", "megatron-dist", "deepspeed", "deepspeed-universal")
@@ -85,6 +85,7 @@ def _shards(pairs: list[tuple[str, Item]], limit: int) -> list[list[tuple[str, I
     return [s for s in shards if s]
 
 
+@checking_crcs()  # a flipped bit in the source stops the run
 def convert(
     src: str | Path,
     dst: str | Path,

@@ -22,7 +22,7 @@ from ckpttool.assemble import assemble, check_coverage
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import UsageError
 from ckpttool.formats.base import PieceReader
-from ckpttool.io import atomic_output, refuse_overlap
+from ckpttool.io import atomic_output, checking_crcs, refuse_overlap
 from ckpttool.manifest import KINDS, Item, Manifest
 
 _ALIGN = 8
@@ -80,6 +80,7 @@ def safetensors_selection(
     return pairs, skipped
 
 
+@checking_crcs()  # a flipped bit in the source stops the run
 def export(
     path: str | Path,
     output: str | Path,

@@ -6,6 +6,7 @@ and every output is published by one rename of a fully written and fsync'd tempo
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import contextvars
 import errno
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ckpttool import _crc
 from ckpttool.errors import CorruptFileError, NotFoundError, PathEscapeError, UsageError
 
 TMP_MARKER = ".ckpttool-tmp-"
@@ -107,6 +109,9 @@ class RandomAccessFile:
         self.cache: FileCache | None = None
         """the cache that keeps it (under its ``display`` name): a re-open goes through it, so the
         cache's open-file limit holds even for readers that kept a reference to this file"""
+        self.crcs: MemberCrcs | None = None
+        """when set, the bytes read of the zip members registered there are checked against the
+        CRC-32s the archive stores (:func:`checking_crcs`)"""
         self._open()
 
     def _open(self) -> int:
@@ -145,6 +150,8 @@ class RandomAccessFile:
         data = pread(self._fd(), length, offset)
         if len(data) != length:
             raise CorruptFileError(f"{self.display}: short read at {offset:,}", path=self.display)
+        if self.crcs is not None:
+            self.crcs.saw(offset, data)
         return data
 
     def read_into(self, offset: int, buf: memoryview) -> None:
@@ -152,6 +159,8 @@ class RandomAccessFile:
             self.read(offset, len(buf))  # raises the truncation message
         if preadinto(self._fd(), buf, offset) != len(buf):
             raise CorruptFileError(f"{self.display}: short read at {offset:,}", path=self.display)
+        if self.crcs is not None:
+            self.crcs.saw(offset, buf)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -165,6 +174,135 @@ class RandomAccessFile:
         self.close()
 
 
+class _Member:
+    """A zip member being read, perhaps in parts: the CRC-32 of each part read, by where it starts."""
+
+    __slots__ = ("crc", "length", "parts", "seen", "what")
+
+    def __init__(self, length: int, crc: int, what: str) -> None:
+        self.length, self.crc, self.what = length, crc, what
+        self.parts: dict[int, dict[int, int]] = {}  # start in the member -> {length: crc}
+        self.seen = 0  # bytes recorded, counting a part read twice twice
+
+    def add(self, start: int, length: int, crc: int) -> int | None:
+        """Record a part; the CRC-32 of the whole member once the parts recorded tile it, else None."""
+        if start == 0 and length == self.length:
+            return crc
+        self.parts.setdefault(start, {})[length] = crc
+        self.seen += length
+        if self.seen < self.length:
+            return None
+        reach = {0: 0}  # each position reached from 0 by parts end to end: CRC of the bytes before it
+        stack = [0]
+        while stack:
+            pos = stack.pop()
+            for n, c in self.parts.get(pos, {}).items():
+                end = pos + n
+                if end not in reach:
+                    reach[end] = _crc.combine(reach[pos], c, n)
+                    if end == self.length:
+                        return reach[end]
+                    stack.append(end)
+        return None
+
+
+class MemberCrcs:
+    """The zip members of one file whose bytes are checked as they are read: each read's part of
+    a registered member has its CRC-32 taken, and once the parts read tile the member, their
+    combined CRC must be the one its archive stores. torch never checks these CRCs; this is how
+    ``reshard``, ``convert`` and ``export`` refuse to carry a flipped bit into a new checkpoint.
+    Parts of a member never read whole are not judged."""
+
+    def __init__(self, display: str) -> None:
+        self.display = display
+        self._members: dict[int, _Member] = {}  # by the file offset of the member's first byte
+        self._starts: list[int] = []  # sorted (those of finished members included)
+        self._pending: list[int] = []  # registered since _starts was last sorted
+        self._lock = threading.Lock()
+
+    def expect(self, start: int, length: int, crc: int, what: str) -> None:
+        """Bytes ``[start, start + length)`` of the file are a member whose CRC-32 is ``crc``.
+        A CRC of 0 is torch's "not computed" (``set_crc32_options(False)``): not checked."""
+        if length <= 0 or crc == 0:
+            return
+        with self._lock:
+            if start not in self._members:
+                self._members[start] = _Member(length, crc, what)
+                self._pending.append(start)
+
+    def saw(self, offset: int, data: Any) -> None:
+        """``data`` was read at ``offset``; raises CorruptFileError when it completes a member whose
+        bytes do not have the stored CRC."""
+        if not self._members:
+            return
+        view = memoryview(data).cast("B")
+        end = offset + len(view)
+        for start, member in self._overlapping(offset, end):
+            lo, hi = max(offset, start), min(end, start + member.length)
+            crc = _crc.crc32(view[lo - offset : hi - offset])  # releases the GIL
+            with self._lock:
+                if self._members.get(start) is not member:
+                    continue  # finished by another thread meanwhile
+                whole = member.add(lo - start, hi - lo, crc)
+                if whole is None:
+                    continue
+                del self._members[start]
+            if whole != member.crc:
+                raise CorruptFileError(
+                    f"{member.what}: its {member.length:,} bytes (at {start:,} of {self.display}) do not match "
+                    f"the CRC-32 its archive stores (stored {member.crc:08x}, read {whole:08x}): the file "
+                    "changed after it was saved",
+                    hint="nothing was written; run 'ckpttool verify' on the source to list every damaged "
+                    "file, and restore them from a good copy",
+                    path=self.display,
+                    rule="checksum-mismatch",
+                )
+
+    def _overlapping(self, offset: int, end: int) -> list[tuple[int, _Member]]:
+        with self._lock:
+            member = self._members.get(offset)
+            if member is not None and offset + member.length >= end:
+                return [(offset, member)]  # the usual read: one member from its start
+            if self._pending:
+                self._starts.extend(self._pending)
+                self._starts.sort()
+                self._pending.clear()
+            i = max(0, bisect.bisect_right(self._starts, offset) - 1)
+            found = []
+            while i < len(self._starts) and self._starts[i] < end:
+                start = self._starts[i]
+                member = self._members.get(start)
+                if member is not None and start + member.length > offset:
+                    found.append((start, member))
+                i += 1
+            return found
+
+
+_CHECKING = [0]
+_CHECKING_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def checking_crcs() -> Iterator[None]:
+    """While active, the files of every :class:`FileCache` made (every reader opened) check the
+    bytes read of zip members against the CRC-32s their archives store (:class:`MemberCrcs`). The
+    commands that write new checkpoints from old ones run inside it; ``verify`` and ``diff``, which
+    report damage rather than stop at it, do not."""
+    with _CHECKING_LOCK:
+        _CHECKING[0] += 1
+    try:
+        yield
+    finally:
+        with _CHECKING_LOCK:
+            _CHECKING[0] -= 1
+
+
+def check_crcs_from_now() -> None:
+    """Check CRCs in this process from now on (a worker process of a command that does)."""
+    with _CHECKING_LOCK:
+        _CHECKING[0] += 1
+
+
 class FileCache:
     """Keeps files open across many piece reads; one per command run. At most ``max_open`` stay
     open (least recently used closed first, re-opened on their next read), so a checkpoint of
@@ -173,6 +311,8 @@ class FileCache:
     def __init__(self, root: str | os.PathLike[str], max_open: int | None = None) -> None:
         self.root = os.fspath(root)
         self.max_open = max_open or default_max_open()
+        self.check_crcs = _CHECKING[0] > 0
+        """the files check the CRC-32s of the zip members read (:func:`checking_crcs`)"""
         self._files: dict[str, RandomAccessFile] = {}
         self._lru: OrderedDict[str, RandomAccessFile] = OrderedDict()  # the ones with an open fd
 
@@ -185,6 +325,8 @@ class FileCache:
             self._make_room()
             f = RandomAccessFile(confine(self.root, rel), display=rel)
             f.cache = self
+            if self.check_crcs:
+                f.crcs = MemberCrcs(rel)
             self._files[rel] = f
         elif f.fd < 0:
             self._make_room()

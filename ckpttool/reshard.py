@@ -33,7 +33,7 @@ from ckpttool import device, registry
 from ckpttool.convert import parse_size
 from ckpttool.errors import UsageError
 from ckpttool.hashing import Written, collecting_written
-from ckpttool.io import fsync_tree, publish_dir, refuse_overlap, staged_dir
+from ckpttool.io import check_crcs_from_now, checking_crcs, fsync_tree, publish_dir, refuse_overlap, staged_dir
 from ckpttool.manifest import Manifest
 
 OVERHEAD = 300 * 10**6
@@ -165,6 +165,7 @@ _MANIFEST: Manifest | None = None
 
 def _init_worker(build: Callable[..., Any], args: tuple[Any, ...], adapter: Any, manifest: Manifest, on: str) -> None:
     global _WRITER, _ADAPTER, _MANIFEST
+    check_crcs_from_now()  # as the reshard that started this worker does
     device.start(on)
     _WRITER, _ADAPTER, _MANIFEST = build(*args), adapter, manifest
 
@@ -783,6 +784,7 @@ def _rank_error(info: dict[str, Any]) -> Exception:
     return errors.CkptError(message, hint=info.get("hint") or "see that rank's output")
 
 
+@checking_crcs()  # a flipped bit in the source stops the run: it is never sealed into the output
 def reshard(
     src: str | Path,
     dst: str | Path,

@@ -564,7 +564,7 @@ class DcpReader(PieceReader):
                     path=piece.file,
                 )
             data = bytes(out)
-            return _torchzip.Archive(data, display=display, allow=self.object_allow)
+            return _torchzip.Archive(data, display=display, allow=self.object_allow, check=f.crcs is not None)
         return _torchzip.Archive(f, base=loc["offset"], length=loc["length"], display=display, allow=self.object_allow)
 
     def read(self, piece: Piece, item: Item, out: np.ndarray | None = None) -> np.ndarray:

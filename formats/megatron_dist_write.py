@@ -421,6 +421,8 @@ class DistWriter(LegacyWriter):
         if loc.get("transforms") or "offset" not in loc:
             _ptwrite.save(_ptwrite.carried(reader, item), f)
             return
+        if reader.files.check_crcs and (archive := reader.archive_of(piece)) is not None:
+            archive.watch_all()  # the copy's read checks the record's members
         f.write(reader.files.get(piece.file).read(loc["offset"], loc["length"]))
 
     def _pickle_object(self, item: Item, f: BinaryIO, reader: PieceReader) -> None:

@@ -3,14 +3,23 @@ one clear error, never an unexpected exception (a traceback)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import random
 import shutil
+import subprocess
+import sys
+import zlib
+from pathlib import Path
 
 import pytest
 
-from ckpttool.errors import CkptError
+from ckpttool import _crc, registry
+from ckpttool._torchzip import Archive, read_tensor
+from ckpttool.errors import CkptError, CorruptFileError
 from ckpttool.export import export
 from ckpttool.inspect import inspect
+from ckpttool.io import MemberCrcs, RandomAccessFile
 from ckpttool.verify import verify
 from tests.conftest import FIXTURES
 
@@ -52,3 +61,142 @@ def test_truncations_and_flips_never_escape(rel, tmp_path):
             shutil.rmtree(work)
     print(f"{rel}: {runs} runs on damaged copies, {len(unexpected)} unexpected exceptions")
     assert unexpected == []
+
+
+# -- a flipped bit is never carried into a new checkpoint ------------------------------------------
+
+CARRIED = [  # (fixture, tensor whose bytes are flipped, command that writes a checkpoint from it)
+    ("dcp/fsdp2", "model.blocks.0.fc1.weight", ["reshard", "--dp", "2"]),
+    ("dcp/fsdp2", "model.blocks.0.fc1.weight", ["export"]),
+    # a ZeRO fp32 partition, read one parameter at a time: the parts' CRCs are combined
+    ("deepspeed/zero2", "blocks.0.fc1.weight.exp_avg", ["reshard", "--dp", "1"]),
+    ("deepspeed/zero2", "blocks.0.fc1.weight.exp_avg", ["reshard", "--dp", "1", "--workers", "2"]),
+    # the model states' tensors are views of one flat buffer, read view by view
+    ("deepspeed/zero2", "blocks.0.fc1.weight", ["export"]),
+    ("megatron/legacy_tp2pp2", "decoder.layers.0.mlp.linear_fc2.weight", ["reshard", "--tp", "1", "--pp", "1"]),
+    ("megatron/dist_tp2", "embedding.word_embeddings.weight", ["reshard", "--tp", "1"]),
+    ("torch/train_state.pt", "model.blocks.0.fc1.weight", ["convert", "--to", "dcp"]),
+    ("rankshards/ddp", "model.body.0.weight", ["convert", "--to", "safetensors"]),
+]
+
+
+def _digests(path):
+    files = sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)[0]
+        fh.seek(offset)
+        fh.write(bytes([byte ^ 0x10]))
+
+
+def _run(args, cwd):
+    return subprocess.run([sys.executable, "-m", "ckpttool", *args], capture_output=True, text=True, cwd=cwd)
+
+
+@pytest.mark.parametrize(("rel", "item", "command"), CARRIED, ids=lambda v: "-".join(v) if isinstance(v, list) else v)
+def test_a_flipped_bit_is_not_carried_into_a_new_checkpoint(rel, item, command, tmp_path):
+    """torch never checks the CRC-32s in its zip archives: reshard, convert and export do, for every
+    byte they read of a member (a member read in parts too), and stop with exit 3 naming the
+    member and its file; nothing is published and the source is left as it was."""
+    src = tmp_path / "src" / Path(rel).name
+    src.parent.mkdir()
+    (shutil.copytree if (FIXTURES / rel).is_dir() else shutil.copy)(FIXTURES / rel, src)
+    adapter, manifest = registry.describe(src)
+    target = manifest.items[item]
+    with adapter.reader(manifest) as reader:
+        offset, length = reader.raw_span(target.pieces[0], target)
+    damaged = target.pieces[0].file
+    _flip(Path(manifest.root) / damaged, offset + length // 2)
+    before = _digests(src)
+    out = tmp_path / ("out.safetensors" if command == ["export"] else "out")
+    run = _run([command[0], str(src), "-o", str(out), *command[1:]], tmp_path)
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert "Traceback" not in run.stderr
+    assert "CRC-32" in run.stderr and damaged in run.stderr, run.stderr
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))]  # no staged leftovers
+    assert _digests(src) == before
+
+
+def test_crcs_are_checked_in_parts_in_any_order(tmp_path):
+    """MemberCrcs judges a member once the parts read tile it, whatever their order and overlaps;
+    a member never read whole, or whose stored CRC is 0 (torch's "not computed"), is not judged."""
+    original = os.urandom(100_000)
+    members = {"a": (1000, 40_000), "b": (41_000, 9_000), "c": (60_000, 30_000), "d": (92_000, 8_000)}
+    path = tmp_path / "f"
+
+    def read(data, crc_of=lambda name: zlib.crc32(original[members[name][0] : sum(members[name])])):
+        path.write_bytes(data)
+        with RandomAccessFile(path) as f:
+            f.crcs = MemberCrcs("f")
+            for name, (start, n) in members.items():
+                f.crcs.expect(start, n, crc_of(name), name)
+            f.read(60_000, 10_000)  # c in parts, out of order, overlapping
+            f.read(75_000, 15_000)
+            f.read(65_000, 15_000)
+            f.read(900, 50_000)  # a whole and the head of b, in one read
+            f.read(41_000, 9_000)  # b whole
+            f.read(70_000, 5_000)  # c's parts now tile it
+            f.read(92_000, 4_000)  # d: half only
+
+    read(original)
+    for flip, name in ((20_000, "a"), (45_000, "b"), (72_000, "c")):
+        data = bytearray(original)
+        data[flip] ^= 1
+        with pytest.raises(CorruptFileError, match=f"^{name}: ") as caught:
+            read(bytes(data))
+        assert caught.value.rule == "checksum-mismatch"
+    for flip in (500, 94_000):  # outside every member; in d, which is never read whole
+        data = bytearray(original)
+        data[flip] ^= 1
+        read(bytes(data))
+    data = bytearray(original)
+    data[20_000] ^= 1
+    read(bytes(data), crc_of=lambda name: 0)
+
+
+def test_crc_combination_without_isal():
+    """The fallback combination (no ISA-L) gives zlib's CRC of the concatenation."""
+    rng = random.Random(5)
+    for _ in range(50):
+        a, b = rng.randbytes(rng.randrange(3000)), rng.randbytes(rng.randrange(3000))
+        fallback = _crc._multiply(zlib.crc32(a), _crc._x_to_8n(len(b))) ^ zlib.crc32(b) if b else zlib.crc32(a)
+        assert fallback == zlib.crc32(a + b)
+        assert _crc.combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_a_flipped_bit_in_a_pickle_or_an_archive_in_memory_is_caught(tmp_path):
+    """The pickle of a torch_dist object record copied byte for byte, and a record held in memory
+    (a decompressed DCP chunk), are checked too."""
+    src = tmp_path / "dist_tp2"
+    shutil.copytree(FIXTURES / "megatron/dist_tp2", src)
+    adapter, manifest = registry.describe(src)
+    piece = next(i.pieces[0] for i in manifest.items.values() if not i.is_tensor and "offset" in i.pieces[0].locator)
+    with adapter.reader(manifest) as reader:
+        archive = reader.archive_of(piece)
+        name = archive.prefix + "data.pkl"
+        span = archive.member_span(name, archive.members[name])
+    _flip(Path(manifest.root) / piece.file, span.offset + span.length - 3)  # inside the pickle's memo
+    run = _run(["reshard", str(src), "-o", str(tmp_path / "out"), "--to", "megatron-dist", "--tp", "2"], tmp_path)
+    assert run.returncode == 3 and "data.pkl" in run.stderr and "CRC-32" in run.stderr, run.stderr
+    assert not (tmp_path / "out").exists()
+
+    import io as _io
+
+    import torch
+
+    buf = _io.BytesIO()
+    torch.save(torch.arange(64, dtype=torch.float32), buf)
+    data = bytearray(buf.getvalue())
+    probe = Archive(bytes(data), display="chunk")
+    start = probe.storage_span(probe.load().storage.key).offset
+    data[start + 10] ^= 1
+    damaged = Archive(bytes(data), display="chunk", check=True)
+    with pytest.raises(CorruptFileError, match="CRC-32"):
+        read_tensor(damaged, damaged.load())
+    unchecked = Archive(bytes(data), display="chunk")  # verify's reading: judged elsewhere
+    read_tensor(unchecked, unchecked.load())

@@ -4,9 +4,10 @@ ISA-L's (``isal``) runs at memory speed on x86-64 and ARM64 (14 GB/s against zli
 the machines of ``docs/benchmarks.md``), gives the same values and releases the GIL as zlib's does.
 Where it is not installed, zlib's is used.
 
-:func:`crc32_combine` gives the CRC-32 of ``a + b`` from those of ``a`` and ``b`` and ``len(b)``:
-a member read in several parts (a ZeRO partition, one parameter at a time) is checked without
-reading it again. ISA-L has it; the fallback below computes it from the polynomial.
+:func:`combine` gives the CRC-32 of ``a + b`` from those of ``a`` and ``b`` and ``len(b)``: a
+member read in several parts (a ZeRO partition, one parameter at a time) is checked without
+reading it again. ISA-L's ``crc32_combine`` does it; without ISA-L it is computed from the
+polynomial here.
 """
 
 from __future__ import annotations

@@ -248,15 +248,7 @@ class MemberCrcs:
                     continue
                 del self._members[start]
             if whole != member.crc:
-                raise CorruptFileError(
-                    f"{member.what}: its {member.length:,} bytes (at {start:,} of {self.display}) do not match "
-                    f"the CRC-32 its archive stores (stored {member.crc:08x}, read {whole:08x}): the file "
-                    "changed after it was saved",
-                    hint="nothing was written; run 'ckpttool verify' on the source to list every damaged "
-                    "file, and restore them from a good copy",
-                    path=self.display,
-                    rule="checksum-mismatch",
-                )
+                raise crc_mismatch(member.what, self.display, start, member.length, member.crc, whole)
 
     def _overlapping(self, offset: int, end: int) -> list[tuple[int, _Member]]:
         with self._lock:
@@ -276,6 +268,19 @@ class MemberCrcs:
                     found.append((start, member))
                 i += 1
             return found
+
+
+def crc_mismatch(what: str, display: str, start: int, length: int, stored: int, found: int) -> CorruptFileError:
+    """The error of a zip member ``what`` at ``start`` of file ``display`` whose bytes do not have
+    the CRC-32 its archive stores."""
+    return CorruptFileError(
+        f"{what}: its {length:,} bytes (at {start:,} of {display}) do not match the CRC-32 its archive "
+        f"stores (stored {stored:08x}, read {found:08x}): the file changed after it was saved",
+        hint="nothing was written; run 'ckpttool verify' on the source to list every damaged file, and "
+        "restore them from a good copy",
+        path=display,
+        rule="checksum-mismatch",
+    )
 
 
 _CHECKING = [0]

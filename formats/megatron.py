@@ -1277,9 +1277,9 @@ class MegatronLegacyAdapter:
         """De-bucket ``distrib_optim.pt`` (the distributed optimizer's state, gathered over DP) by
         replaying the grad-buffer layout (:func:`grad_buffer_layout`). Under expert parallelism
         the file holds megatron-core's ``ChainedOptimizer`` list: the dense optimizer's buffers
-        (None in the files of EP ranks > 0: its DP rank 0 saves them once) and the experts'. A
-        buffer whose replayed size disagrees with ``numel_unpadded`` (several dtypes, other
-        versions) is refused rather than guessed."""
+        (None in the files of ranks other than its DP rank 0, which saves them once: at ETP = TP
+        the EP ranks > 0) and the experts'. A buffer whose replayed size disagrees with
+        ``numel_unpadded`` (several dtypes, other versions) is refused rather than guessed."""
         archive, obj, _ = _pt.load(Path(manifest.root), rel, ALLOWLIST)
         archive.close()
         if isinstance(obj, list):
@@ -1299,7 +1299,7 @@ class MegatronLegacyAdapter:
         total = sum(math.prod(s) for order in orders for _, s in order)
         for member, chunk_orders in members:
             if member is None:
-                continue  # another EP rank's file holds this optimizer's state
+                continue  # another rank's file holds this optimizer's state
             # one grad buffer per model chunk that has parameters of this optimizer
             held = [(v, order) for v, order in enumerate(chunk_orders) if order]
             keys = sorted(k for k in member if isinstance(k, int)) if isinstance(member, dict) else []
@@ -1678,7 +1678,7 @@ def own_etp(args: Any) -> int:
     return etp
 
 
-def expert_tp_ranks(args: Any) -> dict[tuple[int, int, int], tuple[int, int]] | None:
+def expert_tp_ranks(args: Any) -> dict[tuple[int, int, int], tuple[int, int, int]] | None:
     """:func:`saving_ranks` of a run's ``args``; None when its experts are split as the other layers."""
     etp = own_etp(args)
     if not etp:
@@ -1696,9 +1696,10 @@ def expert_tp_ranks(args: Any) -> dict[tuple[int, int, int], tuple[int, int]] | 
 
 def saving_ranks(
     *, tp: int, etp: int, ep: int, pp: int, cp: int, world: int, tp_pp_dp: bool
-) -> dict[tuple[int, int, int], tuple[int, int]]:
+) -> dict[tuple[int, int, int], tuple[int, int, int]]:
     """Under expert tensor parallelism (ETP ≠ TP), the ETP rank of the experts in each legacy rank
-    directory and the global rank that saves it, by the directory's (TP, PP, EP) rank.
+    directory, the global rank that saves it and that rank's dense DP rank (0: it saves the dense
+    optimizer's ``distrib_optim.pt`` state), by the directory's (TP, PP, EP) rank.
 
     megatron-core lays both the dense ranks (TP, CP, DP, PP) and the expert ranks (ETP, EP, expert
     DP, PP) over the world in one order (``tp-cp-ep-dp-pp``, or ``tp-cp-ep-pp-dp`` with
@@ -1715,29 +1716,71 @@ def saving_ranks(
             f"world size {world or 'unknown'} is not a whole number of TP={tp} x CP={cp} x PP={pp} dense and "
             f"ETP={etp} x EP={ep} x PP={pp} expert groups"
         )
-    order = ["tp", "cp", "ep", "pp", "dp"] if tp_pp_dp else ["tp", "cp", "ep", "dp", "pp"]
-    dense = {"tp": tp, "cp": cp, "ep": 1, "dp": world // (tp * cp * pp), "pp": pp}
-    expert = {"tp": etp, "cp": 1, "ep": ep, "dp": world // (etp * ep * pp), "pp": pp}
-    out: dict[tuple[int, int, int], tuple[int, int]] = {}
+    order, dense, expert = _rank_axes(tp=tp, etp=etp, ep=ep, pp=pp, cp=cp, world=world, tp_pp_dp=tp_pp_dp)
+    out: dict[tuple[int, int, int], tuple[int, int, int]] = {}
     for r in range(world):
         d, x = _coords(r, order, dense), _coords(r, order, expert)
         if x["dp"]:
             continue
         key = (d["tp"], d["pp"], x["ep"])
-        if out.setdefault(key, (x["tp"], r))[0] != x["tp"]:
+        if out.setdefault(key, (x["tp"], r, d["dp"]))[0] != x["tp"]:
             raise ValueError(
                 f"the experts of ETP ranks {out[key][0]} and {x['tp']} are both saved as TP rank {key[0]}, PP rank "
                 f"{key[1]}, EP rank {key[2]}: one rank's file overwrote the other's"
             )
     # Megatron-LM's legacy save can drop ranks: every dense TP part and every expert part must be saved
     dropped = sorted({(t, p) for t in range(tp) for p in range(pp)} - {(t, p) for t, p, _ in out})
-    experts_held = {(x, p, e) for (_, p, e), (x, _) in out.items()}
+    experts_held = {(x, p, e) for (_, p, e), (x, _, _) in out.items()}
     if dropped or len(experts_held) != etp * pp * ep:
         raise ValueError(
             "the ranks of expert-DP rank 0, which save the legacy files, do not hold "
             + (f"TP rank {dropped[0][0]} of PP rank {dropped[0][1]}" if dropped else "every expert's part")
             + f" (TP={tp} ETP={etp} EP={ep}): a legacy checkpoint cannot hold this layout"
         )
+    return out
+
+
+def _rank_axes(
+    *, tp: int, etp: int, ep: int, pp: int, cp: int, world: int, tp_pp_dp: bool
+) -> tuple[list[str], dict[str, int], dict[str, int]]:
+    """megatron-core's rank order and the sizes of the dense and the expert axes over one world."""
+    order = ["tp", "cp", "ep", "pp", "dp"] if tp_pp_dp else ["tp", "cp", "ep", "dp", "pp"]
+    dense = {"tp": tp, "cp": cp, "ep": 1, "dp": world // (tp * cp * pp), "pp": pp}
+    expert = {"tp": etp, "cp": 1, "ep": ep, "dp": world // (etp * ep * pp), "pp": pp}
+    return order, dense, expert
+
+
+def rng_holders(args: Any) -> dict[tuple[int, int, int], tuple[int, int, int]]:
+    """Under expert tensor parallelism, the legacy rank file (TP, PP, EP rank) that holds the RNG
+    state of each dense rank (TP t, PP p, DP d) of the run: the file that rank saved, or else one
+    whose saving rank has the same TP, PP, EP and expert-TP ranks, as megatron-core seeds a rank's
+    generators from those alone (``_set_random_seed``, ``model_parallel_cuda_manual_seed``) unless
+    ``data_parallel_random_init`` adds the DP rank. Ranks that no saved file stands for are left
+    out; empty when the experts split as the other layers."""
+    savers = expert_tp_ranks(args)
+    if savers is None:
+        return {}
+    tp, pp = _int_arg(args, "tensor_model_parallel_size"), _int_arg(args, "pipeline_model_parallel_size")
+    cp, world = _int_arg(args, "context_parallel_size"), _int_arg(args, "world_size", 0)
+    order, dense, expert = _rank_axes(
+        tp=tp,
+        etp=own_etp(args),
+        ep=_int_arg(args, "expert_model_parallel_size"),
+        pp=pp,
+        cp=cp,
+        world=world,
+        tp_pp_dp=bool(getattr(args, "use_tp_pp_dp_mapping", False)),
+    )
+    by_dp = bool(getattr(args, "data_parallel_random_init", False))
+    out: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+    for r in range(world):
+        d, x = _coords(r, order, dense), _coords(r, order, expert)
+        if d["cp"]:
+            continue
+        key = (d["tp"], d["pp"], x["ep"])
+        saver = savers.get(key)
+        if saver is not None and (saver[1] == r or (saver[0] == x["tp"] and not by_dp)):
+            out[(d["tp"], d["pp"], d["dp"])] = key
     return out
 
 

@@ -174,14 +174,6 @@ class DistWriter(LegacyWriter):
         self.objects: list[str] = []
         self._plan()
 
-    def _expert_layout(self) -> None:
-        """torch_dist keeps each parameter and its optimizer state as one global tensor, the experts'
-        chunked by their own TP (``_plan_tensor``): any ETP, with or without the distributed
-        optimizer, except from a legacy ``distrib_optim.pt`` saved with an ETP of its own (its
-        buffers under ETP are not read)."""
-        if self.src.distopt and not self.from_dist and self.src.etp:
-            super()._expert_layout()
-
     def _check_distopt_groups(self) -> None:
         if not self.from_dist:  # (from torch_dist: _source_commons checks the groups)
             super()._check_distopt_groups()
@@ -404,7 +396,7 @@ class DistWriter(LegacyWriter):
                         item = self.manifest.items.get(name)
                         if item is not None:
                             self._add_object(p * tp + t, key, partial(self._copy_record, item))
-                    elif "rng_state" in self.src.objs[src := self.src.key(ts, ps, d)]:
+                    elif "rng_state" in self.src.objs[src := self.src.rng_key(ts, ps, d)]:
                         self._add_object(p * tp + t, key, partial(self._pickle_rng, src))
 
     def _add_object(self, rank: int, key: str, write: Callable[[BinaryIO, PieceReader], None]) -> None:

@@ -59,6 +59,7 @@ from ckpttool.formats.megatron import (
     rank_dir,
     rank_of,
     renumber_expert,
+    rng_holders,
     saving_ranks,
     split_rule,
     stage_split,
@@ -110,6 +111,11 @@ class _Source:
     etp: int = 0
     """expert tensor-parallel ranks (``args.expert_tensor_parallel_size``; 0: the experts split as
     the other layers, TP ways)"""
+    rng_of: dict[tuple[int, int, int], tuple[int, int, int]] = field(default_factory=dict)
+    """under expert tensor parallelism, the rank file holding the RNG state of each dense rank
+    (TP, PP, DP rank) of the source run (:func:`~ckpttool.formats.megatron.rng_holders`)"""
+    dp: int = 1
+    """the source run's data-parallel size"""
     dist: bool = False
     """a ``torch_dist`` source: one ``common.pt`` for all ranks, global tensors, ``ShardedObject``
     records; its param groups (from ``common.pt``, each given the common step) name no members"""
@@ -134,6 +140,17 @@ class _Source:
         if found is None:
             raise CorruptFileError(f"no rank file of PP rank {want[1]} and EP rank {want[2]} in the source")
         return found
+
+    def rng_key(self, t: int, p: int, d: int) -> tuple[int, int, int]:
+        """The rank file whose RNG state dense rank (TP ``t``, PP ``p``, DP ``d``) gets, each taken
+        modulo the source's sizes: under expert tensor parallelism the file that rank saved or one
+        of the same seeds (``rng_of``), else its TP and PP rank's at DP rank 0 (every rank of dense
+        DP rank 0 saves a file); otherwise the file of EP rank ``d`` (at ETP = TP the rank of DP
+        rank ``d`` < EP saves it)."""
+        if not self.rng_of:
+            return self.key(t, p, d)
+        t, p = t % self.tp, p % self.pp
+        return self.rng_of.get((t, p, d % self.dp)) or self.rng_of[(t, p, 0)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +227,8 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
     args = first.get("args")
     src.experts = int(getattr(args, "num_experts", None) or 0)
     src.etp = own_etp(args)
+    src.rng_of = rng_holders(args)
+    src.dp = int(getattr(args, "data_parallel_size", 1) or 1)
     local = src.experts // ep if src.experts else 0
     distrib = {key: (root / rel).with_name("distrib_optim.pt").is_file() for key, rel in rels.items()}
     if any(distrib.values()):
@@ -758,9 +777,9 @@ class LegacyWriter:
             raise CorruptFileError(f"model entries missing from the manifest: {', '.join(missing[:4])}")
         want = target.distributed_optimizer
         self.distopt = self.src.distopt if want is None else bool(want)
-        self._xranks: dict[tuple[int, int, int], tuple[int, int]] | None = None
-        """under expert tensor parallelism, (ETP rank of its experts, global rank) of each output rank
-        file by its (TP, PP, EP) rank; None: the experts split as the other layers"""
+        self._xranks: dict[tuple[int, int, int], tuple[int, int, int]] | None = None
+        """under expert tensor parallelism, (ETP rank of its experts, global rank, dense DP rank) of
+        each output rank file by its (TP, PP, EP) rank; None: the experts split as the other layers"""
         if self.src.etp or self.etp != target.tp:
             self._expert_layout()
         if self.src.memberless and not self.distopt and self.src.groups:  # (none: no optimizer saved)
@@ -835,12 +854,8 @@ class LegacyWriter:
         self.manifest.items = items
 
     def _expert_layout(self) -> None:
-        if self.distopt or (self.src.distopt and not self.src.dist):
-            raise UsageError(
-                f"the experts are split {self.etp} ways (expert tensor parallelism), the other layers "
-                f"{self.target.tp} ways: the distributed optimizer's layout of that is not supported yet",
-                hint="reshard with --no-distributed-optimizer, or from a checkpoint saved without it",
-            )
+        """Which global rank saves each output rank file, and its experts' ETP rank
+        (:func:`saving_ranks`), when the output's experts are split their own way."""
         if self.etp == self.target.tp or not self.rank_files:
             return
         cp = int(getattr(self.args, "context_parallel_size", 1) or 1)
@@ -1098,7 +1113,7 @@ class LegacyWriter:
                     if self.distopt:
                         tensors = [
                             o
-                            for kind in self._kinds(e)
+                            for kind in self._kinds(t, p, e)
                             for v in self._buffers(p, e, kind)
                             for o in self._distrib(t, p, v, None, e, kind).values()
                         ]
@@ -1236,7 +1251,7 @@ class LegacyWriter:
                 key = (_unpickle.TorchDType(dtype), _unpickle.TorchDType(grads))
             members: list[Any] = []
             for kind in self._members:
-                if kind not in self._kinds(e):  # another EP rank's file holds it
+                if kind not in self._kinds(t, p, e):  # another rank's file holds it
                     members.append(None)
                     continue
                 buffers: dict[Any, Any] = {"buckets_coalesced": True}
@@ -1562,10 +1577,13 @@ class LegacyWriter:
         (``fp32_scaler``)."""
         return inner if self.fp32_model and not extra else {"optimizer": inner, **extra}
 
-    def _kinds(self, e: int) -> tuple[bool | None, ...]:
-        """The optimizers whose state EP rank ``e``'s ``distrib_optim.pt`` holds."""
-        # the dense optimizer's DP rank 0 saves its state, in the EP rank 0 files
-        return self._members if e == 0 else (True,)
+    def _kinds(self, t: int, p: int, e: int) -> tuple[bool | None, ...]:
+        """The optimizers whose state rank file (t, p, e)'s ``distrib_optim.pt`` holds: each
+        optimizer's DP rank 0 saves its state (megatron-core's ``ChainedOptimizer``), so the dense
+        state is in the files of the saving ranks of dense DP rank 0 (at ETP = TP: EP rank 0's), the
+        experts' in every file (their expert-DP rank 0 saves the files)."""
+        dense = e == 0 if self._xranks is None else self._xranks[(t, p, e)][2] == 0
+        return self._members if dense else (True,)
 
     def _distopt_state(self, archive: Callable[[str], Any], kind: bool | None = None) -> dict[str, Any]:
         """What ``DistributedOptimizer.state_dict`` saves in the rank file: the param groups without

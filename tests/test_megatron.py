@@ -217,9 +217,9 @@ def test_expert_tensor_parallel_rank_layout_is_megatron_cores():
             for r in range(world):
                 if expert[r]["dp"] == 0:
                     key = (dense[r]["tp"], dense[r]["pp"], expert[r]["ep"])
-                    clash |= want.setdefault(key, (expert[r]["tp"], r))[0] != expert[r]["tp"]
+                    clash |= want.setdefault(key, (expert[r]["tp"], r, dense[r]["dp"]))[0] != expert[r]["tp"]
             lossy = {(t, q) for t in range(tp) for q in range(pp)} != {k[:2] for k in want} or len(
-                {(x, k[1], k[2]) for k, (x, _) in want.items()}
+                {(x, k[1], k[2]) for k, (x, _, _) in want.items()}
             ) != etp * pp * ep
             args = types.SimpleNamespace(
                 num_experts=8, tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp,
@@ -233,6 +233,9 @@ def test_expert_tensor_parallel_rank_layout_is_megatron_cores():
                     expert_tp_ranks(args)
             else:
                 assert expert_tp_ranks(args) == want, (tp, etp, ep, pp, cp, world, order)
+                # every rank that saves a dense optimizer's distrib_optim.pt state (its DP rank 0) also
+                # saves a rank file, so that state lands beside it and no file is written twice
+                assert all(expert[r]["dp"] == 0 for r in range(world) if dense[r]["dp"] == 0 and dense[r]["cp"] == 0)
     assert cases > 300 and 0 < refused < cases
 
 
@@ -393,15 +396,33 @@ def test_torch_dist_distributed_optimizer_with_experts_reads_as_its_gather(name,
         assert m.items["decoder.layers.1.mlp.router.weight.fp32"].pieces[0].file.startswith("__2_")
 
 
-@pytest.mark.parametrize("name", ["dist_tp2ep2etp1_distopt", "dist_tp2ep2etp1_distopt_fr"])
-def test_torch_dist_distributed_optimizer_with_expert_tensor_parallelism_reads_as_its_gather(name, tmp_path):
+@pytest.mark.parametrize(
+    "name", ["dist_tp2ep2etp1_distopt", "dist_tp2ep2etp1_distopt_fr", "legacy_tp2ep2etp1_distopt"]
+)
+def test_distributed_optimizer_with_expert_tensor_parallelism_reads_as_its_gather(name, tmp_path):
     """The same MoE model at TP=2 DP=2 with the experts whole (--expert-tensor-parallel-size 1, EP=2,
-    expert DP=2) and the distributed optimizer: the dense member's buckets by TP rank, the experts'
-    by expert TP x EP rank (ETP=1: the EP rank), each split between two DP ranks; both layouts read
-    as the run's own gather, bit for bit."""
+    expert DP=2) and the distributed optimizer: in torch_dist the dense member's buckets by TP rank,
+    the experts' by expert TP x EP rank (ETP=1: the EP rank), each split between two DP ranks; in
+    the legacy save (one run with both) a distrib_optim.pt beside each of the two rank files that
+    expert-DP rank 0's ranks save, each holding the dense optimizer's state of its TP rank (both
+    savers are dense DP rank 0) and the experts' of its EP rank, whole. All three read as the run's
+    own gather, bit for bit, and verify clean."""
     m = _distopt_reads_as(name, "dist_tp2ep2etp1_distopt", 116, tmp_path)
     assert (m.layout.tp, m.layout.ep, m.layout.dp) == (2, 2, 2)
-    if not name.endswith("_fr"):
+    if name.startswith("legacy"):
+        assert m.extras["distrib_optim"].startswith("de-bucketed")
+        expert = m.items["decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight.fp32"]
+        assert [(p.file.split("/")[1:], p.box and p.box.sizes) for p in expert.pieces] == [
+            (["mp_rank_01_001", "distrib_optim.pt"], (16, 32))
+        ]
+        qkv = m.items["decoder.layers.0.self_attention.linear_qkv.weight.exp_avg"]
+        assert [(p.file.split("/")[1], p.box.offsets) for p in qkv.pieces] == [
+            ("mp_rank_00_000", (0, 0)),
+            ("mp_rank_01_001", (32, 0)),
+        ]
+        r = run_cli("verify", MG / name, "--json")
+        assert r.code == 0 and json.loads(r.stdout)["summary"]["error"] == 0
+    elif not name.endswith("_fr"):
         assert m.extras["distrib_optim"].startswith("de-bucketed")
         # an expert whole (ETP=1) in its EP rank's buckets (expert rank 1: world rank 1 of the
         # experts' tp-ep-dp order); a dense column-parallel weight in two TP halves; the dense

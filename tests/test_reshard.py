@@ -2705,19 +2705,86 @@ def test_megatron_expert_tensor_parallelism_round_trips(tmp_path):
 
 def test_megatron_expert_tensor_parallel_targets_refused(tmp_path):
     """--etp on a model without routed experts, an ETP that does not divide the experts' hidden
-    size, a layout whose legacy files would leave a TP rank unsaved (Megatron-LM saves only the
-    ranks of expert-DP rank 0) and the distributed optimizer's layout under ETP != TP are refused
-    before anything is written."""
+    size, and a layout whose legacy files would leave a TP rank unsaved (Megatron-LM saves only the
+    ranks of expert-DP rank 0), with or without the distributed optimizer, are refused before
+    anything is written."""
     for src, target, match in [
         (FIXTURES / "megatron" / "legacy_tp2pp2", Target(etp=1), "no routed experts"),
         (ETP, Target(etp=3, ep=2), "cannot be split evenly"),
         (ETP, Target(ep=1), "a legacy checkpoint cannot hold this layout"),  # ETP x EP < TP: a TP rank unsaved
-        (ETP, Target(distributed_optimizer=True), "distributed optimizer's layout of that is not supported"),
-        (MOE_DISTOPT, Target(tp=2, pp=1, etp=1), "distributed optimizer's layout of that is not supported"),
+        (ETP_DISTOPT, Target(ep=1), "a legacy checkpoint cannot hold this layout"),
+        (ETP, Target(tp=1, etp=2, ep=2, distributed_optimizer=True), "one rank.s file overwrote the other.s"),
     ]:
         with pytest.raises(UsageError, match=match):
             reshard(src, tmp_path / "out", target)
         assert not (tmp_path / "out").exists()
+
+
+ETP_DISTOPT = FIXTURES / "megatron" / "legacy_tp2ep2etp1_distopt"
+
+
+def test_megatron_expert_tensor_parallelism_with_the_distributed_optimizer(tmp_path):
+    """Megatron-LM's TP=2 EP=2 ETP=1 run with the distributed optimizer at world 4 (dense DP 2, expert
+    DP 2): a distrib_optim.pt beside each of the two rank files, both savers dense DP rank 0, so each
+    holds the chain's dense state of its TP rank and the experts' of its EP rank. Resharded to its
+    own layout every distrib_optim.pt comes back byte for byte, and the rank files' trees; so they do
+    through TP=1 EP=2 (ETP = TP: the experts' own TP gone) and back with --etp 1, and through TP=2
+    EP=4 ETP=1 (the saving ranks of dense DP rank 1 get None for the dense state) and back. At TP=1
+    EP=1 one optimizer holds the experts in its one buffer. The Float16 ETP fixture converted to the
+    distributed optimizer gets the same layout. To torch_dist the legacy save gives Megatron-LM's
+    own fully_reshardable save of the same run, and from either torch_dist save of the run the
+    legacy output's distrib_optim.pt files are its legacy save's, byte for byte."""
+    original = _rank_files(ETP_DISTOPT)
+    assert list(original) == ["mp_rank_00_000", "mp_rank_01_001"]
+    same, narrow, back, wide, back2 = (tmp_path / n for n in ("same", "narrow", "back", "wide", "back2"))
+    reshard(ETP_DISTOPT, same, Target())
+    reshard(ETP_DISTOPT, narrow, Target(tp=1, ep=2))
+    assert list(_rank_files(narrow)) == ["mp_rank_00_000", "mp_rank_00_001"]
+    reshard(narrow, back, Target(tp=2, ep=2, etp=1))
+    reshard(ETP_DISTOPT, wide, Target(tp=2, ep=4, etp=1))
+    reshard(wide, back2, Target(tp=2, ep=2, etp=1))
+    for name, path in original.items():
+        for out in (same, back, back2):
+            assert (path.parent / "distrib_optim.pt").read_bytes() == (
+                _rank_files(out)[name].parent / "distrib_optim.pt"
+            ).read_bytes(), (out.name, name)
+        assert _tree(path) == _tree(_rank_files(same)[name]), name
+        assert _drop_rng(_tree(path), "args") == _drop_rng(_tree(_rank_files(back)[name]), "args"), name
+    one = tmp_path / "one"
+    reshard(ETP_DISTOPT, one, Target(tp=1, ep=1))
+    (only,) = _rank_files(one).values()
+    assert isinstance(_distrib(only), dict) and isinstance(_optimizer(only), dict)
+    # TP=2 EP=4 ETP=1 at world 4 (DP 2): rank r saves mp_rank_<r mod 2>_<r>; ranks 2 and 3 are dense DP rank 1
+    files = _rank_files(wide)
+    assert list(files) == ["mp_rank_00_000", "mp_rank_00_002", "mp_rank_01_001", "mp_rank_01_003"]
+    dense = {name: _distrib(f)[0] is not None for name, f in files.items()}
+    assert dense == {"mp_rank_00_000": True, "mp_rank_00_002": False, "mp_rank_01_001": True, "mp_rank_01_003": False}
+    assert all(isinstance(_distrib(f)[1], dict) for f in files.values())
+
+    converted = tmp_path / "converted"
+    reshard(ETP, converted, Target(distributed_optimizer=True))
+    for name, path in original.items():
+        ours, theirs = _distrib(_rank_files(converted)[name]), _distrib(path)
+        assert [next(iter(m[0].values()))["numel_unpadded"] for m in ours] == [
+            next(iter(m[0].values()))["numel_unpadded"] for m in theirs
+        ], name
+    for out in (same, narrow, one, back, wide, back2, converted):
+        assert not diff(ETP_DISTOPT if out != converted else ETP, out, kinds=STATE_KINDS).different, out
+        assert verify(out).failing() == []
+    dist = tmp_path / "dist"
+    reshard(ETP_DISTOPT, dist, Target(to="megatron-dist"))
+    fr = FIXTURES / "megatron" / "dist_tp2ep2etp1_distopt_fr"
+    assert not diff(fr, dist).different and verify(dist).failing() == []
+    # and back: the run's torch_dist saves (dp_reshardable, fully_reshardable) written as legacy
+    # give its own legacy save's distrib_optim.pt, byte for byte
+    for source in (fr, FIXTURES / "megatron" / "dist_tp2ep2etp1_distopt"):
+        legacy = tmp_path / f"legacy_{source.name}"
+        reshard(source, legacy, Target(to="megatron"))
+        for name, path in original.items():
+            assert (path.parent / "distrib_optim.pt").read_bytes() == (
+                _rank_files(legacy)[name].parent / "distrib_optim.pt"
+            ).read_bytes(), (source.name, name)
+        assert not diff(ETP_DISTOPT, legacy).different and verify(legacy).failing() == []
 
 
 @pytest.mark.slow
@@ -2735,6 +2802,30 @@ def test_megatron_lm_loads_expert_tensor_parallel_output(tmp_path):
     proc = _oracle(mlm, back, *args, *_ref("legacy_tp2ep2etp1"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "coverage of the 116 reference tensors by the main replicas: OK" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", [2, 4])
+def test_megatron_lm_loads_expert_tensor_parallel_output_with_the_distributed_optimizer(ep, tmp_path):
+    """Oracle: Megatron-LM's load_checkpoint with --use-distributed-optimizer at TP=2 ETP=1, world 4
+    (DP=2), loads the distributed-optimizer ETP fixture brought back from TP=1 EP=2 (EP=2), or
+    resharded to EP=4 (the saving ranks of dense DP rank 1 hold no dense state): it scatters each
+    distrib_optim.pt state over its DP ranks and every shard equals the run's reference, the main
+    replicas cover each reference tensor once, the RNG loads, and it trains the next step."""
+    mlm = _megatron_lm()
+    if mlm is None:
+        pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
+    out = tmp_path / "out"
+    if ep == 2:
+        reshard(ETP_DISTOPT, tmp_path / "narrow", Target(tp=1, ep=2))
+        reshard(tmp_path / "narrow", out, Target(tp=2, ep=2, etp=1))
+    else:
+        reshard(ETP_DISTOPT, out, Target(tp=2, ep=4, etp=1))
+    args = ("--tp", "2", "--pp", "1", "--ep", str(ep), "--etp", "1", "--dp", "2", "--distopt", "--padded-vocab", "128")
+    proc = _oracle(mlm, out, *args, *_ref("dist_tp2ep2etp1_distopt"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "coverage of the 116 reference tensors by the main replicas: OK" in proc.stdout
+    assert "RNG: loaded by Megatron and checked" in proc.stdout
 
 
 @pytest.mark.parametrize("source", ["legacy_pp2ep2", "legacy_pp2ep2_distopt"])

@@ -31,6 +31,7 @@ MOE_FR = FIXTURES / "megatron" / "dist_pp2ep2_distopt_fr"  # the same state, ful
 MOE_LEGACY_DISTOPT = FIXTURES / "megatron" / "legacy_pp2ep2_distopt"
 ETP_DP = FIXTURES / "megatron" / "dist_tp2ep2etp1_distopt"  # MoE TP=2 DP=2, experts ETP=1 EP=2, distopt
 ETP_FR = FIXTURES / "megatron" / "dist_tp2ep2etp1_distopt_fr"  # the same state, fully_reshardable
+ETP_LEGACY = FIXTURES / "megatron" / "legacy_tp2ep2etp1_distopt"  # the same state, legacy distrib_optim.pt
 ITER = "iter_0000003"
 
 
@@ -221,12 +222,15 @@ def test_experts_with_the_distributed_optimizer_round_trip(tmp_path):
     assert not (tmp_path / "ep1").exists()
 
 
-@pytest.mark.parametrize("source", [ETP_DP, ETP_FR], ids=["dp_reshardable", "fully_reshardable"])
+@pytest.mark.parametrize(
+    "source", [ETP_DP, ETP_FR, ETP_LEGACY], ids=["dp_reshardable", "fully_reshardable", "legacy"]
+)
 def test_expert_tensor_parallelism_with_the_distributed_optimizer_is_written_as_megatron_saves_it(source, tmp_path):
     """The MoE model at TP=2 with the experts whole (ETP=1, EP=2) and the distributed optimizer: the
-    experts' buckets (chained_1, dp_group_idx the expert TP x EP rank) de-bucketed and written at the
-    same layout are Megatron-LM's own fully_reshardable save of the same run, record for record, and
-    common.pt's optimizer chain too; through TP=1 EP=4 (experts one a rank) and back, likewise."""
+    experts' buckets (chained_1, dp_group_idx the expert TP x EP rank), or the legacy save's
+    distrib_optim.pt of the same run, de-bucketed and written at the same layout are Megatron-LM's own
+    fully_reshardable save of the run, record for record, and common.pt's optimizer chain too;
+    through TP=1 EP=4 (experts one a rank) and back, likewise."""
     out = tmp_path / "out"
     reshard(source, out, Target(to="megatron-dist"))
     _same_records(out, ETP_FR)
@@ -684,14 +688,15 @@ def test_megatron_core_loads_the_experts_output_with_the_distributed_optimizer(s
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("source", "tp", "ep", "etp"),
-    [(ETP_DP, 2, 4, 1), (ETP_FR, 1, 2, 2), (MOE_LEGACY_DISTOPT, 2, 2, 1)],
-    ids=["tp2ep4etp1", "tp1ep2etp2", "legacy-tp2ep2etp1"],
+    [(ETP_DP, 2, 4, 1), (ETP_FR, 1, 2, 2), (MOE_LEGACY_DISTOPT, 2, 2, 1), (ETP_LEGACY, 1, 2, 2)],
+    ids=["tp2ep4etp1", "tp1ep2etp2", "legacy-tp2ep2etp1", "legacy-etp1-tp1ep2etp2"],
 )
 def test_megatron_core_loads_expert_tensor_parallel_output_with_the_distributed_optimizer(source, tp, ep, etp, tmp_path):
     """Oracle: megatron-core's dist_checkpointing.load with the chained DistributedOptimizers at world
     4 loads our torch_dist output of the ETP=1 fixture at a new layout: the experts whole on four EP
     ranks beside TP=2 dense layers (dense DP=2), or split two ways (ETP=2 > TP=1, dense DP=4); and
-    of the PP=2 EP=2 run's legacy distrib_optim.pt at TP=2 with the experts whole (ETP=1). Every
+    of the PP=2 EP=2 run's legacy distrib_optim.pt at TP=2 with the experts whole (ETP=1), and of
+    the ETP=1 run's own legacy distrib_optim.pt with the experts split two ways. Every
     tensor each rank holds, its DP shard of the fp32 mains and moments included, equals the
     reference slice; the main replicas cover each reference tensor exactly once."""
     pytest.importorskip("megatron.core")

@@ -258,6 +258,17 @@ def test_expert_tensor_parallelism_with_the_distributed_optimizer_is_written_as_
     }
 
 
+def test_expert_tensor_parallel_legacy_save_to_torch_dist_is_what_megatron_saves(tmp_path):
+    """Megatron-LM's legacy save of the TP=2 EP=2 ETP=1 run (world 2: mp_rank_00_000 and
+    mp_rank_01_001 only) written as torch_dist is the run's own torch_dist save, record for
+    record, RNG included: the RNG shard of TP rank 1 comes from the file TP rank 1 saved
+    (mp_rank_01_001, EP rank 1), not from the EP rank 0 file of another TP rank."""
+    out = tmp_path / "out"
+    reshard(FIXTURES / "megatron" / "legacy_tp2ep2etp1", out, Target(to="megatron-dist"))
+    _same_records(out, FIXTURES / "megatron" / "dist_tp2ep2etp1")
+    assert verify(out).failing() == []
+
+
 def test_legacy_distributed_optimizer_to_torch_dist_is_what_megatron_saves(tmp_path):
     """The legacy save of the MoE distributed-optimizer run (distrib_optim.pt, chained) written as
     torch_dist keeps the distributed optimizer: every key, chunk and record (params, fp32 mains,

@@ -1268,6 +1268,7 @@ class LegacyWriter:
         src_key = self.src.key(t, p, e)
         template = self.src.objs[src_key]
         rel = self.src.rels[src_key]
+        rng_key = self._rng_source(t, p, e)
         archive: Callable[[str], Any] = _pt.archive_cache(reader)  # the reader's open archives
         models: dict[str, Any] = {}
         names: list[str] = []
@@ -1307,12 +1308,22 @@ class LegacyWriter:
                 tree[key] = value.value(reader)
             elif key == "args":
                 tree[key] = self._args(value, t, p, e)
+            elif key == "rng_state" and rng_key != src_key and "rng_state" in self.src.objs[rng_key]:
+                rng_rel = self.src.rels[rng_key]
+                tree[key] = _ptwrite.carry(self.src.objs[rng_key]["rng_state"], partial(archive, rng_rel))
             else:
                 tree[key] = _ptwrite.carry(value, partial(archive, rel))
         n = _ptwrite.save(tree, out, scratch=self.scratch)
         if progress is not None:
             progress(n)
         return n
+
+    def _rng_source(self, t: int, p: int, e: int) -> tuple[int, int, int]:
+        """The source rank file whose RNG state output rank file (t, p, e) gets: that of the source
+        rank with the saving rank's dense TP, PP and DP rank (:meth:`_Source.rng_key`; the saving
+        rank of file (t, p, e) is DP rank e at ETP = TP)."""
+        d = e if self._xranks is None else self._xranks[(t, p, e)][2]
+        return self.src.rng_key(t, p, d)
 
     def _metadata(self, p: int, v: int, e: int, names: list[str], offset: int) -> dict[str, Any]:
         layers = {_layer_of(n) for n in names} - {None}
@@ -1408,15 +1419,17 @@ class LegacyWriter:
         if (self.src.tp, self.src.pp, self.src.ep) != (self.target.tp, self.target.pp, self.ep) and any(
             i.kind == "rng" for i in self.manifest.items.values()
         ):
-            if self.ep > 1 or self.src.ep > 1:
+            if self.src.rng_of:  # a legacy source under expert TP: only expert-DP rank 0's ranks saved theirs
+                out.append(
+                    f"RNG state: each rank gets the state of the source rank of its TP, PP and DP rank (modulo "
+                    f"{self.src.tp}, {self.src.pp} and {self.src.dp}) when that rank saved a file, else of a rank "
+                    "that did with the same seeds (TP, PP, EP and expert TP rank), else of its TP and PP rank at "
+                    "DP rank 0"
+                )
+            elif self.ep > 1 or self.src.ep > 1:
                 out.append(
                     f"RNG state: rank (t, p, e) gets source rank (t mod {self.src.tp}, p mod {self.src.pp}, "
                     f"e mod {self.src.ep})'s"
-                    + (
-                        ", or the saved file of that PP and EP rank (the source's expert TP saved no other)"
-                        if self.src.etp
-                        else ""
-                    )
                 )
             else:
                 out.append(f"RNG state: rank (t, p) gets source rank (t mod {self.src.tp}, p mod {self.src.pp})'s")

@@ -2697,6 +2697,18 @@ def test_megatron_expert_tensor_parallelism_round_trips(tmp_path):
     assert list(files) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
     assert {_args(f)["expert_tensor_parallel_size"] for f in files.values()} == {2}
     assert not diff(ETP, wide, kinds=STATE_KINDS).different and verify(wide).failing() == []
+    # straight to TP2 x EP2 x ETP2 (the grid): each file gets the RNG that the source rank of its TP
+    # rank saved (TP rank 1's is in mp_rank_01_001 alone), not another TP rank's
+    grid = tmp_path / "grid"
+    reshard(ETP, grid, Target(etp=2))
+
+    def rng(path: Path) -> Any:
+        return dict(_tree(path)[1])["rng_state"]
+
+    for name, saved in [("mp_rank_00_000", "mp_rank_00_000"), ("mp_rank_00_001", "mp_rank_00_000"),
+                        ("mp_rank_01_000", "mp_rank_01_001"), ("mp_rank_01_001", "mp_rank_01_001")]:  # fmt: skip
+        assert rng(_rank_files(grid)[name]) == rng(original[saved]), name
+    assert rng(original["mp_rank_00_000"]) != rng(original["mp_rank_01_001"])
     dist = tmp_path / "dist"
     reshard(ETP, dist, Target(to="megatron-dist"))
     assert not diff(FIXTURES / "megatron" / "dist_tp2ep2etp1", dist, kinds=STATE_KINDS).different

@@ -49,9 +49,14 @@ def probing() -> Iterator[None]:
     Pages such reads bring in sit in the cache as islands, and a sequential reader that meets them
     loses the kernel's readahead: measured on a cold 1.2 GB DCP checkpoint, two plain readers ran
     25 % slower after the piece headers had been read, and as fast as before once those pages were
-    dropped again. So a read is first tried with ``RWF_NOWAIT`` (served from the cache: nothing
-    changes); when its bytes were not cached, it is read with readahead off (``POSIX_FADV_RANDOM``:
-    only its own pages come in, nothing is left in flight) and those pages are dropped at once."""
+    dropped again. Where the kernel and the file system take it (Linux 6.14+: ext4, xfs, btrfs),
+    such a read is an uncached buffered read (``RWF_DONTCACHE``): cached pages serve it and stay,
+    pages it brings in are dropped when it completes. Elsewhere it is first tried with
+    ``RWF_NOWAIT`` (served from the cache: nothing changes); when its bytes were not cached, it is
+    read with readahead off (``POSIX_FADV_RANDOM``: only its own pages come in, nothing is left in
+    flight) and those pages are dropped at once. That drop is best effort: on Linux 6.18 the
+    kernel kept the just-read page in about a third of 30 runs of 31 such reads (the folio not yet
+    let go by the read that brought it in), where ``RWF_DONTCACHE`` left none in 30."""
     token = _PROBING.set(True)
     try:
         yield
@@ -59,7 +64,29 @@ def probing() -> Iterator[None]:
         _PROBING.reset(token)
 
 
+_RWF_DONTCACHE = getattr(os, "RWF_DONTCACHE", 0x80)  # <linux/fs.h>; Python 3.14 names it
+_NO_DONTCACHE: set[int] = set()
+"""devices (``st_dev``) whose file system refused ``RWF_DONTCACHE`` (or a kernel without it: all)"""
+
+
 def _probe(fd: int, length: int, offset: int) -> bytes:
+    if not _NO_DONTCACHE or os.fstat(fd).st_dev not in _NO_DONTCACHE:
+        buf = bytearray(length)
+        view = memoryview(buf)
+        done = 0
+        try:
+            while done < length:
+                n = os.preadv(fd, [view[done:]], offset + done, _RWF_DONTCACHE)
+                if n == 0:
+                    break
+                done += n
+            return bytes(view[:done])
+        except OSError as exc:  # EOPNOTSUPP: not this kernel or file system (EINVAL: a bad flag)
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            _NO_DONTCACHE.add(os.fstat(fd).st_dev)
+        finally:
+            view.release()
     buf = bytearray(length)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: only the pages asked for come in
     try:

@@ -1698,7 +1698,8 @@ def saving_ranks(
     *, tp: int, etp: int, ep: int, pp: int, cp: int, world: int, tp_pp_dp: bool
 ) -> dict[tuple[int, int, int], tuple[int, int, int]]:
     """Under expert tensor parallelism (ETP ≠ TP), the ETP rank of the experts in each legacy rank
-    directory, the global rank that saves it and that rank's dense DP rank (0: it saves the dense
+    directory, the global rank that saves it and that rank's dense data-parallel rank counting
+    context parallelism (``cp + CP·dp``, megatron-core's DP-CP group; 0: it saves the dense
     optimizer's ``distrib_optim.pt`` state), by the directory's (TP, PP, EP) rank.
 
     megatron-core lays both the dense ranks (TP, CP, DP, PP) and the expert ranks (ETP, EP, expert
@@ -1723,7 +1724,7 @@ def saving_ranks(
         if x["dp"]:
             continue
         key = (d["tp"], d["pp"], x["ep"])
-        if out.setdefault(key, (x["tp"], r, d["dp"]))[0] != x["tp"]:
+        if out.setdefault(key, (x["tp"], r, d["cp"] + cp * d["dp"]))[0] != x["tp"]:
             raise ValueError(
                 f"the experts of ETP ranks {out[key][0]} and {x['tp']} are both saved as TP rank {key[0]}, PP rank "
                 f"{key[1]}, EP rank {key[2]}: one rank's file overwrote the other's"
@@ -1750,16 +1751,17 @@ def _rank_axes(
     return order, dense, expert
 
 
-def rng_holders(args: Any) -> dict[tuple[int, int, int], tuple[int, int, int]]:
+def rng_holders(args: Any) -> tuple[dict[tuple[int, int, int], tuple[int, int, int]], int]:
     """Under expert tensor parallelism, the legacy rank file (TP, PP, EP rank) that holds the RNG
-    state of each dense rank (TP t, PP p, DP d) of the run: the file that rank saved, or else one
-    whose saving rank has the same TP, PP, EP and expert-TP ranks, as megatron-core seeds a rank's
-    generators from those alone (``_set_random_seed``, ``model_parallel_cuda_manual_seed``) unless
-    ``data_parallel_random_init`` adds the DP rank. Ranks that no saved file stands for are left
-    out; empty when the experts split as the other layers."""
+    state of each dense rank (TP t, PP p, DP-CP rank d = ``cp + CP·dp``, as torch_dist's RNG shards
+    count it) of the run: the file that rank saved, or else one whose saving rank has the same TP,
+    PP, EP and expert-TP ranks, as megatron-core seeds a rank's generators from those alone
+    (``_set_random_seed``, ``model_parallel_cuda_manual_seed``; with ``data_parallel_random_init``
+    each file holds the states of its whole DP group). Ranks that no saved file stands for are left
+    out. Also returns the DP-CP size; ({}, 1) when the experts split as the other layers."""
     savers = expert_tp_ranks(args)
     if savers is None:
-        return {}
+        return {}, 1
     tp, pp = _int_arg(args, "tensor_model_parallel_size"), _int_arg(args, "pipeline_model_parallel_size")
     cp, world = _int_arg(args, "context_parallel_size"), _int_arg(args, "world_size", 0)
     order, dense, expert = _rank_axes(
@@ -1771,17 +1773,14 @@ def rng_holders(args: Any) -> dict[tuple[int, int, int], tuple[int, int, int]]:
         world=world,
         tp_pp_dp=bool(getattr(args, "use_tp_pp_dp_mapping", False)),
     )
-    by_dp = bool(getattr(args, "data_parallel_random_init", False))
     out: dict[tuple[int, int, int], tuple[int, int, int]] = {}
     for r in range(world):
         d, x = _coords(r, order, dense), _coords(r, order, expert)
-        if d["cp"]:
-            continue
         key = (d["tp"], d["pp"], x["ep"])
         saver = savers.get(key)
-        if saver is not None and (saver[1] == r or (saver[0] == x["tp"] and not by_dp)):
-            out[(d["tp"], d["pp"], d["dp"])] = key
-    return out
+        if saver is not None and (saver[1] == r or saver[0] == x["tp"]):
+            out[(d["tp"], d["pp"], d["cp"] + cp * d["dp"])] = key
+    return out, world // (tp * pp)
 
 
 def rank_of(directory: str, pp: int) -> tuple[int, int, int]:

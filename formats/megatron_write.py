@@ -115,7 +115,7 @@ class _Source:
     """under expert tensor parallelism, the rank file holding the RNG state of each dense rank
     (TP, PP, DP rank) of the source run (:func:`~ckpttool.formats.megatron.rng_holders`)"""
     dp: int = 1
-    """the source run's data-parallel size"""
+    """the source run's data-parallel size times its context-parallel size (under expert TP)"""
     dist: bool = False
     """a ``torch_dist`` source: one ``common.pt`` for all ranks, global tensors, ``ShardedObject``
     records; its param groups (from ``common.pt``, each given the common step) name no members"""
@@ -142,15 +142,15 @@ class _Source:
         return found
 
     def rng_key(self, t: int, p: int, d: int) -> tuple[int, int, int]:
-        """The rank file whose RNG state dense rank (TP ``t``, PP ``p``, DP ``d``) gets, each taken
-        modulo the source's sizes: under expert tensor parallelism the file that rank saved or one
-        of the same seeds (``rng_of``), else its TP and PP rank's at DP rank 0 (every rank of dense
-        DP rank 0 saves a file); otherwise the file of EP rank ``d`` (at ETP = TP the rank of DP
-        rank ``d`` < EP saves it)."""
+        """The rank file whose RNG state dense rank (TP ``t``, PP ``p``, DP-CP rank ``d``) gets, each
+        taken modulo the source's sizes: under expert tensor parallelism the file that rank saved or
+        one of the same seeds (``rng_of``), else its TP and PP rank's at DP-CP rank 0 (every such
+        rank saves a file); otherwise the file of EP rank ``d`` (at ETP = TP the rank of DP-CP rank
+        ``d`` < EP saves it)."""
         if not self.rng_of:
             return self.key(t, p, d)
         t, p = t % self.tp, p % self.pp
-        return self.rng_of.get((t, p, d % self.dp)) or self.rng_of[(t, p, 0)]
+        return self.rng_of.get((t, p, d % self.dp)) or self.rng_of.get((t, p, 0)) or self.key(t, p, d)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,8 +227,7 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
     args = first.get("args")
     src.experts = int(getattr(args, "num_experts", None) or 0)
     src.etp = own_etp(args)
-    src.rng_of = rng_holders(args)
-    src.dp = int(getattr(args, "data_parallel_size", 1) or 1)
+    src.rng_of, src.dp = rng_holders(args)
     local = src.experts // ep if src.experts else 0
     distrib = {key: (root / rel).with_name("distrib_optim.pt").is_file() for key, rel in rels.items()}
     if any(distrib.values()):
@@ -1320,8 +1319,8 @@ class LegacyWriter:
 
     def _rng_source(self, t: int, p: int, e: int) -> tuple[int, int, int]:
         """The source rank file whose RNG state output rank file (t, p, e) gets: that of the source
-        rank with the saving rank's dense TP, PP and DP rank (:meth:`_Source.rng_key`; the saving
-        rank of file (t, p, e) is DP rank e at ETP = TP)."""
+        rank with the saving rank's dense TP, PP and DP-CP rank (:meth:`_Source.rng_key`; at ETP = TP
+        the saving rank of file (t, p, e) is DP-CP rank e)."""
         d = e if self._xranks is None else self._xranks[(t, p, e)][2]
         return self.src.rng_key(t, p, d)
 
@@ -1416,15 +1415,17 @@ class LegacyWriter:
                 f"the vocabulary stays padded to {self.padded} rows: resume with --make-vocab-size-divisible-by "
                 f"{self.divisor} (recorded in args), or reshard with --vocab-padding megatron"
             )
-        if (self.src.tp, self.src.pp, self.src.ep) != (self.target.tp, self.target.pp, self.ep) and any(
+        own = self.etp if self.etp != self.target.tp else 0  # the output's experts split their own way
+        layout = (self.target.tp, self.target.pp, self.ep, own)
+        if (self.src.tp, self.src.pp, self.src.ep, self.src.etp) != layout and any(
             i.kind == "rng" for i in self.manifest.items.values()
         ):
             if self.src.rng_of:  # a legacy source under expert TP: only expert-DP rank 0's ranks saved theirs
                 out.append(
-                    f"RNG state: each rank gets the state of the source rank of its TP, PP and DP rank (modulo "
+                    f"RNG state: each rank gets the state of the source rank of its TP, PP and DP-CP rank (modulo "
                     f"{self.src.tp}, {self.src.pp} and {self.src.dp}) when that rank saved a file, else of a rank "
-                    "that did with the same seeds (TP, PP, EP and expert TP rank), else of its TP and PP rank at "
-                    "DP rank 0"
+                    "that did with the same seeds (TP, PP, EP and expert TP rank), else of its TP and PP rank at DP-CP "
+                    "rank 0"
                 )
             elif self.ep > 1 or self.src.ep > 1:
                 out.append(
@@ -1433,7 +1434,6 @@ class LegacyWriter:
                 )
             else:
                 out.append(f"RNG state: rank (t, p) gets source rank (t mod {self.src.tp}, p mod {self.src.pp})'s")
-        own = self.etp if self.etp != self.target.tp else 0  # the output's experts split their own way
         if self.ep != self.src.ep or own != self.src.etp:
             dp = getattr(self.args, "data_parallel_size", None)
             multiple = self._dp_multiple()

@@ -102,22 +102,28 @@ def test_probing_reads_leave_cold_pages_uncached(tmp_path):
     if not ckio._CAN_PROBE:
         pytest.skip("no RWF_NOWAIT / posix_fadvise here")
     data = np.random.default_rng(0).integers(0, 256, 8 << 20, dtype=np.uint8).tobytes()
-    path = tmp_path / "f.bin"
-    path.write_bytes(data)
-    fd = os.open(path, os.O_RDONLY)
-    try:
+    offsets = [(k << 18) + 100 * k for k in range(1, 32)]
+    # the kernel drops pages on a best-effort basis (a page still locked by the read it came in with
+    # stays; CI saw one of two, and once, under load, nearly all in two tests at once, which passed
+    # again right after): most must go, on one of three fresh files; all of them stay without probing
+    for attempt in range(3):
+        path = tmp_path / f"f{attempt}.bin"
+        path.write_bytes(data)
+        fd = os.open(path, os.O_RDONLY)
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         if _cached(path, 3 << 20):
+            os.close(fd)
             pytest.skip("this file system keeps the pages (tmpfs?)")
-        # the kernel drops pages on a best-effort basis (a page still locked by the read it came in
-        # with stays; CI saw one of two): most must go, all of them stay without probing
-        offsets = [(k << 18) + 100 * k for k in range(1, 32)]
         with ckio.probing():
             for off in offsets:
                 assert ckio.pread(fd, 100, off) == data[off : off + 100]
         left = [off for off in offsets if _cached(path, off)]
-        assert len(left) <= len(offsets) // 4, left
+        if len(left) <= len(offsets) // 4:
+            break
+        os.close(fd)
+    assert len(left) <= len(offsets) // 4, left
+    try:
         for off in offsets:  # not probing: cached
             assert ckio.pread(fd, 100, off) == data[off : off + 100]
         assert all(_cached(path, off) for off in offsets)
@@ -125,6 +131,38 @@ def test_probing_reads_leave_cold_pages_uncached(tmp_path):
             for off in offsets:
                 assert ckio.pread(fd, 100, off) == data[off : off + 100]
         assert all(_cached(path, off) for off in offsets)
+    finally:
+        os.close(fd)
+
+
+def test_probing_without_uncached_reads_falls_back(tmp_path, monkeypatch):
+    """Where the kernel or file system refuses RWF_DONTCACHE (here: a flag no kernel knows, as an
+    older kernel answers the real one), probing reads still give the right bytes, through
+    RWF_NOWAIT and a dropped page; the device is remembered, so the refused flag is tried once."""
+    from ckpttool import io as ckio
+
+    if not ckio._CAN_PROBE:
+        pytest.skip("no RWF_NOWAIT / posix_fadvise here")
+    monkeypatch.setattr(ckio, "_RWF_DONTCACHE", 1 << 30)
+    monkeypatch.setattr(ckio, "_NO_DONTCACHE", set())
+    tried = []
+    real = os.preadv
+
+    def preadv(fd, buffers, offset, flags=0):
+        tried.append(flags)
+        return real(fd, buffers, offset, flags)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    data = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with ckio.probing():
+            for off in (0, 300_000, len(data) - 50):
+                assert ckio.pread(fd, 100, off) == data[off : off + 100]
+        assert ckio._NO_DONTCACHE == {os.fstat(fd).st_dev}
+        assert tried.count(1 << 30) == 1
     finally:
         os.close(fd)
 
@@ -161,13 +199,18 @@ def test_locating_pieces_leaves_cold_files_uncached(tmp_path, monkeypatch):
         assert spans
         return sum(_cached(p, off) for p, off in pages)
 
-    # a page may stay now and then (one the kernel could not drop yet, more under load): a few
-    # pages, against islands over a quarter of the files without probing
-    probed = cached_after_locating()
-    monkeypatch.setattr(ckio, "_CAN_PROBE", False)
-    plain = cached_after_locating()
-    print(f"pages cached after locating: {probed} probing, {plain} not, of {len(pages)}")
+    # a page may stay now and then (one the kernel could not drop yet, more under load; once nearly
+    # all, for a moment): a few pages in one of three tries, against islands over a quarter of the
+    # files without probing
+    with monkeypatch.context() as m:
+        m.setattr(ckio, "_CAN_PROBE", False)
+        plain = cached_after_locating()
     assert plain >= len(pages) // 4
+    for _ in range(3):
+        probed = cached_after_locating()
+        if probed * 4 <= plain:
+            break
+    print(f"pages cached after locating: {probed} probing, {plain} not, of {len(pages)}")
     assert probed * 4 <= plain
 
 

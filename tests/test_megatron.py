@@ -192,7 +192,7 @@ def test_expert_tensor_parallel_rank_layout_is_megatron_cores():
     pytest.importorskip("megatron.core")
     from megatron.core.parallel_state import RankGenerator
 
-    from ckpttool.formats.megatron import expert_tp_ranks
+    from ckpttool.formats.megatron import expert_tp_ranks, rng_holders
 
     def coords(gen, world):
         out = {r: {} for r in range(world)}
@@ -217,7 +217,8 @@ def test_expert_tensor_parallel_rank_layout_is_megatron_cores():
             for r in range(world):
                 if expert[r]["dp"] == 0:
                     key = (dense[r]["tp"], dense[r]["pp"], expert[r]["ep"])
-                    clash |= want.setdefault(key, (expert[r]["tp"], r, dense[r]["dp"]))[0] != expert[r]["tp"]
+                    dpcp = dense[r]["cp"] + cp * dense[r]["dp"]
+                    clash |= want.setdefault(key, (expert[r]["tp"], r, dpcp))[0] != expert[r]["tp"]
             lossy = {(t, q) for t in range(tp) for q in range(pp)} != {k[:2] for k in want} or len(
                 {(x, k[1], k[2]) for k, (x, _, _) in want.items()}
             ) != etp * pp * ep
@@ -233,9 +234,22 @@ def test_expert_tensor_parallel_rank_layout_is_megatron_cores():
                     expert_tp_ranks(args)
             else:
                 assert expert_tp_ranks(args) == want, (tp, etp, ep, pp, cp, world, order)
-                # every rank that saves a dense optimizer's distrib_optim.pt state (its DP rank 0) also
-                # saves a rank file, so that state lands beside it and no file is written twice
+                # every rank that saves a dense optimizer's distrib_optim.pt state (its DP-CP rank 0)
+                # also saves a rank file, so that state lands beside it and no file is written twice
                 assert all(expert[r]["dp"] == 0 for r in range(world) if dense[r]["dp"] == 0 and dense[r]["cp"] == 0)
+                # and RNG: every dense rank's state is found, in the file it saved or one whose saver
+                # has the same TP, PP, EP and ETP ranks (its seeds)
+                holders, dpcp_size = rng_holders(args)
+                assert dpcp_size == world // (tp * pp)
+                assert all((t, q, 0) in holders for t in range(tp) for q in range(pp))
+                for r in range(world):
+                    at = (dense[r]["tp"], dense[r]["pp"], dense[r]["cp"] + cp * dense[r]["dp"])
+                    if at not in holders:
+                        continue
+                    saver = want[holders[at]]
+                    assert saver[1] == r or (
+                        saver[0] == expert[r]["tp"] and (at[0], at[1], expert[r]["ep"]) == holders[at]
+                    )
     assert cases > 300 and 0 < refused < cases
 
 

@@ -66,7 +66,8 @@ def probing() -> Iterator[None]:
 
 _RWF_DONTCACHE = getattr(os, "RWF_DONTCACHE", 0x80)  # <linux/fs.h>; Python 3.14 names it
 _NO_DONTCACHE: set[int] = set()
-"""devices (``st_dev``) whose file system refused ``RWF_DONTCACHE`` (or a kernel without it: all)"""
+"""devices (``st_dev``) on which ``RWF_DONTCACHE`` was refused (a file system without it, or a
+kernel before 6.14: then each device is tried once)"""
 
 
 def _probe(fd: int, length: int, offset: int) -> bytes:

@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ckpttool import _unpickle
 from ckpttool.dtypes import dtype as lookup_dtype
@@ -1106,7 +1106,7 @@ class MegatronLegacyAdapter:
         else:
             expected = set(etp_of)
             etp = own_etp(args)
-            self._etp = {f"{prefix}{d}": (etp_of[r][0], etp) for d, r in ranks.items() if r in etp_of}
+            self._etp = {f"{prefix}{d}": (etp_of[r].etp, etp) for d, r in ranks.items() if r in etp_of}
             stray = sorted(d for d, r in ranks.items() if r not in etp_of)
             if stray:
                 raise CorruptFileError(
@@ -1678,29 +1678,47 @@ def own_etp(args: Any) -> int:
     return etp
 
 
-def expert_tp_ranks(args: Any) -> dict[tuple[int, int, int], tuple[int, int, int]] | None:
-    """:func:`saving_ranks` of a run's ``args``; None when its experts are split as the other layers."""
+class Saver(NamedTuple):
+    """The rank that saves a legacy rank directory under expert tensor parallelism."""
+
+    etp: int
+    """the ETP rank of the experts it saves"""
+    rank: int
+    """its global rank"""
+    dp: int
+    """its dense data-parallel rank counting context parallelism (``cp + CP·dp``, megatron-core's
+    DP-CP group; 0: it saves the dense optimizer's ``distrib_optim.pt`` state)"""
+
+
+def _etp_sizes(args: Any) -> dict[str, Any] | None:
+    """The sizes :func:`saving_ranks` takes, from a run's ``args``; None when its experts are split
+    as the other layers."""
     etp = own_etp(args)
     if not etp:
         return None
-    return saving_ranks(
-        tp=_int_arg(args, "tensor_model_parallel_size"),
-        etp=etp,
-        ep=_int_arg(args, "expert_model_parallel_size"),
-        pp=_int_arg(args, "pipeline_model_parallel_size"),
-        cp=_int_arg(args, "context_parallel_size"),
-        world=_int_arg(args, "world_size", 0),
-        tp_pp_dp=bool(getattr(args, "use_tp_pp_dp_mapping", False)),
-    )
+    return {
+        "tp": _int_arg(args, "tensor_model_parallel_size"),
+        "etp": etp,
+        "ep": _int_arg(args, "expert_model_parallel_size"),
+        "pp": _int_arg(args, "pipeline_model_parallel_size"),
+        "cp": _int_arg(args, "context_parallel_size"),
+        "world": _int_arg(args, "world_size", 0),
+        "tp_pp_dp": bool(getattr(args, "use_tp_pp_dp_mapping", False)),
+    }
+
+
+def expert_tp_ranks(args: Any) -> dict[tuple[int, int, int], Saver] | None:
+    """:func:`saving_ranks` of a run's ``args``; None when its experts are split as the other layers."""
+    sizes = _etp_sizes(args)
+    return None if sizes is None else saving_ranks(**sizes)
 
 
 def saving_ranks(
     *, tp: int, etp: int, ep: int, pp: int, cp: int, world: int, tp_pp_dp: bool
-) -> dict[tuple[int, int, int], tuple[int, int, int]]:
-    """Under expert tensor parallelism (ETP ≠ TP), the ETP rank of the experts in each legacy rank
-    directory, the global rank that saves it and that rank's dense data-parallel rank counting
-    context parallelism (``cp + CP·dp``, megatron-core's DP-CP group; 0: it saves the dense
-    optimizer's ``distrib_optim.pt`` state), by the directory's (TP, PP, EP) rank.
+) -> dict[tuple[int, int, int], Saver]:
+    """Under expert tensor parallelism (ETP ≠ TP), the rank that saves each legacy rank directory
+    (:class:`Saver`: its experts' ETP rank, its global rank, its dense DP-CP rank), by the
+    directory's (TP, PP, EP) rank.
 
     megatron-core lays both the dense ranks (TP, CP, DP, PP) and the expert ranks (ETP, EP, expert
     DP, PP) over the world in one order (``tp-cp-ep-dp-pp``, or ``tp-cp-ep-pp-dp`` with
@@ -1718,20 +1736,20 @@ def saving_ranks(
             f"ETP={etp} x EP={ep} x PP={pp} expert groups"
         )
     order, dense, expert = _rank_axes(tp=tp, etp=etp, ep=ep, pp=pp, cp=cp, world=world, tp_pp_dp=tp_pp_dp)
-    out: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+    out: dict[tuple[int, int, int], Saver] = {}
     for r in range(world):
         d, x = _coords(r, order, dense), _coords(r, order, expert)
         if x["dp"]:
             continue
         key = (d["tp"], d["pp"], x["ep"])
-        if out.setdefault(key, (x["tp"], r, d["cp"] + cp * d["dp"]))[0] != x["tp"]:
+        if out.setdefault(key, Saver(x["tp"], r, d["cp"] + cp * d["dp"])).etp != x["tp"]:
             raise ValueError(
-                f"the experts of ETP ranks {out[key][0]} and {x['tp']} are both saved as TP rank {key[0]}, PP rank "
+                f"the experts of ETP ranks {out[key].etp} and {x['tp']} are both saved as TP rank {key[0]}, PP rank "
                 f"{key[1]}, EP rank {key[2]}: one rank's file overwrote the other's"
             )
     # Megatron-LM's legacy save can drop ranks: every dense TP part and every expert part must be saved
     dropped = sorted({(t, p) for t in range(tp) for p in range(pp)} - {(t, p) for t, p, _ in out})
-    experts_held = {(x, p, e) for (_, p, e), (x, _, _) in out.items()}
+    experts_held = {(saver.etp, p, e) for (_, p, e), saver in out.items()}
     if dropped or len(experts_held) != etp * pp * ep:
         raise ValueError(
             "the ranks of expert-DP rank 0, which save the legacy files, do not hold "
@@ -1759,28 +1777,19 @@ def rng_holders(args: Any) -> tuple[dict[tuple[int, int, int], tuple[int, int, i
     (``_set_random_seed``, ``model_parallel_cuda_manual_seed``; with ``data_parallel_random_init``
     each file holds the states of its whole DP group). Ranks that no saved file stands for are left
     out. Also returns the DP-CP size; ({}, 1) when the experts split as the other layers."""
-    savers = expert_tp_ranks(args)
-    if savers is None:
+    sizes = _etp_sizes(args)
+    if sizes is None:
         return {}, 1
-    tp, pp = _int_arg(args, "tensor_model_parallel_size"), _int_arg(args, "pipeline_model_parallel_size")
-    cp, world = _int_arg(args, "context_parallel_size"), _int_arg(args, "world_size", 0)
-    order, dense, expert = _rank_axes(
-        tp=tp,
-        etp=own_etp(args),
-        ep=_int_arg(args, "expert_model_parallel_size"),
-        pp=pp,
-        cp=cp,
-        world=world,
-        tp_pp_dp=bool(getattr(args, "use_tp_pp_dp_mapping", False)),
-    )
+    savers = saving_ranks(**sizes)
+    order, dense, expert = _rank_axes(**sizes)
     out: dict[tuple[int, int, int], tuple[int, int, int]] = {}
-    for r in range(world):
+    for r in range(sizes["world"]):
         d, x = _coords(r, order, dense), _coords(r, order, expert)
         key = (d["tp"], d["pp"], x["ep"])
         saver = savers.get(key)
-        if saver is not None and (saver[1] == r or saver[0] == x["tp"]):
-            out[(d["tp"], d["pp"], d["cp"] + cp * d["dp"])] = key
-    return out, world // (tp * pp)
+        if saver is not None and (saver.rank == r or saver.etp == x["tp"]):
+            out[(d["tp"], d["pp"], d["cp"] + sizes["cp"] * d["dp"])] = key
+    return out, sizes["world"] // (sizes["tp"] * sizes["pp"])
 
 
 def rank_of(directory: str, pp: int) -> tuple[int, int, int]:

@@ -44,6 +44,7 @@ from ckpttool.formats.megatron import (
     _LAYER,
     ALLOWLIST,
     TRACKER,
+    Saver,
     bucket_size,
     chunk_shared_embedding,
     expert_of,
@@ -776,9 +777,9 @@ class LegacyWriter:
             raise CorruptFileError(f"model entries missing from the manifest: {', '.join(missing[:4])}")
         want = target.distributed_optimizer
         self.distopt = self.src.distopt if want is None else bool(want)
-        self._xranks: dict[tuple[int, int, int], tuple[int, int, int]] | None = None
-        """under expert tensor parallelism, (ETP rank of its experts, global rank, dense DP rank) of
-        each output rank file by its (TP, PP, EP) rank; None: the experts split as the other layers"""
+        self._xranks: dict[tuple[int, int, int], Saver] | None = None
+        """under expert tensor parallelism, the rank that saves each output rank file, by its (TP,
+        PP, EP) rank; None: the experts split as the other layers"""
         if self.src.etp or self.etp != target.tp:
             self._expert_layout()
         if self.src.memberless and not self.distopt and self.src.groups:  # (none: no optimizer saved)
@@ -879,7 +880,7 @@ class LegacyWriter:
         """(rank, ranks) of the experts' tensor-parallel split in output rank file (t, p, e)."""
         if self._xranks is None:
             return t, self.target.tp
-        return self._xranks[(t, p, e)][0], self.etp
+        return self._xranks[(t, p, e)].etp, self.etp
 
     @property
     def _chained(self) -> bool:
@@ -1318,10 +1319,13 @@ class LegacyWriter:
         return n
 
     def _rng_source(self, t: int, p: int, e: int) -> tuple[int, int, int]:
-        """The source rank file whose RNG state output rank file (t, p, e) gets: that of the source
-        rank with the saving rank's dense TP, PP and DP-CP rank (:meth:`_Source.rng_key`; at ETP = TP
-        the saving rank of file (t, p, e) is DP-CP rank e)."""
-        d = e if self._xranks is None else self._xranks[(t, p, e)][2]
+        """The source rank file whose RNG state output rank file (t, p, e) gets: from a legacy source
+        under expert TP, that of the source rank with the saving rank's dense TP, PP and DP-CP rank
+        (:meth:`_Source.rng_key`; at ETP = TP the saving rank of file (t, p, e) is DP-CP rank e);
+        otherwise the file the rest of it comes from, as the plan's note says."""
+        if not self.src.rng_of:
+            return self.src.key(t, p, e)
+        d = e if self._xranks is None else self._xranks[(t, p, e)].dp
         return self.src.rng_key(t, p, d)
 
     def _metadata(self, p: int, v: int, e: int, names: list[str], offset: int) -> dict[str, Any]:
@@ -1373,7 +1377,7 @@ class LegacyWriter:
         if "world_size" in d:
             d["world_size"] = tp * int(d.get("context_parallel_size") or 1) * pp * dp
         if "rank" in d:  # the rank that saves the file: data-parallel rank e (rank order tp-cp-ep-dp-pp)
-            rank = t + tp * e + tp * dp * p if self._xranks is None else self._xranks[(t, p, e)][1]
+            rank = t + tp * e + tp * dp * p if self._xranks is None else self._xranks[(t, p, e)].rank
             if d.get("local_rank") == d["rank"]:
                 d["local_rank"] = rank
             d["rank"] = rank
@@ -1595,7 +1599,7 @@ class LegacyWriter:
         optimizer's DP rank 0 saves its state (megatron-core's ``ChainedOptimizer``), so the dense
         state is in the files of the saving ranks of dense DP rank 0 (at ETP = TP: EP rank 0's), the
         experts' in every file (their expert-DP rank 0 saves the files)."""
-        dense = e == 0 if self._xranks is None else self._xranks[(t, p, e)][2] == 0
+        dense = e == 0 if self._xranks is None else self._xranks[(t, p, e)].dp == 0
         return self._members if dense else (True,)
 
     def _distopt_state(self, archive: Callable[[str], Any], kind: bool | None = None) -> dict[str, Any]:

@@ -485,9 +485,12 @@ def kill_trials(
     """SIGKILL ``cmd`` at ``kills`` random moments and check every promise; returns the figures line.
 
     Kills are spread over the measured run: a quarter at a random delay before the temp sibling
-    appears (start-up, planning), a tenth after the publication (up to the exit), the rest at a
-    random moment of the write (from the sibling's appearance to the publication). Triggering on
-    what is seen on disk, not on wall-clock time alone, keeps the three kinds on a busy machine.
+    appears (start-up, planning), a tenth after the publication (up to the exit), the rest during
+    the write (from the sibling's appearance to the publication): a third of those as soon as the
+    sibling is seen, the others at a random moment of the reference run's write. Triggering on
+    what is seen on disk, not on wall-clock time alone, keeps the three kinds on a busy machine;
+    the immediate ones still land mid-write when a write (seal's: one small file and an fsync) is
+    much shorter than the reference run's.
     The rerun (uninterrupted, with --force) follows the first ``max_reruns`` kills that left
     something, and with ``rerun_complete`` the first kill that left a complete output (--force over
     it).
@@ -495,7 +498,8 @@ def kill_trials(
     ref, tl = reference
     rng = random.Random(f"crash-safety-{cmd.name}")
     plan = ["early"] * (kills // 4) + ["late"] * (kills // 10)
-    plan += ["mid"] * (kills - len(plan))
+    mid = kills - len(plan)
+    plan += ["mid-at-once"] * (mid // 3) + ["mid"] * (mid - mid // 3)
     rng.shuffle(plan)
     outcomes: Counter[str] = Counter()
     landed: Counter[str] = Counter()
@@ -511,8 +515,9 @@ def kill_trials(
         proc = _popen(cmd, dest, tmpdir)
         if when == "early":
             time.sleep(rng.uniform(0, tl.tmp))
-        elif when == "mid" and _wait(proc, lambda d=dest: bool(_siblings(d)) or d.exists()):
-            time.sleep(rng.uniform(0, max(tl.published - tl.tmp, 0.001)))
+        elif when.startswith("mid") and _wait(proc, lambda d=dest: bool(_siblings(d)) or d.exists()):
+            if when == "mid":
+                time.sleep(rng.uniform(0, max(tl.published - tl.tmp, 0.001)))
         elif when == "late" and _wait(proc, dest.exists):
             time.sleep(rng.uniform(0, max(tl.exited - tl.published, 0.001)))
         landed[_phase(proc, dest)] += 1

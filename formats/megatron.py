@@ -369,9 +369,14 @@ def _debucket_dist(manifest: Manifest, args: Any) -> str | None:
     tied = not getattr(args, "untie_embeddings_and_output_weights", False) and pp > 1
     mtp = sorted((at, n) for n in params if (at := _mtp_slot(n)) is not None)
     layers = sum(n for chunk in chunks for _, n in chunk)
-    if mtp and (experts or tied or "embedding.position_embeddings.weight" in params):
-        return "multi-token prediction layers with experts, tied embeddings or position embeddings, not replayed yet"
+    if mtp and (tied or "embedding.position_embeddings.weight" in params):
+        return "multi-token prediction layers with tied embeddings or position embeddings, not replayed yet"
     local = experts // ep
+
+    def on_rank(n: str, e: int) -> bool:
+        """Whether EP rank ``e`` holds ``n`` (the dense parameters: every rank)."""
+        return (j := expert_of(n)) is None or e * local <= j < (e + 1) * local
+
     by_layer: dict[int, list[tuple[tuple[int, int, int], str]]] = {}  # each layer's parameters, in order
     for n in params:
         if (slot := _layer_slot(n)) is not None:
@@ -387,11 +392,7 @@ def _debucket_dist(manifest: Manifest, args: Any) -> str | None:
             if (p, v) == (0, 0):
                 names += [n for n in _PRE_LAYERS if n in params]
             for layer in range(first, first + count):
-                names += [
-                    n
-                    for _, n in by_layer.get(layer, ())
-                    if (j := expert_of(n)) is None or e * local <= j < (e + 1) * local
-                ]
+                names += [n for _, n in by_layer.get(layer, ()) if on_rank(n, e)]
             # the final norm: in the last chunk, or with MTP layers the last decoder layer's
             # (TransformerBlock.has_final_layernorm_in_this_stage), which a layout may put before it
             if (first <= layers - 1 < first + count) if mtp else (p, v) == (pp - 1, len(chunks[p]) - 1):
@@ -399,7 +400,7 @@ def _debucket_dist(manifest: Manifest, args: Any) -> str | None:
             if (p, v) == (pp - 1, len(chunks[p]) - 1):
                 if mtp and (p, v) != (0, 0):  # the MTP stage's copy of the word embeddings, registered first
                     names.insert(0, "embedding.word_embeddings.weight")
-                names += [n for _, n in mtp]  # the MTP block, between the decoder and the output layer
+                names += [n for _, n in mtp if on_rank(n, e)]  # the MTP block, between the decoder and the output layer
                 names += [n for n in _POST_LAYERS[2:] if n in params]
                 if tied and "embedding.word_embeddings.weight" in params:
                     names.append("output_layer.weight")  # the last stage's copy of the tied embedding
@@ -653,32 +654,34 @@ def _leading_index(item: Item, index: int, name: str, select: Callable[[Piece, i
     return Item(name=name, kind=item.kind, dtype=item.dtype, shape=item.shape[1:], pieces=pieces)
 
 
-_STACKED_EXPERTS = re.compile(r"^(?P<pre>decoder\.layers\.\d+\.mlp\.experts\.)experts\.(?P<rest>.+)$")
+_STACKED_EXPERTS = re.compile(
+    r"^(?P<pre>(?P<layer>decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp\.experts\.)experts\.(?P<rest>.+)$"
+)
 
 
 def _split_experts(item: Item, num_experts: Any) -> list[Item]:
     """One item per routed expert for torch_dist's ``….mlp.experts.experts.<name>`` tensors (the
-    global expert number is a second prepended axis, after the layer's), named as the legacy
-    reader names them: ``….mlp.experts.local_experts.<global j>.<name>``."""
+    global expert number is a prepended axis: after the layer's for the decoder's stacked layers,
+    the first one for a multi-token prediction layer's), named as the legacy reader names them:
+    ``….mlp.experts.local_experts.<global j>.<name>``."""
     m = _STACKED_EXPERTS.match(item.name)
+    stacked = m is not None and m["layer"].startswith("decoder.")  # (split by layer first: select0 is the layer)
     if (
         m is None
         or not isinstance(num_experts, int)
         or not item.shape
         or item.shape[0] != num_experts
         or item.dtype is None
-        or any("select0" not in p.locator for p in item.pieces)
+        or any(("select0" in p.locator) != stacked for p in item.pieces)
     ):
         return [item]
-    return [
-        _leading_index(
-            item,
-            j,
-            f"{m['pre']}local_experts.{j}.{m['rest']}",
-            lambda p, k: {"select0": [p.locator["select0"], k]},  # the layer's index, then the expert's
-        )
-        for j in range(num_experts)
-    ]
+
+    def select(p: Piece, k: int) -> dict[str, Any]:
+        if stacked:  # the layer's index, then the expert's
+            return {"select0": [p.locator["select0"], k]}
+        return {"select0": k, "chunk_sizes": list(p.box.sizes)}
+
+    return [_leading_index(item, j, f"{m['pre']}local_experts.{j}.{m['rest']}", select) for j in range(num_experts)]
 
 
 def _rename(item: Item, local_spec: bool) -> None:

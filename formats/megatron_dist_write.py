@@ -245,13 +245,17 @@ class DistWriter(LegacyWriter):
     # -- planning --------------------------------------------------------------------------------
 
     def _key(self, param: str) -> tuple[str, int | None, int | None]:
-        """The torch_dist key of a manifest parameter name, its layer (None: not a layer's) and its
-        routed expert (None: not an expert's)."""
+        """The torch_dist key of a manifest parameter name, its layer (None: not a decoder layer's)
+        and its routed expert (None: not an expert's). A multi-token prediction layer is not stacked:
+        its experts' key has the expert axis only."""
         m = _LAYER.match(param)
         if m is None:
             head, sep, rest = param.partition(".transformer_layer.")  # a multi-token prediction layer's
-            if sep and self.local_spec and head.startswith("mtp.layers."):
-                return head + sep + _LOCAL_TO_TE.get(rest, rest), None, None
+            if sep and head.startswith("mtp.layers."):
+                if (e := _EXPERT.match(rest)) is not None:
+                    return f"{head}{sep}mlp.experts.experts.{e['rest']}", None, int(e["j"])
+                if self.local_spec:
+                    return head + sep + _LOCAL_TO_TE.get(rest, rest), None, None
             return param, None, None
         rest = m["rest"][1:]
         if (e := _EXPERT.match(rest)) is not None:
@@ -321,8 +325,9 @@ class DistWriter(LegacyWriter):
         rows = self.rows if _is_vocab(param) else None
         shape = item.shape if rows is None else (rows, *item.shape[1:])
         whole = Box.whole(shape)
-        lead: tuple[int, ...] = () if layer is None else (layer,) if expert is None else (layer, expert)
-        gshape = (*(self.layers, self.experts)[: len(lead)], *shape)
+        axes = [(i, n) for i, n in ((layer, self.layers), (expert, self.experts)) if i is not None]
+        lead = tuple(i for i, _ in axes)  # the layer's index, the expert's, or both
+        gshape = (*(n for _, n in axes), *shape)
         dtype, have, chunks = self.tensors.setdefault(key, (item.dtype, gshape, []))
         if (dtype, have) != (item.dtype, gshape):
             raise UsageError(f"{item.name}: {item.dtype} {shape} does not stack with the other layers' {key}")
@@ -359,8 +364,10 @@ class DistWriter(LegacyWriter):
     def _extra_state_record(self, param: str) -> tuple[int, str]:
         """The rank that writes legacy ``_extra_state`` entry ``param`` and its torch_dist key."""
         key, layer, expert = self._key(param)
-        if expert is not None:
+        if expert is not None and layer is not None:
             key = f"{key}/shard_{layer}.{expert}_{self.layers}.{self.experts}"
+        elif expert is not None:  # a multi-token prediction layer's expert
+            key = f"{key}/shard_{expert}_{self.experts}"
         elif layer is not None:
             key = f"{key}/shard_{layer}_{self.layers}"
         else:
@@ -703,11 +710,15 @@ def rng_dp(names: Any) -> int:
 def _legacy_object_name(name: str, local_spec: bool) -> str | None:
     """The legacy model entry of a torch_dist ``_extra_state`` record (None: not one): a layer's
     ``<key>/shard_<layer>_<L>``, a routed expert's
-    ``decoder.layers.mlp.experts.experts.<rest>/shard_<layer>.<expert>_<L>.<E>``."""
+    ``decoder.layers.mlp.experts.experts.<rest>/shard_<layer>.<expert>_<L>.<E>`` (a multi-token
+    prediction layer's: ``mtp.layers.<k>.transformer_layer.mlp.experts.experts.<rest>/shard_<expert>_<E>``)."""
     m = _SHARD.match(name)
     if m is None or not m["key"].endswith("._extra_state"):
         return None
     key, offsets = m["key"], m["offsets"].split(".")
+    head, sep, rest = key.partition(".transformer_layer.mlp.experts.experts.")
+    if sep and head.startswith("mtp.layers.") and len(offsets) == 1:
+        return f"{head}.transformer_layer.mlp.experts.local_experts.{offsets[0]}.{rest}"
     if not key.startswith("decoder.layers."):
         return key if offsets == ["0"] else None
     rest = key[len("decoder.layers.") :]

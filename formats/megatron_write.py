@@ -250,6 +250,8 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
         for e in range(ep):  # the dense entries of every EP rank's file are the same
             _read_stage(src, args, src.key(0, p, e), _layer_offset, local)
     src.model_order = _canonical(src.model_order)
+    # module by module, as the model order: each EP rank's experts in their layer's block
+    src.metadata = {k[:-1]: src.metadata[k[:-1]] for k in _canonical([k + "." for k in src.metadata])}
     return src
 
 
@@ -330,26 +332,28 @@ def _canonical(names: list[str]) -> list[str]:
     seen = list(dict.fromkeys(names))  # each entry once (tied or shared entries)
     first_layer = next((i for i, n in enumerate(seen) if _layer_of(n) is not None), len(seen))
     pattern_at: dict[str, int] = {}  # an expert entry with its number starred -> where it first stands
-    block_at: dict[int, int] = {}  # layer -> where its first expert entry stands
+    block_at: dict[str, int] = {}  # a layer's experts (the name up to them) -> where its first expert entry stands
     for pos, name in enumerate(seen):
-        layer, slot = _layer_of(name), expert_slot(name)
-        if layer is not None and slot is not None:
+        if (slot := expert_slot(name)) is not None:
             pattern_at.setdefault(slot[0], pos)
-            block_at.setdefault(layer, pos)
+            block_at.setdefault(_experts_of(name), pos)
 
     def key(item: tuple[int, str]) -> tuple[int, ...]:
         pos, name = item
-        layer = _layer_of(name)
-        if layer is None:
-            return (0 if pos < first_layer else 2, 0, pos, 0, 0)
-        slot = expert_slot(name)
+        layer, slot = _layer_of(name), expert_slot(name)
+        group = (1, layer) if layer is not None else (0 if pos < first_layer else 2, 0)
         if slot is None:
-            return (1, layer, pos, 0, 0)
-        pattern, j, grouped = slot
+            return (*group, pos, 0, 0)
+        pattern, j, grouped = slot  # (a decoder layer's experts, or a multi-token prediction layer's)
         inner = (pattern_at[pattern], j) if grouped else (j, pattern_at[pattern])
-        return (1, layer, block_at[layer], *inner)
+        return (*group, block_at[_experts_of(name)], *inner)
 
     return [n for _, n in sorted(enumerate(seen), key=key)]
+
+
+def _experts_of(name: str) -> str:
+    """The name of the routed experts an expert's entry belongs to (``….mlp.experts``)."""
+    return name.partition(".mlp.experts.")[0]
 
 
 _CHILD_ORDER = {
@@ -568,9 +572,6 @@ def _mtp_problems(manifest: Manifest, src: _Source, target: MegatronTarget) -> l
             problems.append(f"the pipeline layout places {placed} MTP layers (m), the model has {mtp}")
     if not mtp:
         return problems
-    routed = [n for n in src.model_order if n.startswith("mtp.") and (".mlp.experts." in n or ".mlp.router." in n)]
-    if routed:  # (their local numbering, torch_dist's expert axis and the expert optimizer: not followed yet)
-        problems.append(f"multi-token prediction layers with routed experts ({routed[0]}) are not supported yet")
     if target.pp > 1 or src.pp > 1:
         if getattr(args, "decoupled_lr", None) is not None:
             problems.append(
@@ -1334,11 +1335,14 @@ class LegacyWriter:
         out: dict[str, Any] = {}
         for key, value in self.src.metadata.items():
             layer = _layer_of(key + ".") if key else None
+            local = _localize(key + ".", offset, e * self.local_experts)[:-1]
             if layer is not None:
                 if layer in layers and self._holds(e, key + "."):
-                    out[_localize(key + ".", offset, e * self.local_experts)[:-1]] = copy.deepcopy(value)
+                    out[local] = copy.deepcopy(value)
+            elif not self._holds(e, key + "."):
+                continue  # another EP rank's expert of a multi-token prediction layer
             elif (p, v) in self.place_of(key + ".") or (self.tied and key.startswith("output_layer") and last):
-                out[key] = copy.deepcopy(value)
+                out[local] = copy.deepcopy(value)
         return out
 
     def _args(self, args: Any, t: int, p: int, e: int = 0) -> Any:

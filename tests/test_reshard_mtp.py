@@ -20,13 +20,17 @@ from tests._compare import same_bits
 from tests.conftest import FIXTURES
 from tests.test_megatron import _expected
 from tests.test_reshard import STATE_KINDS, _drop_rng, _megatron_lm, _oracle, _rank_files, _ref, _tree, _with_args
-from tests.test_reshard_dist import ITER, _chunks, _megatron_core_load, _metadata, _record
+from tests.test_reshard_dist import ITER, _chunks, _megatron_core_load, _metadata, _record, _same_records
 from tests.test_reshard_from_dist import _same_files
 
 MG = FIXTURES / "megatron"
 MTP_TP2, MTP_DIST, MTP_PP2 = MG / "legacy_tp2_mtp", MG / "dist_tp2_mtp", MG / "legacy_pp2_mtp"
 MTP_DISTOPT = MG / "dist_tp2pp2_mtp_distopt"
 MTP_PP2_DISTOPT = MG / "legacy_pp2_mtp_distopt"  # the same state as MTP_PP2, the distributed optimizer's
+# the MoE model (4 routed experts) with an MTP layer, TP=2 x EP=2: the Float16 run's two saves, and the
+# distributed-optimizer run's (its torch_dist one dp_reshardable, Megatron-LM's default)
+MOE_MTP, MOE_MTP_DIST = MG / "legacy_tp2ep2_mtp", MG / "dist_tp2ep2_mtp"
+MOE_MTP_DISTOPT, MOE_MTP_DIST_DP = MG / "legacy_tp2ep2_mtp_distopt", MG / "dist_tp2ep2_mtp_distopt"
 
 
 @pytest.mark.parametrize(
@@ -79,20 +83,95 @@ def test_mtp_round_trip_is_exact(source, via, tmp_path):
         assert verify(out).failing() == []
 
 
-def test_mtp_with_routed_experts_is_refused():
-    """MTP layers whose transformer layer is a mixture of experts (DeepSeek-V3's) are refused by name
-    before anything is written (their local expert numbering, torch_dist's expert axis and the expert
-    optimizer are not followed there yet): no fixture has them, so the source's entries are extended."""
-    from ckpttool.formats.megatron_write import MegatronTarget, _mtp_problems, load_source
+@pytest.mark.parametrize(
+    ("source", "ref"),
+    [
+        (MOE_MTP, "legacy_tp2ep2_mtp"),
+        (MOE_MTP_DIST, "legacy_tp2ep2_mtp"),
+        (MOE_MTP_DISTOPT, "dist_tp2ep2_mtp_distopt"),
+        (MOE_MTP_DIST_DP, "dist_tp2ep2_mtp_distopt"),
+    ],
+    ids=["legacy", "torch_dist", "legacy-distopt", "dp_reshardable"],
+)
+def test_mtp_with_routed_experts_reads_as_megatron_saved_it(source, ref, tmp_path):
+    """An MTP layer whose transformer layer is a mixture of experts (DeepSeek-V3's), TP=2 x EP=2: each
+    legacy EP rank file keeps its 2 local experts of the MTP layer (local_experts.0/1) as of the decoder
+    layers; torch_dist stacks them on an expert axis of their own (no layer axis: [experts, ...]); the
+    dp_reshardable buckets are placed by replaying the grad buffers with each EP rank's MTP experts.
+    Every tensor (params, fp32 mains, moments) equals the run's own gather; verify is clean."""
+    _, m = registry.describe(source)
+    assert (m.layout.tp, m.layout.ep) == (2, 2)
+    export(source, tmp_path / "o.safetensors")
+    got = load_file(tmp_path / "o.safetensors")
+    want = _expected(ref)
+    assert len(want) == 184 and sum(k.startswith("mtp.") for k in want) == 68
+    assert [k for k, v in want.items() if k not in got or not same_bits(got[k], v)] == []
+    fc1 = m.items["mtp.layers.0.transformer_layer.mlp.experts.local_experts.3.linear_fc1.weight.exp_avg"]
+    if source in (MOE_MTP, MOE_MTP_DISTOPT):  # global expert 3: local expert 1 of EP rank 1, split over TP
+        assert sorted(p.file.split("/")[1] for p in fc1.pieces) == ["mp_rank_00_001"] * 2 + ["mp_rank_01_001"] * 2
+    assert verify(source).failing() == []
 
-    _, m = registry.describe(MTP_TP2)
-    src = load_source(MTP_TP2, m)
-    assert _mtp_problems(m, src, MegatronTarget(tp=1, pp=1)) == []
-    src.model_order.append("mtp.layers.0.transformer_layer.mlp.router.weight")
-    assert _mtp_problems(m, src, MegatronTarget(tp=1, pp=1)) == [
-        "multi-token prediction layers with routed experts (mtp.layers.0.transformer_layer.mlp.router.weight) "
-        "are not supported yet"
-    ]
+
+def test_mtp_with_routed_experts_is_written_as_megatron_saves_it(tmp_path):
+    """At the layout it was saved at, each save of the MoE + MTP runs written in the other format is
+    Megatron-LM's own: legacy -> torch_dist every key, chunk and record (the MTP experts' expert axis,
+    their _extra_state records, RNG); torch_dist -> legacy the rank files' model entries (the MTP experts
+    under local numbers, each EP rank its own), optimizer and RNG; with the distributed optimizer, both
+    saves -> legacy give Megatron-LM's distrib_optim.pt byte for byte."""
+    dist, legacy = tmp_path / "dist", tmp_path / "legacy"
+    reshard(MOE_MTP, dist, Target(to="megatron-dist"))
+    _same_records(dist, MOE_MTP_DIST)
+    reshard(MOE_MTP_DIST, legacy, Target(to="megatron"))
+    theirs = _rank_files(MOE_MTP)
+    assert list(_rank_files(legacy)) == list(theirs) == [f"mp_rank_0{t}_00{e}" for t in (0, 1) for e in (0, 1)]
+    for name, path in _rank_files(legacy).items():
+        ours, megatron = dict(_tree(path)[1]), dict(_tree(theirs[name])[1])
+        assert [k for k, _ in ours["model"][1]] == [k for k, _ in megatron["model"][1]], name
+        assert ours["model"][1] == megatron["model"][1], name  # (torch_dist keeps no module _metadata)
+        assert ours["optimizer"] == megatron["optimizer"] and ours["rng_state"] == megatron["rng_state"], name
+    for source in (MOE_MTP_DIST_DP, MOE_MTP_DISTOPT):
+        out = tmp_path / source.name
+        reshard(source, out, Target(to="megatron"))
+        assert sorted(p.relative_to(out) for p in out.glob("iter_*/*/distrib_optim.pt")) == sorted(
+            p.relative_to(MOE_MTP_DISTOPT) for p in MOE_MTP_DISTOPT.glob("iter_*/*/distrib_optim.pt")
+        )
+        for f in MOE_MTP_DISTOPT.glob("iter_*/*/distrib_optim.pt"):
+            assert (out / f.relative_to(MOE_MTP_DISTOPT)).read_bytes() == f.read_bytes(), f
+    _same_files(tmp_path / MOE_MTP_DISTOPT.name, MOE_MTP_DISTOPT)
+
+
+def _model_entries(root, name: str) -> list:
+    return dict(_tree(_rank_files(root)[name])[1])["model"][1]
+
+
+def test_mtp_with_routed_experts_round_trips(tmp_path):
+    """TP=2 x EP=2 -> TP=1 x EP=1 -> TP=2 x EP=2, and through TP=1 x PP=2 x EP=2 (the MTP layer's experts
+    in the last stage's files only), gives Megatron-LM's rank files back: every tensor, the
+    param groups, the module _metadata (each EP rank's MTP experts under local numbers, in their
+    layer's block); RNG aside (one TP=1 file keeps one rank's). diff of source and TP=1 is empty."""
+    one, back = tmp_path / "one", tmp_path / "back"
+    reshard(MOE_MTP, one, Target(tp=1, ep=1))
+    reshard(one, back, Target(tp=2, ep=2))
+    assert not diff(MOE_MTP, one, kinds=STATE_KINDS).different
+    for name, path in _rank_files(MOE_MTP).items():
+        assert _drop_rng(_tree(_rank_files(back)[name])) == _drop_rng(_tree(path)), name
+    staged, back = tmp_path / "pp2", tmp_path / "back2"  # through PP=2: the MTP experts in the last stage
+    reshard(MOE_MTP, staged, Target(tp=1, pp=2, ep=2))
+    reshard(staged, back, Target(tp=2, pp=1, ep=2))
+    assert not any(
+        ".mlp.experts." in k and k.startswith("mtp.") for k, _ in _model_entries(staged, "mp_rank_00_000_001")
+    )
+    assert any(
+        k.startswith("mtp.layers.0.transformer_layer.mlp.experts.local_experts.1.")
+        for k, _ in _model_entries(staged, "mp_rank_00_001_001")
+    )
+    for name, path in _rank_files(MOE_MTP).items():
+        assert _drop_rng(_tree(_rank_files(back)[name])) == _drop_rng(_tree(path)), name
+    (_, _, meta) = dict(_tree(_rank_files(one)["mp_rank_00"])[1])["model"]
+    modules = list(meta)  # megatron-core's module order: the MTP layer's 4 experts where its block stands
+    block = [m for m in modules if m.startswith("mtp.layers.0.transformer_layer.mlp.experts.local_experts.")]
+    assert block == modules[modules.index(block[0]) : modules.index(block[0]) + 12] and len(block) == 12
+    assert modules.index(block[-1]) < modules.index("mtp.layers.0.final_layernorm")
 
 
 def test_mtp_changes_optimizer_as_megatron_saves_it(tmp_path):
@@ -284,3 +363,54 @@ def test_megatron_lm_loads_the_mtp_layout_checkpoint(distopt, tmp_path):
     args += ["--distopt"] if distopt else []
     proc = _oracle(mlm, out, *args, *_ref("legacy_pp2_mtp"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("source", "target", "ref"),
+    [
+        (MOE_MTP, Target(tp=1, ep=1), "legacy_tp2ep2_mtp"),
+        (MOE_MTP, Target(tp=1, ep=2, distributed_optimizer=True), "legacy_tp2ep2_mtp"),
+        (MOE_MTP, Target(tp=1, pp=2, ep=2), "legacy_tp2ep2_mtp"),
+        (MOE_MTP_DIST_DP, Target(to="megatron", tp=1, ep=2), "dist_tp2ep2_mtp_distopt"),
+    ],
+    ids=["tp1ep1", "tp1ep2-distopt", "tp1pp2ep2", "dp_reshardable-to-legacy-tp1ep2"],
+)
+def test_megatron_lm_loads_the_mtp_checkpoint_with_routed_experts(source, target, ref, tmp_path):
+    """Oracle: Megatron-LM's load_checkpoint, building the MoE + MTP model at the new TP and EP (the
+    experts in the dense optimizer at EP=1, in the expert optimizer of the chain at EP=2; at PP=2 the MTP
+    layer and its experts in the last stage, with its embedding copy), loads our legacy output,
+    optimizer and RNG on: every tensor equals the reference; it trains the next step."""
+    mlm = _megatron_lm()
+    if mlm is None:
+        pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
+    out = tmp_path / "out"
+    reshard(source, out, target)
+    args = ["--tp", str(target.tp), "--pp", str(target.pp or 1), "--ep", str(target.ep), "--mtp", "--padded-vocab", "128"]
+    args += ["--distopt"] if target.distributed_optimizer or source == MOE_MTP_DIST_DP else []
+    proc = _oracle(mlm, out, *args, *_ref(ref))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "every check passed" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("source", "ep", "distopt", "ref"),
+    [(MOE_MTP, 1, None, "legacy_tp2ep2_mtp"), (MOE_MTP_DIST_DP, 2, None, "dist_tp2ep2_mtp_distopt")],
+    ids=["legacy-tp1ep1", "dp_reshardable-tp1ep2"],
+)
+def test_megatron_core_loads_the_mtp_output_with_routed_experts(source, ep, distopt, ref, tmp_path):
+    """Oracle: megatron-core's dist_checkpointing.load (the wheel alone) loads our torch_dist output of
+    the MoE + MTP model at TP=1 (the MTP experts' records on their expert axis; from the dp_reshardable
+    save, the distributed optimizer's fully_reshardable layout): every tensor each rank holds equals the
+    reference slice, and the main replicas cover each reference tensor exactly once."""
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "out"
+    reshard(source, out, Target(to="megatron-dist", tp=1, ep=ep, distributed_optimizer=distopt))
+    args = ["--ckpt", str(out), "--tp", "1", "--pp", "1", "--ep", str(ep), "--mtp", "--padded-vocab", "128"]
+    args += ["--reference", str(MG / f"{ref}.reference.pt")]
+    args += ["--distopt"] if source == MOE_MTP_DIST_DP else []
+    result = _megatron_core_load(*args, nproc=ep)
+    assert len(result["ranks"]) == ep
+    for rank in result["ranks"]:
+        assert rank["problems"] == [] and rank["checked"] >= 60

@@ -1638,6 +1638,16 @@ def expert_slot(name: str) -> tuple[str, int, bool] | None:
     return None
 
 
+def experts_owner(name: str) -> str | None:
+    """The module whose routed experts ``name`` is an entry of (``decoder.layers.3.mlp``,
+    ``mtp.layers.0.transformer_layer.mlp``), or None for entries of no single expert."""
+    for pattern in (_LOCAL_EXPERT, _GROUPED_EXPERT):
+        m = pattern.search(name)
+        if m is not None:
+            return name[: m.start()]  # (both patterns start at ".experts.")
+    return None
+
+
 def expert_of(name: str) -> int | None:
     """The routed expert number in ``name`` (``local_experts.<j>.`` of SequentialMLP,
     ``linear_fc1.weight<j>`` of TEGroupedMLP), or None for entries of no single expert."""

@@ -49,6 +49,7 @@ from ckpttool.formats.megatron import (
     chunk_shared_embedding,
     expert_of,
     expert_slot,
+    experts_owner,
     grad_buffer_layout,
     grouped_experts,
     is_expert,
@@ -332,11 +333,11 @@ def _canonical(names: list[str]) -> list[str]:
     seen = list(dict.fromkeys(names))  # each entry once (tied or shared entries)
     first_layer = next((i for i, n in enumerate(seen) if _layer_of(n) is not None), len(seen))
     pattern_at: dict[str, int] = {}  # an expert entry with its number starred -> where it first stands
-    block_at: dict[str, int] = {}  # a layer's experts (the name up to them) -> where its first expert entry stands
+    block_at: dict[str, int] = {}  # the module of a block of experts -> where its first expert entry stands
     for pos, name in enumerate(seen):
         if (slot := expert_slot(name)) is not None:
             pattern_at.setdefault(slot[0], pos)
-            block_at.setdefault(_experts_of(name), pos)
+            block_at.setdefault(experts_owner(name) or name, pos)
 
     def key(item: tuple[int, str]) -> tuple[int, ...]:
         pos, name = item
@@ -346,14 +347,9 @@ def _canonical(names: list[str]) -> list[str]:
             return (*group, pos, 0, 0)
         pattern, j, grouped = slot  # (a decoder layer's experts, or a multi-token prediction layer's)
         inner = (pattern_at[pattern], j) if grouped else (j, pattern_at[pattern])
-        return (*group, block_at[_experts_of(name)], *inner)
+        return (*group, block_at[experts_owner(name) or name], *inner)
 
     return [n for _, n in sorted(enumerate(seen), key=key)]
-
-
-def _experts_of(name: str) -> str:
-    """The name of the routed experts an expert's entry belongs to (``….mlp.experts``)."""
-    return name.partition(".mlp.experts.")[0]
 
 
 _CHILD_ORDER = {

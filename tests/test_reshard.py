@@ -2672,6 +2672,19 @@ def test_model_order_keeps_expert_blocks_whole():
 ETP = FIXTURES / "megatron" / "legacy_tp2ep2etp1"
 
 
+@pytest.mark.parametrize("name", ["legacy_pp2ep2", "legacy_tp2ep2etp1", "legacy_tp2ep2_gg", "legacy_tp2ep2_mtp"])
+def test_megatron_experts_module_metadata_keeps_megatrons_order(name, tmp_path):
+    """Rewritten at the layout it was saved at, every rank file's module _metadata lists its modules in
+    Megatron-LM's own order: before, the EP rank 1 files' experts came after output_layer (the
+    modules of every EP rank's experts were gathered in file order, not placed in their layer's block),
+    which a dict comparison of the trees does not see."""
+    source, out = FIXTURES / "megatron" / name, tmp_path / "out"
+    reshard(source, out, Target())
+    for rank, path in _rank_files(source).items():
+        ours, theirs = (dict(_tree(p)[1])["model"][2] for p in (_rank_files(out)[rank], path))
+        assert list(ours) == list(theirs), rank
+
+
 def test_megatron_expert_tensor_parallelism_round_trips(tmp_path):
     """Megatron-LM's TP=2 EP=2 ETP=1 files (mp_rank_00_000 and mp_rank_01_001 only: the ranks of
     expert-DP rank 0; the experts whole) resharded to their own layout give Megatron's trees back,

@@ -144,6 +144,10 @@ def _model_entries(root, name: str) -> list:
     return dict(_tree(_rank_files(root)[name])[1])["model"][1]
 
 
+def _model_meta(root, name: str) -> dict:
+    return dict(_tree(_rank_files(root)[name])[1])["model"][2]
+
+
 def test_mtp_with_routed_experts_round_trips(tmp_path):
     """TP=2 x EP=2 -> TP=1 x EP=1 -> TP=2 x EP=2, and through TP=1 x PP=2 x EP=2 (the MTP layer's experts
     in the last stage's files only), gives Megatron-LM's rank files back: every tensor, the
@@ -158,15 +162,15 @@ def test_mtp_with_routed_experts_round_trips(tmp_path):
     staged, back = tmp_path / "pp2", tmp_path / "back2"  # through PP=2: the MTP experts in the last stage
     reshard(MOE_MTP, staged, Target(tp=1, pp=2, ep=2))
     reshard(staged, back, Target(tp=2, pp=1, ep=2))
-    assert not any(
-        ".mlp.experts." in k and k.startswith("mtp.") for k, _ in _model_entries(staged, "mp_rank_00_000_001")
-    )
-    assert any(
-        k.startswith("mtp.layers.0.transformer_layer.mlp.experts.local_experts.1.")
-        for k, _ in _model_entries(staged, "mp_rank_00_001_001")
-    )
+    for e in (0, 1):
+        assert not any(k.startswith("mtp.") for k, _ in _model_entries(staged, f"mp_rank_00_000_00{e}"))
+        last = [k for k, _ in _model_entries(staged, f"mp_rank_00_001_00{e}")]
+        mtp_experts = {k.split(".")[7] for k in last if k.startswith("mtp.") and ".local_experts." in k}
+        assert mtp_experts == {"0", "1"}, (e, mtp_experts)  # each EP rank's own two, numbered locally
     for name, path in _rank_files(MOE_MTP).items():
         assert _drop_rng(_tree(_rank_files(back)[name])) == _drop_rng(_tree(path)), name
+        for out in (back, tmp_path / "back"):  # module _metadata in Megatron's order too (a dict compares unordered)
+            assert list(_model_meta(out, name)) == list(_model_meta(MOE_MTP, name)), name
     (_, _, meta) = dict(_tree(_rank_files(one)["mp_rank_00"])[1])["model"]
     modules = list(meta)  # megatron-core's module order: the MTP layer's 4 experts where its block stands
     block = [m for m in modules if m.startswith("mtp.layers.0.transformer_layer.mlp.experts.local_experts.")]
@@ -386,7 +390,17 @@ def test_megatron_lm_loads_the_mtp_checkpoint_with_routed_experts(source, target
         pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
     out = tmp_path / "out"
     reshard(source, out, target)
-    args = ["--tp", str(target.tp), "--pp", str(target.pp or 1), "--ep", str(target.ep), "--mtp", "--padded-vocab", "128"]
+    args = [
+        "--tp",
+        str(target.tp),
+        "--pp",
+        str(target.pp or 1),
+        "--ep",
+        str(target.ep),
+        "--mtp",
+        "--padded-vocab",
+        "128",
+    ]
     args += ["--distopt"] if target.distributed_optimizer or source == MOE_MTP_DIST_DP else []
     proc = _oracle(mlm, out, *args, *_ref(ref))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

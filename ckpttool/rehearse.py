@@ -197,9 +197,11 @@ def rehearse(
                     "differs from the saved run's at the moment of the save",
                 )
             )
+    deterministic = True
     for i, other in enumerate(report.runs[1:], start=2):
         d = _diverge(other["steps"], first["steps"], tolerance)
         if d is not None:
+            deterministic = False
             report.findings.append(
                 Blame(
                     component=None,
@@ -216,6 +218,14 @@ def rehearse(
                     if f.component in blamed and f.step is None:
                         f.step = d[0]
                         f.message += f"; {where}"
+            elif not deterministic:  # a forced run that matched (or not) would say nothing about the restore
+                report.findings.append(
+                    Blame(
+                        component=None,
+                        step=d[0],
+                        message=f"{where}; no component is blamed, as the runs do not replay each other",
+                    )
+                )
             else:
                 culprit = _blame(p, harness, steps, traj, tolerance, device)
                 report.findings.append(

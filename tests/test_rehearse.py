@@ -68,9 +68,15 @@ def test_blame_by_forcing_each_component(trained):
 
 
 def test_nondeterministic_runs_are_reported(trained):
+    """Runs that do not replay each other are named; no component is blamed for the divergence from
+    the recorded trajectory (a forced run, itself nondeterministic, would prove nothing), and no
+    forced run is started."""
     report = rehearse(trained / "step_10", "tests._buggy_harness:hidden_stream", steps=2)
     assert not report.ok
     assert any("not deterministic" in f.message for f in report.findings)
+    assert [f.component for f in report.findings] == [None, None]
+    assert "no component is blamed, as the runs do not replay each other" in report.findings[-1].message
+    assert len(report.runs) == 2
 
 
 def test_missing_parameter_exits_3_naming_it(trained, tmp_path):

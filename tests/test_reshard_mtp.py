@@ -2,8 +2,10 @@
 checkpoints Megatron-LM core_v0.16.1 wrote: ``legacy_tp2_mtp`` and ``dist_tp2_mtp`` (TP=2, saved from
 the same state), ``legacy_pp2_mtp`` (PP=2: the MTP layer in the last stage, which keeps its own
 copy of the word embeddings) and ``dist_tp2pp2_mtp_distopt`` (TP=2 x PP=2, the distributed
-optimizer's ``dp_reshardable`` buckets). Their references are the runs' own sharded state dicts, gathered
-before the saves."""
+optimizer's ``dp_reshardable`` buckets); and with routed experts in the MTP layer too (DeepSeek-V3's),
+TP=2 x EP=2: ``legacy_tp2ep2_mtp`` and ``dist_tp2ep2_mtp`` (Float16), ``legacy_tp2ep2_mtp_distopt`` and
+``dist_tp2ep2_mtp_distopt`` (the distributed optimizer; ``dp_reshardable``). Their references are the runs'
+own sharded state dicts, gathered before the saves."""
 
 from __future__ import annotations
 

@@ -378,14 +378,16 @@ def test_megatron_lm_loads_the_mtp_layout_checkpoint(distopt, tmp_path):
         (MOE_MTP, Target(tp=1, ep=1), "legacy_tp2ep2_mtp"),
         (MOE_MTP, Target(tp=1, ep=2, distributed_optimizer=True), "legacy_tp2ep2_mtp"),
         (MOE_MTP, Target(tp=1, pp=2, ep=2), "legacy_tp2ep2_mtp"),
+        (MOE_MTP, Target(tp=2, ep=2, etp=1), "legacy_tp2ep2_mtp"),
         (MOE_MTP_DIST_DP, Target(to="megatron", tp=1, ep=2), "dist_tp2ep2_mtp_distopt"),
     ],
-    ids=["tp1ep1", "tp1ep2-distopt", "tp1pp2ep2", "dp_reshardable-to-legacy-tp1ep2"],
+    ids=["tp1ep1", "tp1ep2-distopt", "tp1pp2ep2", "tp2ep2etp1", "dp_reshardable-to-legacy-tp1ep2"],
 )
 def test_megatron_lm_loads_the_mtp_checkpoint_with_routed_experts(source, target, ref, tmp_path):
     """Oracle: Megatron-LM's load_checkpoint, building the MoE + MTP model at the new TP and EP (the
     experts in the dense optimizer at EP=1, in the expert optimizer of the chain at EP=2; at PP=2 the MTP
-    layer and its experts in the last stage, with its embedding copy), loads our legacy output,
+    layer and its experts in the last stage, with its embedding copy; at ETP=1 the experts, the MTP
+    layer's too, whole on their EP rank), loads our legacy output,
     optimizer and RNG on: every tensor equals the reference; it trains the next step."""
     mlm = _megatron_lm()
     if mlm is None:
@@ -404,6 +406,7 @@ def test_megatron_lm_loads_the_mtp_checkpoint_with_routed_experts(source, target
         "128",
     ]
     args += ["--distopt"] if target.distributed_optimizer or source == MOE_MTP_DIST_DP else []
+    args += ["--etp", str(target.etp)] if target.etp else []
     proc = _oracle(mlm, out, *args, *_ref(ref))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "every check passed" in proc.stdout

@@ -1627,25 +1627,31 @@ _LOCAL_EXPERT = re.compile(r"(\.experts\.local_experts\.)(\d+)(\.)")
 _GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
 
 
+def _expert_match(name: str) -> tuple[re.Match[str], bool] | None:
+    """The match of a routed expert's number in ``name`` and whether it is a grouped-GEMM name."""
+    for pattern, grouped in ((_LOCAL_EXPERT, False), (_GROUPED_EXPERT, True)):
+        m = pattern.search(name)
+        if m is not None:
+            return m, grouped
+    return None
+
+
 def expert_slot(name: str) -> tuple[str, int, bool] | None:
     """For a routed expert's entry: the name with its expert number replaced by ``*``, the number,
     and whether it is a grouped-GEMM name (``linear_fc1.weight<j>``: the experts' tensors follow
     one another weight by weight, where SequentialMLP's follow expert by expert). None otherwise."""
-    for pattern, grouped in ((_LOCAL_EXPERT, False), (_GROUPED_EXPERT, True)):
-        m = pattern.search(name)
-        if m is not None:
-            return name[: m.start(2)] + "*" + name[m.end(2) :], int(m[2]), grouped
-    return None
+    found = _expert_match(name)
+    if found is None:
+        return None
+    m, grouped = found
+    return name[: m.start(2)] + "*" + name[m.end(2) :], int(m[2]), grouped
 
 
 def experts_owner(name: str) -> str | None:
     """The module whose routed experts ``name`` is an entry of (``decoder.layers.3.mlp``,
     ``mtp.layers.0.transformer_layer.mlp``), or None for entries of no single expert."""
-    for pattern in (_LOCAL_EXPERT, _GROUPED_EXPERT):
-        m = pattern.search(name)
-        if m is not None:
-            return name[: m.start()]  # (both patterns start at ".experts.")
-    return None
+    found = _expert_match(name)
+    return None if found is None else name[: found[0].start()]  # (both patterns start at ".experts.")
 
 
 def expert_of(name: str) -> int | None:

@@ -42,6 +42,7 @@ and the content metadata that names the layout.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections.abc import Callable
@@ -60,7 +61,15 @@ from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.formats import _pt, _ptwrite
 from ckpttool.formats.base import PieceReader, PlannedFile
 from ckpttool.formats.dcp_write import Record, write_metadata
-from ckpttool.formats.megatron import _LAYER, _TE_TO_LOCAL, ALLOWLIST, BUCKET_OBJECT, expert_slot, own_etp
+from ckpttool.formats.megatron import (
+    _LAYER,
+    _TE_TO_LOCAL,
+    ALLOWLIST,
+    BUCKET_OBJECT,
+    expert_slot,
+    is_expert,
+    own_etp,
+)
 from ckpttool.formats.megatron_write import (
     LegacyWriter,
     MegatronTarget,
@@ -149,13 +158,10 @@ class DistWriter(LegacyWriter):
         self.experts = int(getattr(self.args, "num_experts", None) or 0)
         if self.experts and any((slot := expert_slot(n)) and slot[2] for n in manifest.items):  # TEGroupedMLP
             raise UsageError("writing torch_dist checkpoints of grouped-GEMM experts is not supported yet")
-        if self.from_dist and self.experts and (self.ep > 1) != ((manifest.layout.ep or 1) > 1):
-            raise UsageError(
-                f"EP {manifest.layout.ep or 1} -> {self.ep}: the experts would move between the dense optimizer and "
-                "an expert optimizer of their own, and a torch_dist checkpoint does not say which param group each "
-                "parameter is in",
-                hint="keep EP = 1 or EP > 1, or reshard from the legacy checkpoint",
-            )
+        self.rechain = bool(self.from_dist and self.experts and (self.ep > 1) != ((manifest.layout.ep or 1) > 1))
+        """between EP = 1 and EP > 1 from a torch_dist source: the experts move between the dense
+        optimizer and an expert optimizer of their own (megatron-core's chain), their param groups
+        with them (:meth:`_rechain`)"""
         self.model_space = self.distopt
         """write the distributed optimizer's ``fully_reshardable`` layout (model space): kept from a
         source saved with the distributed optimizer (torch_dist in either of its layouts, or legacy
@@ -164,8 +170,10 @@ class DistWriter(LegacyWriter):
         """per optimizer (one, or the chain's dense and expert members) of a torch_dist source whose
         optimizer layout is rewritten or kept in model space: the optimizer's part of ``common.pt``
         in the output's layout (empty: ``common.pt``'s optimizer is copied as it is)"""
-        if self.from_dist and (self.model_space or self.src.distopt):
+        if self.from_dist and (self.model_space or self.src.distopt or self.rechain):
             self.optimizer_commons = self._source_commons()
+            if self.rechain:
+                self.optimizer_commons = self._rechain(self.optimizer_commons)
         self.layers = _num_layers(self.args)
         self.local_spec = getattr(self.args, "transformer_impl", None) == "local"
         tp, pp = target.tp, target.pp
@@ -195,6 +203,8 @@ class DistWriter(LegacyWriter):
         ``_plain_optimizer``) and keeps no main copy."""
         if self.src.distopt and self.model_space:  # kept: as saved (fully_reshardable) or read from the buckets
             return self._model_space_commons()
+        if not self.src.distopt and not self.model_space:  # kept as saved (an EP change regroups it)
+            return _chain_members(self.src.objs[(0, 0, 0)].get("optimizer"))
         members = self._model_space_commons() if self.src.distopt else self._float16_commons()
         out = []
         for k, member in enumerate(members):
@@ -214,6 +224,62 @@ class DistWriter(LegacyWriter):
                 step = inner["state"]["common_step"]
                 out.append({"optimizer": {"param_groups": [{**g, "step": step} for g in groups]}, **extra})
         return out
+
+    def _rechain(self, members: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The optimizer's part of ``common.pt`` (``members``, in the output's layout) between EP = 1
+        and EP > 1. megatron-core puts the routed experts in param groups of their own only under
+        expert parallelism (``is_expert_parallel``), and those groups in an expert optimizer chained
+        after the dense one; a group is matched on load by its identifier keys, and each optimizer
+        must get exactly its own groups. Neither of torch_dist's optimizer layouts names a group's
+        members, so they are inferred by megatron-core's standard rule (refused if the groups do not
+        fit it). To EP > 1: the one optimizer becomes the chain, its groups that hold experts copied
+        into the expert optimizer (``is_expert_parallel`` set), those that hold other parameters kept
+        in the dense one; to EP = 1: the expert optimizer's groups are merged into the dense ones,
+        which must be the same but for ``is_expert_parallel``, as the rest of the two optimizers'
+        state (step, grad scaler) must be."""
+        src_ep = self.manifest.layout.ep or 1
+        refuse = f"EP {src_ep} -> {self.ep} from this torch_dist checkpoint (the experts change optimizer): "
+        hint = "keep EP = 1, or EP > 1, as the source has it: its param groups are then kept as saved"
+        names = [n for n, item in self.manifest.items.items() if item.kind == "param"]
+        if self.ep > 1:
+            if len(members) != 1:
+                raise CorruptFileError(f"common.pt: {len(members)} optimizers at EP = 1, where megatron-core has one")
+            (member,) = members
+            groups = _optimizer_groups(member)
+            group_of = self.standard_membership(groups, False, refuse, hint, names)
+            out = []
+            for expert in (False, True):
+                taken = sorted({g for n, g in group_of.items() if is_expert(n) == expert})
+                # (a copy for the expert optimizer: megatron-core builds its groups apart)
+                kept = [groups[g] for g in taken] if not expert else copy.deepcopy([groups[g] for g in taken])
+                out.append(_with_groups(member, [{**h, "is_expert_parallel": expert} for h in kept]))
+            return out
+        if len(members) != 2:
+            raise CorruptFileError(
+                f"common.pt: {len(members)} optimizers under expert parallelism, where megatron-core chains two"
+            )
+        dense, experts = members
+        groups = _optimizer_groups(dense)
+        for h in _optimizer_groups(experts):
+            if {**h, "is_expert_parallel": False} not in groups:
+                raise UsageError(
+                    refuse + f"the expert optimizer's param group {_identity(h)} has no like group in the dense "
+                    "optimizer to join",
+                    hint=hint,
+                )
+        archive, _, _ = _pt.load(self.root, "common.pt", ALLOWLIST)
+        try:
+            same = [_content(_ptwrite.carry(_with_groups(m, []), lambda: archive, now=True)) for m in (dense, experts)]
+        finally:
+            archive.close()
+        if same[0] != same[1]:
+            raise UsageError(
+                refuse + "the dense and the expert optimizer's states differ beside their param groups (their "
+                "step, or a grad scaler), and one optimizer keeps one",
+                hint=hint,
+            )
+        self.standard_membership(groups, False, refuse, hint, names)  # each parameter in one, none empty
+        return [dense]
 
     def _saved_groups(self) -> list[dict[str, Any]]:
         if self.src.groups or not self.from_dist:
@@ -832,6 +898,28 @@ def model_space_members(manifest: Manifest, optimizer: Any) -> list[dict[str, An
             )
         out.append(first)
     return out
+
+
+def _optimizer_groups(member: dict[str, Any]) -> list[dict[str, Any]]:
+    """The param groups of one optimizer's part of ``common.pt`` (the Float16 or the distributed
+    optimizer's ``{'optimizer': {...}, ...}``, or an FP32 optimizer's torch state dict, bare)."""
+    inner = member.get("optimizer", member)
+    groups = inner.get("param_groups") if isinstance(inner, dict) else None
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise CorruptFileError(f"common.pt: an optimizer without param groups ({type(groups).__name__})")
+    return groups
+
+
+def _with_groups(member: dict[str, Any], groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """``member`` (as :func:`_optimizer_groups` reads it) with ``groups`` as its param groups."""
+    if "optimizer" in member:
+        return {**member, "optimizer": {**member["optimizer"], "param_groups": groups}}
+    return {**member, "param_groups": groups}
+
+
+def _identity(group: dict[str, Any]) -> str:
+    """A param group by megatron-core's identifier keys, for a message."""
+    return "(" + ", ".join(f"{k}={group.get(k)!r}" for k in ("wd_mult", "lr_mult", "is_decoupled_lr")) + ")"
 
 
 def _chain_members(optimizer: Any) -> list[Any]:

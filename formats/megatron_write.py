@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -785,21 +785,11 @@ class LegacyWriter:
             self._check_distopt_groups()
         if self.grouped:
             self._group_experts()
-        if (
-            self.src.memberless
-            and self._chained
-            and self.src.groups  # (a torch_dist source carries none here: DistWriter checks its EP itself)
-            and not any(g.get("is_expert_parallel") for g in self.src.groups)
-            and self.src.experts
-        ):
-            raise UsageError(
-                f"EP={self.ep}: this checkpoint was saved at EP=1 "
-                + ("in torch_dist" if self.src.dist else "by the distributed optimizer")
-                + ", whose files do not say which param group each expert parameter is in (a separate expert "
-                "optimizer needs that)",
-                hint="reshard it at EP=1, or from a legacy checkpoint saved at EP > 1 without the distributed "
-                "optimizer",
-            )
+        self._group_kinds: dict[int, set[bool]] | None = None
+        """of a source whose groups name no members: the kinds of parameter (expert or not) each
+        group holds, by :meth:`_memberless_kinds`"""
+        if self.src.memberless:
+            self._group_kinds = self._memberless_kinds()
 
     def _group_experts(self) -> None:
         """Write the routed experts as megatron-core's legacy GroupedMLP keeps them (the model was
@@ -892,16 +882,10 @@ class LegacyWriter:
         return (False, True) if self._chained else (None,)
 
     def _infer_membership(self, why: str = "--no-distributed-optimizer") -> None:
-        """``--no-distributed-optimizer`` from a distributed-optimizer checkpoint: the param group of
-        each parameter, and its step. The distributed optimizer saves its groups without members;
-        megatron-core (``_get_param_groups``, 0.16) forms them by its standard rule: no weight decay
-        (``wd_mult`` 0) for biases and 1-D parameters (with ``--apply-wd-to-qk-layernorm``, the q/k
-        layernorms excepted), weight decay for the rest; under expert parallelism the routed experts
-        in groups of their own (``is_expert_parallel``, the chain's expert optimizer); with
-        ``--decoupled-lr`` the embedding and the output layer in groups of that LR. That rule is
-        applied here, and each parameter must land in exactly one saved group and every group must
-        get one, or the checkpoint is refused: a run with other overrides (custom groups) saved
-        groups the rule cannot tell apart."""
+        """``--no-distributed-optimizer`` from a distributed-optimizer checkpoint (or a legacy output
+        from torch_dist): the param group of each parameter, and its step. Neither saves the groups'
+        members; megatron-core forms them by its standard rule (:meth:`standard_membership`), which
+        is applied here."""
         args = self.args
         if self.src.dist:  # torch_dist names no members in either optimizer's layout
             refuse = (
@@ -914,18 +898,44 @@ class LegacyWriter:
         else:
             refuse = f"{why} from this distributed-optimizer checkpoint (its state per parameter): "
             hint = "keep the distributed optimizer: '--to megatron' without --no-distributed-optimizer"
+        step = group_step(self.src.groups, refuse, hint)
+        self.src.groups = [{k: v for k, v in h.items() if k != "step"} for h in self.src.groups]
+        for name, g in self.standard_membership(self.src.groups, self.src.ep > 1, refuse, hint).items():
+            self.src.group_of[name] = g
+            self.src.step_of[name] = ("", _scalar(step))
+        # megatron-core's Float16 optimizer (fp32 masters) for bf16 and fp16 models, torch's own otherwise
+        self.src.fp32_masters = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
+        if not self.src.fp32_masters and self.src.optimizer_extra[1]:
+            raise UsageError(refuse + fp32_scaler(self.src.optimizer_extra[1]), hint=hint)
+
+    def standard_membership(
+        self,
+        groups: list[dict[str, Any]],
+        expert_parallel: bool,
+        refuse: str,
+        hint: str,
+        names: Iterable[str] | None = None,
+    ) -> dict[str, int]:
+        """The param group, among ``groups``, that megatron-core's standard rule (``_get_param_groups``,
+        0.16) puts each parameter with optimizer state in: no weight decay (``wd_mult`` 0) for biases
+        and 1-D parameters (with ``--apply-wd-to-qk-layernorm``, the q/k layernorms excepted), weight
+        decay for the rest; with ``expert_parallel`` (EP > 1) the routed experts in groups of their
+        own (``is_expert_parallel``: an expert optimizer's), at EP = 1 in the dense groups; with
+        ``--decoupled-lr`` the embedding and the output layer in groups of that LR. Each parameter
+        must land in exactly one group and every group must get one, or the checkpoint is refused
+        (``refuse`` begins the message): a run with other overrides saved groups the rule cannot
+        tell apart. ``names``: the parameters (the source's model entries by default)."""
+        args = self.args
         if getattr(args, "embedding_init_method_std", None) is not None:
             # megatron-core 0.14-0.15 then also took weight decay off every "embedding" parameter
             raise UsageError(refuse + "it was trained with --embedding-init-method-std, not supported yet", hint=hint)
         if getattr(args, "optimizer", "adam") != "adam":
             raise UsageError(refuse + f"only Adam's state is supported, not {args.optimizer}'s", hint=hint)
-        step = group_step(self.src.groups, refuse, hint)
-        self.src.groups = [{k: v for k, v in h.items() if k != "step"} for h in self.src.groups]
         qk = bool(getattr(args, "apply_wd_to_qk_layernorm", False))
         decoupled_lr = getattr(args, "decoupled_lr", None)
         items = self.manifest.items
-        used: set[int] = set()
-        for name in dict.fromkeys(self.src.model_order):
+        out: dict[str, int] = {}
+        for name in dict.fromkeys(self.src.model_order if names is None else names):
             item = items.get(name)
             if item is None or not item.is_tensor or f"{name}.exp_avg" not in items:
                 continue
@@ -934,40 +944,33 @@ class LegacyWriter:
                 skip_wd = False
             wd_mult = 0.0 if skip_wd else 1.0
             # under expert parallelism the routed experts' groups are the expert optimizer's
-            # (``is_expert_parallel``: megatron-core's experts do not all-reduce there); at EP=1 they
-            # are in the dense groups
-            expert = self.src.ep > 1 and is_expert(name)
-            # --decoupled-lr: the embedding and the output layer in groups of their own LR
+            # (``is_expert_parallel``: megatron-core's experts do not all-reduce there)
+            expert = expert_parallel and is_expert(name)
             decoupled = decoupled_lr is not None and name in _EMBEDDING_OR_OUTPUT
-            groups = [
+            found = [
                 g
-                for g, h in enumerate(self.src.groups)
+                for g, h in enumerate(groups)
                 if float(h.get("wd_mult", 1.0)) == wd_mult
                 and bool(h.get("is_expert_parallel")) == expert
                 and _decoupled_group(h, decoupled_lr) == decoupled
             ]
-            if len(groups) != 1:
+            if len(found) != 1:
                 raise UsageError(
                     refuse
-                    + f"{len(groups)} of its {len(self.src.groups)} param groups have wd_mult {wd_mult}"
+                    + f"{len(found)} of its {len(groups)} param groups have wd_mult {wd_mult}"
                     + (" and is_expert_parallel" if expert else "")
                     + (f" and the --decoupled-lr {decoupled_lr}" if decoupled else "")
                     + f", the group megatron-core's standard rule puts {name} in",
                     hint=hint,
                 )
-            self.src.group_of[name] = groups[0]
-            self.src.step_of[name] = ("", _scalar(step))
-            used.add(groups[0])
-        if len(used) != len(self.src.groups):
+            out[name] = found[0]
+        if len(set(out.values())) != len(groups):
             raise UsageError(
-                refuse + f"{len(self.src.groups) - len(used)} of its param groups would hold no parameter under "
+                refuse + f"{len(groups) - len(set(out.values()))} of its param groups would hold no parameter under "
                 "megatron-core's standard rule (the run used other group overrides)",
                 hint=hint,
             )
-        # megatron-core's Float16 optimizer (fp32 masters) for bf16 and fp16 models, torch's own otherwise
-        self.src.fp32_masters = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
-        if not self.src.fp32_masters and self.src.optimizer_extra[1]:
-            raise UsageError(refuse + fp32_scaler(self.src.optimizer_extra[1]), hint=hint)
+        return out
 
     def _check_distopt_groups(self) -> None:
         """The distributed optimizer matches saved param groups to its own by Megatron's identifier
@@ -1520,18 +1523,41 @@ class LegacyWriter:
         ]
         return members if self._chained else members[0]
 
+    def _memberless_kinds(self) -> dict[int, set[bool]]:
+        """The kinds of parameter (routed expert or not) each param group of a source whose groups
+        name no members holds (the distributed optimizer's, a torch_dist checkpoint's): under expert
+        parallelism the group's own ``is_expert_parallel``. A source saved at EP = 1 has the experts
+        in its dense groups; to chain a dense and an expert optimizer (EP > 1), the groups that hold
+        experts are found by megatron-core's standard rule (:meth:`standard_membership`, refused if
+        the groups do not fit it), and the expert optimizer takes copies of them."""
+        groups = self.src.groups
+        if not (self._chained and groups and not any(g.get("is_expert_parallel") for g in groups)):
+            return {g: {bool(h.get("is_expert_parallel"))} for g, h in enumerate(groups)}
+        group_of = self.src.group_of or self.standard_membership(
+            groups,
+            False,
+            f"EP={self.ep} from this checkpoint saved at EP=1 "
+            + ("in torch_dist" if self.src.dist else "by the distributed optimizer")
+            + " (its param groups do not name their parameters, and the experts move to an expert optimizer "
+            "of their own): ",
+            "reshard it at EP=1: its param groups are then kept as saved",
+        )
+        kinds: dict[int, set[bool]] = {}
+        for name, g in group_of.items():
+            kinds.setdefault(g, set()).add(is_expert(name))
+        return kinds
+
     def _target_groups(self, kind: bool | None) -> list[tuple[dict[str, Any], set[int]]]:
         """The param groups of an output optimizer: (hyper-parameters, the source groups whose
         parameters it takes). ``kind``: None for an optimizer of all parameters, False for the
         dense member of a chain, True for the experts' member (``is_expert_parallel`` set). Every
         group of that kind in the whole model, as megatron-core aligns groups over all ranks. A
-        group's kind is that of its parameters; the distributed optimizer saves no membership, so
-        there it is the group's own ``is_expert_parallel``."""
+        group's kind is that of its parameters (where the groups name none: :meth:`_memberless_kinds`)."""
         kinds: dict[int, set[bool]] = {}
         for name, g in self.src.group_of.items():
             kinds.setdefault(g, set()).add(is_expert(name))
-        if self.src.memberless:
-            kinds = {g: {bool(h.get("is_expert_parallel"))} for g, h in enumerate(self.src.groups)}
+        if self._group_kinds is not None:
+            kinds = self._group_kinds
         out: list[tuple[dict[str, Any], set[int]]] = []
         for g, hyper in enumerate(self.src.groups):
             if not kinds.get(g) or (kind is not None and kind not in kinds[g]):

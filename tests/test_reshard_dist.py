@@ -208,8 +208,7 @@ def test_experts_with_the_distributed_optimizer_are_written_as_megatron_saves_th
 def test_experts_with_the_distributed_optimizer_round_trip(tmp_path):
     """dp_reshardable PP=2 x EP=2 -> TP=2 x PP=1 x EP=4 -> TP=1 x PP=2 x EP=2: Megatron's own
     fully_reshardable save again, record for record (the RNG of the ranks the middle layout cannot
-    keep aside); a change between EP=1 and EP > 1 is still refused (the experts would move between
-    the dense and the expert optimizer)."""
+    keep aside)."""
     wide, back = tmp_path / "wide", tmp_path / "back"
     reshard(MOE_DP, wide, Target(tp=2, pp=1, ep=4))
     reshard(wide, back, Target(tp=1, pp=2, ep=2))
@@ -217,9 +216,83 @@ def test_experts_with_the_distributed_optimizer_round_trip(tmp_path):
     assert (m.layout.tp, m.layout.pp, m.layout.ep) == (2, 1, 4)
     _same_records(back, MOE_FR, rng=False)  # (the RNG of the ranks the middle layout cannot keep aside)
     assert not diff(MOE_DP, wide).different and not diff(MOE_FR, back).different
-    with pytest.raises(UsageError, match="the experts would move between the dense optimizer and an expert"):
-        reshard(MOE_DP, tmp_path / "ep1", Target(pp=1, ep=1))
-    assert not (tmp_path / "ep1").exists()
+
+
+@pytest.mark.parametrize(
+    ("source", "legacy", "theirs", "pp"),
+    [
+        ("dist_pp2ep2", "legacy_pp2ep2", "dist_pp2ep2", 2),
+        ("dist_pp2ep2_distopt", "legacy_pp2ep2_distopt", "dist_pp2ep2_distopt_fr", 2),
+        ("dist_tp2ep2_mtp", "legacy_tp2ep2_mtp", "dist_tp2ep2_mtp", 1),
+    ],
+    ids=["float16", "dp_reshardable", "mtp"],
+)
+def test_experts_move_between_the_dense_and_the_expert_optimizer(source, legacy, theirs, pp, tmp_path):
+    """torch_dist at EP=2 -> EP=1 -> EP=2. megatron-core puts the routed experts in param groups of
+    their own, in an expert optimizer chained after the dense one, only under expert parallelism;
+    neither torch_dist optimizer layout names the groups' members, so ckpttool infers them by
+    megatron-core's standard rule. At EP=1 common.pt holds one optimizer, and the output is, record
+    for record and in common.pt's optimizer, what the legacy save of the same run gives there
+    (whose files name each group's parameters); back at EP=2 it is Megatron-LM's own save again,
+    record for record (the RNG of the ranks EP=1 cannot keep aside) and in common.pt's optimizer
+    chain."""
+    src, one, back, via = FIXTURES / "megatron" / source, tmp_path / "ep1", tmp_path / "back", tmp_path / "via"
+    reshard(src, one, Target(pp=1, ep=1))
+    reshard(FIXTURES / "megatron" / legacy, via, Target(to="megatron-dist", pp=1, ep=1))
+    _same_records(one, via, rng=False)
+    common = load_pt(one / ITER / "common.pt")
+    assert common["args"].expert_model_parallel_size == 1
+    assert "param_groups" in common["optimizer"].get("optimizer", {})  # one optimizer, not a chain
+    assert [g["is_expert_parallel"] for g in common["optimizer"]["optimizer"]["param_groups"]] == [False, False]
+    assert _same(common["optimizer"], load_pt(via / ITER / "common.pt")["optimizer"])
+    assert not diff(src, one).different and verify(one).failing() == []
+    reshard(one, back, Target(pp=pp, ep=2))
+    _same_records(back, FIXTURES / "megatron" / theirs, rng=False)
+    ours, megatron = load_pt(back / ITER / "common.pt"), load_pt(FIXTURES / "megatron" / theirs / ITER / "common.pt")
+    assert sorted(ours["optimizer"]) == [0, 1] and _same(ours["optimizer"], megatron["optimizer"])
+    assert not diff(src, back).different and verify(back).failing() == []
+
+
+def test_experts_change_optimizer_only_when_the_groups_fit_megatron_s_rule(tmp_path):
+    """Between EP=1 and EP > 1 from torch_dist, param groups the standard rule cannot tell apart, an
+    expert group with no like dense group, or a dense and an expert optimizer whose steps differ are
+    refused, naming what does not fit, and nothing is written."""
+    from tests.conftest import rewritten_copy
+
+    def lr_mult(obj: Any) -> None:
+        obj["optimizer"][1]["optimizer"]["param_groups"][0]["lr_mult"] = 2.0
+
+    def step(obj: Any) -> None:  # (as floats: the restricted unpickler's tree holds the tensors by reference)
+        for k, value in ((0, 3.0), (1, 4.0)):
+            obj["optimizer"][k]["optimizer"]["state"]["common_step"] = value
+
+    def extra_group(obj: Any) -> None:
+        groups = obj["optimizer"]["optimizer"]["param_groups"]
+        groups.append({**groups[0], "wd_mult": 0.5})
+
+    one = tmp_path / "one"
+    reshard(FIXTURES / "megatron" / "dist_pp2ep2", one, Target(pp=1, ep=1))
+    for name, source, change, message in [
+        ("lr", "dist_pp2ep2", lr_mult, r"the expert optimizer's param group \(wd_mult=1.0, lr_mult=2.0, is_decoup"),
+        ("step", "dist_pp2ep2", step, "the dense and the expert optimizer's states differ beside their param groups"),
+        ("extra", one, extra_group, "1 of its param groups would hold no parameter under megatron-core's standard"),
+    ]:
+        changed = rewritten_copy(
+            tmp_path / name, FIXTURES / "megatron" / source if isinstance(source, str) else source, change,
+            "iter_*/common.pt",
+        )
+        with pytest.raises(UsageError, match=message) as caught:
+            reshard(changed, tmp_path / "out", Target(pp=1, ep=2 if source == one else 1))
+        assert caught.value.args[0].startswith(f"EP {1 if source == one else 2} -> {2 if source == one else 1} from")
+        assert not (tmp_path / "out").exists()
+
+    def same_step(obj: Any) -> None:  # the control: the same step, as floats too, merges
+        for k in (0, 1):
+            obj["optimizer"][k]["optimizer"]["state"]["common_step"] = 3.0
+
+    changed = rewritten_copy(tmp_path / "same", FIXTURES / "megatron" / "dist_pp2ep2", same_step, "iter_*/common.pt")
+    reshard(changed, tmp_path / "out", Target(pp=1, ep=1))
+    assert load_pt(tmp_path / "out" / ITER / "common.pt")["optimizer"]["optimizer"]["state"]["common_step"] == 3.0
 
 
 @pytest.mark.parametrize(
@@ -622,8 +695,8 @@ def test_megatron_core_loads_megatron_s_own_fully_reshardable_save():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("source", "ep"),
-    [("legacy_pp2ep2", 1), ("legacy_pp2ep2", 2), ("dist_pp2ep2", 4)],
-    ids=["legacy-ep1", "legacy-ep2", "dist-ep4"],
+    [("legacy_pp2ep2", 1), ("legacy_pp2ep2", 2), ("dist_pp2ep2", 4), ("dist_pp2ep2", 1)],
+    ids=["legacy-ep1", "legacy-ep2", "dist-ep4", "dist-ep1"],
 )
 def test_megatron_core_loads_the_experts_output(source, ep, tmp_path):
     """Oracle: megatron-core's dist_checkpointing.load of our torch_dist output of the MoE fixtures at
@@ -673,8 +746,8 @@ def test_megatron_core_loads_grouped_gemm_experts_output(tp, ep, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("source", "pp", "ep"),
-    [(MOE_DP, 1, 2), (MOE_FR, 1, 4), (None, 2, 2)],
-    ids=["dp_reshardable-pp1ep2", "fully_reshardable-pp1ep4", "megatron-s-own-save"],
+    [(MOE_DP, 1, 2), (MOE_FR, 1, 4), (None, 2, 2), (MOE_DP, 1, 1)],
+    ids=["dp_reshardable-pp1ep2", "fully_reshardable-pp1ep4", "megatron-s-own-save", "dp_reshardable-pp1ep1"],
 )
 def test_megatron_core_loads_the_experts_output_with_the_distributed_optimizer(source, pp, ep, tmp_path):
     """Oracle: megatron-core's dist_checkpointing.load with its DistributedOptimizers chained (dense,
@@ -691,7 +764,7 @@ def test_megatron_core_loads_the_experts_output_with_the_distributed_optimizer(s
     args += ["--reference", str(FIXTURES / "megatron" / "legacy_pp2ep2_distopt.reference.pt")]
     nproc = max(ep, pp * 2)
     result = _megatron_core_load(*args, nproc=nproc)
-    assert len(result["ranks"]) == nproc and result["groups"] == 3
+    assert len(result["ranks"]) == nproc and result["groups"] == (2 if ep == 1 else 3)
     for rank in result["ranks"]:
         assert rank["problems"] == [] and rank["checked"] >= 39
 

@@ -143,6 +143,54 @@ def test_an_unknown_record_is_refused(monkeypatch, tmp_path):
     assert not out.exists()
 
 
+def test_experts_join_an_expert_optimizer_from_a_save_at_ep1(tmp_path):
+    """A save at EP=1 whose param groups name no members (legacy distrib_optim.pt, or torch_dist)
+    going to EP > 1: the groups that hold routed experts are found by megatron-core's standard rule,
+    and the expert optimizer of the chain gets copies of them. Megatron-LM's legacy save of the
+    PP=2 x EP=2 distributed-optimizer run, through EP=1 (legacy, and torch_dist from the run's own
+    dp_reshardable save) and back to PP=2 x EP=2, is that save again: every rank file's tree (RNG
+    aside: EP=1 keeps one EP rank's), distrib_optim.pt byte for byte; likewise the Float16 MoE + MTP
+    run's torch_dist save through EP=1 gives its legacy save's model entries and optimizer. With
+    --no-distributed-optimizer the way through EP=1 gives what the direct reshard gives."""
+    theirs = MEGATRON / "legacy_pp2ep2_distopt"
+    legacy, dist = tmp_path / "legacy1", tmp_path / "dist1"
+    reshard(theirs, legacy, Target(pp=1, ep=1))
+    reshard(MEGATRON / "dist_pp2ep2_distopt", dist, Target(pp=1, ep=1))
+    for one in (legacy, dist):
+        back = tmp_path / f"{one.name}-back"
+        reshard(one, back, Target(to="megatron", pp=2, ep=2))
+        a, b = _rank_files(back), _rank_files(theirs)
+        assert list(a) == list(b)
+        for name in b:
+            ours, megatron = dict(_blind(_tree(a[name]))[1]), dict(_blind(_tree(b[name]))[1])
+            if one == dist:  # (torch_dist keeps no module _metadata; its args say torch_dist)
+                ours, megatron = {k: ours[k] for k in ("model", "optimizer")}, {
+                    k: megatron[k] for k in ("model", "optimizer")
+                }
+                ours["model"], megatron["model"] = ours["model"][1], megatron["model"][1]
+            ours.pop("rng_state", None)
+            megatron.pop("rng_state", None)
+            assert ours == megatron, name
+        for f in theirs.glob("iter_*/*/distrib_optim.pt"):
+            assert (back / f.relative_to(theirs)).read_bytes() == f.read_bytes(), f
+    # the Float16 optimizer's torch_dist save of the TP=2 x EP=2 MoE + MTP run, through EP=1: its
+    # legacy save's model entries and optimizer (the chain's two members, each group's parameters)
+    mtp, mtp_back = tmp_path / "mtp1", tmp_path / "mtp-back"
+    reshard(MEGATRON / "dist_tp2ep2_mtp", mtp, Target(ep=1))
+    reshard(mtp, mtp_back, Target(to="megatron", ep=2))
+    a, b = _rank_files(mtp_back), _rank_files(MEGATRON / "legacy_tp2ep2_mtp")
+    assert list(a) == list(b)
+    for name in b:
+        ours, megatron = dict(_tree(a[name])[1]), dict(_tree(b[name])[1])
+        assert ours["model"][1] == megatron["model"][1] and ours["optimizer"] == megatron["optimizer"], name
+    float16, direct = tmp_path / "float16", tmp_path / "direct"
+    reshard(legacy, float16, Target(pp=2, ep=2, distributed_optimizer=False))
+    reshard(theirs, direct, Target(distributed_optimizer=False))
+    for name, path in _rank_files(direct).items():
+        ours, again = dict(_tree(_rank_files(float16)[name])[1]), dict(_tree(path)[1])
+        assert ours["optimizer"] == again["optimizer"] and ours["model"] == again["model"], name
+
+
 def test_refusals_say_what_torch_dist_lacks(tmp_path):
     """Edge-case common.pt files (rewritten copies): a run with --decoupled-lr (whose param groups
     the standard rule cannot tell apart) is refused for the Float16 layout with the ways that do

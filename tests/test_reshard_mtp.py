@@ -415,8 +415,12 @@ def test_megatron_lm_loads_the_mtp_checkpoint_with_routed_experts(source, target
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("source", "ep", "distopt", "ref"),
-    [(MOE_MTP, 1, None, "legacy_tp2ep2_mtp"), (MOE_MTP_DIST_DP, 2, None, "dist_tp2ep2_mtp_distopt")],
-    ids=["legacy-tp1ep1", "dp_reshardable-tp1ep2"],
+    [
+        (MOE_MTP, 1, None, "legacy_tp2ep2_mtp"),
+        (MOE_MTP_DIST_DP, 2, None, "dist_tp2ep2_mtp_distopt"),
+        (MOE_MTP_DIST_DP, 1, None, "dist_tp2ep2_mtp_distopt"),
+    ],
+    ids=["legacy-tp1ep1", "dp_reshardable-tp1ep2", "dp_reshardable-tp1ep1"],
 )
 def test_megatron_core_loads_the_mtp_output_with_routed_experts(source, ep, distopt, ref, tmp_path):
     """Oracle: megatron-core's dist_checkpointing.load (the wheel alone) loads our torch_dist output of

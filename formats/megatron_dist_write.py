@@ -84,6 +84,7 @@ from ckpttool.formats.megatron_write import (
     _Source,
     check_group_keys,
     fp32_scaler,
+    group_identity,
     group_step,
     module_order,
     sharded_value,
@@ -158,7 +159,12 @@ class DistWriter(LegacyWriter):
         self.experts = int(getattr(self.args, "num_experts", None) or 0)
         if self.experts and any((slot := expert_slot(n)) and slot[2] for n in manifest.items):  # TEGroupedMLP
             raise UsageError("writing torch_dist checkpoints of grouped-GEMM experts is not supported yet")
-        self.rechain = bool(self.from_dist and self.experts and (self.ep > 1) != ((manifest.layout.ep or 1) > 1))
+        self.rechain = bool(
+            self.from_dist
+            and self.experts
+            and (self.ep > 1) != ((manifest.layout.ep or 1) > 1)
+            and self.src.objs[(0, 0, 0)].get("optimizer") is not None  # (saved without: nothing to move)
+        )
         """between EP = 1 and EP > 1 from a torch_dist source: the experts move between the dense
         optimizer and an expert optimizer of their own (megatron-core's chain), their param groups
         with them (:meth:`_rechain`)"""
@@ -231,21 +237,28 @@ class DistWriter(LegacyWriter):
         expert parallelism (``is_expert_parallel``), and those groups in an expert optimizer chained
         after the dense one; a group is matched on load by its identifier keys, and each optimizer
         must get exactly its own groups. Neither of torch_dist's optimizer layouts names a group's
-        members, so they are inferred by megatron-core's standard rule (refused if the groups do not
-        fit it). To EP > 1: the one optimizer becomes the chain, its groups that hold experts copied
-        into the expert optimizer (``is_expert_parallel`` set), those that hold other parameters kept
-        in the dense one; to EP = 1: the expert optimizer's groups are merged into the dense ones,
-        which must be the same but for ``is_expert_parallel``, as the rest of the two optimizers'
-        state (step, grad scaler) must be."""
+        members. To EP > 1 they are inferred by megatron-core's standard rule (refused if the groups
+        do not fit it): the one optimizer becomes the chain, its groups that hold experts copied into
+        the expert optimizer (``is_expert_parallel`` set), those that hold other parameters kept in
+        the dense one. To EP = 1 the expert optimizer's groups join the dense ones, each of which must
+        have one alike but for ``is_expert_parallel``, as the rest of the two optimizers' state (step,
+        grad scaler) must be; an expert optimizer saved empty (rank 0 held no experts: megatron-core
+        then saves no step for it) takes the dense one's."""
         src_ep = self.manifest.layout.ep or 1
         refuse = f"EP {src_ep} -> {self.ep} from this torch_dist checkpoint (the experts change optimizer): "
         hint = "keep EP = 1, or EP > 1, as the source has it: its param groups are then kept as saved"
-        names = [n for n, item in self.manifest.items.items() if item.kind == "param"]
+        want = 1 if self.ep > 1 else 2
+        if len(members) != want:
+            raise UsageError(
+                refuse
+                + f"common.pt holds {len(members)} optimizers, where megatron-core's standard build has "
+                + ("one at EP = 1" if want == 1 else "two under expert parallelism (dense, experts)"),
+                hint=hint,
+            )
         if self.ep > 1:
-            if len(members) != 1:
-                raise CorruptFileError(f"common.pt: {len(members)} optimizers at EP = 1, where megatron-core has one")
             (member,) = members
             groups = _optimizer_groups(member)
+            names = [n for n, item in self.manifest.items.items() if item.kind == "param"]
             group_of = self.standard_membership(groups, False, refuse, hint, names)
             out = []
             for expert in (False, True):
@@ -254,22 +267,25 @@ class DistWriter(LegacyWriter):
                 kept = [groups[g] for g in taken] if not expert else copy.deepcopy([groups[g] for g in taken])
                 out.append(_with_groups(member, [{**h, "is_expert_parallel": expert} for h in kept]))
             return out
-        if len(members) != 2:
-            raise CorruptFileError(
-                f"common.pt: {len(members)} optimizers under expert parallelism, where megatron-core chains two"
-            )
         dense, experts = members
         groups = _optimizer_groups(dense)
         for h in _optimizer_groups(experts):
-            if {**h, "is_expert_parallel": False} not in groups:
+            # (a group of an expert optimizer saved empty may lack its step)
+            alike = [{k: v for k, v in g.items() if k != "step" or "step" in h} for g in groups]
+            if {**h, "is_expert_parallel": False} not in alike:
                 raise UsageError(
-                    refuse + f"the expert optimizer's param group {_identity(h)} has no like group in the dense "
+                    refuse + f"the expert optimizer's param group {group_identity(h)} has no like group in the dense "
                     "optimizer to join",
                     hint=hint,
                 )
+        rest = [_with_groups(m, []) for m in (dense, experts)]
+        ours, theirs = (m.get("optimizer", m) for m in rest)
+        if theirs.get("state") == {} and "state" in ours:  # saved empty: no common step
+            theirs = {**theirs, "state": ours["state"]}
+            rest[1] = {**rest[1], "optimizer": theirs} if "optimizer" in rest[1] else theirs
         archive, _, _ = _pt.load(self.root, "common.pt", ALLOWLIST)
         try:
-            same = [_content(_ptwrite.carry(_with_groups(m, []), lambda: archive, now=True)) for m in (dense, experts)]
+            same = [_content(_ptwrite.carry(m, lambda: archive, now=True)) for m in rest]
         finally:
             archive.close()
         if same[0] != same[1]:
@@ -278,7 +294,6 @@ class DistWriter(LegacyWriter):
                 "step, or a grad scaler), and one optimizer keeps one",
                 hint=hint,
             )
-        self.standard_membership(groups, False, refuse, hint, names)  # each parameter in one, none empty
         return [dense]
 
     def _saved_groups(self) -> list[dict[str, Any]]:
@@ -915,11 +930,6 @@ def _with_groups(member: dict[str, Any], groups: list[dict[str, Any]]) -> dict[s
     if "optimizer" in member:
         return {**member, "optimizer": {**member["optimizer"], "param_groups": groups}}
     return {**member, "param_groups": groups}
-
-
-def _identity(group: dict[str, Any]) -> str:
-    """A param group by megatron-core's identifier keys, for a message."""
-    return "(" + ", ".join(f"{k}={group.get(k)!r}" for k in ("wd_mult", "lr_mult", "is_decoupled_lr")) + ")"
 
 
 def _chain_members(optimizer: Any) -> list[Any]:

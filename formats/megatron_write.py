@@ -898,6 +898,7 @@ class LegacyWriter:
         else:
             refuse = f"{why} from this distributed-optimizer checkpoint (its state per parameter): "
             hint = "keep the distributed optimizer: '--to megatron' without --no-distributed-optimizer"
+        self._check_standard_rule(refuse, hint)
         step = group_step(self.src.groups, refuse, hint)
         self.src.groups = [{k: v for k, v in h.items() if k != "step"} for h in self.src.groups]
         for name, g in self.standard_membership(self.src.groups, self.src.ep > 1, refuse, hint).items():
@@ -926,11 +927,7 @@ class LegacyWriter:
         (``refuse`` begins the message): a run with other overrides saved groups the rule cannot
         tell apart. ``names``: the parameters (the source's model entries by default)."""
         args = self.args
-        if getattr(args, "embedding_init_method_std", None) is not None:
-            # megatron-core 0.14-0.15 then also took weight decay off every "embedding" parameter
-            raise UsageError(refuse + "it was trained with --embedding-init-method-std, not supported yet", hint=hint)
-        if getattr(args, "optimizer", "adam") != "adam":
-            raise UsageError(refuse + f"only Adam's state is supported, not {args.optimizer}'s", hint=hint)
+        self._check_standard_rule(refuse, hint)
         qk = bool(getattr(args, "apply_wd_to_qk_layernorm", False))
         decoupled_lr = getattr(args, "decoupled_lr", None)
         items = self.manifest.items
@@ -964,13 +961,23 @@ class LegacyWriter:
                     hint=hint,
                 )
             out[name] = found[0]
-        if len(set(out.values())) != len(groups):
+        empty = [group_identity(h) for g, h in enumerate(groups) if g not in set(out.values())]
+        if empty:
             raise UsageError(
-                refuse + f"{len(groups) - len(set(out.values()))} of its param groups would hold no parameter under "
-                "megatron-core's standard rule (the run used other group overrides)",
+                refuse + f"{len(empty)} of its param groups would hold no parameter under megatron-core's standard "
+                f"rule (the run used other group overrides): {', '.join(empty)}",
                 hint=hint,
             )
         return out
+
+    def _check_standard_rule(self, refuse: str, hint: str) -> None:
+        """Refuse a run :meth:`standard_membership`'s rule does not describe."""
+        args = self.args
+        if getattr(args, "embedding_init_method_std", None) is not None:
+            # megatron-core 0.14-0.15 then also took weight decay off every "embedding" parameter
+            raise UsageError(refuse + "it was trained with --embedding-init-method-std, not supported yet", hint=hint)
+        if getattr(args, "optimizer", "adam") != "adam":
+            raise UsageError(refuse + f"only Adam's state is supported, not {args.optimizer}'s", hint=hint)
 
     def _check_distopt_groups(self) -> None:
         """The distributed optimizer matches saved param groups to its own by Megatron's identifier
@@ -1670,6 +1677,11 @@ def fp32_scaler(extra: dict[str, Any]) -> str:
         f"it is an fp32 model whose distributed optimizer also saved {', '.join(sorted(map(str, extra)))} "
         "(--loss-scale), which megatron-core's FP32 optimizer has no place for"
     )
+
+
+def group_identity(group: dict[str, Any]) -> str:
+    """A param group by megatron-core's identifier keys, for a message."""
+    return "(" + ", ".join(f"{k}={group.get(k)!r}" for k in ("wd_mult", "lr_mult", "is_decoupled_lr")) + ")"
 
 
 def group_step(groups: list[dict[str, Any]], refuse: str, hint: str | None = None) -> float:

@@ -294,6 +294,24 @@ def test_experts_change_optimizer_only_when_the_groups_fit_megatron_s_rule(tmp_p
     reshard(changed, tmp_path / "out", Target(pp=1, ep=1))
     assert load_pt(tmp_path / "out" / ITER / "common.pt")["optimizer"]["optimizer"]["state"]["common_step"] == 3.0
 
+    def empty_experts(obj: Any) -> None:  # rank 0 held no experts: megatron-core saves no step for them
+        obj["optimizer"][1]["optimizer"]["state"].pop("common_step")
+
+    changed = rewritten_copy(tmp_path / "empty", FIXTURES / "megatron" / "dist_pp2ep2", empty_experts, "iter_*/common.pt")
+    reshard(changed, tmp_path / "merged", Target(pp=1, ep=1))
+    assert _same(load_pt(tmp_path / "merged" / ITER / "common.pt")["optimizer"], load_pt(one / ITER / "common.pt")["optimizer"])
+
+    def no_optimizer(obj: Any) -> None:  # saved without optimizer state: nothing to move
+        obj.pop("optimizer")
+
+    for source, ep in (("dist_pp2ep2", 1), (one, 2)):
+        bare = rewritten_copy(
+            tmp_path / f"bare{ep}", FIXTURES / "megatron" / source if isinstance(source, str) else source,
+            no_optimizer, "iter_*/common.pt",
+        )
+        reshard(bare, tmp_path / f"bare{ep}-out", Target(pp=1, ep=ep))
+        assert "optimizer" not in load_pt(tmp_path / f"bare{ep}-out" / ITER / "common.pt")
+
 
 @pytest.mark.parametrize(
     "source", [ETP_DP, ETP_FR, ETP_LEGACY], ids=["dp_reshardable", "fully_reshardable", "legacy"]
@@ -695,18 +713,23 @@ def test_megatron_core_loads_megatron_s_own_fully_reshardable_save():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("source", "ep"),
-    [("legacy_pp2ep2", 1), ("legacy_pp2ep2", 2), ("dist_pp2ep2", 4), ("dist_pp2ep2", 1)],
-    ids=["legacy-ep1", "legacy-ep2", "dist-ep4", "dist-ep1"],
+    [("legacy_pp2ep2", 1), ("legacy_pp2ep2", 2), ("dist_pp2ep2", 4), ("dist_pp2ep2", 1), ("dist_pp2ep2@ep1", 2)],
+    ids=["legacy-ep1", "legacy-ep2", "dist-ep4", "dist-ep1", "dist-through-ep1-ep2"],
 )
 def test_megatron_core_loads_the_experts_output(source, ep, tmp_path):
     """Oracle: megatron-core's dist_checkpointing.load of our torch_dist output of the MoE fixtures at
     TP=1 PP=1 with EP=1 (one optimizer), 2 and 4 (DP=EP ranks; the chain's dense and expert
     optimizers): every tensor each rank holds (its experts included, at their global numbers) equals
     the reference slice, the main replicas cover every reference tensor exactly once, and from the
-    legacy source each rank's RNG is the one Megatron-LM's data-parallel rank saved."""
+    legacy source each rank's RNG is the one Megatron-LM's data-parallel rank saved. ``@ep1``: the
+    torch_dist source through EP=1 first (its one optimizer's groups split into the chain again)."""
     pytest.importorskip("megatron.core")
     out = tmp_path / "out"
-    reshard(FIXTURES / "megatron" / source, out, Target(to="megatron-dist", tp=1, pp=1, ep=ep))
+    src = FIXTURES / "megatron" / source.split("@")[0]
+    if source.endswith("@ep1"):
+        src, first = tmp_path / "ep1", src
+        reshard(first, src, Target(pp=1, ep=1))
+    reshard(src, out, Target(to="megatron-dist", tp=1, pp=1, ep=ep))
     args = ["--ckpt", str(out), "--tp", "1", "--pp", "1", "--ep", str(ep), "--padded-vocab", "64"]
     args += ["--reference", str(FIXTURES / "megatron" / "legacy_pp2ep2.reference.pt")]
     if source.startswith("legacy"):

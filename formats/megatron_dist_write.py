@@ -67,7 +67,6 @@ from ckpttool.formats.megatron import (
     ALLOWLIST,
     BUCKET_OBJECT,
     expert_slot,
-    is_expert,
     own_etp,
 )
 from ckpttool.formats.megatron_write import (
@@ -83,6 +82,7 @@ from ckpttool.formats.megatron_write import (
     _scalar,
     _Source,
     check_group_keys,
+    expert_kinds,
     fp32_scaler,
     group_identity,
     group_step,
@@ -258,11 +258,10 @@ class DistWriter(LegacyWriter):
         if self.ep > 1:
             (member,) = members
             groups = _optimizer_groups(member)
-            names = [n for n, item in self.manifest.items.items() if item.kind == "param"]
-            group_of = self.standard_membership(groups, False, refuse, hint, names)
+            kinds = expert_kinds(self.standard_membership(groups, False, refuse, hint))
             out = []
             for expert in (False, True):
-                taken = sorted({g for n, g in group_of.items() if is_expert(n) == expert})
+                taken = sorted(g for g, held in kinds.items() if expert in held)
                 # (a copy for the expert optimizer: megatron-core builds its groups apart)
                 kept = [groups[g] for g in taken] if not expert else copy.deepcopy([groups[g] for g in taken])
                 out.append(_with_groups(member, [{**h, "is_expert_parallel": expert} for h in kept]))

@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import math
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -785,11 +785,8 @@ class LegacyWriter:
             self._check_distopt_groups()
         if self.grouped:
             self._group_experts()
-        self._group_kinds: dict[int, set[bool]] | None = None
-        """of a source whose groups name no members: the kinds of parameter (expert or not) each
-        group holds, by :meth:`_memberless_kinds`"""
-        if self.src.memberless:
-            self._group_kinds = self._memberless_kinds()
+        self._group_kinds = self._memberless_kinds() if self.src.memberless else expert_kinds(self.src.group_of)
+        """the kinds of parameter (routed expert or not) each source param group holds"""
 
     def _group_experts(self) -> None:
         """Write the routed experts as megatron-core's legacy GroupedMLP keeps them (the model was
@@ -915,7 +912,6 @@ class LegacyWriter:
         expert_parallel: bool,
         refuse: str,
         hint: str,
-        names: Iterable[str] | None = None,
     ) -> dict[str, int]:
         """The param group, among ``groups``, that megatron-core's standard rule (``_get_param_groups``,
         0.16) puts each parameter with optimizer state in: no weight decay (``wd_mult`` 0) for biases
@@ -925,16 +921,15 @@ class LegacyWriter:
         ``--decoupled-lr`` the embedding and the output layer in groups of that LR. Each parameter
         must land in exactly one group and every group must get one, or the checkpoint is refused
         (``refuse`` begins the message): a run with other overrides saved groups the rule cannot
-        tell apart. ``names``: the parameters (the source's model entries by default)."""
+        tell apart."""
         args = self.args
         self._check_standard_rule(refuse, hint)
         qk = bool(getattr(args, "apply_wd_to_qk_layernorm", False))
         decoupled_lr = getattr(args, "decoupled_lr", None)
         items = self.manifest.items
         out: dict[str, int] = {}
-        for name in dict.fromkeys(self.src.model_order if names is None else names):
-            item = items.get(name)
-            if item is None or not item.is_tensor or f"{name}.exp_avg" not in items:
+        for name, item in items.items():
+            if item.kind != "param" or not item.is_tensor or f"{name}.exp_avg" not in items:
                 continue
             skip_wd = len(item.shape or ()) == 1 or name.endswith(".bias")
             if qk and ("q_layernorm." in name or "k_layernorm." in name):
@@ -1549,10 +1544,7 @@ class LegacyWriter:
             "of their own): ",
             "reshard it at EP=1: its param groups are then kept as saved",
         )
-        kinds: dict[int, set[bool]] = {}
-        for name, g in group_of.items():
-            kinds.setdefault(g, set()).add(is_expert(name))
-        return kinds
+        return expert_kinds(group_of)
 
     def _target_groups(self, kind: bool | None) -> list[tuple[dict[str, Any], set[int]]]:
         """The param groups of an output optimizer: (hyper-parameters, the source groups whose
@@ -1560,11 +1552,7 @@ class LegacyWriter:
         dense member of a chain, True for the experts' member (``is_expert_parallel`` set). Every
         group of that kind in the whole model, as megatron-core aligns groups over all ranks. A
         group's kind is that of its parameters (where the groups name none: :meth:`_memberless_kinds`)."""
-        kinds: dict[int, set[bool]] = {}
-        for name, g in self.src.group_of.items():
-            kinds.setdefault(g, set()).add(is_expert(name))
-        if self._group_kinds is not None:
-            kinds = self._group_kinds
+        kinds = self._group_kinds
         out: list[tuple[dict[str, Any], set[int]]] = []
         for g, hyper in enumerate(self.src.groups):
             if not kinds.get(g) or (kind is not None and kind not in kinds[g]):
@@ -1677,6 +1665,15 @@ def fp32_scaler(extra: dict[str, Any]) -> str:
         f"it is an fp32 model whose distributed optimizer also saved {', '.join(sorted(map(str, extra)))} "
         "(--loss-scale), which megatron-core's FP32 optimizer has no place for"
     )
+
+
+def expert_kinds(group_of: dict[str, int]) -> dict[int, set[bool]]:
+    """The kinds of parameter (routed expert or not) each param group holds, by ``group_of``
+    (parameter name -> group)."""
+    kinds: dict[int, set[bool]] = {}
+    for name, g in group_of.items():
+        kinds.setdefault(g, set()).add(is_expert(name))
+    return kinds
 
 
 def group_identity(group: dict[str, Any]) -> str:

@@ -816,7 +816,10 @@ def _check_replicas(
 
 
 def _replica_mismatch(report: VerifyReport, manifest: Manifest, item: Item, p: Piece, first: Piece) -> None:
-    message = f"{item.name}: the copy in {p.file} (rank {p.rank}) differs from the one in {first.file}"
+    if p.file == first.file:  # two model chunks of one rank file
+        message = f"{item.name}: two copies in {p.file} (rank {p.rank}) differ"
+    else:
+        message = f"{item.name}: the copy in {p.file} (rank {p.rank}) differs from the one in {first.file}"
     if item.name in (manifest.extras.get("stage_copies") or ()):
         # DeepSpeed keeps only a tied module's tied_weight_attr in sync across the stages
         # (Megatron-DeepSpeed: the word embeddings, not the position embeddings it also ties)
@@ -833,7 +836,12 @@ def _replica_mismatch(report: VerifyReport, manifest: Manifest, item: Item, p: P
             )
         )
         return
-    report.findings.append(finding("replica-mismatch", message, item=item.name, file=p.file, rank=p.rank))
+    hint = (manifest.extras.get("copy_notes") or {}).get(item.name)  # the format's word on why copies may differ
+    report.findings.append(
+        finding(
+            "replica-mismatch", message, item=item.name, file=p.file, rank=p.rank, **({"hint": hint} if hint else {})
+        )
+    )
 
 
 def _compare_ranges(report: VerifyReport, manifest: Manifest, item: Item, reader: Any, lone: list[int]) -> None:

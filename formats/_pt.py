@@ -222,18 +222,18 @@ def match_param_ids(
     by the shape of their ``exp_avg``. Returns id -> (name, group, position in group), or None if
     the state does not fit the model.
     """
-    taken: set[str] = set()
+    taken: set[int] = set()  # positions in ``order`` (a name may stand twice: two chunks' copies)
     out: dict[Any, tuple[str, int, int]] = {}
     for g, group in enumerate(groups):
         pos = 0
         for i, pid in enumerate(group.get("params") or []):
             moment = (state.get(pid) or {}).get("exp_avg")
             shape = moment.shape if isinstance(moment, _unpickle.TensorRef) else None
-            while pos < len(order) and (order[pos][0] in taken or (shape is not None and order[pos][1] != shape)):
+            while pos < len(order) and (pos in taken or (shape is not None and order[pos][1] != shape)):
                 pos += 1
             if pos == len(order):
                 return None
             out[pid] = (order[pos][0], g, i)
-            taken.add(order[pos][0])
+            taken.add(pos)
             pos += 1
     return out

@@ -369,6 +369,7 @@ def _debucket_dist(manifest: Manifest, args: Any) -> str | None:
     tied = not getattr(args, "untie_embeddings_and_output_weights", False) and pp > 1
     mtp = sorted((at, n) for n in params if (at := _mtp_slot(n)) is not None)
     layers = sum(n for chunk in chunks for _, n in chunk)
+    mtp_at = mtp_chunk(getattr(args, "pipeline_model_parallel_layout", None) or None, pp, len(chunks[0]))
     if mtp and (tied or "embedding.position_embeddings.weight" in params):
         return "multi-token prediction layers with tied embeddings or position embeddings, not replayed yet"
     local = experts // ep
@@ -397,10 +398,11 @@ def _debucket_dist(manifest: Manifest, args: Any) -> str | None:
             # (TransformerBlock.has_final_layernorm_in_this_stage), which a layout may put before it
             if (first <= layers - 1 < first + count) if mtp else (p, v) == (pp - 1, len(chunks[p]) - 1):
                 names += [n for n in _POST_LAYERS[:2] if n in params]
-            if (p, v) == (pp - 1, len(chunks[p]) - 1):
-                if mtp and (p, v) != (0, 0):  # the MTP stage's copy of the word embeddings, registered first
+            if mtp and (p, v) == mtp_at:
+                if (p, v) != (0, 0):  # the MTP stage's copy of the word embeddings, registered first
                     names.insert(0, "embedding.word_embeddings.weight")
                 names += [n for _, n in mtp if on_rank(n, e)]  # the MTP block, between the decoder and the output layer
+            if (p, v) == (pp - 1, len(chunks[p]) - 1):
                 names += [n for n in _POST_LAYERS[2:] if n in params]
                 if tied and "embedding.word_embeddings.weight" in params:
                     names.append("output_layer.weight")  # the last stage's copy of the tied embedding
@@ -881,10 +883,6 @@ def pipeline_chunks(
     return out
 
 
-class UnreadLayout(ValueError):
-    """A pipeline placement megatron-core accepts but ckpttool does not follow yet (MTP layers)."""
-
-
 _LAYOUT_GROUP = re.compile(r"\(([^)]+)\)\*(\d+)")
 _LAYOUT_REPEAT = re.compile(r"(.)\*(\d+)")
 _LAYOUT_CHARS = frozenset("ELtm")
@@ -919,9 +917,8 @@ def layout_chunks(layout: str, pp: int, layers: int) -> list[list[tuple[int, int
     chunks, as megatron-core's ``PipelineParallelLayerLayout`` places them
     (``get_layer_offset``, ``get_num_layers_to_build``): stage ``v·PP + p`` of the list is chunk
     ``v`` of pipeline rank ``p``, and layers are numbered chunk by chunk in that order. ValueError,
-    with the reason, for a layout megatron-core refuses (its ``validate_layer_layout``) or one with
-    MTP layers in a stage of their own (standalone MTP), which ckpttool does not read; MTP layers with
-    the loss are read and placed as without a layout."""
+    with the reason, for a layout megatron-core refuses (its ``validate_layer_layout``). MTP layers (``m``)
+    place no decoder layer: where they go is :func:`mtp_chunk`'s."""
     stages = layout_stages(layout)
     if pp < 1 or len(stages) % pp:
         raise ValueError(f"the layout's {len(stages)} stages do not divide over PP={pp}")
@@ -929,11 +926,14 @@ def layout_chunks(layout: str, pp: int, layers: int) -> list[list[tuple[int, int
     if "m" in flat:
         if "t" in flat[flat.index("m") :]:
             raise ValueError("the layout places transformer layers after MTP layers")
-        # megatron-core builds the MTP block in the model chunk its layers are in; one of the last
-        # stage's (with the loss) keeps the output layer and the embedding copy where ckpttool puts them
-        if any("m" in stage and "L" not in stage for stage in stages):
-            raise UnreadLayout("the layout places MTP layers in a stage without the loss (standalone MTP), "
-                               "which ckpttool does not read yet")  # fmt: skip
+        holding = [s for s, stage in enumerate(stages) if "m" in stage]
+        if len(holding) > 1:
+            raise ValueError("the layout spreads the MTP layers over several stages (megatron-core builds them in one)")
+        if holding[0] // pp != len(stages) // pp - 1:
+            raise ValueError(
+                "the layout places the MTP layers in a model chunk other than its pipeline rank's last "
+                "(megatron-core builds them only there)"
+            )
     if not flat.startswith("E") or flat.count("E") != 1:
         raise ValueError("the layout must start with the embedding (E), once")
     if not flat.endswith("L") or flat.count("L") != 1:
@@ -949,6 +949,40 @@ def layout_chunks(layout: str, pp: int, layers: int) -> list[list[tuple[int, int
             out[p].append((offset, n))
             offset += n
     return out
+
+
+def mtp_chunk(layout: str | None, pp: int, vpp: int) -> tuple[int, int]:
+    """The (pipeline rank, model chunk) whose model builds the MTP layers, and with them a copy of
+    the word embeddings: the stage of ``layout`` holding ``m`` (stage ``v·PP + p`` is chunk ``v`` of
+    rank ``p``; megatron-core's "standalone MTP" when it is not the loss's), else the last chunk of the
+    last rank (megatron-core's ``mtp_on_this_rank``)."""
+    if layout is not None:
+        for s, stage in enumerate(layout_stages(layout)):
+            if "m" in stage:
+                return (s % pp, s // pp)
+    return (pp - 1, vpp - 1)
+
+
+def _unsynced_copies(args: Any, pp: int) -> dict[str, str] | None:
+    """Why the copies of the word embeddings may differ in a legacy save whose pipeline layout puts
+    the MTP layers on the first pipeline rank (a later chunk of it, which keeps a copy of the
+    embeddings): megatron-core never syncs that copy (``pretrain_gpt.py``'s embedding group is then
+    that rank alone), so it starts from zeros and trains apart. None for other saves."""
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    if not getattr(args, "mtp_num_layers", None) or pp < 2 or not isinstance(layout, str):
+        return None
+    try:
+        if mtp_chunk(layout, pp, 1)[0] != 0:
+            return None
+    except ValueError:
+        return None
+    hint = (
+        f"the pipeline layout {layout!r} puts the MTP layers on the first pipeline rank, whose copy of the word "
+        "embeddings megatron-core never syncs with the embeddings (it starts from zeros and trains apart): the run "
+        "trained two embeddings; put the MTP layers on another rank"
+    )
+    base = "embedding.word_embeddings.weight"
+    return {base + suffix: hint for suffix in ("", ".fp32", ".exp_avg", ".exp_avg_sq")}
 
 
 def stage_split(args: Any) -> tuple[int | None, int | None]:
@@ -998,8 +1032,8 @@ def model_chunks(obj: dict[str, Any]) -> list[tuple[int, Any]]:
 
 def _layer_offset(args: Any, pp_rank: int, vp: int, rel: str = "") -> int:
     """Global index of the first layer a (pipeline rank, virtual chunk) holds. CorruptFileError when
-    ``args`` place the layers in a way megatron-core cannot (or ckpttool does not read): numbering
-    them anyway would give wrong names."""
+    ``args`` place the layers in a way megatron-core cannot: numbering them anyway would give wrong
+    names."""
     layers = int(getattr(args, "num_layers", 0) or 0)
     if not layers:
         return 0
@@ -1007,12 +1041,6 @@ def _layer_offset(args: Any, pp_rank: int, vp: int, rel: str = "") -> int:
     vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
     try:
         chunks = placement(args)
-    except UnreadLayout as exc:  # valid for Megatron, not placed by ckpttool: no guess either
-        raise CorruptFileError(
-            f"{rel}: its args place the layers in a way ckpttool cannot follow ({exc})",
-            hint="the layer numbers cannot be made global without it; nothing is guessed",
-            path=rel,
-        ) from None
     except ValueError as exc:
         raise CorruptFileError(
             f"{rel}: its args place {layers} layers on PP={pp} x VPP={vpp} stages in a way Megatron cannot ({exc})",
@@ -1170,6 +1198,8 @@ class MegatronLegacyAdapter:
         manifest.layout.world_size = layout.world_size or tp * pp * ep * (layout.dp or 1)
         manifest.extras["args"] = _args_extras(args)
         manifest.extras["iteration_dir"] = it_dir.name
+        if (notes := _unsynced_copies(args, pp)) is not None:
+            manifest.extras["copy_notes"] = notes
         if any((root / f"{prefix}{d}/distrib_optim.pt").is_file() for d in dirs):
             manifest.extras["distrib_optim"] = "de-bucketed from distrib_optim.pt by replaying the grad-buffer layout"
         return manifest
@@ -1486,7 +1516,9 @@ def chunk_shared_embedding(args: Any, pp_rank: int, pp: int, chunk: int, chunks:
 def shared_embedding(args: Any, pp_rank: int, pp: int) -> frozenset[str]:
     """The parameters megatron-core marks ``shared_embedding`` on pipeline rank ``pp_rank`` of ``pp``
     (they get a bucket of their own): the tied word embedding on the first stage and its copy as
-    the output layer on the last, when there is more than one stage."""
+    the output layer on the last, when there is more than one stage. megatron-core marks an MTP
+    stage's copy of the embeddings too; registered first in its chunk, it lies last in the buffer,
+    where a bucket of its own starts at the same offset, so it is left out."""
     if pp == 1 or getattr(args, "untie_embeddings_and_output_weights", False):
         return frozenset()
     if pp_rank == 0:

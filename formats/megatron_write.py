@@ -55,6 +55,7 @@ from ckpttool.formats.megatron import (
     is_expert,
     layout_stages,
     model_chunks,
+    mtp_chunk,
     optimizer_members,
     own_etp,
     placement,
@@ -324,7 +325,8 @@ _SEQUENTIAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(?P<j>\d+)\.lin
 def _canonical(names: list[str]) -> list[str]:
     """Model entries in the order of the whole model, whatever the source's pipeline split and
     however many EP ranks' files they were gathered from: the entries before the layers
-    (embedding), the layers by global number, then the rest (final norm, output layer). In a layer
+    (embedding), the layers by global number, then the rest (final norm, MTP layers, output layer,
+    megatron-core's order of the modules whatever stages they were read from). In a layer
     the entries keep their order, but its routed experts form one block where the first of them
     stands: SequentialMLP's expert by expert (``local_experts.<j>.*``), grouped GEMM's weight by
     weight (``linear_fc1.weight<j>`` for every j, then ``linear_fc2``), as megatron-core registers
@@ -342,7 +344,10 @@ def _canonical(names: list[str]) -> list[str]:
     def key(item: tuple[int, str]) -> tuple[int, ...]:
         pos, name = item
         layer, slot = _layer_of(name), expert_slot(name)
-        group = (1, layer) if layer is not None else (0 if pos < first_layer else 2, 0)
+        # after the layers: the final norm, the MTP block, the output layer (a stage read earlier may
+        # hold a later module: the MTP layers in a stage before the last decoder layer's)
+        after = {"mtp": 1, "output_layer": 2}.get(name.split(".", 1)[0], 0)
+        group = (1, layer) if layer is not None else (0, 0) if pos < first_layer else (2, after)
         if slot is None:
             return (*group, pos, 0, 0)
         pattern, j, grouped = slot  # (a decoder layer's experts, or a multi-token prediction layer's)
@@ -485,8 +490,11 @@ def target_chunks(args: Any, target: MegatronTarget) -> list[list[tuple[int, int
     )
 
 
-def validate(manifest: Manifest, src: _Source, target: MegatronTarget, rules: dict[str, Any]) -> list[str]:
-    """Reasons the target layout cannot hold this model (empty: it can)."""
+def validate(
+    manifest: Manifest, src: _Source, target: MegatronTarget, rules: dict[str, Any], rank_files: bool = True
+) -> list[str]:
+    """Reasons the target layout cannot hold this model (empty: it can); ``rank_files``: the output is
+    legacy (a file per stage), not torch_dist."""
     args = src.objs[(0, 0, 0)].get("args")
     problems = []
     tp, pp, ep = target.tp, target.pp, _target_ep(src, target)
@@ -515,7 +523,7 @@ def validate(manifest: Manifest, src: _Source, target: MegatronTarget, rules: di
     ffn = getattr(args, "ffn_hidden_size", None)
     if isinstance(ffn, int) and ffn % tp:
         problems.append(f"TP={tp} does not divide ffn_hidden_size={ffn}")
-    problems += _mtp_problems(manifest, src, target)
+    problems += _mtp_problems(manifest, src, target, rank_files)
     gated = _gated(args)
     uneven, unknown = [], []
     for item in manifest.items.values():
@@ -543,21 +551,46 @@ def validate(manifest: Manifest, src: _Source, target: MegatronTarget, rules: di
     return problems
 
 
-def _mtp_layers(src: _Source) -> int:
+def _validate_hint(problems: list[str]) -> str:
+    """What to do about :func:`validate`'s ``problems``."""
+    if any("the source's pipeline layout puts the MTP layers" in p for p in problems):
+        return (
+            "the run trained two word embeddings ('ckpttool verify --deep' shows how its copies differ); "
+            "ckpttool does not choose between them"
+        )
+    if all("MTP" in p or "multi-token" in p for p in problems):
+        return "'--to megatron-dist' writes torch_dist, which keeps one copy of the embeddings whatever the layout" + (
+            "; or give the MTP layers a stage on another pipeline rank (--pipeline-layout)"
+            if any("first pipeline rank" in p for p in problems)
+            else ""
+        )
+    return "choose sizes that divide the model's heads, query groups, hidden sizes and layers" + (
+        " (--pp-first-layers / --pp-last-layers give the end stages other layer counts)"
+        if any("layers" in p for p in problems)
+        else ""
+    )
+
+
+def _mtp_layers(manifest: Manifest) -> int:
     """The model's multi-token prediction layers (``mtp.layers.<k>.*``, megatron-core's
     MultiTokenPredictionBlock)."""
-    return len({n.split(".", 3)[2] for n in src.model_order if n.startswith("mtp.layers.")})
+    return len({n.split(".", 3)[2] for n in manifest.items if n.startswith("mtp.layers.")})
 
 
-def _mtp_problems(manifest: Manifest, src: _Source, target: MegatronTarget) -> list[str]:
+def _mtp_problems(manifest: Manifest, src: _Source, target: MegatronTarget, rank_files: bool) -> list[str]:
     """Why the target layout cannot hold this model's multi-token prediction layers (empty: it can,
-    or there are none). megatron-core builds them in the last stage's last model chunk (a pipeline
-    layout must put all of them there, with the loss: ``m`` before ``L``), which then also keeps a
-    copy of the word embeddings (its own parameter, synced with the first stage's)."""
+    or there are none). megatron-core builds them in one model chunk (:func:`mtp_chunk`: the last
+    stage's last, or the stage a pipeline layout gives them, ``m``), which then also keeps a copy of
+    the word embeddings (its own parameter, synced with the first stage's through the embedding
+    group). On the first pipeline rank (a later chunk of it) that copy is never synced:
+    ``pretrain_gpt.py``'s embedding group is then that rank alone, so the copy starts from zeros and
+    trains apart from the embeddings; ckpttool neither reads it as the embeddings nor writes it.
+    torch_dist keeps the embeddings once (the copies are replicas it does not save): only legacy files
+    (``rank_files``, or a legacy source) have stage copies to refuse."""
     args = src.objs[(0, 0, 0)].get("args")
     problems = []
     layout = _target_layout(args, target)
-    mtp = _mtp_layers(src)
+    mtp = _mtp_layers(manifest)
     if layout is not None:
         try:
             stages = layout_stages(layout)
@@ -568,7 +601,24 @@ def _mtp_problems(manifest: Manifest, src: _Source, target: MegatronTarget) -> l
             problems.append(f"the pipeline layout places {placed} MTP layers (m), the model has {mtp}")
     if not mtp:
         return problems
-    if target.pp > 1 or src.pp > 1:
+    source_layout = getattr(args, "pipeline_model_parallel_layout", None)
+    legacy_in = manifest.format == "megatron"
+    for which, given, pp in (
+        ("the source's", source_layout, src.pp if legacy_in else 1),
+        ("the target", layout, target.pp if rank_files else 1),
+    ):
+        try:
+            first = pp > 1 and isinstance(given, str) and mtp_chunk(given, pp, 1)[0] == 0
+        except ValueError:
+            first = False
+        if first:
+            problems.append(
+                f"{which} pipeline layout puts the MTP layers on the first pipeline rank, where megatron-core "
+                "never syncs their copy of the word embeddings (pretrain_gpt.py's embedding group is that rank "
+                "alone): the copy starts from zeros and trains apart; not supported"
+            )
+    # the MTP stage's copies live in legacy files of a stage (torch_dist keeps the embeddings once)
+    if (target.pp > 1 and rank_files) or (src.pp > 1 and legacy_in):
         if getattr(args, "decoupled_lr", None) is not None:
             problems.append(
                 "multi-token prediction layers with --decoupled-lr at PP > 1 are not supported yet (megatron-core "
@@ -729,19 +779,14 @@ class LegacyWriter:
         """routed experts in each EP rank's files"""
         self.etp = _target_etp(self.src, target)
         """expert tensor-parallel ranks of the output"""
-        problems = validate(manifest, self.src, target, self.rules)
+        problems = validate(manifest, self.src, target, self.rules, self.rank_files)
         if problems:
             raise UsageError(
                 f"cannot reshard to TP={target.tp} PP={target.pp}"
                 + (f" EP={self.ep}" if self.ep > 1 or self.src.ep > 1 else "")
                 + ": "
                 + "; ".join(problems),
-                hint="choose sizes that divide the model's heads, query groups, hidden sizes and layers"
-                + (
-                    " (--pp-first-layers / --pp-last-layers give the end stages other layer counts)"
-                    if any("layers" in p for p in problems)
-                    else ""
-                ),
+                hint=_validate_hint(problems),
             )
         self.vpp = _target_vpp(self.args, target)
         """model chunks (virtual pipeline stages) per pipeline rank in the output"""
@@ -755,8 +800,10 @@ class LegacyWriter:
         self.iter_dir = f"iter_{self.iteration:07d}" if isinstance(self.iteration, int) else "release"
         self.rows = self._vocab_rows()
         self.tied = not bool(getattr(self.args, "untie_embeddings_and_output_weights", False))
-        self.mtp = _mtp_layers(self.src) > 0
-        """multi-token prediction layers: in the last stage, with a copy of the word embeddings"""
+        self.mtp = _mtp_layers(manifest) > 0
+        """multi-token prediction layers, with a copy of the word embeddings in their model chunk"""
+        self.mtp_at = mtp_chunk(_target_layout(self.args, target), target.pp, self.vpp)
+        """the (pipeline stage, model chunk) building the MTP layers: the last, or the layout's ``m`` stage"""
         emb = manifest.items.get("embedding.word_embeddings.weight")
         self.padded = self.rows or (emb.shape[0] if emb is not None and emb.shape else None)
         """rows of the embedding (the padded vocabulary) in the output"""
@@ -1014,9 +1061,9 @@ class LegacyWriter:
         if layer is not None:
             return [self.layer_place(layer)]
         if name.startswith("mtp."):
-            return [last]
+            return [self.mtp_at]
         if name.startswith("embedding."):
-            return [(0, 0), last] if self.mtp and pp > 1 else [(0, 0)]  # the MTP stage's copy
+            return [(0, 0), self.mtp_at] if self.mtp and pp > 1 else [(0, 0)]  # the MTP stage's copy
         if name.startswith("output_layer.weight") and self.tied:
             return [last] if pp > 1 else []
         if name.startswith(("decoder.final_layernorm", "final_layernorm")) and self.mtp and _num_layers(self.args):

@@ -763,9 +763,23 @@ def test_pipeline_layouts_agree_with_megatron_core():
         checked += 1
     parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
     assert checked > 150 and refused > 20, (checked, refused)
-    # MTP layers (m): with the loss they leave the decoder's placement as megatron-core's; in a stage
-    # of their own (megatron-core's standalone MTP, which it accepts) ckpttool refuses them
-    for text, pp, mtp in [("Et|tmL", 2, 1), ("E|t|t|mL", 2, 1), ("Ett|ttmmL", 2, 2), ("E|t|t|tmL", 4, 1)]:
+    # MTP layers (m) leave the decoder's placement as megatron-core's, with the loss or in a stage of
+    # their own (megatron-core's standalone MTP), and mtp_chunk names the chunk megatron-core builds
+    # them in (mtp_on_this_rank: the layout's count of MTP layers in each (rank, chunk))
+    from megatron.core.transformer.enums import LayerType
+
+    from ckpttool.formats.megatron import mtp_chunk
+
+    for text, pp, mtp in [
+        ("Et|tmL", 2, 1),
+        ("E|t|t|mL", 2, 1),
+        ("Ett|ttmmL", 2, 2),
+        ("E|t|t|tmL", 4, 1),
+        ("Et|t|m|L", 4, 1),  # DeepSeek-V3's: the MTP layer alone in the stage before the loss's
+        ("Et|tm|L", 3, 1),
+        ("Et|t|t|mm|L|", 3, 2),  # rank 0: Et, mm (its last chunk); the MTP stage on rank 0
+        ("E|t|tm|L", 2, 1),
+    ]:
         layout = PipelineParallelLayerLayout(text, pp)
         layers = text.count("t")
         layout.validate_layer_layout(layers, mtp)
@@ -778,9 +792,19 @@ def test_pipeline_layouts_agree_with_megatron_core():
         ]  # fmt: skip
         parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
         assert layout_chunks(text, pp, layers) == theirs, text
-    PipelineParallelLayerLayout("Et|t|m|L", 2).validate_layer_layout(2, 1)  # valid for megatron-core
-    with pytest.raises(ValueError, match="standalone MTP"):
-        layout_chunks("Et|t|m|L", 2, 2)
+        builds = [(p, v) for p in range(pp) for v in range(vpp) if layout.layout[p][v].count(LayerType.mtp)]
+        assert [mtp_chunk(text, pp, vpp)] == builds, text
+    assert mtp_chunk(None, 2, 3) == (1, 2)  # without a layout: the last stage's last chunk
+    # what megatron-core's validate_layer_layout refuses of MTP layers is refused
+    for text, pp, message in [
+        ("Et|m|L|", 2, "model chunk other than its pipeline rank's last"),  # rank 1's first chunk of two
+        ("Et|tm|m|L", 2, "over several stages"),
+    ]:
+        layers = text.count("t")
+        with pytest.raises(AssertionError):
+            PipelineParallelLayerLayout(text, pp).validate_layer_layout(layers, text.count("m"))
+        with pytest.raises(ValueError, match=message):
+            layout_chunks(text, pp, layers)
     with pytest.raises(ValueError, match="transformer layers after MTP layers"):
         layout_chunks("Et|mtL", 2, 2)
     with pytest.raises(ValueError, match="letters"):
@@ -824,9 +848,8 @@ def _with_args(tmp_path, **changes):
     [
         ({"pipeline_model_parallel_layout": "Et|tL"}, "(the layout places 2 transformer layers, the model has 4)"),
         (
-            {"pipeline_model_parallel_layout": "Ett|tt|m|L"},
-            "(the layout places MTP layers in a stage without the loss (standalone MTP), which ckpttool does not "
-            "read yet)",
+            {"pipeline_model_parallel_layout": "Ett|ttm|m|L"},
+            "(the layout spreads the MTP layers over several stages (megatron-core builds them in one))",
         ),
         ({"pipeline_model_parallel_layout": "E|(t*999999)*5000|L"}, "expands past a million layers"),
         ({"decoder_first_pipeline_num_layers": 5}, "in a way Megatron cannot (the first and last stages' 5 layers"),
@@ -835,7 +858,7 @@ def _with_args(tmp_path, **changes):
 )
 def test_layers_the_args_cannot_place_are_an_error_not_a_guess(changes, message, tmp_path):
     """Legacy rank files number their layers locally; args that do not say how megatron-core placed
-    them (a layout that does not hold the layers, or with MTP layers in a stage of their own, a split
+    them (a layout that does not hold the layers, or spreads MTP layers over stages, a split
     Megatron would refuse) stop the read with the file named, instead of global names that may be
     wrong."""
     r = run_cli("inspect", _with_args(tmp_path, **changes))

@@ -4,8 +4,12 @@ the same state), ``legacy_pp2_mtp`` (PP=2: the MTP layer in the last stage, whic
 copy of the word embeddings) and ``dist_tp2pp2_mtp_distopt`` (TP=2 x PP=2, the distributed
 optimizer's ``dp_reshardable`` buckets); and with routed experts in the MTP layer too (DeepSeek-V3's),
 TP=2 x EP=2: ``legacy_tp2ep2_mtp`` and ``dist_tp2ep2_mtp`` (Float16), ``legacy_tp2ep2_mtp_distopt`` and
-``dist_tp2ep2_mtp_distopt`` (the distributed optimizer; ``dp_reshardable``). Their references are the runs'
-own sharded state dicts, gathered before the saves."""
+``dist_tp2ep2_mtp_distopt`` (the distributed optimizer; ``dp_reshardable``); and PP=4 with the layout
+``Et|t|m|L``, the MTP layer in a stage of its own before the loss's (DeepSeek-V3's, megatron-core's
+"standalone MTP"): ``legacy_pp4_mtpstage`` and ``dist_pp4_mtpstage`` (Float16), ``legacy_pp4_mtpstage_distopt``
+and ``dist_pp4_mtpstage_distopt_fr`` (the distributed optimizer), and the same layout string at PP=2,
+which puts the MTP layer on the first pipeline rank: ``legacy_pp2_mtpfirst``. Their references are the
+runs' own sharded state dicts, gathered before the saves."""
 
 from __future__ import annotations
 
@@ -33,6 +37,11 @@ MTP_PP2_DISTOPT = MG / "legacy_pp2_mtp_distopt"  # the same state as MTP_PP2, th
 # distributed-optimizer run's (its torch_dist one dp_reshardable, Megatron-LM's default)
 MOE_MTP, MOE_MTP_DIST = MG / "legacy_tp2ep2_mtp", MG / "dist_tp2ep2_mtp"
 MOE_MTP_DISTOPT, MOE_MTP_DIST_DP = MG / "legacy_tp2ep2_mtp_distopt", MG / "dist_tp2ep2_mtp_distopt"
+# PP=4, layout Et|t|m|L: the MTP layer (and a copy of the embeddings) in stage 2, the output layer alone in
+# stage 3; one run's Float16 saves, and another run's distributed-optimizer saves of the same state
+STAGE, STAGE_DIST = MG / "legacy_pp4_mtpstage", MG / "dist_pp4_mtpstage"
+STAGE_DISTOPT, STAGE_FR = MG / "legacy_pp4_mtpstage_distopt", MG / "dist_pp4_mtpstage_distopt_fr"
+STAGE_LAYOUT = "Et|t|m|L"
 
 
 @pytest.mark.parametrize(
@@ -43,6 +52,10 @@ MOE_MTP_DISTOPT, MOE_MTP_DIST_DP = MG / "legacy_tp2ep2_mtp_distopt", MG / "dist_
         (MTP_PP2, "legacy_pp2_mtp"),
         (MTP_DISTOPT, "dist_tp2pp2_mtp_distopt"),
         (MTP_PP2_DISTOPT, "legacy_pp2_mtp"),
+        (STAGE, "legacy_pp4_mtpstage"),
+        (STAGE_DIST, "legacy_pp4_mtpstage"),
+        (STAGE_DISTOPT, "legacy_pp4_mtpstage"),
+        (STAGE_FR, "legacy_pp4_mtpstage"),
     ],
 )
 def test_mtp_reads_as_megatron_saved_it(source, ref, tmp_path):
@@ -50,7 +63,9 @@ def test_mtp_reads_as_megatron_saved_it(source, ref, tmp_path):
     gather; eh_proj is split by rows at TP=2 (read as a whole copy before, it was half of the tensor,
     and verify saw the two halves as copies that differ). The MTP stage's embedding copy agrees. The
     dp_reshardable buckets are placed by replaying the grad buffers with the MTP block and the
-    embedding copy in the last stage (before, they were refused as modules of unknown order)."""
+    embedding copy in the last stage (before, they were refused as modules of unknown order). A
+    standalone MTP stage (``Et|t|m|L``) is read at megatron-core's own layer offsets of the layout, its
+    embedding copy and grad buffer too (before, the layout was refused)."""
     if source == MTP_DISTOPT:
         _, m = registry.describe(source)
         assert not [n for n in m.items if n.startswith("optimizer.distributed.") and m.items[n].is_tensor]
@@ -228,6 +243,65 @@ def test_mtp_pipeline_layout(tmp_path):
         assert verify(out).failing() == []
 
 
+def test_standalone_mtp_stage_round_trips(tmp_path):
+    """PP=4 with the MTP layer in a stage of its own (``Et|t|m|L``) -> PP=1 -> the same layout gives
+    Megatron-LM's rank files back (RNG aside): stage 2 holds its copy of the embeddings first, then the
+    MTP layer (model, param groups, optimizer state), stage 1 ends with the final norm (built with the
+    last decoder layer), stage 3 holds the output layer alone; diff of source and both outputs is empty."""
+    one, back = tmp_path / "one", tmp_path / "back"
+    reshard(STAGE, one, Target(tp=1, pp=1))
+    reshard(one, back, Target(pp=4, pipeline_layout=STAGE_LAYOUT))
+    original, again = _rank_files(STAGE), _rank_files(back)
+    assert list(original) == list(again) == [f"mp_rank_00_00{p}" for p in range(4)]
+    for name in original:
+        assert _drop_rng(_tree(original[name])) == _drop_rng(_tree(again[name])), name
+    model = {name: [k for k, _ in _model_entries(back, name) if not k.endswith("_extra_state")] for name in again}
+    assert model["mp_rank_00_002"][0] == "embedding.word_embeddings.weight"
+    assert all(k.startswith("mtp.layers.0.") for k in model["mp_rank_00_002"][1:]) and len(model["mp_rank_00_002"]) == 11
+    assert model["mp_rank_00_001"][-1] == "decoder.final_layernorm.weight"
+    assert model["mp_rank_00_003"] == ["output_layer.weight"]
+    for out in (one, back):
+        assert not diff(STAGE, out, kinds=STATE_KINDS).different
+        assert verify(out).failing() == []
+
+
+@pytest.mark.parametrize(
+    ("source", "target", "theirs"),
+    [
+        (STAGE_DIST, Target(to="megatron"), STAGE),
+        (STAGE, Target(distributed_optimizer=True), STAGE_DISTOPT),
+        (STAGE_DIST, Target(to="megatron", distributed_optimizer=True), STAGE_DISTOPT),
+        (STAGE_FR, Target(to="megatron"), STAGE_DISTOPT),
+        (STAGE_DISTOPT, Target(distributed_optimizer=False), STAGE),
+        (STAGE, Target(to="megatron-dist"), STAGE_DIST),
+        (STAGE_DISTOPT, Target(to="megatron-dist"), STAGE_FR),
+        (STAGE_FR, Target(distributed_optimizer=False), STAGE_DIST),
+    ],
+    ids=[
+        "dist-to-legacy",
+        "float16-to-distopt",
+        "dist-to-distopt",
+        "fully_reshardable-to-legacy",
+        "distopt-to-float16",
+        "legacy-to-dist",
+        "distopt-to-fully_reshardable",
+        "fully_reshardable-to-float16-dist",
+    ],
+)
+def test_standalone_mtp_stage_is_written_as_megatron_saves_it(source, target, theirs, tmp_path):
+    """At the layout it was saved at (``Et|t|m|L``, PP=4), each save written in another format or with
+    the other optimizer is Megatron-LM's own save of the same state: legacy rank files' trees (args.save
+    aside) and every ``distrib_optim.pt`` byte for byte (the MTP stage's grad buffer: the MTP layer,
+    then its embedding copy in a bucket of its own, 64 elements of padding apart), torch_dist every key,
+    chunk and record."""
+    out = tmp_path / "out"
+    reshard(source, out, target)
+    if theirs in (STAGE_DIST, STAGE_FR):
+        _same_records(out, theirs)
+    else:
+        _same_files(out, theirs)
+
+
 def test_mtp_torch_dist_from_legacy_is_what_megatron_saves(tmp_path):
     """Legacy TP=2 -> torch_dist: every key, chunk and tensor record of Megatron's own torch_dist save
     of the same state, the MTP layer's local-spec norms under megatron-core's TransformerEngine keys
@@ -264,20 +338,44 @@ def test_mtp_torch_dist_to_legacy_at_pp2(tmp_path):
     [
         ({"untie_embeddings_and_output_weights": False}, Target(tp=1, pp=1), "tied to the output layer at PP > 1"),
         ({}, Target(pp=2, pipeline_layout="Et|tL"), "the pipeline layout places 0 MTP layers"),
-        ({}, Target(pp=2, pipeline_layout="Et|t|m|L"), "standalone MTP"),
+        ({}, Target(pp=2, pipeline_layout="Et|t|m|L"), "the target pipeline layout puts the MTP layers on the first"),
         ({"decoupled_lr": 0.003}, Target(tp=1, pp=1), "--decoupled-lr at PP > 1"),
     ],
 )
 def test_mtp_refusals(args, target, message, tmp_path):
     """What is not supported yet, or not valid, is refused before anything is written: tied
     embeddings at PP > 1 (the MTP stage's copies of the embedding and output layer), a pipeline layout
-    without the model's MTP layers, or with them in a stage without the loss (standalone MTP),
-    --decoupled-lr at PP > 1 (megatron-core leaves the MTP stage's embedding copy in the default group)."""
+    without the model's MTP layers, or with them on the first pipeline rank (whose embedding copy
+    megatron-core never syncs), --decoupled-lr at PP > 1 (megatron-core leaves the MTP stage's embedding
+    copy in the default group)."""
     source = _with_args(tmp_path / "src", MTP_PP2, **args) if args else MTP_PP2
     out = tmp_path / "out"
     with pytest.raises(UsageError, match=message):
         reshard(source, out, target)
     assert not out.exists()
+
+
+def test_mtp_on_the_first_pipeline_rank_trained_two_embeddings(tmp_path):
+    """Megatron-LM's PP=2 save with the layout ``Et|t|m|L`` (valid for megatron-core: the MTP layer in
+    rank 0's second model chunk): that chunk's copy of the embeddings is never synced with the
+    embeddings (pretrain_gpt.py's embedding group is rank 0 alone), so the run trained two. It is read
+    (the two copies of rank 0's file, and their optimizer state); verify --deep names each pair that
+    differs, with the cause; reshard refuses it, to either format, and leaves it as it was."""
+    source = MG / "legacy_pp2_mtpfirst"
+    before = {p: p.read_bytes() for p in source.rglob("*") if p.is_file()}
+    report = verify(source, deep=True)
+    mismatched = sorted(f.item for f in report.findings if f.rule == "replica-mismatch")
+    base = "embedding.word_embeddings.weight"
+    assert mismatched == sorted(base + s for s in ("", ".exp_avg", ".exp_avg_sq", ".fp32"))
+    finding = next(f for f in report.findings if f.item == base)
+    assert "two copies in iter_0000003/mp_rank_00_000/model_optim_rng.pt (rank 0) differ" in finding.message
+    assert "never syncs" in (finding.hint or "")
+    assert [f.rule for f in report.failing()] == ["replica-mismatch"] * 4
+    for target in (Target(tp=1, pp=1), Target(to="megatron-dist")):
+        with pytest.raises(UsageError, match="the source's pipeline layout puts the MTP layers on the first"):
+            reshard(source, tmp_path / "out", target)
+        assert not (tmp_path / "out").exists()
+    assert {p: p.read_bytes() for p in source.rglob("*") if p.is_file()} == before
 
 
 @pytest.mark.slow
@@ -368,6 +466,35 @@ def test_megatron_lm_loads_the_mtp_layout_checkpoint(distopt, tmp_path):
     args = ["--tp", "1", "--pp", "2", "--layout", "E|t|t|mL", "--mtp", "--padded-vocab", "64"]
     args += ["--distopt"] if distopt else []
     proc = _oracle(mlm, out, *args, *_ref("legacy_pp2_mtp"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("source", "target", "ref"),
+    [
+        (MTP_PP2, Target(pp=4, pipeline_layout=STAGE_LAYOUT, distributed_optimizer=True), "legacy_pp2_mtp"),
+        (MTP_DIST, Target(to="megatron", tp=1, pp=4, pipeline_layout=STAGE_LAYOUT), "legacy_tp2_mtp"),
+        (STAGE, Target(tp=2, pp=1), "legacy_pp4_mtpstage"),
+    ],
+    ids=["pp2-to-mtp-stage-distopt", "dist-tp2-to-mtp-stage", "mtp-stage-to-tp2"],
+)
+def test_megatron_lm_loads_the_standalone_mtp_checkpoint(source, target, ref, tmp_path):
+    """Oracle: Megatron-LM's load_checkpoint at PP=4 with the layout ``Et|t|m|L`` (the MTP layer in a
+    stage of its own; the embedding group pretrain_gpt.py gives it: the first and the MTP stage) loads
+    our output of another run's PP=2 or TP=2 save, with the distributed optimizer or the Float16 one, and
+    from Megatron-LM's own save at that layout the TP=2 output: every tensor equals the reference (the
+    MTP stage's embedding copy too); it trains the next step."""
+    mlm = _megatron_lm()
+    if mlm is None:
+        pytest.skip("needs megatron-core and a Megatron-LM source (set MEGATRON_LM)")
+    out = tmp_path / "out"
+    reshard(source, out, target)
+    padded = registry.describe(out)[1].items["embedding.word_embeddings.weight"].shape[0]
+    args = ["--tp", str(target.tp or 1), "--pp", str(target.pp), "--mtp", "--padded-vocab", str(padded)]
+    args += ["--layout", STAGE_LAYOUT] if target.pipeline_layout else []
+    args += ["--distopt"] if target.distributed_optimizer else []
+    proc = _oracle(mlm, out, *args, *_ref(ref))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
 
 

@@ -36,7 +36,13 @@ CLEAN = [
             "universal",
         )
     ),
-    *(f"megatron/{p.name}" for p in sorted((FIXTURES / "megatron").iterdir()) if p.is_dir()),  # every one
+    # every one but legacy_pp2_mtpfirst, whose run trained two word embeddings (megatron-core never syncs
+    # the MTP chunk's copy on the first pipeline rank): test_reshard_mtp checks what verify says of it
+    *(
+        f"megatron/{p.name}"
+        for p in sorted((FIXTURES / "megatron").iterdir())
+        if p.is_dir() and p.name != "legacy_pp2_mtpfirst"
+    ),
     "rankshards/tp_manual/step_00000003",
     "rankshards/ddp",
     "rankshards/pipeline",

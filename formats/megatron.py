@@ -305,6 +305,9 @@ class MegatronDistAdapter:
             )
         if args is not None:
             manifest.extras["args"] = _args_extras(args)
+            # a dp_reshardable save's buckets hold the MTP chunk's copy's optimizer state, read as a replica
+            if (notes := _unsynced_copies(args, manifest.layout.pp or 1)) is not None:
+                manifest.extras["copy_notes"] = notes
         manifest.extras["dcp"] = {"world_size": base.layout.world_size}
         return manifest
 
@@ -963,6 +966,15 @@ def mtp_chunk(layout: str | None, pp: int, vpp: int) -> tuple[int, int]:
     return (pp - 1, vpp - 1)
 
 
+def unsynced_mtp_copy(layout: str, pp: int) -> bool:
+    """Whether ``layout`` at ``pp`` stages puts the MTP layers in a later model chunk of the first
+    pipeline rank, whose copy of the word embeddings megatron-core never syncs (``pretrain_gpt.py``'s
+    embedding group is then that rank alone; in its first chunk they use the embeddings themselves).
+    ValueError from :func:`layout_stages`."""
+    p, v = mtp_chunk(layout, pp, 1)
+    return pp > 1 and p == 0 and v > 0 and "m" in "".join(layout_stages(layout))
+
+
 def _unsynced_copies(args: Any, pp: int) -> dict[str, str] | None:
     """Why the copies of the word embeddings may differ in a legacy save whose pipeline layout puts
     the MTP layers on the first pipeline rank (a later chunk of it, which keeps a copy of the
@@ -972,7 +984,7 @@ def _unsynced_copies(args: Any, pp: int) -> dict[str, str] | None:
     if not getattr(args, "mtp_num_layers", None) or pp < 2 or not isinstance(layout, str):
         return None
     try:
-        if mtp_chunk(layout, pp, 1)[0] != 0:
+        if not unsynced_mtp_copy(layout, pp):
             return None
     except ValueError:
         return None

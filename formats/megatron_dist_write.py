@@ -433,7 +433,7 @@ class DistWriter(LegacyWriter):
             stacked = m is not None and m["key"].startswith("decoder.layers.")  # offsets: layer[.expert]
             if m is not None and stacked:
                 stage = self._stage(item.name, int(m["offsets"].split(".")[0]))
-            else:  # (a multi-token prediction layer's: in the last stage, with the layer)
+            else:  # (a multi-token prediction layer's: in the MTP stage, with the layer)
                 stage = self._stage(_legacy_object_name(item.name, self.local_spec) or item.name, None)
             self._add_object(stage * self.target.tp, item.name, partial(self._copy_record, item))
             return

@@ -67,6 +67,7 @@ from ckpttool.formats.megatron import (
     split_rule,
     stage_split,
     tp_regions,
+    unsynced_mtp_copy,
 )
 from ckpttool.geometry import Box
 from ckpttool.manifest import Item, Manifest
@@ -344,10 +345,16 @@ def _canonical(names: list[str]) -> list[str]:
     def key(item: tuple[int, str]) -> tuple[int, ...]:
         pos, name = item
         layer, slot = _layer_of(name), expert_slot(name)
-        # after the layers: the final norm, the MTP block, the output layer (a stage read earlier may
-        # hold a later module: the MTP layers in a stage before the last decoder layer's)
-        after = {"mtp": 1, "output_layer": 2}.get(name.split(".", 1)[0], 0)
-        group = (1, layer) if layer is not None else (0, 0) if pos < first_layer else (2, after)
+        # after the layers, by name: the final norm, the MTP block, the output layer (a stage read
+        # earlier may hold a later module: the MTP layers in a stage before any decoder layer's, or
+        # before the last one's); the rest by where it was first seen
+        top = name.split(".", 1)[0]
+        if layer is not None:
+            group: tuple[int, int] = (1, layer)
+        elif top in ("mtp", "output_layer") or name.startswith(("decoder.final_layernorm", "final_layernorm")):
+            group = (2, {"mtp": 1, "output_layer": 2}.get(top, 0))
+        else:
+            group = (0, 0) if pos < first_layer or top == "embedding" else (2, 0)
         if slot is None:
             return (*group, pos, 0, 0)
         pattern, j, grouped = slot  # (a decoder layer's experts, or a multi-token prediction layer's)
@@ -551,19 +558,28 @@ def validate(
     return problems
 
 
-def _validate_hint(problems: list[str]) -> str:
-    """What to do about :func:`validate`'s ``problems``."""
+def _validate_hint(problems: list[str], dist_helps: bool) -> str:
+    """What to do about :func:`validate`'s ``problems``; ``dist_helps``: a torch_dist output would
+    avoid the MTP stage's copies of tied or position embeddings (a legacy output from a source that is
+    not a legacy save at PP > 1)."""
     if any("the source's pipeline layout puts the MTP layers" in p for p in problems):
         return (
             "the run trained two word embeddings ('ckpttool verify --deep' shows how its copies differ); "
             "ckpttool does not choose between them"
         )
-    if all("MTP" in p or "multi-token" in p for p in problems):
-        return "'--to megatron-dist' writes torch_dist, which keeps one copy of the embeddings whatever the layout" + (
-            "; or give the MTP layers a stage on another pipeline rank (--pipeline-layout)"
-            if any("first pipeline rank" in p for p in problems)
-            else ""
-        )
+    mtp = [p for p in problems if "MTP" in p or "multi-token" in p]
+    if mtp and len(mtp) == len(problems):
+        tips = []
+        if any("MTP layers (m)" in p for p in mtp):
+            tips.append("a pipeline layout must place all of the model's MTP layers (m), in one stage")
+        if any("first pipeline rank" in p for p in mtp):
+            tips.append("give the MTP layers a stage of their own on another pipeline rank (--pipeline-layout)")
+        staged = any("at PP > 1" in p for p in mtp)  # the MTP stage's copies of tied or position embeddings
+        if staged and not dist_helps:
+            tips.append("from a legacy save at PP > 1 these are not supported yet, whatever the output")
+        elif staged or any("the target pipeline layout puts" in p for p in mtp):
+            tips.append("'--to megatron-dist' writes torch_dist, which keeps one copy of the embeddings at any layout")
+        return "; ".join(tips)
     return "choose sizes that divide the model's heads, query groups, hidden sizes and layers" + (
         " (--pp-first-layers / --pp-last-layers give the end stages other layer counts)"
         if any("layers" in p for p in problems)
@@ -608,7 +624,7 @@ def _mtp_problems(manifest: Manifest, src: _Source, target: MegatronTarget, rank
         ("the target", layout, target.pp if rank_files else 1),
     ):
         try:
-            first = pp > 1 and isinstance(given, str) and mtp_chunk(given, pp, 1)[0] == 0
+            first = pp > 1 and isinstance(given, str) and unsynced_mtp_copy(given, pp)
         except ValueError:
             first = False
         if first:
@@ -617,7 +633,8 @@ def _mtp_problems(manifest: Manifest, src: _Source, target: MegatronTarget, rank
                 "never syncs their copy of the word embeddings (pretrain_gpt.py's embedding group is that rank "
                 "alone): the copy starts from zeros and trains apart; not supported"
             )
-    # the MTP stage's copies live in legacy files of a stage (torch_dist keeps the embeddings once)
+    # the MTP stage's copies live in legacy files of a stage (torch_dist keeps the model's embeddings
+    # once; a dp_reshardable source's buckets hold the copy's optimizer state, read as a replica)
     if (target.pp > 1 and rank_files) or (src.pp > 1 and legacy_in):
         if getattr(args, "decoupled_lr", None) is not None:
             problems.append(
@@ -627,12 +644,12 @@ def _mtp_problems(manifest: Manifest, src: _Source, target: MegatronTarget, rank
         if not getattr(args, "untie_embeddings_and_output_weights", False):
             problems.append(
                 "multi-token prediction layers with embeddings tied to the output layer at PP > 1 are not "
-                "supported yet (the last stage's copies of both)"
+                "supported yet (the MTP and last stages' copies of both)"
             )
         if "embedding.position_embeddings.weight" in manifest.items:
             problems.append(
                 "multi-token prediction layers with learned position embeddings at PP > 1 are not supported "
-                "yet (the last stage's copy of them)"
+                "yet (the MTP stage's copy of them)"
             )
     return problems
 
@@ -780,13 +797,14 @@ class LegacyWriter:
         self.etp = _target_etp(self.src, target)
         """expert tensor-parallel ranks of the output"""
         problems = validate(manifest, self.src, target, self.rules, self.rank_files)
+        staged_source = manifest.format == "megatron" and self.src.pp > 1  # (its MTP stage's copies)
         if problems:
             raise UsageError(
                 f"cannot reshard to TP={target.tp} PP={target.pp}"
                 + (f" EP={self.ep}" if self.ep > 1 or self.src.ep > 1 else "")
                 + ": "
                 + "; ".join(problems),
-                hint=_validate_hint(problems),
+                hint=_validate_hint(problems, self.rank_files and not staged_source),
             )
         self.vpp = _target_vpp(self.args, target)
         """model chunks (virtual pipeline stages) per pipeline rank in the output"""
@@ -1063,7 +1081,8 @@ class LegacyWriter:
         if name.startswith("mtp."):
             return [self.mtp_at]
         if name.startswith("embedding."):
-            return [(0, 0), self.mtp_at] if self.mtp and pp > 1 else [(0, 0)]  # the MTP stage's copy
+            # the MTP stage's copy (none when the MTP layers are in the first chunk, with the embedding)
+            return [(0, 0), self.mtp_at] if self.mtp and pp > 1 and self.mtp_at != (0, 0) else [(0, 0)]
         if name.startswith("output_layer.weight") and self.tied:
             return [last] if pp > 1 else []
         if name.startswith(("decoder.final_layernorm", "final_layernorm")) and self.mtp and _num_layers(self.args):

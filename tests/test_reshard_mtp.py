@@ -266,6 +266,37 @@ def test_standalone_mtp_stage_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("layout", "pp"),
+    [("E||tt||m|L", 3), ("Et|tm|L", 3), ("E|t|t||m|L", 3), ("Ettm|L", 2)],
+    ids=["mtp-before-the-layers", "mtp-with-the-last-layer", "last-layer-on-a-later-rank", "mtp-in-the-first-chunk"],
+)
+def test_standalone_mtp_stage_through_other_layouts(layout, pp, tmp_path):
+    """The PP=4 ``Et|t|m|L`` save through other layouts megatron-core accepts: MTP layers on a rank read
+    before any decoder layer's (``E||tt||m|L``: read first, they must still register after the layers
+    when a chunk holds both), with the last decoder layer in one chunk, on a rank after the last
+    decoder layer's, and in the first chunk, with the embeddings themselves (no copy). Each is the
+    same state; from each, PP=1 is what PP=4 gives directly, and ``Et|t|m|L`` gives Megatron-LM's rank
+    files back, distributed optimizer included."""
+    direct, via = tmp_path / "direct", tmp_path / "via"
+    reshard(STAGE, direct, Target(tp=1, pp=1))
+    reshard(STAGE_DISTOPT, via, Target(pp=pp, pipeline_layout=layout))
+    assert not diff(STAGE, via, kinds=STATE_KINDS).different
+    copies = [n for n, f in _rank_files(via).items() if "embedding.word_embeddings.weight" in str(_tree(f))]
+    assert len(copies) == (1 if layout == "Ettm|L" else 2)
+    for out, target in ((tmp_path / "one", Target(tp=1, pp=1, distributed_optimizer=False)),
+                        (tmp_path / "back", Target(pp=4, pipeline_layout=STAGE_LAYOUT))):  # fmt: skip
+        reshard(via, out, target)
+        if target.pp == 1:
+            ours, theirs = (_tree(_rank_files(root)["mp_rank_00"]) for root in (out, direct))
+            assert _drop_rng(ours, "args") == _drop_rng(theirs, "args")  # (args.save: the two runs')
+        else:  # (RNG aside: PP=3 has no fourth rank's)
+            for name, path in _rank_files(STAGE_DISTOPT).items():
+                assert _drop_rng(_tree(_rank_files(out)[name]), "args") == _drop_rng(_tree(path), "args"), name
+            for f in STAGE_DISTOPT.glob("iter_*/*/distrib_optim.pt"):
+                assert (out / f.relative_to(STAGE_DISTOPT)).read_bytes() == f.read_bytes(), f
+
+
+@pytest.mark.parametrize(
     ("source", "target", "theirs"),
     [
         (STAGE_DIST, Target(to="megatron"), STAGE),
@@ -334,15 +365,25 @@ def test_mtp_torch_dist_to_legacy_at_pp2(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("args", "target", "message"),
+    ("args", "target", "message", "hint"),
     [
-        ({"untie_embeddings_and_output_weights": False}, Target(tp=1, pp=1), "tied to the output layer at PP > 1"),
-        ({}, Target(pp=2, pipeline_layout="Et|tL"), "the pipeline layout places 0 MTP layers"),
-        ({}, Target(pp=2, pipeline_layout="Et|t|m|L"), "the target pipeline layout puts the MTP layers on the first"),
-        ({"decoupled_lr": 0.003}, Target(tp=1, pp=1), "--decoupled-lr at PP > 1"),
+        (
+            {"untie_embeddings_and_output_weights": False},
+            Target(tp=1, pp=1),
+            "tied to the output layer at PP > 1",
+            "from a legacy save at PP > 1 these are not supported yet, whatever the output",
+        ),
+        ({}, Target(pp=2, pipeline_layout="Et|tL"), "the pipeline layout places 0 MTP layers", "must place all"),
+        (
+            {},
+            Target(pp=2, pipeline_layout="Et|t|m|L"),
+            "the target pipeline layout puts the MTP layers on the first",
+            "another pipeline rank (--pipeline-layout); '--to megatron-dist' writes torch_dist",
+        ),
+        ({"decoupled_lr": 0.003}, Target(tp=1, pp=1), "--decoupled-lr at PP > 1", "whatever the output"),
     ],
 )
-def test_mtp_refusals(args, target, message, tmp_path):
+def test_mtp_refusals(args, target, message, hint, tmp_path):
     """What is not supported yet, or not valid, is refused before anything is written: tied
     embeddings at PP > 1 (the MTP stage's copies of the embedding and output layer), a pipeline layout
     without the model's MTP layers, or with them on the first pipeline rank (whose embedding copy
@@ -350,8 +391,9 @@ def test_mtp_refusals(args, target, message, tmp_path):
     copy in the default group)."""
     source = _with_args(tmp_path / "src", MTP_PP2, **args) if args else MTP_PP2
     out = tmp_path / "out"
-    with pytest.raises(UsageError, match=message):
+    with pytest.raises(UsageError, match=message) as refused:
         reshard(source, out, target)
+    assert hint in (refused.value.hint or "")
     assert not out.exists()
 
 

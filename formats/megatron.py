@@ -976,23 +976,37 @@ def unsynced_mtp_copy(layout: str, pp: int) -> bool:
 
 
 def _unsynced_copies(args: Any, pp: int) -> dict[str, str] | None:
-    """Why the copies of the word embeddings may differ in a legacy save whose pipeline layout puts
-    the MTP layers on the first pipeline rank (a later chunk of it, which keeps a copy of the
-    embeddings): megatron-core never syncs that copy (``pretrain_gpt.py``'s embedding group is then
-    that rank alone), so it starts from zeros and trains apart. None for other saves."""
-    layout = getattr(args, "pipeline_model_parallel_layout", None)
-    if not getattr(args, "mtp_num_layers", None) or pp < 2 or not isinstance(layout, str):
+    """Why the copies of the word embeddings may differ in a save whose MTP layers keep a copy of
+    them (their model chunk is not the first stage's first), None for other saves. megatron-core
+    trains that copy apart from the embeddings in two cases: (1) the pipeline layout puts the MTP
+    layers in a later chunk of the first pipeline rank, where the copy is never synced
+    (``pretrain_gpt.py``'s embedding group is then that rank alone) and starts from zeros; (2) with
+    ``--decoupled-lr``, which only the first stage's embedding gets (megatron-core marks it alone
+    ``is_embedding_or_output_parameter``): the copy takes the same gradients at the default LR."""
+    if not getattr(args, "mtp_num_layers", None) or pp < 2:
         return None
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    layout = layout if isinstance(layout, str) and layout else None
     try:
-        if not unsynced_mtp_copy(layout, pp):
-            return None
+        first = layout is not None and unsynced_mtp_copy(layout, pp)
+        vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+        copy = mtp_chunk(layout, pp, vpp) != (0, 0)
     except ValueError:
         return None
-    hint = (
-        f"the pipeline layout {layout!r} puts the MTP layers on the first pipeline rank, whose copy of the word "
-        "embeddings megatron-core never syncs with the embeddings (it starts from zeros and trains apart): the run "
-        "trained two embeddings; put the MTP layers on another rank"
-    )
+    if first:
+        hint = (
+            f"the pipeline layout {layout!r} puts the MTP layers on the first pipeline rank, whose copy of the word "
+            "embeddings megatron-core never syncs with the embeddings (it starts from zeros and trains apart): the "
+            "run trained two embeddings; put the MTP layers on another rank"
+        )
+    elif copy and getattr(args, "decoupled_lr", None) is not None:
+        hint = (
+            "with --decoupled-lr, megatron-core gives the MTP stage's copy of the word embeddings the default LR (it "
+            "marks only the first stage's embedding as one): the copy takes the same gradients at another LR and "
+            "drifts apart, so the run trained two embeddings; megatron-core's bug, not a damaged file"
+        )
+    else:
+        return None
     base = "embedding.word_embeddings.weight"
     return {base + suffix: hint for suffix in ("", ".fp32", ".exp_avg", ".exp_avg_sq")}
 

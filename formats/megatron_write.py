@@ -562,7 +562,10 @@ def _validate_hint(problems: list[str], dist_helps: bool) -> str:
     """What to do about :func:`validate`'s ``problems``; ``dist_helps``: a torch_dist output would
     avoid the MTP stage's copies of tied or position embeddings (a legacy output from a source that is
     not a legacy save at PP > 1)."""
-    if any("the source's pipeline layout puts the MTP layers" in p for p in problems):
+    if any(
+        "the source's pipeline layout puts the MTP layers" in p or "the source's MTP stage trained" in p
+        for p in problems
+    ):
         return (
             "the run trained two word embeddings ('ckpttool verify --deep' shows how its copies differ); "
             "ckpttool does not choose between them"
@@ -638,8 +641,12 @@ def _mtp_problems(manifest: Manifest, src: _Source, target: MegatronTarget, rank
     if (target.pp > 1 and rank_files) or (src.pp > 1 and legacy_in):
         if getattr(args, "decoupled_lr", None) is not None:
             problems.append(
-                "multi-token prediction layers with --decoupled-lr at PP > 1 are not supported yet (megatron-core "
-                "marks only the first stage's embedding as one, so the MTP stage's copy keeps the default LR)"
+                "the source's MTP stage trained its own copy of the word embeddings (with --decoupled-lr at PP > 1 "
+                "megatron-core gives that copy the default LR: it marks only the first stage's embedding as one)"
+                if src.pp > 1 and legacy_in
+                else "multi-token prediction layers with --decoupled-lr at PP > 1: megatron-core would give the MTP "
+                "stage's copy of the word embeddings the default LR (it marks only the first stage's embedding as "
+                "one), and a run resumed from these files would train two embeddings; not supported"
             )
         if not getattr(args, "untie_embeddings_and_output_weights", False):
             problems.append(

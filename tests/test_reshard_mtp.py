@@ -380,7 +380,12 @@ def test_mtp_torch_dist_to_legacy_at_pp2(tmp_path):
             "the target pipeline layout puts the MTP layers on the first",
             "another pipeline rank (--pipeline-layout); '--to megatron-dist' writes torch_dist",
         ),
-        ({"decoupled_lr": 0.003}, Target(tp=1, pp=1), "--decoupled-lr at PP > 1", "whatever the output"),
+        (
+            {"decoupled_lr": 0.003},
+            Target(tp=1, pp=2),
+            "--decoupled-lr at PP > 1: megatron-core would give the MTP stage's copy",
+            "'--to megatron-dist' writes torch_dist",
+        ),
     ],
 )
 def test_mtp_refusals(args, target, message, hint, tmp_path):
@@ -388,13 +393,32 @@ def test_mtp_refusals(args, target, message, hint, tmp_path):
     embeddings at PP > 1 (the MTP stage's copies of the embedding and output layer), a pipeline layout
     without the model's MTP layers, or with them on the first pipeline rank (whose embedding copy
     megatron-core never syncs), --decoupled-lr at PP > 1 (megatron-core leaves the MTP stage's embedding
-    copy in the default group)."""
-    source = _with_args(tmp_path / "src", MTP_PP2, **args) if args else MTP_PP2
+    copy in the default group, so a run resumed at PP > 1 trains two embeddings)."""
+    base = MTP_TP2 if "decoupled_lr" in args else MTP_PP2  # (a legacy source at PP = 2 trained its copy: below)
+    source = _with_args(tmp_path / "src", base, **args) if args else base
     out = tmp_path / "out"
     with pytest.raises(UsageError, match=message) as refused:
         reshard(source, out, target)
     assert hint in (refused.value.hint or "")
     assert not out.exists()
+
+
+def test_mtp_with_decoupled_lr_at_pp2_trained_two_embeddings(tmp_path):
+    """Megatron-LM's PP=2 save of the MTP model with --decoupled-lr: megatron-core marks only the first
+    stage's embedding for the decoupled LR, so the MTP stage's copy takes the same (synced) gradients
+    at the default LR: equal moments, other weights. verify --deep names the weights and fp32 copies
+    that differ, not the moments, with the cause; reshard refuses it, to either format."""
+    source = MG / "legacy_pp2_mtp_decoupled"
+    report = verify(source, deep=True)
+    base = "embedding.word_embeddings.weight"
+    assert sorted(f.item for f in report.failing()) == [base, base + ".fp32"]
+    assert all(f.rule == "replica-mismatch" and "--decoupled-lr" in (f.hint or "") for f in report.failing())
+    assert "mp_rank_00_001/model_optim_rng.pt" in report.failing()[0].message
+    for target in (Target(tp=1, pp=1), Target(to="megatron-dist")):
+        with pytest.raises(UsageError, match="the source's MTP stage trained its own copy") as refused:
+            reshard(source, tmp_path / "out", target)
+        assert "trained two word embeddings" in (refused.value.hint or "")
+        assert not (tmp_path / "out").exists()
 
 
 def test_mtp_on_the_first_pipeline_rank_trained_two_embeddings(tmp_path):

@@ -655,8 +655,9 @@ def _mtp_problems(manifest: Manifest, src: _Source, target: MegatronTarget, rank
             )
         if "embedding.position_embeddings.weight" in manifest.items:
             problems.append(
-                "multi-token prediction layers with learned position embeddings at PP > 1 are not supported "
-                "yet (the MTP stage's copy of them)"
+                "multi-token prediction layers with learned position embeddings at PP > 1: Megatron-LM core_v0.16.1 "
+                "refuses the pair (validate_args: MTP takes rope or no position embeddings), so where the MTP stage "
+                "keeps its copy of them is not known"
             )
     return problems
 

@@ -971,8 +971,8 @@ def unsynced_mtp_copy(layout: str, pp: int) -> bool:
     pipeline rank, whose copy of the word embeddings megatron-core never syncs (``pretrain_gpt.py``'s
     embedding group is then that rank alone; in its first chunk they use the embeddings themselves).
     ValueError from :func:`layout_stages`."""
-    p, v = mtp_chunk(layout, pp, 1)
-    return pp > 1 and p == 0 and v > 0 and "m" in "".join(layout_stages(layout))
+    p, v = mtp_chunk(layout, pp, 1)  # (without an ``m``: the last rank's chunk 0)
+    return pp > 1 and p == 0 and v > 0
 
 
 def _unsynced_copies(args: Any, pp: int) -> dict[str, str] | None:

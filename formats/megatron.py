@@ -966,40 +966,42 @@ def mtp_chunk(layout: str | None, pp: int, vpp: int) -> tuple[int, int]:
     return (pp - 1, vpp - 1)
 
 
-def unsynced_mtp_copy(layout: str, pp: int) -> bool:
-    """Whether ``layout`` at ``pp`` stages puts the MTP layers in a later model chunk of the first
-    pipeline rank, whose copy of the word embeddings megatron-core never syncs (``pretrain_gpt.py``'s
-    embedding group is then that rank alone; in its first chunk they use the embeddings themselves).
-    ValueError from :func:`layout_stages`."""
-    p, v = mtp_chunk(layout, pp, 1)  # (without an ``m``: the last rank's chunk 0)
-    return pp > 1 and p == 0 and v > 0
+def mtp_copy_apart(layout: str | None, pp: int, vpp: int, decoupled: bool) -> str | None:
+    """How megatron-core trains the MTP layers' copy of the word embeddings apart from them at this
+    placement (:func:`mtp_chunk`), or None (no copy: the MTP layers are in the first stage's first
+    chunk, with the embeddings; or a copy kept equal). ``"first rank"``: in a later chunk of the first
+    pipeline rank the copy is never synced (``pretrain_gpt.py``'s embedding group is then that rank
+    alone) and starts from zeros; ``"decoupled"``: with ``--decoupled-lr`` (``decoupled``), which only
+    the first stage's embedding gets (megatron-core marks it alone ``is_embedding_or_output_parameter``),
+    the copy takes the same gradients at the default LR. ValueError from :func:`layout_stages`."""
+    p, v = mtp_chunk(layout, pp, vpp)
+    if pp < 2 or (p, v) == (0, 0):
+        return None
+    if p == 0:
+        return "first rank"
+    return "decoupled" if decoupled else None
 
 
 def _unsynced_copies(args: Any, pp: int) -> dict[str, str] | None:
     """Why the copies of the word embeddings may differ in a save whose MTP layers keep a copy of
-    them (their model chunk is not the first stage's first), None for other saves. megatron-core
-    trains that copy apart from the embeddings in two cases: (1) the pipeline layout puts the MTP
-    layers in a later chunk of the first pipeline rank, where the copy is never synced
-    (``pretrain_gpt.py``'s embedding group is then that rank alone) and starts from zeros; (2) with
-    ``--decoupled-lr``, which only the first stage's embedding gets (megatron-core marks it alone
-    ``is_embedding_or_output_parameter``): the copy takes the same gradients at the default LR."""
-    if not getattr(args, "mtp_num_layers", None) or pp < 2:
+    them that megatron-core trains apart (:func:`mtp_copy_apart`), as ``copy_notes`` for verify's
+    findings; None for other saves."""
+    if not getattr(args, "mtp_num_layers", None):
         return None
     layout = getattr(args, "pipeline_model_parallel_layout", None)
     layout = layout if isinstance(layout, str) and layout else None
+    vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
     try:
-        first = layout is not None and unsynced_mtp_copy(layout, pp)
-        vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
-        copy = mtp_chunk(layout, pp, vpp) != (0, 0)
+        apart = mtp_copy_apart(layout, pp, vpp, getattr(args, "decoupled_lr", None) is not None)
     except ValueError:
         return None
-    if first:
+    if apart == "first rank":
         hint = (
             f"the pipeline layout {layout!r} puts the MTP layers on the first pipeline rank, whose copy of the word "
             "embeddings megatron-core never syncs with the embeddings (it starts from zeros and trains apart): the "
             "run trained two embeddings; put the MTP layers on another rank"
         )
-    elif copy and getattr(args, "decoupled_lr", None) is not None:
+    elif apart == "decoupled":
         hint = (
             "with --decoupled-lr, megatron-core gives the MTP stage's copy of the word embeddings the default LR (it "
             "marks only the first stage's embedding as one): the copy takes the same gradients at another LR and "

@@ -56,6 +56,7 @@ from ckpttool.formats.megatron import (
     layout_stages,
     model_chunks,
     mtp_chunk,
+    mtp_copy_apart,
     optimizer_members,
     own_etp,
     placement,
@@ -67,7 +68,6 @@ from ckpttool.formats.megatron import (
     split_rule,
     stage_split,
     tp_regions,
-    unsynced_mtp_copy,
 )
 from ckpttool.geometry import Box
 from ckpttool.manifest import Item, Manifest
@@ -601,9 +601,8 @@ def _mtp_problems(manifest: Manifest, src: _Source, target: MegatronTarget, rank
     or there are none). megatron-core builds them in one model chunk (:func:`mtp_chunk`: the last
     stage's last, or the stage a pipeline layout gives them, ``m``), which then also keeps a copy of
     the word embeddings (its own parameter, synced with the first stage's through the embedding
-    group). On the first pipeline rank (a later chunk of it) that copy is never synced:
-    ``pretrain_gpt.py``'s embedding group is then that rank alone, so the copy starts from zeros and
-    trains apart from the embeddings; ckpttool neither reads it as the embeddings nor writes it.
+    group). Where megatron-core trains that copy apart (:func:`mtp_copy_apart`: a later chunk of
+    the first rank, or ``--decoupled-lr``), ckpttool neither reads it as the embeddings nor writes it.
     torch_dist keeps the embeddings once (the copies are replicas it does not save): only legacy files
     (``rank_files``, or a legacy source) have stage copies to refuse."""
     args = src.objs[(0, 0, 0)].get("args")
@@ -620,34 +619,38 @@ def _mtp_problems(manifest: Manifest, src: _Source, target: MegatronTarget, rank
             problems.append(f"the pipeline layout places {placed} MTP layers (m), the model has {mtp}")
     if not mtp:
         return problems
-    source_layout = getattr(args, "pipeline_model_parallel_layout", None)
+    source_layout = getattr(args, "pipeline_model_parallel_layout", None) or None
     legacy_in = manifest.format == "megatron"
-    for which, given, pp in (
-        ("the source's", source_layout, src.pp if legacy_in else 1),
-        ("the target", layout, target.pp if rank_files else 1),
+    decoupled = getattr(args, "decoupled_lr", None) is not None
+    for which, given, pp, vpp, staged in (  # (a legacy source, or a legacy output: torch_dist keeps no stage copies)
+        ("the source's", source_layout, src.pp, _source_vpp(args), legacy_in),
+        ("the target", layout, target.pp, _target_vpp(args, target), rank_files),
     ):
         try:
-            first = pp > 1 and isinstance(given, str) and unsynced_mtp_copy(given, pp)
+            apart = mtp_copy_apart(given, pp, vpp, decoupled) if staged else None
         except ValueError:
-            first = False
-        if first:
+            apart = None  # (target_chunks names what is wrong with the layout)
+        if apart == "first rank":
             problems.append(
                 f"{which} pipeline layout puts the MTP layers on the first pipeline rank, where megatron-core "
                 "never syncs their copy of the word embeddings (pretrain_gpt.py's embedding group is that rank "
                 "alone): the copy starts from zeros and trains apart; not supported"
             )
-    # the MTP stage's copies live in legacy files of a stage (torch_dist keeps the model's embeddings
-    # once; a dp_reshardable source's buckets hold the copy's optimizer state, read as a replica)
-    if (target.pp > 1 and rank_files) or (src.pp > 1 and legacy_in):
-        if getattr(args, "decoupled_lr", None) is not None:
+        elif apart == "decoupled" and which == "the source's":
             problems.append(
                 "the source's MTP stage trained its own copy of the word embeddings (with --decoupled-lr at PP > 1 "
                 "megatron-core gives that copy the default LR: it marks only the first stage's embedding as one)"
-                if src.pp > 1 and legacy_in
-                else "multi-token prediction layers with --decoupled-lr at PP > 1: megatron-core would give the MTP "
+            )
+        elif apart == "decoupled":
+            problems.append(
+                "multi-token prediction layers with --decoupled-lr at PP > 1: megatron-core would give the MTP "
                 "stage's copy of the word embeddings the default LR (it marks only the first stage's embedding as "
                 "one), and a run resumed from these files would train two embeddings; not supported"
             )
+    # the MTP and last stages' copies of tied or position embeddings live in legacy files of a stage
+    # (torch_dist keeps the model's embeddings once; a dp_reshardable source's buckets hold the copy's
+    # optimizer state, read as a replica)
+    if (target.pp > 1 and rank_files) or (src.pp > 1 and legacy_in):
         if not getattr(args, "untie_embeddings_and_output_weights", False):
             problems.append(
                 "multi-token prediction layers with embeddings tied to the output layer at PP > 1 are not "

@@ -403,6 +403,20 @@ def test_mtp_refusals(args, target, message, hint, tmp_path):
     assert not out.exists()
 
 
+def test_mtp_with_decoupled_lr_needs_no_copy_in_the_first_chunk(tmp_path):
+    """With --decoupled-lr only a copy of the embeddings drifts (below); MTP layers in the first
+    stage's first chunk (``Ettm|L``) use the embeddings themselves, so that layout is written (the
+    decoupled group: the embedding and the output layer), and ``Et|tmL`` is refused."""
+    source = _with_args(tmp_path / "src", MTP_TP2, decoupled_lr=0.003)
+    out = tmp_path / "out"
+    reshard(source, out, Target(tp=1, pp=2, pipeline_layout="Ettm|L"))
+    assert not diff(source, out, kinds=STATE_KINDS).different
+    files = _rank_files(out)
+    assert sum("embedding.word_embeddings.weight" in str(_tree(f)) for f in files.values()) == 1
+    with pytest.raises(UsageError, match="--decoupled-lr at PP > 1: megatron-core would give the MTP stage's copy"):
+        reshard(source, tmp_path / "refused", Target(tp=1, pp=2, pipeline_layout="Et|tmL"))
+
+
 def test_mtp_with_decoupled_lr_at_pp2_trained_two_embeddings(tmp_path):
     """Megatron-LM's PP=2 save of the MTP model with --decoupled-lr: megatron-core marks only the first
     stage's embedding for the decoupled LR, so the MTP stage's copy takes the same (synced) gradients

@@ -959,7 +959,8 @@ def _check_optimizer(
             )
         )
     if (manifest.step or 0) > 0:
-        for zeroed in (m for pair in moments.values() for m in pair.values()):
+        unused = set(manifest.extras.get("unused") or ())  # parameters the format knows nothing trains
+        for zeroed in (m for n, pair in moments.items() if n not in unused for m in pair.values()):
             if zeroed.pieces and all(_zero_piece(zeroed, i, digests, algo) for i in range(len(zeroed.pieces))):
                 report.findings.append(
                     finding(

@@ -982,20 +982,53 @@ def mtp_copy_apart(layout: str | None, pp: int, vpp: int, decoupled: bool) -> st
     return "decoupled" if decoupled else None
 
 
+def tied_output_copy(args: Any, pp: int) -> bool:
+    """Whether the last stage's ``output_layer.weight`` is its copy of the word embeddings: the
+    output layer tied to them (no ``--untie-embeddings-and-output-weights``) at PP > 1, megatron-core
+    zero-filling it at build and syncing it with the first stage's through the embedding group. Not
+    when the last chunk also builds the MTP layers (:func:`unused_output_layer`)."""
+    tied = pp > 1 and not getattr(args, "untie_embeddings_and_output_weights", False)
+    return tied and not unused_output_layer(args, pp)
+
+
+def unused_output_layer(args: Any, pp: int) -> bool:
+    """Whether the last stage's ``output_layer.weight`` is a parameter nothing uses: the output layer
+    tied to the word embeddings at PP > 1 and the MTP layers in the last chunk. megatron-core 0.16.1
+    then ties the output to that chunk's own copy of the embeddings (``shared_embedding_or_output_weight``)
+    but still allocates the output layer's weight (it skips that only on the first stage): kept at its
+    random init, its gradients zero, its Adam moments zero, only decayed; its ``sharded_state_dict``
+    asserts on it, so such a run saves legacy files only."""
+    untied = getattr(args, "untie_embeddings_and_output_weights", False)
+    if pp < 2 or untied or not getattr(args, "mtp_num_layers", None):
+        return False
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+    try:
+        return mtp_chunk(layout if isinstance(layout, str) and layout else None, pp, vpp) == (pp - 1, vpp - 1)
+    except ValueError:
+        return False  # (the reader refuses the layout)
+
+
 def _unsynced_copies(args: Any, pp: int) -> dict[str, str] | None:
-    """Why the copies of the word embeddings may differ in a save whose MTP layers keep a copy of
-    them that megatron-core trains apart (:func:`mtp_copy_apart`), as ``copy_notes`` for verify's
-    findings; None for other saves."""
-    if not getattr(args, "mtp_num_layers", None):
-        return None
+    """Why the copies of the word embeddings may differ, as ``copy_notes`` for verify's findings: in a
+    save whose MTP layers keep a copy of them that megatron-core trains apart (:func:`mtp_copy_apart`),
+    or whose last stage keeps them as its tied output layer; None for other saves."""
     layout = getattr(args, "pipeline_model_parallel_layout", None)
     layout = layout if isinstance(layout, str) and layout else None
     vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
-    try:
-        apart = mtp_copy_apart(layout, pp, vpp, getattr(args, "decoupled_lr", None) is not None)
-    except ValueError:
-        return None
-    if apart == "first rank":
+    apart = None
+    if getattr(args, "mtp_num_layers", None):
+        try:
+            apart = mtp_copy_apart(layout, pp, vpp, getattr(args, "decoupled_lr", None) is not None)
+        except ValueError:
+            pass  # (the reader refuses the layout)
+    if apart is None and tied_output_copy(args, pp):
+        hint = (
+            "the last pipeline stage keeps the tied word embeddings as its output_layer.weight, which megatron-core "
+            "syncs with the first stage's through the embedding group: the stages diverged (an embedding group "
+            "without the last stage) or a file is damaged; a reshard to PP=1 keeps the first stage's"
+        )
+    elif apart == "first rank":
         hint = (
             f"the pipeline layout {layout!r} puts the MTP layers on the first pipeline rank, whose copy of the word "
             "embeddings megatron-core never syncs with the embeddings (it starts from zeros and trains apart): the "
@@ -1117,6 +1150,7 @@ class MegatronLegacyAdapter:
         self._nested: dict[tuple[str, str], str] = {}
         self._grouped: dict[str, GroupedWeights] = {}
         self._etp: dict[str, tuple[int, int]] = {}  # rank directory -> (its experts' ETP rank, ETP)
+        self._tied_copy = False
         for d in dirs:
             confine(root, f"{prefix}{d}", named_by="the listing")  # a rank folder linked out
             rel = f"{prefix}{d}/model_optim_rng.pt"
@@ -1139,6 +1173,10 @@ class MegatronLegacyAdapter:
             )
         layout = _args_layout(args)
         tp, pp, ep = layout.tp or 1, layout.pp or 1, layout.ep or 1
+        # tied at PP > 1: the last stage's output_layer.weight is its copy of the word embeddings (a
+        # parameter of its own, synced with the first stage's), read as a replica of them, as
+        # torch_dist saves it
+        self._tied_copy = tied_output_copy(args, pp)
         ranks: dict[str, tuple[int, int, int]] = {}
         owners: dict[tuple[int, int, int], str] = {}
         for d in dirs:
@@ -1228,6 +1266,8 @@ class MegatronLegacyAdapter:
         manifest.extras["iteration_dir"] = it_dir.name
         if (notes := _unsynced_copies(args, pp)) is not None:
             manifest.extras["copy_notes"] = notes
+        if unused_output_layer(args, pp):  # (verify: its moments are zero by design)
+            manifest.extras["unused"] = ["output_layer.weight"]
         if any((root / f"{prefix}{d}/distrib_optim.pt").is_file() for d in dirs):
             manifest.extras["distrib_optim"] = "de-bucketed from distrib_optim.pt by replaying the grad-buffer layout"
         return manifest
@@ -1436,6 +1476,8 @@ class MegatronLegacyAdapter:
         pieces of its global item, split by the parameter's TP rule (its expert TP for a routed
         expert); a GroupedMLP weight (and its state, of the same shape) as one item per expert,
         each a strided view of it (:class:`GroupedWeights`)."""
+        if self._tied_copy and param == "output_layer.weight":
+            param = "embedding.word_embeddings.weight"
         grouped = self._grouped.get(param)
         for owner, view in [(param, ref)] if grouped is None else grouped.views(ref, rel):
             name = owner if suffix is None else f"{owner}.{suffix}"

@@ -67,6 +67,7 @@ from ckpttool.formats.megatron import (
     saving_ranks,
     split_rule,
     stage_split,
+    tied_output_copy,
     tp_regions,
 )
 from ckpttool.geometry import Box
@@ -264,6 +265,9 @@ def _read_stage(src: _Source, args: Any, rank: tuple[int, int, int], layer_offse
     _, p, e = rank
     order: list[tuple[str, tuple[int, ...]]] = []  # the optimizer's parameters: chunk by chunk
     experts_of: dict[str, list[str]] = {}  # a GroupedMLP weight -> its experts' items (the reader's names)
+    # tied at PP > 1: the last stage's output_layer.weight, read as a copy of the embeddings, is no entry of
+    # the model order (the writer gives a tied target's last stage its copy)
+    tied_copy = tied_output_copy(args, src.pp)
     for vp, model in model_chunks(obj):
         offset = layer_offset(args, p, vp, rel)
         for name_here, value in model.items():
@@ -272,7 +276,8 @@ def _read_stage(src: _Source, args: Any, rank: tuple[int, int, int], layer_offse
             if experts is not None:
                 experts_of[name] = experts
                 src.grouped_mlp = True
-            src.model_order += experts or [name]
+            if not (tied_copy and name == "output_layer.weight"):
+                src.model_order += experts or [name]
             if isinstance(value, _unpickle.TensorRef):
                 order.append((name, value.shape))
         for key, value in (getattr(model, "__dict__", {}).get("_metadata") or {}).items():
@@ -647,21 +652,15 @@ def _mtp_problems(manifest: Manifest, src: _Source, target: MegatronTarget, rank
                 "stage's copy of the word embeddings the default LR (it marks only the first stage's embedding as "
                 "one), and a run resumed from these files would train two embeddings; not supported"
             )
-    # the MTP and last stages' copies of tied or position embeddings live in legacy files of a stage
-    # (torch_dist keeps the model's embeddings once; a dp_reshardable source's buckets hold the copy's
-    # optimizer state, read as a replica)
-    if (target.pp > 1 and rank_files) or (src.pp > 1 and legacy_in):
-        if not getattr(args, "untie_embeddings_and_output_weights", False):
-            problems.append(
-                "multi-token prediction layers with embeddings tied to the output layer at PP > 1 are not "
-                "supported yet (the MTP and last stages' copies of both)"
-            )
-        if "embedding.position_embeddings.weight" in manifest.items:
-            problems.append(
-                "multi-token prediction layers with learned position embeddings at PP > 1: Megatron-LM core_v0.16.1 "
-                "refuses the pair (validate_args: MTP takes rope or no position embeddings), so where the MTP stage "
-                "keeps its copy of them is not known"
-            )
+    # the MTP stage's copy of position embeddings would live in legacy files of a stage (torch_dist keeps
+    # the model's embeddings once)
+    stage_files = (target.pp > 1 and rank_files) or (src.pp > 1 and legacy_in)
+    if stage_files and "embedding.position_embeddings.weight" in manifest.items:
+        problems.append(
+            "multi-token prediction layers with learned position embeddings at PP > 1: Megatron-LM core_v0.16.1 "
+            "refuses the pair (validate_args: MTP takes rope or no position embeddings), so where the MTP stage "
+            "keeps its copy of them is not known"
+        )
     return problems
 
 
@@ -833,6 +832,10 @@ class LegacyWriter:
         """multi-token prediction layers, with a copy of the word embeddings in their model chunk"""
         self.mtp_at = mtp_chunk(_target_layout(self.args, target), target.pp, self.vpp)
         """the (pipeline stage, model chunk) building the MTP layers: the last, or the layout's ``m`` stage"""
+        self.copy_out = self.tied and target.pp > 1 and not (self.mtp and self.mtp_at == (target.pp - 1, self.vpp - 1))
+        """the last stage's output_layer.weight is its copy of the word embeddings, written from them
+        (else, tied at PP > 1 with the MTP layers in the last chunk, a parameter megatron-core allocates
+        but never uses: :func:`~ckpttool.formats.megatron.unused_output_layer`)"""
         emb = manifest.items.get("embedding.word_embeddings.weight")
         self.padded = self.rows or (emb.shape[0] if emb is not None and emb.shape else None)
         """rows of the embedding (the padded vocabulary) in the output"""
@@ -1172,9 +1175,7 @@ class LegacyWriter:
     def _item(self, name: str) -> Item:
         if name in self.src.objects:  # a torch_dist record (or an entry it does not save)
             return self.src.objects[name] or Item(name=name, kind="object")
-        item = self.manifest.items.get(name)
-        if item is None and self.tied and name.startswith("output_layer.weight"):
-            item = self.manifest.items.get(name.replace("output_layer.weight", "embedding.word_embeddings.weight"))
+        item = self.manifest.items.get(self._src_name(name))
         if item is None:
             raise CorruptFileError(f"{name}: not in the source checkpoint")
         return item
@@ -1493,6 +1494,32 @@ class LegacyWriter:
             return None
         return rows // tp
 
+    def _unused_output_notes(self) -> list[str]:
+        """What becomes of the output_layer.weight megatron-core allocates but never uses on the last
+        stage of a tied model whose MTP layers share its last chunk
+        (:func:`~ckpttool.formats.megatron.unused_output_layer`), in the source or the target."""
+        what = (
+            "megatron-core 0.16.1 allocates it but never uses it when the MTP layers share the last chunk of a tied "
+            "model"
+        )
+        unused_in = "output_layer.weight" in (self.manifest.extras.get("unused") or ())
+        unused_out = self.tied and self.target.pp > 1 and not self.copy_out
+        out = []
+        if unused_in and not (unused_out and self.rank_files):
+            out.append(f"the source's last-stage output_layer.weight is not written ({what}: random init, zero "
+                       "moments)")  # fmt: skip
+        if unused_out and not self.rank_files:
+            out.append(
+                "megatron-core 0.16.1 cannot load this model at this pipeline layout (its sharded_state_dict asserts "
+                "on the last stage's output layer, which it allocates but never uses when the MTP layers share the "
+                "last chunk of a tied model): load it at a layout with a stage of its own for the MTP layers, or "
+                "write legacy files (--to megatron)"
+            )
+        elif unused_out and not unused_in:
+            out.append(f"the last stage's output_layer.weight is written as a copy of the word embeddings ({what}, so "
+                       "its values do not change training)")  # fmt: skip
+        return out
+
     def notes(self) -> list[str]:
         """What a user resuming from the output must know."""
         out = []
@@ -1535,6 +1562,7 @@ class LegacyWriter:
             )
         if self.target.pp > 1 and _num_layers(self.args):
             out.append(self._placement_note())
+        out += self._unused_output_notes()
         if self.src.dist and self.rank_files:
             out.append(
                 "written from a torch_dist checkpoint: Megatron-LM reads it with --ckpt-format torch; the modules' "
@@ -1730,7 +1758,9 @@ class LegacyWriter:
         return {k: _ptwrite.carry(v, partial(archive, rel)) for k, v in extra.items()}
 
     def _src_name(self, name: str) -> str:
-        if name not in self.manifest.items and self.tied and name.startswith("output_layer.weight"):
+        """The source item a target entry is written from: a tied output layer's copy from the word
+        embeddings (an unused output layer from the source's own, when it has one)."""
+        if self.tied and name.startswith("output_layer.weight") and (self.copy_out or name not in self.manifest.items):
             return name.replace("output_layer.weight", "embedding.word_embeddings.weight")
         return name
 

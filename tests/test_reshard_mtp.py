@@ -367,12 +367,6 @@ def test_mtp_torch_dist_to_legacy_at_pp2(tmp_path):
 @pytest.mark.parametrize(
     ("args", "target", "message", "hint"),
     [
-        (
-            {"untie_embeddings_and_output_weights": False},
-            Target(tp=1, pp=1),
-            "tied to the output layer at PP > 1",
-            "from a legacy save at PP > 1 these are not supported yet, whatever the output",
-        ),
         ({}, Target(pp=2, pipeline_layout="Et|tL"), "the pipeline layout places 0 MTP layers", "must place all"),
         (
             {},
@@ -389,9 +383,8 @@ def test_mtp_torch_dist_to_legacy_at_pp2(tmp_path):
     ],
 )
 def test_mtp_refusals(args, target, message, hint, tmp_path):
-    """What is not supported yet, or not valid, is refused before anything is written: tied
-    embeddings at PP > 1 (the MTP stage's copies of the embedding and output layer), a pipeline layout
-    without the model's MTP layers, or with them on the first pipeline rank (whose embedding copy
+    """What is not valid is refused before anything is written: a pipeline layout without the model's
+    MTP layers, or with them on the first pipeline rank (whose embedding copy
     megatron-core never syncs), --decoupled-lr at PP > 1 (megatron-core leaves the MTP stage's embedding
     copy in the default group, so a run resumed at PP > 1 trains two embeddings)."""
     base = MTP_TP2 if "decoupled_lr" in args else MTP_PP2  # (a legacy source at PP = 2 trained its copy: below)

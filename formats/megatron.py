@@ -1024,9 +1024,10 @@ def _unsynced_copies(args: Any, pp: int) -> dict[str, str] | None:
             pass  # (the reader refuses the layout)
     if apart is None and tied_output_copy(args, pp):
         hint = (
-            "the last pipeline stage keeps the tied word embeddings as its output_layer.weight, which megatron-core "
-            "syncs with the first stage's through the embedding group: the stages diverged (an embedding group "
-            "without the last stage) or a file is damaged; a reshard to PP=1 keeps the first stage's"
+            "at PP > 1 the last pipeline stage keeps its own copy of the tied word embeddings (its "
+            "output_layer.weight), which megatron-core syncs with the first stage's through the embedding group: if "
+            "the differing copy is that stage's, the stages diverged (an embedding group without the last stage) or "
+            "a file is damaged; a reshard to PP=1 keeps the first stage's"
         )
     elif apart == "first rank":
         hint = (
@@ -1588,12 +1589,14 @@ def shared_embedding(args: Any, pp_rank: int, pp: int) -> frozenset[str]:
     (they get a bucket of their own): the tied word embedding on the first stage and its copy as
     the output layer on the last, when there is more than one stage. megatron-core marks an MTP
     stage's copy of the embeddings too; registered first in its chunk, it lies last in the buffer,
-    where a bucket of its own starts at the same offset, so it is left out."""
+    where a bucket of its own starts at the same offset, so it is left out. With the MTP layers in
+    the last chunk that copy is the one it marks, not the (unused) output layer
+    (:func:`unused_output_layer`): nothing on that stage."""
     if pp == 1 or getattr(args, "untie_embeddings_and_output_weights", False):
         return frozenset()
     if pp_rank == 0:
         return frozenset({"embedding.word_embeddings.weight"})
-    if pp_rank == pp - 1:
+    if pp_rank == pp - 1 and not unused_output_layer(args, pp):
         return frozenset({"output_layer.weight"})
     return frozenset()
 

@@ -565,8 +565,8 @@ def validate(
 
 def _validate_hint(problems: list[str], dist_helps: bool) -> str:
     """What to do about :func:`validate`'s ``problems``; ``dist_helps``: a torch_dist output would
-    avoid the MTP stage's copies of tied or position embeddings (a legacy output from a source that is
-    not a legacy save at PP > 1)."""
+    avoid the MTP stage's copy of position embeddings (a legacy output from a source that is not a
+    legacy save at PP > 1)."""
     if any(
         "the source's pipeline layout puts the MTP layers" in p or "the source's MTP stage trained" in p
         for p in problems
@@ -582,7 +582,7 @@ def _validate_hint(problems: list[str], dist_helps: bool) -> str:
             tips.append("a pipeline layout must place all of the model's MTP layers (m), in one stage")
         if any("first pipeline rank" in p for p in mtp):
             tips.append("give the MTP layers a stage of their own on another pipeline rank (--pipeline-layout)")
-        staged = any("at PP > 1" in p for p in mtp)  # the MTP stage's copies of tied or position embeddings
+        staged = any("at PP > 1" in p for p in mtp)  # the MTP stage's copy of position embeddings
         if staged and not dist_helps:
             tips.append("from a legacy save at PP > 1 these are not supported yet, whatever the output")
         elif staged or any("the target pipeline layout puts" in p for p in mtp):

@@ -99,7 +99,7 @@ def test_a_copy_that_drifted_is_found(tmp_path):
     found = verify(root, deep=True).failing()
     assert [f.rule for f in found] == ["replica-mismatch"], found
     assert "mp_rank_01_000" in found[0].message and "mp_rank_01_001" in found[0].message, found[0].message
-    assert "tied word embeddings as its output_layer.weight" in (found[0].hint or "")
+    assert "its own copy of the tied word embeddings (its output_layer.weight)" in (found[0].hint or "")
 
 
 @pytest.mark.parametrize(("source", "via"), [(TIED, Target(tp=1, pp=1)), (TIED_DISTOPT, Target(tp=1, pp=1))])
@@ -367,3 +367,24 @@ def test_megatron_lm_loads_the_tied_mtp_checkpoint(source, target, ref, tmp_path
     args += ["--distopt"] if target.distributed_optimizer else []
     proc = _oracle(mlm, out, *args, *(_ref(ref) if ref else ()))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+
+def test_the_unused_output_layer_gets_no_bucket_of_its_own():
+    """megatron-core marks ``shared_embedding`` (a grad-buffer bucket of its own) on
+    ``shared_embedding_or_output_weight()``: on a tied last stage the output layer, but with the MTP
+    layers in that chunk their copy of the embeddings (registered first, so its bucket changes
+    nothing), not the unused output layer; a standalone MTP stage leaves the last stage's output
+    layer marked."""
+    from types import SimpleNamespace
+
+    from ckpttool.formats.megatron import shared_embedding
+
+    def args(**kw):
+        base = {"untie_embeddings_and_output_weights": False, "pipeline_model_parallel_layout": None}
+        return SimpleNamespace(**{**base, "mtp_num_layers": None, "virtual_pipeline_model_parallel_size": None, **kw})
+
+    assert shared_embedding(args(), 1, 2) == {"output_layer.weight"}
+    assert shared_embedding(args(mtp_num_layers=1), 1, 2) == frozenset()
+    assert shared_embedding(args(mtp_num_layers=1), 0, 2) == {EMB}
+    stage = args(mtp_num_layers=1, pipeline_model_parallel_layout=STAGE_LAYOUT)
+    assert [shared_embedding(stage, p, 4) for p in range(4)] == [{EMB}, set(), set(), {"output_layer.weight"}]

@@ -982,6 +982,14 @@ def mtp_copy_apart(layout: str | None, pp: int, vpp: int, decoupled: bool) -> st
     return "decoupled" if decoupled else None
 
 
+def args_pipeline(args: Any) -> tuple[str | None, int]:
+    """The ``--pipeline-model-parallel-layout`` string ``args`` give (None: none) and their model
+    chunks per pipeline rank."""
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+    return (layout if isinstance(layout, str) and layout else None), vpp
+
+
 def tied_output_copy(args: Any, pp: int) -> bool:
     """Whether the last stage's ``output_layer.weight`` is its copy of the word embeddings: the
     output layer tied to them (no ``--untie-embeddings-and-output-weights``) at PP > 1, megatron-core
@@ -1001,10 +1009,9 @@ def unused_output_layer(args: Any, pp: int) -> bool:
     untied = getattr(args, "untie_embeddings_and_output_weights", False)
     if pp < 2 or untied or not getattr(args, "mtp_num_layers", None):
         return False
-    layout = getattr(args, "pipeline_model_parallel_layout", None)
-    vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+    layout, vpp = args_pipeline(args)
     try:
-        return mtp_chunk(layout if isinstance(layout, str) and layout else None, pp, vpp) == (pp - 1, vpp - 1)
+        return mtp_chunk(layout, pp, vpp) == (pp - 1, vpp - 1)
     except ValueError:
         return False  # (the reader refuses the layout)
 
@@ -1013,9 +1020,7 @@ def _unsynced_copies(args: Any, pp: int) -> dict[str, str] | None:
     """Why the copies of the word embeddings may differ, as ``copy_notes`` for verify's findings: in a
     save whose MTP layers keep a copy of them that megatron-core trains apart (:func:`mtp_copy_apart`),
     or whose last stage keeps them as its tied output layer; None for other saves."""
-    layout = getattr(args, "pipeline_model_parallel_layout", None)
-    layout = layout if isinstance(layout, str) and layout else None
-    vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+    layout, vpp = args_pipeline(args)
     apart = None
     if getattr(args, "mtp_num_layers", None):
         try:

@@ -45,6 +45,7 @@ from ckpttool.formats.megatron import (
     ALLOWLIST,
     TRACKER,
     Saver,
+    args_pipeline,
     bucket_size,
     chunk_shared_embedding,
     expert_of,
@@ -624,11 +625,11 @@ def _mtp_problems(manifest: Manifest, src: _Source, target: MegatronTarget, rank
             problems.append(f"the pipeline layout places {placed} MTP layers (m), the model has {mtp}")
     if not mtp:
         return problems
-    source_layout = getattr(args, "pipeline_model_parallel_layout", None) or None
+    source_layout, source_vpp = args_pipeline(args)
     legacy_in = manifest.format == "megatron"
     decoupled = getattr(args, "decoupled_lr", None) is not None
     for which, given, pp, vpp, staged in (  # (a legacy source, or a legacy output: torch_dist keeps no stage copies)
-        ("the source's", source_layout, src.pp, _source_vpp(args), legacy_in),
+        ("the source's", source_layout, src.pp, source_vpp, legacy_in),
         ("the target", layout, target.pp, _target_vpp(args, target), rank_files),
     ):
         try:
@@ -832,10 +833,11 @@ class LegacyWriter:
         """multi-token prediction layers, with a copy of the word embeddings in their model chunk"""
         self.mtp_at = mtp_chunk(_target_layout(self.args, target), target.pp, self.vpp)
         """the (pipeline stage, model chunk) building the MTP layers: the last, or the layout's ``m`` stage"""
-        self.copy_out = self.tied and target.pp > 1 and not (self.mtp and self.mtp_at == (target.pp - 1, self.vpp - 1))
-        """the last stage's output_layer.weight is its copy of the word embeddings, written from them
-        (else, tied at PP > 1 with the MTP layers in the last chunk, a parameter megatron-core allocates
-        but never uses: :func:`~ckpttool.formats.megatron.unused_output_layer`)"""
+        self.unused_out = self.tied and target.pp > 1 and self.mtp and self.mtp_at == (target.pp - 1, self.vpp - 1)
+        """the last stage's output_layer.weight is a parameter megatron-core allocates but never uses (tied,
+        the MTP layers in the last chunk: :func:`~ckpttool.formats.megatron.unused_output_layer`)"""
+        self.copy_out = self.tied and target.pp > 1 and not self.unused_out
+        """the last stage's output_layer.weight is its copy of the word embeddings, written from them"""
         emb = manifest.items.get("embedding.word_embeddings.weight")
         self.padded = self.rows or (emb.shape[0] if emb is not None and emb.shape else None)
         """rows of the embedding (the padded vocabulary) in the output"""
@@ -1503,7 +1505,7 @@ class LegacyWriter:
             "model"
         )
         unused_in = "output_layer.weight" in (self.manifest.extras.get("unused") or ())
-        unused_out = self.tied and self.target.pp > 1 and not self.copy_out
+        unused_out = self.unused_out
         out = []
         if unused_in and not (unused_out and self.rank_files):
             out.append(f"the source's last-stage output_layer.weight is not written ({what}: random init, zero "

@@ -270,10 +270,8 @@ def test_the_unused_output_layer_of_an_mtp_last_stage(tmp_path):
 def _without_unused(tmp_path, source):
     from tests.test_reshard import _with_args
 
-    # the args of a layout whose output layer is the embeddings' copy: the reader no longer knows it unused
-    return _with_args(
-        tmp_path / "u", source, pipeline_model_parallel_layout="Et|tmL", untie_embeddings_and_output_weights=True
-    )
+    # (args saying untied: the reader no longer knows the output layer unused; a negative control, not a save)
+    return _with_args(tmp_path / "u", source, untie_embeddings_and_output_weights=True)
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ import xxhash
 
 from ckpttool import io as ckio
 from ckpttool._crc import crc32
+from ckpttool._directwrite import open_direct
 
 Algo = Literal["xxh3-128", "sha256", "crc32"]
 CHUNK = 1 << 20
@@ -188,6 +189,11 @@ class HashingFile:
     def flush(self) -> None:
         self.fh.flush()
 
+    @property
+    def writeback(self) -> bool:
+        """Whether the file's writes go through the page cache (see :func:`ckpttool.io.start_writeback`)."""
+        return bool(getattr(self.fh, "writeback", True))
+
     def fileno(self) -> int:
         return int(self.fh.fileno())
 
@@ -220,10 +226,11 @@ def collecting_written() -> Iterator[dict[str, Written]]:
 
 @contextlib.contextmanager
 def open_output(path: str | os.PathLike[str]) -> Iterator[Any]:
-    """``open(path, "wb")``; while :func:`collecting_written` is active, wrapped in a
+    """``open(path, "wb")`` (written around the page cache where :func:`ckpttool._directwrite.direct_ok`
+    says so); while :func:`collecting_written` is active, wrapped in a
     :class:`HashingFile` whose digests are recorded once the file is complete."""
     into = _WRITTEN.get("into")
-    with open(path, "wb") as fh:
+    with open_direct(path) as fh:
         if into is None:
             yield fh
             return

@@ -11,11 +11,11 @@ import contextlib
 import contextvars
 import errno
 import os
+import secrets
 import shutil
 import socket
 import stat
 import sys
-import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -515,6 +515,11 @@ def _temp_prefix(dest: Path) -> str:
     return f".{dest.name}{TMP_MARKER}"
 
 
+def _temp_name(dest: Path) -> str:
+    """A fresh temporary sibling's name for ``dest``: prefix, owner, 8 random characters."""
+    return f"{_temp_prefix(dest)}{_owner_tag()}{secrets.token_hex(4)}"
+
+
 def sweep_stale(dest: str | os.PathLike[str]) -> None:
     """Remove the temporaries that writers killed before they finished left beside ``dest``
     (made on this host by a process that no longer runs)."""
@@ -555,12 +560,6 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
-
-
 @contextlib.contextmanager
 def atomic_output(dest: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     """Write a file that appears at ``dest`` complete or not at all.
@@ -574,9 +573,14 @@ def atomic_output(dest: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     sweep_stale(dest_p)
     tmp: str | None = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(dest_p) + _owner_tag(), dir=parent)
+        while True:  # named before it is made: an interrupt landing in between leaves nothing unnamed
+            tmp = str(parent / _temp_name(dest_p))
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+                break
+            except FileExistsError:
+                continue
         with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o666 & ~_umask())  # what open() would give, not mkstemp's 0600
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -600,8 +604,13 @@ def staged_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
     sweep_stale(dest_p)
     tmp: Path | None = None
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(dest_p) + _owner_tag(), dir=dest_p.parent))
-        os.chmod(tmp, 0o777 & ~_umask())
+        while True:  # named before it is made (as in atomic_output)
+            tmp = dest_p.parent / _temp_name(dest_p)
+            try:
+                os.mkdir(tmp)  # what a plain mkdir gives (0o777 less the umask)
+                break
+            except FileExistsError:
+                continue
         yield tmp
     except BaseException:
         if tmp is not None:
@@ -704,7 +713,7 @@ def start_writeback(fh: BinaryIO) -> None:
     ``sync_file_range`` is missing, for a file object with no descriptor, and while a job for the
     same file is still waiting: that job covers the whole file when it runs.)"""
     fn = _sync_file_range()
-    if fn is None:
+    if fn is None or not getattr(fh, "writeback", True):  # (a DirectFile's writes skip the cache)
         return
     try:
         fh.flush()

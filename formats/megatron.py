@@ -373,8 +373,16 @@ def _debucket_dist(manifest: Manifest, args: Any) -> str | None:
     mtp = sorted((at, n) for n in params if (at := _mtp_slot(n)) is not None)
     layers = sum(n for chunk in chunks for _, n in chunk)
     mtp_at = mtp_chunk(getattr(args, "pipeline_model_parallel_layout", None) or None, pp, len(chunks[0]))
-    if mtp and (tied or "embedding.position_embeddings.weight" in params):
-        return "multi-token prediction layers with tied embeddings or position embeddings, not replayed yet"
+    if mtp and tied:
+        # no real save to replay against: megatron-core 0.16.1 cannot write one (MTP layers in the
+        # last chunk: its sharded_state_dict asserts on the unused output layer; in a stage of their
+        # own: the save fails its DCP plan check, the MTP stage's chunks overrunning the bucket)
+        return (
+            "multi-token prediction layers with tied embeddings at PP > 1, which megatron-core 0.16.1 "
+            "cannot save as dp_reshardable itself, so no layout of its own to replay"
+        )
+    if mtp and "embedding.position_embeddings.weight" in params:
+        return "multi-token prediction layers with position embeddings, not replayed yet"
     local = experts // ep
 
     def on_rank(n: str, e: int) -> bool:

@@ -1,0 +1,165 @@
+"""Outputs written around the page cache (ckpttool._directwrite), and temporaries named before
+they are made (ckpttool.io.atomic_output, staged_dir)."""
+
+from __future__ import annotations
+
+import errno
+import filecmp
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from ckpttool import _directwrite, io
+from ckpttool._directwrite import STAGE, DirectFile, direct_ok, open_direct
+
+SIZES = [0, 1, 4095, 4096, STAGE - 1, STAGE, STAGE + 1, 3 * STAGE, 2 * STAGE + 12345]
+
+
+def _write(path, total: int, seed: int) -> bytes:
+    """Write ``total`` bytes in writes of mixed sizes (1 byte to several buffers); returns them."""
+    rng = random.Random(seed)
+    out = bytearray()
+    with DirectFile(path) as f:
+        while len(out) < total:
+            n = min(total - len(out), rng.choice([1, 63, 4096, 1 << 20, STAGE + 7, 3 * STAGE]))
+            chunk = rng.randbytes(min(n, 4096)) * (n // 4096) + rng.randbytes(n % 4096)
+            assert f.write(memoryview(chunk)) == n
+            out += chunk
+            assert f.tell() == len(out)
+    return bytes(out)
+
+
+@pytest.mark.parametrize("total", SIZES)
+def test_the_file_holds_every_byte_written(tmp_path, total):
+    data = _write(tmp_path / "f", total, total)
+    assert (tmp_path / "f").read_bytes() == data
+
+
+def test_direct_writes_are_used_from_the_first_full_buffer(tmp_path):
+    """A file of a buffer or more goes with O_DIRECT where the file system takes it (so
+    start_writeback skips it), a smaller one is a plain write."""
+    if not direct_ok(tmp_path):
+        pytest.skip("the temporary directory's file system is not one direct writes are used on")
+    with DirectFile(tmp_path / "small") as f:
+        f.write(b"x" * (STAGE - 1))
+        assert not f.direct and not f.writeback  # nothing handed to the kernel yet
+    with DirectFile(tmp_path / "big") as f:
+        f.write(b"x" * (STAGE + 1))
+        assert f.direct and not f.writeback
+    assert (tmp_path / "big").read_bytes() == b"x" * (STAGE + 1)
+
+
+def test_a_refused_o_direct_writes_through_the_cache(tmp_path, monkeypatch):
+    real = _directwrite.fcntl.fcntl
+
+    def refuse(fd, cmd, arg=0):
+        if cmd == _directwrite.fcntl.F_SETFL and arg & _directwrite._O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, cmd, arg)
+
+    monkeypatch.setattr(_directwrite.fcntl, "fcntl", refuse)
+    with DirectFile(tmp_path / "f") as f:
+        f.write(b"ab" * STAGE)
+        assert not f.direct and f.writeback
+    assert (tmp_path / "f").read_bytes() == b"ab" * STAGE
+
+
+def test_a_failed_write_is_raised_and_nothing_is_leaked(tmp_path, monkeypatch):
+    """A write error on the helper thread (a full disk) comes back to the writer, the descriptor is
+    closed and the staging buffers go back to the pool."""
+
+    def full(fd, view, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_directwrite.os, "pwrite", full)
+    pooled = len(_directwrite._pool)
+    f = DirectFile(tmp_path / "f")
+    with pytest.raises(OSError, match="No space"), f:
+        f.write(b"x" * (3 * STAGE))
+    assert f.fd == -1 and f.closed
+    assert len(_directwrite._pool) == max(pooled, 2)  # the two it took, back
+
+
+def test_the_switch_and_the_file_systems(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTTOOL_DIRECT_WRITE", "0")
+    assert not direct_ok(tmp_path)
+    with open_direct(tmp_path / "f") as f:
+        assert not isinstance(f, DirectFile)
+    monkeypatch.setenv("CKPTTOOL_DIRECT_WRITE", "1")
+    assert direct_ok(tmp_path) == bool(_directwrite._O_DIRECT)
+    monkeypatch.delenv("CKPTTOOL_DIRECT_WRITE")
+    if os.path.isdir("/dev/shm") and sys.platform.startswith("linux"):
+        assert _directwrite._fs_type(os.stat("/dev/shm").st_dev) == "tmpfs"
+        assert not direct_ok("/dev/shm")
+
+
+def test_reshard_writes_the_same_bytes_either_way(tmp_path):
+    """A reshard whose rank files span several staging buffers, written with direct writes forced
+    on and off: the same files."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(1536, 2048, generator=g), "b": torch.randn(777, generator=g).half()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=tmp_path / "src")
+    outs = []
+    for mode in ("0", "1"):
+        out = tmp_path / f"out{mode}"
+        env = {**os.environ, "CKPTTOOL_DIRECT_WRITE": mode}
+        cmd = [sys.executable, "-m", "ckpttool", "reshard", str(tmp_path / "src"), "-o", str(out), "--dp", "2", "-q"]
+        subprocess.run(cmd, check=True, env=env, cwd=tmp_path)
+        outs.append(out)
+    names = sorted(p.name for p in outs[0].iterdir() if p.name != "ckpttool.manifest.json")  # (names its path)
+    assert names == sorted(p.name for p in outs[1].iterdir() if p.name != "ckpttool.manifest.json")
+    assert max((outs[1] / n).stat().st_size for n in names) > 1.5 * STAGE
+    _, mismatch, errors = filecmp.cmpfiles(outs[0], outs[1], names, shallow=False)
+    assert not mismatch and not errors
+    # the seal took its digests as the bytes went out: a full check against it finds them
+    verify = [sys.executable, "-m", "ckpttool", "verify", str(outs[1]), "-q"]
+    assert subprocess.run(verify, cwd=tmp_path).returncode == 0
+
+
+def test_an_interrupt_right_after_the_temporary_is_made_leaves_nothing(tmp_path, monkeypatch):
+    """Ctrl-C landing after the temporary file or directory exists but before the call that made
+    it returns: the temporary is still removed (it is named before it is made)."""
+    real_open, real_mkdir = os.open, os.mkdir
+
+    def open_then_interrupt(path, flags, mode=0o777):
+        fd = real_open(path, flags, mode)
+        if str(path).startswith(str(tmp_path)):
+            os.close(fd)
+            raise KeyboardInterrupt
+        return fd
+
+    def mkdir_then_interrupt(path, mode=0o777):
+        real_mkdir(path, mode)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(io.os, "open", open_then_interrupt)
+    with pytest.raises(KeyboardInterrupt), io.atomic_output(tmp_path / "out.bin") as f:
+        f.write(b"never")
+    monkeypatch.setattr(io.os, "open", real_open)
+    monkeypatch.setattr(io.os, "mkdir", mkdir_then_interrupt)
+    with pytest.raises(KeyboardInterrupt), io.staged_dir(tmp_path / "outdir"):
+        pass
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_temporaries_get_the_modes_plain_ones_would(tmp_path):
+    umask = os.umask(0o022)
+    try:
+        with io.atomic_output(tmp_path / "f") as f:
+            f.write(b"x")
+        with io.staged_dir(tmp_path / "d") as d:
+            io.publish_dir(d, tmp_path / "d")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "f").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "d").stat().st_mode & 0o777 == 0o755

@@ -1,7 +1,7 @@
 """reshard of >= 1 GB DCP checkpoints (FSDP2, 2 ranks -> 4) against `cp -r` of the same bytes and
 torch's dcp_to_torch_save, and peak memory as the checkpoint grows.
 
-    python benchmarks/bench_reshard.py [--layers 24 96] [--repeat 3] [--keep]
+    python benchmarks/bench_reshard.py [--layers 24 96] [--repeat 3] [--keep] [--buffered]
 
 For each size (``--layers``: 24 -> 1.2 GB, 96 -> 4.8 GB; same 2048x2048 tensors, so the largest
 tensor stays 16.8 MB), the checkpoint is made under benchmarks/_data/ (git-ignored) by
@@ -12,7 +12,9 @@ runs in a fresh process, alternating, with ``sync`` before each run and no old o
   bytes: ckpttool fsyncs its output before publishing it);
 * ``ckpttool reshard --dp 4`` with ``--workers 1`` and ``--workers 2`` (output sealed, fsynced,
   published by rename: the product's defaults);
-* ``dcp_to_torch_save`` (torch's offline conversion; on the smallest size only).
+* ``dcp_to_torch_save`` (torch's offline conversion; on the smallest size only);
+* with ``--buffered``, ``--workers 1`` again with ``CKPTTOOL_DIRECT_WRITE=0``: outputs written
+  through the page cache instead of around it (ckpttool/_directwrite.py).
 
 Wall time and peak RSS (``ru_maxrss`` of the child; with ``--workers 2`` the largest process).
 Medians and ratios are printed and written to benchmarks/_data/reshard.json. Targets (issue 6):
@@ -40,7 +42,7 @@ def make(layers: int) -> Path:
     return make_once(DATA / f"dcp_{WIDTH}x{layers}", ".metadata", HERE / "_make_big_dcp.py", WIDTH, layers)
 
 
-def bench(ckpt: Path, repeat: int, peer: bool) -> dict[str, object]:
+def bench(ckpt: Path, repeat: int, peer: bool, buffered: bool = False) -> dict[str, object]:
     size = warm(ckpt)
     out = DATA / "reshard_out"
     peer_out = DATA / "reshard_peer.pt"
@@ -51,6 +53,8 @@ def bench(ckpt: Path, repeat: int, peer: bool) -> dict[str, object]:
         "reshard --workers 1": [*ours, "--workers", "1"],
         "reshard --workers 2": [*ours, "--workers", "2"],
     }
+    if buffered:  # the same as --workers 1, its outputs written through the page cache
+        cmds["reshard, buffered writes"] = ["env", "CKPTTOOL_DIRECT_WRITE=0", *ours, "--workers", "1"]
     if peer:
         cmds["dcp_to_torch_save"] = [
             sys.executable, "-c",
@@ -77,6 +81,8 @@ def bench(ckpt: Path, repeat: int, peer: bool) -> dict[str, object]:
         "workers2_speedup": med["reshard --workers 1"][0] / med["reshard --workers 2"][0],
         "rss_workers1": med["reshard --workers 1"][1],
     }
+    if buffered:
+        summary["direct_speedup"] = med["reshard, buffered writes"][0] / med["reshard --workers 1"][0]
     if peer:
         summary["vs_peer_speed"] = med["dcp_to_torch_save"][0] / med["reshard --workers 1"][0]
         summary["vs_peer_memory"] = med["reshard --workers 1"][1] / med["dcp_to_torch_save"][1]
@@ -88,6 +94,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, nargs="+", default=[24, 96])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--keep", action="store_true", help="keep the larger checkpoints")
+    ap.add_argument("--buffered", action="store_true", help="also --workers 1 with CKPTTOOL_DIRECT_WRITE=0")
     args = ap.parse_args()
     DATA.mkdir(exist_ok=True)
     report: dict[str, object] = {"cpus": os.cpu_count(), "sizes": {}}
@@ -95,13 +102,14 @@ def main() -> int:
     for k, layers in enumerate(args.layers):
         ckpt = make(layers)
         print(f"{ckpt.name}:")
-        s = bench(ckpt, args.repeat, peer=k == 0)
+        s = bench(ckpt, args.repeat, peer=k == 0, buffered=args.buffered)
         report["sizes"][ckpt.name] = s  # type: ignore[index]
         print(f"  {s['checkpoint_bytes'] / 1e9:.2f} GB: reshard {s['vs_cp']:.2f}x cp (workers 2: "
               f"{s['vs_cp_workers2']:.2f}x), --workers 2 {s['workers2_speedup']:.2f}x --workers 1, peak RSS "
               f"{s['rss_workers1'] / 1e6:.0f} MB (bound {s['rss_bound'] / 1e6:.0f} MB)"
               + (f", {s['vs_peer_speed']:.1f}x faster than dcp_to_torch_save at {s['vs_peer_memory']:.2f}x its memory"
-                 if "vs_peer_speed" in s else ""))
+                 if "vs_peer_speed" in s else "")
+              + (f"; direct writes {s['direct_speedup']:.2f}x buffered" if "direct_speedup" in s else ""))
         ok &= s["vs_cp"] >= 0.5 and s["rss_workers1"] <= s["rss_bound"]  # type: ignore[operator]
         ok &= s["workers2_speedup"] >= 1.6  # type: ignore[operator]
         if "vs_peer_speed" in s:

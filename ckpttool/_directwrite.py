@@ -112,11 +112,16 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 
 class DirectFile:
     """A binary file written front to back (``write``, ``tell``) through staging buffers, each
-    full one written with ``O_DIRECT`` on a helper thread while the next fills. ``flush`` waits for
-    the write in flight; what is still staged reaches the file at ``close``."""
+    full one written with ``O_DIRECT`` on a helper thread while the next fills; ``flush`` and
+    ``close`` write the rest."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
+    def __init__(self, target: str | os.PathLike[str] | int) -> None:
+        """Opens ``target`` for writing (created or truncated), or takes over a descriptor opened
+        for writing at its start (closed with the file)."""
+        if isinstance(target, int):
+            self.fd = target
+        else:
+            self.fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
         self._flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
         self.direct = False  # O_DIRECT on (from the first full buffer, where the kernel takes it)
         self._tried = False
@@ -175,7 +180,17 @@ class DirectFile:
             pending.result()
 
     def flush(self) -> None:
+        """Hand every byte written to the kernel (then ``os.fsync`` makes them durable). What is
+        staged is not a whole buffer, so it goes through the cache, and so does what follows."""
         self._wait()
+        if self._fill:
+            self._tried = True
+            if self.direct:  # an unaligned length, and the offsets after it unaligned too
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, self._flags)
+                self.direct = False
+            _pwrite_all(self.fd, self._views[0][: self._fill], self._offset)
+            self._offset += self._fill
+            self._fill = 0
 
     def close(self) -> None:
         """Write what is staged and close; the buffers go back to the pool either way."""
@@ -183,14 +198,7 @@ class DirectFile:
             return
         self.closed = True
         try:
-            self._wait()
-            if self._fill:
-                if self.direct:  # the tail's length is not aligned: through the cache
-                    fcntl.fcntl(self.fd, fcntl.F_SETFL, self._flags)
-                    self.direct = False
-                _pwrite_all(self.fd, self._views[0][: self._fill], self._offset)
-                self._offset += self._fill
-                self._fill = 0
+            self.flush()
         finally:
             self._abandon()
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ckpttool import registry
+from ckpttool._directwrite import open_direct
 from ckpttool.assemble import check_coverage
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.export import safetensors_selection, select, tensor_nbytes, write_safetensors
@@ -141,7 +142,7 @@ def convert(
         weight_map: dict[str, str] = {}
         with adapter.reader(manifest) as reader:
             for fname, shard in zip(names, shards, strict=True):
-                with open(tmp / fname, "wb") as fh:
+                with open_direct(tmp / fname) as fh:
                     write_safetensors(
                         fh,
                         shard,

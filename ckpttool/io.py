@@ -20,7 +20,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from ckpttool import _crc
 from ckpttool.errors import CorruptFileError, NotFoundError, PathEscapeError, UsageError
@@ -580,8 +580,10 @@ def atomic_output(dest: str | os.PathLike[str]) -> Iterator[BinaryIO]:
                 break
             except FileExistsError:
                 continue
-        with os.fdopen(fd, "wb") as f:
-            yield f
+        from ckpttool._directwrite import DirectFile, direct_ok  # (it uses this module's helper threads)
+
+        with DirectFile(fd) if direct_ok(parent) else os.fdopen(fd, "wb") as f:
+            yield cast(BinaryIO, f)  # (a DirectFile: write, tell, flush, fileno)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, dest_p)

@@ -163,3 +163,24 @@ def test_temporaries_get_the_modes_plain_ones_would(tmp_path):
         os.umask(umask)
     assert (tmp_path / "f").stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "d").stat().st_mode & 0o777 == 0o755
+
+
+def test_flush_hands_every_byte_to_the_kernel(tmp_path):
+    """flush writes what is staged (then fsync makes it durable); writes after it go on through
+    the cache, at unaligned offsets."""
+    with DirectFile(tmp_path / "f") as f:
+        f.write(b"a" * (STAGE + 100))
+        f.flush()
+        assert (tmp_path / "f").read_bytes() == b"a" * (STAGE + 100)
+        assert not f.direct and f.writeback
+        f.write(b"b" * (2 * STAGE))
+    assert (tmp_path / "f").read_bytes() == b"a" * (STAGE + 100) + b"b" * (2 * STAGE)
+
+
+def test_atomic_output_writes_large_files_whole(tmp_path):
+    data = random.Random(3).randbytes(3 * STAGE + 5)
+    with io.atomic_output(tmp_path / "out.bin") as f:
+        f.write(data[:100])
+        f.write(data[100:])
+    assert (tmp_path / "out.bin").read_bytes() == data
+    assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]

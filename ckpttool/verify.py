@@ -90,6 +90,12 @@ RULES: dict[str, Rule] = {
             "files from two saves were mixed (an overwrite that did not finish?)",
         ),
         Rule(
+            "misplaced-file",
+            "error",
+            "a rank's file is where another rank's belongs",
+            "files were renamed, copied over each other or mixed from another run; restore them from the save",
+        ),
+        Rule(
             "coverage-gap",
             "error",
             "parts of a tensor are in no piece",
@@ -264,9 +270,7 @@ def verify(
     if sealed is not None and root.is_dir():
         # hash while the checkpoint is described, in the folder the seal was made in when that is
         # this one or inside it (a save directory and its iteration); else in this one
-        sealed_root = Path(sealed.head.root)
-        inside = sealed_root.is_dir() and sealed_root.resolve().is_relative_to(root.resolve())
-        early = _hash_sealed_files(sealed_root if inside else root, sealed, workers, progress, within=root)
+        early = _hash_sealed_files(_sealed_folder(root, sealed) or root, sealed, workers, progress, within=root)
     try:
         return _verify(root, report, sealed, early, required, deep, workers, progress)
     finally:
@@ -313,6 +317,7 @@ def _verify(
         _check_manifest(report, manifest, required)
         _check_replicas(report, manifest, adapter, piece_digests)
         _check_steps(report, manifest)
+        _check_format_findings(report, manifest)
         _check_optimizer(report, manifest, adapter, piece_digests, sealed.algo if sealed else "xxh3-128")
         if deep:
             _check_values(report, manifest, adapter)
@@ -378,11 +383,13 @@ def _check_in_flight(report: VerifyReport, root: Path, manifest: Manifest | None
         }
     base = Path(manifest.root) if manifest is not None else root  # a save directory's iteration folder
     times: dict[str, float] = {}
+    sizes: dict[str, int] = {}
     for rel in roles:
         try:
-            times[rel] = (base / rel).stat().st_mtime
+            st = (base / rel).stat()
         except OSError:
             continue
+        times[rel], sizes[rel] = st.st_mtime, st.st_size
     committed = [times[rel] for rel, role in roles.items() if role in ("metadata", "tracker") and rel in times]
     if not committed:
         return
@@ -391,6 +398,9 @@ def _check_in_flight(report: VerifyReport, root: Path, manifest: Manifest | None
         (rel for rel, role in roles.items() if role == "data" and times.get(rel, 0.0) > commit + COMMIT_SLACK_S),
         key=lambda p: -times[p],
     )
+    after = [(times[rel], sizes[rel]) for rel, role in roles.items() if role == "data" and times.get(rel, 0.0) > commit]
+    if newer and _one_stream(commit, after):
+        return  # a copy that wrote the metadata first and the data files one after another
     if newer:
         report.findings.append(
             finding(
@@ -403,6 +413,24 @@ def _check_in_flight(report: VerifyReport, root: Path, manifest: Manifest | None
                 "with their times (cp -p, rsync -a) or seal the checkpoint where it was written",
             )
         )
+
+
+COPY_RATE_MIN = 10e6
+"""bytes per second a copy of a checkpoint is assumed to write at least (a slow network copy)"""
+
+
+def _one_stream(commit: float, written: list[tuple[float, int]]) -> bool:
+    """Whether data files written after the metadata (``(mtime, size)`` each) read as one copy
+    that began with the metadata: in time order, each file finished no later after the one before
+    (the metadata first) than writing its bytes at :data:`COPY_RATE_MIN` and the slack take. A
+    plain copy (``cp -r``, a download: new timestamps, ``.metadata`` often first) writes so; a save
+    rewriting the checkpoint starts its first file a training interval after the old metadata."""
+    last = commit
+    for mtime, size in sorted(written):
+        if mtime - last > COMMIT_SLACK_S + size / COPY_RATE_MIN:
+            return False
+        last = mtime
+    return True
 
 
 def _dedupe(findings: list[Finding]) -> list[Finding]:
@@ -449,12 +477,28 @@ class _SealedBytes:
         self.runner.shutdown()
 
 
+def _sealed_folder(root: Path, sealed: Seal) -> Path | None:
+    """The folder the seal was made over, found in the checkpoint being verified: ``root`` itself,
+    or a folder inside it (a save directory's iteration folder). The seal records it as it was
+    given (relative to where ``seal`` ran), so it is looked for as written when that lies inside
+    ``root``, else by its name below ``root``; never outside ``root`` (a copy's seal names the
+    original, which is not what is being verified)."""
+    if not root.is_dir():
+        return None
+    recorded = Path(sealed.head.root)
+    for candidate in (recorded, root / recorded.name):
+        try:
+            if candidate.is_dir() and candidate.resolve().is_relative_to(root.resolve()):
+                return candidate
+        except OSError:
+            continue
+    return None
+
+
 def _seal_scope(root: Path, sealed: Seal, manifest: Manifest | None) -> Path:
     if manifest is not None:
         return Path(manifest.root)
-    if Path(sealed.head.root).is_dir():
-        return Path(sealed.head.root)
-    return root if root.is_dir() else root.parent
+    return _sealed_folder(root, sealed) or (root if root.is_dir() else root.parent)
 
 
 def _hash_sealed_files(
@@ -889,10 +933,27 @@ def _check_steps(report: VerifyReport, manifest: Manifest) -> None:
                 report.findings.append(
                     finding(
                         "step-mismatch",
-                        f"{rel} claims step {step}; {len(counts[majority])} other files claim {majority}",
+                        f"{rel} claims step {step}; {_others(counts[majority])} claim {majority}",
                         file=rel,
                     )
                 )
+
+
+def _check_format_findings(report: VerifyReport, manifest: Manifest) -> None:
+    """What the format's reader found wrong while the rest could still be read
+    (``extras["findings"]``: each ``{"rule", "file", "message"}``, a ``"hint"`` where it knows
+    better than the rule's): a file a complete save has and this one lacks, a rank's file in
+    another rank's place."""
+    for f in manifest.extras.get("findings") or ():
+        report.findings.append(
+            finding(f["rule"], f["message"], file=f["file"], hint=f.get("hint") or RULES[f["rule"]].hint)
+        )
+
+
+def _others(rels: list[str]) -> str:
+    """``rels`` in a few words: three named, the rest counted."""
+    named = ", ".join(rels[:3])
+    return named + (f" and {len(rels) - 3} more" if len(rels) > 3 else "")
 
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")

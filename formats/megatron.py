@@ -147,6 +147,62 @@ def _read_tracker(root: Path) -> Path:
     return target
 
 
+def _misplaced_ranks(dirs: dict[str, tuple[tuple[int, int, int], Any]], args: Any, pp: int) -> list[dict[str, str]]:
+    """Rank directories whose file another rank saved: each file's ``args.rank`` is the global rank
+    that wrote it, and megatron-core's rank layout says which rank saves each directory
+    (:func:`saving_ranks`). A file copied or renamed into another rank's place reads as a valid
+    checkpoint with the wrong rank's tensors; this names it. Nothing is said where the layout
+    cannot be replayed (no world size in the args, a layout megatron-core would refuse)."""
+    tp, ep = _int_arg(args, "tensor_model_parallel_size"), _int_arg(args, "expert_model_parallel_size")
+    experts = _int_arg(args, "num_experts", 0)
+    try:
+        savers = saving_ranks(
+            tp=tp,
+            etp=(own_etp(args) or tp) if experts else tp,
+            ep=ep if experts else 1,
+            pp=pp,
+            cp=_int_arg(args, "context_parallel_size"),
+            world=_int_arg(args, "world_size", 0),
+            tp_pp_dp=bool(getattr(args, "use_tp_pp_dp_mapping", False)),
+        )
+    except (ValueError, ZeroDivisionError):
+        return []
+    saves = {s.rank: key for key, s in savers.items()}
+    out = []
+    for rel, (rank, own) in dirs.items():
+        found = getattr(own, "rank", None)
+        want = savers.get(rank)
+        if not isinstance(found, int) or isinstance(found, bool) or want is None or found == want.rank:
+            continue
+        where = saves.get(found)
+        whose = (
+            f"which saves {rank_dir(where[0], where[1], pp, where[2], ep if experts else 1)}"
+            if where is not None
+            else "which saves no legacy file"
+        )
+        out.append(
+            {
+                "rule": "misplaced-file",
+                "file": f"{rel}/model_optim_rng.pt",
+                "message": f"{rel}/model_optim_rng.pt was saved by rank {found} ({whose}); "
+                f"{rel} is rank {want.rank}'s under the args' layout",
+            }
+        )
+    return out
+
+
+def _step_claims(files: dict[str, Any], it_dir: str, tracked: bool) -> dict[str, int]:
+    """The iteration each file records, with the iteration directory's name (``iter_NNNNNNN/``)
+    and, when the save directory was given, its tracker's as claims of their own: verify names the
+    files whose step disagrees with the rest (a rank file left from another save)."""
+    claims = {rel: v for rel, v in files.items() if isinstance(v, int) and not isinstance(v, bool)}
+    if claims and (m := _ITER_DIR.match(it_dir)) is not None:
+        claims[f"{it_dir}/"] = int(m.group(1))
+        if tracked:
+            claims[TRACKER] = int(m.group(1))  # (it named this directory)
+    return claims
+
+
 def _int_arg(args: Any, name: str, default: int = 1) -> int:
     """``args.<name>`` when it is a positive int, else ``default``."""
     v = getattr(args, name, None)
@@ -291,6 +347,17 @@ class MegatronDistAdapter:
                 )
         it = common.get("iteration")
         manifest.step = it if isinstance(it, int) else None
+        manifest.extras["step_claims"] = _step_claims({"common.pt": it} if common else {}, path.name, False)
+        if not common and not any(n in manifest.items for n in ("iteration", "args")):
+            manifest.extras["findings"] = [
+                {
+                    "rule": "missing-file",
+                    "file": "common.pt",
+                    "message": "common.pt is missing: megatron-core saves the iteration, args, optimizer param "
+                    "groups, scheduler and RNG there, and its load stops without it",
+                    "hint": "the save was interrupted or the file deleted; use another iteration",
+                }
+            ]
         manifest.layout = _args_layout(args) if args is not None else base.layout
         content = common.get("content_metadata")
         sharding = content.get("distrib_optim_sharding_type") if isinstance(content, dict) else None
@@ -1273,9 +1340,17 @@ class MegatronLegacyAdapter:
                 )
                 set_value(item, v)
         it = first.get("iteration")
-        manifest.step = it if isinstance(it, int) else None
+        claims = _step_claims(
+            {f"{prefix}{d}/model_optim_rng.pt": objs[d].get("iteration") for d in dirs}, it_dir.name, bool(prefix)
+        )
+        manifest.extras["step_claims"] = claims
+        # the step most claim (one rank's file left from another save does not name the checkpoint's)
+        steps = list(claims.values())
+        manifest.step = max(steps, key=steps.count) if steps else it if isinstance(it, int) else None
         manifest.layout = layout
         manifest.layout.world_size = layout.world_size or tp * pp * ep * (layout.dp or 1)
+        if misplaced := _misplaced_ranks({f"{prefix}{d}": (ranks[d], objs[d].get("args")) for d in dirs}, args, pp):
+            manifest.extras["findings"] = misplaced
         manifest.extras["args"] = _args_extras(args)
         manifest.extras["iteration_dir"] = it_dir.name
         if (notes := _unsynced_copies(args, pp)) is not None:

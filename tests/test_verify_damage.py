@@ -1,0 +1,173 @@
+"""verify on damaged copies of real saves: Megatron-LM rank files swapped or copied over each other,
+one rank's file from another step, torch_dist without common.pt; a plain copy's timestamps against
+a save rewriting the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+
+import pytest
+
+from tests.conftest import FIXTURES, run_cli
+
+MG = FIXTURES / "megatron"
+
+
+def _findings(path, *extra):
+    r = run_cli("verify", path, "--json", *extra)
+    assert "Traceback" not in r.stderr
+    return r.code, json.loads(r.stdout)
+
+
+def _rewrite_iteration(f, step: int) -> None:
+    """Set a rank file's iteration, its modification time kept (a file from another save is not
+    necessarily newer than the metadata: verify's in-flight check is another matter)."""
+    import os
+
+    import torch
+
+    st = os.stat(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        obj = torch.load(f, weights_only=False)
+        obj["iteration"] = step
+        torch.save(obj, f)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _rules(report):
+    return [(f["rule"], f["file"]) for f in report["findings"] if f["severity"] == "error"]
+
+
+@pytest.mark.parametrize("how", ["swapped", "copied"])
+def test_a_rank_file_in_another_ranks_place_is_named(tmp_path, how):
+    """Each legacy file's args record the rank that saved it; the rank layout says which rank saves
+    each directory. Swapped TP rank directories (or one rank's file copied over another's) read as
+    a valid checkpoint with the wrong tensors, and verify --deep said nothing."""
+    ck = tmp_path / "ck"
+    shutil.copytree(MG / "legacy_tp2pp2", ck)
+    it = ck / "iter_0000003"
+    if how == "swapped":
+        (it / "mp_rank_00_000").rename(it / "x")
+        (it / "mp_rank_01_000").rename(it / "mp_rank_00_000")
+        (it / "x").rename(it / "mp_rank_01_000")
+    else:
+        shutil.copy(it / "mp_rank_00_000" / "model_optim_rng.pt", it / "mp_rank_01_000" / "model_optim_rng.pt")
+    code, report = _findings(ck, "--deep")
+    assert code == 1
+    misplaced = [f for f in report["findings"] if f["rule"] == "misplaced-file"]
+    files = sorted(f["file"] for f in misplaced)
+    if how == "swapped":
+        assert files == [
+            "iter_0000003/mp_rank_00_000/model_optim_rng.pt",
+            "iter_0000003/mp_rank_01_000/model_optim_rng.pt",
+        ]
+        assert "saved by rank 1 (which saves mp_rank_01_000)" in misplaced[0]["message"] + misplaced[1]["message"]
+    else:
+        assert files == ["iter_0000003/mp_rank_01_000/model_optim_rng.pt"]
+        assert "saved by rank 0 (which saves mp_rank_00_000)" in misplaced[0]["message"]
+
+
+def test_every_clean_legacy_fixture_has_its_ranks_in_place():
+    """No misplaced-file on any real save (layouts with PP, VPP, EP, ETP, CP-free, distributed optimizer)."""
+    for ck in sorted(p for p in MG.iterdir() if p.is_dir() and p.name.startswith("legacy_")):
+        _, report = _findings(ck)
+        assert not [f for f in report["findings"] if f["rule"] == "misplaced-file"], ck.name
+
+
+def test_a_rank_file_from_another_step_is_named(tmp_path):
+    pytest.importorskip("torch")
+    ck = tmp_path / "ck"
+    shutil.copytree(MG / "legacy_tp2pp2", ck)
+    _rewrite_iteration(ck / "iter_0000003" / "mp_rank_00_000" / "model_optim_rng.pt", 2)
+    code, report = _findings(ck)
+    assert code == 1
+    assert _rules(report) == [("step-mismatch", "iter_0000003/mp_rank_00_000/model_optim_rng.pt")]
+    assert report["step"] == 3  # what the other files, the directory and the tracker say
+
+
+def test_every_file_of_another_step_disagrees_with_the_directory(tmp_path):
+    """All rank files say 2 under iter_0000003/ (named by the tracker): the directory and the tracker
+    are the odd ones out, and the step mismatch is still reported."""
+    pytest.importorskip("torch")
+    ck = tmp_path / "ck"
+    shutil.copytree(MG / "legacy_tp2pp2", ck)
+    for f in (ck / "iter_0000003").glob("mp_rank_*/model_optim_rng.pt"):
+        _rewrite_iteration(f, 2)
+    code, report = _findings(ck)
+    assert code == 1
+    assert sorted(_rules(report)) == [
+        ("step-mismatch", "iter_0000003/"),
+        ("step-mismatch", "latest_checkpointed_iteration.txt"),
+    ]
+
+
+def test_torch_dist_without_common_pt_is_a_missing_file(tmp_path):
+    """megatron-core 0.16.1 saves common.pt with every torch_dist checkpoint and its load stops
+    without it; the tensors alone verified clean before."""
+    ck = tmp_path / "ck"
+    shutil.copytree(MG / "dist_tp2", ck)
+    (ck / "iter_0000003" / "common.pt").unlink()
+    code, report = _findings(ck)
+    assert code == 1
+    assert _rules(report) == [("missing-file", "common.pt")]
+
+
+def _stamp(ck, order, start, step):
+    """Give the files named in ``order`` modification times ``start``, ``start + step``, …"""
+    import os
+
+    for k, rel in enumerate(order):
+        t = start + k * step
+        os.utime(ck / rel, (t, t))
+
+
+def test_a_plain_copy_is_not_an_incomplete_save(tmp_path):
+    """cp -r without -p (or a download) writes .metadata first and the data files one after
+    another, each seconds after the last: one stream of writes, not a save over an old checkpoint."""
+    import time
+
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ck)
+    files = [".metadata", *sorted(p.name for p in ck.glob("*.distcp"))]
+    _stamp(ck, files, time.time() - 600, 4.0)  # 16 s from the metadata to the last data file
+    code, report = _findings(ck)
+    assert code == 0, report["findings"]
+
+
+def test_data_written_long_after_its_metadata_is_still_an_incomplete_save(tmp_path):
+    """The first data file newer than the metadata came a minute after it, far longer than writing
+    its bytes takes: a save rewriting the checkpoint, as before."""
+    import time
+
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ck)
+    data = sorted(p.name for p in ck.glob("*.distcp"))
+    now = time.time()
+    _stamp(ck, [".metadata"], now - 600, 0)
+    _stamp(ck, data, now - 540, 1.0)
+    code, report = _findings(ck)
+    assert code == 1 and [r for r, _ in _rules(report)] == ["incomplete-save"]
+
+
+def test_a_copys_seal_is_checked_against_the_copy_not_the_original(tmp_path):
+    """The seal records the folder as `seal` was given it (relative to where it ran). Verifying a
+    copy, with a file missing (the checkpoint then cannot be described), hashed the original's
+    folder instead and reported it as an unsafe path: the copy's own damage went unseen."""
+    src = tmp_path / "C"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", src)
+    assert run_cli("seal", "C", cwd=tmp_path).code == 0
+    copy = tmp_path / "D"
+    shutil.copytree(src, copy)
+    (copy / "__1_0.distcp").unlink()
+    with open(copy / "__0_0.distcp", "r+b") as f:
+        f.seek(5000)
+        b = f.read(1)
+        f.seek(5000)
+        f.write(bytes([b[0] ^ 0xFF]))
+    r = run_cli("verify", "D", "--json", cwd=tmp_path)
+    assert r.code == 1
+    found = sorted((f["rule"], f["file"]) for f in json.loads(r.stdout)["findings"] if f["severity"] == "error")
+    assert found == [("checksum-mismatch", "__0_0.distcp"), ("missing-file", "__1_0.distcp")]

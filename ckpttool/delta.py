@@ -32,15 +32,17 @@ import zstandard
 from ckpttool import codec, registry
 from ckpttool import io as ckio
 from ckpttool.dtypes import dtype as lookup_dtype
-from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, UsageError
+from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, NotFoundError, UsageError
 from ckpttool.hashing import hash_bytes, new_hasher
 from ckpttool.io import (
     TMP_MARKER,
     WriterGate,
     atomic_output,
+    check_output,
     escapes,
     fsync_dir,
     fsync_tree,
+    make_parents,
     publish_dir,
     refuse_overlap,
     staged_dir,
@@ -203,6 +205,7 @@ def create(
     refuse_overlap(out_path, checkpoint=target, base=base)
     if out_path.exists() and not force:
         raise UsageError(f"{out_path} exists", hint="choose another -o path or pass --force")
+    check_output(out_path, force=force, directory=False, example="step_1000.delta" if base else "step_1000.ckz")
     t_adapter, tm = registry.describe(target)
     t_root, t_layout, t_files = _packed(target, t_adapter, tm)
     b_root: Path | None = None
@@ -300,6 +303,7 @@ def create(
         rel: {"size": size, "xxh3": maps.digest(t_root / rel), "other": None, "tensors": []} for rel, size in t_files
     }
     try:
+        make_parents(out_path)
         with (
             ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 2)) as pool,
             atomic_output(out_path) as fh,
@@ -360,6 +364,9 @@ def _stamps(root: Path, rels: list[str]) -> dict[str, tuple[int, int] | None]:
     return out
 
 
+_CONTAINER = "a file written by 'ckpttool delta create' or 'ckpttool compress'"
+
+
 def read_header(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     try:
@@ -380,6 +387,18 @@ def read_header(path: str | Path) -> dict[str, Any]:
                 raise ValueError(f"no container trailer in its last {len(MAGIC) + 8} bytes")
             fh.seek(size - len(MAGIC) - 8 - n)
             header: dict[str, Any] = json.loads(fh.read(n))
+    except FileNotFoundError:
+        raise NotFoundError(f"{p}: no such file", hint=f"check the path; expected {_CONTAINER}", path=str(p)) from None
+    except IsADirectoryError:
+        raise NotFoundError(
+            f"{p}: is a directory; expected {_CONTAINER}",
+            hint="give the container file itself ('ckpttool compress' packs a checkpoint directory into one)",
+            path=str(p),
+        ) from None
+    except PermissionError as exc:
+        raise NotFoundError(
+            f"{p}: cannot read ({exc.strerror})", hint="check the file's permissions", path=str(p)
+        ) from None
     except (OSError, ValueError, RecursionError) as exc:
         raise CorruptFileError(
             f"{p}: a ckpttool container cut short or damaged ({exc})",
@@ -525,10 +544,19 @@ def apply(
     """Rebuild the target of ``delta`` (against ``base``) into ``output``: every file checked
     against its stored hash before the output appears."""
     out_path = Path(output)
-    refuse_overlap(out_path, delta=delta, base=base)
-    header = read_header(delta)
+    header = read_header(delta)  # (reads the container only; nothing is written before the checks below)
+    role = "delta" if header["kind"] == DELTA_KIND else "compressed checkpoint"
+    inputs: dict[str, Any] = {role: delta, "base": base}  # (the role named in the refusal)
+    refuse_overlap(out_path, **inputs)
     if out_path.exists() and not force:
         raise UsageError(f"{out_path} exists", hint="choose another -o path or pass --force")
+    one_file = bool(header.get("target_is_file"))
+    check_output(
+        out_path,
+        force=force,
+        directory=not one_file,
+        example="restored/" + ("model.safetensors" if one_file else "step_1000"),
+    )
     b_root: Path | None = None
     d_maps, b_maps = _Mapped(), _Mapped()
     if header["kind"] == DELTA_KIND:
@@ -573,13 +601,15 @@ def apply(
                 raise CorruptFileError(
                     f"{delta}: the coded bytes of {rel} do not decode ({type(exc).__name__}: {exc}); "
                     "nothing was published",
-                    hint="the delta is damaged; re-create it",
+                    hint=f"the {role} is damaged; re-create it",
                     path=str(delta),
                 ) from None
             if digest is not None and digest != spec["xxh3"]:
                 raise DeltaMismatchError(
                     f"{delta}: rebuilding {rel} does not give the stored xxh3-128; nothing was published",
-                    hint="the delta or the base is damaged; re-create the delta",
+                    hint=f"the {role} is damaged; re-create it"
+                    if b_root is None
+                    else "the delta or the base is damaged; re-create the delta",
                     path=str(delta),
                 )
 

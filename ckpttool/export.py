@@ -22,7 +22,7 @@ from ckpttool.assemble import assemble, check_coverage
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import UsageError
 from ckpttool.formats.base import PieceReader
-from ckpttool.io import atomic_output, checking_crcs, refuse_overlap
+from ckpttool.io import atomic_output, check_output, checking_crcs, make_parents, refuse_overlap
 from ckpttool.manifest import KINDS, Item, Manifest
 
 _ALIGN = 8
@@ -97,8 +97,7 @@ def export(
     refuse_overlap(out_path, source=path)
     if out_path.exists() and not force:
         raise UsageError(f"{out_path} exists", hint="choose another -o path or pass --force to replace it")
-    if out_path.is_dir():
-        raise UsageError(f"{out_path} is a directory; -o takes a file name such as model.safetensors")
+    check_output(out_path, force=force, directory=False, example="model.safetensors")
     adapter, manifest = registry.describe(path)
     result = ExportResult(output=str(out_path))
     pairs, result.skipped = safetensors_selection(manifest, kind=kind, pattern=pattern)
@@ -106,6 +105,7 @@ def export(
     result.written = [i for _, i in pairs]
 
     total = sum(tensor_nbytes(i) for i in result.written)
+    make_parents(out_path)
     with adapter.reader(manifest) as reader, atomic_output(out_path) as f:
         write_safetensors(
             f,

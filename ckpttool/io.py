@@ -786,6 +786,59 @@ def refuse_overlap(out: str | os.PathLike[str], *, flag: str = "-o", **inputs: s
             )
 
 
+def check_output(
+    output: str | os.PathLike[str], *, force: bool, directory: bool, example: str, flag: str = "-o"
+) -> None:
+    """Refuse, before any work (exit 2), an output path the command could not publish: one that
+    names no new entry (``.``, ``..``, ``/``), a directory where one file is written, a directory
+    that holds the working directory or is a mount point where ``--force`` would replace it, or a
+    path below a file. Missing parent directories are fine: :func:`make_parents` creates them
+    when writing starts, as ``decompress``, ``delta apply``, ``convert`` and ``reshard`` do."""
+    out = Path(output)
+    what = "directory" if directory else "file"
+    if out.name in ("", ".", ".."):
+        raise UsageError(
+            f"{flag} {output}: expected the name of a new {what}, found a reference to an existing directory",
+            hint=f"give the path of the {what} to write, such as {example}",
+        )
+    if out.is_dir():
+        if not directory:
+            raise UsageError(
+                f"{flag} {output} is a directory; this command writes one file",
+                hint=f"give a file path such as {example}, or remove the directory",
+            )
+        if force and Path.cwd().resolve().is_relative_to(out.resolve()):
+            raise UsageError(
+                f"{flag} {output} holds the current working directory: replacing it would delete the "
+                "directory you are working in",
+                hint="write the output elsewhere",
+            )
+        if force and os.path.ismount(out):
+            raise UsageError(
+                f"{flag} {output} is a mount point, which cannot be replaced", hint="write the output elsewhere"
+            )
+    # the nearest ancestor that exists must be a directory this process can create entries in
+    ancestor = out.absolute().parent
+    while not (ancestor.exists() or ancestor.is_symlink()) and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        found = "a broken symbolic link" if not ancestor.exists() else "a file"
+        raise UsageError(
+            f"{flag} {output}: {ancestor} is {found}, not a directory",
+            hint=f"give a path whose parent is a directory (or does not exist yet), such as {example}",
+        )
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UsageError(
+            f"{flag} {output}: cannot create entries in {ancestor} (permission denied or read-only)",
+            hint="write the output to a directory you can write to",
+        )
+
+
+def make_parents(output: str | os.PathLike[str]) -> None:
+    """Create the missing parent directories of ``output`` (checked by :func:`check_output`)."""
+    Path(output).absolute().parent.mkdir(parents=True, exist_ok=True)
+
+
 def check_output_file(out: str | os.PathLike[str], flag: str) -> None:
     """Refuse, before any work, an output file that cannot be published: a directory, or a path
     whose parent directory does not exist."""

@@ -20,17 +20,72 @@ class Group:
 
     @property
     def line(self) -> str:
-        """One line for the group: the finding itself, or a count with the files/items/ranks."""
+        """One line for the group: the finding itself, or a count with what the findings are about
+        (their items, files or, for findings that name neither, what their messages say)."""
         if len(self.findings) == 1:
             return self.findings[0].message
-        names = [f.item or f.file or "" for f in self.findings]
         what = RULES[self.rule].summary
-        shown = ", ".join(n for n in names[:6] if n) + (" …" if len(names) > 6 else "")
+        shown = _listing(self.findings)
         if all(f.rank is not None for f in self.findings):
             ranks = sorted({f.rank for f in self.findings if f.rank is not None})
             listed = ", ".join(map(str, ranks[:12])) + (" …" if len(ranks) > 12 else "")
             return f"{len(self.findings)} findings ({what}), ranks {listed}: {shown}"
         return f"{len(self.findings)} findings ({what}): {shown}"
+
+    @property
+    def hints(self) -> list[str]:
+        """The findings' hints, each once, in order."""
+        return list(dict.fromkeys(f.hint for f in self.findings if f.hint))
+
+
+_SHOWN = 6
+
+
+def _listing(findings: tuple[Finding, ...]) -> str:
+    """What a group of findings is about, in one line: the item or file of each (each once, the
+    first few), else their messages, with the words all of them start and end with said once
+    ("no optimizer state, RNG state in the checkpoint")."""
+    named = [f.item or f.file for f in findings]
+    if all(named):
+        names = list(dict.fromkeys(n for n in named if n))
+        return ", ".join(names[:_SHOWN]) + (" …" if len(names) > _SHOWN else "")
+    texts = list(dict.fromkeys(f.item or f.file or f.message for f in findings))
+    more = " …" if len(texts) > _SHOWN else ""
+    if all(f.item is None and f.file is None for f in findings) and len(texts) > 1:
+        words = [t.split(" ") for t in texts]
+        head = 0
+        while all(len(w) > head + 1 and w[head] == words[0][head] for w in words):
+            head += 1
+        tail = 0
+        while all(len(w) > head + tail + 1 and w[-1 - tail] == words[0][-1 - tail] for w in words):
+            tail += 1
+        middles = [" ".join(w[head : len(w) - tail]) for w in words]
+        if (head or tail) and not any("," in m or ";" in m for m in middles):
+            start, end = " ".join(words[0][:head]), " ".join(words[0][len(words[0]) - tail :])
+            listed = ", ".join(middles[:_SHOWN]) + more
+            return " ".join(part for part in (start, listed, end) if part)
+    return "; ".join(texts[:_SHOWN]) + more
+
+
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def printable(text: str) -> str:
+    """``text`` on one line: newlines, tabs and other control or invisible characters spelled as
+    escapes (``\\n``, ``\\x1b``, ``\\u200b``), so a hostile tensor or file name can neither start a
+    new line (a forged row or verdict) nor send a terminal escape sequence."""
+    if text.isprintable():
+        return text
+    out = []
+    for c in text:
+        if c.isprintable():
+            out.append(c)
+        elif c in _ESCAPES:
+            out.append(_ESCAPES[c])
+        else:
+            n = ord(c)
+            out.append(f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}")
+    return "".join(out)
 
 
 def groups(report: VerifyReport) -> list[Group]:
@@ -63,12 +118,22 @@ def junit(report: VerifyReport, fail_on: Severity = "error") -> str:
         failing = [f for f in found if SEVERITY_ORDER[f.severity] >= SEVERITY_ORDER[fail_on]]
         if failing:
             failures += 1
-            el = ET.SubElement(case, "failure", type=rule.id, message=failing[0].message)
-            el.text = "\n".join(f"[{f.severity}] {f.message}" for f in failing)
+            el = ET.SubElement(case, "failure", type=rule.id, message=printable(failing[0].message))
+            el.text = "\n".join(f"[{f.severity}] {printable(f.message)}" for f in failing)
         elif found:
-            ET.SubElement(case, "system-out").text = "\n".join(f"[{f.severity}] {f.message}" for f in found)
+            ET.SubElement(case, "system-out").text = "\n".join(f"[{f.severity}] {printable(f.message)}" for f in found)
     suite.set("failures", str(failures))
     return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
+
+
+_MARKDOWN = str.maketrans({c: "\\" + c for c in "\\`*_[]<>|~"})
+
+
+def _cell(text: str) -> str:
+    """``text`` as one Markdown table cell: on one line (:func:`printable`), with the characters
+    that would end the cell (``|``) or start markup (HTML, code, emphasis, links) escaped, so a
+    hostile name cannot split the row or hide the rest of the summary."""
+    return printable(text).translate(_MARKDOWN)
 
 
 def _escape(text: str) -> str:
@@ -91,7 +156,7 @@ def github_summary(report: VerifyReport, fail_on: Severity = "error") -> str:
     out = [
         f"### ckpttool verify: {'passed' if ok else 'FAILED'}",
         "",
-        f"`{report.path}` · "
+        f"`{printable(report.path)}` · "
         + (f"format `{report.format}`" if report.format else "format not read")
         + f" · step {report.step if report.step is not None else 'unknown'} · "
         f"{s['error']} errors, {s['warning']} warnings",
@@ -100,7 +165,6 @@ def github_summary(report: VerifyReport, fail_on: Severity = "error") -> str:
     if report.findings:
         out += ["| severity | rule | finding |", "|---|---|---|"]
         for g in groups(report)[:100]:
-            text = g.line.replace("|", "\\|")
-            out.append(f"| {g.severity} | `{g.rule}` | {text} |")
+            out.append(f"| {g.severity} | `{g.rule}` | {_cell(g.line)} |")
         out.append("")
     return "\n".join(out)

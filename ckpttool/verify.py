@@ -486,12 +486,12 @@ def _sealed_folder(root: Path, sealed: Seal) -> Path | None:
     if not root.is_dir():
         return None
     recorded = Path(sealed.head.root)
+    top = Path(os.path.normpath(root.absolute()))
     for candidate in (recorded, root / recorded.name):
-        try:
-            if candidate.is_dir() and candidate.resolve().is_relative_to(root.resolve()):
-                return candidate
-        except OSError:
-            continue
+        # by the path as written, not where links lead: a folder linked out of the checkpoint is
+        # still this checkpoint's, and the hashing reports the link (unsafe-path) instead of reading it
+        if Path(os.path.normpath(candidate.absolute())).is_relative_to(top) and candidate.is_dir():
+            return candidate
     return None
 
 

@@ -584,6 +584,8 @@ class DeepSpeedAdapter:
             elif m := _LAYER.match(base):
                 key = (int(m.group(1)), int(m.group(2) or 0))
                 claim(layers, key, rel, f"layer {key[0]} of MP rank {key[1]}")
+        stage = self._stage(files, optims)
+        dp_ranks = _check_rank_files(tag_dir.name, prefix, files, models, z3_models, optims, stage)
         first_model = files[models[min(models)]] if models else files[z3_models[min(z3_models)]] if z3_models else None
         if first_model is None:
             raise IncompleteCheckpointError(
@@ -591,7 +593,6 @@ class DeepSpeedAdapter:
                 hint="the tag directory is incomplete",
                 path=str(tag_dir),
             )
-        stage = self._stage(files, optims)
         mp_size = max(len(models), len({mp for _, mp in z3_models}), 1)
         dp_size = max((dp for dp, _ in optims), default=-1) + 1 or int(first_model.get("dp_world_size") or 1)
         tp = parallel_degree(first_model, "tp_degree")
@@ -644,8 +645,9 @@ class DeepSpeedAdapter:
             shapes = (files[model_rel] if model_rel else first_model).get("param_shapes") or []
             per_rank = [(dp, optims[(dp, mp)]) for dp in ranks]
             if stage == 3:
-                b.zero3(per_rank, shapes, mp % tp_size, mp)
+                b.zero3(per_rank, shapes, mp % tp_size, mp, dp_ranks)
             else:
+                _check_zero12_ranks(files, per_rank, shapes, dp_ranks or len(per_rank))
                 b.zero12(per_rank, shapes, mp % tp_size, mp)
         if staged := b.stage_copies():
             manifest.extras["stage_copies"] = staged
@@ -653,7 +655,7 @@ class DeepSpeedAdapter:
             opt = first_model.get("optimizer")
             if isinstance(opt, dict):
                 b.zero0(opt, models[min(models)], first_model)
-        b.frozen(stage, models, z3_models, first_model)
+        b.frozen(stage, models, z3_models, first_model, dp_ranks)
         module = first_model.get("module") or {}
         frozen = list((first_model.get("frozen_param_shapes") or {}).keys()) or [
             n
@@ -662,7 +664,7 @@ class DeepSpeedAdapter:
         ]
         if frozen:
             manifest.extras["frozen"] = frozen
-        b.shared(first_model.get("shared_params") or {})
+        b.shared(_tied(files, [*(models[k] for k in sorted(models)), *(z3_models[k] for k in sorted(z3_models))]))
         b.common(first_model, models.get(0) or z3_models[min(z3_models)])
         manifest.format_version = str(first_model.get("ds_version") or "") or None
         steps = first_model.get("global_steps")
@@ -745,7 +747,7 @@ class DeepSpeedAdapter:
         if z3:  # the frozen parameters' fragments are in every rank's model states, as in the source
             b.frozen(3, {}, z3, first)
             b.universal3_groups("zero/optimizer_state.pt")
-        b.shared(first.get("shared_params") or {})
+        b.shared(_tied(files, [*(models[k] for k in sorted(models)), *(z3[k] for k in sorted(z3))]))
         if model_rel:
             b.common(first, model_rel)
             manifest.format_version = str(first.get("ds_version") or "") or None
@@ -802,6 +804,276 @@ def _refuse_absent(where: Path, absent: list[str], what: str, why: str, hint: st
             hint=hint,
             path=absent[0],
             rule="missing-file",
+        )
+
+
+_MAX_RANK_FILES = 1 << 22
+"""more (DP x MP) rank files than this: the counts recorded are damaged, not a layout"""
+
+
+def _count(value: Any) -> int | None:
+    """``value`` when it is a positive int (a rank count as DeepSpeed records it), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _partition_count(optim: Any) -> int | None:
+    """The DP ranks a ZeRO optimizer file says its state was partitioned over: ``partition_count``,
+    an int at ZeRO-3, one per param group at ZeRO-1/2 and in BF16_Optimizer (the largest: an MoE
+    model's expert groups count fewer), DeepSpeed's ``dist.get_world_size(dp_process_group)``, the
+    group whose rank names the file. None when the file records none that reads as one."""
+    osd = optim.get("optimizer_state_dict") if isinstance(optim, dict) else None
+    value = osd.get("partition_count") if isinstance(osd, dict) else None
+    if isinstance(value, list | tuple):
+        counts = [c for v in value if (c := _count(v)) is not None]
+        return max(counts) if counts and len(counts) == len(value) else None
+    return _count(value)
+
+
+def _is_bf16(config: Any) -> bool:
+    """Whether a saved ``ds_config`` enables bf16 (DeepSpeed then names optimizer files ``bf16_…``)."""
+    if not isinstance(config, dict):
+        return False
+    section = config.get("bf16", config.get("bfloat16"))
+    return isinstance(section, dict) and section.get("enabled") is True
+
+
+def _check_rank_files(
+    tag: str,
+    prefix: str,
+    files: dict[str, Any],
+    models: dict[int, str],
+    z3_models: dict[tuple[int, int], str],
+    optims: dict[tuple[int, int], str],
+    stage: int,
+) -> int | None:
+    """Every rank file the save wrote is here, and no DP rank beyond those it had: one
+    ``missing-file`` error naming each absent file, as the files themselves give the layout
+    (DeepSpeed 0.19 records no file list). The DP size: ``partition_count`` in the optimizer files
+    (which must agree), else ``dp_world_size`` in the model states; the model-parallel size:
+    ``mp_world_size``. DeepSpeed writes one optimizer file per (DP, MP) rank when a ZeRO or bf16
+    optimizer partitions the state (``param_shapes`` saved), one model-states file per (DP, MP)
+    rank at ZeRO-3 and one per MP rank below it. Without a rank's file its partitions are missing
+    from every partitioned tensor: reading the others as the whole (as a save at a smaller DP
+    would be) gives wrong values. Returns the DP size the optimizer files are partitioned over
+    (None: no partitioned optimizer)."""
+    recorded = {rel: n for _, rel in sorted(optims.items()) if (n := _partition_count(files[rel])) is not None}
+    if len(set(recorded.values())) > 1:
+        (a, x), *rest = recorded.items()
+        b, y = next((r, n) for r, n in rest if n != x)
+        raise CorruptFileError(
+            f"{b}: records partition_count {y} (its DP size) where {a} records {x}: "
+            "optimizer files of saves at two DP sizes are mixed in one tag directory",
+            hint="restore the tag directory from one save (DeepSpeed's zero_to_fp32 refuses it too)",
+            path=b,
+            rule="misplaced-file",
+        )
+    model_rels = [models[k] for k in sorted(models)] + [z3_models[k] for k in sorted(z3_models)]
+    first = files[model_rels[0]] if model_rels else {}
+    partitioned = bool(optims) or bool(z3_models) or isinstance(first.get("param_shapes"), list)
+    present_dp = {dp for dp, _ in optims} | {dp for dp, _ in z3_models}
+    present_mp = set(models) | {mp for _, mp in optims} | {mp for _, mp in z3_models}
+    pc = next(iter(recorded.values()), None)
+    world = _count(first.get("dp_world_size"))
+    dp_size = pc or world or (max(present_dp) + 1 if present_dp else 1)
+    if pc is None:
+        dp_size = max(dp_size, max(present_dp, default=-1) + 1)
+    mp_size = max(_count(first.get("mp_world_size")) or 1, max(present_mp, default=-1) + 1)
+    if not model_rels and not optims:
+        return None
+    if dp_size * mp_size > _MAX_RANK_FILES:
+        raise CorruptFileError(
+            f"{model_rels[0] if model_rels else next(iter(optims.values()))}: records {dp_size} DP x {mp_size} "
+            "model-parallel ranks, not a layout DeepSpeed saved",
+            path=model_rels[0] if model_rels else next(iter(optims.values())),
+        )
+    if pc is not None and (extra := sorted(k for k in [*optims, *z3_models] if k[0] >= pc)):
+        rel = optims.get(extra[0]) or z3_models[extra[0]]
+        raise CorruptFileError(
+            f"{rel}: DP rank {extra[0][0]}'s file, but the optimizer files record {pc} DP ranks "
+            f"(partition_count {pc} in {next(iter(recorded))}): a file left from a save at a larger DP size",
+            hint="remove the files of DP ranks the save did not have, or restore the tag directory from one save "
+            "(DeepSpeed's zero_to_fp32 refuses it too)",
+            path=rel,
+            rule="misplaced-file",
+        )
+    absent: list[tuple[str, str]] = []  # (file name, what it holds)
+    z3 = stage == 3 or bool(z3_models)
+    names = [m.group(1) or "" for rel in optims.values() if (m := _OPTIM.match(rel.rsplit("/", 1)[-1]))]
+    opt_prefix = names[0] if names else ("bf16_" if _is_bf16(first.get("ds_config")) else "")
+
+    def rank(dp: int, mp: int) -> str:
+        return f"DP rank {dp}, MP rank {mp}" if mp_size > 1 else f"DP rank {dp}"
+
+    for mp in range(mp_size):
+        if not z3 and mp not in models:
+            absent.append((f"mp_rank_{mp:02d}_model_states.pt", f"MP rank {mp}'s model states"))
+        for dp in range(dp_size) if partitioned else ():
+            if z3 and (dp, mp) not in z3_models:
+                absent.append((f"zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt", f"{rank(dp, mp)}'s model states"))
+            if (dp, mp) not in optims:
+                absent.append(
+                    (
+                        f"{opt_prefix}zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt",
+                        f"{rank(dp, mp)}'s optimizer partition",
+                    )
+                )
+    if absent:
+        source = (
+            f"partition_count {pc} in {next(iter(recorded)).rsplit('/', 1)[-1]}"
+            if pc is not None
+            else f"dp_world_size {world} in the model states"
+            if world is not None
+            else "the rank files found"
+        )
+        shown = ", ".join(f"{name} ({what})" for name, what in absent[:6]) + (" …" if len(absent) > 6 else "")
+        raise IncompleteCheckpointError(
+            f"{tag}: {len(absent)} rank file(s) missing: {shown}. The files record {dp_size} DP rank(s) "
+            f"({source}){f' x {mp_size} model-parallel ranks (mp_world_size)' if mp_size > 1 else ''}, each saving "
+            "its own files; "
+            f"found {len(optims)} optimizer and {len(model_rels)} model-states file(s)",
+            hint="a rank did not finish saving or its file was deleted or renamed: restore it from the save, or use "
+            "another checkpoint (the other ranks' partitions are not whole tensors)",
+            path=prefix + absent[0][0],
+            rule="missing-file",
+        )
+    _check_rank0_file(files, models, z3_models)
+    return dp_size if partitioned else None
+
+
+def _tied(files: dict[str, Any], rels: list[str]) -> dict[str, str]:
+    """The tied-weight map (``shared_params``: alias -> owner), from the first of the model-states
+    files ``rels`` (in rank order) that records one: DeepSpeed computes it on global rank 0 only
+    and saves ``{}`` in the other ranks' files (ZeRO-3)."""
+    for rel in rels:
+        value = files[rel].get("shared_params") if isinstance(files[rel], dict) else None
+        if isinstance(value, dict) and value:
+            return value
+    return {}
+
+
+def _check_rank0_file(files: dict[str, Any], models: dict[int, str], z3_models: dict[tuple[int, int], str]) -> None:
+    """DeepSpeed writes the tied-weight map (``shared_params``) in global rank 0's model states
+    only (``_get_shared_params``: ``if dist.get_rank() == 0``), ``{}`` in every other rank's: the
+    one trace of a rank that a ZeRO-3 model-states file keeps. A map in another rank's file with
+    none in rank 0's is rank 0's file under another name."""
+    ordered = [(k, z3_models[k]) for k in sorted(z3_models)] or [((0, k), models[k]) for k in sorted(models)]
+    if not ordered or ordered[0][0] != (0, 0):
+        return
+    rank0 = ordered[0][1]
+    if _tied(files, [rank0]) or not isinstance(files[rank0].get("shared_params"), dict):
+        return
+    holder = next(((k, rel) for k, rel in ordered[1:] if _tied(files, [rel])), None)
+    if holder is None:
+        return
+    (dp, mp), rel = holder
+    raise CorruptFileError(
+        f"{rel} holds global rank 0's model states: it records the tied-weight map (shared_params "
+        f"{str(_tied(files, [rel]))[:80]}), which DeepSpeed saves in global rank 0's file only, while {rank0} "
+        f"records none: the files of rank 0 and of DP rank {dp}, MP rank {mp} were swapped or renamed",
+        hint="restore the files from the save, or give each rank's files back their names (its optimizer file "
+        "too: a ZeRO-3 optimizer file records no rank); read as they are, the partitions join in the wrong order",
+        path=rel,
+        rule="misplaced-file",
+    )
+
+
+def _zero12_layout(shapes: Any, paddings: Any, ws: int) -> tuple[dict[str, tuple[int, int]], int] | None:
+    """A ZeRO-1/2 (or BF16_Optimizer) param group's flat buffer: each parameter's (offset, numel),
+    in ``param_shapes`` order with its ``param_alignment_paddings`` after it, the whole padded to
+    a multiple of 2 x DP (DeepSpeed's ``nccl_start_alignment_factor``) and cut into ``ws`` equal
+    partitions, with the partition size. None when the shapes do not read as such."""
+    if not isinstance(shapes, dict):
+        return None
+    pads = paddings if isinstance(paddings, list | tuple) else []
+    params, pos = {}, 0
+    for k, (name, shape) in enumerate(shapes.items()):
+        if not isinstance(shape, list | tuple) or not all(_count(n) is not None or n == 0 for n in shape):
+            return None
+        numel = math.prod(shape)
+        params[name] = (pos, numel)
+        pad = pads[k] if k < len(pads) else 0
+        pos += numel + (pad if isinstance(pad, int) and not isinstance(pad, bool) and pad >= 0 else 0)
+    padded = -(-pos // (2 * ws)) * 2 * ws
+    return params, padded // ws
+
+
+def _fragments_of(params: dict[str, tuple[int, int]], part: int, r: int) -> dict[str, tuple[int, int]]:
+    """The (start in the partition, numel) of each parameter partition ``r`` holds."""
+    lo, hi = r * part, (r + 1) * part
+    out = {}
+    for name, (off, numel) in params.items():
+        a, z = max(off, lo), min(off + numel, hi)
+        if a < z:
+            out[name] = (a - lo, z - a)
+    return out
+
+
+def _held_rank(params: dict[str, tuple[int, int]], part: int, ws: int, actual: dict[str, tuple[int, int]]) -> list[int]:
+    """The DP ranks whose partition holds exactly the fragments ``actual`` (a file's
+    ``param_slice_mappings`` of one group), found from its first fragment's place."""
+    known = [(params[n][0], n) for n in actual if n in params]
+    if not known or part <= 0 or len(known) != len(actual):
+        return []
+    off, name = min(known)
+    start, numel = actual[name]
+    size = params[name][1]
+    if start > 0:  # the parameter begins inside the partition
+        guesses = [(off - start) // part] if (off - start) % part == 0 else []
+    elif numel < part:  # the partition begins inside it and holds its end
+        guesses = [(off + size - numel) // part] if (off + size - numel) % part == 0 else []
+    else:  # the partition lies inside it
+        guesses = list(range(-(-off // part), (off + size) // part))[:8]
+    return [r for r in guesses if 0 <= r < ws and _fragments_of(params, part, r) == actual]
+
+
+def _check_zero12_ranks(files: dict[str, Any], per_rank: list[tuple[int, str]], shapes: Any, ws: int) -> None:
+    """Each ZeRO-1/2 optimizer file holds its own DP rank's partition: its ``param_slice_mappings``
+    (each parameter's fragment: start in the partition, numel) are those of the partition its
+    name says, in the layout DeepSpeed cuts (:func:`_zero12_layout`). A file whose fragments are
+    exactly another rank's holds that rank's partition (files swapped or renamed); one matching
+    no rank of that layout is left to the reader."""
+    if not isinstance(shapes, list):
+        return
+    misplaced: list[tuple[str, int]] = []
+    for dp, rel in per_rank:
+        osd = files[rel].get("optimizer_state_dict") if isinstance(files[rel], dict) else None
+        mappings = osd.get("param_slice_mappings") if isinstance(osd, dict) else None
+        if not isinstance(mappings, list):
+            continue
+        paddings = osd.get("param_alignment_paddings") if isinstance(osd, dict) else None
+        for g, mapping in enumerate(mappings):
+            layout = (
+                _zero12_layout(shapes[g], paddings[g] if isinstance(paddings, list) and g < len(paddings) else None, ws)
+                if g < len(shapes)
+                else None
+            )
+            if layout is None or not isinstance(mapping, dict):
+                continue
+            params, part = layout
+            actual = {}
+            for name, frag in mapping.items():
+                start, numel = getattr(frag, "start", None), getattr(frag, "numel", None)
+                if not (isinstance(start, int) and isinstance(numel, int)):
+                    break
+                actual[name] = (start, numel)
+            else:
+                if _fragments_of(params, part, dp) == actual:
+                    continue
+                others = [r for r in _held_rank(params, part, ws, actual) if r != dp]
+                if others:
+                    misplaced.append((rel, others[0]))
+                    break
+    if misplaced:
+        said = ", ".join(f"{rel.rsplit('/', 1)[-1]} holds DP rank {r}'s" for rel, r in misplaced[:4])
+        names = " and ".join(rel for rel, _ in misplaced[:4]) + (" …" if len(misplaced) > 4 else "")
+        raise CorruptFileError(
+            f"{names}: not the partitions their names say ({said}): each file's param_slice_mappings place its "
+            f"fragments in another DP rank's partition of the {ws}-rank layout: the ranks' files were swapped "
+            "or renamed",
+            hint="restore the files from the save, or rename each to the DP rank it holds (zero_pp_rank_<rank>_…); "
+            "read as they are, the partitions join in the wrong order",
+            path=misplaced[0][0],
+            rule="misplaced-file",
         )
 
 
@@ -1012,8 +1284,12 @@ class _Builder:
                 self.flat_state(rel, dp, names, refs, t, mp)
                 self.group_objects(rel, dp, g, base, gstate, "optimizer_state_dict.base_optimizer_state")
 
-    def zero3(self, per_rank: list[tuple[int, str]], shapes: list[Any], t: int = 0, mp: int = 0) -> None:
-        ws = len(per_rank)
+    def zero3(
+        self, per_rank: list[tuple[int, str]], shapes: list[Any], t: int = 0, mp: int = 0, ws: int | None = None
+    ) -> None:
+        """``ws``: the DP ranks the files record the parameters were partitioned over (default: one
+        per file; :func:`_check_rank_files` has made sure each has its file)."""
+        ws = ws or len(per_rank)
         for dp, rel in per_rank:
             osd = self.files[rel].get("optimizer_state_dict")
             if not isinstance(osd, dict) or "fp32_flat_groups" not in osd:
@@ -1133,13 +1409,20 @@ class _Builder:
                     item = self.m.add(Item(name=key, kind="optim", pieces=[_pt.object_piece(rel, where, rank=dp)]))
                     set_value(item, v)
 
-    def frozen(self, stage: int, models: dict[int, str], z3_models: dict[tuple[int, int], str], first: Any) -> None:
+    def frozen(
+        self,
+        stage: int,
+        models: dict[int, str],
+        z3_models: dict[tuple[int, int], str],
+        first: Any,
+        dp_size: int | None = None,
+    ) -> None:
         if first.get("param_shapes") is None:  # ZeRO off: no partitioned optimizer, nothing is frozen apart
             return
         shapes = first.get("frozen_param_shapes") or {}
         if stage == 3 and shapes:
             ranks = sorted(dp for dp, mp in z3_models if mp == 0)
-            ws = len(ranks)
+            ws = dp_size or len(ranks)
             for name, shape in shapes.items():
                 shape = tuple(shape)
                 numel = math.prod(shape)

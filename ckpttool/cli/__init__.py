@@ -73,6 +73,13 @@ def _handles_errors(fn: F) -> F:
             raise typer.Exit(130) from None
         except (typer.Exit, typer.Abort, typer.BadParameter):
             raise
+        except OSError as exc:
+            # the file system refused (permissions, a full or read-only disk, a path that changed
+            # under us): the environment's answer, not a bug; say which path and why
+            if os.environ.get("CKPTTOOL_DEBUG"):
+                traceback.print_exc()
+            out.error(_os_error(exc), "check the path, its permissions and the free space, then rerun")
+            raise typer.Exit(3) from None
         except Exception as exc:
             if os.environ.get("CKPTTOOL_DEBUG"):
                 traceback.print_exc()
@@ -83,6 +90,19 @@ def _handles_errors(fn: F) -> F:
             raise typer.Exit(3) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _os_error(exc: OSError) -> str:
+    """One line for an error the operating system gave: the path(s) and its reason."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    if exc.filename is None:
+        return f"cannot complete: {reason}"
+    if reason[:1].isupper() and reason[1:2].islower():  # "No such file" -> "no such file"
+        reason = reason[0].lower() + reason[1:]
+    where = os.fsdecode(exc.filename)
+    if exc.filename2 is not None:
+        where += f" -> {os.fsdecode(exc.filename2)}"
+    return f"{where}: {reason}"
 
 
 def _version(value: bool) -> None:
@@ -445,8 +465,10 @@ def convert(
     from rich.filesize import decimal
 
     from ckpttool.convert import convert as run
+    from ckpttool.io import check_output
     from ckpttool.reshard import torchrun_world
 
+    check_output(output, force=force, directory=True, example="hf/")
     out = Output(json_mode=json_out, quiet=quiet)
     result = run(
         src,
@@ -592,9 +614,12 @@ def reshard(
     written; the output is written beside OUTPUT, sealed, and published by one rename."""
     from rich.filesize import decimal
 
+    from ckpttool.io import check_output
     from ckpttool.reshard import Target, parse_split_rules, torchrun_world
     from ckpttool.reshard import reshard as run
 
+    if not dry_run:
+        check_output(output, force=force, directory=True, example="resharded/")
     ranks = torchrun_world()
     if ranks is not None and ranks[0] != 0:  # under torchrun, rank 0 reports for all
         quiet, json_out = True, False

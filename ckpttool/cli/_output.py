@@ -10,9 +10,11 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 
 def strict(value: Any) -> Any:
@@ -47,9 +49,10 @@ class Output:
         sys.stdout.flush()
 
     def line(self, text: str) -> None:
-        """A line of human data output (rich markup allowed)."""
+        """A line of human data output (rich markup allowed): wrapped at a terminal's width, never
+        elsewhere (a pipe, a file, a CI log)."""
         if not self.json_mode:
-            self.out.print(text)
+            self.out.print(text, soft_wrap=not self.out.is_terminal)
 
     def table(
         self,
@@ -62,7 +65,8 @@ class Output:
         squeeze: str | None = None,
     ) -> None:
         """A table; cells never wrap. ``squeeze`` names the one column cut short (with an ellipsis)
-        when the terminal is too narrow."""
+        when the terminal is too narrow; off a terminal (a pipe, a file, a CI log) nothing is cut:
+        the lines grow as long as the cells."""
         if self.json_mode:
             return
         if not rows:
@@ -71,7 +75,7 @@ class Output:
         table = Table(title=title, title_justify="left", box=None, header_style="bold", pad_edge=False)
         cells = [[str(c) for c in row] for row in rows]
         widths = [max(len(col), *(len(r[i]) for r in cells)) for i, col in enumerate(columns)]
-        if squeeze in columns:
+        if squeeze in columns and self.out.is_terminal:
             # cut the squeezable column to what the terminal leaves; the others are never cut
             k = columns.index(squeeze)
             room = self.out.width - sum(w for i, w in enumerate(widths) if i != k) - 2 * (len(columns) - 1)
@@ -85,12 +89,49 @@ class Output:
             table.add_column(col, justify="right" if col in right else "left", no_wrap=True)
         for row in cells:
             table.add_row(*(escape(c) for c in row))
+        self._unwrapped(table, sum(widths) + 2 * (len(columns) - 1))
+
+    def findings(self, rows: Sequence[tuple[str, str, str, Sequence[str]]]) -> None:
+        """``verify``'s findings: (severity, rule, finding, hints) rows under SEVERITY, RULE and
+        FINDING, each hint on a line of its own below its finding. A finding is never cut: on a
+        terminal the FINDING column wraps at the terminal's width; elsewhere (a pipe, a file, a CI
+        log) each finding and each hint stays on one line however long, for grep and for log
+        viewers that wrap by themselves."""
+        if self.json_mode or not rows:
+            return
+        wrap = self.out.is_terminal
+        table = Table(box=None, header_style="bold", pad_edge=False)
+        table.add_column("SEVERITY", no_wrap=True)
+        table.add_column("RULE", no_wrap=True)
+        table.add_column("FINDING", no_wrap=not wrap, overflow="fold")
+        widths = [len("SEVERITY"), len("RULE"), len("FINDING")]
+        for severity, rule, text, hints in rows:
+            cell = Text(text)
+            for hint in hints:
+                cell.append("\n")
+                cell.append(f"hint: {hint}", style="dim")
+            table.add_row(severity, rule, cell)
+            lines = [text, *(f"hint: {h}" for h in hints)]
+            for i, w in enumerate((cell_len(severity), cell_len(rule), max(map(cell_len, lines)))):
+                widths[i] = max(widths[i], w)
+        if wrap:
+            self.out.print(table)
+            return
+        self._unwrapped(table, sum(widths) + 2 * (len(widths) - 1))
+
+    def _unwrapped(self, table: Table, width: int) -> None:
+        """Print ``table`` at ``width`` columns or the console's, the wider, without the blanks
+        that pad each line to the full width."""
         saved = self.out.width
-        self.out.width = max(saved, sum(widths) + 2 * (len(columns) - 1))
+        self.out.width = max(saved, width)
         try:
-            self.out.print(table, crop=False)
+            with self.out.capture() as captured:
+                self.out.print(table, crop=False)
         finally:
             self.out.width = saved
+        text = "\n".join(ln.rstrip(" ") for ln in captured.get().split("\n"))
+        self.out.file.write(text)
+        self.out.file.flush()
 
     # -- diagnostics (stderr) -------------------------------------------------------------------
 

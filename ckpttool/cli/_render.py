@@ -72,7 +72,7 @@ def item_table(out: Output, items: Sequence[Item]) -> None:
 
 
 def verify_report(out: Output, report: VerifyReport, fail_on: Severity) -> None:
-    from ckpttool.reports import groups
+    from ckpttool.reports import groups, printable
 
     s = report.summary()
     ok = not report.failing(fail_on)
@@ -85,10 +85,10 @@ def verify_report(out: Output, report: VerifyReport, fail_on: Severity) -> None:
         f"checked: {checked or 'nothing'}"
         + (f"   seal: {escape(report.seal)}" if report.seal else "   no seal (zip CRCs used where the format has them)")
     )
-    rows = [(g.severity.upper(), g.rule, g.line) for g in groups(report)]
+    rows = [(g.severity.upper(), g.rule, printable(g.line), [printable(h) for h in g.hints]) for g in groups(report)]
     if rows:
         out.line("")
-        out.table(["SEVERITY", "RULE", "FINDING"], rows, squeeze="FINDING")
+        out.findings(rows)
     out.line("")
     verdict = "[green]OK[/green]" if ok else "[red]FAILED[/red]"
     out.line(f"{verdict}: {s['error']} errors, {s['warning']} warnings (failing on {fail_on})")

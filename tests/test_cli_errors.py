@@ -1,0 +1,382 @@
+"""The command line's answers to user mistakes and to untrusted names: output paths it cannot
+publish, missing containers, findings that must reach a CI log whole, grouped findings that say
+what they group, and names that must not break a Markdown step summary."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FIXTURES, cli_env, run_cli, tree_digests
+
+FSDP2 = FIXTURES / "dcp" / "fsdp2"
+MODEL = FIXTURES / "safetensors" / "model.safetensors"
+
+
+def _clean(r, code: int) -> None:
+    """Exit ``code``, one clear message, no traceback, never an "internal error"."""
+    assert r.code == code, (r.code, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr
+    assert "this is a bug in ckpttool" not in r.stderr, r.stderr
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> Path:
+    """A compressed copy of the FSDP2 checkpoint (a directory target)."""
+    d = tmp_path_factory.mktemp("packed")
+    r = run_cli("compress", FSDP2, "-o", d / "fsdp2.ckz", "-q")
+    assert r.code == 0, r.stderr
+    return d / "fsdp2.ckz"
+
+
+@pytest.fixture(scope="module")
+def packed_file(tmp_path_factory) -> Path:
+    """A compressed single-file checkpoint (its target is one file)."""
+    d = tmp_path_factory.mktemp("packed_file")
+    r = run_cli("compress", MODEL, "-o", d / "model.ckz", "-q")
+    assert r.code == 0, r.stderr
+    return d / "model.ckz"
+
+
+# -- A: output paths ----------------------------------------------------------------------------
+
+
+def test_missing_parent_directories_are_created_as_decompress_does(tmp_path, packed):
+    """export, compress and delta create once failed with an internal error on an -o whose parent
+    did not exist; decompress and delta apply (and convert, reshard) create the parents, so these
+    now do too."""
+    cases = [
+        (["export", FSDP2, "-o", tmp_path / "a" / "b" / "model.safetensors"], "a/b/model.safetensors"),
+        (["compress", FSDP2, "-o", tmp_path / "c" / "d" / "x.ckz"], "c/d/x.ckz"),
+        (["delta", "create", FSDP2, FSDP2, "-o", tmp_path / "e" / "f" / "x.delta"], "e/f/x.delta"),
+        (["decompress", packed, "-o", tmp_path / "g" / "h" / "restored"], "g/h/restored"),
+    ]
+    for args, made in cases:
+        r = run_cli(*args, "-q")
+        _clean(r, 0)
+        assert (tmp_path / made).exists(), (args, r.stderr)
+    assert tree_digests(tmp_path / "g" / "h" / "restored") == tree_digests(FSDP2)
+    leftovers = [p.name for p in tmp_path.rglob("*") if "ckpttool-tmp" in p.name]
+    assert leftovers == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["export", FSDP2, "-o", "{below}"],
+        ["compress", FSDP2, "-o", "{below}"],
+        ["delta", "create", FSDP2, FSDP2, "-o", "{below}"],
+        ["decompress", "{packed}", "-o", "{below}"],
+        ["convert", FSDP2, "-o", "{below}"],
+        ["reshard", FSDP2, "-o", "{below}", "--dp", "2"],
+    ],
+    ids=["export", "compress", "delta-create", "decompress", "convert", "reshard"],
+)
+def test_an_output_below_a_regular_file_is_a_usage_error(argv, tmp_path, packed):
+    """-o somefile.txt/x was an internal error (NotADirectoryError, FileExistsError) after all the
+    work; now it is refused first, naming the path and the file in the way."""
+    blocker = tmp_path / "somefile.txt"
+    blocker.write_text("keep me")
+    below = blocker / "sub" / "x"
+    r = run_cli(*[str(a).format(below=below, packed=packed) for a in argv], cwd=tmp_path)
+    _clean(r, 2)
+    assert f"-o {below}" in r.stderr and f"{blocker} is a file, not a directory" in r.stderr, r.stderr
+    assert "hint:" in r.stderr
+    assert blocker.read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["somefile.txt"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["compress", FSDP2, "-o", "{dir}", "--force"],
+        ["delta", "create", FSDP2, FSDP2, "-o", "{dir}", "--force"],
+        ["export", FSDP2, "-o", "{dir}", "--force"],
+        ["decompress", "{packed_file}", "-o", "{dir}", "--force"],
+    ],
+    ids=["compress", "delta-create", "export", "decompress-one-file"],
+)
+def test_a_one_file_output_onto_a_directory_is_refused_even_with_force(argv, tmp_path, packed_file):
+    """compress -o DIR --force was an internal error (IsADirectoryError from the final rename)."""
+    target = tmp_path / "adir"
+    target.mkdir()
+    (target / "inside.txt").write_text("keep me")
+    r = run_cli(*[str(a).format(dir=target, packed_file=packed_file) for a in argv])
+    _clean(r, 2)
+    assert f"-o {target} is a directory" in r.stderr and "hint: give a file path" in r.stderr, r.stderr
+    assert (target / "inside.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]
+
+
+def test_decompress_onto_the_working_directory_is_refused(tmp_path, packed):
+    """decompress x.ckz -o . --force was an internal error (EBUSY renaming "."); -o naming the
+    working directory (or a directory holding it) would delete the directory the user is in."""
+    here = tmp_path / "work" / "inner"
+    here.mkdir(parents=True)
+    (here / "keep.txt").write_text("keep me")
+    before = tree_digests(tmp_path)
+    for out, says in (
+        (".", "-o .: expected the name of a new directory"),
+        ("..", "-o ..: expected the name of a new directory"),
+        (str(tmp_path / "work"), f"-o {tmp_path / 'work'} holds the current working directory"),
+    ):
+        r = run_cli("decompress", packed, "-o", out, "--force", cwd=here)
+        _clean(r, 2)
+        assert says in r.stderr and "hint:" in r.stderr, (out, r.stderr)
+    assert tree_digests(tmp_path) == before
+
+
+def test_an_operating_system_error_is_one_clean_line_naming_the_path(capsys):
+    """An OSError the library does not anticipate (a full or read-only disk, permissions) is the
+    environment's answer, not a bug: exit 3 and the path, never "internal error"."""
+    import typer
+
+    from ckpttool.cli import _handles_errors
+
+    @_handles_errors
+    def command() -> None:
+        raise PermissionError(13, "Permission denied", "/data/ckpt/step_1000/.metadata")
+
+    with pytest.raises(typer.Exit) as exit_info:
+        command()
+    assert exit_info.value.exit_code == 3
+    err = capsys.readouterr().err
+    assert "/data/ckpt/step_1000/.metadata: permission denied" in err, err
+    assert "internal error" not in err and "bug" not in err
+
+
+# -- B: a missing container -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "name"),
+    [
+        (["decompress", "nope.ckz", "-o", "out"], "nope.ckz"),
+        (["delta", "apply", FSDP2, "nope.delta", "-o", "out"], "nope.delta"),
+        (["delta", "info", "nope.delta"], "nope.delta"),
+    ],
+    ids=["decompress", "delta-apply", "delta-info"],
+)
+def test_a_missing_container_is_not_found_not_damaged(argv, name, tmp_path):
+    """A container that is not there read as "cut short or damaged" with a hint about an
+    interrupted copy; it is a path that does not exist, as 'verify /nonexistent' says."""
+    r = run_cli(*argv, cwd=tmp_path)
+    _clean(r, 3)
+    assert f"error: {name}: no such file" in r.stderr, r.stderr
+    assert "cut short" not in r.stderr and "interrupted" not in r.stderr, r.stderr
+    assert "hint: check the path" in r.stderr
+    assert list(tmp_path.iterdir()) == []  # no output, no temporary
+    like = run_cli("verify", tmp_path / "nonexistent")  # what a missing input gives elsewhere
+    assert like.code == r.code and "no such file" in like.stderr
+
+
+def test_a_directory_given_as_a_container_says_so(tmp_path):
+    r = run_cli("decompress", FSDP2, "-o", tmp_path / "out")
+    _clean(r, 3)
+    assert f"{FSDP2}: is a directory; expected a file written by" in r.stderr, r.stderr
+    assert "cut short" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_decompress_refusal_names_a_compressed_checkpoint_not_a_delta(tmp_path, packed):
+    """-o holding the input was refused as "holds the delta" for a .ckz."""
+    ckz = tmp_path / "x.ckz"
+    shutil.copy(packed, ckz)
+    r = run_cli("decompress", ckz, "-o", tmp_path, "--force")
+    _clean(r, 2)
+    assert f"-o {tmp_path} holds the compressed checkpoint {ckz}" in r.stderr, r.stderr
+    assert "delta" not in r.stderr
+    assert ckz.read_bytes() == packed.read_bytes()
+
+
+# -- C: findings reach a log whole, with their hints ----------------------------------------------
+
+
+@pytest.fixture
+def truncated(tmp_path) -> Path:
+    path = tmp_path / "trunc"
+    shutil.copytree(FSDP2, path)
+    os.truncate(path / "__1_0.distcp", 51_753)
+    return path
+
+
+MESSAGE = (
+    "__1_0.distcp is 51,753 bytes but .metadata places data through byte 53,306: the file was cut short "
+    "(copy or save interrupted?)"
+)
+
+
+def test_piped_human_output_never_cuts_a_finding(truncated):
+    """Piped at the default 80 columns the finding was cut ("… places dat…") and its hint never
+    shown. Off a terminal each finding now stays whole on one line, its hint on the next."""
+    r = run_cli("verify", truncated, env={"COLUMNS": "80"})
+    assert r.code == 1, r.stderr
+    lines = r.stdout.splitlines()
+    row = next(ln for ln in lines if "truncated-file" in ln)
+    assert row.split(None, 2) == ["ERROR", "truncated-file", MESSAGE], row
+    after = lines[lines.index(row) + 1]
+    assert after.strip() == "hint: restore the file from its source; 'ckpttool verify' lists every damaged file"
+    assert "…" not in r.stdout
+    assert all(ln == ln.rstrip() for ln in lines)  # no padding to the table's width
+
+
+def _on_a_terminal(*args: str | os.PathLike[str], columns: int) -> tuple[int, str]:
+    """Run the CLI with stdout on a pseudo-terminal ``columns`` wide; its exit code and output."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpttool", *map(str, args)],
+        stdout=follower,
+        stderr=subprocess.DEVNULL,
+        env=cli_env(COLUMNS=str(columns), TERM="xterm"),
+    )
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(leader)
+    text = b"".join(chunks).decode().replace("\r\n", "\n")
+    return proc.wait(timeout=120), re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)  # (bold, dim: styles, not colours)
+
+
+def test_terminal_output_wraps_a_finding_within_the_width(truncated):
+    """On a terminal the FINDING column wraps at the terminal's width (no ellipsis): every word of
+    the message and of its hint is there, and no line is wider than the terminal."""
+    code, text = _on_a_terminal("verify", truncated, columns=80)
+    assert code == 1, text
+    lines = text.splitlines()
+    assert all(len(ln) <= 80 for ln in lines), text
+    start = next(i for i, ln in enumerate(lines) if "truncated-file" in ln)
+    column = lines[start].index("__1_0.distcp")
+    cell = []
+    for ln in lines[start:]:
+        if not ln.strip() or (cell and not ln.startswith(" ")):  # a blank line or the next finding
+            break
+        cell.append(ln[column:].strip())
+    assert (
+        " ".join(cell)
+        == MESSAGE + " hint: restore the file from its source; 'ckpttool verify' lists every damaged file"
+    )
+    assert "…" not in text
+
+
+# -- D: a grouped line says what it groups -----------------------------------------------------------
+
+
+def test_grouped_findings_without_files_or_items_list_what_they_are(tmp_path):
+    """Four missing-state warnings grouped into "4 findings (...): " and listed nothing, in the
+    human output and in the GitHub step summary and annotations."""
+    path = FIXTURES / "rankshards" / "pipeline"
+    missing = "no optimizer state, RNG state, dataloader position, LR scheduler state in the checkpoint"
+    r = run_cli("verify", path)
+    assert r.code == 0, r.stderr
+    row = next(ln for ln in r.stdout.splitlines() if "missing-state" in ln)
+    assert row.endswith(f"4 findings (training state a resume needs is absent): {missing}"), row
+    assert "hint: save it with the checkpoint" in r.stdout
+
+    summary = tmp_path / "summary.md"
+    gh = run_cli("verify", path, env={"GITHUB_ACTIONS": "true", "GITHUB_STEP_SUMMARY": str(summary)})
+    assert gh.code == 0, gh.stderr
+    rows = [ln for ln in summary.read_text().splitlines() if "missing-state" in ln]
+    assert len(rows) == 1 and rows[0].endswith(f": {missing} |"), rows
+    assert (
+        f"::warning title=ckpttool missing-state::4 findings (training state a resume needs is absent): {missing}"
+        in (gh.stderr)
+    )
+
+
+def test_group_line_lists_names_once_and_messages_when_there_are_none():
+    from ckpttool.reports import Group
+    from ckpttool.verify import Finding
+
+    named = Group(
+        "missing-file",
+        "error",
+        tuple(
+            Finding(rule="missing-file", severity="error", message=f"{n} is missing", file=n, rank=r)
+            for r, n in enumerate("aabcd")
+        ),
+    )
+    assert named.line == "5 findings (a file the checkpoint needs is absent), ranks 0, 1, 2, 3, 4: a, b, c, d"
+    mixed = Group(
+        "corrupt-file",
+        "error",
+        (
+            Finding(rule="corrupt-file", severity="error", message="x.pt: bad zip", file="x.pt"),
+            Finding(rule="corrupt-file", severity="error", message="the index is damaged"),
+            Finding(rule="corrupt-file", severity="error", message="the index, again, is damaged"),
+            Finding(rule="corrupt-file", severity="error", message="y.pt: bad zip", file="y.pt"),
+        ),
+    )
+    assert mixed.line.endswith(": x.pt; the index is damaged; the index, again, is damaged; y.pt"), mixed.line
+    assert mixed.hints == []
+
+
+# -- E: a hostile name keeps a Markdown row one row ----------------------------------------------------
+
+
+def test_a_newline_in_a_tensor_name_keeps_the_step_summary_row_one_row(tmp_path):
+    """The step summary escaped "|" but not a newline: a tensor named "evil\\nname|x" split its
+    row in two (and could forge one). Every row is now one line; the name shows its escapes."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    bad = np.array([1.0, float("nan")], dtype=np.float32)
+    ckpt = tmp_path / "hostile.safetensors"
+    save_file({"evil\nname|x": bad, "two\r\n| error | `forged` | row": bad, "ok": np.ones(2, np.float32)}, ckpt)
+    summary = tmp_path / "summary.md"
+    r = run_cli("verify", ckpt, "--deep", env={"GITHUB_ACTIONS": "true", "GITHUB_STEP_SUMMARY": str(summary)})
+    assert r.code == 1, r.stderr
+    text = summary.read_text()
+    rows = [ln for ln in text.splitlines() if ln.startswith("| ")]
+    assert len(rows) == 1 + 3, text  # the header, two nonfinite findings, the grouped missing-state
+    assert all(ln.endswith(" |") and ln.count(" | ") == 2 for ln in rows), text  # escaped pipes are "\|"
+    assert not any("forged" in ln and ln.startswith("| error | `forged`") for ln in text.splitlines())
+    assert "evil\\\\nname\\|x" in text, text  # the newline as \n (its backslash escaped), the pipe as \|
+    # the human output keeps the names on one line too
+    row = next(ln for ln in r.stdout.splitlines() if "evil" in ln)
+    assert "evil\\nname|x: 1 NaN" in row, r.stdout
+    assert not any(ln.startswith("| error") for ln in r.stdout.splitlines())
+
+
+def test_step_summary_cells_escape_markup_and_junit_stays_well_formed():
+    import xml.etree.ElementTree as ET
+
+    from ckpttool.reports import github_summary, junit
+    from ckpttool.verify import Finding, VerifyReport
+
+    report = VerifyReport(
+        path="ck\npt",
+        format="dcp",
+        findings=[
+            Finding(
+                rule="nonfinite",
+                severity="error",
+                message="a\\|b<!-- c\x1b[2J\x00: 1 NaN",
+                item="a\\|b<!-- c\x1b[2J\x00",
+            )
+        ],
+    )
+    text = github_summary(report)
+    row = next(ln for ln in text.splitlines() if "nonfinite" in ln)
+    assert row == "| error | `nonfinite` | a\\\\\\|b\\<!-- c\\\\x1b\\[2J\\\\x00: 1 NaN |", row
+    assert "`ck\\npt`" in text
+    root = ET.fromstring(junit(report).split("?>", 1)[1])  # parses: no raw control characters
+    assert root.get("failures") == "1"

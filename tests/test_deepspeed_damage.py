@@ -1,0 +1,208 @@
+"""Damaged copies of the real DeepSpeed 0.19.8 fixtures: a rank's file deleted, two ranks' files
+swapped, a file left from a save at a larger DP size. The reader knows the layout from what the
+files record (``partition_count`` in the optimizer files, ``dp_world_size`` / ``mp_world_size`` in
+the model states, each ZeRO-1/2 file's ``param_slice_mappings``, the tied-weight map DeepSpeed
+saves in global rank 0's file only): it names the file, and export, seal and reshard refuse
+instead of taking the surviving partitions for whole tensors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ckpttool import registry
+from ckpttool.verify import verify
+from tests.conftest import FIXTURES, rewritten_copy, run_cli
+
+DS = FIXTURES / "deepspeed"
+TAG = "global_step3"
+
+
+def _copy(name: str, tmp_path: Path) -> Path:
+    dst = tmp_path / name
+    shutil.copytree(DS / name, dst)  # keeps the files' times (a file newer than `latest` reads as unfinished)
+    return dst
+
+
+def _swap(tag_dir: Path, a: str, b: str) -> None:
+    os.rename(tag_dir / a, tag_dir / "swap.tmp")
+    os.rename(tag_dir / b, tag_dir / a)
+    os.rename(tag_dir / "swap.tmp", tag_dir / b)
+
+
+def _verify_cli(path: Path) -> tuple[int, list[dict]]:
+    r = run_cli("verify", path, "--json", "-q", cwd=path.parent)
+    assert "Traceback" not in r.stderr, r.stderr
+    return r.code, json.loads(r.stdout)["findings"]
+
+
+def _refused(path: Path, tmp_path: Path, named: list[str]) -> None:
+    """export (one fp32 master), seal and reshard exit 3 naming the file(s) and write nothing."""
+    out = tmp_path / "out.safetensors"
+    for args, written in (
+        (["export", path, "-o", out, "-f", r"^emb\.weight\.fp32$"], out),
+        (["seal", path], path / "ckpttool.manifest.json"),
+        (["reshard", path, "-o", tmp_path / "resharded", "--dp", "1"], tmp_path / "resharded"),
+    ):
+        r = run_cli(*args, cwd=tmp_path)
+        assert r.code == 3, (args[0], r.stdout, r.stderr)
+        assert "Traceback" not in r.stderr
+        for name in named:
+            assert name in r.stderr, (args[0], r.stderr)
+        assert not written.exists(), f"{args[0]} wrote {written}"
+
+
+# -- a rank's file deleted -------------------------------------------------------------------------
+
+MISSING = [
+    ("zero3", ["zero_pp_rank_1_mp_rank_00_optim_states.pt"]),
+    ("zero3", ["zero_pp_rank_1_mp_rank_00_model_states.pt"]),
+    ("zero3_bf16", ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"]),
+    ("zero2", ["zero_pp_rank_1_mp_rank_00_optim_states.pt"]),
+    ("zero1", ["zero_pp_rank_0_mp_rank_00_optim_states.pt"]),
+    ("bf16_optimizer", ["bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"]),
+    ("tp2", ["mp_rank_01_model_states.pt"]),
+    ("pipeline", ["zero_pp_rank_0_mp_rank_02_optim_states.pt"]),
+    ("autotp", ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_01_optim_states.pt"]),
+    ("zero2", ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]),
+    ("zero3", ["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]),
+]
+
+
+@pytest.mark.parametrize(("fixture", "gone"), MISSING, ids=[f"{f}-{'+'.join(g)}" for f, g in MISSING])
+def test_a_deleted_rank_file_is_named_not_read_around(fixture, gone, tmp_path):
+    """Before: a ZeRO-3 save without rank 1's optimizer file read rank 0's partitions as whole
+    tensors (33 items gone, wrong values exported); ZeRO-1/2 gave coverage gaps that never named
+    the file; a missing ZeRO-3 model-states file was blamed on rank 0's."""
+    path = _copy(fixture, tmp_path)
+    for name in gone:
+        (path / TAG / name).unlink()
+    code, findings = _verify_cli(path)
+    assert code == 1, findings
+    missing = [f for f in findings if f["rule"] == "missing-file"]
+    assert len(missing) == 1, findings
+    assert missing[0]["file"] == f"{TAG}/{gone[0]}"
+    for name in gone:
+        assert name in missing[0]["message"]
+    assert not [f for f in findings if f["rule"] in ("coverage-gap", "corrupt-file", "optimizer-mismatch")], findings
+
+
+def test_zero3_without_a_rank_refuses_to_export_seal_or_reshard(tmp_path):
+    path = _copy("zero3", tmp_path)
+    gone = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    (path / TAG / gone).unlink()
+    _refused(path, tmp_path, [gone])
+
+
+def test_zero2_without_a_rank_refuses_to_export(tmp_path):
+    path = _copy("zero2", tmp_path)
+    gone = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    (path / TAG / gone).unlink()
+    r = run_cli("export", path, "-o", tmp_path / "e.safetensors", "--kind", "master", cwd=tmp_path)
+    assert r.code == 3 and gone in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "e.safetensors").exists()
+
+
+# -- two ranks' files swapped ----------------------------------------------------------------------
+
+
+def test_zero3_swapped_ranks_are_named_by_the_tied_weight_map(tmp_path):
+    """Before: verify passed and ``head.weight.fp32`` vanished (the alias map was read from the
+    file named rank 0, and DeepSpeed saves it in global rank 0's file only). A ZeRO-3 optimizer
+    file records no rank; the model-states files give the swap away when the model ties weights."""
+    path = _copy("zero3", tmp_path)
+    for kind in ("model", "optim"):
+        _swap(path / TAG, f"zero_pp_rank_0_mp_rank_00_{kind}_states.pt", f"zero_pp_rank_1_mp_rank_00_{kind}_states.pt")
+    code, findings = _verify_cli(path)
+    assert code == 1, findings
+    (f,) = [f for f in findings if f["rule"] == "misplaced-file"]
+    assert f["file"] == f"{TAG}/zero_pp_rank_1_mp_rank_00_model_states.pt"
+    assert "zero_pp_rank_0_mp_rank_00_model_states.pt" in f["message"] and "shared_params" in f["message"]
+    _refused(path, tmp_path, ["zero_pp_rank_1_mp_rank_00_model_states.pt"])
+
+
+SWAPPED = [
+    ("zero1", ""),
+    ("zero2", ""),
+    ("zero2_bf16", "bf16_"),
+    ("bf16_optimizer", "bf16_"),
+]
+
+
+@pytest.mark.parametrize(("fixture", "prefix"), SWAPPED, ids=[f for f, _ in SWAPPED])
+def test_zero12_swapped_optimizer_files_are_named_by_their_slice_mappings(fixture, prefix, tmp_path):
+    """Before: verify passed and every partitioned tensor was read with its halves swapped."""
+    path = _copy(fixture, tmp_path)
+    a, b = (f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))
+    _swap(path / TAG, a, b)
+    code, findings = _verify_cli(path)
+    assert code == 1, findings
+    (f,) = [f for f in findings if f["rule"] == "misplaced-file"]
+    assert f["file"] == f"{TAG}/{a}"
+    assert a in f["message"] and b in f["message"] and "DP rank 1's" in f["message"]
+    r = run_cli("export", path, "-o", tmp_path / "e.safetensors", "--kind", "master", cwd=tmp_path)
+    assert r.code == 3 and a in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "e.safetensors").exists()
+
+
+def test_pipeline_swapped_optimizer_files_of_one_stage(tmp_path):
+    path = _copy("pipeline", tmp_path)
+    a, b = (f"zero_pp_rank_{r}_mp_rank_02_optim_states.pt" for r in (0, 1))
+    _swap(path / TAG, a, b)
+    rules = {(f.rule, f.file) for f in verify(path).findings}
+    assert ("misplaced-file", f"{TAG}/{a}") in rules, rules
+
+
+# -- files of two saves ----------------------------------------------------------------------------
+
+
+def test_a_rank_file_beyond_the_recorded_dp_size_is_named(tmp_path):
+    """A file of DP rank 2 in a 2-rank save (left by an earlier save at DP 4): DeepSpeed's
+    zero_to_fp32 refuses it; the reader would have cut every tensor in three."""
+    path = _copy("zero2", tmp_path)
+    stale = "zero_pp_rank_2_mp_rank_00_optim_states.pt"
+    shutil.copy2(path / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt", path / TAG / stale)
+    code, findings = _verify_cli(path)
+    assert code == 1
+    (f,) = [f for f in findings if f["rule"] == "misplaced-file"]
+    assert f["file"] == f"{TAG}/{stale}" and "partition_count 2" in f["message"]
+
+
+def test_optimizer_files_recording_two_dp_sizes_are_refused(tmp_path):
+    from ckpttool.formats.deepspeed import ALLOWLIST
+
+    def edit(tree):
+        tree["optimizer_state_dict"]["partition_count"] = [4, 4]
+
+    rel = f"{TAG}/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    path = rewritten_copy(tmp_path / "mixed", DS / "zero2", edit, rel, ALLOWLIST)
+    rules = {(f.rule, f.file) for f in verify(path).findings}
+    assert ("misplaced-file", rel) in rules, rules
+
+
+# -- what must not change --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fixture",
+    ["zero1", "zero2", "zero2_bf16", "bf16_optimizer", "zero3", "zero3_bf16", "pipeline", "pipeline_tied", "tp2",
+     "tp2_glu", "autotp", "universal", "universal3"],
+)  # fmt: skip
+def test_every_clean_fixture_reads_with_its_alias(fixture):
+    _, m = registry.describe(DS / fixture)
+    if fixture in ("zero2", "zero3", "zero3_bf16", "universal", "universal3"):
+        assert "head.weight.fp32" in m.items  # the tied alias, from global rank 0's file
+    assert m.layout.dp in (2, None)
+
+
+def test_a_resharded_zero2_at_an_odd_dp_is_not_taken_for_swapped(tmp_path):
+    """The slice-mapping check follows DeepSpeed's layout (groups padded to 2 x DP): ckpttool's own
+    writer's files at DP 3 (uneven cuts, padding on the last rank) read as they are."""
+    out = tmp_path / "dp3"
+    r = run_cli("reshard", DS / "zero2", "-o", out, "--dp", "3", "-q", cwd=tmp_path)
+    assert r.code == 0, r.stderr
+    assert not [f for f in verify(out).findings if f.rule in ("misplaced-file", "missing-file")]

@@ -52,14 +52,25 @@ def select(items: list[Item], *, kind: str = "all", pattern: str | None = None) 
     """
     if kind != "all" and kind not in KINDS:
         raise UsageError(f"--kind {kind!r}: expected one of all, {', '.join(KINDS)}")
-    rx = re.compile(pattern) if pattern else None
+    try:
+        rx = re.compile(pattern) if pattern else None
+    except re.error as exc:
+        raise UsageError(f"--filter {pattern!r}: not a regular expression ({exc})") from None
     if kind == "master":
         masters = {i.name.removesuffix(MASTER_SUFFIX): i for i in items if i.kind == "master"}
         pairs = list(masters.items())
         pairs += [(i.name, i) for i in items if i.kind == "param" and i.is_tensor and i.name not in masters]
     else:
         pairs = [(i.name, i) for i in items if kind == "all" or i.kind == kind]
-    return [(n, i) for n, i in pairs if rx is None or rx.search(n)]
+    chosen = [(n, i) for n, i in pairs if rx is None or rx.search(n)]
+    if not chosen and items:  # an empty output would be written and called done
+        asked = " ".join(([f"--kind {kind}"] if kind != "all" else []) + ([f"--filter {pattern!r}"] if pattern else []))
+        names = ", ".join(i.name for i in items[:3])
+        raise UsageError(
+            f"{asked or 'the selection'}: no item of the checkpoint's {len(items):,} matches",
+            hint=f"its items are named like {names}; 'ckpttool ls' lists them all",
+        )
+    return chosen
 
 
 def safetensors_selection(
@@ -98,7 +109,10 @@ def export(
     if out_path.exists() and not force:
         raise UsageError(f"{out_path} exists", hint="choose another -o path or pass --force to replace it")
     check_output(out_path, force=force, directory=False, example="model.safetensors")
+    from ckpttool.convert import refuse_findings  # (convert builds on this module)
+
     adapter, manifest = registry.describe(path)
+    refuse_findings(manifest)
     result = ExportResult(output=str(out_path))
     pairs, result.skipped = safetensors_selection(manifest, kind=kind, pattern=pattern)
     result.names = [n for n, _ in pairs]

@@ -18,6 +18,7 @@ any format). Each format's writer
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 import signal
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool import device, registry
-from ckpttool.convert import parse_size
+from ckpttool.convert import MAX_RANKS, parse_size, refuse_findings, refuse_unreadable, unused_states
 from ckpttool.errors import UsageError
 from ckpttool.hashing import Written, collecting_written
 from ckpttool.io import check_crcs_from_now, checking_crcs, fsync_tree, publish_dir, refuse_overlap, staged_dir
@@ -74,6 +75,19 @@ class Target:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UsageError(f"--{name} {value}: a parallel size must be at least 1")
+            if value is not None and value > MAX_RANKS:
+                raise UsageError(
+                    f"--{name} {value:,}: more ranks than any run has (at most {MAX_RANKS:,}); "
+                    "each rank gets files of its own",
+                    hint="give the size of the run that will load the output",
+                )
+        given = [v for v in (self.tp, self.pp, self.dp, self.ep) if v is not None]
+        if math.prod(given) > MAX_RANKS:
+            raise UsageError(
+                f"{' x '.join(map(str, given))} = {math.prod(given):,} ranks: more than any run has "
+                f"(at most {MAX_RANKS:,})",
+                hint="give the sizes of the run that will load the output",
+            )
 
 
 @dataclass(slots=True, kw_only=True)
@@ -362,6 +376,7 @@ def plan(
     checkpoint cannot take, or a device this machine lacks, before anything is written."""
     on = device.resolve(on)
     adapter, manifest = registry.describe(src)
+    refuse_findings(manifest)
     fmt = target.to or _default_format(manifest.format)
     if target.distributed_optimizer is not None and fmt not in ("megatron", "megatron-dist"):
         raise UsageError(f"--[no-]distributed-optimizer applies to --to megatron and megatron-dist only, not {fmt}")
@@ -594,9 +609,16 @@ class _DcpExec(_FileExec):
         world = target.dp or manifest.layout.world_size or 1
         if world < 1:
             raise UsageError("--dp must be at least 1")
-        names = [i.name for i in manifest.items.values() if not i.error]
+        refuse_unreadable(manifest.items.values())
+        dropped = unused_states(manifest)
+        names = [n for n in manifest.items if n not in set(dropped)]
         super().__init__(adapter, manifest, _build_dcp, (manifest, world, names), {"world_size": world})
-        self.notes = [f"not written (unreadable): {i.name}: {i.error}" for i in manifest.items.values() if i.error]
+        if dropped:
+            self.notes = [
+                f"left out: {', '.join(sorted(manifest.extras['unused']))} with its optimizer state, a parameter "
+                "megatron-core allocates on a tied model's MTP last stage but never uses (its moments stay zero, "
+                "which a DCP reader cannot tell from lost state)"
+            ]
 
 
 @dataclass(slots=True, kw_only=True)

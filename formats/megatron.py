@@ -191,6 +191,25 @@ def _misplaced_ranks(dirs: dict[str, tuple[tuple[int, int, int], Any]], args: An
     return out
 
 
+def _describe_bytes(path: Path) -> str:
+    """A few words on what a small file that should be JSON holds."""
+    try:
+        data = path.read_bytes()[:4096]
+    except OSError as exc:
+        return f"an unreadable file ({exc.strerror})"
+    if not data:
+        return "an empty file"
+    try:
+        json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        return (
+            f"{len(data):,}+ bytes that are not JSON ({exc})"
+            if len(data) == 4096
+            else f"bytes that are not JSON ({exc})"
+        )
+    return "JSON without sharded_backend 'torch_dist'"
+
+
 def _step_claims(files: dict[str, Any], it_dir: str, tracked: bool) -> dict[str, int]:
     """The iteration each file records, with the iteration directory's name (``iter_NNNNNNN/``)
     and, when the save directory was given, its tracker's as claims of their own: verify names the
@@ -1225,6 +1244,14 @@ class MegatronLegacyAdapter:
             it_dir, prefix = path, ""
         dirs = sorted(p.name for p in it_dir.iterdir() if p.is_dir() and _MP_DIR.match(p.name))
         if not dirs:
+            meta = it_dir / "metadata.json"
+            if meta.is_file() or meta.is_symlink():  # a torch_dist save whose metadata.json does not read as one
+                raise CorruptFileError(
+                    f'{prefix}metadata.json: expected torch_dist\'s JSON ({{"sharded_backend": "torch_dist", ...}}), '
+                    f"found {_describe_bytes(meta)}; this iteration has no mp_rank_* directories either",
+                    hint="the save was interrupted while writing it, or the file was damaged; use another iteration",
+                    path=f"{prefix}metadata.json",
+                )
             raise IncompleteCheckpointError(f"{it_dir}: no mp_rank_* directories", path=str(it_dir))
         manifest = Manifest(root=str(root), format=self.name)
         objs: dict[str, Any] = {}

@@ -539,6 +539,23 @@ def validate(
     problems += _mtp_problems(manifest, src, target, rank_files)
     gated = _gated(args)
     uneven, unknown = [], []
+    for pattern, dim in rules.items():  # only for parameters Megatron's own rules leave open
+        fixed = sorted(
+            n
+            for n, i in manifest.items.items()
+            if i.kind == "param"
+            and i.is_tensor
+            and re.search(pattern, n)
+            and (_known(n, {}) or split_rule(n, gated=gated)[0] != "replicated")
+        )
+        if fixed:
+            rule, d = split_rule(fixed[0], gated=gated)
+            problems.append(
+                f"--split-rule '{pattern}={'none' if dim is None else dim}' matches {len(fixed)} parameters whose "
+                f"tensor-parallel split megatron-core fixes, such as {fixed[0]} ({rule}"
+                + (f", dim {d}" if d is not None else "")
+                + "); --split-rule is for parameters ckpttool has no rule for: narrow the pattern"
+            )
     for item in manifest.items.values():
         if not item.is_tensor or item.kind not in ("param", "optim", "master") or item.shape is None:
             continue

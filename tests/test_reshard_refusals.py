@@ -1,0 +1,118 @@
+"""reshard / convert / export refuse what would publish a wrong or short output (found by a
+black-box review): an unreadable item, a checkpoint the reader found damaged, an empty selection,
+absurd sizes, a --split-rule over megatron-core's own rules; and leave out what a foreign format
+cannot carry (megatron-core's unused output layer)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.conftest import FIXTURES, run_cli
+
+MG = FIXTURES / "megatron"
+
+
+def _refused(r, code: int, *fragments: str) -> None:
+    assert r.code == code, (r.code, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and "internal error" not in r.stderr
+    for f in fragments:
+        assert f in r.stderr, (f, r.stderr)
+
+
+def test_an_unsafe_pickle_is_refused_not_dropped(tmp_path):
+    """A DCP bytes item whose pickle calls os.system: reshard used to write the rest, note the
+    item on stderr, seal and exit 0 (a verify of the output was clean, the dataloader state gone)."""
+    src = FIXTURES / "hostile" / "dcp_bytes_item_os_system"
+    for cmd in (["reshard", src, "-o", tmp_path / "r", "--dp", "2"], ["convert", src, "-o", tmp_path / "c", "--to", "dcp"]):
+        _refused(run_cli(*cmd), 3, "dataloader.cursor cannot be read (unsafe pickle", "nothing was written")
+    assert not (tmp_path / "r").exists() and not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("command", ["reshard", "convert", "export"])
+def test_a_checkpoint_with_findings_of_its_reader_is_refused(command, tmp_path):
+    """torch_dist without common.pt: verify reports missing-file; convert wrote stacked names and
+    exited 0."""
+    ck = tmp_path / "ck"
+    shutil.copytree(MG / "dist_tp2pp2", ck)
+    (ck / "iter_0000003" / "common.pt").unlink()
+    out = tmp_path / ("o.safetensors" if command == "export" else "o")
+    extra = ["--tp", "1"] if command == "reshard" else []
+    _refused(run_cli(command, ck, "-o", out, *extra), 3, "common.pt is missing", "nothing was written")
+    assert not out.exists()
+
+
+def test_swapped_rank_files_are_not_resharded(tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(MG / "legacy_tp2pp2", ck)
+    it = ck / "iter_0000003"
+    (it / "mp_rank_00_000").rename(it / "x")
+    (it / "mp_rank_01_000").rename(it / "mp_rank_00_000")
+    (it / "x").rename(it / "mp_rank_01_000")
+    _refused(run_cli("reshard", ck, "-o", tmp_path / "o", "--tp", "1", "--pp", "1"), 3, "was saved by rank 1")
+
+
+@pytest.mark.parametrize("command", ["convert", "export"])
+def test_a_selection_matching_nothing_is_refused(command, tmp_path):
+    out = tmp_path / ("o.safetensors" if command == "export" else "o")
+    r = run_cli(command, MG / "legacy_tp2pp2", "-o", out, "-f", "nomatch_zzz")
+    _refused(r, 2, "no item of the checkpoint's", "ckpttool ls")
+    assert not out.exists()
+    _refused(run_cli(command, MG / "legacy_tp2pp2", "-o", out, "-f", "("), 2, "not a regular expression")
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--dp", "100000000", "--dry-run"], "--dp 100,000,000: more ranks than any run has"),
+        (["--dp", "99999999999999999999", "--dry-run"], "more ranks than any run has"),
+        (["--dp", "2048", "--tp", "1024", "--dry-run"], "ranks: more than any run has"),
+    ],
+)
+def test_absurd_sizes_are_refused_at_once(args, fragment, tmp_path):
+    """--dp 100000000 --dry-run ran for minutes and gigabytes before saying anything."""
+    _refused(run_cli("reshard", FIXTURES / "dcp" / "fsdp2", "-o", tmp_path / "o", *args, timeout=30), 2, fragment)
+
+
+def test_convert_world_size_out_of_range(tmp_path):
+    for n in ("0", "2000000"):
+        r = run_cli("convert", FIXTURES / "dcp" / "fsdp2", "-o", tmp_path / "o", "--to", "dcp", "--world-size", n)
+        _refused(r, 2, f"--world-size {int(n):,}")
+
+
+@pytest.mark.parametrize("rule", ["layernorm=0", r"linear_fc1\.weight=1"])
+def test_a_split_rule_over_megatron_cores_own_is_refused(rule, tmp_path):
+    """A user rule for a parameter megatron-core splits (or keeps whole) its own way cut the
+    output differently from how the source was read: replica mismatches, or fc1 read back as
+    [128, 8] instead of [64, 16]."""
+    r = run_cli("reshard", MG / "legacy_tp2pp2", "-o", tmp_path / "o", "--split-rule", rule)
+    _refused(r, 2, "tensor-parallel split megatron-core fixes", "narrow the pattern")
+
+
+@pytest.mark.parametrize("content", [b"{bad", b""])
+def test_a_damaged_torch_dist_metadata_json_is_named(content, tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(MG / "dist_tp2pp2", ck)
+    (ck / "iter_0000003" / "metadata.json").write_bytes(content)
+    for command in (["inspect", ck], ["reshard", ck, "-o", tmp_path / "o", "--tp", "1"]):
+        _refused(run_cli(*command), 3, "iter_0000003/metadata.json: expected torch_dist's JSON")
+
+
+@pytest.mark.parametrize("to", ["dcp", "torch"])
+def test_the_unused_output_layer_is_left_out_of_foreign_formats(to, tmp_path):
+    """megatron-core's never-used output layer (tied model, MTP in the last chunk) has zero
+    moments by design; in a DCP or torch.save output nothing says so, and verify failed the output
+    (optimizer-mismatch) though the source verified clean."""
+    src = MG / "legacy_pp2_mtp_tied"
+    out = tmp_path / "o"
+    cmd = ["reshard", src, "-o", out, "--to", "dcp"] if to == "dcp" else ["convert", src, "-o", out, "--to", "torch"]
+    r = run_cli(*cmd)
+    assert r.code == 0, r.stderr
+    v = run_cli("verify", out, "--json")
+    assert v.code == 0, v.stdout
+    listed = run_cli("ls", out, "--json")
+    names = {i["name"] for i in json.loads(listed.stdout)["items"]}
+    assert not any(n.startswith("output_layer.weight") for n in names)
+    assert "embedding.word_embeddings.weight" in names

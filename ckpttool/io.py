@@ -129,7 +129,11 @@ def preadinto(fd: int, buf: memoryview, offset: int) -> int:
 class RandomAccessFile:
     """An open checkpoint file read by offset; closes on exit."""
 
-    def __init__(self, path: str | os.PathLike[str], display: str | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], display: str | None = None, *, check: bool | None = None) -> None:
+        """``check``: whether the zip members read are checked against their CRC-32s; by default,
+        whether this process checks them now (:func:`checking_crcs`). Every reader opened while a
+        command checks does so, not only a :class:`FileCache`'s: the pickles an adapter reads while
+        describing the source (``_pt.load``) become the new checkpoint's names and values too."""
         self.path = os.fspath(path)
         self.display = display or self.path
         self.fd = -1
@@ -137,7 +141,7 @@ class RandomAccessFile:
         self.cache: FileCache | None = None
         """the cache that keeps it (under its ``display`` name): a re-open goes through it, so the
         cache's open-file limit holds even for readers that kept a reference to this file"""
-        self.crcs: MemberCrcs | None = None
+        self.crcs: MemberCrcs | None = MemberCrcs(self.display) if (checking() if check is None else check) else None
         """when set, the bytes read of the zip members registered there are checked against the
         CRC-32s the archive stores (:func:`checking_crcs`)"""
         self._open()
@@ -317,10 +321,11 @@ _CHECKING_LOCK = threading.Lock()
 
 @contextlib.contextmanager
 def checking_crcs() -> Iterator[None]:
-    """While active, the files of every :class:`FileCache` made (every reader opened) check the
-    bytes read of zip members against the CRC-32s their archives store (:class:`MemberCrcs`). The
-    commands that write new checkpoints from old ones run inside it; ``verify`` and ``diff``, which
-    report damage rather than stop at it, do not."""
+    """While active, every :class:`RandomAccessFile` opened (and those a :class:`FileCache` made
+    meanwhile opens later) checks the bytes read of zip members against the CRC-32s their archives
+    store (:class:`MemberCrcs`): the pickles read to describe the source as well as the tensors
+    read to write the output. The commands that write new checkpoints from old ones run inside it;
+    ``verify`` and ``diff``, which report damage rather than stop at it, do not."""
     with _CHECKING_LOCK:
         _CHECKING[0] += 1
     try:
@@ -328,6 +333,12 @@ def checking_crcs() -> Iterator[None]:
     finally:
         with _CHECKING_LOCK:
             _CHECKING[0] -= 1
+
+
+def checking() -> bool:
+    """Whether this process checks CRC-32s now (inside :func:`checking_crcs`, or a worker of a
+    command that does)."""
+    return _CHECKING[0] > 0
 
 
 def check_crcs_from_now() -> None:
@@ -344,7 +355,7 @@ class FileCache:
     def __init__(self, root: str | os.PathLike[str], max_open: int | None = None) -> None:
         self.root = os.fspath(root)
         self.max_open = max_open or default_max_open()
-        self.check_crcs = _CHECKING[0] > 0
+        self.check_crcs = checking()
         """the files check the CRC-32s of the zip members read (:func:`checking_crcs`)"""
         self._files: dict[str, RandomAccessFile] = {}
         self._lru: OrderedDict[str, RandomAccessFile] = OrderedDict()  # the ones with an open fd
@@ -356,10 +367,8 @@ class FileCache:
         f = self._files.get(rel)
         if f is None:
             self._make_room()
-            f = RandomAccessFile(confine(self.root, rel), display=rel)
+            f = RandomAccessFile(confine(self.root, rel), display=rel, check=self.check_crcs)
             f.cache = self
-            if self.check_crcs:
-                f.crcs = MemberCrcs(rel)
             self._files[rel] = f
         elif f.fd < 0:
             self._make_room()

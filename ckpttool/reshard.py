@@ -393,6 +393,13 @@ def plan(
         )
     if (target.pp_first is not None or target.pp_last is not None) and fmt not in ("megatron", "megatron-dist"):
         raise UsageError(f"--pp-first-layers and --pp-last-layers apply to Megatron targets only, not {fmt}")
+    if target.vocab_padding != "keep" and fmt not in ("megatron", "megatron-dist"):
+        raise UsageError(f"--vocab-padding applies to Megatron targets only, not {fmt}")
+    if target.split_rules and fmt not in ("megatron", "megatron-dist"):
+        raise UsageError(
+            f"--split-rule applies to Megatron targets only, not {fmt}",
+            hint="a DeepSpeed source's split patterns are read from its files; DCP has no tensor parallelism to split",
+        )
     if target.vpp is not None and fmt not in ("megatron", "megatron-dist"):
         raise UsageError(f"--vpp applies to Megatron targets only, not {fmt}")
     if target.pipeline_layout is not None:

@@ -116,3 +116,15 @@ def test_the_unused_output_layer_is_left_out_of_foreign_formats(to, tmp_path):
     names = {i["name"] for i in json.loads(listed.stdout)["items"]}
     assert not any(n.startswith("output_layer.weight") for n in names)
     assert "embedding.word_embeddings.weight" in names
+
+
+@pytest.mark.parametrize(
+    ("src", "args", "fragment"),
+    [
+        ("deepspeed/zero2", ["--dp", "1", "--vocab-padding", "megatron"], "--vocab-padding applies to Megatron"),
+        ("dcp/fsdp2", ["--dp", "2", "--split-rule", "w=0"], "--split-rule applies to Megatron"),
+    ],
+)
+def test_options_that_do_not_apply_are_refused(src, args, fragment, tmp_path):
+    """They were ignored: the user believed an option took effect that did nothing."""
+    _refused(run_cli("reshard", FIXTURES / src, "-o", tmp_path / "o", *args), 2, fragment)

@@ -26,6 +26,9 @@ def is_seal_name(name: str) -> bool:
 
 
 _SCHEMA_CONFIG: Any = {"use_attribute_docstrings": True}  # read by pydantic at the JSON boundary
+_IN_MEMORY: Any = {"exclude": True}
+"""Field metadata of a field that is not serialised: pydantic takes it as ``Field(exclude=True)``
+(left out of dumps and of the serialization schema), :func:`_plain` skips it."""
 
 Kind = Literal["param", "master", "optim", "rng", "dataloader", "scheduler", "counter", "object"]
 KINDS: tuple[Kind, ...] = ("param", "master", "optim", "rng", "dataloader", "scheduler", "counter", "object")
@@ -80,6 +83,10 @@ class Item:
     """for a value too large to keep in ``value``: its type and length, e.g. ``tuple of 3``"""
     error: str | None = None
     """why the item cannot be loaded (e.g. an unsafe pickle), when it cannot"""
+    nesting: tuple[str | int, ...] | None = field(default=None, compare=False, repr=False, metadata=_IN_MEMORY)
+    """where the value sits in the nested state dict the checkpoint was saved from, where the format
+    records it (DCP's ``planner_data``: dict keys and list indices); kept in memory for writers of
+    the same format, never serialised (not in the JSON or the schema)"""
 
     @property
     def is_tensor(self) -> bool:
@@ -189,7 +196,8 @@ def _plain(obj: Any) -> Any:
     if isinstance(obj, Box):
         return {"offsets": list(obj.offsets), "sizes": list(obj.sizes)}
     if hasattr(obj, "__dataclass_fields__"):
-        return {name: _plain(getattr(obj, name)) for name in obj.__dataclass_fields__}
+        fields = obj.__dataclass_fields__
+        return {name: _plain(getattr(obj, name)) for name in fields if not fields[name].metadata.get("exclude")}
     if isinstance(obj, dict):
         return {str(k): _plain(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):

@@ -620,8 +620,9 @@ class _DcpExec(_FileExec):
         dropped = unused_states(manifest)
         names = [n for n in manifest.items if n not in set(dropped)]
         super().__init__(adapter, manifest, _build_dcp, (manifest, world, names), {"world_size": world})
+        self.notes = self.writer.notes()
         if dropped:
-            self.notes = [
+            self.notes += [
                 f"left out: {', '.join(sorted(manifest.extras['unused']))} with its optimizer state, a parameter "
                 "megatron-core allocates on a tied model's MTP last stage but never uses (its moments stay zero, "
                 "which a DCP reader cannot tell from lost state)"

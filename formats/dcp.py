@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+from collections import ChainMap
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from ckpttool.geometry import Box
 from ckpttool.io import RandomAccessFile, confine, list_files
 from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
-from ckpttool.values import find_step, gc_paused, plain_value, set_value
+from ckpttool.values import find_step, plain_value, set_value
 
 _GLOBAL_MD = ".metadata"
 _RANK_MD = re.compile(r"^__(\d+)\.metadata$")
@@ -181,33 +182,55 @@ _MAX_NESTING = 64
 """Deepest path ``planner_data`` may give (deeper ones are refused: each level is a container)."""
 
 
+def _keep_nesting(manifest: Manifest, maps: list[dict[Any, Any]]) -> None:
+    """Keep on each item the path its key had in the nested state dict (``Item.nesting``), from the
+    ``planner_data`` of the metadata files read: one global ``.metadata``, or every rank's
+    ``__<rank>.metadata`` merged as DCP's global plan merges the ranks' maps (``dict(ChainMap(*maps))``:
+    a key's first map gives its path). Kept as recorded (the tuples themselves: their strings are
+    shared between paths as in torch's map, which a re-pickling keeps), checked where used
+    (:func:`nesting`, the DCP writer): describing never fails on this map."""
+    merged = maps[0] if len(maps) == 1 else dict(ChainMap(*maps)) if maps else {}
+    items = manifest.items
+    for key, path in merged.items():
+        if type(key) is not str or type(path) is not tuple:
+            continue
+        item = items.get(key)
+        if item is not None:
+            item.nesting = path
+
+
+def path_problem(path: tuple[Any, ...], limit: int) -> str | None:
+    """Why ``path`` cannot be a ``planner_data`` path of a checkpoint of ``limit`` items (None: it
+    can): strings and list indices (below ``limit``: an index is a list length to allocate),
+    starting with a string, at most 64 deep."""
+    ok = 0 < len(path) <= _MAX_NESTING and type(path[0]) is str
+    if ok and all(type(p) is str or (type(p) is int and 0 <= p < limit) for p in path):
+        return None
+    return f"expected a tuple of at most {_MAX_NESTING} names and list indices below {limit}, starting with a name"
+
+
 def nesting(manifest: Manifest) -> dict[str, tuple[str | int, ...]] | None:
     """Where each flat key of a DCP checkpoint goes in the nested state dict it was saved from
-    (``.metadata``'s ``planner_data``, as ``dcp_to_torch_save`` rebuilds it), or None when the
-    checkpoint has no global ``.metadata`` or no such map. A path must be strings and list indices
-    (below the number of items: an index is a list length to allocate), at most 64 deep."""
-    root = Path(manifest.root)
-    if manifest.format != "dcp" or not (root / _GLOBAL_MD).is_file():
-        return None
-    # parsed a second time: the manifest keeps no place for this map, which only --to torch needs
-    with gc_paused():
-        data = getattr(_load_metadata(root, _GLOBAL_MD), "planner_data", None)
-    if not isinstance(data, dict) or not data:
+    (``planner_data``, as ``dcp_to_torch_save`` rebuilds it; kept on the items by ``describe``),
+    for the keys it records, or None when it records none. A path that :func:`path_problem`
+    refuses is an error."""
+    if manifest.format != "dcp":
         return None
     limit = len(manifest.items)
     out: dict[str, tuple[str | int, ...]] = {}
-    for key, path in data.items():
-        ok = isinstance(key, str) and isinstance(path, tuple) and 0 < len(path) <= _MAX_NESTING
-        ok = ok and all(type(p) is str or (type(p) is int and 0 <= p < limit) for p in path)
-        if not ok or type(path[0]) is not str:
+    for item in manifest.items.values():
+        path = item.nesting
+        if path is None:
+            continue
+        problem = path_problem(path, limit)
+        if problem is not None:
             raise CorruptFileError(
-                f"{_GLOBAL_MD}: planner_data maps {str(key)[:80]!r} to {str(path)[:80]}, expected a tuple of "
-                f"at most {_MAX_NESTING} names and list indices below {limit}, starting with a name",
+                f"{_GLOBAL_MD}: planner_data maps {item.name[:80]!r} to {str(path)[:80]}, {problem}",
                 hint="the metadata is damaged or hostile; convert --to safetensors or dcp does not need this map",
                 path=_GLOBAL_MD,
             )
-        out[key] = path
-    return out
+        out[item.name] = path
+    return out or None
 
 
 def is_dist_config(path: Path) -> bool:
@@ -276,14 +299,20 @@ class DcpAdapter:
                 roles[rel] = FileRecord(path=rel, size=size, role="aux")
         versions: set[str] = set()
         replicas = ReplicaCounter()  # an entry per chunk: local to this describe, dropped with it
+        maps: list[dict[Any, Any]] = []  # each metadata's planner_data
         for rank, md_name in sources:
             md = _load_metadata(path, md_name)
             versions.add(str(getattr(md, "version", None)))
             if rank is None:
                 self._extras(manifest, md)
             self._add_items(manifest, md, md_name, rank, path, sizes, replicas)
+            planner_data = getattr(md, "planner_data", None)
+            if isinstance(planner_data, dict) and planner_data:
+                maps.append(planner_data)
             del md  # before the next rank's metadata is loaded
         del replicas
+        _keep_nesting(manifest, maps)
+        del maps
         manifest.files = list(roles.values())
         manifest.format_version = "/".join(sorted(versions))
         if rank_local:

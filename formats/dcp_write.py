@@ -6,11 +6,14 @@ chunks go to ``__r_0.distcp`` as ``torch.save`` archives, as torch's ``FileSyste
 them. A tensor the source holds whole (replicated, or unsharded state such as RNG) is written
 whole by rank 0, as DCP's de-duplication saves a replicated tensor. Non-tensor values go to rank 0's file.
 ``.metadata`` is torch's own ``Metadata`` with the ``_StorageInfo`` index, pickled as DCP pickles
-it. The result is what ``dcp.load`` reads at that world size (or any other).
+it, and ``planner_data`` mapping each key to its path in the nested state dict: the path a DCP
+source recorded, else the key itself (:func:`planner_paths`). The result is what ``dcp.load`` reads
+at that world size (or any other), and what ``dcp_to_torch_save`` nests as the source nested.
 """
 
 from __future__ import annotations
 
+import functools
 import pickle
 import struct
 from collections.abc import Callable
@@ -44,6 +47,120 @@ def chunk_boxes(shape: tuple[int, ...], parts: int) -> list[Box | None]:
     return out
 
 
+LIST_SLOTS = 1 << 16
+"""List entries the written ``planner_data`` may ask ``dcp_to_torch_save`` for in all, at least (or one per key)"""
+
+NestedPath = tuple[str | int, ...]
+"""A ``planner_data`` path: the dict keys and list indices that lead to a value in the nested state dict"""
+
+
+class _Node:
+    """A dict or list of the nested state dict ``dcp_to_torch_save`` would build, as far as
+    :func:`planner_paths` needs it: its entries (a name for a value) and, a list, its length."""
+
+    __slots__ = ("entries", "is_list", "length")
+
+    def __init__(self, is_list: bool) -> None:
+        self.entries: dict[str | int, _Node | str] = {}
+        self.is_list = is_list
+        self.length = 0
+
+
+def planner_paths(items: list[Item]) -> tuple[dict[str, NestedPath], dict[str, str]]:
+    """The ``planner_data`` of a checkpoint of ``items`` (state-dict keys in ``.metadata`` order):
+    the nested path the source recorded for a key (``Item.nesting``: a DCP source's own
+    ``planner_data``, as torch writes for the same nested state dict), else the key itself (one flat
+    level: names such as ``w`` and ``w.exp_avg`` from other formats cannot both be paths of one tree).
+
+    Never a tree torch cannot build: ``dcp_to_torch_save`` puts each key in turn at its path
+    (``set_element``), so keys whose paths would make one entry both a value and a container, or a
+    list and a dict at once, or open more list entries than there are keys (at least 65,536: a
+    subset of a larger source's keys may keep its list indices), are all written flat; so is a
+    recorded path that is not the key's own (``".".join(path)``, as ``flatten_state_dict`` names
+    keys: an item renamed since) or not a path at all. Returns the map and, for each key written
+    flat despite a recorded path, why."""
+    from ckpttool.formats.dcp import path_problem
+
+    limit = max(len(items), LIST_SLOTS)
+    paths: dict[str, NestedPath] = {}
+    flat: dict[str, str] = {}
+    nested: set[str] = set()
+    for item in items:
+        name, path = item.name, item.nesting
+        if path is None:
+            paths[name] = (name,)
+            continue
+        problem = path_problem(path, limit)
+        if problem is None and ".".join(map(str, path)) != name:
+            problem = "it is another key's path (the item was renamed?)"
+        if problem is None:
+            paths[name] = path
+            nested.add(name)
+        else:
+            flat[name] = f"its recorded path {str(path)[:80]}: {problem}"
+            paths[name] = (name,)
+    while nested:
+        clashing = _clashes(paths, limit) & nested
+        if not clashing:
+            break
+        for name in clashing:
+            flat[name] = f"its path {str(paths[name])[:80]} clashes with another key's"
+            paths[name] = (name,)
+            nested.discard(name)
+    return paths, flat
+
+
+def _clashes(paths: dict[str, NestedPath], limit: int) -> set[str]:
+    """The keys ``set_element`` could not place at ``paths`` in this order: each key that meets an
+    entry already there, every key under the entry it meets, and each key that would take the
+    lists past ``limit`` entries in all."""
+    root = _Node(is_list=False)
+    slots = 0
+    bad: set[str] = set()
+    at: set[NestedPath] = set()  # the entries clashed at: every key below one clashes too
+    for name, path in paths.items():
+        node, more, where = root, 0, None
+        last = len(path) - 1
+        for i, step in enumerate(path):
+            if node.is_list != (type(step) is int):  # a list indexed by a name, or a dict by an index
+                where = path[:i]
+                break
+            if node.is_list:
+                more += max(0, int(step) + 1 - node.length)
+            child = node.entries.get(step)
+            if i == last:
+                where = path if child is not None else None
+                break
+            if child is None:  # new containers from here on: each list as long as its index asks
+                more += sum(q + 1 for q in path[i + 1 :] if type(q) is int)
+                break
+            if isinstance(child, str):  # a value where this path needs a container
+                where = path[: i + 1]
+                break
+            node = child
+        if where is not None or slots + more > limit:
+            bad.add(name)
+            if where is not None:
+                at.add(where)
+            continue
+        slots += more
+        node = root
+        for i, step in enumerate(path):
+            if node.is_list:
+                node.length = max(node.length, int(step) + 1)
+            if i == last:
+                node.entries[step] = name
+                break
+            child = node.entries.get(step)
+            if child is None:
+                child = node.entries[step] = _Node(is_list=type(path[i + 1]) is int)
+            assert isinstance(child, _Node)
+            node = child
+    if at:
+        bad.update(name for name, path in paths.items() if any(path[:j] in at for j in range(1, len(path) + 1)))
+    return bad
+
+
 class DcpWriter:
     """Writes rank files one at a time (``write``: any process may write any rank) and then the
     ``.metadata`` index of all of them (``finish``)."""
@@ -62,6 +179,21 @@ class DcpWriter:
             sharded = sum(1 for p in item.pieces if p.replica == 0) > 1
             boxes = chunk_boxes(item.shape, world_size if sharded else 1)
             self.cuts[item.name] = [(r, b) for r, b in enumerate(boxes) if b is not None]
+
+    @functools.cached_property
+    def _planner(self) -> tuple[dict[str, NestedPath], dict[str, str]]:
+        return planner_paths(self.items)
+
+    def notes(self) -> list[str]:
+        """What the plan should say: keys written flat though their source recorded a nested path."""
+        flat = self._planner[1]
+        if not flat:
+            return []
+        name, why = next(iter(flat.items()))
+        return [
+            f"{len(flat)} state-dict key(s) written flat in .metadata's planner_data, not at the nested path "
+            f"the source recorded (dcp_to_torch_save gives them as top-level dotted keys), e.g. {name!r}: {why}"
+        ]
 
     def files(self) -> list[PlannedFile]:
         sizes: list[list[int]] = [[] for _ in range(self.world)]
@@ -112,8 +244,8 @@ class DcpWriter:
             tmp / ".metadata",
             keys=keys,
             records={f"__{rank}_0.distcp": entries for rank, entries in enumerate(results)},
-            # one flat level: names such as `w` and `w.exp_avg` cannot both be paths of one tree
-            planner_data={name: (name,) for name in keys},
+            # the source's nested paths where it recorded them, else one flat level
+            planner_data=self._planner[0],
             # the directory itself: a staging path would be gone once published, and would make two
             # identical runs write different bytes
             checkpoint_id=".",
@@ -467,4 +599,4 @@ def write_dcp(
     return [".metadata"] + [f"__{r}_0.distcp" for r in range(world_size)]
 
 
-__all__ = ["DcpWriter", "Record", "chunk_boxes", "write_dcp", "write_metadata"]
+__all__ = ["DcpWriter", "NestedPath", "Record", "chunk_boxes", "planner_paths", "write_dcp", "write_metadata"]

@@ -27,6 +27,7 @@ import mmap
 import os
 import sys
 import threading
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -44,6 +45,11 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _pool: list[mmap.mmap] = []  # staging buffers handed back, reused (fresh pages cost a fault each)
 _pool_lock = threading.Lock()
 _POOL_MAX = 4
+DEPTH = 1
+"""full buffers handed to the write thread before the writer waits for the oldest (a ring of
+``DEPTH + 1`` buffers: the writer fills one while up to ``DEPTH`` are written). One is enough
+here: a 1.2 GB reshard ran no faster with three in flight (1.72 s against 1.48 s, other runs of
+the same script), and the device takes 8 MiB writes one at a time at ``cp``'s speed."""
 _fs_types: dict[int, str | None] = {}  # st_dev -> file system type, from /proc/self/mountinfo
 
 
@@ -112,8 +118,8 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 
 class DirectFile:
     """A binary file written front to back (``write``, ``tell``) through staging buffers, each
-    full one written with ``O_DIRECT`` on a helper thread while the next fills; ``flush`` and
-    ``close`` write the rest."""
+    full one written with ``O_DIRECT`` on a helper thread while the next ones fill (up to
+    :data:`DEPTH` in flight); ``flush`` and ``close`` write the rest."""
 
     def __init__(self, target: str | os.PathLike[str] | int) -> None:
         """Opens ``target`` for writing (created or truncated), or takes over a descriptor opened
@@ -129,7 +135,7 @@ class DirectFile:
         self._views: list[memoryview] = []
         self._fill = 0
         self._offset = 0  # bytes handed to the kernel (written, or in flight)
-        self._pending: Future[None] | None = None
+        self._pending: deque[Future[None]] = deque()  # writes in flight, oldest first
         self.closed = False
 
     @property
@@ -148,7 +154,7 @@ class DirectFile:
         view = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
         size = len(view)
         if not self._views:
-            self._bufs = [_take(), _take()]
+            self._bufs = [_take() for _ in range(DEPTH + 1)]
             self._views = [memoryview(b) for b in self._bufs]
         while len(view):
             n = min(len(view), STAGE - self._fill)
@@ -160,8 +166,10 @@ class DirectFile:
         return size
 
     def _submit(self) -> None:
-        """Write the full staging buffer (on the helper thread) and fill the other one next."""
-        self._wait()
+        """Write the full staging buffer (on the helper thread) and fill the next one, waiting for
+        the oldest write only when ``DEPTH`` are in flight (its error, if any, raised here)."""
+        while len(self._pending) >= DEPTH:
+            self._pending.popleft().result()
         if not self._tried:
             self._tried = True
             try:
@@ -169,15 +177,14 @@ class DirectFile:
                 self.direct = True
             except OSError:  # the file system refuses it: the same writes, through the cache
                 self.direct = False
-        self._pending = helper("write").submit(_pwrite_all, self.fd, self._views[0], self._offset)
+        self._pending.append(helper("write").submit(_pwrite_all, self.fd, self._views[0], self._offset))
         self._offset += STAGE
         self._fill = 0
-        self._views.reverse()
+        self._views.append(self._views.pop(0))  # the next one: not in flight (at most DEPTH are)
 
     def _wait(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        while self._pending:
+            self._pending.popleft().result()
 
     def flush(self) -> None:
         """Hand every byte written to the kernel (then ``os.fsync`` makes them durable). What is
@@ -204,10 +211,9 @@ class DirectFile:
 
     def _abandon(self) -> None:
         try:
-            if self._pending is not None:  # not handed back while the kernel still reads it
+            while self._pending:  # not handed back while the kernel still reads them
                 with contextlib.suppress(BaseException):
-                    self._pending.result()
-                self._pending = None
+                    self._pending.popleft().result()
         finally:
             for v in self._views:
                 v.release()

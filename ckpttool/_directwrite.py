@@ -56,6 +56,7 @@ _fs_types: dict[int, str | None] = {}  # st_dev -> file system type, from /proc/
 def _after_fork() -> None:
     global _pool_lock
     _pool_lock = threading.Lock()
+    _pool.clear()  # (private mappings, copied on write: the child's are its own, but start afresh)
 
 
 os.register_at_fork(after_in_child=_after_fork)
@@ -97,7 +98,9 @@ def _take() -> mmap.mmap:
     with _pool_lock:
         if _pool:
             return _pool.pop()
-    return mmap.mmap(-1, STAGE)  # anonymous: page-aligned, as O_DIRECT needs
+    # anonymous: page-aligned, as O_DIRECT needs; private, so a forked child never writes into a
+    # parent's buffer (the default anonymous mapping is shared across fork)
+    return mmap.mmap(-1, STAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def _give(buf: mmap.mmap) -> None:
@@ -151,7 +154,11 @@ class DirectFile:
         return self._offset + self._fill
 
     def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
+        if self.closed:
+            raise ValueError(f"write to a closed file (descriptor {self.fd})")
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")  # (C-contiguous, as every writer's buffer is)
         size = len(view)
         if not self._views:
             self._bufs = [_take() for _ in range(DEPTH + 1)]
@@ -169,7 +176,8 @@ class DirectFile:
         """Write the full staging buffer (on the helper thread) and fill the next one, waiting for
         the oldest write only when ``DEPTH`` are in flight (its error, if any, raised here)."""
         while len(self._pending) >= DEPTH:
-            self._pending.popleft().result()
+            self._pending[0].result()  # dropped only once done: an interrupt here leaves it to _abandon
+            self._pending.popleft()
         if not self._tried:
             self._tried = True
             try:
@@ -184,7 +192,8 @@ class DirectFile:
 
     def _wait(self) -> None:
         while self._pending:
-            self._pending.popleft().result()
+            self._pending[0].result()
+            self._pending.popleft()
 
     def flush(self) -> None:
         """Hand every byte written to the kernel (then ``os.fsync`` makes them durable). What is
@@ -212,8 +221,10 @@ class DirectFile:
     def _abandon(self) -> None:
         try:
             while self._pending:  # not handed back while the kernel still reads them
-                with contextlib.suppress(BaseException):
-                    self._pending.popleft().result()
+                with contextlib.suppress(BaseException):  # (its error, or a second Ctrl-C: wait on)
+                    self._pending[0].result()
+                if self._pending[0].done():
+                    self._pending.popleft()
         finally:
             for v in self._views:
                 v.release()

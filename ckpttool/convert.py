@@ -178,11 +178,11 @@ def convert(
     refuse_findings(manifest)
     result = ConvertResult(output=str(out))
     if to == "dcp":
-        from ckpttool.formats.dcp_write import write_dcp
+        from ckpttool.formats.dcp_write import unread, write_dcp
 
         dropped = set(unused_states(manifest))
         chosen = [i for _, i in select(list(manifest.items.values()), kind=kind, pattern=pattern)]
-        refuse_unreadable(chosen, hint=_UNREADABLE)
+        refuse_unreadable((i for i in chosen if not unread(i)), hint=_UNREADABLE)
         keep = [i for i in chosen if i.name not in dropped]
         ws = world_size or manifest.layout.world_size or 1
         result.files = write_dcp(adapter, manifest, out, world_size=ws, items=keep, progress=progress)

@@ -616,11 +616,18 @@ class _DcpExec(_FileExec):
         world = target.dp or manifest.layout.world_size or 1
         if world < 1:
             raise UsageError("--dp must be at least 1")
-        refuse_unreadable(manifest.items.values())
+        from ckpttool.formats.dcp_write import unread
+
+        refuse_unreadable(i for i in manifest.items.values() if not unread(i))
         dropped = unused_states(manifest)
         names = [n for n in manifest.items if n not in set(dropped)]
         super().__init__(adapter, manifest, _build_dcp, (manifest, world, names), {"world_size": world})
         self.notes = self.writer.notes()
+        if kept := [f"{i.name} ({i.error})" for i in manifest.items.values() if unread(i)]:
+            self.notes.append(
+                f"carried as their bytes, unread (ckpttool will not run their pickles): {', '.join(kept[:4])}"
+                + (" …" if len(kept) > 4 else "")
+            )
         if dropped:
             self.notes += [
                 f"left out: {', '.join(sorted(manifest.extras['unused']))} with its optimizer state, a parameter "

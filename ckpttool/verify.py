@@ -400,7 +400,21 @@ def _check_in_flight(report: VerifyReport, root: Path, manifest: Manifest | None
     )
     after = [(times[rel], sizes[rel]) for rel, role in roles.items() if role == "data" and times.get(rel, 0.0) > commit]
     if newer and _one_stream(commit, after):
-        return  # a copy that wrote the metadata first and the data files one after another
+        # most likely a copy that wrote the metadata first and the data files one after another;
+        # a save rewriting big files soon after the last commit looks the same: said, not failed
+        report.findings.append(
+            finding(
+                "incomplete-save",
+                f"{len(newer)} data file(s) were written after the metadata, one after another as a copy writes "
+                f"them ({', '.join(sorted(newer)[:4])}{' …' if len(newer) > 4 else ''}): a copy that gave the files "
+                "new times, or a save rewriting this checkpoint",
+                severity="warning",
+                file=newer[0],
+                hint="if no save is writing here, it is a copy: copy with times (cp -p, rsync -a) or seal the "
+                "checkpoint where it was written, and verify against the seal",
+            )
+        )
+        return
     if newer:
         report.findings.append(
             finding(

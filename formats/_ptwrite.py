@@ -474,18 +474,31 @@ def save(tree: Any, path: Path | BinaryIO, *, scratch: Scratch | None = None) ->
         return _write(path, "archive", data, tensors, views)
 
 
+@dataclass(frozen=True, slots=True)
+class Raw:
+    """A record copied as it is (a DCP bytes item whose pickle ckpttool will not read): its bytes."""
+
+    data: bytes
+
+
 def save_each(
     trees: Iterator[Any], fh: BinaryIO, *, scratch: Scratch, progress: Callable[[int], None] | None = None
 ) -> list[tuple[int, int]]:
     """Write each of ``trees`` as its own ``torch.save`` archive, one after the other into ``fh``
     (a DCP rank file): what :func:`save` into ``fh`` does for each, with the tensors of the next
-    archive filled while this one's are written. Returns each archive's (offset, length) in the
-    file; ``progress`` gets each archive's bytes of tensor data."""
-    dumped = [dumps(tree) for tree in trees]
+    archive filled while this one's are written; a :class:`Raw` tree is written as its bytes.
+    Returns each archive's (offset, length) in the file; ``progress`` gets each archive's bytes of
+    tensor data."""
+    dumped = [tree if isinstance(tree, Raw) else dumps(tree) for tree in trees]
     spans = []
-    with _filled_ahead([t for _, tensors in dumped for t in tensors], scratch) as views:
-        for data, tensors in dumped:
+    with _filled_ahead([t for d in dumped if not isinstance(d, Raw) for t in d[1]], scratch) as views:
+        for entry in dumped:
             start = fh.tell()
+            if isinstance(entry, Raw):
+                fh.write(entry.data)
+                spans.append((start, len(entry.data)))
+                continue
+            data, tensors = entry
             n = _write(fh, "archive", data, tensors, views)
             spans.append((start, fh.tell() - start))
             if progress is not None:

@@ -24,7 +24,7 @@ from typing import Any
 from ckpttool.assemble import check_coverage
 from ckpttool.dtypes import carrier
 from ckpttool.errors import UsageError
-from ckpttool.formats._ptwrite import GlobalRef, Scratch, assembled, carried, save_each
+from ckpttool.formats._ptwrite import GlobalRef, Raw, Scratch, assembled, carried, save_each
 from ckpttool.formats.base import Adapter, PieceReader, PlannedFile
 from ckpttool.geometry import Box
 from ckpttool.hashing import open_output
@@ -64,6 +64,28 @@ class _Node:
         self.entries: dict[str | int, _Node | str] = {}
         self.is_list = is_list
         self.length = 0
+
+
+def unread(item: Item) -> bool:
+    """Whether ``item`` is a DCP bytes item whose pickle ckpttool refused (it refers to a global
+    outside the allowlist: a custom class, or worse) and which a DCP output carries as its bytes,
+    unread and unchanged: the state is kept, and nothing of it runs here."""
+    piece = item.pieces[0] if len(item.pieces) == 1 else None
+    return (
+        not item.is_tensor
+        and (item.error or "").startswith("unsafe pickle")
+        and piece is not None
+        and "offset" in piece.locator
+        and "length" in piece.locator
+        and not piece.locator.get("transforms")
+    )
+
+
+def unread_record(reader: PieceReader, item: Item) -> bytes:
+    """The record of an :func:`unread` item, as its source file holds it."""
+    piece = item.pieces[0]
+    f = reader.files.get(piece.file)
+    return bytes(f.read(piece.locator["offset"], piece.locator["length"]))
 
 
 def planner_paths(items: list[Item]) -> tuple[dict[str, NestedPath], dict[str, str]]:
@@ -218,7 +240,7 @@ class DcpWriter:
             if not item.is_tensor:
                 if rank == 0:
                     keys.append((item.name, None))
-                    trees.append(carried(reader, item))
+                    trees.append(Raw(unread_record(reader, item)) if unread(item) else carried(reader, item))
                 continue
             assert item.dtype is not None
             mine = [box for r, box in self.cuts[item.name] if r == rank]

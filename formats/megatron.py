@@ -168,6 +168,9 @@ def _misplaced_ranks(dirs: dict[str, tuple[tuple[int, int, int], Any]], args: An
     except (ValueError, ZeroDivisionError):
         return []
     saves = {s.rank: key for key, s in savers.items()}
+    recorded = {getattr(own, "rank", None) for _, own in dirs.values()}
+    if len(recorded) < 2:
+        return []  # one process wrote every file (Megatron-LM's tools/checkpoint saver: rank 0 in all)
     out = []
     for rel, (rank, own) in dirs.items():
         found = getattr(own, "rank", None)
@@ -175,11 +178,9 @@ def _misplaced_ranks(dirs: dict[str, tuple[tuple[int, int, int], Any]], args: An
         if not isinstance(found, int) or isinstance(found, bool) or want is None or found == want.rank:
             continue
         where = saves.get(found)
-        whose = (
-            f"which saves {rank_dir(where[0], where[1], pp, where[2], ep if experts else 1)}"
-            if where is not None
-            else "which saves no legacy file"
-        )
+        if where is None or where not in {r for r, _ in dirs.values()}:
+            continue  # not another directory's saver here (a CP rank of an older save, say): no evidence
+        whose = f"which saves {rank_dir(where[0], where[1], pp, where[2], ep if experts else 1)}"
         out.append(
             {
                 "rule": "misplaced-file",
@@ -194,19 +195,18 @@ def _misplaced_ranks(dirs: dict[str, tuple[tuple[int, int, int], Any]], args: An
 def _describe_bytes(path: Path) -> str:
     """A few words on what a small file that should be JSON holds."""
     try:
-        data = path.read_bytes()[:4096]
+        with open(path, "rb") as fh:
+            data = fh.read(1 << 20)
     except OSError as exc:
         return f"an unreadable file ({exc.strerror})"
     if not data:
         return "an empty file"
+    if len(data) == 1 << 20:
+        return "over 1 MiB, not what megatron-core writes"
     try:
         json.loads(data)
     except (ValueError, RecursionError) as exc:
-        return (
-            f"{len(data):,}+ bytes that are not JSON ({exc})"
-            if len(data) == 4096
-            else f"bytes that are not JSON ({exc})"
-        )
+        return f"bytes that are not JSON ({exc})"
     return "JSON without sharded_backend 'torch_dist'"
 
 

@@ -935,6 +935,32 @@ class LegacyWriter:
         self.manifest = copy.copy(self.manifest)
         self.manifest.items = items
 
+    def _saving_rank(self, t: int, p: int, e: int, dp: int) -> int:
+        """The global rank that saves rank file (t, p, e) of the output: megatron-core's rank layout
+        (``tp-cp-ep-dp-pp``, or ``tp-cp-ep-pp-dp`` with ``--use-tp-pp-dp-mapping``) at the output's
+        sizes, context parallelism included; ``t + TP·e + TP·DP·p`` where that cannot be laid out."""
+        if self._xranks is not None:
+            return self._xranks[(t, p, e)].rank
+        tp, pp = self.target.tp, self.target.pp
+        key = (tp, pp, self.ep, dp)
+        if getattr(self, "_savers_for", None) != key:
+            cp = int(getattr(self.args, "context_parallel_size", 1) or 1)
+            try:
+                self._savers: dict[tuple[int, int, int], Saver] | None = saving_ranks(
+                    tp=tp,
+                    etp=tp,
+                    ep=self.ep,
+                    pp=pp,
+                    cp=cp,
+                    world=tp * cp * pp * dp,
+                    tp_pp_dp=bool(getattr(self.args, "use_tp_pp_dp_mapping", False)),
+                )
+            except ValueError:
+                self._savers = None
+            self._savers_for = key
+        saver = self._savers.get((t, p, e)) if self._savers else None
+        return saver.rank if saver is not None else t + tp * e + tp * dp * p
+
     def _expert_layout(self) -> None:
         """Which global rank saves each output rank file, and its experts' ETP rank
         (:func:`saving_ranks`), when the output's experts are split their own way."""
@@ -1478,8 +1504,8 @@ class LegacyWriter:
             d["expert_model_parallel_size"] = self.ep
         if "world_size" in d:
             d["world_size"] = tp * int(d.get("context_parallel_size") or 1) * pp * dp
-        if "rank" in d:  # the rank that saves the file: data-parallel rank e (rank order tp-cp-ep-dp-pp)
-            rank = t + tp * e + tp * dp * p if self._xranks is None else self._xranks[(t, p, e)].rank
+        if "rank" in d:  # the rank that saves the file, in megatron-core's rank layout (verify checks it)
+            rank = self._saving_rank(t, p, e, dp)
             if d.get("local_rank") == d["rank"]:
                 d["local_rank"] = rank
             d["rank"] = rank

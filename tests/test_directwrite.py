@@ -184,3 +184,62 @@ def test_atomic_output_writes_large_files_whole(tmp_path):
         f.write(data[100:])
     assert (tmp_path / "out.bin").read_bytes() == data
     assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]
+
+
+def test_a_forked_child_never_writes_into_the_parents_buffers(tmp_path):
+    """Anonymous mappings are shared across fork unless private: a child's file held the parent's
+    bytes."""
+    with DirectFile(tmp_path / "warm") as f:  # the pool holds buffers from now on
+        f.write(b"w" * (STAGE + 1))
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        try:
+            with DirectFile(tmp_path / "child") as f:
+                f.write(b"C" * (2 * STAGE))
+        finally:
+            os._exit(0)
+    with DirectFile(tmp_path / "parent") as f:
+        f.write(b"P" * (2 * STAGE))
+    os.waitpid(pid, 0)
+    assert (tmp_path / "child").read_bytes() == b"C" * (2 * STAGE)
+    assert (tmp_path / "parent").read_bytes() == b"P" * (2 * STAGE)
+
+
+def test_an_interrupt_while_a_write_is_in_flight_is_raised_and_nothing_leaks(tmp_path, monkeypatch):
+    """Ctrl-C lands while the writer waits for a write: the interrupt comes through (not a
+    BufferError from releasing a view the kernel still reads), and the descriptor is closed."""
+    import threading
+
+    gate = threading.Event()
+    real = _directwrite._pwrite_all
+
+    def slow(fd, view, offset):
+        gate.wait(5)
+        real(fd, view, offset)
+
+    monkeypatch.setattr(_directwrite, "_pwrite_all", slow)
+    f = DirectFile(tmp_path / "f")
+    real_result = type(_directwrite.helper("write").submit(lambda: None)).result
+    calls = [0]
+
+    def interrupted(self, timeout=None):
+        calls[0] += 1
+        if calls[0] == 1:
+            threading.Timer(0.2, gate.set).start()
+            raise KeyboardInterrupt
+        return real_result(self, timeout)
+
+    monkeypatch.setattr(type(_directwrite.helper("write").submit(lambda: None)), "result", interrupted)
+    with pytest.raises(KeyboardInterrupt), f:
+        f.write(b"x" * (3 * STAGE))
+    assert f.fd == -1 and not f._pending
+
+
+def test_multidimensional_byte_views_are_written_whole(tmp_path):
+    import numpy as np
+
+    a = np.arange(3 * 5000, dtype=np.uint8).reshape(3, 5000)
+    with DirectFile(tmp_path / "f") as f:
+        assert f.write(memoryview(a)) == a.nbytes
+        f.write(np.arange(10, dtype=np.float32))
+    assert (tmp_path / "f").read_bytes() == a.tobytes() + np.arange(10, dtype=np.float32).tobytes()

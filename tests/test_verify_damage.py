@@ -135,6 +135,8 @@ def test_a_plain_copy_is_not_an_incomplete_save(tmp_path):
     _stamp(ck, files, time.time() - 600, 4.0)  # 16 s from the metadata to the last data file
     code, report = _findings(ck)
     assert code == 0, report["findings"]
+    said = [f for f in report["findings"] if f["rule"] == "incomplete-save"]
+    assert [f["severity"] for f in said] == ["warning"] and "a copy" in said[0]["message"]
 
 
 def test_data_written_long_after_its_metadata_is_still_an_incomplete_save(tmp_path):
@@ -171,3 +173,84 @@ def test_a_copys_seal_is_checked_against_the_copy_not_the_original(tmp_path):
     assert r.code == 1
     found = sorted((f["rule"], f["file"]) for f in json.loads(r.stdout)["findings"] if f["severity"] == "error")
     assert found == [("checksum-mismatch", "__0_0.distcp"), ("missing-file", "__1_0.distcp")]
+
+
+def _rewrite(f, change) -> None:
+    """Apply ``change`` to a rank file's saved dict, its modification time kept."""
+    import os
+
+    import torch
+
+    st = os.stat(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        obj = torch.load(f, weights_only=False)
+        change(obj)
+        torch.save(obj, f)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_files_one_process_saved_are_not_misplaced(tmp_path):
+    """Megatron-LM's tools/checkpoint saver writes every rank's file from one process: args.rank is
+    0 in all of them. No rank file is in another's place."""
+    pytest.importorskip("torch")
+    ck = tmp_path / "ck"
+    shutil.copytree(MG / "legacy_tp2pp2", ck)
+    for f in (ck / "iter_0000003").glob("mp_rank_*/model_optim_rng.pt"):
+        _rewrite(f, lambda o: setattr(o["args"], "rank", 0))
+    code, report = _findings(ck)
+    assert code == 0, report["findings"]
+
+
+@pytest.mark.parametrize("how", ["cp2", "tp-pp-dp mapping"])
+def test_reshard_outputs_record_the_ranks_megatron_core_would(how, tmp_path):
+    """The writer named each file's saving rank t + TP*e + TP*DP*p, which is megatron-core's only
+    without context parallelism and without --use-tp-pp-dp-mapping: its outputs of such runs were
+    then misplaced-file to verify (and refused by a second reshard)."""
+    pytest.importorskip("torch")
+    from ckpttool.formats.megatron import rank_of, saving_ranks
+
+    src = "legacy_tp2pp2" if how == "cp2" else "legacy_tp2pp2dp2_tied_distopt"
+    ck = tmp_path / "ck"
+    shutil.copytree(MG / src, ck)
+    files = sorted((ck / "iter_0000003").glob("mp_rank_*/model_optim_rng.pt"))
+    args0 = None
+
+    def redo(o):
+        nonlocal args0
+        a = o["args"]
+        if how == "cp2":
+            a.context_parallel_size, a.world_size = 2, a.world_size * 2
+        else:
+            a.use_tp_pp_dp_mapping = True
+        args0 = a
+
+    for f in files:
+        _rewrite(f, redo)
+    tp, pp = args0.tensor_model_parallel_size, args0.pipeline_model_parallel_size
+    savers = saving_ranks(
+        tp=tp, etp=tp, ep=1, pp=pp, cp=args0.context_parallel_size, world=args0.world_size,
+        tp_pp_dp=bool(getattr(args0, "use_tp_pp_dp_mapping", False)),
+    )  # fmt: skip
+    for f in files:  # the ranks megatron-core itself would have recorded
+        key = rank_of(f.parent.name, pp)
+        _rewrite(f, lambda o, r=savers[key].rank: setattr(o["args"], "rank", r))
+    assert _findings(ck)[0] == 0
+    out = tmp_path / "out"
+    r = run_cli("reshard", ck, "-o", out, "--tp", "1")
+    assert r.code == 0, r.stderr
+    code, report = _findings(out)
+    assert code == 0, report["findings"]
+    import torch
+
+    outs = sorted((out / "iter_0000003").glob("mp_rank_*/model_optim_rng.pt"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = {f.parent.name: torch.load(f, weights_only=False)["args"] for f in outs}
+    a = next(iter(got.values()))
+    opp = a.pipeline_model_parallel_size
+    want = saving_ranks(
+        tp=1, etp=1, ep=1, pp=opp, cp=a.context_parallel_size, world=a.world_size,
+        tp_pp_dp=bool(getattr(a, "use_tp_pp_dp_mapping", False)),
+    )  # fmt: skip
+    assert {d: g.rank for d, g in got.items()} == {d: want[rank_of(d, opp)].rank for d in got}

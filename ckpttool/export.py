@@ -88,6 +88,12 @@ def safetensors_selection(
         else:
             check_coverage(item)
             pairs.append((name, item))
+    if not pairs and skipped:  # an empty file would be written and called done
+        raise UsageError(
+            f"nothing to write: the {len(skipped):,} item(s) selected hold no tensor safetensors can store "
+            f"({skipped[0][0].name}: {skipped[0][1]})",
+            hint="select tensors (--kind param, --filter), or convert --to torch or dcp, which keep other values",
+        )
     return pairs, skipped
 
 

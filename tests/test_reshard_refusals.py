@@ -149,3 +149,11 @@ def test_the_unused_output_layer_is_left_out_of_foreign_formats(to, tmp_path):
 def test_options_that_do_not_apply_are_refused(src, args, fragment, tmp_path):
     """They were ignored: the user believed an option took effect that did nothing."""
     _refused(run_cli("reshard", FIXTURES / src, "-o", tmp_path / "o", *args), 2, fragment)
+
+
+@pytest.mark.parametrize("command", ["convert", "export"])
+def test_a_selection_of_no_tensors_writes_no_empty_safetensors(command, tmp_path):
+    out = tmp_path / ("o.safetensors" if command == "export" else "o")
+    r = run_cli(command, FIXTURES / "dcp" / "fsdp2", "-o", out, "--kind", "counter")
+    _refused(r, 2, "nothing to write", "--to torch or dcp")
+    assert not out.exists()

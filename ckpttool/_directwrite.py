@@ -175,9 +175,7 @@ class DirectFile:
     def _submit(self) -> None:
         """Write the full staging buffer (on the helper thread) and fill the next one, waiting for
         the oldest write only when ``DEPTH`` are in flight (its error, if any, raised here)."""
-        while len(self._pending) >= DEPTH:
-            self._pending[0].result()  # dropped only once done: an interrupt here leaves it to _abandon
-            self._pending.popleft()
+        self._drain(DEPTH - 1)
         if not self._tried:
             self._tried = True
             try:
@@ -190,15 +188,16 @@ class DirectFile:
         self._fill = 0
         self._views.append(self._views.pop(0))  # the next one: not in flight (at most DEPTH are)
 
-    def _wait(self) -> None:
-        while self._pending:
-            self._pending[0].result()
+    def _drain(self, keep: int) -> None:
+        """Wait until at most ``keep`` writes are in flight (their errors raised here)."""
+        while len(self._pending) > keep:
+            self._pending[0].result()  # dropped only once done: an interrupt here leaves it to _abandon
             self._pending.popleft()
 
     def flush(self) -> None:
         """Hand every byte written to the kernel (then ``os.fsync`` makes them durable). What is
         staged is not a whole buffer, so it goes through the cache, and so does what follows."""
-        self._wait()
+        self._drain(0)
         if self._fill:
             self._tried = True
             if self.direct:  # an unaligned length, and the offsets after it unaligned too

@@ -16,7 +16,7 @@ import itertools
 import json
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,8 +26,16 @@ import numpy as np
 from ckpttool import registry
 from ckpttool._directwrite import open_direct
 from ckpttool.assemble import check_coverage
-from ckpttool.errors import CorruptFileError, IncompleteCheckpointError, UsageError
-from ckpttool.export import safetensors_selection, select, tensor_nbytes, write_safetensors
+from ckpttool.errors import CorruptFileError, UsageError
+from ckpttool.export import (
+    refuse_findings,
+    refuse_unreadable,
+    safetensors_selection,
+    select,
+    tensor_nbytes,
+    unused_states,
+    write_safetensors,
+)
 from ckpttool.formats.base import Adapter
 from ckpttool.io import checking_crcs, fsync_dir, fsync_tree, publish_dir, refuse_overlap, staged_dir
 from ckpttool.manifest import Item, Manifest
@@ -91,55 +99,6 @@ MAX_RANKS = 1 << 20
 would take minutes and gigabytes before saying anything)"""
 
 
-def refuse_unreadable(items: Iterable[Item], *, hint: str | None = None) -> None:
-    """Refuse to write an output without an item of the source that could not be read (an unsafe
-    pickle, damaged bytes): the output would be published, sealed and verified clean with that
-    state gone. Exit 3, naming the first such item, its file and why."""
-    bad = [i for i in items if i.error]
-    if not bad:
-        return
-    first = bad[0]
-    where = first.pieces[0].file if first.pieces else None
-    more = (
-        f" (and {len(bad) - 1} more: {', '.join(i.name for i in bad[1:4])}{' …' if len(bad) > 4 else ''})"
-        if len(bad) > 1
-        else ""
-    )
-    raise CorruptFileError(
-        f"{where + ': ' if where else ''}{first.name} cannot be read ({first.error}){more}; nothing was written",
-        hint=hint or "restore the file from the save, or use another checkpoint: the output would lack this state",
-        path=where,
-        rule="unsafe-pickle" if (first.error or "").startswith("unsafe pickle") else "corrupt-file",
-    )
-
-
-def refuse_findings(manifest: Manifest) -> None:
-    """Refuse to write from a checkpoint its format's reader found wrong while still reading it
-    (``extras["findings"]``: a file a complete save has and this one lacks, a rank's file in
-    another's place): an output would carry the damage, sealed. Exit 3 with the first finding."""
-    found = manifest.extras.get("findings") or []
-    if not found:
-        return
-    first = found[0]
-    others = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-    cls = IncompleteCheckpointError if first["rule"] == "missing-file" else CorruptFileError
-    raise cls(
-        f"{first['message']}{others}; nothing was written",
-        hint=first.get("hint") or "'ckpttool verify' lists what is wrong; restore the files from the save",
-        path=first["file"],
-        rule=first["rule"],
-    )
-
-
-def unused_states(manifest: Manifest) -> list[str]:
-    """The items of parameters the source format knows nothing trains (``extras["unused"]``:
-    megatron-core's output layer on a tied model's MTP last stage), with their optimizer state and
-    main copies: a target that is not the source's format leaves them out, since its readers cannot
-    tell such a parameter's zero moments from lost ones."""
-    unused = set(manifest.extras.get("unused") or ())
-    return [n for n in manifest.items if n in unused or n.rsplit(".", 1)[0] in unused]
-
-
 _UNREADABLE = "restore the file from the save, or leave the item out with --filter (the output would lack it)"
 
 
@@ -178,12 +137,10 @@ def convert(
     refuse_findings(manifest)
     result = ConvertResult(output=str(out))
     if to == "dcp":
-        from ckpttool.formats.dcp_write import unread, write_dcp
+        from ckpttool.formats.dcp_write import dcp_items, write_dcp
 
-        dropped = set(unused_states(manifest))
         chosen = [i for _, i in select(list(manifest.items.values()), kind=kind, pattern=pattern)]
-        refuse_unreadable((i for i in chosen if not unread(i)), hint=_UNREADABLE)
-        keep = [i for i in chosen if i.name not in dropped]
+        keep, _ = dcp_items(manifest, chosen, hint=_UNREADABLE)
         ws = world_size or manifest.layout.world_size or 1
         result.files = write_dcp(adapter, manifest, out, world_size=ws, items=keep, progress=progress)
         result.tensors = sum(1 for i in keep if i.is_tensor)

@@ -42,7 +42,6 @@ from ckpttool.io import (
     escapes,
     fsync_dir,
     fsync_tree,
-    make_parents,
     publish_dir,
     refuse_overlap,
     staged_dir,
@@ -303,7 +302,6 @@ def create(
         rel: {"size": size, "xxh3": maps.digest(t_root / rel), "other": None, "tensors": []} for rel, size in t_files
     }
     try:
-        make_parents(out_path)
         with (
             ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 2)) as pool,
             atomic_output(out_path) as fh,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -20,9 +20,9 @@ import numpy as np
 from ckpttool import registry
 from ckpttool.assemble import assemble, check_coverage
 from ckpttool.dtypes import dtype as lookup_dtype
-from ckpttool.errors import UsageError
+from ckpttool.errors import CorruptFileError, IncompleteCheckpointError, UsageError
 from ckpttool.formats.base import PieceReader
-from ckpttool.io import atomic_output, check_output, checking_crcs, make_parents, refuse_overlap
+from ckpttool.io import atomic_output, check_output, checking_crcs, refuse_overlap
 from ckpttool.manifest import KINDS, Item, Manifest
 
 _ALIGN = 8
@@ -73,6 +73,55 @@ def select(items: list[Item], *, kind: str = "all", pattern: str | None = None) 
     return chosen
 
 
+def refuse_unreadable(items: Iterable[Item], *, hint: str | None = None) -> None:
+    """Refuse to write an output without an item of the source that could not be read (an unsafe
+    pickle, damaged bytes): the output would be published, sealed and verified clean with that
+    state gone. Exit 3, naming the first such item, its file and why."""
+    bad = [i for i in items if i.error]
+    if not bad:
+        return
+    first = bad[0]
+    where = first.pieces[0].file if first.pieces else None
+    more = (
+        f" (and {len(bad) - 1} more: {', '.join(i.name for i in bad[1:4])}{' …' if len(bad) > 4 else ''})"
+        if len(bad) > 1
+        else ""
+    )
+    raise CorruptFileError(
+        f"{where + ': ' if where else ''}{first.name} cannot be read ({first.error}){more}; nothing was written",
+        hint=hint or "restore the file from the save, or use another checkpoint: the output would lack this state",
+        path=where,
+        rule="unsafe-pickle" if (first.error or "").startswith("unsafe pickle") else "corrupt-file",
+    )
+
+
+def refuse_findings(manifest: Manifest) -> None:
+    """Refuse to write from a checkpoint its format's reader found wrong while still reading it
+    (``extras["findings"]``: a file a complete save has and this one lacks, a rank's file in
+    another's place): an output would carry the damage, sealed. Exit 3 with the first finding."""
+    found = manifest.extras.get("findings") or []
+    if not found:
+        return
+    first = found[0]
+    others = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    cls = IncompleteCheckpointError if first["rule"] == "missing-file" else CorruptFileError
+    raise cls(
+        f"{first['message']}{others}; nothing was written",
+        hint=first.get("hint") or "'ckpttool verify' lists what is wrong; restore the files from the save",
+        path=first["file"],
+        rule=first["rule"],
+    )
+
+
+def unused_states(manifest: Manifest) -> list[str]:
+    """The items of parameters the source format knows nothing trains (``extras["unused"]``:
+    megatron-core's output layer on a tied model's MTP last stage), with their optimizer state and
+    main copies: a target that is not the source's format leaves them out, since its readers cannot
+    tell such a parameter's zero moments from lost ones."""
+    unused = set(manifest.extras.get("unused") or ())
+    return [n for n in manifest.items if n in unused or n.rsplit(".", 1)[0] in unused]
+
+
 def safetensors_selection(
     manifest: Manifest, *, kind: str = "all", pattern: str | None = None
 ) -> tuple[list[tuple[str, Item]], list[tuple[Item, str]]]:
@@ -115,8 +164,6 @@ def export(
     if out_path.exists() and not force:
         raise UsageError(f"{out_path} exists", hint="choose another -o path or pass --force to replace it")
     check_output(out_path, force=force, directory=False, example="model.safetensors")
-    from ckpttool.convert import refuse_findings  # (convert builds on this module)
-
     adapter, manifest = registry.describe(path)
     refuse_findings(manifest)
     result = ExportResult(output=str(out_path))
@@ -125,7 +172,6 @@ def export(
     result.written = [i for _, i in pairs]
 
     total = sum(tensor_nbytes(i) for i in result.written)
-    make_parents(out_path)
     with adapter.reader(manifest) as reader, atomic_output(out_path) as f:
         write_safetensors(
             f,

@@ -579,6 +579,7 @@ def atomic_output(dest: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     """
     dest_p = Path(dest)
     parent = dest_p.parent if str(dest_p.parent) else Path(".")
+    parent.mkdir(parents=True, exist_ok=True)  # (as staged_dir; callers refuse a parent they must not make)
     sweep_stale(dest_p)
     tmp: str | None = None
     try:
@@ -801,8 +802,8 @@ def check_output(
     """Refuse, before any work (exit 2), an output path the command could not publish: one that
     names no new entry (``.``, ``..``, ``/``), a directory where one file is written, a directory
     that holds the working directory or is a mount point where ``--force`` would replace it, or a
-    path below a file. Missing parent directories are fine: :func:`make_parents` creates them
-    when writing starts, as ``decompress``, ``delta apply``, ``convert`` and ``reshard`` do."""
+    path below a file. Missing parent directories are fine: :func:`atomic_output` and
+    :func:`staged_dir` create them when writing starts."""
     out = Path(output)
     what = "directory" if directory else "file"
     if out.name in ("", ".", ".."):
@@ -843,17 +844,11 @@ def check_output(
         )
 
 
-def make_parents(output: str | os.PathLike[str]) -> None:
-    """Create the missing parent directories of ``output`` (checked by :func:`check_output`)."""
-    Path(output).absolute().parent.mkdir(parents=True, exist_ok=True)
-
-
 def check_output_file(out: str | os.PathLike[str], flag: str) -> None:
     """Refuse, before any work, an output file that cannot be published: a directory, or a path
     whose parent directory does not exist."""
+    check_output(out, force=False, directory=False, example="report.json", flag=flag)
     o = Path(out)
-    if o.is_dir():
-        raise UsageError(f"{flag} {out} is a directory", hint="give a file path")
     if not o.resolve().parent.is_dir():
         raise UsageError(f"{flag} {out}: directory {o.resolve().parent} does not exist", hint="create it first")
 

@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool import device, registry
-from ckpttool.convert import MAX_RANKS, parse_size, refuse_findings, refuse_unreadable, unused_states
+from ckpttool.convert import MAX_RANKS, parse_size
 from ckpttool.errors import UsageError
+from ckpttool.export import refuse_findings
 from ckpttool.hashing import Written, collecting_written
 from ckpttool.io import check_crcs_from_now, checking_crcs, fsync_tree, publish_dir, refuse_overlap, staged_dir
 from ckpttool.manifest import Manifest
@@ -616,24 +617,13 @@ class _DcpExec(_FileExec):
         world = target.dp or manifest.layout.world_size or 1
         if world < 1:
             raise UsageError("--dp must be at least 1")
-        from ckpttool.formats.dcp_write import unread
+        from ckpttool.formats.dcp_write import dcp_items
 
-        refuse_unreadable(i for i in manifest.items.values() if not unread(i))
-        dropped = unused_states(manifest)
-        names = [n for n in manifest.items if n not in set(dropped)]
-        super().__init__(adapter, manifest, _build_dcp, (manifest, world, names), {"world_size": world})
-        self.notes = self.writer.notes()
-        if kept := [f"{i.name} ({i.error})" for i in manifest.items.values() if unread(i)]:
-            self.notes.append(
-                f"carried as their bytes, unread (ckpttool will not run their pickles): {', '.join(kept[:4])}"
-                + (" …" if len(kept) > 4 else "")
-            )
-        if dropped:
-            self.notes += [
-                f"left out: {', '.join(sorted(manifest.extras['unused']))} with its optimizer state, a parameter "
-                "megatron-core allocates on a tied model's MTP last stage but never uses (its moments stay zero, "
-                "which a DCP reader cannot tell from lost state)"
-            ]
+        keep, notes = dcp_items(manifest, list(manifest.items.values()))
+        super().__init__(
+            adapter, manifest, _build_dcp, (manifest, world, [i.name for i in keep]), {"world_size": world}
+        )
+        self.notes = self.writer.notes() + notes
 
 
 @dataclass(slots=True, kw_only=True)

@@ -198,7 +198,10 @@ def report_schema() -> dict[str, Any]:
 
 def finding(rule: str, message: str, *, severity: Severity | None = None, **where: Any) -> Finding:
     r = RULES[rule]
-    return Finding(rule=rule, severity=severity or r.severity, message=message, hint=where.pop("hint", r.hint), **where)
+    # a hint of None is the rule's
+    return Finding(
+        rule=rule, severity=severity or r.severity, message=message, hint=where.pop("hint", None) or r.hint, **where
+    )
 
 
 @dataclass(slots=True, kw_only=True)
@@ -394,20 +397,19 @@ def _check_in_flight(report: VerifyReport, root: Path, manifest: Manifest | None
     if not committed:
         return
     commit = max(committed)
-    newer = sorted(
-        (rel for rel, role in roles.items() if role == "data" and times.get(rel, 0.0) > commit + COMMIT_SLACK_S),
-        key=lambda p: -times[p],
-    )
-    after = [(times[rel], sizes[rel]) for rel, role in roles.items() if role == "data" and times.get(rel, 0.0) > commit]
-    if newer and _one_stream(commit, after):
+    after = [rel for rel, role in roles.items() if role == "data" and times.get(rel, 0.0) > commit]
+    newer = sorted((rel for rel in after if times[rel] > commit + COMMIT_SLACK_S), key=lambda p: -times[p])
+    if not newer:
+        return
+    listed = _others(sorted(newer))
+    if _one_stream(commit, [(times[rel], sizes[rel]) for rel in after]):
         # most likely a copy that wrote the metadata first and the data files one after another;
         # a save rewriting big files soon after the last commit looks the same: said, not failed
         report.findings.append(
             finding(
                 "incomplete-save",
                 f"{len(newer)} data file(s) were written after the metadata, one after another as a copy writes "
-                f"them ({', '.join(sorted(newer)[:4])}{' …' if len(newer) > 4 else ''}): a copy that gave the files "
-                "new times, or a save rewriting this checkpoint",
+                f"them ({listed}): a copy that gave the files new times, or a save rewriting this checkpoint",
                 severity="warning",
                 file=newer[0],
                 hint="if no save is writing here, it is a copy: copy with times (cp -p, rsync -a) or seal the "
@@ -415,18 +417,17 @@ def _check_in_flight(report: VerifyReport, root: Path, manifest: Manifest | None
             )
         )
         return
-    if newer:
-        report.findings.append(
-            finding(
-                "incomplete-save",
-                f"{len(newer)} data file(s) were written after the metadata that describes them, by up to "
-                f"{times[newer[0]] - commit:,.0f} s ({', '.join(sorted(newer)[:4])}{' …' if len(newer) > 4 else ''}): "
-                "a save is rewriting this checkpoint now, or one stopped before it committed",
-                file=newer[0],
-                hint="wait for the save to finish; if the files were copied without their timestamps, copy them "
-                "with their times (cp -p, rsync -a) or seal the checkpoint where it was written",
-            )
+    report.findings.append(
+        finding(
+            "incomplete-save",
+            f"{len(newer)} data file(s) were written after the metadata that describes them, by up to "
+            f"{times[newer[0]] - commit:,.0f} s ({listed}): "
+            "a save is rewriting this checkpoint now, or one stopped before it committed",
+            file=newer[0],
+            hint="wait for the save to finish; if the files were copied without their timestamps, copy them "
+            "with their times (cp -p, rsync -a) or seal the checkpoint where it was written",
         )
+    )
 
 
 COPY_RATE_MIN = 10e6
@@ -461,7 +462,7 @@ def _dedupe(findings: list[Finding]) -> list[Finding]:
 
 def _from_error(exc: CkptError) -> Finding:
     rule = exc.rule if exc.rule in RULES else "corrupt-file"
-    return finding(rule, exc.message, file=exc.path, hint=exc.hint or RULES[rule].hint)
+    return finding(rule, exc.message, file=exc.path, hint=exc.hint)
 
 
 # -- files and bytes -------------------------------------------------------------------------------
@@ -959,9 +960,7 @@ def _check_format_findings(report: VerifyReport, manifest: Manifest) -> None:
     better than the rule's): a file a complete save has and this one lacks, a rank's file in
     another rank's place."""
     for f in manifest.extras.get("findings") or ():
-        report.findings.append(
-            finding(f["rule"], f["message"], file=f["file"], hint=f.get("hint") or RULES[f["rule"]].hint)
-        )
+        report.findings.append(finding(f["rule"], f["message"], file=f["file"], hint=f.get("hint")))
 
 
 def _others(rels: list[str]) -> str:

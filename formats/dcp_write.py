@@ -88,6 +88,30 @@ def unread_record(reader: PieceReader, item: Item) -> bytes:
     return bytes(f.read(piece.locator["offset"], piece.locator["length"]))
 
 
+def dcp_items(manifest: Manifest, items: list[Item], *, hint: str | None = None) -> tuple[list[Item], list[str]]:
+    """The ``items`` a DCP output of ``manifest`` writes, and what the plan says of those it treats
+    apart: an item that could not be read is refused (:func:`ckpttool.export.refuse_unreadable`),
+    except a bytes item carried :func:`unread`; a parameter the source format knows nothing trains
+    (:func:`ckpttool.export.unused_states`) is left out."""
+    from ckpttool.export import refuse_unreadable, unused_states
+
+    refuse_unreadable((i for i in items if not unread(i)), hint=hint)
+    dropped = set(unused_states(manifest))
+    notes = []
+    if kept := [f"{i.name} ({i.error})" for i in items if unread(i)]:
+        notes.append(
+            f"carried as their bytes, unread (ckpttool will not run their pickles): {', '.join(kept[:4])}"
+            + (" …" if len(kept) > 4 else "")
+        )
+    if dropped:
+        notes.append(
+            f"left out: {', '.join(sorted(manifest.extras['unused']))} with its optimizer state, a parameter "
+            "megatron-core allocates on a tied model's MTP last stage but never uses (its moments stay zero, "
+            "which a DCP reader cannot tell from lost state)"
+        )
+    return [i for i in items if i.name not in dropped], notes
+
+
 def planner_paths(items: list[Item]) -> tuple[dict[str, NestedPath], dict[str, str]]:
     """The ``planner_data`` of a checkpoint of ``items`` (state-dict keys in ``.metadata`` order):
     the nested path the source recorded for a key (``Item.nesting``: a DCP source's own

@@ -977,40 +977,72 @@ def _check_rank0_file(files: dict[str, Any], models: dict[int, str], z3_models: 
     )
 
 
-def _zero12_layout(shapes: Any, paddings: Any, ws: int) -> tuple[dict[str, tuple[int, int]], int] | None:
-    """A ZeRO-1/2 (or BF16_Optimizer) param group's flat buffer: each parameter's (offset, numel),
-    in ``param_shapes`` order with its ``param_alignment_paddings`` after it, the whole padded to
-    a multiple of 2 x DP (DeepSpeed's ``nccl_start_alignment_factor``) and cut into ``ws`` equal
-    partitions, with the partition size. None when the shapes do not read as such."""
-    if not isinstance(shapes, dict):
+ALIGN = 2
+"""DeepSpeed's ``nccl_start_alignment_factor``: groups are padded to a multiple of ALIGN x DP."""
+
+
+@dataclass(slots=True)
+class GroupLayout:
+    """A ZeRO-1/2 (or BF16_Optimizer) param group's flat buffer at a DP size."""
+
+    params: list[tuple[str, tuple[int, ...], int]]
+    """(name, shape, offset in the flat group)"""
+    total: int
+    padded: int
+    partition: int
+
+    def padding(self, r: int) -> int:
+        """The zeros at the end of rank ``r``'s partition (DeepSpeed's ``groups_padding``)."""
+        return min(self.partition, max(0, (r + 1) * self.partition - self.total))
+
+    def fragments(self, r: int) -> list[tuple[str, tuple[int, ...], int, int, int]]:
+        """(name, shape, first element of the param, count, position in the partition) for the
+        parameters partition ``r`` holds (DeepSpeed's ``param_slice_mappings``: start, numel)."""
+        lo, hi = r * self.partition, (r + 1) * self.partition
+        out = []
+        for name, shape, off in self.params:
+            a, b = max(off, lo), min(off + math.prod(shape), hi)
+            if a < b:
+                out.append((name, shape, a - off, b - a, a - lo))
+        return out
+
+
+def group_layout(shapes: dict[str, Any], dp: int, paddings: list[int] | None = None) -> GroupLayout:
+    """Where each parameter of a group lies in its flat buffer at ``dp`` ranks. ``paddings``: the
+    zeros after each parameter (``param_alignment_paddings``; they depend on the parameters' sizes
+    and dtype, not on DP). ``total`` counts them; the group is padded to ALIGN x DP after that."""
+    params, pos = [], 0
+    for k, (name, shape) in enumerate(shapes.items()):
+        shape = tuple(int(s) for s in shape)
+        params.append((name, shape, pos))
+        pos += math.prod(shape) + (paddings[k] if paddings and k < len(paddings) else 0)
+    padded = -(-pos // (ALIGN * dp)) * ALIGN * dp
+    return GroupLayout(params=params, total=pos, padded=padded, partition=padded // dp)
+
+
+def _saved_layout(shapes: Any, paddings: Any, ws: int) -> GroupLayout | None:
+    """:func:`group_layout` of a group as an optimizer file records it (``param_shapes``,
+    ``param_alignment_paddings``), None when those do not read as sizes."""
+    if not isinstance(shapes, dict) or not all(
+        isinstance(shape, list | tuple) and all(_count(n) is not None or n == 0 for n in shape)
+        for shape in shapes.values()
+    ):
         return None
     pads = paddings if isinstance(paddings, list | tuple) else []
-    params, pos = {}, 0
-    for k, (name, shape) in enumerate(shapes.items()):
-        if not isinstance(shape, list | tuple) or not all(_count(n) is not None or n == 0 for n in shape):
-            return None
-        numel = math.prod(shape)
-        params[name] = (pos, numel)
-        pad = pads[k] if k < len(pads) else 0
-        pos += numel + (pad if isinstance(pad, int) and not isinstance(pad, bool) and pad >= 0 else 0)
-    padded = -(-pos // (2 * ws)) * 2 * ws
-    return params, padded // ws
+    pads = [p if isinstance(p, int) and not isinstance(p, bool) and p >= 0 else 0 for p in pads]
+    return group_layout(shapes, ws, pads)
 
 
-def _fragments_of(params: dict[str, tuple[int, int]], part: int, r: int) -> dict[str, tuple[int, int]]:
+def _fragments_of(layout: GroupLayout, r: int) -> dict[str, tuple[int, int]]:
     """The (start in the partition, numel) of each parameter partition ``r`` holds."""
-    lo, hi = r * part, (r + 1) * part
-    out = {}
-    for name, (off, numel) in params.items():
-        a, z = max(off, lo), min(off + numel, hi)
-        if a < z:
-            out[name] = (a - lo, z - a)
-    return out
+    return {name: (pos, count) for name, _, _, count, pos in layout.fragments(r)}
 
 
-def _held_rank(params: dict[str, tuple[int, int]], part: int, ws: int, actual: dict[str, tuple[int, int]]) -> list[int]:
+def _held_rank(layout: GroupLayout, ws: int, actual: dict[str, tuple[int, int]]) -> list[int]:
     """The DP ranks whose partition holds exactly the fragments ``actual`` (a file's
     ``param_slice_mappings`` of one group), found from its first fragment's place."""
+    params = {name: (off, math.prod(shape)) for name, shape, off in layout.params}
+    part = layout.partition
     known = [(params[n][0], n) for n in actual if n in params]
     if not known or part <= 0 or len(known) != len(actual):
         return []
@@ -1023,13 +1055,13 @@ def _held_rank(params: dict[str, tuple[int, int]], part: int, ws: int, actual: d
         guesses = [(off + size - numel) // part] if (off + size - numel) % part == 0 else []
     else:  # the partition lies inside it
         guesses = list(range(-(-off // part), (off + size) // part))[:8]
-    return [r for r in guesses if 0 <= r < ws and _fragments_of(params, part, r) == actual]
+    return [r for r in guesses if 0 <= r < ws and _fragments_of(layout, r) == actual]
 
 
 def _check_zero12_ranks(files: dict[str, Any], per_rank: list[tuple[int, str]], shapes: Any, ws: int) -> None:
     """Each ZeRO-1/2 optimizer file holds its own DP rank's partition: its ``param_slice_mappings``
     (each parameter's fragment: start in the partition, numel) are those of the partition its
-    name says, in the layout DeepSpeed cuts (:func:`_zero12_layout`). A file whose fragments are
+    name says, in the layout DeepSpeed cuts (:func:`group_layout`). A file whose fragments are
     exactly another rank's holds that rank's partition (files swapped or renamed); one matching
     no rank of that layout is left to the reader."""
     if not isinstance(shapes, list):
@@ -1043,13 +1075,12 @@ def _check_zero12_ranks(files: dict[str, Any], per_rank: list[tuple[int, str]], 
         paddings = osd.get("param_alignment_paddings") if isinstance(osd, dict) else None
         for g, mapping in enumerate(mappings):
             layout = (
-                _zero12_layout(shapes[g], paddings[g] if isinstance(paddings, list) and g < len(paddings) else None, ws)
+                _saved_layout(shapes[g], paddings[g] if isinstance(paddings, list) and g < len(paddings) else None, ws)
                 if g < len(shapes)
                 else None
             )
             if layout is None or not isinstance(mapping, dict):
                 continue
-            params, part = layout
             actual = {}
             for name, frag in mapping.items():
                 start, numel = getattr(frag, "start", None), getattr(frag, "numel", None)
@@ -1057,9 +1088,9 @@ def _check_zero12_ranks(files: dict[str, Any], per_rank: list[tuple[int, str]], 
                     break
                 actual[name] = (start, numel)
             else:
-                if _fragments_of(params, part, dp) == actual:
+                if _fragments_of(layout, dp) == actual:
                     continue
-                others = [r for r in _held_rank(params, part, ws, actual) if r != dp]
+                others = [r for r in _held_rank(layout, ws, actual) if r != dp]
                 if others:
                     misplaced.append((rel, others[0]))
                     break

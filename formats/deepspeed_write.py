@@ -22,7 +22,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,15 @@ from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.formats import _pt, _ptwrite
 from ckpttool.formats.base import PieceReader, PlannedFile
-from ckpttool.formats.deepspeed import ALLOWLIST, SUBPARAM_SHAPE, TpRules, parallel_degree
+from ckpttool.formats.deepspeed import (
+    ALIGN,
+    ALLOWLIST,
+    SUBPARAM_SHAPE,
+    GroupLayout,
+    TpRules,
+    group_layout,
+    parallel_degree,
+)
 from ckpttool.geometry import Box, flat_range_boxes
 from ckpttool.io import confine
 from ckpttool.manifest import Item, Manifest
@@ -47,38 +55,7 @@ _OPTIM = re.compile(
 )
 _MODEL = re.compile(r"^(?P<dir>(?:.*/)?)mp_rank_(?P<mp>\d+)_model_states\.pt$")
 _LAYER = re.compile(r"^(?:.*/)?layer_\d+(?:-model_\d+)?-model_states\.pt$")
-ALIGN = 2
-"""DeepSpeed's ``nccl_start_alignment_factor``: groups are padded to a multiple of ALIGN x DP."""
 _FRAGMENT = "deepspeed.utils.tensor_fragment.fragment_address"
-
-
-@dataclass(slots=True)
-class GroupLayout:
-    params: list[tuple[str, tuple[int, ...], int]]
-    """(name, shape, offset in the flat group)"""
-    total: int
-    padded: int
-    partition: int
-
-    def padding(self, r: int) -> int:
-        """The zeros at the end of rank ``r``'s partition (DeepSpeed's ``groups_padding``)."""
-        return min(self.partition, max(0, (r + 1) * self.partition - self.total))
-
-
-def group_layout(shapes: dict[str, Any], dp: int, paddings: list[int] | None = None) -> GroupLayout:
-    """Where each parameter of a group lies in its flat buffer at ``dp`` ranks. ``paddings``: the
-    zeros after each parameter (``param_alignment_paddings``; they depend on the parameters' sizes
-    and dtype, not on DP). ``total`` counts them; the group is padded to ALIGN x DP after that."""
-    params, pos = [], 0
-    for k, (name, shape) in enumerate(shapes.items()):
-        shape = tuple(int(s) for s in shape)
-        n = 1
-        for s in shape:
-            n *= s
-        params.append((name, shape, pos))
-        pos += n + (paddings[k] if paddings and k < len(paddings) else 0)
-    padded = -(-pos // (ALIGN * dp)) * ALIGN * dp
-    return GroupLayout(params=params, total=pos, padded=padded, partition=padded // dp)
 
 
 def with_stage(config: Any, stage: int, sub_group_size: int | None = None) -> Any:
@@ -292,25 +269,10 @@ class ZeroWriter:
         tree["optimizer_state_dict"] = osd
         return {k: tree[k] for k in template}
 
-    def _fragments(self, g: int, r: int) -> list[tuple[str, tuple[int, ...], int, int, int]]:
-        """(name, shape, first element of the param, count, position in the partition) for the
-        parameters partition ``r`` of group ``g`` holds."""
-        layout = self.groups[g]
-        lo, hi = r * layout.partition, (r + 1) * layout.partition
-        out = []
-        for name, shape, off in layout.params:
-            n = 1
-            for s in shape:
-                n *= s
-            a, b = max(off, lo), min(off + n, hi)
-            if a < b:
-                out.append((name, shape, a - off, b - a, a - lo))
-        return out
-
     def _mappings(self, g: int, r: int) -> Any:
         cls = _unpickle.record(_FRAGMENT)
         out = _unpickle.OrderedDictStandIn()
-        for name, _shape, _first, count, pos in self._fragments(g, r):
+        for name, _shape, _first, count, pos in self.groups[g].fragments(r):
             frag = cls()
             frag.__dict__.update(numel=count, start=pos)
             out[name] = frag
@@ -322,7 +284,7 @@ class ZeroWriter:
         size = layout.partition - (layout.padding(r) if lean else 0)
         segments = [
             (self._own(name, suffix), shape, first, count, pos)
-            for name, shape, first, count, pos in self._fragments(g, r)
+            for name, shape, first, count, pos in self.groups[g].fragments(r)
         ]
         dtype = segments[0][0].dtype if segments else "float32"
         return flat_tensor(dtype, size, segments, reader)

@@ -147,26 +147,18 @@ def _read_tracker(root: Path) -> Path:
     return target
 
 
-def _misplaced_ranks(dirs: dict[str, tuple[tuple[int, int, int], Any]], args: Any, pp: int) -> list[dict[str, str]]:
+def _misplaced_ranks(dirs: dict[str, tuple[tuple[int, int, int], Any]], args: Any) -> list[dict[str, str]]:
     """Rank directories whose file another rank saved: each file's ``args.rank`` is the global rank
     that wrote it, and megatron-core's rank layout says which rank saves each directory
     (:func:`saving_ranks`). A file copied or renamed into another rank's place reads as a valid
     checkpoint with the wrong rank's tensors; this names it. Nothing is said where the layout
     cannot be replayed (no world size in the args, a layout megatron-core would refuse)."""
-    tp, ep = _int_arg(args, "tensor_model_parallel_size"), _int_arg(args, "expert_model_parallel_size")
-    experts = _int_arg(args, "num_experts", 0)
+    sizes = _rank_sizes(args)
     try:
-        savers = saving_ranks(
-            tp=tp,
-            etp=(own_etp(args) or tp) if experts else tp,
-            ep=ep if experts else 1,
-            pp=pp,
-            cp=_int_arg(args, "context_parallel_size"),
-            world=_int_arg(args, "world_size", 0),
-            tp_pp_dp=bool(getattr(args, "use_tp_pp_dp_mapping", False)),
-        )
+        savers = saving_ranks(**sizes)
     except (ValueError, ZeroDivisionError):
         return []
+    pp, ep = sizes["pp"], sizes["ep"]
     saves = {s.rank: key for key, s in savers.items()}
     recorded = {getattr(own, "rank", None) for _, own in dirs.values()}
     if len(recorded) < 2:
@@ -180,7 +172,7 @@ def _misplaced_ranks(dirs: dict[str, tuple[tuple[int, int, int], Any]], args: An
         where = saves.get(found)
         if where is None or where not in {r for r, _ in dirs.values()}:
             continue  # not another directory's saver here (a CP rank of an older save, say): no evidence
-        whose = f"which saves {rank_dir(where[0], where[1], pp, where[2], ep if experts else 1)}"
+        whose = f"which saves {rank_dir(where[0], where[1], pp, where[2], ep)}"
         out.append(
             {
                 "rule": "misplaced-file",
@@ -1376,7 +1368,7 @@ class MegatronLegacyAdapter:
         manifest.step = max(steps, key=steps.count) if steps else it if isinstance(it, int) else None
         manifest.layout = layout
         manifest.layout.world_size = layout.world_size or tp * pp * ep * (layout.dp or 1)
-        if misplaced := _misplaced_ranks({f"{prefix}{d}": (ranks[d], objs[d].get("args")) for d in dirs}, args, pp):
+        if misplaced := _misplaced_ranks({f"{prefix}{d}": (ranks[d], objs[d].get("args")) for d in dirs}, args):
             manifest.extras["findings"] = misplaced
         manifest.extras["args"] = _args_extras(args)
         manifest.extras["iteration_dir"] = it_dir.name
@@ -1929,21 +1921,24 @@ class Saver(NamedTuple):
     DP-CP group; 0: it saves the dense optimizer's ``distrib_optim.pt`` state)"""
 
 
-def _etp_sizes(args: Any) -> dict[str, Any] | None:
-    """The sizes :func:`saving_ranks` takes, from a run's ``args``; None when its experts are split
-    as the other layers."""
-    etp = own_etp(args)
-    if not etp:
-        return None
+def _rank_sizes(args: Any) -> dict[str, Any]:
+    """The sizes :func:`saving_ranks` takes, from a run's ``args`` (ETP = TP and EP = 1 where
+    the experts are not split their own way, or there are none)."""
+    tp = _int_arg(args, "tensor_model_parallel_size")
     return {
-        "tp": _int_arg(args, "tensor_model_parallel_size"),
-        "etp": etp,
-        "ep": _int_arg(args, "expert_model_parallel_size"),
+        "tp": tp,
+        "etp": own_etp(args) or tp,
+        "ep": _int_arg(args, "expert_model_parallel_size") if _int_arg(args, "num_experts", 0) else 1,
         "pp": _int_arg(args, "pipeline_model_parallel_size"),
         "cp": _int_arg(args, "context_parallel_size"),
         "world": _int_arg(args, "world_size", 0),
         "tp_pp_dp": bool(getattr(args, "use_tp_pp_dp_mapping", False)),
     }
+
+
+def _etp_sizes(args: Any) -> dict[str, Any] | None:
+    """:func:`_rank_sizes`; None when the run's experts are split as the other layers."""
+    return _rank_sizes(args) if own_etp(args) else None
 
 
 def expert_tp_ranks(args: Any) -> dict[tuple[int, int, int], Saver] | None:

@@ -875,6 +875,8 @@ class LegacyWriter:
         self._xranks: dict[tuple[int, int, int], Saver] | None = None
         """under expert tensor parallelism, the rank that saves each output rank file, by its (TP,
         PP, EP) rank; None: the experts split as the other layers"""
+        self._savers: dict[tuple[int, int, int], Saver] | None = None
+        """the same at any layout, for ``args.rank`` (made on first use: :meth:`_saving_rank`)"""
         if self.src.etp or self.etp != target.tp:
             self._expert_layout()
         if self.src.memberless and not self.distopt and self.src.groups:  # (none: no optimizer saved)
@@ -935,52 +937,46 @@ class LegacyWriter:
         self.manifest = copy.copy(self.manifest)
         self.manifest.items = items
 
-    def _saving_rank(self, t: int, p: int, e: int, dp: int) -> int:
-        """The global rank that saves rank file (t, p, e) of the output: megatron-core's rank layout
+    def _layout_savers(self) -> dict[tuple[int, int, int], Saver]:
+        """Which global rank saves each output rank file (t, p, e), in megatron-core's rank layout
         (``tp-cp-ep-dp-pp``, or ``tp-cp-ep-pp-dp`` with ``--use-tp-pp-dp-mapping``) at the output's
-        sizes, context parallelism included; ``t + TP·e + TP·DP·p`` where that cannot be laid out."""
-        if self._xranks is not None:
-            return self._xranks[(t, p, e)].rank
+        sizes (:func:`saving_ranks`; ValueError where they lay out no such world)."""
+        cp = int(getattr(self.args, "context_parallel_size", 1) or 1)
         tp, pp = self.target.tp, self.target.pp
-        key = (tp, pp, self.ep, dp)
-        if getattr(self, "_savers_for", None) != key:
-            cp = int(getattr(self.args, "context_parallel_size", 1) or 1)
+        return saving_ranks(
+            tp=tp,
+            etp=self.etp,
+            ep=self.ep,
+            pp=pp,
+            cp=cp,
+            world=tp * cp * pp * self._resume_dp(),
+            tp_pp_dp=bool(getattr(self.args, "use_tp_pp_dp_mapping", False)),
+        )
+
+    def _saving_rank(self, t: int, p: int, e: int) -> int:
+        """The global rank that saves rank file (t, p, e) of the output, as ``args.rank`` records it
+        (verify checks it; context parallelism and the mapping included); ``t + TP·e + TP·DP·p``
+        where the sizes lay out no world megatron-core would run."""
+        if self._savers is None:
             try:
-                self._savers: dict[tuple[int, int, int], Saver] | None = saving_ranks(
-                    tp=tp,
-                    etp=tp,
-                    ep=self.ep,
-                    pp=pp,
-                    cp=cp,
-                    world=tp * cp * pp * dp,
-                    tp_pp_dp=bool(getattr(self.args, "use_tp_pp_dp_mapping", False)),
-                )
+                self._savers = self._layout_savers()
             except ValueError:
-                self._savers = None
-            self._savers_for = key
-        saver = self._savers.get((t, p, e)) if self._savers else None
-        return saver.rank if saver is not None else t + tp * e + tp * dp * p
+                self._savers = {}
+        saver = self._savers.get((t, p, e))
+        tp = self.target.tp
+        return saver.rank if saver is not None else t + tp * e + tp * self._resume_dp() * p
 
     def _expert_layout(self) -> None:
         """Which global rank saves each output rank file, and its experts' ETP rank
         (:func:`saving_ranks`), when the output's experts are split their own way."""
         if self.etp == self.target.tp or not self.rank_files:
             return
-        cp = int(getattr(self.args, "context_parallel_size", 1) or 1)
-        tp, pp = self.target.tp, self.target.pp
         try:
-            self._xranks = saving_ranks(
-                tp=tp,
-                etp=self.etp,
-                ep=self.ep,
-                pp=pp,
-                cp=cp,
-                world=tp * cp * pp * self._resume_dp(),
-                tp_pp_dp=bool(getattr(self.args, "use_tp_pp_dp_mapping", False)),
-            )
+            self._xranks = self._savers = self._layout_savers()
         except ValueError as exc:
             raise UsageError(
-                f"cannot reshard to TP={tp} PP={pp} EP={self.ep} with the experts split {self.etp} ways: {exc}",
+                f"cannot reshard to TP={self.target.tp} PP={self.target.pp} EP={self.ep} with the experts split "
+                f"{self.etp} ways: {exc}",
                 hint="choose --etp and --ep so that ETP x EP >= TP, or write --to megatron-dist",
             ) from None
 
@@ -1505,7 +1501,7 @@ class LegacyWriter:
         if "world_size" in d:
             d["world_size"] = tp * int(d.get("context_parallel_size") or 1) * pp * dp
         if "rank" in d:  # the rank that saves the file, in megatron-core's rank layout (verify checks it)
-            rank = self._saving_rank(t, p, e, dp)
+            rank = self._saving_rank(t, p, e)
             if d.get("local_rank") == d["rank"]:
                 d["local_rank"] = rank
             d["rank"] = rank

@@ -81,6 +81,16 @@ def load_pt(path: Path) -> Any:
     return torch.load(path, weights_only=False, pickle_module=stand_in)
 
 
+def assert_clean(r: Run, code: int, *fragments: str) -> None:
+    """Exit ``code`` with one clear message (each of ``fragments`` on stderr): no traceback, never
+    an "internal error … a bug in ckpttool"."""
+    assert r.code == code, (r.code, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr
+    assert "this is a bug in ckpttool" not in r.stderr, r.stderr
+    for f in fragments:
+        assert f in r.stderr, (f, r.stderr)
+
+
 def run_cli(
     *args: str | os.PathLike[str],
     cwd: str | os.PathLike[str] | None = None,

@@ -13,35 +13,29 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FIXTURES, cli_env, run_cli, tree_digests
+from tests.conftest import FIXTURES, assert_clean, cli_env, run_cli, tree_digests
 
 FSDP2 = FIXTURES / "dcp" / "fsdp2"
 MODEL = FIXTURES / "safetensors" / "model.safetensors"
 
 
-def _clean(r, code: int) -> None:
-    """Exit ``code``, one clear message, no traceback, never an "internal error"."""
-    assert r.code == code, (r.code, r.stdout, r.stderr)
-    assert "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr
-    assert "this is a bug in ckpttool" not in r.stderr, r.stderr
+def _pack(tmp_path_factory, src: Path, name: str) -> Path:
+    out = tmp_path_factory.mktemp(name) / f"{name}.ckz"
+    r = run_cli("compress", src, "-o", out, "-q")
+    assert r.code == 0, r.stderr
+    return out
 
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory) -> Path:
     """A compressed copy of the FSDP2 checkpoint (a directory target)."""
-    d = tmp_path_factory.mktemp("packed")
-    r = run_cli("compress", FSDP2, "-o", d / "fsdp2.ckz", "-q")
-    assert r.code == 0, r.stderr
-    return d / "fsdp2.ckz"
+    return _pack(tmp_path_factory, FSDP2, "fsdp2")
 
 
 @pytest.fixture(scope="module")
 def packed_file(tmp_path_factory) -> Path:
     """A compressed single-file checkpoint (its target is one file)."""
-    d = tmp_path_factory.mktemp("packed_file")
-    r = run_cli("compress", MODEL, "-o", d / "model.ckz", "-q")
-    assert r.code == 0, r.stderr
-    return d / "model.ckz"
+    return _pack(tmp_path_factory, MODEL, "model")
 
 
 # -- A: output paths ----------------------------------------------------------------------------
@@ -59,7 +53,7 @@ def test_missing_parent_directories_are_created_as_decompress_does(tmp_path, pac
     ]
     for args, made in cases:
         r = run_cli(*args, "-q")
-        _clean(r, 0)
+        assert_clean(r, 0)
         assert (tmp_path / made).exists(), (args, r.stderr)
     assert tree_digests(tmp_path / "g" / "h" / "restored") == tree_digests(FSDP2)
     leftovers = [p.name for p in tmp_path.rglob("*") if "ckpttool-tmp" in p.name]
@@ -85,7 +79,7 @@ def test_an_output_below_a_regular_file_is_a_usage_error(argv, tmp_path, packed)
     blocker.write_text("keep me")
     below = blocker / "sub" / "x"
     r = run_cli(*[str(a).format(below=below, packed=packed) for a in argv], cwd=tmp_path)
-    _clean(r, 2)
+    assert_clean(r, 2)
     assert f"-o {below}" in r.stderr and f"{blocker} is a file, not a directory" in r.stderr, r.stderr
     assert "hint:" in r.stderr
     assert blocker.read_text() == "keep me"
@@ -108,7 +102,7 @@ def test_a_one_file_output_onto_a_directory_is_refused_even_with_force(argv, tmp
     target.mkdir()
     (target / "inside.txt").write_text("keep me")
     r = run_cli(*[str(a).format(dir=target, packed_file=packed_file) for a in argv])
-    _clean(r, 2)
+    assert_clean(r, 2)
     assert f"-o {target} is a directory" in r.stderr and "hint: give a file path" in r.stderr, r.stderr
     assert (target / "inside.txt").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]
@@ -127,7 +121,7 @@ def test_decompress_onto_the_working_directory_is_refused(tmp_path, packed):
         (str(tmp_path / "work"), f"-o {tmp_path / 'work'} holds the current working directory"),
     ):
         r = run_cli("decompress", packed, "-o", out, "--force", cwd=here)
-        _clean(r, 2)
+        assert_clean(r, 2)
         assert says in r.stderr and "hint:" in r.stderr, (out, r.stderr)
     assert tree_digests(tmp_path) == before
 
@@ -167,7 +161,7 @@ def test_a_missing_container_is_not_found_not_damaged(argv, name, tmp_path):
     """A container that is not there read as "cut short or damaged" with a hint about an
     interrupted copy; it is a path that does not exist, as 'verify /nonexistent' says."""
     r = run_cli(*argv, cwd=tmp_path)
-    _clean(r, 3)
+    assert_clean(r, 3)
     assert f"error: {name}: no such file" in r.stderr, r.stderr
     assert "cut short" not in r.stderr and "interrupted" not in r.stderr, r.stderr
     assert "hint: check the path" in r.stderr
@@ -178,7 +172,7 @@ def test_a_missing_container_is_not_found_not_damaged(argv, name, tmp_path):
 
 def test_a_directory_given_as_a_container_says_so(tmp_path):
     r = run_cli("decompress", FSDP2, "-o", tmp_path / "out")
-    _clean(r, 3)
+    assert_clean(r, 3)
     assert f"{FSDP2}: is a directory; expected a file written by" in r.stderr, r.stderr
     assert "cut short" not in r.stderr
     assert not (tmp_path / "out").exists()
@@ -189,7 +183,7 @@ def test_decompress_refusal_names_a_compressed_checkpoint_not_a_delta(tmp_path, 
     ckz = tmp_path / "x.ckz"
     shutil.copy(packed, ckz)
     r = run_cli("decompress", ckz, "-o", tmp_path, "--force")
-    _clean(r, 2)
+    assert_clean(r, 2)
     assert f"-o {tmp_path} holds the compressed checkpoint {ckz}" in r.stderr, r.stderr
     assert "delta" not in r.stderr
     assert ckz.read_bytes() == packed.read_bytes()

@@ -96,6 +96,24 @@ def test_the_switch_and_the_file_systems(tmp_path, monkeypatch):
         assert not direct_ok("/dev/shm")
 
 
+def test_the_writers_outputs_go_through_direct_files(tmp_path, monkeypatch):
+    """open_output (every reshard and convert writer) and atomic_output (export, compress, delta,
+    seal) give DirectFiles where direct writes are on, plain files where off: the reshard below
+    compares the two paths, which would be one path without this wiring."""
+    from ckpttool.hashing import collecting_written, open_output
+
+    if not _directwrite._O_DIRECT:
+        pytest.skip("no O_DIRECT on this system")
+    for mode, want in (("1", True), ("0", False)):
+        monkeypatch.setenv("CKPTTOOL_DIRECT_WRITE", mode)
+        with open_output(tmp_path / f"a{mode}") as f:
+            assert isinstance(f, DirectFile) is want
+        with collecting_written(), open_output(tmp_path / f"b{mode}") as f:
+            assert isinstance(f.fh, DirectFile) is want  # (a HashingFile around it)
+        with io.atomic_output(tmp_path / f"c{mode}") as f:
+            assert isinstance(f, DirectFile) is want
+
+
 def test_reshard_writes_the_same_bytes_either_way(tmp_path):
     """A reshard whose rank files span several staging buffers, written with direct writes forced
     on and off: the same files."""

@@ -1,5 +1,6 @@
-"""Item names: what kind of state a name holds, and the one canonical spelling used to match
-names across checkpoints (diff, verify and reshard all go through :func:`canonical`)."""
+"""Item names: what kind of state a name holds, the one canonical spelling used to match names
+across checkpoints (diff, verify and reshard all go through :func:`canonical`), and how a name
+is shown (:func:`printable`)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,24 @@ def canonical(name: str) -> str:
     if rest and head in _MODEL_ROOTS:
         return rest
     return out
+
+
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def printable(text: str) -> str:
+    """``text`` on one line: newlines, tabs and other control or invisible characters spelled as
+    escapes (``\\n``, ``\\x1b``, ``\\u200b``), so a hostile tensor or file name can neither start a
+    new line (a forged row or verdict) nor send a terminal escape sequence."""
+    if text.isprintable():
+        return text
+    out = []
+    for c in text:
+        if c.isprintable():
+            out.append(c)
+        elif c in _ESCAPES:
+            out.append(_ESCAPES[c])
+        else:
+            n = ord(c)
+            out.append(f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}")
+    return "".join(out)

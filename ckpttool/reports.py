@@ -7,6 +7,7 @@ import xml.etree.ElementTree as ET
 from collections import defaultdict
 from dataclasses import dataclass
 
+from ckpttool.naming import printable
 from ckpttool.verify import RULES, SEVERITY_ORDER, Finding, Severity, VerifyReport
 
 _GROUP_AT = 4
@@ -67,27 +68,6 @@ def _listing(findings: tuple[Finding, ...]) -> str:
     return "; ".join(texts[:_SHOWN]) + more
 
 
-_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def printable(text: str) -> str:
-    """``text`` on one line: newlines, tabs and other control or invisible characters spelled as
-    escapes (``\\n``, ``\\x1b``, ``\\u200b``), so a hostile tensor or file name can neither start a
-    new line (a forged row or verdict) nor send a terminal escape sequence."""
-    if text.isprintable():
-        return text
-    out = []
-    for c in text:
-        if c.isprintable():
-            out.append(c)
-        elif c in _ESCAPES:
-            out.append(_ESCAPES[c])
-        else:
-            n = ord(c)
-            out.append(f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}")
-    return "".join(out)
-
-
 def groups(report: VerifyReport) -> list[Group]:
     """Findings grouped by rule when a rule fires ``_GROUP_AT`` times or more; most severe first."""
     by_rule: dict[str, list[Finding]] = defaultdict(list)
@@ -106,7 +86,15 @@ def groups(report: VerifyReport) -> list[Group]:
 
 def junit(report: VerifyReport, fail_on: Severity = "error") -> str:
     """One testsuite, one testcase per rule (passing rules included), a failure per finding at or
-    above ``fail_on``."""
+    above ``fail_on``. A checkpoint that could not be evaluated is one testcase in error (JUnit's
+    "could not run"), not every rule passing."""
+    if report.error is not None:
+        suite = ET.Element("testsuite", name="ckpttool verify", tests="1", failures="0", errors="1")
+        name = f"could not evaluate: {printable(report.path)}"
+        case = ET.SubElement(suite, "testcase", classname="ckpttool.could-not-evaluate", name=name)
+        el = ET.SubElement(case, "error", type="could-not-evaluate", message=printable(report.error))
+        el.text = printable(report.error) + (f"\nhint: {printable(report.error_hint)}" if report.error_hint else "")
+        return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
     suite = ET.Element("testsuite", name="ckpttool verify", tests=str(len(RULES)))
     failures = 0
     by_rule: dict[str, list[Finding]] = defaultdict(list)
@@ -143,6 +131,8 @@ def _escape(text: str) -> str:
 def github_annotations(report: VerifyReport, limit: int = 50) -> str:
     """``::error``/``::warning`` workflow commands (GitHub caps how many it shows per step)."""
     lines = []
+    if report.error is not None:
+        lines.append(f"::error title=ckpttool could not evaluate::{_escape(report.error)}")
     for g in groups(report)[:limit]:
         level = {"error": "error", "warning": "warning", "info": "notice"}[g.severity]
         lines.append(f"::{level} title=ckpttool {g.rule}::{_escape(g.line)}")
@@ -153,6 +143,16 @@ def github_summary(report: VerifyReport, fail_on: Severity = "error") -> str:
     """A Markdown table for ``$GITHUB_STEP_SUMMARY``."""
     ok = not report.failing(fail_on)
     s = report.summary()
+    if report.error is not None:
+        return "\n".join(
+            [
+                "### ckpttool verify: could not evaluate",
+                "",
+                f"`{printable(report.path)}`: {_cell(report.error)}",
+                *(["", f"hint: {_cell(report.error_hint)}"] if report.error_hint else []),
+                "",
+            ]
+        )
     out = [
         f"### ckpttool verify: {'passed' if ok else 'FAILED'}",
         "",

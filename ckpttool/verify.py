@@ -171,6 +171,12 @@ class FindingJSON(TypedDict):
     hint: str | None
 
 
+class ErrorJSON(TypedDict):
+    message: str
+    """why the checkpoint could not be evaluated (exit 3): the line verify printed on stderr"""
+    hint: str | None
+
+
 class ReportJSON(TypedDict):
     """What ``verify --json`` prints and ``--report`` writes (docs/verify-report.schema.json)."""
 
@@ -185,6 +191,9 @@ class ReportJSON(TypedDict):
     checked: dict[str, int]
     findings: list[FindingJSON]
     stats: dict[str, dict[str, Any]]
+    error: ErrorJSON | None
+    """set when nothing could be evaluated (exit 3: no such path, an unknown format, damaged
+    metadata); then ``ok`` is false and there are no findings. null otherwise"""
 
 
 def report_schema() -> dict[str, Any]:
@@ -215,6 +224,9 @@ class VerifyReport:
     findings: list[Finding] = field(default_factory=list)
     stats: dict[str, dict[str, Any]] = field(default_factory=dict)
     checked: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+    """why nothing could be evaluated (the command exits 3), with ``error_hint``"""
+    error_hint: str | None = None
 
     def failing(self, fail_on: Severity = "error") -> list[Finding]:
         return [f for f in self.findings if SEVERITY_ORDER[f.severity] >= SEVERITY_ORDER[fail_on]]
@@ -232,12 +244,13 @@ class VerifyReport:
             "format": self.format,
             "step": self.step,
             "layout": self.layout,
-            "ok": not self.failing(fail_on),
+            "ok": self.error is None and not self.failing(fail_on),
             "fail_on": fail_on,
             "summary": self.summary(),
             "checked": self.checked,
             "findings": [f.to_json() for f in self.findings],
             "stats": self.stats,
+            "error": None if self.error is None else {"message": self.error, "hint": self.error_hint},
         }
 
 

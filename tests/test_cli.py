@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from safetensors import safe_open
@@ -36,6 +38,19 @@ def test_inspect_of_dcp_does_not_import_torch():
     mods = _modules_after(["inspect", str(FSDP2), "--json"])
     assert "ckpttool.formats.dcp" in mods
     assert "torch" not in mods
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_numpy_starts_no_blas_threads_and_the_environment_is_left_alone():
+    """OpenBLAS would start a spinning thread per core as numpy loads (ckpttool/__init__.py)."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    code = "import os, ckpttool; print(len(os.listdir('/proc/self/task')), os.environ.get('OPENBLAS_NUM_THREADS'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split() == ["1", "None"]
+    # a count the user chose is theirs
+    code = "import os, ckpttool; print(os.environ['OPENBLAS_NUM_THREADS'])"
+    env["OPENBLAS_NUM_THREADS"] = "3"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout.split() == ["3"]
 
 
 def test_inspect_json_contract():

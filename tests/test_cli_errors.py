@@ -374,3 +374,31 @@ def test_step_summary_cells_escape_markup_and_junit_stays_well_formed():
     assert "`ck\\npt`" in text
     root = ET.fromstring(junit(report).split("?>", 1)[1])  # parses: no raw control characters
     assert root.get("failures") == "1"
+
+
+def test_hostile_names_reach_no_terminal_raw_in_ls_inspect_or_diff(tmp_path):
+    """Tensor names are the checkpoint's to choose: an escape sequence in one (``\\x1b]...``: set
+    the title, rewrite the screen) or a newline (a forged row) is shown spelled out, in every
+    human output; the JSON keeps the name as it is."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    hostile = "w\x1b[2J\x1b]0;owned\x07\nforged | row\u202e"
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({hostile: np.zeros(4, np.float32), "ok": np.ones(2, np.float32)}, a)
+    nan = np.array([float("nan"), 1, 1, 1], np.float32)
+    save_file({hostile: nan, "ok": np.ones(2, np.float32), f"new{hostile}": np.ones(1, np.float32)}, b)
+    for argv in (("ls", a), ("inspect", a), ("diff", a, b), ("verify", b, "--deep")):
+        r = run_cli(*argv)
+        assert r.code in (0, 1), (argv, r.stderr)
+        for text in (r.stdout, r.stderr):
+            assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text, (argv, text)
+            assert "forged" not in text or all(
+                "forged" not in ln or "\\n" in ln for ln in text.splitlines()
+            ), (argv, text)  # the name never starts a line of its own
+        if argv[0] != "inspect":
+            assert "w\\x1b[2J" in r.stdout, (argv, r.stdout)
+    listed = json.loads(run_cli("ls", a, "--json").stdout)
+    assert hostile in {i["name"] for i in listed["items"]}

@@ -396,6 +396,43 @@ def test_cli_exit_3_when_nothing_can_be_evaluated(tmp_path):
     assert run_cli("verify", tmp_path / "x").code == 3
 
 
+@pytest.mark.parametrize("case", ["no such path", "unknown format", "not a checkpoint file"])
+def test_cli_exit_3_still_writes_every_report(case, tmp_path):
+    """A CI gate that reads the JUnit or JSON report must not find it absent, or worse, a stale
+    one from the last run, when verify could not evaluate the checkpoint at all."""
+    import xml.etree.ElementTree as ET
+
+    if case == "no such path":
+        path = tmp_path / "nope"
+    elif case == "unknown format":
+        path = tmp_path / "x"
+        path.mkdir()
+        (path / "notes.txt").write_text("hello")
+    else:
+        path = tmp_path / "model.pt"
+        path.write_bytes(b"\x80\x04garbage")
+    report, junit_file, summary = tmp_path / "r.json", tmp_path / "j.xml", tmp_path / "summary.md"
+    report.write_text("stale")
+    r = run_cli(
+        "verify", path, "--json", "--report", report, "--junit", junit_file,
+        env={"GITHUB_ACTIONS": "true", "GITHUB_STEP_SUMMARY": str(summary)},
+    )  # fmt: skip
+    assert r.code == 3 and "Traceback" not in r.stderr
+    data = json.loads(r.stdout)
+    assert data["ok"] is False and data["findings"] == [] and data["format"] is None
+    assert data["error"]["message"] and data["error"]["message"] in r.stderr  # the line the user sees
+    assert json.loads(report.read_text()) == data
+    root = ET.fromstring(junit_file.read_text().split("?>", 1)[1])
+    assert root.get("errors") == "1" and root.get("tests") == "1" and root.get("failures") == "0"
+    (case_el,) = root
+    assert case_el.find("error") is not None and data["error"]["message"] in case_el.find("error").get("message")
+    assert "::error title=ckpttool could not evaluate::" in r.stderr
+    assert "ckpttool verify: could not evaluate" in summary.read_text()
+    # a checkpoint that could be evaluated says so: error is null
+    ok = json.loads(run_cli("verify", FIXTURES / "dcp" / "fsdp2", "--json").stdout)
+    assert ok["error"] is None and ok["ok"] is True
+
+
 def test_json_report_matches_its_schema(broken):
     from pydantic import TypeAdapter
 

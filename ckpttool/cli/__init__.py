@@ -14,12 +14,15 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
 from ckpttool.cli._output import Output, dumps
 from ckpttool.errors import CkptError
+
+if TYPE_CHECKING:
+    from ckpttool.verify import Severity, VerifyReport
 
 app = typer.Typer(
     name="ckpttool",
@@ -314,13 +317,9 @@ def verify(
     Exit 0: nothing at or above --fail-on; 1: findings; 3: could not evaluate. On GitHub Actions
     findings also become annotations and a step summary.
     """
-    import os
-
-    from ckpttool import reports
-    from ckpttool.cli import _render
     from ckpttool.errors import UsageError
-    from ckpttool.io import atomic_output, check_output_file, refuse_overlap
-    from ckpttool.verify import Severity
+    from ckpttool.io import check_output_file, refuse_overlap
+    from ckpttool.verify import VerifyReport
     from ckpttool.verify import verify as run
 
     if fail_on not in ("error", "warning"):
@@ -331,6 +330,7 @@ def verify(
             check_output_file(given, flag)
     out = Output(json_mode=json_out, quiet=quiet)
     needed = [s.strip() for s in require.split(",") if s.strip()] if require else []
+    severity: Severity = "error" if fail_on == "error" else "warning"
     with out.progress("verify") as update:
         done = [0]
 
@@ -338,12 +338,37 @@ def verify(
             done[0] += n
             update(done[0], 0)
 
-        report = run(path, manifest_path=manifest, deep=deep, require=needed, workers=workers, progress=advance)
-    severity: Severity = "error" if fail_on == "error" else "warning"
+        try:
+            report = run(path, manifest_path=manifest, deep=deep, require=needed, workers=workers, progress=advance)
+        except (CkptError, OSError) as exc:
+            if isinstance(exc, CkptError) and exc.exit_code != 3:
+                raise
+            # could not evaluate: the reports a CI gate reads still say so (a JUnit error, "ok":
+            # false with the reason), never absent or left from the last run; the message and
+            # exit 3 come from _handles_errors as for any command
+            message, hint = (exc.message, exc.hint) if isinstance(exc, CkptError) else (_os_error(exc), None)
+            failed = VerifyReport(path=str(path), seal=str(manifest) if manifest else None, deep=deep)
+            failed.error, failed.error_hint = message, hint
+            _verify_outputs(out, failed, severity, report_file, junit_file)
+            raise
+    _verify_outputs(out, report, severity, report_file, junit_file)
+    if report.failing(severity):
+        raise typer.Exit(1)
+
+
+def _verify_outputs(
+    out: Output, report: VerifyReport, severity: Severity, report_file: Path | None, junit_file: Path | None
+) -> None:
+    """verify's report on stdout (human or ``--json``), in ``--report`` and ``--junit``, and on
+    GitHub Actions as annotations and a step summary."""
+    from ckpttool import reports
+    from ckpttool.cli import _render
+    from ckpttool.io import atomic_output
+
     payload = report.to_json(severity)
-    if json_out:
+    if out.json_mode:
         out.json(payload)
-    else:
+    elif report.error is None:  # (the error itself is _handles_errors' line)
         _render.verify_report(out, report, severity)
     if report_file is not None:
         with atomic_output(report_file) as fh:
@@ -352,15 +377,11 @@ def verify(
         with atomic_output(junit_file) as fh:
             fh.write(reports.junit(report, severity).encode())
     if os.environ.get("GITHUB_ACTIONS") == "true":
-        import sys
-
         sys.stderr.write(reports.github_annotations(report))
         summary = os.environ.get("GITHUB_STEP_SUMMARY")
         if summary:
             with open(summary, "a", encoding="utf-8") as summary_fh:
                 summary_fh.write(reports.github_summary(report, severity) + "\n")
-    if report.failing(severity):
-        raise typer.Exit(1)
 
 
 @app.command(

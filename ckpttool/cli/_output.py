@@ -16,6 +16,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from ckpttool.naming import printable
+
 
 def strict(value: Any) -> Any:
     """``value`` with every infinite or NaN float spelled as the string ``"inf"``, ``"-inf"`` or
@@ -50,9 +52,12 @@ class Output:
 
     def line(self, text: str) -> None:
         """A line of human data output (rich markup allowed): wrapped at a terminal's width, never
-        elsewhere (a pipe, a file, a CI log)."""
+        elsewhere (a pipe, a file, a CI log). Like every human output here, it is one line with no
+        control characters (:func:`ckpttool.naming.printable`): the names in it are the
+        checkpoint's to choose, and a newline or an escape sequence in one must neither forge a
+        line nor reach the terminal."""
         if not self.json_mode:
-            self.out.print(text, soft_wrap=not self.out.is_terminal)
+            self.out.print(printable(text), soft_wrap=not self.out.is_terminal)
 
     def table(
         self,
@@ -73,7 +78,7 @@ class Output:
             self.out.print(empty)
             return
         table = Table(title=title, title_justify="left", box=None, header_style="bold", pad_edge=False)
-        cells = [[str(c) for c in row] for row in rows]
+        cells = [[printable(str(c)) for c in row] for row in rows]
         widths = [max(len(col), *(len(r[i]) for r in cells)) for i, col in enumerate(columns)]
         if squeeze in columns and self.out.is_terminal:
             # cut the squeezable column to what the terminal leaves; the others are never cut
@@ -106,6 +111,7 @@ class Output:
         table.add_column("FINDING", no_wrap=not wrap, overflow="fold")
         widths = [len("SEVERITY"), len("RULE"), len("FINDING")]
         for severity, rule, text, hints in rows:
+            text, hints = printable(text), [printable(h) for h in hints]
             cell = Text(text)
             for hint in hints:
                 cell.append("\n")
@@ -137,15 +143,15 @@ class Output:
 
     def note(self, text: str) -> None:
         if not self.quiet:
-            self.err.print(text)
+            self.err.print(printable(text))
 
     def warning(self, text: str) -> None:
-        self.err.print(f"[yellow]warning:[/yellow] {escape(text)}")
+        self.err.print(f"[yellow]warning:[/yellow] {escape(printable(text))}")
 
     def error(self, text: str, hint: str | None = None) -> None:
-        self.err.print(f"[red]error:[/red] {escape(text)}", soft_wrap=True)
+        self.err.print(f"[red]error:[/red] {escape(printable(text))}", soft_wrap=True)
         if hint:
-            self.err.print(f"[dim]hint:[/dim] {escape(hint)}", soft_wrap=True)
+            self.err.print(f"[dim]hint:[/dim] {escape(printable(hint))}", soft_wrap=True)
 
     @contextmanager
     def progress(self, description: str) -> Iterator[Callable[[int, int], None]]:

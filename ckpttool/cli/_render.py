@@ -72,7 +72,7 @@ def item_table(out: Output, items: Sequence[Item]) -> None:
 
 
 def verify_report(out: Output, report: VerifyReport, fail_on: Severity) -> None:
-    from ckpttool.reports import groups, printable
+    from ckpttool.reports import groups
 
     s = report.summary()
     ok = not report.failing(fail_on)
@@ -85,7 +85,7 @@ def verify_report(out: Output, report: VerifyReport, fail_on: Severity) -> None:
         f"checked: {checked or 'nothing'}"
         + (f"   seal: {escape(report.seal)}" if report.seal else "   no seal (zip CRCs used where the format has them)")
     )
-    rows = [(g.severity.upper(), g.rule, printable(g.line), [printable(h) for h in g.hints]) for g in groups(report)]
+    rows = [(g.severity.upper(), g.rule, g.line, list(g.hints)) for g in groups(report)]
     if rows:
         out.line("")
         out.findings(rows)

@@ -80,6 +80,9 @@ class DiffReport:
     opaque: list[str] = field(default_factory=list)
     """RNG tensors of one side that the other side keeps inside opaque records (Megatron
     ``torch_dist``'s ``rng_state`` objects): not compared, and not a difference"""
+    notes: list[str] = field(default_factory=list)
+    """the same state kept differently on the two sides, compared and found equal (the optimizer's
+    step kept per param group on one side, per parameter on the other)"""
     identical: int = 0
     compared: int = 0
 
@@ -121,6 +124,7 @@ class DiffReport:
             "values": [v.to_json() for v in self.values],
             "objects": self.objects,
             "not_compared_rng": self.opaque,
+            "notes": self.notes,
             "first_divergence": first.name if first else None,
             "largest_divergence": largest.name if largest else None,
         }
@@ -210,6 +214,8 @@ def diff(
         report.opaque += [k for k in report.added if kb[k].kind == "rng"]
         report.added = [k for k in report.added if kb[k].kind != "rng"]
     with adapter_a.reader(ma) as ra, adapter_b.reader(mb) as rb:
+        _regrouped_steps(report, ka, kb, ra, rb)
+        _extra_masters(report, ka, kb, ra, rb)
         # a tensor one side names on its own and the other keeps inside an object item (megatron-core's
         # grad scaler: a ShardedObject in torch_dist, its scale a tensor once written as torch.save)
         for mine, other, theirs, r_mine, r_theirs, mine_is_a in (
@@ -272,6 +278,94 @@ def diff(
             if progress is not None:
                 progress(ia.nbytes)
     return report
+
+
+_GROUP_STEP = re.compile(r"^(?:optim|optimizer)\.param_groups\.(\d+)\.step$")
+
+
+def _regrouped_steps(
+    report: DiffReport, ka: dict[str, Item], kb: dict[str, Item], ra: PieceReader, rb: PieceReader
+) -> None:
+    """The optimizer's step kept once per param group on one side (``optimizer.param_groups.<g>.step``:
+    a ZeRO checkpoint, torch's optimizer state dict) and once per parameter on the other
+    (``<param>.step``: DeepSpeed's universal checkpoint, torch's per-parameter Adam state): the two
+    are the same state when every step on both sides holds one value, which is then one tensor
+    compared and identical per key, and a note. Steps that differ stay unmatched (which parameter
+    belongs to which group is not known here), and so does a side holding both kinds."""
+
+    def kinds(keyed: dict[str, Item], keys: list[str]) -> tuple[list[str], list[str]]:
+        groups = [k for k in keys if _GROUP_STEP.match(k)]
+        params = [k for k in keys if k.endswith(".step") and keyed[k].kind == "optim" and k[: -len(".step")] in keyed]
+        return groups, params
+
+    a_groups, a_params = kinds(ka, report.removed)
+    b_groups, b_params = kinds(kb, report.added)
+    if a_groups and b_params and not a_params and not b_groups:
+        groups, params, side = (a_groups, ra, ka), (b_params, rb, kb), ("A", "B")
+    elif b_groups and a_params and not b_params and not a_groups:
+        groups, params, side = (b_groups, rb, kb), (a_params, ra, ka), ("B", "A")
+    else:
+        return
+    values: set[float] = set()
+    for keys, reader, keyed in (groups, params):
+        for k in keys:
+            item = keyed[k]
+            if item.shape not in ((), (1,)):
+                return
+            try:
+                v = assemble(reader, item).reshape(-1)
+            except CkptError:
+                return
+            values.add(float(v[0]))
+            if len(values) > 1:
+                return
+    for k in groups[0]:
+        (report.removed if side[0] == "A" else report.added).remove(k)
+    for k in params[0]:
+        (report.added if side[1] == "B" else report.removed).remove(k)
+    report.compared += len(groups[0]) + len(params[0])
+    report.identical += len(groups[0]) + len(params[0])
+    (value,) = values
+    report.notes.append(
+        f"optimizer step: {side[0]} keeps it per param group ({len(groups[0])}), {side[1]} per parameter "
+        f"({len(params[0])}); all hold {value:g}"
+    )
+
+
+def _extra_masters(
+    report: DiffReport, ka: dict[str, Item], kb: dict[str, Item], ra: PieceReader, rb: PieceReader
+) -> None:
+    """An fp32 copy (``<param>.fp32``) that one side keeps of a tensor both sides hold and the
+    other keeps only as the tensor itself (DeepSpeed's universal checkpoint writes ``fp32.pt`` for
+    buffers and frozen parameters too): the same state when it holds the tensor's own values
+    exactly, which is then compared and identical, and a note. Any other is left unmatched."""
+    for mine, keyed, reader, other, side in ((report.removed, ka, ra, kb, "A"), (report.added, kb, rb, ka, "B")):
+        same = []
+        for k in list(mine):
+            base = k[: -len(".fp32")]
+            item = keyed[k]
+            if not k.endswith(".fp32") or item.kind != "master" or base not in keyed or base not in other:
+                continue
+            param = keyed[base]
+            if not param.is_tensor or param.shape != item.shape or item.dtype != "float32":
+                continue
+            try:
+                copy = assemble(reader, item).reshape(-1)
+                values = _floats(assemble(reader, param).reshape(-1), param.dtype or "float32")
+            except CkptError:
+                continue
+            if np.array_equal(copy.view(np.uint32), values.astype(np.float32).view(np.uint32)):
+                same.append(k)
+        for k in same:
+            mine.remove(k)
+        if same:
+            report.compared += len(same)
+            report.identical += len(same)
+            shown = ", ".join(k[: -len(".fp32")] for k in same[:5]) + (" …" if len(same) > 5 else "")
+            report.notes.append(
+                f"fp32 copies: {side} keeps one of {len(same)} tensor(s) the other side keeps only as themselves "
+                f"({shown}); each holds its tensor's values exactly"
+            )
 
 
 def _inside_object(key: str, keyed: dict[str, Item], reader: PieceReader, cache: dict[str, Any]) -> np.ndarray | None:

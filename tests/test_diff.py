@@ -124,3 +124,35 @@ def test_a_value_become_nan_is_the_largest_difference_not_zero(tmp_path):
     r = run_cli("diff", FSDP2, copy, "--json")
     assert r.code == 1
     assert {v["name"]: v for v in json.loads(r.stdout)["values"]}["blocks.0.fc2.weight"]["max_abs_diff"] == "inf"
+
+
+def test_zero_and_its_universal_checkpoint_are_the_same_state(tmp_path):
+    """DeepSpeed keeps the optimizer's step per param group in ZeRO files and per parameter in a
+    universal checkpoint (which also keeps fp32.pt of buffers): the real ds_to_universal output of
+    the ZeRO-2 fixture, and ckpttool's own, diff equal, with notes saying how; a step or a copy
+    that differs is still a difference."""
+    import torch
+
+    zero2, universal = FIXTURES / "deepspeed" / "zero2", FIXTURES / "deepspeed" / "universal"
+    for a, b in ((zero2, universal), (universal, zero2)):
+        report = diff(a, b)
+        assert not report.different, report.to_json()
+        assert report.added == report.removed == [] and len(report.notes) == 2, report.notes
+        assert any("per param group (2)" in n for n in report.notes) and any("seen_tokens" in n for n in report.notes)
+    r = run_cli("diff", zero2, universal)
+    assert r.code == 0 and "same: optimizer step" in r.stdout, r.stdout
+    assert len(json.loads(run_cli("diff", zero2, universal, "--json").stdout)["notes"]) == 2
+
+    copy = tmp_path / "u"
+    shutil.copytree(universal, copy)
+    step = copy / "global_step3_universal" / "zero" / "blocks.0.fc1.bias" / "step.pt"
+    torch.save(torch.load(step, weights_only=True) + 1, step)
+    off = diff(zero2, copy)
+    assert off.different and "blocks.0.fc1.bias.step" in off.added and not any("step" in n for n in off.notes)
+
+    shutil.rmtree(copy)
+    shutil.copytree(universal, copy)
+    fp32 = copy / "global_step3_universal" / "zero" / "seen_tokens" / "fp32.pt"
+    torch.save({"param": torch.load(fp32, weights_only=True)["param"] + 1}, fp32)
+    off = diff(zero2, copy)
+    assert off.different and off.added == ["seen_tokens.fp32"] and not any("fp32" in n for n in off.notes)

@@ -115,6 +115,8 @@ def diff_report(out: Output, report: DiffReport) -> None:
             f"RNG not compared ({len(report.opaque)} tensors): one side keeps its RNG state in opaque records "
             "(torch_dist's rng_state)"
         )
+    for note in report.notes:
+        out.line(f"same: {escape(note)}")
     for c in report.changed_meta:
         out.line(
             f"changed: {escape(c['name'])}: {c['a']['dtype']}{c['a']['shape']} -> {c['b']['dtype']}{c['b']['shape']}"

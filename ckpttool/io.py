@@ -569,6 +569,26 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _make_parents(directory: Path) -> list[Path]:
+    """Make ``directory`` and its missing ancestors (as ``mkdir -p``); returns the ones made, the
+    outermost first, for :func:`_unmake` after a failed run."""
+    missing = []
+    at = directory
+    while not at.exists() and at != at.parent:
+        missing.append(at)
+        at = at.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    return missing[::-1]
+
+
+def _unmake(made: list[Path]) -> None:
+    """Remove the directories a failed run made for its output (innermost first), those still
+    empty: an output that is not published leaves nothing behind, not even its parent folders."""
+    for d in reversed(made):
+        with contextlib.suppress(OSError):
+            os.rmdir(d)
+
+
 @contextlib.contextmanager
 def atomic_output(dest: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     """Write a file that appears at ``dest`` complete or not at all.
@@ -579,7 +599,7 @@ def atomic_output(dest: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     """
     dest_p = Path(dest)
     parent = dest_p.parent if str(dest_p.parent) else Path(".")
-    parent.mkdir(parents=True, exist_ok=True)  # (as staged_dir; callers refuse a parent they must not make)
+    made = _make_parents(parent)  # (as staged_dir; callers refuse a parent they must not make)
     sweep_stale(dest_p)
     tmp: str | None = None
     try:
@@ -602,6 +622,7 @@ def atomic_output(dest: str | os.PathLike[str]) -> Iterator[BinaryIO]:
         if tmp is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+        _unmake(made)
         raise
 
 
@@ -612,7 +633,7 @@ def staged_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
     inside the block; on any exception it is removed. Leftovers of killed earlier runs beside
     ``dest`` are removed first."""
     dest_p = Path(dest)
-    dest_p.parent.mkdir(parents=True, exist_ok=True)
+    made = _make_parents(dest_p.parent)
     sweep_stale(dest_p)
     tmp: Path | None = None
     try:
@@ -627,6 +648,7 @@ def staged_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
     except BaseException:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        _unmake(made)
         raise
 
 

@@ -101,7 +101,8 @@ def _run(args, cwd):
 def test_a_flipped_bit_is_not_carried_into_a_new_checkpoint(rel, item, command, tmp_path):
     """torch never checks the CRC-32s in its zip archives: reshard, convert and export do, for every
     byte they read of a member (a member read in parts too), and stop with exit 3 naming the
-    member and its file; nothing is published and the source is left as it was."""
+    member and its file; nothing is published (not even the folders made for the output) and the
+    source is left as it was."""
     src = tmp_path / "src" / Path(rel).name
     src.parent.mkdir()
     (shutil.copytree if (FIXTURES / rel).is_dir() else shutil.copy)(FIXTURES / rel, src)
@@ -112,13 +113,14 @@ def test_a_flipped_bit_is_not_carried_into_a_new_checkpoint(rel, item, command, 
     damaged = target.pieces[0].file
     _flip(Path(manifest.root) / damaged, offset + length // 2)
     before = _digests(src)
-    out = tmp_path / ("out.safetensors" if command == ["export"] else "out")
+    # in folders that do not exist yet: made for the output, removed with it when it fails
+    out = tmp_path / "new" / "deeper" / ("out.safetensors" if command == ["export"] else "out")
     run = _run([command[0], str(src), "-o", str(out), *command[1:]], tmp_path)
     assert run.returncode == 3, run.stdout + run.stderr
     assert "Traceback" not in run.stderr
     assert "CRC-32" in run.stderr and damaged in run.stderr, run.stderr
     assert not out.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no output, no staged leftovers
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no output, no staged leftovers, no folders
     assert _digests(src) == before
 
 

@@ -19,6 +19,7 @@ import math
 import mmap
 import os
 import shutil
+import stat
 import struct
 import threading
 from collections.abc import Callable
@@ -299,7 +300,14 @@ def create(
     maps = _Mapped()
     before = _stamps(t_root, [rel for rel, _ in t_files])
     header_files: dict[str, dict[str, Any]] = {
-        rel: {"size": size, "xxh3": maps.digest(t_root / rel), "other": None, "tensors": []} for rel, size in t_files
+        rel: {
+            "size": size,
+            "xxh3": maps.digest(t_root / rel),
+            "mode": stat.S_IMODE(os.stat(t_root / rel).st_mode),  # (its execute bits are restored)
+            "other": None,
+            "tensors": [],
+        }
+        for rel, size in t_files
     }
     try:
         with (
@@ -449,6 +457,7 @@ def _check_header(header: Any, data_end: int) -> None:
     for rel, spec in files.items():
         _need(not escapes(rel), f"file name {rel!r:.60} leaves the output directory")
         _need(isinstance(spec, dict) and is_count(spec.get("size")) and isinstance(spec.get("xxh3"), str), rel)
+        _need(spec.get("mode") is None or (is_count(spec["mode"]) and spec["mode"] <= 0o7777), f"{rel}: file mode")
         size = spec["size"]
         ranges: list[tuple[int, int]] = []
         other = spec.get("other")
@@ -610,6 +619,11 @@ def apply(
                     else "the delta or the base is damaged; re-create the delta",
                     path=str(delta),
                 )
+            if spec.get("mode", 0) & 0o111:  # a script saved with the checkpoint (DeepSpeed's zero_to_fp32.py)
+                # stays executable, as cp keeps it: execute bits only, for those the umask let read
+                # it; never a container's set-uid or write bits
+                now = stat.S_IMODE(os.stat(dest).st_mode)
+                os.chmod(dest, now | (spec["mode"] & 0o111 & (now >> 2)))
 
         pool = ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 2))
         try:

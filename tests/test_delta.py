@@ -373,3 +373,45 @@ def test_a_base_given_at_another_level_codes_as_well(tmp_path):
     assert tree_digests(tmp_path / "out") == tree_digests(save)
     delta.apply(back, tmp_path / "out_back", base=save)
     assert tree_digests(tmp_path / "out_back") == tree_digests(save / "iter_0000003")
+
+
+def test_execute_bits_survive_and_a_container_cannot_grant_more(tmp_path):
+    """DeepSpeed saves its recovery scripts executable beside the checkpoint (zero_to_fp32.py):
+    compress and delta kept their bytes but dropped the bit. They keep it now, as cp does (under
+    the umask); a container's set-uid, set-gid or sticky bits are never applied."""
+    import os
+    import stat
+
+    src = FIXTURES / "deepspeed" / "zero2"
+    scripts = [p.name for p in src.iterdir() if p.is_file() and os.access(p, os.X_OK)]
+    assert "zero_to_fp32.py" in scripts
+    packed, out = tmp_path / "p.ckz", tmp_path / "out"
+    delta.create(src, packed)
+    delta.apply(packed, out)
+    for p in out.iterdir():
+        if p.is_file():
+            assert os.access(p, os.X_OK) == (p.name in scripts), p.name
+    d, out2 = tmp_path / "d.delta", tmp_path / "out2"
+    delta.create(src, d, base=FIXTURES / "deepspeed" / "zero1")
+    delta.apply(d, out2, base=FIXTURES / "deepspeed" / "zero1")
+    assert os.access(out2 / "zero_to_fp32.py", os.X_OK) and not os.access(out2 / "latest", os.X_OK)
+
+    def grant(h):
+        for spec in h["files"].values():
+            spec["mode"] = 0o7777
+    _edit_header(packed, grant)
+    out3 = tmp_path / "out3"
+    delta.apply(packed, out3)
+    for p in out3.rglob("*"):
+        if p.is_file():
+            mode = stat.S_IMODE(p.stat().st_mode)
+            assert not mode & (stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX), (p, oct(mode))
+
+    def forget(h):  # a container made before modes were kept
+
+        for spec in h["files"].values():
+            del spec["mode"]
+    _edit_header(packed, forget)
+    out4 = tmp_path / "out4"
+    delta.apply(packed, out4)
+    assert tree_digests(out4) == tree_digests(src) and not os.access(out4 / "zero_to_fp32.py", os.X_OK)

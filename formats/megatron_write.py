@@ -974,10 +974,17 @@ class LegacyWriter:
         try:
             self._xranks = self._savers = self._layout_savers()
         except ValueError as exc:
+            # (the data-parallel size written for is chosen so that a stage holds whole expert
+            # groups: _resume_dp; what is left is how the legacy files are named and who saves them)
+            if self.etp > self.target.tp:
+                hint = "choose --etp at most --tp: legacy rank files are named by TP rank, one per expert split"
+            else:
+                hint = "choose --etp and --ep with ETP x EP >= TP: the ranks saving legacy files hold every TP rank"
+            hint += ", or write --to megatron-dist"
             raise UsageError(
                 f"cannot reshard to TP={self.target.tp} PP={self.target.pp} EP={self.ep} with the experts split "
-                f"{self.etp} ways: {exc}",
-                hint="choose --etp and --ep so that ETP x EP >= TP, or write --to megatron-dist",
+                f"{self.etp} way{'s' if self.etp != 1 else ''}: {exc}",
+                hint=hint,
             ) from None
 
     def _experts_at(self, t: int, p: int, e: int) -> tuple[int, int]:

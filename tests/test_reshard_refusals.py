@@ -152,3 +152,21 @@ def test_a_selection_of_no_tensors_writes_no_empty_safetensors(command, tmp_path
     r = run_cli(command, FIXTURES / "dcp" / "fsdp2", "-o", out, "--kind", "counter")
     assert_clean(r, 2, "nothing to write", "--to torch or dcp")
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("sizes", "said"),
+    [
+        (["--tp", "2", "--ep", "2", "--etp", "4"], "choose --etp at most --tp"),
+        (["--tp", "1", "--ep", "2", "--etp", "2"], "choose --etp at most --tp"),
+        (["--tp", "2", "--ep", "1", "--etp", "1"], "ETP x EP >= TP"),
+    ],
+)
+def test_an_expert_split_legacy_files_cannot_hold_says_which_rule(sizes, said, tmp_path):
+    """The hint said "ETP x EP >= TP" for every layout of experts legacy files cannot hold, also
+    where ETP x EP was already >= TP (ETP above TP: two expert splits would share one file)."""
+    out = tmp_path / "out"
+    r = run_cli("reshard", MG / "legacy_tp2ep2etp1", "-o", out, *sizes)
+    assert_clean(r, 2)
+    assert said in r.stderr and "--to megatron-dist" in r.stderr, r.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == []

@@ -7,11 +7,12 @@ re-hash a checkpoint in one pass and name the tensor a flipped byte belongs to.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import chain, repeat
 from pathlib import Path
@@ -326,9 +327,40 @@ def in_file_order(manifest: Manifest, *, tensors_only: bool = False) -> list[tup
     return out
 
 
-def piece_spans(adapter: Adapter, manifest: Manifest) -> tuple[dict[str, list[Span]], list[tuple[str, int]]]:
-    """Raw byte spans of every tensor piece, by file, keyed ``(item, index)``; and the pieces
-    without one (compressed or strided), which must be read through the reader to be hashed.
+Expected = dict[Any, tuple[int, str, str | None]]
+"""CRC-32 span key -> (the CRC-32 its archive stores, member name, the item the archive holds)"""
+
+
+def member_crcs(
+    reader: Any, piece: Piece, item: Item, seen: set[tuple[str, int]], spans: list[Span], expected: Expected
+) -> list[str]:
+    """The CRC-32 spans of the zip members of the archive holding ``piece`` (once per archive:
+    ``seen``), added to ``spans`` with what each must give in ``expected``; returns the members of
+    an archive held in memory (a decompressed DCP item) that fail theirs. torch writes a CRC-32 for
+    every member and never checks one."""
+    arch = reader.archive_of(piece) if hasattr(reader, "archive_of") else None
+    if arch is None or (piece.file, arch.base) in seen:
+        return []
+    seen.add((piece.file, arch.base))
+    owner = item.name if "offset" in piece.locator else None
+    if isinstance(arch.source, bytes):
+        return list(arch.crc_errors())
+    for name, info in arch.members.items():
+        if (info.CRC == 0 and info.file_size > 0) or info.compress_type != 0:
+            continue  # torch wrote no CRCs, or a member we do not inflate
+        mspan = arch.member_span(name, info)
+        key = ("crc", piece.file, mspan.offset)
+        spans.append(Span(key, mspan.offset, mspan.length, algo="crc32"))
+        expected[key] = (info.CRC, name, owner)
+    return []
+
+
+def piece_spans(adapter: Adapter, manifest: Manifest) -> tuple[dict[str, list[Span]], list[tuple[str, int]], Expected]:
+    """Raw byte spans of every tensor piece, by file, keyed ``(item, index)``, with the CRC-32
+    spans of every zip member that holds a piece (what each must give in the third value); and
+    the pieces without a span (compressed or strided), which must be read through the reader to
+    be hashed. A pickle read to locate them is checked against its CRC-32 as it is read
+    (:func:`ckpttool.io.checking_crcs`); an archive held in memory that fails one is refused here.
 
     Locating a piece reads its headers, small reads scattered over the files; they leave the page
     cache as they found it (``io.probing``) for the sequential pass that follows. (Locating with
@@ -336,14 +368,58 @@ def piece_spans(adapter: Adapter, manifest: Manifest) -> tuple[dict[str, list[Sp
     holds the GIL.)"""
     spans: dict[str, list[Span]] = {}
     other: list[tuple[str, int]] = []
-    with ckio.probing(), adapter.reader(manifest) as reader:
-        for item, i, piece in in_file_order(manifest, tensors_only=True):
-            span = reader.raw_span(piece, item)
-            if span is None:
-                other.append((item.name, i))
-            else:
-                spans.setdefault(piece.file, []).append(Span((item.name, i), span[0], span[1]))
-    return spans, other
+    expected: Expected = {}
+    seen: set[tuple[str, int]] = set()
+    with ckio.probing(), ckio.checking_crcs(), adapter.reader(manifest) as reader:
+        for item, i, piece in in_file_order(manifest):
+            if item.is_tensor:
+                span = reader.raw_span(piece, item)
+                if span is None:
+                    other.append((item.name, i))
+                else:
+                    spans.setdefault(piece.file, []).append(Span((item.name, i), span[0], span[1]))
+            failed = member_crcs(reader, piece, item, seen, spans.setdefault(piece.file, []), expected)
+            if failed:
+                raise CorruptFileError(
+                    f"{piece.file}: member {failed[0]} of {item.name} fails its zip CRC-32: the bytes changed "
+                    "after the save; not sealed",
+                    hint=_NOT_SEALED,
+                    path=piece.file,
+                    rule="checksum-mismatch",
+                )
+    return spans, other, expected
+
+
+_NOT_SEALED = (
+    "a seal vouches for the bytes it hashes: restore the damaged file from a good copy and seal again "
+    "('ckpttool verify' lists every damaged member)"
+)
+
+
+@contextlib.contextmanager
+def _not_sealing_damage() -> Iterator[None]:
+    """A CRC-32 that fails while sealing (a pickle read to describe or locate, a member hashed)
+    stops the seal, said as such."""
+    try:
+        yield
+    except CorruptFileError as exc:
+        if exc.rule != "checksum-mismatch" or exc.message.endswith("not sealed"):
+            raise
+        raise CorruptFileError(f"{exc.message}; not sealed", hint=_NOT_SEALED, path=exc.path, rule=exc.rule) from None
+
+
+def _check_crcs(digests: dict[Any, str], expected: Expected) -> None:
+    """Refuse to seal bytes that fail the CRC-32 their archive stores (the first one named)."""
+    for key, (crc, member, owner) in sorted(expected.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        got = digests.get(key)
+        if got is not None and int(got, 16) != crc:
+            raise CorruptFileError(
+                f"{key[1]}: {member}{f' (of {owner})' if owner else ''} fails its zip CRC-32 (stored {crc:08x}, "
+                f"computed {got}): the bytes changed after the save; not sealed",
+                hint=_NOT_SEALED,
+                path=key[1],
+                rule="checksum-mismatch",
+            )
 
 
 def hash_pieces(
@@ -362,28 +438,31 @@ def hash_pieces(
     of its pieces are the ones hashed (xxh3-128 only)."""
     root = Path(manifest.root)
     targets = files if files is not None else [f.path for f in manifest.files if f.role != "seal"]
-    spans, other = piece_spans(adapter, manifest)
+    spans, other, expected = piece_spans(adapter, manifest)
     trusted: dict[str, Written] = {}
     known = known if algo == "xxh3-128" else None  # the writers take xxh3-128 digests
     for rel in targets if known else []:
         w = known.get(os.path.abspath(root / rel)) if known else None
         if w is None or (root / rel).stat().st_size != w.size:
             continue
-        if all(s.algo is None and (s.offset, s.length) in w.spans for s in spans.get(rel, [])):
+        # (its members' CRC-32s are the writer's own, taken of the same bytes)
+        if all(s.algo == "crc32" or (s.offset, s.length) in w.spans for s in spans.get(rel, [])):
             trusted[rel] = w
     with adapter.reader(manifest) as reader:
         to_read = [rel for rel in targets if rel not in trusted]
         file_digests, span_digests = hash_files(root, to_read, spans, algo, workers=workers, progress=progress)
+        _check_crcs(span_digests, expected)
         for rel, w in trusted.items():
             file_digests[rel] = FileDigest(rel, w.size, w.digest)
-            span_digests.update({s.key: w.spans[(s.offset, s.length)] for s in spans.get(rel, [])})
+            span_digests.update({s.key: w.spans[(s.offset, s.length)] for s in spans.get(rel, []) if s.algo is None})
         for name, i in other:
             item = manifest.items[name]
             span_digests[(name, i)] = hash_bytes(reader.read(item.pieces[i], item).reshape(-1).view("u1").data, algo)
     where: dict[tuple[str, int], tuple[str, int, int] | None] = {k: None for k in other}
     for rel, lst in spans.items():
         for s in lst:
-            where[s.key] = (rel, s.offset, s.length)
+            if s.algo is None:
+                where[s.key] = (rel, s.offset, s.length)
     return file_digests, span_digests, where
 
 
@@ -403,7 +482,8 @@ def seal(
     of the bytes it wrote (see :func:`hash_pieces`), so that those files are not read back."""
     if algo not in ("xxh3-128", "sha256"):
         raise UsageError(f"--hash {algo!r}: expected xxh3-128 or sha256")
-    adapter, manifest = registry.describe(path)
+    with _not_sealing_damage(), ckio.checking_crcs():  # the pickles it reads are bytes it vouches for too
+        adapter, manifest = registry.describe(path)
     target = Path(out) if out is not None else default_seal_path(path)
     if out is not None:  # --out must not replace the checkpoint or one of its files
         data = {(Path(manifest.root) / f.path).resolve() for f in manifest.files if f.role != "seal"}
@@ -419,9 +499,10 @@ def seal(
                 f"--out {out} lies inside the checkpoint, where {target.name} would count as one of its files",
                 hint=f"name it {target.stem}.{SEAL_NAME}, or write it outside the checkpoint",
             )
-    file_digests, piece_digests, where = hash_pieces(
-        adapter, manifest, algo, workers=workers, progress=progress, known=known
-    )
+    with _not_sealing_damage():
+        file_digests, piece_digests, where = hash_pieces(
+            adapter, manifest, algo, workers=workers, progress=progress, known=known
+        )
     for f in manifest.files:
         d = file_digests.get(f.path)
         if d is not None:

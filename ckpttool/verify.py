@@ -34,9 +34,9 @@ from ckpttool.errors import CkptError, FormatNotRecognizedError, NotFoundError, 
 from ckpttool.formats.base import Adapter
 from ckpttool.geometry import coverage
 from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
-from ckpttool.io import followed, outside
+from ckpttool.io import checking_crcs, followed, outside
 from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, Piece, StateName, is_seal_name
-from ckpttool.seal import PieceRecord, Seal, default_seal_path, in_file_order
+from ckpttool.seal import Expected, PieceRecord, Seal, default_seal_path, in_file_order, member_crcs
 
 Severity = Literal["error", "warning", "info"]
 SEVERITY_ORDER = {"info": 0, "warning": 1, "error": 2}
@@ -307,7 +307,8 @@ def _verify(
     adapter: Adapter | None = None
     manifest: Manifest | None = None
     try:
-        adapter, manifest = registry.describe(root)
+        with checking_crcs():  # a flipped bit in a pickle is damage, named as such (not a hostile pickle)
+            adapter, manifest = registry.describe(root)
     except FormatNotRecognizedError:
         if sealed is None:
             raise
@@ -473,9 +474,13 @@ def _dedupe(findings: list[Finding]) -> list[Finding]:
     return list(best.values())
 
 
-def _from_error(exc: CkptError) -> Finding:
+def _from_error(exc: CkptError, item: str | None = None) -> Finding:
+    """The finding for what stopped a file or ``item`` from being read. A CRC-32 that fails is
+    damage to report, whatever the command that found it would have said to do about it."""
     rule = exc.rule if exc.rule in RULES else "corrupt-file"
-    return finding(rule, exc.message, file=exc.path, hint=exc.hint)
+    hint = None if rule == "checksum-mismatch" else exc.hint
+    message = exc.message if item is None or item in exc.message else f"{item}: {exc.message}"
+    return finding(rule, message, file=exc.path, item=item, hint=hint)
 
 
 # -- files and bytes -------------------------------------------------------------------------------
@@ -705,7 +710,6 @@ def _check_integrity(
     pieces: dict[tuple[str, int], str] = {}
     counted = {"files": 0, "bytes": 0}
     pool_size = workers or min(8, max(2, os.cpu_count() or 2))
-    Expected = dict[Any, tuple[int, str, str | None]]
 
     def check(fut: Future[tuple[FileDigest, dict[Any, str]]], rel: str, expected: Expected) -> None:
         digest, digests = fut.result()
@@ -728,7 +732,13 @@ def _check_integrity(
                 pieces[(key[1], key[2])] = value
 
     pending: deque[tuple[Future[tuple[FileDigest, dict[Any, str]]], str, Expected]] = deque()
-    with adapter.reader(manifest) as reader, ThreadPoolExecutor(max_workers=pool_size) as pool:
+    # the pickles and headers read to locate the pieces are checked against their CRC-32s as they
+    # are read: a flipped bit in one is damage (checksum-mismatch), not a hostile pickle
+    with (
+        checking_crcs(),
+        adapter.reader(manifest) as reader,
+        ThreadPoolExecutor(max_workers=pool_size) as pool,
+    ):
 
         def submit(rel: str | None, spans: list[Span], expected: Expected) -> None:
             if rel is None or not spans or rel not in hashable:
@@ -749,41 +759,25 @@ def _check_integrity(
                 try:
                     span = reader.raw_span(piece, item)
                 except CkptError as exc:
-                    report.findings.append(_from_error(exc))
+                    report.findings.append(_from_error(exc, item.name))
                     continue
                 if span is not None:
                     spans.append(Span(("piece", item.name, i), span[0], span[1]))
             try:
-                arch = reader.archive_of(piece)
+                failed = member_crcs(reader, piece, item, seen, spans, expected)
             except CkptError as exc:
-                report.findings.append(_from_error(exc))
-                arch = None
-            if arch is None or (piece.file, arch.base) in seen:
+                report.findings.append(_from_error(exc, item.name))
                 continue
-            seen.add((piece.file, arch.base))
             owner = item.name if "offset" in piece.locator else None
-            if isinstance(arch.source, bytes):  # decompressed (zstd) item: check it in memory
-                for name in arch.crc_errors():
-                    report.findings.append(
-                        finding(
-                            "checksum-mismatch",
-                            f"{piece.file}: member {name} of {owner or 'the archive'} fails its CRC32",
-                            file=piece.file,
-                            item=owner,
-                        )
+            for name in failed:  # decompressed (zstd) item: checked in memory
+                report.findings.append(
+                    finding(
+                        "checksum-mismatch",
+                        f"{piece.file}: member {name} of {owner or 'the archive'} fails its CRC32",
+                        file=piece.file,
+                        item=owner,
                     )
-                continue
-            for name, info in arch.members.items():
-                if (info.CRC == 0 and info.file_size > 0) or info.compress_type != 0:
-                    continue  # torch wrote no CRCs, or a member we do not inflate
-                try:
-                    mspan = arch.member_span(name, info)
-                except CkptError as exc:
-                    report.findings.append(_from_error(exc))
-                    continue
-                key = ("crc", piece.file, mspan.offset)
-                spans.append(Span(key, mspan.offset, mspan.length, algo="crc32"))
-                expected[key] = (info.CRC, name, owner)
+                )
         submit(current, spans, expected)
         while pending:
             check(*pending.popleft())

@@ -202,3 +202,27 @@ def test_a_flipped_bit_in_a_pickle_or_an_archive_in_memory_is_caught(tmp_path):
         read_tensor(damaged, damaged.load())
     unchecked = Archive(bytes(data), display="chunk")  # verify's reading: judged elsewhere
     read_tensor(unchecked, unchecked.load())
+
+
+@pytest.mark.parametrize(("rel", "item"), [("dcp/fsdp2", "model.blocks.0.fc1.weight"), ("torch/train_state.pt", "model.blocks.0.fc1.weight"), ("deepspeed/zero2", "blocks.0.fc1.weight.exp_avg")])
+def test_seal_refuses_bytes_that_fail_their_crc(rel, item, tmp_path):
+    """seal hashed a flipped tensor byte into the seal with exit 0, and verify against that seal
+    then passed: the seal trusted, the CRC-32s never read. seal checks every member's CRC-32 in
+    its one pass over the bytes and refuses (exit 3, no seal); verify still reports the damage."""
+    src = tmp_path / "src" / Path(rel).name
+    src.parent.mkdir()
+    (shutil.copytree if (FIXTURES / rel).is_dir() else shutil.copy)(FIXTURES / rel, src)
+    adapter, manifest = registry.describe(src)
+    target = manifest.items[item]
+    with adapter.reader(manifest) as reader:
+        offset, length = reader.raw_span(target.pieces[0], target)
+    damaged = target.pieces[0].file
+    _flip(Path(manifest.root) / damaged, offset + length // 2)
+    before = _digests(src.parent)
+    run = _run(["seal", str(src)], tmp_path)
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert "Traceback" not in run.stderr and "CRC-32" in run.stderr and damaged in run.stderr, run.stderr
+    assert "not sealed" in run.stderr
+    assert _digests(src.parent) == before
+    verify = _run(["verify", str(src)], tmp_path)
+    assert verify.returncode == 1 and "checksum-mismatch" in verify.stdout, verify.stdout

@@ -137,3 +137,36 @@ def test_describe_checks_pickles_only_while_checking(tmp_path):
         assert cache.get(DS_MODEL).crcs is not None  # a cache made while checking checks its files
     with FileCache(src) as cache:
         assert cache.get(DS_MODEL).crcs is None
+
+
+ROT = [  # a flipped bit in a global's name: the pickle now names a global outside the allowlist
+    ("deepspeed/zero2", DS_MODEL, ("FloatStorage", "GloatStorage")),
+    ("torch/train_state.pt", "", ("torch", "uorch")),
+    ("rankshards/ddp", "shard_00000_of_00002.pt", ("FloatStorage", "GloatStorage")),
+]
+
+
+@pytest.mark.parametrize(("rel", "file", "flip"), ROT)
+def test_bit_rot_in_a_pickle_is_damage_not_a_hostile_pickle(rel, file, flip, tmp_path):
+    """A flipped bit that turns a global's name into one outside the allowlist was reported as
+    unsafe-pickle ("treat the file as hostile"); the member's CRC-32 proves it is plain damage, and
+    verify says so."""
+    src, _, member = damaged_copy(tmp_path, rel, file, flip)
+    run = run_cli("verify", src, "--json", cwd=tmp_path)
+    assert run.code == 1, run.stdout + run.stderr
+    rules = {f["rule"] for f in __import__("json").loads(run.stdout)["findings"]}
+    assert "checksum-mismatch" in rules and "unsafe-pickle" not in rules, run.stdout
+    assert member in run.stdout
+
+
+@pytest.mark.parametrize(("rel", "file", "flip"), [CASES[0][:3], CASES[-2][:3], ROT[0]])
+def test_seal_refuses_a_damaged_pickle(rel, file, flip, tmp_path):
+    """seal vouched for whatever bytes it hashed: a sealed damaged checkpoint then verified clean,
+    verify trusting the seal over the CRC-32s. It refuses now (exit 3), writing no seal."""
+    src, _, member = damaged_copy(tmp_path, rel, file, flip)
+    before = tree_digests(src)
+    run = run_cli("seal", src, cwd=tmp_path)
+    assert run.code == 3 and "Traceback" not in run.stderr, run.stdout + run.stderr
+    assert "CRC-32" in run.stderr and member in run.stderr and "not sealed" in run.stderr, run.stderr
+    assert tree_digests(src) == before  # no seal written
+    assert run_cli("verify", src, cwd=tmp_path).code == 1

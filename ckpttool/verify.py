@@ -947,6 +947,13 @@ def _check_steps(report: VerifyReport, manifest: Manifest) -> None:
     for rel, step in claims.items():
         counts[step].append(rel)
     if len(counts) > 1:
+        most = max(len(v) for v in counts.values())
+        if sum(1 for v in counts.values() if len(v) == most) > 1:  # no majority: no step to call right
+            said = "; ".join(f"{_others(files)} claim {step}" for step, files in sorted(counts.items()))
+            report.findings.append(
+                finding("step-mismatch", f"the files disagree on the step, with no majority: {said}", file=None)
+            )
+            return
         majority = max(counts, key=lambda s: len(counts[s]))
         for step, files in sorted(counts.items()):
             if step == majority:

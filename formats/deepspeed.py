@@ -551,13 +551,15 @@ class DeepSpeedAdapter:
             listing += [(p.name, os.stat(confine(root, p.name)).st_size) for p in sorted(root.iterdir()) if p.is_file()]
         files: dict[str, Any] = {}
         roles: list[FileRecord] = []
+        stray: dict[str, str] = {}  # rank files outside the tag directory (DeepSpeed never reads those)
         for rel, size in listing:
             base = rel.rsplit("/", 1)[-1]
+            ranked = bool(_MODEL.match(base) or _Z3_MODEL.match(base) or _OPTIM.match(base) or _LAYER.match(base))
             if base in ("latest", "latest_universal"):
                 roles.append(FileRecord(path=rel, size=size, role="tracker"))
-            elif base in _AUX or not (
-                _MODEL.match(base) or _Z3_MODEL.match(base) or _OPTIM.match(base) or _LAYER.match(base)
-            ):
+            elif base in _AUX or not ranked or rel != prefix + base:
+                if ranked and base not in _AUX:
+                    stray.setdefault(base, rel)
                 roles.append(FileRecord(path=rel, size=size, role="aux"))
             else:
                 archive, obj, _ = _pt.load(root, rel, ALLOWLIST)
@@ -585,7 +587,7 @@ class DeepSpeedAdapter:
                 key = (int(m.group(1)), int(m.group(2) or 0))
                 claim(layers, key, rel, f"layer {key[0]} of MP rank {key[1]}")
         stage = self._stage(files, optims)
-        dp_ranks = _check_rank_files(tag_dir.name, prefix, files, models, z3_models, optims, stage)
+        dp_ranks = _check_rank_files(tag_dir.name, prefix, files, models, z3_models, optims, stage, stray)
         first_model = files[models[min(models)]] if models else files[z3_models[min(z3_models)]] if z3_models else None
         if first_model is None:
             raise IncompleteCheckpointError(
@@ -669,11 +671,14 @@ class DeepSpeedAdapter:
         manifest.format_version = str(first_model.get("ds_version") or "") or None
         steps = first_model.get("global_steps")
         manifest.step = steps if isinstance(steps, int) else None
-        manifest.extras["step_claims"] = {
+        claims = {
             rel: files[rel]["global_steps"]
             for rel in [*models.values(), *z3_models.values()]
             if isinstance(files[rel].get("global_steps"), int)
         }
+        if claims and (m := _STEP_TAG.fullmatch(tag_dir.name)):  # DeepSpeed's default tag names the step
+            claims[f"{tag_dir.name}/"] = int(m.group(1))
+        manifest.extras["step_claims"] = claims
         cfg = first_model.get("ds_config")
         if isinstance(cfg, dict):
             manifest.extras["ds_config"] = {k: v for k, v in flatten(cfg) if isinstance(v, int | float | str | bool)}
@@ -845,6 +850,7 @@ def _check_rank_files(
     z3_models: dict[tuple[int, int], str],
     optims: dict[tuple[int, int], str],
     stage: int,
+    stray: dict[str, str] | None = None,
 ) -> int | None:
     """Every rank file the save wrote is here, and no DP rank beyond those it had: one
     ``missing-file`` error naming each absent file, as the files themselves give the layout
@@ -925,7 +931,11 @@ def _check_rank_files(
             if world is not None
             else "the rank files found"
         )
-        shown = ", ".join(f"{name} ({what})" for name, what in absent[:6]) + (" …" if len(absent) > 6 else "")
+        stray = stray or {}
+        shown = ", ".join(
+            f"{name} ({what}{f'; found at {stray[name]}, where DeepSpeed does not read it' if name in stray else ''})"
+            for name, what in absent[:6]
+        ) + (" …" if len(absent) > 6 else "")
         raise IncompleteCheckpointError(
             f"{tag}: {len(absent)} rank file(s) missing: {shown}. The files record {dp_size} DP rank(s) "
             f"({source}){f' x {mp_size} model-parallel ranks (mp_world_size)' if mp_size > 1 else ''}, each saving "
@@ -960,12 +970,19 @@ def _check_rank0_file(files: dict[str, Any], models: dict[int, str], z3_models: 
     if not ordered or ordered[0][0] != (0, 0):
         return
     rank0 = ordered[0][1]
-    if _tied(files, [rank0]) or not isinstance(files[rank0].get("shared_params"), dict):
-        return
     holder = next(((k, rel) for k, rel in ordered[1:] if _tied(files, [rel])), None)
-    if holder is None:
+    if holder is None or not isinstance(files[rank0].get("shared_params"), dict):
         return
     (dp, mp), rel = holder
+    if _tied(files, [rank0]):  # both record it: the other is a copy of rank 0's file
+        raise CorruptFileError(
+            f"{rel} is a copy of global rank 0's model states ({rank0}): it records the tied-weight map "
+            f"(shared_params {str(_tied(files, [rel]))[:80]}), which DeepSpeed saves in global rank 0's file only; "
+            f"the file of DP rank {dp}, MP rank {mp} was overwritten",
+            hint="restore that rank's file from the save; read as it is, its partitions would be rank 0's",
+            path=rel,
+            rule="misplaced-file",
+        )
     raise CorruptFileError(
         f"{rel} holds global rank 0's model states: it records the tied-weight map (shared_params "
         f"{str(_tied(files, [rel]))[:80]}), which DeepSpeed saves in global rank 0's file only, while {rank0} "
@@ -976,6 +993,9 @@ def _check_rank0_file(files: dict[str, Any], models: dict[int, str], z3_models: 
         rule="misplaced-file",
     )
 
+
+_STEP_TAG = re.compile(r"global_step(\d+)")
+"""the tag DeepSpeed's save_checkpoint names a save by when given none: ``global_step{global_steps}``"""
 
 ALIGN = 2
 """DeepSpeed's ``nccl_start_alignment_factor``: groups are padded to a multiple of ALIGN x DP."""

@@ -300,7 +300,8 @@ class MegatronDistAdapter:
         return None
 
     def describe(self, path: Path) -> Manifest:
-        if (path / TRACKER).is_file() and not (path / "metadata.json").is_file():
+        tracked = (path / TRACKER).is_file() and not (path / "metadata.json").is_file()
+        if tracked:
             path = _read_tracker(path)
         try:
             config = json.loads((path / "metadata.json").read_text())
@@ -357,8 +358,12 @@ class MegatronDistAdapter:
                     )
                 )
         it = common.get("iteration")
-        manifest.step = it if isinstance(it, int) else None
-        manifest.extras["step_claims"] = _step_claims({"common.pt": it} if common else {}, path.name, False)
+        # common.pt's iteration, the directory's name and the tracker that named it (given the save
+        # directory): the step most of them give
+        claims = _step_claims({"common.pt": it} if common else {}, path.name, tracked)
+        manifest.extras["step_claims"] = claims
+        steps = list(claims.values())
+        manifest.step = max(steps, key=steps.count) if steps else it if isinstance(it, int) else None
         if not common and not any(n in manifest.items for n in ("iteration", "args")):
             manifest.extras["findings"] = [
                 {
@@ -1243,6 +1248,17 @@ class MegatronLegacyAdapter:
                     f"found {_describe_bytes(meta)}; this iteration has no mp_rank_* directories either",
                     hint="the save was interrupted while writing it, or the file was damaged; use another iteration",
                     path=f"{prefix}metadata.json",
+                )
+            dist = [n for n in ("common.pt", ".metadata") if (it_dir / n).is_file()]
+            dist += ["*.distcp"] if any(it_dir.glob("*.distcp")) else []
+            if dist:  # torch_dist's other files, without its metadata.json
+                raise IncompleteCheckpointError(
+                    f"{prefix}metadata.json: missing; {it_dir.name} holds a torch_dist save ({', '.join(dist)}), "
+                    "which megatron-core cannot load without it",
+                    hint="megatron-core writes metadata.json last: the save did not finish, or the file was deleted; "
+                    "use another iteration or restore it",
+                    path=f"{prefix}metadata.json",
+                    rule="missing-file",
                 )
             raise IncompleteCheckpointError(f"{it_dir}: no mp_rank_* directories", path=str(it_dir))
         manifest = Manifest(root=str(root), format=self.name)

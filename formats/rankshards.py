@@ -114,6 +114,7 @@ class RankShardsAdapter:
                 world = int(m.group("world"))
             if "step" in m.groupdict():
                 step = int(m.group("step"))
+        meta_step: int | None = None
         if (path / "metadata.json").is_file():
             try:
                 meta = json.loads((path / "metadata.json").read_text())
@@ -123,8 +124,8 @@ class RankShardsAdapter:
                 raise CorruptFileError("metadata.json: not a JSON object", path="metadata.json")
             if isinstance(meta.get("world_size"), int):
                 world = meta["world_size"]
-            if isinstance(meta.get("step"), int):
-                step = meta["step"]
+            if isinstance(meta.get("step"), int) and not isinstance(meta["step"], bool):
+                step = meta_step = meta["step"]
         if world is not None and not 0 < world <= max(4 * len(shards), 1 << 16):
             raise CorruptFileError(
                 f"{path}: world size {world:,} for {len(shards)} shard files is not plausible", path=str(path)
@@ -153,9 +154,13 @@ class RankShardsAdapter:
                 claims[rel] = claimed
             for name, value in leaves:
                 self._add(manifest, name, value, rel, rank, replicas)
+        dir_step = int(m.group(1)) if (m := _STEP_DIR.match(path.name)) else None
         if step is None:
-            m = _STEP_DIR.match(path.name)
-            step = int(m.group(1)) if m else find_step(manifest.items)
+            step = dir_step if dir_step is not None else find_step(manifest.items)
+        if claims and meta_step is not None:  # the shards' own and metadata.json's: the step most give
+            claims["metadata.json"] = meta_step
+            counted = list(claims.values())
+            step = max(counted, key=counted.count)
         manifest.step = step
         manifest.layout = Layout(world_size=world or len(shards))
         if claims:

@@ -144,7 +144,8 @@ def test_step_rewritten_in_one_rank(tmp_path):
     torch.save(state, f)
     report = verify(path)
     steps = [x for x in report.findings if x.rule == "step-mismatch"]
-    assert steps and "claims step 4" in steps[0].message and steps[0].file == "shard_00001_of_00002.pt"
+    # two ranks, one step each: no majority to call either right, and the finding says so
+    assert steps and "shard_00001_of_00002.pt claim 4" in steps[0].message and "no majority" in steps[0].message
 
 
 def test_interrupted_dcp_save():

@@ -254,3 +254,109 @@ def test_reshard_outputs_record_the_ranks_megatron_core_would(how, tmp_path):
         tp_pp_dp=bool(getattr(a, "use_tp_pp_dp_mapping", False)),
     )  # fmt: skip
     assert {d: g.rank for d, g in got.items()} == {d: want[rank_of(d, opp)].rank for d in got}
+
+
+def _patch_small_int(f, key: bytes, old: int, new: int) -> None:
+    """Rewrite the small int (pickle BININT1) saved under ``key`` in a torch.save file's data.pkl
+    from ``old`` to ``new``, with the member's CRC-32 made right again: a valid re-save, as a tool
+    that edits a file in place leaves it (no deepspeed needed to unpickle it)."""
+    import re
+    import struct
+    import zipfile
+    import zlib
+
+    data = bytearray(f.read_bytes())
+    with zipfile.ZipFile(f) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
+    head = info.header_offset
+    start = head + 30 + int.from_bytes(data[head + 26 : head + 28], "little") + int.from_bytes(
+        data[head + 28 : head + 30], "little"
+    )
+    pkl = bytes(data[start : start + info.file_size])
+    at = pkl.index(key)
+    k = pkl.index(bytes([0x4B, old]), at)  # BININT1 old
+    assert k - at < 24, "the value is not right after its key"
+    data[start + k + 1] = new
+    crc = struct.pack("<I", zlib.crc32(bytes(data[start : start + info.file_size])))
+    for m in re.finditer(b"PK\x01\x02", bytes(data)):
+        o = m.start()
+        n = int.from_bytes(data[o + 28 : o + 30], "little")
+        if bytes(data[o + 46 : o + 46 + n]).decode(errors="replace") == info.filename:
+            data[o + 16 : o + 20] = crc
+    if int.from_bytes(data[head + 14 : head + 18], "little"):
+        data[head + 14 : head + 18] = crc
+    end = start + info.file_size
+    if data[end : end + 4] == b"PK\x07\x08":
+        data[end + 4 : end + 8] = crc
+    f.write_bytes(bytes(data))
+
+
+DS = FIXTURES / "deepspeed"
+
+
+@pytest.mark.parametrize("where", ["subfolder", "save directory"])
+def test_a_deepspeed_rank_file_moved_out_of_its_tag_is_missing(where, tmp_path):
+    """DeepSpeed reads rank files from the tag directory only; one moved into a subfolder (or up
+    into the save directory) was still read from there, and verify and seal passed."""
+    ck = tmp_path / "ck"
+    shutil.copytree(DS / "zero2", ck)
+    name = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    to = ck / "global_step3" / "sub" if where == "subfolder" else ck
+    to.mkdir(exist_ok=True)
+    (ck / "global_step3" / name).rename(to / name)
+    code, report = _findings(ck)
+    assert code == 1 and _rules(report) == [("missing-file", f"global_step3/{name}")], report
+    assert "found at" in report["findings"][0]["message"]
+    assert run_cli("seal", ck).code == 3
+
+
+def test_rank_0s_zero3_model_states_copied_over_another_ranks_is_misplaced(tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(DS / "zero3", ck)
+    tag = ck / "global_step3"
+    shutil.copy2(tag / "zero_pp_rank_0_mp_rank_00_model_states.pt", tag / "zero_pp_rank_1_mp_rank_00_model_states.pt")
+    code, report = _findings(ck)
+    assert code == 1
+    assert _rules(report) == [("misplaced-file", "global_step3/zero_pp_rank_1_mp_rank_00_model_states.pt")], report
+
+
+def test_a_deepspeed_step_rewritten_disagrees_with_its_tag(tmp_path):
+    """global_steps rewritten in the model states (3 -> 4) verified clean: the tag DeepSpeed names a
+    save by (global_step3) is a claim of its own. One file against the tag has no majority, and the
+    finding says so rather than pick one."""
+    ck = tmp_path / "ck"
+    shutil.copytree(DS / "zero2", ck)
+    _patch_small_int(ck / "global_step3" / "mp_rank_00_model_states.pt", b"global_steps", 3, 4)
+    code, report = _findings(ck)
+    assert code == 1
+    (f,) = [f for f in report["findings"] if f["rule"] == "step-mismatch"]
+    assert "no majority" in f["message"] and "global_step3/ claim 3" in f["message"], f
+
+
+def test_torch_dist_common_pt_from_another_step_is_the_odd_one_out(tmp_path):
+    """common.pt claiming 4 against the iteration directory and the tracker claiming 3: the step
+    is 3 and common.pt is named (the tracker was not counted, and a tie went to common.pt)."""
+    ck = tmp_path / "ck"
+    shutil.copytree(MG / "dist_tp2pp2", ck)
+    _patch_small_int(ck / "iter_0000003" / "common.pt", b"\x00\x00iterationr", 3, 4)
+    code, report = _findings(ck)
+    assert code == 1 and report["step"] == 3
+    assert _rules(report) == [("step-mismatch", "common.pt")], report
+
+
+def test_torch_dist_without_metadata_json_is_a_missing_file(tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(MG / "dist_tp2pp2", ck)
+    (ck / "iter_0000003" / "metadata.json").unlink()
+    code, report = _findings(ck)
+    assert code == 1 and _rules(report) == [("missing-file", "iter_0000003/metadata.json")], report
+
+
+def test_a_rank_shard_metadata_step_that_disagrees_is_named(tmp_path):
+    ck = tmp_path / "step_00000003"
+    shutil.copytree(FIXTURES / "rankshards" / "tp_manual" / "step_00000003", ck)
+    meta = json.loads((ck / "metadata.json").read_text())
+    (ck / "metadata.json").write_text(json.dumps({**meta, "step": 4}))
+    code, report = _findings(ck)
+    assert code == 1 and report["step"] == 3
+    assert _rules(report) == [("step-mismatch", "metadata.json")], report

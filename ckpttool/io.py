@@ -174,7 +174,8 @@ class RandomAccessFile:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise CorruptFileError(
                 f"{self.display} is {self.size:,} bytes but the checkpoint needs bytes "
-                f"{offset:,}..{offset + length:,}: the file was cut short (copy or save interrupted?)",
+                f"{offset:,}..{offset + length:,}: cut short (a copy or save interrupted), or another file in its "
+                "place",
                 hint="restore the file from its source, or run 'ckpttool verify' to list every damaged file",
                 path=self.display,
                 rule="truncated-file",

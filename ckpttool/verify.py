@@ -658,7 +658,10 @@ def _check_seal(
                         pass  # reported through the file checks
     for rel in (rel for rel in present if rel in changed):
         want, got = expected[rel], file_digests[rel]
-        if got.size < want.size:
+        inside = [r for r in suspects[rel] if r.offset is not None and (r.length or 0) + r.offset <= got.size]
+        # shorter, but the pieces it still holds are the sealed ones: cut short. Pieces that differ
+        # too: another file in its place (another rank's, a later save's), said below
+        if got.size < want.size and all(piece_digests.get((r.item, r.index)) in (None, r.checksum) for r in inside):
             report.findings.append(
                 finding(
                     "truncated-file",
@@ -675,6 +678,8 @@ def _check_seal(
             else ""
         )
         size_note = f" (size {got.size:,}, sealed {want.size:,})" if got.size != want.size else ""
+        if got.size < want.size:
+            size_note += ": not cut short, its bytes differ too; another file in its place?"
         report.findings.append(
             finding(
                 "checksum-mismatch",

@@ -522,7 +522,7 @@ class DcpAdapter:
         if offset < 0 or length <= 0 or offset + length > sizes[rel]:
             raise CorruptFileError(
                 f"{rel} is {sizes[rel]:,} bytes but {md_name} places data through byte "
-                f"{offset + length:,}: the file was cut short (copy or save interrupted?)",
+                f"{offset + length:,}: cut short (a copy or save interrupted), or another file in its place",
                 hint="restore the file from its source; 'ckpttool verify' lists every damaged file",
                 path=rel,
                 rule="truncated-file",

@@ -360,3 +360,24 @@ def test_a_rank_shard_metadata_step_that_disagrees_is_named(tmp_path):
     code, report = _findings(ck)
     assert code == 1 and report["step"] == 3
     assert _rules(report) == [("step-mismatch", "metadata.json")], report
+
+
+def test_a_sealed_file_replaced_by_a_smaller_one_is_not_called_cut_short(tmp_path):
+    """Another rank's (smaller) file copied over one was 'cut short (copy or save interrupted?)':
+    the seal's piece digests show the bytes it still holds differ too."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ck)
+    assert run_cli("seal", ck).code == 0
+    shutil.copy2(ck / "__2_0.distcp", ck / "__1_0.distcp")
+    code, report = _findings(ck)
+    sealed = [f for f in report["findings"] if f["file"] == "__1_0.distcp" and f["rule"] == "checksum-mismatch"]
+    assert code == 1 and sealed and "another file in its place" in sealed[0]["message"], report
+    assert not any("the seal says" in f["message"] for f in report["findings"])
+    # one really cut short still is
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", tmp_path / "t")
+    assert run_cli("seal", tmp_path / "t").code == 0
+    os_truncate = __import__("os").truncate
+    os_truncate(tmp_path / "t" / "__1_0.distcp", 20_000)
+    code, report = _findings(tmp_path / "t")
+    assert ("truncated-file", "__1_0.distcp") in _rules(report)
+    assert any("the seal says 103,506: cut short" in f["message"] for f in report["findings"]), report

@@ -120,6 +120,11 @@ def convert(
     limit = parse_size(max_shard_size)
     if world_size is not None and not 1 <= world_size <= MAX_RANKS:
         raise UsageError(f"--world-size {world_size:,}: expected 1 to {MAX_RANKS:,} ranks")
+    if world_size is not None and to != "dcp":  # (it would be ignored: the output would not be what was asked)
+        raise UsageError(
+            f"--world-size sets the ranks of a DCP output; it does not apply to --to {to}",
+            hint="'ckpttool reshard' changes TP, PP and DP sizes",
+        )
     out = Path(dst)
     refuse_overlap(out, source=src)
     if out.exists() and not force:

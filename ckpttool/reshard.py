@@ -434,8 +434,8 @@ def plan(
     need = max((f.peak for f in files), default=0) + overhead
     if limit is not None and need > limit:
         raise UsageError(
-            f"--max-memory {max_memory}: writing {max(files, key=lambda f: f.peak).path} alone needs about "
-            f"{need / 1e6:,.0f} MB (its largest tensor, the largest source piece, {overhead // 10**6} MB of process)",
+            f"--max-memory {max_memory} ({limit:,} bytes): writing {max(files, key=lambda f: f.peak).path} alone "
+            f"needs {need:,} bytes (its largest tensor, the largest source piece, {overhead // 10**6} MB of process)",
             hint="raise --max-memory" + (" or assemble on the CPU" if on != "cpu" else ""),
         )
     if workers < 1:
@@ -485,7 +485,7 @@ class _MegatronExec(_FileExec):
         if not isinstance(adapter, MegatronLegacyAdapter | MegatronDistAdapter):
             raise UsageError(
                 f"--to {'megatron-dist' if dist else 'megatron'} reshards Megatron legacy or torch_dist checkpoints; "
-                f"this one is {manifest.format} ({type(adapter).__name__})",
+                f"this one is {manifest.format}",
                 hint="'ckpttool convert --to dcp' or '--to safetensors' writes other formats",
             )
         if target.dp is not None:

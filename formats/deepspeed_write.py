@@ -114,9 +114,20 @@ class ZeroWriter:
             raise UsageError("--dp must be at least 1")
         stage = manifest.layout.zero_stage
         if stage not in (1, 2):
-            what = "a universal checkpoint" if manifest.extras.get("variant") == "universal" else f"ZeRO stage {stage}"
+            names = (f.path.rsplit("/", 1)[-1] for f in manifest.files)
+            bf16 = stage == 0 and any(n.startswith("bf16_zero_pp_rank_") for n in names)
+            configured = (manifest.extras.get("ds_config") or {}).get("zero_optimization.stage")
+            what = (
+                "a universal checkpoint"
+                if manifest.extras.get("variant") == "universal"
+                else "DeepSpeed's BF16_Optimizer (bf16_zero_pp_rank_* files"
+                + (f", ZeRO stage {configured} in its config)" if configured is not None else ")")
+                if bf16
+                else f"ZeRO stage {stage}"
+            )
             raise UsageError(
-                f"--to deepspeed: writing ZeRO files from {what} is not supported yet (from ZeRO-1/2/3 it is)",
+                f"--to deepspeed: writing ZeRO files from {what} is not supported yet (from the ZeRO-1/2/3 "
+                "optimizers it is)",
                 hint="'ckpttool convert --to dcp' keeps the state in a layout-free form",
             )
         model_rel = None

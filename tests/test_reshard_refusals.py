@@ -170,3 +170,19 @@ def test_an_expert_split_legacy_files_cannot_hold_says_which_rule(sizes, said, t
     assert_clean(r, 2)
     assert said in r.stderr and "--to megatron-dist" in r.stderr, r.stderr
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_refusals_helpers_found_misleading(tmp_path):
+    """Three refusals that read wrong: a BF16_Optimizer checkpoint (ZeRO-1 in its config) was
+    'ZeRO stage 0'; --max-memory 300.01MB was refused as needing 'about 300 MB'; --world-size
+    with --to torch was ignored without a word."""
+    out = tmp_path / "out"
+    r = run_cli("reshard", FIXTURES / "deepspeed" / "bf16_optimizer", "-o", out, "--dp", "1")
+    assert_clean(r, 2, "BF16_Optimizer", "ZeRO stage 1 in its config")
+    r = run_cli("reshard", MG / "legacy_tp2pp2", "-o", out, "--tp", "1", "--pp", "2", "--max-memory", "300.01MB")
+    assert_clean(r, 2, "300,010,000 bytes")
+    need = int(r.stderr.split("needs ", 1)[1].split(" bytes", 1)[0].replace(",", ""))
+    assert need > 300_010_000
+    r = run_cli("convert", FIXTURES / "dcp" / "fsdp2", "-o", out, "--to", "torch", "--world-size", "3")
+    assert_clean(r, 2, "--world-size")
+    assert not out.exists() and list(tmp_path.iterdir()) == []

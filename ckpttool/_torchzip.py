@@ -127,6 +127,7 @@ class Archive:
         self.prefix = pkl[0][: -len("data.pkl")]
         self._allow = allow if allow is not None else {**_unpickle.PLAIN, **_unpickle.TORCH_TENSORS}
         self._spans: dict[str, StorageSpan] = {}
+        self._member_spans: dict[str, StorageSpan] = {}
 
     def _zipfile(self) -> zipfile.ZipFile:
         if self._zip is None:
@@ -214,7 +215,14 @@ class Archive:
             raise crc_mismatch(f"{self.display}: {name}", self.display, span.offset, span.length, info.CRC, found)
 
     def member_span(self, name: str, info: Any) -> StorageSpan:
-        """Where a stored member's bytes are (after its local header)."""
+        """Where a stored member's bytes are (after its local header); each local header read once
+        (locating a storage and then its CRC-32's span read the same one)."""
+        span = self._member_spans.get(name)
+        if span is None:
+            span = self._member_spans[name] = self._member_span(name, info)
+        return span
+
+    def _member_span(self, name: str, info: Any) -> StorageSpan:
         header = self._read(info.header_offset, _LFH.size)
         fields = _LFH.unpack(header) if len(header) == _LFH.size else (b"",)
         if fields[0] != b"PK\x03\x04":

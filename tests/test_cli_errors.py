@@ -201,8 +201,8 @@ def truncated(tmp_path) -> Path:
 
 
 MESSAGE = (
-    "__1_0.distcp is 51,753 bytes but .metadata places data through byte 53,306: the file was cut short "
-    "(copy or save interrupted?)"
+    "__1_0.distcp is 51,753 bytes but .metadata places data through byte 53,306: cut short (a copy or save "
+    "interrupted), or another file in its place"
 )
 
 

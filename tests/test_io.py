@@ -195,7 +195,7 @@ def test_locating_pieces_leaves_cold_files_uncached(tmp_path, monkeypatch):
         _drop(data)
         if any(_cached(p, off) for p, off in pages):
             pytest.skip("this file system keeps the pages (tmpfs?)")
-        spans, _ = seal.piece_spans(adapter, manifest)
+        spans, _, _ = seal.piece_spans(adapter, manifest)
         assert spans
         return sum(_cached(p, off) for p, off in pages)
 

@@ -29,7 +29,7 @@ from typing_extensions import TypedDict  # pydantic needs this one on Python < 3
 
 from ckpttool import registry
 from ckpttool.assemble import assemble, regions
-from ckpttool.dtypes import bf16_to_float32
+from ckpttool.dtypes import bf16_to_float32, float32_to_bf16
 from ckpttool.errors import CkptError, FormatNotRecognizedError, NotFoundError, PathEscapeError
 from ckpttool.formats.base import Adapter
 from ckpttool.geometry import coverage
@@ -1085,6 +1085,58 @@ def _zeros_digest(nbytes: int, algo: str) -> str:
 # -- values (--deep) -------------------------------------------------------------------------------
 
 
+_ROUNDED = {"float32": np.uint32, "bfloat16": np.uint16, "float16": np.uint16}
+
+
+def _check_master(report: VerifyReport, manifest: Manifest, reader: Any, item: Item, values: np.ndarray) -> None:
+    """A parameter's fp32 master copy (``<param>.fp32``) rounds to the parameter itself: Megatron's
+    and DeepSpeed's optimizers copy every updated master into the model's weights (``copy_``: round
+    to nearest even), so at a save the two agree bit for bit; they do in every real checkpoint of
+    fixtures/ (fp32, bf16 and fp16, distributed optimizer or not, ZeRO-1/2/3, universal). Masters of
+    another rank or another save (optimizer files swapped, copied over each other or mixed) do not.
+    ``values``: the parameter's, already read."""
+    master = manifest.items.get(f"{item.name}.fp32")
+    if (
+        item.kind != "param"
+        or item.dtype not in _ROUNDED
+        or master is None
+        or master.kind != "master"
+        or master.dtype != "float32"
+        or master.shape != item.shape
+    ):
+        return
+    try:
+        fp32 = assemble(reader, master).reshape(-1).view(np.float32)
+    except CkptError:
+        return  # (reported with the master's own turn)
+    if item.dtype == "float32":
+        want = fp32.view(np.uint32)
+    elif item.dtype == "bfloat16":
+        want = float32_to_bf16(fp32)
+    else:
+        want = fp32.astype(np.float16).view(np.uint16)
+    got = values.reshape(-1).view(_ROUNDED[item.dtype])
+    off = want != got
+    floats = _as_float(values, item.dtype)
+    if off.any() and floats is not None:
+        off &= ~(np.isnan(fp32) & np.isnan(floats.reshape(-1)))  # (NaN bits vary)
+    n = int(off.sum())
+    if not n:
+        return
+    index = [int(i) for i in np.unravel_index(int(np.argmax(off)), item.shape)] if item.shape else []
+    report.findings.append(
+        finding(
+            "optimizer-mismatch",
+            f"{master.name} does not round to {item.name} at {n:,} of {off.size:,} values (first at index "
+            f"{index}): the optimizer's copy of the weights is not the model's (optimizer files of another rank or "
+            "another save: swapped, copied over each other or mixed?)",
+            item=item.name,
+            hint="restore the optimizer files from the save: resumed as they are, training would continue from "
+            "other weights than the model's",
+        )
+    )
+
+
 def _as_float(values: np.ndarray, dtype: str) -> np.ndarray | None:
     if dtype == "bfloat16":
         return bf16_to_float32(values)
@@ -1122,6 +1174,7 @@ def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter) ->
                 "absmax": float(np.abs(f64).max()) if f64.size else None,
             }
             report.stats[item.name] = stats
+            _check_master(report, manifest, reader, item, values)
             if n_bad:
                 first = int(np.argmax(bad))
                 index = [int(i) for i in np.unravel_index(first, item.shape)] if item.shape else []

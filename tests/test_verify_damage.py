@@ -381,3 +381,42 @@ def test_a_sealed_file_replaced_by_a_smaller_one_is_not_called_cut_short(tmp_pat
     code, report = _findings(tmp_path / "t")
     assert ("truncated-file", "__1_0.distcp") in _rules(report)
     assert any("the seal says 103,506: cut short" in f["message"] for f in report["findings"]), report
+
+
+MASTERED = [  # fp32, bf16 and fp16 parameters, distributed optimizer or not, ZeRO-1/2/3 and universal
+    "megatron/legacy_tp2pp2_distopt",
+    "megatron/legacy_dp2_fp16_distopt",
+    "megatron/dist_tp2pp2dp2_distopt",
+    "megatron/dist_tp2_fp32_distopt",
+    "megatron/legacy_tp2ep2_mtp_distopt",
+    "deepspeed/zero2",
+    "deepspeed/zero2_bf16",
+    "deepspeed/zero3_bf16",
+    "deepspeed/bf16_optimizer",
+    "deepspeed/universal",
+    "deepspeed/pipeline_tied",
+]
+
+
+@pytest.mark.parametrize("rel", MASTERED)
+def test_every_fp32_master_rounds_to_its_parameter_in_real_checkpoints(rel):
+    from ckpttool.verify import verify
+
+    report = verify(FIXTURES / rel, deep=True)
+    assert not [f for f in report.findings if "does not round to" in f.message], report.findings
+
+
+def test_another_ranks_distributed_optimizer_file_is_found_with_deep(tmp_path):
+    """mp_rank_00_001/distrib_optim.pt copied over mp_rank_01_001's (a TP swap inside one stage)
+    verified clean: the file records no rank and its CRC-32s are its own. With --deep, the fp32
+    masters it holds no longer round to the parameters of that rank's model file."""
+    ck = tmp_path / "ck"
+    shutil.copytree(MG / "legacy_tp2pp2_distopt", ck)
+    it = ck / "iter_0000003"
+    shutil.copy2(it / "mp_rank_00_001" / "distrib_optim.pt", it / "mp_rank_01_001" / "distrib_optim.pt")
+    code, report = _findings(ck, "--deep")
+    found = [f for f in report["findings"] if f["rule"] == "optimizer-mismatch"]
+    assert code == 1 and found, report
+    assert all("does not round to" in f["message"] for f in found)
+    # the second stage's parameters that TP rank 1 holds: its layers and its share of the output layer
+    assert {f["item"] for f in found} >= {"decoder.layers.2.mlp.linear_fc1.weight", "output_layer.weight"}

@@ -1055,13 +1055,33 @@ def _check_optimizer(
         unused = set(manifest.extras.get("unused") or ())  # parameters the format knows nothing trains
         for zeroed in (m for n, pair in moments.items() if n not in unused for m in pair.values()):
             if zeroed.pieces and all(_zero_piece(zeroed, i, digests, algo) for i in range(len(zeroed.pieces))):
-                report.findings.append(
-                    finding(
-                        "optimizer-mismatch",
-                        f"{zeroed.name} is all zeros at step {manifest.step}: the moments were reset or never saved",
-                        item=zeroed.name,
-                    )
-                )
+                report.findings.append(_zeroed(zeroed, manifest))
+
+
+def _zeroed(moment: Item, manifest: Manifest) -> Finding:
+    return finding(
+        "optimizer-mismatch",
+        f"{moment.name} is all zeros at step {manifest.step}: the moments were reset or never saved",
+        item=moment.name,
+    )
+
+
+def _moments_that_step(manifest: Manifest) -> set[str]:
+    """The moments that hold values once training has stepped: those of the parameters the
+    checkpoint holds, but the ones the format knows nothing trains (the all-zero check of
+    :func:`_check_optimizer`, by value under ``--deep``)."""
+    if not (manifest.step or 0) > 0:
+        return set()
+    params = {n.removeprefix("model.") for n, i in manifest.items.items() if i.kind == "param"}
+    unused = set(manifest.extras.get("unused") or ())
+    out = set()
+    for name, item in manifest.items.items():
+        pm = _param_of(name) if item.kind == "optim" and item.is_tensor else None
+        if pm is not None:
+            key = pm[0].removeprefix("optim.state.").removeprefix("optimizer.state.")
+            if key not in unused and key.removeprefix("model.") in params:
+                out.add(name)
+    return out
 
 
 def _zero_piece(item: Item, i: int, digests: dict[tuple[str, int], str], algo: str) -> bool:
@@ -1146,6 +1166,7 @@ def _as_float(values: np.ndarray, dtype: str) -> np.ndarray | None:
 
 
 def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter) -> None:
+    stepping = _moments_that_step(manifest)
     with adapter.reader(manifest) as reader:
         for item in manifest.items.values():
             if not item.is_tensor or item.dtype is None or item.shape is None:
@@ -1175,6 +1196,9 @@ def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter) ->
             }
             report.stats[item.name] = stats
             _check_master(report, manifest, reader, item, values)
+            if stats["absmax"] == 0 and not n_bad and item.name in stepping:
+                # (its bytes need not all be 0: a moment multiplied by 0 keeps -0.0 where it was negative)
+                report.findings.append(_zeroed(item, manifest))
             if n_bad:
                 first = int(np.argmax(bad))
                 index = [int(i) for i in np.unravel_index(first, item.shape)] if item.shape else []

@@ -262,6 +262,22 @@ def test_adam_moment_zeroed(tmp_path):
     assert any(f.rule == "optimizer-mismatch" and f.item == name for f in report.findings)
 
 
+def test_adam_moment_multiplied_by_zero_is_found_with_deep(tmp_path):
+    """A first moment reset by multiplying by 0 keeps -0.0 where it was negative: its bytes are
+    not all 0 (the digest check misses it), its values are, which --deep reads."""
+    path = _copy("dcp/fsdp2", tmp_path)
+    _, m = registry.describe(path)
+    name = "optim.state.blocks.0.fc1.weight.exp_avg"
+    for i in range(len(m.items[name].pieces)):
+        file, off, n = _raw(path, name, i)
+        _patch(file, off, b"\x00\x00\x00\x80\x00\x00\x00\x00" * (n // 8))
+    zeroed = [f for f in verify(path).findings if f.rule == "optimizer-mismatch" and f.item == name]
+    assert zeroed == []
+    report = verify(path, deep=True)
+    zeroed = [f for f in report.findings if f.rule == "optimizer-mismatch" and f.item == name]
+    assert len(zeroed) == 1 and "all zeros at step" in zeroed[0].message
+
+
 def test_nan_in_a_weight(tmp_path):
     path = _copy("dcp/mesh2x2", tmp_path)
     file, off, n = _raw(path, "model.head.weight", 0)

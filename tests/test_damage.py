@@ -97,12 +97,9 @@ def _run(args, cwd):
     return subprocess.run([sys.executable, "-m", "ckpttool", *args], capture_output=True, text=True, cwd=cwd)
 
 
-@pytest.mark.parametrize(("rel", "item", "command"), CARRIED, ids=lambda v: "-".join(v) if isinstance(v, list) else v)
-def test_a_flipped_bit_is_not_carried_into_a_new_checkpoint(rel, item, command, tmp_path):
-    """torch never checks the CRC-32s in its zip archives: reshard, convert and export do, for every
-    byte they read of a member (a member read in parts too), and stop with exit 3 naming the
-    member and its file; nothing is published (not even the folders made for the output) and the
-    source is left as it was."""
+def _flipped_copy(rel: str, item: str, tmp_path: Path) -> tuple[Path, str]:
+    """A copy of fixture ``rel`` under ``tmp_path/src`` with one bit flipped in the middle of
+    ``item``'s first piece: (the copy, the damaged file)."""
     src = tmp_path / "src" / Path(rel).name
     src.parent.mkdir()
     (shutil.copytree if (FIXTURES / rel).is_dir() else shutil.copy)(FIXTURES / rel, src)
@@ -112,6 +109,16 @@ def test_a_flipped_bit_is_not_carried_into_a_new_checkpoint(rel, item, command, 
         offset, length = reader.raw_span(target.pieces[0], target)
     damaged = target.pieces[0].file
     _flip(Path(manifest.root) / damaged, offset + length // 2)
+    return src, damaged
+
+
+@pytest.mark.parametrize(("rel", "item", "command"), CARRIED, ids=lambda v: "-".join(v) if isinstance(v, list) else v)
+def test_a_flipped_bit_is_not_carried_into_a_new_checkpoint(rel, item, command, tmp_path):
+    """torch never checks the CRC-32s in its zip archives: reshard, convert and export do, for every
+    byte they read of a member (a member read in parts too), and stop with exit 3 naming the
+    member and its file; nothing is published (not even the folders made for the output) and the
+    source is left as it was."""
+    src, damaged = _flipped_copy(rel, item, tmp_path)
     before = _digests(src)
     # in folders that do not exist yet: made for the output, removed with it when it fails
     out = tmp_path / "new" / "deeper" / ("out.safetensors" if command == ["export"] else "out")
@@ -204,20 +211,19 @@ def test_a_flipped_bit_in_a_pickle_or_an_archive_in_memory_is_caught(tmp_path):
     read_tensor(unchecked, unchecked.load())
 
 
-@pytest.mark.parametrize(("rel", "item"), [("dcp/fsdp2", "model.blocks.0.fc1.weight"), ("torch/train_state.pt", "model.blocks.0.fc1.weight"), ("deepspeed/zero2", "blocks.0.fc1.weight.exp_avg")])
+@pytest.mark.parametrize(
+    ("rel", "item"),
+    [
+        ("dcp/fsdp2", "model.blocks.0.fc1.weight"),
+        ("torch/train_state.pt", "model.blocks.0.fc1.weight"),
+        ("deepspeed/zero2", "blocks.0.fc1.weight.exp_avg"),
+    ],
+)
 def test_seal_refuses_bytes_that_fail_their_crc(rel, item, tmp_path):
     """seal hashed a flipped tensor byte into the seal with exit 0, and verify against that seal
     then passed: the seal trusted, the CRC-32s never read. seal checks every member's CRC-32 in
     its one pass over the bytes and refuses (exit 3, no seal); verify still reports the damage."""
-    src = tmp_path / "src" / Path(rel).name
-    src.parent.mkdir()
-    (shutil.copytree if (FIXTURES / rel).is_dir() else shutil.copy)(FIXTURES / rel, src)
-    adapter, manifest = registry.describe(src)
-    target = manifest.items[item]
-    with adapter.reader(manifest) as reader:
-        offset, length = reader.raw_span(target.pieces[0], target)
-    damaged = target.pieces[0].file
-    _flip(Path(manifest.root) / damaged, offset + length // 2)
+    src, damaged = _flipped_copy(rel, item, tmp_path)
     before = _digests(src.parent)
     run = _run(["seal", str(src)], tmp_path)
     assert run.returncode == 3, run.stdout + run.stderr

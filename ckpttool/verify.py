@@ -368,7 +368,7 @@ def _check_in_flight(report: VerifyReport, root: Path, manifest: Manifest | None
     for dirpath, dirnames, filenames in os.walk(root):
         for name in [*dirnames, *filenames]:
             rel = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
-            if name.endswith(".metadata.tmp") or name == "metadata.json.tmp":
+            if name.endswith(".metadata.tmp") or (name.endswith(".tmp") and name[: -len(".tmp")] in COMMIT_NAMES):
                 report.findings.append(
                     finding(
                         "incomplete-save",

@@ -420,3 +420,13 @@ def test_another_ranks_distributed_optimizer_file_is_found_with_deep(tmp_path):
     assert all("does not round to" in f["message"] for f in found)
     # the second stage's parameters that TP rank 1 holds: its layers and its share of the output layer
     assert {f["item"] for f in found} >= {"decoder.layers.2.mlp.linear_fc1.weight", "output_layer.weight"}
+
+
+def test_a_temporary_of_any_commit_file_is_an_incomplete_save(tmp_path):
+    """Only DCP's .metadata.tmp and metadata.json.tmp were named: a safetensors index left as
+    model.safetensors.index.json.tmp (its shards then read as separate files) verified clean."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "safetensors" / "sharded", ck)
+    (ck / "model.safetensors.index.json").rename(ck / "model.safetensors.index.json.tmp")
+    code, report = _findings(ck)
+    assert code == 1 and ("incomplete-save", "model.safetensors.index.json.tmp") in _rules(report), report

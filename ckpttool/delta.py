@@ -619,7 +619,7 @@ def apply(
                     else "the delta or the base is damaged; re-create the delta",
                     path=str(delta),
                 )
-            if spec.get("mode", 0) & 0o111:  # a script saved with the checkpoint (DeepSpeed's zero_to_fp32.py)
+            if (spec.get("mode") or 0) & 0o111:  # a script saved with the checkpoint (DeepSpeed's zero_to_fp32.py)
                 # stays executable, as cp keeps it: execute bits only, for those the umask let read
                 # it; never a container's set-uid or write bits
                 now = stat.S_IMODE(os.stat(dest).st_mode)

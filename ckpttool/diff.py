@@ -319,10 +319,9 @@ def _regrouped_steps(
             values.add(float(v[0]))
             if len(values) > 1:
                 return
-    for k in groups[0]:
-        (report.removed if side[0] == "A" else report.added).remove(k)
-    for k in params[0]:
-        (report.added if side[1] == "B" else report.removed).remove(k)
+    matched = {*groups[0], *params[0]}  # (filtered once: removing key by key is quadratic)
+    report.removed = [k for k in report.removed if k not in matched]
+    report.added = [k for k in report.added if k not in matched]
     report.compared += len(groups[0]) + len(params[0])
     report.identical += len(groups[0]) + len(params[0])
     (value,) = values
@@ -356,9 +355,9 @@ def _extra_masters(
                 continue
             if np.array_equal(copy.view(np.uint32), values.astype(np.float32).view(np.uint32)):
                 same.append(k)
-        for k in same:
-            mine.remove(k)
         if same:
+            gone = set(same)
+            mine[:] = [k for k in mine if k not in gone]
             report.compared += len(same)
             report.identical += len(same)
             shown = ", ".join(k[: -len(".fp32")] for k in same[:5]) + (" …" if len(same) > 5 else "")

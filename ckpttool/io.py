@@ -325,8 +325,9 @@ def checking_crcs() -> Iterator[None]:
     """While active, every :class:`RandomAccessFile` opened (and those a :class:`FileCache` made
     meanwhile opens later) checks the bytes read of zip members against the CRC-32s their archives
     store (:class:`MemberCrcs`): the pickles read to describe the source as well as the tensors
-    read to write the output. The commands that write new checkpoints from old ones run inside it;
-    ``verify`` and ``diff``, which report damage rather than stop at it, do not."""
+    read to write the output. The commands that write new checkpoints from old ones run inside it,
+    and so do ``seal`` and ``verify`` while they describe and locate (``verify`` reports what fails
+    as a finding); ``diff`` does not."""
     with _CHECKING_LOCK:
         _CHECKING[0] += 1
     try:
@@ -578,8 +579,19 @@ def _make_parents(directory: Path) -> list[Path]:
     while not at.exists() and at != at.parent:
         missing.append(at)
         at = at.parent
-    directory.mkdir(parents=True, exist_ok=True)
-    return missing[::-1]
+    made: list[Path] = []
+    try:
+        for d in reversed(missing):  # outermost first; one another process made meanwhile is not ours
+            try:
+                os.mkdir(d)
+                made.append(d)
+            except FileExistsError:
+                if not d.is_dir():
+                    raise
+    except BaseException:
+        _unmake(made)
+        raise
+    return made
 
 
 def _unmake(made: list[Path]) -> None:

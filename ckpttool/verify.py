@@ -1105,45 +1105,46 @@ def _zeros_digest(nbytes: int, algo: str) -> str:
 # -- values (--deep) -------------------------------------------------------------------------------
 
 
-_ROUNDED = {"float32": np.uint32, "bfloat16": np.uint16, "float16": np.uint16}
+_ROUNDED: dict[str, Any] = {"float32": np.uint32, "bfloat16": np.uint16, "float16": np.uint16}
 
 
-def _check_master(report: VerifyReport, manifest: Manifest, reader: Any, item: Item, values: np.ndarray) -> None:
-    """A parameter's fp32 master copy (``<param>.fp32``) rounds to the parameter itself: Megatron's
-    and DeepSpeed's optimizers copy every updated master into the model's weights (``copy_``: round
-    to nearest even), so at a save the two agree bit for bit; they do in every real checkpoint of
-    fixtures/ (fp32, bf16 and fp16, distributed optimizer or not, ZeRO-1/2/3, universal). Masters of
-    another rank or another save (optimizer files swapped, copied over each other or mixed) do not.
-    ``values``: the parameter's, already read."""
+def _master_of(manifest: Manifest, item: Item) -> Item | None:
+    """The fp32 master copy of parameter ``item`` (``<param>.fp32``), when it has one of its shape."""
     master = manifest.items.get(f"{item.name}.fp32")
     if (
         item.kind != "param"
         or item.dtype not in _ROUNDED
         or master is None
+        or not master.is_tensor
         or master.kind != "master"
         or master.dtype != "float32"
         or master.shape != item.shape
     ):
-        return
-    try:
-        fp32 = assemble(reader, master).reshape(-1).view(np.float32)
-    except CkptError:
-        return  # (reported with the master's own turn)
+        return None
+    return master
+
+
+def _check_master(report: VerifyReport, item: Item, values: np.ndarray, master: Item, fp32: np.ndarray) -> None:
+    """A parameter's fp32 master copy rounds to the parameter itself: Megatron's and DeepSpeed's
+    optimizers copy every updated master into the model's weights (``copy_``: round to nearest
+    even), so at a save the two agree bit for bit; they do in every real checkpoint of fixtures/
+    (fp32, bf16 and fp16, distributed optimizer or not, ZeRO-1/2/3, universal). Masters of another
+    rank or another save (optimizer files swapped, copied over each other or mixed) do not."""
+    flat = fp32.reshape(-1).view(np.float32)
     if item.dtype == "float32":
-        want = fp32.view(np.uint32)
+        want = flat.view(np.uint32)
     elif item.dtype == "bfloat16":
-        want = float32_to_bf16(fp32)
+        want = float32_to_bf16(flat)
     else:
-        want = fp32.astype(np.float16).view(np.uint16)
-    got = values.reshape(-1).view(_ROUNDED[item.dtype])
-    off = want != got
-    floats = _as_float(values, item.dtype)
+        want = flat.astype(np.float16).view(np.uint16)
+    off = want != values.reshape(-1).view(_ROUNDED[item.dtype or ""])
+    floats = _as_float(values, item.dtype or "")
     if off.any() and floats is not None:
-        off &= ~(np.isnan(fp32) & np.isnan(floats.reshape(-1)))  # (NaN bits vary)
+        off &= ~(np.isnan(flat) & np.isnan(floats.reshape(-1)))  # (NaN bits vary)
     n = int(off.sum())
     if not n:
         return
-    index = [int(i) for i in np.unravel_index(int(np.argmax(off)), item.shape)] if item.shape else []
+    index = [int(i) for i in np.unravel_index(int(np.argmax(off)), item.shape or ())] if item.shape else []
     report.findings.append(
         finding(
             "optimizer-mismatch",
@@ -1166,51 +1167,70 @@ def _as_float(values: np.ndarray, dtype: str) -> np.ndarray | None:
 
 
 def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter) -> None:
+    """--deep: every value read once. NaN/Inf and statistics per tensor, moments all zero by
+    value, and each fp32 master against its parameter (read with it, not again on its own turn)."""
     stepping = _moments_that_step(manifest)
+    done: set[str] = set()
     with adapter.reader(manifest) as reader:
         for item in manifest.items.values():
-            if not item.is_tensor or item.dtype is None or item.shape is None:
+            if item.name in done or not item.is_tensor or item.dtype is None or item.shape is None:
                 continue
             try:
                 values = assemble(reader, item)
             except CkptError as exc:
                 report.findings.append(_from_error(exc))
                 continue
-            floats = _as_float(values, item.dtype)
-            if floats is None or floats.size == 0:
+            _census(report, item, values, item.name in stepping, manifest)
+            master = _master_of(manifest, item)
+            if master is None:
                 continue
-            flat = floats.reshape(-1)
-            bad = ~np.isfinite(flat)
-            n_bad = int(bad.sum())
-            finite = flat[~bad] if n_bad else flat
-            f64 = finite.astype(np.float64)
-            stats = {
-                "numel": int(flat.size),
-                "nan": int(np.isnan(flat).sum()),
-                "inf": int(np.isinf(flat).sum()),
-                "min": float(f64.min()) if f64.size else None,
-                "max": float(f64.max()) if f64.size else None,
-                "mean": float(f64.mean()) if f64.size else None,
-                "std": float(f64.std()) if f64.size else None,
-                "absmax": float(np.abs(f64).max()) if f64.size else None,
-            }
-            report.stats[item.name] = stats
-            _check_master(report, manifest, reader, item, values)
-            if stats["absmax"] == 0 and not n_bad and item.name in stepping:
-                # (its bytes need not all be 0: a moment multiplied by 0 keeps -0.0 where it was negative)
-                report.findings.append(_zeroed(item, manifest))
-            if n_bad:
-                first = int(np.argmax(bad))
-                index = [int(i) for i in np.unravel_index(first, item.shape)] if item.shape else []
-                report.findings.append(
-                    finding(
-                        "nonfinite",
-                        f"{item.name}: {stats['nan']:,} NaN and {stats['inf']:,} Inf of {flat.size:,} "
-                        f"values; first at index {index}",
-                        item=item.name,
-                    )
-                )
+            done.add(master.name)
+            try:
+                fp32 = assemble(reader, master)
+            except CkptError as exc:
+                report.findings.append(_from_error(exc))
+                continue
+            _census(report, master, fp32, False, manifest)
+            _check_master(report, item, values, master, fp32)
     report.checked["values"] = len(report.stats)
+
+
+def _census(report: VerifyReport, item: Item, values: np.ndarray, stepping: bool, manifest: Manifest) -> None:
+    """NaN/Inf count and first index, and min/max/mean/std/absmax, of one tensor's values; a
+    moment that should hold values (``stepping``) and is all zero."""
+    floats = _as_float(values, item.dtype or "")
+    if floats is None or floats.size == 0:
+        return
+    flat = floats.reshape(-1)
+    bad = ~np.isfinite(flat)
+    n_bad = int(bad.sum())
+    finite = flat[~bad] if n_bad else flat
+    f64 = finite.astype(np.float64)
+    stats = {
+        "numel": int(flat.size),
+        "nan": int(np.isnan(flat).sum()),
+        "inf": int(np.isinf(flat).sum()),
+        "min": float(f64.min()) if f64.size else None,
+        "max": float(f64.max()) if f64.size else None,
+        "mean": float(f64.mean()) if f64.size else None,
+        "std": float(f64.std()) if f64.size else None,
+        "absmax": float(np.abs(f64).max()) if f64.size else None,
+    }
+    report.stats[item.name] = stats
+    if stats["absmax"] == 0 and not n_bad and stepping:
+        # (its bytes need not all be 0: a moment multiplied by 0 keeps -0.0 where it was negative)
+        report.findings.append(_zeroed(item, manifest))
+    if n_bad:
+        first = int(np.argmax(bad))
+        index = [int(i) for i in np.unravel_index(first, item.shape or ())] if item.shape else []
+        report.findings.append(
+            finding(
+                "nonfinite",
+                f"{item.name}: {stats['nan']:,} NaN and {stats['inf']:,} Inf of {flat.size:,} "
+                f"values; first at index {index}",
+                item=item.name,
+            )
+        )
 
 
 __all__ = ["RULES", "Finding", "Rule", "VerifyReport", "finding", "verify"]

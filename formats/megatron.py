@@ -214,6 +214,19 @@ def _step_claims(files: dict[str, Any], it_dir: str, tracked: bool) -> dict[str,
     return claims
 
 
+def _claimed_step(claims: dict[str, int], it_dir: str, fallback: Any) -> int | None:
+    """The step most ``claims`` give; where they split evenly (verify then reports no majority),
+    the iteration directory's, the one the path names."""
+    steps = list(claims.values())
+    if not steps:
+        return fallback if isinstance(fallback, int) else None
+    most = max(steps.count(v) for v in steps)
+    tied = {v for v in steps if steps.count(v) == most}
+    if len(tied) > 1 and claims.get(f"{it_dir}/") in tied:
+        return claims[f"{it_dir}/"]
+    return max(steps, key=steps.count)
+
+
 def _int_arg(args: Any, name: str, default: int = 1) -> int:
     """``args.<name>`` when it is a positive int, else ``default``."""
     v = getattr(args, name, None)
@@ -362,8 +375,7 @@ class MegatronDistAdapter:
         # directory): the step most of them give
         claims = _step_claims({"common.pt": it} if common else {}, path.name, tracked)
         manifest.extras["step_claims"] = claims
-        steps = list(claims.values())
-        manifest.step = max(steps, key=steps.count) if steps else it if isinstance(it, int) else None
+        manifest.step = _claimed_step(claims, path.name, it)
         if not common and not any(n in manifest.items for n in ("iteration", "args")):
             manifest.extras["findings"] = [
                 {
@@ -1380,8 +1392,7 @@ class MegatronLegacyAdapter:
         )
         manifest.extras["step_claims"] = claims
         # the step most claim (one rank's file left from another save does not name the checkpoint's)
-        steps = list(claims.values())
-        manifest.step = max(steps, key=steps.count) if steps else it if isinstance(it, int) else None
+        manifest.step = _claimed_step(claims, it_dir.name, it)
         manifest.layout = layout
         manifest.layout.world_size = layout.world_size or tp * pp * ep * (layout.dp or 1)
         if misplaced := _misplaced_ranks({f"{prefix}{d}": (ranks[d], objs[d].get("args")) for d in dirs}, args):

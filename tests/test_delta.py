@@ -415,3 +415,19 @@ def test_execute_bits_survive_and_a_container_cannot_grant_more(tmp_path):
     out4 = tmp_path / "out4"
     delta.apply(packed, out4)
     assert tree_digests(out4) == tree_digests(src) and not os.access(out4 / "zero_to_fp32.py", os.X_OK)
+
+
+def test_a_null_mode_in_a_container_header_is_no_mode(tmp_path):
+    """The header check takes "mode": null (as absent); apply then did None & 0o111, an internal error."""
+    packed = tmp_path / "p.ckz"
+    delta.create(FIXTURES / "deepspeed" / "zero1", packed)
+
+    def null(h):
+        for spec in h["files"].values():
+            spec["mode"] = None
+
+    _edit_header(packed, null)
+    out = tmp_path / "out"
+    r = run_cli("decompress", packed, "-o", out)
+    assert r.code == 0, r.stderr
+    assert tree_digests(out) == tree_digests(FIXTURES / "deepspeed" / "zero1")

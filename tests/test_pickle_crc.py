@@ -7,6 +7,7 @@ published as a valid sealed checkpoint; verify reports it as a checksum-mismatch
 
 from __future__ import annotations
 
+import json
 import shutil
 import zipfile
 from pathlib import Path
@@ -147,26 +148,50 @@ ROT = [  # a flipped bit in a global's name: the pickle now names a global outsi
 
 
 @pytest.mark.parametrize(("rel", "file", "flip"), ROT)
-def test_bit_rot_in_a_pickle_is_damage_not_a_hostile_pickle(rel, file, flip, tmp_path):
-    """A flipped bit that turns a global's name into one outside the allowlist was reported as
-    unsafe-pickle ("treat the file as hostile"); the member's CRC-32 proves it is plain damage, and
-    verify says so."""
+def test_a_refused_global_with_a_failing_crc_says_both(rel, file, flip, tmp_path):
+    """A flipped bit that turns a global's name into one outside the allowlist, and a hostile
+    pickle given a wrong CRC-32 on purpose, look the same: the allowlist's verdict stands (a
+    payload must not pass for bit rot), and the failed CRC-32 is said with it."""
     src, _, member = damaged_copy(tmp_path, rel, file, flip)
     run = run_cli("verify", src, "--json", cwd=tmp_path)
     assert run.code == 1, run.stdout + run.stderr
-    rules = {f["rule"] for f in __import__("json").loads(run.stdout)["findings"]}
-    assert "checksum-mismatch" in rules and "unsafe-pickle" not in rules, run.stdout
-    assert member in run.stdout
+    found = {f["rule"]: f["message"] for f in json.loads(run.stdout)["findings"]}
+    assert "CRC-32 fails too" in found["unsafe-pickle"] and flip[1] in found["unsafe-pickle"], found
 
 
-@pytest.mark.parametrize(("rel", "file", "flip"), [CASES[0][:3], CASES[-2][:3], ROT[0]])
+def test_a_hostile_pickle_with_a_wrong_crc_is_still_unsafe(tmp_path):
+    """The payload file of the hostile fixture with its data.pkl's stored CRC-32 altered (local
+    header and central directory): verify, seal and reshard name posix.system, not damage."""
+    import re
+
+    src = tmp_path / "h"
+    shutil.copytree(FIXTURES / "hostile" / "ds_optim_os_system", src)
+    path = src / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
+    for m in re.finditer(b"PK\x01\x02", bytes(data)):
+        o = m.start()
+        n = int.from_bytes(data[o + 28 : o + 30], "little")
+        if bytes(data[o + 46 : o + 46 + n]).decode(errors="replace") == info.filename:
+            data[o + 16] ^= 0xFF
+    if int.from_bytes(data[info.header_offset + 14 : info.header_offset + 18], "little"):
+        data[info.header_offset + 14] ^= 0xFF
+    path.write_bytes(bytes(data))
+    for argv in (["verify", src], ["seal", src], ["reshard", src, "-o", tmp_path / "out", "--dp", "1"]):
+        run = run_cli(*argv, cwd=tmp_path)
+        assert run.code in (1, 3) and "posix.system" in (run.stdout + run.stderr), (argv, run.stdout, run.stderr)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("rel", "file", "flip"), [CASES[0][:3], CASES[-2][:3], CASES[-1][:3]])
 def test_seal_refuses_a_damaged_pickle(rel, file, flip, tmp_path):
     """seal vouched for whatever bytes it hashed: a sealed damaged checkpoint then verified clean,
     verify trusting the seal over the CRC-32s. It refuses now (exit 3), writing no seal."""
     src, _, member = damaged_copy(tmp_path, rel, file, flip)
-    before = tree_digests(src)
+    before = tree_digests(src.parent)  # (a single file's seal would be written beside it)
     run = run_cli("seal", src, cwd=tmp_path)
     assert run.code == 3 and "Traceback" not in run.stderr, run.stdout + run.stderr
     assert "CRC-32" in run.stderr and member in run.stderr and "not sealed" in run.stderr, run.stderr
-    assert tree_digests(src) == before  # no seal written
+    assert tree_digests(src.parent) == before  # no seal written
     assert run_cli("verify", src, cwd=tmp_path).code == 1

@@ -622,3 +622,23 @@ def test_a_damaged_seal_column_is_a_clear_error(tmp_path):
     at.write_text(json.dumps(doc))
     with pytest.raises(CorruptFileError, match="more values than the pieces use"):
         Seal.load(at).manifest  # noqa: B018
+
+
+def test_an_internal_error_still_writes_the_reports(tmp_path, monkeypatch):
+    """Exit 3 from any cause (here a bug: an exception verify did not expect) still writes the
+    reports asked for, saying why, rather than leave the last run's in place."""
+    from typer.testing import CliRunner
+
+    import ckpttool.verify as verify_module
+    from ckpttool.cli import app
+
+    def broken(*_, **__):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(verify_module, "verify", broken)
+    report = tmp_path / "r.json"
+    report.write_text("stale")
+    result = CliRunner().invoke(app, ["verify", str(FIXTURES / "dcp" / "fsdp2"), "--report", str(report)])
+    assert result.exit_code == 3
+    data = json.loads(report.read_text())
+    assert data["ok"] is False and "RuntimeError: boom" in data["error"]["message"]

@@ -334,14 +334,21 @@ def test_a_deepspeed_step_rewritten_disagrees_with_its_tag(tmp_path):
 
 
 def test_torch_dist_common_pt_from_another_step_is_the_odd_one_out(tmp_path):
-    """common.pt claiming 4 against the iteration directory and the tracker claiming 3: the step
-    is 3 and common.pt is named (the tracker was not counted, and a tie went to common.pt)."""
+    """common.pt claiming 4 against the iteration directory and the tracker that named it (3): the
+    step is 3 and common.pt is named. Before, the tracker was no claim, and the tie of directory
+    and common.pt went to common.pt. Given the iteration directory itself, no tracker: no
+    majority, said as such, and the step is the directory's."""
     ck = tmp_path / "ck"
     shutil.copytree(MG / "dist_tp2pp2", ck)
     _patch_small_int(ck / "iter_0000003" / "common.pt", b"\x00\x00iterationr", 3, 4)
     code, report = _findings(ck)
     assert code == 1 and report["step"] == 3
     assert _rules(report) == [("step-mismatch", "common.pt")], report
+    code, report = _findings(ck / "iter_0000003")
+    assert code == 1 and report["step"] == 3
+    assert [f["message"] for f in report["findings"] if f["rule"] == "step-mismatch"] == [
+        "the files disagree on the step, with no majority: iter_0000003/ claim 3; common.pt claim 4"
+    ]
 
 
 def test_torch_dist_without_metadata_json_is_a_missing_file(tmp_path):

@@ -340,13 +340,18 @@ def verify(
 
         try:
             report = run(path, manifest_path=manifest, deep=deep, require=needed, workers=workers, progress=advance)
-        except (CkptError, OSError) as exc:
-            if isinstance(exc, CkptError) and exc.exit_code != 3:
+        except Exception as exc:
+            if (isinstance(exc, CkptError) and exc.exit_code != 3) or isinstance(exc, typer.Exit | typer.Abort):
                 raise
-            # could not evaluate: the reports a CI gate reads still say so (a JUnit error, "ok":
-            # false with the reason), never absent or left from the last run; the message and
-            # exit 3 come from _handles_errors as for any command
-            message, hint = (exc.message, exc.hint) if isinstance(exc, CkptError) else (_os_error(exc), None)
+            # could not evaluate (exit 3, whatever stopped it): the reports a CI gate reads still
+            # say so (a JUnit error, "ok": false with the reason), never absent or left from the
+            # last run; the message and exit 3 come from _handles_errors as for any command
+            if isinstance(exc, CkptError):
+                message, hint = exc.message, exc.hint
+            elif isinstance(exc, OSError):
+                message, hint = _os_error(exc), None
+            else:
+                message, hint = f"internal error: {type(exc).__name__}: {exc}", "this is a bug in ckpttool"
             failed = VerifyReport(path=str(path), seal=str(manifest) if manifest else None, deep=deep)
             failed.error, failed.error_hint = message, hint
             _verify_outputs(out, failed, severity, report_file, junit_file)

@@ -292,7 +292,14 @@ def verify(
         Path | None,
         typer.Option("--manifest", help="The seal to check against (default: beside the checkpoint).", parser=_a_path),
     ] = None,
-    deep: Annotated[bool, typer.Option("--deep", help="Read every value: NaN/Inf census and statistics.")] = False,
+    deep: Annotated[
+        bool,
+        typer.Option(
+            "--deep",
+            help="Read every value: NaN/Inf census and statistics, fp32 masters against their parameters, "
+            "moments all zero.",
+        ),
+    ] = False,
     require: Annotated[
         str | None,
         typer.Option(

@@ -382,12 +382,27 @@ def piece_spans(adapter: Adapter, manifest: Manifest) -> tuple[dict[str, list[Sp
             if failed:
                 raise CorruptFileError(
                     f"{piece.file}: member {failed[0]} of {item.name} fails its zip CRC-32: the bytes changed "
-                    "after the save; not sealed",
-                    hint=_NOT_SEALED,
+                    "after the save",
                     path=piece.file,
                     rule="checksum-mismatch",
                 )
     return spans, other, expected
+
+
+def crc_failures(digests: dict[Any, str], expected: Expected) -> list[tuple[str, str, str | None]]:
+    """The members whose bytes, as hashed into ``digests``, fail the CRC-32 their archive stores
+    (``expected``, from :func:`member_crcs`): (file, message, the item its archive holds), in file
+    order."""
+    out = []
+    for key, (crc, member, owner) in sorted(expected.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        got = digests.get(key)
+        if got is not None and int(got, 16) != crc:
+            message = (
+                f"{key[1]}: {member}{f' (of {owner})' if owner else ''} fails its zip CRC-32 (stored {crc:08x}, "
+                f"computed {got}): the bytes changed after the save"
+            )
+            out.append((key[1], message, owner))
+    return out
 
 
 _NOT_SEALED = (
@@ -403,23 +418,9 @@ def _not_sealing_damage() -> Iterator[None]:
     try:
         yield
     except CorruptFileError as exc:
-        if exc.rule != "checksum-mismatch" or exc.message.endswith("not sealed"):
+        if exc.rule != "checksum-mismatch":
             raise
         raise CorruptFileError(f"{exc.message}; not sealed", hint=_NOT_SEALED, path=exc.path, rule=exc.rule) from None
-
-
-def _check_crcs(digests: dict[Any, str], expected: Expected) -> None:
-    """Refuse to seal bytes that fail the CRC-32 their archive stores (the first one named)."""
-    for key, (crc, member, owner) in sorted(expected.items(), key=lambda kv: (kv[0][1], kv[0][2])):
-        got = digests.get(key)
-        if got is not None and int(got, 16) != crc:
-            raise CorruptFileError(
-                f"{key[1]}: {member}{f' (of {owner})' if owner else ''} fails its zip CRC-32 (stored {crc:08x}, "
-                f"computed {got}): the bytes changed after the save; not sealed",
-                hint=_NOT_SEALED,
-                path=key[1],
-                rule="checksum-mismatch",
-            )
 
 
 def hash_pieces(
@@ -451,7 +452,8 @@ def hash_pieces(
     with adapter.reader(manifest) as reader:
         to_read = [rel for rel in targets if rel not in trusted]
         file_digests, span_digests = hash_files(root, to_read, spans, algo, workers=workers, progress=progress)
-        _check_crcs(span_digests, expected)
+        for file, message, _ in crc_failures(span_digests, expected)[:1]:  # (the first is enough to refuse)
+            raise CorruptFileError(message, path=file, rule="checksum-mismatch")
         for rel, w in trusted.items():
             file_digests[rel] = FileDigest(rel, w.size, w.digest)
             span_digests.update({s.key: w.spans[(s.offset, s.length)] for s in spans.get(rel, []) if s.algo is None})

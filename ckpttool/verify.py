@@ -36,7 +36,15 @@ from ckpttool.geometry import coverage
 from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
 from ckpttool.io import checking_crcs, followed, outside
 from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, Piece, StateName, is_seal_name
-from ckpttool.seal import Expected, PieceRecord, Seal, default_seal_path, in_file_order, member_crcs
+from ckpttool.seal import (
+    Expected,
+    PieceRecord,
+    Seal,
+    crc_failures,
+    default_seal_path,
+    in_file_order,
+    member_crcs,
+)
 
 Severity = Literal["error", "warning", "info"]
 SEVERITY_ORDER = {"info": 0, "warning": 1, "error": 2}
@@ -720,18 +728,8 @@ def _check_integrity(
         digest, digests = fut.result()
         counted["files"] += 1
         counted["bytes"] += max(digest.size, 0)
-        for key, (crc, member, owner) in expected.items():
-            got = digests.get(key)
-            if got is not None and int(got, 16) != crc:
-                report.findings.append(
-                    finding(
-                        "checksum-mismatch",
-                        f"{rel}: {member}{f' (of {owner})' if owner else ''} fails its zip CRC32 "
-                        f"(stored {crc:08x}, computed {got}): the bytes changed after the save",
-                        file=rel,
-                        item=owner,
-                    )
-                )
+        for file, message, owner in crc_failures(digests, expected):
+            report.findings.append(finding("checksum-mismatch", message, file=file, item=owner))
         for key, value in digests.items():
             if key[0] == "piece":
                 pieces[(key[1], key[2])] = value
@@ -1002,13 +1000,7 @@ def _check_optimizer(
     report: VerifyReport, manifest: Manifest, adapter: Adapter, digests: dict[tuple[str, int], str], algo: str
 ) -> None:
     """Every trained parameter has its moments, of its shape; moments are not all zero after a step."""
-    moments: dict[str, dict[str, Item]] = defaultdict(dict)
-    for item in manifest.items.values():
-        if item.kind == "optim" and item.is_tensor:
-            pm = _param_of(item.name)
-            if pm:
-                key = pm[0].removeprefix("optim.state.").removeprefix("optimizer.state.")
-                moments[key][pm[1]] = item
+    moments = _moments(manifest)
     if not moments:
         return
     params = {
@@ -1051,11 +1043,30 @@ def _check_optimizer(
                 item=untracked[0],
             )
         )
-    if (manifest.step or 0) > 0:
-        unused = set(manifest.extras.get("unused") or ())  # parameters the format knows nothing trains
-        for zeroed in (m for n, pair in moments.items() if n not in unused for m in pair.values()):
-            if zeroed.pieces and all(_zero_piece(zeroed, i, digests, algo) for i in range(len(zeroed.pieces))):
-                report.findings.append(_zeroed(zeroed, manifest))
+    for zeroed in _stepping(manifest, moments):
+        if zeroed.pieces and all(_zero_piece(zeroed, i, digests, algo) for i in range(len(zeroed.pieces))):
+            report.findings.append(_zeroed(zeroed, manifest))
+
+
+def _moments(manifest: Manifest) -> dict[str, dict[str, Item]]:
+    """The optimizer's moments by the name of their parameter: ``{param: {"exp_avg": item, ...}}``."""
+    moments: dict[str, dict[str, Item]] = defaultdict(dict)
+    for item in manifest.items.values():
+        if item.kind == "optim" and item.is_tensor:
+            pm = _param_of(item.name)
+            if pm:
+                moments[pm[0].removeprefix("optim.state.").removeprefix("optimizer.state.")][pm[1]] = item
+    return moments
+
+
+def _stepping(manifest: Manifest, moments: dict[str, dict[str, Item]]) -> list[Item]:
+    """The moments that hold values once training has stepped: every one after step 0, but those
+    of parameters the format knows nothing trains. Checked for all zeros by their digests, and
+    by value under ``--deep`` (a moment multiplied by 0 keeps -0.0, whose bytes are not 0)."""
+    if not (manifest.step or 0) > 0:
+        return []
+    unused = set(manifest.extras.get("unused") or ())
+    return [m for n, pair in moments.items() if n not in unused for m in pair.values()]
 
 
 def _zeroed(moment: Item, manifest: Manifest) -> Finding:
@@ -1064,24 +1075,6 @@ def _zeroed(moment: Item, manifest: Manifest) -> Finding:
         f"{moment.name} is all zeros at step {manifest.step}: the moments were reset or never saved",
         item=moment.name,
     )
-
-
-def _moments_that_step(manifest: Manifest) -> set[str]:
-    """The moments that hold values once training has stepped: those of the parameters the
-    checkpoint holds, but the ones the format knows nothing trains (the all-zero check of
-    :func:`_check_optimizer`, by value under ``--deep``)."""
-    if not (manifest.step or 0) > 0:
-        return set()
-    params = {n.removeprefix("model.") for n, i in manifest.items.items() if i.kind == "param"}
-    unused = set(manifest.extras.get("unused") or ())
-    out = set()
-    for name, item in manifest.items.items():
-        pm = _param_of(name) if item.kind == "optim" and item.is_tensor else None
-        if pm is not None:
-            key = pm[0].removeprefix("optim.state.").removeprefix("optimizer.state.")
-            if key not in unused and key.removeprefix("model.") in params:
-                out.add(name)
-    return out
 
 
 def _zero_piece(item: Item, i: int, digests: dict[tuple[str, int], str], algo: str) -> bool:
@@ -1169,7 +1162,7 @@ def _as_float(values: np.ndarray, dtype: str) -> np.ndarray | None:
 def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter) -> None:
     """--deep: every value read once. NaN/Inf and statistics per tensor, moments all zero by
     value, and each fp32 master against its parameter (read with it, not again on its own turn)."""
-    stepping = _moments_that_step(manifest)
+    stepping = {m.name for m in _stepping(manifest, _moments(manifest))}
     done: set[str] = set()
     with adapter.reader(manifest) as reader:
         for item in manifest.items.values():

@@ -850,7 +850,7 @@ def _check_rank_files(
     z3_models: dict[tuple[int, int], str],
     optims: dict[tuple[int, int], str],
     stage: int,
-    stray: dict[str, str] | None = None,
+    stray: dict[str, str],
 ) -> int | None:
     """Every rank file the save wrote is here, and no DP rank beyond those it had: one
     ``missing-file`` error naming each absent file, as the files themselves give the layout
@@ -931,7 +931,6 @@ def _check_rank_files(
             if world is not None
             else "the rank files found"
         )
-        stray = stray or {}
         shown = ", ".join(
             f"{name} ({what}{f'; found at {stray[name]}, where DeepSpeed does not read it' if name in stray else ''})"
             for name, what in absent[:6]
@@ -964,8 +963,8 @@ def _tied(files: dict[str, Any], rels: list[str]) -> dict[str, str]:
 def _check_rank0_file(files: dict[str, Any], models: dict[int, str], z3_models: dict[tuple[int, int], str]) -> None:
     """DeepSpeed writes the tied-weight map (``shared_params``) in global rank 0's model states
     only (``_get_shared_params``: ``if dist.get_rank() == 0``), ``{}`` in every other rank's: the
-    one trace of a rank that a ZeRO-3 model-states file keeps. A map in another rank's file with
-    none in rank 0's is rank 0's file under another name."""
+    one trace of a rank that a ZeRO-3 model-states file keeps. A map in another rank's file is rank
+    0's file under another name (renamed or swapped, when rank 0's has none) or a copy of it."""
     ordered = [(k, z3_models[k]) for k in sorted(z3_models)] or [((0, k), models[k]) for k in sorted(models)]
     if not ordered or ordered[0][0] != (0, 0):
         return

@@ -81,6 +81,39 @@ def load_pt(path: Path) -> Any:
     return torch.load(path, weights_only=False, pickle_module=stand_in)
 
 
+def data_pkl(data: bytes | bytearray) -> tuple[Any, int]:
+    """The ``data.pkl`` member of a torch.save file's bytes: its zip info and where its bytes start."""
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(bytes(data))) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
+    head = info.header_offset
+    name_len = int.from_bytes(data[head + 26 : head + 28], "little")
+    extra_len = int.from_bytes(data[head + 28 : head + 30], "little")
+    return info, head + 30 + name_len + extra_len
+
+
+def set_stored_crc(data: bytearray, info: Any, start: int, crc: int) -> None:
+    """Store ``crc`` as member ``info``'s CRC-32 everywhere a zip keeps it: its central directory
+    entry, its local header (when it holds one) and its data descriptor (``start``: its bytes')."""
+    import re
+    import struct
+
+    packed = struct.pack("<I", crc)
+    for m in re.finditer(b"PK\x01\x02", bytes(data)):
+        o = m.start()
+        n = int.from_bytes(data[o + 28 : o + 30], "little")
+        if bytes(data[o + 46 : o + 46 + n]).decode(errors="replace") == info.filename:
+            data[o + 16 : o + 20] = packed
+    head = info.header_offset
+    if int.from_bytes(data[head + 14 : head + 18], "little"):
+        data[head + 14 : head + 18] = packed
+    end = start + info.file_size
+    if data[end : end + 4] == b"PK\x07\x08":
+        data[end + 4 : end + 8] = packed
+
+
 def assert_clean(r: Run, code: int, *fragments: str) -> None:
     """Exit ``code`` with one clear message (each of ``fragments`` on stderr): no traceback, never
     an "internal error … a bug in ckpttool"."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from ckpttool import registry
 from ckpttool.errors import CorruptFileError
 from ckpttool.io import FileCache, RandomAccessFile, checking_crcs
-from tests.conftest import FIXTURES, run_cli, tree_digests
+from tests.conftest import FIXTURES, data_pkl, run_cli, set_stored_crc, tree_digests
 
 DS_MODEL = "global_step3/mp_rank_00_model_states.pt"
 DS_OPTIM = "global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt"
@@ -53,13 +52,8 @@ def flip_in_pickle(path: Path, old: str, new: str) -> str:
     file ``path``, leaving the archive parseable and the member's stored CRC-32 stale; returns
     the member's name."""
     assert len(old) == len(new)
-    with zipfile.ZipFile(path) as z:
-        info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
     data = bytearray(path.read_bytes())
-    head = info.header_offset
-    name_len = int.from_bytes(data[head + 26 : head + 28], "little")
-    extra_len = int.from_bytes(data[head + 28 : head + 30], "little")
-    start = head + 30 + name_len + extra_len
+    info, start = data_pkl(data)
     at = bytes(data[start : start + info.file_size]).find(old.encode())
     assert at >= 0, f"{old!r} not in {path.name}'s {info.filename}"
     data[start + at : start + at + len(old)] = new.encode()
@@ -152,7 +146,7 @@ def test_a_refused_global_with_a_failing_crc_says_both(rel, file, flip, tmp_path
     """A flipped bit that turns a global's name into one outside the allowlist, and a hostile
     pickle given a wrong CRC-32 on purpose, look the same: the allowlist's verdict stands (a
     payload must not pass for bit rot), and the failed CRC-32 is said with it."""
-    src, _, member = damaged_copy(tmp_path, rel, file, flip)
+    src, _, _ = damaged_copy(tmp_path, rel, file, flip)
     run = run_cli("verify", src, "--json", cwd=tmp_path)
     assert run.code == 1, run.stdout + run.stderr
     found = {f["rule"]: f["message"] for f in json.loads(run.stdout)["findings"]}
@@ -162,21 +156,12 @@ def test_a_refused_global_with_a_failing_crc_says_both(rel, file, flip, tmp_path
 def test_a_hostile_pickle_with_a_wrong_crc_is_still_unsafe(tmp_path):
     """The payload file of the hostile fixture with its data.pkl's stored CRC-32 altered (local
     header and central directory): verify, seal and reshard name posix.system, not damage."""
-    import re
-
     src = tmp_path / "h"
     shutil.copytree(FIXTURES / "hostile" / "ds_optim_os_system", src)
     path = src / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     data = bytearray(path.read_bytes())
-    with zipfile.ZipFile(path) as z:
-        info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
-    for m in re.finditer(b"PK\x01\x02", bytes(data)):
-        o = m.start()
-        n = int.from_bytes(data[o + 28 : o + 30], "little")
-        if bytes(data[o + 46 : o + 46 + n]).decode(errors="replace") == info.filename:
-            data[o + 16] ^= 0xFF
-    if int.from_bytes(data[info.header_offset + 14 : info.header_offset + 18], "little"):
-        data[info.header_offset + 14] ^= 0xFF
+    info, start = data_pkl(data)
+    set_stored_crc(data, info, start, info.CRC ^ 0xFF)
     path.write_bytes(bytes(data))
     for argv in (["verify", src], ["seal", src], ["reshard", src, "-o", tmp_path / "out", "--dp", "1"]):
         run = run_cli(*argv, cwd=tmp_path)

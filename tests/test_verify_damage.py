@@ -5,12 +5,13 @@ a save rewriting the checkpoint."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import warnings
 
 import pytest
 
-from tests.conftest import FIXTURES, run_cli
+from tests.conftest import FIXTURES, data_pkl, run_cli, set_stored_crc
 
 MG = FIXTURES / "megatron"
 
@@ -260,34 +261,16 @@ def _patch_small_int(f, key: bytes, old: int, new: int) -> None:
     """Rewrite the small int (pickle BININT1) saved under ``key`` in a torch.save file's data.pkl
     from ``old`` to ``new``, with the member's CRC-32 made right again: a valid re-save, as a tool
     that edits a file in place leaves it (no deepspeed needed to unpickle it)."""
-    import re
-    import struct
-    import zipfile
     import zlib
 
     data = bytearray(f.read_bytes())
-    with zipfile.ZipFile(f) as z:
-        info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
-    head = info.header_offset
-    start = head + 30 + int.from_bytes(data[head + 26 : head + 28], "little") + int.from_bytes(
-        data[head + 28 : head + 30], "little"
-    )
+    info, start = data_pkl(data)
     pkl = bytes(data[start : start + info.file_size])
     at = pkl.index(key)
     k = pkl.index(bytes([0x4B, old]), at)  # BININT1 old
     assert k - at < 24, "the value is not right after its key"
     data[start + k + 1] = new
-    crc = struct.pack("<I", zlib.crc32(bytes(data[start : start + info.file_size])))
-    for m in re.finditer(b"PK\x01\x02", bytes(data)):
-        o = m.start()
-        n = int.from_bytes(data[o + 28 : o + 30], "little")
-        if bytes(data[o + 46 : o + 46 + n]).decode(errors="replace") == info.filename:
-            data[o + 16 : o + 20] = crc
-    if int.from_bytes(data[head + 14 : head + 18], "little"):
-        data[head + 14 : head + 18] = crc
-    end = start + info.file_size
-    if data[end : end + 4] == b"PK\x07\x08":
-        data[end + 4 : end + 8] = crc
+    set_stored_crc(data, info, start, zlib.crc32(bytes(data[start : start + info.file_size])))
     f.write_bytes(bytes(data))
 
 
@@ -383,8 +366,7 @@ def test_a_sealed_file_replaced_by_a_smaller_one_is_not_called_cut_short(tmp_pat
     # one really cut short still is
     shutil.copytree(FIXTURES / "dcp" / "fsdp2", tmp_path / "t")
     assert run_cli("seal", tmp_path / "t").code == 0
-    os_truncate = __import__("os").truncate
-    os_truncate(tmp_path / "t" / "__1_0.distcp", 20_000)
+    os.truncate(tmp_path / "t" / "__1_0.distcp", 20_000)
     code, report = _findings(tmp_path / "t")
     assert ("truncated-file", "__1_0.distcp") in _rules(report)
     assert any("the seal says 103,506: cut short" in f["message"] for f in report["findings"]), report

@@ -359,8 +359,9 @@ def verify(
                 message, hint = _os_error(exc), None
             else:
                 message, hint = f"internal error: {type(exc).__name__}: {exc}", "this is a bug in ckpttool"
-            failed = VerifyReport(path=str(path), seal=str(manifest) if manifest else None, deep=deep)
-            failed.error, failed.error_hint = message, hint
+            failed = VerifyReport(
+                path=str(path), seal=str(manifest) if manifest else None, deep=deep, error=message, error_hint=hint
+            )
             _verify_outputs(out, failed, severity, report_file, junit_file)
             raise
     _verify_outputs(out, report, severity, report_file, junit_file)

@@ -237,6 +237,10 @@ def _build_zero(root: str, manifest: Manifest, dp: int, stage: int, sub_group_si
             return Zero3From12Writer(Path(root), manifest, dp, sub_group_size)
         return ZeroFromUniversalWriter(Path(root), manifest, dp, stage)
     source = manifest.layout.zero_stage
+    if manifest.extras.get("variant") == "BF16_Optimizer":  # ZeRO-1's partitions, any stage refused in ZeroWriter
+        if model_parallel(manifest):
+            return ZeroModelParallelWriter(Path(root), manifest, dp, stage)
+        return ZeroWriter(Path(root), manifest, dp, stage)
     if source in (1, 2) and stage in (None, 1, 2) and model_parallel(manifest):
         return ZeroModelParallelWriter(Path(root), manifest, dp, stage)
     if source == 3 and sub_group_size is not None:

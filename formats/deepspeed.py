@@ -587,6 +587,8 @@ class DeepSpeedAdapter:
                 key = (int(m.group(1)), int(m.group(2) or 0))
                 claim(layers, key, rel, f"layer {key[0]} of MP rank {key[1]}")
         stage = self._stage(files, optims)
+        if bf16_optimizer(files, optims):
+            manifest.extras["variant"] = "BF16_Optimizer"
         dp_ranks = _check_rank_files(tag_dir.name, prefix, files, models, z3_models, optims, stage, stray)
         first_model = files[models[min(models)]] if models else files[z3_models[min(z3_models)]] if z3_models else None
         if first_model is None:
@@ -769,8 +771,12 @@ class DeepSpeedAdapter:
         stage = osd.get("zero_stage")
         if isinstance(stage, _unpickle.EnumValue):
             return int(stage.value)
-        if "single_partition_of_fp32_groups" in osd:  # BF16_Optimizer: no zero_stage
-            return 0
+        if "single_partition_of_fp32_groups" in osd:  # BF16_Optimizer: no zero_stage; its config says
+            config = files[next(iter(optims.values()))].get("ds_config")
+            configured = config.get("zero_optimization") if isinstance(config, dict) else None
+            stage = configured.get("stage") if isinstance(configured, dict) else None
+            # it partitions the fp32 masters and the moments over DP as ZeRO-1 does
+            return stage if isinstance(stage, int) and not isinstance(stage, bool) and stage in (0, 1) else 1
         raise CorruptFileError(
             f"{next(iter(optims.values()))}: no zero_stage in the optimizer state", path=next(iter(optims.values()))
         )
@@ -832,6 +838,14 @@ def _partition_count(optim: Any) -> int | None:
         counts = [c for v in value if (c := _count(v)) is not None]
         return max(counts) if counts and len(counts) == len(value) else None
     return _count(value)
+
+
+def bf16_optimizer(files: dict[str, Any], optims: dict[Any, str]) -> bool:
+    """Whether the optimizer files are DeepSpeed's BF16_Optimizer's (bf16 + ZeRO-1 with fp32
+    gradient accumulation, or bf16 + pipeline without ZeRO): ZeRO-1's partitions, saved with their
+    padding, and no ``zero_stage``."""
+    osd = files[next(iter(optims.values()))].get("optimizer_state_dict") if optims else None
+    return isinstance(osd, dict) and "zero_stage" not in osd and "single_partition_of_fp32_groups" in osd
 
 
 def _is_bf16(config: Any) -> bool:

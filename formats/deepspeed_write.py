@@ -101,6 +101,8 @@ class ZeroWriter:
     """the model-parallel rank whose files this writer writes"""
     _own_files: set[str] | None = None
     """that rank's optimizer files, when the run is model-parallel (None: every piece is the rank's)"""
+    bf16_optimizer = False
+    """whether the source's optimizer files are BF16_Optimizer's (written so again)"""
 
     def __init__(
         self, root: Path, manifest: Manifest, dp: int, target_stage: int | None = None, mp: int | None = None
@@ -112,22 +114,20 @@ class ZeroWriter:
         self.scratch = _ptwrite.Scratch()  # one tensor buffer for every file this writer writes
         if dp < 1:
             raise UsageError("--dp must be at least 1")
-        stage = manifest.layout.zero_stage
-        if stage not in (1, 2):
-            names = (f.path.rsplit("/", 1)[-1] for f in manifest.files)
-            bf16 = stage == 0 and any(n.startswith("bf16_zero_pp_rank_") for n in names)
-            configured = (manifest.extras.get("ds_config") or {}).get("zero_optimization.stage")
-            what = (
-                "a universal checkpoint"
-                if manifest.extras.get("variant") == "universal"
-                else "DeepSpeed's BF16_Optimizer (bf16_zero_pp_rank_* files"
-                + (f", ZeRO stage {configured} in its config)" if configured is not None else ")")
-                if bf16
-                else f"ZeRO stage {stage}"
+        stage = manifest.layout.zero_stage or 0
+        self.bf16_optimizer = manifest.extras.get("variant") == "BF16_Optimizer"
+        if self.bf16_optimizer and target_stage not in (None, stage):
+            raise UsageError(
+                f"--zero-stage {target_stage}: DeepSpeed's BF16_Optimizer saved this checkpoint (bf16 with "
+                "grad_accum_dtype fp32); its files can change DP size, not optimizer",
+                hint="'ckpttool convert --to deepspeed-universal' writes a universal checkpoint, which DeepSpeed "
+                "loads into any ZeRO stage",
             )
+        if stage not in (1, 2) and not self.bf16_optimizer:
+            what = "a universal checkpoint" if manifest.extras.get("variant") == "universal" else f"ZeRO stage {stage}"
             raise UsageError(
                 f"--to deepspeed: writing ZeRO files from {what} is not supported yet (from the ZeRO-1/2/3 "
-                "optimizers it is)",
+                "optimizers and BF16_Optimizer it is)",
                 hint="'ckpttool convert --to dcp' keeps the state in a layout-free form",
             )
         model_rel = None
@@ -265,8 +265,10 @@ class ZeroWriter:
                     state[g] = entry
                 osd[key] = {**_ptwrite.carry(base_src, partial(archive, src_rel)), "state": state}
             elif key == "single_partition_of_fp32_groups":
-                # saved without the alignment padding (``_get_groups_without_padding``)
-                osd[key] = [self._partition(g, r, "fp32", reader, lean=True) for g in range(len(self.groups))]
+                # ZeRO-1/2 save it without the alignment padding (``_get_groups_without_padding``),
+                # BF16_Optimizer with it
+                lean = not self.bf16_optimizer
+                osd[key] = [self._partition(g, r, "fp32", reader, lean=lean) for g in range(len(self.groups))]
             elif key == "group_paddings":
                 osd[key] = [g.padding(r) for g in self.groups]
             elif key == "partition_count":

@@ -95,6 +95,11 @@ def test_layout_step_and_files(name):
         assert (m.layout.pp, m.layout.tp, m.layout.dp, m.layout.world_size) == (1, 2, 2, 4)
     if name == "pipeline_tied":
         assert (m.layout.pp, m.layout.tp, m.layout.dp, m.layout.world_size) == (2, 1, 2, 4)
+    # BF16_Optimizer records no zero_stage: its config's (ZeRO-1 with fp32 gradient accumulation)
+    stages = {"zero0": 0, "bf16_zero0": 0, "zero1": 1, "bf16_optimizer": 1, "zero2": 2, "zero3": 3, "pipeline": 1}
+    if name in stages:
+        assert m.layout.zero_stage == stages[name]
+    assert (m.extras.get("variant") == "BF16_Optimizer") == (name == "bf16_optimizer")
 
 
 def test_a_layer_is_named_after_a_tied_module_only_when_it_fits_it(tmp_path):

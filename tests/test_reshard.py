@@ -650,7 +650,8 @@ def test_dcp_load_reads_the_new_world_size(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "variant", ["zero2", "zero2_bf16", "zero1", "zero3", "zero3_bf16", "pipeline", "pipeline_tied", "tp2", "autotp"]
+    "variant",
+    ["zero2", "zero2_bf16", "zero1", "bf16_optimizer", "zero3", "zero3_bf16", "pipeline", "pipeline_tied", "tp2", "autotp"],
 )
 def test_deepspeed_round_trip_is_exact(variant, tmp_path):
     """ZeRO DP=2 -> DP=1 -> DP=2 gives the original files' trees: flat fp32 partitions (padding
@@ -659,7 +660,8 @@ def test_deepspeed_round_trip_is_exact(variant, tmp_path):
     tied-weight map on rank 0 only; a pipeline run (PP=2 x TP=2, ZeRO-1): each model-parallel
     rank's layout, and its layer files as they were; a TP=2 run (tp2, ZeRO-2; autotp, AutoTP's
     ZeRO-1 with fused qkv and gate_up and an uneven lm_head): each TP rank's partitions made of its
-    own regions of the joined items."""
+    own regions of the joined items; BF16_Optimizer's files (bf16 + ZeRO-1, fp32 partitions saved
+    with their padding, no zero_stage) as that optimizer writes them."""
     from ckpttool.formats.deepspeed import ALLOWLIST as DS
 
     src = FIXTURES / "deepspeed" / variant
@@ -1082,6 +1084,48 @@ def test_deepspeed_resumes_from_the_resharded_zero3_checkpoint(variant, dp):
     report = _ds_oracle("--variant", variant, "--dp", str(dp), "--no-native")
     assert "step-4 loss: BIT-IDENTICAL" in report
     assert "zero_to_fp32: 18 tensors, 18 bit-identical to the reference" in report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp", [1, pytest.param(4, marks=pytest.mark.long)])
+def test_deepspeed_resumes_from_a_resharded_bf16_optimizer_checkpoint(dp):
+    """Oracle: BF16_Optimizer's checkpoint (bf16 + ZeRO-1 with fp32 gradient accumulation, the
+    Megatron-DeepSpeed default) at a new DP size: DeepSpeed's load_checkpoint at that size builds a
+    BF16_Optimizer and takes our files; the state equals the reference bit for bit; the files are
+    what DeepSpeed's own save at that DP size writes (its ds_to_universal + load_universal route);
+    at DP=1 the next step's loss is bit-identical to the uninterrupted DP=2 run's (at DP=4 the
+    micro-batches of 2 reduce in another order: equal to DeepSpeed's own route's, bit for bit)."""
+    report = _ds_oracle("--variant", "bf16_optimizer", "--dp", str(dp))
+    assert "optimizer deepspeed.runtime.bf16_optimizer.BF16_Optimizer" in report
+    assert "state after load vs bf16_optimizer.reference.pt" in report and "control after load vs reference: OK" in report
+    assert f"files: ckpttool's DP={dp} checkpoint vs DeepSpeed's save_checkpoint at DP={dp}: 0 difference(s)" in report
+    if dp == 1:
+        assert "step-4 loss: BIT-IDENTICAL" in report
+    assert f"native DP={dp} (same layout): step-4 loss" in report and "-> BIT-IDENTICAL; state after step 4" in report
+
+
+@pytest.mark.slow
+def test_deepspeed_universal_of_a_bf16_optimizer_checkpoint_is_ds_to_universals(tmp_path):
+    """Oracle: --to deepspeed-universal of BF16_Optimizer's checkpoint gives DeepSpeed's
+    ds_to_universal output byte for byte (that tool run with --inject_missing_state, as a client
+    without universal_checkpoint_info must, on a copy)."""
+    pytest.importorskip("deepspeed", reason="needs deepspeed (an oracle, not a dependency)")
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "deepspeed" / "bf16_optimizer", src)
+    theirs = tmp_path / "theirs"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(src / "global_step3"),
+         "--output_folder", str(theirs), "--inject_missing_state", "--num_extract_workers", "1",
+         "--num_merge_workers", "1"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    out = tmp_path / "ours"
+    reshard(FIXTURES / "deepspeed" / "bf16_optimizer", out, Target(to="deepspeed-universal"))
+    names, differ = _differing_files(out / "global_step3_universal", theirs)
+    assert len(names) == 63 and differ == []
+    assert not diff(FIXTURES / "deepspeed" / "bf16_optimizer", out).different
 
 
 def _differing_files(ours: Path, theirs: Path) -> tuple[list[str], list[str]]:

@@ -174,11 +174,12 @@ def test_an_expert_split_legacy_files_cannot_hold_says_which_rule(sizes, said, t
 
 def test_refusals_helpers_found_misleading(tmp_path):
     """Three refusals that read wrong: a BF16_Optimizer checkpoint (ZeRO-1 in its config) was
-    'ZeRO stage 0'; --max-memory 300.01MB was refused as needing 'about 300 MB'; --world-size
-    with --to torch was ignored without a word."""
+    'ZeRO stage 0' (it is resharded now; a change of stage from it is refused by name);
+    --max-memory 300.01MB was refused as needing 'about 300 MB'; --world-size with --to torch was
+    ignored without a word."""
     out = tmp_path / "out"
-    r = run_cli("reshard", FIXTURES / "deepspeed" / "bf16_optimizer", "-o", out, "--dp", "1")
-    assert_clean(r, 2, "BF16_Optimizer", "ZeRO stage 1 in its config")
+    r = run_cli("reshard", FIXTURES / "deepspeed" / "bf16_optimizer", "-o", out, "--dp", "1", "--zero-stage", "2")
+    assert_clean(r, 2, "BF16_Optimizer", "--zero-stage 2", "--to deepspeed-universal")
     r = run_cli("reshard", MG / "legacy_tp2pp2", "-o", out, "--tp", "1", "--pp", "2", "--max-memory", "300.01MB")
     assert_clean(r, 2, "300,010,000 bytes")
     need = int(r.stderr.split("needs ", 1)[1].split(" bytes", 1)[0].replace(",", ""))

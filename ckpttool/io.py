@@ -594,6 +594,18 @@ def _make_parents(directory: Path) -> list[Path]:
     return made
 
 
+def _remake_parents(directory: Path, made: list[Path], vanished: int) -> int:
+    """Make ``directory`` again after it vanished between :func:`_make_parents` and the temporary's
+    creation (another run that had made it and found it empty failed, and removed it with
+    :func:`_unmake`); the folders made now are this run's (added to ``made``). ``vanished``: how
+    often it did so before; returns the count with this time. The fourth time is an error."""
+    if vanished >= 3:
+        gone = "the output's folder keeps being removed by another process"
+        raise FileNotFoundError(errno.ENOENT, gone, str(directory))
+    made.extend(_make_parents(directory))
+    return vanished + 1
+
+
 def _unmake(made: list[Path]) -> None:
     """Remove the directories a failed run made for its output (innermost first), those still
     empty: an output that is not published leaves nothing behind, not even its parent folders."""
@@ -615,6 +627,7 @@ def atomic_output(dest: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     made = _make_parents(parent)  # (as staged_dir; callers refuse a parent they must not make)
     sweep_stale(dest_p)
     tmp: str | None = None
+    vanished = 0
     try:
         while True:  # named before it is made: an interrupt landing in between leaves nothing unnamed
             tmp = str(parent / _temp_name(dest_p))
@@ -623,6 +636,8 @@ def atomic_output(dest: str | os.PathLike[str]) -> Iterator[BinaryIO]:
                 break
             except FileExistsError:
                 continue
+            except FileNotFoundError:
+                vanished = _remake_parents(parent, made, vanished)
         from ckpttool._directwrite import DirectFile, direct_ok  # (it uses this module's helper threads)
 
         with DirectFile(fd) if direct_ok(parent) else os.fdopen(fd, "wb") as f:
@@ -649,6 +664,7 @@ def staged_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
     made = _make_parents(dest_p.parent)
     sweep_stale(dest_p)
     tmp: Path | None = None
+    vanished = 0
     try:
         while True:  # named before it is made (as in atomic_output)
             tmp = dest_p.parent / _temp_name(dest_p)
@@ -657,6 +673,8 @@ def staged_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
                 break
             except FileExistsError:
                 continue
+            except FileNotFoundError:
+                vanished = _remake_parents(dest_p.parent, made, vanished)
         yield tmp
     except BaseException:
         if tmp is not None:

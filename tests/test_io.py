@@ -233,3 +233,48 @@ def test_probing_many_cold_files_holds_the_open_file_limit(tmp_path):
                 assert files.get(n).read(4096, 10) == b"x" * 10
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize("kind", ["file", "dir"])
+def test_a_parent_another_failed_run_removed_is_made_again(kind, tmp_path, monkeypatch):
+    """Two runs writing into the same new folder: one made it, the other found it; the first failed
+    and removed it (empty) just before the second made its temporary there. The second makes the
+    folder again, as its own, and publishes; failing, it removes it."""
+    from ckpttool import io as ckio
+
+    parent = tmp_path / "new" / "deeper"
+    real_sweep = ckio.sweep_stale
+
+    def other_run_fails(dest):  # runs between the parents' creation and the temporary's
+        real_sweep(dest)
+        for d in (parent, parent.parent):
+            d.rmdir()
+
+    monkeypatch.setattr(ckio, "sweep_stale", other_run_fails)
+    dest = parent / "out"
+    if kind == "file":
+        with ckio.atomic_output(dest) as fh:
+            fh.write(b"x")
+        assert dest.read_bytes() == b"x"
+    else:
+        with ckio.staged_dir(dest) as tmp:
+            (tmp / "a").write_bytes(b"y")
+            ckio.publish_dir(tmp, dest)
+        assert (dest / "a").read_bytes() == b"y"
+    shutil.rmtree(tmp_path / "new")
+    with pytest.raises(RuntimeError), ckio.atomic_output(dest):  # failing, the remade folders go too
+        raise RuntimeError("writer failed")
+    assert list(tmp_path.iterdir()) == []
+
+    real_make = ckio._make_parents
+
+    def made_and_gone(directory):  # a folder removed as soon as it is made, every time
+        real_make(directory)
+        shutil.rmtree(tmp_path / "new")
+        return []
+
+    monkeypatch.setattr(ckio, "sweep_stale", real_sweep)
+    monkeypatch.setattr(ckio, "_make_parents", made_and_gone)
+    with pytest.raises(FileNotFoundError, match="keeps being removed"), ckio.atomic_output(dest):
+        pass
+    assert list(tmp_path.iterdir()) == []

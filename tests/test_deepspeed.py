@@ -23,7 +23,7 @@ DS = FIXTURES / "deepspeed"
 MODEL_STATES = "global_step3/mp_rank_*_model_states.pt"
 ALL = [
     "zero0", "zero1", "zero2", "zero2_bf16", "zero3", "bf16_zero0", "bf16_optimizer", "pipeline", "pipeline_tied", "tp2", "tp2_glu",
-    "autotp",
+    "autotp", "pipeline_bf16",
 ]
 ZERO_TO_FP32 = ["zero1", "zero2", "zero2_bf16", "zero3"]
 
@@ -55,7 +55,7 @@ def test_master_weights(name, tmp_path):
         assert extra == {"frozen.weight", "frozen.bias"}
     elif name in ZERO_TO_FP32:
         assert extra == set()
-    elif name in ("pipeline", "pipeline_tied", "tp2", "tp2_glu", "autotp"):  # their models hold no buffers
+    elif name in ("pipeline", "pipeline_tied", "pipeline_bf16", "tp2", "tp2_glu", "autotp"):  # no buffers in their models
         assert extra == set()
     else:  # references from the live optimizer hold no buffers; the export completes them
         assert extra == {"seen_tokens"}
@@ -99,7 +99,9 @@ def test_layout_step_and_files(name):
     stages = {"zero0": 0, "bf16_zero0": 0, "zero1": 1, "bf16_optimizer": 1, "zero2": 2, "zero3": 3, "pipeline": 1}
     if name in stages:
         assert m.layout.zero_stage == stages[name]
-    assert (m.extras.get("variant") == "BF16_Optimizer") == (name == "bf16_optimizer")
+    assert (m.extras.get("variant") == "BF16_Optimizer") == (name in ("bf16_optimizer", "pipeline_bf16"))
+    if name == "pipeline_bf16":
+        assert (m.layout.pp, m.layout.tp, m.layout.dp, m.layout.zero_stage) == (2, 1, 2, 1)
 
 
 def test_a_layer_is_named_after_a_tied_module_only_when_it_fits_it(tmp_path):

@@ -189,8 +189,8 @@ def test_optimizer_files_recording_two_dp_sizes_are_refused(tmp_path):
 
 @pytest.mark.parametrize(
     "fixture",
-    ["zero1", "zero2", "zero2_bf16", "bf16_optimizer", "zero3", "zero3_bf16", "pipeline", "pipeline_tied", "tp2",
-     "tp2_glu", "autotp", "universal", "universal3"],
+    ["zero1", "zero2", "zero2_bf16", "bf16_optimizer", "zero3", "zero3_bf16", "pipeline", "pipeline_tied",
+     "pipeline_bf16", "tp2", "tp2_glu", "autotp", "universal", "universal3"],
 )  # fmt: skip
 def test_every_clean_fixture_reads_with_its_alias(fixture):
     _, m = registry.describe(DS / fixture)

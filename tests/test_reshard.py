@@ -651,7 +651,10 @@ def test_dcp_load_reads_the_new_world_size(tmp_path):
 
 @pytest.mark.parametrize(
     "variant",
-    ["zero2", "zero2_bf16", "zero1", "bf16_optimizer", "zero3", "zero3_bf16", "pipeline", "pipeline_tied", "tp2", "autotp"],
+    [
+        "zero2", "zero2_bf16", "zero1", "bf16_optimizer", "zero3", "zero3_bf16", "pipeline", "pipeline_tied",
+        "pipeline_bf16", "tp2", "autotp",
+    ],
 )
 def test_deepspeed_round_trip_is_exact(variant, tmp_path):
     """ZeRO DP=2 -> DP=1 -> DP=2 gives the original files' trees: flat fp32 partitions (padding
@@ -1557,7 +1560,7 @@ def pipe_control(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     @functools.cache
     def run(variant: str) -> dict[tuple[int, ...], Any]:
-        tp = 1 if variant == "pipeline_tied" else 2
+        tp = 1 if variant in ("pipeline_tied", "pipeline_bf16") else 2
         result = tmp_path_factory.mktemp("control") / f"{variant}.pt"
         return _pipe_oracle(FIXTURES / "deepspeed" / variant, 2, result, variant, tp=tp)
 
@@ -1597,6 +1600,44 @@ def test_deepspeed_pipeline_engine_resumes_at_dp1(tmp_path, pipe_control):
         assert all(torch.equal(v, theirs["module"][k]) for k, v in mine["module"].items()), key
         assert mine["loss"] == theirs["loss"], key
     assert checked == 3 * 2 * 23  # every parameter of both stages, on both model ranks
+
+
+@pytest.mark.slow
+def test_deepspeed_bf16_pipeline_engine_resumes_at_dp1(tmp_path, pipe_control):
+    """Oracle: a bf16 pipeline run (PP=2 x DP=2, ZeRO-1 with fp32 gradient accumulation: DeepSpeed
+    trains it with BF16_Optimizer, as Megatron-DeepSpeed's BLOOM-style runs) resharded to --dp 1:
+    DeepSpeed's PipelineEngine at DP=1 loads it with every fp32 master and moment equal to the
+    reference and to the DP=2 engine's load of the fixture, bit for bit, and the step-4 loss is
+    bit-identical. DeepSpeed's own route to DP=1 (ds_to_universal, load_universal) trains that step
+    to the same bits as ours; against the DP=2 run, bf16 gradients summed in another order differ."""
+    pytest.importorskip("deepspeed", reason="needs deepspeed (an oracle, not a dependency)")
+    import torch
+
+    src = FIXTURES / "deepspeed" / "pipeline_bf16"
+    out = tmp_path / "dp1"
+    reshard(src, out, Target(dp=1))
+    ours = {k[:2]: r for k, r in _pipe_oracle(out, 1, tmp_path / "dp1.pt", "pipeline_bf16", tp=1).items()}
+    universal = _ds_to_universal(src, tmp_path / "uni" / "global_step3_universal").parent
+    (universal / "latest_universal").write_text("global_step3_universal")
+    native = _pipe_oracle(universal, 1, tmp_path / "native.pt", "pipeline_bf16", tp=1, universal=True)
+    native = {k[:2]: r for k, r in native.items()}
+    control = {k[:2]: r for k, r in pipe_control("pipeline_bf16").items() if k[2] == 0}
+    ref = torch.load(src.with_name("pipeline_bf16.reference.pt"), weights_only=False)
+    assert sorted(ours) == sorted(control) == sorted(native) == [(0, 0), (1, 0)]
+    checked = 0
+    for key, mine in ours.items():
+        assert mine["counters"] == control[key]["counters"] == (3, 24)
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            assert sorted(mine["loaded"][state]) == sorted(control[key]["loaded"][state])
+            for name, value in mine["loaded"][state].items():
+                assert torch.equal(value, control[key]["loaded"][state][name]), (key, state, name)
+                assert torch.equal(value, ref[f"{state}.{name}"]), (key, state, name)
+                checked += 1
+            for name, value in mine["after"][state].items():
+                assert torch.equal(value, native[key]["after"][state][name]), (key, state, name)
+        assert all(torch.equal(v, control[key]["module"][k]) for k, v in mine["module"].items()), key
+        assert mine["loss"] == control[key]["loss"] == native[key]["loss"], key
+    assert checked == 3 * 23  # every parameter of both stages
 
 
 def _tp_slice(whole: Any, part: Any, t: int) -> Any:
@@ -1737,7 +1778,8 @@ def test_deepspeed_universal_of_a_tensor_parallel_run(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("variant", "count"), [("tp2", 59), ("tp2_glu", 63), ("autotp", 99), ("pipeline", 97), ("pipeline_tied", 87)]
+    ("variant", "count"),
+    [("tp2", 59), ("tp2_glu", 63), ("autotp", 99), ("pipeline", 97), ("pipeline_tied", 87), ("pipeline_bf16", 95)],
 )
 def test_deepspeed_universal_of_a_model_parallel_run_is_ds_to_universals(variant, count, tmp_path):
     """Oracle: DeepSpeed's ds_to_universal and ckpttool's --to deepspeed-universal give the same

@@ -30,6 +30,7 @@ CLEAN = [
             "bf16_optimizer",
             "pipeline",
             "pipeline_tied",
+            "pipeline_bf16",
             "tp2",
             "tp2_glu",
             "autotp",

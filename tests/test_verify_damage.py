@@ -384,6 +384,7 @@ MASTERED = [  # fp32, bf16 and fp16 parameters, distributed optimizer or not, Ze
     "deepspeed/bf16_optimizer",
     "deepspeed/universal",
     "deepspeed/pipeline_tied",
+    "deepspeed/pipeline_bf16",
 ]
 
 

@@ -526,6 +526,16 @@ class _MegatronExec(_FileExec):
         self.notes = self.writer.notes()
 
 
+def _check_coverage(manifest: Manifest) -> None:
+    """Every tensor of the source tiled exactly by its pieces (the writers that cut flat partitions
+    would fill a gap with zeros): a rank file of another run, read as this one's, leaves one."""
+    from ckpttool.assemble import check_coverage
+
+    for item in manifest.items.values():
+        if item.is_tensor and item.shape is not None:
+            check_coverage(item)
+
+
 class _ZeroExec(_FileExec):
     def __init__(self, adapter: Any, manifest: Manifest, target: Target) -> None:
         from ckpttool.formats.deepspeed import DeepSpeedAdapter
@@ -535,14 +545,18 @@ class _ZeroExec(_FileExec):
                 f"--to deepspeed reshards DeepSpeed checkpoints; this one is {manifest.format}",
                 hint="'ckpttool convert --to dcp' or '--to safetensors' writes other formats",
             )
-        if (
-            target.tp not in (None, 1)
-            or target.pp not in (None, 1)
-            or target.ep not in (None, 1)
-            or target.etp not in (None, 1)
-        ):
-            raise UsageError("--to deepspeed: only the data-parallel size (--dp) can change so far")
+        lay = manifest.layout
+        kept = {"--tp": lay.tp or 1, "--pp": lay.pp or 1, "--ep": lay.ep or 1, "--etp": 1}
+        given = {"--tp": target.tp, "--pp": target.pp, "--ep": target.ep, "--etp": target.etp}
+        if changed := [f"{k} {v}" for k, v in given.items() if v is not None and v != kept[k]]:
+            raise UsageError(
+                f"--to deepspeed: only the data-parallel size (--dp) can change so far; {', '.join(changed)} "
+                f"would change the source's TP={kept['--tp']}, PP={kept['--pp']}",
+                hint="'ckpttool convert SRC -o DST --to deepspeed-universal' writes a universal checkpoint, which "
+                "DeepSpeed loads at any TP, PP and DP",
+            )
         universal = manifest.extras.get("variant") == "universal"
+        _check_coverage(manifest)
         if universal and target.dp is None:
             raise UsageError(
                 "--to deepspeed from a universal checkpoint needs the data-parallel size to write (it records none)",
@@ -590,6 +604,7 @@ class _UniversalExec(_FileExec):
                 "--to deepspeed-universal: this checkpoint is a universal one already",
                 hint="'ckpttool reshard SRC -o DST --to deepspeed --dp N' writes ZeRO files from it",
             )
+        _check_coverage(manifest)
         if manifest.layout.zero_stage not in (1, 2, 3):
             raise UsageError(
                 f"--to deepspeed-universal: from ZeRO stage {manifest.layout.zero_stage} is not supported yet "

@@ -643,6 +643,8 @@ class DeepSpeedAdapter:
                 if name in buffers:
                     b.tensor_or_object(name, value, rel0, "param", rank=0, path=f"module.{name}")
         # optimizer side
+        if stage != 3:
+            _check_stage_files(files, optims, models)
         for mp in sorted({mp for _, mp in optims}):
             ranks = sorted(dp for dp, m in optims if m == mp)
             model_rel = models.get(mp) or z3_models.get((0, mp)) or models.get(0)
@@ -840,6 +842,55 @@ def _partition_count(optim: Any) -> int | None:
     return _count(value)
 
 
+def _optimizer_kind(optim: Any) -> tuple[str, tuple[str, ...]]:
+    """What wrote a ZeRO optimizer file: ``ZeRO-N`` (its ``zero_stage``) or ``BF16_Optimizer`` (none,
+    flat fp32 partitions), and the keys of its state (a loss scaler, alignment paddings, ...)."""
+    osd = optim.get("optimizer_state_dict") if isinstance(optim, dict) else None
+    if not isinstance(osd, dict):
+        return "an unknown optimizer", ()
+    keys = tuple(sorted(k for k in osd if isinstance(k, str)))
+    stage = osd.get("zero_stage")
+    if isinstance(stage, _unpickle.EnumValue):
+        return f"ZeRO-{stage.value}", keys
+    return ("BF16_Optimizer" if "single_partition_of_fp32_groups" in osd else "an unknown optimizer"), keys
+
+
+def _check_one_run(files: dict[str, Any], optims: dict[tuple[int, int], str]) -> None:
+    """Every optimizer file was written by the same optimizer as the first (its stage, the keys of
+    its state) and with the alignment paddings of the first of its model-parallel rank: a rank file
+    of another run dropped into the tag directory is named, where reading it as this run's would
+    cut its partitions wrong."""
+    ranks = sorted(optims.items(), key=lambda kv: (kv[0][1], kv[0][0]))  # MP rank, then DP rank
+    if not ranks:
+        return
+    base = ranks[0][1]
+    base_kind, base_keys = _optimizer_kind(files[base])
+    first_of: dict[int, str] = {}
+    for (_dp, mp), rel in ranks:
+        kind, keys = _optimizer_kind(files[rel])
+        ref = first_of.setdefault(mp, rel)
+        if kind != base_kind:
+            why = f"{kind}'s optimizer state where {base} holds {base_kind}'s"
+        elif keys != base_keys:
+            extra, lacking = sorted(set(keys) - set(base_keys)), sorted(set(base_keys) - set(keys))
+            why = f"an optimizer state with {extra or 'no'} keys beyond {base}'s and without {lacking or 'none'} of it"
+        elif _paddings(files[rel]) != _paddings(files[ref]):
+            why = f"other param_alignment_paddings than {ref}, of the same model-parallel rank"
+        else:
+            continue
+        raise CorruptFileError(
+            f"{rel}: {why}: a file of another run or configuration is in this tag directory",
+            hint="restore the tag directory from one save (DeepSpeed would load it and train on wrong state)",
+            path=rel,
+            rule="misplaced-file",
+        )
+
+
+def _paddings(optim: Any) -> Any:
+    osd = optim.get("optimizer_state_dict") if isinstance(optim, dict) else None
+    return osd.get("param_alignment_paddings") if isinstance(osd, dict) else None
+
+
 def bf16_optimizer(files: dict[str, Any], optims: dict[Any, str]) -> bool:
     """Whether the optimizer files are DeepSpeed's BF16_Optimizer's (bf16 + ZeRO-1 with fp32
     gradient accumulation, or bf16 + pipeline without ZeRO): ZeRO-1's partitions, saved with their
@@ -887,6 +938,7 @@ def _check_rank_files(
             path=b,
             rule="misplaced-file",
         )
+    _check_one_run(files, optims)
     model_rels = [models[k] for k in sorted(models)] + [z3_models[k] for k in sorted(z3_models)]
     first = files[model_rels[0]] if model_rels else {}
     partitioned = bool(optims) or bool(z3_models) or isinstance(first.get("param_shapes"), list)
@@ -1089,6 +1141,38 @@ def _held_rank(layout: GroupLayout, ws: int, actual: dict[str, tuple[int, int]])
     else:  # the partition lies inside it
         guesses = list(range(-(-off // part), (off + size) // part))[:8]
     return [r for r in guesses if 0 <= r < ws and _fragments_of(layout, r) == actual]
+
+
+def _check_stage_files(files: dict[str, Any], optims: dict[tuple[int, int], str], models: dict[int, str]) -> None:
+    """Each ZeRO-1/2 optimizer file holds parameters of its own model-parallel rank: the names in
+    its ``param_slice_mappings`` are among those of ``mp_rank_MM_model_states.pt``'s
+    ``param_shapes``. Pipeline stages hold different parameters, so a stage's file given another
+    stage's name (swapped, renamed) is found here and named with the rank whose parameters it holds."""
+
+    def names(groups: Any) -> set[str]:
+        if not isinstance(groups, list):
+            return set()
+        return {n for g in groups if isinstance(g, dict) for n in g if isinstance(n, str)}
+
+    def mappings(obj: Any) -> Any:
+        osd = obj.get("optimizer_state_dict") if isinstance(obj, dict) else None
+        return osd.get("param_slice_mappings") if isinstance(osd, dict) else None
+
+    params = {mp: names(files[rel].get("param_shapes")) for mp, rel in models.items() if isinstance(files[rel], dict)}
+    for (_dp, mp), rel in sorted(optims.items()):
+        held = names(mappings(files[rel]))
+        if not held or mp not in params or not params[mp] or held <= params[mp]:
+            continue
+        owners = [m for m, own in sorted(params.items()) if m != mp and held <= own]
+        whose = f"model-parallel rank {owners[0]}'s ({models[owners[0]]})" if owners else "no model-parallel rank's"
+        raise CorruptFileError(
+            f"{rel}: its param_slice_mappings name {len(held - params[mp])} parameters that "
+            f"{models[mp]} does not hold ({sorted(held - params[mp])[0]} first): the optimizer partition of "
+            f"{whose}, not of MP rank {mp}: the stages' files were swapped or renamed",
+            hint="restore the files from the save, or rename each to the rank whose parameters it holds",
+            path=rel,
+            rule="misplaced-file",
+        )
 
 
 def _check_zero12_ranks(files: dict[str, Any], per_rank: list[tuple[int, str]], shapes: Any, ws: int) -> None:

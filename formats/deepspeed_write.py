@@ -902,10 +902,21 @@ class ZeroFromUniversalWriter(ZeroWriter):
         archive, state, _ = _pt.load(root, optim_rel, ALLOWLIST)
         archive.close()
         stage = state.get("zero_stage") if isinstance(state, dict) else None
-        if not isinstance(stage, _unpickle.EnumValue) or stage.value not in (1, 2):
+        # BF16_Optimizer's state records no stage and no loss scaler; its files are written again
+        self.bf16_optimizer = isinstance(state, dict) and stage is None and "group_paddings" in state
+        if self.bf16_optimizer:
+            if target_stage is not None:
+                raise UsageError(
+                    f"--zero-stage {target_stage}: {optim_rel} is the universal state of a BF16_Optimizer run; "
+                    "--to deepspeed writes that optimizer's files again (at --dp N), not ZeRO-1/2's",
+                    hint="DeepSpeed's checkpoint.load_universal loads it into an engine at any ZeRO stage",
+                )
+            self.source_stage = self.stage = 1
+        elif not isinstance(stage, _unpickle.EnumValue) or stage.value not in (1, 2):
             raise UsageError(f"{optim_rel}: not the optimizer state of a ZeRO-1/2 run (zero_stage {stage})")
-        self.source_stage = int(stage.value)
-        self.stage = target_stage or self.source_stage
+        else:
+            self.source_stage = int(stage.value)
+            self.stage = target_stage or self.source_stage
         self.tag_dir, (self.tag, self.file_prefix) = "", universal_names(manifest, self.model_obj)
         shapes = self.model_obj.get("param_shapes")
         groups = state.get("param_groups") or []
@@ -931,8 +942,9 @@ class ZeroFromUniversalWriter(ZeroWriter):
         states = {g: {"step": None, "exp_avg": None, "exp_avg_sq": None} for g in self.steps}
         osd["base_optimizer_state"] = {"state": states, "param_groups": groups}
         osd["single_partition_of_fp32_groups"] = None
-        for key in ("zero_stage", "group_paddings", "param_alignment_paddings", "partition_count", "ds_version"):
-            osd[key] = state.get(key)
+        later = ("zero_stage", "group_paddings", "param_alignment_paddings", "partition_count", "ds_version")
+        for key in later if not self.bf16_optimizer else ("group_paddings", "partition_count", "ds_version"):
+            osd[key] = state.get(key)  # (in the order each optimizer's state_dict gives them)
         osd["param_slice_mappings"] = None
         self.optim_obj = {
             "optimizer_state_dict": osd,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from tests.conftest import FIXTURES, run_cli, tree_digests
+from tests.conftest import FIXTURES, cli_env, run_cli, tree_digests
 
 FSDP2 = FIXTURES / "dcp" / "fsdp2"
 
@@ -279,3 +279,22 @@ def test_a_torch_file_beside_dcp_metadata_is_read_and_a_tag_dir_given_as_dot(tmp
     r = run_cli("verify", ".", cwd=ds / "global_step3")
     assert r.code == 0 and "deepspeed checkpoint" in r.stdout, r.stderr
 
+
+
+@pytest.mark.parametrize("args", [["inspect"], ["inspect", "--json"], ["verify"], ["ls"]])
+def test_a_reader_that_goes_away_ends_the_command_quietly(args):
+    """``ckpttool inspect … | head -1``: once the reader has closed the pipe, the command stops
+    without a word on stderr and with the status of a command stopped by SIGPIPE (141), whichever
+    writer met the closed pipe (rich's exited 1, which reads as "findings"; a JSON write said
+    "cannot complete: Broken pipe" and exited 3)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpttool", args[0], str(FIXTURES / "deepspeed" / "pipeline_bf16"), *args[1:]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(),
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before its first write: that write meets a pipe with no reader
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == b""

@@ -184,6 +184,69 @@ def test_optimizer_files_recording_two_dp_sizes_are_refused(tmp_path):
     assert ("misplaced-file", rel) in rules, rules
 
 
+FOREIGN = [
+    ("bf16_optimizer", "zero2_bf16", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "ZeRO-2's optimizer state"),
+    ("zero2_bf16", "bf16_optimizer", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "BF16_Optimizer's optimizer state"),
+    ("pipeline_bf16", "pipeline", "zero_pp_rank_1_mp_rank_00_optim_states.pt", "ZeRO-1's optimizer state"),
+]
+
+
+@pytest.mark.parametrize(("fixture", "donor", "name", "said"), FOREIGN, ids=[f"{f}-from-{d}" for f, d, _, _ in FOREIGN])
+def test_an_optimizer_file_of_another_run_is_named(fixture, donor, name, said, tmp_path):
+    """A rank's optimizer file of another run (another optimizer, same model) put in its place:
+    before, verify passed and reshard wrote a sealed output with a parameter's fragments from the
+    wrong layout (BF16_Optimizer's partitions are not ZeRO-2's with alignment padding), which
+    DeepSpeed loaded without a word; now the file is a misplaced-file and reshard refuses it."""
+    path = _copy(fixture, tmp_path)
+    target = path / TAG / ("bf16_" + name if not name.startswith("bf16_") else name)
+    shutil.copy2(DS / donor / TAG / name, target)
+    os.utime(target, (os.path.getmtime(path / "latest"),) * 2)
+    code, findings = _verify_cli(path)
+    assert code == 1, findings
+    (f,) = [f for f in findings if f["rule"] == "misplaced-file"]
+    assert f["file"] == f"{TAG}/{target.name}" and said in f["message"], f
+    r = run_cli("reshard", path, "-o", tmp_path / "out", "--dp", "1", cwd=tmp_path)
+    assert r.code == 3 and target.name in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_pipeline_stages_swapped_optimizer_files_are_named(tmp_path):
+    """Two pipeline stages' optimizer files swapped: before, an error about a tensor's shape that
+    named no file; now the file and the stage whose parameters it holds."""
+    path = _copy("pipeline_bf16", tmp_path)
+    a, b = (f"bf16_zero_pp_rank_0_mp_rank_0{m}_optim_states.pt" for m in (0, 1))
+    _swap(path / TAG, a, b)
+    code, findings = _verify_cli(path)
+    assert code == 1, findings
+    (f,) = [f for f in findings if f["rule"] == "misplaced-file"]
+    assert f["file"] == f"{TAG}/{a}" and "model-parallel rank 1's" in f["message"], f
+    r = run_cli("reshard", path, "-o", tmp_path / "out", "--dp", "1", cwd=tmp_path)
+    assert r.code == 3 and a in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_reshard_refuses_a_source_whose_pieces_leave_a_gap(tmp_path, monkeypatch):
+    """A tensor whose pieces do not cover it (here: one partition's piece dropped from the
+    manifest, as a rank file read for another's would leave): the DeepSpeed writers would fill the
+    gap with zeros and seal it; reshard and --to deepspeed-universal refuse it before writing."""
+    from ckpttool.errors import CorruptFileError
+    from ckpttool.formats.deepspeed import DeepSpeedAdapter
+    from ckpttool.reshard import Target, reshard
+
+    real = DeepSpeedAdapter.describe
+
+    def holed(self, path):
+        m = real(self, path)
+        item = m.items["blocks.0.fc2.bias.exp_avg"]
+        item.pieces = item.pieces[:-1]
+        return m
+
+    monkeypatch.setattr(DeepSpeedAdapter, "describe", holed)
+    for target in (Target(dp=1), Target(to="deepspeed-universal")):
+        with pytest.raises(CorruptFileError, match="blocks.0.fc2.bias.exp_avg: .* elements are in no piece"):
+            reshard(DS / "bf16_optimizer", tmp_path / "out", target)
+        assert not (tmp_path / "out").exists()
+
+
 # -- what must not change --------------------------------------------------------------------------
 
 

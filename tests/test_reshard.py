@@ -1421,6 +1421,45 @@ def test_deepspeed_universal_back_to_zero_files(tmp_path):
     assert not (tmp_path / "a").exists()
 
 
+def test_deepspeed_universal_of_a_bf16_optimizer_run_back_to_its_files(tmp_path):
+    """ckpttool's universal checkpoint of the BF16_Optimizer run (the files ds_to_universal writes,
+    byte for byte) written as DeepSpeed files at DP=2 gives the fixture's trees again: that
+    optimizer's files (no zero_stage or loss scaler, fp32 partitions with their padding), not
+    ZeRO-1's; at DP=3 the same state. --zero-stage is refused by name (before: 'zero_stage None')."""
+    from ckpttool.formats.deepspeed import ALLOWLIST as DS
+
+    source = FIXTURES / "deepspeed" / "bf16_optimizer"
+    universal = tmp_path / "uni"
+    reshard(source, universal, Target(to="deepspeed-universal"))
+    out = tmp_path / "dp2"
+    result = reshard(universal, out, Target(to="deepspeed", dp=2))
+    assert result.plan.layout == {"dp": 2, "zero_stage": 1}
+    names = sorted(p.name for p in (source / "global_step3").glob("*.pt"))
+    assert names == sorted(p.name for p in (out / "global_step3").glob("*.pt"))
+    for name in names:
+        assert _tree(source / "global_step3" / name, DS) == _tree(out / "global_step3" / name, DS), name
+    assert registry.describe(out)[1].extras["variant"] == "BF16_Optimizer"
+    reshard(universal, tmp_path / "dp3", Target(to="deepspeed", dp=3))
+    assert not diff(source, tmp_path / "dp3").different and verify(tmp_path / "dp3").failing() == []
+    with pytest.raises(UsageError, match="--zero-stage 2: .* the universal state of a BF16_Optimizer run"):
+        reshard(universal, tmp_path / "a", Target(to="deepspeed", dp=2, zero_stage=2))
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.slow
+def test_deepspeed_resumes_from_bf16_optimizer_files_made_from_a_universal(tmp_path):
+    """Oracle: the BF16_Optimizer run's universal checkpoint (ckpttool's) written back as that
+    optimizer's files at DP=1: DeepSpeed's load_checkpoint builds a BF16_Optimizer and takes them,
+    the state equals the reference, the files are what its own save at DP=1 writes, and the next
+    step's loss is bit-identical to the uninterrupted run's."""
+    universal, out = tmp_path / "uni", tmp_path / "dp1"
+    reshard(FIXTURES / "deepspeed" / "bf16_optimizer", universal, Target(to="deepspeed-universal"))
+    reshard(universal, out, Target(to="deepspeed", dp=1))
+    report = _ds_oracle("--variant", "bf16_optimizer", "--dp", "1", "--ckpt", str(out))
+    assert "files: ckpttool's DP=1 checkpoint vs DeepSpeed's save_checkpoint at DP=1: 0 difference(s)" in report
+    assert "step-4 loss: BIT-IDENTICAL" in report
+
+
 def test_deepspeed_universal_of_zero2_to_zero3(tmp_path):
     """ds_to_universal's output of the ZeRO-2 run written as ZeRO-3 files at DP=2, sub-groups cut
     at 700 elements: the ZeRO-3 fixture's trees (the same run saved by DeepSpeed's ZeRO-3 engine),

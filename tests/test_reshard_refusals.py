@@ -187,3 +187,17 @@ def test_refusals_helpers_found_misleading(tmp_path):
     r = run_cli("convert", FIXTURES / "dcp" / "fsdp2", "-o", out, "--to", "torch", "--world-size", "3")
     assert_clean(r, 2, "--world-size")
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_deepspeed_layout_flags_that_would_change_tp_or_pp_are_refused(tmp_path):
+    """--pp 1 of a PP=2 DeepSpeed run and --tp 1 of a TP=2 one were taken as "no change" and
+    ignored (the output kept PP=2, TP=2); they are refused, naming the source's layout. Flags that
+    repeat it are accepted."""
+    out = tmp_path / "out"
+    r = run_cli("reshard", FIXTURES / "deepspeed" / "pipeline_bf16", "-o", out, "--pp", "1")
+    assert_clean(r, 2, "--pp 1 would change the source's TP=1, PP=2", "--to deepspeed-universal")
+    r = run_cli("reshard", FIXTURES / "deepspeed" / "tp2", "-o", out, "--tp", "1", "--dp", "2")
+    assert_clean(r, 2, "--tp 1 would change the source's TP=2, PP=1")
+    assert not out.exists()
+    r = run_cli("reshard", FIXTURES / "deepspeed" / "pipeline_bf16", "-o", out, "--pp", "2", "--tp", "1", "--dp", "1")
+    assert r.code == 0, r.stderr

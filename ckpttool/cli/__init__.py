@@ -76,6 +76,14 @@ def _handles_errors(fn: F) -> F:
             raise typer.Exit(130) from None
         except (typer.Exit, typer.Abort, typer.BadParameter):
             raise
+        except BrokenPipeError:
+            if not _stdout_gone():
+                raise
+            # the reader of our output went away (``ckpttool ls … | head``): nothing to say, the
+            # shell's status of a command stopped by SIGPIPE; stdout pointed at /dev/null so that
+            # the interpreter's last flush does not fail on it again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(141) from None
         except OSError as exc:
             # the file system refused (permissions, a full or read-only disk, a path that changed
             # under us): the environment's answer, not a bug; say which path and why
@@ -93,6 +101,18 @@ def _handles_errors(fn: F) -> F:
             raise typer.Exit(3) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe whose reader has closed it (poll reports an error on it)."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _os_error(exc: OSError) -> str:

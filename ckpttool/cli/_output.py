@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -37,11 +38,18 @@ def dumps(payload: Any) -> str:
     return json.dumps(strict(payload), indent=2, default=str, allow_nan=False)
 
 
+def _reader_gone() -> None:
+    """rich's answer to a closed pipe on stdout is a silent exit 1 (which reads as "findings"
+    here); the commands' error handler answers it as the shell does a SIGPIPE instead."""
+    raise BrokenPipeError(errno.EPIPE, "the reader of standard output went away")
+
+
 class Output:
     def __init__(self, *, json_mode: bool = False, quiet: bool = False) -> None:
         self.json_mode = json_mode
         self.quiet = quiet
         self.out = Console(highlight=False, soft_wrap=False, emoji=False)
+        self.out.on_broken_pipe = _reader_gone  # type: ignore[method-assign]
         self.err = Console(stderr=True, highlight=False, emoji=False)
 
     # -- data (stdout) --------------------------------------------------------------------------

@@ -478,7 +478,15 @@ def _default_format(source: str) -> str:
 
 def _layout(manifest: Manifest) -> dict[str, Any]:
     lay = manifest.layout
-    return {"world_size": lay.world_size, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "vpp": lay.vpp}
+    return {
+        "world_size": lay.world_size,
+        "tp": lay.tp,
+        "pp": lay.pp,
+        "dp": lay.dp,
+        "ep": lay.ep,
+        "vpp": lay.vpp,
+        "zero_stage": lay.zero_stage,
+    }
 
 
 class _MegatronExec(_FileExec):

@@ -21,6 +21,7 @@ import math
 import os
 import re
 import shutil
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -333,10 +334,20 @@ class ZeroWriter:
         return replace(item, shape=shape, pieces=[replace(p, replica=0, box=local[p.box]) for p in pieces])
 
 
-def copy_plan(root: Path, rel: str, path: str, key: tuple[int, ...]) -> PlannedFile:
-    """The plan of a source file copied as it is to ``path``: its bytes, no tensor buffer."""
+def copy_plan(root: Path, rel: str, path: str, key: tuple[int, ...], tensors: int) -> PlannedFile:
+    """The plan of a source file copied as it is to ``path``: its bytes and ``tensors`` (the count
+    :func:`tensors_in` gives), no tensor buffer."""
     size = os.stat(confine(root, rel)).st_size
-    return PlannedFile(path=path, key=key, nbytes=size, tensors=0, largest=0)
+    return PlannedFile(path=path, key=key, nbytes=size, tensors=tensors, largest=0)
+
+
+def tensors_in(manifest: Manifest) -> Counter[str]:
+    """How many tensors have a piece in each file of ``manifest``."""
+    counts: Counter[str] = Counter()
+    for item in manifest.items.values():
+        if item.is_tensor:
+            counts.update({p.file for p in item.pieces})
+    return counts
 
 
 def copy_source(root: Path, rel: str, out: Path, progress: Callable[[int], None] | None) -> int:
@@ -383,10 +394,12 @@ class ZeroModelParallelWriter:
         self.root = root
 
     def files(self) -> list[PlannedFile]:
+        counts = tensors_in(self.ranks[0].manifest)  # the tensors in each file copied as it is
         out = [replace(f, key=(m, *f.key)) for m, w in enumerate(self.ranks) for f in w.files()]
         prefix = self.ranks[0]._prefix()
         out += [
-            copy_plan(self.root, rel, prefix + rel.rsplit("/", 1)[-1], (-1, k)) for k, rel in enumerate(self.layers)
+            copy_plan(self.root, rel, prefix + rel.rsplit("/", 1)[-1], (-1, k), counts[rel])
+            for k, rel in enumerate(self.layers)
         ]
         return out
 
@@ -1377,6 +1390,7 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
         return f"{self.out_dir}/zero/{name}/{'fp32' if kind == 'module' else kind}.pt"
 
     def files(self) -> list[PlannedFile]:
+        counts = tensors_in(self.manifest)  # the tensors in each file copied as it is
         out = []
         for k, (kind, name) in enumerate(self.jobs):
             path = self._path(kind, name)
@@ -1393,7 +1407,7 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
                 wide = 4 * math.prod(item.shape or ())
                 out.append(PlannedFile(path=path, key=(k,), nbytes=wide, tensors=1, largest=wide + (item.nbytes or 0)))
             elif kind == "model":
-                out.append(copy_plan(self.root, name, path, (k,)))
+                out.append(copy_plan(self.root, name, path, (k,), counts[name]))
             else:
                 out.append(PlannedFile.of(path, (k,), []))
         return out
@@ -1552,6 +1566,7 @@ class Universal3Writer(_UniversalOut, Zero3Writer):
         self.jobs += [(state, name) for name in names for state in self._STATES]
 
     def files(self) -> list[PlannedFile]:
+        counts = tensors_in(self.manifest)  # the tensors in each file copied as it is
         out = []
         for k, (kind, name) in enumerate(self.jobs):
             if kind == "optimizer":  # the whole rank-0 state, its tensors carried
@@ -1565,7 +1580,7 @@ class Universal3Writer(_UniversalOut, Zero3Writer):
                 largest = max(map(_ptwrite.held, sizes), default=0)
                 out.append(PlannedFile(path=path, key=(k,), nbytes=sum(sizes), tensors=len(sizes), largest=largest))
             elif kind == "model":
-                out.append(copy_plan(self.root, name, f"{self.out_dir}/{name.rsplit('/', 1)[-1]}", (k,)))
+                out.append(copy_plan(self.root, name, f"{self.out_dir}/{name.rsplit('/', 1)[-1]}", (k,), counts[name]))
             else:
                 path = f"{self.out_dir}/zero/{name}/{kind}.pt"
                 out.append(PlannedFile.of(path, (k,), [self.manifest.items[f"{name}.{kind}"].nbytes or 0]))

@@ -32,7 +32,7 @@ from typing import Any
 
 from ckpttool import device, registry
 from ckpttool.convert import MAX_RANKS, parse_size
-from ckpttool.errors import UsageError
+from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.export import refuse_findings
 from ckpttool.hashing import Written, collecting_written
 from ckpttool.io import check_crcs_from_now, checking_crcs, fsync_tree, publish_dir, refuse_overlap, staged_dir
@@ -541,7 +541,12 @@ def _check_coverage(manifest: Manifest) -> None:
 
     for item in manifest.items.values():
         if item.is_tensor and item.shape is not None:
-            check_coverage(item)
+            try:
+                check_coverage(item)
+            except ValueError as exc:  # a piece outside its tensor
+                raise CorruptFileError(
+                    f"{item.name}: {exc}", hint="'ckpttool verify' gives details", path=item.pieces[0].file if item.pieces else None
+                ) from None
 
 
 class _ZeroExec(_FileExec):
@@ -556,10 +561,12 @@ class _ZeroExec(_FileExec):
         lay = manifest.layout
         kept = {"--tp": lay.tp or 1, "--pp": lay.pp or 1, "--ep": lay.ep or 1, "--etp": 1}
         given = {"--tp": target.tp, "--pp": target.pp, "--ep": target.ep, "--etp": target.etp}
-        if changed := [f"{k} {v}" for k, v in given.items() if v is not None and v != kept[k]]:
+        if changed := [k for k, v in given.items() if v is not None and v != kept[k]]:
             raise UsageError(
-                f"--to deepspeed: only the data-parallel size (--dp) can change so far; {', '.join(changed)} "
-                f"would change the source's TP={kept['--tp']}, PP={kept['--pp']}",
+                "--to deepspeed: only the data-parallel size (--dp) can change so far; "
+                + ", ".join(f"{k} {given[k]}" for k in changed)
+                + " would change the source's "
+                + ", ".join(f"{k.removeprefix('--').upper()}={kept[k]}" for k in changed),
                 hint="'ckpttool convert SRC -o DST --to deepspeed-universal' writes a universal checkpoint, which "
                 "DeepSpeed loads at any TP, PP and DP",
             )

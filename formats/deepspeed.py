@@ -773,12 +773,11 @@ class DeepSpeedAdapter:
         stage = osd.get("zero_stage")
         if isinstance(stage, _unpickle.EnumValue):
             return int(stage.value)
-        if "single_partition_of_fp32_groups" in osd:  # BF16_Optimizer: no zero_stage; its config says
-            config = files[next(iter(optims.values()))].get("ds_config")
-            configured = config.get("zero_optimization") if isinstance(config, dict) else None
-            stage = configured.get("stage") if isinstance(configured, dict) else None
-            # it partitions the fp32 masters and the moments over DP as ZeRO-1 does
-            return stage if isinstance(stage, int) and not isinstance(stage, bool) and stage in (0, 1) else 1
+        if "single_partition_of_fp32_groups" in osd:
+            # BF16_Optimizer records no stage: it partitions the fp32 masters and the moments over DP
+            # as ZeRO-1 does, whether its config says 1 (with fp32 gradient accumulation) or 0 (a
+            # pipeline run without ZeRO)
+            return 1
         raise CorruptFileError(
             f"{next(iter(optims.values()))}: no zero_stage in the optimizer state", path=next(iter(optims.values()))
         )
@@ -842,44 +841,38 @@ def _partition_count(optim: Any) -> int | None:
     return _count(value)
 
 
-def _optimizer_kind(optim: Any) -> tuple[str, tuple[str, ...]]:
+def _optimizer_kind(optim: Any) -> str | None:
     """What wrote a ZeRO optimizer file: ``ZeRO-N`` (its ``zero_stage``) or ``BF16_Optimizer`` (none,
-    flat fp32 partitions), and the keys of its state (a loss scaler, alignment paddings, ...)."""
+    flat fp32 partitions); None when its state says neither (damaged: left to the other checks)."""
     osd = optim.get("optimizer_state_dict") if isinstance(optim, dict) else None
     if not isinstance(osd, dict):
-        return "an unknown optimizer", ()
-    keys = tuple(sorted(k for k in osd if isinstance(k, str)))
+        return None
     stage = osd.get("zero_stage")
     if isinstance(stage, _unpickle.EnumValue):
-        return f"ZeRO-{stage.value}", keys
-    return ("BF16_Optimizer" if "single_partition_of_fp32_groups" in osd else "an unknown optimizer"), keys
+        return f"ZeRO-{stage.value}"
+    return "BF16_Optimizer" if "zero_stage" not in osd and "single_partition_of_fp32_groups" in osd else None
 
 
 def _check_one_run(files: dict[str, Any], optims: dict[tuple[int, int], str]) -> None:
-    """Every optimizer file was written by the same optimizer as the first (its stage, the keys of
-    its state) and with the alignment paddings of the first of its model-parallel rank: a rank file
-    of another run dropped into the tag directory is named, where reading it as this run's would
-    cut its partitions wrong."""
+    """Every optimizer file was written by the same optimizer as the others (its ZeRO stage, or
+    BF16_Optimizer) and with the alignment paddings of the first of its model-parallel rank: a rank
+    file of another run dropped into the tag directory is named, where reading it as this run's
+    would cut its partitions wrong. (DeepSpeed 0.19 saves the same state keys on every rank, but a
+    key's name is not compared: a flipped bit in one is damage, which the CRC-32 checks name.)"""
     ranks = sorted(optims.items(), key=lambda kv: (kv[0][1], kv[0][0]))  # MP rank, then DP rank
-    if not ranks:
-        return
-    base = ranks[0][1]
-    base_kind, base_keys = _optimizer_kind(files[base])
+    known = [(rel, kind) for _, rel in ranks if (kind := _optimizer_kind(files[rel])) is not None]
     first_of: dict[int, str] = {}
     for (_dp, mp), rel in ranks:
-        kind, keys = _optimizer_kind(files[rel])
-        ref = first_of.setdefault(mp, rel)
-        if kind != base_kind:
-            why = f"{kind}'s optimizer state where {base} holds {base_kind}'s"
-        elif keys != base_keys:
-            extra, lacking = sorted(set(keys) - set(base_keys)), sorted(set(base_keys) - set(keys))
-            why = f"an optimizer state with {extra or 'no'} keys beyond {base}'s and without {lacking or 'none'} of it"
+        kind, ref = _optimizer_kind(files[rel]), first_of.setdefault(mp, rel)
+        if kind is not None and known and kind != known[0][1]:
+            why = f"{kind}'s optimizer state where {known[0][0]} holds {known[0][1]}'s"
         elif _paddings(files[rel]) != _paddings(files[ref]):
             why = f"other param_alignment_paddings than {ref}, of the same model-parallel rank"
         else:
             continue
         raise CorruptFileError(
-            f"{rel}: {why}: a file of another run or configuration is in this tag directory",
+            f"{rel}: {why}: a file of another run or configuration is in this tag directory (or damaged: "
+            "'ckpttool verify' checks its CRC-32s)",
             hint="restore the tag directory from one save (DeepSpeed would load it and train on wrong state)",
             path=rel,
             rule="misplaced-file",

@@ -801,6 +801,13 @@ class Zero3From12Writer(Zero3Writer):
             src = ZeroFromUniversalWriter(root, manifest, 1, None)
         else:
             src = ZeroWriter(root, manifest, manifest.layout.dp or 1)
+        if src.bf16_optimizer:
+            raise UsageError(
+                "--zero-stage 3: the checkpoint is BF16_Optimizer's (its state has no loss scaler or stage for "
+                "ZeRO-3's files); --to deepspeed writes that optimizer's files again (at --dp N)",
+                hint="DeepSpeed's checkpoint.load_universal loads its universal checkpoint into an engine at any "
+                "ZeRO stage",
+            )
         steps: dict[int, tuple[str, Any]] = getattr(src, "steps", {})
         self.source_stage, self.stage = src.source_stage, 3
         self.tag_dir, self.tag, self.file_prefix = src.tag_dir, src.tag, src.file_prefix
@@ -918,7 +925,7 @@ class ZeroFromUniversalWriter(ZeroWriter):
         # BF16_Optimizer's state records no stage and no loss scaler; its files are written again
         self.bf16_optimizer = isinstance(state, dict) and stage is None and "group_paddings" in state
         if self.bf16_optimizer:
-            if target_stage is not None:
+            if target_stage not in (None, 1):
                 raise UsageError(
                     f"--zero-stage {target_stage}: {optim_rel} is the universal state of a BF16_Optimizer run; "
                     "--to deepspeed writes that optimizer's files again (at --dp N), not ZeRO-1/2's",

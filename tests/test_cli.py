@@ -298,3 +298,19 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(args):
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 141, err
     assert err == b""
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_an_error(capsys):
+    """Only a closed stdout ends a command quietly: a BrokenPipeError from anything else (a pipe to
+    a child process, a socket) is an error the user is told about, exit 3."""
+    import typer
+
+    from ckpttool.cli import _handles_errors
+
+    @_handles_errors
+    def command() -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    with pytest.raises(typer.Exit) as exit_:
+        command()
+    assert exit_.value.exit_code == 3 and "Broken pipe" in capsys.readouterr().err

@@ -1443,7 +1443,13 @@ def test_deepspeed_universal_of_a_bf16_optimizer_run_back_to_its_files(tmp_path)
     assert not diff(source, tmp_path / "dp3").different and verify(tmp_path / "dp3").failing() == []
     with pytest.raises(UsageError, match="--zero-stage 2: .* the universal state of a BF16_Optimizer run"):
         reshard(universal, tmp_path / "a", Target(to="deepspeed", dp=2, zero_stage=2))
+    with pytest.raises(UsageError, match="--zero-stage 3: the checkpoint is BF16_Optimizer's"):  # (it wrote
+        reshard(universal, tmp_path / "a", Target(to="deepspeed", dp=2, zero_stage=3))  # ZeRO-3 files, no scaler)
+    with pytest.raises(UsageError, match="--zero-stage 3: DeepSpeed's BF16_Optimizer saved this checkpoint"):
+        reshard(source, tmp_path / "a", Target(to="deepspeed", dp=2, zero_stage=3))
     assert not (tmp_path / "a").exists()
+    reshard(universal, tmp_path / "one", Target(to="deepspeed", dp=2, zero_stage=1))  # its stage, as from its files
+    assert registry.describe(tmp_path / "one")[1].extras["variant"] == "BF16_Optimizer"
 
 
 @pytest.mark.slow

@@ -76,15 +76,13 @@ def _handles_errors(fn: F) -> F:
             raise typer.Exit(130) from None
         except (typer.Exit, typer.Abort, typer.BadParameter):
             raise
-        except BrokenPipeError:
-            if not _stdout_gone():
-                raise
-            # the reader of our output went away (``ckpttool ls … | head``): nothing to say, the
-            # shell's status of a command stopped by SIGPIPE; stdout pointed at /dev/null so that
-            # the interpreter's last flush does not fail on it again
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            raise typer.Exit(141) from None
         except OSError as exc:
+            if isinstance(exc, BrokenPipeError) and _stdout_gone():
+                # the reader of our output went away (``ckpttool ls … | head``): nothing to say, the
+                # shell's status of a command stopped by SIGPIPE; stdout pointed at /dev/null so that
+                # the interpreter's last flush does not fail on it again
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                raise typer.Exit(141) from None
             # the file system refused (permissions, a full or read-only disk, a path that changed
             # under us): the environment's answer, not a bug; say which path and why
             if os.environ.get("CKPTTOOL_DEBUG"):

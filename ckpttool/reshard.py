@@ -544,9 +544,9 @@ def _check_coverage(manifest: Manifest) -> None:
             try:
                 check_coverage(item)
             except ValueError as exc:  # a piece outside its tensor
-                raise CorruptFileError(
-                    f"{item.name}: {exc}", hint="'ckpttool verify' gives details", path=item.pieces[0].file if item.pieces else None
-                ) from None
+                where = item.pieces[0].file if item.pieces else None
+                hint = "'ckpttool verify' gives details"
+                raise CorruptFileError(f"{item.name}: {exc}", hint=hint, path=where) from None
 
 
 class _ZeroExec(_FileExec):

@@ -12,7 +12,6 @@ below); bytes items (non-tensor values) through the plain-value allowlist. Nothi
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -580,19 +579,24 @@ class DcpReader(PieceReader):
             raw = f.read(loc["offset"], loc["length"])
             # a torch.save archive of the piece: its bytes and a little zip; objects have no size
             bound = 2 * piece.nbytes + (1 << 20) if piece.nbytes else max(32 << 20, 64 * len(raw))
-            out = bytearray()
+            bomb = CorruptFileError(
+                f"{display}: zstd frame of {len(raw):,} bytes expands past {bound:,} bytes (a decompression bomb)",
+                path=piece.file,
+            )
+            # decoded in one pass into one buffer (the buffer is the frame's window: a stream reader
+            # would hold a window the size the frame asks for beside the output); a frame that says
+            # its size is held to the bound before anything is allocated, one that does not stops there
             try:
-                with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw)) as reader:
-                    while len(out) <= bound and (chunk := reader.read(1 << 20)):
-                        out += chunk
+                declared = zstandard.get_frame_parameters(raw).content_size
+                if declared != zstandard.CONTENTSIZE_UNKNOWN and declared > bound:
+                    raise bomb
+                data = zstandard.ZstdDecompressor().decompress(raw, max_output_size=bound + 1)
             except zstandard.ZstdError as exc:
+                if "did not decompress full frame" in str(exc):
+                    raise bomb from None
                 raise CorruptFileError(f"{display}: zstd frame does not decode ({exc})", path=piece.file) from None
-            if len(out) > bound:
-                raise CorruptFileError(
-                    f"{display}: zstd frame of {len(raw):,} bytes expands past {bound:,} bytes (a decompression bomb)",
-                    path=piece.file,
-                )
-            data = bytes(out)
+            if len(data) > bound:
+                raise bomb
             return _torchzip.Archive(data, display=display, allow=self.object_allow, check=f.crcs is not None)
         return _torchzip.Archive(f, base=loc["offset"], length=loc["length"], display=display, allow=self.object_allow)
 

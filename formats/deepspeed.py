@@ -888,8 +888,7 @@ def bf16_optimizer(files: dict[str, Any], optims: dict[Any, str]) -> bool:
     """Whether the optimizer files are DeepSpeed's BF16_Optimizer's (bf16 + ZeRO-1 with fp32
     gradient accumulation, or bf16 + pipeline without ZeRO): ZeRO-1's partitions, saved with their
     padding, and no ``zero_stage``."""
-    osd = files[next(iter(optims.values()))].get("optimizer_state_dict") if optims else None
-    return isinstance(osd, dict) and "zero_stage" not in osd and "single_partition_of_fp32_groups" in osd
+    return bool(optims) and _optimizer_kind(files[next(iter(optims.values()))]) == "BF16_Optimizer"
 
 
 def _is_bf16(config: Any) -> bool:

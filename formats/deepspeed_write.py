@@ -119,8 +119,8 @@ class ZeroWriter:
         self.bf16_optimizer = manifest.extras.get("variant") == "BF16_Optimizer"
         if self.bf16_optimizer and target_stage not in (None, stage):
             raise UsageError(
-                f"--zero-stage {target_stage}: DeepSpeed's BF16_Optimizer saved this checkpoint (bf16 with "
-                "grad_accum_dtype fp32); its files can change DP size, not optimizer",
+                f"--zero-stage {target_stage}: DeepSpeed's BF16_Optimizer saved this checkpoint; its files can "
+                "change DP size, not optimizer",
                 hint="'ckpttool convert --to deepspeed-universal' writes a universal checkpoint, which DeepSpeed "
                 "loads into any ZeRO stage",
             )

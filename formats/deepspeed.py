@@ -769,18 +769,14 @@ class DeepSpeedAdapter:
     def _stage(files: dict[str, Any], optims: dict[tuple[int, int], str]) -> int:
         if not optims:
             return 0
-        osd = files[next(iter(optims.values()))].get("optimizer_state_dict") or {}
-        stage = osd.get("zero_stage")
-        if isinstance(stage, _unpickle.EnumValue):
-            return int(stage.value)
-        if "single_partition_of_fp32_groups" in osd:
-            # BF16_Optimizer records no stage: it partitions the fp32 masters and the moments over DP
-            # as ZeRO-1 does, whether its config says 1 (with fp32 gradient accumulation) or 0 (a
-            # pipeline run without ZeRO)
-            return 1
-        raise CorruptFileError(
-            f"{next(iter(optims.values()))}: no zero_stage in the optimizer state", path=next(iter(optims.values()))
-        )
+        rel = next(iter(optims.values()))
+        kind = _optimizer_kind(files[rel])
+        if kind is None:
+            raise CorruptFileError(f"{rel}: no zero_stage in the optimizer state", path=rel)
+        # BF16_Optimizer records no stage: it partitions the fp32 masters and the moments over DP as
+        # ZeRO-1 does, whether its config says 1 (with fp32 gradient accumulation) or 0 (a pipeline
+        # run without ZeRO)
+        return 1 if kind == "BF16_Optimizer" else int(kind.removeprefix("ZeRO-"))
 
     def reader(self, manifest: Manifest) -> _pt.PtReader:
         return _pt.PtReader(manifest, ALLOWLIST)
@@ -833,8 +829,7 @@ def _partition_count(optim: Any) -> int | None:
     an int at ZeRO-3, one per param group at ZeRO-1/2 and in BF16_Optimizer (the largest: an MoE
     model's expert groups count fewer), DeepSpeed's ``dist.get_world_size(dp_process_group)``, the
     group whose rank names the file. None when the file records none that reads as one."""
-    osd = optim.get("optimizer_state_dict") if isinstance(optim, dict) else None
-    value = osd.get("partition_count") if isinstance(osd, dict) else None
+    value = _osd_entry(optim, "partition_count")
     if isinstance(value, list | tuple):
         counts = [c for v in value if (c := _count(v)) is not None]
         return max(counts) if counts and len(counts) == len(value) else None
@@ -879,9 +874,18 @@ def _check_one_run(files: dict[str, Any], optims: dict[tuple[int, int], str]) ->
         )
 
 
-def _paddings(optim: Any) -> Any:
+def _osd_entry(optim: Any, key: str) -> Any:
+    """``optimizer_state_dict[key]`` of a ZeRO optimizer file, None where the file holds no such thing."""
     osd = optim.get("optimizer_state_dict") if isinstance(optim, dict) else None
-    return osd.get("param_alignment_paddings") if isinstance(osd, dict) else None
+    return osd.get(key) if isinstance(osd, dict) else None
+
+
+def _paddings(optim: Any) -> Any:
+    return _osd_entry(optim, "param_alignment_paddings")
+
+
+def _slice_mappings(optim: Any) -> Any:
+    return _osd_entry(optim, "param_slice_mappings")
 
 
 def bf16_optimizer(files: dict[str, Any], optims: dict[Any, str]) -> bool:
@@ -1146,13 +1150,9 @@ def _check_stage_files(files: dict[str, Any], optims: dict[tuple[int, int], str]
             return set()
         return {n for g in groups if isinstance(g, dict) for n in g if isinstance(n, str)}
 
-    def mappings(obj: Any) -> Any:
-        osd = obj.get("optimizer_state_dict") if isinstance(obj, dict) else None
-        return osd.get("param_slice_mappings") if isinstance(osd, dict) else None
-
     params = {mp: names(files[rel].get("param_shapes")) for mp, rel in models.items() if isinstance(files[rel], dict)}
     for (_dp, mp), rel in sorted(optims.items()):
-        held = names(mappings(files[rel]))
+        held = names(_slice_mappings(files[rel]))
         if not held or mp not in params or not params[mp] or held <= params[mp]:
             continue
         owners = [m for m, own in sorted(params.items()) if m != mp and held <= own]
@@ -1177,11 +1177,10 @@ def _check_zero12_ranks(files: dict[str, Any], per_rank: list[tuple[int, str]], 
         return
     misplaced: list[tuple[str, int]] = []
     for dp, rel in per_rank:
-        osd = files[rel].get("optimizer_state_dict") if isinstance(files[rel], dict) else None
-        mappings = osd.get("param_slice_mappings") if isinstance(osd, dict) else None
+        mappings = _slice_mappings(files[rel])
         if not isinstance(mappings, list):
             continue
-        paddings = osd.get("param_alignment_paddings") if isinstance(osd, dict) else None
+        paddings = _paddings(files[rel])
         for g, mapping in enumerate(mappings):
             layout = (
                 _saved_layout(shapes[g], paddings[g] if isinstance(paddings, list) and g < len(paddings) else None, ws)

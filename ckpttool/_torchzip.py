@@ -25,6 +25,7 @@ from ckpttool.dtypes import carrier
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CkptError, CorruptFileError, UnsafePickleError
 from ckpttool.io import RandomAccessFile, crc_mismatch
+from ckpttool.naming import printable
 
 _LFH = struct.Struct("<4s2B4HL2L2H")  # zip local file header, 30 bytes
 _MAX_PICKLE = 1 << 30
@@ -111,7 +112,7 @@ class Archive:
         self._windows: list[tuple[int, bytes]] = []
         if not isinstance(source, bytes) and self.length <= _SMALL:
             self._windows.append((0, source.read(base, self.length)))
-        members = _central_directory(self._read, self.length)
+        members = _central_directory(self._read, self.length, display)
         self.members: Mapping[str, Any] = (
             members
             if members is not None  # else anything unusual (comments, multi-disk, damage): zipfile judges
@@ -241,10 +242,20 @@ class Archive:
         return span
 
     def _member_span(self, name: str, info: Any) -> StorageSpan:
-        header = self._read(info.header_offset, _LFH.size)
+        at = info.header_offset
+        header = self._read(at, _LFH.size) if 0 <= at < self.length else b""
         fields = _LFH.unpack(header) if len(header) == _LFH.size else (b"",)
-        if fields[0] != b"PK\x03\x04":
-            raise CorruptFileError(f"{self.display}: bad zip local header for {name}", path=self.display)
+        # the local header the central directory points at must be this member's (torch's reader
+        # takes the offset as it is; zipfile would shift every offset to fit a damaged directory)
+        found = fields[0] == b"PK\x03\x04"
+        if not found or self._read(at + _LFH.size, fields[-2]) != name.encode():
+            what = "the local header of another member" if found else "no local header"
+            raise CorruptFileError(
+                f"{self.display}: the zip index places {name} at byte {at:,}, where there is {what}: "
+                "the archive is damaged",
+                hint="torch.load fails on it too; restore the file from a good copy",
+                path=self.display,
+            )
         name_len, extra_len = fields[-2], fields[-1]
         start = info.header_offset + _LFH.size + name_len + extra_len
         if start + info.file_size > self.length:
@@ -265,6 +276,8 @@ class Archive:
         archive of at most ``_SMALL`` bytes is read at once). Under :func:`ckpttool.io.probing` each
         read that misses the cache goes to the disk and its pages are dropped after it, so at
         400 000 small DCP chunks this turned four disk reads per piece into one."""
+        if offset < 0:
+            return b""
         length = max(0, min(length, self.length - offset))
         if isinstance(self.source, bytes):
             return self.source[offset : offset + length]
@@ -339,9 +352,21 @@ _CDH = struct.Struct("<4s6H3L5H2L")  # central directory header, 46 bytes
 _TAIL = 1024  # the EOCD and, for files with few members, the whole central directory
 
 
-def _central_directory(read: Any, length: int) -> dict[str, _Member] | None:
+def _central_directory(read: Any, length: int, display: str = "zip archive") -> dict[str, _Member] | None:
     """Parse the central directory of a comment-less zip with two reads (torch.save writes no
-    comment). Returns None for anything else, so the caller can fall back to :mod:`zipfile`."""
+    comment). Returns None for anything else, so the caller can fall back to :mod:`zipfile`.
+    Raises CorruptFileError where the directory is damaged in a way torch's reader (miniz) fails
+    on and :mod:`zipfile` would read past: a zip64 end record that disagrees with the plain one
+    (torch's reader takes the zip64 one), a directory past the end, a stored member whose two
+    sizes differ."""
+
+    def damaged(what: str) -> CorruptFileError:
+        return CorruptFileError(
+            f"{display}: the zip index is damaged ({what})",
+            hint="torch.load fails on it too; restore the file from a good copy",
+            path=display,
+        )
+
     if length < _EOCD.size:
         return None
     tail_start = max(0, length - _TAIL)
@@ -350,38 +375,42 @@ def _central_directory(read: Any, length: int) -> dict[str, _Member] | None:
     sig, _disk, _cd_disk, _n_disk, entries, cd_size, cd_offset, comment = _EOCD.unpack_from(tail, eocd_at)
     if sig != b"PK\x05\x06" or comment != 0:
         return None
-    if entries == 0xFFFF or cd_size == 0xFFFFFFFF or cd_offset == 0xFFFFFFFF:
-        loc_at = eocd_at - _EOCD64_LOCATOR.size
-        if loc_at < 0:
-            return None
-        lsig, _, eocd64_offset, _ = _EOCD64_LOCATOR.unpack_from(tail, loc_at)
-        if lsig != b"PK\x06\x07":
-            return None
-        rec = read(eocd64_offset, _EOCD64.size)
+    loc_at = eocd_at - _EOCD64_LOCATOR.size
+    lsig, _, eocd64_offset, _ = _EOCD64_LOCATOR.unpack_from(tail, loc_at) if loc_at >= 0 else (b"", 0, 0, 0)
+    if lsig == b"PK\x06\x07":  # torch writes one always; its reader then goes by the zip64 record
+        rec = read(eocd64_offset, _EOCD64.size) if 0 <= eocd64_offset < length else b""
         if len(rec) != _EOCD64.size or rec[:4] != b"PK\x06\x06":
-            return None
+            raise damaged(f"no zip64 end record at byte {eocd64_offset:,}, where its locator points")
         fields = _EOCD64.unpack(rec)
+        plain = (entries, cd_size, cd_offset)
         entries, cd_size, cd_offset = fields[7], fields[8], fields[9]
-    if cd_offset + cd_size > length:
+        names = ("entries", "directory size", "directory offset")
+        marks = (0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF)
+        for name, small, big, mark in zip(names, plain, (entries, cd_size, cd_offset), marks, strict=True):
+            if small != mark and small != big:
+                raise damaged(f"its {name} is {small:,} in the end record and {big:,} in the zip64 one")
+    elif entries == 0xFFFF or cd_size == 0xFFFFFFFF or cd_offset == 0xFFFFFFFF:
         return None
+    if cd_offset + cd_size > length:
+        raise damaged(f"the directory at byte {cd_offset:,} runs {cd_size:,} bytes, past the end at {length:,}")
     if cd_offset >= tail_start:
         cd = tail[cd_offset - tail_start : cd_offset - tail_start + cd_size]
     else:
         cd = read(cd_offset, cd_size)
     members: dict[str, _Member] = {}
     pos = 0
-    for _ in range(entries):
-        if pos + _CDH.size > len(cd):
-            return None
-        f = _CDH.unpack_from(cd, pos)
+    for k in range(entries):
+        f = _CDH.unpack_from(cd, pos) if pos + _CDH.size <= len(cd) else (b"",)
         if f[0] != b"PK\x01\x02":
-            return None
+            raise damaged(f"entry {k} of {entries} is not a directory entry")
         method, crc, csize, usize = f[4], f[7], f[8], f[9]
         name_len, extra_len, comment_len, offset = f[10], f[11], f[12], f[16]
         name = cd[pos + _CDH.size : pos + _CDH.size + name_len].decode("utf-8", "replace")
         extra = cd[pos + _CDH.size + name_len : pos + _CDH.size + name_len + extra_len]
         if 0xFFFFFFFF in (usize, csize, offset):
             usize, csize, offset = _zip64_extra(extra, usize, csize, offset)
+        if method == zipfile.ZIP_STORED and csize != usize:
+            raise damaged(f"{printable(name)} is stored, yet its sizes differ: {csize:,} and {usize:,} bytes")
         members[name] = _Member(name, method, crc, csize, usize, offset)
         pos += _CDH.size + name_len + extra_len + comment_len
     return members

@@ -263,6 +263,9 @@ class Fields:
                 continue
             if not isinstance(part, dict):
                 raise pickle.UnpicklingError(f"{type(self).__name__} state of type {type(part).__name__}")
+            if any(type(k) is not str for k in part):  # a dataclass's state names its fields
+                bad = next(k for k in part if type(k) is not str)
+                raise pickle.UnpicklingError(f"{type(self).__name__} state with a {type(bad).__name__} as a field name")
             for name in self.__slots__:
                 if name in part:
                     object.__setattr__(self, name, part[name])

@@ -21,7 +21,7 @@ import numpy as np
 
 from ckpttool import registry
 from ckpttool.assemble import assemble, regions
-from ckpttool.dtypes import bf16_to_float32, carrier
+from ckpttool.dtypes import bf16_to_float32, carrier, float32_to_bf16
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.formats.base import PieceReader
 from ckpttool.geometry import Box
@@ -216,6 +216,7 @@ def diff(
     with adapter_a.reader(ma) as ra, adapter_b.reader(mb) as rb:
         _regrouped_steps(report, ka, kb, ra, rb)
         _extra_masters(report, ka, kb, ra, rb)
+        _weights_as_masters(report, ka, kb, ra, rb)
         # a tensor one side names on its own and the other keeps inside an object item (megatron-core's
         # grad scaler: a ShardedObject in torch_dist, its scale a tensor once written as torch.save)
         for mine, other, theirs, r_mine, r_theirs, mine_is_a in (
@@ -295,7 +296,13 @@ def _regrouped_steps(
 
     def kinds(keyed: dict[str, Item], keys: list[str]) -> tuple[list[str], list[str]]:
         groups = [k for k in keys if _GROUP_STEP.match(k)]
-        params = [k for k in keys if k.endswith(".step") and keyed[k].kind == "optim" and k[: -len(".step")] in keyed]
+        params = [
+            k
+            for k in keys
+            if k.endswith(".step")
+            and keyed[k].kind == "optim"
+            and (k[: -len(".step")] in keyed or f"{k[: -len('.step')]}.fp32" in keyed)  # (a universal one: no weights)
+        ]
         return groups, params
 
     a_groups, a_params = kinds(ka, report.removed)
@@ -365,6 +372,53 @@ def _extra_masters(
                 f"fp32 copies: {side} keeps one of {len(same)} tensor(s) the other side keeps only as themselves "
                 f"({shown}); each holds its tensor's values exactly"
             )
+
+
+def _weights_as_masters(
+    report: DiffReport, ka: dict[str, Item], kb: dict[str, Item], ra: PieceReader, rb: PieceReader
+) -> None:
+    """A parameter's weights that one side keeps beside their fp32 copy and the other keeps only
+    as that copy (DeepSpeed's universal checkpoint of a pipeline run: ``ds_to_universal`` writes
+    no layer files, whose weights the optimizer's fp32 copies give back): the same state when
+    the other side's copy, narrowed to the weights' dtype as the optimizer narrows it after each
+    step, gives the weights bit for bit; then compared and identical, and a note. Any other is
+    left unmatched."""
+    for mine, keyed, reader, other, r_other, side in (
+        (report.removed, ka, ra, kb, rb, "A"),
+        (report.added, kb, rb, ka, ra, "B"),
+    ):
+        same = []
+        for k in mine:
+            item, copy = keyed[k], other.get(f"{k}.fp32")
+            if item.kind != "param" or copy is None or copy.kind != "master" or copy.dtype != "float32":
+                continue
+            if f"{k}.fp32" not in keyed or item.shape != copy.shape or item.dtype not in _NARROWED:
+                continue
+            try:
+                weights = assemble(reader, item).reshape(-1)
+                narrowed = _NARROWED[item.dtype](assemble(r_other, copy).reshape(-1).view(np.float32))
+            except CkptError:
+                continue
+            if weights.tobytes() == narrowed.tobytes():
+                same.append(k)
+        if same:
+            gone = set(same)
+            mine[:] = [k for k in mine if k not in gone]
+            report.compared += len(same)
+            report.identical += len(same)
+            shown = ", ".join(same[:5]) + (" …" if len(same) > 5 else "")
+            report.notes.append(
+                f"weights: {side} keeps {len(same)} parameter(s) beside their fp32 copies, the other side only as "
+                f"those copies ({shown}); each copy gives its weights bit for bit"
+            )
+
+
+_NARROWED: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "float32": lambda v: v,
+    "bfloat16": float32_to_bf16,
+    "float16": lambda v: v.astype(np.float16),
+}
+"""How an optimizer's fp32 copy gives a parameter's weights of each dtype (round to nearest even)."""
 
 
 def _inside_object(key: str, keyed: dict[str, Item], reader: PieceReader, cache: dict[str, Any]) -> np.ndarray | None:

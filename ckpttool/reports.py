@@ -125,7 +125,10 @@ def _cell(text: str) -> str:
 
 
 def _escape(text: str) -> str:
-    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+    """``text`` as a workflow command's message: each line's control and invisible characters
+    spelled out (:func:`printable`: a hostile name must not reach the log's terminal as an escape
+    sequence), then GitHub's own escapes (``%25``, lines joined by ``%0A``)."""
+    return "%0A".join(printable(line).replace("%", "%25") for line in text.split("\n"))
 
 
 def github_annotations(report: VerifyReport, limit: int = 50) -> str:

@@ -486,6 +486,9 @@ def seal(
         raise UsageError(f"--hash {algo!r}: expected xxh3-128 or sha256")
     with _not_sealing_damage(), ckio.checking_crcs():  # the pickles it reads are bytes it vouches for too
         adapter, manifest = registry.describe(path)
+    for f in manifest.extras.get("findings") or ():  # damage the format's reader found and read past
+        if f["rule"] == "corrupt-file":
+            raise CorruptFileError(f"{f['message']}; not sealed", hint=_NOT_SEALED, path=f["file"], rule=f["rule"])
     target = Path(out) if out is not None else default_seal_path(path)
     if out is not None:  # --out must not replace the checkpoint or one of its files
         data = {(Path(manifest.root) / f.path).resolve() for f in manifest.files if f.role != "seal"}

@@ -46,7 +46,10 @@ _HF_SHARD = re.compile(r"^shard-(\d+)-model-\d+-of-\d+\.safetensors$")
 
 class _Record(_unpickle.Record):
     """A dataclass instance from the pickle: attributes only, no behaviour (a Record, so that the
-    unpickler's checks on the tree walk into it)."""
+    unpickler's checks on the tree walk into it). Unhashable, as torch's dataclasses are (``eq``
+    without ``frozen``): a damaged pickle that uses one as a dict key fails here as in torch."""
+
+    __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.__dict__})"
@@ -72,6 +75,7 @@ class _BytesStorageMetadata(_Record):
 
 class _ChunkStorageMetadata(_unpickle.Fields):
     __slots__ = ("offsets", "sizes")
+    __hash__ = None  # type: ignore[assignment]  # (as torch's, see _Record)
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
 
@@ -82,6 +86,8 @@ class _TensorProperties(_Record):
     def __setstate__(self, state: Any) -> None:
         # pickled as (dtype, layout, requires_grad, memory_format encoding, pin_memory)
         if isinstance(state, tuple) and len(state) == 5:
+            if not isinstance(state[3], _MemFormat):  # torch refuses any other memory format too
+                raise ValueError(f"invalid torch.memory_format encoding {state[3]!r:.60} in TensorProperties")
             self.dtype = str(state[0])
         elif isinstance(state, dict):
             self.__dict__.update(state)
@@ -105,6 +111,7 @@ class _MetadataIndex(_unpickle.Fields):
 
 class _StorageInfo(_unpickle.Fields):
     __slots__ = ("length", "offset", "relative_path", "transform_descriptors")
+    __hash__ = None  # type: ignore[assignment]  # (as torch's, see _Record)
     relative_path: str
     offset: int
     length: int
@@ -115,8 +122,27 @@ def _path(*parts: Any) -> str:
     return "/".join(str(p) for p in parts)
 
 
-def _mem_format(value: Any) -> int:
-    return int(value)
+class _MemFormat(int):
+    """A member of torch's ``_MEM_FORMAT_ENCODING`` (contiguous, channels last, preserve), by value."""
+
+
+def _mem_format(value: Any) -> _MemFormat:
+    if type(value) is not int or value not in (0, 1, 2):  # (as the enum's own lookup refuses)
+        raise ValueError(f"{value!r:.40} is not a valid _MEM_FORMAT_ENCODING")
+    return _MemFormat(value)
+
+
+_LAYOUTS = frozenset(
+    f"torch.{n}"
+    for n in ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "_mkldnn", "jagged")
+)
+"""Every ``torch.layout`` by the name ``torch.serialization._get_layout`` finds it under."""
+
+
+def _layout(name: Any) -> str:
+    if name not in _LAYOUTS:  # (torch's lookup raises KeyError)
+        raise ValueError(f"unknown torch layout {name!r:.40}")
+    return str(name)
 
 
 _DCP = "torch.distributed.checkpoint.metadata"
@@ -133,7 +159,7 @@ METADATA_ALLOWLIST: dict[tuple[str, str], Any] = {
     (_DCP, "_MEM_FORMAT_ENCODING"): _mem_format,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch", "Size"): _unpickle.TORCH_TENSORS[("torch", "Size")],
-    ("torch.serialization", "_get_layout"): str,
+    ("torch.serialization", "_get_layout"): _layout,
     ("pathlib", "PosixPath"): _path,
     ("pathlib", "WindowsPath"): _path,
     ("pathlib", "PurePosixPath"): _path,
@@ -196,6 +222,24 @@ def _keep_nesting(manifest: Manifest, maps: list[dict[Any, Any]]) -> None:
         item = items.get(key)
         if item is not None:
             item.nesting = path
+
+
+def _planner_problem(planner_data: dict[Any, Any], saved: dict[Any, Any]) -> str | None:
+    """What is wrong with a metadata's ``planner_data`` (None: nothing). torch writes it as the map
+    from each flattened key to its path in the nested state dict, the key being the path's parts
+    joined by dots, for every key the metadata lists (``flatten_state_dict``)."""
+    wrong = []
+    for key, path in planner_data.items():
+        ok = type(key) is str and type(path) is tuple and all(type(p) in (str, int) for p in path)
+        if not ok or ".".join(map(str, path)) != key:
+            wrong.append(f"maps {str(key)[:80]!r} to {str(path)[:80]}, which is not that key's path")
+    unplaced = [k for k in saved if k not in planner_data]
+    if unplaced:
+        wrong.append(f"has no entry for the saved key {str(unplaced[0])[:80]!r}")
+    if not wrong:
+        return None
+    more = len(wrong) - 1 + max(len(unplaced) - 1, 0)
+    return wrong[0] + (f" (and {more} more)" if more else "")
 
 
 def path_problem(path: tuple[Any, ...], limit: int) -> str | None:
@@ -299,6 +343,7 @@ class DcpAdapter:
         versions: set[str] = set()
         replicas = ReplicaCounter()  # an entry per chunk: local to this describe, dropped with it
         maps: list[dict[Any, Any]] = []  # each metadata's planner_data
+        findings: list[dict[str, str]] = []
         for rank, md_name in sources:
             md = _load_metadata(path, md_name)
             versions.add(str(getattr(md, "version", None)))
@@ -308,10 +353,24 @@ class DcpAdapter:
             planner_data = getattr(md, "planner_data", None)
             if isinstance(planner_data, dict) and planner_data:
                 maps.append(planner_data)
+                if problem := _planner_problem(planner_data, md.state_dict_metadata):
+                    findings.append(
+                        {
+                            "rule": "corrupt-file",
+                            "file": md_name,
+                            "message": f"{md_name}: planner_data, the nested place of each saved key, {problem}",
+                            "hint": "the metadata is damaged: dcp_to_torch_save and loads without a state dict of "
+                            "your own fail on it (dcp.load into your state dict does not read it); restore "
+                            f"{md_name} from a good copy",
+                            "stops_writes": False,  # (checked where used: nesting(), the DCP writer)
+                        }
+                    )
             del md  # before the next rank's metadata is loaded
         del replicas
         _keep_nesting(manifest, maps)
         del maps
+        if findings:
+            manifest.extras["findings"] = findings
         manifest.files = list(roles.values())
         manifest.format_version = "/".join(sorted(versions))
         if rank_local:

@@ -538,7 +538,7 @@ def validate(
         problems.append(f"TP={tp} does not divide ffn_hidden_size={ffn}")
     problems += _mtp_problems(manifest, src, target, rank_files)
     gated = _gated(args)
-    uneven, unknown = [], []
+    uneven, unknown, beyond = [], [], []
     for pattern, dim in rules.items():  # only for parameters Megatron's own rules leave open
         fixed = sorted(
             n
@@ -564,10 +564,20 @@ def validate(
             unknown.append(item.name)
         if rule == "replicated" or dim is None or _is_vocab(item.name):
             continue
+        if dim >= len(item.shape):  # (only a --split-rule can ask for that)
+            beyond.append(f"{item.name} ({len(item.shape)}-D, dim {dim})")
+            continue
         size = item.shape[dim] // (2 if rule == "gated" else 1)
         ways = etp if is_expert(_base_param(item)) else tp
         if size % ways:
             uneven.append(f"{item.name} (dim {dim} of size {size}, split {ways} ways)")
+    if beyond:
+        problems.append(
+            f"--split-rule splits {len(beyond)} tensors along a dimension they do not have: "
+            + ", ".join(beyond[:3])
+            + (" …" if len(beyond) > 3 else "")
+            + "; dimensions count from 0"
+        )
     if unknown:
         problems.append(
             f"no tensor-parallel split rule for {len(unknown)} parameters: {', '.join(unknown[:5])}"

@@ -50,6 +50,9 @@ class TorchSaveAdapter:
             return Detection(True, "a zip archive (torch.save)")
         if head[:3] == _LEGACY_MAGIC:
             return Detection(True, "a legacy (pre-1.6) torch.save pickle")
+        if not head and path.suffix in (".pt", ".pth", ".bin", ".ckpt"):
+            # what a save killed before its first write leaves: damage to report, not an unknown format
+            return Detection(True, f"{path.name} is empty; its name says torch.save", weak=True)
         return Detection(False, f"{path.name} is not a torch.save file (magic {head.hex()})")
 
     def describe(self, path: Path) -> Manifest:
@@ -59,6 +62,13 @@ class TorchSaveAdapter:
                 raise FormatNotRecognizedError(str(path), {"torch": "no single .pt/.pth/.bin file here"})
             path = file
         root, rel = path.parent, path.name
+        if path.stat().st_size == 0:
+            raise CorruptFileError(
+                f"{rel}: the file is empty (0 bytes): the save stopped before its first write",
+                hint="use another checkpoint, or save this one again",
+                path=rel,
+                rule="truncated-file",
+            )
         if not _pt.is_torch_zip(path):
             raise CorruptFileError(
                 f"{rel}: legacy (pre-1.6, non-zip) torch.save format, which ckpttool does not read",

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import contextlib
+import enum
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -230,3 +233,47 @@ def autotp_copy(tmp_path: Path, metadata: str) -> Path:
     if edit is None:
         return src
     return rewritten_copy(tmp_path / "autotp", src, edit, "global_step3/mp_rank_*_model_states.pt", ALLOWLIST)
+
+
+@contextlib.contextmanager
+def megatron_enums() -> Iterator[None]:
+    """While the block runs, ``torch.load`` and ``torch.save`` of Megatron-LM rank files work without
+    megatron-core (CI does not install it): the two enums its ``args`` pickle
+    (``megatron.core.enums.ModelType``, ``megatron.core.transformer.enums.AttnBackend``) are stood
+    in for by enums that take any value and pickle back as the same globals. Nothing is stubbed
+    where megatron-core is installed, and the stubs are gone after the block (``importorskip`` of
+    megatron-core must still skip)."""
+    try:
+        import megatron.core.enums
+        import megatron.core.transformer.enums
+    except ImportError:
+        pass
+    else:
+        yield
+        return
+
+    class AnyValue(enum.Enum):
+        @classmethod
+        def _missing_(cls, value: object) -> Any:
+            member = object.__new__(cls)
+            member._value_, member._name_ = value, f"value_{value}"
+            return member
+
+    names = ("megatron", "megatron.core", "megatron.core.enums", "megatron.core.transformer")
+    names += ("megatron.core.transformer.enums",)
+    modules = {n: types.ModuleType(n) for n in names}
+    for module, name in (("megatron.core.enums", "ModelType"), ("megatron.core.transformer.enums", "AttnBackend")):
+
+        class Stub(AnyValue):
+            STUB = object()  # (an enum without members refuses every value before _missing_)
+
+        Stub.__module__, Stub.__name__, Stub.__qualname__ = module, name, name
+        setattr(modules[module], name, Stub)
+    saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}
+    sys.modules.update(modules)
+    try:
+        yield
+    finally:
+        for n in names:
+            sys.modules.pop(n, None)
+        sys.modules.update(saved)

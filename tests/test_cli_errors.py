@@ -353,7 +353,7 @@ def test_a_newline_in_a_tensor_name_keeps_the_step_summary_row_one_row(tmp_path)
 def test_step_summary_cells_escape_markup_and_junit_stays_well_formed():
     import xml.etree.ElementTree as ET
 
-    from ckpttool.reports import github_summary, junit
+    from ckpttool.reports import github_annotations, github_summary, junit
     from ckpttool.verify import Finding, VerifyReport
 
     report = VerifyReport(
@@ -374,6 +374,9 @@ def test_step_summary_cells_escape_markup_and_junit_stays_well_formed():
     assert "`ck\\npt`" in text
     root = ET.fromstring(junit(report).split("?>", 1)[1])  # parses: no raw control characters
     assert root.get("failures") == "1"
+    # the annotations spelled ESC and NUL out raw (a terminal showing the Actions log ran them)
+    (line,) = github_annotations(report).splitlines()
+    assert line.isprintable() and "c\\x1b[2J\\x00: 1 NaN" in line, line
 
 
 def test_hostile_names_reach_no_terminal_raw_in_ls_inspect_or_diff(tmp_path):

@@ -156,3 +156,28 @@ def test_zero_and_its_universal_checkpoint_are_the_same_state(tmp_path):
     torch.save({"param": torch.load(fp32, weights_only=True)["param"] + 1}, fp32)
     off = diff(zero2, copy)
     assert off.different and off.added == ["seen_tokens.fp32"] and not any("fp32" in n for n in off.notes)
+
+
+def test_a_pipeline_run_and_its_universal_checkpoint_are_the_same_state(tmp_path):
+    """A universal checkpoint of a pipeline run has no layer files (nor has ds_to_universal's): the
+    weights are the optimizer's fp32 copies, narrowed to bf16 for a bf16 run. The two diffed
+    "different" (every weight only in A, every per-parameter step only in B); they are equal with
+    notes, and a weight one ulp off is still a difference."""
+    import torch
+
+    src = FIXTURES / "deepspeed" / "pipeline_bf16"
+    universal = tmp_path / "u"
+    assert run_cli("reshard", src, "-o", universal, "--to", "deepspeed-universal").code == 0
+    report = diff(src, universal)
+    assert not report.different, report.to_json()
+    assert report.identical == report.compared and report.added == report.removed == []
+    assert any("weights: A keeps 23 parameter(s)" in n for n in report.notes), report.notes
+
+    copy = tmp_path / "src"
+    shutil.copytree(src, copy)
+    layer = copy / "global_step3" / "layer_01-model_00-model_states.pt"
+    state = torch.load(layer, weights_only=True)
+    state["fc1.weight"].view(torch.int16)[0, 0] += 1  # one ulp
+    torch.save(state, layer)
+    off = diff(copy, universal)
+    assert off.different and off.removed == ["1.fc1.weight"], off.to_json()

@@ -107,6 +107,13 @@ def test_a_split_rule_over_megatron_cores_own_is_refused(rule, tmp_path):
     assert_clean(r, 2, "tensor-parallel split megatron-core fixes", "narrow the pattern")
 
 
+@pytest.mark.parametrize("source", ["legacy_tp2pp2", "dist_tp2pp2"])
+def test_a_split_rule_past_a_tensors_last_dimension_is_refused(source, tmp_path):
+    """'weight=7' raised an internal IndexError (exit 3) instead of the usage refusal."""
+    r = run_cli("reshard", MG / source, "-o", tmp_path / "o", "--split-rule", "weight=7", "--dry-run")
+    assert_clean(r, 2, "along a dimension they do not have", "D, dim 7)")
+
+
 @pytest.mark.parametrize("content", [b"{bad", b""])
 def test_a_damaged_torch_dist_metadata_json_is_named(content, tmp_path):
     ck = tmp_path / "ck"

@@ -32,7 +32,7 @@ from ckpttool.export import export
 from ckpttool.reshard import Target, reshard
 from ckpttool.verify import verify
 from tests._compare import same_bits
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, megatron_enums
 from tests.test_megatron import _expected
 from tests.test_reshard import STATE_KINDS, _drop_rng, _megatron_lm, _oracle, _rank_files, _ref, _tree
 from tests.test_reshard_dist import _megatron_core_load, _same_records
@@ -92,9 +92,10 @@ def test_a_copy_that_drifted_is_found(tmp_path):
     root = tmp_path / "c"
     shutil.copytree(TIED, root)
     path = root / "iter_0000003" / "mp_rank_01_001" / "model_optim_rng.pt"
-    obj = torch.load(path, weights_only=False)
-    obj["model"]["output_layer.weight"][0, 0] += 1
-    torch.save(obj, path)
+    with megatron_enums():
+        obj = torch.load(path, weights_only=False)
+        obj["model"]["output_layer.weight"][0, 0] += 1
+        torch.save(obj, path)
     shutil.copystat(TIED / path.relative_to(root), path)  # (a file newer than the tracker: another finding)
     found = verify(root, deep=True).failing()
     assert [f.rule for f in found] == ["replica-mismatch"], found

@@ -143,6 +143,41 @@ def test_fast_central_directory_matches_zipfile():
         assert {k: (m.header_offset, m.file_size, m.compress_size, m.CRC) for k, m in fast.items()} == slow
 
 
+def _damaged_zip_index(data: bytearray, how: str) -> None:
+    """Damage a torch.save archive's zip index in place, the way a flipped bit would."""
+    import struct
+
+    eocd64 = struct.unpack_from("<Q", data, len(data) - 22 - 20 + 8)[0]  # (from the zip64 locator)
+    cd = struct.unpack_from("<Q", data, eocd64 + 48)[0]
+    if how == "zip64 directory offset":
+        data[eocd64 + 48] ^= 0xFF
+    elif how == "stored sizes":
+        data[cd + 22] ^= 0xFF  # data.pkl's compressed size, high byte
+    else:  # data.pkl's local-header offset, moved onto the next member's header
+        name_len = struct.unpack_from("<H", data, cd + 28)[0]
+        local = struct.unpack_from("<L", data, cd + 42)[0]
+        size = struct.unpack_from("<L", data, cd + 24)[0]
+        nxt = data.index(b"PK\x03\x04", local + 30 + name_len + size)
+        struct.pack_into("<L", data, cd + 42, nxt)
+
+
+@pytest.mark.parametrize("how", ["zip64 directory offset", "stored sizes", "local header"])
+def test_a_damaged_zip_index_is_refused_as_torch_refuses_it(how):
+    """zipfile reads past damage to a zip's index that torch's reader (miniz) fails on: a zip64 end
+    record that disagrees with the plain one (miniz goes by the zip64 one, ckpttool went by the
+    other), a stored member whose two sizes differ, a directory entry pointing at another member's
+    local header. verify and seal passed such files; torch.load fails on each."""
+    torch = pytest.importorskip("torch")
+    buf = io.BytesIO()
+    torch.save({"x": torch.arange(3)}, buf)
+    data = bytearray(buf.getvalue())
+    _damaged_zip_index(data, how)
+    with pytest.raises(Exception):  # noqa: B017 - the oracle: torch's own reader fails
+        torch.load(io.BytesIO(bytes(data)), weights_only=True)
+    with pytest.raises(CorruptFileError, match="zip index"):
+        _torchzip.Archive(bytes(data), display="mem").load()
+
+
 def test_zip_with_a_comment_falls_back_to_zipfile():
     torch = pytest.importorskip("torch")
     buf = io.BytesIO()

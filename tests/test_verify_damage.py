@@ -11,7 +11,8 @@ import warnings
 
 import pytest
 
-from tests.conftest import FIXTURES, data_pkl, run_cli, set_stored_crc
+from tests._zips import replace_member
+from tests.conftest import FIXTURES, data_pkl, megatron_enums, run_cli, set_stored_crc
 
 MG = FIXTURES / "megatron"
 
@@ -24,17 +25,22 @@ def _findings(path, *extra):
 
 def _rewrite_iteration(f, step: int) -> None:
     """Set a rank file's iteration, its modification time kept (a file from another save is not
-    necessarily newer than the metadata: verify's in-flight check is another matter)."""
-    import os
+    necessarily newer than the metadata: verify's in-flight check is another matter). The pickle is
+    edited where it stores ``iteration``: torch.load would need megatron-core for the enums in
+    ``args``, which CI does not install."""
+    import pickletools
+    import struct
 
-    import torch
+    def change(pkl: bytes) -> bytes:
+        ops = list(pickletools.genops(pkl))
+        for i, (_, arg, _) in enumerate(ops):
+            if arg == "iteration":
+                at, end = next((o[2], ops[j + 1][2]) for j, o in enumerate(ops[i + 1 :], i + 1) if "INT" in o[0].name)
+                return pkl[:at] + b"J" + struct.pack("<i", step) + pkl[end:]  # BININT
+        raise AssertionError(f"{f}: no iteration in its pickle")
 
     st = os.stat(f)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        obj = torch.load(f, weights_only=False)
-        obj["iteration"] = step
-        torch.save(obj, f)
+    f.write_bytes(replace_member(f.read_bytes(), "/data.pkl", change))
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
@@ -183,7 +189,7 @@ def _rewrite(f, change) -> None:
     import torch
 
     st = os.stat(f)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), megatron_enums():
         warnings.simplefilter("ignore")
         obj = torch.load(f, weights_only=False)
         change(obj)
@@ -245,7 +251,7 @@ def test_reshard_outputs_record_the_ranks_megatron_core_would(how, tmp_path):
     import torch
 
     outs = sorted((out / "iter_0000003").glob("mp_rank_*/model_optim_rng.pt"))
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), megatron_enums():
         warnings.simplefilter("ignore")
         got = {f.parent.name: torch.load(f, weights_only=False)["args"] for f in outs}
     a = next(iter(got.values()))
@@ -420,3 +426,55 @@ def test_a_temporary_of_any_commit_file_is_an_incomplete_save(tmp_path):
     (ck / "model.safetensors.index.json").rename(ck / "model.safetensors.index.json.tmp")
     code, report = _findings(ck)
     assert code == 1 and ("incomplete-save", "model.safetensors.index.json.tmp") in _rules(report), report
+
+
+# offsets into dcp/fsdp2's .metadata where one flipped bit makes torch fail, found by flipping every
+# fifth byte and comparing with torch's own unpickling: a memo reference that makes a _StorageInfo
+# a dict key, planner_data paths that no longer spell their keys, a layout name, a memory format
+@pytest.mark.parametrize(
+    ("offset", "fragment"),
+    [
+        (29477, "unhashable type: '_StorageInfo'"),
+        (15057, "planner_data"),
+        (14431, "planner_data"),
+        (245, "unknown torch layout"),
+        (1245, "memory_format"),
+    ],
+)
+def test_a_bit_flip_torch_fails_on_in_dcp_metadata_is_found(offset, fragment, tmp_path):
+    """These verified clean, and seal sealed them; dcp_to_torch_save fails on each."""
+    import pickle
+
+    pytest.importorskip("torch.distributed.checkpoint")
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ck)
+    md = ck / ".metadata"
+    st = os.stat(md)
+    data = bytearray(md.read_bytes())
+    data[offset] ^= 1
+    md.write_bytes(data)
+    os.utime(md, ns=(st.st_atime_ns, st.st_mtime_ns))
+    try:  # the oracle: torch's classes, and torch's use of planner_data (keys are paths joined by dots)
+        meta = pickle.loads(bytes(data))
+        paths = meta.planner_data
+        assert any(".".join(map(str, paths.get(k, ()))) != k for k in meta.state_dict_metadata)
+    except AssertionError:
+        raise
+    except Exception:
+        pass
+    code, report = _findings(ck)
+    errors = [f for f in report["findings"] if f["severity"] == "error"]
+    assert code == 1 and [(f["rule"], f["file"]) for f in errors] == [("corrupt-file", ".metadata")], errors
+    assert fragment in errors[0]["message"], errors[0]["message"]
+    r = run_cli("seal", ck)
+    assert r.code == 3 and ".metadata" in r.stderr and not (ck / "ckpttool.manifest.json").exists(), r.stderr
+
+
+def test_an_empty_torch_save_file_is_a_truncated_file(tmp_path):
+    """A save killed before its first write leaves a 0-byte file: it was 'not a checkpoint format'
+    (exit 3), where a file cut short later is a finding (exit 1)."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "torch", ck)
+    (ck / "train_state.pt").write_bytes(b"")
+    code, report = _findings(ck / "train_state.pt")
+    assert code == 1 and [(f["rule"], f["file"]) for f in report["findings"]] == [("truncated-file", "train_state.pt")]

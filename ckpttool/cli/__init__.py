@@ -737,8 +737,13 @@ def reshard(
             f"{plan.workers} workers, peak memory about {decimal(plan.peak)}; nothing written"
         )
         return
+    from ckpttool.io import list_files
+
+    # what is there now, metadata and seal included (the plan counts the tensor files' tensor bytes)
+    written = list_files(result.output) if os.path.isdir(result.output) else [("", os.path.getsize(result.output))]
     out.line(
-        f"wrote {len(plan.files)} files ({decimal(plan.nbytes)}) as {' '.join(filter(None, (plan.format, layout)))} "
+        f"wrote {len(written)} files ({decimal(sum(n for _, n in written))}) as "
+        f"{' '.join(filter(None, (plan.format, layout)))} "
         f"to {result.output}"
         + (" (sealed)" if result.sealed else "")
         + (f" from {len(result.ranks)} ranks" if result.ranks else "")

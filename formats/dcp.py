@@ -343,7 +343,7 @@ class DcpAdapter:
         versions: set[str] = set()
         replicas = ReplicaCounter()  # an entry per chunk: local to this describe, dropped with it
         maps: list[dict[Any, Any]] = []  # each metadata's planner_data
-        findings: list[dict[str, str]] = []
+        findings: list[dict[str, Any]] = []
         for rank, md_name in sources:
             md = _load_metadata(path, md_name)
             versions.add(str(getattr(md, "version", None)))

@@ -621,7 +621,9 @@ class Zero3Writer:
     def files(self) -> list[PlannedFile]:
         out = []
         items = self.manifest.items  # (a frozen fragment keeps its parameter's dtype: what _flat writes)
-        frozen = [self._part(math.prod(s)) * carrier(items[f"{n}.fp32"].dtype).itemsize for n, s in self.frozen]
+        frozen = [
+            self._part(math.prod(s)) * carrier(items[f"{n}.fp32"].dtype or "float32").itemsize for n, s in self.frozen
+        ]
         flats = [sum(self._part(math.prod(s)) for _, s in params) * 4 for _, params in self.subgroups]
         for r in range(self.dp):
             out.append(PlannedFile.of(f"{self._prefix()}zero_pp_rank_{r}_mp_rank_00_model_states.pt", (r, 0), frozen))

@@ -242,13 +242,14 @@ class Archive:
         return span
 
     def _member_span(self, name: str, info: Any) -> StorageSpan:
-        at = info.header_offset
-        header = self._read(at, _LFH.size) if 0 <= at < self.length else b""
-        fields = _LFH.unpack(header) if len(header) == _LFH.size else (b"",)
+        at, want = info.header_offset, name.encode()
+        # the header and the name after it, in one read
+        header = self._read(at, _LFH.size + len(want)) if 0 <= at < self.length else b""
+        fields = _LFH.unpack_from(header) if len(header) >= _LFH.size else (b"",)
         # the local header the central directory points at must be this member's (torch's reader
         # takes the offset as it is; zipfile would shift every offset to fit a damaged directory)
         found = fields[0] == b"PK\x03\x04"
-        if not found or self._read(at + _LFH.size, fields[-2]) != name.encode():
+        if not found or fields[-2] != len(want) or header[_LFH.size :] != want:
             what = "the local header of another member" if found else "no local header"
             raise CorruptFileError(
                 f"{self.display}: the zip index places {name} at byte {at:,}, where there is {what}: "

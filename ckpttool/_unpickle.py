@@ -263,12 +263,16 @@ class Fields:
                 continue
             if not isinstance(part, dict):
                 raise pickle.UnpicklingError(f"{type(self).__name__} state of type {type(part).__name__}")
-            if any(type(k) is not str for k in part):  # a dataclass's state names its fields
-                bad = next(k for k in part if type(k) is not str)
-                raise pickle.UnpicklingError(f"{type(self).__name__} state with a {type(bad).__name__} as a field name")
+            kept = 0
             for name in self.__slots__:
                 if name in part:
                     object.__setattr__(self, name, part[name])
+                    kept += 1
+            if kept < len(part):  # fields it does not keep: each must still be named by a string
+                for k in part:
+                    if type(k) is not str:  # (a damaged memo reference; torch fails on it too)
+                        what = f"{type(self).__name__} state with a {type(k).__name__} as a field name"
+                        raise pickle.UnpicklingError(what)
             part.clear()
 
     def __repr__(self) -> str:

@@ -326,16 +326,25 @@ def _regrouped_steps(
             values.add(float(v[0]))
             if len(values) > 1:
                 return
-    matched = {*groups[0], *params[0]}  # (filtered once: removing key by key is quadratic)
-    report.removed = [k for k in report.removed if k not in matched]
-    report.added = [k for k in report.added if k not in matched]
-    report.compared += len(groups[0]) + len(params[0])
-    report.identical += len(groups[0]) + len(params[0])
     (value,) = values
-    report.notes.append(
+    _same_state(
+        report,
+        [*groups[0], *params[0]],
         f"optimizer step: {side[0]} keeps it per param group ({len(groups[0])}), {side[1]} per parameter "
-        f"({len(params[0])}); all hold {value:g}"
+        f"({len(params[0])}); all hold {value:g}",
     )
+
+
+def _same_state(report: DiffReport, keys: list[str], note: str) -> None:
+    """``keys``, kept on one side only, found to hold the same state as the other side keeps
+    otherwise: no longer added or removed, counted compared and identical, and ``note`` said.
+    The lists are filtered in place, once (removing key by key is quadratic)."""
+    matched = set(keys)
+    report.removed[:] = [k for k in report.removed if k not in matched]
+    report.added[:] = [k for k in report.added if k not in matched]
+    report.compared += len(keys)
+    report.identical += len(keys)
+    report.notes.append(note)
 
 
 def _extra_masters(
@@ -363,14 +372,12 @@ def _extra_masters(
             if np.array_equal(copy.view(np.uint32), values.astype(np.float32).view(np.uint32)):
                 same.append(k)
         if same:
-            gone = set(same)
-            mine[:] = [k for k in mine if k not in gone]
-            report.compared += len(same)
-            report.identical += len(same)
             shown = ", ".join(k[: -len(".fp32")] for k in same[:5]) + (" …" if len(same) > 5 else "")
-            report.notes.append(
+            _same_state(
+                report,
+                same,
                 f"fp32 copies: {side} keeps one of {len(same)} tensor(s) the other side keeps only as themselves "
-                f"({shown}); each holds its tensor's values exactly"
+                f"({shown}); each holds its tensor's values exactly",
             )
 
 
@@ -402,14 +409,12 @@ def _weights_as_masters(
             if weights.tobytes() == narrowed.tobytes():
                 same.append(k)
         if same:
-            gone = set(same)
-            mine[:] = [k for k in mine if k not in gone]
-            report.compared += len(same)
-            report.identical += len(same)
             shown = ", ".join(same[:5]) + (" …" if len(same) > 5 else "")
-            report.notes.append(
+            _same_state(
+                report,
+                same,
                 f"weights: {side} keeps {len(same)} parameter(s) beside their fp32 copies, the other side only as "
-                f"those copies ({shown}); each copy gives its weights bit for bit"
+                f"those copies ({shown}); each copy gives its weights bit for bit",
             )
 
 

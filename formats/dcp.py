@@ -224,6 +224,12 @@ def _keep_nesting(manifest: Manifest, maps: list[dict[Any, Any]]) -> None:
             item.nesting = path
 
 
+def is_own_path(key: str, path: tuple[Any, ...]) -> bool:
+    """Whether ``path`` is ``key``'s place in the nested state dict: ``flatten_state_dict`` names
+    each key by its path's parts joined by dots."""
+    return ".".join(map(str, path)) == key
+
+
 def _planner_problem(planner_data: dict[Any, Any], saved: dict[Any, Any]) -> str | None:
     """What is wrong with a metadata's ``planner_data`` (None: nothing). torch writes it as the map
     from each flattened key to its path in the nested state dict, the key being the path's parts
@@ -231,7 +237,7 @@ def _planner_problem(planner_data: dict[Any, Any], saved: dict[Any, Any]) -> str
     wrong = []
     for key, path in planner_data.items():
         ok = type(key) is str and type(path) is tuple and all(type(p) in (str, int) for p in path)
-        if not ok or ".".join(map(str, path)) != key:
+        if not ok or not is_own_path(key, path):
             wrong.append(f"maps {str(key)[:80]!r} to {str(path)[:80]}, which is not that key's path")
     unplaced = [k for k in saved if k not in planner_data]
     if unplaced:

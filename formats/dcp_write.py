@@ -125,7 +125,7 @@ def planner_paths(items: list[Item]) -> tuple[dict[str, NestedPath], dict[str, s
     recorded path that is not the key's own (``".".join(path)``, as ``flatten_state_dict`` names
     keys: an item renamed since) or not a path at all. Returns the map and, for each key written
     flat despite a recorded path, why."""
-    from ckpttool.formats.dcp import path_problem
+    from ckpttool.formats.dcp import is_own_path, path_problem
 
     limit = max(len(items), LIST_SLOTS)
     paths: dict[str, NestedPath] = {}
@@ -137,7 +137,7 @@ def planner_paths(items: list[Item]) -> tuple[dict[str, NestedPath], dict[str, s
             paths[name] = (name,)
             continue
         problem = path_problem(path, limit)
-        if problem is None and ".".join(map(str, path)) != name:
+        if problem is None and not is_own_path(name, path):
             problem = "it is another key's path (the item was renamed?)"
         if problem is None:
             paths[name] = path

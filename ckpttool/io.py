@@ -594,11 +594,15 @@ def _make_parents(directory: Path) -> list[Path]:
     return made
 
 
-def _remake_parents(directory: Path, made: list[Path], vanished: int) -> int:
+def _remake_parents(directory: Path, made: list[Path], vanished: int, exc: FileNotFoundError) -> int:
     """Make ``directory`` again after it vanished between :func:`_make_parents` and the temporary's
     creation (another run that had made it and found it empty failed, and removed it with
     :func:`_unmake`); the folders made now are this run's (added to ``made``). ``vanished``: how
-    often it did so before; returns the count with this time. The fourth time is an error."""
+    often it did so before; returns the count with this time. The fourth time is an error. ``exc``,
+    the creation's error, is raised as it is where the folder is there (a file system that refuses
+    new files so, as /proc does)."""
+    if directory.is_dir():
+        raise exc
     if vanished >= 3:
         gone = "the output's folder keeps being removed by another process"
         raise FileNotFoundError(errno.ENOENT, gone, str(directory))
@@ -636,8 +640,8 @@ def atomic_output(dest: str | os.PathLike[str]) -> Iterator[BinaryIO]:
                 break
             except FileExistsError:
                 continue
-            except FileNotFoundError:
-                vanished = _remake_parents(parent, made, vanished)
+            except FileNotFoundError as exc:
+                vanished = _remake_parents(parent, made, vanished, exc)
         from ckpttool._directwrite import DirectFile, direct_ok  # (it uses this module's helper threads)
 
         with DirectFile(fd) if direct_ok(parent) else os.fdopen(fd, "wb") as f:
@@ -673,8 +677,8 @@ def staged_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
                 break
             except FileExistsError:
                 continue
-            except FileNotFoundError:
-                vanished = _remake_parents(dest_p.parent, made, vanished)
+            except FileNotFoundError as exc:
+                vanished = _remake_parents(dest_p.parent, made, vanished, exc)
         yield tmp
     except BaseException:
         if tmp is not None:

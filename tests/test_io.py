@@ -278,3 +278,25 @@ def test_a_parent_another_failed_run_removed_is_made_again(kind, tmp_path, monke
     with pytest.raises(FileNotFoundError, match="keeps being removed"), ckio.atomic_output(dest):
         pass
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["file", "dir"])
+def test_a_folder_that_refuses_new_entries_is_not_taken_for_a_vanished_one(kind, tmp_path, monkeypatch):
+    """/proc answers a new file with ENOENT while the folder is there: that was read as the folder
+    removed by another run, four times over ("keeps being removed by another process"). The
+    error is the file system's own, at once."""
+    import errno
+
+    from ckpttool import io as ckio
+
+    calls = []
+
+    def refused(path, *args, **kwargs):
+        calls.append(path)
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
+
+    monkeypatch.setattr(ckio.os, "open" if kind == "file" else "mkdir", refused)
+    make = ckio.atomic_output if kind == "file" else ckio.staged_dir
+    with pytest.raises(FileNotFoundError, match="No such file or directory") as caught, make(tmp_path / "out"):
+        pass
+    assert "keeps being removed" not in str(caught.value) and len(calls) == 1, calls

@@ -465,13 +465,16 @@ def followed(path: str | os.PathLike[str]) -> Path:
     return Path(os.path.realpath(p)) if p.is_symlink() and p.is_file() else p
 
 
-def confine(root: str | os.PathLike[str], rel: str, *, named_by: str = "the checkpoint metadata") -> str:
+def confine(
+    root: str | os.PathLike[str], rel: str, *, named_by: str = "the checkpoint metadata", kind: str = "data file"
+) -> str:
     """The absolute path of ``rel`` under ``root``; refuses absolute paths, ``..`` and symlinks
-    that lead outside the root. ``named_by`` says where the path came from, for the message."""
+    that lead outside the root. ``named_by`` says where the path came from and ``kind`` what it
+    names, for the message."""
     root_s = os.fspath(root)
     if escapes(rel):
         raise PathEscapeError(
-            f"{named_by} names the data file {rel!r}, which is outside the checkpoint directory {root_s}",
+            f"{named_by} names the {kind} {rel!r}, which is outside the checkpoint directory {root_s}",
             hint="the metadata is damaged or hostile; ckpttool only reads files below the checkpoint root",
             path=rel,
         )

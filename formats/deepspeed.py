@@ -22,7 +22,7 @@ from ckpttool.errors import CorruptFileError, IncompleteCheckpointError
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection, claim
 from ckpttool.geometry import Box, coverage, row_major_strides
-from ckpttool.io import confine, list_files, read_tracker
+from ckpttool.io import confine, escapes, list_files, read_tracker
 from ckpttool.manifest import FileRecord, Item, Kind, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
 from ckpttool.values import flatten, set_value
@@ -479,7 +479,9 @@ def _tag_dir(path: Path) -> tuple[Path, Path]:
     """(save dir, tag dir) for a save directory with ``latest`` or a tag directory itself."""
     if (path / "latest").is_file():
         tag = read_tracker(path / "latest", "latest")
-        if not tag or "/" in tag or "\\" in tag or tag in (".", ".."):
+        if tag and escapes(tag):  # DeepSpeed joins it to the save directory and reads wherever it leads
+            confine(path, tag, named_by="latest", kind="tag directory")
+        if not tag or "/" in tag or "\\" in tag or tag == ".":
             raise CorruptFileError(f"latest: names {tag[:60]!r}, not a tag directory", path="latest")
         target = path / tag
         confine(path, tag, named_by="latest")  # a tag folder linked out of the save directory
@@ -509,6 +511,16 @@ def _is_universal(path: Path) -> bool:
     return zero.is_dir() and any((d / "fp32.pt").is_file() for d in zero.iterdir() if d.is_dir())
 
 
+def _untracked_tags(path: Path) -> list[str]:
+    """The DeepSpeed tag directories just below ``path`` (a save directory that lost its
+    ``latest``), in the order a step count sorts them."""
+    try:
+        tags = [c.name for c in path.iterdir() if c.is_dir() and not c.is_symlink() and _is_tag_dir(c)]
+    except OSError:
+        return []
+    return sorted(tags, key=lambda n: (int(m.group()) if (m := re.search(r"\d+$", n)) else -1, n))
+
+
 def _is_tag_dir(path: Path) -> bool:
     return path.is_dir() and any(
         _MODEL.match(n) or _Z3_MODEL.match(n) or _LAYER.match(n) for n in (p.name for p in path.iterdir())
@@ -527,11 +539,15 @@ class DeepSpeedAdapter:
             return Detection(True, "found *_model_states.pt files")
         if _is_universal(path) or (path / "latest_universal").is_file():
             return Detection(True, "found a universal checkpoint (zero/<param>/fp32.pt)")
+        if _untracked_tags(path):
+            return Detection(True, "found DeepSpeed tag directories but no 'latest' file", weak=True)
         return Detection(False, "no 'latest' file and no *_model_states.pt")
 
     def describe(self, path: Path) -> Manifest:
         if (path / "latest_universal").is_file() and not (path / "latest").is_file():
             tag = read_tracker(path / "latest_universal", "latest_universal")
+            if tag and escapes(tag):
+                confine(path, tag, named_by="latest_universal", kind="tag directory")
             if not tag or "/" in tag or tag in (".", "..") or not (path / tag).is_dir():
                 raise IncompleteCheckpointError(
                     f"latest_universal names {tag[:60]!r}, which is not a directory in {path}", path="latest_universal"
@@ -540,6 +556,16 @@ class DeepSpeedAdapter:
             path = path / tag
         if _is_universal(path) and not (path / "latest").is_file():
             return self._describe_universal(path)
+        if not (path / "latest").is_file() and not _is_tag_dir(path):
+            tags = _untracked_tags(path)
+            shown = ", ".join(tags[:5]) + (f" and {len(tags) - 5} more" if len(tags) > 5 else "")
+            raise IncompleteCheckpointError(
+                f"{path} holds the DeepSpeed tag director{'ies' if len(tags) > 1 else 'y'} {shown} but no 'latest' file, which DeepSpeed "
+                "writes after a save's last file: the save that wrote it did not finish, or the file was deleted",
+                hint=f"if the save finished, verify the tag itself (ckpttool verify {path / tags[-1]}) "
+                "or write its name into 'latest'",
+                path="latest",
+            )
         save_dir, tag_dir = _tag_dir(path)
         # given the save directory, the manifest covers its tracker and scripts and the tag named by
         # `latest` (not the other tags); given a tag directory, just that

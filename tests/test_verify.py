@@ -160,6 +160,28 @@ def test_deepspeed_latest_missing_tag():
     assert "global_step999" in report.findings[0].message
 
 
+def test_deepspeed_latest_deleted_is_an_unfinished_save(tmp_path):
+    path = _copy("deepspeed/zero2", tmp_path)
+    (path / "latest").unlink()
+    report = verify(path)
+    assert _rules(report) == {"incomplete-save"}
+    assert "global_step3" in report.findings[0].message and "no 'latest' file" in report.findings[0].message
+    assert f"ckpttool verify {path / 'global_step3'}" in (report.findings[0].hint or "")
+    assert not verify(path / "global_step3").failing()  # the tag itself is whole
+    out = run_cli("verify", str(path))
+    assert out.code == 1 and "incomplete-save" in out.stdout
+
+
+@pytest.mark.parametrize("tracker", ["latest", "latest_universal"])
+@pytest.mark.parametrize("tag", ["../../etc", "/etc", "..", "global_step3/../.."])
+def test_deepspeed_tracker_naming_a_tag_outside_the_save_is_an_unsafe_path(tracker, tag, tmp_path):
+    path = _copy("deepspeed/zero2" if tracker == "latest" else "deepspeed/universal", tmp_path)
+    (path / tracker).write_text(tag)
+    report = verify(path)
+    assert _rules(report) == {"unsafe-path"}, report.findings
+    assert report.findings[0].file == tag and "outside the checkpoint" in report.findings[0].message
+
+
 def test_replicated_norm_altered_on_one_tp_rank(tmp_path):
     path = _copy("megatron/legacy_tp2pp2", tmp_path)
     _, m = registry.describe(path)

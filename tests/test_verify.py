@@ -473,6 +473,30 @@ def test_cli_exit_3_still_writes_every_report(case, tmp_path):
     assert ok["error"] is None and ok["ok"] is True
 
 
+def test_a_usage_error_replaces_a_stale_report(tmp_path):
+    report, junit_file = tmp_path / "r.json", tmp_path / "j.xml"
+    report.write_text('{"ok": true}')
+    junit_file.write_text("stale")
+    r = run_cli("verify", FIXTURES / "dcp" / "fsdp2", "--fail-on", "bogus", "--report", report, "--junit", junit_file)
+    assert r.code == 2 and "--fail-on 'bogus'" in r.stderr
+    data = json.loads(report.read_text())
+    assert data["ok"] is False and "--fail-on 'bogus'" in data["error"]["message"] and data["fail_on"] == "error"
+    assert "--fail-on" in junit_file.read_text()
+
+
+@pytest.mark.parametrize("clean", [True, False])
+def test_an_unwritable_step_summary_leaves_the_verdict(clean, tmp_path):
+    path = FIXTURES / "dcp" / "fsdp2"
+    if not clean:
+        path = _copy("dcp/fsdp2", tmp_path)
+        (path / "__1_0.distcp").unlink()
+    summary = tmp_path / "no-such-dir" / "summary.md"
+    r = run_cli("verify", path, env={"GITHUB_ACTIONS": "true", "GITHUB_STEP_SUMMARY": str(summary)})
+    assert r.code == (0 if clean else 1) and "Traceback" not in r.stderr
+    assert "warning: the step summary was not written" in r.stderr and str(summary) in r.stderr
+    assert ("OK:" in r.stdout) == clean and not summary.exists()
+
+
 def test_json_report_matches_its_schema(broken):
     from pydantic import TypeAdapter
 

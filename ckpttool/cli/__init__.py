@@ -347,15 +347,13 @@ def verify(
     from ckpttool.verify import VerifyReport
     from ckpttool.verify import verify as run
 
-    if fail_on not in ("error", "warning"):
-        raise UsageError(f"--fail-on {fail_on!r}: expected error or warning")
     for flag, given in (("--report", report_file), ("--junit", junit_file)):
         if given is not None:  # checked before any work; a report never replaces what it reports on
             refuse_overlap(given, flag=flag, checkpoint=path, seal=manifest)
             check_output_file(given, flag)
     out = Output(json_mode=json_out, quiet=quiet)
     needed = [s.strip() for s in require.split(",") if s.strip()] if require else []
-    severity: Severity = "error" if fail_on == "error" else "warning"
+    severity: Severity = "warning" if fail_on == "warning" else "error"
     with out.progress("verify") as update:
         done = [0]
 
@@ -364,13 +362,16 @@ def verify(
             update(done[0], 0)
 
         try:
+            if fail_on not in ("error", "warning"):
+                raise UsageError(f"--fail-on {fail_on!r}: expected error or warning")
             report = run(path, manifest_path=manifest, deep=deep, require=needed, workers=workers, progress=advance)
         except Exception as exc:
-            if (isinstance(exc, CkptError) and exc.exit_code != 3) or isinstance(exc, typer.Exit | typer.Abort):
+            if isinstance(exc, typer.Exit | typer.Abort):
                 raise
-            # could not evaluate (exit 3, whatever stopped it): the reports a CI gate reads still
-            # say so (a JUnit error, "ok": false with the reason), never absent or left from the
-            # last run; the message and exit 3 come from _handles_errors as for any command
+            # could not evaluate (a usage error, exit 2, or exit 3, whatever stopped it): the
+            # reports a CI gate reads still say so (a JUnit error, "ok": false with the reason),
+            # never absent or left from the last run; the message and the exit code come from
+            # _handles_errors as for any command
             if isinstance(exc, CkptError):
                 message, hint = exc.message, exc.hint
             elif isinstance(exc, OSError):
@@ -411,8 +412,11 @@ def _verify_outputs(
         sys.stderr.write(reports.github_annotations(report))
         summary = os.environ.get("GITHUB_STEP_SUMMARY")
         if summary:
-            with open(summary, "a", encoding="utf-8") as summary_fh:
-                summary_fh.write(reports.github_summary(report, severity) + "\n")
+            try:
+                with open(summary, "a", encoding="utf-8") as summary_fh:
+                    summary_fh.write(reports.github_summary(report, severity) + "\n")
+            except OSError as exc:  # the runner's file, not an output asked for: the verdict stands
+                out.warning(f"the step summary was not written ({_os_error(exc)}); the report above stands")
 
 
 @app.command(

@@ -91,12 +91,16 @@ class Archive:
         base: int = 0,
         length: int | None = None,
         display: str,
+        file: str | None = None,
         allow: Mapping[tuple[str, str], Any] | None = None,
         check: bool = False,
     ) -> None:
-        """``check``: an archive in memory checks the CRC-32 of each storage it is asked for (an
-        archive in a file does when the file's reads are checked: ``RandomAccessFile.crcs``)."""
+        """``display`` names the archive in messages (a DCP record: ``file@offset``), ``file`` the
+        file it is in, for the errors' path (default: ``display``). ``check``: an archive in memory
+        checks the CRC-32 of each storage it is asked for (an archive in a file does when the
+        file's reads are checked: ``RandomAccessFile.crcs``)."""
         self.display = display
+        self.file = display if file is None else file
         self.source = source
         self.check = check
         if isinstance(source, bytes):
@@ -112,7 +116,7 @@ class Archive:
         self._windows: list[tuple[int, bytes]] = []
         if not isinstance(source, bytes) and self.length <= _SMALL:
             self._windows.append((0, source.read(base, self.length)))
-        members = _central_directory(self._read, self.length, display)
+        members = _central_directory(self._read, self.length, display, self.file)
         self.members: Mapping[str, Any] = (
             members
             if members is not None  # else anything unusual (comments, multi-disk, damage): zipfile judges
@@ -123,7 +127,7 @@ class Archive:
             raise CorruptFileError(
                 f"{display}: zip archive without a single <name>/data.pkl (found {len(pkl)}): "
                 "not written by torch.save",
-                path=display,
+                path=self.file,
             )
         self.prefix = pkl[0][: -len("data.pkl")]
         self._allow = allow if allow is not None else {**_unpickle.PLAIN, **_unpickle.TORCH_TENSORS}
@@ -140,7 +144,7 @@ class Archive:
                 raise CorruptFileError(
                     f"{self.display}: not a readable torch.save archive ({type(exc).__name__}: {exc})",
                     hint="the file is truncated or damaged; restore it from its source",
-                    path=self.display,
+                    path=self.file,
                 ) from None
         return self._zip
 
@@ -166,21 +170,26 @@ class Archive:
         return self._unpickle(data)
 
     def _unpickle(self, data: bytes) -> Any:
-        return _unpickle.loads(
-            data, allow=self._allow, source=self.display, persistent_load=_unpickle.storage_persistent_load
-        )
+        try:
+            return _unpickle.loads(
+                data, allow=self._allow, source=self.display, persistent_load=_unpickle.storage_persistent_load
+            )
+        except CkptError as exc:
+            if exc.path == self.display:  # (a DCP record's name is its file and offset)
+                exc.path = self.file
+            raise
 
     def pickle_bytes(self, *, check: bool = True) -> bytes:
         """The bytes of ``data.pkl`` (not unpickled); checked against its CRC-32 when this archive
         checks its reads and ``check``."""
         info = self.members[self.prefix + "data.pkl"]
         if info.file_size > _MAX_PICKLE:
-            raise CorruptFileError(f"{self.display}: data.pkl claims {info.file_size:,} bytes", path=self.display)
+            raise CorruptFileError(f"{self.display}: data.pkl claims {info.file_size:,} bytes", path=self.file)
         if info.compress_type != zipfile.ZIP_STORED:
             raise CorruptFileError(
                 f"{self.display}: data.pkl is compressed (method {info.compress_type}); torch.save never does that",
                 hint="the file was rewritten by another tool, or it is damaged or hostile",
-                path=self.display,
+                path=self.file,
             )
         span = self.member_span(self.prefix + "data.pkl", info)
         data = self._read(span.offset - self.base, span.length)
@@ -196,10 +205,10 @@ class Archive:
         name = f"{self.prefix}data/{key}"
         info = self.members.get(name)
         if info is None:
-            raise CorruptFileError(f"{self.display}: storage {name} is missing from the archive", path=self.display)
+            raise CorruptFileError(f"{self.display}: storage {name} is missing from the archive", path=self.file)
         if info.compress_type != zipfile.ZIP_STORED:
             raise CorruptFileError(
-                f"{self.display}: storage {name} is compressed; torch never does that", path=self.display
+                f"{self.display}: storage {name} is compressed; torch never does that", path=self.file
             )
         span = self.member_span(name, info)
         self._spans[key] = span
@@ -231,7 +240,9 @@ class Archive:
     def _check_now(self, name: str, info: Any, span: StorageSpan, data: Any) -> None:
         """A member's bytes, all in hand, against its CRC-32 (0: not computed, not checked)."""
         if info.CRC and (found := crc32(data)) != info.CRC:
-            raise crc_mismatch(f"{self.display}: {name}", self.display, span.offset, span.length, info.CRC, found)
+            raise crc_mismatch(
+                f"{self.display}: {name}", self.display, span.offset, span.length, info.CRC, found, path=self.file
+            )
 
     def member_span(self, name: str, info: Any) -> StorageSpan:
         """Where a stored member's bytes are (after its local header); each local header read once
@@ -255,7 +266,7 @@ class Archive:
                 f"{self.display}: the zip index places {name} at byte {at:,}, where there is {what}: "
                 "the archive is damaged",
                 hint="torch.load fails on it too; restore the file from a good copy",
-                path=self.display,
+                path=self.file,
             )
         name_len, extra_len = fields[-2], fields[-1]
         start = info.header_offset + _LFH.size + name_len + extra_len
@@ -263,7 +274,7 @@ class Archive:
             raise CorruptFileError(
                 f"{self.display}: {name} runs to byte {start + info.file_size:,} of a "
                 f"{self.length:,}-byte archive: the file was cut short",
-                path=self.display,
+                path=self.file,
                 rule="truncated-file",
             )
         return StorageSpan(self.base + start, info.file_size)
@@ -353,7 +364,9 @@ _CDH = struct.Struct("<4s6H3L5H2L")  # central directory header, 46 bytes
 _TAIL = 1024  # the EOCD and, for files with few members, the whole central directory
 
 
-def _central_directory(read: Any, length: int, display: str = "zip archive") -> dict[str, _Member] | None:
+def _central_directory(
+    read: Any, length: int, display: str = "zip archive", file: str | None = None
+) -> dict[str, _Member] | None:
     """Parse the central directory of a comment-less zip with two reads (torch.save writes no
     comment). Returns None for anything else, so the caller can fall back to :mod:`zipfile`.
     Raises CorruptFileError where the directory is damaged in a way torch's reader (miniz) fails
@@ -365,7 +378,7 @@ def _central_directory(read: Any, length: int, display: str = "zip archive") -> 
         return CorruptFileError(
             f"{display}: the zip index is damaged ({what})",
             hint="torch.load fails on it too; restore the file from a good copy",
-            path=display,
+            path=display if file is None else file,
         )
 
     if length < _EOCD.size:

@@ -303,15 +303,17 @@ class MemberCrcs:
             return found
 
 
-def crc_mismatch(what: str, display: str, start: int, length: int, stored: int, found: int) -> CorruptFileError:
-    """The error of a zip member ``what`` at ``start`` of file ``display`` whose bytes do not have
-    the CRC-32 its archive stores."""
+def crc_mismatch(
+    what: str, display: str, start: int, length: int, stored: int, found: int, *, path: str | None = None
+) -> CorruptFileError:
+    """The error of a zip member ``what`` at ``start`` of file ``display`` (``path``, when that
+    names a part of a file) whose bytes do not have the CRC-32 its archive stores."""
     return CorruptFileError(
         f"{what}: its {length:,} bytes (at {start:,} of {display}) do not match the CRC-32 its archive "
         f"stores (stored {stored:08x}, read {found:08x}): the file changed after it was saved",
         hint="nothing was written; run 'ckpttool verify' on the source to list every damaged file, and "
         "restore them from a good copy",
-        path=display,
+        path=display if path is None else path,
         rule="checksum-mismatch",
     )
 

@@ -662,8 +662,12 @@ class DcpReader(PieceReader):
                 raise CorruptFileError(f"{display}: zstd frame does not decode ({exc})", path=piece.file) from None
             if len(data) > bound:
                 raise bomb
-            return _torchzip.Archive(data, display=display, allow=self.object_allow, check=f.crcs is not None)
-        return _torchzip.Archive(f, base=loc["offset"], length=loc["length"], display=display, allow=self.object_allow)
+            return _torchzip.Archive(
+                data, display=display, file=piece.file, allow=self.object_allow, check=f.crcs is not None
+            )
+        return _torchzip.Archive(
+            f, base=loc["offset"], length=loc["length"], display=display, file=piece.file, allow=self.object_allow
+        )
 
     def read(self, piece: Piece, item: Item, out: np.ndarray | None = None) -> np.ndarray:
         if "begin" in piece.locator:  # HuggingFaceStorageWriter shard

@@ -478,3 +478,25 @@ def test_an_empty_torch_save_file_is_a_truncated_file(tmp_path):
     (ck / "train_state.pt").write_bytes(b"")
     code, report = _findings(ck / "train_state.pt")
     assert code == 1 and [(f["rule"], f["file"]) for f in report["findings"]] == [("truncated-file", "train_state.pt")]
+
+
+@pytest.mark.parametrize(("at", "rule"), [(0, "corrupt-file"), (28, "checksum-mismatch"), (70, "unsafe-pickle"),
+                                          (1384, "corrupt-file")])  # fmt: skip
+def test_a_damaged_dcp_record_names_its_file_and_the_message_its_offset(at, rule, tmp_path):
+    """A DCP file holds a torch.save archive per record: the finding's file is the file (what a
+    report groups and a user restores), the message says which record (``file@offset``)."""
+    from ckpttool import registry
+
+    path = tmp_path / "fsdp2"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", path)
+    _, m = registry.describe(path)
+    records = sorted({(p.file, p.locator["offset"]) for i in m.items.values() for p in i.pieces})
+    file, offset = records[3]
+    data = bytearray((path / file).read_bytes())
+    data[offset + at] ^= 0x40
+    (path / file).write_bytes(data)
+    code, report = _findings(path)
+    assert code == 1
+    found = [f for f in report["findings"] if f["rule"] == rule]
+    assert found and all(f["file"] == file for f in report["findings"] if f["file"]), report["findings"]
+    assert f"{file}@{offset}" in found[0]["message"]

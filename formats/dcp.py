@@ -516,7 +516,7 @@ class DcpAdapter:
                             path=md_name,
                         )
                     info = self._storage(storage, fqn, box.offsets, md_name)
-                    piece = self._piece(info, box, rank, root, sizes, files, md_name)
+                    piece = self._piece(info, box, rank, root, sizes, files, md_name, storage)
                     piece.nbytes = box.volume * itemsize
                     if "transforms" not in piece.locator and piece.nbytes > piece.locator["length"]:
                         raise CorruptFileError(
@@ -535,13 +535,15 @@ class DcpAdapter:
                 elif item.dtype is not None:
                     raise CorruptFileError(f"{md_name}: {fqn} is a tensor in another rank's metadata", path=md_name)
                 info = self._storage(storage, fqn, None, md_name)
-                piece = self._piece(info, Box((), ()), rank, root, sizes, files, md_name)
+                piece = self._piece(info, Box((), ()), rank, root, sizes, files, md_name, storage)
                 piece.replica = len(item.pieces)
                 item.pieces.append(piece)
             else:
                 raise CorruptFileError(
                     f"{md_name}: {fqn} has storage metadata of type {type(meta).__name__}", path=md_name
                 )
+        if swapped := _misplaced(root, storage, sizes):  # (a file longer than its records reach)
+            raise swapped
 
     @staticmethod
     def _storage(
@@ -565,9 +567,11 @@ class DcpAdapter:
         sizes: dict[str, int],
         files: dict[str, tuple[str, int | None]],
         md_name: str,
+        storage: dict[tuple[str, tuple[int, ...] | None], _StorageInfo],
     ) -> Piece:
         """The piece ``info`` places; ``files`` maps each file name seen to one copy of it and the
-        rank its name gives (filled here)."""
+        rank its name gives (filled here); ``storage``: every place the metadata gives, to tell a
+        file cut short from one in another's place."""
         rel = str(info.relative_path)
         known = files.get(rel)
         if known is None:
@@ -584,6 +588,8 @@ class DcpAdapter:
             )
         offset, length = int(info.offset), int(info.length)
         if offset < 0 or length <= 0 or offset + length > sizes[rel]:
+            if offset >= 0 and length > 0 and (swapped := _misplaced(root, storage, sizes)):
+                raise swapped
             raise CorruptFileError(
                 f"{rel} is {sizes[rel]:,} bytes but {md_name} places data through byte "
                 f"{offset + length:,}: cut short (a copy or save interrupted), or another file in its place",
@@ -616,6 +622,64 @@ class DcpAdapter:
 
     def reader(self, manifest: Manifest) -> DcpReader:
         return DcpReader(manifest, self.object_allow)
+
+
+def _misplaced(
+    root: Path, storage: dict[tuple[str, tuple[int, ...] | None], _StorageInfo], sizes: dict[str, int]
+) -> CorruptFileError | None:
+    """The error for data files in each other's places (renamed, swapped, copied over each other).
+    DCP writes a file's records back to back, so a file's size is where the metadata's last record
+    in it ends: a file of another size, whose size is where one other file's records end and whose
+    bytes hold records (zip local headers) where that file's first records start, is that file."""
+    ends: dict[str, int] = {}
+    try:
+        for info in storage.values():
+            rel, end = info.relative_path, int(info.offset) + int(info.length)
+            if end > ends.get(rel, 0):
+                ends[rel] = end
+    except (AttributeError, TypeError, ValueError):  # an entry no item uses, malformed: no sizes to go by
+        return None
+    odd = [rel for rel, end in ends.items() if rel in sizes and sizes[rel] != end]
+    if not odd:
+        return None
+    by_end: dict[int, list[str]] = {}
+    for rel, end in ends.items():
+        by_end.setdefault(end, []).append(rel)
+    owners = {rel: o[0] for rel in odd if len(o := by_end.get(sizes[rel], [])) == 1 and o[0] != rel}
+    starts: dict[str, list[int]] = {o: [] for o in owners.values()}
+    for info in storage.values():
+        if (at := starts.get(info.relative_path)) is not None:
+            at.append(int(info.offset))
+    moved = {rel: o for rel, o in sorted(owners.items()) if _records_at(root / rel, sorted(starts[o])[:3])}
+    if not moved:
+        return None
+    said = [f"{rel} ({sizes[rel]:,} bytes) holds what the metadata places in {o}" for rel, o in moved.items()]
+    (rel, o), *_ = moved.items()
+    why = (
+        f"its size is where {o}'s records end, and records start in it where {o}'s do"
+        if len(moved) == 1
+        else "each one's size is where the other file's records end, and records start in it where that file's do"
+    )
+    return CorruptFileError(
+        f"{'; '.join(said[:4])}{' …' if len(said) > 4 else ''}: {why}; the files were renamed, swapped or copied "
+        "over each other",
+        hint="put each file back under its own name, or restore them from the save",
+        path=next(iter(moved)),
+        rule="misplaced-file",
+    )
+
+
+def _records_at(path: Path, offsets: list[int]) -> bool:
+    """Whether a torch.save record (a zip local header) starts at each of ``offsets`` of ``path``."""
+    try:
+        with open(path, "rb") as fh:
+            for at in offsets:
+                fh.seek(at)
+                if fh.read(4) != b"PK\x03\x04":
+                    return False
+    except OSError:
+        return False
+    return True
 
 
 class DcpReader(PieceReader):

@@ -500,3 +500,27 @@ def test_a_damaged_dcp_record_names_its_file_and_the_message_its_offset(at, rule
     found = [f for f in report["findings"] if f["rule"] == rule]
     assert found and all(f["file"] == file for f in report["findings"] if f["file"]), report["findings"]
     assert f"{file}@{offset}" in found[0]["message"]
+
+
+@pytest.mark.parametrize("how", ["swapped", "larger copied over", "smaller copied over", "renamed in a ring"])
+def test_dcp_rank_files_in_each_others_places_are_named(how, tmp_path):
+    path = tmp_path / "fsdp2"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", path)
+    f = [path / f"__{r}_0.distcp" for r in range(4)]  # 81 434, 103 506, 89 572, 103 502 bytes
+    data = [x.read_bytes() for x in f]
+    moved = {"swapped": {0: 1, 1: 0}, "larger copied over": {0: 1}, "smaller copied over": {1: 0},
+             "renamed in a ring": {0: 2, 2: 3, 3: 0}}[how]  # fmt: skip
+    for dst, src in moved.items():
+        times = os.stat(f[dst])
+        f[dst].write_bytes(data[src])
+        os.utime(f[dst], ns=(times.st_atime_ns, times.st_mtime_ns))  # (a file newer than .metadata: unfinished)
+    code, report = _findings(path)
+    assert code == 1
+    (found,) = report["findings"]
+    assert found["rule"] == "misplaced-file", found
+    for dst, src in moved.items():
+        if len(data[dst]) != len(data[src]):  # (3 and 1 are not told apart by their sizes)
+            assert f"__{dst}_0.distcp ({len(data[src]):,} bytes) holds what the metadata places in __{src}_0" in found[
+                "message"
+            ]
+    assert run_cli("seal", path).code == 3 and not (path / "ckpttool.manifest.json").exists()

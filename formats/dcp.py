@@ -654,9 +654,9 @@ def _misplaced(
     if not moved:
         return None
     said = [f"{rel} ({sizes[rel]:,} bytes) holds what the metadata places in {o}" for rel, o in moved.items()]
-    (rel, o), *_ = moved.items()
+    first, owner = next(iter(moved.items()))
     why = (
-        f"its size is where {o}'s records end, and records start in it where {o}'s do"
+        f"its size is where {owner}'s records end, and records start in it where {owner}'s do"
         if len(moved) == 1
         else "each one's size is where the other file's records end, and records start in it where that file's do"
     )
@@ -664,7 +664,7 @@ def _misplaced(
         f"{'; '.join(said[:4])}{' …' if len(said) > 4 else ''}: {why}; the files were renamed, swapped or copied "
         "over each other",
         hint="put each file back under its own name, or restore them from the save",
-        path=next(iter(moved)),
+        path=first,
         rule="misplaced-file",
     )
 

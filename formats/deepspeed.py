@@ -560,8 +560,9 @@ class DeepSpeedAdapter:
             tags = _untracked_tags(path)
             shown = ", ".join(tags[:5]) + (f" and {len(tags) - 5} more" if len(tags) > 5 else "")
             raise IncompleteCheckpointError(
-                f"{path} holds the DeepSpeed tag director{'ies' if len(tags) > 1 else 'y'} {shown} but no 'latest' file, which DeepSpeed "
-                "writes after a save's last file: the save that wrote it did not finish, or the file was deleted",
+                f"{path} holds the DeepSpeed tag director{'ies' if len(tags) > 1 else 'y'} {shown} but no 'latest' "
+                "file, which DeepSpeed writes after a save's last file: the save that wrote it did not finish, or "
+                "the file was deleted",
                 hint=f"if the save finished, verify the tag itself (ckpttool verify {path / tags[-1]}) "
                 "or write its name into 'latest'",
                 path="latest",

@@ -16,6 +16,7 @@ replicas, except RNG and dataloader state, which is per rank by nature: those it
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from dataclasses import dataclass
@@ -73,6 +74,64 @@ def _sharded(value: Any) -> _Sharded | None:
     ):
         return None
     return _Sharded(local, tuple(shape), tuple(offset))
+
+
+def _misplaced(shards: dict[int, str], order: list[int], noun: str, context: str) -> dict[str, Any]:
+    """The finding for rank files whose contents run in ``order`` of ranks where the ranks' own
+    order was expected: each file out of place and the rank whose ``noun`` it holds."""
+    moved = [(shards[r], e) for r, e in zip(order, sorted(order), strict=True) if r != e]
+    said = ", ".join(f"{f} holds rank {e}'s {noun}" for f, e in moved[:4]) + (" …" if len(moved) > 4 else "")
+    return {
+        "rule": "misplaced-file",
+        "file": moved[0][0],
+        "message": f"{said}: {context}; the files were swapped or renamed",
+        "hint": "put each file back under its rank's name, or restore them from the save (if your trainer orders "
+        "its ranks' data otherwise on purpose, this finding does not apply)",
+    }
+
+
+def _blocks_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str, Any] | None:
+    """Tensor-parallel blocks (``local`` + ``global_offset``) in the same order of ranks in every
+    sharded tensor, and that order not the ranks' own: rank files in each other's places."""
+    orders: dict[tuple[int, ...], dict[tuple[int, ...], str]] = {}
+    for item in manifest.items.values():
+        placed = [(p.box.offsets, p.rank) for p in item.pieces if p.box is not None and p.rank is not None]
+        if len(placed) < 2 or len(placed) != len(item.pieces) or not item.is_tensor:
+            continue
+        if len({r for _, r in placed}) != len(placed) or len({o for o, _ in placed}) != len(placed):
+            continue  # (replicated blocks: several ranks per block, no one order)
+        order = tuple(r for _, r in sorted(placed))
+        orders.setdefault(tuple(sorted(order)), {}).setdefault(order, item.name)
+    for ranks, seen in orders.items():
+        if len(seen) == 1 and (order := next(iter(seen))) != ranks:
+            context = f"in every sharded tensor ({seen[order]}, …) the blocks run in the order of ranks {list(order)}"
+            return _misplaced(shards, list(order), "blocks", context + ", not in rank order")
+    return None
+
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def _stages_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str, Any] | None:
+    """Pipeline stages whose layers (parameters only one rank holds, by the first number in their
+    names) do not rise with the rank: stage files in each other's places."""
+    layers: dict[int, list[int]] = {}
+    for item in manifest.items.values():
+        if item.kind != "param" or len({p.rank for p in item.pieces}) != 1 or item.pieces[0].rank is None:
+            continue
+        if m := _LAYER_INDEX.search(item.name):
+            layers.setdefault(item.pieces[0].rank, []).append(int(m.group(1)))
+    if len(layers) < 2:
+        return None
+    spans = sorted((min(v), max(v), r) for r, v in layers.items())
+    if any(a[1] >= b[0] for a, b in itertools.pairwise(spans)):
+        return None  # (layers numbered per stage, or shared: no order to go by)
+    order = [r for _, _, r in spans]
+    if order == sorted(order):
+        return None
+    where = ", ".join(f"{lo}..{hi} in {shards[r]}" for lo, hi, r in spans[:4])
+    context = f"the layers ({where}) run in the order of ranks {order}, not in rank order"
+    return _misplaced(shards, order, "layers", context)
 
 
 def _match(name: str) -> re.Match[str] | None:
@@ -165,6 +224,8 @@ class RankShardsAdapter:
         manifest.layout = Layout(world_size=world or len(shards))
         if claims:
             manifest.extras["step_claims"] = claims
+        if out_of_order := _blocks_out_of_order(manifest, shards) or _stages_out_of_order(manifest, shards):
+            manifest.extras["findings"] = [out_of_order]
         return manifest
 
     @staticmethod

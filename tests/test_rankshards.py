@@ -59,3 +59,52 @@ def test_two_files_claiming_one_rank(tmp_path):
     shutil.copy(tmp_path / "s" / "shard_00001.pt", tmp_path / "s" / "shard_00001_of_00002.pt")
     with pytest.raises(CorruptFileError, match="both claim rank 1"):
         registry.describe(tmp_path / "s")
+
+
+@pytest.mark.parametrize(
+    ("src", "a", "b", "said"),
+    [
+        (TP, "shard_00000.pt", "shard_00001.pt", "shard_00001.pt holds rank 0's blocks, shard_00000.pt holds rank 1's"),
+        (RS / "pipeline", "checkpoint_step3_stage0.pt", "checkpoint_step3_stage1.pt",
+         "checkpoint_step3_stage1.pt holds rank 0's layers, checkpoint_step3_stage0.pt holds rank 1's"),
+    ],
+)  # fmt: skip
+def test_swapped_rank_files_are_misplaced(src, a, b, said, tmp_path):
+    """Hand-rolled shards carry no rank, but their tensor-parallel blocks (by global_offset) and
+    their pipeline stages' layers (by number) run in rank order: swapped, they run backwards."""
+    path = tmp_path / "s"
+    shutil.copytree(src, path)
+    (path / a).rename(path / "x")
+    (path / b).rename(path / a)
+    (path / "x").rename(path / b)
+    r = run_cli("verify", path)
+    assert r.code == 1 and "misplaced-file" in r.stdout and said in r.stdout, r.stdout
+    seal = run_cli("seal", path)
+    assert seal.code == 3 and "not sealed" in seal.stderr and "put each file back" in seal.stderr
+    assert not (path / "ckpttool.manifest.json").exists()
+    # the data itself is whole: each block is placed by its own offsets (a copy of the swap
+    # is refused all the same: its per-rank RNG and dataloader state would go to the wrong ranks)
+    assert run_cli("convert", path, "-o", tmp_path / "o", "--to", "safetensors").code == 3
+
+
+@pytest.mark.parametrize("blocks", [[0, 0, 1, 1], [0, 1, 0, 1], [1, 1, 0, 0]])
+def test_ranks_whose_blocks_are_replicated_have_no_order_to_break(blocks, tmp_path):
+    """Tensor parallelism inside data parallelism: two ranks per block, in either mesh order (or
+    any other), is not a rank file out of place; nor are clean fixtures."""
+    path = tmp_path / "s"
+    path.mkdir()
+    full = torch.arange(32.0).reshape(8, 4)
+    for rank, block in enumerate(blocks):
+        local = full[4 * block : 4 * block + 4].clone()
+        torch.save({"w": {"local": local, "global_shape": [8, 4], "global_offset": [4 * block, 0]}, "step": 1},
+                   path / f"shard_{rank:05d}.pt")  # fmt: skip
+    assert "findings" not in registry.describe(path)[1].extras
+    for clean in (RS / "ddp", RS / "pipeline", TP):
+        assert "findings" not in registry.describe(clean)[1].extras
+    # one rank per block, backwards: out of place
+    for rank in range(2):
+        local = full[4 * (1 - rank) : 4 * (2 - rank)].clone()
+        torch.save({"w": {"local": local, "global_shape": [8, 4], "global_offset": [4 * (1 - rank), 0]}, "step": 1},
+                   tmp_path / f"shard_{rank:05d}.pt")  # fmt: skip
+    (found,) = registry.describe(tmp_path)[1].extras["findings"]
+    assert found["rule"] == "misplaced-file" and found["file"] == "shard_00001.pt"

@@ -12,7 +12,7 @@ import dataclasses
 import datetime as _dt
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain, repeat
 from pathlib import Path
@@ -389,19 +389,50 @@ def piece_spans(adapter: Adapter, manifest: Manifest) -> tuple[dict[str, list[Sp
     return spans, other, expected
 
 
-def crc_failures(digests: dict[Any, str], expected: Expected) -> list[tuple[str, str, str | None]]:
+def crc_failures(
+    digests: dict[Any, str], expected: Expected, spans: Mapping[str, Iterable[Span]] | None = None
+) -> list[tuple[str, str, str | None]]:
     """The members whose bytes, as hashed into ``digests``, fail the CRC-32 their archive stores
-    (``expected``, from :func:`member_crcs`): (file, message, the item its archive holds), in file
-    order."""
+    (``expected``, from :func:`member_crcs`): (file, message, the item its archive holds, or the
+    one tensor the member holds), in file order. ``spans``: the hashing's spans, which name the
+    tensors in a member of an archive of many (a torch.save file), read only when one fails."""
     out = []
+    inside: dict[tuple[str, int], list[str]] | None = None
     for key, (crc, member, owner) in sorted(expected.items(), key=lambda kv: (kv[0][1], kv[0][2])):
         got = digests.get(key)
-        if got is not None and int(got, 16) != crc:
-            message = (
-                f"{key[1]}: {member}{f' (of {owner})' if owner else ''} fails its zip CRC-32 (stored {crc:08x}, "
-                f"computed {got}): the bytes changed after the save"
-            )
-            out.append((key[1], message, owner))
+        if got is None or int(got, 16) == crc:
+            continue
+        of = f" (of {owner})" if owner else ""
+        if owner is None:
+            if inside is None:
+                inside = _tensors_in_members(spans or {})
+            names = inside.get((key[1], key[2]), [])
+            owner = names[0] if len(names) == 1 else None
+            if names:
+                of = f" ({', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''})"
+        message = (
+            f"{key[1]}: {member}{of} fails its zip CRC-32 (stored {crc:08x}, computed {got}): the bytes changed "
+            "after the save"
+        )
+        out.append((key[1], message, owner))
+    return out
+
+
+def _tensors_in_members(spans: Mapping[str, Iterable[Span]]) -> dict[tuple[str, int], list[str]]:
+    """(file, member offset) -> the tensors whose bytes lie in that member, from the hashing's spans
+    by file (a member's CRC span keyed ``("crc", file, offset)``; a piece's keyed by its item name
+    and index, last but one)."""
+    out: dict[tuple[str, int], list[str]] = {}
+    for file, listed in spans.items():
+        members, pieces = [], []
+        for sp in listed:
+            if sp.algo == "crc32":
+                members.append((sp.offset, sp.offset + sp.length))
+            elif sp.algo is None:
+                pieces.append((sp.offset, sp.key[-2]))
+        for start, end in members:
+            names = out.setdefault((file, start), [])
+            names += dict.fromkeys(name for at, name in pieces if start <= at < end and name not in names)
     return out
 
 
@@ -452,7 +483,7 @@ def hash_pieces(
     with adapter.reader(manifest) as reader:
         to_read = [rel for rel in targets if rel not in trusted]
         file_digests, span_digests = hash_files(root, to_read, spans, algo, workers=workers, progress=progress)
-        for file, message, _ in crc_failures(span_digests, expected)[:1]:  # (the first is enough to refuse)
+        for file, message, _ in crc_failures(span_digests, expected, spans)[:1]:  # (the first is enough to refuse)
             raise CorruptFileError(message, path=file, rule="checksum-mismatch")
         for rel, w in trusted.items():
             file_digests[rel] = FileDigest(rel, w.size, w.digest)

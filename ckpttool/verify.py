@@ -724,17 +724,17 @@ def _check_integrity(
     counted = {"files": 0, "bytes": 0}
     pool_size = workers or min(8, max(2, os.cpu_count() or 2))
 
-    def check(fut: Future[tuple[FileDigest, dict[Any, str]]], rel: str, expected: Expected) -> None:
+    def check(fut: Future[tuple[FileDigest, dict[Any, str]]], rel: str, spans: list[Span], expected: Expected) -> None:
         digest, digests = fut.result()
         counted["files"] += 1
         counted["bytes"] += max(digest.size, 0)
-        for file, message, owner in crc_failures(digests, expected):
+        for file, message, owner in crc_failures(digests, expected, {rel: spans}):
             report.findings.append(finding("checksum-mismatch", message, file=file, item=owner))
         for key, value in digests.items():
             if key[0] == "piece":
                 pieces[(key[1], key[2])] = value
 
-    pending: deque[tuple[Future[tuple[FileDigest, dict[Any, str]]], str, Expected]] = deque()
+    pending: deque[tuple[Future[tuple[FileDigest, dict[Any, str]]], str, list[Span], Expected]] = deque()
     # the pickles and headers read to locate the pieces are checked against their CRC-32s as they
     # are read: a flipped bit in one is damage (checksum-mismatch), not a hostile pickle
     with (
@@ -746,7 +746,7 @@ def _check_integrity(
         def submit(rel: str | None, spans: list[Span], expected: Expected) -> None:
             if rel is None or not spans or rel not in hashable:
                 return
-            pending.append((pool.submit(hash_file, root, rel, spans, "xxh3-128", progress), rel, expected))
+            pending.append((pool.submit(hash_file, root, rel, spans, "xxh3-128", progress), rel, spans, expected))
             while len(pending) > 2 * pool_size:
                 check(*pending.popleft())
 

@@ -112,6 +112,11 @@ def test_flipped_byte_caught_with_and_without_seal(rel, item, crc, tmp_path):
     assert item in named[0].message  # the seal names the tensor the byte belongs to
     without = verify(path)
     assert ("checksum-mismatch" in _rules(without)) == crc
+    if crc:  # the member's CRC fails: the tensors in it are named, not only the member
+        (named,) = [f for f in without.findings if f.rule == "checksum-mismatch"]
+        assert item in named.message
+        # (a flat buffer of several, as DeepSpeed's optimizer partition: no one item)
+        assert named.item == (item if "," not in named.message.split("(")[1].split(")")[0] else None)
 
 
 def test_truncated_file(tmp_path):

@@ -68,7 +68,10 @@ def parse_size(text: str, option: str = "--max-shard-size") -> int:
     unit = (m.group(2) or "").upper() if m else None
     if m is None or unit not in _UNITS:
         raise UsageError(f"{option} {text!r}: expected a size such as 5GB, 500MB or 2GiB")
-    return int(float(m.group(1)) * _UNITS[unit])
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size < 1:
+        raise UsageError(f"{option} {text!r}: a size of at least one byte, such as 5GB, 500MB or 2GiB")
+    return size
 
 
 @dataclass(slots=True, kw_only=True)

@@ -863,7 +863,7 @@ def reshard(
     where the tensors are assembled (``cpu``, ``cuda``, ``cuda:N``)."""
     out = Path(dst)
     refuse_overlap(out, source=src)
-    if out.exists() and not force and not dry_run:
+    if out.exists() and not force:  # (a dry run says what the run would: it refuses too)
         raise UsageError(f"{out} exists", hint="choose another -o path or pass --force to replace it")
     the_plan, executor = plan(src, target, workers=workers, max_memory=max_memory, on=on)
     if dry_run:

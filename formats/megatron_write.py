@@ -548,7 +548,12 @@ def validate(
             and re.search(pattern, n)
             and (_known(n, {}) or split_rule(n, gated=gated)[0] != "replicated")
         )
-        if fixed:
+        if not any(i.kind == "param" and i.is_tensor and re.search(pattern, n) for n, i in manifest.items.items()):
+            problems.append(
+                f"--split-rule '{pattern}={'none' if dim is None else dim}' matches no parameter: check the "
+                "pattern against the parameter names 'ckpttool ls' prints"
+            )
+        elif fixed:
             rule, d = split_rule(fixed[0], gated=gated)
             problems.append(
                 f"--split-rule '{pattern}={'none' if dim is None else dim}' matches {len(fixed)} parameters whose "
@@ -616,6 +621,8 @@ def _validate_hint(problems: list[str], dist_helps: bool) -> str:
         elif staged or any("the target pipeline layout puts" in p for p in mtp):
             tips.append("'--to megatron-dist' writes torch_dist, which keeps one copy of the embeddings at any layout")
         return "; ".join(tips)
+    if all(p.startswith(("--split-rule", "no tensor-parallel split rule")) for p in problems):
+        return "'ckpttool ls' lists the parameters; a --split-rule gives one that ckpttool has no rule for"
     return "choose sizes that divide the model's heads, query groups, hidden sizes and layers" + (
         " (--pp-first-layers / --pp-last-layers give the end stages other layer counts)"
         if any("layers" in p for p in problems)

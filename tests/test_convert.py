@@ -41,6 +41,19 @@ def test_sizes():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("1000") == 1000
     with pytest.raises(UsageError):
         parse_size("lots")
+    assert parse_size("0.5KB") == 500
+
+
+@pytest.mark.parametrize(("option", "value"), [("--max-shard-size", "0"), ("--max-shard-size", "0.1B"),
+                                               ("--max-memory", "0GB")])  # fmt: skip
+def test_a_size_of_nothing_is_refused(option, value, tmp_path):
+    with pytest.raises(UsageError, match="at least one byte"):
+        parse_size(value, option)
+    argv = ["--to", "safetensors"] if option == "--max-shard-size" else ["--tp", "1", "--pp", "1"]
+    src = FIXTURES / ("dcp/fsdp2" if option == "--max-shard-size" else "megatron/legacy_tp2pp2")
+    r = run_cli("convert" if option == "--max-shard-size" else "reshard", src, "-o", tmp_path / "o", *argv, option, value)
+    assert r.code == 2 and f"{option} {value!r}: a size of at least one byte" in r.stderr
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("name", ["fsdp2", "fsdp2_per_item", "fsdp2_zstd", "fsdp2_threads2", "mesh2x2"])

@@ -876,6 +876,11 @@ def test_max_memory_and_dry_run(tmp_path, cli):
     assert "reduced to 1" in r.stderr
     r = cli("reshard", LEGACY, "-o", out, "--tp", "1")
     assert r.code == 2 and "exists" in r.stderr
+    # a dry run says what the run would do: refuse the same output, plan it with --force
+    r = cli("reshard", LEGACY, "-o", out, "--tp", "1", "--dry-run")
+    assert r.code == 2 and "exists" in r.stderr and "--force" in r.stderr
+    r = cli("reshard", LEGACY, "-o", out, "--tp", "1", "--dry-run", "--force", "--json")
+    assert r.code == 0 and json.loads(r.stdout)["written"] is False
     r = cli("reshard", LEGACY, "-o", LEGACY / "inside", "--tp", "1")
     assert r.code == 2 and "inside the source" in r.stderr
 

@@ -114,6 +114,14 @@ def test_a_split_rule_past_a_tensors_last_dimension_is_refused(source, tmp_path)
     assert_clean(r, 2, "along a dimension they do not have", "D, dim 7)")
 
 
+@pytest.mark.parametrize("source", ["legacy_tp2pp2", "dist_tp2pp2"])
+def test_a_split_rule_that_matches_nothing_is_refused(source, tmp_path):
+    """A mistyped pattern was taken without a word (and the parameter it meant left unsplit)."""
+    r = run_cli("reshard", MG / source, "-o", tmp_path / "o", "--tp", "1", "--split-rule", r"adaptor\.weight=0")
+    assert_clean(r, 2, r"--split-rule 'adaptor\.weight=0' matches no parameter", "'ckpttool ls' lists the parameters")
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("content", [b"{bad", b""])
 def test_a_damaged_torch_dist_metadata_json_is_named(content, tmp_path):
     ck = tmp_path / "ck"

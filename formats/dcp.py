@@ -646,11 +646,17 @@ def _misplaced(
     for rel, end in ends.items():
         by_end.setdefault(end, []).append(rel)
     owners = {rel: o[0] for rel in odd if len(o := by_end.get(sizes[rel], [])) == 1 and o[0] != rel}
-    starts: dict[str, list[int]] = {o: [] for o in owners.values()}
+    starts: dict[str, set[int]] = {f: set() for f in (*owners, *owners.values())}
     for info in storage.values():
         if (at := starts.get(info.relative_path)) is not None:
-            at.append(int(info.offset))
-    moved = {rel: o for rel, o in sorted(owners.items()) if _records_at(root / rel, sorted(starts[o])[:3])}
+            at.add(int(info.offset))
+    # where the owner's records start and the file's own do not: a file cut short where another
+    # of the same structure ends has records there too, and is only cut short
+    moved = {
+        rel: o
+        for rel, o in sorted(owners.items())
+        if (telling := sorted(starts[o] - starts[rel])[:3]) and _records_at(root / rel, telling)
+    }
     if not moved:
         return None
     said = [f"{rel} ({sizes[rel]:,} bytes) holds what the metadata places in {o}" for rel, o in moved.items()]
@@ -670,12 +676,13 @@ def _misplaced(
 
 
 def _records_at(path: Path, offsets: list[int]) -> bool:
-    """Whether a torch.save record (a zip local header) starts at each of ``offsets`` of ``path``."""
+    """Whether a record (a torch.save archive's zip local header, or a zstd frame's magic) starts at
+    each of ``offsets`` of ``path``."""
     try:
         with open(path, "rb") as fh:
             for at in offsets:
                 fh.seek(at)
-                if fh.read(4) != b"PK\x03\x04":
+                if fh.read(4) not in (b"PK\x03\x04", b"\x28\xb5\x2f\xfd"):
                     return False
     except OSError:
         return False

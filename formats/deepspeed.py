@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shlex
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -556,16 +557,16 @@ class DeepSpeedAdapter:
             path = path / tag
         if _is_universal(path) and not (path / "latest").is_file():
             return self._describe_universal(path)
-        if not (path / "latest").is_file() and not _is_tag_dir(path):
-            tags = _untracked_tags(path)
+        if not (path / "latest").is_file() and not _is_tag_dir(path) and (tags := _untracked_tags(path)):
             shown = ", ".join(tags[:5]) + (f" and {len(tags) - 5} more" if len(tags) > 5 else "")
+            tracker = "latest_universal" if _is_universal(path / tags[-1]) else "latest"
             raise IncompleteCheckpointError(
-                f"{path} holds the DeepSpeed tag director{'ies' if len(tags) > 1 else 'y'} {shown} but no 'latest' "
-                "file, which DeepSpeed writes after a save's last file: the save that wrote it did not finish, or "
-                "the file was deleted",
-                hint=f"if the save finished, verify the tag itself (ckpttool verify {path / tags[-1]}) "
-                "or write its name into 'latest'",
-                path="latest",
+                f"{path} holds the DeepSpeed tag director{'ies' if len(tags) > 1 else 'y'} {shown} but no "
+                f"'{tracker}' file, which DeepSpeed writes after a save's last file: the save did not finish, the "
+                "file was deleted, or the run saved with save_latest=False",
+                hint=f"if the save finished, verify the tag itself (ckpttool verify "
+                f"{shlex.quote(str(path / tags[-1]))}) or write its name into '{tracker}'",
+                path=tracker,
             )
         save_dir, tag_dir = _tag_dir(path)
         # given the save directory, the manifest covers its tracker and scripts and the tag named by

@@ -91,8 +91,10 @@ def _misplaced(shards: dict[int, str], order: list[int], noun: str, context: str
 
 
 def _blocks_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str, Any] | None:
-    """Tensor-parallel blocks (``local`` + ``global_offset``) in the same order of ranks in every
-    sharded tensor, and that order not the ranks' own: rank files in each other's places."""
+    """Tensor-parallel blocks (``local`` + ``global_offset``) cut along one dimension, one rank
+    each, that run in the same order of ranks in every such tensor, and that order not the ranks'
+    own: rank files in each other's places. (Blocks cut along two dimensions, a 2-D mesh, follow
+    whichever rank index the trainer chose for each: no one order to go by.)"""
     orders: dict[tuple[int, ...], dict[tuple[int, ...], str]] = {}
     for item in manifest.items.values():
         placed = [(p.box.offsets, p.rank) for p in item.pieces if p.box is not None and p.rank is not None]
@@ -100,7 +102,10 @@ def _blocks_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str
             continue
         if len({r for _, r in placed}) != len(placed) or len({o for o, _ in placed}) != len(placed):
             continue  # (replicated blocks: several ranks per block, no one order)
-        order = tuple(r for _, r in sorted(placed))
+        cut = [d for d in range(len(placed[0][0])) if len({o[d] for o, _ in placed}) > 1]
+        if len(cut) != 1:
+            continue
+        order = tuple(r for _, r in sorted(placed, key=lambda x: x[0][cut[0]]))
         orders.setdefault(tuple(sorted(order)), {}).setdefault(order, item.name)
     for ranks, seen in orders.items():
         if len(seen) == 1 and (order := next(iter(seen))) != ranks:
@@ -109,29 +114,32 @@ def _blocks_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str
     return None
 
 
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+_LAYER_INDEX = re.compile(r"^(.*?)\.(\d+)\.")
 
 
 def _stages_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str, Any] | None:
-    """Pipeline stages whose layers (parameters only one rank holds, by the first number in their
-    names) do not rise with the rank: stage files in each other's places."""
-    layers: dict[int, list[int]] = {}
+    """Pipeline stages whose layers (parameters only one rank holds, numbered by the first number in
+    their names, within one stack: the name before it) do not rise with the rank: stage files in
+    each other's places. Stacks on one stage only (a vision tower before a language model) and
+    stacks numbered from 0 on every stage have no order to go by."""
+    stacks: dict[str, dict[int, list[int]]] = {}
     for item in manifest.items.values():
         if item.kind != "param" or len({p.rank for p in item.pieces}) != 1 or item.pieces[0].rank is None:
             continue
         if m := _LAYER_INDEX.search(item.name):
-            layers.setdefault(item.pieces[0].rank, []).append(int(m.group(1)))
-    if len(layers) < 2:
-        return None
-    spans = sorted((min(v), max(v), r) for r, v in layers.items())
-    if any(a[1] >= b[0] for a, b in itertools.pairwise(spans)):
-        return None  # (layers numbered per stage, or shared: no order to go by)
-    order = [r for _, _, r in spans]
-    if order == sorted(order):
-        return None
-    where = ", ".join(f"{lo}..{hi} in {shards[r]}" for lo, hi, r in spans[:4])
-    context = f"the layers ({where}) run in the order of ranks {order}, not in rank order"
-    return _misplaced(shards, order, "layers", context)
+            stacks.setdefault(m.group(1), {}).setdefault(item.pieces[0].rank, []).append(int(m.group(2)))
+    for stack, layers in sorted(stacks.items()):
+        if len(layers) < 2:
+            continue
+        spans = sorted((min(v), max(v), r) for r, v in layers.items())
+        if any(a[1] >= b[0] for a, b in itertools.pairwise(spans)):
+            continue  # (layers numbered per stage, or interleaved: no order to go by)
+        order = [r for _, _, r in spans]
+        if order != sorted(order):
+            where = ", ".join(f"{stack}.{lo}..{hi} in {shards[r]}" for lo, hi, r in spans[:4])
+            context = f"the layers ({where}) run in the order of ranks {order}, not in rank order"
+            return _misplaced(shards, order, "layers", context)
+    return None
 
 
 def _match(name: str) -> re.Match[str] | None:

@@ -108,3 +108,25 @@ def test_ranks_whose_blocks_are_replicated_have_no_order_to_break(blocks, tmp_pa
                    tmp_path / f"shard_{rank:05d}.pt")  # fmt: skip
     (found,) = registry.describe(tmp_path)[1].extras["findings"]
     assert found["rule"] == "misplaced-file" and found["file"] == "shard_00001.pt"
+
+
+@pytest.mark.parametrize("major", ["rows follow the fast rank index", "rows follow the slow rank index"])
+def test_a_2d_mesh_has_no_rank_order_to_break(major, tmp_path):
+    """Blocks cut along two dimensions follow whichever rank index the trainer gave each one."""
+    full = torch.arange(64.0).reshape(8, 8)
+    for rank in range(4):
+        fast, slow = rank % 2, rank // 2
+        r, c = (fast, slow) if major.endswith("fast rank index") else (slow, fast)
+        local = full[4 * r : 4 * r + 4, 4 * c : 4 * c + 4].clone()
+        torch.save({"w": {"local": local, "global_shape": [8, 8], "global_offset": [4 * r, 4 * c]}, "step": 1},
+                   tmp_path / f"shard_{rank:05d}.pt")  # fmt: skip
+    assert "findings" not in registry.describe(tmp_path)[1].extras
+
+
+def test_stages_of_different_stacks_have_no_order_to_break(tmp_path):
+    """A vision tower's blocks 12..13 on stage 0 and a language model's layers 0..1 on stage 1
+    are two stacks: their numbers are not compared."""
+    for p, names in enumerate([["vision.blocks.12.w", "vision.blocks.13.w"], ["llm.layers.0.w", "llm.layers.1.w"]]):
+        torch.save({"model": {n: torch.ones(2) for n in names}, "iteration": 3},
+                   tmp_path / f"checkpoint_step3_stage{p}.pt")  # fmt: skip
+    assert "findings" not in registry.describe(tmp_path)[1].extras

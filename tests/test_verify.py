@@ -177,6 +177,18 @@ def test_deepspeed_latest_deleted_is_an_unfinished_save(tmp_path):
     assert out.code == 1 and "incomplete-save" in out.stdout
 
 
+def test_a_universal_save_without_latest_universal_names_that_file(tmp_path):
+    path = _copy("deepspeed/universal", tmp_path)
+    (path / "latest_universal").unlink()
+    (found,) = verify(path).findings
+    assert found.rule == "incomplete-save" and "no 'latest_universal' file" in found.message
+    # a tracker naming an empty folder: that folder is the unfinished tag (no internal error)
+    (path / "empty").mkdir()
+    (path / "latest_universal").write_text("empty")
+    (found,) = verify(path).findings
+    assert found.rule == "incomplete-save" and "empty" in found.message and "model_states" in found.message
+
+
 @pytest.mark.parametrize("tracker", ["latest", "latest_universal"])
 @pytest.mark.parametrize("tag", ["../../etc", "/etc", "..", "global_step3/../.."])
 def test_deepspeed_tracker_naming_a_tag_outside_the_save_is_an_unsafe_path(tracker, tag, tmp_path):

@@ -524,3 +524,28 @@ def test_dcp_rank_files_in_each_others_places_are_named(how, tmp_path):
                 "message"
             ]
     assert run_cli("seal", path).code == 3 and not (path / "ckpttool.manifest.json").exists()
+
+
+def test_dcp_zstd_files_swapped_are_misplaced_and_a_file_cut_to_anothers_size_is_cut_short(tmp_path):
+    """Compressed records start with zstd's magic, not a zip header. A file cut short exactly where
+    another rank's records end (ranks 1 and 3 of fsdp2 have the same structure) has records where
+    that rank's start too: only the places where the two differ tell a file in another's place."""
+    z = tmp_path / "zstd"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2_zstd", z)
+    a, b = z / "__0_0.distcp", z / "__1_0.distcp"
+    a_bytes, times = a.read_bytes(), os.stat(a)
+    a.write_bytes(b.read_bytes())
+    b.write_bytes(a_bytes)
+    for x in (a, b):  # (a file newer than .metadata reads as unfinished)
+        os.utime(x, ns=(times.st_atime_ns, times.st_mtime_ns))
+    code, report = _findings(z)
+    assert code == 1 and [f["rule"] for f in report["findings"]] == ["misplaced-file"]
+    cut = tmp_path / "cut"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", cut)
+    f = cut / "__1_0.distcp"
+    assert len(f.read_bytes()) == 103_506 and (cut / "__3_0.distcp").stat().st_size == 103_502
+    times = os.stat(f)
+    f.write_bytes(f.read_bytes()[:103_502])
+    os.utime(f, ns=(times.st_atime_ns, times.st_mtime_ns))
+    code, report = _findings(cut)
+    assert code == 1 and [f["rule"] for f in report["findings"]] == ["truncated-file"]

@@ -785,6 +785,9 @@ class DeepSpeedAdapter:
             b.frozen(3, {}, z3, first)
             b.universal3_groups("zero/optimizer_state.pt")
         b.shared(_tied(files, [*(models[k] for k in sorted(models)), *(z3[k] for k in sorted(z3))]))
+        # frozen: what the source froze (ds_to_universal writes them an fp32.pt and no moments)
+        if frozen := list((first.get("frozen_param_shapes") or {}).keys()):
+            manifest.extras["frozen"] = frozen
         if model_rel:
             b.common(first, model_rel)
             manifest.format_version = str(first.get("ds_version") or "") or None

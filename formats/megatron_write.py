@@ -1476,7 +1476,7 @@ class LegacyWriter:
     def _metadata(self, p: int, v: int, e: int, names: list[str], offset: int) -> dict[str, Any]:
         layers = {_layer_of(n) for n in names} - {None}
         last = (p, v) == (self.target.pp - 1, self.vpp - 1)
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = _unpickle.OrderedDictStandIn()  # (as Module.state_dict() makes it)
         for key, value in self.src.metadata.items():
             layer = _layer_of(key + ".") if key else None
             local = _localize(key + ".", offset, e * self.local_experts)[:-1]

@@ -162,7 +162,7 @@ def _model_entries(root, name: str) -> list:
 
 
 def _model_meta(root, name: str) -> dict:
-    return dict(_tree(_rank_files(root)[name])[1])["model"][2]
+    return dict(_tree(_rank_files(root)[name])[1])["model"][2][1]  # ((type name, the OrderedDict))
 
 
 def test_mtp_with_routed_experts_round_trips(tmp_path):
@@ -188,7 +188,7 @@ def test_mtp_with_routed_experts_round_trips(tmp_path):
         assert _drop_rng(_tree(_rank_files(back)[name])) == _drop_rng(_tree(path)), name
         for out in (back, tmp_path / "back"):  # module _metadata in Megatron's order too (a dict compares unordered)
             assert list(_model_meta(out, name)) == list(_model_meta(MOE_MTP, name)), name
-    (_, _, meta) = dict(_tree(_rank_files(one)["mp_rank_00"])[1])["model"]
+    (_, _, (_, meta)) = dict(_tree(_rank_files(one)["mp_rank_00"])[1])["model"]
     modules = list(meta)  # megatron-core's module order: the MTP layer's 4 experts where its block stands
     block = [m for m in modules if m.startswith("mtp.layers.0.transformer_layer.mlp.experts.local_experts.")]
     assert block == modules[modules.index(block[0]) : modules.index(block[0]) + 12] and len(block) == 12

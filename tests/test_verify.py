@@ -706,3 +706,13 @@ def test_an_internal_error_still_writes_the_reports(tmp_path, monkeypatch):
     assert result.exit_code == 3
     data = json.loads(report.read_text())
     assert data["ok"] is False and "RuntimeError: boom" in data["error"]["message"]
+
+
+@pytest.mark.parametrize("rel", ["deepspeed/universal", "deepspeed/universal3"])
+def test_a_universal_checkpoints_frozen_parameters_want_no_moments(rel):
+    """ds_to_universal writes a frozen parameter an fp32.pt and no moments, as its source held none:
+    not an optimizer-mismatch (frozen.weight was reported as a parameter without moments)."""
+    report = verify(FIXTURES / rel, deep=True)
+    assert "optimizer-mismatch" not in _rules(report), report.findings
+    _, m = registry.describe(FIXTURES / rel)
+    assert rel.endswith("3") or {"frozen.weight", "frozen.bias"} <= set(m.extras["frozen"])

@@ -123,6 +123,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     device: str = "cpu"
     """where the tensors are assembled (``cpu`` or ``cuda:N``)"""
+    last: list[str] = field(default_factory=list)
+    """the small files written once the planned ones are (metadata, trackers; the seal aside)"""
 
     @property
     def overhead(self) -> int:
@@ -148,6 +150,7 @@ class Plan:
             "device": self.device,
             "files": [{"path": f.path, "nbytes": f.nbytes, "tensors": f.tensors, "peak": f.peak} for f in self.files],
             "nbytes": self.nbytes,
+            "last_files": self.last,
             "peak_memory": self.peak,
             "notes": self.notes,
         }
@@ -457,6 +460,7 @@ def plan(
         workers=n,
         notes=list(executor.notes),
         device=on,
+        last=executor.writer.last_files(),
     )
     if n < workers and len(files) >= workers:
         result.notes.append(f"--workers {workers} reduced to {n} to stay within --max-memory {max_memory}")

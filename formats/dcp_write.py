@@ -277,6 +277,10 @@ class DcpWriter:
             spans = save_each(iter(trees), f, scratch=self._scratch, progress=progress)
         return [(name, offsets, start, length) for (name, offsets), (start, length) in zip(keys, spans, strict=True)]
 
+    def last_files(self) -> list[str]:
+        """The files :meth:`finish` writes once every planned file is written."""
+        return [".metadata"]
+
     def finish(self, tmp: Path, results: list[list[Record]]) -> None:
         """Write ``.metadata`` for the rank files whose ``write`` results are given, in rank order."""
         keys: dict[str, TensorMeta | None] = {}

@@ -202,6 +202,10 @@ class ZeroWriter:
             out.append(PlannedFile(path=name, key=(r,), nbytes=sum(sizes), tensors=len(sizes), largest=largest))
         return out
 
+    def last_files(self) -> list[str]:
+        """The files :meth:`finish` writes once every planned file is written."""
+        return ["latest"] if self.tag else []
+
     def finish(self, tmp: Path, results: list[Any]) -> None:
         """The ``latest`` file naming the tag directory, as DeepSpeed writes it."""
         if self.tag:
@@ -402,6 +406,9 @@ class ZeroModelParallelWriter:
             for k, rel in enumerate(self.layers)
         ]
         return out
+
+    def last_files(self) -> list[str]:
+        return self.ranks[0].last_files()
 
     def finish(self, tmp: Path, results: list[Any]) -> None:
         self.ranks[0].finish(tmp, results)
@@ -632,6 +639,10 @@ class Zero3Writer:
             largest = max(map(_ptwrite.held, sizes), default=0)  # partitions are written in parts
             out.append(PlannedFile(path=name, key=(r, 1), nbytes=sum(sizes), tensors=len(sizes), largest=largest))
         return out
+
+    def last_files(self) -> list[str]:
+        """The files :meth:`finish` writes once every planned file is written."""
+        return ["latest"] if self.tag else []
 
     def finish(self, tmp: Path, results: list[Any]) -> None:
         if self.tag:
@@ -1195,6 +1206,9 @@ class _UniversalOut:
 
     def _name_dir(self, tag: str, manifest: Manifest) -> None:
         self.out_dir = f"{tag or 'global_step' + str(manifest.step or 0)}_universal"
+
+    def last_files(self) -> list[str]:
+        return ["latest_universal"]
 
     def finish(self, tmp: Path, results: list[Any]) -> None:
         (tmp / "latest_universal").write_text(self.out_dir)

@@ -558,6 +558,10 @@ class DistWriter(LegacyWriter):
             (out.parent / "metadata.json").write_text(json.dumps(CONFIG))
         return entries
 
+    def last_files(self) -> list[str]:
+        """What rank 0's task writes beside its file, and :meth:`finish` once all are written."""
+        return [f"{self.iter_dir}/{n}" for n in ("common.pt", "metadata.json", ".metadata")] + super().last_files()
+
     def finish(self, tmp: Path, results: list[Any]) -> None:
         write_metadata(
             tmp / self.iter_dir / ".metadata",

@@ -1371,6 +1371,10 @@ class LegacyWriter:
 
     # -- writing -------------------------------------------------------------------------------
 
+    def last_files(self) -> list[str]:
+        """The files :meth:`finish` writes once every planned file is written."""
+        return [TRACKER]
+
     def finish(self, tmp: Path, results: list[Any]) -> None:
         """The tracker file Megatron's loader starts from."""
         (tmp / TRACKER).write_text(f"{self.iteration}" if isinstance(self.iteration, int) else "release")

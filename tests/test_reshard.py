@@ -20,6 +20,7 @@ from ckpttool.errors import UsageError
 from ckpttool.formats import _pt, _ptwrite
 from ckpttool.formats.megatron import ALLOWLIST
 from ckpttool.hashing import hash_bytes
+from ckpttool.io import list_files
 from ckpttool.reshard import Target, parse_split_rules, reshard
 from ckpttool.verify import verify
 from tests._compare import dcp_load_mismatches
@@ -856,6 +857,35 @@ def test_unknown_parameters_need_a_split_rule(tmp_path):
     assert validate(m, src, MegatronTarget(tp=1, pp=1), parse_split_rules([r"adapter\.weight$=0"])) == []
     with pytest.raises(UsageError, match="expected REGEX=DIM"):
         parse_split_rules(["adapter"])
+
+
+@pytest.mark.parametrize(
+    ("source", "argv"),
+    [
+        ("megatron/legacy_tp2pp2", ["--tp", "1", "--pp", "1"]),
+        ("megatron/legacy_tp2pp2", ["--to", "megatron-dist"]),
+        ("megatron/dist_tp2pp2", ["--tp", "1"]),
+        ("deepspeed/zero2", ["--dp", "1"]),
+        ("deepspeed/zero3", ["--dp", "1"]),
+        ("deepspeed/zero2", ["--to", "deepspeed-universal"]),
+        ("dcp/fsdp2", ["--to", "dcp", "--dp", "2"]),
+    ],
+)
+@pytest.mark.parametrize("sealed", [True, False])
+def test_a_dry_run_names_every_file_the_run_writes(source, argv, sealed, tmp_path, cli):
+    """The plan's files, then the small ones written last (metadata, trackers, the seal): the run
+    writes those and no other (the tracker, common.pt, metadata.json and .metadata were left out)."""
+    out = tmp_path / "out"
+    flags = [] if sealed else ["--no-seal"]
+    r = cli("reshard", FIXTURES / source, "-o", out, *argv, *flags, "--dry-run", "--json")
+    assert r.code == 0, r.stderr
+    plan = json.loads(r.stdout)
+    planned = [f["path"] for f in plan["files"]] + plan["last_files"]
+    assert ("ckpttool.manifest.json" in planned) == sealed and len(set(planned)) == len(planned)
+    text = cli("reshard", FIXTURES / source, "-o", out, *argv, *flags, "--dry-run").stdout
+    assert f"then {len(plan['last_files'])} small files: {', '.join(plan['last_files'])}; nothing written" in text
+    assert cli("reshard", FIXTURES / source, "-o", out, *argv, *flags).code == 0
+    assert sorted(planned) == sorted(rel for rel, _ in list_files(out))
 
 
 def test_max_memory_and_dry_run(tmp_path, cli):

@@ -671,6 +671,7 @@ def reshard(
     from rich.filesize import decimal
 
     from ckpttool.io import check_output
+    from ckpttool.manifest import SEAL_NAME
     from ckpttool.reshard import Target, parse_split_rules, torchrun_world
     from ckpttool.reshard import reshard as run
 
@@ -724,6 +725,8 @@ def reshard(
             out.note(note)
     if json_out:
         report = {**plan.to_json(), "output": result.output, "written": result.written, "sealed": result.sealed}
+        if dry_run and not no_seal:
+            report["last_files"] = [*plan.last, SEAL_NAME]
         if result.ranks:
             report["ranks"] = result.ranks
         out.json(report)
@@ -736,9 +739,12 @@ def reshard(
             right=["TENSORS", "BYTES", "PEAK"],
             squeeze="FILE",
         )
+        last = [*plan.last, *([] if no_seal else [SEAL_NAME])]
+        then = f"; then {len(last)} small files: {', '.join(last)}" if last else ""
+        written_as = " ".join(filter(None, (plan.format, layout)))
         out.line(
-            f"plan: {len(plan.files)} files, {decimal(plan.nbytes)} of tensors, {plan.format} {layout}, "
-            f"{plan.workers} workers, peak memory about {decimal(plan.peak)}; nothing written"
+            f"plan: {len(plan.files)} files, {decimal(plan.nbytes)} of tensors, {written_as}, "
+            f"{plan.workers} workers, peak memory about {decimal(plan.peak)}{then}; nothing written"
         )
         return
     from ckpttool.io import list_files

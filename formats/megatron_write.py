@@ -37,6 +37,7 @@ from ckpttool import _unpickle
 from ckpttool._torchzip import read_tensor
 from ckpttool.assemble import assemble, check_coverage
 from ckpttool.dtypes import carrier
+from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.formats import _pt, _ptwrite
 from ckpttool.formats.base import PieceReader, PlannedFile
@@ -73,6 +74,7 @@ from ckpttool.formats.megatron import (
 )
 from ckpttool.geometry import Box
 from ckpttool.manifest import Item, Manifest
+from ckpttool.values import flatten
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
 _GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
@@ -1252,7 +1254,7 @@ class LegacyWriter:
                 for t in range(self.target.tp):
                     if self._xranks is not None and (t, p, e) not in self._xranks:
                         continue  # no rank of expert DP rank 0 has these TP and EP ranks: none saves it
-                    sizes = [o.nbytes for o in self._tensors(t, p, e)]
+                    sizes = [o.nbytes for o in self._tensors(t, p, e)] + self._carried(t, p, e)
                     folder = f"{self.iter_dir}/{rank_dir(t, p, self.target.pp, e, self.ep)}"
                     out.append(PlannedFile.of(f"{folder}/model_optim_rng.pt", (t, p, e, 0), sizes))
                     if self.distopt:
@@ -1269,6 +1271,18 @@ class LegacyWriter:
                             PlannedFile(path=f"{folder}/{DISTRIB}", key=key, nbytes=nbytes, tensors=3, largest=largest)
                         )
         return out
+
+    def _carried(self, t: int, p: int, e: int) -> list[int]:
+        """Bytes of each tensor rank (t, p, e)'s file carries as the source holds it (for planning):
+        its RNG state's and, beside its parameters' moments, their Adam steps."""
+        if not self.rank_files:
+            return []
+        rng = self.src.objs[self._rng_source(t, p, e)].get("rng_state")
+        refs = [v for _, v in flatten({"rng_state": rng}) if isinstance(v, _unpickle.TensorRef)]
+        if not self.distopt:
+            steps = (self.src.step_of.get(self._src_name(n)) for n in self._model_names(p, e))
+            refs += [s[1] for s in steps if s is not None and isinstance(s[1], _unpickle.TensorRef)]
+        return [math.prod(r.shape) * lookup_dtype(r.dtype).itemsize for r in refs]
 
     def _tensors(self, t: int, p: int, e: int = 0) -> Iterator[_ptwrite.OutTensor]:
         """The tensors of rank (t, p, e)'s ``model_optim_rng.pt`` (for planning)."""

@@ -888,6 +888,29 @@ def test_a_dry_run_names_every_file_the_run_writes(source, argv, sealed, tmp_pat
     assert sorted(planned) == sorted(rel for rel, _ in list_files(out))
 
 
+@pytest.mark.parametrize(
+    ("source", "argv"),
+    [
+        ("legacy_tp2pp2", ["--tp", "1", "--pp", "1"]),
+        ("legacy_tp2pp2", ["--tp", "2", "--pp", "2"]),
+        ("legacy_tp2pp2", ["--tp", "1", "--pp", "2"]),
+        ("legacy_pp2_decoupled", ["--tp", "1"]),
+    ],
+)
+def test_a_dry_run_counts_every_tensor_of_a_legacy_rank_file(source, argv, tmp_path, cli):
+    """Its RNG state and its parameters' Adam steps, carried as the source holds them, were left
+    out of the plan's tensors and bytes (108 tensors, 231.4 kB planned; 140 and 236.6 kB written)."""
+    import zipfile
+
+    out = tmp_path / "out"
+    plan = json.loads(cli("reshard", FIXTURES / "megatron" / source, "-o", out, *argv, "--dry-run", "--json").stdout)
+    assert cli("reshard", FIXTURES / "megatron" / source, "-o", out, *argv).code == 0
+    for f in plan["files"]:
+        with zipfile.ZipFile(out / f["path"]) as z:
+            storages = [i.file_size for i in z.infolist() if "/data/" in i.filename]
+        assert (f["tensors"], f["nbytes"]) == (len(storages), sum(storages)), f["path"]
+
+
 def test_max_memory_and_dry_run(tmp_path, cli):
     out = tmp_path / "out"
     r = cli("reshard", LEGACY, "-o", out, "--tp", "1", "--dry-run", "--json")

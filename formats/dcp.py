@@ -630,7 +630,8 @@ def _misplaced(
     """The error for data files in each other's places (renamed, swapped, copied over each other).
     DCP writes a file's records back to back, so a file's size is where the metadata's last record
     in it ends: a file of another size, whose size is where one other file's records end and whose
-    bytes hold records (zip local headers) where that file's first records start, is that file."""
+    bytes hold records (a zip local header, a zstd frame) where that file's records start and its
+    own do not, is that file."""
     ends: dict[str, int] = {}
     try:
         for info in storage.values():

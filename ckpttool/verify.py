@@ -337,6 +337,8 @@ def _verify(
         piece_digests = _check_seal(report, root, sealed, manifest, adapter, workers, progress, early)
     elif manifest is not None and adapter is not None:
         piece_digests = _check_integrity(report, manifest, adapter, workers, progress)
+    if manifest is not None and adapter is not None:
+        _check_misplaced(report, manifest, adapter)
     _check_in_flight(report, root, manifest, sealed is not None)
     if manifest is not None and adapter is not None:
         _check_manifest(report, manifest, required)
@@ -468,6 +470,22 @@ def _one_stream(commit: float, written: list[tuple[float, int]]) -> bool:
             return False
         last = mtime
     return True
+
+
+_DAMAGE = ("corrupt-file", "checksum-mismatch", "truncated-file")
+
+
+def _check_misplaced(report: VerifyReport, manifest: Manifest, adapter: Adapter) -> None:
+    """Files whose bytes did not read as their metadata places them, explained by the format where
+    it can (DCP: each holds another file's records, files of one size swapped): one misplaced-file
+    in place of their damage findings."""
+    explain = getattr(adapter, "misplaced", None)
+    damaged = {f.file for f in report.findings if f.file and f.rule in _DAMAGE}
+    if explain is None or not damaged or (found := explain(manifest, damaged)) is None:
+        return
+    exc, moved = found
+    report.findings = [f for f in report.findings if not (f.file in moved and f.rule in _DAMAGE)]
+    report.findings.append(_from_error(exc))
 
 
 def _dedupe(findings: list[Finding]) -> list[Finding]:

@@ -623,15 +623,19 @@ class DcpAdapter:
     def reader(self, manifest: Manifest) -> DcpReader:
         return DcpReader(manifest, self.object_allow)
 
+    @staticmethod
+    def misplaced(manifest: Manifest, damaged: set[str]) -> tuple[CorruptFileError, set[str]] | None:
+        """Data files whose records did not read (``damaged``) because they hold another file's:
+        the error naming them, and which they are."""
+        return misplaced_in(manifest, damaged)
+
 
 def _misplaced(
     root: Path, storage: dict[tuple[str, tuple[int, ...] | None], _StorageInfo], sizes: dict[str, int]
 ) -> CorruptFileError | None:
-    """The error for data files in each other's places (renamed, swapped, copied over each other).
-    DCP writes a file's records back to back, so a file's size is where the metadata's last record
-    in it ends: a file of another size, whose size is where one other file's records end and whose
-    bytes hold records (a zip local header, a zstd frame) where that file's records start and its
-    own do not, is that file."""
+    """The error for data files in each other's places (renamed, swapped, copied over each other),
+    from the sizes alone: DCP writes a file's records back to back, so a file's size is where the
+    metadata's last record in it ends, and one of another size is looked at (:func:`holders`)."""
     ends: dict[str, int] = {}
     try:
         for info in storage.values():
@@ -640,24 +644,43 @@ def _misplaced(
                 ends[rel] = end
     except (AttributeError, TypeError, ValueError):  # an entry no item uses, malformed: no sizes to go by
         return None
-    odd = [rel for rel, end in ends.items() if rel in sizes and sizes[rel] != end]
+    odd = {rel for rel, end in ends.items() if rel in sizes and sizes[rel] != end}
     if not odd:
         return None
+    starts: dict[str, set[int]] = {}
+    for info in storage.values():
+        starts.setdefault(info.relative_path, set()).add(int(info.offset))
+    return misplaced_error(holders(root, ends, starts, sizes, odd), sizes)
+
+
+def holders(
+    root: Path, ends: dict[str, int], starts: dict[str, set[int]], sizes: dict[str, int], suspects: set[str]
+) -> dict[str, str]:
+    """Each of ``suspects`` (data files of a suspect size, or whose records do not read) that holds
+    another file's data: the one other file whose records end where the suspect does, and which
+    has records (a zip local header, a zstd frame) in it where that file's records start and its
+    own do not. A file cut short where another of its structure ends has no such place."""
     by_end: dict[int, list[str]] = {}
     for rel, end in ends.items():
         by_end.setdefault(end, []).append(rel)
-    owners = {rel: o[0] for rel in odd if len(o := by_end.get(sizes[rel], [])) == 1 and o[0] != rel}
-    starts: dict[str, set[int]] = {f: set() for f in (*owners, *owners.values())}
-    for info in storage.values():
-        if (at := starts.get(info.relative_path)) is not None:
-            at.add(int(info.offset))
-    # where the owner's records start and the file's own do not: a file cut short where another
-    # of the same structure ends has records there too, and is only cut short
-    moved = {
-        rel: o
-        for rel, o in sorted(owners.items())
-        if (telling := sorted(starts[o] - starts[rel])[:3]) and _records_at(root / rel, telling)
-    }
+    moved: dict[str, str] = {}
+    for rel in sorted(suspects):
+        if rel not in sizes:
+            continue
+        found = [
+            o
+            for o in by_end.get(sizes[rel], [])
+            if o != rel
+            and (telling := sorted(starts.get(o, set()) - starts.get(rel, set()))[:3])
+            and _records_at(root / rel, telling)
+        ]
+        if len(found) == 1:
+            moved[rel] = found[0]
+    return moved
+
+
+def misplaced_error(moved: dict[str, str], sizes: dict[str, int]) -> CorruptFileError | None:
+    """The ``misplaced-file`` error naming each file of ``moved`` and whose data it holds."""
     if not moved:
         return None
     said = [f"{rel} ({sizes[rel]:,} bytes) holds what the metadata places in {o}" for rel, o in moved.items()]
@@ -674,6 +697,23 @@ def _misplaced(
         path=first,
         rule="misplaced-file",
     )
+
+
+def misplaced_in(manifest: Manifest, suspects: set[str]) -> tuple[CorruptFileError, set[str]] | None:
+    """:func:`holders` for a described checkpoint, whose data files of the same size (which the
+    sizes alone cannot tell apart) gave damage when read: their records' places from the pieces."""
+    ends: dict[str, int] = {}
+    starts: dict[str, set[int]] = {}
+    for item in manifest.items.values():
+        for piece in item.pieces:
+            loc = piece.locator
+            if "offset" in loc and "length" in loc:
+                ends[piece.file] = max(ends.get(piece.file, 0), loc["offset"] + loc["length"])
+                starts.setdefault(piece.file, set()).add(loc["offset"])
+    sizes = {f.path: f.size for f in manifest.files if f.role == "data"}
+    moved = holders(Path(manifest.root), ends, starts, sizes, suspects & set(ends))
+    error = misplaced_error(moved, sizes)
+    return None if error is None else (error, set(moved))
 
 
 def _records_at(path: Path, offsets: list[int]) -> bool:

@@ -24,7 +24,7 @@ from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CorruptFileError, IncompleteCheckpointError
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection, claim
-from ckpttool.formats.dcp import DcpAdapter, DcpReader, is_dist_config
+from ckpttool.formats.dcp import DcpAdapter, DcpReader, is_dist_config, misplaced_in
 from ckpttool.geometry import Box, row_major_strides
 from ckpttool.io import confine, read_tracker
 from ckpttool.manifest import FileRecord, Item, Kind, Layout, Manifest, Piece, ReplicaCounter
@@ -405,6 +405,12 @@ class MegatronDistAdapter:
                 manifest.extras["copy_notes"] = notes
         manifest.extras["dcp"] = {"world_size": base.layout.world_size}
         return manifest
+
+    @staticmethod
+    def misplaced(manifest: Manifest, damaged: set[str]) -> tuple[CorruptFileError, set[str]] | None:
+        """Data files whose records did not read (``damaged``) because they hold another file's:
+        the error naming them, and which they are."""
+        return misplaced_in(manifest, damaged)
 
     def reader(self, manifest: Manifest) -> MegatronDistReader:
         return MegatronDistReader(manifest)

@@ -549,3 +549,29 @@ def test_dcp_zstd_files_swapped_are_misplaced_and_a_file_cut_to_anothers_size_is
     os.utime(f, ns=(times.st_atime_ns, times.st_mtime_ns))
     code, report = _findings(cut)
     assert code == 1 and [f["rule"] for f in report["findings"]] == ["truncated-file"]
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_dcp_files_of_one_size_swapped_are_misplaced_not_damaged(sealed, tmp_path):
+    """Two files of the same size (megatron-core's DP ranks 1's two files here) cannot be told by
+    their sizes: their records did not read, 19 corrupt-file findings (or, sealed, two checksum
+    mismatches). Where each holds records where the other's start and its own do not, the damage
+    is one misplaced-file."""
+    path = tmp_path / "ck"
+    shutil.copytree(MG / "dist_dp2_fp16_distopt", path)
+    seal = tmp_path / "seal.json"
+    if sealed:
+        assert run_cli("seal", path, "--out", seal).code == 0
+    a, b = path / "iter_0000003" / "__1_0.distcp", path / "iter_0000003" / "__1_1.distcp"
+    assert a.stat().st_size == b.stat().st_size
+    times = os.stat(a)
+    a_bytes = a.read_bytes()
+    a.write_bytes(b.read_bytes())
+    b.write_bytes(a_bytes)
+    for x in (a, b):  # (a file newer than the metadata reads as unfinished)
+        os.utime(x, ns=(times.st_atime_ns, times.st_mtime_ns))
+    code, report = _findings(path, *(["--manifest", seal] if sealed else []))
+    errors = [f for f in report["findings"] if f["severity"] == "error"]
+    assert code == 1 and [f["rule"] for f in errors] == ["misplaced-file"], errors
+    assert "__1_0.distcp (59,403 bytes) holds what the metadata places in __1_1.distcp" in errors[0]["message"]
+    assert "__1_1.distcp (59,403 bytes) holds what the metadata places in __1_0.distcp" in errors[0]["message"]

@@ -1281,7 +1281,13 @@ class LegacyWriter:
         refs = [v for _, v in flatten({"rng_state": rng}) if isinstance(v, _unpickle.TensorRef)]
         if not self.distopt:
             steps = (self.src.step_of.get(self._src_name(n)) for n in self._model_names(p, e))
-            refs += [s[1] for s in steps if s is not None and isinstance(s[1], _unpickle.TensorRef)]
+            refs += [
+                s[1] for s in steps if s is not None and isinstance(s[1], _unpickle.TensorRef | _ptwrite.OutTensor)
+            ]
+        extra = self.src.optimizer_extra[1] if self.src.optimizer_extra else {}
+        for kind in self._members:  # each optimizer (a chain's members): its scalers, its groups' steps
+            held = {"extra": extra, "groups": [hyper for hyper, _ in self._target_groups(kind)]}
+            refs += [v for _, v in flatten(held) if isinstance(v, _unpickle.TensorRef)]
         return [math.prod(r.shape) * lookup_dtype(r.dtype).itemsize for r in refs]
 
     def _tensors(self, t: int, p: int, e: int = 0) -> Iterator[_ptwrite.OutTensor]:

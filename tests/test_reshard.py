@@ -895,11 +895,14 @@ def test_a_dry_run_names_every_file_the_run_writes(source, argv, sealed, tmp_pat
         ("legacy_tp2pp2", ["--tp", "2", "--pp", "2"]),
         ("legacy_tp2pp2", ["--tp", "1", "--pp", "2"]),
         ("legacy_pp2_decoupled", ["--tp", "1"]),
+        ("legacy_dp2_fp16_distopt", ["--tp", "1"]),
+        ("legacy_dp2_fp16_distopt", ["--tp", "1", "--no-distributed-optimizer"]),
     ],
 )
 def test_a_dry_run_counts_every_tensor_of_a_legacy_rank_file(source, argv, tmp_path, cli):
-    """Its RNG state and its parameters' Adam steps, carried as the source holds them, were left
-    out of the plan's tensors and bytes (108 tensors, 231.4 kB planned; 140 and 236.6 kB written)."""
+    """Its RNG state, its parameters' Adam steps and its optimizer's loss scaler, carried as the
+    source holds them, were left out of the plan's tensors and bytes (108 tensors, 231.4 kB planned;
+    140 and 236.6 kB written)."""
     import zipfile
 
     out = tmp_path / "out"

@@ -107,3 +107,7 @@ class Adapter(Protocol):
     def describe(self, path: Path) -> Manifest: ...
 
     def reader(self, manifest: Manifest) -> PieceReader: ...
+
+    # Optional: ``misplaced(manifest, damaged_files) -> (CorruptFileError, files) | None``: which of
+    # the files whose bytes did not read hold another file's data (DCP); verify then reports one
+    # misplaced-file for them in place of their damage findings.

@@ -484,6 +484,7 @@ class DcpAdapter:
         # one object for each distinct file name, rank and box: at 400 000 chunks the copies the
         # pickle gives (a name and three tuples per chunk) were a third of the manifest's memory
         files: dict[str, tuple[str, int | None]] = {}
+        ends: dict[str, int] = {}  # where each file's last record ends (its size, as torch writes it)
         boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], Box] = {}
         shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
         for fqn, meta in md.state_dict_metadata.items():
@@ -516,7 +517,7 @@ class DcpAdapter:
                             path=md_name,
                         )
                     info = self._storage(storage, fqn, box.offsets, md_name)
-                    piece = self._piece(info, box, rank, root, sizes, files, md_name, storage)
+                    piece = self._piece(info, box, rank, root, sizes, files, md_name, storage, ends)
                     piece.nbytes = box.volume * itemsize
                     if "transforms" not in piece.locator and piece.nbytes > piece.locator["length"]:
                         raise CorruptFileError(
@@ -535,15 +536,15 @@ class DcpAdapter:
                 elif item.dtype is not None:
                     raise CorruptFileError(f"{md_name}: {fqn} is a tensor in another rank's metadata", path=md_name)
                 info = self._storage(storage, fqn, None, md_name)
-                piece = self._piece(info, Box((), ()), rank, root, sizes, files, md_name, storage)
+                piece = self._piece(info, Box((), ()), rank, root, sizes, files, md_name, storage, ends)
                 piece.replica = len(item.pieces)
                 item.pieces.append(piece)
             else:
                 raise CorruptFileError(
                     f"{md_name}: {fqn} has storage metadata of type {type(meta).__name__}", path=md_name
                 )
-        if swapped := _misplaced(root, storage, sizes):  # (a file longer than its records reach)
-            raise swapped
+        if any(sizes[rel] != end for rel, end in ends.items()) and (swapped := _misplaced(root, storage, sizes)):
+            raise swapped  # (a file longer than its records reach, holding another's)
 
     @staticmethod
     def _storage(
@@ -568,10 +569,12 @@ class DcpAdapter:
         files: dict[str, tuple[str, int | None]],
         md_name: str,
         storage: dict[tuple[str, tuple[int, ...] | None], _StorageInfo],
+        ends: dict[str, int],
     ) -> Piece:
         """The piece ``info`` places; ``files`` maps each file name seen to one copy of it and the
-        rank its name gives (filled here); ``storage``: every place the metadata gives, to tell a
-        file cut short from one in another's place."""
+        rank its name gives and ``ends`` where each file's records reach (both filled here);
+        ``storage``: every place the metadata gives, to tell a file cut short from one in another's
+        place."""
         rel = str(info.relative_path)
         known = files.get(rel)
         if known is None:
@@ -597,6 +600,8 @@ class DcpAdapter:
                 path=rel,
                 rule="truncated-file",
             )
+        if offset + length > ends.get(rel, 0):
+            ends[rel] = offset + length
         transforms = list(getattr(info, "transform_descriptors", None) or [])
         for t in transforms:
             if t != _ZSTD:
@@ -625,8 +630,7 @@ class DcpAdapter:
 
     @staticmethod
     def misplaced(manifest: Manifest, damaged: set[str]) -> tuple[CorruptFileError, set[str]] | None:
-        """Data files whose records did not read (``damaged``) because they hold another file's:
-        the error naming them, and which they are."""
+        """:func:`misplaced_in` (verify asks, with the data files whose records did not read)."""
         return misplaced_in(manifest, damaged)
 
 

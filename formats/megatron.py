@@ -406,11 +406,8 @@ class MegatronDistAdapter:
         manifest.extras["dcp"] = {"world_size": base.layout.world_size}
         return manifest
 
-    @staticmethod
-    def misplaced(manifest: Manifest, damaged: set[str]) -> tuple[CorruptFileError, set[str]] | None:
-        """Data files whose records did not read (``damaged``) because they hold another file's:
-        the error naming them, and which they are."""
-        return misplaced_in(manifest, damaged)
+    misplaced = staticmethod(misplaced_in)
+    """its DCP files whose records did not read because they hold another file's (verify asks)"""
 
     def reader(self, manifest: Manifest) -> MegatronDistReader:
         return MegatronDistReader(manifest)

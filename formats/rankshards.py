@@ -5,7 +5,8 @@ Recognised file layouts (one directory = one checkpoint):
 - ``shard_RRRRR.pt`` (often in ``step_NNNNNNNN/``, with an optional ``metadata.json`` holding
   ``step`` and ``world_size``);
 - ``shard_RRRRR_of_NNNNN.pt``;
-- ``checkpoint_stepS_stageP.pt`` (pipeline stages, each with its own layers).
+- ``checkpoint_stepS_stageP.pt`` (pipeline stages, each with its own layers; a stack that every
+  stage numbers from 0 is numbered across the stages).
 
 Each file is a ``torch.save``'d dict. A tensor stored as ``{"local": t, "global_shape": [...],
 "global_offset": [...]}`` (also ``tensor``/``data`` and ``shape``/``offsets``) is one piece of the
@@ -142,6 +143,36 @@ def _stages_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str
     return None
 
 
+def _stage_numbering(stages: dict[int, list[tuple[str, Any]]]) -> dict[tuple[int, str], str]:
+    """Names across pipeline stages for the leaves of stacks that every stage holding them numbers
+    from 0 (a stage's own ``nn.Sequential``, its optimizer's states and groups): stage by stage,
+    each stage's numbers follow those of the stages before it. A stack numbered across stages
+    already (stage 1 going on where stage 0 stops), or with gaps, keeps its names; so does per-rank
+    state (RNG, dataloader). Keyed by (stage, leaf name)."""
+    held: dict[str, dict[int, set[int]]] = {}
+    for stage, leaves in stages.items():
+        for name, value in leaves:
+            if classify(name, is_tensor=isinstance(value, _unpickle.TensorRef | _Sharded)) in _PER_RANK_KINDS:
+                continue
+            if m := _LAYER_INDEX.search(name):
+                held.setdefault(m.group(1), {}).setdefault(stage, set()).add(int(m.group(2)))
+    shift: dict[tuple[str, int], int] = {}
+    for stack, numbers in held.items():
+        if len(numbers) < 2 or any(v != set(range(len(v))) for v in numbers.values()):
+            continue
+        offset = 0
+        for stage in sorted(numbers):
+            shift[stack, stage] = offset
+            offset += len(numbers[stage])
+    renamed: dict[tuple[int, str], str] = {}
+    for stage, leaves in stages.items():
+        for name, _ in leaves:
+            m = _LAYER_INDEX.search(name)
+            if m and (by := shift.get((m.group(1), stage))):
+                renamed[stage, name] = f"{name[: m.start(2)]}{int(m.group(2)) + by}{name[m.end(2) :]}"
+    return renamed
+
+
 def _match(name: str) -> re.Match[str] | None:
     for pattern in _PATTERNS:
         m = pattern.match(name)
@@ -212,15 +243,24 @@ class RankShardsAdapter:
                 )
         replicas = ReplicaCounter()
         claims: dict[str, int] = {}
+        loaded: dict[int, list[tuple[str, Any]]] = {}
         for rank, rel in sorted(shards.items()):
             archive, obj, _ = _pt.load(path, rel, ALLOWLIST)
             archive.close()
-            leaves = flatten(obj if isinstance(obj, dict) else {"value": obj}, leaf=_sharded)
+            loaded[rank] = leaves = flatten(obj if isinstance(obj, dict) else {"value": obj}, leaf=_sharded)
             claimed = next((v for k, v in leaves if k in ("step", "iteration", "global_step")), None)
             if isinstance(claimed, int) and not isinstance(claimed, bool):
                 claims[rel] = claimed
+        staged = any(_PATTERNS[2].match(rel) for rel in shards.values())
+        renamed = _stage_numbering(loaded) if staged else {}
+        for rank, leaves in loaded.items():
             for name, value in leaves:
-                self._add(manifest, name, value, rel, rank, replicas)
+                self._add(manifest, name, value, shards[rank], rank, replicas, renamed.get((rank, name), name))
+        if renamed:
+            manifest.extras["stage_numbering"] = (
+                "each pipeline stage numbers its layers (and its optimizer's states and groups) from 0: "
+                "names here number them across stages, in stage order"
+            )
         dir_step = int(m.group(1)) if (m := _STEP_DIR.match(path.name)) else None
         if step is None:
             step = dir_step if dir_step is not None else find_step(manifest.items)
@@ -237,7 +277,10 @@ class RankShardsAdapter:
         return manifest
 
     @staticmethod
-    def _add(manifest: Manifest, name: str, value: Any, rel: str, rank: int, replicas: ReplicaCounter) -> None:
+    def _add(
+        manifest: Manifest, name: str, value: Any, rel: str, rank: int, replicas: ReplicaCounter, key: str
+    ) -> None:
+        """Add leaf ``name`` of rank file ``rel`` as (a piece of) item ``key``."""
         if isinstance(value, _Sharded):
             ref = value.local
             box = Box(value.offset, ref.shape)
@@ -247,8 +290,8 @@ class RankShardsAdapter:
                     f"outside its global shape {list(value.shape)}",
                     path=rel,
                 )
-            item = manifest.items.get(name) or manifest.add(
-                Item(name=name, kind=classify(name, is_tensor=True), dtype=ref.dtype, shape=value.shape)
+            item = manifest.items.get(key) or manifest.add(
+                Item(name=key, kind=classify(key, is_tensor=True), dtype=ref.dtype, shape=value.shape)
             )
             if item.dtype != ref.dtype or item.shape != value.shape:
                 raise CorruptFileError(
@@ -256,12 +299,13 @@ class RankShardsAdapter:
                     f"{list(item.shape or ())} on another rank",
                     path=rel,
                 )
-            same = replicas.next(name, box)
+            same = replicas.next(key, box)
             item.pieces.append(_pt.tensor_piece(rel, ref, box=box, rank=rank, replica=same))
             return
         is_tensor = isinstance(value, _unpickle.TensorRef)
-        kind = classify(name, is_tensor=is_tensor)
-        key = f"{name}[rank={rank}]" if kind in _PER_RANK_KINDS else name
+        kind = classify(key, is_tensor=is_tensor)
+        if kind in _PER_RANK_KINDS:
+            key = f"{key}[rank={rank}]"
         found = manifest.items.get(key)
         if is_tensor:
             if found is None:

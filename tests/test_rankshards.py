@@ -130,3 +130,66 @@ def test_stages_of_different_stacks_have_no_order_to_break(tmp_path):
         torch.save({"model": {n: torch.ones(2) for n in names}, "iteration": 3},
                    tmp_path / f"checkpoint_step3_stage{p}.pt")  # fmt: skip
     assert "findings" not in registry.describe(tmp_path)[1].extras
+
+
+def _stage_files(path, *, tie=True):
+    """What a hand-rolled pipeline trainer saves: each stage's own ``nn.Sequential`` (numbered from
+    0), its Adam optimizer's state dict (parameters numbered from 0), its RNG, and on the first and
+    last stage a tied embedding."""
+    torch.manual_seed(0)
+    emb = torch.randn(6, 8)
+    stages = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)),
+              torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))]  # fmt: skip
+    path.mkdir()
+    for p, stage in enumerate(stages):
+        opt = torch.optim.Adam(stage.parameters())
+        stage(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        sd = {"model": {**stage.state_dict(), **({"embed.weight": emb} if tie else {})},
+              "optimizer": opt.state_dict(), "iteration": 3, "rng": torch.get_rng_state()}  # fmt: skip
+        torch.save(sd, path / f"checkpoint_step3_stage{p}.pt")
+    return stages
+
+
+def test_stages_numbering_their_layers_from_0_are_numbered_across_stages(tmp_path):
+    """Each stage's own Sequential and optimizer number from 0: the same name on two stages is two
+    layers (of other shapes, or other values), not one replicated; names go on across stages."""
+    path = tmp_path / "s"
+    stages = _stage_files(path)
+    _, m = registry.describe(path)
+    assert "stage_numbering" in m.extras
+    model = {n for n, i in m.items.items() if n.startswith("model.")}
+    assert model == {"model.embed.weight", *(f"model.{i}.{w}" for i in range(5) for w in ("weight", "bias"))}
+    assert len(m.items["model.embed.weight"].pieces) == 2  # the tied embedding: a replica on each
+    assert m.items["model.4.weight"].shape == (4, 8) and m.items["optimizer.state.9.exp_avg"].shape == (4,)
+    assert {"optimizer.param_groups.0.params", "optimizer.param_groups.1.params", "rng[rank=1]"} <= set(m.items)
+    r = run_cli("verify", "--deep", path, "--fail-on", "error", "--json")
+    assert r.code == 0, r.stdout
+    export(path, tmp_path / "o.safetensors")
+    got = load_file(tmp_path / "o.safetensors")
+    want = {f"model.{n // 2}.{k.split('.')[-1]}": v for n, (k, v) in enumerate(
+        (k, v) for s in stages for k, v in s.state_dict().items())}  # fmt: skip
+    assert tensor_mismatches({k: got[k] for k in want}, want) == []
+    second = torch.load(path / "checkpoint_step3_stage1.pt", weights_only=True)
+    assert torch.equal(got["optimizer.state.6.exp_avg_sq"], second["optimizer"]["state"][2]["exp_avg_sq"])
+
+
+def test_a_tied_embedding_altered_on_one_stage_still_differs(tmp_path):
+    path = tmp_path / "s"
+    _stage_files(path)
+    sd = torch.load(path / "checkpoint_step3_stage1.pt", weights_only=True)
+    sd["model"]["embed.weight"][0, 0] += 1
+    torch.save(sd, path / "checkpoint_step3_stage1.pt")
+    r = run_cli("verify", path)
+    assert r.code == 1 and "replica-mismatch" in r.stdout and "model.embed.weight" in r.stdout, r.stdout
+
+
+def test_stages_numbered_across_stages_keep_their_names(tmp_path):
+    """Stage 1 going on where stage 0 stops (the pipeline fixture) is not renumbered; nor are
+    stacks with gaps."""
+    assert "stage_numbering" not in registry.describe(RS / "pipeline")[1].extras
+    for p, names in enumerate([["layers.0.w", "layers.2.w"], ["layers.0.w", "layers.1.w"]]):
+        torch.save({"model": {n: torch.full((2,), float(p)) for n in names}, "iteration": 3},
+                   tmp_path / f"checkpoint_step3_stage{p}.pt")  # fmt: skip
+    _, m = registry.describe(tmp_path)
+    assert "stage_numbering" not in m.extras and "model.layers.1.w" in m.items

@@ -522,7 +522,7 @@ def seal(
         adapter, manifest = registry.describe(path)
     for f in manifest.extras.get("findings") or ():  # damage the format's reader found and read past
         if f["rule"] in ("corrupt-file", "misplaced-file"):
-            hint = f.get("hint") if f["rule"] == "misplaced-file" else None
+            hint = f.get("hint") if f["rule"] == "misplaced-file" or f.get("severity") == "warning" else None
             raise CorruptFileError(
                 f"{f['message']}; not sealed", hint=hint or _NOT_SEALED, path=f["file"], rule=f["rule"]
             )

@@ -992,10 +992,12 @@ def _check_steps(report: VerifyReport, manifest: Manifest) -> None:
 def _check_format_findings(report: VerifyReport, manifest: Manifest) -> None:
     """What the format's reader found wrong while the rest could still be read
     (``extras["findings"]``: each ``{"rule", "file", "message"}``, a ``"hint"`` where it knows
-    better than the rule's): a file a complete save has and this one lacks, a rank's file in
-    another rank's place."""
+    better than the rule's, a ``"severity"`` where it is not the rule's): a file a complete save has
+    and this one lacks, a rank's file in another rank's place, bytes added after a file's records."""
     for f in manifest.extras.get("findings") or ():
-        report.findings.append(finding(f["rule"], f["message"], file=f["file"], hint=f.get("hint")))
+        report.findings.append(
+            finding(f["rule"], f["message"], file=f["file"], hint=f.get("hint"), severity=f.get("severity"))
+        )
 
 
 def _others(rels: list[str]) -> str:

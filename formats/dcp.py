@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+import shlex
 from collections import ChainMap
 from pathlib import Path
 from typing import Any
@@ -355,7 +356,8 @@ class DcpAdapter:
             versions.add(str(getattr(md, "version", None)))
             if rank is None:
                 self._extras(manifest, md)
-            self._add_items(manifest, md, md_name, rank, path, sizes, replicas)
+            ends = self._add_items(manifest, md, md_name, rank, path, sizes, replicas)
+            findings.extend(_longer(ends, sizes, md_name, path))
             planner_data = getattr(md, "planner_data", None)
             if isinstance(planner_data, dict) and planner_data:
                 maps.append(planner_data)
@@ -472,7 +474,9 @@ class DcpAdapter:
         root: Path,
         sizes: dict[str, int],
         replicas: ReplicaCounter,
-    ) -> None:
+    ) -> dict[str, int]:
+        """Add the items ``md`` describes; where each data file's records end (its size, as torch
+        writes it)."""
         storage: dict[tuple[str, tuple[int, ...] | None], _StorageInfo] = {}
         for key, info in md.storage_data.items():
             if not isinstance(key, _MetadataIndex) or not isinstance(info, _StorageInfo):
@@ -545,6 +549,7 @@ class DcpAdapter:
                 )
         if any(sizes[rel] != end for rel, end in ends.items()) and (swapped := _misplaced(root, storage, sizes)):
             raise swapped  # (a file longer than its records reach, holding another's)
+        return ends
 
     @staticmethod
     def _storage(
@@ -632,6 +637,29 @@ class DcpAdapter:
     def misplaced(manifest: Manifest, damaged: set[str]) -> tuple[CorruptFileError, set[str]] | None:
         """:func:`misplaced_in` (verify asks, with the data files whose records did not read)."""
         return misplaced_in(manifest, damaged)
+
+
+def _longer(ends: dict[str, int], sizes: dict[str, int], md_name: str, root: Path) -> list[dict[str, Any]]:
+    """Findings for data files longer than their records reach (and holding no other file's: that
+    is :func:`_misplaced`): torch writes a file's records back to back and nothing after them, so
+    the bytes past the end were added later. The data reads intact: a warning, which stops no write
+    (a writer reads only the records); ``seal`` refuses it all the same (it vouches for the bytes
+    the writer wrote)."""
+    return [
+        {
+            "rule": "corrupt-file",
+            "severity": "warning",
+            "file": rel,
+            "message": f"{rel} is {sizes[rel]:,} bytes, {sizes[rel] - end:,} more than its records reach: "
+            f"{md_name} places the last of them to end at byte {end:,}, and the save writes nothing after it; "
+            "bytes were added to the file after the save",
+            "hint": "the data reads intact; find what wrote to the file, restore it from the save (or cut it "
+            f"back to its records with 'truncate -s {end} {shlex.quote(str(root / rel))}')",
+            "stops_writes": False,
+        }
+        for rel, end in sorted(ends.items())
+        if sizes[rel] > end
+    ]
 
 
 def _misplaced(

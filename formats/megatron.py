@@ -376,8 +376,10 @@ class MegatronDistAdapter:
         claims = _step_claims({"common.pt": it} if common else {}, path.name, tracked)
         manifest.extras["step_claims"] = claims
         manifest.step = _claimed_step(claims, path.name, it)
+        # (what the DCP reader found: a data file with bytes added after its records)
+        findings: list[dict[str, Any]] = list(base.extras.get("findings") or ())
         if not common and not any(n in manifest.items for n in ("iteration", "args")):
-            manifest.extras["findings"] = [
+            findings.append(
                 {
                     "rule": "missing-file",
                     "file": "common.pt",
@@ -385,7 +387,9 @@ class MegatronDistAdapter:
                     "groups, scheduler and RNG there, and its load stops without it",
                     "hint": "the save was interrupted or the file deleted; use another iteration",
                 }
-            ]
+            )
+        if findings:
+            manifest.extras["findings"] = findings
         manifest.layout = _args_layout(args) if args is not None else base.layout
         content = common.get("content_metadata")
         sharding = content.get("distrib_optim_sharding_type") if isinstance(content, dict) else None

@@ -575,3 +575,36 @@ def test_dcp_files_of_one_size_swapped_are_misplaced_not_damaged(sealed, tmp_pat
     assert code == 1 and [f["rule"] for f in errors] == ["misplaced-file"], errors
     assert "__1_0.distcp (59,403 bytes) holds what the metadata places in __1_1.distcp" in errors[0]["message"]
     assert "__1_1.distcp (59,403 bytes) holds what the metadata places in __1_0.distcp" in errors[0]["message"]
+
+
+@pytest.mark.parametrize(
+    ("fixture", "data"),
+    [(FIXTURES / "dcp" / "fsdp2", "__1_0.distcp"), (FIXTURES / "dcp" / "fsdp2_ranklocal", "__1_0.distcp"),
+     (MG / "dist_tp2", "iter_0000003/__0_0.distcp")],
+)  # fmt: skip
+def test_bytes_added_after_a_dcp_files_records_are_a_warning(fixture, data, tmp_path):
+    """torch writes a file's records back to back and nothing after them: a longer file that holds
+    no other file's records had bytes added after the save. Its data reads intact (a warning; a
+    convert goes on), but a seal vouches for the bytes the writer wrote."""
+    path = tmp_path / "ck"
+    shutil.copytree(fixture, path)
+    f = path / data
+    size, times = f.stat().st_size, os.stat(f)
+    clean = _findings(path)[1]["findings"]  # (megatron-core's: no dataloader position)
+    with f.open("ab") as out:
+        out.write(b"\0" * 100)
+    os.utime(f, ns=(times.st_atime_ns, times.st_mtime_ns))
+    code, report = _findings(path)
+    assert code == 0, report
+    (found,) = [x for x in report["findings"] if x not in clean]
+    assert (found["rule"], found["severity"], found["file"]) == ("corrupt-file", "warning", f.name), found
+    assert f"{size + 100:,} bytes, 100 more than its records reach" in found["message"]
+    assert f"truncate -s {size} {path / data}" in found["hint"]
+    assert run_cli("verify", path, "--fail-on", "warning").code == 1
+    seal = run_cli("seal", path)
+    assert seal.code == 3 and "not sealed" in seal.stderr and "truncate -s" in seal.stderr, seal.stderr
+    assert run_cli("convert", path, "-o", tmp_path / "o", "--to", "safetensors").code == 0
+    os.truncate(f, size)  # cut back as the hint says: clean, and it seals
+    os.utime(f, ns=(times.st_atime_ns, times.st_mtime_ns))
+    assert _findings(path)[1]["findings"] == clean
+    assert run_cli("seal", path).code == 0

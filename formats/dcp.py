@@ -351,13 +351,22 @@ class DcpAdapter:
         replicas = ReplicaCounter()  # an entry per chunk: local to this describe, dropped with it
         maps: list[dict[Any, Any]] = []  # each metadata's planner_data
         findings: list[dict[str, Any]] = []
+        ends: dict[str, dict[str, int]] = {}  # each metadata's: where each data file's records end
         for rank, md_name in sources:
             md = _load_metadata(path, md_name)
             versions.add(str(getattr(md, "version", None)))
             if rank is None:
                 self._extras(manifest, md)
-            ends = self._add_items(manifest, md, md_name, rank, path, sizes, replicas)
-            findings.extend(_longer(ends, sizes, md_name, path))
+            try:
+                ends[md_name] = self._add_items(manifest, md, md_name, rank, path, sizes, replicas)
+            except CorruptFileError as exc:  # (rank-local: each metadata sees only its own files)
+                if (
+                    exc.rule == "truncated-file"
+                    and len(sources) > 1
+                    and (swapped := _misplaced_across(path, sources, sizes))
+                ):
+                    raise swapped from None
+                raise
             planner_data = getattr(md, "planner_data", None)
             if isinstance(planner_data, dict) and planner_data:
                 maps.append(planner_data)
@@ -375,6 +384,11 @@ class DcpAdapter:
                     )
             del md  # before the next rank's metadata is loaded
         del replicas
+        odd = any(sizes[r] != e for each in ends.values() for r, e in each.items())
+        if odd and len(sources) > 1 and (swapped := _misplaced_across(path, sources, sizes)):
+            raise swapped
+        for md_name, each in ends.items():
+            findings.extend(_longer(each, sizes, md_name, path))
         _keep_nesting(manifest, maps)
         del maps
         if findings:
@@ -547,7 +561,9 @@ class DcpAdapter:
                 raise CorruptFileError(
                     f"{md_name}: {fqn} has storage metadata of type {type(meta).__name__}", path=md_name
                 )
-        if any(sizes[rel] != end for rel, end in ends.items()) and (swapped := _misplaced(root, storage, sizes)):
+        if any(sizes[rel] != end for rel, end in ends.items()) and (
+            swapped := _misplaced(root, [*storage.values()], sizes)
+        ):
             raise swapped  # (a file longer than its records reach, holding another's)
         return ends
 
@@ -596,7 +612,7 @@ class DcpAdapter:
             )
         offset, length = int(info.offset), int(info.length)
         if offset < 0 or length <= 0 or offset + length > sizes[rel]:
-            if offset >= 0 and length > 0 and (swapped := _misplaced(root, storage, sizes)):
+            if offset >= 0 and length > 0 and (swapped := _misplaced(root, [*storage.values()], sizes)):
                 raise swapped
             raise CorruptFileError(
                 f"{rel} is {sizes[rel]:,} bytes but {md_name} places data through byte "
@@ -662,15 +678,25 @@ def _longer(ends: dict[str, int], sizes: dict[str, int], md_name: str, root: Pat
     ]
 
 
-def _misplaced(
-    root: Path, storage: dict[tuple[str, tuple[int, ...] | None], _StorageInfo], sizes: dict[str, int]
+def _misplaced_across(
+    root: Path, sources: list[tuple[int | None, str]], sizes: dict[str, int]
 ) -> CorruptFileError | None:
+    """:func:`_misplaced` over every rank's metadata (``use_collectives=False``: each one places
+    only its rank's files, so none alone knows where another's records end)."""
+    infos: list[_StorageInfo] = []
+    for _, md_name in sources:
+        data = getattr(_load_metadata(root, md_name), "storage_data", None)
+        infos.extend(v for v in (data.values() if isinstance(data, dict) else ()) if isinstance(v, _StorageInfo))
+    return _misplaced(root, infos, sizes)
+
+
+def _misplaced(root: Path, storage: list[_StorageInfo], sizes: dict[str, int]) -> CorruptFileError | None:
     """The error for data files in each other's places (renamed, swapped, copied over each other),
     from the sizes alone: DCP writes a file's records back to back, so a file's size is where the
     metadata's last record in it ends, and one of another size is looked at (:func:`holders`)."""
     ends: dict[str, int] = {}
     try:
-        for info in storage.values():
+        for info in storage:
             rel, end = info.relative_path, int(info.offset) + int(info.length)
             if end > ends.get(rel, 0):
                 ends[rel] = end
@@ -680,22 +706,24 @@ def _misplaced(
     if not odd:
         return None
     starts: dict[str, set[int]] = {}
-    for info in storage.values():
+    for info in storage:
         starts.setdefault(info.relative_path, set()).add(int(info.offset))
     return misplaced_error(holders(root, ends, starts, sizes, odd), sizes)
 
 
 def holders(
     root: Path, ends: dict[str, int], starts: dict[str, set[int]], sizes: dict[str, int], suspects: set[str]
-) -> dict[str, str]:
+) -> dict[str, tuple[str, ...]]:
     """Each of ``suspects`` (data files of a suspect size, or whose records do not read) that holds
-    another file's data: the one other file whose records end where the suspect does, and which
-    has records (a zip local header, a zstd frame) in it where that file's records start and its
-    own do not. A file cut short where another of its structure ends has no such place."""
+    another file's data: the other files whose records end where the suspect does, and which have
+    records (a zip local header, a zstd frame) in it where their records start and its own do not.
+    Several such (files of one structure) narrow to the one that is a suspect too (the two swapped),
+    or else to the one it is a copy of; failing both, all are named. A file cut short where another
+    of its structure ends has no such place."""
     by_end: dict[int, list[str]] = {}
     for rel, end in ends.items():
         by_end.setdefault(end, []).append(rel)
-    moved: dict[str, str] = {}
+    moved: dict[str, tuple[str, ...]] = {}
     for rel in sorted(suspects):
         if rel not in sizes:
             continue
@@ -706,19 +734,37 @@ def holders(
             and (telling := sorted(starts.get(o, set()) - starts.get(rel, set()))[:3])
             and _records_at(root / rel, telling)
         ]
-        if len(found) == 1:
-            moved[rel] = found[0]
+        if len(found) > 1:  # files of one structure: the one whose place this one took, or a copy of
+            found = (
+                [o for o in found if o in suspects] or [o for o in found if _same_bytes(root / rel, root / o)] or found
+            )
+        if found:
+            moved[rel] = tuple(found)
     return moved
 
 
-def misplaced_error(moved: dict[str, str], sizes: dict[str, int]) -> CorruptFileError | None:
-    """The ``misplaced-file`` error naming each file of ``moved`` and whose data it holds."""
+def _same_bytes(a: Path, b: Path) -> bool:
+    """Whether two files of one size hold the same bytes (read until they differ)."""
+    try:
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            while chunk := fa.read(1 << 20):
+                if chunk != fb.read(len(chunk)):
+                    return False
+    except OSError:
+        return False
+    return True
+
+
+def misplaced_error(moved: dict[str, tuple[str, ...]], sizes: dict[str, int]) -> CorruptFileError | None:
+    """The ``misplaced-file`` error naming each file of ``moved`` and whose data it holds (one of
+    several files of one structure, where none of them tells which)."""
     if not moved:
         return None
-    said = [f"{rel} ({sizes[rel]:,} bytes) holds what the metadata places in {o}" for rel, o in moved.items()]
-    first, owner = next(iter(moved.items()))
+    said = [f"{rel} ({sizes[rel]:,} bytes) holds what the metadata places in {_one_of(o)}" for rel, o in moved.items()]
+    first, owners = next(iter(moved.items()))
+    whose, theirs = (f"{owners[0]}'s",) * 2 if len(owners) == 1 else ("their", "theirs")
     why = (
-        f"its size is where {owner}'s records end, and records start in it where {owner}'s do"
+        f"its size is where {whose} records end, and records start in it where {theirs} do"
         if len(moved) == 1
         else "each one's size is where the other file's records end, and records start in it where that file's do"
     )
@@ -746,6 +792,10 @@ def misplaced_in(manifest: Manifest, suspects: set[str]) -> tuple[CorruptFileErr
     moved = holders(Path(manifest.root), ends, starts, sizes, suspects & set(ends))
     error = misplaced_error(moved, sizes)
     return None if error is None else (error, set(moved))
+
+
+def _one_of(files: tuple[str, ...]) -> str:
+    return files[0] if len(files) == 1 else "one of " + ", ".join(files[:3]) + (" …" if len(files) > 3 else "")
 
 
 def _records_at(path: Path, offsets: list[int]) -> bool:

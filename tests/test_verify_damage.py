@@ -608,3 +608,32 @@ def test_bytes_added_after_a_dcp_files_records_are_a_warning(fixture, data, tmp_
     os.utime(f, ns=(times.st_atime_ns, times.st_mtime_ns))
     assert _findings(path)[1]["findings"] == clean
     assert run_cli("seal", path).code == 0
+
+
+@pytest.mark.parametrize("how", ["swapped", "larger copied over", "spliced from two"])
+def test_rank_local_dcp_files_in_each_others_places_are_named(how, tmp_path):
+    """use_collectives=False: each rank's __R.metadata places only its own file, so a file's size
+    is compared with where every rank's records end. Ranks 0..2 end at one byte (one structure):
+    a file holding data of that structure is the copy of the one it equals byte for byte, or, where
+    it equals none, one of them."""
+    path = tmp_path / "rl"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2_ranklocal", path)
+    f = [path / f"__{r}_0.distcp" for r in range(4)]  # 134 032 bytes (ranks 0..2) and 133 712
+    data, times = [x.read_bytes() for x in f], os.stat(f[0])
+    if how == "swapped":
+        f[2].write_bytes(data[3])
+        f[3].write_bytes(data[2])
+        said = ("__2_0.distcp (133,712 bytes) holds what the metadata places in __3_0.distcp; "
+                "__3_0.distcp (134,032 bytes) holds what the metadata places in __2_0.distcp")  # fmt: skip
+    elif how == "larger copied over":
+        f[3].write_bytes(data[2])
+        said = "__3_0.distcp (134,032 bytes) holds what the metadata places in __2_0.distcp: its size is where"
+    else:
+        f[3].write_bytes(data[0][:100_000] + data[1][100_000:])
+        said = "holds what the metadata places in one of __0_0.distcp, __1_0.distcp, __2_0.distcp"
+    for x in f:
+        os.utime(x, ns=(times.st_atime_ns, times.st_mtime_ns))
+    code, report = _findings(path)
+    assert code == 1
+    (found,) = report["findings"]
+    assert found["rule"] == "misplaced-file" and said in found["message"], found

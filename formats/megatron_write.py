@@ -45,6 +45,7 @@ from ckpttool.formats.megatron import (
     _LAYER,
     ALLOWLIST,
     TRACKER,
+    MegatronDistReader,
     Saver,
     args_pipeline,
     bucket_size,
@@ -819,6 +820,7 @@ class LegacyWriter:
         self.root, self.manifest, self.target = root, manifest, target
         self.scratch = _ptwrite.Scratch()  # one tensor buffer for every file this writer writes
         self.rules = rules or {}
+        self._records: dict[str, Any] = {}  # torch_dist records read for planning (:meth:`_record_value`)
         self.src = self._source(root, manifest)
         self.args = self.src.objs[(0, 0, 0)].get("args")
         self.grouped = self.rank_files and (self.src.grouped_mlp or bool(getattr(self.args, "moe_grouped_gemm", False)))
@@ -1268,7 +1270,13 @@ class LegacyWriter:
                         largest = max((o.peak for o in tensors), default=0)  # a stage may hold none
                         key = (t, p, e, 1)
                         out.append(
-                            PlannedFile(path=f"{folder}/{DISTRIB}", key=key, nbytes=nbytes, tensors=3, largest=largest)
+                            PlannedFile(
+                                path=f"{folder}/{DISTRIB}",
+                                key=key,
+                                nbytes=nbytes,
+                                tensors=len(tensors),
+                                largest=largest,
+                            )
                         )
         return out
 
@@ -1278,6 +1286,8 @@ class LegacyWriter:
         if not self.rank_files:
             return []
         rng = self.src.objs[self._rng_source(t, p, e)].get("rng_state")
+        if isinstance(rng, SourceObject):  # a torch_dist source's record: its tensors are inside
+            rng = self._record_value(rng)
         refs = [v for _, v in flatten({"rng_state": rng}) if isinstance(v, _unpickle.TensorRef)]
         if not self.distopt:
             steps = (self.src.step_of.get(self._src_name(n)) for n in self._model_names(p, e))
@@ -1287,8 +1297,17 @@ class LegacyWriter:
         extra = self.src.optimizer_extra[1] if self.src.optimizer_extra else {}
         for kind in self._members:  # each optimizer (a chain's members): its scalers, its groups' steps
             held = {"extra": extra, "groups": [hyper for hyper, _ in self._target_groups(kind)]}
-            refs += [v for _, v in flatten(held) if isinstance(v, _unpickle.TensorRef)]
+            # (a torch_dist source's grad scaler: read with its record, as an OutTensor)
+            refs += [v for _, v in flatten(held) if isinstance(v, _unpickle.TensorRef | _ptwrite.OutTensor)]
         return [math.prod(r.shape) * lookup_dtype(r.dtype).itemsize for r in refs]
+
+    def _record_value(self, record: SourceObject) -> Any:
+        """A torch_dist record's value as read (its tensors as references), for planning: one small
+        read per record, kept for the ranks that share it."""
+        if record.item.name not in self._records:
+            with MegatronDistReader(self.manifest) as reader:
+                self._records[record.item.name] = sharded_value(reader.read_object(record.item), record.item.name)
+        return self._records[record.item.name]
 
     def _tensors(self, t: int, p: int, e: int = 0) -> Iterator[_ptwrite.OutTensor]:
         """The tensors of rank (t, p, e)'s ``model_optim_rng.pt`` (for planning)."""

@@ -897,12 +897,18 @@ def test_a_dry_run_names_every_file_the_run_writes(source, argv, sealed, tmp_pat
         ("legacy_pp2_decoupled", ["--tp", "1"]),
         ("legacy_dp2_fp16_distopt", ["--tp", "1"]),
         ("legacy_dp2_fp16_distopt", ["--tp", "1", "--no-distributed-optimizer"]),
+        ("dist_tp2pp2", ["--to", "megatron", "--tp", "1", "--pp", "1"]),
+        ("dist_tp2pp2", ["--to", "megatron"]),
+        ("dist_dp2_fp16_distopt", ["--to", "megatron"]),
+        ("dist_dp2_fp16_distopt", ["--to", "megatron", "--no-distributed-optimizer"]),
+        ("dist_tp2ep2_mtp_distopt", ["--to", "megatron", "--tp", "1"]),
     ],
 )
 def test_a_dry_run_counts_every_tensor_of_a_legacy_rank_file(source, argv, tmp_path, cli):
     """Its RNG state, its parameters' Adam steps and its optimizer's loss scaler, carried as the
     source holds them, were left out of the plan's tensors and bytes (108 tensors, 231.4 kB planned;
-    140 and 236.6 kB written)."""
+    140 and 236.6 kB written); from a torch_dist source, the RNG records (objects with tensors
+    inside: 135 planned)."""
     import zipfile
 
     out = tmp_path / "out"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,10 +93,15 @@ def _misplaced(shards: dict[int, str], order: list[int], noun: str, context: str
 
 
 def _blocks_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str, Any] | None:
-    """Tensor-parallel blocks (``local`` + ``global_offset``) cut along one dimension, one rank
-    each, that run in the same order of ranks in every such tensor, and that order not the ranks'
-    own: rank files in each other's places. (Blocks cut along two dimensions, a 2-D mesh, follow
-    whichever rank index the trainer chose for each: no one order to go by.)"""
+    """Tensor-parallel blocks (``local`` + ``global_offset``), one rank each, whose ranks do not
+    follow the blocks' places: rank files in each other's places.
+
+    Blocks cut along one dimension run in the ranks' order; that the same other order in every
+    such tensor (with the same ranks) is files out of place. Blocks cut along several dimensions
+    (a mesh) follow the ranks with one mesh dimension the slow index and another the fast one, in
+    whichever order the trainer chose (rows by the fast rank index, or by the slow): a tensor
+    whose blocks follow the ranks in no such order is files out of place, named from the order
+    they break least."""
     orders: dict[tuple[int, ...], dict[tuple[int, ...], str]] = {}
     for item in manifest.items.values():
         placed = [(p.box.offsets, p.rank) for p in item.pieces if p.box is not None and p.rank is not None]
@@ -104,15 +110,45 @@ def _blocks_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str
         if len({r for _, r in placed}) != len(placed) or len({o for o, _ in placed}) != len(placed):
             continue  # (replicated blocks: several ranks per block, no one order)
         cut = [d for d in range(len(placed[0][0])) if len({o[d] for o, _ in placed}) > 1]
-        if len(cut) != 1:
-            continue
-        order = tuple(r for _, r in sorted(placed, key=lambda x: x[0][cut[0]]))
-        orders.setdefault(tuple(sorted(order)), {}).setdefault(order, item.name)
+        if len(cut) == 1:
+            order = tuple(r for _, r in sorted(placed, key=lambda x: x[0][cut[0]]))
+            orders.setdefault(tuple(sorted(order)), {}).setdefault(order, item.name)
+        elif 1 < len(cut) <= 3 and (found := _mesh_out_of_order(placed, cut)) is not None:
+            context = f"{item.name} is cut along dimensions {cut}: {found[1]} (row by row, or column by column)"
+            return _misplaced(shards, found[0], "blocks", context)
     for ranks, seen in orders.items():
         if len(seen) == 1 and (order := next(iter(seen))) != ranks:
             context = f"in every sharded tensor ({seen[order]}, …) the blocks run in the order of ranks {list(order)}"
             return _misplaced(shards, list(order), "blocks", context + ", not in rank order")
     return None
+
+
+def _mesh_out_of_order(placed: list[tuple[tuple[int, ...], int]], cut: list[int]) -> tuple[list[int], str] | None:
+    """For blocks on a full grid (cut along ``cut``), one rank each: None if the ranks, in order,
+    follow the grid with its dimensions taken slow to fast in some order; else the holders of the
+    blocks in the order they break least (the ranks there expected sorted) and a few words on the
+    grid."""
+    axes = [sorted({o[d] for o, _ in placed}) for d in cut]
+    if math.prod(len(a) for a in axes) != len(placed):
+        return None  # (not a full grid: no mesh to go by)
+    ranks = sorted(r for _, r in placed)
+    at = {tuple(a.index(o[d]) for a, d in zip(axes, cut, strict=True)): r for o, r in placed}
+    best: tuple[int, list[int]] | None = None
+    for slow_to_fast in itertools.permutations(range(len(cut))):
+        held = []  # the rank holding each block, blocks in the rank order this permutation gives
+        for coords in itertools.product(*(range(len(axes[a])) for a in slow_to_fast)):
+            full = [0] * len(cut)
+            for a, c in zip(slow_to_fast, coords, strict=True):
+                full[a] = c
+            held.append(at[tuple(full)])
+        wrong = sum(r != e for r, e in zip(held, ranks, strict=True))
+        if wrong == 0:
+            return None
+        if best is None or wrong < best[0]:
+            best = (wrong, held)
+    assert best is not None
+    grid = "×".join(str(len(a)) for a in axes)
+    return best[1], f"the {grid} grid of blocks holds ranks {best[1]} where the ranks in order were expected"
 
 
 _LAYER_INDEX = re.compile(r"^(.*?)\.(\d+)\.")

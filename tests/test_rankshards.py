@@ -111,8 +111,9 @@ def test_ranks_whose_blocks_are_replicated_have_no_order_to_break(blocks, tmp_pa
 
 
 @pytest.mark.parametrize("major", ["rows follow the fast rank index", "rows follow the slow rank index"])
-def test_a_2d_mesh_has_no_rank_order_to_break(major, tmp_path):
-    """Blocks cut along two dimensions follow whichever rank index the trainer gave each one."""
+def test_a_2d_mesh_has_its_rank_orders(major, tmp_path):
+    """Blocks cut along two dimensions follow the ranks with either mesh dimension the fast rank
+    index: both are clean, and files swapped break both."""
     full = torch.arange(64.0).reshape(8, 8)
     for rank in range(4):
         fast, slow = rank % 2, rank // 2
@@ -120,6 +121,21 @@ def test_a_2d_mesh_has_no_rank_order_to_break(major, tmp_path):
         local = full[4 * r : 4 * r + 4, 4 * c : 4 * c + 4].clone()
         torch.save({"w": {"local": local, "global_shape": [8, 8], "global_offset": [4 * r, 4 * c]}, "step": 1},
                    tmp_path / f"shard_{rank:05d}.pt")  # fmt: skip
+    assert "findings" not in registry.describe(tmp_path)[1].extras
+    # two files swapped: the ranks follow the grid in neither order, and the two are named (ranks 1
+    # and 2 swapped in a 2×2 grid make it the other order: no finding tells those apart)
+    for a, b in ((0, 3), (0, 1), (2, 3)):
+        x, y = tmp_path / f"shard_{a:05d}.pt", tmp_path / f"shard_{b:05d}.pt"
+        x.rename(tmp_path / "x")
+        y.rename(x)
+        (tmp_path / "x").rename(y)
+        (found,) = registry.describe(tmp_path)[1].extras["findings"]
+        assert found["rule"] == "misplaced-file", found
+        assert f"{y.name} holds rank {a}'s blocks, {x.name} holds rank {b}'s blocks" in found["message"], found
+        assert "the 2×2 grid of blocks holds ranks" in found["message"]
+        y.rename(tmp_path / "x")
+        x.rename(y)
+        (tmp_path / "x").rename(x)
     assert "findings" not in registry.describe(tmp_path)[1].extras
 
 

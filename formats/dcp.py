@@ -19,7 +19,7 @@ import re
 import shlex
 from collections import ChainMap
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -711,19 +711,35 @@ def _misplaced(root: Path, storage: list[_StorageInfo], sizes: dict[str, int]) -
     return misplaced_error(holders(root, ends, starts, sizes, odd), sizes)
 
 
+class Holder(NamedTuple):
+    """Whose data a misplaced file holds: ``named`` (one file, or several of one structure that
+    nothing tells apart), or ``unless`` more than two files moved, one of ``unless`` instead."""
+
+    named: tuple[str, ...]
+    unless: tuple[str, ...] = ()
+
+    def said(self) -> str:
+        if len(self.named) > 1:
+            return "one of " + ", ".join(self.named[:3]) + (" …" if len(self.named) > 3 else "")
+        if self.unless:
+            return f"{self.named[0]} (or, if more than two files moved, one of {', '.join(self.unless[:3])})"
+        return self.named[0]
+
+
 def holders(
     root: Path, ends: dict[str, int], starts: dict[str, set[int]], sizes: dict[str, int], suspects: set[str]
-) -> dict[str, tuple[str, ...]]:
+) -> dict[str, Holder]:
     """Each of ``suspects`` (data files of a suspect size, or whose records do not read) that holds
     another file's data: the other files whose records end where the suspect does, and which have
     records (a zip local header, a zstd frame) in it where their records start and its own do not.
-    Several such (files of one structure) narrow to the one that is a suspect too (the two swapped),
-    or else to the one it is a copy of; failing both, all are named. A file cut short where another
-    of its structure ends has no such place."""
+    Several such (files of one structure) narrow to the one it is a byte-for-byte copy of, or else
+    to the one that is a suspect too (the two swapped; in a ring of three files it may be another
+    of them: said so); failing both, all are named. A file cut short where another of its structure
+    ends has no such place."""
     by_end: dict[int, list[str]] = {}
     for rel, end in ends.items():
         by_end.setdefault(end, []).append(rel)
-    moved: dict[str, tuple[str, ...]] = {}
+    moved: dict[str, Holder] = {}
     for rel in sorted(suspects):
         if rel not in sizes:
             continue
@@ -734,12 +750,12 @@ def holders(
             and (telling := sorted(starts.get(o, set()) - starts.get(rel, set()))[:3])
             and _records_at(root / rel, telling)
         ]
-        if len(found) > 1:  # files of one structure: the one whose place this one took, or a copy of
-            found = (
-                [o for o in found if o in suspects] or [o for o in found if _same_bytes(root / rel, root / o)] or found
-            )
-        if found:
-            moved[rel] = tuple(found)
+        if len(found) > 1 and len(copied := [o for o in found if _same_bytes(root / rel, root / o)]) == 1:
+            moved[rel] = Holder((copied[0],))
+        elif len(found) > 1 and len(swapped := [o for o in found if o in suspects]) == 1:
+            moved[rel] = Holder((swapped[0],), tuple(o for o in found if o != swapped[0]))
+        elif found:
+            moved[rel] = Holder(tuple(found))
     return moved
 
 
@@ -755,14 +771,13 @@ def _same_bytes(a: Path, b: Path) -> bool:
     return True
 
 
-def misplaced_error(moved: dict[str, tuple[str, ...]], sizes: dict[str, int]) -> CorruptFileError | None:
-    """The ``misplaced-file`` error naming each file of ``moved`` and whose data it holds (one of
-    several files of one structure, where none of them tells which)."""
+def misplaced_error(moved: dict[str, Holder], sizes: dict[str, int]) -> CorruptFileError | None:
+    """The ``misplaced-file`` error naming each file of ``moved`` and whose data it holds."""
     if not moved:
         return None
-    said = [f"{rel} ({sizes[rel]:,} bytes) holds what the metadata places in {_one_of(o)}" for rel, o in moved.items()]
+    said = [f"{rel} ({sizes[rel]:,} bytes) holds what the metadata places in {o.said()}" for rel, o in moved.items()]
     first, owners = next(iter(moved.items()))
-    whose, theirs = (f"{owners[0]}'s",) * 2 if len(owners) == 1 else ("their", "theirs")
+    whose, theirs = (f"{owners.named[0]}'s",) * 2 if len(owners.named) == 1 else ("their", "theirs")
     why = (
         f"its size is where {whose} records end, and records start in it where {theirs} do"
         if len(moved) == 1
@@ -792,10 +807,6 @@ def misplaced_in(manifest: Manifest, suspects: set[str]) -> tuple[CorruptFileErr
     moved = holders(Path(manifest.root), ends, starts, sizes, suspects & set(ends))
     error = misplaced_error(moved, sizes)
     return None if error is None else (error, set(moved))
-
-
-def _one_of(files: tuple[str, ...]) -> str:
-    return files[0] if len(files) == 1 else "one of " + ", ".join(files[:3]) + (" …" if len(files) > 3 else "")
 
 
 def _records_at(path: Path, offsets: list[int]) -> bool:

@@ -1299,7 +1299,9 @@ class LegacyWriter:
             held = {"extra": extra, "groups": [hyper for hyper, _ in self._target_groups(kind)]}
             # (a torch_dist source's grad scaler: read with its record, as an OutTensor)
             refs += [v for _, v in flatten(held) if isinstance(v, _unpickle.TensorRef | _ptwrite.OutTensor)]
-        return [math.prod(r.shape) * lookup_dtype(r.dtype).itemsize for r in refs]
+        # (a tensor the source holds twice, one step for two parameters, is written once)
+        once = {id(r): r for r in refs}.values()
+        return [math.prod(r.shape) * lookup_dtype(r.dtype).itemsize for r in once]
 
     def _record_value(self, record: SourceObject) -> Any:
         """A torch_dist record's value as read (its tensors as references), for planning: one small

@@ -21,6 +21,7 @@ import itertools
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,10 +79,12 @@ def _sharded(value: Any) -> _Sharded | None:
     return _Sharded(local, tuple(shape), tuple(offset))
 
 
-def _misplaced(shards: dict[int, str], order: list[int], noun: str, context: str) -> dict[str, Any]:
-    """The finding for rank files whose contents run in ``order`` of ranks where the ranks' own
-    order was expected: each file out of place and the rank whose ``noun`` it holds."""
-    moved = [(shards[r], e) for r, e in zip(order, sorted(order), strict=True) if r != e]
+def _misplaced(
+    shards: dict[int, str], order: list[int], noun: str, context: str, expected: list[int] | None = None
+) -> dict[str, Any]:
+    """The finding for rank files whose contents run in ``order`` of ranks where ``expected`` (the
+    ranks' own order) was: each file out of place and the rank whose ``noun`` it holds."""
+    moved = [(shards[r], e) for r, e in zip(order, expected or sorted(order), strict=True) if r != e]
     said = ", ".join(f"{f} holds rank {e}'s {noun}" for f, e in moved[:4]) + (" …" if len(moved) > 4 else "")
     return {
         "rule": "misplaced-file",
@@ -93,16 +96,17 @@ def _misplaced(shards: dict[int, str], order: list[int], noun: str, context: str
 
 
 def _blocks_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str, Any] | None:
-    """Tensor-parallel blocks (``local`` + ``global_offset``), one rank each, whose ranks do not
-    follow the blocks' places: rank files in each other's places.
+    """Tensor-parallel blocks (``local`` + ``global_offset``) on a full grid, one rank each, that
+    no mesh of the ranks lays out so: rank files in each other's places.
 
-    Blocks cut along one dimension run in the ranks' order; that the same other order in every
-    such tensor (with the same ranks) is files out of place. Blocks cut along several dimensions
-    (a mesh) follow the ranks with one mesh dimension the slow index and another the fast one, in
-    whichever order the trainer chose (rows by the fast rank index, or by the slow): a tensor
-    whose blocks follow the ranks in no such order is files out of place, named from the order
-    they break least."""
-    orders: dict[tuple[int, ...], dict[tuple[int, ...], str]] = {}
+    A device mesh gives each rank digits (its coordinates, the last the fastest), and each tensor
+    dimension is cut by some of them, outer to inner: the rank of the block at grid place ``c`` is
+    then a sum of the digits of ``c`` (in some mixed radix of each dimension) times weights
+    (:func:`_follows_a_mesh`). Blocks in the ranks' order are such a layout; so are rows following
+    the fast rank index, and FSDP's cut inside a tensor-parallel one ([0, 2, 1, 3] along one
+    dimension). Two files swapped break every such layout but a few (ranks 1 and 2 of a 2×2 grid
+    make it the other order): the files are named from the layout they break least."""
+    known: dict[tuple[tuple[int, ...], tuple[int, ...]], bool] = {}
     for item in manifest.items.values():
         placed = [(p.box.offsets, p.rank) for p in item.pieces if p.box is not None and p.rank is not None]
         if len(placed) < 2 or len(placed) != len(item.pieces) or not item.is_tensor:
@@ -110,48 +114,112 @@ def _blocks_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str
         if len({r for _, r in placed}) != len(placed) or len({o for o, _ in placed}) != len(placed):
             continue  # (replicated blocks: several ranks per block, no one order)
         cut = [d for d in range(len(placed[0][0])) if len({o[d] for o, _ in placed}) > 1]
-        if len(cut) == 1:
-            order = tuple(r for _, r in sorted(placed, key=lambda x: x[0][cut[0]]))
-            orders.setdefault(tuple(sorted(order)), {}).setdefault(order, item.name)
-        elif 1 < len(cut) <= 3 and (found := _mesh_out_of_order(placed, cut)) is not None:
-            context = f"{item.name} is cut along dimensions {cut}: {found[1]} (row by row, or column by column)"
-            return _misplaced(shards, found[0], "blocks", context)
-    for ranks, seen in orders.items():
-        if len(seen) == 1 and (order := next(iter(seen))) != ranks:
-            context = f"in every sharded tensor ({seen[order]}, …) the blocks run in the order of ranks {list(order)}"
-            return _misplaced(shards, list(order), "blocks", context + ", not in rank order")
+        axes = [{v: i for i, v in enumerate(sorted({o[d] for o, _ in placed}))} for d in cut]
+        sizes = tuple(len(a) for a in axes)
+        if math.prod(sizes) != len(placed):
+            continue  # (not a full grid of blocks: no mesh to go by)
+        ranks = sorted(r for _, r in placed)
+        index = {r: i for i, r in enumerate(ranks)}
+        grid = {tuple(a[o[d]] for a, d in zip(axes, cut, strict=True)): index[r] for o, r in placed}
+        key = (sizes, tuple(grid[c] for c in sorted(grid)))
+        if key not in known:
+            known[key] = _follows_a_mesh(grid, sizes)
+        if known[key]:
+            continue
+        nearest = _nearest_mesh(grid, sizes)
+        blocks = sorted(grid)  # row by row
+        held, want = [ranks[grid[c]] for c in blocks], [ranks[nearest[c]] for c in blocks]
+        dims = f"dimension {cut[0]}" if len(cut) == 1 else f"dimensions {cut}"
+        context = (
+            f"the {'×'.join(map(str, sizes))} grid of {item.name}'s blocks (cut along {dims}) holds, row by row, "
+            f"ranks {held[:16]}{' …' if len(held) > 16 else ''}: no mesh of the ranks lays its blocks out so"
+        )
+        return _misplaced(shards, held, "blocks", context, want)
     return None
 
 
-def _mesh_out_of_order(placed: list[tuple[tuple[int, ...], int]], cut: list[int]) -> tuple[list[int], str] | None:
-    """For blocks on a full grid (cut along ``cut``), one rank each: None if the ranks, in order,
-    follow the grid with its dimensions taken slow to fast in some order; else the holders of the
-    blocks in the order they break least (the ranks there expected sorted) and a few words on the
-    grid."""
-    axes = [sorted({o[d] for o, _ in placed}) for d in cut]
-    if math.prod(len(a) for a in axes) != len(placed):
-        return None  # (not a full grid: no mesh to go by)
-    ranks = sorted(r for _, r in placed)
-    at = {tuple(a.index(o[d]) for a, d in zip(axes, cut, strict=True)): r for o, r in placed}
-    best: tuple[int, list[int]] | None = None
-    for slow_to_fast in itertools.permutations(range(len(cut))):
-        held = []  # the rank holding each block, blocks in the rank order this permutation gives
-        for coords in itertools.product(*(range(len(axes[a])) for a in slow_to_fast)):
-            full = [0] * len(cut)
-            for a, c in zip(slow_to_fast, coords, strict=True):
-                full[a] = c
-            held.append(at[tuple(full)])
-        wrong = sum(r != e for r, e in zip(held, ranks, strict=True))
-        if wrong == 0:
-            return None
-        if best is None or wrong < best[0]:
-            best = (wrong, held)
+def _follows_a_mesh(grid: dict[tuple[int, ...], int], sizes: tuple[int, ...]) -> bool:
+    """Whether rank index ``grid[c]`` of the block at grid place ``c`` is what a device mesh gives:
+    block 0 on rank 0, the grid's dimensions adding up (the rank at ``c`` is the sum of those at
+    each of its coordinates alone), and along each dimension a sum of digits times weights
+    (:func:`_digit_sum`)."""
+    zero = (0,) * len(sizes)
+    if grid[zero] != 0:
+        return False
+    along = [[grid[(*zero[:d], c, *zero[d + 1 :])] for c in range(n)] for d, n in enumerate(sizes)]
+    if not all(_digit_sum(h) for h in along):
+        return False
+    return all(v == sum(h[c] for h, c in zip(along, place, strict=True)) for place, v in grid.items())
+
+
+def _digit_sum(h: list[int]) -> bool:
+    """Whether ``h[c]`` is a sum of the digits of ``c`` (in some mixed radix) times weights, as the
+    ranks along one tensor dimension are that mesh dimensions cut: the innermost digit runs until
+    ``h`` stops rising by ``h[1]``, and what is left is the same question one digit coarser."""
+    while len(h) > 1:
+        step = h[1]
+        radix = next((c for c in range(1, len(h)) if h[c] != c * step), len(h))
+        if len(h) % radix:
+            return False
+        coarse = h[::radix]
+        if any(h[q * radix + c] != coarse[q] + c * step for q in range(len(coarse)) for c in range(radix)):
+            return False
+        h = coarse
+    return True
+
+
+def _nearest_mesh(grid: dict[tuple[int, ...], int], sizes: tuple[int, ...]) -> dict[tuple[int, ...], int]:
+    """The rank index a mesh layout gives each grid place, of the layouts tried (the grid row by
+    row first, then each dimension's factors in every order, as many as a budget allows) the one
+    that fewest places disagree with."""
+    budget = max(24, 200_000 // len(grid))
+    best: tuple[int, dict[tuple[int, ...], int]] | None = None
+    per_axis = [list(itertools.islice(_factorizations(n), 24)) for n in sizes]
+    for facts in itertools.product(*per_axis):
+        digits = [(d, i, f) for d, fs in enumerate(facts) for i, f in enumerate(fs)]
+        for order in itertools.permutations(digits):
+            budget -= 1
+            if budget < 0:
+                break
+            layout = {place: _mesh_index(place, facts, order) for place in grid}
+            wrong = sum(layout[p] != v for p, v in grid.items())
+            if best is None or wrong < best[0]:
+                best = (wrong, layout)
+        if budget < 0:
+            break
     assert best is not None
-    grid = "×".join(str(len(a)) for a in axes)
-    return best[1], f"the {grid} grid of blocks holds ranks {best[1]} where the ranks in order were expected"
+    return best[1]
 
 
-_LAYER_INDEX = re.compile(r"^(.*?)\.(\d+)\.")
+def _mesh_index(
+    place: tuple[int, ...], facts: tuple[tuple[int, ...], ...], order: tuple[tuple[int, int, int], ...]
+) -> int:
+    """The rank index of grid ``place`` when each dimension ``d`` is cut by mesh digits of radices
+    ``facts[d]`` (outer to inner) and the ranks run through the digits in ``order`` (outer to inner)."""
+    value: dict[tuple[int, int], int] = {}
+    for d, fs in enumerate(facts):
+        c = place[d]
+        for i in range(len(fs) - 1, -1, -1):
+            c, value[d, i] = divmod(c, fs[i])
+    index = 0
+    for d, i, f in order:
+        index = index * f + value[d, i]
+    return index
+
+
+def _factorizations(n: int) -> Iterator[tuple[int, ...]]:
+    """The ordered factorizations of ``n`` into factors above 1, ``(n,)`` first."""
+    if n == 1:
+        yield ()
+        return
+    for f in range(n, 1, -1):
+        if n % f == 0:
+            for rest in _factorizations(n // f):
+                yield (f, *rest)
+
+
+_LAYER_INDEX = re.compile(r"^(?:(.*?)\.)?(\d+)\.")  # (a stage's bare state dict: "0.weight")
+_NUMBERED_KINDS = ("param", "optim", "master")
 
 
 def _stages_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str, Any] | None:
@@ -164,7 +232,7 @@ def _stages_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str
         if item.kind != "param" or len({p.rank for p in item.pieces}) != 1 or item.pieces[0].rank is None:
             continue
         if m := _LAYER_INDEX.search(item.name):
-            stacks.setdefault(m.group(1), {}).setdefault(item.pieces[0].rank, []).append(int(m.group(2)))
+            stacks.setdefault(m.group(1) or "", {}).setdefault(item.pieces[0].rank, []).append(int(m.group(2)))
     for stack, layers in sorted(stacks.items()):
         if len(layers) < 2:
             continue
@@ -173,38 +241,41 @@ def _stages_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str
             continue  # (layers numbered per stage, or interleaved: no order to go by)
         order = [r for _, _, r in spans]
         if order != sorted(order):
-            where = ", ".join(f"{stack}.{lo}..{hi} in {shards[r]}" for lo, hi, r in spans[:4])
+            where = ", ".join(f"{stack + '.' if stack else ''}{lo}..{hi} in {shards[r]}" for lo, hi, r in spans[:4])
             context = f"the layers ({where}) run in the order of ranks {order}, not in rank order"
             return _misplaced(shards, order, "layers", context)
     return None
 
 
 def _stage_numbering(stages: dict[int, list[tuple[str, Any]]]) -> dict[tuple[int, str], str]:
-    """Names across pipeline stages for the leaves of stacks that every stage holding them numbers
-    from 0 (a stage's own ``nn.Sequential``, its optimizer's states and groups): stage by stage,
-    each stage's numbers follow those of the stages before it. A stack numbered across stages
-    already (stage 1 going on where stage 0 stops), or with gaps, keeps its names; so does per-rank
-    state (RNG, dataloader). Keyed by (stage, leaf name)."""
+    """Names across pipeline stages for the leaves of stacks of parameters or optimizer state that
+    each stage numbers on its own, so that two stages hold the same numbers (a stage's own
+    ``nn.Sequential``, with gaps where a module holds no parameter; its optimizer's states, with
+    gaps where a parameter had no gradient, and groups): stage by stage, each stage's numbers
+    follow the highest of the stages before it. A stack numbered across stages already (stage 1
+    going on where stage 0 stops, or stages interleaved) keeps its names; so does other state (RNG,
+    dataloader, a scheduler's list of schedulers). Keyed by (stage, leaf name)."""
     held: dict[str, dict[int, set[int]]] = {}
     for stage, leaves in stages.items():
         for name, value in leaves:
-            if classify(name, is_tensor=isinstance(value, _unpickle.TensorRef | _Sharded)) in _PER_RANK_KINDS:
-                continue
-            if m := _LAYER_INDEX.search(name):
-                held.setdefault(m.group(1), {}).setdefault(stage, set()).add(int(m.group(2)))
+            kind = classify(name, is_tensor=isinstance(value, _unpickle.TensorRef | _Sharded))
+            if kind in _NUMBERED_KINDS and (m := _LAYER_INDEX.search(name)):
+                held.setdefault(m.group(1) or "", {}).setdefault(stage, set()).add(int(m.group(2)))
     shift: dict[tuple[str, int], int] = {}
     for stack, numbers in held.items():
-        if len(numbers) < 2 or any(v != set(range(len(v))) for v in numbers.values()):
-            continue
+        if sum(map(len, numbers.values())) == len(set().union(*numbers.values())):
+            continue  # (no number on two stages: numbered across them, in turn or interleaved)
         offset = 0
         for stage in sorted(numbers):
             shift[stack, stage] = offset
-            offset += len(numbers[stage])
+            offset += max(numbers[stage]) + 1
     renamed: dict[tuple[int, str], str] = {}
     for stage, leaves in stages.items():
-        for name, _ in leaves:
+        for name, value in leaves:
             m = _LAYER_INDEX.search(name)
-            if m and (by := shift.get((m.group(1), stage))):
+            if not m or not (by := shift.get((m.group(1) or "", stage))):
+                continue
+            if classify(name, is_tensor=isinstance(value, _unpickle.TensorRef | _Sharded)) not in _PER_RANK_KINDS:
                 renamed[stage, name] = f"{name[: m.start(2)]}{int(m.group(2)) + by}{name[m.end(2) :]}"
     return renamed
 

@@ -132,7 +132,7 @@ def test_a_2d_mesh_has_its_rank_orders(major, tmp_path):
         (found,) = registry.describe(tmp_path)[1].extras["findings"]
         assert found["rule"] == "misplaced-file", found
         assert f"{y.name} holds rank {a}'s blocks, {x.name} holds rank {b}'s blocks" in found["message"], found
-        assert "the 2×2 grid of blocks holds ranks" in found["message"]
+        assert "the 2×2 grid of w's blocks (cut along dimensions [0, 1]) holds, row by row, ranks" in found["message"]
         y.rename(tmp_path / "x")
         x.rename(y)
         (tmp_path / "x").rename(x)
@@ -200,12 +200,39 @@ def test_a_tied_embedding_altered_on_one_stage_still_differs(tmp_path):
     assert r.code == 1 and "replica-mismatch" in r.stdout and "model.embed.weight" in r.stdout, r.stdout
 
 
-def test_stages_numbered_across_stages_keep_their_names(tmp_path):
-    """Stage 1 going on where stage 0 stops (the pipeline fixture) is not renumbered; nor are
-    stacks with gaps."""
+@pytest.mark.parametrize(
+    ("stages", "names"),
+    [
+        # numbered across stages: in turn (the pipeline fixture's way), or interleaved
+        ([["layers.0.w", "layers.1.w"], ["layers.2.w", "layers.3.w"]], None),
+        ([["layers.0.w", "layers.2.w"], ["layers.1.w", "layers.3.w"]], None),
+        # each stage on its own: gaps (a ReLU in a Sequential; an optimizer state of a parameter
+        # without a gradient) are kept, the next stage going on after the highest number
+        ([["layers.0.w", "layers.2.w"], ["layers.0.w", "layers.1.w"]], ["layers.0.w", "layers.2.w", "layers.3.w", "layers.4.w"]),
+        ([["optimizer.state.1.exp_avg"], ["optimizer.state.0.exp_avg", "optimizer.state.1.exp_avg"]],
+         ["optimizer.state.1.exp_avg", "optimizer.state.2.exp_avg", "optimizer.state.3.exp_avg"]),
+        # a stage's bare state dict ("0.weight"): its stack has no name
+        ([["0.w", "2.w"], ["0.w"]], ["0.w", "2.w", "3.w"]),
+    ],
+)  # fmt: skip
+def test_stage_numbering(stages, names, tmp_path):
+    """Stages numbered across stages keep their names; stages numbering on their own are numbered
+    across (a name on two stages is two layers, of other shapes or other values)."""
     assert "stage_numbering" not in registry.describe(RS / "pipeline")[1].extras
-    for p, names in enumerate([["layers.0.w", "layers.2.w"], ["layers.0.w", "layers.1.w"]]):
-        torch.save({"model": {n: torch.full((2,), float(p)) for n in names}, "iteration": 3},
-                   tmp_path / f"checkpoint_step3_stage{p}.pt")  # fmt: skip
+    for p, held in enumerate(stages):
+        tree: dict = {}
+        for n in held:
+            *path, leaf = n.split(".")
+            node = tree
+            for k in path:
+                node = node.setdefault(int(k) if k.isdigit() and path[0] == "optimizer" else k, {})
+            node[leaf] = torch.full((p + 2,), float(p))
+        torch.save({**tree, "iteration": 3}, tmp_path / f"checkpoint_step3_stage{p}.pt")
     _, m = registry.describe(tmp_path)
-    assert "stage_numbering" not in m.extras and "model.layers.1.w" in m.items
+    tensors = sorted(n for n, i in m.items.items() if i.is_tensor)
+    if names is None:
+        assert "stage_numbering" not in m.extras and tensors == sorted(n for s in stages for n in s)
+    else:
+        assert "stage_numbering" in m.extras and tensors == sorted(names), tensors
+        if not names[0].startswith("optimizer"):  # (moments with no parameters: optimizer-mismatch)
+            assert run_cli("verify", tmp_path).code == 0

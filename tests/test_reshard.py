@@ -902,6 +902,7 @@ def test_a_dry_run_names_every_file_the_run_writes(source, argv, sealed, tmp_pat
         ("dist_dp2_fp16_distopt", ["--to", "megatron"]),
         ("dist_dp2_fp16_distopt", ["--to", "megatron", "--no-distributed-optimizer"]),
         ("dist_tp2ep2_mtp_distopt", ["--to", "megatron", "--tp", "1"]),
+        ("dist_pp4_mtpstage_tied", ["--to", "megatron", "--pp", "2"]),  # (two steps, one tensor)
     ],
 )
 def test_a_dry_run_counts_every_tensor_of_a_legacy_rank_file(source, argv, tmp_path, cli):

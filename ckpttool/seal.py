@@ -22,7 +22,7 @@ from typing import Any, get_args
 from ckpttool import __version__, registry
 from ckpttool import io as ckio
 from ckpttool.errors import CorruptFileError, UsageError
-from ckpttool.formats.base import Adapter
+from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.hashing import Algo, FileDigest, Span, Written, hash_bytes, hash_files
 from ckpttool.io import atomic_output
 from ckpttool.manifest import SEAL_NAME, Item, Manifest, Piece, is_seal_name
@@ -391,12 +391,16 @@ def piece_spans(adapter: Adapter, manifest: Manifest) -> tuple[dict[str, list[Sp
 
 
 def crc_failures(
-    digests: dict[Any, str], expected: Expected, spans: Mapping[str, Iterable[Span]] | None = None
+    digests: dict[Any, str],
+    expected: Expected,
+    spans: Mapping[str, Iterable[Span]] | None = None,
+    reader: PieceReader | None = None,
 ) -> list[tuple[str, str, str | None]]:
     """The members whose bytes, as hashed into ``digests``, fail the CRC-32 their archive stores
     (``expected``, from :func:`member_crcs`): (file, message, the item its archive holds, or the
     one tensor the member holds), in file order. ``spans``: the hashing's spans, which name the
-    tensors in a member of an archive of many (a torch.save file), read only when one fails."""
+    tensors in a member of an archive of many (a torch.save file), read only when one fails;
+    ``reader``: names, from the file's pickle, a member that holds no piece (an Adam step)."""
     out = []
     inside: dict[tuple[str, int], list[str]] | None = None
     for key, (crc, member, owner) in sorted(expected.items(), key=lambda kv: (kv[0][1], kv[0][2])):
@@ -409,6 +413,8 @@ def crc_failures(
                 inside = _tensors_in_members(spans or {})
             names = inside.get((key[1], key[2]), [])
             owner = names[0] if len(names) == 1 else None
+            if not names and reader is not None:  # (values beside the items: named by their paths)
+                names = reader.values_in_member(key[1], member)
             if names:
                 of = f" ({', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''})"
         message = (
@@ -486,7 +492,8 @@ def hash_pieces(
     with adapter.reader(manifest) as reader:
         to_read = [rel for rel in targets if rel not in trusted]
         file_digests, span_digests = hash_files(root, to_read, spans, algo, workers=workers, progress=progress)
-        for file, message, _ in crc_failures(span_digests, expected, spans)[:1]:  # (the first is enough to refuse)
+        # (the first is enough to refuse)
+        for file, message, _ in crc_failures(span_digests, expected, spans, reader)[:1]:
             raise CorruptFileError(message, path=file, rule="checksum-mismatch")
         for rel, w in trusted.items():
             file_digests[rel] = FileDigest(rel, w.size, w.digest)

@@ -746,7 +746,7 @@ def _check_integrity(
         digest, digests = fut.result()
         counted["files"] += 1
         counted["bytes"] += max(digest.size, 0)
-        for file, message, owner in crc_failures(digests, expected, {rel: spans}):
+        for file, message, owner in crc_failures(digests, expected, {rel: spans}, reader):
             report.findings.append(finding("checksum-mismatch", message, file=file, item=owner))
         for key, value in digests.items():
             if key[0] == "piece":

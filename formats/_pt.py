@@ -16,7 +16,7 @@ import numpy as np
 
 from ckpttool import _torchzip, _unpickle
 from ckpttool.dtypes import dtype as lookup_dtype
-from ckpttool.errors import CorruptFileError
+from ckpttool.errors import CkptError, CorruptFileError
 from ckpttool.formats.base import PieceReader
 from ckpttool.geometry import Box
 from ckpttool.io import RandomAccessFile, confine
@@ -160,14 +160,28 @@ class PtReader(PieceReader):
         ref = _unpickle.TensorRef(storage, loc["storage_offset"], tuple(loc["shape"]), tuple(loc["stride"]), item.dtype)
         return _torchzip.tensor_span(self.archive(piece.file), ref)
 
+    def _tree(self, rel: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """File ``rel``'s pickled tree, and its leaves by dotted path (read once)."""
+        cached = self._objects.get(rel)
+        if cached is None:
+            obj = self.archive(rel).load()
+            tree = obj if isinstance(obj, dict) else {"value": obj}  # as the adapters name them
+            cached = self._objects[rel] = (tree, dict(flatten(tree)))
+        return cached
+
+    def values_in_member(self, file: str, member: str) -> list[str]:
+        head, _, key = member.rpartition("/")
+        if not head.endswith("data"):
+            return []
+        try:
+            leaves = self._tree(file)[1]
+        except CkptError:
+            return []
+        return [p for p, v in leaves.items() if isinstance(v, _unpickle.TensorRef) and v.storage.key == key]
+
     def read_object(self, item: Item) -> Any:
         piece = item.pieces[0]
-        cached = self._objects.get(piece.file)
-        if cached is None:
-            obj = self.archive(piece.file).load()
-            tree = obj if isinstance(obj, dict) else {"value": obj}  # as the adapters name them
-            cached = self._objects[piece.file] = (tree, dict(flatten(tree)))
-        tree, leaves = cached
+        tree, leaves = self._tree(piece.file)
         path = piece.locator["path"]
         if path in leaves:
             return leaves[path]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -716,3 +717,34 @@ def test_a_universal_checkpoints_frozen_parameters_want_no_moments(rel):
     assert "optimizer-mismatch" not in _rules(report), report.findings
     _, m = registry.describe(FIXTURES / rel)
     assert rel.endswith("3") or {"frozen.weight", "frozen.bias"} <= set(m.extras["frozen"])
+
+
+def test_a_crc_failure_in_a_value_beside_the_items_names_its_path(tmp_path):
+    """A Megatron rank file's per-parameter Adam steps are no items of the manifest (the step is
+    the checkpoint's): a member holding one that fails its CRC-32 is named by its path in the
+    file's pickle, not only as a member."""
+    import zipfile
+
+    from ckpttool.formats import _pt
+    from ckpttool.formats.megatron import ALLOWLIST
+    from ckpttool.values import flatten
+
+    path = _copy("megatron/legacy_tp2pp2", tmp_path)
+    rel = "iter_0000003/mp_rank_00_000/model_optim_rng.pt"
+    archive, obj, _ = _pt.load(path, rel, ALLOWLIST)
+    archive.close()
+    steps = {p: v.storage.key for p, v in flatten(obj) if p.endswith(".step") and hasattr(v, "storage")}
+    name, key = sorted(steps.items())[0]
+    f = path / rel
+    with zipfile.ZipFile(f) as z:
+        (info,) = [i for i in z.infolist() if i.filename.endswith(f"/data/{key}")]
+    with open(f, "rb") as fh:  # the member's data: after its local header (30 bytes, name, extra)
+        fh.seek(info.header_offset + 26)
+        n, m = struct.unpack("<HH", fh.read(4))
+    times = os.stat(f)
+    _patch(f, info.header_offset + 30 + n + m, b"\x7f")
+    os.utime(f, ns=(times.st_atime_ns, times.st_mtime_ns))
+    (found,) = [x for x in verify(path).findings if x.rule == "checksum-mismatch"]
+    assert f"{info.filename} ({name}) fails its zip CRC-32" in found.message, found.message
+    seal = run_cli("seal", path)
+    assert seal.code == 3 and name in seal.stderr, seal.stderr

@@ -105,8 +105,12 @@ def _blocks_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str
     (:func:`_follows_a_mesh`). Blocks in the ranks' order are such a layout; so are rows following
     the fast rank index, and FSDP's cut inside a tensor-parallel one ([0, 2, 1, 3] along one
     dimension). Two files swapped break every such layout but a few (ranks 1 and 2 of a 2×2 grid
-    make it the other order): the files are named from the layout they break least."""
+    make it the other order): they are named as the two ranks whose exchange mends every tensor
+    (:func:`_one_swap`), else from the layout the first tensor breaks least."""
     known: dict[tuple[tuple[int, ...], tuple[int, ...]], bool] = {}
+    grids: list[tuple[str, tuple[int, ...], dict[tuple[int, ...], int], list[int]]] = []
+    broken: list[int] = []  # (those of grids no mesh lays out)
+    seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
     for item in manifest.items.values():
         placed = [(p.box.offsets, p.rank) for p in item.pieces if p.box is not None and p.rank is not None]
         if len(placed) < 2 or len(placed) != len(item.pieces) or not item.is_tensor:
@@ -118,24 +122,70 @@ def _blocks_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str
         sizes = tuple(len(a) for a in axes)
         if math.prod(sizes) != len(placed):
             continue  # (not a full grid of blocks: no mesh to go by)
-        ranks = sorted(r for _, r in placed)
-        index = {r: i for i, r in enumerate(ranks)}
-        grid = {tuple(a[o[d]] for a, d in zip(axes, cut, strict=True)): index[r] for o, r in placed}
-        key = (sizes, tuple(grid[c] for c in sorted(grid)))
-        if key not in known:
-            known[key] = _follows_a_mesh(grid, sizes)
-        if known[key]:
-            continue
-        nearest = _nearest_mesh(grid, sizes)
-        blocks = sorted(grid)  # row by row
-        held, want = [ranks[grid[c]] for c in blocks], [ranks[nearest[c]] for c in blocks]
-        dims = f"dimension {cut[0]}" if len(cut) == 1 else f"dimensions {cut}"
-        context = (
-            f"the {'×'.join(map(str, sizes))} grid of {item.name}'s blocks (cut along {dims}) holds, row by row, "
-            f"ranks {held[:16]}{' …' if len(held) > 16 else ''}: no mesh of the ranks lays its blocks out so"
-        )
-        return _misplaced(shards, held, "blocks", context, want)
-    return None
+        grid = {tuple(a[o[d]] for a, d in zip(axes, cut, strict=True)): r for o, r in placed}
+        if (layout := (sizes, tuple(grid[c] for c in sorted(grid)))) in seen:
+            continue  # (the layout of a tensor before it: judged once)
+        seen.add(layout)
+        grids.append((item.name, sizes, grid, cut))
+        if not _meshed(grid, sizes, known):
+            broken.append(len(grids) - 1)
+    if not broken:
+        return None
+    name, sizes, grid, cut = grids[broken[0]]
+    blocks = sorted(grid)  # row by row
+    held = [grid[c] for c in blocks]
+    shown = f"ranks {held[:16]}{' …' if len(held) > 16 else ''}"
+    if len(cut) == 1:
+        context = f"the {len(held)} blocks of {name} (cut along dimension {cut[0]}) hold, in order, {shown}"
+    else:
+        grid_of = f"the {'×'.join(map(str, sizes))} grid of {name}'s blocks (cut along dimensions {cut})"
+        context = f"{grid_of} holds, row by row, {shown}"
+    context += ": no mesh of the ranks lays its blocks out so"
+    if (pair := _one_swap(grids, broken, known)) is not None:
+        a, b = sorted(pair, key=lambda r: held.index(r) if r in held else len(held))  # (in block order)
+        mended = context + f", and one does with ranks {a} and {b} exchanged"
+        return _misplaced(shards, [a, b], "blocks", mended, [b, a])
+    ranks = sorted(held)
+    index = {r: i for i, r in enumerate(ranks)}
+    nearest = _nearest_mesh({c: index[r] for c, r in grid.items()}, sizes)
+    return _misplaced(shards, held, "blocks", context, [ranks[nearest[c]] for c in blocks])
+
+
+def _meshed(
+    grid: dict[tuple[int, ...], int],
+    sizes: tuple[int, ...],
+    known: dict[tuple[tuple[int, ...], tuple[int, ...]], bool],
+) -> bool:
+    """:func:`_follows_a_mesh` for a grid of ranks (not rank indices), remembered in ``known``."""
+    index = {r: i for i, r in enumerate(sorted(grid.values()))}
+    key = (sizes, tuple(index[grid[c]] for c in sorted(grid)))
+    if key not in known:
+        known[key] = _follows_a_mesh({c: index[r] for c, r in grid.items()}, sizes)
+    return known[key]
+
+
+def _one_swap(
+    grids: list[tuple[str, tuple[int, ...], dict[tuple[int, ...], int], list[int]]],
+    broken: list[int],
+    known: dict[tuple[tuple[int, ...], tuple[int, ...]], bool],
+) -> tuple[int, int] | None:
+    """The one pair of ranks (of the broken grids', at most 32 of them) whose exchange gives every
+    grid a mesh layout; None where none or several do."""
+    ranks = sorted({r for k in broken for r in grids[k][2].values()})
+    if len(ranks) > 32:
+        return None
+    found = []
+    for a, b in itertools.combinations(ranks, 2):
+        swap = {a: b, b: a}
+        if all(a in grids[k][2].values() or b in grids[k][2].values() for k in broken) and all(
+            _meshed({c: swap.get(r, r) for c, r in grid.items()}, sizes, known)
+            for _, sizes, grid, _ in grids
+            if a in grid.values() or b in grid.values()
+        ):
+            found.append((a, b))
+            if len(found) > 1:
+                return None
+    return found[0] if found else None
 
 
 def _follows_a_mesh(grid: dict[tuple[int, ...], int], sizes: tuple[int, ...]) -> bool:

@@ -236,3 +236,26 @@ def test_stage_numbering(stages, names, tmp_path):
         assert "stage_numbering" in m.extras and tensors == sorted(names), tensors
         if not names[0].startswith("optimizer"):  # (moments with no parameters: optimizer-mismatch)
             assert run_cli("verify", tmp_path).code == 0
+
+
+def test_a_swap_between_two_meshes_names_the_two_ranks(tmp_path):
+    """Two stages of a pipeline, each a 2×2 mesh on ranks {0, 1, 4, 5} and {2, 3, 6, 7}: ranks 4
+    and 7 swapped leave each stage's grid with a rank of the other's, and the exchange that mends
+    both names them (not 5 and 7 from the sorted ranks of one grid)."""
+    full = torch.arange(64.0).reshape(8, 8)
+    stages = {"w0": [0, 1, 4, 5], "w1": [2, 3, 6, 7]}
+    files = {r: {"step": 1} for r in range(8)}
+    for name, ranks in stages.items():
+        for k, rank in enumerate(ranks):
+            r, c = divmod(k, 2)
+            files[rank][name] = {"local": full[4 * r : 4 * r + 4, 4 * c : 4 * c + 4].clone(), "global_shape": [8, 8],
+                                 "global_offset": [4 * r, 4 * c]}  # fmt: skip
+    for rank, tree in files.items():
+        torch.save(tree, tmp_path / f"shard_{rank:05d}.pt")
+    assert "findings" not in registry.describe(tmp_path)[1].extras
+    a, b = tmp_path / "shard_00004.pt", tmp_path / "shard_00007.pt"
+    a.rename(tmp_path / "x")
+    b.rename(a)
+    (tmp_path / "x").rename(b)
+    (found,) = registry.describe(tmp_path)[1].extras["findings"]
+    assert "shard_00007.pt holds rank 4's blocks, shard_00004.pt holds rank 7's blocks" in found["message"], found

@@ -389,6 +389,8 @@ class DcpAdapter:
             raise swapped
         for md_name, each in ends.items():
             findings.extend(_longer(each, sizes, md_name, path))
+        if len(sources) > 1 and (crossed := _crossed_metadata(ends, sources)):
+            findings.append(crossed)
         _keep_nesting(manifest, maps)
         del maps
         if findings:
@@ -676,6 +678,28 @@ def _longer(ends: dict[str, int], sizes: dict[str, int], md_name: str, root: Pat
         for rel, end in sorted(ends.items())
         if sizes[rel] > end
     ]
+
+
+def _crossed_metadata(ends: dict[str, dict[str, int]], sources: list[tuple[int | None, str]]) -> dict[str, Any] | None:
+    """The finding for rank-local metadata files (``__R.metadata``) that place their data only in
+    another rank's files (``__S_N.distcp``): the metadata files were swapped or renamed, and a load
+    at rank R would read rank S's state."""
+    crossed = []
+    for rank, md_name in sources:
+        named = {int(m.group(1)) for rel in ends.get(md_name, {}) if (m := _DATA.match(rel))}
+        if rank is not None and named and rank not in named:
+            crossed.append((md_name, sorted(named)))
+    if not crossed:
+        return None
+    said = "; ".join(f"{md} places its data in rank {', '.join(map(str, rs))}'s files" for md, rs in crossed[:4])
+    return {
+        "rule": "misplaced-file",
+        "file": crossed[0][0],
+        "message": f"{said}{' …' if len(crossed) > 4 else ''}: the rank-local metadata files were swapped or "
+        "renamed (a load at each rank reads its own __R.metadata)",
+        "hint": "put each __R.metadata back under the rank whose __R_N.distcp files it names, or restore them "
+        "from the save",
+    }
 
 
 def _misplaced_across(

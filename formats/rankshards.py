@@ -95,6 +95,11 @@ def _misplaced(
     }
 
 
+_Grid = tuple[str, tuple[int, ...], dict[tuple[int, ...], int], list[int]]
+"""a tensor's blocks on a full grid: its name, the grid's sizes, the rank at each place, the cut
+dimensions"""
+
+
 def _blocks_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str, Any] | None:
     """Tensor-parallel blocks (``local`` + ``global_offset``) on a full grid, one rank each, that
     no mesh of the ranks lays out so: rank files in each other's places.
@@ -105,11 +110,21 @@ def _blocks_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str
     (:func:`_follows_a_mesh`). Blocks in the ranks' order are such a layout; so are rows following
     the fast rank index, and FSDP's cut inside a tensor-parallel one ([0, 2, 1, 3] along one
     dimension). Two files swapped break every such layout but a few (ranks 1 and 2 of a 2×2 grid
-    make it the other order): they are named as the two ranks whose exchange mends every tensor
-    (:func:`_one_swap`), else from the layout the first tensor breaks least."""
+    make it the other order).
+
+    Only blocks held by all ranks, or by a sub-mesh of them (a pipeline stage's ranks: some mesh
+    digits fixed, the others free), are judged: a trainer that saves a replicated block once, by
+    whichever rank it chose, lays it out as it likes. Blocks held otherwise are out of place only
+    where exchanging two ranks gives every tensor those ranks hold a sub-mesh laid out as a mesh
+    (two stages' files swapped). Files are named as that pair of ranks; else (three or more moved)
+    as the files whose blocks lie out of place, without saying whose they hold. Empty blocks
+    (which DTensor places at the end of their dimension) leave a tensor unjudged."""
+    world = len(shards)
     known: dict[tuple[tuple[int, ...], tuple[int, ...]], bool] = {}
-    grids: list[tuple[str, tuple[int, ...], dict[tuple[int, ...], int], list[int]]] = []
-    broken: list[int] = []  # (those of grids no mesh lays out)
+    subs: dict[frozenset[int], bool] = {}
+    grids: list[_Grid] = []
+    broken: list[int] = []  # (grids of judged holders that no mesh lays out)
+    odd: list[int] = []  # (grids of holders that are no sub-mesh)
     seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
     for item in manifest.items.values():
         placed = [(p.box.offsets, p.rank) for p in item.pieces if p.box is not None and p.rank is not None]
@@ -117,6 +132,8 @@ def _blocks_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str
             continue
         if len({r for _, r in placed}) != len(placed) or len({o for o, _ in placed}) != len(placed):
             continue  # (replicated blocks: several ranks per block, no one order)
+        if any(p.box is not None and p.box.volume == 0 for p in item.pieces):
+            continue
         cut = [d for d in range(len(placed[0][0])) if len({o[d] for o, _ in placed}) > 1]
         axes = [{v: i for i, v in enumerate(sorted({o[d] for o, _ in placed}))} for d in cut]
         sizes = tuple(len(a) for a in axes)
@@ -127,9 +144,15 @@ def _blocks_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str
             continue  # (the layout of a tensor before it: judged once)
         seen.add(layout)
         grids.append((item.name, sizes, grid, cut))
-        if not _meshed(grid, sizes, known):
+        if not _submesh(frozenset(grid.values()), world, subs):
+            odd.append(len(grids) - 1)
+        elif not _meshed(grid, sizes, known):
             broken.append(len(grids) - 1)
-    if not broken:
+    if broken:
+        pair = _one_swap(grids, broken, world, known, subs)
+    elif odd and (pair := _one_swap(grids, odd, world, known, subs, some=True)) is not None:
+        broken = [k for k in odd if set(pair) & set(grids[k][2].values())]
+    else:
         return None
     name, sizes, grid, cut = grids[broken[0]]
     blocks = sorted(grid)  # row by row
@@ -141,14 +164,23 @@ def _blocks_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str
         grid_of = f"the {'×'.join(map(str, sizes))} grid of {name}'s blocks (cut along dimensions {cut})"
         context = f"{grid_of} holds, row by row, {shown}"
     context += ": no mesh of the ranks lays its blocks out so"
-    if (pair := _one_swap(grids, broken, known)) is not None:
+    if pair is not None:
         a, b = sorted(pair, key=lambda r: held.index(r) if r in held else len(held))  # (in block order)
         mended = context + f", and one does with ranks {a} and {b} exchanged"
         return _misplaced(shards, [a, b], "blocks", mended, [b, a])
     ranks = sorted(held)
     index = {r: i for i, r in enumerate(ranks)}
     nearest = _nearest_mesh({c: index[r] for c, r in grid.items()}, sizes)
-    return _misplaced(shards, held, "blocks", context, [ranks[nearest[c]] for c in blocks])
+    moved = [shards[r] for c, r in zip(blocks, held, strict=True) if ranks[nearest[c]] != r]
+    said = ", ".join(moved[:4]) + (" …" if len(moved) > 4 else "")
+    return {
+        "rule": "misplaced-file",
+        "file": moved[0],
+        "message": f"{said} hold blocks out of their ranks' places: {context}; files were swapped or renamed "
+        "(more than two: which rank's blocks each holds is not told)",
+        "hint": "put each file back under its rank's name, or restore them from the save (if your trainer orders "
+        "its ranks' data otherwise on purpose, this finding does not apply)",
+    }
 
 
 def _meshed(
@@ -164,24 +196,58 @@ def _meshed(
     return known[key]
 
 
+def _submesh(holders: frozenset[int], world: int, known: dict[frozenset[int], bool]) -> bool:
+    """Whether ``holders`` are all ``world`` ranks, or the ranks of a mesh of them whose digits (in
+    some mixed radix of the world) each run free or stay fixed: a pipeline stage's ranks, say."""
+    if holders not in known:
+        known[holders] = len(holders) == world or any(
+            _digits_free_or_fixed(holders, fs) for fs in itertools.islice(_factorizations(world), 64)
+        )
+    return known[holders]
+
+
+def _digits_free_or_fixed(ranks: frozenset[int], radices: tuple[int, ...]) -> bool:
+    values: list[set[int]] = [set() for _ in radices]
+    for r in ranks:
+        for i in range(len(radices) - 1, -1, -1):
+            r, d = divmod(r, radices[i])
+            values[i].add(d)
+    if any(len(v) not in (1, f) for v, f in zip(values, radices, strict=True)):
+        return False
+    return math.prod(len(v) for v in values) == len(ranks)
+
+
 def _one_swap(
-    grids: list[tuple[str, tuple[int, ...], dict[tuple[int, ...], int], list[int]]],
-    broken: list[int],
+    grids: list[_Grid],
+    suspects: list[int],
+    world: int,
     known: dict[tuple[tuple[int, ...], tuple[int, ...]], bool],
+    subs: dict[frozenset[int], bool],
+    some: bool = False,
 ) -> tuple[int, int] | None:
-    """The one pair of ranks (of the broken grids', at most 32 of them) whose exchange gives every
-    grid a mesh layout; None where none or several do."""
-    ranks = sorted({r for k in broken for r in grids[k][2].values()})
+    """The one pair of ranks (of the ``suspects`` grids', at most 32 of them) whose exchange mends
+    them: every one (``some``: those holding either rank, one at least) becomes a sub-mesh's grid
+    laid out as a mesh, and every other grid holding either rank that is a sub-mesh's is laid out
+    as one. None where no pair, or several, do."""
+    ranks = sorted({r for k in suspects for r in grids[k][2].values()})
     if len(ranks) > 32:
         return None
     found = []
     for a, b in itertools.combinations(ranks, 2):
+        touched = [k for k in suspects if a in grids[k][2].values() or b in grids[k][2].values()]
+        if not touched or (not some and len(touched) != len(suspects)):
+            continue
         swap = {a: b, b: a}
-        if all(a in grids[k][2].values() or b in grids[k][2].values() for k in broken) and all(
-            _meshed({c: swap.get(r, r) for c, r in grid.items()}, sizes, known)
-            for _, sizes, grid, _ in grids
-            if a in grid.values() or b in grid.values()
-        ):
+        good = True
+        for k, (_, sizes, grid, _) in enumerate(grids):
+            if a not in grid.values() and b not in grid.values():
+                continue
+            moved = {c: swap.get(r, r) for c, r in grid.items()}
+            sub = _submesh(frozenset(moved.values()), world, subs)
+            if (k in touched and not sub) or (sub and not _meshed(moved, sizes, known)):
+                good = False
+                break
+        if good:
             found.append((a, b))
             if len(found) > 1:
                 return None
@@ -306,11 +372,17 @@ def _stage_numbering(stages: dict[int, list[tuple[str, Any]]]) -> dict[tuple[int
     going on where stage 0 stops, or stages interleaved) keeps its names; so does other state (RNG,
     dataloader, a scheduler's list of schedulers). Keyed by (stage, leaf name)."""
     held: dict[str, dict[int, set[int]]] = {}
+    tails: dict[str, dict[int, set[tuple[int, str]]]] = {}  # (number, the name after it) by stack and stage
+    params: set[str] = set()  # (the stacks of parameters)
     for stage, leaves in stages.items():
         for name, value in leaves:
             kind = classify(name, is_tensor=isinstance(value, _unpickle.TensorRef | _Sharded))
             if kind in _NUMBERED_KINDS and (m := _LAYER_INDEX.search(name)):
-                held.setdefault(m.group(1) or "", {}).setdefault(stage, set()).add(int(m.group(2)))
+                stack, n = m.group(1) or "", int(m.group(2))
+                held.setdefault(stack, {}).setdefault(stage, set()).add(n)
+                tails.setdefault(stack, {}).setdefault(stage, set()).add((n, name[m.end(2) + 1 :]))
+                if kind == "param":
+                    params.add(stack)
     shift: dict[tuple[str, int], int] = {}
     for stack, numbers in held.items():
         if sum(map(len, numbers.values())) == len(set().union(*numbers.values())):
@@ -319,6 +391,13 @@ def _stage_numbering(stages: dict[int, list[tuple[str, Any]]]) -> dict[tuple[int
         for stage in sorted(numbers):
             shift[stack, stage] = offset
             offset += max(numbers[stage]) + 1
+    for stack in held.keys() - params:  # optimizer state keyed by its parameter's name: as the parameter
+        if (owner := _keyed_by(tails[stack], {p: tails[p] for p in params})) is not None:
+            for stage in held[stack]:
+                if (owner, stage) in shift:
+                    shift[stack, stage] = shift[owner, stage]
+                else:
+                    shift.pop((stack, stage), None)
     renamed: dict[tuple[int, str], str] = {}
     for stage, leaves in stages.items():
         for name, value in leaves:
@@ -328,6 +407,20 @@ def _stage_numbering(stages: dict[int, list[tuple[str, Any]]]) -> dict[tuple[int
             if classify(name, is_tensor=isinstance(value, _unpickle.TensorRef | _Sharded)) not in _PER_RANK_KINDS:
                 renamed[stage, name] = f"{name[: m.start(2)]}{int(m.group(2)) + by}{name[m.end(2) :]}"
     return renamed
+
+
+def _keyed_by(state: dict[int, set[tuple[int, str]]], params: dict[str, dict[int, set[tuple[int, str]]]]) -> str | None:
+    """The stack of parameters whose names key a stack of optimizer state (``optim.state.2.weight.
+    exp_avg`` for ``model.2.weight``: on every stage, each state's number and the name after it
+    begin with a parameter's), if one does."""
+    for stack, held in params.items():
+        if all(
+            any((n, ".".join(tail.split(".")[:k])) in held.get(stage, ()) for k in range(1, tail.count(".") + 1))
+            for stage, entries in state.items()
+            for n, tail in entries
+        ):
+            return stack
+    return None
 
 
 def _match(name: str) -> re.Match[str] | None:

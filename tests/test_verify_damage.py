@@ -610,7 +610,9 @@ def test_bytes_added_after_a_dcp_files_records_are_a_warning(fixture, data, tmp_
     assert run_cli("seal", path).code == 0
 
 
-@pytest.mark.parametrize("how", ["swapped", "larger copied over", "spliced from two", "renamed in a ring"])
+@pytest.mark.parametrize(
+    "how", ["swapped", "larger copied over", "spliced from two", "renamed in a ring", "metadata swapped"]
+)
 def test_rank_local_dcp_files_in_each_others_places_are_named(how, tmp_path):
     """use_collectives=False: each rank's __R.metadata places only its own file, so a file's size
     is compared with where every rank's records end. Ranks 0..2 end at one byte (one structure):
@@ -626,6 +628,12 @@ def test_rank_local_dcp_files_in_each_others_places_are_named(how, tmp_path):
         said = ("__2_0.distcp (133,712 bytes) holds what the metadata places in __3_0.distcp; "
                 "__3_0.distcp (134,032 bytes) holds what the metadata places in __2_0.distcp (or, if more than "
                 "two files moved, one of __0_0.distcp, __1_0.distcp)")  # fmt: skip
+    elif how == "metadata swapped":  # (each names the other rank's files: a load at rank 0 reads rank 1's)
+        m0, m1 = path / "__0.metadata", path / "__1.metadata"
+        m0.rename(path / "x")
+        m1.rename(m0)
+        (path / "x").rename(m1)
+        said = "__0.metadata places its data in rank 1's files; __1.metadata places its data in rank 0's files"
     elif how == "renamed in a ring":  # (sizes as a swap of 1 and 3 gives: that is named, and the doubt)
         f[3].write_bytes(data[0])
         f[1].write_bytes(data[3])

@@ -528,11 +528,9 @@ def seal(
     with _not_sealing_damage(), ckio.checking_crcs():  # the pickles it reads are bytes it vouches for too
         adapter, manifest = registry.describe(path)
     for f in manifest.extras.get("findings") or ():  # damage the format's reader found and read past
-        if f["rule"] in ("corrupt-file", "misplaced-file"):
-            hint = f.get("hint") if f["rule"] == "misplaced-file" or f.get("severity") == "warning" else None
-            raise CorruptFileError(
-                f"{f['message']}; not sealed", hint=hint or _NOT_SEALED, path=f["file"], rule=f["rule"]
-            )
+        if f["rule"] in ("corrupt-file", "misplaced-file"):  # (with the finding's own hint, where it has one)
+            hint = f.get("hint") or _NOT_SEALED
+            raise CorruptFileError(f"{f['message']}; not sealed", hint=hint, path=f["file"], rule=f["rule"])
     target = Path(out) if out is not None else default_seal_path(path)
     if out is not None:  # --out must not replace the checkpoint or one of its files
         data = {(Path(manifest.root) / f.path).resolve() for f in manifest.files if f.role != "seal"}

@@ -493,19 +493,24 @@ class RankShardsAdapter:
                 )
         replicas = ReplicaCounter()
         claims: dict[str, int] = {}
-        loaded: dict[int, list[tuple[str, Any]]] = {}
+        # pipeline stages' leaves are kept until every stage is read (their names may change with
+        # the stages after them: _stage_numbering); other rank files' are added as each is read
+        staged = any(_PATTERNS[2].match(rel) for rel in shards.values())
+        kept: dict[int, list[tuple[str, Any]]] = {}
         for rank, rel in sorted(shards.items()):
             archive, obj, _ = _pt.load(path, rel, ALLOWLIST)
             archive.close()
-            loaded[rank] = leaves = flatten(obj if isinstance(obj, dict) else {"value": obj}, leaf=_sharded)
+            leaves = flatten(obj if isinstance(obj, dict) else {"value": obj}, leaf=_sharded)
             claimed = next((v for k, v in leaves if k in ("step", "iteration", "global_step")), None)
             if isinstance(claimed, int) and not isinstance(claimed, bool):
                 claims[rel] = claimed
-        staged = any(_PATTERNS[2].match(rel) for rel in shards.values())
-        renamed = _stage_numbering(loaded) if staged else {}
-        for rank, leaves in loaded.items():
-            for name, value in leaves:
-                self._add(manifest, name, value, shards[rank], rank, replicas, renamed.get((rank, name), name))
+            if staged:
+                kept[rank] = leaves
+            else:
+                self._add_all(manifest, leaves, rel, rank, replicas, {})
+        renamed = _stage_numbering(kept)
+        for rank, leaves in kept.items():
+            self._add_all(manifest, leaves, shards[rank], rank, replicas, renamed)
         if renamed:
             manifest.extras["stage_numbering"] = (
                 "each pipeline stage numbers its layers (and its optimizer's states and groups) from 0: "
@@ -525,6 +530,19 @@ class RankShardsAdapter:
         if out_of_order := _blocks_out_of_order(manifest, shards) or _stages_out_of_order(manifest, shards):
             manifest.extras["findings"] = [out_of_order]
         return manifest
+
+    @classmethod
+    def _add_all(
+        cls,
+        manifest: Manifest,
+        leaves: list[tuple[str, Any]],
+        rel: str,
+        rank: int,
+        replicas: ReplicaCounter,
+        renamed: dict[tuple[int, str], str],
+    ) -> None:
+        for name, value in leaves:
+            cls._add(manifest, name, value, rel, rank, replicas, renamed.get((rank, name), name))
 
     @staticmethod
     def _add(

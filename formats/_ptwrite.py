@@ -32,6 +32,7 @@ import numpy as np
 from ckpttool import _torchzip, _unpickle, device
 from ckpttool._zipwrite import PARALLEL, WRITE_CHUNK, ZipWriter
 from ckpttool.dtypes import carrier
+from ckpttool.formats.base import PlannedFile
 from ckpttool.geometry import row_major_strides
 from ckpttool.hashing import open_output
 from ckpttool.io import helper
@@ -474,6 +475,26 @@ def save(tree: Any, path: Path | BinaryIO, *, scratch: Scratch | None = None) ->
         return _write(path, "archive", data, tensors, views)
 
 
+def planned(path: str, key: tuple[int, ...], tree: Any) -> PlannedFile:
+    """The plan of :func:`save` of ``tree`` at ``path`` (``reshard --dry-run``): the tensors it
+    pickles (one per object, as :func:`save` writes them), their bytes, and the largest piece of
+    them filled at once. Nothing is read: a tree is built of fills that run only when written."""
+    _, tensors = dumps(tree)
+    return PlannedFile(
+        path=path,
+        key=key,
+        nbytes=sum(t.nbytes for t in tensors),
+        tensors=len(tensors),
+        largest=max((t.peak for t in tensors), default=0),
+    )
+
+
+def unread(rel: str) -> Any:
+    """The archive callable a tree is built with for :func:`planned` (never called: planning reads
+    no tensor)."""
+    raise AssertionError(f"planning read {rel}")
+
+
 @dataclass(frozen=True, slots=True)
 class Raw:
     """A record copied as it is (a DCP bytes item whose pickle ckpttool will not read): its bytes."""
@@ -535,7 +556,9 @@ __all__ = [
     "carry",
     "dumps",
     "held",
+    "planned",
     "save",
     "save_each",
+    "unread",
     "written_peak",
 ]

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -49,7 +49,6 @@ from ckpttool.formats.deepspeed import (
 from ckpttool.geometry import Box, flat_range_boxes
 from ckpttool.io import confine
 from ckpttool.manifest import Item, Manifest
-from ckpttool.values import flatten
 
 _OPTIM = re.compile(
     r"^(?P<dir>(?:.*/)?)(?P<prefix>bf16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$"
@@ -57,6 +56,10 @@ _OPTIM = re.compile(
 _MODEL = re.compile(r"^(?P<dir>(?:.*/)?)mp_rank_(?P<mp>\d+)_model_states\.pt$")
 _LAYER = re.compile(r"^(?:.*/)?layer_\d+(?:-model_\d+)?-model_states\.pt$")
 _FRAGMENT = "deepspeed.utils.tensor_fragment.fragment_address"
+
+PLANNING = cast(PieceReader, None)
+"""The reader a tree is built with for its plan (:func:`_ptwrite.planned`): its tensors' fills,
+which alone read, never run."""
 
 
 def with_stage(config: Any, stage: int, sub_group_size: int | None = None) -> Any:
@@ -188,18 +191,11 @@ class ZeroWriter:
         return f"{self.tag}/" if self.tag else ""
 
     def files(self) -> list[PlannedFile]:
-        out = []
-        model_bytes = [
-            int(np.prod(v.shape)) * carrier(v.dtype).itemsize
-            for _, v in flatten(self.model_obj)
-            if isinstance(v, _unpickle.TensorRef)
-        ]
-        out.append(PlannedFile.of(f"{self._prefix()}mp_rank_{self.mp:02d}_model_states.pt", (-1,), model_bytes))
+        model = f"{self._prefix()}mp_rank_{self.mp:02d}_model_states.pt"
+        out = [_ptwrite.planned(model, (-1,), self._model_tree(PLANNING, _ptwrite.unread))]
         for r in range(self.dp):
-            sizes = [g.partition * 4 for g in self.groups for _ in range(3)]
             name = f"{self._prefix()}{self.file_prefix}zero_pp_rank_{r}_mp_rank_{self.mp:02d}_optim_states.pt"
-            largest = max(map(_ptwrite.held, sizes), default=0)  # partitions are written in parts
-            out.append(PlannedFile(path=name, key=(r,), nbytes=sum(sizes), tensors=len(sizes), largest=largest))
+            out.append(_ptwrite.planned(name, (r,), self._optim_tree(r, PLANNING, _ptwrite.unread)))
         return out
 
     def last_files(self) -> list[str]:
@@ -214,16 +210,18 @@ class ZeroWriter:
     def write(self, rank: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None) -> int:
         archive: Callable[[str], Any] = _pt.archive_cache(reader)  # the reader's open archives
 
-        if rank < 0:
-            tree = _ptwrite.carry(self._model_template(), partial(archive, self.model_rel))
-            if isinstance(tree, dict) and "dp_world_size" in tree:
-                tree["dp_world_size"] = self.dp
-        else:
-            tree = self._optim_tree(rank, reader, archive)
+        tree = self._model_tree(reader, archive) if rank < 0 else self._optim_tree(rank, reader, archive)
         n = _ptwrite.save(tree, out, scratch=self.scratch)
         if progress is not None:
             progress(n)
         return n
+
+    def _model_tree(self, reader: PieceReader, archive: Callable[[str], Any]) -> Any:
+        """The model states file's tree (``reader``: subclasses that build its tensors read them)."""
+        tree = _ptwrite.carry(self._model_template(), partial(archive, self.model_rel))
+        if isinstance(tree, dict) and "dp_world_size" in tree:
+            tree["dp_world_size"] = self.dp
+        return tree
 
     def _model_template(self) -> Any:
         """The source's model states, at the output's stage."""
@@ -627,17 +625,11 @@ class Zero3Writer:
 
     def files(self) -> list[PlannedFile]:
         out = []
-        items = self.manifest.items  # (a frozen fragment keeps its parameter's dtype: what _flat writes)
-        frozen = [
-            self._part(math.prod(s)) * carrier(items[f"{n}.fp32"].dtype or "float32").itemsize for n, s in self.frozen
-        ]
-        flats = [sum(self._part(math.prod(s)) for _, s in params) * 4 for _, params in self.subgroups]
         for r in range(self.dp):
-            out.append(PlannedFile.of(f"{self._prefix()}zero_pp_rank_{r}_mp_rank_00_model_states.pt", (r, 0), frozen))
+            model = f"{self._prefix()}zero_pp_rank_{r}_mp_rank_00_model_states.pt"
+            out.append(_ptwrite.planned(model, (r, 0), self._model_tree(r, PLANNING, _ptwrite.unread)))
             name = f"{self._prefix()}{self.file_prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
-            sizes = [n for n in flats for _ in range(3)]
-            largest = max(map(_ptwrite.held, sizes), default=0)  # partitions are written in parts
-            out.append(PlannedFile(path=name, key=(r, 1), nbytes=sum(sizes), tensors=len(sizes), largest=largest))
+            out.append(_ptwrite.planned(name, (r, 1), self._optim_tree(r, PLANNING, _ptwrite.unread)))
         return out
 
     def last_files(self) -> list[str]:
@@ -1111,20 +1103,14 @@ class ZeroFrom3Writer(ZeroWriter):
 
     def files(self) -> list[PlannedFile]:
         out = super().files()
-        sizes, peaks, seen = [], [0], set()
+        peak = out[0].largest
         for name, ref in self.module.items():
-            if not isinstance(ref, _unpickle.TensorRef) or (self.shared.get(name, name), ref.dtype) in seen:
-                continue
-            seen.add((self.shared.get(name, name), ref.dtype))
-            size = math.prod(self._shape(name)) * carrier(ref.dtype).itemsize
-            sizes.append(size)
             item = self.manifest.items.get(f"{self.shared.get(name, name)}.fp32")
-            converted = name not in self.buffers and item is not None and item.dtype != ref.dtype
-            # a converted parameter: its values assembled whole, then narrowed a slice at a time
-            peaks.append(size + ((item.nbytes or 0) + 12 * _CAST_SLICE if converted and item else 0))
-        out[0] = PlannedFile(
-            path=out[0].path, key=out[0].key, nbytes=sum(sizes), tensors=len(sizes), largest=max(peaks)
-        )
+            if isinstance(ref, _unpickle.TensorRef) and name not in self.buffers and item and item.dtype != ref.dtype:
+                # converted: its values assembled whole, then narrowed a slice at a time
+                size = math.prod(self._shape(name)) * carrier(ref.dtype).itemsize
+                peak = max(peak, size + (item.nbytes or 0) + 12 * _CAST_SLICE)
+        out[0] = replace(out[0], largest=peak)
         return out
 
     def _shape(self, name: str) -> tuple[int, ...]:
@@ -1136,10 +1122,7 @@ class ZeroFrom3Writer(ZeroWriter):
     def _model_template(self) -> Any:
         raise AssertionError("ZeroFrom3Writer builds its model states in write()")
 
-    def write(self, rank: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None) -> int:
-        if rank >= 0:
-            return super().write(rank, out, reader, progress)
-        archive: Callable[[str], Any] = _pt.archive_cache(reader)
+    def _model_tree(self, reader: PieceReader, archive: Callable[[str], Any]) -> Any:
         src = self.src.model_obj
         module = type(self.module)()
         module.__dict__.update(getattr(self.module, "__dict__", {}))  # the state dict's _metadata
@@ -1173,10 +1156,7 @@ class ZeroFrom3Writer(ZeroWriter):
                 tree[key] = with_stage(value, self.stage)
             else:
                 tree[key] = value
-        n = _ptwrite.save(_ptwrite.carry(tree, partial(archive, self.model_rel)), out, scratch=self.scratch)
-        if progress is not None:
-            progress(n)
-        return n
+        return _ptwrite.carry(tree, partial(archive, self.model_rel))
 
     def _whole(self, name: str, dtype: str, reader: PieceReader) -> _ptwrite.OutTensor:
         """Parameter ``name``'s fp32 value (master or gathered frozen fragments) in ``dtype``."""
@@ -1418,40 +1398,37 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
         out = []
         for k, (kind, name) in enumerate(self.jobs):
             path = self._path(kind, name)
-            if kind in self._STATES:
-                copies = self._copies(name, kind)  # an averaged parameter's are summed in a buffer
-                extra = (copies[0].nbytes or 0) if self.kinds[name] == "average" else 0
-                out.append(
-                    replace(
-                        PlannedFile.of(path, (k,), [copies[0].nbytes or 0]), largest=(copies[0].nbytes or 0) + extra
-                    )
-                )
-            elif kind == "module":  # widened to float32: its buffer, and the source values assembled
-                item = self.manifest.items[name]
-                wide = 4 * math.prod(item.shape or ())
-                out.append(PlannedFile(path=path, key=(k,), nbytes=wide, tensors=1, largest=wide + (item.nbytes or 0)))
-            elif kind == "model":
+            if kind == "model":
                 out.append(copy_plan(self.root, name, path, (k,), counts[name]))
-            else:
-                out.append(PlannedFile.of(path, (k,), []))
+                continue
+            plan = _ptwrite.planned(path, (k,), self._tree(k, PLANNING, _ptwrite.unread))
+            if kind == "module":  # widened to float32: the source values assembled beside its buffer
+                plan = replace(plan, largest=plan.largest + (self.manifest.items[name].nbytes or 0))
+            elif kind in self._STATES and self.kinds[name] == "average":  # the copies summed in a buffer
+                plan = replace(plan, largest=2 * plan.largest)
+            out.append(plan)
         return out
 
     def write(self, k: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None) -> int:
         kind, name = self.jobs[k]
-        archive: Callable[[str], Any] = _pt.archive_cache(reader)
         if kind == "model":  # copied byte for byte, as ds_to_universal copies it
             return copy_source(self.root, name, out, progress)
+        return self._save(self._tree(k, reader, _pt.archive_cache(reader)), out, progress)
+
+    def _tree(self, k: int, reader: PieceReader, archive: Callable[[str], Any]) -> Any:
+        """The tree of job ``k``'s file (not a model file, which is copied)."""
+        kind, name = self.jobs[k]
         if kind == "optimizer":
             osd = self.optim_obj["optimizer_state_dict"]
             sharded = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
             tree = {key: value for key, value in osd.items() if key not in sharded}
             tree["param_groups"] = (osd.get("base_optimizer_state") or {}).get("param_groups")
-            return self._save(_ptwrite.carry(tree, partial(archive, self.optim_rels[0])), out, progress)
+            return _ptwrite.carry(tree, partial(archive, self.optim_rels[0]))
         if kind == "step":
             rel, step, _grad = self.held[name]
-            return self._save(_ptwrite.carry(step, partial(archive, rel)), out, progress)
+            return _ptwrite.carry(step, partial(archive, rel))
         if kind == "module":
-            return self._save({"param": self._as_float32(self.manifest.items[name], reader)}, out, progress)
+            return {"param": self._as_float32(self.manifest.items[name], reader)}
         copies = self._copies(name, kind)
         item = copies[0]
         # the fp32 partition is a leaf that requires grad, and ds_to_universal's slices of it keep that
@@ -1473,7 +1450,7 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
             head["param"] = self._mean(copies, box, reader, grad)
         else:
             head["param"] = _ptwrite.assembled(reader, item, box, requires_grad=grad)
-        return self._save(head, out, progress)
+        return head
 
     def _sub_param_shape(self, name: str) -> Any:
         """The ``SubparamShape`` ds_to_universal saves with ``name``'s sub-parameters: the
@@ -1593,37 +1570,30 @@ class Universal3Writer(_UniversalOut, Zero3Writer):
         counts = tensors_in(self.manifest)  # the tensors in each file copied as it is
         out = []
         for k, (kind, name) in enumerate(self.jobs):
-            if kind == "optimizer":  # the whole rank-0 state, its tensors carried
-                refs = flatten(self.optim_obj["optimizer_state_dict"])
-                sizes = [
-                    math.prod(v.shape) * carrier(v.dtype).itemsize
-                    for _n, v in refs
-                    if isinstance(v, _unpickle.TensorRef)
-                ]
-                path = f"{self.out_dir}/zero/optimizer_state.pt"  # copied CARRY_PART at a time
-                largest = max(map(_ptwrite.held, sizes), default=0)
-                out.append(PlannedFile(path=path, key=(k,), nbytes=sum(sizes), tensors=len(sizes), largest=largest))
-            elif kind == "model":
+            if kind == "model":
                 out.append(copy_plan(self.root, name, f"{self.out_dir}/{name.rsplit('/', 1)[-1]}", (k,), counts[name]))
-            else:
-                path = f"{self.out_dir}/zero/{name}/{kind}.pt"
-                out.append(PlannedFile.of(path, (k,), [self.manifest.items[f"{name}.{kind}"].nbytes or 0]))
+                continue
+            path = f"{self.out_dir}/zero/{'optimizer_state' if kind == 'optimizer' else f'{name}/{kind}'}.pt"
+            out.append(_ptwrite.planned(path, (k,), self._tree(k, PLANNING, _ptwrite.unread)))
         return out
 
     def write(self, k: int, out: Path, reader: PieceReader, progress: Callable[[int], None] | None) -> int:  # type: ignore[override]
         kind, name = self.jobs[k]
         if kind == "model":  # copied byte for byte, as ds_to_universal copies it
             return copy_source(self.root, name, out, progress)
+        return self._save(self._tree(k, reader, _pt.archive_cache(reader)), out, progress)
+
+    def _tree(self, k: int, reader: PieceReader, archive: Callable[[str], Any]) -> Any:
+        """The tree of job ``k``'s file (not a model file, which is copied)."""
+        kind, name = self.jobs[k]
         if kind == "optimizer":
-            archive: Callable[[str], Any] = _pt.archive_cache(reader)
             osd = self.optim_obj["optimizer_state_dict"]
             tree = dict(osd)
             tree["param_groups"] = osd["optimizer_state_dict"]["param_groups"]  # the same list, pickled once
-            return self._save(_ptwrite.carry(tree, partial(archive, self.optim_rels[0])), out, progress)
+            return _ptwrite.carry(tree, partial(archive, self.optim_rels[0]))
         item = self.manifest.items[f"{name}.{kind}"]
         whole = _ptwrite.assembled(reader, item, requires_grad=kind == "fp32" and self.fp32_requires_grad)
-        flat = _ptwrite.OutTensor(whole.dtype, (math.prod(whole.shape),), whole.fill, whole.requires_grad)
-        return self._save(flat, out, progress)
+        return _ptwrite.OutTensor(whole.dtype, (math.prod(whole.shape),), whole.fill, whole.requires_grad)
 
 
 __all__ = [

@@ -921,6 +921,48 @@ def test_a_dry_run_counts_every_tensor_of_a_legacy_rank_file(source, argv, tmp_p
         assert (f["tensors"], f["nbytes"]) == (len(storages), sum(storages)), f["path"]
 
 
+@pytest.mark.parametrize(
+    ("source", "argv"),
+    [
+        ("zero2", ["--dp", "1"]),
+        ("zero2", ["--dp", "4"]),
+        ("zero2_bf16", ["--dp", "1"]),
+        ("zero3", ["--dp", "4"]),
+        ("zero3", ["--dp", "2", "--zero-stage", "2"]),
+        ("zero2", ["--dp", "2", "--zero-stage", "3"]),
+        ("universal", ["--dp", "2"]),
+        ("universal3", ["--dp", "2"]),
+        ("pipeline", ["--dp", "1"]),
+        ("zero2", ["--to", "deepspeed-universal"]),
+        ("zero3", ["--to", "deepspeed-universal"]),
+    ],
+)
+def test_a_dry_run_counts_every_tensor_of_a_zero_file(source, argv, tmp_path, cli):
+    """Each group's Adam step, the fp32 partition without its padding (as ZeRO-1/2 save it), a
+    ZeRO-3 rank's module placeholders and a universal step.pt were left out or miscounted (zero2
+    --dp 1: 6 tensors, 32,832 bytes planned; 8 and 32,836 written). A file copied as it is plans
+    its bytes."""
+    import zipfile
+
+    out = tmp_path / "out"
+    src = FIXTURES / "deepspeed" / source
+    plan = json.loads(cli("reshard", src, "-o", out, *argv, "--dry-run", "--json").stdout)
+    assert cli("reshard", src, "-o", out, *argv).code == 0
+    copies = 0
+    for f in plan["files"]:
+        written = out / f["path"]
+        same = [p for p in src.rglob(written.name) if p.read_bytes() == written.read_bytes()]
+        if same:
+            copies += 1
+            assert f["nbytes"] == written.stat().st_size, f["path"]
+            continue
+        with zipfile.ZipFile(written) as z:
+            storages = [i.file_size for i in z.infolist() if "/data/" in i.filename]
+        assert (f["tensors"], f["nbytes"]) == (len(storages), sum(storages)), f["path"]
+        assert 0 < f["peak"] or not storages
+    assert copies < len(plan["files"])
+
+
 def test_max_memory_and_dry_run(tmp_path, cli):
     out = tmp_path / "out"
     r = cli("reshard", LEGACY, "-o", out, "--tp", "1", "--dry-run", "--json")

@@ -21,7 +21,7 @@ from typing import Any, get_args
 
 from ckpttool import __version__, registry
 from ckpttool import io as ckio
-from ckpttool.errors import CorruptFileError, UsageError
+from ckpttool.errors import CkptError, CorruptFileError, UsageError
 from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.hashing import Algo, FileDigest, Span, Written, hash_bytes, hash_files
 from ckpttool.io import atomic_output
@@ -333,12 +333,20 @@ Expected = dict[Any, tuple[int, str, str | None]]
 
 
 def member_crcs(
-    reader: Any, piece: Piece, item: Item, seen: set[tuple[str, int]], spans: list[Span], expected: Expected
+    reader: Any,
+    piece: Piece,
+    item: Item,
+    seen: set[tuple[str, int]],
+    spans: list[Span],
+    expected: Expected,
+    damage: list[CkptError] | None = None,
 ) -> list[str]:
     """The CRC-32 spans of the zip members of the archive holding ``piece`` (once per archive:
     ``seen``), added to ``spans`` with what each must give in ``expected``; returns the members of
     an archive held in memory (a decompressed DCP item) that fail theirs. torch writes a CRC-32 for
-    every member and never checks one."""
+    every member and never checks one. A member the zip index misplaces is the archive's damage,
+    not ``item``'s (it is any member of the archive): added to ``damage`` when given, else the first
+    is raised, once the other members' spans are added."""
     arch = reader.archive_of(piece) if hasattr(reader, "archive_of") else None
     if arch is None or (piece.file, arch.base) in seen:
         return []
@@ -346,13 +354,20 @@ def member_crcs(
     owner = item.name if "offset" in piece.locator else None
     if isinstance(arch.source, bytes):
         return list(arch.crc_errors())
+    damaged: list[CkptError] = [] if damage is None else damage
     for name, info in arch.members.items():
         if (info.CRC == 0 and info.file_size > 0) or info.compress_type != 0:
             continue  # torch wrote no CRCs, or a member we do not inflate
-        mspan = arch.member_span(name, info)
+        try:
+            mspan = arch.member_span(name, info)
+        except CkptError as exc:  # the other members are still checked
+            damaged.append(exc)
+            continue
         key = ("crc", piece.file, mspan.offset)
         spans.append(Span(key, mspan.offset, mspan.length, algo="crc32"))
         expected[key] = (info.CRC, name, owner)
+    if damaged and damage is None:
+        raise damaged[0]
     return []
 
 

@@ -15,12 +15,14 @@ CLI renders it (human, JSON, JUnit, GitHub) and picks the exit code. Checks:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import threading
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,7 +33,7 @@ from ckpttool import registry
 from ckpttool.assemble import assemble, regions
 from ckpttool.dtypes import bf16_to_float32, float32_to_bf16
 from ckpttool.errors import CkptError, FormatNotRecognizedError, NotFoundError, PathEscapeError
-from ckpttool.formats.base import Adapter
+from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.geometry import coverage
 from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
 from ckpttool.io import checking_crcs, followed, outside
@@ -752,6 +754,7 @@ def _check_integrity(
             if key[0] == "piece":
                 pieces[(key[1], key[2])] = value
 
+    archive_damage: list[CkptError] = []
     pending: deque[tuple[Future[tuple[FileDigest, dict[Any, str]]], str, list[Span], Expected]] = deque()
     # the pickles and headers read to locate the pieces are checked against their CRC-32s as they
     # are read: a flipped bit in one is damage (checksum-mismatch), not a hostile pickle
@@ -785,7 +788,7 @@ def _check_integrity(
                 if span is not None:
                     spans.append(Span(("piece", item.name, i), span[0], span[1]))
             try:
-                failed = member_crcs(reader, piece, item, seen, spans, expected)
+                failed = member_crcs(reader, piece, item, seen, spans, expected, archive_damage)
             except CkptError as exc:
                 report.findings.append(_from_error(exc, item.name))
                 continue
@@ -802,6 +805,16 @@ def _check_integrity(
         submit(current, spans, expected)
         while pending:
             check(*pending.popleft())
+    # the damage an item's own piece also found is reported as that item's
+    named = {f.message for f in report.findings}
+    unnamed: dict[str | None, list[CkptError]] = {}
+    for damage in archive_damage:  # members of an archive not one item's piece found damaged
+        if not any(m.endswith(": " + damage.message) for m in named):
+            unnamed.setdefault(damage.path, []).append(damage)
+    for excs in unnamed.values():  # one finding a file
+        found = _from_error(excs[0])
+        more = f" (and {len(excs) - 1} more of its members likewise)" if len(excs) > 1 else ""
+        report.findings.append(replace(found, message=found.message + more))
     report.checked["files"] = counted["files"]
     report.checked["bytes"] = counted["bytes"]
     report.checked["pieces"] = len(pieces)
@@ -1054,6 +1067,8 @@ def _check_optimizer(
         n for n, i in params.items() if n not in moments and trained and len(i.shape or ()) >= 2 and n not in exempt
     ]
     if untracked and len(untracked) < len(params):
+        untracked = _in_param_groups(manifest, adapter, untracked, set(trained))
+    if untracked and len(untracked) < len(params):
         names = ", ".join(untracked[:5]) + (" …" if len(untracked) > 5 else "")
         report.findings.append(
             finding(
@@ -1066,6 +1081,40 @@ def _check_optimizer(
     for zeroed in _stepping(manifest, moments):
         if zeroed.pieces and all(_zero_piece(zeroed, i, digests, algo) for i in range(len(zeroed.pieces))):
             report.findings.append(_zeroed(zeroed, manifest))
+
+
+_GROUP_PARAMS = re.compile(r"^(optim|optimizer)\.param_groups\.\d+\.params$")
+
+
+def _in_param_groups(manifest: Manifest, adapter: Adapter, untracked: list[str], trained: set[str]) -> list[str]:
+    """Of the parameters ``untracked`` (no moments), those the optimizer trains, where its param
+    groups name its parameters (``get_state_dict``'s FQNs, as ``params`` lists, or DCP's flattened
+    ``optim.param_groups.<fqn>.lr``): a parameter no group names is frozen, not dropped. Where the
+    groups name parameters otherwise (torch's own indices), all of ``untracked``."""
+    flat = [n for n in manifest.items if n.startswith(("optim.param_groups.", "optimizer.param_groups."))]
+    listed: set[str] = set()
+    lists = [manifest.items[n] for n in flat if _GROUP_PARAMS.match(n)]
+    if lists:
+        with contextlib.ExitStack() as stack:
+            reader: PieceReader | None = None
+            for item in lists:
+                value = item.value
+                if value is None and item.summary is not None and not item.error:
+                    if reader is None:
+                        reader = stack.enter_context(adapter.reader(manifest))
+                    try:
+                        value = reader.read_object(item)
+                    except CkptError:
+                        return untracked
+                if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+                    return untracked  # indices (torch's optimizer.state_dict()), or unreadable
+                listed.update(value)
+    else:  # flattened: each parameter's group entries under its name
+        for key in (n.split(".param_groups.", 1)[1].split(".") for n in flat):
+            listed.update(".".join(key[:i]) for i in range(1, len(key)))
+    if not listed & trained:
+        return untracked  # the groups do not name these parameters
+    return [n for n in untracked if n in listed]
 
 
 def _moments(manifest: Manifest) -> dict[str, dict[str, Item]]:

@@ -269,3 +269,38 @@ def test_a_resharded_zero2_at_an_odd_dp_is_not_taken_for_swapped(tmp_path):
     r = run_cli("reshard", DS / "zero2", "-o", out, "--dp", "3", "-q", cwd=tmp_path)
     assert r.code == 0, r.stderr
     assert not [f for f in verify(out).findings if f.rule in ("misplaced-file", "missing-file")]
+
+
+# -- a zip member's local header damaged -----------------------------------------------------------
+
+
+def test_a_damaged_local_header_is_its_own_items_not_the_first_read(tmp_path):
+    """The CRC-32 pass walks every member of an archive when it meets the archive's first piece; a
+    member whose local header was gone was reported as that first item's (`seen_tokens` for a
+    parameter's frozen fragment) and stopped the other members' checks. Now the damage is the item
+    whose storage it is, and members no item's piece holds (ZeRO-3's empty placeholders, `version`)
+    are the file's, in one finding."""
+    import zipfile
+
+    path = _copy("zero3", tmp_path)
+    f = path / TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    with zipfile.ZipFile(f) as z:
+        at = {i.filename.rsplit("/", 1)[-1]: i.header_offset for i in z.infolist()}
+        sizes = {i.filename.rsplit("/", 1)[-1]: i.file_size for i in z.infolist()}
+    empty = next(k for k, n in sizes.items() if k.isdigit() and n == 0)
+    owned = max((k for k in sizes if k.isdigit()), key=int)  # the frozen bias fragment's storage
+    stat = f.stat()
+    data = bytearray(f.read_bytes())
+    for member in (owned, "version", empty):
+        data[at[member]] ^= 0xFF
+    f.write_bytes(bytes(data))
+    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+    code, findings = _verify_cli(path)
+    damage = [x for x in findings if x["rule"] == "corrupt-file"]
+    assert code == 1
+    assert [x["item"] for x in damage] == ["frozen.bias.fp32", None], damage
+    assert f"data/{owned} at byte {at[owned]:,}" in damage[0]["message"]
+    assert f"data/{empty} at byte {at[empty]:,}" in damage[1]["message"]
+    assert "(and 1 more of its members likewise)" in damage[1]["message"]
+    assert all(x["file"] == f"{TAG}/{f.name}" for x in damage)

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import struct
+import warnings
 from pathlib import Path
 
 import pytest
@@ -717,6 +718,54 @@ def test_a_universal_checkpoints_frozen_parameters_want_no_moments(rel):
     assert "optimizer-mismatch" not in _rules(report), report.findings
     _, m = registry.describe(FIXTURES / rel)
     assert rel.endswith("3") or {"frozen.weight", "frozen.bias"} <= set(m.extras["frozen"])
+
+
+def _frozen_embedding_run(path: Path, how: str, drop: str | None = None) -> None:
+    """A real save of a model whose embedding is frozen (no moments: the optimizer never held it),
+    its optimizer state keyed by parameter names (``get_state_dict``), over 16 parameters (the
+    groups' ``params`` are too long to keep as a value). ``drop``: a trained parameter's moments
+    dropped from the state."""
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(16, 8), *(nn.Linear(8, 8) for _ in range(9)))
+    model[0].weight.requires_grad_(False)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    for _ in range(2):
+        model(torch.arange(4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    flat = how == "dcp-flattened"
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=flat))
+    if drop is not None:
+        osd = {k: v for k, v in osd.items() if not k.startswith(f"state.{drop}.")} if flat else osd
+        if not flat:
+            osd["state"].pop(drop)
+    if how == "shards":
+        path.mkdir()
+        for r in range(2):
+            torch.save({"model": msd, "optimizer": osd, "step": 2}, path / f"shard_{r}.pt")
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (no process group: dcp.save says it saves as one rank)
+            dcp.save({"model": msd, "optim": osd, "step": 2}, checkpoint_id=str(path), no_dist=True)
+
+
+@pytest.mark.parametrize("how", ["shards", "dcp", "dcp-flattened"])
+def test_a_parameter_no_param_group_names_is_frozen_not_missing_its_moments(how, tmp_path):
+    """Optimizer state keyed by parameter names lists each group's parameters: one no group names
+    has no moments because it is frozen (`optimizer-mismatch: 1 parameters have no optimizer
+    moments: 0.weight` was a false warning). A trained parameter whose moments were dropped is
+    still named."""
+    _frozen_embedding_run(tmp_path / "clean", how)
+    report = verify(tmp_path / "clean")
+    assert "optimizer-mismatch" not in [f.rule for f in report.findings], report.findings
+    _frozen_embedding_run(tmp_path / "dropped", how, drop="3.weight")
+    found = [f for f in verify(tmp_path / "dropped").findings if f.rule == "optimizer-mismatch"]
+    assert [(f.item, f.severity) for f in found] == [("3.weight", "warning")], found
+    assert "0.weight" not in found[0].message
 
 
 def test_a_crc_failure_in_a_value_beside_the_items_names_its_path(tmp_path):

@@ -243,13 +243,11 @@ class DcpWriter:
 
     def files(self) -> list[PlannedFile]:
         sizes: list[list[int]] = [[] for _ in range(self.world)]
-        for item in self.items:
+        for item in self.items:  # (objects are rank 0's records, not counted among its tensors)
             if item.is_tensor:
                 assert item.dtype is not None
                 for r, box in self.cuts[item.name]:
                     sizes[r].append(box.volume * carrier(item.dtype).itemsize)
-            else:
-                sizes[0].append(0)
         return [PlannedFile.of(f"__{r}_0.distcp", (r,), s) for r, s in enumerate(sizes)]
 
     def write(

@@ -963,6 +963,36 @@ def test_a_dry_run_counts_every_tensor_of_a_zero_file(source, argv, tmp_path, cl
     assert copies < len(plan["files"])
 
 
+@pytest.mark.parametrize(
+    ("source", "argv"),
+    [
+        ("dcp/fsdp2", ["--to", "dcp", "--dp", "2"]),
+        ("deepspeed/zero2", ["--to", "dcp"]),
+        ("megatron/legacy_tp2pp2", ["--to", "dcp"]),
+        ("megatron/legacy_tp2pp2", ["--to", "megatron-dist"]),
+    ],
+)
+def test_a_dry_run_counts_the_tensor_records_of_a_distcp_file(source, argv, tmp_path, cli):
+    """Each .distcp file's planned tensors and bytes are the tensor pieces its .metadata records
+    (rank 0's object records were counted as tensors of 0 bytes: 82 planned, 54 written)."""
+    from collections import Counter
+
+    out = tmp_path / "out"
+    plan = json.loads(cli("reshard", FIXTURES / source, "-o", out, *argv, "--dry-run", "--json").stdout)
+    assert cli("reshard", FIXTURES / source, "-o", out, *argv).code == 0
+    _, m = registry.describe(out)
+    tensors, nbytes = Counter(), Counter()
+    for item in m.items.values():
+        for p in item.pieces if item.is_tensor else ():
+            tensors[p.file] += 1
+            nbytes[p.file] += p.nbytes
+    distcp = [f for f in plan["files"] if f["path"].endswith(".distcp")]
+    assert distcp
+    for f in distcp:
+        rel = next(k for k in tensors if f["path"].endswith(k))
+        assert (f["tensors"], f["nbytes"]) == (tensors[rel], nbytes[rel]), f["path"]
+
+
 def test_max_memory_and_dry_run(tmp_path, cli):
     out = tmp_path / "out"
     r = cli("reshard", LEGACY, "-o", out, "--tp", "1", "--dry-run", "--json")

@@ -183,6 +183,188 @@ def _blocks_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str
     }
 
 
+def _saved_as(manifest: Manifest, shards: dict[int, str], inner: dict[int, str]) -> dict[str, Any] | None:
+    """Rank files saved under another rank's name: ``torch.save(obj, path)`` names the archive
+    inside the file after the file (``shard_00001/data.pkl``), and renaming or copying the file
+    keeps it. A file whose archive is named after another rank's file is that rank's save,
+    whatever its bytes (a swap of files of one size and structure, or of replicated data, shows
+    nowhere else). Archives named otherwise (a save to a temporary name, or into an open file:
+    ``archive``) say nothing."""
+    stems = {Path(rel).stem: r for r, rel in shards.items()}
+    moved = {r: stems[name] for r, name in sorted(inner.items()) if stems.get(name, r) != r}
+    if not moved:
+        return None
+    root, sizes = Path(manifest.root), {f.path: f.size for f in manifest.files}
+    said = []
+    for r, q in moved.items():
+        a, b = shards[r], shards[q]
+        if moved.get(q) == r:
+            if r < q:
+                said.append(f"{a} and {b} were swapped: each was saved under the other's name")
+        elif inner.get(q) == Path(b).stem and sizes.get(a) == sizes.get(b) and _same_bytes(root / a, root / b):
+            said.append(f"{a} is a copy of {b} (it was saved as {b}): rank {q}'s file was copied over rank {r}'s")
+        else:
+            said.append(f"{a} was saved as {b}")
+    first = shards[next(iter(moved))]
+    return {
+        "rule": "misplaced-file",
+        "file": first,
+        "message": "; ".join(said[:4]) + (" …" if len(said) > 4 else "") + " (torch.save names the archive inside a "
+        f"file after the file; {first}'s is {inner[next(iter(moved))]}/)",
+        "hint": "put each file back under its rank's name, or restore the overwritten ones from the save",
+    }
+
+
+_Cells = dict[tuple[int, ...], set[int]]
+"""a tensor's equal blocks by grid place (block offsets over block sizes): the ranks holding each"""
+
+
+def _copied_over(manifest: Manifest, shards: dict[int, str]) -> dict[str, Any] | None:
+    """Rank files with the same bytes where the tensors' blocks show one is out of place: a block
+    more ranks hold than the others (or a part of the tensor no rank holds), and files among those
+    ranks that are one file's bytes twice. Such a copy reads as a valid file of the rank it
+    overwrote, and only a gap in a tensor (no file named) told of it.
+
+    The copy is named where one file of the same bytes alone, holding the blocks too few ranks
+    hold, gives every such tensor a layout of a mesh (:func:`_placed_evenly`); else the files of
+    the same bytes are named together."""
+    uneven: list[tuple[Item, _Cells | None]] = []
+    suspects: set[int] = set()
+    example = ""
+    for item in manifest.items.values():
+        if not item.is_tensor or item.shape is None or not item.pieces:
+            continue
+        if any(p.box is None or p.rank is None for p in item.pieces):
+            continue
+        holders: dict[tuple[tuple[int, ...], tuple[int, ...]], set[int]] = {}
+        for p in item.pieces:
+            assert p.box is not None and p.rank is not None
+            holders.setdefault((p.box.offsets, p.box.sizes), set()).add(p.rank)
+        counts = [len(r) for r in holders.values()]
+        total = math.prod(item.shape)
+        covered = sum(math.prod(sizes) for _, sizes in holders)
+        if covered >= total and min(counts) == max(counts):
+            continue
+        most = max(counts)
+        crowded = [(b, r) for b, r in holders.items() if len(r) == most]
+        for _block, ranks in crowded:
+            suspects |= ranks
+        uneven.append((item, _cells(item.shape, holders)))
+        if not example:
+            block, ranks = crowded[0]
+            at = ", ".join(f"{o}:{o + n}" for o, n in zip(*block, strict=True))
+            why = (
+                f"{total - covered:,} of its {total:,} elements are in no file"
+                if covered < total
+                else f"{len(ranks)} ranks hold it, {min(counts)} some other block"
+            )
+            example = f"the block [{at}] of {item.name} is in {len(ranks)} files ({why})"
+    if len(suspects) < 2:
+        return None
+    root = Path(manifest.root)
+    sizes = {f.path: f.size for f in manifest.files}
+    groups: list[list[int]] = []
+    for r in sorted(suspects):  # files of the same bytes, in rank order
+        for g in groups:
+            if sizes.get(shards[g[0]]) == sizes.get(shards[r]) and _same_bytes(root / shards[g[0]], root / shards[r]):
+                g.append(r)
+                break
+        else:
+            groups.append([r])
+    groups = [g for g in groups if len(g) > 1]
+    if not groups:
+        return None
+    world = len(shards)
+    subs: dict[frozenset[int], bool] = {}
+    known: dict[tuple[tuple[int, ...], tuple[int, ...]], bool] = {}
+    fits = [
+        c
+        for g in groups
+        for c in g
+        if all(cells is None or _placed_evenly(cells, c, world, subs, known) for _, cells in uneven)
+    ]
+    hint = "restore the overwritten rank's file from the save"
+    if len(fits) == 1:
+        copy = fits[0]
+        origin = next(r for g in groups if copy in g for r in g if r != copy)
+        return {
+            "rule": "misplaced-file",
+            "file": shards[copy],
+            "message": f"{shards[copy]} holds the same bytes as {shards[origin]}: {example}; with {shards[copy]} "
+            "holding the blocks too few files hold, every tensor is laid out as a mesh lays it out: "
+            f"{shards[origin]} was copied over rank {copy}'s file",
+            "hint": hint,
+        }
+    group = groups[0]
+    named = ", ".join(shards[r] for r in group[:4]) + (" …" if len(group) > 4 else "")
+    return {
+        "rule": "misplaced-file",
+        "file": shards[group[-1]],
+        "message": f"{named} hold the same bytes: {example}; one file was copied over another rank's (which, the "
+        "blocks do not tell)",
+        "hint": hint,
+    }
+
+
+def _cells(shape: tuple[int, ...], holders: dict[tuple[tuple[int, ...], tuple[int, ...]], set[int]]) -> _Cells | None:
+    """The ranks holding each place of a tensor's grid of equal blocks, empty places included (None
+    when the blocks are not of one size tiling the tensor, or the grid is too large to judge)."""
+    sizes = {s for _, s in holders}
+    if len(sizes) != 1:
+        return None
+    (size,) = sizes
+    if any(n == 0 or d % n for d, n in zip(shape, size, strict=True)):
+        return None
+    grid = tuple(d // n for d, n in zip(shape, size, strict=True))
+    if math.prod(grid) > 4096 or any(any(o % n for o, n in zip(off, size, strict=True)) for off, _ in holders):
+        return None
+    cells: _Cells = {c: set() for c in itertools.product(*(range(g) for g in grid))}
+    for (off, _), ranks in holders.items():
+        cells[tuple(o // n for o, n in zip(off, size, strict=True))] = set(ranks)
+    return cells
+
+
+def _placed_evenly(
+    cells: _Cells,
+    c: int,
+    world: int,
+    subs: dict[frozenset[int], bool],
+    known: dict[tuple[tuple[int, ...], tuple[int, ...]], bool],
+) -> bool:
+    """Whether rank ``c``, moved from the block it shares with the most ranks to the one place too
+    few ranks hold, leaves every block held by as many ranks, laid out by a mesh (one rank a block:
+    :func:`_meshed`; several: each block's ranks a sub-mesh)."""
+    pieces = sum(len(r) for r in cells.values())
+    if pieces % len(cells):
+        return False
+    each = pieces // len(cells)
+    over = [k for k, r in cells.items() if c in r and len(r) > each]
+    under = [k for k, r in cells.items() if len(r) < each]
+    if len(over) != 1 or len(under) != 1:
+        return False
+    moved = {k: set(r) for k, r in cells.items()}
+    moved[over[0]].discard(c)
+    moved[under[0]].add(c)
+    if each == 1:
+        grid = {k: next(iter(r)) for k, r in moved.items()}
+        cut = tuple(max(k[d] for k in grid) + 1 for d in range(len(over[0])))
+        keep = [d for d, n in enumerate(cut) if n > 1]
+        return _meshed({tuple(k[d] for d in keep): r for k, r in grid.items()}, tuple(cut[d] for d in keep), known)
+    return all(_submesh(frozenset(r), world, subs) for r in moved.values())
+
+
+def _same_bytes(a: Path, b: Path) -> bool:
+    """Whether two files of one size hold the same bytes (read until they differ)."""
+    try:
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            while chunk := fa.read(1 << 20):
+                if chunk != fb.read(len(chunk)):
+                    return False
+    except OSError:
+        return False
+    return True
+
+
 def _meshed(
     grid: dict[tuple[int, ...], int],
     sizes: tuple[int, ...],
@@ -497,9 +679,11 @@ class RankShardsAdapter:
         # the stages after them: _stage_numbering); other rank files' are added as each is read
         staged = any(_PATTERNS[2].match(rel) for rel in shards.values())
         kept: dict[int, list[tuple[str, Any]]] = {}
+        inner: dict[int, str] = {}  # the name torch.save gave the archive inside each file
         for rank, rel in sorted(shards.items()):
             archive, obj, _ = _pt.load(path, rel, ALLOWLIST)
             archive.close()
+            inner[rank] = archive.prefix.rstrip("/")
             leaves = flatten(obj if isinstance(obj, dict) else {"value": obj}, leaf=_sharded)
             claimed = next((v for k, v in leaves if k in ("step", "iteration", "global_step")), None)
             if isinstance(claimed, int) and not isinstance(claimed, bool):
@@ -527,7 +711,12 @@ class RankShardsAdapter:
         manifest.layout = Layout(world_size=world or len(shards))
         if claims:
             manifest.extras["step_claims"] = claims
-        if out_of_order := _blocks_out_of_order(manifest, shards) or _stages_out_of_order(manifest, shards):
+        if out_of_order := (
+            _saved_as(manifest, shards, inner)
+            or _copied_over(manifest, shards)
+            or _blocks_out_of_order(manifest, shards)
+            or _stages_out_of_order(manifest, shards)
+        ):
             manifest.extras["findings"] = [out_of_order]
         return manifest
 

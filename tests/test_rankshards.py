@@ -19,6 +19,20 @@ RS = FIXTURES / "rankshards"
 TP = RS / "tp_manual" / "step_00000003"
 
 
+def _anonymous(path):
+    """Each rank file of ``path`` saved again into an open file, as a trainer that opens its files
+    itself saves: torch names the archive inside ``archive``, not after the file, so a file renamed
+    or copied is told only by what it holds (times kept: a newer file reads as an unfinished save)."""
+    import os
+
+    for f in sorted(path.glob("*.pt")):
+        st = f.stat()
+        obj = torch.load(f, weights_only=False)
+        with open(f, "wb") as fh:
+            torch.save(obj, fh)
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
 def test_sharded_embedding_and_moments_assemble(tmp_path):
     adapter, m = registry.describe(TP)
     assert adapter.name == "rankshards" and m.step == 3 and m.layout.world_size == 2
@@ -75,6 +89,7 @@ def test_swapped_rank_files_are_misplaced(src, a, b, said, tmp_path):
     their pipeline stages' layers (by number) run in rank order: swapped, they run backwards."""
     path = tmp_path / "s"
     shutil.copytree(src, path)
+    _anonymous(path)  # (a file's archive name tells its rank: test_a_file_saved_under_another_ranks_name_is_named)
     (path / a).rename(path / "x")
     (path / b).rename(path / a)
     (path / "x").rename(path / b)
@@ -122,6 +137,7 @@ def test_a_2d_mesh_has_its_rank_orders(major, tmp_path):
         local = full[4 * r : 4 * r + 4, 4 * c : 4 * c + 4].clone()
         torch.save({"w": {"local": local, "global_shape": [8, 8], "global_offset": [4 * r, 4 * c]}, "step": 1},
                    tmp_path / f"shard_{rank:05d}.pt")  # fmt: skip
+    _anonymous(tmp_path)
     assert "findings" not in registry.describe(tmp_path)[1].extras
     # two files swapped: the ranks follow the grid in neither order, and the two are named (ranks 1
     # and 2 swapped in a 2×2 grid make it the other order: no finding tells those apart)
@@ -253,6 +269,7 @@ def test_a_swap_between_two_meshes_names_the_two_ranks(tmp_path):
                                  "global_offset": [4 * r, 4 * c]}  # fmt: skip
     for rank, tree in files.items():
         torch.save(tree, tmp_path / f"shard_{rank:05d}.pt")
+    _anonymous(tmp_path)
     assert "findings" not in registry.describe(tmp_path)[1].extras
     a, b = tmp_path / "shard_00004.pt", tmp_path / "shard_00007.pt"
     a.rename(tmp_path / "x")
@@ -271,7 +288,8 @@ def _save_blocks(path, world, tensors):
             local = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))].clone()
             files[rank][name] = {"local": local, "global_shape": list(shape), "global_offset": list(offsets)}
     for rank, tree in files.items():
-        torch.save(tree, path / f"shard_{rank:05d}.pt")
+        with open(path / f"shard_{rank:05d}.pt", "wb") as fh:  # (the archive inside named "archive")
+            torch.save(tree, fh)
 
 
 def test_layouts_no_order_can_be_read_from_are_not_judged(tmp_path):
@@ -311,3 +329,89 @@ def test_optimizer_state_keyed_by_parameter_names_follows_them(tmp_path):
     assert "optim.state.2.weight.exp_avg" not in m.items  # (the frozen layer's)
     report = json.loads(run_cli("verify", tmp_path, "--json").stdout)
     assert [f["rule"] for f in report["findings"] if f["severity"] == "error"] == [], report["findings"]
+
+
+def _copy_over(src, dst):
+    """``cp -p``: the copy keeps the source's times (no incomplete-save finding from a new file)."""
+    shutil.copy2(src, dst)
+
+
+@pytest.mark.parametrize("saved", ["as torch.save names it", "into an open file"])
+def test_a_rank_file_copied_over_another_is_named(saved, tmp_path):
+    """Rank 0's file copied over rank 1's reads as a valid rank-1 file holding rank 0's blocks: verify
+    said only that half of each sharded tensor was in no piece, naming no file. The archive inside
+    the copy is named after rank 0's file; without that name (a file saved into an open file), the
+    blocks tell: only rank 1 holding the missing rows keeps them in rank order."""
+    ck = tmp_path / "ck"
+    shutil.copytree(TP, ck)
+    if saved == "into an open file":
+        _anonymous(ck)
+    _copy_over(ck / "shard_00000.pt", ck / "shard_00001.pt")
+    r = run_cli("verify", ck, "--json")
+    found = [f for f in json.loads(r.stdout)["findings"] if f["rule"] == "misplaced-file"]
+    assert r.code == 1 and len(found) == 1, r.stdout
+    assert found[0]["file"] == "shard_00001.pt"
+    message = found[0]["message"]
+    if saved == "into an open file":
+        assert message.startswith("shard_00001.pt holds the same bytes as shard_00000.pt: the block [0:8, 0:8]"), message
+        assert "shard_00000.pt was copied over rank 1's file" in message
+    else:
+        assert message.startswith("shard_00001.pt is a copy of shard_00000.pt (it was saved as shard_00000.pt): rank "
+                                  "0's file was copied over rank 1's"), message  # fmt: skip
+    assert run_cli("seal", ck).code == 3 and not (ck / "ckpttool.manifest.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("world", "block_of", "src", "dst", "named"),
+    [
+        (4, lambda r: r % 2, 0, 3, None),  # TP=2 x DP=2: either mesh dimension may be the TP one
+        (4, lambda r: r % 2, 1, 2, None),
+        (4, lambda r: r % 2, 0, 1, None),
+        (4, lambda r: r, 0, 2, 2),  # TP=4: one rank a block, in rank order only with rank 2 moved back
+        (4, lambda r: (r // 2, r % 2), 0, 3, 3),  # a 2x2 grid of blocks
+    ],
+)
+def test_a_copy_among_blocks_names_what_the_blocks_tell(world, block_of, src, dst, named, tmp_path):
+    """Files saved into open files (no archive name to go by). Clean, no finding, though replicated
+    ranks' files hold the same bytes. A file copied over another leaves a block in one file too
+    many and another in one too few (or in none); the copy is named where one file of the same
+    bytes alone, moved to the blocks too few hold, lays every tensor out as a mesh does, else the
+    files of the same bytes are named together."""
+    places = {r: (b, 0) if isinstance(b := block_of(r), int) else b for r in range(world)}
+    blocks = {r: ((2 * row, 4 * col), (2, 4)) for r, (row, col) in places.items()}
+    shape = (2 * (max(p[0] for p in places.values()) + 1), 4 * (max(p[1] for p in places.values()) + 1))
+    _save_blocks(tmp_path, world, {"w": (shape, blocks)})
+    assert "findings" not in registry.describe(tmp_path)[1].extras
+    assert run_cli("verify", tmp_path).code == 0
+    _copy_over(tmp_path / f"shard_{src:05d}.pt", tmp_path / f"shard_{dst:05d}.pt")
+    (found,) = registry.describe(tmp_path)[1].extras["findings"]
+    assert found["rule"] == "misplaced-file", found
+    if named is None:
+        assert "hold the same bytes" in found["message"] and "the blocks do not tell" in found["message"], found
+        assert f"shard_{dst:05d}.pt" in found["message"] and f"shard_{src:05d}.pt" in found["message"]
+    else:
+        assert found["file"] == f"shard_{named:05d}.pt", found
+        assert f"was copied over rank {named}'s file" in found["message"], found
+
+
+def test_a_file_saved_under_another_ranks_name_is_named(tmp_path):
+    """torch.save names the archive inside a file after the file, and a rename or copy keeps it:
+    DDP rank files (replicated weights, each rank its own RNG) swapped verified clean, as nothing
+    in their tensors differs. A save to a temporary name renamed into place is no finding."""
+    ck = tmp_path / "ddp"
+    shutil.copytree(RS / "ddp", ck)
+    a, b = ck / "shard_00000_of_00002.pt", ck / "shard_00001_of_00002.pt"
+    a.rename(ck / "x")
+    b.rename(a)
+    (ck / "x").rename(b)
+    r = run_cli("verify", ck, "--json")
+    (found,) = [f for f in json.loads(r.stdout)["findings"] if f["rule"] == "misplaced-file"]
+    assert r.code == 1 and found["file"] == a.name, r.stdout
+    assert found["message"].startswith(f"{a.name} and {b.name} were swapped: each was saved under the other's name")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    for rank in range(2):
+        torch.save({"w": torch.ones(2), "step": 1}, tmp / f"shard_{rank:05d}.pt.tmp")
+        (tmp / f"shard_{rank:05d}.pt.tmp").rename(tmp / f"shard_{rank:05d}.pt")
+    assert "findings" not in registry.describe(tmp)[1].extras
+    assert run_cli("verify", tmp).code == 0

@@ -55,6 +55,54 @@ NESTED_LIMIT = 64 * 2**20
 """Largest byte value scanned for a nested pickle (TransformerEngine's are a few KiB)."""
 
 
+def saved_as(root: Path, inner: dict[str, str], sizes: dict[str, int]) -> tuple[str, str] | None:
+    """Files saved under another file's name: ``torch.save(obj, path)`` names the archive inside a
+    file after the file (``shard_00001/data.pkl`` in ``shard_00001.pt``), and a rename or a copy
+    keeps it. ``inner``: each file's archive name. A file whose archive is named after another file
+    of its folder is that file's save, whatever its bytes hold (a swap of files of one size and
+    structure, or of replicated data, shows nowhere else). Archives named otherwise (a save to a
+    temporary name renamed into place; into an open file, ``archive``) say nothing, nor do files
+    of one name in many folders (Megatron's ``model_optim_rng.pt``). Returns the first such file
+    and a message naming each, or None."""
+
+    def stem(rel: str) -> tuple[str, str]:
+        folder, _, base = rel.rpartition("/")
+        return folder, base.rpartition(".")[0] or base
+
+    by_stem = {stem(rel): rel for rel in inner}
+    moved = {}
+    for rel, name in sorted(inner.items()):
+        other = by_stem.get((stem(rel)[0], name))
+        if other is not None and other != rel:
+            moved[rel] = other
+    if not moved:
+        return None
+    said = []
+    for a, b in moved.items():
+        if moved.get(b) == a:
+            if a < b:
+                said.append(f"{a} and {b} were swapped: each was saved under the other's name")
+        elif inner.get(b) == stem(b)[1] and sizes.get(a) == sizes.get(b) and same_bytes(root / a, root / b):
+            said.append(f"{a} is a copy of {b}: {b} was copied over it")
+        else:
+            said.append(f"{a} was saved as {b}")
+    first = next(iter(moved))
+    message = "; ".join(said[:4]) + (" …" if len(said) > 4 else "")
+    return first, f"{message} (torch.save names the archive inside a file after the file; {first}'s is {inner[first]}/)"
+
+
+def same_bytes(a: Path, b: Path) -> bool:
+    """Whether two files of one size hold the same bytes (read until they differ)."""
+    try:
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            while chunk := fa.read(1 << 20):
+                if chunk != fb.read(len(chunk)):
+                    return False
+    except OSError:
+        return False
+    return True
+
+
 def nested_refusal(archive: _torchzip.Archive, value: Any) -> str | None:
     """For a value that holds a nested pickle (``_extra_state``: a uint8 tensor of pickled bytes,
     or an ``io.BytesIO``), the first global it names outside the nested allowlist; else None."""

@@ -27,6 +27,7 @@ from ckpttool import _torchzip, _unpickle
 from ckpttool.dtypes import BY_NAME
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, UnsafePickleError
+from ckpttool.formats import _pt
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Detection, PieceReader
 from ckpttool.geometry import Box
@@ -774,25 +775,13 @@ def holders(
             and (telling := sorted(starts.get(o, set()) - starts.get(rel, set()))[:3])
             and _records_at(root / rel, telling)
         ]
-        if len(found) > 1 and len(copied := [o for o in found if _same_bytes(root / rel, root / o)]) == 1:
+        if len(found) > 1 and len(copied := [o for o in found if _pt.same_bytes(root / rel, root / o)]) == 1:
             moved[rel] = Holder((copied[0],))
         elif len(found) > 1 and len(swapped := [o for o in found if o in suspects]) == 1:
             moved[rel] = Holder((swapped[0],), tuple(o for o in found if o != swapped[0]))
         elif found:
             moved[rel] = Holder(tuple(found))
     return moved
-
-
-def _same_bytes(a: Path, b: Path) -> bool:
-    """Whether two files of one size hold the same bytes (read until they differ)."""
-    try:
-        with open(a, "rb") as fa, open(b, "rb") as fb:
-            while chunk := fa.read(1 << 20):
-                if chunk != fb.read(len(chunk)):
-                    return False
-    except OSError:
-        return False
-    return True
 
 
 def misplaced_error(moved: dict[str, Holder], sizes: dict[str, int]) -> CorruptFileError | None:

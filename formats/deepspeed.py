@@ -580,6 +580,7 @@ class DeepSpeedAdapter:
         if prefix:
             listing += [(p.name, os.stat(confine(root, p.name)).st_size) for p in sorted(root.iterdir()) if p.is_file()]
         files: dict[str, Any] = {}
+        inner: dict[str, str] = {}  # the name torch.save gave the archive inside each file
         roles: list[FileRecord] = []
         stray: dict[str, str] = {}  # rank files outside the tag directory (DeepSpeed never reads those)
         for rel, size in listing:
@@ -595,6 +596,7 @@ class DeepSpeedAdapter:
                 archive, obj, _ = _pt.load(root, rel, ALLOWLIST)
                 archive.close()
                 files[rel] = obj
+                inner[rel] = archive.prefix.rstrip("/")
                 roles.append(FileRecord(path=rel, size=size, role="data"))
         if save_dir != tag_dir:
             manifest.extras["tag"] = tag_dir.name
@@ -718,6 +720,14 @@ class DeepSpeedAdapter:
             manifest.extras["ds_config"] = {k: v for k, v in flatten(cfg) if isinstance(v, int | float | str | bool)}
         for (dp, mp), rel in optims.items():
             manifest.file(rel).ranks = [dp * mp_size + mp]
+        # files whose content the checks above could not place: named by the archive inside them
+        if renamed := _pt.saved_as(root, inner, {f.path: f.size for f in roles}):
+            raise CorruptFileError(
+                renamed[1],
+                hint="put each file back under its own name, or restore the tag directory from the save",
+                path=renamed[0],
+                rule="misplaced-file",
+            )
         return manifest
 
     def _describe_universal(self, path: Path) -> Manifest:

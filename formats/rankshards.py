@@ -184,33 +184,16 @@ def _blocks_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str
 
 
 def _saved_as(manifest: Manifest, shards: dict[int, str], inner: dict[int, str]) -> dict[str, Any] | None:
-    """Rank files saved under another rank's name: ``torch.save(obj, path)`` names the archive
-    inside the file after the file (``shard_00001/data.pkl``), and renaming or copying the file
-    keeps it. A file whose archive is named after another rank's file is that rank's save,
-    whatever its bytes (a swap of files of one size and structure, or of replicated data, shows
-    nowhere else). Archives named otherwise (a save to a temporary name, or into an open file:
-    ``archive``) say nothing."""
-    stems = {Path(rel).stem: r for r, rel in shards.items()}
-    moved = {r: stems[name] for r, name in sorted(inner.items()) if stems.get(name, r) != r}
-    if not moved:
+    """Rank files saved under another rank's name (:func:`_pt.saved_as`)."""
+    found = _pt.saved_as(
+        Path(manifest.root), {shards[r]: name for r, name in inner.items()}, {f.path: f.size for f in manifest.files}
+    )
+    if found is None:
         return None
-    root, sizes = Path(manifest.root), {f.path: f.size for f in manifest.files}
-    said = []
-    for r, q in moved.items():
-        a, b = shards[r], shards[q]
-        if moved.get(q) == r:
-            if r < q:
-                said.append(f"{a} and {b} were swapped: each was saved under the other's name")
-        elif inner.get(q) == Path(b).stem and sizes.get(a) == sizes.get(b) and _same_bytes(root / a, root / b):
-            said.append(f"{a} is a copy of {b} (it was saved as {b}): rank {q}'s file was copied over rank {r}'s")
-        else:
-            said.append(f"{a} was saved as {b}")
-    first = shards[next(iter(moved))]
     return {
         "rule": "misplaced-file",
-        "file": first,
-        "message": "; ".join(said[:4]) + (" …" if len(said) > 4 else "") + " (torch.save names the archive inside a "
-        f"file after the file; {first}'s is {inner[next(iter(moved))]}/)",
+        "file": found[0],
+        "message": found[1],
         "hint": "put each file back under its rank's name, or restore the overwritten ones from the save",
     }
 
@@ -266,7 +249,8 @@ def _copied_over(manifest: Manifest, shards: dict[int, str]) -> dict[str, Any] |
     groups: list[list[int]] = []
     for r in sorted(suspects):  # files of the same bytes, in rank order
         for g in groups:
-            if sizes.get(shards[g[0]]) == sizes.get(shards[r]) and _same_bytes(root / shards[g[0]], root / shards[r]):
+            a, b = shards[g[0]], shards[r]
+            if sizes.get(a) == sizes.get(b) and _pt.same_bytes(root / a, root / b):
                 g.append(r)
                 break
         else:
@@ -351,18 +335,6 @@ def _placed_evenly(
         keep = [d for d, n in enumerate(cut) if n > 1]
         return _meshed({tuple(k[d] for d in keep): r for k, r in grid.items()}, tuple(cut[d] for d in keep), known)
     return all(_submesh(frozenset(r), world, subs) for r in moved.values())
-
-
-def _same_bytes(a: Path, b: Path) -> bool:
-    """Whether two files of one size hold the same bytes (read until they differ)."""
-    try:
-        with open(a, "rb") as fa, open(b, "rb") as fb:
-            while chunk := fa.read(1 << 20):
-                if chunk != fb.read(len(chunk)):
-                    return False
-    except OSError:
-        return False
-    return True
 
 
 def _meshed(

@@ -224,6 +224,29 @@ def test_pipeline_stages_swapped_optimizer_files_are_named(tmp_path):
     assert r.code == 3 and a in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("how", ["swapped", "copied"])
+def test_layer_files_of_one_shape_swapped_or_copied_are_named(how, tmp_path):
+    """Two pipeline layer files of the same shapes swapped (or one copied over the other) read as
+    valid layers with the wrong weights: verify said replica-mismatch against the other
+    model-parallel rank's copy, naming no file. torch.save named the archive inside each file after
+    the file, and the rename or copy kept it."""
+    path = _copy("pipeline", tmp_path)
+    a, b = "layer_02-model_00-model_states.pt", "layer_03-model_00-model_states.pt"
+    if how == "swapped":
+        _swap(path / TAG, a, b)
+        said = f"{TAG}/{a} and {TAG}/{b} were swapped: each was saved under the other's name"
+    else:
+        shutil.copy2(path / TAG / b, path / TAG / a)
+        said = f"{TAG}/{a} is a copy of {TAG}/{b}: {TAG}/{b} was copied over it"
+    code, findings = _verify_cli(path)
+    assert code == 1, findings
+    (f,) = [f for f in findings if f["severity"] == "error"]
+    assert f["rule"] == "misplaced-file" and f["file"] == f"{TAG}/{a}", f
+    assert f["message"].startswith(said), f
+    r = run_cli("reshard", path, "-o", tmp_path / "out", "--dp", "1", cwd=tmp_path)
+    assert r.code == 3 and a in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_reshard_refuses_a_source_whose_pieces_leave_a_gap(tmp_path, monkeypatch):
     """A tensor whose pieces do not cover it (here: one partition's piece dropped from the
     manifest, as a rank file read for another's would leave): the DeepSpeed writers would fill the

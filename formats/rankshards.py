@@ -211,7 +211,7 @@ def _copied_over(manifest: Manifest, shards: dict[int, str]) -> dict[str, Any] |
     The copy is named where one file of the same bytes alone, holding the blocks too few ranks
     hold, gives every such tensor a layout of a mesh (:func:`_placed_evenly`); else the files of
     the same bytes are named together."""
-    uneven: list[tuple[Item, _Cells | None]] = []
+    uneven: list[_Cells | None] = []  # (each uneven tensor's grid, where it has one)
     suspects: set[int] = set()
     example = ""
     for item in manifest.items.values():
@@ -232,7 +232,7 @@ def _copied_over(manifest: Manifest, shards: dict[int, str]) -> dict[str, Any] |
         crowded = [(b, r) for b, r in holders.items() if len(r) == most]
         for _block, ranks in crowded:
             suspects |= ranks
-        uneven.append((item, _cells(item.shape, holders)))
+        uneven.append(_cells(item.shape, holders))
         if not example:
             block, ranks = crowded[0]
             at = ", ".join(f"{o}:{o + n}" for o, n in zip(*block, strict=True))
@@ -265,7 +265,7 @@ def _copied_over(manifest: Manifest, shards: dict[int, str]) -> dict[str, Any] |
         c
         for g in groups
         for c in g
-        if all(cells is None or _placed_evenly(cells, c, world, subs, known) for _, cells in uneven)
+        if all(cells is None or _placed_evenly(cells, c, world, subs, known) for cells in uneven)
     ]
     hint = "restore the overwritten rank's file from the save"
     if len(fits) == 1:

@@ -15,7 +15,6 @@ CLI renders it (human, JSON, JUnit, GitHub) and picks the exit code. Checks:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import threading
@@ -33,7 +32,7 @@ from ckpttool import registry
 from ckpttool.assemble import assemble, regions
 from ckpttool.dtypes import bf16_to_float32, float32_to_bf16
 from ckpttool.errors import CkptError, FormatNotRecognizedError, NotFoundError, PathEscapeError
-from ckpttool.formats.base import Adapter, PieceReader
+from ckpttool.formats.base import Adapter
 from ckpttool.geometry import coverage
 from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
 from ckpttool.io import checking_crcs, followed, outside
@@ -1095,20 +1094,19 @@ def _in_param_groups(manifest: Manifest, adapter: Adapter, untracked: list[str],
     listed: set[str] = set()
     lists = [manifest.items[n] for n in flat if _GROUP_PARAMS.match(n)]
     if lists:
-        with contextlib.ExitStack() as stack:
-            reader: PieceReader | None = None
-            for item in lists:
-                value = item.value
-                if value is None and item.summary is not None and not item.error:
-                    if reader is None:
-                        reader = stack.enter_context(adapter.reader(manifest))
-                    try:
-                        value = reader.read_object(item)
-                    except CkptError:
-                        return untracked
-                if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
-                    return untracked  # indices (torch's optimizer.state_dict()), or unreadable
-                listed.update(value)
+        unkept = [i for i in lists if i.value is None and i.summary is not None and not i.error]  # (long lists)
+        read: dict[str, Any] = {}
+        if unkept:
+            try:
+                with adapter.reader(manifest) as reader:
+                    read = {i.name: reader.read_object(i) for i in unkept}
+            except CkptError:
+                return untracked
+        for item in lists:
+            value = read.get(item.name, item.value)
+            if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+                return untracked  # indices (torch's optimizer.state_dict()), or unreadable
+            listed.update(value)
     else:  # flattened: each parameter's group entries under its name
         for key in (n.split(".param_groups.", 1)[1].split(".") for n in flat):
             listed.update(".".join(key[:i]) for i in range(1, len(key)))

@@ -888,6 +888,22 @@ def test_a_dry_run_names_every_file_the_run_writes(source, argv, sealed, tmp_pat
     assert sorted(planned) == sorted(rel for rel, _ in list_files(out))
 
 
+def _planned_then_written(cli, src, out, argv):
+    """The plan ``reshard --dry-run --json`` prints, after which the same command has written ``out``."""
+    plan = json.loads(cli("reshard", src, "-o", out, *argv, "--dry-run", "--json").stdout)
+    assert cli("reshard", src, "-o", out, *argv).code == 0
+    return plan
+
+
+def _storages(path):
+    """(count, bytes) of the tensor storages of a torch.save file."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        sizes = [i.file_size for i in z.infolist() if "/data/" in i.filename]
+    return len(sizes), sum(sizes)
+
+
 @pytest.mark.parametrize(
     ("source", "argv"),
     [
@@ -910,15 +926,10 @@ def test_a_dry_run_counts_every_tensor_of_a_legacy_rank_file(source, argv, tmp_p
     source holds them, were left out of the plan's tensors and bytes (108 tensors, 231.4 kB planned;
     140 and 236.6 kB written); from a torch_dist source, the RNG records (objects with tensors
     inside: 135 planned)."""
-    import zipfile
-
     out = tmp_path / "out"
-    plan = json.loads(cli("reshard", FIXTURES / "megatron" / source, "-o", out, *argv, "--dry-run", "--json").stdout)
-    assert cli("reshard", FIXTURES / "megatron" / source, "-o", out, *argv).code == 0
+    plan = _planned_then_written(cli, FIXTURES / "megatron" / source, out, argv)
     for f in plan["files"]:
-        with zipfile.ZipFile(out / f["path"]) as z:
-            storages = [i.file_size for i in z.infolist() if "/data/" in i.filename]
-        assert (f["tensors"], f["nbytes"]) == (len(storages), sum(storages)), f["path"]
+        assert (f["tensors"], f["nbytes"]) == _storages(out / f["path"]), f["path"]
 
 
 @pytest.mark.parametrize(
@@ -942,12 +953,9 @@ def test_a_dry_run_counts_every_tensor_of_a_zero_file(source, argv, tmp_path, cl
     ZeRO-3 rank's module placeholders and a universal step.pt were left out or miscounted (zero2
     --dp 1: 6 tensors, 32,832 bytes planned; 8 and 32,836 written). A file copied as it is plans
     its bytes."""
-    import zipfile
-
     out = tmp_path / "out"
     src = FIXTURES / "deepspeed" / source
-    plan = json.loads(cli("reshard", src, "-o", out, *argv, "--dry-run", "--json").stdout)
-    assert cli("reshard", src, "-o", out, *argv).code == 0
+    plan = _planned_then_written(cli, src, out, argv)
     copies = 0
     for f in plan["files"]:
         written = out / f["path"]
@@ -956,10 +964,9 @@ def test_a_dry_run_counts_every_tensor_of_a_zero_file(source, argv, tmp_path, cl
             copies += 1
             assert f["nbytes"] == written.stat().st_size, f["path"]
             continue
-        with zipfile.ZipFile(written) as z:
-            storages = [i.file_size for i in z.infolist() if "/data/" in i.filename]
-        assert (f["tensors"], f["nbytes"]) == (len(storages), sum(storages)), f["path"]
-        assert 0 < f["peak"] or not storages
+        storages = _storages(written)
+        assert (f["tensors"], f["nbytes"]) == storages, f["path"]
+        assert 0 < f["peak"] or not storages[0]
     assert copies < len(plan["files"])
 
 
@@ -978,8 +985,7 @@ def test_a_dry_run_counts_the_tensor_records_of_a_distcp_file(source, argv, tmp_
     from collections import Counter
 
     out = tmp_path / "out"
-    plan = json.loads(cli("reshard", FIXTURES / source, "-o", out, *argv, "--dry-run", "--json").stdout)
-    assert cli("reshard", FIXTURES / source, "-o", out, *argv).code == 0
+    plan = _planned_then_written(cli, FIXTURES / source, out, argv)
     _, m = registry.describe(out)
     tensors, nbytes = Counter(), Counter()
     for item in m.items.values():

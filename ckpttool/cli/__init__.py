@@ -972,6 +972,9 @@ def _regex(pattern: str | None) -> str | None:
 
 def main() -> None:
     """Console-script entry point."""
+    from ckpttool import interrupt
+
+    interrupt.install()  # Ctrl-C that never leaves a thread pool's lock held (see there)
     try:
         app()
     except KeyboardInterrupt:

@@ -652,3 +652,61 @@ def test_rank_local_dcp_files_in_each_others_places_are_named(how, tmp_path):
     assert code == 1
     (found,) = report["findings"]
     assert found["rule"] == "misplaced-file" and said in found["message"], found
+
+
+@pytest.mark.parametrize(
+    ("fixture", "src", "dst", "severity", "said"),
+    [
+        # rank-local DCP: ranks 0..2 have one structure and one size
+        (FIXTURES / "dcp" / "fsdp2_ranklocal", "__0_0.distcp", "__1_0.distcp", "error",
+         "(model.pos [0:3, 0:16] in one, [3:6, 0:16] in the other)"),
+        # one item a file: rank 0's shard of qkv copied over rank 1's
+        (FIXTURES / "dcp" / "fsdp2_per_item", "__0_3.distcp", "__1_4.distcp", "error",
+         "(model.blocks.0.qkv.weight [0:12, 0:16] in one, [12:24, 0:16] in the other)"),
+        # torch_dist, PP stage 0's TP-1 file over stage 1's: different tensors, which a save may write equal
+        (MG / "dist_tp2pp2", "iter_0000003/__1_1.distcp", "iter_0000003/__3_1.distcp", "warning",
+         "unless the save wrote these tensors equal (tied or cloned weights)"),
+    ],
+)  # fmt: skip
+def test_a_file_copied_over_another_of_its_size_and_structure_is_named_without_a_seal(
+    fixture, src, dst, severity, said, tmp_path
+):
+    """Each record of the copy sits where the metadata looks for one, and reads: without a seal
+    verify said nothing. Two files with the same bytes that the metadata says hold different pieces
+    are named: an error where they are two parts of one tensor, a warning where different tensors."""
+    path = tmp_path / "ck"
+    shutil.copytree(fixture, path)
+    clean = _findings(path)[1]["findings"]
+    times = os.stat(path / dst)
+    (path / dst).write_bytes((path / src).read_bytes())
+    os.utime(path / dst, ns=(times.st_atime_ns, times.st_mtime_ns))
+    code, report = _findings(path)
+    (found,) = [f for f in report["findings"] if f not in clean]
+    first, second = sorted(rel.split("/")[-1] for rel in (src, dst))  # (relative to the iteration's folder)
+    assert (found["rule"], found["severity"], found["file"]) == ("misplaced-file", severity, first)
+    assert found["message"].startswith(f"{first} and {second} hold the same ")
+    assert said in found["message"] and "one was copied over another" in found["message"]
+    assert code == (1 if severity == "error" else 0)
+
+
+def test_files_a_save_wrote_equal_are_not_called_copies(tmp_path):
+    """Two files of one save may hold the same bytes: tensors of one value (zeros: nothing to say)
+    or tensors the save wrote equal (tied weights: a warning that says so, never an error)."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    for name, value in (("zeros", torch.zeros(64)), ("tied", torch.arange(64.0))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (no process group: torch warns that it saves as one rank)
+            writer = dcp.FileSystemWriter(tmp_path / name, thread_count=2)
+            dcp.save({"a": value, "b": value.clone()}, storage_writer=writer, no_dist=True)
+        a, b = (tmp_path / name / f"__0_{t}.distcp" for t in (0, 1))
+        assert a.read_bytes() == b.read_bytes()  # one item a file, the same bytes
+        code, report = _findings(tmp_path / name)
+        copies = [f for f in report["findings"] if f["rule"] == "misplaced-file"]
+        assert code == 0
+        if name == "zeros":
+            assert not copies
+        else:
+            (found,) = copies
+            assert found["severity"] == "warning" and "(a in one, b in the other)" in found["message"]

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain, repeat
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 from ckpttool import __version__, registry
 from ckpttool import io as ckio
@@ -524,6 +524,107 @@ def hash_pieces(
     return file_digests, span_digests, where
 
 
+class Copy(NamedTuple):
+    """Data files with the same bytes that the metadata says hold different pieces."""
+
+    files: tuple[str, ...]
+    message: str
+    severity: Literal["error", "warning"]
+    hint: str = "restore the files from the save (a seal taken when it was written names the copy)"
+
+
+def copied_files(adapter: Adapter, manifest: Manifest, digests: Mapping[str, FileDigest]) -> list[Copy]:
+    """Data files with the same bytes (``digests``: each file's) where the metadata places
+    different pieces, not replicas of one another: one was copied over another. Nothing else tells
+    without a seal: a DCP file or a ``torch_dist`` one copied over another of its size and record
+    structure reads as well-formed, each record where the metadata looks for one.
+
+    An error where the two hold different parts of one tensor that are not all one value (a TP or
+    FSDP shard copied over its neighbour's); a warning where they hold different tensors only,
+    which a save may write equal (tied or cloned weights, a step-0 EMA). Files whose tensors are
+    all one value (zeros, ones) may hold the same bytes in a clean save and are let be."""
+    groups: dict[tuple[int, str], list[str]] = {}
+    for rel, d in digests.items():
+        if d.digest is not None and d.size > 0:
+            groups.setdefault((d.size, d.digest), []).append(rel)
+    held: dict[str, list[tuple[Item, Piece]]] = {}
+    found: list[Copy] = []
+    for (size, _), rels in sorted(groups.items(), key=lambda kv: sorted(kv[1])):
+        if len(rels) < 2:
+            continue
+        if not held:
+            for item in manifest.items.values():
+                for p in item.pieces:
+                    held.setdefault(p.file, []).append((item, p))
+        rels = sorted(rels)
+        keys = {rel: {(i.name, p.box, p.flat) for i, p in held.get(rel, ())} for rel in rels}
+        first = rels[0]
+        other = next((r for r in rels[1:] if keys[r] != keys[first]), None)
+        if other is None:
+            continue  # replicas of one another (a DP copy each rank saved)
+        theirs = {i.name: p for i, p in held.get(other, ())}
+        split = [
+            (i, p) for i, p in held.get(first, ()) if (q := theirs.get(i.name)) and (q.box, q.flat) != (p.box, p.flat)
+        ]
+        severity: Literal["error", "warning"]
+        if (telling := _not_one_value(adapter, manifest, split)) is not None:
+            item, p = telling
+            example, severity, unless = (
+                f"{item.name} {_region(p)} in one, {_region(theirs[item.name])} in the other",
+                "error",
+                "",
+            )
+        elif (telling := _not_one_value(adapter, manifest, held.get(first, []))) is not None:
+            mine = {i.name for i, _ in held.get(first, ())}
+            only = next((i.name for i, _ in held.get(other, ()) if i.name not in mine), None)
+            example, severity = f"{telling[0].name} in one, {only or 'other tensors'} in the other", "warning"
+            unless = ", unless the save wrote these tensors equal (tied or cloned weights)"
+        else:
+            continue
+        listed = ", ".join(rels[:-1]) + " and " + rels[-1] if len(rels) < 5 else ", ".join(rels[:4]) + " …"
+        found.append(
+            Copy(
+                tuple(rels),
+                f"{listed} hold the same {size:,} bytes, where the metadata places different pieces in them "
+                f"({example}): one was copied over another{unless}; which, nothing in the checkpoint tells",
+                severity,
+            )
+        )
+    return found
+
+
+def _not_one_value(
+    adapter: Adapter, manifest: Manifest, pieces: Iterable[tuple[Item, Piece]]
+) -> tuple[Item, Piece] | None:
+    """The first of ``pieces`` (tensors) whose values are not all one value: bytes two files hold
+    the same only by being copies. Read from the file, where the piece is stored raw."""
+    from ckpttool.dtypes import carrier
+
+    tensors = [(i, p) for i, p in pieces if i.is_tensor and p.nbytes > 0]
+    if not tensors:
+        return None
+    root = Path(manifest.root)
+    with adapter.reader(manifest) as reader:
+        for item, piece in tensors:
+            try:
+                span = reader.raw_span(piece, item)
+            except CkptError:
+                continue
+            if span is None or span[1] <= (width := carrier(str(item.dtype)).itemsize):
+                continue
+            with open(root / piece.file, "rb") as fh:
+                fh.seek(span[0])
+                raw = fh.read(span[1])
+            if raw[width:] != raw[:-width]:  # not one element repeated
+                return item, piece
+    return None
+
+
+def _region(p: Piece) -> str:
+    box = "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(p.box.offsets, p.box.sizes, strict=True)) + "]"
+    return box + (f" elements {p.flat[0]}..{p.flat[0] + p.flat[1]}" if p.flat is not None else "")
+
+
 def seal(
     path: str | Path,
     *,
@@ -571,6 +672,12 @@ def seal(
             if d.digest is None:
                 raise CorruptFileError(f"{f.path}: cannot be read ({d.error})", path=f.path)
             f.checksum = d.digest
+    data_files = {f.path for f in manifest.files if f.role == "data"}
+    for copy in copied_files(adapter, manifest, {rel: d for rel, d in file_digests.items() if rel in data_files}):
+        if copy.severity == "error":  # (a warning's files may be what the save wrote: sealed)
+            raise CorruptFileError(
+                f"{copy.message}; not sealed", hint=copy.hint, path=copy.files[0], rule="misplaced-file"
+            )
     records = []
     for item in manifest.items.values():
         for i, piece in enumerate(item.pieces):

@@ -41,6 +41,7 @@ from ckpttool.seal import (
     Expected,
     PieceRecord,
     Seal,
+    copied_files,
     crc_failures,
     default_seal_path,
     in_file_order,
@@ -492,94 +493,15 @@ def _check_misplaced(report: VerifyReport, manifest: Manifest, adapter: Adapter)
 
 
 def _check_copies(report: VerifyReport, manifest: Manifest, adapter: Adapter, digests: dict[str, FileDigest]) -> None:
-    """Data files with the same bytes where the metadata places different pieces (not replicas of
-    one another): one was copied over the other. Without a seal nothing else tells: a DCP file or a
-    ``torch_dist`` one copied over another of its size and structure reads as well-formed, each
-    record where the metadata looks for one.
-
-    An error where the two hold different parts of one tensor (a TP or FSDP shard copied over its
-    neighbour) that are not all one value; a warning where they hold different tensors only, which
-    a save may write equal (tied or cloned weights, a step-0 EMA). Files whose tensors are all one
-    value (zeros, ones) may hold the same bytes legitimately and are let be; so are files a finding
-    already names (the format's own misplaced-file says which is the copy)."""
+    """Data files with the same bytes where the metadata places different pieces
+    (:func:`ckpttool.seal.copied_files`), except those a finding already names (the format's own
+    misplaced-file says which is the copy)."""
     named = {f.file for f in report.findings if f.file}
     named.update(m for f in report.findings if f.rule == "misplaced-file" for m in f.message.split())
-    groups: dict[tuple[int, str], list[str]] = defaultdict(list)
-    for rel, d in digests.items():
-        if d.digest is not None and d.size > 0 and rel not in named:
-            groups[(d.size, d.digest)].append(rel)
-    held: dict[str, list[tuple[Item, Piece]]] = defaultdict(list)
-    for (size, _), rels in sorted(groups.items(), key=lambda kv: sorted(kv[1])):
-        if len(rels) < 2:
-            continue
-        if not held:
-            for item in manifest.items.values():
-                for p in item.pieces:
-                    held[p.file].append((item, p))
-        rels = sorted(rels)
-        keys = {rel: {(i.name, p.box, p.flat) for i, p in held[rel]} for rel in rels}
-        first = rels[0]
-        other = next((r for r in rels[1:] if keys[r] != keys[first]), None)
-        if other is None:
-            continue  # replicas of one another (a DP copy each rank saved)
-        theirs = {i.name: p for i, p in held[other]}
-        split = [(i, p, q) for i, p in held[first] if (q := theirs.get(i.name)) and (q.box, q.flat) != (p.box, p.flat)]
-        telling = _telling(Path(manifest.root), [(i, p) for i, p, _ in split], adapter, manifest)
-        severity: Severity
-        if telling is not None:
-            item, p = telling
-            q = theirs[item.name]
-            example, severity = f"{item.name} {_region(p)} in one, {_region(q)} in the other", "error"
-            unless = ""
-        elif (telling := _telling(Path(manifest.root), held[first], adapter, manifest)) is not None:
-            mine = {i.name for i, _ in held[first]}
-            only = next((i.name for i, _ in held[other] if i.name not in mine), None)
-            example, severity = f"{telling[0].name} in one, {only or 'other tensors'} in the other", "warning"
-            unless = ", unless the save wrote these tensors equal (tied or cloned weights)"
-        else:
-            continue
-        listed = ", ".join(rels[:-1]) + " and " + rels[-1] if len(rels) < 5 else ", ".join(rels[:4]) + " …"
+    for copy in copied_files(adapter, manifest, {rel: d for rel, d in digests.items() if rel not in named}):
         report.findings.append(
-            finding(
-                "misplaced-file",
-                f"{listed} hold the same {size:,} bytes, where the metadata places different pieces in them "
-                f"({example}): one was copied over another{unless}; which, nothing in the checkpoint tells",
-                severity=severity,
-                file=first,
-                hint="restore the files from the save (a seal taken when it was written names the copy)",
-            )
+            finding("misplaced-file", copy.message, severity=copy.severity, file=copy.files[0], hint=copy.hint)
         )
-
-
-def _telling(
-    root: Path, pieces: Iterable[tuple[Item, Piece]], adapter: Adapter, manifest: Manifest
-) -> tuple[Item, Piece] | None:
-    """The first of ``pieces`` (tensors) whose values are not all one value: bytes that two files hold
-    the same only by being copies. Read from the file where the piece is stored raw."""
-    from ckpttool.dtypes import carrier
-
-    tensors = [(i, p) for i, p in pieces if i.is_tensor and p.nbytes > 0]
-    if not tensors:
-        return None
-    with adapter.reader(manifest) as reader:
-        for item, piece in tensors:
-            try:
-                span = reader.raw_span(piece, item)
-            except CkptError:
-                continue
-            if span is None or span[1] <= (width := carrier(str(item.dtype)).itemsize):
-                continue
-            with open(root / piece.file, "rb") as fh:
-                fh.seek(span[0])
-                raw = fh.read(span[1])
-            if raw[width:] != raw[:-width]:  # not one element repeated
-                return item, piece
-    return None
-
-
-def _region(p: Piece) -> str:
-    box = "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(p.box.offsets, p.box.sizes, strict=True)) + "]"
-    return box + (f" elements {p.flat[0]}..{p.flat[0] + p.flat[1]}" if p.flat is not None else "")
 
 
 def _dedupe(findings: list[Finding]) -> list[Finding]:

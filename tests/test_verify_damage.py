@@ -687,6 +687,12 @@ def test_a_file_copied_over_another_of_its_size_and_structure_is_named_without_a
     assert found["message"].startswith(f"{first} and {second} hold the same ")
     assert said in found["message"] and "one was copied over another" in found["message"]
     assert code == (1 if severity == "error" else 0)
+    sealed = run_cli("seal", path)  # a seal vouches for its bytes: not for a copy
+    if severity == "error":
+        assert sealed.code == 3 and "one was copied over another" in sealed.stderr and "not sealed" in sealed.stderr
+        assert not list(path.rglob("ckpttool.manifest.json"))
+    else:  # (different tensors: what the save may have written)
+        assert sealed.code == 0, sealed.stderr
 
 
 def test_files_a_save_wrote_equal_are_not_called_copies(tmp_path):

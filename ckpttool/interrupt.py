@@ -1,4 +1,4 @@
-"""Ctrl-C that never lands inside the standard library's lock handling.
+"""Ctrl-C (and SIGTERM) that never lands inside the standard library's lock handling.
 
 Python raises ``KeyboardInterrupt`` in the main thread wherever it happens to be, and some of those
 places leave a lock held: ``Condition.__enter__`` is Python code, so an interrupt right after the
@@ -81,25 +81,33 @@ def _unsafe(frame: FrameType | None) -> bool:
     return frame.f_lineno not in _WAITS.get(frame.f_code, ())
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler ending or preempting the job, ``kill``): handled as Ctrl-C is, outputs
+    in flight removed on the way out, and the command exits 143."""
+
+
 def _on_signal(signum: int, frame: FrameType | None) -> None:
-    if signum == signal.SIGINT:
-        _state["pending"] = True
+    if signum in (signal.SIGINT, signal.SIGTERM) and _state["pending"] != signal.SIGTERM:
+        _state["pending"] = signum  # (a SIGTERM is not turned back into a Ctrl-C by a later one)
     if not _state["pending"]:
         return  # an alarm ckpttool did not ask for
     if _unsafe(frame):
         signal.setitimer(signal.ITIMER_REAL, RETRY_S)
         return
-    _state["pending"] = False
-    raise KeyboardInterrupt
+    pending, _state["pending"] = _state["pending"], 0
+    raise Terminated if pending == signal.SIGTERM else KeyboardInterrupt
 
 
-_state = {"pending": False}
+_state = {"pending": 0}
+"""The signal waiting to be raised, 0 for none."""
 
 
 def install() -> bool:
-    """Take over SIGINT (and SIGALRM, for the retry) in a command's process; returns whether it
-    did. Left alone where SIGINT is not Python's default handler (ignored, as in a background job,
-    or someone else's) or SIGALRM is taken, and off the main thread."""
+    """Take over SIGINT and SIGTERM (and SIGALRM, for the retry) in a command's process; returns
+    whether it did. Left alone off the main thread, where SIGALRM is taken, and where SIGINT is not
+    Python's default handler (ignored, as in a background job, or someone else's); SIGTERM is
+    taken where it has its default action (the process killed without a word, its temporary
+    outputs left for the next run to sweep)."""
     if threading.current_thread() is not threading.main_thread():
         return False
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
@@ -108,4 +116,6 @@ def install() -> bool:
         return False
     signal.signal(signal.SIGALRM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _on_signal)
     return True

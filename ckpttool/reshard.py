@@ -321,10 +321,10 @@ class _FileExec:
                     results[i] = self.writer.write(*f.key, tmp / f.path, reader, progress)
             self.known.update(known)
             return results
-        # the workers ignore Ctrl-C (an ignored signal stays ignored in a spawned interpreter):
-        # this process alone handles it, stops them, and removes the output in flight
+        # the workers ignore Ctrl-C and SIGTERM (an ignored signal stays ignored in a spawned
+        # interpreter): this process alone handles them, stops them, and removes the output in flight
         main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
         try:
             pool = ProcessPoolExecutor(
                 min(workers, len(chosen)),
@@ -334,8 +334,8 @@ class _FileExec:
             )
             futures = [pool.submit(_run_task, f.key, str(tmp / f.path)) for f in chosen]
         finally:
-            if main:
-                signal.signal(signal.SIGINT, previous)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
         try:
             for i, fut in zip(indices, futures, strict=True):
                 result, size, known = fut.result()

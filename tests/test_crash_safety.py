@@ -566,17 +566,27 @@ def _has_children(pid: int) -> bool:
     return False
 
 
-def sigint_trials(
-    cmd: Command, work: Path, reference: tuple[Path, Timeline], *, wanted: int = 2, attempts: int = 6
+def signal_trials(
+    cmd: Command,
+    work: Path,
+    reference: tuple[Path, Timeline],
+    *,
+    wanted: int = 2,
+    attempts: int = 6,
+    sig: int = signal.SIGINT,
 ) -> tuple[str, list[str]]:
-    """Ctrl-C (SIGINT to the process group, as a terminal sends it) while the command is writing:
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it; or ``sig``, SIGTERM, as a
+    scheduler's ``kill`` of the job's process group) while the command is writing:
     the first right as its temp sibling appears, the others at a random moment of the write or of its
     first 5 ms (for a command with worker processes, once a worker runs). Interrupted, it must exit 130 with
-    "interrupted" on stderr and no traceback, leave no destination and nothing beside it. A SIGINT
-    that lands after the publication is not counted (the output must then be complete and the exit
-    0, 130 or death by SIGINT)."""
+    "interrupted" on stderr (SIGTERM: 143, "terminated") and no traceback, leave no destination and
+    nothing beside it. A signal that lands after the publication is not counted (the output must
+    then be complete and the exit 0, 130 (143) or death by the signal, which the interpreter's
+    teardown restores)."""
     ref, tl = reference
-    rng = random.Random(f"sigint-{cmd.name}")
+    name = signal.Signals(sig).name
+    code, word = (130, "interrupted") if sig == signal.SIGINT else (128 + sig, "terminated")
+    rng = random.Random(f"{name.lower()}-{cmd.name}")
     problems: list[str] = []
     interrupted = late = 0
     codes: Counter[int] = Counter()
@@ -593,44 +603,44 @@ def sigint_trials(
             time.sleep(rng.uniform(0.1, 0.6))
         elif writing and k:  # odd ones in the first 5 ms of the write, where thread pools start
             time.sleep(rng.uniform(0, max(tl.published - tl.tmp, 0.001) if k % 2 == 0 else 0.005))
-        _killpg(proc, signal.SIGINT)
+        _killpg(proc, sig)
         try:
             _, err_b = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:
             _killpg(proc, signal.SIGKILL)
             proc.communicate()
-            problems.append(f"SIGINT {k}: still running 120 s after Ctrl-C")
+            problems.append(f"{name} {k}: still running 120 s after it")
             continue
         err = err_b.decode(errors="replace")
         codes[proc.returncode] += 1
         if dest.exists():
             late += 1
             if (why := cmd.complete(dest, ref)) is not None:
-                problems.append(f"SIGINT {k}: exit {proc.returncode} with an incomplete output: {why}")
-            elif proc.returncode not in (0, 130, -signal.SIGINT):
-                problems.append(f"SIGINT {k} (after the publication): exit code {proc.returncode}")
+                problems.append(f"{name} {k}: exit {proc.returncode} with an incomplete output: {why}")
+            elif proc.returncode not in (0, code, -sig):
+                problems.append(f"{name} {k} (after the publication): exit code {proc.returncode}")
         else:
             interrupted += 1
-            if proc.returncode != 130:
-                problems.append(f"SIGINT {k}: exit code {proc.returncode}, not 130")
-            if "interrupted" not in err:
-                problems.append(f"SIGINT {k}: no 'interrupted' on stderr (stderr: {err.strip()[-200:]!r})")
+            if proc.returncode != code:
+                problems.append(f"{name} {k}: exit code {proc.returncode}, not {code}")
+            if word not in err:
+                problems.append(f"{name} {k}: no '{word}' on stderr (stderr: {err.strip()[-200:]!r})")
             if "Traceback" in err:
-                problems.append(f"SIGINT {k}: a traceback on stderr: ...{err.strip()[-300:]!r}")
+                problems.append(f"{name} {k}: a traceback on stderr: ...{err.strip()[-300:]!r}")
         if left := _siblings(dest):
-            problems.append(f"SIGINT {k}: left temp siblings {left} (holding {sorted(tree_digests(dest.parent / left[0]))})")
+            problems.append(f"{name} {k}: left temp siblings {left} (holding {sorted(tree_digests(dest.parent / left[0]))})")
         if stray := _leftovers(dest, allowed, tmpdir):
-            problems.append(f"SIGINT {k}: left {stray}")
+            problems.append(f"{name} {k}: left {stray}")
         if _source_digests(cmd, dest) != before:
-            problems.append(f"SIGINT {k}: the source changed")
+            problems.append(f"{name} {k}: the source changed")
         if interrupted >= wanted:
             break
     # at least two must land (or all wanted, when fewer): a command that publishes within
     # microseconds of its temp sibling (seal) gets most of its SIGINTs after the publication
     if interrupted < min(wanted, 2):
-        problems.append(f"only {interrupted} of {wanted} SIGINTs landed before the publication in {attempts} attempts")
+        problems.append(f"only {interrupted} of {wanted} {name}s landed before the publication in {attempts} attempts")
     figures = (
-        f"{cmd.name} SIGINT: sent={sum(codes.values())} interrupted={interrupted} after-publish={late} "
+        f"{cmd.name} {name}: sent={sum(codes.values())} interrupted={interrupted} after-publish={late} "
         f"exit codes={dict(codes)}"
     )
     return figures, problems
@@ -686,9 +696,21 @@ def test_sigkill_leaves_nothing_torn(name, commands, references, tmp_path, capsy
 def test_sigint_exits_130_and_cleans_up(name, commands, references, tmp_path, capsys):
     """Ctrl-C mid-write: exit 130, 'interrupted' on stderr, no traceback, nothing left."""
     cmd = commands[name]
-    figures, problems = sigint_trials(
+    figures, problems = signal_trials(
         cmd, tmp_path, references(cmd), wanted=cmd.interrupts, attempts=4 * cmd.interrupts
     )
+    _report(capsys, figures + "".join(f"\n  {p}" for p in problems))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("name", ["export", "reshard", "compress", "reshard-workers"])
+def test_sigterm_exits_143_and_cleans_up(name, commands, references, tmp_path, capsys):
+    """SIGTERM (a scheduler ending or preempting the job) mid-write is handled as Ctrl-C is: exit
+    143, 'terminated' on stderr, no traceback, nothing left (it used to kill the process at once and
+    leave its temporary output for the next run to sweep). reshard's worker processes ignore it, as
+    they do Ctrl-C: the command stops them."""
+    cmd = commands[name]
+    figures, problems = signal_trials(cmd, tmp_path, references(cmd), wanted=2, attempts=8, sig=signal.SIGTERM)
     _report(capsys, figures + "".join(f"\n  {p}" for p in problems))
     assert not problems, "\n".join(problems)
 

@@ -82,6 +82,27 @@ def test_an_interrupt_defers_inside_condition_enter_and_raises_in_a_blocking_wai
             t.join(5)
 
 
+def test_sigterm_raises_terminated_and_is_not_turned_back_into_ctrl_c(alarm_quiet):
+    """SIGTERM raises ``Terminated`` (a KeyboardInterrupt: every cleanup path takes it as Ctrl-C;
+    the CLI exits 143 with 'terminated'); a Ctrl-C arriving while it waits does not replace it."""
+    here = sys._getframe()
+    with pytest.raises(interrupt.Terminated):
+        interrupt._on_signal(signal.SIGTERM, here)
+    cond = threading.Condition()
+    cond.acquire()
+    entering = threading.Thread(target=lambda: cond.__enter__() and None, daemon=True)
+    entering.start()
+    try:
+        inside = _frame_of(entering)
+        interrupt._on_signal(signal.SIGTERM, inside)  # deferred
+        interrupt._on_signal(signal.SIGINT, inside)  # deferred, still a SIGTERM
+        with pytest.raises(interrupt.Terminated):
+            interrupt._on_signal(signal.SIGALRM, here)
+    finally:
+        cond.release()
+        entering.join(5)
+
+
 CHILD = textwrap.dedent(
     """
     import sys

@@ -69,11 +69,12 @@ def _handles_errors(fn: F) -> F:
                 traceback.print_exc()
             out.error(exc.message, exc.hint)
             raise typer.Exit(exc.exit_code) from None
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             # typer turns Ctrl-C into exit 130 by itself, silently; say what happened (outputs in
-            # flight were removed on the way out)
-            sys.stderr.write("interrupted\n")
-            raise typer.Exit(130) from None
+            # flight were removed on the way out); SIGTERM likewise, as the shell's 128 + 15
+            code, word = _stopped(exc)
+            sys.stderr.write(word + "\n")
+            raise typer.Exit(code) from None
         except (typer.Exit, typer.Abort, typer.BadParameter):
             raise
         except OSError as exc:
@@ -99,6 +100,13 @@ def _handles_errors(fn: F) -> F:
             raise typer.Exit(3) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _stopped(exc: KeyboardInterrupt) -> tuple[int, str]:
+    """Exit code and word for a command stopped by Ctrl-C or by SIGTERM."""
+    from ckpttool.interrupt import Terminated
+
+    return (143, "terminated") if isinstance(exc, Terminated) else (130, "interrupted")
 
 
 def _stdout_gone() -> bool:
@@ -977,6 +985,7 @@ def main() -> None:
     interrupt.install()  # Ctrl-C that never leaves a thread pool's lock held (see there)
     try:
         app()
-    except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
-        sys.exit(130)
+    except KeyboardInterrupt as exc:
+        code, word = _stopped(exc)
+        sys.stderr.write(word + "\n")
+        sys.exit(code)

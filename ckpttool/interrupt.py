@@ -9,12 +9,13 @@ ever, and the pool's shutdown, which waits for them, never returns: a command Ct
 milliseconds of its write hung instead of exiting 130 (seen once in about 40 tries of ``compress``).
 
 :func:`install` replaces the interpreter's SIGINT handler by one that raises the same
-``KeyboardInterrupt``, except while the main thread runs inside ``threading``, ``queue`` or
-``concurrent.futures``, or in a weak-reference callback (whose exceptions Python prints and drops,
-Ctrl-C with them): there it defers, and a timer asks again a few milliseconds later, by when that
-code has returned into the caller's. Blocking waits (``Condition.wait`` waiting for its waiter
-lock, ``Thread.join``) are the exception: the standard library releases or restores its locks when
-those are interrupted, and deferring there would make Ctrl-C wait for the work being waited on."""
+``KeyboardInterrupt`` (and SIGTERM's default action by :class:`Terminated`, one of those), except
+while the main thread runs inside ``threading``, ``queue`` or ``concurrent.futures``, or in a
+weak-reference callback (whose exceptions Python prints and drops, Ctrl-C with them): there it
+defers, and a timer asks again a few milliseconds later, by when that code has returned into the
+caller's. Blocking waits (``Condition.wait`` waiting for its waiter lock, ``Thread.join``) are the
+exception: the standard library releases or restores its locks when those are interrupted, and
+deferring there would make Ctrl-C wait for the work being waited on."""
 
 from __future__ import annotations
 

@@ -497,7 +497,7 @@ def _check_copies(report: VerifyReport, manifest: Manifest, adapter: Adapter, di
     (:func:`ckpttool.seal.copied_files`), except those a finding already names (the format's own
     misplaced-file says which is the copy)."""
     named = {f.file for f in report.findings if f.file}
-    named.update(m for f in report.findings if f.rule == "misplaced-file" for m in f.message.split())
+    named.update(w for f in report.findings if f.rule == "misplaced-file" for w in re.findall(r"[\w./-]+", f.message))
     for copy in copied_files(adapter, manifest, {rel: d for rel, d in digests.items() if rel not in named}):
         report.findings.append(
             finding("misplaced-file", copy.message, severity=copy.severity, file=copy.files[0], hint=copy.hint)

@@ -11,6 +11,7 @@ import bisect
 import contextlib
 import dataclasses
 import datetime as _dt
+import functools
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -539,16 +540,19 @@ def copied_files(adapter: Adapter, manifest: Manifest, digests: Mapping[str, Fil
     without a seal: a DCP file or a ``torch_dist`` one copied over another of its size and record
     structure reads as well-formed, each record where the metadata looks for one.
 
-    An error where the two hold different parts of one tensor that are not all one value (a TP or
-    FSDP shard copied over its neighbour's); a warning where they hold different tensors only,
-    which a save may write equal (tied or cloned weights, a step-0 EMA). Files whose tensors are
-    all one value (zeros, ones) may hold the same bytes in a clean save and are let be."""
+    An error where the two hold different parts of one tensor, not all one value, whose other
+    parts (in files outside the group) differ from them: a shard copied over its neighbour's. A
+    warning where nothing rules out a save that wrote them equal: different tensors only (tied or
+    cloned weights), or parts of a tensor whose parts are all equal as far as can be seen (experts
+    upcycled from one MLP, a tensor cut in two). Files whose tensors are all one value (zeros,
+    ones) may hold the same bytes in a clean save and are let be."""
     groups: dict[tuple[int, str], list[str]] = {}
     for rel, d in digests.items():
         if d.digest is not None and d.size > 0:
             groups.setdefault((d.size, d.digest), []).append(rel)
     held: dict[str, list[tuple[Item, Piece]]] = {}
     found: list[Copy] = []
+    root = Path(manifest.root)
     for (size, _), rels in sorted(groups.items(), key=lambda kv: sorted(kv[1])):
         if len(rels) < 2:
             continue
@@ -563,22 +567,26 @@ def copied_files(adapter: Adapter, manifest: Manifest, digests: Mapping[str, Fil
         if other is None:
             continue  # replicas of one another (a DP copy each rank saved)
         theirs = {i.name: p for i, p in held.get(other, ())}
-        split = [
-            (i, p) for i, p in held.get(first, ()) if (q := theirs.get(i.name)) and (q.box, q.flat) != (p.box, p.flat)
-        ]
-        severity: Literal["error", "warning"]
-        if (telling := _not_one_value(adapter, manifest, split)) is not None:
-            item, p = telling
-            example, severity, unless = (
-                f"{item.name} {_region(p)} in one, {_region(theirs[item.name])} in the other",
-                "error",
-                "",
-            )
-        elif (telling := _not_one_value(adapter, manifest, held.get(first, []))) is not None:
+        with adapter.reader(manifest) as reader:
+            raw = functools.partial(_raw_bytes, reader, root)
+            proof = _parts_differ(raw, held.get(first, ()), theirs, set(rels))
+            telling = proof or next(((i, p) for i, p in held.get(first, ()) if _not_one_value(raw(i, p), i)), None)
+        if proof is not None:
+            item, p = proof
+            example = f"{item.name} {_region(p)} in one, {_region(theirs[item.name])} in the other"
+            severity: Literal["error", "warning"] = "error"
+            unless = ""
+        elif telling is not None:
             mine = {i.name for i, _ in held.get(first, ())}
             only = next((i.name for i, _ in held.get(other, ()) if i.name not in mine), None)
-            example, severity = f"{telling[0].name} in one, {only or 'other tensors'} in the other", "warning"
-            unless = ", unless the save wrote these tensors equal (tied or cloned weights)"
+            q = theirs.get(telling[0].name)
+            example = (
+                f"{telling[0].name} {_region(telling[1])} in one, {_region(q)} in the other"
+                if q is not None
+                else f"{telling[0].name} in one, {only or 'other tensors'} in the other"
+            )
+            severity = "warning"
+            unless = ", unless the save wrote them equal (tied, cloned or upcycled weights)"
         else:
             continue
         listed = ", ".join(rels[:-1]) + " and " + rels[-1] if len(rels) < 5 else ", ".join(rels[:4]) + " …"
@@ -593,31 +601,57 @@ def copied_files(adapter: Adapter, manifest: Manifest, digests: Mapping[str, Fil
     return found
 
 
-def _not_one_value(
-    adapter: Adapter, manifest: Manifest, pieces: Iterable[tuple[Item, Piece]]
+def _parts_differ(
+    raw: Callable[[Item, Piece], bytes | None],
+    mine: Iterable[tuple[Item, Piece]],
+    theirs: Mapping[str, Piece],
+    group: set[str],
 ) -> tuple[Item, Piece] | None:
-    """The first of ``pieces`` (tensors) whose values are not all one value: bytes two files hold
-    the same only by being copies. Read from the file, where the piece is stored raw."""
+    """A piece of ``mine`` that is a part of a tensor the other file holds another part of, not
+    all one value, and unlike a third part of that tensor of its size in a file outside ``group``:
+    the tensor's parts are not all equal, so two equal ones are a copy (looked at for a few)."""
+    looked = 0
+    for item, p in mine:
+        q = theirs.get(item.name)
+        if q is None or (q.box, q.flat) == (p.box, p.flat) or not item.is_tensor or looked >= 8:
+            continue
+        data = raw(item, p)
+        if not _not_one_value(data, item):
+            continue
+        looked += 1
+        places = {(p.box, p.flat), (q.box, q.flat)}
+        thirds = [
+            r for r in item.pieces if r.file not in group and r.nbytes == p.nbytes and (r.box, r.flat) not in places
+        ]
+        if any((b := raw(item, r)) is not None and b != data for r in thirds[:4]):
+            return item, p
+    return None
+
+
+def _raw_bytes(reader: PieceReader, root: Path, item: Item, piece: Piece) -> bytes | None:
+    """A tensor piece's bytes, read from its file where it is stored raw; None otherwise."""
+    if not item.is_tensor or piece.nbytes == 0:
+        return None
+    try:
+        span = reader.raw_span(piece, item)
+    except CkptError:
+        return None
+    if span is None:
+        return None
+    with open(root / piece.file, "rb") as fh:
+        fh.seek(span[0])
+        return fh.read(span[1])
+
+
+def _not_one_value(data: bytes | None, item: Item) -> bool:
+    """Whether a tensor piece's bytes hold more than one element value (bytes two files hold the
+    same only by being copies, or by the save writing them equal)."""
     from ckpttool.dtypes import carrier
 
-    tensors = [(i, p) for i, p in pieces if i.is_tensor and p.nbytes > 0]
-    if not tensors:
-        return None
-    root = Path(manifest.root)
-    with adapter.reader(manifest) as reader:
-        for item, piece in tensors:
-            try:
-                span = reader.raw_span(piece, item)
-            except CkptError:
-                continue
-            if span is None or span[1] <= (width := carrier(str(item.dtype)).itemsize):
-                continue
-            with open(root / piece.file, "rb") as fh:
-                fh.seek(span[0])
-                raw = fh.read(span[1])
-            if raw[width:] != raw[:-width]:  # not one element repeated
-                return item, piece
-    return None
+    if data is None or item.dtype is None:
+        return False
+    width = carrier(item.dtype).itemsize
+    return len(data) > width and data[width:] != data[:-width]
 
 
 def _region(p: Piece) -> str:

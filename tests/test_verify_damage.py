@@ -663,9 +663,12 @@ def test_rank_local_dcp_files_in_each_others_places_are_named(how, tmp_path):
         # one item a file: rank 0's shard of qkv copied over rank 1's
         (FIXTURES / "dcp" / "fsdp2_per_item", "__0_3.distcp", "__1_4.distcp", "error",
          "(model.blocks.0.qkv.weight [0:12, 0:16] in one, [12:24, 0:16] in the other)"),
+        # over every other part too: the parts are all equal, as experts upcycled from one MLP are
+        (FIXTURES / "dcp" / "fsdp2_per_item", "__0_3.distcp", ("__1_4.distcp", "__2_4.distcp", "__3_3.distcp"),
+         "warning", "(model.blocks.0.qkv.weight [0:12, 0:16] in one, [12:24, 0:16] in the other)"),
         # torch_dist, PP stage 0's TP-1 file over stage 1's: different tensors, which a save may write equal
         (MG / "dist_tp2pp2", "iter_0000003/__1_1.distcp", "iter_0000003/__3_1.distcp", "warning",
-         "unless the save wrote these tensors equal (tied or cloned weights)"),
+         "unless the save wrote them equal (tied, cloned or upcycled weights)"),
     ],
 )  # fmt: skip
 def test_a_file_copied_over_another_of_its_size_and_structure_is_named_without_a_seal(
@@ -673,18 +676,20 @@ def test_a_file_copied_over_another_of_its_size_and_structure_is_named_without_a
 ):
     """Each record of the copy sits where the metadata looks for one, and reads: without a seal
     verify said nothing. Two files with the same bytes that the metadata says hold different pieces
-    are named: an error where they are two parts of one tensor, a warning where different tensors."""
+    are named: an error where they are two parts of one tensor whose other parts differ, a warning
+    where the save may have written them equal (different tensors, or all of a tensor's parts)."""
     path = tmp_path / "ck"
     shutil.copytree(fixture, path)
     clean = _findings(path)[1]["findings"]
-    times = os.stat(path / dst)
-    (path / dst).write_bytes((path / src).read_bytes())
-    os.utime(path / dst, ns=(times.st_atime_ns, times.st_mtime_ns))
+    for d in (dst,) if isinstance(dst, str) else dst:
+        times = os.stat(path / d)
+        (path / d).write_bytes((path / src).read_bytes())
+        os.utime(path / d, ns=(times.st_atime_ns, times.st_mtime_ns))
     code, report = _findings(path)
     (found,) = [f for f in report["findings"] if f not in clean]
-    first, second = sorted(rel.split("/")[-1] for rel in (src, dst))  # (relative to the iteration's folder)
-    assert (found["rule"], found["severity"], found["file"]) == ("misplaced-file", severity, first)
-    assert found["message"].startswith(f"{first} and {second} hold the same ")
+    names = sorted(rel.split("/")[-1] for rel in (src, *((dst,) if isinstance(dst, str) else dst)))  # (as in the folder)
+    assert (found["rule"], found["severity"], found["file"]) == ("misplaced-file", severity, names[0])
+    assert found["message"].startswith(f"{', '.join(names[:-1])} and {names[-1]} hold the same ")
     assert said in found["message"] and "one was copied over another" in found["message"]
     assert code == (1 if severity == "error" else 0)
     sealed = run_cli("seal", path)  # a seal vouches for its bytes: not for a copy

@@ -19,6 +19,7 @@ deferring there would make Ctrl-C wait for the work being waited on."""
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import inspect
 import os
@@ -119,4 +120,14 @@ def install() -> bool:
     signal.signal(signal.SIGINT, _on_signal)
     if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, _on_signal)
+    atexit.register(_disarm)
     return True
+
+
+def _disarm() -> None:
+    """At exit (after the interpreter has joined its threads): no retry left to fire. The
+    interpreter's teardown puts SIGALRM's default action back, which kills the process: a Ctrl-C
+    deferred in its last milliseconds (after the command published its output) ended it with
+    SIGALRM (-14) instead of its exit status."""
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, signal.SIG_IGN)

@@ -159,3 +159,22 @@ def test_install_leaves_an_ignored_sigint_alone():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_no_retry_outlives_the_command():
+    """A Ctrl-C deferred in a command's last milliseconds (after it published its output) left its
+    retry alarm armed; the interpreter's teardown puts SIGALRM's default action back, and the alarm
+    then killed the process (exit -14 in CI, delta apply). At exit the retry is cancelled: here an
+    exit handler that runs after ckpttool's finds no alarm (it would raise in it, or kill)."""
+    code = textwrap.dedent(
+        """
+        import atexit, signal, time
+        atexit.register(time.sleep, 0.5)  # (runs after ckpttool's: exit handlers run last first)
+        from ckpttool import interrupt
+        assert interrupt.install()
+        interrupt._state["pending"] = signal.SIGINT  # as a deferral leaves it
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert (out.returncode, out.stderr) == (0, "")

@@ -37,6 +37,11 @@ def _frame_of(thread: threading.Thread):
     raise AssertionError(f"{thread.name} did not block in threading")
 
 
+def _ctrl_c_default() -> None:
+    """In a child before it runs: SIGINT's default action, as in a terminal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture
 def alarm_quiet():
     """The retry alarm the deferring handler sets, cancelled afterwards."""
@@ -135,7 +140,7 @@ def test_ctrl_c_anywhere_in_a_busy_thread_pool_exits(tmp_path):
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            preexec_fn=_ctrl_c_default,
         )
         assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
         time.sleep(rng.uniform(0, 0.02))
@@ -176,5 +181,12 @@ def test_no_retry_outlives_the_command():
         signal.setitimer(signal.ITIMER_REAL, 0.2)
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        preexec_fn=_ctrl_c_default,  # (a background job's ignored SIGINT would leave install() off)
+    )
     assert (out.returncode, out.stderr) == (0, "")

@@ -681,13 +681,14 @@ def test_a_file_copied_over_another_of_its_size_and_structure_is_named_without_a
     path = tmp_path / "ck"
     shutil.copytree(fixture, path)
     clean = _findings(path)[1]["findings"]
-    for d in (dst,) if isinstance(dst, str) else dst:
+    dsts = (dst,) if isinstance(dst, str) else dst
+    for d in dsts:
         times = os.stat(path / d)
         (path / d).write_bytes((path / src).read_bytes())
         os.utime(path / d, ns=(times.st_atime_ns, times.st_mtime_ns))
     code, report = _findings(path)
     (found,) = [f for f in report["findings"] if f not in clean]
-    names = sorted(rel.split("/")[-1] for rel in (src, *((dst,) if isinstance(dst, str) else dst)))  # (as in the folder)
+    names = sorted(rel.split("/")[-1] for rel in (src, *dsts))  # (relative to the iteration's folder)
     assert (found["rule"], found["severity"], found["file"]) == ("misplaced-file", severity, names[0])
     assert found["message"].startswith(f"{', '.join(names[:-1])} and {names[-1]} hold the same ")
     assert said in found["message"] and "one was copied over another" in found["message"]

@@ -47,6 +47,10 @@ class Box:
     def ends(self) -> Shape:
         return tuple(o + s for o, s in zip(self.offsets, self.sizes, strict=True))
 
+    def text(self) -> str:
+        """The box as slices, for messages: ``[0:4, 8:16]``."""
+        return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes, strict=True)) + "]"
+
     def within(self, shape: Sequence[int]) -> bool:
         """Whether the box lies inside a tensor of ``shape``."""
         return len(shape) == self.ndim and all(

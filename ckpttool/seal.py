@@ -22,6 +22,7 @@ from typing import Any, Literal, NamedTuple, get_args
 
 from ckpttool import __version__, registry
 from ckpttool import io as ckio
+from ckpttool.dtypes import carrier
 from ckpttool.errors import CkptError, CorruptFileError, UsageError
 from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.hashing import Algo, FileDigest, Span, Written, hash_bytes, hash_files
@@ -652,8 +653,6 @@ def _raw_bytes(reader: PieceReader, root: Path, item: Item, piece: Piece) -> byt
 def _not_one_value(data: bytes | None, item: Item) -> bool:
     """Whether a tensor piece's bytes hold more than one element value (bytes two files hold the
     same only by being copies, or by the save writing them equal)."""
-    from ckpttool.dtypes import carrier
-
     if data is None or item.dtype is None:
         return False
     width = carrier(item.dtype).itemsize
@@ -661,8 +660,7 @@ def _not_one_value(data: bytes | None, item: Item) -> bool:
 
 
 def _region(p: Piece) -> str:
-    box = "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(p.box.offsets, p.box.sizes, strict=True)) + "]"
-    return box + (f" elements {p.flat[0]}..{p.flat[0] + p.flat[1]}" if p.flat is not None else "")
+    return p.box.text() + (f" elements {p.flat[0]}..{p.flat[0] + p.flat[1]}" if p.flat is not None else "")
 
 
 def seal(

@@ -235,13 +235,12 @@ def _copied_over(manifest: Manifest, shards: dict[int, str]) -> dict[str, Any] |
         uneven.append(_cells(item.shape, holders))
         if not example:
             block, ranks = crowded[0]
-            at = ", ".join(f"{o}:{o + n}" for o, n in zip(*block, strict=True))
             why = (
                 f"{total - covered:,} of its {total:,} elements are in no file"
                 if covered < total
                 else f"{len(ranks)} ranks hold it, {min(counts)} some other block"
             )
-            example = f"the block [{at}] of {item.name} is in {len(ranks)} files ({why})"
+            example = f"the block {Box(*block).text()} of {item.name} is in {len(ranks)} files ({why})"
     if len(suspects) < 2:
         return None
     root = Path(manifest.root)

@@ -350,9 +350,13 @@ def member_crcs(
     not ``item``'s (it is any member of the archive): added to ``damage`` when given, else the first
     is raised, once the other members' spans are added."""
     arch = reader.archive_of(piece) if hasattr(reader, "archive_of") else None
-    if arch is None or (piece.file, arch.base) in seen:
+    if arch is None:
         return []
-    seen.add((piece.file, arch.base))
+    # an archive in memory (a decompressed DCP item) starts at its own 0: known by its record's place
+    where = piece.locator.get("offset", arch.base) if isinstance(arch.source, bytes) else arch.base
+    if (piece.file, where) in seen:
+        return []
+    seen.add((piece.file, where))
     owner = item.name if "offset" in piece.locator else None
     if isinstance(arch.source, bytes):
         return list(arch.crc_errors())

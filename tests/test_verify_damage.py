@@ -551,6 +551,60 @@ def test_dcp_zstd_files_swapped_are_misplaced_and_a_file_cut_to_anothers_size_is
     assert code == 1 and [f["rule"] for f in report["findings"]] == ["truncated-file"]
 
 
+def test_every_zstd_item_of_a_dcp_file_is_checked_not_only_its_first(tmp_path):
+    """Each zstd-framed item of a DCP file is a little archive of its own, held in memory once
+    decoded, each starting at its own 0: they were once told apart by that start, so only a file's
+    first item had its CRC-32s checked. A bit flipped in a later item's frame (one zstd still
+    decodes, into other bytes: the frames carry no checksum of their own) passed verify and seal."""
+    import zstandard
+
+    from ckpttool import registry
+
+    _, clean = _findings(FIXTURES / "dcp" / "fsdp2_zstd")
+    _, plain = _findings(FIXTURES / "dcp" / "fsdp2")
+    counts = ("files", "pieces", "items")  # every file and piece, as uncompressed
+    assert clean["ok"] and [clean["checked"][k] for k in counts] == [plain["checked"][k] for k in counts]
+    z = tmp_path / "z"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2_zstd", z)
+    f = z / "__1_0.distcp"
+    _, m = registry.describe(z)
+    pieces = [(p.locator["offset"], i.name) for i in m.items.values() for p in i.pieces if p.file == f.name]
+    offset, name = sorted(pieces)[len(pieces) // 2]  # an item in the middle of the file
+    length = next(p.locator["length"] for p in m.items[name].pieces if p.file == f.name)
+    data, times = bytearray(f.read_bytes()), os.stat(f)
+    good = zstandard.ZstdDecompressor().decompress(bytes(data[offset : offset + length]), max_output_size=1 << 20)
+    # a flip the frame still decodes, to an archive of the same members whose bytes differ
+    for k in range(offset + 16, offset + length):
+        data[k] ^= 1
+        try:
+            out = zstandard.ZstdDecompressor().decompress(bytes(data[offset : offset + length]), max_output_size=1 << 20)
+        except zstandard.ZstdError:
+            out = good
+        if len(out) == len(good) and out != good and _zip_index(out) == _zip_index(good):
+            break
+        data[k] ^= 1
+    else:
+        pytest.fail(f"no flip in {name}'s frame decodes to other bytes")
+    f.write_bytes(bytes(data))
+    os.utime(f, ns=(times.st_atime_ns, times.st_mtime_ns))
+    code, report = _findings(z)
+    assert code == 1 and [(x["rule"], x["file"], x["item"]) for x in report["findings"]] == [
+        ("checksum-mismatch", f.name, name)
+    ], report["findings"]
+    r = run_cli("seal", z)
+    assert r.code == 3 and name in r.stderr and not (z / "ckpttool.manifest.json").exists()
+
+
+def _zip_index(data: bytes) -> list[tuple[str, int, int]] | None:
+    import io
+    import zipfile
+
+    try:
+        return [(i.filename, i.header_offset, i.file_size) for i in zipfile.ZipFile(io.BytesIO(data)).infolist()]
+    except zipfile.BadZipFile:
+        return None
+
+
 @pytest.mark.parametrize("sealed", [False, True])
 def test_dcp_files_of_one_size_swapped_are_misplaced_not_damaged(sealed, tmp_path):
     """Two files of the same size (megatron-core's DP ranks 1's two files here) cannot be told by

@@ -629,6 +629,8 @@ def _check_seal(
 ) -> dict[tuple[str, int], str]:
     """Files and pieces against the seal: every present file hashed once (by ``early`` when it
     hashed the right folder); a file that differs is read again to name the pieces that changed."""
+    expected = {f.path: f for f in sealed.head.files if f.role != "seal"}
+    uncovered = _unsealed(report, sealed, manifest, expected)
     scope = _seal_scope(root, sealed, manifest)
     if early is None or early.scope.resolve() != scope.resolve():
         if early is not None:
@@ -637,7 +639,6 @@ def _check_seal(
         early = _hash_sealed_files(scope, sealed, workers, progress, one_file=not root.is_dir(), within=within)
     file_digests = early.result()
     on_disk = early.on_disk
-    expected = {f.path: f for f in sealed.head.files if f.role != "seal"}
     given = (root if root.is_dir() else root.parent).resolve()
     for rel, real in sorted(early.escaping.items()):
         shown = rel or os.path.relpath(scope, root if root.is_dir() else root.parent)
@@ -663,6 +664,8 @@ def _check_seal(
         report.findings.append(
             finding("extra-file", f"{rel}: on disk but not in the seal ({on_disk[rel]:,} bytes)", file=rel)
         )
+    for rel in sorted(set(uncovered) - set(extra)):  # (in a folder the seal has no file in)
+        report.findings.append(finding("extra-file", f"{rel}: in the checkpoint but not in the seal", file=rel))
     present = [rel for rel in expected if rel in on_disk]
     # a file whose digest matches holds the bytes the seal's piece digests were taken from
     report.checked["files"] = len(present)
@@ -683,7 +686,7 @@ def _check_seal(
                 spans[rec.file].append(Span((rec.item, rec.index), rec.offset, rec.length))
             else:
                 unspanned.append((rec.item, rec.index))
-        elif rec.file in on_disk:
+        elif rec.file in on_disk and rec.file in expected:
             piece_digests[(rec.item, rec.index)] = rec.checksum
     if spans:
         _, again = hash_files(scope, sorted(spans), spans, sealed.algo, workers=workers)
@@ -732,7 +735,36 @@ def _check_seal(
             )
         )
     report.checked["pieces"] = len(piece_digests)
+    if uncovered and manifest is not None and adapter is not None:
+        # what the seal does not vouch for is checked as without one: a seal never hides damage
+        before = dict(report.checked)
+        more, _ = _check_integrity(report, manifest, adapter, workers, progress, only=set(uncovered))
+        piece_digests.update(more)
+        for key, n in before.items():
+            report.checked[key] = report.checked.get(key, 0) + n
     return piece_digests
+
+
+def _unsealed(report: VerifyReport, sealed: Seal, manifest: Manifest | None, expected: dict[str, Any]) -> list[str]:
+    """The checkpoint's data and metadata files the seal does not name. A seal that names none of
+    them is another checkpoint's (a file's seal given for a file beside it, a seal edited): the
+    checkpoint cannot be checked against it, which is said rather than a clean result."""
+    if manifest is None:
+        return []
+    own = [f.path for f in manifest.files if f.role in ("data", "metadata")]
+    uncovered = [rel for rel in own if rel not in expected]
+    if own and len(uncovered) == len(own):
+        sealed_names = sorted(expected)
+        named = ", ".join(sealed_names[:3]) + (" …" if len(sealed_names) > 3 else "") if sealed_names else "no file"
+        raise CkptError(
+            f"{report.seal}: none of this checkpoint's {len(own)} files ({', '.join(own[:3])}"
+            f"{' …' if len(own) > 3 else ''}) is in the seal, which names {named}: it is the seal of another "
+            "checkpoint, or it was edited",
+            hint="give the seal made of this checkpoint with --manifest, or verify without a seal "
+            "(move it aside); 'ckpttool seal' makes a new one",
+            path=report.seal,
+        )
+    return uncovered
 
 
 def _rank_of(record: Any) -> int | None:
@@ -745,9 +777,11 @@ def _check_integrity(
     adapter: Adapter,
     workers: int | None,
     progress: Callable[[int], None] | None,
+    only: set[str] | None = None,
 ) -> tuple[dict[tuple[str, int], str], dict[str, FileDigest]]:
     """No seal: the CRC32 of every zip member the format carries, and piece digests for the
     replica and optimizer checks, in one read of every data file; returns those and the files'.
+    ``only``: just these files (those a seal does not name).
 
     File by file: the pieces and zip members of one file are located, the file is handed to a
     hashing thread, and what was located is dropped once its digests are checked, so memory holds
@@ -794,6 +828,8 @@ def _check_integrity(
         expected: Expected = {}
         seen: set[tuple[str, int]] = set()
         for item, i, piece in in_file_order(manifest):
+            if only is not None and piece.file not in only:
+                continue
             if piece.file != current:
                 submit(current, spans, expected)
                 current, spans, expected = piece.file, [], {}

@@ -370,6 +370,48 @@ def test_a_sealed_single_file_owns_nothing_beside_it(tmp_path):
     assert "checksum-mismatch" in {f.rule for f in verify(path).findings}
 
 
+def test_a_seal_of_another_checkpoint_is_refused_not_passed(tmp_path):
+    """A file's seal given for the file beside it used to check the sealed file, not the given one,
+    and pass whatever the given one held; a seal naming none of the files (an edited one) checked
+    nothing. Both are said (exit 3): nothing was verified."""
+    (tmp_path / "a").mkdir()
+    shutil.copy2(FIXTURES / "torch" / "train_state.pt", tmp_path / "a" / "train_state.pt")
+    shutil.copy2(FIXTURES / "safetensors" / "model.safetensors", tmp_path / "a" / "model.safetensors")
+    other = tmp_path / "a" / "model.safetensors"
+    seal(tmp_path / "a" / "train_state.pt")
+    r = run_cli("verify", other, "--manifest", tmp_path / "a" / "train_state.pt.ckpttool.manifest.json")
+    assert r.code == 3 and "Traceback" not in r.stderr
+    assert "none of this checkpoint's 1 files (model.safetensors) is in the seal, which names train_state.pt" in r.stderr
+    path = _copy("dcp/fsdp2", tmp_path)
+    seal(path, out=tmp_path / "seal.json")
+    doc = json.loads((tmp_path / "seal.json").read_text())
+    doc["manifest"]["files"] = []
+    (tmp_path / "empty.json").write_text(json.dumps(doc))
+    r = run_cli("verify", path, "--manifest", tmp_path / "empty.json")
+    assert r.code == 3 and "is in the seal, which names no file" in r.stderr
+
+
+def test_a_file_the_seal_does_not_name_is_checked_as_without_one(tmp_path):
+    """A seal never turns damage verify finds without it into a clean result: a checkpoint file it
+    does not name (an edited seal) is an extra file, and its CRC-32s are still checked."""
+    path = _copy("dcp/fsdp2", tmp_path)
+    seal(path, out=tmp_path / "seal.json")
+    doc = json.loads((tmp_path / "seal.json").read_text())
+    doc["manifest"]["files"] = [f for f in doc["manifest"]["files"] if f["path"] != "__1_0.distcp"]
+    (tmp_path / "part.json").write_text(json.dumps(doc))
+    clean = verify(path, manifest_path=tmp_path / "part.json")
+    assert [(f.rule, f.file) for f in clean.findings] == [("extra-file", "__1_0.distcp")]
+    assert clean.checked["files"] == 5 and clean.checked["pieces"] == verify(path).checked["pieces"]
+    f = path / "__1_0.distcp"
+    data, times = bytearray(f.read_bytes()), os.stat(f)
+    data[33_000] ^= 1  # in model.blocks.0.fc1.weight
+    f.write_bytes(bytes(data))
+    os.utime(f, ns=(times.st_atime_ns, times.st_mtime_ns))
+    report = verify(path, manifest_path=tmp_path / "part.json")
+    assert [(f.rule, f.file) for f in report.failing()] == [("checksum-mismatch", "__1_0.distcp")]
+    assert "model.blocks.0.fc1.weight" in report.failing()[0].message
+
+
 @pytest.mark.parametrize(
     ("fixture", "rel", "named"),
     [

@@ -344,6 +344,16 @@ def test_require_turns_missing_state_into_an_error():
     assert not verify(FIXTURES / "deepspeed" / "zero2").failing()
 
 
+def test_require_repeated_or_listed_requires_each():
+    """``--require scheduler --require rng`` once kept only the last: a CI gate written so passed
+    without the state it named first."""
+    path = FIXTURES / "deepspeed" / "zero2"
+    for args in (["--require", "rng", "--require", "step"], ["--require", "step,rng"]):
+        r = run_cli("verify", path, "--json", *args)
+        missing = [f for f in json.loads(r.stdout)["findings"] if f["rule"] == "missing-state"]
+        assert r.code == 1 and any(f["severity"] == "error" and "rng" in f["message"].lower() for f in missing), args
+
+
 def test_extra_file_against_the_seal(tmp_path):
     path = _copy("dcp/fsdp2", tmp_path)
     seal(path)

@@ -327,10 +327,11 @@ def verify(
         ),
     ] = False,
     require: Annotated[
-        str | None,
+        list[str] | None,
         typer.Option(
             "--require",
-            help="Training state that must be present (error, not warning): optimizer,rng,dataloader,scheduler,step.",
+            help="Training state that must be present (error, not warning): optimizer,rng,dataloader,scheduler,step "
+            "(a list, or the option repeated).",
         ),
     ] = None,
     fail_on: Annotated[str, typer.Option("--fail-on", help="Lowest severity that fails: error or warning.")] = "error",
@@ -360,7 +361,7 @@ def verify(
             refuse_overlap(given, flag=flag, checkpoint=path, seal=manifest)
             check_output_file(given, flag)
     out = Output(json_mode=json_out, quiet=quiet)
-    needed = [s.strip() for s in require.split(",") if s.strip()] if require else []
+    needed = [s.strip() for given in require or () for s in given.split(",") if s.strip()]
     severity: Severity = "warning" if fail_on == "warning" else "error"
     with out.progress("verify") as update:
         done = [0]

@@ -80,6 +80,9 @@ class DiffReport:
     opaque: list[str] = field(default_factory=list)
     """RNG tensors of one side that the other side keeps inside opaque records (Megatron
     ``torch_dist``'s ``rng_state`` objects): not compared, and not a difference"""
+    unread: list[dict[str, Any]] = field(default_factory=list)
+    """non-tensor values on both sides that one side could not give (a refused pickle, damaged
+    bytes): not compared, so the two are not shown equal"""
     notes: list[str] = field(default_factory=list)
     """the same state kept differently on the two sides, compared and found equal (the optimizer's
     step kept per param group on one side, per parameter on the other)"""
@@ -115,7 +118,7 @@ class DiffReport:
             "formats": list(self.formats),
             "atol": self.atol,
             "rtol": self.rtol,
-            "equal": not self.different,
+            "equal": not self.different and not self.unread,
             "compared": self.compared,
             "identical": self.identical,
             "added": self.added,
@@ -124,6 +127,7 @@ class DiffReport:
             "values": [v.to_json() for v in self.values],
             "objects": self.objects,
             "not_compared_rng": self.opaque,
+            "not_read": self.unread,
             "notes": self.notes,
             "first_divergence": first.name if first else None,
             "largest_divergence": largest.name if largest else None,
@@ -203,6 +207,14 @@ def diff(
         if unknown:
             raise UsageError(f"--kind {', '.join(unknown)}: expected kinds among {', '.join(KINDS)}")
     ka, kb = _keyed(ma, renames or {}, rx, wanted), _keyed(mb, {}, rx, wanted)
+    if (rx or wanted) and not ka and not kb:  # (two checkpoints are not shown equal by comparing nothing)
+        chosen = " and ".join(
+            ([f"--filter {pattern!r}"] if rx else []) + ([f"--kind {','.join(sorted(wanted))}"] if wanted else [])
+        )
+        raise UsageError(
+            f"{chosen} selects no item of either checkpoint: nothing to compare",
+            hint="'ckpttool ls' lists the items and their kinds",
+        )
     report = DiffReport(a=str(a), b=str(b), formats=(ma.format, mb.format), atol=atol, rtol=rtol)
     report.removed = [k for k, i in ka.items() if i.is_tensor and k not in kb]
     report.added = [k for k, i in kb.items() if i.is_tensor and k not in ka]
@@ -255,7 +267,9 @@ def diff(
             if ib is None:
                 continue
             if not ia.is_tensor or not ib.is_tensor:
-                if not ia.is_tensor and not ib.is_tensor and ia.value != ib.value and ia.summary is None:
+                if ia.error or ib.error:  # (its value reads as None: not one to compare)
+                    report.unread.append({"name": key, "a": ia.error, "b": ib.error})
+                elif not ia.is_tensor and not ib.is_tensor and ia.value != ib.value and ia.summary is None:
                     report.objects.append({"name": key, "a": ia.value, "b": ib.value})
                 continue
             report.compared += 1

@@ -181,3 +181,29 @@ def test_a_pipeline_run_and_its_universal_checkpoint_are_the_same_state(tmp_path
     torch.save(state, layer)
     off = diff(copy, universal)
     assert off.different and off.removed == ["1.fc1.weight"], off.to_json()
+
+
+def test_a_value_one_side_cannot_give_is_not_compared_and_not_shown_equal():
+    """A refused pickle's item reads as None: it was compared as a value become None (exit 1), and
+    the hostile checkpoint against itself came out equal (exit 0), though nothing was compared."""
+    clean, hostile = FIXTURES / "dcp" / "fsdp2", FIXTURES / "hostile" / "dcp_bytes_item_os_system"
+    r = run_cli("diff", clean, hostile, "--json")
+    doc = json.loads(r.stdout)
+    assert r.code == 3 and doc["equal"] is False and doc["objects"] == []
+    assert doc["not_read"] == [
+        {"name": "dataloader.cursor", "a": None, "b": "unsafe pickle: refers to posix.system"}
+    ]
+    r = run_cli("diff", hostile, hostile)
+    assert r.code == 3 and "not read: dataloader.cursor (A: unsafe pickle" in r.stdout
+    assert "not shown equal: 1 value could not be read" in r.stdout
+
+
+def test_a_filter_that_selects_nothing_is_a_usage_error():
+    """Two different checkpoints compared through a mistyped filter compared nothing and came out
+    equal."""
+    a, b = FIXTURES / "dcp" / "fsdp2", FIXTURES / "torch" / "train_state.pt"
+    r = run_cli("diff", a, b, "--filter", "no_such_tensor")
+    assert r.code == 2 and "--filter 'no_such_tensor' selects no item of either checkpoint" in r.stderr
+    r = run_cli("diff", a, a, "--kind", "master")
+    assert r.code == 2 and "--kind master selects no item" in r.stderr
+    assert run_cli("diff", a, a, "--filter", "head").code == 0

@@ -465,7 +465,7 @@ def diff(
     and the largest divergence (a value that became NaN on one side differs by inf; JSON spells
     such numbers "inf" and "nan"). RNG state that one side keeps in opaque records (Megatron
     torch_dist) is listed as not compared. Exit 0 equal within tolerance, 1 different, 3 could not
-    evaluate.
+    evaluate (a value one side could not give, such as a refused pickle, and nothing else different).
     """
     from ckpttool.cli import _render
     from ckpttool.diff import diff as run
@@ -488,6 +488,8 @@ def diff(
         _render.diff_report(out, report)
     if report.different:
         raise typer.Exit(1)
+    if report.unread:  # nothing differs, but what could not be read was not compared
+        raise typer.Exit(3)
 
 
 @app.command(

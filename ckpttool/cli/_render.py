@@ -123,6 +123,9 @@ def diff_report(out: Output, report: DiffReport) -> None:
         )
     for o in report.objects:
         out.line(f"value: {escape(o['name'])}: {escape(repr(o['a']))} -> {escape(repr(o['b']))}")
+    for u in report.unread:
+        sides = "; ".join(f"{side.upper()}: {u[side]}" for side in ("a", "b") if u[side])
+        out.line(f"[yellow]not read[/yellow]: {escape(u['name'])} ({escape(sides)})")
     if report.values:
         out.line("")
         rows = [
@@ -152,5 +155,8 @@ def diff_report(out: Output, report: DiffReport) -> None:
             )
         else:
             out.line("[red]different[/red]")
+    elif report.unread:
+        n = len(report.unread)
+        out.line(f"[yellow]not shown equal[/yellow]: {n} value{'s' if n != 1 else ''} could not be read on one side or both")
     else:
         out.line("[green]equal[/green]" + (" within tolerance" if report.values else ""))

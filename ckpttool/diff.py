@@ -23,7 +23,7 @@ from ckpttool import registry
 from ckpttool.assemble import assemble, regions
 from ckpttool.dtypes import bf16_to_float32, carrier, float32_to_bf16
 from ckpttool.errors import CkptError, UsageError
-from ckpttool.formats.base import PieceReader
+from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.geometry import Box
 from ckpttool.hashing import hash_bytes
 from ckpttool.manifest import KINDS, SCHEMA_VERSION, Item, Manifest
@@ -197,8 +197,8 @@ def diff(
         if not (math.isfinite(value) and value >= 0):
             # a negative bound makes equal values "different"; NaN makes every difference "within"
             raise UsageError(f"{flag} {value}: a tolerance is a finite number, 0 or more")
-    adapter_a, ma = registry.describe(a)
-    adapter_b, mb = registry.describe(b)
+    adapter_a, ma = _described("A", a)
+    adapter_b, mb = _described("B", b)
     rx = re.compile(pattern) if pattern else None
     wanted = None
     if kinds:
@@ -293,6 +293,18 @@ def diff(
             if progress is not None:
                 progress(ia.nbytes)
     return report
+
+
+def _described(side: str, path: str | Path) -> tuple[Adapter, Manifest]:
+    """``registry.describe``, its errors saying which of the two checkpoints they are about (they
+    name a file inside it, which both may have)."""
+    try:
+        return registry.describe(path)
+    except CkptError as exc:
+        where = side if exc.message.startswith(str(path)) else f"{side} ({path})"
+        exc.message = f"{where}: {exc.message}"
+        exc.args = (exc.message,)
+        raise
 
 
 _GROUP_STEP = re.compile(r"^(?:optim|optimizer)\.param_groups\.(\d+)\.step$")

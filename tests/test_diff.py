@@ -207,3 +207,13 @@ def test_a_filter_that_selects_nothing_is_a_usage_error():
     r = run_cli("diff", a, a, "--kind", "master")
     assert r.code == 2 and "--kind master selects no item" in r.stderr
     assert run_cli("diff", a, a, "--filter", "head").code == 0
+
+
+def test_an_error_says_which_checkpoint_it_is_about():
+    """Both checkpoints may have a `.metadata` or a `__1_0.distcp`: the file alone does not say
+    which side failed."""
+    clean, cut = FIXTURES / "dcp" / "fsdp2", FIXTURES / "hostile" / "dcp_truncated_distcp"
+    r = run_cli("diff", clean, cut)
+    assert r.code == 3 and r.stderr.startswith(f"error: B ({cut}): __1_0.distcp is "), r.stderr
+    r = run_cli("diff", cut, clean)
+    assert r.code == 3 and r.stderr.startswith(f"error: A ({cut}): __1_0.distcp is "), r.stderr

@@ -25,6 +25,9 @@ class CkptError(Exception):
         self.hint = hint
         self.path = path
         self.rule = rule or self.default_rule
+        self.others: list[CkptError] = []
+        """the same failure found in other files by the same look (each file a rank cut short):
+        ``verify`` reports each, the CLI names them after this one"""
 
     def __str__(self) -> str:
         return self.message

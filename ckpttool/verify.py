@@ -325,7 +325,7 @@ def _verify(
     except NotFoundError:
         raise
     except CkptError as exc:
-        report.findings.append(_from_error(exc))
+        report.findings += [_from_error(e) for e in (exc, *exc.others)]
     if manifest is not None:
         report.format, report.step = manifest.format, manifest.step
         report.layout = {

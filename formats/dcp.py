@@ -502,6 +502,7 @@ class DcpAdapter:
             if offset is not None and not isinstance(offset, tuple):  # torch.Size is one already
                 offset = tuple(offset)
             storage[(key.fqn, offset)] = info
+        _damaged_files(root, storage, sizes, md_name)
         # one object for each distinct file name, rank and box: at 400 000 chunks the copies the
         # pickle gives (a name and three tuples per chunk) were a third of the manifest's memory
         files: dict[str, tuple[str, int | None]] = {}
@@ -713,6 +714,52 @@ def _misplaced_across(
         data = getattr(_load_metadata(root, md_name), "storage_data", None)
         infos.extend(v for v in (data.values() if isinstance(data, dict) else ()) if isinstance(v, _StorageInfo))
     return _misplaced(root, infos, sizes)
+
+
+def _damaged_files(
+    root: Path, storage: dict[tuple[str, tuple[int, ...] | None], _StorageInfo], sizes: dict[str, int], md_name: str
+) -> None:
+    """Where two or more data files are missing or cut short, all of them in one error (each in its
+    ``others``), so that verify names every one; one such file is left to the pieces' own checks,
+    which name it with the piece it cuts. Files in each other's places are said as such first."""
+    needs: dict[str, int] = {}
+    try:
+        for info in storage.values():
+            rel, end = str(info.relative_path), int(info.offset) + int(info.length)
+            if end > needs.get(rel, 0):
+                needs[rel] = end
+    except (AttributeError, TypeError, ValueError):  # malformed: the pieces' checks say how
+        return
+    damaged = sorted(rel for rel, end in needs.items() if sizes.get(rel, -1) < end)
+    if len(damaged) < 2:
+        return
+    for rel in damaged:
+        confine(root, rel, named_by=md_name)  # (a path out of the checkpoint is said first)
+    if any(rel in sizes for rel in damaged) and (swapped := _misplaced(root, [*storage.values()], sizes)):
+        raise swapped
+    errors: list[CkptError] = []
+    for rel in damaged:
+        if rel not in sizes:
+            errors.append(
+                IncompleteCheckpointError(
+                    f"{rel}: data file named by {md_name} is missing",
+                    hint="a rank's file was not written or was deleted; restore it or use another checkpoint",
+                    path=rel,
+                    rule="missing-file",
+                )
+            )
+        else:
+            errors.append(
+                CorruptFileError(
+                    f"{rel} is {sizes[rel]:,} bytes but {md_name} places data through byte {needs[rel]:,}: cut "
+                    "short (a copy or save interrupted), or another file in its place",
+                    hint="restore the files from their source; 'ckpttool verify' lists every damaged file",
+                    path=rel,
+                    rule="truncated-file",
+                )
+            )
+    errors[0].others = errors[1:]
+    raise errors[0]
 
 
 def _misplaced(root: Path, storage: list[_StorageInfo], sizes: dict[str, int]) -> CorruptFileError | None:

@@ -52,6 +52,15 @@ def _a_path(value: str) -> Path:
 PathArg = Annotated[Path, typer.Argument(help="Checkpoint directory or file.", show_default=False, parser=_a_path)]
 
 
+def _and_others(exc: CkptError) -> str:
+    """The other files the same failure was found in, named after the first."""
+    if not exc.others:
+        return ""
+    names = [o.path or o.message for o in exc.others]
+    shown = ", ".join(names[:5]) + (" …" if len(names) > 5 else "")
+    return f" (and {len(names)} more file{'s' if len(names) > 1 else ''} likewise: {shown})"
+
+
 def _handles_errors(fn: F) -> F:
     """Turn library errors into one message on stderr and the contract's exit code."""
 
@@ -67,7 +76,7 @@ def _handles_errors(fn: F) -> F:
         except CkptError as exc:
             if os.environ.get("CKPTTOOL_DEBUG"):
                 traceback.print_exc()
-            out.error(exc.message, exc.hint)
+            out.error(exc.message + _and_others(exc), exc.hint)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt as exc:
             # typer turns Ctrl-C into exit 130 by itself, silently; say what happened (outputs in

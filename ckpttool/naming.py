@@ -15,7 +15,17 @@ _DATA = re.compile(
     r"(^|_)(dataloader|data_loader|dataloaders|sampler|train_loader|data_state|dataset_state)($|_)", re.I
 )
 _SCHED = re.compile(r"(^|_)(scheduler|lr_scheduler|schedulers|sched|opt_param_scheduler)($|_)", re.I)
-COUNTER_NAMES = ("step", "global_step", "global_steps", "iteration", "iter_num", "epoch", "train_state.step")
+COUNTER_NAMES = (
+    "step",
+    "global_step",
+    "global_steps",
+    "iteration",
+    "iter_num",
+    "epoch",
+    "train_state.step",
+    "global_samples",
+    "skipped_steps",
+)
 STEP_NAMES = ("step", "iteration", "global_step", "global_steps", "train_state.step", "iter_num")
 """Top-level entries whose value is the training step, most specific first."""
 

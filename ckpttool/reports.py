@@ -87,7 +87,8 @@ def groups(report: VerifyReport) -> list[Group]:
 def junit(report: VerifyReport, fail_on: Severity = "error") -> str:
     """One testsuite, one testcase per rule (passing rules included), a failure per finding at or
     above ``fail_on``. A checkpoint that could not be evaluated is one testcase in error (JUnit's
-    "could not run"), not every rule passing."""
+    "could not run"), not every rule passing; one whose damage stopped the reading (nothing checked)
+    has its other rules skipped."""
     if report.error is not None:
         suite = ET.Element("testsuite", name="ckpttool verify", tests="1", failures="0", errors="1")
         name = f"could not evaluate: {printable(report.path)}"
@@ -96,7 +97,10 @@ def junit(report: VerifyReport, fail_on: Severity = "error") -> str:
         el.text = printable(report.error) + (f"\nhint: {printable(report.error_hint)}" if report.error_hint else "")
         return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
     suite = ET.Element("testsuite", name="ckpttool verify", tests=str(len(RULES)))
-    failures = 0
+    failures = skipped = 0
+    # the checkpoint did not read past its damage (the failures say which): the other rules did not
+    # run, and do not pass
+    unread = not report.checked
     by_rule: dict[str, list[Finding]] = defaultdict(list)
     for f in report.findings:
         by_rule[f.rule].append(f)
@@ -110,7 +114,12 @@ def junit(report: VerifyReport, fail_on: Severity = "error") -> str:
             el.text = "\n".join(f"[{f.severity}] {printable(f.message)}" for f in failing)
         elif found:
             ET.SubElement(case, "system-out").text = "\n".join(f"[{f.severity}] {printable(f.message)}" for f in found)
+        elif unread:
+            skipped += 1
+            ET.SubElement(case, "skipped", message="not run: the checkpoint could not be read past its damage")
     suite.set("failures", str(failures))
+    if skipped:
+        suite.set("skipped", str(skipped))
     return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool import _unpickle
-from ckpttool.errors import CorruptFileError, FormatNotRecognizedError
+from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedError, UnsafePickleError
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection
 from ckpttool.manifest import FileRecord, Item, Layout, Manifest, is_seal_name
@@ -75,7 +75,20 @@ class TorchSaveAdapter:
                 hint="re-save it with a current torch: torch.save(torch.load(p, weights_only=True), p2)",
                 path=rel,
             )
-        archive, obj, size = _pt.load(root, rel, ALLOWLIST)
+        try:
+            archive, obj, size = _pt.load(root, rel, ALLOWLIST)
+        except UnsafePickleError as exc:
+            whole = _enclosing_checkpoint(path)
+            if whole is None:
+                raise
+            fmt, folder = whole
+            raise FormatNotRecognizedError(
+                str(path),
+                {
+                    self.name: f"one file of the {fmt} checkpoint {folder}: give that (read alone, its pickle "
+                    f"refers to {exc.global_name}, which a plain torch.save file may not)"
+                },
+            ) from None
         try:
             manifest = Manifest(root=str(root), format=self.name, layout=Layout(world_size=1))
             manifest.files.append(FileRecord(path=rel, size=size, role="data", ranks=[0]))
@@ -109,6 +122,22 @@ class TorchSaveAdapter:
 
     def reader(self, manifest: Manifest) -> _pt.PtReader:
         return _pt.PtReader(manifest, ALLOWLIST)
+
+
+def _enclosing_checkpoint(path: Path) -> tuple[str, Path] | None:
+    """The checkpoint of another format that file ``path`` is part of (a Megatron or DeepSpeed rank
+    file, Megatron ``torch_dist``'s ``common.pt``), looked for in the three folders above it: such a
+    file alone refers to its framework's classes, which only that format's reader allows."""
+    from ckpttool import registry
+
+    for folder in list(path.parents)[:3]:
+        try:
+            adapter = registry.detect(folder)
+        except CkptError:
+            continue
+        if adapter.name != TorchSaveAdapter.name:
+            return adapter.name, folder
+    return None
 
 
 def _only_file(directory: Path) -> Path | None:

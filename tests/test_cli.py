@@ -300,6 +300,29 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(args):
     assert err == b""
 
 
+@pytest.mark.parametrize(
+    ("src", "code", "published"),
+    [("dcp/fsdp2", 141, True), ("hostile/dcp_truncated_distcp", 3, False)],
+)
+def test_a_reader_of_stderr_that_goes_away_keeps_the_exit_code_meaningful(src, code, published, tmp_path):
+    """``ckpttool convert … 2>&1 >/dev/null | true``: rich exited 1 on the closed stderr, after a
+    convert that had published its output (read as "findings"), and in place of the error's 3."""
+    r, w = os.pipe()
+    os.close(r)
+    out = tmp_path / "out"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "ckpttool", "convert", str(FIXTURES / src), "-o", str(out)],
+            stdout=subprocess.DEVNULL,
+            stderr=w,
+            env=cli_env(),
+            timeout=120,
+        )
+    finally:
+        os.close(w)
+    assert proc.returncode == code and out.exists() == published
+
+
 def test_a_broken_pipe_that_is_not_stdout_is_an_error(capsys):
     """Only a closed stdout ends a command quietly: a BrokenPipeError from anything else (a pipe to
     a child process, a socket) is an error the user is told about, exit 3."""
@@ -314,3 +337,22 @@ def test_a_broken_pipe_that_is_not_stdout_is_an_error(capsys):
     with pytest.raises(typer.Exit) as exit_:
         command()
     assert exit_.value.exit_code == 3 and "Broken pipe" in capsys.readouterr().err
+
+
+def test_a_full_disk_is_said_of_the_output(capsys, tmp_path):
+    """A write that fails for space names no file (``os.write``): the error said only "cannot
+    complete: No space left on device"; it names the command's output."""
+    import errno
+
+    import typer
+
+    from ckpttool.cli import _handles_errors
+
+    @_handles_errors
+    def command(output: Path) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(typer.Exit) as exit_:
+        command(output=tmp_path / "out")
+    err = capsys.readouterr().err
+    assert exit_.value.exit_code == 3 and f"{tmp_path / 'out'}: No space left on device while writing it" in err

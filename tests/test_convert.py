@@ -210,3 +210,24 @@ def test_the_torch_output_directory_is_read_as_its_file(tmp_path):
     (out / "notes.txt").write_text("x")
     r = run_cli("inspect", out)
     assert r.code == 3 and "not a checkpoint format" in r.stderr
+
+
+@pytest.mark.parametrize("to", ["dcp", "torch"])
+def test_kinds_survive_the_conversion(to, tmp_path):
+    """A top-level parameter's state (``head_bias.exp_avg``, ``head_bias.fp32``: two name segments)
+    read back as parameters, and DeepSpeed's sample counters as objects: ``export --kind param``
+    then took the moments too, and verify saw moments without their parameters."""
+    from ckpttool import registry
+    from ckpttool.naming import canonical
+
+    src = FIXTURES / "deepspeed" / "zero2"
+    out = tmp_path / "out"
+    convert(src, out, to=to)
+    kinds = {canonical(n): i.kind for n, i in registry.describe(src)[1].items.items()}
+    back = {canonical(n): i.kind for n, i in registry.describe(out)[1].items.items()}
+    assert back["head_bias.exp_avg"] == "optim" and back["head_bias.fp32"] == "master"
+    changed = {n: (kinds[n], k) for n, k in back.items() if n in kinds and kinds[n] != k}
+    assert not changed, changed
+    r = run_cli("export", out, "-o", tmp_path / "p.safetensors", "--kind", "param")
+    assert r.code == 0 and "head_bias" in load_file(tmp_path / "p.safetensors")
+    assert not [n for n in load_file(tmp_path / "p.safetensors") if n.endswith(("exp_avg", "exp_avg_sq", "fp32"))]

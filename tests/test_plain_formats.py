@@ -138,3 +138,24 @@ def test_truncated_torch_save(tmp_path):
     p.write_bytes(PT.read_bytes()[: PT.stat().st_size // 2])
     r = run_cli("inspect", p)
     assert r.code == 3 and "t.pt" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_one_rank_file_of_a_framework_checkpoint_is_pointed_to_its_checkpoint():
+    """A Megatron or DeepSpeed rank file given alone was read as a plain torch.save file and its
+    framework's classes (argparse.Namespace, DeepSpeed's LossScaler) reported as a pickle that "may
+    be hostile": the checkpoint it is part of is named instead."""
+    cases = [
+        ("megatron/legacy_tp2pp2/iter_0000003/mp_rank_00_000/model_optim_rng.pt", "megatron", 2),
+        ("deepspeed/zero2/global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt", "deepspeed", 1),
+        ("megatron/dist_tp2/iter_0000003/common.pt", "megatron-dist", 1),
+    ]
+    for rel, fmt, up in cases:
+        path = FIXTURES / rel
+        folder = path.parents[up - 1]
+        for command in ("inspect", "verify"):
+            r = run_cli(command, path)
+            assert r.code == 3 and "Traceback" not in r.stderr, (rel, r.stderr)
+            assert f"one file of the {fmt} checkpoint {folder}: give that" in r.stderr, r.stderr
+            assert "may be hostile" not in r.stderr
+    # a file that reads alone is still read so (DeepSpeed's module states)
+    assert run_cli("inspect", FIXTURES / "deepspeed/zero2/global_step3/mp_rank_00_model_states.pt").code == 0

@@ -595,6 +595,31 @@ def test_every_zstd_item_of_a_dcp_file_is_checked_not_only_its_first(tmp_path):
     assert r.code == 3 and name in r.stderr and not (z / "ckpttool.manifest.json").exists()
 
 
+def test_every_dcp_file_cut_short_or_missing_is_named_not_only_the_first(tmp_path):
+    """verify stopped at the first data file cut short (its hint says verify lists every damaged
+    file): two ranks' files cut and a third deleted are three findings, each with where its records
+    end; the CLI's one error names the others; JUnit skips the rules that could not run."""
+    path = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", path)
+    for name in ("__1_0.distcp", "__2_0.distcp"):
+        f = path / name
+        times = os.stat(f)
+        os.truncate(f, 50_000)
+        os.utime(f, ns=(times.st_atime_ns, times.st_mtime_ns))
+    (path / "__3_0.distcp").unlink()
+    code, report = _findings(path, "--junit", tmp_path / "j.xml")
+    assert code == 1 and [(f["rule"], f["file"]) for f in report["findings"]] == [
+        ("truncated-file", "__1_0.distcp"),
+        ("truncated-file", "__2_0.distcp"),
+        ("missing-file", "__3_0.distcp"),
+    ], report["findings"]
+    assert "50,000 bytes but .metadata places data through byte 89,572" in report["findings"][1]["message"]
+    junit = (tmp_path / "j.xml").read_text()
+    assert 'failures="2"' in junit and 'skipped="14"' in junit and "could not be read past its damage" in junit
+    r = run_cli("inspect", path)
+    assert r.code == 3 and "(and 2 more files likewise: __2_0.distcp, __3_0.distcp)" in r.stderr, r.stderr
+
+
 def _zip_index(data: bytes) -> list[tuple[str, int, int]] | None:
     import io
     import zipfile

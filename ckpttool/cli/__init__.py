@@ -7,6 +7,7 @@ Ctrl-C. Library modules (and torch) are imported inside the commands so ``--help
 
 from __future__ import annotations
 
+import errno
 import functools
 import gc
 import os
@@ -76,7 +77,7 @@ def _handles_errors(fn: F) -> F:
         except CkptError as exc:
             if os.environ.get("CKPTTOOL_DEBUG"):
                 traceback.print_exc()
-            out.error(exc.message + _and_others(exc), exc.hint)
+            _say_error(out, exc.message + _and_others(exc), exc.hint)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt as exc:
             # typer turns Ctrl-C into exit 130 by itself, silently; say what happened (outputs in
@@ -87,22 +88,26 @@ def _handles_errors(fn: F) -> F:
         except (typer.Exit, typer.Abort, typer.BadParameter):
             raise
         except OSError as exc:
-            if isinstance(exc, BrokenPipeError) and _stdout_gone():
-                # the reader of our output went away (``ckpttool ls … | head``): nothing to say, the
-                # shell's status of a command stopped by SIGPIPE; stdout pointed at /dev/null so that
-                # the interpreter's last flush does not fail on it again
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            gone = [s for s in (sys.stdout, sys.stderr) if _pipe_gone(s)] if isinstance(exc, BrokenPipeError) else []
+            if gone:
+                # the reader of our output went away (``ckpttool ls … | head``, or of the messages on
+                # stderr): nothing to say, the shell's status of a command stopped by SIGPIPE; the
+                # stream pointed at /dev/null so that the interpreter's last flush does not fail again
+                for stream in gone:
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
                 raise typer.Exit(141) from None
             # the file system refused (permissions, a full or read-only disk, a path that changed
             # under us): the environment's answer, not a bug; say which path and why
             if os.environ.get("CKPTTOOL_DEBUG"):
                 traceback.print_exc()
-            out.error(_os_error(exc), "check the path, its permissions and the free space, then rerun")
+            hint = "check the path, its permissions and the free space, then rerun"
+            _say_error(out, _os_error(exc, kwargs.get("output")), hint)
             raise typer.Exit(3) from None
         except Exception as exc:
             if os.environ.get("CKPTTOOL_DEBUG"):
                 traceback.print_exc()
-            out.error(
+            _say_error(
+                out,
                 f"internal error: {type(exc).__name__}: {exc}",
                 "this is a bug in ckpttool; rerun with CKPTTOOL_DEBUG=1 for the traceback and report it",
             )
@@ -118,21 +123,35 @@ def _stopped(exc: KeyboardInterrupt) -> tuple[int, str]:
     return (143, "terminated") if isinstance(exc, Terminated) else (130, "interrupted")
 
 
-def _stdout_gone() -> bool:
-    """Whether standard output is a pipe whose reader has closed it (poll reports an error on it)."""
+def _say_error(out: Output, message: str, hint: str | None) -> None:
+    """The error on stderr; where stderr's reader has gone, nothing (the exit code still says it)."""
+    try:
+        out.error(message, hint)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+
+
+def _pipe_gone(stream: Any) -> bool:
+    """Whether ``stream`` is a pipe whose reader has closed it (poll reports an error on it)."""
     import select
 
     try:
         poll = select.poll()
-        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        poll.register(stream.fileno(), select.POLLOUT)
         return any(events & select.POLLERR for _, events in poll.poll(0))
     except (OSError, ValueError, AttributeError):
         return False
 
 
-def _os_error(exc: OSError) -> str:
-    """One line for an error the operating system gave: the path(s) and its reason."""
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+
+
+def _os_error(exc: OSError, output: Any = None) -> str:
+    """One line for an error the operating system gave: the path(s) and its reason. A write that
+    names no file (``os.write``: a full disk) is said of the command's output, when it has one."""
     reason = exc.strerror or str(exc) or type(exc).__name__
+    if exc.filename is None and output is not None and exc.errno in _WRITE_ERRNOS:
+        return f"{output}: {reason} while writing it (nothing was published)"
     if exc.filename is None:
         return f"cannot complete: {reason}"
     if reason[:1].isupper() and reason[1:2].islower():  # "No such file" -> "no such file"

@@ -39,9 +39,9 @@ def dumps(payload: Any) -> str:
 
 
 def _reader_gone() -> None:
-    """rich's answer to a closed pipe on stdout is a silent exit 1 (which reads as "findings"
-    here); the commands' error handler answers it as the shell does a SIGPIPE instead."""
-    raise BrokenPipeError(errno.EPIPE, "the reader of standard output went away")
+    """rich's answer to a closed pipe is a silent exit 1 (which reads as "findings" here, or hides
+    an error's exit 3); the commands' error handler answers it as the shell does a SIGPIPE instead."""
+    raise BrokenPipeError(errno.EPIPE, "the reader of the output went away")
 
 
 class Output:
@@ -51,6 +51,7 @@ class Output:
         self.out = Console(highlight=False, soft_wrap=False, emoji=False)
         self.out.on_broken_pipe = _reader_gone  # type: ignore[method-assign]
         self.err = Console(stderr=True, highlight=False, emoji=False)
+        self.err.on_broken_pipe = _reader_gone  # type: ignore[method-assign]
 
     # -- data (stdout) --------------------------------------------------------------------------
 

@@ -157,6 +157,7 @@ def diff_report(out: Output, report: DiffReport) -> None:
             out.line("[red]different[/red]")
     elif report.unread:
         n = len(report.unread)
-        out.line(f"[yellow]not shown equal[/yellow]: {n} value{'s' if n != 1 else ''} could not be read on one side or both")
+        values = f"{n} value{'s' if n != 1 else ''}"
+        out.line(f"[yellow]not shown equal[/yellow]: {values} could not be read on one side or both")
     else:
         out.line("[green]equal[/green]" + (" within tolerance" if report.values else ""))

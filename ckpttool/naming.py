@@ -5,8 +5,9 @@ is shown (:func:`printable`)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
-from ckpttool.manifest import Kind
+from ckpttool.manifest import Item, Kind
 
 _OPTIM_ROOTS = {"optim", "optimizer", "optimizers", "optim_state", "optimizer_state", "optimizer_states", "opt"}
 _MODEL_ROOTS = {"model", "models", "module", "state_dict", "model_state_dict", "params", "weights", "ema"}
@@ -51,12 +52,33 @@ def classify(name: str, *, is_tensor: bool) -> Kind:
                 return "scheduler"
         if name in COUNTER_NAMES or (len(segments) <= 2 and segments[-1] in COUNTER_NAMES):
             return "counter"
-    if is_tensor and len(segments) > 2:  # ckpttool's own names for per-parameter state (export, convert)
-        if segments[-1] in _MOMENTS:
-            return "optim"
-        if segments[-1] == "fp32":
-            return "master"
+    if is_tensor and len(segments) > 2 and (kind := _state_kind(segments[-1])):
+        return kind  # ckpttool's own names for per-parameter state (export, convert)
     return "param" if is_tensor else "object"
+
+
+def _state_kind(last: str) -> Kind | None:
+    """The kind of ``<param>.<last>`` where it is per-parameter state: a moment or the fp32 master."""
+    if last in _MOMENTS:
+        return "optim"
+    return "master" if last == "fp32" else None
+
+
+def kinds_by_sibling(items: Mapping[str, Item]) -> None:
+    """Per-parameter state whose name alone does not tell (``head_bias.exp_avg``, a top-level
+    parameter's: :func:`classify` takes two segments for a parameter's own name) is that state where
+    the parameter ``head_bias`` lies beside it with the same shape. (A torch module's name is never
+    both a parameter and a module holding one.)"""
+    for name, item in items.items():
+        if item.kind != "param" or not item.is_tensor:
+            continue
+        stem, _, last = name.rpartition(".")
+        kind = _state_kind(last)
+        if kind is None:
+            continue
+        owner = items.get(stem)
+        if owner is not None and owner.kind == "param" and owner.is_tensor and owner.shape == item.shape:
+            item.kind = kind
 
 
 _MOMENTS = {"exp_avg", "exp_avg_sq", "momentum_buffer"}

@@ -15,7 +15,8 @@ from pathlib import Path
 from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedError, NotFoundError
 from ckpttool.formats.base import Adapter
 from ckpttool.io import followed
-from ckpttool.manifest import Kind, Manifest, is_seal_name
+from ckpttool.manifest import Manifest, is_seal_name
+from ckpttool.naming import kinds_by_sibling
 from ckpttool.values import gc_paused
 
 _FIRST_PARTY = ("megatron", "deepspeed", "rankshards", "dcp", "safetensors", "torchsave")
@@ -92,32 +93,8 @@ def describe(path: str | Path) -> tuple[Adapter, Manifest]:
     for f in manifest.files:
         if is_seal_name(f.path.rsplit("/", 1)[-1]):
             f.role = "seal"
-    state_by_sibling(manifest)
+    kinds_by_sibling(manifest.items)  # (names alone leave a top-level parameter's state a parameter)
     return adapter, manifest
-
-
-_STATE_SUFFIXES: dict[str, Kind] = {
-    "exp_avg": "optim",
-    "exp_avg_sq": "optim",
-    "momentum_buffer": "optim",
-    "fp32": "master",
-}
-
-
-def state_by_sibling(manifest: Manifest) -> None:
-    """``<param>.exp_avg``, ``<param>.fp32`` (ckpttool's names for per-parameter optimizer state and
-    masters, as convert writes them) read as parameters where the name alone does not tell
-    (``head_bias.exp_avg``: a top-level parameter's); beside a parameter ``<param>`` of the same shape
-    they are its state. (A torch module's name is never both a parameter and a module holding one.)"""
-    items = manifest.items
-    for name, item in items.items():
-        stem, _, last = name.rpartition(".")
-        kind = _STATE_SUFFIXES.get(last)
-        if kind is None or item.kind != "param" or not item.is_tensor:
-            continue
-        owner = items.get(stem)
-        if owner is not None and owner.kind == "param" and owner.is_tensor and owner.shape == item.shape:
-            item.kind = kind
 
 
 UNTRUSTED_SHAPE = (

@@ -18,6 +18,7 @@ import os
 import re
 import shlex
 from collections import ChainMap
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -608,23 +609,12 @@ class DcpAdapter:
             known = files[rel] = (rel, int(m.group(1)) if m else None)
         rel, named_rank = known
         if rel not in sizes:
-            raise IncompleteCheckpointError(
-                f"{rel}: data file named by {md_name} is missing",
-                hint="a rank's file was not written or was deleted; restore it or use another checkpoint",
-                path=rel,
-                rule="missing-file",
-            )
+            raise _missing(rel, md_name)
         offset, length = int(info.offset), int(info.length)
         if offset < 0 or length <= 0 or offset + length > sizes[rel]:
             if offset >= 0 and length > 0 and (swapped := _misplaced(root, [*storage.values()], sizes)):
                 raise swapped
-            raise CorruptFileError(
-                f"{rel} is {sizes[rel]:,} bytes but {md_name} places data through byte "
-                f"{offset + length:,}: cut short (a copy or save interrupted), or another file in its place",
-                hint="restore the file from its source; 'ckpttool verify' lists every damaged file",
-                path=rel,
-                rule="truncated-file",
-            )
+            raise _cut_short(rel, sizes[rel], md_name, offset + length)
         if offset + length > ends.get(rel, 0):
             ends[rel] = offset + length
         transforms = list(getattr(info, "transform_descriptors", None) or [])
@@ -722,14 +712,9 @@ def _damaged_files(
     """Where two or more data files are missing or cut short, all of them in one error (each in its
     ``others``), so that verify names every one; one such file is left to the pieces' own checks,
     which name it with the piece it cuts. Files in each other's places are said as such first."""
-    needs: dict[str, int] = {}
-    try:
-        for info in storage.values():
-            rel, end = str(info.relative_path), int(info.offset) + int(info.length)
-            if end > needs.get(rel, 0):
-                needs[rel] = end
-    except (AttributeError, TypeError, ValueError):  # malformed: the pieces' checks say how
-        return
+    needs = _record_ends(storage.values())
+    if needs is None:
+        return  # malformed: the pieces' checks say how
     damaged = sorted(rel for rel, end in needs.items() if sizes.get(rel, -1) < end)
     if len(damaged) < 2:
         return
@@ -737,42 +722,52 @@ def _damaged_files(
         confine(root, rel, named_by=md_name)  # (a path out of the checkpoint is said first)
     if any(rel in sizes for rel in damaged) and (swapped := _misplaced(root, [*storage.values()], sizes)):
         raise swapped
-    errors: list[CkptError] = []
-    for rel in damaged:
-        if rel not in sizes:
-            errors.append(
-                IncompleteCheckpointError(
-                    f"{rel}: data file named by {md_name} is missing",
-                    hint="a rank's file was not written or was deleted; restore it or use another checkpoint",
-                    path=rel,
-                    rule="missing-file",
-                )
-            )
-        else:
-            errors.append(
-                CorruptFileError(
-                    f"{rel} is {sizes[rel]:,} bytes but {md_name} places data through byte {needs[rel]:,}: cut "
-                    "short (a copy or save interrupted), or another file in its place",
-                    hint="restore the files from their source; 'ckpttool verify' lists every damaged file",
-                    path=rel,
-                    rule="truncated-file",
-                )
-            )
+    errors = [
+        _cut_short(rel, sizes[rel], md_name, needs[rel]) if rel in sizes else _missing(rel, md_name) for rel in damaged
+    ]
     errors[0].others = errors[1:]
     raise errors[0]
+
+
+def _missing(rel: str, md_name: str) -> CkptError:
+    return IncompleteCheckpointError(
+        f"{rel}: data file named by {md_name} is missing",
+        hint="a rank's file was not written or was deleted; restore it or use another checkpoint",
+        path=rel,
+        rule="missing-file",
+    )
+
+
+def _cut_short(rel: str, size: int, md_name: str, end: int) -> CkptError:
+    return CorruptFileError(
+        f"{rel} is {size:,} bytes but {md_name} places data through byte {end:,}: cut short (a copy or save "
+        "interrupted), or another file in its place",
+        hint="restore the file from its source; 'ckpttool verify' lists every damaged file",
+        path=rel,
+        rule="truncated-file",
+    )
+
+
+def _record_ends(infos: Iterable[_StorageInfo]) -> dict[str, int] | None:
+    """Where each data file's last record ends, by the metadata (a file's size, as DCP writes its
+    records back to back); None for entries too malformed to say."""
+    ends: dict[str, int] = {}
+    try:
+        for info in infos:
+            rel, end = str(info.relative_path), int(info.offset) + int(info.length)
+            if end > ends.get(rel, 0):
+                ends[rel] = end
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return ends
 
 
 def _misplaced(root: Path, storage: list[_StorageInfo], sizes: dict[str, int]) -> CorruptFileError | None:
     """The error for data files in each other's places (renamed, swapped, copied over each other),
     from the sizes alone: DCP writes a file's records back to back, so a file's size is where the
     metadata's last record in it ends, and one of another size is looked at (:func:`holders`)."""
-    ends: dict[str, int] = {}
-    try:
-        for info in storage:
-            rel, end = info.relative_path, int(info.offset) + int(info.length)
-            if end > ends.get(rel, 0):
-                ends[rel] = end
-    except (AttributeError, TypeError, ValueError):  # an entry no item uses, malformed: no sizes to go by
+    ends = _record_ends(storage)
+    if ends is None:  # an entry no item uses, malformed: no sizes to go by
         return None
     odd = {rel for rel, end in ends.items() if rel in sizes and sizes[rel] != end}
     if not odd:

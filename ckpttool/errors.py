@@ -33,6 +33,15 @@ class CkptError(Exception):
         return self.message
 
 
+def raise_together(errors: list[CkptError]) -> None:
+    """Raise the first of ``errors`` carrying the rest as its ``others`` (nothing where there are
+    none): one look over many files (every rank's) names each damaged one, not the first."""
+    if errors:
+        first = errors[0]
+        first.others = [*first.others, *(e for rest in errors[1:] for e in (rest, *rest.others))]
+        raise first
+
+
 class NotFoundError(CkptError):
     """The path given does not exist or is not readable."""
 

@@ -166,6 +166,12 @@ def export(
     if out_path.exists() and not force:
         raise UsageError(f"{out_path} exists", hint="choose another -o path or pass --force to replace it")
     check_output(out_path, force=force, directory=False, example="model.safetensors")
+    if out_path.suffix != ".safetensors":  # (read back, or by other tools, a file is known by its suffix)
+        raise UsageError(
+            f"-o {output}: export writes a safetensors file, which readers (ckpttool's among them) know by its "
+            f".safetensors suffix",
+            hint=f"name it {out_path.stem}.safetensors; for a torch.save file, use ckpttool convert --to torch",
+        )
     adapter, manifest = registry.describe(path)
     refuse_findings(manifest)
     result = ExportResult(output=str(out_path))

@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from multiprocessing import get_context
+from multiprocessing import get_context, resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -322,10 +322,19 @@ class _FileExec:
             self.known.update(known)
             return results
         # the workers ignore Ctrl-C and SIGTERM (an ignored signal stays ignored in a spawned
-        # interpreter): this process alone handles them, stops them, and removes the output in flight
-        main = threading.current_thread() is threading.main_thread()
-        previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+        # interpreter; a blocked one does not stay blocked): this process alone handles them, stops
+        # the workers and removes the output in flight. While the workers start, the two are also
+        # blocked here, so that one that comes meanwhile waits (Linux keeps a blocked signal even
+        # where it is ignored) and lands once they are unblocked, instead of being lost
+        resource_tracker.ensure_running()  # (started later, it would unblock the two as it starts)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
+        blocked = True
+        ignored: dict[int, Any] = {}
+        pool: ProcessPoolExecutor | None = None
         try:
+            if threading.current_thread() is threading.main_thread():
+                for s in _STOPS:
+                    ignored[s] = signal.signal(s, signal.SIG_IGN)
             pool = ProcessPoolExecutor(
                 min(workers, len(chosen)),
                 mp_context=get_context("spawn"),
@@ -333,10 +342,8 @@ class _FileExec:
                 initargs=(self.build, self.args, self.adapter, self.manifest, self.device),
             )
             futures = [pool.submit(_run_task, f.key, str(tmp / f.path)) for f in chosen]
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-        try:
+            _unmask(ignored, mask)  # (a signal that waited is raised here: the except below unmasks again)
+            blocked = False
             for i, fut in zip(indices, futures, strict=True):
                 result, size, known = fut.result()
                 results[i] = result
@@ -344,10 +351,24 @@ class _FileExec:
                 if progress is not None:
                     progress(size)
         except BaseException:
-            _stop(pool)
+            if pool is not None:
+                _stop(pool)
+            if blocked:
+                _unmask(ignored, mask)
             raise
         pool.shutdown(wait=True)
         return results
+
+
+_STOPS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _unmask(handlers: dict[int, Any], mask: set[Any]) -> None:
+    """Put back the handlers of the signals ignored while the workers started, then the signal mask
+    (in that order: a signal held back meanwhile reaches its handler, not the ignoring)."""
+    for s, handler in handlers.items():
+        signal.signal(s, handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _stop(pool: ProcessPoolExecutor) -> None:

@@ -683,6 +683,11 @@ def seal(
     of the bytes it wrote (see :func:`hash_pieces`), so that those files are not read back."""
     if algo not in ("xxh3-128", "sha256"):
         raise UsageError(f"--hash {algo!r}: expected xxh3-128 or sha256")
+    if out is None and default_seal_path(path).is_dir():  # (before any work)
+        raise UsageError(
+            f"{default_seal_path(path)}: a directory stands where the seal is written",
+            hint="move it out of the way, or give --out",
+        )
     with _not_sealing_damage(), ckio.checking_crcs():  # the pickles it reads are bytes it vouches for too
         adapter, manifest = registry.describe(path)
     for f in manifest.extras.get("findings") or ():  # damage the format's reader found and read past

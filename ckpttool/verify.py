@@ -31,7 +31,7 @@ from typing_extensions import TypedDict  # pydantic needs this one on Python < 3
 from ckpttool import registry
 from ckpttool.assemble import assemble, regions
 from ckpttool.dtypes import bf16_to_float32, float32_to_bf16
-from ckpttool.errors import CkptError, FormatNotRecognizedError, NotFoundError, PathEscapeError
+from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedError, NotFoundError, PathEscapeError
 from ckpttool.formats.base import Adapter
 from ckpttool.geometry import coverage
 from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
@@ -287,6 +287,13 @@ def verify(
         )
     report = VerifyReport(path=str(root), deep=deep)
     seal_file = Path(manifest_path) if manifest_path else default_seal_path(root)
+    if seal_file.exists() and not seal_file.is_file():  # (not "no seal": one may have been meant)
+        raise CorruptFileError(
+            f"{seal_file}: expected a seal (a JSON file), found a "
+            f"{'directory' if seal_file.is_dir() else 'special file'}",
+            hint="move it out of the way and seal the checkpoint again, or give the seal's file with --manifest",
+            path=str(seal_file),
+        )
     sealed = Seal.load(seal_file) if seal_file.is_file() else None
     if manifest_path and sealed is None:
         raise NotFoundError(f"{seal_file}: no such seal", hint="create one with 'ckpttool seal'", path=str(seal_file))

@@ -27,7 +27,7 @@ import numpy as np
 from ckpttool import _torchzip, _unpickle
 from ckpttool.dtypes import BY_NAME
 from ckpttool.dtypes import dtype as lookup_dtype
-from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, UnsafePickleError
+from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, UnsafePickleError, raise_together
 from ckpttool.formats import _pt
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Detection, PieceReader
@@ -725,8 +725,7 @@ def _damaged_files(
     errors = [
         _cut_short(rel, sizes[rel], md_name, needs[rel]) if rel in sizes else _missing(rel, md_name) for rel in damaged
     ]
-    errors[0].others = errors[1:]
-    raise errors[0]
+    raise_together(errors)
 
 
 def _missing(rel: str, md_name: str) -> CkptError:

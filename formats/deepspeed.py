@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool import _unpickle
-from ckpttool.errors import CorruptFileError, IncompleteCheckpointError
+from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, raise_together
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection, claim
 from ckpttool.geometry import Box, coverage, row_major_strides
@@ -583,6 +583,7 @@ class DeepSpeedAdapter:
         inner: dict[str, str] = {}  # the name torch.save gave the archive inside each file
         roles: list[FileRecord] = []
         stray: dict[str, str] = {}  # rank files outside the tag directory (DeepSpeed never reads those)
+        damaged: list[CkptError] = []
         for rel, size in listing:
             base = rel.rsplit("/", 1)[-1]
             ranked = bool(_MODEL.match(base) or _Z3_MODEL.match(base) or _OPTIM.match(base) or _LAYER.match(base))
@@ -593,11 +594,16 @@ class DeepSpeedAdapter:
                     stray.setdefault(base, rel)
                 roles.append(FileRecord(path=rel, size=size, role="aux"))
             else:
-                archive, obj, _ = _pt.load(root, rel, ALLOWLIST)
+                try:
+                    archive, obj, _ = _pt.load(root, rel, ALLOWLIST)
+                except (CorruptFileError, IncompleteCheckpointError) as exc:
+                    damaged.append(exc)  # (and on to the next: each damaged rank file named, not the first)
+                    continue
                 archive.close()
                 files[rel] = obj
                 inner[rel] = archive.prefix.rstrip("/")
                 roles.append(FileRecord(path=rel, size=size, role="data"))
+        raise_together(damaged)
         if save_dir != tag_dir:
             manifest.extras["tag"] = tag_dir.name
         manifest.files = roles
@@ -737,14 +743,20 @@ class DeepSpeedAdapter:
         manifest = Manifest(root=str(path), format=self.name)
         manifest.extras["variant"] = "universal"
         files: dict[str, Any] = {}
+        damaged: list[CkptError] = []  # every damaged file named, not the first
         for rel, size in list_files(path):
             base = rel.rsplit("/", 1)[-1]
             role = "data" if rel.endswith(".pt") else ("tracker" if base.startswith("latest") else "aux")
             manifest.files.append(FileRecord(path=rel, size=size, role=role))  # type: ignore[arg-type]
             if rel.endswith(".pt") and (_MODEL.match(base) or _Z3_MODEL.match(base) or rel.startswith("zero/")):
-                archive, obj, _ = _pt.load(path, rel, ALLOWLIST)
+                try:
+                    archive, obj, _ = _pt.load(path, rel, ALLOWLIST)
+                except (CorruptFileError, IncompleteCheckpointError) as exc:
+                    damaged.append(exc)
+                    continue
                 archive.close()
                 files[rel] = obj
+        raise_together(damaged)
         z3 = {(int(m[1]), int(m[2])): r for r in files if (m := _Z3_MODEL.match(r))}  # copied from ZeRO-3
         models = {int(m[1]): r for r in files if (m := _MODEL.match(r))}
         model_rel = models.get(min(models)) if models else (z3[min(z3)] if z3 else None)

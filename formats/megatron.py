@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 from ckpttool import _unpickle
 from ckpttool.dtypes import dtype as lookup_dtype
-from ckpttool.errors import CorruptFileError, IncompleteCheckpointError
+from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, raise_together
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection, claim
 from ckpttool.formats.dcp import DcpAdapter, DcpReader, is_dist_config, misplaced_in
@@ -1286,12 +1286,18 @@ class MegatronLegacyAdapter:
         self._grouped: dict[str, GroupedWeights] = {}
         self._etp: dict[str, tuple[int, int]] = {}  # rank directory -> (its experts' ETP rank, ETP)
         self._tied_copy = False
+        damaged: list[CkptError] = []  # rank files missing or unreadable: every one named, not the first
         for d in dirs:
             confine(root, f"{prefix}{d}", named_by="the listing")  # a rank folder linked out
             rel = f"{prefix}{d}/model_optim_rng.pt"
             if not (root / rel).is_file():
-                raise IncompleteCheckpointError(f"{rel} is missing", path=rel, rule="missing-file")
-            archive, obj, _ = _pt.load(root, rel, ALLOWLIST)
+                damaged.append(IncompleteCheckpointError(f"{rel} is missing", path=rel, rule="missing-file"))
+                continue
+            try:
+                archive, obj, _ = _pt.load(root, rel, ALLOWLIST)
+            except (CorruptFileError, IncompleteCheckpointError) as exc:
+                damaged.append(exc)
+                continue
             try:
                 if not isinstance(obj, dict):
                     raise CorruptFileError(f"{rel}: expected a dict, found {type(obj).__name__}", path=rel)
@@ -1301,6 +1307,7 @@ class MegatronLegacyAdapter:
             finally:
                 archive.close()
             objs[d] = obj
+        raise_together(damaged)
         args = next((o.get("args") for o in objs.values() if o.get("args") is not None), None)
         if args is None:
             raise CorruptFileError(

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool import _unpickle
-from ckpttool.errors import CorruptFileError, IncompleteCheckpointError
+from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, raise_together
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection, claim
 from ckpttool.geometry import Box
@@ -651,8 +651,13 @@ class RankShardsAdapter:
         staged = any(_PATTERNS[2].match(rel) for rel in shards.values())
         kept: dict[int, list[tuple[str, Any]]] = {}
         inner: dict[int, str] = {}  # the name torch.save gave the archive inside each file
+        damaged: list[CkptError] = []  # every rank file that does not read named, not the first
         for rank, rel in sorted(shards.items()):
-            archive, obj, _ = _pt.load(path, rel, ALLOWLIST)
+            try:
+                archive, obj, _ = _pt.load(path, rel, ALLOWLIST)
+            except (CorruptFileError, IncompleteCheckpointError) as exc:
+                damaged.append(exc)
+                continue
             archive.close()
             inner[rank] = archive.prefix.rstrip("/")
             leaves = flatten(obj if isinstance(obj, dict) else {"value": obj}, leaf=_sharded)
@@ -663,6 +668,7 @@ class RankShardsAdapter:
                 kept[rank] = leaves
             else:
                 self._add_all(manifest, leaves, rel, rank, replicas, {})
+        raise_together(damaged)
         renamed = _stage_numbering(kept)
         for rank, leaves in kept.items():
             self._add_all(manifest, leaves, shards[rank], rank, replicas, renamed)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ckpttool.dtypes import BY_SAFETENSORS, carrier
-from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError
+from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, raise_together
 from ckpttool.formats.base import Detection, PieceReader
 from ckpttool.geometry import Box
 from ckpttool.io import FileCache, RandomAccessFile, confine, list_files
@@ -182,17 +182,30 @@ class SafetensorsAdapter:
                 weight_map = _read_index(path, index_name)
                 files = list(dict.fromkeys(weight_map.values()))
             else:
-                files = sorted(p.name for p in path.glob("*.safetensors"))
+                files = sorted(p.name for p in path.glob("*.safetensors") if not p.is_dir())
         manifest = Manifest(root=str(root), format=self.name, layout=Layout(world_size=None))
+        absent: list[CkptError] = []  # every shard the index names and the folder lacks, not the first
+        found: dict[str, Path] = {}
         for rel in files:
-            full = Path(confine(root, rel, named_by=index_name or "the listing"))
-            if not full.exists():
-                raise IncompleteCheckpointError(
-                    f"{rel}: shard named by the index is missing",
-                    hint="download the missing shard",
-                    path=rel,
-                    rule="missing-file",
+            full = found[rel] = Path(confine(root, rel, named_by=index_name or "the listing"))
+            if full.is_dir() and weight_map is not None:
+                raise CorruptFileError(
+                    f"{index_name}: names {rel!r} as the shard of "
+                    f"{next(n for n, f in (weight_map or {}).items() if f == rel)}, which is a directory, not a file",
+                    hint="restore the index from its source: its weight_map gives each tensor's .safetensors file",
+                    path=index_name,
                 )
+            if not full.exists():
+                absent.append(
+                    IncompleteCheckpointError(
+                        f"{rel}: shard named by the index is missing",
+                        hint="download the missing shard",
+                        path=rel,
+                        rule="missing-file",
+                    )
+                )
+        raise_together(absent)
+        for rel, full in found.items():
             header = read_header(full, rel)
             manifest.files.append(FileRecord(path=rel, size=header.size, role="data"))
             for e in header.tensors:
@@ -246,8 +259,20 @@ def _read_index(root: Path, name: str) -> dict[str, str]:
     except (OSError, ValueError, RecursionError) as exc:
         raise CorruptFileError(f"{name}: not a readable JSON index ({exc})", path=name) from None
     wm = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
-        raise CorruptFileError(f"{name}: no weight_map of tensor name -> file", path=name)
+    if not isinstance(wm, dict):
+        found = "no weight_map" if wm is None else f"a weight_map of type {type(wm).__name__}"
+        raise CorruptFileError(
+            f"{name}: expected a weight_map of tensor name -> shard file, found {found}",
+            hint="restore the index from its source",
+            path=name,
+        )
+    for key, value in wm.items():
+        if not isinstance(value, str) or not value.strip("./"):
+            raise CorruptFileError(
+                f"{name}: weight_map gives {key!r} the shard {value!r}, not a file name",
+                hint="restore the index from its source: its weight_map gives each tensor's .safetensors file",
+                path=name,
+            )
     return wm
 
 

@@ -235,6 +235,8 @@ def test_bad_requests_are_refused_not_internal_errors(tmp_path):
         (["seal", ckpt, "--out", ckpt / "xckpttool.manifest.json"], 2, "inside the checkpoint"),
         (["inspect", "/dev/null"], 3, "neither a regular file nor a directory"),
         (["compress", "/dev/null", "-o", tmp_path / "x.ckz"], 3, "neither a regular file nor a directory"),
+        (["verify", ckpt, "--report", "r.out", "--junit", tmp_path / "r.out"], 2, "--report and --junit both name"),
+        (["export", ckpt, "-o", tmp_path / "model.pt"], 2, "export writes a safetensors file"),  # (not a .pt)
     ]
     for command in ("verify", "seal", "compress"):
         for n in ("0", "-1"):

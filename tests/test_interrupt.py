@@ -190,3 +190,33 @@ def test_no_retry_outlives_the_command():
         preexec_fn=_ctrl_c_default,  # (a background job's ignored SIGINT would leave install() off)
     )
     assert (out.returncode, out.stderr) == (0, "")
+
+
+def test_a_ctrl_c_while_reshard_starts_its_workers_is_not_lost(tmp_path, monkeypatch):
+    """reshard's workers start with Ctrl-C and SIGTERM ignored (this process alone stops them); a
+    Ctrl-C in that window was dropped with them, and the reshard ran on to the end. It now waits,
+    blocked, and lands once the workers have started: the pool is stopped and nothing is
+    published; the handlers and the signal mask are as they were."""
+    from ckpttool import reshard
+    from ckpttool.reshard import Target
+    from tests.conftest import FIXTURES
+
+    class Signalled(reshard.ProcessPoolExecutor):  # type: ignore[misc]
+        def submit(self, *args, **kwargs):  # the SIGINT comes while the first worker starts
+            if not hasattr(self, "_sent"):
+                self._sent = True
+                signal.raise_signal(signal.SIGINT)
+            return super().submit(*args, **kwargs)
+
+    monkeypatch.setattr(reshard, "ProcessPoolExecutor", Signalled)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # (ignored in a background job)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    out = tmp_path / "out"
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            reshard.reshard(FIXTURES / "megatron" / "legacy_tp2pp2", out, Target(tp=1, pp=2), workers=2)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert not out.exists() and not [p.name for p in tmp_path.iterdir()]

@@ -46,6 +46,45 @@ def test_missing_shard(tmp_path):
         registry.describe(tmp_path / "s")
 
 
+def test_every_missing_shard_is_named(tmp_path):
+    """Both shards gone: verify names each (it stopped at the first), the CLI's error the other."""
+    shutil.copytree(ST / "sharded", tmp_path / "s")
+    for f in (tmp_path / "s").glob("*.safetensors"):
+        f.unlink()
+    r = run_cli("verify", tmp_path / "s", "--json")
+    found = [(f["rule"], f["file"]) for f in json.loads(r.stdout)["findings"]]
+    assert r.code == 1 and found == [
+        ("missing-file", "model-00001-of-00002.safetensors"),
+        ("missing-file", "model-00002-of-00002.safetensors"),
+    ], found
+    r = run_cli("inspect", tmp_path / "s")
+    assert r.code == 3 and "(and 1 more file likewise: model-00002-of-00002.safetensors)" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    ("shard", "said"),
+    [
+        (".", "weight_map gives 'pos' the shard '.', not a file name"),  # was: "cannot complete: Is a directory"
+        (None, "weight_map gives 'pos' the shard None, not a file name"),
+        ("sub", "names 'sub' as the shard of pos, which is a directory, not a file"),
+    ],
+)
+def test_an_index_naming_no_file_says_which_entry(shard, said, tmp_path):
+    """An index whose weight_map gives a tensor no file name (or a folder) is refused naming the
+    entry (it said "no weight_map of tensor name -> file" of an index that has one, or that the disk
+    refused: "Is a directory")."""
+    shutil.copytree(ST / "sharded", tmp_path / "s")
+    (tmp_path / "s" / "sub").mkdir()
+    index = tmp_path / "s" / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    assert "pos" in doc["weight_map"]
+    doc["weight_map"]["pos"] = shard
+    index.write_text(json.dumps(doc))
+    r = run_cli("inspect", tmp_path / "s")
+    assert r.code == 3 and f"error: model.safetensors.index.json: {said}\n" in r.stderr, r.stderr
+    assert "restore the index from its source" in r.stderr
+
+
 def _rewrite_header(path, edit):
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])

@@ -15,7 +15,7 @@ import torch
 from ckpttool import registry
 from ckpttool.seal import seal
 from ckpttool.verify import verify
-from tests.conftest import DCP_FIXTURES, FIXTURES, run_cli
+from tests.conftest import DCP_FIXTURES, FIXTURES, run_cli, tree_digests
 
 CLEAN = [
     *(f"dcp/{n}" for n in DCP_FIXTURES),
@@ -399,6 +399,21 @@ def test_a_seal_of_another_checkpoint_is_refused_not_passed(tmp_path):
     (tmp_path / "empty.json").write_text(json.dumps(doc))
     r = run_cli("verify", path, "--manifest", tmp_path / "empty.json")
     assert r.code == 3 and "is in the seal, which names no file" in r.stderr
+
+
+def test_a_directory_where_the_seal_belongs_is_said_not_taken_for_no_seal(tmp_path):
+    """A directory named ckpttool.manifest.json in the checkpoint: verify said "no seal" (a CI gate
+    that meant to check against the seal checked without one) and seal failed after all its work
+    with "is a directory". Both now refuse it up front, nothing written."""
+    path = _copy("dcp/fsdp2", tmp_path)
+    (path / "ckpttool.manifest.json").mkdir()
+    before = tree_digests(tmp_path)
+    r = run_cli("verify", path, "--json")
+    assert r.code == 3 and "ckpttool.manifest.json: expected a seal (a JSON file), found a directory" in r.stderr
+    assert json.loads(r.stdout)["ok"] is False
+    r = run_cli("seal", path)
+    assert r.code == 2 and "ckpttool.manifest.json: a directory stands where the seal is written" in r.stderr
+    assert tree_digests(tmp_path) == before
 
 
 def test_a_file_the_seal_does_not_name_is_checked_as_without_one(tmp_path):

@@ -620,6 +620,68 @@ def test_every_dcp_file_cut_short_or_missing_is_named_not_only_the_first(tmp_pat
     assert r.code == 3 and "(and 2 more files likewise: __2_0.distcp, __3_0.distcp)" in r.stderr, r.stderr
 
 
+def _cut(f, size: int) -> None:
+    """Truncate ``f`` to ``size`` bytes, its modification time kept."""
+    times = os.stat(f)
+    os.truncate(f, size)
+    os.utime(f, ns=(times.st_atime_ns, times.st_mtime_ns))
+
+
+@pytest.mark.parametrize(
+    "fixture, cut, flipped, deleted",
+    [
+        (
+            MG / "legacy_tp2pp2",
+            ["iter_0000003/mp_rank_00_000/model_optim_rng.pt", "iter_0000003/mp_rank_01_001/model_optim_rng.pt"],
+            [],
+            ["iter_0000003/mp_rank_01_000/model_optim_rng.pt"],
+        ),
+        (
+            FIXTURES / "deepspeed" / "zero2",
+            ["global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt"],
+            ["global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"],
+            [],
+        ),
+        (
+            FIXTURES / "deepspeed" / "universal",
+            ["zero/blocks.0.fc1.weight/exp_avg.pt"],
+            ["zero/blocks.1.fc2.bias/fp32.pt"],
+            [],
+        ),
+        (FIXTURES / "rankshards" / "tp_manual" / "step_00000003", ["shard_00000.pt"], ["shard_00001.pt"], []),
+    ],
+    ids=["megatron-legacy", "deepspeed", "deepspeed-universal", "rankshards"],
+)
+def test_every_damaged_rank_file_is_named_not_only_the_first(fixture, cut, flipped, deleted, tmp_path):
+    """Megatron legacy, DeepSpeed and per-rank shards read every rank file's pickle to know the
+    checkpoint, and
+    stopped at the first that did not read: a second rank's file cut short, damaged or deleted
+    showed only once the first was restored. Each is now a finding of its own (the flipped byte a
+    checksum-mismatch of the pickle's CRC-32), and the CLI's one error names the others."""
+    path = tmp_path / "ck"
+    shutil.copytree(fixture, path)
+    root = path / "global_step3_universal" if fixture.name == "universal" else path  # (files named from the tag)
+    for rel in cut:
+        _cut(root / rel, 3000)
+    for rel in flipped:  # one byte of the pickle
+        f = root / rel
+        st = os.stat(f)
+        data = bytearray(f.read_bytes())
+        data[data.find(b"data.pkl") + 60] ^= 0xFF
+        f.write_bytes(bytes(data))
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    for rel in deleted:
+        (root / rel).unlink()
+    code, report = _findings(path)
+    found = sorted((f["rule"], f["file"]) for f in report["findings"] if f["severity"] == "error")
+    expected = sorted(
+        [("corrupt-file", r) for r in cut] + [("checksum-mismatch", r) for r in flipped] + [("missing-file", r) for r in deleted]
+    )
+    assert code == 1 and found == expected, report["findings"]
+    r = run_cli("inspect", path)
+    assert r.code == 3 and f"(and {len(expected) - 1} more file" in r.stderr, r.stderr
+
+
 def _zip_index(data: bytes) -> list[tuple[str, int, int]] | None:
     import io
     import zipfile

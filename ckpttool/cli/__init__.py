@@ -388,6 +388,11 @@ def verify(
         if given is not None:  # checked before any work; a report never replaces what it reports on
             refuse_overlap(given, flag=flag, checkpoint=path, seal=manifest)
             check_output_file(given, flag)
+    if report_file is not None and junit_file is not None and report_file.resolve() == junit_file.resolve():
+        raise UsageError(
+            f"--report and --junit both name {junit_file}: the JUnit XML would replace the JSON report",
+            hint="give each report a file of its own",
+        )
     out = Output(json_mode=json_out, quiet=quiet)
     needed = [s.strip() for given in require or () for s in given.split(",") if s.strip()]
     severity: Severity = "warning" if fail_on == "warning" else "error"

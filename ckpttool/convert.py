@@ -62,6 +62,9 @@ _UNITS = {
 }
 
 
+DEFAULT_SHARD_SIZE = "5GB"
+
+
 def parse_size(text: str, option: str = "--max-shard-size") -> int:
     """``5GB`` -> 5e9, ``512MiB`` -> 512 * 2**20, ``1000`` -> 1000 bytes."""
     m = _SIZE.match(text)
@@ -111,16 +114,22 @@ def convert(
     dst: str | Path,
     *,
     to: str = "safetensors",
-    max_shard_size: str = "5GB",
+    max_shard_size: str | None = None,
     world_size: int | None = None,
     kind: str = "all",
     pattern: str | None = None,
     force: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> ConvertResult:
+    """``max_shard_size``: the largest safetensors shard (default 5GB)."""
     if to not in TARGETS:
         raise UsageError(f"--to {to!r}: ckpttool converts to {', '.join(TARGETS)} so far")
-    limit = parse_size(max_shard_size)
+    limit = parse_size(max_shard_size or DEFAULT_SHARD_SIZE)
+    if max_shard_size is not None and to != "safetensors":  # (ignored, the output would not be what was asked)
+        raise UsageError(
+            f"--max-shard-size sets the size of safetensors shards; it does not apply to --to {to}",
+            hint="the files of the other formats are one per rank (dcp, megatron, deepspeed) or one (torch)",
+        )
     if world_size is not None and not 1 <= world_size <= MAX_RANKS:
         raise UsageError(f"--world-size {world_size:,}: expected 1 to {MAX_RANKS:,} ranks")
     if world_size is not None and to != "dcp":  # (it would be ignored: the output would not be what was asked)
@@ -299,7 +308,7 @@ def _framework(
 
     if kind != "all" or pattern is not None:
         raise UsageError(
-            f"--to {to} writes the whole training state; --kind and --filter apply to safetensors and dcp only"
+            f"--to {to} writes the whole training state; --kind and --filter apply to safetensors, dcp and torch only"
         )
     done = reshard(src, out, Target(to=to), force=force, progress=progress)
     ranks = torchrun_world()

@@ -601,6 +601,7 @@ class RankShardsAdapter:
         shards: dict[int, str] = {}
         world: int | None = None
         step: int | None = None
+        named: dict[str, int] = {}  # the step in a file's name (checkpoint_step<s>_stage<p>.pt)
         for rel, size in list_files(path):
             m = _match(rel)
             if m is None:
@@ -614,7 +615,7 @@ class RankShardsAdapter:
             if "world" in m.groupdict():
                 world = int(m.group("world"))
             if "step" in m.groupdict():
-                step = int(m.group("step"))
+                step = named[rel] = int(m.group("step"))
         meta_step: int | None = None
         if (path / "metadata.json").is_file():
             try:
@@ -680,6 +681,20 @@ class RankShardsAdapter:
         dir_step = int(m.group(1)) if (m := _STEP_DIR.match(path.name)) else None
         if step is None:
             step = dir_step if dir_step is not None else find_step(manifest.items)
+        findings: list[dict[str, Any]] = []
+        for rel, by_name in named.items():  # a file's name is its claim where its content makes none
+            if claims.setdefault(rel, by_name) != by_name:
+                findings.append(
+                    {
+                        "rule": "step-mismatch",
+                        "file": rel,
+                        "message": f"{rel} is named for step {by_name} but holds step {claims[rel]}",
+                        "hint": "the file was renamed, or copied in from another save: restore it from this save",
+                    }
+                )
+        if len(set(named.values())) > 1 and meta_step is None:  # the step most of the files give
+            counted = list(claims.values())
+            step = max(counted, key=counted.count)
         if claims and meta_step is not None:  # the shards' own and metadata.json's: the step most give
             claims["metadata.json"] = meta_step
             counted = list(claims.values())
@@ -694,7 +709,9 @@ class RankShardsAdapter:
             or _blocks_out_of_order(manifest, shards)
             or _stages_out_of_order(manifest, shards)
         ):
-            manifest.extras["findings"] = [out_of_order]
+            findings.append(out_of_order)
+        if findings:
+            manifest.extras["findings"] = findings
         return manifest
 
     @classmethod

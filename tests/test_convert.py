@@ -56,6 +56,17 @@ def test_a_size_of_nothing_is_refused(option, value, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize(("to", "extra"), [("dcp", []), ("torch", []), ("megatron", []), ("safetensors", ["--world-size", "2"])])
+def test_an_option_the_target_has_no_use_for_is_refused(to, extra, tmp_path):
+    """--max-shard-size with --to dcp or torch was ignored without a word (the files came out at
+    their own sizes), as --world-size would be with --to safetensors: each is refused, nothing written."""
+    src = FIXTURES / ("megatron/legacy_tp2pp2" if to == "megatron" else "dcp/fsdp2")
+    argv = extra or ["--max-shard-size", "1GB"]
+    r = run_cli("convert", src, "-o", tmp_path / "o", "--to", to, *argv)
+    assert r.code == 2 and f"does not apply to --to {to}" in r.stderr, r.stderr
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("name", ["fsdp2", "fsdp2_per_item", "fsdp2_zstd", "fsdp2_threads2", "mesh2x2"])
 def test_to_torch_is_dcp_to_torch_save_byte_for_byte(name, tmp_path):
     """--to torch nests the flat keys back as the state dict was saved and pickles it as torch

@@ -595,7 +595,7 @@ def test_convert_keeps_the_layout(tmp_path, cli):
     assert r.code == 0, r.stderr
     assert not diff(FIXTURES / "deepspeed" / "zero2", ds).different and registry.describe(ds)[1].layout.dp == 2
     r = cli("convert", LEGACY, "-o", tmp_path / "no", "--to", "megatron", "--kind", "param")
-    assert r.code == 2 and "--kind and --filter apply to safetensors and dcp only" in r.stderr
+    assert r.code == 2 and "--kind and --filter apply to safetensors, dcp and torch only" in r.stderr
     assert not (tmp_path / "no").exists()
 
 

@@ -156,6 +156,19 @@ def test_step_rewritten_in_one_rank(tmp_path):
     assert steps and "shard_00001_of_00002.pt claim 4" in steps[0].message and "no majority" in steps[0].message
 
 
+def test_a_pipeline_stage_file_named_for_another_step_is_said(tmp_path):
+    """checkpoint_step<s>_stage<p>.pt: a stage's file from another save, renamed into this one (its
+    pickle says step 3, its name 4), passed: the step in the names was never compared. Names that
+    disagree with no content to say otherwise are compared with each other."""
+    path = _copy("rankshards/pipeline", tmp_path)
+    (path / "checkpoint_step3_stage1.pt").rename(path / "checkpoint_step4_stage1.pt")
+    report = verify(path)
+    assert [(f.rule, f.file, f.message) for f in report.findings if f.severity == "error"] == [
+        ("step-mismatch", "checkpoint_step4_stage1.pt", "checkpoint_step4_stage1.pt is named for step 4 but holds step 3")
+    ]
+    assert report.step == 3
+
+
 def test_interrupted_dcp_save():
     report = verify(FIXTURES / "hostile" / "dcp_metadata_tmp_only")
     assert "incomplete-save" in _rules(report)

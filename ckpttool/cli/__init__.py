@@ -543,8 +543,9 @@ def convert(
         ),
     ] = "safetensors",
     max_shard_size: Annotated[
-        str, typer.Option("--max-shard-size", help="Largest shard (safetensors), e.g. 5GB, 500MB, 2GiB.")
-    ] = "5GB",
+        str | None,
+        typer.Option("--max-shard-size", help="Largest shard (safetensors), e.g. 5GB, 500MB, 2GiB.  [default: 5GB]"),
+    ] = None,
     world_size: Annotated[
         int | None, typer.Option("--world-size", help="Ranks of the DCP checkpoint (default: the source's).")
     ] = None,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -979,10 +979,15 @@ def _check_replicas(
                         except CkptError:
                             continue
                     values.append((i, d))
-                first = values[0][1] if values else None
-                for i, d in values[1:]:
-                    if d != first:
-                        _replica_mismatch(report, manifest, item, item.pieces[i], item.pieces[values[0][0]])
+                counts = Counter(d for _, d in values).most_common()
+                if len(counts) < 2:
+                    continue
+                # the copies most hold are taken as right; with no majority (two copies) none is blamed
+                blame = counts[0][1] > counts[1][1]
+                base, right = next((i, d) for i, d in values if d == counts[0][0]) if blame else values[0]
+                for i, d in values:
+                    if d != right:
+                        _replica_mismatch(report, manifest, item, item.pieces[i], item.pieces[base], blame=blame)
             # a region no piece of the first copy holds as such: a copy cut at other boundaries
             lone = [
                 idxs[0]
@@ -993,11 +998,21 @@ def _check_replicas(
                 _compare_ranges(report, manifest, item, reader, lone)
 
 
-def _replica_mismatch(report: VerifyReport, manifest: Manifest, item: Item, p: Piece, first: Piece) -> None:
+def _replica_mismatch(
+    report: VerifyReport, manifest: Manifest, item: Item, p: Piece, first: Piece, *, blame: bool = True
+) -> None:
+    """``p``'s copy differs from ``first``'s: ``p`` is named as the wrong one where more copies hold
+    ``first``'s bytes than ``p``'s (``blame``); else both are named, neither blamed."""
     if p.file == first.file:  # two model chunks of one rank file
         message = f"{item.name}: two copies in {p.file} (rank {p.rank}) differ"
-    else:
+    elif blame:
         message = f"{item.name}: the copy in {p.file} (rank {p.rank}) differs from the one in {first.file}"
+    else:
+        message = (
+            f"{item.name}: the copies in {first.file} (rank {first.rank}) and {p.file} (rank {p.rank}) differ, "
+            "and no other copy says which holds the saved bytes"
+        )
+    where = {"file": p.file, "rank": p.rank} if blame or p.file == first.file else {"file": None, "rank": None}
     if item.name in (manifest.extras.get("stage_copies") or ()):
         # DeepSpeed keeps only a tied module's tied_weight_attr in sync across the stages
         # (Megatron-DeepSpeed: the word embeddings, not the position embeddings it also ties)
@@ -1007,8 +1022,7 @@ def _replica_mismatch(report: VerifyReport, manifest: Manifest, item: Item, p: P
                 message + ": the copies of a weight tied across pipeline stages",
                 severity="warning",
                 item=item.name,
-                file=p.file,
-                rank=p.rank,
+                **where,
                 hint="DeepSpeed keeps only the tied_weight_attr of a tied module in sync across the stages; "
                 "if this weight is one (it is used in every stage that holds it), the stages diverged",
             )
@@ -1016,9 +1030,7 @@ def _replica_mismatch(report: VerifyReport, manifest: Manifest, item: Item, p: P
         return
     hint = (manifest.extras.get("copy_notes") or {}).get(item.name)  # the format's word on why copies may differ
     report.findings.append(
-        finding(
-            "replica-mismatch", message, item=item.name, file=p.file, rank=p.rank, **({"hint": hint} if hint else {})
-        )
+        finding("replica-mismatch", message, item=item.name, **where, **({"hint": hint} if hint else {}))
     )
 
 

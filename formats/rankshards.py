@@ -584,6 +584,16 @@ def _match(name: str) -> re.Match[str] | None:
     return None
 
 
+def _named_like(rel: str, rank: int) -> str:
+    """The file name rank ``rank`` saves under, after another rank's file ``rel`` (its digits
+    padded as that one's are)."""
+    m = _match(rel)
+    assert m is not None
+    digits = m.group("rank")
+    width = len(digits) if digits.startswith("0") and len(digits) > 1 else 1
+    return rel[: m.start("rank")] + f"{rank:0{width}d}" + rel[m.end("rank") :]
+
+
 class RankShardsAdapter:
     name = "rankshards"
 
@@ -639,11 +649,27 @@ class RankShardsAdapter:
             missing = [r for r in range(expect) if r not in shards]
             if missing:
                 said = f"{world}" if world is not None else f"at least {expect}"
-                raise IncompleteCheckpointError(
-                    f"{path}: {len(missing)} of {said} rank shards missing (ranks {', '.join(map(str, missing[:12]))})",
-                    hint="a rank did not finish saving or its file was deleted; use another checkpoint",
-                    path=str(path),
-                    rule="missing-file",
+                hint = "a rank did not finish saving or its file was deleted; use another checkpoint"
+                like = shards[min(shards)] if shards else None
+                if like is None or len(missing) > 64:  # (no file to name them after, or too many to list)
+                    raise IncompleteCheckpointError(
+                        f"{path}: {len(missing)} of {said} rank shards missing "
+                        f"(ranks {', '.join(map(str, missing[:12]))}{' …' if len(missing) > 12 else ''})",
+                        hint=hint,
+                        path=str(path),
+                        rule="missing-file",
+                    )
+                raise_together(
+                    [
+                        IncompleteCheckpointError(
+                            f"{name}: rank {r}'s shard is missing ({len(missing)} of {said} ranks have no file here)",
+                            hint=hint,
+                            path=name,
+                            rule="missing-file",
+                        )
+                        for r in missing
+                        for name in [_named_like(like, r)]
+                    ]
                 )
         replicas = ReplicaCounter()
         claims: dict[str, int] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -61,12 +62,22 @@ def test_pipeline_stages_union():
 
 
 def test_missing_rank_shard(tmp_path):
+    """The missing rank's file is named as its rank would have saved it (the finding named the
+    folder, as typed on the command line)."""
     shutil.copytree(RS / "ddp", tmp_path / "ddp")
     (tmp_path / "ddp" / "shard_00001_of_00002.pt").unlink()
-    with pytest.raises(IncompleteCheckpointError, match=r"1 of 2 rank shards missing \(ranks 1\)"):
+    said = "shard_00001_of_00002.pt: rank 1's shard is missing (1 of 2 ranks have no file here)"
+    with pytest.raises(IncompleteCheckpointError, match=re.escape(said)) as caught:
         registry.describe(tmp_path / "ddp")
+    assert caught.value.path == "shard_00001_of_00002.pt" and caught.value.rule == "missing-file"
     r = run_cli("inspect", tmp_path / "ddp")
-    assert r.code == 3 and "rank shards missing" in r.stderr
+    assert r.code == 3 and said in r.stderr
+    shutil.copytree(RS / "pipeline", tmp_path / "pipe")
+    (tmp_path / "pipe" / "checkpoint_step3_stage0.pt").unlink()
+    r = run_cli("verify", tmp_path / "pipe", "--json")
+    assert [(f["rule"], f["file"]) for f in json.loads(r.stdout)["findings"]] == [
+        ("missing-file", "checkpoint_step3_stage0.pt")
+    ]
 
 
 def test_two_files_claiming_one_rank(tmp_path):

@@ -226,6 +226,28 @@ def test_replicated_norm_altered_on_one_tp_rank(tmp_path):
     assert found and found[0].item == norm.name
 
 
+@pytest.mark.parametrize(("fixture", "name"), [
+    ("megatron/legacy_tp2pp2", "decoder.layers.0.input_layernorm.weight"),  # two copies: TP ranks 0 and 1
+    ("megatron/legacy_tp2ep2_gg", "decoder.layers.1.pre_mlp_layernorm.weight"),  # four: TP 2 x EP 2
+])  # fmt: skip
+def test_the_copy_altered_is_the_one_blamed(fixture, name, tmp_path):
+    """The first copy was taken as right: rank 0's copy altered, the finding named rank 1's file,
+    the one left alone. Where more copies agree than not, the odd one is named; where two differ,
+    both are, and neither is blamed (the finding names no file)."""
+    path = _copy(fixture, tmp_path)
+    _, m = registry.describe(path)
+    pieces = m.items[name].pieces
+    file, off, _ = _raw(path, name, 0)
+    _patch(file, off, b"\x00\x40")  # rank 0's first value becomes 2.0
+    found = [f for f in verify(path).findings if f.rule == "replica-mismatch"]
+    if len(pieces) > 2:
+        assert [(f.item, f.file) for f in found] == [(name, pieces[0].file)], found
+        assert found[0].message.startswith(f"{name}: the copy in {pieces[0].file} (rank 0) differs")
+    else:
+        assert [(f.item, f.file, f.rank) for f in found] == [(name, None, None)], found
+        assert f"the copies in {pieces[0].file} (rank 0) and {pieces[1].file} (rank 1) differ" in found[0].message
+
+
 @pytest.mark.parametrize(
     ("fixture", "name", "finds"),
     [

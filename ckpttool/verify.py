@@ -194,6 +194,9 @@ class ReportJSON(TypedDict):
     inputs: dict[str, Any]
     format: str | None
     step: int | None
+    root: str | None
+    """the folder the findings' files are named from, where it is not ``inputs.path``: the
+    iteration a save directory's tracker names (torch_dist). null otherwise"""
     layout: dict[str, int | None]
     ok: bool
     fail_on: Severity
@@ -228,6 +231,8 @@ class VerifyReport:
     path: str
     format: str | None = None
     step: int | None = None
+    root: str | None = None
+    """the folder findings name files from, where it is not ``path`` (a save directory's iteration)"""
     layout: dict[str, Any] = field(default_factory=dict)
     seal: str | None = None
     deep: bool = False
@@ -253,6 +258,7 @@ class VerifyReport:
             "inputs": {"path": self.path, "seal": self.seal, "deep": self.deep},
             "format": self.format,
             "step": self.step,
+            "root": self.root,
             "layout": self.layout,
             "ok": self.error is None and not self.failing(fail_on),
             "fail_on": fail_on,
@@ -335,6 +341,8 @@ def _verify(
         report.findings += [_from_error(e) for e in (exc, *exc.others)]
     if manifest is not None:
         report.format, report.step = manifest.format, manifest.step
+        if root.is_dir() and Path(manifest.root).resolve() != root.resolve():
+            report.root = manifest.root
         report.layout = {
             k: getattr(manifest.layout, k) for k in ("world_size", "tp", "pp", "dp", "ep", "vpp", "zero_stage")
         }
@@ -389,6 +397,12 @@ def _check_in_flight(report: VerifyReport, root: Path, manifest: Manifest | None
     for dirpath, dirnames, filenames in os.walk(root):
         for name in [*dirnames, *filenames]:
             rel = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
+            said = any(
+                f.rule == "incomplete-save" and f.file and (f.file == rel or rel.endswith("/" + f.file))
+                for f in report.findings
+            )
+            if said:
+                continue  # (the format's reader named it, from the folder it reads: the save it stopped)
             if name.endswith(".metadata.tmp") or (name.endswith(".tmp") and name[: -len(".tmp")] in COMMIT_NAMES):
                 report.findings.append(
                     finding(

@@ -336,7 +336,7 @@ class DcpAdapter:
                 f"{path}: DCP checkpoint without .metadata (found {found}): the save was interrupted "
                 "before rank 0 committed it",
                 hint="use the previous checkpoint; this one cannot be loaded by dcp.load either",
-                path=str(path),
+                path=".metadata.tmp" if found == ".metadata.tmp" else str(path),  # (verify: one finding of it)
             )
         manifest = Manifest(root=str(path), format=self.name)
         sizes = dict(listing)

@@ -15,7 +15,7 @@ import torch
 from ckpttool import registry
 from ckpttool.seal import seal
 from ckpttool.verify import verify
-from tests.conftest import DCP_FIXTURES, FIXTURES, run_cli, tree_digests
+from tests.conftest import DCP_FIXTURES, FIXTURES, run_cli, set_stored_crc, tree_digests
 
 CLEAN = [
     *(f"dcp/{n}" for n in DCP_FIXTURES),
@@ -169,9 +169,19 @@ def test_a_pipeline_stage_file_named_for_another_step_is_said(tmp_path):
     assert report.step == 3
 
 
-def test_interrupted_dcp_save():
+def test_interrupted_dcp_save(tmp_path):
+    """One finding, naming the temporary file (there were two: the format's, naming the folder as
+    typed, and the in-flight check's); torch_dist's likewise, given its save directory."""
     report = verify(FIXTURES / "hostile" / "dcp_metadata_tmp_only")
-    assert "incomplete-save" in _rules(report)
+    assert [(f.rule, f.file) for f in report.findings] == [("incomplete-save", ".metadata.tmp")], report.findings
+    assert "without .metadata (found .metadata.tmp)" in report.findings[0].message
+    path = _copy("megatron/dist_tp2", tmp_path)
+    assert verify(path).root == str(path / "iter_0000003")  # (the folder its findings name files from)
+    r = run_cli("verify", path)
+    assert r.code == 0 and f"\nfiles named from {path / 'iter_0000003'}\n" in r.stdout, r.stdout
+    (path / "iter_0000003" / ".metadata").rename(path / "iter_0000003" / ".metadata.tmp")
+    report = verify(path)
+    assert [(f.rule, f.file) for f in report.findings] == [("incomplete-save", ".metadata.tmp")], report.findings
 
 
 def test_deepspeed_latest_missing_tag():
@@ -484,7 +494,7 @@ def test_a_file_the_seal_does_not_name_is_checked_as_without_one(tmp_path):
             "iter_0000003/mp_rank_00_000_001/distrib_optim.pt",
             "mp_rank_00_000_001/distrib_optim.pt",
         ),
-        ("rankshards/pipeline", "checkpoint_step3_stage0.pt", "ranks 0"),
+        ("rankshards/pipeline", "checkpoint_step3_stage0.pt", "rank 0's shard is missing"),
     ],
     ids=lambda v: v.replace("/", "-"),
 )
@@ -899,3 +909,90 @@ def test_a_crc_failure_in_a_value_beside_the_items_names_its_path(tmp_path):
     assert f"{info.filename} ({name}) fails its zip CRC-32" in found.message, found.message
     seal = run_cli("seal", path)
     assert seal.code == 3 and name in seal.stderr, seal.stderr
+
+
+def _patch_keeping_crc(file: Path, offset: int, data: bytes) -> None:
+    """Write ``data`` at ``offset`` of ``file``, the CRC-32 of the zip member holding it set to the
+    new bytes' (a .pt file is one zip archive, a .distcp file one per item) and the modification
+    time kept: only the rule under test fires."""
+    import io
+    import re
+    import zipfile
+    import zlib
+
+    raw = bytearray(file.read_bytes())
+    raw[offset : offset + len(data)] = data
+    for eocd in re.finditer(b"PK\x05\x06", bytes(raw)):
+        at = eocd.start()
+        size, where = struct.unpack("<II", raw[at + 12 : at + 20])
+        base = at - size - where  # where this archive starts in the file
+        if raw[at - 20 : at - 16] == b"PK\x06\x07":  # (torch writes zip64 end records: they lie in between)
+            base = raw.rfind(b"PK\x06\x06", 0, at - 20) - int.from_bytes(raw[at - 12 : at - 4], "little")
+        if not base <= offset < at:
+            continue
+        archive = bytearray(raw[base : at + 22 + int.from_bytes(raw[at + 20 : at + 22], "little")])
+        for info in zipfile.ZipFile(io.BytesIO(bytes(archive))).infolist():
+            head = info.header_offset
+            start = head + 30 + int.from_bytes(archive[head + 26 : head + 28], "little")
+            start += int.from_bytes(archive[head + 28 : head + 30], "little")
+            if start <= offset - base < start + info.file_size:
+                set_stored_crc(archive, info, start, zlib.crc32(archive[start : start + info.file_size]))
+        raw[base : base + len(archive)] = archive
+        break
+    st = os.stat(file)
+    file.write_bytes(bytes(raw))
+    os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+_NAN = {"float32": struct.pack("<f", float("nan")), "bfloat16": b"\xc0\x7f", "float16": b"\x00\x7e"}
+EVERY_FORMAT = [
+    "dcp/fsdp2",
+    "megatron/legacy_tp2pp2",
+    "megatron/dist_tp2",
+    "deepspeed/zero2",
+    "deepspeed/zero3",
+    "deepspeed/universal",
+    "rankshards/tp_manual/step_00000003",
+    "safetensors/sharded",
+    "torch/train_state.pt",
+]
+
+
+
+
+@pytest.mark.parametrize("rel", EVERY_FORMAT)
+def test_a_nan_written_into_a_weight_is_found_in_every_format(rel, tmp_path):
+    """One NaN in a weight's first piece (its zip CRC-32 kept right, so that nothing else fires):
+    --deep finds it, names the weight and counts it; without --deep values are not read. (ZeRO-3
+    keeps the weights only as the optimizer's fp32 partitions: one of those.)"""
+    path = _copy(rel, tmp_path)
+    _, m = registry.describe(path)
+    weights = [i for i in m.items.values() if i.is_tensor and i.dtype in _NAN and i.kind in ("param", "master")]
+    item = min(weights, key=lambda i: i.kind != "param")
+    file, off, _ = _raw(path, item.name, 0)
+    _patch_keeping_crc(file, off, _NAN[item.dtype])
+    assert "nonfinite" not in _rules(verify(path))
+    report = verify(path, deep=True)
+    nan = [f for f in report.findings if f.rule == "nonfinite"]
+    # (ZeRO-3's tied head.weight shares emb.weight's partition: both name the NaN)
+    assert item.name in [f.item for f in nan] and all("1 NaN" in f.message for f in nan), report.findings
+    assert len(nan) == 1 or rel == "deepspeed/zero3", report.findings
+    assert "checksum-mismatch" not in _rules(report)
+
+
+@pytest.mark.parametrize("rel", [r for r in EVERY_FORMAT if not r.startswith("safetensors")])
+def test_an_adam_moment_zeroed_is_found_in_every_format(rel, tmp_path):
+    """Every piece of one parameter's exp_avg_sq zeroed (CRC-32s kept right), at step 3: an
+    optimizer-mismatch naming the moment, without --deep."""
+    path = _copy(rel, tmp_path)
+    _, m = registry.describe(path)
+    item = next(
+        i for n, i in m.items.items() if n.endswith("exp_avg_sq") and i.is_tensor and len(i.shape or ()) >= 1
+    )
+    for index in range(len(item.pieces)):
+        file, off, n = _raw(path, item.name, index)
+        _patch_keeping_crc(file, off, bytes(n))
+    report = verify(path)
+    found = [f for f in report.findings if f.rule == "optimizer-mismatch"]
+    assert [f.item for f in found] == [item.name] and "all zeros" in found[0].message, report.findings
+    assert "checksum-mismatch" not in _rules(report)

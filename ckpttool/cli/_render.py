@@ -81,6 +81,8 @@ def verify_report(out: Output, report: VerifyReport, fail_on: Severity) -> None:
     step = "unknown" if report.step is None else report.step
     head = f"[bold]{escape(str(fmt))}[/bold] checkpoint  {escape(report.path)}  step {step}"
     out.line(head)
+    if report.root:
+        out.line(f"files named from {escape(report.root)}")
     out.line(
         f"checked: {checked or 'nothing'}"
         + (f"   seal: {escape(report.seal)}" if report.seal else "   no seal (zip CRCs used where the format has them)")

@@ -999,9 +999,17 @@ def _check_replicas(
                 # the copies most hold are taken as right; with no majority (two copies) none is blamed
                 blame = counts[0][1] > counts[1][1]
                 base, right = next((i, d) for i, d in values if d == counts[0][0]) if blame else values[0]
-                for i, d in values:
-                    if d != right:
-                        _replica_mismatch(report, manifest, item, item.pieces[i], item.pieces[base], blame=blame)
+                odd = [i for i, d in values if d != right]
+                bad: dict[int, int] = {}
+                if not blame and len(odd) == 1:  # two copies: one holding NaN or Inf is the damaged one
+                    bad = {i: _nonfinite(reader, item, item.pieces[i]) for i in (base, odd[0])}
+                    if bad[base] and not bad[odd[0]]:
+                        base, odd, blame = odd[0], [base], True
+                    elif bad[odd[0]] and not bad[base]:
+                        blame = True
+                for i in odd:
+                    p, first = item.pieces[i], item.pieces[base]
+                    _replica_mismatch(report, manifest, item, p, first, blame=blame, nonfinite=bad.get(i, 0))
             # a region no piece of the first copy holds as such: a copy cut at other boundaries
             lone = [
                 idxs[0]
@@ -1012,15 +1020,34 @@ def _check_replicas(
                 _compare_ranges(report, manifest, item, reader, lone)
 
 
+def _nonfinite(reader: Any, item: Item, piece: Piece) -> int:
+    """How many of one piece's values are NaN or Inf (0 for a piece that does not read or holds no
+    floating-point values)."""
+    try:
+        floats = _as_float(reader.read(piece, item), item.dtype or "")
+    except CkptError:
+        return 0
+    return 0 if floats is None else int((~np.isfinite(floats)).sum())
+
+
 def _replica_mismatch(
-    report: VerifyReport, manifest: Manifest, item: Item, p: Piece, first: Piece, *, blame: bool = True
+    report: VerifyReport,
+    manifest: Manifest,
+    item: Item,
+    p: Piece,
+    first: Piece,
+    *,
+    blame: bool = True,
+    nonfinite: int = 0,
 ) -> None:
     """``p``'s copy differs from ``first``'s: ``p`` is named as the wrong one where more copies hold
-    ``first``'s bytes than ``p``'s (``blame``); else both are named, neither blamed."""
+    ``first``'s bytes than ``p``'s, or only it holds NaN or Inf (``nonfinite`` of them; ``blame``);
+    else both are named, neither blamed."""
     if p.file == first.file:  # two model chunks of one rank file
         message = f"{item.name}: two copies in {p.file} (rank {p.rank}) differ"
     elif blame:
         message = f"{item.name}: the copy in {p.file} (rank {p.rank}) differs from the one in {first.file}"
+        message += f" and holds {nonfinite:,} NaN or Inf values where that one holds none" if nonfinite else ""
     else:
         message = (
             f"{item.name}: the copies in {first.file} (rank {first.rank}) and {p.file} (rank {p.rank}) differ, "

@@ -996,3 +996,20 @@ def test_an_adam_moment_zeroed_is_found_in_every_format(rel, tmp_path):
     found = [f for f in report.findings if f.rule == "optimizer-mismatch"]
     assert [f.item for f in found] == [item.name] and "all zeros" in found[0].message, report.findings
     assert "checksum-mismatch" not in _rules(report)
+
+
+@pytest.mark.parametrize("copy", [0, 1])
+def test_of_two_copies_the_one_holding_a_nan_is_blamed(copy, tmp_path):
+    """Two DP ranks' copies of a weight, one with a NaN written in (its CRC-32 kept right): with no
+    third copy, the NaN says which one is damaged, with or without --deep."""
+    path = _copy("rankshards/ddp", tmp_path)
+    _, m = registry.describe(path)
+    name = "model.body.0.weight"
+    pieces = m.items[name].pieces
+    assert len(pieces) == 2 and m.items[name].dtype == "float32"
+    file, off, _ = _raw(path, name, copy)
+    _patch_keeping_crc(file, off + 4, _NAN["float32"])
+    for deep in (False, True):
+        found = [f for f in verify(path, deep=deep).findings if f.rule == "replica-mismatch"]
+        assert [(f.item, f.file) for f in found] == [(name, pieces[copy].file)], found
+        assert "holds 1 NaN or Inf values where that one holds none" in found[0].message

@@ -141,12 +141,30 @@ class Archive:
             except CorruptFileError:
                 raise
             except Exception as exc:  # zipfile raises many types on damaged input
+                if self._cut_short():
+                    raise CorruptFileError(
+                        f"{self.display}: cut short: its {self.length:,} bytes start as a torch.save archive but "
+                        "end before the archive's central directory, which torch.save writes last",
+                        hint="the save or the copy stopped before the end; restore the file from its source",
+                        path=self.file,
+                        rule="truncated-file",
+                    ) from None
                 raise CorruptFileError(
                     f"{self.display}: not a readable torch.save archive ({type(exc).__name__}: {exc})",
                     hint="the file is truncated or damaged; restore it from its source",
                     path=self.file,
                 ) from None
         return self._zip
+
+    def _cut_short(self) -> bool:
+        """Whether the archive starts as a zip file does and has none of the end records (zip's or
+        zip64's) where they would be, in its last 64 KiB + 98 bytes: the file's tail is missing,
+        not damaged."""
+        if self._read(0, 4) != b"PK\x03\x04":
+            return False
+        size = min(self.length, 65_633)
+        tail = self._read(self.length - size, size)
+        return not any(sig in tail for sig in (b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07"))
 
     def load(self) -> Any:
         """The archived object, tensors as :class:`~ckpttool._unpickle.TensorRef`.

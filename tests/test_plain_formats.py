@@ -173,10 +173,24 @@ def test_torch_save_with_numpy_rng_state(tmp_path):
 
 
 def test_truncated_torch_save(tmp_path):
+    """A torch.save file cut short is said to be (it was "not a readable torch.save archive
+    (BadZipFile: File is not a zip file)"): verify's truncated-file, not corrupt-file. One damaged
+    elsewhere (its end record overwritten) is still corrupt."""
     p = tmp_path / "t.pt"
     p.write_bytes(PT.read_bytes()[: PT.stat().st_size // 2])
     r = run_cli("inspect", p)
     assert r.code == 3 and "t.pt" in r.stderr and "Traceback" not in r.stderr
+    assert "t.pt: cut short: its 39,159 bytes start as a torch.save archive but end before" in r.stderr, r.stderr
+    r = run_cli("verify", p, "--json")
+    assert r.code == 1 and [(f["rule"], f["file"]) for f in json.loads(r.stdout)["findings"]] == [
+        ("truncated-file", "t.pt")
+    ]
+    data = bytearray(PT.read_bytes())
+    end = data.rfind(b"PK\x05\x06")
+    data[end + 16 : end + 20] = b"\xff\xff\xff\x7f"  # its central directory's offset
+    p.write_bytes(bytes(data))
+    r = run_cli("verify", p, "--json")
+    assert r.code == 1 and [f["rule"] for f in json.loads(r.stdout)["findings"]] == ["corrupt-file"], r.stdout
 
 
 def test_one_rank_file_of_a_framework_checkpoint_is_pointed_to_its_checkpoint():

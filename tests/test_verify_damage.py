@@ -675,7 +675,7 @@ def test_every_damaged_rank_file_is_named_not_only_the_first(fixture, cut, flipp
     code, report = _findings(path)
     found = sorted((f["rule"], f["file"]) for f in report["findings"] if f["severity"] == "error")
     expected = sorted(
-        [("corrupt-file", r) for r in cut] + [("checksum-mismatch", r) for r in flipped] + [("missing-file", r) for r in deleted]
+        [("truncated-file", r) for r in cut] + [("checksum-mismatch", r) for r in flipped] + [("missing-file", r) for r in deleted]
     )
     assert code == 1 and found == expected, report["findings"]
     r = run_cli("inspect", path)

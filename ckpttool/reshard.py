@@ -22,7 +22,6 @@ import math
 import os
 import re
 import signal
-import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -321,20 +320,17 @@ class _FileExec:
                     results[i] = self.writer.write(*f.key, tmp / f.path, reader, progress)
             self.known.update(known)
             return results
-        # the workers ignore Ctrl-C and SIGTERM (an ignored signal stays ignored in a spawned
-        # interpreter; a blocked one does not stay blocked): this process alone handles them, stops
-        # the workers and removes the output in flight. While the workers start, the two are also
-        # blocked here, so that one that comes meanwhile waits (Linux keeps a blocked signal even
-        # where it is ignored) and lands once they are unblocked, instead of being lost
+        # the workers never see Ctrl-C or SIGTERM: this process alone handles them, stops the workers
+        # and removes the output in flight. They start with both blocked (a spawned interpreter keeps
+        # the signal mask it was started with, for its whole life), here blocked in this thread for
+        # that while only: one that comes meanwhile reaches this process through another thread of
+        # it (a progress bar's), or waits and lands as they are unblocked; never lost (ignoring them
+        # instead lost those another thread took)
         resource_tracker.ensure_running()  # (started later, it would unblock the two as it starts)
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
-        blocked = True
-        ignored: dict[int, Any] = {}
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])  # (a signal raised here changed nothing)
         pool: ProcessPoolExecutor | None = None
         try:
-            if threading.current_thread() is threading.main_thread():
-                for s in _STOPS:
-                    ignored[s] = signal.signal(s, signal.SIG_IGN)
+            signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
             pool = ProcessPoolExecutor(
                 min(workers, len(chosen)),
                 mp_context=get_context("spawn"),
@@ -342,8 +338,7 @@ class _FileExec:
                 initargs=(self.build, self.args, self.adapter, self.manifest, self.device),
             )
             futures = [pool.submit(_run_task, f.key, str(tmp / f.path)) for f in chosen]
-            _unmask(ignored, mask)  # (a signal that waited is raised here: the except below unmasks again)
-            blocked = False
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # (a signal that waited is raised here)
             for i, fut in zip(indices, futures, strict=True):
                 result, size, known = fut.result()
                 results[i] = result
@@ -351,10 +346,11 @@ class _FileExec:
                 if progress is not None:
                     progress(size)
         except BaseException:
-            if pool is not None:
-                _stop(pool)
-            if blocked:
-                _unmask(ignored, mask)
+            try:
+                if pool is not None:
+                    _stop(pool)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             raise
         pool.shutdown(wait=True)
         return results
@@ -363,23 +359,27 @@ class _FileExec:
 _STOPS = (signal.SIGINT, signal.SIGTERM)
 
 
-def _unmask(handlers: dict[int, Any], mask: set[Any]) -> None:
-    """Put back the handlers of the signals ignored while the workers started, then the signal mask
-    (in that order: a signal held back meanwhile reaches its handler, not the ignoring)."""
-    for s, handler in handlers.items():
-        signal.signal(s, handler)
-    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-
 def _stop(pool: ProcessPoolExecutor) -> None:
     """Stop a worker pool at once (a task failed, or Ctrl-C): its processes are killed so that none
-    writes into the output directory while it is being removed."""
+    writes into the output directory while it is being removed. A second Ctrl-C or SIGTERM while
+    it does (one held back as the workers started comes with the first) does not cut it short: it
+    is raised once every worker is gone."""
     procs = list(getattr(pool, "_processes", {}).values())  # the executor has no public handle on them
-    pool.shutdown(wait=False, cancel_futures=True)
-    for proc in procs:
-        proc.kill()
-    for proc in procs:
-        proc.join()
+    late: KeyboardInterrupt | None = None
+    steps: list[Callable[[], Any]] = [
+        lambda: pool.shutdown(wait=False, cancel_futures=True),
+        *(proc.kill for proc in procs),
+        *(proc.join for proc in procs),
+    ]
+    for step in steps:
+        while True:
+            try:
+                step()
+                break
+            except KeyboardInterrupt as exc:  # (each step may be taken again)
+                late = exc
+    if late is not None:
+        raise late
 
 
 def _largest_piece(manifest: Manifest) -> int:

@@ -220,3 +220,46 @@ def test_a_ctrl_c_while_reshard_starts_its_workers_is_not_lost(tmp_path, monkeyp
     finally:
         signal.signal(signal.SIGINT, previous)
     assert not out.exists() and not [p.name for p in tmp_path.iterdir()]
+
+
+_SIGNALLED_RESHARD = """
+import os, signal, sys, threading
+from ckpttool import reshard
+from ckpttool.cli import main
+
+real = reshard.ProcessPoolExecutor.submit
+sent = [getattr(signal, name) for name in sys.argv[1].split(",")]
+
+def submit(self, *args, **kwargs):  # the signals come, to the whole process, as the first worker starts
+    if not getattr(self, "_sent", False):
+        self._sent = True
+        for sig in sent:
+            os.kill(os.getpid(), sig)
+    return real(self, *args, **kwargs)
+
+reshard.ProcessPoolExecutor.submit = submit
+threading.Thread(target=threading.Event().wait, daemon=True).start()  # (as a progress bar's refresh thread)
+sys.argv = ["ckpttool", *sys.argv[2:]]
+main()
+"""
+
+
+@pytest.mark.parametrize(("signals", "codes"), [("SIGINT", {130}), ("SIGINT,SIGTERM", {130, 143})])
+def test_signals_while_reshard_starts_its_workers_stop_it_with_another_thread_running(signals, codes, tmp_path):
+    """The same through the command, with a second thread in the process (rich's progress bar has
+    one on a terminal): a Ctrl-C sent to the process while the workers start was taken by that
+    thread, ignored, and lost while the signals were ignored rather than held back; a Ctrl-C and a
+    SIGTERM together cut the stopping of the workers short (the second one raised inside it), and
+    workers left writing into the temporary output. Each run now ends with 130 (143), every worker
+    gone and nothing beside the destination."""
+    from tests.conftest import FIXTURES, cli_env
+
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, "-c", _SIGNALLED_RESHARD, signals, "reshard", str(FIXTURES / "megatron" / "legacy_tp2pp2"),
+         "-o", str(out), "--tp", "1", "--pp", "2", "--workers", "2"],
+        capture_output=True, text=True, timeout=120, preexec_fn=_ctrl_c_default, env=cli_env(),
+    )  # fmt: skip
+    assert r.returncode in codes and "Traceback" not in r.stderr, (r.returncode, r.stderr)
+    time.sleep(0.5)  # (a worker left running would write on into the temporary output)
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == [], list(tmp_path.iterdir())

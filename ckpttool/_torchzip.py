@@ -81,6 +81,17 @@ class StorageSpan:
     length: int
 
 
+def _zip64_size(extra: bytes) -> int | None:
+    """The compressed size in a local header's zip64 extra field (after the uncompressed size)."""
+    i = 0
+    while i + 4 <= len(extra):
+        tag, n = int.from_bytes(extra[i : i + 2], "little"), int.from_bytes(extra[i + 2 : i + 4], "little")
+        if tag == 1 and n >= 16:
+            return int.from_bytes(extra[i + 12 : i + 20], "little")
+        i += 4 + n
+    return None
+
+
 class Archive:
     """A torch.save zip archive at ``[base, base + length)`` of a file, or in a bytes buffer."""
 
@@ -157,14 +168,69 @@ class Archive:
         return self._zip
 
     def _cut_short(self) -> bool:
-        """Whether the archive starts as a zip file does and has none of the end records (zip's or
-        zip64's) where they would be, in its last 64 KiB + 98 bytes: the file's tail is missing,
-        not damaged."""
-        if self._read(0, 4) != b"PK\x03\x04":
+        """Whether the archive's records, walked from its start, run past its end: its local
+        headers with their data, then its central directory, without reaching an end record (a
+        tail cut off, not damaged bytes: those stop the walk where no record starts)."""
+        try:
+            return self._walk_runs_out()
+        except OSError:
             return False
-        size = min(self.length, 65_633)
-        tail = self._read(self.length - size, size)
-        return not any(sig in tail for sig in (b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07"))
+
+    def _walk_runs_out(self) -> bool:
+        at = 0
+        while (sig := self._read(at, 4)) == b"PK\x03\x04":  # a local header, then its data
+            head = self._read(at, 30)
+            if len(head) < 30:
+                return True
+            flags, size = int.from_bytes(head[6:8], "little"), int.from_bytes(head[18:22], "little")
+            n, m = int.from_bytes(head[26:28], "little"), int.from_bytes(head[28:30], "little")
+            data = at + 30 + n + m
+            if flags & 0x08 and size == 0:  # torch.save streams: the size is in a descriptor after the data
+                end = self._descriptor_after(data)
+                if end is None:
+                    return self._read(self.length - 4, 4) != b"PK\x05\x06"  # (no end record either)
+                at = end
+            else:
+                if size == 0xFFFFFFFF:  # zip64: the size is in the extra field
+                    wide = _zip64_size(self._read(at + 30 + n, m))
+                    if wide is None:
+                        return False
+                    size = wide
+                at = data + size
+            if at > self.length:
+                return True
+        while sig == b"PK\x01\x02":  # the central directory
+            head = self._read(at, 46)
+            if len(head) < 46:
+                return True
+            n, m, k = (int.from_bytes(head[i : i + 2], "little") for i in (28, 30, 32))
+            at += 46 + n + m + k
+            if at > self.length:
+                return True
+            sig = self._read(at, 4)
+        if sig in (b"PK\x06\x06", b"PK\x06\x07", b"PK\x05\x06"):
+            return False  # the end records are there: damaged, not cut short
+        return at >= self.length  # the records end where the bytes do, no end record after them
+
+    def _descriptor_after(self, data: int) -> int | None:
+        """Where the data descriptor closing the member whose data starts at ``data`` ends: the
+        first ``PK\\x07\\x08`` whose stored size (zip64's 8 bytes or zip's 4) is the distance from
+        ``data``. None where none is found before the archive's end. Read in 1 MiB windows."""
+        at = data
+        while at < self.length:
+            window = self._read(at, (1 << 20) + 24)
+            i = window.find(b"PK\x07\x08")
+            while i >= 0:
+                pos = at + i
+                d = self._read(pos, 24)
+                wide = len(d) == 24 and int.from_bytes(d[8:16], "little") == pos - data  # (zip64's)
+                if wide or (len(d) >= 16 and int.from_bytes(d[8:12], "little") == pos - data):
+                    # the width whose end a record follows (a zip64 size matches the 4-byte test too)
+                    ends = [pos + w for w in ((24, 16) if wide else (16,)) if self._read(pos + w, 2) == b"PK"]
+                    return ends[0] if ends else pos + (24 if wide else 16)
+                i = window.find(b"PK\x07\x08", i + 1)
+            at += 1 << 20
+        return None
 
     def load(self) -> Any:
         """The archived object, tensors as :class:`~ckpttool._unpickle.TensorRef`.

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckpttool import registry
+from ckpttool._torchzip import Archive
 from ckpttool.errors import CorruptFileError, IncompleteCheckpointError
 from ckpttool.export import export
 from tests._compare import flatten_nested, tensor_mismatches
@@ -188,9 +189,16 @@ def test_truncated_torch_save(tmp_path):
     data = bytearray(PT.read_bytes())
     end = data.rfind(b"PK\x05\x06")
     data[end + 16 : end + 20] = b"\xff\xff\xff\x7f"  # its central directory's offset
-    p.write_bytes(bytes(data))
-    r = run_cli("verify", p, "--json")
-    assert r.code == 1 and [f["rule"] for f in json.loads(r.stdout)["findings"]] == ["corrupt-file"], r.stdout
+    tail = bytearray(PT.read_bytes())
+    tail[-200:] = bytes(200)  # its end records zeroed in place
+    for damaged in (data, PT.read_bytes() + bytes(70_000), tail):  # (the second: 70 kB appended)
+        p.write_bytes(bytes(damaged))
+        r = run_cli("verify", p, "--json")
+        assert r.code == 1 and [f["rule"] for f in json.loads(r.stdout)["findings"]] == ["corrupt-file"], r.stdout
+    for size in range(40, PT.stat().st_size, 997):  # cut anywhere past its first header: cut short
+        with pytest.raises(CorruptFileError, match="cut short") as cut:
+            Archive(PT.read_bytes()[:size], display="t.pt").load()
+        assert cut.value.rule == "truncated-file"
 
 
 def test_one_rank_file_of_a_framework_checkpoint_is_pointed_to_its_checkpoint():

@@ -526,11 +526,11 @@ def _check_copies(report: VerifyReport, manifest: Manifest, adapter: Adapter, di
 
 
 def _dedupe(findings: list[Finding]) -> list[Finding]:
-    """One finding per (rule, file, item): the metadata walk and the seal may both see a missing file;
-    the one that knows the rank wins."""
+    """One finding per (rule, file, item) (of no file: per message and item): the metadata walk and
+    the seal may both see a missing file; the one that knows the rank wins."""
     best: dict[tuple[str, str | None, str | None], Finding] = {}
     for f in findings:
-        key = (f.rule, f.file, f.item) if f.file or f.item else (f.rule, f.message, None)
+        key = (f.rule, f.file, f.item) if f.file else (f.rule, f.message, f.item)  # (a finding of no file: its words)
         old = best.get(key)
         if old is None or (old.rank is None and f.rank is not None):
             best[key] = f
@@ -1007,9 +1007,12 @@ def _check_replicas(
                         base, odd, blame = odd[0], [base], True
                     elif bad[odd[0]] and not bad[base]:
                         blame = True
+                if not blame:  # one finding naming every copy: none can be called the damaged one
+                    _replica_mismatch(report, manifest, item, [item.pieces[i] for i, _ in values])
+                    continue
                 for i in odd:
                     p, first = item.pieces[i], item.pieces[base]
-                    _replica_mismatch(report, manifest, item, p, first, blame=blame, nonfinite=bad.get(i, 0))
+                    _replica_mismatch(report, manifest, item, [p, first], blame=True, nonfinite=bad.get(i, 0))
             # a region no piece of the first copy holds as such: a copy cut at other boundaries
             lone = [
                 idxs[0]
@@ -1034,26 +1037,29 @@ def _replica_mismatch(
     report: VerifyReport,
     manifest: Manifest,
     item: Item,
-    p: Piece,
-    first: Piece,
+    copies: list[Piece],
     *,
-    blame: bool = True,
+    blame: bool = False,
     nonfinite: int = 0,
 ) -> None:
-    """``p``'s copy differs from ``first``'s: ``p`` is named as the wrong one where more copies hold
-    ``first``'s bytes than ``p``'s, or only it holds NaN or Inf (``nonfinite`` of them; ``blame``);
-    else both are named, neither blamed."""
-    if p.file == first.file:  # two model chunks of one rank file
+    """Copies of one region that differ. ``blame``: ``copies`` is the wrong one and one holding the
+    bytes most copies hold (or the only one without NaN or Inf: ``nonfinite`` counts the wrong
+    one's), and the finding names the wrong one's file. Else ``copies`` are all the region's copies,
+    with no majority: the finding names each and no file."""
+    p, first = copies[0], copies[-1]
+    if blame and p.file == first.file:  # two model chunks of one rank file
         message = f"{item.name}: two copies in {p.file} (rank {p.rank}) differ"
     elif blame:
         message = f"{item.name}: the copy in {p.file} (rank {p.rank}) differs from the one in {first.file}"
         message += f" and holds {nonfinite:,} NaN or Inf values where that one holds none" if nonfinite else ""
     else:
+        named = ", ".join(f"{c.file} (rank {c.rank})" for c in copies[:6]) + (" …" if len(copies) > 6 else "")
         message = (
-            f"{item.name}: the copies in {first.file} (rank {first.rank}) and {p.file} (rank {p.rank}) differ, "
-            "and no other copy says which holds the saved bytes"
+            f"{item.name}: its {len(copies)} copies ({named}) differ, and no majority of them says which hold "
+            "the saved bytes"
         )
-    where = {"file": p.file, "rank": p.rank} if blame or p.file == first.file else {"file": None, "rank": None}
+    one = blame or len({c.file for c in copies}) == 1  # (copies in one file: two model chunks of a rank)
+    where = {"file": p.file, "rank": p.rank} if one else {"file": None, "rank": None}
     if item.name in (manifest.extras.get("stage_copies") or ()):
         # DeepSpeed keeps only a tied module's tied_weight_attr in sync across the stages
         # (Megatron-DeepSpeed: the word embeddings, not the position embeddings it also ties)
@@ -1100,7 +1106,7 @@ def _compare_ranges(report: VerifyReport, manifest: Manifest, item: Item, reader
             except CkptError:
                 break
             if not np.array_equal(mine[lo - a : hi - a].view("u1"), held[1][lo - b : hi - b].view("u1")):
-                _replica_mismatch(report, manifest, item, p, q)
+                _replica_mismatch(report, manifest, item, [p, q], blame=True)
                 break
 
 

@@ -255,7 +255,34 @@ def test_the_copy_altered_is_the_one_blamed(fixture, name, tmp_path):
         assert found[0].message.startswith(f"{name}: the copy in {pieces[0].file} (rank 0) differs")
     else:
         assert [(f.item, f.file, f.rank) for f in found] == [(name, None, None)], found
-        assert f"the copies in {pieces[0].file} (rank 0) and {pieces[1].file} (rank 1) differ" in found[0].message
+        said = f"its 2 copies ({pieces[0].file} (rank 0), {pieces[1].file} (rank 1)) differ, and no majority"
+        assert said in found[0].message, found[0].message
+
+
+def test_copies_that_differ_with_no_majority_are_each_named_once_per_region(tmp_path):
+    """legacy_tp2ep2_gg's word embeddings: two TP slices, each held by two EP ranks. One copy altered
+    in each slice is two findings, one per slice (they collapsed into one: findings of no file were
+    told apart by item alone), each naming its two copies; a weight held four times, two and two
+    alike, is one finding naming the four (not "no other copy")."""
+    path = _copy("megatron/legacy_tp2ep2_gg", tmp_path)
+    _, m = registry.describe(path)
+    name = "embedding.word_embeddings.weight"
+    pieces = m.items[name].pieces
+    slices = sorted({p.box for p in pieces}, key=str)
+    assert len(pieces) == 4 and len(slices) == 2
+    for box in slices:
+        index = next(i for i, p in enumerate(pieces) if p.box == box)
+        file, off, _ = _raw(path, name, index)
+        _patch(file, off, b"\x00\x40")
+    norm = "decoder.layers.1.pre_mlp_layernorm.weight"
+    for index in (0, 1):  # two of its four copies alike, the other two alike
+        file, off, _ = _raw(path, norm, index)
+        _patch(file, off, b"\x00\x40")
+    found = [f for f in verify(path).findings if f.rule == "replica-mismatch"]
+    assert sorted(f.item for f in found) == sorted([name, name, norm]), found
+    assert all(f.file is None and "its 2 copies" in f.message for f in found if f.item == name), found
+    (four,) = [f for f in found if f.item == norm]
+    assert four.file is None and "its 4 copies" in four.message and all(p.file in four.message for p in m.items[norm].pieces)
 
 
 @pytest.mark.parametrize(

@@ -617,7 +617,8 @@ def test_every_dcp_file_cut_short_or_missing_is_named_not_only_the_first(tmp_pat
     junit = (tmp_path / "j.xml").read_text()
     assert 'failures="2"' in junit and 'skipped="14"' in junit and "could not be read past its damage" in junit
     r = run_cli("inspect", path)
-    assert r.code == 3 and "(and 2 more files likewise: __2_0.distcp, __3_0.distcp)" in r.stderr, r.stderr
+    said = "(and 2 more damaged files: __2_0.distcp (truncated-file), __3_0.distcp (missing-file))"
+    assert r.code == 3 and said in r.stderr, r.stderr
 
 
 def _cut(f, size: int) -> None:
@@ -679,7 +680,11 @@ def test_every_damaged_rank_file_is_named_not_only_the_first(fixture, cut, flipp
     )
     assert code == 1 and found == expected, report["findings"]
     r = run_cli("inspect", path)
-    assert r.code == 3 and f"(and {len(expected) - 1} more file" in r.stderr, r.stderr
+    n = len(expected) - 1
+    alike = len({rule for rule, _ in expected}) == 1
+    said = f"(and {n} more file{'s' * (n > 1)} likewise: " if alike else f"(and {n} more damaged file{'s' * (n > 1)}: "
+    assert r.code == 3 and said in r.stderr, r.stderr  # (each named with what is wrong with it where they differ)
+    assert all(rel in r.stderr for _, rel in expected), r.stderr
 
 
 def _zip_index(data: bytes) -> list[tuple[str, int, int]] | None:

@@ -54,12 +54,15 @@ PathArg = Annotated[Path, typer.Argument(help="Checkpoint directory or file.", s
 
 
 def _and_others(exc: CkptError) -> str:
-    """The other files the same failure was found in, named after the first."""
+    """The other files the same look found damaged, named after the first: "likewise" where each
+    is what the first is (missing, cut short), else each with its rule."""
     if not exc.others:
         return ""
-    names = [o.path or o.message for o in exc.others]
+    alike = all(o.rule == exc.rule for o in exc.others)
+    names = [(o.path or o.message) + ("" if alike else f" ({o.rule or 'unreadable'})") for o in exc.others]
     shown = ", ".join(names[:5]) + (" …" if len(names) > 5 else "")
-    return f" (and {len(names)} more file{'s' if len(names) > 1 else ''} likewise: {shown})"
+    s = "s" if len(names) > 1 else ""
+    return f" (and {len(names)} more {'file' + s + ' likewise' if alike else 'damaged file' + s}: {shown})"
 
 
 def _handles_errors(fn: F) -> F:

@@ -124,7 +124,7 @@ def convert(
     """``max_shard_size``: the largest safetensors shard (default 5GB)."""
     if to not in TARGETS:
         raise UsageError(f"--to {to!r}: ckpttool converts to {', '.join(TARGETS)} so far")
-    limit = parse_size(max_shard_size or DEFAULT_SHARD_SIZE)
+    limit = parse_size(DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size)
     if max_shard_size is not None and to != "safetensors":  # (ignored, the output would not be what was asked)
         raise UsageError(
             f"--max-shard-size sets the size of safetensors shards; it does not apply to --to {to}",

@@ -170,7 +170,8 @@ def export(
         raise UsageError(
             f"-o {output}: export writes a safetensors file, which readers (ckpttool's among them) know by its "
             f".safetensors suffix",
-            hint=f"name it {out_path.stem}.safetensors; for a torch.save file, use ckpttool convert --to torch",
+            hint=f"name it {out_path.stem if out_path.suffix else 'model'}.safetensors; for a torch.save file, "
+            "use ckpttool convert --to torch",
         )
     adapter, manifest = registry.describe(path)
     refuse_findings(manifest)

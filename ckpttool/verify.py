@@ -394,15 +394,13 @@ def _check_in_flight(report: VerifyReport, root: Path, manifest: Manifest | None
 
     if not root.is_dir():
         return  # a single file is written whole by its own writer (or atomically by ckpttool)
+    named = {f.file for f in report.findings if f.rule == "incomplete-save" and f.file}  # (by the format's reader)
+    within = Path(report.root) if report.root else root  # where the findings name files from
     for dirpath, dirnames, filenames in os.walk(root):
         for name in [*dirnames, *filenames]:
-            rel = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
-            said = any(
-                f.rule == "incomplete-save" and f.file and (f.file == rel or rel.endswith("/" + f.file))
-                for f in report.findings
-            )
-            if said:
-                continue  # (the format's reader named it, from the folder it reads: the save it stopped)
+            rel = os.path.relpath(os.path.join(dirpath, name), within).replace(os.sep, "/")  # (../ outside it)
+            if rel in named:
+                continue
             if name.endswith(".metadata.tmp") or (name.endswith(".tmp") and name[: -len(".tmp")] in COMMIT_NAMES):
                 report.findings.append(
                     finding(

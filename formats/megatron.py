@@ -327,7 +327,14 @@ class MegatronDistAdapter:
                 hint="re-save with --ckpt-format torch_dist",
                 path="metadata.json",
             )
-        base = DcpAdapter(object_allow=ALLOWLIST).describe(path)
+        try:
+            base = DcpAdapter(object_allow=ALLOWLIST).describe(path)
+        except CkptError as exc:
+            if tracked:  # its files named from the save directory given, as the iteration is not said
+                for e in (exc, *exc.others):
+                    if e.path and not os.path.isabs(e.path):
+                        e.path = f"{path.name}/{e.path}"
+            raise
         manifest = Manifest(
             root=str(path),
             format=self.name,
@@ -1298,9 +1305,11 @@ class MegatronLegacyAdapter:
             except (CorruptFileError, IncompleteCheckpointError) as exc:
                 damaged.append(exc)
                 continue
+            if not isinstance(obj, dict):
+                archive.close()
+                damaged.append(CorruptFileError(f"{rel}: expected a dict, found {type(obj).__name__}", path=rel))
+                continue
             try:
-                if not isinstance(obj, dict):
-                    raise CorruptFileError(f"{rel}: expected a dict, found {type(obj).__name__}", path=rel)
                 for local, value in _model_leaves(obj):
                     if local.endswith("_extra_state") and (glob := _pt.nested_refusal(archive, value)):
                         self._nested[(rel, local)] = glob

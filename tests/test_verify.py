@@ -179,9 +179,18 @@ def test_interrupted_dcp_save(tmp_path):
     assert verify(path).root == str(path / "iter_0000003")  # (the folder its findings name files from)
     r = run_cli("verify", path)
     assert r.code == 0 and f"\nfiles named from {path / 'iter_0000003'}\n" in r.stdout, r.stdout
+    (path / "iter_0000003" / ".x.ckpttool-tmp-1").touch()  # named from the root, and from it, the one outside
+    (path / ".y.ckpttool-tmp-1").touch()
+    assert [f.file for f in verify(path).findings if f.rule == "incomplete-save"] == [
+        "../.y.ckpttool-tmp-1",
+        ".x.ckpttool-tmp-1",
+    ]
+    (path / "iter_0000003" / ".x.ckpttool-tmp-1").unlink()
+    (path / ".y.ckpttool-tmp-1").unlink()
     (path / "iter_0000003" / ".metadata").rename(path / "iter_0000003" / ".metadata.tmp")
-    report = verify(path)
-    assert [(f.rule, f.file) for f in report.findings] == [("incomplete-save", ".metadata.tmp")], report.findings
+    report = verify(path)  # (no root: the describe failed; named from the save directory)
+    assert report.root is None
+    assert [(f.rule, f.file) for f in report.findings] == [("incomplete-save", "iter_0000003/.metadata.tmp")]
 
 
 def test_deepspeed_latest_missing_tag():

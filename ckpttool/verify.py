@@ -1045,8 +1045,8 @@ def _replica_mismatch(
     one's), and the finding names the wrong one's file. Else ``copies`` are all the region's copies,
     with no majority: the finding names each and no file."""
     p, first = copies[0], copies[-1]
-    if blame and p.file == first.file:  # two model chunks of one rank file
-        message = f"{item.name}: two copies in {p.file} (rank {p.rank}) differ"
+    if len({c.file for c in copies}) == 1:  # model chunks of one rank file
+        message = f"{item.name}: {'two' if len(copies) == 2 else len(copies)} copies in {p.file} (rank {p.rank}) differ"
     elif blame:
         message = f"{item.name}: the copy in {p.file} (rank {p.rank}) differs from the one in {first.file}"
         message += f" and holds {nonfinite:,} NaN or Inf values where that one holds none" if nonfinite else ""

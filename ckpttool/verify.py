@@ -1045,7 +1045,8 @@ def _replica_mismatch(
     one's), and the finding names the wrong one's file. Else ``copies`` are all the region's copies,
     with no majority: the finding names each and no file."""
     p, first = copies[0], copies[-1]
-    if len({c.file for c in copies}) == 1:  # model chunks of one rank file
+    one_file = len({c.file for c in copies}) == 1  # (model chunks of one rank file)
+    if one_file:
         message = f"{item.name}: {'two' if len(copies) == 2 else len(copies)} copies in {p.file} (rank {p.rank}) differ"
     elif blame:
         message = f"{item.name}: the copy in {p.file} (rank {p.rank}) differs from the one in {first.file}"
@@ -1056,8 +1057,7 @@ def _replica_mismatch(
             f"{item.name}: its {len(copies)} copies ({named}) differ, and no majority of them says which hold "
             "the saved bytes"
         )
-    one = blame or len({c.file for c in copies}) == 1  # (copies in one file: two model chunks of a rank)
-    where = {"file": p.file, "rank": p.rank} if one else {"file": None, "rank": None}
+    where = {"file": p.file, "rank": p.rank} if blame or one_file else {"file": None, "rank": None}
     if item.name in (manifest.extras.get("stage_copies") or ()):
         # DeepSpeed keeps only a tied module's tied_weight_attr in sync across the stages
         # (Megatron-DeepSpeed: the word embeddings, not the position embeddings it also ties)

@@ -16,7 +16,7 @@ import numpy as np
 
 from ckpttool import _torchzip, _unpickle
 from ckpttool.dtypes import dtype as lookup_dtype
-from ckpttool.errors import CkptError, CorruptFileError
+from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError
 from ckpttool.formats.base import PieceReader
 from ckpttool.geometry import Box
 from ckpttool.io import RandomAccessFile, confine
@@ -49,6 +49,19 @@ def load(root: Path, rel: str, allow: Mapping[tuple[str, str], Any]) -> tuple[_t
     except BaseException:
         f.close()
         raise
+
+
+def load_or_note(
+    root: Path, rel: str, allow: Mapping[tuple[str, str], Any], damaged: list[CkptError]
+) -> tuple[_torchzip.Archive, Any, int] | None:
+    """:func:`load`; or, where the file is missing, cut short or damaged, None with its error added
+    to ``damaged``, so that a read of every rank's file names each damaged one
+    (:func:`~ckpttool.errors.raise_together`). A hostile pickle is raised at once."""
+    try:
+        return load(root, rel, allow)
+    except (CorruptFileError, IncompleteCheckpointError) as exc:
+        damaged.append(exc)
+        return None
 
 
 NESTED_LIMIT = 64 * 2**20

@@ -594,11 +594,9 @@ class DeepSpeedAdapter:
                     stray.setdefault(base, rel)
                 roles.append(FileRecord(path=rel, size=size, role="aux"))
             else:
-                try:
-                    archive, obj, _ = _pt.load(root, rel, ALLOWLIST)
-                except (CorruptFileError, IncompleteCheckpointError) as exc:
-                    damaged.append(exc)  # (and on to the next: each damaged rank file named, not the first)
-                    continue
+                if (loaded := _pt.load_or_note(root, rel, ALLOWLIST, damaged)) is None:
+                    continue  # (and on to the next: each damaged rank file named, not the first)
+                archive, obj, _ = loaded
                 archive.close()
                 files[rel] = obj
                 inner[rel] = archive.prefix.rstrip("/")
@@ -749,11 +747,9 @@ class DeepSpeedAdapter:
             role = "data" if rel.endswith(".pt") else ("tracker" if base.startswith("latest") else "aux")
             manifest.files.append(FileRecord(path=rel, size=size, role=role))  # type: ignore[arg-type]
             if rel.endswith(".pt") and (_MODEL.match(base) or _Z3_MODEL.match(base) or rel.startswith("zero/")):
-                try:
-                    archive, obj, _ = _pt.load(path, rel, ALLOWLIST)
-                except (CorruptFileError, IncompleteCheckpointError) as exc:
-                    damaged.append(exc)
+                if (loaded := _pt.load_or_note(path, rel, ALLOWLIST, damaged)) is None:
                     continue
+                archive, obj, _ = loaded
                 archive.close()
                 files[rel] = obj
         raise_together(damaged)

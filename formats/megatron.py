@@ -1300,11 +1300,9 @@ class MegatronLegacyAdapter:
             if not (root / rel).is_file():
                 damaged.append(IncompleteCheckpointError(f"{rel} is missing", path=rel, rule="missing-file"))
                 continue
-            try:
-                archive, obj, _ = _pt.load(root, rel, ALLOWLIST)
-            except (CorruptFileError, IncompleteCheckpointError) as exc:
-                damaged.append(exc)
+            if (loaded := _pt.load_or_note(root, rel, ALLOWLIST, damaged)) is None:
                 continue
+            archive, obj, _ = loaded
             if not isinstance(obj, dict):
                 archive.close()
                 damaged.append(CorruptFileError(f"{rel}: expected a dict, found {type(obj).__name__}", path=rel))

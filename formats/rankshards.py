@@ -680,11 +680,9 @@ class RankShardsAdapter:
         inner: dict[int, str] = {}  # the name torch.save gave the archive inside each file
         damaged: list[CkptError] = []  # every rank file that does not read named, not the first
         for rank, rel in sorted(shards.items()):
-            try:
-                archive, obj, _ = _pt.load(path, rel, ALLOWLIST)
-            except (CorruptFileError, IncompleteCheckpointError) as exc:
-                damaged.append(exc)
+            if (loaded := _pt.load_or_note(path, rel, ALLOWLIST, damaged)) is None:
                 continue
+            archive, obj, _ = loaded
             archive.close()
             inner[rank] = archive.prefix.rstrip("/")
             leaves = flatten(obj if isinstance(obj, dict) else {"value": obj}, leaf=_sharded)

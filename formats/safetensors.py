@@ -184,7 +184,7 @@ class SafetensorsAdapter:
             else:
                 files = sorted(p.name for p in path.glob("*.safetensors") if not p.is_dir())
         manifest = Manifest(root=str(root), format=self.name, layout=Layout(world_size=None))
-        absent: list[CkptError] = []  # every shard the index names and the folder lacks, not the first
+        damaged: list[CkptError] = []  # every shard missing, cut short or unreadable named, not the first
         found: dict[str, Path] = {}
         for rel in files:
             full = found[rel] = Path(confine(root, rel, named_by=index_name or "the listing"))
@@ -196,7 +196,7 @@ class SafetensorsAdapter:
                     path=index_name,
                 )
             if not full.exists():
-                absent.append(
+                damaged.append(
                     IncompleteCheckpointError(
                         f"{rel}: shard named by the index is missing",
                         hint="download the missing shard",
@@ -204,9 +204,14 @@ class SafetensorsAdapter:
                         rule="missing-file",
                     )
                 )
-        raise_together(absent)
         for rel, full in found.items():
-            header = read_header(full, rel)
+            if not full.exists():
+                continue
+            try:
+                header = read_header(full, rel)
+            except (CorruptFileError, IncompleteCheckpointError) as exc:
+                damaged.append(exc)
+                continue
             manifest.files.append(FileRecord(path=rel, size=header.size, role="data"))
             for e in header.tensors:
                 if weight_map is not None and weight_map.get(e.name) != rel:
@@ -233,6 +238,7 @@ class SafetensorsAdapter:
                 )
             if header.metadata:
                 manifest.extras.setdefault("metadata", {})[rel] = header.metadata
+        raise_together(damaged)
         if weight_map is not None and index_name is not None:
             missing = [n for n in weight_map if n not in manifest.items]
             if missing:

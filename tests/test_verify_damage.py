@@ -650,8 +650,9 @@ def _cut(f, size: int) -> None:
             [],
         ),
         (FIXTURES / "rankshards" / "tp_manual" / "step_00000003", ["shard_00000.pt"], ["shard_00001.pt"], []),
+        (FIXTURES / "safetensors" / "sharded", ["model-00001-of-00002.safetensors"], [], ["model-00002-of-00002.safetensors"]),
     ],
-    ids=["megatron-legacy", "deepspeed", "deepspeed-universal", "rankshards"],
+    ids=["megatron-legacy", "deepspeed", "deepspeed-universal", "rankshards", "safetensors"],
 )
 def test_every_damaged_rank_file_is_named_not_only_the_first(fixture, cut, flipped, deleted, tmp_path):
     """Megatron legacy, DeepSpeed and per-rank shards read every rank file's pickle to know the

@@ -349,6 +349,14 @@ def create(
                 "files": header_files,
                 "coded_bytes": pos - len(MAGIC),
             }
+            try:  # what decompress and apply will accept, checked before anything is published
+                _check_header(json.loads(json.dumps(header)), pos)
+            except _BadHeader as exc:
+                raise CkptError(
+                    f"{target}: cannot be packed: {exc}; nothing was written",
+                    hint="a file name with a backslash, or an entry ckpttool's containers cannot carry: rename or "
+                    "leave out that file",
+                ) from None
             blob = json.dumps(header, separators=(",", ":")).encode()
             fh.write(blob)
             fh.write(struct.pack("<Q", len(blob)))
@@ -460,9 +468,11 @@ def _check_header(header: Any, data_end: int) -> None:
         _need(spec.get("mode") is None or (is_count(spec["mode"]) and spec["mode"] <= 0o7777), f"{rel}: file mode")
         size = spec["size"]
         ranges: list[tuple[int, int]] = []
+        _need("other" in spec, f"{rel}: no 'other' entry")
         other = spec.get("other")
         if other is not None:
             _need(isinstance(other, dict) and is_count(other.get("nbytes")), f"{rel}: non-tensor bytes")
+            _need("dict" in other and "frames" in other, f"{rel}: non-tensor bytes without their frames")
             gaps = _pairs(other.get("gaps"), f"{rel}: gaps")
             _need(sum(n for _, n in gaps) == other["nbytes"], f"{rel}: gaps do not add up to nbytes")
             _need(other.get("dict") is None or header["kind"] == DELTA_KIND, f"{rel}: a dictionary without a base")
@@ -484,7 +494,10 @@ def _check_header(header: Any, data_end: int) -> None:
                 isinstance(t, dict) and is_count(t.get("offset")) and is_count(t.get("length")), f"{rel}: tensor range"
             )
             _need(t.get("method") in codec.METHODS, f"{rel}: unknown method {t.get('method')!r:.20}")
-            _need(t.get("width") in (1, 2, 4, 8) and isinstance(t.get("floating"), bool), f"{rel}: tensor width")
+            wide = t.get("width") == 16 and t["method"] == "stored"  # (complex128: stored as it is)
+            width_ok = t.get("width") in (1, 2, 4, 8) or wide
+            _need(width_ok and isinstance(t.get("floating"), bool), f"{rel}: tensor width")
+            _need("base" in t and "frames" in t, f"{rel}: a tensor without its base or frames")
             _need(t["length"] % t["width"] == 0, f"{rel}: tensor length not a multiple of its width")
             _need(isinstance(t.get("sizes"), list) and all(map(is_count, t["sizes"])), f"{rel}: plane sizes")
             _need(isinstance(t.get("kind"), str), f"{rel}: tensor kind")
@@ -612,12 +625,16 @@ def apply(
                     path=str(delta),
                 ) from None
             if digest is not None and digest != spec["xxh3"]:
-                raise DeltaMismatchError(
+                # without a base only the container's bytes went in: damage (exit 3); with one, the
+                # base may be another than the delta's (exit 1, as the contract says of a mismatch)
+                mismatch = CorruptFileError if b_root is None else DeltaMismatchError
+                raise mismatch(
                     f"{delta}: rebuilding {rel} does not give the stored xxh3-128; nothing was published",
                     hint=f"the {role} is damaged; re-create it"
                     if b_root is None
                     else "the delta or the base is damaged; re-create the delta",
                     path=str(delta),
+                    **({"rule": "checksum-mismatch"} if b_root is None else {}),
                 )
             if (spec.get("mode") or 0) & 0o111:  # a script saved with the checkpoint (DeepSpeed's zero_to_fp32.py)
                 # stays executable, as cp keeps it: execute bits only, for those the umask let read

@@ -431,3 +431,74 @@ def test_a_null_mode_in_a_container_header_is_no_mode(tmp_path):
     r = run_cli("decompress", packed, "-o", out)
     assert r.code == 0, r.stderr
     assert tree_digests(out) == tree_digests(FIXTURES / "deepspeed" / "zero1")
+
+
+def test_a_complex128_tensor_packs_and_comes_back(tmp_path):
+    """A 16-byte element (complex128) was written stored with width 16, which the reader's header
+    check refused: the archive could never be read, and with --force it had replaced a good one."""
+    import torch
+
+    src = tmp_path / "c.pt"
+    torch.save({"a": torch.randn(1000, dtype=torch.complex128), "b": torch.randn(100)}, src)
+    packed = tmp_path / "c.ckz"
+    assert run_cli("compress", src, "-o", packed).code == 0
+    r = run_cli("decompress", packed, "-o", tmp_path / "back.pt")
+    assert r.code == 0 and (tmp_path / "back.pt").read_bytes() == src.read_bytes(), r.stderr
+    target = tmp_path / "c2.pt"
+    torch.save({"a": torch.randn(1000, dtype=torch.complex128), "b": torch.randn(100)}, target)
+    d = tmp_path / "c.delta"
+    assert run_cli("delta", "create", src, target, "-o", d).code == 0
+    r = run_cli("delta", "apply", src, d, "-o", tmp_path / "back2.pt")
+    assert r.code == 0 and (tmp_path / "back2.pt").read_bytes() == target.read_bytes(), r.stderr
+
+
+def test_a_container_its_reader_would_refuse_is_never_written(tmp_path):
+    """A file named with a backslash (legal on POSIX; a separator to the reader, which refuses
+    names that could leave the output): compress wrote the archive, and decompress refused it. The
+    header is now checked as the reader will before anything is published: nothing is written, and
+    an earlier output given --force stays."""
+    src = tmp_path / "odd"
+    shutil.copytree(RUN / "step_10", src)
+    (src / "\\lead").write_text("a")
+    out = tmp_path / "odd.ckz"
+    out.write_bytes(b"an earlier output")
+    r = run_cli("compress", src, "-o", out, "--force")
+    assert r.code == 3 and "odd: cannot be packed: file name '\\\\lead' leaves the output directory" in r.stderr
+    assert "Traceback" not in r.stderr and out.read_bytes() == b"an earlier output"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["odd", "odd.ckz"]
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda h: h["files"]["__0_0.distcp"]["tensors"][0].pop("base"),
+        lambda h: h["files"][".metadata"]["other"].pop("dict"),
+        lambda h: h["files"][".metadata"].pop("other"),
+    ],
+    ids=["tensor-base", "other-dict", "other"],
+)
+def test_a_header_missing_a_field_is_refused_not_an_internal_error(edit, tmp_path):
+    packed = tmp_path / "p.ckz"
+    delta.create(RUN / "step_10", packed)
+    _edit_header(packed, edit)
+    r = run_cli("decompress", packed, "-o", tmp_path / "out")
+    assert r.code == 3 and "damaged or forged container header" in r.stderr, r.stderr
+    assert "internal error" not in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_damaged_coded_bytes_of_a_compressed_checkpoint_are_damage_exit_3(tmp_path):
+    """Without a base, a rebuilt file that misses its stored hash can only be damage to the
+    container (it exited 1, the code of a delta applied to the wrong base)."""
+    packed = tmp_path / "p.ckz"
+    delta.create(RUN / "step_10", packed)
+    data = bytearray(packed.read_bytes())
+    size = len(data)
+    coded = delta.read_header(packed)["files"]["__0_0.distcp"]["tensors"]
+    stored = [t for t in coded if t["method"] == "stored"]  # (its bytes as they are: no frame to fail)
+    off = stored[0]["frames"][0][0] + 8
+    data[off] ^= 0xFF
+    packed.write_bytes(bytes(data))
+    assert len(data) == size
+    r = run_cli("decompress", packed, "-o", tmp_path / "out")
+    assert r.code == 3 and "rebuilding __0_0.distcp does not give the stored xxh3-128" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()

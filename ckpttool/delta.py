@@ -349,15 +349,15 @@ def create(
                 "files": header_files,
                 "coded_bytes": pos - len(MAGIC),
             }
+            blob = json.dumps(header, separators=(",", ":")).encode()
             try:  # what decompress and apply will accept, checked before anything is published
-                _check_header(json.loads(json.dumps(header)), pos)
+                _check_header(json.loads(blob), pos)
             except _BadHeader as exc:
                 raise CkptError(
                     f"{target}: cannot be packed: {exc}; nothing was written",
                     hint="a file name with a backslash, or an entry ckpttool's containers cannot carry: rename or "
                     "leave out that file",
                 ) from None
-            blob = json.dumps(header, separators=(",", ":")).encode()
             fh.write(blob)
             fh.write(struct.pack("<Q", len(blob)))
             fh.write(MAGIC)

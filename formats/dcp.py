@@ -503,7 +503,6 @@ class DcpAdapter:
             if offset is not None and not isinstance(offset, tuple):  # torch.Size is one already
                 offset = tuple(offset)
             storage[(key.fqn, offset)] = info
-        _damaged_files(root, storage, sizes, md_name)
         # one object for each distinct file name, rank and box: at 400 000 chunks the copies the
         # pickle gives (a name and three tuples per chunk) were a third of the manifest's memory
         files: dict[str, tuple[str, int | None]] = {}
@@ -609,11 +608,14 @@ class DcpAdapter:
             known = files[rel] = (rel, int(m.group(1)) if m else None)
         rel, named_rank = known
         if rel not in sizes:
+            _damaged_files(root, storage, sizes, md_name)  # (with other files missing or cut short: all)
             raise _missing(rel, md_name)
         offset, length = int(info.offset), int(info.length)
         if offset < 0 or length <= 0 or offset + length > sizes[rel]:
             if offset >= 0 and length > 0 and (swapped := _misplaced(root, [*storage.values()], sizes)):
                 raise swapped
+            if offset >= 0 and length > 0:
+                _damaged_files(root, storage, sizes, md_name)
             raise _cut_short(rel, sizes[rel], md_name, offset + length)
         if offset + length > ends.get(rel, 0):
             ends[rel] = offset + length
@@ -710,8 +712,9 @@ def _damaged_files(
     root: Path, storage: dict[tuple[str, tuple[int, ...] | None], _StorageInfo], sizes: dict[str, int], md_name: str
 ) -> None:
     """Where two or more data files are missing or cut short, all of them in one error (each in its
-    ``others``), so that verify names every one; one such file is left to the pieces' own checks,
-    which name it with the piece it cuts. Files in each other's places are said as such first."""
+    ``others``), so that verify names every one; one such file is left to the piece's own error,
+    which names it with the piece it cuts. Files in each other's places are said as such first.
+    Called only once a piece has found damage: a clean checkpoint's describe does not pay for it."""
     needs = _record_ends(storage.values())
     if needs is None:
         return  # malformed: the pieces' checks say how

@@ -468,12 +468,24 @@ def test_a_container_its_reader_would_refuse_is_never_written(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["odd", "odd.ckz"]
 
 
+def _other_as_tensors(spec):
+    """No "other" entry, its gaps given to stored tensors instead: the file is still tiled (the
+    check that caught a plain removal), and only the entry's absence is left to refuse."""
+    other = spec.pop("other")
+    (start, _), *_ = other["frames"]
+    for off, n in other["gaps"]:
+        spec["tensors"].append(
+            {"offset": off, "length": n, "method": "stored", "width": 1, "floating": False, "sizes": [n],
+             "kind": "other", "base": None, "frames": [[start, n]]}
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "edit",
     [
         lambda h: h["files"]["__0_0.distcp"]["tensors"][0].pop("base"),
         lambda h: h["files"][".metadata"]["other"].pop("dict"),
-        lambda h: h["files"][".metadata"].pop("other"),
+        lambda h: _other_as_tensors(h["files"]["__0_0.distcp"]),
     ],
     ids=["tensor-base", "other-dict", "other"],
 )

@@ -47,7 +47,7 @@ from ckpttool.io import (
     refuse_overlap,
     staged_dir,
 )
-from ckpttool.manifest import Manifest, is_seal_name
+from ckpttool.manifest import Manifest
 from ckpttool.naming import canonical
 from ckpttool.values import is_count
 
@@ -156,8 +156,12 @@ class _Mapped:
         self._maps.clear()
 
 
-def _checkpoint_files(manifest: Manifest) -> list[tuple[str, int]]:
-    return [(f.path, f.size) for f in manifest.files if f.role != "seal"]
+def _checkpoint_files(manifest: Manifest, *, base: bool = False) -> list[tuple[str, int]]:
+    """The files a container holds of a checkpoint (its seal with them: a sealed checkpoint comes
+    back sealed), or, of a base, those a delta reads and checks: not its seal, nor its tracker,
+    which a save directory's next save moves on (the base's iteration is what the delta needs)."""
+    skip = ("seal", "tracker") if base else ()
+    return [(f.path, f.size) for f in manifest.files if f.role not in skip]
 
 
 def _pack_root(path: str | Path, manifest: Manifest) -> tuple[Path, str]:
@@ -180,12 +184,12 @@ def _packed(
     tracker may move on after the delta is made)."""
     root, prefix = _pack_root(path, manifest)
     layout = {prefix + rel: segs for rel, segs in _file_layout(adapter, manifest).items()}
-    files = [(prefix + rel, size) for rel, size in _checkpoint_files(manifest)]
-    if prefix and beside:  # the files beside the iteration folder: its tracker (and scripts a save leaves there)
+    files = [(prefix + rel, size) for rel, size in _checkpoint_files(manifest, base=not beside)]
+    if prefix and beside:  # the files beside the iteration folder: its tracker, its seal (and scripts a save leaves)
         held = {rel for rel, _ in files}
         for entry in sorted(root.iterdir(), key=lambda e: e.name):
             name = entry.name
-            if name in held or is_seal_name(name) or TMP_MARKER in name or not entry.is_file():
+            if name in held or TMP_MARKER in name or not entry.is_file():
                 continue
             files.append((name, os.stat(ckio.confine(root, name, named_by="the listing")).st_size))
     return root, layout, files
@@ -451,9 +455,17 @@ def _check_header(header: Any, data_end: int) -> None:
     non-tensor gaps and its tensors."""
     _need(isinstance(header, dict), "not a JSON object")
     _need(header.get("kind") in (DELTA_KIND, PACK_KIND), f"unknown kind {header.get('kind')!r:.40}")
+    _need(header.get("version") == 1, f"container version {header.get('version')!r:.20}, where this ckpttool reads 1")
     _need(isinstance(header.get("format"), str), "no format name")
     files = header.get("files")
     _need(isinstance(files, dict), "'files' is not an object")
+    folders = {
+        "/".join(parts[:i])
+        for rel in files
+        if isinstance(rel, str)
+        for parts in [rel.split("/")]
+        for i in range(1, len(parts))
+    }
     _need(not header.get("target_is_file") or len(files) == 1, "a single-file target with several files")
     base = header.get("base")
     _need(base is None or header["kind"] == DELTA_KIND, "a compressed checkpoint with a base")
@@ -464,6 +476,8 @@ def _check_header(header: Any, data_end: int) -> None:
             _need(isinstance(fp, dict) and is_count(fp.get("size")) and isinstance(fp.get("xxh3"), str), f"base {rel}")
     for rel, spec in files.items():
         _need(not escapes(rel), f"file name {rel!r:.60} leaves the output directory")
+        _need(_plain_name(rel), f"file name {rel!r:.60} is not a plain relative path ('.', '//' or a backslash)")
+        _need(rel not in folders, f"{rel!r:.60} is both a file and the folder of another file")
         _need(isinstance(spec, dict) and is_count(spec.get("size")) and isinstance(spec.get("xxh3"), str), rel)
         _need(spec.get("mode") is None or (is_count(spec["mode"]) and spec["mode"] <= 0o7777), f"{rel}: file mode")
         size = spec["size"]
@@ -526,6 +540,11 @@ def _check_header(header: Any, data_end: int) -> None:
             _need(off == pos, f"{rel}: its pieces do not tile the file (at byte {pos:,})")
             pos = off + n
         _need(pos == size, f"{rel}: its pieces cover {pos:,} of {size:,} bytes")
+
+
+def _plain_name(rel: str) -> bool:
+    """A member name as create writes it: '/'-separated parts, none empty or '.', no backslash."""
+    return "\\" not in rel and all(part not in ("", ".") for part in rel.split("/"))
 
 
 def _check_predict(t: dict[str, Any], base: Any, rel: str) -> tuple[int, int]:
@@ -636,11 +655,14 @@ def apply(
                     path=str(delta),
                     **({"rule": "checksum-mismatch"} if b_root is None else {}),
                 )
-            if (spec.get("mode") or 0) & 0o111:  # a script saved with the checkpoint (DeepSpeed's zero_to_fp32.py)
-                # stays executable, as cp keeps it: execute bits only, for those the umask let read
-                # it; never a container's set-uid or write bits
-                now = stat.S_IMODE(os.stat(dest).st_mode)
-                os.chmod(dest, now | (spec["mode"] & 0o111 & (now >> 2)))
+            if spec.get("mode") is not None:
+                # the file's permission bits, as cp gives a new copy: the saved ones the umask lets
+                # through (a private 0600 checkpoint stays private, DeepSpeed's zero_to_fp32.py stays
+                # executable); never a container's set-uid, set-gid or sticky bits
+                now = stat.S_IMODE(os.stat(dest).st_mode)  # 0666 less the umask
+                allowed = now | ((now >> 2) & 0o111)
+                if (mode := spec["mode"] & 0o777 & allowed) != now:
+                    os.chmod(dest, mode)
 
         pool = ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 2))
         try:

@@ -514,3 +514,86 @@ def test_damaged_coded_bytes_of_a_compressed_checkpoint_are_damage_exit_3(tmp_pa
     r = run_cli("decompress", packed, "-o", tmp_path / "out")
     assert r.code == 3 and "rebuilding __0_0.distcp does not give the stored xxh3-128" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_delta_against_a_save_directory_outlives_its_next_save(tmp_path):
+    """A base given as a Megatron legacy or DeepSpeed save directory: the delta recorded the
+    tracker's bytes as part of the base, so the next save into that directory (tracker 3 -> 4, the
+    iteration folder untouched) made the delta refuse its base. The tracker is not a base file now;
+    the iteration's files still are."""
+    for kind, tracker in (("megatron/legacy_tp2pp2", "latest_checkpointed_iteration.txt"), ("deepspeed/zero2", "latest")):
+        base, target = tmp_path / "base", tmp_path / "target"
+        shutil.copytree(FIXTURES / kind, base)
+        shutil.copytree(FIXTURES / kind, target)
+        d = tmp_path / "d.delta"
+        delta.create(target, d, base=base)
+        assert tracker not in delta.read_header(d)["base"]["files"] and delta.read_header(d)["base"]["files"]
+        (base / tracker).write_text((base / tracker).read_text().replace("3", "4"))
+        out = tmp_path / "out"
+        r = run_cli("delta", "apply", base, d, "-o", out)
+        assert r.code == 0, r.stderr
+        assert tree_digests(out) == tree_digests(FIXTURES / kind)
+        victim = next(p for p in base.rglob("*.pt"))
+        data = bytearray(victim.read_bytes())
+        data[-1] ^= 1
+        victim.write_bytes(bytes(data))  # the iteration's own files are still checked
+        r = run_cli("delta", "apply", base, d, "-o", tmp_path / "out2")
+        assert r.code == 1 and "is not the file the delta was made against" in r.stderr, r.stderr
+        for p in (base, target, out, d):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def test_a_sealed_checkpoint_comes_back_sealed_and_its_modes_kept(tmp_path):
+    """compress left the seal out (a restored milestone could no longer be verified against it),
+    and gave every file the umask's modes (a private 0600 file came back world-readable)."""
+    import os
+    import stat
+
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "deepspeed" / "zero2", src)
+    assert run_cli("seal", src).code == 0
+    private = src / "global_step3" / "mp_rank_00_model_states.pt"
+    private.chmod(0o600)
+    (src / "latest").chmod(0o444)
+    packed, out = tmp_path / "p.ckz", tmp_path / "out"
+    assert run_cli("compress", src, "-o", packed).code == 0
+    r = run_cli("decompress", packed, "-o", out)
+    assert r.code == 0, r.stderr
+    assert tree_digests(out) == tree_digests(src) and (out / "ckpttool.manifest.json").is_file()
+    modes = {p.relative_to(out): stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*") if p.is_file()}
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in src.rglob("*"):
+        if p.is_file():
+            assert modes[p.relative_to(src)] == stat.S_IMODE(p.stat().st_mode) & ~umask, p
+    r = run_cli("verify", out, "--json")
+    assert r.code == 0 and json.loads(r.stdout)["inputs"]["seal"], r.stdout
+    # a sealed base is a base all the same: its seal is not a file the delta depends on
+    d = tmp_path / "d.delta"
+    delta.create(FIXTURES / "deepspeed" / "zero1", d, base=src)
+    assert not any("manifest" in rel for rel in delta.read_header(d)["base"]["files"])
+
+
+@pytest.mark.parametrize(
+    ("edit", "reason"),
+    [
+        (lambda h: h.update(version=2), "container version 2, where this ckpttool reads 1"),
+        (lambda h: h.pop("version"), "container version None"),
+        (lambda h: h["files"].update({".": h["files"].pop(".metadata")}), "is not a plain relative path"),
+        (lambda h: h["files"].update({"a//b": h["files"].pop(".metadata")}), "is not a plain relative path"),
+        (
+            lambda h: h["files"].update({"x": h["files"].pop(".metadata"), "x/y": h["files"].pop("__0_0.distcp")}),
+            "'x' is both a file and the folder of another file",
+        ),
+    ],
+    ids=["newer", "none", "dot", "empty-part", "file-and-folder"],
+)
+def test_a_header_a_reader_cannot_honour_is_refused_by_name(edit, reason, tmp_path):
+    """A container from a newer ckpttool was read as if it were version 1; members named '.' or
+    'a' beside 'a/x' failed on the file system half way through (an OS error, not the header)."""
+    packed = tmp_path / "p.ckz"
+    delta.create(RUN / "step_10", packed)
+    _edit_header(packed, edit)
+    r = run_cli("decompress", packed, "-o", tmp_path / "out")
+    assert r.code == 3 and "damaged or forged container header" in r.stderr and reason in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["p.ckz"]

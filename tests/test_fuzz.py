@@ -1425,9 +1425,12 @@ def fuzz(target: Target, strategy: st.SearchStrategy[Case], examples: int) -> No
     run()
     total = sum(counts.values())
     print(f"fuzz {target.name}: {total} inputs, {counts['read']} read, {counts['refused']} refused with CkptError")
-    # both outcomes reached (the runs are derandomized): inputs get past the parser's first checks,
-    # and damage is refused, so the target is wired to the parser it claims to test
-    assert counts["read"] > 0 and counts["refused"] > 0, counts
+    # both outcomes reached, so the target is wired to the parser it claims to test: every seed (the
+    # fixture's own bytes) is read, and damage is refused. (Whether some mutant is read as well
+    # depends on hypothesis's generation, which is derandomized but not stable across unrelated
+    # changes: a tree mutant of DCP metadata is read about one time in forty.)
+    unread = [i for i, seed in enumerate(target.seeds) if check(target, seed) != "read"]
+    assert not unread and counts["refused"] > 0, (unread, counts)
 
 
 @st.composite

@@ -131,3 +131,8 @@ def _disarm() -> None:
     SIGALRM (-14) instead of its exit status."""
     signal.setitimer(signal.ITIMER_REAL, 0)
     signal.signal(signal.SIGALRM, signal.SIG_IGN)
+    # the command has finished and its exit status is chosen: a Ctrl-C or SIGTERM from here on
+    # stays pending and dies with the process. The teardown puts their default actions back, so
+    # one arriving in its last tens of milliseconds killed a process that had published its output
+    # and said so (exit -2, "killed by SIGINT", where the command's own status was due)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})

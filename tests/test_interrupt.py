@@ -192,6 +192,72 @@ def test_no_retry_outlives_the_command():
     assert (out.returncode, out.stderr) == (0, "")
 
 
+def test_a_ctrl_c_after_the_command_finished_leaves_its_exit_status():
+    """A Ctrl-C in the interpreter's teardown (after the command published and said so) killed the
+    process by SIGINT (exit -2: the session-54 flake of the crash-safety test, reproduced by sending
+    SIGINT 0.22-0.27 s into an inspect of 0.25 s). Once the command is done, both signals stay
+    blocked: here a handler that runs after ckpttool's sends both, and the status is the command's."""
+    code = textwrap.dedent(
+        """
+        import atexit, os, signal, sys, time
+
+        def late():
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)
+
+        atexit.register(late)  # (runs after ckpttool's: exit handlers run last first)
+        sys.argv = ["ckpttool", "inspect", "fixtures/dcp/fsdp2"]
+        from ckpttool.cli import main
+        main()
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+        preexec_fn=_ctrl_c_default,
+    )  # fmt: skip
+    assert (out.returncode, out.stderr) == (0, ""), out.stderr[-500:]
+    assert "dcp checkpoint" in out.stdout
+
+
+def test_a_ctrl_c_while_the_command_line_loads_is_one_word_and_130():
+    """Ctrl-C in the 0.1-0.3 s the command spends importing numpy, typer and rich, before it takes
+    SIGINT over, printed a KeyboardInterrupt traceback from inside some import. The package takes
+    SIGINT while it loads when the process is the ckpttool command: here the Ctrl-C arrives right
+    after the package is imported, as the rest loads. A program importing ckpttool as a library
+    keeps Python's handler."""
+    code = textwrap.dedent(
+        """
+        import os, signal, sys
+        sys.argv = ["-m", "inspect", "fixtures/dcp/fsdp2"]  # (as python -m ckpttool has it while it loads)
+        import ckpttool
+        os.kill(os.getpid(), signal.SIGINT)
+        import ckpttool.cli
+        print("went on")
+        """
+    )
+    run = dict(cwd=ROOT, capture_output=True, text=True, timeout=60, preexec_fn=_ctrl_c_default)
+    out = subprocess.run([sys.executable, "-c", code], **run)  # type: ignore[call-overload]
+    assert (out.returncode, out.stderr, out.stdout) == (130, "interrupted\n", ""), out.stderr[-500:]
+    library = "import signal, ckpttool; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    out = subprocess.run([sys.executable, "-c", library], **run)  # type: ignore[call-overload]
+    assert out.stdout.strip() == "True", out.stderr
+    # and the real command, Ctrl-C'd at moments through its imports: after the interpreter's own
+    # start (site and its .pth files, about 40 ms, Python's), never a traceback
+    codes: Counter[int] = Counter()
+    for delay in (0.08, 0.1, 0.12, 0.15, 0.2):
+        p = subprocess.Popen(
+            [sys.executable, "-m", "ckpttool", "inspect", "fixtures/dcp/fsdp2"], cwd=ROOT,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_ctrl_c_default,
+        )  # fmt: skip
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        err = p.communicate(timeout=60)[1].decode()
+        codes[p.returncode] += 1
+        assert "Traceback" not in err or "<frozen site>" in err, err[-800:]
+        assert p.returncode in (0, 130), (delay, p.returncode, err[-300:])
+
+
 def test_a_ctrl_c_while_reshard_starts_its_workers_is_not_lost(tmp_path, monkeypatch):
     """reshard's workers start with Ctrl-C and SIGTERM ignored (this process alone stops them); a
     Ctrl-C in that window was dropped with them, and the reshard ran on to the end. It now waits,

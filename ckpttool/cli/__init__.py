@@ -1020,8 +1020,9 @@ def _regex(pattern: str | None) -> str | None:
 
 def main() -> None:
     """Console-script entry point."""
-    from ckpttool import interrupt
+    from ckpttool import _release_start, interrupt
 
+    _release_start()
     interrupt.install()  # Ctrl-C that never leaves a thread pool's lock held (see there)
     try:
         app()

@@ -1025,9 +1025,14 @@ def _nonfinite(reader: Any, item: Item, piece: Piece) -> int:
     """How many of one piece's values are NaN or Inf (0 for a piece that does not read or holds no
     floating-point values)."""
     try:
-        floats = _as_float(reader.read(piece, item), item.dtype or "")
+        return _nonfinite_in(reader.read(piece, item), item)
     except CkptError:
         return 0
+
+
+def _nonfinite_in(values: Any, item: Item) -> int:
+    """How many of ``values`` (of ``item``'s dtype) are NaN or Inf."""
+    floats = _as_float(values, item.dtype or "")
     return 0 if floats is None else int((~np.isfinite(floats)).sum())
 
 
@@ -1083,7 +1088,10 @@ def _compare_ranges(report: VerifyReport, manifest: Manifest, item: Item, reader
     """Pieces of a copy cut at other boundaries than the first copy's (a weight tied across
     pipeline stages, each stage's flat groups partitioned their own way): each against the
     overlapping parts of the first copy's pieces, taken in order so that a piece of the first copy
-    is read once for the run of pieces it overlaps. These pieces are read a second time."""
+    is read once for the run of pieces it overlaps. These pieces are read a second time. Of two
+    copies (a first and a last stage's), neither is taken as right: one holding NaN or Inf where
+    the other holds none is blamed, else the finding names both; of more, the first is."""
+    two = len({q.replica for q in item.pieces}) == 2
     base = sorted((q for q in item.pieces if q.replica == 0 and q.flat is not None), key=lambda q: q.flat or (0, 0))
     held: tuple[Piece, Any] | None = None  # the last piece of the first copy read, with its values
     for i in sorted(lone, key=lambda i: item.pieces[i].flat or (0, 0)):
@@ -1103,8 +1111,18 @@ def _compare_ranges(report: VerifyReport, manifest: Manifest, item: Item, reader
                     held = (q, reader.read(q, item).reshape(-1))
             except CkptError:
                 break
-            if not np.array_equal(mine[lo - a : hi - a].view("u1"), held[1][lo - b : hi - b].view("u1")):
-                _replica_mismatch(report, manifest, item, [p, q], blame=True)
+            ours, theirs = mine[lo - a : hi - a], held[1][lo - b : hi - b]
+            if not np.array_equal(ours.view("u1"), theirs.view("u1")):
+                if not two:
+                    _replica_mismatch(report, manifest, item, [p, q], blame=True)
+                    break
+                bad_p, bad_q = _nonfinite_in(ours, item), _nonfinite_in(theirs, item)
+                if bad_p and not bad_q:
+                    _replica_mismatch(report, manifest, item, [p, q], blame=True, nonfinite=bad_p)
+                elif bad_q and not bad_p:
+                    _replica_mismatch(report, manifest, item, [q, p], blame=True, nonfinite=bad_q)
+                else:
+                    _replica_mismatch(report, manifest, item, [q, p])
                 break
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from ckpttool import _torchzip, _unpickle
 from ckpttool.dtypes import dtype as lookup_dtype
-from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError
+from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, UnsafePickleError
 from ckpttool.formats.base import PieceReader
 from ckpttool.geometry import Box
 from ckpttool.io import RandomAccessFile, confine
@@ -56,12 +56,16 @@ def load_or_note(
 ) -> tuple[_torchzip.Archive, Any, int] | None:
     """:func:`load`; or, where the file is missing, cut short or damaged, None with its error added
     to ``damaged``, so that a read of every rank's file names each damaged one
-    (:func:`~ckpttool.errors.raise_together`). A hostile pickle is raised at once."""
+    (:func:`~ckpttool.errors.raise_together`). A hostile pickle is raised at once, carrying the
+    damage found before it (which it dropped: an earlier rank's file cut short went unsaid)."""
     try:
         return load(root, rel, allow)
     except (CorruptFileError, IncompleteCheckpointError) as exc:
         damaged.append(exc)
         return None
+    except UnsafePickleError as exc:
+        exc.others = [*exc.others, *(e for d in damaged for e in (d, *d.others))]
+        raise
 
 
 NESTED_LIMIT = 64 * 2**20

@@ -322,14 +322,16 @@ def test_deepspeed_tensor_parallel_copies(fixture, name, finds, tmp_path):
     assert [f.item for f in found] == ([name] if finds else [])
 
 
+@pytest.mark.parametrize("nan", [False, True], ids=["value", "nan"])
 @pytest.mark.parametrize("stage", [0, 1])
-def test_deepspeed_tied_copies_cut_at_other_boundaries(stage, tmp_path):
+def test_deepspeed_tied_copies_cut_at_other_boundaries(stage, nan, tmp_path):
     """The embedding tied across the pipeline_tied fixture's two stages, resharded to DP=4: stage 0's
     optimizer holds its master whole in DP rank 0's partition, stage 1's cuts it at element 380
     (its groups are smaller). Clean, the copies verify equal; a value altered in either stage's copy
     (stage 1: inside DP rank 1's part) is found, the copies compared range by range: a
-    replica-mismatch naming stage 1's piece against stage 0's, a warning (DeepSpeed keeps only a
-    tied module's tied_weight_attr in sync: a tied module's other weights may differ by design)."""
+    replica-mismatch, a warning (DeepSpeed keeps only a tied module's tied_weight_attr in sync: a
+    tied module's other weights may differ by design). Of two copies neither is taken as right: the
+    finding names both (it blamed stage 1's whichever was altered), or the one holding a NaN."""
     from ckpttool.reshard import Target, reshard
 
     path = tmp_path / "dp4"
@@ -346,10 +348,14 @@ def test_deepspeed_tied_copies_cut_at_other_boundaries(stage, tmp_path):
     assert not [f for f in verify(path).findings if f.rule == "replica-mismatch"]
     index = 0 if stage == 0 else 2
     file, off, _ = _raw(path, name, index)
-    _patch(file, off + 4 * (400 if stage == 0 else 20), b"\x00\x00\x00\x40")  # element 400 becomes 2.0
+    value = b"\x00\x00\xc0\x7f" if nan else b"\x00\x00\x00\x40"  # element 400 becomes NaN or 2.0
+    _patch(file, off + 4 * (400 if stage == 0 else 20), value)
     found = [f for f in verify(path).findings if f.rule == "replica-mismatch"]
-    assert [(f.item, f.severity, f.file) for f in found] == [(name, "warning", pieces[2].file)]
-    assert pieces[0].file in found[0].message and "tied across pipeline stages" in found[0].message
+    blamed = pieces[index].file if nan else None
+    assert [(f.item, f.severity, f.file) for f in found] == [(name, "warning", blamed)], found
+    assert pieces[0].file in found[0].message and pieces[2].file in found[0].message, found[0].message
+    assert "tied across pipeline stages" in found[0].message
+    assert ("holds 1 NaN or Inf values" in found[0].message) == nan, found[0].message
 
 
 @pytest.mark.parametrize(

@@ -869,3 +869,21 @@ def test_files_a_save_wrote_equal_are_not_called_copies(tmp_path):
         else:
             (found,) = copies
             assert found["severity"] == "warning" and "(a in one, b in the other)" in found["message"]
+
+
+def test_a_hostile_pickle_after_a_damaged_rank_file_names_both(tmp_path):
+    """A hostile pickle stops the read at once, and dropped the damage found before it: rank 0's
+    file cut short went unsaid beside rank 1's posix.system. Both are findings now, and the CLI's
+    one error names the cut file after the hostile one."""
+    path = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "hostile" / "ds_optim_os_system", path)
+    _cut(path / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", 3000)
+    code, report = _findings(path)
+    found = sorted((f["rule"], f["file"]) for f in report["findings"] if f["severity"] == "error")
+    assert found == [
+        ("truncated-file", "global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+        ("unsafe-pickle", "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+    ], report["findings"]
+    assert code == 1  # (as for the unsafe pickle alone: a finding)
+    r = run_cli("inspect", path)
+    assert r.code == 3 and "posix.system" in r.stderr and "zero_pp_rank_0_mp_rank_00_optim_states.pt" in r.stderr, r.stderr

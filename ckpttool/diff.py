@@ -21,7 +21,7 @@ import numpy as np
 
 from ckpttool import registry
 from ckpttool.assemble import assemble, regions
-from ckpttool.dtypes import bf16_to_float32, carrier, float32_to_bf16
+from ckpttool.dtypes import as_float, carrier, float32_to_bf16
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.geometry import Box
@@ -68,9 +68,9 @@ class DiffReport:
     atol: float
     rtol: float
     added: list[str] = field(default_factory=list)
-    """tensors only in B"""
+    """items only in B: tensors, and non-tensor values (:func:`_one_sided_objects`)"""
     removed: list[str] = field(default_factory=list)
-    """tensors only in A"""
+    """items only in A, likewise"""
     changed_meta: list[dict[str, Any]] = field(default_factory=list)
     """shape or dtype changes"""
     values: list[TensorDiff] = field(default_factory=list)
@@ -218,6 +218,8 @@ def diff(
     report = DiffReport(a=str(a), b=str(b), formats=(ma.format, mb.format), atol=atol, rtol=rtol)
     report.removed = [k for k, i in ka.items() if i.is_tensor and k not in kb]
     report.added = [k for k, i in kb.items() if i.is_tensor and k not in ka]
+    report.removed += _one_sided_objects(ma, mb, ka, kb)
+    report.added += _one_sided_objects(mb, ma, kb, ka)
     # RNG state one side splits into tensors and the other keeps in opaque records (named otherwise)
     if _opaque_rng(mb):
         report.opaque += [k for k in report.removed if ka[k].kind == "rng"]
@@ -293,6 +295,24 @@ def diff(
             if progress is not None:
                 progress(ia.nbytes)
     return report
+
+
+_STATE_KINDS = ("dataloader", "scheduler", "counter", "rng")
+
+
+def _one_sided_objects(mine: Manifest, theirs: Manifest, keyed: dict[str, Item], other: dict[str, Item]) -> list[str]:
+    """Non-tensor training state of ``mine`` the other side lacks (a dataloader cursor, a
+    scheduler, the step, an optimizer hyperparameter lost: ``diff`` said "equal"). Of two
+    checkpoints of one format, each such item (state kinds, and param groups' hyperparameters);
+    across formats, whose names for the same state differ, those of a kind the other side holds
+    none of at all (a DCP checkpoint converted to safetensors: its step, dataloader and scheduler
+    are gone). Objects that describe how a layout stores its data (a distributed optimizer's
+    bucket sizes, a stacked layer's ``_extra_state`` shards) differ with the layout, not the state."""
+    one_sided = [k for k, i in keyed.items() if not i.is_tensor and k not in other]
+    if mine.format == theirs.format:
+        return [k for k in one_sided if keyed[k].kind in _STATE_KINDS or ".param_groups." in k]
+    held = {i.kind for i in other.values()}
+    return [k for k in one_sided if keyed[k].kind in _STATE_KINDS and keyed[k].kind not in held]
 
 
 def _described(side: str, path: str | Path) -> tuple[Adapter, Manifest]:
@@ -519,11 +539,30 @@ def _same_pieces(ra: PieceReader, ia: Item, rb: PieceReader, ib: Item) -> bool:
 
 
 def _floats(values: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "bfloat16":
-        return bf16_to_float32(values)
+    """Values as numbers: bfloat16 and float8 decoded from their bit patterns (float8 compared as
+    its codes said 448 and 416 were 1 apart), complex kept complex (its imaginary part was
+    dropped), anything else widened to float64."""
+    decoded = as_float(values, dtype)
+    if decoded is not None:
+        return decoded
     if values.dtype.kind in "fc":
         return values
     return values.astype(np.float64)
+
+
+_INTEGERS = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"})
+
+
+def _int_gap(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+    """|a - b| of two integer arrays, exactly, as uint64 (float64 loses a step's or a token
+    count's last units past 2**53); None for a signed and a 64-bit unsigned side."""
+    unsigned = a.dtype == np.uint64 or b.dtype == np.uint64
+    if unsigned and (a.dtype.kind == "i" or b.dtype.kind == "i"):
+        return None
+    wide = np.uint64 if unsigned else np.int64
+    x, y = a.astype(wide), b.astype(wide)
+    # the difference taken modulo 2**64 in the order that makes it the true one (0 <= it < 2**64)
+    return np.where(x >= y, x.astype(np.uint64) - y.astype(np.uint64), y.astype(np.uint64) - x.astype(np.uint64))
 
 
 _BLOCK = 1 << 22  # elements compared at a time: temporaries stay small whatever the tensor size
@@ -546,7 +585,8 @@ class _Accumulator:
             a, b = va[lo : lo + _BLOCK], vb[lo : lo + _BLOCK]
             differs = (a.view(np.uint8).reshape(a.size, -1) != b.view(np.uint8).reshape(b.size, -1)).any(axis=1)
             count = int(differs.sum())
-            fb = _floats(b, dtype_b).astype(np.float64)
+            fb = _floats(b, dtype_b)
+            fb = np.abs(fb).astype(np.float64) if fb.dtype.kind == "c" else fb.astype(np.float64)  # (for sq_b)
             if not count:
                 sq = float(np.dot(fb, fb))
                 self.sq_b += sq if math.isfinite(sq) else float(np.nansum(fb * fb))  # NaN on both sides
@@ -555,6 +595,12 @@ class _Accumulator:
             where = tuple(int(o) + int(i) for o, i in zip(box.offsets, local, strict=True))
             self.first = where if self.first is None or where < self.first else self.first
             self.n += count
+            if dtype_a in _INTEGERS and dtype_b in _INTEGERS and (gap := _int_gap(a, b)) is not None:
+                self._add_integers(gap, fb)
+                continue
+            if fb.dtype.kind == "c" or a.dtype.kind == "c":
+                self._add_complex(_floats(a, dtype_a).astype(np.complex128), _floats(b, dtype_b).astype(np.complex128))
+                continue
             fa = _floats(a, dtype_a).astype(np.float64)
             with np.errstate(invalid="ignore", over="ignore"):
                 delta = np.abs(fa - fb)
@@ -567,6 +613,30 @@ class _Accumulator:
                 self.sq_b += float(np.nansum(fb * fb))
                 close = (delta <= self.atol + self.rtol * np.abs(fb)) | (fa == fb) | both_nan
                 self.ok = self.ok and bool(np.all(close))
+
+    def _add_integers(self, gap: np.ndarray, fb: np.ndarray) -> None:
+        """Integers (steps, token counts, masks): exact differences, and within tolerance only
+        where no more than ``atol`` apart: a relative tolerance does not apply to counts (5 tokens
+        of a million are 5 tokens more than were seen)."""
+        self.max_abs = max(self.max_abs, float(gap.max()))
+        wide = gap.astype(np.float64)
+        self.sq_diff += float(np.dot(wide, wide))
+        self.sq_b += float(np.dot(fb, fb))
+        self.ok = self.ok and bool(np.all(wide <= self.atol))
+
+    def _add_complex(self, fa: np.ndarray, fb: np.ndarray) -> None:
+        """Complex values: distance in the complex plane (a change of the imaginary part counts)."""
+        with np.errstate(invalid="ignore", over="ignore"):
+            delta = np.abs(fa - fb)
+            nan_a, nan_b = np.isnan(fa), np.isnan(fb)
+            both_nan = nan_a & nan_b
+            finite_delta = np.where(both_nan, 0.0, np.where(nan_a ^ nan_b, np.inf, delta))
+            self.max_abs = max(self.max_abs, float(np.nanmax(finite_delta)) if finite_delta.size else 0.0)
+            self.sq_diff += float(np.nansum(finite_delta * finite_delta))
+            mag = np.abs(fb)
+            self.sq_b += float(np.nansum(mag * mag))
+            close = (delta <= self.atol + self.rtol * mag) | (fa == fb) | both_nan
+            self.ok = self.ok and bool(np.all(close))
 
     def result(self, name: str, a: str, b: str, numel: int) -> TensorDiff:
         return TensorDiff(

@@ -91,6 +91,55 @@ def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+def _float8_table(exp_bits: int, bias: int, *, ieee: bool, fnuz: bool, e8m0: bool = False) -> np.ndarray:
+    """The float32 value of each of the 256 codes of a float8 format (the OCP and the AMD "fnuz"
+    variants as torch defines them): ``ieee``, the top exponent is Inf (zero mantissa) or NaN;
+    else only the all-ones code is NaN (e4m3fn); ``fnuz``, no negative zero: 0x80 is the NaN."""
+    codes = np.arange(256, dtype=np.int64)
+    if e8m0:  # exponent only, no sign: 2 ** (code - 127), 0xFF NaN
+        out = np.ldexp(np.float64(1.0), codes - 127)
+        out[255] = np.nan
+        return out.astype(np.float32)
+    man_bits = 7 - exp_bits
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    e = (codes >> man_bits) & ((1 << exp_bits) - 1)
+    m = codes & ((1 << man_bits) - 1)
+    normal = np.ldexp(1.0 + m / (1 << man_bits), e - bias)
+    sub = np.ldexp(m / (1 << man_bits), 1 - bias)
+    out = sign * np.where(e == 0, sub, normal)
+    top = e == (1 << exp_bits) - 1
+    if ieee:
+        out[top & (m == 0)] = sign[top & (m == 0)] * np.inf
+        out[top & (m != 0)] = np.nan
+    elif fnuz:
+        out[0x80] = np.nan
+    else:
+        out[(codes & 0x7F) == 0x7F] = np.nan
+    return out.astype(np.float32)
+
+
+_FLOAT8 = {
+    "float8_e4m3fn": _float8_table(4, 7, ieee=False, fnuz=False),
+    "float8_e5m2": _float8_table(5, 15, ieee=True, fnuz=False),
+    "float8_e4m3fnuz": _float8_table(4, 8, ieee=False, fnuz=True),
+    "float8_e5m2fnuz": _float8_table(5, 16, ieee=False, fnuz=True),
+    "float8_e8m0fnu": _float8_table(8, 127, ieee=False, fnuz=False, e8m0=True),
+}
+
+
+def as_float(values: np.ndarray, name: str) -> np.ndarray | None:
+    """Values of a floating-point dtype ``name`` as numbers numpy computes with (bfloat16 and the
+    float8 formats, carried as bit patterns, decoded exactly to float32); None for other dtypes."""
+    if name == "bfloat16":
+        return bf16_to_float32(values)
+    table = _FLOAT8.get(name)
+    if table is not None:
+        return table[values.view(np.uint8)]
+    if name in ("float16", "float32", "float64", "half", "float", "double"):
+        return values
+    return None
+
+
 def float32_to_bf16(values: np.ndarray) -> np.ndarray:
     """float32 values narrowed to bfloat16 bit patterns (uint16) as torch's ``.to(torch.bfloat16)``
     rounds them on the CPU: to nearest, ties to even; a NaN becomes 0xFFFF (ATen's vectorised

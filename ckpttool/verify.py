@@ -30,7 +30,7 @@ from typing_extensions import TypedDict  # pydantic needs this one on Python < 3
 
 from ckpttool import registry
 from ckpttool.assemble import assemble, regions
-from ckpttool.dtypes import bf16_to_float32, float32_to_bf16
+from ckpttool.dtypes import as_float, float32_to_bf16
 from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedError, NotFoundError, PathEscapeError
 from ckpttool.formats.base import Adapter
 from ckpttool.geometry import coverage
@@ -1373,11 +1373,9 @@ def _check_master(report: VerifyReport, item: Item, values: np.ndarray, master: 
 
 
 def _as_float(values: np.ndarray, dtype: str) -> np.ndarray | None:
-    if dtype == "bfloat16":
-        return bf16_to_float32(values)
-    if dtype in ("float16", "float32", "float64"):
-        return values
-    return None
+    """Floating-point values as numbers (bfloat16 and float8 decoded: a NaN in a float8 tensor is
+    found), None for other dtypes."""
+    return as_float(values, dtype)
 
 
 def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter) -> None:

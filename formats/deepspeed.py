@@ -804,6 +804,8 @@ class DeepSpeedAdapter:
         if z3:  # the frozen parameters' fragments are in every rank's model states, as in the source
             b.frozen(3, {}, z3, first)
             b.universal3_groups("zero/optimizer_state.pt")
+        else:
+            b.universal_hyperparameters("zero/optimizer_state.pt")
         b.shared(_tied(files, [*(models[k] for k in sorted(models)), *(z3[k] for k in sorted(z3))]))
         # frozen: what the source froze (ds_to_universal writes them an fp32.pt and no moments)
         if frozen := list((first.get("frozen_param_shapes") or {}).keys()):
@@ -1548,6 +1550,18 @@ class _Builder:
             for sid in group.get("params") or [] if isinstance(group, dict) else []:
                 self.group_objects(rel, 0, g, inner, state.get(sid) or {}, "optimizer_state_dict")
 
+    def universal_hyperparameters(self, rel: str) -> None:
+        """A ZeRO-1/2 universal checkpoint keeps each param group's hyperparameters in
+        ``optimizer_state.pt``'s ``param_groups`` (its steps are per parameter, ``step.pt``): the
+        source's ``optimizer.param_groups.<g>.<key>`` items, which went unread (``diff`` of a run
+        and its universal checkpoint could not see an lr changed on the way)."""
+        osd = self.files.get(rel)
+        groups = osd.get("param_groups") if isinstance(osd, dict) else None
+        if isinstance(osd, dict) and isinstance(groups, list):
+            for g, group in enumerate(groups):
+                if isinstance(group, dict):
+                    self.group_objects(rel, 0, g, osd, {}, "")
+
     def zero0(self, opt: dict[str, Any], rel: str, first: dict[str, Any]) -> None:
         """ZeRO off: the whole torch optimizer state dict sits in the model-states file (inside
         ``optimizer_state_dict`` with ``fp32_groups`` masters for the fp16/bf16 optimizer)."""
@@ -1595,7 +1609,7 @@ class _Builder:
                     continue
                 key = f"optimizer.param_groups.{g}.{k}"
                 if key not in self.m.items:
-                    where = f"{base_path}.param_groups.{g}.{k}"
+                    where = f"{base_path}.param_groups.{g}.{k}" if base_path else f"param_groups.{g}.{k}"
                     item = self.m.add(Item(name=key, kind="optim", pieces=[_pt.object_piece(rel, where, rank=dp)]))
                     set_value(item, v)
 

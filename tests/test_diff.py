@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import warnings
 
 from ckpttool import registry
 from ckpttool.diff import diff
@@ -15,12 +16,36 @@ FSDP2 = FIXTURES / "dcp" / "fsdp2"
 
 
 def test_itself_and_its_export(tmp_path):
+    """An export keeps every tensor bit for bit and none of the training state a safetensors file
+    cannot hold: the tensors compare identical, and the step, dataloader and scheduler state it
+    lost are said ("equal" hid them)."""
     assert not diff(FSDP2, FSDP2).different
     out = tmp_path / "e.safetensors"
     export(FSDP2, out)
     report = diff(FSDP2, out)
-    assert not report.different and report.identical == report.compared == 54
-    assert run_cli("diff", FSDP2, out).code == 0
+    assert report.identical == report.compared == 54 and not report.values and not report.added
+    _, m = registry.describe(FSDP2)
+    assert report.removed and {m.items[k].kind for k in report.removed} == {"counter", "dataloader", "scheduler"}
+    assert "step" in report.removed and "dataloader.seed" in report.removed
+    r = run_cli("diff", FSDP2, out)
+    assert r.code == 1 and "only in A" in r.stdout, r.stdout
+
+
+def test_a_non_tensor_value_on_one_side_only_is_a_difference(tmp_path):
+    """A dataloader cursor, a scheduler or a step that one checkpoint has and the other lacks made
+    no difference to diff ("equal", exit 0): only tensors were counted as added or removed."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (no process group: a single-process save)
+        dcp.save({"w": torch.ones(4), "step": 3, "dataloader": {"cursor": 96, "epoch": 0}}, checkpoint_id=a, no_dist=True)
+        dcp.save({"w": torch.ones(4), "step": 3, "dataloader": {"epoch": 0}}, checkpoint_id=b, no_dist=True)
+    report = diff(a, b)
+    assert report.different and report.removed == ["dataloader.cursor"] and report.added == []
+    assert diff(b, a).added == ["dataloader.cursor"]
+    assert run_cli("diff", a, b).code == 1
 
 
 def test_one_perturbed_tensor_is_first_and_largest(tmp_path):
@@ -217,3 +242,52 @@ def test_an_error_says_which_checkpoint_it_is_about():
     assert r.code == 3 and r.stderr.startswith(f"error: B ({cut}): __1_0.distcp is "), r.stderr
     r = run_cli("diff", cut, clean)
     assert r.code == 3 and r.stderr.startswith(f"error: A ({cut}): __1_0.distcp is "), r.stderr
+
+
+def test_values_compare_as_their_dtype_says(tmp_path):
+    """float8 was compared as its byte codes (448 against 416: 1 apart, "within" --atol 1);
+    complex values lost their imaginary part (a change of it: max abs 0, "within tolerance");
+    int64 went through float64 (2**53 against 2**53 + 1: max abs 0) and took a relative tolerance
+    (1,000,005 seen tokens against 1,000,000: "within" standard)."""
+    import torch
+    from safetensors.torch import save_file
+
+    def pair(name, a, b, **kw):
+        pa, pb = tmp_path / f"{name}_a.safetensors", tmp_path / f"{name}_b.safetensors"
+        save_file({"t": a}, pa)
+        save_file({"t": b}, pb)
+        (d,) = diff(pa, pb, **kw).values
+        return d
+
+    e4 = torch.tensor([448.0, 1.0, 2.0]).to(torch.float8_e4m3fn)
+    d = pair("f8", e4, torch.tensor([416.0, 1.0, 2.5]).to(torch.float8_e4m3fn), atol=1)
+    assert (d.max_abs, d.differing, d.within_tolerance) == (32.0, 2, False)
+    e5 = torch.tensor([2.0, float("inf")]).to(torch.float8_e5m2)
+    d = pair("e5", e5, torch.tensor([2.5, float("inf")]).to(torch.float8_e5m2), atol=1)
+    assert (d.max_abs, d.within_tolerance) == (0.5, True)
+    c = torch.tensor([1 + 1j, 2 + 2j], dtype=torch.complex64)
+    c2 = c.clone()
+    c2[1] = 2 + 5j
+    d = pair("c", c, c2, tolerance="standard")
+    assert (d.max_abs, d.within_tolerance) == (3.0, False)
+    n = torch.tensor([2**53, 1_000_000, 2**62], dtype=torch.int64)
+    d = pair("i", n, torch.tensor([2**53 + 1, 1_000_005, 2**62 + 1]), tolerance="standard")
+    assert (d.max_abs, d.differing, d.within_tolerance) == (5.0, 3, False)
+    d = pair("i1", n, torch.tensor([2**53 + 1, 1_000_000, 2**62]), atol=0.5)
+    assert (d.max_abs, d.within_tolerance) == (1.0, False)
+    d = pair("i2", n, torch.tensor([2**53 + 1, 1_000_000, 2**62]), atol=1)
+    assert (d.max_abs, d.within_tolerance) == (1.0, True)
+    u = torch.tensor([0, 2**63 + 5], dtype=torch.uint64)
+    d = pair("u", u, torch.tensor([1, 2**63 + 1], dtype=torch.uint64))
+    assert (d.max_abs, d.differing) == (4.0, 2)
+
+
+def test_a_universal_checkpoint_keeps_its_param_groups_and_diff_sees_them(tmp_path):
+    """A ZeRO-1/2 universal checkpoint keeps the param groups' hyperparameters in
+    zero/optimizer_state.pt, which went unread: an lr changed there showed nowhere."""
+    from ckpttool import registry as reg
+
+    u = FIXTURES / "deepspeed" / "universal"
+    _, m = reg.describe(u)
+    assert "optimizer.param_groups.1.lr" in m.items
+    assert not diff(FIXTURES / "deepspeed" / "zero2", u).different

@@ -601,6 +601,12 @@ def apply(
     if header["kind"] == DELTA_KIND:
         if base is None:
             raise UsageError(f"{delta} is a delta: give the base checkpoint it was made against")
+        if not os.path.lexists(base):
+            raise NotFoundError(
+                f"{base}: no such file or directory (the base checkpoint the delta is applied to)",
+                hint="check the path: give the checkpoint the delta was created against",
+                path=str(base),
+            )
         b_root = _base_root(Path(base), header["base"]["files"])
         for rel, fp in header["base"]["files"].items():
             f = b_root / rel
@@ -644,16 +650,17 @@ def apply(
                     path=str(delta),
                 ) from None
             if digest is not None and digest != spec["xxh3"]:
-                # without a base only the container's bytes went in: damage (exit 3); with one, the
-                # base may be another than the delta's (exit 1, as the contract says of a mismatch)
-                mismatch = CorruptFileError if b_root is None else DeltaMismatchError
-                raise mismatch(
+                # the base's files were checked against their recorded xxh3-128 before any was
+                # read: only the container's bytes can be wrong (damage, exit 3; a wrong base is
+                # refused before, exit 1), or a base file changed while it was being applied
+                raise CorruptFileError(
                     f"{delta}: rebuilding {rel} does not give the stored xxh3-128; nothing was published",
                     hint=f"the {role} is damaged; re-create it"
                     if b_root is None
-                    else "the delta or the base is damaged; re-create the delta",
+                    else "the delta is damaged (its base matched the one it was made against): re-create it; or "
+                    "the base changed while the delta was applied: apply it again",
                     path=str(delta),
-                    **({"rule": "checksum-mismatch"} if b_root is None else {}),
+                    rule="checksum-mismatch",
                 )
             if spec.get("mode") is not None:
                 # the file's permission bits, as cp gives a new copy: the saved ones the umask lets

@@ -106,19 +106,23 @@ _state = {"pending": 0}
 
 def install() -> bool:
     """Take over SIGINT and SIGTERM (and SIGALRM, for the retry) in a command's process; returns
-    whether it did. Left alone off the main thread, where SIGALRM is taken, and where SIGINT is not
-    Python's default handler (ignored, as in a background job, or someone else's); SIGTERM is
-    taken where it has its default action (the process killed without a word, its temporary
-    outputs left for the next run to sweep)."""
+    whether it took either. Left alone off the main thread and where SIGALRM is taken. SIGINT is
+    taken where it is Python's default handler (not where it is ignored, as in a background job
+    of a script, or someone else's); SIGTERM where it has its default action, which kills the
+    process without a word and leaves its temporary outputs for the next run to sweep (a
+    background job's ``kill`` did, when SIGTERM was left alone with SIGINT)."""
     if threading.current_thread() is not threading.main_thread():
-        return False
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         return False
     if signal.getsignal(signal.SIGALRM) not in (signal.SIG_DFL, None):
         return False
+    take_int = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    take_term = signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None)
+    if not take_int and not take_term:
+        return False
     signal.signal(signal.SIGALRM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
-    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+    if take_int:
+        signal.signal(signal.SIGINT, _on_signal)
+    if take_term:
         signal.signal(signal.SIGTERM, _on_signal)
     atexit.register(_disarm)
     return True

@@ -117,9 +117,20 @@ def test_stored_hash_mismatch_publishes_nothing(tmp_path):
     d.write_bytes(data.replace(want.encode(), wrong.encode()))
     out = tmp_path / "out"
     r = run_cli("delta", "apply", RUN / "step_10", d, "-o", out)
-    assert r.code == 1 and "does not give the stored xxh3-128" in r.stderr
+    # the base matched its recorded hashes, so the delta is what is damaged: exit 3 (it was 1, the
+    # code of a wrong base, where decompress said 3 of the same damage)
+    assert r.code == 3 and "does not give the stored xxh3-128" in r.stderr and "the delta is damaged" in r.stderr
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # no temp directory left behind
+
+
+def test_a_base_that_is_not_there_is_exit_3(tmp_path):
+    """A base path that does not exist said "'.metadata' is not there; refused" with exit 1."""
+    d = tmp_path / "d"
+    delta.create(RUN / "step_11", d, base=RUN / "step_10")
+    r = run_cli("delta", "apply", tmp_path / "nonexistent", d, "-o", tmp_path / "out")
+    assert r.code == 3 and "nonexistent: no such file or directory" in r.stderr, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
 
 
 def test_truncated_delta_is_a_clear_error(tmp_path):

@@ -156,14 +156,32 @@ def test_ctrl_c_anywhere_in_a_busy_thread_pool_exits(tmp_path):
     assert codes == {130: 40}, dict(codes)
 
 
-def test_install_leaves_an_ignored_sigint_alone():
-    """A background job's ignored SIGINT stays ignored (nothing to take over)."""
-    code = (
-        "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-        "from ckpttool import interrupt; print(interrupt.install())"
+def test_install_leaves_an_ignored_sigint_alone_and_still_takes_sigterm():
+    """A background job's ignored SIGINT stays ignored. Its SIGTERM is still taken: it was left at
+    its default action with SIGINT, so ``kill`` of a background ``delta apply`` exited 143 without
+    a word and left its temporary directory behind."""
+    code = textwrap.dedent(
+        """
+        import os, signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        from ckpttool import interrupt
+        print(interrupt.install(), signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(10**6):
+                pass
+        except interrupt.Terminated:
+            print("terminated")
+        """
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.split() == ["True", "True", "terminated"], out
+    both = "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    out = subprocess.run(
+        [sys.executable, "-c", both + "from ckpttool import interrupt; print(interrupt.install())"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip() == "False"  # (nothing of ours to take)
 
 
 def test_no_retry_outlives_the_command():

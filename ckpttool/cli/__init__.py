@@ -874,8 +874,8 @@ def delta_apply(
     quiet: QuietOpt = False,
 ) -> None:
     """Restore TARGET from BASE and DELTA. Refuses a BASE that is not the one the delta was made
-    against (before writing anything); every restored file is checked against the hash stored in
-    the delta before OUTPUT appears (exit 1 and nothing published otherwise)."""
+    against (exit 1, before writing anything); every restored file is checked against the hash
+    stored in the delta before OUTPUT appears (a damaged delta: exit 3, nothing published)."""
     from ckpttool.delta import apply
 
     out = Output(quiet=quiet)

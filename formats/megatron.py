@@ -32,6 +32,53 @@ from ckpttool.naming import classify
 from ckpttool.values import flatten, plain_value, set_value
 
 TRACKER = "latest_checkpointed_iteration.txt"
+
+RNG_CARRIED = "ckpttool_rng_state"
+"""The key under which a legacy checkpoint ckpttool wrote keeps, in its first rank file, the RNG
+states of source ranks its layout has no rank for (``{rank label: rng_state}``): a reshard back to
+a layout with those ranks gives each its own again (Megatron's loader ignores the key)."""
+
+_RANK_LABEL = re.compile(r"\[tp=\d+,pp=\d+(?:,ep=\d+)?\]")
+
+
+def _add_rng(manifest: Manifest, rel: str, rng: Any, path: str, label: str, rank: int) -> None:
+    """The items of one rank's ``rng_state`` list (at dotted ``path`` in file ``rel``), named
+    ``rng_state.<entry>...<label>``."""
+    if not isinstance(rng, list):
+        return
+    for name, value in flatten(rng, path):
+        key = "rng_state" + name[len(path) :] + label
+        if isinstance(value, _unpickle.TensorRef):
+            manifest.add(
+                Item(
+                    name=key,
+                    kind="rng",
+                    dtype=value.dtype,
+                    shape=value.shape,
+                    pieces=[_pt.tensor_piece(rel, value, rank=rank)],
+                )
+            )
+        else:
+            item = manifest.add(Item(name=key, kind="rng", pieces=[_pt.object_piece(rel, name, rank=rank)]))
+            set_value(item, value)
+
+
+def _rng_labels(manifest: Manifest) -> set[tuple[str, str]]:
+    """(rank label, item name) of each RNG item so far."""
+    out = set()
+    for name, item in manifest.items.items():
+        if item.kind == "rng" and (m := _RANK_LABEL.search(name)) and m.end() == len(name):
+            out.add((m.group(0), name))
+    return out
+
+
+def rank_label(t: int, p: int, e: int = 0) -> str:
+    """How per-rank state (RNG) is named: ``[tp=T,pp=P]``, with ``,ep=E`` for an expert-parallel
+    rank other than 0 (EP rank 0's file is the one a layout without expert parallelism has: the
+    two name the same rank, so that a reshard between them compares its RNG)."""
+    return f"[tp={t},pp={p}" + (f",ep={e}]" if e else "]")
+
+
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 
 _MCORE_ENUMS = [
@@ -1382,6 +1429,12 @@ class MegatronLegacyAdapter:
         for d in dirs:
             self._rank(manifest, objs[d], f"{prefix}{d}/model_optim_rng.pt", ranks[d], args, tp, gated, replicas)
         first = objs[dirs[0]]
+        carried = first.get(RNG_CARRIED)
+        if isinstance(carried, dict):  # other layouts' ranks' RNG, as ckpttool carried them (none a rank here has)
+            held = {label for label, _ in _rng_labels(manifest)}
+            for label, rng in carried.items():
+                if isinstance(label, str) and _RANK_LABEL.fullmatch(label) and label not in held:
+                    _add_rng(manifest, f"{prefix}{dirs[0]}/model_optim_rng.pt", rng, f"{RNG_CARRIED}.{label}", label, 0)
         for key, kind in (
             ("iteration", "counter"),
             ("checkpoint_version", "object"),
@@ -1502,23 +1555,7 @@ class MegatronLegacyAdapter:
                 path=dist_rel,
                 rule="missing-file",
             )
-        rng = obj.get("rng_state")
-        if isinstance(rng, list):
-            for name, value in flatten(rng, "rng_state"):
-                key = f"{name}[tp={t},pp={p}" + (f",ep={e}]" if ep > 1 else "]")
-                if isinstance(value, _unpickle.TensorRef):
-                    manifest.add(
-                        Item(
-                            name=key,
-                            kind="rng",
-                            dtype=value.dtype,
-                            shape=value.shape,
-                            pieces=[_pt.tensor_piece(rel, value, rank=t)],
-                        )
-                    )
-                else:
-                    item = manifest.add(Item(name=key, kind="rng", pieces=[_pt.object_piece(rel, name, rank=t)]))
-                    set_value(item, value)
+        _add_rng(manifest, rel, obj.get("rng_state"), "rng_state", rank_label(t, p, e), t)
 
     def _distrib_optim(
         self,

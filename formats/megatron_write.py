@@ -14,7 +14,9 @@ Everything a resume reads is carried:
   pipeline), ``iteration``, ``checkpoint_version``, the LR scheduler,
   ``num_floating_point_operations_so_far``;
 * RNG state: rank (t, p) gets the source's rank (t mod TP, p mod PP) states (the per-rank RNG of a
-  different layout cannot exist; replay after a TP/PP change is not bit-identical anyway).
+  different layout cannot exist; replay after a TP/PP change is not bit-identical anyway); the
+  source ranks the output has none for keep theirs in its first rank file (``ckpttool_rng_state``),
+  which a reshard back to their layout gives them.
 
 The split rules are the reader's (:func:`ckpttool.formats.megatron.split_rule`): column, row,
 SwiGLU halves (``[gate_r; up_r]``), replicated. One tensor is in memory at a time.
@@ -43,7 +45,9 @@ from ckpttool.formats import _pt, _ptwrite
 from ckpttool.formats.base import PieceReader, PlannedFile
 from ckpttool.formats.megatron import (
     _LAYER,
+    _RANK_LABEL,
     ALLOWLIST,
+    RNG_CARRIED,
     TRACKER,
     MegatronDistReader,
     Saver,
@@ -64,6 +68,7 @@ from ckpttool.formats.megatron import (
     own_etp,
     placement,
     rank_dir,
+    rank_label,
     rank_of,
     renumber_expert,
     rng_holders,
@@ -125,6 +130,9 @@ class _Source:
     (TP, PP, DP rank) of the source run (:func:`~ckpttool.formats.megatron.rng_holders`)"""
     dp: int = 1
     """the source run's data-parallel size times its context-parallel size (under expert TP)"""
+    rng_carried: dict[str, Any] = field(default_factory=dict)
+    """RNG states of ranks of another layout that the source carries (``ckpttool_rng_state`` of a
+    checkpoint ckpttool wrote), by rank label: none a rank file of the source has"""
     dist: bool = False
     """a ``torch_dist`` source: one ``common.pt`` for all ranks, global tensors, ``ShardedObject``
     records; its param groups (from ``common.pt``, each given the common step) name no members"""
@@ -205,6 +213,10 @@ class MegatronTarget:
     None: as the source"""
 
 
+def _few(labels: list[str]) -> str:
+    return ", ".join(labels[:4]) + (f" and {len(labels) - 4} more" if len(labels) > 4 else "")
+
+
 def _globalize(local: str, offset: int, expert_offset: int = 0) -> str:
     m = _LAYER.match(local)
     name = f"{m['pre']}{int(m['i']) + offset}{m['rest']}" if m else local
@@ -237,6 +249,12 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
     src.experts = int(getattr(args, "num_experts", None) or 0)
     src.etp = own_etp(args)
     src.rng_of, src.dp = rng_holders(args)
+    carried = first.get(RNG_CARRIED)
+    if isinstance(carried, dict):
+        own = {rank_label(*k) for k in objs}
+        src.rng_carried = {
+            k: v for k, v in carried.items() if isinstance(k, str) and _RANK_LABEL.fullmatch(k) and k not in own
+        }
     local = src.experts // ep if src.experts else 0
     distrib = {key: (root / rel).with_name("distrib_optim.pt").is_file() for key, rel in rels.items()}
     if any(distrib.values()):
@@ -1285,10 +1303,12 @@ class LegacyWriter:
         its RNG state's and, beside its parameters' moments, their Adam steps."""
         if not self.rank_files:
             return []
-        rng = self.src.objs[self._rng_source(t, p, e)].get("rng_state")
+        carried = self._rng_carried_by(t, p, e)
+        rng = carried[1] if carried else self.src.objs[self._rng_source(t, p, e)].get("rng_state")
         if isinstance(rng, SourceObject):  # a torch_dist source's record: its tensors are inside
             rng = self._record_value(rng)
-        refs = [v for _, v in flatten({"rng_state": rng}) if isinstance(v, _unpickle.TensorRef)]
+        kept = {k: v for k, (_, v) in self._rng_kept().items()} if (t, p, e) == (0, 0, 0) else {}
+        refs = [v for _, v in flatten({"rng_state": rng, "kept": kept}) if isinstance(v, _unpickle.TensorRef)]
         if not self.distopt:
             steps = (self.src.step_of.get(self._src_name(n)) for n in self._model_names(p, e))
             refs += [
@@ -1498,15 +1518,54 @@ class LegacyWriter:
                 tree[key] = value.value(reader)
             elif key == "args":
                 tree[key] = self._args(value, t, p, e)
+            elif key == RNG_CARRIED:
+                continue  # (written anew below, for the layout written)
+            elif key == "rng_state" and (carried := self._rng_carried_by(t, p, e)) is not None:
+                tree[key] = _ptwrite.carry(carried[1], partial(archive, carried[0]))
             elif key == "rng_state" and rng_key != src_key and "rng_state" in self.src.objs[rng_key]:
                 rng_rel = self.src.rels[rng_key]
                 tree[key] = _ptwrite.carry(self.src.objs[rng_key]["rng_state"], partial(archive, rng_rel))
             else:
                 tree[key] = _ptwrite.carry(value, partial(archive, rel))
+            if key == "rng_state" and (t, p, e) == (0, 0, 0) and (kept := self._rng_kept()):
+                tree[RNG_CARRIED] = {
+                    label: _ptwrite.carry(rng, partial(archive, where)) for label, (where, rng) in kept.items()
+                }
         n = _ptwrite.save(tree, out, scratch=self.scratch)
         if progress is not None:
             progress(n)
         return n
+
+    def _labelled(self, label: str) -> bool:
+        """Whether the output has the rank ``label`` names."""
+        return any(
+            rank_label(t, p, e) == label
+            for p in range(self.target.pp)
+            for e in range(self.ep)
+            for t in range(self.target.tp)
+            if self._xranks is None or (t, p, e) in self._xranks
+        )
+
+    def _rng_carried_by(self, t: int, p: int, e: int) -> tuple[str, Any] | None:
+        """(file, ``rng_state``) of output rank (t, p, e) where the source carries that rank's own
+        from an earlier layout (``ckpttool_rng_state``): a round trip through fewer ranks gives
+        every rank its RNG back."""
+        value = self.src.rng_carried.get(rank_label(t, p, e))
+        return None if value is None else (self.src.rels[(0, 0, 0)], value)
+
+    def _rng_kept(self) -> dict[str, tuple[str, Any]]:
+        """The RNG states, by rank label, of the source's ranks (and those it carries) that no rank
+        of the output has: kept in the output's first rank file (``ckpttool_rng_state``), for a
+        reshard back to their layout. None from a ``torch_dist`` source (its RNG are records)."""
+        if self.src.dist:
+            return {}
+        held: dict[str, tuple[str, Any]] = {
+            label: (self.src.rels[(0, 0, 0)], v) for label, v in self.src.rng_carried.items()
+        }
+        for k, obj in self.src.objs.items():
+            if isinstance(obj.get("rng_state"), list):
+                held[rank_label(*k)] = (self.src.rels[k], obj["rng_state"])
+        return {label: held[label] for label in sorted(held) if not self._labelled(label)}
 
     def _rng_source(self, t: int, p: int, e: int) -> tuple[int, int, int]:
         """The source rank file whose RNG state output rank file (t, p, e) gets: from a legacy source
@@ -1657,6 +1716,19 @@ class LegacyWriter:
                 )
             else:
                 out.append(f"RNG state: rank (t, p) gets source rank (t mod {self.src.tp}, p mod {self.src.pp})'s")
+            if self.rank_files:
+                own_back = [lab for lab in self.src.rng_carried if _RANK_LABEL.fullmatch(lab) and self._labelled(lab)]
+                if own_back:
+                    out[-1] += (
+                        f", except {_few(own_back)}, which get their own back (carried by the source, a checkpoint "
+                        "ckpttool wrote at fewer ranks)"
+                    )
+                if kept := self._rng_kept():
+                    out.append(
+                        f"RNG state of {len(kept)} rank(s) of the source that this layout has none for "
+                        f"({_few(list(kept))}): kept in the first rank file under '{RNG_CARRIED}' (Megatron ignores "
+                        "it), so that a reshard back to a layout with those ranks gives each its own"
+                    )
         if self.ep != self.src.ep or own != self.src.etp:
             dp = getattr(self.args, "data_parallel_size", None)
             multiple = self._dp_multiple()

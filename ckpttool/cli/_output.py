@@ -151,8 +151,10 @@ class Output:
     # -- diagnostics (stderr) -------------------------------------------------------------------
 
     def note(self, text: str) -> None:
+        """Plain text on stderr (a rank label ``[tp=1,pp=0]`` or an item ``x[rank=0]`` in it is
+        text, not markup: rich dropped them)."""
         if not self.quiet:
-            self.err.print(printable(text))
+            self.err.print(escape(printable(text)))
 
     def warning(self, text: str) -> None:
         self.err.print(f"[yellow]warning:[/yellow] {escape(printable(text))}")

@@ -22,7 +22,7 @@ from ckpttool.assemble import assemble, check_coverage
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CorruptFileError, IncompleteCheckpointError, UsageError
 from ckpttool.formats.base import PieceReader
-from ckpttool.io import atomic_output, check_output, checking_crcs, refuse_overlap
+from ckpttool.io import atomic_output, check_output, checking_crcs, finish_partial, refuse_overlap
 from ckpttool.manifest import KINDS, Item, Manifest
 
 _ALIGN = 8
@@ -189,6 +189,7 @@ def export(
             metadata={"format": "pt", "ckpttool.source_format": manifest.format},
             progress=None if progress is None else lambda n: progress(n, total),
         )
+        finish_partial()  # (a source member read in part is judged whole before the file appears)
     result.nbytes = total
     return result
 

@@ -141,9 +141,13 @@ class RandomAccessFile:
         self.cache: FileCache | None = None
         """the cache that keeps it (under its ``display`` name): a re-open goes through it, so the
         cache's open-file limit holds even for readers that kept a reference to this file"""
-        self.crcs: MemberCrcs | None = MemberCrcs(self.display) if (checking() if check is None else check) else None
+        self.crcs: MemberCrcs | None = None
         """when set, the bytes read of the zip members registered there are checked against the
         CRC-32s the archive stores (:func:`checking_crcs`)"""
+        if checking() if check is None else check:
+            self.crcs = MemberCrcs(self.display, self.path)
+            with _READ_LOCK:
+                _READ.append(self.crcs)  # (its members read in part are finished before publishing)
         self._open()
 
     def _open(self) -> int:
@@ -244,10 +248,12 @@ class MemberCrcs:
     a registered member has its CRC-32 taken, and once the parts read tile the member, their
     combined CRC must be the one its archive stores. torch never checks these CRCs; this is how
     ``reshard``, ``convert`` and ``export`` refuse to carry a flipped bit into a new checkpoint.
-    Parts of a member never read whole are not judged."""
+    A member read only in part (its bytes no tensor uses unread: bucket or alignment padding, an
+    unused tail) is finished by :func:`finish_partial` before the output is published."""
 
-    def __init__(self, display: str) -> None:
+    def __init__(self, display: str, path: str | None = None) -> None:
         self.display = display
+        self.path = path or display
         self._members: dict[int, _Member] = {}  # by the file offset of the member's first byte
         self._starts: list[int] = []  # sorted (those of finished members included)
         self._pending: list[int] = []  # registered since _starts was last sorted
@@ -303,6 +309,87 @@ class MemberCrcs:
             return found
 
 
+_READ: list[MemberCrcs] = []
+"""the checkers of the files opened in this process while it checks CRC-32s"""
+_READ_LOCK = threading.Lock()
+
+PartRead = tuple[str, str, int, int, int, str, list[tuple[int, int, int]]]
+"""a member read in part: (file path, display name, its file offset, length, stored CRC-32, what
+it is, its parts read as (offset in the member, length, CRC-32))"""
+
+
+def drain_partial() -> list[PartRead]:
+    """The zip members the files opened while checking read in part and never whole, with their
+    parts' CRC-32s, taken out of this process's record (a worker's, for its parent to finish)."""
+    with _READ_LOCK:
+        checkers = list(_READ)
+        _READ.clear()
+    out: list[PartRead] = []
+    for c in checkers:
+        with c._lock:
+            for start, m in c._members.items():
+                if m.parts:
+                    parts = [(at, n, crc) for at, by_len in m.parts.items() for n, crc in by_len.items()]
+                    out.append((c.path, c.display, start, m.length, m.crc, m.what, parts))
+    return out
+
+
+def finish_partial(extra: list[PartRead] | tuple[PartRead, ...] = ()) -> int:
+    """Judge every zip member read only in part (by this process, and ``extra``: by its workers,
+    whose parts join this process's): the bytes no one read (padding, an unused tail: usually a
+    few) are read now, and the member's CRC-32 must be the stored one, else CorruptFileError. A
+    flipped bit in a tensor that shares its member with unread bytes was never judged, and was
+    sealed into the output. Returns the bytes read here."""
+    merged: dict[tuple[str, int], tuple[_Member, str]] = {}
+    done: set[tuple[str, int]] = set()
+    for path, display, start, length, crc, what, parts in [*drain_partial(), *extra]:
+        key = (path, start)
+        if key in done:
+            continue
+        member, _ = merged.setdefault(key, (_Member(length, crc, what), display))
+        for at, n, c in parts:
+            whole = member.add(at, n, c)
+            if whole is not None:
+                done.add(key)
+                if whole != member.crc:
+                    raise crc_mismatch(what, display, start, length, crc, whole)
+                break
+    read = 0
+    for (path, start), (member, display) in merged.items():
+        if (path, start) in done:
+            continue
+        with open(path, "rb") as fh:
+            whole = None
+            for at, n in _uncovered(member):
+                fh.seek(start + at)
+                data = fh.read(n)
+                read += len(data)
+                if len(data) != n:
+                    raise CorruptFileError(f"{display}: short read at {start + at:,}", path=display)
+                whole = member.add(at, n, _crc.crc32(data))
+            if whole is None:  # parts read twice at other boundaries: the member whole, once
+                fh.seek(start)
+                data = fh.read(member.length)
+                read += len(data)
+                whole = _crc.crc32(data)
+        if whole != member.crc:
+            raise crc_mismatch(member.what, display, start, member.length, member.crc, whole)
+    return read
+
+
+def _uncovered(member: _Member) -> list[tuple[int, int]]:
+    """The (offset, length) spans of a member no part read covers."""
+    spans = sorted((at, at + n) for at, by_len in member.parts.items() for n in by_len)
+    out, pos = [], 0
+    for lo, hi in spans:
+        if lo > pos:
+            out.append((pos, lo - pos))
+        pos = max(pos, hi)
+    if pos < member.length:
+        out.append((pos, member.length - pos))
+    return out
+
+
 def crc_mismatch(
     what: str, display: str, start: int, length: int, stored: int, found: int, *, path: str | None = None
 ) -> CorruptFileError:
@@ -332,11 +419,17 @@ def checking_crcs() -> Iterator[None]:
     as a finding); ``diff`` does not."""
     with _CHECKING_LOCK:
         _CHECKING[0] += 1
+        if _CHECKING[0] == 1:
+            with _READ_LOCK:
+                _READ.clear()
     try:
         yield
     finally:
         with _CHECKING_LOCK:
             _CHECKING[0] -= 1
+            if not _CHECKING[0]:
+                with _READ_LOCK:
+                    _READ.clear()
 
 
 def checking() -> bool:

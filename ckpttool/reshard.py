@@ -34,7 +34,16 @@ from ckpttool.convert import MAX_RANKS, parse_size
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.export import refuse_findings
 from ckpttool.hashing import Written, collecting_written
-from ckpttool.io import check_crcs_from_now, checking_crcs, fsync_tree, publish_dir, refuse_overlap, staged_dir
+from ckpttool.io import (
+    check_crcs_from_now,
+    checking_crcs,
+    drain_partial,
+    finish_partial,
+    fsync_tree,
+    publish_dir,
+    refuse_overlap,
+    staged_dir,
+)
 from ckpttool.manifest import Manifest
 
 OVERHEAD = 300 * 10**6
@@ -192,7 +201,8 @@ def _run_task(key: tuple[int, ...], out: str) -> Any:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with collecting_written() as known, _ADAPTER.reader(_MANIFEST) as reader:  # (writers need not keep the manifest)
         result = _WRITER.write(*key, Path(out), reader, None)
-    return result, Path(out).stat().st_size, known
+    # the zip members this task read in part: the parent judges them with the others' parts
+    return result, Path(out).stat().st_size, known, drain_partial()
 
 
 def _build_legacy(root: str, manifest: Manifest, target: Any, rules: dict[str, Any]) -> Any:
@@ -275,6 +285,8 @@ class _FileExec:
         self.planned = self.writer.files()
         self.known: dict[str, Written] = {}
         """what the writers hashed of the files they wrote, for the seal (by absolute path)"""
+        self.partial: list[Any] = []
+        """the zip members worker processes read in part (:func:`ckpttool.io.finish_partial`)"""
         self.device = "cpu"
         """where the tensors are assembled (:func:`ckpttool.device.resolve`)"""
 
@@ -340,9 +352,10 @@ class _FileExec:
             futures = [pool.submit(_run_task, f.key, str(tmp / f.path)) for f in chosen]
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # (a signal that waited is raised here)
             for i, fut in zip(indices, futures, strict=True):
-                result, size, known = fut.result()
+                result, size, known, partial = fut.result()
                 results[i] = result
                 self.known.update(known)
+                self.partial += partial
                 if progress is not None:
                     progress(size)
         except BaseException:
@@ -802,7 +815,7 @@ def _rank_zero(
             for _, res in every:
                 merged.update(res)
             executor.writer.finish(tmp, [merged[i] for i in range(len(the_plan.files))])
-            tensors = _seal_and_publish(tmp, out, the_plan.workers, seal_output, executor.known)
+            tensors = _seal_and_publish(tmp, out, the_plan.workers, seal_output, executor.known, executor.partial)
     except BaseException as exc:
         failure = failure or _describe(exc, 0)
         raise
@@ -813,11 +826,17 @@ def _rank_zero(
 
 
 def _seal_and_publish(
-    tmp: Path, out: Path, workers: int, seal_output: bool, known: dict[str, Written] | None = None
+    tmp: Path,
+    out: Path,
+    workers: int,
+    seal_output: bool,
+    known: dict[str, Written] | None = None,
+    partial: list[Any] | None = None,
 ) -> int | None:
     """Seal the written directory (unless told not to), flush it and rename it into place; returns
     how many tensors the output holds (None when not sealed: nobody described it). ``known``: what
     the writers hashed as they wrote (those files are not read back)."""
+    finish_partial(partial or ())  # a source member read in part is judged whole before anything is published
     tensors = None
     if seal_output:
         from ckpttool.seal import seal
@@ -846,7 +865,10 @@ def _write_share(
             "rank": rank,
         }, {}
     try:
-        return None, executor.write_files(tmp, indices, workers, progress)
+        results = executor.write_files(tmp, indices, workers, progress)
+        finish_partial(executor.partial)  # (each rank judges the members it read in part)
+        executor.partial.clear()
+        return None, results
     except Exception as exc:
         return _describe(exc, rank), {}
 
@@ -898,7 +920,7 @@ def reshard(
         return _reshard_ranks(executor, the_plan, out, ranks, seal_output=seal_output, progress=progress)
     with staged_dir(out) as tmp:
         executor.run(tmp, the_plan.workers, progress)
-        tensors = _seal_and_publish(tmp, out, the_plan.workers, seal_output, executor.known)
+        tensors = _seal_and_publish(tmp, out, the_plan.workers, seal_output, executor.known, executor.partial)
     return ReshardResult(plan=the_plan, output=str(out), written=True, sealed=seal_output, tensors=tensors)
 
 

@@ -168,6 +168,97 @@ def test_crcs_are_checked_in_parts_in_any_order(tmp_path):
     read(bytes(data), crc_of=lambda name: 0)
 
 
+def _member_span(path: Path, member: str) -> tuple[int, int]:
+    """(file offset, length) of the stored zip member whose name ends with ``/member``."""
+    import struct
+    import zipfile
+
+    info = next(i for i in zipfile.ZipFile(path).infolist() if i.filename.endswith("/" + member))
+    with open(path, "rb") as fh:
+        fh.seek(info.header_offset + 26)
+        n, m = struct.unpack("<HH", fh.read(4))
+    return info.header_offset + 30 + n + m, info.file_size
+
+
+def _torch_with_an_unused_tail(root: Path) -> Path:
+    import torch
+
+    flat = torch.arange(1000, dtype=torch.float32)
+    torch.save({"a": flat[:400].view(20, 20), "b": flat[400:900]}, root / "t.pt")
+    return root / "t.pt"
+
+
+@pytest.mark.parametrize(
+    ("rel", "file", "member", "at", "command"),
+    [  # a member some of whose bytes no tensor uses: bucket padding, alignment padding, an unused tail
+        ("megatron/legacy_tp2pp2_distopt", "iter_0000003/mp_rank_00_000/distrib_optim.pt", "data/0", 0.0,
+         ["reshard", "--tp", "1", "--pp", "1"]),
+        ("megatron/legacy_tp2pp2_distopt", "iter_0000003/mp_rank_00_000/distrib_optim.pt", "data/0", 0.0,
+         ["reshard", "--tp", "1", "--pp", "1", "--workers", "2"]),
+        ("megatron/legacy_tp2pp2_distopt", "iter_0000003/mp_rank_00_000/distrib_optim.pt", "data/0", 0.0,
+         ["convert", "--to", "safetensors"]),
+        ("deepspeed/zero1", "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt", "data/4", 0.5,
+         ["reshard", "--dp", "1"]),
+        ("deepspeed/zero2", "global_step3/mp_rank_00_model_states.pt", "data/0", 0.5, ["reshard", "--dp", "3"]),
+        (None, "t.pt", "data/0", 0.1, ["convert", "--to", "safetensors"]),
+        (None, "t.pt", "data/0", 0.1, ["convert", "--to", "torch"]),
+        (None, "t.pt", "data/0", 0.1, ["export"]),
+    ],
+    ids=["distopt", "distopt-workers", "distopt-safetensors", "zero1-padding", "zero2-model", "tail-safetensors",
+         "tail-torch", "tail-export"],
+)  # fmt: skip
+def test_a_flipped_bit_in_a_member_read_in_part_is_not_carried(rel, file, member, at, command, tmp_path):
+    """The CRC-32 of a member was judged only once the parts read tiled it: where some of its
+    bytes are no tensor's (a distributed optimizer's bucket padding, a ZeRO partition's alignment
+    padding, a storage's unused tail), a flipped bit in a tensor it holds went into the output,
+    sealed, exit 0 (verify of the source did find it). The bytes no one read are read before
+    publishing, and the member is judged whole: exit 3, nothing written."""
+    root = tmp_path / "src"
+    root.mkdir()
+    if rel is None:
+        src = _torch_with_an_unused_tail(root)
+    else:
+        src = root / "ck"
+        shutil.copytree(FIXTURES / rel, src)
+    path = src / file if src.is_dir() else src
+    start, length = _member_span(path, member)
+    _flip(path, start + int(length * at))
+    before = _digests(root)
+    out = tmp_path / ("out.safetensors" if command == ["export"] else "out")
+    run = _run([command[0], str(src), "-o", str(out), *command[1:]], tmp_path)
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert "CRC-32" in run.stderr and member.replace("/", "/") in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    assert _digests(root) == before
+
+
+def test_a_member_read_in_part_is_judged_whole_before_publishing(tmp_path):
+    """finish_partial reads what no part covered, and judges the member: a flip in the part read
+    or in the part never read is found; an intact member passes, and its unread bytes are all that
+    is read."""
+    from ckpttool import io as ckio
+
+    original = os.urandom(20_000)
+    path = tmp_path / "f"
+
+    def half(data: bytes) -> int:
+        path.write_bytes(data)
+        with ckio.checking_crcs(), RandomAccessFile(path) as f:
+            assert f.crcs is not None
+            f.crcs.expect(1000, 10_000, zlib.crc32(original[1000:11_000]), "m")
+            f.read(1000, 3000)
+            f.read(7000, 2000)  # (two parts; 5000 bytes of the member unread)
+            return ckio.finish_partial()
+
+    assert half(original) == 5000
+    for flip in (2000, 5000, 10_500):  # in a part read, in a gap, in the tail
+        data = bytearray(original)
+        data[flip] ^= 1
+        with pytest.raises(CorruptFileError, match="^m: ") as caught:
+            half(bytes(data))
+        assert caught.value.rule == "checksum-mismatch"
+
+
 def test_crc_combination_without_isal():
     """The fallback combination (no ISA-L) gives zlib's CRC of the concatenation."""
     rng = random.Random(5)

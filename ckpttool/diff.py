@@ -13,7 +13,7 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -86,6 +86,10 @@ class DiffReport:
     notes: list[str] = field(default_factory=list)
     """the same state kept differently on the two sides, compared and found equal (the optimizer's
     step kept per param group on one side, per parameter on the other)"""
+    copies: list[dict[str, Any]] = field(default_factory=list)
+    """copies of a replicated tensor (a TP-replicated norm on another rank, a DP copy) whose values
+    differ from the other side's, where the first copies compare equal: each rank loads its own
+    copy, so this is a difference (``name``, ``side`` holding the copy, its ``file`` and ``rank``)"""
     identical: int = 0
     compared: int = 0
 
@@ -96,6 +100,7 @@ class DiffReport:
             or self.removed
             or self.changed_meta
             or self.objects
+            or self.copies
             or any(not v.within_tolerance for v in self.values)
         )
 
@@ -129,6 +134,7 @@ class DiffReport:
             "not_compared_rng": self.opaque,
             "not_read": self.unread,
             "notes": self.notes,
+            "copies": self.copies,
             "first_divergence": first.name if first else None,
             "largest_divergence": largest.name if largest else None,
         }
@@ -292,6 +298,8 @@ def diff(
                 report.identical += 1
             else:
                 report.values.append(d)
+            if d.within_tolerance:  # (the first copies agree: the others must too)
+                report.copies += _copies_that_differ(key, ra, ia, rb, ib, atol, rtol)
             if progress is not None:
                 progress(ia.nbytes)
     return report
@@ -514,13 +522,40 @@ def _opaque_rng(manifest: Manifest) -> bool:
     return bool(rng) and not any(i.is_tensor for i in rng)
 
 
+def _copies_that_differ(
+    name: str, ra: PieceReader, ia: Item, rb: PieceReader, ib: Item, atol: float, rtol: float
+) -> list[dict[str, Any]]:
+    """The copies (replica > 0) on either side whose values differ from the other side's for
+    their region: a TP rank's norm or a DP rank's copy changed, which diff read past (it compared
+    the first copies only, "equal")."""
+    out: list[dict[str, Any]] = []
+    for side, r_mine, mine, r_other, other in (("A", ra, ia, rb, ib), ("B", rb, ib, ra, ia)):
+        assert mine.dtype is not None and other.dtype is not None
+        for p in mine.pieces:
+            if not p.replica:
+                continue
+            only = [replace(p, replica=0)]
+            alone = Item(name=mine.name, kind=mine.kind, dtype=mine.dtype, shape=mine.shape, pieces=only)
+            acc = _Accumulator(atol, rtol)
+            try:
+                for box in regions(p):
+                    va = assemble(r_mine, alone, box=box).reshape(-1)
+                    vb = assemble(r_other, other, box=box).reshape(-1)
+                    acc.add(va, vb, mine.dtype, other.dtype, box)
+            except CkptError:
+                continue
+            if not acc.ok or (acc.n and acc.atol == 0 and acc.rtol == 0):
+                out.append({"name": name, "side": side, "file": p.file, "rank": p.rank})
+    return out
+
+
 def _same_pieces(ra: PieceReader, ia: Item, rb: PieceReader, ib: Item) -> bool:
-    """Equal by digest, piece for piece, when both sides cut the tensor the same way."""
-    pa = [p for p in ia.pieces if p.replica == 0]
-    pb = [p for p in ib.pieces if p.replica == 0]
+    """Equal by digest, piece for piece, when both sides cut the tensor the same way (every copy of
+    it too: a rank's copy differing is a difference)."""
+    pa, pb = ia.pieces, ib.pieces
 
     def key(p: Any) -> tuple[Any, ...]:
-        return (p.box.offsets, p.box.sizes, p.flat or (-1, -1))
+        return (p.box.offsets, p.box.sizes, p.flat or (-1, -1), p.replica)
 
     if sorted(map(key, pa)) != sorted(map(key, pb)):
         return False

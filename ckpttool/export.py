@@ -22,6 +22,7 @@ from ckpttool.assemble import assemble, check_coverage
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CorruptFileError, IncompleteCheckpointError, UsageError
 from ckpttool.formats.base import PieceReader
+from ckpttool.formats.torchsave import refuse_a_part
 from ckpttool.io import atomic_output, check_output, checking_crcs, finish_partial, refuse_overlap
 from ckpttool.manifest import KINDS, Item, Manifest
 
@@ -174,6 +175,7 @@ def export(
             "use ckpttool convert --to torch",
         )
     adapter, manifest = registry.describe(path)
+    refuse_a_part(manifest, path)
     refuse_findings(manifest)
     result = ExportResult(output=str(out_path))
     pairs, result.skipped = safetensors_selection(manifest, kind=kind, pattern=pattern)

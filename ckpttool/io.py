@@ -966,6 +966,23 @@ def check_output(
             f"{flag} {output}: expected the name of a new {what}, found a reference to an existing directory",
             hint=f"give the path of the {what} to write, such as {example}",
         )
+    if out.is_symlink() and not out.exists() and not force:  # (exists() follows it: it said "no")
+        raise UsageError(
+            f"{flag} {output} is a symbolic link to {os.readlink(out)}, which does not exist: publishing the "
+            f"{what} would replace the link",
+            hint="pass --force to replace the link, or choose another path",
+        )
+    if out.exists() and not (out.is_dir() or out.is_file()):
+        mode = os.stat(out).st_mode
+        kind = next(
+            (k for test, k in ((stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                               (stat.S_ISFIFO, "named pipe"), (stat.S_ISSOCK, "socket")) if test(mode)),
+            "special file",
+        )  # fmt: skip
+        raise UsageError(
+            f"{flag} {output} is a {kind}: ckpttool replaces only files and directories, with --force or not",
+            hint=f"give the path of the {what} to write, such as {example}",
+        )
     if out.is_dir():
         if not directory:
             raise UsageError(
@@ -996,6 +1013,26 @@ def check_output(
         raise UsageError(
             f"{flag} {output}: cannot create entries in {ancestor} (permission denied or read-only)",
             hint="write the output to a directory you can write to",
+        )
+    try:
+        name_max = os.pathconf(ancestor, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    below = out.absolute().relative_to(ancestor).parts
+    for part in below[:-1]:
+        if len(os.fsencode(part)) > name_max:
+            raise UsageError(
+                f"{flag} {output}: the folder name {part[:40]}… is {len(os.fsencode(part))} bytes, more than the "
+                f"{name_max} this file system allows",
+                hint="choose a shorter path",
+            )
+    longest = len(os.fsencode(_temp_name(out)))  # (written first under its temporary name, beside it)
+    if longest > name_max:
+        room = name_max - (longest - len(os.fsencode(out.name)))
+        raise UsageError(
+            f"{flag} {output}: a name of {len(os.fsencode(out.name))} bytes, too long for this file system once "
+            f"ckpttool writes it first under a temporary name beside it ({longest} bytes; at most {name_max})",
+            hint=f"choose a name of at most {max(room, 1)} bytes",
         )
 
 

@@ -33,6 +33,7 @@ from ckpttool import device, registry
 from ckpttool.convert import MAX_RANKS, parse_size
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.export import refuse_findings
+from ckpttool.formats.torchsave import refuse_a_part
 from ckpttool.hashing import Written, collecting_written
 from ckpttool.io import (
     check_crcs_from_now,
@@ -418,6 +419,7 @@ def plan(
     checkpoint cannot take, or a device this machine lacks, before anything is written."""
     on = device.resolve(on)
     adapter, manifest = registry.describe(src)
+    refuse_a_part(manifest, src)
     refuse_findings(manifest)
     fmt = target.to or _default_format(manifest.format)
     if target.distributed_optimizer is not None and fmt not in ("megatron", "megatron-dist"):

@@ -118,10 +118,36 @@ class TorchSaveAdapter:
         finally:
             archive.close()
         manifest.step = find_step(manifest.items)
+        whole = _enclosing_checkpoint(path)
+        if whole is not None and whole[0] in _NOT_ALONE:
+            # a rank file that reads as plain torch.save (no framework class in its pickle): alone it
+            # is a part (DeepSpeed's model states without its optimizer, a distrib_optim.pt's flat
+            # buffers); the commands that write a checkpoint from it refuse it (refuse_a_part)
+            manifest.extras["part_of"] = {"format": whole[0], "folder": str(whole[1])}
         return manifest
 
     def reader(self, manifest: Manifest) -> _pt.PtReader:
         return _pt.PtReader(manifest, ALLOWLIST)
+
+
+_NOT_ALONE = ("deepspeed", "megatron")
+"""formats whose rank files are parts of one checkpoint, never one by themselves"""
+
+
+def refuse_a_part(manifest: Manifest, given: str | Path) -> None:
+    """Refuse to write a checkpoint from one rank file of a DeepSpeed or Megatron checkpoint read as
+    a plain torch.save file: the output held its tensors as they lie in that file and nothing of
+    the rest (a ZeRO run's model states became a checkpoint with no optimizer state, sealed; a
+    ``distrib_optim.pt`` became flat buffers named by their dtypes)."""
+    part = manifest.extras.get("part_of")
+    if part:
+        raise FormatNotRecognizedError(
+            str(given),
+            {
+                "torch": f"one file of the {part['format']} checkpoint {part['folder']}: give that (alone, this "
+                "file holds a part of the state, which a checkpoint written from it would pass off as the whole)"
+            },
+        )
 
 
 def _enclosing_checkpoint(path: Path) -> tuple[str, Path] | None:

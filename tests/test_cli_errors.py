@@ -405,3 +405,26 @@ def test_hostile_names_reach_no_terminal_raw_in_ls_inspect_or_diff(tmp_path):
             assert "w\\x1b[2J" in r.stdout, (argv, r.stdout)
     listed = json.loads(run_cli("ls", a, "--json").stdout)
     assert hostile in {i["name"] for i in listed["items"]}
+
+
+def test_outputs_that_are_links_devices_or_too_long_are_refused_before_work(tmp_path):
+    """-o naming a dangling symbolic link replaced it without --force; a FIFO (or, as root, a device
+    node such as /dev/null) was replaced with --force; a name the file system takes but not its
+    temporary sibling's longer one failed after the work, exit 3. All are refused first, exit 2."""
+    src = FIXTURES / "dcp" / "fsdp2"
+    link = tmp_path / "dangling"
+    link.symlink_to(tmp_path / "nowhere")
+    r = run_cli("convert", src, "-o", link, "--to", "dcp")
+    assert r.code == 2 and "is a symbolic link to" in r.stderr and "which does not exist" in r.stderr, r.stderr
+    assert link.is_symlink() and not link.exists()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for extra in ((), ("--force",)):
+        r = run_cli("reshard", src, "-o", fifo, "--dp", "2", *extra)
+        assert r.code == 2 and "is a named pipe" in r.stderr, r.stderr
+    r = run_cli("export", src, "-o", fifo, "--force")
+    assert r.code == 2 and "is a named pipe" in r.stderr, r.stderr
+    long = tmp_path / ("a" * 240)
+    r = run_cli("convert", src, "-o", long, "--to", "dcp")
+    assert r.code == 2 and "too long for this file system" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "fifo"]

@@ -242,3 +242,24 @@ def test_kinds_survive_the_conversion(to, tmp_path):
     r = run_cli("export", out, "-o", tmp_path / "p.safetensors", "--kind", "param")
     assert r.code == 0 and "head_bias" in load_file(tmp_path / "p.safetensors")
     assert not [n for n in load_file(tmp_path / "p.safetensors") if n.endswith(("exp_avg", "exp_avg_sq", "fp32"))]
+
+
+@pytest.mark.parametrize(
+    ("rel", "command"),
+    [
+        ("deepspeed/zero2/global_step3/mp_rank_00_model_states.pt", ["reshard", "--dp", "1"]),
+        ("deepspeed/zero2/global_step3/mp_rank_00_model_states.pt", ["export"]),
+        ("megatron/legacy_tp2pp2_distopt/iter_0000003/mp_rank_00_000/distrib_optim.pt", ["convert", "--to", "safetensors"]),
+    ],
+    ids=["ds-model-states-reshard", "ds-model-states-export", "distrib-optim-convert"],
+)
+def test_one_rank_file_of_a_checkpoint_is_refused_as_a_source(rel, command, tmp_path):
+    """A DeepSpeed model-states file or a Megatron distrib_optim.pt reads as a plain torch.save
+    file (no framework class in its pickle): reshard wrote it as a DCP checkpoint with no
+    optimizer state, sealed, exit 0. Writing from it is refused, naming the checkpoint to give;
+    inspect still reads it."""
+    out = tmp_path / ("o.safetensors" if command == ["export"] else "o")
+    r = run_cli(command[0], FIXTURES / rel, "-o", out, *command[1:])
+    assert r.code == 3 and "one file of the" in r.stderr and "give that" in r.stderr, r.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    assert run_cli("inspect", FIXTURES / rel).code == 0

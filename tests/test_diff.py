@@ -291,3 +291,32 @@ def test_a_universal_checkpoint_keeps_its_param_groups_and_diff_sees_them(tmp_pa
     _, m = reg.describe(u)
     assert "optimizer.param_groups.1.lr" in m.items
     assert not diff(FIXTURES / "deepspeed" / "zero2", u).different
+
+
+def _flip_byte(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_a_changed_copy_of_a_replicated_tensor_is_a_difference(tmp_path):
+    """diff read only the first copy of a replicated tensor: a DDP rank's copy, or a TP rank's
+    norm, changed in B said "equal" (each rank loads its own copy). Every copy is compared now;
+    a checkpoint against itself stays equal."""
+    ddp = FIXTURES / "rankshards" / "ddp"
+    b = tmp_path / "ddp"
+    shutil.copytree(ddp, b)
+    _, m = registry.describe(b)
+    item = m.items["model.body.0.weight"]
+    copy = next(p for p in item.pieces if p.replica)
+    adapter, _ = registry.describe(b)
+    with adapter.reader(m) as reader:
+        off, n = reader.raw_span(copy, item)
+    _flip_byte(b / copy.file, off + n // 2)
+    report = diff(ddp, b)
+    assert report.different and report.identical == report.compared, report.to_json()
+    assert report.copies == [{"name": "body.0.weight", "side": "B", "file": copy.file, "rank": copy.rank}]
+    assert [c["side"] for c in diff(b, ddp).copies] == ["A"]
+    r = run_cli("diff", ddp, b)
+    assert r.code == 1 and f"B's copy in {copy.file}" in r.stdout, r.stdout
+    assert not diff(b, b).different

@@ -125,6 +125,11 @@ def diff_report(out: Output, report: DiffReport) -> None:
         )
     for o in report.objects:
         out.line(f"value: {escape(o['name'])}: {escape(repr(o['a']))} -> {escape(repr(o['b']))}")
+    for c in report.copies:
+        out.line(
+            f"copy: {escape(c['name'])}: {c['side']}'s copy in {escape(c['file'])} (rank {c['rank']}) differs from "
+            f"{'B' if c['side'] == 'A' else 'A'}'s values"
+        )
     for u in report.unread:
         sides = "; ".join(f"{side.upper()}: {u[side]}" for side in ("a", "b") if u[side])
         out.line(f"[yellow]not read[/yellow]: {escape(u['name'])} ({escape(sides)})")

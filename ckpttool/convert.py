@@ -226,6 +226,13 @@ def _torch(
     refuse_unreadable((i for _, i in chosen), hint=_UNREADABLE)
     keep = [(name, i) for name, i in chosen if i.name not in dropped]
     paths = nesting(manifest) if all(name == i.name for name, i in keep) else None
+    if paths:  # a --filter that kept some entries of a list: those keys flat (a list with holes is no
+        # state dict torch saves; a path not the key's own, as a hostile map has, is left to _place)
+        from ckpttool.formats.dcp import is_own_path
+        from ckpttool.formats.dcp_write import with_holes
+
+        for name in with_holes({n: paths[n] for n, _ in keep if n in paths and is_own_path(n, paths[n])}):
+            paths[name] = (name,)
     with staged_dir(out) as tmp, adapter.reader(manifest) as reader:
         tree: dict[Any, Any] = {}
         budget = [len(keep)]  # list slots the nesting may open in all: one per entry

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -277,7 +278,9 @@ def diff(
             if not ia.is_tensor or not ib.is_tensor:
                 if ia.error or ib.error:  # (its value reads as None: not one to compare)
                     report.unread.append({"name": key, "a": ia.error, "b": ib.error})
-                elif not ia.is_tensor and not ib.is_tensor and ia.value != ib.value and ia.summary is None:
+                elif ia.is_tensor or ib.is_tensor or ia.summary is not None:
+                    pass
+                elif not _same_value(ia.value, ib.value):
                     report.objects.append({"name": key, "a": ia.value, "b": ib.value})
                 continue
             report.compared += 1
@@ -303,6 +306,22 @@ def diff(
             if progress is not None:
                 progress(ia.nbytes)
     return report
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Two non-tensor values the same, as strictly as tensors are compared: a bool is not the int
+    it equals (``True`` against ``1``), nor an int the float (``1`` against ``1.0``), and floats
+    are the same only bit for bit (``0.0`` against ``-0.0`` differ; a NaN is the same NaN). A
+    tuple and a list of the same values are the same (formats keep sequences either way)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, bool | int | float) or isinstance(b, bool | int | float):
+        return type(a) is type(b) and a == b
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    return bool(a == b)
 
 
 _STATE_KINDS = ("dataloader", "scheduler", "counter", "rng")

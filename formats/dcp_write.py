@@ -120,8 +120,9 @@ def planner_paths(items: list[Item]) -> tuple[dict[str, NestedPath], dict[str, s
 
     Never a tree torch cannot build: ``dcp_to_torch_save`` puts each key in turn at its path
     (``set_element``), so keys whose paths would make one entry both a value and a container, or a
-    list and a dict at once, or open more list entries than there are keys (at least 65,536: a
-    subset of a larger source's keys may keep its list indices), are all written flat; so is a
+    list and a dict at once, or open more list entries than there are keys (at least 65,536), or
+    leave a list with entries no key fills (a subset of a source's keys: torch pads the list with
+    None, and its load then fails on the missing key), are all written flat; so is a
     recorded path that is not the key's own (``".".join(path)``, as ``flatten_state_dict`` names
     keys: an item renamed since) or not a path at all. Returns the map and, for each key written
     flat despite a recorded path, why."""
@@ -153,7 +154,28 @@ def planner_paths(items: list[Item]) -> tuple[dict[str, NestedPath], dict[str, s
             flat[name] = f"its path {str(paths[name])[:80]} clashes with another key's"
             paths[name] = (name,)
             nested.discard(name)
+    for name, lacking in with_holes({n: paths[n] for n in nested}).items():
+        flat[name] = f"its list {lacking} lacks entries (a --filter kept some): torch's loader needs every one"
+        paths[name] = (name,)
     return paths, flat
+
+
+def with_holes(paths: dict[str, NestedPath]) -> dict[str, str]:
+    """The keys under a list some of whose entries no key fills (``layers.0`` and ``layers.2``
+    kept, ``layers.1`` not): ``dcp_to_torch_save`` cannot load such a tree ("Missing key"), nor
+    does ckpttool read it back. Each with the list's path."""
+    used: dict[NestedPath, set[int]] = {}
+    for path in paths.values():
+        for i, step in enumerate(path):
+            if type(step) is int:
+                used.setdefault(path[:i], set()).add(step)
+    holed = {prefix for prefix, ix in used.items() if len(ix) != max(ix) + 1}
+    out: dict[str, str] = {}
+    for name, path in paths.items():
+        hit = next((prefix for prefix in holed if path[: len(prefix)] == prefix and len(path) > len(prefix)), None)
+        if hit is not None:
+            out[name] = ".".join(map(str, hit)) or "(the root)"
+    return out
 
 
 def _clashes(paths: dict[str, NestedPath], limit: int) -> set[str]:

@@ -171,11 +171,12 @@ def _torch_builds(paths: dict[str, tuple[Any, ...]]) -> None:
         ({"decoder.w": ("model", "w"), "model.v": ("model", "v")}, {"decoder.w"}),
         # list indices past what a checkpoint of these keys may ask for; a path that is not a path
         ({"l.65536": ("l", 65536), "m": ("m",)}, {"l.65536"}),
-        ({**{f"l{k}.40000": (f"l{k}", 40000) for k in range(2)}, "m": ("m",)}, {"l1.40000"}),
+        ({**{f"l{k}.40000": (f"l{k}", 40000) for k in range(2)}, "m": ("m",)}, {"l0.40000", "l1.40000"}),
         ({"k": (0,), "j": ("j",)}, {"k"}),
-        # nothing to resolve: lists padded as torch pads them (a subset of a source's keys)
+        # a list with holes (a subset of a source's keys): torch's set_element pads it with None,
+        # and its load then fails ("Missing key in checkpoint state_dict: g.0"): written flat
         ({"g.1.lr": ("g", 1, "lr"), "g.0.lr": ("g", 0, "lr"), "step": None}, set()),
-        ({"g.3.lr": ("g", 3, "lr")}, set()),
+        ({"g.3.lr": ("g", 3, "lr")}, {"g.3.lr"}),
     ],
 )
 def test_paths_torch_cannot_build_are_written_flat(recorded, flat):
@@ -272,3 +273,31 @@ def test_nesting_is_not_serialised():
     assert "nesting" not in data["items"]["model.pos"]
     assert "nesting" not in json_schema()["$defs"]["Item"]["properties"]
     assert Manifest.from_json_dict(data) == m  # nesting is left out of comparisons too
+
+
+def test_a_filter_that_keeps_some_entries_of_a_list_writes_them_flat(tmp_path):
+    """convert --filter keeping layers.0 and layers.2 of a list of four wrote them at their list
+    indices: a DCP checkpoint torch's dcp_to_torch_save could not load ("Missing key layers.1") and
+    ckpttool called damaged or hostile; --to torch was refused the same way. Such keys are written
+    flat; a list kept whole stays nested."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    src = tmp_path / "src"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"layers": [torch.ones(2) * i for i in range(4)], "keep": [torch.zeros(1), torch.ones(1)]},
+                 checkpoint_id=src, no_dist=True)  # fmt: skip
+    flt = tmp_path / "f"
+    assert run_cli("convert", src, "-o", flt, "--to", "dcp", "-f", r"layers\.[02]|keep").code == 0
+    dcp_to_torch_save(flt, tmp_path / "x.pt")
+    loaded = torch.load(tmp_path / "x.pt")
+    assert sorted(loaded) == ["keep", "layers.0", "layers.2"] and len(loaded["keep"]) == 2, loaded
+    for source in (flt, src):
+        out = tmp_path / f"t-{source.name}"
+        r = run_cli("convert", source, "-o", out, "--to", "torch", "-f", r"layers\.[02]|keep")
+        assert r.code == 0, r.stderr
+        assert sorted(torch.load(out / "model.pt")) == ["keep", "layers.0", "layers.2"]

@@ -320,3 +320,17 @@ def test_a_changed_copy_of_a_replicated_tensor_is_a_difference(tmp_path):
     r = run_cli("diff", ddp, b)
     assert r.code == 1 and f"B's copy in {copy.file}" in r.stdout, r.stdout
     assert not diff(b, b).different
+
+
+def test_non_tensor_values_compare_strictly(tmp_path):
+    """Objects compared with Python's ==: True against 1, 1.0 against 1 and 0.0 against -0.0 said
+    "equal". A NaN is the same NaN, and a tuple the list of the same values."""
+    import torch
+
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    nan = float("nan")
+    torch.save({"w": torch.ones(2), "a": True, "b": 1.0, "c": 0.0, "d": nan, "e": (1, 2), "f": {"x": 2}}, a)
+    torch.save({"w": torch.ones(2), "a": 1, "b": 1, "c": -0.0, "d": nan, "e": [1, 2], "f": {"x": 2}}, b)
+    report = diff(a, b)
+    assert [o["name"] for o in report.objects] == ["a", "b", "c"], report.objects
+    assert not diff(a, a).different

@@ -652,21 +652,9 @@ class _Accumulator:
             if dtype_a in _INTEGERS and dtype_b in _INTEGERS and (gap := _int_gap(a, b)) is not None:
                 self._add_integers(gap, fb)
                 continue
-            if fb.dtype.kind == "c" or a.dtype.kind == "c":
-                self._add_complex(_floats(a, dtype_a).astype(np.complex128), _floats(b, dtype_b).astype(np.complex128))
-                continue
-            fa = _floats(a, dtype_a).astype(np.float64)
-            with np.errstate(invalid="ignore", over="ignore"):
-                delta = np.abs(fa - fb)
-                nan_a, nan_b = np.isnan(fa), np.isnan(fb)
-                both_nan = nan_a & nan_b
-                # NaN on one side only: as far apart as values get (nanmax would skip it: max abs 0)
-                finite_delta = np.where(both_nan, 0.0, np.where(nan_a ^ nan_b, np.inf, delta))
-                self.max_abs = max(self.max_abs, float(np.nanmax(finite_delta)) if finite_delta.size else 0.0)
-                self.sq_diff += float(np.nansum(finite_delta * finite_delta))
-                self.sq_b += float(np.nansum(fb * fb))
-                close = (delta <= self.atol + self.rtol * np.abs(fb)) | (fa == fb) | both_nan
-                self.ok = self.ok and bool(np.all(close))
+            # complex values compared in the complex plane (a change of the imaginary part counts)
+            wide = np.complex128 if _floats(b, dtype_b).dtype.kind == "c" or a.dtype.kind == "c" else np.float64
+            self._add_values(_floats(a, dtype_a).astype(wide), _floats(b, dtype_b).astype(wide))
 
     def _add_integers(self, gap: np.ndarray, fb: np.ndarray) -> None:
         """Integers (steps, token counts, masks): exact differences, and within tolerance only
@@ -678,12 +666,14 @@ class _Accumulator:
         self.sq_b += float(np.dot(fb, fb))
         self.ok = self.ok and bool(np.all(wide <= self.atol))
 
-    def _add_complex(self, fa: np.ndarray, fb: np.ndarray) -> None:
-        """Complex values: distance in the complex plane (a change of the imaginary part counts)."""
+    def _add_values(self, fa: np.ndarray, fb: np.ndarray) -> None:
+        """Differing floating-point (float64) or complex (complex128) values: distances, and each
+        within ``atol + rtol * |b|``."""
         with np.errstate(invalid="ignore", over="ignore"):
             delta = np.abs(fa - fb)
             nan_a, nan_b = np.isnan(fa), np.isnan(fb)
             both_nan = nan_a & nan_b
+            # NaN on one side only: as far apart as values get (nanmax would skip it: max abs 0)
             finite_delta = np.where(both_nan, 0.0, np.where(nan_a ^ nan_b, np.inf, delta))
             self.max_abs = max(self.max_abs, float(np.nanmax(finite_delta)) if finite_delta.size else 0.0)
             self.sq_diff += float(np.nansum(finite_delta * finite_delta))

@@ -893,8 +893,10 @@ def test_a_dry_run_names_every_file_the_run_writes(source, argv, sealed, tmp_pat
     assert ("ckpttool.manifest.json" in planned) == sealed and len(set(planned)) == len(planned)
     text = cli("reshard", FIXTURES / source, "-o", out, *argv, *flags, "--dry-run").stdout
     assert f"then {len(plan['last_files'])} small files: {', '.join(plan['last_files'])}; nothing written" in text
-    assert cli("reshard", FIXTURES / source, "-o", out, *argv, *flags).code == 0
+    real = cli("reshard", FIXTURES / source, "-o", out, *argv, *flags, "--json")
+    assert real.code == 0, real.stderr
     assert sorted(planned) == sorted(rel for rel, _ in list_files(out))
+    assert json.loads(real.stdout)["last_files"] == plan["last_files"]  # (the real run's left the seal out)
 
 
 def _planned_then_written(cli, src, out, argv):

@@ -773,7 +773,7 @@ def reshard(
             out.note(note)
     if json_out:
         report = {**plan.to_json(), "output": result.output, "written": result.written, "sealed": result.sealed}
-        if dry_run and not no_seal:
+        if result.sealed or (dry_run and not no_seal):  # (the seal is written last, as the dry run says)
             report["last_files"] = [*plan.last, SEAL_NAME]
         if result.ranks:
             report["ranks"] = result.ranks

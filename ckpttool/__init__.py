@@ -11,17 +11,30 @@ from typing import Any as _Any
 def _quiet_interrupt(signum: int, frame: _Any) -> None:
     """Ctrl-C while the command line loads its modules (numpy, typer, rich: 0.1-0.3 s), before
     ``cli.main`` takes SIGINT over: said in one word with the contract's status, 130, where the
-    interpreter printed a KeyboardInterrupt traceback from inside whichever import it was in."""
-    _sys.stderr.write("interrupted\n")
-    raise SystemExit(130)
+    interpreter printed a KeyboardInterrupt traceback from inside whichever import it was in. The
+    process ends here: nothing has been written yet, and an exception raised from a handler can
+    land where Python drops it with a traceback (an import lock's weak-reference callback)."""
+    try:
+        _sys.stderr.write("interrupted\n")
+        _sys.stderr.flush()
+    finally:
+        _os._exit(130)
 
 
 def _guard_start() -> None:
     """Take SIGINT while the package loads when this process is the ``ckpttool`` command (its
     console script, or ``python -m ckpttool``, during whose module search ``argv[0]`` is ``-m``).
-    A program importing ckpttool as a library keeps its own handling."""
+    A program importing ckpttool as a library keeps its own handling, and so does a module of it
+    run as a program (``python -m ckpttool.rehearse worker``, a harness's process)."""
     argv0 = _sys.argv[0] if _sys.argv else ""
-    if argv0 != "-m" and _os.path.basename(argv0) != "ckpttool":
+    orig = list(getattr(_sys, "orig_argv", []))
+    module = (
+        argv0 == "-m"
+        and any(  # (python -m ckpttool.rehearse worker is not the command)
+            a == "-mckpttool" or (a == "-m" and b == "ckpttool") for a, b in zip(orig, [*orig[1:], ""], strict=True)
+        )
+    )
+    if not module and _os.path.basename(argv0) != "ckpttool":
         return
     if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
         _signal.signal(_signal.SIGINT, _quiet_interrupt)

@@ -135,8 +135,16 @@ def _disarm() -> None:
     SIGALRM (-14) instead of its exit status."""
     signal.setitimer(signal.ITIMER_REAL, 0)
     signal.signal(signal.SIGALRM, signal.SIG_IGN)
-    # the command has finished and its exit status is chosen: a Ctrl-C or SIGTERM from here on
-    # stays pending and dies with the process. The teardown puts their default actions back, so
-    # one arriving in its last tens of milliseconds killed a process that had published its output
-    # and said so (exit -2, "killed by SIGINT", where the command's own status was due)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    # the command has finished and its exit status is chosen: a Ctrl-C or SIGTERM from here on is
+    # ignored, in every thread (a mask would hold only this one's: OpenBLAS's threads took it). The
+    # teardown puts the default action back for a handler of Python's, not for an ignored signal,
+    # so one arriving in its last tens of milliseconds killed a process that had published its
+    # output and said so (exit -2, "killed by SIGINT", where the command's own status was due)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is _on_signal:
+            signal.signal(sig, signal.SIG_IGN)
+    # CPython marks a KeyboardInterrupt that leaves code run from a string (a dataclass's generated
+    # __init__ being made at import, when the Ctrl-C lands there) as unhandled, caught or not, and
+    # under ``python -m`` then ends the process by SIGINT after its teardown (-2, not the 130 the
+    # command chose). Every string evaluation clears that mark first: this one does
+    exec("None")

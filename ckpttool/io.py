@@ -361,20 +361,28 @@ def finish_partial(extra: list[PartRead] | tuple[PartRead, ...] = ()) -> int:
         with open(path, "rb") as fh:
             whole = None
             for at, n in _uncovered(member):
-                fh.seek(start + at)
-                data = fh.read(n)
-                read += len(data)
-                if len(data) != n:
-                    raise CorruptFileError(f"{display}: short read at {start + at:,}", path=display)
-                whole = member.add(at, n, _crc.crc32(data))
+                whole = member.add(at, n, _crc_of(fh, start + at, n, display))
+                read += n
             if whole is None:  # parts read twice at other boundaries: the member whole, once
-                fh.seek(start)
-                data = fh.read(member.length)
-                read += len(data)
-                whole = _crc.crc32(data)
+                whole = _crc_of(fh, start, member.length, display)
+                read += member.length
         if whole != member.crc:
             raise crc_mismatch(member.what, display, start, member.length, member.crc, whole)
     return read
+
+
+def _crc_of(fh: Any, offset: int, n: int, display: str) -> int:
+    """The CRC-32 of ``n`` bytes of ``fh`` at ``offset``, read 16 MiB at a time (a distributed
+    optimizer's buffer of which a --filter kept little can be gigabytes: memory stays bounded)."""
+    fh.seek(offset)
+    crc, left = 0, n
+    while left:
+        chunk = fh.read(min(left, 16 << 20))
+        if not chunk:
+            raise CorruptFileError(f"{display}: short read at {offset + n - left:,}", path=display)
+        crc = _crc.crc32(chunk, crc)
+        left -= len(chunk)
+    return crc
 
 
 def _uncovered(member: _Member) -> list[tuple[int, int]]:
@@ -1049,7 +1057,11 @@ def publish_dir(tmp: Path, dest: Path) -> None:
     """Put the finished directory ``tmp`` (from :func:`staged_dir`) in place of ``dest``: one
     rename, then the parent's entry flushed. An existing ``dest`` (``--force``) is first renamed
     aside and deleted only after the new one is in place, so a crash leaves the old output, the
-    new one, or (between the two renames) none, never a half-deleted one."""
+    new one, or (between the two renames) none, never a half-deleted one. Inside
+    :func:`checking_crcs`, the source's zip members read only in part are judged whole first
+    (:func:`finish_partial`): no writer can publish a flipped bit it read without judging it."""
+    if checking():
+        finish_partial()
     old: Path | None = None
     if dest.exists() or dest.is_symlink():
         old = dest.parent / (_temp_prefix(dest) + _owner_tag() + "old")

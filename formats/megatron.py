@@ -72,6 +72,14 @@ def _rng_labels(manifest: Manifest) -> set[tuple[str, str]]:
     return out
 
 
+def label_ranks(label: str) -> tuple[int, int, int]:
+    """(TP, PP, EP) rank of a :func:`rank_label` (EP 0 where it names none)."""
+    m = re.fullmatch(r"\[tp=(\d+),pp=(\d+)(?:,ep=(\d+))?\]", label)
+    if m is None:
+        raise ValueError(f"not a rank label: {label!r}")
+    return int(m[1]), int(m[2]), int(m[3] or 0)
+
+
 def rank_label(t: int, p: int, e: int = 0) -> str:
     """How per-rank state (RNG) is named: ``[tp=T,pp=P]``, with ``,ep=E`` for an expert-parallel
     rank other than 0 (EP rank 0's file is the one a layout without expert parallelism has: the

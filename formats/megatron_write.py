@@ -60,6 +60,7 @@ from ckpttool.formats.megatron import (
     grad_buffer_layout,
     grouped_experts,
     is_expert,
+    label_ranks,
     layout_stages,
     model_chunks,
     mtp_chunk,
@@ -1550,7 +1551,13 @@ class LegacyWriter:
         """(file, ``rng_state``) of output rank (t, p, e) where the source carries that rank's own
         from an earlier layout (``ckpttool_rng_state``): a round trip through fewer ranks gives
         every rank its RNG back."""
-        value = self.src.rng_carried.get(rank_label(t, p, e))
+        carried = self.src.rng_carried
+        value = carried.get(rank_label(t, p, e))
+        if value is None and carried and self._rng_source(t, p, e)[:2] != (t, p):
+            # the rule would give it another TP or PP rank's state: a state of its own TP and PP
+            # rank carried from another EP rank is closer (its model-parallel seeds are this rank's)
+            same = sorted((k[2], label) for label in carried if (k := label_ranks(label))[:2] == (t, p))
+            value = carried[same[0][1]] if same else None
         return None if value is None else (self.src.rels[(0, 0, 0)], value)
 
     def _rng_kept(self) -> dict[str, tuple[str, Any]]:
@@ -1729,6 +1736,12 @@ class LegacyWriter:
                         f"({_few(list(kept))}): kept in the first rank file under '{RNG_CARRIED}' (Megatron ignores "
                         "it), so that a reshard back to a layout with those ranks gives each its own"
                     )
+        if not self.rank_files and self.src.rng_carried:
+            out.append(
+                f"RNG state of {len(self.src.rng_carried)} rank(s) of another layout that the source carries "
+                f"({_few(sorted(self.src.rng_carried))}, under '{RNG_CARRIED}') is not written: torch_dist keeps "
+                "the RNG of its own ranks only"
+            )
         if self.ep != self.src.ep or own != self.src.etp:
             dp = getattr(self.args, "data_parallel_size", None)
             multiple = self._dp_multiple()

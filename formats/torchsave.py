@@ -9,6 +9,7 @@ demand. Nested names are flattened with dots, as DCP does (``optimizer.state.0.e
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +119,7 @@ class TorchSaveAdapter:
         finally:
             archive.close()
         manifest.step = find_step(manifest.items)
-        whole = _enclosing_checkpoint(path)
+        whole = _enclosing_checkpoint(path) if _RANK_FILE.search(path.name) else None
         if whole is not None and whole[0] in _NOT_ALONE:
             # a rank file that reads as plain torch.save (no framework class in its pickle): alone it
             # is a part (DeepSpeed's model states without its optimizer, a distrib_optim.pt's flat
@@ -132,6 +133,13 @@ class TorchSaveAdapter:
 
 _NOT_ALONE = ("deepspeed", "megatron")
 """formats whose rank files are parts of one checkpoint, never one by themselves"""
+
+_RANK_FILE = re.compile(
+    r"^(mp_rank_\d+_model_states|zero_pp_rank_\d+_mp_rank_\d+_(optim|model)_states|layer_\d+-model_\d+-model_states"
+    r"|bf16_zero_pp_rank_\d+_mp_rank_\d+_optim_states|model_optim_rng|distrib_optim|common)\.pt$"
+)
+"""the names of those formats' rank files (a ``pytorch_model.bin`` that zero_to_fp32 or a trainer
+wrote beside a DeepSpeed checkpoint is a checkpoint of its own)"""
 
 
 def refuse_a_part(manifest: Manifest, given: str | Path) -> None:

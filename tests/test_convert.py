@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import shutil
+
 import pytest
 from safetensors.torch import load_file
 
@@ -263,3 +265,15 @@ def test_one_rank_file_of_a_checkpoint_is_refused_as_a_source(rel, command, tmp_
     assert r.code == 3 and "one file of the" in r.stderr and "give that" in r.stderr, r.stderr
     assert not out.exists() and list(tmp_path.iterdir()) == []
     assert run_cli("inspect", FIXTURES / rel).code == 0
+
+
+def test_a_torch_file_beside_a_deepspeed_checkpoint_is_a_checkpoint_of_its_own(tmp_path):
+    """zero_to_fp32 (or a trainer) writes pytorch_model.bin into the DeepSpeed checkpoint's folder:
+    that file is no rank file, and is exported, converted and resharded as any torch.save file."""
+    ds = tmp_path / "ds"
+    shutil.copytree(FIXTURES / "deepspeed" / "zero1", ds)
+    shutil.copy(FIXTURES / "torch" / "train_state.pt", ds / "pytorch_model.bin")
+    r = run_cli("export", ds / "pytorch_model.bin", "-o", tmp_path / "out.safetensors")
+    assert r.code == 0, r.stderr
+    r = run_cli("convert", ds / "pytorch_model.bin", "-o", tmp_path / "c", "--to", "dcp")
+    assert r.code == 0, r.stderr

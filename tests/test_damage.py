@@ -202,10 +202,11 @@ def _torch_with_an_unused_tail(root: Path) -> Path:
         ("deepspeed/zero2", "global_step3/mp_rank_00_model_states.pt", "data/0", 0.5, ["reshard", "--dp", "3"]),
         (None, "t.pt", "data/0", 0.1, ["convert", "--to", "safetensors"]),
         (None, "t.pt", "data/0", 0.1, ["convert", "--to", "torch"]),
+        (None, "t.pt", "data/0", 0.1, ["convert", "--to", "dcp"]),
         (None, "t.pt", "data/0", 0.1, ["export"]),
     ],
     ids=["distopt", "distopt-workers", "distopt-safetensors", "zero1-padding", "zero2-model", "tail-safetensors",
-         "tail-torch", "tail-export"],
+         "tail-torch", "tail-dcp", "tail-export"],
 )  # fmt: skip
 def test_a_flipped_bit_in_a_member_read_in_part_is_not_carried(rel, file, member, at, command, tmp_path):
     """The CRC-32 of a member was judged only once the parts read tiled it: where some of its

@@ -124,6 +124,19 @@ def test_megatron_round_trip_is_exact(tmp_path):
     assert kept and all(n.endswith(("[tp=0,pp=1]", "[tp=1,pp=0]", "[tp=1,pp=1]")) for n in kept), kept
 
 
+def test_carried_rng_under_expert_tensor_parallelism_comes_back_as_a_direct_reshard_gives_it(tmp_path):
+    """TP2 x EP2 at ETP 1 through TP1 x EP1 and back at ETP 2: the rank the source had no file for
+    took TP rank 0's model-parallel RNG (the rule's fallback), where a direct reshard gives it the
+    state of its own TP rank, which the TP1 x EP1 checkpoint carries from EP rank 1."""
+    src = FIXTURES / "megatron" / "legacy_tp2ep2etp1"
+    direct, one, back = tmp_path / "direct", tmp_path / "one", tmp_path / "back"
+    reshard(src, direct, Target(etp=2))
+    reshard(src, one, Target(tp=1, ep=1))
+    reshard(one, back, Target(tp=2, ep=2, etp=2))
+    report = diff(direct, back)
+    assert not report.different, report.to_json()
+
+
 @pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 1), (1, 4), (2, 4)])
 def test_megatron_layouts_hold_the_same_state(tp, pp, tmp_path):
     out = tmp_path / "out"

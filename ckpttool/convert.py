@@ -38,7 +38,7 @@ from ckpttool.export import (
 )
 from ckpttool.formats.base import Adapter
 from ckpttool.formats.torchsave import refuse_a_part
-from ckpttool.io import checking_crcs, finish_partial, fsync_dir, fsync_tree, publish_dir, refuse_overlap, staged_dir
+from ckpttool.io import checking_crcs, fsync_dir, fsync_tree, publish_dir, refuse_overlap, staged_dir
 from ckpttool.manifest import Item, Manifest
 
 FRAMEWORKS = ("megatron", "megatron-dist", "deepspeed", "deepspeed-universal")
@@ -196,7 +196,6 @@ def convert(
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
             names.append("model.safetensors.index.json")
-        finish_partial()  # (a source member read in part is judged whole before publishing)
         fsync_dir(tmp)
         publish_dir(tmp, out)
     result.files, result.tensors, result.nbytes = names, len(pairs), total
@@ -249,7 +248,6 @@ def _torch(
         written = _ptwrite.save(tree, tmp / "model.pt")
         if progress is not None:
             progress(written)
-        finish_partial()  # (a source member read in part is judged whole before publishing)
         fsync_tree(tmp)
         publish_dir(tmp, out)
     return result

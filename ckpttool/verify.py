@@ -1032,7 +1032,7 @@ def _nonfinite(reader: Any, item: Item, piece: Piece) -> int:
 
 def _nonfinite_in(values: Any, item: Item) -> int:
     """How many of ``values`` (of ``item``'s dtype) are NaN or Inf."""
-    floats = _as_float(values, item.dtype or "")
+    floats = as_float(values, item.dtype or "")
     return 0 if floats is None else int((~np.isfinite(floats)).sum())
 
 
@@ -1352,7 +1352,7 @@ def _check_master(report: VerifyReport, item: Item, values: np.ndarray, master: 
     else:
         want = flat.astype(np.float16).view(np.uint16)
     off = want != values.reshape(-1).view(_ROUNDED[item.dtype or ""])
-    floats = _as_float(values, item.dtype or "")
+    floats = as_float(values, item.dtype or "")
     if off.any() and floats is not None:
         off &= ~(np.isnan(flat) & np.isnan(floats.reshape(-1)))  # (NaN bits vary)
     n = int(off.sum())
@@ -1370,12 +1370,6 @@ def _check_master(report: VerifyReport, item: Item, values: np.ndarray, master: 
             "other weights than the model's",
         )
     )
-
-
-def _as_float(values: np.ndarray, dtype: str) -> np.ndarray | None:
-    """Floating-point values as numbers (bfloat16 and float8 decoded: a NaN in a float8 tensor is
-    found), None for other dtypes."""
-    return as_float(values, dtype)
 
 
 def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter) -> None:
@@ -1410,7 +1404,7 @@ def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter) ->
 def _census(report: VerifyReport, item: Item, values: np.ndarray, stepping: bool, manifest: Manifest) -> None:
     """NaN/Inf count and first index, and min/max/mean/std/absmax, of one tensor's values; a
     moment that should hold values (``stepping``) and is all zero."""
-    floats = _as_float(values, item.dtype or "")
+    floats = as_float(values, item.dtype or "")
     if floats is None or floats.size == 0:
         return
     flat = floats.reshape(-1)

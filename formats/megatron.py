@@ -38,7 +38,7 @@ RNG_CARRIED = "ckpttool_rng_state"
 states of source ranks its layout has no rank for (``{rank label: rng_state}``): a reshard back to
 a layout with those ranks gives each its own again (Megatron's loader ignores the key)."""
 
-_RANK_LABEL = re.compile(r"\[tp=\d+,pp=\d+(?:,ep=\d+)?\]")
+_RANK_LABEL = re.compile(r"\[tp=(\d+),pp=(\d+)(?:,ep=(\d+))?\]")
 
 
 def _add_rng(manifest: Manifest, rel: str, rng: Any, path: str, label: str, rank: int) -> None:
@@ -63,18 +63,15 @@ def _add_rng(manifest: Manifest, rel: str, rng: Any, path: str, label: str, rank
             set_value(item, value)
 
 
-def _rng_labels(manifest: Manifest) -> set[tuple[str, str]]:
-    """(rank label, item name) of each RNG item so far."""
-    out = set()
-    for name, item in manifest.items.items():
-        if item.kind == "rng" and (m := _RANK_LABEL.search(name)) and m.end() == len(name):
-            out.add((m.group(0), name))
-    return out
+def _rng_labels(manifest: Manifest) -> set[str]:
+    """The rank labels of the RNG items so far."""
+    found = (_RANK_LABEL.search(name) for name, item in manifest.items.items() if item.kind == "rng")
+    return {m.group(0) for m in found if m and m.end() == len(m.string)}
 
 
 def label_ranks(label: str) -> tuple[int, int, int]:
     """(TP, PP, EP) rank of a :func:`rank_label` (EP 0 where it names none)."""
-    m = re.fullmatch(r"\[tp=(\d+),pp=(\d+)(?:,ep=(\d+))?\]", label)
+    m = _RANK_LABEL.fullmatch(label)
     if m is None:
         raise ValueError(f"not a rank label: {label!r}")
     return int(m[1]), int(m[2]), int(m[3] or 0)
@@ -1439,7 +1436,7 @@ class MegatronLegacyAdapter:
         first = objs[dirs[0]]
         carried = first.get(RNG_CARRIED)
         if isinstance(carried, dict):  # other layouts' ranks' RNG, as ckpttool carried them (none a rank here has)
-            held = {label for label, _ in _rng_labels(manifest)}
+            held = _rng_labels(manifest)
             for label, rng in carried.items():
                 if isinstance(label, str) and _RANK_LABEL.fullmatch(label) and label not in held:
                     _add_rng(manifest, f"{prefix}{dirs[0]}/model_optim_rng.pt", rng, f"{RNG_CARRIED}.{label}", label, 0)

@@ -29,7 +29,7 @@ import math
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
@@ -1308,7 +1308,7 @@ class LegacyWriter:
         rng = carried[1] if carried else self.src.objs[self._rng_source(t, p, e)].get("rng_state")
         if isinstance(rng, SourceObject):  # a torch_dist source's record: its tensors are inside
             rng = self._record_value(rng)
-        kept = {k: v for k, (_, v) in self._rng_kept().items()} if (t, p, e) == (0, 0, 0) else {}
+        kept = {k: v for k, (_, v) in self._rng_kept.items()} if (t, p, e) == (0, 0, 0) else {}
         refs = [v for _, v in flatten({"rng_state": rng, "kept": kept}) if isinstance(v, _unpickle.TensorRef)]
         if not self.distopt:
             steps = (self.src.step_of.get(self._src_name(n)) for n in self._model_names(p, e))
@@ -1528,7 +1528,7 @@ class LegacyWriter:
                 tree[key] = _ptwrite.carry(self.src.objs[rng_key]["rng_state"], partial(archive, rng_rel))
             else:
                 tree[key] = _ptwrite.carry(value, partial(archive, rel))
-            if key == "rng_state" and (t, p, e) == (0, 0, 0) and (kept := self._rng_kept()):
+            if key == "rng_state" and (t, p, e) == (0, 0, 0) and (kept := self._rng_kept):
                 tree[RNG_CARRIED] = {
                     label: _ptwrite.carry(rng, partial(archive, where)) for label, (where, rng) in kept.items()
                 }
@@ -1537,10 +1537,11 @@ class LegacyWriter:
             progress(n)
         return n
 
-    def _labelled(self, label: str) -> bool:
-        """Whether the output has the rank ``label`` names."""
-        return any(
-            rank_label(t, p, e) == label
+    @cached_property
+    def _labels(self) -> frozenset[str]:
+        """The rank labels of the output's rank files."""
+        return frozenset(
+            rank_label(t, p, e)
             for p in range(self.target.pp)
             for e in range(self.ep)
             for t in range(self.target.tp)
@@ -1560,6 +1561,7 @@ class LegacyWriter:
             value = carried[same[0][1]] if same else None
         return None if value is None else (self.src.rels[(0, 0, 0)], value)
 
+    @cached_property
     def _rng_kept(self) -> dict[str, tuple[str, Any]]:
         """The RNG states, by rank label, of the source's ranks (and those it carries) that no rank
         of the output has: kept in the output's first rank file (``ckpttool_rng_state``), for a
@@ -1572,7 +1574,7 @@ class LegacyWriter:
         for k, obj in self.src.objs.items():
             if isinstance(obj.get("rng_state"), list):
                 held[rank_label(*k)] = (self.src.rels[k], obj["rng_state"])
-        return {label: held[label] for label in sorted(held) if not self._labelled(label)}
+        return {label: held[label] for label in sorted(held) if label not in self._labels}
 
     def _rng_source(self, t: int, p: int, e: int) -> tuple[int, int, int]:
         """The source rank file whose RNG state output rank file (t, p, e) gets: from a legacy source
@@ -1724,13 +1726,13 @@ class LegacyWriter:
             else:
                 out.append(f"RNG state: rank (t, p) gets source rank (t mod {self.src.tp}, p mod {self.src.pp})'s")
             if self.rank_files:
-                own_back = [lab for lab in self.src.rng_carried if _RANK_LABEL.fullmatch(lab) and self._labelled(lab)]
+                own_back = [lab for lab in self.src.rng_carried if lab in self._labels]
                 if own_back:
                     out[-1] += (
                         f", except {_few(own_back)}, which get their own back (carried by the source, a checkpoint "
                         "ckpttool wrote at fewer ranks)"
                     )
-                if kept := self._rng_kept():
+                if kept := self._rng_kept:
                     out.append(
                         f"RNG state of {len(kept)} rank(s) of the source that this layout has none for "
                         f"({_few(list(kept))}): kept in the first rank file under '{RNG_CARRIED}' (Megatron ignores "

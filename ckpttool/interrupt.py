@@ -20,11 +20,13 @@ deferring there would make Ctrl-C wait for the work being waited on."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import inspect
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
@@ -93,15 +95,47 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
         _state["pending"] = signum  # (a SIGTERM is not turned back into a Ctrl-C by a later one)
     if not _state["pending"]:
         return  # an alarm ckpttool did not ask for
+    if _state["held"]:
+        return  # raised as the held block ends
     if _unsafe(frame):
         signal.setitimer(signal.ITIMER_REAL, RETRY_S)
         return
+    _raise_pending()
+
+
+_state = {"pending": 0, "held": 0}
+"""The signal waiting to be raised, 0 for none; how many :func:`held` blocks are running."""
+
+
+def _raise_pending() -> None:
     pending, _state["pending"] = _state["pending"], 0
-    raise Terminated if pending == signal.SIGTERM else KeyboardInterrupt
+    if pending:
+        raise Terminated if pending == signal.SIGTERM else KeyboardInterrupt
 
 
-_state = {"pending": 0}
-"""The signal waiting to be raised, 0 for none."""
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait while the block runs and are raised as it ends, for a step that must
+    not stop halfway: a worker process started but not yet sent its instructions reads an empty
+    pipe and prints a traceback of its own (a signal mask cannot do this: it holds back delivery to
+    one thread, and a signal another thread takes is still raised in the main one). In the main
+    thread only (elsewhere none is raised); where Python's own SIGINT handler is in place (ckpttool
+    used as a library) it is swapped for the block's span."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    borrowed = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if borrowed:
+        signal.signal(signal.SIGINT, _on_signal)
+    _state["held"] += 1
+    try:
+        yield
+    finally:
+        _state["held"] -= 1
+        if borrowed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        if not _state["held"]:
+            _raise_pending()
 
 
 def install() -> bool:

@@ -29,7 +29,7 @@ from multiprocessing import get_context, resource_tracker
 from pathlib import Path
 from typing import Any
 
-from ckpttool import device, registry
+from ckpttool import device, interrupt, registry
 from ckpttool.convert import MAX_RANKS, parse_size
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.export import refuse_findings
@@ -338,20 +338,25 @@ class _FileExec:
         # the signal mask it was started with, for its whole life), here blocked in this thread for
         # that while only: one that comes meanwhile reaches this process through another thread of
         # it (a progress bar's), or waits and lands as they are unblocked; never lost (ignoring them
-        # instead lost those another thread took)
-        resource_tracker.ensure_running()  # (started later, it would unblock the two as it starts)
+        # instead lost those another thread took). Either is held back until every worker has been
+        # sent its instructions (one raised between a worker's start and that write left it reading
+        # an empty pipe, and it printed a traceback)
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])  # (a signal raised here changed nothing)
         pool: ProcessPoolExecutor | None = None
         try:
-            signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
-            pool = ProcessPoolExecutor(
-                min(workers, len(chosen)),
-                mp_context=get_context("spawn"),
-                initializer=_init_worker,
-                initargs=(self.build, self.args, self.adapter, self.manifest, self.device),
-            )
-            futures = [pool.submit(_run_task, f.key, str(tmp / f.path)) for f in chosen]
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # (a signal that waited is raised here)
+            with interrupt.held():
+                resource_tracker.ensure_running()  # (started later, it would unblock the two as it starts)
+                signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
+                try:
+                    pool = ProcessPoolExecutor(
+                        min(workers, len(chosen)),
+                        mp_context=get_context("spawn"),
+                        initializer=_init_worker,
+                        initargs=(self.build, self.args, self.adapter, self.manifest, self.device),
+                    )
+                    futures = [pool.submit(_run_task, f.key, str(tmp / f.path)) for f in chosen]
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # (a signal that waited lands here)
             for i, fut in zip(indices, futures, strict=True):
                 result, size, known, partial = fut.result()
                 results[i] = result

@@ -445,6 +445,9 @@ _EOCD = struct.Struct("<4s4H2LH")  # end of central directory, 22 bytes
 _EOCD64_LOCATOR = struct.Struct("<4sLQL")  # 20 bytes
 _EOCD64 = struct.Struct("<4sQ2H2L4Q")  # 56 bytes
 _CDH = struct.Struct("<4s6H3L5H2L")  # central directory header, 46 bytes
+_UNREADABLE = 0x0001 | 0x0020 | 0x0040 | 0x2000
+"""General-purpose flags torch's reader (miniz) refuses: encrypted, compressed patch, strong
+encryption, masked local headers."""
 _TAIL = 1024  # the EOCD and, for files with few members, the whole central directory
 
 
@@ -456,7 +459,10 @@ def _central_directory(
     Raises CorruptFileError where the directory is damaged in a way torch's reader (miniz) fails
     on and :mod:`zipfile` would read past: a zip64 end record that disagrees with the plain one
     (torch's reader takes the zip64 one), a directory past the end, a stored member whose two
-    sizes differ."""
+    sizes differ; and every field miniz refuses or fails on when torch reads a member (multi-disk
+    numbers, encryption and patch flags, a member marked as a folder, a directory that does not end
+    where the end records begin) and a compressed member, which torch.save never writes: what
+    verify passes, torch can load."""
 
     def damaged(what: str) -> CorruptFileError:
         return CorruptFileError(
@@ -470,17 +476,22 @@ def _central_directory(
     tail_start = max(0, length - _TAIL)
     tail = read(tail_start, length - tail_start)
     eocd_at = len(tail) - _EOCD.size
-    sig, _disk, _cd_disk, _n_disk, entries, cd_size, cd_offset, comment = _EOCD.unpack_from(tail, eocd_at)
+    sig, disk, cd_disk, on_disk, entries, cd_size, cd_offset, comment = _EOCD.unpack_from(tail, eocd_at)
     if sig != b"PK\x05\x06" or comment != 0:
         return None
     loc_at = eocd_at - _EOCD64_LOCATOR.size
-    lsig, _, eocd64_offset, _ = _EOCD64_LOCATOR.unpack_from(tail, loc_at) if loc_at >= 0 else (b"", 0, 0, 0)
+    ends_at = tail_start + eocd_at  # where the end records begin: the directory ends there
+    lsig, _, eocd64_offset, disks = _EOCD64_LOCATOR.unpack_from(tail, loc_at) if loc_at >= 0 else (b"", 0, 0, 0)
     if lsig == b"PK\x06\x07":  # torch writes one always; its reader then goes by the zip64 record
         rec = read(eocd64_offset, _EOCD64.size) if 0 <= eocd64_offset < length else b""
         if len(rec) != _EOCD64.size or rec[:4] != b"PK\x06\x06":
             raise damaged(f"no zip64 end record at byte {eocd64_offset:,}, where its locator points")
         fields = _EOCD64.unpack(rec)
+        if fields[1] < _EOCD64.size - 12 or disks != 1:
+            raise damaged(f"its zip64 end record gives a record size of {fields[1]} and its locator {disks} disks")
+        ends_at = eocd64_offset
         plain = (entries, cd_size, cd_offset)
+        disk, cd_disk, on_disk = fields[4], fields[5], fields[6]
         entries, cd_size, cd_offset = fields[7], fields[8], fields[9]
         names = ("entries", "directory size", "directory offset")
         marks = (0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF)
@@ -489,8 +500,17 @@ def _central_directory(
                 raise damaged(f"its {name} is {small:,} in the end record and {big:,} in the zip64 one")
     elif entries == 0xFFFF or cd_size == 0xFFFFFFFF or cd_offset == 0xFFFFFFFF:
         return None
+    if on_disk != entries or ((disk | cd_disk) and (disk, cd_disk) != (1, 1)):
+        raise damaged(
+            f"its end record numbers this disk {disk} and the directory's {cd_disk}, with {on_disk:,} of "
+            f"{entries:,} entries on it: a multi-disk archive, which torch cannot read"
+        )
+    if cd_size < entries * _CDH.size:
+        raise damaged(f"its directory of {cd_size:,} bytes is too short for {entries:,} entries")
     if cd_offset + cd_size > length:
         raise damaged(f"the directory at byte {cd_offset:,} runs {cd_size:,} bytes, past the end at {length:,}")
+    if cd_offset + cd_size != ends_at:
+        raise damaged(f"the directory ends at byte {cd_offset + cd_size:,}, its end records begin at {ends_at:,}")
     if cd_offset >= tail_start:
         cd = tail[cd_offset - tail_start : cd_offset - tail_start + cd_size]
     else:
@@ -501,14 +521,26 @@ def _central_directory(
         f = _CDH.unpack_from(cd, pos) if pos + _CDH.size <= len(cd) else (b"",)
         if f[0] != b"PK\x01\x02":
             raise damaged(f"entry {k} of {entries} is not a directory entry")
-        method, crc, csize, usize = f[4], f[7], f[8], f[9]
-        name_len, extra_len, comment_len, offset = f[10], f[11], f[12], f[16]
+        flags, method, crc, csize, usize = f[3], f[4], f[7], f[8], f[9]
+        name_len, extra_len, comment_len, start_disk, offset = f[10], f[11], f[12], f[13], f[16]
+        if pos + _CDH.size + name_len + extra_len + comment_len > len(cd):
+            raise damaged(f"entry {k} of {entries} runs past the end of the directory")
         name = cd[pos + _CDH.size : pos + _CDH.size + name_len].decode("utf-8", "replace")
         extra = cd[pos + _CDH.size + name_len : pos + _CDH.size + name_len + extra_len]
         if 0xFFFFFFFF in (usize, csize, offset):
             usize, csize, offset = _zip64_extra(extra, usize, csize, offset)
         if method == zipfile.ZIP_STORED and csize != usize:
             raise damaged(f"{printable(name)} is stored, yet its sizes differ: {csize:,} and {usize:,} bytes")
+        if usize and not csize:
+            raise damaged(f"{printable(name)} holds {usize:,} bytes in a compressed size of 0")
+        if method != zipfile.ZIP_STORED:  # (torch would inflate a stored member marked deflated: garbage)
+            raise damaged(f"{printable(name)} has compression method {method}; torch.save stores every member")
+        if flags & _UNREADABLE:
+            raise damaged(f"{printable(name)} is flagged encrypted or patched (flags {flags:#06x})")
+        if f[15] & 0x10:  # (torch's reader takes it for a folder and reads none of its bytes)
+            raise damaged(f"{printable(name)} is marked as a folder (attributes {f[15]:#x})")
+        if start_disk == 0xFFFF or start_disk not in (disk, 1):
+            raise damaged(f"{printable(name)} starts on disk {start_disk}, not this one ({disk})")
         members[name] = _Member(name, method, crc, csize, usize, offset)
         pos += _CDH.size + name_len + extra_len + comment_len
     return members

@@ -422,8 +422,11 @@ def plan(
     """The plan for ``target``, and the object that executes it, assembling tensors ``on`` a device
     (``cpu``, ``cuda``, ``cuda:N``: :mod:`ckpttool.device`). Raises UsageError for a target the
     checkpoint cannot take, or a device this machine lacks, before anything is written."""
+    from ckpttool.formats.megatron import user_split_rules
+
     on = device.resolve(on)
-    adapter, manifest = registry.describe(src)
+    with user_split_rules(target.split_rules):  # (a legacy source's parts of those parameters joined)
+        adapter, manifest = registry.describe(src)
     refuse_a_part(manifest, src)
     refuse_findings(manifest)
     fmt = target.to or _default_format(manifest.format)
@@ -570,7 +573,11 @@ class _MegatronExec(_FileExec):
             if (target.pp, target.vpp, target.pp_first, target.pp_last) == (None, None, None, None)
             else "",
         )
-        args = (manifest.root, manifest, mtarget, target.split_rules)
+        # the user's rules first, then those the source was read with (carried by a checkpoint
+        # ckpttool wrote), as exact names
+        carried = manifest.extras.get("split_rules") or {}
+        rules = {**target.split_rules, **{f"^{re.escape(n)}$": d for n, d in carried.items()}}
+        args = (manifest.root, manifest, mtarget, rules)
         super().__init__(adapter, manifest, _build_dist if dist else _build_legacy, args, {"tp": tp, "pp": pp})
         if self.writer.vpp > 1:
             self.layout["vpp"] = self.writer.vpp

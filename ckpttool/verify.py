@@ -367,8 +367,23 @@ def _verify(
         _check_optimizer(report, manifest, adapter, piece_digests, sealed.algo if sealed else "xxh3-128")
         if deep:
             _check_values(report, manifest, adapter)
-    report.findings = _dedupe(report.findings)
+    report.findings = _dedupe([_within(f, root, Path(report.path)) for f in report.findings])
     return report
+
+
+def _within(f: Finding, root: Path, given: Path) -> Finding:
+    """A finding whose file a reader named by the path it was given (absolute, or as typed)
+    renamed relative to the checkpoint, as every other finding's is."""
+    if not f.file or (not os.path.isabs(f.file) and (not f.file.startswith(str(given)) or (root / f.file).exists())):
+        return f
+    for base in dict.fromkeys((given, root, root.resolve())):
+        try:
+            rel = Path(f.file).relative_to(base)
+        except ValueError:
+            continue
+        name = str(rel) if str(rel) != "." else base.name if base.is_file() else "."
+        return replace(f, file=name)
+    return f
 
 
 COMMIT_NAMES = {
@@ -1219,54 +1234,164 @@ def _check_optimizer(
     untracked = [
         n for n, i in params.items() if n not in moments and trained and len(i.shape or ()) >= 2 and n not in exempt
     ]
+    listed = False
     if untracked and len(untracked) < len(params):
-        untracked = _in_param_groups(manifest, adapter, untracked, set(trained))
+        untracked, listed = _in_param_groups(manifest, adapter, untracked, set(trained))
     if untracked and len(untracked) < len(params):
         names = ", ".join(untracked[:5]) + (" …" if len(untracked) > 5 else "")
         report.findings.append(
             finding(
                 "optimizer-mismatch",
-                f"{len(untracked)} parameters have no optimizer moments: {names}",
-                severity="warning",
+                f"{len(untracked)} parameters have no optimizer moments: {names}"
+                + (", though the optimizer's param groups name them" if listed else ""),
+                severity="error" if listed else "warning",  # (else only likely: a weight matrix is trained)
                 item=untracked[0],
             )
         )
+    _check_indexed_state(report, manifest, adapter, moments)
     for zeroed in _stepping(manifest, moments):
         if zeroed.pieces and all(_zero_piece(zeroed, i, digests, algo) for i in range(len(zeroed.pieces))):
             report.findings.append(_zeroed(zeroed, manifest))
+    _check_moment_pairs(report, {n: got for n, got in moments.items() if n not in params})
+    _check_optimizer_steps(report, manifest, adapter, digests)
+
+
+def _check_moment_pairs(report: VerifyReport, moments: dict[str, dict[str, Item]]) -> None:
+    """A parameter's moments have one shape: checked by themselves, so also where the state is
+    keyed by index (torch's optimizer.state_dict()) and no parameter name matches it."""
+    for name, got in moments.items():
+        shapes = {tuple(m.shape or ()) for m in got.values()}
+        if len(shapes) > 1:
+            first, *rest = got.values()
+            odd = next(m for m in rest if m.shape != first.shape)
+            report.findings.append(
+                finding(
+                    "optimizer-mismatch",
+                    f"{odd.name} has shape {list(odd.shape or ())}, {first.name} {list(first.shape or ())}: the "
+                    f"moments of parameter {name} disagree",
+                    item=odd.name,
+                )
+            )
+
+
+def _optimizer_step_value(reader: Any, item: Item) -> float | None:
+    try:
+        flat = reader.read(item.pieces[0], item).reshape(-1)
+    except CkptError:
+        return None
+    return float(flat[0]) if flat.size == 1 else None
+
+
+def _check_optimizer_steps(
+    report: VerifyReport, manifest: Manifest, adapter: Adapter, digests: dict[tuple[str, int], str]
+) -> None:
+    """Adam's step per parameter: the same for every parameter of a run, but for parameters that
+    got no gradient at some steps (unused, an expert no token reached), which lag; one that
+    differs otherwise is state of another step mixed in. Compared by the digests already taken,
+    one value read per distinct digest; a warning, naming the parameters that differ."""
+    steps = [
+        i
+        for i in manifest.items.values()
+        if i.kind == "optim" and i.is_tensor and i.name.endswith(".step") and i.pieces and i.shape in ((), (1,))
+    ]
+    by_digest: dict[str, list[Item]] = defaultdict(list)
+    for item in steps:
+        d = digests.get((item.name, 0))
+        if d is None:
+            return  # (not hashed: nothing to compare without reading every one)
+        by_digest[f"{item.dtype}:{d}"].append(item)
+    if len(by_digest) < 2:
+        return
+    by_value: dict[float | None, list[Item]] = defaultdict(list)
+    try:
+        with adapter.reader(manifest) as reader:
+            for group in by_digest.values():
+                by_value[_optimizer_step_value(reader, group[0])] += group
+    except CkptError:
+        return
+    if len(by_value) < 2:
+        return
+    (common, _), *others = sorted(by_value.items(), key=lambda kv: -len(kv[1]))
+    odd = [(v, i) for v, group in others for i in group]
+    named = ", ".join(f"{i.name} ({v:g})" if v is not None else i.name for v, i in odd[:5])
+    report.findings.append(
+        finding(
+            "optimizer-mismatch",
+            f"{len(odd)} of {len(steps)} optimizer steps differ from the others' ("
+            + (f"{common:g}" if common is not None else "?")
+            + f"): {named}"
+            + (" …" if len(odd) > 5 else ""),
+            severity="warning",
+            item=odd[0][1].name,
+            hint="parameters that got no gradient at some steps lag behind; otherwise state of another step or run "
+            "was mixed into this one",
+        )
+    )
 
 
 _GROUP_PARAMS = re.compile(r"^(optim|optimizer)\.param_groups\.\d+\.params$")
 
 
-def _in_param_groups(manifest: Manifest, adapter: Adapter, untracked: list[str], trained: set[str]) -> list[str]:
+def _group_lists(manifest: Manifest, adapter: Adapter) -> list[Any] | None:
+    """The values of the optimizer's ``param_groups.<g>.params`` lists (None: one unreadable)."""
+    lists = [i for n, i in manifest.items.items() if _GROUP_PARAMS.match(n)]
+    unkept = [i for i in lists if i.value is None and i.summary is not None and not i.error]  # (long lists)
+    read: dict[str, Any] = {}
+    if unkept:
+        try:
+            with adapter.reader(manifest) as reader:
+                read = {i.name: reader.read_object(i) for i in unkept}
+        except CkptError:
+            return None
+    return [read.get(i.name, i.value) for i in lists]
+
+
+def _check_indexed_state(
+    report: VerifyReport, manifest: Manifest, adapter: Adapter, moments: dict[str, dict[str, Item]]
+) -> None:
+    """An optimizer state keyed by parameter index (torch's ``optimizer.state_dict()``): every
+    index its param groups list has moments once any has (a state dropped from the dict)."""
+    if not moments or not all(n.isdigit() for n in moments):
+        return
+    lists = _group_lists(manifest, adapter) or []
+    listed = [v for value in lists if isinstance(value, list | tuple) for v in value if type(v) is int]
+    missing = [v for v in listed if str(v) not in moments]
+    if missing and len(missing) < len(listed):
+        report.findings.append(
+            finding(
+                "optimizer-mismatch",
+                f"{len(missing)} of the {len(listed)} parameters the optimizer's param groups list have no state: "
+                f"indices {', '.join(map(str, missing[:8]))}" + (" …" if len(missing) > 8 else ""),
+                item=next((n for n in manifest.items if _GROUP_PARAMS.match(n)), None),
+                hint="the optimizer state lost entries (an edit, or a save from a partly built optimizer)",
+            )
+        )
+
+
+def _in_param_groups(
+    manifest: Manifest, adapter: Adapter, untracked: list[str], trained: set[str]
+) -> tuple[list[str], bool]:
     """Of the parameters ``untracked`` (no moments), those the optimizer trains, where its param
     groups name its parameters (``get_state_dict``'s FQNs, as ``params`` lists, or DCP's flattened
     ``optim.param_groups.<fqn>.lr``): a parameter no group names is frozen, not dropped. Where the
-    groups name parameters otherwise (torch's own indices), all of ``untracked``."""
+    groups name parameters otherwise (torch's own indices), all of ``untracked``. With whether the
+    groups named them."""
     flat = [n for n in manifest.items if n.startswith(("optim.param_groups.", "optimizer.param_groups."))]
     listed: set[str] = set()
-    lists = [manifest.items[n] for n in flat if _GROUP_PARAMS.match(n)]
-    if lists:
-        unkept = [i for i in lists if i.value is None and i.summary is not None and not i.error]  # (long lists)
-        read: dict[str, Any] = {}
-        if unkept:
-            try:
-                with adapter.reader(manifest) as reader:
-                    read = {i.name: reader.read_object(i) for i in unkept}
-            except CkptError:
-                return untracked
-        for item in lists:
-            value = read.get(item.name, item.value)
+    if any(_GROUP_PARAMS.match(n) for n in flat):
+        values = _group_lists(manifest, adapter)
+        if values is None:
+            return untracked, False
+        for value in values:
             if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
-                return untracked  # indices (torch's optimizer.state_dict()), or unreadable
+                return untracked, False  # indices (torch's optimizer.state_dict()), or unreadable
             listed.update(value)
     else:  # flattened: each parameter's group entries under its name
         for key in (n.split(".param_groups.", 1)[1].split(".") for n in flat):
             listed.update(".".join(key[:i]) for i in range(1, len(key)))
     if not listed & trained:
-        return untracked  # the groups do not name these parameters
-    return [n for n in untracked if n in listed]
+        return untracked, False  # the groups do not name these parameters
+    return [n for n in untracked if n in listed], True
 
 
 def _moments(manifest: Manifest) -> dict[str, dict[str, Item]]:

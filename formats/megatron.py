@@ -10,11 +10,13 @@ state name (``<param>.exp_avg``, ``<param>.exp_avg_sq``, master copies ``<param>
 from __future__ import annotations
 
 import bisect
+import contextlib
+import contextvars
 import json
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -37,6 +39,51 @@ RNG_CARRIED = "ckpttool_rng_state"
 """The key under which a legacy checkpoint ckpttool wrote keeps, in its first rank file, the RNG
 states of source ranks its layout has no rank for (``{rank label: rng_state}``): a reshard back to
 a layout with those ranks gives each its own again (Megatron's loader ignores the key)."""
+
+SPLIT_RULES = "ckpttool_split_rules"
+"""The key under which a legacy checkpoint ckpttool wrote with ``--split-rule`` keeps, in its first
+rank file, how it split the parameters megatron-core's rules leave open (``{parameter: dim}``, None
+for whole on every rank): later reads place their TP ranks' parts by it (Megatron ignores the key).
+Parameter names, not the user's patterns: a file's patterns would be regular expressions run on
+every name, which a hostile file could make take for ever."""
+
+_USER_RULES: contextvars.ContextVar[Mapping[str, int | None] | None] = contextvars.ContextVar(
+    "split_rules", default=None
+)
+
+
+@contextlib.contextmanager
+def user_split_rules(rules: Mapping[str, int | None]) -> Iterator[None]:
+    """Read legacy checkpoints, inside the block, with ``--split-rule`` patterns ``rules``
+    (``{pattern: dim}``) for the parameters megatron-core's rules leave open: a source at TP > 1
+    holds one part of each per rank, not a copy (read as copies, a reshard kept rank 0's part)."""
+    token = _USER_RULES.set(dict(rules))
+    try:
+        yield
+    finally:
+        _USER_RULES.reset(token)
+
+
+def rule_of_dim(dim: int | None) -> tuple[str, int | None]:
+    """The split rule a ``--split-rule`` dim stands for."""
+    return ("replicated", None) if dim is None else ("column" if dim == 0 else "row", dim)
+
+
+def _carried_rules(value: Any, rel: str) -> dict[str, int | None]:
+    """The split rules a legacy file ckpttool wrote carries (:data:`SPLIT_RULES`), checked."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and (d is None or (type(d) is int and 0 <= d < 8)) for k, d in value.items()
+    ):
+        raise CorruptFileError(
+            f"{rel}: '{SPLIT_RULES}' holds {plain_value(value)!r:.120}; ckpttool writes parameter names and "
+            "split dims (or None) there",
+            hint="the file is damaged or was not written by ckpttool; restore it from its source",
+            path=rel,
+        )
+    return dict(value)
+
 
 _RANK_LABEL = re.compile(r"\[tp=(\d+),pp=(\d+)(?:,ep=(\d+))?\]")
 
@@ -1345,6 +1392,8 @@ class MegatronLegacyAdapter:
         self._grouped: dict[str, GroupedWeights] = {}
         self._etp: dict[str, tuple[int, int]] = {}  # rank directory -> (its experts' ETP rank, ETP)
         self._tied_copy = False
+        self._user_rules: dict[str, int | None] = {}
+        self._carried_rules: dict[str, int | None] = {}
         damaged: list[CkptError] = []  # rank files missing or unreadable: every one named, not the first
         for d in dirs:
             confine(root, f"{prefix}{d}", named_by="the listing")  # a rank folder linked out
@@ -1414,17 +1463,25 @@ class MegatronLegacyAdapter:
                     path=str(it_dir),
                 )
         missing = sorted(expected - set(ranks.values()))
-        if missing:
+        if missing:  # each named (verify groups them), the files it reads there
             names = [rank_dir(t, p, pp, e, ep) for t, p, e in missing]
-            raise IncompleteCheckpointError(
-                f"{it_dir}: args say TP={tp} PP={pp} EP={ep} but {len(missing)} rank directories are missing: "
-                + ", ".join(names[:8]),
-                hint="a rank did not save or the directory was deleted; use another iteration",
-                path=str(it_dir),
-                rule="missing-file",
+            raise_together(
+                [
+                    IncompleteCheckpointError(
+                        f"{prefix}{name}/model_optim_rng.pt: missing; the args say TP={tp} PP={pp} EP={ep}, and "
+                        f"{len(missing)} of {len(expected)} rank directories are missing",
+                        hint="a rank did not save or the directory was deleted; use another iteration",
+                        path=f"{prefix}{name}/model_optim_rng.pt",
+                        rule="missing-file",
+                    )
+                    for name in names
+                ]
             )
         gated = bool(getattr(args, "swiglu", False) or getattr(args, "gated_linear_unit", False))
         replicas = ReplicaCounter()  # this describe's: the adapter is shared
+        first = objs[dirs[0]]
+        self._user_rules = dict(_USER_RULES.get() or {})
+        self._carried_rules = _carried_rules(first.get(SPLIT_RULES), f"{prefix}{dirs[0]}/model_optim_rng.pt")
         for f_rel, size in ((r, s) for r, s in _list(root, prefix, dirs)):
             manifest.files.append(FileRecord(path=f_rel, size=size, role="data" if f_rel.endswith(".pt") else "aux"))
         if prefix:
@@ -1433,7 +1490,6 @@ class MegatronLegacyAdapter:
             )
         for d in dirs:
             self._rank(manifest, objs[d], f"{prefix}{d}/model_optim_rng.pt", ranks[d], args, tp, gated, replicas)
-        first = objs[dirs[0]]
         carried = first.get(RNG_CARRIED)
         if isinstance(carried, dict):  # other layouts' ranks' RNG, as ckpttool carried them (none a rank here has)
             held = _rng_labels(manifest)
@@ -1682,7 +1738,7 @@ class MegatronLegacyAdapter:
             rt, rtp = t, tp
             if self._etp and is_expert(owner):  # the experts are split by an expert TP of their own
                 rt, rtp = self._etp.get(rel.rsplit("/", 1)[0], (t, tp))
-            rule, dim = split_rule(owner, gated=gated)
+            rule, dim = self._split_rule(manifest, owner, gated, len(view.shape))
             local = view.shape
             shape = global_shape(local, rule, dim, rtp)
             item = manifest.items.get(name)
@@ -1711,6 +1767,22 @@ class MegatronLegacyAdapter:
                     )
                 item.pieces.append(_pt.tensor_piece(rel, part, box=box, rank=rt, replica=same))
                 row0 += box.sizes[0] if box.ndim else 0
+
+    def _split_rule(self, manifest: Manifest, name: str, gated: bool, ndim: int) -> tuple[str, int | None]:
+        """megatron-core's split of parameter ``name``; for one its rules leave whole, the user's
+        ``--split-rule`` (:func:`user_split_rules`) or the one the file carries (:data:`SPLIT_RULES`),
+        recorded in ``manifest.extras["split_rules"]`` for the writer. A rule past the tensor's
+        dimensions is left to the writer's checks, which name it."""
+        rule = split_rule(name, gated=gated)
+        if rule[0] != "replicated" or not (self._user_rules or self._carried_rules):
+            return rule
+        found = [d for pattern, d in self._user_rules.items() if re.search(pattern, name)][:1]
+        if not found and name in self._carried_rules:
+            found = [self._carried_rules[name]]
+        if not found or (found[0] is not None and found[0] >= ndim):
+            return rule
+        manifest.extras.setdefault("split_rules", {})[name] = found[0]
+        return rule_of_dim(found[0])
 
     def reader(self, manifest: Manifest) -> _pt.PtReader:
         return _pt.PtReader(manifest, ALLOWLIST)

@@ -48,6 +48,7 @@ from ckpttool.formats.megatron import (
     _RANK_LABEL,
     ALLOWLIST,
     RNG_CARRIED,
+    SPLIT_RULES,
     TRACKER,
     MegatronDistReader,
     Saver,
@@ -73,6 +74,7 @@ from ckpttool.formats.megatron import (
     rank_of,
     renumber_expert,
     rng_holders,
+    rule_of_dim,
     saving_ranks,
     split_rule,
     stage_split,
@@ -753,11 +755,14 @@ def _base_param(item: Item) -> str:
     return item.name
 
 
+_UNRULED = object()
+
+
 def _rule(item: Item, gated: bool, rules: dict[str, Any]) -> tuple[str, int | None]:
     name = _base_param(item)
     for pattern, dim in rules.items():
         if re.search(pattern, name):
-            return ("replicated", None) if dim is None else ("column" if dim == 0 else "row", dim)
+            return rule_of_dim(dim)
     return split_rule(name, gated=gated)
 
 
@@ -923,6 +928,8 @@ class LegacyWriter:
             self._infer_membership()
         if self.distopt and not self.src.distopt:
             self._check_distopt_groups()
+        if self.distopt and self.rank_files:
+            self._check_frozen()
         if self.grouped:
             self._group_experts()
         self._group_kinds = self._memberless_kinds() if self.src.memberless else expert_kinds(self.src.group_of)
@@ -1149,6 +1156,19 @@ class LegacyWriter:
         check_group_keys(self.src.groups, "the source's param groups")
         if not self.src.step_of and not self.src.memberless:
             raise UsageError("--distributed-optimizer: the source's optimizer has no step (it never stepped)")
+
+    def _check_frozen(self) -> None:
+        """A parameter without optimizer state (frozen) is not in megatron-core's grad buffers, and
+        ckpttool's reader of ``distrib_optim.pt`` replays buffers that hold every parameter: it would
+        call the output damaged, so none is written."""
+        items = self.manifest.items
+        frozen = [n for n, i in items.items() if i.kind == "param" and i.is_tensor and f"{n}.exp_avg" not in items]
+        if frozen and any(i.kind == "optim" for i in items.values()):
+            raise UsageError(
+                f"--distributed-optimizer: {len(frozen)} parameter(s) have no optimizer state (frozen), such as "
+                f"{frozen[0]}: a distrib_optim.pt whose grad buffers leave parameters out is not supported yet",
+                hint="write the optimizer per parameter (--no-distributed-optimizer), or --to megatron-dist",
+            )
 
     def _source(self, root: Path, manifest: Manifest) -> _Source:
         if manifest.format == "megatron-dist":
@@ -1519,7 +1539,7 @@ class LegacyWriter:
                 tree[key] = value.value(reader)
             elif key == "args":
                 tree[key] = self._args(value, t, p, e)
-            elif key == RNG_CARRIED:
+            elif key in (RNG_CARRIED, SPLIT_RULES):
                 continue  # (written anew below, for the layout written)
             elif key == "rng_state" and (carried := self._rng_carried_by(t, p, e)) is not None:
                 tree[key] = _ptwrite.carry(carried[1], partial(archive, carried[0]))
@@ -1532,10 +1552,24 @@ class LegacyWriter:
                 tree[RNG_CARRIED] = {
                     label: _ptwrite.carry(rng, partial(archive, where)) for label, (where, rng) in kept.items()
                 }
+        if (t, p, e) == (0, 0, 0) and self._ruled:
+            tree[SPLIT_RULES] = dict(self._ruled)
         n = _ptwrite.save(tree, out, scratch=self.scratch)
         if progress is not None:
             progress(n)
         return n
+
+    @cached_property
+    def _ruled(self) -> dict[str, int | None]:
+        """The parameters a ``--split-rule`` (or the source's :data:`SPLIT_RULES`) splits, with
+        their dims: kept in the first rank file, so that later reads place their parts."""
+        out: dict[str, int | None] = {}
+        for name, item in self.manifest.items.items():
+            if item.kind == "param" and item.is_tensor:
+                dim = next((d for pattern, d in self.rules.items() if re.search(pattern, name)), _UNRULED)
+                if dim is not _UNRULED:
+                    out[name] = dim  # type: ignore[assignment]
+        return out
 
     @cached_property
     def _labels(self) -> frozenset[str]:
@@ -1705,6 +1739,12 @@ class LegacyWriter:
             out.append(
                 f"the vocabulary stays padded to {self.padded} rows: resume with --make-vocab-size-divisible-by "
                 f"{self.divisor} (recorded in args), or reshard with --vocab-padding megatron"
+            )
+        if self.rank_files and self._ruled:
+            out.append(
+                f"split rules of {len(self._ruled)} parameter(s) ({_few(list(self._ruled))}): kept in the first rank "
+                f"file under '{SPLIT_RULES}' (Megatron ignores it), so that later reads and reshards place their "
+                "parts without --split-rule"
             )
         own = self.etp if self.etp != self.target.tp else 0  # the output's experts split their own way
         layout = (self.target.tp, self.target.pp, self.ep, own)

@@ -610,6 +610,7 @@ class RankShardsAdapter:
         meta: dict[str, Any] = {}
         shards: dict[int, str] = {}
         world: int | None = None
+        world_from = "."  # the file that gave the world size
         step: int | None = None
         named: dict[str, int] = {}  # the step in a file's name (checkpoint_step<s>_stage<p>.pt)
         for rel, size in list_files(path):
@@ -623,7 +624,7 @@ class RankShardsAdapter:
             claim(shards, rank, rel, f"rank {rank}")
             manifest.files.append(FileRecord(path=rel, size=size, role="data", ranks=[rank]))
             if "world" in m.groupdict():
-                world = int(m.group("world"))
+                world, world_from = int(m.group("world")), rel
             if "step" in m.groupdict():
                 step = named[rel] = int(m.group("step"))
         meta_step: int | None = None
@@ -635,12 +636,13 @@ class RankShardsAdapter:
             if not isinstance(meta, dict):
                 raise CorruptFileError("metadata.json: not a JSON object", path="metadata.json")
             if isinstance(meta.get("world_size"), int):
-                world = meta["world_size"]
+                world, world_from = meta["world_size"], "metadata.json"
             if isinstance(meta.get("step"), int) and not isinstance(meta["step"], bool):
                 step = meta_step = meta["step"]
         if world is not None and not 0 < world <= max(4 * len(shards), 1 << 16):
             raise CorruptFileError(
-                f"{path}: world size {world:,} for {len(shards)} shard files is not plausible", path=str(path)
+                f"{path}: world size {world:,} for {len(shards)} shard files is not plausible",
+                path=world_from,
             )
         # without a world size, the ranks still run from 0 without a gap (the last one's absence
         # shows only as a sharded tensor's coverage gap)

@@ -428,3 +428,18 @@ def test_outputs_that_are_links_devices_or_too_long_are_refused_before_work(tmp_
     r = run_cli("convert", src, "-o", long, "--to", "dcp")
     assert r.code == 2 and "too long for this file system" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "fifo"]
+
+
+def test_a_step_summary_inside_the_checkpoint_is_not_appended_to(tmp_path):
+    """GITHUB_STEP_SUMMARY naming a file of the checkpoint got the Markdown appended to it, a data
+    file modified by verify (exit 0). --report and --junit refused such paths; the summary, the
+    runner's file, is now left alone with a warning, and the verdict stands."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ckpt)
+    target = ckpt / "__1_0.distcp"
+    before = target.read_bytes()
+    r = run_cli("verify", ckpt, env={"GITHUB_ACTIONS": "true", "GITHUB_STEP_SUMMARY": str(target)})
+    assert r.code == 0 and target.read_bytes() == before, r.stderr
+    assert "the step summary was not written: GITHUB_STEP_SUMMARY is inside the checkpoint" in " ".join(r.stderr.split())

@@ -521,7 +521,29 @@ def test_hostile_args_class(tmp_path):
 def test_missing_mp_rank_directory(tmp_path):
     r = run_cli("inspect", FIXTURES / "hostile" / "megatron_missing_mp_rank", cwd=tmp_path)
     assert r.code == 3
-    assert "args say TP=2 PP=2 EP=1 but 1 rank directories are missing: mp_rank_01_001" in r.stderr
+    assert "iter_0000003/mp_rank_01_001/model_optim_rng.pt: missing; the args say TP=2 PP=2 EP=1" in r.stderr
+    assert "1 of 4 rank directories are missing" in r.stderr
+
+
+def test_a_missing_rank_directory_is_a_finding_on_the_file_it_lacks(tmp_path):
+    """verify named the iteration folder (as given: an absolute path when the user typed one) for
+    missing rank directories, and with a seal reported the loss twice, once so and once as the
+    rank file. Each missing rank's file is now the finding's file, relative to the checkpoint, once."""
+    import shutil
+
+    from ckpttool.seal import seal
+    from ckpttool.verify import verify
+
+    ck = tmp_path / "ck"
+    shutil.copytree(MG / "legacy_tp2pp2", ck)
+    seal(ck)
+    for d in ("mp_rank_01_001", "mp_rank_00_001"):
+        shutil.rmtree(ck / "iter_0000003" / d)
+    missing = [f for f in verify(ck.resolve()).findings if f.rule == "missing-file"]
+    assert sorted(f.file for f in missing) == [
+        "iter_0000003/mp_rank_00_001/model_optim_rng.pt",
+        "iter_0000003/mp_rank_01_001/model_optim_rng.pt",
+    ], [(f.file, f.message) for f in missing]
 
 
 def test_tracker_pointing_at_a_missing_iteration(tmp_path):

@@ -3348,3 +3348,52 @@ def test_megatron_lm_loads_the_experts_checkpoint(source, pp, ep, tmp_path):
     proc = _oracle(mlm, out, *args, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "coverage of the 116 reference tensors by the main replicas: OK" in proc.stdout
+
+
+def _with_adapter(tree: Any) -> None:
+    """Each rank's own part of a parameter no megatron-core rule knows (its linear_proj part,
+    split along dim 0 by a user's module), frozen: no optimizer state."""
+    model = tree["model"]
+    for local in [k for k in model if k.endswith("self_attention.linear_proj.weight")]:
+        model[local.replace("linear_proj", "adapter")] = model[local]
+
+
+def test_a_split_rule_joins_the_sources_parts_and_travels_with_the_output(tmp_path):
+    """--split-rule cut the output only: a TP=2 source's parts were read as copies of the whole, so
+    TP 2 -> 1 kept rank 0's half (exit 0, sealed) and a TP=2 output the rule had cut failed verify
+    (replica-mismatch). The rule now places the source's parts too, and the output keeps it (as
+    parameter names, in its first rank file) so that it verifies, and reshards back exactly with
+    no --split-rule."""
+    import torch
+
+    from ckpttool.formats.megatron import SPLIT_RULES
+
+    src = rewritten_copy(tmp_path / "src", LEGACY, _with_adapter)
+    one, back = tmp_path / "tp1", tmp_path / "tp2"
+    reshard(src, one, Target(tp=1, split_rules=parse_split_rules([r"adapter\.weight$=0"])))
+    reshard(one, back, Target(tp=2))  # (the rule read from tp1's first rank file)
+    name = "decoder.layers.0.self_attention.adapter.weight"
+    parts = [load_pt(src / f"iter_0000003/mp_rank_0{t}_000/model_optim_rng.pt")["model"][name] for t in (0, 1)]
+    whole = load_pt(one / "iter_0000003/mp_rank_00_000/model_optim_rng.pt")
+    assert torch.equal(whole["model"][name], torch.cat(parts))
+    assert whole[SPLIT_RULES][name] == 0 and len(whole[SPLIT_RULES]) == 4  # (every layer's, both stages)
+    for t in (0, 1):
+        again = load_pt(back / f"iter_0000003/mp_rank_0{t}_000/model_optim_rng.pt")["model"][name]
+        assert torch.equal(again, parts[t])
+    for out in (one, back):
+        report = verify(out)
+        assert not [f for f in report.findings if f.severity == "error"], [f.message for f in report.findings]
+    assert registry.describe(back)[1].items[name].shape == (2 * parts[0].shape[0], parts[0].shape[1])
+
+
+def test_a_frozen_parameter_is_refused_for_a_legacy_distributed_optimizer_before_writing(tmp_path):
+    """A parameter without optimizer state stays out of megatron-core's grad buffers, as the writer
+    had it, but ckpttool's reader replays buffers holding every parameter: the run failed only at
+    its seal (exit 3, blaming its own output) and with --no-seal published what verify called
+    damaged; the dry run said nothing. Both now refuse first (exit 2), naming a parameter."""
+    src = rewritten_copy(tmp_path / "src", LEGACY, _with_adapter)
+    out = tmp_path / "out"
+    target = Target(tp=1, split_rules=parse_split_rules([r"adapter\.weight$=0"]), distributed_optimizer=True)
+    with pytest.raises(UsageError, match=r"no optimizer state \(frozen\), such as decoder\.layers\.0\.self_attention\.adapter"):
+        reshard(src, out, target, seal_output=False)
+    assert not out.exists()

@@ -918,7 +918,8 @@ def test_a_parameter_no_param_group_names_is_frozen_not_missing_its_moments(how,
     assert "optimizer-mismatch" not in [f.rule for f in report.findings], report.findings
     _frozen_embedding_run(tmp_path / "dropped", how, drop="3.weight")
     found = [f for f in verify(tmp_path / "dropped").findings if f.rule == "optimizer-mismatch"]
-    assert [(f.item, f.severity) for f in found] == [("3.weight", "warning")], found
+    # the groups name it: its state was lost, an error (a warning let --fail-on error pass it)
+    assert [(f.item, f.severity) for f in found] == [("3.weight", "error")], found
     assert "0.weight" not in found[0].message
 
 
@@ -1055,3 +1056,33 @@ def test_of_two_copies_the_one_holding_a_nan_is_blamed(copy, tmp_path):
         found = [f for f in verify(path, deep=deep).findings if f.rule == "replica-mismatch"]
         assert [(f.item, f.file) for f in found] == [(name, pieces[copy].file)], found
         assert "holds 1 NaN or Inf values where that one holds none" in found[0].message
+
+
+def _edited_train_state(tmp_path: Path, edit) -> Path:
+    state = torch.load(FIXTURES / "torch" / "train_state.pt", weights_only=False)
+    edit(state["optimizer"]["state"])
+    out = tmp_path / "edited.pt"
+    torch.save(state, out)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("edit", "severity", "words"),
+    [
+        (lambda st: st[2].__setitem__("exp_avg", torch.ones(3, 3)), "error", "the moments of parameter 2 disagree"),
+        (lambda st: st.pop(5), "error", "have no state: indices 5"),
+        (lambda st: st[4].__setitem__("step", torch.tensor(2.0)), "warning", "optimizer.state.4.step (2)"),
+    ],
+    ids=["moment shape", "state dropped", "one step behind"],
+)
+def test_an_optimizer_state_keyed_by_index_is_checked(edit, severity, words, tmp_path):
+    """torch's optimizer.state_dict() keys its state by parameter index, which matches no parameter
+    name: a moment of the wrong shape, a parameter's state dropped from the dict (its index still
+    in the param groups) and a step that disagrees passed verify clean. The moments are checked
+    against each other, the indices against the groups' lists, and the steps against each other
+    (a warning: a parameter that got no gradient at some steps lags)."""
+    report = verify(_edited_train_state(tmp_path, edit))
+    found = [(f.severity, f.message) for f in report.findings if f.rule == "optimizer-mismatch"]
+    assert len(found) == 1 and found[0][0] == severity and words in found[0][1], found
+    clean = verify(FIXTURES / "torch" / "train_state.pt")
+    assert "optimizer-mismatch" not in _rules(clean), clean.findings

@@ -456,12 +456,26 @@ def _verify_outputs(
     if os.environ.get("GITHUB_ACTIONS") == "true":
         sys.stderr.write(reports.github_annotations(report))
         summary = os.environ.get("GITHUB_STEP_SUMMARY")
-        if summary:
+        inside = summary and _inside_the_checkpoint(summary, report)
+        if inside:  # (appended to, it would be a file of the checkpoint modified)
+            out.warning(f"the step summary was not written: GITHUB_STEP_SUMMARY {inside}; the report above stands")
+        elif summary:
             try:
                 with open(summary, "a", encoding="utf-8") as summary_fh:
                     summary_fh.write(reports.github_summary(report, severity) + "\n")
             except OSError as exc:  # the runner's file, not an output asked for: the verdict stands
                 out.warning(f"the step summary was not written ({_os_error(exc)}); the report above stands")
+
+
+def _inside_the_checkpoint(summary: str, report: VerifyReport) -> str | None:
+    """Why the step summary file may not be appended to (inside the checkpoint or its seal)."""
+    from ckpttool.io import refuse_overlap
+
+    try:
+        refuse_overlap(summary, flag="is", checkpoint=report.path, seal=report.seal)
+    except CkptError as exc:
+        return exc.message.removeprefix(f"is {summary} ")
+    return None
 
 
 @app.command(
@@ -674,7 +688,11 @@ def reshard(
     ] = None,
     split_rule: Annotated[
         list[str] | None,
-        typer.Option("--split-rule", help="REGEX=DIM (or REGEX=none): how TP splits parameters matching REGEX."),
+        typer.Option(
+            "--split-rule",
+            help="REGEX=DIM (or REGEX=none): how TP splits parameters matching REGEX, in the source and the output "
+            "(a legacy output keeps it).",
+        ),
     ] = None,
     vocab_padding: Annotated[
         str,

@@ -131,9 +131,11 @@ def held() -> Iterator[None]:
     try:
         yield
     finally:
-        _state["held"] -= 1
-        if borrowed:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            if borrowed:  # (first: a Ctrl-C taken meanwhile is still held, and raised below)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+        finally:
+            _state["held"] -= 1
         if not _state["held"]:
             _raise_pending()
 

@@ -1244,8 +1244,10 @@ def _check_optimizer(
                 "optimizer-mismatch",
                 f"{len(untracked)} parameters have no optimizer moments: {names}"
                 + (", though the optimizer's param groups name them" if listed else ""),
-                severity="error" if listed else "warning",  # (else only likely: a weight matrix is trained)
+                severity="warning",  # (torch's Adam makes none for a parameter that never had a gradient)
                 item=untracked[0],
+                hint="a parameter unused in the forward pass (or an expert no token reached) has none; otherwise the "
+                "optimizer state lost it",
             )
         )
     _check_indexed_state(report, manifest, adapter, moments)
@@ -1350,7 +1352,8 @@ def _check_indexed_state(
     report: VerifyReport, manifest: Manifest, adapter: Adapter, moments: dict[str, dict[str, Item]]
 ) -> None:
     """An optimizer state keyed by parameter index (torch's ``optimizer.state_dict()``): every
-    index its param groups list has moments once any has (a state dropped from the dict)."""
+    index its param groups list has moments once any has: a warning, as torch's Adam makes no state
+    for a parameter that never had a gradient (an unused module), and none was lost then."""
     if not moments or not all(n.isdigit() for n in moments):
         return
     lists = _group_lists(manifest, adapter) or []
@@ -1362,8 +1365,10 @@ def _check_indexed_state(
                 "optimizer-mismatch",
                 f"{len(missing)} of the {len(listed)} parameters the optimizer's param groups list have no state: "
                 f"indices {', '.join(map(str, missing[:8]))}" + (" …" if len(missing) > 8 else ""),
+                severity="warning",
                 item=next((n for n in manifest.items if _GROUP_PARAMS.match(n)), None),
-                hint="the optimizer state lost entries (an edit, or a save from a partly built optimizer)",
+                hint="a parameter unused in the forward pass (or an expert no token reached) has none; otherwise the "
+                "optimizer state lost it",
             )
         )
 

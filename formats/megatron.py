@@ -1770,15 +1770,17 @@ class MegatronLegacyAdapter:
 
     def _split_rule(self, manifest: Manifest, name: str, gated: bool, ndim: int) -> tuple[str, int | None]:
         """megatron-core's split of parameter ``name``; for one its rules leave whole, the user's
-        ``--split-rule`` (:func:`user_split_rules`) or the one the file carries (:data:`SPLIT_RULES`),
+        the one the file carries (:data:`SPLIT_RULES`), else the user's ``--split-rule``
+        (:func:`user_split_rules`),
         recorded in ``manifest.extras["split_rules"]`` for the writer. A rule past the tensor's
         dimensions is left to the writer's checks, which name it."""
         rule = split_rule(name, gated=gated)
         if rule[0] != "replicated" or not (self._user_rules or self._carried_rules):
             return rule
-        found = [d for pattern, d in self._user_rules.items() if re.search(pattern, name)][:1]
-        if not found and name in self._carried_rules:
-            found = [self._carried_rules[name]]
+        # how the file was cut (ckpttool wrote it) before what the user says (for the output)
+        found = [self._carried_rules[name]] if name in self._carried_rules else []
+        if not found:
+            found = [d for pattern, d in self._user_rules.items() if re.search(pattern, name)][:1]
         if not found or (found[0] is not None and found[0] >= ndim):
             return rule
         manifest.extras.setdefault("split_rules", {})[name] = found[0]

@@ -1163,10 +1163,15 @@ class LegacyWriter:
         call the output damaged, so none is written."""
         items = self.manifest.items
         frozen = [n for n, i in items.items() if i.kind == "param" and i.is_tensor and f"{n}.exp_avg" not in items]
-        if frozen and any(i.kind == "optim" for i in items.values()):
+        if frozen and any(i.kind == "optim" for i in items.values()) and (self.distopt or self.vpp > 1):
             raise UsageError(
-                f"--distributed-optimizer: {len(frozen)} parameter(s) have no optimizer state (frozen), such as "
-                f"{frozen[0]}: a distrib_optim.pt whose grad buffers leave parameters out is not supported yet",
+                f"{'--distributed-optimizer' if self.distopt else f'VPP={self.vpp}'}: {len(frozen)} parameter(s) have "
+                f"no optimizer state (frozen), such as {frozen[0]}: "
+                + (
+                    "a distrib_optim.pt whose grad buffers leave parameters out is not supported yet"
+                    if self.distopt
+                    else "frozen parameters in several model chunks are not supported yet"
+                ),
                 hint="write the optimizer per parameter (--no-distributed-optimizer), or --to megatron-dist",
             )
 
@@ -1506,7 +1511,7 @@ class LegacyWriter:
         for v in range(self.vpp):
             offset = self.chunks[p][v][0]
             model = _unpickle.OrderedDictStandIn()
-            chunk = self._chunk_names(p, v, e)
+            chunk = self._frozen_last(self._chunk_names(p, v, e))
             for name in chunk:
                 item = self._item(name)
                 local = _localize(name, offset, e * self.local_experts)
@@ -1558,6 +1563,17 @@ class LegacyWriter:
         if progress is not None:
             progress(n)
         return n
+
+    def _frozen_last(self, names: list[str]) -> list[str]:
+        """A model chunk's entries with its frozen parameters (no optimizer state) last: readers
+        name a legacy optimizer's integer ids by walking the parameters in order and matching
+        shapes (Megatron's own loader knows which are frozen), so a frozen one of a trained one's
+        shape before it took its state."""
+        items = self.manifest.items
+        frozen = {n for n in names if self._item(n).is_tensor and f"{self._src_name(n)}.exp_avg" not in items}
+        if not frozen or not any(i.kind == "optim" for i in items.values()):
+            return names
+        return [n for n in names if n not in frozen] + [n for n in names if n in frozen]
 
     @cached_property
     def _ruled(self) -> dict[str, int | None]:

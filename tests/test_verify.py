@@ -918,8 +918,9 @@ def test_a_parameter_no_param_group_names_is_frozen_not_missing_its_moments(how,
     assert "optimizer-mismatch" not in [f.rule for f in report.findings], report.findings
     _frozen_embedding_run(tmp_path / "dropped", how, drop="3.weight")
     found = [f for f in verify(tmp_path / "dropped").findings if f.rule == "optimizer-mismatch"]
-    # the groups name it: its state was lost, an error (a warning let --fail-on error pass it)
-    assert [(f.item, f.severity) for f in found] == [("3.weight", "error")], found
+    # (a warning though the groups name it: torch's Adam makes no state for a parameter that never
+    # had a gradient, an unused module)
+    assert [(f.item, f.severity) for f in found] == [("3.weight", "warning")], found
     assert "0.weight" not in found[0].message
 
 
@@ -1070,7 +1071,7 @@ def _edited_train_state(tmp_path: Path, edit) -> Path:
     ("edit", "severity", "words"),
     [
         (lambda st: st[2].__setitem__("exp_avg", torch.ones(3, 3)), "error", "the moments of parameter 2 disagree"),
-        (lambda st: st.pop(5), "error", "have no state: indices 5"),
+        (lambda st: st.pop(5), "warning", "have no state: indices 5"),
         (lambda st: st[4].__setitem__("step", torch.tensor(2.0)), "warning", "optimizer.state.4.step (2)"),
     ],
     ids=["moment shape", "state dropped", "one step behind"],

@@ -37,7 +37,6 @@ from ckpttool.export import (
     write_safetensors,
 )
 from ckpttool.formats.base import Adapter
-from ckpttool.formats.torchsave import refuse_a_part
 from ckpttool.io import checking_crcs, fsync_dir, fsync_tree, publish_dir, refuse_overlap, staged_dir
 from ckpttool.manifest import Item, Manifest
 
@@ -152,7 +151,6 @@ def convert(
             hint=f"under torchrun, the ranks share the work of convert --to {', '.join(FRAMEWORKS)}",
         )
     adapter, manifest = registry.describe(src)
-    refuse_a_part(manifest, src)
     refuse_findings(manifest)
     result = ConvertResult(output=str(out))
     if to == "dcp":

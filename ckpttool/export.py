@@ -99,7 +99,9 @@ def refuse_unreadable(items: Iterable[Item], *, hint: str | None = None) -> None
 def refuse_findings(manifest: Manifest) -> None:
     """Refuse to write from a checkpoint its format's reader found wrong while still reading it
     (``extras["findings"]``: a file a complete save has and this one lacks, a rank's file in
-    another's place): an output would carry the damage, sealed. Exit 3 with the first finding."""
+    another's place): an output would carry the damage, sealed. Exit 3 with the first finding.
+    Likewise one rank file of a DeepSpeed or Megatron checkpoint read alone (:func:`refuse_a_part`)."""
+    refuse_a_part(manifest, manifest.root)
     # (a finding that says it does not stop a write: damage the writers handle themselves, as a
     # DCP planner_data map, which the DCP writer leaves out and --to torch refuses with its reason)
     found = [f for f in manifest.extras.get("findings") or () if f.get("stops_writes", True)]
@@ -175,7 +177,6 @@ def export(
             "use ckpttool convert --to torch",
         )
     adapter, manifest = registry.describe(path)
-    refuse_a_part(manifest, path)
     refuse_findings(manifest)
     result = ExportResult(output=str(out_path))
     pairs, result.skipped = safetensors_selection(manifest, kind=kind, pattern=pattern)

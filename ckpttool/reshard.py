@@ -33,7 +33,6 @@ from ckpttool import device, interrupt, registry
 from ckpttool.convert import MAX_RANKS, parse_size
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.export import refuse_findings
-from ckpttool.formats.torchsave import refuse_a_part
 from ckpttool.hashing import Written, collecting_written
 from ckpttool.io import (
     check_crcs_from_now,
@@ -427,7 +426,6 @@ def plan(
     on = device.resolve(on)
     with user_split_rules(target.split_rules):  # (a legacy source's parts of those parameters joined)
         adapter, manifest = registry.describe(src)
-    refuse_a_part(manifest, src)
     refuse_findings(manifest)
     fmt = target.to or _default_format(manifest.format)
     if target.distributed_optimizer is not None and fmt not in ("megatron", "megatron-dist"):

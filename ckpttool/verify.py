@@ -1234,20 +1234,17 @@ def _check_optimizer(
     untracked = [
         n for n, i in params.items() if n not in moments and trained and len(i.shape or ()) >= 2 and n not in exempt
     ]
-    listed = False
     if untracked and len(untracked) < len(params):
-        untracked, listed = _in_param_groups(manifest, adapter, untracked, set(trained))
+        untracked = _in_param_groups(manifest, adapter, untracked, set(trained))
     if untracked and len(untracked) < len(params):
         names = ", ".join(untracked[:5]) + (" …" if len(untracked) > 5 else "")
         report.findings.append(
             finding(
                 "optimizer-mismatch",
-                f"{len(untracked)} parameters have no optimizer moments: {names}"
-                + (", though the optimizer's param groups name them" if listed else ""),
+                f"{len(untracked)} parameters have no optimizer moments: {names}",
                 severity="warning",  # (torch's Adam makes none for a parameter that never had a gradient)
                 item=untracked[0],
-                hint="a parameter unused in the forward pass (or an expert no token reached) has none; otherwise the "
-                "optimizer state lost it",
+                hint=_NO_STATE_HINT,
             )
         )
     _check_indexed_state(report, manifest, adapter, moments)
@@ -1332,6 +1329,10 @@ def _check_optimizer_steps(
 
 
 _GROUP_PARAMS = re.compile(r"^(optim|optimizer)\.param_groups\.\d+\.params$")
+_NO_STATE_HINT = (
+    "a parameter unused in the forward pass (or an expert no token reached) has none; otherwise the optimizer "
+    "state lost it"
+)
 
 
 def _group_lists(manifest: Manifest, adapter: Adapter) -> list[Any] | None:
@@ -1367,36 +1368,32 @@ def _check_indexed_state(
                 f"indices {', '.join(map(str, missing[:8]))}" + (" …" if len(missing) > 8 else ""),
                 severity="warning",
                 item=next((n for n in manifest.items if _GROUP_PARAMS.match(n)), None),
-                hint="a parameter unused in the forward pass (or an expert no token reached) has none; otherwise the "
-                "optimizer state lost it",
+                hint=_NO_STATE_HINT,
             )
         )
 
 
-def _in_param_groups(
-    manifest: Manifest, adapter: Adapter, untracked: list[str], trained: set[str]
-) -> tuple[list[str], bool]:
+def _in_param_groups(manifest: Manifest, adapter: Adapter, untracked: list[str], trained: set[str]) -> list[str]:
     """Of the parameters ``untracked`` (no moments), those the optimizer trains, where its param
     groups name its parameters (``get_state_dict``'s FQNs, as ``params`` lists, or DCP's flattened
     ``optim.param_groups.<fqn>.lr``): a parameter no group names is frozen, not dropped. Where the
-    groups name parameters otherwise (torch's own indices), all of ``untracked``. With whether the
-    groups named them."""
+    groups name parameters otherwise (torch's own indices), all of ``untracked``."""
     flat = [n for n in manifest.items if n.startswith(("optim.param_groups.", "optimizer.param_groups."))]
     listed: set[str] = set()
     if any(_GROUP_PARAMS.match(n) for n in flat):
         values = _group_lists(manifest, adapter)
         if values is None:
-            return untracked, False
+            return untracked
         for value in values:
             if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
-                return untracked, False  # indices (torch's optimizer.state_dict()), or unreadable
+                return untracked  # indices (torch's optimizer.state_dict()), or unreadable
             listed.update(value)
     else:  # flattened: each parameter's group entries under its name
         for key in (n.split(".param_groups.", 1)[1].split(".") for n in flat):
             listed.update(".".join(key[:i]) for i in range(1, len(key)))
     if not listed & trained:
-        return untracked, False  # the groups do not name these parameters
-    return [n for n in untracked if n in listed], True
+        return untracked  # the groups do not name these parameters
+    return [n for n in untracked if n in listed]
 
 
 def _moments(manifest: Manifest) -> dict[str, dict[str, Item]]:

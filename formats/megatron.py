@@ -69,6 +69,12 @@ def rule_of_dim(dim: int | None) -> tuple[str, int | None]:
     return ("replicated", None) if dim is None else ("column" if dim == 0 else "row", dim)
 
 
+def matched_dim(name: str, rules: Mapping[str, int | None]) -> tuple[int | None] | None:
+    """``(dim,)`` of the first of ``rules`` (``{pattern: dim}``) whose pattern ``name`` matches;
+    None where none does (a dim of None is a rule too: whole on every rank)."""
+    return next(((dim,) for pattern, dim in rules.items() if re.search(pattern, name)), None)
+
+
 def _carried_rules(value: Any, rel: str) -> dict[str, int | None]:
     """The split rules a legacy file ckpttool wrote carries (:data:`SPLIT_RULES`), checked."""
     if value is None:
@@ -1392,8 +1398,6 @@ class MegatronLegacyAdapter:
         self._grouped: dict[str, GroupedWeights] = {}
         self._etp: dict[str, tuple[int, int]] = {}  # rank directory -> (its experts' ETP rank, ETP)
         self._tied_copy = False
-        self._user_rules: dict[str, int | None] = {}
-        self._carried_rules: dict[str, int | None] = {}
         damaged: list[CkptError] = []  # rank files missing or unreadable: every one named, not the first
         for d in dirs:
             confine(root, f"{prefix}{d}", named_by="the listing")  # a rank folder linked out
@@ -1480,7 +1484,7 @@ class MegatronLegacyAdapter:
         gated = bool(getattr(args, "swiglu", False) or getattr(args, "gated_linear_unit", False))
         replicas = ReplicaCounter()  # this describe's: the adapter is shared
         first = objs[dirs[0]]
-        self._user_rules = dict(_USER_RULES.get() or {})
+        self._user_rules: dict[str, int | None] = dict(_USER_RULES.get() or {})
         self._carried_rules = _carried_rules(first.get(SPLIT_RULES), f"{prefix}{dirs[0]}/model_optim_rng.pt")
         for f_rel, size in ((r, s) for r, s in _list(root, prefix, dirs)):
             manifest.files.append(FileRecord(path=f_rel, size=size, role="data" if f_rel.endswith(".pt") else "aux"))
@@ -1769,19 +1773,15 @@ class MegatronLegacyAdapter:
                 row0 += box.sizes[0] if box.ndim else 0
 
     def _split_rule(self, manifest: Manifest, name: str, gated: bool, ndim: int) -> tuple[str, int | None]:
-        """megatron-core's split of parameter ``name``; for one its rules leave whole, the user's
-        the one the file carries (:data:`SPLIT_RULES`), else the user's ``--split-rule``
-        (:func:`user_split_rules`),
-        recorded in ``manifest.extras["split_rules"]`` for the writer. A rule past the tensor's
-        dimensions is left to the writer's checks, which name it."""
+        """megatron-core's split of parameter ``name``; for one its rules leave whole, the rule the
+        file carries (:data:`SPLIT_RULES`: how ckpttool cut it), else the user's ``--split-rule``
+        (:func:`user_split_rules`), recorded in ``manifest.extras["split_rules"]`` for the writer.
+        A rule past the tensor's dimensions is left to the writer's checks, which name it."""
         rule = split_rule(name, gated=gated)
         if rule[0] != "replicated" or not (self._user_rules or self._carried_rules):
             return rule
-        # how the file was cut (ckpttool wrote it) before what the user says (for the output)
-        found = [self._carried_rules[name]] if name in self._carried_rules else []
-        if not found:
-            found = [d for pattern, d in self._user_rules.items() if re.search(pattern, name)][:1]
-        if not found or (found[0] is not None and found[0] >= ndim):
+        found = (self._carried_rules[name],) if name in self._carried_rules else matched_dim(name, self._user_rules)
+        if found is None or (found[0] is not None and found[0] >= ndim):
             return rule
         manifest.extras.setdefault("split_rules", {})[name] = found[0]
         return rule_of_dim(found[0])

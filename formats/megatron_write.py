@@ -63,6 +63,7 @@ from ckpttool.formats.megatron import (
     is_expert,
     label_ranks,
     layout_stages,
+    matched_dim,
     model_chunks,
     mtp_chunk,
     mtp_copy_apart,
@@ -755,15 +756,10 @@ def _base_param(item: Item) -> str:
     return item.name
 
 
-_UNRULED = object()
-
-
 def _rule(item: Item, gated: bool, rules: dict[str, Any]) -> tuple[str, int | None]:
     name = _base_param(item)
-    for pattern, dim in rules.items():
-        if re.search(pattern, name):
-            return rule_of_dim(dim)
-    return split_rule(name, gated=gated)
+    found = matched_dim(name, rules)
+    return rule_of_dim(found[0]) if found is not None else split_rule(name, gated=gated)
 
 
 def _is_vocab(name: str) -> bool:
@@ -1161,9 +1157,8 @@ class LegacyWriter:
         """A parameter without optimizer state (frozen) is not in megatron-core's grad buffers, and
         ckpttool's reader of ``distrib_optim.pt`` replays buffers that hold every parameter: it would
         call the output damaged, so none is written."""
-        items = self.manifest.items
-        frozen = [n for n, i in items.items() if i.kind == "param" and i.is_tensor and f"{n}.exp_avg" not in items]
-        if frozen and any(i.kind == "optim" for i in items.values()) and (self.distopt or self.vpp > 1):
+        frozen = [n for n, i in self.manifest.items.items() if i.kind == "param" and self._frozen(n)]
+        if frozen and (self.distopt or self.vpp > 1):
             raise UsageError(
                 f"{'--distributed-optimizer' if self.distopt else f'VPP={self.vpp}'}: {len(frozen)} parameter(s) have "
                 f"no optimizer state (frozen), such as {frozen[0]}: "
@@ -1569,11 +1564,21 @@ class LegacyWriter:
         name a legacy optimizer's integer ids by walking the parameters in order and matching
         shapes (Megatron's own loader knows which are frozen), so a frozen one of a trained one's
         shape before it took its state."""
-        items = self.manifest.items
-        frozen = {n for n in names if self._item(n).is_tensor and f"{self._src_name(n)}.exp_avg" not in items}
-        if not frozen or not any(i.kind == "optim" for i in items.values()):
-            return names
-        return [n for n in names if n not in frozen] + [n for n in names if n in frozen]
+        frozen = {n for n in names if self._frozen(n)}
+        return [n for n in names if n not in frozen] + [n for n in names if n in frozen] if frozen else names
+
+    def _frozen(self, name: str) -> bool:
+        """Whether entry ``name`` is a parameter without optimizer state where the source has some."""
+        return (
+            self._optimized
+            and self._item(name).is_tensor
+            and f"{self._src_name(name)}.exp_avg" not in self.manifest.items
+        )
+
+    @cached_property
+    def _optimized(self) -> bool:
+        """Whether the source holds optimizer state (asked for every model chunk written)."""
+        return any(i.kind == "optim" for i in self.manifest.items.values())
 
     @cached_property
     def _ruled(self) -> dict[str, int | None]:
@@ -1581,10 +1586,8 @@ class LegacyWriter:
         their dims: kept in the first rank file, so that later reads place their parts."""
         out: dict[str, int | None] = {}
         for name, item in self.manifest.items.items():
-            if item.kind == "param" and item.is_tensor:
-                dim = next((d for pattern, d in self.rules.items() if re.search(pattern, name)), _UNRULED)
-                if dim is not _UNRULED:
-                    out[name] = dim  # type: ignore[assignment]
+            if item.kind == "param" and item.is_tensor and (found := matched_dim(name, self.rules)) is not None:
+                out[name] = found[0]
         return out
 
     @cached_property

@@ -19,7 +19,7 @@ import os
 import re
 import threading
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -187,6 +187,23 @@ class ErrorJSON(TypedDict):
     hint: str | None
 
 
+class TensorStatsJSON(TypedDict):
+    """One tensor's values, read by ``--deep``. A figure that is not finite is the string
+    ``"inf"``, ``"-inf"`` or ``"nan"``; the figures are of the finite values only."""
+
+    numel: int
+    nan: int
+    inf: int
+    first_nonfinite: list[int] | None
+    """the index of the first NaN or Inf in the whole tensor (C order); null when there is none"""
+    min: float | str | None
+    max: float | str | None
+    mean: float | str | None
+    std: float | str | None
+    absmax: float | str | None
+    """null when the tensor holds no finite value"""
+
+
 class ReportJSON(TypedDict):
     """What ``verify --json`` prints and ``--report`` writes (docs/verify-report.schema.json)."""
 
@@ -203,7 +220,8 @@ class ReportJSON(TypedDict):
     summary: dict[Severity, int]
     checked: dict[str, int]
     findings: list[FindingJSON]
-    stats: dict[str, dict[str, Any]]
+    stats: dict[str, TensorStatsJSON]
+    """per tensor, by name (``--deep`` only)"""
     error: ErrorJSON | None
     """set when nothing could be evaluated (exit 3: no such path, an unknown format, damaged
     metadata); then ``ok`` is false and there are no findings. null otherwise"""
@@ -1539,7 +1557,7 @@ def _census(report: VerifyReport, item: Item, values: np.ndarray, stepping: bool
     n_bad = int(bad.sum())
     finite = flat[~bad] if n_bad else flat
     f64 = finite.astype(np.float64)
-    stats = {
+    stats: dict[str, Any] = {
         "numel": int(flat.size),
         "nan": int(np.isnan(flat).sum()),
         "inf": int(np.isinf(flat).sum()),
@@ -1553,17 +1571,44 @@ def _census(report: VerifyReport, item: Item, values: np.ndarray, stepping: bool
     if stats["absmax"] == 0 and not n_bad and stepping:
         # (its bytes need not all be 0: a moment multiplied by 0 keeps -0.0 where it was negative)
         report.findings.append(_zeroed(item, manifest))
+    stats["first_nonfinite"] = None
     if n_bad:
         first = int(np.argmax(bad))
         index = [int(i) for i in np.unravel_index(first, item.shape or ())] if item.shape else []
+        stats["first_nonfinite"] = index
+        holder = _piece_at(item, index)
+        where = ""
+        if holder is not None:
+            where = f" (in {holder.file}" + ("" if holder.rank is None else f", rank {holder.rank}") + ")"
         report.findings.append(
             finding(
                 "nonfinite",
                 f"{item.name}: {stats['nan']:,} NaN and {stats['inf']:,} Inf of {flat.size:,} "
-                f"values; first at index {index}",
+                f"values; first at index {index}{where}",
                 item=item.name,
+                file=holder.file if holder else None,
+                rank=holder.rank if holder else None,
             )
         )
+
+
+def _piece_at(item: Item, index: Sequence[int]) -> Piece | None:
+    """The piece holding the element at ``index`` of ``item`` (its first copy): the one a
+    nonfinite finding names, so that a NaN on one rank's shard is traced to that rank's file."""
+    holders = []
+    for piece in item.pieces:
+        box = piece.box
+        if len(box.offsets) != len(index):
+            continue
+        local = [i - o for i, o in zip(index, box.offsets, strict=True)]
+        if any(not 0 <= x < n for x, n in zip(local, box.sizes, strict=True)):
+            continue
+        if piece.flat is not None:
+            at = int(np.ravel_multi_index(local, box.sizes)) if local else 0
+            if not piece.flat[0] <= at < piece.flat[0] + piece.flat[1]:
+                continue
+        holders.append(piece)
+    return min(holders, key=lambda p: p.replica, default=None)
 
 
 __all__ = ["RULES", "Finding", "Rule", "VerifyReport", "finding", "verify"]

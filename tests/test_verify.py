@@ -9,6 +9,7 @@ import struct
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -408,14 +409,27 @@ def test_adam_moment_multiplied_by_zero_is_found_with_deep(tmp_path):
 
 
 def test_nan_in_a_weight(tmp_path):
+    """A NaN in the last rank's shard of a weight: --deep counts it and names the element's
+    global index, and the file and rank holding it (in the message and in the JSON)."""
     path = _copy("dcp/mesh2x2", tmp_path)
-    file, off, n = _raw(path, "model.head.weight", 0)
-    _patch(file, off + 8, struct.pack("<f", float("nan")))
+    _, m = registry.describe(path)
+    pieces = m.items["model.head.weight"].pieces
+    last = max(range(len(pieces)), key=lambda i: pieces[i].rank or 0)
+    piece = pieces[last]
+    assert piece.rank and piece.file != pieces[0].file and piece.flat is None
+    file, off, n = _raw(path, "model.head.weight", last)
+    _patch(file, off + 8, struct.pack("<f", float("nan")))  # the piece's element 2
     assert "nonfinite" not in _rules(verify(path))  # values are only read with --deep
     report = verify(path, deep=True)
     nan = [f for f in report.findings if f.rule == "nonfinite"]
     assert nan and nan[0].item == "model.head.weight" and "1 NaN" in nan[0].message
+    local = np.unravel_index(2, piece.box.sizes)
+    index = [int(o + i) for o, i in zip(piece.box.offsets, local)]
+    assert (nan[0].file, nan[0].rank) == (piece.file, piece.rank), nan[0]
+    assert f"first at index {index} (in {piece.file}, rank {piece.rank})" in nan[0].message
     assert report.stats["model.head.weight"]["nan"] == 1
+    assert report.stats["model.head.weight"]["first_nonfinite"] == index
+    assert report.stats["model.tok.weight"]["first_nonfinite"] is None
 
 
 def test_unsafe_pickle_is_a_finding():
@@ -673,12 +687,14 @@ def test_an_unwritable_step_summary_leaves_the_verdict(clean, tmp_path):
 def test_json_report_matches_its_schema(broken):
     from pydantic import TypeAdapter
 
-    from ckpttool.verify import ReportJSON
+    from ckpttool.verify import ReportJSON, TensorStatsJSON
 
     for path in (broken, FIXTURES / "deepspeed" / "zero3"):
         payload = json.loads(run_cli("verify", path, "--json", "--deep").stdout)
         TypeAdapter(ReportJSON).validate_python(payload, strict=False)
         assert set(payload) == set(ReportJSON.__annotations__)
+        assert payload["stats"] or path == broken  # (values are read only where files are all there)
+        assert all(set(s) == set(TensorStatsJSON.__annotations__) for s in payload["stats"].values())
 
 
 def test_seal_sha256_and_cli(tmp_path):
@@ -1021,6 +1037,8 @@ def test_a_nan_written_into_a_weight_is_found_in_every_format(rel, tmp_path):
     # (ZeRO-3's tied head.weight shares emb.weight's partition: both name the NaN)
     assert item.name in [f.item for f in nan] and all("1 NaN" in f.message for f in nan), report.findings
     assert len(nan) == 1 or rel == "deepspeed/zero3", report.findings
+    ours = next(f for f in nan if f.item == item.name)
+    assert ours.file == item.pieces[0].file and ours.rank == item.pieces[0].rank, ours
     assert "checksum-mismatch" not in _rules(report)
 
 

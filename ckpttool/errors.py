@@ -18,13 +18,21 @@ class CkptError(Exception):
     default_rule: str | None = None
 
     def __init__(
-        self, message: str, *, hint: str | None = None, path: str | None = None, rule: str | None = None
+        self,
+        message: str,
+        *,
+        hint: str | None = None,
+        path: str | None = None,
+        rule: str | None = None,
+        rank: int | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
         self.path = path
         self.rule = rule or self.default_rule
+        self.rank = rank
+        """the rank whose file ``path`` is, where the format's naming says (verify's finding names it)"""
         self.others: list[CkptError] = []
         """the same failure found in other files by the same look (each file a rank cut short):
         ``verify`` reports each, the CLI names them after this one"""

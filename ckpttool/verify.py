@@ -574,7 +574,7 @@ def _from_error(exc: CkptError, item: str | None = None) -> Finding:
     rule = exc.rule if exc.rule in RULES else "corrupt-file"
     hint = None if rule == "checksum-mismatch" else exc.hint
     message = exc.message if item is None or item in exc.message else f"{item}: {exc.message}"
-    return finding(rule, message, file=exc.path, item=item, hint=hint)
+    return finding(rule, message, file=exc.path, item=item, rank=exc.rank, hint=hint)
 
 
 # -- files and bytes -------------------------------------------------------------------------------

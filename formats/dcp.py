@@ -604,8 +604,7 @@ class DcpAdapter:
         known = files.get(rel)
         if known is None:
             confine(root, rel, named_by=md_name)
-            m = _DATA.match(rel)
-            known = files[rel] = (rel, int(m.group(1)) if m else None)
+            known = files[rel] = (rel, _writer(rel))
         rel, named_rank = known
         if rel not in sizes:
             _damaged_files(root, storage, sizes, md_name)  # (with other files missing or cut short: all)
@@ -731,12 +730,19 @@ def _damaged_files(
     raise_together(errors)
 
 
+def _writer(rel: str) -> int | None:
+    """The rank that wrote data file ``rel``, by FileSystemWriter's ``__<rank>_<n>.distcp`` naming."""
+    m = _DATA.match(rel)
+    return int(m.group(1)) if m else None
+
+
 def _missing(rel: str, md_name: str) -> CkptError:
     return IncompleteCheckpointError(
         f"{rel}: data file named by {md_name} is missing",
         hint="a rank's file was not written or was deleted; restore it or use another checkpoint",
         path=rel,
         rule="missing-file",
+        rank=_writer(rel),
     )
 
 
@@ -747,6 +753,7 @@ def _cut_short(rel: str, size: int, md_name: str, end: int) -> CkptError:
         hint="restore the file from its source; 'ckpttool verify' lists every damaged file",
         path=rel,
         rule="truncated-file",
+        rank=_writer(rel),
     )
 
 

@@ -1017,7 +1017,7 @@ def _check_rank_files(
             path=rel,
             rule="misplaced-file",
         )
-    absent: list[tuple[str, str]] = []  # (file name, what it holds)
+    absent: list[tuple[str, str, int]] = []  # (file name, what it holds, the rank its pieces name)
     z3 = stage == 3 or bool(z3_models)
     names = [m.group(1) or "" for rel in optims.values() if (m := _OPTIM.match(rel.rsplit("/", 1)[-1]))]
     opt_prefix = names[0] if names else ("bf16_" if _is_bf16(first.get("ds_config")) else "")
@@ -1027,15 +1027,18 @@ def _check_rank_files(
 
     for mp in range(mp_size):
         if not z3 and mp not in models:
-            absent.append((f"mp_rank_{mp:02d}_model_states.pt", f"MP rank {mp}'s model states"))
+            absent.append((f"mp_rank_{mp:02d}_model_states.pt", f"MP rank {mp}'s model states", mp))
         for dp in range(dp_size) if partitioned else ():
             if z3 and (dp, mp) not in z3_models:
-                absent.append((f"zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt", f"{rank(dp, mp)}'s model states"))
+                absent.append(
+                    (f"zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt", f"{rank(dp, mp)}'s model states", dp)
+                )
             if (dp, mp) not in optims:
                 absent.append(
                     (
                         f"{opt_prefix}zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt",
                         f"{rank(dp, mp)}'s optimizer partition",
+                        dp,
                     )
                 )
     if absent:
@@ -1046,19 +1049,27 @@ def _check_rank_files(
             if world is not None
             else "the rank files found"
         )
-        shown = ", ".join(
-            f"{name} ({what}{f'; found at {stray[name]}, where DeepSpeed does not read it' if name in stray else ''})"
-            for name, what in absent[:6]
-        ) + (" …" if len(absent) > 6 else "")
-        raise IncompleteCheckpointError(
-            f"{tag}: {len(absent)} rank file(s) missing: {shown}. The files record {dp_size} DP rank(s) "
+        context = (
+            f"{len(absent)} rank file(s) missing from {tag}. The files record {dp_size} DP rank(s) "
             f"({source}){f' x {mp_size} model-parallel ranks (mp_world_size)' if mp_size > 1 else ''}, each saving "
-            "its own files; "
-            f"found {len(optims)} optimizer and {len(model_rels)} model-states file(s)",
-            hint="a rank did not finish saving or its file was deleted or renamed: restore it from the save, or use "
-            "another checkpoint (the other ranks' partitions are not whole tensors)",
-            path=prefix + absent[0][0],
-            rule="missing-file",
+            f"its own files; found {len(optims)} optimizer and {len(model_rels)} model-states file(s)"
+        )
+        # one error per file, each naming its rank (verify reports each; the CLI names the rest
+        # after the first, which alone says how the set of files was worked out)
+        raise_together(
+            [
+                IncompleteCheckpointError(
+                    f"{prefix}{name}: {what} is missing"
+                    + (f" (found at {stray[name]}, where DeepSpeed does not read it)" if name in stray else "")
+                    + (f": {context}" if i == 0 else ""),
+                    hint="a rank did not finish saving or its file was deleted or renamed: restore it from the save, "
+                    "or use another checkpoint (the other ranks' partitions are not whole tensors)",
+                    path=prefix + name,
+                    rule="missing-file",
+                    rank=r,
+                )
+                for i, (name, what, r) in enumerate(absent)
+            ]
         )
     _check_rank0_file(files, models, z3_models)
     return dp_size if partitioned else None

@@ -1403,7 +1403,10 @@ class MegatronLegacyAdapter:
             confine(root, f"{prefix}{d}", named_by="the listing")  # a rank folder linked out
             rel = f"{prefix}{d}/model_optim_rng.pt"
             if not (root / rel).is_file():
-                damaged.append(IncompleteCheckpointError(f"{rel} is missing", path=rel, rule="missing-file"))
+                m = _MP_DIR.match(d)
+                # (the TP rank, as this file's pieces name it)
+                tp = int(m.group(1)) if m else None
+                damaged.append(IncompleteCheckpointError(f"{rel} is missing", path=rel, rule="missing-file", rank=tp))
                 continue
             if (loaded := _pt.load_or_note(root, rel, ALLOWLIST, damaged)) is None:
                 continue
@@ -1468,7 +1471,6 @@ class MegatronLegacyAdapter:
                 )
         missing = sorted(expected - set(ranks.values()))
         if missing:  # each named (verify groups them), the files it reads there
-            names = [rank_dir(t, p, pp, e, ep) for t, p, e in missing]
             raise_together(
                 [
                     IncompleteCheckpointError(
@@ -1477,8 +1479,10 @@ class MegatronLegacyAdapter:
                         hint="a rank did not save or the directory was deleted; use another iteration",
                         path=f"{prefix}{name}/model_optim_rng.pt",
                         rule="missing-file",
+                        rank=t,  # (the TP rank, as the pieces of its files name it)
                     )
-                    for name in names
+                    for t, p, e in missing
+                    for name in [rank_dir(t, p, pp, e, ep)]
                 ]
             )
         gated = bool(getattr(args, "swiglu", False) or getattr(args, "gated_linear_unit", False))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -73,6 +74,12 @@ MISSING = [
 ]
 
 
+def _rank_in(name: str) -> int:
+    m = re.search(r"zero_pp_rank_(\d+)_", name) or re.search(r"mp_rank_(\d+)_", name)
+    assert m
+    return int(m.group(1))
+
+
 @pytest.mark.parametrize(("fixture", "gone"), MISSING, ids=[f"{f}-{'+'.join(g)}" for f, g in MISSING])
 def test_a_deleted_rank_file_is_named_not_read_around(fixture, gone, tmp_path):
     """Before: a ZeRO-3 save without rank 1's optimizer file read rank 0's partitions as whole
@@ -84,10 +91,10 @@ def test_a_deleted_rank_file_is_named_not_read_around(fixture, gone, tmp_path):
     code, findings = _verify_cli(path)
     assert code == 1, findings
     missing = [f for f in findings if f["rule"] == "missing-file"]
-    assert len(missing) == 1, findings
-    assert missing[0]["file"] == f"{TAG}/{gone[0]}"
-    for name in gone:
-        assert name in missing[0]["message"]
+    # one finding per file, each naming the rank whose file it is (the rank its pieces name)
+    assert [(f["file"], f["rank"]) for f in missing] == [(f"{TAG}/{n}", _rank_in(n)) for n in gone], findings
+    assert all(n in f["message"] for n, f in zip(gone, missing))
+    assert f"{len(gone)} rank file(s) missing from {TAG}" in missing[0]["message"]
     assert not [f for f in findings if f["rule"] in ("coverage-gap", "corrupt-file", "optimizer-mismatch")], findings
 
 

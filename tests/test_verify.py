@@ -133,16 +133,24 @@ def test_truncated_file(tmp_path):
 
 
 def test_rank_file_deleted(tmp_path):
+    """A deleted rank file is a missing-file finding naming the file and the rank whose file it
+    is (the rank its pieces name), with a seal or without."""
     path = _copy("megatron/legacy_tp2pp2", tmp_path)
     shutil.rmtree(path / "iter_0000003" / "mp_rank_01_000")
     report = verify(path)
-    assert "missing-file" in _rules(report)
+    missing = [(f.file, f.rank) for f in report.findings if f.rule == "missing-file"]
+    assert missing == [("iter_0000003/mp_rank_01_000/model_optim_rng.pt", 1)], report.findings
+    path2 = _copy("dcp/fsdp2", tmp_path / "b")
+    (path2 / "__3_0.distcp").unlink()
+    unsealed = verify(path2)
+    assert [(f.file, f.rank) for f in unsealed.findings if f.rule == "missing-file"] == [("__3_0.distcp", 3)]
+    shutil.rmtree(path2)
     path2 = _copy("dcp/fsdp2", tmp_path / "b")
     seal(path2)
     (path2 / "__3_0.distcp").unlink()
     report = verify(path2)
     assert "missing-file" in _rules(report)
-    assert any(f.rank == 3 for f in report.findings if f.rule == "missing-file")
+    assert all(f.rank == 3 for f in report.findings if f.rule == "missing-file")
 
 
 def test_step_rewritten_in_one_rank(tmp_path):

@@ -28,7 +28,7 @@ import copy
 import math
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
@@ -1330,18 +1330,16 @@ class LegacyWriter:
             rng = self._record_value(rng)
         kept = {k: v for k, (_, v) in self._rng_kept.items()} if (t, p, e) == (0, 0, 0) else {}
         refs = [v for _, v in flatten({"rng_state": rng, "kept": kept}) if isinstance(v, _unpickle.TensorRef)]
-        if not self.distopt:
-            steps = (self.src.step_of.get(self._src_name(n)) for n in self._model_names(p, e))
-            refs += [
-                s[1] for s in steps if s is not None and isinstance(s[1], _unpickle.TensorRef | _ptwrite.OutTensor)
-            ]
         extra = self.src.optimizer_extra[1] if self.src.optimizer_extra else {}
         for kind in self._members:  # each optimizer (a chain's members): its scalers, its groups' steps
             held = {"extra": extra, "groups": [hyper for hyper, _ in self._target_groups(kind)]}
             # (a torch_dist source's grad scaler: read with its record, as an OutTensor)
             refs += [v for _, v in flatten(held) if isinstance(v, _unpickle.TensorRef | _ptwrite.OutTensor)]
-        # (a tensor the source holds twice, one step for two parameters, is written once)
-        once = {id(r): r for r in refs}.values()
+        # (a tree holding a tensor twice pickles it once)
+        once = list({id(r): r for r in refs}.values())
+        if not self.distopt:  # every parameter's own step, even two taken from one source tensor
+            steps = [self.src.step_of.get(self._src_name(n)) for n in self._params(p, None, e)]
+            once += [s[1] for s in steps if s and isinstance(s[1], _unpickle.TensorRef | _ptwrite.OutTensor)]
         return [math.prod(r.shape) * lookup_dtype(r.dtype).itemsize for r in once]
 
     def _record_value(self, record: SourceObject) -> Any:
@@ -1942,6 +1940,7 @@ class LegacyWriter:
         groups: list[dict[str, Any]] = []
         masters: list[list[Any]] = []
         pid = 0
+        stepped: set[int] = set()
         for hyper, taken in self._target_groups(kind):
             members = [n for n in params if self.src.group_of.get(self._src_name(n), 0) in taken]
             ids = []
@@ -1951,7 +1950,14 @@ class LegacyWriter:
                 entry: dict[str, Any] = {}
                 step = self.src.step_of.get(src_name)
                 if step is not None:
-                    entry["step"] = _ptwrite.carry(step[1], partial(archive, step[0]))
+                    carried = _ptwrite.carry(step[1], partial(archive, step[0]))
+                    if isinstance(carried, _ptwrite.OutTensor) and id(carried) in stepped:
+                        # a tied output layer's copy takes the embeddings' step (a torch_dist
+                        # source's one record): its own tensor, as torch's Adam keeps one per
+                        # parameter and steps it in place (one tensor shared would step twice)
+                        carried = replace(carried)
+                    stepped.add(id(carried))
+                    entry["step"] = carried
                 for key in _STATE_KEYS:
                     entry[key] = self._out(self.manifest.items[f"{src_name}.{key}"], rank, reader)
                 state[pid] = entry

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from ckpttool import _torchzip, _unpickle, registry
 from ckpttool.diff import diff
@@ -942,7 +943,9 @@ def _storages(path):
         ("dist_dp2_fp16_distopt", ["--to", "megatron"]),
         ("dist_dp2_fp16_distopt", ["--to", "megatron", "--no-distributed-optimizer"]),
         ("dist_tp2ep2_mtp_distopt", ["--to", "megatron", "--tp", "1"]),
-        ("dist_pp4_mtpstage_tied", ["--to", "megatron", "--pp", "2"]),  # (two steps, one tensor)
+        # (the last stage's embeddings and tied output-layer copy: two steps from one source step)
+        ("dist_pp4_mtpstage_tied", ["--to", "megatron", "--pp", "2"]),
+        ("legacy_pp4_mtpstage_tied", ["--pp", "2"]),
     ],
 )
 def test_a_dry_run_counts_every_tensor_of_a_legacy_rank_file(source, argv, tmp_path, cli):
@@ -954,6 +957,21 @@ def test_a_dry_run_counts_every_tensor_of_a_legacy_rank_file(source, argv, tmp_p
     plan = _planned_then_written(cli, FIXTURES / "megatron" / source, out, argv)
     for f in plan["files"]:
         assert (f["tensors"], f["nbytes"]) == _storages(out / f["path"]), f["path"]
+
+
+@pytest.mark.parametrize("source", ["dist_pp4_mtpstage_tied", "legacy_pp4_mtpstage_tied"])
+def test_each_parameter_gets_its_own_adam_step(source, tmp_path, cli):
+    """The last stage of a tied MTP model holds the word embeddings and the output layer's copy of
+    them, both with the embeddings' step. From a torch_dist source (one step record) both entries
+    were one pickled tensor: torch's Adam loads a step as it is and steps it in place, once per
+    parameter. Each parameter now has its own, as megatron-core saves them."""
+    out = tmp_path / "out"
+    assert cli("reshard", FIXTURES / "megatron" / source, "-o", out, "--to", "megatron", "--pp", "2").code == 0
+    last = load_pt(out / "iter_0000003" / "mp_rank_00_001" / "model_optim_rng.pt")
+    steps = [entry["step"] for entry in last["optimizer"]["optimizer"]["state"].values()]
+    assert len(steps) > 2 and all(isinstance(s, torch.Tensor) for s in steps)
+    assert len({s.untyped_storage().data_ptr() for s in steps}) == len(steps)
+    assert len({float(s) for s in steps}) == 1
 
 
 @pytest.mark.parametrize(

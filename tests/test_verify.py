@@ -705,6 +705,20 @@ def test_json_report_matches_its_schema(broken):
         assert all(set(s) == set(TensorStatsJSON.__annotations__) for s in payload["stats"].values())
 
 
+def test_a_seal_counts_the_data_files_not_other_seals(tmp_path):
+    """A second seal of a checkpoint that already holds one said "sealed 6 files" of a 4-file
+    checkpoint: the first seal's file, listed but never hashed, was counted."""
+    path = _copy("dcp/fsdp2", tmp_path)
+    data = sorted(p for p in path.iterdir())
+    first = run_cli("seal", path, "--out", path / "old.ckpttool.manifest.json", "--json")
+    again = run_cli("seal", path, "--json")
+    for r in (first, again):
+        assert r.code == 0, r.stderr
+        got = json.loads(r.stdout)
+        assert (got["files"], got["bytes"]) == (len(data), sum(p.stat().st_size for p in data)), got
+    assert f"sealed {len(data)} files" in run_cli("seal", path, "--out", tmp_path / "s.json").stdout
+
+
 def test_seal_sha256_and_cli(tmp_path):
     import hashlib
 

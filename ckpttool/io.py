@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 from ckpttool import _crc
-from ckpttool.errors import CorruptFileError, NotFoundError, PathEscapeError, UsageError
+from ckpttool.errors import CkptError, CorruptFileError, NotFoundError, PathEscapeError, UsageError, raise_together
 
 TMP_MARKER = ".ckpttool-tmp-"
 
@@ -595,18 +595,21 @@ def list_files(
 
     A symbolic link that stays inside ``relative_to`` (default: ``root``) is listed with its
     target's size; one that leads out of it, to a file or a directory, is refused
-    (:class:`PathEscapeError`): ckpttool reads nothing outside the checkpoint. Links to
-    directories are not followed.
+    (:class:`PathEscapeError`, naming every such link: the others in its ``others``): ckpttool
+    reads nothing outside the checkpoint. Links to directories are not followed.
     """
     root_s = os.fspath(root)
     confine_to = os.fspath(relative_to) if relative_to is not None else root_s
     out: list[tuple[str, int]] = []
+    refused: list[CkptError] = []
     for dirpath, dirnames, filenames in os.walk(root_s):
         dirnames[:] = sorted(d for d in dirnames if TMP_MARKER not in d)
-        for name in [*filenames, *dirnames]:
+        for name in sorted([*filenames, *dirnames]):
             full = os.path.join(dirpath, name)
             if os.path.islink(full) and (real := outside(confine_to, full)) is not None:
-                raise _link_refusal(os.path.relpath(full, confine_to).replace(os.sep, "/"), real, confine_to)
+                refused.append(_link_refusal(os.path.relpath(full, confine_to).replace(os.sep, "/"), real, confine_to))
+        if refused:
+            continue
         for name in filenames:
             if TMP_MARKER in name:
                 continue  # a writer's temporary (in flight, or left by a killed run): not checkpoint data
@@ -618,6 +621,7 @@ def list_files(
                 continue
             if stat.S_ISREG(st.st_mode):
                 out.append((rel, st.st_size))
+    raise_together(refused)
     out.sort()
     return out
 

@@ -12,9 +12,9 @@ import importlib
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedError, NotFoundError
+from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedError, NotFoundError, PathEscapeError
 from ckpttool.formats.base import Adapter
-from ckpttool.io import followed
+from ckpttool.io import escapes, followed, list_files
 from ckpttool.manifest import Manifest, is_seal_name
 from ckpttool.naming import kinds_by_sibling
 from ckpttool.values import gc_paused
@@ -77,6 +77,9 @@ def describe(path: str | Path) -> tuple[Adapter, Manifest]:
     try:
         with gc_paused():
             manifest = adapter.describe(Path(path))
+    except PathEscapeError as exc:
+        _name_other_links(Path(path), exc)
+        raise
     except CkptError:
         raise
     except UNTRUSTED_SHAPE as exc:
@@ -95,6 +98,22 @@ def describe(path: str | Path) -> tuple[Adapter, Manifest]:
             f.role = "seal"
     kinds_by_sibling(manifest.items)  # (names alone leave a top-level parameter's state a parameter)
     return adapter, manifest
+
+
+def _name_other_links(root: Path, exc: PathEscapeError) -> None:
+    """An adapter stops at the first link out of the checkpoint it meets: the other links out
+    beside it (in the same top folder: the save's tag or iteration, or the checkpoint directory
+    itself) join it in ``exc.others``, so that one run names them all."""
+    if exc.others or not exc.path or escapes(exc.path) or not root.is_dir():
+        return  # (a path the metadata spells out of the checkpoint is not a link)
+    top = exc.path.split("/", 1)[0] if "/" in exc.path else ""
+    scope = root / top if top else root
+    if scope.is_symlink() or not scope.is_dir():
+        return
+    try:
+        list_files(scope, relative_to=root)
+    except PathEscapeError as found:
+        exc.others = [e for e in (found, *found.others) if e.path != exc.path]
 
 
 UNTRUSTED_SHAPE = (

@@ -149,6 +149,39 @@ def test_a_link_out_of_a_sealed_checkpoint_is_never_followed(fixture, rel, tmp_p
     assert tree_digests(outside) == before
 
 
+TWO_LINKED = [
+    ("dcp/fsdp2", ["__1_0.distcp", "__3_0.distcp"]),
+    ("safetensors/sharded", ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]),
+    ("deepspeed/zero2", [f"global_step3/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]),
+    ("megatron/legacy_tp2pp2", [f"iter_0000003/mp_rank_0{t}_001/model_optim_rng.pt" for t in (0, 1)]),
+    ("megatron/legacy_tp2pp2", ["iter_0000003/mp_rank_00_000", "iter_0000003/mp_rank_01_001"]),
+    ("megatron/dist_tp2", ["iter_0000003/__0_0.distcp", "iter_0000003/__1_1.distcp"]),
+    ("rankshards/ddp", ["shard_00000_of_00002.pt", "shard_00001_of_00002.pt"]),
+]
+
+
+@pytest.mark.parametrize(("fixture", "rels"), TWO_LINKED, ids=lambda v: v.replace("/", "-") if isinstance(v, str) else "")
+def test_every_link_out_is_named_not_the_first(fixture, rels, tmp_path):
+    """Two files (or rank folders) linked out of the checkpoint: the reader stopped at the first
+    and named it alone, so a user fixed one link per run. verify reports each; the other
+    commands name the rest after the first."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / fixture, ck)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for i, rel in enumerate(rels):
+        (ck / rel).rename(elsewhere / str(i))
+        (ck / rel).symlink_to(elsewhere / str(i))
+    r = run_cli("verify", ck, "--json", cwd=tmp_path)
+    assert r.code == 1, r.stderr
+    unsafe = sorted(f["file"] for f in json.loads(r.stdout)["findings"] if f["rule"] == "unsafe-path")
+    assert unsafe == sorted(rels), unsafe
+    r = run_cli("inspect", ck, cwd=tmp_path)
+    assert r.code == 3 and "Traceback" not in r.stderr
+    # (a torch_dist reader names its files from the iteration folder)
+    assert all(rel.rsplit("/", 1)[-1] in r.stderr for rel in rels) and "1 more file likewise" in r.stderr, r.stderr
+
+
 def test_a_link_that_stays_inside_the_checkpoint_is_read(tmp_path):
     ck = tmp_path / "ck"
     shutil.copytree(FIXTURES / "rankshards" / "ddp", ck)

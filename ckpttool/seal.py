@@ -71,6 +71,10 @@ class Seal:
     _records: list[PieceRecord] | None = None
     created: str = ""
     tool: str = ""
+    folders: dict[str, list[str]] | None = None
+    """The subfolders each folder holding data files had when sealed (other saves' folders, a
+    logs folder): ``verify`` reports a subfolder that came after as an extra file. None in seals
+    written before ckpttool kept it."""
     _manifest: Manifest | None = None
     _columns: dict[str, Any] | None = None
     _path: str = ""
@@ -129,6 +133,7 @@ class Seal:
             "created": self.created,
             "hash": self.algo,
             "manifest": head,
+            **({"folders": self.folders} if self.folders is not None else {}),
             "piece_files": list(files),
             "locator_keys": [list(k) for k in keysets],
             "items": items,
@@ -170,7 +175,13 @@ class Seal:
         head = Manifest.from_json_dict({**head_json, "items": {}})
         columns = {k: data[k] for k in ("piece_files", "locator_keys", "items", "pieces")}
         _validate(columns)
-        return cls(algo=algo, head=head, created=created, tool=tool, _columns=columns, _path=str(path))
+        folders = data.get("folders")
+        if folders is not None and not (
+            isinstance(folders, dict)
+            and all(isinstance(k, str) and isinstance(v, list) and _only(v, str) for k, v in folders.items())
+        ):
+            raise TypeError("folders is not an object of name lists")
+        return cls(algo=algo, head=head, created=created, tool=tool, folders=folders, _columns=columns, _path=str(path))
 
 
 def _head(manifest: Manifest) -> Manifest:
@@ -667,6 +678,23 @@ def _region(p: Piece) -> str:
     return p.box.text() + (f" elements {p.flat[0]}..{p.flat[0] + p.flat[1]}" if p.flat is not None else "")
 
 
+def data_folders(manifest: Manifest) -> list[str]:
+    """The folders (relative to the manifest's root, "" for the root) that hold its data files:
+    where a folder the checkpoint did not have when sealed is an extra file. Not the save directory
+    above a tag or iteration folder, where later saves add theirs."""
+    return sorted({f.path.rsplit("/", 1)[0] if "/" in f.path else "" for f in manifest.files if f.role == "data"})
+
+
+def _subfolders(root: Path, manifest: Manifest) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for folder in data_folders(manifest):
+        try:
+            out[folder] = sorted(p.name for p in (root / folder).iterdir() if p.is_dir())
+        except OSError:
+            continue
+    return out
+
+
 def seal(
     path: str | Path,
     *,
@@ -743,11 +771,13 @@ def seal(
                     checksum=digest,
                 )
             )
+    folders = _subfolders(Path(manifest.root), manifest) if Path(path).is_dir() else None
     if published_as is not None:
         manifest.root = str(published_as)
     result = Seal(
         algo=algo,
         head=_head(manifest),
+        folders=folders,
         _manifest=manifest,
         _records=records,
         tool=f"ckpttool {__version__}",

@@ -15,8 +15,10 @@ CLI renders it (human, JSON, JUnit, GitHub) and picks the exit code. Checks:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import stat
 import threading
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -35,7 +37,7 @@ from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedErro
 from ckpttool.formats.base import Adapter
 from ckpttool.geometry import coverage
 from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
-from ckpttool.io import checking_crcs, followed, outside
+from ckpttool.io import TMP_MARKER, checking_crcs, followed, outside
 from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, Piece, StateName, is_seal_name
 from ckpttool.seal import (
     Expected,
@@ -423,7 +425,7 @@ def _check_in_flight(report: VerifyReport, root: Path, manifest: Manifest | None
     """Signs of a save that is still running, or that stopped half way: a writer's temporary
     files, and data files rewritten after the metadata that describes them (a save over an
     existing checkpoint keeps the old metadata until its very end)."""
-    from ckpttool.io import TMP_MARKER, list_files
+    from ckpttool.io import list_files
 
     if not root.is_dir():
         return  # a single file is written whole by its own writer (or atomically by ckpttool)
@@ -591,6 +593,8 @@ class _SealedBytes:
     stop: threading.Event
     escaping: dict[str, str] = field(default_factory=dict)
     """Links among the seal's folders that lead out of ``scope`` (not read): path → target."""
+    added: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Folders made in a folder of data files after the seal: path → (files, bytes) below it."""
 
     def result(self) -> dict[str, FileDigest]:
         try:
@@ -649,6 +653,10 @@ def _hash_sealed_files(
     # tags or iterations of a save directory are not "extra")
     on_disk: dict[str, int] = {}
     escaping: dict[str, str] = {}
+    added: dict[str, tuple[int, int]] = {}
+    had = {} if one_file or sealed.folders is None else sealed.folders  # (the subfolders it was sealed with)
+    parents = {rel.rsplit("/", 1)[0] for rel in expected if "/" in rel}
+    parents |= {p.rsplit("/", i)[0] for p in parents for i in range(1, p.count("/") + 1)}
     for folder in sorted({rel.rsplit("/", 1)[0] if "/" in rel else "" for rel in expected}):
         d = scope / folder if folder else scope
         if (real := outside(limit, d)) is not None:
@@ -657,16 +665,30 @@ def _hash_sealed_files(
         if d.is_dir():
             for p in d.iterdir():
                 rel = f"{folder}/{p.name}" if folder else p.name
+                tmp = TMP_MARKER in p.name  # (a ckpttool writer's temporary folder is incomplete-save's)
                 if one_file and rel not in expected:
                     continue
                 if p.is_symlink() and (real := outside(limit, p)) is not None:
                     escaping[rel] = real
                 elif p.is_file():
                     on_disk[rel] = p.stat().st_size
+                elif p.is_dir() and rel not in parents and p.name not in had.get(folder, [p.name]) and not tmp:
+                    added[rel] = _size_below(p)
     present = [f.path for f in sealed.head.files if f.path in expected and f.path in on_disk]
     runner, stop = ThreadPoolExecutor(max_workers=1), threading.Event()
     future = runner.submit(hash_files, scope, present, {}, sealed.algo, workers=workers, progress=progress, cancel=stop)
-    return _SealedBytes(scope, on_disk, future, runner, stop, escaping)
+    return _SealedBytes(scope, on_disk, future, runner, stop, escaping, added)
+
+
+def _size_below(folder: Path) -> tuple[int, int]:
+    """(files, bytes) below ``folder``, links not followed."""
+    files = size = 0
+    for dirpath, _, filenames in os.walk(folder):
+        for name in filenames:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(dirpath, name))
+                files, size = files + 1, size + (st.st_size if stat.S_ISREG(st.st_mode) else 0)
+    return files, size
 
 
 def _check_seal(
@@ -718,6 +740,15 @@ def _check_seal(
         )
     for rel in sorted(set(uncovered) - set(extra)):  # (in a folder the seal has no file in)
         report.findings.append(finding("extra-file", f"{rel}: in the checkpoint but not in the seal", file=rel))
+    for rel, (n, size) in sorted(early.added.items()):
+        report.findings.append(
+            finding(
+                "extra-file",
+                f"{rel}/: a folder made after the seal beside the checkpoint's data files ({n:,} file"
+                f"{'' if n == 1 else 's'}, {size:,} bytes)",
+                file=rel,
+            )
+        )
     present = [rel for rel in expected if rel in on_disk]
     # a file whose digest matches holds the bytes the seal's piece digests were taken from
     report.checked["files"] = len(present)

@@ -473,6 +473,41 @@ def test_extra_file_against_the_seal(tmp_path):
     assert report.failing("warning")
 
 
+@pytest.mark.parametrize(
+    ("fixture", "inside", "later_saves"),
+    [
+        ("dcp/fsdp2", "", []),
+        ("deepspeed/zero2", "global_step3", ["global_step4"]),
+        ("megatron/legacy_tp2pp2", "iter_0000003/mp_rank_01_001", ["iter_0000004"]),
+    ],
+)
+def test_a_folder_added_after_the_seal_is_an_extra_file(fixture, inside, later_saves, tmp_path):
+    """A folder made after `seal` among the checkpoint's data files (a file in it, or none) went
+    unreported: only files were compared with the seal. A folder that was there when sealed (a
+    logs folder) is not extra, nor is a later save's tag or iteration in the save directory."""
+    path = _copy(fixture, tmp_path)
+    where = path / inside if inside else path
+    (where / "logs").mkdir()
+    seal(path)
+    (where / "logs" / "events").write_text("written after the seal")
+    (where / "stray" / "deeper").mkdir(parents=True)
+    (where / "stray" / "deeper" / "x.pt").write_bytes(b"12345")
+    for name in later_saves:
+        (path / name).mkdir()
+        (path / name / "file").write_text("a later save")
+    report = verify(path)
+    stray = f"{inside}/stray" if inside else "stray"
+    extra = [f for f in report.findings if f.rule == "extra-file"]
+    assert [f.file for f in extra] == [stray], report.findings
+    assert "(1 file, 5 bytes)" in extra[0].message and extra[0].severity == "warning"
+    # a seal written before ckpttool kept the folders says nothing of them
+    sealed = path / "ckpttool.manifest.json"
+    data = json.loads(sealed.read_text())
+    assert data.pop("folders")
+    sealed.write_text(json.dumps(data))
+    assert not [f for f in verify(path).findings if f.rule == "extra-file"]
+
+
 def test_a_sealed_single_file_owns_nothing_beside_it(tmp_path):
     """A file checkpoint's folder holds other things (a config, other checkpoints): none of them
     is an extra file of its seal; the file itself still is checked."""

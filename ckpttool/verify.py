@@ -372,7 +372,17 @@ def _verify(
     piece_digests: dict[tuple[str, int], str] = {}
     file_digests: dict[str, FileDigest] = {}  # (without a seal: a seal's mismatches name the files)
     if sealed is not None:
+        before = len(report.findings)
         piece_digests = _check_seal(report, root, sealed, manifest, adapter, workers, progress, early)
+        scope = _seal_scope(root, sealed, manifest)
+        if manifest is None and root.is_dir() and scope.resolve() != root.resolve():
+            # an unreadable save directory's findings name files from it, the seal's from its
+            # iteration: named from the directory given, as the reader's are (one finding per file)
+            prefix = os.path.relpath(scope, root).replace(os.sep, "/")
+            report.findings[before:] = [
+                replace(f, file=f"{prefix}/{f.file}") if f.file and f.file != prefix else f
+                for f in report.findings[before:]
+            ]
     elif manifest is not None and adapter is not None:
         piece_digests, file_digests = _check_integrity(report, manifest, adapter, workers, progress)
     if manifest is not None and adapter is not None:
@@ -560,12 +570,13 @@ def _check_copies(report: VerifyReport, manifest: Manifest, adapter: Adapter, di
 
 def _dedupe(findings: list[Finding]) -> list[Finding]:
     """One finding per (rule, file, item) (of no file: per message and item): the metadata walk and
-    the seal may both see a missing file; the one that knows the rank wins."""
+    the seal may both see a missing file. The one that knows the rank wins, else the later: the
+    seal's, which knows the file's sealed size."""
     best: dict[tuple[str, str | None, str | None], Finding] = {}
     for f in findings:
         key = (f.rule, f.file, f.item) if f.file else (f.rule, f.message, f.item)  # (a finding of no file: its words)
         old = best.get(key)
-        if old is None or (old.rank is None and f.rank is not None):
+        if old is None or f.rank is not None or old.rank is None:
             best[key] = f
     return list(best.values())
 

@@ -153,6 +153,22 @@ def test_rank_file_deleted(tmp_path):
     assert all(f.rank == 3 for f in report.findings if f.rule == "missing-file")
 
 
+def test_a_sealed_save_directory_names_each_missing_file_once(tmp_path):
+    """torch_dist, sealed, two data files deleted: the reader stops (no manifest), and its
+    findings named the files from the save directory, the seal's from the iteration folder: each
+    file was reported twice, under two paths."""
+    path = _copy("megatron/dist_tp2", tmp_path)
+    seal(path)
+    gone = ["iter_0000003/__0_1.distcp", "iter_0000003/__1_1.distcp"]
+    for rel in gone:
+        (path / rel).unlink()
+    os.truncate(path / "iter_0000003" / "__1_0.distcp", 10_000)
+    report = verify(path)
+    assert sorted((f.file, f.rank) for f in report.findings if f.rule == "missing-file") == [(gone[0], 0), (gone[1], 1)]
+    cut = [f.file for f in report.findings if f.rule == "truncated-file"]
+    assert cut == ["iter_0000003/__1_0.distcp"], report.findings
+
+
 def test_step_rewritten_in_one_rank(tmp_path):
     path = _copy("rankshards/ddp", tmp_path)
     f = path / "shard_00001_of_00002.pt"

@@ -678,16 +678,14 @@ def _region(p: Piece) -> str:
     return p.box.text() + (f" elements {p.flat[0]}..{p.flat[0] + p.flat[1]}" if p.flat is not None else "")
 
 
-def data_folders(manifest: Manifest) -> list[str]:
-    """The folders (relative to the manifest's root, "" for the root) that hold its data files:
+def _subfolders(root: Path, manifest: Manifest) -> dict[str, list[str]]:
+    """The subfolders of each folder (relative to ``root``, "" for it) that holds data files:
     where a folder the checkpoint did not have when sealed is an extra file. Not the save directory
     above a tag or iteration folder, where later saves add theirs."""
-    return sorted({f.path.rsplit("/", 1)[0] if "/" in f.path else "" for f in manifest.files if f.role == "data"})
-
-
-def _subfolders(root: Path, manifest: Manifest) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
-    for folder in data_folders(manifest):
+    for folder in sorted(
+        {f.path.rsplit("/", 1)[0] if "/" in f.path else "" for f in manifest.files if f.role == "data"}
+    ):
         try:
             out[folder] = sorted(p.name for p in (root / folder).iterdir() if p.is_dir())
         except OSError:

@@ -35,7 +35,7 @@ from ckpttool.assemble import assemble, regions
 from ckpttool.dtypes import as_float, float32_to_bf16
 from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedError, NotFoundError, PathEscapeError
 from ckpttool.formats.base import Adapter
-from ckpttool.geometry import coverage
+from ckpttool.geometry import Box, coverage, flat_range_boxes, intersect
 from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
 from ckpttool.io import TMP_MARKER, checking_crcs, followed, outside
 from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, Piece, StateName, is_seal_name
@@ -372,17 +372,7 @@ def _verify(
     piece_digests: dict[tuple[str, int], str] = {}
     file_digests: dict[str, FileDigest] = {}  # (without a seal: a seal's mismatches name the files)
     if sealed is not None:
-        before = len(report.findings)
         piece_digests = _check_seal(report, root, sealed, manifest, adapter, workers, progress, early)
-        scope = _seal_scope(root, sealed, manifest)
-        if manifest is None and root.is_dir() and scope.resolve() != root.resolve():
-            # an unreadable save directory's findings name files from it, the seal's from its
-            # iteration: named from the directory given, as the reader's are (one finding per file)
-            prefix = os.path.relpath(scope, root).replace(os.sep, "/")
-            report.findings[before:] = [
-                replace(f, file=f"{prefix}/{f.file}") if f.file and f.file != prefix else f
-                for f in report.findings[before:]
-            ]
     elif manifest is not None and adapter is not None:
         piece_digests, file_digests = _check_integrity(report, manifest, adapter, workers, progress)
     if manifest is not None and adapter is not None:
@@ -665,9 +655,8 @@ def _hash_sealed_files(
     on_disk: dict[str, int] = {}
     escaping: dict[str, str] = {}
     added: dict[str, tuple[int, int]] = {}
-    had = {} if one_file or sealed.folders is None else sealed.folders  # (the subfolders it was sealed with)
-    parents = {rel.rsplit("/", 1)[0] for rel in expected if "/" in rel}
-    parents |= {p.rsplit("/", i)[0] for p in parents for i in range(1, p.count("/") + 1)}
+    # (the subfolders it was sealed with, those holding its files among them)
+    had = {} if one_file or sealed.folders is None else sealed.folders
     for folder in sorted({rel.rsplit("/", 1)[0] if "/" in rel else "" for rel in expected}):
         d = scope / folder if folder else scope
         if (real := outside(limit, d)) is not None:
@@ -683,7 +672,7 @@ def _hash_sealed_files(
                     escaping[rel] = real
                 elif p.is_file():
                     on_disk[rel] = p.stat().st_size
-                elif p.is_dir() and rel not in parents and p.name not in had.get(folder, [p.name]) and not tmp:
+                elif p.is_dir() and p.name not in had.get(folder, [p.name]) and not tmp:
                     added[rel] = _size_below(p)
     present = [f.path for f in sealed.head.files if f.path in expected and f.path in on_disk]
     runner, stop = ThreadPoolExecutor(max_workers=1), threading.Event()
@@ -715,6 +704,7 @@ def _check_seal(
     """Files and pieces against the seal: every present file hashed once (by ``early`` when it
     hashed the right folder); a file that differs is read again to name the pieces that changed."""
     expected = {f.path: f for f in sealed.head.files if f.role != "seal"}
+    ours = len(report.findings)  # (the findings from here on are the seal's)
     uncovered = _unsealed(report, sealed, manifest, expected)
     scope = _seal_scope(root, sealed, manifest)
     if early is None or early.scope.resolve() != scope.resolve():
@@ -836,6 +826,13 @@ def _check_seal(
         piece_digests.update(more)
         for key, n in before.items():
             report.checked[key] = report.checked.get(key, 0) + n
+    if manifest is None and root.is_dir() and scope.resolve() != root.resolve():
+        # an unreadable save directory's findings name files from it, the seal's from its
+        # iteration: named from the directory given, as the reader's are (one finding per file)
+        prefix = os.path.relpath(scope, root).replace(os.sep, "/")
+        report.findings[ours:] = [
+            replace(f, file=f"{prefix}/{f.file}") if f.file and f.file != prefix else f for f in report.findings[ours:]
+        ]
     return piece_digests
 
 
@@ -1637,19 +1634,16 @@ def _census(report: VerifyReport, item: Item, values: np.ndarray, stepping: bool
 def _piece_at(item: Item, index: Sequence[int]) -> Piece | None:
     """The piece holding the element at ``index`` of ``item`` (its first copy): the one a
     nonfinite finding names, so that a NaN on one rank's shard is traced to that rank's file."""
-    holders = []
-    for piece in item.pieces:
-        box = piece.box
-        if len(box.offsets) != len(index):
-            continue
-        local = [i - o for i, o in zip(index, box.offsets, strict=True)]
-        if any(not 0 <= x < n for x, n in zip(local, box.sizes, strict=True)):
-            continue
-        if piece.flat is not None:
-            at = int(np.ravel_multi_index(local, box.sizes)) if local else 0
-            if not piece.flat[0] <= at < piece.flat[0] + piece.flat[1]:
-                continue
-        holders.append(piece)
+    point = Box(tuple(index), (1,) * len(index))
+    holders = [
+        piece
+        for piece in item.pieces
+        if piece.box.ndim == point.ndim
+        and any(
+            intersect(point, box)
+            for box in ([piece.box] if piece.flat is None else flat_range_boxes(piece.box, *piece.flat))
+        )
+    ]
     return min(holders, key=lambda p: p.replica, default=None)
 
 

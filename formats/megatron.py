@@ -1403,9 +1403,7 @@ class MegatronLegacyAdapter:
             confine(root, f"{prefix}{d}", named_by="the listing")  # a rank folder linked out
             rel = f"{prefix}{d}/model_optim_rng.pt"
             if not (root / rel).is_file():
-                m = _MP_DIR.match(d)
-                # (the TP rank, as this file's pieces name it)
-                tp = int(m.group(1)) if m else None
+                tp = rank_of(d, 1)[0]  # (the TP rank, as this file's pieces name it)
                 damaged.append(IncompleteCheckpointError(f"{rel} is missing", path=rel, rule="missing-file", rank=tp))
                 continue
             if (loaded := _pt.load_or_note(root, rel, ALLOWLIST, damaged)) is None:

@@ -1166,6 +1166,8 @@ def layout_chunks(layout: str, pp: int, layers: int) -> list[list[tuple[int, int
     if flat.count("t") != layers:
         raise ValueError(f"the layout places {flat.count('t')} transformer layers, the model has {layers}")
     vpp = len(stages) // pp
+    if pp == 1 and vpp > 1:
+        raise ValueError(f"VPP={vpp} needs PP > 1 (virtual stages interleave pipeline ranks)")
     out: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
     offset = 0
     for v in range(vpp):

@@ -767,6 +767,9 @@ def test_pipeline_layouts_agree_with_megatron_core():
             layout.validate_layer_layout(layers, None)
             # megatron-core reads the virtual stages only when parallel_state says there are some
             vpp = layout.virtual_pipeline_model_parallel_size
+            # the class takes several stages at PP=1; initialize_model_parallel then refuses the
+            # interleaved schedule ("pipeline-model-parallel size should be greater than 1")
+            assert pp > 1 or vpp == 1
             parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
             theirs = [
                 [(layout.get_layer_offset(vp_stage=v, pp_rank=p), layout.get_num_layers_to_build(vp_stage=v, pp_rank=p))

@@ -2809,6 +2809,7 @@ def test_megatron_pipeline_layout(tmp_path):
         (Target(tp=1, pp=2, pipeline_layout="tE|tt|t|L"), "must start with the embedding"),
         (Target(tp=1, pp=2, pipeline_layout="E|tt|tt|mL"), "the pipeline layout places 1 MTP layers"),
         (Target(tp=1, pp=2, vpp=2, pipeline_layout="E|tt|tt|L"), "drop --vpp"),
+        (Target(tp=1, pp=1, pipeline_layout="Et|t|t|tL"), "VPP=4 needs PP > 1"),  # as --vpp 4 at PP=1
         (Target(to="dcp", pipeline_layout="E|tt|tt|L"), "Megatron targets only"),
     ],
 )

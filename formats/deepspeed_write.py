@@ -18,10 +18,8 @@ param-group hyper-parameters, scheduler, counters, config) is kept.
 from __future__ import annotations
 
 import math
-import os
 import re
 import shutil
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -30,7 +28,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from ckpttool import _unpickle
+from ckpttool import _torchzip, _unpickle
 from ckpttool.assemble import assemble
 from ckpttool.dtypes import bf16_to_float32, carrier, float32_to_bf16
 from ckpttool.dtypes import dtype as lookup_dtype
@@ -47,7 +45,7 @@ from ckpttool.formats.deepspeed import (
     parallel_degree,
 )
 from ckpttool.geometry import Box, flat_range_boxes
-from ckpttool.io import confine
+from ckpttool.io import RandomAccessFile, confine
 from ckpttool.manifest import Item, Manifest
 
 _OPTIM = re.compile(
@@ -336,20 +334,14 @@ class ZeroWriter:
         return replace(item, shape=shape, pieces=[replace(p, replica=0, box=local[p.box]) for p in pieces])
 
 
-def copy_plan(root: Path, rel: str, path: str, key: tuple[int, ...], tensors: int) -> PlannedFile:
-    """The plan of a source file copied as it is to ``path``: its bytes and ``tensors`` (the count
-    :func:`tensors_in` gives), no tensor buffer."""
-    size = os.stat(confine(root, rel)).st_size
-    return PlannedFile(path=path, key=key, nbytes=size, tensors=tensors, largest=0)
-
-
-def tensors_in(manifest: Manifest) -> Counter[str]:
-    """How many tensors have a piece in each file of ``manifest``."""
-    counts: Counter[str] = Counter()
-    for item in manifest.items.values():
-        if item.is_tensor:
-            counts.update({p.file for p in item.pieces})
-    return counts
+def copy_plan(root: Path, rel: str, path: str, key: tuple[int, ...]) -> PlannedFile:
+    """The plan of a source file copied as it is to ``path``: its bytes and its tensors (the
+    storages its zip directory lists, as a written file's plan counts them: ZeRO-3's module
+    placeholders included, views into one flat buffer once), no tensor buffer."""
+    with RandomAccessFile(confine(root, rel, named_by="the listing"), display=rel) as f:
+        archive = _torchzip.Archive(f, display=rel)
+        storages = sum(1 for name in archive.members if name.split("/")[-2:-1] == ["data"])
+        return PlannedFile(path=path, key=key, nbytes=f.size, tensors=storages, largest=0)
 
 
 def copy_source(root: Path, rel: str, out: Path, progress: Callable[[int], None] | None) -> int:
@@ -396,12 +388,10 @@ class ZeroModelParallelWriter:
         self.root = root
 
     def files(self) -> list[PlannedFile]:
-        counts = tensors_in(self.ranks[0].manifest)  # the tensors in each file copied as it is
         out = [replace(f, key=(m, *f.key)) for m, w in enumerate(self.ranks) for f in w.files()]
         prefix = self.ranks[0]._prefix()
         out += [
-            copy_plan(self.root, rel, prefix + rel.rsplit("/", 1)[-1], (-1, k), counts[rel])
-            for k, rel in enumerate(self.layers)
+            copy_plan(self.root, rel, prefix + rel.rsplit("/", 1)[-1], (-1, k)) for k, rel in enumerate(self.layers)
         ]
         return out
 
@@ -1394,12 +1384,11 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
         return f"{self.out_dir}/zero/{name}/{'fp32' if kind == 'module' else kind}.pt"
 
     def files(self) -> list[PlannedFile]:
-        counts = tensors_in(self.manifest)  # the tensors in each file copied as it is
         out = []
         for k, (kind, name) in enumerate(self.jobs):
             path = self._path(kind, name)
             if kind == "model":
-                out.append(copy_plan(self.root, name, path, (k,), counts[name]))
+                out.append(copy_plan(self.root, name, path, (k,)))
                 continue
             plan = _ptwrite.planned(path, (k,), self._tree(k, PLANNING, _ptwrite.unread))
             if kind == "module":  # widened to float32: the source values assembled beside its buffer
@@ -1567,11 +1556,10 @@ class Universal3Writer(_UniversalOut, Zero3Writer):
         self.jobs += [(state, name) for name in names for state in self._STATES]
 
     def files(self) -> list[PlannedFile]:
-        counts = tensors_in(self.manifest)  # the tensors in each file copied as it is
         out = []
         for k, (kind, name) in enumerate(self.jobs):
             if kind == "model":
-                out.append(copy_plan(self.root, name, f"{self.out_dir}/{name.rsplit('/', 1)[-1]}", (k,), counts[name]))
+                out.append(copy_plan(self.root, name, f"{self.out_dir}/{name.rsplit('/', 1)[-1]}", (k,)))
                 continue
             path = f"{self.out_dir}/zero/{'optimizer_state' if kind == 'optimizer' else f'{name}/{kind}'}.pt"
             out.append(_ptwrite.planned(path, (k,), self._tree(k, PLANNING, _ptwrite.unread)))

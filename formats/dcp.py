@@ -354,21 +354,31 @@ class DcpAdapter:
         maps: list[dict[Any, Any]] = []  # each metadata's planner_data
         findings: list[dict[str, Any]] = []
         ends: dict[str, dict[str, int]] = {}  # each metadata's: where each data file's records end
+        # rank-local: each rank's metadata, and what it places, read whatever another's holds, so
+        # that every damaged one is named (a rank's metadata deleted: its data files say it saved)
+        damaged: list[CkptError] = [_missing_rank_metadata(r, names) for r in _unplaced_ranks(names, rank_local)]
         for rank, md_name in sources:
-            md = _load_metadata(path, md_name)
+            try:
+                md = _load_metadata(path, md_name)
+            except (CorruptFileError, IncompleteCheckpointError) as exc:
+                if rank is None:
+                    raise
+                exc.rank = rank
+                damaged.append(exc)
+                continue
             versions.add(str(getattr(md, "version", None)))
             if rank is None:
                 self._extras(manifest, md)
             try:
                 ends[md_name] = self._add_items(manifest, md, md_name, rank, path, sizes, replicas)
             except CorruptFileError as exc:  # (rank-local: each metadata sees only its own files)
-                if (
-                    exc.rule == "truncated-file"
-                    and len(sources) > 1
-                    and (swapped := _misplaced_across(path, sources, sizes))
-                ):
+                if len(sources) == 1:
+                    raise
+                read = [(r, n) for r, n in sources if n not in {e.path for e in damaged}]
+                if exc.rule == "truncated-file" and (swapped := _misplaced_across(path, read, sizes)):
                     raise swapped from None
-                raise
+                damaged.append(exc)
+                continue
             planner_data = getattr(md, "planner_data", None)
             if isinstance(planner_data, dict) and planner_data:
                 maps.append(planner_data)
@@ -385,6 +395,7 @@ class DcpAdapter:
                         }
                     )
             del md  # before the next rank's metadata is loaded
+        raise_together(damaged)
         del replicas
         odd = any(sizes[r] != e for each in ends.values() for r, e in each.items())
         if odd and len(sources) > 1 and (swapped := _misplaced_across(path, sources, sizes)):
@@ -728,6 +739,28 @@ def _damaged_files(
         _cut_short(rel, sizes[rel], md_name, needs[rel]) if rel in sizes else _missing(rel, md_name) for rel in damaged
     ]
     raise_together(errors)
+
+
+def _unplaced_ranks(names: set[str], rank_local: list[tuple[int, str]]) -> list[int]:
+    """Of a rank-local save (``rank_local``: each ``__R.metadata``), the ranks whose data files are
+    here without their metadata."""
+    if not rank_local:
+        return []
+    held = {r for r, _ in rank_local}
+    return sorted({w for rel in names if (w := _writer(rel)) is not None} - held)
+
+
+def _missing_rank_metadata(rank: int, names: set[str]) -> IncompleteCheckpointError:
+    data = sorted(rel for rel in names if _writer(rel) == rank)
+    said = ", ".join(data[:3]) + (" …" if len(data) > 3 else "")
+    return IncompleteCheckpointError(
+        f"__{rank}.metadata is missing: rank {rank} saved its data ({said}) without collectives, and "
+        "a load at that rank reads only its own metadata",
+        hint="the save did not finish on that rank or the file was deleted; restore it or use another checkpoint",
+        path=f"__{rank}.metadata",
+        rule="missing-file",
+        rank=rank,
+    )
 
 
 def _writer(rel: str) -> int | None:

@@ -584,6 +584,7 @@ class DeepSpeedAdapter:
         roles: list[FileRecord] = []
         stray: dict[str, str] = {}  # rank files outside the tag directory (DeepSpeed never reads those)
         damaged: list[CkptError] = []
+        unread: list[str] = []  # rank files present but damaged (named in ``damaged``)
         for rel, size in listing:
             base = rel.rsplit("/", 1)[-1]
             ranked = bool(_MODEL.match(base) or _Z3_MODEL.match(base) or _OPTIM.match(base) or _LAYER.match(base))
@@ -595,17 +596,18 @@ class DeepSpeedAdapter:
                 roles.append(FileRecord(path=rel, size=size, role="aux"))
             else:
                 if (loaded := _pt.load_or_note(root, rel, ALLOWLIST, damaged)) is None:
+                    damaged[-1].rank = _file_rank(base)
+                    unread.append(rel)
                     continue  # (and on to the next: each damaged rank file named, not the first)
                 archive, obj, _ = loaded
                 archive.close()
                 files[rel] = obj
                 inner[rel] = archive.prefix.rstrip("/")
                 roles.append(FileRecord(path=rel, size=size, role="data"))
-        raise_together(damaged)
         if save_dir != tag_dir:
             manifest.extras["tag"] = tag_dir.name
         manifest.files = roles
-        base_names = {rel: rel.rsplit("/", 1)[-1] for rel in files}
+        base_names = {rel: rel.rsplit("/", 1)[-1] for rel in [*files, *unread]}
         models: dict[int, str] = {}
         z3_models: dict[tuple[int, int], str] = {}
         optims: dict[tuple[int, int], str] = {}
@@ -622,6 +624,9 @@ class DeepSpeedAdapter:
             elif m := _LAYER.match(base):
                 key = (int(m.group(1)), int(m.group(2) or 0))
                 claim(layers, key, rel, f"layer {key[0]} of MP rank {key[1]}")
+        if damaged:  # the rank files absent beside them named too, as far as the files read tell
+            absent = _absent_beside_damage(tag_dir.name, prefix, files, (models, z3_models, optims), stray)
+            raise_together([*damaged, *absent])
         stage = self._stage(files, optims)
         if bf16_optimizer(files, optims):
             manifest.extras["variant"] = "BF16_Optimizer"
@@ -966,16 +971,9 @@ def _check_rank_files(
     stage: int,
     stray: dict[str, str],
 ) -> int | None:
-    """Every rank file the save wrote is here, and no DP rank beyond those it had: one
-    ``missing-file`` error naming each absent file, as the files themselves give the layout
-    (DeepSpeed 0.19 records no file list). The DP size: ``partition_count`` in the optimizer files
-    (which must agree), else ``dp_world_size`` in the model states; the model-parallel size:
-    ``mp_world_size``. DeepSpeed writes one optimizer file per (DP, MP) rank when a ZeRO or bf16
-    optimizer partitions the state (``param_shapes`` saved), one model-states file per (DP, MP)
-    rank at ZeRO-3 and one per MP rank below it. Without a rank's file its partitions are missing
-    from every partitioned tensor: reading the others as the whole (as a save at a smaller DP
-    would be) gives wrong values. Returns the DP size the optimizer files are partitioned over
-    (None: no partitioned optimizer)."""
+    """Every rank file the save wrote is here (:func:`_absent_rank_files`), and no DP rank beyond
+    those it had, the optimizer files all of one run. Returns the DP size the optimizer files are
+    partitioned over (None: no partitioned optimizer)."""
     recorded = {rel: n for _, rel in sorted(optims.items()) if (n := _partition_count(files[rel])) is not None}
     if len(set(recorded.values())) > 1:
         (a, x), *rest = recorded.items()
@@ -988,8 +986,79 @@ def _check_rank_files(
             rule="misplaced-file",
         )
     _check_one_run(files, optims)
+    pc = next(iter(recorded.values()), None)
+    if pc is not None and (extra := sorted(k for k in [*optims, *z3_models] if k[0] >= pc)):
+        rel = optims.get(extra[0]) or z3_models[extra[0]]
+        raise CorruptFileError(
+            f"{rel}: DP rank {extra[0][0]}'s file, but the optimizer files record {pc} DP ranks "
+            f"(partition_count {pc} in {next(iter(recorded))}): a file left from a save at a larger DP size",
+            hint="remove the files of DP ranks the save did not have, or restore the tag directory from one save "
+            "(DeepSpeed's zero_to_fp32 refuses it too)",
+            path=rel,
+            rule="misplaced-file",
+        )
+    dp_size, partitioned, absent = _absent_rank_files(tag, prefix, files, models, z3_models, optims, stage, stray)
+    raise_together(absent)
+    _check_rank0_file(files, models, z3_models)
+    return dp_size if partitioned else None
+
+
+def _file_rank(base: str) -> int | None:
+    """The rank a rank file's pieces name, by its name: the DP rank of a ZeRO partition or ZeRO-3
+    model states, the model-parallel rank of model states or a pipeline layer file."""
+    if m := _OPTIM.match(base):
+        return int(m.group(2))
+    if m := _Z3_MODEL.match(base):
+        return int(m.group(1))
+    if m := _MODEL.match(base):
+        return int(m.group(1))
+    if m := _LAYER.match(base):
+        return int(m.group(2) or 0)
+    return None
+
+
+def _absent_beside_damage(
+    tag: str,
+    prefix: str,
+    files: dict[str, Any],
+    maps: tuple[dict[int, str], dict[tuple[int, int], str], dict[tuple[int, int], str]],
+    stray: dict[str, str],
+) -> list[CkptError]:
+    """:func:`_absent_rank_files` where some rank files present could not be read (``files`` lacks
+    them; ``maps``: the model, ZeRO-3 model and optimizer files present): the layout worked out
+    from those that were, nothing where they say too little."""
+    models, z3_models, optims = maps
+    read = {k: rel for k, rel in optims.items() if rel in files}
+    try:
+        stage = DeepSpeedAdapter._stage(files, read)
+        return _absent_rank_files(tag, prefix, files, models, z3_models, optims, stage, stray)[2]
+    except CkptError:
+        return []
+
+
+def _absent_rank_files(
+    tag: str,
+    prefix: str,
+    files: dict[str, Any],
+    models: dict[int, str],
+    z3_models: dict[tuple[int, int], str],
+    optims: dict[tuple[int, int], str],
+    stage: int,
+    stray: dict[str, str],
+) -> tuple[int, bool, list[CkptError]]:
+    """The DP size, whether the optimizer state is partitioned, and one ``missing-file`` error
+    naming each absent rank file, as the files themselves give the layout (DeepSpeed 0.19 records
+    no file list). The DP size: ``partition_count`` in the optimizer files, else ``dp_world_size``
+    in the model states; the model-parallel size: ``mp_world_size``. DeepSpeed writes one optimizer
+    file per (DP, MP) rank when a ZeRO or bf16 optimizer partitions the state (``param_shapes``
+    saved), one model-states file per (DP, MP) rank at ZeRO-3 and one per MP rank below it. Without
+    a rank's file its partitions are missing from every partitioned tensor: reading the others as
+    the whole (as a save at a smaller DP would be) gives wrong values. The maps name every rank
+    file present; ``files`` holds those that could be read (the others are damaged, and said so
+    beside these)."""
+    recorded = {rel: n for _, rel in sorted(optims.items()) if (n := _partition_count(files.get(rel))) is not None}
     model_rels = [models[k] for k in sorted(models)] + [z3_models[k] for k in sorted(z3_models)]
-    first = files[model_rels[0]] if model_rels else {}
+    first: dict[str, Any] = next((files[rel] for rel in model_rels if rel in files), {})
     partitioned = bool(optims) or bool(z3_models) or isinstance(first.get("param_shapes"), list)
     present_dp = {dp for dp, _ in optims} | {dp for dp, _ in z3_models}
     present_mp = set(models) | {mp for _, mp in optims} | {mp for _, mp in z3_models}
@@ -1000,22 +1069,12 @@ def _check_rank_files(
         dp_size = max(dp_size, max(present_dp, default=-1) + 1)
     mp_size = max(_count(first.get("mp_world_size")) or 1, max(present_mp, default=-1) + 1)
     if not model_rels and not optims:
-        return None
+        return dp_size, partitioned, []
     if dp_size * mp_size > _MAX_RANK_FILES:
         raise CorruptFileError(
             f"{model_rels[0] if model_rels else next(iter(optims.values()))}: records {dp_size} DP x {mp_size} "
             "model-parallel ranks, not a layout DeepSpeed saved",
             path=model_rels[0] if model_rels else next(iter(optims.values())),
-        )
-    if pc is not None and (extra := sorted(k for k in [*optims, *z3_models] if k[0] >= pc)):
-        rel = optims.get(extra[0]) or z3_models[extra[0]]
-        raise CorruptFileError(
-            f"{rel}: DP rank {extra[0][0]}'s file, but the optimizer files record {pc} DP ranks "
-            f"(partition_count {pc} in {next(iter(recorded))}): a file left from a save at a larger DP size",
-            hint="remove the files of DP ranks the save did not have, or restore the tag directory from one save "
-            "(DeepSpeed's zero_to_fp32 refuses it too)",
-            path=rel,
-            rule="misplaced-file",
         )
     absent: list[tuple[str, str, int]] = []  # (file name, what it holds, the rank its pieces name)
     z3 = stage == 3 or bool(z3_models)
@@ -1041,38 +1100,39 @@ def _check_rank_files(
                         dp,
                     )
                 )
-    if absent:
-        source = (
-            f"partition_count {pc} in {next(iter(recorded)).rsplit('/', 1)[-1]}"
-            if pc is not None
-            else f"dp_world_size {world} in the model states"
-            if world is not None
-            else "the rank files found"
-        )
-        context = (
-            f"{len(absent)} rank file(s) missing from {tag}. The files record {dp_size} DP rank(s) "
-            f"({source}){f' x {mp_size} model-parallel ranks (mp_world_size)' if mp_size > 1 else ''}, each saving "
-            f"its own files; found {len(optims)} optimizer and {len(model_rels)} model-states file(s)"
-        )
-        # one error per file, each naming its rank (verify reports each; the CLI names the rest
-        # after the first, which alone says how the set of files was worked out)
-        raise_together(
-            [
-                IncompleteCheckpointError(
-                    f"{prefix}{name}: {what} is missing"
-                    + (f" (found at {stray[name]}, where DeepSpeed does not read it)" if name in stray else "")
-                    + (f": {context}" if i == 0 else ""),
-                    hint="a rank did not finish saving or its file was deleted or renamed: restore it from the save, "
-                    "or use another checkpoint (the other ranks' partitions are not whole tensors)",
-                    path=prefix + name,
-                    rule="missing-file",
-                    rank=r,
-                )
-                for i, (name, what, r) in enumerate(absent)
-            ]
-        )
-    _check_rank0_file(files, models, z3_models)
-    return dp_size if partitioned else None
+    if not absent:
+        return dp_size, partitioned, []
+    source = (
+        f"partition_count {pc} in {next(iter(recorded)).rsplit('/', 1)[-1]}"
+        if pc is not None
+        else f"dp_world_size {world} in the model states"
+        if world is not None
+        else "the rank files found"
+    )
+    context = (
+        f"{len(absent)} rank file(s) missing from {tag}. The files record {dp_size} DP rank(s) "
+        f"({source}){f' x {mp_size} model-parallel ranks (mp_world_size)' if mp_size > 1 else ''}, each saving "
+        f"its own files; found {len(optims)} optimizer and {len(model_rels)} model-states file(s)"
+    )
+    # one error per file, each naming its rank (verify reports each; the CLI names the rest after
+    # the first, which alone says how the set of files was worked out)
+    return (
+        dp_size,
+        partitioned,
+        [
+            IncompleteCheckpointError(
+                f"{prefix}{name}: {what} is missing"
+                + (f" (found at {stray[name]}, where DeepSpeed does not read it)" if name in stray else "")
+                + (f": {context}" if i == 0 else ""),
+                hint="a rank did not finish saving or its file was deleted or renamed: restore it from the save, "
+                "or use another checkpoint (the other ranks' partitions are not whole tensors)",
+                path=prefix + name,
+                rule="missing-file",
+                rank=r,
+            )
+            for i, (name, what, r) in enumerate(absent)
+        ],
+    )
 
 
 def _tied(files: dict[str, Any], rels: list[str]) -> dict[str, str]:

@@ -392,6 +392,13 @@ def _args_extras(args: Any) -> dict[str, Any]:
     return out
 
 
+_COMMON_MISSING = (
+    "common.pt is missing: megatron-core saves the iteration, args, optimizer param groups, scheduler and RNG "
+    "there, and its load stops without it"
+)
+_COMMON_HINT = "the save was interrupted or the file deleted; use another iteration"
+
+
 class MegatronDistAdapter:
     """``torch_dist``: ``metadata.json`` + ``common.pt`` + DCP files, read through the dcp adapter."""
 
@@ -435,10 +442,21 @@ class MegatronDistAdapter:
         try:
             base = DcpAdapter(object_allow=ALLOWLIST).describe(path)
         except CkptError as exc:
+            damaged: list[CkptError] = [exc]
+            if isinstance(exc, CorruptFileError | IncompleteCheckpointError):  # common.pt's damage named too
+                if not (path / "common.pt").is_file():
+                    damaged.append(
+                        IncompleteCheckpointError(
+                            _COMMON_MISSING, hint=_COMMON_HINT, path="common.pt", rule="missing-file"
+                        )
+                    )
+                elif (loaded := _pt.load_or_note(path, "common.pt", ALLOWLIST, damaged)) is not None:
+                    loaded[0].close()
             if tracked:  # its files named from the save directory given, as the iteration is not said
-                for e in (exc, *exc.others):
+                for e in (e for d in damaged for e in (d, *d.others)):
                     if e.path and not os.path.isabs(e.path):
                         e.path = f"{path.name}/{e.path}"
+            raise_together(damaged)
             raise
         manifest = Manifest(
             root=str(path),
@@ -495,9 +513,8 @@ class MegatronDistAdapter:
                 {
                     "rule": "missing-file",
                     "file": "common.pt",
-                    "message": "common.pt is missing: megatron-core saves the iteration, args, optimizer param "
-                    "groups, scheduler and RNG there, and its load stops without it",
-                    "hint": "the save was interrupted or the file deleted; use another iteration",
+                    "message": _COMMON_MISSING,
+                    "hint": _COMMON_HINT,
                 }
             )
         if findings:
@@ -1409,11 +1426,16 @@ class MegatronLegacyAdapter:
                 damaged.append(IncompleteCheckpointError(f"{rel} is missing", path=rel, rule="missing-file", rank=tp))
                 continue
             if (loaded := _pt.load_or_note(root, rel, ALLOWLIST, damaged)) is None:
+                damaged[-1].rank = rank_of(d, 1)[0]
                 continue
             archive, obj, _ = loaded
             if not isinstance(obj, dict):
                 archive.close()
-                damaged.append(CorruptFileError(f"{rel}: expected a dict, found {type(obj).__name__}", path=rel))
+                damaged.append(
+                    CorruptFileError(
+                        f"{rel}: expected a dict, found {type(obj).__name__}", path=rel, rank=rank_of(d, 1)[0]
+                    )
+                )
                 continue
             try:
                 for local, value in _model_leaves(obj):
@@ -1496,8 +1518,13 @@ class MegatronLegacyAdapter:
             manifest.files.append(
                 FileRecord(path=TRACKER, size=os.stat(confine(root, TRACKER)).st_size, role="tracker")
             )
-        for d in dirs:
-            self._rank(manifest, objs[d], f"{prefix}{d}/model_optim_rng.pt", ranks[d], args, tp, gated, replicas)
+        for d in dirs:  # a distrib_optim.pt missing or damaged: every rank's named, not the first
+            try:
+                self._rank(manifest, objs[d], f"{prefix}{d}/model_optim_rng.pt", ranks[d], args, tp, gated, replicas)
+            except (CorruptFileError, IncompleteCheckpointError) as exc:
+                exc.rank = ranks[d][0] if exc.rank is None else exc.rank  # (its files are this TP rank's)
+                damaged.append(exc)
+        raise_together(damaged)
         carried = first.get(RNG_CARRIED)
         if isinstance(carried, dict):  # other layouts' ranks' RNG, as ckpttool carried them (none a rank here has)
             held = _rng_labels(manifest)

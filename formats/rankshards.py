@@ -647,32 +647,31 @@ class RankShardsAdapter:
         # without a world size, the ranks still run from 0 without a gap (the last one's absence
         # shows only as a sharded tensor's coverage gap)
         expect = world if world is not None else (max(shards) + 1 if shards else 0)
-        if expect:
-            missing = [r for r in range(expect) if r not in shards]
-            if missing:
-                said = f"{world}" if world is not None else f"at least {expect}"
-                hint = "a rank did not finish saving or its file was deleted; use another checkpoint"
-                like = shards[min(shards)] if shards else None
-                if like is None or len(missing) > 64:  # (no file to name them after, or too many to list)
-                    raise IncompleteCheckpointError(
-                        f"{path}: {len(missing)} of {said} rank shards missing "
-                        f"(ranks {', '.join(map(str, missing[:12]))}{' …' if len(missing) > 12 else ''})",
-                        hint=hint,
-                        path=str(path),
-                        rule="missing-file",
-                    )
-                raise_together(
-                    [
-                        IncompleteCheckpointError(
-                            f"{name}: rank {r}'s shard is missing ({len(missing)} of {said} ranks have no file here)",
-                            hint=hint,
-                            path=name,
-                            rule="missing-file",
-                        )
-                        for r in missing
-                        for name in [_named_like(like, r)]
-                    ]
+        damaged: list[CkptError] = []  # every rank file absent or unreadable named, not the first
+        missing = [r for r in range(expect) if r not in shards]
+        if missing:
+            said = f"{world}" if world is not None else f"at least {expect}"
+            hint = "a rank did not finish saving or its file was deleted; use another checkpoint"
+            like = shards[min(shards)] if shards else None
+            if like is None or len(missing) > 64:  # (no file to name them after, or too many to list)
+                raise IncompleteCheckpointError(
+                    f"{path}: {len(missing)} of {said} rank shards missing "
+                    f"(ranks {', '.join(map(str, missing[:12]))}{' …' if len(missing) > 12 else ''})",
+                    hint=hint,
+                    path=str(path),
+                    rule="missing-file",
                 )
+            damaged += [
+                IncompleteCheckpointError(
+                    f"{name}: rank {r}'s shard is missing ({len(missing)} of {said} ranks have no file here)",
+                    hint=hint,
+                    path=name,
+                    rule="missing-file",
+                    rank=r,
+                )
+                for r in missing
+                for name in [_named_like(like, r)]
+            ]
         replicas = ReplicaCounter()
         claims: dict[str, int] = {}
         # pipeline stages' leaves are kept until every stage is read (their names may change with
@@ -680,9 +679,9 @@ class RankShardsAdapter:
         staged = any(_PATTERNS[2].match(rel) for rel in shards.values())
         kept: dict[int, list[tuple[str, Any]]] = {}
         inner: dict[int, str] = {}  # the name torch.save gave the archive inside each file
-        damaged: list[CkptError] = []  # every rank file that does not read named, not the first
         for rank, rel in sorted(shards.items()):
             if (loaded := _pt.load_or_note(path, rel, ALLOWLIST, damaged)) is None:
+                damaged[-1].rank = rank
                 continue
             archive, obj, _ = loaded
             archive.close()

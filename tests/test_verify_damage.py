@@ -887,3 +887,83 @@ def test_a_hostile_pickle_after_a_damaged_rank_file_names_both(tmp_path):
     assert code == 1  # (as for the unsafe pickle alone: a finding)
     r = run_cli("inspect", path)
     assert r.code == 3 and "posix.system" in r.stderr and "zero_pp_rank_0_mp_rank_00_optim_states.pt" in r.stderr, r.stderr
+
+
+def _cut(f, n: int) -> None:
+    """Cut ``n`` bytes off the end of ``f``, its modification time kept (a save cut short, not a
+    later write)."""
+    st = os.stat(f)
+    f.write_bytes(f.read_bytes()[:-n])
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+STOPPED = [
+    # (fixture, file deleted, file cut short, the findings: (rule, file, rank))
+    (
+        "megatron/legacy_tp2pp2_distopt",
+        "iter_0000003/mp_rank_00_000/distrib_optim.pt",
+        "iter_0000003/mp_rank_01_001/distrib_optim.pt",
+        [
+            ("missing-file", "iter_0000003/mp_rank_00_000/distrib_optim.pt", 0),
+            ("truncated-file", "iter_0000003/mp_rank_01_001/distrib_optim.pt", 1),
+        ],
+    ),
+    (
+        "dcp/fsdp2_ranklocal",
+        "__0.metadata",
+        "__3.metadata",
+        [("missing-file", "__0.metadata", 0), ("corrupt-file", "__3.metadata", 3)],
+    ),
+    (
+        "deepspeed/zero2",
+        "global_step3/mp_rank_00_model_states.pt",
+        "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        [
+            ("truncated-file", "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt", 1),
+            ("missing-file", "global_step3/mp_rank_00_model_states.pt", 0),
+        ],
+    ),
+    (
+        "megatron/legacy_tp2pp2",
+        "iter_0000003/mp_rank_00_000/model_optim_rng.pt",
+        "iter_0000003/mp_rank_01_001/model_optim_rng.pt",
+        [
+            ("missing-file", "iter_0000003/mp_rank_00_000/model_optim_rng.pt", 0),
+            ("truncated-file", "iter_0000003/mp_rank_01_001/model_optim_rng.pt", 1),
+        ],
+    ),
+    (
+        "rankshards/ddp",
+        "shard_00000_of_00002.pt",
+        "shard_00001_of_00002.pt",
+        [("missing-file", "shard_00000_of_00002.pt", 0), ("truncated-file", "shard_00001_of_00002.pt", 1)],
+    ),
+    (
+        "megatron/dist_tp2pp2",
+        "iter_0000003/common.pt",
+        "iter_0000003/__3_1.distcp",
+        [("truncated-file", "iter_0000003/__3_1.distcp", 3), ("missing-file", "iter_0000003/common.pt", None)],
+    ),
+]
+
+
+@pytest.mark.parametrize(("fixture", "gone", "cut", "expected"), STOPPED, ids=[s[0] for s in STOPPED])
+def test_every_damaged_file_is_named_where_reading_stops(fixture, gone, cut, expected, tmp_path):
+    """One file deleted and another cut short: where the reader stops, each is named with its rank.
+    Before, only one of them was (the other went unsaid until the first was restored): Megatron's
+    distrib_optim.pt (the first rank's error raised at once), DCP rank-local metadata (a deleted
+    __R.metadata was not looked for: coverage gaps), DeepSpeed (the missing model states were looked
+    for only once every file read), rank shards (a missing rank raised before the others were read),
+    torch_dist (common.pt not looked at once the DCP files failed)."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / fixture, ck)
+    (ck / gone).unlink()
+    _cut(ck / cut, 100 if cut.endswith((".pt", ".distcp")) else 10)
+    code, report = _findings(ck)
+    assert code == 1, report
+    errors = [(f["rule"], f["file"], f["rank"]) for f in report["findings"] if f["severity"] == "error"]
+    assert errors == expected, errors
+    # the CLI's other commands stop on the first and name the rest
+    r = run_cli("inspect", ck)
+    assert r.code == 3 and "Traceback" not in r.stderr, r.stderr
+    assert all(name.rsplit("/", 1)[-1] in r.stderr for name in (gone, cut)), r.stderr

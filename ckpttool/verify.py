@@ -1567,8 +1567,8 @@ def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter) ->
                 continue
             try:
                 values = assemble(reader, item)
-            except CkptError as exc:
-                report.findings.append(_from_error(exc))
+            except CkptError as exc:  # (named by the item: the byte walk's finding of it, once)
+                report.findings.append(_from_error(exc, item.name))
                 continue
             _census(report, item, values, item.name in stepping, manifest)
             master = _master_of(manifest, item)
@@ -1578,7 +1578,7 @@ def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter) ->
             try:
                 fp32 = assemble(reader, master)
             except CkptError as exc:
-                report.findings.append(_from_error(exc))
+                report.findings.append(_from_error(exc, master.name))
                 continue
             _census(report, master, fp32, False, manifest)
             _check_master(report, item, values, master, fp32)

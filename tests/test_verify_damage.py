@@ -967,3 +967,28 @@ def test_every_damaged_file_is_named_where_reading_stops(fixture, gone, cut, exp
     r = run_cli("inspect", ck)
     assert r.code == 3 and "Traceback" not in r.stderr, r.stderr
     assert all(name.rsplit("/", 1)[-1] in r.stderr for name in (gone, cut)), r.stderr
+
+
+@pytest.mark.parametrize("deep", [False, True])
+def test_a_damaged_tensor_member_is_one_finding(deep, tmp_path):
+    """A tensor's zip member whose local header is damaged: one corrupt-file finding naming the file
+    and the tensor. --deep reported it twice, the second time without the tensor's name (its value
+    read found the same damage)."""
+    import struct
+    import zipfile
+
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "rankshards" / "ddp", ck)
+    f = ck / "shard_00000_of_00002.pt"
+    with zipfile.ZipFile(f) as z:
+        info = z.getinfo("shard_00000_of_00002/data/1")
+    data = bytearray(f.read_bytes())
+    assert data[info.header_offset : info.header_offset + 4] == struct.pack("<I", 0x04034B50)
+    data[info.header_offset] ^= 0xFF
+    st = os.stat(f)
+    f.write_bytes(data)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    code, report = _findings(ck, *(["--deep"] if deep else []))
+    assert code == 1
+    damage = [(x["rule"], x["file"], x["item"]) for x in report["findings"] if x["rule"] == "corrupt-file"]
+    assert damage == [("corrupt-file", "shard_00000_of_00002.pt", "model.body.0.bias")], report["findings"]

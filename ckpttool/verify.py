@@ -386,7 +386,7 @@ def _verify(
         _check_copies(report, manifest, adapter, file_digests)  # (once the format has named what it can)
         _check_optimizer(report, manifest, adapter, piece_digests, sealed.algo if sealed else "xxh3-128")
         if deep:
-            _check_values(report, manifest, adapter)
+            _check_values(report, manifest, adapter, piece_digests)
     report.findings = _dedupe([_within(f, root, Path(report.path)) for f in report.findings])
     return report
 
@@ -1556,9 +1556,13 @@ def _check_master(report: VerifyReport, item: Item, values: np.ndarray, master: 
     )
 
 
-def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter) -> None:
+def _check_values(
+    report: VerifyReport, manifest: Manifest, adapter: Adapter, digests: dict[tuple[str, int], str]
+) -> None:
     """--deep: every value read once. NaN/Inf and statistics per tensor, moments all zero by
-    value, and each fp32 master against its parameter (read with it, not again on its own turn)."""
+    value, and each fp32 master against its parameter (read with it, not again on its own turn);
+    copies of a region that differ from the first (``digests``: each piece's) checked for NaN/Inf
+    too."""
     stepping = {m.name for m in _stepping(manifest, _moments(manifest))}
     done: set[str] = set()
     with adapter.reader(manifest) as reader:
@@ -1571,6 +1575,7 @@ def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter) ->
                 report.findings.append(_from_error(exc, item.name))
                 continue
             _census(report, item, values, item.name in stepping, manifest)
+            _census_copies(report, reader, item, digests)
             master = _master_of(manifest, item)
             if master is None:
                 continue
@@ -1581,6 +1586,7 @@ def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter) ->
                 report.findings.append(_from_error(exc, master.name))
                 continue
             _census(report, master, fp32, False, manifest)
+            _census_copies(report, reader, master, digests)
             _check_master(report, item, values, master, fp32)
     report.checked["values"] = len(report.stats)
 
@@ -1627,6 +1633,49 @@ def _census(report: VerifyReport, item: Item, values: np.ndarray, stepping: bool
                 item=item.name,
                 file=holder.file if holder else None,
                 rank=holder.rank if holder else None,
+            )
+        )
+
+
+def _census_copies(report: VerifyReport, reader: Any, item: Item, digests: dict[tuple[str, int], str]) -> None:
+    """NaN/Inf in the further copies of ``item``'s regions (DP copies, TP-replicated norms, a tied
+    weight's copy on another pipeline stage), which the census of its first copy does not read:
+    those whose bytes differ from the first copy's (by ``digests``; read where a digest is not
+    known), each finding naming its file and rank. A resumed run reads every rank's own copy."""
+    if not any(p.replica for p in item.pieces):
+        return
+    first: dict[Any, int] = {}
+    for i, p in enumerate(item.pieces):
+        if p.replica == 0:
+            first[(p.box, p.flat)] = i
+    for i, p in enumerate(item.pieces):
+        j = first.get((p.box, p.flat))
+        mine = digests.get((item.name, i))
+        if not p.replica or (j is not None and mine is not None and mine == digests.get((item.name, j))):
+            continue
+        try:
+            floats = as_float(reader.read(p, item), item.dtype or "")
+        except CkptError:
+            continue  # (the byte walk names the damage)
+        if floats is None:
+            continue
+        flat = floats.reshape(-1)
+        bad = ~np.isfinite(flat)
+        if not bad.any():
+            continue
+        at = int(np.argmax(bad))
+        if p.flat is not None:
+            at += p.flat[0]
+        index = [int(o + k) for o, k in zip(p.box.offsets, np.unravel_index(at, p.box.sizes), strict=True)]
+        rank = "" if p.rank is None else f", rank {p.rank}"
+        report.findings.append(
+            finding(
+                "nonfinite",
+                f"{item.name}: the copy in {p.file}{rank} holds {int(np.isnan(flat).sum()):,} NaN and "
+                f"{int(np.isinf(flat).sum()):,} Inf of its {flat.size:,} values; first at index {index}",
+                item=item.name,
+                file=p.file,
+                rank=p.rank,
             )
         )
 

@@ -1115,6 +1115,35 @@ def test_a_nan_written_into_a_weight_is_found_in_every_format(rel, tmp_path):
     assert "checksum-mismatch" not in _rules(report)
 
 
+@pytest.mark.parametrize(
+    ("rel", "name"),
+    [
+        # the tied embedding's fp32 master on the last pipeline stage (DeepSpeed keeps it apart)
+        ("deepspeed/pipeline_tied", "tied_modules.embed.emb.weight.fp32"),
+        ("rankshards/ddp", "model.body.0.weight"),  # rank 1's DDP copy
+    ],
+)
+def test_a_nan_in_a_further_copy_is_found(rel, name, tmp_path):
+    """A NaN in a copy other than the first of a replicated region: --deep read only the first
+    copy's values, so the stage or rank resuming from the damaged one went unsaid (a
+    replica-mismatch at most, a warning for DeepSpeed's stage copies). The finding names that
+    copy's file and rank, and the element's global index."""
+    path = _copy(rel, tmp_path)
+    _, m = registry.describe(path)
+    item = m.items[name]
+    i = next(k for k, p in enumerate(item.pieces) if p.replica == 1)
+    piece = item.pieces[i]
+    file, off, _ = _raw(path, name, i)
+    _patch_keeping_crc(file, off + 4 * 3, _NAN["float32"])  # the piece's element 3
+    report = verify(path, deep=True)
+    nan = [f for f in report.findings if f.rule == "nonfinite"]
+    assert [(f.item, f.file, f.rank) for f in nan] == [(name, piece.file, piece.rank)], report.findings
+    at = 3 + (piece.flat[0] if piece.flat else 0)
+    index = [int(o + k) for o, k in zip(piece.box.offsets, np.unravel_index(at, piece.box.sizes))]
+    assert "1 NaN and 0 Inf" in nan[0].message and f"first at index {index}" in nan[0].message, nan[0]
+    assert report.stats[name]["nan"] == 0  # (the statistics are the first copy's)
+
+
 @pytest.mark.parametrize("rel", [r for r in EVERY_FORMAT if not r.startswith("safetensors")])
 def test_an_adam_moment_zeroed_is_found_in_every_format(rel, tmp_path):
     """Every piece of one parameter's exp_avg_sq zeroed (CRC-32s kept right), at step 3: an

@@ -624,9 +624,11 @@ class DcpAdapter:
         if offset < 0 or length <= 0 or offset + length > sizes[rel]:
             if offset >= 0 and length > 0 and (swapped := _misplaced(root, [*storage.values()], sizes)):
                 raise swapped
+            end = offset + length
             if offset >= 0 and length > 0:
                 _damaged_files(root, storage, sizes, md_name)
-            raise _cut_short(rel, sizes[rel], md_name, offset + length)
+                end = max(end, (_record_ends(storage.values()) or {}).get(rel, 0))  # (where its last record ends)
+            raise _cut_short(rel, sizes[rel], md_name, end)
         if offset + length > ends.get(rel, 0):
             ends[rel] = offset + length
         transforms = list(getattr(info, "transform_descriptors", None) or [])

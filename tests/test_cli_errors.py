@@ -200,8 +200,10 @@ def truncated(tmp_path) -> Path:
     return path
 
 
+# (the end of the file's last record, its size as saved: 103,506 bytes; the message named the end
+# of the first record past the cut, 53,306, which said nothing of how much was lost)
 MESSAGE = (
-    "__1_0.distcp is 51,753 bytes but .metadata places data through byte 53,306: cut short (a copy or save "
+    "__1_0.distcp is 51,753 bytes but .metadata places data through byte 103,506: cut short (a copy or save "
     "interrupted), or another file in its place"
 )
 

@@ -178,9 +178,17 @@ class FindingJSON(TypedDict):
     severity: Severity
     message: str
     file: str | None
+    """the file the finding is about, relative to ``root`` (else to the checkpoint given); null
+    for a finding of no one file (several copies that disagree, a tensor's coverage)"""
     item: str | None
+    """the tensor or value the finding is about, by the checkpoint's own name"""
     rank: int | None
+    """the rank whose file ``file`` is, numbered as the format numbers its files: the writing rank
+    (DCP, Megatron torch_dist, per-rank shards), the data-parallel rank of a ZeRO partition or ZeRO-3 model states and
+    the model-parallel rank of model states or a pipeline layer file (DeepSpeed), the tensor-parallel
+    rank (Megatron legacy); null where the format names none"""
     hint: str | None
+    """what to do about it"""
 
 
 class ErrorJSON(TypedDict):
@@ -231,6 +239,9 @@ class ReportJSON(TypedDict):
 
 def report_schema() -> dict[str, Any]:
     from pydantic import TypeAdapter
+
+    for typed in (FindingJSON, ErrorJSON, TensorStatsJSON, ReportJSON):  # (the fields' words in the schema)
+        setattr(typed, "__pydantic_config__", {"use_attribute_docstrings": True})  # noqa: B010
 
     schema: dict[str, Any] = TypeAdapter(ReportJSON).json_schema()
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"

@@ -514,8 +514,10 @@ def default_max_open() -> int:
     return max(16, min(256, soft // 4))
 
 
-def read_tracker(path: str | os.PathLike[str], display: str) -> str:
-    """The text of a small tracker file (``latest``, ``latest_checkpointed_iteration.txt``)."""
+def read_tracker(root: str | os.PathLike[str], display: str) -> str:
+    """The text of the small tracker file ``display`` of the save directory ``root`` (``latest``,
+    ``latest_checkpointed_iteration.txt``); a link out of ``root`` is refused, as a data file's is."""
+    path = confine(root, display, named_by="the save directory", kind="tracker file")
     try:
         with open(path, "rb") as fh:
             data = fh.read(4097)

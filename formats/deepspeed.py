@@ -479,7 +479,7 @@ def _sub_param_dicts(value: Any) -> list[dict[str, Any]]:
 def _tag_dir(path: Path) -> tuple[Path, Path]:
     """(save dir, tag dir) for a save directory with ``latest`` or a tag directory itself."""
     if (path / "latest").is_file():
-        tag = read_tracker(path / "latest", "latest")
+        tag = read_tracker(path, "latest")
         if tag and escapes(tag):  # DeepSpeed joins it to the save directory and reads wherever it leads
             confine(path, tag, named_by="latest", kind="tag directory")
         if not tag or "/" in tag or "\\" in tag or tag == ".":
@@ -548,7 +548,7 @@ class DeepSpeedAdapter:
 
     def describe(self, path: Path) -> Manifest:
         if (path / "latest_universal").is_file() and not (path / "latest").is_file():
-            tag = read_tracker(path / "latest_universal", "latest_universal")
+            tag = read_tracker(path, "latest_universal")
             if tag and escapes(tag):
                 confine(path, tag, named_by="latest_universal", kind="tag directory")
             if not tag or "/" in tag or tag in (".", "..") or not (path / tag).is_dir():

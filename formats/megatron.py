@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 from ckpttool import _unpickle
 from ckpttool.dtypes import dtype as lookup_dtype
-from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, raise_together
+from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, PathEscapeError, raise_together
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection, claim
 from ckpttool.formats.dcp import DcpAdapter, DcpReader, is_dist_config, misplaced_in
@@ -233,7 +233,7 @@ _TE_TO_LOCAL = {
 
 def _read_tracker(root: Path) -> Path:
     """The iteration directory a save directory's tracker file names."""
-    text = read_tracker(root / TRACKER, TRACKER)
+    text = read_tracker(root, TRACKER)
     if text == "release":
         target = root / "release"
     elif text.isdigit():
@@ -419,8 +419,8 @@ class MegatronDistAdapter:
         if (path / TRACKER).is_file():
             try:
                 target = _read_tracker(path)
-            except (CorruptFileError, IncompleteCheckpointError, OSError):
-                return None
+            except (CorruptFileError, IncompleteCheckpointError, PathEscapeError, OSError):
+                return None  # (a tracker linked out: the legacy adapter claims it, and refuses it by name)
             return target if is_dist_config(target / "metadata.json") else None
         return None
 
@@ -1373,8 +1373,8 @@ class MegatronLegacyAdapter:
         if (path / TRACKER).is_file():
             try:
                 target = _read_tracker(path)
-            except (CorruptFileError, IncompleteCheckpointError):
-                return Detection(True, f"found {TRACKER} (naming a missing or bad iteration)")
+            except (CorruptFileError, IncompleteCheckpointError, PathEscapeError):
+                return Detection(True, f"found {TRACKER} (naming a missing or bad iteration, or linked out)")
             if is_dist_config(target / "metadata.json"):
                 return Detection(False, "a torch_dist checkpoint (read as megatron-dist)")
             return Detection(True, f"found {TRACKER}")

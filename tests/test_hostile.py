@@ -23,7 +23,7 @@ def _no_marker(tmp_path) -> None:
     [
         ("dcp_metadata_os_system", [".metadata", "posix.system", "refused without running it"]),
         ("dcp_metadata_tmp_only", ["without .metadata", ".metadata.tmp", "interrupted"]),
-        ("dcp_truncated_distcp", ["__1_0.distcp is 51,753 bytes", "through byte 53,306", "cut short"]),
+        ("dcp_truncated_distcp", ["__1_0.distcp is 51,753 bytes", "through byte 103,506", "cut short"]),
         ("dcp_path_escape", [".metadata names the data file '../../outside.distcp'", "outside the checkpoint"]),
     ],
 )
@@ -105,6 +105,11 @@ LINKED = [
     ("deepspeed/universal", "global_step3_universal/zero/blocks.0.fc2.weight/exp_avg.pt"),
     ("deepspeed/zero1", "global_step3"),  # the tag folder `latest` names
     ("megatron/dist_tp2", "iter_0000003"),  # the iteration folder the tracker names
+    # the trackers (read through the link, without a word: a torch_dist save directory, and a
+    # universal checkpoint's latest_universal)
+    ("megatron/dist_tp2", "latest_checkpointed_iteration.txt"),
+    ("deepspeed/universal", "latest_universal"),
+    ("deepspeed/zero1", "latest"),
 ]
 
 
@@ -157,6 +162,9 @@ TWO_LINKED = [
     ("megatron/legacy_tp2pp2", ["iter_0000003/mp_rank_00_000", "iter_0000003/mp_rank_01_001"]),
     ("megatron/dist_tp2", ["iter_0000003/__0_0.distcp", "iter_0000003/__1_1.distcp"]),
     ("rankshards/ddp", ["shard_00000_of_00002.pt", "shard_00001_of_00002.pt"]),
+    # the tracker and a rank file (in different top folders; the tracker stopped detection itself)
+    ("megatron/legacy_tp2pp2", ["latest_checkpointed_iteration.txt", "iter_0000003/mp_rank_01_001/model_optim_rng.pt"]),
+    ("deepspeed/zero2", ["latest", "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"]),
 ]
 
 

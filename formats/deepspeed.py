@@ -630,7 +630,7 @@ class DeepSpeedAdapter:
         stage = self._stage(files, optims)
         if bf16_optimizer(files, optims):
             manifest.extras["variant"] = "BF16_Optimizer"
-        dp_ranks = _check_rank_files(tag_dir.name, prefix, files, models, z3_models, optims, stage, stray)
+        dp_ranks = _check_rank_files(tag_dir.name, prefix, files, (models, z3_models, optims), stage, stray)
         first_model = files[models[min(models)]] if models else files[z3_models[min(z3_models)]] if z3_models else None
         if first_model is None:
             raise IncompleteCheckpointError(
@@ -953,6 +953,11 @@ def bf16_optimizer(files: dict[str, Any], optims: dict[Any, str]) -> bool:
     return bool(optims) and _optimizer_kind(files[next(iter(optims.values()))]) == "BF16_Optimizer"
 
 
+RankFiles = tuple[dict[int, str], dict[tuple[int, int], str], dict[tuple[int, int], str]]
+"""A tag directory's rank files by rank: model states by MP rank, ZeRO-3 model states and optimizer
+files by (DP, MP) rank."""
+
+
 def _is_bf16(config: Any) -> bool:
     """Whether a saved ``ds_config`` enables bf16 (DeepSpeed then names optimizer files ``bf16_…``)."""
     if not isinstance(config, dict):
@@ -962,18 +967,12 @@ def _is_bf16(config: Any) -> bool:
 
 
 def _check_rank_files(
-    tag: str,
-    prefix: str,
-    files: dict[str, Any],
-    models: dict[int, str],
-    z3_models: dict[tuple[int, int], str],
-    optims: dict[tuple[int, int], str],
-    stage: int,
-    stray: dict[str, str],
+    tag: str, prefix: str, files: dict[str, Any], maps: RankFiles, stage: int, stray: dict[str, str]
 ) -> int | None:
     """Every rank file the save wrote is here (:func:`_absent_rank_files`), and no DP rank beyond
     those it had, the optimizer files all of one run. Returns the DP size the optimizer files are
     partitioned over (None: no partitioned optimizer)."""
+    _, z3_models, optims = maps
     recorded = {rel: n for _, rel in sorted(optims.items()) if (n := _partition_count(files[rel])) is not None}
     if len(set(recorded.values())) > 1:
         (a, x), *rest = recorded.items()
@@ -997,9 +996,9 @@ def _check_rank_files(
             path=rel,
             rule="misplaced-file",
         )
-    dp_size, partitioned, absent = _absent_rank_files(tag, prefix, files, models, z3_models, optims, stage, stray)
+    dp_size, partitioned, absent = _absent_rank_files(tag, prefix, files, maps, stage, stray)
     raise_together(absent)
-    _check_rank0_file(files, models, z3_models)
+    _check_rank0_file(files, maps[0], z3_models)
     return dp_size if partitioned else None
 
 
@@ -1021,30 +1020,22 @@ def _absent_beside_damage(
     tag: str,
     prefix: str,
     files: dict[str, Any],
-    maps: tuple[dict[int, str], dict[tuple[int, int], str], dict[tuple[int, int], str]],
+    maps: RankFiles,
     stray: dict[str, str],
 ) -> list[CkptError]:
     """:func:`_absent_rank_files` where some rank files present could not be read (``files`` lacks
     them; ``maps``: the model, ZeRO-3 model and optimizer files present): the layout worked out
     from those that were, nothing where they say too little."""
-    models, z3_models, optims = maps
-    read = {k: rel for k, rel in optims.items() if rel in files}
+    read = {k: rel for k, rel in maps[2].items() if rel in files}
     try:
         stage = DeepSpeedAdapter._stage(files, read)
-        return _absent_rank_files(tag, prefix, files, models, z3_models, optims, stage, stray)[2]
+        return _absent_rank_files(tag, prefix, files, maps, stage, stray)[2]
     except CkptError:
         return []
 
 
 def _absent_rank_files(
-    tag: str,
-    prefix: str,
-    files: dict[str, Any],
-    models: dict[int, str],
-    z3_models: dict[tuple[int, int], str],
-    optims: dict[tuple[int, int], str],
-    stage: int,
-    stray: dict[str, str],
+    tag: str, prefix: str, files: dict[str, Any], maps: RankFiles, stage: int, stray: dict[str, str]
 ) -> tuple[int, bool, list[CkptError]]:
     """The DP size, whether the optimizer state is partitioned, and one ``missing-file`` error
     naming each absent rank file, as the files themselves give the layout (DeepSpeed 0.19 records
@@ -1056,6 +1047,7 @@ def _absent_rank_files(
     the whole (as a save at a smaller DP would be) gives wrong values. The maps name every rank
     file present; ``files`` holds those that could be read (the others are damaged, and said so
     beside these)."""
+    models, z3_models, optims = maps
     recorded = {rel: n for _, rel in sorted(optims.items()) if (n := _partition_count(files.get(rel))) is not None}
     model_rels = [models[k] for k in sorted(models)] + [z3_models[k] for k in sorted(z3_models)]
     first: dict[str, Any] = next((files[rel] for rel in model_rels if rel in files), {})

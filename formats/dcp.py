@@ -371,11 +371,10 @@ class DcpAdapter:
                 self._extras(manifest, md)
             try:
                 ends[md_name] = self._add_items(manifest, md, md_name, rank, path, sizes, replicas)
-            except CorruptFileError as exc:  # (rank-local: each metadata sees only its own files)
+            except (CorruptFileError, IncompleteCheckpointError) as exc:  # (rank-local: each sees its own files)
                 if len(sources) == 1:
                     raise
-                read = [(r, n) for r, n in sources if n not in {e.path for e in damaged}]
-                if exc.rule == "truncated-file" and (swapped := _misplaced_across(path, read, sizes)):
+                if exc.rule == "truncated-file" and (swapped := _misplaced_across(path, sources, sizes)):
                     raise swapped from None
                 damaged.append(exc)
                 continue
@@ -715,7 +714,10 @@ def _misplaced_across(
     only its rank's files, so none alone knows where another's records end)."""
     infos: list[_StorageInfo] = []
     for _, md_name in sources:
-        data = getattr(_load_metadata(root, md_name), "storage_data", None)
+        try:
+            data = getattr(_load_metadata(root, md_name), "storage_data", None)
+        except (CorruptFileError, IncompleteCheckpointError):
+            continue  # (its own damage is said where it is read)
         infos.extend(v for v in (data.values() if isinstance(data, dict) else ()) if isinstance(v, _StorageInfo))
     return _misplaced(root, infos, sizes)
 

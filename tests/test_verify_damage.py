@@ -992,3 +992,35 @@ def test_a_damaged_tensor_member_is_one_finding(deep, tmp_path):
     assert code == 1
     damage = [(x["rule"], x["file"], x["item"]) for x in report["findings"] if x["rule"] == "corrupt-file"]
     assert damage == [("corrupt-file", "shard_00000_of_00002.pt", "model.body.0.bias")], report["findings"]
+
+
+RANK_LOCAL = [
+    # (deleted, cut short, the error findings: (rule, file, rank))
+    (["__1_0.distcp", "__2_0.distcp"], [], [("missing-file", "__1_0.distcp", 1), ("missing-file", "__2_0.distcp", 2)]),
+    (["__1_0.distcp"], ["__2_0.distcp"], [("missing-file", "__1_0.distcp", 1), ("truncated-file", "__2_0.distcp", 2)]),
+    (
+        ["__2.metadata"],
+        ["__1.metadata", "__0_0.distcp"],
+        [
+            ("missing-file", "__2.metadata", 2),
+            ("truncated-file", "__0_0.distcp", 0),
+            ("corrupt-file", "__1.metadata", 1),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(("gone", "cut", "expected"), RANK_LOCAL)
+def test_every_damaged_file_of_a_rank_local_dcp_save_is_named(gone, cut, expected, tmp_path):
+    """use_collectives=False: each rank's __R.metadata places only its own files. A missing data
+    file stopped the read of the other ranks' (only the first named), and a rank's metadata cut
+    short was met again by the check for swapped files, which then named it alone, without rank."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2_ranklocal", ck)
+    for name in gone:
+        (ck / name).unlink()
+    for name in cut:
+        _cut(ck / name, 100)
+    code, report = _findings(ck)
+    assert code == 1, report
+    assert [(f["rule"], f["file"], f["rank"]) for f in report["findings"] if f["severity"] == "error"] == expected

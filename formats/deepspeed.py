@@ -14,6 +14,7 @@ import os
 import re
 import shlex
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -626,6 +627,8 @@ class DeepSpeedAdapter:
                 claim(layers, key, rel, f"layer {key[0]} of MP rank {key[1]}")
         if damaged:  # the rank files absent beside them named too, as far as the files read tell
             absent = _absent_beside_damage(tag_dir.name, prefix, files, (models, z3_models, optims), stray)
+            trained = {n for rel in models.values() for g in (files.get(rel, {}).get("param_shapes") or []) for n in g}
+            absent += _absent_layer_files(tag_dir, prefix, layers, trained)
             raise_together([*damaged, *absent])
         stage = self._stage(files, optims)
         if bf16_optimizer(files, optims):
@@ -668,8 +671,8 @@ class DeepSpeedAdapter:
             for n, s in group.items()
         }
         trainable = set(shapes_of)
+        raise_together(_absent_layer_files(tag_dir, prefix, layers, trainable))
         if layers:
-            _check_layer_files(tag_dir, layers, trainable)
             b.layers(layers, shapes_of)
         for mp, rel in sorted(models.items()):
             module = files[rel].get("module")
@@ -746,24 +749,40 @@ class DeepSpeedAdapter:
         manifest = Manifest(root=str(path), format=self.name)
         manifest.extras["variant"] = "universal"
         files: dict[str, Any] = {}
-        damaged: list[CkptError] = []  # every damaged file named, not the first
+        damaged: list[CkptError] = []  # every damaged or missing file named, not the first
+        present: list[str] = []
         for rel, size in list_files(path):
             base = rel.rsplit("/", 1)[-1]
             role = "data" if rel.endswith(".pt") else ("tracker" if base.startswith("latest") else "aux")
             manifest.files.append(FileRecord(path=rel, size=size, role=role))  # type: ignore[arg-type]
+            present.append(rel)
             if rel.endswith(".pt") and (_MODEL.match(base) or _Z3_MODEL.match(base) or rel.startswith("zero/")):
                 if (loaded := _pt.load_or_note(path, rel, ALLOWLIST, damaged)) is None:
+                    damaged[-1].rank = _file_rank(base)
                     continue
                 archive, obj, _ = loaded
                 archive.close()
                 files[rel] = obj
-        raise_together(damaged)
-        z3 = {(int(m[1]), int(m[2])): r for r in files if (m := _Z3_MODEL.match(r))}  # copied from ZeRO-3
-        models = {int(m[1]): r for r in files if (m := _MODEL.match(r))}
+        z3 = {(int(m[1]), int(m[2])): r for r in present if (m := _Z3_MODEL.match(r))}  # copied from ZeRO-3
+        models = {int(m[1]): r for r in present if (m := _MODEL.match(r))}
+        if not models and not z3:  # DeepSpeed's universal load reads the step and client state there
+            flat = any(not isinstance(files[r], dict) for r in files if r.startswith("zero/") and r.endswith("fp32.pt"))
+            name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if flat else "mp_rank_00_model_states.pt"
+            damaged.append(
+                IncompleteCheckpointError(
+                    f"{name} is missing: ds_to_universal copies the source's model states beside zero/, and "
+                    "DeepSpeed's universal load reads the step, the scheduler and the client state from them",
+                    hint="copy the model-states file(s) from the source tag, or convert again with ds_to_universal",
+                    path=name,
+                    rule="missing-file",
+                    rank=0,
+                )
+            )
         model_rel = models.get(min(models)) if models else (z3[min(z3)] if z3 else None)
-        first = files[model_rel] if model_rel else {}
+        first = files.get(model_rel, {}) if model_rel else {}
         shapes = {n: tuple(s) for group in (first.get("param_shapes") or []) for n, s in group.items()}
-        _check_universal_states(path, files, shapes)
+        copied = [] if z3 else [*(first.get("frozen_param_shapes") or {}), *(first.get("shared_params") or {})]
+        raise_together([*damaged, *_absent_universal_states(path, present, shapes, copied)])
         # a TP run's universal checkpoint keeps every TP rank's model states: its module is joined
         # by the same rules as the source's
         tp = parallel_degree(first, "tp_degree") or (len(models) if not z3 else 1)
@@ -840,37 +859,47 @@ class DeepSpeedAdapter:
         return _pt.PtReader(manifest, ALLOWLIST)
 
 
-def _check_universal_states(path: Path, files: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> None:
+def _absent_universal_states(
+    path: Path, present: Iterable[str], shapes: dict[str, tuple[int, ...]], copied: Iterable[str]
+) -> list[CkptError]:
     """ds_to_universal writes, for every trained parameter (``param_shapes``), a ``zero/<name>/``
-    folder with its fp32 weight and the same optimizer states as the others: one absent is a
-    deleted or unfinished file, not a parameter without state."""
+    folder with its fp32 weight and the same optimizer states as the others, and (ZeRO-1/2) an
+    ``fp32.pt`` copied from the module for every parameter without optimizer state (``copied``:
+    frozen parameters, tied aliases): one absent is a deleted or unfinished file, not a parameter
+    without state. ``present``: the files found."""
     held: dict[str, set[str]] = defaultdict(set)
-    for rel in files:
+    for rel in present:
         parts = rel.split("/")
         if len(parts) == 3 and parts[0] == "zero":
             held[parts[1]].add(parts[2])
-    states = {"fp32.pt"}.union(*(held[n] for n in shapes if n in held))
-    absent = [f"zero/{n}/{st}" for n in shapes for st in sorted(states) if st not in held.get(n, ())]
-    _refuse_absent(
+    # (without the model states' param_shapes: the folders holding optimizer state are the trained ones)
+    trained = list(shapes) or [n for n, h in held.items() if h - {"fp32.pt"}]
+    states = {"fp32.pt"}.union(*(held[n] for n in trained if n in held))
+    absent = [f"zero/{n}/{st}" for n in trained for st in sorted(states) if st not in held.get(n, ())]
+    absent += [f"zero/{n}/fp32.pt" for n in copied if n not in shapes and "fp32.pt" not in held.get(n, ())]
+    return _absent_files(
         path,
         absent,
         "universal state",
-        "every trained parameter has the same files",
+        "every trained parameter has the same files, and every other one its fp32.pt",
         "ds_to_universal did not finish or a file was deleted; convert again from the source checkpoint",
     )
 
 
-def _refuse_absent(where: Path, absent: list[str], what: str, why: str, hint: str) -> None:
-    """Files the format implies but no metadata lists, found missing: one ``missing-file`` error."""
-    if absent:
-        raise IncompleteCheckpointError(
-            f"{where}: {len(absent)} {what} file(s) missing: {', '.join(absent[:6])}"
-            + (" …" if len(absent) > 6 else "")
-            + f" ({why})",
+def _absent_files(where: Path, absent: list[str], what: str, why: str, hint: str) -> list[CkptError]:
+    """Files the format implies but no metadata lists, found missing: one ``missing-file`` error
+    each (``absent``: their paths in the manifest), the first saying how many and why."""
+    return [
+        IncompleteCheckpointError(
+            f"{rel} is missing"
+            + (f": {where.name} lacks {len(absent)} {what} file(s) ({why})" if i == 0 else f" ({what} file)"),
             hint=hint,
-            path=absent[0],
+            path=rel,
             rule="missing-file",
+            rank=_file_rank(rel.rsplit("/", 1)[-1]),
         )
+        for i, rel in enumerate(absent)
+    ]
 
 
 _MAX_RANK_FILES = 1 << 22
@@ -1332,10 +1361,14 @@ def _check_zero12_ranks(files: dict[str, Any], per_rank: list[tuple[int, str]], 
         )
 
 
-def _check_layer_files(tag_dir: Path, layers: dict[tuple[int, int], str], trainable: set[str]) -> None:
+def _absent_layer_files(
+    tag_dir: Path, prefix: str, layers: dict[tuple[int, int], str], trainable: set[str]
+) -> list[CkptError]:
     """A pipeline save writes one file per layer with parameters and model-parallel rank: a layer
     the optimizer trains (``<layer>.<name>`` in ``param_shapes``) with no file, or a file for some
-    model-parallel ranks only, is a deleted or unfinished file."""
+    model-parallel ranks only, is a deleted or unfinished file (one error each)."""
+    if not layers:
+        return []
     tps = sorted({t for _, t in layers})
     wanted = {int(n.split(".", 1)[0]) for n in trainable if n.split(".", 1)[0].isdigit()}
     wanted |= {layer for layer, _ in layers}
@@ -1345,9 +1378,9 @@ def _check_layer_files(tag_dir: Path, layers: dict[tuple[int, int], str], traina
         return f"layer_{layer:02d}-model_{t:02d}-model_states.pt" if spelled else f"layer_{layer:02d}-model_states.pt"
 
     absent = [named(layer, t) for layer in sorted(wanted) for t in tps if (layer, t) not in layers]
-    _refuse_absent(
+    return _absent_files(
         tag_dir,
-        absent,
+        [prefix + name for name in absent],
         "pipeline layer",
         "the optimizer trains these layers' parameters",
         "a stage did not finish saving or the file was deleted; use another checkpoint",

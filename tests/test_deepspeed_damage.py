@@ -334,3 +334,70 @@ def test_a_damaged_local_header_is_its_own_items_not_the_first_read(tmp_path):
     assert f"data/{empty} at byte {at[empty]:,}" in damage[1]["message"]
     assert "(and 1 more of its members likewise)" in damage[1]["message"]
     assert all(x["file"] == f"{TAG}/{f.name}" for x in damage)
+
+
+def _cut(f: Path) -> None:
+    st = os.stat(f)
+    f.write_bytes(f.read_bytes()[:-100])
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+U = "global_step3_universal"
+IMPLIED = [
+    # (fixture, deleted, cut short, the error findings: (rule, file, rank))
+    (  # a layer file beside a damaged one was looked for only once every file read
+        "pipeline",
+        [f"{TAG}/layer_02-model_00-model_states.pt"],
+        [f"{TAG}/mp_rank_03_model_states.pt"],
+        [
+            ("truncated-file", f"{TAG}/mp_rank_03_model_states.pt", 3),
+            ("missing-file", f"{TAG}/layer_02-model_00-model_states.pt", 0),
+        ],
+    ),
+    (  # two layer files: one finding, its file named without the tag folder
+        "pipeline",
+        [f"{TAG}/layer_01-model_00-model_states.pt", f"{TAG}/layer_02-model_01-model_states.pt"],
+        [],
+        [
+            ("missing-file", f"{TAG}/layer_01-model_00-model_states.pt", 0),
+            ("missing-file", f"{TAG}/layer_02-model_01-model_states.pt", 1),
+        ],
+    ),
+    # a universal checkpoint without the model states DeepSpeed's universal load reads: verify said OK
+    ("universal", [f"{U}/mp_rank_00_model_states.pt"], [], [("missing-file", "mp_rank_00_model_states.pt", 0)]),
+    (
+        "universal",
+        [f"{U}/mp_rank_00_model_states.pt", f"{U}/zero/emb.weight/exp_avg.pt"],
+        [],
+        [("missing-file", "mp_rank_00_model_states.pt", 0), ("missing-file", "zero/emb.weight/exp_avg.pt", None)],
+    ),
+    (
+        "universal3",
+        [f"{U}/zero_pp_rank_0_mp_rank_00_model_states.pt", f"{U}/zero_pp_rank_1_mp_rank_00_model_states.pt"],
+        [],
+        [("missing-file", "zero_pp_rank_0_mp_rank_00_model_states.pt", 0)],
+    ),
+    # the fp32.pt ds_to_universal copies from the module for a tied alias and a frozen parameter
+    ("universal", [f"{U}/zero/head.weight/fp32.pt"], [], [("missing-file", "zero/head.weight/fp32.pt", None)]),
+    (
+        "universal",
+        [f"{U}/zero/frozen.weight/fp32.pt"],
+        [f"{U}/zero/emb.weight/fp32.pt"],
+        [("truncated-file", "zero/emb.weight/fp32.pt", None), ("missing-file", "zero/frozen.weight/fp32.pt", None)],
+    ),
+]
+
+
+@pytest.mark.parametrize(("fixture", "gone", "cut", "expected"), IMPLIED, ids=[f"{c[0]}-{i}" for i, c in enumerate(IMPLIED)])
+def test_files_the_layout_implies_are_named_when_missing(fixture, gone, cut, expected, tmp_path):
+    """Files no metadata lists but the layout implies (pipeline layer files, a universal
+    checkpoint's model states and per-parameter files): each missing one is its own finding, with
+    the other damage, and a universal checkpoint without its model states is no longer clean."""
+    path = _copy(fixture, tmp_path)
+    for rel in gone:
+        (path / rel).unlink()
+    for rel in cut:
+        _cut(path / rel)
+    code, findings = _verify_cli(path)
+    assert code == 1, findings
+    assert [(f["rule"], f["file"], f["rank"]) for f in findings if f["severity"] == "error"] == expected, findings

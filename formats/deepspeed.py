@@ -477,10 +477,23 @@ def _sub_param_dicts(value: Any) -> list[dict[str, Any]]:
     return list(value)
 
 
+def _check_tag_name(tag: str, tracker: str) -> None:
+    """A tracker holding control characters (NUL, line breaks inside it) was overwritten or
+    damaged: said as such, not as a path out of the checkpoint."""
+    if any(ord(c) < 32 or ord(c) == 127 for c in tag):
+        raise CorruptFileError(
+            f"{tracker}: holds {tag[:60]!r}, not a tag name (control characters): the file is damaged",
+            hint=f"write the name of the save's tag directory into '{tracker}', or verify the tag directory itself",
+            path=tracker,
+            rule="incomplete-save",
+        )
+
+
 def _tag_dir(path: Path) -> tuple[Path, Path]:
     """(save dir, tag dir) for a save directory with ``latest`` or a tag directory itself."""
     if (path / "latest").is_file():
         tag = read_tracker(path, "latest")
+        _check_tag_name(tag, "latest")
         if tag and escapes(tag):  # DeepSpeed joins it to the save directory and reads wherever it leads
             confine(path, tag, named_by="latest", kind="tag directory")
         if not tag or "/" in tag or "\\" in tag or tag == ".":
@@ -550,6 +563,7 @@ class DeepSpeedAdapter:
     def describe(self, path: Path) -> Manifest:
         if (path / "latest_universal").is_file() and not (path / "latest").is_file():
             tag = read_tracker(path, "latest_universal")
+            _check_tag_name(tag, "latest_universal")
             if tag and escapes(tag):
                 confine(path, tag, named_by="latest_universal", kind="tag directory")
             if not tag or "/" in tag or tag in (".", "..") or not (path / tag).is_dir():

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+import shlex
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,6 +230,25 @@ _TE_TO_LOCAL = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
+
+
+def _untracked_iterations(path: Path) -> list[str]:
+    """The Megatron iteration directories (``iter_NNNNNNN`` or ``release`` holding ``mp_rank_*``
+    directories or a torch_dist ``metadata.json``) just below ``path``, oldest first: a save
+    directory that lost its tracker."""
+    try:  # (scandir: a folder's type from the listing)
+        with os.scandir(path) as entries:
+            folders = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+    except OSError:
+        return []
+    found = []
+    for name in folders:
+        if not (_ITER_DIR.match(name) or name == "release"):
+            continue
+        it = path / name
+        if (it / "metadata.json").is_file() or any(_MP_DIR.match(p.name) for p in it.iterdir() if p.is_dir()):
+            found.append(name)
+    return sorted(found, key=lambda n: (n == "release", n))
 
 
 def _read_tracker(root: Path) -> Path:
@@ -1380,10 +1400,23 @@ class MegatronLegacyAdapter:
             return Detection(True, f"found {TRACKER}")
         if any(_MP_DIR.match(p.name) for p in path.iterdir() if p.is_dir()):
             return Detection(True, "found mp_rank_* directories")
+        if _untracked_iterations(path):
+            return Detection(True, f"found Megatron iteration directories but no {TRACKER}", weak=True)
         return Detection(False, f"no {TRACKER} and no mp_rank_* directories")
 
     def describe(self, path: Path) -> Manifest:
         root = path
+        if not (path / TRACKER).is_file() and (iterations := _untracked_iterations(path)):
+            shown = ", ".join(iterations[-5:]) + (f" and {len(iterations) - 5} more" if len(iterations) > 5 else "")
+            raise IncompleteCheckpointError(
+                f"{path} holds the Megatron iteration director{'ies' if len(iterations) > 1 else 'y'} {shown} but no "
+                f"{TRACKER}, which Megatron-LM writes after a save's last file: the save did not finish, or the "
+                "file was deleted",
+                hint=f"if the save finished, verify the iteration itself (ckpttool verify "
+                f"{shlex.quote(str(path / iterations[-1]))}) or write its number into {TRACKER}",
+                path=TRACKER,
+                rule="incomplete-save",
+            )
         if (path / TRACKER).is_file():
             it_dir = _read_tracker(path)
             prefix = f"{it_dir.name}/"

@@ -401,3 +401,15 @@ def test_files_the_layout_implies_are_named_when_missing(fixture, gone, cut, exp
     code, findings = _verify_cli(path)
     assert code == 1, findings
     assert [(f["rule"], f["file"], f["rank"]) for f in findings if f["severity"] == "error"] == expected, findings
+
+
+@pytest.mark.parametrize(("fixture", "tracker"), [("zero2", "latest"), ("universal", "latest_universal")])
+def test_a_tracker_overwritten_with_bytes_is_damage_not_a_path_out(fixture, tracker, tmp_path):
+    """`latest` overwritten with binary bytes read as a tag name with a NUL in it: an unsafe-path
+    finding whose file was the garbage itself, "outside the checkpoint directory"."""
+    path = _copy(fixture, tmp_path)
+    (path / tracker).write_bytes(b"this is not a checkpoint \x00\x01\x02 garbage\n")
+    code, findings = _verify_cli(path)
+    assert code == 1
+    assert [(f["rule"], f["file"]) for f in findings] == [("incomplete-save", tracker)], findings
+    assert "not a tag name" in findings[0]["message"]

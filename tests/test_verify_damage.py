@@ -1024,3 +1024,22 @@ def test_every_damaged_file_of_a_rank_local_dcp_save_is_named(gone, cut, expecte
     code, report = _findings(ck)
     assert code == 1, report
     assert [(f["rule"], f["file"], f["rank"]) for f in report["findings"] if f["severity"] == "error"] == expected
+
+
+@pytest.mark.parametrize("fixture", ["legacy_pp2vpp2", "dist_tp2"])
+def test_a_save_directory_without_its_tracker_is_an_unfinished_save(fixture, tmp_path):
+    """Megatron-LM writes latest_checkpointed_iteration.txt once every rank has saved. Without it
+    the save directory was "not a checkpoint format ckpttool reads" (exit 3), as if the
+    iteration directory beside it were not there; DeepSpeed's without `latest` was already an
+    unfinished save."""
+    ck = tmp_path / "ck"
+    shutil.copytree(MG / fixture, ck)
+    (ck / "latest_checkpointed_iteration.txt").unlink()
+    code, report = _findings(ck)
+    assert code == 1, report
+    [found] = report["findings"]
+    assert (found["rule"], found["file"]) == ("incomplete-save", "latest_checkpointed_iteration.txt"), found
+    assert "iteration directory iter_0000003 but no latest_checkpointed_iteration.txt" in found["message"]
+    assert f"ckpttool verify {ck / 'iter_0000003'}" in found["hint"]
+    code, report = _findings(ck / "iter_0000003")  # the iteration itself reads
+    assert code == 0, report

@@ -1477,6 +1477,8 @@ class MegatronLegacyAdapter:
             finally:
                 archive.close()
             objs[d] = obj
+        if damaged:  # the distrib_optim.pt files beside them named too, read as far as to know they read
+            damaged += self._distrib_optim_damage(root, prefix, dirs, objs)
         raise_together(damaged)
         args = next((o.get("args") for o in objs.values() if o.get("args") is not None), None)
         if args is None:
@@ -1609,6 +1611,37 @@ class MegatronLegacyAdapter:
         if any((root / f"{prefix}{d}/distrib_optim.pt").is_file() for d in dirs):
             manifest.extras["distrib_optim"] = "de-bucketed from distrib_optim.pt by replaying the grad-buffer layout"
         return manifest
+
+    @staticmethod
+    def _distrib_optim_damage(root: Path, prefix: str, dirs: list[str], objs: dict[str, Any]) -> list[CkptError]:
+        """Where some rank files do not read: each rank directory's ``distrib_optim.pt`` that is
+        missing (the rank files read save the distributed optimizer's state beside them) or does
+        not read."""
+        saved = any(
+            getattr(o.get("args"), "use_distributed_optimizer", False) and isinstance(o.get("optimizer"), dict | list)
+            for o in objs.values()
+        )
+        damaged: list[CkptError] = []
+        for d in dirs:
+            rel = f"{prefix}{d}/distrib_optim.pt"
+            if not (root / rel).is_file():
+                if saved:
+                    damaged.append(
+                        IncompleteCheckpointError(
+                            f"{rel} is missing: the rank files save the distributed optimizer's state beside them",
+                            hint="a rank did not finish saving or the file was deleted; use another iteration",
+                            path=rel,
+                            rule="missing-file",
+                            rank=rank_of(d, 1)[0],
+                        )
+                    )
+                continue
+            before = len(damaged)
+            if (loaded := _pt.load_or_note(root, rel, ALLOWLIST, damaged)) is not None:
+                loaded[0].close()
+            elif len(damaged) > before:
+                damaged[-1].rank = rank_of(d, 1)[0]
+        return damaged
 
     def _rank(
         self,

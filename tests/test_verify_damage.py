@@ -908,6 +908,24 @@ STOPPED = [
             ("truncated-file", "iter_0000003/mp_rank_01_001/distrib_optim.pt", 1),
         ],
     ),
+    (  # (a rank file that does not read stopped the read before the distrib_optim.pt files)
+        "megatron/legacy_tp2pp2_distopt",
+        "iter_0000003/mp_rank_01_001/model_optim_rng.pt",
+        "iter_0000003/mp_rank_00_000/distrib_optim.pt",
+        [
+            ("missing-file", "iter_0000003/mp_rank_01_001/model_optim_rng.pt", 1),
+            ("truncated-file", "iter_0000003/mp_rank_00_000/distrib_optim.pt", 0),
+        ],
+    ),
+    (
+        "megatron/legacy_tp2pp2_distopt",
+        "iter_0000003/mp_rank_00_001/distrib_optim.pt",
+        "iter_0000003/mp_rank_01_000/model_optim_rng.pt",
+        [
+            ("truncated-file", "iter_0000003/mp_rank_01_000/model_optim_rng.pt", 1),
+            ("missing-file", "iter_0000003/mp_rank_00_001/distrib_optim.pt", 0),
+        ],
+    ),
     (
         "dcp/fsdp2_ranklocal",
         "__0.metadata",

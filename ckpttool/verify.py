@@ -31,13 +31,14 @@ import numpy as np
 from typing_extensions import TypedDict  # pydantic needs this one on Python < 3.12
 
 from ckpttool import registry
+from ckpttool._torchzip import Archive
 from ckpttool.assemble import assemble, regions
 from ckpttool.dtypes import as_float, float32_to_bf16
 from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedError, NotFoundError, PathEscapeError
 from ckpttool.formats.base import Adapter
 from ckpttool.geometry import Box, coverage, flat_range_boxes, intersect
 from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
-from ckpttool.io import TMP_MARKER, checking_crcs, followed, outside
+from ckpttool.io import TMP_MARKER, RandomAccessFile, checking_crcs, followed, list_files, outside
 from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, Piece, StateName, is_seal_name
 from ckpttool.seal import (
     Expected,
@@ -370,6 +371,8 @@ def _verify(
         raise
     except CkptError as exc:
         report.findings += [_from_error(e) for e in (exc, *exc.others)]
+        if sealed is None and not isinstance(exc, PathEscapeError) and root.is_dir():
+            report.findings += _archive_damage(root, report.findings)
     if manifest is not None:
         report.format, report.step = manifest.format, manifest.step
         if root.is_dir() and Path(manifest.root).resolve() != root.resolve():
@@ -567,6 +570,42 @@ def _check_copies(report: VerifyReport, manifest: Manifest, adapter: Adapter, di
         report.findings.append(
             finding("misplaced-file", copy.message, severity=copy.severity, file=copy.files[0], hint=copy.hint)
         )
+
+
+def _archive_damage(root: Path, found: list[Finding]) -> list[Finding]:
+    """Where reading stopped at damaged files (no seal): the other torch.save files beside them
+    (the top folders the damaged ones are in; files directly in ``root`` for those there) checked
+    against the CRC-32s their zip archives carry, so that a flipped byte elsewhere is named in the
+    same run. Files that are not torch.save archives are left alone."""
+    named = {f.file for f in found if f.file}
+    tops = {rel.split("/", 1)[0] if "/" in rel else "" for rel in named if not os.path.isabs(rel)}
+    out: list[Finding] = []
+    for top in sorted(tops):
+        try:
+            listing = list_files(root / top, relative_to=root) if top else list_files(root)
+        except CkptError:
+            continue
+        for rel, _ in listing:
+            rel = f"{top}/{rel}" if top else rel
+            if rel in named or (not top and "/" in rel) or not rel.endswith((".pt", ".pth", ".bin")):
+                continue
+            try:
+                with RandomAccessFile(root / rel, display=rel) as f:
+                    if f.read(0, 4) != b"PK\x03\x04":
+                        continue
+                    bad = Archive(f, display=rel).crc_errors()
+            except CkptError:
+                continue  # (not a torch.save archive: nothing to check it against)
+            if bad:
+                out.append(
+                    finding(
+                        "checksum-mismatch",
+                        f"{rel}: {', '.join(bad[:3])}{' …' if len(bad) > 3 else ''} fail(s) the zip CRC-32 stored "
+                        "with them: the bytes changed after the save",
+                        file=rel,
+                    )
+                )
+    return out
 
 
 def _dedupe(findings: list[Finding]) -> list[Finding]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool import _unpickle
-from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, raise_together
+from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, name_from_above, raise_together
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection, claim
 from ckpttool.geometry import Box, coverage, row_major_strides
@@ -572,6 +572,12 @@ class DeepSpeedAdapter:
                 )
             confine(path, tag, named_by="latest_universal")  # a tag folder linked out of the save directory
             path = path / tag
+            if _is_universal(path):
+                try:
+                    return self._describe_universal(path)
+                except CkptError as exc:  # its files named from the save directory given
+                    name_from_above([exc], tag)
+                    raise
         if _is_universal(path) and not (path / "latest").is_file():
             return self._describe_universal(path)
         if not (path / "latest").is_file() and not _is_tag_dir(path) and (tags := _untracked_tags(path)):

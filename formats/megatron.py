@@ -24,7 +24,14 @@ from typing import Any, NamedTuple
 
 from ckpttool import _unpickle
 from ckpttool.dtypes import dtype as lookup_dtype
-from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, PathEscapeError, raise_together
+from ckpttool.errors import (
+    CkptError,
+    CorruptFileError,
+    IncompleteCheckpointError,
+    PathEscapeError,
+    name_from_above,
+    raise_together,
+)
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection, claim
 from ckpttool.formats.dcp import DcpAdapter, DcpReader, is_dist_config, misplaced_in
@@ -473,9 +480,7 @@ class MegatronDistAdapter:
                 elif (loaded := _pt.load_or_note(path, "common.pt", ALLOWLIST, damaged)) is not None:
                     loaded[0].close()
             if tracked:  # its files named from the save directory given, as the iteration is not said
-                for e in (e for d in damaged for e in (d, *d.others)):
-                    if e.path and not os.path.isabs(e.path):
-                        e.path = f"{path.name}/{e.path}"
+                name_from_above(damaged, path.name)
             raise_together(damaged)
             raise
         manifest = Manifest(

@@ -364,26 +364,26 @@ IMPLIED = [
         ],
     ),
     # a universal checkpoint without the model states DeepSpeed's universal load reads: verify said OK
-    ("universal", [f"{U}/mp_rank_00_model_states.pt"], [], [("missing-file", "mp_rank_00_model_states.pt", 0)]),
+    ("universal", [f"{U}/mp_rank_00_model_states.pt"], [], [("missing-file", f"{U}/mp_rank_00_model_states.pt", 0)]),
     (
         "universal",
         [f"{U}/mp_rank_00_model_states.pt", f"{U}/zero/emb.weight/exp_avg.pt"],
         [],
-        [("missing-file", "mp_rank_00_model_states.pt", 0), ("missing-file", "zero/emb.weight/exp_avg.pt", None)],
+        [("missing-file", f"{U}/mp_rank_00_model_states.pt", 0), ("missing-file", f"{U}/zero/emb.weight/exp_avg.pt", None)],
     ),
     (
         "universal3",
         [f"{U}/zero_pp_rank_0_mp_rank_00_model_states.pt", f"{U}/zero_pp_rank_1_mp_rank_00_model_states.pt"],
         [],
-        [("missing-file", "zero_pp_rank_0_mp_rank_00_model_states.pt", 0)],
+        [("missing-file", f"{U}/zero_pp_rank_0_mp_rank_00_model_states.pt", 0)],
     ),
     # the fp32.pt ds_to_universal copies from the module for a tied alias and a frozen parameter
-    ("universal", [f"{U}/zero/head.weight/fp32.pt"], [], [("missing-file", "zero/head.weight/fp32.pt", None)]),
+    ("universal", [f"{U}/zero/head.weight/fp32.pt"], [], [("missing-file", f"{U}/zero/head.weight/fp32.pt", None)]),
     (
         "universal",
         [f"{U}/zero/frozen.weight/fp32.pt"],
         [f"{U}/zero/emb.weight/fp32.pt"],
-        [("truncated-file", "zero/emb.weight/fp32.pt", None), ("missing-file", "zero/frozen.weight/fp32.pt", None)],
+        [("truncated-file", f"{U}/zero/emb.weight/fp32.pt", None), ("missing-file", f"{U}/zero/frozen.weight/fp32.pt", None)],
     ),
 ]
 
@@ -392,7 +392,8 @@ IMPLIED = [
 def test_files_the_layout_implies_are_named_when_missing(fixture, gone, cut, expected, tmp_path):
     """Files no metadata lists but the layout implies (pipeline layer files, a universal
     checkpoint's model states and per-parameter files): each missing one is its own finding, with
-    the other damage, and a universal checkpoint without its model states is no longer clean."""
+    the other damage, and a universal checkpoint without its model states is no longer clean. Files
+    are named from the save directory given (a universal tag's were named from the tag)."""
     path = _copy(fixture, tmp_path)
     for rel in gone:
         (path / rel).unlink()

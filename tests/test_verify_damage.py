@@ -662,7 +662,8 @@ def test_every_damaged_rank_file_is_named_not_only_the_first(fixture, cut, flipp
     checksum-mismatch of the pickle's CRC-32), and the CLI's one error names the others."""
     path = tmp_path / "ck"
     shutil.copytree(fixture, path)
-    root = path / "global_step3_universal" if fixture.name == "universal" else path  # (files named from the tag)
+    tag = "global_step3_universal/" if fixture.name == "universal" else ""  # (the tag latest_universal names)
+    root = path / tag
     for rel in cut:
         _cut(root / rel, 3000)
     for rel in flipped:  # one byte of the pickle
@@ -677,7 +678,9 @@ def test_every_damaged_rank_file_is_named_not_only_the_first(fixture, cut, flipp
     code, report = _findings(path)
     found = sorted((f["rule"], f["file"]) for f in report["findings"] if f["severity"] == "error")
     expected = sorted(
-        [("truncated-file", r) for r in cut] + [("checksum-mismatch", r) for r in flipped] + [("missing-file", r) for r in deleted]
+        [("truncated-file", tag + r) for r in cut]
+        + [("checksum-mismatch", tag + r) for r in flipped]
+        + [("missing-file", tag + r) for r in deleted]
     )
     assert code == 1 and found == expected, report["findings"]
     r = run_cli("inspect", path)
@@ -1061,3 +1064,80 @@ def test_a_save_directory_without_its_tracker_is_an_unfinished_save(fixture, tmp
     assert f"ckpttool verify {ck / 'iter_0000003'}" in found["hint"]
     code, report = _findings(ck / "iter_0000003")  # the iteration itself reads
     assert code == 0, report
+
+
+def _flip_tensor(f) -> None:
+    """One byte flipped in the middle of the largest tensor member of a torch.save file (its
+    stored CRC-32 left as it was), the modification time kept."""
+    import zipfile
+
+    with zipfile.ZipFile(f) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    data = bytearray(f.read_bytes())
+    at = info.header_offset
+    name, extra = int.from_bytes(data[at + 26 : at + 28], "little"), int.from_bytes(data[at + 28 : at + 30], "little")
+    data[at + 30 + name + extra + info.file_size // 2] ^= 0xFF
+    st = os.stat(f)
+    f.write_bytes(bytes(data))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+BESIDE = [
+    # (fixture, tensor byte flipped, deleted, cut short, the error findings: (rule, file))
+    (
+        "deepspeed/zero1",
+        ["global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt", "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"],
+        [],
+        ["global_step3/mp_rank_00_model_states.pt"],
+        [
+            ("truncated-file", "global_step3/mp_rank_00_model_states.pt"),
+            ("checksum-mismatch", "global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+            ("checksum-mismatch", "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+        ],
+    ),
+    (
+        "rankshards/ddp",
+        ["shard_00000_of_00002.pt"],
+        ["shard_00001_of_00002.pt"],
+        [],
+        [("missing-file", "shard_00001_of_00002.pt"), ("checksum-mismatch", "shard_00000_of_00002.pt")],
+    ),
+    (
+        "megatron/legacy_tp2pp2_distopt",
+        ["iter_0000003/mp_rank_01_001/distrib_optim.pt"],
+        ["iter_0000003/mp_rank_00_000/model_optim_rng.pt"],
+        [],
+        [
+            ("missing-file", "iter_0000003/mp_rank_00_000/model_optim_rng.pt"),
+            ("checksum-mismatch", "iter_0000003/mp_rank_01_001/distrib_optim.pt"),
+        ],
+    ),
+    (
+        "deepspeed/universal",
+        ["global_step3_universal/zero/head.weight/fp32.pt"],
+        [],
+        ["global_step3_universal/mp_rank_00_model_states.pt"],
+        [
+            ("truncated-file", "global_step3_universal/mp_rank_00_model_states.pt"),
+            ("checksum-mismatch", "global_step3_universal/zero/head.weight/fp32.pt"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(("fixture", "flipped", "gone", "cut", "expected"), BESIDE, ids=[b[0] for b in BESIDE])
+def test_a_flipped_tensor_byte_beside_a_damaged_file_is_named(fixture, flipped, gone, cut, expected, tmp_path):
+    """A file that stops the read leaves no manifest, so no tensor's bytes were checked: a flipped
+    byte in another rank's tensor showed only once the first damage was mended. The torch.save
+    files beside the damaged ones are now checked against their zip CRC-32s."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / fixture, ck)
+    for rel in flipped:
+        _flip_tensor(ck / rel)
+    for rel in gone:
+        (ck / rel).unlink()
+    for rel in cut:
+        _cut(ck / rel, 100)
+    code, report = _findings(ck)
+    assert code == 1, report
+    assert [(f["rule"], f["file"]) for f in report["findings"] if f["severity"] == "error"] == expected

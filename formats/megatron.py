@@ -426,6 +426,28 @@ _COMMON_MISSING = (
 _COMMON_HINT = "the save was interrupted or the file deleted; use another iteration"
 
 
+def _common_damage(it_dir: Path) -> list[CkptError]:
+    """``common.pt`` of a torch_dist save, missing or not reading (read as far as to know it reads)."""
+    if not (it_dir / "common.pt").is_file():
+        return [IncompleteCheckpointError(_COMMON_MISSING, hint=_COMMON_HINT, path="common.pt", rule="missing-file")]
+    damaged: list[CkptError] = []
+    if (loaded := _pt.load_or_note(it_dir, "common.pt", ALLOWLIST, damaged)) is not None:
+        loaded[0].close()
+    return damaged
+
+
+def _dist_damage(it_dir: Path) -> list[CkptError]:
+    """The damage of a torch_dist save's other files (its DCP files, ``common.pt``), where its
+    ``metadata.json`` does not read: named with it, not after it is mended."""
+    try:
+        DcpAdapter(object_allow=ALLOWLIST).describe(it_dir)
+    except (CorruptFileError, IncompleteCheckpointError) as exc:
+        return [exc, *_common_damage(it_dir)]
+    except CkptError:
+        return []
+    return _common_damage(it_dir)
+
+
 class MegatronDistAdapter:
     """``torch_dist``: ``metadata.json`` + ``common.pt`` + DCP files, read through the dcp adapter."""
 
@@ -471,14 +493,7 @@ class MegatronDistAdapter:
         except CkptError as exc:
             damaged: list[CkptError] = [exc]
             if isinstance(exc, CorruptFileError | IncompleteCheckpointError):  # common.pt's damage named too
-                if not (path / "common.pt").is_file():
-                    damaged.append(
-                        IncompleteCheckpointError(
-                            _COMMON_MISSING, hint=_COMMON_HINT, path="common.pt", rule="missing-file"
-                        )
-                    )
-                elif (loaded := _pt.load_or_note(path, "common.pt", ALLOWLIST, damaged)) is not None:
-                    loaded[0].close()
+                damaged += _common_damage(path)
             if tracked:  # its files named from the save directory given, as the iteration is not said
                 name_from_above(damaged, path.name)
             raise_together(damaged)
@@ -1431,12 +1446,16 @@ class MegatronLegacyAdapter:
         if not dirs:
             meta = it_dir / "metadata.json"
             if meta.is_file() or meta.is_symlink():  # a torch_dist save whose metadata.json does not read as one
-                raise CorruptFileError(
+                bad = CorruptFileError(
                     f'{prefix}metadata.json: expected torch_dist\'s JSON ({{"sharded_backend": "torch_dist", ...}}), '
-                    f"found {_describe_bytes(meta)}; this iteration has no mp_rank_* directories either",
+                    f"found {_describe_bytes(meta)}",
                     hint="the save was interrupted while writing it, or the file was damaged; use another iteration",
                     path=f"{prefix}metadata.json",
                 )
+                others = _dist_damage(it_dir) if meta.is_file() else []
+                if prefix:
+                    name_from_above(others, it_dir.name)
+                raise_together([bad, *others])
             dist = [n for n in ("common.pt", ".metadata") if (it_dir / n).is_file()]
             dist += ["*.distcp"] if any(it_dir.glob("*.distcp")) else []
             if dist:  # torch_dist's other files, without its metadata.json

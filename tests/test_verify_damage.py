@@ -965,6 +965,12 @@ STOPPED = [
         "iter_0000003/__3_1.distcp",
         [("truncated-file", "iter_0000003/__3_1.distcp", 3), ("missing-file", "iter_0000003/common.pt", None)],
     ),
+    (  # (a metadata.json that does not read stopped at once, "no mp_rank_* directories either")
+        "megatron/dist_tp2pp2",
+        "iter_0000003/__2_0.distcp",
+        "iter_0000003/metadata.json",
+        [("corrupt-file", "iter_0000003/metadata.json", None), ("missing-file", "iter_0000003/__2_0.distcp", 2)],
+    ),
 ]
 
 

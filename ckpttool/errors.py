@@ -7,6 +7,8 @@ in ``ckpttool.cli``; the library never prints.
 
 from __future__ import annotations
 
+import os
+
 
 class CkptError(Exception):
     """A checkpoint could not be evaluated (exit 3).
@@ -54,8 +56,6 @@ def name_from_above(errors: list[CkptError], folder: str) -> None:
     """Name the files of ``errors`` (and of their ``others``) from the folder above ``folder``: a
     reader sent into a save's tag or iteration by its tracker names them from there, and the user
     gave the save directory."""
-    import os
-
     for e in (e for d in errors for e in (d, *d.others)):
         if e.path and not os.path.isabs(e.path):
             if e.message.startswith(e.path):  # (a message that begins with the file's name: that name too)

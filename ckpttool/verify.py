@@ -582,12 +582,15 @@ def _archive_damage(root: Path, found: list[Finding]) -> list[Finding]:
     out: list[Finding] = []
     for top in sorted(tops):
         try:
-            listing = list_files(root / top, relative_to=root) if top else list_files(root)
-        except CkptError:
+            if top:
+                rels = [f"{top}/{rel}" for rel, _ in list_files(root / top, relative_to=root)]
+            else:  # (the checkpoint directory's own files: not the other saves beside them)
+                with os.scandir(root) as entries:
+                    rels = sorted(e.name for e in entries if e.is_file(follow_symlinks=False))
+        except (CkptError, OSError):
             continue
-        for rel, _ in listing:
-            rel = f"{top}/{rel}" if top else rel
-            if rel in named or (not top and "/" in rel) or not rel.endswith((".pt", ".pth", ".bin")):
+        for rel in rels:
+            if rel in named or not rel.endswith((".pt", ".pth", ".bin")):
                 continue
             try:
                 with RandomAccessFile(root / rel, display=rel) as f:

@@ -1660,10 +1660,9 @@ class MegatronLegacyAdapter:
                         )
                     )
                 continue
-            before = len(damaged)
             if (loaded := _pt.load_or_note(root, rel, ALLOWLIST, damaged)) is not None:
                 loaded[0].close()
-            elif len(damaged) > before:
+            else:
                 damaged[-1].rank = rank_of(d, 1)[0]
         return damaged
 

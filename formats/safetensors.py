@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,14 +178,23 @@ class SafetensorsAdapter:
         else:
             root = path
             indexes = _index_files(path)
+            unread: CkptError | None = None  # an index that does not read: the shards checked beside it
             if indexes:
                 index_name = indexes[0].name
-                weight_map = _read_index(path, index_name)
+                try:
+                    weight_map = _read_index(path, index_name)
+                except (CorruptFileError, IncompleteCheckpointError) as exc:
+                    unread, index_name = exc, None
+            if weight_map is not None:
                 files = list(dict.fromkeys(weight_map.values()))
             else:
                 files = sorted(p.name for p in path.glob("*.safetensors") if not p.is_dir())
         manifest = Manifest(root=str(root), format=self.name, layout=Layout(world_size=None))
         damaged: list[CkptError] = []  # every shard missing, cut short or unreadable named, not the first
+        if path.is_dir() and weight_map is None:  # (no index to name them: the shards' own numbering)
+            damaged += _unnumbered_shards(files)
+            if unread is not None:
+                damaged.insert(0, unread)
         found: dict[str, Path] = {}
         for rel in files:
             full = found[rel] = Path(confine(root, rel, named_by=index_name or "the listing"))
@@ -256,6 +266,29 @@ class SafetensorsAdapter:
 
     def reader(self, manifest: Manifest) -> SafetensorsReader:
         return SafetensorsReader(manifest)
+
+
+_NUMBERED = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.safetensors$")
+
+
+def _unnumbered_shards(files: list[str]) -> list[CkptError]:
+    """Shards their siblings' names say exist (``model-00002-of-00003.safetensors``: three of them,
+    as Hugging Face numbers them) and that are not here: one ``missing-file`` error each."""
+    numbered = [(m[1], int(m[2]), int(m[3])) for f in files if (m := _NUMBERED.match(f))]
+    sets = {(stem, total) for stem, _, total in numbered if 0 < total <= 100_000}
+    held = {(stem, i, total) for stem, i, total in numbered}
+    return [
+        IncompleteCheckpointError(
+            f"{name}: missing; its siblings {stem}-NNNNN-of-{total:05d}.safetensors number {total} shards",
+            hint="download the missing shard",
+            path=name,
+            rule="missing-file",
+        )
+        for stem, total in sorted(sets)
+        for i in range(1, total + 1)
+        if (stem, i, total) not in held
+        for name in [f"{stem}-{i:05d}-of-{total:05d}.safetensors"]
+    ]
 
 
 def _read_index(root: Path, name: str) -> dict[str, str]:

@@ -1147,3 +1147,32 @@ def test_a_flipped_tensor_byte_beside_a_damaged_file_is_named(fixture, flipped, 
     code, report = _findings(ck)
     assert code == 1, report
     assert [(f["rule"], f["file"]) for f in report["findings"] if f["severity"] == "error"] == expected
+
+
+@pytest.mark.parametrize(
+    ("index", "shard", "expected"),
+    [
+        ("garbage", "cut", [("corrupt-file", "model.safetensors.index.json"), ("truncated-file", "model-00002-of-00002.safetensors")]),
+        ("garbage", "deleted", [("corrupt-file", "model.safetensors.index.json"), ("missing-file", "model-00001-of-00002.safetensors")]),
+        ("deleted", "deleted", [("missing-file", "model-00001-of-00002.safetensors")]),
+    ],
+)
+def test_a_damaged_safetensors_index_leaves_the_shards_checked(index, shard, expected, tmp_path):
+    """An index that did not read stopped there (a shard cut short or deleted beside it went
+    unsaid); without an index, a deleted shard was not missed at all. The shards' own numbering
+    (model-NNNNN-of-MMMMM.safetensors) says which exist."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "safetensors" / "sharded", ck)
+    idx = ck / "model.safetensors.index.json"
+    if index == "garbage":
+        idx.write_bytes(b"this is not a checkpoint \x00 garbage\n")
+    else:
+        idx.unlink()
+    target = ck / ("model-00002-of-00002.safetensors" if shard == "cut" else "model-00001-of-00002.safetensors")
+    if shard == "cut":
+        _cut(target, 100)
+    else:
+        target.unlink()
+    code, report = _findings(ck)
+    assert code == 1, report
+    assert [(f["rule"], f["file"]) for f in report["findings"] if f["severity"] == "error"] == expected

@@ -394,13 +394,13 @@ def _verify(
     _check_in_flight(report, root, manifest, sealed is not None)
     if manifest is not None and adapter is not None:
         _check_manifest(report, manifest, required)
-        _check_replicas(report, manifest, adapter, piece_digests)
+        _check_replicas(report, manifest, adapter, piece_digests, deep)
         _check_steps(report, manifest)
         _check_format_findings(report, manifest)
         _check_copies(report, manifest, adapter, file_digests)  # (once the format has named what it can)
         _check_optimizer(report, manifest, adapter, piece_digests, sealed.algo if sealed else "xxh3-128")
         if deep:
-            _check_values(report, manifest, adapter, piece_digests)
+            _check_values(report, manifest, adapter)
     report.findings = _dedupe([_within(f, root, Path(report.path)) for f in report.findings])
     return report
 
@@ -1094,9 +1094,10 @@ _STATE_WORDS: dict[StateName, str] = {
 
 
 def _check_replicas(
-    report: VerifyReport, manifest: Manifest, adapter: Adapter, digests: dict[tuple[str, int], str]
+    report: VerifyReport, manifest: Manifest, adapter: Adapter, digests: dict[tuple[str, int], str], deep: bool
 ) -> None:
-    """Copies of the same box (TP-replicated norms, DP copies) must hold the same bytes."""
+    """Copies of the same box (TP-replicated norms, DP copies) must hold the same bytes. With
+    ``deep``, a further copy that differs from the first is read for NaN/Inf (:func:`_nonfinite_copy`)."""
     with adapter.reader(manifest) as reader:
         for item in manifest.items.values():
             if not item.is_tensor or not any(p.replica for p in item.pieces):
@@ -1119,6 +1120,11 @@ def _check_replicas(
                 counts = Counter(d for _, d in values).most_common()
                 if len(counts) < 2:
                     continue
+                if deep:  # (the first copy's values are the tensor's census)
+                    zero = next((d for i, d in values if item.pieces[i].replica == 0), None)
+                    for i, d in values:
+                        if item.pieces[i].replica and d != zero:
+                            _nonfinite_copy(report, reader, item, item.pieces[i])
                 # the copies most hold are taken as right; with no majority (two copies) none is blamed
                 blame = counts[0][1] > counts[1][1]
                 base, right = next((i, d) for i, d in values if d == counts[0][0]) if blame else values[0]
@@ -1609,13 +1615,10 @@ def _check_master(report: VerifyReport, item: Item, values: np.ndarray, master: 
     )
 
 
-def _check_values(
-    report: VerifyReport, manifest: Manifest, adapter: Adapter, digests: dict[tuple[str, int], str]
-) -> None:
+def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter) -> None:
     """--deep: every value read once. NaN/Inf and statistics per tensor, moments all zero by
-    value, and each fp32 master against its parameter (read with it, not again on its own turn);
-    copies of a region that differ from the first (``digests``: each piece's) checked for NaN/Inf
-    too."""
+    value, and each fp32 master against its parameter (read with it, not again on its own turn).
+    (The copies of a region that differ from the first: :func:`_check_replicas`.)"""
     stepping = {m.name for m in _stepping(manifest, _moments(manifest))}
     done: set[str] = set()
     with adapter.reader(manifest) as reader:
@@ -1628,7 +1631,6 @@ def _check_values(
                 report.findings.append(_from_error(exc, item.name))
                 continue
             _census(report, item, values, item.name in stepping, manifest)
-            _census_copies(report, reader, item, digests)
             master = _master_of(manifest, item)
             if master is None:
                 continue
@@ -1639,7 +1641,6 @@ def _check_values(
                 report.findings.append(_from_error(exc, master.name))
                 continue
             _census(report, master, fp32, False, manifest)
-            _census_copies(report, reader, master, digests)
             _check_master(report, item, values, master, fp32)
     report.checked["values"] = len(report.stats)
 
@@ -1690,47 +1691,34 @@ def _census(report: VerifyReport, item: Item, values: np.ndarray, stepping: bool
         )
 
 
-def _census_copies(report: VerifyReport, reader: Any, item: Item, digests: dict[tuple[str, int], str]) -> None:
-    """NaN/Inf in the further copies of ``item``'s regions (DP copies, TP-replicated norms, a tied
-    weight's copy on another pipeline stage), which the census of its first copy does not read:
-    those whose bytes differ from the first copy's (by ``digests``; read where a digest is not
-    known), each finding naming its file and rank. A resumed run reads every rank's own copy."""
-    if not any(p.replica for p in item.pieces):
+def _nonfinite_copy(report: VerifyReport, reader: Any, item: Item, piece: Piece) -> None:
+    """--deep: NaN/Inf in a further copy of a region (a DP copy, a TP-replicated norm, a tied
+    weight's copy on another pipeline stage) whose bytes differ from the first copy's, which the
+    census of the tensor does not read: a resumed run reads every rank's own copy. The finding
+    names the copy's file and rank and the element's global index."""
+    try:
+        floats = as_float(reader.read(piece, item), item.dtype or "")
+    except CkptError:
+        return  # (the byte walk names the damage)
+    if floats is None:
         return
-    first: dict[Any, int] = {}
-    for i, p in enumerate(item.pieces):
-        if p.replica == 0:
-            first[(p.box, p.flat)] = i
-    for i, p in enumerate(item.pieces):
-        j = first.get((p.box, p.flat))
-        mine = digests.get((item.name, i))
-        if not p.replica or (j is not None and mine is not None and mine == digests.get((item.name, j))):
-            continue
-        try:
-            floats = as_float(reader.read(p, item), item.dtype or "")
-        except CkptError:
-            continue  # (the byte walk names the damage)
-        if floats is None:
-            continue
-        flat = floats.reshape(-1)
-        bad = ~np.isfinite(flat)
-        if not bad.any():
-            continue
-        at = int(np.argmax(bad))
-        if p.flat is not None:
-            at += p.flat[0]
-        index = [int(o + k) for o, k in zip(p.box.offsets, np.unravel_index(at, p.box.sizes), strict=True)]
-        rank = "" if p.rank is None else f", rank {p.rank}"
-        report.findings.append(
-            finding(
-                "nonfinite",
-                f"{item.name}: the copy in {p.file}{rank} holds {int(np.isnan(flat).sum()):,} NaN and "
-                f"{int(np.isinf(flat).sum()):,} Inf of its {flat.size:,} values; first at index {index}",
-                item=item.name,
-                file=p.file,
-                rank=p.rank,
-            )
+    flat = floats.reshape(-1)
+    bad = ~np.isfinite(flat)
+    if not bad.any():
+        return
+    at = int(np.argmax(bad)) + (piece.flat[0] if piece.flat is not None else 0)
+    index = [int(o + k) for o, k in zip(piece.box.offsets, np.unravel_index(at, piece.box.sizes), strict=True)]
+    rank = "" if piece.rank is None else f", rank {piece.rank}"
+    report.findings.append(
+        finding(
+            "nonfinite",
+            f"{item.name}: the copy in {piece.file}{rank} holds {int(np.isnan(flat).sum()):,} NaN and "
+            f"{int(np.isinf(flat).sum()):,} Inf of its {flat.size:,} values; first at index {index}",
+            item=item.name,
+            file=piece.file,
+            rank=piece.rank,
         )
+    )
 
 
 def _piece_at(item: Item, index: Sequence[int]) -> Piece | None:

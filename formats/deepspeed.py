@@ -645,10 +645,17 @@ class DeepSpeedAdapter:
             elif m := _LAYER.match(base):
                 key = (int(m.group(1)), int(m.group(2) or 0))
                 claim(layers, key, rel, f"layer {key[0]} of MP rank {key[1]}")
+        # the parameters the optimizer trains, by the model states read (each rank's its own at PP > 1)
+        shapes_of = {
+            n: tuple(s) if isinstance(s, list | tuple) else None
+            for rel in models.values()
+            for group in (files.get(rel, {}).get("param_shapes") or [])
+            if isinstance(group, dict)
+            for n, s in group.items()
+        }
         if damaged:  # the rank files absent beside them named too, as far as the files read tell
             absent = _absent_beside_damage(tag_dir.name, prefix, files, (models, z3_models, optims), stray)
-            trained = {n for rel in models.values() for g in (files.get(rel, {}).get("param_shapes") or []) for n in g}
-            absent += _absent_layer_files(tag_dir, prefix, layers, trained)
+            absent += _absent_layer_files(tag_dir, prefix, layers, set(shapes_of))
             raise_together([*damaged, *absent])
         stage = self._stage(files, optims)
         if bf16_optimizer(files, optims):
@@ -683,13 +690,6 @@ class DeepSpeedAdapter:
                 else "unknown (no universal_checkpoint_info): one item per TP rank"
             )
         # module weights
-        shapes_of = {
-            n: tuple(s) if isinstance(s, list | tuple) else None
-            for rel in models.values()
-            for group in (files[rel].get("param_shapes") or [])
-            if isinstance(group, dict)
-            for n, s in group.items()
-        }
         trainable = set(shapes_of)
         raise_together(_absent_layer_files(tag_dir, prefix, layers, trainable))
         if layers:

@@ -239,6 +239,24 @@ _TE_TO_LOCAL = {
 }
 
 
+def _saves_distrib_optim(args: Any, obj: dict[str, Any]) -> bool:
+    """Whether a rank file's save wrote ``distrib_optim.pt`` beside it: Megatron-LM saves the
+    distributed optimizer's state there whenever it saves the optimizer (the rank file then holds
+    its param groups)."""
+    return bool(getattr(args, "use_distributed_optimizer", False)) and isinstance(obj.get("optimizer"), dict | list)
+
+
+def _missing_distrib_optim(rel: str, tp_rank: int) -> IncompleteCheckpointError:
+    return IncompleteCheckpointError(
+        f"{rel} is missing: the rank file beside it holds the distributed optimizer's param groups, so its "
+        "state was saved there",
+        hint="a rank did not finish saving or the file was deleted; use another iteration",
+        path=rel,
+        rule="missing-file",
+        rank=tp_rank,
+    )
+
+
 def _untracked_iterations(path: Path) -> list[str]:
     """The Megatron iteration directories (``iter_NNNNNNN`` or ``release`` holding ``mp_rank_*``
     directories or a torch_dist ``metadata.json``) just below ``path``, oldest first: a save
@@ -1641,24 +1659,13 @@ class MegatronLegacyAdapter:
         """Where some rank files do not read: each rank directory's ``distrib_optim.pt`` that is
         missing (the rank files read save the distributed optimizer's state beside them) or does
         not read."""
-        saved = any(
-            getattr(o.get("args"), "use_distributed_optimizer", False) and isinstance(o.get("optimizer"), dict | list)
-            for o in objs.values()
-        )
+        saved = any(_saves_distrib_optim(o.get("args"), o) for o in objs.values())
         damaged: list[CkptError] = []
         for d in dirs:
             rel = f"{prefix}{d}/distrib_optim.pt"
             if not (root / rel).is_file():
                 if saved:
-                    damaged.append(
-                        IncompleteCheckpointError(
-                            f"{rel} is missing: the rank files save the distributed optimizer's state beside them",
-                            hint="a rank did not finish saving or the file was deleted; use another iteration",
-                            path=rel,
-                            rule="missing-file",
-                            rank=rank_of(d, 1)[0],
-                        )
-                    )
+                    damaged.append(_missing_distrib_optim(rel, rank_of(d, 1)[0]))
                 continue
             if (loaded := _pt.load_or_note(root, rel, ALLOWLIST, damaged)) is not None:
                 loaded[0].close()
@@ -1730,16 +1737,8 @@ class MegatronLegacyAdapter:
         dist_rel = rel.rsplit("/", 1)[0] + "/distrib_optim.pt"
         if Path(manifest.root, dist_rel).is_file():
             self._distrib_optim(manifest, dist_rel, orders, args, rank, tp, gated, replicas)
-        elif getattr(args, "use_distributed_optimizer", False) and isinstance(obj.get("optimizer"), dict | list):
-            # Megatron-LM saves the distributed optimizer's state beside every rank's model file
-            # whenever it saves the optimizer (the model file then holds its param groups)
-            raise IncompleteCheckpointError(
-                f"{dist_rel} is missing: {rel} holds the distributed optimizer's param groups, so its "
-                "state was saved beside it",
-                hint="a rank did not finish saving or the file was deleted; use another iteration",
-                path=dist_rel,
-                rule="missing-file",
-            )
+        elif _saves_distrib_optim(args, obj):
+            raise _missing_distrib_optim(dist_rel, t)
         _add_rng(manifest, rel, obj.get("rng_state"), "rng_state", rank_label(t, p, e), t)
 
     def _distrib_optim(

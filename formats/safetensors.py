@@ -173,12 +173,12 @@ class SafetensorsAdapter:
     def describe(self, path: Path) -> Manifest:
         index_name: str | None = None
         weight_map: dict[str, str] | None = None
+        unread: CkptError | None = None  # an index that does not read: the shards checked beside it
         if path.is_file():
             root, files = path.parent, [path.name]
         else:
             root = path
             indexes = _index_files(path)
-            unread: CkptError | None = None  # an index that does not read: the shards checked beside it
             if indexes:
                 index_name = indexes[0].name
                 try:
@@ -192,9 +192,7 @@ class SafetensorsAdapter:
         manifest = Manifest(root=str(root), format=self.name, layout=Layout(world_size=None))
         damaged: list[CkptError] = []  # every shard missing, cut short or unreadable named, not the first
         if path.is_dir() and weight_map is None:  # (no index to name them: the shards' own numbering)
-            damaged += _unnumbered_shards(files)
-            if unread is not None:
-                damaged.insert(0, unread)
+            damaged += [*([unread] if unread else []), *_unnumbered_shards(files)]
         found: dict[str, Path] = {}
         for rel in files:
             full = found[rel] = Path(confine(root, rel, named_by=index_name or "the listing"))

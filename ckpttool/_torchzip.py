@@ -451,6 +451,58 @@ encryption, masked local headers."""
 _TAIL = 1024  # the EOCD and, for files with few members, the whole central directory
 
 
+def record_start(f: RandomAccessFile, end: int) -> int | None:
+    """Where the torch.save archive that ends at byte ``end`` of ``f`` begins, from its end records
+    (a DCP ``.distcp`` file is such archives back to back, found without its ``.metadata`` this
+    way, last to first). None where no archive torch writes ends there: no end record without a
+    comment, or one whose directory offset places the start before the file or not at a local
+    header. The archive itself is judged by :class:`Archive`."""
+    if end < _EOCD.size:
+        return None
+    sig, *_, cd_size, cd_offset, comment = _EOCD.unpack(f.read(end - _EOCD.size, _EOCD.size))
+    if sig != b"PK\x05\x06" or comment != 0:
+        return None
+    at = end - _EOCD.size - _EOCD64_LOCATOR.size
+    locator = f.read(at, _EOCD64_LOCATOR.size) if at >= _EOCD64.size else b""
+    if locator[:4] == b"PK\x06\x07":  # torch's writer: a zip64 record right before its locator
+        rec_at = at - _EOCD64.size
+        rec = f.read(rec_at, _EOCD64.size)
+        if rec[:4] != b"PK\x06\x06":
+            return None
+        start = rec_at - _EOCD64_LOCATOR.unpack(locator)[2]
+    else:
+        start = end - _EOCD.size - cd_size - cd_offset
+    return start if 0 <= start < end and f.read(start, 4) == b"PK\x03\x04" else None
+
+
+def record_crc_errors(f: RandomAccessFile, display: str) -> list[str]:
+    """The members of a file of torch.save archives back to back (a DCP ``.distcp`` file, read
+    without its ``.metadata``) whose CRC-32 does not match their bytes, each named with the byte
+    its record starts at, first record first. The archives are walked from the last to the first.
+    Raises CorruptFileError where the chain breaks: no archive ends at the end of the file, or
+    where the archive after it begins."""
+    records: list[list[str]] = []
+    end = f.size
+    while end > 0:
+        start = record_start(f, end)
+        if start is None:
+            where = (
+                f"at its end (byte {end:,})"
+                if end == f.size
+                else f"at byte {end:,}, where the record after it begins (the {f.size - end:,} bytes after "
+                "it read as records)"
+            )
+            raise CorruptFileError(
+                f"{display}: no torch.save record ends {where}: the file was cut short or overwritten there",
+                hint="restore the file from a good copy",
+                path=display,
+            )
+        archive = Archive(f, base=start, length=end - start, display=f"{display}@{start}", file=display)
+        records.append([f"{name} of the record at byte {start:,}" for name in archive.crc_errors()])
+        end = start
+    return [name for bad in reversed(records) for name in bad]
+
+
 def _central_directory(
     read: Any, length: int, display: str = "zip archive", file: str | None = None
 ) -> dict[str, _Member] | None:

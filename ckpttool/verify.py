@@ -31,7 +31,7 @@ import numpy as np
 from typing_extensions import TypedDict  # pydantic needs this one on Python < 3.12
 
 from ckpttool import registry
-from ckpttool._torchzip import Archive
+from ckpttool._torchzip import Archive, record_crc_errors
 from ckpttool.assemble import assemble, regions
 from ckpttool.dtypes import as_float, float32_to_bf16
 from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedError, NotFoundError, PathEscapeError
@@ -576,7 +576,8 @@ def _archive_damage(root: Path, found: list[Finding]) -> list[Finding]:
     """Where reading stopped at damaged files (no seal): the other torch.save files beside them
     (the top folders the damaged ones are in; files directly in ``root`` for those there) checked
     against the CRC-32s their zip archives carry, so that a flipped byte elsewhere is named in the
-    same run. Files that are not torch.save archives are left alone."""
+    same run; DCP ``.distcp`` files too, their records found from their ends, last to first. Files
+    that are not torch.save archives are left alone."""
     named = {f.file for f in found if f.file}
     tops = {rel.split("/", 1)[0] if "/" in rel else "" for rel in named if not os.path.isabs(rel)}
     out: list[Finding] = []
@@ -590,14 +591,17 @@ def _archive_damage(root: Path, found: list[Finding]) -> list[Finding]:
         except (CkptError, OSError):
             continue
         for rel in rels:
-            if rel in named or not rel.endswith((".pt", ".pth", ".bin")):
+            records = rel.endswith(".distcp")  # (torch.save records back to back, walked without .metadata)
+            if rel in named or not (records or rel.endswith((".pt", ".pth", ".bin"))):
                 continue
             try:
                 with RandomAccessFile(root / rel, display=rel) as f:
                     if f.read(0, 4) != b"PK\x03\x04":
                         continue
-                    bad = Archive(f, display=rel).crc_errors()
-            except CkptError:
+                    bad = record_crc_errors(f, rel) if records else Archive(f, display=rel).crc_errors()
+            except CkptError as exc:
+                if records:  # (it starts as DCP's writer writes: a chain that breaks is damage)
+                    out.append(_from_error(exc))
                 continue  # (not a torch.save archive: nothing to check it against)
             if bad:
                 out.append(

@@ -1128,6 +1128,20 @@ BESIDE = [
             ("checksum-mismatch", "global_step3_universal/zero/head.weight/fp32.pt"),
         ],
     ),
+    (  # (.distcp files: torch.save records back to back, found from the file's end without .metadata)
+        "dcp/fsdp2",
+        ["__1_0.distcp"],
+        [],
+        [".metadata", "__3_0.distcp"],
+        [("corrupt-file", ".metadata"), ("checksum-mismatch", "__1_0.distcp"), ("corrupt-file", "__3_0.distcp")],
+    ),
+    (
+        "megatron/dist_tp2",
+        ["iter_0000003/__0_1.distcp"],
+        ["iter_0000003/metadata.json"],
+        [],
+        [("missing-file", "iter_0000003/metadata.json"), ("checksum-mismatch", "iter_0000003/__0_1.distcp")],
+    ),
 ]
 
 

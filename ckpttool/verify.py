@@ -401,7 +401,7 @@ def _verify(
         _check_optimizer(report, manifest, adapter, piece_digests, sealed.algo if sealed else "xxh3-128")
         if deep:
             _check_values(report, manifest, adapter)
-    report.findings = _dedupe([_within(f, root, Path(report.path)) for f in report.findings])
+    report.findings = _one_per_changed_file(_dedupe([_within(f, root, Path(report.path)) for f in report.findings]))
     return report
 
 
@@ -613,6 +613,25 @@ def _archive_damage(root: Path, found: list[Finding]) -> list[Finding]:
                     )
                 )
     return out
+
+
+def _one_per_changed_file(findings: list[Finding]) -> list[Finding]:
+    """A file whose bytes are found changed (against the seal or its zip CRC-32s) that its reader
+    could not read either: one finding, the change's, saying what reading the file met (the
+    reader's failure is what the change did, not a second fault)."""
+    read = {f.file: f for f in findings if f.rule == "corrupt-file" and f.file and f.item is None}
+    merged: set[str] = set()
+    out: list[Finding] = []
+    for f in findings:
+        bad = read.get(f.file) if f.file and f.item is None else None
+        if f.rule in ("checksum-mismatch", "truncated-file") and bad is not None:
+            said = bad.message.removeprefix(f"{f.file}: ")
+            rank = f.rank if bad.rank is None else bad.rank
+            out.append(replace(f, message=f"{f.message}; reading it: {said}", rank=rank))
+            merged.add(bad.file or "")
+        else:
+            out.append(f)
+    return [f for f in out if not (f.rule == "corrupt-file" and f.item is None and f.file in merged)]
 
 
 def _dedupe(findings: list[Finding]) -> list[Finding]:

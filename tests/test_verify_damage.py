@@ -1190,3 +1190,24 @@ def test_a_damaged_safetensors_index_leaves_the_shards_checked(index, shard, exp
     code, report = _findings(ck)
     assert code == 1, report
     assert [(f["rule"], f["file"]) for f in report["findings"] if f["severity"] == "error"] == expected
+
+
+@pytest.mark.parametrize(
+    ("overwrite", "rule"),
+    [(lambda b: b"garbage here", "truncated-file"), (lambda b: b[:100] + bytes([b[100] ^ 0x55]) + b[101:], "checksum-mismatch")],
+    ids=["shorter garbage", "a flipped byte"],
+)
+def test_a_sealed_file_that_changed_and_does_not_read_is_one_finding(overwrite, rule, tmp_path):
+    """A sealed .metadata overwritten: the seal named the change and the reader, separately, the
+    file it could not read; two errors for one damaged file. Now one, the change's, saying what
+    reading it met."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ck)
+    assert run_cli("seal", ck).code == 0
+    meta = ck / ".metadata"
+    meta.write_bytes(overwrite(meta.read_bytes()))
+    code, report = _findings(ck)
+    assert code == 1
+    found = [(f["rule"], f["file"]) for f in report["findings"] if f["severity"] == "error"]
+    assert found == [(rule, ".metadata")], report["findings"]
+    assert "; reading it: " in report["findings"][0]["message"]

@@ -217,6 +217,24 @@ def test_verify_reports_never_replace_the_checkpoint(tmp_path):
     assert r.code == 0 and (tmp_path / "r.json").exists() and (tmp_path / "j.xml").exists()
 
 
+@pytest.mark.parametrize("sealed", [True, False], ids=["sealed", "not sealed yet"])
+def test_verify_reports_never_replace_the_seal_beside_a_single_file(sealed, tmp_path):
+    """A single file's seal is beside it, not inside it: verify --report / --junit naming it
+    replaced the seal with the report (exit 0; the next verify then failed on "not a readable
+    seal"), or wrote a file there that the next verify took for the seal."""
+    ckpt = tmp_path / "a.safetensors"
+    shutil.copy(FIXTURES / "safetensors" / "model.safetensors", ckpt)
+    seal = tmp_path / "a.safetensors.ckpttool.manifest.json"
+    if sealed:
+        assert run_cli("seal", ckpt).code == 0 and seal.exists()
+    before = tree_digests(tmp_path)
+    for flag in ("--report", "--junit"):
+        r = run_cli("verify", ckpt, flag, seal)
+        assert r.code == 2 and f"{flag} {seal} is inside the seal" in r.stderr, r.stderr
+    assert tree_digests(tmp_path) == before
+    assert run_cli("verify", ckpt).code == 0
+
+
 def test_bad_requests_are_refused_not_internal_errors(tmp_path):
     """Each of these was an "internal error" with a traceback hint (or, --workers 0, accepted)."""
     ckpt = tmp_path / "ckpt"

@@ -385,12 +385,16 @@ def verify(
     """
     from ckpttool.errors import UsageError
     from ckpttool.io import check_output_file, refuse_overlap
+    from ckpttool.seal import default_seal_path
     from ckpttool.verify import VerifyReport
     from ckpttool.verify import verify as run
 
+    # (without --manifest, the seal is the one beside the checkpoint: a report written there would
+    # replace it, or be taken for it by the next verify)
+    seal = manifest if manifest is not None else default_seal_path(path)
     for flag, given in (("--report", report_file), ("--junit", junit_file)):
         if given is not None:  # checked before any work; a report never replaces what it reports on
-            refuse_overlap(given, flag=flag, checkpoint=path, seal=manifest)
+            refuse_overlap(given, flag=flag, checkpoint=path, seal=seal)
             check_output_file(given, flag)
     if report_file is not None and junit_file is not None and report_file.resolve() == junit_file.resolve():
         raise UsageError(
@@ -471,9 +475,10 @@ def _verify_outputs(
 def _inside_the_checkpoint(summary: str, report: VerifyReport) -> str | None:
     """Why the step summary file may not be appended to (inside the checkpoint or its seal)."""
     from ckpttool.io import refuse_overlap
+    from ckpttool.seal import default_seal_path
 
     try:
-        refuse_overlap(summary, flag="is", checkpoint=report.path, seal=report.seal)
+        refuse_overlap(summary, flag="is", checkpoint=report.path, seal=report.seal or default_seal_path(report.path))
     except CkptError as exc:
         return exc.message.removeprefix(f"is {summary} ")
     return None

@@ -75,6 +75,9 @@ class FileDigest:
     digest: str | None
     """None when the file could not be read"""
     error: str | None = None
+    changed: bool = False
+    """the file changed while it was read (its size or modification time; bytes missing short
+    of the size it had when opened): a writer is at work on it, no digest is taken"""
 
 
 class Cancelled(Exception):
@@ -125,7 +128,8 @@ def hash_file(
     except OSError as exc:
         return FileDigest(rel, -1, None, exc.strerror), {}
     try:
-        size = os.fstat(fd).st_size
+        opened = os.fstat(fd)
+        size = opened.st_size
         whole = new_hasher(algo)
         hashers = {s.key: new_hasher(s.algo or algo) for s in spans}
         feeder = SpanFeeder((s.offset, s.length, hashers[s.key]) for s in spans)
@@ -147,6 +151,16 @@ def hash_file(
             if progress is not None:
                 progress(n)
             pos += n
+        now = os.fstat(fd)
+        if pos < size or (now.st_size, now.st_mtime_ns) != (size, opened.st_mtime_ns):
+            how = (
+                f"it ended after {pos:,} of the {size:,} bytes it had when opened"
+                if pos < size
+                else f"{size:,} bytes when opened, {now.st_size:,} once read"
+                if now.st_size != size
+                else "written to while it was read (its modification time moved)"
+            )
+            return FileDigest(rel, -1, None, how, changed=True), {}
         digests = {s.key: hashers[s.key].hexdigest() for s in spans if s.offset + s.length <= size}
         return FileDigest(rel, size, whole.hexdigest()), digests
     except (OSError, ValueError) as exc:

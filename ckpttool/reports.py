@@ -4,7 +4,7 @@ grouping the human output uses ("12 ranks missing: 3, 5, 7 …", not twelve line
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from ckpttool.naming import printable
@@ -48,10 +48,18 @@ def _listing(findings: tuple[Finding, ...]) -> str:
     ("no optimizer state, RNG state in the checkpoint")."""
     named = [f.item or f.file for f in findings]
     if all(named):
-        names = list(dict.fromkeys(n for n in named if n))
-        return ", ".join(names[:_SHOWN]) + (" …" if len(names) > _SHOWN else "")
+        # (an item found in several files, such as each rank's copy of one tensor: with its file,
+        # or the files would vanish from the line)
+        seen = Counter(f.item for f in findings if f.item)
+        names = list(
+            dict.fromkeys(
+                f"{f.item} in {f.file}" if f.item and f.file and seen[f.item] > 1 else n
+                for f, n in zip(findings, named, strict=True)
+            )
+        )
+        return ", ".join(map(str, names[:_SHOWN])) + _more(len(names))
     texts = list(dict.fromkeys(f.item or f.file or f.message for f in findings))
-    more = " …" if len(texts) > _SHOWN else ""
+    more = _more(len(texts))
     if all(f.item is None and f.file is None for f in findings) and len(texts) > 1:
         words = [t.split(" ") for t in texts]
         head = 0
@@ -66,6 +74,11 @@ def _listing(findings: tuple[Finding, ...]) -> str:
             listed = ", ".join(middles[:_SHOWN]) + more
             return " ".join(part for part in (start, listed, end) if part)
     return "; ".join(texts[:_SHOWN]) + more
+
+
+def _more(listed: int) -> str:
+    """What a listing of ``listed`` names showing the first ``_SHOWN`` leaves out."""
+    return f" … ({listed - _SHOWN} more; --json lists every finding)" if listed > _SHOWN else ""
 
 
 def groups(report: VerifyReport) -> list[Group]:
@@ -105,7 +118,8 @@ def junit(report: VerifyReport, fail_on: Severity = "error") -> str:
     for f in report.findings:
         by_rule[f.rule].append(f)
     for rule in RULES.values():
-        case = ET.SubElement(suite, "testcase", classname=f"ckpttool.{rule.id}", name=f"{rule.id}: {report.path}")
+        name = f"{rule.id}: {printable(report.path)}"
+        case = ET.SubElement(suite, "testcase", classname=f"ckpttool.{rule.id}", name=name)
         found = by_rule.get(rule.id, [])
         failing = [f for f in found if SEVERITY_ORDER[f.severity] >= SEVERITY_ORDER[fail_on]]
         if failing:
@@ -134,10 +148,11 @@ def _cell(text: str) -> str:
 
 
 def _escape(text: str) -> str:
-    """``text`` as a workflow command's message: each line's control and invisible characters
-    spelled out (:func:`printable`: a hostile name must not reach the log's terminal as an escape
-    sequence), then GitHub's own escapes (``%25``, lines joined by ``%0A``)."""
-    return "%0A".join(printable(line).replace("%", "%25") for line in text.split("\n"))
+    """``text`` as a workflow command's message, on one line as in the other reports: control and
+    invisible characters spelled out (:func:`printable`: a hostile name must neither reach the
+    log's terminal as an escape sequence nor break the line where GitHub's ``%0A`` would), then
+    GitHub's own escape of ``%``."""
+    return printable(text).replace("%", "%25")
 
 
 def github_annotations(report: VerifyReport, limit: int = 50) -> str:

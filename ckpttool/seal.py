@@ -14,6 +14,7 @@ import datetime as _dt
 import functools
 import json
 import os
+import posixpath
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain, repeat
@@ -166,6 +167,7 @@ class Seal:
                 for i, n, f, o, ln, c in data["pieces"]
             ]
             _check_records(pieces)
+            _check_paths(chain((f.path for f in manifest.files), (r.file for r in pieces)))
             return cls(algo=algo, head=_head(manifest), _records=pieces, created=created, tool=tool, _manifest=manifest)
         if version != SEAL_SCHEMA:
             raise ValueError(f"schema_version {version!r:.20} (this ckpttool reads 1 and {SEAL_SCHEMA})")
@@ -175,6 +177,7 @@ class Seal:
         head = Manifest.from_json_dict({**head_json, "items": {}})
         columns = {k: data[k] for k in ("piece_files", "locator_keys", "items", "pieces")}
         _validate(columns)
+        _check_paths(chain((f.path for f in head.files), columns["piece_files"]))
         folders = data.get("folders")
         if folders is not None and not (
             isinstance(folders, dict)
@@ -199,6 +202,15 @@ def _corrupt(path: Path, exc: BaseException) -> CorruptFileError:
 
 def _plain_value(v: Any) -> Any:
     return list(v) if isinstance(v, tuple) else v
+
+
+def _check_paths(paths: Iterable[str]) -> None:
+    """Every file a seal names is spelled as seal writes it: relative to the checkpoint, below it,
+    without ``.`` or empty parts (``./x`` or ``../ckpt/x`` named a file on disk twice, once
+    as extra; ``../x`` one outside)."""
+    for p in paths:
+        if ckio.escapes(p) or posixpath.normpath(p) != p:
+            raise ValueError(f"it names the file {p!r:.200}, not a path below the checkpoint as seal writes them")
 
 
 def _check_records(pieces: list[PieceRecord]) -> None:
@@ -742,6 +754,14 @@ def seal(
     for f in manifest.files:
         d = file_digests.get(f.path)
         if d is not None:
+            if d.changed or (d.digest is not None and d.size != f.size):
+                how = d.error or f"{f.size:,} bytes when the checkpoint was read, {d.size:,} when hashed"
+                raise CkptError(
+                    f"{f.path} changed while it was sealed ({how}): not sealed",
+                    hint="a writer is changing the checkpoint; seal it once the save has finished",
+                    path=f.path,
+                    rule="incomplete-save",
+                )
             if d.digest is None:
                 raise CorruptFileError(f"{f.path}: cannot be read ({d.error})", path=f.path)
             f.checksum = d.digest

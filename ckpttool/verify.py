@@ -863,6 +863,9 @@ def _check_seal(
                         pass  # reported through the file checks
     for rel in (rel for rel in present if rel in changed):
         want, got = expected[rel], file_digests[rel]
+        if got.digest is None:  # (not read to its end: no digest to compare)
+            report.findings.append(_unread(rel, got, _rank_of(want)))
+            continue
         inside = [r for r in suspects[rel] if r.offset is not None and (r.length or 0) + r.offset <= got.size]
         # shorter, but the pieces it still holds are the sealed ones: cut short. Pieces that differ
         # too: another file in its place (another rank's, a later save's), said below
@@ -934,6 +937,21 @@ def _unsealed(report: VerifyReport, sealed: Seal, manifest: Manifest | None, exp
     return uncovered
 
 
+def _unread(rel: str, got: FileDigest, rank: int | None) -> Finding:
+    """The finding for a data file whose bytes could not be hashed to their end: one a writer
+    changed while verify read it (a save at work on the checkpoint now), or one the system
+    failed to read."""
+    if got.changed:
+        return finding(
+            "incomplete-save",
+            f"{rel} changed while verify read it ({got.error}): a save is writing this checkpoint now",
+            file=rel,
+            rank=rank,
+            hint="wait for the save to finish, then verify again",
+        )
+    return finding("corrupt-file", f"{rel}: cannot be read ({got.error})", file=rel, rank=rank)
+
+
 def _rank_of(record: Any) -> int | None:
     return record.ranks[0] if getattr(record, "ranks", None) else None
 
@@ -955,6 +973,7 @@ def _check_integrity(
     the piece digests and a few files' spans, not an archive object per piece."""
     root = Path(manifest.root)
     hashable = {f.path for f in manifest.files if f.role in ("data", "metadata")}
+    by_path = {f.path: f for f in manifest.files}
     pieces: dict[tuple[str, int], str] = {}
     files: dict[str, FileDigest] = {}
     counted = {"files": 0, "bytes": 0}
@@ -962,11 +981,14 @@ def _check_integrity(
 
     def check(fut: Future[tuple[FileDigest, dict[Any, str]]], rel: str, spans: list[Span], expected: Expected) -> None:
         digest, digests = fut.result()
+        if digest.digest is None:
+            report.findings.append(_unread(rel, digest, _rank_of(by_path.get(rel))))
         files[rel] = digest
         counted["files"] += 1
         counted["bytes"] += max(digest.size, 0)
         for file, message, owner in crc_failures(digests, expected, {rel: spans}, reader):
-            report.findings.append(finding("checksum-mismatch", message, file=file, item=owner))
+            rank = _rank_of(by_path.get(file))
+            report.findings.append(finding("checksum-mismatch", message, file=file, item=owner, rank=rank))
         for key, value in digests.items():
             if key[0] == "piece":
                 pieces[(key[1], key[2])] = value

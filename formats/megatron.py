@@ -37,7 +37,7 @@ from ckpttool.formats.base import Detection, claim
 from ckpttool.formats.dcp import DcpAdapter, DcpReader, is_dist_config, misplaced_in
 from ckpttool.geometry import Box, row_major_strides
 from ckpttool.io import confine, read_tracker
-from ckpttool.manifest import FileRecord, Item, Kind, Layout, Manifest, Piece, ReplicaCounter
+from ckpttool.manifest import FileRecord, FileRole, Item, Kind, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
 from ckpttool.values import flatten, plain_value, set_value
 
@@ -1590,7 +1590,9 @@ class MegatronLegacyAdapter:
         self._user_rules: dict[str, int | None] = dict(_USER_RULES.get() or {})
         self._carried_rules = _carried_rules(first.get(SPLIT_RULES), f"{prefix}{dirs[0]}/model_optim_rng.pt")
         for f_rel, size in ((r, s) for r, s in _list(root, prefix, dirs)):
-            manifest.files.append(FileRecord(path=f_rel, size=size, role="data" if f_rel.endswith(".pt") else "aux"))
+            role: FileRole = "data" if f_rel.endswith(".pt") else "aux"
+            tp_rank = ranks[f_rel[len(prefix) :].split("/", 1)[0]][0]  # (verify's findings name the TP rank)
+            manifest.files.append(FileRecord(path=f_rel, size=size, role=role, ranks=[tp_rank]))
         if prefix:
             manifest.files.append(
                 FileRecord(path=TRACKER, size=os.stat(confine(root, TRACKER)).st_size, role="tracker")

@@ -381,6 +381,44 @@ def test_step_summary_cells_escape_markup_and_junit_stays_well_formed():
     assert line.isprintable() and "c\\x1b[2J\\x00: 1 NaN" in line, line
 
 
+def test_junit_and_annotations_spell_out_a_hostile_checkpoint_path_and_file_name():
+    """The JUnit testcases named the checkpoint by its raw path: an escape character made the file
+    malformed XML, a byte that is not UTF-8 an internal error after stdout had said "ok". A
+    newline in a file name became GitHub's %0A, a real line break in the annotation."""
+    import xml.etree.ElementTree as ET
+
+    from ckpttool.reports import github_annotations, junit
+    from ckpttool.verify import Finding, VerifyReport
+
+    for path in ("ck\x1b[31mpt", "ck\udcffpt"):  # (a non-UTF-8 byte, as os.fsdecode gives it)
+        report = VerifyReport(path=path, format="dcp", findings=[])
+        text = junit(report)
+        text.encode()  # (it raised UnicodeEncodeError)
+        root = ET.fromstring(text.split("?>", 1)[1])
+        assert all(path not in case.get("name", "") for case in root), text
+    extra = [Finding(rule="extra-file", severity="warning", message=f"{n}: not part of the checkpoint", file=n) for n in ("a", "b", "c", "nl\nx")]
+    lines = github_annotations(VerifyReport(path="ck", format="dcp", findings=extra)).splitlines()
+    assert len(lines) == 1 and "%0A" not in lines[0] and lines[0].endswith("a, b, c, nl\\nx"), lines
+
+
+def test_a_grouped_line_keeps_the_files_of_one_item_found_in_several():
+    """Each rank's copy of one tensor failing its CRC: the line listed the tensor's name once,
+    and which files (and that the list went on) was lost."""
+    from ckpttool.reports import Group
+    from ckpttool.verify import Finding
+
+    found = tuple(
+        Finding(rule="checksum-mismatch", severity="error", message="bad", file=f"__{r}_0.distcp", item="model.pos", rank=r)
+        for r in range(8)
+    )
+    line = Group("checksum-mismatch", "error", found).line
+    assert line.endswith(
+        "ranks 0, 1, 2, 3, 4, 5, 6, 7: model.pos in __0_0.distcp, model.pos in __1_0.distcp, model.pos in __2_0.distcp, "
+        "model.pos in __3_0.distcp, model.pos in __4_0.distcp, model.pos in __5_0.distcp … (2 more; --json lists every "
+        "finding)"
+    ), line
+
+
 def test_hostile_names_reach_no_terminal_raw_in_ls_inspect_or_diff(tmp_path):
     """Tensor names are the checkpoint's to choose: an escape sequence in one (``\\x1b]...``: set
     the title, rewrite the screen) or a newline (a forged row) is shown spelled out, in every

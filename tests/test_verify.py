@@ -1207,3 +1207,73 @@ def test_an_optimizer_state_keyed_by_index_is_checked(edit, severity, words, tmp
     assert len(found) == 1 and found[0][0] == severity and words in found[0][1], found
     clean = verify(FIXTURES / "torch" / "train_state.pt")
     assert "optimizer-mismatch" not in _rules(clean), clean.findings
+
+
+def _written_to_while_hashed(path: Path, how: str):
+    """A ``progress`` callback that changes ``path`` once the hashing has read its first chunk, as a
+    writer at work on the file would (cut short, or bytes overwritten in place)."""
+    done = []
+
+    def progress(n: int) -> None:
+        if done:
+            return
+        done.append(n)
+        if how == "cut":
+            os.truncate(path, path.stat().st_size // 2)
+        else:
+            with open(path, "r+b") as fh:
+                fh.seek(path.stat().st_size - 4096)
+                fh.write(os.urandom(4096))
+
+    return progress
+
+
+@pytest.mark.parametrize("how", ["cut", "overwritten"])
+def test_a_file_that_changes_while_it_is_hashed_is_not_sealed_or_passed(how, tmp_path):
+    """seal exited 0 with a seal that vouched for bytes it never read (the pieces past a cut took
+    the digest of nothing) or for the bytes before a writer changed them; verify compared such a
+    half-read file against the seal. A file whose size or modification time moved while it was
+    read, or that ended short of its size, is now refused by seal and an incomplete-save for
+    verify."""
+    from safetensors.numpy import save_file
+
+    from ckpttool.errors import CkptError
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    rng = np.random.default_rng(0)
+    save_file({f"w{i}": rng.standard_normal((256, 1024)).astype(np.float32) for i in range(4)}, ck / "model.safetensors")
+    data = ck / "model.safetensors"
+    original = data.read_bytes()
+    with pytest.raises(CkptError, match=r"model\.safetensors changed while it was sealed .*: not sealed"):
+        seal(ck, workers=1, progress=_written_to_while_hashed(data, how))
+    assert not (ck / "ckpttool.manifest.json").exists()
+
+    data.write_bytes(original)
+    seal(ck)
+    report = verify(ck, workers=1, progress=_written_to_while_hashed(data, how))
+    found = [(f.rule, f.file) for f in report.findings if f.severity == "error"]
+    assert ("incomplete-save", "model.safetensors") in found, report.findings
+    assert not [f for f in report.findings if f.rule in ("truncated-file", "checksum-mismatch") and "-1" in f.message]
+
+
+@pytest.mark.parametrize("spelled", ["./{}", "../ck/{}", "../outside.bin", "/etc/passwd", "{}//"], ids=["dot", "up-and-back", "up", "absolute", "slashes"])
+@pytest.mark.parametrize("where", ["files", "piece_files"])
+def test_a_seal_naming_a_file_as_seal_never_writes_it_is_refused(spelled, where, tmp_path):
+    """"./__0_0.distcp" or "../ck/__0_0.distcp" in a seal named a file on disk twice (6 files
+    checked for 5, and each file an extra-file warning, exit 0); "../outside.bin" was an
+    unsafe-path finding about a link ('..') that is not there. A seal's paths are written
+    canonical: any other spelling is a seal damaged or forged (exit 3)."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ck)
+    seal_file = tmp_path / "seal.json"
+    assert run_cli("seal", ck, "--out", seal_file).code == 0
+    data = json.loads(seal_file.read_text())
+    if where == "files":
+        entry = data["manifest"]["files"][1]
+        entry["path"] = spelled.format(entry["path"])
+    else:
+        data["piece_files"][0] = spelled.format(data["piece_files"][0])
+    seal_file.write_text(json.dumps(data))
+    r = run_cli("verify", ck, "--manifest", seal_file)
+    assert r.code == 3 and "not a readable ckpttool seal" in r.stderr and "not a path below the checkpoint" in r.stderr, (r.code, r.stdout, r.stderr)

@@ -1211,3 +1211,26 @@ def test_a_sealed_file_that_changed_and_does_not_read_is_one_finding(overwrite, 
     found = [(f["rule"], f["file"]) for f in report["findings"] if f["severity"] == "error"]
     assert found == [(rule, ".metadata")], report["findings"]
     assert "; reading it: " in report["findings"][0]["message"]
+
+
+@pytest.mark.parametrize(
+    ("fixture", "flipped"),
+    [
+        ("dcp/fsdp2", {"__1_0.distcp": 1, "__3_0.distcp": 3}),
+        ("deepspeed/zero2", {"global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt": 1}),
+        ("rankshards/ddp", {"shard_00001_of_00002.pt": 1}),
+        ("megatron/legacy_tp2pp2", {"iter_0000003/mp_rank_01_001/model_optim_rng.pt": 1}),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_a_crc_finding_names_the_rank_of_its_file(fixture, flipped, tmp_path):
+    """A tensor byte flipped (no seal): the zip CRC-32 finding named the file but no rank, where
+    a seal's finding on the same file names it."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / fixture, ck)
+    for rel in flipped:
+        _flip_tensor(ck / rel)
+    code, report = _findings(ck)
+    assert code == 1
+    found = {f["file"]: f["rank"] for f in report["findings"] if f["rule"] == "checksum-mismatch"}
+    assert found == flipped, report["findings"]

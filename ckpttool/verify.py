@@ -227,7 +227,8 @@ class ReportJSON(TypedDict):
     iteration a save directory's tracker names (torch_dist). null otherwise"""
     layout: dict[str, int | None]
     ok: bool
-    fail_on: Severity
+    fail_on: Literal["error", "warning"]
+    """the least severe finding that fails the check (``--fail-on``)"""
     summary: dict[Severity, int]
     checked: dict[str, int]
     findings: list[FindingJSON]
@@ -235,7 +236,8 @@ class ReportJSON(TypedDict):
     """per tensor, by name (``--deep`` only)"""
     error: ErrorJSON | None
     """set when nothing could be evaluated (exit 3: no such path, an unknown format, damaged
-    metadata); then ``ok`` is false and there are no findings. null otherwise"""
+    metadata; or exit 2: the request itself was refused, such as an unknown ``--require`` state);
+    then ``ok`` is false and there are no findings. null otherwise"""
 
 
 def report_schema() -> dict[str, Any]:

@@ -791,12 +791,16 @@ def staged_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
                 continue
             except FileNotFoundError as exc:
                 vanished = _remake_parents(dest_p.parent, made, vanished, exc)
+        _STAGED[str(tmp)] = os.path.lexists(dest_p)
         yield tmp
     except BaseException:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         _unmake(made)
         raise
+    finally:
+        if tmp is not None:
+            _STAGED.pop(str(tmp), None)
 
 
 class WriterGate:
@@ -1063,12 +1067,21 @@ def publish_dir(tmp: Path, dest: Path) -> None:
     """Put the finished directory ``tmp`` (from :func:`staged_dir`) in place of ``dest``: one
     rename, then the parent's entry flushed. An existing ``dest`` (``--force``) is first renamed
     aside and deleted only after the new one is in place, so a crash leaves the old output, the
-    new one, or (between the two renames) none, never a half-deleted one. Inside
-    :func:`checking_crcs`, the source's zip members read only in part are judged whole first
-    (:func:`finish_partial`): no writer can publish a flipped bit it read without judging it."""
+    new one, or (between the two renames) none, never a half-deleted one. A ``dest`` that was not
+    there when the directory was staged, made since by another run or a user, is never replaced
+    (:func:`appeared_meanwhile`). Inside :func:`checking_crcs`, the source's zip members read only
+    in part are judged whole first (:func:`finish_partial`): no writer can publish a flipped bit it
+    read without judging it."""
     if checking():
         finish_partial()
     old: Path | None = None
+    if not _STAGED.pop(str(tmp), True):  # (absent when staged: it may not be replaced now)
+        try:
+            rename_noreplace(tmp, dest)
+        except FileExistsError:
+            raise appeared_meanwhile(dest) from None
+        fsync_dir(dest.parent)
+        return
     if dest.exists() or dest.is_symlink():
         old = dest.parent / (_temp_prefix(dest) + _owner_tag() + "old")
         os.replace(dest, old)
@@ -1076,6 +1089,62 @@ def publish_dir(tmp: Path, dest: Path) -> None:
     fsync_dir(dest.parent)
     if old is not None:
         shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+
+
+_STAGED: dict[str, bool] = {}
+"""Directories :func:`staged_dir` made and not yet published: whether their destination existed then."""
+
+
+def appeared_meanwhile(dest: Path) -> UsageError:
+    return UsageError(
+        f"{dest} appeared while the output was being written (another run, or someone, made it): not replaced, "
+        "nothing written",
+        hint="remove it and run again, pass --force to replace it, or choose another path",
+    )
+
+
+def rename_noreplace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Rename ``src`` to ``dst`` unless ``dst`` exists (FileExistsError): in one step where the
+    kernel and file system take ``RENAME_NOREPLACE`` (Linux ``renameat2``), else checked just
+    before the rename."""
+    fn = _renameat2()
+    if fn is not None:
+        if fn(-100, os.fsencode(src), -100, os.fsencode(dst), 1) == 0:  # AT_FDCWD, RENAME_NOREPLACE
+            return
+        err = _errno()
+        if err == errno.EEXIST:
+            raise FileExistsError(err, os.strerror(err), os.fspath(dst))
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), os.fspath(src))
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), os.fspath(dst))
+    os.rename(src, dst)
+
+
+def _renameat2() -> Any:
+    """libc's ``renameat2`` (Linux, glibc 2.28+), or None where there is none."""
+    if "renameat2" not in _LIBC:
+        fn = None
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+
+                fn = ctypes.CDLL(None, use_errno=True).renameat2
+                fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+                fn.restype = ctypes.c_int
+            except (OSError, AttributeError):
+                fn = None
+        _LIBC["renameat2"] = fn
+    return _LIBC["renameat2"]
+
+
+_LIBC: dict[str, Any] = {}
+
+
+def _errno() -> int:
+    import ctypes
+
+    return ctypes.get_errno()
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

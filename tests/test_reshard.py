@@ -3430,3 +3430,37 @@ def test_a_frozen_parameter_is_refused_for_a_legacy_distributed_optimizer_before
     with pytest.raises(UsageError, match=r"no optimizer state \(frozen\), such as decoder\.layers\.0\.self_attention\.adapter"):
         reshard(src, out, target, seal_output=False)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("force", [False, True])
+@pytest.mark.parametrize("made", ["a folder with a file", "an empty folder", "a file"])
+def test_an_output_that_appears_during_the_run_is_never_replaced(made, force, tmp_path):
+    """-o was checked for existence at the start only: a directory made there while the run wrote
+    (another run's output, a user's files) was moved aside and deleted at publication, without
+    --force, and the run exited 0. Whatever was not there when the output was staged is now left as
+    it is (even with --force, which replaces what stood there at the start), and nothing is
+    written."""
+    out = tmp_path / "out"
+    first = []
+
+    def progress(n: int) -> None:
+        if first:
+            return
+        first.append(n)
+        if made == "a file":
+            out.write_text("precious\n")
+        else:
+            out.mkdir()
+            if made == "a folder with a file":
+                (out / "precious.txt").write_text("precious\n")
+
+    before = tree_digests(FIXTURES / "dcp" / "fsdp2")
+    with pytest.raises(UsageError, match="appeared while the output was being written"):
+        reshard(FIXTURES / "dcp" / "fsdp2", out, Target(dp=2), force=force, progress=progress)
+    assert first, "the run never reported progress"
+    if made == "a file":
+        assert out.read_text() == "precious\n"
+    else:
+        assert sorted(p.name for p in out.iterdir()) == (["precious.txt"] if made == "a folder with a file" else [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # (no staged directory left beside it)
+    assert tree_digests(FIXTURES / "dcp" / "fsdp2") == before

@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from ckpttool import registry
 from ckpttool._directwrite import open_direct
 from ckpttool.assemble import check_coverage
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.export import (
+    describe_split,
     refuse_findings,
     refuse_unreadable,
     safetensors_selection,
@@ -120,8 +120,10 @@ def convert(
     pattern: str | None = None,
     force: bool = False,
     progress: Callable[[int], None] | None = None,
+    split_rules: dict[str, int | None] | None = None,
 ) -> ConvertResult:
-    """``max_shard_size``: the largest safetensors shard (default 5GB)."""
+    """``max_shard_size``: the largest safetensors shard (default 5GB); ``split_rules``: the
+    ``--split-rule`` patterns a legacy Megatron source at TP > 1 is read with."""
     if to not in TARGETS:
         raise UsageError(f"--to {to!r}: ckpttool converts to {', '.join(TARGETS)} so far")
     limit = parse_size(DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size)
@@ -142,7 +144,9 @@ def convert(
     if out.exists() and not force:
         raise UsageError(f"{out} exists", hint="choose another -o path or pass --force to replace it")
     if to in FRAMEWORKS:
-        return _framework(src, out, to, kind=kind, pattern=pattern, force=force, progress=progress)
+        return _framework(
+            src, out, to, kind=kind, pattern=pattern, force=force, progress=progress, split_rules=split_rules or {}
+        )
     from ckpttool.reshard import torchrun_world
 
     if torchrun_world() is not None:  # every rank would write the same files and race to publish them
@@ -150,7 +154,7 @@ def convert(
             f"--to {to} is written by one process; run it without torchrun",
             hint=f"under torchrun, the ranks share the work of convert --to {', '.join(FRAMEWORKS)}",
         )
-    adapter, manifest = registry.describe(src)
+    adapter, manifest = describe_split(src, split_rules or {})
     refuse_findings(manifest)
     result = ConvertResult(output=str(out))
     if to == "dcp":
@@ -308,6 +312,7 @@ def _framework(
     pattern: str | None,
     force: bool,
     progress: Callable[[int], None] | None,
+    split_rules: dict[str, int | None],
 ) -> ConvertResult:
     """``--to megatron|megatron-dist|deepspeed|deepspeed-universal``: ``reshard`` with the layout unchanged (a framework
     checkpoint keeps every entry: no ``--kind`` or ``--filter``)."""
@@ -317,7 +322,7 @@ def _framework(
         raise UsageError(
             f"--to {to} writes the whole training state; --kind and --filter apply to safetensors, dcp and torch only"
         )
-    done = reshard(src, out, Target(to=to), force=force, progress=progress)
+    done = reshard(src, out, Target(to=to, split_rules=split_rules), force=force, progress=progress)
     ranks = torchrun_world()
     if ranks is not None and ranks[0] != 0:  # rank 0 reports for all
         return ConvertResult(output=str(out), nbytes=done.plan.nbytes)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -21,7 +21,7 @@ from ckpttool import registry
 from ckpttool.assemble import assemble, check_coverage
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CorruptFileError, IncompleteCheckpointError, UsageError
-from ckpttool.formats.base import PieceReader
+from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.formats.torchsave import refuse_a_part
 from ckpttool.io import atomic_output, check_output, checking_crcs, finish_partial, refuse_overlap
 from ckpttool.manifest import KINDS, Item, Manifest
@@ -96,6 +96,24 @@ def refuse_unreadable(items: Iterable[Item], *, hint: str | None = None) -> None
     )
 
 
+def describe_split(path: str | Path, rules: Mapping[str, int | None]) -> tuple[Adapter, Manifest]:
+    """Describe the checkpoint at ``path`` to write its full tensors: a legacy Megatron source read
+    with ``--split-rule`` patterns ``rules``, and refused where a parameter has no rule (its TP
+    ranks' parts would be read as copies: :func:`ckpttool.formats.megatron_write.check_split_rules`)."""
+    from ckpttool.formats.megatron import user_split_rules
+    from ckpttool.formats.megatron_write import check_split_rules
+
+    with user_split_rules(rules):
+        adapter, manifest = registry.describe(path)
+    if rules and manifest.format != "megatron":
+        raise UsageError(
+            f"--split-rule applies to legacy Megatron checkpoints only, not {manifest.format}",
+            hint="the other formats record how their tensors were split",
+        )
+    check_split_rules(manifest, rules)
+    return adapter, manifest
+
+
 def refuse_findings(manifest: Manifest) -> None:
     """Refuse to write from a checkpoint its format's reader found wrong while still reading it
     (``extras["findings"]``: a file a complete save has and this one lacks, a rank's file in
@@ -160,6 +178,7 @@ def export(
     pattern: str | None = None,
     force: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    split_rules: Mapping[str, int | None] | None = None,
 ) -> ExportResult:
     """Write the selected tensors of the checkpoint at ``path`` to ``output`` (safetensors).
 
@@ -176,7 +195,7 @@ def export(
             hint=f"name it {out_path.stem if out_path.suffix else 'model'}.safetensors; for a torch.save file, "
             "use ckpttool convert --to torch",
         )
-    adapter, manifest = registry.describe(path)
+    adapter, manifest = describe_split(path, split_rules or {})
     refuse_findings(manifest)
     result = ExportResult(output=str(out_path))
     pairs, result.skipped = safetensors_selection(manifest, kind=kind, pattern=pattern)

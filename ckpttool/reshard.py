@@ -445,11 +445,16 @@ def plan(
         raise UsageError(f"--pp-first-layers and --pp-last-layers apply to Megatron targets only, not {fmt}")
     if target.vocab_padding != "keep" and fmt not in ("megatron", "megatron-dist"):
         raise UsageError(f"--vocab-padding applies to Megatron targets only, not {fmt}")
-    if target.split_rules and fmt not in ("megatron", "megatron-dist"):
+    if target.split_rules and fmt not in ("megatron", "megatron-dist") and manifest.format != "megatron":
         raise UsageError(
-            f"--split-rule applies to Megatron targets only, not {fmt}",
+            f"--split-rule applies to Megatron targets and legacy Megatron sources only, not {fmt} from "
+            f"{manifest.format}",
             hint="a DeepSpeed source's split patterns are read from its files; DCP has no tensor parallelism to split",
         )
+    if fmt not in ("megatron", "megatron-dist"):  # (the Megatron writers judge the rules themselves)
+        from ckpttool.formats.megatron_write import check_split_rules
+
+        check_split_rules(manifest, target.split_rules)
     if target.vpp is not None and fmt not in ("megatron", "megatron-dist"):
         raise UsageError(f"--vpp applies to Megatron targets only, not {fmt}")
     if target.pipeline_layout is not None:
@@ -573,8 +578,11 @@ class _MegatronExec(_FileExec):
         )
         # the user's rules first, then those the source was read with (carried by a checkpoint
         # ckpttool wrote), as exact names
+        # as exact names (those a user's pattern matches left to it, so that a pattern is judged,
+        # and named, as the user gave it, once)
         carried = manifest.extras.get("split_rules") or {}
-        rules = {**target.split_rules, **{f"^{re.escape(n)}$": d for n, d in carried.items()}}
+        theirs = {n: d for n, d in carried.items() if not any(re.search(p, n) for p in target.split_rules)}
+        rules = {**target.split_rules, **{f"^{re.escape(n)}$": d for n, d in theirs.items()}}
         args = (manifest.root, manifest, mtarget, rules)
         super().__init__(adapter, manifest, _build_dist if dist else _build_legacy, args, {"tp": tp, "pp": pp})
         if self.writer.vpp > 1:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from pathlib import Path
@@ -564,28 +564,7 @@ def validate(
     problems += _mtp_problems(manifest, src, target, rank_files)
     gated = _gated(args)
     uneven, unknown, beyond = [], [], []
-    for pattern, dim in rules.items():  # only for parameters Megatron's own rules leave open
-        fixed = sorted(
-            n
-            for n, i in manifest.items.items()
-            if i.kind == "param"
-            and i.is_tensor
-            and re.search(pattern, n)
-            and (_known(n, {}) or split_rule(n, gated=gated)[0] != "replicated")
-        )
-        if not any(i.kind == "param" and i.is_tensor and re.search(pattern, n) for n, i in manifest.items.items()):
-            problems.append(
-                f"--split-rule '{pattern}={'none' if dim is None else dim}' matches no parameter: check the "
-                "pattern against the parameter names 'ckpttool ls' prints"
-            )
-        elif fixed:
-            rule, d = split_rule(fixed[0], gated=gated)
-            problems.append(
-                f"--split-rule '{pattern}={'none' if dim is None else dim}' matches {len(fixed)} parameters whose "
-                f"tensor-parallel split megatron-core fixes, such as {fixed[0]} ({rule}"
-                + (f", dim {d}" if d is not None else "")
-                + "); --split-rule is for parameters ckpttool has no rule for: narrow the pattern"
-            )
+    problems += _pattern_problems(manifest, rules, gated)
     for item in manifest.items.values():
         if not item.is_tensor or item.kind not in ("param", "optim", "master") or item.shape is None:
             continue
@@ -739,6 +718,97 @@ _REPLICATED = (
     "router.expert_bias",
     "position_embeddings.weight",
 )
+
+
+def _pattern_problems(manifest: Manifest, rules: Mapping[str, int | None], gated: bool) -> list[str]:
+    """What is wrong with ``--split-rule`` patterns ``rules``: one that matches no parameter, or
+    parameters whose split megatron-core fixes (the patterns are only for those it leaves open)."""
+    problems = []
+    for pattern, dim in rules.items():
+        fixed = sorted(
+            n
+            for n, i in manifest.items.items()
+            if i.kind == "param"
+            and i.is_tensor
+            and re.search(pattern, n)
+            and (_known(n, {}) or split_rule(n, gated=gated)[0] != "replicated")
+        )
+        if not any(i.kind == "param" and i.is_tensor and re.search(pattern, n) for n, i in manifest.items.items()):
+            problems.append(
+                f"--split-rule '{pattern}={'none' if dim is None else dim}' matches no parameter: check the "
+                "pattern against the parameter names 'ckpttool ls' prints"
+            )
+        elif fixed:
+            rule, d = split_rule(fixed[0], gated=gated)
+            problems.append(
+                f"--split-rule '{pattern}={'none' if dim is None else dim}' matches {len(fixed)} parameters whose "
+                f"tensor-parallel split megatron-core fixes, such as {fixed[0]} ({rule}"
+                + (f", dim {d}" if d is not None else "")
+                + "); --split-rule is for parameters ckpttool has no rule for: narrow the pattern"
+            )
+    return problems
+
+
+def check_split_rules(manifest: Manifest, rules: Mapping[str, int | None]) -> None:
+    """For an output in a format other than Megatron's, from a legacy source read with ``--split-rule``
+    patterns ``rules``: refuse (before anything is written) patterns :func:`validate` would refuse
+    for a Megatron output, a dimension a tensor lacks, and parameters no rule places
+    (:func:`unsplit_parameters`), whose full tensors would be rank 0's part alone."""
+    if manifest.format != "megatron":
+        return
+    gated = _gated(manifest.extras.get("args"))
+    problems = _pattern_problems(manifest, rules, gated)
+    beyond = [
+        f"{n} ({len(i.shape)}-D, dim {found[0]})"
+        for n, i in manifest.items.items()
+        if i.kind == "param"
+        and i.is_tensor
+        and i.shape is not None
+        and (found := matched_dim(n, rules)) is not None
+        and found[0] is not None
+        and found[0] >= len(i.shape)
+    ]
+    if beyond:
+        problems.append(
+            f"--split-rule splits {len(beyond)} tensors along a dimension they do not have: "
+            + ", ".join(beyond[:3])
+            + (" …" if len(beyond) > 3 else "")
+            + "; dimensions count from 0"
+        )
+    elif unknown := unsplit_parameters(manifest):
+        problems.append(
+            f"no tensor-parallel split rule for {len(unknown)} parameters of this TP={manifest.layout.tp} checkpoint: "
+            + ", ".join(unknown[:5])
+            + (" …" if len(unknown) > 5 else "")
+            + " (each TP rank holds its own, which would be read as copies and rank 0's kept alone)"
+        )
+    if problems:
+        raise UsageError(
+            "; ".join(problems) + "; nothing was written",
+            hint="give a rule with --split-rule 'REGEX=DIM' (or REGEX=none if replicated); 'ckpttool ls' lists "
+            "the parameters",
+        )
+
+
+def unsplit_parameters(manifest: Manifest) -> list[str]:
+    """The parameters of a legacy source at TP > 1 that no rule places: megatron-core's rules do
+    not split them, they are not among those it keeps whole on every rank, and neither a
+    ``--split-rule`` nor the checkpoint (:data:`SPLIT_RULES`) says how. They are read as copies of
+    one tensor, where each rank's may be a part of it: an output of any format but Megatron's own
+    would keep rank 0's part alone."""
+    if manifest.format != "megatron" or (manifest.layout.tp or 1) < 2:
+        return []
+    gated = _gated(manifest.extras.get("args"))
+    given = manifest.extras.get("split_rules") or {}
+    return sorted(
+        n
+        for n, i in manifest.items.items()
+        if i.kind == "param"
+        and i.is_tensor
+        and n not in given
+        and not _known(n, {})
+        and split_rule(n, gated=gated)[0] == "replicated"
+    )
 
 
 def _known(name: str, rules: dict[str, Any]) -> bool:

@@ -3464,3 +3464,44 @@ def test_an_output_that_appears_during_the_run_is_never_replaced(made, force, tm
         assert sorted(p.name for p in out.iterdir()) == (["precious.txt"] if made == "a folder with a file" else [])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # (no staged directory left beside it)
     assert tree_digests(FIXTURES / "dcp" / "fsdp2") == before
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["reshard", "{src}", "-o", "{out}", "--to", "dcp", "--dp", "2"],
+        ["convert", "{src}", "-o", "{out}", "--to", "dcp"],
+        ["convert", "{src}", "-o", "{out}", "--to", "safetensors"],
+        ["convert", "{src}", "-o", "{out}", "--to", "torch"],
+        ["export", "{src}", "-o", "{out}.safetensors"],
+    ],
+    ids=lambda c: "-".join(c[:1] + c[4:6]),
+)
+def test_a_parameter_no_rule_splits_is_refused_for_every_output_or_joined_by_a_rule(command, tmp_path):
+    """A legacy TP=2 source with a parameter no megatron-core rule knows: a Megatron output refused
+    it, but --to dcp, safetensors, torch and export read its two TP parts as copies and kept rank
+    0's half (exit 0, sealed), and could not be given the rule. They refuse it now, and a
+    --split-rule joins the parts, as for a Megatron output."""
+    from tests.conftest import run_cli
+
+    src = rewritten_copy(tmp_path / "src", LEGACY, _with_adapter)
+    before = tree_digests(src)
+    out = tmp_path / "out"
+    argv = [a.format(src=src, out=out) for a in command]
+    r = run_cli(*argv)
+    assert r.code == 2, (r.code, r.stdout, r.stderr)
+    assert "no tensor-parallel split rule for 4 parameters" in r.stderr and "adapter.weight" in r.stderr, r.stderr
+    assert "--split-rule" in r.stderr and "Traceback" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    r = run_cli(*argv, "--split-rule", r"adapter\.weight$=0")
+    assert r.code == 0, r.stderr
+    written = Path(argv[argv.index("-o") + 1])
+    name = "decoder.layers.0.self_attention.adapter.weight"
+    parts = [load_pt(src / f"iter_0000003/mp_rank_0{t}_000/model_optim_rng.pt")["model"][name] for t in (0, 1)]
+    assert registry.describe(written)[1].items[name].shape == (2 * parts[0].shape[0], parts[0].shape[1])
+    assert tree_digests(src) == before
+    # a pattern for a parameter megatron-core splits itself is refused here too, named once
+    again = [a.format(src=src, out=tmp_path / "again") for a in command]
+    r = run_cli(*again, "--split-rule", r"adapter\.weight$=0", "--split-rule", "layers.0.input_layernorm=none")
+    assert r.code == 2 and r.stderr.count("'layers.0.input_layernorm=none'") == 1, r.stderr
+    assert "whose tensor-parallel split megatron-core fixes" in r.stderr and not (tmp_path / "again").exists()

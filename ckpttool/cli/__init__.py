@@ -40,6 +40,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or notes on stderr.")]
+SplitRuleOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--split-rule",
+        help="REGEX=DIM (or REGEX=none): how TP splits parameters matching REGEX, in a legacy Megatron source and a "
+        "Megatron output (a legacy output keeps it).",
+    ),
+]
 
 
 def _a_path(value: str) -> Path:
@@ -253,6 +261,7 @@ def export(
         str | None, typer.Option("--filter", "-f", help="Only items whose name matches this regular expression.")
     ] = None,
     kind: Annotated[str, typer.Option("--kind", "-k", help="param, optim, master, rng, ... or all.")] = "all",
+    split_rule: SplitRuleOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -263,10 +272,12 @@ def export(
     published atomically. Non-tensor items are listed on stderr, not written.
     """
     from ckpttool.export import export as run
+    from ckpttool.reshard import parse_split_rules
 
     out = Output(json_mode=json_out, quiet=quiet)
     with out.progress("export") as update:
-        result = run(path, output, kind=kind, pattern=_regex(filter_), force=force, progress=update)
+        rules = parse_split_rules(split_rule or [])
+        result = run(path, output, kind=kind, pattern=_regex(filter_), force=force, progress=update, split_rules=rules)
     if result.skipped and not quiet:
         names = ", ".join(f"{i.name} ({why})" for i, why in result.skipped[:20])
         more = f" and {len(result.skipped) - 20} more" if len(result.skipped) > 20 else ""
@@ -576,6 +587,7 @@ def convert(
     filter_: Annotated[
         str | None, typer.Option("--filter", "-f", help="Only items whose name matches this regular expression.")
     ] = None,
+    split_rule: SplitRuleOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -590,7 +602,7 @@ def convert(
 
     from ckpttool.convert import convert as run
     from ckpttool.io import check_output
-    from ckpttool.reshard import torchrun_world
+    from ckpttool.reshard import parse_split_rules, torchrun_world
 
     check_output(output, force=force, directory=True, example="hf/")
     out = Output(json_mode=json_out, quiet=quiet)
@@ -603,6 +615,7 @@ def convert(
         kind=kind,
         pattern=_regex(filter_),
         force=force,
+        split_rules=parse_split_rules(split_rule or []),
     )
     ranks = torchrun_world()
     if ranks is not None and ranks[0] != 0:  # --to a framework under torchrun: rank 0 reports for all
@@ -692,14 +705,7 @@ def reshard(
     max_memory: Annotated[
         str | None, typer.Option("--max-memory", help="Bound on the memory of all workers, e.g. 8GB.")
     ] = None,
-    split_rule: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--split-rule",
-            help="REGEX=DIM (or REGEX=none): how TP splits parameters matching REGEX, in the source and the output "
-            "(a legacy output keeps it).",
-        ),
-    ] = None,
+    split_rule: SplitRuleOpt = None,
     vocab_padding: Annotated[
         str,
         typer.Option("--vocab-padding", help="keep (the padded rows, lossless) or megatron (re-pad for the new TP)."),

@@ -1554,20 +1554,29 @@ class MegatronLegacyAdapter:
                 hint="a legacy checkpoint of this layout cannot be read; save it with --ckpt-format torch_dist",
                 path=str(it_dir),
             ) from None
+        etp_said = ""
         if etp_of is None:
             expected = {(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
         else:
             expected = set(etp_of)
             etp = own_etp(args)
+            etp_said = f" ETP={etp}"
             self._etp = {f"{prefix}{d}": (etp_of[r].etp, etp) for d, r in ranks.items() if r in etp_of}
-            stray = sorted(d for d, r in ranks.items() if r not in etp_of)
-            if stray:
-                raise CorruptFileError(
-                    f"{it_dir}: no rank saves {', '.join(stray[:4])} under the args' layout (TP={tp} PP={pp} EP={ep} "
-                    f"ETP={etp}, world size {layout.world_size})",
-                    hint="the directory comes from another run or the args are damaged; use another iteration",
-                    path=str(it_dir),
+        # (a TP rank past the args' TP: a directory left by a run at a larger TP)
+        raise_together(
+            [
+                CorruptFileError(
+                    f"{prefix}{d}: no rank saves this directory under the args' layout (TP={tp} PP={pp} EP={ep}"
+                    f"{etp_said}, world size {layout.world_size}): one left from a save at another layout",
+                    hint="remove the rank directories the save did not have, or restore the iteration from one save "
+                    "(the args may be damaged instead)",
+                    path=f"{prefix}{d}/model_optim_rng.pt",
+                    rule="misplaced-file",
+                    rank=ranks[d][0],
                 )
+                for d in sorted(d for d, r in ranks.items() if r not in expected)
+            ]
+        )
         missing = sorted(expected - set(ranks.values()))
         if missing:  # each named (verify groups them), the files it reads there
             raise_together(

@@ -1234,3 +1234,23 @@ def test_a_crc_finding_names_the_rank_of_its_file(fixture, flipped, tmp_path):
     assert code == 1
     found = {f["file"]: f["rank"] for f in report["findings"] if f["rule"] == "checksum-mismatch"}
     assert found == flipped, report["findings"]
+
+
+@pytest.mark.parametrize("stray", ["mp_rank_02_000", "mp_rank_00_002", "mp_rank_03_001"])
+def test_a_rank_directory_left_from_another_layout_is_named(stray, tmp_path):
+    """A TP rank directory past the args' TP (a save at a larger TP left it): reshard and convert
+    failed with an internal error ("box (128, 0)+(64, 16) outside a tensor of shape (128, 16)") and
+    verify read it as more copies. It is a misplaced-file, as DeepSpeed's file of a DP rank the
+    save did not have, named in every command; a stray PP rank likewise."""
+    ck = tmp_path / "ck"
+    shutil.copytree(MG / "legacy_tp2pp2", ck)
+    shutil.copytree(ck / "iter_0000003" / "mp_rank_00_000", ck / "iter_0000003" / stray)
+    code, report = _findings(ck)
+    assert code == 1
+    assert [(f["rule"], f["file"]) for f in report["findings"] if f["severity"] == "error"] == [
+        ("misplaced-file", f"iter_0000003/{stray}/model_optim_rng.pt")
+    ], report["findings"]
+    for argv in (("reshard", ck, "-o", tmp_path / "out", "--tp", "1", "--pp", "1"), ("convert", ck, "-o", tmp_path / "out")):
+        r = run_cli(*argv)
+        assert r.code == 3 and f"iter_0000003/{stray}: no rank saves this directory" in r.stderr, r.stderr
+        assert "internal error" not in r.stderr and not (tmp_path / "out").exists()

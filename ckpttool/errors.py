@@ -52,15 +52,20 @@ def raise_together(errors: list[CkptError]) -> None:
         raise first
 
 
-def name_from_above(errors: list[CkptError], folder: str) -> None:
+def name_from_above(errors: list[CkptError], folder: str | os.PathLike[str]) -> None:
     """Name the files of ``errors`` (and of their ``others``) from the folder above ``folder``: a
     reader sent into a save's tag or iteration by its tracker names them from there, and the user
-    gave the save directory."""
+    gave the save directory. An error that names ``folder`` by the path it was read by (the folder
+    itself, as a reader given it names it) is left as it is."""
+    given = os.fspath(folder)
+    name = os.path.basename(given.rstrip("/"))
     for e in (e for d in errors for e in (d, *d.others)):
+        if e.path and (e.path == given or e.path.startswith(given + "/")):
+            continue
         if e.path and not os.path.isabs(e.path):
             if e.message.startswith(e.path):  # (a message that begins with the file's name: that name too)
-                e.message = f"{folder}/{e.message}"
-            e.path = f"{folder}/{e.path}"
+                e.message = f"{name}/{e.message}"
+            e.path = f"{name}/{e.path}"
 
 
 class NotFoundError(CkptError):

@@ -436,7 +436,9 @@ def plan(
         raise UsageError(f"--zero-stage {target.zero_stage}: DeepSpeed's partitioned stages are 1, 2 and 3")
     if target.dp is not None and target.dp < 1:
         raise UsageError(f"--dp {target.dp}: the data-parallel size (or DCP world size) is at least 1")
-    if target.sub_group_size is not None and (target.zero_stage != 3 or target.sub_group_size < 0):
+    if target.sub_group_size is not None and target.sub_group_size < 0:
+        raise UsageError(f"--sub-group-size {target.sub_group_size}: a count of elements, 0 or more")
+    if target.sub_group_size is not None and target.zero_stage != 3:
         raise UsageError(
             "--sub-group-size (0 or more) applies with --zero-stage 3 from a ZeRO-1/2 checkpoint (a ZeRO-3 one "
             "records its own)"

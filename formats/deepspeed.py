@@ -576,7 +576,7 @@ class DeepSpeedAdapter:
                 try:
                     return self._describe_universal(path)
                 except CkptError as exc:  # its files named from the save directory given
-                    name_from_above([exc], tag)
+                    name_from_above([exc], path)
                     raise
         if _is_universal(path) and not (path / "latest").is_file():
             return self._describe_universal(path)

@@ -513,7 +513,7 @@ class MegatronDistAdapter:
             if isinstance(exc, CorruptFileError | IncompleteCheckpointError):  # common.pt's damage named too
                 damaged += _common_damage(path)
             if tracked:  # its files named from the save directory given, as the iteration is not said
-                name_from_above(damaged, path.name)
+                name_from_above(damaged, path)
             raise_together(damaged)
             raise
         manifest = Manifest(
@@ -1472,7 +1472,7 @@ class MegatronLegacyAdapter:
                 )
                 others = _dist_damage(it_dir) if meta.is_file() else []
                 if prefix:
-                    name_from_above(others, it_dir.name)
+                    name_from_above(others, it_dir)
                 raise_together([bad, *others])
             dist = [n for n in ("common.pt", ".metadata") if (it_dir / n).is_file()]
             dist += ["*.distcp"] if any(it_dir.glob("*.distcp")) else []

@@ -483,3 +483,15 @@ def test_a_step_summary_inside_the_checkpoint_is_not_appended_to(tmp_path):
     r = run_cli("verify", ckpt, env={"GITHUB_ACTIONS": "true", "GITHUB_STEP_SUMMARY": str(target)})
     assert r.code == 0 and target.read_bytes() == before, r.stderr
     assert "the step summary was not written: GITHUB_STEP_SUMMARY is inside the checkpoint" in " ".join(r.stderr.split())
+
+
+def test_a_torch_dist_save_without_its_metadata_is_named_by_the_path_given(tmp_path):
+    """The DCP reader names the iteration folder by the path it was given; the save directory's
+    reader then prefixed it with the iteration's name again ("iter_0000003/ck/iter_0000003: …")."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "megatron" / "dist_tp2pp2", ck)
+    (ck / "iter_0000003" / ".metadata").unlink()
+    r = run_cli("convert", "ck", "-o", "out", cwd=tmp_path)
+    assert r.code == 3 and r.stderr.startswith("error: ck/iter_0000003: DCP checkpoint without .metadata"), r.stderr
+    r = run_cli("convert", ".", "-o", tmp_path / "out", cwd=ck)
+    assert r.code == 3 and r.stderr.startswith("error: iter_0000003: DCP checkpoint without .metadata"), r.stderr

@@ -1724,6 +1724,8 @@ def test_deepspeed_zero_stage_refusals(tmp_path):
         reshard(FIXTURES / "deepspeed" / "zero3", tmp_path / "a", Target(zero_stage=3, sub_group_size=100))
     with pytest.raises(UsageError, match="--sub-group-size .* applies with --zero-stage 3"):
         reshard(FIXTURES / "deepspeed" / "zero2", tmp_path / "a", Target(zero_stage=2, sub_group_size=100))
+    with pytest.raises(UsageError, match="--sub-group-size -1: a count of elements, 0 or more"):  # (not "applies with")
+        reshard(FIXTURES / "deepspeed" / "zero2", tmp_path / "a", Target(zero_stage=3, sub_group_size=-1))
     with pytest.raises(UsageError, match="--zero-stage applies to --to deepspeed only"):
         reshard(FIXTURES / "deepspeed" / "zero2", tmp_path / "b", Target(to="dcp", zero_stage=2))
     with pytest.raises(UsageError, match="partitioned stages are 1, 2 and 3"):

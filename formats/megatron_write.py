@@ -581,12 +581,7 @@ def validate(
         if size % ways:
             uneven.append(f"{item.name} (dim {dim} of size {size}, split {ways} ways)")
     if beyond:
-        problems.append(
-            f"--split-rule splits {len(beyond)} tensors along a dimension they do not have: "
-            + ", ".join(beyond[:3])
-            + (" …" if len(beyond) > 3 else "")
-            + "; dimensions count from 0"
-        )
+        problems.append(_beyond_problem(beyond))
     if unknown:
         problems.append(
             f"no tensor-parallel split rule for {len(unknown)} parameters: {', '.join(unknown[:5])}"
@@ -720,6 +715,15 @@ _REPLICATED = (
 )
 
 
+def _beyond_problem(beyond: list[str]) -> str:
+    """The problem of ``--split-rule`` dims past their tensors' last (``beyond``: each tensor, said)."""
+    more = " …" if len(beyond) > 3 else ""
+    return (
+        f"--split-rule splits {len(beyond)} tensors along a dimension they do not have: {', '.join(beyond[:3])}"
+        f"{more}; dimensions count from 0"
+    )
+
+
 def _pattern_problems(manifest: Manifest, rules: Mapping[str, int | None], gated: bool) -> list[str]:
     """What is wrong with ``--split-rule`` patterns ``rules``: one that matches no parameter, or
     parameters whose split megatron-core fixes (the patterns are only for those it leaves open)."""
@@ -769,12 +773,7 @@ def check_split_rules(manifest: Manifest, rules: Mapping[str, int | None]) -> No
         and found[0] >= len(i.shape)
     ]
     if beyond:
-        problems.append(
-            f"--split-rule splits {len(beyond)} tensors along a dimension they do not have: "
-            + ", ".join(beyond[:3])
-            + (" …" if len(beyond) > 3 else "")
-            + "; dimensions count from 0"
-        )
+        problems.append(_beyond_problem(beyond))
     elif unknown := unsplit_parameters(manifest):
         problems.append(
             f"no tensor-parallel split rule for {len(unknown)} parameters of this TP={manifest.layout.tp} checkpoint: "

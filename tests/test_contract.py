@@ -14,7 +14,7 @@ from tests.conftest import DCP_FIXTURES, FIXTURES
 CLI_SURFACE = {
     "inspect": {"path", "--json", "--help"},
     "ls": {"path", "--filter", "--json", "--help"},
-    "export": {"path", "--output", "--filter", "--kind", "--force", "--json", "--quiet", "--help"},
+    "export": {"path", "--output", "--filter", "--kind", "--split-rule", "--force", "--json", "--quiet", "--help"},
     "seal": {"path", "--out", "--hash", "--workers", "--json", "--quiet", "--help"},
     "diff": {"a", "b", "--atol", "--rtol", "--tolerance", "--filter", "--map", "--kind", "--json", "--quiet",
              "--help"},
@@ -24,7 +24,7 @@ CLI_SURFACE = {
     "delta create": {"base", "target", "--output", "--workers", "--force", "--json", "--quiet", "--help"},
     "delta apply": {"base", "delta", "--output", "--workers", "--force", "--quiet", "--help"},
     "delta info": {"delta", "--json", "--help"},
-    "convert": {"src", "--output", "--to", "--max-shard-size", "--world-size", "--kind", "--filter", "--force",
+    "convert": {"src", "--output", "--to", "--max-shard-size", "--world-size", "--kind", "--filter", "--split-rule", "--force",
                 "--json", "--quiet", "--help"},
     "compress": {"path", "--output", "--workers", "--force", "--json", "--quiet", "--help"},
     "decompress": {"packed", "--output", "--workers", "--force", "--quiet", "--help"},

@@ -105,11 +105,6 @@ def describe_split(path: str | Path, rules: Mapping[str, int | None]) -> tuple[A
 
     with user_split_rules(rules):
         adapter, manifest = registry.describe(path)
-    if rules and manifest.format != "megatron":
-        raise UsageError(
-            f"--split-rule applies to legacy Megatron checkpoints only, not {manifest.format}",
-            hint="the other formats record how their tensors were split",
-        )
     check_split_rules(manifest, rules)
     return adapter, manifest
 

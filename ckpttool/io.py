@@ -861,7 +861,6 @@ def helper(name: str) -> Any:
 _SYNC_FILE_RANGE_WRITE = 2
 _writeback_lock = threading.Lock()
 _writeback_queued: set[tuple[int, int]] = set()  # files (device, inode) with a write-back job waiting
-_writeback_state: dict[str, Any] = {}
 
 
 def _after_fork() -> None:  # a forked child has none of the parent's threads
@@ -876,19 +875,31 @@ os.register_at_fork(after_in_child=_after_fork)
 
 def _sync_file_range() -> Any:
     """libc's ``sync_file_range`` (Linux), or None where there is none."""
-    if "fn" not in _writeback_state:
+    if os.environ.get("CKPTTOOL_NO_WRITEBACK"):
+        return None
+    return _libc("sync_file_range", "int", "int64", "int64", "uint")
+
+
+def _libc(name: str, *argtypes: str) -> Any:
+    """The Linux libc function ``name`` taking C ``argtypes`` (ctypes names without ``c_``) and
+    returning an int, with ``errno`` kept for :func:`_errno`; None elsewhere, or where this libc
+    lacks it. Looked up once."""
+    if name not in _LIBC:
         fn = None
-        if sys.platform.startswith("linux") and not os.environ.get("CKPTTOOL_NO_WRITEBACK"):
+        if sys.platform.startswith("linux"):
             try:
                 import ctypes
 
-                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-                fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+                fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+                fn.argtypes = [getattr(ctypes, f"c_{t}") for t in argtypes]
                 fn.restype = ctypes.c_int
             except (OSError, AttributeError):
                 fn = None
-        _writeback_state["fn"] = fn
-    return _writeback_state["fn"]
+        _LIBC[name] = fn
+    return _LIBC[name]
+
+
+_LIBC: dict[str, Any] = {}
 
 
 def start_writeback(fh: BinaryIO) -> None:
@@ -1107,7 +1118,7 @@ def rename_noreplace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -
     """Rename ``src`` to ``dst`` unless ``dst`` exists (FileExistsError): in one step where the
     kernel and file system take ``RENAME_NOREPLACE`` (Linux ``renameat2``), else checked just
     before the rename."""
-    fn = _renameat2()
+    fn = _libc("renameat2", "int", "char_p", "int", "char_p", "uint")  # (glibc 2.28+)
     if fn is not None:
         if fn(-100, os.fsencode(src), -100, os.fsencode(dst), 1) == 0:  # AT_FDCWD, RENAME_NOREPLACE
             return
@@ -1119,26 +1130,6 @@ def rename_noreplace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -
     if os.path.lexists(dst):
         raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), os.fspath(dst))
     os.rename(src, dst)
-
-
-def _renameat2() -> Any:
-    """libc's ``renameat2`` (Linux, glibc 2.28+), or None where there is none."""
-    if "renameat2" not in _LIBC:
-        fn = None
-        if sys.platform.startswith("linux"):
-            try:
-                import ctypes
-
-                fn = ctypes.CDLL(None, use_errno=True).renameat2
-                fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-                fn.restype = ctypes.c_int
-            except (OSError, AttributeError):
-                fn = None
-        _LIBC["renameat2"] = fn
-    return _LIBC["renameat2"]
-
-
-_LIBC: dict[str, Any] = {}
 
 
 def _errno() -> int:

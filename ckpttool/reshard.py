@@ -447,12 +447,6 @@ def plan(
         raise UsageError(f"--pp-first-layers and --pp-last-layers apply to Megatron targets only, not {fmt}")
     if target.vocab_padding != "keep" and fmt not in ("megatron", "megatron-dist"):
         raise UsageError(f"--vocab-padding applies to Megatron targets only, not {fmt}")
-    if target.split_rules and fmt not in ("megatron", "megatron-dist") and manifest.format != "megatron":
-        raise UsageError(
-            f"--split-rule applies to Megatron targets and legacy Megatron sources only, not {fmt} from "
-            f"{manifest.format}",
-            hint="a DeepSpeed source's split patterns are read from its files; DCP has no tensor parallelism to split",
-        )
     if fmt not in ("megatron", "megatron-dist"):  # (the Megatron writers judge the rules themselves)
         from ckpttool.formats.megatron_write import check_split_rules
 
@@ -579,9 +573,8 @@ class _MegatronExec(_FileExec):
             else "",
         )
         # the user's rules first, then those the source was read with (carried by a checkpoint
-        # ckpttool wrote), as exact names
-        # as exact names (those a user's pattern matches left to it, so that a pattern is judged,
-        # and named, as the user gave it, once)
+        # ckpttool wrote) as exact names: those a user's pattern matches are left to it, so that a
+        # pattern is judged, and named, as the user gave it, once
         carried = manifest.extras.get("split_rules") or {}
         theirs = {n: d for n, d in carried.items() if not any(re.search(p, n) for p in target.split_rules)}
         rules = {**target.split_rules, **{f"^{re.escape(n)}$": d for n, d in theirs.items()}}

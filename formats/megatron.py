@@ -1562,7 +1562,9 @@ class MegatronLegacyAdapter:
             etp = own_etp(args)
             etp_said = f" ETP={etp}"
             self._etp = {f"{prefix}{d}": (etp_of[r].etp, etp) for d, r in ranks.items() if r in etp_of}
-        # (a TP rank past the args' TP: a directory left by a run at a larger TP)
+        # a rank directory past the args' layout (left by a save at another one) and those missing,
+        # each named in one look
+        missing = sorted(expected - set(ranks.values()))
         raise_together(
             [
                 CorruptFileError(
@@ -1576,23 +1578,19 @@ class MegatronLegacyAdapter:
                 )
                 for d in sorted(d for d, r in ranks.items() if r not in expected)
             ]
+            + [
+                IncompleteCheckpointError(
+                    f"{prefix}{name}/model_optim_rng.pt: missing; the args say TP={tp} PP={pp} EP={ep}, and "
+                    f"{len(missing)} of {len(expected)} rank directories are missing",
+                    hint="a rank did not save or the directory was deleted; use another iteration",
+                    path=f"{prefix}{name}/model_optim_rng.pt",
+                    rule="missing-file",
+                    rank=t,  # (the TP rank, as the pieces of its files name it)
+                )
+                for t, p, e in missing
+                for name in [rank_dir(t, p, pp, e, ep)]
+            ]
         )
-        missing = sorted(expected - set(ranks.values()))
-        if missing:  # each named (verify groups them), the files it reads there
-            raise_together(
-                [
-                    IncompleteCheckpointError(
-                        f"{prefix}{name}/model_optim_rng.pt: missing; the args say TP={tp} PP={pp} EP={ep}, and "
-                        f"{len(missing)} of {len(expected)} rank directories are missing",
-                        hint="a rank did not save or the directory was deleted; use another iteration",
-                        path=f"{prefix}{name}/model_optim_rng.pt",
-                        rule="missing-file",
-                        rank=t,  # (the TP rank, as the pieces of its files name it)
-                    )
-                    for t, p, e in missing
-                    for name in [rank_dir(t, p, pp, e, ep)]
-                ]
-            )
         gated = bool(getattr(args, "swiglu", False) or getattr(args, "gated_linear_unit", False))
         replicas = ReplicaCounter()  # this describe's: the adapter is shared
         first = objs[dirs[0]]

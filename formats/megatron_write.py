@@ -757,8 +757,15 @@ def check_split_rules(manifest: Manifest, rules: Mapping[str, int | None]) -> No
     """For an output in a format other than Megatron's, from a legacy source read with ``--split-rule``
     patterns ``rules``: refuse (before anything is written) patterns :func:`validate` would refuse
     for a Megatron output, a dimension a tensor lacks, and parameters no rule places
-    (:func:`unsplit_parameters`), whose full tensors would be rank 0's part alone."""
+    (:func:`unsplit_parameters`), whose full tensors would be rank 0's part alone. Rules for a
+    source of another format are refused: those record how their tensors were split."""
     if manifest.format != "megatron":
+        if rules:
+            raise UsageError(
+                f"--split-rule applies to Megatron checkpoints (how a legacy source's tensor-parallel parts join, how "
+                f"a Megatron output is cut); this {manifest.format} checkpoint records its own splits",
+                hint="drop --split-rule, or write a Megatron output (--to megatron|megatron-dist)",
+            )
         return
     gated = _gated(manifest.extras.get("args"))
     problems = _pattern_problems(manifest, rules, gated)

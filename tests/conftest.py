@@ -5,6 +5,7 @@ import enum
 import os
 import subprocess
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,6 +31,24 @@ def cli_env(**extra: str) -> dict[str, str]:
     no colour) and no debug tracebacks or GitHub annotations."""
     base = {k: v for k, v in os.environ.items() if k not in ("CKPTTOOL_DEBUG", "GITHUB_ACTIONS")}
     return {**base, "COLUMNS": "120", "NO_COLOR": "1", "TERM": "dumb", **extra}
+
+
+class OnFirstProgress:
+    """A ``progress`` callback that runs ``action`` the first time it is called (by whichever
+    thread reports first): something done to the files while a command runs, as a writer at work
+    or another run's output appearing would. ``ran`` says whether it did."""
+
+    def __init__(self, action: Callable[[], None]) -> None:
+        self.action = action
+        self.ran = False
+        self._lock = threading.Lock()
+
+    def __call__(self, n: int) -> None:
+        with self._lock:
+            if self.ran:
+                return
+            self.ran = True
+        self.action()
 
 
 def tree_digests(root: Path, skip: Callable[[str], bool] = lambda rel: False) -> dict[str, str]:

@@ -26,7 +26,7 @@ from ckpttool.reshard import Target, parse_split_rules, reshard
 from ckpttool.verify import verify
 from tests._compare import dcp_load_mismatches
 from tests.conftest import AUTOTP_METADATA, autotp_copy
-from tests.conftest import FIXTURES, load_pt, rewritten_copy, tree_digests
+from tests.conftest import FIXTURES, OnFirstProgress, load_pt, rewritten_copy, tree_digests
 
 LEGACY = FIXTURES / "megatron" / "legacy_tp2pp2"
 STATE_KINDS = ["param", "optim", "master", "scheduler", "counter"]
@@ -3443,12 +3443,8 @@ def test_an_output_that_appears_during_the_run_is_never_replaced(made, force, tm
     it is (even with --force, which replaces what stood there at the start), and nothing is
     written."""
     out = tmp_path / "out"
-    first = []
 
-    def progress(n: int) -> None:
-        if first:
-            return
-        first.append(n)
+    def make() -> None:
         if made == "a file":
             out.write_text("precious\n")
         else:
@@ -3456,10 +3452,11 @@ def test_an_output_that_appears_during_the_run_is_never_replaced(made, force, tm
             if made == "a folder with a file":
                 (out / "precious.txt").write_text("precious\n")
 
+    progress = OnFirstProgress(make)
     before = tree_digests(FIXTURES / "dcp" / "fsdp2")
     with pytest.raises(UsageError, match="appeared while the output was being written"):
         reshard(FIXTURES / "dcp" / "fsdp2", out, Target(dp=2), force=force, progress=progress)
-    assert first, "the run never reported progress"
+    assert progress.ran, "the run never reported progress"
     if made == "a file":
         assert out.read_text() == "precious\n"
     else:
@@ -3507,3 +3504,18 @@ def test_a_parameter_no_rule_splits_is_refused_for_every_output_or_joined_by_a_r
     r = run_cli(*again, "--split-rule", r"adapter\.weight$=0", "--split-rule", "layers.0.input_layernorm=none")
     assert r.code == 2 and r.stderr.count("'layers.0.input_layernorm=none'") == 1, r.stderr
     assert "whose tensor-parallel split megatron-core fixes" in r.stderr and not (tmp_path / "again").exists()
+
+
+def test_a_split_rule_pattern_is_judged_once_as_given(tmp_path):
+    """A pattern matching parameters megatron-core splits itself was refused again for each name it
+    matched (the reader's record of it, turned into exact-name rules): '.*=none' said so 28 times."""
+    from tests.conftest import run_cli as run_cli_here
+
+    r = run_cli_here("reshard", LEGACY, "-o", tmp_path / "out", "--split-rule", ".*=none")
+    assert r.code == 2 and r.stderr.count("--split-rule '") == 1, r.stderr
+    assert "--split-rule '.*=none' matches 27 parameters whose tensor-parallel split megatron-core fixes" in r.stderr
+    # and a rule for a source that records its own splits is refused by every command that takes one
+    for argv in (("convert", FIXTURES / "dcp" / "fsdp2", "-o", tmp_path / "c"), ("export", FIXTURES / "dcp" / "fsdp2", "-o", tmp_path / "e.safetensors")):
+        r = run_cli_here(*argv, "--split-rule", "w=0")
+        assert r.code == 2 and "--split-rule applies to Megatron checkpoints" in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -16,7 +16,7 @@ import torch
 from ckpttool import registry
 from ckpttool.seal import seal
 from ckpttool.verify import verify
-from tests.conftest import DCP_FIXTURES, FIXTURES, run_cli, set_stored_crc, tree_digests
+from tests.conftest import DCP_FIXTURES, FIXTURES, OnFirstProgress, run_cli, set_stored_crc, tree_digests
 
 CLEAN = [
     *(f"dcp/{n}" for n in DCP_FIXTURES),
@@ -1209,15 +1209,11 @@ def test_an_optimizer_state_keyed_by_index_is_checked(edit, severity, words, tmp
     assert "optimizer-mismatch" not in _rules(clean), clean.findings
 
 
-def _written_to_while_hashed(path: Path, how: str):
+def _written_to_while_hashed(path: Path, how: str) -> OnFirstProgress:
     """A ``progress`` callback that changes ``path`` once the hashing has read its first chunk, as a
     writer at work on the file would (cut short, or bytes overwritten in place)."""
-    done = []
 
-    def progress(n: int) -> None:
-        if done:
-            return
-        done.append(n)
+    def change() -> None:
         if how == "cut":
             os.truncate(path, path.stat().st_size // 2)
         else:
@@ -1225,7 +1221,7 @@ def _written_to_while_hashed(path: Path, how: str):
                 fh.seek(path.stat().st_size - 4096)
                 fh.write(os.urandom(4096))
 
-    return progress
+    return OnFirstProgress(change)
 
 
 @pytest.mark.parametrize("how", ["cut", "overwritten"])

@@ -1254,3 +1254,10 @@ def test_a_rank_directory_left_from_another_layout_is_named(stray, tmp_path):
         r = run_cli(*argv)
         assert r.code == 3 and f"iter_0000003/{stray}: no rank saves this directory" in r.stderr, r.stderr
         assert "internal error" not in r.stderr and not (tmp_path / "out").exists()
+    # a rank directory missing beside it is named in the same run
+    shutil.rmtree(ck / "iter_0000003" / "mp_rank_01_001")
+    code, report = _findings(ck)
+    assert [(f["rule"], f["file"]) for f in report["findings"] if f["severity"] == "error"] == [
+        ("misplaced-file", f"iter_0000003/{stray}/model_optim_rng.pt"),
+        ("missing-file", "iter_0000003/mp_rank_01_001/model_optim_rng.pt"),
+    ], report["findings"]

@@ -275,8 +275,8 @@ def export(
     from ckpttool.reshard import parse_split_rules
 
     out = Output(json_mode=json_out, quiet=quiet)
+    rules = parse_split_rules(split_rule or [])
     with out.progress("export") as update:
-        rules = parse_split_rules(split_rule or [])
         result = run(path, output, kind=kind, pattern=_regex(filter_), force=force, progress=update, split_rules=rules)
     if result.skipped and not quiet:
         names = ", ".join(f"{i.name} ({why})" for i, why in result.skipped[:20])

@@ -33,6 +33,7 @@ from ckpttool.export import (
     safetensors_selection,
     select,
     tensor_nbytes,
+    unused_note,
     unused_states,
     write_safetensors,
 )
@@ -83,7 +84,12 @@ class ConvertResult:
     files: list[str] = field(default_factory=list)
     tensors: int = 0
     nbytes: int = 0
+    """bytes of tensors written"""
+    objects: int = 0
+    """the other items written: scheduler, counters, RNG state, pickled objects"""
     skipped: list[tuple[Item, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """what the output holds otherwise than the source (items left out, carried unread, ...)"""
 
 
 def _shards(pairs: list[tuple[str, Item]], limit: int) -> list[list[tuple[str, Item]]]:
@@ -161,10 +167,11 @@ def convert(
         from ckpttool.formats.dcp_write import dcp_items, write_dcp
 
         chosen = [i for _, i in select(list(manifest.items.values()), kind=kind, pattern=pattern)]
-        keep, _ = dcp_items(manifest, chosen, hint=_UNREADABLE)
+        keep, result.notes = dcp_items(manifest, chosen, hint=_UNREADABLE)
         ws = world_size or manifest.layout.world_size or 1
         result.files = write_dcp(adapter, manifest, out, world_size=ws, items=keep, progress=progress)
         result.tensors = sum(1 for i in keep if i.is_tensor)
+        result.objects = len(keep) - result.tensors
         result.nbytes = sum(tensor_nbytes(i) for i in keep if i.is_tensor)
         return result
     if to == "torch":
@@ -221,10 +228,11 @@ def _torch(
     from ckpttool.formats import _ptwrite
     from ckpttool.formats.dcp import nesting
 
-    result = ConvertResult(output=str(out), files=["model.pt"])
     dropped = set(unused_states(manifest))
     chosen = select(list(manifest.items.values()), kind=kind, pattern=pattern)
     refuse_unreadable((i for _, i in chosen), hint=_UNREADABLE)
+    notes = unused_note(manifest, "torch.save", (i.name for _, i in chosen))
+    result = ConvertResult(output=str(out), files=["model.pt"], notes=notes)
     keep = [(name, i) for name, i in chosen if i.name not in dropped]
     paths = nesting(manifest) if all(name == i.name for name, i in keep) else None
     if paths:  # a --filter that kept some entries of a list: those keys flat (a list with holes is no
@@ -246,6 +254,7 @@ def _torch(
                 result.nbytes += tensor_nbytes(item)
             else:
                 value = _ptwrite.carried(reader, item)
+                result.objects += 1
             _place(tree, paths.get(name, (name,)) if paths else (name,), value, name, budget)
         written = _ptwrite.save(tree, tmp / "model.pt")
         if progress is not None:
@@ -330,5 +339,7 @@ def _framework(
         output=str(out),
         files=sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()),
         tensors=done.tensors or 0,
+        objects=done.objects or 0,
         nbytes=done.plan.nbytes,
+        notes=done.plan.notes,
     )

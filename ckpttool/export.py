@@ -140,6 +140,18 @@ def unused_states(manifest: Manifest) -> list[str]:
     return [n for n in manifest.items if n in unused or n.rsplit(".", 1)[0] in unused]
 
 
+def unused_note(manifest: Manifest, target: str, chosen: Iterable[str]) -> list[str]:
+    """What a ``target`` output's plan says of the :func:`unused_states` it leaves out of the
+    ``chosen`` items (none among them: nothing)."""
+    if not set(unused_states(manifest)).intersection(chosen):
+        return []
+    return [
+        f"left out: {', '.join(sorted(manifest.extras['unused']))} with its optimizer state, a parameter "
+        "megatron-core allocates on a tied model's MTP last stage but never uses (its moments stay zero, "
+        f"which a {target} reader cannot tell from lost state)"
+    ]
+
+
 def safetensors_selection(
     manifest: Manifest, *, kind: str = "all", pattern: str | None = None
 ) -> tuple[list[tuple[str, Item]], list[tuple[Item, str]]]:

@@ -721,6 +721,8 @@ class ReshardResult:
     sealed: bool = False
     tensors: int | None = None
     """tensors the output holds (from its seal; None unsealed, and on ranks other than 0)"""
+    objects: int | None = None
+    """the other items the output holds (scheduler, counters, RNG, objects), as ``tensors``"""
     ranks: list[list[str]] = field(default_factory=list)
     """under torchrun: the files each rank wrote (rank order); empty in one process"""
 
@@ -830,14 +832,16 @@ def _rank_zero(
             for _, res in every:
                 merged.update(res)
             executor.writer.finish(tmp, [merged[i] for i in range(len(the_plan.files))])
-            tensors = _seal_and_publish(tmp, out, the_plan.workers, seal_output, executor.known, executor.partial)
+            held = _seal_and_publish(tmp, out, the_plan.workers, seal_output, executor.known, executor.partial)
     except BaseException as exc:
         failure = failure or _describe(exc, 0)
         raise
     finally:
         dist.broadcast_object_list([failure if announced else {"error": failure}], src=0)
     files = [[the_plan.files[i].path for i in ix] for ix in shares]
-    return ReshardResult(plan=the_plan, output=str(out), written=True, sealed=seal_output, tensors=tensors, ranks=files)
+    return ReshardResult(
+        plan=the_plan, output=str(out), written=True, sealed=seal_output, tensors=held[0], objects=held[1], ranks=files
+    )
 
 
 def _seal_and_publish(
@@ -847,20 +851,21 @@ def _seal_and_publish(
     seal_output: bool,
     known: dict[str, Written] | None = None,
     partial: list[Any] | None = None,
-) -> int | None:
+) -> tuple[int | None, int | None]:
     """Seal the written directory (unless told not to), flush it and rename it into place; returns
-    how many tensors the output holds (None when not sealed: nobody described it). ``known``: what
-    the writers hashed as they wrote (those files are not read back)."""
+    how many tensors and other items the output holds (None when not sealed: nobody described it).
+    ``known``: what the writers hashed as they wrote (those files are not read back)."""
     finish_partial(partial or ())  # a source member read in part is judged whole before anything is published
-    tensors = None
+    held: tuple[int | None, int | None] = (None, None)
     if seal_output:
         from ckpttool.seal import seal
 
         sealed, _ = seal(tmp, workers=workers, published_as=out, known=known)
         tensors = sum(1 for item in sealed.manifest.items.values() if item.is_tensor)
+        held = (tensors, len(sealed.manifest.items) - tensors)
     fsync_tree(tmp)
     publish_dir(tmp, out)
-    return tensors
+    return held
 
 
 def _write_share(
@@ -935,8 +940,10 @@ def reshard(
         return _reshard_ranks(executor, the_plan, out, ranks, seal_output=seal_output, progress=progress)
     with staged_dir(out) as tmp:
         executor.run(tmp, the_plan.workers, progress)
-        tensors = _seal_and_publish(tmp, out, the_plan.workers, seal_output, executor.known, executor.partial)
-    return ReshardResult(plan=the_plan, output=str(out), written=True, sealed=seal_output, tensors=tensors)
+        held = _seal_and_publish(tmp, out, the_plan.workers, seal_output, executor.known, executor.partial)
+    return ReshardResult(
+        plan=the_plan, output=str(out), written=True, sealed=seal_output, tensors=held[0], objects=held[1]
+    )
 
 
 __all__ = ["Plan", "PlanFile", "ReshardResult", "Target", "parse_split_rules", "plan", "reshard"]

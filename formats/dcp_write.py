@@ -93,7 +93,7 @@ def dcp_items(manifest: Manifest, items: list[Item], *, hint: str | None = None)
     apart: an item that could not be read is refused (:func:`ckpttool.export.refuse_unreadable`),
     except a bytes item carried :func:`unread`; a parameter the source format knows nothing trains
     (:func:`ckpttool.export.unused_states`) is left out."""
-    from ckpttool.export import refuse_unreadable, unused_states
+    from ckpttool.export import refuse_unreadable, unused_note, unused_states
 
     refuse_unreadable((i for i in items if not unread(i)), hint=hint)
     dropped = set(unused_states(manifest))
@@ -103,12 +103,7 @@ def dcp_items(manifest: Manifest, items: list[Item], *, hint: str | None = None)
             f"carried as their bytes, unread (ckpttool will not run their pickles): {', '.join(kept[:4])}"
             + (" …" if len(kept) > 4 else "")
         )
-    if dropped:
-        notes.append(
-            f"left out: {', '.join(sorted(manifest.extras['unused']))} with its optimizer state, a parameter "
-            "megatron-core allocates on a tied model's MTP last stage but never uses (its moments stay zero, "
-            "which a DCP reader cannot tell from lost state)"
-        )
+    notes += unused_note(manifest, "DCP", (i.name for i in items))
     return [i for i in items if i.name not in dropped], notes
 
 

@@ -595,6 +595,8 @@ class MegatronDistAdapter:
             if (notes := _unsynced_copies(args, manifest.layout.pp or 1)) is not None:
                 manifest.extras["copy_notes"] = notes
         manifest.extras["dcp"] = {"world_size": base.layout.world_size}
+        if _ITER_DIR.match(path.name) or path.name == "release":
+            manifest.extras["iteration_dir"] = path.name
         return manifest
 
     misplaced = staticmethod(misplaced_in)

@@ -960,7 +960,9 @@ class LegacyWriter:
         self.split = _target_split(self.args, target)
         """the first and last stages' layer counts written to ``args`` (None: as the middle ones)"""
         self.iteration = self.src.objs[(0, 0, 0)].get("iteration")
-        self.iter_dir = f"iter_{self.iteration:07d}" if isinstance(self.iteration, int) else "release"
+        release = manifest.extras.get("iteration_dir") == "release"  # (Megatron loads one as a fresh start)
+        self.iter_dir = f"iter_{self.iteration:07d}" if isinstance(self.iteration, int) and not release else "release"
+        """the iteration directory written: the source's ``release`` stays one, whatever iteration it records"""
         self.rows = self._vocab_rows()
         self.tied = not bool(getattr(self.args, "untie_embeddings_and_output_weights", False))
         self.mtp = _mtp_layers(manifest) > 0
@@ -1533,7 +1535,7 @@ class LegacyWriter:
 
     def finish(self, tmp: Path, results: list[Any]) -> None:
         """The tracker file Megatron's loader starts from."""
-        (tmp / TRACKER).write_text(f"{self.iteration}" if isinstance(self.iteration, int) else "release")
+        (tmp / TRACKER).write_text("release" if self.iter_dir == "release" else f"{self.iteration}")
 
     def write(
         self,

@@ -125,6 +125,27 @@ def test_megatron_round_trip_is_exact(tmp_path):
     assert kept and all(n.endswith(("[tp=0,pp=1]", "[tp=1,pp=0]", "[tp=1,pp=1]")) for n in kept), kept
 
 
+@pytest.mark.parametrize("to", ["megatron", "megatron-dist"])
+def test_a_release_checkpoint_stays_one(to, tmp_path):
+    """A ``release`` checkpoint (which Megatron loads as a fresh start at iteration 0, without its
+    optimizer or RNG) is written as ``release`` again, though its files record iteration 3; it
+    would become a resumable ``iter_0000003`` otherwise. Through torch_dist and back likewise."""
+    src = tmp_path / "src"
+    shutil.copytree(LEGACY / "iter_0000003", src / "release")
+    (src / "latest_checkpointed_iteration.txt").write_text("release")
+    out, back = tmp_path / "out", tmp_path / "back"
+    reshard(src, out, Target(tp=1, pp=1, to=to))
+    reshard(out, back, Target(tp=2, pp=2, to="megatron"))
+    for done in (out, back):
+        assert sorted(p.name for p in done.iterdir()) == ["ckpttool.manifest.json", "latest_checkpointed_iteration.txt", "release"]
+        assert (done / "latest_checkpointed_iteration.txt").read_text() == "release"
+        assert verify(done).failing() == []
+    # (a torch_dist checkpoint holds the RNG of its own ranks only: the TP=1 one kept one rank's)
+    assert not diff(src, back, kinds=None if to == "megatron" else STATE_KINDS).different
+    reshard(out / "release", tmp_path / "given", Target(to="megatron"))  # (the iteration folder given)
+    assert (tmp_path / "given" / "release").is_dir()
+
+
 def test_carried_rng_under_expert_tensor_parallelism_comes_back_as_a_direct_reshard_gives_it(tmp_path):
     """TP2 x EP2 at ETP 1 through TP1 x EP1 and back at ETP 2: the rank the source had no file for
     took TP rank 0's model-parallel RNG (the rule's fallback), where a direct reshard gives it the

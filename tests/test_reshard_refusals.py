@@ -41,6 +41,19 @@ def test_an_unsafe_pickle_is_carried_unread_not_dropped(tmp_path):
             return fh.read(piece.locator["length"])
 
     assert record(src) == record(tmp_path / "r")
+    # convert --to dcp carries it the same way, and says so (it used to say nothing), counting it
+    # among the items written besides tensors (it counted tensors only)
+    r = run_cli("convert", src, "-o", tmp_path / "c", "--to", "dcp", cwd=tmp_path)
+    assert r.code == 0, r.stderr
+    assert "carried as their bytes, unread" in r.stderr and "dataloader.cursor" in r.stderr
+    assert record(src) == record(tmp_path / "c")
+    _, m = registry.describe(src)
+    tensors = sum(1 for i in m.items.values() if i.is_tensor)
+    assert f"wrote {tensors} tensors" in r.stdout and f" and {len(m.items) - tensors} other items in " in r.stdout
+    r = run_cli("convert", src, "-o", tmp_path / "j", "--to", "dcp", "--json", cwd=tmp_path)
+    report = json.loads(r.stdout)
+    assert (report["tensors"], report["objects"]) == (tensors, len(m.items) - tensors)
+    assert any("dataloader.cursor" in n for n in report["notes"]), report
     r = run_cli("convert", src, "-o", tmp_path / "t", "--to", "torch", cwd=tmp_path)
     assert_clean(r, 3, "dataloader.cursor cannot be read (unsafe pickle", "nothing was written")
     assert not (tmp_path / "t").exists()
@@ -141,6 +154,8 @@ def test_the_unused_output_layer_is_left_out_of_foreign_formats(to, tmp_path):
     cmd = ["reshard", src, "-o", out, "--to", "dcp"] if to == "dcp" else ["convert", src, "-o", out, "--to", "torch"]
     r = run_cli(*cmd)
     assert r.code == 0, r.stderr
+    # the plan says so (convert --to torch left it out in silence)
+    assert "left out: output_layer.weight with its optimizer state" in " ".join(r.stderr.split()), r.stderr
     v = run_cli("verify", out, "--json")
     assert v.code == 0, v.stdout
     listed = run_cli("ls", out, "--json")

@@ -620,13 +620,26 @@ def convert(
     ranks = torchrun_world()
     if ranks is not None and ranks[0] != 0:  # --to a framework under torchrun: rank 0 reports for all
         return
-    if result.skipped and not quiet:
-        out.note(f"not written: {len(result.skipped)} non-tensor items ({result.skipped[0][0].name}, ...)")
+    if not quiet:
+        for note in result.notes:
+            out.note(note)
+        if result.skipped:
+            out.note(f"not written: {len(result.skipped)} non-tensor items ({result.skipped[0][0].name}, ...)")
     if json_out:
-        out.json({"output": result.output, "files": result.files, "tensors": result.tensors, "nbytes": result.nbytes})
+        out.json(
+            {
+                "output": result.output,
+                "files": result.files,
+                "tensors": result.tensors,
+                "objects": result.objects,
+                "nbytes": result.nbytes,
+                "notes": result.notes,
+            }
+        )
     else:
+        others = f" and {result.objects} other items" if result.objects else ""
         out.line(
-            f"wrote {result.tensors} tensors ({decimal(result.nbytes)}) in {len(result.files)} "
+            f"wrote {result.tensors} tensors ({decimal(result.nbytes)}){others} in {len(result.files)} "
             f"file{'s' if len(result.files) != 1 else ''} to {result.output}"
         )
 

@@ -92,7 +92,8 @@ class TorchSaveAdapter:
             ) from None
         try:
             manifest = Manifest(root=str(root), format=self.name, layout=Layout(world_size=1))
-            manifest.files.append(FileRecord(path=rel, size=size, role="data", ranks=[0]))
+            # (no rank: the file holds the whole state, whoever saved it)
+            manifest.files.append(FileRecord(path=rel, size=size, role="data"))
             leaves = flatten(obj) if isinstance(obj, dict) else [("", obj)]
             for name, value in leaves:
                 name = name or "value"

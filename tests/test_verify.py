@@ -113,11 +113,15 @@ def test_flipped_byte_caught_with_and_without_seal(rel, item, crc, tmp_path):
     assert "checksum-mismatch" in _rules(with_seal)
     named = [f for f in with_seal.findings if f.rule == "checksum-mismatch"]
     assert item in named[0].message  # the seal names the tensor the byte belongs to
+    # the rank whose file it is (the first tensor lies in rank 0's); none for a file no rank wrote
+    # alone (a plain torch.save file said rank 0)
+    rank = None if rel.startswith(("torch/", "safetensors/")) else 0
+    assert [f.rank for f in with_seal.findings if f.file] == [rank] * len(named)
     without = verify(path)
     assert ("checksum-mismatch" in _rules(without)) == crc
     if crc:  # the member's CRC fails: the tensors in it are named, not only the member
         (named,) = [f for f in without.findings if f.rule == "checksum-mismatch"]
-        assert item in named.message
+        assert item in named.message and named.rank == rank
         # (a flat buffer of several, as DeepSpeed's optimizer partition: no one item)
         assert named.item == (item if "," not in named.message.split("(")[1].split(")")[0] else None)
 

@@ -34,16 +34,48 @@ def is_torch_zip(path: Path) -> bool:
         return False
 
 
+LEGACY_MAGIC = b"\x80\x02\x8a"
+"""how a pre-1.6 (pickle, not zip) torch.save file starts: protocol 2, then its magic number as a long"""
+
+
+def check_head(rel: str, head: bytes, size: int) -> None:
+    """Refuse a file said to be a torch.save whose first bytes (``head``, up to 4) are not the
+    zip's: empty (the save stopped before its first write), zeros (blocks allocated but never
+    written: a crash or power loss after the file got its size), a legacy pickle, something else."""
+    if head == ZIP_MAGIC:
+        return
+    if size == 0:
+        raise CorruptFileError(
+            f"{rel}: the file is empty (0 bytes): the save stopped before its first write",
+            hint="use another checkpoint, or save this one again",
+            path=rel,
+            rule="truncated-file",
+        )
+    if not head.strip(b"\0"):
+        raise CorruptFileError(
+            f"{rel}: starts with zero bytes where torch.save's zip header is: space the file system "
+            "allocated but the save never wrote (a crash or power loss during the save, a disk that filled)",
+            hint="use another checkpoint, or restore the file from a copy",
+            path=rel,
+        )
+    if head[:3] == LEGACY_MAGIC:
+        raise CorruptFileError(
+            f"{rel}: legacy (pre-1.6, non-zip) torch.save format, which ckpttool does not read",
+            hint="re-save it with a current torch: torch.save(torch.load(p, weights_only=True), p2)",
+            path=rel,
+        )
+    raise CorruptFileError(
+        f"{rel}: not a torch.save file: it starts with bytes {head.hex()}, not the zip header 504b0304",
+        hint="check that the file is what its name says, or restore it from a copy",
+        path=rel,
+    )
+
+
 def load(root: Path, rel: str, allow: Mapping[tuple[str, str], Any]) -> tuple[_torchzip.Archive, Any, int]:
     """Parse one torch.save file below ``root``: its archive (file left open), object and size."""
     f = RandomAccessFile(confine(root, rel, named_by="the listing"), display=rel)
     try:
-        if f.read(0, min(4, f.size)) != ZIP_MAGIC:
-            raise CorruptFileError(
-                f"{rel}: not a zip-format torch.save file (legacy pickle or something else)",
-                hint="re-save it with a current torch, or check that the file is what its name says",
-                path=rel,
-            )
+        check_head(rel, bytes(f.read(0, min(4, f.size))), f.size)
         archive = _torchzip.Archive(f, display=rel, allow=allow)
         return archive, archive.load(), f.size
     except BaseException:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool import _unpickle
-from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedError, UnsafePickleError
+from ckpttool.errors import CkptError, FormatNotRecognizedError, UnsafePickleError
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection
 from ckpttool.manifest import FileRecord, Item, Layout, Manifest, is_seal_name
@@ -24,7 +24,6 @@ from ckpttool.values import find_step, flatten, set_value
 # plain numeric numpy arrays too: RNG states (``np.random.get_state()``) that training loops save
 # (Hugging Face's ``rng_state.pth``; Megatron's records, carried by ``convert --to torch``)
 ALLOWLIST: dict[tuple[str, str], Any] = {**_unpickle.PLAIN, **_unpickle.TORCH_TENSORS, **_unpickle.numpy_arrays()}
-_LEGACY_MAGIC = b"\x80\x02\x8a"
 
 
 class TorchSaveAdapter:
@@ -49,11 +48,13 @@ class TorchSaveAdapter:
             head = fh.read(4)
         if head == _pt.ZIP_MAGIC:
             return Detection(True, "a zip archive (torch.save)")
-        if head[:3] == _LEGACY_MAGIC:
+        if head[:3] == _pt.LEGACY_MAGIC:
             return Detection(True, "a legacy (pre-1.6) torch.save pickle")
-        if not head and path.suffix in (".pt", ".pth", ".bin", ".ckpt"):
-            # what a save killed before its first write leaves: damage to report, not an unknown format
-            return Detection(True, f"{path.name} is empty; its name says torch.save", weak=True)
+        if not head.strip(b"\0") and path.suffix in (".pt", ".pth", ".bin", ".ckpt"):
+            # what a save killed before its first write leaves (or a crash, zeros): damage to report,
+            # not an unknown format
+            said = "is empty" if not head else "starts with zero bytes"
+            return Detection(True, f"{path.name} {said}; its name says torch.save", weak=True)
         return Detection(False, f"{path.name} is not a torch.save file (magic {head.hex()})")
 
     def describe(self, path: Path) -> Manifest:
@@ -63,19 +64,6 @@ class TorchSaveAdapter:
                 raise FormatNotRecognizedError(str(path), {"torch": "no single .pt/.pth/.bin file here"})
             path = file
         root, rel = path.parent, path.name
-        if path.stat().st_size == 0:
-            raise CorruptFileError(
-                f"{rel}: the file is empty (0 bytes): the save stopped before its first write",
-                hint="use another checkpoint, or save this one again",
-                path=rel,
-                rule="truncated-file",
-            )
-        if not _pt.is_torch_zip(path):
-            raise CorruptFileError(
-                f"{rel}: legacy (pre-1.6, non-zip) torch.save format, which ckpttool does not read",
-                hint="re-save it with a current torch: torch.save(torch.load(p, weights_only=True), p2)",
-                path=rel,
-            )
         try:
             archive, obj, size = _pt.load(root, rel, ALLOWLIST)
         except UnsafePickleError as exc:

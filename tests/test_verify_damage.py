@@ -480,6 +480,34 @@ def test_an_empty_torch_save_file_is_a_truncated_file(tmp_path):
     assert code == 1 and [(f["rule"], f["file"]) for f in report["findings"]] == [("truncated-file", "train_state.pt")]
 
 
+@pytest.mark.parametrize(
+    ("src", "rel", "rank"),
+    [
+        ("deepspeed/zero2", "global_step3/mp_rank_00_model_states.pt", 0),
+        ("megatron/legacy_tp2pp2", "iter_0000003/mp_rank_01_001/model_optim_rng.pt", 1),
+        ("rankshards/ddp", "shard_00001_of_00002.pt", 1),
+        ("torch", "train_state.pt", None),
+    ],
+)
+@pytest.mark.parametrize("zeros", [0, 70_000])
+def test_a_rank_file_never_written_is_said_so(src, rel, rank, zeros, tmp_path):
+    """A rank's torch.save file left empty (the save killed before its first write) or zeros (space
+    allocated but never written: a crash, a full disk) was 'not a zip-format torch.save file (legacy
+    pickle or something else)', hint 're-save it with a current torch'; a zeroed plain torch.save
+    file was no checkpoint at all (exit 3). Its modification time is kept: only the bytes say it."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / src, ck)
+    f = ck / rel
+    st = f.stat()
+    f.write_bytes(bytes(zeros))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    code, report = _findings(ck / rel if src == "torch" else ck)
+    found = [(x["rule"], x["file"], x["rank"]) for x in report["findings"] if x["severity"] == "error"]
+    assert code == 1 and found == [("corrupt-file" if zeros else "truncated-file", rel, rank)], found
+    said = report["findings"][0]["message"]
+    assert ("starts with zero bytes" if zeros else "the file is empty (0 bytes)") in said, said
+
+
 @pytest.mark.parametrize(("at", "rule"), [(0, "corrupt-file"), (28, "checksum-mismatch"), (70, "unsafe-pickle"),
                                           (1384, "corrupt-file")])  # fmt: skip
 def test_a_damaged_dcp_record_names_its_file_and_the_message_its_offset(at, rule, tmp_path):

@@ -493,8 +493,16 @@ class MegatronDistAdapter:
 
     def describe(self, path: Path) -> Manifest:
         tracked = (path / TRACKER).is_file() and not (path / "metadata.json").is_file()
-        if tracked:
-            path = _read_tracker(path)
+        if not tracked:
+            return self._describe(path, tracked)
+        path = _read_tracker(path)
+        try:
+            return self._describe(path, tracked)
+        except CkptError as exc:  # its files named from the save directory given, as the iteration is not said
+            name_from_above([exc], path)
+            raise
+
+    def _describe(self, path: Path, tracked: bool) -> Manifest:
         try:
             config = json.loads((path / "metadata.json").read_text())
         except (OSError, ValueError, RecursionError) as exc:
@@ -512,8 +520,6 @@ class MegatronDistAdapter:
             damaged: list[CkptError] = [exc]
             if isinstance(exc, CorruptFileError | IncompleteCheckpointError):  # common.pt's damage named too
                 damaged += _common_damage(path)
-            if tracked:  # its files named from the save directory given, as the iteration is not said
-                name_from_above(damaged, path)
             raise_together(damaged)
             raise
         manifest = Manifest(

@@ -122,6 +122,24 @@ def test_torch_dist_without_common_pt_is_a_missing_file(tmp_path):
     assert _rules(report) == [("missing-file", "common.pt")]
 
 
+@pytest.mark.parametrize("given", ["save", "iteration"])
+def test_a_damaged_common_pt_is_named_from_the_path_given(given, tmp_path):
+    """A report whose checkpoint could not be read (``root`` null) names files from the path given:
+    a truncated common.pt of a save directory given was ``common.pt`` (as if beside the tracker),
+    while the same report's incomplete-save named it ``iter_0000003/common.pt``."""
+    ck = tmp_path / "ck"
+    shutil.copytree(MG / "dist_tp2", ck)
+    f = ck / "iter_0000003" / "common.pt"
+    st = f.stat()
+    f.write_bytes(f.read_bytes()[:5000])
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    code, report = _findings(ck if given == "save" else ck / "iter_0000003")
+    rel = "iter_0000003/common.pt" if given == "save" else "common.pt"
+    assert code == 1 and report["root"] is None
+    assert [(f["rule"], f["file"]) for f in report["findings"]] == [("truncated-file", rel)], report["findings"]
+    assert report["findings"][0]["message"].startswith(f"{rel}: cut short")
+
+
 def _stamp(ck, order, start, step):
     """Give the files named in ``order`` modification times ``start``, ``start + step``, …"""
     import os

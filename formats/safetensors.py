@@ -221,11 +221,10 @@ class SafetensorsAdapter:
                 damaged.append(exc)
                 continue
             manifest.files.append(FileRecord(path=rel, size=header.size, role="data"))
+            if weight_map is not None and (astray := [e.name for e in header.tensors if weight_map.get(e.name) != rel]):
+                damaged.append(_astray(rel, astray, weight_map, index_name or ""))
+                continue
             for e in header.tensors:
-                if weight_map is not None and weight_map.get(e.name) != rel:
-                    raise CorruptFileError(
-                        f"{rel}: holds {e.name}, which the index places in {weight_map.get(e.name)}", path=rel
-                    )
                 if e.name in manifest.items:
                     raise CorruptFileError(f"{rel}: tensor {e.name} is also in another shard", path=rel)
                 manifest.add(
@@ -246,14 +245,22 @@ class SafetensorsAdapter:
                 )
             if header.metadata:
                 manifest.extras.setdefault("metadata", {})[rel] = header.metadata
+        bad = {e.path for e in damaged}  # (their tensors are not read: not said again as missing)
+        if index_name is not None and (
+            missing := [n for n, f in (weight_map or {}).items() if n not in manifest.items and f not in bad]
+        ):
+            damaged.append(
+                CorruptFileError(
+                    f"{index_name}: places {len(missing)} tensor(s) in shards that do not hold them: "
+                    + ", ".join(f"{n} in {(weight_map or {})[n]}" for n in missing[:4])
+                    + (" …" if len(missing) > 4 else ""),
+                    hint="a shard from another save, or an index edited since: download the checkpoint's "
+                    "shards and index again",
+                    path=index_name,
+                )
+            )
         raise_together(damaged)
         if weight_map is not None and index_name is not None:
-            missing = [n for n in weight_map if n not in manifest.items]
-            if missing:
-                raise CorruptFileError(
-                    f"index names {len(missing)} tensors no shard holds (first: {missing[0]})",
-                    path=str(path),
-                )
             manifest.files.append(FileRecord(path=index_name, size=(root / index_name).stat().st_size, role="metadata"))
         if path.is_dir():
             known = {f.path for f in manifest.files}
@@ -264,6 +271,19 @@ class SafetensorsAdapter:
 
     def reader(self, manifest: Manifest) -> SafetensorsReader:
         return SafetensorsReader(manifest)
+
+
+def _astray(rel: str, names: list[str], weight_map: dict[str, str], index_name: str) -> CkptError:
+    """Shard ``rel`` holds tensors ``names`` that the index places in another shard, or nowhere."""
+    said = [
+        f"{n} ({'the index places it in ' + weight_map[n] if n in weight_map else 'not in the index'})" for n in names
+    ]
+    return CorruptFileError(
+        f"{rel}: holds {len(names)} tensor(s) {index_name} does not place there: {', '.join(said[:4])}"
+        + (" …" if len(said) > 4 else ""),
+        hint="a shard from another save, or an index edited since: download the checkpoint's shards and index again",
+        path=rel,
+    )
 
 
 _NUMBERED = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.safetensors$")

@@ -86,6 +86,34 @@ def test_an_index_naming_no_file_says_which_entry(shard, said, tmp_path):
     assert "restore the index from its source" in r.stderr
 
 
+def test_an_index_that_disagrees_with_its_shards_is_named_entry_by_entry(tmp_path):
+    """A tensor the index leaves out ("which the index places in None") and one it places in a
+    shard that lacks it (named as file '.', the checkpoint): each named, in the file at fault, in
+    one report (it stopped at the first)."""
+    shutil.copytree(ST / "sharded", tmp_path / "s")
+    index = tmp_path / "s" / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    assert doc["weight_map"].pop("pos") == "model-00001-of-00002.safetensors"
+    doc["weight_map"]["ghost.weight"] = "model-00002-of-00002.safetensors"
+    index.write_text(json.dumps(doc))
+    r = run_cli("verify", tmp_path / "s", "--json")
+    found = [(f["rule"], f["file"], f["message"]) for f in json.loads(r.stdout)["findings"]]
+    assert r.code == 1 and found == [
+        (
+            "corrupt-file",
+            "model-00001-of-00002.safetensors",
+            "model-00001-of-00002.safetensors: holds 1 tensor(s) model.safetensors.index.json does not place there: "
+            "pos (not in the index)",
+        ),
+        (
+            "corrupt-file",
+            "model.safetensors.index.json",
+            "model.safetensors.index.json: places 1 tensor(s) in shards that do not hold them: "
+            "ghost.weight in model-00002-of-00002.safetensors",
+        ),
+    ], found
+
+
 def _rewrite_header(path, edit):
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])

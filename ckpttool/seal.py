@@ -24,7 +24,7 @@ from typing import Any, Literal, NamedTuple, get_args
 from ckpttool import __version__, registry
 from ckpttool import io as ckio
 from ckpttool.dtypes import carrier
-from ckpttool.errors import CkptError, CorruptFileError, UsageError
+from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, UsageError, raise_together
 from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.hashing import Algo, FileDigest, Span, Written, hash_bytes, hash_files
 from ckpttool.io import atomic_output
@@ -489,6 +489,28 @@ def _tensors_in_members(spans: Mapping[str, Iterable[Span]]) -> dict[tuple[str, 
     return out
 
 
+def _refuse_unfinished(path: Path, manifest: Manifest) -> None:
+    """Refuse a checkpoint a save is still writing, or one that mixes saves' files
+    (:func:`ckpttool.verify.unfinished`): every such finding named."""
+    from ckpttool.verify import unfinished
+
+    raise_together(
+        [
+            IncompleteCheckpointError(
+                f"{f.message}; not sealed",
+                hint=(
+                    "a file of another save is mixed in: restore this step's file, then seal"
+                    if f.rule == "step-mismatch"
+                    else "seal once the save has finished; 'ckpttool verify' says the same of it"
+                ),
+                path=f.file,
+                rule=f.rule,
+            )
+            for f in unfinished(ckio.followed(path), manifest)
+        ]
+    )
+
+
 _NOT_SEALED = (
     "a seal vouches for the bytes it hashes: restore the damaged file from a good copy and seal again "
     "('ckpttool verify' lists every damaged member)"
@@ -732,6 +754,8 @@ def seal(
         if f["rule"] in ("corrupt-file", "misplaced-file"):  # (with the finding's own hint, where it has one)
             hint = f.get("hint") or _NOT_SEALED
             raise CorruptFileError(f"{f['message']}; not sealed", hint=hint, path=f["file"], rule=f["rule"])
+    if known is None and published_as is None:  # (not a writer sealing what it has just written)
+        _refuse_unfinished(Path(path), manifest)
     target = Path(out) if out is not None else default_seal_path(path)
     if out is not None:  # --out must not replace the checkpoint or one of its files
         data = {(Path(manifest.root) / f.path).resolve() for f in manifest.files if f.role != "seal"}

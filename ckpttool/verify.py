@@ -437,6 +437,19 @@ COMMIT_SLACK_S = 5.0
 the save that committed it (files a copy or a checkout writes within a few seconds are not)."""
 
 
+def unfinished(root: Path, manifest: Manifest) -> list[Finding]:
+    """The errors verify finds from names, times and the files' own claims alone: a save still
+    being written or stopped half way (``incomplete-save``), files of different saves mixed
+    (``step-mismatch``). ``seal`` refuses such a checkpoint: verify against a seal compares bytes
+    and no longer looks at times, so a seal made now would vouch for it."""
+    report = VerifyReport(path=str(root))
+    if root.is_dir() and Path(manifest.root).resolve() != root.resolve():
+        report.root = manifest.root
+    _check_in_flight(report, root, manifest, sealed=False)
+    _check_steps(report, manifest)
+    return [f for f in report.findings if f.severity == "error"]
+
+
 def _check_in_flight(report: VerifyReport, root: Path, manifest: Manifest | None, sealed: bool) -> None:
     """Signs of a save that is still running, or that stopped half way: a writer's temporary
     files, and data files rewritten after the metadata that describes them (a save over an

@@ -179,6 +179,42 @@ def test_data_written_long_after_its_metadata_is_still_an_incomplete_save(tmp_pa
     assert code == 1 and [r for r, _ in _rules(report)] == ["incomplete-save"]
 
 
+@pytest.mark.parametrize("how", ["rewritten", "tmp", "step"])
+def test_seal_refuses_a_save_in_flight_or_of_mixed_steps(how, tmp_path):
+    """seal sealed (exit 0) what verify fails as incomplete-save or step-mismatch, and verify
+    against that seal then passed: with a seal it compares bytes and no longer reads times. seal
+    now refuses such a checkpoint, naming every such file, and writes no seal."""
+    import time
+
+    ck = tmp_path / "ck"
+    if how == "step":
+        shutil.copytree(MG / "legacy_tp2pp2", ck)
+        for rel in ("mp_rank_00_000", "mp_rank_01_001"):
+            _rewrite_iteration(ck / "iter_0000003" / rel / "model_optim_rng.pt", 2)
+        said = [
+            "iter_0000003/mp_rank_00_000/model_optim_rng.pt claims step 2",
+            "(and 1 more file likewise: iter_0000003/mp_rank_01_001/model_optim_rng.pt)",
+            "a file of another save is mixed in",
+        ]
+    else:
+        shutil.copytree(FIXTURES / "dcp" / "fsdp2", ck)
+        if how == "tmp":
+            (ck / ".metadata.tmp").write_bytes(b"")
+            said = [".metadata.tmp: a writer's temporary metadata is present"]
+        else:
+            now = time.time()
+            _stamp(ck, [".metadata"], now - 600, 0)
+            _stamp(ck, ["__2_0.distcp"], now - 60, 0)
+            said = ["1 data file(s) were written after the metadata that describes them, by up to 540 s (__2_0.distcp)"]
+    code, report = _findings(ck)
+    assert code == 1, report
+    r = run_cli("seal", ck)
+    assert r.code == 3 and not (ck / "ckpttool.manifest.json").exists(), r.stdout
+    assert all(s in " ".join(r.stderr.split()) for s in said), r.stderr
+    assert "not sealed" in r.stderr and ("seal once the save has finished" in r.stderr) == (how != "step")
+    assert run_cli("verify", ck).code == 1
+
+
 def test_a_copys_seal_is_checked_against_the_copy_not_the_original(tmp_path):
     """The seal records the folder as `seal` was given it (relative to where it ran). Verifying a
     copy, with a file missing (the checkpoint then cannot be described), hashed the original's

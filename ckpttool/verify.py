@@ -35,6 +35,7 @@ from ckpttool._torchzip import Archive, record_crc_errors
 from ckpttool.assemble import assemble, regions
 from ckpttool.dtypes import as_float, float32_to_bf16
 from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedError, NotFoundError, PathEscapeError
+from ckpttool.formats import _pt
 from ckpttool.formats.base import Adapter
 from ckpttool.geometry import Box, coverage, flat_range_boxes, intersect
 from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
@@ -391,6 +392,7 @@ def _verify(
         piece_digests = _check_seal(report, root, sealed, manifest, adapter, workers, progress, early)
     elif manifest is not None and adapter is not None:
         piece_digests, file_digests = _check_integrity(report, manifest, adapter, workers, progress)
+        _check_aux_archives(report, manifest)
     if manifest is not None and adapter is not None:
         _check_misplaced(report, manifest, adapter)
     _check_in_flight(report, root, manifest, sealed is not None)
@@ -607,27 +609,63 @@ def _archive_damage(root: Path, found: list[Finding]) -> list[Finding]:
             continue
         for rel in rels:
             records = rel.endswith(".distcp")  # (torch.save records back to back, walked without .metadata)
-            if rel in named or not (records or rel.endswith((".pt", ".pth", ".bin"))):
-                continue
-            try:
-                with RandomAccessFile(root / rel, display=rel) as f:
-                    if f.read(0, 4) != b"PK\x03\x04":
-                        continue
-                    bad = record_crc_errors(f, rel) if records else Archive(f, display=rel).crc_errors()
-            except CkptError as exc:
-                if records:  # (it starts as DCP's writer writes: a chain that breaks is damage)
-                    out.append(_from_error(exc))
-                continue  # (not a torch.save archive: nothing to check it against)
-            if bad:
-                out.append(
-                    finding(
-                        "checksum-mismatch",
-                        f"{rel}: {', '.join(bad[:3])}{' …' if len(bad) > 3 else ''} fail(s) the zip CRC-32 stored "
-                        "with them: the bytes changed after the save",
-                        file=rel,
-                    )
-                )
+            if rel not in named and (records or rel.endswith(_TORCH_SUFFIXES)):
+                out += _zip_damage(root, rel, records=records)
     return out
+
+
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+"""names torch.save files go by"""
+
+
+def _zip_damage(root: Path, rel: str, *, records: bool = False, whole: bool = False) -> list[Finding]:
+    """File ``rel``'s members checked against the CRC-32s its zip archive stores (``records``: a
+    DCP file's torch.save records back to back). A file that does not start as a zip is left alone;
+    ``whole``: one that does is a torch.save that must read whole (cut short: said)."""
+    try:
+        with RandomAccessFile(root / rel, display=rel) as f:
+            if f.read(0, 4) != b"PK\x03\x04":
+                return []
+            bad = record_crc_errors(f, rel) if records else Archive(f, display=rel).crc_errors()
+    except CkptError as exc:
+        # (it starts as DCP's writer writes, or as torch.save: a chain or archive that breaks is damage)
+        return [_from_error(exc)] if records or whole else []
+    if not bad:
+        return []
+    return [
+        finding(
+            "checksum-mismatch",
+            f"{rel}: {', '.join(bad[:3])}{' …' if len(bad) > 3 else ''} fail(s) the zip CRC-32 stored "
+            "with them: the bytes changed after the save",
+            file=rel,
+        )
+    ]
+
+
+def _check_aux_archives(report: VerifyReport, manifest: Manifest) -> None:
+    """The torch.save files a checkpoint holds beside the state its format reads (a Hugging Face
+    Trainer's ``optimizer.pt``, ``scheduler.pt`` and ``rng_state.pth`` beside ``model.safetensors``):
+    not read as state, but checked as archives (cut short, empty, CRC-32s), so that their damage
+    does not pass unsaid. Without a seal (a seal hashes them)."""
+    root = Path(manifest.root)
+    for f in manifest.files:
+        if f.role != "aux" or not f.path.endswith(_TORCH_SUFFIXES):
+            continue
+        try:
+            with RandomAccessFile(root / f.path, display=f.path) as fh:
+                head = bytes(fh.read(0, min(4, fh.size)))
+        except CkptError as exc:
+            report.findings.append(_from_error(exc))
+            continue
+        if not head.strip(b"\0") and f.path.endswith((".pt", ".pth")):  # empty, or zeros: never written
+            try:
+                _pt.check_head(f.path, head, f.size)
+            except CkptError as exc:
+                report.findings.append(_from_error(exc))
+            continue
+        report.findings += _zip_damage(root, f.path, whole=True)
+        report.checked["files"] = report.checked.get("files", 0) + 1
+        report.checked["bytes"] = report.checked.get("bytes", 0) + f.size
 
 
 def _one_per_changed_file(findings: list[Finding]) -> list[Finding]:

@@ -158,9 +158,15 @@ def _enclosing_checkpoint(path: Path) -> tuple[str, Path] | None:
             adapter = registry.detect(folder)
         except CkptError:
             continue
-        if adapter.name != TorchSaveAdapter.name:
+        if adapter.name not in _OTHER_FILES:
             return adapter.name, folder
     return None
+
+
+_OTHER_FILES = (TorchSaveAdapter.name, "safetensors", "dcp")
+"""formats whose checkpoint holds no torch.save file of its own (``.distcp`` is refused apart): a
+``.pt`` beside one (a Hugging Face Trainer's ``optimizer.pt`` beside ``model.safetensors``) is
+read alone"""
 
 
 def _only_file(directory: Path) -> Path | None:

@@ -1343,3 +1343,32 @@ def test_a_rank_directory_left_from_another_layout_is_named(stray, tmp_path):
         ("misplaced-file", f"iter_0000003/{stray}/model_optim_rng.pt"),
         ("missing-file", "iter_0000003/mp_rank_01_001/model_optim_rng.pt"),
     ], report["findings"]
+
+
+def test_torch_save_files_beside_safetensors_are_checked_as_archives(tmp_path):
+    """A Hugging Face Trainer checkpoint keeps optimizer.pt, scheduler.pt and rng_state.pth beside
+    model.safetensors. verify read the folder as safetensors and passed it (exit 0) with those
+    files damaged; and one of them given alone was refused as 'one file of the safetensors
+    checkpoint: give that'. They are not read as state, but each is checked as an archive."""
+    ck = tmp_path / "hf"
+    ck.mkdir()
+    shutil.copy2(FIXTURES / "safetensors" / "model.safetensors", ck)
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin"):
+        shutil.copy2(FIXTURES / "torch" / "train_state.pt", ck / name)
+    code, report = _findings(ck)
+    assert code == 0 and _rules(report) == [], report["findings"]
+    assert report["checked"]["files"] == 5
+    data = bytearray((ck / "optimizer.pt").read_bytes())
+    data[data.find(b"OrderedDict") + 6] ^= 1  # (in the pickle: a global it names, changed)
+    (ck / "optimizer.pt").write_bytes(data)
+    (ck / "scheduler.pt").write_bytes((ck / "scheduler.pt").read_bytes()[:30_000])
+    (ck / "rng_state.pth").write_bytes(b"")
+    code, report = _findings(ck)
+    assert code == 1 and _rules(report) == [
+        ("checksum-mismatch", "optimizer.pt"),
+        ("truncated-file", "rng_state.pth"),
+        ("truncated-file", "scheduler.pt"),
+    ], report["findings"]
+    code, report = _findings(ck / "optimizer.pt")  # given alone: read, and its damage said
+    assert code == 1 and [f["rule"] for f in report["findings"]] == ["unsafe-pickle"], report["findings"]
+    assert "its CRC-32 fails too" in report["findings"][0]["message"]

@@ -63,6 +63,23 @@ def select(items: list[Item], *, kind: str = "all", pattern: str | None = None) 
         pairs += [(i.name, i) for i in items if i.kind == "param" and i.is_tensor and i.name not in masters]
     else:
         pairs = [(i.name, i) for i in items if kind == "all" or i.kind == kind]
+    if kind == "param":  # (a parameter only the optimizer holds would be left out without a word)
+        held = {i.name for i in items if i.kind == "param"}
+        only = [
+            name
+            for i in items
+            if i.kind == "master"
+            and (name := i.name.removesuffix(MASTER_SUFFIX)) not in held
+            and (rx is None or rx.search(name))
+        ]
+        if only:
+            raise UsageError(
+                f"--kind param: {len(only):,} parameter(s) ({', '.join(only[:3])}{' …' if len(only) > 3 else ''}) "
+                "are held only as the optimizer's fp32 master copies (ZeRO-3 saves no module weights), which "
+                "--kind param would leave out",
+                hint="--kind master writes them under their parameters' names, with the module's other tensors "
+                "(what zero_to_fp32 gives)",
+            )
     chosen = [(n, i) for n, i in pairs if rx is None or rx.search(n)]
     if not chosen and items:  # an empty output would be written and called done
         asked = " ".join(([f"--kind {kind}"] if kind != "all" else []) + ([f"--filter {pattern!r}"] if pattern else []))

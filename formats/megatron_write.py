@@ -1677,6 +1677,18 @@ class LegacyWriter:
             if self._xranks is None or (t, p, e) in self._xranks
         )
 
+    def _rng_shared(self) -> list[str]:
+        """The output's ranks beyond the source's TP or EP size that get another rank's RNG state
+        (none of their own carried): their model-parallel (or expert-parallel) stream is a copy."""
+        out = []
+        for label in sorted(self._labels):
+            t, p, e = label_ranks(label)
+            if (t >= self.src.tp or e >= self.src.ep) and not (
+                self.rank_files and self._rng_carried_by(t, p, e) is not None
+            ):
+                out.append(label)
+        return out
+
     def _rng_carried_by(self, t: int, p: int, e: int) -> tuple[str, Any] | None:
         """(file, ``rng_state``) of output rank (t, p, e) where the source carries that rank's own
         from an earlier layout (``ckpttool_rng_state``): a round trip through fewer ranks gives
@@ -1873,6 +1885,13 @@ class LegacyWriter:
                         f"({_few(list(kept))}): kept in the first rank file under '{RNG_CARRIED}' (Megatron ignores "
                         "it), so that a reshard back to a layout with those ranks gives each its own"
                     )
+            if shared := self._rng_shared():
+                out.append(
+                    f"RNG streams: {len(shared)} new rank(s) ({_few(shared)}) get the state of a source rank that "
+                    "another output rank gets too, the model-parallel stream included (Megatron seeds it per TP "
+                    "rank, the expert-parallel one per EP rank): dropout in tensor-parallel regions then draws the "
+                    "same masks on those ranks. To seed every rank afresh from --seed, resume with --no-load-rng"
+                )
         if not self.rank_files and self.src.rng_carried:
             out.append(
                 f"RNG state of {len(self.src.rng_carried)} rank(s) of another layout that the source carries "

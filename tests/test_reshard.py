@@ -26,7 +26,7 @@ from ckpttool.reshard import Target, parse_split_rules, reshard
 from ckpttool.verify import verify
 from tests._compare import dcp_load_mismatches
 from tests.conftest import AUTOTP_METADATA, autotp_copy
-from tests.conftest import FIXTURES, OnFirstProgress, load_pt, rewritten_copy, tree_digests
+from tests.conftest import FIXTURES, OnFirstProgress, load_pt, rewritten_copy, run_cli, tree_digests
 
 LEGACY = FIXTURES / "megatron" / "legacy_tp2pp2"
 STATE_KINDS = ["param", "optim", "master", "scheduler", "counter"]
@@ -456,8 +456,6 @@ def test_megatron_distributed_optimizer_refusals(tmp_path):
 
 
 def test_megatron_distributed_optimizer_flag_on_the_command_line(tmp_path):
-    from tests.conftest import run_cli
-
     out = tmp_path / "out"
     r = run_cli("reshard", str(LEGACY), "-o", str(out), "--tp", "1", "--pp", "1", "--distributed-optimizer", "-q")
     assert r.code == 0, r.stderr
@@ -3540,3 +3538,23 @@ def test_a_split_rule_pattern_is_judged_once_as_given(tmp_path):
         r = run_cli_here(*argv, "--split-rule", "w=0")
         assert r.code == 2 and "--split-rule applies to Megatron checkpoints" in r.stderr, r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("src", "sizes", "shared"), [
+    ("legacy_pp2vpp2", ["--tp", "2"], "2 new rank(s) ([tp=1,pp=0], [tp=1,pp=1])"),
+    ("legacy_tp2pp2", ["--tp", "1"], None),  # fewer ranks: each its own
+    ("legacy_tp2pp2", ["--pp", "4"], None),  # (PP seeds are per stage; no TP rank added)
+])  # fmt: skip
+def test_new_tp_ranks_are_told_their_rng_streams_are_copies(src, sizes, shared, tmp_path):
+    """A rank TP adds gets the state of source rank t mod TP: its model-parallel stream is a copy
+    of another rank's, so dropout in tensor-parallel regions draws the same masks. The plan said
+    only 'rank (t, p) gets source rank (t mod 1, p mod 2)'s'; it now says what that means, and how
+    Megatron reseeds."""
+    r = run_cli("reshard", FIXTURES / "megatron" / src, "-o", tmp_path / "o", *sizes, "--dry-run", "--json")
+    notes = " ".join(json.loads(r.stdout)["notes"])
+    assert r.code == 0
+    if shared is None:
+        assert "RNG streams" not in notes
+    else:
+        assert f"RNG streams: {shared} get the state of a source rank that another output rank gets too" in notes
+        assert "resume with --no-load-rng" in notes

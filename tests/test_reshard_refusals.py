@@ -231,3 +231,17 @@ def test_deepspeed_layout_flags_that_would_change_tp_or_pp_are_refused(tmp_path)
     assert not out.exists()
     r = run_cli("reshard", FIXTURES / "deepspeed" / "pipeline_bf16", "-o", out, "--pp", "2", "--tp", "1", "--dp", "1")
     assert r.code == 0, r.stderr
+
+
+@pytest.mark.parametrize("command", ["convert", "export"])
+def test_kind_param_of_a_zero3_checkpoint_is_refused_not_a_model_of_one_buffer(command, tmp_path):
+    """ZeRO-3 saves no module weights: its parameters are the optimizer's fp32 copies. '--kind
+    param' (the help's own example) wrote one 8-byte buffer and exited 0."""
+    out = tmp_path / ("o.safetensors" if command == "export" else "o")
+    r = run_cli(command, FIXTURES / "deepspeed" / "zero3", "-o", out, "--kind", "param")
+    assert_clean(r, 2, "--kind param: 17 parameter(s) (emb.weight, blocks.0.fc1.weight", "--kind master writes them")
+    assert not out.exists()
+    # a filter that keeps none of them, and checkpoints that hold their weights, as before
+    assert run_cli(command, FIXTURES / "deepspeed" / "zero3", "-o", out, "--kind", "param", "-f", "seen").code == 0
+    r = run_cli(command, FIXTURES / "deepspeed" / "zero2", "-o", tmp_path / "z2.safetensors", "--kind", "param")
+    assert r.code == 0, r.stderr

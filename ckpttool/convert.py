@@ -231,9 +231,9 @@ def _torch(
     dropped = set(unused_states(manifest))
     chosen = select(list(manifest.items.values()), kind=kind, pattern=pattern)
     refuse_unreadable((i for _, i in chosen), hint=_UNREADABLE)
-    notes = unused_note(manifest, "torch.save", (i.name for _, i in chosen))
-    result = ConvertResult(output=str(out), files=["model.pt"], notes=notes)
     keep = [(name, i) for name, i in chosen if i.name not in dropped]
+    notes = unused_note(manifest, "torch.save", (i.name for _, i in chosen if i.name in dropped))
+    result = ConvertResult(output=str(out), files=["model.pt"], notes=notes)
     paths = nesting(manifest) if all(name == i.name for name, i in keep) else None
     if paths:  # a --filter that kept some entries of a list: those keys flat (a list with holes is no
         # state dict torch saves; a path not the key's own, as a hostile map has, is left to _place)

@@ -157,10 +157,9 @@ def unused_states(manifest: Manifest) -> list[str]:
     return [n for n in manifest.items if n in unused or n.rsplit(".", 1)[0] in unused]
 
 
-def unused_note(manifest: Manifest, target: str, chosen: Iterable[str]) -> list[str]:
-    """What a ``target`` output's plan says of the :func:`unused_states` it leaves out of the
-    ``chosen`` items (none among them: nothing)."""
-    if not set(unused_states(manifest)).intersection(chosen):
+def unused_note(manifest: Manifest, target: str, left_out: Iterable[str]) -> list[str]:
+    """What a ``target`` output's plan says of the :func:`unused_states` it leaves out (none: nothing)."""
+    if not any(left_out):
         return []
     return [
         f"left out: {', '.join(sorted(manifest.extras['unused']))} with its optimizer state, a parameter "

@@ -378,8 +378,7 @@ def _verify(
             report.findings += _archive_damage(root, report.findings)
     if manifest is not None:
         report.format, report.step = manifest.format, manifest.step
-        if root.is_dir() and Path(manifest.root).resolve() != root.resolve():
-            report.root = manifest.root
+        report.root = _findings_root(root, manifest)
         report.layout = {
             k: getattr(manifest.layout, k) for k in ("world_size", "tp", "pp", "dp", "ep", "vpp", "zero_stage")
         }
@@ -439,14 +438,18 @@ COMMIT_SLACK_S = 5.0
 the save that committed it (files a copy or a checkout writes within a few seconds are not)."""
 
 
+def _findings_root(root: Path, manifest: Manifest) -> str | None:
+    """The folder a report's findings name files from where it is not the path given (a save
+    directory's iteration or tag folder, which its reader went into)."""
+    return manifest.root if root.is_dir() and Path(manifest.root).resolve() != root.resolve() else None
+
+
 def unfinished(root: Path, manifest: Manifest) -> list[Finding]:
     """The errors verify finds from names, times and the files' own claims alone: a save still
     being written or stopped half way (``incomplete-save``), files of different saves mixed
     (``step-mismatch``). ``seal`` refuses such a checkpoint: verify against a seal compares bytes
     and no longer looks at times, so a seal made now would vouch for it."""
-    report = VerifyReport(path=str(root))
-    if root.is_dir() and Path(manifest.root).resolve() != root.resolve():
-        report.root = manifest.root
+    report = VerifyReport(path=str(root), root=_findings_root(root, manifest))
     _check_in_flight(report, root, manifest, sealed=False)
     _check_steps(report, manifest)
     return [f for f in report.findings if f.severity == "error"]
@@ -609,22 +612,22 @@ def _archive_damage(root: Path, found: list[Finding]) -> list[Finding]:
             continue
         for rel in rels:
             records = rel.endswith(".distcp")  # (torch.save records back to back, walked without .metadata)
-            if rel not in named and (records or rel.endswith(_TORCH_SUFFIXES)):
+            if rel not in named and (records or rel.endswith(_pt.SUFFIXES)):
                 out += _zip_damage(root, rel, records=records)
     return out
-
-
-_TORCH_SUFFIXES = (".pt", ".pth", ".bin")
-"""names torch.save files go by"""
 
 
 def _zip_damage(root: Path, rel: str, *, records: bool = False, whole: bool = False) -> list[Finding]:
     """File ``rel``'s members checked against the CRC-32s its zip archive stores (``records``: a
     DCP file's torch.save records back to back). A file that does not start as a zip is left alone;
-    ``whole``: one that does is a torch.save that must read whole (cut short: said)."""
+    ``whole``: one that does is a torch.save that must read whole (cut short: said), and a ``.pt``
+    or ``.pth`` file empty or starting with zeros is one never written (said)."""
     try:
         with RandomAccessFile(root / rel, display=rel) as f:
-            if f.read(0, 4) != b"PK\x03\x04":
+            head = bytes(f.read(0, min(4, f.size)))
+            if whole and not head.strip(b"\0") and rel.endswith((".pt", ".pth")):
+                _pt.check_head(rel, head, f.size)  # (raises: empty, or zeros)
+            if head != _pt.ZIP_MAGIC:
                 return []
             bad = record_crc_errors(f, rel) if records else Archive(f, display=rel).crc_errors()
     except CkptError as exc:
@@ -647,23 +650,10 @@ def _check_aux_archives(report: VerifyReport, manifest: Manifest) -> None:
     Trainer's ``optimizer.pt``, ``scheduler.pt`` and ``rng_state.pth`` beside ``model.safetensors``):
     not read as state, but checked as archives (cut short, empty, CRC-32s), so that their damage
     does not pass unsaid. Without a seal (a seal hashes them)."""
-    root = Path(manifest.root)
     for f in manifest.files:
-        if f.role != "aux" or not f.path.endswith(_TORCH_SUFFIXES):
+        if f.role != "aux" or not f.path.endswith(_pt.SUFFIXES):
             continue
-        try:
-            with RandomAccessFile(root / f.path, display=f.path) as fh:
-                head = bytes(fh.read(0, min(4, fh.size)))
-        except CkptError as exc:
-            report.findings.append(_from_error(exc))
-            continue
-        if not head.strip(b"\0") and f.path.endswith((".pt", ".pth")):  # empty, or zeros: never written
-            try:
-                _pt.check_head(f.path, head, f.size)
-            except CkptError as exc:
-                report.findings.append(_from_error(exc))
-            continue
-        report.findings += _zip_damage(root, f.path, whole=True)
+        report.findings += _zip_damage(Path(manifest.root), f.path, whole=True)
         report.checked["files"] = report.checked.get("files", 0) + 1
         report.checked["bytes"] = report.checked.get("bytes", 0) + f.size
 

@@ -26,12 +26,8 @@ from ckpttool.values import flatten
 ZIP_MAGIC = b"PK\x03\x04"
 
 
-def is_torch_zip(path: Path) -> bool:
-    try:
-        with open(path, "rb") as fh:
-            return fh.read(4) == ZIP_MAGIC
-    except OSError:
-        return False
+SUFFIXES = (".pt", ".pth", ".bin")
+"""the names torch.save files go by"""
 
 
 LEGACY_MAGIC = b"\x80\x02\x8a"

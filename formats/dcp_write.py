@@ -103,7 +103,7 @@ def dcp_items(manifest: Manifest, items: list[Item], *, hint: str | None = None)
             f"carried as their bytes, unread (ckpttool will not run their pickles): {', '.join(kept[:4])}"
             + (" …" if len(kept) > 4 else "")
         )
-    notes += unused_note(manifest, "DCP", (i.name for i in items))
+    notes += unused_note(manifest, "DCP", (i.name for i in items if i.name in dropped))
     return [i for i in items if i.name not in dropped], notes
 
 

@@ -246,13 +246,15 @@ class SafetensorsAdapter:
             if header.metadata:
                 manifest.extras.setdefault("metadata", {})[rel] = header.metadata
         bad = {e.path for e in damaged}  # (their tensors are not read: not said again as missing)
-        if index_name is not None and (
-            missing := [n for n, f in (weight_map or {}).items() if n not in manifest.items and f not in bad]
+        if (
+            weight_map is not None
+            and index_name is not None
+            and (missing := [n for n, f in weight_map.items() if n not in manifest.items and f not in bad])
         ):
             damaged.append(
                 CorruptFileError(
                     f"{index_name}: places {len(missing)} tensor(s) in shards that do not hold them: "
-                    + ", ".join(f"{n} in {(weight_map or {})[n]}" for n in missing[:4])
+                    + ", ".join(f"{n} in {weight_map[n]}" for n in missing[:4])
                     + (" …" if len(missing) > 4 else ""),
                     hint="a shard from another save, or an index edited since: download the checkpoint's "
                     "shards and index again",

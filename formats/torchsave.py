@@ -176,7 +176,7 @@ def _only_file(directory: Path) -> Path | None:
         names = [e.name for e in os.scandir(directory) if not is_seal_name(e.name)]
     except OSError:
         return None
-    if len(names) != 1 or not names[0].endswith((".pt", ".pth", ".bin")):
+    if len(names) != 1 or not names[0].endswith(_pt.SUFFIXES):
         return None
     file = directory / names[0]
     return file if file.is_file() else None

@@ -703,8 +703,9 @@ def test_every_dcp_file_cut_short_or_missing_is_named_not_only_the_first(tmp_pat
     assert r.code == 3 and said in r.stderr, r.stderr
 
 
-def _cut(f, size: int) -> None:
-    """Truncate ``f`` to ``size`` bytes, its modification time kept."""
+def _cut_to(f, size: int) -> None:
+    """Truncate ``f`` to ``size`` bytes, its modification time kept (``_cut`` below cuts bytes off
+    the end: this one was shadowed by it, and cut 3000 bytes off where 3000 were to be kept)."""
     times = os.stat(f)
     os.truncate(f, size)
     os.utime(f, ns=(times.st_atime_ns, times.st_mtime_ns))
@@ -747,7 +748,7 @@ def test_every_damaged_rank_file_is_named_not_only_the_first(fixture, cut, flipp
     tag = "global_step3_universal/" if fixture.name == "universal" else ""  # (the tag latest_universal names)
     root = path / tag
     for rel in cut:
-        _cut(root / rel, 3000)
+        _cut_to(root / rel, 3000)
     for rel in flipped:  # one byte of the pickle
         f = root / rel
         st = os.stat(f)
@@ -962,7 +963,7 @@ def test_a_hostile_pickle_after_a_damaged_rank_file_names_both(tmp_path):
     one error names the cut file after the hostile one."""
     path = tmp_path / "ck"
     shutil.copytree(FIXTURES / "hostile" / "ds_optim_os_system", path)
-    _cut(path / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", 3000)
+    _cut_to(path / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", 3000)
     code, report = _findings(path)
     found = sorted((f["rule"], f["file"]) for f in report["findings"] if f["severity"] == "error")
     assert found == [
@@ -980,6 +981,20 @@ def _cut(f, n: int) -> None:
     st = os.stat(f)
     f.write_bytes(f.read_bytes()[:-n])
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _damaged_copy(fixture, tmp_path, *, gone=(), cut=(), flipped=()):
+    """A copy of ``fixture`` (``tmp_path/ck``) with the files ``gone`` deleted, those ``cut`` 100
+    bytes short and a tensor byte ``flipped`` in each of those, every time kept."""
+    ck = tmp_path / "ck"
+    shutil.copytree(fixture, ck)
+    for rel in flipped:
+        _flip_tensor(ck / rel)
+    for rel in gone:
+        (ck / rel).unlink()
+    for rel in cut:
+        _cut(ck / rel, 100)
+    return ck
 
 
 STOPPED = [
@@ -1124,12 +1139,7 @@ def test_every_damaged_file_of_a_rank_local_dcp_save_is_named(gone, cut, expecte
     """use_collectives=False: each rank's __R.metadata places only its own files. A missing data
     file stopped the read of the other ranks' (only the first named), and a rank's metadata cut
     short was met again by the check for swapped files, which then named it alone, without rank."""
-    ck = tmp_path / "ck"
-    shutil.copytree(FIXTURES / "dcp" / "fsdp2_ranklocal", ck)
-    for name in gone:
-        (ck / name).unlink()
-    for name in cut:
-        _cut(ck / name, 100)
+    ck = _damaged_copy(FIXTURES / "dcp" / "fsdp2_ranklocal", tmp_path, gone=gone, cut=cut)
     code, report = _findings(ck)
     assert code == 1, report
     assert [(f["rule"], f["file"], f["rank"]) for f in report["findings"] if f["severity"] == "error"] == expected
@@ -1232,14 +1242,7 @@ def test_a_flipped_tensor_byte_beside_a_damaged_file_is_named(fixture, flipped, 
     """A file that stops the read leaves no manifest, so no tensor's bytes were checked: a flipped
     byte in another rank's tensor showed only once the first damage was mended. The torch.save
     files beside the damaged ones are now checked against their zip CRC-32s."""
-    ck = tmp_path / "ck"
-    shutil.copytree(FIXTURES / fixture, ck)
-    for rel in flipped:
-        _flip_tensor(ck / rel)
-    for rel in gone:
-        (ck / rel).unlink()
-    for rel in cut:
-        _cut(ck / rel, 100)
+    ck = _damaged_copy(FIXTURES / fixture, tmp_path, gone=gone, cut=cut, flipped=flipped)
     code, report = _findings(ck)
     assert code == 1, report
     assert [(f["rule"], f["file"]) for f in report["findings"] if f["severity"] == "error"] == expected

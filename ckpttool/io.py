@@ -571,17 +571,23 @@ def followed(path: str | os.PathLike[str]) -> Path:
 
 
 def confine(
-    root: str | os.PathLike[str], rel: str, *, named_by: str = "the checkpoint metadata", kind: str = "data file"
+    root: str | os.PathLike[str],
+    rel: str,
+    *,
+    named_by: str = "the checkpoint metadata",
+    kind: str = "data file",
+    holder: str | None = None,
 ) -> str:
     """The absolute path of ``rel`` under ``root``; refuses absolute paths, ``..`` and symlinks
     that lead outside the root. ``named_by`` says where the path came from and ``kind`` what it
-    names, for the message."""
+    names, for the message; ``holder``, the file holding the path, is the refusal's file (the one
+    to mend) where it is known, else the path itself."""
     root_s = os.fspath(root)
     if escapes(rel):
         raise PathEscapeError(
             f"{named_by} names the {kind} {rel!r}, which is outside the checkpoint directory {root_s}",
             hint="the metadata is damaged or hostile; ckpttool only reads files below the checkpoint root",
-            path=rel,
+            path=holder if holder is not None else rel,
         )
     full = os.path.join(root_s, *rel.replace("\\", "/").split("/"))
     real = outside(root_s, full)

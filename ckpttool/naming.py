@@ -130,3 +130,8 @@ def printable(text: str) -> str:
             n = ord(c)
             out.append(f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}")
     return "".join(out)
+
+
+def plural(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is one: "1 file", "2 files", "1,024 bytes"."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"

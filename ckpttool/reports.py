@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from ckpttool.naming import printable
+from ckpttool.naming import plural, printable
 from ckpttool.verify import RULES, SEVERITY_ORDER, Finding, Severity, VerifyReport
 
 _GROUP_AT = 4
@@ -186,7 +186,7 @@ def github_summary(report: VerifyReport, fail_on: Severity = "error") -> str:
         f"`{printable(report.path)}` · "
         + (f"format `{report.format}`" if report.format else "format not read")
         + f" · step {report.step if report.step is not None else 'unknown'} · "
-        f"{s['error']} errors, {s['warning']} warnings",
+        f"{plural(s['error'], 'error')}, {plural(s['warning'], 'warning')}",
         "",
     ]
     if report.findings:

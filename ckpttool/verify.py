@@ -41,6 +41,7 @@ from ckpttool.geometry import Box, coverage, flat_range_boxes, intersect
 from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
 from ckpttool.io import TMP_MARKER, RandomAccessFile, checking_crcs, followed, list_files, outside
 from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, Piece, StateName, is_seal_name
+from ckpttool.naming import plural
 from ckpttool.seal import (
     Expected,
     PieceRecord,
@@ -970,7 +971,7 @@ def _unsealed(report: VerifyReport, sealed: Seal, manifest: Manifest | None, exp
         sealed_names = sorted(expected)
         named = ", ".join(sealed_names[:3]) + (" …" if len(sealed_names) > 3 else "") if sealed_names else "no file"
         raise CkptError(
-            f"{report.seal}: none of this checkpoint's {len(own)} files ({', '.join(own[:3])}"
+            f"{report.seal}: none of this checkpoint's {plural(len(own), 'file')} ({', '.join(own[:3])}"
             f"{' …' if len(own) > 3 else ''}) is in the seal, which names {named}: it is the seal of another "
             "checkpoint, or it was edited",
             hint="give the seal made of this checkpoint with --manifest, or verify without a seal "

@@ -489,17 +489,30 @@ def _check_tag_name(tag: str, tracker: str) -> None:
         )
 
 
+def _tracked_tag(path: Path, tracker: str) -> str:
+    """The tag named by the tracker file ``tracker`` (``latest``, ``latest_universal``) of the save
+    directory ``path``: one folder name, a trailing slash allowed (DeepSpeed joins the text to the
+    save directory as it is, so ``global_step3/`` resumes as well)."""
+    tag = read_tracker(path, tracker)
+    _check_tag_name(tag, tracker)
+    if tag and escapes(tag):  # DeepSpeed joins it to the save directory and reads wherever it leads
+        confine(path, tag, named_by=tracker, kind="tag directory", holder=tracker)
+    name = tag.rstrip("/\\") or tag
+    if not name or "/" in name or "\\" in name or name in (".", ".."):
+        raise CorruptFileError(
+            f"{tracker}: names {tag[:60]!r}, not a tag directory",
+            hint=f"write the name of the save's tag directory (e.g. global_step100) into '{tracker}'",
+            path=tracker,
+        )
+    confine(path, name, named_by=tracker)  # a tag folder linked out of the save directory
+    return name
+
+
 def _tag_dir(path: Path) -> tuple[Path, Path]:
     """(save dir, tag dir) for a save directory with ``latest`` or a tag directory itself."""
     if (path / "latest").is_file():
-        tag = read_tracker(path, "latest")
-        _check_tag_name(tag, "latest")
-        if tag and escapes(tag):  # DeepSpeed joins it to the save directory and reads wherever it leads
-            confine(path, tag, named_by="latest", kind="tag directory")
-        if not tag or "/" in tag or "\\" in tag or tag == ".":
-            raise CorruptFileError(f"latest: names {tag[:60]!r}, not a tag directory", path="latest")
+        tag = _tracked_tag(path, "latest")
         target = path / tag
-        confine(path, tag, named_by="latest")  # a tag folder linked out of the save directory
         if not target.is_dir():
             raise IncompleteCheckpointError(
                 f"latest names tag {tag!r} but {tag}/ does not exist in {path}",
@@ -562,15 +575,11 @@ class DeepSpeedAdapter:
 
     def describe(self, path: Path) -> Manifest:
         if (path / "latest_universal").is_file() and not (path / "latest").is_file():
-            tag = read_tracker(path, "latest_universal")
-            _check_tag_name(tag, "latest_universal")
-            if tag and escapes(tag):
-                confine(path, tag, named_by="latest_universal", kind="tag directory")
-            if not tag or "/" in tag or tag in (".", "..") or not (path / tag).is_dir():
+            tag = _tracked_tag(path, "latest_universal")
+            if not (path / tag).is_dir():
                 raise IncompleteCheckpointError(
-                    f"latest_universal names {tag[:60]!r}, which is not a directory in {path}", path="latest_universal"
+                    f"latest_universal names {tag!r}, which is not a directory in {path}", path="latest_universal"
                 )
-            confine(path, tag, named_by="latest_universal")  # a tag folder linked out of the save directory
             path = path / tag
             if _is_universal(path):
                 try:

@@ -64,12 +64,28 @@ def read_header(path: Path, display: str) -> Header:
     """Parse and validate a safetensors header; reads only the header bytes."""
     with RandomAccessFile(path, display=display) as f:
         if f.size < 8:
-            raise CorruptFileError(f"{display} is {f.size} bytes: too short for a safetensors header", path=display)
+            raise CorruptFileError(
+                f"{display} is {f.size} bytes: too short for a safetensors header (8 bytes of length, then the "
+                "JSON): the save stopped before it wrote the header",
+                hint="use another checkpoint, or save this one again",
+                path=display,
+                rule="truncated-file",
+            )
         (n,) = struct.unpack("<Q", f.read(0, 8))
+        if n <= MAX_HEADER and 8 + n > f.size and f.read(8, 1) == b"{":
+            # a sane length and the JSON begun: the file was cut inside its header, not some other file
+            raise CorruptFileError(
+                f"{display}: cut short inside its header: the header is {n:,} bytes after the 8-byte length "
+                f"but the file ends after {f.size:,} bytes",
+                hint="the save or a copy stopped early; use another checkpoint or restore the file from a copy",
+                path=display,
+                rule="truncated-file",
+            )
         if n > MAX_HEADER or 8 + n > f.size:
             raise CorruptFileError(
                 f"{display}: header length field says {n:,} bytes but the file is {f.size:,} bytes "
-                f"(limit {MAX_HEADER:,}): truncated or not a safetensors file",
+                f"(limit {MAX_HEADER:,}): not a safetensors file, or its first bytes are damaged",
+                hint="check that the file is what its name says, or restore it from a copy",
                 path=display,
             )
         raw = f.read(8, n)

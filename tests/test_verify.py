@@ -259,7 +259,24 @@ def test_deepspeed_tracker_naming_a_tag_outside_the_save_is_an_unsafe_path(track
     (path / tracker).write_text(tag)
     report = verify(path)
     assert _rules(report) == {"unsafe-path"}, report.findings
-    assert report.findings[0].file == tag and "outside the checkpoint" in report.findings[0].message
+    # the file to mend is the tracker (it named the tag as its file: a path that is not there)
+    assert report.findings[0].file == tracker and "outside the checkpoint" in report.findings[0].message
+
+
+@pytest.mark.parametrize("tracker", ["latest", "latest_universal"])
+def test_deepspeed_tracker_naming_its_tag_with_a_trailing_slash_is_read(tracker, tmp_path):
+    """DeepSpeed joins the tracker's text to the save directory, so 'global_step3/' resumes; it was
+    called a corrupt file naming no tag directory."""
+    path = _copy("deepspeed/zero2" if tracker == "latest" else "deepspeed/universal", tmp_path)
+    tag = (path / tracker).read_text().strip()
+    before = os.path.getmtime(path / tracker)
+    (path / tracker).write_text(tag + "/\n")
+    os.utime(path / tracker, (before, before))
+    report = verify(path)
+    assert report.format == "deepspeed" and not report.failing("error"), report.findings
+    (path / tracker).write_text(tag + "/x")
+    (found,) = verify(path).findings
+    assert (found.rule, found.file) == ("corrupt-file", tracker) and "not a tag directory" in found.message
 
 
 def test_replicated_norm_altered_on_one_tp_rank(tmp_path):
@@ -555,7 +572,7 @@ def test_a_seal_of_another_checkpoint_is_refused_not_passed(tmp_path):
     seal(tmp_path / "a" / "train_state.pt")
     r = run_cli("verify", other, "--manifest", tmp_path / "a" / "train_state.pt.ckpttool.manifest.json")
     assert r.code == 3 and "Traceback" not in r.stderr
-    assert "none of this checkpoint's 1 files (model.safetensors) is in the seal, which names train_state.pt" in r.stderr
+    assert "none of this checkpoint's 1 file (model.safetensors) is in the seal, which names train_state.pt" in r.stderr
     path = _copy("dcp/fsdp2", tmp_path)
     seal(path, out=tmp_path / "seal.json")
     doc = json.loads((tmp_path / "seal.json").read_text())

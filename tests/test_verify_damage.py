@@ -203,7 +203,8 @@ def test_seal_refuses_a_save_in_flight_or_of_mixed_steps(how, tmp_path):
             said = [".metadata.tmp: a writer's temporary metadata is present"]
         else:
             now = time.time()
-            _stamp(ck, [".metadata"], now - 600, 0)
+            # every file saved at one time (not the checkout's: a fresh clone's are minutes old), one later
+            _stamp(ck, sorted(p.name for p in ck.iterdir()), now - 600, 0)
             _stamp(ck, ["__2_0.distcp"], now - 60, 0)
             said = ["1 data file(s) were written after the metadata that describes them, by up to 540 s (__2_0.distcp)"]
     code, report = _findings(ck)
@@ -1375,3 +1376,24 @@ def test_torch_save_files_beside_safetensors_are_checked_as_archives(tmp_path):
     code, report = _findings(ck / "optimizer.pt")  # given alone: read, and its damage said
     assert code == 1 and [f["rule"] for f in report["findings"]] == ["unsafe-pickle"], report["findings"]
     assert "its CRC-32 fails too" in report["findings"][0]["message"]
+
+
+@pytest.mark.parametrize("size", [0, 5, 20, 600])
+def test_a_safetensors_file_cut_inside_its_header_is_truncated_not_corrupt(size, tmp_path):
+    """A safetensors file cut before the end of its header (a save or copy that stopped early) was
+    a corrupt-file "truncated or not a safetensors file"; the length field is sane and the JSON
+    begun, so it is a truncated-file. A length field that is garbage stays corrupt. The human
+    report counts "1 file", not "1 files"."""
+    ck = tmp_path / "model.safetensors"
+    shutil.copy2(FIXTURES / "safetensors" / "model.safetensors", ck)
+    _cut_to(ck, size)
+    code, report = _findings(ck)
+    assert code == 1 and _rules(report) == [("truncated-file", "model.safetensors")], report
+    data = bytearray((FIXTURES / "safetensors" / "model.safetensors").read_bytes())
+    data[8] = ord("x")  # the JSON's first byte gone: not a header cut short
+    ck.write_bytes(bytes(data[:600]))
+    code, report = _findings(ck)
+    assert code == 1 and _rules(report) == [("corrupt-file", "model.safetensors")], report
+    shutil.copy2(FIXTURES / "safetensors" / "model.safetensors", ck)
+    r = run_cli("verify", ck, cwd=tmp_path)
+    assert r.code == 0 and "checked: 1 file, " in r.stdout and "0 errors, 5 warnings" in r.stdout, r.stdout

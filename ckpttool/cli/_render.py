@@ -11,6 +11,7 @@ from ckpttool.cli._output import Output
 from ckpttool.diff import DiffReport
 from ckpttool.inspect import InspectReport
 from ckpttool.manifest import Item
+from ckpttool.naming import plural
 from ckpttool.values import describe_value
 from ckpttool.verify import Severity, VerifyReport
 
@@ -76,7 +77,9 @@ def verify_report(out: Output, report: VerifyReport, fail_on: Severity) -> None:
 
     s = report.summary()
     ok = not report.failing(fail_on)
-    checked = ", ".join(f"{v:,} {k}" for k, v in report.checked.items())
+    checked = ", ".join(
+        plural(v, k.removesuffix("s")) if k.endswith("s") else f"{v:,} {k}" for k, v in report.checked.items()
+    )
     fmt = report.format or "unreadable"
     step = "unknown" if report.step is None else report.step
     head = f"[bold]{escape(str(fmt))}[/bold] checkpoint  {escape(report.path)}  step {step}"
@@ -93,7 +96,7 @@ def verify_report(out: Output, report: VerifyReport, fail_on: Severity) -> None:
         out.findings(rows)
     out.line("")
     verdict = "[green]OK[/green]" if ok else "[red]FAILED[/red]"
-    out.line(f"{verdict}: {s['error']} errors, {s['warning']} warnings (failing on {fail_on})")
+    out.line(f"{verdict}: {plural(s['error'], 'error')}, {plural(s['warning'], 'warning')} (failing on {fail_on})")
 
 
 def diff_report(out: Output, report: DiffReport) -> None:

@@ -347,10 +347,13 @@ def verify(
         # this one or inside it (a save directory and its iteration); else in this one
         early = _hash_sealed_files(_sealed_folder(root, sealed) or root, sealed, workers, progress, within=root)
     try:
-        return _verify(root, report, sealed, early, required, deep, workers, progress)
+        _verify(root, report, sealed, early, required, deep, workers, progress)
     finally:
         if early is not None:
             early.cancel()
+    bases = [Path(report.root)] if report.root else [root, root.parent]
+    report.findings = [_not_a_file(bases, f) for f in report.findings]
+    return report
 
 
 def _verify(
@@ -406,7 +409,16 @@ def _verify(
         if deep:
             _check_values(report, manifest, adapter)
     report.findings = _one_per_changed_file(_dedupe([_within(f, root, Path(report.path)) for f in report.findings]))
+    if manifest is not None:
+        report.findings = _ranked(report.findings, manifest)
     return report
+
+
+def _ranked(findings: list[Finding], manifest: Manifest) -> list[Finding]:
+    """Findings naming a file but no rank (a format's check that names files alone, as the
+    misplaced-file ones do) given the rank the manifest records for that file, as the rest are."""
+    ranks = {rec.path: r for rec in manifest.files if (r := _rank_of(rec)) is not None}
+    return [replace(f, rank=ranks[f.file]) if f.rank is None and f.file in ranks else f for f in findings]
 
 
 def _within(f: Finding, root: Path, given: Path) -> Finding:
@@ -698,6 +710,22 @@ def _from_error(exc: CkptError, item: str | None = None) -> Finding:
     hint = None if rule == "checksum-mismatch" else exc.hint
     message = exc.message if item is None or item in exc.message else f"{item}: {exc.message}"
     return finding(rule, message, file=exc.path, item=item, rank=exc.rank, hint=hint)
+
+
+def _not_a_file(bases: list[Path], found: Finding) -> Finding:
+    """A file the layout or the seal expects, said missing where a folder (or another non-file)
+    stands at its path: said as such, it is not deleted but replaced (a copy that made a folder of
+    it). ``bases``: the folders the report's files may be named from, the first that has it wins."""
+    if found.rule != "missing-file" or not found.file or os.path.isabs(found.file):
+        return found
+    for base in bases:
+        with contextlib.suppress(OSError):
+            st = os.lstat(base / found.file)
+            if not stat.S_ISREG(st.st_mode) and not stat.S_ISLNK(st.st_mode):
+                what = "a directory" if stat.S_ISDIR(st.st_mode) else "something other than a regular file"
+                return replace(found, message=f"{found.message} ({what} stands at that path, not a file)")
+            return found
+    return found
 
 
 # -- files and bytes -------------------------------------------------------------------------------
@@ -1378,11 +1406,19 @@ def _check_steps(report: VerifyReport, manifest: Manifest) -> None:
 def _check_format_findings(report: VerifyReport, manifest: Manifest) -> None:
     """What the format's reader found wrong while the rest could still be read
     (``extras["findings"]``: each ``{"rule", "file", "message"}``, a ``"hint"`` where it knows
-    better than the rule's, a ``"severity"`` where it is not the rule's): a file a complete save has
+    better than the rule's, a ``"severity"`` where it is not the rule's, a ``"rank"`` where the
+    file's record has none): a file a complete save has
     and this one lacks, a rank's file in another rank's place, bytes added after a file's records."""
     for f in manifest.extras.get("findings") or ():
         report.findings.append(
-            finding(f["rule"], f["message"], file=f["file"], hint=f.get("hint"), severity=f.get("severity"))
+            finding(
+                f["rule"],
+                f["message"],
+                file=f["file"],
+                hint=f.get("hint"),
+                severity=f.get("severity"),
+                rank=f.get("rank"),
+            )
         )
 
 

@@ -693,10 +693,10 @@ def _crossed_metadata(ends: dict[str, dict[str, int]], sources: list[tuple[int |
     for rank, md_name in sources:
         named = {int(m.group(1)) for rel in ends.get(md_name, {}) if (m := _DATA.match(rel))}
         if rank is not None and named and rank not in named:
-            crossed.append((md_name, sorted(named)))
+            crossed.append((md_name, sorted(named), rank))
     if not crossed:
         return None
-    said = "; ".join(f"{md} places its data in rank {', '.join(map(str, rs))}'s files" for md, rs in crossed[:4])
+    said = "; ".join(f"{md} places its data in rank {', '.join(map(str, rs))}'s files" for md, rs, _ in crossed[:4])
     return {
         "rule": "misplaced-file",
         "file": crossed[0][0],
@@ -704,6 +704,7 @@ def _crossed_metadata(ends: dict[str, dict[str, int]], sources: list[tuple[int |
         "renamed (a load at each rank reads its own __R.metadata)",
         "hint": "put each __R.metadata back under the rank whose __R_N.distcp files it names, or restore them "
         "from the save",
+        "rank": crossed[0][2],
     }
 
 
@@ -890,6 +891,7 @@ def misplaced_error(moved: dict[str, Holder], sizes: dict[str, int]) -> CorruptF
         hint="put each file back under its own name, or restore them from the save",
         path=first,
         rule="misplaced-file",
+        rank=_writer(first),
     )
 
 

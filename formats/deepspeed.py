@@ -768,6 +768,7 @@ class DeepSpeedAdapter:
                 hint="put each file back under its own name, or restore the tag directory from the save",
                 path=renamed[0],
                 rule="misplaced-file",
+                rank=_rel_rank(renamed[0]),
             )
         return manifest
 
@@ -925,7 +926,7 @@ def _absent_files(where: Path, absent: list[str], what: str, why: str, hint: str
             hint=hint,
             path=rel,
             rule="missing-file",
-            rank=_file_rank(rel.rsplit("/", 1)[-1]),
+            rank=_rel_rank(rel),
         )
         for i, rel in enumerate(absent)
     ]
@@ -987,6 +988,7 @@ def _check_one_run(files: dict[str, Any], optims: dict[tuple[int, int], str]) ->
             hint="restore the tag directory from one save (DeepSpeed would load it and train on wrong state)",
             path=rel,
             rule="misplaced-file",
+            rank=_rel_rank(rel),
         )
 
 
@@ -1041,6 +1043,7 @@ def _check_rank_files(
             hint="restore the tag directory from one save (DeepSpeed's zero_to_fp32 refuses it too)",
             path=b,
             rule="misplaced-file",
+            rank=_rel_rank(b),
         )
     _check_one_run(files, optims)
     pc = next(iter(recorded.values()), None)
@@ -1053,11 +1056,17 @@ def _check_rank_files(
             "(DeepSpeed's zero_to_fp32 refuses it too)",
             path=rel,
             rule="misplaced-file",
+            rank=_rel_rank(rel),
         )
     dp_size, partitioned, absent = _absent_rank_files(tag, prefix, files, maps, stage, stray)
     raise_together(absent)
     _check_rank0_file(files, maps[0], z3_models)
     return dp_size if partitioned else None
+
+
+def _rel_rank(rel: str) -> int | None:
+    """:func:`_file_rank` of the file at ``rel`` (a path below the save or tag directory)."""
+    return _file_rank(rel.rsplit("/", 1)[-1])
 
 
 def _file_rank(base: str) -> int | None:
@@ -1217,6 +1226,7 @@ def _check_rank0_file(files: dict[str, Any], models: dict[int, str], z3_models: 
             hint="restore that rank's file from the save; read as it is, its partitions would be rank 0's",
             path=rel,
             rule="misplaced-file",
+            rank=_rel_rank(rel),
         )
     raise CorruptFileError(
         f"{rel} holds global rank 0's model states: it records the tied-weight map (shared_params "
@@ -1226,6 +1236,7 @@ def _check_rank0_file(files: dict[str, Any], models: dict[int, str], z3_models: 
         "too: a ZeRO-3 optimizer file records no rank); read as they are, the partitions join in the wrong order",
         path=rel,
         rule="misplaced-file",
+        rank=_rel_rank(rel),
     )
 
 
@@ -1338,6 +1349,7 @@ def _check_stage_files(files: dict[str, Any], optims: dict[tuple[int, int], str]
             hint="restore the files from the save, or rename each to the rank whose parameters it holds",
             path=rel,
             rule="misplaced-file",
+            rank=_rel_rank(rel),
         )
 
 
@@ -1387,6 +1399,7 @@ def _check_zero12_ranks(files: dict[str, Any], per_rank: list[tuple[int, str]], 
             "read as they are, the partitions join in the wrong order",
             path=misplaced[0][0],
             rule="misplaced-file",
+            rank=_rel_rank(misplaced[0][0]),
         )
 
 

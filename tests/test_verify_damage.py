@@ -886,6 +886,31 @@ def test_rank_local_dcp_files_in_each_others_places_are_named(how, tmp_path):
     assert code == 1
     (found,) = report["findings"]
     assert found["rule"] == "misplaced-file" and said in found["message"], found
+    # the rank whose file (or metadata) it names, by the __R_N / __R naming (it was null)
+    assert found["rank"] == int(found["file"].split("_")[2].split(".")[0]), found
+
+
+@pytest.mark.parametrize(
+    ("fixture", "a", "b"),
+    [
+        ("deepspeed/zero2", "global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+         "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+        ("megatron/legacy_tp2pp2", "iter_0000003/mp_rank_00_000", "iter_0000003/mp_rank_01_000"),
+        ("dcp/fsdp2", "__0_0.distcp", "__1_0.distcp"),
+    ],
+)  # fmt: skip
+def test_files_swapped_between_ranks_are_named_with_their_ranks(fixture, a, b, tmp_path):
+    """misplaced-file findings named the file but no rank (null in the JSON), where every other
+    finding about a rank's file names the rank."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / fixture, ck)
+    (ck / a).rename(ck / "swap")
+    (ck / b).rename(ck / a)
+    (ck / "swap").rename(ck / b)
+    code, report = _findings(ck)
+    assert code == 1
+    found = [(f["rule"], f["rank"]) for f in report["findings"] if f["severity"] == "error"]
+    assert found and all(rule == "misplaced-file" and rank in (0, 1) for rule, rank in found), report["findings"]
 
 
 @pytest.mark.parametrize(
@@ -1397,3 +1422,26 @@ def test_a_safetensors_file_cut_inside_its_header_is_truncated_not_corrupt(size,
     shutil.copy2(FIXTURES / "safetensors" / "model.safetensors", ck)
     r = run_cli("verify", ck, cwd=tmp_path)
     assert r.code == 0 and "checked: 1 file, " in r.stdout and "0 errors, 5 warnings" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["no seal", "sealed"])
+@pytest.mark.parametrize(
+    ("fixture", "rel"),
+    [
+        ("deepspeed/zero2", "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+        ("megatron/legacy_tp2pp2", "iter_0000003/mp_rank_01_001/model_optim_rng.pt"),
+        ("dcp/fsdp2", "__1_0.distcp"),
+    ],
+)
+def test_a_folder_standing_where_a_rank_file_should_be_is_said(fixture, rel, sealed, tmp_path):
+    """A rank's file replaced by a folder of its name (a copy that went wrong) was reported as
+    simply missing: the user looks for a deleted file and finds one there."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / fixture, ck)
+    if sealed:
+        assert run_cli("seal", ck, "-q").code == 0
+    (ck / rel).unlink()
+    (ck / rel).mkdir()
+    code, report = _findings(ck)
+    assert code == 1 and _rules(report) == [("missing-file", rel)], report
+    assert report["findings"][0]["message"].endswith("(a directory stands at that path, not a file)"), report

@@ -627,6 +627,8 @@ class DistWriter(LegacyWriter):
         new = self._args(args, 0, 0)
         if "ckpt_format" in new.__dict__:
             new.__dict__["ckpt_format"] = "torch_dist"
+        if "use_dist_ckpt" in new.__dict__:  # (Megatron-LM derives it: ckpt_format != "torch")
+            new.__dict__["use_dist_ckpt"] = True
         return new
 
     def _common_optimizer(

@@ -105,6 +105,7 @@ def test_from_legacy_is_what_megatron_saves(tmp_path):
     )
     assert common["content_metadata"] == theirs["content_metadata"] and common["iteration"] == 3
     assert common["args"].ckpt_format == "torch_dist" and common["args"].tensor_model_parallel_size == 2
+    assert common["args"].use_dist_ckpt is True  # (Megatron-LM derives it from ckpt_format: it was left False)
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "3"
     assert not diff(DIST, out).different
     across = diff(LEGACY, out)  # the RNG and _extra_state entries are named differently in the two layouts

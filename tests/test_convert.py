@@ -277,3 +277,19 @@ def test_a_torch_file_beside_a_deepspeed_checkpoint_is_a_checkpoint_of_its_own(t
     assert r.code == 0, r.stderr
     r = run_cli("convert", ds / "pytorch_model.bin", "-o", tmp_path / "c", "--to", "dcp")
     assert r.code == 0, r.stderr
+
+
+def test_convert_to_safetensors_lists_what_it_left_out(tmp_path):
+    """convert --json said nothing of the items it did not write (export's JSON lists them), and
+    its note named one of them and called every one non-tensor, whatever the reason."""
+    from tests.conftest import FIXTURES, run_cli
+
+    r = run_cli("convert", FIXTURES / "deepspeed" / "zero2", "-o", tmp_path / "o", "--to", "safetensors", "--json")
+    assert r.code == 0, r.stderr
+    data = json.loads(r.stdout)
+    skipped = {s["name"]: s["reason"] for s in data["skipped"]}
+    assert len(skipped) == 26 and skipped["optimizer.param_groups.0.lr"] == "not a tensor", skipped
+    assert data["tensors"] + len(skipped) == len(json.loads(run_cli("inspect", FIXTURES / "deepspeed" / "zero2",
+                                                                    "--json").stdout)["items"])  # fmt: skip
+    said = " ".join(r.stderr.split())
+    assert "not written: 26 (not a tensor): optimizer.param_groups.0.weight_decay," in said and "23 more" in said

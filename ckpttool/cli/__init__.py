@@ -13,7 +13,7 @@ import gc
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
@@ -23,6 +23,7 @@ from ckpttool.cli._output import Output, dumps
 from ckpttool.errors import CkptError
 
 if TYPE_CHECKING:
+    from ckpttool.manifest import Item
     from ckpttool.verify import Severity, VerifyReport
 
 app = typer.Typer(
@@ -246,6 +247,23 @@ def ls(
         _render.item_table(out, items)
 
 
+def _not_written(skipped: Sequence[tuple[Item, str]]) -> str:
+    """The note on the items a safetensors output left out: how many for each reason, three named
+    (``--json`` lists every one)."""
+    by: dict[str, list[str]] = {}
+    for item, why in skipped:
+        by.setdefault(why, []).append(item.name)
+    said = [
+        f"{len(names):,} ({why}): {', '.join(names[:3])}" + (f" and {len(names) - 3:,} more" if len(names) > 3 else "")
+        for why, names in by.items()
+    ]
+    return f"not written: {'; '.join(said)}"
+
+
+def _skipped_json(skipped: Sequence[tuple[Item, str]]) -> list[dict[str, str]]:
+    return [{"name": i.name, "reason": why} for i, why in skipped]
+
+
 @app.command(
     epilog="Examples:  ckpttool export ckpt/ -o full.safetensors  ·  "
     "ckpttool export ckpt/ -o model.safetensors --kind param  ·  "
@@ -279,9 +297,7 @@ def export(
     with out.progress("export") as update:
         result = run(path, output, kind=kind, pattern=_regex(filter_), force=force, progress=update, split_rules=rules)
     if result.skipped and not quiet:
-        names = ", ".join(f"{i.name} ({why})" for i, why in result.skipped[:20])
-        more = f" and {len(result.skipped) - 20} more" if len(result.skipped) > 20 else ""
-        out.note(f"not written: {names}{more}")
+        out.note(_not_written(result.skipped))
     if json_out:
         out.json(
             {
@@ -289,7 +305,7 @@ def export(
                 "tensors": len(result.written),
                 "nbytes": result.nbytes,
                 "written": [i.name for i in result.written],
-                "skipped": [{"name": i.name, "reason": why} for i, why in result.skipped],
+                "skipped": _skipped_json(result.skipped),
             }
         )
     else:
@@ -624,7 +640,7 @@ def convert(
         for note in result.notes:
             out.note(note)
         if result.skipped:
-            out.note(f"not written: {len(result.skipped)} non-tensor items ({result.skipped[0][0].name}, ...)")
+            out.note(_not_written(result.skipped))
     if json_out:
         out.json(
             {
@@ -634,6 +650,7 @@ def convert(
                 "objects": result.objects,
                 "nbytes": result.nbytes,
                 "notes": result.notes,
+                "skipped": _skipped_json(result.skipped),
             }
         )
     else:

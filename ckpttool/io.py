@@ -644,6 +644,18 @@ def _temp_prefix(dest: Path) -> str:
     return f".{dest.name}{TMP_MARKER}"
 
 
+def published_as(path: str) -> str | None:
+    """The path a writer's temporary ``path`` (or a file inside a temporary directory) is published
+    as, for a message about it: the user named that one, not the hidden sibling; None for any other
+    path."""
+    parts = path.split(os.sep)
+    for k, part in enumerate(parts):
+        if part.startswith(".") and TMP_MARKER in part[1:]:
+            parts[k] = part[1 : part.index(TMP_MARKER, 1)]
+            return os.sep.join(parts)
+    return None
+
+
 def _temp_name(dest: Path) -> str:
     """A fresh temporary sibling's name for ``dest``: prefix, owner, 8 random characters."""
     return f"{_temp_prefix(dest)}{_owner_tag()}{secrets.token_hex(4)}"

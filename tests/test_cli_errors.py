@@ -495,3 +495,21 @@ def test_a_torch_dist_save_without_its_metadata_is_named_by_the_path_given(tmp_p
     assert r.code == 3 and r.stderr.startswith("error: ck/iter_0000003: DCP checkpoint without .metadata"), r.stderr
     r = run_cli("convert", ".", "-o", tmp_path / "out", cwd=ck)
     assert r.code == 3 and r.stderr.startswith("error: iter_0000003: DCP checkpoint without .metadata"), r.stderr
+
+
+def test_a_write_refused_names_the_output_not_its_hidden_temporary():
+    """-o where the file system refuses the write though access() allowed it (root on sysfs, a
+    network file system's server-side permissions): the error named the writer's hidden temporary
+    ('/sys/.out.ckpttool-tmp-host-1-…: permission denied'), a name the user never gave."""
+    import errno
+
+    from ckpttool.cli import _os_error
+    from ckpttool.io import published_as
+
+    tmp = "/data/.out.ckpttool-tmp-node7-123-0a1b2c3d"
+    said = _os_error(PermissionError(errno.EACCES, "Permission denied", tmp))
+    assert said == "/data/out: permission denied while writing it (nothing was published)", said
+    assert published_as(tmp + "/iter_0000003/common.pt") == "/data/out/iter_0000003/common.pt"
+    assert published_as("/data/.hidden/model.pt") is None and published_as("/data/out") is None
+    said = _os_error(PermissionError(errno.EACCES, "Permission denied", "/data/.hidden"))
+    assert said == "/data/.hidden: permission denied", said

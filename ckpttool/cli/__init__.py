@@ -161,6 +161,8 @@ _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 def _os_error(exc: OSError, output: Any = None) -> str:
     """One line for an error the operating system gave: the path(s) and its reason. A write that
     names no file (``os.write``: a full disk) is said of the command's output, when it has one."""
+    from ckpttool.io import published_as
+
     reason = exc.strerror or str(exc) or type(exc).__name__
     if exc.filename is None and output is not None and exc.errno in _WRITE_ERRNOS:
         return f"{output}: {reason} while writing it (nothing was published)"
@@ -169,6 +171,8 @@ def _os_error(exc: OSError, output: Any = None) -> str:
     if reason[:1].isupper() and reason[1:2].islower():  # "No such file" -> "no such file"
         reason = reason[0].lower() + reason[1:]
     where = os.fsdecode(exc.filename)
+    if (dest := published_as(where)) is not None:  # (a writer's hidden temporary: said of what it writes)
+        return f"{dest}: {reason} while writing it (nothing was published)"
     if exc.filename2 is not None:
         where += f" -> {os.fsdecode(exc.filename2)}"
     return f"{where}: {reason}"

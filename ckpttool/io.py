@@ -1046,6 +1046,8 @@ def check_output(
             raise UsageError(
                 f"{flag} {output} is a mount point, which cannot be replaced", hint="write the output elsewhere"
             )
+        if force:
+            _refuse_replacing_other_data(out, f"{flag} {output}")
     # the nearest ancestor that exists must be a directory this process can create entries in
     ancestor = out.absolute().parent
     while not (ancestor.exists() or ancestor.is_symlink()) and ancestor != ancestor.parent:
@@ -1081,6 +1083,32 @@ def check_output(
             f"ckpttool writes it first under a temporary name beside it ({longest} bytes; at most {name_max})",
             hint=f"choose a name of at most {max(room, 1)} bytes",
         )
+
+
+def _refuse_replacing_other_data(out: Path, said: str) -> None:
+    """``--force`` replaces an earlier output (a checkpoint ckpttool reads) or an empty directory:
+    a directory of anything else (a home directory, a dataset, a typo's neighbour) is refused, not
+    deleted with the new output's publishing."""
+    from ckpttool import registry
+
+    try:
+        with os.scandir(out) as it:
+            names = sorted(e.name for e in it)
+    except OSError:
+        return  # (unreadable: the write says why)
+    if not names:
+        return
+    try:
+        registry.detect(out)
+        return
+    except CkptError:
+        pass
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    raise UsageError(
+        f"{said} is a directory that holds no checkpoint ckpttool reads ({shown}): --force replaces an earlier "
+        "output or an empty directory, not other data",
+        hint="choose another path, or remove the directory yourself if what it holds may go",
+    )
 
 
 def check_output_file(out: str | os.PathLike[str], flag: str) -> None:

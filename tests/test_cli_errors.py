@@ -513,3 +513,37 @@ def test_a_write_refused_names_the_output_not_its_hidden_temporary():
     assert published_as("/data/.hidden/model.pt") is None and published_as("/data/out") is None
     said = _os_error(PermissionError(errno.EACCES, "Permission denied", "/data/.hidden"))
     assert said == "/data/.hidden: permission denied", said
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["convert", FSDP2, "-o", "{dir}", "--to", "safetensors", "--force"],
+        ["reshard", FSDP2, "-o", "{dir}", "--dp", "2", "--force"],
+        ["reshard", FSDP2, "-o", "{dir}", "--dp", "2", "--force", "--dry-run"],
+    ],
+    ids=["convert", "reshard", "reshard --dry-run"],
+)
+def test_force_replaces_an_earlier_output_not_a_directory_of_other_data(argv, tmp_path):
+    """--force replaced whatever directory -o named: a typo's neighbour, a home directory, a
+    dataset went with the publishing rename. Now only a checkpoint (an earlier output) or an
+    empty directory is replaced; anything else is refused before any work, left as it was."""
+    other = tmp_path / "data"
+    (other / "sub").mkdir(parents=True)
+    (other / "notes.txt").write_text("keep me")
+    before = tree_digests(other)
+    r = run_cli(*[str(a).replace("{dir}", str(other)) for a in argv])
+    assert_clean(r, 2, "is a directory that holds no checkpoint ckpttool reads (notes.txt, sub)", "--force replaces")
+    assert tree_digests(other) == before and (other / "sub").is_dir()
+    assert run_cli(*[str(a).replace("{dir}", str(tmp_path / "empty")) for a in argv]).code == 0
+    (tmp_path / "empty").mkdir(exist_ok=True)
+    assert run_cli(*[str(a).replace("{dir}", str(tmp_path / "empty")) for a in argv]).code == 0
+    if "--dry-run" not in argv:  # an earlier output is replaced
+        assert registry_format(tmp_path / "empty") in ("safetensors", "dcp")
+        assert run_cli(*[str(a).replace("{dir}", str(tmp_path / "empty")) for a in argv]).code == 0
+
+
+def registry_format(path):
+    from ckpttool import registry
+
+    return registry.detect(path).name

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import stat
 import threading
 from collections import Counter, defaultdict, deque
@@ -401,6 +402,7 @@ def _verify(
     _check_in_flight(report, root, manifest, sealed is not None)
     if manifest is not None and adapter is not None:
         _check_manifest(report, manifest, required)
+        _check_given_alone(report, manifest)
         _check_replicas(report, manifest, adapter, piece_digests, deep)
         _check_steps(report, manifest)
         _check_format_findings(report, manifest)
@@ -1401,6 +1403,26 @@ def _check_steps(report: VerifyReport, manifest: Manifest) -> None:
                         file=rel,
                     )
                 )
+
+
+def _check_given_alone(report: VerifyReport, manifest: Manifest) -> None:
+    """One rank's file of a checkpoint given alone reads as a torch.save file, and passed as if it
+    were the checkpoint: said, a warning (a CI gate pointed at the wrong path fails on warnings)."""
+    whole = manifest.extras.get("file_of")
+    if not whole:
+        return
+    rel = next((f.path for f in manifest.files if f.role == "data"), None)
+    report.findings.append(
+        finding(
+            "missing-file",
+            f"{rel} is one file of the {whole['format']} checkpoint {whole['folder']}, checked alone (its "
+            "bytes and CRC-32s): the other ranks' files, and the checkpoint's steps, coverage and optimizer "
+            "state across them, were not",
+            file=rel,
+            severity="warning",
+            hint=f"verify the checkpoint itself: ckpttool verify {shlex.quote(whole['folder'])}",
+        )
+    )
 
 
 def _check_format_findings(report: VerifyReport, manifest: Manifest) -> None:

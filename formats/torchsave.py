@@ -109,11 +109,14 @@ class TorchSaveAdapter:
             archive.close()
         manifest.step = find_step(manifest.items)
         whole = _enclosing_checkpoint(path) if _RANK_FILE.search(path.name) else None
+        if whole is not None:
+            # one rank's file of a checkpoint, read alone: verify says so (the rest went unchecked)
+            manifest.extras["file_of"] = {"format": whole[0], "folder": str(whole[1])}
         if whole is not None and whole[0] in _NOT_ALONE:
             # a rank file that reads as plain torch.save (no framework class in its pickle): alone it
             # is a part (DeepSpeed's model states without its optimizer, a distrib_optim.pt's flat
             # buffers); the commands that write a checkpoint from it refuse it (refuse_a_part)
-            manifest.extras["part_of"] = {"format": whole[0], "folder": str(whole[1])}
+            manifest.extras["part_of"] = manifest.extras["file_of"]
         return manifest
 
     def reader(self, manifest: Manifest) -> _pt.PtReader:
@@ -125,10 +128,12 @@ _NOT_ALONE = ("deepspeed", "megatron")
 
 _RANK_FILE = re.compile(
     r"^(mp_rank_\d+_model_states|zero_pp_rank_\d+_mp_rank_\d+_(optim|model)_states|layer_\d+-model_\d+-model_states"
-    r"|bf16_zero_pp_rank_\d+_mp_rank_\d+_optim_states|model_optim_rng|distrib_optim|common)\.pt$"
+    r"|bf16_zero_pp_rank_\d+_mp_rank_\d+_optim_states|model_optim_rng|distrib_optim|common"
+    r"|shard_\d+(_of_\d+)?|checkpoint_step\d+_stage\d+)\.pt$"
 )
-"""the names of those formats' rank files (a ``pytorch_model.bin`` that zero_to_fp32 or a trainer
-wrote beside a DeepSpeed checkpoint is a checkpoint of its own)"""
+"""the names of rank files (those formats', and per-rank shards': a DDP rank's may be the whole
+model, a TP or pipeline rank's is not); a ``pytorch_model.bin`` that zero_to_fp32 or a trainer
+wrote beside a DeepSpeed checkpoint is a checkpoint of its own"""
 
 
 def refuse_a_part(manifest: Manifest, given: str | Path) -> None:

@@ -248,3 +248,27 @@ def test_one_rank_file_of_a_framework_checkpoint_is_pointed_to_its_checkpoint():
             assert "may be hostile" not in r.stderr
     # a file that reads alone is still read so (DeepSpeed's module states)
     assert run_cli("inspect", FIXTURES / "deepspeed/zero2/global_step3/mp_rank_00_model_states.pt").code == 0
+
+
+@pytest.mark.parametrize(
+    ("rel", "fmt", "folder"),
+    [
+        ("deepspeed/zero2/global_step3/mp_rank_00_model_states.pt", "deepspeed", "deepspeed/zero2/global_step3"),
+        ("rankshards/ddp/shard_00000_of_00002.pt", "rankshards", "rankshards/ddp"),
+        ("rankshards/pipeline/checkpoint_step3_stage1.pt", "rankshards", "rankshards/pipeline"),
+        ("rankshards/tp_manual/step_00000003/shard_00001.pt", "rankshards", "rankshards/tp_manual/step_00000003"),
+    ],
+)
+def test_one_rank_file_given_alone_is_said_to_be_one(rel, fmt, folder):
+    """One rank's file of a checkpoint, read as a plain torch.save file, verified clean (exit 0 with
+    --fail-on warning): a CI gate pointed at the wrong path passed a checkpoint it never saw."""
+    from tests.conftest import FIXTURES, run_cli
+
+    r = run_cli("verify", FIXTURES / rel, "--json", "--fail-on", "warning")
+    assert r.code == 1, r.stderr
+    found = [f for f in json.loads(r.stdout)["findings"] if f["rule"] == "missing-file"]
+    assert [(f["severity"], f["file"]) for f in found] == [("warning", rel.rsplit("/", 1)[1])], found
+    assert f"one file of the {fmt} checkpoint {FIXTURES / folder}, checked alone" in found[0]["message"]
+    assert found[0]["hint"] == f"verify the checkpoint itself: ckpttool verify {FIXTURES / folder}"
+    plain = run_cli("verify", FIXTURES / "torch" / "train_state.pt", "--json")
+    assert plain.code == 0 and not [f for f in json.loads(plain.stdout)["findings"] if f["rule"] == "missing-file"]

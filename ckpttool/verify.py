@@ -379,6 +379,8 @@ def _verify(
         raise
     except CkptError as exc:
         report.findings += [_from_error(e) for e in (exc, *exc.others)]
+        with contextlib.suppress(CkptError):  # the format was known (by names) though its files did not read
+            report.format = registry.detect(root).name
         if sealed is None and not isinstance(exc, PathEscapeError) and root.is_dir():
             report.findings += _archive_damage(root, report.findings)
     if manifest is not None:

@@ -680,8 +680,9 @@ def test_cli_human_json_junit_github(broken, tmp_path):
     assert gh.code == 1
     assert "::error title=ckpttool missing-file::" in gh.stderr
     assert "ckpttool verify: FAILED" in summary.read_text()
-    assert "None" not in summary.read_text()  # an unreadable checkpoint has no format or step
-    assert "format not read · step unknown" in summary.read_text()
+    assert "None" not in summary.read_text()  # a checkpoint that did not read has no step
+    # its format known by its files' names, as the JSON says (it was null, "format not read")
+    assert "format `dcp` · step unknown" in summary.read_text() and data["format"] == "dcp"
 
 
 def test_cli_groups_many_findings(tmp_path):

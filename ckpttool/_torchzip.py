@@ -475,13 +475,13 @@ def record_start(f: RandomAccessFile, end: int) -> int | None:
     return start if 0 <= start < end and f.read(start, 4) == b"PK\x03\x04" else None
 
 
-def record_crc_errors(f: RandomAccessFile, display: str) -> list[str]:
+def record_crc_errors(f: RandomAccessFile, display: str) -> list[tuple[str, int]]:
     """The members of a file of torch.save archives back to back (a DCP ``.distcp`` file, read
-    without its ``.metadata``) whose CRC-32 does not match their bytes, each named with the byte
-    its record starts at, first record first. The archives are walked from the last to the first.
+    without its ``.metadata``) whose CRC-32 does not match their bytes, each with the byte its
+    record starts at, first record first. The archives are walked from the last to the first.
     Raises CorruptFileError where the chain breaks: no archive ends at the end of the file, or
     where the archive after it begins."""
-    records: list[list[str]] = []
+    records: list[list[tuple[str, int]]] = []
     end = f.size
     while end > 0:
         start = record_start(f, end)
@@ -498,7 +498,7 @@ def record_crc_errors(f: RandomAccessFile, display: str) -> list[str]:
                 path=display,
             )
         archive = Archive(f, base=start, length=end - start, display=f"{display}@{start}", file=display)
-        records.append([f"{name} of the record at byte {start:,}" for name in archive.crc_errors()])
+        records.append([(name, start) for name in archive.crc_errors()])
         end = start
     return [name for bad in reversed(records) for name in bad]
 

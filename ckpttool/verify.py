@@ -379,10 +379,12 @@ def _verify(
         raise
     except CkptError as exc:
         report.findings += [_from_error(e) for e in (exc, *exc.others)]
+        known: Adapter | None = None
         with contextlib.suppress(CkptError):  # the format was known (by names) though its files did not read
-            report.format = registry.detect(root).name
+            known = registry.detect(root)
+            report.format = known.name
         if sealed is None and not isinstance(exc, PathEscapeError) and root.is_dir():
-            report.findings += _archive_damage(root, report.findings)
+            report.findings += _archive_damage(root, report.findings, getattr(known, "record_owners", None))
     if manifest is not None:
         report.format, report.step = manifest.format, manifest.step
         report.root = _findings_root(root, manifest)
@@ -609,13 +611,17 @@ def _check_copies(report: VerifyReport, manifest: Manifest, adapter: Adapter, di
         )
 
 
-def _archive_damage(root: Path, found: list[Finding]) -> list[Finding]:
+def _archive_damage(
+    root: Path, found: list[Finding], record_owners: Callable[[Path], dict[str, dict[int, str]]] | None = None
+) -> list[Finding]:
     """Where reading stopped at damaged files (no seal): the other torch.save files beside them
     (the top folders the damaged ones are in; files directly in ``root`` for those there) checked
     against the CRC-32s their zip archives carry, so that a flipped byte elsewhere is named in the
-    same run; DCP ``.distcp`` files too, their records found from their ends, last to first. Files
-    that are not torch.save archives are left alone."""
+    same run; DCP ``.distcp`` files too, their records found from their ends, last to first, each
+    damaged record named with its item where the format's ``record_owners`` can still say (the
+    metadata read though a data file did not). Files that are not torch.save archives are left alone."""
     named = {f.file for f in found if f.file}
+    owners: dict[str, dict[int, str]] | None = None
     tops = {rel.split("/", 1)[0] if "/" in rel else "" for rel in named if not os.path.isabs(rel)}
     out: list[Finding] = []
     for top in sorted(tops):
@@ -629,16 +635,21 @@ def _archive_damage(root: Path, found: list[Finding]) -> list[Finding]:
             continue
         for rel in rels:
             records = rel.endswith(".distcp")  # (torch.save records back to back, walked without .metadata)
+            if records and owners is None:
+                owners = record_owners(root) if record_owners is not None else {}
             if rel not in named and (records or rel.endswith(_pt.SUFFIXES)):
-                out += _zip_damage(root, rel, records=records)
+                out += _zip_damage(root, rel, records=records, owners=(owners or {}).get(rel))
     return out
 
 
-def _zip_damage(root: Path, rel: str, *, records: bool = False, whole: bool = False) -> list[Finding]:
+def _zip_damage(
+    root: Path, rel: str, *, records: bool = False, whole: bool = False, owners: dict[int, str] | None = None
+) -> list[Finding]:
     """File ``rel``'s members checked against the CRC-32s its zip archive stores (``records``: a
     DCP file's torch.save records back to back). A file that does not start as a zip is left alone;
     ``whole``: one that does is a torch.save that must read whole (cut short: said), and a ``.pt``
-    or ``.pth`` file empty or starting with zeros is one never written (said)."""
+    or ``.pth`` file empty or starting with zeros is one never written (said). ``owners``: the
+    item each of a DCP file's records holds, by the byte it starts at, named with its damage."""
     try:
         with RandomAccessFile(root / rel, display=rel) as f:
             head = bytes(f.read(0, min(4, f.size)))
@@ -646,7 +657,16 @@ def _zip_damage(root: Path, rel: str, *, records: bool = False, whole: bool = Fa
                 _pt.check_head(rel, head, f.size)  # (raises: empty, or zeros)
             if head != _pt.ZIP_MAGIC:
                 return []
-            bad = record_crc_errors(f, rel) if records else Archive(f, display=rel).crc_errors()
+            if records:
+                damaged = record_crc_errors(f, rel)
+                of = {(owners or {}).get(start) for _, start in damaged}
+                bad = [
+                    f"{name} of the record at byte {start:,}"
+                    + (f" (of {owners[start]})" if owners and start in owners else "")
+                    for name, start in damaged
+                ]
+            else:
+                bad, of = Archive(f, display=rel).crc_errors(), {None}
     except CkptError as exc:
         # (it starts as DCP's writer writes, or as torch.save: a chain or archive that breaks is damage)
         return [_from_error(exc)] if records or whole else []
@@ -658,6 +678,7 @@ def _zip_damage(root: Path, rel: str, *, records: bool = False, whole: bool = Fa
             f"{rel}: {', '.join(bad[:3])}{' …' if len(bad) > 3 else ''} fail(s) the zip CRC-32 stored "
             "with them: the bytes changed after the save",
             file=rel,
+            item=next(iter(of)) if len(of) == 1 else None,  # (one item's records: the finding's item)
         )
     ]
 

@@ -657,6 +657,29 @@ class DcpAdapter:
         return DcpReader(manifest, self.object_allow)
 
     @staticmethod
+    def record_owners(root: Path) -> dict[str, dict[int, str]]:
+        """For verify where describe stopped (a data file missing or cut): each data file's
+        records by the byte they start at, with the item each holds, from the metadata files
+        that still read (none: nothing)."""
+        out: dict[str, dict[int, str]] = {}
+        try:
+            with os.scandir(root) as entries:
+                names = sorted(e.name for e in entries if e.name == _GLOBAL_MD or _RANK_MD.match(e.name))
+        except OSError:
+            return out
+        for name in names:
+            try:
+                data = _load_metadata(root, name).storage_data
+            except CkptError:
+                continue
+            for key, info in data.items():
+                if isinstance(key, _MetadataIndex) and isinstance(info, _StorageInfo):
+                    rel, at, fqn = info.relative_path, info.offset, key.fqn
+                    if isinstance(rel, str) and isinstance(at, int) and isinstance(fqn, str):
+                        out.setdefault(rel, {})[at] = fqn
+        return out
+
+    @staticmethod
     def misplaced(manifest: Manifest, damaged: set[str]) -> tuple[CorruptFileError, set[str]] | None:
         """:func:`misplaced_in` (verify asks, with the data files whose records did not read)."""
         return misplaced_in(manifest, damaged)

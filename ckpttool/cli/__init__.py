@@ -38,6 +38,14 @@ app = typer.Typer(
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
+ForceDirOpt = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Replace OUTPUT if it exists: an earlier output (a checkpoint) or an empty directory, never a "
+        "directory of other data.",
+    ),
+]
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or notes on stderr.")]
@@ -608,7 +616,7 @@ def convert(
         str | None, typer.Option("--filter", "-f", help="Only items whose name matches this regular expression.")
     ] = None,
     split_rule: SplitRuleOpt = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
+    force: ForceDirOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -774,7 +782,7 @@ def reshard(
         bool, typer.Option("--dry-run", help="Print the plan (files, bytes, peak memory) only.")
     ] = False,
     no_seal: Annotated[bool, typer.Option("--no-seal", help="Do not write ckpttool.manifest.json.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
+    force: ForceDirOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -935,7 +943,7 @@ def delta_apply(
         Path, typer.Option("--output", "-o", help="Where to restore TARGET.", show_default=False, parser=_a_path)
     ],
     workers: Annotated[int | None, typer.Option("--workers", min=1, help="Files rebuilt at once.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
+    force: ForceDirOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Restore TARGET from BASE and DELTA. Refuses a BASE that is not the one the delta was made
@@ -1011,7 +1019,7 @@ def decompress(
         Path, typer.Option("--output", "-o", help="Where to restore it.", show_default=False, parser=_a_path)
     ],
     workers: Annotated[int | None, typer.Option("--workers", min=1, help="Files rebuilt at once.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
+    force: ForceDirOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Restore a compressed checkpoint byte for byte (every file's hash checked before publishing)."""

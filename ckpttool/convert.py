@@ -38,7 +38,7 @@ from ckpttool.export import (
     write_safetensors,
 )
 from ckpttool.formats.base import Adapter
-from ckpttool.io import checking_crcs, fsync_dir, fsync_tree, publish_dir, refuse_overlap, staged_dir
+from ckpttool.io import check_output, checking_crcs, fsync_dir, fsync_tree, publish_dir, refuse_overlap, staged_dir
 from ckpttool.manifest import Item, Manifest
 
 FRAMEWORKS = ("megatron", "megatron-dist", "deepspeed", "deepspeed-universal")
@@ -147,6 +147,7 @@ def convert(
         )
     out = Path(dst)
     refuse_overlap(out, source=src)
+    check_output(out, force=force, directory=True, example="hf/")
     if out.exists() and not force:
         raise UsageError(f"{out} exists", hint="choose another -o path or pass --force to replace it")
     if to in FRAMEWORKS:

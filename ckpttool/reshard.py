@@ -36,6 +36,7 @@ from ckpttool.export import refuse_findings
 from ckpttool.hashing import Written, collecting_written
 from ckpttool.io import (
     check_crcs_from_now,
+    check_output,
     checking_crcs,
     drain_partial,
     finish_partial,
@@ -930,6 +931,7 @@ def reshard(
     where the tensors are assembled (``cpu``, ``cuda``, ``cuda:N``)."""
     out = Path(dst)
     refuse_overlap(out, source=src)
+    check_output(out, force=force, directory=True, example="resharded/")
     if out.exists() and not force:  # (a dry run says what the run would: it refuses too)
         raise UsageError(f"{out} exists", hint="choose another -o path or pass --force to replace it")
     the_plan, executor = plan(src, target, workers=workers, max_memory=max_memory, on=on)

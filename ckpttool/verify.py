@@ -658,13 +658,10 @@ def _zip_damage(
             if head != _pt.ZIP_MAGIC:
                 return []
             if records:
-                damaged = record_crc_errors(f, rel)
-                of = {(owners or {}).get(start) for _, start in damaged}
-                bad = [
-                    f"{name} of the record at byte {start:,}"
-                    + (f" (of {owners[start]})" if owners and start in owners else "")
-                    for name, start in damaged
-                ]
+                damaged, held = record_crc_errors(f, rel), owners or {}
+                of = {held.get(start) for _, start in damaged}
+                bad = [f"{name} of the record at byte {start:,}" + (f" (of {held[start]})" if start in held else "")
+                       for name, start in damaged]  # fmt: skip
             else:
                 bad, of = Archive(f, display=rel).crc_errors(), {None}
     except CkptError as exc:

@@ -110,13 +110,9 @@ class TorchSaveAdapter:
         manifest.step = find_step(manifest.items)
         whole = _enclosing_checkpoint(path) if _RANK_FILE.search(path.name) else None
         if whole is not None:
-            # one rank's file of a checkpoint, read alone: verify says so (the rest went unchecked)
+            # one rank's file of a checkpoint, read alone: verify says so (the rest went unchecked);
+            # of DeepSpeed or Megatron, the commands that write a checkpoint refuse it (refuse_a_part)
             manifest.extras["file_of"] = {"format": whole[0], "folder": str(whole[1])}
-        if whole is not None and whole[0] in _NOT_ALONE:
-            # a rank file that reads as plain torch.save (no framework class in its pickle): alone it
-            # is a part (DeepSpeed's model states without its optimizer, a distrib_optim.pt's flat
-            # buffers); the commands that write a checkpoint from it refuse it (refuse_a_part)
-            manifest.extras["part_of"] = manifest.extras["file_of"]
         return manifest
 
     def reader(self, manifest: Manifest) -> _pt.PtReader:
@@ -141,8 +137,10 @@ def refuse_a_part(manifest: Manifest, given: str | Path) -> None:
     a plain torch.save file: the output held its tensors as they lie in that file and nothing of
     the rest (a ZeRO run's model states became a checkpoint with no optimizer state, sealed; a
     ``distrib_optim.pt`` became flat buffers named by their dtypes)."""
-    part = manifest.extras.get("part_of")
-    if part:
+    part = manifest.extras.get("file_of")
+    if part and part["format"] in _NOT_ALONE:
+        # a rank file that reads as plain torch.save (no framework class in its pickle): alone it is a
+        # part (DeepSpeed's model states without its optimizer, a distrib_optim.pt's flat buffers)
         raise FormatNotRecognizedError(
             str(given),
             {

@@ -515,6 +515,32 @@ def test_a_write_refused_names_the_output_not_its_hidden_temporary():
     assert said == "/data/.hidden: permission denied", said
 
 
+@pytest.mark.parametrize("argv", [["convert", "--to", "dcp"], ["reshard", "--dp", "2"]], ids=["convert", "reshard"])
+def test_a_refused_staging_directory_is_said_of_the_output(argv, tmp_path, monkeypatch):
+    """The whole path: the file system refuses the writer's hidden staging directory (access()
+    said yes), and the command's one line names -o, exit 3, nothing left behind."""
+    import errno
+
+    from typer.testing import CliRunner
+
+    from ckpttool.cli import app
+    from ckpttool.io import TMP_MARKER
+
+    real = os.mkdir
+
+    def refused(path, *args, **kwargs):
+        if TMP_MARKER in os.fspath(path):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", refused)
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, [argv[0], str(FSDP2), "-o", str(out), *argv[1:]])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 3 and f"error: {out}: permission denied while writing it (nothing was published)" in said, said
+    assert TMP_MARKER not in said and "Traceback" not in said and list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(
     "argv",
     [

@@ -629,11 +629,8 @@ def convert(
     from rich.filesize import decimal
 
     from ckpttool.convert import convert as run
-    from ckpttool.io import check_output, refuse_overlap
     from ckpttool.reshard import parse_split_rules, torchrun_world
 
-    refuse_overlap(output, source=src)  # (before check_output: the source's own words come first)
-    check_output(output, force=force, directory=True, example="hf/")
     out = Output(json_mode=json_out, quiet=quiet)
     result = run(
         src,
@@ -791,13 +788,10 @@ def reshard(
     written; the output is written beside OUTPUT, sealed, and published by one rename."""
     from rich.filesize import decimal
 
-    from ckpttool.io import check_output, refuse_overlap
     from ckpttool.manifest import SEAL_NAME
     from ckpttool.reshard import Target, parse_split_rules, torchrun_world
     from ckpttool.reshard import reshard as run
 
-    refuse_overlap(output, source=src)  # (before check_output: the source's own words come first)
-    check_output(output, force=force, directory=True, example="resharded/")  # (a dry run refuses what the run would)
     ranks = torchrun_world()
     if ranks is not None and ranks[0] != 0:  # under torchrun, rank 0 reports for all
         quiet, json_out = True, False

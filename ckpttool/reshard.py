@@ -612,6 +612,11 @@ class _ZeroExec(_FileExec):
                 f"--to deepspeed reshards DeepSpeed checkpoints; this one is {manifest.format}",
                 hint="'ckpttool convert --to dcp' or '--to safetensors' writes other formats",
             )
+        from ckpttool.formats.deepspeed_write import refuse_model_parallel_universal
+
+        universal = manifest.extras.get("variant") == "universal"
+        if universal:  # (one refusal whatever the flags: no --tp, --pp or --dp would do)
+            refuse_model_parallel_universal(manifest)
         lay = manifest.layout
         kept = {"--tp": lay.tp or 1, "--pp": lay.pp or 1, "--ep": lay.ep or 1, "--etp": 1}
         given = {"--tp": target.tp, "--pp": target.pp, "--ep": target.ep, "--etp": target.etp}
@@ -621,10 +626,11 @@ class _ZeroExec(_FileExec):
                 + ", ".join(f"{k} {given[k]}" for k in changed)
                 + " would change the source's "
                 + ", ".join(f"{k.removeprefix('--').upper()}={kept[k]}" for k in changed),
-                hint="'ckpttool convert SRC -o DST --to deepspeed-universal' writes a universal checkpoint, which "
+                hint="DeepSpeed's checkpoint.load_universal loads this universal checkpoint at any TP, PP and DP"
+                if universal
+                else "'ckpttool convert SRC -o DST --to deepspeed-universal' writes a universal checkpoint, which "
                 "DeepSpeed loads at any TP, PP and DP",
             )
-        universal = manifest.extras.get("variant") == "universal"
         _check_coverage(manifest)
         if universal and target.dp is None:
             raise UsageError(

@@ -869,7 +869,10 @@ class DeepSpeedAdapter:
             manifest.format_version = str(first.get("ds_version") or "") or None
             steps = first.get("global_steps")
             manifest.step = steps if isinstance(steps, int) else None
-        manifest.layout = Layout(world_size=None)
+        # the run's model-parallel degrees (the model states are its TP ranks'); the DP size is chosen
+        # at load time
+        pp = parallel_degree(first, "pp_degree") or 1
+        manifest.layout = Layout(world_size=None, tp=tp, pp=pp)
         return manifest
 
     @staticmethod

@@ -42,7 +42,6 @@ from ckpttool.formats.deepspeed import (
     GroupLayout,
     TpRules,
     group_layout,
-    parallel_degree,
 )
 from ckpttool.geometry import Box, flat_range_boxes
 from ckpttool.io import RandomAccessFile, confine
@@ -878,6 +877,23 @@ class Zero3From12Writer(Zero3Writer):
         }
 
 
+def refuse_model_parallel_universal(manifest: Manifest) -> None:
+    """Refuse ZeRO files from the universal checkpoint of a tensor- or pipeline-parallel run
+    (whatever the target): its ``zero/`` folders hold whole tensors and its model states each
+    rank's slices, and cutting the one by the other's split rules is not written yet."""
+    lay = manifest.layout
+    degrees = {k: v for k, v in (("TP", lay.tp or 1), ("PP", lay.pp or 1)) if v > 1}
+    if degrees:
+        raise UsageError(
+            f"{manifest.root}: the universal checkpoint of a model-parallel run "
+            f"({', '.join(f'{k}={v}' for k, v in degrees.items())}): its zero/ folders hold whole tensors, its "
+            "model states each rank's slices; writing ZeRO files from it is not supported yet, at any --tp, --pp "
+            "or --dp",
+            hint="load it with DeepSpeed's checkpoint.load_universal, at any TP, PP and DP, or reshard the "
+            "checkpoint it was made from (ckpttool reshard SRC -o DST --to deepspeed --dp N)",
+        )
+
+
 class ZeroFromUniversalWriter(ZeroWriter):
     """ZeRO-1/2 files at ``dp`` ranks from DeepSpeed's universal checkpoint of a ZeRO-1/2 run (what
     ``ds_to_universal`` writes: ``zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt``, the run's
@@ -904,17 +920,7 @@ class ZeroFromUniversalWriter(ZeroWriter):
         self.model_rel, self.optim_rels = model_rel, {0: optim_rel}
         archive, self.model_obj, _ = _pt.load(root, model_rel, ALLOWLIST)
         archive.close()
-        ranks = sorted(p for p in paths if _MODEL.match(p))
-        degrees = {k: v for k in ("tp_degree", "pp_degree") if (v := parallel_degree(self.model_obj, k) or 1) > 1}
-        if len(ranks) > 1 or degrees:
-            raise UsageError(
-                f"{manifest.root}: the universal checkpoint of a model-parallel run "
-                f"({', '.join(f'{k} {v}' for k, v in degrees.items()) or f'{len(ranks)} model-parallel ranks'}): "
-                "its zero/ folders hold whole tensors, its model states each rank's slices; writing ZeRO files "
-                "from it is not supported yet",
-                hint="load it with DeepSpeed's checkpoint.load_universal, at any TP and PP, or reshard the "
-                "checkpoint it was made from",
-            )
+        refuse_model_parallel_universal(manifest)
         archive, state, _ = _pt.load(root, optim_rel, ALLOWLIST)
         archive.close()
         stage = state.get("zero_stage") if isinstance(state, dict) else None

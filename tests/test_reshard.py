@@ -26,7 +26,7 @@ from ckpttool.reshard import Target, parse_split_rules, reshard
 from ckpttool.verify import verify
 from tests._compare import dcp_load_mismatches
 from tests.conftest import AUTOTP_METADATA, autotp_copy
-from tests.conftest import FIXTURES, OnFirstProgress, load_pt, rewritten_copy, run_cli, tree_digests
+from tests.conftest import FIXTURES, OnFirstProgress, assert_clean, load_pt, rewritten_copy, run_cli, tree_digests
 
 LEGACY = FIXTURES / "megatron" / "legacy_tp2pp2"
 STATE_KINDS = ["param", "optim", "master", "scheduler", "counter"]
@@ -2339,9 +2339,21 @@ def test_deepspeed_universal_refusals(tmp_path):
     universal = tmp_path / "uni"
     reshard(FIXTURES / "deepspeed" / "tp2", universal, Target(to="deepspeed-universal"))
     for stage in (None, 3):
-        with pytest.raises(UsageError, match=r"universal checkpoint of a model-parallel run \(tp_degree 2\)"):
+        with pytest.raises(UsageError, match=r"universal checkpoint of a model-parallel run \(TP=2\)"):
             reshard(universal, tmp_path / "c", Target(to="deepspeed", dp=1, zero_stage=stage))
         assert not (tmp_path / "c").exists()
+    # one refusal whatever the flags: --tp 2 was refused as changing "the source's TP=1" (the
+    # universal checkpoint recorded no layout), with a hint to write the universal checkpoint it
+    # was, and no --dp as lacking one
+    assert registry.describe(universal)[1].layout.tp == 2
+    for flags in ([], ["--tp", "2"], ["--tp", "1", "--dp", "2"], ["--tp", "2", "--dp", "1"]):
+        r = run_cli("reshard", universal, "-o", tmp_path / "c", "--to", "deepspeed", *flags)
+        assert_clean(r, 2, "universal checkpoint of a model-parallel run (TP=2)", "at any --tp, --pp or --dp")
+        assert "load_universal" in r.stderr and "TP=1" not in r.stderr and "needs the data-parallel" not in r.stderr
+        assert not (tmp_path / "c").exists()
+    r = run_cli("reshard", FIXTURES / "deepspeed" / "universal", "-o", tmp_path / "c", "--to", "deepspeed", "--tp", "2")
+    assert_clean(r, 2, "--tp 2 would change the source's TP=1", "load_universal loads this universal checkpoint")
+    assert "--to deepspeed-universal" not in r.stderr
     # a pattern that leaves a trained parameter one copy per TP rank (a row-parallel pattern naming
     # a 1-D bias) is refused, as ds_to_universal fails on it; only averaged parameters are averaged
     from ckpttool.formats.deepspeed import ALLOWLIST as DS

@@ -74,6 +74,7 @@ from ckpttool.errors import (  # noqa: E402
     FormatNotRecognizedError,
     IncompleteCheckpointError,
     NotFoundError,
+    PartOfCheckpointError,
     PathEscapeError,
     UnsafePickleError,
 )
@@ -93,6 +94,7 @@ __all__ = [
     "Layout",
     "Manifest",
     "NotFoundError",
+    "PartOfCheckpointError",
     "PathEscapeError",
     "Piece",
     "UnsafePickleError",

@@ -85,6 +85,17 @@ class FormatNotRecognizedError(CkptError):
         self.reasons = reasons
 
 
+class PartOfCheckpointError(FormatNotRecognizedError):
+    """One rank's file of a checkpoint of another format (a Megatron or DeepSpeed rank file, a
+    ``torch_dist`` ``common.pt``) given where a checkpoint was expected: the checkpoint is named."""
+
+    def __init__(self, path: str, fmt: str, folder: str, why: str) -> None:
+        super().__init__(path, {"torch": f"one file of the {fmt} checkpoint {folder}: give that ({why})"})
+        self.message = f"{path}: one file of the {fmt} checkpoint {folder}: give that ({why})"
+        self.args = (self.message,)
+        self.hint = f"give the checkpoint it is part of: {folder}"
+
+
 class UnsafePickleError(CkptError):
     """A pickle referenced a global outside the format's allowlist; nothing was executed."""
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool import _unpickle
-from ckpttool.errors import CkptError, FormatNotRecognizedError, UnsafePickleError
+from ckpttool.errors import CkptError, FormatNotRecognizedError, PartOfCheckpointError, UnsafePickleError
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection
 from ckpttool.manifest import FileRecord, Item, Layout, Manifest, is_seal_name
@@ -71,13 +71,8 @@ class TorchSaveAdapter:
             if whole is None:
                 raise
             fmt, folder = whole
-            raise FormatNotRecognizedError(
-                str(path),
-                {
-                    self.name: f"one file of the {fmt} checkpoint {folder}: give that (read alone, its pickle "
-                    f"refers to {exc.global_name}, which a plain torch.save file may not)"
-                },
-            ) from None
+            why = f"read alone, its pickle refers to {exc.global_name}, which a plain torch.save file may not"
+            raise PartOfCheckpointError(str(path), fmt, str(folder), why) from None
         try:
             manifest = Manifest(root=str(root), format=self.name, layout=Layout(world_size=1))
             # (no rank: the file holds the whole state, whoever saved it)
@@ -141,13 +136,10 @@ def refuse_a_part(manifest: Manifest, given: str | Path) -> None:
     if part and part["format"] in _NOT_ALONE:
         # a rank file that reads as plain torch.save (no framework class in its pickle): alone it is a
         # part (DeepSpeed's model states without its optimizer, a distrib_optim.pt's flat buffers)
-        raise FormatNotRecognizedError(
-            str(given),
-            {
-                "torch": f"one file of the {part['format']} checkpoint {part['folder']}: give that (alone, this "
-                "file holds a part of the state, which a checkpoint written from it would pass off as the whole)"
-            },
-        )
+        file = Path(manifest.root, manifest.files[0].path) if manifest.files else Path(given)
+        why = "alone, this file holds a part of the state, which a checkpoint written from it would pass off as "
+        why += "the whole"
+        raise PartOfCheckpointError(str(file), part["format"], part["folder"], why)
 
 
 def _enclosing_checkpoint(path: Path) -> tuple[str, Path] | None:

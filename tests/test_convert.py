@@ -263,6 +263,9 @@ def test_one_rank_file_of_a_checkpoint_is_refused_as_a_source(rel, command, tmp_
     out = tmp_path / ("o.safetensors" if command == ["export"] else "o")
     r = run_cli(command[0], FIXTURES / rel, "-o", out, *command[1:])
     assert r.code == 3 and "one file of the" in r.stderr and "give that" in r.stderr, r.stderr
+    # the file given is named (it was its folder), and the checkpoint to give in the hint
+    assert f"error: {FIXTURES / rel}: one file of the" in r.stderr and "hint: give the checkpoint it is part of: " in r.stderr
+    assert "not a checkpoint format" not in r.stderr, r.stderr
     assert not out.exists() and list(tmp_path.iterdir()) == []
     assert run_cli("inspect", FIXTURES / rel).code == 0
 

@@ -244,8 +244,9 @@ def test_one_rank_file_of_a_framework_checkpoint_is_pointed_to_its_checkpoint():
         for command in ("inspect", "verify"):
             r = run_cli(command, path)
             assert r.code == 3 and "Traceback" not in r.stderr, (rel, r.stderr)
-            assert f"one file of the {fmt} checkpoint {folder}: give that" in r.stderr, r.stderr
-            assert "may be hostile" not in r.stderr
+            assert f"error: {path}: one file of the {fmt} checkpoint {folder}: give that" in r.stderr, r.stderr
+            assert f"hint: give the checkpoint it is part of: {folder}" in r.stderr, r.stderr
+            assert "may be hostile" not in r.stderr and "not a checkpoint format" not in r.stderr
     # a file that reads alone is still read so (DeepSpeed's module states)
     assert run_cli("inspect", FIXTURES / "deepspeed/zero2/global_step3/mp_rank_00_model_states.pt").code == 0
 

@@ -1261,6 +1261,20 @@ def layout_chunks(layout: str, pp: int, layers: int) -> list[list[tuple[int, int
     return out
 
 
+def example_layout(layers: int, stages: int, mtp: int = 0) -> str:
+    """A pipeline layout megatron-core accepts for a model of ``layers`` transformer layers and
+    ``mtp`` MTP layers over ``stages`` stages (PP x VPP): the layers spread evenly, the earlier
+    stages taking one more where they do not divide, the embedding first, the MTP layers and the
+    loss in the last stage (the last chunk of the last pipeline rank). What a refusal of a
+    ``--pipeline-layout`` offers instead."""
+    stages = max(stages, 1)
+    per, extra = divmod(layers, stages)
+    out = ["t" * (per + (s < extra)) for s in range(stages)]
+    out[0] = "E" + out[0]
+    out[-1] += "m" * mtp + "L"
+    return "|".join(out)
+
+
 def mtp_chunk(layout: str | None, pp: int, vpp: int) -> tuple[int, int]:
     """The (pipeline rank, model chunk) whose model builds the MTP layers, and with them a copy of
     the word embeddings: the stage of ``layout`` holding ``m`` (stage ``v·PP + p`` is chunk ``v`` of

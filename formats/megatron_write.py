@@ -55,6 +55,7 @@ from ckpttool.formats.megatron import (
     args_pipeline,
     bucket_size,
     chunk_shared_embedding,
+    example_layout,
     expert_of,
     expert_slot,
     experts_owner,
@@ -84,6 +85,7 @@ from ckpttool.formats.megatron import (
 )
 from ckpttool.geometry import Box
 from ckpttool.manifest import Item, Manifest
+from ckpttool.naming import plural
 from ckpttool.values import flatten
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -595,10 +597,14 @@ def validate(
     return problems
 
 
-def _validate_hint(problems: list[str], dist_helps: bool) -> str:
+def _validate_hint(problems: list[str], dist_helps: bool, layout_help: str | None = None) -> str:
     """What to do about :func:`validate`'s ``problems``; ``dist_helps``: a torch_dist output would
     avoid the MTP stage's copy of position embeddings (a legacy output from a source that is not a
-    legacy save at PP > 1)."""
+    legacy save at PP > 1); ``layout_help``: how a pipeline layout for this model and target is
+    written (:func:`_layout_help`), given where a layout is the target's."""
+    if layout_help is not None and (layout := [p for p in problems if p.startswith(_LAYOUT_PROBLEMS)]):
+        rest = [p for p in problems if p not in layout]
+        return layout_help + (f"; {_validate_hint(rest, dist_helps)}" if rest else "")
     if any(
         "the source's pipeline layout puts the MTP layers" in p or "the source's MTP stage trained" in p
         for p in problems
@@ -610,8 +616,6 @@ def _validate_hint(problems: list[str], dist_helps: bool) -> str:
     mtp = [p for p in problems if "MTP" in p or "multi-token" in p]
     if mtp and len(mtp) == len(problems):
         tips = []
-        if any("MTP layers (m)" in p for p in mtp):
-            tips.append("a pipeline layout must place all of the model's MTP layers (m), in one stage")
         if any("first pipeline rank" in p for p in mtp):
             tips.append("give the MTP layers a stage of their own on another pipeline rank (--pipeline-layout)")
         staged = any("at PP > 1" in p for p in mtp)  # the MTP stage's copy of position embeddings
@@ -626,6 +630,31 @@ def _validate_hint(problems: list[str], dist_helps: bool) -> str:
         " (--pp-first-layers / --pp-last-layers give the end stages other layer counts)"
         if any("layers" in p for p in problems)
         else ""
+    )
+
+
+_LAYOUT_PROBLEMS = ("the layout", "the pipeline layout places", "VPP=")
+"""how the reasons a pipeline layout does not fit begin (:func:`layout_chunks`, :func:`_mtp_problems`)"""
+
+
+def _layout_help(args: Any, manifest: Manifest, target: MegatronTarget) -> str | None:
+    """How a pipeline layout for this model at ``target``'s PP is written, with an example that
+    fits (None where the output has no layout)."""
+    layout = _target_layout(args, target)
+    if layout is None:
+        return None
+    layers, mtp = _num_layers(args), _mtp_layers(manifest)
+    try:  # (as many virtual stages as the layout gives, where PP > 1 lets it have any)
+        vpp = max(1, len(layout_stages(layout)) // target.pp) if target.pp > 1 else 1
+    except ValueError:
+        vpp = 1
+    stages = target.pp * vpp
+    given = "--pipeline-layout" if target.layout else "a pipeline layout (the source's args give one)"
+    return (
+        f"{given} lists the stages, '|' between them, PP x VPP in all (PP={target.pp}: {target.pp} or a multiple): "
+        f"E (the embedding) first, each of the model's {plural(layers, 'transformer layer')} as t, "
+        + (f"its {plural(mtp, 'MTP layer')} as m in one stage that is a rank's last chunk, " if mtp else "")
+        + f"L (the loss) last; for example --pipeline-layout '{example_layout(layers, stages, mtp)}'"
     )
 
 
@@ -949,7 +978,9 @@ class LegacyWriter:
                 + (f" EP={self.ep}" if self.ep > 1 or self.src.ep > 1 else "")
                 + ": "
                 + "; ".join(problems),
-                hint=_validate_hint(problems, self.rank_files and not staged_source),
+                hint=_validate_hint(
+                    problems, self.rank_files and not staged_source, _layout_help(self.args, manifest, target)
+                ),
             )
         self.vpp = _target_vpp(self.args, target)
         """model chunks (virtual pipeline stages) per pipeline rank in the output"""

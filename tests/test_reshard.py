@@ -2838,21 +2838,34 @@ def test_megatron_pipeline_layout(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("target", "message"),
+    ("target", "message", "example"),
     [
-        (Target(tp=1, pp=2, pipeline_layout="E|ttt|L"), "the layout's 3 stages do not divide over PP=2"),
-        (Target(tp=1, pp=2, pipeline_layout="E|tt|t|L"), "places 3 transformer layers, the model has 4"),
-        (Target(tp=1, pp=2, pipeline_layout="tE|tt|t|L"), "must start with the embedding"),
-        (Target(tp=1, pp=2, pipeline_layout="E|tt|tt|mL"), "the pipeline layout places 1 MTP layers"),
-        (Target(tp=1, pp=2, vpp=2, pipeline_layout="E|tt|tt|L"), "drop --vpp"),
-        (Target(tp=1, pp=1, pipeline_layout="Et|t|t|tL"), "VPP=4 needs PP > 1"),  # as --vpp 4 at PP=1
-        (Target(to="dcp", pipeline_layout="E|tt|tt|L"), "Megatron targets only"),
+        (Target(tp=1, pp=2, pipeline_layout="E|ttt|L"), "the layout's 3 stages do not divide over PP=2", "Ett|ttL"),
+        (Target(tp=1, pp=2, pipeline_layout="E|tt|t|L"), "places 3 transformer layers, the model has 4", "Et|t|t|tL"),
+        (Target(tp=1, pp=2, pipeline_layout="tE|tt|t|L"), "must start with the embedding", "Et|t|t|tL"),
+        (Target(tp=1, pp=2, pipeline_layout="E|tt|tt|mL"), "the pipeline layout places 1 MTP layers", "Et|t|t|tL"),
+        (Target(tp=1, pp=2, pipeline_layout="Et|tx|t|tL"), "has letters ['x'] megatron-core does not know", "Ett|ttL"),
+        (Target(tp=1, pp=2, vpp=2, pipeline_layout="E|tt|tt|L"), "drop --vpp", None),
+        (Target(tp=1, pp=1, pipeline_layout="Et|t|t|tL"), "VPP=4 needs PP > 1", "EttttL"),  # as --vpp 4 at PP=1
+        (Target(to="dcp", pipeline_layout="E|tt|tt|L"), "Megatron targets only", None),
     ],
 )
-def test_megatron_pipeline_layout_refusals(target, message, tmp_path):
-    with pytest.raises(UsageError, match=message.replace("(", r"\(")):
+def test_megatron_pipeline_layout_refusals(target, message, example, tmp_path):
+    """A layout that does not fit is refused with the reason, and a hint (it was "choose sizes that
+    divide the model's heads, query groups, hidden sizes and layers") that says how a layout is
+    written for this model, with one that fits: the same PP, and the given layout's virtual stages
+    where they divide over it."""
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace("[", r"\[")) as refused:
         reshard(LEGACY, tmp_path / "out", target)
     assert not (tmp_path / "out").exists()
+    if example is None:
+        return
+    assert refused.value.hint.endswith(f"for example --pipeline-layout '{example}'"), refused.value.hint
+    assert "the model's 4 transformer layers as t" in refused.value.hint and "MTP" not in refused.value.hint
+    from dataclasses import replace
+
+    reshard(LEGACY, tmp_path / "out", replace(target, pipeline_layout=example))  # the example fits
+    assert verify(tmp_path / "out").failing() == []
 
 
 @pytest.mark.slow

@@ -243,6 +243,21 @@ def test_mtp_pipeline_layout(tmp_path):
         assert verify(out).failing() == []
 
 
+@pytest.mark.parametrize("layout", ["Et|tL", "Etm|tL", "E|t|t|mL|"])
+def test_a_layout_that_misplaces_the_mtp_layer_is_refused_with_one_that_fits(layout, tmp_path):
+    """A --pipeline-layout that leaves out the MTP layer, puts it before a transformer layer or
+    has stages that do not divide over PP was refused with a hint that did not say how a layout
+    is written; it now gives one for this model (MTP layer and loss in the last stage) that fits."""
+    with pytest.raises(UsageError) as refused:
+        reshard(MTP_PP2, tmp_path / "out", Target(pp=2, pipeline_layout=layout))
+    hint = refused.value.hint
+    assert "its 1 MTP layer as m in one stage that is a rank's last chunk" in hint, hint
+    example = hint.rsplit("--pipeline-layout ", 1)[1].strip("'")
+    assert example == ("Et|t||mL" if layout.count("|") == 4 else "Et|tmL"), hint  # (5 stages: PP=2 x VPP=2)
+    reshard(MTP_PP2, tmp_path / "out", Target(pp=2, pipeline_layout=example))
+    assert not diff(MTP_PP2, tmp_path / "out", kinds=STATE_KINDS).different
+
+
 def test_standalone_mtp_stage_round_trips(tmp_path):
     """PP=4 with the MTP layer in a stage of its own (``Et|t|m|L``) -> PP=1 -> the same layout gives
     Megatron-LM's rank files back (RNG aside): stage 2 holds its copy of the embeddings first, then the
@@ -367,7 +382,7 @@ def test_mtp_torch_dist_to_legacy_at_pp2(tmp_path):
 @pytest.mark.parametrize(
     ("args", "target", "message", "hint"),
     [
-        ({}, Target(pp=2, pipeline_layout="Et|tL"), "the pipeline layout places 0 MTP layers", "must place all"),
+        ({}, Target(pp=2, pipeline_layout="Et|tL"), "the pipeline layout places 0 MTP layers", "its 1 MTP layer as m in one stage"),
         (
             {},
             Target(pp=2, pipeline_layout="Et|t|m|L"),

@@ -127,6 +127,9 @@ class PathEscapeError(CkptError):
     """A path taken from metadata points outside the checkpoint root."""
 
     default_rule = "unsafe-path"
+    link_out = False
+    """a link in the checkpoint directory that leads out of it (the listing's refusal), not a path
+    named by metadata"""
 
 
 class UsageError(CkptError):

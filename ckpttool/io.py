@@ -18,7 +18,7 @@ import stat
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
@@ -556,11 +556,13 @@ def outside(root: str | os.PathLike[str], full: str | os.PathLike[str]) -> str |
 
 
 def _link_refusal(rel: str, real: str, root: str | os.PathLike[str]) -> PathEscapeError:
-    return PathEscapeError(
+    refusal = PathEscapeError(
         f"{rel!r} is a link to {real}, outside the checkpoint directory {os.path.realpath(root)}",
         hint="copy the data into the checkpoint directory instead of linking to it",
         path=rel,
     )
+    refusal.link_out = True
+    return refusal
 
 
 def followed(path: str | os.PathLike[str]) -> Path:
@@ -577,11 +579,15 @@ def confine(
     named_by: str = "the checkpoint metadata",
     kind: str = "data file",
     holder: str | None = None,
+    listed: Container[str] | None = None,
 ) -> str:
     """The absolute path of ``rel`` under ``root``; refuses absolute paths, ``..`` and symlinks
     that lead outside the root. ``named_by`` says where the path came from and ``kind`` what it
     names, for the message; ``holder``, the file holding the path, is the refusal's file (the one
-    to mend) where it is known, else the path itself."""
+    to mend) where it is known, else the path itself. ``listed``: the files :func:`list_files`
+    gave, from a caller that reports a path not among them as missing and opens none of those;
+    under :func:`links_out_left_out`, a link out that the listing left out is then not refused
+    again (its name still is, if it leads out)."""
     root_s = os.fspath(root)
     if escapes(rel):
         raise PathEscapeError(
@@ -590,10 +596,36 @@ def confine(
             path=holder if holder is not None else rel,
         )
     full = os.path.join(root_s, *rel.replace("\\", "/").split("/"))
+    if listed is not None and rel not in listed and _LINKS_OUT_LEFT_OUT.get():
+        return full  # (left out of the listing: the caller says it is missing)
     real = outside(root_s, full)
     if real is not None:
         raise _link_refusal(rel, real, root_s)
     return full
+
+
+_LINKS_OUT_LEFT_OUT: contextvars.ContextVar[bool] = contextvars.ContextVar("ckpttool_links_out", default=False)
+
+
+@contextlib.contextmanager
+def links_out_left_out() -> Iterator[None]:
+    """Inside this block :func:`list_files` leaves out the links that lead out of the checkpoint
+    instead of refusing them: ``verify``, having reported each link, looks for what else is wrong
+    (a rank file missing beside it) with the checkpoint's own files. Nothing outside is read
+    either way."""
+    token = _LINKS_OUT_LEFT_OUT.set(True)
+    try:
+        yield
+    finally:
+        _LINKS_OUT_LEFT_OUT.reset(token)
+
+
+def left_out(root: str | os.PathLike[str], rel: str) -> bool:
+    """Whether ``rel`` below ``root`` leads out of it through a link and :func:`links_out_left_out`
+    is on: a reader with a listing of its own counts it absent, as :func:`list_files` does."""
+    if not _LINKS_OUT_LEFT_OUT.get() or escapes(rel):  # (a name that leads out is confine's to refuse)
+        return False
+    return outside(root, os.path.join(os.fspath(root), rel)) is not None
 
 
 def list_files(
@@ -604,24 +636,28 @@ def list_files(
     A symbolic link that stays inside ``relative_to`` (default: ``root``) is listed with its
     target's size; one that leads out of it, to a file or a directory, is refused
     (:class:`PathEscapeError`, naming every such link: the others in its ``others``): ckpttool
-    reads nothing outside the checkpoint. Links to directories are not followed.
+    reads nothing outside the checkpoint (under :func:`links_out_left_out`, such a link is left
+    out of the list). Links to directories are not followed.
     """
     root_s = os.fspath(root)
     confine_to = os.fspath(relative_to) if relative_to is not None else root_s
     out: list[tuple[str, int]] = []
     refused: list[CkptError] = []
+    leave_out = _LINKS_OUT_LEFT_OUT.get()
     for dirpath, dirnames, filenames in os.walk(root_s):
         dirnames[:] = sorted(d for d in dirnames if TMP_MARKER not in d)
         for name in sorted([*filenames, *dirnames]):
             full = os.path.join(dirpath, name)
             if os.path.islink(full) and (real := outside(confine_to, full)) is not None:
                 refused.append(_link_refusal(os.path.relpath(full, confine_to).replace(os.sep, "/"), real, confine_to))
-        if refused:
+        if refused and not leave_out:
             continue
         for name in filenames:
             if TMP_MARKER in name:
                 continue  # a writer's temporary (in flight, or left by a killed run): not checkpoint data
             full = os.path.join(dirpath, name)
+            if leave_out and os.path.islink(full) and outside(confine_to, full) is not None:
+                continue
             rel = os.path.relpath(full, root_s).replace(os.sep, "/")
             try:
                 st = os.stat(full)
@@ -629,7 +665,8 @@ def list_files(
                 continue
             if stat.S_ISREG(st.st_mode):
                 out.append((rel, st.st_size))
-    raise_together(refused)
+    if not leave_out:
+        raise_together(refused)
     out.sort()
     return out
 

@@ -357,6 +357,28 @@ def verify(
     return report
 
 
+def _beside_links_out(root: Path, links: set[str]) -> list[Finding]:
+    """What else is wrong with a checkpoint holding ``links``, links that lead out of it (each
+    already reported): it is read again without them, and what that finds of its own files (a rank
+    file missing beside the link, a damaged one) is reported too; what it says of the links
+    themselves (now absent) is not."""
+    from ckpttool.io import links_out_left_out
+
+    try:
+        with links_out_left_out(), checking_crcs():
+            registry.describe(root)
+    except CkptError as exc:
+        found = [_from_error(e) for e in (exc, *exc.others)]
+        return [f for f in found if not (f.file and _under_any(f.file, links))]
+    return []
+
+
+def _under_any(file: str, links: set[str]) -> bool:
+    """Whether ``file`` is one of ``links`` or lies in one (a linked folder), the two named from
+    the same folder or ``file`` from the one above it (a save's tag)."""
+    return any(f"/{file}/".find(f"/{link}/") >= 0 for link in links if link)
+
+
 def _verify(
     root: Path,
     report: VerifyReport,
@@ -385,6 +407,8 @@ def _verify(
             report.format = known.name
         if sealed is None and not isinstance(exc, PathEscapeError) and root.is_dir():
             report.findings += _archive_damage(root, report.findings, getattr(known, "record_owners", None))
+        elif isinstance(exc, PathEscapeError) and all(getattr(e, "link_out", False) for e in (exc, *exc.others)):
+            report.findings += _beside_links_out(root, {e.path or "" for e in (exc, *exc.others)})
     if manifest is not None:
         report.format, report.step = manifest.format, manifest.step
         report.root = _findings_root(root, manifest)

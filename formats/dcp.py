@@ -613,7 +613,7 @@ class DcpAdapter:
         rel = str(info.relative_path)
         known = files.get(rel)
         if known is None:
-            confine(root, rel, named_by=md_name)
+            confine(root, rel, named_by=md_name, listed=sizes)
             known = files[rel] = (rel, _writer(rel))
         rel, named_rank = known
         if rel not in sizes:
@@ -760,7 +760,7 @@ def _damaged_files(
     if len(damaged) < 2:
         return
     for rel in damaged:
-        confine(root, rel, named_by=md_name)  # (a path out of the checkpoint is said first)
+        confine(root, rel, named_by=md_name, listed=sizes)  # (a path out of the checkpoint is said first)
     if any(rel in sizes for rel in damaged) and (swapped := _misplaced(root, [*storage.values()], sizes)):
         raise swapped
     errors = [

@@ -36,7 +36,7 @@ from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection, claim
 from ckpttool.formats.dcp import DcpAdapter, DcpReader, is_dist_config, misplaced_in
 from ckpttool.geometry import Box, row_major_strides
-from ckpttool.io import confine, read_tracker
+from ckpttool.io import confine, left_out, read_tracker
 from ckpttool.manifest import FileRecord, FileRole, Item, Kind, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
 from ckpttool.values import flatten, plain_value, set_value
@@ -1516,9 +1516,10 @@ class MegatronLegacyAdapter:
         self._tied_copy = False
         damaged: list[CkptError] = []  # rank files missing or unreadable: every one named, not the first
         for d in dirs:
-            confine(root, f"{prefix}{d}", named_by="the listing")  # a rank folder linked out
             rel = f"{prefix}{d}/model_optim_rng.pt"
-            if not (root / rel).is_file():
+            if not left_out(root, f"{prefix}{d}"):
+                confine(root, f"{prefix}{d}", named_by="the listing")  # a rank folder linked out
+            if not (root / rel).is_file() or left_out(root, rel):  # (verify's second look: a link out as absent)
                 tp = rank_of(d, 1)[0]  # (the TP rank, as this file's pieces name it)
                 damaged.append(IncompleteCheckpointError(f"{rel} is missing", path=rel, rule="missing-file", rank=tp))
                 continue
@@ -2354,8 +2355,10 @@ def rank_of(directory: str, pp: int) -> tuple[int, int, int]:
 def _list(root: Path, prefix: str, dirs: list[str]) -> list[tuple[str, int]]:
     out = []
     for d in dirs:
+        if left_out(root, f"{prefix}{d}"):
+            continue
         for p in sorted(Path(confine(root, f"{prefix}{d}", named_by="the listing")).iterdir()):
-            if p.is_file():
+            if p.is_file() and not left_out(root, f"{prefix}{d}/{p.name}"):
                 rel = f"{prefix}{d}/{p.name}"
                 out.append((rel, os.stat(confine(root, rel, named_by="the listing")).st_size))
     return out

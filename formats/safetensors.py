@@ -23,7 +23,7 @@ from ckpttool.dtypes import BY_SAFETENSORS, carrier
 from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, raise_together
 from ckpttool.formats.base import Detection, PieceReader
 from ckpttool.geometry import Box
-from ckpttool.io import FileCache, RandomAccessFile, confine, list_files
+from ckpttool.io import FileCache, RandomAccessFile, confine, left_out, list_files
 from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece
 from ckpttool.naming import classify
 
@@ -211,7 +211,10 @@ class SafetensorsAdapter:
             damaged += [*([unread] if unread else []), *_unnumbered_shards(files)]
         found: dict[str, Path] = {}
         for rel in files:
-            full = found[rel] = Path(confine(root, rel, named_by=index_name or "the listing"))
+            gone = left_out(root, rel)  # (verify's second look past links out: such a shard as absent)
+            full = found[rel] = (
+                Path(root, rel) if gone else Path(confine(root, rel, named_by=index_name or "the listing"))
+            )
             if full.is_dir() and weight_map is not None:
                 raise CorruptFileError(
                     f"{index_name}: names {rel!r} as the shard of "
@@ -219,7 +222,7 @@ class SafetensorsAdapter:
                     hint="restore the index from its source: its weight_map gives each tensor's .safetensors file",
                     path=index_name,
                 )
-            if not full.exists():
+            if gone or not full.exists():
                 damaged.append(
                     IncompleteCheckpointError(
                         f"{rel}: shard named by the index is missing",
@@ -229,7 +232,7 @@ class SafetensorsAdapter:
                     )
                 )
         for rel, full in found.items():
-            if not full.exists():
+            if not full.exists() or left_out(root, rel):
                 continue
             try:
                 header = read_header(full, rel)

@@ -190,6 +190,37 @@ def test_every_link_out_is_named_not_the_first(fixture, rels, tmp_path):
     assert all(rel.rsplit("/", 1)[-1] in r.stderr for rel in rels) and "1 more file likewise" in r.stderr, r.stderr
 
 
+BESIDE_A_LINK = [
+    ("dcp/fsdp2", "__0_0.distcp", "__2_0.distcp"),
+    ("safetensors/sharded", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"),
+    ("deepspeed/zero2", *(f"global_step3/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))),
+    ("megatron/legacy_tp2pp2", *(f"iter_0000003/mp_rank_0{t}_001/model_optim_rng.pt" for t in (0, 1))),
+    ("megatron/legacy_tp2pp2", "iter_0000003/mp_rank_00_000", "iter_0000003/mp_rank_01_001/model_optim_rng.pt"),
+    ("megatron/dist_tp2", "iter_0000003/__0_0.distcp", "iter_0000003/__1_1.distcp"),
+]
+
+
+@pytest.mark.parametrize(("fixture", "linked", "deleted"), BESIDE_A_LINK, ids=lambda v: v.replace("/", "-"))
+def test_a_missing_file_beside_a_link_out_is_named_too(fixture, linked, deleted, tmp_path):
+    """One rank file (or folder) linked out of the checkpoint and another deleted: verify named
+    the link and stopped there, so the missing file came to light only once the link was mended.
+    It names both; the link is not called missing, and nothing behind it is read."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / fixture, ck)
+    elsewhere = tmp_path / "elsewhere"
+    (ck / linked).rename(elsewhere)
+    (ck / linked).symlink_to(elsewhere)
+    (ck / deleted).unlink()
+    before = tree_digests(elsewhere)
+    r = run_cli("verify", ck, "--json", cwd=tmp_path)
+    assert r.code == 1, r.stderr
+    found = [(f["rule"], f["file"]) for f in json.loads(r.stdout)["findings"] if f["severity"] == "error"]
+    assert found == [("unsafe-path", linked), ("missing-file", deleted)], found
+    assert tree_digests(elsewhere) == before
+    r = run_cli("verify", ck, cwd=tmp_path)  # (the human report likewise)
+    assert r.code == 1 and "2 errors" in r.stdout and deleted in r.stdout, r.stdout
+
+
 def test_a_link_that_stays_inside_the_checkpoint_is_read(tmp_path):
     ck = tmp_path / "ck"
     shutil.copytree(FIXTURES / "rankshards" / "ddp", ck)

@@ -126,10 +126,25 @@ def printable(text: str) -> str:
             out.append(c)
         elif c in _ESCAPES:
             out.append(_ESCAPES[c])
+        elif "\udc80" <= c <= "\udcff":  # a byte of a file name that is not UTF-8: the byte itself
+            out.append(f"\\x{ord(c) - 0xDC00:02x}")
         else:
             n = ord(c)
             out.append(f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}")
     return "".join(out)
+
+
+_NAME_BYTES = re.compile("[\udc80-\udcff]")
+
+
+def utf8(text: str) -> str:
+    """``text`` as it can be written in UTF-8 (JSON, XML): each byte of a file name that was not
+    UTF-8, which Python holds as a lone surrogate (U+DC80 to U+DCFF, its ``surrogateescape``), is
+    spelled ``\\xNN``, as :func:`printable` shows it (strict JSON readers turn the surrogate into
+    U+FFFD, and the name is lost); anything else is left as it is."""
+    if text.isascii():
+        return text
+    return _NAME_BYTES.sub(lambda m: f"\\x{ord(m[0]) - 0xDC00:02x}", text)
 
 
 def plural(n: int, noun: str) -> str:

@@ -4,6 +4,7 @@ what they group, and names that must not break a Markdown step summary."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -399,6 +400,31 @@ def test_junit_and_annotations_spell_out_a_hostile_checkpoint_path_and_file_name
     extra = [Finding(rule="extra-file", severity="warning", message=f"{n}: not part of the checkpoint", file=n) for n in ("a", "b", "c", "nl\nx")]
     lines = github_annotations(VerifyReport(path="ck", format="dcp", findings=extra)).splitlines()
     assert len(lines) == 1 and "%0A" not in lines[0] and lines[0].endswith("a, b, c, nl\\nx"), lines
+
+
+def test_a_file_name_that_is_not_utf8_is_shown_by_its_bytes(tmp_path):
+    """A sealed file whose name is not UTF-8, then deleted: the JSON report named it with a lone
+    surrogate ("\\udcff"), which jq and other strict readers turn into U+FFFD (the name lost), and
+    the human report showed "\\udcff" where the byte was 0xff. Both spell the byte: \\xff."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ck)
+    odd = os.path.join(os.fsencode(ck), b"extra_\xff.bin")
+    with open(odd, "wb") as fh:
+        fh.write(b"x")
+    assert run_cli("seal", ck).code == 0
+    os.unlink(odd)
+    r = run_cli("verify", ck, "--json")
+    assert r.code == 1, r.stderr
+    report = json.loads(r.stdout)  # (read as strict UTF-8)
+    assert [f["file"] for f in report["findings"]] == ["extra_\\xff.bin"], report["findings"]
+    assert "\\udc" not in r.stdout
+    human = run_cli("verify", ck)
+    assert human.code == 1 and "extra_\\xff.bin: in the seal but not on disk" in human.stdout, human.stdout
+    # the seal itself keeps the name exactly (it must find the file again): a second seal after
+    # the file comes back verifies clean
+    with open(odd, "wb") as fh:
+        fh.write(b"x")
+    assert run_cli("verify", ck).code == 0
 
 
 def test_a_grouped_line_keeps_the_files_of_one_item_found_in_several():

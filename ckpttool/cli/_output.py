@@ -17,17 +17,20 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from ckpttool.naming import printable
+from ckpttool.naming import printable, utf8
 
 
 def strict(value: Any) -> Any:
     """``value`` with every infinite or NaN float spelled as the string ``"inf"``, ``"-inf"`` or
     ``"nan"`` (``float()`` reads them back): JSON has no such numbers, and ``Infinity`` breaks
-    strict parsers (jq, JavaScript)."""
+    strict parsers (jq, JavaScript). Likewise each byte of a file name that is not UTF-8 is spelled
+    ``\\xNN`` (:func:`~ckpttool.naming.utf8`), in keys as in values."""
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
+    if isinstance(value, str):
+        return utf8(value)
     if isinstance(value, dict):
-        return {k: strict(v) for k, v in value.items()}
+        return {utf8(k) if isinstance(k, str) else k: strict(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [strict(v) for v in value]
     return value

@@ -163,6 +163,37 @@ def convert(
         )
     adapter, manifest = describe_split(src, split_rules or {})
     refuse_findings(manifest)
+    result = _plain_target(adapter, manifest, out, to, limit, world_size, kind, pattern, progress)
+    result.notes += left_behind(manifest)
+    return result
+
+
+def left_behind(manifest: Manifest) -> list[str]:
+    """A note naming the training state a checkpoint keeps in files its format does not read (a
+    Hugging Face Trainer's ``optimizer.pt`` beside ``model.safetensors``): the output does not
+    carry it."""
+    held = manifest.extras.get("state_files") or {}
+    if not held:
+        return []
+    files = ", ".join(dict.fromkeys(str(f) for f in held.values()))
+    return [
+        f"not carried: the training state in {files} ({', '.join(held)}), which the checkpoint keeps beside the "
+        "model; copy those files beside the output to keep them"
+    ]
+
+
+def _plain_target(
+    adapter: Adapter,
+    manifest: Manifest,
+    out: Path,
+    to: str,
+    limit: int,
+    world_size: int | None,
+    kind: str,
+    pattern: str | None,
+    progress: Callable[[int], None] | None,
+) -> ConvertResult:
+    """``convert`` to dcp, torch or safetensors (the layout kept: one writer for the whole state)."""
     result = ConvertResult(output=str(out))
     if to == "dcp":
         from ckpttool.formats.dcp_write import dcp_items, write_dcp

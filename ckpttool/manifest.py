@@ -159,7 +159,10 @@ class Manifest:
             "scheduler": "scheduler" in kinds,
             "step": self.step is not None,
         }
-        return [state for state, ok in present.items() if not ok]
+        # (state in files beside the model that the format itself does not read, such as a Hugging
+        # Face Trainer's optimizer.pt: the adapter names them, state -> file)
+        held = self.extras.get("state_files") or {}
+        return [state for state, ok in present.items() if not ok and state not in held]
 
     def file(self, path: str) -> FileRecord:
         for f in self.files:

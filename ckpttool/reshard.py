@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool import device, interrupt, registry
-from ckpttool.convert import MAX_RANKS, parse_size
+from ckpttool.convert import MAX_RANKS, left_behind, parse_size
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.export import refuse_findings
 from ckpttool.hashing import Written, collecting_written
@@ -502,7 +502,7 @@ def plan(
         layout=executor.layout,
         files=files,
         workers=n,
-        notes=list(executor.notes),
+        notes=[*executor.notes, *left_behind(manifest)],
         device=on,
         last=executor.writer.last_files(),
     )

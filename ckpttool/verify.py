@@ -1240,6 +1240,15 @@ def _check_manifest(report: VerifyReport, manifest: Manifest, required: set[str]
                 )
             )
     report.checked["items"] = len(manifest.items)
+    for rel, why in (manifest.extras.get("state_unread") or {}).items():  # (a Trainer's state files)
+        report.findings.append(
+            finding(
+                "corrupt-file",
+                f"{rel}: {why}; the training state it holds does not read",
+                file=rel,
+                hint="restore it from where the checkpoint was copied from, or resume from another checkpoint",
+            )
+        )
     for state in manifest.missing_state():
         severity: Severity = "error" if state in required else "warning"
         report.findings.append(

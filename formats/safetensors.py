@@ -24,7 +24,7 @@ from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointErr
 from ckpttool.formats.base import Detection, PieceReader
 from ckpttool.geometry import Box
 from ckpttool.io import FileCache, RandomAccessFile, confine, left_out, list_files
-from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece
+from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece, StateName
 from ckpttool.naming import classify
 
 MAX_HEADER = 100_000_000
@@ -288,10 +288,86 @@ class SafetensorsAdapter:
             manifest.files += [
                 FileRecord(path=rel, size=size, role="aux") for rel, size in list_files(path) if rel not in known
             ]
+            _trainer_state(root, manifest)
         return manifest
 
     def reader(self, manifest: Manifest) -> SafetensorsReader:
         return SafetensorsReader(manifest)
+
+
+_TRAINER_FILES: list[tuple[re.Pattern[str], tuple[StateName, ...], tuple[str, ...]]] = [
+    (re.compile(r"optimizer\.pt"), ("optimizer",), ("state", "param_groups")),
+    (re.compile(r"scheduler\.pt"), ("scheduler",), ()),
+    (re.compile(r"rng_state(_\d+)?\.pth"), ("rng",), ("python", "cpu")),
+]
+"""Hugging Face ``Trainer``'s files beside the model (``_save_optimizer_and_scheduler``,
+``_save_rng_state``): the training state each holds and the keys its dict has (a file that does
+not read as such holds none)"""
+
+
+def _trainer_state(root: Path, manifest: Manifest) -> None:
+    """The training state a Hugging Face ``Trainer`` checkpoint keeps beside its safetensors model,
+    noted in ``extras["state_files"]`` (state -> file): the optimizer's and the scheduler's
+    ``state_dict()`` in ``optimizer.pt`` and ``scheduler.pt``, each process's RNG in
+    ``rng_state[_N].pth``, and ``trainer_state.json``'s ``global_step``, the step, from which the
+    Trainer also finds its place in the data (it skips the batches of the epoch already trained).
+    Their pickles are read (not their tensors) with the plain torch.save allowlist; one that does
+    not read, or is not such a dict, holds no state (verify checks the file as an archive)."""
+    from ckpttool.formats import _pt
+    from ckpttool.formats.torchsave import ALLOWLIST
+
+    found: dict[str, str] = {}
+    unread: dict[str, str] = {}
+    for f in manifest.files:
+        if f.role != "aux" or "/" in f.path:
+            continue
+        if f.path == "trainer_state.json":
+            step = _global_step(root, f)
+            if isinstance(step, int):
+                manifest.step = step
+                found.update(dict.fromkeys(("step", "dataloader"), f.path))
+            else:
+                unread[f.path] = step
+            continue
+        for pattern, states, keys in _TRAINER_FILES:
+            if not pattern.fullmatch(f.path) or all(s in found for s in states):
+                continue
+            try:
+                archive, obj, _ = _pt.load(root, f.path, ALLOWLIST)
+                archive.close()
+            except CkptError as exc:
+                unread[f.path] = str(exc).removeprefix(f"{f.path}: ")
+                continue
+            if isinstance(obj, dict) and all(k in obj for k in keys):
+                found.update(dict.fromkeys(states, f.path))
+            else:
+                what = f"a dict with {', '.join(map(repr, keys))}" if keys else "a dict"
+                unread[f.path] = f"expected {what} ({states[0]} state), found " + (
+                    f"a dict of {', '.join(map(repr, list(obj)[:4]))}" if isinstance(obj, dict) else type(obj).__name__
+                )
+    if found:
+        manifest.extras["state_files"] = found
+    if unread:
+        manifest.extras["state_unread"] = unread
+
+
+_TRAINER_STATE_MAX = 64 << 20
+"""bytes of ``trainer_state.json`` read at most (its log grows with the run)"""
+
+
+def _global_step(root: Path, f: FileRecord) -> int | str:
+    """``trainer_state.json``'s ``global_step``, or why it has none."""
+    if f.size > _TRAINER_STATE_MAX:
+        return f"{f.size:,} bytes, more than the {_TRAINER_STATE_MAX:,} read"
+    try:
+        with open(confine(root, f.path), encoding="utf-8") as fh:
+            state = json.load(fh)
+    except (OSError, ValueError, RecursionError) as exc:
+        return f"not readable JSON ({exc})"
+    step = state.get("global_step") if isinstance(state, dict) else None
+    if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+        return step
+    return f"expected a global_step (a count of steps), found {step!r}"
 
 
 def _astray(rel: str, names: list[str], weight_map: dict[str, str], index_name: str) -> CkptError:

@@ -296,3 +296,18 @@ def test_convert_to_safetensors_lists_what_it_left_out(tmp_path):
                                                                     "--json").stdout)["items"])  # fmt: skip
     said = " ".join(r.stderr.split())
     assert "not written: 26 (not a tensor): optimizer.param_groups.0.weight_decay," in said and "23 more" in said
+
+
+@pytest.mark.parametrize("command", [["convert", "--to", "safetensors"], ["reshard", "--to", "dcp"]])
+def test_training_state_beside_the_model_is_said_not_carried(command, tmp_path):
+    """A Hugging Face Trainer checkpoint converted or resharded: the output held the model alone,
+    and nothing said that the optimizer, scheduler, RNG and step in the files beside it were left
+    behind."""
+    out = tmp_path / "out"
+    r = run_cli(command[0], FIXTURES / "hf" / "trainer" / "checkpoint-3", "-o", out, *command[1:], "--json")
+    assert r.code == 0, r.stderr
+    notes = json.loads(r.stdout)["notes"]
+    assert [n for n in notes if n.startswith("not carried: the training state in optimizer.pt, rng_state.pth, ")], notes
+    assert not any(p.name == "optimizer.pt" for p in out.iterdir())
+    plain = run_cli("convert", FIXTURES / "safetensors" / "sharded", "-o", tmp_path / "plain", "--json")
+    assert plain.code == 0 and not json.loads(plain.stdout).get("notes"), plain.stdout

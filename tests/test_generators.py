@@ -41,3 +41,30 @@ def test_dcp_generator_round_trip(tmp_path):
     assert sorted(p.name for p in (tmp_path / "hostile").iterdir()) == sorted(
         p.name for p in (FIXTURES / "hostile").iterdir() if p.name.startswith("dcp_")
     )
+
+
+def test_hf_trainer_generator(tmp_path):
+    """transformers' Trainer writes the checkpoint ckpttool reads as the committed one: the model
+    and the state files beside it, which hold what the run had in memory at the end."""
+    pytest.importorskip("transformers", reason="needs transformers and accelerate (a generator, not a dependency)")
+    proc = subprocess.run(
+        [sys.executable, str(FIXTURES / "make_hf_fixtures.py"), "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    fresh = tmp_path / "hf" / "trainer" / "checkpoint-3"
+    ref = torch.load(tmp_path / "hf" / "trainer.reference.pt", weights_only=True)
+    export(fresh, tmp_path / "model.safetensors")
+    assert tensor_mismatches(load_file(tmp_path / "model.safetensors"), ref["model"]) == []
+    optimizer = torch.load(fresh / "optimizer.pt", weights_only=True)
+    assert optimizer["param_groups"] == ref["optimizer"]["param_groups"]
+    assert all(
+        torch.equal(v, ref["optimizer"]["state"][i][k]) for i, s in optimizer["state"].items() for k, v in s.items()
+    )
+    _, m = registry.describe(fresh)
+    _, committed = registry.describe(FIXTURES / "hf" / "trainer" / "checkpoint-3")
+    assert m.missing_state() == [] and m.step == committed.step == 3
+    assert m.extras["state_files"] == committed.extras["state_files"]
+    assert {k: (i.dtype, i.shape) for k, i in m.items.items()} == {
+        k: (i.dtype, i.shape) for k, i in committed.items.items()
+    }

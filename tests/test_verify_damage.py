@@ -1374,23 +1374,24 @@ def test_a_rank_directory_left_from_another_layout_is_named(stray, tmp_path):
     ], report["findings"]
 
 
+HF_TRAINER = FIXTURES / "hf" / "trainer" / "checkpoint-3"
+
+
 def test_torch_save_files_beside_safetensors_are_checked_as_archives(tmp_path):
     """A Hugging Face Trainer checkpoint keeps optimizer.pt, scheduler.pt and rng_state.pth beside
     model.safetensors. verify read the folder as safetensors and passed it (exit 0) with those
     files damaged; and one of them given alone was refused as 'one file of the safetensors
-    checkpoint: give that'. They are not read as state, but each is checked as an archive."""
+    checkpoint: give that'. Each is checked as an archive."""
     ck = tmp_path / "hf"
-    ck.mkdir()
-    shutil.copy2(FIXTURES / "safetensors" / "model.safetensors", ck)
-    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin"):
-        shutil.copy2(FIXTURES / "torch" / "train_state.pt", ck / name)
+    shutil.copytree(HF_TRAINER, ck)
     code, report = _findings(ck)
     assert code == 0 and _rules(report) == [], report["findings"]
-    assert report["checked"]["files"] == 5
+    assert report["checked"]["files"] == 5  # (the model and the four torch.save files)
     data = bytearray((ck / "optimizer.pt").read_bytes())
-    data[data.find(b"OrderedDict") + 6] ^= 1  # (in the pickle: a global it names, changed)
+    at = data.find(b"exp_avg_sq")  # (in the pickle: a key it names, changed)
+    data[at + 4] ^= 1
     (ck / "optimizer.pt").write_bytes(data)
-    (ck / "scheduler.pt").write_bytes((ck / "scheduler.pt").read_bytes()[:30_000])
+    (ck / "scheduler.pt").write_bytes((ck / "scheduler.pt").read_bytes()[:1000])
     (ck / "rng_state.pth").write_bytes(b"")
     code, report = _findings(ck)
     assert code == 1 and _rules(report) == [
@@ -1399,8 +1400,59 @@ def test_torch_save_files_beside_safetensors_are_checked_as_archives(tmp_path):
         ("truncated-file", "scheduler.pt"),
     ], report["findings"]
     code, report = _findings(ck / "optimizer.pt")  # given alone: read, and its damage said
-    assert code == 1 and [f["rule"] for f in report["findings"]] == ["unsafe-pickle"], report["findings"]
-    assert "its CRC-32 fails too" in report["findings"][0]["message"]
+    assert code == 1 and "checksum-mismatch" in [f["rule"] for f in report["findings"]], report["findings"]
+
+
+def test_a_hugging_face_trainer_checkpoint_holds_its_training_state(tmp_path):
+    """transformers' Trainer keeps the optimizer, the scheduler, the RNG and the step in files
+    beside model.safetensors. verify warned that all five were missing, so a gate with --require
+    optimizer,rng,scheduler failed a complete checkpoint. They are found, each read as what it
+    should hold (a file that is not is said, and its state counted missing); inspect names them."""
+    every = "optimizer,rng,scheduler,dataloader,step"
+    code, report = _findings(HF_TRAINER, "--require", every, "--fail-on", "warning")
+    assert code == 0 and report["findings"] == [] and report["step"] == 3, report
+    r = run_cli("inspect", HF_TRAINER)
+    assert r.code == 0 and "step: 3" in r.stdout, r.stdout
+    assert (
+        "training state in: optimizer.pt (optimizer), rng_state.pth (rng), scheduler.pt (scheduler), "
+        "trainer_state.json (step, dataloader)" in r.stdout
+    ), r.stdout
+    assert "training state: optimizer, rng, dataloader, scheduler and step all present" in r.stdout
+    import torch
+    from safetensors.torch import load_file
+
+    from ckpttool.export import export
+    from tests._compare import tensor_mismatches
+
+    export(HF_TRAINER, tmp_path / "model.safetensors")  # (the run's model, as it had it at the end)
+    ref = torch.load(FIXTURES / "hf" / "trainer.reference.pt", weights_only=True)
+    assert tensor_mismatches(load_file(tmp_path / "model.safetensors"), ref["model"]) == []
+
+    ck = tmp_path / "hf"
+    shutil.copytree(HF_TRAINER, ck)
+    (ck / "optimizer.pt").unlink()
+    torch.save([1, 2], ck / "scheduler.pt")  # (a torch.save file, not a scheduler's state_dict)
+    (ck / "trainer_state.json").write_text('{"global_step": "three"}')
+    code, report = _findings(ck, "--require", "optimizer")
+    found = sorted((f["rule"], f["severity"], f["file"] or f["message"]) for f in report["findings"])
+    assert code == 1 and found == [
+        ("corrupt-file", "error", "scheduler.pt"),
+        ("corrupt-file", "error", "trainer_state.json"),
+        ("missing-state", "error", "no optimizer state in the checkpoint"),
+        ("missing-state", "warning", "no LR scheduler state in the checkpoint"),
+        ("missing-state", "warning", "no dataloader position in the checkpoint"),
+        ("missing-state", "warning", "no training step in the checkpoint"),
+    ], found
+    said = {f["file"]: f["message"] for f in report["findings"] if f["file"]}
+    assert said["scheduler.pt"].startswith("scheduler.pt: expected a dict (scheduler state), found list"), said
+    assert "expected a global_step (a count of steps), found 'three'" in said["trainer_state.json"], said
+    # sealed, then changed: the seal says the bytes changed, one finding for the file
+    shutil.rmtree(ck)
+    shutil.copytree(HF_TRAINER, ck)
+    assert run_cli("seal", ck).code == 0
+    (ck / "trainer_state.json").write_text("{")
+    code, report = _findings(ck)
+    assert code == 1 and _rules(report) == [("truncated-file", "trainer_state.json")], report["findings"]
 
 
 @pytest.mark.parametrize("size", [0, 5, 20, 600])

@@ -41,6 +41,11 @@ def inspect_report(out: Output, report: InspectReport) -> None:
     )
     if variant := m.extras.get("variant"):
         out.line(f"variant: {escape(str(variant))}")
+    if held := m.extras.get("state_files"):  # (a Hugging Face Trainer's files beside the model)
+        by_file: dict[str, list[str]] = {}
+        for state, rel in held.items():
+            by_file.setdefault(str(rel), []).append(str(state))
+        out.line("training state in: " + ", ".join(f"{escape(r)} ({', '.join(s)})" for r, s in by_file.items()))
     out.line("")
     out.table(
         ["KIND", "ITEMS", "BYTES"],

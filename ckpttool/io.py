@@ -611,8 +611,9 @@ _LINKS_OUT_LEFT_OUT: contextvars.ContextVar[bool] = contextvars.ContextVar("ckpt
 def links_out_left_out() -> Iterator[None]:
     """Inside this block :func:`list_files` leaves out the links that lead out of the checkpoint
     instead of refusing them: ``verify``, having reported each link, looks for what else is wrong
-    (a rank file missing beside it) with the checkpoint's own files. Nothing outside is read
-    either way."""
+    (a rank file missing beside it) with the checkpoint's own files. Readers that keep a listing
+    of their own ask :func:`left_out` (or pass ``listed`` to :func:`confine`), so that nothing
+    behind such a link is opened here either."""
     token = _LINKS_OUT_LEFT_OUT.set(True)
     try:
         yield
@@ -646,18 +647,20 @@ def list_files(
     leave_out = _LINKS_OUT_LEFT_OUT.get()
     for dirpath, dirnames, filenames in os.walk(root_s):
         dirnames[:] = sorted(d for d in dirnames if TMP_MARKER not in d)
+        links_out = set()
         for name in sorted([*filenames, *dirnames]):
             full = os.path.join(dirpath, name)
             if os.path.islink(full) and (real := outside(confine_to, full)) is not None:
-                refused.append(_link_refusal(os.path.relpath(full, confine_to).replace(os.sep, "/"), real, confine_to))
-        if refused and not leave_out:
+                links_out.add(name)
+                if not leave_out:
+                    rel = os.path.relpath(full, confine_to).replace(os.sep, "/")
+                    refused.append(_link_refusal(rel, real, confine_to))
+        if refused:
             continue
         for name in filenames:
-            if TMP_MARKER in name:
-                continue  # a writer's temporary (in flight, or left by a killed run): not checkpoint data
+            if TMP_MARKER in name or name in links_out:
+                continue  # a writer's temporary (in flight, or left by a killed run), or a link left out
             full = os.path.join(dirpath, name)
-            if leave_out and os.path.islink(full) and outside(confine_to, full) is not None:
-                continue
             rel = os.path.relpath(full, root_s).replace(os.sep, "/")
             try:
                 st = os.stat(full)
@@ -665,8 +668,7 @@ def list_files(
                 continue
             if stat.S_ISREG(st.st_mode):
                 out.append((rel, st.st_size))
-    if not leave_out:
-        raise_together(refused)
+    raise_together(refused)
     out.sort()
     return out
 

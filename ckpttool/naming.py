@@ -134,17 +134,24 @@ def printable(text: str) -> str:
     return "".join(out)
 
 
-_NAME_BYTES = re.compile("[\udc80-\udcff]")
+_NAME_BYTES = re.compile("[\ud800-\udfff]")
 
 
 def utf8(text: str) -> str:
     """``text`` as it can be written in UTF-8 (JSON, XML): each byte of a file name that was not
     UTF-8, which Python holds as a lone surrogate (U+DC80 to U+DCFF, its ``surrogateescape``), is
     spelled ``\\xNN``, as :func:`printable` shows it (strict JSON readers turn the surrogate into
-    U+FFFD, and the name is lost); anything else is left as it is."""
+    U+FFFD, and the name is lost); any other lone surrogate ``\\uNNNN``; the rest is left as it is."""
     if text.isascii():
         return text
-    return _NAME_BYTES.sub(lambda m: f"\\x{ord(m[0]) - 0xDC00:02x}", text)
+    return _NAME_BYTES.sub(_spelled, text)
+
+
+def _spelled(m: re.Match[str]) -> str:
+    """A lone surrogate as text: a file name's byte (U+DC80 to U+DCFF) as ``\\xNN``, another (from
+    a ``\\ud800`` escape in some JSON or pickle) as ``\\uNNNN``."""
+    n = ord(m[0])
+    return f"\\x{n - 0xDC00:02x}" if 0xDC80 <= n <= 0xDCFF else f"\\u{n:04x}"
 
 
 def plural(n: int, noun: str) -> str:

@@ -374,9 +374,9 @@ def _beside_links_out(root: Path, links: set[str]) -> list[Finding]:
 
 
 def _under_any(file: str, links: set[str]) -> bool:
-    """Whether ``file`` is one of ``links`` or lies in one (a linked folder), the two named from
-    the same folder or ``file`` from the one above it (a save's tag)."""
-    return any(f"/{file}/".find(f"/{link}/") >= 0 for link in links if link)
+    """Whether ``file`` is one of ``links`` or lies in one (a linked folder); both are named from
+    the checkpoint given."""
+    return any(file == link or file.startswith(f"{link}/") for link in links if link)
 
 
 def _verify(
@@ -1247,6 +1247,18 @@ def _check_manifest(report: VerifyReport, manifest: Manifest, required: set[str]
                 f"{rel}: {why}; the training state it holds does not read",
                 file=rel,
                 hint="restore it from where the checkpoint was copied from, or resume from another checkpoint",
+            )
+        )
+    for rel, name in (manifest.extras.get("state_unchecked") or {}).items():
+        report.findings.append(
+            finding(
+                "unsafe-pickle",
+                f"{rel}: its pickle refers to {name}, which ckpttool does not load; the training state in it is "
+                "not checked",
+                file=rel,
+                severity="warning",
+                hint="a class of the run's own is expected here; anything else may be hostile: do not load the "
+                "file with torch.load(weights_only=False)",
             )
         )
     for state in manifest.missing_state():

@@ -27,12 +27,19 @@ import numpy as np
 from ckpttool import _torchzip, _unpickle
 from ckpttool.dtypes import BY_NAME
 from ckpttool.dtypes import dtype as lookup_dtype
-from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, UnsafePickleError, raise_together
+from ckpttool.errors import (
+    CkptError,
+    CorruptFileError,
+    IncompleteCheckpointError,
+    PathEscapeError,
+    UnsafePickleError,
+    raise_together,
+)
 from ckpttool.formats import _pt
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Detection, PieceReader
 from ckpttool.geometry import Box
-from ckpttool.io import RandomAccessFile, confine, list_files
+from ckpttool.io import RandomAccessFile, confine, left_out, list_files, outside
 from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
 from ckpttool.values import find_step, plain_value, set_value
@@ -288,6 +295,8 @@ def nesting(manifest: Manifest) -> dict[str, tuple[str | int, ...]] | None:
 def is_dist_config(path: Path) -> bool:
     """Whether ``path`` is megatron-core dist_checkpointing's ``metadata.json`` (such a directory
     is DCP underneath, but read as ``megatron-dist``)."""
+    if outside(path.parent, path) is not None:  # a link out: claimed by its name, refused by name when read
+        return not left_out(path.parent, path.name)
     try:
         return path.is_file() and "sharded_backend" in json.loads(path.read_text())
     except (OSError, ValueError, TypeError, RecursionError):
@@ -331,6 +340,8 @@ class DcpAdapter:
         elif rank_local:
             sources = [(rank, rel) for rank, rel in rank_local]
         else:
+            if left_out(path, _GLOBAL_MD):  # (verify's second look: .metadata is the link out it reported)
+                raise PathEscapeError(f"{_GLOBAL_MD}: a link out of the checkpoint", path=_GLOBAL_MD)
             found = ".metadata.tmp" if ".metadata.tmp" in names else "data files only"
             raise IncompleteCheckpointError(
                 f"{path}: DCP checkpoint without .metadata (found {found}): the save was interrupted "
@@ -884,6 +895,7 @@ def holders(
             o
             for o in by_end.get(sizes[rel], [])
             if o != rel
+            and o in sizes  # (a file the listing holds: a name from the metadata may lead anywhere)
             and (telling := sorted(starts.get(o, set()) - starts.get(rel, set()))[:3])
             and _records_at(root / rel, telling)
         ]

@@ -883,6 +883,9 @@ def refuse_model_parallel_universal(manifest: Manifest) -> None:
     rank's slices, and cutting the one by the other's split rules is not written yet."""
     lay = manifest.layout
     degrees = {k: v for k, v in (("TP", lay.tp or 1), ("PP", lay.pp or 1)) if v > 1}
+    models = sum(1 for f in manifest.files if _MODEL.match(f.path))
+    if models > 1 and not degrees:  # (model states of several ranks, whatever their degrees say)
+        degrees = {"model-parallel ranks": models}
     if degrees:
         raise UsageError(
             f"{manifest.root}: the universal checkpoint of a model-parallel run "

@@ -36,7 +36,7 @@ from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection, claim
 from ckpttool.formats.dcp import DcpAdapter, DcpReader, is_dist_config, misplaced_in
 from ckpttool.geometry import Box, row_major_strides
-from ckpttool.io import confine, left_out, read_tracker
+from ckpttool.io import confine, left_out, outside, read_tracker
 from ckpttool.manifest import FileRecord, FileRole, Item, Kind, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
 from ckpttool.values import flatten, plain_value, set_value
@@ -336,6 +336,8 @@ def _misplaced_ranks(dirs: dict[str, tuple[tuple[int, int, int], Any]], args: An
 
 def _describe_bytes(path: Path) -> str:
     """A few words on what a small file that should be JSON holds."""
+    if outside(path.parent, path) is not None:
+        return "a link out of the checkpoint (not read)"
     try:
         with open(path, "rb") as fh:
             data = fh.read(1 << 20)
@@ -504,7 +506,7 @@ class MegatronDistAdapter:
 
     def _describe(self, path: Path, tracked: bool) -> Manifest:
         try:
-            config = json.loads((path / "metadata.json").read_text())
+            config = json.loads(Path(confine(path, "metadata.json", named_by="the listing")).read_text())
         except (OSError, ValueError, RecursionError) as exc:
             raise CorruptFileError(f"metadata.json: not readable JSON ({exc})", path="metadata.json") from None
         backend = config.get("sharded_backend") if isinstance(config, dict) else None
@@ -1269,9 +1271,13 @@ def example_layout(layers: int, stages: int, mtp: int = 0) -> str:
     ``--pipeline-layout`` offers instead."""
     stages = max(stages, 1)
     per, extra = divmod(layers, stages)
-    out = ["t" * (per + (s < extra)) for s in range(stages)]
+
+    def run(letter: str, n: int) -> str:  # (x*n, as megatron-core reads it, where n is large)
+        return letter * n if n <= 8 else f"{letter}*{n}"
+
+    out = [run("t", per + (s < extra)) for s in range(stages)]
     out[0] = "E" + out[0]
-    out[-1] += "m" * mtp + "L"
+    out[-1] += run("m", mtp) + "L"
     return "|".join(out)
 
 
@@ -1517,9 +1523,10 @@ class MegatronLegacyAdapter:
         damaged: list[CkptError] = []  # rank files missing or unreadable: every one named, not the first
         for d in dirs:
             rel = f"{prefix}{d}/model_optim_rng.pt"
-            if not left_out(root, f"{prefix}{d}"):
+            gone = left_out(root, f"{prefix}{d}") or left_out(root, rel)  # (verify's second look: a link out)
+            if not gone:
                 confine(root, f"{prefix}{d}", named_by="the listing")  # a rank folder linked out
-            if not (root / rel).is_file() or left_out(root, rel):  # (verify's second look: a link out as absent)
+            if gone or not (root / rel).is_file():
                 tp = rank_of(d, 1)[0]  # (the TP rank, as this file's pieces name it)
                 damaged.append(IncompleteCheckpointError(f"{rel} is missing", path=rel, rule="missing-file", rank=tp))
                 continue
@@ -1695,6 +1702,8 @@ class MegatronLegacyAdapter:
         damaged: list[CkptError] = []
         for d in dirs:
             rel = f"{prefix}{d}/distrib_optim.pt"
+            if left_out(root, f"{prefix}{d}") or left_out(root, rel):
+                continue  # (verify's second look past a link out: reported as such already)
             if not (root / rel).is_file():
                 if saved:
                     damaged.append(_missing_distrib_optim(rel, rank_of(d, 1)[0]))

@@ -628,7 +628,7 @@ class RankShardsAdapter:
             if "step" in m.groupdict():
                 step = named[rel] = int(m.group("step"))
         meta_step: int | None = None
-        if (path / "metadata.json").is_file():
+        if any(f.path == "metadata.json" for f in manifest.files):  # (listed: inside the checkpoint)
             try:
                 meta = json.loads((path / "metadata.json").read_text())
             except (OSError, ValueError, RecursionError) as exc:

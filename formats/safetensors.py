@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 
 from ckpttool.dtypes import BY_SAFETENSORS, carrier
-from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, raise_together
+from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, UnsafePickleError, raise_together
 from ckpttool.formats.base import Detection, PieceReader
 from ckpttool.geometry import Box
-from ckpttool.io import FileCache, RandomAccessFile, confine, left_out, list_files
+from ckpttool.io import FileCache, RandomAccessFile, confine, left_out, list_files, outside
 from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece, StateName
 from ckpttool.naming import classify
 
@@ -157,12 +157,15 @@ def _entry(display: str, name: str, spec: Any, base: int) -> TensorEntry:
 
 
 def _index_files(path: Path) -> list[Path]:
-    return sorted(p for p in path.iterdir() if p.name.endswith(".safetensors.index.json"))
+    """The index files in ``path`` (not one :func:`left_out` counts absent)."""
+    return sorted(
+        p for p in path.iterdir() if p.name.endswith(".safetensors.index.json") and not left_out(path, p.name)
+    )
 
 
 def has_sharding_info(path: Path) -> bool:
     """Whether a directory holds safetensors shards written by DCP's HuggingFaceStorageWriter."""
-    for p in sorted(path.glob("*.safetensors"))[:1]:
+    for p in sorted(q for q in path.glob("*.safetensors") if outside(path, q) is None)[:1]:
         try:
             return SHARDING_INFO in read_header(p, p.name).metadata
         except CkptError:
@@ -312,12 +315,15 @@ def _trainer_state(root: Path, manifest: Manifest) -> None:
     ``rng_state[_N].pth``, and ``trainer_state.json``'s ``global_step``, the step, from which the
     Trainer also finds its place in the data (it skips the batches of the epoch already trained).
     Their pickles are read (not their tensors) with the plain torch.save allowlist; one that does
-    not read, or is not such a dict, holds no state (verify checks the file as an archive)."""
+    not read, or is not such a dict, holds no state (``extras["state_unread"]``: why; verify also
+    checks the file as an archive); one whose pickle names a class the allowlist lacks (the run's
+    own scheduler) holds its state unchecked (``extras["state_unchecked"]``: the class)."""
     from ckpttool.formats import _pt
     from ckpttool.formats.torchsave import ALLOWLIST
 
     found: dict[str, str] = {}
     unread: dict[str, str] = {}
+    unchecked: dict[str, str] = {}  # file -> the global its pickle names that the allowlist lacks
     for f in manifest.files:
         if f.role != "aux" or "/" in f.path:
             continue
@@ -330,16 +336,20 @@ def _trainer_state(root: Path, manifest: Manifest) -> None:
                 unread[f.path] = step
             continue
         for pattern, states, keys in _TRAINER_FILES:
-            if not pattern.fullmatch(f.path) or all(s in found for s in states):
-                continue
+            if not pattern.fullmatch(f.path):
+                continue  # (each rank's rng_state_N.pth read, not the first)
             try:
                 archive, obj, _ = _pt.load(root, f.path, ALLOWLIST)
                 archive.close()
+            except UnsafePickleError as exc:  # a class of the run's own (a custom scheduler): held, unchecked
+                found.update({s: found.get(s, f.path) for s in states})
+                unchecked[f.path] = exc.global_name
+                continue
             except CkptError as exc:
                 unread[f.path] = str(exc).removeprefix(f"{f.path}: ")
                 continue
             if isinstance(obj, dict) and all(k in obj for k in keys):
-                found.update(dict.fromkeys(states, f.path))
+                found.update({s: found.get(s, f.path) for s in states})
             else:
                 what = f"a dict with {', '.join(map(repr, keys))}" if keys else "a dict"
                 unread[f.path] = f"expected {what} ({states[0]} state), found " + (
@@ -349,20 +359,31 @@ def _trainer_state(root: Path, manifest: Manifest) -> None:
         manifest.extras["state_files"] = found
     if unread:
         manifest.extras["state_unread"] = unread
+    if unchecked:
+        manifest.extras["state_unchecked"] = unchecked
 
 
-_TRAINER_STATE_MAX = 64 << 20
-"""bytes of ``trainer_state.json`` read at most (its log grows with the run)"""
+_TRAINER_STATE_HEAD = 1 << 20
+"""bytes of ``trainer_state.json`` read at most: its log grows with the run, and ``Trainer`` writes
+the keys sorted, two spaces in, ``global_step`` among the first"""
+_GLOBAL_STEP = re.compile(rb'\n  "global_step": (\d{1,18}),?\n')
 
 
 def _global_step(root: Path, f: FileRecord) -> int | str:
-    """``trainer_state.json``'s ``global_step``, or why it has none."""
-    if f.size > _TRAINER_STATE_MAX:
-        return f"{f.size:,} bytes, more than the {_TRAINER_STATE_MAX:,} read"
+    """``trainer_state.json``'s ``global_step``, or why it has none: found as ``Trainer`` writes it
+    in the file's first MiB, else from the whole file parsed where it is no larger."""
     try:
-        with open(confine(root, f.path), encoding="utf-8") as fh:
-            state = json.load(fh)
-    except (OSError, ValueError, RecursionError) as exc:
+        with open(confine(root, f.path), "rb") as fh:
+            head = fh.read(_TRAINER_STATE_HEAD + 1)
+    except OSError as exc:
+        return f"not readable ({exc.strerror})"
+    if (m := _GLOBAL_STEP.search(head)) is not None and head.lstrip().startswith(b"{"):
+        return int(m[1])
+    if len(head) > _TRAINER_STATE_HEAD:
+        return f"no global_step where Trainer writes it, in the first {_TRAINER_STATE_HEAD:,} bytes"
+    try:
+        state = json.loads(head)
+    except (ValueError, RecursionError) as exc:
         return f"not readable JSON ({exc})"
     step = state.get("global_step") if isinstance(state, dict) else None
     if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
@@ -408,7 +429,7 @@ def _unnumbered_shards(files: list[str]) -> list[CkptError]:
 
 def _read_index(root: Path, name: str) -> dict[str, str]:
     try:
-        with open(root / name, encoding="utf-8") as fh:
+        with open(confine(root, name, named_by="the listing", kind="index"), encoding="utf-8") as fh:
             index = json.load(fh)
     except (OSError, ValueError, RecursionError) as exc:
         raise CorruptFileError(f"{name}: not a readable JSON index ({exc})", path=name) from None

@@ -221,6 +221,37 @@ def test_a_missing_file_beside_a_link_out_is_named_too(fixture, linked, deleted,
     assert r.code == 1 and "2 errors" in r.stdout and deleted in r.stdout, r.stdout
 
 
+@pytest.mark.parametrize(
+    ("fixture", "linked"),
+    [
+        ("rankshards/tp_manual/step_00000003", "metadata.json"),
+        ("safetensors/sharded", "model.safetensors.index.json"),
+        ("dcp/fsdp2", ".metadata"),  # (verify's second look said "the save was interrupted" of it)
+        ("megatron/dist_tp2/iter_0000003", "metadata.json"),
+    ],
+)
+def test_metadata_linked_out_is_never_read(fixture, linked, tmp_path):
+    """A checkpoint's metadata file swapped for a link to a file outside that says something else
+    (a world size of 7777, an index of other shards): its words reached the report, read through
+    the link (the safetensors index at once; rankshards' metadata.json when verify looked again
+    past the link); the link is named, and nothing behind it is read."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / fixture, ck)
+    lure = tmp_path / "lure.json"
+    lure.write_text(
+        json.dumps({"world_size": 7777, "step": 7777, "weight_map": {"x": "LEAKED.safetensors"}, "sharded_backend": "x"})
+    )
+    (ck / linked).unlink()
+    (ck / linked).symlink_to(lure)
+    for command in (["verify", "--json"], ["inspect"]):
+        r = run_cli(command[0], ck, *command[1:], cwd=tmp_path)
+        assert r.code in (1, 3) and "Traceback" not in r.stderr, r.stderr
+        assert "7777" not in r.stdout + r.stderr and "LEAKED" not in r.stdout + r.stderr, r.stdout + r.stderr
+        assert f"'{linked}' is a link to {lure}" in r.stdout + r.stderr, (command, r.stdout, r.stderr)
+    findings = json.loads(run_cli("verify", ck, "--json", cwd=tmp_path).stdout)["findings"]
+    assert [(f["rule"], f["file"]) for f in findings] == [("unsafe-path", linked)], findings  # (nothing else said)
+
+
 def test_a_link_that_stays_inside_the_checkpoint_is_read(tmp_path):
     ck = tmp_path / "ck"
     shutil.copytree(FIXTURES / "rankshards" / "ddp", ck)

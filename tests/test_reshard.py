@@ -2351,6 +2351,16 @@ def test_deepspeed_universal_refusals(tmp_path):
         assert_clean(r, 2, "universal checkpoint of a model-parallel run (TP=2)", "at any --tp, --pp or --dp")
         assert "load_universal" in r.stderr and "TP=1" not in r.stderr and "needs the data-parallel" not in r.stderr
         assert not (tmp_path / "c").exists()
+    # two ranks' model states whose checkpoint_parallel_dimensions say TP=1: refused as well (only
+    # rank 0's were copied)
+    from ckpttool.formats.deepspeed import ALLOWLIST as DS_ALLOW
+
+    def tp1(tree: Any) -> None:
+        tree["checkpoint_parallel_dimensions"]["tp_degree"] = 1
+
+    said_one = rewritten_copy(tmp_path / "said1", universal, tp1, "global_step3_universal/mp_rank_*_model_states.pt", DS_ALLOW)
+    with pytest.raises(UsageError, match=r"model-parallel run \(model-parallel ranks=2\)"):
+        reshard(said_one, tmp_path / "c", Target(to="deepspeed", dp=1))
     r = run_cli("reshard", FIXTURES / "deepspeed" / "universal", "-o", tmp_path / "c", "--to", "deepspeed", "--tp", "2")
     assert_clean(r, 2, "--tp 2 would change the source's TP=1", "load_universal loads this universal checkpoint")
     assert "--to deepspeed-universal" not in r.stderr
@@ -2835,6 +2845,15 @@ def test_megatron_pipeline_layout(tmp_path):
     for path in (same, flat, back, out, four):
         assert not diff(LAYOUT if path != out else LEGACY, path, kinds=STATE_KINDS).different, path
         assert verify(path).failing() == []
+
+
+def test_example_layout_writes_long_runs_of_layers_compactly():
+    """A hint's example layout for a model of 2**40 layers (args are read from the checkpoint)
+    spelled each one: a MemoryError traceback. Long runs are x*n, which megatron-core reads."""
+    from ckpttool.formats.megatron import example_layout, layout_stages
+
+    assert example_layout(2**40, 2, 1) == "Et*549755813888|t*549755813888mL"
+    assert [s.count("t") for s in layout_stages(example_layout(21, 2))] == [11, 10]
 
 
 @pytest.mark.parametrize(

@@ -1455,6 +1455,41 @@ def test_a_hugging_face_trainer_checkpoint_holds_its_training_state(tmp_path):
     assert code == 1 and _rules(report) == [("truncated-file", "trainer_state.json")], report["findings"]
 
 
+def test_trainer_state_files_are_read_within_bounds_each_one(tmp_path):
+    """A long run's trainer_state.json (its log grows with every step) was parsed whole, up to 64
+    MiB (1.45 GB of memory for 57 MiB of empty dicts): global_step is found where Trainer writes
+    it, in the first MiB, and nothing more is read. Every rank's rng_state_N.pth is read (the first
+    one that read stood for all); a scheduler whose pickle names the run's own class is held but
+    unchecked (a warning), not a corrupt file."""
+    import torch
+
+    ck = tmp_path / "hf"
+    shutil.copytree(HF_TRAINER, ck)
+    text = (HF_TRAINER / "trainer_state.json").read_text()
+    head, tail = text.split('"log_history": [', 1)
+    (ck / "trainer_state.json").write_text(head + '"log_history": [' + "{}, " * 3_000_000 + tail)
+    assert (ck / "trainer_state.json").stat().st_size > 8 << 20
+    shutil.copy2(HF_TRAINER / "rng_state.pth", ck / "rng_state_0.pth")
+    (ck / "rng_state.pth").rename(ck / "rng_state_1.pth")
+    (ck / "rng_state_1.pth").write_bytes((ck / "rng_state_1.pth").read_bytes()[:5000])
+
+    import argparse
+
+    # (a scheduler state holding a class the plain allowlist lacks, as a run's own would)
+    torch.save({"last_epoch": 3, "schedule": argparse.Namespace(warmup=1)}, ck / "scheduler.pt")
+    code, report = _findings(ck, "--require", "step,rng,scheduler")
+    found = sorted((f["rule"], f["severity"], f["file"]) for f in report["findings"])
+    assert code == 1 and report["step"] == 3 and found == [
+        ("truncated-file", "error", "rng_state_1.pth"),
+        ("unsafe-pickle", "warning", "scheduler.pt"),
+    ], report["findings"]
+    said = next(f["message"] for f in report["findings"] if f["rule"] == "unsafe-pickle")
+    assert "argparse.Namespace" in said and "not checked" in said, said
+    (ck / "trainer_state.json").write_text('{"log_history": [' + "{}, " * 400_000 + '{}], "global_step": 4}')
+    code, report = _findings(ck)
+    assert "global_step where Trainer writes it, in the first 1,048,576 bytes" in str(report["findings"]), report
+
+
 @pytest.mark.parametrize("size", [0, 5, 20, 600])
 def test_a_safetensors_file_cut_inside_its_header_is_truncated_not_corrupt(size, tmp_path):
     """A safetensors file cut before the end of its header (a save or copy that stopped early) was
@@ -1499,18 +1534,20 @@ def test_a_folder_standing_where_a_rank_file_should_be_is_said(fixture, rel, sea
     assert report["findings"][0]["message"].endswith("(a directory stands at that path, not a file)"), report
 
 
-def test_a_damaged_dcp_record_beside_a_missing_file_is_named_with_its_item(tmp_path):
+@pytest.mark.parametrize(("fixture", "gone", "flipped"), [("dcp/fsdp2", "__3_0.distcp", "__1_0.distcp")])
+def test_a_damaged_dcp_record_beside_a_missing_file_is_named_with_its_item(fixture, gone, flipped, tmp_path):
     """A DCP save with a data file missing does not describe, so a flipped byte in another rank's
     file was found by walking its records without the metadata: the finding named the record's
-    byte but no item, though .metadata read and says which item each record holds."""
-    ck = _damaged_copy(FIXTURES / "dcp" / "fsdp2", tmp_path, gone=["__3_0.distcp"], flipped=["__1_0.distcp"])
+    byte but no item, though .metadata read and says which item each record holds. (Megatron's
+    torch_dist does not yet: its records hold megatron-core's stacked keys, several items each.)"""
+    ck = _damaged_copy(FIXTURES / fixture, tmp_path, gone=[gone], flipped=[flipped])
     code, report = _findings(ck)
-    assert code == 1 and _rules(report) == [("missing-file", "__3_0.distcp"), ("checksum-mismatch", "__1_0.distcp")]
+    assert code == 1 and _rules(report) == [("missing-file", gone), ("checksum-mismatch", flipped)], report
     found = report["findings"][1]
     assert found["item"] and f"(of {found['item']})" in found["message"], found
     assert report["format"] == "dcp"
     # the item is the one the described checkpoint names for that damage, once the missing file is back
-    shutil.copy2(FIXTURES / "dcp" / "fsdp2" / "__3_0.distcp", ck / "__3_0.distcp")
+    shutil.copy2(FIXTURES / fixture / gone, ck / gone)
     code, whole = _findings(ck)
     assert [(f["rule"], f["item"]) for f in whole["findings"] if f["severity"] == "error"] == [
         ("checksum-mismatch", found["item"])

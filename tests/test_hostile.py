@@ -280,3 +280,46 @@ def test_a_single_file_named_by_a_link_is_read_where_it_leads(tmp_path):
     (tmp_path / "data" / "x.pt").write_bytes(bytes(data))
     r = run_cli("verify", link, "--json", cwd=tmp_path)
     assert r.code == 1 and "checksum-mismatch" in {f["rule"] for f in json.loads(r.stdout)["findings"]}
+
+
+def test_storage_entries_naming_files_outside_are_never_opened(tmp_path):
+    """A DCP .metadata with extra storage entries (no item uses them) naming files outside the
+    checkpoint by absolute path, and a data file longer than its records reach: the search for
+    whose data that file holds compared it byte for byte with those outside files, opening them.
+    Only files the listing holds are compared."""
+    import pickle
+    import sys
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from ckpttool.verify import verify
+
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ck)
+    md = pickle.loads((ck / ".metadata").read_bytes())
+    size = (ck / "__0_0.distcp").stat().st_size
+    outside = []
+    for k in range(2):
+        p = tmp_path / f"outside{k}.distcp"
+        p.write_bytes((ck / "__0_0.distcp").read_bytes() + bytes(16))
+        outside.append(str(p))
+        # (a record said to start where the file's own end, and to end where the longer file does)
+        md.storage_data[MetadataIndex(f"nobody.{k}")] = _StorageInfo(str(p), size, 16)
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+    with open(ck / "__0_0.distcp", "ab") as fh:
+        fh.write(b"PK\x03\x04" + bytes(12))  # (what looks like a record there)
+    opened: list[str] = []
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open" and args and str(args[0]) in outside and watching:
+            opened.append(str(args[0]))
+
+    watching = True
+    sys.addaudithook(hook)
+    try:
+        report = verify(ck)
+    finally:
+        watching = False
+    assert report.findings, report
+    assert opened == [], opened

@@ -7,8 +7,11 @@ are tried in order; when none matches, the error carries every adapter's reason.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import os
+import re
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -16,7 +19,7 @@ from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedErro
 from ckpttool.formats.base import Adapter
 from ckpttool.io import escapes, followed, list_files
 from ckpttool.manifest import Manifest, is_seal_name
-from ckpttool.naming import kinds_by_sibling
+from ckpttool.naming import kinds_by_sibling, plural
 from ckpttool.values import gc_paused
 
 _FIRST_PARTY = ("megatron", "deepspeed", "rankshards", "dcp", "safetensors", "torchsave")
@@ -62,7 +65,63 @@ def detect(path: str | Path) -> Adapter:
         reasons[adapter.name] = verdict.reason
     if guess is not None:
         return guess
+    if p.is_dir() and (held := _checkpoints_in(p)):
+        raise _folder_of_checkpoints(p, held)
     raise FormatNotRecognizedError(str(p), reasons)
+
+
+_SCANNED = 256
+"""sub-folders of an unrecognised folder looked at, at most, for checkpoints of their own"""
+
+
+def _checkpoints_in(folder: Path) -> list[tuple[str, str]]:
+    """The sub-folders of ``folder`` that are checkpoints themselves (name, format), by their names
+    and small metadata only, in the order of the numbers in their names: a run's output folder
+    (``checkpoint-500``, ``step_10``, ``global_step3``) given where one checkpoint was meant. Links
+    are not followed."""
+    try:
+        with os.scandir(folder) as entries:
+            subs = sorted(
+                (e.name for e in entries if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")),
+                key=_numbered,
+            )[:_SCANNED]
+    except OSError:
+        return []
+    found = []
+    for name in subs:
+        for adapter in adapters():
+            with contextlib.suppress(CkptError, OSError):
+                if adapter.detect(folder / name).matches:
+                    found.append((name, adapter.name))
+                    break
+    return found
+
+
+def _numbered(name: str) -> tuple[int, str]:
+    """A sort key: the last number in ``name`` (``checkpoint-500`` after ``checkpoint-90``), then
+    the name."""
+    digits = re.findall(r"\d+", name)
+    return (int(digits[-1]) if digits else -1, name)
+
+
+def _folder_of_checkpoints(folder: Path, held: list[tuple[str, str]]) -> FormatNotRecognizedError:
+    """The error for a folder that holds checkpoints rather than being one: it names them (the
+    first few) and the one to give."""
+    names = [n for n, _ in held]
+    numbered = all(re.search(r"\d", n) for n in names)
+    shown_names = names if numbered else sorted(names)  # (a run's saves in the order of their numbers)
+    formats = ", ".join(sorted({f for _, f in held}))
+    shown = ", ".join(shown_names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    error = FormatNotRecognizedError(str(folder), {"folder": f"holds {plural(len(names), 'checkpoint')}"})
+    error.message = f"{folder}: a folder of {plural(len(names), 'checkpoint')} ({formats}), not one: {shown}"
+    error.args = (error.message,)
+    if len(names) == 1:
+        error.hint = f"give the checkpoint itself: {folder / names[0]}"
+    elif numbered:
+        error.hint = f"give one of them; the last by the number in its name is {folder / names[-1]}"
+    else:
+        error.hint = f"give one of them, such as {folder / shown_names[0]}"
+    return error
 
 
 def describe(path: str | Path) -> tuple[Adapter, Manifest]:

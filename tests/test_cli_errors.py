@@ -599,3 +599,26 @@ def registry_format(path):
     from ckpttool import registry
 
     return registry.detect(path).name
+
+
+def test_a_folder_of_checkpoints_names_them_and_the_one_to_give(tmp_path):
+    """A run's output folder (checkpoint-90, checkpoint-500, … or step_10, step_20) given where one
+    checkpoint was meant got "not a checkpoint format ckpttool reads" and every format's reason
+    why not, and a hint to give "the one holding the metadata file". It is said to be a folder of
+    checkpoints, they are named in the order of their numbers, and the last is the one to give."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for n in (90, 500, 1000):
+        shutil.copytree(FIXTURES / "hf" / "trainer" / "checkpoint-3", run / f"checkpoint-{n}")
+    (run / "runs").mkdir()  # (a tensorboard folder beside them: not a checkpoint)
+    for command in ("inspect", "verify"):
+        r = run_cli(command, run)
+        assert_clean(r, 3, f"{run}: a folder of 3 checkpoints (safetensors), not one: checkpoint-90, checkpoint-500, checkpoint-1000")
+        assert f"hint: give one of them; the last by the number in its name is {run / 'checkpoint-1000'}" in r.stderr
+        assert "megatron" not in r.stderr, r.stderr  # (not every format's reason)
+    r = run_cli("inspect", FIXTURES / "hf" / "trainer")
+    assert_clean(r, 3, "a folder of 1 checkpoint (safetensors), not one: checkpoint-3")
+    assert f"hint: give the checkpoint itself: {FIXTURES / 'hf' / 'trainer' / 'checkpoint-3'}" in r.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_clean(run_cli("inspect", empty), 3, "not a checkpoint format ckpttool reads")

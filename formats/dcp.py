@@ -298,9 +298,17 @@ def is_dist_config(path: Path) -> bool:
     if outside(path.parent, path) is not None:  # a link out: claimed by its name, refused by name when read
         return not left_out(path.parent, path.name)
     try:
-        return path.is_file() and "sharded_backend" in json.loads(path.read_text())
+        if not path.is_file():
+            return False
+        with open(path, "rb") as fh:
+            text = fh.read(_DIST_CONFIG_MAX + 1)  # (megatron-core writes about a hundred bytes)
+        return len(text) <= _DIST_CONFIG_MAX and "sharded_backend" in json.loads(text)
     except (OSError, ValueError, TypeError, RecursionError):
         return False
+
+
+_DIST_CONFIG_MAX = 1 << 20
+"""bytes of a ``metadata.json`` read, at most, to tell whether it is megatron-core's"""
 
 
 class DcpAdapter:

@@ -75,11 +75,15 @@ class NotFoundError(CkptError):
 class FormatNotRecognizedError(CkptError):
     """No adapter recognised the directory; ``reasons`` holds each adapter's answer."""
 
-    def __init__(self, path: str, reasons: dict[str, str]) -> None:
+    def __init__(
+        self, path: str, reasons: dict[str, str], *, message: str | None = None, hint: str | None = None
+    ) -> None:
+        """``message`` and ``hint``: what to say where more is known than the reasons (the path is a
+        part of a checkpoint, or a folder of them)."""
         lines = "; ".join(f"{name}: {why}" for name, why in reasons.items())
         super().__init__(
-            f"{path}: not a checkpoint format ckpttool reads ({lines})",
-            hint="point ckpttool at the checkpoint directory itself (the one holding the metadata file)",
+            message or f"{path}: not a checkpoint format ckpttool reads ({lines})",
+            hint=hint or "point ckpttool at the checkpoint directory itself (the one holding the metadata file)",
             path=path,
         )
         self.reasons = reasons
@@ -90,10 +94,10 @@ class PartOfCheckpointError(FormatNotRecognizedError):
     ``torch_dist`` ``common.pt``) given where a checkpoint was expected: the checkpoint is named."""
 
     def __init__(self, path: str, fmt: str, folder: str, why: str) -> None:
-        super().__init__(path, {"torch": f"one file of the {fmt} checkpoint {folder}: give that ({why})"})
-        self.message = f"{path}: one file of the {fmt} checkpoint {folder}: give that ({why})"
-        self.args = (self.message,)
-        self.hint = f"give the checkpoint it is part of: {folder}"
+        said = f"one file of the {fmt} checkpoint {folder}: give that ({why})"
+        super().__init__(
+            path, {"torch": said}, message=f"{path}: {said}", hint=f"give the checkpoint it is part of: {folder}"
+        )
 
 
 class UnsafePickleError(CkptError):

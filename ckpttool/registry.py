@@ -65,8 +65,6 @@ def detect(path: str | Path) -> Adapter:
         reasons[adapter.name] = verdict.reason
     if guess is not None:
         return guess
-    if p.is_dir() and (held := _checkpoints_in(p)):
-        raise _folder_of_checkpoints(p, held)
     raise FormatNotRecognizedError(str(p), reasons)
 
 
@@ -112,16 +110,19 @@ def _folder_of_checkpoints(folder: Path, held: list[tuple[str, str]]) -> FormatN
     shown_names = names if numbered else sorted(names)  # (a run's saves in the order of their numbers)
     formats = ", ".join(sorted({f for _, f in held}))
     shown = ", ".join(shown_names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    error = FormatNotRecognizedError(str(folder), {"folder": f"holds {plural(len(names), 'checkpoint')}"})
-    error.message = f"{folder}: a folder of {plural(len(names), 'checkpoint')} ({formats}), not one: {shown}"
-    error.args = (error.message,)
     if len(names) == 1:
-        error.hint = f"give the checkpoint itself: {folder / names[0]}"
+        hint = f"give the checkpoint itself: {folder / names[0]}"
     elif numbered:
-        error.hint = f"give one of them; the last by the number in its name is {folder / names[-1]}"
+        hint = f"give one of them; the last by the number in its name is {folder / names[-1]}"
     else:
-        error.hint = f"give one of them, such as {folder / shown_names[0]}"
-    return error
+        hint = f"give one of them, such as {folder / shown_names[0]}"
+    count = plural(len(names), "checkpoint")
+    return FormatNotRecognizedError(
+        str(folder),
+        {"folder": f"holds {count}"},
+        message=f"{folder}: a folder of {count} ({formats}), not one: {shown}",
+        hint=hint,
+    )
 
 
 def describe(path: str | Path) -> tuple[Adapter, Manifest]:
@@ -129,7 +130,14 @@ def describe(path: str | Path) -> tuple[Adapter, Manifest]:
     link is read where the link leads: the user named it (the links inside a checkpoint directory
     stay confined to it)."""
     path = followed(path)
-    adapter = detect(path)
+    try:
+        adapter = detect(path)
+    except FormatNotRecognizedError:
+        # (said here, where the user gave the path, not in detect: the readers' own probes of the
+        # folders above a file call detect, and would scan each one's sub-folders for nothing)
+        if Path(path).is_dir() and (held := _checkpoints_in(Path(path))):
+            raise _folder_of_checkpoints(Path(path), held) from None
+        raise
     # describe builds 10^5..10^6 small records (the unpickled metadata, then the manifest) and frees
     # none of them until it returns: the cycle collector would rescan them all, again and again
     # (about half of inspect's time at 100 000 items). Nothing it builds is cyclic garbage.

@@ -622,3 +622,9 @@ def test_a_folder_of_checkpoints_names_them_and_the_one_to_give(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert_clean(run_cli("inspect", empty), 3, "not a checkpoint format ckpttool reads")
+    # detect, which readers call on the folders above a rank file, does not look into sub-folders
+    from ckpttool import registry
+    from ckpttool.errors import FormatNotRecognizedError
+
+    with pytest.raises(FormatNotRecognizedError, match="not a checkpoint format ckpttool reads"):
+        registry.detect(run)

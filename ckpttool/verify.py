@@ -1240,27 +1240,6 @@ def _check_manifest(report: VerifyReport, manifest: Manifest, required: set[str]
                 )
             )
     report.checked["items"] = len(manifest.items)
-    for rel, why in (manifest.extras.get("state_unread") or {}).items():  # (a Trainer's state files)
-        report.findings.append(
-            finding(
-                "corrupt-file",
-                f"{rel}: {why}; the training state it holds does not read",
-                file=rel,
-                hint="restore it from where the checkpoint was copied from, or resume from another checkpoint",
-            )
-        )
-    for rel, name in (manifest.extras.get("state_unchecked") or {}).items():
-        report.findings.append(
-            finding(
-                "unsafe-pickle",
-                f"{rel}: its pickle refers to {name}, which ckpttool does not load; the training state in it is "
-                "not checked",
-                file=rel,
-                severity="warning",
-                hint="a class of the run's own is expected here; anything else may be hostile: do not load the "
-                "file with torch.load(weights_only=False)",
-            )
-        )
     for state in manifest.missing_state():
         severity: Severity = "error" if state in required else "warning"
         report.findings.append(

@@ -315,15 +315,16 @@ def _trainer_state(root: Path, manifest: Manifest) -> None:
     ``rng_state[_N].pth``, and ``trainer_state.json``'s ``global_step``, the step, from which the
     Trainer also finds its place in the data (it skips the batches of the epoch already trained).
     Their pickles are read (not their tensors) with the plain torch.save allowlist; one that does
-    not read, or is not such a dict, holds no state (``extras["state_unread"]``: why; verify also
-    checks the file as an archive); one whose pickle names a class the allowlist lacks (the run's
-    own scheduler) holds its state unchecked (``extras["state_unchecked"]``: the class)."""
+    not read, or is not such a dict, holds no state (a ``corrupt-file`` finding in
+    ``extras["findings"]``; verify also checks the file as an archive); one whose pickle names a
+    class the allowlist lacks (the run's own scheduler) holds its state unchecked (an
+    ``unsafe-pickle`` warning)."""
     from ckpttool.formats import _pt
     from ckpttool.formats.torchsave import ALLOWLIST
 
     found: dict[str, str] = {}
     unread: dict[str, str] = {}
-    unchecked: dict[str, str] = {}  # file -> the global its pickle names that the allowlist lacks
+    findings: list[dict[str, Any]] = []
     for f in manifest.files:
         if f.role != "aux" or "/" in f.path:
             continue
@@ -343,7 +344,17 @@ def _trainer_state(root: Path, manifest: Manifest) -> None:
                 archive.close()
             except UnsafePickleError as exc:  # a class of the run's own (a custom scheduler): held, unchecked
                 found.update({s: found.get(s, f.path) for s in states})
-                unchecked[f.path] = exc.global_name
+                findings.append(
+                    {
+                        "rule": "unsafe-pickle",
+                        "severity": "warning",
+                        "file": f.path,
+                        "message": f"{f.path}: its pickle refers to {exc.global_name}, which ckpttool does not load; "
+                        "the training state in it is not checked",
+                        "hint": "a class of the run's own is expected here; anything else may be hostile: do not "
+                        "load the file with torch.load(weights_only=False)",
+                    }
+                )
                 continue
             except CkptError as exc:
                 unread[f.path] = str(exc).removeprefix(f"{f.path}: ")
@@ -357,10 +368,17 @@ def _trainer_state(root: Path, manifest: Manifest) -> None:
                 )
     if found:
         manifest.extras["state_files"] = found
-    if unread:
-        manifest.extras["state_unread"] = unread
-    if unchecked:
-        manifest.extras["state_unchecked"] = unchecked
+    findings += [
+        {
+            "rule": "corrupt-file",
+            "file": rel,
+            "message": f"{rel}: {why}; the training state it holds does not read",
+            "hint": "restore it from where the checkpoint was copied from, or resume from another checkpoint",
+        }
+        for rel, why in unread.items()
+    ]
+    if findings:
+        manifest.extras.setdefault("findings", []).extend(findings)
 
 
 _TRAINER_STATE_HEAD = 1 << 20

@@ -87,11 +87,8 @@ def _checkpoints_in(folder: Path) -> list[tuple[str, str]]:
         return []
     found = []
     for name in subs:
-        for adapter in adapters():
-            with contextlib.suppress(CkptError, OSError):
-                if adapter.detect(folder / name).matches:
-                    found.append((name, adapter.name))
-                    break
+        with contextlib.suppress(CkptError, OSError):
+            found.append((name, detect(folder / name).name))
     return found
 
 

@@ -1534,20 +1534,20 @@ def test_a_folder_standing_where_a_rank_file_should_be_is_said(fixture, rel, sea
     assert report["findings"][0]["message"].endswith("(a directory stands at that path, not a file)"), report
 
 
-@pytest.mark.parametrize(("fixture", "gone", "flipped"), [("dcp/fsdp2", "__3_0.distcp", "__1_0.distcp")])
-def test_a_damaged_dcp_record_beside_a_missing_file_is_named_with_its_item(fixture, gone, flipped, tmp_path):
+def test_a_damaged_dcp_record_beside_a_missing_file_is_named_with_its_item(tmp_path):
     """A DCP save with a data file missing does not describe, so a flipped byte in another rank's
     file was found by walking its records without the metadata: the finding named the record's
     byte but no item, though .metadata read and says which item each record holds. (Megatron's
     torch_dist does not yet: its records hold megatron-core's stacked keys, several items each.)"""
-    ck = _damaged_copy(FIXTURES / fixture, tmp_path, gone=[gone], flipped=[flipped])
+    fixture, gone, flipped = FIXTURES / "dcp" / "fsdp2", "__3_0.distcp", "__1_0.distcp"
+    ck = _damaged_copy(fixture, tmp_path, gone=[gone], flipped=[flipped])
     code, report = _findings(ck)
     assert code == 1 and _rules(report) == [("missing-file", gone), ("checksum-mismatch", flipped)], report
     found = report["findings"][1]
     assert found["item"] and f"(of {found['item']})" in found["message"], found
     assert report["format"] == "dcp"
     # the item is the one the described checkpoint names for that damage, once the missing file is back
-    shutil.copy2(FIXTURES / fixture / gone, ck / gone)
+    shutil.copy2(fixture / gone, ck / gone)
     code, whole = _findings(ck)
     assert [(f["rule"], f["item"]) for f in whole["findings"] if f["severity"] == "error"] == [
         ("checksum-mismatch", found["item"])

@@ -18,7 +18,7 @@ import os
 import re
 import shlex
 from collections import ChainMap
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -681,27 +681,39 @@ class DcpAdapter:
         records by the byte they start at, with the item each holds, from the metadata files
         that still read (none: nothing)."""
         out: dict[str, dict[int, str]] = {}
-        try:
-            with os.scandir(root) as entries:
-                names = sorted(e.name for e in entries if e.name == _GLOBAL_MD or _RANK_MD.match(e.name))
-        except OSError:
-            return out
-        for name in names:
-            try:
-                data = _load_metadata(root, name).storage_data
-            except CkptError:
-                continue
-            for key, info in data.items():
-                if isinstance(key, _MetadataIndex) and isinstance(info, _StorageInfo):
-                    rel, at, fqn = info.relative_path, info.offset, key.fqn
-                    if isinstance(rel, str) and isinstance(at, int) and isinstance(fqn, str):
-                        out.setdefault(rel, {})[at] = fqn
+        for _, key, info in records(root):
+            out.setdefault(info.relative_path, {})[info.offset] = key.fqn
         return out
 
     @staticmethod
     def misplaced(manifest: Manifest, damaged: set[str]) -> tuple[CorruptFileError, set[str]] | None:
         """:func:`misplaced_in` (verify asks, with the data files whose records did not read)."""
         return misplaced_in(manifest, damaged)
+
+
+def records(root: Path) -> Iterator[tuple[_Metadata, _MetadataIndex, _StorageInfo]]:
+    """Each record the metadata files of the DCP checkpoint at ``root`` place, with the metadata
+    placing it, for those that read (verify, where describe stopped); entries of the wrong types
+    are left out."""
+    try:
+        with os.scandir(root) as entries:
+            names = sorted(e.name for e in entries if e.name == _GLOBAL_MD or _RANK_MD.match(e.name))
+    except OSError:
+        return
+    for name in names:
+        try:
+            md = _load_metadata(root, name)
+        except CkptError:
+            continue
+        for key, info in md.storage_data.items():
+            if (
+                isinstance(key, _MetadataIndex)
+                and isinstance(info, _StorageInfo)
+                and isinstance(getattr(info, "relative_path", None), str)
+                and type(getattr(info, "offset", None)) is int
+                and isinstance(getattr(key, "fqn", None), str)
+            ):
+                yield md, key, info
 
 
 def _longer(ends: dict[str, int], sizes: dict[str, int], md_name: str, root: Path) -> list[dict[str, Any]]:

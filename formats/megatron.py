@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ckpttool import _unpickle
+from ckpttool.dtypes import BY_NAME
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import (
     CkptError,
@@ -35,6 +36,7 @@ from ckpttool.errors import (
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection, claim
 from ckpttool.formats.dcp import DcpAdapter, DcpReader, is_dist_config, misplaced_in
+from ckpttool.formats.dcp import records as dcp_records
 from ckpttool.geometry import Box, row_major_strides
 from ckpttool.io import confine, left_out, outside, read_tracker
 from ckpttool.manifest import FileRecord, FileRole, Item, Kind, Layout, Manifest, Piece, ReplicaCounter
@@ -542,10 +544,8 @@ class MegatronDistAdapter:
         num_experts = getattr(args, "num_experts", None)
         local_spec = getattr(args, "transformer_impl", None) == "local"
         for item in base.items.values():
-            for renamed in _split_layers(item, num_layers):
-                _rename(renamed, local_spec)
-                for expert in _split_experts(renamed, num_experts):
-                    manifest.add(expert)
+            for named in _named(item, num_layers, num_experts, local_spec):
+                manifest.add(named)
         for key in ("iteration", "checkpoint_version", "num_floating_point_operations_so_far"):
             if key in common:
                 manifest.add(
@@ -609,6 +609,35 @@ class MegatronDistAdapter:
 
     misplaced = staticmethod(misplaced_in)
     """its DCP files whose records did not read because they hold another file's (verify asks)"""
+
+    @staticmethod
+    def record_owners(root: Path) -> dict[str, dict[int, str]]:
+        """For verify where describe stopped (a data file missing or cut): each DCP file's records by
+        the byte they start at, with the item each holds, named as describe names it (a layer's own
+        ``decoder.layers.3.…``, not megatron-core's stacked key), so that a damaged record is named as
+        the described checkpoint names its item. Paths from ``root`` (the save directory given, with
+        its tracker, or the iteration's)."""
+        it_dir = MegatronDistAdapter._iter_dir(root)
+        if it_dir is None:
+            return {}
+        prefix = "" if it_dir == root else f"{it_dir.name}/"
+        args = None
+        with contextlib.suppress(CkptError):  # (without common.pt's args: megatron-core's own keys)
+            archive, common, _ = _pt.load(it_dir, "common.pt", ALLOWLIST)
+            archive.close()
+            args = common.get("args") if isinstance(common, dict) else None
+        num_layers, num_experts = getattr(args, "num_layers", None), getattr(args, "num_experts", None)
+        local_spec = getattr(args, "transformer_impl", None) == "local"
+        out: dict[str, dict[int, str]] = {}
+        for md, key, info in dcp_records(it_dir):
+            names = [
+                n.name for n in _named(_record_item(md, key, info), num_layers, num_experts, local_spec) if n.pieces
+            ]
+            # (one item's record only: a distributed optimizer's bucket holds many parameters' ranges,
+            # which describe assigns from the whole grad-buffer layout, not from one record)
+            if len(names) == 1 and not _BUCKET.match(names[0]):
+                out.setdefault(prefix + info.relative_path, {})[info.offset] = names[0]
+        return out
 
     def reader(self, manifest: Manifest) -> MegatronDistReader:
         return MegatronDistReader(manifest)
@@ -915,6 +944,43 @@ class MegatronDistReader(DcpReader):
     def close(self) -> None:
         self._pt.close()
         super().close()
+
+
+def _named(item: Item, num_layers: Any, num_experts: Any, local_spec: bool) -> list[Item]:
+    """A torch_dist (DCP) item as the items ckpttool names: megatron-core's stacked layers and
+    experts one item each, TransformerEngine and optimizer names as the legacy reader gives them."""
+    out = []
+    for renamed in _split_layers(item, num_layers):
+        _rename(renamed, local_spec)
+        out += _split_experts(renamed, num_experts)
+    return out
+
+
+def _record_item(md: Any, key: Any, info: Any) -> Item:
+    """The item a DCP record holds, as far as its metadata says: the tensor with the one piece
+    the record stores (its chunk's box), or the object."""
+    meta = md.state_dict_metadata.get(key.fqn)
+    size, at = tuple(getattr(meta, "size", None) or ()), tuple(getattr(key, "offset", None) or ())
+    box = next(
+        (
+            Box(at, sizes)
+            for chunk in getattr(meta, "chunks", None) or ()
+            if tuple(getattr(chunk, "offsets", ())) == at
+            and len(sizes := tuple(getattr(chunk, "sizes", ()))) == len(at) == len(size)
+            and all(type(n) is int for n in (*size, *at, *sizes))
+        ),
+        None,
+    )
+    if box is None or not box.within(size):  # (an object, or metadata that does not say: its own key)
+        return Item(name=key.fqn, kind="object", pieces=[Piece(file=info.relative_path, locator={}, box=Box((), ()))])
+    dtype = str(getattr(getattr(meta, "properties", None), "dtype", ""))
+    return Item(
+        name=key.fqn,
+        kind=classify(key.fqn, is_tensor=True),
+        dtype=dtype if dtype in BY_NAME else "torch.uint8",
+        shape=size,
+        pieces=[Piece(file=info.relative_path, locator={}, box=box)],
+    )
 
 
 def _split_layers(item: Item, num_layers: Any) -> list[Item]:

@@ -889,3 +889,29 @@ def test_layers_the_args_cannot_place_are_an_error_not_a_guess(changes, message,
     r = run_cli("inspect", _with_args(tmp_path, **changes))
     assert r.code == 3 and message in r.stderr and "mp_rank_00_000/model_optim_rng.pt" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_record_whose_metadata_does_not_say_its_chunk_is_named_by_its_key():
+    """verify names a damaged torch_dist record by the items describe gives (the layer's, the
+    expert's), from the metadata alone; where the metadata does not place the record's chunk
+    (fields missing, not integers, outside the tensor), it gives megatron-core's own key, and
+    does not fail."""
+    from types import SimpleNamespace as NS
+
+    from ckpttool.formats.megatron import _named, _record_item
+
+    info = NS(relative_path="__0_0.distcp", offset=0)
+    key = NS(fqn="decoder.layers.mlp.linear_fc1.weight", offset=(1, 0, 0))
+    props = NS(dtype="torch.bfloat16")
+
+    def names(*chunks, size=(2, 8, 4)):
+        md = NS(state_dict_metadata={key.fqn: NS(size=size, properties=props, chunks=list(chunks))})
+        return [i.name for i in _named(_record_item(md, key, info), 2, None, False) if i.pieces]
+
+    assert names(NS(offsets=(0, 0, 0), sizes=(1, 8, 4)), NS(offsets=(1, 0, 0), sizes=(1, 8, 4))) == [
+        "decoder.layers.1.mlp.linear_fc1.weight"
+    ]
+    unplaced = (NS(sizes=(1, 8, 4)), NS(offsets=(1, 0, 0), sizes=(1, 8.0, 4)), NS(offsets=(1, 0, 0), sizes=(2, 8, 4)))
+    for chunk in unplaced:
+        assert names(chunk) == [key.fqn]
+    assert names(NS(offsets=(1, 0, 0), sizes=(1, 8, 4)), size=None) == [key.fqn]

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 
+from ckpttool import registry
 from tests._zips import replace_member
 from tests.conftest import FIXTURES, data_pkl, megatron_enums, run_cli, set_stored_crc
 
@@ -1534,21 +1535,62 @@ def test_a_folder_standing_where_a_rank_file_should_be_is_said(fixture, rel, sea
     assert report["findings"][0]["message"].endswith("(a directory stands at that path, not a file)"), report
 
 
-def test_a_damaged_dcp_record_beside_a_missing_file_is_named_with_its_item(tmp_path):
+@pytest.mark.parametrize(
+    ("fixture", "gone", "item", "flipped"),
+    [
+        ("dcp/fsdp2", "__3_0.distcp", "model.blocks.0.fc1.weight", "__1_0.distcp"),
+        # torch_dist, given by its save directory (the tracker names the iteration): megatron-core's
+        # records hold its stacked keys (decoder.layers.mlp.…, every layer's and every expert's),
+        # named as describe names the items (the layer's own, the expert's own)
+        ("megatron/dist_tp2pp2", "__1_0.distcp", "decoder.layers.2.mlp.linear_fc1.weight.exp_avg", "__2_0.distcp"),
+        (
+            "megatron/dist_pp2ep2",
+            "__0_0.distcp",
+            "decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight",
+            "__3_1.distcp",
+        ),
+        (
+            "megatron/dist_tp2ep2_mtp",
+            "__0_0.distcp",
+            "mtp.layers.0.transformer_layer.mlp.experts.local_experts.1.linear_fc2.weight",
+            "__1_0.distcp",
+        ),
+    ],
+)
+def test_a_damaged_dcp_record_beside_a_missing_file_is_named_with_its_item(fixture, gone, item, flipped, tmp_path):
     """A DCP save with a data file missing does not describe, so a flipped byte in another rank's
     file was found by walking its records without the metadata: the finding named the record's
-    byte but no item, though .metadata read and says which item each record holds. (Megatron's
-    torch_dist does not yet: its records hold megatron-core's stacked keys, several items each.)"""
-    fixture, gone, flipped = FIXTURES / "dcp" / "fsdp2", "__3_0.distcp", "__1_0.distcp"
-    ck = _damaged_copy(fixture, tmp_path, gone=[gone], flipped=[flipped])
+    byte but no item, though .metadata read and says which item each record holds."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / fixture, ck)
+    dist = fixture.startswith("megatron")
+    data = ck / "iter_0000003" if dist else ck
+    adapter, manifest = registry.describe(data)
+    piece = next(p for p in manifest.items[item].pieces if p.file == flipped)
+    with adapter.reader(manifest) as reader:
+        start, n = reader.raw_span(piece, manifest.items[item])
+    st = os.stat(data / flipped)
+    with open(data / flipped, "r+b") as f:  # (its modification time kept: not a save in flight)
+        f.seek(start + n // 2)
+        byte = f.read(1)[0]
+        f.seek(start + n // 2)
+        f.write(bytes([byte ^ 0xFF]))
+    os.utime(data / flipped, ns=(st.st_atime_ns, st.st_mtime_ns))
+    (data / gone).unlink()
     code, report = _findings(ck)
-    assert code == 1 and _rules(report) == [("missing-file", gone), ("checksum-mismatch", flipped)], report
+    prefix = "iter_0000003/" if dist else ""
+    assert code == 1 and _rules(report) == [
+        ("missing-file", prefix + gone),
+        ("checksum-mismatch", prefix + flipped),
+    ], report
     found = report["findings"][1]
-    assert found["item"] and f"(of {found['item']})" in found["message"], found
-    assert report["format"] == "dcp"
+    assert found["item"] == item and f"(of {item})" in found["message"], found
+    assert report["format"] == ("megatron-dist" if dist else "dcp")
     # the item is the one the described checkpoint names for that damage, once the missing file is back
-    shutil.copy2(fixture / gone, ck / gone)
+    shutil.copy2(FIXTURES / fixture / data.relative_to(ck) / gone, data / gone)
     code, whole = _findings(ck)
     assert [(f["rule"], f["item"]) for f in whole["findings"] if f["severity"] == "error"] == [
-        ("checksum-mismatch", found["item"])
+        ("checksum-mismatch", item)
     ], whole
+
+

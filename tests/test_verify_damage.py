@@ -1535,6 +1535,23 @@ def test_a_folder_standing_where_a_rank_file_should_be_is_said(fixture, rel, sea
     assert report["findings"][0]["message"].endswith("(a directory stands at that path, not a file)"), report
 
 
+def test_a_storage_entry_missing_a_field_beside_a_missing_file_is_no_internal_error(tmp_path):
+    """The walk of a DCP file's records where describe stopped (a data file missing) read each
+    storage entry's fields as attributes: an entry whose pickle lacks one ended verify with an
+    internal error instead of the findings."""
+    import pickle
+
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ck)
+    md = pickle.loads((ck / ".metadata").read_bytes())
+    key = next(iter(md.storage_data))
+    object.__delattr__(md.storage_data[key], "relative_path")
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+    (ck / "__3_0.distcp").unlink()
+    code, report = _findings(ck)
+    assert code == 1 and _rules(report) == [("missing-file", "__3_0.distcp")], report
+
+
 @pytest.mark.parametrize(
     ("fixture", "gone", "item", "flipped"),
     [

@@ -23,7 +23,15 @@ from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 from ckpttool import _crc
-from ckpttool.errors import CkptError, CorruptFileError, NotFoundError, PathEscapeError, UsageError, raise_together
+from ckpttool.errors import (
+    CkptError,
+    CorruptFileError,
+    IncompleteCheckpointError,
+    NotFoundError,
+    PathEscapeError,
+    UsageError,
+    raise_together,
+)
 
 TMP_MARKER = ".ckpttool-tmp-"
 
@@ -126,6 +134,43 @@ def preadinto(fd: int, buf: memoryview, offset: int) -> int:
     return done
 
 
+def open_regular_fd(path: str | os.PathLike[str], display: str) -> int:
+    """A descriptor of the regular file at ``path``, opened for reading without blocking: a FIFO in
+    a file's place would wait for a writer forever, a directory opens and fails at its first read.
+    Anything but a regular file is an IncompleteCheckpointError (``missing-file``: the file the
+    checkpoint needs is not there) naming what stands there; OSError as ``os.open`` raises it."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise IncompleteCheckpointError(
+            f"{display}: {not_a_file(mode)} stands at that path, not a file",
+            hint="a copy or a script put it there; restore the file from its source",
+            path=display,
+            rule="missing-file",
+        )
+    return fd
+
+
+def open_regular(path: str | os.PathLike[str], display: str) -> BinaryIO:
+    """:func:`open_regular_fd` as a file object (``open(path, "rb")`` for checkpoint files)."""
+    return os.fdopen(open_regular_fd(path, display), "rb")
+
+
+def not_a_file(mode: int) -> str:
+    """What stands at a path where a regular file was expected: ``a directory``, ``a FIFO``, …"""
+    for test, what in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return what
+    return "something other than a regular file"
+
+
 class RandomAccessFile:
     """An open checkpoint file read by offset; closes on exit."""
 
@@ -154,7 +199,7 @@ class RandomAccessFile:
         """Open (or, after :class:`FileCache` closed it to stay under the open-file limit,
         re-open) the file; a file whose size changed in between is reported, not read."""
         try:
-            fd = os.open(self.path, os.O_RDONLY)
+            fd = open_regular_fd(self.path, self.display)
         except FileNotFoundError:
             raise NotFoundError(f"{self.display}: file not found", path=self.display) from None
         except OSError as exc:
@@ -519,7 +564,7 @@ def read_tracker(root: str | os.PathLike[str], display: str) -> str:
     ``latest_checkpointed_iteration.txt``); a link out of ``root`` is refused, as a data file's is."""
     path = confine(root, display, named_by="the save directory", kind="tracker file")
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path, display) as fh:
             data = fh.read(4097)
     except OSError as exc:
         raise NotFoundError(f"{display}: cannot read ({exc.strerror})", path=display) from None

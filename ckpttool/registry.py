@@ -117,7 +117,9 @@ def _folder_of_checkpoints(folder: Path, held: list[tuple[str, str]]) -> FormatN
     return FormatNotRecognizedError(
         str(folder),
         {"folder": f"holds {count}"},
-        message=f"{folder}: a folder of {count} ({formats}), not one: {shown}",
+        message=f"{folder}: a folder holding the checkpoint {shown} ({formats}), not a checkpoint itself"
+        if len(names) == 1
+        else f"{folder}: a folder of {count} ({formats}), not one: {shown}",
         hint=hint,
     )
 

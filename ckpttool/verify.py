@@ -40,7 +40,7 @@ from ckpttool.formats import _pt
 from ckpttool.formats.base import Adapter
 from ckpttool.geometry import Box, coverage, flat_range_boxes, intersect
 from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
-from ckpttool.io import TMP_MARKER, RandomAccessFile, checking_crcs, followed, list_files, outside
+from ckpttool.io import TMP_MARKER, RandomAccessFile, checking_crcs, followed, list_files, not_a_file, outside
 from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, Piece, StateName, is_seal_name
 from ckpttool.naming import plural
 from ckpttool.seal import (
@@ -768,7 +768,9 @@ def _not_a_file(bases: list[Path], found: Finding) -> Finding:
         with contextlib.suppress(OSError):
             st = os.lstat(base / found.file)
             if not stat.S_ISREG(st.st_mode) and not stat.S_ISLNK(st.st_mode):
-                what = "a directory" if stat.S_ISDIR(st.st_mode) else "something other than a regular file"
+                if "stands at that path" in found.message:  # (said by the reader that opened it)
+                    return found
+                what = not_a_file(st.st_mode)
                 return replace(found, message=f"{found.message} ({what} stands at that path, not a file)")
             return found
     return found

@@ -38,7 +38,7 @@ from ckpttool.formats.base import Detection, claim
 from ckpttool.formats.dcp import DcpAdapter, DcpReader, is_dist_config, misplaced_in
 from ckpttool.formats.dcp import records as dcp_records
 from ckpttool.geometry import Box, row_major_strides
-from ckpttool.io import confine, left_out, outside, read_tracker
+from ckpttool.io import confine, left_out, open_regular, outside, read_tracker
 from ckpttool.manifest import FileRecord, FileRole, Item, Kind, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
 from ckpttool.values import flatten, plain_value, set_value
@@ -341,10 +341,12 @@ def _describe_bytes(path: Path) -> str:
     if outside(path.parent, path) is not None:
         return "a link out of the checkpoint (not read)"
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path, path.name) as fh:
             data = fh.read(1 << 20)
     except OSError as exc:
         return f"an unreadable file ({exc.strerror})"
+    except IncompleteCheckpointError as exc:  # (what stands there: "a FIFO (named pipe) stands at that path, …")
+        return exc.message.removeprefix(f"{path.name}: ")
     if not data:
         return "an empty file"
     if len(data) == 1 << 20:

@@ -23,7 +23,7 @@ from ckpttool.dtypes import BY_SAFETENSORS, carrier
 from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, UnsafePickleError, raise_together
 from ckpttool.formats.base import Detection, PieceReader
 from ckpttool.geometry import Box
-from ckpttool.io import FileCache, RandomAccessFile, confine, left_out, list_files, outside
+from ckpttool.io import FileCache, RandomAccessFile, confine, left_out, list_files, open_regular, outside
 from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece, StateName
 from ckpttool.naming import classify
 
@@ -218,6 +218,17 @@ class SafetensorsAdapter:
             full = found[rel] = (
                 Path(root, rel) if gone else Path(confine(root, rel, named_by=index_name or "the listing"))
             )
+            if full.is_dir() and rel.endswith(".safetensors"):  # (a shard's name: the shard replaced)
+                damaged.append(
+                    IncompleteCheckpointError(
+                        f"{rel}: a directory stands at that path, not a file",
+                        hint="a copy or a script put it there; download the shard again",
+                        path=rel,
+                        rule="missing-file",
+                    )
+                )
+                del found[rel]
+                continue
             if full.is_dir() and weight_map is not None:
                 raise CorruptFileError(
                     f"{index_name}: names {rel!r} as the shard of "
@@ -447,7 +458,7 @@ def _unnumbered_shards(files: list[str]) -> list[CkptError]:
 
 def _read_index(root: Path, name: str) -> dict[str, str]:
     try:
-        with open(confine(root, name, named_by="the listing", kind="index"), encoding="utf-8") as fh:
+        with open_regular(confine(root, name, named_by="the listing", kind="index"), name) as fh:
             index = json.load(fh)
     except (OSError, ValueError, RecursionError) as exc:
         raise CorruptFileError(f"{name}: not a readable JSON index ({exc})", path=name) from None

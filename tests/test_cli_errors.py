@@ -617,7 +617,7 @@ def test_a_folder_of_checkpoints_names_them_and_the_one_to_give(tmp_path):
         assert f"hint: give one of them; the last by the number in its name is {run / 'checkpoint-1000'}" in r.stderr
         assert "megatron" not in r.stderr, r.stderr  # (not every format's reason)
     r = run_cli("inspect", FIXTURES / "hf" / "trainer")
-    assert_clean(r, 3, "a folder of 1 checkpoint (safetensors), not one: checkpoint-3")
+    assert_clean(r, 3, "a folder holding the checkpoint checkpoint-3 (safetensors), not a checkpoint itself")
     assert f"hint: give the checkpoint itself: {FIXTURES / 'hf' / 'trainer' / 'checkpoint-3'}" in r.stderr
     empty = tmp_path / "empty"
     empty.mkdir()

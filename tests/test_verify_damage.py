@@ -1611,3 +1611,34 @@ def test_a_damaged_dcp_record_beside_a_missing_file_is_named_with_its_item(fixtu
     ], whole
 
 
+
+
+@pytest.mark.parametrize(
+    ("fixture", "rel", "what"),
+    [
+        ("safetensors/sharded", "model.safetensors.index.json", "fifo"),
+        ("safetensors/sharded", "model-00002-of-00002.safetensors", "fifo"),
+        ("safetensors/sharded", "model-00001-of-00002.safetensors", "dir"),
+        ("dcp/fsdp2", "__1_0.distcp", "fifo"),
+        ("megatron/dist_tp2pp2", "iter_0000003/common.pt", "fifo"),
+    ],
+)
+def test_a_fifo_or_a_folder_in_a_files_place_is_said_not_waited_on(fixture, rel, what, tmp_path):
+    """A named pipe where a file should be (a FIFO left by a streaming copy) made verify wait for a
+    writer forever: the safetensors index and shards were opened without a look at what they are.
+    A folder in a shard's place was blamed on the index, which names the shard rightly."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / fixture, ck)
+    (ck / rel).unlink()
+    if what == "fifo":
+        os.mkfifo(ck / rel)
+    else:
+        (ck / rel).mkdir()
+    r = run_cli("verify", ck, "--json", timeout=30)
+    report = json.loads(r.stdout)
+    named = rel.removeprefix("iter_0000003/")  # (a described torch_dist save: named from its iteration)
+    assert r.code == 1 and _rules(report) == [("missing-file", named)], report
+    stands = "a FIFO (named pipe)" if what == "fifo" else "a directory"
+    (said,) = [f["message"] for f in report["findings"] if f["severity"] == "error"]
+    assert f"{stands} stands at that path, not a file" in said, report
+    assert "Traceback" not in r.stderr

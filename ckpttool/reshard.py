@@ -553,6 +553,7 @@ class _MegatronExec(_FileExec):
                 "--dp does not apply to Megatron files (one per TP x PP x EP rank; the data-parallel size is "
                 "chosen when the run resumes)"
             )
+        _check_coverage(manifest)  # (the optimizer's moments too: a gap would be written as whatever memory held)
         tp = target.tp or manifest.layout.tp or 1
         pp = target.pp or manifest.layout.pp or 1
         if target.vocab_padding not in ("keep", "megatron"):
@@ -589,8 +590,9 @@ class _MegatronExec(_FileExec):
 
 
 def _check_coverage(manifest: Manifest) -> None:
-    """Every tensor of the source tiled exactly by its pieces (the writers that cut flat partitions
-    would fill a gap with zeros): a rank file of another run, read as this one's, leaves one."""
+    """Every tensor of the source tiled exactly by its pieces, checked before anything is written (a
+    writer would fill a gap with zeros, or with whatever its buffer held): a rank file of another
+    run, read as this one's, leaves one."""
     from ckpttool.assemble import check_coverage
 
     for item in manifest.items.values():

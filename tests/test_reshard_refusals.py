@@ -245,3 +245,23 @@ def test_kind_param_of_a_zero3_checkpoint_is_refused_not_a_model_of_one_buffer(c
     assert run_cli(command, FIXTURES / "deepspeed" / "zero3", "-o", out, "--kind", "param", "-f", "seen").code == 0
     r = run_cli(command, FIXTURES / "deepspeed" / "zero2", "-o", tmp_path / "z2.safetensors", "--kind", "param")
     assert r.code == 0, r.stderr
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [("--tp", "1", "--pp", "1"), ("--tp", "2", "--pp", "2"), ("--distributed-optimizer",), ("--to", "megatron-dist")],
+)
+def test_a_rank_file_of_another_run_leaving_moments_uncovered_is_refused(tmp_path, flags):
+    """A rank file from a distributed-optimizer run among Float16-optimizer ones (its model reads,
+    its moments live in distrib_optim.pt, which is not there) leaves a gap in every moment: the
+    legacy writer assembled the moments from a fresh buffer and published them, sealed, with
+    whatever memory held (inf, 3e38, different on every run), and verify of the output passed.
+    Refused before anything is written, as the DCP and safetensors targets refuse it."""
+    src = tmp_path / "mixed"
+    shutil.copytree(MG / "legacy_tp2pp2", src)
+    rank = "iter_0000003/mp_rank_01_000/model_optim_rng.pt"
+    shutil.copy2(MG / "legacy_tp2pp2_distopt" / rank, src / rank)
+    out = tmp_path / "out"
+    r = run_cli("reshard", src, "-o", out, *flags, cwd=tmp_path)
+    assert_clean(r, 3, "elements are in no piece")
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["mixed"]

@@ -32,6 +32,8 @@ from ckpttool.errors import (
     UsageError,
     raise_together,
 )
+from ckpttool.manifest import SEAL_NAME
+from ckpttool.naming import printable
 
 TMP_MARKER = ".ckpttool-tmp-"
 
@@ -1114,6 +1116,12 @@ def check_output(
             f"{flag} {output} is a {kind}: ckpttool replaces only files and directories, with --force or not",
             hint=f"give the path of the {what} to write, such as {example}",
         )
+    if force and directory and out.exists() and not out.is_dir():
+        raise UsageError(
+            f"{flag} {output} is a file; this command writes a directory: --force replaces an earlier output "
+            "directory, not a file",
+            hint=f"give the path of the directory to write, such as {example}, or remove the file yourself",
+        )
     if out.is_dir():
         if not directory:
             raise UsageError(
@@ -1169,30 +1177,110 @@ def check_output(
         )
 
 
-def _refuse_replacing_other_data(out: Path, said: str) -> None:
-    """``--force`` replaces an earlier output (a checkpoint ckpttool reads) or an empty directory:
-    a directory of anything else (a home directory, a dataset, a typo's neighbour) is refused, not
-    deleted with the new output's publishing."""
-    from ckpttool import registry
+_TRACKERS = ("latest", "latest_universal", "latest_checkpointed_iteration.txt")
+"""files a save directory keeps beside the save they name (DeepSpeed's tags, Megatron's iterations;
+see ``formats/deepspeed.py`` and ``formats/megatron.py``): an earlier output's, where its manifest is
+rooted in that save"""
 
+
+def _refuse_replacing_other_data(out: Path, said: str) -> None:
+    """``--force`` replaces an earlier output or an empty directory, nothing else: a directory
+    holding anything the checkpoint in it does not account for (another save's folder, logs, code,
+    a dataset beside a model file) is refused, not deleted with the new output's publishing."""
     try:
-        with os.scandir(out) as it:
-            names = sorted(e.name for e in it)
+        names = sorted(os.listdir(out))
     except OSError:
         return  # (unreadable: the write says why)
     if not names:
         return
+    others = _beside_the_checkpoint(out)
+    if not others:
+        return
+    shown = ", ".join(printable(n) for n in others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+    hint = "choose another path, or remove the directory yourself if what it holds may go"
+    if isinstance(others, str):
+        raise UsageError(
+            f"{said} holds a checkpoint ckpttool cannot read whole ({others}): --force replaces an earlier "
+            "output, not a checkpoint it cannot account for",
+            hint=hint,
+        )
+    if len(others) == len(names) and not (out / SEAL_NAME).is_file():
+        raise UsageError(
+            f"{said} is a directory that holds no checkpoint ckpttool reads ({shown}): --force replaces an earlier "
+            "output or an empty directory, not other data",
+            hint=hint,
+        )
+    raise UsageError(
+        f"{said} holds {shown} beside the checkpoint in it: --force replaces an earlier output or an empty "
+        "directory, not other data",
+        hint=hint,
+    )
+
+
+def _beside_the_checkpoint(out: Path) -> list[str] | str:
+    """What the directory ``out`` holds that is not part of the checkpoint in it: the paths (a
+    folder with nothing of the checkpoint below it named once, with a slash), every entry where it
+    holds no checkpoint; or why its checkpoint does not read. Its checkpoint: the files its ckpttool
+    seal lists where it has one, else those its format's reader accounts for (files the format
+    keeps beside its data only directly in the checkpoint's folder, and a save directory's tracker
+    beside the save)."""
+    from ckpttool import registry
+    from ckpttool.seal import Seal
+
+    found = _entries(out)
+
+    def beside(root: str | os.PathLike[str], files: list[str]) -> list[str]:
+        at = Path(os.path.relpath(root, out))
+        listed = {os.path.normpath(at / f) for f in files} | {SEAL_NAME}
+        if at != Path("."):
+            listed.update(name for name in _TRACKERS if (out / name).is_file())
+        return _outside(found, {Path(p).as_posix() for p in listed})
+
+    seal = out / SEAL_NAME
+    if seal.is_file():  # (the seal's folder: as recorded where that is inside out, else out itself)
+        with contextlib.suppress(CkptError, ValueError):
+            head = Seal.load(seal).head
+            recorded = Path(head.root)
+            folder = out / recorded.name if (out / recorded.name).is_dir() and recorded.name != out.name else out
+            if all((folder / f.path).is_file() for f in head.files):  # (else a seal made elsewhere: not its)
+                return beside(folder, [f.path for f in head.files])
     try:
         registry.detect(out)
-        return
     except CkptError:
-        pass
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    raise UsageError(
-        f"{said} is a directory that holds no checkpoint ckpttool reads ({shown}): --force replaces an earlier "
-        "output or an empty directory, not other data",
-        hint="choose another path, or remove the directory yourself if what it holds may go",
-    )
+        return _outside(found, set())
+    try:
+        _, manifest = registry.describe(out)
+    except CkptError as exc:
+        return exc.message
+    return beside(manifest.root, [f.path for f in manifest.files if f.role != "aux" or "/" not in f.path])
+
+
+def _entries(out: Path) -> list[str]:
+    """Every entry below ``out`` that is not a directory, and every empty directory (with a slash),
+    as posix paths relative to it; links are not followed."""
+    found: list[str] = []
+    for top, dirs, files in os.walk(out):
+        rel = Path(top).relative_to(out)
+        found += [(rel / name).as_posix() for name in files]
+        found += [(rel / d).as_posix() for d in dirs if os.path.islink(os.path.join(top, d))]
+        if not dirs and not files and rel != Path("."):
+            found.append(rel.as_posix() + "/")
+    return sorted(found)
+
+
+def _outside(found: list[str], listed: set[str]) -> list[str]:
+    """``found`` less ``listed``, each folder whose entries are all outside named once (``logs/``)."""
+    extra = [p for p in found if p not in listed]
+    held = {parent.as_posix() for p in listed for parent in Path(p).parents}
+    out: list[str] = []
+    for p in extra:
+        parts = p.rstrip("/").split("/")
+        # the outermost folder of it holding nothing listed stands for all it holds
+        top = next(("/".join(parts[:k]) for k in range(1, len(parts)) if "/".join(parts[:k]) not in held), None)
+        name = f"{top}/" if top is not None else p
+        if name not in out:
+            out.append(name)
+    return out
 
 
 def check_output_file(out: str | os.PathLike[str], flag: str) -> None:

@@ -814,8 +814,8 @@ def seal(
                 )
             )
     folders = _subfolders(Path(manifest.root), manifest) if Path(path).is_dir() else None
-    if published_as is not None:
-        manifest.root = str(published_as)
+    if published_as is not None:  # (with the folder inside it the reader went into: a save's iteration)
+        manifest.root = os.path.normpath(Path(published_as) / os.path.relpath(manifest.root, path))
     result = Seal(
         algo=algo,
         head=_head(manifest),

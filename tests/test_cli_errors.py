@@ -585,7 +585,7 @@ def test_force_replaces_an_earlier_output_not_a_directory_of_other_data(argv, tm
     (other / "notes.txt").write_text("keep me")
     before = tree_digests(other)
     r = run_cli(*[str(a).replace("{dir}", str(other)) for a in argv])
-    assert_clean(r, 2, "is a directory that holds no checkpoint ckpttool reads (notes.txt, sub)", "--force replaces")
+    assert_clean(r, 2, "is a directory that holds no checkpoint ckpttool reads (notes.txt, sub/)", "--force replaces")
     assert tree_digests(other) == before and (other / "sub").is_dir()
     assert run_cli(*[str(a).replace("{dir}", str(tmp_path / "empty")) for a in argv]).code == 0
     (tmp_path / "empty").mkdir(exist_ok=True)
@@ -593,6 +593,63 @@ def test_force_replaces_an_earlier_output_not_a_directory_of_other_data(argv, tm
     if "--dry-run" not in argv:  # an earlier output is replaced
         assert registry_format(tmp_path / "empty") in ("safetensors", "dcp")
         assert run_cli(*[str(a).replace("{dir}", str(tmp_path / "empty")) for a in argv]).code == 0
+
+
+@pytest.mark.parametrize(
+    ("setup", "said"),
+    [
+        ("file", "is a file; this command writes a directory"),
+        ("run", "holds emptydir/, iter_0000001/, tensorboard/ and 1 more beside the checkpoint in it"),
+        ("project", "holds code/ beside the checkpoint in it"),
+        ("sealed", "holds iter_0000003/extra.txt beside the checkpoint in it"),
+    ],
+)
+def test_force_replaces_no_data_beside_a_checkpoint(setup, said, tmp_path):
+    """--force replaced any directory in which a checkpoint was detected, whatever else it held (a
+    run's directory: its other saves, its logs; a project: its code beside a model file), and a
+    plain file, with a directory. It replaces an earlier output only: every file its seal lists,
+    or, unsealed, every file its format accounts for (and a save directory's tracker)."""
+    out = tmp_path / "out"
+    if setup == "file":
+        out.write_text("my notes")
+    elif setup == "run":
+        shutil.copytree(FIXTURES / "megatron" / "legacy_tp2pp2", out)
+        shutil.copytree(out / "iter_0000003", out / "iter_0000001")
+        (out / "tensorboard").mkdir()
+        (out / "tensorboard" / "events").write_text("ev")
+        (out / "train.log").write_text("log")
+        (out / "emptydir").mkdir()
+    elif setup == "project":
+        (out / "code").mkdir(parents=True)
+        (out / "code" / "train.py").write_text("print(1)")
+        shutil.copy2(FIXTURES / "safetensors" / "model.safetensors", out)
+    else:  # an earlier output, sealed, with a file added to its iteration since
+        assert run_cli("reshard", FIXTURES / "megatron" / "legacy_tp2pp2", "-o", out, "--to", "megatron-dist").code == 0
+        (out / "iter_0000003" / "extra.txt").write_text("mine")
+    before = tree_digests(out) if out.is_dir() else out.read_bytes()
+    r = run_cli("reshard", FIXTURES / "dcp" / "fsdp2", "-o", out, "--dp", "2", "--force")
+    assert_clean(r, 2, said, "--force replaces")
+    assert (tree_digests(out) if out.is_dir() else out.read_bytes()) == before
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("reshard", FIXTURES / "megatron" / "legacy_tp2pp2", "--to", "megatron-dist"),
+        ("reshard", FIXTURES / "megatron" / "legacy_tp2pp2", "--tp", "1", "--pp", "1"),
+        ("reshard", FIXTURES / "deepspeed" / "zero2", "--to", "deepspeed-universal"),
+        ("reshard", FIXTURES / "deepspeed" / "zero2", "--dp", "1"),
+        ("reshard", FIXTURES / "dcp" / "fsdp2", "--dp", "2"),
+    ],
+)
+@pytest.mark.parametrize("sealed", [True, False], ids=["sealed", "unsealed"])
+def test_force_replaces_an_earlier_output_of_every_kind(argv, sealed, tmp_path):
+    """An earlier output is replaced, sealed or not, its save directory's tracker and seal with it."""
+    out = tmp_path / "out"
+    flags = () if sealed else ("--no-seal",)
+    assert run_cli(*argv[:2], "-o", out, *argv[2:], *flags).code == 0
+    r = run_cli(*argv[:2], "-o", out, *argv[2:], *flags, "--force")
+    assert r.code == 0, r.stderr
 
 
 def registry_format(path):

@@ -1642,3 +1642,23 @@ def test_a_fifo_or_a_folder_in_a_files_place_is_said_not_waited_on(fixture, rel,
     (said,) = [f["message"] for f in report["findings"] if f["severity"] == "error"]
     assert f"{stands} stands at that path, not a file" in said, report
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("fixture", "flags", "gone"),
+    [
+        ("megatron/legacy_tp2pp2", ("--to", "megatron-dist"), "iter_0000003/__1_0.distcp"),
+        ("deepspeed/zero2", ("--to", "deepspeed-universal"), "global_step3_universal/zero/blocks.0.fc1.weight/exp_avg.pt"),
+    ],
+)
+def test_a_file_deleted_from_a_written_save_directory_is_the_one_missing(fixture, flags, gone, tmp_path):
+    """A writer seals its output before publishing it, and the seal recorded the published
+    directory as its root, dropping the iteration (or tag) folder its files are named from: with
+    a data file deleted, so that the checkpoint no longer describes, verify looked for every
+    sealed file in the save directory and called all of them missing."""
+    out = tmp_path / "out"
+    assert run_cli("reshard", FIXTURES / fixture, "-o", out, *flags).code == 0
+    (out / gone).unlink()
+    code, report = _findings(out)
+    errors = [(f["rule"], f["file"]) for f in report["findings"] if f["severity"] == "error"]
+    assert code == 1 and errors == [("missing-file", gone)], report

@@ -42,8 +42,8 @@ ForceDirOpt = Annotated[
     bool,
     typer.Option(
         "--force",
-        help="Replace OUTPUT if it exists: an earlier output (a checkpoint) or an empty directory, never a "
-        "directory of other data.",
+        help="Replace OUTPUT if it exists: an earlier output (a directory holding a checkpoint and nothing else) "
+        "or an empty directory, never other data.",
     ),
 ]
 

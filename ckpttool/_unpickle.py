@@ -529,6 +529,11 @@ def _memo_bomb(data: bytes) -> str | None:
             length = int.from_bytes(data[i : i + n], "little", signed=kind == 3)
             if length < 0:
                 return None
+            if i + n + length > limit:  # (the unpickler allocates the length it is told before reading)
+                return (
+                    f"gives a string or bytes of {length:,} bytes at byte {i - 1:,}, past its end ({limit:,} bytes): "
+                    "it is cut short or damaged"
+                )
             i += n + length
     return None
 

@@ -243,6 +243,21 @@ def test_memo_index_bombs_are_found_by_walking_the_opcodes(protocol):
             _loads(bomb[:cut])
 
 
+@pytest.mark.parametrize("opcode", [b"\x96", b"\x8e", b"\x8d", b"T", b"B"])  # BYTEARRAY8, BINBYTES8, BINUNICODE8, …
+def test_a_length_past_the_end_of_the_pickle_is_refused_before_the_unpickler_allocates_it(opcode):
+    """One flipped bit turned a DCP .metadata's MEMOIZE into BYTEARRAY8, whose next eight bytes
+    then claimed terabytes: CPython allocates the length it is told before reading, and verify
+    printed a SystemError traceback beside its finding. A string, bytes or bytearray longer than
+    what is left of the pickle is damage, said without unpickling."""
+    width = 8 if opcode in (b"\x96", b"\x8e", b"\x8d") else 4
+    data = b"\x80\x04" + opcode + (1 << 30).to_bytes(width, "little") + b"x" * 20 + b"."
+    assert "past its end" in (_unpickle._memo_bomb(data) or "")
+    with pytest.raises(CorruptFileError, match="past its end"):
+        _loads(data)
+    ok = b"\x80\x04" + opcode + (3).to_bytes(width, "little") + b"abc."
+    assert _unpickle._memo_bomb(ok) is None
+
+
 def test_memo_index_bombs_are_found_in_large_pickles_too():
     # a DCP .metadata can be tens of MB: the walk has no size cut-off (one used to skip pickles over
     # 4 MB), and runs of fixed-size opcodes are skipped in one step

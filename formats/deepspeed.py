@@ -808,6 +808,7 @@ class DeepSpeedAdapter:
                     rank=0,
                 )
             )
+        damaged += _absent_universal_files(present, files, z3)
         model_rel = models.get(min(models)) if models else (z3[min(z3)] if z3 else None)
         first = files.get(model_rel, {}) if model_rel else {}
         shapes = {n: tuple(s) for group in (first.get("param_shapes") or []) for n, s in group.items()}
@@ -857,9 +858,9 @@ class DeepSpeedAdapter:
             manifest.extras["vocab_cut"] = cut
         if z3:  # the frozen parameters' fragments are in every rank's model states, as in the source
             b.frozen(3, {}, z3, first)
-            b.universal3_groups("zero/optimizer_state.pt")
+            b.universal3_groups(_UNIVERSAL_OPTIM)
         else:
-            b.universal_hyperparameters("zero/optimizer_state.pt")
+            b.universal_hyperparameters(_UNIVERSAL_OPTIM)
         b.shared(_tied(files, [*(models[k] for k in sorted(models)), *(z3[k] for k in sorted(z3))]))
         # frozen: what the source froze (ds_to_universal writes them an fp32.pt and no moments)
         if frozen := list((first.get("frozen_param_shapes") or {}).keys()):
@@ -890,6 +891,49 @@ class DeepSpeedAdapter:
 
     def reader(self, manifest: Manifest) -> _pt.PtReader:
         return _pt.PtReader(manifest, ALLOWLIST)
+
+
+def _absent_universal_files(
+    present: list[str], files: dict[str, Any], z3: dict[tuple[int, int], str]
+) -> list[CkptError]:
+    """The files of a universal checkpoint that DeepSpeed's universal load cannot do without, found
+    missing: ``zero/optimizer_state.pt`` (the param groups: learning rate, betas, weight decay,
+    step), and, converted from ZeRO-3 (``z3``: its model-states files by DP and MP rank), every
+    rank's model states, which hold that rank's fragments of the frozen parameters (as many ranks
+    as their ``dp_world_size`` x ``mp_world_size`` record)."""
+    out: list[CkptError] = []
+    if _UNIVERSAL_OPTIM not in present and any(r.startswith("zero/") for r in present):
+        out.append(
+            IncompleteCheckpointError(
+                f"{_UNIVERSAL_OPTIM} is missing: ds_to_universal writes the optimizer's param groups there "
+                "(learning rate, betas, weight decay, step), and DeepSpeed's universal load stops without it",
+                hint="copy it from another copy of this checkpoint, or convert again from the source checkpoint",
+                path=_UNIVERSAL_OPTIM,
+                rule="missing-file",
+            )
+        )
+    if z3:
+        some: dict[str, Any] = next((files[r] for r in z3.values() if isinstance(files.get(r), dict)), {})
+        dp_n = max(_count(some.get("dp_world_size")) or 1, max(dp for dp, _ in z3) + 1)
+        mp_n = max(_count(some.get("mp_world_size")) or 1, max(mp for _, mp in z3) + 1)
+        if dp_n * mp_n <= _MAX_RANK_FILES:
+            absent = [(dp, mp) for mp in range(mp_n) for dp in range(dp_n) if (dp, mp) not in z3]
+            out += [
+                IncompleteCheckpointError(
+                    f"zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt is missing: a universal checkpoint "
+                    f"converted from ZeRO-3 keeps every rank's model states (each holds its rank's fragments of "
+                    f"the frozen parameters), and they record {dp_n} DP x {mp_n} MP rank(s)",
+                    hint="copy the model-states files from the source tag, or convert again with ds_to_universal",
+                    path=f"zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt",
+                    rule="missing-file",
+                    rank=dp,
+                )
+                for dp, mp in absent
+            ]
+    return out
+
+
+_UNIVERSAL_OPTIM = "zero/optimizer_state.pt"
 
 
 def _absent_universal_states(

@@ -377,6 +377,22 @@ IMPLIED = [
         [],
         [("missing-file", f"{U}/zero_pp_rank_0_mp_rank_00_model_states.pt", 0)],
     ),
+    # the param groups DeepSpeed's universal load asserts on, and a ZeRO-3 rank's model states (its
+    # fragments of the frozen parameters): verify said OK, reshard --to dcp dropped the param groups
+    ("universal", [f"{U}/zero/optimizer_state.pt"], [], [("missing-file", f"{U}/zero/optimizer_state.pt", None)]),
+    ("universal3", [f"{U}/zero/optimizer_state.pt"], [], [("missing-file", f"{U}/zero/optimizer_state.pt", None)]),
+    (
+        "universal3",
+        [f"{U}/zero_pp_rank_0_mp_rank_00_model_states.pt"],
+        [],
+        [("missing-file", f"{U}/zero_pp_rank_0_mp_rank_00_model_states.pt", 0)],
+    ),
+    (
+        "universal3",
+        [f"{U}/zero_pp_rank_1_mp_rank_00_model_states.pt"],
+        [],
+        [("missing-file", f"{U}/zero_pp_rank_1_mp_rank_00_model_states.pt", 1)],
+    ),
     # the fp32.pt ds_to_universal copies from the module for a tied alias and a frozen parameter
     ("universal", [f"{U}/zero/head.weight/fp32.pt"], [], [("missing-file", f"{U}/zero/head.weight/fp32.pt", None)]),
     (

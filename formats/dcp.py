@@ -528,10 +528,26 @@ class DcpAdapter:
         for key, info in md.storage_data.items():
             if not isinstance(key, _MetadataIndex) or not isinstance(info, _StorageInfo):
                 raise CorruptFileError(f"{md_name}: malformed storage index entry", path=md_name)
+            fqn = getattr(key, "fqn", None)
+            wrong = [
+                f"{n} {v!r:.40}"
+                for n, t in (("relative_path", str), ("offset", int), ("length", int))
+                if type(v := getattr(info, n, None)) is not t
+            ]
+            if not isinstance(fqn, str) or wrong:
+                name = fqn if isinstance(fqn, str) else f"{fqn!r:.40}"
+                raise CorruptFileError(
+                    f"{md_name}: the storage entry of {name} has "
+                    + (", ".join(wrong) if wrong else "no item name")
+                    + " (a file name and two byte counts expected): the metadata is damaged",
+                    hint=f"restore {md_name} from a good copy; its data files cannot be placed without it",
+                    path=md_name,
+                )
             offset = getattr(key, "offset", None)
             if offset is not None and not isinstance(offset, tuple):  # torch.Size is one already
                 offset = tuple(offset)
-            storage[(key.fqn, offset)] = info
+            storage[(fqn, offset)] = info
+        placed: set[tuple[str, tuple[int, ...] | None]] = set()  # the entries the items below name
         # one object for each distinct file name, rank and box: at 400 000 chunks the copies the
         # pickle gives (a name and three tuples per chunk) were a third of the manifest's memory
         files: dict[str, tuple[str, int | None]] = {}
@@ -568,6 +584,7 @@ class DcpAdapter:
                             path=md_name,
                         )
                     info = self._storage(storage, fqn, box.offsets, md_name)
+                    placed.add((fqn, box.offsets))
                     piece = self._piece(info, box, rank, root, sizes, files, md_name, storage, ends)
                     piece.nbytes = box.volume * itemsize
                     if "transforms" not in piece.locator and piece.nbytes > piece.locator["length"]:
@@ -587,6 +604,7 @@ class DcpAdapter:
                 elif item.dtype is not None:
                     raise CorruptFileError(f"{md_name}: {fqn} is a tensor in another rank's metadata", path=md_name)
                 info = self._storage(storage, fqn, None, md_name)
+                placed.add((fqn, None))
                 piece = self._piece(info, Box((), ()), rank, root, sizes, files, md_name, storage, ends)
                 piece.replica = len(item.pieces)
                 item.pieces.append(piece)
@@ -594,6 +612,16 @@ class DcpAdapter:
                 raise CorruptFileError(
                     f"{md_name}: {fqn} has storage metadata of type {type(meta).__name__}", path=md_name
                 )
+        if unlisted := [k for k in storage if k not in placed]:
+            fqn, offsets = unlisted[0]
+            where = f" at offsets {list(offsets)}" if offsets is not None else ""
+            raise CorruptFileError(
+                f"{md_name}: {len(unlisted)} storage entr{'y' if len(unlisted) == 1 else 'ies'} that no item lists, "
+                f"the first for {fqn}{where} in {storage[unlisted[0]].relative_path}: an item's entry was lost "
+                "from the metadata (dcp.load fails on it: missing key)",
+                hint=f"restore {md_name} from a good copy",
+                path=md_name,
+            )
         if any(sizes[rel] != end for rel, end in ends.items()) and (
             swapped := _misplaced(root, [*storage.values()], sizes)
         ):

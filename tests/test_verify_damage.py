@@ -1662,3 +1662,31 @@ def test_a_file_deleted_from_a_written_save_directory_is_the_one_missing(fixture
     code, report = _findings(out)
     errors = [(f["rule"], f["file"]) for f in report["findings"] if f["severity"] == "error"]
     assert code == 1 and errors == [("missing-file", gone)], report
+
+
+@pytest.mark.parametrize("damage", ["item lost", "path not a string", "field missing"])
+def test_a_dcp_storage_index_that_does_not_match_its_items_is_damage(damage, tmp_path):
+    """One flipped bit in a torch_dist .metadata merged two item names: one item's entry was gone
+    from state_dict_metadata while its storage entry stayed, and verify and seal passed the save
+    (dcp.load fails on it: missing key). A storage entry whose file name is not a string was taken
+    for a missing data file named "(3, 0, 0)"; one that lacks a field was an internal error's text."""
+    import pickle
+
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ck)
+    md = pickle.loads((ck / ".metadata").read_bytes())
+    key = next(k for k in md.storage_data if k.fqn in md.state_dict_metadata)
+    if damage == "item lost":
+        del md.state_dict_metadata[key.fqn]
+        said = "storage entr"
+    elif damage == "path not a string":
+        object.__setattr__(md.storage_data[key], "relative_path", (3, 0, 0))
+        said = "has relative_path (3, 0, 0)"
+    else:
+        object.__delattr__(md.storage_data[key], "length")
+        said = "has length None"
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+    code, report = _findings(ck)
+    assert code == 1 and _rules(report) == [("corrupt-file", ".metadata")], report
+    assert said in report["findings"][0]["message"] and "AttributeError" not in report["findings"][0]["message"]
+    assert run_cli("seal", ck).code == 3

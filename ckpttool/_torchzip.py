@@ -155,7 +155,7 @@ class Archive:
                 if self._cut_short():
                     raise CorruptFileError(
                         f"{self.display}: cut short: its {self.length:,} bytes start as a torch.save archive but "
-                        "end before the archive's central directory, which torch.save writes last",
+                        "end before the archive's central directory and end records, which torch.save writes last",
                         hint="the save or the copy stopped before the end; restore the file from its source",
                         path=self.file,
                         rule="truncated-file",
@@ -208,8 +208,22 @@ class Archive:
             if at > self.length:
                 return True
             sig = self._read(at, 4)
-        if sig in (b"PK\x06\x06", b"PK\x06\x07", b"PK\x05\x06"):
-            return False  # the end records are there: damaged, not cut short
+        if len(sig) < 4 and at < self.length:  # (a record begun in the last bytes: cut inside its signature)
+            return b"PK\x05\x06".startswith(sig) or b"PK\x06\x06".startswith(sig)
+        if sig == b"PK\x06\x06":  # zip64's end record: its size after the first 12 bytes
+            head = self._read(at, 12)
+            if len(head) < 12:
+                return True
+            at += 12 + int.from_bytes(head[4:12], "little")
+            sig = self._read(at, 4)
+        if sig == b"PK\x06\x07":  # zip64's locator: 20 bytes
+            at += 20
+            sig = self._read(at, 4)
+        if len(sig) < 4 and at < self.length:
+            return b"PK\x05\x06".startswith(sig) or b"PK\x06\x07".startswith(sig)
+        if sig == b"PK\x05\x06":  # the end record: 22 bytes and its comment
+            head = self._read(at, 22)
+            return len(head) < 22 or at + 22 + int.from_bytes(head[20:22], "little") > self.length
         return at >= self.length  # the records end where the bytes do, no end record after them
 
     def _descriptor_after(self, data: int) -> int | None:

@@ -1690,3 +1690,16 @@ def test_a_dcp_storage_index_that_does_not_match_its_items_is_damage(damage, tmp
     assert code == 1 and _rules(report) == [("corrupt-file", ".metadata")], report
     assert said in report["findings"][0]["message"] and "AttributeError" not in report["findings"][0]["message"]
     assert run_cli("seal", ck).code == 3
+
+
+@pytest.mark.parametrize("cut", [1, 10, 21, 22, 40, 56, 76, 97])
+def test_a_torch_save_file_cut_inside_its_end_records_is_cut_short(cut, tmp_path):
+    """torch.save ends an archive with zip64's end record (56 bytes), its locator (20) and the end
+    record (22): a file cut inside those 98 bytes was called damaged ("not a readable torch.save
+    archive (BadZipFile)") where 100 bytes or more were said to be cut short."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "megatron" / "legacy_tp2pp2", ck)
+    rel = "iter_0000003/mp_rank_01_000/model_optim_rng.pt"
+    _cut(ck / rel, cut)
+    code, report = _findings(ck)
+    assert code == 1 and _rules(report) == [("truncated-file", rel)], report

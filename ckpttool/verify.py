@@ -422,6 +422,8 @@ def _verify(
     file_digests: dict[str, FileDigest] = {}  # (without a seal: a seal's mismatches name the files)
     if sealed is not None:
         piece_digests = _check_seal(report, root, sealed, manifest, adapter, workers, progress, early)
+        if manifest is not None:
+            _check_seal_is_this_saves(report, sealed, manifest)
     elif manifest is not None and adapter is not None:
         piece_digests, file_digests = _check_integrity(report, manifest, adapter, workers, progress)
         _check_aux_archives(report, manifest)
@@ -1033,6 +1035,33 @@ def _check_seal(
             replace(f, file=f"{prefix}/{f.file}") if f.file and f.file != prefix else f for f in report.findings[ours:]
         ]
     return piece_digests
+
+
+def _check_seal_is_this_saves(report: VerifyReport, sealed: Seal, manifest: Manifest) -> None:
+    """A seal of another save (another step, or another format) given with ``--manifest``: every
+    file differs from it, which is not storage corruption. Said once, as a step mismatch between
+    the seal and the checkpoint, and the files' mismatches say why instead of blaming the disk."""
+    theirs, ours = sealed.head, manifest
+    if theirs.format == ours.format and (theirs.step is None or ours.step is None or theirs.step == ours.step):
+        return
+    what = f"a {theirs.format} checkpoint" if theirs.format != ours.format else f"step {theirs.step}"
+    here = f"a {ours.format} checkpoint" if theirs.format != ours.format else f"step {ours.step}"
+    because = f"the seal is of another save ({what}; this checkpoint is {here})"
+    report.findings = [
+        replace(f, message=f"{f.message} ({because})", hint="verify against this save's own seal")
+        if f.rule in ("checksum-mismatch", "truncated-file", "missing-file", "extra-file")
+        else f
+        for f in report.findings
+    ]
+    report.findings.insert(
+        0,
+        finding(
+            "step-mismatch",
+            f"{report.seal or 'the seal'}: {because}",
+            hint="give the seal written for this checkpoint (ckpttool.manifest.json beside it), or seal it anew "
+            "once you trust it",
+        ),
+    )
 
 
 def _unsealed(report: VerifyReport, sealed: Seal, manifest: Manifest | None, expected: dict[str, Any]) -> list[str]:

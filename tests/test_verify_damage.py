@@ -1703,3 +1703,16 @@ def test_a_torch_save_file_cut_inside_its_end_records_is_cut_short(cut, tmp_path
     _cut(ck / rel, cut)
     code, report = _findings(ck)
     assert code == 1 and _rules(report) == [("truncated-file", rel)], report
+
+
+def test_a_seal_of_another_save_is_said_to_be_one(tmp_path):
+    """Verifying step 11 against step 10's seal reported every file as changed with the hint
+    "storage or transfer corruption": the seal is another save's, which the seal's own step says."""
+    seal = tmp_path / "s10.json"
+    assert run_cli("seal", FIXTURES / "run" / "step_10", "--out", seal).code == 0
+    code, report = _findings(FIXTURES / "run" / "step_11", "--manifest", seal)
+    errors = [f for f in report["findings"] if f["severity"] == "error"]
+    assert code == 1 and errors[0]["rule"] == "step-mismatch", report
+    assert "the seal is of another save (step 10; this checkpoint is step 11)" in errors[0]["message"]
+    assert {f["rule"] for f in errors[1:]} == {"checksum-mismatch"}
+    assert all(f["hint"] == "verify against this save's own seal" for f in errors[1:]), errors

@@ -187,6 +187,8 @@ class SafetensorsAdapter:
             if has_sharding_info(path):
                 return Detection(False, "safetensors shards written by DCP's HF storage writer (read as dcp)")
             return Detection(True, "found *.safetensors files")
+        if _trainer_without_model(path):  # (its model file deleted or not yet written: said as missing)
+            return Detection(True, "a Hugging Face Trainer checkpoint (trainer_state.json), no model file", weak=True)
         return Detection(False, "no *.safetensors file or *.safetensors.index.json")
 
     def describe(self, path: Path) -> Manifest:
@@ -208,6 +210,14 @@ class SafetensorsAdapter:
                 files = list(dict.fromkeys(weight_map.values()))
             else:
                 files = sorted(p.name for p in path.glob("*.safetensors") if not p.is_dir())
+        if path.is_dir() and not files and unread is None and _trainer_without_model(path):
+            raise IncompleteCheckpointError(
+                f"{path}: model.safetensors is missing: a Hugging Face Trainer checkpoint keeps its model's weights "
+                "there (or in shards with model.safetensors.index.json) beside trainer_state.json",
+                hint="restore the model file(s) from a copy, or use another checkpoint",
+                path="model.safetensors",
+                rule="missing-file",
+            )
         manifest = Manifest(root=str(root), format=self.name, layout=Layout(world_size=None))
         damaged: list[CkptError] = []  # every shard missing, cut short or unreadable named, not the first
         if path.is_dir() and weight_map is None:  # (no index to name them: the shards' own numbering)
@@ -319,6 +329,15 @@ _TRAINER_FILES: list[tuple[re.Pattern[str], tuple[StateName, ...], tuple[str, ..
 not read as such holds none)"""
 
 
+def _trainer_without_model(path: Path) -> bool:
+    """A Trainer checkpoint folder (``trainer_state.json``) holding no model file at all: neither
+    safetensors nor the ``pytorch_model.bin`` of ``save_safetensors=False``. Not a Trainer's
+    ``output_dir``, which ``save_state`` gives a ``trainer_state.json`` of its own beside the
+    ``checkpoint-N`` folders."""
+    patterns = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "checkpoint-*/")
+    return (path / "trainer_state.json").is_file() and not any(any(path.glob(p)) for p in patterns)
+
+
 def _trainer_state(root: Path, manifest: Manifest) -> None:
     """The training state a Hugging Face ``Trainer`` checkpoint keeps beside its safetensors model,
     noted in ``extras["state_files"]`` (state -> file): the optimizer's and the scheduler's
@@ -344,6 +363,19 @@ def _trainer_state(root: Path, manifest: Manifest) -> None:
             if isinstance(step, int):
                 manifest.step = step
                 found.update(dict.fromkeys(("step", "dataloader"), f.path))
+                named = re.fullmatch(r"checkpoint-(\d+)", root.name)
+                if named and int(named[1]) != step:  # (Trainer names each save after its global step)
+                    findings.append(
+                        {
+                            "rule": "step-mismatch",
+                            "file": f.path,
+                            "message": f"{f.path} gives global_step {step}, but Trainer named this save "
+                            f"{root.name} after the step it saved: the state is another save's, or the "
+                            "folder was renamed",
+                            "hint": "take trainer_state.json (and the optimizer, scheduler and RNG files) from "
+                            f"the save of step {named[1]}, or use the checkpoint folder of step {step}",
+                        }
+                    )
             else:
                 unread[f.path] = step
             continue

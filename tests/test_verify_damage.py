@@ -1716,3 +1716,34 @@ def test_a_seal_of_another_save_is_said_to_be_one(tmp_path):
     assert "the seal is of another save (step 10; this checkpoint is step 11)" in errors[0]["message"]
     assert {f["rule"] for f in errors[1:]} == {"checksum-mismatch"}
     assert all(f["hint"] == "verify against this save's own seal" for f in errors[1:]), errors
+
+
+def test_a_trainer_checkpoint_whose_step_is_not_its_folders_is_a_step_mismatch(tmp_path):
+    """Trainer names each save checkpoint-N after its global step: a trainer_state.json of step 2 in
+    checkpoint-3 (another save's state copied in) passed verify."""
+    ck = tmp_path / "checkpoint-3"
+    shutil.copytree(HF_TRAINER, ck)
+    state = ck / "trainer_state.json"
+    state.write_text(state.read_text().replace('"global_step": 3', '"global_step": 2'))
+    code, report = _findings(ck)
+    assert code == 1 and _rules(report) == [("step-mismatch", "trainer_state.json")], report
+    renamed = tmp_path / "copy"  # (a folder not named by Trainer: its name claims nothing)
+    ck.rename(renamed)
+    assert _findings(renamed)[0] == 0
+
+
+def test_a_trainer_checkpoint_without_its_model_file_is_missing_it(tmp_path):
+    """A Trainer checkpoint whose model.safetensors was deleted was "not a checkpoint format
+    ckpttool reads"; a Trainer's output_dir (its own trainer_state.json beside the checkpoint-N
+    folders) is still a folder of checkpoints."""
+    ck = tmp_path / "checkpoint-3"
+    shutil.copytree(HF_TRAINER, ck)
+    (ck / "model.safetensors").unlink()
+    code, report = _findings(ck)
+    assert code == 1 and _rules(report) == [("missing-file", "model.safetensors")], report
+    out = tmp_path / "output_dir"
+    out.mkdir()
+    shutil.copytree(HF_TRAINER, out / "checkpoint-3")
+    shutil.copy2(HF_TRAINER / "trainer_state.json", out)
+    r = run_cli("verify", out)
+    assert r.code == 3 and "a folder holding the checkpoint checkpoint-3" in r.stderr, r.stderr

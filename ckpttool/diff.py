@@ -634,7 +634,12 @@ class _Accumulator:
         self.ok = True
 
     def add(self, va: np.ndarray, vb: np.ndarray, dtype_a: str, dtype_b: str, box: Box) -> None:
-        """Region ``box`` of the tensor: ``va`` and ``vb`` its elements, flat, on either side."""
+        """Region ``box`` of the tensor: ``va`` and ``vb`` its elements, flat, on either side.
+        Non-finite values are compared as they are (numpy's warnings on them are not the report's)."""
+        with np.errstate(all="ignore"):
+            self._add(va, vb, dtype_a, dtype_b, box)
+
+    def _add(self, va: np.ndarray, vb: np.ndarray, dtype_a: str, dtype_b: str, box: Box) -> None:
         for lo in range(0, va.size, _BLOCK):
             a, b = va[lo : lo + _BLOCK], vb[lo : lo + _BLOCK]
             differs = (a.view(np.uint8).reshape(a.size, -1) != b.view(np.uint8).reshape(b.size, -1)).any(axis=1)

@@ -1084,6 +1084,10 @@ def refuse_overlap(out: str | os.PathLike[str], *, flag: str = "-o", **inputs: s
             )
 
 
+_NAME_MAX = 255
+"""the longest file name (in bytes) of Linux's file systems, macOS's and Windows' (in UTF-16 units)"""
+
+
 def check_output(
     output: str | os.PathLike[str], *, force: bool, directory: bool, example: str, flag: str = "-o"
 ) -> None:
@@ -1094,6 +1098,13 @@ def check_output(
     :func:`staged_dir` create them when writing starts."""
     out = Path(output)
     what = "directory" if directory else "file"
+    for part in out.parts:  # (before any stat: a longer name raises ENAMETOOLONG from every look at it)
+        if len(os.fsencode(part)) > _NAME_MAX:
+            raise UsageError(
+                f"{flag} {output}: the name {part[:40]}… is {len(os.fsencode(part))} bytes, more than the "
+                f"{_NAME_MAX} file systems allow",
+                hint="choose a shorter name",
+            )
     if out.name in ("", ".", ".."):
         raise UsageError(
             f"{flag} {output}: expected the name of a new {what}, found a reference to an existing directory",

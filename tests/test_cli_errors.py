@@ -685,3 +685,14 @@ def test_a_folder_of_checkpoints_names_them_and_the_one_to_give(tmp_path):
 
     with pytest.raises(FormatNotRecognizedError, match="not a checkpoint format ckpttool reads"):
         registry.detect(run)
+
+
+@pytest.mark.parametrize("where", ["name", "folder"])
+def test_an_output_name_longer_than_file_systems_allow_is_a_usage_error(where, tmp_path):
+    """A 300-byte output name raised ENAMETOOLONG from the first look at the path, which the CLI
+    reported as a failed write (exit 3, "check free space"): it is the user's path (exit 2)."""
+    long = "x" * 300
+    out = tmp_path / long if where == "name" else tmp_path / long / "out"
+    r = run_cli("reshard", FIXTURES / "dcp" / "fsdp2", "-o", out, "--dp", "2")
+    assert_clean(r, 2, "is 300 bytes, more than the 255 file systems allow")
+    assert list(tmp_path.iterdir()) == []

@@ -163,9 +163,26 @@ def convert(
         )
     adapter, manifest = describe_split(src, split_rules or {})
     refuse_findings(manifest)
+    if kind == "all" and pattern is None:  # (the whole state asked for: not written without some of it)
+        refuse_left_behind(manifest, f"convert --to {to}", f"ckpttool convert SRC -o DST --to {to} --kind param")
     result = _plain_target(adapter, manifest, out, to, limit, world_size, kind, pattern, progress)
     result.notes += left_behind(manifest)
     return result
+
+
+def refuse_left_behind(manifest: Manifest, command: str, model_alone: str) -> None:
+    """Refuse (before anything is written) to write the whole training state of a checkpoint that
+    keeps part of it in files its format does not read (a Hugging Face Trainer's ``optimizer.pt``,
+    ``scheduler.pt`` and ``rng_state.pth`` beside ``model.safetensors``): the output would hold the
+    model alone, with exit 0. ``model_alone``: the command that writes the model only."""
+    held = manifest.extras.get("state_files") or {}
+    if held:
+        files = ", ".join(dict.fromkeys(str(f) for f in held.values()))
+        raise UsageError(
+            f"{command} writes the whole training state, but this checkpoint keeps its {', '.join(held)} in "
+            f"{files} beside the model, which ckpttool does not carry into another layout or format yet",
+            hint=f"write the model alone with '{model_alone}', and copy those files beside the output to keep them",
+        )
 
 
 def left_behind(manifest: Manifest) -> list[str]:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool import device, interrupt, registry
-from ckpttool.convert import MAX_RANKS, left_behind, parse_size
+from ckpttool.convert import MAX_RANKS, parse_size, refuse_left_behind
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.export import refuse_findings
 from ckpttool.hashing import Written, collecting_written
@@ -428,6 +428,7 @@ def plan(
     with user_split_rules(target.split_rules):  # (a legacy source's parts of those parameters joined)
         adapter, manifest = registry.describe(src)
     refuse_findings(manifest)
+    refuse_left_behind(manifest, "reshard", "ckpttool convert SRC -o DST --to dcp --world-size N --kind param")
     fmt = target.to or _default_format(manifest.format)
     if target.distributed_optimizer is not None and fmt not in ("megatron", "megatron-dist"):
         raise UsageError(f"--[no-]distributed-optimizer applies to --to megatron and megatron-dist only, not {fmt}")
@@ -502,7 +503,7 @@ def plan(
         layout=executor.layout,
         files=files,
         workers=n,
-        notes=[*executor.notes, *left_behind(manifest)],
+        notes=executor.notes,
         device=on,
         last=executor.writer.last_files(),
     )

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from ckpttool.convert import convert, parse_size
 from ckpttool.diff import diff
 from ckpttool.errors import UsageError
-from tests.conftest import FIXTURES, run_cli
+from tests.conftest import FIXTURES, assert_clean, run_cli
 
 
 @pytest.mark.parametrize("rel", ["dcp/mesh2x2", "megatron/legacy_tp2pp2", "deepspeed/zero3"])
@@ -298,16 +298,21 @@ def test_convert_to_safetensors_lists_what_it_left_out(tmp_path):
     assert "not written: 26 (not a tensor): optimizer.param_groups.0.weight_decay," in said and "23 more" in said
 
 
-@pytest.mark.parametrize("command", [["convert", "--to", "safetensors"], ["reshard", "--to", "dcp"]])
-def test_training_state_beside_the_model_is_said_not_carried(command, tmp_path):
+@pytest.mark.parametrize("command", [["convert", "--to", "safetensors"], ["convert", "--to", "dcp"], ["reshard", "--to", "dcp"]])
+def test_training_state_beside_the_model_is_not_dropped_unasked(command, tmp_path):
     """A Hugging Face Trainer checkpoint converted or resharded: the output held the model alone,
     and nothing said that the optimizer, scheduler, RNG and step in the files beside it were left
-    behind."""
-    out = tmp_path / "out"
-    r = run_cli(command[0], FIXTURES / "hf" / "trainer" / "checkpoint-3", "-o", out, *command[1:], "--json")
-    assert r.code == 0, r.stderr
-    notes = json.loads(r.stdout)["notes"]
-    assert [n for n in notes if n.startswith("not carried: the training state in optimizer.pt, rng_state.pth, ")], notes
-    assert not any(p.name == "optimizer.pt" for p in out.iterdir())
+    behind; then a note on stderr said so, with exit 0 (hidden by -q). Writing the whole state is
+    refused before anything is written; --kind param writes the model alone, and says what stays."""
+    src, out = FIXTURES / "hf" / "trainer" / "checkpoint-3", tmp_path / "out"
+    r = run_cli(command[0], src, "-o", out, *command[1:], "--json")
+    assert_clean(r, 2, "writes the whole training state, but this checkpoint keeps its", "optimizer.pt", "--kind param")
+    assert not out.exists()
+    if command[0] == "convert":
+        r = run_cli(command[0], src, "-o", out, *command[1:], "--kind", "param", "--json")
+        assert r.code == 0, r.stderr
+        notes = json.loads(r.stdout)["notes"]
+        assert [n for n in notes if n.startswith("not carried: the training state in optimizer.pt, rng_state.pth, ")]
+        assert not any(p.name == "optimizer.pt" for p in out.iterdir())
     plain = run_cli("convert", FIXTURES / "safetensors" / "sharded", "-o", tmp_path / "plain", "--json")
     assert plain.code == 0 and not json.loads(plain.stdout).get("notes"), plain.stdout

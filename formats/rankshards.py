@@ -613,8 +613,17 @@ class RankShardsAdapter:
         world_from = "."  # the file that gave the world size
         step: int | None = None
         named: dict[str, int] = {}  # the step in a file's name (checkpoint_step<s>_stage<p>.pt)
-        for rel, size in list_files(path):
+        listing = list_files(path)
+        # a run that keeps each save's files side by side (checkpoint_step<s>_stage<p>.pt for every s):
+        # the latest save is the checkpoint, the others' files are listed beside it
+        steps = {int(m["step"]) for rel, _ in listing if (m := _match(rel)) and "step" in m.groupdict()}
+        latest = max(steps) if len(steps) > 1 else None
+        older: list[str] = []
+        for rel, size in listing:
             m = _match(rel)
+            if m is not None and latest is not None and int(m["step"]) != latest:
+                older.append(rel)
+                m = None
             if m is None:
                 manifest.files.append(
                     FileRecord(path=rel, size=size, role="metadata" if rel == "metadata.json" else "aux")
@@ -647,10 +656,15 @@ class RankShardsAdapter:
         # without a world size, the ranks still run from 0 without a gap (the last one's absence
         # shows only as a sharded tensor's coverage gap)
         expect = world if world is not None else (max(shards) + 1 if shards else 0)
+        # an earlier save beside it with more stages: the latest's last stages are missing, not absent
+        before = max((int(m["rank"]) + 1 for rel in older if (m := _match(rel))), default=0)
+        if world is None and before > expect:
+            expect = before
         damaged: list[CkptError] = []  # every rank file absent or unreadable named, not the first
         missing = [r for r in range(expect) if r not in shards]
         if missing:
             said = f"{world}" if world is not None else f"at least {expect}"
+            why = f"; the earlier save beside it has {before}" if world is None and before == expect else ""
             hint = "a rank did not finish saving or its file was deleted; use another checkpoint"
             like = shards[min(shards)] if shards else None
             if like is None or len(missing) > 64:  # (no file to name them after, or too many to list)
@@ -663,7 +677,7 @@ class RankShardsAdapter:
                 )
             damaged += [
                 IncompleteCheckpointError(
-                    f"{name}: rank {r}'s shard is missing ({len(missing)} of {said} ranks have no file here)",
+                    f"{name}: rank {r}'s shard is missing ({len(missing)} of {said} ranks have no file here{why})",
                     hint=hint,
                     path=name,
                     rule="missing-file",
@@ -735,6 +749,20 @@ class RankShardsAdapter:
             or _stages_out_of_order(manifest, shards)
         ):
             findings.append(out_of_order)
+        if older:
+            earlier = sorted(steps - {latest})
+            findings.append(
+                {
+                    "rule": "extra-file",
+                    "severity": "warning",
+                    "file": older[0],
+                    "message": f"{len(older)} file(s) of earlier saves (step {', '.join(map(str, earlier))}) beside "
+                    f"this one: {', '.join(older[:4])}{' …' if len(older) > 4 else ''}; ckpttool reads the latest "
+                    f"save, step {latest}",
+                    "hint": "to check an earlier save, move its files into a folder of their own",
+                    "stops_writes": False,
+                }
+            )
         if findings:
             manifest.extras["findings"] = findings
         return manifest

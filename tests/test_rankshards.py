@@ -427,3 +427,25 @@ def test_a_file_saved_under_another_ranks_name_is_named(tmp_path):
         (tmp / f"shard_{rank:05d}.pt.tmp").rename(tmp / f"shard_{rank:05d}.pt")
     assert "findings" not in registry.describe(tmp)[1].extras
     assert run_cli("verify", tmp).code == 0
+
+
+def test_a_folder_of_saves_side_by_side_reads_the_latest(tmp_path):
+    """A run that keeps every save's checkpoint_step<s>_stage<p>.pt files in one folder: two saves'
+    files both claimed each stage ("one is a stray copy"), an error on a clean folder. The latest
+    save is the checkpoint, the earlier saves' files are listed beside it (a warning), and a stage
+    missing from the latest is missing though it was the last one (the earlier save has it)."""
+    ck = tmp_path / "run"
+    shutil.copytree(FIXTURES / "rankshards" / "pipeline", ck)
+    for stage in (0, 1):
+        obj = torch.load(ck / f"checkpoint_step3_stage{stage}.pt", weights_only=False)
+        obj["iteration"] = 2
+        torch.save(obj, ck / f"checkpoint_step2_stage{stage}.pt")
+    r = run_cli("verify", ck, "--json")
+    report = json.loads(r.stdout)
+    assert r.code == 0 and report["step"] == 3, report
+    (extra,) = [f for f in report["findings"] if f["rule"] == "extra-file"]
+    assert extra["severity"] == "warning" and "2 file(s) of earlier saves (step 2)" in extra["message"], extra
+    (ck / "checkpoint_step3_stage1.pt").unlink()
+    r = run_cli("verify", ck, "--json")
+    errors = [(f["rule"], f["file"]) for f in json.loads(r.stdout)["findings"] if f["severity"] == "error"]
+    assert r.code == 1 and errors == [("missing-file", "checkpoint_step3_stage1.pt")], r.stdout

@@ -1927,8 +1927,10 @@ class MegatronLegacyAdapter:
         layout, pos = chunk_buffer_layout(args, order, (p, pp, v, chunks), total)
         if pos != numel:
             raise CorruptFileError(
-                f"{rel}: replaying the grad-buffer layout of model chunk {v} gives {pos} elements, the file says "
-                f"numel_unpadded={numel}; this distributed-optimizer layout is not supported yet",
+                f"{rel}: holds numel_unpadded={numel} elements of optimizer state for model chunk {v}, where this "
+                f"rank's parameters take {pos} (its grad-buffer layout replayed): the file is another rank's or "
+                "another save's, copied into this folder, or of a layout ckpttool does not replay",
+                hint="restore this rank's distrib_optim.pt from the save; if every rank's says so, report the layout",
                 path=rel,
             )
         for key, suffix, kind in (

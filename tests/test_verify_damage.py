@@ -1747,3 +1747,16 @@ def test_a_trainer_checkpoint_without_its_model_file_is_missing_it(tmp_path):
     shutil.copy2(HF_TRAINER / "trainer_state.json", out)
     r = run_cli("verify", out)
     assert r.code == 3 and "a folder holding the checkpoint checkpoint-3" in r.stderr, r.stderr
+
+
+def test_a_distrib_optim_copied_from_another_stage_is_said_to_be_anothers(tmp_path):
+    """A distrib_optim.pt copied from another pipeline stage into this rank's folder was reported as
+    "this distributed-optimizer layout is not supported yet": a limit of ckpttool, not the file."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "megatron" / "legacy_tp2pp2_distopt", ck)
+    rel = "iter_0000003/mp_rank_00_001/distrib_optim.pt"
+    shutil.copy2(ck / "iter_0000003/mp_rank_00_000/distrib_optim.pt", ck / rel)
+    code, report = _findings(ck)
+    assert code == 1 and _rules(report) == [("corrupt-file", rel)], report
+    said = report["findings"][0]["message"]
+    assert "another rank's or another save's" in said and "not supported" not in said, said

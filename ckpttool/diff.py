@@ -470,13 +470,17 @@ def _weights_as_masters(
         same = []
         for k in mine:
             item, copy = keyed[k], other.get(f"{k}.fp32")
-            if item.kind != "param" or copy is None or copy.kind != "master" or copy.dtype != "float32":
+            if item.kind != "param" or copy is None or copy.kind != "master":
                 continue
-            if f"{k}.fp32" not in keyed or item.shape != copy.shape or item.dtype not in _NARROWED:
+            # (a copy of the weights' own dtype: a frozen parameter's, which ZeRO-3 keeps as it trains none)
+            if copy.dtype != item.dtype and (copy.dtype != "float32" or item.dtype not in _NARROWED):
+                continue
+            if f"{k}.fp32" not in keyed or item.shape != copy.shape or item.dtype is None:
                 continue
             try:
                 weights = assemble(reader, item).reshape(-1)
-                narrowed = _NARROWED[item.dtype](assemble(r_other, copy).reshape(-1).view(np.float32))
+                kept = assemble(r_other, copy).reshape(-1)
+                narrowed = kept if copy.dtype == item.dtype else _NARROWED[item.dtype](kept.view(np.float32))
             except CkptError:
                 continue
             if weights.tobytes() == narrowed.tobytes():

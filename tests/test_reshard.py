@@ -1780,6 +1780,10 @@ def test_deepspeed_zero3_bf16_to_zero2_module_is_the_run_s(tmp_path):
     finally:
         reader.close()
     assert verify(out).failing() == []
+    # diff finds the source's state in it: the frozen parameters, which ZeRO-3 keeps as bf16 fragments
+    # (no fp32 copy: they are not trained), are the ZeRO-2 module's (was "only in B: frozen.weight …")
+    r = run_cli("diff", FIXTURES / "deepspeed" / "zero3_bf16", out)
+    assert r.code == 0 and "only in" not in r.stdout, r.stdout
 
 
 def _pipe_oracle(

@@ -730,8 +730,14 @@ def _one_per_changed_file(findings: list[Finding]) -> list[Finding]:
         bad = read.get(f.file) if f.file and f.item is None else None
         if f.rule in ("checksum-mismatch", "truncated-file") and bad is not None:
             said = bad.message.removeprefix(f"{f.file}: ")
+            own = f.message.removeprefix(f"{f.file}: ")
+            if said.startswith(own):  # (the reader met what the change is: only what it adds)
+                tail = said[len(own) :].lstrip("; ")
+                message = f"{f.message}; {tail}" if tail else f.message
+            else:
+                message = f"{f.message}; reading it: {said}"
             rank = f.rank if bad.rank is None else bad.rank
-            out.append(replace(f, message=f"{f.message}; reading it: {said}", rank=rank))
+            out.append(replace(f, message=message, rank=rank))
             merged.add(bad.file or "")
         else:
             out.append(f)

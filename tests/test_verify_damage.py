@@ -1760,3 +1760,15 @@ def test_a_distrib_optim_copied_from_another_stage_is_said_to_be_anothers(tmp_pa
     assert code == 1 and _rules(report) == [("corrupt-file", rel)], report
     said = report["findings"][0]["message"]
     assert "another rank's or another save's" in said and "not supported" not in said, said
+
+
+def test_an_empty_state_file_is_said_once(tmp_path):
+    """An empty rng_state.pth beside a Trainer model: its finding said the file was empty twice
+    ("…first write; reading it: the file is empty (0 bytes): …"), the reader having met the same."""
+    ck = tmp_path / "checkpoint-3"
+    shutil.copytree(HF_TRAINER, ck)
+    (ck / "rng_state.pth").write_bytes(b"")
+    code, report = _findings(ck)
+    assert code == 1 and _rules(report) == [("truncated-file", "rng_state.pth")], report
+    said = report["findings"][0]["message"]
+    assert said.count("the file is empty") == 1 and said.endswith("the training state it holds does not read"), said

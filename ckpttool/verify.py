@@ -1830,12 +1830,20 @@ def _check_master(report: VerifyReport, item: Item, values: np.ndarray, master: 
     if not n:
         return
     index = [int(i) for i in np.unravel_index(int(np.argmax(off)), item.shape or ())] if item.shape else []
+    with np.errstate(invalid="ignore"):
+        odd = ~np.isfinite(flat[off]) | (~np.isfinite(floats.reshape(-1)[off]) if floats is not None else False)
+    if odd.all():  # (only where one side is NaN or Inf: a value damaged or diverged, not another save's copy)
+        cause = "only where one of them is NaN or Inf (see nonfinite): a value damaged, or a step that diverged"
+    else:
+        cause = (
+            "the optimizer's copy of the weights is not the model's (optimizer files of another rank or another "
+            "save: swapped, copied over each other or mixed?)"
+        )
     report.findings.append(
         finding(
             "optimizer-mismatch",
             f"{master.name} does not round to {item.name} at {n:,} of {off.size:,} values (first at index "
-            f"{index}): the optimizer's copy of the weights is not the model's (optimizer files of another rank or "
-            "another save: swapped, copied over each other or mixed?)",
+            f"{index}): {cause}",
             item=item.name,
             hint="restore the optimizer files from the save: resumed as they are, training would continue from "
             "other weights than the model's",

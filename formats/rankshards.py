@@ -616,8 +616,13 @@ class RankShardsAdapter:
         listing = list_files(path)
         # a run that keeps each save's files side by side (checkpoint_step<s>_stage<p>.pt for every s):
         # the latest save is the checkpoint, the others' files are listed beside it
-        steps = {int(m["step"]) for rel, _ in listing if (m := _match(rel)) and "step" in m.groupdict()}
-        latest = max(steps) if len(steps) > 1 else None
+        # (a stage saved under two steps; stages split between steps are one save's files, misnamed)
+        named_steps = [
+            (int(m["step"]), int(m["rank"])) for rel, _ in listing if (m := _match(rel)) and "step" in m.groupdict()
+        ]
+        steps = {st for st, _ in named_steps}
+        twice = len({r for _, r in named_steps}) < len(named_steps)
+        latest = max(steps) if len(steps) > 1 and twice else None
         older: list[str] = []
         for rel, size in listing:
             m = _match(rel)

@@ -25,7 +25,7 @@ import numpy as np
 
 from ckpttool._directwrite import open_direct
 from ckpttool.assemble import check_coverage
-from ckpttool.errors import CorruptFileError, UsageError
+from ckpttool.errors import CkptError, CorruptFileError, UsageError
 from ckpttool.export import (
     describe_split,
     refuse_findings,
@@ -165,9 +165,49 @@ def convert(
     refuse_findings(manifest)
     if kind == "all" and pattern is None:  # (the whole state asked for: not written without some of it)
         refuse_left_behind(manifest, f"convert --to {to}", f"ckpttool convert SRC -o DST --to {to} --kind param")
+    refuse_changed_since_sealed(Path(src), manifest)
     result = _plain_target(adapter, manifest, out, to, limit, world_size, kind, pattern, progress)
     result.notes += left_behind(manifest)
     return result
+
+
+def refuse_changed_since_sealed(src: Path, manifest: Manifest) -> None:
+    """A source that carries its ckpttool seal (``ckpttool.manifest.json`` beside its files): its
+    data files that hold no checksums of their own (safetensors, raw bytes; the CRC-32s of
+    torch.save archives are checked as they are read) hashed against the seal before anything is
+    written, so that a byte changed since it was sealed is not carried, and sealed again, into the
+    output. A seal that does not read is left to ``verify`` to report."""
+    from ckpttool.formats import _pt
+    from ckpttool.hashing import hash_files
+    from ckpttool.seal import Seal, default_seal_path
+
+    path = default_seal_path(src)
+    if not path.is_file():
+        return
+    try:
+        sealed = Seal.load(path)
+    except CkptError:
+        return
+    want = {f.path: f.checksum for f in sealed.head.files if f.checksum}
+    root = Path(manifest.root)
+    rels = [
+        f.path
+        for f in manifest.files
+        if f.role == "data" and f.path in want and not f.path.endswith((*_pt.SUFFIXES, ".distcp"))
+    ]
+    if not rels:
+        return
+    got, _ = hash_files(root, rels, {}, sealed.algo)
+    changed = [rel for rel in rels if got[rel].digest != want[rel]]
+    if changed:
+        more = f" (and {len(changed) - 1} more: {', '.join(changed[1:4])}{' …' if len(changed) > 4 else ''})"
+        raise CorruptFileError(
+            f"{changed[0]}: differs from the seal the source carries ({path.name}){more if len(changed) > 1 else ''}: "
+            "its bytes changed since it was sealed; nothing was written",
+            hint="'ckpttool verify SRC' names the tensors that changed; restore the file from a good copy",
+            path=changed[0],
+            rule="checksum-mismatch",
+        )
 
 
 def refuse_left_behind(manifest: Manifest, command: str, model_alone: str) -> None:

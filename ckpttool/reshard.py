@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool import device, interrupt, registry
-from ckpttool.convert import MAX_RANKS, parse_size, refuse_left_behind
+from ckpttool.convert import MAX_RANKS, parse_size, refuse_changed_since_sealed, refuse_left_behind
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.export import refuse_findings
 from ckpttool.hashing import Written, collecting_written
@@ -946,6 +946,7 @@ def reshard(
     the_plan, executor = plan(src, target, workers=workers, max_memory=max_memory, on=on)
     if dry_run:
         return ReshardResult(plan=the_plan, output=str(out), written=False)
+    refuse_changed_since_sealed(Path(src), executor.manifest)
     ranks = torchrun_world()
     if ranks is not None:
         return _reshard_ranks(executor, the_plan, out, ranks, seal_output=seal_output, progress=progress)

@@ -313,6 +313,8 @@ class SafetensorsAdapter:
                 FileRecord(path=rel, size=size, role="aux") for rel, size in list_files(path) if rel not in known
             ]
             _trainer_state(root, manifest)
+            if weight_map is None and unread is None:
+                manifest.extras.setdefault("findings", []).extend(_index_missing(files))
         return manifest
 
     def reader(self, manifest: Manifest) -> SafetensorsReader:
@@ -466,6 +468,27 @@ def _astray(rel: str, names: list[str], weight_map: dict[str, str], index_name: 
 
 
 _NUMBERED = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.safetensors$")
+
+
+def _index_missing(files: list[str]) -> list[dict[str, Any]]:
+    """A warning for shards numbered as Hugging Face numbers them (``model-00001-of-00002``) found
+    without the index it writes beside them: the tensors read from the shards themselves, but
+    ``from_pretrained`` finds the shards through ``model.safetensors.index.json`` and cannot load
+    them without it."""
+    stems = sorted({m[1] for f in files if (m := _NUMBERED.match(f)) and int(m[3]) > 1})
+    return [
+        {
+            "rule": "missing-file",
+            "severity": "warning",
+            "file": f"{stem}.safetensors.index.json",
+            "message": f"{stem}.safetensors.index.json is missing: the {stem}-NNNNN-of-NNNNN.safetensors shards are "
+            "written with it, and transformers' from_pretrained finds them through it (ckpttool reads the "
+            "shards themselves)",
+            "hint": "restore the index from the checkpoint's source",
+            "stops_writes": False,
+        }
+        for stem in stems
+    ]
 
 
 def _unnumbered_shards(files: list[str]) -> list[CkptError]:

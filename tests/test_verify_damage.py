@@ -1772,3 +1772,15 @@ def test_an_empty_state_file_is_said_once(tmp_path):
     assert code == 1 and _rules(report) == [("truncated-file", "rng_state.pth")], report
     said = report["findings"][0]["message"]
     assert said.count("the file is empty") == 1 and said.endswith("the training state it holds does not read"), said
+
+
+def test_numbered_shards_without_their_index_are_warned_of(tmp_path):
+    """model-0000N-of-0000M.safetensors without model.safetensors.index.json passed in silence,
+    though from_pretrained finds the shards through the index: a warning (the tensors read)."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "safetensors" / "sharded", ck)
+    (ck / "model.safetensors.index.json").unlink()
+    code, report = _findings(ck, "--fail-on", "warning")
+    said = [(f["rule"], f["severity"], f["file"]) for f in report["findings"] if f["rule"] == "missing-file"]
+    assert code == 1 and said == [("missing-file", "warning", "model.safetensors.index.json")], report
+    assert _findings(ck)[0] == 0

@@ -97,8 +97,7 @@ def _handles_errors(fn: F) -> F:
         except CkptError as exc:
             if os.environ.get("CKPTTOOL_DEBUG"):
                 traceback.print_exc()
-            if _rank_zero():  # (under torchrun every rank fails with the same error: rank 0 says it)
-                _say_error(out, exc.message + _and_others(exc), exc.hint)
+            _say_error(out, exc.message + _and_others(exc), exc.hint)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt as exc:
             # typer turns Ctrl-C into exit 130 by itself, silently; say what happened (outputs in
@@ -142,14 +141,6 @@ def _stopped(exc: KeyboardInterrupt) -> tuple[int, str]:
     from ckpttool.interrupt import Terminated
 
     return (143, "terminated") if isinstance(exc, Terminated) else (130, "interrupted")
-
-
-def _rank_zero() -> bool:
-    """Whether this process prints: it is not one of torchrun's ranks other than 0."""
-    from ckpttool.reshard import torchrun_world
-
-    ranks = torchrun_world()
-    return ranks is None or ranks[0] == 0
 
 
 def _say_error(out: Output, message: str, hint: str | None) -> None:

@@ -536,13 +536,17 @@ class DcpAdapter:
             ]
             if not isinstance(fqn, str) or wrong:
                 name = fqn if isinstance(fqn, str) else f"{fqn!r:.40}"
-                raise CorruptFileError(
+                # (the data files the other entries name, missing too: said with it)
+                named = {r for i in md.storage_data.values() if isinstance(r := getattr(i, "relative_path", None), str)}
+                damaged = CorruptFileError(
                     f"{md_name}: the storage entry of {name} has "
                     + (", ".join(wrong) if wrong else "no item name")
                     + " (a file name and two byte counts expected): the metadata is damaged",
                     hint=f"restore {md_name} from a good copy; its data files cannot be placed without it",
                     path=md_name,
                 )
+                damaged.others = [_missing(rel, md_name) for rel in sorted(named) if rel not in sizes]
+                raise damaged
             offset = getattr(key, "offset", None)
             if offset is not None and not isinstance(offset, tuple):  # torch.Size is one already
                 offset = tuple(offset)

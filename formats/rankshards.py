@@ -626,7 +626,7 @@ class RankShardsAdapter:
         older: list[str] = []
         for rel, size in listing:
             m = _match(rel)
-            if m is not None and latest is not None and int(m["step"]) != latest:
+            if m is not None and latest is not None and int(m.groupdict().get("step") or latest) != latest:
                 older.append(rel)
                 m = None
             if m is None:

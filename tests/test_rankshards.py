@@ -449,3 +449,16 @@ def test_a_folder_of_saves_side_by_side_reads_the_latest(tmp_path):
     r = run_cli("verify", ck, "--json")
     errors = [(f["rule"], f["file"]) for f in json.loads(r.stdout)["findings"] if f["severity"] == "error"]
     assert r.code == 1 and errors == [("missing-file", "checkpoint_step3_stage1.pt")], r.stdout
+
+
+def test_saves_side_by_side_beside_a_file_of_another_naming_is_no_internal_error(tmp_path):
+    """A shard_<rank>.pt among several saves' checkpoint_step<s>_stage<p>.pt files: the look for
+    each file's step read a group its name has none of (an internal error's text); it is one more
+    file claiming a rank."""
+    ck = tmp_path / "run"
+    shutil.copytree(FIXTURES / "rankshards" / "pipeline", ck)
+    shutil.copy2(ck / "checkpoint_step3_stage0.pt", ck / "checkpoint_step2_stage0.pt")
+    shutil.copy2(FIXTURES / "rankshards" / "ddp" / "shard_00000_of_00002.pt", ck / "shard_0.pt")
+    r = run_cli("verify", ck, "--json")
+    said = " ".join(f["message"] for f in json.loads(r.stdout)["findings"])
+    assert r.code == 1 and "both claim rank 0" in said and "IndexError" not in said, said

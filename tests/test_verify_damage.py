@@ -1549,7 +1549,8 @@ def test_a_storage_entry_missing_a_field_beside_a_missing_file_is_no_internal_er
     (ck / ".metadata").write_bytes(pickle.dumps(md))
     (ck / "__3_0.distcp").unlink()
     code, report = _findings(ck)
-    assert code == 1 and _rules(report) == [("missing-file", "__3_0.distcp")], report
+    assert code == 1 and _rules(report) == [("corrupt-file", ".metadata"), ("missing-file", "__3_0.distcp")], report
+    assert "has relative_path None" in report["findings"][0]["message"]
 
 
 @pytest.mark.parametrize(

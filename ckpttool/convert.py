@@ -210,13 +210,18 @@ def refuse_changed_since_sealed(src: Path, manifest: Manifest) -> None:
         )
 
 
+_CARRIED_ELSEWHERE = ("optimizer", "scheduler", "rng")
+"""training state a checkpoint may keep in files beside its format's (a Trainer's optimizer.pt, ...)
+that an output in another layout or format would lose"""
+
+
 def refuse_left_behind(manifest: Manifest, command: str, model_alone: str) -> None:
     """Refuse (before anything is written) to write the whole training state of a checkpoint that
     keeps part of it in files its format does not read (a Hugging Face Trainer's ``optimizer.pt``,
     ``scheduler.pt`` and ``rng_state.pth`` beside ``model.safetensors``): the output would hold the
     model alone, with exit 0. ``model_alone``: the command that writes the model only."""
-    held = manifest.extras.get("state_files") or {}
-    if held:
+    held = {k: f for k, f in (manifest.extras.get("state_files") or {}).items() if k in _CARRIED_ELSEWHERE}
+    if held:  # (the step and the dataloader's place, from trainer_state.json, the output's metadata keeps)
         files = ", ".join(dict.fromkeys(str(f) for f in held.values()))
         raise UsageError(
             f"{command} writes the whole training state, but this checkpoint keeps its {', '.join(held)} in "

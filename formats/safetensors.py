@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -333,11 +334,19 @@ not read as such holds none)"""
 
 def _trainer_without_model(path: Path) -> bool:
     """A Trainer checkpoint folder (``trainer_state.json``) holding no model file at all: neither
-    safetensors nor the ``pytorch_model.bin`` of ``save_safetensors=False``. Not a Trainer's
-    ``output_dir``, which ``save_state`` gives a ``trainer_state.json`` of its own beside the
-    ``checkpoint-N`` folders."""
-    patterns = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "checkpoint-*/")
-    return (path / "trainer_state.json").is_file() and not any(any(path.glob(p)) for p in patterns)
+    safetensors, nor a ``.bin`` model (``save_safetensors=False``, a PEFT adapter), nor a folder (an
+    FSDP save's ``pytorch_model_fsdp_0/``; a Trainer's ``output_dir``, which ``save_state`` gives a
+    ``trainer_state.json`` of its own beside the ``checkpoint-N`` folders)."""
+    if not (path / "trainer_state.json").is_file() or any(path.glob("*.safetensors*")):
+        return False
+    try:  # (a folder, FSDP's pytorch_model_fsdp_0/ or checkpoint-N/, or a .bin model: a model it has)
+        with os.scandir(path) as entries:
+            return not any(
+                e.is_dir(follow_symlinks=False) or (e.name.endswith(".bin") and e.name != "training_args.bin")
+                for e in entries
+            )
+    except OSError:
+        return False
 
 
 def _trainer_state(root: Path, manifest: Manifest) -> None:

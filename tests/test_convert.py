@@ -314,6 +314,12 @@ def test_training_state_beside_the_model_is_not_dropped_unasked(command, tmp_pat
         notes = json.loads(r.stdout)["notes"]
         assert [n for n in notes if n.startswith("not carried: the training state in optimizer.pt, rng_state.pth, ")]
         assert not any(p.name == "optimizer.pt" for p in out.iterdir())
+    # a save_only_model save: trainer_state.json alone beside the model (its step is the output's too)
+    only = tmp_path / "only" / "checkpoint-3"
+    only.mkdir(parents=True)
+    for name in ("model.safetensors", "config.json", "trainer_state.json", "training_args.bin"):
+        shutil.copy2(src / name, only)
+    assert run_cli(command[0], only, "-o", tmp_path / "only_out", *command[1:]).code == 0
     plain = run_cli("convert", FIXTURES / "safetensors" / "sharded", "-o", tmp_path / "plain", "--json")
     assert plain.code == 0 and not json.loads(plain.stdout).get("notes"), plain.stdout
 

@@ -1748,6 +1748,12 @@ def test_a_trainer_checkpoint_without_its_model_file_is_missing_it(tmp_path):
     shutil.copy2(HF_TRAINER / "trainer_state.json", out)
     r = run_cli("verify", out)
     assert r.code == 3 and "a folder holding the checkpoint checkpoint-3" in r.stderr, r.stderr
+    # an FSDP Trainer save keeps its model in a DCP folder of its own (pytorch_model_fsdp_0/): not missing
+    fsdp = tmp_path / "fsdp" / "checkpoint-3"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", fsdp / "pytorch_model_fsdp_0")
+    shutil.copy2(HF_TRAINER / "trainer_state.json", fsdp)
+    r = run_cli("verify", fsdp)
+    assert r.code == 3 and "a folder holding the checkpoint pytorch_model_fsdp_0 (dcp)" in r.stderr, r.stderr
 
 
 def test_a_distrib_optim_copied_from_another_stage_is_said_to_be_anothers(tmp_path):

@@ -1717,6 +1717,15 @@ def test_a_seal_of_another_save_is_said_to_be_one(tmp_path):
     assert "the seal is of another save (step 10; this checkpoint is step 11)" in errors[0]["message"]
     assert {f["rule"] for f in errors[1:]} == {"checksum-mismatch"}
     assert all(f["hint"] == "verify against this save's own seal" for f in errors[1:]), errors
+    # the save's own seal, with only its step field changed since (one file of several differs): damage
+    ck = tmp_path / "ck"
+    shutil.copytree(HF_TRAINER, ck)
+    assert run_cli("seal", ck).code == 0
+    state = ck / "trainer_state.json"
+    state.write_text(state.read_text().replace('"global_step": 3', '"global_step": 7'))
+    code, report = _findings(ck)
+    assert code == 1 and _rules(report) == [("checksum-mismatch", "trainer_state.json")], report
+    assert "another save" not in report["findings"][0]["message"]
 
 
 def test_a_trainer_checkpoint_whose_step_is_not_its_folders_is_a_step_mismatch(tmp_path):

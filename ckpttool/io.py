@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import errno
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -1194,6 +1195,16 @@ see ``formats/deepspeed.py`` and ``formats/megatron.py``): an earlier output's, 
 rooted in that save"""
 
 
+_COMPANION = re.compile(
+    r"zero_to_(fp32|torch)\.py|(generation_|adapter_|tokenizer_|ds_)?config\.json|trainer_state\.json"
+    r"|training_args\.bin|optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth|tokenizer\.(json|model)"
+    r"|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt|chat_template\.jinja"
+)
+"""files a checkpoint's folder holds beside its data that its writers put there (DeepSpeed's
+recovery scripts, a Hugging Face save's config, tokenizer and Trainer state): an unsealed earlier
+output holding them is still only a checkpoint; anything else there (code, logs, data) is not"""
+
+
 def _refuse_replacing_other_data(out: Path, said: str) -> None:
     """``--force`` replaces an earlier output or an empty directory, nothing else: a directory
     holding anything the checkpoint in it does not account for (another save's folder, logs, code,
@@ -1232,9 +1243,9 @@ def _beside_the_checkpoint(out: Path) -> list[str] | str:
     """What the directory ``out`` holds that is not part of the checkpoint in it: the paths (a
     folder with nothing of the checkpoint below it named once, with a slash), every entry where it
     holds no checkpoint; or why its checkpoint does not read. Its checkpoint: the files its ckpttool
-    seal lists where it has one, else those its format's reader accounts for (files the format
-    keeps beside its data only directly in the checkpoint's folder, and a save directory's tracker
-    beside the save)."""
+    seal lists where it has one, else those its format's reader accounts for (of the files it keeps
+    beside its data, only those its writers put there: :data:`_COMPANION`; and a save directory's
+    tracker beside the save)."""
     from ckpttool import registry
     from ckpttool.seal import Seal
 
@@ -1253,7 +1264,9 @@ def _beside_the_checkpoint(out: Path) -> list[str] | str:
             head = Seal.load(seal).head
             recorded = Path(head.root)
             folder = out / recorded.name if (out / recorded.name).is_dir() and recorded.name != out.name else out
-            if all((folder / f.path).is_file() for f in head.files):  # (else a seal made elsewhere: not its)
+            # (its files there, some perhaps lost or damaged since: an earlier output to write again;
+            # none there: a seal made elsewhere, or one that named its folder wrong)
+            if any((folder / f.path).is_file() for f in head.files if f.role != "seal"):
                 return beside(folder, [f.path for f in head.files])
     try:
         registry.detect(out)
@@ -1263,7 +1276,7 @@ def _beside_the_checkpoint(out: Path) -> list[str] | str:
         _, manifest = registry.describe(out)
     except CkptError as exc:
         return exc.message
-    return beside(manifest.root, [f.path for f in manifest.files if f.role != "aux" or "/" not in f.path])
+    return beside(manifest.root, [f.path for f in manifest.files if f.role != "aux" or _COMPANION.fullmatch(f.path)])
 
 
 def _entries(out: Path) -> list[str]:

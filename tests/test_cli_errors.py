@@ -602,6 +602,7 @@ def test_force_replaces_an_earlier_output_not_a_directory_of_other_data(argv, tm
         ("run", "holds emptydir/, iter_0000001/, tensorboard/ and 1 more beside the checkpoint in it"),
         ("project", "holds code/ beside the checkpoint in it"),
         ("sealed", "holds iter_0000003/extra.txt beside the checkpoint in it"),
+        ("beside", "holds train.py beside the checkpoint in it"),
     ],
 )
 def test_force_replaces_no_data_beside_a_checkpoint(setup, said, tmp_path):
@@ -623,6 +624,9 @@ def test_force_replaces_no_data_beside_a_checkpoint(setup, said, tmp_path):
         (out / "code").mkdir(parents=True)
         (out / "code" / "train.py").write_text("print(1)")
         shutil.copy2(FIXTURES / "safetensors" / "model.safetensors", out)
+    elif setup == "beside":  # a DeepSpeed save (its zero_to_fp32.py is its own) and a script beside it
+        shutil.copytree(FIXTURES / "deepspeed" / "zero2", out)
+        (out / "train.py").write_text("print(1)")
     else:  # an earlier output, sealed, with a file added to its iteration since
         assert run_cli("reshard", FIXTURES / "megatron" / "legacy_tp2pp2", "-o", out, "--to", "megatron-dist").code == 0
         (out / "iter_0000003" / "extra.txt").write_text("mine")
@@ -650,6 +654,11 @@ def test_force_replaces_an_earlier_output_of_every_kind(argv, sealed, tmp_path):
     assert run_cli(*argv[:2], "-o", out, *argv[2:], *flags).code == 0
     r = run_cli(*argv[:2], "-o", out, *argv[2:], *flags, "--force")
     assert r.code == 0, r.stderr
+    if sealed:  # one that lost a file since (verify said so): written again
+        lost = sorted(p for p in out.rglob("*") if p.is_file() and p.name != "ckpttool.manifest.json")[-1]
+        lost.unlink()
+        r = run_cli(*argv[:2], "-o", out, *argv[2:], "--force")
+        assert r.code == 0 and lost.is_file(), r.stderr
 
 
 def registry_format(path):

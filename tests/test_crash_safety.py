@@ -722,8 +722,8 @@ def test_sigkill_while_force_replaces_an_output(name, commands, references, tmp_
     """--force over an earlier output directory: the old output is renamed aside, the new one put in
     its place, then the old one deleted. A kill while the aside copy is being deleted leaves the new
     output (never a half-deleted one at the destination), and the next run removes the half-deleted
-    aside copy. The old output gets many extra files so that its deletion takes long enough to be
-    caught."""
+    aside copy. The old output gets many extra files (sealed with it) so that its deletion takes
+    long enough to be caught."""
     cmd = commands[name]
     ref, _ = references(cmd)
     outcomes: Counter[str] = Counter()
@@ -734,6 +734,8 @@ def test_sigkill_while_force_replaces_an_output(name, commands, references, tmp_
         shutil.copytree(ref, dest)
         for i in range(5000):
             (dest / f"old-{i:05d}.txt").write_bytes(b"x")
+        # (sealed with them: an earlier output, which --force replaces; unsealed, they are other data)
+        assert run_cli("seal", dest, "--out", dest / "ckpttool.manifest.json").code == 0
         old = tree_digests(dest)
         count = len(os.listdir(dest))
 

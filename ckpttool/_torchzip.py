@@ -209,7 +209,7 @@ class Archive:
                 return True
             sig = self._read(at, 4)
         if len(sig) < 4 and at < self.length:  # (a record begun in the last bytes: cut inside its signature)
-            return b"PK\x05\x06".startswith(sig) or b"PK\x06\x06".startswith(sig)
+            return any(s.startswith(sig) for s in (b"PK\x03\x04", b"PK\x01\x02", b"PK\x06\x06", b"PK\x05\x06"))
         if sig == b"PK\x06\x06":  # zip64's end record: its size after the first 12 bytes
             head = self._read(at, 12)
             if len(head) < 12:

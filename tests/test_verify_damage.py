@@ -1800,3 +1800,18 @@ def test_numbered_shards_without_their_index_are_warned_of(tmp_path):
     said = [(f["rule"], f["severity"], f["file"]) for f in report["findings"] if f["rule"] == "missing-file"]
     assert code == 1 and said == [("missing-file", "warning", "model.safetensors.index.json")], report
     assert _findings(ck)[0] == 0
+
+
+def test_a_torch_save_file_cut_anywhere_in_its_last_records_is_cut_short(tmp_path):
+    """Every cut of the last 300 bytes of a torch.save file (its central directory's last entries
+    and the end records): cut short, never "damaged" (a cut inside a record's 4-byte signature
+    was called damaged)."""
+    from ckpttool.verify import verify
+
+    whole = (FIXTURES / "torch" / "train_state.pt").read_bytes()
+    f = tmp_path / "t.pt"
+    said = {}
+    for n in range(1, 301):
+        f.write_bytes(whole[:-n])
+        said[n] = sorted({x.rule for x in verify(f).findings if x.severity == "error"})
+    assert {n: r for n, r in said.items() if r != ["truncated-file"]} == {}

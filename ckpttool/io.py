@@ -1199,9 +1199,11 @@ _COMPANION = re.compile(
     r"zero_to_(fp32|torch)\.py|(generation_|adapter_|tokenizer_|ds_)?config\.json|trainer_state\.json"
     r"|training_args\.bin|optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth|tokenizer\.(json|model)"
     r"|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt|chat_template\.jinja"
+    r"|sharded/shard-\d+-[^/]+\.safetensors"
 )
 """files a checkpoint's folder holds beside its data that its writers put there (DeepSpeed's
-recovery scripts, a Hugging Face save's config, tokenizer and Trainer state): an unsealed earlier
+recovery scripts, a Hugging Face save's config, tokenizer and Trainer state, the per-rank shards
+DCP's Hugging Face writer keeps beside the consolidated model): an unsealed earlier
 output holding them is still only a checkpoint; anything else there (code, logs, data) is not"""
 
 

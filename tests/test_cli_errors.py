@@ -705,3 +705,15 @@ def test_an_output_name_longer_than_file_systems_allow_is_a_usage_error(where, t
     r = run_cli("reshard", FIXTURES / "dcp" / "fsdp2", "-o", out, "--dp", "2")
     assert_clean(r, 2, "is 300 bytes, more than the 255 file systems allow")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("fixture", ["dcp/fsdp2_hf", "deepspeed/zero2", "hf/trainer/checkpoint-3", "megatron/legacy_tp2pp2"])
+def test_force_replaces_an_earlier_decompressed_checkpoint(fixture, tmp_path):
+    """decompress restores a checkpoint with the files its writers keep beside the data (DeepSpeed's
+    zero_to_fp32.py, a Trainer's config and state, DCP's per-rank Hugging Face shards): unsealed,
+    it is still an earlier output that --force replaces."""
+    packed, out = tmp_path / "c.ckz", tmp_path / "out"
+    assert run_cli("compress", FIXTURES / fixture, "-o", packed).code == 0
+    assert run_cli("decompress", packed, "-o", out).code == 0
+    r = run_cli("decompress", packed, "-o", out, "--force")
+    assert r.code == 0, r.stderr

@@ -152,6 +152,34 @@ class Coverage:
 _MAX_CELLS = 20_000_000
 
 
+def first_gap(shape: Sequence[int], boxes: Iterable[Box]) -> Box | None:
+    """The first block (in C order of the grid of the boxes' cut points) of a tensor of ``shape``
+    that no box holds; None where every element is held, or the grid is too large to lay out."""
+    shape = tuple(shape)
+    boxes = [b for b in boxes if b.within(shape)]
+    if not shape or math.prod(shape) == 0 or (grid := _grid(shape, boxes)) is None:
+        return None
+    cuts, counts = grid
+    empty = np.argwhere(counts == 0)
+    if not len(empty):
+        return None
+    at = [(cuts[d][i], cuts[d][i + 1]) for d, i in enumerate(int(i) for i in empty[0])]
+    return Box(tuple(lo for lo, _ in at), tuple(hi - lo for lo, hi in at))
+
+
+def _grid(shape: tuple[int, ...], boxes: list[Box]) -> tuple[list[list[int]], np.ndarray] | None:
+    """The boxes' cut points along each dimension, and how many boxes hold each cell of the grid
+    they make (None where it has more than _MAX_CELLS cells)."""
+    cuts = [sorted({0, n, *(b.offsets[d] for b in boxes), *(b.ends[d] for b in boxes)}) for d, n in enumerate(shape)]
+    if math.prod(len(c) - 1 for c in cuts) > _MAX_CELLS:
+        return None
+    counts = np.zeros([max(len(c) - 1, 1) for c in cuts], dtype=np.int32)
+    index = [{v: i for i, v in enumerate(c)} for c in cuts]
+    for b in boxes:
+        counts[tuple(slice(index[d][b.offsets[d]], index[d][b.ends[d]]) for d in range(len(shape)))] += 1
+    return cuts, counts
+
+
 def coverage(shape: Sequence[int], boxes: Iterable[Box]) -> Coverage:
     """Count elements of a tensor of ``shape`` that ``boxes`` leave out or hold twice.
 
@@ -168,14 +196,10 @@ def coverage(shape: Sequence[int], boxes: Iterable[Box]) -> Coverage:
             raise ValueError(f"box {b.offsets}+{b.sizes} outside a tensor of shape {shape}")
     if total == 0:
         return Coverage(0, 0, 0)  # a tensor with a zero-length dimension: nothing to hold
-    cuts = [sorted({0, n, *(b.offsets[d] for b in boxes), *(b.ends[d] for b in boxes)}) for d, n in enumerate(shape)]
-    if math.prod(len(c) - 1 for c in cuts) > _MAX_CELLS:
+    grid = _grid(shape, boxes)
+    if grid is None:
         return _coverage_pairwise(shape, boxes)
-    counts = np.zeros([max(len(c) - 1, 1) for c in cuts], dtype=np.int32)
-    index = [{v: i for i, v in enumerate(c)} for c in cuts]
-    for b in boxes:
-        sl = tuple(slice(index[d][b.offsets[d]], index[d][b.ends[d]]) for d in range(len(shape)))
-        counts[sl] += 1
+    cuts, counts = grid
     widths = [np.diff(np.asarray(c, dtype=np.int64)) for c in cuts]
     cell_volume = widths[0]
     for w in widths[1:]:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpttool.geometry import Box, coverage, flat_range_boxes, intersect, row_major_strides
+from ckpttool.geometry import Box, coverage, first_gap, flat_range_boxes, intersect, row_major_strides
 
 
 def test_intersect_basic():
@@ -114,3 +114,12 @@ def test_row_major_strides():
     for shape in [(), (5,), (3, 4), (2, 3, 4, 1)]:
         assert row_major_strides(shape) == torch.empty(shape).stride()
     assert row_major_strides((2, 0, 3)) == (0, 3, 1)
+
+
+def test_first_gap_is_the_first_block_no_box_holds():
+    rows = [Box((0, 0), (16, 8)), Box((16, 0), (16, 8)), Box((48, 0), (16, 8))]
+    assert first_gap((64, 8), rows) == Box((32, 0), (16, 8))
+    assert first_gap((64, 8), [*rows, Box((32, 0), (16, 8))]) is None
+    cols = [Box((0, 0), (4, 2)), Box((0, 4), (4, 4))]  # columns 2:4 of every row: the first block
+    assert first_gap((4, 8), cols) == Box((0, 2), (4, 2))
+    assert first_gap((4, 8), []) == Box((0, 0), (4, 8))

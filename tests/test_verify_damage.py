@@ -1815,3 +1815,21 @@ def test_a_torch_save_file_cut_anywhere_in_its_last_records_is_cut_short(tmp_pat
         f.write_bytes(whole[:-n])
         said[n] = sorted({x.rule for x in verify(f).findings if x.severity == "error"})
     assert {n: r for n, r in said.items() if r != ["truncated-file"]} == {}
+
+
+def test_a_coverage_gap_says_where_it_is(tmp_path):
+    """A coverage gap said how many elements no piece holds but not where: the first block of them
+    is given (a rank's rows, here), so that the rank whose piece is gone can be found."""
+    import pickle
+
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ck)
+    md = pickle.loads((ck / ".metadata").read_bytes())
+    name, meta = next((n, m) for n, m in md.state_dict_metadata.items() if len(getattr(m, "chunks", ())) > 2)
+    dropped = meta.chunks.pop(1)
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+    code, report = _findings(ck)
+    gaps = [f for f in report["findings"] if f["rule"] == "coverage-gap"]
+    spans = ", ".join(f"{o}:{o + n}" for o, n in zip(dropped.offsets, dropped.sizes, strict=True))
+    assert code == 1 and [f["item"] for f in gaps] == [name], report
+    assert gaps[0]["message"].endswith(f"are in no piece (the first at [{spans}])"), gaps[0]["message"]

@@ -305,6 +305,7 @@ def diff(
                 report.copies += _copies_that_differ(key, ra, ia, rb, ib, atol, rtol)
             if progress is not None:
                 progress(ia.nbytes)
+    _state_beside(report, ma, mb, wanted)  # (last: the steps above look up what they list by item name)
     return report
 
 
@@ -452,6 +453,38 @@ def _extra_masters(
                 f"fp32 copies: {side} keeps one of {len(same)} tensor(s) the other side keeps only as themselves "
                 f"({shown}); each holds its tensor's values exactly",
             )
+
+
+def _state_beside(report: DiffReport, ma: Manifest, mb: Manifest, wanted: set[str] | None) -> None:
+    """Training state a checkpoint keeps in files beside its format's (a Hugging Face Trainer's
+    ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``: ``extras["state_files"]``), which ckpttool
+    reads as state but does not compare value by value: held on one side only, it is a difference
+    (a Trainer checkpoint against its model alone was "equal"); on both, the files' bytes are
+    compared (a difference names the file, not the values in it)."""
+    kinds = {"optimizer": "optim", "scheduler": "scheduler", "rng": "rng"}
+    held_a, held_b = (
+        {s: f for s, f in (m.extras.get("state_files") or {}).items() if s in kinds and kinds[s] in (wanted or KINDS)}
+        for m in (ma, mb)
+    )
+    for state, rel in held_a.items():
+        said = f"{rel} ({state} state, kept beside the model)"
+        if state not in held_b and not any(i.kind == kinds[state] for i in mb.items.values()):
+            report.removed.append(said)
+        elif state in held_b:
+            ours, theirs = (_file_digest(Path(m.root) / f) for m, f in ((ma, rel), (mb, held_b[state])))
+            if ours != theirs:
+                report.objects.append({"name": said, "a": f"{rel}: {ours}", "b": f"{held_b[state]}: {theirs}"})
+    for state, rel in held_b.items():
+        if state not in held_a and not any(i.kind == kinds[state] for i in ma.items.values()):
+            report.added.append(f"{rel} ({state} state, kept beside the model)")
+
+
+def _file_digest(path: Path) -> str:
+    """xxh3-128 of a file's bytes, or why it has none."""
+    from ckpttool.hashing import hash_file
+
+    got, _ = hash_file(path.parent, path.name, [], "xxh3-128")
+    return got.digest or f"unreadable ({got.error})"
 
 
 def _weights_as_masters(

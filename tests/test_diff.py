@@ -334,3 +334,26 @@ def test_non_tensor_values_compare_strictly(tmp_path):
     report = diff(a, b)
     assert [o["name"] for o in report.objects] == ["a", "b", "c"], report.objects
     assert not diff(a, a).different
+
+
+def test_training_state_kept_beside_the_model_is_compared(tmp_path):
+    """A Hugging Face Trainer checkpoint against its model alone (convert --kind param) was "equal":
+    its optimizer, scheduler and RNG, in files beside the model, were not looked at. One side
+    without them differs; both with them compare the files' bytes."""
+    import torch
+
+    src = FIXTURES / "hf" / "trainer" / "checkpoint-3"
+    alone = tmp_path / "alone"
+    assert run_cli("convert", src, "-o", alone, "--kind", "param").code == 0
+    r = run_cli("diff", src, alone, "--json")
+    report = json.loads(r.stdout)
+    assert r.code == 1 and not report["equal"], report
+    assert sorted(n.split(" ")[0] for n in report["removed"]) == ["optimizer.pt", "rng_state.pth", "scheduler.pt"]
+    assert run_cli("diff", src, src).code == 0
+    other = tmp_path / "other"
+    shutil.copytree(src, other)
+    state = torch.load(other / "scheduler.pt", weights_only=False)
+    state["last_epoch"] = 99
+    torch.save(state, other / "scheduler.pt")
+    r = run_cli("diff", src, other, "--json")
+    assert r.code == 1 and [o["name"].split(" ")[0] for o in json.loads(r.stdout)["objects"]] == ["scheduler.pt"]

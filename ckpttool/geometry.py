@@ -139,6 +139,9 @@ class Coverage:
     """elements held by at least one box"""
     overlapping: int
     """elements held by more than one box"""
+    first_gap: Box | None = None
+    """the first block (in C order of the grid of the boxes' cut points) that no box holds, where
+    there is one and the grid was laid out"""
 
     @property
     def gaps(self) -> int:
@@ -150,21 +153,6 @@ class Coverage:
 
 
 _MAX_CELLS = 20_000_000
-
-
-def first_gap(shape: Sequence[int], boxes: Iterable[Box]) -> Box | None:
-    """The first block (in C order of the grid of the boxes' cut points) of a tensor of ``shape``
-    that no box holds; None where every element is held, or the grid is too large to lay out."""
-    shape = tuple(shape)
-    boxes = [b for b in boxes if b.within(shape)]
-    if not shape or math.prod(shape) == 0 or (grid := _grid(shape, boxes)) is None:
-        return None
-    cuts, counts = grid
-    empty = np.argwhere(counts == 0)
-    if not len(empty):
-        return None
-    at = [(cuts[d][i], cuts[d][i + 1]) for d, i in enumerate(int(i) for i in empty[0])]
-    return Box(tuple(lo for lo, _ in at), tuple(hi - lo for lo, hi in at))
 
 
 def _grid(shape: tuple[int, ...], boxes: list[Box]) -> tuple[list[list[int]], np.ndarray] | None:
@@ -206,7 +194,12 @@ def coverage(shape: Sequence[int], boxes: Iterable[Box]) -> Coverage:
         cell_volume = np.multiply.outer(cell_volume, w)
     covered = int(cell_volume[counts > 0].sum())
     overlapping = int(cell_volume[counts > 1].sum())
-    return Coverage(total, covered, overlapping)
+    gap = None
+    if covered < total:
+        cell = np.argwhere(counts == 0)[0]
+        at = [(cuts[d][int(i)], cuts[d][int(i) + 1]) for d, i in enumerate(cell)]
+        gap = Box(tuple(lo for lo, _ in at), tuple(hi - lo for lo, hi in at))
+    return Coverage(total, covered, overlapping, gap)
 
 
 def _coverage_pairwise(shape: Shape, boxes: list[Box]) -> Coverage:

@@ -38,7 +38,7 @@ from ckpttool.dtypes import as_float, float32_to_bf16
 from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedError, NotFoundError, PathEscapeError
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Adapter
-from ckpttool.geometry import Box, coverage, first_gap, flat_range_boxes, intersect
+from ckpttool.geometry import Box, coverage, flat_range_boxes, intersect
 from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
 from ckpttool.io import TMP_MARKER, RandomAccessFile, checking_crcs, followed, list_files, not_a_file, outside
 from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, Piece, StateName, is_seal_name
@@ -1267,7 +1267,7 @@ def _check_manifest(report: VerifyReport, manifest: Manifest, required: set[str]
             report.findings.append(finding("coverage-overlap", f"{item.name}: {exc}", item=item.name))
             continue
         if cov.gaps:
-            gap = first_gap(item.shape, boxes)
+            gap = cov.first_gap
             spans = ", ".join(f"{o}:{o + n}" for o, n in zip(gap.offsets, gap.sizes, strict=True)) if gap else ""
             where = f" (the first at [{spans}])" if gap else ""
             report.findings.append(

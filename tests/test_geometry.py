@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpttool.geometry import Box, coverage, first_gap, flat_range_boxes, intersect, row_major_strides
+from ckpttool.geometry import Box, coverage, flat_range_boxes, intersect, row_major_strides
 
 
 def test_intersect_basic():
@@ -117,6 +117,9 @@ def test_row_major_strides():
 
 
 def test_first_gap_is_the_first_block_no_box_holds():
+    def first_gap(shape, boxes):
+        return coverage(shape, boxes).first_gap
+
     rows = [Box((0, 0), (16, 8)), Box((16, 0), (16, 8)), Box((48, 0), (16, 8))]
     assert first_gap((64, 8), rows) == Box((32, 0), (16, 8))
     assert first_gap((64, 8), [*rows, Box((32, 0), (16, 8))]) is None

@@ -528,20 +528,13 @@ class DcpAdapter:
         for key, info in md.storage_data.items():
             if not isinstance(key, _MetadataIndex) or not isinstance(info, _StorageInfo):
                 raise CorruptFileError(f"{md_name}: malformed storage index entry", path=md_name)
-            fqn = getattr(key, "fqn", None)
-            wrong = [
-                f"{n} {v!r:.40}"
-                for n, t in (("relative_path", str), ("offset", int), ("length", int))
-                if type(v := getattr(info, n, None)) is not t
-            ]
-            if not isinstance(fqn, str) or wrong:
-                name = fqn if isinstance(fqn, str) else f"{fqn!r:.40}"
+            if wrong := _entry_problems(key, info):
+                name = key.fqn if not wrong[0].startswith("item name") else "an entry"
                 # (the data files the other entries name, missing too: said with it)
                 named = {r for i in md.storage_data.values() if isinstance(r := getattr(i, "relative_path", None), str)}
                 damaged = CorruptFileError(
-                    f"{md_name}: the storage entry of {name} has "
-                    + (", ".join(wrong) if wrong else "no item name")
-                    + " (a file name and two byte counts expected): the metadata is damaged",
+                    f"{md_name}: the storage entry of {name} has {', '.join(wrong)} (a file name and two byte "
+                    "counts expected): the metadata is damaged",
                     hint=f"restore {md_name} from a good copy; its data files cannot be placed without it",
                     path=md_name,
                 )
@@ -550,7 +543,7 @@ class DcpAdapter:
             offset = getattr(key, "offset", None)
             if offset is not None and not isinstance(offset, tuple):  # torch.Size is one already
                 offset = tuple(offset)
-            storage[(fqn, offset)] = info
+            storage[(key.fqn, offset)] = info
         placed: set[tuple[str, tuple[int, ...] | None]] = set()  # the entries the items below name
         # one object for each distinct file name, rank and box: at 400 000 chunks the copies the
         # pickle gives (a name and three tuples per chunk) were a third of the manifest's memory
@@ -739,14 +732,24 @@ def records(root: Path) -> Iterator[tuple[_Metadata, _MetadataIndex, _StorageInf
         except CkptError:
             continue
         for key, info in md.storage_data.items():
-            if (
-                isinstance(key, _MetadataIndex)
-                and isinstance(info, _StorageInfo)
-                and isinstance(getattr(info, "relative_path", None), str)
-                and type(getattr(info, "offset", None)) is int
-                and isinstance(getattr(key, "fqn", None), str)
-            ):
+            if isinstance(key, _MetadataIndex) and isinstance(info, _StorageInfo) and not _entry_problems(key, info):
                 yield md, key, info
+
+
+def _entry_problems(key: _MetadataIndex, info: _StorageInfo) -> list[str]:
+    """What is wrong with a storage index entry as DCP writes it (an item name; a file name and two
+    byte counts), each as ``field value``; a pickle that lacks a field leaves it unset."""
+    try:  # (the usual entry: one look; describe walks every chunk's)
+        if type(key.fqn) is type(info.relative_path) is str and type(info.offset) is type(info.length) is int:
+            return []
+    except AttributeError:
+        pass
+    problems = [] if isinstance(getattr(key, "fqn", None), str) else [f"item name {getattr(key, 'fqn', None)!r:.40}"]
+    return problems + [
+        f"{n} {v!r:.40}"
+        for n, t in (("relative_path", str), ("offset", int), ("length", int))
+        if type(v := getattr(info, n, None)) is not t
+    ]
 
 
 def _longer(ends: dict[str, int], sizes: dict[str, int], md_name: str, root: Path) -> list[dict[str, Any]]:

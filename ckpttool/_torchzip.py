@@ -92,6 +92,16 @@ def _zip64_size(extra: bytes) -> int | None:
     return None
 
 
+def _signature_begun(tail: bytes) -> bool:
+    """Whether the last bytes of a file (fewer than 4) begin a zip record's signature: the file was
+    cut inside it."""
+    return any(sig.startswith(tail) for sig in _SIGNATURES)
+
+
+_SIGNATURES = (b"PK\x03\x04", b"PK\x01\x02", b"PK\x06\x06", b"PK\x06\x07", b"PK\x05\x06")
+"""a local header's, a central-directory entry's, zip64's end record's and locator's, the end record's"""
+
+
 class Archive:
     """A torch.save zip archive at ``[base, base + length)`` of a file, or in a bytes buffer."""
 
@@ -208,8 +218,8 @@ class Archive:
             if at > self.length:
                 return True
             sig = self._read(at, 4)
-        if len(sig) < 4 and at < self.length:  # (a record begun in the last bytes: cut inside its signature)
-            return any(s.startswith(sig) for s in (b"PK\x03\x04", b"PK\x01\x02", b"PK\x06\x06", b"PK\x05\x06"))
+        if len(sig) < 4 and at < self.length:
+            return _signature_begun(sig)
         if sig == b"PK\x06\x06":  # zip64's end record: its size after the first 12 bytes
             head = self._read(at, 12)
             if len(head) < 12:
@@ -220,7 +230,7 @@ class Archive:
             at += 20
             sig = self._read(at, 4)
         if len(sig) < 4 and at < self.length:
-            return b"PK\x05\x06".startswith(sig) or b"PK\x06\x07".startswith(sig)
+            return _signature_begun(sig)
         if sig == b"PK\x05\x06":  # the end record: 22 bytes and its comment
             head = self._read(at, 22)
             return len(head) < 22 or at + 22 + int.from_bytes(head[20:22], "little") > self.length

@@ -229,18 +229,8 @@ class SafetensorsAdapter:
             full = found[rel] = (
                 Path(root, rel) if gone else Path(confine(root, rel, named_by=index_name or "the listing"))
             )
-            if full.is_dir() and rel.endswith(".safetensors"):  # (a shard's name: the shard replaced)
-                damaged.append(
-                    IncompleteCheckpointError(
-                        f"{rel}: a directory stands at that path, not a file",
-                        hint="a copy or a script put it there; download the shard again",
-                        path=rel,
-                        rule="missing-file",
-                    )
-                )
-                del found[rel]
-                continue
-            if full.is_dir() and weight_map is not None:
+            # (a folder named as a shard is the shard replaced: its read says so, below)
+            if full.is_dir() and weight_map is not None and not rel.endswith(".safetensors"):
                 raise CorruptFileError(
                     f"{index_name}: names {rel!r} as the shard of "
                     f"{next(n for n, f in (weight_map or {}).items() if f == rel)}, which is a directory, not a file",

@@ -1212,15 +1212,13 @@ def _refuse_replacing_other_data(out: Path, said: str) -> None:
     holding anything the checkpoint in it does not account for (another save's folder, logs, code,
     a dataset beside a model file) is refused, not deleted with the new output's publishing."""
     try:
-        names = sorted(os.listdir(out))
+        with os.scandir(out) as entries:  # (a folder with a slash, as the walk below names them)
+            names = sorted(e.name + ("/" if e.is_dir(follow_symlinks=False) else "") for e in entries)
     except OSError:
         return  # (unreadable: the write says why)
     if not names:
         return
     others = _beside_the_checkpoint(out)
-    if not others:
-        return
-    shown = ", ".join(printable(n) for n in others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
     hint = "choose another path, or remove the directory yourself if what it holds may go"
     if isinstance(others, str):
         raise UsageError(
@@ -1228,7 +1226,11 @@ def _refuse_replacing_other_data(out: Path, said: str) -> None:
             "output, not a checkpoint it cannot account for",
             hint=hint,
         )
-    if len(others) == len(names) and not (out / SEAL_NAME).is_file():
+    if others == []:
+        return
+    held = names if others is None else others
+    shown = ", ".join(printable(n) for n in held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+    if others is None:
         raise UsageError(
             f"{said} is a directory that holds no checkpoint ckpttool reads ({shown}): --force replaces an earlier "
             "output or an empty directory, not other data",
@@ -1241,24 +1243,23 @@ def _refuse_replacing_other_data(out: Path, said: str) -> None:
     )
 
 
-def _beside_the_checkpoint(out: Path) -> list[str] | str:
+def _beside_the_checkpoint(out: Path) -> list[str] | str | None:
     """What the directory ``out`` holds that is not part of the checkpoint in it: the paths (a
-    folder with nothing of the checkpoint below it named once, with a slash), every entry where it
-    holds no checkpoint; or why its checkpoint does not read. Its checkpoint: the files its ckpttool
+    folder with nothing of the checkpoint below it named once, with a slash); None where it holds no
+    checkpoint (its tree not walked: it may be a home directory); or why its checkpoint does not
+    read. Its checkpoint: the files its ckpttool
     seal lists where it has one, else those its format's reader accounts for (of the files it keeps
     beside its data, only those its writers put there: :data:`_COMPANION`; and a save directory's
     tracker beside the save)."""
     from ckpttool import registry
     from ckpttool.seal import Seal
 
-    found = _entries(out)
-
     def beside(root: str | os.PathLike[str], files: list[str]) -> list[str]:
         at = Path(os.path.relpath(root, out))
         listed = {os.path.normpath(at / f) for f in files} | {SEAL_NAME}
         if at != Path("."):
             listed.update(name for name in _TRACKERS if (out / name).is_file())
-        return _outside(found, {Path(p).as_posix() for p in listed})
+        return _outside(_entries(out), {Path(p).as_posix() for p in listed})
 
     seal = out / SEAL_NAME
     if seal.is_file():  # (the seal's folder: as recorded where that is inside out, else out itself)
@@ -1273,7 +1274,7 @@ def _beside_the_checkpoint(out: Path) -> list[str] | str:
     try:
         registry.detect(out)
     except CkptError:
-        return _outside(found, set())
+        return None
     try:
         _, manifest = registry.describe(out)
     except CkptError as exc:
@@ -1296,17 +1297,16 @@ def _entries(out: Path) -> list[str]:
 
 def _outside(found: list[str], listed: set[str]) -> list[str]:
     """``found`` less ``listed``, each folder whose entries are all outside named once (``logs/``)."""
-    extra = [p for p in found if p not in listed]
     held = {parent.as_posix() for p in listed for parent in Path(p).parents}
-    out: list[str] = []
-    for p in extra:
+    out: dict[str, None] = {}
+    for p in found:
+        if p in listed:
+            continue
         parts = p.rstrip("/").split("/")
         # the outermost folder of it holding nothing listed stands for all it holds
         top = next(("/".join(parts[:k]) for k in range(1, len(parts)) if "/".join(parts[:k]) not in held), None)
-        name = f"{top}/" if top is not None else p
-        if name not in out:
-            out.append(name)
-    return out
+        out[f"{top}/" if top is not None else p] = None
+    return list(out)
 
 
 def check_output_file(out: str | os.PathLike[str], flag: str) -> None:

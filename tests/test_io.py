@@ -300,3 +300,20 @@ def test_a_folder_that_refuses_new_entries_is_not_taken_for_a_vanished_one(kind,
     with pytest.raises(FileNotFoundError, match="No such file or directory") as caught, make(tmp_path / "out"):
         pass
     assert "keeps being removed" not in str(caught.value) and len(calls) == 1, calls
+
+
+def test_force_does_not_walk_a_directory_that_holds_no_checkpoint(tmp_path, monkeypatch):
+    """--force over a directory that holds no checkpoint (a home directory, a dataset) is refused
+    from its top-level names: its tree, which may be millions of files, is not walked first."""
+    from ckpttool import io as ckio
+    from ckpttool.errors import UsageError
+
+    (tmp_path / "data" / "deep").mkdir(parents=True)
+    (tmp_path / "data" / "notes.txt").write_text("keep me")
+
+    def walked(out):
+        raise AssertionError(f"walked {out}")
+
+    monkeypatch.setattr(ckio, "_entries", walked)
+    with pytest.raises(UsageError, match=r"holds no checkpoint ckpttool reads \(deep/, notes.txt\)"):
+        ckio._refuse_replacing_other_data(tmp_path / "data", "-o data")

@@ -39,7 +39,7 @@ from ckpttool.export import (
 )
 from ckpttool.formats.base import Adapter
 from ckpttool.io import check_output, checking_crcs, fsync_dir, fsync_tree, publish_dir, refuse_overlap, staged_dir
-from ckpttool.manifest import Item, Manifest
+from ckpttool.manifest import KEPT_BESIDE, Item, Manifest
 
 FRAMEWORKS = ("megatron", "megatron-dist", "deepspeed", "deepspeed-universal")
 """targets written by ``reshard``'s writers at the source's own layout"""
@@ -210,17 +210,12 @@ def refuse_changed_since_sealed(src: Path, manifest: Manifest) -> None:
         )
 
 
-_CARRIED_ELSEWHERE = ("optimizer", "scheduler", "rng")
-"""training state a checkpoint may keep in files beside its format's (a Trainer's optimizer.pt, ...)
-that an output in another layout or format would lose"""
-
-
 def refuse_left_behind(manifest: Manifest, command: str, model_alone: str) -> None:
     """Refuse (before anything is written) to write the whole training state of a checkpoint that
     keeps part of it in files its format does not read (a Hugging Face Trainer's ``optimizer.pt``,
     ``scheduler.pt`` and ``rng_state.pth`` beside ``model.safetensors``): the output would hold the
     model alone, with exit 0. ``model_alone``: the command that writes the model only."""
-    held = {k: f for k, f in (manifest.extras.get("state_files") or {}).items() if k in _CARRIED_ELSEWHERE}
+    held = {k: f for k, f in (manifest.extras.get("state_files") or {}).items() if k in KEPT_BESIDE}
     if held:  # (the step and the dataloader's place, from trainer_state.json, the output's metadata keeps)
         files = ", ".join(dict.fromkeys(str(f) for f in held.values()))
         raise UsageError(

@@ -27,7 +27,7 @@ from ckpttool.errors import CkptError, UsageError
 from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.geometry import Box
 from ckpttool.hashing import hash_bytes
-from ckpttool.manifest import KINDS, SCHEMA_VERSION, Item, Manifest
+from ckpttool.manifest import KEPT_BESIDE, KINDS, SCHEMA_VERSION, STATE_KINDS, Item, Manifest
 from ckpttool.naming import canonical
 
 Tolerance = Literal["strict", "standard", "relaxed"]
@@ -461,7 +461,7 @@ def _state_beside(report: DiffReport, ma: Manifest, mb: Manifest, wanted: set[st
     reads as state but does not compare value by value: held on one side only, it is a difference
     (a Trainer checkpoint against its model alone was "equal"); on both, the files' bytes are
     compared (a difference names the file, not the values in it)."""
-    kinds = {"optimizer": "optim", "scheduler": "scheduler", "rng": "rng"}
+    kinds = {s: STATE_KINDS[s] for s in KEPT_BESIDE}
     held_a, held_b = (
         {s: f for s, f in (m.extras.get("state_files") or {}).items() if s in kinds and kinds[s] in (wanted or KINDS)}
         for m in (ma, mb)

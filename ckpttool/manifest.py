@@ -34,6 +34,20 @@ Kind = Literal["param", "master", "optim", "rng", "dataloader", "scheduler", "co
 KINDS: tuple[Kind, ...] = ("param", "master", "optim", "rng", "dataloader", "scheduler", "counter", "object")
 
 StateName = Literal["optimizer", "rng", "dataloader", "scheduler", "step"]
+
+STATE_KINDS: dict[StateName, Kind] = {
+    "optimizer": "optim",
+    "rng": "rng",
+    "dataloader": "dataloader",
+    "scheduler": "scheduler",
+}
+"""the kind of item each piece of training state is held as (the step: the manifest's ``step``)"""
+
+KEPT_BESIDE: tuple[StateName, ...] = ("optimizer", "scheduler", "rng")
+"""training state a checkpoint may keep in files beside its format's (``extras["state_files"]``: a
+Hugging Face Trainer's ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``), which ckpttool reads
+but carries into no other layout or format; the step and dataloader place they may give too
+(``trainer_state.json``) are the manifest's own"""
 FileRole = Literal["metadata", "data", "tracker", "aux", "seal"]
 
 
@@ -152,13 +166,8 @@ class Manifest:
     def missing_state(self) -> list[StateName]:
         """Training state a resume would need and this checkpoint does not hold."""
         kinds = {item.kind for item in self.items.values()}
-        present: dict[StateName, bool] = {
-            "optimizer": "optim" in kinds,
-            "rng": "rng" in kinds,
-            "dataloader": "dataloader" in kinds,
-            "scheduler": "scheduler" in kinds,
-            "step": self.step is not None,
-        }
+        present: dict[StateName, bool] = {state: kind in kinds for state, kind in STATE_KINDS.items()}
+        present["step"] = self.step is not None
         # (state in files beside the model that the format itself does not read, such as a Hugging
         # Face Trainer's optimizer.pt: the adapter names them, state -> file)
         held = self.extras.get("state_files") or {}

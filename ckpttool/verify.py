@@ -1044,9 +1044,11 @@ def _check_seal(
 
 
 def _check_seal_is_this_saves(report: VerifyReport, sealed: Seal, manifest: Manifest) -> None:
-    """A seal of another save (another step, or another format) given with ``--manifest``: every
-    file differs from it, which is not storage corruption. Said once, as a step mismatch between
-    the seal and the checkpoint, and the files' mismatches say why instead of blaming the disk."""
+    """A seal of another save (another step, or another format; given with ``--manifest``, or left
+    beside a later save): most files differ from it, which is not storage corruption. Said once, as
+    a step mismatch between the seal and the checkpoint, and the files' mismatches say why instead
+    of blaming the disk. A seal whose step alone differs, with most files alike, is this save's own
+    and its step field damaged: left to the mismatches."""
     theirs, ours = sealed.head, manifest
     if theirs.format == ours.format and (theirs.step is None or ours.step is None or theirs.step == ours.step):
         return

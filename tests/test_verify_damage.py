@@ -1612,8 +1612,6 @@ def test_a_damaged_dcp_record_beside_a_missing_file_is_named_with_its_item(fixtu
     ], whole
 
 
-
-
 @pytest.mark.parametrize(
     ("fixture", "rel", "what"),
     [

@@ -800,6 +800,9 @@ class _SealedBytes:
     """Links among the seal's folders that lead out of ``scope`` (not read): path → target."""
     added: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Folders made in a folder of data files after the seal: path → (files, bytes) below it."""
+    special: dict[str, str] = field(default_factory=dict)
+    """What stands among the seal's folders that is neither file nor folder (a FIFO, a socket),
+    the seal not listing it: path → what it is (:func:`~ckpttool.io.not_a_file`)."""
 
     def result(self) -> dict[str, FileDigest]:
         try:
@@ -859,6 +862,7 @@ def _hash_sealed_files(
     on_disk: dict[str, int] = {}
     escaping: dict[str, str] = {}
     added: dict[str, tuple[int, int]] = {}
+    special: dict[str, str] = {}
     # (the subfolders it was sealed with, those holding its files among them)
     had = {} if one_file or sealed.folders is None else sealed.folders
     for folder in sorted({rel.rsplit("/", 1)[0] if "/" in rel else "" for rel in expected}):
@@ -876,12 +880,16 @@ def _hash_sealed_files(
                     escaping[rel] = real
                 elif p.is_file():
                     on_disk[rel] = p.stat().st_size
-                elif p.is_dir() and p.name not in had.get(folder, [p.name]) and not tmp:
-                    added[rel] = _size_below(p)
+                elif p.is_dir():
+                    if p.name not in had.get(folder, [p.name]) and not tmp:
+                        added[rel] = _size_below(p)
+                elif rel not in expected:  # (one the seal lists: missing, said with what stands there)
+                    with contextlib.suppress(OSError):  # (a dangling link: neither, and nothing)
+                        special[rel] = not_a_file(p.stat().st_mode)
     present = [f.path for f in sealed.head.files if f.path in expected and f.path in on_disk]
     runner, stop = ThreadPoolExecutor(max_workers=1), threading.Event()
     future = runner.submit(hash_files, scope, present, {}, sealed.algo, workers=workers, progress=progress, cancel=stop)
-    return _SealedBytes(scope, on_disk, future, runner, stop, escaping, added)
+    return _SealedBytes(scope, on_disk, future, runner, stop, escaping, added, special)
 
 
 def _size_below(folder: Path) -> tuple[int, int]:
@@ -943,6 +951,8 @@ def _check_seal(
         report.findings.append(
             finding("extra-file", f"{rel}: on disk but not in the seal ({on_disk[rel]:,} bytes)", file=rel)
         )
+    for rel, what in sorted(early.special.items()):
+        report.findings.append(finding("extra-file", f"{rel}: on disk but not in the seal ({what})", file=rel))
     for rel in sorted(set(uncovered) - set(extra)):  # (in a folder the seal has no file in)
         report.findings.append(finding("extra-file", f"{rel}: in the checkpoint but not in the seal", file=rel))
     for rel, (n, size) in sorted(early.added.items()):

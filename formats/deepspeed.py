@@ -489,6 +489,29 @@ def _check_tag_name(tag: str, tracker: str) -> None:
         )
 
 
+def _roundabout_tag(path: Path, tag: str, tracker: str) -> str | None:
+    """The one folder a tag spelt with ``..`` (``global_step3/../global_step3``) leads to when its
+    spelling stays in the save directory: the folder DeepSpeed opens, by its plain name; refused when
+    it leads to none; None for a spelling that leaves the directory (refused as such by the caller)."""
+    spelt = tag.replace("\\", "/")
+    plain = os.path.normpath(spelt)
+    if spelt.startswith("/") or plain in (".", "..") or "/" in plain or plain.startswith(".."):
+        return None
+    full, named = os.path.join(path, spelt), os.path.join(path, plain)
+    try:
+        same = os.path.isdir(full) and os.path.samefile(full, named)
+    except OSError:
+        same = False
+    if not same:
+        raise IncompleteCheckpointError(
+            f"{tracker} names tag {tag[:60]!r}, which leads to no tag directory of {path} "
+            "(DeepSpeed joins it to the save directory and could not open it either)",
+            hint=f"write the plain name of the save's tag directory (e.g. {plain}) into '{tracker}'",
+            path=tracker,
+        )
+    return plain
+
+
 def _tracked_tag(path: Path, tracker: str) -> str:
     """The tag named by the tracker file ``tracker`` (``latest``, ``latest_universal``) of the save
     directory ``path``: one folder name, a trailing slash allowed (DeepSpeed joins the text to the
@@ -496,6 +519,8 @@ def _tracked_tag(path: Path, tracker: str) -> str:
     tag = read_tracker(path, tracker)
     _check_tag_name(tag, tracker)
     if tag and escapes(tag):  # DeepSpeed joins it to the save directory and reads wherever it leads
+        tag = _roundabout_tag(path, tag, tracker) or tag
+    if tag and escapes(tag):
         confine(path, tag, named_by=tracker, kind="tag directory", holder=tracker)
     name = tag.rstrip("/\\") or tag
     if not name or "/" in name or "\\" in name or name in (".", ".."):

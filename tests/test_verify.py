@@ -279,6 +279,21 @@ def test_deepspeed_tracker_naming_its_tag_with_a_trailing_slash_is_read(tracker,
     assert (found.rule, found.file) == ("corrupt-file", tracker) and "not a tag directory" in found.message
 
 
+
+@pytest.mark.parametrize("tracker", ["latest", "latest_universal"])
+def test_deepspeed_tracker_naming_its_tag_the_long_way_round_is_read(tracker, tmp_path):
+    """'global_step3/../global_step3' leads where DeepSpeed's join leads, into the save: it was
+    refused as a path outside the checkpoint. One that leads to no folder is said as such."""
+    path = _copy("deepspeed/zero2" if tracker == "latest" else "deepspeed/universal", tmp_path)
+    tag = (path / tracker).read_text().strip()
+    (path / tracker).write_text(f"{tag}/../{tag}\n")
+    report = verify(path)
+    assert report.format == "deepspeed" and not report.failing("error"), report.findings
+    assert report.step == 3
+    (path / tracker).write_text(f"gone/../{tag}")
+    (found,) = verify(path).findings
+    assert (found.rule, found.file) == ("incomplete-save", tracker) and "leads to no tag directory" in found.message
+
 def test_replicated_norm_altered_on_one_tp_rank(tmp_path):
     path = _copy("megatron/legacy_tp2pp2", tmp_path)
     _, m = registry.describe(path)
@@ -543,6 +558,20 @@ def test_a_folder_added_after_the_seal_is_an_extra_file(fixture, inside, later_s
     assert data.pop("folders")
     sealed.write_text(json.dumps(data))
     assert not [f for f in verify(path).findings if f.rule == "extra-file"]
+
+@pytest.mark.parametrize(("fixture", "inside"), [("dcp/fsdp2", ""), ("deepspeed/zero2", "global_step3")])
+def test_a_fifo_added_after_the_seal_is_an_extra_file(fixture, inside, tmp_path):
+    """A named pipe (or a socket) made after `seal` among the data files went unreported: the
+    seal's folders were looked at for files and folders only. It is not opened."""
+    path = _copy(fixture, tmp_path)
+    seal(path)
+    where = path / inside if inside else path
+    os.mkfifo(where / "pipe")
+    extra = [f for f in verify(path).findings if f.rule == "extra-file"]
+    named = f"{inside}/pipe" if inside else "pipe"
+    assert [(f.file, f.severity) for f in extra] == [(named, "warning")], extra
+    assert "a FIFO (named pipe)" in extra[0].message
+
 
 
 def test_a_sealed_single_file_owns_nothing_beside_it(tmp_path):

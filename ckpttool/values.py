@@ -42,10 +42,23 @@ def describe_value(value: Any) -> str:
 
 
 def set_value(item: Item, value: Any) -> None:
-    """Record a non-tensor value on its item: the value itself when small and plain, else a summary."""
+    """Record a non-tensor value on its item: the value itself when small and plain, else a summary;
+    and whether a float in it is NaN or Inf."""
     item.value = plain_value(value)
     if item.value is None and value is not None:
         item.summary = describe_value(value)
+    item.nonfinite = _nonfinite(value)
+
+
+def _nonfinite(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is, or (a small container) holds, a float NaN or Inf."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if depth < 4 and isinstance(value, list | tuple) and len(value) <= _MAX_ELEMENTS:
+        return any(_nonfinite(v, depth + 1) for v in value)
+    if depth < 4 and isinstance(value, dict) and len(value) <= _MAX_ELEMENTS:
+        return any(_nonfinite(v, depth + 1) for v in value.values())
+    return False
 
 
 def find_step(items: dict[str, Item]) -> int | None:

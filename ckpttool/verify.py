@@ -16,6 +16,7 @@ CLI renders it (human, JSON, JUnit, GitHub) and picks the exit code. Checks:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import shlex
@@ -379,6 +380,25 @@ def _under_any(file: str, links: set[str]) -> bool:
     return any(file == link or file.startswith(f"{link}/") for link in links if link)
 
 
+def _describe_as_sealed(root: Path, sealed: Seal, exc: FormatNotRecognizedError) -> tuple[Adapter, Manifest]:
+    """A sealed checkpoint that no longer reads as one (a file added beside a directory's single
+    ``torch.save`` file): its one data file, where the seal lists one, is described alone; else
+    refused, as a finding, for only its bytes could be checked against the seal (every seal is of a
+    checkpoint that read as one)."""
+    data = [f.path for f in sealed.head.files if f.role == "data"]
+    if root.is_dir() and len(data) == 1 and (root / data[0]).is_file():
+        return registry.describe(root / data[0])
+    said = sealed.head.format or "checkpoint"
+    why = exc.reasons.get(said) or "; ".join(f"{k}: {v}" for k, v in exc.reasons.items())
+    raise FormatNotRecognizedError(
+        str(root),
+        exc.reasons,
+        message=f"{root}: no longer reads as the {said} checkpoint its seal describes ({why}); "
+        "only its bytes were checked against the seal",
+        hint="take away what was added since the seal (the extra files named) or restore what is missing",
+    )
+
+
 def _verify(
     root: Path,
     report: VerifyReport,
@@ -393,10 +413,16 @@ def _verify(
     manifest: Manifest | None = None
     try:
         with checking_crcs():  # a flipped bit in a pickle is damage, named as such (not a hostile pickle)
-            adapter, manifest = registry.describe(root)
-    except FormatNotRecognizedError:
+            try:
+                adapter, manifest = registry.describe(root)
+            except FormatNotRecognizedError as exc:
+                if sealed is None:
+                    raise
+                adapter, manifest = _describe_as_sealed(root, sealed, exc)
+    except FormatNotRecognizedError as exc:
         if sealed is None:
             raise
+        report.findings.append(_from_error(exc))
     except NotFoundError:
         raise
     except CkptError as exc:
@@ -857,21 +883,26 @@ def _hash_sealed_files(
     ``one_file`` (the checkpoint is a single file) the files beside it are not looked at."""
     limit = within or scope
     expected = {f.path for f in sealed.head.files if f.role != "seal"}
-    # look for missing and extra files only in the directories the seal has files in (so the other
-    # tags or iterations of a save directory are not "extra")
+    # look for extra files only in the folders of the checkpoint's data (so the other tags or
+    # iterations of a save directory, and the logs a run keeps there, are not "extra"); for missing
+    # ones wherever the seal has files
+    looked = _folders_of_the_data(sealed, expected)
     on_disk: dict[str, int] = {}
     escaping: dict[str, str] = {}
     added: dict[str, tuple[int, int]] = {}
     special: dict[str, str] = {}
     # (the subfolders it was sealed with, those holding its files among them)
     had = {} if one_file or sealed.folders is None else sealed.folders
-    for folder in sorted({rel.rsplit("/", 1)[0] if "/" in rel else "" for rel in expected}):
+    for folder in sorted({_folder(rel) for rel in expected} | looked):
         d = scope / folder if folder else scope
         if (real := outside(limit, d)) is not None:
             escaping[folder] = real  # the folder is (or lies in) a link out: nothing in it is read
             continue
         if d.is_dir():
-            for p in d.iterdir():
+            names = (p.name for p in d.iterdir()) if folder in looked else _names_in(expected, folder)
+            for p in (d / name for name in names):
+                if folder not in looked and not p.is_symlink() and not p.exists():
+                    continue
                 rel = f"{folder}/{p.name}" if folder else p.name
                 tmp = TMP_MARKER in p.name  # (a ckpttool writer's temporary folder is incomplete-save's)
                 if one_file and rel not in expected:
@@ -890,6 +921,33 @@ def _hash_sealed_files(
     runner, stop = ThreadPoolExecutor(max_workers=1), threading.Event()
     future = runner.submit(hash_files, scope, present, {}, sealed.algo, workers=workers, progress=progress, cancel=stop)
     return _SealedBytes(scope, on_disk, future, runner, stop, escaping, added, special)
+
+
+def _folder(rel: str) -> str:
+    return rel.rsplit("/", 1)[0] if "/" in rel else ""
+
+
+def _names_in(files: set[str], folder: str) -> list[str]:
+    return sorted(rel.rsplit("/", 1)[-1] for rel in files if _folder(rel) == folder)
+
+
+def _folders_of_the_data(sealed: Seal, expected: set[str]) -> set[str]:
+    """The folders a sealed checkpoint's data lies in, and those between them and the one they
+    share (a Megatron iteration's folder above its ranks'); not the save directory above a tag or
+    iteration, which holds only its tracker and what the run keeps beside its saves. Every folder
+    of the seal where it lists no data file (a seal of an older ckpttool)."""
+    data = {_folder(f.path) for f in sealed.head.files if f.role == "data" and f.path in expected}
+    if not data:
+        return {_folder(rel) for rel in expected}
+    common = os.path.commonpath([f"/{d}" for d in data]).lstrip("/")
+    out = set()
+    for d in data:
+        while True:
+            out.add(d)
+            if d == common or not d:
+                break
+            d = _folder(d)
+    return out
 
 
 def _size_below(folder: Path) -> tuple[int, int]:
@@ -1097,15 +1155,37 @@ def _unsealed(report: VerifyReport, sealed: Seal, manifest: Manifest | None, exp
     if own and len(uncovered) == len(own):
         sealed_names = sorted(expected)
         named = ", ".join(sealed_names[:3]) + (" …" if len(sealed_names) > 3 else "") if sealed_names else "no file"
+        hint = (
+            "give the seal made of this checkpoint with --manifest, or verify without a seal "
+            "(move it aside); 'ckpttool seal' makes a new one"
+        )
+        what = "it is the seal of another checkpoint, or it was edited"
+        root = Path(manifest.root)
+        if (inner := _named_from_below(own, expected)) is not None:
+            what = f"its files are named from {root / inner}, a folder of this checkpoint: it is that folder's seal"
+            hint = f"verify that folder with it: ckpttool verify {root / inner} --manifest {report.seal}"
+        elif (outer := _named_from_below(list(expected), own)) is not None:
+            above = Path(os.path.normpath(root / os.path.relpath(".", outer)))
+            what = f"its files are named from {above}, the folder above this checkpoint: it is that folder's seal"
+            hint = f"verify that folder with it: ckpttool verify {above} --manifest {report.seal}"
         raise CkptError(
             f"{report.seal}: none of this checkpoint's {plural(len(own), 'file')} ({', '.join(own[:3])}"
-            f"{' …' if len(own) > 3 else ''}) is in the seal, which names {named}: it is the seal of another "
-            "checkpoint, or it was edited",
-            hint="give the seal made of this checkpoint with --manifest, or verify without a seal "
-            "(move it aside); 'ckpttool seal' makes a new one",
+            f"{' …' if len(own) > 3 else ''}) is in the seal, which names {named}: {what}",
+            hint=hint,
             path=report.seal,
         )
     return uncovered
+
+
+def _named_from_below(files: Iterable[str], names: Iterable[str]) -> str | None:
+    """The folder ``P`` (a tag or iteration of a save directory) such that ``names``, named from
+    ``P``, are most of ``files``: a seal of that folder given for the save directory. None if none."""
+    files, names = set(files), set(names)
+    firsts = {f.split("/", 1)[0] for f in files if "/" in f}
+    for first in sorted(firsts):
+        if sum(1 for n in names if f"{first}/{n}" in files) * 2 > len([f for f in files if f.startswith(f"{first}/")]):
+            return first
+    return None
 
 
 def _unread(rel: str, got: FileDigest, rank: int | None) -> Finding:
@@ -1641,7 +1721,10 @@ def _optimizer_step_value(reader: Any, item: Item) -> float | None:
         flat = reader.read(item.pieces[0], item).reshape(-1)
     except CkptError:
         return None
-    return float(flat[0]) if flat.size == 1 else None
+    if flat.size != 1:
+        return None
+    floats = as_float(flat, item.dtype or "")  # (a bfloat16 step is a bit pattern until decoded)
+    return float((floats if floats is not None else flat)[0])
 
 
 def _check_optimizer_steps(
@@ -1664,29 +1747,56 @@ def _check_optimizer_steps(
         by_digest[f"{item.dtype}:{d}"].append(item)
     if len(by_digest) < 2:
         return
-    by_value: dict[float | None, list[Item]] = defaultdict(list)
+    by_value: dict[str, list[Item]] = defaultdict(list)  # (by the value's text: NaN equals no NaN as a float)
+    values: dict[str, float | None] = {}
     try:
         with adapter.reader(manifest) as reader:
             for group in by_digest.values():
-                by_value[_optimizer_step_value(reader, group[0])] += group
+                v = _optimizer_step_value(reader, group[0])
+                said = "?" if v is None else f"{v:g}"
+                values[said] = v
+                by_value[said] += group
     except CkptError:
         return
     if len(by_value) < 2:
         return
-    (common, _), *others = sorted(by_value.items(), key=lambda kv: -len(kv[1]))
-    odd = [(v, i) for v, group in others for i in group]
-    named = ", ".join(f"{i.name} ({v:g})" if v is not None else i.name for v, i in odd[:5])
+    # the step most hold, never a NaN, an Inf or one unread; none where two hold as many
+    ranked = sorted(by_value, key=lambda k: -len(by_value[k]))
+    sound = [k for k in ranked if values[k] is not None and math.isfinite(values[k] or 0.0)]
+    common = sound[0] if sound and (len(sound) < 2 or len(by_value[sound[0]]) > len(by_value[sound[1]])) else None
+    hint = (
+        "parameters that got no gradient at some steps lag behind; otherwise state of another step or run "
+        "was mixed into this one"
+    )
+    if common is None:
+        sides = "; ".join(
+            f"{len(by_value[k])} at {k} ({', '.join(i.name for i in by_value[k][:3])}"
+            f"{' …' if len(by_value[k]) > 3 else ''})"
+            for k in ranked
+        )
+        report.findings.append(
+            finding(
+                "optimizer-mismatch",
+                f"the {len(steps)} optimizer steps disagree, no value held by most: {sides}",
+                severity="warning",
+                item=by_value[ranked[0]][0].name,
+                hint=hint,
+            )
+        )
+        return
+    odd = [(k, i) for k in ranked if k != common for i in by_value[k]]
+    named = ", ".join(f"{i.name} ({k})" if k != "?" else i.name for k, i in odd[:5])
+    broken = [k for k in by_value if k != "?" and k not in sound]  # (NaN or Inf: no step lags to that)
+    if broken:
+        hint = f"a step of {broken[0]} is damage: Adam's bias correction turns it into NaN updates"
     report.findings.append(
         finding(
             "optimizer-mismatch",
-            f"{len(odd)} of {len(steps)} optimizer steps differ from the others' ("
-            + (f"{common:g}" if common is not None else "?")
-            + f"): {named}"
+            f"{len(odd)} of {len(steps)} optimizer steps differ from the others' ({common}): {named}"
             + (" …" if len(odd) > 5 else ""),
-            severity="warning",
+            severity="error" if broken else "warning",
             item=odd[0][1].name,
-            hint="parameters that got no gradient at some steps lag behind; otherwise state of another step or run "
-            "was mixed into this one",
+            hint=hint,
         )
     )
 
@@ -1870,7 +1980,7 @@ def _check_master(report: VerifyReport, item: Item, values: np.ndarray, master: 
     )
 
 
-def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter) -> None:
+def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter, *, beside: bool = True) -> None:
     """--deep: every value read once. NaN/Inf and statistics per tensor, moments all zero by
     value, and each fp32 master against its parameter (read with it, not again on its own turn).
     (The copies of a region that differ from the first: :func:`_check_replicas`.)"""
@@ -1897,29 +2007,74 @@ def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter) ->
                 continue
             _census(report, master, fp32, False, manifest)
             _check_master(report, item, values, master, fp32)
+    for item in manifest.items.values():
+        if item.nonfinite:  # (a learning rate, a loss scale, a best loss: a float of the metadata)
+            holder = item.pieces[0] if item.pieces else None
+            report.findings.append(
+                finding(
+                    "nonfinite",
+                    f"{item.name}: holds {item.value if item.value is not None else item.summary} "
+                    "(a NaN or Inf among the training state's plain values)",
+                    item=item.name,
+                    file=holder.file if holder else None,
+                    rank=holder.rank if holder else None,
+                )
+            )
+    if beside:
+        _check_values_beside(report, manifest)
     report.checked["values"] = len(report.stats)
+
+
+def _check_values_beside(report: VerifyReport, manifest: Manifest) -> None:
+    """--deep: the values of the torch.save files a checkpoint keeps beside its format's (a Hugging
+    Face Trainer's ``optimizer.pt``), read as the single files they are; their items named from the
+    file (``optimizer.state.0.exp_avg`` in ``optimizer.pt``)."""
+    from ckpttool.formats.torchsave import ADAPTER
+
+    root = Path(manifest.root)
+    for f in manifest.files:
+        if f.role != "aux" or not f.path.endswith(_pt.SUFFIXES):
+            continue
+        try:
+            with checking_crcs():
+                beside = ADAPTER.describe(root / f.path)
+        except CkptError:
+            continue  # (its damage is said by the archive check, without --deep too)
+        stem = f.path.rsplit(".", 1)[0]
+        renamed = Manifest(
+            root=str(root), format=beside.format, step=beside.step, layout=beside.layout, extras=beside.extras
+        )
+        for item in beside.items.values():
+            pieces = [replace(p, file=f.path, rank=None) for p in item.pieces]
+            renamed.add(replace(item, name=f"{stem}.{item.name}", pieces=pieces))
+        renamed.files = [replace(r, path=f.path) for r in beside.files]
+        _check_values(report, renamed, ADAPTER, beside=False)
 
 
 def _census(report: VerifyReport, item: Item, values: np.ndarray, stepping: bool, manifest: Manifest) -> None:
     """NaN/Inf count and first index, and min/max/mean/std/absmax, of one tensor's values; a
     moment that should hold values (``stepping``) and is all zero."""
     floats = as_float(values, item.dtype or "")
+    if floats is None and values.dtype.kind == "c":
+        floats = values  # (complex: NaN/Inf where either part is; statistics of the magnitudes)
     if floats is None or floats.size == 0:
         return
     flat = floats.reshape(-1)
     bad = ~np.isfinite(flat)
     n_bad = int(bad.sum())
     finite = flat[~bad] if n_bad else flat
-    f64 = finite.astype(np.float64)
+    f64 = np.abs(finite) if finite.dtype.kind == "c" else finite.astype(np.float64)
+    absmax = float(np.abs(f64).max()) if f64.size else None
+    mean, std = _mean_std(f64, absmax)
     stats: dict[str, Any] = {
         "numel": int(flat.size),
         "nan": int(np.isnan(flat).sum()),
         "inf": int(np.isinf(flat).sum()),
         "min": float(f64.min()) if f64.size else None,
         "max": float(f64.max()) if f64.size else None,
-        "mean": float(f64.mean()) if f64.size else None,
-        "std": float(f64.std()) if f64.size else None,
-        "absmax": float(np.abs(f64).max()) if f64.size else None,
+        "mean": mean,
+        "std": std,
+        "absmax": absmax,
     }
     report.stats[item.name] = stats
     if stats["absmax"] == 0 and not n_bad and stepping:
@@ -1944,6 +2099,17 @@ def _census(report: VerifyReport, item: Item, values: np.ndarray, stepping: bool
                 rank=holder.rank if holder else None,
             )
         )
+
+
+def _mean_std(f64: np.ndarray, absmax: float | None) -> tuple[float | None, float | None]:
+    """Mean and standard deviation of finite float64 values, without the overflow to Inf that
+    summing values near float64's largest gives: computed on the values scaled by their absmax."""
+    if not f64.size or absmax is None:
+        return None, None
+    if not absmax or absmax < 1e150:  # (std squares them)
+        return float(f64.mean()), float(f64.std())
+    scaled = f64 / absmax
+    return float(scaled.mean()) * absmax, float(scaled.std()) * absmax
 
 
 def _nonfinite_copy(report: VerifyReport, reader: Any, item: Item, piece: Piece) -> None:

@@ -550,24 +550,22 @@ class MegatronDistAdapter:
                 manifest.add(named)
         for key in ("iteration", "checkpoint_version", "num_floating_point_operations_so_far"):
             if key in common:
-                manifest.add(
-                    Item(
-                        name=key,
-                        kind="counter" if key == "iteration" else "object",
-                        value=plain_value(common[key]),
-                        pieces=[_pt.object_piece("common.pt", key)],
-                    )
+                counter = Item(
+                    name=key,
+                    kind="counter" if key == "iteration" else "object",
+                    pieces=[_pt.object_piece("common.pt", key)],
                 )
+                set_value(counter, common[key])
+                manifest.add(counter)
         if isinstance(common.get("opt_param_scheduler"), dict):
             for k, v in common["opt_param_scheduler"].items():
-                manifest.add(
-                    Item(
-                        name=f"opt_param_scheduler.{k}",
-                        kind="scheduler",
-                        value=plain_value(v),
-                        pieces=[_pt.object_piece("common.pt", f"opt_param_scheduler.{k}")],
-                    )
+                scheduler = Item(
+                    name=f"opt_param_scheduler.{k}",
+                    kind="scheduler",
+                    pieces=[_pt.object_piece("common.pt", f"opt_param_scheduler.{k}")],
                 )
+                set_value(scheduler, v)
+                manifest.add(scheduler)
         it = common.get("iteration")
         # common.pt's iteration, the directory's name and the tracker that named it (given the save
         # directory): the step most of them give

@@ -574,6 +574,27 @@ def test_a_fifo_added_after_the_seal_is_an_extra_file(fixture, inside, tmp_path)
 
 
 
+def test_a_sealed_checkpoint_no_longer_recognised_is_still_checked(tmp_path):
+    """A file added beside a directory's one torch.save file makes the directory no checkpoint
+    ckpttool recognises: with a seal, only the bytes were compared and every other check (--deep,
+    --require, the optimizer's) was skipped with exit 0. The seal's data file is described alone;
+    a seal whose checkpoint is gone is an error, not a pass."""
+    path = tmp_path / "ck"
+    path.mkdir()
+    shutil.copy(FIXTURES / "torch" / "train_state.pt", path / "model.pt")
+    seal(path)
+    (path / "training_args.bin").write_text("added after the seal")
+    report = verify(path, require=["dataloader"])
+    assert report.format == "torch" and report.step == 3
+    assert {(f.rule, f.severity) for f in report.findings} == {("missing-state", "error"), ("extra-file", "warning")}
+    (path / "model.pt").rename(path / "model.old")
+    (path / "training_args.bin").unlink()
+    report = verify(path)
+    errors = [f for f in report.findings if f.severity == "error"]
+    assert sorted(f.rule for f in errors) == ["corrupt-file", "missing-file"], report.findings
+    assert "no longer reads as the torch checkpoint its seal describes" in errors[0].message
+
+
 def test_a_sealed_single_file_owns_nothing_beside_it(tmp_path):
     """A file checkpoint's folder holds other things (a config, other checkpoints): none of them
     is an extra file of its seal; the file itself still is checked."""
@@ -1327,3 +1348,116 @@ def test_a_seal_naming_a_file_as_seal_never_writes_it_is_refused(spelled, where,
     seal_file.write_text(json.dumps(data))
     r = run_cli("verify", ck, "--manifest", seal_file)
     assert r.code == 3 and "not a readable ckpttool seal" in r.stderr and "not a path below the checkpoint" in r.stderr, (r.code, r.stdout, r.stderr)
+
+
+def test_deep_reads_the_trainer_state_beside_the_model(tmp_path):
+    """--deep read only the model of a Hugging Face Trainer checkpoint: a NaN in optimizer.pt's
+    moments passed with exit 0 (the file was only checked as an archive)."""
+    import torch
+
+    path = _copy("hf/trainer/checkpoint-3", tmp_path)
+    state = torch.load(path / "optimizer.pt", weights_only=True)
+    state["state"][0]["exp_avg"].view(-1)[5] = float("nan")
+    torch.save(state, path / "optimizer.pt")
+    report = verify(path, deep=True)
+    (found,) = [f for f in report.findings if f.severity == "error"]
+    assert (found.rule, found.item, found.file, found.rank) == (
+        "nonfinite", "optimizer.state.0.exp_avg", "optimizer.pt", None
+    ), found
+    assert report.stats["optimizer.state.0.exp_avg"]["nan"] == 1
+    assert not verify(FIXTURES / "hf/trainer/checkpoint-3", deep=True).failing()
+
+
+def test_deep_finds_nan_in_plain_values_and_complex_tensors(tmp_path):
+    """A NaN learning rate, an Inf in a scheduler's list and a complex tensor holding NaN passed
+    --deep: only real floating-point tensors were looked at."""
+    import torch
+
+    state = torch.load(FIXTURES / "torch/train_state.pt", weights_only=False)
+    state["optimizer"]["param_groups"][0]["lr"] = float("nan")
+    state["scheduler"]["base_lrs"] = [float("inf")]
+    state["phase"] = torch.tensor([1 + 2j, complex(float("nan"), 0.0), 3j], dtype=torch.complex64)
+    torch.save(state, tmp_path / "x.pt")
+    report = verify(tmp_path / "x.pt", deep=True)
+    assert sorted(f.item for f in report.findings if f.rule == "nonfinite") == [
+        "optimizer.param_groups.0.lr", "phase", "scheduler.base_lrs"
+    ], report.findings
+    stats = report.stats["phase"]
+    assert (stats["nan"], stats["first_nonfinite"], stats["absmax"]) == (1, [1], 3.0)
+    assert not [f for f in verify(FIXTURES / "torch/train_state.pt", deep=True).findings if f.rule == "nonfinite"]
+
+
+def test_deep_statistics_of_values_near_the_float64_limit(tmp_path):
+    """The mean and std of finite values near float64's largest were Inf (the sum overflowed),
+    with numpy's overflow warning on stderr."""
+    import torch
+
+    torch.save({"w": torch.tensor([1e308, 1e308, -1e308, 1.5e308], dtype=torch.float64)}, tmp_path / "w.pt")
+    r = run_cli("verify", tmp_path / "w.pt", "--deep", "--json")
+    stats = json.loads(r.stdout)["stats"]["w"]
+    assert stats["mean"] == pytest.approx(6.25e307) and stats["std"] == pytest.approx(9.601432184835761e307)
+    assert "Warning" not in r.stderr, r.stderr
+
+
+def test_files_beside_a_megatron_iteration_are_not_extra_after_a_seal(tmp_path):
+    """A file the run keeps in the save directory beside its iterations (progress.txt) was an
+    extra-file right after sealing, failing --fail-on warning; a file added to the iteration's
+    own folder (not a rank's) after the seal went unsaid."""
+    path = _copy("megatron/legacy_tp2pp2", tmp_path)
+    (path / "progress.txt").write_text("iteration 3 done\n")
+    seal(path)
+    (path / "progress.txt").write_text("iteration 3 done\niteration 4 started\n")
+    assert not [f for f in verify(path).findings if f.rule in ("extra-file", "checksum-mismatch")]
+    (path / "iter_0000003" / "extra.pt").write_bytes(b"added")
+    extra = [f for f in verify(path).findings if f.rule == "extra-file"]
+    assert [f.file for f in extra] == ["iter_0000003/extra.pt"], extra
+    (path / "latest_checkpointed_iteration.txt").unlink()  # (sealed where it lies: still missing when gone)
+    assert "latest_checkpointed_iteration.txt" in {f.file for f in verify(path).findings if f.rule == "missing-file"}
+
+
+@pytest.mark.parametrize(("fixture", "inner"), [("megatron/legacy_tp2pp2", "iter_0000003"), ("deepspeed/zero2", "global_step3")])
+def test_a_folders_seal_given_for_its_save_directory_names_that_folder(fixture, inner, tmp_path):
+    """The seal of an iteration (tag) folder given for its save directory, or the save directory's
+    for the folder, was 'the seal of another checkpoint, or it was edited': it says which folder
+    it is the seal of, and the command that verifies it."""
+    path = _copy(fixture, tmp_path)
+    seal(path / inner)
+    r = run_cli("verify", path, "--manifest", path / inner / "ckpttool.manifest.json")
+    assert r.code == 3 and f"its files are named from {path / inner}, a folder of this checkpoint" in r.stderr, r.stderr
+    assert f"ckpttool verify {path / inner} --manifest" in r.stderr
+    (path / inner / "ckpttool.manifest.json").unlink()
+    seal(path)
+    r = run_cli("verify", path / inner, "--manifest", path / "ckpttool.manifest.json")
+    assert r.code == 3 and f"its files are named from {path}, the folder above this checkpoint" in r.stderr, r.stderr
+
+
+def test_junit_of_a_sealed_checkpoint_that_did_not_read(tmp_path):
+    """With a seal, a checkpoint whose files were all deleted (nothing read past that) had its
+    format's rules (coverage, nonfinite, missing-state) passing in JUnit: they did not run."""
+    import xml.etree.ElementTree as ET
+
+    path = _copy("dcp/fsdp2", tmp_path)
+    seal(path)
+    for f in path.glob("__*.distcp"):
+        f.unlink()
+    r = run_cli("verify", path, "--deep", "--junit", tmp_path / "j.xml")
+    assert r.code == 1
+    cases = {c.get("classname").removeprefix("ckpttool."): c for c in ET.parse(tmp_path / "j.xml").getroot()}
+    skipped = {rule for rule, c in cases.items() if c.find("skipped") is not None}
+    assert {"coverage-gap", "nonfinite", "missing-state"} <= skipped
+    assert cases["missing-file"].find("failure") is not None
+    assert not skipped & {"missing-file", "extra-file", "truncated-file", "checksum-mismatch"}
+
+
+def test_a_nan_optimizer_step_is_not_the_step_the_others_are_measured_by(tmp_path):
+    """With the steps split evenly (one group's NaN, the other's 3), the NaN was taken as the
+    common step and the good one blamed, as a warning; a NaN step is damage."""
+    path = _copy("deepspeed/zero2_bf16", tmp_path)
+    _, m = registry.describe(path)
+    item = m.items["optimizer.param_groups.0.step"]
+    for i in range(len(item.pieces)):
+        file, off, n = _raw(path, item.name, i)
+        _patch_keeping_crc(file, off, np.array([np.nan], dtype=np.float32).tobytes()[:n])
+    (found,) = [f for f in verify(path).findings if f.rule == "optimizer-mismatch"]
+    assert found.severity == "error" and found.item == "optimizer.param_groups.0.step", found
+    assert "differ from the others' (3)" in found.message and "(nan)" in found.message

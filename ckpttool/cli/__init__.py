@@ -374,8 +374,13 @@ def seal(
     else:
         from rich.filesize import decimal
 
+        from ckpttool.naming import plural
+
         size = decimal(sum(f.size for f in sealed))
-        out.line(f"sealed {len(sealed)} files ({size}) and {len(result.pieces)} pieces with {result.algo}: {target}")
+        out.line(
+            f"sealed {plural(len(sealed), 'file')} ({size}) and {plural(len(result.pieces), 'piece')} "
+            f"with {result.algo}: {target}"
+        )
 
 
 @app.command(

@@ -168,6 +168,8 @@ def convert(
     refuse_changed_since_sealed(Path(src), manifest)
     result = _plain_target(adapter, manifest, out, to, limit, world_size, kind, pattern, progress)
     result.notes += left_behind(manifest)
+    if kind in ("all", "optim"):  # (the moments written without them)
+        result.notes += unread_state(manifest)
     return result
 
 
@@ -223,6 +225,20 @@ def refuse_left_behind(manifest: Manifest, command: str, model_alone: str) -> No
             f"{files} beside the model, which ckpttool does not carry into another layout or format yet",
             hint=f"write the model alone with '{model_alone}', and copy those files beside the output to keep them",
         )
+
+
+def unread_state(manifest: Manifest) -> list[str]:
+    """A note naming the optimizer state of a Megatron legacy checkpoint that only Megatron's own
+    writers carry (read from the rank files' pickles, not items of the manifest): Adam's steps, the
+    param groups, the fp16 loss scaler. Written to another format, the output lacks them."""
+    unread = manifest.extras.get("unread_state") or []
+    if not unread:
+        return []
+    return [
+        f"not carried: {', '.join(unread)} of the {manifest.format} rank files (only --to megatron and "
+        "megatron-dist carry them): a run resumed from the output starts Adam's bias correction and the "
+        "learning rates afresh"
+    ]
 
 
 def left_behind(manifest: Manifest) -> list[str]:

@@ -22,6 +22,8 @@ import math
 import os
 import re
 import signal
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -30,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool import device, interrupt, registry
-from ckpttool.convert import MAX_RANKS, parse_size, refuse_changed_since_sealed, refuse_left_behind
+from ckpttool.convert import MAX_RANKS, parse_size, refuse_changed_since_sealed, refuse_left_behind, unread_state
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.export import refuse_findings
 from ckpttool.hashing import Written, collecting_written
@@ -190,11 +192,28 @@ _ADAPTER: Any = None
 _MANIFEST: Manifest | None = None
 
 
-def _init_worker(build: Callable[..., Any], args: tuple[Any, ...], adapter: Any, manifest: Manifest, on: str) -> None:
+def _init_worker(
+    build: Callable[..., Any], args: tuple[Any, ...], adapter: Any, manifest: Manifest, on: str, parent: int
+) -> None:
     global _WRITER, _ADAPTER, _MANIFEST
+    watch_parent(parent)
     check_crcs_from_now()  # as the reshard that started this worker does
     device.start(on)
     _WRITER, _ADAPTER, _MANIFEST = build(*args), adapter, manifest
+
+
+def watch_parent(parent: int, every: float = 0.5) -> None:
+    """End this worker when the process that started it (``parent``) is gone: a reshard killed with
+    SIGKILL (by the OOM killer, ``timeout -s KILL``, a scheduler) left its workers for ever, waiting
+    on the pool's pipes with SIGINT and SIGTERM blocked as the pool started them, and finishing
+    their files into a temporary directory no one would publish."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="ckpttool-watch-parent", daemon=True).start()
 
 
 def _run_task(key: tuple[int, ...], out: str) -> Any:
@@ -352,7 +371,7 @@ class _FileExec:
                         min(workers, len(chosen)),
                         mp_context=get_context("spawn"),
                         initializer=_init_worker,
-                        initargs=(self.build, self.args, self.adapter, self.manifest, self.device),
+                        initargs=(self.build, self.args, self.adapter, self.manifest, self.device, os.getpid()),
                     )
                     futures = [pool.submit(_run_task, f.key, str(tmp / f.path)) for f in chosen]
                 finally:
@@ -456,6 +475,8 @@ def plan(
     if target.vpp is not None and fmt not in ("megatron", "megatron-dist"):
         raise UsageError(f"--vpp applies to Megatron targets only, not {fmt}")
     if target.pipeline_layout is not None:
+        if not target.pipeline_layout.strip():  # (an unset shell variable: not the default layout)
+            raise UsageError("--pipeline-layout '': expected the layers of every stage, such as 'E|tt|tt|L'")
         if fmt not in ("megatron", "megatron-dist"):
             raise UsageError(f"--pipeline-layout applies to Megatron targets only, not {fmt}")
         if target.vpp is not None or target.pp_first is not None or target.pp_last is not None:
@@ -481,7 +502,7 @@ def plan(
         )
     executor.device = on
     files = executor.files()
-    limit = parse_size(max_memory, option="--max-memory") if max_memory else None
+    limit = parse_size(max_memory, option="--max-memory") if max_memory is not None else None
     overhead = worker_overhead(on)
     need = max((f.peak for f in files), default=0) + overhead
     if limit is not None and need > limit:
@@ -509,6 +530,8 @@ def plan(
     )
     if n < workers and len(files) >= workers:
         result.notes.append(f"--workers {workers} reduced to {n} to stay within --max-memory {max_memory}")
+    if fmt not in ("megatron", "megatron-dist"):
+        result.notes += unread_state(manifest)
     if on != "cpu":
         biggest = max((f.largest for f in executor.planned), default=0)
         gpu = n * (biggest + 2 * device.pinned(executor.largest_piece))

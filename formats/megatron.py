@@ -241,6 +241,21 @@ _TE_TO_LOCAL = {
 }
 
 
+def _note_unread(manifest: Manifest, opt: dict[str, Any], inner: dict[str, Any], state: dict[Any, Any]) -> None:
+    """Record (``extras["unread_state"]``) the optimizer state of a legacy rank file that the
+    manifest holds no items of: Megatron's writers carry it from the rank files' pickles, the other
+    formats' cannot (``reshard`` and ``convert`` to them say it is not carried)."""
+    unread: list[str] = manifest.extras.setdefault("unread_state", [])
+    found = []
+    if any(isinstance(v, dict) and "step" in v for v in state.values()):
+        found.append("Adam's step per parameter")
+    if inner.get("param_groups"):
+        found.append("the param groups (lr, betas, eps, weight decay)")
+    if isinstance(opt.get("grad_scaler"), dict):
+        found.append("the fp16 loss scaler")
+    unread += [f for f in found if f not in unread]
+
+
 def _saves_distrib_optim(args: Any, obj: dict[str, Any]) -> bool:
     """Whether a rank file's save wrote ``distrib_optim.pt`` beside it: Megatron-LM saves the
     distributed optimizer's state there whenever it saves the optimizer (the rank file then holds
@@ -1833,6 +1848,7 @@ class MegatronLegacyAdapter:
             if ids is None:
                 raise CorruptFileError(f"{rel}: optimizer state does not match the model's parameters", path=rel)
             masters = opt.get("fp32_from_fp16_params")
+            _note_unread(manifest, opt, inner, state)
             for pid, (name, g, i) in ids.items():
                 for key, value in (state.get(pid) or {}).items():
                     if key in ("exp_avg", "exp_avg_sq") and isinstance(value, _unpickle.TensorRef):

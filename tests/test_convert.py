@@ -341,3 +341,24 @@ def test_a_sealed_source_changed_since_its_seal_is_refused(command, tmp_path):
     r = run_cli(command[0], src, "-o", tmp_path / "again", *command[1:])
     assert_clean(r, 3, "model-00002-of-00002.safetensors: differs from the seal the source carries")
     assert not (tmp_path / "again").exists()
+
+
+@pytest.mark.parametrize(
+    ("fixture", "command", "said"),
+    [
+        ("megatron/legacy_tp2pp2", ("reshard", "--to", "dcp"), "Adam's step per parameter, the param groups"),
+        ("megatron/legacy_tp2pp2", ("convert", "--to", "torch"), "Adam's step per parameter, the param groups"),
+        ("megatron/legacy_dp2_fp16_distopt", ("reshard", "--to", "dcp"), "the fp16 loss scaler"),
+    ],
+)
+def test_megatron_optimizer_state_other_formats_lack_is_said(fixture, command, said, tmp_path):
+    """Megatron's per-parameter Adam steps, param groups and fp16 loss scaler live in its rank
+    files' pickles, which only Megatron's writers carry: written to DCP or torch they were dropped
+    with no word, and exit 0. The output is written, and says what it lacks."""
+    verb, *flags = command
+    r = run_cli(verb, FIXTURES / fixture, "-o", tmp_path / "out", *flags)
+    assert r.code == 0 and "not carried:" in r.stderr and said in " ".join(r.stderr.split()), r.stderr
+    again = run_cli("reshard", FIXTURES / fixture, "-o", tmp_path / "back", "--tp", "1", "--pp", "1")
+    assert again.code == 0 and "not carried:" not in again.stderr  # (Megatron's writers carry them)
+    model = run_cli("convert", FIXTURES / fixture, "-o", tmp_path / "m", "--to", "safetensors", "--kind", "param")
+    assert model.code == 0 and "not carried:" not in model.stderr

@@ -3609,3 +3609,40 @@ def test_new_tp_ranks_are_told_their_rng_streams_are_copies(src, sizes, shared, 
     else:
         assert f"RNG streams: {shared} get the state of a source rank that another output rank gets too" in notes
         assert "resume with --no-load-rng" in notes
+
+
+_ORPHAN = """
+import os, signal, time
+from ckpttool.reshard import watch_parent
+parent = os.getpid()
+pid = os.fork()
+if pid == 0:
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT, signal.SIGTERM])  # (as the pool's workers)
+    watch_parent(parent, every=0.05)
+    time.sleep(30)
+    os._exit(0)
+print(pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # (a zombie no one reaps has ended)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_a_worker_ends_when_the_reshard_that_started_it_is_killed():
+    """A reshard killed with SIGKILL left its --workers processes for ever (reparented, waiting on
+    the pool's pipes, SIGINT and SIGTERM blocked): each watches the process that started it."""
+    import time
+
+    r = subprocess.run([sys.executable, "-c", _ORPHAN], capture_output=True, text=True, timeout=60)
+    worker = int(r.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker)

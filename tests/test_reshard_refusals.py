@@ -265,3 +265,13 @@ def test_a_rank_file_of_another_run_leaving_moments_uncovered_is_refused(tmp_pat
     r = run_cli("reshard", src, "-o", out, *flags, cwd=tmp_path)
     assert_clean(r, 3, "elements are in no piece")
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["mixed"]
+
+
+@pytest.mark.parametrize(("option", "said"), [("--max-memory", "expected a size"), ("--pipeline-layout", "expected the layers")])
+def test_an_empty_option_is_refused_not_taken_as_unset(option, said, tmp_path):
+    """'--max-memory ""' (an unset shell variable) ran with no memory bound, and '--pipeline-layout ""'
+    with the default layout, exit 0; '--max-memory 0' was refused."""
+    out = tmp_path / "out"
+    r = run_cli("reshard", MG / "legacy_tp2pp2", "-o", out, "--tp", "1", "--pp", "1", option, "")
+    assert_clean(r, 2, said)
+    assert not out.exists()

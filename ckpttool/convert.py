@@ -235,9 +235,9 @@ def unread_state(manifest: Manifest) -> list[str]:
     if not unread:
         return []
     return [
-        f"not carried: {', '.join(unread)} of the {manifest.format} rank files (only --to megatron and "
-        "megatron-dist carry them): a run resumed from the output starts Adam's bias correction and the "
-        "learning rates afresh"
+        f"not carried: {', '.join(unread)}, kept in the {manifest.format} checkpoint's pickles (only --to "
+        "megatron and megatron-dist carry them): a run resumed from the output starts Adam's bias correction "
+        "and the learning rates afresh"
     ]
 
 

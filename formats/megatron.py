@@ -247,8 +247,8 @@ def _note_unread(manifest: Manifest, opt: dict[str, Any], inner: dict[str, Any],
     formats' cannot (``reshard`` and ``convert`` to them say it is not carried)."""
     unread: list[str] = manifest.extras.setdefault("unread_state", [])
     found = []
-    if any(isinstance(v, dict) and "step" in v for v in state.values()):
-        found.append("Adam's step per parameter")
+    if any(isinstance(v, dict) and ("step" in v or "common_step" in v) for v in state.values()):
+        found.append("Adam's step")
     if inner.get("param_groups"):
         found.append("the param groups (lr, betas, eps, weight decay)")
     if isinstance(opt.get("grad_scaler"), dict):
@@ -556,6 +556,11 @@ class MegatronDistAdapter:
         for f in manifest.files:
             if f.path in ("metadata.json", "common.pt"):
                 f.role = "metadata"
+        if isinstance(common.get("optimizer"), dict):  # (megatron-core's: {"optimizer": {state, param_groups}})
+            opt = common["optimizer"]
+            inner = opt.get("optimizer") if isinstance(opt.get("optimizer"), dict) else opt
+            state = inner.get("state") if isinstance(inner.get("state"), dict) else {}
+            _note_unread(manifest, opt, inner, {"common": state} if "common_step" in state else state)
         args = common.get("args")
         num_layers = getattr(args, "num_layers", None)
         num_experts = getattr(args, "num_experts", None)

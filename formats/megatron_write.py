@@ -929,6 +929,12 @@ def _stacked(boxes: list[Box]) -> tuple[int, ...]:
     return (sum(b.sizes[0] for b in boxes), *boxes[0].sizes[1:])
 
 
+_FIRST_DIVISOR = "ckpttool_make_vocab_size_divisible_by"
+"""``args``' record of the run's own ``make_vocab_size_divisible_by`` when a reshard to a TP it does not
+give the padded rows at changed it (Megatron reads no such argument), so that a reshard back to a TP
+where it does gives the run's ``args`` back"""
+
+
 class LegacyWriter:
     """Plans and writes the rank files of one target layout."""
 
@@ -1817,7 +1823,10 @@ class LegacyWriter:
         if self.padded is not None and "padded_vocab_size" in d:
             d["padded_vocab_size"] = self.padded
             if self.divisor is not None:
+                d.setdefault(_FIRST_DIVISOR, d.get("make_vocab_size_divisible_by"))
                 d["make_vocab_size_divisible_by"] = self.divisor
+                if d[_FIRST_DIVISOR] == self.divisor:
+                    del d[_FIRST_DIVISOR]
         return new
 
     def _resume_dp(self) -> int:
@@ -1840,6 +1849,9 @@ class LegacyWriter:
         div = getattr(self.args, "make_vocab_size_divisible_by", None)
         if rows is None or not isinstance(vocab, int) or not isinstance(div, int):
             return None
+        first = getattr(self.args, _FIRST_DIVISOR, None)  # (the run's own, where a reshard changed it)
+        if isinstance(first, int) and first > 0 and first != div and -(-vocab // (first * tp)) * first * tp == rows:
+            return first  # (back at a TP the run's divisor gives these rows at: its args come back)
         if -(-vocab // (div * tp)) * div * tp == rows or rows % tp or not 0 < vocab <= rows:
             return None
         return rows // tp

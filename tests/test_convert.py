@@ -346,9 +346,10 @@ def test_a_sealed_source_changed_since_its_seal_is_refused(command, tmp_path):
 @pytest.mark.parametrize(
     ("fixture", "command", "said"),
     [
-        ("megatron/legacy_tp2pp2", ("reshard", "--to", "dcp"), "Adam's step per parameter, the param groups"),
-        ("megatron/legacy_tp2pp2", ("convert", "--to", "torch"), "Adam's step per parameter, the param groups"),
+        ("megatron/legacy_tp2pp2", ("reshard", "--to", "dcp"), "Adam's step, the param groups"),
+        ("megatron/legacy_tp2pp2", ("convert", "--to", "torch"), "Adam's step, the param groups"),
         ("megatron/legacy_dp2_fp16_distopt", ("reshard", "--to", "dcp"), "the fp16 loss scaler"),
+        ("megatron/dist_tp2pp2", ("reshard", "--to", "dcp"), "Adam's step, the param groups"),
     ],
 )
 def test_megatron_optimizer_state_other_formats_lack_is_said(fixture, command, said, tmp_path):

@@ -2680,9 +2680,10 @@ def test_megatron_virtual_stages_round_trips(tmp_path):
     for name, path in _rank_files(VPP).items():
         mine = _rank_files(again)[name]
         assert _drop_rng(_tree(path), "args") == _drop_rng(_tree(mine), "args"), name
-        # the 64 vocabulary rows at TP=2 were recorded as divisible-by 32; at TP=1 that still gives 64
+        # the 64 vocabulary rows at TP=2 were recorded as divisible-by 32 (at TP=1 that still gives 64,
+        # and was kept): the run's own 64, recorded beside it, comes back
         a, b = _args(path), _args(mine)
-        assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} == {"make_vocab_size_divisible_by"}
+        assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} == set()
 
 
 def test_megatron_virtual_stages_to_torch_dist_is_what_megatron_saves(tmp_path):
@@ -2818,7 +2819,7 @@ LAYOUT = FIXTURES / "megatron" / "legacy_pp2layout"
 def test_megatron_pipeline_layout(tmp_path):
     """--pipeline-model-parallel-layout: Megatron-LM's own 'E|tt|tt|L' checkpoint resharded to its
     layout gives its files' trees back; through TP=2 x PP=1 and back with --pipeline-layout gives them
-    again (RNG and the vocabulary divisor aside); the TP=2 x PP=2 fixture takes the layout (chunk
+    again (RNG aside); the TP=2 x PP=2 fixture takes the layout (chunk
     layers, args), and another layout at PP=4; all hold the same state."""
     same = tmp_path / "same"
     reshard(LAYOUT, same, Target())
@@ -2831,7 +2832,7 @@ def test_megatron_pipeline_layout(tmp_path):
     for name, path in _rank_files(LAYOUT).items():
         assert _drop_rng(_tree(path), "args") == _drop_rng(_tree(_rank_files(back)[name]), "args"), name
         a, b = _args(path), _args(_rank_files(back)[name])
-        assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} == {"make_vocab_size_divisible_by"}
+        assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} == set()
 
     out = tmp_path / "from_tp2pp2"
     result = reshard(LEGACY, out, Target(tp=1, pp=2, pipeline_layout="E|tt|tt|L"))
@@ -3646,3 +3647,24 @@ def test_a_worker_ends_when_the_reshard_that_started_it_is_killed():
     while _alive(worker) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(worker)
+
+
+def _args_of(root: Path) -> dict[str, Any]:
+    first = sorted(root.glob("iter_*/mp_rank_*/model_optim_rng.pt"))[0]
+    archive, obj, _ = _pt.load(first.parent, first.name, ALLOWLIST)
+    archive.close()
+    return dict(vars(obj["args"]))
+
+
+def test_a_round_trip_through_a_tp_the_vocab_divisor_cannot_give_restores_it(tmp_path):
+    """TP=1 -> 2 -> 1 from a run whose make_vocab_size_divisible_by (64) gives its 64 padded rows
+    at TP=1 but not at TP=2: the reshard to TP=2 records 32 (what gives them there), and the one back
+    kept 32, so the args were not the run's own. The run's divisor is recorded beside it and restored."""
+    src = FIXTURES / "megatron" / "legacy_pp2ep2"
+    there, back = tmp_path / "tp2", tmp_path / "tp1"
+    assert run_cli("reshard", src, "-o", there, "--tp", "2").code == 0
+    assert run_cli("reshard", there, "-o", back, "--tp", "1").code == 0
+    mid, first, last = _args_of(there), _args_of(src), _args_of(back)
+    assert (mid["make_vocab_size_divisible_by"], mid["ckpttool_make_vocab_size_divisible_by"]) == (32, 64)
+    assert last["make_vocab_size_divisible_by"] == first["make_vocab_size_divisible_by"] == 64
+    assert "ckpttool_make_vocab_size_divisible_by" not in last

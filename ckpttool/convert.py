@@ -436,7 +436,8 @@ def _framework(
         raise UsageError(
             f"--to {to} writes the whole training state; --kind and --filter apply to safetensors, dcp and torch only"
         )
-    done = reshard(src, out, Target(to=to, split_rules=split_rules), force=force, progress=progress)
+    target = Target(to=to, split_rules=split_rules)
+    done = reshard(src, out, target, force=force, progress=progress, command=f"convert --to {to}")
     ranks = torchrun_world()
     if ranks is not None and ranks[0] != 0:  # rank 0 reports for all
         return ConvertResult(output=str(out), nbytes=done.plan.nbytes)

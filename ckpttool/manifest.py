@@ -172,8 +172,9 @@ class Manifest:
         present: dict[StateName, bool] = {state: kind in kinds for state, kind in STATE_KINDS.items()}
         present["step"] = self.step is not None
         # (state in files beside the model that the format itself does not read, such as a Hugging
-        # Face Trainer's optimizer.pt: the adapter names them, state -> file)
-        held = self.extras.get("state_files") or {}
+        # Face Trainer's optimizer.pt: the adapter names them, state -> file; and state its metadata
+        # holds, such as Megatron's args.consumed_train_samples: state -> where)
+        held = {**(self.extras.get("state_files") or {}), **(self.extras.get("state_in_metadata") or {})}
         return [state for state, ok in present.items() if not ok and state not in held]
 
     def file(self, path: str) -> FileRecord:

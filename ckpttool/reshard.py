@@ -436,7 +436,13 @@ def _build_universal(root: str, manifest: Manifest) -> Any:
 
 
 def plan(
-    src: str | Path, target: Target, *, workers: int = 1, max_memory: str | None = None, on: str = "cpu"
+    src: str | Path,
+    target: Target,
+    *,
+    workers: int = 1,
+    max_memory: str | None = None,
+    on: str = "cpu",
+    command: str = "reshard",
 ) -> tuple[Plan, Any]:
     """The plan for ``target``, and the object that executes it, assembling tensors ``on`` a device
     (``cpu``, ``cuda``, ``cuda:N``: :mod:`ckpttool.device`). Raises UsageError for a target the
@@ -447,7 +453,12 @@ def plan(
     with user_split_rules(target.split_rules):  # (a legacy source's parts of those parameters joined)
         adapter, manifest = registry.describe(src)
     refuse_findings(manifest)
-    refuse_left_behind(manifest, "reshard", "ckpttool convert SRC -o DST --to dcp --world-size N --kind param")
+    model_alone = (
+        "ckpttool convert SRC -o DST --to dcp --world-size N --kind param"
+        if command == "reshard"
+        else "ckpttool convert SRC -o DST --to safetensors --kind param"
+    )
+    refuse_left_behind(manifest, command, model_alone)
     fmt = target.to or _default_format(manifest.format)
     if target.distributed_optimizer is not None and fmt not in ("megatron", "megatron-dist"):
         raise UsageError(f"--[no-]distributed-optimizer applies to --to megatron and megatron-dist only, not {fmt}")
@@ -808,6 +819,7 @@ def _reshard_ranks(
     try:
         if dist.get_world_size() != world:
             raise UsageError(f"torch.distributed has {dist.get_world_size()} ranks but WORLD_SIZE says {world}")
+        _same_on_every_rank(the_plan, out, seal_output, world)
         shares = share(the_plan.files, world)
         if rank == 0:
             return _rank_zero(executor, the_plan, out, shares, seal_output=seal_output, progress=progress)
@@ -816,6 +828,38 @@ def _reshard_ranks(
     finally:
         if owned:
             dist.destroy_process_group()  # a process group left at exit aborts the interpreter
+
+
+def _same_on_every_rank(the_plan: Plan, out: Path, seal_output: bool, world: int) -> None:
+    """Every rank must write its share of the same output: ranks given other arguments (another
+    ``-o``, ``--dp``, format or layout) made their own plans, and their files landed in rank 0's
+    output (a DCP directory with data files its ``.metadata`` never names, sealed), or an internal
+    error. Refused on every rank before anything is written, naming the first that differs."""
+    import torch.distributed as dist
+
+    mine = {
+        "-o": os.path.abspath(out),
+        "format": the_plan.format,
+        "layout": {k: v for k, v in sorted(the_plan.layout.items())},
+        "files": [f.path for f in the_plan.files],
+        "seal": seal_output,
+    }
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)
+    for r, theirs in enumerate(every):
+        if theirs != every[0]:
+            what = next(k for k in mine if theirs.get(k) != every[0].get(k))
+            said = {
+                "-o": f"-o {theirs['-o']} against rank 0's {every[0]['-o']}",
+                "format": f"--to {theirs['format']} against rank 0's {every[0]['format']}",
+                "layout": f"the layout {theirs['layout']} against rank 0's {every[0]['layout']}",
+                "files": f"a plan of {len(theirs['files'])} files against rank 0's {len(every[0]['files'])}",
+                "seal": "--no-seal on one of them only",
+            }[what]
+            raise UsageError(
+                f"under torchrun every rank must be given the same reshard: rank {r} has {said}; nothing was written",
+                hint="give every rank the same arguments (torchrun passes the same command line to each)",
+            )
 
 
 def _other_rank(
@@ -958,15 +1002,17 @@ def reshard(
     seal_output: bool = True,
     progress: Callable[[int], None] | None = None,
     on: str = "cpu",
+    command: str = "reshard",
 ) -> ReshardResult:
     """Write ``src`` at the layout ``target`` to ``dst`` (see the module's description); ``on``:
-    where the tensors are assembled (``cpu``, ``cuda``, ``cuda:N``)."""
+    where the tensors are assembled (``cpu``, ``cuda``, ``cuda:N``); ``command``: the one the user
+    ran, for the refusals (``convert --to megatron`` runs this)."""
     out = Path(dst)
     refuse_overlap(out, source=src)
     check_output(out, force=force, directory=True, example="resharded/")
     if out.exists() and not force:  # (a dry run says what the run would: it refuses too)
         raise UsageError(f"{out} exists", hint="choose another -o path or pass --force to replace it")
-    the_plan, executor = plan(src, target, workers=workers, max_memory=max_memory, on=on)
+    the_plan, executor = plan(src, target, workers=workers, max_memory=max_memory, on=on, command=command)
     if dry_run:
         return ReshardResult(plan=the_plan, output=str(out), written=False)
     refuse_changed_since_sealed(Path(src), executor.manifest)

@@ -15,6 +15,7 @@ import functools
 import json
 import os
 import posixpath
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain, repeat
@@ -617,13 +618,21 @@ def copied_files(adapter: Adapter, manifest: Manifest, digests: Mapping[str, Fil
         if other is None:
             continue  # replicas of one another (a DP copy each rank saved)
         theirs = {i.name: p for i, p in held.get(other, ())}
+        # (megatron-core saves a layer's tensors stacked over the layers of a stage, which ckpttool
+        # reads as one item per layer: two stages' files hold parts of one stacked tensor)
+        tensor = _stacked_name if manifest.format == "megatron-dist" else None
         with adapter.reader(manifest) as reader:
             raw = functools.partial(_raw_bytes, reader, root)
-            proof = _parts_differ(raw, held.get(first, ()), theirs, set(rels))
-            telling = proof or next(((i, p) for i, p in held.get(first, ()) if _not_one_value(raw(i, p), i)), None)
+            proof = _parts_differ(raw, held.get(first, ()), held.get(other, ()), set(rels), manifest, tensor)
+            telling = (
+                None
+                if proof is not None
+                else next(((i, p) for i, p in held.get(first, ()) if _not_one_value(raw(i, p), i)), None)
+            )
         if proof is not None:
-            item, p = proof
-            example = f"{item.name} {_region(p)} in one, {_region(theirs[item.name])} in the other"
+            item, p, (their_item, their_piece) = proof
+            named = "" if their_item.name == item.name else f"{their_item.name} "
+            example = f"{item.name} {_region(p)} in one, {named}{_region(their_piece)} in the other"
             severity: Literal["error", "warning"] = "error"
             unless = ""
         elif telling is not None:
@@ -637,6 +646,9 @@ def copied_files(adapter: Adapter, manifest: Manifest, digests: Mapping[str, Fil
             )
             severity = "warning"
             unless = ", unless the save wrote them equal (tied, cloned or upcycled weights)"
+            if (pair := _one_parameters_states(held.get(first, ()), held.get(other, ()))) is not None:
+                severity, unless = "error", ""  # (no save writes a parameter's two states equal)
+                example = f"{pair[0]} in one, {pair[1]} in the other, two states of one parameter"
         else:
             continue
         listed = ", ".join(rels[:-1]) + " and " + rels[-1] if len(rels) < 5 else ", ".join(rels[:4]) + " …"
@@ -651,30 +663,81 @@ def copied_files(adapter: Adapter, manifest: Manifest, digests: Mapping[str, Fil
     return found
 
 
+_STATES = (".exp_avg_sq", ".exp_avg", ".fp32")
+"""suffixes of a parameter's optimizer states (the longest first)"""
+
+
+def _one_parameters_states(
+    mine: Iterable[tuple[Item, Piece]], theirs: Iterable[tuple[Item, Piece]]
+) -> tuple[str, str] | None:
+    """Two different optimizer states of one parameter (its ``exp_avg`` in one file, its
+    ``exp_avg_sq`` in the other) held by two files of the same bytes: a moment file copied over its
+    sibling, for no save writes them equal (``exp_avg_sq`` is a mean of squares, ``exp_avg`` one of
+    signed values). None where the two files share no parameter so."""
+
+    def split(name: str) -> tuple[str, str] | None:
+        return next(((name[: -len(s)], s) for s in _STATES if name.endswith(s)), None)
+
+    bases: dict[str, tuple[str, str]] = {}
+    for item, _ in mine:
+        if (got := split(item.name)) is not None:
+            bases.setdefault(got[0], (item.name, got[1]))
+    for item, _ in theirs:
+        got = split(item.name)
+        if got is not None and got[0] in bases and bases[got[0]][1] != got[1]:
+            return bases[got[0]][0], item.name
+    return None
+
+
+_LAYER = re.compile(r"\.layers\.\d+\.")
+
+
+def _stacked_name(name: str) -> str:
+    """The stacked tensor megatron-core saves a layer's tensor in (``decoder.layers.3.mlp.x``:
+    ``decoder.layers.mlp.x``, one over the stage's layers)."""
+    return _LAYER.sub(".layers.", name, count=1)
+
+
 def _parts_differ(
     raw: Callable[[Item, Piece], bytes | None],
     mine: Iterable[tuple[Item, Piece]],
-    theirs: Mapping[str, Piece],
+    theirs: Iterable[tuple[Item, Piece]],
     group: set[str],
-) -> tuple[Item, Piece] | None:
+    manifest: Manifest,
+    tensor: Callable[[str], str] | None = None,
+) -> tuple[Item, Piece, tuple[Item, Piece]] | None:
     """A piece of ``mine`` that is a part of a tensor the other file holds another part of, not
     all one value, and unlike a third part of that tensor of its size in a file outside ``group``:
-    the tensor's parts are not all equal, so two equal ones are a copy (looked at for a few)."""
+    the tensor's parts are not all equal, so two equal ones are a copy (looked at for a few).
+    ``tensor``: the tensor an item's values are saved in, where that is not the item itself (a
+    stacked one); the pieces of all its items are its parts. Returns the piece and the other
+    file's (item, piece)."""
+    key = tensor or (lambda name: name)
+    parts: dict[str, list[tuple[Item, Piece]]] = {}
+    for item in manifest.items.values():
+        if item.is_tensor:
+            parts.setdefault(key(item.name), []).extend((item, r) for r in item.pieces)
+    other = {key(i.name): (i, q) for i, q in theirs}
     looked = 0
     for item, p in mine:
-        q = theirs.get(item.name)
-        if q is None or (q.box, q.flat) == (p.box, p.flat) or not item.is_tensor or looked >= 8:
+        found = other.get(key(item.name))
+        if found is None or not item.is_tensor or looked >= 8:
+            continue
+        their_item, q = found
+        if their_item.name == item.name and (q.box, q.flat) == (p.box, p.flat):
             continue
         data = raw(item, p)
         if not _not_one_value(data, item):
             continue
         looked += 1
-        places = {(p.box, p.flat), (q.box, q.flat)}
+        places = {(item.name, p.box, p.flat), (their_item.name, q.box, q.flat)}
         thirds = [
-            r for r in item.pieces if r.file not in group and r.nbytes == p.nbytes and (r.box, r.flat) not in places
+            (i, r)
+            for i, r in parts.get(key(item.name), ())
+            if r.file not in group and r.nbytes == p.nbytes and (i.name, r.box, r.flat) not in places
         ]
-        if any((b := raw(item, r)) is not None and b != data for r in thirds[:4]):
-            return item, p
+        if any((b := raw(i, r)) is not None and b != data for i, r in thirds[:4]):
+            return item, p, found
     return None
 
 

@@ -421,6 +421,14 @@ def _args_layout(args: Any) -> Layout:
     )
 
 
+def _data_position(manifest: Manifest, args: Any) -> None:
+    """Megatron-LM resumes its data sampler from ``args.consumed_train_samples`` (``load_checkpoint``
+    takes it from the checkpoint's args): the dataloader's place, held in the metadata (not an item)."""
+    consumed = getattr(args, "consumed_train_samples", None)
+    if isinstance(consumed, int) and not isinstance(consumed, bool) and consumed >= 0:
+        manifest.extras.setdefault("state_in_metadata", {})["dataloader"] = f"args.consumed_train_samples ({consumed})"
+
+
 def _args_extras(args: Any) -> dict[str, Any]:
     keep = (
         "num_layers",
@@ -619,6 +627,7 @@ class MegatronDistAdapter:
             )
         if args is not None:
             manifest.extras["args"] = _args_extras(args)
+            _data_position(manifest, args)
             # a dp_reshardable save's buckets hold the MTP chunk's copy's optimizer state, read as a replica
             if (notes := _unsynced_copies(args, manifest.layout.pp or 1)) is not None:
                 manifest.extras["copy_notes"] = notes
@@ -1770,6 +1779,7 @@ class MegatronLegacyAdapter:
         if misplaced := _misplaced_ranks({f"{prefix}{d}": (ranks[d], objs[d].get("args")) for d in dirs}, args):
             manifest.extras["findings"] = misplaced
         manifest.extras["args"] = _args_extras(args)
+        _data_position(manifest, args)
         manifest.extras["iteration_dir"] = it_dir.name
         if (notes := _unsynced_copies(args, pp)) is not None:
             manifest.extras["copy_notes"] = notes

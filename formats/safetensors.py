@@ -279,6 +279,8 @@ class SafetensorsAdapter:
                 )
             if header.metadata:
                 manifest.extras.setdefault("metadata", {})[rel] = header.metadata
+        if weight_map is not None and index_name is not None:
+            damaged += _shards_the_index_leaves_out(root, files, index_name)
         bad = {e.path for e in damaged}  # (their tensors are not read: not said again as missing)
         if (
             weight_map is not None
@@ -487,6 +489,30 @@ def _index_missing(files: list[str]) -> list[dict[str, Any]]:
             "stops_writes": False,
         }
         for stem in stems
+    ]
+
+
+def _shards_the_index_leaves_out(root: Path, files: list[str], index_name: str) -> list[CkptError]:
+    """Shards of the index's own numbered set (``model-00002-of-00002.safetensors`` beside an index
+    naming ``model-00001-of-00002``) that the index names no tensor of: every tensor they hold is
+    left out of the checkpoint (a loader never opens them), so the index was edited or comes from
+    another save."""
+    sets = {(m[1], int(m[3])) for f in files if (m := _NUMBERED.match(f))}
+    named = set(files)
+    left = sorted(
+        p.name
+        for p in root.glob("*.safetensors")
+        if p.name not in named and (m := _NUMBERED.match(p.name)) and (m[1], int(m[3])) in sets
+    )
+    return [
+        CorruptFileError(
+            f"{index_name}: names no tensor of {name}, a shard of its own numbered set: the tensors that shard "
+            "holds are left out of the checkpoint (a loader never opens it)",
+            hint="the index was edited or comes from another save: download the index again (or verify the shards "
+            "alone, without it)",
+            path=index_name,
+        )
+        for name in left
     ]
 
 

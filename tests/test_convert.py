@@ -363,3 +363,12 @@ def test_megatron_optimizer_state_other_formats_lack_is_said(fixture, command, s
     assert again.code == 0 and "not carried:" not in again.stderr  # (Megatron's writers carry them)
     model = run_cli("convert", FIXTURES / fixture, "-o", tmp_path / "m", "--to", "safetensors", "--kind", "param")
     assert model.code == 0 and "not carried:" not in model.stderr
+
+
+def test_convert_to_a_framework_format_names_convert_in_its_refusals(tmp_path):
+    """convert --to megatron of a Trainer checkpoint was refused as 'reshard writes the whole
+    training state', with a hint to write --to dcp --kind param: the command run is named, and the
+    hint is one convert takes."""
+    r = run_cli("convert", FIXTURES / "hf" / "trainer" / "checkpoint-3", "-o", tmp_path / "o", "--to", "megatron")
+    assert_clean(r, 2, "convert --to megatron writes the whole training state", "--to safetensors --kind param")
+    assert "reshard" not in r.stderr

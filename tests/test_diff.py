@@ -357,3 +357,24 @@ def test_training_state_kept_beside_the_model_is_compared(tmp_path):
     torch.save(state, other / "scheduler.pt")
     r = run_cli("diff", src, other, "--json")
     assert r.code == 1 and [o["name"].split(" ")[0] for o in json.loads(r.stdout)["objects"]] == ["scheduler.pt"]
+
+
+def test_values_too_large_to_keep_are_compared(tmp_path):
+    """A Python RNG state, a scheduler's list of 17 learning rates, a long string: values the
+    manifest keeps only a summary of were skipped, and two checkpoints differing in them 'equal',
+    exit 0, in torch files and in DCP alike."""
+    import torch
+
+    for tag in "ab":
+        state = torch.load(FIXTURES / "torch" / "train_state.pt", weights_only=True)
+        state["scheduler"]["base_lrs"] = [0.01] * 16 + [0.01 if tag == "a" else 0.5]
+        state["config"]["name"] = ("x" if tag == "a" else "y") * 201
+        torch.save(state, tmp_path / f"{tag}.pt")
+        assert run_cli("convert", tmp_path / f"{tag}.pt", "-o", tmp_path / f"{tag}_dcp", "--to", "dcp").code == 0
+    for a, b in (("a.pt", "b.pt"), ("a_dcp", "b_dcp")):
+        r = run_cli("diff", tmp_path / a, tmp_path / b, "--json")
+        report = json.loads(r.stdout)
+        assert r.code == 1 and not report["equal"], report
+        assert sorted(o["name"] for o in report["objects"]) == ["config.name", "scheduler.base_lrs"]
+    r = run_cli("diff", tmp_path / "a.pt", tmp_path / "a_dcp")
+    assert r.code == 0 and "equal" in r.stdout

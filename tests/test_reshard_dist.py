@@ -892,3 +892,25 @@ def test_torchrun_a_failing_rank_fails_all_and_publishes_nothing(tmp_path):
     assert "ckpttool/reshard.py" not in proc.stderr
     assert "exitcode  : 3" in proc.stderr
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        (["--dp", "1|3"], "rank 1 has the layout {'world_size': 3} against rank 0's {'world_size': 1}"),
+        (["-o", "a|b"], "rank 1 has -o "),
+    ],
+    ids=["dp", "output"],
+)
+def test_torchrun_ranks_given_different_reshards_are_refused(options, said, tmp_path):
+    """Each rank made its own plan from its own arguments: ranks given --dp 1 and 3 published a
+    DCP directory holding data files its .metadata never names, sealed, exit 0 (others an internal
+    error), and a rank given another -o wrote its share into rank 0's output."""
+    options = [f"{tmp_path / 'a'}|{tmp_path / 'b'}" if o == "a|b" else o for o in options]
+    out = [] if "-o" in options else ["-o", str(tmp_path / "a")]
+    proc = _torchrun_cli("reshard", FIXTURES / "dcp" / "fsdp2", *out, *options, script="_per_rank_args_worker.py")
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr
+    assert proc.stderr.count("error: under torchrun every rank must be given the same reshard") == 2, proc.stderr[-2000:]
+    assert said in proc.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -1461,3 +1461,57 @@ def test_a_nan_optimizer_step_is_not_the_step_the_others_are_measured_by(tmp_pat
     (found,) = [f for f in verify(path).findings if f.rule == "optimizer-mismatch"]
     assert found.severity == "error" and found.item == "optimizer.param_groups.0.step", found
     assert "differ from the others' (3)" in found.message and "(nan)" in found.message
+
+
+def test_an_index_leaving_out_a_whole_shard_is_refused(tmp_path):
+    """An index naming no tensor of one shard of its own numbered set passed with exit 0 (the
+    shard was an aux file, never read; a loader would leave its tensors at their random init), and
+    seal vouched for it; one tensor left out was already caught."""
+    path = _copy("safetensors/sharded", tmp_path)
+    index = path / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"] = {k: v for k, v in data["weight_map"].items() if "00001-of" in v}
+    index.write_text(json.dumps(data))
+    report = verify(path)
+    (found,) = report.failing()
+    assert (found.rule, found.file) == ("corrupt-file", "model.safetensors.index.json"), found
+    assert "names no tensor of model-00002-of-00002.safetensors" in found.message
+    r = run_cli("seal", path)
+    assert r.code == 3 and not (path / "ckpttool.manifest.json").exists()
+
+
+@pytest.mark.parametrize("fixture", ["megatron/legacy_tp2pp2", "megatron/dist_tp2pp2"])
+def test_megatron_holds_its_dataloader_position_in_its_args(fixture):
+    """Megatron-LM resumes its sampler from args.consumed_train_samples: every Megatron checkpoint
+    was said to hold no dataloader position (an error under --require dataloader)."""
+    report = verify(FIXTURES / fixture, require=["dataloader"])
+    assert not [f for f in report.findings if f.rule == "missing-state"], report.findings
+    _, m = registry.describe(FIXTURES / fixture)
+    assert m.extras["state_in_metadata"] == {"dataloader": "args.consumed_train_samples (12)"}
+
+
+def test_a_moment_file_copied_over_its_sibling_is_an_error(tmp_path):
+    """A universal checkpoint's exp_avg.pt copied over the same parameter's exp_avg_sq.pt was a
+    warning ('unless the save wrote them equal'), exit 0, and seal vouched for it: no save writes a
+    parameter's two moments equal."""
+    path = _copy("deepspeed/universal3", tmp_path)
+    where = path / "global_step3_universal" / "zero" / "blocks.0.fc1.weight"
+    shutil.copy2(where / "exp_avg.pt", where / "exp_avg_sq.pt")
+    (found,) = verify(path).failing()
+    assert found.rule == "misplaced-file" and "two states of one parameter" in found.message, found
+    r = run_cli("seal", path)
+    assert r.code == 3 and "not sealed" in r.stderr
+
+
+def test_a_torch_dist_stage_file_copied_over_another_stages_is_an_error(tmp_path):
+    """megatron-core stacks a layer's tensors over a stage's layers, which ckpttool reads one item
+    per layer: a stage's file copied over another stage's held 'different tensors only', a warning
+    (exit 0), and seal vouched for it; they are two parts of the same stacked tensors."""
+    path = _copy("megatron/dist_tp2pp2", tmp_path)
+    it = path / "iter_0000003"
+    shutil.copy2(it / "__1_1.distcp", it / "__3_1.distcp")
+    (found,) = verify(path).failing()
+    assert found.rule == "misplaced-file" and "__1_1.distcp and __3_1.distcp" in found.message, found
+    assert "unless the save wrote them equal" not in found.message
+    r = run_cli("seal", path)
+    assert r.code == 3 and "not sealed" in r.stderr

@@ -1502,16 +1502,3 @@ def test_a_moment_file_copied_over_its_sibling_is_an_error(tmp_path):
     r = run_cli("seal", path)
     assert r.code == 3 and "not sealed" in r.stderr
 
-
-def test_a_torch_dist_stage_file_copied_over_another_stages_is_an_error(tmp_path):
-    """megatron-core stacks a layer's tensors over a stage's layers, which ckpttool reads one item
-    per layer: a stage's file copied over another stage's held 'different tensors only', a warning
-    (exit 0), and seal vouched for it; they are two parts of the same stacked tensors."""
-    path = _copy("megatron/dist_tp2pp2", tmp_path)
-    it = path / "iter_0000003"
-    shutil.copy2(it / "__1_1.distcp", it / "__3_1.distcp")
-    (found,) = verify(path).failing()
-    assert found.rule == "misplaced-file" and "__1_1.distcp and __3_1.distcp" in found.message, found
-    assert "unless the save wrote them equal" not in found.message
-    r = run_cli("seal", path)
-    assert r.code == 3 and "not sealed" in r.stderr

@@ -926,9 +926,11 @@ def test_files_swapped_between_ranks_are_named_with_their_ranks(fixture, a, b, t
         # over every other part too: the parts are all equal, as experts upcycled from one MLP are
         (FIXTURES / "dcp" / "fsdp2_per_item", "__0_3.distcp", ("__1_4.distcp", "__2_4.distcp", "__3_3.distcp"),
          "warning", "(model.blocks.0.qkv.weight [0:12, 0:16] in one, [12:24, 0:16] in the other)"),
-        # torch_dist, PP stage 0's TP-1 file over stage 1's: different tensors, which a save may write equal
-        (MG / "dist_tp2pp2", "iter_0000003/__1_1.distcp", "iter_0000003/__3_1.distcp", "warning",
-         "unless the save wrote them equal (tied, cloned or upcycled weights)"),
+        # torch_dist, PP stage 0's TP-1 file over stage 1's: parts of the same tensors, which megatron-core
+        # stacks over a stage's layers (it was a warning, as different tensors a save may write equal)
+        (MG / "dist_tp2pp2", "iter_0000003/__1_1.distcp", "iter_0000003/__3_1.distcp", "error",
+         "(decoder.layers.1.self_attention.linear_proj.weight [0:16, 16:32] in one, "
+         "decoder.layers.3.self_attention.linear_proj.weight [0:16, 16:32] in the other)"),
     ],
 )  # fmt: skip
 def test_a_file_copied_over_another_of_its_size_and_structure_is_named_without_a_seal(

@@ -116,8 +116,8 @@ CHILD = textwrap.dedent(
     from ckpttool import interrupt
 
     assert interrupt.install()
-    print("ready", flush=True)
-    try:
+    try:  # (the signal may land while print returns, once the parent has read the line)
+        print("ready", flush=True)
         while True:  # a pool started, fed and shut down over and over: Ctrl-C lands anywhere in it
             with ThreadPoolExecutor(2) as pool:
                 list(pool.map(abs, range(64)))

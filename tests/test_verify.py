@@ -1501,4 +1501,3 @@ def test_a_moment_file_copied_over_its_sibling_is_an_error(tmp_path):
     assert found.rule == "misplaced-file" and "two states of one parameter" in found.message, found
     r = run_cli("seal", path)
     assert r.code == 3 and "not sealed" in r.stderr
-

@@ -1637,6 +1637,10 @@ def _param_of(name: str) -> tuple[str, str] | None:
     for m in _MOMENTS:
         if name.endswith("." + m):
             return name[: -len(m) - 1], m
+        # (a per-rank shard file's {"local": tensor, "global_shape", "global_offset"} read alone as a
+        # torch.save file: its parameter is <name>.local, its moments <name>.<moment>.local)
+        if name.endswith(f".{m}.local"):
+            return name[: -len(m) - 7] + ".local", m
     return None
 
 

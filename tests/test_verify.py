@@ -1501,3 +1501,21 @@ def test_a_moment_file_copied_over_its_sibling_is_an_error(tmp_path):
     assert found.rule == "misplaced-file" and "two states of one parameter" in found.message, found
     r = run_cli("seal", path)
     assert r.code == 3 and "not sealed" in r.stderr
+
+
+def test_one_rank_shard_file_given_alone_has_its_moments(tmp_path):
+    """A per-rank shard file's {"local": ...} entries read alone as a torch.save file: its
+    parameter 'emb.weight.local' was said to have no optimizer moments, which the file holds as
+    'emb.weight.exp_avg.local'; a moment taken out is still said."""
+    import torch
+
+    shard = FIXTURES / "rankshards" / "tp_manual" / "step_00000003" / "shard_00001.pt"
+    report = verify(shard)
+    assert not [f for f in report.findings if f.rule == "optimizer-mismatch"], report.findings
+    state = torch.load(shard, weights_only=True)
+    optim = state["optim"]["state"]
+    for key in ("exp_avg", "exp_avg_sq"):
+        del optim["emb.weight"][key]
+    torch.save(state, tmp_path / "shard_00001.pt")
+    found = [f for f in verify(tmp_path / "shard_00001.pt").findings if f.rule == "optimizer-mismatch"]
+    assert [f.item for f in found] == ["emb.weight.local"], found

@@ -101,9 +101,9 @@ class Item:
     """where the value sits in the nested state dict the checkpoint was saved from, where the format
     records it (DCP's ``planner_data``: dict keys and list indices); kept in memory for writers of
     the same format, never serialised (not in the JSON or the schema)"""
-    nonfinite: bool = field(default=False, compare=False, repr=False, metadata=_IN_MEMORY)
-    """a non-tensor value holding a float NaN or Inf (``value`` shows it as the text ``'nan'``), for
-    ``verify --deep``; in memory only, never serialised"""
+    nonfinite: str | None = field(default=None, compare=False, repr=False, metadata=_IN_MEMORY)
+    """``"NaN"`` or ``"Inf"`` for a non-tensor value holding such a float (``value`` shows it as the
+    text ``'nan'``), for ``verify --deep``; in memory only, never serialised"""
 
     @property
     def is_tensor(self) -> bool:

@@ -47,18 +47,20 @@ def set_value(item: Item, value: Any) -> None:
     item.value = plain_value(value)
     if item.value is None and value is not None:
         item.summary = describe_value(value)
-    item.nonfinite = _nonfinite(value)
+    found = set(_nonfinite(value))
+    item.nonfinite = "NaN" if "NaN" in found else "Inf" if found else None
 
 
-def _nonfinite(value: Any, depth: int = 0) -> bool:
-    """Whether ``value`` is, or (a small container) holds, a float NaN or Inf."""
-    if isinstance(value, float):
-        return not math.isfinite(value)
-    if depth < 4 and isinstance(value, list | tuple) and len(value) <= _MAX_ELEMENTS:
-        return any(_nonfinite(v, depth + 1) for v in value)
-    if depth < 4 and isinstance(value, dict) and len(value) <= _MAX_ELEMENTS:
-        return any(_nonfinite(v, depth + 1) for v in value.values())
-    return False
+def _nonfinite(value: Any, depth: int = 0) -> Iterator[str]:
+    """``"NaN"`` and ``"Inf"`` for each such float ``value`` is or (a small container) holds."""
+    if isinstance(value, float) and not math.isfinite(value):
+        yield "NaN" if math.isnan(value) else "Inf"
+    elif depth < 4 and isinstance(value, list | tuple) and len(value) <= _MAX_ELEMENTS:
+        for v in value:
+            yield from _nonfinite(v, depth + 1)
+    elif depth < 4 and isinstance(value, dict) and len(value) <= _MAX_ELEMENTS:
+        for v in value.values():
+            yield from _nonfinite(v, depth + 1)
 
 
 def find_step(items: dict[str, Item]) -> int | None:

@@ -932,10 +932,11 @@ def _names_in(files: set[str], folder: str) -> list[str]:
 
 
 def _folders_of_the_data(sealed: Seal, expected: set[str]) -> set[str]:
-    """The folders a sealed checkpoint's data lies in, and those between them and the one they
-    share (a Megatron iteration's folder above its ranks'); not the save directory above a tag or
-    iteration, which holds only its tracker and what the run keeps beside its saves. Every folder
-    of the seal where it lists no data file (a seal of an older ckpttool)."""
+    """The folders a sealed checkpoint's data lies in, those between them and the one they share (a
+    Megatron iteration's folder above its ranks') and the seal's folders below that one; not the
+    save directory above a tag or iteration, which holds only its tracker and what the run keeps
+    beside its saves. Every folder of the seal where it lists no data file (a seal of an older
+    ckpttool)."""
     data = {_folder(f.path) for f in sealed.head.files if f.role == "data" and f.path in expected}
     if not data:
         return {_folder(rel) for rel in expected}
@@ -947,7 +948,8 @@ def _folders_of_the_data(sealed: Seal, expected: set[str]) -> set[str]:
             if d == common or not d:
                 break
             d = _folder(d)
-    return out
+    # and every folder of the seal's below that one (a DCP save's sharded/ Hugging Face files)
+    return out | {f for f in map(_folder, expected) if not common or f == common or f.startswith(f"{common}/")}
 
 
 def _size_below(folder: Path) -> tuple[int, int]:
@@ -1751,13 +1753,13 @@ def _check_optimizer_steps(
         by_digest[f"{item.dtype}:{d}"].append(item)
     if len(by_digest) < 2:
         return
-    by_value: dict[str, list[Item]] = defaultdict(list)  # (by the value's text: NaN equals no NaN as a float)
+    by_value: dict[str, list[Item]] = defaultdict(list)  # (by the value's exact text: NaN equals no NaN as a float)
     values: dict[str, float | None] = {}
     try:
         with adapter.reader(manifest) as reader:
             for group in by_digest.values():
                 v = _optimizer_step_value(reader, group[0])
-                said = "?" if v is None else f"{v:g}"
+                said = "?" if v is None else f"{v:g}" if float(f"{v:g}") == v or math.isnan(v) else repr(v)
                 values[said] = v
                 by_value[said] += group
     except CkptError:
@@ -1772,6 +1774,9 @@ def _check_optimizer_steps(
         "parameters that got no gradient at some steps lag behind; otherwise state of another step or run "
         "was mixed into this one"
     )
+    broken = [k for k in by_value if k != "?" and k not in sound]  # (NaN or Inf: no step lags to that)
+    if broken:
+        hint = f"a step of {broken[0]} is damage: Adam's bias correction turns it into NaN updates"
     if common is None:
         sides = "; ".join(
             f"{len(by_value[k])} at {k} ({', '.join(i.name for i in by_value[k][:3])}"
@@ -1782,7 +1787,7 @@ def _check_optimizer_steps(
             finding(
                 "optimizer-mismatch",
                 f"the {len(steps)} optimizer steps disagree, no value held by most: {sides}",
-                severity="warning",
+                severity="error" if broken else "warning",
                 item=by_value[ranked[0]][0].name,
                 hint=hint,
             )
@@ -1790,9 +1795,6 @@ def _check_optimizer_steps(
         return
     odd = [(k, i) for k in ranked if k != common for i in by_value[k]]
     named = ", ".join(f"{i.name} ({k})" if k != "?" else i.name for k, i in odd[:5])
-    broken = [k for k in by_value if k != "?" and k not in sound]  # (NaN or Inf: no step lags to that)
-    if broken:
-        hint = f"a step of {broken[0]} is damage: Adam's bias correction turns it into NaN updates"
     report.findings.append(
         finding(
             "optimizer-mismatch",
@@ -2012,7 +2014,9 @@ def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter, *,
             _census(report, master, fp32, False, manifest)
             _check_master(report, item, values, master, fp32)
     for item in manifest.items.values():
-        if item.nonfinite:  # (a learning rate, a loss scale, a best loss: a float of the metadata)
+        # a NaN among the plain values (a learning rate, a loss); an Inf only in a learning rate, for
+        # schedulers keep Infs by design (ReduceLROnPlateau's best and mode_worse)
+        if item.nonfinite == "NaN" or (item.nonfinite == "Inf" and _LEARNING_RATE.search(item.name)):
             holder = item.pieces[0] if item.pieces else None
             report.findings.append(
                 finding(
@@ -2027,6 +2031,10 @@ def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter, *,
     if beside:
         _check_values_beside(report, manifest)
     report.checked["values"] = len(report.stats)
+
+
+_LEARNING_RATE = re.compile(r"(?:^|\.)[^.]*lrs?(?:\.\d+)*$")
+"""a learning rate's name: its last part (list indices aside) ends in ``lr`` or ``lrs``"""
 
 
 def _check_values_beside(report: VerifyReport, manifest: Manifest) -> None:

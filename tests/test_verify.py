@@ -1519,3 +1519,54 @@ def test_one_rank_shard_file_given_alone_has_its_moments(tmp_path):
     torch.save(state, tmp_path / "shard_00001.pt")
     found = [f for f in verify(tmp_path / "shard_00001.pt").findings if f.rule == "optimizer-mismatch"]
     assert [f.item for f in found] == ["emb.weight.local"], found
+
+
+def test_deep_lets_a_schedulers_own_infs_be(tmp_path):
+    """ReduceLROnPlateau keeps best = Inf (before its first step) and mode_worse = Inf by design:
+    --deep called them NaN/Inf damage, exit 1. An Inf in a learning rate, or a NaN anywhere, still is."""
+    import torch
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "lr_scheduler": plateau.state_dict(),
+                "step": 1}, tmp_path / "s.pt")  # fmt: skip
+    assert not [f for f in verify(tmp_path / "s.pt", deep=True).findings if f.rule == "nonfinite"]
+    opt.param_groups[0]["lr"] = float("inf")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}, tmp_path / "s.pt")
+    found = [f.item for f in verify(tmp_path / "s.pt", deep=True).findings if f.rule == "nonfinite"]
+    assert found == ["optimizer.param_groups.0.lr"]
+
+
+def _stepped(tmp_path, steps):
+    import torch
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(len(steps) // 2)])
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    state = opt.state_dict()
+    for (_, s), step in zip(sorted(state["state"].items()), steps, strict=True):
+        s["step"] = torch.tensor(step)
+    torch.save({"model": model.state_dict(), "optimizer": state, "step": 5}, tmp_path / "t.pt")
+    return [f for f in verify(tmp_path / "t.pt").findings if f.rule == "optimizer-mismatch"]
+
+
+def test_optimizer_steps_compared_exactly_and_a_nan_one_is_an_error_on_a_tie(tmp_path):
+    """Steps grouped by their 6-digit text took 1000003 for 1000000; with the finite steps tied, a
+    NaN one was a warning (exit 0), where it was an error otherwise."""
+    (found,) = _stepped(tmp_path, [1000000.0, 1000000.0, 1000003.0, 1000000.0])
+    assert "1000003.0" in found.message and found.severity == "warning", found
+    (found,) = _stepped(tmp_path, [5.0, 5.0, 3.0, 3.0, float("nan"), float("nan")])
+    assert found.severity == "error" and "no value held by most" in found.message, found
+
+
+def test_a_file_added_to_a_sealed_subfolder_below_the_data_is_extra(tmp_path):
+    """The scan for extra files was narrowed to the data's folders (not the save directory above
+    them), and left out a subfolder of the checkpoint holding only its companion files (a DCP
+    save's sharded/ Hugging Face files): files added there after the seal went unsaid."""
+    path = _copy("dcp/fsdp2_hf", tmp_path)
+    seal(path)
+    (path / "sharded" / "junk.bin").write_text("added")
+    extra = [f.file for f in verify(path).findings if f.rule == "extra-file"]
+    assert extra == ["sharded/junk.bin"], extra

@@ -101,6 +101,10 @@ class Item:
     """where the value sits in the nested state dict the checkpoint was saved from, where the format
     records it (DCP's ``planner_data``: dict keys and list indices); kept in memory for writers of
     the same format, never serialised (not in the JSON or the schema)"""
+    saved_in: str | None = field(default=None, compare=False, repr=False, metadata=_IN_MEMORY)
+    """the name of the tensor the format saves this item's values in, where that is another than the
+    item (megatron-core's ``torch_dist`` stacks a layer's tensors over the layers, and the experts,
+    which ckpttool reads one item each); in memory only, never serialised"""
     nonfinite: str | None = field(default=None, compare=False, repr=False, metadata=_IN_MEMORY)
     """``"NaN"`` or ``"Inf"`` for a non-tensor value holding such a float (``value`` shows it as the
     text ``'nan'``), for ``verify --deep``; in memory only, never serialised"""

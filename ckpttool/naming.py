@@ -5,7 +5,7 @@ is shown (:func:`printable`)."""
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from ckpttool.manifest import Item, Kind
 
@@ -84,6 +84,22 @@ def kinds_by_sibling(items: Mapping[str, Item]) -> None:
 _MOMENTS = {"exp_avg", "exp_avg_sq", "momentum_buffer"}
 """Last name segments of optimizer moments kept per parameter (``<param>.exp_avg``, as export and
 convert write Megatron's and DeepSpeed's); ``<param>.fp32`` is the fp32 master copy."""
+
+
+def param_state(name: str, states: Iterable[str], wrappers: Iterable[str] = ()) -> tuple[str, str] | None:
+    """(parameter, state) for a name ending in ``.<state>`` of ``states`` (``fc1.weight.exp_avg``:
+    ``fc1.weight``, ``exp_avg``), or in ``.<state>.<wrapper>``, a dict holding the tensor under a key
+    of ``wrappers`` (a per-rank shard's ``{"local": t, ...}`` read as a plain torch.save file: the
+    parameter is then ``<param>.<wrapper>``); None otherwise."""
+    head, _, last = name.rpartition(".")
+    wrapped = last in wrappers
+    if wrapped:
+        head, _, state = head.rpartition(".")
+    else:
+        state = last
+    if not head or state not in states:
+        return None
+    return (f"{head}.{last}" if wrapped else head), state
 
 
 _OPTIM_STATE = re.compile(r"^(?:optim|optimizer)\.state\.(.+)\.(exp_avg|exp_avg_sq|step|momentum_buffer)$")

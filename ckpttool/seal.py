@@ -15,7 +15,6 @@ import functools
 import json
 import os
 import posixpath
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain, repeat
@@ -30,6 +29,7 @@ from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.hashing import Algo, FileDigest, Span, Written, hash_bytes, hash_files
 from ckpttool.io import atomic_output
 from ckpttool.manifest import SEAL_NAME, Item, Manifest, Piece, is_seal_name
+from ckpttool.naming import param_state
 from ckpttool.values import gc_paused, is_count
 
 SEAL_KIND = "ckpttool.seal"
@@ -618,12 +618,9 @@ def copied_files(adapter: Adapter, manifest: Manifest, digests: Mapping[str, Fil
         if other is None:
             continue  # replicas of one another (a DP copy each rank saved)
         theirs = {i.name: p for i, p in held.get(other, ())}
-        # (megatron-core saves a layer's tensors stacked over the layers of a stage, which ckpttool
-        # reads as one item per layer: two stages' files hold parts of one stacked tensor)
-        tensor = _stacked_name if manifest.format == "megatron-dist" else None
         with adapter.reader(manifest) as reader:
             raw = functools.partial(_raw_bytes, reader, root)
-            proof = _parts_differ(raw, held.get(first, ()), held.get(other, ()), set(rels), manifest, tensor)
+            proof = _parts_differ(raw, held.get(first, ()), held.get(other, ()), set(rels), manifest)
             telling = (
                 None
                 if proof is not None
@@ -663,10 +660,6 @@ def copied_files(adapter: Adapter, manifest: Manifest, digests: Mapping[str, Fil
     return found
 
 
-_STATES = (".exp_avg_sq", ".exp_avg", ".fp32")
-"""suffixes of a parameter's optimizer states (the longest first)"""
-
-
 def _one_parameters_states(
     mine: Iterable[tuple[Item, Piece]], theirs: Iterable[tuple[Item, Piece]]
 ) -> tuple[str, str] | None:
@@ -675,27 +668,16 @@ def _one_parameters_states(
     sibling, for no save writes them equal (``exp_avg_sq`` is a mean of squares, ``exp_avg`` one of
     signed values). None where the two files share no parameter so."""
 
-    def split(name: str) -> tuple[str, str] | None:
-        return next(((name[: -len(s)], s) for s in _STATES if name.endswith(s)), None)
-
+    states = ("exp_avg", "exp_avg_sq", "fp32")
     bases: dict[str, tuple[str, str]] = {}
     for item, _ in mine:
-        if (got := split(item.name)) is not None:
+        if (got := param_state(item.name, states)) is not None:
             bases.setdefault(got[0], (item.name, got[1]))
     for item, _ in theirs:
-        got = split(item.name)
+        got = param_state(item.name, states)
         if got is not None and got[0] in bases and bases[got[0]][1] != got[1]:
             return bases[got[0]][0], item.name
     return None
-
-
-_LAYER = re.compile(r"\.layers\.\d+\.")
-
-
-def _stacked_name(name: str) -> str:
-    """The stacked tensor megatron-core saves a layer's tensor in (``decoder.layers.3.mlp.x``:
-    ``decoder.layers.mlp.x``, one over the stage's layers)."""
-    return _LAYER.sub(".layers.", name, count=1)
 
 
 def _parts_differ(
@@ -704,23 +686,25 @@ def _parts_differ(
     theirs: Iterable[tuple[Item, Piece]],
     group: set[str],
     manifest: Manifest,
-    tensor: Callable[[str], str] | None = None,
 ) -> tuple[Item, Piece, tuple[Item, Piece]] | None:
     """A piece of ``mine`` that is a part of a tensor the other file holds another part of, not
     all one value, and unlike a third part of that tensor of its size in a file outside ``group``:
-    the tensor's parts are not all equal, so two equal ones are a copy (looked at for a few).
-    ``tensor``: the tensor an item's values are saved in, where that is not the item itself (a
-    stacked one); the pieces of all its items are its parts. Returns the piece and the other
-    file's (item, piece)."""
-    key = tensor or (lambda name: name)
+    the tensor's parts are not all equal, so two equal ones are a copy (looked at for a few). The
+    tensor is the one the format saves an item's values in (``Item.saved_in``: megatron-core's
+    stacked layers and experts, which ckpttool reads one item each); the pieces of all its items are
+    its parts. Returns the piece and the other file's (item, piece)."""
+
+    def key(item: Item) -> str:
+        return item.saved_in or item.name
+
     parts: dict[str, list[tuple[Item, Piece]]] = {}
     for item in manifest.items.values():
         if item.is_tensor:
-            parts.setdefault(key(item.name), []).extend((item, r) for r in item.pieces)
-    other = {key(i.name): (i, q) for i, q in theirs}
+            parts.setdefault(key(item), []).extend((item, r) for r in item.pieces)
+    other = {key(i): (i, q) for i, q in theirs}
     looked = 0
     for item, p in mine:
-        found = other.get(key(item.name))
+        found = other.get(key(item))
         if found is None or not item.is_tensor or looked >= 8:
             continue
         their_item, q = found
@@ -733,7 +717,7 @@ def _parts_differ(
         places = {(item.name, p.box, p.flat), (their_item.name, q.box, q.flat)}
         thirds = [
             (i, r)
-            for i, r in parts.get(key(item.name), ())
+            for i, r in parts.get(key(item), ())
             if r.file not in group and r.nbytes == p.nbytes and (i.name, r.box, r.flat) not in places
         ]
         if any((b := raw(i, r)) is not None and b != data for i, r in thirds[:4]):

@@ -39,11 +39,12 @@ from ckpttool.dtypes import as_float, float32_to_bf16
 from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedError, NotFoundError, PathEscapeError
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Adapter
+from ckpttool.formats.rankshards import LOCAL_KEYS
 from ckpttool.geometry import Box, coverage, flat_range_boxes, intersect
 from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
 from ckpttool.io import TMP_MARKER, RandomAccessFile, checking_crcs, followed, list_files, not_a_file, outside
 from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, Piece, StateName, is_seal_name
-from ckpttool.naming import plural
+from ckpttool.naming import param_state, plural
 from ckpttool.seal import (
     Expected,
     PieceRecord,
@@ -1636,14 +1637,9 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _param_of(name: str) -> tuple[str, str] | None:
-    for m in _MOMENTS:
-        if name.endswith("." + m):
-            return name[: -len(m) - 1], m
-        # (a per-rank shard file's {"local": tensor, "global_shape", "global_offset"} read alone as a
-        # torch.save file: its parameter is <name>.local, its moments <name>.<moment>.local)
-        if name.endswith(f".{m}.local"):
-            return name[: -len(m) - 7] + ".local", m
-    return None
+    # (a per-rank shard file read alone as a plain torch.save file keeps each tensor in a dict,
+    # {"local": t, "global_shape": ..., ...}: its parameter <p>.local, its moments <p>.exp_avg.local)
+    return param_state(name, _MOMENTS, LOCAL_KEYS)
 
 
 def _check_optimizer(

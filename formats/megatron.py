@@ -1058,7 +1058,8 @@ def _leading_index(item: Item, index: int, name: str, select: Callable[[Piece, i
                 nbytes=sub.volume * itemsize,
             )
         )
-    return Item(name=name, kind=item.kind, dtype=item.dtype, shape=item.shape[1:], pieces=pieces)
+    saved_in = item.saved_in or item.name
+    return Item(name=name, kind=item.kind, dtype=item.dtype, shape=item.shape[1:], pieces=pieces, saved_in=saved_in)
 
 
 _STACKED_EXPERTS = re.compile(

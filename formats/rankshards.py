@@ -48,7 +48,8 @@ _PATTERNS = [
     re.compile(r"^checkpoint_step(?P<step>\d+)_stage(?P<rank>\d+)\.pt$"),
 ]
 _STEP_DIR = re.compile(r"^step_?(\d+)$")
-_LOCAL_KEYS = ("local", "tensor", "data")
+LOCAL_KEYS = ("local", "tensor", "data")
+"""the keys a shard's dict holds its part of a tensor under (beside its global shape and offset)"""
 _SHAPE_KEYS = ("global_shape", "shape")
 _OFFSET_KEYS = ("global_offset", "offsets", "offset")
 _PER_RANK_KINDS = ("rng", "dataloader")
@@ -64,7 +65,7 @@ class _Sharded:
 def _sharded(value: Any) -> _Sharded | None:
     if not isinstance(value, dict):
         return None
-    local = next((value[k] for k in _LOCAL_KEYS if k in value), None)
+    local = next((value[k] for k in LOCAL_KEYS if k in value), None)
     shape = next((value[k] for k in _SHAPE_KEYS if k in value), None)
     offset = next((value[k] for k in _OFFSET_KEYS if k in value), None)
     if not isinstance(local, _unpickle.TensorRef) or shape is None or offset is None:

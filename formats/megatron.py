@@ -241,13 +241,14 @@ _TE_TO_LOCAL = {
 }
 
 
-def _note_unread(manifest: Manifest, opt: dict[str, Any], inner: dict[str, Any], state: dict[Any, Any]) -> None:
-    """Record (``extras["unread_state"]``) the optimizer state of a legacy rank file that the
-    manifest holds no items of: Megatron's writers carry it from the rank files' pickles, the other
-    formats' cannot (``reshard`` and ``convert`` to them say it is not carried)."""
+def _note_unread(manifest: Manifest, opt: dict[str, Any], inner: dict[str, Any], stepped: bool) -> None:
+    """Record (``extras["unread_state"]``) the optimizer state of a rank file (a legacy one's, or a
+    ``torch_dist`` save's ``common.pt``) that the manifest holds no items of: Megatron's writers
+    carry it from the pickles, the other formats' cannot (``reshard`` and ``convert`` to them say
+    it is not carried). ``stepped``: the state holds Adam's step."""
     unread: list[str] = manifest.extras.setdefault("unread_state", [])
     found = []
-    if any(isinstance(v, dict) and ("step" in v or "common_step" in v) for v in state.values()):
+    if stepped:
         found.append("Adam's step")
     if inner.get("param_groups"):
         found.append("the param groups (lr, betas, eps, weight decay)")
@@ -568,7 +569,7 @@ class MegatronDistAdapter:
             opt = common["optimizer"]
             inner = opt.get("optimizer") if isinstance(opt.get("optimizer"), dict) else opt
             state = inner.get("state") if isinstance(inner.get("state"), dict) else {}
-            _note_unread(manifest, opt, inner, {"common": state} if "common_step" in state else state)
+            _note_unread(manifest, opt, inner, "common_step" in state)
         args = common.get("args")
         num_layers = getattr(args, "num_layers", None)
         num_experts = getattr(args, "num_experts", None)
@@ -1864,7 +1865,7 @@ class MegatronLegacyAdapter:
             if ids is None:
                 raise CorruptFileError(f"{rel}: optimizer state does not match the model's parameters", path=rel)
             masters = opt.get("fp32_from_fp16_params")
-            _note_unread(manifest, opt, inner, state)
+            _note_unread(manifest, opt, inner, any(isinstance(v, dict) and "step" in v for v in state.values()))
             for pid, (name, g, i) in ids.items():
                 for key, value in (state.get(pid) or {}).items():
                     if key in ("exp_avg", "exp_avg_sq") and isinstance(value, _unpickle.TensorRef):

@@ -929,6 +929,12 @@ def _stacked(boxes: list[Box]) -> tuple[int, ...]:
     return (sum(b.sizes[0] for b in boxes), *boxes[0].sizes[1:])
 
 
+def padded_vocab(vocab: int, divisor: int, tp: int) -> int:
+    """The rows Megatron pads a vocabulary of ``vocab`` to at ``tp``: a multiple of
+    ``make_vocab_size_divisible_by`` x TP."""
+    return -(-vocab // (divisor * tp)) * divisor * tp
+
+
 _FIRST_DIVISOR = "ckpttool_make_vocab_size_divisible_by"
 """``args``' record of the run's own ``make_vocab_size_divisible_by`` when a reshard to a TP it does not
 give the padded rows at changed it (Megatron reads no such argument), so that a reshard back to a TP
@@ -1305,7 +1311,7 @@ class LegacyWriter:
                 "--vocab-padding megatron needs args.vocab_size and make_vocab_size_divisible_by, which this "
                 "checkpoint lacks"
             )
-        return -(-vocab // (multiple * self.target.tp)) * multiple * self.target.tp
+        return padded_vocab(vocab, multiple, self.target.tp)
 
     # -- which entries go where ----------------------------------------------------------------
 
@@ -1850,9 +1856,9 @@ class LegacyWriter:
         if rows is None or not isinstance(vocab, int) or not isinstance(div, int):
             return None
         first = getattr(self.args, _FIRST_DIVISOR, None)  # (the run's own, where a reshard changed it)
-        if isinstance(first, int) and first > 0 and first != div and -(-vocab // (first * tp)) * first * tp == rows:
+        if isinstance(first, int) and first > 0 and first != div and padded_vocab(vocab, first, tp) == rows:
             return first  # (back at a TP the run's divisor gives these rows at: its args come back)
-        if -(-vocab // (div * tp)) * div * tp == rows or rows % tp or not 0 < vocab <= rows:
+        if padded_vocab(vocab, div, tp) == rows or rows % tp or not 0 < vocab <= rows:
             return None
         return rows // tp
 

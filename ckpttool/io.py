@@ -1196,15 +1196,15 @@ rooted in that save"""
 
 
 _COMPANION = re.compile(
-    r"zero_to_(fp32|torch)\.py|(generation_|adapter_|tokenizer_|ds_)?config\.json|trainer_state\.json"
-    r"|training_args\.bin|optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth|tokenizer\.(json|model)"
+    r"(generation_|adapter_|tokenizer_|ds_)?config\.json|training_args\.bin|scaler\.pt|tokenizer\.(json|model)"
     r"|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt|chat_template\.jinja"
     r"|sharded/shard-\d+-[^/]+\.safetensors"
 )
-"""files a checkpoint's folder holds beside its data that its writers put there (DeepSpeed's
-recovery scripts, a Hugging Face save's config, tokenizer and Trainer state, the per-rank shards
-DCP's Hugging Face writer keeps beside the consolidated model): an unsealed earlier
-output holding them is still only a checkpoint; anything else there (code, logs, data) is not"""
+"""files a checkpoint's folder holds beside its data that its writers put there and its reader does
+not account for (a Hugging Face save's config and tokenizer, the per-rank shards DCP's Hugging Face
+writer keeps beside the consolidated model; a Trainer's state files are the reader's
+``extras["state_files"]``, DeepSpeed's scripts its ``RECOVERY_SCRIPTS``): an unsealed earlier output
+holding them is still only a checkpoint; anything else there (code, logs, data) is not"""
 
 
 def _refuse_replacing_other_data(out: Path, said: str) -> None:
@@ -1279,7 +1279,20 @@ def _beside_the_checkpoint(out: Path) -> list[str] | str | None:
         _, manifest = registry.describe(out)
     except CkptError as exc:
         return exc.message
-    return beside(manifest.root, [f.path for f in manifest.files if f.role != "aux" or _COMPANION.fullmatch(f.path)])
+    from ckpttool.formats.deepspeed import RECOVERY_SCRIPTS
+
+    state_files = {str(f) for f in (manifest.extras.get("state_files") or {}).values()}
+    return beside(
+        manifest.root,
+        [
+            f.path
+            for f in manifest.files
+            if f.role != "aux"
+            or f.path in state_files
+            or f.path.rsplit("/", 1)[-1] in RECOVERY_SCRIPTS
+            or _COMPANION.fullmatch(f.path)
+        ],
+    )
 
 
 def _entries(out: Path) -> list[str]:

@@ -56,7 +56,8 @@ _MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 _Z3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _OPTIM = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _LAYER = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
-_AUX = {"zero_to_fp32.py", "zero_to_torch.py"}
+RECOVERY_SCRIPTS = {"zero_to_fp32.py", "zero_to_torch.py"}
+"""the scripts DeepSpeed copies beside every save it writes (its files, not the run's)"""
 _RESERVED = {
     "module",
     "buffer_names",
@@ -645,8 +646,8 @@ class DeepSpeedAdapter:
             ranked = bool(_MODEL.match(base) or _Z3_MODEL.match(base) or _OPTIM.match(base) or _LAYER.match(base))
             if base in ("latest", "latest_universal"):
                 roles.append(FileRecord(path=rel, size=size, role="tracker"))
-            elif base in _AUX or not ranked or rel != prefix + base:
-                if ranked and base not in _AUX:
+            elif base in RECOVERY_SCRIPTS or not ranked or rel != prefix + base:
+                if ranked and base not in RECOVERY_SCRIPTS:
                     stray.setdefault(base, rel)
                 roles.append(FileRecord(path=rel, size=size, role="aux"))
             else:

@@ -3614,12 +3614,15 @@ def test_new_tp_ranks_are_told_their_rng_streams_are_copies(src, sizes, shared, 
 
 _ORPHAN = """
 import os, signal, time
-from ckpttool.reshard import watch_parent
+from ckpttool import reshard
 parent = os.getpid()
 pid = os.fork()
 if pid == 0:
+    null = os.open(os.devnull, os.O_WRONLY)  # (the test reads the parent's output to its end: not held open)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT, signal.SIGTERM])  # (as the pool's workers)
-    watch_parent(parent, every=0.05)
+    reshard._init_worker(lambda: None, (), None, None, "cpu", parent)  # (what the pool runs first in each)
     time.sleep(30)
     os._exit(0)
 print(pid, flush=True)
@@ -3647,6 +3650,25 @@ def test_a_worker_ends_when_the_reshard_that_started_it_is_killed():
     while _alive(worker) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(worker)
+
+
+def test_the_pool_tells_each_worker_which_process_started_it(tmp_path, monkeypatch):
+    """The --workers pool starts each worker with _init_worker and this process's pid (what the
+    worker watches)."""
+    from ckpttool import reshard as rs
+
+    started: dict[str, Any] = {}
+
+    class Pool:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            started.update(kwargs)
+            raise KeyboardInterrupt  # (nothing to run: the reshard stops here, and publishes nothing)
+
+    monkeypatch.setattr(rs, "ProcessPoolExecutor", Pool)
+    with pytest.raises(KeyboardInterrupt):
+        reshard(FIXTURES / "dcp" / "fsdp2", tmp_path / "out", Target(dp=2), workers=2)
+    assert started["initializer"] is rs._init_worker and started["initargs"][-1] == os.getpid()
+    assert not (tmp_path / "out").exists()
 
 
 def _args_of(root: Path) -> dict[str, Any]:

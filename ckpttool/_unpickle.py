@@ -69,6 +69,81 @@ PLAIN: dict[tuple[str, str], Any] = {
 """Globals that plain Python values (containers, numbers, bytes) need: safe for any format."""
 
 
+_RUNS_CODE_MODULES = frozenset(
+    {
+        "os",
+        "posix",
+        "nt",
+        "subprocess",
+        "_posixsubprocess",
+        "sys",
+        "importlib",
+        "runpy",
+        "shutil",
+        "socket",
+        "pty",
+        "ctypes",
+        "code",
+        "codeop",
+        "pickle",
+        "_pickle",
+        "marshal",
+        "webbrowser",
+        "platform",
+        "pdb",
+        "timeit",
+        "cProfile",
+        "profile",
+        "multiprocessing",
+        "asyncio",
+        "signal",
+        "io",
+        "_io",
+        "pathlib",
+        "urllib",
+        "http",
+        "requests",
+        "types",
+        "operator",
+        "commands",
+        "popen2",
+    }
+)
+_RUNS_CODE_BUILTINS = frozenset(
+    {
+        "eval",
+        "exec",
+        "execfile",
+        "compile",
+        "open",
+        "file",
+        "__import__",
+        "getattr",
+        "setattr",
+        "delattr",
+        "globals",
+        "locals",
+        "vars",
+        "input",
+        "breakpoint",
+        "apply",
+        "reload",
+    }
+)
+
+
+def runs_code(global_name: str) -> bool:
+    """Whether a pickle global (``posix.system``) is one of the well-known ways a pickle runs code
+    or touches the system: a function or class of a module that runs commands, opens files or
+    sockets, imports or evaluates, or reaches attributes (``operator.attrgetter``). Not a proof of
+    safety for any other global: the allowlists refuse those too; this only tells the ones that
+    are hostile beyond doubt from a class a run keeps of its own."""
+    module, _, name = global_name.rpartition(".")
+    if module in ("builtins", "__builtin__"):
+        return name in _RUNS_CODE_BUILTINS
+    return module.split(".")[0] in _RUNS_CODE_MODULES
+
+
 # -- torch tensors inside a torch.save archive ---------------------------------------------------
 
 

@@ -666,9 +666,9 @@ def _one_parameters_states(
     """Two different optimizer states of one parameter (its ``exp_avg`` in one file, its
     ``exp_avg_sq`` in the other) held by two files of the same bytes: a moment file copied over its
     sibling, for no save writes them equal (``exp_avg_sq`` is a mean of squares, ``exp_avg`` one of
-    signed values). None where the two files share no parameter so."""
+    signed values; a step is one count). None where the two files share no parameter so."""
 
-    states = ("exp_avg", "exp_avg_sq", "fp32")
+    states = ("exp_avg", "exp_avg_sq", "fp32", "step")
     bases: dict[str, tuple[str, str]] = {}
     for item, _ in mine:
         if (got := param_state(item.name, states)) is not None:
@@ -798,8 +798,9 @@ def seal(
     with _not_sealing_damage(), ckio.checking_crcs():  # the pickles it reads are bytes it vouches for too
         adapter, manifest = registry.describe(path)
     for f in manifest.extras.get("findings") or ():  # damage the format's reader found and read past
-        if f["rule"] in ("corrupt-file", "misplaced-file"):  # (with the finding's own hint, where it has one)
-            hint = f.get("hint") or _NOT_SEALED
+        hostile = (f["rule"], f.get("severity")) == ("unsafe-pickle", "error")
+        if f["rule"] in ("corrupt-file", "misplaced-file") or hostile:
+            hint = f.get("hint") or _NOT_SEALED  # (with the finding's own hint, where it has one)
             raise CorruptFileError(f"{f['message']}; not sealed", hint=hint, path=f["file"], rule=f["rule"])
     if known is None and published_as is None:  # (not a writer sealing what it has just written)
         _refuse_unfinished(Path(path), manifest)

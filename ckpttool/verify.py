@@ -1483,19 +1483,28 @@ def _replica_mismatch(
     one's), and the finding names the wrong one's file. Else ``copies`` are all the region's copies,
     with no majority: the finding names each and no file."""
     p, first = copies[0], copies[-1]
-    one_file = len({c.file for c in copies}) == 1  # (model chunks of one rank file)
+    # each file named with the rank its record gives, as the other findings on it (a DeepSpeed
+    # pipeline file's pieces carry its DP rank, the file its global one)
+    files = {c.file for c in copies}
+    by_file = {f.path: f.ranks[0] for f in manifest.files if f.path in files and f.ranks}
+
+    def rank(c: Piece) -> int | None:
+        return by_file.get(c.file, c.rank)
+
+    one_file = len(files) == 1  # (model chunks of one rank file)
     if one_file:
-        message = f"{item.name}: {'two' if len(copies) == 2 else len(copies)} copies in {p.file} (rank {p.rank}) differ"
+        many = "two" if len(copies) == 2 else len(copies)
+        message = f"{item.name}: {many} copies in {p.file} (rank {rank(p)}) differ"
     elif blame:
-        message = f"{item.name}: the copy in {p.file} (rank {p.rank}) differs from the one in {first.file}"
+        message = f"{item.name}: the copy in {p.file} (rank {rank(p)}) differs from the one in {first.file}"
         message += f" and holds {nonfinite:,} NaN or Inf values where that one holds none" if nonfinite else ""
     else:
-        named = ", ".join(f"{c.file} (rank {c.rank})" for c in copies[:6]) + (" …" if len(copies) > 6 else "")
+        named = ", ".join(f"{c.file} (rank {rank(c)})" for c in copies[:6]) + (" …" if len(copies) > 6 else "")
         message = (
             f"{item.name}: its {len(copies)} copies ({named}) differ, and no majority of them says which hold "
             "the saved bytes"
         )
-    where = {"file": p.file, "rank": p.rank} if blame or one_file else {"file": None, "rank": None}
+    where = {"file": p.file, "rank": rank(p)} if blame or one_file else {"file": None, "rank": None}
     if item.name in (manifest.extras.get("stage_copies") or ()):
         # DeepSpeed keeps only a tied module's tied_weight_attr in sync across the stages
         # (Megatron-DeepSpeed: the word embeddings, not the position embeddings it also ties)
@@ -1735,19 +1744,33 @@ def _check_optimizer_steps(
     """Adam's step per parameter: the same for every parameter of a run, but for parameters that
     got no gradient at some steps (unused, an expert no token reached), which lag; one that
     differs otherwise is state of another step mixed in. Compared by the digests already taken,
-    one value read per distinct digest; a warning, naming the parameters that differ."""
-    steps = [
-        i
-        for i in manifest.items.values()
-        if i.kind == "optim" and i.is_tensor and i.name.endswith(".step") and i.pieces and i.shape in ((), (1,))
-    ]
+    one value read per distinct digest. A warning naming the parameters that lag; an error for a
+    step ahead of the others (no lag gives that), a NaN or Inf one, or one of more than one value
+    (a step is one count: another state's tensor in its place). Steps that agree and are ahead of
+    the checkpoint's own step are a ``step-mismatch`` warning: the optimizer's state is of a later
+    save, or the run's counter was reset."""
+    steps = [i for i in manifest.items.values() if i.kind == "optim" and i.is_tensor and i.name.endswith(".step")]
+    for item in steps:
+        if item.pieces and item.shape is not None and math.prod(item.shape) > 1:
+            report.findings.append(
+                finding(
+                    "optimizer-mismatch",
+                    f"{item.name} holds {math.prod(item.shape):,} values (shape {list(item.shape)}), where the "
+                    "optimizer keeps one count of its steps: another state's tensor stands in its place",
+                    item=item.name,
+                    file=item.pieces[0].file,
+                    hint="a moment's file copied over the step's, or a save of another optimizer; restore it from "
+                    "the save",
+                )
+            )
+    steps = [i for i in steps if i.pieces and i.shape in ((), (1,))]
     by_digest: dict[str, list[Item]] = defaultdict(list)
     for item in steps:
         d = digests.get((item.name, 0))
         if d is None:
             return  # (not hashed: nothing to compare without reading every one)
         by_digest[f"{item.dtype}:{d}"].append(item)
-    if len(by_digest) < 2:
+    if not by_digest or (len(by_digest) < 2 and manifest.step is None):
         return
     by_value: dict[str, list[Item]] = defaultdict(list)  # (by the value's exact text: NaN equals no NaN as a float)
     values: dict[str, float | None] = {}
@@ -1761,6 +1784,7 @@ def _check_optimizer_steps(
     except CkptError:
         return
     if len(by_value) < 2:
+        _steps_ahead(report, manifest, next(iter(values.values())), steps)
         return
     # the step most hold, never a NaN, an Inf or one unread; none where two hold as many
     ranked = sorted(by_value, key=lambda k: -len(by_value[k]))
@@ -1789,16 +1813,49 @@ def _check_optimizer_steps(
             )
         )
         return
+    ahead = [k for k in sound if k != common and (values[k] or 0.0) > (values[common] or 0.0)]
+    if ahead and not broken:
+        hint = (
+            f"a parameter never takes more steps than the others: the steps above {common} are state of a later "
+            "save or of another run mixed into this one; restore those files from one save"
+        )
     odd = [(k, i) for k in ranked if k != common for i in by_value[k]]
     named = ", ".join(f"{i.name} ({k})" if k != "?" else i.name for k, i in odd[:5])
     report.findings.append(
         finding(
             "optimizer-mismatch",
-            f"{len(odd)} of {len(steps)} optimizer steps differ from the others' ({common}): {named}"
+            f"{len(odd)} of {len(steps)} optimizer steps differ from the others' ({common})"
+            + (f", {sum(len(by_value[k]) for k in ahead)} of them ahead" if ahead else "")
+            + f": {named}"
             + (" …" if len(odd) > 5 else ""),
-            severity="error" if broken else "warning",
+            severity="error" if broken or ahead else "warning",
             item=odd[0][1].name,
             hint=hint,
+        )
+    )
+    _steps_ahead(report, manifest, values[common], by_value[common])
+
+
+def _steps_ahead(report: VerifyReport, manifest: Manifest, value: float | None, holders: list[Item]) -> None:
+    """A ``step-mismatch`` warning where the optimizer's steps (``value``, held by ``holders``) are
+    ahead of the checkpoint's step: Adam steps once per training step at most (fewer where fp16
+    skipped steps, or the optimizer started afresh), so its state is of a later save, unless the
+    run's counter was reset while the optimizer kept its state."""
+    step = manifest.step
+    if value is None or not math.isfinite(value) or not isinstance(step, int) or value <= step:
+        return
+    report.findings.append(
+        finding(
+            "step-mismatch",
+            f"the optimizer's steps are {value:g} ({holders[0].name}"
+            + (f" and {len(holders) - 1} more" if len(holders) > 1 else "")
+            + f"), ahead of the checkpoint's step {step}: the optimizer takes one step per training step at most",
+            severity="warning",
+            item=holders[0].name,
+            file=holders[0].pieces[0].file if holders[0].pieces else None,
+            hint="the optimizer state is another, later save's: restore it from the save of this step; or the "
+            "run's step counter was reset while the optimizer kept its state (a new phase), and the step is the "
+            "phase's",
         )
     )
 

@@ -315,12 +315,22 @@ def _read_tracker(root: Path) -> Path:
     return target
 
 
-def _misplaced_ranks(dirs: dict[str, tuple[tuple[int, int, int], Any]], args: Any) -> list[dict[str, str]]:
+_MISPLACED_HINT = (
+    "a rank's file was copied or moved into another rank's directory: restore each rank directory's files from the save"
+)
+
+
+def _misplaced_ranks(
+    dirs: dict[str, tuple[tuple[int, int, int], Any]], args: Any, trained: bool
+) -> list[dict[str, str]]:
     """Rank directories whose file another rank saved: each file's ``args.rank`` is the global rank
     that wrote it, and megatron-core's rank layout says which rank saves each directory
     (:func:`saving_ranks`). A file copied or renamed into another rank's place reads as a valid
     checkpoint with the wrong rank's tensors; this names it. Nothing is said where the layout
-    cannot be replayed (no world size in the args, a layout megatron-core would refuse)."""
+    cannot be replayed (no world size in the args, a layout megatron-core would refuse), nor where
+    every file records one rank and none holds training state (``trained``: optimizer or RNG
+    state, which only the training ranks save): Megatron-LM's tools/checkpoint saver writes every
+    file from one process."""
     sizes = _rank_sizes(args)
     try:
         savers = saving_ranks(**sizes)
@@ -329,7 +339,7 @@ def _misplaced_ranks(dirs: dict[str, tuple[tuple[int, int, int], Any]], args: An
     pp, ep = sizes["pp"], sizes["ep"]
     saves = {s.rank: key for key, s in savers.items()}
     recorded = {getattr(own, "rank", None) for _, own in dirs.values()}
-    if len(recorded) < 2:
+    if len(recorded) < 2 and not trained:
         return []  # one process wrote every file (Megatron-LM's tools/checkpoint saver: rank 0 in all)
     out = []
     for rel, (rank, own) in dirs.items():
@@ -347,6 +357,7 @@ def _misplaced_ranks(dirs: dict[str, tuple[tuple[int, int, int], Any]], args: An
                 "file": f"{rel}/model_optim_rng.pt",
                 "message": f"{rel}/model_optim_rng.pt was saved by rank {found} ({whose}); "
                 f"{rel} is rank {want.rank}'s under the args' layout",
+                "hint": _MISPLACED_HINT,
             }
         )
     return out
@@ -1731,10 +1742,23 @@ class MegatronLegacyAdapter:
             manifest.files.append(
                 FileRecord(path=TRACKER, size=os.stat(confine(root, TRACKER)).st_size, role="tracker")
             )
+        trained = any(o.get("optimizer") is not None or o.get("rng_state") is not None for o in objs.values())
+        misplaced = _misplaced_ranks({f"{prefix}{d}": (ranks[d], objs[d].get("args")) for d in dirs}, args, trained)
+        copied = {f["file"]: f for f in misplaced}
         for d in dirs:  # a distrib_optim.pt missing or damaged: every rank's named, not the first
+            rel = f"{prefix}{d}/model_optim_rng.pt"
             try:
-                self._rank(manifest, objs[d], f"{prefix}{d}/model_optim_rng.pt", ranks[d], args, tp, gated, replicas)
+                self._rank(manifest, objs[d], rel, ranks[d], args, tp, gated, replicas)
             except (CorruptFileError, IncompleteCheckpointError) as exc:
+                if rel in copied:  # (another rank's file: what does not fit beside it is its doing)
+                    said = copied.pop(rel)
+                    exc = CorruptFileError(
+                        said["message"] + f"; so {exc.path or 'the state'} beside it, this rank's, does not fit the "
+                        "parameters the copied file gives it",
+                        hint=_MISPLACED_HINT,
+                        path=rel,
+                        rule="misplaced-file",
+                    )
                 exc.rank = ranks[d][0] if exc.rank is None else exc.rank  # (its files are this TP rank's)
                 damaged.append(exc)
         raise_together(damaged)
@@ -1778,8 +1802,8 @@ class MegatronLegacyAdapter:
         manifest.step = _claimed_step(claims, it_dir.name, it)
         manifest.layout = layout
         manifest.layout.world_size = layout.world_size or tp * pp * ep * (layout.dp or 1)
-        if misplaced := _misplaced_ranks({f"{prefix}{d}": (ranks[d], objs[d].get("args")) for d in dirs}, args):
-            manifest.extras["findings"] = misplaced
+        if copied:
+            manifest.extras["findings"] = list(copied.values())
         manifest.extras["args"] = _args_extras(args)
         _data_position(manifest, args)
         manifest.extras["iteration_dir"] = it_dir.name

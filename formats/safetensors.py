@@ -349,9 +349,12 @@ def _trainer_state(root: Path, manifest: Manifest) -> None:
     Trainer also finds its place in the data (it skips the batches of the epoch already trained).
     Their pickles are read (not their tensors) with the plain torch.save allowlist; one that does
     not read, or is not such a dict, holds no state (a ``corrupt-file`` finding in
-    ``extras["findings"]``; verify also checks the file as an archive); one whose pickle names a
+    ``extras["findings"]``; verify also checks the file as an archive). One whose pickle names a
     class the allowlist lacks (the run's own scheduler) holds its state unchecked (an
-    ``unsafe-pickle`` warning)."""
+    ``unsafe-pickle`` warning); one naming a global that runs code (``posix.system``,
+    :func:`~ckpttool._unpickle.runs_code`) holds none (an ``unsafe-pickle`` error, which ``seal``
+    refuses)."""
+    from ckpttool._unpickle import runs_code
     from ckpttool.formats import _pt
     from ckpttool.formats.torchsave import ALLOWLIST
 
@@ -388,16 +391,26 @@ def _trainer_state(root: Path, manifest: Manifest) -> None:
             try:
                 archive, obj, _ = _pt.load(root, f.path, ALLOWLIST)
                 archive.close()
-            except UnsafePickleError as exc:  # a class of the run's own (a custom scheduler): held, unchecked
-                found.update({s: found.get(s, f.path) for s in states})
+            except UnsafePickleError as exc:
+                hostile = runs_code(exc.global_name)
+                if not hostile:  # a class of the run's own (a custom scheduler's): its state held, unchecked
+                    found.update({s: found.get(s, f.path) for s in states})
                 findings.append(
                     {
                         "rule": "unsafe-pickle",
-                        "severity": "warning",
+                        "severity": "error" if hostile else "warning",
                         "file": f.path,
-                        "message": f"{f.path}: its pickle refers to {exc.global_name}, which ckpttool does not load; "
-                        "the training state in it is not checked",
-                        "hint": "a class of the run's own is expected here; anything else may be hostile: do not "
+                        "message": f"{f.path}: its pickle refers to {exc.global_name}, "
+                        + (
+                            "which runs code or reaches the system; refused without running it, so the "
+                            f"{states[0]} state in it is not there"
+                            if hostile
+                            else "which ckpttool does not load; the training state in it is not checked"
+                        ),
+                        "hint": "the file is hostile: do not load it with torch.load(weights_only=False); resume from "
+                        "another checkpoint, or from this one without the file"
+                        if hostile
+                        else "a class of the run's own is expected here; anything else may be hostile: do not "
                         "load the file with torch.load(weights_only=False)",
                     }
                 )
@@ -405,8 +418,16 @@ def _trainer_state(root: Path, manifest: Manifest) -> None:
             except CkptError as exc:
                 unread[f.path] = str(exc).removeprefix(f"{f.path}: ")
                 continue
-            if isinstance(obj, dict) and all(k in obj for k in keys):
+            other = next(
+                (o for _, o, k in _TRAINER_FILES if k and k != keys and isinstance(obj, dict) and set(k) <= obj.keys()),
+                None,
+            )
+            if isinstance(obj, dict) and all(k in obj for k in keys) and other is None:
                 found.update({s: found.get(s, f.path) for s in states})
+            elif other is not None:  # (a scheduler's dict is any dict, so not one of another file's)
+                unread[f.path] = f"expected {states[0]} state, found {other[0]} state (a dict of " + (
+                    f"{', '.join(map(repr, list(obj)[:4]))}): another of the Trainer's files copied over it"
+                )
             else:
                 what = f"a dict with {', '.join(map(repr, keys))}" if keys else "a dict"
                 unread[f.path] = f"expected {what} ({states[0]} state), found " + (
@@ -543,8 +564,9 @@ def _read_index(root: Path, name: str) -> dict[str, str]:
     except (OSError, ValueError, RecursionError) as exc:
         raise CorruptFileError(f"{name}: not a readable JSON index ({exc})", path=name) from None
     wm = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(wm, dict):
+    if not isinstance(wm, dict) or not wm:  # (an index is written for a model of shards, never of none)
         found = "no weight_map" if wm is None else f"a weight_map of type {type(wm).__name__}"
+        found = "an empty weight_map, which places no tensor in any shard" if wm == {} else found
         raise CorruptFileError(
             f"{name}: expected a weight_map of tensor name -> shard file, found {found}",
             hint="restore the index from its source",

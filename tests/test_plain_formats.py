@@ -15,7 +15,7 @@ from ckpttool._torchzip import Archive
 from ckpttool.errors import CorruptFileError, IncompleteCheckpointError
 from ckpttool.export import export
 from tests._compare import flatten_nested, tensor_mismatches
-from tests.conftest import FIXTURES, run_cli
+from tests.conftest import FIXTURES, assert_clean, run_cli
 
 ST = FIXTURES / "safetensors"
 PT = FIXTURES / "torch" / "train_state.pt"
@@ -84,6 +84,22 @@ def test_an_index_naming_no_file_says_which_entry(shard, said, tmp_path):
     r = run_cli("inspect", tmp_path / "s")
     assert r.code == 3 and f"error: model.safetensors.index.json: {said}\n" in r.stderr, r.stderr
     assert "restore the index from its source" in r.stderr
+
+
+def test_an_index_placing_no_tensor_is_corrupt_and_not_sealed(tmp_path):
+    """An index whose weight_map is empty read as a checkpoint of 0 items: verify exit 0 and seal
+    vouched for 0 pieces, while the shards beside it hold every tensor (a loader opens none)."""
+    shutil.copytree(ST / "sharded", tmp_path / "s")
+    index = tmp_path / "s" / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"] = {}
+    index.write_text(json.dumps(doc))
+    r = run_cli("verify", tmp_path / "s", "--json")
+    found = [(f["rule"], f["severity"], f["file"]) for f in json.loads(r.stdout)["findings"]]
+    assert r.code == 1 and found == [("corrupt-file", "error", "model.safetensors.index.json")], r.stdout
+    assert "an empty weight_map, which places no tensor in any shard" in r.stdout
+    assert_clean(run_cli("seal", tmp_path / "s"), 3, "empty weight_map")
+    assert not (tmp_path / "s" / "ckpttool.manifest.json").exists()
 
 
 def test_an_index_that_disagrees_with_its_shards_is_named_entry_by_entry(tmp_path):

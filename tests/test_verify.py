@@ -16,7 +16,7 @@ import torch
 from ckpttool import registry
 from ckpttool.seal import seal
 from ckpttool.verify import verify
-from tests.conftest import DCP_FIXTURES, FIXTURES, OnFirstProgress, run_cli, set_stored_crc, tree_digests
+from tests.conftest import DCP_FIXTURES, FIXTURES, OnFirstProgress, assert_clean, run_cli, set_stored_crc, tree_digests
 
 CLEAN = [
     *(f"dcp/{n}" for n in DCP_FIXTURES),
@@ -1555,10 +1555,54 @@ def _stepped(tmp_path, steps):
 def test_optimizer_steps_compared_exactly_and_a_nan_one_is_an_error_on_a_tie(tmp_path):
     """Steps grouped by their 6-digit text took 1000003 for 1000000; with the finite steps tied, a
     NaN one was a warning (exit 0), where it was an error otherwise."""
-    (found,) = _stepped(tmp_path, [1000000.0, 1000000.0, 1000003.0, 1000000.0])
-    assert "1000003.0" in found.message and found.severity == "warning", found
+    (found,) = _stepped(tmp_path, [1000003.0, 1000003.0, 1000000.0, 1000003.0])
+    assert "1000003.0" in found.message and found.severity == "warning", found  # (one lags: a warning)
     (found,) = _stepped(tmp_path, [5.0, 5.0, 3.0, 3.0, float("nan"), float("nan")])
     assert found.severity == "error" and "no value held by most" in found.message, found
+
+
+def test_an_optimizer_step_ahead_of_the_others_is_an_error(tmp_path):
+    """A step ahead of the others was a warning whose hint said it lags ("parameters that got no
+    gradient at some steps lag behind"): no lag makes a parameter take more steps than the rest, so
+    it is state of a later save mixed in, an error. One behind stays a warning."""
+    (found,) = _stepped(tmp_path, [3.0, 3.0, 50.0, 3.0])
+    assert found.severity == "error" and found.item == "optimizer.state.2.step", found
+    assert "differ from the others' (3), 1 of them ahead: optimizer.state.2.step (50)" in found.message, found
+    assert "never takes more steps than the others" in found.hint, found
+    (found,) = _stepped(tmp_path, [3.0, 3.0, 1.0, 3.0])
+    assert found.severity == "warning" and "lag behind" in found.hint, found
+
+
+def test_optimizer_steps_ahead_of_the_checkpoints_step_are_a_step_mismatch(tmp_path):
+    """Every Adam step at 7 in a checkpoint of step 5 (the optimizer state of a later save) passed
+    without a word: Adam takes one step per training step at most. A warning (a run's counter may
+    have been reset while the optimizer kept its state); steps behind it say nothing (fp16 skips
+    steps; an optimizer may start afresh)."""
+    assert _stepped(tmp_path, [7.0] * 4) == []
+    found = [f for f in verify(tmp_path / "t.pt").findings if f.rule == "step-mismatch"]
+    assert [(f.severity, f.item) for f in found] == [("warning", "optimizer.state.0.step")], found
+    assert "the optimizer's steps are 7 (optimizer.state.0.step and 3 more), ahead of the checkpoint's step 5" in (
+        found[0].message
+    )
+    _stepped(tmp_path, [4.0] * 4)
+    assert not [f for f in verify(tmp_path / "t.pt").findings if f.rule == "step-mismatch"]
+
+
+def test_a_step_file_replaced_by_a_moment_is_an_error(tmp_path):
+    """DeepSpeed universal: exp_avg.pt copied over step.pt was a misplaced-file warning ("unless the
+    save wrote them equal") and seal vouched for it, the step now a 32-value tensor. A step is a
+    state of its parameter too, never written equal to a moment, and one of more than one value is
+    an optimizer-mismatch of its own."""
+    path = _copy("deepspeed/universal", tmp_path)
+    folder = path / "global_step3_universal" / "zero" / "blocks.0.fc1.bias"
+    shutil.copy2(folder / "exp_avg.pt", folder / "step.pt")
+    found = {(f.rule, f.severity, f.item) for f in verify(path).findings if f.rule != "missing-state"}
+    assert found == {
+        ("misplaced-file", "error", None),
+        ("optimizer-mismatch", "error", "blocks.0.fc1.bias.step"),
+    }, found
+    r = run_cli("seal", path)
+    assert_clean(r, 3, "two states of one parameter", "not sealed")
 
 
 def test_a_file_added_to_a_sealed_subfolder_below_the_data_is_extra(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 
 from ckpttool import registry
 from tests._zips import replace_member
-from tests.conftest import FIXTURES, data_pkl, megatron_enums, run_cli, set_stored_crc
+from tests.conftest import FIXTURES, assert_clean, data_pkl, megatron_enums, run_cli, set_stored_crc, tree_digests
 
 MG = FIXTURES / "megatron"
 
@@ -76,6 +76,32 @@ def test_a_rank_file_in_another_ranks_place_is_named(tmp_path, how):
     else:
         assert files == ["iter_0000003/mp_rank_01_000/model_optim_rng.pt"]
         assert "saved by rank 0 (which saves mp_rank_00_000)" in misplaced[0]["message"]
+
+
+@pytest.mark.parametrize(
+    ("fixture", "copy_to"),
+    [
+        ("legacy_tp2ep2etp1_distopt", "mp_rank_01_001"),  # two rank files: one rank left in the args
+        ("legacy_tp2ep2etp1", "mp_rank_01_001"),
+        ("legacy_tp2pp2_distopt", "mp_rank_00_001"),  # its distrib_optim.pt, intact, was blamed
+    ],
+)
+def test_a_rank_file_copied_over_the_other_is_named_where_few_or_distributed(tmp_path, fixture, copy_to):
+    """With two rank files, one copied over the other left one rank in the args, which the check
+    took for Megatron-LM's checkpoint saver (one process writes every file) and skipped: a warning
+    naming the intact file, exit 0, and clean once sealed. The saver keeps no optimizer or RNG
+    state, so files that do are the training ranks' own. With the distributed optimizer, the rank's
+    intact distrib_optim.pt was blamed ("restore this rank's distrib_optim.pt"): the copied rank
+    file is named, and seal refuses."""
+    ck = tmp_path / "ck"
+    shutil.copytree(MG / fixture, ck)
+    it = ck / "iter_0000003"
+    shutil.copy2(it / "mp_rank_00_000" / "model_optim_rng.pt", it / copy_to / "model_optim_rng.pt")
+    code, report = _findings(ck)
+    errors = [(f["rule"], f["file"]) for f in report["findings"] if f["severity"] == "error"]
+    assert code == 1 and errors == [("misplaced-file", f"iter_0000003/{copy_to}/model_optim_rng.pt")], report
+    assert "saved by rank 0 (which saves mp_rank_00_000)" in report["findings"][0]["message"]
+    assert_clean(run_cli("seal", ck), 3, f"{copy_to}/model_optim_rng.pt was saved by rank 0")
 
 
 def test_every_clean_legacy_fixture_has_its_ranks_in_place():
@@ -255,14 +281,27 @@ def _rewrite(f, change) -> None:
 
 def test_files_one_process_saved_are_not_misplaced(tmp_path):
     """Megatron-LM's tools/checkpoint saver writes every rank's file from one process: args.rank is
-    0 in all of them. No rank file is in another's place."""
+    0 in all of them, and it saves no optimizer or RNG state (``--no-save-optim --no-save-rng``
+    in saver_base.py at core_v0.16.1). No rank file is in another's place. Files that do hold that
+    state are the training ranks' own: one rank recorded in them all is a copy."""
     pytest.importorskip("torch")
     ck = tmp_path / "ck"
     shutil.copytree(MG / "legacy_tp2pp2", ck)
+
+    def saver(o):
+        o["args"].rank = 0
+        o.pop("optimizer", None)
+        o.pop("rng_state", None)
+
     for f in (ck / "iter_0000003").glob("mp_rank_*/model_optim_rng.pt"):
-        _rewrite(f, lambda o: setattr(o["args"], "rank", 0))
+        _rewrite(f, saver)
     code, report = _findings(ck)
-    assert code == 0, report["findings"]
+    assert code == 0 and not [f for f in report["findings"] if f["rule"] == "misplaced-file"], report["findings"]
+    for f in (ck / "iter_0000003").glob("mp_rank_*/model_optim_rng.pt"):
+        _rewrite(f, lambda o: o.update(rng_state=[{"random_rng_state": None}]))
+    code, report = _findings(ck)
+    misplaced = sorted(f["file"] for f in report["findings"] if f["rule"] == "misplaced-file")
+    assert code == 1 and len(misplaced) == 3 and "mp_rank_00_000" not in str(misplaced), report["findings"]
 
 
 @pytest.mark.parametrize("how", ["cp2", "tp-pp-dp mapping"])
@@ -1209,6 +1248,25 @@ def _flip_tensor(f) -> None:
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
+def test_the_findings_on_one_file_name_one_rank(tmp_path):
+    """A DeepSpeed pipeline optimizer file with a flipped byte was rank 7 (its global rank) in the
+    checksum-mismatch and rank 1 (its pieces' DP rank) in the replica-mismatch of the same bytes: a
+    CI job grouping findings by rank split one bad file into two ranks."""
+    import zipfile
+
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "deepspeed" / "pipeline", ck)
+    f = ck / "global_step3" / "zero_pp_rank_1_mp_rank_03_optim_states.pt"
+    data = bytearray(f.read_bytes())
+    info = next(i for i in zipfile.ZipFile(f).infolist() if i.filename.endswith("/data/0"))  # (a replicated step)
+    at = info.header_offset
+    data[at + 30 + int.from_bytes(data[at + 26 : at + 28], "little") + int.from_bytes(data[at + 28 : at + 30], "little") + 2] ^= 8
+    f.write_bytes(bytes(data))
+    code, report = _findings(ck)
+    on_file = {(f["rule"], f["rank"]) for f in report["findings"] if f["file"] and "mp_rank_03_optim" in f["file"]}
+    assert code == 1 and len({rank for _, rank in on_file}) == 1 and len(on_file) >= 2, on_file
+
+
 BESIDE = [
     # (fixture, tensor byte flipped, deleted, cut short, the error findings: (rule, file))
     (
@@ -1491,6 +1549,60 @@ def test_trainer_state_files_are_read_within_bounds_each_one(tmp_path):
     (ck / "trainer_state.json").write_text('{"log_history": [' + "{}, " * 400_000 + '{}], "global_step": 4}')
     code, report = _findings(ck)
     assert "global_step where Trainer writes it, in the first 1,048,576 bytes" in str(report["findings"]), report
+
+
+class _RunsTrue:
+    def __reduce__(self):  # (a pickle calling os.system; "true" does nothing if anything ran it)
+        import os
+
+        return (os.system, ("true",))
+
+
+def test_a_trainer_state_file_whose_pickle_runs_code_is_an_error_and_not_sealed(tmp_path):
+    """A hostile pickle in a Trainer's scheduler.pt (optimizer.pt, rng_state.pth) was an
+    unsafe-pickle warning, its state counted as present: exit 0, --require scheduler passed, and
+    seal vouched for it. A global that runs code is an error there, the state is missing, and seal
+    refuses; a class of the run's own stays a warning (the test above)."""
+    import torch
+
+    for name in ("scheduler.pt", "optimizer.pt", "rng_state.pth"):
+        ck = tmp_path / name / "hf"
+        shutil.copytree(HF_TRAINER, ck)
+        state = torch.load(ck / name, weights_only=False)
+        state["x"] = _RunsTrue()
+        torch.save(state, ck / name)
+        before = tree_digests(ck)
+        code, report = _findings(ck)
+        found = [(f["rule"], f["severity"], f["file"]) for f in report["findings"] if f["rule"] != "missing-state"]
+        assert code == 1 and found == [("unsafe-pickle", "error", name)], report["findings"]
+        assert any("system, which runs code" in f["message"] for f in report["findings"]), report["findings"]
+        want = {"scheduler.pt": "scheduler", "optimizer.pt": "optimizer", "rng_state.pth": "rng"}[name]
+        code, report = _findings(ck, "--require", want)
+        assert code == 1 and any(
+            f["rule"] == "missing-state" and f["severity"] == "error" for f in report["findings"]
+        ), report["findings"]
+        r = run_cli("seal", ck)
+        assert_clean(r, 3, name, "not sealed")
+        assert tree_digests(ck) == before
+
+
+def test_a_trainer_file_copied_over_another_is_not_its_state(tmp_path):
+    """scheduler.pt replaced by optimizer.pt or rng_state.pth (any dict read as a scheduler's)
+    passed with its state present: LambdaLR.load_state_dict takes such a dict silently and the
+    schedule starts again. A dict that is another Trainer file's state is a corrupt-file, and the
+    scheduler state missing."""
+    for source, what in (("optimizer.pt", "optimizer state"), ("rng_state.pth", "rng state")):
+        ck = tmp_path / source / "hf"
+        shutil.copytree(HF_TRAINER, ck)
+        shutil.copy2(ck / source, ck / "scheduler.pt")
+        code, report = _findings(ck, "--require", "scheduler")
+        found = sorted((f["rule"], f["severity"], f["file"]) for f in report["findings"])
+        assert code == 1 and found == [
+            ("corrupt-file", "error", "scheduler.pt"),
+            ("missing-state", "error", None),
+        ], report["findings"]
+        said = next(f["message"] for f in report["findings"] if f["rule"] == "corrupt-file")
+        assert f"expected scheduler state, found {what}" in said, said
 
 
 @pytest.mark.parametrize("size", [0, 5, 20, 600])

@@ -1315,6 +1315,10 @@ def _check_integrity(
         found = _from_error(excs[0])
         more = f" (and {len(excs) - 1} more of its members likewise)" if len(excs) > 1 else ""
         report.findings.append(replace(found, message=found.message + more))
+    for f in manifest.files:  # metadata with no pieces (DCP's .metadata) and trackers: read whole by describe
+        if f.role in ("metadata", "tracker") and f.path not in files and (only is None or f.path in only):
+            counted["files"] += 1
+            counted["bytes"] += f.size
     report.checked["files"] = counted["files"]
     report.checked["bytes"] = counted["bytes"]
     report.checked["pieces"] = len(pieces)
@@ -1702,6 +1706,7 @@ def _check_optimizer(
             )
         )
     _check_indexed_state(report, manifest, adapter, moments)
+    _check_group_steps(report, manifest)
     for zeroed in _stepping(manifest, moments):
         if zeroed.pieces and all(_zero_piece(zeroed, i, digests, algo) for i in range(len(zeroed.pieces))):
             report.findings.append(_zeroed(zeroed, manifest))
@@ -1834,6 +1839,58 @@ def _check_optimizer_steps(
         )
     )
     _steps_ahead(report, manifest, values[common], by_value[common])
+
+
+def _check_group_steps(report: VerifyReport, manifest: Manifest) -> None:
+    """The optimizer steps a format keeps in its pickles' param groups, file by file
+    (``extras["group_steps"]``: Megatron's distributed optimizer and ``torch_dist`` saves): one
+    step for the whole run, so a file whose steps differ from the most files' holds another save's
+    optimizer state (an error), and steps ahead of the checkpoint's own are a ``step-mismatch``
+    warning (see :func:`_steps_ahead`)."""
+    held: dict[str, list[float]] = manifest.extras.get("group_steps") or {}
+    by_file = {rel: steps[0] for rel, steps in held.items() if steps and len(set(steps)) == 1}
+    odd_inside = sorted(rel for rel, steps in held.items() if len(set(steps)) > 1)
+    counts: dict[float, int] = defaultdict(int)
+    for v in by_file.values():
+        counts[v] += 1
+    if not counts:
+        return
+    ranked = sorted(counts, key=lambda v: -counts[v])
+    common = ranked[0] if len(ranked) < 2 or counts[ranked[0]] > counts[ranked[1]] else None
+    odd = sorted(rel for rel, v in by_file.items() if v != common) + odd_inside
+    if odd:
+        said = ", ".join(f"{rel} ({', '.join(f'{v:g}' for v in sorted(set(held[rel])))})" for rel in odd[:5])
+        report.findings.append(
+            finding(
+                "optimizer-mismatch",
+                (
+                    f"{len(odd)} of {len(held)} files keep optimizer steps other than the others' ({common:g}): "
+                    if common is not None
+                    else f"the {len(held)} files' optimizer steps disagree, no value held by most: "
+                )
+                + said
+                + (" …" if len(odd) > 5 else ""),
+                file=odd[0],
+                rank=_rank_of(next((f for f in manifest.files if f.path == odd[0]), None)),
+                hint="the optimizer takes one step for every rank at once: those files hold optimizer state of "
+                "another save or run; restore them from one save",
+            )
+        )
+    if common is not None and isinstance(manifest.step, int) and common > manifest.step:
+        first = min(rel for rel, v in by_file.items() if v == common)
+        report.findings.append(
+            finding(
+                "step-mismatch",
+                f"the optimizer's steps are {common:g} ({first}'s param groups"
+                + (f" and {counts[common] - 1} more files'" if counts[common] > 1 else "")
+                + f"), ahead of the checkpoint's step {manifest.step}: the optimizer takes one step per training "
+                "step at most",
+                severity="warning",
+                file=first,
+                hint="the optimizer state is another, later save's: restore it from the save of this step; or the "
+                "run's step counter was reset while the optimizer kept its state (a new phase)",
+            )
+        )
 
 
 def _steps_ahead(report: VerifyReport, manifest: Manifest, value: float | None, holders: list[Item]) -> None:

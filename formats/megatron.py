@@ -241,11 +241,19 @@ _TE_TO_LOCAL = {
 }
 
 
-def _note_unread(manifest: Manifest, opt: dict[str, Any], inner: dict[str, Any], stepped: bool) -> None:
+def _note_unread(manifest: Manifest, opt: dict[str, Any], inner: dict[str, Any], stepped: bool, rel: str) -> None:
     """Record (``extras["unread_state"]``) the optimizer state of a rank file (a legacy one's, or a
     ``torch_dist`` save's ``common.pt``) that the manifest holds no items of: Megatron's writers
     carry it from the pickles, the other formats' cannot (``reshard`` and ``convert`` to them say
-    it is not carried). ``stepped``: the state holds Adam's step."""
+    it is not carried). ``stepped``: the state holds Adam's step. The steps the param groups keep
+    (the distributed optimizer's, megatron-core's ``torch_dist`` ones) go to
+    ``extras["group_steps"]`` (file ``rel`` -> steps), which verify compares across the files and
+    with the iteration."""
+    groups = inner.get("param_groups")
+    steps = [g["step"] for g in groups or () if isinstance(g, dict) and type(g.get("step")) in (int, float)]
+    if steps:
+        held: dict[str, list[float]] = manifest.extras.setdefault("group_steps", {})
+        held.setdefault(rel, []).extend(float(x) for x in steps)
     unread: list[str] = manifest.extras.setdefault("unread_state", [])
     found = []
     if stepped:
@@ -580,7 +588,7 @@ class MegatronDistAdapter:
             opt = common["optimizer"]
             inner = opt.get("optimizer") if isinstance(opt.get("optimizer"), dict) else opt
             state = inner.get("state") if isinstance(inner.get("state"), dict) else {}
-            _note_unread(manifest, opt, inner, "common_step" in state)
+            _note_unread(manifest, opt, inner, "common_step" in state, "common.pt")
         args = common.get("args")
         num_layers = getattr(args, "num_layers", None)
         num_experts = getattr(args, "num_experts", None)
@@ -1889,7 +1897,8 @@ class MegatronLegacyAdapter:
             if ids is None:
                 raise CorruptFileError(f"{rel}: optimizer state does not match the model's parameters", path=rel)
             masters = opt.get("fp32_from_fp16_params")
-            _note_unread(manifest, opt, inner, any(isinstance(v, dict) and "step" in v for v in state.values()))
+            stepped = any(isinstance(v, dict) and "step" in v for v in state.values())
+            _note_unread(manifest, opt, inner, stepped, rel)
             for pid, (name, g, i) in ids.items():
                 for key, value in (state.get(pid) or {}).items():
                     if key in ("exp_avg", "exp_avg_sq") and isinstance(value, _unpickle.TensorRef):

@@ -1605,6 +1605,16 @@ def test_a_step_file_replaced_by_a_moment_is_an_error(tmp_path):
     assert_clean(r, 3, "two states of one parameter", "not sealed")
 
 
+def test_the_files_checked_are_counted_alike_with_and_without_a_seal(tmp_path):
+    """A DCP checkpoint was 4 files checked without a seal and 5 with one: its .metadata, read whole
+    (and its pickle checked) by describe, was left out of the count without a seal."""
+    path = _copy("dcp/fsdp2", tmp_path)
+    before = verify(path).checked
+    seal(path)
+    after = verify(path).checked
+    assert before["files"] == after["files"] == 5 and before["bytes"] == after["bytes"], (before, after)
+
+
 def test_a_file_added_to_a_sealed_subfolder_below_the_data_is_extra(tmp_path):
     """The scan for extra files was narrowed to the data's folders (not the save directory above
     them), and left out a subfolder of the checkpoint holding only its companion files (a DCP

@@ -304,6 +304,33 @@ def test_files_one_process_saved_are_not_misplaced(tmp_path):
     assert code == 1 and len(misplaced) == 3 and "mp_rank_00_000" not in str(misplaced), report["findings"]
 
 
+def test_megatron_optimizer_steps_of_another_save_are_found(tmp_path):
+    """The distributed optimizer keeps Adam's step in each rank file's param groups, a pickle value
+    no item holds: one rank's set to 7 at iteration 3 (another save's state mixed in), or every
+    rank's, passed with exit 0. One file off the others is an optimizer-mismatch error naming it;
+    all ahead of the iteration, a step-mismatch warning."""
+    pytest.importorskip("torch")
+    ck = tmp_path / "ck"
+    shutil.copytree(MG / "legacy_tp2pp2_distopt", ck)
+
+    def seven(o):
+        for g in o["optimizer"]["optimizer"]["param_groups"]:
+            g["step"] = 7.0
+
+    files = sorted((ck / "iter_0000003").glob("mp_rank_*/model_optim_rng.pt"))
+    _rewrite(files[1], seven)
+    code, report = _findings(ck)
+    found = [(f["rule"], f["severity"], f["file"]) for f in report["findings"]]
+    assert code == 1 and found == [("optimizer-mismatch", "error", "iter_0000003/mp_rank_00_001/model_optim_rng.pt")]
+    assert "1 of 4 files keep optimizer steps other than the others' (3)" in report["findings"][0]["message"]
+    for f in files:
+        _rewrite(f, seven)
+    code, report = _findings(ck)
+    found = [(f["rule"], f["severity"]) for f in report["findings"]]
+    assert code == 0 and found == [("step-mismatch", "warning")], report["findings"]
+    assert "ahead of the checkpoint's step 3" in report["findings"][0]["message"]
+
+
 @pytest.mark.parametrize("how", ["cp2", "tp-pp-dp mapping"])
 def test_reshard_outputs_record_the_ranks_megatron_core_would(how, tmp_path):
     """The writer named each file's saving rank t + TP*e + TP*DP*p, which is megatron-core's only

@@ -166,10 +166,11 @@ def convert(
     if kind == "all" and pattern is None:  # (the whole state asked for: not written without some of it)
         refuse_left_behind(manifest, f"convert --to {to}", f"ckpttool convert SRC -o DST --to {to} --kind param")
     refuse_changed_since_sealed(Path(src), manifest)
+    refuse_copies_apart(manifest, to)
     result = _plain_target(adapter, manifest, out, to, limit, world_size, kind, pattern, progress)
     result.notes += left_behind(manifest)
     if kind in ("all", "optim"):  # (the moments written without them)
-        result.notes += unread_state(manifest)
+        result.notes += unread_state(manifest, to)
     return result
 
 
@@ -227,17 +228,59 @@ def refuse_left_behind(manifest: Manifest, command: str, model_alone: str) -> No
         )
 
 
-def unread_state(manifest: Manifest) -> list[str]:
+def refuse_copies_apart(manifest: Manifest, to: str) -> None:
+    """Refuse a target of another format than Megatron's for a Megatron legacy save whose MTP stage
+    trained its own copy of the word embeddings apart from the first stage's (``extras
+    ["copies_apart"]``: ``--decoupled-lr`` at PP > 1, or MTP layers in a later chunk of the first
+    pipeline rank): a checkpoint of one embedding would keep one copy and drop the other's training,
+    as Megatron's own targets refuse to (``megatron_write``'s source problems)."""
+    apart = manifest.extras.get("copies_apart")
+    if apart is None:
+        return
+    why = (
+        "the MTP stage's copy of the word embeddings is never synced with the first stage's on the first pipeline rank"
+        if apart == "first rank"
+        else "with --decoupled-lr at PP > 1 megatron-core gave the MTP stage's copy of the word embeddings the "
+        "default LR"
+    )
+    raise UsageError(
+        f"--to {to}: the source's run trained two word embeddings ({why}), and a checkpoint of one would keep one "
+        "of them and drop the other's training",
+        hint="the run trained two word embeddings ('ckpttool verify --deep' shows how its copies differ); ckpttool "
+        "does not choose between them",
+    )
+
+
+def unread_state(manifest: Manifest, target: str) -> list[str]:
     """A note naming the optimizer state of a Megatron legacy checkpoint that only Megatron's own
     writers carry (read from the rank files' pickles, not items of the manifest): Adam's steps, the
-    param groups, the fp16 loss scaler. Written to another format, the output lacks them."""
-    unread = manifest.extras.get("unread_state") or []
+    param groups, the fp16 loss scaler, and the data position (``args.consumed_train_samples``).
+    Written to another format (``target``), the output lacks them. Likewise a DeepSpeed fp16 run's
+    dynamic loss scaler, which only DeepSpeed's files keep."""
+    carry = ("megatron", "megatron-dist") if manifest.format.startswith("megatron") else (manifest.format,)
+    if target in carry:
+        return []
+    unread = list(manifest.extras.get("unread_state") or [])
+    data = (manifest.extras.get("state_in_metadata") or {}).get("dataloader")
+    if data is not None and manifest.format.startswith("megatron"):  # (no other format's writer has a place for it)
+        unread.append(f"the dataloader position, {data}")
     if not unread:
         return []
+    effects = (
+        ["starts Adam's bias correction and the learning rates afresh"] if manifest.extras.get("unread_state") else []
+    ) + (
+        ["reads the data from its first sample again"]
+        if data is not None and manifest.format.startswith("megatron")
+        else []
+    )
+    if manifest.format.startswith("megatron"):
+        carriers = "only --to megatron and megatron-dist carry them"
+    else:
+        carriers = f"only --to {manifest.format} carries them"
+        effects = ["starts the fp16 loss scale afresh"] if "the fp16 loss scaler" in unread else effects
     return [
-        f"not carried: {', '.join(unread)}, kept in the {manifest.format} checkpoint's pickles (only --to "
-        "megatron and megatron-dist carry them): a run resumed from the output starts Adam's bias correction "
-        "and the learning rates afresh"
+        f"not carried: {'; '.join(unread)}, kept in the {manifest.format} checkpoint's pickles ({carriers}): "
+        f"a run resumed from the output {' and '.join(effects)}"
     ]
 
 

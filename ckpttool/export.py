@@ -13,14 +13,14 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from ckpttool import registry
 from ckpttool.assemble import assemble, check_coverage
 from ckpttool.dtypes import dtype as lookup_dtype
-from ckpttool.errors import CorruptFileError, IncompleteCheckpointError, UsageError
+from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, PartOfCheckpointError, UsageError
 from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.formats.torchsave import refuse_a_part
 from ckpttool.io import atomic_output, check_output, checking_crcs, finish_partial, refuse_overlap
@@ -130,8 +130,11 @@ def refuse_findings(manifest: Manifest) -> None:
     """Refuse to write from a checkpoint its format's reader found wrong while still reading it
     (``extras["findings"]``: a file a complete save has and this one lacks, a rank's file in
     another's place): an output would carry the damage, sealed. Exit 3 with the first finding.
-    Likewise one rank file of a DeepSpeed or Megatron checkpoint read alone (:func:`refuse_a_part`)."""
+    Likewise one rank file of a DeepSpeed or Megatron checkpoint read alone (:func:`refuse_a_part`),
+    and one file of any checkpoint of several that holds only parts of its tensors
+    (:func:`refuse_a_member`)."""
     refuse_a_part(manifest, manifest.root)
+    refuse_a_member(manifest)
     # (a finding that says it does not stop a write: damage the writers handle themselves, as a
     # DCP planner_data map, which the DCP writer leaves out and --to torch refuses with its reason)
     found = [f for f in manifest.extras.get("findings") or () if f.get("stops_writes", True)]
@@ -145,6 +148,59 @@ def refuse_findings(manifest: Manifest) -> None:
         hint=first.get("hint") or "'ckpttool verify' lists what is wrong; restore the files from the save",
         path=first["file"],
         rule=first["rule"],
+    )
+
+
+def refuse_a_member(manifest: Manifest) -> None:
+    """Refuse to write from one file of a checkpoint of several files (a per-rank shards' stage
+    file, one shard of a safetensors set, a DCP save's Hugging Face shard of one rank's slices)
+    that does not hold every tensor of that checkpoint whole: read alone, its pieces became whole
+    tensors (a rank's slices published with their shapes) and the rest of the model went missing,
+    sealed with exit 0. A file holding every tensor whole (a DDP rank's copy of the model) is a
+    checkpoint by itself. The checkpoint is looked for in the file's folder and the one above."""
+    data = [f for f in manifest.files if f.role == "data"]
+    if len(data) != 1:
+        return
+    file = Path(manifest.root, data[0].path)
+    if not file.is_file():
+        return
+    for folder in list(file.parents)[:2]:
+        try:
+            registry.detect(folder)
+            _, whole = registry.describe(folder)
+        except CkptError:
+            continue
+        held = [f for f in whole.files if f.role == "data"]
+        rel = next((f.path for f in held if Path(whole.root, f.path).resolve() == file.resolve()), None)
+        if rel is None or len(held) < 2:
+            continue
+        partial = next(
+            (
+                item.name
+                for item in whole.items.values()
+                if item.is_tensor
+                and item.kind in ("param", "master", "optim")  # (not a rank's own RNG, kept in its file only)
+                and item.shape is not None
+                and not any(_whole_in(p, item, rel) for p in item.pieces)
+            ),
+            None,
+        )
+        if partial is None:
+            return  # (every tensor whole in it: a replica of the model)
+        why = (
+            f"alone, it holds {partial} and others only in part or not at all, which a checkpoint written from it "
+            "would pass off as the whole"
+        )
+        raise PartOfCheckpointError(str(file), whole.format, str(folder), why)
+
+
+def _whole_in(piece: Any, item: Item, rel: str) -> bool:
+    """Whether ``piece`` of ``item`` lies in file ``rel`` and holds the whole tensor."""
+    return (
+        piece.file == rel
+        and piece.flat is None
+        and tuple(piece.box.sizes) == tuple(item.shape or ())
+        and not any(piece.box.offsets)
     )
 
 

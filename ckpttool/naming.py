@@ -67,8 +67,9 @@ def _state_kind(last: str) -> Kind | None:
 def kinds_by_sibling(items: Mapping[str, Item]) -> None:
     """Per-parameter state whose name alone does not tell (``head_bias.exp_avg``, a top-level
     parameter's: :func:`classify` takes two segments for a parameter's own name) is that state where
-    the parameter ``head_bias`` lies beside it with the same shape. (A torch module's name is never
-    both a parameter and a module holding one.)"""
+    the parameter ``head_bias`` lies beside it with the same shape, or, with no such parameter, where
+    both of Adam's moments lie beside it with its shape; ``<param>.step`` is Adam's step where a moment
+    lies beside it. (A torch module's name is never both a parameter and a module holding one.)"""
     for name, item in items.items():
         if item.kind != "param" or not item.is_tensor:
             continue
@@ -79,6 +80,21 @@ def kinds_by_sibling(items: Mapping[str, Item]) -> None:
         owner = items.get(stem)
         if owner is not None and owner.kind == "param" and owner.is_tensor and owner.shape == item.shape:
             item.kind = kind
+    # without the parameter beside them (ZeRO-3 and universal checkpoints keep no module weights, so
+    # ckpttool's outputs of them hold a top-level parameter's state alone): Adam's two moments of one
+    # shape tell; and a parameter's step, wherever a moment lies beside it
+    for name, item in items.items():
+        if not item.is_tensor or item.kind not in ("param", "counter"):
+            continue
+        stem, _, last = name.rpartition(".")
+        if not stem or last not in ("exp_avg", "exp_avg_sq", "fp32", "step"):
+            continue
+        moments = [m for k in ("exp_avg", "exp_avg_sq") if (m := items.get(f"{stem}.{k}")) is not None and m.is_tensor]
+        if last == "step":
+            if moments and item.shape in ((), (1,)):
+                item.kind = "optim"
+        elif stem not in items and len(moments) == 2 and moments[0].shape == moments[1].shape == item.shape:
+            item.kind = "master" if last == "fp32" else "optim"
 
 
 _MOMENTS = {"exp_avg", "exp_avg_sq", "momentum_buffer"}

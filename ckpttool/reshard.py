@@ -32,7 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool import device, interrupt, registry
-from ckpttool.convert import MAX_RANKS, parse_size, refuse_changed_since_sealed, refuse_left_behind, unread_state
+from ckpttool.convert import (
+    MAX_RANKS,
+    parse_size,
+    refuse_changed_since_sealed,
+    refuse_copies_apart,
+    refuse_left_behind,
+    unread_state,
+)
 from ckpttool.errors import CorruptFileError, UsageError
 from ckpttool.export import refuse_findings
 from ckpttool.hashing import Written, collecting_written
@@ -460,6 +467,8 @@ def plan(
     )
     refuse_left_behind(manifest, command, model_alone)
     fmt = target.to or _default_format(manifest.format)
+    if fmt not in ("megatron", "megatron-dist"):  # (Megatron's own targets say it with the layout's other problems)
+        refuse_copies_apart(manifest, fmt)
     if target.distributed_optimizer is not None and fmt not in ("megatron", "megatron-dist"):
         raise UsageError(f"--[no-]distributed-optimizer applies to --to megatron and megatron-dist only, not {fmt}")
     if target.zero_stage is not None and fmt != "deepspeed":
@@ -541,8 +550,7 @@ def plan(
     )
     if n < workers and len(files) >= workers:
         result.notes.append(f"--workers {workers} reduced to {n} to stay within --max-memory {max_memory}")
-    if fmt not in ("megatron", "megatron-dist"):
-        result.notes += unread_state(manifest)
+    result.notes += unread_state(manifest, fmt)
     if on != "cpu":
         biggest = max((f.largest for f in executor.planned), default=0)
         gpu = n * (biggest + 2 * device.pinned(executor.largest_piece))

@@ -23,6 +23,7 @@ from typing import Any, Literal, NamedTuple, get_args
 
 from ckpttool import __version__, registry
 from ckpttool import io as ckio
+from ckpttool._unpickle import runs_code
 from ckpttool.dtypes import carrier
 from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, UsageError, raise_together
 from ckpttool.formats.base import Adapter, PieceReader
@@ -802,6 +803,20 @@ def seal(
         if f["rule"] in ("corrupt-file", "misplaced-file") or hostile:
             hint = f.get("hint") or _NOT_SEALED  # (with the finding's own hint, where it has one)
             raise CorruptFileError(f"{f['message']}; not sealed", hint=hint, path=f["file"], rule=f["rule"])
+    # an item's pickle that runs code: the seal command does not vouch for it (a writer sealing its
+    # output has carried such a record unread, as it carries a run's own class, and said so)
+    for item in manifest.items.values() if known is None and published_as is None else ():
+        said = item.error or ""
+        if said.startswith("unsafe pickle") and runs_code(said.rsplit("refers to ", 1)[-1]):
+            file = item.pieces[0].file if item.pieces else None
+            raise CorruptFileError(
+                f"{file}: {item.name}'s pickle refers to {said.rsplit('refers to ', 1)[-1]}, which runs code or "
+                "reaches the system; not sealed",
+                hint="the checkpoint may be hostile: do not load it with torch.load(weights_only=False); "
+                "'ckpttool verify' names every such item",
+                path=file,
+                rule="unsafe-pickle",
+            )
     if known is None and published_as is None:  # (not a writer sealing what it has just written)
         _refuse_unfinished(Path(path), manifest)
     target = Path(out) if out is not None else default_seal_path(path)

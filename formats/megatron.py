@@ -1813,6 +1813,14 @@ class MegatronLegacyAdapter:
         if copied:
             manifest.extras["findings"] = list(copied.values())
         manifest.extras["args"] = _args_extras(args)
+        if any(n.startswith("mtp.layers.") for n in manifest.items):
+            given, vpp = args_pipeline(args)
+            try:
+                apart = mtp_copy_apart(given, pp, vpp, getattr(args, "decoupled_lr", None) is not None)
+            except ValueError:
+                apart = None
+            if apart is not None:  # (the writers of other formats keep one copy: which, ckpttool does not choose)
+                manifest.extras["copies_apart"] = apart
         _data_position(manifest, args)
         manifest.extras["iteration_dir"] = it_dir.name
         if (notes := _unsynced_copies(args, pp)) is not None:

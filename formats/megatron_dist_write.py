@@ -186,6 +186,8 @@ class DistWriter(LegacyWriter):
         self.ranks: list[list[_Chunk | _Object]] = [[] for _ in range(tp * pp)]
         self.tensors: dict[str, tuple[str, tuple[int, ...], list[Box]]] = {}
         self.objects: list[str] = []
+        self.stacked: dict[str, set[int]] = {}
+        """the layers each key stacked over the layers holds (all of them, or the output is not whole)"""
         self._plan()
 
     def _check_distopt_groups(self) -> None:
@@ -378,6 +380,17 @@ class DistWriter(LegacyWriter):
                 continue  # legacy: iteration, scheduler, ... are carried into common.pt from the rank file
             else:
                 unknown.append(item.name)  # a model entry (or ShardedObject) with no rule: refused
+        gaps = {key: sorted(set(range(self.layers)) - held) for key, held in self.stacked.items()}
+        if gaps := {key: lacking for key, lacking in gaps.items() if lacking}:
+            key, lacking = next(iter(sorted(gaps.items())))
+            raise UsageError(
+                f"{key}: only {self.layers - len(lacking)} of the {self.layers} layers hold it (not layer "
+                f"{', '.join(map(str, lacking[:6]))}{' …' if len(lacking) > 6 else ''})"
+                + (f", and {len(gaps) - 1} more such parameters" if len(gaps) > 1 else "")
+                + ": torch_dist stacks a layer's parameter over every layer, so the output would lack the rest "
+                "(megatron-core saves layers that differ under each layer's number, which ckpttool does not write)",
+                hint="write this model with --to megatron (legacy files), or another format",
+            )
         if not self.from_dist and self.src.grouped_mlp:
             self._plan_grouped_extra_states()
         if unknown:
@@ -409,6 +422,8 @@ class DistWriter(LegacyWriter):
         lead = tuple(i for i, _ in axes)  # the layer's index, the expert's, or both
         gshape = (*(n for _, n in axes), *shape)
         dtype, have, chunks = self.tensors.setdefault(key, (item.dtype, gshape, []))
+        if layer is not None:
+            self.stacked.setdefault(key, set()).add(layer)
         if (dtype, have) != (item.dtype, gshape):
             raise UsageError(f"{item.name}: {item.dtype} {shape} does not stack with the other layers' {key}")
         stage = self._stage(param, layer)

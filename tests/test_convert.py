@@ -346,10 +346,13 @@ def test_a_sealed_source_changed_since_its_seal_is_refused(command, tmp_path):
 @pytest.mark.parametrize(
     ("fixture", "command", "said"),
     [
-        ("megatron/legacy_tp2pp2", ("reshard", "--to", "dcp"), "Adam's step, the param groups"),
-        ("megatron/legacy_tp2pp2", ("convert", "--to", "torch"), "Adam's step, the param groups"),
+        ("megatron/legacy_tp2pp2", ("reshard", "--to", "dcp"), "Adam's step; the param groups"),
+        ("megatron/legacy_tp2pp2", ("convert", "--to", "torch"), "Adam's step; the param groups"),
         ("megatron/legacy_dp2_fp16_distopt", ("reshard", "--to", "dcp"), "the fp16 loss scaler"),
-        ("megatron/dist_tp2pp2", ("reshard", "--to", "dcp"), "Adam's step, the param groups"),
+        ("megatron/dist_tp2pp2", ("reshard", "--to", "dcp"), "Adam's step; the param groups"),
+        # (the data position Megatron-LM resumes from, in the args: was dropped with no word)
+        ("megatron/legacy_tp2pp2", ("convert", "--to", "dcp"), "the dataloader position, args.consumed_train_samples (12)"),
+        ("megatron/dist_tp2pp2", ("convert", "--to", "torch"), "reads the data from its first sample again"),
     ],
 )
 def test_megatron_optimizer_state_other_formats_lack_is_said(fixture, command, said, tmp_path):
@@ -372,3 +375,90 @@ def test_convert_to_a_framework_format_names_convert_in_its_refusals(tmp_path):
     r = run_cli("convert", FIXTURES / "hf" / "trainer" / "checkpoint-3", "-o", tmp_path / "o", "--to", "megatron")
     assert_clean(r, 2, "convert --to megatron writes the whole training state", "--to safetensors --kind param")
     assert "reshard" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        "rankshards/pipeline/checkpoint_step3_stage0.pt",  # a pipeline stage's file
+        "safetensors/sharded/model-00001-of-00002.safetensors",  # shard 1 of 2
+        "dcp/fsdp2_hf/sharded/shard-00002-model-00001-of-00001.safetensors",  # one rank's slices
+    ],
+)
+def test_one_file_of_a_checkpoint_of_several_is_refused_as_a_part(part, tmp_path):
+    """One file of a checkpoint of several, given alone, was written out as a complete checkpoint,
+    sealed, exit 0: a stage's layers without the others', shard 1 of 2's tensors, one DCP rank's
+    slices published as whole tensors of their slice's shape. Refused, naming the checkpoint, by
+    convert, reshard and export; a DDP rank's file, which holds the whole model, still converts."""
+    src = FIXTURES / part
+    for args in (
+        ("convert", src, "-o", tmp_path / "o", "--to", "dcp"),
+        ("reshard", src, "-o", tmp_path / "o", "--to", "dcp"),
+        ("export", src, "-o", tmp_path / "o.safetensors"),
+    ):
+        r = run_cli(*args)
+        assert_clean(r, 3, "one file of the", f"give the checkpoint it is part of: {src.parent}")
+        assert not (tmp_path / "o").exists() and not (tmp_path / "o.safetensors").exists()
+    r = run_cli("convert", FIXTURES / "rankshards/ddp/shard_00000_of_00002.pt", "-o", tmp_path / "ddp", "--to", "dcp")
+    assert r.code == 0, r.stderr
+
+
+@pytest.mark.parametrize("fixture", ["legacy_pp2_mtp_decoupled", "legacy_pp2_mtpfirst"])
+def test_two_trained_embeddings_are_refused_for_every_target(fixture, tmp_path):
+    """A Megatron save whose MTP stage trained its own copy of the word embeddings (--decoupled-lr at
+    PP > 1; MTP layers on the first pipeline rank) was refused for Megatron targets ("ckpttool does
+    not choose between them") but written to DCP, torch and safetensors with one copy kept, sealed,
+    exit 0, and verify of the output clean. Refused for every target, nothing written."""
+    src = FIXTURES / "megatron" / fixture
+    for args in (
+        ("convert", src, "-o", tmp_path / "o", "--to", "dcp"),
+        ("convert", src, "-o", tmp_path / "o", "--to", "torch"),
+        ("reshard", src, "-o", tmp_path / "o", "--to", "safetensors"),
+        ("reshard", src, "-o", tmp_path / "o", "--pp", "1"),
+    ):
+        r = run_cli(*args)
+        assert_clean(r, 2, "two word embeddings", "does not choose between them")
+        assert not (tmp_path / "o").exists()
+
+
+def test_a_deepspeed_fp16_runs_loss_scaler_other_formats_lack_is_said(tmp_path):
+    """A DeepSpeed fp16 run keeps its dynamic loss scale in the optimizer files, which only
+    DeepSpeed's writer carries: to DCP it was dropped with no word (a Megatron source's was named).
+    Said for other formats; not for --to deepspeed, which keeps it."""
+    from ckpttool.formats.deepspeed import ALLOWLIST
+    from tests.conftest import rewritten_copy
+
+    def fp16(tree):
+        tree["optimizer_state_dict"]["dynamic_loss_scale"] = True
+
+    src = rewritten_copy(
+        tmp_path / "src", FIXTURES / "deepspeed" / "zero2", fp16, files="global_step3/*optim_states.pt", allow=ALLOWLIST
+    )
+    r = run_cli("reshard", src, "-o", tmp_path / "dcp", "--to", "dcp")
+    said = " ".join(r.stderr.split())
+    assert r.code == 0 and "not carried: the fp16 loss scaler" in said and "only --to deepspeed carries" in said, said
+    r = run_cli("reshard", src, "-o", tmp_path / "ds", "--dp", "1")
+    assert r.code == 0 and "not carried" not in r.stderr, r.stderr
+    r = run_cli("reshard", FIXTURES / "deepspeed" / "zero2", "-o", tmp_path / "plain", "--to", "dcp")
+    assert r.code == 0 and "loss scaler" not in r.stderr, r.stderr  # (a bf16/fp32 run: nothing to carry)
+
+
+@pytest.mark.parametrize("fixture", ["deepspeed/zero3", "deepspeed/universal"])
+@pytest.mark.parametrize("to", ["dcp", "safetensors", "torch"])
+def test_outputs_read_back_with_the_sources_kinds(fixture, to, tmp_path):
+    """ZeRO-3 and universal checkpoints keep no module weights, so a top-level parameter's state
+    (head_bias.fp32, .exp_avg, .exp_avg_sq) stood alone in ckpttool's outputs and read back as
+    parameters, and every .step as a parameter or a counter: --kind master of the output left out
+    head_bias and took three optimizer tensors in its place. The output reads with the source's
+    kinds, item for item."""
+    from ckpttool import registry
+
+    r = run_cli("convert", FIXTURES / fixture, "-o", tmp_path / "o", "--to", to)
+    assert r.code == 0, r.stderr
+    _, src = registry.describe(FIXTURES / fixture)
+    _, out = registry.describe(tmp_path / "o")
+    want = {n: i.kind for n, i in src.items.items() if i.is_tensor}
+    got = {n: out.items[n].kind for n in want if n in out.items}
+    assert got == want, {
+        n: (want[n], got.get(n)) for n in want if got.get(n) != want[n]
+    }

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import FIXTURES, run_cli, tree_digests
+from tests.conftest import FIXTURES, assert_clean, run_cli, tree_digests
 
 HOSTILE = FIXTURES / "hostile"
 MARKER = "CKPTTOOL_PWNED"
@@ -58,6 +58,19 @@ def test_bad_bytes_item_is_unloadable_and_the_rest_inspected(tmp_path):
     assert "dataloader.cursor" in r.stderr and "posix.system" in r.stderr
     human = run_cli("ls", HOSTILE / "dcp_bytes_item_os_system", "-f", "dataloader", cwd=tmp_path)
     assert human.code == 0 and "unsafe pickle: refers to posix.system" in human.stdout
+    _no_marker(tmp_path)
+
+
+def test_seal_refuses_a_bytes_item_whose_pickle_runs_code(tmp_path):
+    """seal vouched for a DCP checkpoint whose dataloader bytes item pickles os.system (exit 0;
+    verify then failed it): a seal is what a CI gate publishes on, and a hostile pickle is not
+    sealed. Nothing is written, nothing run."""
+    ck = tmp_path / "ck"
+    shutil.copytree(HOSTILE / "dcp_bytes_item_os_system", ck)
+    before = tree_digests(ck)
+    r = run_cli("seal", ck, cwd=tmp_path)
+    assert_clean(r, 3, "dataloader.cursor's pickle refers to posix.system", "not sealed")
+    assert tree_digests(ck) == before
     _no_marker(tmp_path)
 
 

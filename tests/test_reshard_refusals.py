@@ -275,3 +275,25 @@ def test_an_empty_option_is_refused_not_taken_as_unset(option, said, tmp_path):
     r = run_cli("reshard", MG / "legacy_tp2pp2", "-o", out, "--tp", "1", "--pp", "1", option, "")
     assert_clean(r, 2, said)
     assert not out.exists()
+
+
+def test_a_parameter_some_layers_lack_is_refused_for_torch_dist(tmp_path):
+    """A parameter only some layers have (each stage's second layer's norm under another name) was written to
+    torch_dist stacked over every layer with chunks for the layers that have it, sealed, exit 0:
+    ckpttool's own verify then found coverage gaps and a reshard back refused it. Refused before
+    anything is written; legacy files take it."""
+    from tests.conftest import rewritten_copy
+
+    def rename(tree):
+        model = tree["model"]
+        items = list(model.items())
+        model.clear()
+        for k, v in items:
+            model[k.replace("layers.1.input_layernorm", "layers.1.custom_norm")] = v
+
+    src = rewritten_copy(tmp_path / "src", FIXTURES / "megatron" / "legacy_tp2pp2", rename)
+    r = run_cli("reshard", src, "-o", tmp_path / "dist", "--to", "megatron-dist")
+    assert_clean(r, 2, "decoder.layers.custom_norm.weight: only 2 of the 4 layers hold it (not layer 0, 2)")
+    assert not (tmp_path / "dist").exists()
+    r = run_cli("reshard", src, "-o", tmp_path / "legacy", "--tp", "1", "--pp", "1")
+    assert r.code == 0, r.stderr

@@ -17,7 +17,7 @@ import math
 import pickle
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,6 +132,41 @@ _RUNS_CODE_BUILTINS = frozenset(
 )
 
 
+_RUNS_CODE_PREFIXES = (
+    "pydoc.",
+    "bdb.",
+    "pip.",
+    "venv.",
+    "ensurepip.",
+    "setuptools.",
+    "distutils.",
+    "idlelib.",
+    "tempfile.",
+    "threading.",
+    "_thread.",
+    "torch.hub.",
+    "torch.jit.",
+    "torch.package.",
+    "torch.serialization.",
+    "torch.utils.cpp_extension.",
+    "numpy.testing.",
+    "numpy.f2py.",
+    "numpy.distutils.",
+)
+"""module prefixes of more well-known ways to run commands or code (``pydoc.pipepager``,
+``torch.hub.load``)"""
+
+
+def hostile(globals_named: Iterable[str]) -> str | None:
+    """The first of a pickle's globals (:func:`nested_globals`: every one it names, not only the
+    first a reader refuses, which a harmless-looking class placed before it would hide) that runs
+    code (:func:`runs_code`), or ``<computed>`` for one whose name is built on the stack, or None."""
+    for name in globals_named:
+        if name == "<computed>" or runs_code(name):
+            return name
+    return None
+
+
 def runs_code(global_name: str) -> bool:
     """Whether a pickle global (``posix.system``) is one of the well-known ways a pickle runs code
     or touches the system: a function or class of a module that runs commands, opens files or
@@ -141,7 +176,7 @@ def runs_code(global_name: str) -> bool:
     module, _, name = global_name.rpartition(".")
     if module in ("builtins", "__builtin__"):
         return name in _RUNS_CODE_BUILTINS
-    return module.split(".")[0] in _RUNS_CODE_MODULES
+    return module.split(".")[0] in _RUNS_CODE_MODULES or f"{module}.".startswith(_RUNS_CODE_PREFIXES)
 
 
 # -- torch tensors inside a torch.save archive ---------------------------------------------------

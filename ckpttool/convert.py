@@ -244,8 +244,8 @@ def refuse_copies_apart(manifest: Manifest, to: str) -> None:
         "default LR"
     )
     raise UsageError(
-        f"--to {to}: the source's run trained two word embeddings ({why}), and a checkpoint of one would keep one "
-        "of them and drop the other's training",
+        f"{'export' if to == 'export' else f'--to {to}'}: the source's run trained two word embeddings ({why}), and "
+        "a checkpoint of one would keep one of them and drop the other's training",
         hint="the run trained two word embeddings ('ckpttool verify --deep' shows how its copies differ); ckpttool "
         "does not choose between them",
     )

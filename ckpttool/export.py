@@ -164,7 +164,7 @@ def refuse_a_member(manifest: Manifest) -> None:
     file = Path(manifest.root, data[0].path)
     if not file.is_file():
         return
-    for folder in list(file.parents)[:2]:
+    for folder in list(file.parents)[:4]:  # (a universal checkpoint's zero/<param>/<state>.pt: three up)
         try:
             registry.detect(folder)
             _, whole = registry.describe(folder)
@@ -174,6 +174,10 @@ def refuse_a_member(manifest: Manifest) -> None:
         rel = next((f.path for f in held if Path(whole.root, f.path).resolve() == file.resolve()), None)
         if rel is None or len(held) < 2:
             continue
+        if whole.format == "safetensors" and not (
+            any(f.role == "metadata" for f in whole.files) or _NUMBERED_SHARD.search(rel)
+        ):
+            return  # (files side by side with no index nor shard numbers: each a model of its own)
         partial = next(
             (
                 item.name
@@ -187,11 +191,16 @@ def refuse_a_member(manifest: Manifest) -> None:
         )
         if partial is None:
             return  # (every tensor whole in it: a replica of the model)
+        some = any(p.file == rel for p in whole.items[partial].pieces)
         why = (
-            f"alone, it holds {partial} and others only in part or not at all, which a checkpoint written from it "
-            "would pass off as the whole"
+            f"alone, it holds {'only a part' if some else 'nothing'} of {partial}, and maybe of others, which a "
+            "checkpoint written from it would pass off as the whole"
         )
         raise PartOfCheckpointError(str(file), whole.format, str(folder), why)
+
+
+_NUMBERED_SHARD = re.compile(r"-\d{5}-of-\d{5}\.safetensors$")
+"""a Hugging Face shard's name (``model-00001-of-00002.safetensors``)"""
 
 
 def _whole_in(piece: Any, item: Item, rel: str) -> bool:
@@ -276,6 +285,9 @@ def export(
         )
     adapter, manifest = describe_split(path, split_rules or {})
     refuse_findings(manifest)
+    from ckpttool.convert import refuse_copies_apart
+
+    refuse_copies_apart(manifest, "export")  # (it would write one embedding, as convert would)
     result = ExportResult(output=str(out_path))
     pairs, result.skipped = safetensors_selection(manifest, kind=kind, pattern=pattern)
     result.names = [n for n, _ in pairs]

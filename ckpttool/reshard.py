@@ -467,8 +467,6 @@ def plan(
     )
     refuse_left_behind(manifest, command, model_alone)
     fmt = target.to or _default_format(manifest.format)
-    if fmt not in ("megatron", "megatron-dist"):  # (Megatron's own targets say it with the layout's other problems)
-        refuse_copies_apart(manifest, fmt)
     if target.distributed_optimizer is not None and fmt not in ("megatron", "megatron-dist"):
         raise UsageError(f"--[no-]distributed-optimizer applies to --to megatron and megatron-dist only, not {fmt}")
     if target.zero_stage is not None and fmt != "deepspeed":
@@ -520,6 +518,8 @@ def plan(
             "anything) so far",
             hint="'ckpttool convert --to safetensors' writes the Hugging Face layout",
         )
+    if fmt not in ("megatron", "megatron-dist"):  # (after the target's own refusals; Megatron's writers say it)
+        refuse_copies_apart(manifest, fmt)
     executor.device = on
     files = executor.files()
     limit = parse_size(max_memory, option="--max-memory") if max_memory is not None else None

@@ -23,7 +23,7 @@ from typing import Any, Literal, NamedTuple, get_args
 
 from ckpttool import __version__, registry
 from ckpttool import io as ckio
-from ckpttool._unpickle import runs_code
+from ckpttool._unpickle import hostile
 from ckpttool.dtypes import carrier
 from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, UsageError, raise_together
 from ckpttool.formats.base import Adapter, PieceReader
@@ -799,15 +799,15 @@ def seal(
     with _not_sealing_damage(), ckio.checking_crcs():  # the pickles it reads are bytes it vouches for too
         adapter, manifest = registry.describe(path)
     for f in manifest.extras.get("findings") or ():  # damage the format's reader found and read past
-        hostile = (f["rule"], f.get("severity")) == ("unsafe-pickle", "error")
-        if f["rule"] in ("corrupt-file", "misplaced-file") or hostile:
+        code_running = (f["rule"], f.get("severity")) == ("unsafe-pickle", "error")
+        if f["rule"] in ("corrupt-file", "misplaced-file") or code_running:
             hint = f.get("hint") or _NOT_SEALED  # (with the finding's own hint, where it has one)
             raise CorruptFileError(f"{f['message']}; not sealed", hint=hint, path=f["file"], rule=f["rule"])
     # an item's pickle that runs code: the seal command does not vouch for it (a writer sealing its
     # output has carried such a record unread, as it carries a run's own class, and said so)
     for item in manifest.items.values() if known is None and published_as is None else ():
         said = item.error or ""
-        if said.startswith("unsafe pickle") and runs_code(said.rsplit("refers to ", 1)[-1]):
+        if said.startswith("unsafe pickle") and hostile([said.rsplit("refers to ", 1)[-1]]):
             file = item.pieces[0].file if item.pieces else None
             raise CorruptFileError(
                 f"{file}: {item.name}'s pickle refers to {said.rsplit('refers to ', 1)[-1]}, which runs code or "

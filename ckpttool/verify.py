@@ -1749,9 +1749,10 @@ def _check_optimizer_steps(
     """Adam's step per parameter: the same for every parameter of a run, but for parameters that
     got no gradient at some steps (unused, an expert no token reached), which lag; one that
     differs otherwise is state of another step mixed in. Compared by the digests already taken,
-    one value read per distinct digest. A warning naming the parameters that lag; an error for a
-    step ahead of the others (no lag gives that), a NaN or Inf one, or one of more than one value
-    (a step is one count: another state's tensor in its place). Steps that agree and are ahead of
+    one value read per distinct digest. A warning naming the parameters that differ; an error for
+    a step ahead of the others and of the checkpoint's own (by more than one: no lag gives that), a
+    NaN or Inf one, or one of more than one value (a step is one count: another state's tensor in
+    its place). Steps that agree and are ahead of
     the checkpoint's own step are a ``step-mismatch`` warning: the optimizer's state is of a later
     save, or the run's counter was reset."""
     steps = [i for i in manifest.items.values() if i.kind == "optim" and i.is_tensor and i.name.endswith(".step")]
@@ -1818,11 +1819,19 @@ def _check_optimizer_steps(
             )
         )
         return
-    ahead = [k for k in sound if k != common and (values[k] or 0.0) > (values[common] or 0.0)]
+    # ahead of the others and of the checkpoint's own step (one more allowed: DeepSpeed's optimizers
+    # take a step with zero gradients when they start, and a run may count its steps from 0): no lag
+    # gives that. Ahead of the others alone can be right (a body unfrozen after its head trained).
+    step = manifest.step
+    limit = step + 1 if isinstance(step, int) else None
+    ahead = [
+        k for k in sound if k != common and limit is not None and (values[k] or 0.0) > max(limit, values[common] or 0.0)
+    ]
     if ahead and not broken:
         hint = (
-            f"a parameter never takes more steps than the others: the steps above {common} are state of a later "
-            "save or of another run mixed into this one; restore those files from one save"
+            f"a parameter never takes more optimizer steps than the checkpoint's {step} training steps: the steps "
+            "above it are state of a later save or of another run mixed into this one; restore those files from one "
+            "save"
         )
     odd = [(k, i) for k in ranked if k != common for i in by_value[k]]
     named = ", ".join(f"{i.name} ({k})" if k != "?" else i.name for k, i in odd[:5])
@@ -1876,7 +1885,7 @@ def _check_group_steps(report: VerifyReport, manifest: Manifest) -> None:
                 "another save or run; restore them from one save",
             )
         )
-    if common is not None and isinstance(manifest.step, int) and common > manifest.step:
+    if common is not None and isinstance(manifest.step, int) and common > manifest.step + 1:
         first = min(rel for rel, v in by_file.items() if v == common)
         report.findings.append(
             finding(
@@ -1895,12 +1904,13 @@ def _check_group_steps(report: VerifyReport, manifest: Manifest) -> None:
 
 def _steps_ahead(report: VerifyReport, manifest: Manifest, value: float | None, holders: list[Item]) -> None:
     """A ``step-mismatch`` warning where the optimizer's steps (``value``, held by ``holders``) are
-    ahead of the checkpoint's step: Adam steps once per training step at most (fewer where fp16
-    skipped steps, or the optimizer started afresh), so its state is of a later save, unless the
-    run's counter was reset while the optimizer kept its state."""
+    ahead of the checkpoint's step by more than one: Adam steps once per training step at most
+    (fewer where fp16 skipped steps, or the optimizer started afresh; one more where DeepSpeed's
+    optimizers stepped at start, or the run counts its steps from 0), so its state is of a later
+    save, unless the run's counter was reset while the optimizer kept its state."""
     step = manifest.step
-    if value is None or not math.isfinite(value) or not isinstance(step, int) or value <= step:
-        return
+    if value is None or not math.isfinite(value) or not isinstance(step, int) or value <= step + 1:
+        return  # (one more allowed: DeepSpeed's optimizers step once at start; a run may count from 0)
     report.findings.append(
         finding(
             "step-mismatch",

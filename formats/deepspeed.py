@@ -787,7 +787,7 @@ class DeepSpeedAdapter:
             manifest.extras["ds_config"] = {k: v for k, v in flatten(cfg) if isinstance(v, int | float | str | bool)}
         for (dp, mp), rel in optims.items():
             manifest.file(rel).ranks = [dp * mp_size + mp]
-        if any(_dynamic_scaler(files.get(rel)) for rel in optims.values()):  # (no item holds it: only our writer's)
+        if any(_dynamic_scaler(obj) for obj in files.values()):  # (no item holds it: only our writer carries it)
             manifest.extras.setdefault("unread_state", []).append("the fp16 loss scaler")
         # files whose content the checks above could not place: named by the archive inside them
         if renamed := _pt.saved_as(root, inner, {f.path: f.size for f in roles}):
@@ -1505,14 +1505,19 @@ def _absent_layer_files(
 
 
 def _dynamic_scaler(optim: Any) -> bool:
-    """Whether a ZeRO optimizer file keeps an fp16 run's dynamic loss scaler (its scale and the steps
+    """Whether a DeepSpeed file (a ZeRO optimizer file, or ZeRO-0's model states, whose
+    ``optimizer`` is FP16_Optimizer's state dict) keeps an fp16 run's dynamic loss scaler (its scale and the steps
     since the last overflow: state a resume needs, which only DeepSpeed's files hold). A static one
     (bf16, fp32 runs, a fixed ``loss_scale``) is the config's, not state."""
-    osd = optim.get("optimizer_state_dict") if isinstance(optim, dict) else None
-    if not isinstance(osd, dict):
+    if not isinstance(optim, dict):
         return False
-    scaler = osd.get("loss_scaler")
-    return osd.get("dynamic_loss_scale") is True or getattr(scaler, "_qualname", "").endswith(".DynamicLossScaler")
+    for osd in (optim.get("optimizer_state_dict"), optim.get("optimizer")):  # (ZeRO files; ZeRO-0's model states)
+        if isinstance(osd, dict) and (
+            osd.get("dynamic_loss_scale") is True
+            or getattr(osd.get("loss_scaler"), "_qualname", "").endswith(".DynamicLossScaler")
+        ):
+            return True
+    return False
 
 
 class _Builder:

@@ -1758,7 +1758,7 @@ class MegatronLegacyAdapter:
             try:
                 self._rank(manifest, objs[d], rel, ranks[d], args, tp, gated, replicas)
             except (CorruptFileError, IncompleteCheckpointError) as exc:
-                if rel in copied:  # (another rank's file: what does not fit beside it is its doing)
+                if rel in copied and isinstance(exc, CorruptFileError):  # (what does not fit beside a copy: its doing)
                     said = copied.pop(rel)
                     exc = CorruptFileError(
                         said["message"] + f"; so {exc.path or 'the state'} beside it, this rank's, does not fit the "
@@ -1769,6 +1769,11 @@ class MegatronLegacyAdapter:
                     )
                 exc.rank = ranks[d][0] if exc.rank is None else exc.rank  # (its files are this TP rank's)
                 damaged.append(exc)
+        if damaged:  # (a copied rank file is said beside the damage, which stops the reading)
+            damaged += [
+                CorruptFileError(f["message"], hint=_MISPLACED_HINT, path=f["file"], rule="misplaced-file")
+                for f in copied.values()
+            ]
         raise_together(damaged)
         carried = first.get(RNG_CARRIED)
         if isinstance(carried, dict):  # other layouts' ranks' RNG, as ckpttool carried them (none a rank here has)

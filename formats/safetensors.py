@@ -351,10 +351,10 @@ def _trainer_state(root: Path, manifest: Manifest) -> None:
     not read, or is not such a dict, holds no state (a ``corrupt-file`` finding in
     ``extras["findings"]``; verify also checks the file as an archive). One whose pickle names a
     class the allowlist lacks (the run's own scheduler) holds its state unchecked (an
-    ``unsafe-pickle`` warning); one naming a global that runs code (``posix.system``,
-    :func:`~ckpttool._unpickle.runs_code`) holds none (an ``unsafe-pickle`` error, which ``seal``
+    ``unsafe-pickle`` warning); one where any global the pickle names runs code (``posix.system``,
+    :func:`~ckpttool._unpickle.hostile`) holds none (an ``unsafe-pickle`` error, which ``seal``
     refuses)."""
-    from ckpttool._unpickle import runs_code
+    from ckpttool._unpickle import hostile
     from ckpttool.formats import _pt
     from ckpttool.formats.torchsave import ALLOWLIST
 
@@ -392,24 +392,27 @@ def _trainer_state(root: Path, manifest: Manifest) -> None:
                 archive, obj, _ = _pt.load(root, f.path, ALLOWLIST)
                 archive.close()
             except UnsafePickleError as exc:
-                hostile = runs_code(exc.global_name)
-                if not hostile:  # a class of the run's own (a custom scheduler's): its state held, unchecked
+                # (every global the pickle names: a harmless-looking class before os.system hides it
+                # from the reader, which stops at the first it refuses)
+                bad = hostile([exc.global_name, *_pt.file_globals(root, f.path)])
+                name = bad or exc.global_name
+                if not bad:  # a class of the run's own (a custom scheduler's): its state held, unchecked
                     found.update({s: found.get(s, f.path) for s in states})
                 findings.append(
                     {
                         "rule": "unsafe-pickle",
-                        "severity": "error" if hostile else "warning",
+                        "severity": "error" if bad else "warning",
                         "file": f.path,
-                        "message": f"{f.path}: its pickle refers to {exc.global_name}, "
+                        "message": f"{f.path}: its pickle refers to {name}, "
                         + (
                             "which runs code or reaches the system; refused without running it, so the "
                             f"{states[0]} state in it is not there"
-                            if hostile
+                            if bad
                             else "which ckpttool does not load; the training state in it is not checked"
                         ),
                         "hint": "the file is hostile: do not load it with torch.load(weights_only=False); resume from "
                         "another checkpoint, or from this one without the file"
-                        if hostile
+                        if bad
                         else "a class of the run's own is expected here; anything else may be hostile: do not "
                         "load the file with torch.load(weights_only=False)",
                     }

@@ -378,14 +378,15 @@ def test_convert_to_a_framework_format_names_convert_in_its_refusals(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "part",
+    ("part", "up"),
     [
-        "rankshards/pipeline/checkpoint_step3_stage0.pt",  # a pipeline stage's file
-        "safetensors/sharded/model-00001-of-00002.safetensors",  # shard 1 of 2
-        "dcp/fsdp2_hf/sharded/shard-00002-model-00001-of-00001.safetensors",  # one rank's slices
+        ("rankshards/pipeline/checkpoint_step3_stage0.pt", 1),  # a pipeline stage's file
+        ("safetensors/sharded/model-00001-of-00002.safetensors", 1),  # shard 1 of 2
+        ("dcp/fsdp2_hf/sharded/shard-00002-model-00001-of-00001.safetensors", 1),  # one rank's slices
+        ("deepspeed/universal/global_step3_universal/zero/blocks.0.fc1.bias/exp_avg.pt", 3),  # one state file
     ],
 )
-def test_one_file_of_a_checkpoint_of_several_is_refused_as_a_part(part, tmp_path):
+def test_one_file_of_a_checkpoint_of_several_is_refused_as_a_part(part, up, tmp_path):
     """One file of a checkpoint of several, given alone, was written out as a complete checkpoint,
     sealed, exit 0: a stage's layers without the others', shard 1 of 2's tensors, one DCP rank's
     slices published as whole tensors of their slice's shape. Refused, naming the checkpoint, by
@@ -397,9 +398,15 @@ def test_one_file_of_a_checkpoint_of_several_is_refused_as_a_part(part, tmp_path
         ("export", src, "-o", tmp_path / "o.safetensors"),
     ):
         r = run_cli(*args)
-        assert_clean(r, 3, "one file of the", f"give the checkpoint it is part of: {src.parent}")
+        assert_clean(r, 3, "one file of the", f"give the checkpoint it is part of: {src.parents[up - 1]}")
         assert not (tmp_path / "o").exists() and not (tmp_path / "o.safetensors").exists()
     r = run_cli("convert", FIXTURES / "rankshards/ddp/shard_00000_of_00002.pt", "-o", tmp_path / "ddp", "--to", "dcp")
+    assert r.code == 0, r.stderr
+    # a safetensors file beside another of other tensors, with no index nor shard numbers: a model of its own
+    (tmp_path / "two").mkdir()
+    shutil.copy2(FIXTURES / "safetensors" / "model.safetensors", tmp_path / "two")
+    shutil.copy2(FIXTURES / "safetensors" / "sharded" / "model-00002-of-00002.safetensors", tmp_path / "two" / "vae.safetensors")
+    r = run_cli("export", tmp_path / "two" / "model.safetensors", "-o", tmp_path / "two.safetensors")
     assert r.code == 0, r.stderr
 
 
@@ -413,12 +420,13 @@ def test_two_trained_embeddings_are_refused_for_every_target(fixture, tmp_path):
     for args in (
         ("convert", src, "-o", tmp_path / "o", "--to", "dcp"),
         ("convert", src, "-o", tmp_path / "o", "--to", "torch"),
-        ("reshard", src, "-o", tmp_path / "o", "--to", "safetensors"),
+        ("reshard", src, "-o", tmp_path / "o", "--to", "dcp"),
         ("reshard", src, "-o", tmp_path / "o", "--pp", "1"),
+        ("export", src, "-o", tmp_path / "o.safetensors"),
     ):
         r = run_cli(*args)
         assert_clean(r, 2, "two word embeddings", "does not choose between them")
-        assert not (tmp_path / "o").exists()
+        assert not (tmp_path / "o").exists() and not (tmp_path / "o.safetensors").exists()
 
 
 def test_a_deepspeed_fp16_runs_loss_scaler_other_formats_lack_is_said(tmp_path):
@@ -441,6 +449,16 @@ def test_a_deepspeed_fp16_runs_loss_scaler_other_formats_lack_is_said(tmp_path):
     assert r.code == 0 and "not carried" not in r.stderr, r.stderr
     r = run_cli("reshard", FIXTURES / "deepspeed" / "zero2", "-o", tmp_path / "plain", "--to", "dcp")
     assert r.code == 0 and "loss scaler" not in r.stderr, r.stderr  # (a bf16/fp32 run: nothing to carry)
+
+    def fp16_zero0(tree):  # ZeRO-0: FP16_Optimizer's state dict in the model states
+        tree["optimizer"]["dynamic_loss_scale"] = True
+
+    src = rewritten_copy(
+        tmp_path / "z0", FIXTURES / "deepspeed" / "bf16_zero0", fp16_zero0, "global_step3/mp_rank_*_model_states.pt",
+        ALLOWLIST,
+    )  # fmt: skip
+    r = run_cli("convert", src, "-o", tmp_path / "z0.torch", "--to", "torch")
+    assert r.code == 0 and "not carried: the fp16 loss scaler" in " ".join(r.stderr.split()), r.stderr
 
 
 @pytest.mark.parametrize("fixture", ["deepspeed/zero3", "deepspeed/universal"])

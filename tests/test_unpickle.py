@@ -338,3 +338,19 @@ def test_fields_keep_their_slots_and_empty_the_pickled_state():
     assert b.path == "g" and not hasattr(b, "length")
     with pytest.raises(pickle.UnpicklingError):
         Info.__new__(Info).__setstate__([1, 2])
+
+
+def test_the_globals_that_run_code_are_told_from_a_runs_own_class():
+    """A Trainer file or a DCP bytes item naming a class of the run's own is a warning; one naming a
+    global that runs code is an error, whichever global the reader refused first."""
+    from ckpttool._unpickle import hostile, runs_code
+
+    for name in ("posix.system", "os.system", "subprocess.Popen", "builtins.eval", "builtins.getattr",
+                 "operator.attrgetter", "pydoc.pipepager", "torch.hub.load", "torch.jit.load", "runpy.run_path"):  # fmt: skip
+        assert runs_code(name), name
+    for name in ("argparse.Namespace", "collections.OrderedDict", "torch._utils._rebuild_tensor_v2",
+                 "numpy.core.multiarray._reconstruct", "mylib.Scheduler", "builtins.set", "torch.hubble.Thing"):  # fmt: skip
+        assert not runs_code(name), name
+    assert hostile(["mylib.Plain", "collections.OrderedDict", "posix.system"]) == "posix.system"
+    assert hostile(["mylib.Plain", "<computed>"]) == "<computed>"
+    assert hostile(["mylib.Plain", "argparse.Namespace"]) is None

@@ -104,6 +104,22 @@ def test_a_rank_file_copied_over_the_other_is_named_where_few_or_distributed(tmp
     assert_clean(run_cli("seal", ck), 3, f"{copy_to}/model_optim_rng.pt was saved by rank 0")
 
 
+def test_a_copied_rank_file_does_not_hide_a_missing_distrib_optim(tmp_path):
+    """A rank file copied over another's, whose distrib_optim.pt was also gone: the missing file was
+    reported as one that "does not fit the parameters the copied file gives it". Both are said."""
+    ck = tmp_path / "ck"
+    shutil.copytree(MG / "legacy_pp2_mtp_distopt", ck)
+    it = ck / "iter_0000003"
+    shutil.copy2(it / "mp_rank_00_001" / "model_optim_rng.pt", it / "mp_rank_00_000" / "model_optim_rng.pt")
+    (it / "mp_rank_00_000" / "distrib_optim.pt").unlink()
+    code, report = _findings(ck)
+    found = sorted((f["rule"], f["file"]) for f in report["findings"] if f["severity"] == "error")
+    assert code == 1 and found == [
+        ("misplaced-file", "iter_0000003/mp_rank_00_000/model_optim_rng.pt"),
+        ("missing-file", "iter_0000003/mp_rank_00_000/distrib_optim.pt"),
+    ], report["findings"]
+
+
 def test_every_clean_legacy_fixture_has_its_ranks_in_place():
     """No misplaced-file on any real save (layouts with PP, VPP, EP, ETP, CP-free, distributed optimizer)."""
     for ck in sorted(p for p in MG.iterdir() if p.is_dir() and p.name.startswith("legacy_")):
@@ -1611,6 +1627,25 @@ def test_a_trainer_state_file_whose_pickle_runs_code_is_an_error_and_not_sealed(
         r = run_cli("seal", ck)
         assert_clean(r, 3, name, "not sealed")
         assert tree_digests(ck) == before
+    # a harmless-looking class of the run's own placed first hid os.system (the reader stops at the
+    # first global it refuses): a warning, exit 0, and sealed. Every global the pickle names counts.
+    import sys
+    import types
+
+    module = types.ModuleType("ckpttool_test_runlib")
+    module.Plain = type("Plain", (), {"__module__": "ckpttool_test_runlib"})
+    sys.modules["ckpttool_test_runlib"] = module
+    try:
+        ck = tmp_path / "hidden" / "hf"
+        shutil.copytree(HF_TRAINER, ck)
+        state = torch.load(ck / "scheduler.pt", weights_only=False)
+        torch.save({"first": module.Plain(), **state, "last": _RunsTrue()}, ck / "scheduler.pt")
+    finally:
+        del sys.modules["ckpttool_test_runlib"]
+    code, report = _findings(ck)
+    found = [(f["rule"], f["severity"]) for f in report["findings"] if f["rule"] == "unsafe-pickle"]
+    assert code == 1 and found == [("unsafe-pickle", "error")], report["findings"]
+    assert_clean(run_cli("seal", ck), 3, "system, which runs code", "not sealed")
 
 
 def test_a_trainer_file_copied_over_another_is_not_its_state(tmp_path):

@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointErr
 from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.formats.torchsave import refuse_a_part
 from ckpttool.io import atomic_output, check_output, checking_crcs, finish_partial, refuse_overlap
-from ckpttool.manifest import KINDS, Item, Manifest
+from ckpttool.manifest import KINDS, Item, Manifest, Piece
 
 _ALIGN = 8
 
@@ -157,7 +157,9 @@ def refuse_a_member(manifest: Manifest) -> None:
     that does not hold every tensor of that checkpoint whole: read alone, its pieces became whole
     tensors (a rank's slices published with their shapes) and the rest of the model went missing,
     sealed with exit 0. A file holding every tensor whole (a DDP rank's copy of the model) is a
-    checkpoint by itself. The checkpoint is looked for in the file's folder and the one above."""
+    checkpoint by itself, and so is each of safetensors files side by side with no index nor shard
+    numbers. The checkpoint is looked for in the file's folder and the three above it (a universal
+    checkpoint's ``zero/<param>/<state>.pt``), a best effort: a folder that does not read is passed."""
     data = [f for f in manifest.files if f.role == "data"]
     if len(data) != 1:
         return
@@ -168,7 +170,7 @@ def refuse_a_member(manifest: Manifest) -> None:
         try:
             registry.detect(folder)
             _, whole = registry.describe(folder)
-        except CkptError:
+        except (CkptError, OSError, ValueError):
             continue
         held = [f for f in whole.files if f.role == "data"]
         rel = next((f.path for f in held if Path(whole.root, f.path).resolve() == file.resolve()), None)
@@ -203,7 +205,7 @@ _NUMBERED_SHARD = re.compile(r"-\d{5}-of-\d{5}\.safetensors$")
 """a Hugging Face shard's name (``model-00001-of-00002.safetensors``)"""
 
 
-def _whole_in(piece: Any, item: Item, rel: str) -> bool:
+def _whole_in(piece: Piece, item: Item, rel: str) -> bool:
     """Whether ``piece`` of ``item`` lies in file ``rel`` and holds the whole tensor."""
     return (
         piece.file == rel

@@ -807,11 +807,11 @@ def seal(
     # output has carried such a record unread, as it carries a run's own class, and said so)
     for item in manifest.items.values() if known is None and published_as is None else ():
         said = item.error or ""
-        if said.startswith("unsafe pickle") and hostile([said.rsplit("refers to ", 1)[-1]]):
+        named = said.rsplit("refers to ", 1)[-1]  # (the readers' "unsafe pickle: refers to <global>")
+        if said.startswith("unsafe pickle") and hostile([named]):
             file = item.pieces[0].file if item.pieces else None
             raise CorruptFileError(
-                f"{file}: {item.name}'s pickle refers to {said.rsplit('refers to ', 1)[-1]}, which runs code or "
-                "reaches the system; not sealed",
+                f"{file}: {item.name}'s pickle refers to {named}, which runs code or reaches the system; not sealed",
                 hint="the checkpoint may be hostile: do not load it with torch.load(weights_only=False); "
                 "'ckpttool verify' names every such item",
                 path=file,

@@ -1790,7 +1790,8 @@ def _check_optimizer_steps(
     except CkptError:
         return
     if len(by_value) < 2:
-        _steps_ahead(report, manifest, next(iter(values.values())), steps)
+        where, at = _held_by(steps)
+        _steps_ahead(report, manifest, next(iter(values.values())), where, **at)
         return
     # the step most hold, never a NaN, an Inf or one unread; none where two hold as many
     ranked = sorted(by_value, key=lambda k: -len(by_value[k]))
@@ -1847,7 +1848,8 @@ def _check_optimizer_steps(
             hint=hint,
         )
     )
-    _steps_ahead(report, manifest, values[common], by_value[common])
+    where, at = _held_by(by_value[common])
+    _steps_ahead(report, manifest, values[common], where, **at)
 
 
 def _check_group_steps(report: VerifyReport, manifest: Manifest) -> None:
@@ -1885,46 +1887,44 @@ def _check_group_steps(report: VerifyReport, manifest: Manifest) -> None:
                 "another save or run; restore them from one save",
             )
         )
-    if common is not None and isinstance(manifest.step, int) and common > manifest.step + 1:
+    if common is not None:
         first = min(rel for rel, v in by_file.items() if v == common)
-        report.findings.append(
-            finding(
-                "step-mismatch",
-                f"the optimizer's steps are {common:g} ({first}'s param groups"
-                + (f" and {counts[common] - 1} more files'" if counts[common] > 1 else "")
-                + f"), ahead of the checkpoint's step {manifest.step}: the optimizer takes one step per training "
-                "step at most",
-                severity="warning",
-                file=first,
-                hint="the optimizer state is another, later save's: restore it from the save of this step; or the "
-                "run's step counter was reset while the optimizer kept its state (a new phase)",
-            )
-        )
+        more = f" and {counts[common] - 1} more files'" if counts[common] > 1 else ""
+        _steps_ahead(report, manifest, common, f"{first}'s param groups{more}", file=first)
 
 
-def _steps_ahead(report: VerifyReport, manifest: Manifest, value: float | None, holders: list[Item]) -> None:
-    """A ``step-mismatch`` warning where the optimizer's steps (``value``, held by ``holders``) are
-    ahead of the checkpoint's step by more than one: Adam steps once per training step at most
-    (fewer where fp16 skipped steps, or the optimizer started afresh; one more where DeepSpeed's
-    optimizers stepped at start, or the run counts its steps from 0), so its state is of a later
-    save, unless the run's counter was reset while the optimizer kept its state."""
+def _steps_ahead(
+    report: VerifyReport, manifest: Manifest, value: float | None, where: str, *, item: str | None = None,
+    file: str | None = None,
+) -> None:  # fmt: skip
+    """A ``step-mismatch`` warning where the optimizer's steps (``value``, held ``where``: the items
+    or files named) are ahead of the checkpoint's step by more than one: Adam steps once per
+    training step at most (fewer where fp16 skipped steps, or the optimizer started afresh; one
+    more where DeepSpeed's optimizers stepped at start, or the run counts its steps from 0), so its
+    state is of a later save, unless the run's counter was reset while the optimizer kept its state."""
     step = manifest.step
     if value is None or not math.isfinite(value) or not isinstance(step, int) or value <= step + 1:
-        return  # (one more allowed: DeepSpeed's optimizers step once at start; a run may count from 0)
+        return
     report.findings.append(
         finding(
             "step-mismatch",
-            f"the optimizer's steps are {value:g} ({holders[0].name}"
-            + (f" and {len(holders) - 1} more" if len(holders) > 1 else "")
-            + f"), ahead of the checkpoint's step {step}: the optimizer takes one step per training step at most",
+            f"the optimizer's steps are {value:g} ({where}), ahead of the checkpoint's step {step}: the optimizer "
+            "takes one step per training step at most",
             severity="warning",
-            item=holders[0].name,
-            file=holders[0].pieces[0].file if holders[0].pieces else None,
+            item=item,
+            file=file,
             hint="the optimizer state is another, later save's: restore it from the save of this step; or the "
             "run's step counter was reset while the optimizer kept its state (a new phase), and the step is the "
             "phase's",
         )
     )
+
+
+def _held_by(items: list[Item]) -> tuple[str, dict[str, str | None]]:
+    """How :func:`_steps_ahead` names the step items ``items``: the first and a count of the rest."""
+    first = items[0]
+    more = f" and {len(items) - 1} more" if len(items) > 1 else ""
+    return f"{first.name}{more}", {"item": first.name, "file": first.pieces[0].file if first.pieces else None}
 
 
 _GROUP_PARAMS = re.compile(r"^(optim|optimizer)\.param_groups\.\d+\.params$")

@@ -237,6 +237,8 @@ def refuse_copies_apart(manifest: Manifest, to: str) -> None:
     apart = manifest.extras.get("copies_apart")
     if apart is None:
         return
+    from ckpttool.formats.megatron_write import TWO_EMBEDDINGS_HINT
+
     why = (
         "the MTP stage's copy of the word embeddings is never synced with the first stage's on the first pipeline rank"
         if apart == "first rank"
@@ -246,8 +248,7 @@ def refuse_copies_apart(manifest: Manifest, to: str) -> None:
     raise UsageError(
         f"{'export' if to == 'export' else f'--to {to}'}: the source's run trained two word embeddings ({why}), and "
         "a checkpoint of one would keep one of them and drop the other's training",
-        hint="the run trained two word embeddings ('ckpttool verify --deep' shows how its copies differ); ckpttool "
-        "does not choose between them",
+        hint=TWO_EMBEDDINGS_HINT,
     )
 
 

@@ -344,9 +344,9 @@ def _plain_data(value: Any, depth: int = 0) -> bool:
 
 def _digest_of(value: Any) -> str:
     """A short digest of a plain value's text, to tell two large values apart in a report."""
-    import hashlib
+    from ckpttool.hashing import hash_bytes
 
-    return "sha256 " + hashlib.sha256(repr(value).encode()).hexdigest()[:12]
+    return "sha256 " + hash_bytes(repr(value).encode(), "sha256")[:12]
 
 
 def _same_value(a: Any, b: Any) -> bool:

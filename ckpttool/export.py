@@ -22,6 +22,7 @@ from ckpttool.assemble import assemble, check_coverage
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, PartOfCheckpointError, UsageError
 from ckpttool.formats.base import Adapter, PieceReader
+from ckpttool.formats.safetensors import NUMBERED
 from ckpttool.formats.torchsave import refuse_a_part
 from ckpttool.io import atomic_output, check_output, checking_crcs, finish_partial, refuse_overlap
 from ckpttool.manifest import KINDS, Item, Manifest, Piece
@@ -168,7 +169,6 @@ def refuse_a_member(manifest: Manifest) -> None:
         return
     for folder in list(file.parents)[:4]:  # (a universal checkpoint's zero/<param>/<state>.pt: three up)
         try:
-            registry.detect(folder)
             _, whole = registry.describe(folder)
         except (CkptError, OSError, ValueError):
             continue
@@ -177,7 +177,7 @@ def refuse_a_member(manifest: Manifest) -> None:
         if rel is None or len(held) < 2:
             continue
         if whole.format == "safetensors" and not (
-            any(f.role == "metadata" for f in whole.files) or _NUMBERED_SHARD.search(rel)
+            any(f.role == "metadata" for f in whole.files) or NUMBERED.match(Path(rel).name)
         ):
             return  # (files side by side with no index nor shard numbers: each a model of its own)
         partial = next(
@@ -199,10 +199,6 @@ def refuse_a_member(manifest: Manifest) -> None:
             "checkpoint written from it would pass off as the whole"
         )
         raise PartOfCheckpointError(str(file), whole.format, str(folder), why)
-
-
-_NUMBERED_SHARD = re.compile(r"-\d{5}-of-\d{5}\.safetensors$")
-"""a Hugging Face shard's name (``model-00001-of-00002.safetensors``)"""
 
 
 def _whole_in(piece: Piece, item: Item, rel: str) -> bool:

@@ -1881,8 +1881,7 @@ def _check_group_steps(report: VerifyReport, manifest: Manifest) -> None:
                 )
                 + said
                 + (" …" if len(odd) > 5 else ""),
-                file=odd[0],
-                rank=_rank_of(next((f for f in manifest.files if f.path == odd[0]), None)),
+                file=odd[0],  # (its rank: the file's record gives it, _ranked)
                 hint="the optimizer takes one step for every rank at once: those files hold optimizer state of "
                 "another save or run; restore them from one save",
             )

@@ -597,6 +597,13 @@ def validate(
     return problems
 
 
+TWO_EMBEDDINGS_HINT = (
+    "the run trained two word embeddings ('ckpttool verify --deep' shows how its copies differ); ckpttool does not "
+    "choose between them"
+)
+"""what to do about a source whose MTP stage trained its own copy of the embeddings (none but that)"""
+
+
 def _validate_hint(problems: list[str], dist_helps: bool, layout_help: str | None = None) -> str:
     """What to do about :func:`validate`'s ``problems``; ``dist_helps``: a torch_dist output would
     avoid the MTP stage's copy of position embeddings (a legacy output from a source that is not a
@@ -609,10 +616,7 @@ def _validate_hint(problems: list[str], dist_helps: bool, layout_help: str | Non
         "the source's pipeline layout puts the MTP layers" in p or "the source's MTP stage trained" in p
         for p in problems
     ):
-        return (
-            "the run trained two word embeddings ('ckpttool verify --deep' shows how its copies differ); "
-            "ckpttool does not choose between them"
-        )
+        return TWO_EMBEDDINGS_HINT
     mtp = [p for p in problems if "MTP" in p or "multi-token" in p]
     if mtp and len(mtp) == len(problems):
         tips = []

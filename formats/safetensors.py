@@ -492,7 +492,7 @@ def _astray(rel: str, names: list[str], weight_map: dict[str, str], index_name: 
     )
 
 
-_NUMBERED = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.safetensors$")
+NUMBERED = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.safetensors$")
 
 
 def _index_missing(files: list[str]) -> list[dict[str, Any]]:
@@ -500,7 +500,7 @@ def _index_missing(files: list[str]) -> list[dict[str, Any]]:
     without the index it writes beside them: the tensors read from the shards themselves, but
     ``from_pretrained`` finds the shards through ``model.safetensors.index.json`` and cannot load
     them without it."""
-    stems = sorted({m[1] for f in files if (m := _NUMBERED.match(f)) and int(m[3]) > 1})
+    stems = sorted({m[1] for f in files if (m := NUMBERED.match(f)) and int(m[3]) > 1})
     return [
         {
             "rule": "missing-file",
@@ -521,12 +521,12 @@ def _shards_the_index_leaves_out(root: Path, files: list[str], index_name: str) 
     naming ``model-00001-of-00002``) that the index names no tensor of: every tensor they hold is
     left out of the checkpoint (a loader never opens them), so the index was edited or comes from
     another save."""
-    sets = {(m[1], int(m[3])) for f in files if (m := _NUMBERED.match(f))}
+    sets = {(m[1], int(m[3])) for f in files if (m := NUMBERED.match(f))}
     named = set(files)
     left = sorted(
         p.name
         for p in root.glob("*.safetensors")
-        if p.name not in named and (m := _NUMBERED.match(p.name)) and (m[1], int(m[3])) in sets
+        if p.name not in named and (m := NUMBERED.match(p.name)) and (m[1], int(m[3])) in sets
     )
     return [
         CorruptFileError(
@@ -543,7 +543,7 @@ def _shards_the_index_leaves_out(root: Path, files: list[str], index_name: str) 
 def _unnumbered_shards(files: list[str]) -> list[CkptError]:
     """Shards their siblings' names say exist (``model-00002-of-00003.safetensors``: three of them,
     as Hugging Face numbers them) and that are not here: one ``missing-file`` error each."""
-    numbered = [(m[1], int(m[2]), int(m[3])) for f in files if (m := _NUMBERED.match(f))]
+    numbered = [(m[1], int(m[2]), int(m[3])) for f in files if (m := NUMBERED.match(f))]
     sets = {(stem, total) for stem, _, total in numbered if 0 < total <= 100_000}
     held = {(stem, i, total) for stem, i, total in numbered}
     return [

@@ -556,10 +556,10 @@ def loads(
         raise CorruptFileError(f"{source}: {what} {problem}", hint="the file is damaged or hostile", path=source)
     try:
         obj = _Unpickler(data, allow, source, what, persistent_load).load()
-    except UnsafePickleError:
-        raise
-    except _RefusedValue as exc:
-        raise UnsafePickleError(source, exc.name, what=what) from None
+    except (UnsafePickleError, _RefusedValue) as exc:
+        refused = exc if isinstance(exc, UnsafePickleError) else UnsafePickleError(source, exc.name, what=what)
+        refused.hostile = hostile([refused.global_name, *nested_globals(data)])  # (the bytes are in hand)
+        raise refused from None
     except RecursionError:
         raise CorruptFileError(
             f"{source}: {what} is nested too deeply to read", hint="the file is damaged or hostile", path=source

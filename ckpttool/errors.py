@@ -113,6 +113,9 @@ class UnsafePickleError(CkptError):
         self.file = file
         self.global_name = global_name
         self.rule = "unsafe-pickle"
+        self.hostile: str | None = None
+        """of every global the pickle names, the first that runs code (``_unpickle.hostile``): what
+        the reader refused first may be a harmless-looking class placed before it"""
 
 
 class CorruptFileError(CkptError):

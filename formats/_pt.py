@@ -79,22 +79,6 @@ def load(root: Path, rel: str, allow: Mapping[tuple[str, str], Any]) -> tuple[_t
         raise
 
 
-def file_globals(root: Path, rel: str) -> list[str]:
-    """Every global the pickle of torch.save file ``rel`` names (:func:`_unpickle.nested_globals`),
-    read from its opcodes: nothing unpickled, nothing run. Empty where the file does not open as a
-    torch.save archive (its damage is said where it is read)."""
-    try:
-        f = RandomAccessFile(confine(root, rel, named_by="the listing"), display=rel)
-    except (CkptError, OSError):
-        return []
-    try:
-        return _unpickle.nested_globals(_torchzip.Archive(f, display=rel, allow={}).pickle_bytes())
-    except CkptError:
-        return []
-    finally:
-        f.close()
-
-
 def load_or_note(
     root: Path, rel: str, allow: Mapping[tuple[str, str], Any], damaged: list[CkptError]
 ) -> tuple[_torchzip.Archive, Any, int] | None:

@@ -694,7 +694,7 @@ class DcpAdapter:
                 try:
                     set_value(item, reader.read_object(item))
                 except UnsafePickleError as exc:
-                    item.error = f"unsafe pickle: refers to {_worst_global(reader, item) or exc.global_name}"
+                    item.error = f"unsafe pickle: refers to {exc.hostile or exc.global_name}"
                 except CkptError as exc:
                     item.error = exc.message
 
@@ -1142,16 +1142,6 @@ class DcpReader(PieceReader):
         if span is None or "select0" not in loc:
             return span
         return selected_span(span, ref.shape, _selected(loc))
-
-
-def _worst_global(reader: DcpReader, item: Item) -> str | None:
-    """Of every global a refused bytes item's pickle names, the first that runs code (what the
-    reader refused first may be a harmless-looking class placed before it), or None."""
-    try:
-        archive = reader.archive_of(item.pieces[0])
-        return None if archive is None else _unpickle.hostile(_unpickle.nested_globals(archive.pickle_bytes()))
-    except CkptError:
-        return None
 
 
 def selected_span(span: tuple[int, int], shape: tuple[int, ...], index: tuple[int, ...]) -> tuple[int, int] | None:

@@ -354,7 +354,6 @@ def _trainer_state(root: Path, manifest: Manifest) -> None:
     ``unsafe-pickle`` warning); one where any global the pickle names runs code (``posix.system``,
     :func:`~ckpttool._unpickle.hostile`) holds none (an ``unsafe-pickle`` error, which ``seal``
     refuses)."""
-    from ckpttool._unpickle import hostile
     from ckpttool.formats import _pt
     from ckpttool.formats.torchsave import ALLOWLIST
 
@@ -392,9 +391,7 @@ def _trainer_state(root: Path, manifest: Manifest) -> None:
                 archive, obj, _ = _pt.load(root, f.path, ALLOWLIST)
                 archive.close()
             except UnsafePickleError as exc:
-                # (every global the pickle names: a harmless-looking class before os.system hides it
-                # from the reader, which stops at the first it refuses)
-                bad = hostile([exc.global_name, *_pt.file_globals(root, f.path)])
+                bad = exc.hostile  # (of every global the pickle names, not only the first refused)
                 name = bad or exc.global_name
                 if not bad:  # a class of the run's own (a custom scheduler's): its state held, unchecked
                     found.update({s: found.get(s, f.path) for s in states})

@@ -1399,6 +1399,16 @@ _STATE_WORDS: dict[StateName, str] = {
 }
 
 
+def _most_held(sizes: dict[Any, int]) -> Any:
+    """The key of ``sizes`` (how many hold each value) that more hold than any other: the value
+    taken as right where copies, files or parameters disagree. None where two are held by as many,
+    or there is none: no majority says which is right."""
+    ranked = sorted(sizes, key=lambda k: -sizes[k])
+    if not ranked or (len(ranked) > 1 and sizes[ranked[0]] == sizes[ranked[1]]):
+        return None
+    return ranked[0]
+
+
 def _check_replicas(
     report: VerifyReport, manifest: Manifest, adapter: Adapter, digests: dict[tuple[str, int], str], deep: bool
 ) -> None:
@@ -1423,8 +1433,8 @@ def _check_replicas(
                         except CkptError:
                             continue
                     values.append((i, d))
-                counts = Counter(d for _, d in values).most_common()
-                if len(counts) < 2:
+                held = Counter(d for _, d in values)
+                if len(held) < 2:
                     continue
                 if deep:  # (the first copy's values are the tensor's census)
                     zero = next((d for i, d in values if item.pieces[i].replica == 0), None)
@@ -1432,8 +1442,9 @@ def _check_replicas(
                         if item.pieces[i].replica and d != zero:
                             _nonfinite_copy(report, reader, item, item.pieces[i])
                 # the copies most hold are taken as right; with no majority (two copies) none is blamed
-                blame = counts[0][1] > counts[1][1]
-                base, right = next((i, d) for i, d in values if d == counts[0][0]) if blame else values[0]
+                most = _most_held(held)
+                blame = most is not None
+                base, right = next((i, d) for i, d in values if d == most) if blame else values[0]
                 odd = [i for i, d in values if d != right]
                 bad: dict[int, int] = {}
                 if not blame and len(odd) == 1:  # two copies: one holding NaN or Inf is the damaged one
@@ -1490,7 +1501,7 @@ def _replica_mismatch(
     # each file named with the rank its record gives, as the other findings on it (a DeepSpeed
     # pipeline file's pieces carry its DP rank, the file its global one)
     files = {c.file for c in copies}
-    by_file = {f.path: f.ranks[0] for f in manifest.files if f.path in files and f.ranks}
+    by_file = {f.path: r for f in manifest.files if f.path in files and (r := _rank_of(f)) is not None}
 
     def rank(c: Piece) -> int | None:
         return by_file.get(c.file, c.rank)
@@ -1580,14 +1591,13 @@ def _check_steps(report: VerifyReport, manifest: Manifest) -> None:
     for rel, step in claims.items():
         counts[step].append(rel)
     if len(counts) > 1:
-        most = max(len(v) for v in counts.values())
-        if sum(1 for v in counts.values() if len(v) == most) > 1:  # no majority: no step to call right
+        majority = _most_held({step: len(files) for step, files in counts.items()})
+        if majority is None:  # no step to call right
             said = "; ".join(f"{_others(files)} claim {step}" for step, files in sorted(counts.items()))
             report.findings.append(
                 finding("step-mismatch", f"the files disagree on the step, with no majority: {said}", file=None)
             )
             return
-        majority = max(counts, key=lambda s: len(counts[s]))
         for step, files in sorted(counts.items()):
             if step == majority:
                 continue
@@ -1796,7 +1806,7 @@ def _check_optimizer_steps(
     # the step most hold, never a NaN, an Inf or one unread; none where two hold as many
     ranked = sorted(by_value, key=lambda k: -len(by_value[k]))
     sound = [k for k in ranked if values[k] is not None and math.isfinite(values[k] or 0.0)]
-    common = sound[0] if sound and (len(sound) < 2 or len(by_value[sound[0]]) > len(by_value[sound[1]])) else None
+    common = _most_held({k: len(by_value[k]) for k in sound})
     hint = (
         "parameters that got no gradient at some steps lag behind; otherwise state of another step or run "
         "was mixed into this one"
@@ -1866,8 +1876,7 @@ def _check_group_steps(report: VerifyReport, manifest: Manifest) -> None:
         counts[v] += 1
     if not counts:
         return
-    ranked = sorted(counts, key=lambda v: -counts[v])
-    common = ranked[0] if len(ranked) < 2 or counts[ranked[0]] > counts[ranked[1]] else None
+    common = _most_held(counts)
     odd = sorted(rel for rel, v in by_file.items() if v != common) + odd_inside
     if odd:
         said = ", ".join(f"{rel} ({', '.join(f'{v:g}' for v in sorted(set(held[rel])))})" for rel in odd[:5])

@@ -1459,17 +1459,25 @@ def unused_output_layer(args: Any, pp: int) -> bool:
         return False  # (the reader refuses the layout)
 
 
+def _mtp_apart(args: Any, pp: int) -> str | None:
+    """How the MTP layers' copy of the word embeddings trained apart from the first stage's in the
+    run of ``args`` (:func:`mtp_copy_apart`), or None: it did not, the run has no MTP layers, or the
+    reader refuses its layout."""
+    if not getattr(args, "mtp_num_layers", None):
+        return None
+    layout, vpp = args_pipeline(args)
+    try:
+        return mtp_copy_apart(layout, pp, vpp, getattr(args, "decoupled_lr", None) is not None)
+    except ValueError:
+        return None
+
+
 def _unsynced_copies(args: Any, pp: int) -> dict[str, str] | None:
     """Why the copies of the word embeddings may differ, as ``copy_notes`` for verify's findings: in a
-    save whose MTP layers keep a copy of them that megatron-core trains apart (:func:`mtp_copy_apart`),
+    save whose MTP layers keep a copy of them that megatron-core trains apart (:func:`_mtp_apart`),
     or whose last stage keeps them as its tied output layer; None for other saves."""
-    layout, vpp = args_pipeline(args)
-    apart = None
-    if getattr(args, "mtp_num_layers", None):
-        try:
-            apart = mtp_copy_apart(layout, pp, vpp, getattr(args, "decoupled_lr", None) is not None)
-        except ValueError:
-            pass  # (the reader refuses the layout)
+    layout = args_pipeline(args)[0]
+    apart = _mtp_apart(args, pp)
     if apart is None and tied_output_copy(args, pp):
         hint = (
             "at PP > 1 the last pipeline stage keeps its own copy of the tied word embeddings (its "
@@ -1818,14 +1826,8 @@ class MegatronLegacyAdapter:
         if copied:
             manifest.extras["findings"] = list(copied.values())
         manifest.extras["args"] = _args_extras(args)
-        if any(n.startswith("mtp.layers.") for n in manifest.items):
-            given, vpp = args_pipeline(args)
-            try:
-                apart = mtp_copy_apart(given, pp, vpp, getattr(args, "decoupled_lr", None) is not None)
-            except ValueError:
-                apart = None
-            if apart is not None:  # (the writers of other formats keep one copy: which, ckpttool does not choose)
-                manifest.extras["copies_apart"] = apart
+        if any(n.startswith("mtp.layers.") for n in manifest.items) and (apart := _mtp_apart(args, pp)) is not None:
+            manifest.extras["copies_apart"] = apart  # (the writers of other formats keep one copy: which is not ours)
         _data_position(manifest, args)
         manifest.extras["iteration_dir"] = it_dir.name
         if (notes := _unsynced_copies(args, pp)) is not None:

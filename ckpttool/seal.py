@@ -603,6 +603,7 @@ def copied_files(adapter: Adapter, manifest: Manifest, digests: Mapping[str, Fil
         if d.digest is not None and d.size > 0:
             groups.setdefault((d.size, d.digest), []).append(rel)
     held: dict[str, list[tuple[Item, Piece]]] = {}
+    parts: dict[str, list[tuple[Item, Piece]]] = {}  # a saved tensor's pieces (_parts_differ)
     found: list[Copy] = []
     root = Path(manifest.root)
     for (size, _), rels in sorted(groups.items(), key=lambda kv: sorted(kv[1])):
@@ -612,6 +613,8 @@ def copied_files(adapter: Adapter, manifest: Manifest, digests: Mapping[str, Fil
             for item in manifest.items.values():
                 for p in item.pieces:
                     held.setdefault(p.file, []).append((item, p))
+                if item.is_tensor:
+                    parts.setdefault(item.saved_in or item.name, []).extend((item, p) for p in item.pieces)
         rels = sorted(rels)
         keys = {rel: {(i.name, p.box, p.flat) for i, p in held.get(rel, ())} for rel in rels}
         first = rels[0]
@@ -621,7 +624,7 @@ def copied_files(adapter: Adapter, manifest: Manifest, digests: Mapping[str, Fil
         theirs = {i.name: p for i, p in held.get(other, ())}
         with adapter.reader(manifest) as reader:
             raw = functools.partial(_raw_bytes, reader, root)
-            proof = _parts_differ(raw, held.get(first, ()), held.get(other, ()), set(rels), manifest)
+            proof = _parts_differ(raw, held.get(first, ()), held.get(other, ()), set(rels), parts)
             telling = (
                 None
                 if proof is not None
@@ -686,22 +689,18 @@ def _parts_differ(
     mine: Iterable[tuple[Item, Piece]],
     theirs: Iterable[tuple[Item, Piece]],
     group: set[str],
-    manifest: Manifest,
+    parts: Mapping[str, list[tuple[Item, Piece]]],
 ) -> tuple[Item, Piece, tuple[Item, Piece]] | None:
     """A piece of ``mine`` that is a part of a tensor the other file holds another part of, not
     all one value, and unlike a third part of that tensor of its size in a file outside ``group``:
     the tensor's parts are not all equal, so two equal ones are a copy (looked at for a few). The
     tensor is the one the format saves an item's values in (``Item.saved_in``: megatron-core's
     stacked layers and experts, which ckpttool reads one item each); the pieces of all its items are
-    its parts. Returns the piece and the other file's (item, piece)."""
+    its parts (``parts``, by that tensor's name). Returns the piece and the other file's (item, piece)."""
 
     def key(item: Item) -> str:
         return item.saved_in or item.name
 
-    parts: dict[str, list[tuple[Item, Piece]]] = {}
-    for item in manifest.items.values():
-        if item.is_tensor:
-            parts.setdefault(key(item), []).extend((item, r) for r in item.pieces)
     other = {key(i): (i, q) for i, q in theirs}
     looked = 0
     for item, p in mine:

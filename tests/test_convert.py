@@ -460,6 +460,19 @@ def test_a_deepspeed_fp16_runs_loss_scaler_other_formats_lack_is_said(tmp_path):
     r = run_cli("convert", src, "-o", tmp_path / "z0.torch", "--to", "torch")
     assert r.code == 0 and "not carried: the fp16 loss scaler" in " ".join(r.stderr.split()), r.stderr
 
+    def dynamic_object(tree):  # the scaler object DeepSpeed pickles, of the dynamic class; the flag left False
+        from ckpttool._unpickle import record
+
+        scaler = record("deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler")()
+        scaler.__dict__.update(tree["optimizer_state_dict"]["loss_scaler"].__dict__, dynamic=True)
+        tree["optimizer_state_dict"]["loss_scaler"] = scaler
+
+    src = rewritten_copy(
+        tmp_path / "obj", FIXTURES / "deepspeed" / "zero2", dynamic_object, "global_step3/*optim_states.pt", ALLOWLIST
+    )
+    r = run_cli("convert", src, "-o", tmp_path / "obj.dcp", "--to", "dcp")
+    assert r.code == 0 and "not carried: the fp16 loss scaler" in " ".join(r.stderr.split()), r.stderr
+
 
 @pytest.mark.parametrize("fixture", ["deepspeed/zero3", "deepspeed/universal"])
 @pytest.mark.parametrize("to", ["dcp", "safetensors", "torch"])

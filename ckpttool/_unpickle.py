@@ -11,6 +11,7 @@ Each format module builds its allowlist from :data:`PLAIN` plus its own stubs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import math
@@ -848,6 +849,30 @@ def nested_globals(data: bytes, depth: int = 0) -> list[str]:
             del recent[:-4]
     except Exception:  # a damaged pickle: not loadable by anyone, but also not proven safe
         found.append("<unreadable>")
+    return found
+
+
+def stream_globals(data: bytes, most: int = 5) -> list[str]:
+    """The globals of the pickles one after another at the start of ``data``, up to ``most`` of
+    them: a plain pickle file's one, or a pre-1.6 torch.save file's (magic number, protocol, system
+    info, the object, its storage keys; raw storage bytes after them), each of which ``torch.load``
+    unpickles, running what it names. Read as :func:`nested_globals` reads one."""
+    import pickletools
+
+    found: list[str] = []
+    start = 0
+    for n in range(most):
+        if start >= len(data) or (n and data[start] != 0x80):  # (a later one starts with PROTO, or raw bytes do)
+            break
+        stream = io.BytesIO(data)
+        stream.seek(start)
+        end = None
+        with contextlib.suppress(Exception):  # (an unparsable pickle: nested_globals says so)
+            end = next((pos or 0) + 1 for op, _, pos in pickletools.genops(stream) if op.name == "STOP")
+        found += nested_globals(data[start:end])
+        if end is None:
+            break
+        start = end
     return found
 
 

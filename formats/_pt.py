@@ -100,6 +100,63 @@ NESTED_LIMIT = 64 * 2**20
 """Largest byte value scanned for a nested pickle (TransformerEngine's are a few KiB)."""
 
 
+PICKLE_SUFFIXES = (*SUFFIXES, ".pkl", ".pickle")
+"""the names of files that ``torch.load`` or ``pickle.load`` is pointed at"""
+
+
+def hostile_beside(root: Path, manifest: Manifest) -> None:
+    """The pickles a checkpoint keeps beside the state its format reads (``aux`` files: a Hugging
+    Face Trainer's ``training_args.bin``, a ``.pt`` dropped into a DCP folder) are read by no reader,
+    but whoever loads them with ``torch.load(weights_only=False)`` runs what they name: one that
+    names a global that runs code (:func:`~ckpttool._unpickle.hostile`) is an ``unsafe-pickle``
+    error in ``extras["findings"]`` (verify reports it, seal and the writers refuse). Files a
+    format's reader already judged (the Trainer's state files) are not read again; a file that does
+    not parse is left to the archive checks."""
+    judged = {f.get("file") for f in manifest.extras.get("findings") or () if f.get("rule") == "unsafe-pickle"}
+    found = []
+    for rec in manifest.files:
+        if rec.role != "aux" or not rec.path.endswith(PICKLE_SUFFIXES) or rec.path in judged:
+            continue
+        name = _unpickle.hostile(_globals_of(root, rec.path))
+        if name is None:
+            continue
+        found.append(
+            {
+                "rule": "unsafe-pickle",
+                "severity": "error",
+                "file": rec.path,
+                "message": f"{rec.path}: its pickle refers to {name}, which runs code or reaches the system; no "
+                "reader of the checkpoint loads it, but torch.load(weights_only=False) of it would run that",
+                "hint": "the file is hostile: delete it, do not load it with torch.load(weights_only=False), and "
+                "take the checkpoint from a source you trust",
+            }
+        )
+    if found:
+        manifest.extras.setdefault("findings", []).extend(found)
+
+
+def _globals_of(root: Path, rel: str) -> list[str]:
+    """The globals the pickles of file ``rel`` name: a torch.save archive's ``data.pkl`` (nested
+    archives in it too), else the pickles at the file's start (a plain pickle, a pre-1.6 torch.save
+    file), of its first :data:`NESTED_LIMIT` bytes. None read from a file that is neither."""
+    try:
+        f = RandomAccessFile(confine(root, rel, named_by="the listing"), display=rel)
+    except (CkptError, OSError):
+        return []
+    try:
+        head = bytes(f.read(0, min(4, f.size)))
+        if head == ZIP_MAGIC:
+            data = _torchzip.Archive(f, display=rel, allow={}).pickle_bytes(check=False)
+            return _unpickle.nested_globals(data)
+        if head[:1] != b"\x80":  # (protocol 2+ pickles start with PROTO; torch.save has written nothing older)
+            return []
+        return _unpickle.stream_globals(bytes(f.read(0, min(f.size, NESTED_LIMIT))))
+    except (CkptError, OSError, ValueError, KeyError):
+        return []  # (damage: the archive checks say what)
+    finally:
+        f.close()
+
+
 def saved_as(root: Path, inner: dict[str, str], sizes: dict[str, int]) -> tuple[str, str] | None:
     """Files saved under another file's name: ``torch.save(obj, path)`` names the archive inside a
     file after the file (``shard_00001/data.pkl`` in ``shard_00001.pt``), and a rename or a copy

@@ -1649,6 +1649,39 @@ def test_a_trainer_state_file_whose_pickle_runs_code_is_an_error_and_not_sealed(
     assert_clean(run_cli("seal", ck), 3, "system, which runs code", "not sealed")
 
 
+@pytest.mark.parametrize("how", ["zip", "legacy", "pickle"])
+def test_a_pickle_beside_the_state_that_runs_code_is_an_error_and_not_sealed_nor_converted(how, tmp_path):
+    """A file no reader loads (a Trainer's training_args.bin, a .pkl dropped into a DCP folder) whose
+    pickle runs code passed verify, --deep too, with exit 0, and seal vouched for it: whoever loads it
+    with torch.load(weights_only=False) runs it. Found in a torch.save archive, a pre-1.6 torch.save
+    file (its object is its fourth pickle) and a plain pickle; the run's own TrainingArguments class
+    (the fixture's) is no finding."""
+    import pickle
+
+    import torch
+
+    ck = tmp_path / "hf"
+    shutil.copytree(HF_TRAINER, ck)
+    target = ck / "training_args.bin"
+    if how == "zip":
+        torch.save({"args": _RunsTrue()}, target)
+    elif how == "legacy":
+        torch.save({"args": _RunsTrue(), "w": torch.ones(2)}, target, _use_new_zipfile_serialization=False)
+    else:
+        target = ck / "extra.pkl"
+        target.write_bytes(pickle.dumps([1, _RunsTrue()], protocol=4))
+    before = tree_digests(ck)
+    for deep in ((), ("--deep",)):
+        code, report = _findings(ck, *deep)
+        found = [(f["rule"], f["severity"], f["file"]) for f in report["findings"]]
+        assert code == 1 and found == [("unsafe-pickle", "error", target.name)], report["findings"]
+        assert "posix.system, which runs code" in report["findings"][0]["message"], report["findings"]
+    assert_clean(run_cli("seal", ck), 3, target.name, "not sealed")
+    r = run_cli("convert", ck, "-o", tmp_path / "out", "--to", "dcp")
+    assert_clean(r, 3, target.name, "nothing was written")
+    assert not (tmp_path / "out").exists() and tree_digests(ck) == before
+
+
 def test_a_trainer_file_copied_over_another_is_not_its_state(tmp_path):
     """scheduler.pt replaced by optimizer.pt or rng_state.pth (any dict read as a scheduler's)
     passed with its state present: LambdaLR.load_state_dict takes such a dict silently and the

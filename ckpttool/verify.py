@@ -23,7 +23,7 @@ import shlex
 import stat
 import threading
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -527,6 +527,32 @@ def unfinished(root: Path, manifest: Manifest) -> list[Finding]:
     return [f for f in report.findings if f.severity == "error"]
 
 
+def _own_entries(root: Path, manifest: Manifest | None) -> Iterator[tuple[str, str]]:
+    """(folder, name) of every entry in the folders of the checkpoint read from ``root``: the folder
+    given, the checkpoint's own (a save directory's iteration or tag), and each folder its data or
+    metadata files are in. Other folders below (other saves of the run, other runs) are not its files: a save of
+    another iteration that stopped half way does not fail this one. Where the checkpoint did not
+    read, every folder below ``root``."""
+    if manifest is None:
+        for dirpath, dirnames, filenames in os.walk(root):
+            yield from ((dirpath, name) for name in [*dirnames, *filenames])
+        return
+    own = Path(manifest.root) if Path(manifest.root).is_dir() else root
+    folders = {os.path.normpath(root), os.path.normpath(own)}
+    for f in manifest.files:
+        if f.role in ("aux", "seal"):
+            continue  # (a folder of other files the listing took in: another save's, kept beside)
+        parts = f.path.split("/")[:-1]
+        folders.update(os.path.normpath(own.joinpath(*parts[:n])) for n in range(1, len(parts) + 1))
+    for folder in sorted(folders):
+        try:
+            with os.scandir(folder) as entries:
+                names = sorted(e.name for e in entries)
+        except OSError:
+            continue
+        yield from ((folder, name) for name in names)
+
+
 def _check_in_flight(report: VerifyReport, root: Path, manifest: Manifest | None, sealed: bool) -> None:
     """Signs of a save that is still running, or that stopped half way: a writer's temporary
     files, and data files rewritten after the metadata that describes them (a save over an
@@ -537,28 +563,27 @@ def _check_in_flight(report: VerifyReport, root: Path, manifest: Manifest | None
         return  # a single file is written whole by its own writer (or atomically by ckpttool)
     named = {f.file for f in report.findings if f.rule == "incomplete-save" and f.file}  # (by the format's reader)
     within = Path(report.root) if report.root else root  # where the findings name files from
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in [*dirnames, *filenames]:
-            rel = os.path.relpath(os.path.join(dirpath, name), within).replace(os.sep, "/")  # (../ outside it)
-            if rel in named:
-                continue
-            if name.endswith(".metadata.tmp") or (name.endswith(".tmp") and name[: -len(".tmp")] in COMMIT_NAMES):
-                report.findings.append(
-                    finding(
-                        "incomplete-save",
-                        f"{rel}: a writer's temporary metadata is present: a save is running or was interrupted",
-                        file=rel,
-                    )
+    for dirpath, name in _own_entries(root, manifest):
+        rel = os.path.relpath(os.path.join(dirpath, name), within).replace(os.sep, "/")  # (../ outside it)
+        if rel in named:
+            continue
+        if name.endswith(".metadata.tmp") or (name.endswith(".tmp") and name[: -len(".tmp")] in COMMIT_NAMES):
+            report.findings.append(
+                finding(
+                    "incomplete-save",
+                    f"{rel}: a writer's temporary metadata is present: a save is running or was interrupted",
+                    file=rel,
                 )
-            elif TMP_MARKER in name:
-                report.findings.append(
-                    finding(
-                        "incomplete-save",
-                        f"{rel}: a temporary of an interrupted ckpttool write",
-                        severity="warning",
-                        file=rel,
-                    )
+            )
+        elif TMP_MARKER in name:
+            report.findings.append(
+                finding(
+                    "incomplete-save",
+                    f"{rel}: a temporary of an interrupted ckpttool write",
+                    severity="warning",
+                    file=rel,
                 )
+            )
     if sealed:
         return  # with a seal, every byte is compared instead
     if manifest is not None:

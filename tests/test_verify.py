@@ -222,6 +222,34 @@ def test_interrupted_dcp_save(tmp_path):
     assert [(f.rule, f.file) for f in report.findings] == [("incomplete-save", "iter_0000003/.metadata.tmp")]
 
 
+def test_another_saves_temporaries_below_the_checkpoint_fail_neither_verify_nor_seal(tmp_path):
+    """verify walked every folder below the path given: an earlier iteration's save that stopped half
+    way (its .metadata.tmp), or a folder of old runs kept beside a model, failed the checkpoint the
+    tracker names with an incomplete-save error, and seal refused it. The checkpoint's own folders
+    are looked at: its temporaries, and the tracker's beside it, still fail it."""
+    path = _copy("megatron/dist_tp2", tmp_path)
+    other = path / "iter_0000002"
+    other.mkdir()
+    shutil.copy2(path / "iter_0000003" / "__0_0.distcp", other)
+    shutil.copy2(path / "iter_0000003" / ".metadata", other / ".metadata.tmp")
+    assert verify(path).findings == []
+    assert_clean(run_cli("seal", path), 0)
+    (path / "ckpttool.manifest.json").unlink()
+    (path / "iter_0000003" / ".metadata.tmp").touch()
+    assert [(f.rule, f.file) for f in verify(path).findings] == [("incomplete-save", ".metadata.tmp")]
+    (path / "iter_0000003" / ".metadata.tmp").unlink()
+    (path / "latest_checkpointed_iteration.txt.tmp").touch()
+    assert [(f.rule, f.file) for f in verify(path).findings] == [
+        ("incomplete-save", "../latest_checkpointed_iteration.txt.tmp")
+    ]
+    assert_clean(run_cli("seal", path), 3, "latest_checkpointed_iteration.txt.tmp", "not sealed")
+    beside = tmp_path / "model"
+    (beside / "old_runs").mkdir(parents=True)
+    shutil.copy2(FIXTURES / "safetensors" / "model.safetensors", beside)
+    shutil.copytree(FIXTURES / "hostile" / "dcp_metadata_tmp_only", beside / "old_runs" / "dcp")
+    assert [f for f in verify(beside).findings if f.severity == "error"] == []
+
+
 def test_deepspeed_latest_missing_tag():
     report = verify(FIXTURES / "hostile" / "ds_latest_missing_tag")
     assert "incomplete-save" in _rules(report)

@@ -21,11 +21,12 @@ from itertools import chain, repeat
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, get_args
 
-from ckpttool import __version__, registry
+from ckpttool import __version__, _torchzip, registry
 from ckpttool import io as ckio
 from ckpttool._unpickle import hostile
 from ckpttool.dtypes import carrier
 from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, UsageError, raise_together
+from ckpttool.formats import _pt
 from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.hashing import Algo, FileDigest, Span, Written, hash_bytes, hash_files
 from ckpttool.io import atomic_output
@@ -386,6 +387,17 @@ def member_crcs(
     if isinstance(arch.source, bytes):
         return list(arch.crc_errors())
     damaged: list[CkptError] = [] if damage is None else damage
+    _crc_spans(arch, piece.file, owner, spans, expected, damaged)
+    if damaged and damage is None:
+        raise damaged[0]
+    return []
+
+
+def _crc_spans(
+    arch: Any, file: str, owner: str | None, spans: list[Span], expected: Expected, damaged: list[CkptError]
+) -> None:
+    """The CRC-32 span of every member of archive ``arch`` of ``file``, added to ``spans`` with what
+    each must give in ``expected``; a member the zip index misplaces added to ``damaged``."""
     for name, info in arch.members.items():
         if (info.CRC == 0 and info.file_size > 0) or info.compress_type != 0:
             continue  # torch wrote no CRCs, or a member we do not inflate
@@ -394,12 +406,26 @@ def member_crcs(
         except CkptError as exc:  # the other members are still checked
             damaged.append(exc)
             continue
-        key = ("crc", piece.file, mspan.offset)
+        key = ("crc", file, mspan.offset)
         spans.append(Span(key, mspan.offset, mspan.length, algo="crc32"))
         expected[key] = (info.CRC, name, owner)
-    if damaged and damage is None:
-        raise damaged[0]
-    return []
+
+
+def _aux_crcs(root: Path, rel: str, spans: list[Span], expected: Expected) -> None:
+    """The CRC-32 spans of a torch.save archive the checkpoint keeps beside the state its format
+    reads (a Hugging Face Trainer's ``optimizer.pt``): no reader reads it, but a seal vouches for its
+    bytes too. A file that is not a zip archive (a pre-1.6 torch.save file, other bytes) has none;
+    an archive whose zip index does not read is refused."""
+    f = ckio.RandomAccessFile(ckio.confine(root, rel, named_by="the listing"), display=rel)
+    try:
+        if bytes(f.read(0, min(4, f.size))) != _pt.ZIP_MAGIC:
+            return
+        damaged: list[CkptError] = []
+        _crc_spans(_torchzip.Archive(f, display=rel, allow={}), rel, None, spans, expected, damaged)
+        if damaged:
+            raise damaged[0]
+    finally:
+        f.close()
 
 
 def piece_spans(adapter: Adapter, manifest: Manifest) -> tuple[dict[str, list[Span]], list[tuple[str, int]], Expected]:
@@ -433,6 +459,9 @@ def piece_spans(adapter: Adapter, manifest: Manifest) -> tuple[dict[str, list[Sp
                     path=piece.file,
                     rule="checksum-mismatch",
                 )
+        for rec in manifest.files:
+            if rec.role == "aux" and rec.path.endswith(_pt.SUFFIXES):
+                _aux_crcs(Path(manifest.root), rec.path, spans.setdefault(rec.path, []), expected)
     return spans, other, expected
 
 

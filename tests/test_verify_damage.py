@@ -1682,6 +1682,47 @@ def test_a_pickle_beside_the_state_that_runs_code_is_an_error_and_not_sealed_nor
     assert not (tmp_path / "out").exists() and tree_digests(ck) == before
 
 
+def _flip_member(path, member):
+    """One bit flipped in the middle of zip ``member``'s bytes (stored, as torch.save writes them)."""
+    import struct
+    import zipfile
+
+    info = zipfile.ZipFile(path).getinfo(member)
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
+    data[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 1
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "name, member",
+    [
+        ("optimizer.pt", "optimizer/data/1"),
+        ("rng_state.pth", "rng_state/data/0"),
+        ("training_args.bin", "training_args/data.pkl"),
+        ("extra.pt", "train_state/data/50"),
+    ],
+)
+def test_seal_refuses_damage_in_a_torch_save_file_beside_the_state(name, member, tmp_path):
+    """A torch.save file kept beside the state the format reads (a Trainer's optimizer.pt or
+    rng_state.pth, its training_args.bin, any .pt dropped beside a model) whose bytes fail a zip
+    CRC-32: verify said so, but seal vouched for it (it checked the CRC-32s of the archives holding
+    pieces only), and verify against that seal passed. seal refuses it, naming the member."""
+    ck = tmp_path / "ck"
+    if name == "extra.pt":
+        shutil.copytree(FIXTURES / "safetensors" / "sharded", ck)
+        shutil.copy2(FIXTURES / "torch" / "train_state.pt", ck / name)
+    else:
+        shutil.copytree(HF_TRAINER, ck)
+    _flip_member(ck / name, member)
+    code, report = _findings(ck)
+    found = [(f["rule"], f["file"]) for f in report["findings"] if f["severity"] == "error"]
+    assert code == 1 and found == [("checksum-mismatch", name)], report["findings"]
+    before = tree_digests(ck)
+    assert_clean(run_cli("seal", ck), 3, f"{name}: {member}", "fails its zip CRC-32", "not sealed")
+    assert tree_digests(ck) == before
+
+
 def test_a_trainer_file_copied_over_another_is_not_its_state(tmp_path):
     """scheduler.pt replaced by optimizer.pt or rng_state.pth (any dict read as a scheduler's)
     passed with its state present: LambdaLR.load_state_dict takes such a dict silently and the

@@ -138,6 +138,7 @@ class Archive:
         if not isinstance(source, bytes) and self.length <= _SMALL:
             self._windows.append((0, source.read(base, self.length)))
         members = _central_directory(self._read, self.length, display, self.file)
+        self._plain = members is not None  # (its end record ends the archive: nothing after it)
         self.members: Mapping[str, Any] = (
             members
             if members is not None  # else anything unusual (comments, multi-disk, damage): zipfile judges
@@ -176,6 +177,20 @@ class Archive:
                     path=self.file,
                 ) from None
         return self._zip
+
+    def bytes_after(self) -> int:
+        """How many bytes follow the archive's end record (and its comment) in its window: bytes
+        appended after the save. torch.load reads past them; zipfile finds the end record within
+        the last 64 KiB (more: the archive does not read at all)."""
+        if self._plain:
+            return 0
+        start = max(0, self.length - (_EOCD.size + 0xFFFF + 4096))
+        tail = self._read(start, self.length - start)
+        at = tail.rfind(b"PK\x05\x06")
+        if at < 0 or at + _EOCD.size > len(tail):
+            return 0
+        comment = _EOCD.unpack_from(tail, at)[-1]
+        return max(0, len(tail) - (at + _EOCD.size + comment))
 
     def _cut_short(self) -> bool:
         """Whether the archive's records, walked from its start, run past its end: its local

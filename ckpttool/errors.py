@@ -8,6 +8,7 @@ in ``ckpttool.cli``; the library never prints.
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 
 class CkptError(Exception):
@@ -38,6 +39,9 @@ class CkptError(Exception):
         self.others: list[CkptError] = []
         """the same failure found in other files by the same look (each file a rank cut short):
         ``verify`` reports each, the CLI names them after this one"""
+        self.severity: Literal["error", "warning"] | None = None
+        """``verify``'s severity for its finding, where it is not the rule's (damage that leaves
+        the file loadable: a warning, which ``seal`` still refuses)"""
 
     def __str__(self) -> str:
         return self.message

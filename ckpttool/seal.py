@@ -397,7 +397,10 @@ def _crc_spans(
     arch: Any, file: str, owner: str | None, spans: list[Span], expected: Expected, damaged: list[CkptError]
 ) -> None:
     """The CRC-32 span of every member of archive ``arch`` of ``file``, added to ``spans`` with what
-    each must give in ``expected``; a member the zip index misplaces added to ``damaged``."""
+    each must give in ``expected``; a member the zip index misplaces, and bytes after the archive's
+    end in a file that is one archive, added to ``damaged``."""
+    if (added := bytes_added(arch, file)) is not None:
+        damaged.append(added)
     for name, info in arch.members.items():
         if (info.CRC == 0 and info.file_size > 0) or info.compress_type != 0:
             continue  # torch wrote no CRCs, or a member we do not inflate
@@ -409,6 +412,22 @@ def _crc_spans(
         key = ("crc", file, mspan.offset)
         spans.append(Span(key, mspan.offset, mspan.length, algo="crc32"))
         expected[key] = (info.CRC, name, owner)
+
+
+def bytes_added(arch: Any, file: str) -> CorruptFileError | None:
+    """Bytes after the end of a file that is one torch.save archive ``arch``: added after the save.
+    torch.load reads past them, so verify says it as a warning; seal refuses to vouch for them."""
+    if arch.base != 0 or not (extra := arch.bytes_after()):
+        return None
+    added = CorruptFileError(
+        f"{file} is {arch.length:,} bytes, {extra:,} more than its torch.save archive reaches: bytes were added "
+        "after the save (torch.load reads past them)",
+        hint="restore the file from the save, or cut it to its archive's end",
+        path=file,
+        rule="corrupt-file",
+    )
+    added.severity = "warning"
+    return added
 
 
 def _aux_crcs(root: Path, rel: str, spans: list[Span], expected: Expected) -> None:

@@ -49,6 +49,7 @@ from ckpttool.seal import (
     Expected,
     PieceRecord,
     Seal,
+    bytes_added,
     copied_files,
     crc_failures,
     default_seal_path,
@@ -727,7 +728,9 @@ def _zip_damage(
     DCP file's torch.save records back to back). A file that does not start as a zip is left alone;
     ``whole``: one that does is a torch.save that must read whole (cut short: said), and a ``.pt``
     or ``.pth`` file empty or starting with zeros is one never written (said). ``owners``: the
-    item each of a DCP file's records holds, by the byte it starts at, named with its damage."""
+    item each of a DCP file's records holds, by the byte it starts at, named with its damage. Bytes
+    after a torch.save file's archive: a warning."""
+    added: list[Finding] = []
     try:
         with RandomAccessFile(root / rel, display=rel) as f:
             head = bytes(f.read(0, min(4, f.size)))
@@ -741,20 +744,24 @@ def _zip_damage(
                 bad = [f"{name} of the record at byte {start:,}" + (f" (of {held[start]})" if start in held else "")
                        for name, start in damaged]  # fmt: skip
             else:
-                bad, of = Archive(f, display=rel).crc_errors(), {None}
+                arch = Archive(f, display=rel)
+                bad, of = arch.crc_errors(), {None}
+                if (appended := bytes_added(arch, rel)) is not None:
+                    added.append(_from_error(appended))
     except CkptError as exc:
         # (it starts as DCP's writer writes, or as torch.save: a chain or archive that breaks is damage)
         return [_from_error(exc)] if records or whole else []
     if not bad:
-        return []
+        return added
     return [
+        *added,
         finding(
             "checksum-mismatch",
             f"{rel}: {', '.join(bad[:3])}{' …' if len(bad) > 3 else ''} fail(s) the zip CRC-32 stored "
             "with them: the bytes changed after the save",
             file=rel,
             item=next(iter(of)) if len(of) == 1 else None,  # (one item's records: the finding's item)
-        )
+        ),
     ]
 
 
@@ -815,7 +822,7 @@ def _from_error(exc: CkptError, item: str | None = None) -> Finding:
     rule = exc.rule if exc.rule in RULES else "corrupt-file"
     hint = None if rule == "checksum-mismatch" else exc.hint
     message = exc.message if item is None or item in exc.message else f"{item}: {exc.message}"
-    return finding(rule, message, file=exc.path, item=item, rank=exc.rank, hint=hint)
+    return finding(rule, message, file=exc.path, item=item, rank=exc.rank, hint=hint, severity=exc.severity)
 
 
 def _not_a_file(bases: list[Path], found: Finding) -> Finding:

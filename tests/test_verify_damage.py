@@ -1723,6 +1723,42 @@ def test_seal_refuses_damage_in_a_torch_save_file_beside_the_state(name, member,
     assert tree_digests(ck) == before
 
 
+@pytest.mark.parametrize(
+    "fixture, rel",
+    [
+        ("megatron/legacy_tp2pp2", "iter_0000003/mp_rank_01_001/model_optim_rng.pt"),
+        ("megatron/dist_tp2", "iter_0000003/common.pt"),
+        ("deepspeed/zero2", "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+        ("rankshards/ddp", "shard_00000_of_00002.pt"),
+        ("hf/trainer/checkpoint-3", "optimizer.pt"),
+        ("torch/train_state.pt", "train_state.pt"),
+    ],
+)
+def test_bytes_appended_to_a_torch_save_file_are_said_and_not_sealed(fixture, rel, tmp_path):
+    """Bytes added after a torch.save file's archive (a copy or an append gone wrong) passed verify
+    with no word and were sealed, in every format of .pt files; a DCP file's were a corrupt-file
+    warning that seal refuses. Now likewise: torch.load reads past them, so a warning."""
+    src = FIXTURES / fixture
+    ck = tmp_path / "ck"
+    if src.is_dir():
+        shutil.copytree(src, ck)
+    else:
+        ck.mkdir()
+        shutil.copy2(src, ck)
+    times = (ck / rel).stat()
+    with open(ck / rel, "ab") as f:
+        f.write(b"\x00junk" * 20)
+    os.utime(ck / rel, ns=(times.st_atime_ns, times.st_mtime_ns))  # (not a file rewritten after the commit)
+    before = tree_digests(ck)
+    code, report = _findings(ck)
+    found = [(f["rule"], f["severity"], f["file"]) for f in report["findings"] if f["rule"] != "missing-state"]
+    named = rel.removeprefix("iter_0000003/") if fixture.endswith("dist_tp2") else rel  # (from the iteration)
+    assert code == 0 and found == [("corrupt-file", "warning", named)], report["findings"]
+    assert "100 more than its torch.save archive reaches" in report["findings"][0]["message"], report["findings"]
+    assert_clean(run_cli("seal", ck), 3, named, "100 more than its torch.save archive reaches")
+    assert tree_digests(ck) == before
+
+
 def test_a_trainer_file_copied_over_another_is_not_its_state(tmp_path):
     """scheduler.pt replaced by optimizer.pt or rng_state.pth (any dict read as a scheduler's)
     passed with its state present: LambdaLR.load_state_dict takes such a dict silently and the

@@ -847,7 +847,8 @@ def seal(
         adapter, manifest = registry.describe(path)
     for f in manifest.extras.get("findings") or ():  # damage the format's reader found and read past
         code_running = (f["rule"], f.get("severity")) == ("unsafe-pickle", "error")
-        if f["rule"] in ("corrupt-file", "misplaced-file") or code_running:
+        lacking = f["rule"] == "missing-file" and f.get("severity", "error") == "error"  # (an index: a warning)
+        if f["rule"] in ("corrupt-file", "misplaced-file") or code_running or lacking:
             hint = f.get("hint") or _NOT_SEALED  # (with the finding's own hint, where it has one)
             raise CorruptFileError(f"{f['message']}; not sealed", hint=hint, path=f["file"], rule=f["rule"])
     # an item's pickle that runs code: the seal command does not vouch for it (a writer sealing its

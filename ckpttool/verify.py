@@ -401,6 +401,31 @@ def _describe_as_sealed(root: Path, sealed: Seal, exc: FormatNotRecognizedError)
     )
 
 
+def _refuse_unopenable(manifest: Manifest) -> None:
+    """Files of the checkpoint that exist but that this user may not open (their permissions): the
+    checkpoint cannot be evaluated, which is said once, naming them (exit 3). Each reader would
+    otherwise fail on every item such a file holds, as so many damaged items."""
+    base = Path(manifest.root) if Path(manifest.root).is_dir() else Path(manifest.root).parent
+    blocked: list[tuple[str, str]] = []
+    for rec in manifest.files:
+        if rec.role == "seal":
+            continue
+        try:
+            os.close(os.open(base / rec.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)))
+        except PermissionError as exc:
+            blocked.append((rec.path, exc.strerror or "permission denied"))
+        except OSError:
+            continue  # (missing, or not a file: the checks name it)
+    if blocked:
+        named = ", ".join(p for p, _ in blocked[1:4]) + (" …" if len(blocked) > 4 else "")
+        more = f" (and {len(blocked) - 1} more: {named})"
+        raise NotFoundError(
+            f"{blocked[0][0]}: cannot open ({blocked[0][1]}){more if len(blocked) > 1 else ''}",
+            hint="give the user running ckpttool read access to the checkpoint's files, or run it as their owner",
+            path=blocked[0][0],
+        )
+
+
 def _verify(
     root: Path,
     report: VerifyReport,
@@ -438,6 +463,7 @@ def _verify(
         elif isinstance(exc, PathEscapeError) and all(getattr(e, "link_out", False) for e in (exc, *exc.others)):
             report.findings += _beside_links_out(root, {e.path or "" for e in (exc, *exc.others)})
     if manifest is not None:
+        _refuse_unopenable(manifest)
         report.format, report.step = manifest.format, manifest.step
         report.root = _findings_root(root, manifest)
         report.layout = {
@@ -670,11 +696,13 @@ def _check_misplaced(report: VerifyReport, manifest: Manifest, adapter: Adapter)
     it can (DCP: each holds another file's records, files of one size swapped): one misplaced-file
     in place of their damage findings."""
     explain = getattr(adapter, "misplaced", None)
-    damaged = {f.file for f in report.findings if f.file and f.rule in _DAMAGE}
+    # (with a seal, files holding others' sealed bytes are already misplaced: the format says better)
+    said = (*_DAMAGE, "misplaced-file")
+    damaged = {f.file for f in report.findings if f.file and f.rule in said}
     if explain is None or not damaged or (found := explain(manifest, damaged)) is None:
         return
     exc, moved = found
-    report.findings = [f for f in report.findings if not (f.file in moved and f.rule in _DAMAGE)]
+    report.findings = [f for f in report.findings if not (f.file in moved and f.rule in said)]
     report.findings.append(_from_error(exc))
 
 
@@ -1110,7 +1138,11 @@ def _check_seal(
                 )
             )
             continue
+        if (placed := _sealed_elsewhere(rel, expected, file_digests)) is not None:
+            report.findings.append(placed)
+            continue
         culprits = [r.item for r in suspects[rel] if piece_digests.get((r.item, r.index)) not in (None, r.checksum)]
+        culprits = list(dict.fromkeys(culprits))  # (an item of several pieces in the file: named once)
         what = (
             f"; the changed bytes are in {', '.join(culprits[:5])}" + (" …" if len(culprits) > 5 else "")
             if culprits
@@ -1146,6 +1178,32 @@ def _check_seal(
     return piece_digests
 
 
+def _sealed_elsewhere(rel: str, expected: dict[str, Any], digests: dict[str, FileDigest]) -> Finding | None:
+    """A file that differs from its seal but holds exactly the bytes the seal gives another file of
+    the checkpoint: a copy of that file over it, or the two swapped (not damage to its bytes). None
+    where it holds no other sealed file's bytes."""
+    got, own = digests[rel], expected[rel].checksum
+    others = sorted(
+        other
+        for other, rec in expected.items()
+        if other != rel and rec.size == got.size and rec.checksum == got.digest and rec.checksum != own
+    )
+    if not others:
+        return None
+    first = others[0]
+    back = digests.get(first)
+    swapped = back is not None and back.digest == expected[rel].checksum and back.size == expected[rel].size
+    how = f"{rel} and {first} were swapped" if swapped else f"{first} was copied over {rel}"
+    more = f" (and {len(others) - 1} more files' alike)" if len(others) > 1 else ""
+    return finding(
+        "misplaced-file",
+        f"{rel} holds the bytes the seal gives {first}{more}: {how}",
+        file=rel,
+        rank=_rank_of(expected[rel]),
+        hint="put each file back under its own name, or restore this one from the save",
+    )
+
+
 def _check_seal_is_this_saves(report: VerifyReport, sealed: Seal, manifest: Manifest) -> None:
     """A seal of another save (another step, or another format; given with ``--manifest``, or left
     beside a later save): most files differ from it, which is not storage corruption. Said once, as
@@ -1153,14 +1211,20 @@ def _check_seal_is_this_saves(report: VerifyReport, sealed: Seal, manifest: Mani
     of blaming the disk. A seal whose step alone differs, with most files alike, is this save's own
     and its step field damaged: left to the mismatches."""
     theirs, ours = sealed.head, manifest
-    if theirs.format == ours.format and (theirs.step is None or ours.step is None or theirs.step == ours.step):
+    # the id a DCP save gives its .metadata (a fresh uuid each save): told apart at the same step too
+    ids = (theirs.extras.get("save_id"), ours.extras.get("save_id"))
+    other_id = None not in ids and ids[0] != ids[1] and theirs.format == ours.format
+    same_step = theirs.step is None or ours.step is None or theirs.step == ours.step
+    if theirs.format == ours.format and same_step and not other_id:
         return
     # (most of its files changed: a step field damaged in this save's own seal leaves the rest alike)
-    changed = {f.file for f in report.findings if f.rule == "checksum-mismatch" and f.file}
+    changed = {f.file for f in report.findings if f.rule in ("checksum-mismatch", "truncated-file") and f.file}
     if theirs.format == ours.format and len(changed) * 2 <= len([f for f in theirs.files if f.role != "seal"]):
         return
     what = f"a {theirs.format} checkpoint" if theirs.format != ours.format else f"step {theirs.step}"
     here = f"a {ours.format} checkpoint" if theirs.format != ours.format else f"step {ours.step}"
+    if theirs.format == ours.format and same_step:
+        what, here = f"save id {ids[0]}", f"save id {ids[1]}, of step {ours.step}"
     because = f"the seal is of another save ({what}; this checkpoint is {here})"
     report.findings = [
         replace(f, message=f"{f.message} ({because})", hint="verify against this save's own seal")

@@ -433,6 +433,7 @@ def _trainer_state(root: Path, manifest: Manifest) -> None:
                 unread[f.path] = f"expected {what} ({states[0]} state), found " + (
                     f"a dict of {', '.join(map(repr, list(obj)[:4]))}" if isinstance(obj, dict) else type(obj).__name__
                 )
+    findings += _rng_gaps([f.path for f in manifest.files if f.role == "aux" and "/" not in f.path])
     if found:
         manifest.extras["state_files"] = found
     findings += [
@@ -446,6 +447,29 @@ def _trainer_state(root: Path, manifest: Manifest) -> None:
     ]
     if findings:
         manifest.extras.setdefault("findings", []).extend(findings)
+
+
+def _rng_gaps(names: list[str]) -> list[dict[str, Any]]:
+    """A ``missing-file`` finding for each process's ``rng_state_N.pth`` absent below the highest N
+    present: Trainer saves one per process (``_save_rng_state``), and on resume a process whose file
+    is missing only logs it and goes on with fresh RNG, so the run does not replay. (Files missing
+    above the highest cannot be told: the checkpoint does not record the world size.)"""
+    held = sorted(int(m[1]) for n in names if (m := re.fullmatch(r"rng_state_(\d+)\.pth", n)))
+    if not held:
+        return []
+    gaps = sorted(set(range(held[-1] + 1)) - set(held))
+    present = ", ".join(f"rng_state_{n}.pth" for n in held[:3]) + (" …" if len(held) > 3 else "")
+    return [
+        {
+            "rule": "missing-file",
+            "file": f"rng_state_{n}.pth",
+            "message": f"rng_state_{n}.pth is missing: Trainer saves one RNG state per process, and {present} are "
+            "here; that process would resume with fresh RNG state, and the run would not replay",
+            "hint": "restore the file from the save, or resume from another checkpoint",
+            "stops_writes": False,  # (no writer carries the Trainer's RNG files: they are left behind, and said)
+        }
+        for n in gaps
+    ]
 
 
 _TRAINER_STATE_HEAD = 1 << 20

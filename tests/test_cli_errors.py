@@ -509,6 +509,12 @@ def test_a_step_summary_inside_the_checkpoint_is_not_appended_to(tmp_path):
     r = run_cli("verify", ckpt, env={"GITHUB_ACTIONS": "true", "GITHUB_STEP_SUMMARY": str(target)})
     assert r.code == 0 and target.read_bytes() == before, r.stderr
     assert "the step summary was not written: GITHUB_STEP_SUMMARY is inside the checkpoint" in " ".join(r.stderr.split())
+    # a hard link to a checkpoint file, outside it: the same file (the path check let it through)
+    linked = tmp_path / "summary.md"
+    os.link(target, linked)
+    r = run_cli("verify", ckpt, env={"GITHUB_ACTIONS": "true", "GITHUB_STEP_SUMMARY": str(linked)})
+    assert r.code == 0 and target.read_bytes() == before, r.stderr
+    assert "GITHUB_STEP_SUMMARY is a hard link to" in " ".join(r.stderr.split()), r.stderr
 
 
 def test_a_torch_dist_save_without_its_metadata_is_named_by_the_path_given(tmp_path):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ckpttool import registry
+from ckpttool.errors import NotFoundError
 from ckpttool.seal import seal
 from ckpttool.verify import verify
 from tests.conftest import DCP_FIXTURES, FIXTURES, OnFirstProgress, assert_clean, run_cli, set_stored_crc, tree_digests
@@ -248,6 +249,26 @@ def test_another_saves_temporaries_below_the_checkpoint_fail_neither_verify_nor_
     shutil.copy2(FIXTURES / "safetensors" / "model.safetensors", beside)
     shutil.copytree(FIXTURES / "hostile" / "dcp_metadata_tmp_only", beside / "old_runs" / "dcp")
     assert [f for f in verify(beside).findings if f.severity == "error"] == []
+
+
+def test_files_this_user_may_not_open_are_said_once_and_not_evaluated(tmp_path, monkeypatch):
+    """A DCP data file without read permission gave 45 corrupt-file findings, one per item it holds
+    (exit 1), with "Permission denied" only in the JSON; DeepSpeed's and safetensors' readers said it
+    once, exit 3. Said once for every format, naming the files."""
+    path = _copy("dcp/fsdp2", tmp_path)
+    real_open = os.open
+    blocked = {str(path / "__2_0.distcp"), str(path / "__3_0.distcp")}
+
+    def no_read(file, flags, *args, **kwargs):
+        if str(file) in blocked:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_read)
+    with pytest.raises(NotFoundError) as raised:
+        verify(path)
+    assert raised.value.message == "__2_0.distcp: cannot open (Permission denied) (and 1 more: __3_0.distcp)"
+    assert raised.value.exit_code == 3
 
 
 def test_deepspeed_latest_missing_tag():

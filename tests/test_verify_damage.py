@@ -78,6 +78,30 @@ def test_a_rank_file_in_another_ranks_place_is_named(tmp_path, how):
         assert "saved by rank 0 (which saves mp_rank_00_000)" in misplaced[0]["message"]
 
 
+@pytest.mark.parametrize("how", ["swapped", "copied"])
+def test_sealed_files_swapped_or_copied_over_each_other_are_misplaced_not_corrupted(tmp_path, how):
+    """Against a seal, two files swapped (or one copied over another) were each a checksum-mismatch
+    with the hint "storage or transfer corruption", and the swapped Megatron rank file listed one
+    weight twice among its changed bytes. Each file's bytes are another's sealed ones: said so."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2_per_item", ck)
+    assert run_cli("seal", ck).code == 0
+    a, b = ck / "__0_26.distcp", ck / "__0_27.distcp"
+    if how == "swapped":
+        a.rename(ck / "x")
+        b.rename(a)
+        (ck / "x").rename(b)
+    else:
+        shutil.copy2(a, b)
+    code, report = _findings(ck)
+    found = sorted((f["rule"], f["file"]) for f in report["findings"])
+    want = [("misplaced-file", "__0_26.distcp"), ("misplaced-file", "__0_27.distcp")]
+    assert code == 1 and found == (want if how == "swapped" else want[1:]), report["findings"]
+    said = " ".join(f["message"] for f in report["findings"])
+    assert ("were swapped" if how == "swapped" else "__0_26.distcp was copied over __0_27.distcp") in said, said
+    assert "storage or transfer" not in str(report["findings"])
+
+
 @pytest.mark.parametrize(
     ("fixture", "copy_to"),
     [
@@ -1759,6 +1783,24 @@ def test_bytes_appended_to_a_torch_save_file_are_said_and_not_sealed(fixture, re
     assert tree_digests(ck) == before
 
 
+def test_a_trainer_process_rng_file_missing_between_others_is_named(tmp_path):
+    """Trainer saves rng_state_N.pth for each process N; with rng_state_1.pth gone from 0, 2 and 3,
+    verify passed and seal vouched for it (the process resumes with fresh RNG state, logged only).
+    A missing-file error, seal refuses; convert, which leaves the RNG files behind, still writes."""
+    ck = tmp_path / "checkpoint-3"
+    shutil.copytree(HF_TRAINER, ck)
+    (ck / "rng_state.pth").rename(ck / "rng_state_0.pth")
+    for n in (1, 2, 3):
+        shutil.copy2(ck / "rng_state_0.pth", ck / f"rng_state_{n}.pth")
+    assert _findings(ck)[0] == 0
+    (ck / "rng_state_2.pth").unlink()
+    code, report = _findings(ck)
+    assert code == 1 and _rules(report) == [("missing-file", "rng_state_2.pth")], report["findings"]
+    assert "rng_state_0.pth, rng_state_1.pth, rng_state_3.pth are here" in report["findings"][0]["message"]
+    assert_clean(run_cli("seal", ck), 3, "rng_state_2.pth is missing", "not sealed")
+    assert run_cli("convert", ck, "-o", tmp_path / "out", "--to", "dcp", "--kind", "param").code == 0
+
+
 def test_a_trainer_file_copied_over_another_is_not_its_state(tmp_path):
     """scheduler.pt replaced by optimizer.pt or rng_state.pth (any dict read as a scheduler's)
     passed with its state present: LambdaLR.load_state_dict takes such a dict silently and the
@@ -2011,6 +2053,26 @@ def test_a_seal_of_another_save_is_said_to_be_one(tmp_path):
     code, report = _findings(ck)
     assert code == 1 and _rules(report) == [("checksum-mismatch", "trainer_state.json")], report
     assert "another save" not in report["findings"][0]["message"]
+
+
+def test_a_seal_of_another_dcp_save_of_the_same_step_is_said_by_its_save_id(tmp_path):
+    """Two DCP saves of the same step (two runs, or the same run saved twice): verifying one against
+    the other's seal blamed every file on storage or transfer corruption. DCP gives each save's
+    .metadata a fresh save_id, which the seal keeps: the seal is said to be another save's. The
+    save's own seal with its .metadata replaced by another save's is left to the file's mismatch."""
+    seal = tmp_path / "mesh.json"
+    assert run_cli("seal", FIXTURES / "dcp" / "mesh2x2", "--out", seal).code == 0
+    code, report = _findings(FIXTURES / "dcp" / "fsdp2", "--manifest", seal)
+    errors = [f for f in report["findings"] if f["severity"] == "error"]
+    assert code == 1 and errors[0]["rule"] == "step-mismatch", report
+    assert "the seal is of another save (save id " in errors[0]["message"], errors[0]
+    assert all(f["hint"] == "verify against this save's own seal" for f in errors[1:]), errors
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2_zstd", ck)
+    assert run_cli("seal", ck).code == 0
+    shutil.copy2(FIXTURES / "dcp" / "fsdp2" / ".metadata", ck / ".metadata")
+    code, report = _findings(ck)
+    assert code == 1 and not any("another save" in f["message"] for f in report["findings"]), report
 
 
 def test_a_trainer_checkpoint_whose_step_is_not_its_folders_is_a_step_mismatch(tmp_path):

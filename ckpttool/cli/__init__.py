@@ -7,6 +7,7 @@ Ctrl-C. Library modules (and torch) are imported inside the commands so ``--help
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import gc
@@ -525,6 +526,18 @@ def _inside_the_checkpoint(summary: str, report: VerifyReport) -> str | None:
         refuse_overlap(summary, flag="is", checkpoint=report.path, seal=report.seal or default_seal_path(report.path))
     except CkptError as exc:
         return exc.message.removeprefix(f"is {summary} ")
+    try:
+        st = os.stat(summary)
+    except OSError:
+        return None
+    if st.st_nlink < 2 or not os.path.isdir(report.path):
+        return None
+    for dirpath, _, names in os.walk(report.path):  # (a hard link to a checkpoint file: the same file)
+        for name in names:
+            with contextlib.suppress(OSError):
+                other = os.stat(os.path.join(dirpath, name), follow_symlinks=False)
+                if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+                    return f"is a hard link to {os.path.join(dirpath, name)}, a file of the checkpoint"
     return None
 
 

@@ -43,7 +43,9 @@ def main() -> int:
     ours_out, theirs_out, pt_dir = DATA / "ours.safetensors", DATA / "theirs" / "model.pt", DATA / "ours_pt"
     theirs_out.parent.mkdir(exist_ok=True)
     ours_cmd = [sys.executable, "-m", "ckpttool", "export", str(ckpt), "-o", str(ours_out), "--force", "-q"]
-    pt_cmd = [sys.executable, "-m", "ckpttool", "convert", str(ckpt), "-o", str(pt_dir), "--to", "torch", "-q"]
+    # (--no-seal: the same job as the peer's, which hashes nothing; sealed, the file is read back once more)
+    pt_cmd = [sys.executable, "-m", "ckpttool", "convert", str(ckpt), "-o", str(pt_dir), "--to", "torch", "-q",
+              "--no-seal"]  # fmt: skip
     theirs_cmd = [sys.executable, "-c",
                   "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
                   "dcp_to_torch_save(sys.argv[1], sys.argv[2])", str(ckpt), str(theirs_out)]

@@ -12,6 +12,7 @@ published by one rename.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -38,7 +39,7 @@ from ckpttool.export import (
     write_safetensors,
 )
 from ckpttool.formats.base import Adapter
-from ckpttool.io import check_output, checking_crcs, fsync_dir, fsync_tree, publish_dir, refuse_overlap, staged_dir
+from ckpttool.io import check_output, checking_crcs, fsync_tree, publish_dir, refuse_overlap, staged_dir
 from ckpttool.manifest import KEPT_BESIDE, Item, Manifest
 
 FRAMEWORKS = ("megatron", "megatron-dist", "deepspeed", "deepspeed-universal")
@@ -90,6 +91,8 @@ class ConvertResult:
     skipped: list[tuple[Item, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     """what the output holds otherwise than the source (items left out, carried unread, ...)"""
+    sealed: bool = False
+    """the output carries its seal (``ckpttool.manifest.json``), written before it was published"""
 
 
 def _shards(pairs: list[tuple[str, Item]], limit: int) -> list[list[tuple[str, Item]]]:
@@ -127,9 +130,11 @@ def convert(
     force: bool = False,
     progress: Callable[[int], None] | None = None,
     split_rules: dict[str, int | None] | None = None,
+    seal_output: bool = True,
 ) -> ConvertResult:
     """``max_shard_size``: the largest safetensors shard (default 5GB); ``split_rules``: the
-    ``--split-rule`` patterns a legacy Megatron source at TP > 1 is read with."""
+    ``--split-rule`` patterns a legacy Megatron source at TP > 1 is read with; ``seal_output``: the
+    output is sealed in its staging directory, then published (as ``reshard``'s)."""
     if to not in TARGETS:
         raise UsageError(f"--to {to!r}: ckpttool converts to {', '.join(TARGETS)} so far")
     limit = parse_size(DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size)
@@ -152,7 +157,15 @@ def convert(
         raise UsageError(f"{out} exists", hint="choose another -o path or pass --force to replace it")
     if to in FRAMEWORKS:
         return _framework(
-            src, out, to, kind=kind, pattern=pattern, force=force, progress=progress, split_rules=split_rules or {}
+            src,
+            out,
+            to,
+            kind=kind,
+            pattern=pattern,
+            force=force,
+            progress=progress,
+            split_rules=split_rules or {},
+            seal_output=seal_output,
         )
     from ckpttool.reshard import torchrun_world
 
@@ -167,7 +180,9 @@ def convert(
         refuse_left_behind(manifest, f"convert --to {to}", f"ckpttool convert SRC -o DST --to {to} --kind param")
     refuse_changed_since_sealed(Path(src), manifest)
     refuse_copies_apart(manifest, to)
-    result = _plain_target(adapter, manifest, out, to, limit, world_size, kind, pattern, progress)
+    finish = functools.partial(_seal_staged, out=out) if seal_output else None
+    result = _plain_target(adapter, manifest, out, to, limit, world_size, kind, pattern, progress, finish)
+    result.sealed = seal_output
     result.notes += left_behind(manifest)
     if kind in ("all", "optim"):  # (the moments written without them)
         result.notes += unread_state(manifest, to)
@@ -309,8 +324,11 @@ def _plain_target(
     kind: str,
     pattern: str | None,
     progress: Callable[[int], None] | None,
+    finish: Callable[[Path], None] | None = None,
 ) -> ConvertResult:
-    """``convert`` to dcp, torch or safetensors (the layout kept: one writer for the whole state)."""
+    """``convert`` to dcp, torch or safetensors (the layout kept: one writer for the whole state).
+    ``finish``: called with the staging directory once every file is written, before it is
+    published (the seal)."""
     result = ConvertResult(output=str(out))
     if to == "dcp":
         from ckpttool.formats.dcp_write import dcp_items, write_dcp
@@ -318,13 +336,13 @@ def _plain_target(
         chosen = [i for _, i in select(list(manifest.items.values()), kind=kind, pattern=pattern)]
         keep, result.notes = dcp_items(manifest, chosen, hint=_UNREADABLE)
         ws = world_size or manifest.layout.world_size or 1
-        result.files = write_dcp(adapter, manifest, out, world_size=ws, items=keep, progress=progress)
+        result.files = write_dcp(adapter, manifest, out, world_size=ws, items=keep, progress=progress, finish=finish)
         result.tensors = sum(1 for i in keep if i.is_tensor)
         result.objects = len(keep) - result.tensors
         result.nbytes = sum(tensor_nbytes(i) for i in keep if i.is_tensor)
         return result
     if to == "torch":
-        return _torch(adapter, manifest, out, kind=kind, pattern=pattern, progress=progress)
+        return _torch(adapter, manifest, out, kind=kind, pattern=pattern, progress=progress, finish=finish)
     pairs, result.skipped = safetensors_selection(manifest, kind=kind, pattern=pattern)
     shards = _shards(pairs, limit)
     names = (
@@ -354,10 +372,20 @@ def _plain_target(
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
             names.append("model.safetensors.index.json")
-        fsync_dir(tmp)
+        if finish is not None:
+            finish(tmp)
+        fsync_tree(tmp)
         publish_dir(tmp, out)
     result.files, result.tensors, result.nbytes = names, len(pairs), total
     return result
+
+
+def _seal_staged(tmp: Path, *, out: Path) -> None:
+    """Seal the staging directory ``tmp`` of a convert output as the directory it becomes (``out``):
+    its files read back, hashed and their zip CRC-32s checked, as ``ckpttool seal`` does."""
+    from ckpttool.seal import seal
+
+    seal(tmp, published_as=out)
 
 
 def _torch(
@@ -368,6 +396,7 @@ def _torch(
     kind: str,
     pattern: str | None,
     progress: Callable[[int], None] | None,
+    finish: Callable[[Path], None] | None = None,
 ) -> ConvertResult:
     """``--to torch``: one ``torch.save`` file, ``model.pt``, of the whole state dict. A DCP source
     is nested back as it was saved (``.metadata``'s planner data), which makes the file
@@ -408,6 +437,8 @@ def _torch(
         written = _ptwrite.save(tree, tmp / "model.pt")
         if progress is not None:
             progress(written)
+        if finish is not None:
+            finish(tmp)
         fsync_tree(tmp)
         publish_dir(tmp, out)
     return result
@@ -471,6 +502,7 @@ def _framework(
     force: bool,
     progress: Callable[[int], None] | None,
     split_rules: dict[str, int | None],
+    seal_output: bool = True,
 ) -> ConvertResult:
     """``--to megatron|megatron-dist|deepspeed|deepspeed-universal``: ``reshard`` with the layout unchanged (a framework
     checkpoint keeps every entry: no ``--kind`` or ``--filter``)."""
@@ -481,7 +513,9 @@ def _framework(
             f"--to {to} writes the whole training state; --kind and --filter apply to safetensors, dcp and torch only"
         )
     target = Target(to=to, split_rules=split_rules)
-    done = reshard(src, out, target, force=force, progress=progress, command=f"convert --to {to}")
+    done = reshard(
+        src, out, target, force=force, progress=progress, command=f"convert --to {to}", seal_output=seal_output
+    )
     ranks = torchrun_world()
     if ranks is not None and ranks[0] != 0:  # rank 0 reports for all
         return ConvertResult(output=str(out), nbytes=done.plan.nbytes)
@@ -492,4 +526,5 @@ def _framework(
         objects=done.objects or 0,
         nbytes=done.plan.nbytes,
         notes=done.plan.notes,
+        sealed=done.sealed,
     )

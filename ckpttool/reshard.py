@@ -732,6 +732,14 @@ class _UniversalExec(_FileExec):
                 hint="'ckpttool convert --to dcp' keeps the state in a layout-free form",
             )
         super().__init__(adapter, manifest, _build_universal, (manifest.root, manifest), {})
+        averaged = sorted(n for n, k in (getattr(self.writer, "kinds", None) or {}).items() if k == "average")
+        if averaged and (manifest.layout.tp or 1) > 1:
+            named = ", ".join(averaged[:3]) + (f" and {len(averaged) - 3} more" if len(averaged) > 3 else "")
+            self.notes.append(
+                f"the {manifest.layout.tp} TP ranks' copies of {named} are written as their mean (weights, fp32 "
+                "copies and moments), as the model's universal_checkpoint_info asks (parameter_to_average_patterns; "
+                "ds_to_universal does the same): where the copies differ, the output holds neither rank's values"
+            )
         if manifest.layout.zero_stage == 3:
             self.notes.append(
                 "DeepSpeed 0.19.8's ZeRO-3 universal load restores no frozen parameter or buffer, gives every "

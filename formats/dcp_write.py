@@ -649,9 +649,11 @@ def write_dcp(
     world_size: int,
     items: list[Item],
     progress: Callable[[int], None] | None = None,
+    finish: Callable[[Path], None] | None = None,
 ) -> list[str]:
     """Write ``items`` of ``manifest`` as a DCP checkpoint of ``world_size`` ranks at ``dst``
-    (published atomically). Returns the files written."""
+    (published atomically; ``finish`` called with the staging directory first: the seal).
+    Returns the files written."""
     writer = DcpWriter(world_size, items)
     with staged_dir(dst) as tmp:
         results = []
@@ -659,6 +661,8 @@ def write_dcp(
             for r in range(world_size):
                 results.append(writer.write(r, tmp / f"__{r}_0.distcp", reader, progress))
         writer.finish(tmp, results)
+        if finish is not None:
+            finish(tmp)
         fsync_tree(tmp)
         publish_dir(tmp, dst)
     return [".metadata"] + [f"__{r}_0.distcp" for r in range(world_size)]

@@ -631,7 +631,8 @@ def _validate_hint(problems: list[str], dist_helps: bool, layout_help: str | Non
     if all(p.startswith(("--split-rule", "no tensor-parallel split rule")) for p in problems):
         return "'ckpttool ls' lists the parameters; a --split-rule gives one that ckpttool has no rule for"
     return "choose sizes that divide the model's heads, query groups, hidden sizes and layers" + (
-        " (--pp-first-layers / --pp-last-layers give the end stages other layer counts)"
+        " (--pp-first-layers / --pp-last-layers give the end stages other layer counts; --pipeline-layout places "
+        "each layer, the embedding, the MTP layers and the loss on a stage itself)"
         if any("layers" in p for p in problems)
         else ""
     )

@@ -33,7 +33,7 @@ def test_sharded_safetensors_holds_the_same_tensors(rel, tmp_path):
 def test_single_file_when_it_fits_and_cli(tmp_path):
     r = run_cli("convert", FIXTURES / "dcp" / "fsdp2", "-o", tmp_path / "hf", "--kind", "param")
     assert r.code == 0, r.stderr
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["ckpttool.manifest.json", "model.safetensors"]
     assert run_cli("convert", FIXTURES / "dcp" / "fsdp2", "-o", tmp_path / "hf").code == 2  # exists
     assert run_cli("convert", FIXTURES / "dcp" / "fsdp2", "-o", tmp_path / "x", "--to", "megatron").code == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # nothing half-written
@@ -205,12 +205,34 @@ def test_a_plugin_format_claims_a_directory_before_the_torch_guess(tmp_path, mon
     assert registry.detect(tmp_path / "plain" / "model.pt").name == "torch"
 
 
+@pytest.mark.parametrize("to", ["safetensors", "dcp", "torch"])
+def test_convert_seals_every_output_unless_told_not_to(to, tmp_path):
+    """convert --to megatron|deepspeed (and every reshard) sealed its output; --to safetensors, dcp
+    and torch did not, and had no --no-seal. Each is sealed before it is published: verify checks it
+    against that seal, and a flipped byte is caught by it."""
+    out = tmp_path / "out"
+    r = run_cli("convert", FIXTURES / "dcp" / "fsdp2", "-o", out, "--to", to, "--json")
+    assert r.code == 0 and json.loads(r.stdout)["sealed"] is True, r.stderr
+    sealed = json.loads((out / "ckpttool.manifest.json").read_text())
+    assert sealed["manifest"]["root"] == str(out), sealed["manifest"]["root"]  # (not its staging directory's)
+    r = run_cli("verify", out, "--json")
+    assert r.code == 0 and json.loads(r.stdout)["inputs"]["seal"], r.stdout
+    data = next(p for p in sorted(out.iterdir()) if p.suffix in (".safetensors", ".distcp", ".pt"))
+    raw = bytearray(data.read_bytes())
+    raw[-len(raw) // 3] ^= 1
+    data.write_bytes(bytes(raw))
+    assert run_cli("verify", out).code == 1
+    r = run_cli("convert", FIXTURES / "dcp" / "fsdp2", "-o", tmp_path / "bare", "--to", to, "--no-seal", "--json")
+    assert r.code == 0 and json.loads(r.stdout)["sealed"] is False
+    assert not (tmp_path / "bare" / "ckpttool.manifest.json").exists()
+
+
 def test_the_torch_output_directory_is_read_as_its_file(tmp_path):
     """convert --to torch writes DIR/model.pt; ckpttool reads DIR as that file: inspect, seal and
     verify of the directory work, and a flipped byte is caught against the seal. A directory with
     a second file is not taken for one torch.save file."""
     out = tmp_path / "out"
-    assert run_cli("convert", FIXTURES / "dcp" / "fsdp2", "-o", out, "--to", "torch").code == 0
+    assert run_cli("convert", FIXTURES / "dcp" / "fsdp2", "-o", out, "--to", "torch", "--no-seal").code == 0
     r = run_cli("inspect", out, "--json")
     assert r.code == 0 and json.loads(r.stdout)["format"] == "torch", r.stderr
     assert run_cli("seal", out).code == 0 and (out / "ckpttool.manifest.json").exists()

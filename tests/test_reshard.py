@@ -2079,7 +2079,9 @@ def test_deepspeed_universal_of_sub_parameters_and_averaged_copies(tmp_path):
     import torch
 
     out = tmp_path / "uni"
-    reshard(FIXTURES / "deepspeed" / "tp2_glu", out, Target(to="deepspeed-universal"))
+    done = reshard(FIXTURES / "deepspeed" / "tp2_glu", out, Target(to="deepspeed-universal"))
+    # (said: the output holds the mean, neither rank's own values; it said nothing)
+    assert any("copies of pos.weight are written as their mean" in n for n in done.plan.notes), done.plan.notes
     root = out / "global_step3_universal" / "zero"
     ref = torch.load(FIXTURES / "deepspeed" / "tp2_glu.reference.pt", weights_only=True)
     for state in ("fp32", "exp_avg", "exp_avg_sq"):

@@ -522,11 +522,17 @@ def test_a_rank_shard_metadata_step_that_disagrees_is_named(tmp_path):
 
 def test_a_sealed_file_replaced_by_a_smaller_one_is_not_called_cut_short(tmp_path):
     """Another rank's (smaller) file copied over one was 'cut short (copy or save interrupted?)':
-    the seal's piece digests show the bytes it still holds differ too."""
+    the seal's piece digests show the bytes it still holds differ too; its digest is the other
+    file's sealed one, which names the copy."""
     ck = tmp_path / "ck"
     shutil.copytree(FIXTURES / "dcp" / "fsdp2", ck)
     assert run_cli("seal", ck).code == 0
     shutil.copy2(ck / "__2_0.distcp", ck / "__1_0.distcp")
+    code, report = _findings(ck)
+    sealed = [f for f in report["findings"] if f["file"] == "__1_0.distcp" and f["rule"] == "misplaced-file"]
+    assert code == 1 and sealed and "__2_0.distcp was copied over __1_0.distcp" in sealed[0]["message"], report
+    with open(ck / "__1_0.distcp", "ab") as f:  # (not any sealed file's bytes: its pieces tell)
+        f.write(b"\0")
     code, report = _findings(ck)
     sealed = [f for f in report["findings"] if f["file"] == "__1_0.distcp" and f["rule"] == "checksum-mismatch"]
     assert code == 1 and sealed and "another file in its place" in sealed[0]["message"], report

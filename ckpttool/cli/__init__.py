@@ -635,6 +635,7 @@ def convert(
     ] = None,
     split_rule: SplitRuleOpt = None,
     force: ForceDirOpt = False,
+    no_seal: Annotated[bool, typer.Option("--no-seal", help="Do not write ckpttool.manifest.json.")] = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -643,7 +644,7 @@ def convert(
     as the DCP source was saved: what dcp_to_torch_save writes), or a framework's own layout
     (megatron, megatron-dist, deepspeed, deepspeed-universal) at the source's parallel sizes, optimizer and training
     state kept ('ckpttool reshard' changes the sizes). Streams one tensor at a time; the output
-    directory appears complete or not at all."""
+    directory appears complete or not at all, sealed (ckpttool.manifest.json) unless --no-seal."""
     from rich.filesize import decimal
 
     from ckpttool.convert import convert as run
@@ -660,6 +661,7 @@ def convert(
         pattern=_regex(filter_),
         force=force,
         split_rules=parse_split_rules(split_rule or []),
+        seal_output=not no_seal,
     )
     ranks = torchrun_world()
     if ranks is not None and ranks[0] != 0:  # --to a framework under torchrun: rank 0 reports for all
@@ -679,6 +681,7 @@ def convert(
                 "nbytes": result.nbytes,
                 "notes": result.notes,
                 "skipped": _skipped_json(result.skipped),
+                "sealed": result.sealed,
             }
         )
     else:

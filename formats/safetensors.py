@@ -21,7 +21,14 @@ from typing import Any
 import numpy as np
 
 from ckpttool.dtypes import BY_SAFETENSORS, carrier
-from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, UnsafePickleError, raise_together
+from ckpttool.errors import (
+    CkptError,
+    CorruptFileError,
+    FormatNotRecognizedError,
+    IncompleteCheckpointError,
+    UnsafePickleError,
+    raise_together,
+)
 from ckpttool.formats.base import Detection, PieceReader
 from ckpttool.geometry import Box
 from ckpttool.io import FileCache, RandomAccessFile, confine, left_out, list_files, open_regular, outside
@@ -174,6 +181,29 @@ def has_sharding_info(path: Path) -> bool:
     return False
 
 
+_VARIANT = re.compile(r"^(.+)\.([A-Za-z0-9_-]+)\.safetensors$")
+"""a Hugging Face variant of a model file (``model.fp16.safetensors`` beside ``model.safetensors``)"""
+
+
+def _refuse_variants(root: Path, files: list[str]) -> None:
+    """A folder holding a model file and its Hugging Face variants (``model.safetensors`` and
+    ``model.fp16.safetensors``: the same tensors in another dtype, loaded with ``variant="fp16"``)
+    and no index: several models, not the shards of one. Refused naming them (exit 3), one to give."""
+    stems = {f.removesuffix(".safetensors") for f in files}
+    variants = sorted(f for f in files if (m := _VARIANT.match(f)) and m[1] in stems)
+    if not variants:
+        return
+    bases = sorted({m[1] + ".safetensors" for f in variants if (m := _VARIANT.match(f))})
+    shown = bases + variants
+    raise FormatNotRecognizedError(
+        str(root),
+        {"safetensors": "a model file and its variants"},
+        message=f"{root}: a folder of {len(shown)} safetensors models, not one: {', '.join(shown[:5])}"
+        f"{' …' if len(shown) > 5 else ''} (Hugging Face variants: the same tensors, another dtype)",
+        hint=f"give one of them, such as {root / bases[0]}",
+    )
+
+
 class SafetensorsAdapter:
     name = "safetensors"
 
@@ -211,6 +241,7 @@ class SafetensorsAdapter:
                 files = list(dict.fromkeys(weight_map.values()))
             else:
                 files = sorted(p.name for p in path.glob("*.safetensors") if not p.is_dir())
+                _refuse_variants(path, files)
         if path.is_dir() and not files and unread is None and _trainer_without_model(path):
             raise IncompleteCheckpointError(
                 f"{path}: model.safetensors is missing: a Hugging Face Trainer checkpoint keeps its model's weights "
@@ -260,7 +291,14 @@ class SafetensorsAdapter:
                 continue
             for e in header.tensors:
                 if e.name in manifest.items:
-                    raise CorruptFileError(f"{rel}: tensor {e.name} is also in another shard", path=rel)
+                    held = manifest.items[e.name].pieces
+                    raise CorruptFileError(
+                        f"{rel}: tensor {e.name} is also in {held[0].file if held else 'another shard'}: two files "
+                        "of one model hold the same tensor",
+                        hint="a shard copied over another, or two models' files in one folder: give one file, or "
+                        "restore the shards from the model's source",
+                        path=rel,
+                    )
                 manifest.add(
                     Item(
                         name=e.name,

@@ -289,3 +289,27 @@ def test_one_rank_file_given_alone_is_said_to_be_one(rel, fmt, folder):
     assert found[0]["hint"] == f"verify the checkpoint itself: ckpttool verify {FIXTURES / folder}"
     plain = run_cli("verify", FIXTURES / "torch" / "train_state.pt", "--json")
     assert plain.code == 0 and not [f for f in json.loads(plain.stdout)["findings"] if f["rule"] == "missing-file"]
+
+
+def test_a_model_file_beside_its_variant_is_a_folder_of_two_models(tmp_path):
+    """model.safetensors beside model.fp16.safetensors (a Hugging Face variant: the same tensors in
+    another dtype, loaded with variant="fp16") read as two shards of one model and failed verify
+    with "tensor seen_tokens is also in another shard" (exit 1), naming neither file. The folder is
+    said to hold two models (exit 3), each of which verifies; two unindexed files that do hold the
+    same tensor name the other file."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    shutil.copy2(FIXTURES / "safetensors" / "model.safetensors", folder)
+    tensors = load_file(folder / "model.safetensors")
+    save_file({k: v.half() if v.is_floating_point() else v for k, v in tensors.items()}, folder / "model.fp16.safetensors")
+    r = run_cli("verify", folder)
+    assert_clean(r, 3, "a folder of 2 safetensors models", "model.safetensors, model.fp16.safetensors")
+    for name in ("model.safetensors", "model.fp16.safetensors"):
+        assert run_cli("verify", folder / name).code == 0
+    (folder / "model.fp16.safetensors").rename(folder / "other.safetensors")
+    r = run_cli("verify", folder, "--json")
+    said = json.loads(r.stdout)["findings"]
+    assert r.code == 1 and [(f["rule"], f["file"]) for f in said] == [("corrupt-file", "other.safetensors")], said
+    assert "is also in model.safetensors" in said[0]["message"], said

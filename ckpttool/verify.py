@@ -484,6 +484,8 @@ def _verify(
     if manifest is not None and adapter is not None:
         _check_misplaced(report, manifest, adapter)
     _check_in_flight(report, root, manifest, sealed is not None)
+    if sealed is None:
+        _check_metadata_of_all(report, root, manifest)
     if manifest is not None and adapter is not None:
         _check_manifest(report, manifest, required)
         _check_given_alone(report, manifest)
@@ -704,6 +706,52 @@ def _check_misplaced(report: VerifyReport, manifest: Manifest, adapter: Adapter)
     exc, moved = found
     report.findings = [f for f in report.findings if not (f.file in moved and f.rule in said)]
     report.findings.append(_from_error(exc))
+
+
+def _check_metadata_of_all(report: VerifyReport, root: Path, manifest: Manifest | None) -> None:
+    """Every data file (two or more) found damaged against the metadata that places their pieces
+    (DCP's ``.metadata``, megatron-core's): the metadata is the one file they all disagree with, so
+    it is named first, a likely cause (another save's metadata copied in, or its own damaged), the
+    data files' findings kept. Not where a file's own CRC-32s found its bytes changed. Where the
+    checkpoint did not read, its ``.metadata`` and ``.distcp`` files are found by name (in the
+    folder given, or one below it: a save directory's iteration), named as the findings name them."""
+    if manifest is not None:
+        data = [f.path for f in manifest.files if f.role == "data"]
+        meta = [f.path for f in manifest.files if f.role == "metadata" and f.path.rsplit("/", 1)[-1] == ".metadata"]
+    elif root.is_dir():
+        found = [rel for rel, _ in _listed(root) if rel.count("/") <= 1]
+        meta = [rel for rel in found if rel.rsplit("/", 1)[-1] == ".metadata"]
+        top = meta[0].rsplit("/", 1)[0] + "/" if meta and "/" in meta[0] else ""
+        data = [
+            rel for rel in found if rel.endswith(".distcp") and rel.startswith(top) and rel.count("/") == top.count("/")
+        ]
+    else:
+        return
+    if len(data) < 2 or len(meta) != 1:
+        return
+    hurt = {f.file for f in report.findings if f.severity == "error" and f.rule in ("truncated-file", "corrupt-file")}
+    crc = {f.file for f in report.findings if f.rule == "checksum-mismatch"}
+    if not all(rel in hurt for rel in data) or crc & set(data):
+        return
+    report.findings.insert(
+        0,
+        finding(
+            "corrupt-file",
+            f"{meta[0]}: all {len(data)} data files disagree with it (each is named below): it is likely another "
+            "save's metadata copied in, or damaged, rather than every data file at once",
+            file=meta[0],
+            hint=f"restore {meta[0]} from the save the data files were written by; 'ckpttool inspect' of that save's "
+            "folder shows its metadata",
+        ),
+    )
+
+
+def _listed(root: Path) -> list[tuple[str, int]]:
+    """The files below ``root`` (relative paths and sizes), or none where it does not list."""
+    try:
+        return list_files(root)
+    except CkptError:
+        return []
 
 
 def _check_copies(report: VerifyReport, manifest: Manifest, adapter: Adapter, digests: dict[str, FileDigest]) -> None:

@@ -2081,6 +2081,26 @@ def test_a_seal_of_another_dcp_save_of_the_same_step_is_said_by_its_save_id(tmp_
     assert code == 1 and not any("another save" in f["message"] for f in report["findings"]), report
 
 
+@pytest.mark.parametrize(("into", "source"), [("fsdp2_zstd", "fsdp2"), ("fsdp2", "mesh2x2")])
+def test_another_saves_dcp_metadata_is_named_when_every_data_file_disagrees_with_it(into, source, tmp_path):
+    """Another save's .metadata copied into a DCP checkpoint blamed each data file (four cut short,
+    or 85 corrupt items), never the one file they all disagree with. It is named first; the data
+    files' findings stay. One damaged data file of several names no metadata."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp" / into, ck)
+    shutil.copy2(FIXTURES / "dcp" / source / ".metadata", ck / ".metadata")
+    code, report = _findings(ck)
+    first = report["findings"][0]
+    assert code == 1 and (first["rule"], first["file"]) == ("corrupt-file", ".metadata"), report["findings"]
+    assert "all 4 data files disagree with it" in first["message"]
+    assert {f["file"] for f in report["findings"][1:]} >= {f"__{r}_0.distcp" for r in range(4)}
+    ck = tmp_path / "one"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ck)
+    _cut_to(ck / "__1_0.distcp", 20_000)
+    code, report = _findings(ck)
+    assert code == 1 and not any(f["file"] == ".metadata" for f in report["findings"]), report["findings"]
+
+
 def test_a_trainer_checkpoint_whose_step_is_not_its_folders_is_a_step_mismatch(tmp_path):
     """Trainer names each save checkpoint-N after its global step: a trainer_state.json of step 2 in
     checkpoint-3 (another save's state copied in) passed verify."""

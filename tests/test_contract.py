@@ -25,7 +25,7 @@ CLI_SURFACE = {
     "delta apply": {"base", "delta", "--output", "--workers", "--force", "--quiet", "--help"},
     "delta info": {"delta", "--json", "--help"},
     "convert": {"src", "--output", "--to", "--max-shard-size", "--world-size", "--kind", "--filter", "--split-rule", "--force",
-                "--json", "--quiet", "--help"},
+                "--no-seal", "--json", "--quiet", "--help"},
     "compress": {"path", "--output", "--workers", "--force", "--json", "--quiet", "--help"},
     "decompress": {"packed", "--output", "--workers", "--force", "--quiet", "--help"},
     "rehearse": {"path", "--harness", "--steps", "--runs", "--tolerance", "--device", "--json", "--help"},

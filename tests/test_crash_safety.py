@@ -241,7 +241,7 @@ def _commands(work: Path) -> dict[str, Command]:
             argv=lambda d: ["convert", str(dcp), "-o", str(d), "--max-shard-size", "20KB"],
             dest_name="hf",
             sources=lambda d: [dcp],
-            complete=_same_tree,
+            complete=_sealed_tree,
             valid=_holds(dcp),
         ),
         "convert-dcp": Command(
@@ -249,7 +249,7 @@ def _commands(work: Path) -> dict[str, Command]:
             argv=lambda d: ["convert", str(legacy), "-o", str(d), "--to", "dcp", "--world-size", "2"],
             dest_name="dcp2",
             sources=lambda d: [legacy],
-            complete=_same_tree,
+            complete=_sealed_tree,
             valid=_holds(legacy),
         ),
         "delta-apply": Command(

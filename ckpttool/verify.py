@@ -282,6 +282,9 @@ class VerifyReport:
     error: str | None = None
     """why nothing could be evaluated (the command exits 3), with ``error_hint``"""
     error_hint: str | None = None
+    seal_nearby: str | None = None
+    """without a seal: a seal in the folder above that covers this checkpoint, or in a folder of it
+    (a save directory's and its tag's), which ``verify`` of that folder checks against"""
 
     def failing(self, fail_on: Severity = "error") -> list[Finding]:
         return [f for f in self.findings if SEVERITY_ORDER[f.severity] >= SEVERITY_ORDER[fail_on]]
@@ -295,7 +298,8 @@ class VerifyReport:
     def to_json(self, fail_on: Severity = "error") -> dict[str, Any]:
         return {
             "schema_version": SCHEMA_VERSION,
-            "inputs": {"path": self.path, "seal": self.seal, "deep": self.deep},
+            "inputs": {"path": self.path, "seal": self.seal, "deep": self.deep}
+            | ({"seal_nearby": self.seal_nearby} if self.seal_nearby else {}),
             "format": self.format,
             "step": self.step,
             "root": self.root,
@@ -355,6 +359,8 @@ def verify(
     finally:
         if early is not None:
             early.cancel()
+    if sealed is None:
+        report.seal_nearby = _seal_nearby(Path(path), report.root)
     bases = [Path(report.root)] if report.root else [root, root.parent]
     report.findings = [_not_a_file(bases, f) for f in report.findings]
     return report
@@ -399,6 +405,29 @@ def _describe_as_sealed(root: Path, sealed: Seal, exc: FormatNotRecognizedError)
         "only its bytes were checked against the seal",
         hint="take away what was added since the seal (the extra files named) or restore what is missing",
     )
+
+
+def _seal_nearby(root: Path, own: str | None) -> str | None:
+    """The seal of the checkpoint's own folder ``own`` (a save directory's iteration or tag, given
+    the save directory), or one of the folder above ``root`` that names files inside it, or the one
+    seal of a folder of ``root``: the checkpoint was sealed from there, and is checked against it
+    only when that folder is verified. None where there is none (or ``root`` is a file)."""
+    if not root.is_dir():
+        return None
+    if own and default_seal_path(Path(own)).is_file():
+        return str(default_seal_path(Path(own)))
+    above = default_seal_path(root.resolve().parent)
+    if above.is_file():
+        with contextlib.suppress(Exception):  # (a seal that does not read: none to point to)
+            inside = root.resolve().name + "/"
+            if any(f.path.startswith(inside) for f in Seal.load(above).head.files):
+                return str(default_seal_path(root.parent))
+    below = []  # (a DeepSpeed save directory names its files from itself: its tag's seal, if one alone)
+    with contextlib.suppress(OSError), os.scandir(root) as entries:
+        below = [
+            e.path for e in entries if e.is_dir(follow_symlinks=False) and default_seal_path(Path(e.path)).is_file()
+        ]
+    return str(default_seal_path(Path(below[0]))) if len(below) == 1 else None
 
 
 def _refuse_unopenable(manifest: Manifest) -> None:

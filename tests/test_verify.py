@@ -271,6 +271,26 @@ def test_files_this_user_may_not_open_are_said_once_and_not_evaluated(tmp_path, 
     assert raised.value.exit_code == 3
 
 
+def test_a_seal_of_the_folder_above_or_below_is_pointed_to(tmp_path):
+    """A DeepSpeed save directory sealed, then its tag verified (or the tag sealed and the directory
+    verified): "no seal", with no word of the seal one folder away, which verify of that folder
+    would check against. It is named, in the report and its JSON."""
+    path = _copy("deepspeed/zero2", tmp_path)
+    assert verify(path).seal_nearby is None
+    assert run_cli("seal", path).code == 0
+    report = verify(path / "global_step3")
+    assert report.seal is None and report.seal_nearby == str(path / "ckpttool.manifest.json")
+    r = run_cli("verify", path / "global_step3")
+    assert r.code == 0 and f"seals the folder {path}: 'ckpttool verify {path}'" in " ".join(r.stdout.split())
+    (path / "ckpttool.manifest.json").unlink()
+    assert run_cli("seal", path / "global_step3").code == 0
+    r = run_cli("verify", path, "--json")
+    assert json.loads(r.stdout)["inputs"]["seal_nearby"] == str(path / "global_step3" / "ckpttool.manifest.json")
+    dist = _copy("megatron/dist_tp2", tmp_path)  # (its iteration, the folder the findings are named from)
+    assert run_cli("seal", dist / "iter_0000003").code == 0
+    assert verify(dist).seal_nearby == str(dist / "iter_0000003" / "ckpttool.manifest.json")
+
+
 def test_deepspeed_latest_missing_tag():
     report = verify(FIXTURES / "hostile" / "ds_latest_missing_tag")
     assert "incomplete-save" in _rules(report)

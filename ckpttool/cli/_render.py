@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from rich.filesize import decimal
@@ -95,6 +96,12 @@ def verify_report(out: Output, report: VerifyReport, fail_on: Severity) -> None:
         f"checked: {checked or 'nothing'}"
         + (f"   seal: {escape(report.seal)}" if report.seal else "   no seal (zip CRCs used where the format has them)")
     )
+    if report.seal_nearby:
+        folder = os.path.dirname(report.seal_nearby) or "."
+        out.line(
+            f"{escape(report.seal_nearby)} seals the folder {escape(folder)}: 'ckpttool verify {escape(folder)}' "
+            "checks this checkpoint against it"
+        )
     rows = [(g.severity.upper(), g.rule, g.line, list(g.hints)) for g in groups(report)]
     if rows:
         out.line("")

@@ -97,8 +97,8 @@ class PartOfCheckpointError(FormatNotRecognizedError):
     """One rank's file of a checkpoint of another format (a Megatron or DeepSpeed rank file, a
     ``torch_dist`` ``common.pt``) given where a checkpoint was expected: the checkpoint is named."""
 
-    def __init__(self, path: str, fmt: str, folder: str, why: str) -> None:
-        said = f"one file of the {fmt} checkpoint {folder}: give that ({why})"
+    def __init__(self, path: str, fmt: str, folder: str, why: str, *, part: str = "file") -> None:
+        said = f"one {part} of the {fmt} checkpoint {folder}: give that ({why})"
         super().__init__(
             path, {"torch": said}, message=f"{path}: {said}", hint=f"give the checkpoint it is part of: {folder}"
         )

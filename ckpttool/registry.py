@@ -15,7 +15,14 @@ import re
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedError, NotFoundError, PathEscapeError
+from ckpttool.errors import (
+    CkptError,
+    CorruptFileError,
+    FormatNotRecognizedError,
+    NotFoundError,
+    PartOfCheckpointError,
+    PathEscapeError,
+)
 from ckpttool.formats._pt import hostile_beside
 from ckpttool.formats.base import Adapter
 from ckpttool.io import escapes, followed, list_files
@@ -104,7 +111,9 @@ def _folder_of_checkpoints(folder: Path, held: list[tuple[str, str]]) -> FormatN
     """The error for a folder that holds checkpoints rather than being one: it names them (the
     first few) and the one to give."""
     names = [n for n, _ in held]
-    numbered = all(re.search(r"\d", n) for n in names)
+    # a run's saves: names alike but for their numbers (checkpoint-500, checkpoint-1000), not two
+    # checkpoints whose names hold digits (fsdp2, mesh2x2)
+    numbered = all(re.search(r"\d", n) for n in names) and len({re.sub(r"\d+", "#", n) for n in names}) == 1
     shown_names = names if numbered else sorted(names)  # (a run's saves in the order of their numbers)
     formats = ", ".join(sorted({f for _, f in held}))
     shown = ", ".join(shown_names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
@@ -135,6 +144,11 @@ def describe(path: str | Path) -> tuple[Adapter, Manifest]:
     except FormatNotRecognizedError:
         # (said here, where the user gave the path, not in detect: the readers' own probes of the
         # folders above a file call detect, and would scan each one's sub-folders for nothing)
+        if (whole := _enclosing(Path(path))) is not None:
+            part = "folder" if Path(path).is_dir() else "file"
+            raise PartOfCheckpointError(
+                str(path), whole[0], str(whole[1]), "read alone, it is no checkpoint", part=part
+            ) from None
         if Path(path).is_dir() and (held := _checkpoints_in(Path(path))):
             raise _folder_of_checkpoints(Path(path), held) from None
         raise
@@ -166,6 +180,25 @@ def describe(path: str | Path) -> tuple[Adapter, Manifest]:
     kinds_by_sibling(manifest.items)  # (names alone leave a top-level parameter's state a parameter)
     hostile_beside(Path(manifest.root), manifest)
     return adapter, manifest
+
+
+def _enclosing(path: Path) -> tuple[str, Path] | None:
+    """The checkpoint a path that is none is a part of (a DCP ``.metadata`` or ``.distcp`` file, a
+    universal checkpoint's ``zero/`` folder), looked for in the two folders above it: its format's
+    name and folder, where that checkpoint's own files (not others kept beside them) include the
+    path; or None."""
+    here = path.absolute()
+    for up, folder in enumerate(list(here.parents)[:2]):
+        try:
+            adapter = detect(folder)
+            with gc_paused():
+                files = [f.path for f in adapter.describe(folder).files if f.role not in ("aux", "seal")]
+        except CkptError:
+            continue
+        rel = here.relative_to(folder).as_posix()
+        if any(f == rel or f.startswith(rel + "/") for f in files):
+            return adapter.name, path.parent if up == 0 else path.parent.parent
+    return None
 
 
 def _name_other_links(root: Path, exc: PathEscapeError) -> None:

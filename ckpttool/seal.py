@@ -156,12 +156,20 @@ class Seal:
     @classmethod
     def _load(cls, path: Path) -> Seal:
         data = json.loads(path.read_bytes())
-        if not isinstance(data, dict) or data.get("kind") != SEAL_KIND:
-            raise ValueError(f"kind is {data.get('kind') if isinstance(data, dict) else type(data).__name__!r}")
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, where a seal is an object with kind {SEAL_KIND!r}")
+        if data.get("kind") != SEAL_KIND:
+            raise ValueError(f"its kind is {data.get('kind')!r:.40}, where a seal's is {SEAL_KIND!r}")
+        version = data.get("schema_version")
+        if version not in (1, SEAL_SCHEMA):  # (before any other field: a later schema may spell them otherwise)
+            newer = isinstance(version, int) and not isinstance(version, bool) and version > SEAL_SCHEMA
+            raise ValueError(
+                f"schema_version {version!r:.20}: this ckpttool reads seals of schema 1 and {SEAL_SCHEMA}"
+                + ("; a newer ckpttool wrote it: upgrade to read it" if newer else "")
+            )
         algo = data["hash"]
         if algo not in get_args(Algo):
             raise ValueError(f"unknown hash {algo!r:.40}")
-        version = data.get("schema_version")
         created, tool = data.get("created", ""), data.get("tool", "")
         if version == 1:
             manifest = Manifest.from_json_dict(data["manifest"])

@@ -673,6 +673,26 @@ def registry_format(path):
     return registry.detect(path).name
 
 
+def test_a_file_or_folder_of_a_checkpoint_names_the_checkpoint(tmp_path):
+    """A DCP checkpoint's .metadata, or a universal checkpoint's zero/ folder, given alone: "not a
+    checkpoint format" with every format's reason (the .metadata: "not a torch.save file (magic
+    8004957d)"), or "a folder of 4 checkpoints (torch)" of 4 of zero/'s 18 parameter folders. Each
+    names the checkpoint it is part of; a folder that is no file of the checkpoint above it (a folder
+    kept beside a model) is not called part of it."""
+    dcp = FIXTURES / "dcp" / "fsdp2"
+    for part, what in ((dcp / ".metadata", "file"), (dcp / "__0_0.distcp", "file")):
+        assert_clean(run_cli("verify", part), 3, f"{part}: one {what} of the dcp checkpoint {dcp}: give that")
+    universal = FIXTURES / "deepspeed" / "universal" / "global_step3_universal"
+    r = run_cli("inspect", universal / "zero")
+    assert_clean(r, 3, f"one folder of the deepspeed checkpoint {universal}: give that")
+    assert f"hint: give the checkpoint it is part of: {universal}" in r.stderr
+    beside = tmp_path / "m"
+    (beside / "notes").mkdir(parents=True)
+    (beside / "notes" / "x.txt").write_text("x")
+    shutil.copy2(FIXTURES / "safetensors" / "model.safetensors", beside)
+    assert_clean(run_cli("verify", beside / "notes"), 3, "not a checkpoint format ckpttool reads")
+
+
 def test_a_folder_of_checkpoints_names_them_and_the_one_to_give(tmp_path):
     """A run's output folder (checkpoint-90, checkpoint-500, … or step_10, step_20) given where one
     checkpoint was meant got "not a checkpoint format ckpttool reads" and every format's reason
@@ -688,6 +708,12 @@ def test_a_folder_of_checkpoints_names_them_and_the_one_to_give(tmp_path):
         assert_clean(r, 3, f"{run}: a folder of 3 checkpoints (safetensors), not one: checkpoint-90, checkpoint-500, checkpoint-1000")
         assert f"hint: give one of them; the last by the number in its name is {run / 'checkpoint-1000'}" in r.stderr
         assert "megatron" not in r.stderr, r.stderr  # (not every format's reason)
+    two = tmp_path / "two"  # (names holding digits, not a run's numbered saves: no "last by its number")
+    for name in ("fsdp2", "mesh2x2"):
+        shutil.copytree(FIXTURES / "dcp" / name, two / name)
+    r = run_cli("verify", two)
+    assert_clean(r, 3, "a folder of 2 checkpoints (dcp), not one: fsdp2, mesh2x2")
+    assert f"hint: give one of them, such as {two / 'fsdp2'}" in r.stderr, r.stderr
     r = run_cli("inspect", FIXTURES / "hf" / "trainer")
     assert_clean(r, 3, "a folder holding the checkpoint checkpoint-3 (safetensors), not a checkpoint itself")
     assert f"hint: give the checkpoint itself: {FIXTURES / 'hf' / 'trainer' / 'checkpoint-3'}" in r.stderr

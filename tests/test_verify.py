@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import struct
@@ -1066,6 +1067,16 @@ def test_a_damaged_seal_column_is_a_clear_error(tmp_path):
         with pytest.raises(CorruptFileError, match="not a readable ckpttool seal"):
             Seal.load(at)
         assert run_cli("verify", path).code == 3, what
+    # what is wrong said in words: a later schema (before the fields it may spell otherwise), a list,
+    # another kind (it was "KeyError: 'hash'", "kind is 'list'")
+    for doc, said in (
+        ({"schema_version": 99, "kind": "ckpttool.seal"}, "schema_version 99: this ckpttool reads seals of schema 1"),
+        ([], "a JSON list, where a seal is an object with kind 'ckpttool.seal'"),
+        ({"kind": "other"}, "its kind is 'other', where a seal's is 'ckpttool.seal'"),
+    ):
+        at.write_text(json.dumps(doc))
+        with pytest.raises(CorruptFileError, match=re.escape(said)):
+            Seal.load(at)
     # locator values left over: found when the whole manifest is built
     doc = json.loads(json.dumps(good))
     doc["pieces"]["locator_values"].append(7)

@@ -247,7 +247,7 @@ def test_bad_requests_are_refused_not_internal_errors(tmp_path):
         (["inspect", ""], 2, "empty path"),
         (["diff", ckpt, ckpt, "--atol", "-1"], 2, "--atol -1.0: a tolerance is a finite number"),
         (["diff", ckpt, ckpt, "--rtol", "nan"], 2, "--rtol nan: a tolerance is a finite number"),
-        (["inspect", ckpt / "__0_0.distcp"], 3, "is one data file of the DCP checkpoint"),
+        (["inspect", ckpt / "__0_0.distcp"], 3, "__0_0.distcp: one file of the dcp checkpoint"),
         (["verify", "/dev/null"], 3, "neither a regular file nor a directory"),
         (["compress", ckpt, "-o", ""], 2, "empty path"),
         (["seal", ckpt, "--out", ckpt / "xckpttool.manifest.json"], 2, "inside the checkpoint"),

@@ -257,15 +257,13 @@ def test_files_this_user_may_not_open_are_said_once_and_not_evaluated(tmp_path, 
     (exit 1), with "Permission denied" only in the JSON; DeepSpeed's and safetensors' readers said it
     once, exit 3. Said once for every format, naming the files."""
     path = _copy("dcp/fsdp2", tmp_path)
-    real_open = os.open
+    real_access = os.access
     blocked = {str(path / "__2_0.distcp"), str(path / "__3_0.distcp")}
 
-    def no_read(file, flags, *args, **kwargs):
-        if str(file) in blocked:
-            raise PermissionError(13, "Permission denied", str(file))
-        return real_open(file, flags, *args, **kwargs)
+    def no_read(file, mode, *args, **kwargs):  # (as for a user the files' permissions shut out)
+        return False if str(file) in blocked else real_access(file, mode, *args, **kwargs)
 
-    monkeypatch.setattr(os, "open", no_read)
+    monkeypatch.setattr(os, "access", no_read)
     with pytest.raises(NotFoundError) as raised:
         verify(path)
     assert raised.value.message == "__2_0.distcp: cannot open (Permission denied) (and 1 more: __3_0.distcp)"

@@ -11,7 +11,6 @@ Each format module builds its allowlist from :data:`PLAIN` plus its own stubs.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import io
 import math
@@ -814,14 +813,25 @@ def nested_globals(data: bytes, depth: int = 0) -> list[str]:
     inside it that are torch.save archives (what ``torch.storage._load_from_bytes`` loads) are
     scanned too. A global whose name is not a constant (built on the stack) is reported as
     ``<computed>``; a pickle that cannot be parsed as ``<unreadable>``."""
+    return _scan(io.BytesIO(data), depth)[0]
+
+
+class PickleTooLong(Exception):
+    """A pickle longer than the scan reads (:func:`stream_globals`' ``limit``): not checked whole."""
+
+
+def _scan(stream: Any, depth: int = 0) -> tuple[list[str], bool]:
+    """The globals of the pickle at ``stream``'s position, read op by op (the stream is left after
+    its STOP), and whether it parsed to its STOP: see :func:`nested_globals`."""
     import pickletools
 
     found: list[str] = []
     recent: list[Any] = []  # the last values pushed, for STACK_GLOBAL
     memo: dict[int, Any] = {}
+    whole = False
     try:
         arg: Any
-        for op, arg, _pos in pickletools.genops(data):
+        for op, arg, _pos in pickletools.genops(stream):
             name = op.name
             if name == "GLOBAL" or name == "INST":
                 module, _, attr = str(arg).partition(" ")
@@ -844,35 +854,63 @@ def nested_globals(data: bytes, depth: int = 0) -> list[str]:
                 memo[len(memo)] = recent[-1]
             elif name in ("BINGET", "LONG_BINGET", "GET"):
                 recent.append(memo.get(int(arg)))
+            elif name == "STOP":
+                whole = True
             elif name != "FRAME":
                 recent.append(None)
             del recent[:-4]
+    except PickleTooLong:
+        raise
     except Exception:  # a damaged pickle: not loadable by anyone, but also not proven safe
         found.append("<unreadable>")
-    return found
+    return found, whole
 
 
-def stream_globals(data: bytes, most: int = 5) -> list[str]:
-    """The globals of the pickles one after another at the start of ``data``, up to ``most`` of
-    them: a plain pickle file's one, or a pre-1.6 torch.save file's (magic number, protocol, system
-    info, the object, its storage keys; raw storage bytes after them), each of which ``torch.load``
-    unpickles, running what it names. Read as :func:`nested_globals` reads one."""
-    import pickletools
+class _Capped:
+    """A binary file read through at most ``limit`` bytes: :class:`PickleTooLong` past them."""
 
+    def __init__(self, f: Any, limit: int) -> None:
+        self.f, self.left = f, limit
+
+    def _took(self, data: bytes) -> bytes:
+        self.left -= len(data)
+        if self.left < 0:
+            raise PickleTooLong
+        return data
+
+    def read(self, n: int = -1) -> bytes:
+        return self._took(self.f.read(self.left + 1 if n is None or n < 0 else min(n, self.left + 1)))
+
+    def readline(self) -> bytes:
+        return self._took(self.f.readline(self.left + 1))
+
+    def tell(self) -> int:
+        return int(self.f.tell())
+
+
+def stream_globals(f: Any, limit: int, most: int = 5) -> list[str]:
+    """The globals of the pickles one after another from the start of binary file ``f``, up to
+    ``most`` of them: a plain pickle file's one (of any protocol), or a pre-1.6 torch.save file's
+    (magic number, protocol, system info, the object, its storage keys; raw storage bytes after
+    them), each of which ``torch.load`` unpickles, running what it names as it goes. Of a pickle
+    that does not parse to its end, the globals named before the damage count (they would run before
+    the load fails), not ``<computed>`` or ``<unreadable>``: a file of other bytes is no pickle.
+    Raises :class:`PickleTooLong` where more than ``limit`` bytes would be read."""
+    capped = _Capped(f, limit)
     found: list[str] = []
-    start = 0
     for n in range(most):
-        if start >= len(data) or (n and data[start] != 0x80):  # (a later one starts with PROTO, or raw bytes do)
+        at = f.tell()
+        head = f.read(2)
+        f.seek(at)
+        if not head or (n and head[:1] != b"\x80"):  # (a later pickle starts with PROTO; raw bytes follow)
             break
-        stream = io.BytesIO(data)
-        stream.seek(start)
-        end = None
-        with contextlib.suppress(Exception):  # (an unparsable pickle: nested_globals says so)
-            end = next((pos or 0) + 1 for op, _, pos in pickletools.genops(stream) if op.name == "STOP")
-        found += nested_globals(data[start:end])
-        if end is None:
+        if head[:1] == b"\x80" and (len(head) < 2 or head[1] > pickle.HIGHEST_PROTOCOL):
+            break  # (no protocol a pickler writes: other bytes)
+        got, whole = _scan(capped)
+        if not whole:
+            found += [g for g in got if g not in ("<computed>", "<unreadable>")]
             break
-        start = end
+        found += got
     return found
 
 

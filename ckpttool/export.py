@@ -136,6 +136,9 @@ def refuse_findings(manifest: Manifest) -> None:
     (:func:`refuse_a_member`)."""
     refuse_a_part(manifest, manifest.root)
     refuse_a_member(manifest)
+    from ckpttool.formats._pt import hostile_beside
+
+    hostile_beside(Path(manifest.root), manifest)
     # (a finding that says it does not stop a write: damage the writers handle themselves, as a
     # DCP planner_data map, which the DCP writer leaves out and --to torch refuses with its reason)
     found = [f for f in manifest.extras.get("findings") or () if f.get("stops_writes", True)]

@@ -23,7 +23,6 @@ from ckpttool.errors import (
     PartOfCheckpointError,
     PathEscapeError,
 )
-from ckpttool.formats._pt import hostile_beside
 from ckpttool.formats.base import Adapter
 from ckpttool.io import escapes, followed, list_files
 from ckpttool.manifest import Manifest, is_seal_name
@@ -178,7 +177,6 @@ def describe(path: str | Path) -> tuple[Adapter, Manifest]:
         if is_seal_name(f.path.rsplit("/", 1)[-1]):
             f.role = "seal"
     kinds_by_sibling(manifest.items)  # (names alone leave a top-level parameter's state a parameter)
-    hostile_beside(Path(manifest.root), manifest)
     return adapter, manifest
 
 

@@ -853,6 +853,7 @@ def seal(
         )
     with _not_sealing_damage(), ckio.checking_crcs():  # the pickles it reads are bytes it vouches for too
         adapter, manifest = registry.describe(path)
+    _pt.hostile_beside(Path(manifest.root), manifest)
     for f in manifest.extras.get("findings") or ():  # damage the format's reader found and read past
         code_running = (f["rule"], f.get("severity")) == ("unsafe-pickle", "error")
         lacking = f["rule"] == "missing-file" and f.get("severity", "error") == "error"  # (an index: a warning)

@@ -439,9 +439,9 @@ def _refuse_unopenable(manifest: Manifest) -> None:
     # (access(2), not an open: one metadata call a file, which a parallel file system answers cheaply)
     effective = os.access in os.supports_effective_ids
     blocked: list[tuple[str, str]] = []
-    for rec in manifest.files:
+    for rec in manifest.files:  # (the files verify reads: not a file kept beside them, a lock or a README)
         path = base / rec.path
-        if rec.role != "seal" and not os.access(path, os.R_OK, effective_ids=effective) and path.exists():
+        if rec.role not in ("seal", "aux") and not os.access(path, os.R_OK, effective_ids=effective) and path.exists():
             blocked.append((rec.path, os.strerror(errno.EACCES)))
     if blocked:
         named = ", ".join(p for p, _ in blocked[1:4]) + (" …" if len(blocked) > 4 else "")
@@ -491,6 +491,7 @@ def _verify(
             report.findings += _beside_links_out(root, {e.path or "" for e in (exc, *exc.others)})
     if manifest is not None:
         _refuse_unopenable(manifest)
+        _pt.hostile_beside(Path(manifest.root), manifest)
         report.format, report.step = manifest.format, manifest.step
         report.root = _findings_root(root, manifest)
         report.layout = {

@@ -103,21 +103,40 @@ NESTED_LIMIT = 64 * 2**20
 PICKLE_SUFFIXES = (*SUFFIXES, ".pkl", ".pickle")
 """the names of files that ``torch.load`` or ``pickle.load`` is pointed at"""
 
+BESIDE_LIMIT = 16 * 2**20
+"""Longest pickle read of a file beside the state (:func:`hostile_beside`; a Trainer's
+``training_args.bin`` is a few KiB): read op by op in Python, about 2 s a limit's worth"""
+
 
 def hostile_beside(root: Path, manifest: Manifest) -> None:
     """The pickles a checkpoint keeps beside the state its format reads (``aux`` files: a Hugging
     Face Trainer's ``training_args.bin``, a ``.pt`` dropped into a DCP folder) are read by no reader,
     but whoever loads them with ``torch.load(weights_only=False)`` runs what they name: one that
     names a global that runs code (:func:`~ckpttool._unpickle.hostile`) is an ``unsafe-pickle``
-    error in ``extras["findings"]`` (verify reports it, seal and the writers refuse). Files a
-    format's reader already judged (the Trainer's state files) are not read again; a file that does
-    not parse is left to the archive checks."""
+    error in ``extras["findings"]`` (verify reports it, seal and the writers refuse); one too long to
+    read whole (:data:`BESIDE_LIMIT`) is a warning, not checked. Files a format's reader already
+    judged (the Trainer's state files) are not read again; a file that does not parse is left to
+    the archive checks. Called by the commands that judge or write a checkpoint (verify, seal,
+    convert, reshard, export), not by those that only list it."""
     judged = {f.get("file") for f in manifest.extras.get("findings") or () if f.get("rule") == "unsafe-pickle"}
     found = []
     for rec in manifest.files:
         if rec.role != "aux" or not rec.path.endswith(PICKLE_SUFFIXES) or rec.path in judged:
             continue
-        name = _unpickle.hostile(_globals_of(root, rec.path))
+        try:
+            name = _unpickle.hostile(_globals_of(root, rec.path))
+        except _unpickle.PickleTooLong:
+            found.append(
+                {
+                    "rule": "unsafe-pickle",
+                    "severity": "warning",
+                    "file": rec.path,
+                    "message": f"{rec.path}: its pickle is longer than the {BESIDE_LIMIT >> 20} MiB ckpttool reads of "
+                    "one: not checked for globals that run code",
+                    "hint": "do not load it with torch.load(weights_only=False) unless you trust its source",
+                }
+            )
+            continue
         if name is None:
             continue
         found.append(
@@ -137,24 +156,33 @@ def hostile_beside(root: Path, manifest: Manifest) -> None:
 
 def _globals_of(root: Path, rel: str) -> list[str]:
     """The globals the pickles of file ``rel`` name: a torch.save archive's ``data.pkl`` (nested
-    archives in it too), else the pickles at the file's start (a plain pickle, a pre-1.6 torch.save
-    file), of its first :data:`NESTED_LIMIT` bytes. None read from a file that is neither."""
+    archives in it too), else the pickles at the file's start, of any protocol (a plain pickle, a
+    pre-1.6 torch.save file). None from a file that is neither (another zip, other bytes). Raises
+    ``PickleTooLong`` for a pickle of more than :data:`BESIDE_LIMIT` bytes."""
     try:
-        f = RandomAccessFile(confine(root, rel, named_by="the listing"), display=rel)
+        path = confine(root, rel, named_by="the listing")
+        f = RandomAccessFile(path, display=rel)
     except (CkptError, OSError):
         return []
     try:
-        head = bytes(f.read(0, min(4, f.size)))
-        if head == ZIP_MAGIC:
-            data = _torchzip.Archive(f, display=rel, allow={}).pickle_bytes(check=False)
-            return _unpickle.nested_globals(data)
-        if head[:1] != b"\x80":  # (protocol 2+ pickles start with PROTO; torch.save has written nothing older)
-            return []
-        return _unpickle.stream_globals(bytes(f.read(0, min(f.size, NESTED_LIMIT))))
-    except (CkptError, OSError, ValueError, KeyError):
-        return []  # (damage: the archive checks say what)
+        if bytes(f.read(0, min(4, f.size))) == ZIP_MAGIC:
+            try:
+                archive = _torchzip.Archive(f, display=rel, allow={})
+                info = archive.members[archive.prefix + "data.pkl"]
+            except (CkptError, KeyError):
+                return []  # (another zip, or a damaged one: the archive checks say which)
+            if info.file_size > BESIDE_LIMIT:
+                raise _unpickle.PickleTooLong
+            return _unpickle.nested_globals(archive.pickle_bytes(check=False))
+    except (CkptError, OSError, ValueError):
+        return []
     finally:
         f.close()
+    try:
+        with open(path, "rb") as fh:  # (streamed: a pickle is read op by op, to its STOP)
+            return _unpickle.stream_globals(fh, BESIDE_LIMIT)
+    except OSError:
+        return []
 
 
 def saved_as(root: Path, inner: dict[str, str], sizes: dict[str, int]) -> tuple[str, str] | None:

@@ -488,25 +488,29 @@ def _trainer_state(root: Path, manifest: Manifest) -> None:
 
 
 def _rng_gaps(names: list[str]) -> list[dict[str, Any]]:
-    """A ``missing-file`` finding for each process's ``rng_state_N.pth`` absent below the highest N
-    present: Trainer saves one per process (``_save_rng_state``), and on resume a process whose file
-    is missing only logs it and goes on with fresh RNG, so the run does not replay. (Files missing
-    above the highest cannot be told: the checkpoint does not record the world size.)"""
+    """A ``missing-file`` finding for the processes' ``rng_state_N.pth`` absent between the lowest
+    and the highest N present: Trainer saves one per process (``_save_rng_state``), and on resume a
+    process whose file is missing only logs it and goes on with fresh RNG state, so the run does not
+    replay. (Files missing below the lowest or above the highest cannot be told: a node's own disk
+    holds its processes' files alone under ``save_on_each_node``, and the world size is not saved.)
+    One finding for all of them."""
     held = sorted(int(m[1]) for n in names if (m := re.fullmatch(r"rng_state_(\d+)\.pth", n)))
-    if not held:
+    gaps = sorted(set(range(held[0], held[-1] + 1)) - set(held)) if held else []
+    if not gaps:
         return []
-    gaps = sorted(set(range(held[-1] + 1)) - set(held))
-    present = ", ".join(f"rng_state_{n}.pth" for n in held[:3]) + (" …" if len(held) > 3 else "")
+    missing = [f"rng_state_{n}.pth" for n in gaps]
+    named = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
     return [
         {
             "rule": "missing-file",
-            "file": f"rng_state_{n}.pth",
-            "message": f"rng_state_{n}.pth is missing: Trainer saves one RNG state per process, and {present} are "
-            "here; that process would resume with fresh RNG state, and the run would not replay",
-            "hint": "restore the file from the save, or resume from another checkpoint",
+            "file": missing[0],
+            "message": f"{named} {'is' if len(missing) == 1 else 'are'} missing: Trainer saves one RNG state per "
+            f"process, and those of processes {held[0]} to {held[-1]} but these are here; "
+            f"{'that process' if len(missing) == 1 else 'those processes'} would resume with fresh RNG state, and "
+            "the run would not replay",
+            "hint": "restore the files from the save, or resume from another checkpoint",
             "stops_writes": False,  # (no writer carries the Trainer's RNG files: they are left behind, and said)
         }
-        for n in gaps
     ]
 
 

@@ -515,6 +515,13 @@ def test_a_step_summary_inside_the_checkpoint_is_not_appended_to(tmp_path):
     r = run_cli("verify", ckpt, env={"GITHUB_ACTIONS": "true", "GITHUB_STEP_SUMMARY": str(linked)})
     assert r.code == 0 and target.read_bytes() == before, r.stderr
     assert "GITHUB_STEP_SUMMARY is a hard link to" in " ".join(r.stderr.split()), r.stderr
+    one = tmp_path / "one" / "train_state.pt"  # (a checkpoint of one file: that file)
+    one.parent.mkdir()
+    shutil.copy2(FIXTURES / "torch" / "train_state.pt", one)
+    kept = one.read_bytes()
+    os.link(one, tmp_path / "one.md")
+    r = run_cli("verify", one, env={"GITHUB_ACTIONS": "true", "GITHUB_STEP_SUMMARY": str(tmp_path / "one.md")})
+    assert r.code == 0 and one.read_bytes() == kept and "is a hard link to" in " ".join(r.stderr.split()), r.stderr
 
 
 def test_a_torch_dist_save_without_its_metadata_is_named_by_the_path_given(tmp_path):

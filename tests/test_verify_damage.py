@@ -1679,7 +1679,7 @@ def test_a_trainer_state_file_whose_pickle_runs_code_is_an_error_and_not_sealed(
     assert_clean(run_cli("seal", ck), 3, "system, which runs code", "not sealed")
 
 
-@pytest.mark.parametrize("how", ["zip", "legacy", "pickle"])
+@pytest.mark.parametrize("how", ["zip", "legacy", "pickle", "protocol 0", "protocol 1 cut short"])
 def test_a_pickle_beside_the_state_that_runs_code_is_an_error_and_not_sealed_nor_converted(how, tmp_path):
     """A file no reader loads (a Trainer's training_args.bin, a .pkl dropped into a DCP folder) whose
     pickle runs code passed verify, --deep too, with exit 0, and seal vouched for it: whoever loads it
@@ -1697,9 +1697,15 @@ def test_a_pickle_beside_the_state_that_runs_code_is_an_error_and_not_sealed_nor
         torch.save({"args": _RunsTrue()}, target)
     elif how == "legacy":
         torch.save({"args": _RunsTrue(), "w": torch.ones(2)}, target, _use_new_zipfile_serialization=False)
-    else:
+    elif how == "pickle":
         target = ck / "extra.pkl"
         target.write_bytes(pickle.dumps([1, _RunsTrue()], protocol=4))
+    elif how == "protocol 0":  # (no PROTO opcode: pickle.load runs it all the same)
+        target.write_bytes(pickle.dumps(_RunsTrue(), protocol=0))
+    else:  # (cut after the call: the load runs it before it fails)
+        target = ck / "extra.pkl"
+        whole = pickle.dumps([_RunsTrue(), list(range(100))], protocol=1)
+        target.write_bytes(whole[: len(whole) // 2 + 30])
     before = tree_digests(ck)
     for deep in ((), ("--deep",)):
         code, report = _findings(ck, *deep)
@@ -1710,6 +1716,24 @@ def test_a_pickle_beside_the_state_that_runs_code_is_an_error_and_not_sealed_nor
     r = run_cli("convert", ck, "-o", tmp_path / "out", "--to", "dcp")
     assert_clean(r, 3, target.name, "nothing was written")
     assert not (tmp_path / "out").exists() and tree_digests(ck) == before
+
+
+def test_a_long_pickle_beside_the_state_is_not_checked_and_other_bytes_are_no_pickle(tmp_path):
+    """A pickle beside the state longer than ckpttool reads (its call past the 64 MiB once read) passed
+    as checked and was sealed: it is an unsafe-pickle warning, not checked. A file of other bytes
+    that begins like a pickle (PROTO of no protocol, a STACK_GLOBAL of nothing) was an unsafe-pickle
+    error "refers to <computed>": no pickle, no finding."""
+    import pickle
+
+    ck = tmp_path / "hf"
+    shutil.copytree(HF_TRAINER, ck)
+    (ck / "history.pkl").write_bytes(pickle.dumps([b"\0" * (17 << 20), _RunsTrue()], protocol=4))
+    (ck / "embeddings.bin").write_bytes(bytes([0x80, 0x3C, 0x93]) + bytes(range(256)) * 4)
+    (ck / "raw.bin").write_bytes(bytes([0x93, 0x80]) + bytes(range(256)) * 4)
+    code, report = _findings(ck)
+    found = [(f["rule"], f["severity"], f["file"]) for f in report["findings"]]
+    assert code == 0 and found == [("unsafe-pickle", "warning", "history.pkl")], report["findings"]
+    assert "longer than the 16 MiB ckpttool reads of one: not checked" in report["findings"][0]["message"]
 
 
 def _flip_member(path, member):
@@ -1802,9 +1826,18 @@ def test_a_trainer_process_rng_file_missing_between_others_is_named(tmp_path):
     (ck / "rng_state_2.pth").unlink()
     code, report = _findings(ck)
     assert code == 1 and _rules(report) == [("missing-file", "rng_state_2.pth")], report["findings"]
-    assert "rng_state_0.pth, rng_state_1.pth, rng_state_3.pth are here" in report["findings"][0]["message"]
+    assert "rng_state_2.pth is missing: Trainer saves one RNG state per process, and those of processes 0 to 3" in (
+        report["findings"][0]["message"]
+    )
     assert_clean(run_cli("seal", ck), 3, "rng_state_2.pth is missing", "not sealed")
     assert run_cli("convert", ck, "-o", tmp_path / "out", "--to", "dcp", "--kind", "param").code == 0
+    # a node's own disk under save_on_each_node: its processes' files alone (4 to 7), no gap
+    node = tmp_path / "node1" / "checkpoint-3"
+    shutil.copytree(HF_TRAINER, node)
+    for n in (4, 5, 6, 7):
+        shutil.copy2(node / "rng_state.pth", node / f"rng_state_{n}.pth")
+    (node / "rng_state.pth").unlink()
+    assert _findings(node)[0] == 0
 
 
 def test_a_trainer_file_copied_over_another_is_not_its_state(tmp_path):

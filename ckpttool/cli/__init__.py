@@ -530,7 +530,12 @@ def _inside_the_checkpoint(summary: str, report: VerifyReport) -> str | None:
         st = os.stat(summary)
     except OSError:
         return None
-    if st.st_nlink < 2 or not os.path.isdir(report.path):
+    if st.st_nlink < 2:
+        return None
+    if not os.path.isdir(report.path):  # (a checkpoint of one file: that file)
+        with contextlib.suppress(OSError):
+            if os.path.samestat(st, os.stat(report.path)):
+                return f"is a hard link to {report.path}, the checkpoint"
         return None
     for dirpath, _, names in os.walk(report.path):  # (a hard link to a checkpoint file: the same file)
         for name in names:

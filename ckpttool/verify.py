@@ -286,6 +286,8 @@ class VerifyReport:
     seal_nearby: str | None = None
     """without a seal: a seal in the folder above that covers this checkpoint, or in a folder of it
     (a save directory's and its tag's), which ``verify`` of that folder checks against"""
+    own_files: frozenset[str] = frozenset()
+    """the checkpoint's data and metadata files, resolved (not in the JSON): what a seal nearby must name"""
 
     def failing(self, fail_on: Severity = "error") -> list[Finding]:
         return [f for f in self.findings if SEVERITY_ORDER[f.severity] >= SEVERITY_ORDER[fail_on]]
@@ -361,7 +363,7 @@ def verify(
         if early is not None:
             early.cancel()
     if sealed is None:
-        report.seal_nearby = _seal_nearby(Path(path), report.root)
+        report.seal_nearby = _seal_nearby(Path(path), report)
     bases = [Path(report.root)] if report.root else [root, root.parent]
     report.findings = [_not_a_file(bases, f) for f in report.findings]
     return report
@@ -408,27 +410,30 @@ def _describe_as_sealed(root: Path, sealed: Seal, exc: FormatNotRecognizedError)
     )
 
 
-def _seal_nearby(root: Path, own: str | None) -> str | None:
-    """The seal of the checkpoint's own folder ``own`` (a save directory's iteration or tag, given
-    the save directory), or one of the folder above ``root`` that names files inside it, or the one
-    seal of a folder of ``root``: the checkpoint was sealed from there, and is checked against it
-    only when that folder is verified. None where there is none (or ``root`` is a file)."""
-    if not root.is_dir():
+def _seal_nearby(given: Path, report: VerifyReport) -> str | None:
+    """A seal one folder away that names the checkpoint's own files (``report.own_files``): of its
+    own folder (a save directory's iteration, given the save directory), of the folder above (the
+    save directory, given its iteration or tag; the folder, given its one file), or of a folder of
+    it (a DeepSpeed tag's). The checkpoint was sealed from there, and is checked against it only
+    when that folder is verified. Named as the path given spells it; None where there is none."""
+    if not report.own_files:
         return None
-    if own and default_seal_path(Path(own)).is_file():
-        return str(default_seal_path(Path(own)))
-    above = default_seal_path(root.resolve().parent)
-    if above.is_file():
+    here = given if given.is_dir() else given.parent
+    candidates = [Path(report.root)] if report.root else []
+    candidates.append(Path(os.path.normpath(os.path.join(given, ".."))) if given.is_dir() else here)
+    with contextlib.suppress(OSError), os.scandir(here) as entries:
+        candidates += sorted(Path(here, e.name) for e in entries if e.is_dir(follow_symlinks=False))
+    for folder in dict.fromkeys(candidates):
+        at = default_seal_path(folder)
+        if not at.is_file():
+            continue
         with contextlib.suppress(Exception):  # (a seal that does not read: none to point to)
-            inside = root.resolve().name + "/"
-            if any(f.path.startswith(inside) for f in Seal.load(above).head.files):
-                return str(default_seal_path(root.parent))
-    below = []  # (a DeepSpeed save directory names its files from itself: its tag's seal, if one alone)
-    with contextlib.suppress(OSError), os.scandir(root) as entries:
-        below = [
-            e.path for e in entries if e.is_dir(follow_symlinks=False) and default_seal_path(Path(e.path)).is_file()
-        ]
-    return str(default_seal_path(Path(below[0]))) if len(below) == 1 else None
+            sealed = Seal.load(at)
+            base = _sealed_folder(folder, sealed) or folder
+            named = {os.path.realpath(base / f.path) for f in sealed.head.files if f.role in ("data", "metadata")}
+            if named & report.own_files:
+                return str(at)
+    return None
 
 
 def _refuse_unopenable(manifest: Manifest) -> None:
@@ -492,6 +497,10 @@ def _verify(
     if manifest is not None:
         _refuse_unopenable(manifest)
         _pt.hostile_beside(Path(manifest.root), manifest)
+        base = Path(manifest.root) if Path(manifest.root).is_dir() else Path(manifest.root).parent
+        report.own_files = frozenset(
+            os.path.realpath(base / f.path) for f in manifest.files if f.role in ("data", "metadata")
+        )
         report.format, report.step = manifest.format, manifest.step
         report.root = _findings_root(root, manifest)
         report.layout = {
@@ -761,6 +770,11 @@ def _check_metadata_of_all(report: VerifyReport, root: Path, manifest: Manifest 
     crc = {f.file for f in report.findings if f.rule == "checksum-mismatch"}
     if not all(rel in hurt for rel in data) or crc & set(data):
         return
+    # each data file still ends as torch writes one, with its last record's zip end record: whole
+    # files the metadata misplaces, not files cut short (an interrupted copy, a full disk)
+    base = Path(manifest.root) if manifest is not None else root
+    if not all(_ends_as_written(base / rel) for rel in data):
+        return
     report.findings.insert(
         0,
         finding(
@@ -772,6 +786,17 @@ def _check_metadata_of_all(report: VerifyReport, root: Path, manifest: Manifest 
             "folder shows its metadata",
         ),
     )
+
+
+def _ends_as_written(path: Path) -> bool:
+    """Whether a DCP data file ends as torch writes one: its last record's zip end record, with no
+    comment, in its last 22 bytes."""
+    try:
+        with RandomAccessFile(path, display=path.name) as f:
+            tail = bytes(f.read(max(0, f.size - 22), min(22, f.size)))
+    except (CkptError, OSError):
+        return False
+    return len(tail) == 22 and tail[:4] == b"PK\x05\x06" and tail[20:22] == b"\0\0"
 
 
 def _listed(root: Path) -> list[tuple[str, int]]:

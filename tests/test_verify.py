@@ -288,6 +288,19 @@ def test_a_seal_of_the_folder_above_or_below_is_pointed_to(tmp_path):
     dist = _copy("megatron/dist_tp2", tmp_path)  # (its iteration, the folder the findings are named from)
     assert run_cli("seal", dist / "iter_0000003").code == 0
     assert verify(dist).seal_nearby == str(dist / "iter_0000003" / "ckpttool.manifest.json")
+    (dist / "iter_0000003" / "ckpttool.manifest.json").unlink()  # the save directory sealed, its iteration given
+    assert run_cli("seal", dist).code == 0
+    assert verify(dist / "iter_0000003").seal_nearby == str(dist / "ckpttool.manifest.json")
+    r = run_cli("verify", ".", cwd=dist / "iter_0000003")  # (named as given: "..", not ".")
+    assert "../ckpttool.manifest.json seals the folder ..: 'ckpttool verify ..'" in " ".join(r.stdout.split())
+    model = tmp_path / "m"  # a seal of another checkpoint in a folder of this one: not this one's
+    (model / "draft").mkdir(parents=True)
+    for folder in (model, model / "draft"):
+        shutil.copy2(FIXTURES / "safetensors" / "model.safetensors", folder)
+    assert run_cli("seal", model / "draft").code == 0
+    assert verify(model).seal_nearby is None
+    assert run_cli("seal", model).code == 0  # the folder sealed, its one file given
+    assert verify(model / "model.safetensors").seal_nearby == str(model / "ckpttool.manifest.json")
 
 
 def test_deepspeed_latest_missing_tag():

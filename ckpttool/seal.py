@@ -443,10 +443,11 @@ def _aux_crcs(root: Path, rel: str, spans: list[Span], expected: Expected) -> No
     reads (a Hugging Face Trainer's ``optimizer.pt``): no reader reads it, but a seal vouches for its
     bytes too. A file that is not a zip archive (a pre-1.6 torch.save file, other bytes) has none;
     an archive whose zip index does not read is refused."""
-    f = ckio.RandomAccessFile(ckio.confine(root, rel, named_by="the listing"), display=rel)
+    path = ckio.confine(root, rel, named_by="the listing")
+    f = ckio.RandomAccessFile(path, display=rel)
     try:
-        if bytes(f.read(0, min(4, f.size))) != _pt.ZIP_MAGIC:
-            return
+        if bytes(f.read(0, min(4, f.size))) != _pt.ZIP_MAGIC or _pt.foreign_zip(path):
+            return  # (a TorchScript file, a zip of assets: its bytes are sealed, not judged as torch.save's)
         damaged: list[CkptError] = []
         _crc_spans(_torchzip.Archive(f, display=rel, allow={}), rel, None, spans, expected, damaged)
         if damaged:
@@ -470,7 +471,7 @@ def piece_spans(adapter: Adapter, manifest: Manifest) -> tuple[dict[str, list[Sp
     other: list[tuple[str, int]] = []
     expected: Expected = {}
     seen: set[tuple[str, int]] = set()
-    with ckio.probing(), ckio.checking_crcs(), adapter.reader(manifest) as reader:
+    with _said_not_sealed(), ckio.probing(), ckio.checking_crcs(), adapter.reader(manifest) as reader:
         for item, i, piece in in_file_order(manifest):
             if item.is_tensor:
                 span = reader.raw_span(piece, item)
@@ -585,6 +586,18 @@ def _not_sealing_damage() -> Iterator[None]:
         if exc.rule != "checksum-mismatch":
             raise
         raise CorruptFileError(f"{exc.message}; not sealed", hint=_NOT_SEALED, path=exc.path, rule=exc.rule) from None
+
+
+@contextlib.contextmanager
+def _said_not_sealed() -> Iterator[None]:
+    """Damage found while locating what a seal hashes (bytes added after an archive, a zip index
+    that misplaces a member) stops the seal, said as such, with the damage's own hint."""
+    try:
+        yield
+    except CorruptFileError as exc:
+        if exc.message.endswith("not sealed"):
+            raise
+        raise CorruptFileError(f"{exc.message}; not sealed", hint=exc.hint, path=exc.path, rule=exc.rule) from None
 
 
 def hash_pieces(

@@ -738,6 +738,10 @@ def _check_misplaced(report: VerifyReport, manifest: Manifest, adapter: Adapter)
     # (with a seal, files holding others' sealed bytes are already misplaced: the format says better)
     said = (*_DAMAGE, "misplaced-file")
     damaged = {f.file for f in report.findings if f.file and f.rule in said}
+    files = {rec.path for rec in manifest.files}  # (and a swap's other file, which its finding names)
+    damaged |= {
+        w for f in report.findings if f.rule == "misplaced-file" for w in re.findall(r"[\w./-]+", f.message)
+    } & files
     if explain is None or not damaged or (found := explain(manifest, damaged)) is None:
         return
     exc, moved = found
@@ -900,8 +904,8 @@ def _check_aux_archives(report: VerifyReport, manifest: Manifest) -> None:
     not read as state, but checked as archives (cut short, empty, CRC-32s), so that their damage
     does not pass unsaid. Without a seal (a seal hashes them)."""
     for f in manifest.files:
-        if f.role != "aux" or not f.path.endswith(_pt.SUFFIXES):
-            continue
+        if f.role != "aux" or not f.path.endswith(_pt.SUFFIXES) or _pt.foreign_zip(Path(manifest.root) / f.path):
+            continue  # (a TorchScript file, a zip of assets: not judged as a torch.save file)
         report.findings += _zip_damage(Path(manifest.root), f.path, whole=True)
         report.checked["files"] = report.checked.get("files", 0) + 1
         report.checked["bytes"] = report.checked.get("bytes", 0) + f.size
@@ -1221,6 +1225,7 @@ def _check_seal(
                         piece_digests[(name, i)] = hash_bytes(values.reshape(-1).view("u1").data, sealed.algo)
                     except CkptError:
                         pass  # reported through the file checks
+    swapped: set[str] = set()
     for rel in (rel for rel in present if rel in changed):
         want, got = expected[rel], file_digests[rel]
         if got.digest is None:  # (not read to its end: no digest to compare)
@@ -1239,8 +1244,11 @@ def _check_seal(
                 )
             )
             continue
+        if rel in swapped:
+            continue  # (named with the file it was swapped with)
         if (placed := _sealed_elsewhere(rel, expected, file_digests)) is not None:
-            report.findings.append(placed)
+            report.findings.append(placed[0])
+            swapped.update(placed[1:])
             continue
         culprits = [r.item for r in suspects[rel] if piece_digests.get((r.item, r.index)) not in (None, r.checksum)]
         culprits = list(dict.fromkeys(culprits))  # (an item of several pieces in the file: named once)
@@ -1279,10 +1287,13 @@ def _check_seal(
     return piece_digests
 
 
-def _sealed_elsewhere(rel: str, expected: dict[str, Any], digests: dict[str, FileDigest]) -> Finding | None:
+def _sealed_elsewhere(
+    rel: str, expected: dict[str, Any], digests: dict[str, FileDigest]
+) -> tuple[Finding] | tuple[Finding, str] | None:
     """A file that differs from its seal but holds exactly the bytes the seal gives another file of
-    the checkpoint: a copy of that file over it, or the two swapped (not damage to its bytes). None
-    where it holds no other sealed file's bytes."""
+    the checkpoint: a copy of that file over it, or the two swapped (not damage to its bytes), with
+    the file it was swapped with (its finding is this one). None where it holds no other sealed
+    file's bytes."""
     got, own = digests[rel], expected[rel].checksum
     others = sorted(
         other
@@ -1296,13 +1307,14 @@ def _sealed_elsewhere(rel: str, expected: dict[str, Any], digests: dict[str, Fil
     swapped = back is not None and back.digest == expected[rel].checksum and back.size == expected[rel].size
     how = f"{rel} and {first} were swapped" if swapped else f"{first} was copied over {rel}"
     more = f" (and {len(others) - 1} more files' alike)" if len(others) > 1 else ""
-    return finding(
+    found = finding(
         "misplaced-file",
         f"{rel} holds the bytes the seal gives {first}{more}: {how}",
         file=rel,
         rank=_rank_of(expected[rel]),
         hint="put each file back under its own name, or restore this one from the save",
     )
+    return (found, first) if swapped else (found,)
 
 
 def _check_seal_is_this_saves(report: VerifyReport, sealed: Seal, manifest: Manifest) -> None:

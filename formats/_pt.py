@@ -108,6 +108,26 @@ BESIDE_LIMIT = 16 * 2**20
 ``training_args.bin`` is a few KiB): read op by op in Python, about 2 s a limit's worth"""
 
 
+def foreign_zip(path: Path) -> bool:
+    """Whether file ``path`` is a zip archive that torch.save did not write (a TorchScript file,
+    whose members torch.jit.save compresses beside its ``constants.pkl`` and ``code/``; a zip of
+    assets named ``.bin``): kept beside a checkpoint, it is no torch.save file to judge by torch.save's
+    rules. One that does not read as a zip at all (cut short, damaged) is not foreign."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            infos = z.infolist()
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError):
+        return False
+    pickles = [i.filename for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
+    return (
+        len(pickles) != 1
+        or any(i.compress_type != zipfile.ZIP_STORED for i in infos)
+        or any(i.filename.endswith("/constants.pkl") or "/code/" in i.filename for i in infos)
+    )
+
+
 def hostile_beside(root: Path, manifest: Manifest) -> None:
     """The pickles a checkpoint keeps beside the state its format reads (``aux`` files: a Hugging
     Face Trainer's ``training_args.bin``, a ``.pt`` dropped into a DCP folder) are read by no reader,

@@ -51,6 +51,18 @@ class OnFirstProgress:
         self.action()
 
 
+def fixture_copy(src: Path, dst: Path) -> Path:
+    """A copy at ``dst`` of a fixture checkpoint: a folder copied whole, a file into folder ``dst``."""
+    import shutil
+
+    if src.is_dir():
+        shutil.copytree(src, dst)
+    else:
+        dst.mkdir(parents=True)
+        shutil.copy2(src, dst / src.name)
+    return dst
+
+
 def tree_digests(root: Path, skip: Callable[[str], bool] = lambda rel: False) -> dict[str, str]:
     """sha256 of every file below ``root`` (or of ``root`` itself, a file: key ``""``), by
     relative posix path; ``skip(rel)`` leaves files out."""

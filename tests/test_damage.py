@@ -347,13 +347,10 @@ def test_a_flipped_bit_in_a_zip_index_field_torch_fails_on_is_found(rel, field, 
     or reads garbage for it, but verify said OK and seal vouched for the file: only the signature,
     sizes and offsets were checked. Every field miniz refuses is now judged, in .pt files and in
     the archives inside .distcp files; the damage is an error naming the file."""
+    from tests.conftest import fixture_copy
+
     src = FIXTURES / rel
-    root = tmp_path / "ckpt"
-    if src.is_dir():
-        shutil.copytree(src, root)
-    else:
-        root.mkdir()
-        shutil.copy2(src, root / src.name)
+    root = fixture_copy(src, tmp_path / "ckpt")
     target = next(p for p in sorted(root.iterdir()) if p.is_file() and b"PK\x01\x02" in p.read_bytes())
     data = bytearray(target.read_bytes())
     data[data.index(b"PK\x01\x02") + at] ^= bit

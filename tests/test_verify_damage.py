@@ -1814,13 +1814,9 @@ def test_bytes_appended_to_a_torch_save_file_are_said_and_not_sealed(fixture, re
     """Bytes added after a torch.save file's archive (a copy or an append gone wrong) passed verify
     with no word and were sealed, in every format of .pt files; a DCP file's were a corrupt-file
     warning that seal refuses. Now likewise: torch.load reads past them, so a warning."""
-    src = FIXTURES / fixture
-    ck = tmp_path / "ck"
-    if src.is_dir():
-        shutil.copytree(src, ck)
-    else:
-        ck.mkdir()
-        shutil.copy2(src, ck)
+    from tests.conftest import fixture_copy
+
+    ck = fixture_copy(FIXTURES / fixture, tmp_path / "ck")
     times = (ck / rel).stat()
     with open(ck / rel, "ab") as f:
         f.write(b"\x00junk" * 20)

@@ -772,19 +772,26 @@ def _check_metadata_of_all(report: VerifyReport, root: Path, manifest: Manifest 
         return
     hurt = {f.file for f in report.findings if f.severity == "error" and f.rule in ("truncated-file", "corrupt-file")}
     crc = {f.file for f in report.findings if f.rule == "checksum-mismatch"}
-    if not all(rel in hurt for rel in data) or crc & set(data):
+    # (or it names more data files that are not here than the folder holds: another save's layout)
+    absent = {f.file for f in report.findings if f.rule == "missing-file" and f.file and f.file.endswith(".distcp")}
+    if crc & set(data) or not (all(rel in hurt for rel in data) or len(absent) > len(data)):
         return
     # each data file still ends as torch writes one, with its last record's zip end record: whole
     # files the metadata misplaces, not files cut short (an interrupted copy, a full disk)
     base = Path(manifest.root) if manifest is not None else root
     if not all(_ends_as_written(base / rel) for rel in data):
         return
+    said = (
+        f"all {len(data)} data files disagree with it (each is named below)"
+        if all(rel in hurt for rel in data)
+        else f"it names {len(absent)} data files that are not here, where the folder holds {len(data)}"
+    )
     report.findings.insert(
         0,
         finding(
             "corrupt-file",
-            f"{meta[0]}: all {len(data)} data files disagree with it (each is named below): it is likely another "
-            "save's metadata copied in, or damaged, rather than every data file at once",
+            f"{meta[0]}: {said}: it is likely another save's metadata copied in, or damaged, rather than so many "
+            "data files at once",
             file=meta[0],
             hint=f"restore {meta[0]} from the save the data files were written by; 'ckpttool inspect' of that save's "
             "folder shows its metadata",

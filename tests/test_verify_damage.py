@@ -2147,6 +2147,13 @@ def test_another_saves_dcp_metadata_is_named_when_every_data_file_disagrees_with
     assert code == 1 and (first["rule"], first["file"]) == ("corrupt-file", ".metadata"), report["findings"]
     assert "all 4 data files disagree with it" in first["message"]
     assert {f["file"] for f in report["findings"][1:]} >= {f"__{r}_0.distcp" for r in range(4)}
+    ck = tmp_path / "per_item"  # another save's metadata of other files: 186 missing, none named
+    shutil.copytree(FIXTURES / "dcp" / into, ck)
+    shutil.copy2(FIXTURES / "dcp" / "fsdp2_per_item" / ".metadata", ck / ".metadata")
+    code, report = _findings(ck)
+    first = report["findings"][0]
+    assert code == 1 and (first["rule"], first["file"]) == ("corrupt-file", ".metadata"), report["findings"]
+    assert "data files that are not here, where the folder holds 4" in first["message"], first
     ck = tmp_path / "one"
     shutil.copytree(FIXTURES / "dcp" / "fsdp2", ck)
     _cut_to(ck / "__1_0.distcp", 20_000)

@@ -410,11 +410,17 @@ def _stop(pool: ProcessPoolExecutor) -> None:
     it does (one held back as the workers started comes with the first) does not cut it short: it
     is raised once every worker is gone."""
     procs = list(getattr(pool, "_processes", {}).values())  # the executor has no public handle on them
+    manager = getattr(pool, "_executor_manager_thread", None)
     late: KeyboardInterrupt | None = None
     steps: list[Callable[[], Any]] = [
         lambda: pool.shutdown(wait=False, cancel_futures=True),
         *(proc.kill for proc in procs),
         *(proc.join for proc in procs),
+        # its thread closes its wake-up pipe as it ends; at exit, concurrent.futures wakes every
+        # pool's thread through that pipe, and a close between its check and its write printed an
+        # "Exception ignored … Bad file descriptor" traceback under "interrupted" (CPython 3.11's race,
+        # seen in CI under load): the thread is let end first
+        *([lambda: manager.join(timeout=10)] if manager is not None else []),
     ]
     for step in steps:
         while True:

@@ -34,7 +34,7 @@ import numpy as np
 from typing_extensions import TypedDict  # pydantic needs this one on Python < 3.12
 
 from ckpttool import registry
-from ckpttool._torchzip import Archive, record_crc_errors
+from ckpttool._torchzip import Archive, record_crc_errors, record_start
 from ckpttool.assemble import assemble, regions
 from ckpttool.dtypes import as_float, float32_to_bf16
 from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedError, NotFoundError, PathEscapeError
@@ -440,22 +440,30 @@ def _refuse_unopenable(manifest: Manifest) -> None:
     """Files of the checkpoint that exist but that this user may not open (their permissions): the
     checkpoint cannot be evaluated, which is said once, naming them (exit 3). Each reader would
     otherwise fail on every item such a file holds, as so many damaged items."""
-    base = Path(manifest.root) if Path(manifest.root).is_dir() else Path(manifest.root).parent
+    base = _folder_of(manifest)
     # (access(2), not an open: one metadata call a file, which a parallel file system answers cheaply)
     effective = os.access in os.supports_effective_ids
-    blocked: list[tuple[str, str]] = []
-    for rec in manifest.files:  # (the files verify reads: not a file kept beside them, a lock or a README)
-        path = base / rec.path
-        if rec.role not in ("seal", "aux") and not os.access(path, os.R_OK, effective_ids=effective) and path.exists():
-            blocked.append((rec.path, os.strerror(errno.EACCES)))
+    blocked = [
+        rec.path  # (the files verify reads: not a file kept beside them, a lock or a README)
+        for rec in manifest.files
+        if rec.role not in ("seal", "aux")
+        and not os.access(base / rec.path, os.R_OK, effective_ids=effective)
+        and (base / rec.path).exists()
+    ]
     if blocked:
-        named = ", ".join(p for p, _ in blocked[1:4]) + (" …" if len(blocked) > 4 else "")
+        named = ", ".join(blocked[1:4]) + (" …" if len(blocked) > 4 else "")
         more = f" (and {len(blocked) - 1} more: {named})"
         raise NotFoundError(
-            f"{blocked[0][0]}: cannot open ({blocked[0][1]}){more if len(blocked) > 1 else ''}",
+            f"{blocked[0]}: cannot open ({os.strerror(errno.EACCES)}){more if len(blocked) > 1 else ''}",
             hint="give the user running ckpttool read access to the checkpoint's files, or run it as their owner",
-            path=blocked[0][0],
+            path=blocked[0],
         )
+
+
+def _folder_of(manifest: Manifest) -> Path:
+    """The folder a manifest's file paths are relative to (its root, or the folder of a one-file root)."""
+    root = Path(manifest.root)
+    return root if root.is_dir() else root.parent
 
 
 def _verify(
@@ -497,9 +505,8 @@ def _verify(
     if manifest is not None:
         _refuse_unopenable(manifest)
         _pt.hostile_beside(Path(manifest.root), manifest)
-        base = Path(manifest.root) if Path(manifest.root).is_dir() else Path(manifest.root).parent
         report.own_files = frozenset(
-            os.path.realpath(base / f.path) for f in manifest.files if f.role in ("data", "metadata")
+            os.path.realpath(_folder_of(manifest) / f.path) for f in manifest.files if f.role in ("data", "metadata")
         )
         report.format, report.step = manifest.format, manifest.step
         report.root = _findings_root(root, manifest)
@@ -738,15 +745,18 @@ def _check_misplaced(report: VerifyReport, manifest: Manifest, adapter: Adapter)
     # (with a seal, files holding others' sealed bytes are already misplaced: the format says better)
     said = (*_DAMAGE, "misplaced-file")
     damaged = {f.file for f in report.findings if f.file and f.rule in said}
-    files = {rec.path for rec in manifest.files}  # (and a swap's other file, which its finding names)
-    damaged |= {
-        w for f in report.findings if f.rule == "misplaced-file" for w in re.findall(r"[\w./-]+", f.message)
-    } & files
+    damaged |= _named_misplaced(report) & {rec.path for rec in manifest.files}  # (a swap's other file)
     if explain is None or not damaged or (found := explain(manifest, damaged)) is None:
         return
     exc, moved = found
     report.findings = [f for f in report.findings if not (f.file in moved and f.rule in said)]
     report.findings.append(_from_error(exc))
+
+
+def _named_misplaced(report: VerifyReport) -> set[str]:
+    """Every word of the misplaced-file findings' messages that could be a file's path: the files a
+    finding names beside its own (the other file of a swap, the file copied over it)."""
+    return {w for f in report.findings if f.rule == "misplaced-file" for w in re.findall(r"[\w./-]+", f.message)}
 
 
 def _check_metadata_of_all(report: VerifyReport, root: Path, manifest: Manifest | None) -> None:
@@ -800,14 +810,13 @@ def _check_metadata_of_all(report: VerifyReport, root: Path, manifest: Manifest 
 
 
 def _ends_as_written(path: Path) -> bool:
-    """Whether a DCP data file ends as torch writes one: its last record's zip end record, with no
-    comment, in its last 22 bytes."""
+    """Whether a DCP data file ends as torch writes one: with a whole record, found from its end
+    records (:func:`~ckpttool._torchzip.record_start`)."""
     try:
         with RandomAccessFile(path, display=path.name) as f:
-            tail = bytes(f.read(max(0, f.size - 22), min(22, f.size)))
+            return record_start(f, f.size) is not None
     except (CkptError, OSError):
         return False
-    return len(tail) == 22 and tail[:4] == b"PK\x05\x06" and tail[20:22] == b"\0\0"
 
 
 def _listed(root: Path) -> list[tuple[str, int]]:
@@ -822,8 +831,7 @@ def _check_copies(report: VerifyReport, manifest: Manifest, adapter: Adapter, di
     """Data files with the same bytes where the metadata places different pieces
     (:func:`ckpttool.seal.copied_files`), except those a finding already names (the format's own
     misplaced-file says which is the copy)."""
-    named = {f.file for f in report.findings if f.file}
-    named.update(w for f in report.findings if f.rule == "misplaced-file" for w in re.findall(r"[\w./-]+", f.message))
+    named = {f.file for f in report.findings if f.file} | _named_misplaced(report)
     for copy in copied_files(adapter, manifest, {rel: d for rel, d in digests.items() if rel not in named}):
         report.findings.append(
             finding("misplaced-file", copy.message, severity=copy.severity, file=copy.files[0], hint=copy.hint)

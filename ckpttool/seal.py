@@ -471,7 +471,7 @@ def piece_spans(adapter: Adapter, manifest: Manifest) -> tuple[dict[str, list[Sp
     other: list[tuple[str, int]] = []
     expected: Expected = {}
     seen: set[tuple[str, int]] = set()
-    with _said_not_sealed(), ckio.probing(), ckio.checking_crcs(), adapter.reader(manifest) as reader:
+    with _not_sealing_damage(every=True), ckio.probing(), ckio.checking_crcs(), adapter.reader(manifest) as reader:
         for item, i, piece in in_file_order(manifest):
             if item.is_tensor:
                 span = reader.raw_span(piece, item)
@@ -577,27 +577,18 @@ _NOT_SEALED = (
 
 
 @contextlib.contextmanager
-def _not_sealing_damage() -> Iterator[None]:
+def _not_sealing_damage(*, every: bool = False) -> Iterator[None]:
     """A CRC-32 that fails while sealing (a pickle read to describe or locate, a member hashed)
-    stops the seal, said as such."""
+    stops the seal, said as such; with ``every``, any damage found (bytes added after an archive,
+    a zip index that misplaces a member: while locating what the seal hashes), with its own hint."""
     try:
         yield
     except CorruptFileError as exc:
-        if exc.rule != "checksum-mismatch":
+        crc = exc.rule == "checksum-mismatch"
+        if exc.message.endswith("not sealed") or not (crc or every):
             raise
-        raise CorruptFileError(f"{exc.message}; not sealed", hint=_NOT_SEALED, path=exc.path, rule=exc.rule) from None
-
-
-@contextlib.contextmanager
-def _said_not_sealed() -> Iterator[None]:
-    """Damage found while locating what a seal hashes (bytes added after an archive, a zip index
-    that misplaces a member) stops the seal, said as such, with the damage's own hint."""
-    try:
-        yield
-    except CorruptFileError as exc:
-        if exc.message.endswith("not sealed"):
-            raise
-        raise CorruptFileError(f"{exc.message}; not sealed", hint=exc.hint, path=exc.path, rule=exc.rule) from None
+        hint = _NOT_SEALED if crc else exc.hint
+        raise CorruptFileError(f"{exc.message}; not sealed", hint=hint, path=exc.path, rule=exc.rule) from None
 
 
 def hash_pieces(

@@ -20,7 +20,7 @@ import numpy as np
 from ckpttool import registry
 from ckpttool.assemble import assemble, check_coverage
 from ckpttool.dtypes import dtype as lookup_dtype
-from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, PartOfCheckpointError, UsageError
+from ckpttool.errors import CorruptFileError, IncompleteCheckpointError, PartOfCheckpointError, UsageError
 from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.formats.safetensors import NUMBERED
 from ckpttool.formats.torchsave import refuse_a_part
@@ -170,14 +170,10 @@ def refuse_a_member(manifest: Manifest) -> None:
     file = Path(manifest.root, data[0].path)
     if not file.is_file():
         return
-    for folder in list(file.parents)[:4]:  # (a universal checkpoint's zero/<param>/<state>.pt: three up)
-        try:
-            _, whole = registry.describe(folder)
-        except (CkptError, OSError, ValueError):
-            continue
+    # (a universal checkpoint's zero/<param>/<state>.pt: three up)
+    for folder, whole, rel in registry.enclosing(file, 4):
         held = [f for f in whole.files if f.role == "data"]
-        rel = next((f.path for f in held if Path(whole.root, f.path).resolve() == file.resolve()), None)
-        if rel is None or len(held) < 2:
+        if len(held) < 2:
             continue
         if whole.format == "safetensors" and not (
             any(f.role == "metadata" for f in whole.files) or NUMBERED.match(Path(rel).name)

@@ -12,6 +12,7 @@ import functools
 import importlib
 import os
 import re
+from collections.abc import Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -143,14 +144,20 @@ def describe(path: str | Path) -> tuple[Adapter, Manifest]:
     except FormatNotRecognizedError:
         # (said here, where the user gave the path, not in detect: the readers' own probes of the
         # folders above a file call detect, and would scan each one's sub-folders for nothing)
-        if (whole := _enclosing(Path(path))) is not None:
+        if (whole := next(enclosing(Path(path), 2), None)) is not None:
             part = "folder" if Path(path).is_dir() else "file"
             raise PartOfCheckpointError(
-                str(path), whole[0], str(whole[1]), "read alone, it is no checkpoint", part=part
+                str(path), whole[1].format, str(whole[0]), "read alone, it is no checkpoint", part=part
             ) from None
         if Path(path).is_dir() and (held := _checkpoints_in(Path(path))):
             raise _folder_of_checkpoints(Path(path), held) from None
         raise
+    return adapter, _described(adapter, path)
+
+
+def _described(adapter: Adapter, path: str | Path) -> Manifest:
+    """The manifest ``adapter`` builds of ``path``, its seal files marked as such and the state
+    named by its siblings; values its format never writes raised as a damaged checkpoint."""
     # describe builds 10^5..10^6 small records (the unpickled metadata, then the manifest) and frees
     # none of them until it returns: the cycle collector would rescan them all, again and again
     # (about half of inspect's time at 100 000 items). Nothing it builds is cyclic garbage.
@@ -177,26 +184,24 @@ def describe(path: str | Path) -> tuple[Adapter, Manifest]:
         if is_seal_name(f.path.rsplit("/", 1)[-1]):
             f.role = "seal"
     kinds_by_sibling(manifest.items)  # (names alone leave a top-level parameter's state a parameter)
-    return adapter, manifest
+    return manifest
 
 
-def _enclosing(path: Path) -> tuple[str, Path] | None:
-    """The checkpoint a path that is none is a part of (a DCP ``.metadata`` or ``.distcp`` file, a
-    universal checkpoint's ``zero/`` folder), looked for in the two folders above it: its format's
-    name and folder, where that checkpoint's own files (not others kept beside them) include the
-    path; or None."""
+def enclosing(path: Path, levels: int) -> Iterator[tuple[Path, Manifest, str]]:
+    """The checkpoints a path is a part of (a DCP ``.metadata`` or ``.distcp`` file, a universal
+    checkpoint's ``zero/`` folder, one shard of a set), looked for in the ``levels`` folders above
+    it, nearest first: each one's folder, manifest and the path's name in it, where its own files
+    (not others kept beside them) include the path. A folder that does not read is passed."""
     here = path.absolute()
-    for up, folder in enumerate(list(here.parents)[:2]):
+    for folder in list(path.parents)[:levels]:
         try:
-            adapter = detect(folder)
-            with gc_paused():
-                files = [f.path for f in adapter.describe(folder).files if f.role not in ("aux", "seal")]
-        except CkptError:
+            manifest = _described(detect(folder), folder)
+            rel = here.relative_to(folder.absolute()).as_posix()
+        except (CkptError, OSError, ValueError):
             continue
-        rel = here.relative_to(folder).as_posix()
-        if any(f == rel or f.startswith(rel + "/") for f in files):
-            return adapter.name, path.parent if up == 0 else path.parent.parent
-    return None
+        own = (f.path for f in manifest.files if f.role not in ("aux", "seal"))
+        if any(f == rel or f.startswith(rel + "/") for f in own):
+            yield folder, manifest, rel
 
 
 def _name_other_links(root: Path, exc: PathEscapeError) -> None:

@@ -303,6 +303,26 @@ def test_a_seal_of_the_folder_above_or_below_is_pointed_to(tmp_path):
     assert verify(model / "model.safetensors").seal_nearby == str(model / "ckpttool.manifest.json")
 
 
+def test_a_file_its_permissions_shut_out_stops_verify_once(tmp_path):
+    """The same as the user meets it, by the file's own permissions (as root, with the capability to
+    read past them dropped): one exit-3 error naming the file, not a corrupt-file per item it holds."""
+    import subprocess
+    import sys
+
+    from tests.conftest import cli_env
+
+    path = _copy("dcp/fsdp2", tmp_path)
+    (path / "__2_0.distcp").chmod(0)
+    command = [sys.executable, "-m", "ckpttool", "verify", str(path)]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root reads every file; dropping that capability needs setpriv")
+        command = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *command]
+    r = subprocess.run(command, capture_output=True, text=True, env=cli_env(), timeout=120)
+    assert r.returncode == 3 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.startswith("error: __2_0.distcp: cannot open (Permission denied)\n"), r.stderr
+
+
 def test_deepspeed_latest_missing_tag():
     report = verify(FIXTURES / "hostile" / "ds_latest_missing_tag")
     assert "incomplete-save" in _rules(report)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,6 +28,7 @@ from ckpttool.geometry import Box
 from ckpttool.hashing import hash_bytes
 from ckpttool.manifest import KEPT_BESIDE, KINDS, SCHEMA_VERSION, STATE_KINDS, Item, Manifest
 from ckpttool.naming import canonical
+from ckpttool.values import same_value
 
 Tolerance = Literal["strict", "standard", "relaxed"]
 TOLERANCES: dict[str, tuple[float, float]] = {"strict": (0.0, 0.0), "standard": (1e-8, 1e-5), "relaxed": (1e-5, 1e-3)}
@@ -282,7 +282,7 @@ def diff(
                     pass
                 elif ia.summary is not None or ib.summary is not None:  # (too large to keep: read both)
                     _compare_large_objects(report, key, ra, ia, rb, ib)
-                elif not _same_value(ia.value, ib.value):
+                elif not same_value(ia.value, ib.value):
                     report.objects.append({"name": key, "a": ia.value, "b": ib.value})
                 continue
             report.compared += 1
@@ -323,14 +323,14 @@ def _compare_large_objects(report: DiffReport, key: str, ra: PieceReader, ia: It
         return
     if not (_plain_data(a) and _plain_data(b)):
         return
-    if not _same_value(a, b):
+    if not same_value(a, b):
         shown_a = ia.value if ia.summary is None else f"{ia.summary} ({_digest_of(a)})"
         shown_b = ib.value if ib.summary is None else f"{ib.summary} ({_digest_of(b)})"
         report.objects.append({"name": key, "a": shown_a, "b": shown_b})
 
 
 def _plain_data(value: Any, depth: int = 0) -> bool:
-    """Whether ``value`` is built of Python's plain data only (what :func:`_same_value` compares)."""
+    """Whether ``value`` is built of Python's plain data only (what :func:`~ckpttool.values.same_value` compares)."""
     if value is None or isinstance(value, bool | int | float | str | bytes):
         return True
     if depth > 32:
@@ -347,22 +347,6 @@ def _digest_of(value: Any) -> str:
     from ckpttool.hashing import hash_bytes
 
     return "sha256 " + hash_bytes(repr(value).encode(), "sha256")[:12]
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    """Two non-tensor values the same, as strictly as tensors are compared: a bool is not the int
-    it equals (``True`` against ``1``), nor an int the float (``1`` against ``1.0``), and floats
-    are the same only bit for bit (``0.0`` against ``-0.0`` differ; a NaN is the same NaN). A
-    tuple and a list of the same values are the same (formats keep sequences either way)."""
-    if isinstance(a, float) and isinstance(b, float):
-        return struct.pack("<d", a) == struct.pack("<d", b)
-    if isinstance(a, bool | int | float) or isinstance(b, bool | int | float):
-        return type(a) is type(b) and a == b
-    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
-        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
-    return bool(a == b)
 
 
 _STATE_KINDS = ("dataloader", "scheduler", "counter", "rng")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import struct
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -127,3 +128,19 @@ def gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Two non-tensor values the same, as strictly as tensors are compared: a bool is not the int
+    it equals (``True`` against ``1``), nor an int the float (``1`` against ``1.0``), and floats
+    are the same only bit for bit (``0.0`` against ``-0.0`` differ; a NaN is the same NaN). A
+    tuple and a list of the same values are the same (formats keep sequences either way)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, bool | int | float) or isinstance(b, bool | int | float):
+        return type(a) is type(b) and a == b
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    return bool(a == b)

@@ -28,6 +28,7 @@ import copy
 import math
 import re
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from pathlib import Path
@@ -35,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ckpttool import _unpickle
+from ckpttool import _torchzip, _unpickle
 from ckpttool._torchzip import read_tensor
 from ckpttool.assemble import assemble, check_coverage
 from ckpttool.dtypes import carrier
@@ -84,9 +85,10 @@ from ckpttool.formats.megatron import (
     tp_regions,
 )
 from ckpttool.geometry import Box
+from ckpttool.io import RandomAccessFile, confine
 from ckpttool.manifest import Item, Manifest
 from ckpttool.naming import plural
-from ckpttool.values import flatten
+from ckpttool.values import flatten, same_value
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
 _GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
@@ -217,6 +219,36 @@ class MegatronTarget:
     layout: str | None = None
     """``--pipeline-model-parallel-layout`` of the output; "": none (even or ``uneven`` stages);
     None: as the source"""
+
+
+def _same_state(
+    a: Any, b: Any, archive_a: Callable[[], _torchzip.Archive], archive_b: Callable[[], _torchzip.Archive]
+) -> bool:
+    """Whether two objects read from rank files hold the same values: tensors (read from their
+    files' archives) and numpy arrays by dtype, shape and bytes; other values as ``diff`` compares
+    them (a float bit for bit, a bool not the int it equals)."""
+    if isinstance(a, _unpickle.TensorRef) or isinstance(b, _unpickle.TensorRef):
+        if not (isinstance(a, _unpickle.TensorRef) and isinstance(b, _unpickle.TensorRef)):
+            return False
+        if (a.dtype, a.shape) != (b.dtype, b.shape):
+            return False
+        return read_tensor(archive_a(), a).tobytes() == read_tensor(archive_b(), b).tobytes()
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and (a.dtype, a.shape) == (b.dtype, b.shape)
+            and a.tobytes() == b.tobytes()
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k], archive_a, archive_b) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(_same_state(x, y, archive_a, archive_b) for x, y in zip(a, b, strict=True))
+        )
+    return same_value(a, b)
 
 
 def _few(labels: list[str]) -> str:
@@ -1754,7 +1786,19 @@ class LegacyWriter:
     def _rng_kept(self) -> dict[str, tuple[str, Any]]:
         """The RNG states, by rank label, of the source's ranks (and those it carries) that no rank
         of the output has: kept in the output's first rank file (``ckpttool_rng_state``), for a
-        reshard back to their layout. None from a ``torch_dist`` source (its RNG are records)."""
+        reshard back to their layout, but for copies (:attr:`_rng_copied`). None from a
+        ``torch_dist`` source (its RNG are records)."""
+        return {label: v for label, v in self._rng_unhoused.items() if label not in self._rng_copied}
+
+    @cached_property
+    def _rng_copied(self) -> dict[str, str]:
+        """:meth:`_rng_copies` of the states no output rank has."""
+        return self._rng_copies(self._rng_unhoused)
+
+    @cached_property
+    def _rng_unhoused(self) -> dict[str, tuple[str, Any]]:
+        """(file, ``rng_state``), by rank label, of the source's ranks (and those it carries) that
+        no rank of the output has. None from a ``torch_dist`` source."""
         if self.src.dist:
             return {}
         held: dict[str, tuple[str, Any]] = {
@@ -1764,6 +1808,39 @@ class LegacyWriter:
             if isinstance(obj.get("rng_state"), list):
                 held[rank_label(*k)] = (self.src.rels[k], obj["rng_state"])
         return {label: held[label] for label in sorted(held) if label not in self._labels}
+
+    def _rng_copies(self, kept: dict[str, tuple[str, Any]]) -> dict[str, str]:
+        """Of the RNG states of ranks this layout has none for, those equal, tensors byte for byte,
+        to the state this output gives rank (t mod TP, p mod PP, e mod EP), the rank whose state a
+        reshard from it gives rank (t, p, e): copies a larger layout gave them (TP 1 → 2 gave rank 1
+        rank 0's). They are not kept, so that a round trip through more ranks adds no entry to the
+        source's, and a reshard back gives each the same state again. By label, the output rank's.
+        None when the output's experts are split their own way (the rank whose state a reshard
+        gives a rank then depends on who saved it), and none that shares its TP and PP rank with a
+        state kept (a reshard gives the rank that one)."""
+        if self._xranks is not None:
+            return {}
+        copies: dict[str, str] = {}
+        with ExitStack() as stack:
+            opened: dict[str, _torchzip.Archive] = {}
+
+            def archive(rel: str) -> _torchzip.Archive:
+                if rel not in opened:
+                    f = stack.enter_context(RandomAccessFile(confine(self.root, rel), display=rel))
+                    opened[rel] = _torchzip.Archive(f, display=rel, allow=ALLOWLIST)
+                return opened[rel]
+
+            for label, (rel, value) in kept.items():
+                t, p, e = label_ranks(label)
+                k = (t % self.target.tp, p % self.target.pp, e % self.ep)
+                given = self._rng_carried_by(*k)
+                if given is None:
+                    src_key = self._rng_source(*k)
+                    given = (self.src.rels[src_key], self.src.objs[src_key].get("rng_state"))
+                if _same_state(value, given[1], partial(archive, rel), partial(archive, given[0])):
+                    copies[label] = rank_label(*k)
+        own = {label_ranks(label)[:2] for label in kept if label not in copies}
+        return {label: k for label, k in copies.items() if label_ranks(label)[:2] not in own}
 
     def _rng_source(self, t: int, p: int, e: int) -> tuple[int, int, int]:
         """The source rank file whose RNG state output rank file (t, p, e) gets: from a legacy source
@@ -1938,6 +2015,13 @@ class LegacyWriter:
                         f"RNG state of {len(kept)} rank(s) of the source that this layout has none for "
                         f"({_few(list(kept))}): kept in the first rank file under '{RNG_CARRIED}' (Megatron ignores "
                         "it), so that a reshard back to a layout with those ranks gives each its own"
+                    )
+                if copied := self._rng_copied:
+                    out.append(
+                        f"RNG state of {len(copied)} rank(s) of the source that this layout has none for "
+                        f"({_few(list(copied))}) not kept: each equals the state of a rank written "
+                        f"({_few(sorted(set(copied.values())))}), a copy a larger layout gave it, and a reshard "
+                        "back gives it that state again"
                     )
             if shared := self._rng_shared():
                 out.append(

@@ -125,6 +125,36 @@ def test_megatron_round_trip_is_exact(tmp_path):
     assert kept and all(n.endswith(("[tp=0,pp=1]", "[tp=1,pp=0]", "[tp=1,pp=1]")) for n in kept), kept
 
 
+def test_megatron_round_trip_through_more_ranks_adds_no_rng_entry(tmp_path):
+    """TP=2 x PP=2 -> TP=2 x PP=4 -> TP=2 x PP=2: PP ranks 2 and 3 got copies of PP ranks 0 and
+    1's RNG state. The way back keeps none of them (a reshard to PP=4 gives them the same copies again),
+    so the files hold no ``ckpttool_rng_state`` the original lacked and ``diff`` lists no RNG state
+    added (it listed eight ranks' as "only in B"). A state that is no copy is still kept."""
+    four, back = tmp_path / "pp4", tmp_path / "back"
+    reshard(LEGACY, four, Target(tp=2, pp=4))
+    result = reshard(four, back, Target(tp=2, pp=2))
+    assert any("not kept: each equals the state of a rank written" in n for n in result.plan.notes), result.plan.notes
+    original, again = _rank_files(LEGACY), _rank_files(back)
+    assert list(original) == list(again)
+    for name, path in again.items():
+        archive, obj, _ = _pt.load(path.parent, path.name, ALLOWLIST)
+        archive.close()
+        assert "ckpttool_rng_state" not in obj, name
+        assert _tree(original[name]) == _tree(path), name
+    report = diff(LEGACY, back)
+    assert not report.different and not report.added and not report.removed, report.to_json()
+    again4 = tmp_path / "again4"
+    reshard(back, again4, Target(tp=2, pp=4))
+    assert not diff(four, again4).different
+    # ranks of their own state are kept as before: TP=2 x PP=4 -> TP=1 x PP=2 keeps TP rank 1's (of
+    # PP ranks 2 and 3 too: copies of PP ranks 0 and 1's, but not of TP rank 0's, which are written)
+    one = tmp_path / "one"
+    reshard(four, one, Target(tp=1, pp=2))
+    _, m = registry.describe(one)
+    kept = {i.name.rsplit("[", 1)[1] for i in m.items.values() if i.kind == "rng" and "ckpttool_rng_state" in i.pieces[0].locator.get("path", "")}
+    assert kept == {"tp=1,pp=0]", "tp=1,pp=1]", "tp=1,pp=2]", "tp=1,pp=3]"}, kept
+
+
 @pytest.mark.parametrize("to", ["megatron", "megatron-dist"])
 def test_a_release_checkpoint_stays_one(to, tmp_path):
     """A ``release`` checkpoint (which Megatron loads as a fresh start at iteration 0, without its

@@ -8,8 +8,9 @@ are one zstd frame that uses the base file of the same name as its dictionary. `
 every file, checks its xxh3-128 against the one stored, and publishes the output directory by one
 rename, or nothing.
 
-Container (one file): ``MAGIC``, the coded blobs, the header (JSON), the header's length (8 bytes,
-little endian), ``MAGIC``.
+Container (one file): ``MAGIC``, the coded blobs, the header (JSON), the header's xxh3-128 (16
+bytes), the header's length (8 bytes, little endian), ``MAGIC``. Version 1 (``CKPTDELTA1``, still
+read) had no digest of its header: a flipped bit in a name or a mode was restored as it read.
 """
 
 from __future__ import annotations
@@ -51,7 +52,12 @@ from ckpttool.manifest import Manifest
 from ckpttool.naming import canonical
 from ckpttool.values import is_count
 
-MAGIC = b"CKPTDELTA1\n"
+MAGIC = b"CKPTDELTA2\n"
+VERSION = 2
+_MAGICS = {b"CKPTDELTA1\n": 1, MAGIC: VERSION}
+"""the containers this ckpttool reads, by their magic: their version"""
+_HEADER_DIGEST = {1: 0, 2: 16}
+"""bytes of the header's xxh3-128 in the trailer, by version"""
 _FIRST, _SECOND = "exp_avg", "exp_avg_sq"  # Adam's moments, as adapters name them (suffixes)
 DELTA_KIND = "ckpttool.delta"
 PACK_KIND = "ckpttool.compressed"
@@ -303,6 +309,8 @@ def create(
 
     maps = _Mapped()
     before = _stamps(t_root, [rel for rel, _ in t_files])
+    b_before = _stamps(b_root, list(b_files)) if b_root else {}
+    base_files = {rel: {"size": n, "xxh3": maps.digest(b_root / rel)} for rel, n in b_files.items()} if b_root else {}
     header_files: dict[str, dict[str, Any]] = {
         rel: {
             "size": size,
@@ -333,7 +341,7 @@ def create(
                     header_files[rel]["tensors"].append(meta)
                 if progress is not None:
                     progress(meta.get("length") or meta.get("nbytes") or 0)
-            changed = [rel for rel, stamp in _stamps(t_root, list(before)).items() if stamp != before[rel]]
+            changed = _changed(t_root, before)
             if changed:  # the container would hold a mix of two saves (a tracker naming another iteration)
                 raise IncompleteCheckpointError(
                     f"{target}: {', '.join(changed[:4])} changed while being packed; nothing was written",
@@ -341,15 +349,21 @@ def create(
                     path=changed[0],
                     rule="incomplete-save",
                 )
+            moved = _changed(b_root, b_before)
+            if moved:  # coded against bytes its digests do not vouch for: a delta no base restores
+                raise CkptError(
+                    f"{base}: {', '.join(moved[:4])} changed while the delta was coded against it; nothing was written",
+                    hint="something is writing to the base checkpoint: let it finish (or copy the base), then run "
+                    "'ckpttool delta create' again",
+                    path=moved[0],
+                )
             header = {
                 "kind": DELTA_KIND if base is not None else PACK_KIND,
-                "version": 1,
+                "version": VERSION,
                 "format": tm.format,
                 "target_is_file": Path(target).is_file(),
                 "target_name": Path(target).name,
-                "base": {"files": {rel: {"size": n, "xxh3": maps.digest(b_root / rel)} for rel, n in b_files.items()}}
-                if b_root is not None
-                else None,
+                "base": {"files": base_files} if b_root is not None else None,
                 "files": header_files,
                 "coded_bytes": pos - len(MAGIC),
             }
@@ -362,12 +376,32 @@ def create(
                     hint="a file name with a backslash, or an entry ckpttool's containers cannot carry: rename or "
                     "leave out that file",
                 ) from None
-            fh.write(blob)
-            fh.write(struct.pack("<Q", len(blob)))
-            fh.write(MAGIC)
+            fh.write(trailer(blob))
     finally:
         maps.close()
     return header
+
+
+def trailer(blob: bytes) -> bytes:
+    """What follows a container's coded blobs: its header ``blob``, the header's xxh3-128 (so that a
+    flipped bit in a file name, a mode or a range is caught, not restored), its length, ``MAGIC``."""
+    return blob + bytes.fromhex(hash_bytes(blob)) + struct.pack("<Q", len(blob)) + MAGIC
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's members, refused where a name comes twice (``json`` keeps the last: a file
+    of the container would vanish without a word)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"the header names {k!r:.60} twice")
+        out[k] = v
+    return out
+
+
+def _changed(root: Path | None, before: dict[str, tuple[int, int] | None]) -> list[str]:
+    """The files of ``before`` (:func:`_stamps` taken earlier) whose size or time is no longer the same."""
+    return [rel for rel, stamp in _stamps(root, list(before)).items() if stamp != before[rel]] if root else []
 
 
 def _stamps(root: Path, rels: list[str]) -> dict[str, tuple[int, int] | None]:
@@ -390,21 +424,34 @@ def read_header(path: str | Path) -> dict[str, Any]:
     try:
         with open(p, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
-            starts = fh.read(len(MAGIC)) == MAGIC
-            if not starts:
+            magic = fh.read(len(MAGIC))
+            version = _MAGICS.get(magic)
+            if version is None:
+                newer = magic.startswith(b"CKPTDELTA") and magic[9:-1].isdigit()
                 raise CorruptFileError(
-                    f"{p}: not a ckpttool delta or compressed checkpoint (it does not start with {MAGIC!r})",
-                    hint="give a file written by 'ckpttool delta create' or 'ckpttool compress'",
+                    f"{p}: a container of a newer ckpttool ({magic.strip().decode()}); this one reads versions "
+                    f"{', '.join(map(str, _MAGICS.values()))}"
+                    if newer
+                    else f"{p}: not a ckpttool delta or compressed checkpoint (it does not start with {MAGIC!r})",
+                    hint="upgrade ckpttool to read it"
+                    if newer
+                    else "give a file written by 'ckpttool delta create' or 'ckpttool compress'",
                     path=str(p),
                 )
-            if size < 2 * len(MAGIC) + 8:
+            digest = _HEADER_DIGEST[version]
+            tail = digest + 8 + len(MAGIC)
+            if size < len(MAGIC) + tail:
                 raise ValueError(f"{size:,} bytes, shorter than an empty container")
             fh.seek(size - len(MAGIC) - 8)
             (n,) = struct.unpack("<Q", fh.read(8))
-            if fh.read(len(MAGIC)) != MAGIC or n > size:
-                raise ValueError(f"no container trailer in its last {len(MAGIC) + 8} bytes")
-            fh.seek(size - len(MAGIC) - 8 - n)
-            header: dict[str, Any] = json.loads(fh.read(n))
+            if fh.read(len(MAGIC)) != magic or n > size - len(MAGIC) - tail:
+                raise ValueError(f"no container trailer in its last {tail} bytes")
+            data_end = size - tail - n
+            fh.seek(data_end)
+            raw = fh.read(n)
+            if digest and fh.read(digest).hex() != hash_bytes(raw):
+                raise ValueError("its header does not match the xxh3-128 stored after it")
+            header: dict[str, Any] = json.loads(raw, object_pairs_hook=_unique_keys)
     except FileNotFoundError:
         raise NotFoundError(f"{p}: no such file", hint=f"check the path; expected {_CONTAINER}", path=str(p)) from None
     except IsADirectoryError:
@@ -424,7 +471,7 @@ def read_header(path: str | Path) -> dict[str, Any]:
             path=str(p),
         ) from None
     try:
-        _check_header(header, size - len(MAGIC) - 8 - n)
+        _check_header(header, data_end, version)
     except _BadHeader as exc:
         raise CorruptFileError(
             f"{p}: damaged or forged container header: {exc}",
@@ -449,13 +496,16 @@ def _pairs(v: Any, what: str) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in v]
 
 
-def _check_header(header: Any, data_end: int) -> None:
+def _check_header(header: Any, data_end: int, version: int = VERSION) -> None:
     """Every name, number and range a header holds, before anything is read or written by it:
     paths relative and inside, frames inside the coded data, each file tiled exactly by its
-    non-tensor gaps and its tensors."""
+    non-tensor gaps and its tensors; its version the one of the container's magic."""
     _need(isinstance(header, dict), "not a JSON object")
     _need(header.get("kind") in (DELTA_KIND, PACK_KIND), f"unknown kind {header.get('kind')!r:.40}")
-    _need(header.get("version") == 1, f"container version {header.get('version')!r:.20}, where this ckpttool reads 1")
+    _need(
+        header.get("version") == version,
+        f"container version {header.get('version')!r:.20} in a version {version} container",
+    )
     _need(isinstance(header.get("format"), str), "no format name")
     files = header.get("files")
     _need(isinstance(files, dict), "'files' is not an object")

@@ -5,14 +5,15 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
 
 from ckpttool import delta, registry
 from ckpttool.delta import DeltaMismatchError
-from ckpttool.errors import IncompleteCheckpointError
-from tests.conftest import FIXTURES, run_cli, tree_digests
+from ckpttool.errors import CkptError, IncompleteCheckpointError
+from tests.conftest import FIXTURES, assert_clean, run_cli, tree_digests
 
 RUN = FIXTURES / "run"
 
@@ -112,9 +113,8 @@ def test_stored_hash_mismatch_publishes_nothing(tmp_path):
     delta.create(RUN / "step_11", d, base=RUN / "step_10")
     want = delta.read_header(d)["files"]["__0_0.distcp"]["xxh3"]
     wrong = ("0" if want[0] != "0" else "1") + want[1:]
-    data = d.read_bytes()
-    assert data.count(want.encode()) == 1
-    d.write_bytes(data.replace(want.encode(), wrong.encode()))
+    # (the header made anew with its own digest: a damaged header alone is caught by that digest)
+    _edit_header(d, lambda h: h["files"]["__0_0.distcp"].update(xxh3=wrong))
     out = tmp_path / "out"
     r = run_cli("delta", "apply", RUN / "step_10", d, "-o", out)
     # the base matched its recorded hashes, so the delta is what is damaged: exit 3 (it was 1, the
@@ -366,6 +366,88 @@ def test_a_save_directory_changing_while_packed_writes_nothing(tmp_path, monkeyp
 
 
 
+def test_a_base_changing_while_coded_against_writes_nothing(tmp_path, monkeypatch):
+    """A base rewritten while the delta was coded against it gave a delta that applied to neither
+    the old base nor the new one, published with exit 0 (a user deletes the target after that)."""
+    base = tmp_path / "base"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", base)
+    real_read, touched = delta._read, []
+
+    def read_and_write_base(path, ranges):
+        if not touched:
+            with open(base / "__1_0.distcp", "r+b") as f:
+                f.seek(1000)
+                f.write(b"U" * 64)
+            touched.append(path)
+        return real_read(path, ranges)
+
+    monkeypatch.setattr(delta, "_read", read_and_write_base)
+    out = tmp_path / "d.delta"
+    with pytest.raises(CkptError, match=r"__1_0.distcp changed while the delta was coded against it"):
+        delta.create(FIXTURES / "dcp" / "fsdp2", out, base=base)
+    assert touched and not out.exists() and not list(tmp_path.glob(".d.delta*"))
+
+
+def _flip_in_header(path: Path, needle: bytes, bit: int) -> None:
+    data = bytearray(path.read_bytes())
+    at = data.rindex(needle)
+    data[at + 3] ^= bit
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("needle", "bit"),
+    [(b'"__1_0.distcp":{', 0x02), (b'"__1_0.distcp":{', 0x04), (b'"mode":420', 0x01)],
+    ids=["name-made-a-duplicate", "name-changed", "mode-changed"],
+)
+def test_a_bit_flipped_in_a_container_header_is_caught(needle, bit, tmp_path):
+    """The header (names, modes, ranges) had no digest: a bit flipped in a name restored the file
+    under another name, or dropped it (a duplicate name: JSON keeps the last), a flipped mode bit
+    restored the mode, each with exit 0 and "every file's xxh3-128 checked"."""
+    packed = tmp_path / "p.ckz"
+    assert run_cli("compress", FIXTURES / "dcp" / "fsdp2", "-o", packed).code == 0
+    _flip_in_header(packed, needle, bit)
+    r = run_cli("decompress", packed, "-o", tmp_path / "out")
+    assert_clean(r, 3, "p.ckz", "does not match the xxh3-128 stored after it")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.ckz"]
+
+
+def test_a_forged_header_naming_a_file_twice_is_refused(tmp_path):
+    """A header made anew with its digest (as a forger would) that names one file twice: refused,
+    where json kept the last entry and the other file was dropped."""
+    packed = tmp_path / "p.ckz"
+    delta.create(FIXTURES / "dcp" / "fsdp2", packed)
+    from tests.test_fuzz import join_container, split_container
+
+    body, header = split_container(packed.read_bytes())
+    text = json.dumps(header)
+    entry = '"__1_0.distcp": ' + json.dumps(header["files"]["__1_0.distcp"])
+    twice = text.replace(entry, entry + ", " + entry, 1)
+    assert twice != text
+    packed.write_bytes(join_container(body, twice.encode()))
+    r = run_cli("decompress", packed, "-o", tmp_path / "out")
+    assert_clean(r, 3, "p.ckz", "names '__1_0.distcp' twice")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_version_1_container_is_still_read(tmp_path):
+    """Containers written before the header had its digest (CKPTDELTA1) restore as before."""
+    packed = tmp_path / "p.ckz"
+    delta.create(FIXTURES / "dcp" / "fsdp2", packed)
+    from tests.test_fuzz import split_container
+
+    body, header = split_container(packed.read_bytes())
+    header["version"] = 1
+    blob = json.dumps(header).encode()
+    old = b"CKPTDELTA1\n"
+    packed.write_bytes(old + body[len(old) :] + blob + struct.pack("<Q", len(blob)) + old)
+    assert delta.read_header(packed)["version"] == 1
+    assert run_cli("decompress", packed, "-o", tmp_path / "out").code == 0
+    assert tree_digests(tmp_path / "out") == tree_digests(FIXTURES / "dcp" / "fsdp2")
+    packed.write_bytes(b"CKPTDELTA3\n" + packed.read_bytes()[11:])
+    assert_clean(run_cli("decompress", packed, "-o", tmp_path / "o3"), 3, "a container of a newer ckpttool (CKPTDELTA3)")
+
+
 def test_a_base_given_at_another_level_codes_as_well(tmp_path):
     """Target as a save directory, base as its iteration folder (or the other way round): the
     non-tensor bytes are coded against the base's file of the same place (a ``dict_file``), and
@@ -588,8 +670,8 @@ def test_a_sealed_checkpoint_comes_back_sealed_and_its_modes_kept(tmp_path):
 @pytest.mark.parametrize(
     ("edit", "reason"),
     [
-        (lambda h: h.update(version=2), "container version 2, where this ckpttool reads 1"),
-        (lambda h: h.pop("version"), "container version None"),
+        (lambda h: h.update(version=3), "container version 3 in a version 2 container"),
+        (lambda h: h.pop("version"), "container version None in a version 2 container"),
         (lambda h: h["files"].update({".": h["files"].pop(".metadata")}), "is not a plain relative path"),
         (lambda h: h["files"].update({"a//b": h["files"].pop(".metadata")}), "is not a plain relative path"),
         (

@@ -1243,10 +1243,10 @@ class DeltaTarget(Target):
 
 def split_container(data: bytes) -> tuple[bytes, Any] | None:
     """(coded blobs, header) of a delta container, or None if it does not parse."""
-    tail = len(delta.MAGIC) + 8
+    tail = 16 + 8 + len(delta.MAGIC)  # (the header's xxh3-128, its length, the magic)
     if len(data) < tail + len(delta.MAGIC):
         return None
-    (n,) = struct.unpack("<Q", data[-tail : -len(delta.MAGIC)])
+    (n,) = struct.unpack("<Q", data[-8 - len(delta.MAGIC) : -len(delta.MAGIC)])
     if n > len(data) - tail:
         return None
     try:
@@ -1256,7 +1256,8 @@ def split_container(data: bytes) -> tuple[bytes, Any] | None:
 
 
 def join_container(body: bytes, header: bytes) -> bytes:
-    return body + header + struct.pack("<Q", len(header)) + delta.MAGIC
+    """A container of ``body`` and ``header``, the header's digest made anew (as a forger would)."""
+    return body + delta.trailer(header)
 
 
 def _names(header: Any) -> list[str] | None:

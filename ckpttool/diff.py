@@ -155,14 +155,42 @@ def load_map(path: str | Path | None) -> dict[str, str]:
         ) from None
     try:
         data = json.loads(text)
-        if isinstance(data, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
-            return data
-        raise UsageError(f"{path}: --map JSON must map strings to strings")
+        if not (isinstance(data, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in data.items())):
+            raise UsageError(f"{path}: --map JSON must map strings to strings")
+        renames: dict[str, str] = data
     except ValueError:
         pairs = [ln.split("=", 1) for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
         if any(len(p) != 2 for p in pairs):
             raise UsageError(f"{path}: --map lines must read old=new") from None
-        return {a.strip(): b.strip() for a, b in pairs}
+        renames = {a.strip(): b.strip() for a, b in pairs}
+    for old in renames:
+        if _is_pattern(old):
+            try:
+                re.compile(rf"^{old}$")
+            except re.error as exc:
+                raise UsageError(
+                    f"--map {path}: {old!r} is not a regular expression ({exc})",
+                    hint="escape the characters ^$()[]*+?\\ of a plain name with a backslash",
+                ) from None
+    return renames
+
+
+def _is_pattern(old: str) -> bool:
+    """Whether a ``--map`` name is a regular expression (else a name matched as it is)."""
+    return any(c in old for c in "^$()[]*+?\\")
+
+
+def _renamed(key: str, old: str, new: str) -> str:
+    """``key`` after the ``--map`` rename ``old`` -> ``new``."""
+    if not _is_pattern(old):
+        return new if key == old else key
+    try:
+        return re.sub(rf"^{old}$", new, key)
+    except re.error as exc:  # (a replacement naming a group the pattern has not: known once it matches)
+        raise UsageError(
+            f"--map: the replacement {new!r} of {old!r} cannot be applied to {key!r} ({exc})",
+            hint="a replacement refers to the pattern's groups as \\1, \\2 ... (or \\g<name>): use groups it has",
+        ) from None
 
 
 def _keyed(
@@ -174,9 +202,7 @@ def _keyed(
             continue
         key = canonical(item.name)
         for old, new in renames.items():
-            key = (
-                re.sub(rf"^{old}$", new, key) if any(c in old for c in "^$()[]*+?\\") else (new if key == old else key)
-            )
+            key = _renamed(key, old, new)
         if pattern is not None and not pattern.search(key):
             continue
         out.setdefault(key, item)
@@ -745,7 +771,9 @@ class _Accumulator:
             self.sq_diff += float(np.nansum(finite_delta * finite_delta))
             mag = np.abs(fb)
             self.sq_b += float(np.nansum(mag * mag))
-            close = (delta <= self.atol + self.rtol * mag) | (fa == fb) | both_nan
+            # an infinity is close only to itself (as numpy.isclose has it): inf <= atol + rtol * inf held
+            finite = np.isfinite(fa) & np.isfinite(fb)
+            close = ((delta <= self.atol + self.rtol * mag) & finite) | (fa == fb) | both_nan
             self.ok = self.ok and bool(np.all(close))
 
     def result(self, name: str, a: str, b: str, numel: int) -> TensorDiff:
@@ -754,7 +782,9 @@ class _Accumulator:
             a=a,
             b=b,
             max_abs=self.max_abs if math.isfinite(self.max_abs) else float("inf"),
-            rel_l2=math.sqrt(self.sq_diff) / max(math.sqrt(self.sq_b), 1e-30),
+            rel_l2=math.sqrt(self.sq_diff) / max(math.sqrt(self.sq_b), 1e-30)
+            if math.isfinite(self.sq_diff)
+            else math.inf,
             differing=self.n,
             numel=numel,
             first_index=list(self.first) if self.first is not None else None,

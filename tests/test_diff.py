@@ -151,6 +151,40 @@ def test_a_value_become_nan_is_the_largest_difference_not_zero(tmp_path):
     assert {v["name"]: v for v in json.loads(r.stdout)["values"]}["blocks.0.fc2.weight"]["max_abs_diff"] == "inf"
 
 
+def test_a_value_become_infinite_is_never_within_a_relative_tolerance(tmp_path):
+    """finite -> inf and inf -> -inf were "within tolerance" under any rtol > 0 (inf <= atol +
+    rtol * inf), exit 0, with rel L2 nan; an infinity is close only to itself, as in numpy.isclose."""
+    import torch
+    from safetensors.torch import save_file
+
+    inf = float("inf")
+    for name, w, x in (("a", [1.0, 2.0, 3.0], [1.0, inf]), ("b", [1.0, inf, 3.0], [1.0, -inf]), ("c", [1.0, 2.0, 3.0], [1.0, inf])):
+        (tmp_path / name).mkdir()
+        save_file({"w": torch.tensor(w), "x": torch.tensor(x)}, tmp_path / name / "model.safetensors")
+    for a, b in (("a", "b"), ("b", "a")):
+        report = diff(tmp_path / a, tmp_path / b, atol=1e-8, rtol=1e-5)
+        assert report.different, a
+        assert all(not v.within_tolerance and v.rel_l2 == inf for v in report.values), report.to_json()
+    r = run_cli("diff", tmp_path / "a", tmp_path / "b", "--tolerance", "relaxed")
+    assert r.code == 1 and "different" in r.stdout and "nan" not in r.stdout, r.stdout
+    assert not diff(tmp_path / "a", tmp_path / "c", atol=1e-8, rtol=1e-5).different  # (the same inf is the same)
+
+
+def test_a_map_that_is_no_regular_expression_is_a_usage_error(tmp_path):
+    """A --map pattern that does not compile, or a replacement naming a group the pattern lacks,
+    was an "internal error" (exit 3), where a bad --filter is exit 2."""
+    for name, text, says in (
+        ("set.json", '{"[": "x"}', "'[' is not a regular expression"),
+        ("group.json", '{"(.*)": "\\\\9"}', "invalid group reference 9"),
+        ("lines.txt", "a(b=c\n", "'a(b' is not a regular expression"),
+    ):
+        (tmp_path / name).write_text(text)
+        r = run_cli("diff", FSDP2, FSDP2, "--map", tmp_path / name)
+        assert r.code == 2 and says in r.stderr and "internal error" not in r.stderr, (name, r.stderr)
+    (tmp_path / "ok.json").write_text('{"(.*)": "\\\\1"}')
+    assert run_cli("diff", FSDP2, FSDP2, "--map", tmp_path / "ok.json").code == 0
+
+
 def test_zero_and_its_universal_checkpoint_are_the_same_state(tmp_path):
     """DeepSpeed keeps the optimizer's step per param group in ZeRO files and per parameter in a
     universal checkpoint (which also keeps fp32.pt of buffers): the real ds_to_universal output of

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import CkptError, UsageError
+from ckpttool.errors import CkptError, CorruptFileError, UsageError
 from ckpttool.harness import COMPONENTS
 from ckpttool.manifest import SCHEMA_VERSION
 
@@ -60,7 +61,11 @@ class RehearseReport:
     steps: int
     runs: list[dict[str, Any]] = field(default_factory=list)
     trajectory: bool = False
+    tolerance: float | None = None
+    """the relative loss tolerance after the first step (None: bit for bit)"""
     findings: list[Blame] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """what was not compared, and why (the verdict does not depend on them)"""
 
     @property
     def ok(self) -> bool:
@@ -74,10 +79,12 @@ class RehearseReport:
             "steps": self.steps,
             "runs": len(self.runs),
             "trajectory": self.trajectory,
+            "tolerance": self.tolerance,
             "ok": self.ok,
             "restored": self.runs[0]["restored"] if self.runs else None,
             "losses": [[s["loss"] for s in r["steps"]] for r in self.runs],
             "findings": [f.to_json() for f in self.findings],
+            "notes": self.notes,
         }
 
 
@@ -171,11 +178,18 @@ def rehearse(
         raise UsageError(f"--harness {harness!r}: expected module:factory")
     if runs < 1 or steps < 1:
         raise UsageError("--runs and --steps must be at least 1")
+    if tolerance is not None and not (math.isfinite(tolerance) and tolerance >= 0):
+        # (NaN passed every comparison, a negative one failed two equal losses)
+        raise UsageError(f"--tolerance {tolerance}: a tolerance is a finite number, 0 or more")
     _preflight(p)
-    report = RehearseReport(path=str(p), harness=harness, steps=steps)
-    traj_file = p / TRAJECTORY
-    traj = json.loads(traj_file.read_text()) if traj_file.is_file() else None
+    report = RehearseReport(path=str(p), harness=harness, steps=steps, tolerance=tolerance)
+    traj = _trajectory(p / TRAJECTORY)
     report.trajectory = traj is not None
+    if traj is not None and len(traj["steps"]) < steps:
+        report.notes.append(
+            f"the saved run recorded {len(traj['steps'])} steps after the save: steps {len(traj['steps']) + 1}-{steps} "
+            "are compared between the runs only"
+        )
     report.runs = [_run(p, harness, steps, device=device) for _ in range(runs)]
     first = report.runs[0]
     blamed: set[str] = set()
@@ -241,6 +255,38 @@ def rehearse(
                     )
                 )
     return report
+
+
+def _trajectory(path: Path) -> dict[str, Any] | None:
+    """The recorded trajectory beside a checkpoint (None if there is none), its shape checked."""
+    if not path.is_file():
+        return None
+    try:
+        traj = json.loads(path.read_text(encoding="utf-8"))
+        steps, components = traj.get("steps"), traj.get("components")
+        ok = (
+            isinstance(components, dict)
+            and isinstance(steps, list)
+            and all(
+                isinstance(s, dict) and isinstance(s.get("loss"), str) and isinstance(s.get("digests", {}), dict)
+                for s in steps
+            )
+        )
+        for s in steps if ok else []:
+            float.fromhex(s["loss"])
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError) as exc:
+        ok, why = False, f" ({exc})" if not isinstance(exc, AttributeError) else ""
+    else:
+        why = ""
+    if not ok:
+        raise CorruptFileError(
+            f"{path}: not a trajectory ckpttool can read{why}: expected a JSON object with 'components' (an object) "
+            "and 'steps' (a list of objects with a hex 'loss' and 'digests')",
+            hint="the saving run writes it (docs/rehearse.md, 'To record a trajectory'); move the damaged file "
+            "away to compare the runs with each other only",
+            path=str(path),
+        )
+    return traj
 
 
 def _blame(

@@ -130,3 +130,54 @@ def test_cuda_replay(tmp_path):
 
     (ckpt,) = train(tmp_path, steps=10, save_every=10, k=3, omit=None, device="cuda")
     assert rehearse(ckpt, H, steps=3, device="cuda").ok
+
+
+def test_a_tolerance_is_checked_and_named_in_the_verdict(trained, tmp_path):
+    """--tolerance nan passed every comparison and a negative one failed two equal losses; a
+    replay within a tolerance was called "bit-identical" though its losses differed."""
+    import shutil
+
+    for bad in ("nan", "-1", "inf"):
+        r = run_cli("rehearse", trained / "step_20", "--harness", H, "--tolerance", bad)
+        assert r.code == 2 and "a tolerance is a finite number" in r.stderr, (bad, r.stderr)
+    ckpt = tmp_path / "step_20"
+    shutil.copytree(trained / "step_20", ckpt)
+    traj_file = ckpt / "ckpttool.trajectory.json"
+    traj = json.loads(traj_file.read_text())
+    traj["steps"][2]["loss"] = (float.fromhex(traj["steps"][2]["loss"]) * (1 + 1e-4)).hex()
+    for s in traj["steps"][1:]:
+        s["digests"] = {}  # (past step 1 a tolerance compares losses only)
+    traj_file.write_text(json.dumps(traj))
+    assert run_cli("rehearse", ckpt, "--harness", H, "--runs", "1").code == 1
+    r = run_cli("rehearse", ckpt, "--harness", H, "--runs", "1", "--tolerance", "0.01")
+    assert r.code == 0 and "replay matches within --tolerance 0.01" in r.stdout and "bit-identical" not in r.stdout, r.stdout
+    data = json.loads(run_cli("rehearse", ckpt, "--harness", H, "--runs", "1", "--tolerance", "0.01", "--json").stdout)
+    assert data["ok"] and data["tolerance"] == 0.01
+
+
+@pytest.mark.parametrize(
+    "text", ['{"components": ', '{"steps": []}', '[1, 2]', '{"components": {}, "steps": [{"loss": "x"}]}']
+)
+def test_a_damaged_trajectory_is_named(text, trained, tmp_path):
+    """A trajectory file cut short or of another shape was an internal error (JSONDecodeError,
+    KeyError 'components')."""
+    import shutil
+
+    ckpt = tmp_path / "step_20"
+    shutil.copytree(trained / "step_20", ckpt)
+    (ckpt / "ckpttool.trajectory.json").write_text(text)
+    r = run_cli("rehearse", ckpt, "--harness", H, "--runs", "1")
+    assert r.code == 3 and "ckpttool.trajectory.json: not a trajectory ckpttool can read" in r.stderr, r.stderr
+    assert "internal error" not in r.stderr
+
+
+def test_findings_name_their_component_once_and_steps_past_the_trajectory_are_noted(trained, tmp_path):
+    """The CLI printed "rng: rng: RNG state not restored" and "replay: replay differs"; --steps
+    past the recorded trajectory compared those steps with nothing and said nothing of it."""
+    from ckpttool.harness.tinygpt import train
+
+    (ckpt,) = train(tmp_path, steps=10, save_every=10, k=3, omit="rng", device="cpu")
+    r = run_cli("rehearse", ckpt, "--harness", H, "--steps", "3", "--runs", "1")
+    assert r.code == 1 and "rng: RNG state not restored" in r.stdout and "rng: rng:" not in r.stdout, r.stdout
+    r = run_cli("rehearse", trained / "step_20", "--harness", H, "--steps", "7", "--runs", "1")
+    assert r.code == 0 and "note: the saved run recorded 5 steps after the save: steps 6-7 are compared" in r.stdout, r.stdout

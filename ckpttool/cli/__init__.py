@@ -1077,7 +1077,8 @@ def rehearse(
     prove they are bit-identical to each other and to the saved run, or name the state that breaks
     replay (RNG, dataloader position, scheduler, optimizer moments).
 
-    Exit 0 bit-identical, 1 diverged or a component not restored, 3 could not run.
+    Exit 0 bit-identical (or within --tolerance), 1 diverged or a component not restored, 3 could not
+    run.
     """
     from ckpttool.rehearse import rehearse as run
 
@@ -1092,9 +1093,19 @@ def rehearse(
             + ("" if report.trajectory else " (no recorded trajectory: runs compared with each other only)")
         )
         out.line("losses: " + ", ".join(f"{v:.6g}" for v in losses))
-        for f in report.findings:
-            out.line(f"[red]{f.component or 'replay'}[/red]: {f.message}")
-        out.line("[green]replay is bit-identical[/green]" if report.ok else "[red]replay is NOT exact[/red]")
+        for f in report.findings:  # (a component's message starts with its name: "rng: RNG state not ...")
+            named = f.component is not None and f.message.startswith(f"{f.component}: ")
+            out.line(f"[red]{f.component}[/red]: {f.message[len(f'{f.component}: ') :]}" if named else f.message)
+        for note in report.notes:
+            out.line(f"note: {note}")
+        if not report.ok:
+            out.line("[red]replay is NOT exact[/red]")
+        elif report.tolerance is None:
+            out.line("[green]replay is bit-identical[/green]")
+        else:
+            out.line(
+                f"[green]replay matches within --tolerance {report.tolerance:g}[/green] (the first step bit for bit)"
+            )
     if not report.ok:
         raise typer.Exit(1)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool import registry
+from ckpttool.errors import CorruptFileError
 from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, StateName
 
 
@@ -81,6 +82,7 @@ def item_row(item: Item) -> dict[str, Any]:
 def inspect(path: str | Path) -> InspectReport:
     """Detect the format and summarise the checkpoint; reads metadata, never tensor data."""
     _, manifest = registry.describe(path)
+    refuse_unreadable(manifest)
     by_kind: dict[str, Tally] = {}
     by_dtype: dict[str, Tally] = {}
     for item in manifest.items.values():
@@ -100,9 +102,33 @@ def inspect(path: str | Path) -> InspectReport:
     )
 
 
+def refuse_unreadable(manifest: Manifest) -> None:
+    """Stop where an item could not be read for damage or permissions, not for a refused pickle
+    (which is reported, the rest described): a file that does not read is exit 3, as with the
+    formats whose reader stops at it; it was called "cannot be loaded safely", exit 1 (``ls``: 0)."""
+    bad = [i for i in manifest.items.values() if i.error and not i.error.startswith("unsafe pickle")]
+    if bad:
+        files = sorted({i.pieces[0].file for i in bad if i.pieces})
+        by_error: dict[str, list[str]] = {}
+        for i in bad:
+            by_error.setdefault(i.error or "", []).append(i.name)
+        said = [
+            f"{error} ({names[0]}" + (f" and {len(names) - 1} more item(s))" if len(names) > 1 else ")")
+            for error, names in list(by_error.items())[:3]
+        ]
+        raise CorruptFileError(
+            f"{len(bad)} item(s) cannot be read: {'; '.join(said)}"
+            + (f"; {len(by_error) - 3} more reasons" if len(by_error) > 3 else ""),
+            hint=f"{', '.join(files[:3])} {'is' if len(files) == 1 else 'are'} damaged or unreadable: check the "
+            "permissions, or restore from a good copy ('ckpttool verify' names every damaged file)",
+            path=files[0] if files else None,
+        )
+
+
 def ls(path: str | Path, pattern: str | None = None) -> tuple[Manifest, list[Item]]:
     """The items of a checkpoint, optionally those whose name matches ``pattern`` (re.search)."""
     _, manifest = registry.describe(path)
+    refuse_unreadable(manifest)
     rx = re.compile(pattern) if pattern else None
     items = [i for i in manifest.items.values() if rx is None or rx.search(i.name)]
     return manifest, items

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
 from ckpttool import io as ckio
 from ckpttool import registry
 from ckpttool.inspect import inspect
-from tests.conftest import DCP_FIXTURES, FIXTURES
+from tests.conftest import DCP_FIXTURES, FIXTURES, run_cli
 
 
 @pytest.fixture
@@ -74,3 +75,26 @@ def test_unreadable_data_files_still_inspect(tmp_path):
     after = inspect(dst).to_json()
     before.pop("path"), after.pop("path")
     assert before == after
+
+
+def test_an_item_whose_file_does_not_read_is_exit_3_not_unsafe(tmp_path):
+    """A DCP bytes item in a damaged or unreadable file was reported as "cannot be loaded safely"
+    (the words for a pickle that runs code), inspect exit 1 and ls exit 0; other formats stop
+    with exit 3 at such a file. A refused pickle is still reported, the rest described (exit 1)."""
+    from ckpttool import registry
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ckpt)
+    _, m = registry.describe(ckpt)
+    item = m.items["rng.rank0.python"]
+    piece = item.pieces[0]
+    at = piece.locator["offset"] + piece.locator["length"] // 2
+    with open(ckpt / piece.file, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x10]))
+    for command in ("inspect", "ls"):
+        r = run_cli(command, ckpt)
+        assert r.code == 3 and "1 item(s) cannot be read: __0_0.distcp@0" in r.stderr, (command, r.stderr)
+        assert "loaded safely" not in r.stderr and "__0_0.distcp is damaged or unreadable" in r.stderr

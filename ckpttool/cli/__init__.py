@@ -210,7 +210,8 @@ def inspect(path: PathArg, json_out: JsonOpt = False) -> None:
     """Format, step, layout, items by kind and dtype, and the training state that is missing.
 
     Reads metadata only: no tensor data, no torch. Exits 1 when some item cannot be loaded safely
-    (e.g. a pickle that would run code), 3 when the checkpoint cannot be read at all.
+    (e.g. a pickle that would run code), 3 when the checkpoint, or a file an item is read from,
+    cannot be read (damaged, cut short, no permission).
     """
     from ckpttool.cli import _render
     from ckpttool.inspect import inspect as run

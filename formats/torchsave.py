@@ -19,7 +19,7 @@ from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection
 from ckpttool.manifest import FileRecord, Item, Layout, Manifest, is_seal_name
 from ckpttool.naming import classify
-from ckpttool.values import find_step, flatten, set_value
+from ckpttool.values import find_step, flatten, is_container_leaf, set_value
 
 # plain numeric numpy arrays too: RNG states (``np.random.get_state()``) that training loops save
 # (Hugging Face's ``rng_state.pth``; Megatron's records, carried by ``convert --to torch``)
@@ -77,7 +77,9 @@ class TorchSaveAdapter:
             manifest = Manifest(root=str(root), format=self.name, layout=Layout(world_size=1))
             # (no rank: the file holds the whole state, whoever saved it)
             manifest.files.append(FileRecord(path=rel, size=size, role="data"))
-            leaves = flatten(obj) if isinstance(obj, dict) else [("", obj)]
+            # (a list or tuple of tensors or dicts at the top is walked into as one under a key is)
+            walked = isinstance(obj, dict) or (isinstance(obj, list | tuple) and not is_container_leaf(obj))
+            leaves = flatten(obj) if walked else [("", obj)]
             for name, value in leaves:
                 name = name or "value"
                 if isinstance(value, _unpickle.TensorRef):

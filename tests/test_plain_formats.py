@@ -176,6 +176,27 @@ def test_torch_save_nested_dict(tmp_path):
     assert strided, "fixture should hold a non-contiguous tensor"
 
 
+def test_torch_save_of_a_list_or_tuple_at_the_top_is_walked(tmp_path):
+    """A file holding a tuple or list of tensors at its top was one object item "value": its
+    tensors hidden from ls, and export found "nothing to write"; under a key it was walked."""
+    cases = {
+        "tuple.pt": (torch.ones(2), torch.zeros(3)),
+        "list.pt": [torch.ones(2), {"a": torch.arange(3), "n": 5}],
+        "plain.pt": [1, 2, 3],
+    }
+    for name, obj in cases.items():
+        torch.save(obj, tmp_path / name)
+    _, m = registry.describe(tmp_path / "tuple.pt")
+    assert sorted(m.items) == ["0", "1"] and all(i.is_tensor for i in m.items.values())
+    _, m = registry.describe(tmp_path / "list.pt")
+    assert sorted(m.items) == ["0", "1.a", "1.n"] and m.items["1.n"].value == 5
+    _, m = registry.describe(tmp_path / "plain.pt")
+    assert sorted(m.items) == ["value"]  # (plain data stays one value)
+    export(tmp_path / "list.pt", tmp_path / "o.safetensors")
+    got = load_file(tmp_path / "o.safetensors")
+    assert tensor_mismatches(got, {"0": torch.ones(2), "1.a": torch.arange(3)}) == []
+
+
 def test_torch_save_hostile_global(tmp_path):
     import os
     import pickle

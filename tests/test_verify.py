@@ -323,6 +323,30 @@ def test_a_file_its_permissions_shut_out_stops_verify_once(tmp_path):
     assert r.stderr.startswith("error: __2_0.distcp: cannot open (Permission denied)\n"), r.stderr
 
 
+def test_a_checkpoint_folder_its_permissions_shut_names_the_folder(tmp_path):
+    """A checkpoint folder that cannot be opened was said of a file inside it that the format
+    would look for ("c/latest_checkpointed_iteration.txt: permission denied", a DCP checkpoint)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import cli_env
+
+    path = _copy("dcp/fsdp2", tmp_path)
+    path.chmod(0)
+    try:
+        for command in ("verify", "inspect"):
+            argv = [sys.executable, "-m", "ckpttool", command, str(path)]
+            if os.geteuid() == 0:
+                if shutil.which("setpriv") is None:
+                    pytest.skip("root opens every folder; dropping that capability needs setpriv")
+                argv = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *argv]
+            r = subprocess.run(argv, capture_output=True, text=True, env=cli_env(), timeout=120)
+            assert r.returncode == 3, (command, r.stderr)
+            assert r.stderr.startswith(f"error: {path}: permission denied (the folder cannot be opened"), r.stderr
+    finally:
+        path.chmod(0o755)
+
+
 def test_deepspeed_latest_missing_tag():
     report = verify(FIXTURES / "hostile" / "ds_latest_missing_tag")
     assert "incomplete-save" in _rules(report)

@@ -182,9 +182,22 @@ def _os_error(exc: OSError, output: Any = None) -> str:
     where = os.fsdecode(exc.filename)
     if (dest := published_as(where)) is not None:  # (a writer's hidden temporary: said of what it writes)
         return f"{dest}: {reason} while writing it (nothing was published)"
+    if exc.errno == errno.EACCES and (shut := _shut_folder(where)) is not None:
+        # (a file looked for inside a folder that cannot be opened: the folder is what to fix)
+        return f"{shut}: {reason} (the folder cannot be opened, nor anything in it)"
     if exc.filename2 is not None:
         where += f" -> {os.fsdecode(exc.filename2)}"
     return f"{where}: {reason}"
+
+
+def _shut_folder(path: str) -> str | None:
+    """The outermost folder above ``path`` that this process may not enter, if any."""
+    parts = Path(path).parts
+    for i in range(1, len(parts)):
+        folder = os.path.join(*parts[:i])
+        if os.path.isdir(folder) and not os.access(folder, os.X_OK):
+            return folder
+    return None
 
 
 def _version(value: bool) -> None:

@@ -646,6 +646,15 @@ def apply(
         directory=not one_file,
         example="restored/" + ("model.safetensors" if one_file else "step_1000"),
     )
+    if one_file and force and out_path.is_file():
+        try:  # --force replaces an earlier output, never other data: a file of a checkpoint format
+            registry.detect(out_path)
+        except CkptError:
+            raise UsageError(
+                f"-o {out_path} is a file that holds no checkpoint: --force replaces an earlier output, never "
+                "other data",
+                hint="choose another -o path, or remove the file yourself",
+            ) from None
     b_root: Path | None = None
     d_maps, b_maps = _Mapped(), _Mapped()
     if header["kind"] == DELTA_KIND:

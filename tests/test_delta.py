@@ -388,6 +388,23 @@ def test_a_base_changing_while_coded_against_writes_nothing(tmp_path, monkeypatc
     assert touched and not out.exists() and not list(tmp_path.glob(".d.delta*"))
 
 
+def test_force_replaces_an_earlier_single_file_output_never_other_data(tmp_path):
+    """A single-file container restored with --force over any file (a text file) replaced it,
+    where --force promises to replace an earlier output, never other data."""
+    packed = tmp_path / "m.ckz"
+    model = FIXTURES / "safetensors" / "model.safetensors"
+    delta.create(model, packed)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hi")
+    r = run_cli("decompress", packed, "-o", notes, "--force")
+    assert r.code == 2 and "is a file that holds no checkpoint" in r.stderr, r.stderr
+    assert notes.read_text() == "hi"
+    earlier = tmp_path / "earlier.safetensors"
+    shutil.copyfile(model, earlier)
+    assert run_cli("decompress", packed, "-o", earlier, "--force").code == 0
+    assert earlier.read_bytes() == model.read_bytes()
+
+
 def _flip_in_header(path: Path, needle: bytes, bit: int) -> None:
     data = bytearray(path.read_bytes())
     at = data.rindex(needle)

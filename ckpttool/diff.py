@@ -650,8 +650,19 @@ def _copies_that_differ(
                     acc.add(va, vb, mine.dtype, other.dtype, box)
             except CkptError:
                 continue
-            if not acc.result(name, mine.name, other.name, 0).within_tolerance:
-                out.append({"name": name, "side": side, "file": p.file, "rank": p.rank})
+            res = acc.result(name, mine.name, other.name, 0)
+            if not res.within_tolerance:
+                out.append(
+                    {
+                        "name": name,
+                        "side": side,
+                        "file": p.file,
+                        "rank": p.rank,
+                        "differing": res.differing,
+                        "first_index": res.first_index,
+                        "max_abs_diff": res.max_abs,
+                    }
+                )
     return out
 
 

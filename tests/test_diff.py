@@ -349,7 +349,12 @@ def test_a_changed_copy_of_a_replicated_tensor_is_a_difference(tmp_path):
     _flip_byte(b / copy.file, off + n // 2)
     report = diff(ddp, b)
     assert report.different and report.identical == report.compared, report.to_json()
-    assert report.copies == [{"name": "body.0.weight", "side": "B", "file": copy.file, "rank": copy.rank}]
+    (found,) = report.copies
+    assert {k: found[k] for k in ("name", "side", "file", "rank")} == {
+        "name": "body.0.weight", "side": "B", "file": copy.file, "rank": copy.rank
+    }
+    # (how much, and where: the copy's figures were not given)
+    assert found["differing"] == 1 and found["max_abs_diff"] > 0 and found["first_index"] is not None
     assert [c["side"] for c in diff(b, ddp).copies] == ["A"]
     r = run_cli("diff", ddp, b)
     assert r.code == 1 and f"B's copy in {copy.file}" in r.stdout, r.stdout

@@ -144,6 +144,11 @@ def diff_report(out: Output, report: DiffReport) -> None:
         out.line(
             f"copy: {escape(c['name'])}: {c['side']}'s copy in {escape(c['file'])} (rank {c['rank']}) differs from "
             f"{'B' if c['side'] == 'A' else 'A'}'s values"
+            + (
+                f" ({c['differing']:,} element(s), first at {c['first_index']}, max abs {c['max_abs_diff']:.4g})"
+                if c.get("differing")
+                else ""
+            )
         )
     for u in report.unread:
         sides = "; ".join(f"{side.upper()}: {u[side]}" for side in ("a", "b") if u[side])

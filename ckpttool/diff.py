@@ -87,6 +87,9 @@ class DiffReport:
     notes: list[str] = field(default_factory=list)
     """the same state kept differently on the two sides, compared and found equal (the optimizer's
     step kept per param group on one side, per parameter on the other)"""
+    not_compared: list[str] = field(default_factory=list)
+    """state the two sides keep where diff does not read it (Adam's per-parameter steps in Megatron's
+    legacy rank files), said so that "equal" is not taken to cover it"""
     copies: list[dict[str, Any]] = field(default_factory=list)
     """copies of a replicated tensor (a TP-replicated norm on another rank, a DP copy) whose values
     differ from the other side's, where the first copies compare equal: each rank loads its own
@@ -135,6 +138,7 @@ class DiffReport:
             "not_compared_rng": self.opaque,
             "not_read": self.unread,
             "notes": self.notes,
+            "not_compared": self.not_compared,
             "copies": self.copies,
             "first_divergence": first.name if first else None,
             "largest_divergence": largest.name if largest else None,
@@ -333,6 +337,7 @@ def diff(
                 report.copies += _copies_that_differ(key, ra, ia, rb, ib, atol, rtol)
             if progress is not None:
                 progress(ia.nbytes)
+    _state_in_pickles(report, ma, mb, wanted)
     _state_beside(report, ma, mb, wanted)  # (last: the steps above look up what they list by item name)
     return report
 
@@ -503,6 +508,27 @@ def _extra_masters(
                 f"fp32 copies: {side} keeps one of {len(same)} tensor(s) the other side keeps only as themselves "
                 f"({shown}); each holds its tensor's values exactly",
             )
+
+
+def _state_in_pickles(report: DiffReport, ma: Manifest, mb: Manifest, wanted: set[str] | None) -> None:
+    """State two Megatron checkpoints keep in their rank files' pickles, not as items: the data
+    position (``args.consumed_train_samples``) is compared, a difference is a value that differs
+    (it said "equal" with the samples changed); the optimizer state there (the param groups,
+    Adam's steps: ``extras["unread_state"]``) is not read, and the report says so."""
+    if not (ma.format.startswith("megatron") and mb.format.startswith("megatron")):
+        return
+    da, db = ((m.extras.get("state_in_metadata") or {}).get("dataloader") for m in (ma, mb))
+    if da is not None and db is not None and da != db and (wanted is None or "dataloader" in wanted):
+        report.objects.append({"name": "args.consumed_train_samples", "a": da, "b": db})
+    unread = [
+        (side, m.extras["unread_state"])
+        for side, m in (("A", ma), ("B", mb))
+        if m.extras.get("unread_state") and (wanted is None or "optim" in wanted)
+    ]
+    for side, what in unread:
+        report.not_compared.append(
+            f"{'; '.join(what)} of {side}, kept in its rank files' optimizer pickles (not read as items)"
+        )
 
 
 def _state_beside(report: DiffReport, ma: Manifest, mb: Manifest, wanted: set[str] | None) -> None:

@@ -7,10 +7,12 @@ import shutil
 import struct
 import warnings
 
+import pytest
+
 from ckpttool import registry
 from ckpttool.diff import diff
 from ckpttool.export import export
-from tests.conftest import FIXTURES, run_cli
+from tests.conftest import FIXTURES, rewritten_copy, run_cli
 
 FSDP2 = FIXTURES / "dcp" / "fsdp2"
 
@@ -183,6 +185,22 @@ def test_a_map_that_is_no_regular_expression_is_a_usage_error(tmp_path):
         assert r.code == 2 and says in r.stderr and "internal error" not in r.stderr, (name, r.stderr)
     (tmp_path / "ok.json").write_text('{"(.*)": "\\\\1"}')
     assert run_cli("diff", FSDP2, FSDP2, "--map", tmp_path / "ok.json").code == 0
+
+
+def test_megatron_state_kept_in_pickles_is_compared_or_said_not_to_be(tmp_path):
+    """Two Megatron checkpoints whose data position differed said "equal", exit 0: it is no item.
+    The optimizer state kept in the rank files' pickles (param groups, Adam's steps) is not read,
+    and the report now says so instead of letting "equal" cover it."""
+    src = FIXTURES / "megatron" / "legacy_tp2pp2"
+    b = rewritten_copy(tmp_path / "b", src, lambda t: setattr(t["args"], "consumed_train_samples", 99999))
+    report = diff(src, b)
+    assert report.different and [o["name"] for o in report.objects] == ["args.consumed_train_samples"], report.to_json()
+    assert run_cli("diff", src, b).code == 1
+    same = diff(src, src)
+    assert not same.different
+    assert len(same.not_compared) == 2 and "Adam's step" in same.not_compared[0], same.not_compared
+    r = run_cli("diff", src, src)
+    assert r.code == 0 and "not compared: Adam's step" in r.stdout, r.stdout
 
 
 def test_zero_and_its_universal_checkpoint_are_the_same_state(tmp_path):

@@ -134,6 +134,8 @@ def diff_report(out: Output, report: DiffReport) -> None:
         )
     for note in report.notes:
         out.line(f"same: {escape(note)}")
+    for note in report.not_compared:
+        out.line(f"[yellow]not compared[/yellow]: {escape(note)}")
     for c in report.changed_meta:
         out.line(
             f"changed: {escape(c['name'])}: {c['a']['dtype']}{c['a']['shape']} -> {c['b']['dtype']}{c['b']['shape']}"

@@ -50,7 +50,7 @@ from ckpttool.io import (
 )
 from ckpttool.manifest import Manifest
 from ckpttool.naming import canonical
-from ckpttool.values import is_count
+from ckpttool.values import is_count, unique_keys
 
 MAGIC = b"CKPTDELTA2\n"
 VERSION = 2
@@ -388,17 +388,6 @@ def trailer(blob: bytes) -> bytes:
     return blob + bytes.fromhex(hash_bytes(blob)) + struct.pack("<Q", len(blob)) + MAGIC
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object's members, refused where a name comes twice (``json`` keeps the last: a file
-    of the container would vanish without a word)."""
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"the header names {k!r:.60} twice")
-        out[k] = v
-    return out
-
-
 def _changed(root: Path | None, before: dict[str, tuple[int, int] | None]) -> list[str]:
     """The files of ``before`` (:func:`_stamps` taken earlier) whose size or time is no longer the same."""
     return [rel for rel, stamp in _stamps(root, list(before)).items() if stamp != before[rel]] if root else []
@@ -451,7 +440,7 @@ def read_header(path: str | Path) -> dict[str, Any]:
             raw = fh.read(n)
             if digest and fh.read(digest).hex() != hash_bytes(raw):
                 raise ValueError("its header does not match the xxh3-128 stored after it")
-            header: dict[str, Any] = json.loads(raw, object_pairs_hook=_unique_keys)
+            header: dict[str, Any] = json.loads(raw, object_pairs_hook=unique_keys)
     except FileNotFoundError:
         raise NotFoundError(f"{p}: no such file", hint=f"check the path; expected {_CONTAINER}", path=str(p)) from None
     except IsADirectoryError:

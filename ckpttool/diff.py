@@ -28,7 +28,7 @@ from ckpttool.geometry import Box
 from ckpttool.hashing import hash_bytes
 from ckpttool.manifest import KEPT_BESIDE, KINDS, SCHEMA_VERSION, STATE_KINDS, Item, Manifest
 from ckpttool.naming import canonical
-from ckpttool.values import same_value
+from ckpttool.values import check_tolerance, same_value
 
 Tolerance = Literal["strict", "standard", "relaxed"]
 TOLERANCES: dict[str, tuple[float, float]] = {"strict": (0.0, 0.0), "standard": (1e-8, 1e-5), "relaxed": (1e-5, 1e-3)}
@@ -231,9 +231,7 @@ def diff(
     atol = base_atol if atol is None else atol
     rtol = base_rtol if rtol is None else rtol
     for flag, value in (("--atol", atol), ("--rtol", rtol)):
-        if not (math.isfinite(value) and value >= 0):
-            # a negative bound makes equal values "different"; NaN makes every difference "within"
-            raise UsageError(f"{flag} {value}: a tolerance is a finite number, 0 or more")
+        check_tolerance(flag, value)
     adapter_a, ma = _described("A", a)
     adapter_b, mb = _described("B", b)
     rx = re.compile(pattern) if pattern else None

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import os
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from typing import Any
 from ckpttool.errors import CkptError, CorruptFileError, UsageError
 from ckpttool.harness import COMPONENTS
 from ckpttool.manifest import SCHEMA_VERSION
+from ckpttool.values import check_tolerance
 
 TRAJECTORY = "ckpttool.trajectory.json"
 TRAJECTORY_STATES = "ckpttool.trajectory.pt"
@@ -47,6 +47,7 @@ class HarnessError(CkptError):
 @dataclass(slots=True, kw_only=True)
 class Blame:
     component: str | None
+    """the state blamed (None: the replay itself); the message does not repeat it"""
     message: str
     step: int | None = None
 
@@ -178,9 +179,8 @@ def rehearse(
         raise UsageError(f"--harness {harness!r}: expected module:factory")
     if runs < 1 or steps < 1:
         raise UsageError("--runs and --steps must be at least 1")
-    if tolerance is not None and not (math.isfinite(tolerance) and tolerance >= 0):
-        # (NaN passed every comparison, a negative one failed two equal losses)
-        raise UsageError(f"--tolerance {tolerance}: a tolerance is a finite number, 0 or more")
+    if tolerance is not None:  # (NaN passed every comparison, a negative one failed two equal losses)
+        check_tolerance("--tolerance", tolerance)
     _preflight(p)
     report = RehearseReport(path=str(p), harness=harness, steps=steps, tolerance=tolerance)
     traj = _trajectory(p / TRAJECTORY)
@@ -197,7 +197,7 @@ def rehearse(
         if comp in first["restored"] and not first["restored"][comp]:
             blamed.add(comp)
             report.findings.append(
-                Blame(component=comp, message=f"{comp}: {_WORDS[comp]} not restored: the checkpoint does not hold it")
+                Blame(component=comp, message=f"{_WORDS[comp]} not restored: the checkpoint does not hold it")
             )
     if traj is not None:
         for comp, want in traj["components"].items():
@@ -207,7 +207,7 @@ def rehearse(
             report.findings.append(
                 Blame(
                     component=comp,
-                    message=f"{comp}: the restored {_WORDS.get(comp, comp)} "
+                    message=f"the restored {_WORDS.get(comp, comp)} "
                     "differs from the saved run's at the moment of the save",
                 )
             )
@@ -247,7 +247,7 @@ def rehearse(
                         component=culprit,
                         step=d[0],
                         message=(
-                            f"{culprit}: {_WORDS.get(culprit, culprit)} not restored exactly: {where}; "
+                            f"{_WORDS.get(culprit, culprit)} not restored exactly: {where}; "
                             "forcing it to the saved run's state makes replay match"
                             if culprit
                             else f"{where}; forcing no single component equal makes it match"

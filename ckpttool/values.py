@@ -9,6 +9,7 @@ import struct
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ckpttool.errors import UsageError
 from ckpttool.manifest import Item
 from ckpttool.naming import STEP_NAMES
 
@@ -144,3 +145,21 @@ def same_value(a: Any, b: Any) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
     return bool(a == b)
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s ``object_pairs_hook`` that refuses an object naming a key twice (``json``
+    keeps the last one without a word: a tensor of a safetensors header, a file of a container)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"names {dup!r:.60} twice")
+    return out
+
+
+def check_tolerance(flag: str, value: float) -> None:
+    """Refuse a tolerance that is not a finite number, 0 or more: a negative bound makes equal
+    values "different", NaN makes every difference "within"."""
+    if not (math.isfinite(value) and value >= 0):
+        raise UsageError(f"{flag} {value}: a tolerance is a finite number, 0 or more")

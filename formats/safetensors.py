@@ -34,6 +34,7 @@ from ckpttool.geometry import Box
 from ckpttool.io import FileCache, RandomAccessFile, confine, left_out, list_files, open_regular, outside
 from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece, StateName
 from ckpttool.naming import classify
+from ckpttool.values import unique_keys
 
 MAX_HEADER = 100_000_000
 SHARDING_INFO = "DCP_SHARDING_INFO"
@@ -57,15 +58,6 @@ class Header:
     tensors: list[TensorEntry]
     """in data order"""
     metadata: dict[str, str]
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise ValueError(f"duplicate key {dup!r}")
-    return out
 
 
 def read_header(path: Path, display: str) -> Header:
@@ -99,7 +91,7 @@ def read_header(path: Path, display: str) -> Header:
         raw = f.read(8, n)
         size = f.size
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CorruptFileError(f"{display}: header is not valid JSON ({exc})", path=display) from None
     if not isinstance(header, dict):

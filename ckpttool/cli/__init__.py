@@ -1107,9 +1107,8 @@ def rehearse(
             + ("" if report.trajectory else " (no recorded trajectory: runs compared with each other only)")
         )
         out.line("losses: " + ", ".join(f"{v:.6g}" for v in losses))
-        for f in report.findings:  # (a component's message starts with its name: "rng: RNG state not ...")
-            named = f.component is not None and f.message.startswith(f"{f.component}: ")
-            out.line(f"[red]{f.component}[/red]: {f.message[len(f'{f.component}: ') :]}" if named else f.message)
+        for f in report.findings:
+            out.line(f"[red]{f.component}[/red]: {f.message}" if f.component else f.message)
         for note in report.notes:
             out.line(f"note: {note}")
         if not report.ok:

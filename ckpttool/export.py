@@ -110,7 +110,7 @@ def refuse_unreadable(items: Iterable[Item], *, hint: str | None = None) -> None
         f"{where + ': ' if where else ''}{first.name} cannot be read ({first.error}){more}; nothing was written",
         hint=hint or "restore the file from the save, or use another checkpoint: the output would lack this state",
         path=where,
-        rule="unsafe-pickle" if (first.error or "").startswith("unsafe pickle") else "corrupt-file",
+        rule="unsafe-pickle" if first.refused else "corrupt-file",
     )
 
 

@@ -106,7 +106,7 @@ def refuse_unreadable(manifest: Manifest) -> None:
     """Stop where an item could not be read for damage or permissions, not for a refused pickle
     (which is reported, the rest described): a file that does not read is exit 3, as with the
     formats whose reader stops at it; it was called "cannot be loaded safely", exit 1 (``ls``: 0)."""
-    bad = [i for i in manifest.items.values() if i.error and not i.error.startswith("unsafe pickle")]
+    bad = [i for i in manifest.items.values() if i.error and not i.refused]
     if bad:
         files = sorted({i.pieces[0].file for i in bad if i.pieces})
         by_error: dict[str, list[str]] = {}

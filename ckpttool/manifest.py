@@ -78,6 +78,10 @@ class Piece:
         return self.flat[1] if self.flat is not None else self.box.volume
 
 
+UNSAFE_PICKLE = "unsafe pickle"
+"""how :attr:`Item.error` starts where the reader refused the item's pickle"""
+
+
 @dataclass(slots=True, kw_only=True)
 class Item:
     __pydantic_config__ = _SCHEMA_CONFIG
@@ -96,7 +100,8 @@ class Item:
     summary: str | None = None
     """for a value too large to keep in ``value``: its type and length, e.g. ``tuple of 3``"""
     error: str | None = None
-    """why the item cannot be loaded (e.g. an unsafe pickle), when it cannot"""
+    """why the item cannot be loaded (e.g. an unsafe pickle), when it cannot; where its pickle was
+    refused it starts with "unsafe pickle", where it is damaged or unreadable it does not"""
     nesting: tuple[str | int, ...] | None = field(default=None, compare=False, repr=False, metadata=_IN_MEMORY)
     """where the value sits in the nested state dict the checkpoint was saved from, where the format
     records it (DCP's ``planner_data``: dict keys and list indices); kept in memory for writers of
@@ -112,6 +117,18 @@ class Item:
     @property
     def is_tensor(self) -> bool:
         return self.dtype is not None
+
+    @property
+    def refused(self) -> bool:
+        """Whether the item's pickle was refused (it names a global outside the allowlist), as
+        opposed to unreadable (damage, permissions) or readable."""
+        return (self.error or "").startswith(UNSAFE_PICKLE)
+
+    @property
+    def refused_global(self) -> str | None:
+        """The global a refused pickle names (the readers write ``unsafe pickle: ... refers to
+        <global>``); None where the pickle was not refused."""
+        return (self.error or "").rsplit("refers to ", 1)[-1] if self.refused else None
 
     @property
     def nbytes(self) -> int:

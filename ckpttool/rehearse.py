@@ -153,10 +153,10 @@ def _preflight(p: Path) -> None:
 
     _, manifest = registry.describe(p)
     for item in manifest.items.values():
-        if item.error and item.error.startswith("unsafe pickle"):
+        if (named := item.refused_global) is not None:
             raise UnsafePickleError(
                 item.pieces[0].file if item.pieces else str(p),
-                item.error.rsplit("refers to ", 1)[-1],
+                named,
                 what=f"item {item.name}",
             )
 

@@ -867,9 +867,8 @@ def seal(
     # an item's pickle that runs code: the seal command does not vouch for it (a writer sealing its
     # output has carried such a record unread, as it carries a run's own class, and said so)
     for item in manifest.items.values() if known is None and published_as is None else ():
-        said = item.error or ""
-        named = said.rsplit("refers to ", 1)[-1]  # (the readers' "unsafe pickle: refers to <global>")
-        if said.startswith("unsafe pickle") and hostile([named]):
+        named = item.refused_global
+        if named is not None and hostile([named]):
             file = item.pieces[0].file if item.pieces else None
             raise CorruptFileError(
                 f"{file}: {item.name}'s pickle refers to {named}, which runs code or reaches the system; not sealed",

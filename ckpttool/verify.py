@@ -1568,7 +1568,7 @@ def _digest_in_memory(reader: Any, item: Item, i: int, piece: Piece, pieces: dic
 
 def _check_manifest(report: VerifyReport, manifest: Manifest, required: set[str]) -> None:
     for item in manifest.items.values():
-        if item.error and item.error.startswith("unsafe pickle"):
+        if item.refused:
             report.findings.append(
                 finding(
                     "unsafe-pickle",

@@ -40,7 +40,7 @@ from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Detection, PieceReader
 from ckpttool.geometry import Box
 from ckpttool.io import RandomAccessFile, confine, left_out, list_files, outside
-from ckpttool.manifest import FileRecord, Item, Layout, Manifest, Piece, ReplicaCounter
+from ckpttool.manifest import UNSAFE_PICKLE, FileRecord, Item, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
 from ckpttool.values import find_step, plain_value, set_value
 
@@ -694,7 +694,7 @@ class DcpAdapter:
                 try:
                     set_value(item, reader.read_object(item))
                 except UnsafePickleError as exc:
-                    item.error = f"unsafe pickle: refers to {exc.hostile or exc.global_name}"
+                    item.error = f"{UNSAFE_PICKLE}: refers to {exc.hostile or exc.global_name}"
                 except CkptError as exc:
                     item.error = exc.message
 

@@ -73,7 +73,7 @@ def unread(item: Item) -> bool:
     piece = item.pieces[0] if len(item.pieces) == 1 else None
     return (
         not item.is_tensor
-        and (item.error or "").startswith("unsafe pickle")
+        and item.refused
         and piece is not None
         and "offset" in piece.locator
         and "length" in piece.locator

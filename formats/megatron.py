@@ -39,7 +39,17 @@ from ckpttool.formats.dcp import DcpAdapter, DcpReader, is_dist_config, misplace
 from ckpttool.formats.dcp import records as dcp_records
 from ckpttool.geometry import Box, row_major_strides
 from ckpttool.io import confine, left_out, open_regular, outside, read_tracker
-from ckpttool.manifest import FileRecord, FileRole, Item, Kind, Layout, Manifest, Piece, ReplicaCounter
+from ckpttool.manifest import (
+    UNSAFE_PICKLE,
+    FileRecord,
+    FileRole,
+    Item,
+    Kind,
+    Layout,
+    Manifest,
+    Piece,
+    ReplicaCounter,
+)
 from ckpttool.naming import classify
 from ckpttool.values import flatten, plain_value, set_value
 
@@ -1890,7 +1900,7 @@ class MegatronLegacyAdapter:
                 refused = self._nested.get((rel, path))
                 if refused is not None:  # a nested pickle naming a global we would not load
                     item = manifest.items.get(name) or manifest.add(Item(name=name, kind="object"))
-                    item.error = f"unsafe pickle: nested pickle refers to {refused}"
+                    item.error = f"{UNSAFE_PICKLE}: nested pickle refers to {refused}"
                     item.pieces.append(_pt.object_piece(rel, path, rank=t, replica=len(item.pieces)))
                 elif isinstance(value, _unpickle.TensorRef):
                     if _GROUPED_WEIGHT.search(name):

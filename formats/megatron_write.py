@@ -28,7 +28,6 @@ import copy
 import math
 import re
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from pathlib import Path
@@ -85,7 +84,6 @@ from ckpttool.formats.megatron import (
     tp_regions,
 )
 from ckpttool.geometry import Box
-from ckpttool.io import RandomAccessFile, confine
 from ckpttool.manifest import Item, Manifest
 from ckpttool.naming import plural
 from ckpttool.values import flatten, same_value
@@ -1821,15 +1819,8 @@ class LegacyWriter:
         if self._xranks is not None:
             return {}
         copies: dict[str, str] = {}
-        with ExitStack() as stack:
-            opened: dict[str, _torchzip.Archive] = {}
-
-            def archive(rel: str) -> _torchzip.Archive:
-                if rel not in opened:
-                    f = stack.enter_context(RandomAccessFile(confine(self.root, rel), display=rel))
-                    opened[rel] = _torchzip.Archive(f, display=rel, allow=ALLOWLIST)
-                return opened[rel]
-
+        with _pt.PtReader(self.manifest, ALLOWLIST) as reader:  # (its open archives)
+            archive = _pt.archive_cache(reader)
             for label, (rel, value) in kept.items():
                 t, p, e = label_ranks(label)
                 k = (t % self.target.tp, p % self.target.pp, e % self.ep)

@@ -54,10 +54,9 @@ from ckpttool.values import is_count, unique_keys
 
 MAGIC = b"CKPTDELTA2\n"
 VERSION = 2
-_MAGICS = {b"CKPTDELTA1\n": 1, MAGIC: VERSION}
-"""the containers this ckpttool reads, by their magic: their version"""
-_HEADER_DIGEST = {1: 0, 2: 16}
-"""bytes of the header's xxh3-128 in the trailer, by version"""
+_MAGICS = {b"CKPTDELTA1\n": (1, 0), MAGIC: (VERSION, 16)}
+"""the containers this ckpttool reads, by their magic: their version, and the bytes of the header's
+xxh3-128 in their trailer (version 1 had none)"""
 _FIRST, _SECOND = "exp_avg", "exp_avg_sq"  # Adam's moments, as adapters name them (suffixes)
 DELTA_KIND = "ckpttool.delta"
 PACK_KIND = "ckpttool.compressed"
@@ -414,12 +413,12 @@ def read_header(path: str | Path) -> dict[str, Any]:
         with open(p, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
             magic = fh.read(len(MAGIC))
-            version = _MAGICS.get(magic)
-            if version is None:
+            known = _MAGICS.get(magic)
+            if known is None:
                 newer = magic.startswith(b"CKPTDELTA") and magic[9:-1].isdigit()
                 raise CorruptFileError(
                     f"{p}: a container of a newer ckpttool ({magic.strip().decode()}); this one reads versions "
-                    f"{', '.join(map(str, _MAGICS.values()))}"
+                    f"{', '.join(str(v) for v, _ in _MAGICS.values())}"
                     if newer
                     else f"{p}: not a ckpttool delta or compressed checkpoint (it does not start with {MAGIC!r})",
                     hint="upgrade ckpttool to read it"
@@ -427,7 +426,7 @@ def read_header(path: str | Path) -> dict[str, Any]:
                     else "give a file written by 'ckpttool delta create' or 'ckpttool compress'",
                     path=str(p),
                 )
-            digest = _HEADER_DIGEST[version]
+            version, digest = known
             tail = digest + 8 + len(MAGIC)
             if size < len(MAGIC) + tail:
                 raise ValueError(f"{size:,} bytes, shorter than an empty container")

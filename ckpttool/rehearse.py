@@ -261,23 +261,20 @@ def _trajectory(path: Path) -> dict[str, Any] | None:
     """The recorded trajectory beside a checkpoint (None if there is none), its shape checked."""
     if not path.is_file():
         return None
+    why = ""
     try:
         traj = json.loads(path.read_text(encoding="utf-8"))
-        steps, components = traj.get("steps"), traj.get("components")
+        steps = traj.get("steps") if isinstance(traj, dict) else None
         ok = (
-            isinstance(components, dict)
+            isinstance(traj.get("components") if isinstance(traj, dict) else None, dict)
             and isinstance(steps, list)
             and all(
-                isinstance(s, dict) and isinstance(s.get("loss"), str) and isinstance(s.get("digests", {}), dict)
+                isinstance(s, dict) and _hex_float(s.get("loss")) and isinstance(s.get("digests", {}), dict)
                 for s in steps
             )
         )
-        for s in steps if ok else []:
-            float.fromhex(s["loss"])
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError) as exc:
-        ok, why = False, f" ({exc})" if not isinstance(exc, AttributeError) else ""
-    else:
-        why = ""
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        ok, why = False, f" ({exc})"
     if not ok:
         raise CorruptFileError(
             f"{path}: not a trajectory ckpttool can read{why}: expected a JSON object with 'components' (an object) "
@@ -287,6 +284,14 @@ def _trajectory(path: Path) -> dict[str, Any] | None:
             path=str(path),
         )
     return traj
+
+
+def _hex_float(value: Any) -> bool:
+    """Whether ``value`` is a float as ``float.hex`` writes it (the trajectory's losses)."""
+    try:
+        return isinstance(value, str) and isinstance(float.fromhex(value), float)
+    except ValueError:
+        return False
 
 
 def _blame(

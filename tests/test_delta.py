@@ -447,6 +447,16 @@ def test_a_forged_header_naming_a_file_twice_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_container_the_version_1_writer_wrote_is_restored(tmp_path):
+    """A container ckpttool wrote before the header carried its digest (commit 8f97bfb, kept in
+    tests/containers) restores byte for byte."""
+    old = Path(__file__).parent / "containers" / "v1_model_safetensors.ckz"
+    assert old.read_bytes()[:11] == b"CKPTDELTA1\n" and delta.read_header(old)["version"] == 1
+    out = tmp_path / "model.safetensors"
+    assert run_cli("decompress", old, "-o", out).code == 0
+    assert out.read_bytes() == (FIXTURES / "safetensors" / "model.safetensors").read_bytes()
+
+
 def test_a_version_1_container_is_still_read(tmp_path):
     """Containers written before the header had its digest (CKPTDELTA1) restore as before."""
     packed = tmp_path / "p.ckz"

@@ -179,5 +179,7 @@ def test_findings_name_their_component_once_and_steps_past_the_trajectory_are_no
     (ckpt,) = train(tmp_path, steps=10, save_every=10, k=3, omit="rng", device="cpu")
     r = run_cli("rehearse", ckpt, "--harness", H, "--steps", "3", "--runs", "1")
     assert r.code == 1 and "rng: RNG state not restored" in r.stdout and "rng: rng:" not in r.stdout, r.stdout
+    (found,) = json.loads(run_cli("rehearse", ckpt, "--harness", H, "--steps", "3", "--runs", "1", "--json").stdout)["findings"]
+    assert found["component"] == "rng" and found["message"].startswith("RNG state not restored"), found
     r = run_cli("rehearse", trained / "step_20", "--harness", H, "--steps", "7", "--runs", "1")
     assert r.code == 0 and "note: the saved run recorded 5 steps after the save: steps 6-7 are compared" in r.stdout, r.stdout

@@ -29,7 +29,7 @@ from ckpttool.formats.base import Adapter, PieceReader, PlannedFile
 from ckpttool.geometry import Box
 from ckpttool.hashing import open_output
 from ckpttool.io import fsync_tree, publish_dir, staged_dir
-from ckpttool.manifest import Item, Manifest
+from ckpttool.manifest import Item, Kind, Manifest
 from ckpttool.values import gc_paused
 
 
@@ -224,11 +224,30 @@ def _clashes(paths: dict[str, NestedPath], limit: int) -> set[str]:
     return bad
 
 
+SHARDED_KINDS: frozenset[Kind] = frozenset({"param", "master", "optim"})
+"""What FSDP2 cuts on dim 0: parameters and the optimizer state beside them (buffers, RNG states,
+counters and steps stay whole)"""
+
+
+def keeps_cuts(manifest: Manifest) -> bool:
+    """Whether a DCP output cuts a tensor only where the source does: a DCP source of more than one
+    rank, whose whole tensors are those its writer kept whole (a buffer, a DDP replica, a step).
+    Any other source (one rank, or another format's layout) is cut as FSDP2 would cut it."""
+    return manifest.format == "dcp" and (manifest.layout.world_size or 1) > 1
+
+
+def cut(item: Item, keep_cuts: bool) -> bool:
+    """Whether a DCP output cuts tensor ``item`` on dim 0 across its ranks (else rank 0 holds it whole)."""
+    if keep_cuts:
+        return sum(1 for p in item.pieces if p.replica == 0) > 1
+    return item.kind in SHARDED_KINDS and bool(item.shape)
+
+
 class DcpWriter:
     """Writes rank files one at a time (``write``: any process may write any rank) and then the
     ``.metadata`` index of all of them (``finish``)."""
 
-    def __init__(self, world_size: int, items: list[Item]) -> None:
+    def __init__(self, world_size: int, items: list[Item], *, keep_cuts: bool) -> None:
         if world_size < 1:
             raise UsageError("--world-size must be at least 1")
         self.world = world_size
@@ -239,8 +258,7 @@ class DcpWriter:
             if not item.is_tensor:
                 continue
             assert item.shape is not None
-            sharded = sum(1 for p in item.pieces if p.replica == 0) > 1
-            boxes = chunk_boxes(item.shape, world_size if sharded else 1)
+            boxes = chunk_boxes(item.shape, world_size if cut(item, keep_cuts) else 1)
             self.cuts[item.name] = [(r, b) for r, b in enumerate(boxes) if b is not None]
 
     @functools.cached_property
@@ -654,7 +672,7 @@ def write_dcp(
     """Write ``items`` of ``manifest`` as a DCP checkpoint of ``world_size`` ranks at ``dst``
     (published atomically; ``finish`` called with the staging directory first: the seal).
     Returns the files written."""
-    writer = DcpWriter(world_size, items)
+    writer = DcpWriter(world_size, items, keep_cuts=keeps_cuts(manifest))
     with staged_dir(dst) as tmp:
         results = []
         with adapter.reader(manifest) as reader:
@@ -668,4 +686,15 @@ def write_dcp(
     return [".metadata"] + [f"__{r}_0.distcp" for r in range(world_size)]
 
 
-__all__ = ["DcpWriter", "NestedPath", "Record", "chunk_boxes", "planner_paths", "write_dcp", "write_metadata"]
+__all__ = [
+    "SHARDED_KINDS",
+    "DcpWriter",
+    "NestedPath",
+    "Record",
+    "chunk_boxes",
+    "cut",
+    "keeps_cuts",
+    "planner_paths",
+    "write_dcp",
+    "write_metadata",
+]

@@ -718,6 +718,69 @@ def test_dcp_world_size_round_trip(tmp_path):
             assert boxes == sorted((p.box.offsets, p.box.sizes) for p in b.items[name].pieces if p.replica == 0), name
 
 
+def _cut_boxes(manifest: Any) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    return {
+        name: sorted((p.box.offsets, p.box.sizes) for p in item.pieces if p.replica == 0)
+        for name, item in manifest.items.items()
+        if item.is_tensor
+    }
+
+
+def test_dcp_through_one_rank_comes_back_cut_as_fsdp2_cut_it(tmp_path):
+    """Before: a one-rank DCP (or any one-piece source) written at DP=4 put every tensor whole on
+    rank 0, so FSDP2's DP=4 -> DP=1 -> DP=4 never came back as it was. Now every tensor FSDP2
+    cut comes back in the same chunks; its steps, RNG states and counters stay whole."""
+    src = FIXTURES / "dcp" / "fsdp2"
+    one, back = tmp_path / "one", tmp_path / "four"
+    reshard(src, one, Target(dp=1))
+    reshard(one, back, Target(dp=4))
+    a, b = _cut_boxes(registry.describe(src)[1]), _cut_boxes(registry.describe(back)[1])
+    cut = [name for name, boxes in a.items() if len(boxes) > 1]
+    assert len(cut) == 36 and all(b[name] == a[name] for name in cut)
+    assert all(len(b[name]) == 1 for name in a if "step" in name or name.startswith("rng.") or "seen" in name)
+    assert not diff(src, back).different
+
+
+@pytest.mark.parametrize(
+    "source", ["torch/train_state.pt", "safetensors/sharded", "dcp/fsdp2_hf"], ids=["torch", "safetensors", "hf"]
+)
+def test_dcp_from_a_one_piece_source_is_cut_on_dim_0(source, tmp_path):
+    """A source of one rank (a torch.save file, safetensors, a one-rank DCP) written as DCP of 4
+    ranks: parameters and optimizer state in torch.chunk's dim-0 chunks, one per rank, as FSDP2
+    saves them; 0-dim steps whole on rank 0; every rank's file holds a quarter of the bytes or so."""
+    from ckpttool.convert import convert
+    from ckpttool.formats.dcp_write import chunk_boxes
+
+    src, out = FIXTURES / source, tmp_path / "dcp4"
+    convert(src, out, to="dcp", world_size=4)
+    _, m = registry.describe(src)
+    _, o = registry.describe(out)
+    boxes = _cut_boxes(o)
+    for name, item in m.items.items():
+        if not item.is_tensor:
+            continue
+        assert item.shape is not None
+        if item.shape and item.kind in ("param", "optim"):
+            want = [(c.offsets, c.sizes) for c in chunk_boxes(item.shape, 4) if c is not None]
+            assert boxes[name] == sorted(want), name
+        else:
+            assert len(boxes[name]) == 1, name
+    sizes = [(out / f"__{r}_0.distcp").stat().st_size for r in range(4)]
+    assert min(sizes) > max(sizes) / 3, sizes
+    assert not diff(src, out).different
+
+
+@pytest.mark.slow
+def test_dcp_load_reads_a_one_piece_source_cut_on_dim_0(tmp_path):
+    """torch's dcp.load at 4 ranks reads the torch.save source's DCP output into Shard(0) tensors,
+    every value as the source holds it."""
+    from ckpttool.convert import convert
+
+    out = tmp_path / "dcp4"
+    convert(FIXTURES / "torch" / "train_state.pt", out, to="dcp", world_size=4)
+    assert dcp_load_mismatches(out, FIXTURES / "torch" / "train_state.pt", 4, tmp_path) == []
+
+
 @pytest.mark.slow
 def test_dcp_load_reads_the_new_world_size(tmp_path):
     out = tmp_path / "dcp2"

@@ -663,7 +663,7 @@ class _ZeroExec(_FileExec):
                 f"--to deepspeed reshards DeepSpeed checkpoints; this one is {manifest.format}",
                 hint="'ckpttool convert --to dcp' or '--to safetensors' writes other formats",
             )
-        from ckpttool.formats.deepspeed_write import refuse_model_parallel_universal
+        from ckpttool.formats.deepspeed_write import refuse_model_parallel_universal, stage3_settings
 
         universal = manifest.extras.get("variant") == "universal"
         if universal:  # (one refusal whatever the flags: no --tp, --pp or --dp would do)
@@ -698,6 +698,13 @@ class _ZeroExec(_FileExec):
             self.notes.append(
                 f"ZeRO-{source} -> ZeRO-{stage}: resume with zero_optimization.stage {stage} "
                 "in the config (the saved ds_config says so too)"
+            )
+        dropped = stage3_settings(getattr(self.writer, "model_obj", {}).get("ds_config")) if stage < 3 else {}
+        if source == 3 and dropped:
+            self.notes.append(
+                f"ds_config: ZeRO-3's own settings dropped at ZeRO-{stage}, where they mean nothing ("
+                + ", ".join(f"{k} {v!r}" for k, v in dropped.items())
+                + "); put them back in the config if you resume at ZeRO-3 again"
             )
         if stage == 3 and manifest.layout.zero_stage != 3:
             from ckpttool.formats.deepspeed_write import SUB_GROUP_SIZE

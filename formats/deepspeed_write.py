@@ -68,11 +68,20 @@ def with_stage(config: Any, stage: int, sub_group_size: int | None = None) -> An
     saved = config.get("zero_optimization")
     zero: dict[str, Any] = saved if isinstance(saved, dict) else {}
     if stage < 3:  # ZeRO-3's own settings (sub-groups, persistence, gathering) mean nothing below it
-        zero = {k: v for k, v in zero.items() if not k.startswith("stage3_") and k != "sub_group_size"}
+        zero = {k: v for k, v in zero.items() if k not in stage3_settings(config)}
     zero = {**zero, "stage": stage}
     if sub_group_size is not None:
         zero["sub_group_size"] = sub_group_size
     return {**config, "zero_optimization": zero}
+
+
+def stage3_settings(config: Any) -> dict[str, Any]:
+    """The ZeRO-3 settings of a saved ``ds_config`` (``stage3_*``, ``sub_group_size``) that
+    :func:`with_stage` drops below stage 3."""
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    if not isinstance(zero, dict):
+        return {}
+    return {k: v for k, v in zero.items() if k.startswith("stage3_") or k == "sub_group_size"}
 
 
 def zero_stage_enum(saved: Any, stage: int) -> _unpickle.EnumValue:
@@ -1611,6 +1620,7 @@ __all__ = [
     "frozen_of",
     "group_layout",
     "model_parallel",
+    "stage3_settings",
     "universal_names",
     "with_stage",
     "zero3_sub_groups",

@@ -1524,6 +1524,12 @@ def test_deepspeed_zero3_to_zero2_is_the_zero2_run(tmp_path):
         result = reshard(FIXTURES / "deepspeed" / "zero3", out, Target(to="deepspeed", dp=dp, zero_stage=2))
         assert result.plan.layout == {"dp": dp, "zero_stage": 2}
         assert any("ZeRO-3 -> ZeRO-2" in n for n in result.plan.notes)
+        assert any(
+            "ZeRO-3's own settings dropped at ZeRO-2" in n
+            and "sub_group_size 700, stage3_param_persistence_threshold 0, "
+            "stage3_gather_16bit_weights_on_model_save True" in n
+            for n in result.plan.notes
+        ), result.plan.notes
         assert verify(out).failing() == []  # the module params are items of ZeRO-2 only: the rest is equal
         assert not diff(
             FIXTURES / "deepspeed" / "zero3", out, kinds=["optim", "master", "scheduler", "counter"]

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ckpttool import _torchzip, _unpickle
+from ckpttool.assemble import regions
 from ckpttool.dtypes import BY_NAME
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import (
@@ -38,7 +39,7 @@ from ckpttool.errors import (
 from ckpttool.formats import _pt
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Detection, PieceReader
-from ckpttool.geometry import Box
+from ckpttool.geometry import Box, coverage
 from ckpttool.io import RandomAccessFile, confine, left_out, list_files, outside
 from ckpttool.manifest import UNSAFE_PICKLE, FileRecord, Item, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
@@ -414,6 +415,8 @@ class DcpAdapter:
                     )
             del md  # before the next rank's metadata is loaded
         raise_together(damaged)
+        if rank_local:
+            _refuse_absent_ranks(manifest, [r for r, _ in rank_local])
         del replicas
         odd = any(sizes[r] != e for each in ends.values() for r, e in each.items())
         if odd and len(sources) > 1 and (swapped := _misplaced_across(path, sources, sizes)):
@@ -843,6 +846,43 @@ def _unplaced_ranks(names: set[str], rank_local: list[tuple[int, str]]) -> list[
         return []
     held = {r for r, _ in rank_local}
     return sorted({w for rel in names if (w := _writer(rel)) is not None} - held)
+
+
+def _refuse_absent_ranks(manifest: Manifest, ranks: list[int]) -> None:
+    """A rank-local save (each ``__R.metadata`` places only its own rank's data) with a rank's
+    files all gone: a number missing between the ranks here, or, the last rank's gone, tensors
+    whose chunks leave parts that no rank here places. Each is a rank ``dcp.load`` cannot restore."""
+    absent = sorted(set(range(max(ranks) + 1)) - set(ranks))
+    short: list[str] = []
+    for item in manifest.items.values():
+        if item.is_tensor and item.shape:
+            boxes = [b for p in item.pieces if p.replica == 0 for b in regions(p)]
+            if coverage(item.shape, boxes).gaps:
+                short.append(item.name)
+    if not absent and not short:
+        return
+    rank = absent[0] if absent else max(ranks) + 1
+    files = f"__{rank}.metadata and __{rank}_*.distcp are missing"
+    said = f"{len(short)} tensor(s) have parts that no rank here places ({', '.join(short[:3])}"
+    said += " …)" if len(short) > 3 else ")"
+    if absent:
+        message = (
+            f"{files}: rank(s) {', '.join(map(str, absent))} of this save without collectives left no files "
+            f"beside those of ranks {', '.join(map(str, sorted(ranks)))}" + (f"; {said}" if short else "")
+        )
+    else:
+        message = (
+            f"{files}: {said}, and this save without collectives has the files of ranks 0 to {max(ranks)} only "
+            f"(rank {rank}'s, and any later rank's, would hold them)"
+        )
+    raise IncompleteCheckpointError(
+        message,
+        hint="a rank's save did not finish or its files were deleted: restore them from the save, or use another "
+        "checkpoint",
+        path=f"__{rank}.metadata",
+        rule="missing-file",
+        rank=rank,
+    )
 
 
 def _missing_rank_metadata(rank: int, names: set[str]) -> IncompleteCheckpointError:

@@ -1286,6 +1286,31 @@ def test_every_damaged_file_of_a_rank_local_dcp_save_is_named(gone, cut, expecte
     assert [(f["rule"], f["file"], f["rank"]) for f in report["findings"] if f["severity"] == "error"] == expected
 
 
+@pytest.mark.parametrize(("rank", "said"), [
+    (3, "__3.metadata and __3_*.distcp are missing: 36 tensor(s) have parts that no rank here places (model.pos, "
+        "model.tok.weight, model.blocks.0.ln1.weight …), and this save without collectives has the files of ranks 0 "
+        "to 2 only"),
+    (1, "__1.metadata and __1_*.distcp are missing: rank(s) 1 of this save without collectives left no files beside "
+        "those of ranks 0, 2, 3; 36 tensor(s) have parts"),
+])  # fmt: skip
+def test_a_rank_local_dcp_save_without_a_whole_rank_is_incomplete(rank, said, tmp_path):
+    """Before: with every file of one rank of a use_collectives=False save gone, nothing named a
+    missing file: inspect and ls described a checkpoint of 3 ranks (exit 0) and verify found 36
+    coverage gaps. Now the rank is named (the last one: by the parts no rank here places), exit 3
+    from inspect and a missing-file finding from verify."""
+    ck = tmp_path / "rl"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2_ranklocal", ck)
+    for f in (ck / f"__{rank}.metadata", ck / f"__{rank}_0.distcp"):
+        f.unlink()
+    code, report = _findings(ck)
+    assert code == 1, report
+    [found] = report["findings"]
+    assert (found["rule"], found["file"], found["rank"]) == ("missing-file", f"__{rank}.metadata", rank)
+    assert said in found["message"], found["message"]
+    for command in ("inspect", "ls"):
+        assert_clean(run_cli(command, str(ck)), 3, said)
+
+
 @pytest.mark.parametrize("fixture", ["legacy_pp2vpp2", "dist_tp2"])
 def test_a_save_directory_without_its_tracker_is_an_unfinished_save(fixture, tmp_path):
     """Megatron-LM writes latest_checkpointed_iteration.txt once every rank has saved. Without it

@@ -415,7 +415,7 @@ class DcpAdapter:
                     )
             del md  # before the next rank's metadata is loaded
         raise_together(damaged)
-        if rank_local:
+        if sources[0][0] is not None:  # (rank-local metadata read, not a .metadata beside it)
             _refuse_absent_ranks(manifest, [r for r, _ in rank_local])
         del replicas
         odd = any(sizes[r] != e for each in ends.values() for r, e in each.items())

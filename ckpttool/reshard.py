@@ -245,9 +245,9 @@ def _build_dist(root: str, manifest: Manifest, target: Any, rules: dict[str, Any
 
 
 def _build_dcp(manifest: Manifest, world: int, names: list[str]) -> Any:
-    from ckpttool.formats.dcp_write import DcpWriter, keeps_cuts
+    from ckpttool.formats.dcp_write import DcpWriter, dim0_cut
 
-    return DcpWriter(world, [manifest.items[n] for n in names], keep_cuts=keeps_cuts(manifest))
+    return DcpWriter(world, [manifest.items[n] for n in names], cut=dim0_cut(manifest))
 
 
 def _build_zero(root: str, manifest: Manifest, dp: int, stage: int, sub_group_size: int | None) -> Any:

@@ -29,7 +29,8 @@ from ckpttool.formats.base import Adapter, PieceReader, PlannedFile
 from ckpttool.geometry import Box
 from ckpttool.hashing import open_output
 from ckpttool.io import fsync_tree, publish_dir, staged_dir
-from ckpttool.manifest import Item, Kind, Manifest
+from ckpttool.manifest import Item, Manifest
+from ckpttool.naming import canonical, param_state
 from ckpttool.values import gc_paused
 
 
@@ -224,30 +225,47 @@ def _clashes(paths: dict[str, NestedPath], limit: int) -> set[str]:
     return bad
 
 
-SHARDED_KINDS: frozenset[Kind] = frozenset({"param", "master", "optim"})
-"""What FSDP2 cuts on dim 0: parameters and the optimizer state beside them (buffers, RNG states,
-counters and steps stay whole)"""
+def dim0_cut(manifest: Manifest) -> Callable[[Item], bool]:
+    """Which tensors of ``manifest`` a DCP output cuts on dim 0 across its ranks, as FSDP2 cuts
+    them (the rest rank 0 holds whole).
+
+    A DCP source of more than one rank keeps its own cut: its whole tensors are those its writer
+    kept whole (a buffer, a DDP replica, a step). Any other source (one rank, or another format's
+    layout) is cut as FSDP2 cuts a model: master weights and optimizer state, and the floating
+    point parameters of at least one dimension, but for those the optimizer does not train where
+    the source's optimizer state names its parameters (buffers, frozen weights); 0-dim steps, RNG
+    states and counters stay whole."""
+    if manifest.format == "dcp" and (manifest.layout.world_size or 1) > 1:
+        return lambda item: sum(1 for p in item.pieces if p.replica == 0) > 1
+    trained = _trained(manifest)
+
+    def cut(item: Item) -> bool:
+        if not item.shape:
+            return False
+        if item.kind in ("master", "optim"):
+            return True
+        floating = (item.dtype or "").startswith(("float", "bfloat"))
+        return item.kind == "param" and floating and (trained is None or canonical(item.name) in trained)
+
+    return cut
 
 
-def keeps_cuts(manifest: Manifest) -> bool:
-    """Whether a DCP output cuts a tensor only where the source does: a DCP source of more than one
-    rank, whose whole tensors are those its writer kept whole (a buffer, a DDP replica, a step).
-    Any other source (one rank, or another format's layout) is cut as FSDP2 would cut it."""
-    return manifest.format == "dcp" and (manifest.layout.world_size or 1) > 1
-
-
-def cut(item: Item, keep_cuts: bool) -> bool:
-    """Whether a DCP output cuts tensor ``item`` on dim 0 across its ranks (else rank 0 holds it whole)."""
-    if keep_cuts:
-        return sum(1 for p in item.pieces if p.replica == 0) > 1
-    return item.kind in SHARDED_KINDS and bool(item.shape)
+def _trained(manifest: Manifest) -> set[str] | None:
+    """The parameters (canonical names) the source's optimizer keeps moments of; None where its
+    state names no parameter of the manifest (none, or keyed by index: torch's own state_dict)."""
+    trained = set()
+    for item in manifest.items.values():
+        if item.kind == "optim" and (found := param_state(item.name, ("exp_avg", "exp_avg_sq", "momentum_buffer"))):
+            trained.add(canonical(found[0].removeprefix("optim.state.").removeprefix("optimizer.state.")))
+    params = {canonical(n) for n, item in manifest.items.items() if item.kind == "param"}
+    return trained if trained & params else None
 
 
 class DcpWriter:
     """Writes rank files one at a time (``write``: any process may write any rank) and then the
     ``.metadata`` index of all of them (``finish``)."""
 
-    def __init__(self, world_size: int, items: list[Item], *, keep_cuts: bool) -> None:
+    def __init__(self, world_size: int, items: list[Item], *, cut: Callable[[Item], bool]) -> None:
         if world_size < 1:
             raise UsageError("--world-size must be at least 1")
         self.world = world_size
@@ -258,7 +276,7 @@ class DcpWriter:
             if not item.is_tensor:
                 continue
             assert item.shape is not None
-            boxes = chunk_boxes(item.shape, world_size if cut(item, keep_cuts) else 1)
+            boxes = chunk_boxes(item.shape, world_size if cut(item) else 1)
             self.cuts[item.name] = [(r, b) for r, b in enumerate(boxes) if b is not None]
 
     @functools.cached_property
@@ -672,7 +690,7 @@ def write_dcp(
     """Write ``items`` of ``manifest`` as a DCP checkpoint of ``world_size`` ranks at ``dst``
     (published atomically; ``finish`` called with the staging directory first: the seal).
     Returns the files written."""
-    writer = DcpWriter(world_size, items, keep_cuts=keeps_cuts(manifest))
+    writer = DcpWriter(world_size, items, cut=dim0_cut(manifest))
     with staged_dir(dst) as tmp:
         results = []
         with adapter.reader(manifest) as reader:
@@ -687,13 +705,11 @@ def write_dcp(
 
 
 __all__ = [
-    "SHARDED_KINDS",
     "DcpWriter",
     "NestedPath",
     "Record",
     "chunk_boxes",
-    "cut",
-    "keeps_cuts",
+    "dim0_cut",
     "planner_paths",
     "write_dcp",
     "write_metadata",

@@ -204,7 +204,7 @@ def test_a_source_map_torch_cannot_build_is_resolved_and_noted(tmp_path):
         dcp_to_torch_save(src, tmp_path / "fails.pt")
 
     _, manifest = registry.describe(src)
-    notes = DcpWriter(2, list(manifest.items.values()), keep_cuts=False).notes()
+    notes = DcpWriter(2, list(manifest.items.values()), cut=lambda item: False).notes()
     assert len(notes) == 1 and notes[0].startswith("2 state-dict key(s) written flat"), notes
     assert "'model.blocks.0." in notes[0] and "clashes" in notes[0], notes
     reshard(src, tmp_path / "out", Target(dp=2))

@@ -728,16 +728,16 @@ def _cut_boxes(manifest: Any) -> dict[str, list[tuple[tuple[int, ...], tuple[int
 
 def test_dcp_through_one_rank_comes_back_cut_as_fsdp2_cut_it(tmp_path):
     """Before: a one-rank DCP (or any one-piece source) written at DP=4 put every tensor whole on
-    rank 0, so FSDP2's DP=4 -> DP=1 -> DP=4 never came back as it was. Now every tensor FSDP2
-    cut comes back in the same chunks; its steps, RNG states and counters stay whole."""
+    rank 0, so FSDP2's DP=4 -> DP=1 -> DP=4 never came back as it was. Now it comes back in FSDP2's
+    chunks: the 36 parameters and moments it cut in the same chunks; its steps, RNG states,
+    counters and its buffer (model.emb_scale: a float tensor the optimizer does not train) whole."""
     src = FIXTURES / "dcp" / "fsdp2"
     one, back = tmp_path / "one", tmp_path / "four"
     reshard(src, one, Target(dp=1))
     reshard(one, back, Target(dp=4))
     a, b = _cut_boxes(registry.describe(src)[1]), _cut_boxes(registry.describe(back)[1])
-    cut = [name for name, boxes in a.items() if len(boxes) > 1]
-    assert len(cut) == 36 and all(b[name] == a[name] for name in cut)
-    assert all(len(b[name]) == 1 for name in a if "step" in name or name.startswith("rng.") or "seen" in name)
+    assert len([name for name, boxes in a.items() if len(boxes) > 1]) == 36
+    assert b == a
     assert not diff(src, back).different
 
 
@@ -768,6 +768,22 @@ def test_dcp_from_a_one_piece_source_is_cut_on_dim_0(source, tmp_path):
     sizes = [(out / f"__{r}_0.distcp").stat().st_size for r in range(4)]
     assert min(sizes) > max(sizes) / 3, sizes
     assert not diff(src, out).different
+
+
+def test_dcp_from_another_format_leaves_what_the_optimizer_does_not_train_whole(tmp_path):
+    """Where the source's optimizer state names its parameters (DeepSpeed's ZeRO-2 here), a DCP
+    output cuts the parameters it trains, their masters and moments; frozen weights and buffers are
+    written whole on rank 0, as FSDP2 keeps buffers."""
+    from ckpttool.convert import convert
+
+    out = tmp_path / "dcp4"
+    convert(FIXTURES / "deepspeed" / "zero2", out, to="dcp", world_size=4)
+    boxes = _cut_boxes(registry.describe(out)[1])
+    whole = sorted(name for name, b in boxes.items() if len(b) == 1)
+    assert {"frozen.weight", "frozen.bias", "seen_tokens"} <= set(whole), whole
+    cut = ("blocks.0.fc1.weight", "blocks.0.fc1.weight.fp32", "blocks.0.fc1.weight.exp_avg")
+    assert all(len(boxes[n]) > 1 for n in cut)
+    assert not diff(FIXTURES / "deepspeed" / "zero2", out).different
 
 
 @pytest.mark.slow

@@ -333,10 +333,13 @@ def _plain_target(
     if to == "dcp":
         from ckpttool.formats.dcp_write import dcp_items, write_dcp
 
-        chosen = [i for _, i in select(list(manifest.items.values()), kind=kind, pattern=pattern)]
-        keep, result.notes = dcp_items(manifest, chosen, hint=_UNREADABLE)
+        pairs = select(list(manifest.items.values()), kind=kind, pattern=pattern)
+        keep, result.notes = dcp_items(manifest, [i for _, i in pairs], hint=_UNREADABLE)
+        renamed = {i.name: name for name, i in pairs if name != i.name}  # (--kind master: under the params' names)
         ws = world_size or manifest.layout.world_size or 1
-        result.files = write_dcp(adapter, manifest, out, world_size=ws, items=keep, progress=progress, finish=finish)
+        result.files = write_dcp(
+            adapter, manifest, out, world_size=ws, items=keep, names=renamed, progress=progress, finish=finish
+        )
         result.tensors = sum(1 for i in keep if i.is_tensor)
         result.objects = len(keep) - result.tensors
         result.nbytes = sum(tensor_nbytes(i) for i in keep if i.is_tensor)

@@ -13,6 +13,7 @@ at that world size (or any other), and what ``dcp_to_torch_save`` nests as the s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pickle
 import struct
@@ -265,11 +266,17 @@ class DcpWriter:
     """Writes rank files one at a time (``write``: any process may write any rank) and then the
     ``.metadata`` index of all of them (``finish``)."""
 
-    def __init__(self, world_size: int, items: list[Item], *, cut: Callable[[Item], bool]) -> None:
+    def __init__(
+        self, world_size: int, items: list[Item], *, cut: Callable[[Item], bool], names: dict[str, str] | None = None
+    ) -> None:
+        """``cut``: whether a tensor is cut on dim 0 across the ranks (:func:`dim0_cut`); ``names``:
+        the state-dict key of an item written under another name than its own (``--kind master``:
+        a master copy under its parameter's name)."""
         if world_size < 1:
             raise UsageError("--world-size must be at least 1")
         self.world = world_size
         self.items = items
+        self.names = names or {}
         self._scratch = Scratch()  # one reusable tensor buffer, grown to the largest chunk
         self.cuts: dict[str, list[tuple[int, Box]]] = {}
         for item in items:
@@ -281,7 +288,14 @@ class DcpWriter:
 
     @functools.cached_property
     def _planner(self) -> tuple[dict[str, NestedPath], dict[str, str]]:
-        return planner_paths(self.items)
+        keyed = [
+            dataclasses.replace(i, name=self._key(i), nesting=None) if i.name in self.names else i for i in self.items
+        ]
+        return planner_paths(keyed)
+
+    def _key(self, item: Item) -> str:
+        """Item ``item``'s key in the state dict written."""
+        return self.names.get(item.name, item.name)
 
     def notes(self) -> list[str]:
         """What the plan should say: keys written flat though their source recorded a nested path."""
@@ -314,7 +328,7 @@ class DcpWriter:
         for item in self.items:
             if not item.is_tensor:
                 if rank == 0:
-                    keys.append((item.name, None))
+                    keys.append((self._key(item), None))
                     trees.append(Raw(unread_record(reader, item)) if unread(item) else carried(reader, item))
                 continue
             assert item.dtype is not None
@@ -322,7 +336,7 @@ class DcpWriter:
             if mine:
                 check_coverage(item)
             for box in mine:  # as DCP's FileSystemWriter: one archive per chunk, straight into the file
-                keys.append((item.name, box.offsets))
+                keys.append((self._key(item), box.offsets))
                 trees.append(assembled(reader, item, box))
         with open_output(out) as f:  # each archive's tensor filled while the one before is written
             spans = save_each(iter(trees), f, scratch=self._scratch, progress=progress)
@@ -338,9 +352,13 @@ class DcpWriter:
         for item in self.items:  # in the source's order, tensors and objects as they come
             if item.is_tensor:
                 assert item.shape is not None and item.dtype is not None
-                keys[item.name] = (item.dtype, item.shape, [b for _, b in self.cuts[item.name]])
+                keys[self._key(item)] = (
+                    item.dtype,
+                    item.shape,
+                    [b for _, b in self.cuts[item.name]],
+                )
             else:
-                keys[item.name] = None
+                keys[self._key(item)] = None
         write_metadata(
             tmp / ".metadata",
             keys=keys,
@@ -684,13 +702,15 @@ def write_dcp(
     *,
     world_size: int,
     items: list[Item],
+    names: dict[str, str] | None = None,
     progress: Callable[[int], None] | None = None,
     finish: Callable[[Path], None] | None = None,
 ) -> list[str]:
-    """Write ``items`` of ``manifest`` as a DCP checkpoint of ``world_size`` ranks at ``dst``
+    """Write ``items`` of ``manifest`` (under the keys ``names`` gives, else their own) as a DCP
+    checkpoint of ``world_size`` ranks at ``dst``
     (published atomically; ``finish`` called with the staging directory first: the seal).
     Returns the files written."""
-    writer = DcpWriter(world_size, items, cut=dim0_cut(manifest))
+    writer = DcpWriter(world_size, items, cut=dim0_cut(manifest), names=names)
     with staged_dir(dst) as tmp:
         results = []
         with adapter.reader(manifest) as reader:

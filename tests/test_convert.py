@@ -304,6 +304,23 @@ def test_a_torch_file_beside_a_deepspeed_checkpoint_is_a_checkpoint_of_its_own(t
     assert r.code == 0, r.stderr
 
 
+@pytest.mark.parametrize("to", ["dcp", "torch", "safetensors"])
+def test_kind_master_is_the_fp32_model_under_the_parameters_names_in_every_target(to, tmp_path):
+    """--kind master gives the fp32 model the optimizer holds, under the parameters' own names (as
+    zero_to_fp32 does), whatever the target. Before: the DCP output kept the masters' names
+    (emb.weight.fp32 …), so dcp.load into the model's state dict found none of them."""
+    from ckpttool import registry
+
+    out = tmp_path / to
+    convert(FIXTURES / "deepspeed" / "zero3", out, to=to, kind="master")
+    _, m = registry.describe(out)
+    assert "emb.weight" in m.items and not any(n.endswith(".fp32") for n in m.items), sorted(m.items)
+    assert m.items["emb.weight"].dtype == "float32"
+    ref = tmp_path / "ref.safetensors"
+    run_cli("export", str(FIXTURES / "deepspeed" / "zero3"), "-o", str(ref), "--kind", "master")
+    assert not diff(ref, out).different
+
+
 def test_convert_to_safetensors_lists_what_it_left_out(tmp_path):
     """convert --json said nothing of the items it did not write (export's JSON lists them), and
     its note named one of them and called every one non-tensor, whatever the reason."""

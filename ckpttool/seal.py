@@ -15,6 +15,7 @@ import functools
 import json
 import os
 import posixpath
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain, repeat
@@ -834,6 +835,23 @@ def _subfolders(root: Path, manifest: Manifest) -> dict[str, list[str]]:
     return out
 
 
+def _refuse_replacing_data(target: Path, out: str | Path) -> None:
+    """``--out`` replaces an earlier seal (by its name, or by its first bytes: a seal's kind) or an
+    empty file, never other data: a mistyped path would lose it without a word."""
+    if not target.is_file() or is_seal_name(target.name):
+        return
+    try:
+        with open(target, "rb") as f:
+            head = f.read(256)
+    except OSError:
+        return  # (the atomic write then says what stops it)
+    if head and not re.search(rb'"kind"\s*:\s*"' + re.escape(SEAL_KIND.encode()) + rb'"', head):
+        raise UsageError(
+            f"--out {out} exists and is not a seal ({target.stat().st_size:,} bytes): not replaced",
+            hint="give another path, or remove the file first if it may go",
+        )
+
+
 def seal(
     path: str | Path,
     *,
@@ -887,6 +905,7 @@ def seal(
                 f"--out {out} is, or holds, the checkpoint or one of its files", hint="write the seal elsewhere"
             )
         ckio.check_output_file(out, "--out")
+        _refuse_replacing_data(target, out)
         inside = Path(path).is_dir() and target.resolve().is_relative_to(Path(manifest.root).resolve())
         if inside and not is_seal_name(target.name):
             # inside the checkpoint a file is checkpoint data unless its name says it is a seal

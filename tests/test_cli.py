@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from tests.conftest import FIXTURES, cli_env, run_cli, tree_digests
+from tests.conftest import FIXTURES, assert_clean, cli_env, run_cli, tree_digests
 
 FSDP2 = FIXTURES / "dcp" / "fsdp2"
 
@@ -193,6 +193,23 @@ def test_seal_out_never_replaces_the_checkpoint(tmp_path):
         assert r.code == 2 and "is, or holds, the checkpoint" in r.stderr, (out, r.stderr)
     assert tree_digests(ckpt) == before
     assert run_cli("seal", ckpt, "--out", tmp_path / "elsewhere.json").code == 0
+
+
+def test_seal_out_replaces_an_earlier_seal_only(tmp_path):
+    """seal --out onto a file that is not a seal (another checkpoint, a log) is refused, exit 2, and
+    the file kept: it was replaced without a word (export and compress ask for --force). An earlier
+    seal, a file named as a seal and an empty file are replaced."""
+    ckpt = FIXTURES / "dcp" / "fsdp2"
+    victim = tmp_path / "victim.safetensors"
+    shutil.copy(FIXTURES / "safetensors" / "model.safetensors", victim)
+    data = victim.read_bytes()
+    assert_clean(run_cli("seal", ckpt, "--out", victim), 2, f"--out {victim} exists and is not a seal", "not replaced")
+    assert victim.read_bytes() == data
+    (tmp_path / "empty.json").write_bytes(b"")
+    (tmp_path / "run.ckpttool.manifest.json").write_text("damaged")
+    for out in (tmp_path / "s.json", tmp_path / "s.json", tmp_path / "empty.json", tmp_path / "run.ckpttool.manifest.json"):
+        assert run_cli("seal", ckpt, "--out", out).code == 0, out
+        assert run_cli("verify", ckpt, "--manifest", out).code == 0, out
 
 
 def test_verify_reports_never_replace_the_checkpoint(tmp_path):

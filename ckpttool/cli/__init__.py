@@ -349,7 +349,12 @@ def export(
 def seal(
     path: PathArg,
     out_file: Annotated[
-        Path | None, typer.Option("--out", help="Write the seal here instead of beside the checkpoint.", parser=_a_path)
+        Path | None,
+        typer.Option(
+            "--out",
+            help="Write the seal here instead of beside the checkpoint (replacing an earlier seal, never other data).",
+            parser=_a_path,
+        ),
     ] = None,
     hash_: Annotated[str, typer.Option("--hash", help="xxh3-128 (fast) or sha256 (to match external digests).")] = (
         "xxh3-128"

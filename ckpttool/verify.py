@@ -1230,6 +1230,12 @@ def _check_seal(
     if spans:
         _, again = hash_files(scope, sorted(spans), spans, sealed.algo, workers=workers)
         piece_digests.update(again)
+        differ = [
+            r for recs in suspects.values() for r in recs if again.get((r.item, r.index)) not in (None, r.checksum)
+        ]
+        if differ and manifest is not None and adapter is not None and (moved := _moved(adapter, manifest, differ)):
+            _, there = hash_files(scope, sorted(moved), moved, sealed.algo, workers=workers)
+            piece_digests.update(there)
     if manifest is not None and adapter is not None and unspanned:
         with adapter.reader(manifest) as reader:
             for name, i in unspanned:
@@ -1267,9 +1273,13 @@ def _check_seal(
             continue
         culprits = [r.item for r in suspects[rel] if piece_digests.get((r.item, r.index)) not in (None, r.checksum)]
         culprits = list(dict.fromkeys(culprits))  # (an item of several pieces in the file: named once)
+        same = bool(suspects[rel]) and all(piece_digests.get((r.item, r.index)) == r.checksum for r in suspects[rel])
         what = (
             f"; the changed bytes are in {', '.join(culprits[:5])}" + (" …" if len(culprits) > 5 else "")
             if culprits
+            else "; every tensor in it holds its sealed bytes: the file was written again (its other bytes "
+            "differ: the pickle, the tensors' order)"
+            if same
             else ""
         )
         size_note = f" (size {got.size:,}, sealed {want.size:,})" if got.size != want.size else ""
@@ -1282,6 +1292,7 @@ def _check_seal(
                 file=rel,
                 item=culprits[0] if len(culprits) == 1 else None,
                 rank=_rank_of(want),
+                hint=_SAVED_AGAIN if same and not culprits else None,
             )
         )
     report.checked["pieces"] = len(piece_digests)
@@ -1300,6 +1311,39 @@ def _check_seal(
             replace(f, file=f"{prefix}/{f.file}") if f.file and f.file != prefix else f for f in report.findings[ours:]
         ]
     return piece_digests
+
+
+_SAVED_AGAIN = (
+    "the file was saved again after the seal: seal the checkpoint again if that save was meant, or restore the "
+    "sealed file"
+)
+
+
+def _moved(adapter: Adapter, manifest: Manifest, records: list[PieceRecord]) -> dict[str, list[Span]]:
+    """Of the pieces whose bytes at the seal's offsets differ from it (``records``), those that lie
+    elsewhere in their file now, with their spans there: a file saved again with the same values
+    may hold them at other offsets. Hashed only where the seal put them, they were "the changed
+    bytes", and their copies in other files "differed". Only these pieces are located (their
+    headers read): a flipped byte costs no more than before."""
+    moved: dict[str, list[Span]] = {}
+    try:
+        with adapter.reader(manifest) as reader:
+            for rec in records:
+                item = manifest.items.get(rec.item)
+                if item is None or not item.is_tensor or rec.index >= len(item.pieces):
+                    continue
+                piece = item.pieces[rec.index]
+                if piece.file != rec.file:
+                    continue
+                try:
+                    at = reader.raw_span(piece, item)
+                except (CkptError, OSError, ValueError):
+                    continue  # (cut short or damaged there: the seal's offsets said it)
+                if at is not None and at != (rec.offset, rec.length):
+                    moved.setdefault(rec.file, []).append(Span((rec.item, rec.index), *at))
+    except (CkptError, OSError):
+        return {}
+    return moved
 
 
 def _sealed_elsewhere(

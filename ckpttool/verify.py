@@ -1985,8 +1985,11 @@ def _check_optimizer(
         )
     _check_indexed_state(report, manifest, adapter, moments)
     _check_group_steps(report, manifest)
-    for zeroed in _stepping(manifest, moments):
-        if zeroed.pieces and all(_zero_piece(zeroed, i, digests, algo) for i in range(len(zeroed.pieces))):
+    stepping = _stepping(manifest, moments)
+    reset = _zeroed_files(report, manifest, stepping, digests, algo)
+    for zeroed in stepping:
+        said = {p.file for p in zeroed.pieces} <= reset  # (of its file)
+        if zeroed.pieces and not said and all(_zero_piece(zeroed, i, digests, algo) for i in range(len(zeroed.pieces))):
             report.findings.append(_zeroed(zeroed, manifest))
     _check_moment_pairs(report, {n: got for n, got in moments.items() if n not in params})
     _check_optimizer_steps(report, manifest, adapter, digests)
@@ -2298,6 +2301,36 @@ def _zeroed(moment: Item, manifest: Manifest) -> Finding:
         f"{moment.name} is all zeros at step {manifest.step}: the moments were reset or never saved",
         item=moment.name,
     )
+
+
+def _zeroed_files(
+    report: VerifyReport, manifest: Manifest, stepping: list[Item], digests: dict[tuple[str, int], str], algo: str
+) -> set[str]:
+    """Files in which every piece of every moment is all zeros after a step, where other files hold
+    moments that are not: one rank's optimizer state reset (a partition zeroed, a rank restarted
+    from nothing) while the others kept theirs. Each is a finding naming the file and its rank;
+    returns them. (A piece of zeros alone is no sign: vocabulary padding rows never get a
+    gradient. A whole rank's every moment is.)"""
+    zero: dict[str, list[bool]] = defaultdict(list)
+    for moment in stepping:
+        for i, piece in enumerate(moment.pieces):
+            if piece.replica == 0 and piece.nbytes:
+                zero[piece.file].append(_zero_piece(moment, i, digests, algo))
+    reset = {f for f, flags in zero.items() if len(flags) >= 2 and all(flags)}
+    if not reset or len(reset) == len(zero):  # (every file: the moments' own findings say it)
+        return set()
+    ranks = {f.path: _rank_of(f) for f in manifest.files}
+    for f in sorted(reset):
+        report.findings.append(
+            finding(
+                "optimizer-mismatch",
+                f"{f}: every optimizer moment it holds ({len(zero[f])} pieces) is all zeros at step {manifest.step}, "
+                "where the other files' are not: this rank's optimizer state was reset or never saved",
+                file=f,
+                rank=ranks.get(f),
+            )
+        )
+    return reset
 
 
 def _zero_piece(item: Item, i: int, digests: dict[tuple[str, int], str], algo: str) -> bool:

@@ -148,6 +148,48 @@ def test_a_file_saved_again_with_the_same_values_is_named_as_such(tmp_path):
     assert "saved again after the seal" in (errors[0].hint or "")
 
 
+def _zero_with_crc(file: Path, offset: int, length: int) -> None:
+    """Zeros over ``length`` bytes at ``offset`` of a DCP rank file, the CRC-32 of the zip member
+    holding them (one chunk's torch.save archive) stored again: as a save of zeros would be."""
+    import zlib
+
+    was, data = os.stat(file), bytearray(file.read_bytes())
+    data[offset : offset + length] = bytes(length)
+    head = data.rfind(b"PK\x03\x04", 0, offset)
+    n, extra = struct.unpack("<HH", data[head + 26 : head + 30])
+    name, start = bytes(data[head + 30 : head + 30 + n]), head + 30 + n + extra
+    entry = data.find(b"PK\x01\x02", offset)
+    while bytes(data[entry + 46 : entry + 46 + struct.unpack("<H", data[entry + 28 : entry + 30])[0]]) != name:
+        entry = data.find(b"PK\x01\x02", entry + 4)
+    size = struct.unpack("<I", data[entry + 20 : entry + 24])[0]
+    crc = struct.pack("<I", zlib.crc32(bytes(data[start : start + size])))
+    data[head + 14 : head + 18] = crc
+    data[entry + 16 : entry + 20] = crc
+    file.write_bytes(data)
+    os.utime(file, ns=(was.st_atime_ns, was.st_mtime_ns))
+
+
+def test_one_ranks_optimizer_state_reset_is_named(tmp_path):
+    """Every Adam moment of one FSDP2 rank zeroed at step 3, its CRCs valid (a rank that resumed
+    from nothing and saved): no tensor is all zeros, so verify passed, with and without --deep.
+    Now an optimizer-mismatch error names that rank's file, with a seal and without."""
+    path = _copy("dcp/fsdp2", tmp_path)
+    _, m = registry.describe(path)
+    for name, item in m.items.items():
+        if name.endswith(("exp_avg", "exp_avg_sq")):
+            for i, piece in enumerate(item.pieces):
+                if piece.file == "__1_0.distcp":
+                    _zero_with_crc(*_raw(path, name, i))
+    for report in (verify(path), verify(path, deep=True)):
+        found = [(f.rule, f.file, f.rank) for f in report.findings if f.severity == "error"]
+        assert found == [("optimizer-mismatch", "__1_0.distcp", 1)], report.findings
+        assert "every optimizer moment it holds (24 pieces) is all zeros at step 3" in report.findings[0].message
+    seal(path)
+    assert [(f.rule, f.file) for f in verify(path).findings if f.severity == "error"] == [
+        ("optimizer-mismatch", "__1_0.distcp")
+    ]
+
+
 def test_truncated_file(tmp_path):
     path = _copy("dcp/fsdp2", tmp_path)
     seal(path, out=tmp_path / "seal.json")

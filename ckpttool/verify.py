@@ -518,6 +518,11 @@ def _verify(
 
     piece_digests: dict[tuple[str, int], str] = {}
     file_digests: dict[str, FileDigest] = {}  # (without a seal: a seal's mismatches name the files)
+    if sealed is not None and manifest is not None and (stale := _stale_seal(report, sealed, manifest)) is not None:
+        report.findings.append(stale)
+        if early is not None:
+            early.cancel()
+        sealed = None  # (the files checked as without one)
     if sealed is not None:
         piece_digests = _check_seal(report, root, sealed, manifest, adapter, workers, progress, early)
         if manifest is not None:
@@ -784,7 +789,8 @@ def _check_metadata_of_all(report: VerifyReport, root: Path, manifest: Manifest 
     crc = {f.file for f in report.findings if f.rule == "checksum-mismatch"}
     # (or it names more data files that are not here than the folder holds: another save's layout)
     absent = {f.file for f in report.findings if f.rule == "missing-file" and f.file and f.file.endswith(".distcp")}
-    if crc & set(data) or not (all(rel in hurt for rel in data) or len(absent) > len(data)):
+    every = all(rel in hurt for rel in data)
+    if crc & set(data) or not (every or (len(absent) > len(data) and not _whole_ranks_gone(data, absent))):
         return
     # each data file still ends as torch writes one, with its last record's zip end record: whole
     # files the metadata misplaces, not files cut short (an interrupted copy, a full disk)
@@ -807,6 +813,19 @@ def _check_metadata_of_all(report: VerifyReport, root: Path, manifest: Manifest 
             "folder shows its metadata",
         ),
     )
+
+
+def _whole_ranks_gone(present: list[str], absent: set[str]) -> bool:
+    """Whether the data files the metadata names and the folder lacks are whole ranks' (every file
+    of a rank gone, the others' all here, by FileSystemWriter's ``__<rank>_<n>.distcp`` names): a
+    partial copy, a node's files lost, not another save's metadata (which names files of ranks
+    that are here, or leaves some of a rank's)."""
+    held: dict[str, set[bool]] = defaultdict(set)
+    for rels, here in ((present, True), (absent, False)):
+        for rel in rels:
+            if m := re.search(r"(?:^|/)__(\d+)_\d+\.distcp$", rel):
+                held[m.group(1)].add(here)
+    return bool(held) and all(len(v) == 1 for v in held.values())
 
 
 def _ends_as_written(path: Path) -> bool:
@@ -1412,6 +1431,33 @@ def _check_seal_is_this_saves(report: VerifyReport, sealed: Seal, manifest: Mani
             hint="give the seal written for this checkpoint (ckpttool.manifest.json beside it), or seal it anew "
             "once you trust it",
         ),
+    )
+
+
+def _stale_seal(report: VerifyReport, sealed: Seal, manifest: Manifest) -> Finding | None:
+    """A save directory's seal left from an earlier save: it names the files of one of the
+    directory's tags or iterations, the tracker now another's, laid out alike. Not a checkpoint
+    that cannot be checked (exit 3): the save is checked as without a seal, and the seal's being of
+    another save is a step-mismatch, as the rule says of a seal of another step."""
+    own = [f.path for f in manifest.files if f.role in ("data", "metadata")]
+    expected = {f.path for f in sealed.head.files if f.role != "seal"}
+    if not own or sealed.head.format != manifest.format or any(rel in expected for rel in own):
+        return None
+    mine = [rel.split("/", 1) for rel in own if "/" in rel]
+    theirs = [rel.split("/", 1) for rel in expected if "/" in rel]
+    here, there = {m[0] for m in mine}, {t[0] for t in theirs}
+    if len(here) != 1 or len(there) != 1 or not {m[1] for m in mine} & {t[1] for t in theirs}:
+        return None
+    steps = (sealed.head.step, manifest.step)
+    said = (
+        f" (step {steps[0]}; this checkpoint is step {steps[1]})" if None not in steps and len(set(steps)) > 1 else ""
+    )
+    return finding(
+        "step-mismatch",
+        f"{report.seal or 'the seal'}: the seal is of {there.pop()}, another save in this directory{said}, and names "
+        f"none of {here.pop()}'s files, the save the directory points to now: they were checked as without a seal",
+        hint="seal the directory again once you trust its new save (ckpttool seal DIR), or verify the save the seal "
+        "is of: ckpttool verify DIR/<that save> --manifest SEAL",
     )
 
 

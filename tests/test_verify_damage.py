@@ -2157,6 +2157,41 @@ def test_a_seal_of_another_dcp_save_of_the_same_step_is_said_by_its_save_id(tmp_
     assert code == 1 and not any("another save" in f["message"] for f in report["findings"]), report
 
 
+@pytest.mark.parametrize(("fixture", "old", "new", "tracker"), [
+    ("megatron/legacy_tp2pp2", "iter_0000003", "iter_0000006", ("latest_checkpointed_iteration.txt", "6")),
+    ("deepspeed/zero2", "global_step3", "global_step6", ("latest", "global_step6")),
+])  # fmt: skip
+def test_a_save_directorys_seal_left_from_an_earlier_save_is_a_step_mismatch(fixture, old, new, tracker, tmp_path):
+    """A save directory sealed, then saved again (a new iteration, the tracker moved to it): verify
+    of the directory stopped, exit 3, "the seal of another checkpoint, or it was edited". Now the
+    new save is checked as without a seal and the stale seal is a step-mismatch finding, exit 1."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / fixture, ck)
+    assert run_cli("seal", ck).code == 0
+    shutil.copytree(ck / old, ck / new)
+    (ck / tracker[0]).write_text(tracker[1])
+    code, report = _findings(ck)
+    assert code == 1, report
+    first = report["findings"][0]
+    assert first["rule"] == "step-mismatch", report["findings"]
+    assert f"the seal is of {old}, another save in this directory" in first["message"]
+    assert f"none of {new}'s files" in first["message"] and "checked as without a seal" in first["message"]
+
+
+def test_a_partial_copy_of_whole_ranks_blames_no_metadata(tmp_path):
+    """A torch_dist save of 8 ranks with the files of ranks 1..6 gone (a node's copy lost): the 12
+    missing files outnumber the 4 here, and the .metadata that places the 4 exactly was named
+    first as "likely another save's metadata copied in". Whole ranks gone are missing files."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "megatron" / "dist_tp2pp2dp2_distopt", ck)
+    for f in (ck / "iter_0000003").glob("__[1-6]_*.distcp"):
+        f.unlink()
+    code, report = _findings(ck)
+    assert code == 1 and not any("another save" in f["message"] for f in report["findings"]), report["findings"]
+    missing = [f for f in report["findings"] if f["rule"] == "missing-file"]
+    assert len(missing) == 12 and {f["rank"] for f in missing} == {1, 2, 3, 4, 5, 6}, missing
+
+
 @pytest.mark.parametrize(("into", "source"), [("mesh2x2", "fsdp2"), ("fsdp2", "mesh2x2")])
 def test_another_saves_dcp_metadata_is_named_when_every_data_file_disagrees_with_it(into, source, tmp_path):
     """Another save's .metadata copied into a DCP checkpoint blamed each data file (four cut short,

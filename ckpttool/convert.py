@@ -347,6 +347,14 @@ def _plain_target(
     if to == "torch":
         return _torch(adapter, manifest, out, kind=kind, pattern=pattern, progress=progress, finish=finish)
     pairs, result.skipped = safetensors_selection(manifest, kind=kind, pattern=pattern)
+    dropped = set(unused_states(manifest))  # (as the DCP and torch targets leave them out)
+    result.notes += unused_note(manifest, "safetensors", (i.name for _, i in pairs if i.name in dropped))
+    pairs = [(name, i) for name, i in pairs if i.name not in dropped]
+    if not pairs:
+        raise UsageError(
+            "nothing to write: the tensors selected are those of a parameter megatron-core never uses",
+            hint="select others (--kind, --filter)",
+        )
     shards = _shards(pairs, limit)
     names = (
         ["model.safetensors"]

@@ -123,7 +123,8 @@ def test_reshard_writes_the_same_bytes_either_way(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     g = torch.Generator().manual_seed(0)
-    state = {"w": torch.randn(1536, 2048, generator=g), "b": torch.randn(777, generator=g).half()}
+    # (a one-rank source: at --dp 2 its parameters are cut in two, each half 16.8 MB)
+    state = {"w": torch.randn(4096, 2048, generator=g), "b": torch.randn(777, generator=g).half()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(state, checkpoint_id=tmp_path / "src")

@@ -266,6 +266,7 @@ def diff(
         _regrouped_steps(report, ka, kb, ra, rb)
         _extra_masters(report, ka, kb, ra, rb)
         _weights_as_masters(report, ka, kb, ra, rb)
+        _rng_copies(report, ka, kb, ra, rb)
         # a tensor one side names on its own and the other keeps inside an object item (megatron-core's
         # grad scaler: a ShardedObject in torch_dist, its scale a tensor once written as torch.save)
         for mine, other, theirs, r_mine, r_theirs, mine_is_a in (
@@ -600,6 +601,63 @@ def _weights_as_masters(
                 f"weights: {side} keeps {len(same)} parameter(s) beside their fp32 copies, the other side only as "
                 f"those copies ({shown}); each copy gives its weights bit for bit",
             )
+
+
+_RANK_LABEL = re.compile(r"\[[^\]]*\]$")
+
+
+def _rng_copies(report: DiffReport, ka: dict[str, Item], kb: dict[str, Item], ra: PieceReader, rb: PieceReader) -> None:
+    """RNG state one side holds for a rank the other has none for, equal (tensors byte for byte,
+    values as :func:`same_value` has them) to a state the other side holds for another rank of the
+    same stream (the name but its rank label: Megatron's ``…torch_rng_state[tp=1,pp=0]``): a larger
+    layout's copy of a rank's state (a reshard to more TP or PP ranks gives the new ranks copies),
+    or one state under another rank label (expert TP). Nothing of the source is lost: a note, no
+    difference. A state equal to none of the other side's is still added or removed."""
+    for mine, keyed, reader, other, r_other, side in (
+        (report.added, kb, rb, ka, ra, "B"),
+        (report.removed, ka, ra, kb, rb, "A"),
+    ):
+        bases: dict[str, list[Item]] = {}
+        for k, item in other.items():
+            if item.kind == "rng" and _RANK_LABEL.search(k):
+                bases.setdefault(_RANK_LABEL.sub("", k), []).append(item)
+        same: list[str] = []
+        for k in mine:
+            item = keyed[k]
+            if item.kind != "rng" or not _RANK_LABEL.search(k):
+                continue
+            if any(_same_rng(item, reader, o, r_other) for o in bases.get(_RANK_LABEL.sub("", k), ())):
+                same.append(k)
+        if same:
+            shown = ", ".join(same[:3]) + (" …" if len(same) > 3 else "")
+            _same_state(
+                report,
+                same,
+                f"rng: {len(same)} RNG state(s) of ranks only {side} has equal states the other side holds for other "
+                f"ranks of the same stream ({shown}): a layout's copies, or a state under another rank label; "
+                "nothing lost",
+            )
+
+
+def _same_rng(a: Item, ra: PieceReader, b: Item, rb: PieceReader) -> bool:
+    """Whether two RNG items hold the same state."""
+    if a.is_tensor != b.is_tensor:
+        return False
+    if not a.is_tensor:
+        if a.error is not None or b.error is not None:
+            return False
+        if a.summary is None and b.summary is None:
+            return same_value(a.value, b.value)
+        try:  # (too large for the manifest to keep: a Python or NumPy generator's state)
+            return same_value(ra.read_object(a), rb.read_object(b))
+        except (CkptError, NotImplementedError, KeyError):
+            return False
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    try:
+        return bool(assemble(ra, a).tobytes() == assemble(rb, b).tobytes())
+    except CkptError:
+        return False
 
 
 _NARROWED: dict[str, Callable[[np.ndarray], np.ndarray]] = {

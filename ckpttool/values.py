@@ -9,6 +9,8 @@ import struct
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+
 from ckpttool.errors import UsageError
 from ckpttool.manifest import Item
 from ckpttool.naming import STEP_NAMES
@@ -138,6 +140,13 @@ def same_value(a: Any, b: Any) -> bool:
     tuple and a list of the same values are the same (formats keep sequences either way)."""
     if isinstance(a, float) and isinstance(b, float):
         return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):  # (NumPy's RNG state holds one)
+        return (
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and (a.dtype, a.shape) == (b.dtype, b.shape)
+            and a.tobytes() == b.tobytes()
+        )
     if isinstance(a, bool | int | float) or isinstance(b, bool | int | float):
         return type(a) is type(b) and a == b
     if isinstance(a, list | tuple) and isinstance(b, list | tuple):

@@ -475,6 +475,12 @@ def _same_state(report: DiffReport, keys: list[str], note: str) -> None:
     report.notes.append(note)
 
 
+def _same_listed(report: DiffReport, keys: list[str], note: str) -> None:
+    """:func:`_same_state` of ``keys`` (none: nothing), ``note``'s ``{shown}`` the first five."""
+    if keys:
+        _same_state(report, keys, note.format(shown=", ".join(keys[:5]) + (" …" if len(keys) > 5 else "")))
+
+
 def _extra_masters(
     report: DiffReport, ka: dict[str, Item], kb: dict[str, Item], ra: PieceReader, rb: PieceReader
 ) -> None:
@@ -593,14 +599,12 @@ def _weights_as_masters(
                 continue
             if weights.tobytes() == narrowed.tobytes():
                 same.append(k)
-        if same:
-            shown = ", ".join(same[:5]) + (" …" if len(same) > 5 else "")
-            _same_state(
-                report,
-                same,
-                f"weights: {side} keeps {len(same)} parameter(s) beside their fp32 copies, the other side only as "
-                f"those copies ({shown}); each copy gives its weights bit for bit",
-            )
+        _same_listed(
+            report,
+            same,
+            f"weights: {side} keeps {len(same)} parameter(s) beside their fp32 copies, the other side only as "
+            "those copies ({shown}); each copy gives its weights bit for bit",
+        )
 
 
 _RANK_LABEL = re.compile(r"\[[^\]]*\]$")
@@ -628,15 +632,12 @@ def _rng_copies(report: DiffReport, ka: dict[str, Item], kb: dict[str, Item], ra
                 continue
             if any(_same_rng(item, reader, o, r_other) for o in bases.get(_RANK_LABEL.sub("", k), ())):
                 same.append(k)
-        if same:
-            shown = ", ".join(same[:3]) + (" …" if len(same) > 3 else "")
-            _same_state(
-                report,
-                same,
-                f"rng: {len(same)} RNG state(s) of ranks only {side} has equal states the other side holds for other "
-                f"ranks of the same stream ({shown}): a layout's copies, or a state under another rank label; "
-                "nothing lost",
-            )
+        _same_listed(
+            report,
+            same,
+            f"rng: {len(same)} RNG state(s) of ranks only {side} has equal states the other side holds for other "
+            "ranks of the same stream ({shown}): a layout's copies, or a state under another rank label; nothing lost",
+        )
 
 
 def _same_rng(a: Item, ra: PieceReader, b: Item, rb: PieceReader) -> bool:

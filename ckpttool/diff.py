@@ -27,7 +27,7 @@ from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.geometry import Box
 from ckpttool.hashing import hash_bytes
 from ckpttool.manifest import KEPT_BESIDE, KINDS, SCHEMA_VERSION, STATE_KINDS, Item, Manifest
-from ckpttool.naming import canonical
+from ckpttool.naming import RANK_LABEL, canonical
 from ckpttool.values import check_tolerance, same_value
 
 Tolerance = Literal["strict", "standard", "relaxed"]
@@ -607,7 +607,10 @@ def _weights_as_masters(
         )
 
 
-_RANK_LABEL = re.compile(r"\[[^\]]*\]$")
+def _stream(name: str) -> str | None:
+    """The name of a per-rank RNG item without its trailing rank label (None: it has none)."""
+    m = RANK_LABEL.search(name)
+    return name[: m.start()] if m and m.end() == len(name) else None
 
 
 def _rng_copies(report: DiffReport, ka: dict[str, Item], kb: dict[str, Item], ra: PieceReader, rb: PieceReader) -> None:
@@ -623,14 +626,15 @@ def _rng_copies(report: DiffReport, ka: dict[str, Item], kb: dict[str, Item], ra
     ):
         bases: dict[str, list[Item]] = {}
         for k, item in other.items():
-            if item.kind == "rng" and _RANK_LABEL.search(k):
-                bases.setdefault(_RANK_LABEL.sub("", k), []).append(item)
+            if item.kind == "rng" and (stream := _stream(k)) is not None:
+                bases.setdefault(stream, []).append(item)
         same: list[str] = []
         for k in mine:
             item = keyed[k]
-            if item.kind != "rng" or not _RANK_LABEL.search(k):
+            stream = _stream(k) if item.kind == "rng" else None
+            if stream is None:
                 continue
-            if any(_same_rng(item, reader, o, r_other) for o in bases.get(_RANK_LABEL.sub("", k), ())):
+            if any(_same_rng(item, reader, o, r_other) for o in bases.get(stream, ())):
                 same.append(k)
         _same_listed(
             report,

@@ -59,7 +59,7 @@ def classify(name: str, *, is_tensor: bool) -> Kind:
 
 def _state_kind(last: str) -> Kind | None:
     """The kind of ``<param>.<last>`` where it is per-parameter state: a moment or the fp32 master."""
-    if last in _MOMENTS:
+    if last in MOMENTS:
         return "optim"
     return "master" if last == "fp32" else None
 
@@ -97,7 +97,7 @@ def kinds_by_sibling(items: Mapping[str, Item]) -> None:
             item.kind = "master" if last == "fp32" else "optim"
 
 
-_MOMENTS = {"exp_avg", "exp_avg_sq", "momentum_buffer"}
+MOMENTS = frozenset({"exp_avg", "exp_avg_sq", "momentum_buffer"})
 """Last name segments of optimizer moments kept per parameter (``<param>.exp_avg``, as export and
 convert write Megatron's and DeepSpeed's); ``<param>.fp32`` is the fp32 master copy."""
 
@@ -116,6 +116,10 @@ def param_state(name: str, states: Iterable[str], wrappers: Iterable[str] = ()) 
     if not head or state not in states:
         return None
     return (f"{head}.{last}" if wrapped else head), state
+
+
+RANK_LABEL = re.compile(r"\[tp=(\d+),pp=(\d+)(?:,ep=(\d+))?\]")
+"""A rank label, as Megatron's per-rank state (RNG) is named: ``[tp=T,pp=P]``, ``[tp=T,pp=P,ep=E]``"""
 
 
 _OPTIM_STATE = re.compile(r"^(?:optim|optimizer)\.state\.(.+)\.(exp_avg|exp_avg_sq|step|momentum_buffer)$")

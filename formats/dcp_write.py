@@ -31,7 +31,7 @@ from ckpttool.geometry import Box
 from ckpttool.hashing import open_output
 from ckpttool.io import fsync_tree, publish_dir, staged_dir
 from ckpttool.manifest import Item, Manifest
-from ckpttool.naming import canonical, param_state
+from ckpttool.naming import MOMENTS, canonical, param_state
 from ckpttool.values import gc_paused
 
 
@@ -256,7 +256,7 @@ def _trained(manifest: Manifest) -> set[str] | None:
     state names no parameter of the manifest (none, or keyed by index: torch's own state_dict)."""
     trained = set()
     for item in manifest.items.values():
-        if item.kind == "optim" and (found := param_state(item.name, ("exp_avg", "exp_avg_sq", "momentum_buffer"))):
+        if item.kind == "optim" and (found := param_state(item.name, MOMENTS)):
             trained.add(canonical(found[0].removeprefix("optim.state.").removeprefix("optimizer.state.")))
     params = {canonical(n) for n, item in manifest.items.items() if item.kind == "param"}
     return trained if trained & params else None

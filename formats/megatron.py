@@ -50,7 +50,7 @@ from ckpttool.manifest import (
     Piece,
     ReplicaCounter,
 )
-from ckpttool.naming import classify
+from ckpttool.naming import RANK_LABEL, classify
 from ckpttool.values import flatten, plain_value, set_value
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -111,9 +111,6 @@ def _carried_rules(value: Any, rel: str) -> dict[str, int | None]:
     return dict(value)
 
 
-_RANK_LABEL = re.compile(r"\[tp=(\d+),pp=(\d+)(?:,ep=(\d+))?\]")
-
-
 def _add_rng(manifest: Manifest, rel: str, rng: Any, path: str, label: str, rank: int) -> None:
     """The items of one rank's ``rng_state`` list (at dotted ``path`` in file ``rel``), named
     ``rng_state.<entry>...<label>``."""
@@ -138,13 +135,13 @@ def _add_rng(manifest: Manifest, rel: str, rng: Any, path: str, label: str, rank
 
 def _rng_labels(manifest: Manifest) -> set[str]:
     """The rank labels of the RNG items so far."""
-    found = (_RANK_LABEL.search(name) for name, item in manifest.items.items() if item.kind == "rng")
+    found = (RANK_LABEL.search(name) for name, item in manifest.items.items() if item.kind == "rng")
     return {m.group(0) for m in found if m and m.end() == len(m.string)}
 
 
 def label_ranks(label: str) -> tuple[int, int, int]:
     """(TP, PP, EP) rank of a :func:`rank_label` (EP 0 where it names none)."""
-    m = _RANK_LABEL.fullmatch(label)
+    m = RANK_LABEL.fullmatch(label)
     if m is None:
         raise ValueError(f"not a rank label: {label!r}")
     return int(m[1]), int(m[2]), int(m[3] or 0)
@@ -1797,7 +1794,7 @@ class MegatronLegacyAdapter:
         if isinstance(carried, dict):  # other layouts' ranks' RNG, as ckpttool carried them (none a rank here has)
             held = _rng_labels(manifest)
             for label, rng in carried.items():
-                if isinstance(label, str) and _RANK_LABEL.fullmatch(label) and label not in held:
+                if isinstance(label, str) and RANK_LABEL.fullmatch(label) and label not in held:
                     _add_rng(manifest, f"{prefix}{dirs[0]}/model_optim_rng.pt", rng, f"{RNG_CARRIED}.{label}", label, 0)
         for key, kind in (
             ("iteration", "counter"),

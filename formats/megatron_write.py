@@ -45,7 +45,6 @@ from ckpttool.formats import _pt, _ptwrite
 from ckpttool.formats.base import PieceReader, PlannedFile
 from ckpttool.formats.megatron import (
     _LAYER,
-    _RANK_LABEL,
     ALLOWLIST,
     RNG_CARRIED,
     SPLIT_RULES,
@@ -85,7 +84,7 @@ from ckpttool.formats.megatron import (
 )
 from ckpttool.geometry import Box
 from ckpttool.manifest import Item, Manifest
-from ckpttool.naming import plural
+from ckpttool.naming import RANK_LABEL, plural
 from ckpttool.values import flatten, same_value
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -289,7 +288,7 @@ def load_source(root: Path, manifest: Manifest) -> _Source:
     if isinstance(carried, dict):
         own = {rank_label(*k) for k in objs}
         src.rng_carried = {
-            k: v for k, v in carried.items() if isinstance(k, str) and _RANK_LABEL.fullmatch(k) and k not in own
+            k: v for k, v in carried.items() if isinstance(k, str) and RANK_LABEL.fullmatch(k) and k not in own
         }
     local = src.experts // ep if src.experts else 0
     distrib = {key: (root / rel).with_name("distrib_optim.pt").is_file() for key, rel in rels.items()}

@@ -8,7 +8,7 @@ from ckpttool import device
 from ckpttool.dtypes import carrier
 from ckpttool.errors import CorruptFileError
 from ckpttool.formats.base import PieceReader
-from ckpttool.geometry import Box, coverage, flat_range_boxes, intersect
+from ckpttool.geometry import Box, Coverage, coverage, flat_range_boxes, intersect
 from ckpttool.manifest import Item, Piece
 
 
@@ -55,11 +55,15 @@ def _read_part(reader: PieceReader, piece: Piece, item: Item, part: Box, out: np
     return True
 
 
+def item_coverage(item: Item) -> Coverage:
+    """How the first copies of tensor ``item``'s pieces cover it (:func:`ckpttool.geometry.coverage`)."""
+    assert item.shape is not None
+    return coverage(item.shape, [b for p in item.pieces if p.replica == 0 for b in regions(p)])
+
+
 def check_coverage(item: Item) -> None:
     """Raise unless the first copies of the pieces tile the tensor exactly."""
-    assert item.shape is not None
-    boxes = [b for p in item.pieces if p.replica == 0 for b in regions(p)]
-    cov = coverage(item.shape, boxes)
+    cov = item_coverage(item)
     if not cov.exact:
         files = sorted({p.file for p in item.pieces})
         problem = []

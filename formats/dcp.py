@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ckpttool import _torchzip, _unpickle
-from ckpttool.assemble import regions
+from ckpttool.assemble import item_coverage
 from ckpttool.dtypes import BY_NAME
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import (
@@ -39,7 +39,7 @@ from ckpttool.errors import (
 from ckpttool.formats import _pt
 from ckpttool.formats import safetensors as st
 from ckpttool.formats.base import Detection, PieceReader
-from ckpttool.geometry import Box, coverage
+from ckpttool.geometry import Box
 from ckpttool.io import RandomAccessFile, confine, left_out, list_files, outside
 from ckpttool.manifest import UNSAFE_PICKLE, FileRecord, Item, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import classify
@@ -854,11 +854,9 @@ def _refuse_absent_ranks(manifest: Manifest, ranks: list[int]) -> None:
     whose chunks leave parts that no rank here places. Each is a rank ``dcp.load`` cannot restore."""
     absent = sorted(set(range(max(ranks) + 1)) - set(ranks))
     short: list[str] = []
-    for item in manifest.items.values():
-        if item.is_tensor and item.shape:
-            boxes = [b for p in item.pieces if p.replica == 0 for b in regions(p)]
-            if coverage(item.shape, boxes).gaps:
-                short.append(item.name)
+    for item in manifest.items.values():  # (a chunk outside its tensor was refused as it was read)
+        if item.is_tensor and item.shape and item_coverage(item).gaps:
+            short.append(item.name)
     if not absent and not short:
         return
     rank = absent[0] if absent else max(ranks) + 1

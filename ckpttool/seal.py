@@ -206,10 +206,29 @@ def _head(manifest: Manifest) -> Manifest:
 
 def _corrupt(path: Path, exc: BaseException) -> CorruptFileError:
     return CorruptFileError(
-        f"{path}: not a readable ckpttool seal ({type(exc).__name__}: {exc})",
+        f"{path}: not a readable ckpttool seal ({_reason(exc)})",
         hint="re-create it with 'ckpttool seal', or pass the right file with --manifest",
         path=str(path),
     )
+
+
+def _reason(exc: BaseException) -> str:
+    """What is wrong, on one line. pydantic's errors (``errors()``) are named field by field, as
+    ``manifest.files.0.size: Input should be a valid integer (found 'abc')``, without the several
+    lines and documentation links of their ``str``."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            listed = [
+                f"manifest.{'.'.join(map(str, e['loc']))}: {e['msg']} (found {e.get('input')!r:.60})"
+                for e in errors(include_url=False)
+            ]
+        except (TypeError, KeyError):
+            listed = []
+        if listed:
+            more = f"; and {len(listed) - 3} more" if len(listed) > 3 else ""
+            return "; ".join(listed[:3]) + more
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _plain_value(v: Any) -> Any:

@@ -1202,6 +1202,21 @@ def test_a_damaged_seal_column_is_a_clear_error(tmp_path):
     at.write_text(json.dumps(doc))
     with pytest.raises(CorruptFileError, match="more values than the pieces use"):
         Seal.load(at).manifest  # noqa: B018
+    # a manifest field of the wrong type: named field by field on one line, without pydantic's
+    # multi-line text and its documentation links
+    doc = json.loads(json.dumps(good))
+    doc["manifest"]["format"] = 5
+    doc["manifest"]["files"][0]["size"] = "abc"
+    at.write_text(json.dumps(doc))
+    r = run_cli("verify", path)
+    assert_clean(
+        r,
+        3,
+        "manifest.format: Input should be a valid string (found 5)",
+        "manifest.files.0.size: Input should be a valid integer",
+        "(found 'abc')",
+    )
+    assert "pydantic.dev" not in r.stderr and "\\n" not in r.stderr, r.stderr
 
 
 def test_an_internal_error_still_writes_the_reports(tmp_path, monkeypatch):

@@ -3,6 +3,7 @@ grouping the human output uses ("12 ranks missing: 3, 5, 7 …", not twelve line
 
 from __future__ import annotations
 
+import re
 import xml.etree.ElementTree as ET
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -148,6 +149,17 @@ def _cell(text: str) -> str:
     return printable(text).translate(_MARKDOWN)
 
 
+def _code(text: str) -> str:
+    """``text`` as one Markdown code span, on one line: fenced by one backtick more than the
+    longest run of backticks inside it, and padded with a space where it starts or ends with one
+    (CommonMark's rule), so a path holding a backtick neither ends the span nor starts another."""
+    text = printable(text)
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
 def _escape(text: str) -> str:
     """``text`` as a workflow command's message, on one line as in the other reports: control and
     invisible characters spelled out (:func:`printable`: a hostile name must neither reach the
@@ -176,7 +188,7 @@ def github_summary(report: VerifyReport, fail_on: Severity = "error") -> str:
             [
                 "### ckpttool verify: could not evaluate",
                 "",
-                f"`{printable(report.path)}`: {_cell(report.error)}",
+                f"{_code(report.path)}: {_cell(report.error)}",
                 *(["", f"hint: {_cell(report.error_hint)}"] if report.error_hint else []),
                 "",
             ]
@@ -184,7 +196,7 @@ def github_summary(report: VerifyReport, fail_on: Severity = "error") -> str:
     out = [
         f"### ckpttool verify: {'passed' if ok else 'FAILED'}",
         "",
-        f"`{printable(report.path)}` · "
+        f"{_code(report.path)} · "
         + (f"format `{report.format}`" if report.format else "format not read")
         + f" · step {report.step if report.step is not None else 'unknown'} · "
         f"{plural(s['error'], 'error')}, {plural(s['warning'], 'warning')}",

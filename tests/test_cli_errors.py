@@ -375,6 +375,12 @@ def test_step_summary_cells_escape_markup_and_junit_stays_well_formed():
     row = next(ln for ln in text.splitlines() if "nonfinite" in ln)
     assert row == "| error | `nonfinite` | a\\\\\\|b\\<!-- c\\\\x1b\\[2J\\\\x00: 1 NaN |", row
     assert "`ck\\npt`" in text
+    # a backtick in the path: the span's fence is longer than any run inside it (it ended the span)
+    for path, span in (("ck`pt", "``ck`pt``"), ("`a``b", "``` `a``b ```")):
+        for failing in (report, VerifyReport(path=path, error="no metadata")):
+            failing.path = path
+            line = next(ln for ln in github_summary(failing).splitlines() if ln.startswith("`"))
+            assert line.startswith((span + " ", span + ":")), line
     root = ET.fromstring(junit(report).split("?>", 1)[1])  # parses: no raw control characters
     assert root.get("failures") == "1"
     # the annotations spelled ESC and NUL out raw (a terminal showing the Actions log ran them)

@@ -73,6 +73,12 @@ def parse_size(text: str, option: str = "--max-shard-size") -> int:
     unit = (m.group(2) or "").upper() if m else None
     if m is None or unit not in _UNITS:
         raise UsageError(f"{option} {text!r}: expected a size such as 5GB, 500MB or 2GiB")
+    spelled = m.group(2) or ""
+    if option == "--max-shard-size" and len(spelled) == 2 and spelled.endswith("b"):  # HF's max_shard_size: bits
+        raise UsageError(
+            f"{option} {text!r}: a lowercase b is bits where Hugging Face reads this size "
+            f"({spelled} = 1/8 {spelled[0].upper()}B); write {m.group(1)}{spelled[0].upper()}B for bytes"
+        )
     size = int(float(m.group(1)) * _UNITS[unit])
     if size < 1:
         raise UsageError(f"{option} {text!r}: a size of at least one byte, such as 5GB, 500MB or 2GiB")

@@ -44,6 +44,13 @@ def test_sizes():
     with pytest.raises(UsageError):
         parse_size("lots")
     assert parse_size("0.5KB") == 500
+    # a lowercase b: Hugging Face's max_shard_size reads 5Gb as 5 gigabits (625 MB), so it is
+    # refused rather than read as bytes; a memory budget has no such reading
+    for bits in ("5Gb", "5mb", "2kb"):
+        with pytest.raises(UsageError, match="a lowercase b is bits"):
+            parse_size(bits)
+    assert parse_size("5GiB") == parse_size("5gib") == 5 * 2**30 and parse_size("5gB") == 5 * 10**9
+    assert parse_size("500mb", "--max-memory") == 500 * 10**6
 
 
 @pytest.mark.parametrize(("option", "value"), [("--max-shard-size", "0"), ("--max-shard-size", "0.1B"),

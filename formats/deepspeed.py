@@ -13,7 +13,7 @@ import math
 import os
 import re
 import shlex
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +26,7 @@ from ckpttool.formats.base import Detection, claim
 from ckpttool.geometry import Box, coverage, row_major_strides
 from ckpttool.io import confine, escapes, list_files, read_tracker
 from ckpttool.manifest import FileRecord, Item, Kind, Layout, Manifest, Piece, ReplicaCounter
-from ckpttool.naming import classify
+from ckpttool.naming import MOMENTS, classify, plural
 from ckpttool.values import flatten, set_value
 
 SUBPARAM_SHAPE = "deepspeed.checkpoint.universal_checkpoint.SubparamShape"
@@ -809,10 +809,14 @@ class DeepSpeedAdapter:
         files: dict[str, Any] = {}
         damaged: list[CkptError] = []  # every damaged or missing file named, not the first
         present: list[str] = []
-        for rel, size in list_files(path):
+        listing = list(list_files(path))
+        strays = _stray_universal_files([rel for rel, _ in listing])
+        for rel, size in listing:
             base = rel.rsplit("/", 1)[-1]
             role = "data" if rel.endswith(".pt") else ("tracker" if base.startswith("latest") else "aux")
-            manifest.files.append(FileRecord(path=rel, size=size, role=role))  # type: ignore[arg-type]
+            manifest.files.append(FileRecord(path=rel, size=size, role="aux" if rel in strays else role))  # type: ignore[arg-type]
+            if rel in strays:  # not a state of the parameter: named below, never read
+                continue
             present.append(rel)
             if rel.endswith(".pt") and (_MODEL.match(base) or _Z3_MODEL.match(base) or rel.startswith("zero/")):
                 if (loaded := _pt.load_or_note(path, rel, ALLOWLIST, damaged)) is None:
@@ -884,6 +888,8 @@ class DeepSpeedAdapter:
                 )
         if cut:
             manifest.extras["vocab_cut"] = cut
+        if strays:
+            manifest.extras.setdefault("findings", []).append(_stray_finding(strays))
         if z3:  # the frozen parameters' fragments are in every rank's model states, as in the source
             b.frozen(3, {}, z3, first)
             b.universal3_groups(_UNIVERSAL_OPTIM)
@@ -962,6 +968,56 @@ def _absent_universal_files(
 
 
 _UNIVERSAL_OPTIM = "zero/optimizer_state.pt"
+
+
+_UNIVERSAL_STATES = frozenset({"fp32.pt", "step.pt", *(f"{m}.pt" for m in MOMENTS)})
+"""State files ds_to_universal writes in a parameter's folder, whatever the other folders hold"""
+_DS_STATE_NAME = re.compile(r"(.+).pt")
+"""the pattern DeepSpeed's universal load searches each name in a parameter's folder for: every
+file it matches is loaded as a state (its dot matches any character)"""
+
+
+def _stray_universal_files(rels: list[str]) -> dict[str, int]:
+    """Files in ``zero/<param>/`` that are not states of the parameter: any name that is neither
+    one ds_to_universal writes (:data:`_UNIVERSAL_STATES`) nor a ``.pt`` file most parameter
+    folders with optimizer state hold (an optimizer's own states), by file, with the number of
+    folders holding that name. A stray file in one folder is not a state every other folder lacks."""
+    held: dict[str, set[str]] = defaultdict(set)
+    for rel in rels:
+        parts = rel.split("/")
+        if len(parts) == 3 and parts[0] == "zero":
+            held[parts[1]].add(parts[2])
+    trained = [names for names in held.values() if any(n.endswith(".pt") and n != "fp32.pt" for n in names)]
+    count = Counter(n for names in trained for n in names)
+    states = _UNIVERSAL_STATES | {n for n, c in count.items() if n.endswith(".pt") and 2 * c > len(trained)}
+    return {
+        rel: count[parts[2]]
+        for rel in rels
+        if len(parts := rel.split("/")) == 3 and parts[0] == "zero" and parts[2] not in states
+    }
+
+
+def _stray_finding(strays: dict[str, int]) -> dict[str, Any]:
+    """An ``extra-file`` warning naming the stray files of parameter folders; those DeepSpeed's
+    universal load would take for states (:data:`_DS_STATE_NAME`) first."""
+    loaded = [rel for rel in strays if _DS_STATE_NAME.search(rel.rsplit("/", 1)[-1])]
+    named = sorted(strays, key=lambda rel: (rel not in loaded, rel))
+    listed = ", ".join(named[:4]) + (f" and {len(named) - 4} more" if len(named) > 4 else "")
+    why = (
+        f"; DeepSpeed's universal load reads every file of a parameter's folder whose name matches "
+        f"{_DS_STATE_NAME.pattern!r} as one of its states, and would load {len(loaded)} of them"
+        if loaded
+        else ""
+    )
+    return {
+        "rule": "extra-file",
+        "severity": "warning",
+        "file": named[0],
+        "message": f"{plural(len(strays), 'file')} in parameter folders that ds_to_universal does not write and "
+        f"most parameters' folders lack: {listed}; ckpttool reads none of them{why}",
+        "hint": "move them out of zero/ (a parameter's folder holds only its fp32.pt and optimizer states)",
+        "stops_writes": False,
+    }
 
 
 def _absent_universal_states(

@@ -1249,6 +1249,35 @@ def test_a_universal_checkpoints_frozen_parameters_want_no_moments(rel):
     assert rel.endswith("3") or {"frozen.weight", "frozen.bias"} <= set(m.extras["frozen"])
 
 
+@pytest.mark.parametrize("rel", ["deepspeed/universal", "deepspeed/universal3"])
+def test_a_stray_file_in_one_universal_parameter_folder_is_an_extra_file_not_a_state_all_others_lack(rel, tmp_path):
+    """A file in one parameter's folder under zero/ (a copy, an editor's or a desktop's file) made
+    its name a state every other trained parameter lacked: 13 missing-file errors, nothing else
+    checked, seal refused. It is one extra-file warning now, naming those of them DeepSpeed's
+    universal load would take for a state (it loads every name matching '(.+).pt')."""
+    path = _copy(rel, tmp_path)
+    folder = next((path / "global_step3_universal" / "zero").glob("*/exp_avg.pt")).parent
+    shutil.copy2(folder / "exp_avg.pt", folder / "backup.pt")
+    (folder / ".DS_Store").write_bytes(b"x")
+    before = tree_digests(path)
+    report = verify(path)
+    assert not report.failing(), report.findings
+    (stray,) = [f for f in report.findings if f.rule == "extra-file"]
+    assert stray.severity == "warning" and "2 files in parameter folders" in stray.message, stray.message
+    assert f"zero/{folder.name}/backup.pt" in stray.message and "would load 1 of them" in stray.message
+    _, m = registry.describe(path)
+    assert not any(name.endswith(".backup") for name in m.items)  # never read as a state
+    assert_clean(run_cli("seal", path), 0)
+    assert_clean(run_cli("verify", path), 0)  # (against the seal: the files are in it)
+    (path / "ckpttool.manifest.json").unlink()
+    assert tree_digests(path) == before  # verify and seal left every file as it was
+    # a state file deleted beside the stray one is still missing
+    (folder / "exp_avg_sq.pt").unlink()
+    report = verify(path)
+    (gone,) = [f for f in report.findings if f.rule == "missing-file"]  # (named from the path given: no manifest)
+    assert gone.file == f"global_step3_universal/zero/{folder.name}/exp_avg_sq.pt", gone
+
+
 def _frozen_embedding_run(path: Path, how: str, drop: str | None = None) -> None:
     """A real save of a model whose embedding is frozen (no moments: the optimizer never held it),
     its optimizer state keyed by parameter names (``get_state_dict``), over 16 parameters (the

@@ -1994,14 +1994,13 @@ def _check_optimizer(
     # ds_to_universal cuts a vocabulary parameter's padding rows from its state, not from the module
     cut = set(manifest.extras.get("vocab_cut") or [])
     for name, item in params.items():
-        got = moments.get(name)
-        if got is None:
-            continue
-        for mom in got.values():
+        master = manifest.items.get(f"{item.name}.fp32")  # (its fp32 master copy, where it has one)
+        kept = [*(moments.get(name) or {}).values(), *([master] if master and master.kind == "master" else [])]
+        for mom in kept:
             shape, want = tuple(mom.shape or ()), tuple(item.shape or ())
             if name in cut and shape[1:] == want[1:] and shape[:1] <= want[:1]:
                 continue
-            if mom.shape != item.shape:
+            if mom.is_tensor and mom.shape != item.shape:
                 report.findings.append(
                     finding(
                         "optimizer-mismatch",

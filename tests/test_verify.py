@@ -1746,6 +1746,23 @@ def test_a_moment_file_copied_over_its_sibling_is_an_error(tmp_path):
     assert r.code == 3 and "not sealed" in r.stderr
 
 
+def test_an_fp32_master_of_another_shape_than_its_parameter_is_an_error(tmp_path):
+    """A universal fp32.pt cut to 30 of its parameter's 31 rows passed, with and without --deep (its
+    moments of that shape were already an error): the master was left out of the check as "not
+    its parameter's" instead of being reported."""
+    path = _copy("deepspeed/universal", tmp_path)
+    f = path / "global_step3_universal" / "zero" / "emb.weight" / "fp32.pt"
+    was = os.stat(f)
+    state = torch.load(f, weights_only=True)
+    state["param"] = state["param"][:30].clone()
+    torch.save(state, f)
+    os.utime(f, ns=(was.st_atime_ns, was.st_mtime_ns))
+    for deep in (False, True):
+        (found,) = verify(path, deep=deep).failing()
+        assert found.rule == "optimizer-mismatch" and found.item == "emb.weight.fp32", found
+        assert "emb.weight.fp32 has shape [30, 16], its parameter emb.weight [31, 16]" in found.message
+
+
 def test_one_rank_shard_file_given_alone_has_its_moments(tmp_path):
     """A per-rank shard file's {"local": ...} entries read alone as a torch.save file: its
     parameter 'emb.weight.local' was said to have no optimizer moments, which the file holds as

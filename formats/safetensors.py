@@ -618,9 +618,13 @@ def _unnumbered_shards(files: list[str]) -> list[CkptError]:
 def _read_index(root: Path, name: str) -> dict[str, str]:
     try:
         with open_regular(confine(root, name, named_by="the listing", kind="index"), name) as fh:
-            index = json.load(fh)
+            index = json.load(fh, object_pairs_hook=unique_keys)  # (a name twice: json keeps the last)
     except (OSError, ValueError, RecursionError) as exc:
-        raise CorruptFileError(f"{name}: not a readable JSON index ({exc})", path=name) from None
+        raise CorruptFileError(
+            f"{name}: not a readable JSON index ({exc})",
+            hint="restore the index from its source: its weight_map gives each tensor one .safetensors file",
+            path=name,
+        ) from None
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict) or not wm:  # (an index is written for a model of shards, never of none)
         found = "no weight_map" if wm is None else f"a weight_map of type {type(wm).__name__}"

@@ -86,6 +86,22 @@ def test_an_index_naming_no_file_says_which_entry(shard, said, tmp_path):
     assert "restore the index from its source" in r.stderr
 
 
+@pytest.mark.parametrize("first", ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"])
+def test_an_index_naming_a_tensor_twice_is_corrupt(first, tmp_path):
+    """An index giving one tensor two entries read as the last one (json keeps it without a word):
+    verify exit 0, or the wrong shard named where the wrong entry came last."""
+    shutil.copytree(ST / "sharded", tmp_path / "s")
+    index = tmp_path / "s" / "model.safetensors.index.json"
+    text = index.read_text()
+    entry = next(ln for ln in text.splitlines() if ln.strip().startswith('"pos":'))
+    index.write_text(text.replace(entry, f'    "pos": "{first}",\n{entry}', 1))
+    said = "model.safetensors.index.json: not a readable JSON index (names 'pos' twice)"
+    assert_clean(run_cli("inspect", tmp_path / "s"), 3, said, "restore the index from its source")
+    r = run_cli("verify", tmp_path / "s", "--json")
+    assert r.code == 1 and [f["rule"] for f in json.loads(r.stdout)["findings"]] == ["corrupt-file"], r.stdout
+    assert run_cli("seal", tmp_path / "s").code == 3
+
+
 def test_an_index_placing_no_tensor_is_corrupt_and_not_sealed(tmp_path):
     """An index whose weight_map is empty read as a checkpoint of 0 items: verify exit 0 and seal
     vouched for 0 pieces, while the shards beside it hold every tensor (a loader opens none)."""

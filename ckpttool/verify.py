@@ -957,7 +957,9 @@ def _one_per_changed_file(findings: list[Finding]) -> list[Finding]:
         if f.rule in ("checksum-mismatch", "truncated-file") and bad is not None:
             said = bad.message.removeprefix(f"{f.file}: ")
             own = f.message.removeprefix(f"{f.file}: ")
-            if said.startswith(own):  # (the reader met what the change is: only what it adds)
+            if said in own:  # (the change's finding says it already)
+                message = f.message
+            elif said.startswith(own):  # (the reader met what the change is: only what it adds)
                 tail = said[len(own) :].lstrip("; ")
                 message = f"{f.message}; {tail}" if tail else f.message
             else:
@@ -1293,11 +1295,19 @@ def _check_seal(
         culprits = [r.item for r in suspects[rel] if piece_digests.get((r.item, r.index)) not in (None, r.checksum)]
         culprits = list(dict.fromkeys(culprits))  # (an item of several pieces in the file: named once)
         same = bool(suspects[rel]) and all(piece_digests.get((r.item, r.index)) == r.checksum for r in suspects[rel])
+        # (the tensors' bytes are the sealed ones: a save again, unless what describes them changed)
+        damaged = (
+            _beside_sealed_bytes(rel, sealed, manifest, adapter, workers, report.findings[:ours])
+            if same and not culprits
+            else None
+        )
         what = (
             f"; the changed bytes are in {', '.join(culprits[:5])}" + (" …" if len(culprits) > 5 else "")
             if culprits
-            else "; every tensor in it holds its sealed bytes: the file was written again (its other bytes "
-            "differ: the pickle, the tensors' order)"
+            else f"; every tensor in it holds its sealed bytes, so the damage is outside them: {damaged}"
+            if damaged
+            else "; every tensor in it holds its sealed bytes, described as when sealed: the file was written "
+            "again (its other bytes differ: the pickle, the tensors' order), or bytes no reader uses changed"
             if same
             else ""
         )
@@ -1311,7 +1321,7 @@ def _check_seal(
                 file=rel,
                 item=culprits[0] if len(culprits) == 1 else None,
                 rank=_rank_of(want),
-                hint=_SAVED_AGAIN if same and not culprits else None,
+                hint=_DAMAGED_BESIDE if damaged else _SAVED_AGAIN if same and not culprits else None,
             )
         )
     report.checked["pieces"] = len(piece_digests)
@@ -1333,9 +1343,62 @@ def _check_seal(
 
 
 _SAVED_AGAIN = (
-    "the file was saved again after the seal: seal the checkpoint again if that save was meant, or restore the "
-    "sealed file"
+    "the file was saved again after the seal (or bytes between its records changed, zip padding): seal the "
+    "checkpoint again if that save was meant, or restore the sealed file"
 )
+
+
+_DAMAGED_BESIDE = "restore the file from the save or its source; sealing it again would vouch for the damage"
+
+
+def _beside_sealed_bytes(
+    rel: str,
+    sealed: Seal,
+    manifest: Manifest | None,
+    adapter: Adapter | None,
+    workers: int | None,
+    read: list[Finding],
+) -> str | None:
+    """Why a changed file whose every tensor still holds its sealed bytes is damaged rather than
+    written again, or None: it could not be read (``read``: what reading the checkpoint found), it
+    describes its tensors otherwise than when sealed (a flipped bit in a safetensors header renames
+    a tensor, or makes its shape not fit its bytes), or a zip member fails its CRC-32 (a flipped
+    byte in a pickle)."""
+    if manifest is None or adapter is None:
+        said = [f.message for f in read if f.severity == "error" and f.file and Path(f.file).name == Path(rel).name]
+        return said[0].removeprefix(f"{rel}: ") if said else "the checkpoint could not be read"
+    then, now = _described(sealed.manifest, rel), _described(manifest, rel)
+    if then != now:
+        gone = sorted({name for name, *_ in then - now})
+        new = sorted({name for name, *_ in now - then})
+        moved = [n for n in gone if n in new]
+        said = [
+            *(f"{n} is described otherwise" for n in moved),
+            *(f"{n} is no longer in it" for n in gone if n not in moved),
+            *(f"{n} is new" for n in new if n not in moved),
+        ]
+        more = f" and {len(said) - 4} more" if len(said) > 4 else ""
+        return "it describes them otherwise than when sealed (" + "; ".join(said[:4]) + more + ")"
+    found = VerifyReport(path=manifest.root)
+    with contextlib.suppress(CkptError, OSError):
+        _check_integrity(found, manifest, adapter, workers, None, only={rel})
+    errors = [f for f in found.findings if f.severity == "error" and f.file in (rel, None)]
+    if errors:
+        first = errors[0].message.removeprefix(f"{rel}: ")
+        return first + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
+    return None
+
+
+def _described(manifest: Manifest, rel: str) -> set[tuple[Any, ...]]:
+    """What ``manifest`` says of the tensors in file ``rel``: each piece's item name, dtype, shape
+    and place in the tensor."""
+    return {
+        (item.name, item.dtype, tuple(item.shape or ()), tuple(p.box.offsets), tuple(p.box.sizes), p.flat)
+        for item in manifest.items.values()
+        if item.is_tensor
+        for p in item.pieces
+        if p.file == rel
+    }
 
 
 def _moved(adapter: Adapter, manifest: Manifest, records: list[PieceRecord]) -> dict[str, list[Span]]:

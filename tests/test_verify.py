@@ -144,8 +144,59 @@ def test_a_file_saved_again_with_the_same_values_is_named_as_such(tmp_path):
     report = verify(path)
     errors = [x for x in report.findings if x.severity == "error"]
     assert [(x.rule, x.file) for x in errors] == [("checksum-mismatch", "shard_00001_of_00002.pt")], errors
-    assert "every tensor in it holds its sealed bytes: the file was written again" in errors[0].message
+    assert "every tensor in it holds its sealed bytes, described as when sealed: the file was written again" in (
+        errors[0].message
+    )
     assert "saved again after the seal" in (errors[0].hint or "")
+
+
+def _member_start(file: Path, member: str) -> int:
+    """Where zip member ``member``'s bytes start in ``file`` (past its local header's own extra field,
+    which torch pads for alignment)."""
+    import zipfile
+
+    with zipfile.ZipFile(file) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(member))
+    head = file.read_bytes()[info.header_offset : info.header_offset + 30]
+    n, extra = struct.unpack("<HH", head[26:30])
+    return info.header_offset + 30 + n + extra
+
+
+@pytest.mark.parametrize("how", ["safetensors name", "safetensors shape", "pickle", "byteorder"])
+def test_a_sealed_file_damaged_outside_its_tensors_is_not_called_written_again(how, tmp_path):
+    """A flipped bit in a safetensors header (a tensor renamed, a shape that no longer fits its
+    bytes) or in a torch.save archive's pickle or byteorder record left every tensor's sealed bytes
+    in place: verify said "the file was written again" and told the user to seal again, which
+    would have vouched for the damage. Now the damage is named and the hint is to restore."""
+    if how.startswith("safetensors"):
+        path = tmp_path / "st"
+        path.mkdir()
+        f = path / "model.safetensors"
+        shutil.copy2(FIXTURES / "safetensors" / "model.safetensors", f)
+        seal(path)
+        data = bytearray(f.read_bytes())
+        if how.endswith("name"):
+            data[data.index(b'"pos"') + 2] ^= 1  # pos -> pns
+            said = "it describes them otherwise than when sealed (pos is no longer in it; pns is new)"
+        else:
+            at = data.index(b'"shape":[', data.index(b'"ln_f.weight"')) + len(b'"shape":[')
+            data[at] ^= 2  # a digit of the shape: the tensor's bytes no longer fit it
+            said = "ln_f.weight"
+        f.write_bytes(data)
+    else:
+        path = _copy("rankshards/ddp", tmp_path)
+        seal(path)
+        f = path / "shard_00001_of_00002.pt"
+        member = "data.pkl" if how == "pickle" else "byteorder"
+        at = _member_start(f, member)
+        at += f.read_bytes()[at:].find(b"model") + 1 if how == "pickle" else 0  # (a key's letter: mOdel)
+        _patch(f, at, bytes([f.read_bytes()[at] ^ 0x20]))
+        said = f"shard_00001_of_00002/{member}"
+    errors = [x for x in verify(path).findings if x.severity == "error"]
+    assert [x.rule for x in errors] == ["checksum-mismatch"], errors
+    assert "so the damage is outside them: " in errors[0].message and said in errors[0].message, errors[0].message
+    assert "written again" not in errors[0].message and "sealing it again would vouch" in (errors[0].hint or "")
+    assert errors[0].message.count(said) == 1, errors[0].message  # (not again as what reading it met)
 
 
 def _zero_with_crc(file: Path, offset: int, length: int) -> None:

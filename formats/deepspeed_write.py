@@ -276,8 +276,12 @@ class ZeroWriter:
             elif key == "single_partition_of_fp32_groups":
                 # ZeRO-1/2 save it without the alignment padding (``_get_groups_without_padding``),
                 # BF16_Optimizer with it
+                # with requires_grad set, as both keep it ("in case internal optimizer uses it")
                 lean = not self.bf16_optimizer
-                osd[key] = [self._partition(g, r, "fp32", reader, lean=lean) for g in range(len(self.groups))]
+                osd[key] = [
+                    self._partition(g, r, "fp32", reader, lean=lean, requires_grad=True)
+                    for g in range(len(self.groups))
+                ]
             elif key == "group_paddings":
                 osd[key] = [g.padding(r) for g in self.groups]
             elif key == "partition_count":
@@ -300,7 +304,9 @@ class ZeroWriter:
             out[name] = frag
         return out
 
-    def _partition(self, g: int, r: int, suffix: str, reader: PieceReader, lean: bool = False) -> _ptwrite.OutTensor:
+    def _partition(
+        self, g: int, r: int, suffix: str, reader: PieceReader, lean: bool = False, requires_grad: bool = False
+    ) -> _ptwrite.OutTensor:
         """Partition ``r`` of group ``g``'s flat ``suffix`` state (``lean``: without the padding)."""
         layout = self.groups[g]
         size = layout.partition - (layout.padding(r) if lean else 0)
@@ -309,7 +315,7 @@ class ZeroWriter:
             for name, shape, first, count, pos in self.groups[g].fragments(r)
         ]
         dtype = segments[0][0].dtype if segments else "float32"
-        return flat_tensor(dtype, size, segments, reader)
+        return flat_tensor(dtype, size, segments, reader, requires_grad)
 
     def _own(self, param: str, suffix: str) -> Item:
         """The state ``suffix`` of ``param`` as this writer's model-parallel rank holds it: its

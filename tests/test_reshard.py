@@ -33,14 +33,15 @@ STATE_KINDS = ["param", "optim", "master", "scheduler", "counter"]
 
 
 def _tree(path: Path, allow: Any = ALLOWLIST) -> Any:
-    """A rank file's tree with every tensor replaced by (dtype, shape, digest): read by ckpttool's
-    restricted unpickler, so Megatron or DeepSpeed need not be installed."""
+    """A rank file's tree with every tensor replaced by (dtype, shape, requires_grad, digest): read by
+    ckpttool's restricted unpickler, so Megatron or DeepSpeed need not be installed."""
     archive, obj, _ = _pt.load(path.parent, path.name, allow)
 
     def walk(v: Any) -> Any:
         if isinstance(v, _unpickle.TensorRef):
             values = _torchzip.read_tensor(archive, v)
-            return ("tensor", v.dtype, v.shape, hash_bytes(np.ascontiguousarray(values).view(np.uint8).data))
+            digest = hash_bytes(np.ascontiguousarray(values).view(np.uint8).data)
+            return ("tensor", v.dtype, v.shape, v.requires_grad, digest)
         if isinstance(v, _unpickle.Record):
             return (type(v)._qualname, walk(dict(v.__dict__)))
         if isinstance(v, dict):

@@ -39,7 +39,15 @@ from ckpttool.export import (
     write_safetensors,
 )
 from ckpttool.formats.base import Adapter
-from ckpttool.io import check_output, checking_crcs, fsync_tree, publish_dir, refuse_overlap, staged_dir
+from ckpttool.io import (
+    check_output,
+    checking_crcs,
+    fsync_tree,
+    publish_dir,
+    refuse_overlap,
+    replacing,
+    staged_dir,
+)
 from ckpttool.manifest import KEPT_BESIDE, Item, Manifest
 
 FRAMEWORKS = ("megatron", "megatron-dist", "deepspeed", "deepspeed-universal")
@@ -161,6 +169,7 @@ def convert(
     check_output(out, force=force, directory=True, example="hf/")
     if out.exists() and not force:
         raise UsageError(f"{out} exists", hint="choose another -o path or pass --force to replace it")
+    replaces = force and os.path.lexists(out)  # (what --force was checked against: not one made since)
     if to in FRAMEWORKS:
         return _framework(
             src,
@@ -187,7 +196,8 @@ def convert(
     refuse_changed_since_sealed(Path(src), manifest)
     refuse_copies_apart(manifest, to)
     finish = functools.partial(_seal_staged, out=out) if seal_output else None
-    result = _plain_target(adapter, manifest, out, to, limit, world_size, kind, pattern, progress, finish)
+    with replacing(replaces):
+        result = _plain_target(adapter, manifest, out, to, limit, world_size, kind, pattern, progress, finish)
     result.sealed = seal_output
     result.notes += left_behind(manifest)
     if kind in ("all", "optim"):  # (the moments written without them)

@@ -39,6 +39,7 @@ from ckpttool.hashing import hash_bytes, new_hasher
 from ckpttool.io import (
     TMP_MARKER,
     WriterGate,
+    appeared_meanwhile,
     atomic_output,
     check_output,
     escapes,
@@ -46,6 +47,8 @@ from ckpttool.io import (
     fsync_tree,
     publish_dir,
     refuse_overlap,
+    rename_noreplace,
+    replacing,
     staged_dir,
 )
 from ckpttool.manifest import Manifest
@@ -215,6 +218,7 @@ def create(
     if out_path.exists() and not force:
         raise UsageError(f"{out_path} exists", hint="choose another -o path or pass --force")
     check_output(out_path, force=force, directory=False, example="step_1000.delta" if base else "step_1000.ckz")
+    replaces = force and os.path.lexists(out_path)  # (what --force was checked against: not one made since)
     t_adapter, tm = registry.describe(target)
     t_root, t_layout, t_files = _packed(target, t_adapter, tm)
     b_root: Path | None = None
@@ -323,7 +327,7 @@ def create(
     try:
         with (
             ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 2)) as pool,
-            atomic_output(out_path) as fh,
+            atomic_output(out_path, replace=replaces) as fh,
         ):
             fh.write(MAGIC)
             pos = len(MAGIC)
@@ -634,6 +638,7 @@ def apply(
         directory=not one_file,
         example="restored/" + ("model.safetensors" if one_file else "step_1000"),
     )
+    may_replace = force and os.path.lexists(out_path)  # (what --force was checked against: not one made since)
     if one_file and force and out_path.is_file():
         try:  # --force replaces an earlier output, never other data: a file of a checkpoint format
             registry.detect(out_path)
@@ -673,7 +678,7 @@ def apply(
         raise UsageError(f"{delta} is a compressed checkpoint, not a delta: it takes no base")
     parent = out_path.parent
     gate = WriterGate()
-    with staged_dir(out_path) as tmp:
+    with replacing(may_replace), staged_dir(out_path) as tmp:
 
         def rebuild(item: tuple[str, dict[str, Any]]) -> None:
             if not gate.enter():
@@ -733,7 +738,13 @@ def apply(
             (only,) = header["files"]
             if out_path.is_dir() and not out_path.is_symlink():
                 raise UsageError(f"{out_path} is a directory; the delta rebuilds a single file")
-            os.replace(tmp / only, out_path)
+            if may_replace:
+                os.replace(tmp / only, out_path)
+            else:  # (absent when checked: one that appeared since is not replaced)
+                try:
+                    rename_noreplace(tmp / only, out_path)
+                except FileExistsError:
+                    raise appeared_meanwhile(out_path) from None
             shutil.rmtree(tmp)
         else:
             fsync_tree(tmp, files=False)  # each file was fsync'd as it was written

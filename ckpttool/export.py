@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -273,6 +274,7 @@ def export(
     if out_path.exists() and not force:
         raise UsageError(f"{out_path} exists", hint="choose another -o path or pass --force to replace it")
     check_output(out_path, force=force, directory=False, example="model.safetensors")
+    replaces = force and os.path.lexists(out_path)  # (what --force was checked against: not one made since)
     if out_path.suffix != ".safetensors":  # (read back, or by other tools, a file is known by its suffix)
         raise UsageError(
             f"-o {output}: export writes a safetensors file, which readers (ckpttool's among them) know by its "
@@ -291,7 +293,7 @@ def export(
     result.written = [i for _, i in pairs]
 
     total = sum(tensor_nbytes(i) for i in result.written)
-    with adapter.reader(manifest) as reader, atomic_output(out_path) as f:
+    with adapter.reader(manifest) as reader, atomic_output(out_path, replace=replaces) as f:
         write_safetensors(
             f,
             list(zip(result.names, result.written, strict=True)),

@@ -835,16 +835,36 @@ def _unmake(made: list[Path]) -> None:
             os.rmdir(d)
 
 
+_REPLACING: contextvars.ContextVar[bool] = contextvars.ContextVar("ckpttool_replacing", default=False)
+
+
 @contextlib.contextmanager
-def atomic_output(dest: str | os.PathLike[str]) -> Iterator[BinaryIO]:
+def replacing(force: bool) -> Iterator[None]:
+    """Within it, :func:`staged_dir` may replace the output it publishes where that output existed
+    when it was staged (``--force`` given, and checked then); outside it, never: a directory that
+    appears at the output path while a run plans or writes (another run's, a user's) is not
+    deleted to make way for this one."""
+    token = _REPLACING.set(force)
+    try:
+        yield
+    finally:
+        _REPLACING.reset(token)
+
+
+@contextlib.contextmanager
+def atomic_output(dest: str | os.PathLike[str], *, replace: bool = True) -> Iterator[BinaryIO]:
     """Write a file that appears at ``dest`` complete or not at all.
 
     Yields a binary file in the destination's directory; on success it is flushed, fsync'd and
     renamed over ``dest`` and the directory fsync'd. On any error the temporary file is removed.
-    Leftovers of killed earlier runs beside ``dest`` are removed first.
+    Leftovers of killed earlier runs beside ``dest`` are removed first. ``replace``: an existing
+    ``dest`` may be replaced (a report, a seal; ``--force``); without it, or where ``dest`` was not
+    there when writing began, one that is there at the end is kept and the write refused
+    (:func:`appeared_meanwhile`).
     """
     dest_p = Path(dest)
     parent = dest_p.parent if str(dest_p.parent) else Path(".")
+    may_replace = replace and os.path.lexists(dest_p)
     made = _make_parents(parent)  # (as staged_dir; callers refuse a parent they must not make)
     sweep_stale(dest_p)
     tmp: str | None = None
@@ -865,7 +885,13 @@ def atomic_output(dest: str | os.PathLike[str]) -> Iterator[BinaryIO]:
             yield cast(BinaryIO, f)  # (a DirectFile: write, tell, flush, fileno)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, dest_p)
+        if may_replace:
+            os.replace(tmp, dest_p)
+        else:
+            try:
+                rename_noreplace(tmp, dest_p)
+            except FileExistsError:
+                raise appeared_meanwhile(dest_p) from None
         fsync_dir(parent)
     except BaseException:
         if tmp is not None:
@@ -880,7 +906,7 @@ def staged_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
     """A fresh directory next to ``dest`` (same file system, so one rename publishes it), with the
     permissions a plain ``mkdir`` would give. The caller fills it and calls :func:`publish_dir`
     inside the block; on any exception it is removed. Leftovers of killed earlier runs beside
-    ``dest`` are removed first."""
+    ``dest`` are removed first. An existing ``dest`` is replaced only within :func:`replacing`."""
     dest_p = Path(dest)
     made = _make_parents(dest_p.parent)
     sweep_stale(dest_p)
@@ -896,7 +922,7 @@ def staged_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
                 continue
             except FileNotFoundError as exc:
                 vanished = _remake_parents(dest_p.parent, made, vanished, exc)
-        _STAGED[str(tmp)] = os.path.lexists(dest_p)
+        _STAGED[str(tmp)] = _REPLACING.get() and os.path.lexists(dest_p)
         yield tmp
     except BaseException:
         if tmp is not None:

@@ -52,6 +52,7 @@ from ckpttool.io import (
     fsync_tree,
     publish_dir,
     refuse_overlap,
+    replacing,
     staged_dir,
 )
 from ckpttool.manifest import Manifest
@@ -1041,14 +1042,16 @@ def reshard(
     check_output(out, force=force, directory=True, example="resharded/")
     if out.exists() and not force:  # (a dry run says what the run would: it refuses too)
         raise UsageError(f"{out} exists", hint="choose another -o path or pass --force to replace it")
+    replaces = force and os.path.lexists(out)  # (what --force was checked against: not one made since)
     the_plan, executor = plan(src, target, workers=workers, max_memory=max_memory, on=on, command=command)
     if dry_run:
         return ReshardResult(plan=the_plan, output=str(out), written=False)
     refuse_changed_since_sealed(Path(src), executor.manifest)
     ranks = torchrun_world()
     if ranks is not None:
-        return _reshard_ranks(executor, the_plan, out, ranks, seal_output=seal_output, progress=progress)
-    with staged_dir(out) as tmp:
+        with replacing(replaces):
+            return _reshard_ranks(executor, the_plan, out, ranks, seal_output=seal_output, progress=progress)
+    with replacing(replaces), staged_dir(out) as tmp:
         executor.run(tmp, the_plan.workers, progress)
         held = _seal_and_publish(tmp, out, the_plan.workers, seal_output, executor.known, executor.partial)
     return ReshardResult(

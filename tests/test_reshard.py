@@ -3669,6 +3669,47 @@ def test_an_output_that_appears_during_the_run_is_never_replaced(made, force, tm
     assert tree_digests(FIXTURES / "dcp" / "fsdp2") == before
 
 
+@pytest.mark.parametrize("force", [False, True])
+@pytest.mark.parametrize("command", ["reshard", "convert --to dcp", "convert --to safetensors", "export"])
+def test_an_output_that_appears_before_writing_starts_is_never_replaced(command, force, tmp_path, monkeypatch):
+    """-o absent when checked, made while the run planned (hashing a sealed source takes seconds on
+    a large one): it was taken for an output --force had cleared, moved aside and deleted, exit 0,
+    with or without --force; export replaced a file made there. Now it is kept and nothing is
+    written."""
+    import ckpttool.convert
+    import ckpttool.reshard
+    from ckpttool.convert import convert
+    from ckpttool.export import export
+
+    one_file = command == "export"
+    out = tmp_path / ("out.safetensors" if one_file else "out")
+
+    def make(real: Any) -> Any:
+        def planned(*args: Any, **kwargs: Any) -> Any:
+            if one_file:
+                out.write_text("precious\n")
+            else:
+                out.mkdir()
+                (out / "precious.txt").write_text("precious\n")
+            return real(*args, **kwargs)
+
+        return planned
+
+    for module, name in ((ckpttool.reshard, "refuse_changed_since_sealed"), (ckpttool.convert, "refuse_copies_apart")):
+        monkeypatch.setattr(module, name, make(getattr(module, name)))
+    src = FIXTURES / "dcp" / "fsdp2"
+    with pytest.raises(UsageError, match="appeared while the output was being written"):
+        if command == "reshard":
+            reshard(src, out, Target(dp=2), force=force)
+        elif command == "export":
+            export(src, out, force=force)
+        else:
+            convert(src, out, to=command.rsplit(" ", 1)[1], force=force)
+    assert (out.read_text() if one_file else (out / "precious.txt").read_text()) == "precious\n"
+    assert one_file or sorted(p.name for p in out.iterdir()) == ["precious.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]  # (no staged output left beside it)
+
+
 @pytest.mark.parametrize(
     "command",
     [

@@ -1097,11 +1097,11 @@ def refuse_overlap(out: str | os.PathLike[str], *, flag: str = "-o", **inputs: s
     role: ``source=...``), lies inside one, or holds one: publishing replaces the whole ``out`` path
     (``--force`` deletes what stood there), and inputs are never modified. Symlinks are resolved
     first."""
-    o = Path(out).resolve()
+    o = resolved(out, f"{flag} {out}")
     for role, given in inputs.items():
         if given is None:
             continue
-        i = Path(given).resolve()
+        i = resolved(given, f"the {role} {given}")
         if o == i or o.is_relative_to(i):
             raise UsageError(f"{flag} {out} is inside the {role} {given}", hint="write the output elsewhere")
         if i.is_relative_to(o):
@@ -1109,6 +1109,42 @@ def refuse_overlap(out: str | os.PathLike[str], *, flag: str = "-o", **inputs: s
                 f"{flag} {out} holds the {role} {given}: replacing it would delete the {role}",
                 hint="write the output elsewhere",
             )
+
+
+def resolved(path: str | os.PathLike[str], said: str) -> Path:
+    """``path`` with its symbolic links resolved, where they end (a loop of links is refused as a
+    usage error naming it as ``said``: Python 3.11's ``resolve`` raised RuntimeError, an internal
+    error to the user)."""
+    try:
+        return Path(path).resolve()
+    except (RuntimeError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.errno != errno.ELOOP:
+            raise
+        raise UsageError(
+            f"{said}: its symbolic links form a loop (too many levels of symbolic links)",
+            hint="point the links at a real file or directory, or give another path",
+        ) from None
+
+
+def not_found(path: Path) -> NotFoundError:
+    """The error for an input ``path`` that is not there: said as a dangling symbolic link or a
+    loop of them where it is one (it read "no such file or directory" of a link that is there)."""
+    if path.is_symlink():
+        try:
+            path.resolve(strict=True)
+        except (RuntimeError, OSError) as exc:
+            if isinstance(exc, RuntimeError) or exc.errno == errno.ELOOP:
+                return NotFoundError(
+                    f"{path}: its symbolic links form a loop (too many levels of symbolic links)",
+                    hint="point the links at the checkpoint, or give its real path",
+                    path=str(path),
+                )
+        return NotFoundError(
+            f"{path} is a symbolic link to {os.readlink(path)}, which does not exist",
+            hint="point the link at the checkpoint, or give its real path",
+            path=str(path),
+        )
+    return NotFoundError(f"{path}: no such file or directory", hint="check the path", path=str(path))
 
 
 _NAME_MAX = 255
@@ -1353,8 +1389,9 @@ def check_output_file(out: str | os.PathLike[str], flag: str) -> None:
     whose parent directory does not exist."""
     check_output(out, force=False, directory=False, example="report.json", flag=flag)
     o = Path(out)
-    if not o.resolve().parent.is_dir():
-        raise UsageError(f"{flag} {out}: directory {o.resolve().parent} does not exist", hint="create it first")
+    parent = resolved(o, f"{flag} {out}").parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {out}: directory {parent} does not exist", hint="create it first")
 
 
 def publish_dir(tmp: Path, dest: Path) -> None:

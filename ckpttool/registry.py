@@ -25,7 +25,7 @@ from ckpttool.errors import (
     PathEscapeError,
 )
 from ckpttool.formats.base import Adapter
-from ckpttool.io import escapes, followed, list_files
+from ckpttool.io import escapes, followed, list_files, not_found
 from ckpttool.manifest import Manifest, is_seal_name
 from ckpttool.naming import kinds_by_sibling, plural
 from ckpttool.values import gc_paused
@@ -55,7 +55,7 @@ def detect(path: str | Path) -> Adapter:
     """The adapter that recognises ``path``; FormatNotRecognizedError lists every reason if none."""
     p = Path(path)
     if not p.exists():
-        raise NotFoundError(f"{p}: no such file or directory", hint="check the path", path=str(p))
+        raise not_found(p)
     if not (p.is_dir() or p.is_file()):
         raise NotFoundError(
             f"{p}: neither a regular file nor a directory (a device, a pipe or a socket)",

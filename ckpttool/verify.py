@@ -43,7 +43,16 @@ from ckpttool.formats.base import Adapter
 from ckpttool.formats.rankshards import LOCAL_KEYS
 from ckpttool.geometry import Box, coverage, flat_range_boxes, intersect
 from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
-from ckpttool.io import TMP_MARKER, RandomAccessFile, checking_crcs, followed, list_files, not_a_file, outside
+from ckpttool.io import (
+    TMP_MARKER,
+    RandomAccessFile,
+    checking_crcs,
+    followed,
+    list_files,
+    not_a_file,
+    not_found,
+    outside,
+)
 from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, Piece, StateName, is_seal_name
 from ckpttool.naming import param_state, plural
 from ckpttool.seal import (
@@ -329,7 +338,7 @@ def verify(
     """Check the checkpoint at ``path``; raises only when it cannot be evaluated at all."""
     root = Path(path)
     if not root.exists():
-        raise NotFoundError(f"{root}: no such file or directory", hint="check the path", path=str(root))
+        raise not_found(root)
     required = set(require)
     unknown = required - {"optimizer", "rng", "dataloader", "scheduler", "step"}
     if unknown:

@@ -762,3 +762,26 @@ def test_force_replaces_an_earlier_decompressed_checkpoint(fixture, tmp_path):
     assert run_cli("decompress", packed, "-o", out).code == 0
     r = run_cli("decompress", packed, "-o", out, "--force")
     assert r.code == 0, r.stderr
+
+
+def test_a_loop_of_symbolic_links_is_named_as_such(tmp_path):
+    """A loop of links in an output or input path was "internal error: RuntimeError: Symlink loop"
+    (Python 3.11's Path.resolve), "this is a bug"; as an input, "no such file or directory"."""
+    (tmp_path / "loop2").symlink_to("loop1")
+    (tmp_path / "loop1").symlink_to("loop2")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    src, loop = FIXTURES / "dcp" / "fsdp2", tmp_path / "loop1"
+    said = "its symbolic links form a loop (too many levels of symbolic links)"
+    for argv in (
+        ["reshard", src, "--dp", "2", "-o", loop / "out"],
+        ["convert", src, "--to", "torch", "-o", loop / "out"],
+        ["export", src, "-o", loop / "x.safetensors"],
+        ["verify", src, "--report", loop / "r.json"],
+        ["reshard", loop, "-o", tmp_path / "out", "--dp", "2"],
+    ):
+        assert_clean(run_cli(*argv), 2, said)
+    assert_clean(run_cli("seal", src, "--out", loop / "s.json"), 2, "broken symbolic link")
+    for command in ("inspect", "verify", "ls"):
+        assert_clean(run_cli(command, loop), 3, f"{loop}: {said}")
+        assert_clean(run_cli(command, tmp_path / "dangling"), 3, "is a symbolic link to", "which does not exist")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "loop1", "loop2"]

@@ -918,12 +918,13 @@ def seal(
         _refuse_unfinished(Path(path), manifest)
     target = Path(out) if out is not None else default_seal_path(path)
     if out is not None:  # --out must not replace the checkpoint or one of its files
-        ckio.check_output_file(out, "--out")  # (first: a path it cannot write, a loop of links, said as such)
         data = {(Path(manifest.root) / f.path).resolve() for f in manifest.files if f.role != "seal"}
-        if target.resolve() in data | {Path(path).resolve()} or Path(path).resolve().is_relative_to(target.resolve()):
+        where = ckio.resolved(target, f"--out {out}")
+        if where in data | {Path(path).resolve()} or Path(path).resolve().is_relative_to(where):
             raise UsageError(
                 f"--out {out} is, or holds, the checkpoint or one of its files", hint="write the seal elsewhere"
             )
+        ckio.check_output_file(out, "--out")
         _refuse_replacing_data(target, out)
         inside = Path(path).is_dir() and target.resolve().is_relative_to(Path(manifest.root).resolve())
         if inside and not is_seal_name(target.name):

@@ -780,8 +780,26 @@ def test_a_loop_of_symbolic_links_is_named_as_such(tmp_path):
         ["reshard", loop, "-o", tmp_path / "out", "--dp", "2"],
     ):
         assert_clean(run_cli(*argv), 2, said)
-    assert_clean(run_cli("seal", src, "--out", loop / "s.json"), 2, "broken symbolic link")
+    assert_clean(run_cli("seal", src, "--out", loop / "s.json"), 2, said)
     for command in ("inspect", "verify", "ls"):
         assert_clean(run_cli(command, loop), 3, f"{loop}: {said}")
         assert_clean(run_cli(command, tmp_path / "dangling"), 3, "is a symbolic link to", "which does not exist")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "loop1", "loop2"]
+
+
+def test_reports_replace_earlier_reports_only(tmp_path):
+    """--report and --junit replaced any file at their path: a tracker named by mistake was lost."""
+    src = FIXTURES / "dcp" / "fsdp2"
+    tracker = tmp_path / "latest_checkpointed_iteration.txt"
+    tracker.write_text("3")
+    for flag in ("--report", "--junit"):
+        assert_clean(run_cli("verify", src, flag, tracker), 2, f"{flag} {tracker} exists and is not a", "not replaced")
+        assert tracker.read_text() == "3"
+    report, junit = tmp_path / "r.json", tmp_path / "j.xml"
+    junit.write_text("<?xml version='1.0'?>\n<testsuites><testsuite name='pytest'/></testsuites>\n")  # another tool's
+    (tmp_path / "empty.json").touch()
+    for _ in range(2):  # an earlier report of its own is replaced
+        assert run_cli("verify", src, "--report", report, "--junit", junit).code == 0
+        assert json.loads(report.read_text())["ok"] is True and "ckpttool verify" in junit.read_text()
+    assert run_cli("verify", src, "--report", tmp_path / "empty.json").code == 0
+    assert_clean(run_cli("verify", src, "--junit", report), 2, "is not a JUnit XML report")

@@ -12,6 +12,7 @@ import errno
 import functools
 import gc
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -460,6 +461,7 @@ def verify(
         if given is not None:  # checked before any work; a report never replaces what it reports on
             refuse_overlap(given, flag=flag, checkpoint=path, seal=seal)
             check_output_file(given, flag)
+            _refuse_replacing_other_data(given, flag)
     if report_file is not None and junit_file is not None and report_file.resolve() == junit_file.resolve():
         raise UsageError(
             f"--report and --junit both name {junit_file}: the JUnit XML would replace the JSON report",
@@ -500,6 +502,33 @@ def verify(
     _verify_outputs(out, report, severity, report_file, junit_file)
     if report.failing(severity):
         raise typer.Exit(1)
+
+
+_REPORT_HEADS = {
+    "--report": (re.compile(rb'^\s*\{\s*"schema_version"\s*:\s*\d+\s*,\s*"inputs"'), "a ckpttool verify JSON report"),
+    "--junit": (re.compile(rb"^\s*(<\?xml[^>]*>\s*)?<testsuites?[\s>]"), "a JUnit XML report"),
+}
+
+
+def _refuse_replacing_other_data(out: Path, flag: str) -> None:
+    """``--report`` and ``--junit`` replace an earlier report (known by its first bytes) or an empty
+    file, never other data: a mistyped path (a tracker, a config, notes) would be lost without a
+    word. (As ``seal --out``.)"""
+    from ckpttool.errors import UsageError
+
+    if not out.is_file():
+        return
+    try:
+        with open(out, "rb") as f:
+            head = f.read(512)
+    except OSError:
+        return  # (the atomic write then says what stops it)
+    pattern, what = _REPORT_HEADS[flag]
+    if head and not pattern.match(head):
+        raise UsageError(
+            f"{flag} {out} exists and is not {what} ({out.stat().st_size:,} bytes): not replaced",
+            hint="give another path, or remove the file first if it may go",
+        )
 
 
 def _verify_outputs(

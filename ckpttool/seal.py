@@ -919,8 +919,8 @@ def seal(
     target = Path(out) if out is not None else default_seal_path(path)
     if out is not None:  # --out must not replace the checkpoint or one of its files
         data = {(Path(manifest.root) / f.path).resolve() for f in manifest.files if f.role != "seal"}
-        where = ckio.resolved(target, f"--out {out}")
-        if where in data | {Path(path).resolve()} or Path(path).resolve().is_relative_to(where):
+        resolved = ckio.resolved(target, f"--out {out}")
+        if resolved in data | {Path(path).resolve()} or Path(path).resolve().is_relative_to(resolved):
             raise UsageError(
                 f"--out {out} is, or holds, the checkpoint or one of its files", hint="write the seal elsewhere"
             )

@@ -66,6 +66,8 @@ from ckpttool.formats.megatron import (
     _TE_TO_LOCAL,
     ALLOWLIST,
     BUCKET_OBJECT,
+    RNG_CARRIED,
+    SPLIT_RULES,
     expert_slot,
     own_etp,
 )
@@ -501,6 +503,9 @@ class DistWriter(LegacyWriter):
                         item = self.manifest.items.get(name)
                         if item is not None:
                             self._add_object(p * tp + t, key, partial(self._copy_record, item))
+                    elif carried := self._rng_carried_by(t, p, d % self.ep if self.ep > 1 else 0):
+                        # the state this very rank had in an earlier layout, which the source carries
+                        self._add_object(p * tp + t, key, partial(self._pickle_carried_rng, carried))
                     elif "rng_state" in self.src.objs[src := self.src.rng_key(ts, ps, d)]:
                         self._add_object(p * tp + t, key, partial(self._pickle_rng, src))
 
@@ -529,6 +534,11 @@ class DistWriter(LegacyWriter):
     def _pickle_rng(self, rank: tuple[int, int, int], f: BinaryIO, reader: PieceReader) -> None:
         rel = self.src.rels[rank]
         value = self.src.objs[rank]["rng_state"]
+        _ptwrite.save([_ptwrite.carry(value, partial(_pt.archive_cache(reader), rel))], f)
+
+    @staticmethod
+    def _pickle_carried_rng(carried: tuple[str, Any], f: BinaryIO, reader: PieceReader) -> None:
+        rel, value = carried
         _ptwrite.save([_ptwrite.carry(value, partial(_pt.archive_cache(reader), rel))], f)
 
     # -- the executor's protocol -------------------------------------------------------------------
@@ -612,8 +622,8 @@ class DistWriter(LegacyWriter):
                 tree[key] = self._optimizer_entry(
                     [self._common_optimizer(reader, archives, kind) for kind in self._members]
                 )
-            elif key == "rng_state" or re.fullmatch(r"model\d*", key):
-                continue
+            elif key in ("rng_state", RNG_CARRIED, SPLIT_RULES) or re.fullmatch(r"model\d*", key):
+                continue  # (ckpttool's own keys of a legacy file it wrote: the records say it all)
             else:
                 tree[key] = _ptwrite.carry(value, partial(archives, rel))
         tree["content_metadata"] = self._content_metadata()

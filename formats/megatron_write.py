@@ -970,6 +970,8 @@ def padded_vocab(vocab: int, divisor: int, tp: int) -> int:
 
 
 _FIRST_DIVISOR = "ckpttool_make_vocab_size_divisible_by"
+_RNG_RECORD = re.compile(r"rng_state/shard_(\d+)\.(\d+)(?:\.\d+)?_\d+\.\d+(?:\.\d+)?")
+"""a torch_dist RNG record's name: ``rng_state/shard_<p>.<t>[.<d>]_<PP>.<TP>[.<DP>]``"""
 """``args``' record of the run's own ``make_vocab_size_divisible_by`` when a reshard to a TP it does not
 give the padded rows at changed it (Megatron reads no such argument), so that a reshard back to a TP
 where it does gives the run's ``args`` back"""
@@ -1760,11 +1762,26 @@ class LegacyWriter:
         out = []
         for label in sorted(self._labels):
             t, p, e = label_ranks(label)
-            if (t >= self.src.tp or e >= self.src.ep) and not (
-                self.rank_files and self._rng_carried_by(t, p, e) is not None
-            ):
+            if (t >= self.src.tp or e >= self.src.ep) and self._rng_carried_by(t, p, e) is None:
                 out.append(label)
         return out
+
+    def _rng_dropped(self) -> list[str]:
+        """The rank labels of the source's RNG states (its ranks', and those it carries) that no
+        rank of a ``torch_dist`` output gets: of ranks beyond the output's TP or PP size, and carried
+        states :meth:`_rng_carried_by` gives no rank."""
+        if self.src.dist:
+            ranks = {(int(m[2]), int(m[1])) for name in self.manifest.items if (m := _RNG_RECORD.fullmatch(name))}
+            return [rank_label(t, p) for t, p in sorted(ranks) if t >= self.target.tp or p >= self.target.pp]
+        used = {
+            id(got[1])
+            for p in range(self.target.pp)
+            for t in range(self.target.tp)
+            for e in range(max(self.ep, 1))
+            if (got := self._rng_carried_by(t, p, e)) is not None
+        }
+        carried = self.src.rng_carried
+        return [label for label in self._rng_unhoused if label not in carried or id(carried[label]) not in used]
 
     def _rng_carried_by(self, t: int, p: int, e: int) -> tuple[str, Any] | None:
         """(file, ``rng_state``) of output rank (t, p, e) where the source carries that rank's own
@@ -1993,13 +2010,13 @@ class LegacyWriter:
                 )
             else:
                 out.append(f"RNG state: rank (t, p) gets source rank (t mod {self.src.tp}, p mod {self.src.pp})'s")
+            own_back = [lab for lab in self.src.rng_carried if lab in self._labels]
+            if own_back:
+                out[-1] += (
+                    f", except {_few(own_back)}, which get their own back (carried by the source, a checkpoint "
+                    "ckpttool wrote at fewer ranks)"
+                )
             if self.rank_files:
-                own_back = [lab for lab in self.src.rng_carried if lab in self._labels]
-                if own_back:
-                    out[-1] += (
-                        f", except {_few(own_back)}, which get their own back (carried by the source, a checkpoint "
-                        "ckpttool wrote at fewer ranks)"
-                    )
                 if kept := self._rng_kept:
                     out.append(
                         f"RNG state of {len(kept)} rank(s) of the source that this layout has none for "
@@ -2020,11 +2037,11 @@ class LegacyWriter:
                     "rank, the expert-parallel one per EP rank): dropout in tensor-parallel regions then draws the "
                     "same masks on those ranks. To seed every rank afresh from --seed, resume with --no-load-rng"
                 )
-        if not self.rank_files and self.src.rng_carried:
+        if not self.rank_files and (dropped := self._rng_dropped()):
             out.append(
-                f"RNG state of {len(self.src.rng_carried)} rank(s) of another layout that the source carries "
-                f"({_few(sorted(self.src.rng_carried))}, under '{RNG_CARRIED}') is not written: torch_dist keeps "
-                "the RNG of its own ranks only"
+                f"RNG state of {len(dropped)} rank(s) of the source (or of a layout it carries) that this layout "
+                f"has none for ({_few(dropped)}) is not written: torch_dist keeps the RNG of its own ranks only"
+                + ("" if self.src.dist else " (a reshard to a legacy layout keeps them, for a reshard back)")
             )
         if self.ep != self.src.ep or own != self.src.etp:
             dp = getattr(self.args, "data_parallel_size", None)

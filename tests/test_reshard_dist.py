@@ -136,6 +136,32 @@ def test_round_trip_is_exact(tmp_path):
     assert not diff(DIST, one).different and not diff(DIST, back).different
 
 
+def test_rng_a_legacy_source_carries_comes_back_to_its_ranks_in_torch_dist(tmp_path):
+    """legacy TP=2 x PP=2 -> legacy TP=1 x PP=1 (which carries the other three ranks' RNG under
+    ckpttool_rng_state) -> torch_dist TP=2 x PP=2: each rank's RNG record is the one the legacy
+    source's rank had, as the direct legacy -> torch_dist output writes it. Every rank got rank
+    (0, 0)'s, the plan said the carried states were not written, and common.pt held them all."""
+    one, back, direct = tmp_path / "tp1", tmp_path / "dist", tmp_path / "direct"
+    reshard(LEGACY, one, Target(tp=1, pp=1))
+    result = reshard(one, back, Target(to="megatron-dist", tp=2, pp=2))
+    reshard(LEGACY, direct, Target(to="megatron-dist", tp=2, pp=2))
+    assert any("which get their own back" in n for n in result.plan.notes), result.plan.notes
+    assert not any("is not written" in n or "RNG streams" in n for n in result.plan.notes), result.plan.notes
+    ours, theirs = _metadata(back), _metadata(direct)
+    keys = sorted(k for k in theirs.state_dict_metadata if k.startswith("rng_state/"))
+    assert len(keys) == 4 and keys == sorted(k for k in ours.state_dict_metadata if k.startswith("rng_state/"))
+    records = {key: _record(back, ours, key) for key in keys}
+    assert records == {key: _record(direct, theirs, key) for key in keys}
+    assert len(set(records.values())) == 4  # (four states, not one four times)
+    common = load_pt(back / ITER / "common.pt")
+    assert not [k for k in common if k.startswith("ckpttool_")] and list(common) == list(load_pt(direct / ITER / "common.pt"))
+    # to fewer ranks: the states dropped are named (from either source)
+    for source in (LEGACY, one, DIST):
+        plan = reshard(source, tmp_path / f"{source.name}-1", Target(to="megatron-dist", tp=1, pp=1)).plan
+        said = [n for n in plan.notes if "is not written: torch_dist keeps the RNG of its own ranks only" in n]
+        assert len(said) == 1 and "([tp=0,pp=1], [tp=1,pp=0], [tp=1,pp=1])" in said[0], plan.notes
+
+
 def _same_records(out: Path, theirs: Path, *, rng: bool = True) -> None:
     """``out``'s keys, dtypes, global shapes and chunks are ``theirs``', and every record (tensor
     chunk, ShardedObject; ``rng`` False: the RNG states aside) is theirs byte for byte."""

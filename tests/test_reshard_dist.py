@@ -635,6 +635,22 @@ def _megatron_core_load(*args: str, nproc: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+def test_megatron_core_loads_each_ranks_own_rng_through_one_rank(tmp_path):
+    """Oracle: legacy TP=2 x PP=2 -> TP=1 x PP=1 -> torch_dist TP=2 x PP=2, loaded by megatron-core on
+    4 gloo ranks: each rank's RNG is the legacy source rank's own (ranks 1-3 got rank 0's)."""
+    pytest.importorskip("megatron.core")
+    one, out = tmp_path / "one", tmp_path / "out"
+    reshard(LEGACY, one, Target(tp=1, pp=1))
+    reshard(one, out, Target(to="megatron-dist", tp=2, pp=2))
+    args = ["--ckpt", str(out), "--tp", "2", "--pp", "2", "--rng-source", str(LEGACY)]
+    args += ["--reference", str(FIXTURES / "megatron" / f"{LEGACY.name}.reference.pt")]
+    result = _megatron_core_load(*args, nproc=4)
+    assert len(result["ranks"]) == 4
+    for rank in result["ranks"]:
+        assert rank["problems"] == [] and rank["rng_matches"] is True, rank
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("source", "tp", "pp", "distopt"),
     [

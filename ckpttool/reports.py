@@ -83,17 +83,17 @@ def _more(listed: int) -> str:
 
 
 def groups(report: VerifyReport) -> list[Group]:
-    """Findings grouped by rule when a rule fires ``_GROUP_AT`` times or more; most severe first."""
-    by_rule: dict[str, list[Finding]] = defaultdict(list)
+    """Findings grouped by rule and severity when a rule fires ``_GROUP_AT`` times or more at one
+    severity (its errors grouped, and its one warning beside them); most severe first."""
+    by_rule: dict[tuple[str, Severity], list[Finding]] = defaultdict(list)
     for f in report.findings:
-        by_rule[f.rule].append(f)
+        by_rule[(f.rule, f.severity)].append(f)
     out: list[Group] = []
-    for rule, found in by_rule.items():
-        severities = {f.severity for f in found}
-        if len(found) >= _GROUP_AT and len(severities) == 1:
-            out.append(Group(rule, found[0].severity, tuple(found)))
+    for (rule, severity), found in by_rule.items():
+        if len(found) >= _GROUP_AT:
+            out.append(Group(rule, severity, tuple(found)))
         else:
-            out += [Group(rule, f.severity, (f,)) for f in found]
+            out += [Group(rule, severity, (f,)) for f in found]
     out.sort(key=lambda g: -SEVERITY_ORDER[g.severity])
     return out
 

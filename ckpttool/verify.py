@@ -54,7 +54,7 @@ from ckpttool.io import (
     outside,
 )
 from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, Piece, StateName, is_seal_name
-from ckpttool.naming import param_state, plural
+from ckpttool.naming import classify, param_state, plural
 from ckpttool.seal import (
     Expected,
     PieceRecord,
@@ -536,6 +536,8 @@ def _verify(
         piece_digests = _check_seal(report, root, sealed, manifest, adapter, workers, progress, early)
         if manifest is not None:
             _check_seal_is_this_saves(report, sealed, manifest)
+            if beside := (manifest.extras.get("state_files") or {}).get("optimizer"):
+                _check_optimizer_beside(report, manifest, beside, sealed=True)
     elif manifest is not None and adapter is not None:
         piece_digests, file_digests = _check_integrity(report, manifest, adapter, workers, progress)
         _check_aux_archives(report, manifest)
@@ -946,12 +948,68 @@ def _check_aux_archives(report: VerifyReport, manifest: Manifest) -> None:
     Trainer's ``optimizer.pt``, ``scheduler.pt`` and ``rng_state.pth`` beside ``model.safetensors``):
     not read as state, but checked as archives (cut short, empty, CRC-32s), so that their damage
     does not pass unsaid. Without a seal (a seal hashes them)."""
+    optimizer = (manifest.extras.get("state_files") or {}).get("optimizer")
     for f in manifest.files:
         if f.role != "aux" or not f.path.endswith(_pt.SUFFIXES) or _pt.foreign_zip(Path(manifest.root) / f.path):
             continue  # (a TorchScript file, a zip of assets: not judged as a torch.save file)
+        if f.path == optimizer and _check_optimizer_beside(report, manifest, f.path, sealed=False):
+            continue  # (its CRC-32s checked in the same read)
         report.findings += _zip_damage(Path(manifest.root), f.path, whole=True)
         report.checked["files"] = report.checked.get("files", 0) + 1
         report.checked["bytes"] = report.checked.get("bytes", 0) + f.size
+
+
+def _beside(manifest: Manifest, rel: str) -> Manifest | None:
+    """The torch.save file ``rel`` a checkpoint keeps beside its format's state (a Hugging Face
+    Trainer's ``optimizer.pt``) read as the single file it is, its items named from the file
+    (``optimizer.state.0.exp_avg``) and its step the checkpoint's; None where it does not read (its
+    damage is said by the archive check)."""
+    from ckpttool.formats.torchsave import ADAPTER
+
+    root = Path(manifest.root)
+    try:
+        with checking_crcs():
+            beside = ADAPTER.describe(root / rel)
+    except CkptError:
+        return None
+    stem = rel.rsplit(".", 1)[0]
+    renamed = Manifest(
+        root=str(root), format=beside.format, step=manifest.step, layout=beside.layout, extras=beside.extras
+    )
+    for item in beside.items.values():
+        pieces = [replace(p, file=rel, rank=None) for p in item.pieces]
+        name = f"{stem}.{item.name}"  # (optimizer.state.0.step: optimizer state by its new name)
+        renamed.add(replace(item, name=name, pieces=pieces, kind=classify(name, is_tensor=item.is_tensor)))
+    renamed.files = [replace(r, path=rel) for r in beside.files]
+    return renamed
+
+
+def _check_optimizer_beside(report: VerifyReport, manifest: Manifest, rel: str, *, sealed: bool) -> bool:
+    """The optimizer state a checkpoint keeps in a torch.save file beside its format's (a Hugging
+    Face Trainer's ``optimizer.pt``, keyed by parameter index) checked as any optimizer state is:
+    a parameter without its state, steps that disagree with each other or the checkpoint's,
+    moments all zero after a step. Without a seal its CRC-32s are checked in the same read (the
+    digests the zero check needs). False where it does not read as optimizer state."""
+    from ckpttool.formats.torchsave import ADAPTER
+
+    beside = _beside(manifest, rel)
+    if beside is None or not any(i.kind == "optim" for i in beside.items.values()):
+        return False
+    digests: dict[tuple[str, int], str] = {}
+    if not sealed:
+        found = VerifyReport(path=report.path)
+        digests, _ = _check_integrity(found, beside, ADAPTER, None, None)
+        report.findings += found.findings
+        for key in ("files", "bytes"):
+            report.checked[key] = report.checked.get(key, 0) + found.checked.get(key, 0)
+    else:  # (the seal vouches for the file's bytes as a whole: only the steps are read, a few bytes)
+        with contextlib.suppress(CkptError), ADAPTER.reader(beside) as reader:
+            for item in beside.items.values():
+                if item.kind == "optim" and item.is_tensor and item.name.endswith(".step") and len(item.pieces) == 1:
+                    values = reader.read(item.pieces[0], item)
+                    digests[(item.name, 0)] = hash_bytes(values.reshape(-1).view("u1").data)
+    _check_optimizer(report, beside, ADAPTER, digests, "xxh3-128")
+    return True
 
 
 def _one_per_changed_file(findings: list[Finding]) -> list[Finding]:
@@ -2589,24 +2647,9 @@ def _check_values_beside(report: VerifyReport, manifest: Manifest) -> None:
     file (``optimizer.state.0.exp_avg`` in ``optimizer.pt``)."""
     from ckpttool.formats.torchsave import ADAPTER
 
-    root = Path(manifest.root)
     for f in manifest.files:
-        if f.role != "aux" or not f.path.endswith(_pt.SUFFIXES):
-            continue
-        try:
-            with checking_crcs():
-                beside = ADAPTER.describe(root / f.path)
-        except CkptError:
-            continue  # (its damage is said by the archive check, without --deep too)
-        stem = f.path.rsplit(".", 1)[0]
-        renamed = Manifest(
-            root=str(root), format=beside.format, step=beside.step, layout=beside.layout, extras=beside.extras
-        )
-        for item in beside.items.values():
-            pieces = [replace(p, file=f.path, rank=None) for p in item.pieces]
-            renamed.add(replace(item, name=f"{stem}.{item.name}", pieces=pieces))
-        renamed.files = [replace(r, path=f.path) for r in beside.files]
-        _check_values(report, renamed, ADAPTER, beside=False)
+        if f.role == "aux" and f.path.endswith(_pt.SUFFIXES) and (renamed := _beside(manifest, f.path)) is not None:
+            _check_values(report, renamed, ADAPTER, beside=False)
 
 
 def _census(report: VerifyReport, item: Item, values: np.ndarray, stepping: bool, manifest: Manifest) -> None:

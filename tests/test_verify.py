@@ -1008,7 +1008,7 @@ def test_cli_exit_3_still_writes_every_report(case, tmp_path):
         path = tmp_path / "model.pt"
         path.write_bytes(b"\x80\x04garbage")
     report, junit_file, summary = tmp_path / "r.json", tmp_path / "j.xml", tmp_path / "summary.md"
-    report.write_text("stale")
+    report.write_text(STALE_REPORT)
     r = run_cli(
         "verify", path, "--json", "--report", report, "--junit", junit_file,
         env={"GITHUB_ACTIONS": "true", "GITHUB_STEP_SUMMARY": str(summary)},
@@ -1029,10 +1029,15 @@ def test_cli_exit_3_still_writes_every_report(case, tmp_path):
     assert ok["error"] is None and ok["ok"] is True
 
 
+STALE_REPORT = '{\n  "schema_version": 1,\n  "inputs": {"path": "old"},\n  "ok": true\n}\n'
+"""an earlier run's report (verify replaces an earlier report, never other data)"""
+STALE_JUNIT = "<?xml version='1.0' encoding='utf-8'?>\n<testsuite name=\"ckpttool verify\" tests=\"16\" failures=\"0\" />\n"
+
+
 def test_a_usage_error_replaces_a_stale_report(tmp_path):
     report, junit_file = tmp_path / "r.json", tmp_path / "j.xml"
-    report.write_text('{"ok": true}')
-    junit_file.write_text("stale")
+    report.write_text(STALE_REPORT)
+    junit_file.write_text(STALE_JUNIT)
     r = run_cli("verify", FIXTURES / "dcp" / "fsdp2", "--fail-on", "bogus", "--report", report, "--junit", junit_file)
     assert r.code == 2 and "--fail-on 'bogus'" in r.stderr
     data = json.loads(report.read_text())
@@ -1283,7 +1288,7 @@ def test_an_internal_error_still_writes_the_reports(tmp_path, monkeypatch):
 
     monkeypatch.setattr(verify_module, "verify", broken)
     report = tmp_path / "r.json"
-    report.write_text("stale")
+    report.write_text(STALE_REPORT)
     result = CliRunner().invoke(app, ["verify", str(FIXTURES / "dcp" / "fsdp2"), "--report", str(report)])
     assert result.exit_code == 3
     data = json.loads(report.read_text())
@@ -1812,6 +1817,36 @@ def test_an_fp32_master_of_another_shape_than_its_parameter_is_an_error(tmp_path
         (found,) = verify(path, deep=deep).failing()
         assert found.rule == "optimizer-mismatch" and found.item == "emb.weight.fp32", found
         assert "emb.weight.fp32 has shape [30, 16], its parameter emb.weight [31, 16]" in found.message
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_a_trainers_optimizer_file_is_checked_as_optimizer_state(sealed, tmp_path):
+    """A Hugging Face Trainer's optimizer.pt (index-keyed, beside model.safetensors) was checked as an
+    archive only: every moment zeroed at step 3, one parameter's step at 9 and one parameter's
+    state gone verified clean, with --deep too. Now each is an optimizer-mismatch, as in a
+    torch.save training state, with a seal too (the zero check then by value, under --deep)."""
+    path = tmp_path / "checkpoint-3"
+    shutil.copytree(FIXTURES / "hf" / "trainer" / "checkpoint-3", path)
+    f = path / "optimizer.pt"
+    was = os.stat(f)
+    state = torch.load(f, weights_only=True)
+    for moments in state["state"].values():
+        moments["exp_avg"].zero_()
+        moments["exp_avg_sq"].zero_()
+    state["state"][3]["step"].fill_(9)
+    del state["state"][5]
+    torch.save(state, f)
+    os.utime(f, ns=(was.st_atime_ns, was.st_mtime_ns))
+    if sealed:  # (the damage sealed: only the optimizer checks can see it)
+        seal(path)
+    report = verify(path, deep=sealed)
+    found = [x for x in report.findings if x.rule == "optimizer-mismatch"]
+    zeroed = [x for x in found if "is all zeros at step 3" in x.message]
+    assert len(zeroed) == 56 and all(x.item.startswith("optimizer.state.") for x in zeroed), found
+    assert any("steps" in x.message and "optimizer.state.3.step" in x.message for x in found), found
+    assert any("have no state: indices 5" in x.message and x.severity == "warning" for x in found), found
+    r = run_cli("verify", path, *(["--deep"] if sealed else []))
+    assert r.code == 1 and "ERROR     optimizer-mismatch  57 findings" in r.stdout, r.stdout
 
 
 def test_one_rank_shard_file_given_alone_has_its_moments(tmp_path):

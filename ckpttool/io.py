@@ -763,13 +763,63 @@ def sweep_stale(dest: str | os.PathLike[str]) -> None:
         owner = p.name[len(prefix) :].rsplit("-", 2)
         if len(owner) != 3 or owner[0] != host or not owner[1].isdigit():
             continue  # not ours to judge (another host, or an old naming)
-        if _alive(int(owner[1])):
-            continue
+        if _alive(int(owner[1])) or _held(p):
+            continue  # (a pid of another PID namespace, a container on this host, reads as dead: its lock says)
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
         else:
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
+
+
+_HOLDS: dict[str, int] = {}
+"""Temporaries this process writes, each with the descriptor holding its lock (:func:`_hold`)."""
+
+
+def _hold(path: str | os.PathLike[str]) -> None:
+    """Lock the temporary ``path`` (``flock``, exclusive) for as long as this process writes it: the
+    lock goes with the process, so :func:`sweep_stale` in another process tells a live writer from
+    a dead one where the pid cannot (another PID namespace: containers sharing a host name). Where
+    the file system takes no lock, the pid alone judges, as before."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return
+    _HOLDS[os.fspath(path)] = fd
+
+
+def _let_go(path: str | os.PathLike[str]) -> None:
+    fd = _HOLDS.pop(os.fspath(path), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _held(path: Path) -> bool:
+    """Whether a live process holds the lock of temporary ``path`` (:func:`_hold`)."""
+    import fcntl
+
+    if os.fspath(path) in _HOLDS:
+        return True
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False  # (no locks on this file system: the pid judged)
+    finally:
+        os.close(fd)  # (and with it the lock just taken)
+    return False
 
 
 def _alive(pid: int) -> bool:
@@ -874,6 +924,7 @@ def atomic_output(dest: str | os.PathLike[str], *, replace: bool = True) -> Iter
             tmp = str(parent / _temp_name(dest_p))
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+                _hold(tmp)
                 break
             except FileExistsError:
                 continue
@@ -899,6 +950,9 @@ def atomic_output(dest: str | os.PathLike[str], *, replace: bool = True) -> Iter
                 os.unlink(tmp)
         _unmake(made)
         raise
+    finally:
+        if tmp is not None:
+            _let_go(tmp)
 
 
 @contextlib.contextmanager
@@ -917,6 +971,7 @@ def staged_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
             tmp = dest_p.parent / _temp_name(dest_p)
             try:
                 os.mkdir(tmp)  # what a plain mkdir gives (0o777 less the umask)
+                _hold(tmp)
                 break
             except FileExistsError:
                 continue
@@ -932,6 +987,7 @@ def staged_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
     finally:
         if tmp is not None:
             _STAGED.pop(str(tmp), None)
+            _let_go(tmp)
 
 
 class WriterGate:

@@ -73,6 +73,43 @@ def test_a_killed_writer_not_yet_reaped_counts_as_gone(tmp_path):
         child.wait()
 
 
+@pytest.mark.parametrize("kind", ["directory", "file"])
+def test_a_live_writer_of_another_pid_namespace_keeps_its_temporary(kind, tmp_path, monkeypatch):
+    """Containers sharing a host name (hostNetwork pods) see each other's pids as dead: a run's
+    sweep deleted another live run's staging directory, which then failed blaming its source. A
+    temporary is now locked by its writer while it writes, and a locked one is left alone; once the
+    writer is gone (its lock with it), it is swept."""
+    import subprocess
+    import time
+
+    from ckpttool import io as ckio
+
+    dest = tmp_path / "out"
+    ready = tmp_path / "ready"
+    writer = (
+        "import sys, time, pathlib; from ckpttool import io\n"
+        f"ctx = io.staged_dir(sys.argv[1]) if {kind == 'directory'!r} else io.atomic_output(sys.argv[1])\n"
+        "with ctx:\n"
+        "    pathlib.Path(sys.argv[2]).touch()\n"
+        "    time.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", writer, str(dest), str(ready)])
+    try:
+        for _ in range(500):
+            if ready.exists():
+                break
+            time.sleep(0.02)
+        (temp,) = [p for p in tmp_path.iterdir() if ckio.TMP_MARKER in p.name]
+        monkeypatch.setattr(ckio, "_alive", lambda pid: False)  # (as seen from another PID namespace)
+        ckio.sweep_stale(dest)
+        assert temp.exists(), "a live writer's temporary was swept"
+    finally:
+        child.kill()
+        child.wait()
+    ckio.sweep_stale(dest)  # (its writer gone, and its lock with it)
+    assert not temp.exists()
+
+
 def _cached(path, offset):
     """Whether the page at ``offset`` is in the page cache (mincore: starts no I/O, unlike a
     RWF_NOWAIT read, which starts readahead when it fails)."""

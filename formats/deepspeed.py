@@ -896,8 +896,14 @@ class DeepSpeedAdapter:
         else:
             b.universal_hyperparameters(_UNIVERSAL_OPTIM)
         b.shared(_tied(files, [*(models[k] for k in sorted(models)), *(z3[k] for k in sorted(z3))]))
-        # frozen: what the source froze (ds_to_universal writes them an fp32.pt and no moments)
-        if frozen := list((first.get("frozen_param_shapes") or {}).keys()):
+        # frozen: what the source froze (ds_to_universal writes them an fp32.pt and no moments); the
+        # model states name them at ZeRO-2 and 3 only: at ZeRO-1, the module's entries that are
+        # neither trained nor buffers (as the ZeRO reader finds them)
+        entries: dict[str, Any] = first["module"] if isinstance(first.get("module"), dict) else {}
+        buffers = set(first.get("buffer_names") or [])
+        if frozen := list((first.get("frozen_param_shapes") or {}).keys()) or [
+            n for n in entries if shapes and n not in shapes and n not in buffers
+        ]:
             manifest.extras["frozen"] = frozen
         if model_rel:
             b.common(first, model_rel)

@@ -1334,6 +1334,21 @@ def test_a_stray_file_in_one_universal_parameter_folder_is_an_extra_file_not_a_s
     assert gone.file == f"global_step3_universal/zero/{folder.name}/exp_avg_sq.pt", gone
 
 
+def test_a_universal_checkpoint_of_a_zero1_run_knows_its_frozen_parameters(tmp_path):
+    """DeepSpeed names the frozen parameters in the model states at ZeRO-2 and 3 only: the universal
+    checkpoint of a ZeRO-1 run (ckpttool's) warned that frozen.weight has no moments. They are the
+    module's entries that are neither trained nor buffers, as the ZeRO-1 reader finds them."""
+    from ckpttool.reshard import Target, reshard
+
+    out = tmp_path / "universal"
+    reshard(FIXTURES / "deepspeed" / "zero1", out, Target(to="deepspeed-universal"))
+    report = verify(out, deep=True)
+    assert "optimizer-mismatch" not in _rules(report), report.findings
+    _, m = registry.describe(out)
+    _, src = registry.describe(FIXTURES / "deepspeed" / "zero1")
+    assert sorted(m.extras["frozen"]) == sorted(src.extras["frozen"]) and "frozen.weight" in m.extras["frozen"]
+
+
 def _frozen_embedding_run(path: Path, how: str, drop: str | None = None) -> None:
     """A real save of a model whose embedding is frozen (no moments: the optimizer never held it),
     its optimizer state keyed by parameter names (``get_state_dict``), over 16 parameters (the

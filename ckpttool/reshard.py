@@ -521,7 +521,7 @@ def plan(
     else:
         raise UsageError(
             f"--to {fmt!r}: reshard writes megatron and megatron-dist (from Megatron legacy or "
-            "torch_dist), deepspeed (from DeepSpeed ZeRO-1/2/3), deepspeed-universal (from ZeRO-1/2) and dcp (from "
+            "torch_dist), deepspeed (from DeepSpeed ZeRO-1/2/3), deepspeed-universal (from ZeRO-1/2/3) and dcp (from "
             "anything) so far",
             hint="'ckpttool convert --to safetensors' writes the Hugging Face layout",
         )

@@ -298,3 +298,16 @@ def test_a_parameter_some_layers_lack_is_refused_for_torch_dist(tmp_path):
     assert not (tmp_path / "dist").exists()
     r = run_cli("reshard", src, "-o", tmp_path / "legacy", "--tp", "1", "--pp", "1")
     assert r.code == 0, r.stderr
+
+
+def test_sub_group_size_reads_as_deepspeed_configs_write_it(tmp_path):
+    """--sub-group-size 1e9 (as ds_config files write it, and as its help says) was refused:
+    "'1e9' is not a valid int"."""
+    src = FIXTURES / "deepspeed" / "zero2"
+    for value in ("1e9", "1_000_000_000"):
+        out = tmp_path / value
+        r = run_cli("reshard", src, "-o", out, "--dp", "2", "--zero-stage", "3", "--sub-group-size", value, "--dry-run")
+        assert r.code == 0, r.stderr
+    for value in ("1.5", "0", "lots"):
+        r = run_cli("reshard", src, "-o", tmp_path / "x", "--dp", "2", "--zero-stage", "3", "--sub-group-size", value)
+        assert r.code == 2 and "--sub-group-size" in r.stderr and not (tmp_path / "x").exists()

@@ -69,6 +69,17 @@ def _a_path(value: str) -> Path:
     return Path(value)
 
 
+def _a_count(value: str) -> int:
+    """A whole number as DeepSpeed configs write it too: ``1e9``, ``1_000_000_000``, ``1000000000``."""
+    try:
+        number = float(value.replace("_", "")) if any(c in value for c in "eE._") else int(value)
+    except ValueError:
+        raise typer.BadParameter(f"{value!r} is not a number") from None
+    if number != int(number) or number < 1:
+        raise typer.BadParameter(f"{value!r}: expected a whole number of 1 or more, such as 1e9")
+    return int(number)
+
+
 PathArg = Annotated[Path, typer.Argument(help="Checkpoint directory or file.", show_default=False, parser=_a_path)]
 
 
@@ -845,6 +856,8 @@ def reshard(
         int | None,
         typer.Option(
             "--sub-group-size",
+            parser=_a_count,
+            metavar="<int>",
             help="--zero-stage 3 from ZeRO-1/2: zero_optimization.sub_group_size of the run that resumes "
             "(default: DeepSpeed's, 1e9).",
         ),

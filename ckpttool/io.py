@@ -772,6 +772,14 @@ def sweep_stale(dest: str | os.PathLike[str]) -> None:
                 p.unlink()
 
 
+def _name_the_write(exc: BaseException, tmp: str | os.PathLike[str]) -> None:
+    """A write error that names no file (``os.write`` on a full disk) named after the temporary it
+    was writing, which messages say as the output it is published as (:func:`published_as`): the
+    user learns which output did not fit."""
+    if isinstance(exc, OSError) and exc.filename is None and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        exc.filename = os.fspath(tmp)
+
+
 _HOLDS: dict[str, int] = {}
 """Temporaries this process writes, each with the descriptor holding its lock (:func:`_hold`)."""
 
@@ -944,10 +952,11 @@ def atomic_output(dest: str | os.PathLike[str], *, replace: bool = True) -> Iter
             except FileExistsError:
                 raise appeared_meanwhile(dest_p) from None
         fsync_dir(parent)
-    except BaseException:
+    except BaseException as exc:
         if tmp is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+            _name_the_write(exc, tmp)
         _unmake(made)
         raise
     finally:
@@ -979,9 +988,10 @@ def staged_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
                 vanished = _remake_parents(dest_p.parent, made, vanished, exc)
         _STAGED[str(tmp)] = _REPLACING.get() and os.path.lexists(dest_p)
         yield tmp
-    except BaseException:
+    except BaseException as exc:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+            _name_the_write(exc, tmp)
         _unmake(made)
         raise
     finally:

@@ -941,7 +941,7 @@ def _rank_zero(
             executor.writer.finish(tmp, [merged[i] for i in range(len(the_plan.files))])
             held = _seal_and_publish(tmp, out, the_plan.workers, seal_output, executor.known, executor.partial)
     except BaseException as exc:
-        failure = failure or _describe(exc, 0)
+        failure = failure or _describe(exc, 0, out)
         raise
     finally:
         dist.broadcast_object_list([failure if announced else {"error": failure}], src=0)
@@ -997,14 +997,22 @@ def _write_share(
         executor.partial.clear()
         return None, results
     except Exception as exc:
-        return _describe(exc, rank), {}
+        return _describe(exc, rank, tmp), {}
 
 
-def _describe(exc: BaseException, rank: int) -> dict[str, Any]:
+def _describe(exc: BaseException, rank: int, writing: Path | None = None) -> dict[str, Any]:
+    """A rank's failure, for every rank to raise (:func:`_rank_error`); ``writing``: the output (or
+    its staging directory), which a write error naming no file (a full disk) is said of."""
     from ckpttool.errors import CkptError
 
     if isinstance(exc, CkptError):
         return {"kind": type(exc).__name__, "message": exc.message, "hint": exc.hint, "path": exc.path, "rank": rank}
+    if isinstance(exc, OSError):  # (the file system's answer, said as a single process says it: path and reason)
+        from ckpttool.cli import OS_ERROR_HINT, _os_error
+        from ckpttool.io import published_as
+
+        output = None if writing is None else published_as(str(writing)) or writing
+        return {"kind": "OSError", "message": _os_error(exc, output), "hint": OS_ERROR_HINT, "rank": rank}
     return {"kind": type(exc).__name__, "message": f"{type(exc).__name__}: {exc}", "hint": None, "rank": rank}
 
 

@@ -393,3 +393,39 @@ def test_a_full_disk_is_said_of_the_output(capsys, tmp_path):
         command(output=tmp_path / "out")
     err = capsys.readouterr().err
     assert exit_.value.exit_code == 3 and f"{tmp_path / 'out'}: No space left on device while writing it" in err
+
+
+@pytest.mark.parametrize("what", ["seal --out", "verify --junit", "a torchrun rank"])
+def test_a_full_disk_names_the_file_that_did_not_fit(what, tmp_path, monkeypatch):
+    """seal --out and verify's reports said "cannot complete: No space left on device" (their files
+    are not the command's -o), and a rank under torchrun "rank 0: OSError: [Errno 28] …" with the
+    hint "see that rank's output", which said the same."""
+    import errno
+
+    from ckpttool import io as ckio
+    from ckpttool.reshard import _describe
+
+    if what == "a torchrun rank":
+        staging = tmp_path / f".out{ckio.TMP_MARKER}host-1-abcd"
+        info = _describe(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), 1, staging)
+        assert info["message"] == f"{tmp_path / 'out'}: No space left on device while writing it (nothing was published)"
+        assert "free space" in info["hint"]
+        return
+    real_fsync = os.fsync
+
+    def full(fd: int) -> None:  # (the disk fills as the file is flushed)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    src = FIXTURES / "dcp" / "fsdp2"
+    target = tmp_path / ("s.json" if what == "seal --out" else "j.xml")
+    argv = ["seal", src, "--out", target] if what == "seal --out" else ["verify", src, "--junit", target]
+    from typer.testing import CliRunner
+
+    from ckpttool.cli import app
+
+    monkeypatch.setattr(ckio.os, "fsync", full)
+    result = CliRunner().invoke(app, [str(a) for a in argv])
+    monkeypatch.setattr(ckio.os, "fsync", real_fsync)
+    assert result.exit_code == 3
+    assert f"{target}: no space left on device while writing it (nothing was published)" in result.output, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -133,8 +133,7 @@ def _handles_errors(fn: F) -> F:
             # under us): the environment's answer, not a bug; say which path and why
             if os.environ.get("CKPTTOOL_DEBUG"):
                 traceback.print_exc()
-            hint = "check the path, its permissions and the free space, then rerun"
-            _say_error(out, _os_error(exc, kwargs.get("output")), hint)
+            _say_error(out, _os_error(exc, kwargs.get("output")), OS_ERROR_HINT)
             raise typer.Exit(3) from None
         except Exception as exc:
             if os.environ.get("CKPTTOOL_DEBUG"):
@@ -177,6 +176,9 @@ def _pipe_gone(stream: Any) -> bool:
 
 
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+
+
+OS_ERROR_HINT = "check the path, its permissions and the free space, then rerun"
 
 
 def _os_error(exc: OSError, output: Any = None) -> str:

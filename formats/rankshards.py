@@ -21,6 +21,7 @@ import itertools
 import json
 import math
 import re
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ from ckpttool.formats.base import Detection, claim
 from ckpttool.geometry import Box
 from ckpttool.io import list_files
 from ckpttool.manifest import FileRecord, Item, Layout, Manifest, ReplicaCounter
-from ckpttool.naming import classify
+from ckpttool.naming import classify, plural
 from ckpttool.values import find_step, flatten, set_value
 
 ALLOWLIST: dict[tuple[str, str], Any] = {
@@ -577,6 +578,12 @@ def _keyed_by(state: dict[int, set[tuple[int, str]]], params: dict[str, dict[int
     return None
 
 
+def _rank_of(rel: str) -> int:
+    """The rank a rank file's name gives (a name :func:`_match` matches)."""
+    m = _match(rel)
+    return int(m.group("rank")) if m is not None else -1
+
+
 def _match(name: str) -> re.Match[str] | None:
     for pattern in _PATTERNS:
         m = pattern.match(name)
@@ -614,6 +621,7 @@ class RankShardsAdapter:
         world_from = "."  # the file that gave the world size
         step: int | None = None
         named: dict[str, int] = {}  # the step in a file's name (checkpoint_step<s>_stage<p>.pt)
+        worlds: dict[str, int] = {}  # the world size in a file's name (shard_<r>_of_<n>.pt)
         listing = list_files(path)
         # a run that keeps each save's files side by side (checkpoint_step<s>_stage<p>.pt for every s):
         # the latest save is the checkpoint, the others' files are listed beside it
@@ -636,10 +644,14 @@ class RankShardsAdapter:
                 )
                 continue
             rank = int(m.group("rank"))
+            if "world" in m.groupdict():
+                worlds[rel] = int(m.group("world"))
+                if rank in shards and worlds.get(shards[rank], worlds[rel]) != worlds[rel]:
+                    # (two saves' files of one rank, at two world sizes: told apart below, not a clash)
+                    manifest.files.append(FileRecord(path=rel, size=size, role="aux"))
+                    continue
             claim(shards, rank, rel, f"rank {rank}")
             manifest.files.append(FileRecord(path=rel, size=size, role="data", ranks=[rank]))
-            if "world" in m.groupdict():
-                world, world_from = int(m.group("world")), rel
             if "step" in m.groupdict():
                 step = named[rel] = int(m.group("step"))
         meta_step: int | None = None
@@ -650,15 +662,29 @@ class RankShardsAdapter:
                 raise CorruptFileError(f"metadata.json: not readable JSON ({exc})", path="metadata.json") from None
             if not isinstance(meta, dict):
                 raise CorruptFileError("metadata.json: not a JSON object", path="metadata.json")
-            if isinstance(meta.get("world_size"), int):
+            if isinstance(meta.get("world_size"), int) and not isinstance(meta["world_size"], bool):
                 world, world_from = meta["world_size"], "metadata.json"
             if isinstance(meta.get("step"), int) and not isinstance(meta["step"], bool):
                 step = meta_step = meta["step"]
+        if world is None and worlds:  # the world size most files' names give (a stray file's is not it)
+            named_worlds = Counter(worlds.values())
+            world = max(named_worlds, key=lambda n: (named_worlds[n], n))
+            world_from = next(rel for rel, n in worlds.items() if n == world)
         if world is not None and not 0 < world <= max(4 * len(shards), 1 << 16):
             raise CorruptFileError(
                 f"{path}: world size {world:,} for {len(shards)} shard files is not plausible",
                 path=world_from,
             )
+        strays = sorted(
+            rel
+            for rel in [*shards.values(), *(r for r in worlds if r not in shards.values())]
+            if world is not None and ((rel in worlds and worlds[rel] != world) or _rank_of(rel) >= world)
+        )
+        if strays:  # files of another save's layout: not this checkpoint's ranks
+            shards = {r: rel for r, rel in shards.items() if rel not in strays}
+            manifest.files = [
+                FileRecord(path=f.path, size=f.size, role="aux") if f.path in strays else f for f in manifest.files
+            ]
         # without a world size, the ranks still run from 0 without a gap (the last one's absence
         # shows only as a sharded tensor's coverage gap)
         expect = world if world is not None else (max(shards) + 1 if shards else 0)
@@ -748,6 +774,19 @@ class RankShardsAdapter:
         manifest.layout = Layout(world_size=world or len(shards))
         if claims:
             manifest.extras["step_claims"] = claims
+        if strays:
+            findings.append(
+                {
+                    "rule": "extra-file",
+                    "severity": "warning",
+                    "file": strays[0],
+                    "message": f"{plural(len(strays), 'rank file')} of another layout than this save's {world} ranks "
+                    f"(by {world_from}) beside it: {', '.join(strays[:4])}{' …' if len(strays) > 4 else ''}; "
+                    "ckpttool reads the ranks of this save",
+                    "hint": "files of an earlier save at another world size: move them into a folder of their own",
+                    "stops_writes": False,
+                }
+            )
         if out_of_order := (
             _saved_as(manifest, shards, inner)
             or _copied_over(manifest, shards)

@@ -462,3 +462,34 @@ def test_saves_side_by_side_beside_a_file_of_another_naming_is_no_internal_error
     r = run_cli("verify", ck, "--json")
     said = " ".join(f["message"] for f in json.loads(r.stdout)["findings"])
     assert r.code == 1 and "both claim rank 0" in said and "IndexError" not in said, said
+
+
+@pytest.mark.parametrize(
+    ("fixture", "stray", "like"),
+    [
+        ("ddp", "shard_00002_of_00003.pt", "shard_00001_of_00002.pt"),  # a 3-rank save's file
+        ("ddp", "shard_00002_of_00002.pt", "shard_00001_of_00002.pt"),  # a rank beyond its own world size
+        ("tp_manual/step_00000003", "shard_00002.pt", "shard_00001.pt"),  # beyond metadata.json's world_size
+    ],
+)
+def test_a_rank_file_of_another_layout_is_an_extra_file(fixture, stray, like, tmp_path):
+    """A rank file beyond the save's world size (a leftover of a save at more ranks) passed verify
+    and was read as one more rank (its tensors a replica, or a replica-mismatch, never named as a
+    file of another layout); the world size was the last listed file's. It is now an extra-file
+    warning and not read; the save's ranks are what they were."""
+    from ckpttool.verify import verify
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "rankshards" / fixture, path)
+    shutil.copy2(path / like, path / stray)
+    report = verify(path)
+    assert not report.failing(), report.findings
+    (found,) = [f for f in report.findings if f.rule == "extra-file"]
+    assert found.severity == "warning" and stray in found.message and "another layout" in found.message
+    _, m = registry.describe(path)
+    _, clean = registry.describe(FIXTURES / "rankshards" / fixture)
+    assert m.layout.world_size == clean.layout.world_size == 2
+    assert {n: [p.file for p in i.pieces] for n, i in m.items.items()} == {
+        n: [p.file for p in i.pieces] for n, i in clean.items.items()
+    }
+    assert next(f for f in m.files if f.path == stray).role == "aux"

@@ -785,8 +785,8 @@ class DeepSpeedAdapter:
         cfg = first_model.get("ds_config")
         if isinstance(cfg, dict):
             manifest.extras["ds_config"] = {k: v for k, v in flatten(cfg) if isinstance(v, int | float | str | bool)}
-        for (dp, mp), rel in optims.items():
-            manifest.file(rel).ranks = [dp * mp_size + mp]
+        for (dp, _mp), rel in optims.items():
+            manifest.file(rel).ranks = [dp]  # (its DP rank, as its name and every finding about it give)
         if any(_dynamic_scaler(obj) for obj in files.values()):  # (no item holds it: only our writer carries it)
             manifest.extras.setdefault("unread_state", []).append("the fp16 loss scaler")
         # files whose content the checks above could not place: named by the archive inside them

@@ -1349,6 +1349,23 @@ def test_a_universal_checkpoint_of_a_zero1_run_knows_its_frozen_parameters(tmp_p
     assert sorted(m.extras["frozen"]) == sorted(src.extras["frozen"]) and "frozen.weight" in m.extras["frozen"]
 
 
+def test_a_zero_partition_is_named_by_its_dp_rank_in_every_finding(tmp_path):
+    """A pipeline run's ZeRO partition zero_pp_rank_1_mp_rank_00 was rank 1 when deleted or cut
+    short (by its name) and rank 4 when its bytes changed (DP rank x model-parallel size + MP rank):
+    the schema's rank of a ZeRO partition is its DP rank."""
+    path = _copy("deepspeed/pipeline", tmp_path)
+    name = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    _, m = registry.describe(path)
+    (rec,) = [f for f in m.files if f.path.endswith(name)]
+    assert rec.ranks == [1]
+    item = next(i for i in m.items.values() if i.is_tensor and any(p.file == rec.path for p in i.pieces))
+    index = next(k for k, p in enumerate(item.pieces) if p.file == rec.path)
+    file, offset, _ = _raw(path, item.name, index)
+    _patch(file, offset, bytes([file.read_bytes()[offset] ^ 0x40]))
+    found = [f for f in verify(path).failing() if f.file and f.file.endswith(name)]
+    assert found and {f.rank for f in found} == {1}, found
+
+
 def _frozen_embedding_run(path: Path, how: str, drop: str | None = None) -> None:
     """A real save of a model whose embedding is frozen (no moments: the optimizer never held it),
     its optimizer state keyed by parameter names (``get_state_dict``), over 16 parameters (the

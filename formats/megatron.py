@@ -1241,9 +1241,12 @@ def pipeline_stages(
         if middle == 0 and rest:
             raise ValueError(f"PP={pp} with both end stages given leaves {rest} layers on no stage")
         if middle and not rest:
+            both = first is not None and last is not None
+            taking = "the end stages take" if both else f"the {'first' if last is None else 'last'} stage takes"
+            rest_of = f"the {middle} stages between them" if both else f"the other {middle} stage(s)"
             raise ValueError(
-                f"the end stages take all {layers} layers and leave the {middle} stages between them none "
-                "(megatron-core refuses a middle stage without layers)"
+                f"{taking} all {layers} layers and leave{'' if both else 's'} {rest_of} none (megatron-core refuses a "
+                "stage without layers)"
             )
         if middle and rest % middle:
             raise ValueError(f"the {rest} layers between the end stages do not split evenly over {middle} stages")
@@ -1375,7 +1378,10 @@ def layout_chunks(layout: str, pp: int, layers: int) -> list[list[tuple[int, int
         raise ValueError(f"the layout places {flat.count('t')} transformer layers, the model has {layers}")
     vpp = len(stages) // pp
     if pp == 1 and vpp > 1:
-        raise ValueError(f"VPP={vpp} needs PP > 1 (virtual stages interleave pipeline ranks)")
+        raise ValueError(
+            f"the layout's {len(stages)} stages at PP=1 are {vpp} virtual stages on one pipeline rank: virtual "
+            "stages interleave pipeline ranks, so give the PP size the layout is for (--pp)"
+        )
     out: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
     offset = 0
     for v in range(vpp):

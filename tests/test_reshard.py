@@ -2710,7 +2710,7 @@ def test_megatron_uneven_pipeline_is_kept_unless_pp_is_given(tmp_path):
         (Target(pp=3, pp_first=3, pp_last=2), "the first and last stages' 5 layers exceed the 4 layers"),
         (Target(pp=2, pp_first=1, pp_last=1), "PP=2 with both end stages given leaves 2 layers on no stage"),
         (Target(pp=4, pp_first=2, pp_last=1), "the 1 layers between the end stages do not split evenly over 2"),
-        (Target(pp=3, pp_first=4), "the end stages take all 4 layers and leave the 2 stages between them none"),
+        (Target(pp=3, pp_first=4), "the first stage takes all 4 layers and leaves the other 2 stage(s) none"),
         (Target(pp=4, pp_first=2, pp_last=2), "the end stages take all 4 layers and leave the 2 stages between"),
         (Target(pp=1, pp_first=2), "needs PP > 1"),
         (Target(pp=2, pp_first=0), "the first stage needs at least one layer"),
@@ -3006,7 +3006,7 @@ def test_example_layout_writes_long_runs_of_layers_compactly():
         (Target(tp=1, pp=2, pipeline_layout="E|tt|tt|mL"), "the pipeline layout places 1 MTP layers", "Et|t|t|tL"),
         (Target(tp=1, pp=2, pipeline_layout="Et|tx|t|tL"), "has letters ['x'] megatron-core does not know", "Ett|ttL"),
         (Target(tp=1, pp=2, vpp=2, pipeline_layout="E|tt|tt|L"), "drop --vpp", None),
-        (Target(tp=1, pp=1, pipeline_layout="Et|t|t|tL"), "VPP=4 needs PP > 1", "EttttL"),  # as --vpp 4 at PP=1
+        (Target(tp=1, pp=1, pipeline_layout="Et|t|t|tL"), "4 virtual stages on one pipeline rank", "EttttL"),  # as --vpp 4
         (Target(to="dcp", pipeline_layout="E|tt|tt|L"), "Megatron targets only", None),
     ],
 )

@@ -815,11 +815,14 @@ def _held(path: Path) -> bool:
 
     if os.fspath(path) in _HOLDS:
         return True
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:  # (never blocks: a FIFO named like a temporary would hang the open; a link is not followed)
+        fd = os.open(path, flags)
     except OSError:
         return False
     try:
+        if not (stat.S_ISREG(mode := os.fstat(fd).st_mode) or stat.S_ISDIR(mode)):
+            return False  # (only a writer's file or directory is locked)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
@@ -1167,7 +1170,10 @@ def refuse_overlap(out: str | os.PathLike[str], *, flag: str = "-o", **inputs: s
     for role, given in inputs.items():
         if given is None:
             continue
-        i = resolved(given, f"the {role} {given}")
+        try:
+            i = resolved(given, f"the {role} {given}")
+        except UsageError:  # (an input that is a loop of links: its reader says so, exit 3, with the reports)
+            i = Path(os.path.abspath(given))
         if o == i or o.is_relative_to(i):
             raise UsageError(f"{flag} {out} is inside the {role} {given}", hint="write the output elsewhere")
         if i.is_relative_to(o):

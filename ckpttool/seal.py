@@ -917,6 +917,7 @@ def seal(
     if known is None and published_as is None:  # (not a writer sealing what it has just written)
         _refuse_unfinished(Path(path), manifest)
     target = Path(out) if out is not None else default_seal_path(path)
+    replaces = os.path.lexists(target)  # (what the checks below judged, not a file made since)
     if out is not None:  # --out must not replace the checkpoint or one of its files
         data = {(Path(manifest.root) / f.path).resolve() for f in manifest.files if f.role != "seal"}
         resolved = ckio.resolved(target, f"--out {out}")
@@ -987,6 +988,8 @@ def seal(
         tool=f"ckpttool {__version__}",
         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     )
-    with atomic_output(target) as fh:
+    # --out replaces what it was checked against above, not a file made since (the seal beside the
+    # checkpoint is ckpttool's own: sealed again, it is replaced)
+    with atomic_output(target, replace=out is None or replaces) as fh:
         fh.write(json.dumps(result.to_json(), separators=(",", ":")).encode())
     return result, target

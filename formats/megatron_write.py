@@ -970,11 +970,11 @@ def padded_vocab(vocab: int, divisor: int, tp: int) -> int:
 
 
 _FIRST_DIVISOR = "ckpttool_make_vocab_size_divisible_by"
-_RNG_RECORD = re.compile(r"rng_state/shard_(\d+)\.(\d+)(?:\.\d+)?_\d+\.\d+(?:\.\d+)?")
-"""a torch_dist RNG record's name: ``rng_state/shard_<p>.<t>[.<d>]_<PP>.<TP>[.<DP>]``"""
 """``args``' record of the run's own ``make_vocab_size_divisible_by`` when a reshard to a TP it does not
 give the padded rows at changed it (Megatron reads no such argument), so that a reshard back to a TP
 where it does gives the run's ``args`` back"""
+_RNG_RECORD = re.compile(r"rng_state/shard_(\d+)\.(\d+)(?:\.\d+)?_\d+\.\d+(?:\.\d+)?")
+"""a torch_dist RNG record's name: ``rng_state/shard_<p>.<t>[.<d>]_<PP>.<TP>[.<DP>]``"""
 
 
 class LegacyWriter:

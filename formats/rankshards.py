@@ -629,6 +629,10 @@ class RankShardsAdapter:
         named_steps = [
             (int(m["step"]), int(m["rank"])) for rel, _ in listing if (m := _match(rel)) and "step" in m.groupdict()
         ]
+        # the world size most files' names give (shard_<r>_of_<n>.pt): a leftover file of a save at
+        # another world size is not one of this save's ranks, whichever sorts first
+        named_worlds = Counter(int(m["world"]) for rel, _ in listing if (m := _match(rel)) and "world" in m.groupdict())
+        name_world = max(named_worlds, key=lambda n: (named_worlds[n], n)) if named_worlds else None
         steps = {st for st, _ in named_steps}
         twice = len({r for _, r in named_steps}) < len(named_steps)
         latest = max(steps) if len(steps) > 1 and twice else None
@@ -646,8 +650,7 @@ class RankShardsAdapter:
             rank = int(m.group("rank"))
             if "world" in m.groupdict():
                 worlds[rel] = int(m.group("world"))
-                if rank in shards and worlds.get(shards[rank], worlds[rel]) != worlds[rel]:
-                    # (two saves' files of one rank, at two world sizes: told apart below, not a clash)
+                if worlds[rel] != name_world:  # (named below as a file of another layout)
                     manifest.files.append(FileRecord(path=rel, size=size, role="aux"))
                     continue
             claim(shards, rank, rel, f"rank {rank}")
@@ -666,9 +669,8 @@ class RankShardsAdapter:
                 world, world_from = meta["world_size"], "metadata.json"
             if isinstance(meta.get("step"), int) and not isinstance(meta["step"], bool):
                 step = meta_step = meta["step"]
-        if world is None and worlds:  # the world size most files' names give (a stray file's is not it)
-            named_worlds = Counter(worlds.values())
-            world = max(named_worlds, key=lambda n: (named_worlds[n], n))
+        if world is None and name_world is not None:
+            world = name_world
             world_from = next(rel for rel, n in worlds.items() if n == world)
         if world is not None and not 0 < world <= max(4 * len(shards), 1 << 16):
             raise CorruptFileError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import re
 import shutil
 import subprocess
@@ -777,14 +778,25 @@ def test_a_loop_of_symbolic_links_is_named_as_such(tmp_path):
         ["convert", src, "--to", "torch", "-o", loop / "out"],
         ["export", src, "-o", loop / "x.safetensors"],
         ["verify", src, "--report", loop / "r.json"],
-        ["reshard", loop, "-o", tmp_path / "out", "--dp", "2"],
     ):
         assert_clean(run_cli(*argv), 2, said)
+    # as the checkpoint: its reader says it, exit 3, and the reports asked for are written
+    assert_clean(run_cli("reshard", loop, "-o", tmp_path / "out", "--dp", "2"), 3, f"{loop}: {said}")
+    r = run_cli("verify", loop, "--report", tmp_path / "r.json")
+    assert r.code == 3 and f"{loop}: {said}" in r.stderr
+    assert said in json.loads((tmp_path / "r.json").read_text())["error"]["message"]
+    (tmp_path / "r.json").unlink()
     assert_clean(run_cli("seal", src, "--out", loop / "s.json"), 2, said)
     for command in ("inspect", "verify", "ls"):
         assert_clean(run_cli(command, loop), 3, f"{loop}: {said}")
         assert_clean(run_cli(command, tmp_path / "dangling"), 3, "is a symbolic link to", "which does not exist")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "loop1", "loop2"]
+    # a FIFO named as a temporary never hangs the sweep of stale temporaries (it hung on opening it)
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / ".r.json.ckpttool-tmp-nohost-999999-abcd1234")
+    os.mkfifo(fifo / f".r.json.ckpttool-tmp-{socket.gethostname()}-999999-abcd1234")
+    assert run_cli("verify", src, "--report", fifo / "r.json", timeout=60).code == 0
 
 
 def test_reports_replace_earlier_reports_only(tmp_path):

@@ -354,3 +354,28 @@ def test_force_does_not_walk_a_directory_that_holds_no_checkpoint(tmp_path, monk
     monkeypatch.setattr(ckio, "_entries", walked)
     with pytest.raises(UsageError, match=r"holds no checkpoint ckpttool reads \(deep/, notes.txt\)"):
         ckio._refuse_replacing_other_data(tmp_path / "data", "-o data")
+
+
+@pytest.mark.parametrize("existed", [False, True])
+def test_atomic_output_keeps_a_file_made_while_it_wrote(existed, tmp_path):
+    """A report or seal path checked before the work and made by someone while it ran is not
+    replaced (replace=False, or the path absent when writing began); one there from the start is,
+    where replacing was allowed."""
+    from ckpttool import io as ckio
+    from ckpttool.errors import UsageError
+
+    dest = tmp_path / "r.json"
+    if existed:
+        dest.write_text("earlier report")
+        with ckio.atomic_output(dest, replace=True) as fh:
+            fh.write(b"new")
+        assert dest.read_bytes() == b"new"
+        return
+    for replace in (True, False):
+        with pytest.raises(UsageError, match="appeared while the output was being written"):
+            with ckio.atomic_output(dest, replace=replace) as fh:
+                fh.write(b"new")
+                dest.write_text("precious")
+        assert dest.read_text() == "precious"
+        dest.unlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -469,6 +469,7 @@ def test_saves_side_by_side_beside_a_file_of_another_naming_is_no_internal_error
     [
         ("ddp", "shard_00002_of_00003.pt", "shard_00001_of_00002.pt"),  # a 3-rank save's file
         ("ddp", "shard_00002_of_00002.pt", "shard_00001_of_00002.pt"),  # a rank beyond its own world size
+        ("ddp", "shard_00000_of_00001.pt", "shard_00000_of_00002.pt"),  # a smaller save's, sorting first
         ("tp_manual/step_00000003", "shard_00002.pt", "shard_00001.pt"),  # beyond metadata.json's world_size
     ],
 )

@@ -308,6 +308,6 @@ def test_sub_group_size_reads_as_deepspeed_configs_write_it(tmp_path):
         out = tmp_path / value
         r = run_cli("reshard", src, "-o", out, "--dp", "2", "--zero-stage", "3", "--sub-group-size", value, "--dry-run")
         assert r.code == 0, r.stderr
-    for value in ("1.5", "0", "lots"):
+    for value in ("1.5", "0", "lots", "1e400", "inf", "nan"):  # (1e400 was a traceback: OverflowError)
         r = run_cli("reshard", src, "-o", tmp_path / "x", "--dp", "2", "--zero-stage", "3", "--sub-group-size", value)
         assert r.code == 2 and "--sub-group-size" in r.stderr and not (tmp_path / "x").exists()

@@ -71,12 +71,14 @@ def _a_path(value: str) -> Path:
 
 def _a_count(value: str) -> int:
     """A whole number as DeepSpeed configs write it too: ``1e9``, ``1_000_000_000``, ``1000000000``."""
+    from decimal import Decimal, InvalidOperation
+
     try:
-        number = float(value.replace("_", "")) if any(c in value for c in "eE._") else int(value)
-    except ValueError:
+        number = Decimal(value.strip().replace("_", ""))  # (exact: 1e9, and 10**30 as typed)
+    except InvalidOperation:
         raise typer.BadParameter(f"{value!r} is not a number") from None
-    if number != int(number) or number < 1:
-        raise typer.BadParameter(f"{value!r}: expected a whole number of 1 or more, such as 1e9")
+    if not number.is_finite() or number != number.to_integral_value() or number < 1 or number > 2**63:
+        raise typer.BadParameter(f"{value!r}: expected a whole number from 1 to 2**63, such as 1e9")
     return int(number)
 
 
@@ -475,6 +477,8 @@ def verify(
             refuse_overlap(given, flag=flag, checkpoint=path, seal=seal)
             check_output_file(given, flag)
             _refuse_replacing_other_data(given, flag)
+    # the reports that may be replaced: those checked above (one made while verify ran is kept)
+    checked = {p for p in (report_file, junit_file) if p is not None and os.path.lexists(p)}
     if report_file is not None and junit_file is not None and report_file.resolve() == junit_file.resolve():
         raise UsageError(
             f"--report and --junit both name {junit_file}: the JUnit XML would replace the JSON report",
@@ -510,9 +514,9 @@ def verify(
             failed = VerifyReport(
                 path=str(path), seal=str(manifest) if manifest else None, deep=deep, error=message, error_hint=hint
             )
-            _verify_outputs(out, failed, severity, report_file, junit_file)
+            _verify_outputs(out, failed, severity, report_file, junit_file, checked)
             raise
-    _verify_outputs(out, report, severity, report_file, junit_file)
+    _verify_outputs(out, report, severity, report_file, junit_file, checked)
     if report.failing(severity):
         raise typer.Exit(1)
 
@@ -545,7 +549,12 @@ def _refuse_replacing_other_data(out: Path, flag: str) -> None:
 
 
 def _verify_outputs(
-    out: Output, report: VerifyReport, severity: Severity, report_file: Path | None, junit_file: Path | None
+    out: Output,
+    report: VerifyReport,
+    severity: Severity,
+    report_file: Path | None,
+    junit_file: Path | None,
+    replaceable: set[Path] | frozenset[Path] = frozenset(),
 ) -> None:
     """verify's report on stdout (human or ``--json``), in ``--report`` and ``--junit``, and on
     GitHub Actions as annotations and a step summary."""
@@ -559,10 +568,10 @@ def _verify_outputs(
     elif report.error is None:  # (the error itself is _handles_errors' line)
         _render.verify_report(out, report, severity)
     if report_file is not None:
-        with atomic_output(report_file) as fh:
+        with atomic_output(report_file, replace=report_file in replaceable) as fh:
             fh.write((dumps(payload) + "\n").encode())
     if junit_file is not None:
-        with atomic_output(junit_file) as fh:
+        with atomic_output(junit_file, replace=junit_file in replaceable) as fh:
             fh.write(reports.junit(report, severity).encode())
     if os.environ.get("GITHUB_ACTIONS") == "true":
         sys.stderr.write(reports.github_annotations(report))

@@ -19,7 +19,7 @@ import stat
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Container, Iterator
+from collections.abc import Callable, Container, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
@@ -1196,6 +1196,24 @@ def resolved(path: str | os.PathLike[str], said: str) -> Path:
             f"{said}: its symbolic links form a loop (too many levels of symbolic links)",
             hint="point the links at a real file or directory, or give another path",
         ) from None
+
+
+def refuse_replacing_other_data(target: Path, said: str, what: str, ours: Callable[[bytes], bool]) -> None:
+    """An output file (``said``: its option and path) replaces an earlier one of its kind (``ours``
+    of its first 512 bytes: ``what`` it should be) or an empty file, never other data: a mistyped
+    path (a tracker, a config, notes, a checkpoint's file) would be lost without a word."""
+    if not target.is_file():
+        return
+    try:
+        with open(target, "rb") as f:
+            head = f.read(512)
+    except OSError:
+        return  # (the atomic write then says what stops it)
+    if head and not ours(head):
+        raise UsageError(
+            f"{said} exists and is not {what} ({target.stat().st_size:,} bytes): not replaced",
+            hint="give another path, or remove the file first if it may go",
+        )
 
 
 def not_found(path: Path) -> NotFoundError:

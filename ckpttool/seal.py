@@ -857,18 +857,10 @@ def _subfolders(root: Path, manifest: Manifest) -> dict[str, list[str]]:
 def _refuse_replacing_data(target: Path, out: str | Path) -> None:
     """``--out`` replaces an earlier seal (by its name, or by its first bytes: a seal's kind) or an
     empty file, never other data: a mistyped path would lose it without a word."""
-    if not target.is_file() or is_seal_name(target.name):
+    if is_seal_name(target.name):
         return
-    try:
-        with open(target, "rb") as f:
-            head = f.read(256)
-    except OSError:
-        return  # (the atomic write then says what stops it)
-    if head and not re.search(rb'"kind"\s*:\s*"' + re.escape(SEAL_KIND.encode()) + rb'"', head):
-        raise UsageError(
-            f"--out {out} exists and is not a seal ({target.stat().st_size:,} bytes): not replaced",
-            hint="give another path, or remove the file first if it may go",
-        )
+    kind = re.compile(rb'"kind"\s*:\s*"' + re.escape(SEAL_KIND.encode()) + rb'"')
+    ckio.refuse_replacing_other_data(target, f"--out {out}", "a seal", lambda head: kind.search(head) is not None)
 
 
 def seal(

@@ -529,23 +529,11 @@ _REPORT_HEADS = {
 
 def _refuse_replacing_other_data(out: Path, flag: str) -> None:
     """``--report`` and ``--junit`` replace an earlier report (known by its first bytes) or an empty
-    file, never other data: a mistyped path (a tracker, a config, notes) would be lost without a
-    word. (As ``seal --out``.)"""
-    from ckpttool.errors import UsageError
+    file, never other data (as ``seal --out``)."""
+    from ckpttool.io import refuse_replacing_other_data
 
-    if not out.is_file():
-        return
-    try:
-        with open(out, "rb") as f:
-            head = f.read(512)
-    except OSError:
-        return  # (the atomic write then says what stops it)
     pattern, what = _REPORT_HEADS[flag]
-    if head and not pattern.match(head):
-        raise UsageError(
-            f"{flag} {out} exists and is not {what} ({out.stat().st_size:,} bytes): not replaced",
-            hint="give another path, or remove the file first if it may go",
-        )
+    refuse_replacing_other_data(out, f"{flag} {out}", what, lambda head: pattern.match(head) is not None)
 
 
 def _verify_outputs(

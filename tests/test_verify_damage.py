@@ -1349,7 +1349,10 @@ def _flip_tensor(f) -> None:
 def test_the_findings_on_one_file_name_one_rank(tmp_path):
     """A DeepSpeed pipeline optimizer file with a flipped byte was rank 7 (its global rank) in the
     checksum-mismatch and rank 1 (its pieces' DP rank) in the replica-mismatch of the same bytes: a
-    CI job grouping findings by rank split one bad file into two ranks."""
+    CI job grouping findings by rank split one bad file into two ranks. Every finding now gives its
+    DP rank, as the report schema documents for a ZeRO partition, and as the missing-file and
+    truncated-file findings (named from the file's name) always did; the file name tells its
+    model-parallel rank."""
     import zipfile
 
     ck = tmp_path / "ck"
@@ -1362,8 +1365,11 @@ def test_the_findings_on_one_file_name_one_rank(tmp_path):
     f.write_bytes(bytes(data))
     code, report = _findings(ck)
     on_file = {(f["rule"], f["rank"]) for f in report["findings"] if f["file"] and "mp_rank_03_optim" in f["file"]}
-    assert code == 1 and {r for _, r in on_file} == {7}, on_file  # (its global rank, in every finding)
-    assert {("checksum-mismatch", 7), ("replica-mismatch", 7)} <= on_file, on_file
+    assert code == 1 and {r for _, r in on_file} == {1}, on_file  # (its DP rank, in every finding)
+    assert {("checksum-mismatch", 1), ("replica-mismatch", 1)} <= on_file, on_file
+    f.unlink()  # (and so does its absence)
+    code, report = _findings(ck)
+    assert {f["rank"] for f in report["findings"] if f["file"] and "mp_rank_03_optim" in f["file"]} == {1}
 
 
 BESIDE = [

@@ -166,10 +166,9 @@ def convert(
         )
     out = Path(dst)
     refuse_overlap(out, source=src)
-    check_output(out, force=force, directory=True, example="hf/")
+    replaces = check_output(out, force=force, directory=True, example="hf/")
     if out.exists() and not force:
         raise UsageError(f"{out} exists", hint="choose another -o path or pass --force to replace it")
-    replaces = force and os.path.lexists(out)  # (what --force was checked against: not one made since)
     if to in FRAMEWORKS:
         return _framework(
             src,

@@ -217,8 +217,9 @@ def create(
     refuse_overlap(out_path, checkpoint=target, base=base)
     if out_path.exists() and not force:
         raise UsageError(f"{out_path} exists", hint="choose another -o path or pass --force")
-    check_output(out_path, force=force, directory=False, example="step_1000.delta" if base else "step_1000.ckz")
-    replaces = force and os.path.lexists(out_path)  # (what --force was checked against: not one made since)
+    replaces = check_output(
+        out_path, force=force, directory=False, example="step_1000.delta" if base else "step_1000.ckz"
+    )
     t_adapter, tm = registry.describe(target)
     t_root, t_layout, t_files = _packed(target, t_adapter, tm)
     b_root: Path | None = None
@@ -632,13 +633,12 @@ def apply(
     if out_path.exists() and not force:
         raise UsageError(f"{out_path} exists", hint="choose another -o path or pass --force")
     one_file = bool(header.get("target_is_file"))
-    check_output(
+    may_replace = check_output(
         out_path,
         force=force,
         directory=not one_file,
         example="restored/" + ("model.safetensors" if one_file else "step_1000"),
     )
-    may_replace = force and os.path.lexists(out_path)  # (what --force was checked against: not one made since)
     if one_file and force and out_path.is_file():
         try:  # --force replaces an earlier output, never other data: a file of a checkpoint format
             registry.detect(out_path)

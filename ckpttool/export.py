@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -273,8 +272,7 @@ def export(
     refuse_overlap(out_path, source=path)
     if out_path.exists() and not force:
         raise UsageError(f"{out_path} exists", hint="choose another -o path or pass --force to replace it")
-    check_output(out_path, force=force, directory=False, example="model.safetensors")
-    replaces = force and os.path.lexists(out_path)  # (what --force was checked against: not one made since)
+    replaces = check_output(out_path, force=force, directory=False, example="model.safetensors")
     if out_path.suffix != ".safetensors":  # (read back, or by other tools, a file is known by its suffix)
         raise UsageError(
             f"-o {output}: export writes a safetensors file, which readers (ckpttool's among them) know by its "

@@ -772,11 +772,16 @@ def sweep_stale(dest: str | os.PathLike[str]) -> None:
                 p.unlink()
 
 
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+"""the errors of a write refused for space or a read-only file system, which ``os.write`` gives
+without naming the file"""
+
+
 def _name_the_write(exc: BaseException, tmp: str | os.PathLike[str]) -> None:
-    """A write error that names no file (``os.write`` on a full disk) named after the temporary it
-    was writing, which messages say as the output it is published as (:func:`published_as`): the
-    user learns which output did not fit."""
-    if isinstance(exc, OSError) and exc.filename is None and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    """A write error that names no file (:data:`WRITE_ERRNOS`) named after the temporary it was
+    writing, which messages say as the output it is published as (:func:`published_as`): the user
+    learns which output did not fit."""
+    if isinstance(exc, OSError) and exc.filename is None and exc.errno in WRITE_ERRNOS:
         exc.filename = os.fspath(tmp)
 
 
@@ -810,11 +815,10 @@ def _let_go(path: str | os.PathLike[str]) -> None:
 
 
 def _held(path: Path) -> bool:
-    """Whether a live process holds the lock of temporary ``path`` (:func:`_hold`)."""
+    """Whether a live process holds the lock of temporary ``path`` (:func:`_hold`); this one too,
+    whose own lock is held through another descriptor, which ``flock`` tells apart."""
     import fcntl
 
-    if os.fspath(path) in _HOLDS:
-        return True
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:  # (never blocks: a FIFO named like a temporary would hang the open; a link is not followed)
         fd = os.open(path, flags)
@@ -1198,10 +1202,11 @@ def resolved(path: str | os.PathLike[str], said: str) -> Path:
         ) from None
 
 
-def refuse_replacing_other_data(target: Path, said: str, what: str, ours: Callable[[bytes], bool]) -> None:
+def refuse_replacing_other_file(target: Path, said: str, what: str, ours: Callable[[bytes], object]) -> None:
     """An output file (``said``: its option and path) replaces an earlier one of its kind (``ours``
     of its first 512 bytes: ``what`` it should be) or an empty file, never other data: a mistyped
-    path (a tracker, a config, notes, a checkpoint's file) would be lost without a word."""
+    path (a tracker, a config, notes, a checkpoint's file) would be lost without a word. (A
+    directory ``--force`` replaces is judged by :func:`_refuse_replacing_other_data`.)"""
     if not target.is_file():
         return
     try:
@@ -1221,14 +1226,11 @@ def not_found(path: Path) -> NotFoundError:
     loop of them where it is one (it read "no such file or directory" of a link that is there)."""
     if path.is_symlink():
         try:
-            path.resolve(strict=True)
-        except (RuntimeError, OSError) as exc:
-            if isinstance(exc, RuntimeError) or exc.errno == errno.ELOOP:
-                return NotFoundError(
-                    f"{path}: its symbolic links form a loop (too many levels of symbolic links)",
-                    hint="point the links at the checkpoint, or give its real path",
-                    path=str(path),
-                )
+            resolved(path, str(path))
+        except UsageError as loop:
+            return NotFoundError(
+                loop.message, hint="point the links at the checkpoint, or give its real path", path=str(path)
+            )
         return NotFoundError(
             f"{path} is a symbolic link to {os.readlink(path)}, which does not exist",
             hint="point the link at the checkpoint, or give its real path",
@@ -1243,12 +1245,14 @@ _NAME_MAX = 255
 
 def check_output(
     output: str | os.PathLike[str], *, force: bool, directory: bool, example: str, flag: str = "-o"
-) -> None:
+) -> bool:
     """Refuse, before any work (exit 2), an output path the command could not publish: one that
     names no new entry (``.``, ``..``, ``/``), a directory where one file is written, a directory
     that holds the working directory or is a mount point where ``--force`` would replace it, or a
     path below a file. Missing parent directories are fine: :func:`atomic_output` and
-    :func:`staged_dir` create them when writing starts."""
+    :func:`staged_dir` create them when writing starts. Returns whether the output may be replaced
+    (``--force``, and something stands there now): what ``--force`` was checked against, for
+    :func:`replacing` and ``atomic_output(replace=…)``, so that what appears later is not replaced."""
     out = Path(output)
     what = "directory" if directory else "file"
     for part in out.parts:  # (before any stat: a longer name raises ENAMETOOLONG from every look at it)
@@ -1339,6 +1343,7 @@ def check_output(
             f"ckpttool writes it first under a temporary name beside it ({longest} bytes; at most {name_max})",
             hint=f"choose a name of at most {max(room, 1)} bytes",
         )
+    return force and os.path.lexists(out)
 
 
 _TRACKERS = ("latest", "latest_universal", "latest_checkpointed_iteration.txt")

@@ -1047,10 +1047,9 @@ def reshard(
     ran, for the refusals (``convert --to megatron`` runs this)."""
     out = Path(dst)
     refuse_overlap(out, source=src)
-    check_output(out, force=force, directory=True, example="resharded/")
+    replaces = check_output(out, force=force, directory=True, example="resharded/")
     if out.exists() and not force:  # (a dry run says what the run would: it refuses too)
         raise UsageError(f"{out} exists", hint="choose another -o path or pass --force to replace it")
-    replaces = force and os.path.lexists(out)  # (what --force was checked against: not one made since)
     the_plan, executor = plan(src, target, workers=workers, max_memory=max_memory, on=on, command=command)
     if dry_run:
         return ReshardResult(plan=the_plan, output=str(out), written=False)

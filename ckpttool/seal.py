@@ -860,7 +860,7 @@ def _refuse_replacing_data(target: Path, out: str | Path) -> None:
     if is_seal_name(target.name):
         return
     kind = re.compile(rb'"kind"\s*:\s*"' + re.escape(SEAL_KIND.encode()) + rb'"')
-    ckio.refuse_replacing_other_data(target, f"--out {out}", "a seal", lambda head: kind.search(head) is not None)
+    ckio.refuse_replacing_other_file(target, f"--out {out}", "a seal", kind.search)
 
 
 def seal(

@@ -831,11 +831,13 @@ def _whole_ranks_gone(present: list[str], absent: set[str]) -> bool:
     of a rank gone, the others' all here, by FileSystemWriter's ``__<rank>_<n>.distcp`` names): a
     partial copy, a node's files lost, not another save's metadata (which names files of ranks
     that are here, or leaves some of a rank's)."""
-    held: dict[str, set[bool]] = defaultdict(set)
+    from ckpttool.formats.dcp import writer_rank
+
+    held: dict[int, set[bool]] = defaultdict(set)
     for rels, here in ((present, True), (absent, False)):
         for rel in rels:
-            if m := re.search(r"(?:^|/)__(\d+)_\d+\.distcp$", rel):
-                held[m.group(1)].add(here)
+            if (rank := writer_rank(rel)) is not None:
+                held[rank].add(here)
     return bool(held) and all(len(v) == 1 for v in held.values())
 
 

@@ -662,7 +662,7 @@ class DcpAdapter:
         known = files.get(rel)
         if known is None:
             confine(root, rel, named_by=md_name, listed=sizes)
-            known = files[rel] = (rel, _writer(rel))
+            known = files[rel] = (rel, writer_rank(rel))
         rel, named_rank = known
         if rel not in sizes:
             _damaged_files(root, storage, sizes, md_name)  # (with other files missing or cut short: all)
@@ -845,7 +845,7 @@ def _unplaced_ranks(names: set[str], rank_local: list[tuple[int, str]]) -> list[
     if not rank_local:
         return []
     held = {r for r, _ in rank_local}
-    return sorted({w for rel in names if (w := _writer(rel)) is not None} - held)
+    return sorted({w for rel in names if (w := writer_rank(rel)) is not None} - held)
 
 
 def _refuse_absent_ranks(manifest: Manifest, ranks: list[int]) -> None:
@@ -884,7 +884,7 @@ def _refuse_absent_ranks(manifest: Manifest, ranks: list[int]) -> None:
 
 
 def _missing_rank_metadata(rank: int, names: set[str]) -> IncompleteCheckpointError:
-    data = sorted(rel for rel in names if _writer(rel) == rank)
+    data = sorted(rel for rel in names if writer_rank(rel) == rank)
     said = ", ".join(data[:3]) + (" …" if len(data) > 3 else "")
     return IncompleteCheckpointError(
         f"__{rank}.metadata is missing: rank {rank} saved its data ({said}) without collectives, and "
@@ -896,9 +896,10 @@ def _missing_rank_metadata(rank: int, names: set[str]) -> IncompleteCheckpointEr
     )
 
 
-def _writer(rel: str) -> int | None:
-    """The rank that wrote data file ``rel``, by FileSystemWriter's ``__<rank>_<n>.distcp`` naming."""
-    m = _DATA.match(rel)
+def writer_rank(rel: str) -> int | None:
+    """The rank that wrote data file ``rel`` (a name, or a path ending in one), by
+    FileSystemWriter's ``__<rank>_<n>.distcp`` naming."""
+    m = _DATA.match(rel.rsplit("/", 1)[-1])
     return int(m.group(1)) if m else None
 
 
@@ -908,7 +909,7 @@ def _missing(rel: str, md_name: str) -> CkptError:
         hint="a rank's file was not written or was deleted; restore it or use another checkpoint",
         path=rel,
         rule="missing-file",
-        rank=_writer(rel),
+        rank=writer_rank(rel),
     )
 
 
@@ -919,7 +920,7 @@ def _cut_short(rel: str, size: int, md_name: str, end: int) -> CkptError:
         hint="restore the file from its source; 'ckpttool verify' lists every damaged file",
         path=rel,
         rule="truncated-file",
-        rank=_writer(rel),
+        rank=writer_rank(rel),
     )
 
 
@@ -1020,7 +1021,7 @@ def misplaced_error(moved: dict[str, Holder], sizes: dict[str, int]) -> CorruptF
         hint="put each file back under its own name, or restore them from the save",
         path=first,
         rule="misplaced-file",
-        rank=_writer(first),
+        rank=writer_rank(first),
     )
 
 

@@ -177,19 +177,16 @@ def _pipe_gone(stream: Any) -> bool:
         return False
 
 
-_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
-
-
 OS_ERROR_HINT = "check the path, its permissions and the free space, then rerun"
 
 
 def _os_error(exc: OSError, output: Any = None) -> str:
     """One line for an error the operating system gave: the path(s) and its reason. A write that
     names no file (``os.write``: a full disk) is said of the command's output, when it has one."""
-    from ckpttool.io import published_as
+    from ckpttool.io import WRITE_ERRNOS, published_as
 
     reason = exc.strerror or str(exc) or type(exc).__name__
-    if exc.filename is None and output is not None and exc.errno in _WRITE_ERRNOS:
+    if exc.filename is None and output is not None and exc.errno in WRITE_ERRNOS:
         return f"{output}: {reason} while writing it (nothing was published)"
     if exc.filename is None:
         return f"cannot complete: {reason}"
@@ -464,7 +461,7 @@ def verify(
     findings also become annotations and a step summary.
     """
     from ckpttool.errors import UsageError
-    from ckpttool.io import check_output_file, refuse_overlap
+    from ckpttool.io import check_output_file, refuse_overlap, refuse_replacing_other_file
     from ckpttool.seal import default_seal_path
     from ckpttool.verify import VerifyReport
     from ckpttool.verify import verify as run
@@ -476,7 +473,7 @@ def verify(
         if given is not None:  # checked before any work; a report never replaces what it reports on
             refuse_overlap(given, flag=flag, checkpoint=path, seal=seal)
             check_output_file(given, flag)
-            _refuse_replacing_other_data(given, flag)
+            refuse_replacing_other_file(given, f"{flag} {given}", *_REPORT_HEADS[flag])
     # the reports that may be replaced: those checked above (one made while verify ran is kept)
     checked = {p for p in (report_file, junit_file) if p is not None and os.path.lexists(p)}
     if report_file is not None and junit_file is not None and report_file.resolve() == junit_file.resolve():
@@ -522,18 +519,15 @@ def verify(
 
 
 _REPORT_HEADS = {
-    "--report": (re.compile(rb'^\s*\{\s*"schema_version"\s*:\s*\d+\s*,\s*"inputs"'), "a ckpttool verify JSON report"),
-    "--junit": (re.compile(rb"^\s*(<\?xml[^>]*>\s*)?<testsuites?[\s>]"), "a JUnit XML report"),
+    "--report": (
+        "a ckpttool verify JSON report",
+        re.compile(rb'^\s*\{\s*"schema_version"\s*:\s*\d+\s*,\s*"inputs"').match,
+    ),
+    "--junit": ("a JUnit XML report", re.compile(rb"^\s*(<\?xml[^>]*>\s*)?<testsuites?[\s>]").match),
 }
-
-
-def _refuse_replacing_other_data(out: Path, flag: str) -> None:
-    """``--report`` and ``--junit`` replace an earlier report (known by its first bytes) or an empty
-    file, never other data (as ``seal --out``)."""
-    from ckpttool.io import refuse_replacing_other_data
-
-    pattern, what = _REPORT_HEADS[flag]
-    refuse_replacing_other_data(out, f"{flag} {out}", what, lambda head: pattern.match(head) is not None)
+"""what an earlier report of each option is, and the test of its first bytes: ``--report`` and
+``--junit`` replace one (or an empty file), never other data, as ``seal --out`` replaces a seal
+(:func:`~ckpttool.io.refuse_replacing_other_file`)"""
 
 
 def _verify_outputs(

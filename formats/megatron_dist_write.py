@@ -70,12 +70,14 @@ from ckpttool.formats.megatron import (
     SPLIT_RULES,
     expert_slot,
     own_etp,
+    rank_label,
 )
 from ckpttool.formats.megatron_write import (
     LegacyWriter,
     MegatronTarget,
     SourceObject,
     _base_param,
+    _few,
     _Fill,
     _is_vocab,
     _local,
@@ -505,9 +507,10 @@ class DistWriter(LegacyWriter):
                             self._add_object(p * tp + t, key, partial(self._copy_record, item))
                     elif carried := self._rng_carried_by(t, p, d % self.ep if self.ep > 1 else 0):
                         # the state this very rank had in an earlier layout, which the source carries
-                        self._add_object(p * tp + t, key, partial(self._pickle_carried_rng, carried))
+                        self._add_object(p * tp + t, key, partial(self._pickle_rng, carried))
                     elif "rng_state" in self.src.objs[src := self.src.rng_key(ts, ps, d)]:
-                        self._add_object(p * tp + t, key, partial(self._pickle_rng, src))
+                        held = (self.src.rels[src], self.src.objs[src]["rng_state"])
+                        self._add_object(p * tp + t, key, partial(self._pickle_rng, held))
 
     def _add_object(self, rank: int, key: str, write: Callable[[BinaryIO, PieceReader], None]) -> None:
         self.objects.append(key)
@@ -531,15 +534,32 @@ class DistWriter(LegacyWriter):
         """A legacy ``_extra_state`` as megatron-core stores a ``ShardedObject``: ``[value]``."""
         _ptwrite.save([_ptwrite.carried(reader, item)], f)
 
-    def _pickle_rng(self, rank: tuple[int, int, int], f: BinaryIO, reader: PieceReader) -> None:
-        rel = self.src.rels[rank]
-        value = self.src.objs[rank]["rng_state"]
+    @staticmethod
+    def _pickle_rng(held: tuple[str, Any], f: BinaryIO, reader: PieceReader) -> None:
+        """An RNG state (the file holding it, its value) as megatron-core stores a ``ShardedObject``."""
+        rel, value = held
         _ptwrite.save([_ptwrite.carry(value, partial(_pt.archive_cache(reader), rel))], f)
 
-    @staticmethod
-    def _pickle_carried_rng(carried: tuple[str, Any], f: BinaryIO, reader: PieceReader) -> None:
-        rel, value = carried
-        _ptwrite.save([_ptwrite.carry(value, partial(_pt.archive_cache(reader), rel))], f)
+    def _rng_dropped(self) -> list[str]:
+        """The rank labels of the source's RNG states (its ranks', and those it carries) that no
+        rank of the output gets: of ranks beyond the output's TP or PP size, and carried states
+        :meth:`_rng_carried_by` gives no rank."""
+        if self.src.dist:
+            ranks = {
+                (int(at[1]), int(at[0]))
+                for name in self.manifest.items
+                if (m := _SHARD.match(name)) and m["key"] == "rng_state" and len(at := m["offsets"].split(".")) >= 2
+            }
+            return [rank_label(t, p) for t, p in sorted(ranks) if t >= self.target.tp or p >= self.target.pp]
+        used = {
+            id(got[1])
+            for p in range(self.target.pp)
+            for t in range(self.target.tp)
+            for e in range(max(self.ep, 1))
+            if (got := self._rng_carried_by(t, p, e)) is not None
+        }
+        carried = self.src.rng_carried
+        return [label for label in self._rng_unhoused if label not in carried or id(carried[label]) not in used]
 
     # -- the executor's protocol -------------------------------------------------------------------
 
@@ -678,6 +698,12 @@ class DistWriter(LegacyWriter):
 
     def notes(self) -> list[str]:
         out = super().notes()
+        if dropped := self._rng_dropped():
+            out.append(
+                f"RNG state of {len(dropped)} rank(s) of the source (or of a layout it carries) that this layout "
+                f"has none for ({_few(dropped)}) is not written: torch_dist keeps the RNG of its own ranks only"
+                + ("" if self.src.dist else " (a reshard to a legacy layout keeps them, for a reshard back)")
+            )
         if self.ep > 1:
             out.append(
                 "RNG state is sharded by data-parallel rank under expert parallelism: written for "

@@ -973,8 +973,6 @@ _FIRST_DIVISOR = "ckpttool_make_vocab_size_divisible_by"
 """``args``' record of the run's own ``make_vocab_size_divisible_by`` when a reshard to a TP it does not
 give the padded rows at changed it (Megatron reads no such argument), so that a reshard back to a TP
 where it does gives the run's ``args`` back"""
-_RNG_RECORD = re.compile(r"rng_state/shard_(\d+)\.(\d+)(?:\.\d+)?_\d+\.\d+(?:\.\d+)?")
-"""a torch_dist RNG record's name: ``rng_state/shard_<p>.<t>[.<d>]_<PP>.<TP>[.<DP>]``"""
 
 
 class LegacyWriter:
@@ -1766,23 +1764,6 @@ class LegacyWriter:
                 out.append(label)
         return out
 
-    def _rng_dropped(self) -> list[str]:
-        """The rank labels of the source's RNG states (its ranks', and those it carries) that no
-        rank of a ``torch_dist`` output gets: of ranks beyond the output's TP or PP size, and carried
-        states :meth:`_rng_carried_by` gives no rank."""
-        if self.src.dist:
-            ranks = {(int(m[2]), int(m[1])) for name in self.manifest.items if (m := _RNG_RECORD.fullmatch(name))}
-            return [rank_label(t, p) for t, p in sorted(ranks) if t >= self.target.tp or p >= self.target.pp]
-        used = {
-            id(got[1])
-            for p in range(self.target.pp)
-            for t in range(self.target.tp)
-            for e in range(max(self.ep, 1))
-            if (got := self._rng_carried_by(t, p, e)) is not None
-        }
-        carried = self.src.rng_carried
-        return [label for label in self._rng_unhoused if label not in carried or id(carried[label]) not in used]
-
     def _rng_carried_by(self, t: int, p: int, e: int) -> tuple[str, Any] | None:
         """(file, ``rng_state``) of output rank (t, p, e) where the source carries that rank's own
         from an earlier layout (``ckpttool_rng_state``): a round trip through fewer ranks gives
@@ -2037,12 +2018,6 @@ class LegacyWriter:
                     "rank, the expert-parallel one per EP rank): dropout in tensor-parallel regions then draws the "
                     "same masks on those ranks. To seed every rank afresh from --seed, resume with --no-load-rng"
                 )
-        if not self.rank_files and (dropped := self._rng_dropped()):
-            out.append(
-                f"RNG state of {len(dropped)} rank(s) of the source (or of a layout it carries) that this layout "
-                f"has none for ({_few(dropped)}) is not written: torch_dist keeps the RNG of its own ranks only"
-                + ("" if self.src.dist else " (a reshard to a legacy layout keeps them, for a reshard back)")
-            )
         if self.ep != self.src.ep or own != self.src.etp:
             dp = getattr(self.args, "data_parallel_size", None)
             multiple = self._dp_multiple()

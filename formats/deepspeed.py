@@ -983,27 +983,29 @@ _DS_STATE_NAME = re.compile(r"(.+).pt")
 file it matches is loaded as a state (its dot matches any character)"""
 
 
-def _stray_universal_files(rels: list[str]) -> dict[str, int]:
-    """Files in ``zero/<param>/`` that are not states of the parameter: any name that is neither
-    one ds_to_universal writes (:data:`_UNIVERSAL_STATES`) nor a ``.pt`` file most parameter
-    folders with optimizer state hold (an optimizer's own states), by file, with the number of
-    folders holding that name. A stray file in one folder is not a state every other folder lacks."""
+def _param_folders(rels: Iterable[str]) -> dict[str, set[str]]:
+    """The file names in each parameter's folder of a universal checkpoint (``zero/<param>/<name>``)."""
     held: dict[str, set[str]] = defaultdict(set)
     for rel in rels:
         parts = rel.split("/")
         if len(parts) == 3 and parts[0] == "zero":
             held[parts[1]].add(parts[2])
+    return held
+
+
+def _stray_universal_files(rels: list[str]) -> set[str]:
+    """Files in ``zero/<param>/`` that are not states of the parameter: any name that is neither
+    one ds_to_universal writes (:data:`_UNIVERSAL_STATES`) nor a ``.pt`` file most parameter
+    folders with optimizer state hold (an optimizer's own states). A stray file in one folder is
+    not a state every other folder lacks."""
+    held = _param_folders(rels)
     trained = [names for names in held.values() if any(n.endswith(".pt") and n != "fp32.pt" for n in names)]
     count = Counter(n for names in trained for n in names)
     states = _UNIVERSAL_STATES | {n for n, c in count.items() if n.endswith(".pt") and 2 * c > len(trained)}
-    return {
-        rel: count[parts[2]]
-        for rel in rels
-        if len(parts := rel.split("/")) == 3 and parts[0] == "zero" and parts[2] not in states
-    }
+    return {f"zero/{param}/{name}" for param, names in held.items() for name in names if name not in states}
 
 
-def _stray_finding(strays: dict[str, int]) -> dict[str, Any]:
+def _stray_finding(strays: set[str]) -> dict[str, Any]:
     """An ``extra-file`` warning naming the stray files of parameter folders; those DeepSpeed's
     universal load would take for states (:data:`_DS_STATE_NAME`) first."""
     loaded = [rel for rel in strays if _DS_STATE_NAME.search(rel.rsplit("/", 1)[-1])]
@@ -1034,11 +1036,7 @@ def _absent_universal_states(
     ``fp32.pt`` copied from the module for every parameter without optimizer state (``copied``:
     frozen parameters, tied aliases): one absent is a deleted or unfinished file, not a parameter
     without state. ``present``: the files found."""
-    held: dict[str, set[str]] = defaultdict(set)
-    for rel in present:
-        parts = rel.split("/")
-        if len(parts) == 3 and parts[0] == "zero":
-            held[parts[1]].add(parts[2])
+    held = _param_folders(present)
     # (without the model states' param_shapes: the folders holding optimizer state are the trained ones)
     trained = list(shapes) or [n for n, h in held.items() if h - {"fp32.pt"}]
     states = {"fp32.pt"}.union(*(held[n] for n in trained if n in held))

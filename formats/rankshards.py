@@ -578,12 +578,6 @@ def _keyed_by(state: dict[int, set[tuple[int, str]]], params: dict[str, dict[int
     return None
 
 
-def _rank_of(rel: str) -> int:
-    """The rank a rank file's name gives (a name :func:`_match` matches)."""
-    m = _match(rel)
-    return int(m.group("rank")) if m is not None else -1
-
-
 def _match(name: str) -> re.Match[str] | None:
     for pattern in _PATTERNS:
         m = pattern.match(name)
@@ -677,10 +671,12 @@ class RankShardsAdapter:
                 f"{path}: world size {world:,} for {len(shards)} shard files is not plausible",
                 path=world_from,
             )
+        # files of another layout: a rank beyond the world size or a name giving another one, and
+        # those set aside above (of another world size than most names give)
+        taken = set(shards.values())
         strays = sorted(
-            rel
-            for rel in [*shards.values(), *(r for r in worlds if r not in shards.values())]
-            if world is not None and ((rel in worlds and worlds[rel] != world) or _rank_of(rel) >= world)
+            [rel for r, rel in shards.items() if world is not None and (r >= world or worlds.get(rel, world) != world)]
+            + [rel for rel in worlds if rel not in taken]
         )
         if strays:  # files of another save's layout: not this checkpoint's ranks
             shards = {r: rel for r, rel in shards.items() if rel not in strays}

@@ -303,6 +303,10 @@ def test_a_parameter_some_layers_lack_is_refused_for_torch_dist(tmp_path):
 def test_sub_group_size_reads_as_deepspeed_configs_write_it(tmp_path):
     """--sub-group-size 1e9 (as ds_config files write it, and as its help says) was refused:
     "'1e9' is not a valid int"."""
+    from ckpttool.cli import _a_count
+
+    assert _a_count("1e9") == _a_count("1_000_000_000") == _a_count("1000000000") == 10**9  # (the value, exactly)
+    assert _a_count("700") == 700 and _a_count("123456789012345678") == 123456789012345678
     src = FIXTURES / "deepspeed" / "zero2"
     for value in ("1e9", "1_000_000_000"):
         out = tmp_path / value

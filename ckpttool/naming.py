@@ -153,9 +153,10 @@ _ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 def printable(text: str) -> str:
     """``text`` on one line: newlines, tabs and other control or invisible characters spelled as
     escapes (``\\n``, ``\\x1b``, ``\\u200b``), so a hostile tensor or file name can neither start a
-    new line (a forged row or verdict) nor send a terminal escape sequence."""
+    new line (a forged row or verdict) nor send a terminal escape sequence. Nor can it pass for a
+    CI runner's command in a log (:func:`no_commands`)."""
     if text.isprintable():
-        return text
+        return no_commands(text)
     out = []
     for c in text:
         if c.isprintable():
@@ -167,20 +168,36 @@ def printable(text: str) -> str:
         else:
             n = ord(c)
             out.append(f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}")
-    return "".join(out)
+    return no_commands("".join(out))
+
+
+_RUNNER_COMMAND = re.compile(r"#(?=#(?:vso)?\[)|^( *):(?=:)")
+
+
+def no_commands(text: str) -> str:
+    """``text`` (one line) with what a CI runner reads as a command in its log spelled as an
+    escape: GitHub Actions runs ``##[name]`` anywhere in a line and ``::name::`` at its start
+    (after blanks), Azure Pipelines ``##vso[name]``; their first ``#`` or ``:`` becomes ``\\x23``
+    or ``\\x3a``. A tensor named ``##[add-mask]…`` or ``::stop-commands::…`` in a report (a row of
+    a table starts with its name) would otherwise hide ckpttool's own annotations, or forge some."""
+    if "#" not in text and ":" not in text:
+        return text
+    return _RUNNER_COMMAND.sub(lambda m: "\\x23" if m[0] == "#" else f"{m[1]}\\x3a", text)
 
 
 _NAME_BYTES = re.compile("[\ud800-\udfff]")
 
 
-def utf8(text: str) -> str:
+def utf8(text: str, *, bytes_as_x: bool = True) -> str:
     """``text`` as it can be written in UTF-8 (JSON, XML): each byte of a file name that was not
     UTF-8, which Python holds as a lone surrogate (U+DC80 to U+DCFF, its ``surrogateescape``), is
     spelled ``\\xNN``, as :func:`printable` shows it (strict JSON readers turn the surrogate into
-    U+FFFD, and the name is lost); any other lone surrogate ``\\uNNNN``; the rest is left as it is."""
+    U+FFFD, and the name is lost); any other lone surrogate ``\\uNNNN``; the rest is left as it is.
+    ``bytes_as_x=False`` spells every lone surrogate ``\\uNNNN`` (for a name whose first spelling is
+    another name)."""
     if text.isascii():
         return text
-    return _NAME_BYTES.sub(_spelled, text)
+    return _NAME_BYTES.sub(_spelled if bytes_as_x else _spelled_u, text)
 
 
 def _spelled(m: re.Match[str]) -> str:
@@ -188,6 +205,10 @@ def _spelled(m: re.Match[str]) -> str:
     a ``\\ud800`` escape in some JSON or pickle) as ``\\uNNNN``."""
     n = ord(m[0])
     return f"\\x{n - 0xDC00:02x}" if 0xDC80 <= n <= 0xDCFF else f"\\u{n:04x}"
+
+
+def _spelled_u(m: re.Match[str]) -> str:
+    return f"\\u{ord(m[0]):04x}"
 
 
 def plural(n: int, noun: str) -> str:

@@ -139,14 +139,25 @@ def junit(report: VerifyReport, fail_on: Severity = "error") -> str:
     return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
 
 
+_LONGEST = 1000
+"""the most characters of one finding's line (a name can be a megabyte long) in an annotation or
+a summary cell: GitHub drops a step summary over 1 MiB whole, and the report files keep every line"""
+
+
+def _short(text: str) -> str:
+    """``text`` on one line (:func:`printable`), cut to ``_LONGEST`` characters with an ellipsis."""
+    text = printable(text)
+    return text if len(text) <= _LONGEST else text[: _LONGEST - 1] + "…"
+
+
 _MARKDOWN = str.maketrans({c: "\\" + c for c in "\\`*_[]<>|~"})
 
 
 def _cell(text: str) -> str:
-    """``text`` as one Markdown table cell: on one line (:func:`printable`), with the characters
+    """``text`` as one Markdown table cell: on one line and not too long (:func:`_short`), with the characters
     that would end the cell (``|``) or start markup (HTML, code, emphasis, links) escaped, so a
     hostile name cannot split the row or hide the rest of the summary."""
-    return printable(text).translate(_MARKDOWN)
+    return _short(text).translate(_MARKDOWN)
 
 
 def _code(text: str) -> str:
@@ -164,8 +175,8 @@ def _escape(text: str) -> str:
     """``text`` as a workflow command's message, on one line as in the other reports: control and
     invisible characters spelled out (:func:`printable`: a hostile name must neither reach the
     log's terminal as an escape sequence nor break the line where GitHub's ``%0A`` would), then
-    GitHub's own escape of ``%``."""
-    return printable(text).replace("%", "%25")
+    GitHub's own escape of ``%``; cut to ``_LONGEST`` characters (:func:`_short`)."""
+    return _short(text).replace("%", "%25")
 
 
 def github_annotations(report: VerifyReport, limit: int = 50) -> str:

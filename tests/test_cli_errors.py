@@ -409,6 +409,105 @@ def test_junit_and_annotations_spell_out_a_hostile_checkpoint_path_and_file_name
     assert len(lines) == 1 and "%0A" not in lines[0] and lines[0].endswith("a, b, c, nl\\nx"), lines
 
 
+_COMMAND = re.compile(r"##(vso)?\[|^\s*::")
+"""what a CI runner reads as a command in a line of its log (GitHub's ``##[name]`` anywhere and
+``::name::`` at the start, Azure's ``##vso[name]``)"""
+
+
+@pytest.mark.parametrize("colour", ["", "1"])
+def test_a_tensor_name_never_becomes_a_ci_runner_command(tmp_path, colour):
+    """A tensor named "x ##[stop-commands]tok" in the findings table (or in --json) made the GitHub
+    runner ignore every ::error ckpttool wrote after it; with FORCE_COLOR (colour in the CI log)
+    rich wrapped the table at 80 columns and a name's "::error::…" started a line of its own, a
+    forged annotation. The only commands in the output are now ckpttool's own annotations."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    bad = np.array([1.0, float("nan")], dtype=np.float32)
+    words = " ".join(["::error::forged"] * 12)
+    ckpt = tmp_path / "ck.safetensors"
+    save_file({"x ##[stop-commands]tok": bad, f"y {words}": bad, "z ##vso[task.complete]": bad}, ckpt)
+    env = {"GITHUB_ACTIONS": "true", "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md"), "FORCE_COLOR": colour,
+           "COLUMNS": "80"}  # fmt: skip
+    for json_out in ([], ["--json"]):
+        r = run_cli("verify", ckpt, "--deep", *json_out, env=env)
+        assert r.code == 1, r.stderr
+        ours = [ln for ln in r.stderr.splitlines() if ln.startswith(("::error title=ckpttool ", "::warning title="))]
+        assert len(ours) == 4, r.stderr  # three nonfinite findings, one missing-state
+        others = [ln for ln in (r.stdout + "\n" + r.stderr).splitlines() if ln not in ours]
+        assert not [ln for ln in others if _COMMAND.search(re.sub(r"\x1b\[[0-9;]*m", "", ln))], r.stdout
+        if not json_out:
+            assert "x \\x23#[stop-commands]tok" in r.stdout  # spelled out, not dropped
+        else:
+            names = {f["item"] for f in json.loads(r.stdout)["findings"] if f["rule"] == "nonfinite"}
+            assert "x ##[stop-commands]tok" in names  # JSON reads the \u0023 back as "#"
+
+
+def test_paths_in_a_command_s_last_line_are_text_not_markup(tmp_path):
+    """seal printed "sealed … : smx/…" for a checkpoint at "sm[red]x" (the tag taken as a colour),
+    and with --out "sm[/].json" wrote the seal, then exited 3 with "internal error: MarkupError"."""
+    ck = tmp_path / "sm[red]x"
+    shutil.copytree(FSDP2, ck)
+    (tmp_path / "sm[").mkdir()
+    out = tmp_path / "sm[/].json"  # (the file "].json" in the folder "sm[")
+    r = run_cli("seal", ck, "--out", out)
+    assert r.code == 0, r.stderr
+    assert r.stdout.rstrip().endswith(str(out)), r.stdout
+    r = run_cli("export", ck, "-o", tmp_path / "sm[/]out.safetensors")
+    assert r.code == 0, r.stderr
+    assert r.stdout.rstrip().endswith("sm[/]out.safetensors"), r.stdout
+
+
+def test_a_note_on_stderr_is_never_wrapped_in_a_log(tmp_path):
+    """export's note of the values it leaves out was wrapped at 80 columns on stderr (no terminal):
+    a line began with the next word of a name, "::error::…", which the runner took for a command."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.ones(2), **{f"o{i} ::error::forged-by-note": i for i in range(6)}}
+    dcp.save(state, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    r = run_cli("export", tmp_path / "ck", "-o", tmp_path / "out.safetensors", env={"FORCE_COLOR": "1", "COLUMNS": "60"})
+    assert r.code == 0, r.stderr
+    (note,) = [ln for ln in r.stderr.splitlines() if "not written" in ln]
+    assert len(note) > 60 and "forged-by-note" in note, r.stderr
+
+
+def test_a_narrow_terminal_still_shows_every_finding(truncated):
+    """At 24 columns rich shrank the FINDING column to nothing: the findings' text and hints were
+    gone. A terminal too narrow to wrap a finding gets it on one line instead."""
+    code, text = _on_a_terminal("verify", truncated, columns=24)
+    assert code == 1, text
+    assert MESSAGE in text and "hint: restore the file from its source" in text, text
+
+
+def test_a_megabyte_name_does_not_make_github_drop_the_summary():
+    """Two NaN tensors with names of a million characters made a 2.4 MB step summary (GitHub drops
+    one over 1 MiB whole) and 2.4 MB annotation lines. Each line is cut there; --json and the
+    report files keep the names whole."""
+    from ckpttool.reports import github_annotations, github_summary
+    from ckpttool.verify import Finding, VerifyReport
+
+    names = ["a" * 1_200_000, "b" * 1_200_000]
+    report = VerifyReport(
+        path="ck",
+        format="safetensors",
+        findings=[Finding(rule="nonfinite", severity="error", message=f"{n}: 1 NaN", item=n) for n in names],
+    )
+    summary, notes = github_summary(report), github_annotations(report)
+    assert len(summary) < 5000 and summary.count("…") == 2, len(summary)
+    assert all(len(ln) < 1100 for ln in notes.splitlines()) and len(notes.splitlines()) == 2
+
+
+def test_json_keys_spelled_alike_are_both_kept():
+    """A tensor named "a\\udcff" (a lone surrogate: pickle allows it in a DCP .metadata) is spelled
+    "a\\xff" in JSON, the name of another tensor: its statistics overwrote the other's."""
+    from ckpttool.cli._output import dumps
+
+    assert json.loads(dumps({"a\udcff": 1, "a\\xff": 2})) == {"a\\udcff": 1, "a\\xff": 2}
+    assert json.loads(dumps({"a\\xff": 2, "a\udcff": 1})) == {"a\\xff": 2, "a\\udcff": 1}
+    assert json.loads(dumps({"b\udcff": 1})) == {"b\\xff": 1}
+
+
 def test_a_file_name_that_is_not_utf8_is_shown_by_its_bytes(tmp_path):
     """A sealed file whose name is not UTF-8, then deleted: the JSON report named it with a lone
     surrogate ("\\udcff"), which jq and other strict readers turn into U+FFFD (the name lost), and

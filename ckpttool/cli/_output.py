@@ -6,6 +6,7 @@ import errno
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -24,27 +25,57 @@ def strict(value: Any) -> Any:
     """``value`` with every infinite or NaN float spelled as the string ``"inf"``, ``"-inf"`` or
     ``"nan"`` (``float()`` reads them back): JSON has no such numbers, and ``Infinity`` breaks
     strict parsers (jq, JavaScript). Likewise each byte of a file name that is not UTF-8 is spelled
-    ``\\xNN`` (:func:`~ckpttool.naming.utf8`), in keys as in values."""
+    ``\\xNN`` (:func:`~ckpttool.naming.utf8`), in keys as in values; a key whose spelling is another
+    key's own name (``"a\\udcff"`` beside ``"a\\\\xff"``) has its lone surrogates spelled ``\\uNNNN``
+    instead, and neither is lost."""
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
     if isinstance(value, str):
         return utf8(value)
     if isinstance(value, dict):
-        return {utf8(k) if isinstance(k, str) else k: strict(v) for k, v in value.items()}
+        return {_key(k, value): strict(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [strict(v) for v in value]
     return value
 
 
+_RUNNER_COMMAND = re.compile(r"#(?=#(?:vso)?\[)")
+
+
+def _key(key: Any, within: dict[Any, Any]) -> Any:
+    if not isinstance(key, str):
+        return key
+    spelled = utf8(key)
+    return utf8(key, bytes_as_x=False) if spelled != key and spelled in within else spelled
+
+
 def dumps(payload: Any) -> str:
-    """The JSON text of a command's payload: indented, strict (no ``Infinity``/``NaN``)."""
-    return json.dumps(strict(payload), indent=2, default=str, allow_nan=False)
+    """The JSON text of a command's payload: indented, strict (no ``Infinity``/``NaN``). A ``#``
+    that starts what a CI runner reads as a command anywhere in a line of its log (``##[name]``,
+    ``##vso[name]``: see :func:`ckpttool.naming.no_commands`) is written ``\\u0023``, which JSON
+    reads back as ``#``; ``#`` occurs in JSON text only inside strings."""
+    return _RUNNER_COMMAND.sub(r"\\u0023", json.dumps(strict(payload), indent=2, default=str, allow_nan=False))
 
 
 def _reader_gone() -> None:
     """rich's answer to a closed pipe is a silent exit 1 (which reads as "findings" here, or hides
     an error's exit 3); the commands' error handler answers it as the shell does a SIGPIPE instead."""
     raise BrokenPipeError(errno.EPIPE, "the reader of the output went away")
+
+
+def _for_a_reader(console: Console) -> bool:
+    """Whether ``console`` writes to a terminal a person reads, where lines may wrap at its width:
+    rich says so (as it does for a CI log when ``FORCE_COLOR`` or ``TTY_COMPATIBLE`` ask for colour)
+    and the stream is one. In a log, a line wrapped at 80 columns would start with whatever word
+    came next, a checkpoint's name among them."""
+    try:
+        return console.is_terminal and console.file.isatty()
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+_FINDING_ROOM = 20
+"""the fewest columns a wrapped FINDING may have; a narrower terminal gets each finding on one line"""
 
 
 class Output:
@@ -69,7 +100,7 @@ class Output:
         checkpoint's to choose, and a newline or an escape sequence in one must neither forge a
         line nor reach the terminal."""
         if not self.json_mode:
-            self.out.print(printable(text), soft_wrap=not self.out.is_terminal)
+            self.out.print(printable(text), soft_wrap=not _for_a_reader(self.out))
 
     def table(
         self,
@@ -92,7 +123,7 @@ class Output:
         table = Table(title=title, title_justify="left", box=None, header_style="bold", pad_edge=False)
         cells = [[printable(str(c)) for c in row] for row in rows]
         widths = [max(len(col), *(len(r[i]) for r in cells)) for i, col in enumerate(columns)]
-        if squeeze in columns and self.out.is_terminal:
+        if squeeze in columns and _for_a_reader(self.out):
             # cut the squeezable column to what the terminal leaves; the others are never cut
             k = columns.index(squeeze)
             room = self.out.width - sum(w for i, w in enumerate(widths) if i != k) - 2 * (len(columns) - 1)
@@ -111,27 +142,30 @@ class Output:
     def findings(self, rows: Sequence[tuple[str, str, str, Sequence[str]]]) -> None:
         """``verify``'s findings: (severity, rule, finding, hints) rows under SEVERITY, RULE and
         FINDING, each hint on a line of its own below its finding. A finding is never cut: on a
-        terminal the FINDING column wraps at the terminal's width; elsewhere (a pipe, a file, a CI
-        log) each finding and each hint stays on one line however long, for grep and for log
-        viewers that wrap by themselves."""
+        terminal the FINDING column wraps at the terminal's width (if that leaves it
+        ``_FINDING_ROOM`` columns); elsewhere (a pipe, a file, a CI log) each finding and each hint
+        stays on one line however long, for grep and for log viewers that wrap by themselves."""
         if self.json_mode or not rows:
             return
-        wrap = self.out.is_terminal
-        table = Table(box=None, header_style="bold", pad_edge=False)
-        table.add_column("SEVERITY", no_wrap=True)
-        table.add_column("RULE", no_wrap=True)
-        table.add_column("FINDING", no_wrap=not wrap, overflow="fold")
         widths = [len("SEVERITY"), len("RULE"), len("FINDING")]
+        cells = []
         for severity, rule, text, hints in rows:
             text, hints = printable(text), [printable(h) for h in hints]
             cell = Text(text)
             for hint in hints:
                 cell.append("\n")
                 cell.append(f"hint: {hint}", style="dim")
-            table.add_row(severity, rule, cell)
+            cells.append((severity, rule, cell))
             lines = [text, *(f"hint: {h}" for h in hints)]
             for i, w in enumerate((cell_len(severity), cell_len(rule), max(map(cell_len, lines)))):
                 widths[i] = max(widths[i], w)
+        wrap = _for_a_reader(self.out) and self.out.width >= widths[0] + widths[1] + 4 + _FINDING_ROOM
+        table = Table(box=None, header_style="bold", pad_edge=False)
+        table.add_column("SEVERITY", no_wrap=True)
+        table.add_column("RULE", no_wrap=True)
+        table.add_column("FINDING", no_wrap=not wrap, overflow="fold")
+        for row in cells:
+            table.add_row(*row)
         if wrap:
             self.out.print(table)
             return
@@ -157,10 +191,10 @@ class Output:
         """Plain text on stderr (a rank label ``[tp=1,pp=0]`` or an item ``x[rank=0]`` in it is
         text, not markup: rich dropped them)."""
         if not self.quiet:
-            self.err.print(escape(printable(text)))
+            self.err.print(escape(printable(text)), soft_wrap=not _for_a_reader(self.err))
 
     def warning(self, text: str) -> None:
-        self.err.print(f"[yellow]warning:[/yellow] {escape(printable(text))}")
+        self.err.print(f"[yellow]warning:[/yellow] {escape(printable(text))}", soft_wrap=not _for_a_reader(self.err))
 
     def error(self, text: str, hint: str | None = None) -> None:
         self.err.print(f"[red]error:[/red] {escape(printable(text))}", soft_wrap=True)

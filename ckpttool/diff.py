@@ -200,6 +200,9 @@ def _renamed(key: str, old: str, new: str) -> str:
 def _keyed(
     manifest: Manifest, renames: dict[str, str], pattern: re.Pattern[str] | None, kinds: set[str] | None = None
 ) -> dict[str, Item]:
+    """The items of ``manifest`` by canonical name after the ``--map`` renames, filtered. Two items
+    that the renames give one name are refused: one of them would drop out of the comparison
+    unseen (A's ``layer.1.w`` gone, and "equal", under ``layer\\.(\\d+)\\.w=blk.0.w``)."""
     out: dict[str, Item] = {}
     for item in manifest.items.values():
         if kinds is not None and item.kind not in kinds:
@@ -209,6 +212,12 @@ def _keyed(
             key = _renamed(key, old, new)
         if pattern is not None and not pattern.search(key):
             continue
+        if key in out and renames and canonical(out[key].name) != canonical(item.name):
+            raise UsageError(
+                f"--map gives {out[key].name!r} and {item.name!r} of A the one name {key!r}: "
+                "one of them would not be compared",
+                hint="map each of A's names to a name of its own",
+            )
         out.setdefault(key, item)
     return out
 
@@ -308,7 +317,7 @@ def diff(
                 if ia.error or ib.error:  # (its value reads as None: not one to compare)
                     report.unread.append({"name": key, "a": ia.error, "b": ib.error})
                 elif ia.is_tensor or ib.is_tensor:
-                    pass
+                    _tensor_and_value(report, key, ra, ia, rb, ib)
                 elif ia.summary is not None or ib.summary is not None:  # (too large to keep: read both)
                     _compare_large_objects(report, key, ra, ia, rb, ib)
                 elif not same_value(ia.value, ib.value):
@@ -336,9 +345,37 @@ def diff(
                 report.copies += _copies_that_differ(key, ra, ia, rb, ib, atol, rtol)
             if progress is not None:
                 progress(ia.nbytes)
-    _state_in_pickles(report, ma, mb, wanted)
-    _state_beside(report, ma, mb, wanted)  # (last: the steps above look up what they list by item name)
+    _state_in_pickles(report, ma, mb, wanted, rx, {i.kind for i in (*ka.values(), *kb.values())})
+    _state_beside(report, ma, mb, wanted, rx)  # (last: the steps above look up what they list by item name)
     return report
+
+
+def _tensor_and_value(report: DiffReport, key: str, ra: PieceReader, ia: Item, rb: PieceReader, ib: Item) -> None:
+    """An item that is a tensor on one side and a value on the other (Adam's step: a tensor in
+    current torch, a number in older torch and other frameworks; it was skipped, and diff said
+    "equal" whatever the two held). The same state when the tensor holds one element equal to the
+    number: then compared, identical, and a note. Otherwise a value that differs, the tensor shown
+    by its dtype and shape (and its one element)."""
+    tensor, reader, value = (ia, ra, ib) if ia.is_tensor else (ib, rb, ia)
+    shown = f"tensor {tensor.dtype}{list(tensor.shape or ())}"
+    number = value.summary is None and isinstance(value.value, bool | int | float)
+    if tensor.dtype is not None and math.prod(tensor.shape or ()) == 1:
+        try:
+            element = _floats(assemble(reader, tensor).reshape(-1), tensor.dtype)[0].item()
+        except CkptError:
+            report.unread.append(
+                {"name": key, "a": shown if ia.is_tensor else ia.value, "b": shown if ib.is_tensor else ib.value}
+            )
+            return
+        shown = f"{shown} {element!r}"
+        if number and element == value.value:
+            report.compared += 1
+            report.identical += 1
+            where = "A" if ia.is_tensor else "B"
+            report.notes.append(f"{key}: a tensor on {where}, a number on the other side; both {element:g}")
+            return
+    theirs = value.value if value.summary is None else value.summary
+    report.objects.append({"name": key, "a": shown if ia.is_tensor else theirs, "b": shown if ib.is_tensor else theirs})
 
 
 def _compare_large_objects(report: DiffReport, key: str, ra: PieceReader, ia: Item, rb: PieceReader, ib: Item) -> None:
@@ -388,13 +425,28 @@ def _one_sided_objects(mine: Manifest, theirs: Manifest, keyed: dict[str, Item],
     checkpoints of one format, each such item (state kinds, and param groups' hyperparameters);
     across formats, whose names for the same state differ, those of a kind the other side holds
     none of at all (a DCP checkpoint converted to safetensors: its step, dataloader and scheduler
-    are gone). Objects that describe how a layout stores its data (a distributed optimizer's
-    bucket sizes, a stacked layer's ``_extra_state`` shards) differ with the layout, not the state."""
+    are gone), param groups' hyperparameters where the other side keeps none (its moments, which
+    are tensors, do not keep them), and RNG states kept as values (Python's, NumPy's) where the
+    other side keeps its RNG as tensors only. Objects that describe how a layout stores its data
+    (a distributed optimizer's bucket sizes, a stacked layer's ``_extra_state`` shards) differ
+    with the layout, not the state."""
     one_sided = [k for k, i in keyed.items() if not i.is_tensor and k not in other]
     if mine.format == theirs.format:
         return [k for k in one_sided if keyed[k].kind in _STATE_KINDS or ".param_groups." in k]
     held = {i.kind for i in other.values()}
-    return [k for k in one_sided if keyed[k].kind in _STATE_KINDS and keyed[k].kind not in held]
+    held_as_values = {i.kind for i in other.values() if not i.is_tensor}
+    # (param groups kept as items, in an object item holding the optimizer's state dict, in pickles)
+    groups = "optim" in held_as_values or bool(theirs.extras.get("unread_state"))
+
+    def lost(key: str) -> bool:
+        kind = keyed[key].kind
+        if ".param_groups." in key:  # (the other side's moments are tensors: its hyperparameters gone)
+            return not groups
+        if kind == "rng":  # (Python's and NumPy's RNG states are values; torch's are tensors)
+            return kind not in held_as_values
+        return kind in _STATE_KINDS and kind not in held
+
+    return [k for k in one_sided if lost(k)]
 
 
 def _described(side: str, path: str | Path) -> tuple[Adapter, Manifest]:
@@ -515,20 +567,33 @@ def _extra_masters(
             )
 
 
-def _state_in_pickles(report: DiffReport, ma: Manifest, mb: Manifest, wanted: set[str] | None) -> None:
+def _state_in_pickles(
+    report: DiffReport,
+    ma: Manifest,
+    mb: Manifest,
+    wanted: set[str] | None,
+    rx: re.Pattern[str] | None,
+    selected: set[str],
+) -> None:
     """State two Megatron checkpoints keep in their rank files' pickles, not as items: the data
     position (``args.consumed_train_samples``) is compared, a difference is a value that differs
     (it said "equal" with the samples changed); the optimizer state there (the param groups,
-    Adam's steps: ``extras["unread_state"]``) is not read, and the report says so."""
+    Adam's steps: ``extras["unread_state"]``) is not read, and the report says so. Under
+    ``--kind`` or ``--filter`` (``rx``), the data position only when they select its name or kind,
+    the note only when the items compared (of ``selected`` kinds) hold optimizer state."""
     if not (ma.format.startswith("megatron") and mb.format.startswith("megatron")):
         return
     da, db = ((m.extras.get("state_in_metadata") or {}).get("dataloader") for m in (ma, mb))
-    if da is not None and db is not None and da != db and (wanted is None or "dataloader" in wanted):
-        report.objects.append({"name": "args.consumed_train_samples", "a": da, "b": db})
+    name = "args.consumed_train_samples"
+    chosen = (wanted is None or "dataloader" in wanted) and (rx is None or rx.search(name))
+    if da is not None and db is not None and da != db and chosen:
+        report.objects.append({"name": name, "a": da, "b": db})
     unread = [
         (side, m.extras["unread_state"])
         for side, m in (("A", ma), ("B", mb))
-        if m.extras.get("unread_state") and (wanted is None or "optim" in wanted)
+        if m.extras.get("unread_state")
+        and (wanted is None or "optim" in wanted)
+        and (rx is None or "optim" in selected)
     ]
     for side, what in unread:
         report.not_compared.append(
@@ -536,15 +601,22 @@ def _state_in_pickles(report: DiffReport, ma: Manifest, mb: Manifest, wanted: se
         )
 
 
-def _state_beside(report: DiffReport, ma: Manifest, mb: Manifest, wanted: set[str] | None) -> None:
+def _state_beside(
+    report: DiffReport, ma: Manifest, mb: Manifest, wanted: set[str] | None, rx: re.Pattern[str] | None
+) -> None:
     """Training state a checkpoint keeps in files beside its format's (a Hugging Face Trainer's
     ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``: ``extras["state_files"]``), which ckpttool
     reads as state but does not compare value by value: held on one side only, it is a difference
     (a Trainer checkpoint against its model alone was "equal"); on both, the files' bytes are
-    compared (a difference names the file, not the values in it)."""
+    compared (a difference names the file, not the values in it). Under ``--filter`` (``rx``),
+    only the files whose names it selects."""
     kinds = {s: STATE_KINDS[s] for s in KEPT_BESIDE}
     held_a, held_b = (
-        {s: f for s, f in (m.extras.get("state_files") or {}).items() if s in kinds and kinds[s] in (wanted or KINDS)}
+        {
+            s: f
+            for s, f in (m.extras.get("state_files") or {}).items()
+            if s in kinds and kinds[s] in (wanted or KINDS) and (rx is None or rx.search(f))
+        }
         for m in (ma, mb)
     )
     for state, rel in held_a.items():

@@ -12,7 +12,7 @@ import pytest
 from ckpttool import registry
 from ckpttool.diff import diff
 from ckpttool.export import export
-from tests.conftest import FIXTURES, rewritten_copy, run_cli
+from tests.conftest import FIXTURES, assert_clean, rewritten_copy, run_cli
 
 FSDP2 = FIXTURES / "dcp" / "fsdp2"
 
@@ -27,8 +27,13 @@ def test_itself_and_its_export(tmp_path):
     report = diff(FSDP2, out)
     assert report.identical == report.compared == 54 and not report.values and not report.added
     _, m = registry.describe(FSDP2)
-    assert report.removed and {m.items[k].kind for k in report.removed} == {"counter", "dataloader", "scheduler"}
+    kinds = {"counter", "dataloader", "scheduler", "rng", "optim"}
+    assert report.removed and {m.items[k].kind for k in report.removed} == kinds
     assert "step" in report.removed and "dataloader.seed" in report.removed
+    # (the file keeps torch's RNG states and Adam's moments, as tensors, but not Python's RNG state
+    # or the param groups' hyperparameters: those went unsaid because the kinds were held)
+    assert "rng.rank0.python" in report.removed and "optim.param_groups.0.lr" in report.removed
+    assert not [k for k in report.removed if m.items[k].is_tensor]
     r = run_cli("diff", FSDP2, out)
     assert r.code == 1 and "only in A" in r.stdout, r.stdout
 
@@ -201,6 +206,55 @@ def test_megatron_state_kept_in_pickles_is_compared_or_said_not_to_be(tmp_path):
     assert len(same.not_compared) == 2 and "Adam's step" in same.not_compared[0], same.not_compared
     r = run_cli("diff", src, src)
     assert r.code == 0 and "not compared: Adam's step" in r.stdout, r.stdout
+    # --filter selects items by name: a data position or optimizer pickles it does not name are not
+    # its business (only layers.3 asked for, all equal: it said "different", exit 1)
+    chosen = diff(src, b, pattern=r"layers\.3\.")
+    assert chosen.compared and not chosen.different, chosen.to_json()
+    assert diff(src, b, pattern=r"layers\.3\..*weight$").not_compared == []  # (no optimizer state chosen)
+    assert diff(src, b, pattern="layers|consumed").objects  # (named: compared)
+
+
+def test_filter_leaves_out_the_training_state_files_it_does_not_name():
+    """A Hugging Face Trainer folder against its model file, --filter wte: one identical tensor, yet
+    "only in A: optimizer.pt …, rng_state.pth …, scheduler.pt …" and exit 1."""
+    folder = FIXTURES / "hf" / "trainer" / "checkpoint-3"
+    report = diff(folder, folder / "model.safetensors", pattern="wte")
+    assert report.compared == 1 and not report.different, report.to_json()
+    report = diff(folder, folder / "model.safetensors", pattern="wte|optimizer")
+    assert [r.split(" ")[0] for r in report.removed] == ["optimizer.pt"], report.to_json()
+
+
+def test_a_tensor_on_one_side_and_a_number_on_the_other_is_compared(tmp_path):
+    """An item that was a tensor on one side and a plain value on the other was skipped: a step
+    tensor(3) against 999 and a learning rate 0.1 against tensor([0.5, 0.7]) diffed "equal", exit 0.
+    (Adam's step is a tensor in current torch, a number in older torch.)"""
+    import torch
+
+    torch.save({"w": torch.ones(2), "step": torch.tensor(3), "lr": 0.1}, tmp_path / "a.pt")
+    torch.save({"w": torch.ones(2), "step": 999, "lr": torch.tensor([0.5, 0.7])}, tmp_path / "b.pt")
+    torch.save({"w": torch.ones(2), "step": 3, "lr": 0.1}, tmp_path / "c.pt")
+    report = diff(tmp_path / "a.pt", tmp_path / "b.pt")
+    assert report.different
+    assert {o["name"]: (o["a"], o["b"]) for o in report.objects} == {
+        "step": ("tensor int64[] 3.0", 999),
+        "lr": (0.1, "tensor float32[2]"),
+    }, report.objects
+    r = run_cli("diff", tmp_path / "a.pt", tmp_path / "b.pt")
+    assert r.code == 1 and "value: step: 'tensor int64[] 3.0' -> 999" in r.stdout, r.stdout
+    same = diff(tmp_path / "a.pt", tmp_path / "c.pt")  # the same step, kept as a tensor and as a number
+    assert not same.different and same.identical == same.compared == 2, same.to_json()
+    assert same.notes == ["step: a tensor on A, a number on the other side; both 3"], same.notes
+
+
+def test_a_map_that_gives_two_items_one_name_is_refused(tmp_path):
+    """layer.0.w and layer.1.w mapped to blk.0.w: one of them dropped out unseen, and "equal"."""
+    import torch
+
+    torch.save({"layer.0.w": torch.ones(2), "layer.1.w": torch.full((2,), 5.0)}, tmp_path / "a.pt")
+    torch.save({"blk.0.w": torch.ones(2)}, tmp_path / "b.pt")
+    (tmp_path / "map.json").write_text(json.dumps({"layer\\.(\\d+)\\.w": "blk.0.w"}))
+    r = run_cli("diff", tmp_path / "a.pt", tmp_path / "b.pt", "--map", tmp_path / "map.json")
+    assert_clean(r, 2, "'layer.0.w' and 'layer.1.w' of A the one name 'blk.0.w'")
 
 
 def test_zero_and_its_universal_checkpoint_are_the_same_state(tmp_path):

@@ -635,8 +635,11 @@ def diff(
     elements that differ, first differing index), naming the first diverging tensor in A's order
     and the largest divergence (a value that became NaN on one side differs by inf; JSON spells
     such numbers "inf" and "nan"). RNG state that one side keeps in opaque records (Megatron
-    torch_dist) is listed as not compared. Exit 0 equal within tolerance, 1 different, 3 could not
-    evaluate (a value one side could not give, such as a refused pickle, and nothing else different).
+    torch_dist) is listed as not compared. An item that is a tensor on one side and a number on the
+    other (Adam's step in older torch) is the same when the tensor's one element equals the number.
+    --filter also chooses among the state files kept beside a model (a Trainer's optimizer.pt) by
+    their names. Exit 0 equal within tolerance, 1 different, 3 could not evaluate (a value one side
+    could not give, such as a refused pickle, and nothing else different).
     """
     from ckpttool.cli import _render
     from ckpttool.diff import diff as run

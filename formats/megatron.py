@@ -1542,13 +1542,17 @@ def placement(
         if not isinstance(layout, str):
             raise ValueError(f"a pipeline layout of type {type(layout).__name__}, not a string")
         return layout_chunks(layout, pp or int(getattr(args, "pipeline_model_parallel_size", 1) or 1), layers)
+    ends = stage_split(args) if split is None else split
+    counted = ends == (None, None)
     return pipeline_chunks(
         layers,
         pp or int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
         vpp or int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1),
-        *(stage_split(args) if split is None else split),
-        embedding=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
-        loss=bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
+        *ends,
+        # (megatron-core refuses end stages given with the embedding or loss counted: given ends
+        # replace the counting, which the output's args then drop)
+        embedding=counted and bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
+        loss=counted and bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
     )
 
 

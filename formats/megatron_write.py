@@ -1339,13 +1339,24 @@ class LegacyWriter:
         if not self.target.repad_vocab:
             return None
         vocab = getattr(self.args, "vocab_size", None)
-        multiple = getattr(self.args, "make_vocab_size_divisible_by", None)
-        if not isinstance(vocab, int) or not isinstance(multiple, int):
+        multiple = self._run_divisor()
+        if not isinstance(vocab, int) or multiple is None:
             raise UsageError(
                 "--vocab-padding megatron needs args.vocab_size and make_vocab_size_divisible_by, which this "
-                "checkpoint lacks"
+                "checkpoint lacks",
+                hint="Megatron-LM records vocab_size only for its null and tiktoken tokenizers: keep the padded rows "
+                "(--vocab-padding keep, the default)",
             )
         return padded_vocab(vocab, multiple, self.target.tp)
+
+    def _run_divisor(self) -> int | None:
+        """The training run's own ``make_vocab_size_divisible_by``: the one ``args`` records beside
+        a divisor an earlier reshard wrote (``_FIRST_DIVISOR``), else ``args``' (None: neither)."""
+        for name in (_FIRST_DIVISOR, "make_vocab_size_divisible_by"):
+            div = getattr(self.args, name, None)
+            if isinstance(div, int) and not isinstance(div, bool) and div > 0:
+                return div
+        return None
 
     # -- which entries go where ----------------------------------------------------------------
 
@@ -1885,6 +1896,10 @@ class LegacyWriter:
             d["pipeline_model_parallel_layout"] = layout
         if self.split != stage_split(args) or "decoder_first_pipeline_num_layers" in d:
             d["decoder_first_pipeline_num_layers"], d["decoder_last_pipeline_num_layers"] = self.split
+        if layout is not None or self.split != (None, None):  # (megatron-core allows neither with these)
+            for flag in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+                if d.get(flag):
+                    d[flag] = False
         if d.get("expert_tensor_parallel_size") == old_tp or self.src.etp or self.etp != tp:
             d["expert_tensor_parallel_size"] = self.etp
         if "expert_model_parallel_size" in d or self.ep > 1:
@@ -1920,15 +1935,25 @@ class LegacyWriter:
         return group // math.gcd(self.target.tp, group)
 
     def _vocab_divisor(self) -> int | None:
+        """The ``make_vocab_size_divisible_by`` to record in ``args`` so that Megatron pads the
+        vocabulary to the output's rows at the new TP (None: ``args``' own does). Where ``args``
+        holds no ``vocab_size`` (Megatron-LM records it only for its null and tiktoken tokenizers:
+        a GPT-2, SentencePiece or Hugging Face tokenizer's run saves None), any vocabulary up to the
+        rows is padded to them by rows / TP, and the run's own divisor only where it provably is:
+        at a TP no smaller than the source's, of whose rows ``args``' divisor x TP is a multiple."""
         tp, rows = self.target.tp, self.padded
         vocab = getattr(self.args, "vocab_size", None)
         div = getattr(self.args, "make_vocab_size_divisible_by", None)
-        if rows is None or not isinstance(vocab, int) or not isinstance(div, int):
+        own = self._run_divisor()
+        if rows is None or own is None or not isinstance(div, int) or rows % tp:
             return None
-        first = getattr(self.args, _FIRST_DIVISOR, None)  # (the run's own, where a reshard changed it)
-        if isinstance(first, int) and first > 0 and first != div and padded_vocab(vocab, first, tp) == rows:
-            return first  # (back at a TP the run's divisor gives these rows at: its args come back)
-        if padded_vocab(vocab, div, tp) == rows or rows % tp or not 0 < vocab <= rows:
+        if not isinstance(vocab, int) or isinstance(vocab, bool) or not 0 < vocab <= rows:
+            if div == own and tp >= self.src.tp and rows % (own * tp) == 0:
+                return None
+            return own if rows // tp == own else rows // tp
+        if own != div and padded_vocab(vocab, own, tp) == rows:
+            return own  # (back at a TP the run's divisor gives these rows at: its args come back)
+        if padded_vocab(vocab, div, tp) == rows:
             return None
         return rows // tp
 
@@ -1961,10 +1986,11 @@ class LegacyWriter:
     def notes(self) -> list[str]:
         """What a user resuming from the output must know."""
         out = []
-        if self.divisor is not None:
+        if self.divisor is not None and self.divisor != self._run_divisor():
+            known = isinstance(getattr(self.args, "vocab_size", None), int)  # (re-padding needs the size)
             out.append(
                 f"the vocabulary stays padded to {self.padded} rows: resume with --make-vocab-size-divisible-by "
-                f"{self.divisor} (recorded in args), or reshard with --vocab-padding megatron"
+                f"{self.divisor} (recorded in args)" + (", or reshard with --vocab-padding megatron" if known else "")
             )
         if self.rank_files and self._ruled:
             out.append(
@@ -2084,6 +2110,13 @@ class LegacyWriter:
             flags.append(f"--decoder-last-pipeline-num-layers {last}")
         if self.vpp > 1 and layout is None:
             flags.append(f"--num-virtual-stages-per-pipeline-rank {self.vpp}")
+        counted = [
+            f"--{flag.replace('_', '-')}"
+            for flag in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+            if getattr(self.args, flag, False)
+        ]
+        if counted and (layout is not None or self.split != (None, None)):  # (dropped from args: see _args)
+            flags.append(f"and without {' or '.join(counted)}")
         what = "layers by stage" + (" (model chunks joined by +)" if self.vpp > 1 else "")
         return f"{what}: {stages}" + (f"; resume with {' '.join(flags)}" if flags else "")
 

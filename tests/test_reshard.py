@@ -3852,6 +3852,73 @@ def _args_of(root: Path) -> dict[str, Any]:
     return dict(vars(obj["args"]))
 
 
+def test_repadding_after_a_kept_padding_uses_the_run_s_own_divisor(tmp_path):
+    """TP=2 -> 1 (padding kept: 128 rows, args' divisor 128, the run's 64 beside it) -> TP=2 with
+    --vocab-padding megatron re-padded with ckpttool's 128: 256 rows, which Megatron-LM's load at TP=2
+    refused (size mismatch). It re-pads with the run's own 64: the original rows, and the original's
+    rank files bit for bit (args included)."""
+    one, back = tmp_path / "tp1", tmp_path / "back"
+    assert run_cli("reshard", LEGACY, "-o", one, "--tp", "1", "--pp", "1").code == 0
+    r = run_cli("reshard", one, "-o", back, "--tp", "2", "--pp", "2", "--vocab-padding", "megatron")
+    assert r.code == 0, r.stderr
+    assert "stays padded" not in r.stderr  # (the run's own divisor: nothing to pass when resuming)
+    ranks = sorted(p.relative_to(LEGACY) for p in LEGACY.glob("iter_*/mp_rank_*/model_optim_rng.pt"))
+    assert len(ranks) == 4 and sorted(p.relative_to(back) for p in back.glob("iter_*/mp_rank_*/*.pt")) == ranks
+    for rel in ranks:
+        assert _tree(back / rel) == _tree(LEGACY / rel), rel
+    r = run_cli("reshard", one, "-o", tmp_path / "tp1again", "--tp", "1", "--vocab-padding", "megatron")
+    assert r.code == 0 and _args_of(tmp_path / "tp1again")["padded_vocab_size"] == 64, r.stderr
+
+
+def test_kept_padding_without_a_recorded_vocabulary_records_a_divisor_that_gives_the_rows(tmp_path):
+    """Megatron-LM records args.vocab_size only for its null and tiktoken tokenizers (a GPT-2 BPE run
+    saves None): a reshard to TP=1 kept the 128 rows and the run's divisor 64, with which Megatron pads
+    any vocabulary up to 64 rows to 64 at TP=1 (and checks padded_vocab_size against args: no resume).
+    It now records 128 (rows / TP), says so, and names no --vocab-padding megatron, which needs the size."""
+    src = rewritten_copy(
+        tmp_path / "src", LEGACY, lambda t: t["args"].__dict__.update(vocab_size=None, tokenizer_type="GPT2BPETokenizer")
+    )
+    out = tmp_path / "tp1"
+    r = run_cli("reshard", src, "-o", out, "--tp", "1")
+    assert r.code == 0, r.stderr
+    args = _args_of(out)
+    assert (args["padded_vocab_size"], args["make_vocab_size_divisible_by"]) == (128, 128), args
+    assert "resume with --make-vocab-size-divisible-by 128 (recorded in args)" in r.stderr, r.stderr
+    assert "--vocab-padding megatron" not in r.stderr
+    r = run_cli("reshard", src, "-o", tmp_path / "re", "--tp", "1", "--vocab-padding", "megatron")
+    assert_clean(r, 2, "needs args.vocab_size")
+
+
+def test_given_end_stages_or_a_layout_replace_a_source_s_counted_embedding_and_loss(tmp_path):
+    """A source split with --account-for-embedding/loss-in-pipeline-split (PP=3, 4 layers: [0] [1-2]
+    [3]): --pp 4 --pp-first-layers 1 was refused (it "cannot be combined with counting the embedding
+    or loss", and no flag cleared them), and --pipeline-layout was written with both in args, which
+    megatron-core's TransformerConfig refuses. Given ends or a layout now replace the counting: the
+    output's args drop it, and the note says to resume without those flags."""
+    ends = tmp_path / "ends"
+    assert run_cli("reshard", LEGACY, "-o", ends, "--pp", "3", "--pp-first-layers", "1", "--pp-last-layers", "1").code == 0
+    flags = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+    src = rewritten_copy(
+        tmp_path / "src",
+        ends,
+        lambda t: t["args"].__dict__.update(
+            decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None, **dict.fromkeys(flags, True)
+        ),
+    )
+    r = run_cli("reshard", src, "-o", tmp_path / "even", "--pp", "4")  # (6 counted layers: no even split)
+    assert_clean(r, 2, "PP=4 does not divide the 6 layers (the embedding and loss counted as layers)")
+    for how in (("--pp-first-layers", "1"), ("--pipeline-layout", "Et|t|t|tL")):
+        out = tmp_path / how[0].strip("-")
+        r = run_cli("reshard", src, "-o", out, "--pp", "4", *how)
+        assert r.code == 0, r.stderr
+        args = _args_of(out)
+        assert not any(args[f] for f in flags), args
+        assert "and without --account-for-embedding-in-pipeline-split or --account-for-loss-in-pipeline-split" in r.stderr
+        back = tmp_path / f"{out.name}-back"
+        assert run_cli("reshard", out, "-o", back, "--pp", "1").code == 0
+        assert not diff(src, back).different
+
+
 def test_a_round_trip_through_a_tp_the_vocab_divisor_cannot_give_restores_it(tmp_path):
     """TP=1 -> 2 -> 1 from a run whose make_vocab_size_divisible_by (64) gives its 64 padded rows
     at TP=1 but not at TP=2: the reshard to TP=2 records 32 (what gives them there), and the one back

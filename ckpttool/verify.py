@@ -2460,12 +2460,13 @@ def _moments(manifest: Manifest) -> dict[str, dict[str, Item]]:
 
 def _stepping(manifest: Manifest, moments: dict[str, dict[str, Item]]) -> list[Item]:
     """The moments that hold values once training has stepped: every one after step 0, but those
-    of parameters the format knows nothing trains. Checked for all zeros by their digests, and
-    by value under ``--deep`` (a moment multiplied by 0 keeps -0.0, whose bytes are not 0)."""
+    of parameters the format knows nothing trains, and those with no elements (a parameter of
+    shape (0, 4): its empty moments are all zeros, and healthy). Checked for all zeros by their
+    digests, and by value under ``--deep`` (a moment multiplied by 0 keeps -0.0, whose bytes are not 0)."""
     if not (manifest.step or 0) > 0:
         return []
     unused = set(manifest.extras.get("unused") or ())
-    return [m for n, pair in moments.items() if n not in unused for m in pair.values()]
+    return [m for n, pair in moments.items() if n not in unused for m in pair.values() if math.prod(m.shape or ()) > 0]
 
 
 def _zeroed(moment: Item, manifest: Manifest) -> Finding:
@@ -2662,7 +2663,10 @@ def _census(report: VerifyReport, item: Item, values: np.ndarray, stepping: bool
     bad = ~np.isfinite(flat)
     n_bad = int(bad.sum())
     finite = flat[~bad] if n_bad else flat
-    f64 = np.abs(finite) if finite.dtype.kind == "c" else finite.astype(np.float64)
+    # (a complex64 magnitude is computed in float32, where |3e38 + 3e38j| overflows: in complex128;
+    # one past float64's largest, |1.5e308 + 1.5e308j|, is given as inf)
+    with np.errstate(over="ignore", invalid="ignore"):
+        f64 = np.abs(finite.astype(np.complex128)) if finite.dtype.kind == "c" else finite.astype(np.float64)
     absmax = float(np.abs(f64).max()) if f64.size else None
     mean, std = _mean_std(f64, absmax)
     stats: dict[str, Any] = {
@@ -2703,7 +2707,7 @@ def _census(report: VerifyReport, item: Item, values: np.ndarray, stepping: bool
 def _mean_std(f64: np.ndarray, absmax: float | None) -> tuple[float | None, float | None]:
     """Mean and standard deviation of finite float64 values, without the overflow to Inf that
     summing values near float64's largest gives: computed on the values scaled by their absmax."""
-    if not f64.size or absmax is None:
+    if not f64.size or absmax is None or not math.isfinite(absmax):
         return None, None
     if not absmax or absmax < 1e150:  # (std squares them)
         return float(f64.mean()), float(f64.std())

@@ -1730,6 +1730,42 @@ def test_deep_statistics_of_values_near_the_float64_limit(tmp_path):
     assert "Warning" not in r.stderr, r.stderr
 
 
+def test_deep_statistics_of_large_finite_complex64_values(tmp_path):
+    """|3e38 + 3e38j| is finite, yet complex64 magnitudes were taken in float32: max and absmax
+    "inf", mean and std "nan", and numpy's warning on stderr."""
+    import torch
+
+    torch.save({"z": torch.tensor([3e38 + 3e38j, 1 + 0j], dtype=torch.complex64)}, tmp_path / "z.pt")
+    r = run_cli("verify", tmp_path / "z.pt", "--deep", "--json")
+    stats = json.loads(r.stdout)["stats"]["z"]
+    assert stats["absmax"] == stats["max"] == pytest.approx(abs(complex(np.float32(3e38), np.float32(3e38))))
+    assert (stats["nan"], stats["inf"], stats["min"]) == (0, 0, 1.0) and stats["mean"] == pytest.approx(stats["max"] / 2)
+    assert "Warning" not in r.stderr, r.stderr
+
+
+def test_the_empty_moments_of_a_parameter_with_no_elements_are_no_finding(tmp_path):
+    """A trained parameter of shape (0, 4) has empty Adam moments, whose (no) bytes are all zeros:
+    "optimizer.state.1.exp_avg is all zeros at step 2: the moments were reset", an error, exit 1,
+    on a healthy checkpoint (with or without --deep)."""
+    import torch
+
+    w, e = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.empty(0, 4))
+    opt = torch.optim.Adam([w, e], lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        (w.sum() + e.sum()).backward()
+        opt.step()
+    torch.save({"model": {"w": w.detach(), "e": e.detach()}, "optimizer": opt.state_dict(), "step": 2}, tmp_path / "c.pt")
+    for deep in (False, True):
+        report = verify(tmp_path / "c.pt", deep=deep)
+        assert not [f for f in report.findings if f.rule == "optimizer-mismatch"], report.findings
+    opt.state[w]["exp_avg"].zero_()  # (a real parameter's zeroed moment is still one)
+    torch.save({"model": {"w": w.detach(), "e": e.detach()}, "optimizer": opt.state_dict(), "step": 2}, tmp_path / "z.pt")
+    assert [f.item for f in verify(tmp_path / "z.pt").findings if f.rule == "optimizer-mismatch"] == [
+        "optimizer.state.0.exp_avg"
+    ]
+
+
 def test_files_beside_a_megatron_iteration_are_not_extra_after_a_seal(tmp_path):
     """A file the run keeps in the save directory beside its iterations (progress.txt) was an
     extra-file right after sealing, failing --fail-on warning; a file added to the iteration's

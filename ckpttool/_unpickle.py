@@ -497,13 +497,15 @@ def numpy_arrays() -> dict[tuple[str, str], Any]:
     return _numpy()
 
 
+BYTES_IO: dict[tuple[str, str], Any] = {("io", "BytesIO"): OpaqueBytes, ("_io", "BytesIO"): OpaqueBytes}
+"""``io.BytesIO``, a state-dict value DCP and torch.save keep as it is: its bytes kept, nothing run."""
+
 NAMESPACES: dict[tuple[str, str], Any] = {
     ("argparse", "Namespace"): record("argparse.Namespace"),
     ("types", "SimpleNamespace"): record("types.SimpleNamespace"),
     ("pathlib", "PosixPath"): lambda *parts: "/".join(str(p) for p in parts),
     ("pathlib", "WindowsPath"): lambda *parts: "/".join(str(p) for p in parts),
-    ("io", "BytesIO"): OpaqueBytes,
-    ("_io", "BytesIO"): OpaqueBytes,
+    **BYTES_IO,
 }
 """Configuration containers (``argparse.Namespace`` of Megatron ``args``) and opaque byte blobs."""
 

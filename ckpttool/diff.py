@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ckpttool import registry
+from ckpttool import _unpickle, registry
 from ckpttool.assemble import assemble, regions
 from ckpttool.dtypes import as_float, carrier, float32_to_bf16
 from ckpttool.errors import CkptError, UsageError
@@ -380,15 +380,19 @@ def _tensor_and_value(report: DiffReport, key: str, ra: PieceReader, ia: Item, r
 
 def _compare_large_objects(report: DiffReport, key: str, ra: PieceReader, ia: Item, rb: PieceReader, ib: Item) -> None:
     """Non-tensor values too large for the manifest to keep (a Python RNG state, a scheduler's list
-    of more than 16 learning rates, a long string): read from both sides and compared as the small
-    ones are; a difference shown by their summaries. Values that are not plain data (objects a
-    format's unpickler rebuilds) are left as before."""
+    of more than 16 learning rates, a long string, a set, an ``io.BytesIO``): read from both sides
+    and compared as the small ones are (:func:`_comparable`); a difference shown by their
+    summaries. A value holding what diff cannot compare (a tensor inside a tuple, which DCP keeps
+    in one pickle) is said not to be compared: it was left out, and "equal" covered it."""
     try:
         a, b = ra.read_object(ia), rb.read_object(ib)
     except (CkptError, NotImplementedError, KeyError):
         report.unread.append({"name": key, "a": ia.summary, "b": ib.summary})
         return
-    if not (_plain_data(a) and _plain_data(b)):
+    try:
+        a, b = _comparable(a), _comparable(b)
+    except _NotComparable as exc:
+        report.not_compared.append(f"{key}: it holds {exc}, which diff does not compare inside a value")
         return
     if not same_value(a, b):
         shown_a = ia.value if ia.summary is None else f"{ia.summary} ({_digest_of(a)})"
@@ -396,17 +400,36 @@ def _compare_large_objects(report: DiffReport, key: str, ra: PieceReader, ia: It
         report.objects.append({"name": key, "a": shown_a, "b": shown_b})
 
 
-def _plain_data(value: Any, depth: int = 0) -> bool:
-    """Whether ``value`` is built of Python's plain data only (what :func:`~ckpttool.values.same_value` compares)."""
-    if value is None or isinstance(value, bool | int | float | str | bytes):
-        return True
+class _NotComparable(Exception):
+    """A value holds something :func:`_comparable` has no plain form of (its args: what)."""
+
+
+def _comparable(value: Any, depth: int = 0) -> Any:
+    """``value`` as the plain data :func:`~ckpttool.values.same_value` compares: Python's plain
+    values, NumPy arrays (NumPy's RNG state), sets (in an order of their own), ``bytearray`` as
+    bytes, an ``io.BytesIO`` by its bytes, an allowlisted class's stand-in by its name and
+    attributes. _NotComparable for anything else (a tensor inside the value, nesting past 32)."""
+    if value is None or isinstance(value, bool | int | float | complex | str | bytes | np.ndarray):
+        return value
     if depth > 32:
-        return False
+        raise _NotComparable("values nested more than 32 deep")
+    if isinstance(value, bytearray):
+        return ("bytearray", bytes(value))
+    if isinstance(value, _unpickle.OpaqueBytes):
+        return ("io.BytesIO", value.data)
+    if isinstance(value, set | frozenset):
+        return ("set", sorted((_comparable(v, depth + 1) for v in value), key=repr))
     if isinstance(value, list | tuple):
-        return all(_plain_data(v, depth + 1) for v in value)
+        return [_comparable(v, depth + 1) for v in value]
     if isinstance(value, dict):
-        return all(isinstance(k, str | int) and _plain_data(v, depth + 1) for k, v in value.items())
-    return False
+        return {k: _comparable(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, _unpickle.Record):
+        return (type(value)._qualname, _comparable(dict(value.__dict__), depth + 1))
+    if isinstance(value, _unpickle.EnumValue):
+        return ("enum", value.enum, value.value)
+    if isinstance(value, _unpickle.TensorRef):
+        raise _NotComparable("a tensor")
+    raise _NotComparable(f"a {type(value).__name__}")
 
 
 def _digest_of(value: Any) -> str:

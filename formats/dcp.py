@@ -189,10 +189,12 @@ OBJECT_ALLOWLIST: dict[tuple[str, str], Any] = {
     **_unpickle.PLAIN,
     **_unpickle.TORCH_TENSORS,
     **_unpickle.numpy_arrays(),
+    **_unpickle.BYTES_IO,
 }
 """Globals allowed in bytes items: plain Python values, tensors and plain numeric numpy arrays inside
 them (``np.random.get_state()``: Megatron's RNG records, carried by ``--to dcp``, and what training
-loops keep beside their torch RNG)."""
+loops keep beside their torch RNG), and ``io.BytesIO``, a state-dict value DCP saves as it is
+(its bytes kept, nothing run)."""
 
 
 def _load_metadata(root: Path, name: str) -> _Metadata:

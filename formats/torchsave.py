@@ -22,8 +22,14 @@ from ckpttool.naming import classify
 from ckpttool.values import find_step, flatten, is_container_leaf, set_value
 
 # plain numeric numpy arrays too: RNG states (``np.random.get_state()``) that training loops save
-# (Hugging Face's ``rng_state.pth``; Megatron's records, carried by ``convert --to torch``)
-ALLOWLIST: dict[tuple[str, str], Any] = {**_unpickle.PLAIN, **_unpickle.TORCH_TENSORS, **_unpickle.numpy_arrays()}
+# (Hugging Face's ``rng_state.pth``; Megatron's records, carried by ``convert --to torch``); and
+# ``io.BytesIO`` values (a DCP checkpoint's, carried by ``convert --to torch``)
+ALLOWLIST: dict[tuple[str, str], Any] = {
+    **_unpickle.PLAIN,
+    **_unpickle.TORCH_TENSORS,
+    **_unpickle.numpy_arrays(),
+    **_unpickle.BYTES_IO,
+}
 
 
 class TorchSaveAdapter:

@@ -23,6 +23,7 @@ import shutil
 import stat
 import struct
 import threading
+from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ from ckpttool.io import (
     staged_dir,
 )
 from ckpttool.manifest import Manifest
-from ckpttool.naming import canonical
+from ckpttool.naming import canonical, plural
 from ckpttool.values import is_count, unique_keys
 
 MAGIC = b"CKPTDELTA2\n"
@@ -193,7 +194,10 @@ def _packed(
     root, prefix = _pack_root(path, manifest)
     layout = {prefix + rel: segs for rel, segs in _file_layout(adapter, manifest).items()}
     files = [(prefix + rel, size) for rel, size in _checkpoint_files(manifest, base=not beside)]
-    if prefix and beside:  # the files beside the iteration folder: its tracker, its seal (and scripts a save leaves)
+    # the files beside the iteration folder(s) of a save directory: its tracker, its seal, scripts
+    # and notes a save leaves (a legacy Megatron save directory's manifest lists its rank files and
+    # tracker only: its seal was left out, and the checkpoint came back unsealed)
+    if beside and (prefix or (Path(path).is_dir() and root.resolve() == Path(path).resolve())):
         held = {rel for rel, _ in files}
         for entry in sorted(root.iterdir(), key=lambda e: e.name):
             name = entry.name
@@ -383,7 +387,25 @@ def create(
             fh.write(trailer(blob))
     finally:
         maps.close()
+    header["left_out"] = _left_out(target, t_root, {rel for rel, _ in t_files})
     return header
+
+
+def _left_out(target: str | Path, root: Path, packed: set[str]) -> list[str]:
+    """What a container of the folder ``target`` does not hold of it: each top entry (an older
+    iteration, a ``logs/`` folder) once, with how many files it holds, so that the user knows
+    before deleting the folder (empty for a file given)."""
+    if not Path(target).is_dir():
+        return []
+    counts: dict[str, int] = defaultdict(int)
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if TMP_MARKER not in d]
+        for name in names:
+            rel = Path(folder, name).relative_to(root).as_posix()
+            if rel not in packed and TMP_MARKER not in name:
+                top, _, rest = rel.partition("/")
+                counts[top + ("/" if rest else "")] += 1
+    return [f"{top} ({plural(n, 'file')})" if top.endswith("/") else top for top, n in sorted(counts.items())]
 
 
 def trailer(blob: bytes) -> bytes:

@@ -74,6 +74,27 @@ def test_compress_round_trip(rel, tmp_path):
     assert _restored(out, want) == want
 
 
+def test_a_sealed_legacy_megatron_save_directory_comes_back_sealed(tmp_path):
+    """A legacy Megatron save directory's manifest lists its rank files and tracker only: its seal
+    and a note beside them were left out of the container, and it came back unsealed. Files of the
+    folder the container does not hold (a DeepSpeed save's logs/) are now named on stderr."""
+    src = tmp_path / "L"
+    shutil.copytree(FIXTURES / "megatron" / "legacy_tp2pp2", src)
+    assert run_cli("seal", src, "-q").code == 0
+    (src / "README.txt").write_text("note\n")
+    r = run_cli("compress", src, "-o", tmp_path / "L.ckz", "-q")
+    assert r.code == 0 and "not in the container" not in r.stderr, r.stderr
+    assert run_cli("decompress", tmp_path / "L.ckz", "-o", tmp_path / "back").code == 0
+    assert tree_digests(tmp_path / "back") == tree_digests(src)
+    assert "seal: " in run_cli("verify", tmp_path / "back").stdout
+    ds = tmp_path / "D"
+    shutil.copytree(FIXTURES / "deepspeed" / "zero2", ds)
+    (ds / "logs").mkdir()
+    (ds / "logs" / "run.txt").write_text("x\n")
+    r = run_cli("compress", ds, "-o", tmp_path / "D.ckz", "-q")
+    assert r.code == 0 and "not in the container (not part of the checkpoint): logs/ (1 file)" in r.stderr, r.stderr
+
+
 def test_consecutive_steps_code_better_than_alone(tmp_path):
     alone = tmp_path / "alone.ckz"
     delta.create(RUN / "step_11", alone)

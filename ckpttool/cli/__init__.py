@@ -967,6 +967,13 @@ delta_app = typer.Typer(
 app.add_typer(delta_app, name="delta")
 
 
+def _said_left_out(out: Output, header: dict[str, Any]) -> None:
+    """A note of what the container does not hold of the folder given (not part of the checkpoint)."""
+    if left := header.get("left_out"):
+        shown = ", ".join(left[:6]) + (f" and {len(left) - 6} more" if len(left) > 6 else "")
+        out.warning(f"not in the container (not part of the checkpoint): {shown}")
+
+
 def _coded_summary(out: Output, target: Path) -> None:
     from rich.filesize import decimal
 
@@ -1001,7 +1008,7 @@ def delta_create(
     from ckpttool.delta import create, info
 
     out = Output(json_mode=json_out, quiet=quiet)
-    create(target, output, base=base, workers=workers, force=force)
+    _said_left_out(out, create(target, output, base=base, workers=workers, force=force))
     if json_out:
         out.json(info(output))
     else:
@@ -1080,7 +1087,7 @@ def compress(
     from ckpttool.delta import create, info
 
     out = Output(json_mode=json_out, quiet=quiet)
-    create(path, output, workers=workers, force=force)
+    _said_left_out(out, create(path, output, workers=workers, force=force))
     if json_out:
         out.json(info(output))
     else:

@@ -64,11 +64,13 @@ class Box:
 
 
 def row_major_strides(shape: Sequence[int]) -> Shape:
-    """The element strides of a contiguous (C-order) tensor of ``shape``."""
+    """The element strides of a contiguous (C-order) tensor of ``shape``, as torch gives them: a
+    dimension of size 0 counts as 1 (``torch.empty(3, 0).stride()`` is ``(1, 1)``), so that a file
+    written with them is byte for byte the one torch writes."""
     strides, step = [], 1
     for n in reversed(shape):
         strides.append(step)
-        step *= n
+        step *= max(n, 1)
     return tuple(reversed(strides))
 
 

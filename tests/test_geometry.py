@@ -107,13 +107,13 @@ def test_contiguous_part_agrees_with_numpy() -> None:
 
 
 def test_row_major_strides():
-    """C-order strides, as torch gives a contiguous tensor's (torch counts a size-0 dim as 1 in the
-    strides before it; no element is ever reached through them)."""
+    """C-order strides, as torch gives a contiguous tensor's, a size-0 dim counted as 1 in the
+    strides before it: (3, 0) gave (0, 1) where torch has (1, 1), and convert --to torch wrote other
+    bytes than dcp_to_torch_save for a tensor with no elements."""
     import torch
 
-    for shape in [(), (5,), (3, 4), (2, 3, 4, 1)]:
-        assert row_major_strides(shape) == torch.empty(shape).stride()
-    assert row_major_strides((2, 0, 3)) == (0, 3, 1)
+    for shape in [(), (5,), (3, 4), (2, 3, 4, 1), (3, 0), (0, 3), (2, 0, 3), (0,)]:
+        assert row_major_strides(shape) == torch.empty(shape).stride(), shape
 
 
 def test_first_gap_is_the_first_block_no_box_holds():
@@ -126,3 +126,4 @@ def test_first_gap_is_the_first_block_no_box_holds():
     cols = [Box((0, 0), (4, 2)), Box((0, 4), (4, 4))]  # columns 2:4 of every row: the first block
     assert first_gap((4, 8), cols) == Box((0, 2), (4, 2))
     assert first_gap((4, 8), []) == Box((0, 0), (4, 8))
+

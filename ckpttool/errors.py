@@ -104,16 +104,37 @@ class PartOfCheckpointError(FormatNotRecognizedError):
         )
 
 
+_TORCH_DTYPES_NOT_READ = frozenset(
+    {"float4_e2m1fn_x2", "complex32", "chalf", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
+     "qint8", "quint8", "qint32", "quint4x2", "quint2x4", "int1", "int2", "int3", "int4", "int5", "int6", "int7",
+     "uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7", "QInt8Storage", "QUInt8Storage", "QInt32Storage",
+     "QUInt4x2Storage", "QUInt2x4Storage", "ComplexHalfStorage"}
+)  # fmt: skip
+"""torch's dtypes (and their storage classes) that ckpttool's readers have no table entry for: a
+pickle naming one is refused as any global outside the allowlist, but said to be what it is."""
+
+
 class UnsafePickleError(CkptError):
     """A pickle referenced a global outside the format's allowlist; nothing was executed."""
 
     def __init__(self, file: str, global_name: str, *, what: str = "pickle") -> None:
-        super().__init__(
-            f"{file}: {what} refers to {global_name}, which is not allowed in this format; refused without running it",
-            hint="the file may be hostile or written by a tool ckpttool does not know; "
-            "do not load it with torch.load(weights_only=False) or pickle.load",
-            path=file,
-        )
+        module, _, name = global_name.rpartition(".")
+        if module == "torch" and name in _TORCH_DTYPES_NOT_READ:  # (a dtype: no code, nothing hostile)
+            message = f"{file}: {what} holds a tensor of dtype {global_name}, which ckpttool does not read yet"
+            hint = (
+                "torch.load(weights_only=True) reads it; ckpttool cannot inspect, verify or convert such a "
+                "checkpoint yet (a view of the tensor as torch.uint8 can be saved in its place)"
+            )
+        else:
+            message = (
+                f"{file}: {what} refers to {global_name}, which is not allowed in this format; refused without "
+                "running it"
+            )
+            hint = (
+                "the file may be hostile or written by a tool ckpttool does not know; "
+                "do not load it with torch.load(weights_only=False) or pickle.load"
+            )
+        super().__init__(message, hint=hint, path=file)
         self.file = file
         self.global_name = global_name
         self.rule = "unsafe-pickle"

@@ -440,12 +440,16 @@ def _digest_of(value: Any) -> str:
 
 
 _STATE_KINDS = ("dataloader", "scheduler", "counter", "rng")
+_USERS_OWN = ("torch", "dcp", "safetensors")
+"""Formats whose every value is the training loop's own (no layout keeps objects of its own in
+them): between two of one of these, any value one side lacks is a difference."""
 
 
 def _one_sided_objects(mine: Manifest, theirs: Manifest, keyed: dict[str, Item], other: dict[str, Item]) -> list[str]:
     """Non-tensor training state of ``mine`` the other side lacks (a dataloader cursor, a
     scheduler, the step, an optimizer hyperparameter lost: ``diff`` said "equal"). Of two
-    checkpoints of one format, each such item (state kinds, and param groups' hyperparameters);
+    checkpoints of one format, each such item (state kinds, and param groups' hyperparameters;
+    every value in a format of the user's own state dict, ``_USERS_OWN``);
     across formats, whose names for the same state differ, those of a kind the other side holds
     none of at all (a DCP checkpoint converted to safetensors: its step, dataloader and scheduler
     are gone), param groups' hyperparameters where the other side keeps none (its moments, which
@@ -454,6 +458,8 @@ def _one_sided_objects(mine: Manifest, theirs: Manifest, keyed: dict[str, Item],
     (a distributed optimizer's bucket sizes, a stacked layer's ``_extra_state`` shards) differ
     with the layout, not the state."""
     one_sided = [k for k, i in keyed.items() if not i.is_tensor and k not in other]
+    if mine.format == theirs.format in _USERS_OWN:  # (a config value, a token count, a tag removed)
+        return one_sided
     if mine.format == theirs.format:
         return [k for k in one_sided if keyed[k].kind in _STATE_KINDS or ".param_groups." in k]
     held = {i.kind for i in other.values()}

@@ -286,6 +286,19 @@ def test_values_that_are_not_plain_data_are_compared_or_said_not_to_be(tmp_path)
     assert not diff(tmp_path / "da", tmp_path / "t").different
 
 
+def test_any_value_one_side_lacks_is_a_difference_between_two_state_dicts(tmp_path):
+    """Between two torch.save files (or two DCP checkpoints), a config value, a token count or a
+    tag removed diffed "equal", exit 0: only training-state kinds were counted as removed."""
+    import torch
+
+    state = {"w": torch.ones(2), "config": {"lr": 0.1}, "tokens_seen": 1024, "tag": "run-7"}
+    torch.save(state, tmp_path / "a.pt")
+    torch.save({"w": torch.ones(2), "config": {}}, tmp_path / "b.pt")
+    report = diff(tmp_path / "a.pt", tmp_path / "b.pt")
+    assert report.different and sorted(report.removed) == ["config.lr", "tag", "tokens_seen"], report.to_json()
+    assert diff(tmp_path / "b.pt", tmp_path / "a.pt").added == report.removed
+
+
 def test_a_map_that_gives_two_items_one_name_is_refused(tmp_path):
     """layer.0.w and layer.1.w mapped to blk.0.w: one of them dropped out unseen, and "equal"."""
     import torch

@@ -676,13 +676,14 @@ def _weights_as_masters(
     as that copy (DeepSpeed's universal checkpoint of a pipeline run: ``ds_to_universal`` writes
     no layer files, whose weights the optimizer's fp32 copies give back): the same state when
     the other side's copy, narrowed to the weights' dtype as the optimizer narrows it after each
-    step, gives the weights bit for bit; then compared and identical, and a note. Any other is
-    left unmatched."""
+    step, gives the weights bit for bit; then compared and identical, and a note. Where the
+    narrowed copy differs, the weights are compared with it as values (a changed element of a
+    ZeRO-3 partition's fp32 copy read as "only in A: emb.weight", as if the parameter were gone)."""
     for mine, keyed, reader, other, r_other, side in (
         (report.removed, ka, ra, kb, rb, "A"),
         (report.added, kb, rb, ka, ra, "B"),
     ):
-        same = []
+        same, differ = [], []
         for k in mine:
             item, copy = keyed[k], other.get(f"{k}.fp32")
             if item.kind != "param" or copy is None or copy.kind != "master":
@@ -700,6 +701,21 @@ def _weights_as_masters(
                 continue
             if weights.tobytes() == narrowed.tobytes():
                 same.append(k)
+                continue
+            acc = _Accumulator(report.atol, report.rtol)
+            va, vb = (weights, narrowed) if side == "A" else (narrowed, weights)
+            acc.add(va, vb, item.dtype, item.dtype, Box.whole(tuple(item.shape or ())))
+            differ.append(k)
+            report.compared += 1
+            report.values.append(acc.result(k, item.dtype, item.dtype, weights.size))
+        if differ:
+            gone = set(differ)
+            mine[:] = [k for k in mine if k not in gone]
+            report.notes.append(
+                f"weights: {side} keeps {len(differ)} parameter(s) beside their fp32 copies, the other side only as "
+                f"those copies ({', '.join(differ[:5])}{' …' if len(differ) > 5 else ''}): compared with the copies "
+                "narrowed to the weights' dtype"
+            )
         _same_listed(
             report,
             same,

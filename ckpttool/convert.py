@@ -39,6 +39,7 @@ from ckpttool.export import (
     write_safetensors,
 )
 from ckpttool.formats.base import Adapter
+from ckpttool.formats.safetensors import written_metadata
 from ckpttool.io import (
     check_output,
     checking_crcs,
@@ -388,7 +389,7 @@ def _plain_target(
                         reader,
                         buffer=buffer,
                         progress=progress,
-                        metadata={"format": "pt", "ckpttool.source_format": manifest.format},
+                        metadata=written_metadata(manifest),
                     )
                     fh.flush()
                     os.fsync(fh.fileno())

@@ -22,7 +22,7 @@ from ckpttool.assemble import assemble, check_coverage
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CorruptFileError, IncompleteCheckpointError, PartOfCheckpointError, UsageError
 from ckpttool.formats.base import Adapter, PieceReader
-from ckpttool.formats.safetensors import NUMBERED
+from ckpttool.formats.safetensors import NUMBERED, written_metadata
 from ckpttool.formats.torchsave import refuse_a_part
 from ckpttool.io import atomic_output, check_output, checking_crcs, finish_partial, refuse_overlap
 from ckpttool.manifest import KINDS, Item, Manifest, Piece
@@ -296,7 +296,7 @@ def export(
             f,
             list(zip(result.names, result.written, strict=True)),
             reader,
-            metadata={"format": "pt", "ckpttool.source_format": manifest.format},
+            metadata=written_metadata(manifest),
             progress=None if progress is None else lambda n: progress(n, total),
         )
         finish_partial()  # (a source member read in part is judged whole before the file appears)

@@ -130,6 +130,23 @@ def read_header(path: Path, display: str) -> Header:
     return Header(file=display, size=size, tensors=entries, metadata=meta)
 
 
+def written_metadata(manifest: Manifest) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file ckpttool writes from ``manifest``: a safetensors
+    source's own (its files' entries that agree; a model card's ``modelspec.*``, a trainer's notes),
+    then ``format`` (``pt``) and the source's format. It was dropped whole."""
+    carried: dict[str, str] = {}
+    clash: set[str] = set()
+    for meta in (manifest.extras.get("metadata") or {}).values() if manifest.format == "safetensors" else ():
+        for k, v in meta.items():
+            if carried.setdefault(k, v) != v:
+                clash.add(k)
+    return {
+        **{k: v for k, v in carried.items() if k not in clash},
+        "format": "pt",
+        "ckpttool.source_format": manifest.format,
+    }
+
+
 def _entry(display: str, name: str, spec: Any, base: int) -> TensorEntry:
     if not isinstance(spec, dict) or set(spec) - {"dtype", "shape", "data_offsets"}:
         raise CorruptFileError(f"{display}: entry {name!r} is not {{dtype, shape, data_offsets}}", path=display)

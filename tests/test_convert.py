@@ -539,3 +539,20 @@ def test_outputs_read_back_with_the_sources_kinds(fixture, to, tmp_path):
     assert got == want, {
         n: (want[n], got.get(n)) for n in want if got.get(n) != want[n]
     }
+
+
+def test_a_safetensors_source_keeps_its_metadata(tmp_path):
+    """convert --to safetensors and export of a safetensors file dropped its __metadata__ (a model
+    card's modelspec.*, a trainer's notes) without a word: only format and ckpttool's own key remained."""
+    import numpy as np
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "m.safetensors"
+    save_file({"w": np.ones(2, np.float32)}, src, metadata={"format": "pt", "modelspec.architecture": "x", "custom": "y"})
+    assert run_cli("convert", src, "-o", tmp_path / "o", "--to", "safetensors").code == 0
+    assert run_cli("export", src, "-o", tmp_path / "e.safetensors").code == 0
+    for out in (tmp_path / "o" / "model.safetensors", tmp_path / "e.safetensors"):
+        with safe_open(out, "np") as f:
+            meta = f.metadata()
+        assert meta == {"format": "pt", "modelspec.architecture": "x", "custom": "y", "ckpttool.source_format": "safetensors"}

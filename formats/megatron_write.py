@@ -667,6 +667,15 @@ def _validate_hint(problems: list[str], dist_helps: bool, layout_help: str | Non
     )
 
 
+def _inherited_vpp(args: Any, target: MegatronTarget, problems: list[str]) -> str:
+    """Where stages do not split into model chunks the user never asked for: the source's (its
+    virtual stages, or those of its pipeline layout), and how to ask for one chunk a stage."""
+    vpp = _target_vpp(args, target)
+    if target.vpp is not None or vpp < 2 or not any(f"split into VPP={vpp} model chunks" in p for p in problems):
+        return ""
+    return f"; VPP={vpp} is the source's, kept as no --vpp was given: --vpp 1 gives each stage one model chunk"
+
+
 _LAYOUT_PROBLEMS = ("the layout", "the pipeline layout places", "VPP=")
 """how the reasons a pipeline layout does not fit begin (:func:`layout_chunks`, :func:`_mtp_problems`)"""
 
@@ -1026,7 +1035,8 @@ class LegacyWriter:
                 + "; ".join(problems),
                 hint=_validate_hint(
                     problems, self.rank_files and not staged_source, _layout_help(self.args, manifest, target)
-                ),
+                )
+                + _inherited_vpp(self.args, target, problems),
             )
         self.vpp = _target_vpp(self.args, target)
         """model chunks (virtual pipeline stages) per pipeline rank in the output"""

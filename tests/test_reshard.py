@@ -3919,6 +3919,16 @@ def test_given_end_stages_or_a_layout_replace_a_source_s_counted_embedding_and_l
         assert not diff(src, back).different
 
 
+def test_chunks_the_user_never_asked_for_are_said_to_be_the_source_s(tmp_path):
+    """--pp-first-layers 1 on a source with two model chunks a stage was refused with "the 1 layers
+    of pipeline stage 0 do not split into VPP=2 model chunks", though no --vpp was given: the hint
+    now says the VPP is the source's and that --vpp 1 gives one chunk a stage (which then works)."""
+    src = FIXTURES / "megatron" / "legacy_pp2layout"
+    r = run_cli("reshard", src, "-o", tmp_path / "a", "--pp-first-layers", "1")
+    assert_clean(r, 2, "do not split into VPP=2 model chunks", "VPP=2 is the source's, kept as no --vpp was given: --vpp 1")
+    assert run_cli("reshard", src, "-o", tmp_path / "b", "--pp-first-layers", "1", "--vpp", "1").code == 0
+
+
 def test_a_round_trip_through_a_tp_the_vocab_divisor_cannot_give_restores_it(tmp_path):
     """TP=1 -> 2 -> 1 from a run whose make_vocab_size_divisible_by (64) gives its 64 padded rows
     at TP=1 but not at TP=2: the reshard to TP=2 records 32 (what gives them there), and the one back

@@ -670,8 +670,13 @@ def _validate_hint(problems: list[str], dist_helps: bool, layout_help: str | Non
 def _inherited_vpp(args: Any, target: MegatronTarget, problems: list[str]) -> str:
     """Where stages do not split into model chunks the user never asked for: the source's (its
     virtual stages, or those of its pipeline layout), and how to ask for one chunk a stage."""
-    vpp = _target_vpp(args, target)
-    if target.vpp is not None or vpp < 2 or not any(f"split into VPP={vpp} model chunks" in p for p in problems):
+    if target.vpp is not None or not any("model chunks" in p for p in problems):
+        return ""
+    try:
+        vpp = _target_vpp(args, target)
+    except ValueError:  # (a layout that does not parse: its own problem says so)
+        return ""
+    if vpp < 2 or not any(f"split into VPP={vpp} model chunks" in p for p in problems):
         return ""
     return f"; VPP={vpp} is the source's, kept as no --vpp was given: --vpp 1 gives each stage one model chunk"
 

@@ -556,10 +556,15 @@ def _same_state(report: DiffReport, keys: list[str], note: str) -> None:
     report.notes.append(note)
 
 
+def _shown(names: list[str]) -> str:
+    """The first five of ``names``, for a note ("a, b, c, d, e …")."""
+    return ", ".join(names[:5]) + (" …" if len(names) > 5 else "")
+
+
 def _same_listed(report: DiffReport, keys: list[str], note: str) -> None:
     """:func:`_same_state` of ``keys`` (none: nothing), ``note``'s ``{shown}`` the first five."""
     if keys:
-        _same_state(report, keys, note.format(shown=", ".join(keys[:5]) + (" …" if len(keys) > 5 else "")))
+        _same_state(report, keys, note.format(shown=_shown(keys)))
 
 
 def _extra_masters(
@@ -587,7 +592,7 @@ def _extra_masters(
             if np.array_equal(copy.view(np.uint32), values.astype(np.float32).view(np.uint32)):
                 same.append(k)
         if same:
-            shown = ", ".join(k[: -len(".fp32")] for k in same[:5]) + (" …" if len(same) > 5 else "")
+            shown = _shown([k[: -len(".fp32")] for k in same])
             _same_state(
                 report,
                 same,
@@ -713,7 +718,7 @@ def _weights_as_masters(
             mine[:] = [k for k in mine if k not in gone]
             report.notes.append(
                 f"weights: {side} keeps {len(differ)} parameter(s) beside their fp32 copies, the other side only as "
-                f"those copies ({', '.join(differ[:5])}{' …' if len(differ) > 5 else ''}): compared with the copies "
+                f"those copies ({_shown(differ)}): compared with the copies "
                 "narrowed to the weights' dtype"
             )
         _same_listed(

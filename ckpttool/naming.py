@@ -171,7 +171,9 @@ def printable(text: str) -> str:
     return no_commands("".join(out))
 
 
-_RUNNER_COMMAND = re.compile(r"#(?=#(?:vso)?\[)|^( *):(?=:)")
+RUNNER_HASH = r"#(?=#(?:vso)?\[)"
+"""the ``#`` that starts a CI runner's command anywhere in a line (``##[name]``, ``##vso[name]``)"""
+_RUNNER_COMMAND = re.compile(rf"{RUNNER_HASH}|^( *):(?=:)")
 
 
 def no_commands(text: str) -> str:

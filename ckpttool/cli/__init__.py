@@ -352,7 +352,7 @@ def export(
     else:
         from rich.filesize import decimal
 
-        out.line(f"wrote {len(result.written)} tensors ({decimal(result.nbytes)}) to {escape(str(result.output))}")
+        out.line(f"wrote {len(result.written)} tensors ({decimal(result.nbytes)}) to {result.output}")
 
 
 @app.command(
@@ -413,7 +413,7 @@ def seal(
         size = decimal(sum(f.size for f in sealed))
         out.line(
             f"sealed {plural(len(sealed), 'file')} ({size}) and {plural(len(result.pieces), 'piece')} "
-            f"with {result.algo}: {escape(str(target))}"
+            f"with {result.algo}: {target}"
         )
 
 
@@ -749,7 +749,7 @@ def convert(
         others = f" and {result.objects} other items" if result.objects else ""
         out.line(
             f"wrote {result.tensors} tensors ({decimal(result.nbytes)}){others} in {len(result.files)} "
-            f"file{'s' if len(result.files) != 1 else ''} to {escape(str(result.output))}"
+            f"file{'s' if len(result.files) != 1 else ''} to {result.output}"
         )
 
 
@@ -939,7 +939,7 @@ def reshard(
             squeeze="FILE",
         )
         last = [*plan.last, *([] if no_seal else [SEAL_NAME])]
-        then = f"; then {len(last)} small files: {escape(', '.join(last))}" if last else ""
+        then = f"; then {len(last)} small files: {', '.join(last)}" if last else ""
         written_as = " ".join(filter(None, (plan.format, layout)))
         out.line(
             f"plan: {len(plan.files)} files, {decimal(plan.nbytes)} of tensors, {written_as}, "
@@ -953,7 +953,7 @@ def reshard(
     out.line(
         f"wrote {len(written)} files ({decimal(sum(n for _, n in written))}) as "
         f"{' '.join(filter(None, (plan.format, layout)))} "
-        f"to {escape(str(result.output))}"
+        f"to {result.output}"
         + (" (sealed)" if result.sealed else "")
         + (f" from {len(result.ranks)} ranks" if result.ranks else "")
     )
@@ -984,7 +984,7 @@ def _coded_summary(out: Output, target: Path) -> None:
     out.line(
         f"{stats['files']} files, {decimal(int(stats['bytes']))} -> {decimal(int(stats['container_bytes']))}"
         + (f" (ratio {ratio:.3f})" if ratio else "")
-        + f": {escape(str(target))}"
+        + f": {target}"
     )
 
 
@@ -1038,7 +1038,7 @@ def delta_apply(
 
     out = Output(quiet=quiet)
     header = apply(delta, output, base=base, workers=workers, force=force)
-    out.line(f"restored {len(header['files'])} files to {escape(str(output))} (every file's xxh3-128 checked)")
+    out.line(f"restored {len(header['files'])} files to {output} (every file's xxh3-128 checked)")
 
 
 @delta_app.command("info", epilog="Example:  ckpttool delta info step_1010.delta --json")
@@ -1060,7 +1060,7 @@ def delta_info(
         out.json(stats)
         return
     out.line(
-        f"{escape(str(stats['kind']))} of a {escape(str(stats['format']))} checkpoint: {stats['files']} files, "
+        f"{stats['kind']} of a {stats['format']} checkpoint: {stats['files']} files, "
         f"{decimal(int(stats['bytes']))} -> {decimal(int(stats['coded']))}"
     )
     rows = [
@@ -1112,7 +1112,7 @@ def decompress(
 
     out = Output(quiet=quiet)
     header = apply(packed, output, workers=workers, force=force)
-    out.line(f"restored {len(header['files'])} files to {escape(str(output))} (every file's xxh3-128 checked)")
+    out.line(f"restored {len(header['files'])} files to {output} (every file's xxh3-128 checked)")
 
 
 @app.command(
@@ -1154,22 +1154,25 @@ def rehearse(
     else:
         losses = [float.fromhex(s["loss"]) for s in report.runs[0]["steps"]]
         out.line(
-            f"{escape(str(report.path))}: {len(report.runs)} runs of {report.steps} steps "
-            f"with {escape(str(report.harness))}"
+            f"{report.path}: {len(report.runs)} runs of {report.steps} steps with {report.harness}"
             + ("" if report.trajectory else " (no recorded trajectory: runs compared with each other only)")
         )
         out.line("losses: " + ", ".join(f"{v:.6g}" for v in losses))
         for f in report.findings:
-            out.line(f"[red]{escape(f.component)}[/red]: {escape(f.message)}" if f.component else escape(f.message))
+            if f.component:
+                out.line(f"[red]{escape(f.component)}[/red]: {escape(f.message)}", markup=True)
+            else:
+                out.line(f.message)
         for note in report.notes:
-            out.line(f"note: {escape(note)}")
+            out.line(f"note: {note}")
         if not report.ok:
-            out.line("[red]replay is NOT exact[/red]")
+            out.line("[red]replay is NOT exact[/red]", markup=True)
         elif report.tolerance is None:
-            out.line("[green]replay is bit-identical[/green]")
+            out.line("[green]replay is bit-identical[/green]", markup=True)
         else:
             out.line(
-                f"[green]replay matches within --tolerance {report.tolerance:g}[/green] (the first step bit for bit)"
+                f"[green]replay matches within --tolerance {report.tolerance:g}[/green] (the first step bit for bit)",
+                markup=True,
             )
     if not report.ok:
         raise typer.Exit(1)

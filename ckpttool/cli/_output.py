@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from ckpttool.naming import printable, utf8
+from ckpttool.naming import RUNNER_HASH, printable, utf8
 
 
 def strict(value: Any) -> Any:
@@ -39,7 +39,7 @@ def strict(value: Any) -> Any:
     return value
 
 
-_RUNNER_COMMAND = re.compile(r"#(?=#(?:vso)?\[)")
+_RUNNER_HASH = re.compile(RUNNER_HASH)
 
 
 def _key(key: Any, within: dict[Any, Any]) -> Any:
@@ -54,7 +54,7 @@ def dumps(payload: Any) -> str:
     that starts what a CI runner reads as a command anywhere in a line of its log (``##[name]``,
     ``##vso[name]``: see :func:`ckpttool.naming.no_commands`) is written ``\\u0023``, which JSON
     reads back as ``#``; ``#`` occurs in JSON text only inside strings."""
-    return _RUNNER_COMMAND.sub(r"\\u0023", json.dumps(strict(payload), indent=2, default=str, allow_nan=False))
+    return _RUNNER_HASH.sub(r"\\u0023", json.dumps(strict(payload), indent=2, default=str, allow_nan=False))
 
 
 def _reader_gone() -> None:
@@ -93,14 +93,16 @@ class Output:
         sys.stdout.write(dumps(payload) + "\n")
         sys.stdout.flush()
 
-    def line(self, text: str) -> None:
-        """A line of human data output (rich markup allowed): wrapped at a terminal's width, never
+    def line(self, text: str, *, markup: bool = False) -> None:
+        """A line of human data output, plain text unless ``markup`` (then rich markup, every name in
+        it escaped by the caller; plain by default, so that a path holding ``[/]`` is shown as it is
+        and never ends the command with a MarkupError): wrapped at a terminal's width, never
         elsewhere (a pipe, a file, a CI log). Like every human output here, it is one line with no
         control characters (:func:`ckpttool.naming.printable`): the names in it are the
         checkpoint's to choose, and a newline or an escape sequence in one must neither forge a
         line nor reach the terminal."""
         if not self.json_mode:
-            self.out.print(printable(text), soft_wrap=not _for_a_reader(self.out))
+            self.out.print(printable(text), soft_wrap=not _for_a_reader(self.out), markup=markup)
 
     def table(
         self,

@@ -33,7 +33,8 @@ def inspect_report(out: Output, report: InspectReport) -> None:
     )
     out.line(
         f"[bold]{escape(m.format)}[/bold] checkpoint  {escape(report.path)}"
-        + (f"  (format version {escape(m.format_version)})" if m.format_version else "")
+        + (f"  (format version {escape(m.format_version)})" if m.format_version else ""),
+        markup=True,
     )
     out.line(f"step: {m.step if m.step is not None else 'unknown'}   layout: {layout}")
     out.line(
@@ -41,12 +42,12 @@ def inspect_report(out: Output, report: InspectReport) -> None:
         f"({decimal(report.nbytes)} of values)"
     )
     if variant := m.extras.get("variant"):
-        out.line(f"variant: {escape(str(variant))}")
+        out.line(f"variant: {variant}")
     if held := m.extras.get("state_files"):  # (a Hugging Face Trainer's files beside the model)
         by_file: dict[str, list[str]] = {}
         for state, rel in held.items():
             by_file.setdefault(str(rel), []).append(str(state))
-        out.line("training state in: " + ", ".join(f"{escape(r)} ({', '.join(s)})" for r, s in by_file.items()))
+        out.line("training state in: " + ", ".join(f"{r} ({', '.join(s)})" for r, s in by_file.items()))
     out.line("")
     out.table(
         ["KIND", "ITEMS", "BYTES"],
@@ -61,11 +62,11 @@ def inspect_report(out: Output, report: InspectReport) -> None:
     )
     out.line("")
     if report.missing_state:
-        out.line(f"[yellow]missing training state:[/yellow] {', '.join(report.missing_state)}")
+        out.line(f"[yellow]missing training state:[/yellow] {escape(', '.join(report.missing_state))}", markup=True)
     else:
         out.line("training state: optimizer, rng, dataloader, scheduler and step all present")
     for item in report.unloadable:
-        out.line(f"[red]unloadable:[/red] {escape(item.name)}: {escape(item.error or '')}")
+        out.line(f"[red]unloadable:[/red] {escape(item.name)}: {escape(item.error or '')}", markup=True)
 
 
 def item_table(out: Output, items: Sequence[Item]) -> None:
@@ -89,17 +90,17 @@ def verify_report(out: Output, report: VerifyReport, fail_on: Severity) -> None:
     fmt = report.format or "unreadable"
     step = "unknown" if report.step is None else report.step
     head = f"[bold]{escape(str(fmt))}[/bold] checkpoint  {escape(report.path)}  step {step}"
-    out.line(head)
+    out.line(head, markup=True)
     if report.root:
-        out.line(f"files named from {escape(report.root)}")
+        out.line(f"files named from {report.root}")
     out.line(
         f"checked: {checked or 'nothing'}"
-        + (f"   seal: {escape(report.seal)}" if report.seal else "   no seal (zip CRCs used where the format has them)")
+        + (f"   seal: {report.seal}" if report.seal else "   no seal (zip CRCs used where the format has them)")
     )
     if report.seal_nearby:
         folder = os.path.dirname(report.seal_nearby) or "."
         out.line(
-            f"{escape(report.seal_nearby)} seals the folder {escape(folder)}: 'ckpttool verify {escape(folder)}' "
+            f"{report.seal_nearby} seals the folder {folder}: 'ckpttool verify {folder}' "
             "checks this checkpoint against it"
         )
     rows = [(g.severity.upper(), g.rule, g.line, list(g.hints)) for g in groups(report)]
@@ -108,23 +109,26 @@ def verify_report(out: Output, report: VerifyReport, fail_on: Severity) -> None:
         out.findings(rows)
     out.line("")
     verdict = "[green]OK[/green]" if ok else "[red]FAILED[/red]"
-    out.line(f"{verdict}: {plural(s['error'], 'error')}, {plural(s['warning'], 'warning')} (failing on {fail_on})")
+    out.line(
+        f"{verdict}: {plural(s['error'], 'error')}, {plural(s['warning'], 'warning')} (failing on {fail_on})",
+        markup=True,
+    )
 
 
 def diff_report(out: Output, report: DiffReport) -> None:
-    out.line(f"A: {escape(report.a)} ({report.formats[0]})   B: {escape(report.b)} ({report.formats[1]})")
+    out.line(f"A: {report.a} ({report.formats[0]})   B: {report.b} ({report.formats[1]})")
     out.line(
         f"compared {report.compared} tensors: {report.identical} identical, {len(report.values)} with "
         f"different values; tolerance atol={report.atol:g} rtol={report.rtol:g}"
     )
     if report.removed:
         out.line(
-            f"only in A ({len(report.removed)}): {escape(', '.join(report.removed[:10]))}"
+            f"only in A ({len(report.removed)}): {', '.join(report.removed[:10])}"
             + (" …" if len(report.removed) > 10 else "")
         )
     if report.added:
         out.line(
-            f"only in B ({len(report.added)}): {escape(', '.join(report.added[:10]))}"
+            f"only in B ({len(report.added)}): {', '.join(report.added[:10])}"
             + (" …" if len(report.added) > 10 else "")
         )
     if report.opaque:
@@ -133,18 +137,16 @@ def diff_report(out: Output, report: DiffReport) -> None:
             "(torch_dist's rng_state)"
         )
     for note in report.notes:
-        out.line(f"same: {escape(note)}")
+        out.line(f"same: {note}")
     for note in report.not_compared:
-        out.line(f"[yellow]not compared[/yellow]: {escape(note)}")
+        out.line(f"[yellow]not compared[/yellow]: {escape(note)}", markup=True)
     for c in report.changed_meta:
-        out.line(
-            f"changed: {escape(c['name'])}: {c['a']['dtype']}{c['a']['shape']} -> {c['b']['dtype']}{c['b']['shape']}"
-        )
+        out.line(f"changed: {c['name']}: {c['a']['dtype']}{c['a']['shape']} -> {c['b']['dtype']}{c['b']['shape']}")
     for o in report.objects:
-        out.line(f"value: {escape(o['name'])}: {escape(repr(o['a']))} -> {escape(repr(o['b']))}")
+        out.line(f"value: {o['name']}: {o['a']!r} -> {o['b']!r}")
     for c in report.copies:
         out.line(
-            f"copy: {escape(c['name'])}: {c['side']}'s copy in {escape(c['file'])} (rank {c['rank']}) differs from "
+            f"copy: {c['name']}: {c['side']}'s copy in {c['file']} (rank {c['rank']}) differs from "
             f"{'B' if c['side'] == 'A' else 'A'}'s values"
             + (
                 f" ({c['differing']:,} element(s), first at {c['first_index']}, max abs {c['max_abs_diff']:.4g})"
@@ -154,7 +156,7 @@ def diff_report(out: Output, report: DiffReport) -> None:
         )
     for u in report.unread:
         sides = "; ".join(f"{side.upper()}: {u[side]}" for side in ("a", "b") if u[side])
-        out.line(f"[yellow]not read[/yellow]: {escape(u['name'])} ({escape(sides)})")
+        out.line(f"[yellow]not read[/yellow]: {escape(u['name'])} ({escape(sides)})", markup=True)
     if report.values:
         out.line("")
         rows = [
@@ -180,13 +182,14 @@ def diff_report(out: Output, report: DiffReport) -> None:
         if first is not None and largest is not None:
             out.line(
                 f"[red]different[/red]: first divergence {escape(first.name)}, largest {escape(largest.name)} "
-                f"(rel L2 {largest.rel_l2:.3g})"
+                f"(rel L2 {largest.rel_l2:.3g})",
+                markup=True,
             )
         else:
-            out.line("[red]different[/red]")
+            out.line("[red]different[/red]", markup=True)
     elif report.unread:
         n = len(report.unread)
         values = f"{n} value{'s' if n != 1 else ''}"
-        out.line(f"[yellow]not shown equal[/yellow]: {values} could not be read on one side or both")
+        out.line(f"[yellow]not shown equal[/yellow]: {values} could not be read on one side or both", markup=True)
     else:
-        out.line("[green]equal[/green]" + (" within tolerance" if report.values else ""))
+        out.line("[green]equal[/green]" + (" within tolerance" if report.values else ""), markup=True)

@@ -527,6 +527,7 @@ def _verify(
 
     piece_digests: dict[tuple[str, int], str] = {}
     file_digests: dict[str, FileDigest] = {}  # (without a seal: a seal's mismatches name the files)
+    besides = _Besides(manifest) if manifest is not None else None
     if sealed is not None and manifest is not None and (stale := _stale_seal(report, sealed, manifest)) is not None:
         report.findings.append(stale)
         if early is not None:
@@ -536,11 +537,12 @@ def _verify(
         piece_digests = _check_seal(report, root, sealed, manifest, adapter, workers, progress, early)
         if manifest is not None:
             _check_seal_is_this_saves(report, sealed, manifest)
-            if beside := (manifest.extras.get("state_files") or {}).get("optimizer"):
-                _check_optimizer_beside(report, manifest, beside, sealed=True)
+            if besides is not None and (beside := (manifest.extras.get("state_files") or {}).get("optimizer")):
+                _check_optimizer_beside(report, besides, beside, sealed=True)
     elif manifest is not None and adapter is not None:
         piece_digests, file_digests = _check_integrity(report, manifest, adapter, workers, progress)
-        _check_aux_archives(report, manifest)
+        if besides is not None:
+            _check_aux_archives(report, manifest, besides)
     if manifest is not None and adapter is not None:
         _check_misplaced(report, manifest, adapter)
     _check_in_flight(report, root, manifest, sealed is not None)
@@ -555,7 +557,7 @@ def _verify(
         _check_copies(report, manifest, adapter, file_digests)  # (once the format has named what it can)
         _check_optimizer(report, manifest, adapter, piece_digests, sealed.algo if sealed else "xxh3-128")
         if deep:
-            _check_values(report, manifest, adapter)
+            _check_values(report, manifest, adapter, besides)
     report.findings = _one_per_changed_file(_dedupe([_within(f, root, Path(report.path)) for f in report.findings]))
     if manifest is not None:
         report.findings = _ranked(report.findings, manifest)
@@ -945,7 +947,7 @@ def _zip_damage(
     ]
 
 
-def _check_aux_archives(report: VerifyReport, manifest: Manifest) -> None:
+def _check_aux_archives(report: VerifyReport, manifest: Manifest, besides: _Besides) -> None:
     """The torch.save files a checkpoint holds beside the state its format reads (a Hugging Face
     Trainer's ``optimizer.pt``, ``scheduler.pt`` and ``rng_state.pth`` beside ``model.safetensors``):
     not read as state, but checked as archives (cut short, empty, CRC-32s), so that their damage
@@ -954,11 +956,25 @@ def _check_aux_archives(report: VerifyReport, manifest: Manifest) -> None:
     for f in manifest.files:
         if f.role != "aux" or not f.path.endswith(_pt.SUFFIXES) or _pt.foreign_zip(Path(manifest.root) / f.path):
             continue  # (a TorchScript file, a zip of assets: not judged as a torch.save file)
-        if f.path == optimizer and _check_optimizer_beside(report, manifest, f.path, sealed=False):
+        if f.path == optimizer and _check_optimizer_beside(report, besides, f.path, sealed=False):
             continue  # (its CRC-32s checked in the same read)
         report.findings += _zip_damage(Path(manifest.root), f.path, whole=True)
         report.checked["files"] = report.checked.get("files", 0) + 1
         report.checked["bytes"] = report.checked.get("bytes", 0) + f.size
+
+
+class _Besides:
+    """The torch.save files beside a checkpoint's state, each read once in a run (:func:`_beside`):
+    the optimizer check and --deep's values both need a Trainer's ``optimizer.pt``."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self.read: dict[str, Manifest | None] = {}
+
+    def __call__(self, rel: str) -> Manifest | None:
+        if rel not in self.read:
+            self.read[rel] = _beside(self.manifest, rel)
+        return self.read[rel]
 
 
 def _beside(manifest: Manifest, rel: str) -> Manifest | None:
@@ -986,7 +1002,7 @@ def _beside(manifest: Manifest, rel: str) -> Manifest | None:
     return renamed
 
 
-def _check_optimizer_beside(report: VerifyReport, manifest: Manifest, rel: str, *, sealed: bool) -> bool:
+def _check_optimizer_beside(report: VerifyReport, besides: _Besides, rel: str, *, sealed: bool) -> bool:
     """The optimizer state a checkpoint keeps in a torch.save file beside its format's (a Hugging
     Face Trainer's ``optimizer.pt``, keyed by parameter index) checked as any optimizer state is:
     a parameter without its state, steps that disagree with each other or the checkpoint's,
@@ -994,7 +1010,7 @@ def _check_optimizer_beside(report: VerifyReport, manifest: Manifest, rel: str, 
     digests the zero check needs). False where it does not read as optimizer state."""
     from ckpttool.formats.torchsave import ADAPTER
 
-    beside = _beside(manifest, rel)
+    beside = besides(rel)
     if beside is None or not any(i.kind == "optim" for i in beside.items.values()):
         return False
     # the pieces' digests the step and zero checks compare, and (without a seal) the CRC-32s, in one
@@ -2589,7 +2605,7 @@ def _check_master(report: VerifyReport, item: Item, values: np.ndarray, master: 
     )
 
 
-def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter, *, beside: bool = True) -> None:
+def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter, besides: _Besides | None) -> None:
     """--deep: every value read once. NaN/Inf and statistics per tensor, moments all zero by
     value, and each fp32 master against its parameter (read with it, not again on its own turn).
     (The copies of a region that differ from the first: :func:`_check_replicas`.)"""
@@ -2631,8 +2647,8 @@ def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter, *,
                     rank=holder.rank if holder else None,
                 )
             )
-    if beside:
-        _check_values_beside(report, manifest)
+    if besides is not None:
+        _check_values_beside(report, manifest, besides)
     report.checked["values"] = len(report.stats)
 
 
@@ -2640,15 +2656,15 @@ _LEARNING_RATE = re.compile(r"(?:^|\.)[^.]*lrs?(?:\.\d+)*$")
 """a learning rate's name: its last part (list indices aside) ends in ``lr`` or ``lrs``"""
 
 
-def _check_values_beside(report: VerifyReport, manifest: Manifest) -> None:
+def _check_values_beside(report: VerifyReport, manifest: Manifest, besides: _Besides) -> None:
     """--deep: the values of the torch.save files a checkpoint keeps beside its format's (a Hugging
     Face Trainer's ``optimizer.pt``), read as the single files they are; their items named from the
     file (``optimizer.state.0.exp_avg`` in ``optimizer.pt``)."""
     from ckpttool.formats.torchsave import ADAPTER
 
     for f in manifest.files:
-        if f.role == "aux" and f.path.endswith(_pt.SUFFIXES) and (renamed := _beside(manifest, f.path)) is not None:
-            _check_values(report, renamed, ADAPTER, beside=False)
+        if f.role == "aux" and f.path.endswith(_pt.SUFFIXES) and (renamed := besides(f.path)) is not None:
+            _check_values(report, renamed, ADAPTER, None)
 
 
 def _census(report: VerifyReport, item: Item, values: np.ndarray, stepping: bool, manifest: Manifest) -> None:

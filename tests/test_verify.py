@@ -1892,7 +1892,7 @@ def test_a_trainers_optimizer_file_is_checked_as_optimizer_state(sealed, tmp_pat
     """A Hugging Face Trainer's optimizer.pt (index-keyed, beside model.safetensors) was checked as an
     archive only: every moment zeroed at step 3, one parameter's step at 9 and one parameter's
     state gone verified clean, with --deep too. Now each is an optimizer-mismatch, as in a
-    torch.save training state, with a seal too (the zero check then by value, under --deep)."""
+    torch.save training state, with a seal too (the zero check then by digest, from a second read)."""
     path = tmp_path / "checkpoint-3"
     shutil.copytree(FIXTURES / "hf" / "trainer" / "checkpoint-3", path)
     f = path / "optimizer.pt"
@@ -1916,6 +1916,24 @@ def test_a_trainers_optimizer_file_is_checked_as_optimizer_state(sealed, tmp_pat
     for deep in ([], ["--deep"]):
         r = run_cli("verify", path, *deep)
         assert r.code == 1 and "ERROR     optimizer-mismatch  57 findings" in r.stdout, r.stdout
+
+
+def test_a_trainers_optimizer_file_is_parsed_once_under_deep(monkeypatch):
+    """--deep parsed a Trainer's optimizer.pt twice: once for the optimizer checks, once for its
+    values."""
+    from ckpttool.formats import torchsave
+
+    parsed: list[str] = []
+    describe = torchsave.ADAPTER.describe
+
+    def counted(path, *args, **kwargs):
+        parsed.append(Path(path).name)
+        return describe(path, *args, **kwargs)
+
+    monkeypatch.setattr(torchsave.ADAPTER, "describe", counted)
+    report = verify(FIXTURES / "hf" / "trainer" / "checkpoint-3", deep=True)
+    assert not report.failing() and "optimizer.state.0.exp_avg" in report.stats, report.findings
+    assert parsed.count("optimizer.pt") == 1, parsed
 
 
 def test_one_rank_shard_file_given_alone_has_its_moments(tmp_path):

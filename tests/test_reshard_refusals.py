@@ -308,10 +308,12 @@ def test_sub_group_size_reads_as_deepspeed_configs_write_it(tmp_path):
     assert _a_count("1e9") == _a_count("1_000_000_000") == _a_count("1000000000") == 10**9  # (the value, exactly)
     assert _a_count("700") == 700 and _a_count("123456789012345678") == 123456789012345678
     src = FIXTURES / "deepspeed" / "zero2"
-    for value in ("1e9", "1_000_000_000"):
+    for value in ("1e9", "1_000_000_000", "2e3", "0"):  # (0: one parameter per sub-group, as DeepSpeed takes it)
         out = tmp_path / value
         r = run_cli("reshard", src, "-o", out, "--dp", "2", "--zero-stage", "3", "--sub-group-size", value, "--dry-run")
         assert r.code == 0, r.stderr
-    for value in ("1.5", "0", "lots", "1e400", "inf", "nan"):  # (1e400 was a traceback: OverflowError)
+        # (the value reaches the plan: 1e9 is also DeepSpeed's default, which a value dropped on the way gives)
+        assert f"sub-groups of up to {int(float(value.replace('_', ''))):,} elements" in r.stdout + r.stderr
+    for value in ("1.5", "-1", "lots", "1e400", "inf", "nan"):  # (1e400 was a traceback: OverflowError)
         r = run_cli("reshard", src, "-o", tmp_path / "x", "--dp", "2", "--zero-stage", "3", "--sub-group-size", value)
         assert r.code == 2 and "--sub-group-size" in r.stderr and not (tmp_path / "x").exists()

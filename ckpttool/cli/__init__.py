@@ -71,15 +71,17 @@ def _a_path(value: str) -> Path:
 
 
 def _a_count(value: str) -> int:
-    """A whole number as DeepSpeed configs write it too: ``1e9``, ``1_000_000_000``, ``1000000000``."""
+    """A whole number as DeepSpeed configs write it too: ``1e9``, ``1_000_000_000``, ``1000000000``.
+    Only parsed here (finite, whole, within 64 bits): the command checks its range (a
+    ``sub_group_size`` of 0 gives DeepSpeed one parameter per sub-group)."""
     from decimal import Decimal, InvalidOperation
 
     try:
         number = Decimal(value.strip().replace("_", ""))  # (exact: 1e9, and 10**30 as typed)
     except InvalidOperation:
         raise typer.BadParameter(f"{value!r} is not a number") from None
-    if not number.is_finite() or number != number.to_integral_value() or number < 1 or number > 2**63:
-        raise typer.BadParameter(f"{value!r}: expected a whole number from 1 to 2**63, such as 1e9")
+    if not number.is_finite() or number != number.to_integral_value() or abs(number) > 2**63:
+        raise typer.BadParameter(f"{value!r}: expected a whole number, such as 1e9")
     return int(number)
 
 

@@ -40,15 +40,14 @@ from ckpttool.hashing import hash_bytes, new_hasher
 from ckpttool.io import (
     TMP_MARKER,
     WriterGate,
-    appeared_meanwhile,
     atomic_output,
     check_output,
     escapes,
     fsync_dir,
     fsync_tree,
     publish_dir,
+    put_in_place,
     refuse_overlap,
-    rename_noreplace,
     replacing,
     staged_dir,
 )
@@ -760,13 +759,7 @@ def apply(
             (only,) = header["files"]
             if out_path.is_dir() and not out_path.is_symlink():
                 raise UsageError(f"{out_path} is a directory; the delta rebuilds a single file")
-            if may_replace:
-                os.replace(tmp / only, out_path)
-            else:  # (absent when checked: one that appeared since is not replaced)
-                try:
-                    rename_noreplace(tmp / only, out_path)
-                except FileExistsError:
-                    raise appeared_meanwhile(out_path) from None
+            put_in_place(tmp / only, out_path, replace=may_replace)
             shutil.rmtree(tmp)
         else:
             fsync_tree(tmp, files=False)  # each file was fsync'd as it was written

@@ -951,13 +951,7 @@ def atomic_output(dest: str | os.PathLike[str], *, replace: bool = True) -> Iter
             yield cast(BinaryIO, f)  # (a DirectFile: write, tell, flush, fileno)
             f.flush()
             os.fsync(f.fileno())
-        if may_replace:
-            os.replace(tmp, dest_p)
-        else:
-            try:
-                rename_noreplace(tmp, dest_p)
-            except FileExistsError:
-                raise appeared_meanwhile(dest_p) from None
+        put_in_place(tmp, dest_p, replace=may_replace)
         fsync_dir(parent)
     except BaseException as exc:
         if tmp is not None:
@@ -1502,10 +1496,7 @@ def publish_dir(tmp: Path, dest: Path) -> None:
         finish_partial()
     old: Path | None = None
     if not _STAGED.pop(str(tmp), True):  # (absent when staged: it may not be replaced now)
-        try:
-            rename_noreplace(tmp, dest)
-        except FileExistsError:
-            raise appeared_meanwhile(dest) from None
+        put_in_place(tmp, dest, replace=False)
         fsync_dir(dest.parent)
         return
     if dest.exists() or dest.is_symlink():
@@ -1519,6 +1510,19 @@ def publish_dir(tmp: Path, dest: Path) -> None:
 
 _STAGED: dict[str, bool] = {}
 """Directories :func:`staged_dir` made and not yet published: whether their destination existed then."""
+
+
+def put_in_place(src: str | os.PathLike[str], dest: Path, *, replace: bool) -> None:
+    """Rename the finished ``src`` to ``dest``: over what is there where ``replace`` (what stood at
+    ``dest`` when the output was checked, ``--force``), else only while ``dest`` is absent (one that
+    appeared since is never replaced: :func:`appeared_meanwhile`)."""
+    if replace:
+        os.replace(src, dest)
+        return
+    try:
+        rename_noreplace(src, dest)
+    except FileExistsError:
+        raise appeared_meanwhile(dest) from None
 
 
 def appeared_meanwhile(dest: Path) -> UsageError:

@@ -14,7 +14,7 @@ import os
 import re
 import shlex
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -761,13 +761,7 @@ class DeepSpeedAdapter:
             if isinstance(opt, dict):
                 b.zero0(opt, models[min(models)], first_model)
         b.frozen(stage, models, z3_models, first_model, dp_ranks)
-        module = first_model.get("module") or {}
-        frozen = list((first_model.get("frozen_param_shapes") or {}).keys()) or [
-            n
-            for n in module
-            if trainable and n not in trainable and n not in set(first_model.get("buffer_names") or [])
-        ]
-        if frozen:
+        if frozen := _frozen(first_model, trainable):
             manifest.extras["frozen"] = frozen
         b.shared(_tied(files, [*(models[k] for k in sorted(models)), *(z3_models[k] for k in sorted(z3_models))]))
         b.common(first_model, models.get(0) or z3_models[min(z3_models)])
@@ -810,7 +804,8 @@ class DeepSpeedAdapter:
         damaged: list[CkptError] = []  # every damaged or missing file named, not the first
         present: list[str] = []
         listing = list(list_files(path))
-        strays = _stray_universal_files([rel for rel, _ in listing])
+        folders = _param_folders(rel for rel, _ in listing)
+        strays = _stray_universal_files(folders)
         for rel, size in listing:
             base = rel.rsplit("/", 1)[-1]
             role = "data" if rel.endswith(".pt") else ("tracker" if base.startswith("latest") else "aux")
@@ -845,7 +840,8 @@ class DeepSpeedAdapter:
         first = files.get(model_rel, {}) if model_rel else {}
         shapes = {n: tuple(s) for group in (first.get("param_shapes") or []) for n, s in group.items()}
         copied = [] if z3 else [*(first.get("frozen_param_shapes") or {}), *(first.get("shared_params") or {})]
-        raise_together([*damaged, *_absent_universal_states(path, present, shapes, copied)])
+        states = {p: {n for n in names if f"zero/{p}/{n}" not in strays} for p, names in folders.items()}
+        raise_together([*damaged, *_absent_universal_states(path, states, shapes, copied)])
         # a TP run's universal checkpoint keeps every TP rank's model states: its module is joined
         # by the same rules as the source's
         tp = parallel_degree(first, "tp_degree") or (len(models) if not z3 else 1)
@@ -896,14 +892,8 @@ class DeepSpeedAdapter:
         else:
             b.universal_hyperparameters(_UNIVERSAL_OPTIM)
         b.shared(_tied(files, [*(models[k] for k in sorted(models)), *(z3[k] for k in sorted(z3))]))
-        # frozen: what the source froze (ds_to_universal writes them an fp32.pt and no moments); the
-        # model states name them at ZeRO-2 and 3 only: at ZeRO-1, the module's entries that are
-        # neither trained nor buffers (as the ZeRO reader finds them)
-        entries: dict[str, Any] = first["module"] if isinstance(first.get("module"), dict) else {}
-        buffers = set(first.get("buffer_names") or [])
-        if frozen := list((first.get("frozen_param_shapes") or {}).keys()) or [
-            n for n in entries if shapes and n not in shapes and n not in buffers
-        ]:
+        # frozen: what the source froze (ds_to_universal writes them an fp32.pt and no moments)
+        if frozen := _frozen(first, shapes):
             manifest.extras["frozen"] = frozen
         if model_rel:
             b.common(first, model_rel)
@@ -993,12 +983,11 @@ def _param_folders(rels: Iterable[str]) -> dict[str, set[str]]:
     return held
 
 
-def _stray_universal_files(rels: list[str]) -> set[str]:
-    """Files in ``zero/<param>/`` that are not states of the parameter: any name that is neither
-    one ds_to_universal writes (:data:`_UNIVERSAL_STATES`) nor a ``.pt`` file most parameter
-    folders with optimizer state hold (an optimizer's own states). A stray file in one folder is
-    not a state every other folder lacks."""
-    held = _param_folders(rels)
+def _stray_universal_files(held: dict[str, set[str]]) -> set[str]:
+    """Files in ``zero/<param>/`` (``held``: :func:`_param_folders`) that are not states of the
+    parameter: any name that is neither one ds_to_universal writes (:data:`_UNIVERSAL_STATES`) nor
+    a ``.pt`` file most parameter folders with optimizer state hold (an optimizer's own states). A
+    stray file in one folder is not a state every other folder lacks."""
     trained = [names for names in held.values() if any(n.endswith(".pt") and n != "fp32.pt" for n in names)]
     count = Counter(n for names in trained for n in names)
     states = _UNIVERSAL_STATES | {n for n, c in count.items() if n.endswith(".pt") and 2 * c > len(trained)}
@@ -1029,14 +1018,14 @@ def _stray_finding(strays: set[str]) -> dict[str, Any]:
 
 
 def _absent_universal_states(
-    path: Path, present: Iterable[str], shapes: dict[str, tuple[int, ...]], copied: Iterable[str]
+    path: Path, held: dict[str, set[str]], shapes: dict[str, tuple[int, ...]], copied: Iterable[str]
 ) -> list[CkptError]:
     """ds_to_universal writes, for every trained parameter (``param_shapes``), a ``zero/<name>/``
     folder with its fp32 weight and the same optimizer states as the others, and (ZeRO-1/2) an
     ``fp32.pt`` copied from the module for every parameter without optimizer state (``copied``:
     frozen parameters, tied aliases): one absent is a deleted or unfinished file, not a parameter
-    without state. ``present``: the files found."""
-    held = _param_folders(present)
+    without state. ``held``: the states found in each parameter's folder (:func:`_param_folders`,
+    stray files left out)."""
     # (without the model states' param_shapes: the folders holding optimizer state are the trained ones)
     trained = list(shapes) or [n for n, h in held.items() if h - {"fp32.pt"}]
     states = {"fp32.pt"}.union(*(held[n] for n in trained if n in held))
@@ -1327,6 +1316,19 @@ def _absent_rank_files(
             for i, (name, what, r) in enumerate(absent)
         ],
     )
+
+
+def _frozen(model_states: dict[str, Any], trained: Collection[str]) -> list[str]:
+    """The parameters a run froze: named by the model states at ZeRO-2 and 3
+    (``frozen_param_shapes``); at ZeRO-1, the module's entries that are neither ``trained`` nor
+    buffers (none where nothing is known trained)."""
+    if named := list((model_states.get("frozen_param_shapes") or {}).keys()):
+        return named
+    module = model_states.get("module")
+    if not trained or not isinstance(module, dict):
+        return []
+    buffers = set(model_states.get("buffer_names") or [])
+    return [n for n in module if n not in trained and n not in buffers]
 
 
 def _tied(files: dict[str, Any], rels: list[str]) -> dict[str, str]:

@@ -76,14 +76,16 @@ _UNITS = {
 DEFAULT_SHARD_SIZE = "5GB"
 
 
-def parse_size(text: str, option: str = "--max-shard-size") -> int:
-    """``5GB`` -> 5e9, ``512MiB`` -> 512 * 2**20, ``1000`` -> 1000 bytes."""
+def parse_size(text: str, option: str = "--max-shard-size", *, lowercase_b_is_bits: bool = True) -> int:
+    """``5GB`` -> 5e9, ``512MiB`` -> 512 * 2**20, ``1000`` -> 1000 bytes. ``lowercase_b_is_bits``:
+    ``5Gb`` refused, being 5 gigabits where Hugging Face reads a ``max_shard_size`` (``--max-shard-size``'s
+    rule); else read as bytes."""
     m = _SIZE.match(text)
     unit = (m.group(2) or "").upper() if m else None
     if m is None or unit not in _UNITS:
         raise UsageError(f"{option} {text!r}: expected a size such as 5GB, 500MB or 2GiB")
     spelled = m.group(2) or ""
-    if option == "--max-shard-size" and len(spelled) == 2 and spelled.endswith("b"):  # HF's max_shard_size: bits
+    if lowercase_b_is_bits and len(spelled) == 2 and spelled.endswith("b"):
         raise UsageError(
             f"{option} {text!r}: a lowercase b is bits where Hugging Face reads this size "
             f"({spelled} = 1/8 {spelled[0].upper()}B); write {m.group(1)}{spelled[0].upper()}B for bytes"

@@ -529,7 +529,7 @@ def plan(
         refuse_copies_apart(manifest, fmt)
     executor.device = on
     files = executor.files()
-    limit = parse_size(max_memory, option="--max-memory") if max_memory is not None else None
+    limit = parse_size(max_memory, option="--max-memory", lowercase_b_is_bits=False) if max_memory is not None else None
     overhead = worker_overhead(on)
     need = max((f.peak for f in files), default=0) + overhead
     if limit is not None and need > limit:

@@ -50,7 +50,12 @@ def test_sizes():
         with pytest.raises(UsageError, match="a lowercase b is bits"):
             parse_size(bits)
     assert parse_size("5GiB") == parse_size("5gib") == 5 * 2**30 and parse_size("5gB") == 5 * 10**9
-    assert parse_size("500mb", "--max-memory") == 500 * 10**6
+    assert parse_size("500mb", "--max-memory", lowercase_b_is_bits=False) == 500 * 10**6
+    from ckpttool.reshard import Target, plan
+
+    # (reshard's --max-memory reads it so: 500mb is 500 MB of memory)
+    with pytest.raises(UsageError, match=r"--max-memory 1kb \(1,000 bytes\)"):
+        plan(FIXTURES / "megatron" / "legacy_tp2pp2", Target(tp=1, pp=1), max_memory="1kb")
 
 
 @pytest.mark.parametrize(("option", "value"), [("--max-shard-size", "0"), ("--max-shard-size", "0.1B"),

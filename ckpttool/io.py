@@ -777,6 +777,40 @@ WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
 without naming the file"""
 
 
+OS_ERROR_HINT = "check the path, its permissions and the free space, then rerun"
+
+
+def os_error_line(exc: OSError, output: Any = None) -> str:
+    """One line for an error the operating system gave: the path(s) and its reason. A write that
+    names no file (``os.write``: a full disk) is said of the command's output, when it has one."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    if exc.filename is None and output is not None and exc.errno in WRITE_ERRNOS:
+        return f"{output}: {reason} while writing it (nothing was published)"
+    if exc.filename is None:
+        return f"cannot complete: {reason}"
+    if reason[:1].isupper() and reason[1:2].islower():  # "No such file" -> "no such file"
+        reason = reason[0].lower() + reason[1:]
+    where = os.fsdecode(exc.filename)
+    if (dest := published_as(where)) is not None:  # (a writer's hidden temporary: said of what it writes)
+        return f"{dest}: {reason} while writing it (nothing was published)"
+    if exc.errno == errno.EACCES and (shut := _shut_folder(where)) is not None:
+        # (a file looked for inside a folder that cannot be opened: the folder is what to fix)
+        return f"{shut}: {reason} (the folder cannot be opened, nor anything in it)"
+    if exc.filename2 is not None:
+        where += f" -> {os.fsdecode(exc.filename2)}"
+    return f"{where}: {reason}"
+
+
+def _shut_folder(path: str) -> str | None:
+    """The outermost folder above ``path`` that this process may not enter, if any."""
+    parts = Path(path).parts
+    for i in range(1, len(parts)):
+        folder = os.path.join(*parts[:i])
+        if os.path.isdir(folder) and not os.access(folder, os.X_OK):
+            return folder
+    return None
+
+
 def _name_the_write(exc: BaseException, tmp: str | os.PathLike[str]) -> None:
     """A write error that names no file (:data:`WRITE_ERRNOS`) named after the temporary it was
     writing, which messages say as the output it is published as (:func:`published_as`): the user

@@ -1008,11 +1008,10 @@ def _describe(exc: BaseException, rank: int, writing: Path | None = None) -> dic
     if isinstance(exc, CkptError):
         return {"kind": type(exc).__name__, "message": exc.message, "hint": exc.hint, "path": exc.path, "rank": rank}
     if isinstance(exc, OSError):  # (the file system's answer, said as a single process says it: path and reason)
-        from ckpttool.cli import OS_ERROR_HINT, _os_error
-        from ckpttool.io import published_as
+        from ckpttool.io import OS_ERROR_HINT, os_error_line, published_as
 
         output = None if writing is None else published_as(str(writing)) or writing
-        return {"kind": "OSError", "message": _os_error(exc, output), "hint": OS_ERROR_HINT, "rank": rank}
+        return {"kind": "OSError", "message": os_error_line(exc, output), "hint": OS_ERROR_HINT, "rank": rank}
     return {"kind": type(exc).__name__, "message": f"{type(exc).__name__}: {exc}", "hint": None, "rank": rank}
 
 

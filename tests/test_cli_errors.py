@@ -648,15 +648,15 @@ def test_a_write_refused_names_the_output_not_its_hidden_temporary():
     ('/sys/.out.ckpttool-tmp-host-1-…: permission denied'), a name the user never gave."""
     import errno
 
-    from ckpttool.cli import _os_error
+    from ckpttool.io import os_error_line
     from ckpttool.io import published_as
 
     tmp = "/data/.out.ckpttool-tmp-node7-123-0a1b2c3d"
-    said = _os_error(PermissionError(errno.EACCES, "Permission denied", tmp))
+    said = os_error_line(PermissionError(errno.EACCES, "Permission denied", tmp))
     assert said == "/data/out: permission denied while writing it (nothing was published)", said
     assert published_as(tmp + "/iter_0000003/common.pt") == "/data/out/iter_0000003/common.pt"
     assert published_as("/data/.hidden/model.pt") is None and published_as("/data/out") is None
-    said = _os_error(PermissionError(errno.EACCES, "Permission denied", "/data/.hidden"))
+    said = os_error_line(PermissionError(errno.EACCES, "Permission denied", "/data/.hidden"))
     assert said == "/data/.hidden: permission denied", said
 
 

@@ -8,7 +8,6 @@ Ctrl-C. Library modules (and torch) are imported inside the commands so ``--help
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import gc
 import os
@@ -138,7 +137,9 @@ def _handles_errors(fn: F) -> F:
             # under us): the environment's answer, not a bug; say which path and why
             if os.environ.get("CKPTTOOL_DEBUG"):
                 traceback.print_exc()
-            _say_error(out, _os_error(exc, kwargs.get("output")), OS_ERROR_HINT)
+            from ckpttool.io import OS_ERROR_HINT, os_error_line
+
+            _say_error(out, os_error_line(exc, kwargs.get("output")), OS_ERROR_HINT)
             raise typer.Exit(3) from None
         except Exception as exc:
             if os.environ.get("CKPTTOOL_DEBUG"):
@@ -178,42 +179,6 @@ def _pipe_gone(stream: Any) -> bool:
         return any(events & select.POLLERR for _, events in poll.poll(0))
     except (OSError, ValueError, AttributeError):
         return False
-
-
-OS_ERROR_HINT = "check the path, its permissions and the free space, then rerun"
-
-
-def _os_error(exc: OSError, output: Any = None) -> str:
-    """One line for an error the operating system gave: the path(s) and its reason. A write that
-    names no file (``os.write``: a full disk) is said of the command's output, when it has one."""
-    from ckpttool.io import WRITE_ERRNOS, published_as
-
-    reason = exc.strerror or str(exc) or type(exc).__name__
-    if exc.filename is None and output is not None and exc.errno in WRITE_ERRNOS:
-        return f"{output}: {reason} while writing it (nothing was published)"
-    if exc.filename is None:
-        return f"cannot complete: {reason}"
-    if reason[:1].isupper() and reason[1:2].islower():  # "No such file" -> "no such file"
-        reason = reason[0].lower() + reason[1:]
-    where = os.fsdecode(exc.filename)
-    if (dest := published_as(where)) is not None:  # (a writer's hidden temporary: said of what it writes)
-        return f"{dest}: {reason} while writing it (nothing was published)"
-    if exc.errno == errno.EACCES and (shut := _shut_folder(where)) is not None:
-        # (a file looked for inside a folder that cannot be opened: the folder is what to fix)
-        return f"{shut}: {reason} (the folder cannot be opened, nor anything in it)"
-    if exc.filename2 is not None:
-        where += f" -> {os.fsdecode(exc.filename2)}"
-    return f"{where}: {reason}"
-
-
-def _shut_folder(path: str) -> str | None:
-    """The outermost folder above ``path`` that this process may not enter, if any."""
-    parts = Path(path).parts
-    for i in range(1, len(parts)):
-        folder = os.path.join(*parts[:i])
-        if os.path.isdir(folder) and not os.access(folder, os.X_OK):
-            return folder
-    return None
 
 
 def _version(value: bool) -> None:
@@ -508,7 +473,9 @@ def verify(
             if isinstance(exc, CkptError):
                 message, hint = exc.message, exc.hint
             elif isinstance(exc, OSError):
-                message, hint = _os_error(exc), None
+                from ckpttool.io import os_error_line
+
+                message, hint = os_error_line(exc), None
             else:
                 message, hint = f"internal error: {type(exc).__name__}: {exc}", "this is a bug in ckpttool"
             failed = VerifyReport(
@@ -569,7 +536,9 @@ def _verify_outputs(
                 with open(summary, "a", encoding="utf-8") as summary_fh:
                     summary_fh.write(reports.github_summary(report, severity) + "\n")
             except OSError as exc:  # the runner's file, not an output asked for: the verdict stands
-                out.warning(f"the step summary was not written ({_os_error(exc)}); the report above stands")
+                from ckpttool.io import os_error_line
+
+                out.warning(f"the step summary was not written ({os_error_line(exc)}); the report above stands")
 
 
 def _inside_the_checkpoint(summary: str, report: VerifyReport) -> str | None:

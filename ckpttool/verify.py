@@ -2138,8 +2138,8 @@ def _check_optimizer(
     # ds_to_universal cuts a vocabulary parameter's padding rows from its state, not from the module
     cut = set(manifest.extras.get("vocab_cut") or [])
     for name, item in params.items():
-        master = manifest.items.get(f"{item.name}.fp32")  # (its fp32 master copy, where it has one)
-        kept = [*(moments.get(name) or {}).values(), *([master] if master and master.kind == "master" else [])]
+        master = _fp32_copy(manifest, item)
+        kept = [*(moments.get(name) or {}).values(), *([master] if master else [])]
         for mom in kept:
             shape, want = tuple(mom.shape or ()), tuple(item.shape or ())
             if name in cut and shape[1:] == want[1:] and shape[:1] <= want[:1]:
@@ -2547,15 +2547,20 @@ def _zeros_digest(nbytes: int, algo: str) -> str:
 _ROUNDED: dict[str, Any] = {"float32": np.uint32, "bfloat16": np.uint16, "float16": np.uint16}
 
 
-def _master_of(manifest: Manifest, item: Item) -> Item | None:
-    """The fp32 master copy of parameter ``item`` (``<param>.fp32``), when it has one of its shape."""
+def _fp32_copy(manifest: Manifest, item: Item) -> Item | None:
+    """The master copy the optimizer keeps of parameter ``item`` (``<param>.fp32``), where it has one."""
     master = manifest.items.get(f"{item.name}.fp32")
+    return master if master is not None and master.kind == "master" else None
+
+
+def _master_of(manifest: Manifest, item: Item) -> Item | None:
+    """The fp32 master copy of parameter ``item`` (:func:`_fp32_copy`), when it has one of its shape."""
+    master = _fp32_copy(manifest, item)
     if (
         item.kind != "param"
         or item.dtype not in _ROUNDED
         or master is None
         or not master.is_tensor
-        or master.kind != "master"
         or master.dtype != "float32"
         or master.shape != item.shape
     ):

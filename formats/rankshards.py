@@ -616,23 +616,20 @@ class RankShardsAdapter:
         step: int | None = None
         named: dict[str, int] = {}  # the step in a file's name (checkpoint_step<s>_stage<p>.pt)
         worlds: dict[str, int] = {}  # the world size in a file's name (shard_<r>_of_<n>.pt)
-        listing = list_files(path)
+        listing = [(rel, size, _match(rel)) for rel, size in list_files(path)]  # (each name matched once)
         # a run that keeps each save's files side by side (checkpoint_step<s>_stage<p>.pt for every s):
         # the latest save is the checkpoint, the others' files are listed beside it
         # (a stage saved under two steps; stages split between steps are one save's files, misnamed)
-        named_steps = [
-            (int(m["step"]), int(m["rank"])) for rel, _ in listing if (m := _match(rel)) and "step" in m.groupdict()
-        ]
+        named_steps = [(int(m["step"]), int(m["rank"])) for _, _, m in listing if m and "step" in m.groupdict()]
         # the world size most files' names give (shard_<r>_of_<n>.pt): a leftover file of a save at
         # another world size is not one of this save's ranks, whichever sorts first
-        named_worlds = Counter(int(m["world"]) for rel, _ in listing if (m := _match(rel)) and "world" in m.groupdict())
+        named_worlds = Counter(int(m["world"]) for _, _, m in listing if m and "world" in m.groupdict())
         name_world = max(named_worlds, key=lambda n: (named_worlds[n], n)) if named_worlds else None
         steps = {st for st, _ in named_steps}
         twice = len({r for _, r in named_steps}) < len(named_steps)
         latest = max(steps) if len(steps) > 1 and twice else None
         older: list[str] = []
-        for rel, size in listing:
-            m = _match(rel)
+        for rel, size, m in listing:
             if m is not None and latest is not None and int(m.groupdict().get("step") or latest) != latest:
                 older.append(rel)
                 m = None

@@ -506,7 +506,7 @@ def _verify_outputs(
     severity: Severity,
     report_file: Path | None,
     junit_file: Path | None,
-    replaceable: set[Path] | frozenset[Path] = frozenset(),
+    replaceable: set[Path] | frozenset[Path],
 ) -> None:
     """verify's report on stdout (human or ``--json``), in ``--report`` and ``--junit``, and on
     GitHub Actions as annotations and a step summary."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import re
 import struct
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -51,20 +52,31 @@ def set_value(item: Item, value: Any) -> None:
     item.value = plain_value(value)
     if item.value is None and value is not None:
         item.summary = describe_value(value)
-    found = set(_nonfinite(value))
+    # (a learning rate's list is read whole: a scheduler of 24 parameter groups keeps 24; another
+    # long list, a loss history say, may hold the NaN of an overflow step fp16 training skipped)
+    longest = _LR_ELEMENTS if LEARNING_RATE.search(item.name) else _MAX_ELEMENTS
+    found = set(_nonfinite(value, longest))
     item.nonfinite = "NaN" if "NaN" in found else "Inf" if found else None
 
 
-def _nonfinite(value: Any, depth: int = 0) -> Iterator[str]:
-    """``"NaN"`` and ``"Inf"`` for each such float ``value`` is or (a small container) holds."""
+LEARNING_RATE = re.compile(r"(?:^|\.)[^.]*lrs?(?:\.\d+)*$")
+"""a learning rate's name: its last part (list indices aside) ends in ``lr`` or ``lrs``"""
+
+_LR_ELEMENTS = 1 << 16
+"""the longest list of learning rates :func:`set_value` looks through for NaN or Inf"""
+
+
+def _nonfinite(value: Any, longest: int, depth: int = 0) -> Iterator[str]:
+    """``"NaN"`` and ``"Inf"`` for each such float ``value`` is or holds (in containers of at most
+    ``longest`` elements, four deep)."""
     if isinstance(value, float) and not math.isfinite(value):
         yield "NaN" if math.isnan(value) else "Inf"
-    elif depth < 4 and isinstance(value, list | tuple) and len(value) <= _MAX_ELEMENTS:
+    elif depth < 4 and isinstance(value, list | tuple) and len(value) <= longest:
         for v in value:
-            yield from _nonfinite(v, depth + 1)
-    elif depth < 4 and isinstance(value, dict) and len(value) <= _MAX_ELEMENTS:
+            yield from _nonfinite(v, longest, depth + 1)
+    elif depth < 4 and isinstance(value, dict) and len(value) <= longest:
         for v in value.values():
-            yield from _nonfinite(v, depth + 1)
+            yield from _nonfinite(v, longest, depth + 1)
 
 
 def find_step(items: dict[str, Item]) -> int | None:

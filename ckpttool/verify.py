@@ -35,6 +35,7 @@ from typing_extensions import TypedDict  # pydantic needs this one on Python < 3
 
 from ckpttool import registry
 from ckpttool._torchzip import Archive, record_crc_errors, record_start
+from ckpttool._unpickle import TensorRef
 from ckpttool.assemble import assemble, regions
 from ckpttool.dtypes import as_float, float32_to_bf16
 from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedError, NotFoundError, PathEscapeError
@@ -66,6 +67,7 @@ from ckpttool.seal import (
     in_file_order,
     member_crcs,
 )
+from ckpttool.values import LEARNING_RATE
 
 Severity = Literal["error", "warning", "info"]
 SEVERITY_ORDER = {"info": 0, "warning": 1, "error": 2}
@@ -2637,10 +2639,14 @@ def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter, be
                 continue
             _census(report, master, fp32, False, manifest)
             _check_master(report, item, values, master, fp32)
+        if hasattr(reader, "read_in_object"):
+            for item in manifest.items.values():
+                if not item.is_tensor and item.summary is not None and item.error is None and item.pieces:
+                    _check_tensors_in_value(report, reader, item, manifest)
     for item in manifest.items.values():
         # a NaN among the plain values (a learning rate, a loss); an Inf only in a learning rate, for
         # schedulers keep Infs by design (ReduceLROnPlateau's best and mode_worse)
-        if item.nonfinite == "NaN" or (item.nonfinite == "Inf" and _LEARNING_RATE.search(item.name)):
+        if item.nonfinite == "NaN" or (item.nonfinite == "Inf" and LEARNING_RATE.search(item.name)):
             holder = item.pieces[0] if item.pieces else None
             report.findings.append(
                 finding(
@@ -2657,8 +2663,47 @@ def _check_values(report: VerifyReport, manifest: Manifest, adapter: Adapter, be
     report.checked["values"] = len(report.stats)
 
 
-_LEARNING_RATE = re.compile(r"(?:^|\.)[^.]*lrs?(?:\.\d+)*$")
-"""a learning rate's name: its last part (list indices aside) ends in ``lr`` or ``lrs``"""
+def _check_tensors_in_value(report: VerifyReport, reader: Any, item: Item, manifest: Manifest) -> None:
+    """--deep: the tensors a value holds, each read and checked as a tensor item is, named under the
+    value (``pair.0``): DCP keeps a tuple holding a tensor in one pickle, which ``dcp.load`` gives
+    back with the tensor's values."""
+    try:
+        value = reader.read_object(item)
+    except CkptError as exc:
+        report.findings.append(_from_error(exc, item.name))
+        return
+    for path, ref in _tensors_in(value):
+        inner = Item(
+            name=f"{item.name}.{path}",
+            kind=item.kind,
+            dtype=ref.dtype,
+            shape=ref.shape,
+            pieces=[replace(item.pieces[0], box=Box((0,) * len(ref.shape), ref.shape))],
+        )
+        try:
+            values = reader.read_in_object(item, ref)
+        except CkptError as exc:
+            report.findings.append(_from_error(exc, inner.name))
+            continue
+        _census(report, inner, values, False, manifest)
+
+
+def _tensors_in(value: Any, depth: int = 0) -> Iterator[tuple[str, TensorRef]]:
+    """The tensors inside a value, each with its path (keys and indices, dotted)."""
+    if isinstance(value, TensorRef):
+        yield "", value
+        return
+    if depth > 32:
+        return
+    if isinstance(value, dict):
+        pairs: Iterable[tuple[Any, Any]] = value.items()
+    elif isinstance(value, list | tuple):
+        pairs = enumerate(value)
+    else:
+        return
+    for key, v in pairs:
+        for path, ref in _tensors_in(v, depth + 1):
+            yield f"{key}.{path}" if path else str(key), ref
 
 
 def _check_values_beside(report: VerifyReport, manifest: Manifest, besides: _Besides) -> None:

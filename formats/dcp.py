@@ -1160,6 +1160,11 @@ class DcpReader(PieceReader):
         piece = item.pieces[0]
         return self._archive(piece).load()
 
+    def read_in_object(self, item: Item, ref: _unpickle.TensorRef) -> np.ndarray:
+        """The values of a tensor inside a value item's pickle (DCP keeps a tuple holding a tensor
+        whole, as one object), ``ref`` as :meth:`read_object` gave it."""
+        return _torchzip.read_tensor(self._archive(item.pieces[0]), ref)
+
     def archive_of(self, piece: Piece) -> _torchzip.Archive | None:
         return self._archive(piece) if "offset" in piece.locator else None
 

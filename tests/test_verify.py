@@ -1718,6 +1718,37 @@ def test_deep_finds_nan_in_plain_values_and_complex_tensors(tmp_path):
     assert not [f for f in verify(FIXTURES / "torch/train_state.pt", deep=True).findings if f.rule == "nonfinite"]
 
 
+def test_deep_finds_nan_in_a_long_list_of_learning_rates_and_in_a_tensor_dcp_keeps_in_a_value(tmp_path):
+    """A scheduler of 21 parameter groups with one NaN learning rate passed --deep (lists were looked
+    through up to 16 elements), and so did a NaN in a tensor DCP keeps inside a tuple's pickle. A
+    NaN in another long list (a loss history with an fp16 overflow step) is still no finding."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    state = {
+        "w": torch.ones(4),
+        "pair": (torch.tensor([1.0, float("nan"), 2.0]), 5),
+        "scheduler": {"_last_lr": [0.1] * 20 + [float("nan")]},
+        "losses": [2.0] * 20 + [float("nan")],
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=tmp_path / "d", no_dist=True)
+    report = verify(tmp_path / "d", deep=True)
+    found = {f.item: f for f in report.findings if f.rule == "nonfinite"}
+    assert sorted(found) == ["pair.0", "scheduler._last_lr"], report.findings
+    assert (found["pair.0"].file, found["pair.0"].rank) == ("__0_0.distcp", 0)
+    assert (report.stats["pair.0"]["nan"], report.stats["pair.0"]["first_nonfinite"]) == (1, [1])
+    state["pair"] = (torch.tensor([1.0, 2.0]), 5)
+    state["scheduler"]["_last_lr"][-1] = 0.1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=tmp_path / "e", no_dist=True)
+    report = verify(tmp_path / "e", deep=True)
+    assert not [f for f in report.findings if f.rule == "nonfinite"], report.findings
+    assert report.stats["pair.0"]["max"] == 2.0
+
+
 def test_deep_statistics_of_values_near_the_float64_limit(tmp_path):
     """The mean and std of finite values near float64's largest were Inf (the sum overflowed),
     with numpy's overflow warning on stderr."""

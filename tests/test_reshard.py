@@ -1025,6 +1025,13 @@ def test_unknown_parameters_need_a_split_rule(tmp_path):
     problems = validate(m, src, MegatronTarget(tp=1, pp=1), {})
     assert any("no tensor-parallel split rule" in p and "adapter.weight" in p for p in problems)
     assert validate(m, src, MegatronTarget(tp=1, pp=1), parse_split_rules([r"adapter\.weight$=0"])) == []
+    # two rules that disagree on one parameter: the first was taken without a word
+    both = parse_split_rules(["adapter=0", r"adapter\.weight$=1"])
+    assert validate(m, src, MegatronTarget(tp=1, pp=1), both) == [
+        "--split-rule 'adapter=0' and 'adapter\\.weight$=1' both match "
+        "decoder.layers.0.self_attention.adapter.weight and disagree on its split: make the patterns exclusive"
+    ]
+    assert validate(m, src, MegatronTarget(tp=1, pp=1), parse_split_rules(["adapter=0", r"adapter\.weight$=0"])) == []
     with pytest.raises(UsageError, match="expected REGEX=DIM"):
         parse_split_rules(["adapter"])
 

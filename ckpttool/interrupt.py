@@ -160,12 +160,15 @@ def install() -> bool:
         signal.signal(signal.SIGINT, _on_signal)
     if take_term:
         signal.signal(signal.SIGTERM, _on_signal)
-    atexit.register(_disarm)
+    atexit.register(disarm)
     return True
 
 
-def _disarm() -> None:
-    """At exit (after the interpreter has joined its threads): no retry left to fire. The
+def disarm() -> None:
+    """Once the command has ended (called then, and again at exit, after the interpreter has joined
+    its threads): no retry left to fire, and no signal raised from here on. A SIGTERM that
+    torchrun sends as the job ends, arriving while torch's own exit callbacks ran, was raised in
+    one of them and printed as "Exception ignored in atexit callback" with a traceback. The
     interpreter's teardown puts SIGALRM's default action back, which kills the process: a Ctrl-C
     deferred in its last milliseconds (after the command published its output) ended it with
     SIGALRM (-14) instead of its exit status."""

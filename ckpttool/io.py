@@ -736,11 +736,12 @@ def published_as(path: str) -> str | None:
     as, for a message about it: the user named that one, not the hidden sibling; None for any other
     path."""
     parts = path.split(os.sep)
-    for k, part in enumerate(parts):
+    found = False
+    for k, part in enumerate(parts):  # (every one: a seal's own temporary inside the staging directory)
         if part.startswith(".") and TMP_MARKER in part[1:]:
             parts[k] = part[1 : part.index(TMP_MARKER, 1)]
-            return os.sep.join(parts)
-    return None
+            found = True
+    return os.sep.join(parts) if found else None
 
 
 def _temp_name(dest: Path) -> str:

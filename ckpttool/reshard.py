@@ -17,16 +17,18 @@ any format). Each format's writer
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import math
 import os
 import re
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context, resource_tracker
 from pathlib import Path
 from typing import Any
@@ -40,7 +42,7 @@ from ckpttool.convert import (
     refuse_left_behind,
     unread_state,
 )
-from ckpttool.errors import CorruptFileError, UsageError
+from ckpttool.errors import CkptError, CorruptFileError, UsageError
 from ckpttool.export import refuse_findings
 from ckpttool.hashing import Written, collecting_written
 from ckpttool.io import (
@@ -826,69 +828,125 @@ def share(files: list[PlanFile], world: int) -> list[list[int]]:
     return [sorted(ix) for ix in out]
 
 
+@dataclass(slots=True, kw_only=True)
+class _Agreed:
+    """What every torchrun rank must be given alike besides the plan (:func:`_same_on_every_rank`)."""
+
+    out: Path
+    target: Target
+    seal: bool
+    dry_run: bool
+
+
 def _reshard_ranks(
     executor: _FileExec,
     the_plan: Plan,
-    out: Path,
+    agreed: _Agreed,
     ranks: tuple[int, int],
     *,
-    seal_output: bool,
     progress: Callable[[int], None] | None,
 ) -> ReshardResult:
     """Every rank writes its share of the output files into one staging directory (which must be on
     a file system all ranks see); rank 0 then writes what depends on all of them, seals and
     publishes. A failure on any rank fails every rank, and the staging directory is removed."""
+    rank, world = ranks
+    out = agreed.out
+    with _process_group(world):
+        _same_on_every_rank(the_plan, executor.manifest, agreed, world)
+        shares = share(the_plan.files, world)
+        if rank == 0:
+            return _rank_zero(executor, the_plan, out, shares, seal_output=agreed.seal, progress=progress)
+        _other_rank(executor, shares[rank], rank, the_plan.workers, progress)
+        return ReshardResult(plan=the_plan, output=str(out), written=True, sealed=agreed.seal)
+
+
+@contextlib.contextmanager
+def _process_group(world: int) -> Iterator[None]:
+    """torch.distributed's process group over gloo for the block (unless one is already up), of
+    ``world`` ranks."""
     import datetime
 
     import torch.distributed as dist
 
-    rank, world = ranks
     owned = not dist.is_initialized()
     if owned:
         dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
     try:
         if dist.get_world_size() != world:
             raise UsageError(f"torch.distributed has {dist.get_world_size()} ranks but WORLD_SIZE says {world}")
-        _same_on_every_rank(the_plan, out, seal_output, world)
-        shares = share(the_plan.files, world)
-        if rank == 0:
-            return _rank_zero(executor, the_plan, out, shares, seal_output=seal_output, progress=progress)
-        _other_rank(executor, shares[rank], rank, the_plan.workers, progress)
-        return ReshardResult(plan=the_plan, output=str(out), written=True, sealed=seal_output)
+        yield
     finally:
         if owned:
             dist.destroy_process_group()  # a process group left at exit aborts the interpreter
 
 
-def _same_on_every_rank(the_plan: Plan, out: Path, seal_output: bool, world: int) -> None:
+def _collective(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """One of torch.distributed's collectives; another rank gone (killed, out of memory, crashed)
+    or out of reach, which gloo says as a RuntimeError ("Connection closed by peer", a timeout),
+    said as such: it was an internal error, "a bug in ckpttool"."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as exc:  # (torch.distributed's DistError is one)
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CkptError(
+            f"lost touch with the other torchrun ranks while {what}: {said[:300]}",
+            hint="another rank stopped (killed, out of memory, crashed) or could not be reached: its own output says "
+            "why; nothing was published, and the next run sweeps the staging directory",
+        ) from None
+
+
+def _same_on_every_rank(the_plan: Plan, manifest: Manifest, agreed: _Agreed, world: int) -> None:
     """Every rank must write its share of the same output: ranks given other arguments (another
-    ``-o``, ``--dp``, format or layout) made their own plans, and their files landed in rank 0's
-    output (a DCP directory with data files its ``.metadata`` never names, sealed), or an internal
-    error. Refused on every rank before anything is written, naming the first that differs."""
+    ``-o``, ``--dp``, format or layout, ``--vocab-padding``, split rules, uneven stages) or
+    another source (a node's copy of it that differs) made their own plans, and their files landed
+    in rank 0's output: a DCP directory with data files its ``.metadata`` never names, a Megatron
+    checkpoint of two vocabulary sizes, each sealed, or an internal error. A dry run on some ranks
+    only left the others waiting for it. Refused on every rank before anything is written, naming
+    the first that differs."""
     import torch.distributed as dist
 
+    target = {k: sorted(v.items()) if isinstance(v, dict) else v for k, v in asdict(agreed.target).items()}
+    source = [
+        manifest.format,
+        manifest.step,
+        sorted((f.path, f.size) for f in manifest.files if f.role != "seal"),
+        sorted((i.name, i.dtype, i.shape, len(i.pieces)) for i in manifest.items.values()),
+    ]
     mine = {
-        "-o": os.path.abspath(out),
+        "-o": os.path.abspath(agreed.out),
         "format": the_plan.format,
         "layout": {k: v for k, v in sorted(the_plan.layout.items())},
         "files": [f.path for f in the_plan.files],
-        "seal": seal_output,
+        "seal": agreed.seal,
+        "dry-run": agreed.dry_run,
+        "options": target,
+        "source": hashlib.sha256(repr(source).encode(errors="surrogatepass")).hexdigest(),
+        "plan": [(f.path, f.nbytes) for f in the_plan.files],
     }
     every: list[Any] = [None] * world
-    dist.all_gather_object(every, mine)
+    _collective("comparing the ranks' arguments", dist.all_gather_object, every, mine)
     for r, theirs in enumerate(every):
         if theirs != every[0]:
             what = next(k for k in mine if theirs.get(k) != every[0].get(k))
-            said = {
-                "-o": f"-o {theirs['-o']} against rank 0's {every[0]['-o']}",
-                "format": f"--to {theirs['format']} against rank 0's {every[0]['format']}",
-                "layout": f"the layout {theirs['layout']} against rank 0's {every[0]['layout']}",
-                "files": f"a plan of {len(theirs['files'])} files against rank 0's {len(every[0]['files'])}",
-                "seal": "--no-seal on one of them only",
-            }[what]
+            ours = every[0]
+            if what == "options":
+                key = next(k for k, v in theirs["options"].items() if ours["options"].get(k) != v)
+                said = f"{key}={theirs['options'][key]!r} against rank 0's {ours['options'].get(key)!r}"
+            else:
+                said = {
+                    "-o": f"-o {theirs['-o']} against rank 0's {ours['-o']}",
+                    "format": f"--to {theirs['format']} against rank 0's {ours['format']}",
+                    "layout": f"the layout {theirs['layout']} against rank 0's {ours['layout']}",
+                    "files": f"a plan of {len(theirs['files'])} files against rank 0's {len(ours['files'])}",
+                    "seal": "--no-seal on one of them only",
+                    "dry-run": "--dry-run on one of them only",
+                    "source": "another source checkpoint than rank 0's (its files, sizes, step or tensors differ)",
+                    "plan": "a plan whose files hold other bytes than rank 0's",
+                }[what]
             raise UsageError(
                 f"under torchrun every rank must be given the same reshard: rank {r} has {said}; nothing was written",
-                hint="give every rank the same arguments (torchrun passes the same command line to each)",
+                hint="give every rank the same arguments and the same source (torchrun passes the same command line "
+                "to each; a node's own copy of the source must be the same checkpoint)",
             )
 
 
@@ -899,12 +957,17 @@ def _other_rank(
     import torch.distributed as dist
 
     box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0)  # the staging directory, or rank 0's failure to make it
+    # the staging directory, or rank 0's failure to make it
+    _collective("waiting for rank 0's staging directory", dist.broadcast_object_list, box, src=0)
     if "error" in box[0]:
         raise _rank_error(box[0]["error"])
     status, results = _write_share(executor, Path(box[0]["tmp"]), indices, rank, workers, progress)
-    dist.gather_object((status, results), None, dst=0)  # only rank 0 needs them
-    dist.broadcast_object_list(box, src=0)  # rank 0's outcome: None once published
+    # only rank 0 needs them: the results, and the digests taken while writing (which its seal takes
+    # instead of reading the files back, alone, while every other rank waits)
+    _collective(
+        "sending rank 0 what this rank wrote", dist.gather_object, (status, results, executor.known), None, dst=0
+    )
+    _collective("waiting for rank 0 to seal and publish", dist.broadcast_object_list, box, src=0)  # None: published
     if box[0] is not None:
         raise _rank_error(box[0])
 
@@ -927,24 +990,35 @@ def _rank_zero(
     announced = False
     try:
         with staged_dir(out) as tmp:
-            dist.broadcast_object_list([{"tmp": str(tmp)}], src=0)
+            _collective(
+                "telling the ranks the staging directory", dist.broadcast_object_list, [{"tmp": str(tmp)}], src=0
+            )
             announced = True
             status, results = _write_share(executor, tmp, shares[0], 0, the_plan.workers, progress)
             every: list[Any] = [None] * len(shares)
-            dist.gather_object((status, results), every, dst=0)
-            failure = next((st for st, _ in every if st is not None), None)
+            _collective("gathering what the ranks wrote", dist.gather_object, (status, results, {}), every, dst=0)
+            failure = next((st for st, _, _ in every if st is not None), None)
             if failure is not None:
                 raise _rank_error(failure)
             merged: dict[int, Any] = {}
-            for _, res in every:
+            for _, res, known in every:
                 merged.update(res)
+                executor.known.update(known)
             executor.writer.finish(tmp, [merged[i] for i in range(len(the_plan.files))])
             held = _seal_and_publish(tmp, out, the_plan.workers, seal_output, executor.known, executor.partial)
     except BaseException as exc:
         failure = failure or _describe(exc, 0, out)
         raise
     finally:
-        dist.broadcast_object_list([failure if announced else {"error": failure}], src=0)
+        try:
+            outcome = [failure if announced else {"error": failure}]
+            _collective("telling the ranks the outcome", dist.broadcast_object_list, outcome, src=0)
+        except CkptError as exc:
+            if failure is None:  # (else the failure on its way out is the one to say)
+                raise CkptError(
+                    f"{out} is published, but {exc.message}",
+                    hint="the other ranks did not learn the outcome: their exit status is not this one",
+                ) from None
     files = [[the_plan.files[i].path for i in ix] for ix in shares]
     return ReshardResult(
         plan=the_plan, output=str(out), written=True, sealed=seal_output, tensors=held[0], objects=held[1], ranks=files
@@ -1050,13 +1124,17 @@ def reshard(
     if out.exists() and not force:  # (a dry run says what the run would: it refuses too)
         raise UsageError(f"{out} exists", hint="choose another -o path or pass --force to replace it")
     the_plan, executor = plan(src, target, workers=workers, max_memory=max_memory, on=on, command=command)
+    ranks = torchrun_world()
+    agreed = _Agreed(out=out, target=target, seal=seal_output, dry_run=dry_run)
     if dry_run:
+        if ranks is not None:  # (a dry run on some ranks only left the others waiting for it, 30 minutes)
+            with _process_group(ranks[1]):
+                _same_on_every_rank(the_plan, executor.manifest, agreed, ranks[1])
         return ReshardResult(plan=the_plan, output=str(out), written=False)
     refuse_changed_since_sealed(Path(src), executor.manifest)
-    ranks = torchrun_world()
     if ranks is not None:
         with replacing(replaces):
-            return _reshard_ranks(executor, the_plan, out, ranks, seal_output=seal_output, progress=progress)
+            return _reshard_ranks(executor, the_plan, agreed, ranks, progress=progress)
     with replacing(replaces), staged_dir(out) as tmp:
         executor.run(tmp, the_plan.workers, progress)
         held = _seal_and_publish(tmp, out, the_plan.workers, seal_output, executor.known, executor.partial)

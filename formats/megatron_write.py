@@ -939,6 +939,11 @@ def _local(item: Item, t: int, tp: int, gated: bool, rules: dict[str, Any], rows
     return tp_regions(shape, rule, dim, t, tp)
 
 
+_BUFFERS = frozenset({"expert_bias"})
+"""The persistent buffers of megatron-core's modules (in a model chunk's state dict, never optimized):
+the MoE router's ``expert_bias`` (``--moe-router-enable-expert-bias``)"""
+
+
 class _Fill:
     """Produces one output tensor from the source's pieces (``OutTensor.fill``)."""
 
@@ -1758,9 +1763,12 @@ class LegacyWriter:
         return [n for n in names if n not in frozen] + [n for n in names if n in frozen] if frozen else names
 
     def _frozen(self, name: str) -> bool:
-        """Whether entry ``name`` is a parameter without optimizer state where the source has some."""
+        """Whether entry ``name`` is a parameter without optimizer state where the source has some
+        (not a buffer megatron-core keeps in the state dict, such as the router's ``expert_bias``,
+        which stays in its place: it was moved after every other entry)."""
         return (
             self._optimized
+            and name.rsplit(".", 1)[-1] not in _BUFFERS
             and self._item(name).is_tensor
             and f"{self._src_name(name)}.exp_avg" not in self.manifest.items
         )

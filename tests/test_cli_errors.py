@@ -655,6 +655,9 @@ def test_a_write_refused_names_the_output_not_its_hidden_temporary():
     said = os_error_line(PermissionError(errno.EACCES, "Permission denied", tmp))
     assert said == "/data/out: permission denied while writing it (nothing was published)", said
     assert published_as(tmp + "/iter_0000003/common.pt") == "/data/out/iter_0000003/common.pt"
+    # the seal's own temporary inside the staging directory (a disk full as the seal is written)
+    inner = tmp + "/.ckpttool.manifest.json.ckpttool-tmp-node7-123-9f8e7d6c"
+    assert published_as(inner) == "/data/out/ckpttool.manifest.json", published_as(inner)
     assert published_as("/data/.hidden/model.pt") is None and published_as("/data/out") is None
     said = os_error_line(PermissionError(errno.EACCES, "Permission denied", "/data/.hidden"))
     assert said == "/data/.hidden: permission denied", said

@@ -126,6 +126,33 @@ def test_megatron_round_trip_is_exact(tmp_path):
     assert kept and all(n.endswith(("[tp=0,pp=1]", "[tp=1,pp=0]", "[tp=1,pp=1]")) for n in kept), kept
 
 
+def test_the_routers_expert_bias_buffer_keeps_its_place(tmp_path):
+    """``--moe-router-enable-expert-bias`` keeps the router's ``expert_bias`` buffer in the model's
+    state dict; having no optimizer state, it was taken for a frozen parameter and moved after
+    every other entry of each rank file (DeepSeek-V3-style models; the trees did not come back)."""
+    import dataclasses
+
+    def with_bias(tree):
+        model = tree["model"]
+        entries = list(model.items())
+        model.clear()
+        for key, value in entries:
+            model[key] = value
+            if key.endswith(".mlp.router.weight"):  # (a view of its first row's storage: [experts] fp32)
+                model[key.replace(".weight", ".expert_bias")] = dataclasses.replace(
+                    value, shape=(value.shape[0],), stride=(1,)
+                )
+
+    source = rewritten_copy(tmp_path / "src", FIXTURES / "megatron" / "legacy_tp2ep2etp1", with_bias)
+    out = tmp_path / "out"
+    reshard(source, out, Target())
+    theirs, ours = _rank_files(source), _rank_files(out)
+    for name in theirs:
+        keys = [k for k, _ in dict(_tree(theirs[name])[1])["model"][1]]
+        assert any(k.endswith("expert_bias") for k in keys)
+        assert [k for k, _ in dict(_tree(ours[name])[1])["model"][1]] == keys, name
+
+
 def test_megatron_round_trip_through_more_ranks_adds_no_rng_entry(tmp_path):
     """TP=2 x PP=2 -> TP=2 x PP=4 -> TP=2 x PP=2: PP ranks 2 and 3 got copies of PP ranks 0 and
     1's RNG state. The way back keeps none of them (a reshard to PP=4 gives them the same copies again),

@@ -885,10 +885,12 @@ def test_megatron_core_oracle_sees_a_wrong_value(tmp_path):
 # -- the same command under torchrun ---------------------------------------------------------------
 
 
-def _torchrun_cli(*args: str, script: str | None = None, nproc: int = 2) -> subprocess.CompletedProcess[str]:
+def _torchrun_cli(
+    *args: str, script: str | None = None, nproc: int = 2, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     target = [str(Path(__file__).parent / script)] if script else ["-m", "ckpttool"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *target]
-    env = cli_env(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
+    env = cli_env(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]), **(env or {}))
     return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, timeout=600, env=env)
 
 
@@ -938,21 +940,58 @@ def test_torchrun_a_failing_rank_fails_all_and_publishes_nothing(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("options", "said"),
+    ("source", "options", "said"),
     [
-        (["--dp", "1|3"], "rank 1 has the layout {'world_size': 3} against rank 0's {'world_size': 1}"),
-        (["-o", "a|b"], "rank 1 has -o "),
+        ("dcp/fsdp2", ["--dp", "1|3"], "rank 1 has the layout {'world_size': 3} against rank 0's {'world_size': 1}"),
+        ("dcp/fsdp2", ["-o", "a|b"], "rank 1 has -o "),
+        # (compared since: a Megatron output of two vocabulary sizes, sealed, exit 0; stages from
+        # two checkpoints; an internal KeyError; and a dry run on one rank left the other waiting)
+        ("megatron/legacy_tp2pp2", ["--tp", "1", "--vocab-padding", "keep|megatron"],
+         "rank 1 has vocab_padding='megatron' against rank 0's 'keep'"),
+        ("megatron/legacy_tp2pp2|megatron/legacy_tp2pp2_tied", ["--tp", "1"], "rank 1 has another source checkpoint"),
+        ("megatron/legacy_tp2pp2", ["--tp", "1", "--pp-first-layers", "1|3"], "rank 1 has pp_first=3 against rank 0's 1"),
+        ("dcp/fsdp2", ["--dp", "2", "--json|--dry-run"], "rank 1 has --dry-run on one of them only"),
     ],
-    ids=["dp", "output"],
-)
-def test_torchrun_ranks_given_different_reshards_are_refused(options, said, tmp_path):
+    ids=["dp", "output", "vocab-padding", "source", "uneven-stages", "dry-run"],
+)  # fmt: skip
+def test_torchrun_ranks_given_different_reshards_are_refused(source, options, said, tmp_path):
     """Each rank made its own plan from its own arguments: ranks given --dp 1 and 3 published a
     DCP directory holding data files its .metadata never names, sealed, exit 0 (others an internal
     error), and a rank given another -o wrote its share into rank 0's output."""
     options = [f"{tmp_path / 'a'}|{tmp_path / 'b'}" if o == "a|b" else o for o in options]
     out = [] if "-o" in options else ["-o", str(tmp_path / "a")]
-    proc = _torchrun_cli("reshard", FIXTURES / "dcp" / "fsdp2", *out, *options, script="_per_rank_args_worker.py")
+    source = "|".join(str(FIXTURES / s) for s in source.split("|"))
+    proc = _torchrun_cli("reshard", source, *out, *options, script="_per_rank_args_worker.py")
     assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr
     assert proc.stderr.count("error: under torchrun every rank must be given the same reshard") == 2, proc.stderr[-2000:]
-    assert said in proc.stderr
+    assert said in proc.stderr, proc.stderr[-2000:]
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_torchrun_a_rank_killed_is_said_so_not_an_internal_error(tmp_path):
+    """Rank 1 killed (as the OOM killer would) after writing its share: rank 0 said "internal
+    error: RuntimeError: [...gloo...] Connection closed by peer ... this is a bug in ckpttool"."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--monitor-interval",
+           "10", str(Path(__file__).parent / "_rank_death_worker.py"), "reshard", str(LEGACY), "-o", str(out), "--tp", "1"]  # fmt: skip
+    env = cli_env(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode != 0
+    assert "error: lost touch with the other torchrun ranks while" in proc.stderr, proc.stderr[-3000:]
+    assert "bug in ckpttool" not in proc.stderr and "ckpttool/" not in proc.stderr, proc.stderr[-3000:]
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_torchrun_rank_zero_seals_without_reading_the_other_ranks_files(tmp_path):
+    """Rank 0 read back and hashed every other rank's files alone, while they waited on a 30-minute
+    timeout (3.6 TB at 2 GB/s); the ranks' own digests now come with their results. The seal is the
+    one a single process writes, and verifies clean."""
+    out, log = tmp_path / "out", tmp_path / "read.log"
+    proc = _torchrun_cli("reshard", LEGACY, "-o", out, "--tp", "1", "--json", script="_seal_reads_worker.py", env={"READ_LOG": str(log)})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    report = json.loads(proc.stdout[proc.stdout.index("{") :])
+    theirs = set(report["ranks"][1])
+    assert theirs and not theirs & set(json.loads(log.read_text())), (theirs, log.read_text())
+    assert verify(out).failing() == []

@@ -1173,3 +1173,5 @@ def main() -> None:
         code, word = _stopped(exc)
         sys.stderr.write(word + "\n")
         sys.exit(code)
+    finally:
+        interrupt.disarm()  # (the exit status is chosen)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool import registry
-from ckpttool.errors import CorruptFileError
+from ckpttool.errors import CorruptFileError, IncompleteCheckpointError
 from ckpttool.manifest import SCHEMA_VERSION, Item, Manifest, StateName
 
 
@@ -26,6 +26,9 @@ class InspectReport:
     by_dtype: dict[str, Tally] = field(default_factory=dict)
     missing_state: list[StateName] = field(default_factory=list)
     unloadable: list[Item] = field(default_factory=list)
+    findings: list[dict[str, Any]] = field(default_factory=list)
+    """what the format's reader found wrong beside the items (:func:`format_findings`): a hostile
+    pickle of training state, a rank's file from an earlier save"""
 
     @property
     def nbytes(self) -> int:
@@ -99,13 +102,42 @@ def inspect(path: str | Path) -> InspectReport:
         by_dtype=by_dtype,
         missing_state=manifest.missing_state(),
         unloadable=[i for i in manifest.items.values() if i.error],
+        findings=format_findings(manifest),
     )
+
+
+_UNREADABLE = ("corrupt-file", "truncated-file", "missing-file", "incomplete-save")
+"""The rules of a format's finding that say a file of the checkpoint does not read (or is not there)"""
+
+
+def format_findings(manifest: Manifest) -> list[dict[str, Any]]:
+    """What the format's reader found wrong while it still read the rest (``extras["findings"]``),
+    each with its severity (the rule's where the finding gives none)."""
+    from ckpttool.verify import RULES
+
+    return [
+        {**f, "severity": f.get("severity") or (RULES[f["rule"]].severity if f["rule"] in RULES else "error")}
+        for f in manifest.extras.get("findings") or ()
+    ]
 
 
 def refuse_unreadable(manifest: Manifest) -> None:
     """Stop where an item could not be read for damage or permissions, not for a refused pickle
     (which is reported, the rest described): a file that does not read is exit 3, as with the
-    formats whose reader stops at it; it was called "cannot be loaded safely", exit 1 (``ls``: 0)."""
+    formats whose reader stops at it; it was called "cannot be loaded safely", exit 1 (``ls``: 0).
+    Likewise a file of training state beside the items that does not read, or a rank's file that is
+    missing, which the format's reader noted and read past (a Trainer's ``optimizer.pt`` cut short
+    was called "missing training state: optimizer", exit 0)."""
+    unread = [f for f in format_findings(manifest) if f["severity"] == "error" and f["rule"] in _UNREADABLE]
+    if unread:
+        first = unread[0]
+        cls = IncompleteCheckpointError if first["rule"] in ("missing-file", "incomplete-save") else CorruptFileError
+        raise cls(
+            first["message"]
+            + (f" (and {len(unread) - 1} more: 'ckpttool verify' lists them)" if len(unread) > 1 else ""),
+            hint=first.get("hint") or "restore the file from a good copy ('ckpttool verify' names every damaged file)",
+            path=first.get("file"),
+        )
     bad = [i for i in manifest.items.values() if i.error and not i.refused]
     if bad:
         files = sorted({i.pieces[0].file for i in bad if i.pieces})

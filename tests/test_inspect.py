@@ -98,3 +98,34 @@ def test_an_item_whose_file_does_not_read_is_exit_3_not_unsafe(tmp_path):
         r = run_cli(command, ckpt)
         assert r.code == 3 and "1 item(s) cannot be read: __0_0.distcp@0" in r.stderr, (command, r.stderr)
         assert "loaded safely" not in r.stderr and "__0_0.distcp is damaged or unreadable" in r.stderr
+
+
+class _RunsTrue:
+    def __reduce__(self):  # (a pickle calling os.system; "true" does nothing if anything ran it)
+        return (os.system, ("true",))
+
+
+def test_what_the_reader_found_beside_the_items_is_shown_and_sets_the_exit(tmp_path):
+    """A Trainer's optimizer.pt whose pickle runs code, or cut short, was "missing training state:
+    optimizer", exit 0: the format's findings were in the JSON's extras only. A hostile one is a
+    warning and exit 1 (as a hostile item is), one that does not read exit 3 (as an item's file),
+    and a finding of warning severity (a rank file of an earlier save) a warning, exit 0."""
+    import torch
+
+    hostile = tmp_path / "hostile"
+    shutil.copytree(FIXTURES / "hf/trainer/checkpoint-3", hostile)
+    torch.save({"state": {}, "param_groups": [], "x": _RunsTrue()}, hostile / "optimizer.pt")
+    r = run_cli("inspect", hostile)
+    assert r.code == 1 and "warning: unsafe-pickle: optimizer.pt: its pickle refers to posix.system" in r.stderr, r.stderr
+    assert run_cli("inspect", hostile, "--json").code == 1
+    cut = tmp_path / "cut"
+    shutil.copytree(FIXTURES / "hf/trainer/checkpoint-3", cut)
+    os.truncate(cut / "optimizer.pt", 5000)
+    r = run_cli("inspect", cut)
+    assert r.code == 3 and r.stderr.startswith("error: optimizer.pt: cut short"), r.stderr
+    assert run_cli("ls", cut).code == 3
+    earlier = tmp_path / "earlier"
+    shutil.copytree(FIXTURES / "rankshards/pipeline", earlier)
+    shutil.copy(earlier / "checkpoint_step3_stage0.pt", earlier / "checkpoint_step2_stage0.pt")
+    r = run_cli("inspect", earlier)
+    assert r.code == 0 and "warning: extra-file: 1 file(s) of earlier saves (step 2)" in r.stderr, r.stderr

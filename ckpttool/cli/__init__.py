@@ -204,8 +204,10 @@ def inspect(path: PathArg, json_out: JsonOpt = False) -> None:
     """Format, step, layout, items by kind and dtype, and the training state that is missing.
 
     Reads metadata only: no tensor data, no torch. Exits 1 when some item cannot be loaded safely
-    (e.g. a pickle that would run code), 3 when the checkpoint, or a file an item is read from,
-    cannot be read (damaged, cut short, no permission).
+    (e.g. a pickle that would run code) or the format's reader found an error beside the items (a
+    hostile file of training state; each finding shown as a warning), 3 when the checkpoint, or a
+    file an item or its training state is read from, cannot be read (damaged, cut short, no
+    permission, a rank's file missing).
     """
     from ckpttool.cli import _render
     from ckpttool.inspect import inspect as run
@@ -216,11 +218,14 @@ def inspect(path: PathArg, json_out: JsonOpt = False) -> None:
         out.json(report.to_json())
     else:
         _render.inspect_report(out, report)
+    for f in report.findings if not json_out else ():  # (the JSON holds them in extras.findings)
+        out.warning(f"{f['rule']}: {f['message']}")
     if report.unloadable:
         out.warning(
             f"{len(report.unloadable)} item(s) cannot be loaded safely: "
             + "; ".join(f"{i.name}: {i.error}" for i in report.unloadable[:5])
         )
+    if report.unloadable or any(f["severity"] == "error" for f in report.findings):
         raise typer.Exit(1)
 
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,40 +108,68 @@ def _run(path: Path, harness: str, steps: int, force: str | None = None, device:
         cmd += ["--force", force]
     if device:
         cmd += ["--device", device]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"})
-    try:
-        result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise HarnessError(
-            f"the harness process failed (exit {proc.returncode}): {tail[0][:300]}",
-            hint="run it by hand: " + " ".join(cmd),
-        ) from None
-    if "error" in result:
-        if result.get("stage") == "harness":
+    # the result comes back in a file of its own, not on stdout, which is the harness's (a line it
+    # printed at exit, or bytes that are not UTF-8, made a healthy run an internal error); its output
+    # goes to a file, not a pipe, so that a process it leaves running (a metrics service holding
+    # the pipe open) does not keep this one waiting
+    with tempfile.TemporaryDirectory(prefix="ckpttool-rehearse-") as tmp:
+        result_path, log_path = Path(tmp) / "result.json", Path(tmp) / "output.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.run(
+                [*cmd, "--result", str(result_path)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONHASHSEED": "0"},
+            )
+        try:
+            result: dict[str, Any] = json.loads(result_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            lines = log_path.read_bytes().decode("utf-8", "replace").strip().splitlines()
             raise HarnessError(
-                f"cannot build the harness {harness}: {result['error']}",
+                f"the harness process failed (exit {proc.returncode}): {(lines[-1:] or ['no output'])[0][:300]}",
+                hint="run it by hand: PYTHONHASHSEED=0 " + " ".join(cmd),
+            ) from None
+    if "error" in result:
+        stage, error = result.get("stage"), result["error"]
+        if stage == "harness":
+            raise HarnessError(
+                f"cannot build the harness {harness}: {error}",
                 hint="--harness takes module:factory, importable from the current directory",
             )
+        if stage == "force":
+            raise HarnessError(f"cannot force the {force} state of {TRAJECTORY_STATES} into the harness: {error}")
+        if stage == "restore":
+            raise HarnessError(
+                f"{path}: the harness cannot restore this checkpoint: {error}",
+                hint="the checkpoint does not fit the harness's model, or is incomplete",
+            )
         raise HarnessError(
-            f"{path}: the harness cannot restore this checkpoint: {result['error']}",
-            hint="the checkpoint does not fit the harness's model, or is incomplete",
+            f"{path}: the harness failed after restoring the checkpoint, in {stage}: {error}",
+            hint="the harness's own code failed (ckpttool.harness.Harness says what each method returns)",
         )
     return result
 
 
 def _diverge(run: list[dict[str, Any]], ref: list[dict[str, Any]], tolerance: float | None) -> tuple[int, str] | None:
-    """First step (1-based) where a run differs from a reference, and what differs."""
+    """First step (1-based) where a run differs from a reference, and what differs. Within a
+    ``tolerance``: the first step's loss bit for bit, the later ones within it, and no digest after
+    the restore (the state after a nondeterministic update differs in its last bits)."""
     for i, (a, b) in enumerate(zip(run, ref, strict=False), start=1):
         la, lb = float.fromhex(a["loss"]), float.fromhex(b["loss"])
         if tolerance is not None and i > 1:
-            if abs(la - lb) > tolerance * max(abs(lb), 1e-12):
+            # (a NaN or Inf loss is within no tolerance of anything but its own bits: abs(la - lb) >
+            # tol * ... is False for a NaN, and "replay matches within --tolerance" was said of NaN losses)
+            same = a["loss"] == b["loss"]
+            if not same and not (
+                math.isfinite(la) and math.isfinite(lb) and abs(la - lb) <= tolerance * max(abs(lb), 1e-12)
+            ):
                 return i, f"loss {la!r} vs {lb!r}"
             continue
         if a["loss"] != b["loss"]:
             return i, f"loss {la!r} vs {lb!r}"
         bad = sorted(k for k in b.get("digests", {}) if a["digests"].get(k) != b["digests"][k])
-        if bad:
+        if bad and tolerance is None:
             return i, f"{', '.join(bad)} differ"
     return None
 
@@ -150,6 +180,8 @@ def _preflight(p: Path) -> None:
     outside the allowlist must stop here, before any training code sees the files."""
     from ckpttool import registry
     from ckpttool.errors import UnsafePickleError
+    from ckpttool.formats._pt import hostile_beside
+    from ckpttool.inspect import format_findings
 
     _, manifest = registry.describe(p)
     for item in manifest.items.values():
@@ -159,6 +191,12 @@ def _preflight(p: Path) -> None:
                 named,
                 what=f"item {item.name}",
             )
+    # the training state's own files (a Trainer's optimizer.pt, which its resume loads with
+    # torch.load) and the pickles beside them: a hostile one reached the harness, exit 0
+    hostile_beside(Path(manifest.root), manifest)
+    for f in format_findings(manifest):
+        if f["rule"] == "unsafe-pickle" and f["severity"] == "error":
+            raise CkptError(f"{f['message']}; the harness was not run", hint=f.get("hint"), path=f["file"])
 
 
 def rehearse(
@@ -185,10 +223,20 @@ def rehearse(
     report = RehearseReport(path=str(p), harness=harness, steps=steps, tolerance=tolerance)
     traj = _trajectory(p / TRAJECTORY)
     report.trajectory = traj is not None
+    if traj is None and runs == 1:  # (one run and nothing recorded: compared with nothing, "bit-identical")
+        raise UsageError(
+            "--runs 1 with no recorded trajectory compares nothing",
+            hint=f"give --runs 2 or more, or record a trajectory ({TRAJECTORY}) beside the checkpoint",
+        )
+    if traj is None and p.is_file() and (p.parent / TRAJECTORY).is_file():
+        report.notes.append(
+            f"{p.parent / TRAJECTORY} is not read: a trajectory is kept in the checkpoint's directory, and a "
+            "single-file checkpoint has none (put it in a directory of its own with the trajectory)"
+        )
     if traj is not None and len(traj["steps"]) < steps:
         report.notes.append(
             f"the saved run recorded {len(traj['steps'])} steps after the save: steps {len(traj['steps']) + 1}-{steps} "
-            "are compared between the runs only"
+            + ("are compared between the runs only" if runs > 1 else "are compared with nothing (--runs 1)")
         )
     report.runs = [_run(p, harness, steps, device=device) for _ in range(runs)]
     first = report.runs[0]
@@ -241,7 +289,7 @@ def rehearse(
                     )
                 )
             else:
-                culprit = _blame(p, harness, steps, traj, tolerance, device)
+                culprit = _blamed(report, p, harness, steps, traj, tolerance, device)
                 report.findings.append(
                     Blame(
                         component=culprit,
@@ -306,6 +354,25 @@ def _blame(
     return None
 
 
+def _blamed(
+    report: RehearseReport,
+    p: Path,
+    harness: str,
+    steps: int,
+    traj: dict[str, Any],
+    tolerance: float | None,
+    device: str | None,
+) -> str | None:
+    """:func:`_blame`, a forced run that fails (a harness without ``force``, a damaged
+    ``ckpttool.trajectory.pt``) noted: the divergence already found stands (exit 1); it was
+    thrown away for an exit 3 that blamed the checkpoint."""
+    try:
+        return _blame(p, harness, steps, traj, tolerance, device)
+    except HarnessError as exc:
+        report.notes.append(f"no component could be blamed: {exc.message}")
+        return None
+
+
 # -- the worker (one fresh process per run) ---------------------------------------------------------
 
 
@@ -316,37 +383,72 @@ def _worker(argv: list[str]) -> int:
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--force")
     ap.add_argument("--device")
+    ap.add_argument("--result", required=True)
     args = ap.parse_args(argv)
+
+    def answer(result: dict[str, Any]) -> int:
+        Path(args.result).write_text(json.dumps(result), encoding="utf-8")
+        return 0
+
     module, _, name = args.harness.partition(":")
     t0 = time.perf_counter()
     try:
         factory = getattr(importlib.import_module(module), name)
         h = factory(args.device) if args.device else factory()
+        for method in ("restore", "step", "digests", *(("force",) if args.force else ())):
+            if not callable(getattr(h, method, None)):
+                raise TypeError(f"{name}() returned a {type(h).__name__}, which has no {method}() method")
     except Exception as exc:
-        print(json.dumps({"error": f"{type(exc).__name__}: {exc}", "stage": "harness"}))
-        return 0
+        return answer({"error": f"{type(exc).__name__}: {exc}", "stage": "harness"})
     t1 = time.perf_counter()
+    stage = "restore"
     try:
         restored = h.restore(args.path)
+        _check_restored(restored)
         if args.force:
+            stage = "force"
             import torch
 
             states = torch.load(Path(args.path) / TRAJECTORY_STATES, weights_only=True)
+            if not isinstance(states, dict) or args.force not in states:
+                raise ValueError(f"{TRAJECTORY_STATES} holds no {args.force} state")
             h.force(args.force, states[args.force])
-        components = h.digests()
+        stage = "digests()"
+        components = _checked_digests(h.digests())
         t2 = time.perf_counter()
         out = []
-        for _ in range(args.steps):
-            loss = float(h.step())
-            out.append({"loss": loss.hex(), "digests": h.digests()})
+        for k in range(1, args.steps + 1):
+            stage = f"step {k}"
+            loss = h.step()
+            if not isinstance(loss, int | float) or isinstance(loss, bool):
+                raise TypeError(f"step() returned a {type(loss).__name__}, expected the loss as a number")
+            out.append({"loss": float(loss).hex(), "digests": _checked_digests(h.digests())})
         t3 = time.perf_counter()
-    except Exception as exc:  # reported to the parent as one line
+    except Exception as exc:  # reported to the parent, with the stage it failed in
         msg = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else f"{type(exc).__name__}: {exc}"
-        print(json.dumps({"error": msg}))
-        return 0
+        return answer({"error": msg, "stage": stage})
     timing = {"build_s": t1 - t0, "restore_s": t2 - t1, "steps_s": t3 - t2}
-    print(json.dumps({"restored": restored, "components": components, "steps": out, "timing": timing}))
-    return 0
+    return answer({"restored": restored, "components": components, "steps": out, "timing": timing})
+
+
+def _check_restored(restored: Any) -> None:
+    """``restore()``'s answer: True or False for each component (``{}`` passed: every component
+    counted as restored)."""
+    if not isinstance(restored, dict) or not all(isinstance(restored.get(c), bool) for c in COMPONENTS):
+        raise TypeError(
+            f"restore() returned {_shown(restored)}; expected a dict giving True or False for each of "
+            + ", ".join(COMPONENTS)
+        )
+
+
+def _checked_digests(digests: Any) -> dict[str, str]:
+    if not isinstance(digests, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in digests.items()):
+        raise TypeError(f"digests() returned {_shown(digests)}; expected a dict of component name to digest text")
+    return digests
+
+
+def _shown(value: Any) -> str:
+    return repr(value)[:80] if isinstance(value, dict) else f"a {type(value).__name__}"
 
 
 if __name__ == "__main__":

@@ -174,9 +174,15 @@ read alone"""
 
 def _only_file(directory: Path) -> Path | None:
     """The one ``.pt``/``.pth``/``.bin`` file of ``directory`` when it holds nothing else but its
-    seal (``convert --to torch``'s output); else None."""
+    seal (``convert --to torch``'s output) and the trajectory ``rehearse`` reads beside it
+    (``ckpttool.trajectory.json`` and ``.pt``, which docs/rehearse.md's own harness keeps beside
+    its ``state.pt``); else None."""
     try:
-        names = [e.name for e in os.scandir(directory) if not is_seal_name(e.name)]
+        names = [
+            e.name
+            for e in os.scandir(directory)
+            if not is_seal_name(e.name) and e.name not in ("ckpttool.trajectory.json", "ckpttool.trajectory.pt")
+        ]
     except OSError:
         return None
     if len(names) != 1 or not names[0].endswith(_pt.SUFFIXES):

@@ -60,3 +60,81 @@ def hidden_stream() -> HiddenStream:
 
 def loader_skips() -> LoaderSkips:
     return LoaderSkips()
+
+
+class NanLater(TinyGPTHarness):
+    """Its loss is NaN from the second step on (a diverged run), in every run alike."""
+
+    def step(self) -> float:
+        loss = super().step()
+        self._k = getattr(self, "_k", 0) + 1
+        return float("nan") if self._k > 1 else loss
+
+
+class Chatty(TinyGPTHarness):
+    """Prints to stdout, bytes that are not UTF-8 among it, and a line at exit (a logger's "run
+    finished"), after the result."""
+
+    def step(self) -> float:
+        import atexit
+        import sys
+
+        sys.stdout.buffer.write(b"\xff\xfe not utf-8\n")
+        sys.stdout.flush()
+        atexit.register(print, '{"restored": 1}')
+        return super().step()
+
+
+class RestoresNothing(TinyGPTHarness):
+    def restore(self, path: str) -> dict[str, bool]:
+        super().restore(path)
+        return {}
+
+
+class FailsAtStep2(TinyGPTHarness):
+    def step(self) -> float:
+        self._k = getattr(self, "_k", 0) + 1
+        if self._k == 2:
+            raise RuntimeError("out of memory")
+        return super().step()
+
+
+class NoisyUpdate(TinyGPTHarness):
+    """Replays its losses, but each update adds noise in the last bits (atomics on a GPU): the state
+    after a step differs from run to run."""
+
+    def step(self) -> float:
+        loss = super().step()
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(random.random() * 1e-12)
+                break
+        return loss
+
+
+class LoaderSkipsNoForce(LoaderSkips):
+    force = None  # type: ignore[assignment]
+
+
+def nan_later() -> NanLater:
+    return NanLater()
+
+
+def chatty() -> Chatty:
+    return Chatty()
+
+
+def restores_nothing() -> RestoresNothing:
+    return RestoresNothing()
+
+
+def fails_at_step_2() -> FailsAtStep2:
+    return FailsAtStep2()
+
+
+def noisy_update() -> NoisyUpdate:
+    return NoisyUpdate()
+
+
+def loader_skips_no_force() -> LoaderSkipsNoForce:
+    return LoaderSkipsNoForce()

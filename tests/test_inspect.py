@@ -129,3 +129,15 @@ def test_what_the_reader_found_beside_the_items_is_shown_and_sets_the_exit(tmp_p
     shutil.copy(earlier / "checkpoint_step3_stage0.pt", earlier / "checkpoint_step2_stage0.pt")
     r = run_cli("inspect", earlier)
     assert r.code == 0 and "warning: extra-file: 1 file(s) of earlier saves (step 2)" in r.stderr, r.stderr
+
+
+def test_a_torch_save_file_with_its_trajectory_beside_it_is_read(tmp_path):
+    """docs/rehearse.md's own harness keeps state.pt and the trajectory it records in one directory:
+    "not a checkpoint format ckpttool reads" (the trajectory's .pt counted as a second file)."""
+    import torch
+
+    torch.save({"model": {"w": torch.ones(2)}, "step": 3}, tmp_path / "state.pt")
+    (tmp_path / "ckpttool.trajectory.json").write_text('{"components": {}, "steps": []}')
+    torch.save({"model": {"w": torch.ones(2)}}, tmp_path / "ckpttool.trajectory.pt")
+    report = inspect(tmp_path)
+    assert report.manifest.format == "torch" and report.manifest.step == 3

@@ -91,7 +91,7 @@ def test_missing_parameter_exits_3_naming_it(trained, tmp_path):
         warnings.simplefilter("ignore")
         dcp.save(state, checkpoint_id=tmp_path / "ck")
     with pytest.raises(HarnessError, match="model.head.weight"):
-        rehearse(tmp_path / "ck", H, steps=1, runs=1)
+        rehearse(tmp_path / "ck", H, steps=1, runs=2)
     r = run_cli("rehearse", tmp_path / "ck", "--harness", H)
     assert r.code == 3 and "model.head.weight" in r.stderr and "Traceback" not in r.stderr
 
@@ -183,3 +183,73 @@ def test_findings_name_their_component_once_and_steps_past_the_trajectory_are_no
     assert found["component"] == "rng" and found["message"].startswith("RNG state not restored"), found
     r = run_cli("rehearse", trained / "step_20", "--harness", H, "--steps", "7", "--runs", "1")
     assert r.code == 0 and "note: the saved run recorded 5 steps after the save: steps 6-7 are compared" in r.stdout, r.stdout
+
+
+def test_a_nan_loss_is_within_no_tolerance(trained):
+    """With --tolerance, a NaN loss matched the recorded finite one ("replay matches within
+    --tolerance 0.01", exit 0): abs(nan - x) > tol * x is False."""
+    report = rehearse(trained / "step_10", "tests._buggy_harness:nan_later", steps=3, tolerance=0.01)
+    assert not report.ok and "at step 2 (loss nan vs" in report.findings[-1].message, report.findings
+
+
+def test_with_a_tolerance_the_state_after_a_step_may_differ_in_its_last_bits(trained):
+    """An update with noise in its last bits (GPU atomics) failed at step 1 even with --tolerance 0.5:
+    the digests after the step were compared bit for bit. The losses are what the tolerance is for."""
+    assert not rehearse(trained / "step_10", "tests._buggy_harness:noisy_update", steps=3).ok
+    assert rehearse(trained / "step_10", "tests._buggy_harness:noisy_update", steps=3, tolerance=1e-3).ok
+
+
+def test_what_a_harness_prints_is_no_part_of_the_result(trained):
+    """The result was the last line of the run's stdout: a line the harness printed at exit made a
+    healthy run "the harness process failed" or an internal error, and bytes that are not UTF-8 an
+    internal UnicodeDecodeError."""
+    assert rehearse(trained / "step_10", "tests._buggy_harness:chatty", steps=2).ok
+
+
+def test_a_harness_that_does_not_keep_the_protocol_is_named(trained):
+    """restore() returning {} passed (every component counted as restored); a failure in a step was
+    "the harness cannot restore this checkpoint", with a hint blaming the checkpoint."""
+    with pytest.raises(HarnessError, match=r"restore\(\) returned \{\}; expected a dict giving True or False"):
+        rehearse(trained / "step_10", "tests._buggy_harness:restores_nothing", steps=1)
+    r = run_cli("rehearse", trained / "step_10", "--harness", "tests._buggy_harness:fails_at_step_2", "-k", "3")
+    assert r.code == 3 and "failed after restoring the checkpoint, in step 2: RuntimeError: out of memory" in r.stderr
+    assert "cannot restore" not in r.stderr, r.stderr
+
+
+def test_a_blame_that_cannot_be_tried_keeps_the_divergence(trained):
+    """A harness without force() (optional, the docs say) turned a divergence found into exit 3,
+    "the harness cannot restore this checkpoint: AttributeError: force"."""
+    report = rehearse(trained / "step_10", "tests._buggy_harness:loader_skips_no_force", steps=3)
+    assert not report.ok and [f.component for f in report.findings] == [None]
+    assert any("no component could be blamed" in n and "no force() method" in n for n in report.notes), report.notes
+
+
+def test_one_run_and_no_trajectory_compares_nothing(trained, tmp_path):
+    """--runs 1 without a recorded trajectory said "replay is bit-identical", exit 0, having
+    compared nothing."""
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(trained / "step_10", ck)
+    (ck / "ckpttool.trajectory.json").unlink()
+    r = run_cli("rehearse", ck, "--harness", H, "--runs", "1")
+    assert r.code == 2 and "--runs 1 with no recorded trajectory compares nothing" in r.stderr, r.stderr
+
+
+def test_a_hostile_training_state_file_never_reaches_the_harness(trained, tmp_path):
+    """A pickle beside the state that runs code (a Trainer's optimizer.pt, training_args.bin, which
+    the resume loads with torch.load) reached the harness: only the items' pickles were checked."""
+    import os
+    import shutil
+
+    import torch
+
+    class _Runs:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    ck = tmp_path / "ck"
+    shutil.copytree(trained / "step_10", ck)
+    torch.save({"x": _Runs()}, ck / "training_args.bin")
+    r = run_cli("rehearse", ck, "--harness", H, "-k", "1")
+    assert r.code == 3 and "training_args.bin" in r.stderr and "the harness was not run" in r.stderr, r.stderr

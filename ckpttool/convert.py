@@ -548,11 +548,18 @@ def _framework(
     ranks = torchrun_world()
     if ranks is not None and ranks[0] != 0:  # rank 0 reports for all
         return ConvertResult(output=str(out), nbytes=done.plan.nbytes)
+    tensors, objects = done.tensors, done.objects
+    if tensors is None or objects is None:  # (unsealed, nobody described it: "wrote 0 tensors" was said)
+        from ckpttool import registry
+
+        _, written = registry.describe(out)
+        tensors = sum(1 for i in written.items.values() if i.is_tensor)
+        objects = len(written.items) - tensors
     return ConvertResult(
         output=str(out),
         files=sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()),
-        tensors=done.tensors or 0,
-        objects=done.objects or 0,
+        tensors=tensors,
+        objects=objects,
         nbytes=done.plan.nbytes,
         notes=done.plan.notes,
         sealed=done.sealed,

@@ -561,3 +561,14 @@ def test_a_safetensors_source_keeps_its_metadata(tmp_path):
         with safe_open(out, "np") as f:
             meta = f.metadata()
         assert meta == {"format": "pt", "modelspec.architecture": "x", "custom": "y", "ckpttool.source_format": "safetensors"}
+
+
+@pytest.mark.parametrize(("source", "to"), [("megatron/legacy_tp2pp2", "megatron-dist"), ("deepspeed/zero2", "deepspeed")])
+def test_an_unsealed_framework_output_counts_what_it_holds(source, to, tmp_path):
+    """--no-seal into a framework format said "wrote 0 tensors" (0 in the JSON): the counts came
+    from the seal, which was not written."""
+    sealed = run_cli("convert", FIXTURES / source, "-o", tmp_path / "a", "--to", to, "--json")
+    bare = run_cli("convert", FIXTURES / source, "-o", tmp_path / "b", "--to", to, "--no-seal", "--json")
+    assert sealed.code == bare.code == 0, bare.stderr
+    a, b = json.loads(sealed.stdout), json.loads(bare.stdout)
+    assert (b["tensors"], b["objects"]) == (a["tensors"], a["objects"]) and b["tensors"] > 0, (a, b)

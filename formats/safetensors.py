@@ -220,6 +220,8 @@ class SafetensorsAdapter:
         if path.is_file():
             if path.name.endswith(".safetensors"):
                 return Detection(True, "a .safetensors file")
+            if _safetensors_header(path):  # (a link into the Hugging Face hub cache leads to blobs/<sha>)
+                return Detection(True, "a safetensors file (by its header; its name has no .safetensors)")
             return Detection(False, f"{path.name} is not a .safetensors file")
         if _index_files(path):
             return Detection(True, f"found {_index_files(path)[0].name}")
@@ -686,6 +688,21 @@ class SafetensorsReader(PieceReader):
 
     def raw_span(self, piece: Piece, item: Item) -> tuple[int, int] | None:
         return piece.locator["begin"], piece.locator["end"] - piece.locator["begin"]
+
+
+def _safetensors_header(path: Path) -> bool:
+    """Whether a file starts as safetensors files do: an 8-byte little-endian header length that
+    fits in the file, then the JSON header's ``{``."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(9)
+            size = os.fstat(fh.fileno()).st_size
+    except OSError:
+        return False
+    if len(head) < 9 or head[8:9] != b"{":
+        return False
+    n = int.from_bytes(head[:8], "little")
+    return 2 <= n <= size - 8
 
 
 ADAPTER = SafetensorsAdapter()

@@ -141,3 +141,16 @@ def test_a_torch_save_file_with_its_trajectory_beside_it_is_read(tmp_path):
     torch.save({"model": {"w": torch.ones(2)}}, tmp_path / "ckpttool.trajectory.pt")
     report = inspect(tmp_path)
     assert report.manifest.format == "torch" and report.manifest.step == 3
+
+
+def test_a_safetensors_file_reached_by_a_link_into_the_hub_cache_is_read(tmp_path):
+    """The Hugging Face hub cache keeps snapshots/<rev>/model.safetensors as a link to
+    blobs/<sha>: "not a checkpoint format" (the adapter judged the name the link leads to)."""
+    blob = tmp_path / "blobs" / "ed097b0c"
+    blob.parent.mkdir()
+    shutil.copy(FIXTURES / "safetensors" / "model.safetensors", blob)
+    (tmp_path / "snap").mkdir()
+    (tmp_path / "snap" / "model.safetensors").symlink_to(blob)
+    want = registry.describe(FIXTURES / "safetensors" / "model.safetensors")[1]
+    got = registry.describe(tmp_path / "snap" / "model.safetensors")[1]
+    assert got.format == "safetensors" and list(got.items) == list(want.items)

@@ -384,11 +384,10 @@ def _compare_large_objects(report: DiffReport, key: str, ra: PieceReader, ia: It
     of more than 16 learning rates, a long string, a set, an ``io.BytesIO``): read from both sides
     and compared as the small ones are (:func:`_comparable`); a difference shown by their
     summaries. A value holding what diff cannot compare (a tensor inside a tuple, which DCP keeps
-    in one pickle) is compared with the tensor's values where the reader reads them, bit for bit;
-    where it does not, the value is said not to be compared: it was left out, and "equal" covered it."""
+    in one pickle) is said not to be compared: it was left out, and "equal" covered it."""
     try:
         a, b = ra.read_object(ia), rb.read_object(ib)
-        a, b = _comparable(a, _tensor_reader(ra, ia)), _comparable(b, _tensor_reader(rb, ib))
+        a, b = _comparable(a), _comparable(b)
     except (CkptError, NotImplementedError, KeyError):
         report.unread.append({"name": key, "a": ia.summary, "b": ib.summary})
         return
@@ -405,18 +404,11 @@ class _NotComparable(Exception):
     """A value holds something :func:`_comparable` has no plain form of (its args: what)."""
 
 
-def _tensor_reader(reader: PieceReader, item: Item) -> Callable[[Any], np.ndarray] | None:
-    """How to read a tensor inside ``item``'s value, where the reader can (DCP's)."""
-    read_in_object = getattr(reader, "read_in_object", None)
-    return None if read_in_object is None else lambda ref: read_in_object(item, ref)
-
-
-def _comparable(value: Any, tensor: Callable[[Any], np.ndarray] | None = None, depth: int = 0) -> Any:
+def _comparable(value: Any, depth: int = 0) -> Any:
     """``value`` as the plain data :func:`~ckpttool.values.same_value` compares: Python's plain
     values, NumPy arrays (NumPy's RNG state), sets (in an order of their own), ``bytearray`` as
     bytes, an ``io.BytesIO`` by its bytes, an allowlisted class's stand-in by its name and
-    attributes, a tensor by its dtype and values (read by ``tensor``). _NotComparable for anything
-    else (a tensor where there is no ``tensor``, nesting past 32)."""
+    attributes. _NotComparable for anything else (a tensor inside the value, nesting past 32)."""
     if value is None or isinstance(value, bool | int | float | complex | str | bytes | np.ndarray):
         return value
     if depth > 32:
@@ -426,19 +418,17 @@ def _comparable(value: Any, tensor: Callable[[Any], np.ndarray] | None = None, d
     if isinstance(value, _unpickle.OpaqueBytes):
         return ("io.BytesIO", value.data)
     if isinstance(value, set | frozenset):
-        return ("set", sorted((_comparable(v, tensor, depth + 1) for v in value), key=repr))
+        return ("set", sorted((_comparable(v, depth + 1) for v in value), key=repr))
     if isinstance(value, list | tuple):
-        return [_comparable(v, tensor, depth + 1) for v in value]
+        return [_comparable(v, depth + 1) for v in value]
     if isinstance(value, dict):
-        return {k: _comparable(v, tensor, depth + 1) for k, v in value.items()}
+        return {k: _comparable(v, depth + 1) for k, v in value.items()}
     if isinstance(value, _unpickle.Record):
-        return (type(value)._qualname, _comparable(dict(value.__dict__), tensor, depth + 1))
+        return (type(value)._qualname, _comparable(dict(value.__dict__), depth + 1))
     if isinstance(value, _unpickle.EnumValue):
         return ("enum", value.enum, value.value)
     if isinstance(value, _unpickle.TensorRef):
-        if tensor is None:
-            raise _NotComparable("a tensor")
-        return ("tensor", value.dtype, tensor(value))
+        raise _NotComparable("a tensor")
     raise _NotComparable(f"a {type(value).__name__}")
 
 

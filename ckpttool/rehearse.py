@@ -27,12 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import CkptError, CorruptFileError, UsageError
-from ckpttool.harness import COMPONENTS
+from ckpttool.harness import COMPONENTS, TRAJECTORY, TRAJECTORY_STATES
 from ckpttool.manifest import SCHEMA_VERSION
 from ckpttool.values import check_tolerance
 
-TRAJECTORY = "ckpttool.trajectory.json"
-TRAJECTORY_STATES = "ckpttool.trajectory.pt"
 _WORDS = {
     "model": "model weights",
     "optimizer": "optimizer state",
@@ -289,7 +287,7 @@ def rehearse(
                     )
                 )
             else:
-                culprit = _blamed(report, p, harness, steps, traj, tolerance, device)
+                culprit = _blame(report, p, harness, steps, traj, tolerance, device)
                 report.findings.append(
                     Blame(
                         component=culprit,
@@ -343,18 +341,6 @@ def _hex_float(value: Any) -> bool:
 
 
 def _blame(
-    p: Path, harness: str, steps: int, traj: dict[str, Any], tolerance: float | None, device: str | None
-) -> str | None:
-    if not (p / TRAJECTORY_STATES).is_file():
-        return None
-    for comp in COMPONENTS:
-        forced = _run(p, harness, steps, force=comp, device=device)
-        if _diverge(forced["steps"], traj["steps"][:steps], tolerance) is None:
-            return comp
-    return None
-
-
-def _blamed(
     report: RehearseReport,
     p: Path,
     harness: str,
@@ -363,14 +349,20 @@ def _blamed(
     tolerance: float | None,
     device: str | None,
 ) -> str | None:
-    """:func:`_blame`, a forced run that fails (a harness without ``force``, a damaged
-    ``ckpttool.trajectory.pt``) noted: the divergence already found stands (exit 1); it was
-    thrown away for an exit 3 that blamed the checkpoint."""
+    """The component whose forcing to the saved run's state makes replay match, if one does. A
+    forced run that fails (a harness without ``force``, a damaged ``ckpttool.trajectory.pt``) is
+    noted and blames nothing: the divergence already found stands (exit 1); it was thrown away for
+    an exit 3 that blamed the checkpoint."""
+    if not (p / TRAJECTORY_STATES).is_file():
+        return None
     try:
-        return _blame(p, harness, steps, traj, tolerance, device)
+        for comp in COMPONENTS:
+            forced = _run(p, harness, steps, force=comp, device=device)
+            if _diverge(forced["steps"], traj["steps"][:steps], tolerance) is None:
+                return comp
     except HarnessError as exc:
         report.notes.append(f"no component could be blamed: {exc.message}")
-        return None
+    return None
 
 
 # -- the worker (one fresh process per run) ---------------------------------------------------------

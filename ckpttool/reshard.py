@@ -916,12 +916,11 @@ def _same_on_every_rank(the_plan: Plan, manifest: Manifest, agreed: _Agreed, wor
         "-o": os.path.abspath(agreed.out),
         "format": the_plan.format,
         "layout": {k: v for k, v in sorted(the_plan.layout.items())},
-        "files": [f.path for f in the_plan.files],
         "seal": agreed.seal,
         "dry-run": agreed.dry_run,
         "options": target,
         "source": hashlib.sha256(repr(source).encode(errors="surrogatepass")).hexdigest(),
-        "plan": [(f.path, f.nbytes) for f in the_plan.files],
+        "plan": [(f.path, f.nbytes) for f in the_plan.files],  # (last: the arguments that made it are named first)
     }
     every: list[Any] = [None] * world
     _collective("comparing the ranks' arguments", dist.all_gather_object, every, mine)
@@ -937,11 +936,12 @@ def _same_on_every_rank(the_plan: Plan, manifest: Manifest, agreed: _Agreed, wor
                     "-o": f"-o {theirs['-o']} against rank 0's {ours['-o']}",
                     "format": f"--to {theirs['format']} against rank 0's {ours['format']}",
                     "layout": f"the layout {theirs['layout']} against rank 0's {ours['layout']}",
-                    "files": f"a plan of {len(theirs['files'])} files against rank 0's {len(ours['files'])}",
+                    "plan": f"a plan of {len(theirs['plan'])} files against rank 0's {len(ours['plan'])}"
+                    if len(theirs["plan"]) != len(ours["plan"])
+                    else "a plan whose files are named or sized otherwise than rank 0's",
                     "seal": "--no-seal on one of them only",
                     "dry-run": "--dry-run on one of them only",
                     "source": "another source checkpoint than rank 0's (its files, sizes, step or tensors differ)",
-                    "plan": "a plan whose files hold other bytes than rank 0's",
                 }[what]
             raise UsageError(
                 f"under torchrun every rank must be given the same reshard: rank {r} has {said}; nothing was written",

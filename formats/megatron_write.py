@@ -830,9 +830,9 @@ def _pattern_problems(manifest: Manifest, rules: Mapping[str, int | None], gated
     # (the first rule a name matches is the one taken: two that disagree leave which was meant to chance)
     for n, i in manifest.items.items():
         if i.kind == "param" and i.is_tensor:
-            dims = {dim for pattern, dim in rules.items() if re.search(pattern, n)}
-            if len(dims) > 1:
-                named = [f"'{p}={'none' if d is None else d}'" for p, d in rules.items() if re.search(p, n)]
+            matched = [(p, d) for p, d in rules.items() if re.search(p, n)]
+            if len({d for _, d in matched}) > 1:
+                named = [f"'{p}={'none' if d is None else d}'" for p, d in matched]
                 problems.append(
                     f"--split-rule {' and '.join(named)} both match {n} and disagree on its split: make the "
                     "patterns exclusive"

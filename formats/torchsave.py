@@ -17,6 +17,7 @@ from ckpttool import _unpickle
 from ckpttool.errors import CkptError, FormatNotRecognizedError, PartOfCheckpointError, UnsafePickleError
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection
+from ckpttool.harness import TRAJECTORY, TRAJECTORY_STATES
 from ckpttool.manifest import FileRecord, Item, Layout, Manifest, is_seal_name
 from ckpttool.naming import classify
 from ckpttool.values import find_step, flatten, is_container_leaf, set_value
@@ -181,7 +182,7 @@ def _only_file(directory: Path) -> Path | None:
         names = [
             e.name
             for e in os.scandir(directory)
-            if not is_seal_name(e.name) and e.name not in ("ckpttool.trajectory.json", "ckpttool.trajectory.pt")
+            if not is_seal_name(e.name) and e.name not in (TRAJECTORY, TRAJECTORY_STATES)
         ]
     except OSError:
         return None

@@ -1,4 +1,5 @@
-"""Harnesses with the bugs rehearse must catch (used by tests/test_rehearse.py)."""
+"""Harnesses with the bugs rehearse must catch (used by tests/test_rehearse.py; a class is its own
+factory: ``--harness tests._buggy_harness:NanLater``)."""
 
 from __future__ import annotations
 
@@ -114,27 +115,3 @@ class NoisyUpdate(TinyGPTHarness):
 
 class LoaderSkipsNoForce(LoaderSkips):
     force = None  # type: ignore[assignment]
-
-
-def nan_later() -> NanLater:
-    return NanLater()
-
-
-def chatty() -> Chatty:
-    return Chatty()
-
-
-def restores_nothing() -> RestoresNothing:
-    return RestoresNothing()
-
-
-def fails_at_step_2() -> FailsAtStep2:
-    return FailsAtStep2()
-
-
-def noisy_update() -> NoisyUpdate:
-    return NoisyUpdate()
-
-
-def loader_skips_no_force() -> LoaderSkipsNoForce:
-    return LoaderSkipsNoForce()

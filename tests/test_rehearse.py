@@ -188,30 +188,30 @@ def test_findings_name_their_component_once_and_steps_past_the_trajectory_are_no
 def test_a_nan_loss_is_within_no_tolerance(trained):
     """With --tolerance, a NaN loss matched the recorded finite one ("replay matches within
     --tolerance 0.01", exit 0): abs(nan - x) > tol * x is False."""
-    report = rehearse(trained / "step_10", "tests._buggy_harness:nan_later", steps=3, tolerance=0.01)
+    report = rehearse(trained / "step_10", "tests._buggy_harness:NanLater", steps=3, tolerance=0.01)
     assert not report.ok and "at step 2 (loss nan vs" in report.findings[-1].message, report.findings
 
 
 def test_with_a_tolerance_the_state_after_a_step_may_differ_in_its_last_bits(trained):
     """An update with noise in its last bits (GPU atomics) failed at step 1 even with --tolerance 0.5:
     the digests after the step were compared bit for bit. The losses are what the tolerance is for."""
-    assert not rehearse(trained / "step_10", "tests._buggy_harness:noisy_update", steps=3).ok
-    assert rehearse(trained / "step_10", "tests._buggy_harness:noisy_update", steps=3, tolerance=1e-3).ok
+    assert not rehearse(trained / "step_10", "tests._buggy_harness:NoisyUpdate", steps=3).ok
+    assert rehearse(trained / "step_10", "tests._buggy_harness:NoisyUpdate", steps=3, tolerance=1e-3).ok
 
 
 def test_what_a_harness_prints_is_no_part_of_the_result(trained):
     """The result was the last line of the run's stdout: a line the harness printed at exit made a
     healthy run "the harness process failed" or an internal error, and bytes that are not UTF-8 an
     internal UnicodeDecodeError."""
-    assert rehearse(trained / "step_10", "tests._buggy_harness:chatty", steps=2).ok
+    assert rehearse(trained / "step_10", "tests._buggy_harness:Chatty", steps=2).ok
 
 
 def test_a_harness_that_does_not_keep_the_protocol_is_named(trained):
     """restore() returning {} passed (every component counted as restored); a failure in a step was
     "the harness cannot restore this checkpoint", with a hint blaming the checkpoint."""
     with pytest.raises(HarnessError, match=r"restore\(\) returned \{\}; expected a dict giving True or False"):
-        rehearse(trained / "step_10", "tests._buggy_harness:restores_nothing", steps=1)
-    r = run_cli("rehearse", trained / "step_10", "--harness", "tests._buggy_harness:fails_at_step_2", "-k", "3")
+        rehearse(trained / "step_10", "tests._buggy_harness:RestoresNothing", steps=1)
+    r = run_cli("rehearse", trained / "step_10", "--harness", "tests._buggy_harness:FailsAtStep2", "-k", "3")
     assert r.code == 3 and "failed after restoring the checkpoint, in step 2: RuntimeError: out of memory" in r.stderr
     assert "cannot restore" not in r.stderr, r.stderr
 
@@ -219,7 +219,7 @@ def test_a_harness_that_does_not_keep_the_protocol_is_named(trained):
 def test_a_blame_that_cannot_be_tried_keeps_the_divergence(trained):
     """A harness without force() (optional, the docs say) turned a divergence found into exit 3,
     "the harness cannot restore this checkpoint: AttributeError: force"."""
-    report = rehearse(trained / "step_10", "tests._buggy_harness:loader_skips_no_force", steps=3)
+    report = rehearse(trained / "step_10", "tests._buggy_harness:LoaderSkipsNoForce", steps=3)
     assert not report.ok and [f.component for f in report.findings] == [None]
     assert any("no component could be blamed" in n and "no force() method" in n for n in report.notes), report.notes
 

@@ -11,6 +11,11 @@ from typing import Any, Protocol, runtime_checkable
 COMPONENTS = ("model", "optimizer", "scheduler", "rng", "dataloader")
 """The state a resume must restore, in the order blame is tried."""
 
+TRAJECTORY = "ckpttool.trajectory.json"
+"""Beside a checkpoint: the saving run's component digests at the save and its next steps"""
+TRAJECTORY_STATES = "ckpttool.trajectory.pt"
+"""Beside a checkpoint: the saving run's component states at the save (``torch.save``), for blame"""
+
 
 @runtime_checkable
 class Harness(Protocol):

@@ -28,10 +28,8 @@ import xxhash
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from ckpttool.harness import COMPONENTS
+from ckpttool.harness import COMPONENTS, TRAJECTORY, TRAJECTORY_STATES
 
-TRAJECTORY = "ckpttool.trajectory.json"
-TRAJECTORY_STATES = "ckpttool.trajectory.pt"
 VOCAB, DIM, SEQ, BATCH, SAMPLES = 128, 64, 32, 16, 512
 WARMUP, TOTAL = 5, 60
 _KEYS = {"optimizer": "optim", "scheduler": "scheduler", "rng": "rng", "dataloader": "dataloader"}

@@ -49,8 +49,8 @@ _TABLE = [
     DType("complex128", 16, None, "<c16", True, "ComplexDoubleStorage"),
     DType("float8_e4m3fn", 1, "F8_E4M3", "u1", False, None),
     DType("float8_e5m2", 1, "F8_E5M2", "u1", False, None),
-    DType("float8_e4m3fnuz", 1, None, "u1", False, None),
-    DType("float8_e5m2fnuz", 1, None, "u1", False, None),
+    DType("float8_e4m3fnuz", 1, "F8_E4M3FNUZ", "u1", False, None),  # (safetensors ≥ 0.6 writes them)
+    DType("float8_e5m2fnuz", 1, "F8_E5M2FNUZ", "u1", False, None),  # (safetensors ≥ 0.6 writes them)
     DType("float8_e8m0fnu", 1, "F8_E8M0", "u1", False, None),
 ]
 

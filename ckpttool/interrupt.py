@@ -97,10 +97,24 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
         return  # an alarm ckpttool did not ask for
     if _state["held"]:
         return  # raised as the held block ends
+    if _disarming(frame):
+        return  # the command has ended: ignored, as from the end of disarm() on
     if _unsafe(frame):
         signal.setitimer(signal.ITIMER_REAL, RETRY_S)
         return
     _raise_pending()
+
+
+def _disarming(frame: FrameType | None) -> bool:
+    """Whether ``frame`` runs inside :func:`disarm` (the signal arrived as it began, before it had
+    set SIGINT aside: Python checks for signals as a function starts). Raised there, the interrupt
+    replaced the command's chosen exit status by a traceback and exit 1, after its output was
+    published."""
+    while frame is not None:
+        if frame.f_code is disarm.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 _state = {"pending": 0, "held": 0}

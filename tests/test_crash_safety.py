@@ -618,7 +618,9 @@ def signal_trials(
             if (why := cmd.complete(dest, ref)) is not None:
                 problems.append(f"{name} {k}: exit {proc.returncode} with an incomplete output: {why}")
             elif proc.returncode not in (0, code, -sig):
-                problems.append(f"{name} {k} (after the publication): exit code {proc.returncode}")
+                problems.append(
+                    f"{name} {k} (after the publication): exit code {proc.returncode} (stderr: {err.strip()[-600:]!r})"
+                )
         else:
             interrupted += 1
             if proc.returncode != code:

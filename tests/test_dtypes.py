@@ -44,3 +44,35 @@ def test_a_torch_dtype_ckpttool_does_not_read_is_named_as_such_not_as_hostile(tm
         r = run_cli("inspect", tmp_path / name)
         assert r.code == 3 and f"holds a tensor of dtype torch.{dtype}, which ckpttool does not read yet" in r.stderr
         assert "hostile" not in r.stderr, r.stderr
+
+
+def test_safetensors_fnuz_float8_reads_converts_and_exports_bit_for_bit(tmp_path):
+    """safetensors (≥ 0.6) writes torch's float8_e4m3fnuz and float8_e5m2fnuz as F8_E4M3FNUZ and
+    F8_E5M2FNUZ; ckpttool refused the file as holding an unknown dtype. Now it reads them: inspect
+    names the dtypes, convert --to dcp gives what dcp.load reads back bit for bit, and export
+    writes a safetensors file safetensors' own loader reads back bit for bit."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file, save_file
+
+    from tests.conftest import run_cli
+
+    torch.manual_seed(0)
+    tensors = {
+        "a": torch.randn(4, 3).to(torch.float8_e4m3fnuz),
+        "b": torch.randn(5).to(torch.float8_e5m2fnuz),
+        "c": torch.randn(2),
+    }
+    save_file(tensors, tmp_path / "model.safetensors")
+    r = run_cli("inspect", tmp_path / "model.safetensors")
+    assert r.code == 0 and "float8_e4m3fnuz" in r.stdout and "float8_e5m2fnuz" in r.stdout, r.stderr
+    r = run_cli("convert", tmp_path / "model.safetensors", "-o", tmp_path / "out", "--to", "dcp")
+    assert r.code == 0, r.stderr
+    back = {k: torch.empty_like(v) for k, v in tensors.items()}
+    dcp.load(back, checkpoint_id=str(tmp_path / "out"))
+    r = run_cli("export", tmp_path / "out", "-o", tmp_path / "again.safetensors")
+    assert r.code == 0, r.stderr
+    again = load_file(tmp_path / "again.safetensors")
+    for k, v in tensors.items():
+        for got in (back[k], again[k]):
+            assert got.dtype == v.dtype and torch.equal(got.view(torch.uint8), v.view(torch.uint8)), k

@@ -242,6 +242,47 @@ def test_a_ctrl_c_after_the_command_finished_leaves_its_exit_status():
     assert "dcp checkpoint" in out.stdout
 
 
+def test_a_ctrl_c_as_disarm_begins_leaves_the_exit_status():
+    """A Ctrl-C landing as ``disarm`` began (Python checks for signals as a function starts, and
+    ``disarm`` had not yet set SIGINT aside) was raised out of the cli's ``finally``: a traceback
+    and exit 1 after the seal was published (the crash-safety test in CI, session 72). Here the
+    signal is delivered inside ``disarm``'s first call and inside the ``signal.signal`` it calls,
+    the two places the CI traces showed, and the status stays the command's."""
+    code = textwrap.dedent(
+        """
+        import os, signal, sys
+        from ckpttool import interrupt
+        real_setitimer, real_signal = signal.setitimer, signal.signal
+        sent = []
+
+        def send_once(fn):
+            def wrapped(*args):
+                if not sent:
+                    sent.append(fn.__name__)
+                    interrupt._on_signal(signal.SIGINT, sys._getframe())
+                return fn(*args)
+            return wrapped
+
+        which = sys.argv[1]
+        assert interrupt.install()
+        if which == "setitimer":
+            signal.setitimer = send_once(real_setitimer)
+        else:
+            signal.signal = send_once(real_signal)
+        interrupt.disarm()
+        assert sent == [which], sent
+        os.kill(os.getpid(), signal.SIGINT)  # (ignored from here on)
+        print("ended")
+        """
+    )
+    for which in ("setitimer", "signal"):
+        out = subprocess.run(
+            [sys.executable, "-c", code, which], cwd=ROOT, capture_output=True, text=True, timeout=60,
+            preexec_fn=_ctrl_c_default,
+        )  # fmt: skip
+        assert (out.returncode, out.stdout, out.stderr) == (0, "ended\n", ""), (which, out.stderr[-500:])
+
+
 def test_a_ctrl_c_caught_after_leaving_a_string_exec_still_exits_130_under_python_m(tmp_path):
     """CPython marks a KeyboardInterrupt that leaves code run from a string (exec, as dataclasses
     and namedtuples make their methods at import) as unhandled even when caught, and under

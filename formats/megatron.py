@@ -67,6 +67,68 @@ for whole on every rank): later reads place their TP ranks' parts by it (Megatro
 Parameter names, not the user's patterns: a file's patterns would be regular expressions run on
 every name, which a hostile file could make take for ever."""
 
+_LEGACY_KEYS = frozenset(
+    {
+        "args",
+        "checkpoint_version",
+        "iteration",
+        "num_floating_point_operations_so_far",
+        "opt_param_scheduler",
+        "lr_scheduler",
+        "optimizer",
+        "rng_state",
+        RNG_CARRIED,
+        SPLIT_RULES,
+    }
+)
+"""The top-level keys of a legacy rank file the reader turns into items (with ``model`` and
+``model<N>``); any other is carried by :func:`_add_unknown_keys`."""
+
+_COMMON_KEYS = frozenset(
+    {
+        "args",
+        "checkpoint_version",
+        "iteration",
+        "num_floating_point_operations_so_far",
+        "opt_param_scheduler",
+        "optimizer",
+        "content_metadata",  # (how megatron-core laid the save out: written anew for the layout written)
+    }
+)
+"""The keys of a torch_dist save's ``common.pt`` the reader turns into items or reads as the save's
+own description; any other is carried by :func:`_add_unknown_keys`."""
+
+
+def _add_unknown_keys(manifest: Manifest, tree: Mapping[str, Any], rel: str, known: frozenset[str]) -> None:
+    """Items for the top-level keys of ``tree`` (file ``rel``) that Megatron-LM itself does not
+    write, or writes only at times (``rerun_state_machine``, ``modelopt_state``, a fork's counters
+    or data position): each leaf an item, named by its dotted path as a torch.save file's are, so
+    that a conversion carries it and ``diff`` compares it. Before, they were left out: ``convert
+    --to dcp`` dropped them and ``diff`` called the result equal."""
+    for key, value in tree.items():
+        if not isinstance(key, str) or key in known or key == "model" or re.fullmatch(r"model\d+", key):
+            continue
+        for name, leaf in flatten(value, key):
+            if name in manifest.items:
+                continue  # (a name the model or the optimizer already gave an item)
+            if isinstance(leaf, _unpickle.TensorRef):
+                kind = classify(name, is_tensor=True)
+                manifest.add(
+                    Item(
+                        name=name,
+                        kind="object" if kind in ("param", "master", "optim") else kind,
+                        dtype=leaf.dtype,
+                        shape=leaf.shape,
+                        pieces=[_pt.tensor_piece(rel, leaf)],
+                    )
+                )
+            else:
+                item = manifest.add(
+                    Item(name=name, kind=classify(name, is_tensor=False), pieces=[_pt.object_piece(rel, name)])
+                )
+                set_value(item, leaf)
+
+
 _USER_RULES: contextvars.ContextVar[Mapping[str, int | None] | None] = contextvars.ContextVar(
     "split_rules", default=None
 )
@@ -612,6 +674,7 @@ class MegatronDistAdapter:
                 )
                 set_value(counter, common[key])
                 manifest.add(counter)
+        _add_unknown_keys(manifest, common, "common.pt", _COMMON_KEYS)
         if isinstance(common.get("opt_param_scheduler"), dict):
             for k, v in common["opt_param_scheduler"].items():
                 scheduler = Item(
@@ -1820,6 +1883,7 @@ class MegatronLegacyAdapter:
                     )
                 )
                 set_value(item, first[key])
+        _add_unknown_keys(manifest, first, f"{prefix}{dirs[0]}/model_optim_rng.pt", _LEGACY_KEYS)
         sched = first.get("opt_param_scheduler") or first.get("lr_scheduler")
         if isinstance(sched, dict):
             for k, v in sched.items():

@@ -572,3 +572,51 @@ def test_an_unsealed_framework_output_counts_what_it_holds(source, to, tmp_path)
     assert sealed.code == bare.code == 0, bare.stderr
     a, b = json.loads(sealed.stdout), json.loads(bare.stdout)
     assert (b["tensors"], b["objects"]) == (a["tensors"], a["objects"]) and b["tensors"] > 0, (a, b)
+
+
+@pytest.mark.parametrize(
+    ("fixture", "files"),
+    [("legacy_tp2pp2", "iter_*/mp_rank_*/model_optim_rng.pt"), ("dist_tp2pp2", "iter_*/common.pt")],
+)
+def test_top_level_keys_megatron_does_not_always_write_are_carried_and_compared(tmp_path, fixture, files):
+    """A Megatron checkpoint's top-level keys the reader had no rule for (``rerun_state_machine``,
+    a fork's counters and data position, a tensor among them) were dropped by ``convert --to dcp``
+    and ``--to torch``, and ``diff`` called the output equal. Now each leaf is an item: the DCP
+    output holds it (read back by torch's own dcp_to_torch_save), the torch.save output too, a
+    reshard keeps it, and diff tells a changed one."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from tests.conftest import rewritten_copy
+
+    def edit(consumed: int):
+        def apply(tree):
+            rng = tree["rng_state"][0]["torch_rng_state"] if "rng_state" in tree else None
+            tree["rerun_state_machine"] = None
+            tree["train_state"] = {"consumed_train_samples": consumed, "skipped": [1, 2], "note": "fork"}
+            if rng is not None:
+                tree["train_state"]["probe"] = rng
+
+        return apply
+
+    src = rewritten_copy(tmp_path / "src", FIXTURES / "megatron" / fixture, edit(96), files=files)
+    other = rewritten_copy(tmp_path / "other", FIXTURES / "megatron" / fixture, edit(97), files=files)
+    expected = {"rerun_state_machine": None, "train_state.consumed_train_samples": 96,
+                "train_state.skipped": [1, 2], "train_state.note": "fork"}  # fmt: skip
+    for to in ("dcp", "torch"):
+        assert_clean(run_cli("convert", src, "-o", tmp_path / to, "--to", to), 0)
+        r = run_cli("diff", src, tmp_path / to)
+        assert r.code == 0 and "equal" in r.stdout, (r.stdout, r.stderr)
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "dcp.pt")
+    # (weights_only=False: numpy's RNG state among the values; the files are this test's own)
+    loaded = [torch.load(tmp_path / "dcp.pt", weights_only=False), torch.load(tmp_path / "torch" / "model.pt", weights_only=False)]
+    for got in loaded:
+        assert {k: got.get(k, "absent") for k in expected} == expected
+        if fixture.startswith("legacy"):
+            assert got["train_state.probe"].dtype == torch.uint8 and got["train_state.probe"].numel() > 0
+    r = run_cli("diff", src, other)
+    assert r.code == 1 and "train_state.consumed_train_samples" in r.stdout, (r.stdout, r.stderr)
+    assert_clean(run_cli("reshard", src, "-o", tmp_path / "tp1", "--tp", "1", "--pp", "1"), 0)
+    r = run_cli("inspect", tmp_path / "tp1", "--json")
+    names = {i["name"] if isinstance(i, dict) else i for i in json.loads(r.stdout)["items"]}
+    assert {"rerun_state_machine", "train_state.consumed_train_samples", "train_state.note"} <= names

@@ -14,6 +14,7 @@ steps, reporting each step's loss bits and component digests. The parent compare
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import math
@@ -89,7 +90,14 @@ class RehearseReport:
         }
 
 
-def _run(path: Path, harness: str, steps: int, force: str | None = None, device: str | None = None) -> dict[str, Any]:
+def _run(
+    path: Path,
+    harness: str,
+    steps: int,
+    force: str | None = None,
+    device: str | None = None,
+    timeout: float | None = None,
+) -> dict[str, Any]:
     cmd = [
         sys.executable,
         "-m",
@@ -113,13 +121,15 @@ def _run(path: Path, harness: str, steps: int, force: str | None = None, device:
     with tempfile.TemporaryDirectory(prefix="ckpttool-rehearse-") as tmp:
         result_path, log_path = Path(tmp) / "result.json", Path(tmp) / "output.log"
         with open(log_path, "wb") as log:
-            proc = subprocess.run(
+            proc = subprocess.Popen(
                 [*cmd, "--result", str(result_path)],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONHASHSEED": "0"},
+                start_new_session=True,  # (its group ended whole: the data loader's workers with it)
             )
+            _wait(proc, timeout, log_path, cmd)
         try:
             result: dict[str, Any] = json.loads(result_path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -147,6 +157,29 @@ def _run(path: Path, harness: str, steps: int, force: str | None = None, device:
             hint="the harness's own code failed (ckpttool.harness.Harness says what each method returns)",
         )
     return result
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout: float | None, log: Path, cmd: list[str]) -> None:
+    """Wait for a harness process; past ``timeout`` seconds (a harness stuck in a collective, a data
+    loader that never yields), or on Ctrl-C, end it and every process it started. Without a limit
+    a hung harness held the command, and a CI job, for ever."""
+    import signal
+
+    try:
+        proc.wait(timeout=timeout)
+    except BaseException as exc:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        if not isinstance(exc, subprocess.TimeoutExpired):
+            raise
+        lines = log.read_bytes().decode("utf-8", "replace").strip().splitlines()
+        raise HarnessError(
+            f"the harness process did not finish within --timeout {timeout:g} s and was stopped; its last "
+            f"output: {(lines[-1:] or ['none'])[0][:300]}",
+            hint="a harness waiting on a collective or a data loader that never yields; run it by hand: "
+            "PYTHONHASHSEED=0 " + " ".join(cmd),
+        ) from None
 
 
 def _diverge(run: list[dict[str, Any]], ref: list[dict[str, Any]], tolerance: float | None) -> tuple[int, str] | None:
@@ -205,7 +238,10 @@ def rehearse(
     runs: int = 2,
     tolerance: float | None = None,
     device: str | None = None,
+    timeout: float | None = None,
 ) -> RehearseReport:
+    """Restore ``path`` into the harness in ``runs`` fresh processes, replay ``steps`` steps and
+    compare (see the module's docstring). ``timeout``: seconds each harness process may take."""
     p = Path(path)
     if not p.exists():
         from ckpttool.errors import NotFoundError
@@ -217,6 +253,8 @@ def rehearse(
         raise UsageError("--runs and --steps must be at least 1")
     if tolerance is not None:  # (NaN passed every comparison, a negative one failed two equal losses)
         check_tolerance("--tolerance", tolerance)
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        raise UsageError(f"--timeout {timeout}: expected a number of seconds above 0")
     _preflight(p)
     report = RehearseReport(path=str(p), harness=harness, steps=steps, tolerance=tolerance)
     traj = _trajectory(p / TRAJECTORY)
@@ -236,7 +274,7 @@ def rehearse(
             f"the saved run recorded {len(traj['steps'])} steps after the save: steps {len(traj['steps']) + 1}-{steps} "
             + ("are compared between the runs only" if runs > 1 else "are compared with nothing (--runs 1)")
         )
-    report.runs = [_run(p, harness, steps, device=device) for _ in range(runs)]
+    report.runs = [_run(p, harness, steps, device=device, timeout=timeout) for _ in range(runs)]
     first = report.runs[0]
     blamed: set[str] = set()
     for comp in COMPONENTS:
@@ -287,7 +325,7 @@ def rehearse(
                     )
                 )
             else:
-                culprit = _blame(report, p, harness, steps, traj, tolerance, device)
+                culprit = _blame(report, p, harness, steps, traj, tolerance, device, timeout)
                 report.findings.append(
                     Blame(
                         component=culprit,
@@ -348,6 +386,7 @@ def _blame(
     traj: dict[str, Any],
     tolerance: float | None,
     device: str | None,
+    timeout: float | None,
 ) -> str | None:
     """The component whose forcing to the saved run's state makes replay match, if one does. A
     forced run that fails (a harness without ``force``, a damaged ``ckpttool.trajectory.pt``) is
@@ -357,7 +396,7 @@ def _blame(
         return None
     try:
         for comp in COMPONENTS:
-            forced = _run(p, harness, steps, force=comp, device=device)
+            forced = _run(p, harness, steps, force=comp, device=device, timeout=timeout)
             if _diverge(forced["steps"], traj["steps"][:steps], tolerance) is None:
                 return comp
     except HarnessError as exc:

@@ -100,6 +100,26 @@ class FailsAtStep2(TinyGPTHarness):
         return super().step()
 
 
+class HangsAtStep2(TinyGPTHarness):
+    """Waits for ever in its second step (a collective whose peer died), with a child process of
+    its own running (a data loader's worker); writes the child's pid to $HANG_PIDFILE."""
+
+    def step(self) -> float:
+        self._k = getattr(self, "_k", 0) + 1
+        if self._k == 2:
+            import os
+            import subprocess
+            import sys
+            import time
+
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            with open(os.environ["HANG_PIDFILE"], "w") as f:
+                f.write(str(child.pid))
+            print("waiting for the other ranks", flush=True)
+            time.sleep(600)
+        return super().step()
+
+
 class NoisyUpdate(TinyGPTHarness):
     """Replays its losses, but each update adds noise in the last bits (atomics on a GPU): the state
     after a step differs from run to run."""

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 
 from ckpttool.rehearse import HarnessError, rehearse
-from tests.conftest import run_cli
+from tests.conftest import assert_clean, run_cli
 
 H = "ckpttool.harness.tinygpt:factory"
 
@@ -214,6 +215,37 @@ def test_a_harness_that_does_not_keep_the_protocol_is_named(trained):
     r = run_cli("rehearse", trained / "step_10", "--harness", "tests._buggy_harness:FailsAtStep2", "-k", "3")
     assert r.code == 3 and "failed after restoring the checkpoint, in step 2: RuntimeError: out of memory" in r.stderr
     assert "cannot restore" not in r.stderr, r.stderr
+
+
+def test_a_hung_harness_is_stopped_at_the_timeout_with_its_children(trained, tmp_path):
+    """A harness that never returns (a collective whose peer died) held rehearse, and a CI job, for
+    ever. With --timeout the run is stopped: exit 3 naming the limit and the harness's last output,
+    and the processes it started are gone too. A limit that is no number of seconds is refused."""
+    import os
+    import time
+
+    pidfile = tmp_path / "child.pid"
+    start = time.monotonic()
+    r = run_cli(
+        "rehearse", trained / "step_10", "--harness", "tests._buggy_harness:HangsAtStep2", "-k", "3",
+        "--timeout", "20", env={"HANG_PIDFILE": str(pidfile)}, timeout=240,
+    )  # fmt: skip
+    assert_clean(r, 3, "did not finish within --timeout 20 s", "waiting for the other ranks")
+    assert time.monotonic() - start < 120
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:  # (gone, or a zombie nobody reaps: a container's first process may not)
+            if Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, 9)
+        raise AssertionError("the harness's child process outlived the timeout")
+    for bad in ("0", "-1", "nan"):
+        assert_clean(run_cli("rehearse", trained / "step_10", "--harness", H, "--timeout", bad), 2, "--timeout")
 
 
 def test_a_blame_that_cannot_be_tried_keeps_the_divergence(trained):

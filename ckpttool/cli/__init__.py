@@ -1112,6 +1112,14 @@ def rehearse(
         ),
     ] = None,
     device: Annotated[str | None, typer.Option("--device", help="Passed to the factory (cpu, cuda).")] = None,
+    timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--timeout",
+            help="Seconds each harness process may run (restore and replay); past it the process and its "
+            "children are stopped and the command exits 3. Off: no limit.",
+        ),
+    ] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Restore the checkpoint into your training harness in fresh processes, replay K steps and
@@ -1124,7 +1132,7 @@ def rehearse(
     from ckpttool.rehearse import rehearse as run
 
     out = Output(json_mode=json_out)
-    report = run(path, harness, steps=steps, runs=runs, tolerance=tolerance, device=device)
+    report = run(path, harness, steps=steps, runs=runs, tolerance=tolerance, device=device, timeout=timeout)
     if json_out:
         out.json(report.to_json())
     else:

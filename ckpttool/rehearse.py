@@ -343,8 +343,15 @@ def rehearse(
 
 def _trajectory(path: Path) -> dict[str, Any] | None:
     """The recorded trajectory beside a checkpoint (None if there is none), its shape checked."""
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
+    if not path.is_file():  # (a folder or a dangling link by that name: not "no trajectory", compared with nothing)
+        raise CorruptFileError(
+            f"{path}: expected the recorded trajectory, a JSON file; found "
+            + ("a directory" if path.is_dir() else "no file"),
+            hint="move it away to compare the runs with each other only",
+            path=str(path),
+        )
     why = ""
     try:
         traj = json.loads(path.read_text(encoding="utf-8"))
@@ -362,7 +369,7 @@ def _trajectory(path: Path) -> dict[str, Any] | None:
     if not ok:
         raise CorruptFileError(
             f"{path}: not a trajectory ckpttool can read{why}: expected a JSON object with 'components' (an object) "
-            "and 'steps' (a list of objects with a hex 'loss' and 'digests')",
+            "and 'steps' (a list of objects with a 'loss' as float.hex writes it and 'digests')",
             hint="the saving run writes it (docs/rehearse.md, 'To record a trajectory'); move the damaged file "
             "away to compare the runs with each other only",
             path=str(path),
@@ -371,9 +378,11 @@ def _trajectory(path: Path) -> dict[str, Any] | None:
 
 
 def _hex_float(value: Any) -> bool:
-    """Whether ``value`` is a float as ``float.hex`` writes it (the trajectory's losses)."""
+    """Whether ``value`` is a float exactly as ``float.hex`` writes it (the trajectory's losses, which
+    are compared as written). A decimal "1.5" was taken: ``float.fromhex`` reads it as hex digits,
+    1.3125, and a run whose loss was 1.5 was said to diverge from it."""
     try:
-        return isinstance(value, str) and isinstance(float.fromhex(value), float)
+        return isinstance(value, str) and float.fromhex(value).hex() == value
     except ValueError:
         return False
 

@@ -172,6 +172,27 @@ def test_a_damaged_trajectory_is_named(text, trained, tmp_path):
     assert "internal error" not in r.stderr
 
 
+def test_a_trajectory_with_decimal_losses_or_a_folder_in_its_place_is_named(trained, tmp_path):
+    """A loss written as a decimal ("1.5") passed the shape check: float.fromhex reads it as hex
+    digits (1.3125), so a run that replayed the same loss was said to diverge. A folder standing
+    where the trajectory is kept was taken for no trajectory: the runs were compared with each
+    other only, the saved run never. Both are named, exit 3."""
+    import shutil
+
+    ckpt = tmp_path / "step_20"
+    shutil.copytree(trained / "step_20", ckpt)
+    traj_file = ckpt / "ckpttool.trajectory.json"
+    traj = json.loads(traj_file.read_text())
+    traj["steps"][0]["loss"] = repr(float.fromhex(traj["steps"][0]["loss"]))
+    traj_file.write_text(json.dumps(traj))
+    r = run_cli("rehearse", ckpt, "--harness", H, "--runs", "1")
+    assert_clean(r, 3, "ckpttool.trajectory.json: not a trajectory ckpttool can read", "as float.hex writes it")
+    traj_file.unlink()
+    traj_file.mkdir()
+    r = run_cli("rehearse", ckpt, "--harness", H)
+    assert_clean(r, 3, "ckpttool.trajectory.json: expected the recorded trajectory, a JSON file; found a directory")
+
+
 def test_findings_name_their_component_once_and_steps_past_the_trajectory_are_noted(trained, tmp_path):
     """The CLI printed "rng: rng: RNG state not restored" and "replay: replay differs"; --steps
     past the recorded trajectory compared those steps with nothing and said nothing of it."""

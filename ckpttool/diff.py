@@ -15,12 +15,14 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
 from ckpttool import _unpickle, registry
+from ckpttool import io as ckio
 from ckpttool.assemble import assemble, regions
 from ckpttool.dtypes import as_float, carrier, float32_to_bf16
 from ckpttool.errors import CkptError, UsageError
@@ -242,6 +244,22 @@ def diff(
     rtol = base_rtol if rtol is None else rtol
     for flag, value in (("--atol", atol), ("--rtol", rtol)):
         check_tolerance(flag, value)
+    # (the bytes read checked against the CRC-32s their archives store: a flipped bit was shown as
+    # a small difference in values, and "equal within tolerance" under --tolerance)
+    with ckio.checking_crcs():
+        return _diff(a, b, atol, rtol, pattern, renames, kinds, progress)
+
+
+def _diff(
+    a: str | Path,
+    b: str | Path,
+    atol: float,
+    rtol: float,
+    pattern: str | None,
+    renames: dict[str, str] | None,
+    kinds: list[str] | None,
+    progress: Callable[[int], None] | None,
+) -> DiffReport:
     adapter_a, ma = _described("A", a)
     adapter_b, mb = _described("B", b)
     rx = re.compile(pattern) if pattern else None
@@ -334,10 +352,14 @@ def diff(
                     }
                 )
                 continue
-            if _same_pieces(ra, ia, rb, ib):
-                report.identical += 1
+            try:
+                if _same_pieces(ra, ia, rb, ib):
+                    report.identical += 1
+                    continue
+                d = _compare(key, ra, ia, rb, ib, atol, rtol)
+            except _Unread as exc:  # (damaged bytes on a side: not read, never shown equal or different)
+                report.unread.append({"name": key, exc.side: exc.error.message, exc.other: None})
                 continue
-            d = _compare(key, ra, ia, rb, ib, atol, rtol)
             if d.differing == 0:
                 report.identical += 1
             else:
@@ -349,6 +371,22 @@ def diff(
     _state_in_pickles(report, ma, mb, wanted, rx, {i.kind for i in (*ka.values(), *kb.values())})
     _state_beside(report, ma, mb, wanted, rx)  # (last: the steps above look up what they list by item name)
     return report
+
+
+class _Unread(Exception):
+    """A side's bytes could not be read (they fail their CRC-32, the file is cut short)."""
+
+    def __init__(self, side: str, error: CkptError) -> None:
+        super().__init__(error.message)
+        self.side, self.other, self.error = side, "b" if side == "a" else "a", error
+
+
+def _from(side: str, read: Callable[[], np.ndarray]) -> np.ndarray:
+    """``read()``, an error naming the side that could not give the bytes."""
+    try:
+        return read()
+    except CkptError as exc:
+        raise _Unread(side, exc) from None
 
 
 def _tensor_and_value(report: DiffReport, key: str, ra: PieceReader, ia: Item, rb: PieceReader, ib: Item) -> None:
@@ -915,8 +953,8 @@ def _same_pieces(ra: PieceReader, ia: Item, rb: PieceReader, ib: Item) -> bool:
             if p.checksum != q.checksum:
                 return False
             continue
-        va = ra.read(p, ia).reshape(-1).view(np.uint8)
-        vb = rb.read(q, ib).reshape(-1).view(np.uint8)
+        va = _from("a", partial(ra.read, p, ia)).reshape(-1).view(np.uint8)
+        vb = _from("b", partial(rb.read, q, ib)).reshape(-1).view(np.uint8)
         if hash_bytes(va.data) != hash_bytes(vb.data):
             return False
     return True
@@ -1043,8 +1081,8 @@ def _compare(name: str, ra: PieceReader, ia: Item, rb: PieceReader, ib: Item, at
     acc = _Accumulator(atol, rtol)
     boxes = [b for p in ia.pieces if p.replica == 0 for b in regions(p)] or [Box.whole(ia.shape)]
     for box in boxes:
-        va = assemble(ra, ia, box=box).reshape(-1)
-        vb = assemble(rb, ib, box=box).reshape(-1)
+        va = _from("a", partial(assemble, ra, ia, box=box)).reshape(-1)
+        vb = _from("b", partial(assemble, rb, ib, box=box)).reshape(-1)
         acc.add(va, vb, ia.dtype, ib.dtype, box)
     return acc.result(name, ia.name, ib.name, math.prod(ia.shape))
 

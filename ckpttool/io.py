@@ -472,7 +472,7 @@ def checking_crcs() -> Iterator[None]:
     store (:class:`MemberCrcs`): the pickles read to describe the source as well as the tensors
     read to write the output. The commands that write new checkpoints from old ones run inside it,
     and so do ``seal`` and ``verify`` while they describe and locate (``verify`` reports what fails
-    as a finding); ``diff`` does not."""
+    as a finding), and ``diff`` (a tensor that fails is "not read", never equal or different)."""
     with _CHECKING_LOCK:
         _CHECKING[0] += 1
         if _CHECKING[0] == 1:

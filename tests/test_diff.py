@@ -12,7 +12,7 @@ import pytest
 from ckpttool import registry
 from ckpttool.diff import diff
 from ckpttool.export import export
-from tests.conftest import FIXTURES, assert_clean, rewritten_copy, run_cli
+from tests.conftest import FIXTURES, assert_clean, restamp_crcs, rewritten_copy, run_cli
 
 FSDP2 = FIXTURES / "dcp" / "fsdp2"
 
@@ -65,6 +65,7 @@ def test_one_perturbed_tensor_is_first_and_largest(tmp_path):
     with open(copy / item.pieces[2].file, "r+b") as fh:
         fh.seek(off + 4 * 5)
         fh.write(struct.pack("<f", 123.0))
+    restamp_crcs(copy / item.pieces[2].file, item.pieces[2].locator["offset"], item.pieces[2].locator["length"])
     report = diff(FSDP2, copy)
     assert report.different
     assert report.first.name == report.largest.name == "blocks.0.fc2.weight"
@@ -147,6 +148,7 @@ def test_a_value_become_nan_is_the_largest_difference_not_zero(tmp_path):
         with open(copy / item.pieces[0].file, "r+b") as fh:
             fh.seek(off)
             fh.write(struct.pack("<f", value))
+        restamp_crcs(copy / item.pieces[0].file, item.pieces[0].locator["offset"], item.pieces[0].locator["length"])
     report = diff(FSDP2, copy, atol=1e9)
     by_name = {v.name: v for v in report.values}
     assert by_name["blocks.0.fc2.weight"].max_abs == float("inf")
@@ -332,6 +334,7 @@ def test_weights_against_a_changed_fp32_copy_are_a_value_difference_not_a_remova
     raw = bytearray(path.read_bytes())
     struct.pack_into("<f", raw, start, struct.unpack_from("<f", raw, start)[0] + 0.25)
     path.write_bytes(raw)
+    restamp_crcs(path)
     report = diff(FIXTURES / "deepspeed" / "zero2", z3)
     assert not report.removed and not report.added, report.to_json()
     found = {v.name: (v.max_abs, v.first_index) for v in report.values}
@@ -513,6 +516,7 @@ def test_a_changed_copy_of_a_replicated_tensor_is_a_difference(tmp_path):
     with adapter.reader(m) as reader:
         off, n = reader.raw_span(copy, item)
     _flip_byte(b / copy.file, off + n // 2)
+    restamp_crcs(b / copy.file)
     report = diff(ddp, b)
     assert report.different and report.identical == report.compared, report.to_json()
     (found,) = report.copies
@@ -583,3 +587,28 @@ def test_values_too_large_to_keep_are_compared(tmp_path):
         assert sorted(o["name"] for o in report["objects"]) == ["config.name", "scheduler.base_lrs"]
     r = run_cli("diff", tmp_path / "a.pt", tmp_path / "a_dcp")
     assert r.code == 0 and "equal" in r.stdout
+
+
+def test_bytes_that_fail_their_crc_are_not_read_never_a_difference_or_equal(tmp_path):
+    """A bit flipped in a tensor's bytes of a copy (its zip CRC-32 now fails; verify names the
+    damage) was shown as a small difference in values, exit 1, and under --tolerance standard as
+    "equal within tolerance", exit 0: a damaged backup checked with a tolerance passed. diff now
+    checks the CRC-32s as convert does: the tensor is "not read" on the damaged side, exit 3."""
+    import pickle
+    import shutil
+
+    src = FIXTURES / "dcp" / "fsdp2"
+    copy = tmp_path / "copy"
+    shutil.copytree(src, copy)
+    (copy / "ckpttool.manifest.json").unlink(missing_ok=True)
+    meta = pickle.loads((copy / ".metadata").read_bytes())
+    where = next(s for i, s in meta.storage_data.items() if i.fqn == "model.tok.weight")
+    data = bytearray((copy / where.relative_path).read_bytes())
+    data[where.offset + where.length // 2] ^= 0x40
+    (copy / where.relative_path).write_bytes(bytes(data))
+    for args, side in (((src, copy), "B"), ((copy, src), "A")):
+        for extra in ((), ("--tolerance", "standard")):
+            r = run_cli("diff", *args, *extra)
+            assert r.code == 3, (r.code, r.stdout, r.stderr)
+            assert f"not read: tok.weight ({side}: {where.relative_path}" in r.stdout, r.stdout
+            assert "CRC-32" in r.stdout and "equal within" not in r.stdout and "different:" not in r.stdout

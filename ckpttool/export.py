@@ -282,8 +282,11 @@ def export(
         )
     adapter, manifest = describe_split(path, split_rules or {})
     refuse_findings(manifest)
-    from ckpttool.convert import refuse_copies_apart
+    from ckpttool.convert import refuse_changed_since_sealed, refuse_copies_apart
 
+    # (a sealed source's bytes that hold no checksum of their own, safetensors': a flipped bit was
+    # written into a clean new file with no seal, exit 0, where convert refused the same source)
+    refuse_changed_since_sealed(Path(path), manifest)
     refuse_copies_apart(manifest, "export")  # (it would write one embedding, as convert would)
     result = ExportResult(output=str(out_path))
     pairs, result.skipped = safetensors_selection(manifest, kind=kind, pattern=pattern)

@@ -375,7 +375,7 @@ def test_training_state_beside_the_model_is_not_dropped_unasked(command, tmp_pat
     assert plain.code == 0 and not json.loads(plain.stdout).get("notes"), plain.stdout
 
 
-@pytest.mark.parametrize("command", [["reshard", "--dp", "2"], ["convert", "--to", "dcp"]])
+@pytest.mark.parametrize("command", [["reshard", "--dp", "2"], ["convert", "--to", "dcp"], ["export"]])
 def test_a_sealed_source_changed_since_its_seal_is_refused(command, tmp_path):
     """A safetensors source carries no checksums of its own, but a sealed one carries its seal: a
     byte flipped since sealing was read, resharded and sealed into the output, which verified
@@ -383,15 +383,16 @@ def test_a_sealed_source_changed_since_its_seal_is_refused(command, tmp_path):
     src = tmp_path / "st"
     shutil.copytree(FIXTURES / "safetensors" / "sharded", src)
     assert run_cli("seal", src).code == 0
-    out = tmp_path / "out"
+    out = tmp_path / ("out.safetensors" if command[0] == "export" else "out")
     assert run_cli(command[0], src, "-o", out, *command[1:]).code == 0  # (sealed and unchanged: written)
     shard = src / "model-00002-of-00002.safetensors"
     data = bytearray(shard.read_bytes())
     data[len(data) * 4 // 5] ^= 0x10
     shard.write_bytes(bytes(data))
-    r = run_cli(command[0], src, "-o", tmp_path / "again", *command[1:])
+    again = tmp_path / ("again.safetensors" if command[0] == "export" else "again")
+    r = run_cli(command[0], src, "-o", again, *command[1:])
     assert_clean(r, 3, "model-00002-of-00002.safetensors: differs from the seal the source carries")
-    assert not (tmp_path / "again").exists()
+    assert not again.exists()
 
 
 @pytest.mark.parametrize(

@@ -236,6 +236,14 @@ MAX_DIM = 2**48
 def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> TensorRef:
     ref = _tensor(storage, storage_offset, size, stride, None)
     ref.requires_grad = bool(rest) and rest[0] is True
+    meta = rest[2] if len(rest) > 2 else None  # (torch's set_tensor_metadata: the conj and neg bits)
+    if isinstance(meta, dict) and (bits := sorted(k for k in ("conj", "neg") if meta.get(k))):
+        # the storage holds the values before the view: read as stored they came out conjugated or
+        # negated (export, convert and diff alike), where torch.load gives the view's
+        raise pickle.UnpicklingError(
+            f"a tensor saved as a lazy {' and '.join(bits)} view (torch's tensor metadata {meta!r:.80}), which "
+            "ckpttool does not read yet: its stored values are not the tensor's; save t.resolve_conj().resolve_neg()"
+        )
     return ref
 
 

@@ -76,3 +76,24 @@ def test_safetensors_fnuz_float8_reads_converts_and_exports_bit_for_bit(tmp_path
     for k, v in tensors.items():
         for got in (back[k], again[k]):
             assert got.dtype == v.dtype and torch.equal(got.view(torch.uint8), v.view(torch.uint8)), k
+
+
+def test_a_lazy_conj_or_neg_view_is_refused_not_read_as_its_storage(tmp_path):
+    """torch.save of ``c.conj()`` (or of a real tensor carrying the neg bit, ``c.conj().imag``)
+    keeps the storage's values and a metadata bit; ckpttool read the storage, so export, convert
+    and diff gave conjugated or negated values where torch.load gives the view's. Such tensors are
+    refused by name (exit 3), in torch.save files and in DCP records alike."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tests.conftest import assert_clean, run_cli
+
+    c = torch.tensor([1 + 2j, 3 - 4j])
+    torch.save({"freqs": c.conj(), "w": torch.ones(2)}, tmp_path / "conj.pt")
+    torch.save({"x": c.conj().imag}, tmp_path / "neg.pt")
+    dcp.save({"c": c.conj()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert_clean(run_cli("inspect", tmp_path / "conj.pt"), 3, "a tensor saved as a lazy conj view")
+    assert_clean(run_cli("inspect", tmp_path / "neg.pt"), 3, "a tensor saved as a lazy neg view")
+    out = tmp_path / "c.safetensors"
+    assert_clean(run_cli("export", tmp_path / "dcp", "-o", out), 3, "a tensor saved as a lazy conj view")
+    assert not out.exists()

@@ -20,7 +20,7 @@ import numpy as np
 from ckpttool import registry
 from ckpttool.assemble import assemble, check_coverage
 from ckpttool.dtypes import dtype as lookup_dtype
-from ckpttool.errors import CorruptFileError, IncompleteCheckpointError, PartOfCheckpointError, UsageError
+from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, PartOfCheckpointError, UsageError
 from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.formats.safetensors import NUMBERED, written_metadata
 from ckpttool.formats.torchsave import refuse_a_part
@@ -318,6 +318,13 @@ def write_safetensors(
 ) -> None:
     """Stream ``pairs`` (output name, tensor item) into one safetensors file: the header first (every
     shape is known from the manifest), then each tensor assembled into one reusable buffer."""
+    for name, _ in pairs:
+        _writable_name(name)
+    # the widest elements first (stable: the checkpoint's order within a width): every tensor then
+    # starts at a multiple of its element size, as safetensors' own writer lays them out; in the
+    # checkpoint's order one odd-sized bf16 or bool tensor left the fp32 ones after it misaligned,
+    # which a zero-copy loader (a memory map viewed as the dtype) refuses
+    pairs = sorted(pairs, key=lambda p: -lookup_dtype(p[1].dtype or "uint8").itemsize)
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for name, item in pairs:
@@ -345,6 +352,26 @@ def write_safetensors(
         done += n
         if progress is not None:
             progress(done)
+
+
+def _writable_name(name: str) -> None:
+    """Refuse a tensor name a safetensors header cannot hold: ``__metadata__`` is the header's own
+    entry (written, it replaced the metadata and neither safetensors nor ckpttool could read the
+    file), and a lone surrogate (a pickle's str may hold one) is not UTF-8, which safetensors
+    refuses while Python's JSON wrote it as an escape."""
+    why = None
+    if name == "__metadata__":
+        why = "is the name of the header's own metadata entry"
+    else:
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            why = "is not valid UTF-8 (it holds a lone surrogate)"
+    if why is not None:
+        raise CkptError(
+            f"the tensor named {name!r} cannot be written to a safetensors file: the name {why}",
+            hint="leave it out with --filter, or write another format (convert --to torch or dcp)",
+        )
 
 
 def tensor_nbytes(item: Item) -> int:

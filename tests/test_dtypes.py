@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from ckpttool.dtypes import bf16_to_float32, float32_to_bf16
@@ -97,3 +99,48 @@ def test_a_lazy_conj_or_neg_view_is_refused_not_read_as_its_storage(tmp_path):
     out = tmp_path / "c.safetensors"
     assert_clean(run_cli("export", tmp_path / "dcp", "-o", out), 3, "a tensor saved as a lazy conj view")
     assert not out.exists()
+
+
+def test_exported_tensors_start_at_a_multiple_of_their_element_size(tmp_path):
+    """export wrote tensors in the checkpoint's order, so after an odd-sized bf16, bool or uint8
+    tensor the fp32 and int64 ones lay misaligned (48 of 63 in the ZeRO-2 bf16 fixture), which a
+    zero-copy loader viewing a memory map as the dtype refuses; safetensors' own writer never
+    does. Every tensor now starts at a multiple of its element size, and the values are kept."""
+    import struct
+
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.conftest import FIXTURES, run_cli
+
+    torch.save({"flag": torch.ones(3, dtype=torch.bool), "half": torch.ones(5, dtype=torch.bfloat16),
+                "w": torch.arange(6.0), "n": torch.arange(3)}, tmp_path / "odd.pt")  # fmt: skip
+    for src in (tmp_path / "odd.pt", FIXTURES / "deepspeed" / "zero2_bf16"):
+        out = tmp_path / f"{src.stem}.safetensors"
+        r = run_cli("export", src, "-o", out)
+        assert r.code == 0, r.stderr
+        raw = out.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8 : 8 + n])
+        header.pop("__metadata__", None)
+        width = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2}
+        bad = [k for k, v in header.items() if (8 + n + v["data_offsets"][0]) % width.get(v["dtype"], 1)]
+        assert not bad, bad
+        assert len(load_file(out)) == len(header)
+    got = load_file(tmp_path / "odd.safetensors")
+    assert torch.equal(got["w"], torch.arange(6.0)) and torch.equal(got["n"], torch.arange(3))
+
+
+def test_a_tensor_name_a_safetensors_header_cannot_hold_is_refused(tmp_path):
+    """A tensor named ``__metadata__`` replaced the header's metadata (neither safetensors nor
+    ckpttool could read the file, exit 0), and a name holding a lone surrogate was written as a
+    JSON escape safetensors refuses. Both are refused by name, exit 3, nothing written."""
+    import torch
+
+    from tests.conftest import assert_clean, run_cli
+
+    for i, name in enumerate(("__metadata__", "w\udcff")):
+        torch.save({name: torch.ones(2), "ok": torch.zeros(2)}, tmp_path / f"{i}.pt")
+        out = tmp_path / f"{i}.safetensors"
+        assert_clean(run_cli("export", tmp_path / f"{i}.pt", "-o", out), 3, "cannot be written to a safetensors file")
+        assert not out.exists()

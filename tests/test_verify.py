@@ -1295,6 +1295,34 @@ def test_an_internal_error_still_writes_the_reports(tmp_path, monkeypatch):
     assert data["ok"] is False and "RuntimeError: boom" in data["error"]["message"]
 
 
+@pytest.mark.parametrize("signal_class", ["KeyboardInterrupt", "Terminated"])
+def test_an_interrupted_verify_replaces_the_last_runs_reports(signal_class, tmp_path, monkeypatch):
+    """A verify stopped by SIGTERM (a CI job cancelled or out of time) or Ctrl-C left the last
+    run's passing --report and --junit in place, which a workflow uploads `if: always()`. They now
+    say the checkpoint was not judged; the command still stops as interrupted (130, 143)."""
+    from typer.testing import CliRunner
+
+    import ckpttool.verify as verify_module
+    from ckpttool import interrupt
+    from ckpttool.cli import app
+
+    report, junit = tmp_path / "r.json", tmp_path / "j.xml"
+    ok = CliRunner().invoke(app, ["verify", str(FIXTURES / "dcp" / "fsdp2"), "--report", str(report), "--junit", str(junit)])
+    assert ok.exit_code == 0 and json.loads(report.read_text())["ok"] is True
+    stop = interrupt.Terminated if signal_class == "Terminated" else KeyboardInterrupt
+
+    def stopped(*_, **__):
+        raise stop
+
+    monkeypatch.setattr(verify_module, "verify", stopped)
+    result = CliRunner().invoke(app, ["verify", str(FIXTURES / "dcp" / "fsdp2"), "--report", str(report), "--junit", str(junit)])
+    assert result.exit_code == (143 if signal_class == "Terminated" else 130), result.output
+    data = json.loads(report.read_text())
+    word = "terminated" if signal_class == "Terminated" else "interrupted"
+    assert data["ok"] is False and f"verify was {word}" in data["error"]["message"], data["error"]
+    assert "not judged" in junit.read_text() and 'failures="0" errors="0"' not in junit.read_text()
+
+
 @pytest.mark.parametrize("rel", ["deepspeed/universal", "deepspeed/universal3"])
 def test_a_universal_checkpoints_frozen_parameters_want_no_moments(rel):
     """ds_to_universal writes a frozen parameter an fp32.pt and no moments, as its source held none:

@@ -468,6 +468,23 @@ def verify(
             if fail_on not in ("error", "warning"):
                 raise UsageError(f"--fail-on {fail_on!r}: expected error or warning")
             report = run(path, manifest_path=manifest, deep=deep, require=needed, workers=workers, progress=advance)
+        except KeyboardInterrupt as exc:
+            # Ctrl-C or SIGTERM (a CI job cancelled, a scheduler's time limit): the reports say so,
+            # not the last run's verdict (a passing one was left in place, and uploaded `if:
+            # always()`); written whole before the command stops (a second signal waits for it)
+            from ckpttool import interrupt
+
+            word = "terminated (SIGTERM)" if isinstance(exc, interrupt.Terminated) else "interrupted (Ctrl-C)"
+            stopped = VerifyReport(
+                path=str(path),
+                seal=str(manifest) if manifest else None,
+                deep=deep,
+                error=f"verify was {word} before it finished: the checkpoint was not judged",
+                error_hint="run verify again to the end",
+            )
+            with interrupt.held():
+                _verify_outputs(out, stopped, severity, report_file, junit_file, checked)
+            raise
         except Exception as exc:
             if isinstance(exc, typer.Exit | typer.Abort):
                 raise

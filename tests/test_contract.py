@@ -28,7 +28,7 @@ CLI_SURFACE = {
                 "--no-seal", "--json", "--quiet", "--help"},
     "compress": {"path", "--output", "--workers", "--force", "--json", "--quiet", "--help"},
     "decompress": {"packed", "--output", "--workers", "--force", "--quiet", "--help"},
-    "rehearse": {"path", "--harness", "--steps", "--runs", "--tolerance", "--device", "--json", "--help"},
+    "rehearse": {"path", "--harness", "--steps", "--runs", "--tolerance", "--device", "--timeout", "--json", "--help"},
     "verify": {"path", "--manifest", "--deep", "--require", "--fail-on", "--report", "--junit", "--workers", "--json",
                "--quiet", "--help"},
 }

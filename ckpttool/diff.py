@@ -283,6 +283,7 @@ def _diff(
     report.added = [k for k, i in kb.items() if i.is_tensor and k not in ka]
     report.removed += _one_sided_objects(ma, mb, ka, kb)
     report.added += _one_sided_objects(mb, ma, kb, ka)
+    _unused_one_side(report, ma, ka, mb, kb)
     # RNG state one side splits into tensors and the other keeps in opaque records (named otherwise)
     if _opaque_rng(mb):
         report.opaque += [k for k in report.removed if ka[k].kind == "rng"]
@@ -371,6 +372,27 @@ def _diff(
     _state_in_pickles(report, ma, mb, wanted, rx, {i.kind for i in (*ka.values(), *kb.values())})
     _state_beside(report, ma, mb, wanted, rx)  # (last: the steps above look up what they list by item name)
     return report
+
+
+def _unused_one_side(report: DiffReport, ma: Manifest, ka: dict[str, Item], mb: Manifest, kb: dict[str, Item]) -> None:
+    """A parameter the source format knows nothing trains (megatron-core's output layer on a tied
+    model's MTP last stage, ``extras["unused"]``), with its optimizer state, held on one side only:
+    a note, not a difference. A reshard or conversion leaves it out where the target has no such
+    stage (docs/reshard.md: it does not change training), and diff called the result different."""
+    from ckpttool.export import unused_states
+
+    for side, listed, manifest, keyed in (("A", report.removed, ma, ka), ("B", report.added, mb, kb)):
+        unused = set(unused_states(manifest))
+        gone = [k for k in listed if keyed[k].name in unused]
+        if not gone:
+            continue
+        for k in gone:
+            listed.remove(k)
+        report.not_compared.append(
+            f"{', '.join(sorted(gone))} of {side} only: a parameter megatron-core allocates on a tied model's "
+            "MTP last stage but never uses, with its optimizer state (left out where the other layout has no "
+            "such stage; training is the same)"
+        )
 
 
 class _Unread(Exception):
@@ -670,19 +692,23 @@ def _state_in_pickles(
     rx: re.Pattern[str] | None,
     selected: set[str],
 ) -> None:
-    """State two Megatron checkpoints keep in their rank files' pickles, not as items: the data
+    """State checkpoints keep in their files' pickles, not as items: two Megatron checkpoints' data
     position (``args.consumed_train_samples``) is compared, a difference is a value that differs
-    (it said "equal" with the samples changed); the optimizer state there (the param groups,
-    Adam's steps: ``extras["unread_state"]``) is not read, and the report says so. Under
+    (it said "equal" with the samples changed), and one held on one side only is noted; the
+    optimizer state there (Megatron's param groups and Adam's steps, DeepSpeed's fp16 loss scaler:
+    ``extras["unread_state"]``) is not read, and the report says so, whatever the other side's
+    format (against a conversion that dropped it, diff said "equal" with no word). Under
     ``--kind`` or ``--filter`` (``rx``), the data position only when they select its name or kind,
     the note only when the items compared (of ``selected`` kinds) hold optimizer state."""
-    if not (ma.format.startswith("megatron") and mb.format.startswith("megatron")):
-        return
     da, db = ((m.extras.get("state_in_metadata") or {}).get("dataloader") for m in (ma, mb))
     name = "args.consumed_train_samples"
     chosen = (wanted is None or "dataloader" in wanted) and (rx is None or rx.search(name))
     if da is not None and db is not None and da != db and chosen:
         report.objects.append({"name": name, "a": da, "b": db})
+    elif (da is None) != (db is None) and chosen:  # (a Megatron checkpoint against its conversion: "equal", no word)
+        side, value, other = ("A", da, "B") if da is not None else ("B", db, "A")
+        said = value if isinstance(value, str) and value.startswith(name) else f"{name} ({value})"
+        report.not_compared.append(f"{said} of {side}, its data position: {other} keeps none")
     unread = [
         (side, m.extras["unread_state"])
         for side, m in (("A", ma), ("B", mb))

@@ -223,6 +223,10 @@ def create(
     replaces = check_output(
         out_path, force=force, directory=False, example="step_1000.delta" if base else "step_1000.ckz"
     )
+    if replaces:  # --force replaces an earlier container (or an empty file), never other data (a checkpoint's file)
+        ckio.refuse_replacing_other_file(
+            out_path, f"-o {out_path}", "a ckpttool container", lambda head: head.startswith(tuple(_MAGICS))
+        )
     t_adapter, tm = registry.describe(target)
     t_root, t_layout, t_files = _packed(target, t_adapter, tm)
     b_root: Path | None = None

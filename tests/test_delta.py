@@ -738,3 +738,20 @@ def test_a_header_a_reader_cannot_honour_is_refused_by_name(edit, reason, tmp_pa
     r = run_cli("decompress", packed, "-o", tmp_path / "out")
     assert r.code == 3 and "damaged or forged container header" in r.stderr and reason in r.stderr, r.stderr
     assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["p.ckz"]
+
+
+def test_force_replaces_an_earlier_container_never_other_data(tmp_path):
+    """compress and delta create --force replaced any file at -o (notes, a checkpoint's own
+    torch.save file) where decompress, seal --out and verify --report refuse other data. Now an
+    earlier container or an empty file is replaced; anything else is kept, exit 2."""
+    src = FIXTURES / "dcp" / "fsdp2"
+    notes = tmp_path / "notes.txt"
+    notes.write_text("do not lose me\n")
+    for args in (("compress", src), ("delta", "create", src, src)):
+        r = run_cli(*args, "-o", notes, "--force")
+        assert_clean(r, 2, "exists and is not a ckpttool container")
+        assert notes.read_text() == "do not lose me\n"
+    out = tmp_path / "c.ckz"
+    out.write_bytes(b"")
+    for _ in range(2):  # (an empty file, then the container written over it)
+        assert run_cli("compress", src, "-o", out, "--force").code == 0

@@ -990,7 +990,12 @@ def delta_create(
         Path, typer.Option("--output", "-o", help="The delta file to write.", show_default=False, parser=_a_path)
     ],
     workers: Annotated[int | None, typer.Option("--workers", min=1, help="Pieces coded at once.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="Replace OUTPUT if it exists: an earlier container or an empty file, never other data."
+        ),
+    ] = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -1072,7 +1077,12 @@ def compress(
         Path, typer.Option("--output", "-o", help="The file to write.", show_default=False, parser=_a_path)
     ],
     workers: Annotated[int | None, typer.Option("--workers", min=1, help="Pieces coded at once.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="Replace OUTPUT if it exists: an earlier container or an empty file, never other data."
+        ),
+    ] = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

@@ -19,6 +19,7 @@ import json
 import math
 import mmap
 import os
+import shlex
 import shutil
 import stat
 import struct
@@ -677,7 +678,10 @@ def apply(
     d_maps, b_maps = _Mapped(), _Mapped()
     if header["kind"] == DELTA_KIND:
         if base is None:
-            raise UsageError(f"{delta} is a delta: give the base checkpoint it was made against")
+            raise UsageError(
+                f"{delta} is a delta: it is applied to the base checkpoint it was made against",
+                hint=f"ckpttool delta apply BASE {shlex.quote(str(delta))} -o OUTPUT",
+            )
         if not os.path.lexists(base):
             raise NotFoundError(
                 f"{base}: no such file or directory (the base checkpoint the delta is applied to)",
@@ -700,7 +704,10 @@ def apply(
                     path=str(base),
                 )
     elif base is not None:
-        raise UsageError(f"{delta} is a compressed checkpoint, not a delta: it takes no base")
+        raise UsageError(
+            f"{delta} is a compressed checkpoint, not a delta: it takes no base",
+            hint=f"ckpttool decompress {shlex.quote(str(delta))} -o OUTPUT",
+        )
     parent = out_path.parent
     gate = WriterGate()
     with replacing(may_replace), staged_dir(out_path) as tmp:

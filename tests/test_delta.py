@@ -755,3 +755,14 @@ def test_force_replaces_an_earlier_container_never_other_data(tmp_path):
     out.write_bytes(b"")
     for _ in range(2):  # (an empty file, then the container written over it)
         assert run_cli("compress", src, "-o", out, "--force").code == 0
+
+
+def test_a_delta_and_a_container_given_to_the_wrong_command_say_which_command_takes_them(tmp_path):
+    """decompress of a delta said "give the base checkpoint", which decompress takes no option
+    for; delta apply of a compressed checkpoint said "it takes no base" without naming decompress.
+    Each now gives the command that reads it, exit 2."""
+    src = FIXTURES / "dcp" / "fsdp2"
+    assert run_cli("delta", "create", src, src, "-o", tmp_path / "x.delta").code == 0
+    assert run_cli("compress", src, "-o", tmp_path / "x.ckz").code == 0
+    assert_clean(run_cli("decompress", tmp_path / "x.delta", "-o", tmp_path / "o1"), 2, "hint: ckpttool delta apply BASE")
+    assert_clean(run_cli("delta", "apply", src, tmp_path / "x.ckz", "-o", tmp_path / "o2"), 2, "hint: ckpttool decompress")

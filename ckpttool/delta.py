@@ -39,7 +39,6 @@ from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, NotFoundError, UsageError
 from ckpttool.hashing import hash_bytes, new_hasher
 from ckpttool.io import (
-    TMP_MARKER,
     WriterGate,
     atomic_output,
     check_output,
@@ -201,7 +200,7 @@ def _packed(
         held = {rel for rel, _ in files}
         for entry in sorted(root.iterdir(), key=lambda e: e.name):
             name = entry.name
-            if name in held or TMP_MARKER in name or not entry.is_file():
+            if name in held or ckio.is_temp_name(name) or not entry.is_file():
                 continue
             files.append((name, os.stat(ckio.confine(root, name, named_by="the listing")).st_size))
     return root, layout, files
@@ -403,10 +402,10 @@ def _left_out(target: str | Path, root: Path, packed: set[str]) -> list[str]:
         return []
     counts: dict[str, int] = defaultdict(int)
     for folder, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if TMP_MARKER not in d]
+        dirs[:] = [d for d in dirs if not ckio.is_temp_name(d)]
         for name in names:
             rel = Path(folder, name).relative_to(root).as_posix()
-            if rel not in packed and TMP_MARKER not in name:
+            if rel not in packed and not ckio.is_temp_name(name):
                 top, _, rest = rel.partition("/")
                 counts[top + ("/" if rest else "")] += 1
     return [f"{top} ({plural(n, 'file')})" if top.endswith("/") else top for top, n in sorted(counts.items())]

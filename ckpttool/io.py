@@ -694,7 +694,7 @@ def list_files(
     refused: list[CkptError] = []
     leave_out = _LINKS_OUT_LEFT_OUT.get()
     for dirpath, dirnames, filenames in os.walk(root_s):
-        dirnames[:] = sorted(d for d in dirnames if TMP_MARKER not in d)
+        dirnames[:] = sorted(d for d in dirnames if not is_temp_name(d))
         links_out = set()
         for name in sorted([*filenames, *dirnames]):
             full = os.path.join(dirpath, name)
@@ -706,7 +706,7 @@ def list_files(
         if refused:
             continue
         for name in filenames:
-            if TMP_MARKER in name or name in links_out:
+            if is_temp_name(name) or name in links_out:
                 continue  # a writer's temporary (in flight, or left by a killed run), or a link left out
             full = os.path.join(dirpath, name)
             rel = os.path.relpath(full, root_s).replace(os.sep, "/")
@@ -719,6 +719,13 @@ def list_files(
     raise_together(refused)
     out.sort()
     return out
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` is a ckpttool writer's temporary (``.<dest>.ckpttool-tmp-<owner><random>``):
+    a hidden name with the marker after its first character. A file that merely holds the marker
+    (``notes.ckpttool-tmp-1``) is a file of the checkpoint; it was left out of listings without a word."""
+    return name.startswith(".") and TMP_MARKER in name[1:]
 
 
 def _owner_tag() -> str:
@@ -738,7 +745,7 @@ def published_as(path: str) -> str | None:
     parts = path.split(os.sep)
     found = False
     for k, part in enumerate(parts):  # (every one: a seal's own temporary inside the staging directory)
-        if part.startswith(".") and TMP_MARKER in part[1:]:
+        if is_temp_name(part):
             parts[k] = part[1 : part.index(TMP_MARKER, 1)]
             found = True
     return os.sep.join(parts) if found else None

@@ -602,10 +602,11 @@ def test_a_container_its_reader_would_refuse_is_never_written(tmp_path):
     shutil.copytree(RUN / "step_10", src)
     (src / "\\lead").write_text("a")
     out = tmp_path / "odd.ckz"
-    out.write_bytes(b"an earlier output")
+    assert run_cli("compress", RUN / "step_10", "-o", out).code == 0  # (an earlier output)
+    earlier = out.read_bytes()
     r = run_cli("compress", src, "-o", out, "--force")
     assert r.code == 3 and "odd: cannot be packed: file name '\\\\lead' leaves the output directory" in r.stderr
-    assert "Traceback" not in r.stderr and out.read_bytes() == b"an earlier output"
+    assert "Traceback" not in r.stderr and out.read_bytes() == earlier
     assert sorted(p.name for p in tmp_path.iterdir()) == ["odd", "odd.ckz"]
 
 
@@ -766,3 +767,17 @@ def test_a_delta_and_a_container_given_to_the_wrong_command_say_which_command_ta
     assert run_cli("compress", src, "-o", tmp_path / "x.ckz").code == 0
     assert_clean(run_cli("decompress", tmp_path / "x.delta", "-o", tmp_path / "o1"), 2, "hint: ckpttool delta apply BASE")
     assert_clean(run_cli("delta", "apply", src, tmp_path / "x.ckz", "-o", tmp_path / "o2"), 2, "hint: ckpttool decompress")
+
+
+def test_a_file_that_merely_holds_the_temporary_marker_is_packed(tmp_path):
+    """Any file whose name held ".ckpttool-tmp-" (``notes.ckpttool-tmp-1``) was left out of the
+    container without a word, as if it were a writer's temporary; only ckpttool's own hidden
+    temporaries (``.<name>.ckpttool-tmp-…``) are left out now."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ck)
+    (ck / "notes.ckpttool-tmp-1").write_text("kept\n")
+    (ck / ".model.ckpttool-tmp-host-1-abcd1234").write_text("a writer's temporary\n")
+    assert run_cli("compress", ck, "-o", tmp_path / "c.ckz").code == 0
+    assert run_cli("decompress", tmp_path / "c.ckz", "-o", tmp_path / "out").code == 0
+    assert (tmp_path / "out" / "notes.ckpttool-tmp-1").read_text() == "kept\n"
+    assert not (tmp_path / "out" / ".model.ckpttool-tmp-host-1-abcd1234").exists()

@@ -781,3 +781,31 @@ def test_a_file_that_merely_holds_the_temporary_marker_is_packed(tmp_path):
     assert run_cli("decompress", tmp_path / "c.ckz", "-o", tmp_path / "out").code == 0
     assert (tmp_path / "out" / "notes.ckpttool-tmp-1").read_text() == "kept\n"
     assert not (tmp_path / "out" / ".model.ckpttool-tmp-host-1-abcd1234").exists()
+
+
+def test_pieces_coded_ahead_of_the_writer_are_bounded():
+    """create coded every piece at once (pool.map) while writing the frames in order: with a
+    writer slower than the coders the whole container sat in memory. At most a window of pieces
+    is now coded ahead of the one being written."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckpttool.delta import _in_order
+
+    lock = threading.Lock()
+    coded = [0]
+
+    def code(job):
+        with lock:
+            coded[0] += 1
+        return job
+
+    most = 0
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for written, got in enumerate(_in_order(pool, code, list(range(200)), 8), start=1):
+            time.sleep(0.001)  # (a slow writer)
+            with lock:
+                most = max(most, coded[0] - written)
+            assert got == written - 1  # (in order)
+    assert most <= 8, most

@@ -106,6 +106,16 @@ def dcp_items(manifest: Manifest, items: list[Item], *, hint: str | None = None)
             + (" …" if len(kept) > 4 else "")
         )
     notes += unused_note(manifest, "DCP", (i.name for i in items if i.name in dropped))
+    # an empty mapping (a disabled GradScaler's state dict, {}): torch's dcp.save keeps no entry for
+    # one, and dcp.load of the same nested state dict, given an entry it has no place for, fell back
+    # to its old flattening and failed ("Missing key in checkpoint state_dict: optim.param_groups")
+    empty = [i.name for i in items if not i.is_tensor and i.summary is None and i.value == {} and not i.refused]
+    if empty:
+        notes.append(
+            f"not written: {', '.join(empty[:4])}{' …' if len(empty) > 4 else ''} (an empty dict, of which DCP keeps "
+            "no entry, as torch's dcp.save; the state dict loaded into keeps its own)"
+        )
+        dropped.update(empty)
     return [i for i in items if i.name not in dropped], notes
 
 

@@ -58,3 +58,35 @@ def test_metadata_is_indexed_and_ordered_as_dcp_writes_it(tmp_path):
         (k.fqn, k.offset): k.index for k in theirs.storage_data
     }
     assert (a / ".metadata").read_bytes() == (b / ".metadata").read_bytes()
+
+
+def test_an_empty_dict_is_not_written_so_dcp_load_of_the_same_state_dict_works(tmp_path):
+    """A torch.save state dict holding an empty dict (a disabled GradScaler's state_dict(), {}):
+    convert --to dcp wrote it as an entry, which torch's dcp.save never does, and dcp.load of the
+    same nested state dict then failed ("Missing key in checkpoint state_dict: optim.param_groups").
+    It is left out, as torch leaves it, and the plan says so."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tests.conftest import run_cli
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+
+    def state():
+        return {"model": model.state_dict(), "optim": opt.state_dict(), "scaler": {}, "step": 1}
+
+    torch.save(state(), tmp_path / "ckpt.pt")
+    r = run_cli("convert", tmp_path / "ckpt.pt", "-o", tmp_path / "dcp", "--to", "dcp")
+    assert r.code == 0 and "not written: scaler (an empty dict" in r.stdout + r.stderr, r.stdout + r.stderr
+    target = state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, checkpoint_id=str(tmp_path / "dcp"))
+    assert torch.equal(target["model"]["weight"], model.weight) and target["step"] == 1
+    assert run_cli("diff", tmp_path / "ckpt.pt", tmp_path / "dcp").code == 0

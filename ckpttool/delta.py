@@ -23,6 +23,7 @@ import shlex
 import shutil
 import stat
 import struct
+import tempfile
 import threading
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
@@ -693,6 +694,7 @@ def apply(
                 hint="choose another -o path, or remove the file yourself",
             ) from None
     b_root: Path | None = None
+    alias: Path | None = None
     d_maps, b_maps = _Mapped(), _Mapped()
     if header["kind"] == DELTA_KIND:
         if base is None:
@@ -707,6 +709,9 @@ def apply(
                 path=str(base),
             )
         b_root = _base_root(Path(base), header["base"]["files"])
+        alias = _one_file_base(Path(base), b_root, header["base"]["files"])
+        if alias is not None:
+            b_root = alias
         for rel, fp in header["base"]["files"].items():
             f = b_root / rel
             if not f.is_file() or f.stat().st_size != fp["size"] or b_maps.digest(f) != fp["xxh3"]:
@@ -726,74 +731,78 @@ def apply(
             f"{delta} is a compressed checkpoint, not a delta: it takes no base",
             hint=f"ckpttool decompress {shlex.quote(str(delta))} -o OUTPUT",
         )
-    parent = out_path.parent
-    gate = WriterGate()
-    with replacing(may_replace), staged_dir(out_path) as tmp:
+    try:
+        parent = out_path.parent
+        gate = WriterGate()
+        with replacing(may_replace), staged_dir(out_path) as tmp:
 
-        def rebuild(item: tuple[str, dict[str, Any]]) -> None:
-            if not gate.enter():
-                return
+            def rebuild(item: tuple[str, dict[str, Any]]) -> None:
+                if not gate.enter():
+                    return
+                try:
+                    _rebuild_one(*item)
+                finally:
+                    gate.leave()
+
+            def _rebuild_one(rel: str, spec: dict[str, Any]) -> None:
+                dest = tmp / rel
+                for d in reversed(dest.relative_to(tmp).parents[:-1]):  # below tmp only: never re-create tmp
+                    (tmp / d).mkdir(exist_ok=True)
+                try:
+                    digest = _rebuild_file(d_maps, Path(delta), rel, spec, b_maps, b_root, dest, gate.cancelled)
+                except (zstandard.ZstdError, ValueError, OverflowError, MemoryError, IndexError) as exc:
+                    raise CorruptFileError(
+                        f"{delta}: the coded bytes of {rel} do not decode ({type(exc).__name__}: {exc}); "
+                        "nothing was published",
+                        hint=f"the {role} is damaged; re-create it",
+                        path=str(delta),
+                    ) from None
+                if digest is not None and digest != spec["xxh3"]:
+                    # the base's files were checked against their recorded xxh3-128 before any was
+                    # read: only the container's bytes can be wrong (damage, exit 3; a wrong base is
+                    # refused before, exit 1), or a base file changed while it was being applied
+                    raise CorruptFileError(
+                        f"{delta}: rebuilding {rel} does not give the stored xxh3-128; nothing was published",
+                        hint=f"the {role} is damaged; re-create it"
+                        if b_root is None
+                        else "the delta is damaged (its base matched the one it was made against): re-create it; or "
+                        "the base changed while the delta was applied: apply it again",
+                        path=str(delta),
+                        rule="checksum-mismatch",
+                    )
+                if spec.get("mode") is not None:
+                    # the file's permission bits, as cp gives a new copy: the saved ones the umask lets
+                    # through (a private 0600 checkpoint stays private, DeepSpeed's zero_to_fp32.py stays
+                    # executable); never a container's set-uid, set-gid or sticky bits
+                    now = stat.S_IMODE(os.stat(dest).st_mode)  # 0666 less the umask
+                    allowed = now | ((now >> 2) & 0o111)
+                    if (mode := spec["mode"] & 0o777 & allowed) != now:
+                        os.chmod(dest, mode)
+
+            pool = ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 2))
             try:
-                _rebuild_one(*item)
+                list(pool.map(rebuild, header["files"].items()))
+            except BaseException:
+                gate.close()  # the threads inside stop before writing more and leave; then tmp is removed
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
             finally:
-                gate.leave()
-
-        def _rebuild_one(rel: str, spec: dict[str, Any]) -> None:
-            dest = tmp / rel
-            for d in reversed(dest.relative_to(tmp).parents[:-1]):  # below tmp only: never re-create tmp
-                (tmp / d).mkdir(exist_ok=True)
-            try:
-                digest = _rebuild_file(d_maps, Path(delta), rel, spec, b_maps, b_root, dest, gate.cancelled)
-            except (zstandard.ZstdError, ValueError, OverflowError, MemoryError, IndexError) as exc:
-                raise CorruptFileError(
-                    f"{delta}: the coded bytes of {rel} do not decode ({type(exc).__name__}: {exc}); "
-                    "nothing was published",
-                    hint=f"the {role} is damaged; re-create it",
-                    path=str(delta),
-                ) from None
-            if digest is not None and digest != spec["xxh3"]:
-                # the base's files were checked against their recorded xxh3-128 before any was
-                # read: only the container's bytes can be wrong (damage, exit 3; a wrong base is
-                # refused before, exit 1), or a base file changed while it was being applied
-                raise CorruptFileError(
-                    f"{delta}: rebuilding {rel} does not give the stored xxh3-128; nothing was published",
-                    hint=f"the {role} is damaged; re-create it"
-                    if b_root is None
-                    else "the delta is damaged (its base matched the one it was made against): re-create it; or "
-                    "the base changed while the delta was applied: apply it again",
-                    path=str(delta),
-                    rule="checksum-mismatch",
-                )
-            if spec.get("mode") is not None:
-                # the file's permission bits, as cp gives a new copy: the saved ones the umask lets
-                # through (a private 0600 checkpoint stays private, DeepSpeed's zero_to_fp32.py stays
-                # executable); never a container's set-uid, set-gid or sticky bits
-                now = stat.S_IMODE(os.stat(dest).st_mode)  # 0666 less the umask
-                allowed = now | ((now >> 2) & 0o111)
-                if (mode := spec["mode"] & 0o777 & allowed) != now:
-                    os.chmod(dest, mode)
-
-        pool = ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 2))
-        try:
-            list(pool.map(rebuild, header["files"].items()))
-        except BaseException:
-            gate.close()  # the threads inside stop before writing more and leave; then tmp is removed
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
-        finally:
-            d_maps.close()
-            b_maps.close()
-        pool.shutdown(wait=True)
-        if header.get("target_is_file"):
-            (only,) = header["files"]
-            if out_path.is_dir() and not out_path.is_symlink():
-                raise UsageError(f"{out_path} is a directory; the delta rebuilds a single file")
-            put_in_place(tmp / only, out_path, replace=may_replace)
-            shutil.rmtree(tmp)
-        else:
-            fsync_tree(tmp, files=False)  # each file was fsync'd as it was written
-            publish_dir(tmp, out_path)
-        fsync_dir(parent)
+                d_maps.close()
+                b_maps.close()
+            pool.shutdown(wait=True)
+            if header.get("target_is_file"):
+                (only,) = header["files"]
+                if out_path.is_dir() and not out_path.is_symlink():
+                    raise UsageError(f"{out_path} is a directory; the delta rebuilds a single file")
+                put_in_place(tmp / only, out_path, replace=may_replace)
+                shutil.rmtree(tmp)
+            else:
+                fsync_tree(tmp, files=False)  # each file was fsync'd as it was written
+                publish_dir(tmp, out_path)
+            fsync_dir(parent)
+    finally:
+        if alias is not None:
+            shutil.rmtree(alias, ignore_errors=True)
     return header
 
 
@@ -871,6 +880,25 @@ def _pwrite(fd: int, data: memoryview, offset: int) -> None:
     while len(data):
         k = os.pwrite(fd, data, offset)
         data, offset = data[k:], offset + k
+
+
+def _one_file_base(base: Path, root: Path, wanted: dict[str, Any]) -> Path | None:
+    """A delta made against one file, applied to one file given by another name (a renamed copy,
+    the chain's previous output, a hub cache's blob link): a folder of the file's recorded name
+    linked to the file given, which is then the base whatever it is called (its bytes are checked
+    against the recorded digest all the same). It was refused as "<recorded name> is not there",
+    of the file given; and a file of the recorded name beside it was taken in its place. None
+    where the recorded name is the file given, or the delta's base is not one file."""
+    if not base.is_file() or len(wanted) != 1:
+        return None
+    (rel,) = wanted
+    there = root / rel
+    if there.is_file() and there.resolve() == base.resolve():
+        return None
+    alias = Path(tempfile.mkdtemp(prefix="ckpttool-base-"))
+    (alias / rel).parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(base.resolve(), alias / rel)
+    return alias
 
 
 def _base_root(base: Path, wanted: dict[str, Any]) -> Path:

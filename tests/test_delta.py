@@ -809,3 +809,29 @@ def test_pieces_coded_ahead_of_the_writer_are_bounded():
                 most = max(most, coded[0] - written)
             assert got == written - 1  # (in order)
     assert most <= 8, most
+
+
+def test_a_one_file_base_is_the_file_given_whatever_its_name(tmp_path):
+    """A delta made against one file was applied by the file's recorded name: the chain's previous
+    output (restored under another name), a renamed copy or a hub blob link was refused as
+    "<name> is not there", and a file of the recorded name lying beside the one given was used
+    in its place. The file given is the base now; its bytes are still checked (a wrong one: exit 1)."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 64, generator=g)
+    for step in ("a", "b", "c"):
+        w = w + 1e-3 * torch.randn(64, 64, generator=g)
+        save_file({"w": w.contiguous()}, tmp_path / f"step_{step}.safetensors")
+    for a, b, d in (("a", "b", "d1"), ("b", "c", "d2")):
+        r = run_cli("delta", "create", tmp_path / f"step_{a}.safetensors", tmp_path / f"step_{b}.safetensors", "-o", tmp_path / f"{d}.delta")
+        assert r.code == 0, r.stderr
+    (tmp_path / "chain").mkdir()
+    assert run_cli("delta", "apply", tmp_path / "step_a.safetensors", tmp_path / "d1.delta", "-o", tmp_path / "chain" / "b.safetensors").code == 0
+    (tmp_path / "chain" / "step_b.safetensors").write_bytes((tmp_path / "step_a.safetensors").read_bytes())  # (a decoy by the recorded name)
+    r = run_cli("delta", "apply", tmp_path / "chain" / "b.safetensors", tmp_path / "d2.delta", "-o", tmp_path / "c.safetensors")
+    assert r.code == 0, r.stderr
+    assert (tmp_path / "c.safetensors").read_bytes() == (tmp_path / "step_c.safetensors").read_bytes()
+    r = run_cli("delta", "apply", tmp_path / "step_a.safetensors", tmp_path / "d2.delta", "-o", tmp_path / "wrong.safetensors")
+    assert r.code == 1 and not (tmp_path / "wrong.safetensors").exists(), r.stderr

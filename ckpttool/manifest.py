@@ -179,10 +179,12 @@ class Manifest:
         if item.name in self.items:
             from ckpttool.errors import CorruptFileError
 
+            file = item.pieces[0].file if item.pieces else None  # (named: verify's report gave null)
             raise CorruptFileError(
-                f"two entries of the checkpoint are both named {item.name!r} (a dotted key and a nested one, "
-                "or two files holding the same state)",
+                f"{file + ': ' if file else ''}two entries of the checkpoint are both named {item.name!r} (a dotted "
+                "key and a nested one, or two files holding the same state)",
                 hint="the checkpoint was written by a tool ckpttool does not know, or it is damaged",
+                path=file,
             )
         self.items[item.name] = item
         return item

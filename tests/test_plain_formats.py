@@ -350,3 +350,18 @@ def test_a_model_file_beside_its_variant_is_a_folder_of_two_models(tmp_path):
     said = json.loads(r.stdout)["findings"]
     assert r.code == 1 and [(f["rule"], f["file"]) for f in said] == [("corrupt-file", "other.safetensors")], said
     assert "is also in model.safetensors" in said[0]["message"], said
+
+
+def test_two_entries_of_one_name_are_said_with_their_file(tmp_path):
+    """A torch.save dict holding both 'a.b' and {'a': {'b': ...}} (legal in torch) was refused with
+    no file named: verify's finding had "file": null, and inspect's message named no file."""
+    import json
+
+    import torch
+
+    from tests.conftest import assert_clean, run_cli
+
+    torch.save({"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}}, tmp_path / "coll.pt")
+    assert_clean(run_cli("inspect", tmp_path / "coll.pt"), 3, "coll.pt: two entries of the checkpoint are both named 'a.b'")
+    r = run_cli("verify", tmp_path / "coll.pt", "--json")
+    assert [(f["rule"], f["file"]) for f in json.loads(r.stdout)["findings"]] == [("corrupt-file", "coll.pt")]

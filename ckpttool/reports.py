@@ -150,7 +150,8 @@ def _short(text: str) -> str:
     return text if len(text) <= _LONGEST else text[: _LONGEST - 1] + "…"
 
 
-_MARKDOWN = str.maketrans({c: "\\" + c for c in "\\`*_[]<>|~"})
+_MARKDOWN = str.maketrans({c: "\\" + c for c in "\\`*_[]<>|~&"})
+"""(``&``: an entity, ``&#8238;``, rendered as the invisible character the cells spell out)"""
 
 
 def _cell(text: str) -> str:

@@ -387,6 +387,9 @@ def test_step_summary_cells_escape_markup_and_junit_stays_well_formed():
     # the annotations spelled ESC and NUL out raw (a terminal showing the Actions log ran them)
     (line,) = github_annotations(report).splitlines()
     assert line.isprintable() and "c\\x1b[2J\\x00: 1 NaN" in line, line
+    # an entity in a name rendered as the bidi override it spells (the cells spell such characters out)
+    spoof = VerifyReport(path="ck", format="dcp", findings=[Finding(rule="nonfinite", severity="error", message="w&#8238;x: 1 NaN")])
+    assert "w\\&#8238;x" in github_summary(spoof)
 
 
 def test_junit_and_annotations_spell_out_a_hostile_checkpoint_path_and_file_name():

@@ -148,7 +148,9 @@ def written_metadata(manifest: Manifest) -> dict[str, str]:
 
 
 def _entry(display: str, name: str, spec: Any, base: int) -> TensorEntry:
-    if not isinstance(spec, dict) or set(spec) - {"dtype", "shape", "data_offsets"}:
+    # (fields beside those three are ignored, as safetensors' own loader ignores them: refused, a
+    # file it reads was a corrupt-file error)
+    if not isinstance(spec, dict) or not {"dtype", "shape", "data_offsets"} <= set(spec):
         raise CorruptFileError(f"{display}: entry {name!r} is not {{dtype, shape, data_offsets}}", path=display)
     code, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
     dt = BY_SAFETENSORS.get(code) if isinstance(code, str) else None

@@ -365,3 +365,28 @@ def test_two_entries_of_one_name_are_said_with_their_file(tmp_path):
     assert_clean(run_cli("inspect", tmp_path / "coll.pt"), 3, "coll.pt: two entries of the checkpoint are both named 'a.b'")
     r = run_cli("verify", tmp_path / "coll.pt", "--json")
     assert [(f["rule"], f["file"]) for f in json.loads(r.stdout)["findings"]] == [("corrupt-file", "coll.pt")]
+
+
+def test_a_header_entry_with_a_field_more_reads_as_safetensors_reads_it(tmp_path):
+    """A safetensors entry with a field beside dtype, shape and data_offsets (safetensors' own
+    loader ignores it) was a corrupt-file error, and export refused the file. It reads now; an
+    entry lacking one of the three is still refused."""
+    import json
+    import struct
+
+    from safetensors.torch import load_file
+
+    from tests.conftest import assert_clean, run_cli
+
+    def write(path, entry):
+        head = json.dumps({"w": entry}).encode()
+        head += b" " * (-len(head) % 8)
+        path.write_bytes(struct.pack("<Q", len(head)) + head + struct.pack("<2f", 1.5, 2.5))
+
+    write(tmp_path / "extra.safetensors", {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "extra": 1})
+    assert load_file(tmp_path / "extra.safetensors")["w"].tolist() == [1.5, 2.5]
+    assert run_cli("verify", tmp_path / "extra.safetensors").code == 0
+    assert run_cli("export", tmp_path / "extra.safetensors", "-o", tmp_path / "o.safetensors").code == 0
+    assert load_file(tmp_path / "o.safetensors")["w"].tolist() == [1.5, 2.5]
+    write(tmp_path / "lacking.safetensors", {"dtype": "F32", "shape": [2]})
+    assert_clean(run_cli("inspect", tmp_path / "lacking.safetensors"), 3, "is not {dtype, shape, data_offsets}")

@@ -370,6 +370,7 @@ def _diff(
             if progress is not None:
                 progress(ia.nbytes)
     _state_in_pickles(report, ma, mb, wanted, rx, {i.kind for i in (*ka.values(), *kb.values())})
+    _safetensors_metadata(report, ma, mb, wanted, rx)
     _state_beside(report, ma, mb, wanted, rx)  # (last: the steps above look up what they list by item name)
     return report
 
@@ -720,6 +721,32 @@ def _state_in_pickles(
         report.not_compared.append(
             f"{'; '.join(what)} of {side}, kept in its rank files' optimizer pickles (not read as items)"
         )
+
+
+def _safetensors_metadata(
+    report: DiffReport, ma: Manifest, mb: Manifest, wanted: set[str] | None, rx: re.Pattern[str] | None
+) -> None:
+    """Two safetensors checkpoints' ``__metadata__`` (a trainer's step, a model's revision): each
+    key that differs, or that one side lacks, is a value that differs, named ``__metadata__.<key>``
+    (two files that differed only there were "equal"). The ``format`` tag and ckpttool's own
+    ``ckpttool.*`` keys (where a file it wrote came from) are not the checkpoint's state: left out.
+    Not under ``--kind``; under ``--filter``, the keys whose names it selects."""
+    if not (ma.format == mb.format == "safetensors") or wanted is not None:
+        return
+
+    def merged(m: Manifest) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for meta in (m.extras.get("metadata") or {}).values():
+            for k, v in meta.items():
+                if k != "format" and not k.startswith("ckpttool."):
+                    out.setdefault(k, v)
+        return out
+
+    a, b = merged(ma), merged(mb)
+    for key in sorted(set(a) | set(b)):
+        name = f"__metadata__.{key}"
+        if a.get(key) != b.get(key) and (rx is None or rx.search(name)):
+            report.objects.append({"name": name, "a": a.get(key), "b": b.get(key)})
 
 
 def _state_beside(

@@ -639,3 +639,18 @@ def test_the_never_used_output_layer_left_out_or_added_by_a_reshard_is_no_differ
     report = diff(FIXTURES / "megatron" / fixture, out)
     assert not report.different and not report.removed and not report.added, report.to_json()
     assert any(n.startswith("output_layer.weight, ") and f"of {side} only" in n for n in report.not_compared)
+
+
+def test_safetensors_metadata_that_differs_is_a_difference(tmp_path):
+    """Two safetensors files identical but for their __metadata__ (a trainer's step 100 and 200)
+    were "equal". Each key that differs is now a value that differs; the format tag and ckpttool's
+    own keys are not compared."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, tmp_path / "a.safetensors", metadata={"format": "pt", "step": "100"})
+    save_file({"w": torch.ones(2)}, tmp_path / "b.safetensors", metadata={"format": "pt", "step": "200"})
+    save_file({"w": torch.ones(2)}, tmp_path / "c.safetensors", metadata={"format": "np", "step": "100", "ckpttool.source_format": "dcp"})
+    report = diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    assert report.different and report.objects == [{"name": "__metadata__.step", "a": "100", "b": "200"}]
+    assert not diff(tmp_path / "a.safetensors", tmp_path / "c.safetensors").different

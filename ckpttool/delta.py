@@ -421,14 +421,20 @@ def _left_out(target: str | Path, root: Path, packed: set[str]) -> list[str]:
     if not Path(target).is_dir():
         return []
     counts: dict[str, int] = defaultdict(int)
+    links: list[str] = []
     for folder, dirs, names in os.walk(root):
         dirs[:] = [d for d in dirs if not ckio.is_temp_name(d)]
+        for d in dirs:  # (os.walk does not go into a link to a folder: it was left out without a word)
+            if os.path.islink(os.path.join(folder, d)):
+                links.append(Path(folder, d).relative_to(root).as_posix())
         for name in names:
             rel = Path(folder, name).relative_to(root).as_posix()
             if rel not in packed and not ckio.is_temp_name(name):
                 top, _, rest = rel.partition("/")
                 counts[top + ("/" if rest else "")] += 1
-    return [f"{top} ({plural(n, 'file')})" if top.endswith("/") else top for top, n in sorted(counts.items())]
+    return [f"{top} ({plural(n, 'file')})" if top.endswith("/") else top for top, n in sorted(counts.items())] + [
+        f"{link}/ (a link to a folder)" for link in sorted(links) if link not in packed
+    ]
 
 
 def trailer(blob: bytes) -> bytes:

@@ -835,3 +835,15 @@ def test_a_one_file_base_is_the_file_given_whatever_its_name(tmp_path):
     assert (tmp_path / "c.safetensors").read_bytes() == (tmp_path / "step_c.safetensors").read_bytes()
     r = run_cli("delta", "apply", tmp_path / "step_a.safetensors", tmp_path / "d2.delta", "-o", tmp_path / "wrong.safetensors")
     assert r.code == 1 and not (tmp_path / "wrong.safetensors").exists(), r.stderr
+
+
+def test_a_link_to_a_folder_inside_is_said_to_be_left_out(tmp_path):
+    """A link to a folder inside the checkpoint is not packed (os.walk does not go into it), and
+    compress said nothing of it: the warning that lists what the container lacks names it now."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ck)
+    (ck / "sub").mkdir()
+    (ck / "sub" / "b.txt").write_text("y\n")
+    (ck / "sub_link").symlink_to("sub")
+    r = run_cli("compress", ck, "-o", tmp_path / "c.ckz")
+    assert r.code == 0 and "not in the container" in r.stderr and "sub_link/ (a link to a folder)" in r.stderr, r.stderr

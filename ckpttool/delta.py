@@ -244,11 +244,19 @@ def create(
     t_prefix = _pack_root(target, tm)[1]
     b_prefix = _pack_root(base, bm)[1] if base is not None else ""
 
+    b_tops = sorted({r.split("/", 1)[0] for r in b_files if "/" in r}, reverse=True)  # (the newest iteration first)
+
     def twin(rel: str) -> str | None:
         """The base's file of the same name and place as the target's ``rel``, when one of the
         two was given as a save directory and the other as its iteration folder."""
         tail = rel[len(t_prefix) :] if rel.startswith(t_prefix) else rel
-        return next((r for r in (rel, b_prefix + tail) if r in b_files), None)
+        # (a legacy Megatron save directory's manifest is rooted at it, with no prefix to strip:
+        # its files are the iteration folder's one folder down, or up; a twin found only codes
+        # better, the bytes restored are checked by their digests whatever it is)
+        deeper = [rel.split("/", 1)[1]] if "/" in rel else []
+        return next(
+            (r for r in (rel, b_prefix + tail, *deeper, *(f"{top}/{rel}" for top in b_tops)) if r in b_files), None
+        )
 
     # match target segments to base pieces
     for segs in t_layout.values():

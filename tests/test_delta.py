@@ -496,11 +496,14 @@ def test_a_version_1_container_is_still_read(tmp_path):
     assert_clean(run_cli("decompress", packed, "-o", tmp_path / "o3"), 3, "a container of a newer ckpttool (CKPTDELTA3)")
 
 
-def test_a_base_given_at_another_level_codes_as_well(tmp_path):
+@pytest.mark.parametrize("fixture", ["dist_tp2", "legacy_tp2pp2"])
+def test_a_base_given_at_another_level_codes_as_well(tmp_path, fixture):
     """Target as a save directory, base as its iteration folder (or the other way round): the
     non-tensor bytes are coded against the base's file of the same place (a ``dict_file``), and
-    the tensors against its pieces, as well as when both are given alike."""
-    save = FIXTURES / "megatron" / "dist_tp2"
+    the tensors against its pieces, as well as when both are given alike. (A legacy save
+    directory's manifest is rooted at it, with no prefix to strip: its files found no twin, and
+    its delta was twice the size.)"""
+    save = FIXTURES / "megatron" / fixture
     alike, across, back = (tmp_path / n for n in ("alike.delta", "across.delta", "back.delta"))
     delta.create(save, alike, base=save)
     delta.create(save, across, base=save / "iter_0000003")
@@ -509,7 +512,8 @@ def test_a_base_given_at_another_level_codes_as_well(tmp_path):
     assert delta.info(across)["coded"] <= same + 64 and delta.info(back)["coded"] <= same + 64
     assert delta.info(across)["methods"] == delta.info(alike)["methods"]
     files = delta.read_header(across)["files"]
-    assert files["iter_0000003/common.pt"]["other"]["dict_file"] == "common.pt"
+    twin = "common.pt" if fixture.startswith("dist") else "mp_rank_00_000/model_optim_rng.pt"
+    assert files[f"iter_0000003/{twin}"]["other"]["dict_file"] == twin
     delta.apply(across, tmp_path / "out", base=save / "iter_0000003")
     assert tree_digests(tmp_path / "out") == tree_digests(save)
     delta.apply(back, tmp_path / "out_back", base=save)

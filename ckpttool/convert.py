@@ -294,6 +294,18 @@ def unread_state(manifest: Manifest, target: str) -> list[str]:
     carry = ("megatron", "megatron-dist") if manifest.format.startswith("megatron") else (manifest.format,)
     if target in carry:
         return []
+    # (top-level values of megatron-core's own classes, or tensors in a torch_dist common.pt, that
+    # other formats' readers refuse: extras["not_carried"])
+    kept = manifest.extras.get("not_carried") or []
+    apart = (
+        [f"not carried: {', '.join(kept[:4])}{' …' if len(kept) > 4 else ''} (values other formats' readers refuse)"]
+        if kept
+        else []
+    )
+    return apart + _unread_pickled(manifest, target)
+
+
+def _unread_pickled(manifest: Manifest, target: str) -> list[str]:
     unread = list(manifest.extras.get("unread_state") or [])
     data = (manifest.extras.get("state_in_metadata") or {}).get("dataloader")
     if data is not None and manifest.format.startswith("megatron"):  # (no other format's writer has a place for it)

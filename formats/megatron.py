@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from ckpttool import _unpickle
 from ckpttool.dtypes import BY_NAME
 from ckpttool.dtypes import dtype as lookup_dtype
@@ -99,19 +101,44 @@ _COMMON_KEYS = frozenset(
 own description; any other is carried by :func:`_add_unknown_keys`."""
 
 
-def _add_unknown_keys(manifest: Manifest, tree: Mapping[str, Any], rel: str, known: frozenset[str]) -> None:
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is built of what every format ckpttool writes can hold (Python's and
+    NumPy's plain values, in lists, tuples and dicts): not megatron-core's own classes (a pending
+    rerun's ``RerunMode``), which a DCP or torch.save output's readers refuse."""
+    if value is None or isinstance(value, bool | int | float | complex | str | bytes | np.ndarray | np.generic):
+        return True
+    if depth > 32:
+        return False
+    if isinstance(value, list | tuple):
+        return all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str | int) and _plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def _add_unknown_keys(
+    manifest: Manifest, tree: Mapping[str, Any], rel: str, known: frozenset[str], *, tensors: bool = True
+) -> None:
     """Items for the top-level keys of ``tree`` (file ``rel``) that Megatron-LM itself does not
     write, or writes only at times (``rerun_state_machine``, ``modelopt_state``, a fork's counters
     or data position): each leaf an item, named by its dotted path as a torch.save file's are, so
     that a conversion carries it and ``diff`` compares it. Before, they were left out: ``convert
-    --to dcp`` dropped them and ``diff`` called the result equal."""
+    --to dcp`` dropped them and ``diff`` called the result equal. Left out still: a leaf of a class
+    of megatron-core's own (:func:`_plain`), which other formats' readers refuse, and, without
+    ``tensors`` (a torch_dist ``common.pt``, whose reader reads DCP pieces), a tensor; each is
+    listed in ``extras["not_carried"]``."""
     for key, value in tree.items():
         if not isinstance(key, str) or key in known or key == "model" or re.fullmatch(r"model\d+", key):
             continue
         for name, leaf in flatten(value, key):
             if name in manifest.items:
                 continue  # (a name the model or the optimizer already gave an item)
-            if isinstance(leaf, _unpickle.TensorRef):
+            is_tensor = isinstance(leaf, _unpickle.TensorRef)
+            if (is_tensor and not tensors) or (not is_tensor and not _plain(leaf)):
+                what = "a tensor" if is_tensor else str(getattr(leaf, "enum", None) or type(leaf).__name__)
+                manifest.extras.setdefault("not_carried", []).append(f"{rel}: {name} ({what})")
+                continue
+            if is_tensor:
                 kind = classify(name, is_tensor=True)
                 manifest.add(
                     Item(
@@ -674,7 +701,7 @@ class MegatronDistAdapter:
                 )
                 set_value(counter, common[key])
                 manifest.add(counter)
-        _add_unknown_keys(manifest, common, "common.pt", _COMMON_KEYS)
+        _add_unknown_keys(manifest, common, "common.pt", _COMMON_KEYS, tensors=False)
         if isinstance(common.get("opt_param_scheduler"), dict):
             for k, v in common["opt_param_scheduler"].items():
                 scheduler = Item(

@@ -359,7 +359,10 @@ def _diff(
                     continue
                 d = _compare(key, ra, ia, rb, ib, atol, rtol)
             except _Unread as exc:  # (damaged bytes on a side: not read, never shown equal or different)
-                report.unread.append({"name": key, exc.side: exc.error.message, exc.other: None})
+                said = exc.error.message
+                if exc.error.rule == "checksum-mismatch":  # (the read that completed the member: the damage
+                    said += " (the bytes of this tensor or of another that shares its zip member)"  # may be another's)
+                report.unread.append({"name": key, exc.side: said, exc.other: None})
                 continue
             if d.differing == 0:
                 report.identical += 1
@@ -369,6 +372,7 @@ def _diff(
                 report.copies += _copies_that_differ(key, ra, ia, rb, ib, atol, rtol)
             if progress is not None:
                 progress(ia.nbytes)
+    _unfinished_members(report, ma, mb)
     _state_in_pickles(report, ma, mb, wanted, rx, {i.kind for i in (*ka.values(), *kb.values())})
     _safetensors_metadata(report, ma, mb, wanted, rx)
     _state_beside(report, ma, mb, wanted, rx)  # (last: the steps above look up what they list by item name)
@@ -394,6 +398,22 @@ def _unused_one_side(report: DiffReport, ma: Manifest, ka: dict[str, Item], mb: 
             "MTP last stage but never uses, with its optimizer state (left out where the other layout has no "
             "such stage; training is the same)"
         )
+
+
+def _unfinished_members(report: DiffReport, ma: Manifest, mb: Manifest) -> None:
+    """The zip members read only in part (a distributed optimizer's or a ZeRO partition's buffer,
+    with padding no tensor covers; what a --filter left out) judged whole, as convert does before
+    it publishes: a flipped bit there was never checked, and a damaged copy diffed "equal within
+    tolerance". A member that fails is "not read", on the side whose file it is."""
+    try:
+        ckio.finish_partial()
+    except CkptError as exc:
+        where = Path(getattr(exc, "file_path", "") or "").resolve()
+        sides = [s for s, m in (("a", ma), ("b", mb)) if where.is_relative_to(Path(m.root).resolve())] or ["a", "b"]
+        entry: dict[str, Any] = {"name": f"(bytes of {exc.path})", "a": None, "b": None}
+        for side in sides:
+            entry[side] = exc.message
+        report.unread.append(entry)
 
 
 class _Unread(Exception):

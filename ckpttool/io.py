@@ -273,7 +273,10 @@ class _Member:
         """Record a part; the CRC-32 of the whole member once the parts recorded tile it, else None."""
         if start == 0 and length == self.length:
             return crc
-        self.parts.setdefault(start, {})[length] = crc
+        known = self.parts.setdefault(start, {})
+        if length in known:  # (a part read again, as diff reads a tensor that differs twice: nothing new;
+            return None  # counted again, every later part re-walked them all, quadratic in the parts)
+        known[length] = crc
         self.seen += length
         if self.seen < self.length:
             return None
@@ -400,7 +403,7 @@ def finish_partial(extra: list[PartRead] | tuple[PartRead, ...] = ()) -> int:
             if whole is not None:
                 done.add(key)
                 if whole != member.crc:
-                    raise crc_mismatch(what, display, start, length, crc, whole)
+                    raise _located(crc_mismatch(what, display, start, length, crc, whole), path)
                 break
     read = 0
     for (path, start), (member, display) in merged.items():
@@ -415,8 +418,14 @@ def finish_partial(extra: list[PartRead] | tuple[PartRead, ...] = ()) -> int:
                 whole = _crc_of(fh, start, member.length, display)
                 read += member.length
         if whole != member.crc:
-            raise crc_mismatch(member.what, display, start, member.length, member.crc, whole)
+            raise _located(crc_mismatch(member.what, display, start, member.length, member.crc, whole), path)
     return read
+
+
+def _located(exc: CorruptFileError, path: str) -> CorruptFileError:
+    """``exc`` with the file's own path (``file_path``): ``diff`` tells by it which side's file it is."""
+    exc.file_path = path  # type: ignore[attr-defined]
+    return exc
 
 
 def _crc_of(fh: Any, offset: int, n: int, display: str) -> int:

@@ -127,7 +127,9 @@ def _run(
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONHASHSEED": "0"},
-                start_new_session=True,  # (its group ended whole: the data loader's workers with it)
+                # (in this command's process group, as before: a terminal's Ctrl-C or hang-up and a CI
+                # runner's kill of the job's group reach the harness and its workers too; in a session
+                # of its own, a SIGHUP or SIGKILL of the group left a hung harness running)
             )
             _wait(proc, timeout, log_path, cmd)
         try:
@@ -161,15 +163,14 @@ def _run(
 
 def _wait(proc: subprocess.Popen[bytes], timeout: float | None, log: Path, cmd: list[str]) -> None:
     """Wait for a harness process; past ``timeout`` seconds (a harness stuck in a collective, a data
-    loader that never yields), or on Ctrl-C, end it and every process it started. Without a limit
+    loader that never yields), or on Ctrl-C, end it and every process it started (:func:`_kill_tree`). Without a limit
     a hung harness held the command, and a CI job, for ever."""
     import signal
 
     try:
         proc.wait(timeout=timeout)
     except BaseException as exc:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        _kill_tree(proc.pid, signal.SIGKILL)
         proc.wait()
         if not isinstance(exc, subprocess.TimeoutExpired):
             raise
@@ -180,6 +181,30 @@ def _wait(proc: subprocess.Popen[bytes], timeout: float | None, log: Path, cmd: 
             hint="a harness waiting on a collective or a data loader that never yields; run it by hand: "
             "PYTHONHASHSEED=0 " + " ".join(cmd),
         ) from None
+
+
+def _kill_tree(pid: int, sig: int) -> None:
+    """Signal ``pid`` and every process it started, found by their parents in ``/proc`` (a data
+    loader's workers, a metrics service), the descendants first; where there is no ``/proc``, the
+    process alone."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                try:
+                    with open(f"/proc/{entry.name}/stat", "rb") as fh:
+                        ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+                children.setdefault(ppid, []).append(int(entry.name))
+    order, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        order.append(p)
+        todo += children.get(p, [])
+    for p in reversed(order):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, sig)
 
 
 def _diverge(run: list[dict[str, Any]], ref: list[dict[str, Any]], tolerance: float | None) -> tuple[int, str] | None:

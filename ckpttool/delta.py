@@ -726,20 +726,27 @@ def apply(
         alias = _one_file_base(Path(base), b_root, header["base"]["files"])
         if alias is not None:
             b_root = alias
-        for rel, fp in header["base"]["files"].items():
-            f = b_root / rel
-            if not f.is_file() or f.stat().st_size != fp["size"] or b_maps.digest(f) != fp["xxh3"]:
-                how = (
-                    "is not there"
-                    if not f.is_file()
-                    else "is not the file the delta was made against (size or xxh3 differ)"
-                )
-                raise DeltaMismatchError(
-                    f"{base}: {rel} {how}; refused before writing anything",
-                    hint="apply the delta to the exact base checkpoint it was created from (or the chain's previous "
-                    "output)",
-                    path=str(base),
-                )
+        try:
+            for rel, fp in header["base"]["files"].items():
+                f = b_root / rel
+                if not f.is_file() or f.stat().st_size != fp["size"] or b_maps.digest(f) != fp["xxh3"]:
+                    how = (
+                        "is not there"
+                        if not f.is_file()
+                        else "is not the file the delta was made against (size or xxh3 differ)"
+                    )
+                    said = f"{base}: {rel} {how}" if alias is None else f"{base}: not the file the delta was made "
+                    said += "" if alias is None else f"against ({rel}: size or xxh3 differ)"
+                    raise DeltaMismatchError(
+                        f"{said}; refused before writing anything",
+                        hint="apply the delta to the exact base checkpoint it was created from (or the chain's "
+                        "previous output)",
+                        path=str(base),
+                    )
+        except BaseException:  # (a wrong base, one that does not read, Ctrl-C while it is hashed)
+            if alias is not None:
+                shutil.rmtree(alias, ignore_errors=True)
+            raise
     elif base is not None:
         raise UsageError(
             f"{delta} is a compressed checkpoint, not a delta: it takes no base",
@@ -906,6 +913,8 @@ def _one_file_base(base: Path, root: Path, wanted: dict[str, Any]) -> Path | Non
     if not base.is_file() or len(wanted) != 1:
         return None
     (rel,) = wanted
+    if not isinstance(rel, str) or not _plain_name(rel) or escapes(rel):
+        return None  # (a forged name: the base check below refuses it as not there)
     there = root / rel
     if there.is_file() and there.resolve() == base.resolve():
         return None

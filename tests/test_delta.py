@@ -837,8 +837,12 @@ def test_a_one_file_base_is_the_file_given_whatever_its_name(tmp_path):
     r = run_cli("delta", "apply", tmp_path / "chain" / "b.safetensors", tmp_path / "d2.delta", "-o", tmp_path / "c.safetensors")
     assert r.code == 0, r.stderr
     assert (tmp_path / "c.safetensors").read_bytes() == (tmp_path / "step_c.safetensors").read_bytes()
-    r = run_cli("delta", "apply", tmp_path / "step_a.safetensors", tmp_path / "d2.delta", "-o", tmp_path / "wrong.safetensors")
+    scratch = tmp_path / "tmpdir"
+    scratch.mkdir()
+    r = run_cli("delta", "apply", tmp_path / "step_a.safetensors", tmp_path / "d2.delta", "-o", tmp_path / "wrong.safetensors", env={"TMPDIR": str(scratch)})
     assert r.code == 1 and not (tmp_path / "wrong.safetensors").exists(), r.stderr
+    assert "step_a.safetensors: not the file the delta was made against (step_b.safetensors" in r.stderr, r.stderr
+    assert list(scratch.iterdir()) == []  # (the folder naming the file given as the recorded one: removed)
 
 
 def test_a_link_to_a_folder_inside_is_said_to_be_left_out(tmp_path):

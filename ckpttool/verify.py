@@ -45,10 +45,10 @@ from ckpttool.formats.rankshards import LOCAL_KEYS
 from ckpttool.geometry import Box, coverage, flat_range_boxes, intersect
 from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
 from ckpttool.io import (
-    TMP_MARKER,
     RandomAccessFile,
     checking_crcs,
     followed,
+    is_temp_name,
     list_files,
     not_a_file,
     not_found,
@@ -668,7 +668,7 @@ def _check_in_flight(report: VerifyReport, root: Path, manifest: Manifest | None
                     file=rel,
                 )
             )
-        elif TMP_MARKER in name:
+        elif is_temp_name(name):  # (a file that merely holds the marker is the checkpoint's: sealed as such)
             report.findings.append(
                 finding(
                     "incomplete-save",
@@ -1189,7 +1189,7 @@ def _hash_sealed_files(
                 if folder not in looked and not p.is_symlink() and not p.exists():
                     continue
                 rel = f"{folder}/{p.name}" if folder else p.name
-                tmp = TMP_MARKER in p.name  # (a ckpttool writer's temporary folder is incomplete-save's)
+                tmp = is_temp_name(p.name)  # (a ckpttool writer's temporary folder is incomplete-save's)
                 if one_file and rel not in expected:
                     continue
                 if p.is_symlink() and (real := outside(limit, p)) is not None:

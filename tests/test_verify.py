@@ -2120,3 +2120,15 @@ def test_a_file_added_to_a_sealed_subfolder_below_the_data_is_extra(tmp_path):
     (path / "sharded" / "junk.bin").write_text("added")
     extra = [f.file for f in verify(path).findings if f.rule == "extra-file"]
     assert extra == ["sharded/junk.bin"], extra
+
+
+def test_a_file_that_merely_holds_the_temporary_marker_is_no_interrupted_write(tmp_path):
+    """seal counts ``notes.ckpttool-tmp-1`` as a file of the checkpoint (only ckpttool's hidden
+    temporaries are left out), but verify still warned it was "a temporary of an interrupted
+    ckpttool write": --fail-on warning failed a sealed, intact checkpoint."""
+    ck = tmp_path / "ck"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", ck)
+    (ck / "notes.ckpttool-tmp-1").write_text("kept\n")
+    assert run_cli("seal", ck).code == 0
+    r = run_cli("verify", ck, "--json")
+    assert not [f for f in json.loads(r.stdout)["findings"] if f["rule"] == "incomplete-save"], r.stdout

@@ -23,7 +23,6 @@ import shlex
 import shutil
 import stat
 import struct
-import tempfile
 import threading
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
@@ -707,8 +706,7 @@ def apply(
                 "other data",
                 hint="choose another -o path, or remove the file yourself",
             ) from None
-    b_root: Path | None = None
-    alias: Path | None = None
+    based: Callable[[str], Path] | None = None  # a base file's path, by the name the delta records
     d_maps, b_maps = _Mapped(), _Mapped()
     if header["kind"] == DELTA_KIND:
         if base is None:
@@ -722,108 +720,99 @@ def apply(
                 hint="check the path: give the checkpoint the delta was created against",
                 path=str(base),
             )
-        b_root = _base_root(Path(base), header["base"]["files"])
-        alias = _one_file_base(Path(base), b_root, header["base"]["files"])
-        if alias is not None:
-            b_root = alias
-        try:
-            for rel, fp in header["base"]["files"].items():
-                f = b_root / rel
-                if not f.is_file() or f.stat().st_size != fp["size"] or b_maps.digest(f) != fp["xxh3"]:
-                    how = (
-                        "is not there"
-                        if not f.is_file()
-                        else "is not the file the delta was made against (size or xxh3 differ)"
-                    )
-                    said = f"{base}: {rel} {how}" if alias is None else f"{base}: not the file the delta was made "
-                    said += "" if alias is None else f"against ({rel}: size or xxh3 differ)"
-                    raise DeltaMismatchError(
-                        f"{said}; refused before writing anything",
-                        hint="apply the delta to the exact base checkpoint it was created from (or the chain's "
-                        "previous output)",
-                        path=str(base),
-                    )
-        except BaseException:  # (a wrong base, one that does not read, Ctrl-C while it is hashed)
-            if alias is not None:
-                shutil.rmtree(alias, ignore_errors=True)
-            raise
+        based, one = _base_files(Path(base), header["base"]["files"])
+        for rel, fp in header["base"]["files"].items():
+            f = based(rel)
+            if not f.is_file() or f.stat().st_size != fp["size"] or b_maps.digest(f) != fp["xxh3"]:
+                how = (
+                    "is not there"
+                    if not f.is_file()
+                    else "is not the file the delta was made against (size or xxh3 differ)"
+                )
+                said = (
+                    f"{rel} {how}"
+                    if not one
+                    else f"not the file the delta was made against ({rel}: size or xxh3 differ)"
+                )
+                raise DeltaMismatchError(
+                    f"{base}: {said}; refused before writing anything",
+                    hint="apply the delta to the exact base checkpoint it was created from (or the chain's previous "
+                    "output)",
+                    path=str(base),
+                )
     elif base is not None:
         raise UsageError(
             f"{delta} is a compressed checkpoint, not a delta: it takes no base",
             hint=f"ckpttool decompress {shlex.quote(str(delta))} -o OUTPUT",
         )
-    try:
-        parent = out_path.parent
-        gate = WriterGate()
-        with replacing(may_replace), staged_dir(out_path) as tmp:
+    parent = out_path.parent
+    gate = WriterGate()
+    with replacing(may_replace), staged_dir(out_path) as tmp:
 
-            def rebuild(item: tuple[str, dict[str, Any]]) -> None:
-                if not gate.enter():
-                    return
-                try:
-                    _rebuild_one(*item)
-                finally:
-                    gate.leave()
-
-            def _rebuild_one(rel: str, spec: dict[str, Any]) -> None:
-                dest = tmp / rel
-                for d in reversed(dest.relative_to(tmp).parents[:-1]):  # below tmp only: never re-create tmp
-                    (tmp / d).mkdir(exist_ok=True)
-                try:
-                    digest = _rebuild_file(d_maps, Path(delta), rel, spec, b_maps, b_root, dest, gate.cancelled)
-                except (zstandard.ZstdError, ValueError, OverflowError, MemoryError, IndexError) as exc:
-                    raise CorruptFileError(
-                        f"{delta}: the coded bytes of {rel} do not decode ({type(exc).__name__}: {exc}); "
-                        "nothing was published",
-                        hint=f"the {role} is damaged; re-create it",
-                        path=str(delta),
-                    ) from None
-                if digest is not None and digest != spec["xxh3"]:
-                    # the base's files were checked against their recorded xxh3-128 before any was
-                    # read: only the container's bytes can be wrong (damage, exit 3; a wrong base is
-                    # refused before, exit 1), or a base file changed while it was being applied
-                    raise CorruptFileError(
-                        f"{delta}: rebuilding {rel} does not give the stored xxh3-128; nothing was published",
-                        hint=f"the {role} is damaged; re-create it"
-                        if b_root is None
-                        else "the delta is damaged (its base matched the one it was made against): re-create it; or "
-                        "the base changed while the delta was applied: apply it again",
-                        path=str(delta),
-                        rule="checksum-mismatch",
-                    )
-                if spec.get("mode") is not None:
-                    # the file's permission bits, as cp gives a new copy: the saved ones the umask lets
-                    # through (a private 0600 checkpoint stays private, DeepSpeed's zero_to_fp32.py stays
-                    # executable); never a container's set-uid, set-gid or sticky bits
-                    now = stat.S_IMODE(os.stat(dest).st_mode)  # 0666 less the umask
-                    allowed = now | ((now >> 2) & 0o111)
-                    if (mode := spec["mode"] & 0o777 & allowed) != now:
-                        os.chmod(dest, mode)
-
-            pool = ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 2))
+        def rebuild(item: tuple[str, dict[str, Any]]) -> None:
+            if not gate.enter():
+                return
             try:
-                list(pool.map(rebuild, header["files"].items()))
-            except BaseException:
-                gate.close()  # the threads inside stop before writing more and leave; then tmp is removed
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
+                _rebuild_one(*item)
             finally:
-                d_maps.close()
-                b_maps.close()
-            pool.shutdown(wait=True)
-            if header.get("target_is_file"):
-                (only,) = header["files"]
-                if out_path.is_dir() and not out_path.is_symlink():
-                    raise UsageError(f"{out_path} is a directory; the delta rebuilds a single file")
-                put_in_place(tmp / only, out_path, replace=may_replace)
-                shutil.rmtree(tmp)
-            else:
-                fsync_tree(tmp, files=False)  # each file was fsync'd as it was written
-                publish_dir(tmp, out_path)
-            fsync_dir(parent)
-    finally:
-        if alias is not None:
-            shutil.rmtree(alias, ignore_errors=True)
+                gate.leave()
+
+        def _rebuild_one(rel: str, spec: dict[str, Any]) -> None:
+            dest = tmp / rel
+            for d in reversed(dest.relative_to(tmp).parents[:-1]):  # below tmp only: never re-create tmp
+                (tmp / d).mkdir(exist_ok=True)
+            try:
+                digest = _rebuild_file(d_maps, Path(delta), rel, spec, b_maps, based, dest, gate.cancelled)
+            except (zstandard.ZstdError, ValueError, OverflowError, MemoryError, IndexError) as exc:
+                raise CorruptFileError(
+                    f"{delta}: the coded bytes of {rel} do not decode ({type(exc).__name__}: {exc}); "
+                    "nothing was published",
+                    hint=f"the {role} is damaged; re-create it",
+                    path=str(delta),
+                ) from None
+            if digest is not None and digest != spec["xxh3"]:
+                # the base's files were checked against their recorded xxh3-128 before any was
+                # read: only the container's bytes can be wrong (damage, exit 3; a wrong base is
+                # refused before, exit 1), or a base file changed while it was being applied
+                raise CorruptFileError(
+                    f"{delta}: rebuilding {rel} does not give the stored xxh3-128; nothing was published",
+                    hint=f"the {role} is damaged; re-create it"
+                    if based is None
+                    else "the delta is damaged (its base matched the one it was made against): re-create it; or "
+                    "the base changed while the delta was applied: apply it again",
+                    path=str(delta),
+                    rule="checksum-mismatch",
+                )
+            if spec.get("mode") is not None:
+                # the file's permission bits, as cp gives a new copy: the saved ones the umask lets
+                # through (a private 0600 checkpoint stays private, DeepSpeed's zero_to_fp32.py stays
+                # executable); never a container's set-uid, set-gid or sticky bits
+                now = stat.S_IMODE(os.stat(dest).st_mode)  # 0666 less the umask
+                allowed = now | ((now >> 2) & 0o111)
+                if (mode := spec["mode"] & 0o777 & allowed) != now:
+                    os.chmod(dest, mode)
+
+        pool = ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 2))
+        try:
+            list(pool.map(rebuild, header["files"].items()))
+        except BaseException:
+            gate.close()  # the threads inside stop before writing more and leave; then tmp is removed
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        finally:
+            d_maps.close()
+            b_maps.close()
+        pool.shutdown(wait=True)
+        if header.get("target_is_file"):
+            (only,) = header["files"]
+            if out_path.is_dir() and not out_path.is_symlink():
+                raise UsageError(f"{out_path} is a directory; the delta rebuilds a single file")
+            put_in_place(tmp / only, out_path, replace=may_replace)
+            shutil.rmtree(tmp)
+        else:
+            fsync_tree(tmp, files=False)  # each file was fsync'd as it was written
+            publish_dir(tmp, out_path)
+        fsync_dir(parent)
     return header
 
 
@@ -833,7 +822,7 @@ def _rebuild_file(
     rel: str,
     spec: dict[str, Any],
     b_maps: _Mapped,
-    b_root: Path | None,
+    based: Callable[[str], Path] | None,
     dest: Path,
     cancelled: threading.Event,
 ) -> str | None:
@@ -847,8 +836,8 @@ def _rebuild_file(
     data = memoryview(b"")
     if other is not None and other["nbytes"]:
         args: dict[str, Any] = {}
-        if other["dict"] and b_root is not None:
-            raw = _read(b_root / other.get("dict_file", rel), [(int(a), int(n)) for a, n in other["dict"]])
+        if other["dict"] and based is not None:
+            raw = _read(based(other.get("dict_file", rel)), [(int(a), int(n)) for a, n in other["dict"]])
             args["dict_data"] = zstandard.ZstdCompressionDict(raw, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
         ((off, n),) = other["frames"]
         frame = d_maps.view(delta, off, n)
@@ -867,7 +856,7 @@ def _rebuild_file(
                 out = data[pos : pos + n]
                 pos += n
             else:
-                out = _decode_piece(d_maps, delta, t, fd, b_maps, b_root)
+                out = _decode_piece(d_maps, delta, t, fd, b_maps, based)
             _pwrite(fd, out, offset)
             hasher.update(out)
         os.fsync(fd)
@@ -877,19 +866,19 @@ def _rebuild_file(
 
 
 def _decode_piece(
-    d_maps: _Mapped, delta: Path, t: dict[str, Any], fd: int, b_maps: _Mapped, b_root: Path | None
+    d_maps: _Mapped, delta: Path, t: dict[str, Any], fd: int, b_maps: _Mapped, based: Callable[[str], Path] | None
 ) -> memoryview:
     """One tensor piece, decoded into this thread's reused buffer."""
     n = t["length"]
     base_bytes: Any = None
-    if t["base"] is not None and b_root is not None:
-        base_bytes = b_maps.view(b_root / t["base"][0], t["base"][1], n)
+    if t["base"] is not None and based is not None:
+        base_bytes = b_maps.view(based(t["base"][0]), t["base"][1], n)
     pred = t.get("predict")
-    if pred is not None and base_bytes is not None and b_root is not None:
+    if pred is not None and base_bytes is not None and based is not None:
         m_new = codec.scratch("m_new", n)
         if ckio.preadinto(fd, m_new, pred["m_new"]) != n:
             raise ValueError("a prediction source outside the file")
-        m_old = b_maps.view(b_root / pred["m_old"][0], pred["m_old"][1], n)
+        m_old = b_maps.view(based(pred["m_old"][0]), pred["m_old"][1], n)
         base_bytes = codec.ema2_predict(m_new, m_old, base_bytes, tuple(pred["ema2"]))
     out = codec.scratch("out", n)
     frames = [d_maps.view(delta, off, k) for off, k in t["frames"]]
@@ -903,25 +892,20 @@ def _pwrite(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[k:], offset + k
 
 
-def _one_file_base(base: Path, root: Path, wanted: dict[str, Any]) -> Path | None:
-    """A delta made against one file, applied to one file given by another name (a renamed copy,
-    the chain's previous output, a hub cache's blob link): a folder of the file's recorded name
-    linked to the file given, which is then the base whatever it is called (its bytes are checked
-    against the recorded digest all the same). It was refused as "<recorded name> is not there",
-    of the file given; and a file of the recorded name beside it was taken in its place. None
-    where the recorded name is the file given, or the delta's base is not one file."""
-    if not base.is_file() or len(wanted) != 1:
-        return None
-    (rel,) = wanted
-    if not isinstance(rel, str) or not _plain_name(rel) or escapes(rel):
-        return None  # (a forged name: the base check below refuses it as not there)
-    there = root / rel
-    if there.is_file() and there.resolve() == base.resolve():
-        return None
-    alias = Path(tempfile.mkdtemp(prefix="ckpttool-base-"))
-    (alias / rel).parent.mkdir(parents=True, exist_ok=True)
-    os.symlink(base.resolve(), alias / rel)
-    return alias
+def _base_files(base: Path, wanted: dict[str, Any]) -> tuple[Callable[[str], Path], bool]:
+    """Where each base file the delta names is (by the name it records), and whether the base is
+    one file taken whatever its name. A delta made against one file, applied to one file given
+    by another name (a renamed copy, the chain's previous output, a hub cache's blob link), reads
+    that file: it was refused as "<recorded name> is not there", and a file of the recorded name
+    beside it was taken in its place. Its bytes are checked against the recorded digest all the
+    same."""
+    root = _base_root(base, wanted)
+    if base.is_file() and len(wanted) == 1:
+        (rel,) = wanted
+        there = root / rel
+        if not (there.is_file() and there.resolve() == base.resolve()):
+            return (lambda _rel: base), True
+    return (lambda rel: root / rel), False
 
 
 def _base_root(base: Path, wanted: dict[str, Any]) -> Path:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import json
 import math
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,9 +137,8 @@ def _run(
         try:
             result: dict[str, Any] = json.loads(result_path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            lines = log_path.read_bytes().decode("utf-8", "replace").strip().splitlines()
             raise HarnessError(
-                f"the harness process failed (exit {proc.returncode}): {(lines[-1:] or ['no output'])[0][:300]}",
+                f"the harness process failed (exit {proc.returncode}): {_last_line(log_path) or 'no output'}",
                 hint="run it by hand: PYTHONHASHSEED=0 " + " ".join(cmd),
             ) from None
     if "error" in result:
@@ -163,8 +164,8 @@ def _run(
 
 def _wait(proc: subprocess.Popen[bytes], timeout: float | None, log: Path, cmd: list[str]) -> None:
     """Wait for a harness process; past ``timeout`` seconds (a harness stuck in a collective, a data
-    loader that never yields), or on Ctrl-C, end it and every process it started (:func:`_kill_tree`). Without a limit
-    a hung harness held the command, and a CI job, for ever."""
+    loader that never yields), or on Ctrl-C, end it and every process it started
+    (:func:`_kill_tree`). Without a limit a hung harness held the command, and a CI job, for ever."""
     import signal
 
     try:
@@ -174,13 +175,18 @@ def _wait(proc: subprocess.Popen[bytes], timeout: float | None, log: Path, cmd: 
         proc.wait()
         if not isinstance(exc, subprocess.TimeoutExpired):
             raise
-        lines = log.read_bytes().decode("utf-8", "replace").strip().splitlines()
         raise HarnessError(
             f"the harness process did not finish within --timeout {timeout:g} s and was stopped; its last "
-            f"output: {(lines[-1:] or ['none'])[0][:300]}",
+            f"output: {_last_line(log) or 'none'}",
             hint="a harness waiting on a collective or a data loader that never yields; run it by hand: "
             "PYTHONHASHSEED=0 " + " ".join(cmd),
         ) from None
+
+
+def _last_line(log: Path) -> str:
+    """The harness's last line of output (its first 300 characters), or ''."""
+    lines = log.read_bytes().decode("utf-8", "replace").strip().splitlines()
+    return lines[-1][:300] if lines else ""
 
 
 def _kill_tree(pid: int, sig: int) -> None:
@@ -299,7 +305,8 @@ def rehearse(
             f"the saved run recorded {len(traj['steps'])} steps after the save: steps {len(traj['steps']) + 1}-{steps} "
             + ("are compared between the runs only" if runs > 1 else "are compared with nothing (--runs 1)")
         )
-    report.runs = [_run(p, harness, steps, device=device, timeout=timeout) for _ in range(runs)]
+    run = functools.partial(_run, p, harness, steps, device=device, timeout=timeout)
+    report.runs = [run() for _ in range(runs)]
     first = report.runs[0]
     blamed: set[str] = set()
     for comp in COMPONENTS:
@@ -350,7 +357,7 @@ def rehearse(
                     )
                 )
             else:
-                culprit = _blame(report, p, harness, steps, traj, tolerance, device, timeout)
+                culprit = _blame(report, p, run, steps, traj, tolerance)
                 report.findings.append(
                     Blame(
                         component=culprit,
@@ -415,12 +422,10 @@ def _hex_float(value: Any) -> bool:
 def _blame(
     report: RehearseReport,
     p: Path,
-    harness: str,
+    run: Callable[..., dict[str, Any]],
     steps: int,
     traj: dict[str, Any],
     tolerance: float | None,
-    device: str | None,
-    timeout: float | None,
 ) -> str | None:
     """The component whose forcing to the saved run's state makes replay match, if one does. A
     forced run that fails (a harness without ``force``, a damaged ``ckpttool.trajectory.pt``) is
@@ -430,7 +435,7 @@ def _blame(
         return None
     try:
         for comp in COMPONENTS:
-            forced = _run(p, harness, steps, force=comp, device=device, timeout=timeout)
+            forced = run(force=comp)
             if _diverge(forced["steps"], traj["steps"][:steps], tolerance) is None:
                 return comp
     except HarnessError as exc:

@@ -69,23 +69,6 @@ for whole on every rank): later reads place their TP ranks' parts by it (Megatro
 Parameter names, not the user's patterns: a file's patterns would be regular expressions run on
 every name, which a hostile file could make take for ever."""
 
-_LEGACY_KEYS = frozenset(
-    {
-        "args",
-        "checkpoint_version",
-        "iteration",
-        "num_floating_point_operations_so_far",
-        "opt_param_scheduler",
-        "lr_scheduler",
-        "optimizer",
-        "rng_state",
-        RNG_CARRIED,
-        SPLIT_RULES,
-    }
-)
-"""The top-level keys of a legacy rank file the reader turns into items (with ``model`` and
-``model<N>``); any other is carried by :func:`_add_unknown_keys`."""
-
 _COMMON_KEYS = frozenset(
     {
         "args",
@@ -99,6 +82,13 @@ _COMMON_KEYS = frozenset(
 )
 """The keys of a torch_dist save's ``common.pt`` the reader turns into items or reads as the save's
 own description; any other is carried by :func:`_add_unknown_keys`."""
+
+_LEGACY_KEYS = (_COMMON_KEYS - {"content_metadata"}) | {"lr_scheduler", "rng_state", RNG_CARRIED, SPLIT_RULES}
+"""The top-level keys of a legacy rank file the reader turns into items (with the model chunks,
+:data:`_MODEL_KEY`); any other is carried by :func:`_add_unknown_keys`."""
+
+_MODEL_KEY = re.compile(r"model\d*")
+"""A legacy rank file's model chunk: ``model``, or ``model<v>`` with virtual pipeline stages."""
 
 
 def _plain(value: Any, depth: int = 0) -> bool:
@@ -128,7 +118,7 @@ def _add_unknown_keys(
     ``tensors`` (a torch_dist ``common.pt``, whose reader reads DCP pieces), a tensor; each is
     listed in ``extras["not_carried"]``."""
     for key, value in tree.items():
-        if not isinstance(key, str) or key in known or key == "model" or re.fullmatch(r"model\d+", key):
+        if not isinstance(key, str) or key in known or _MODEL_KEY.fullmatch(key):
             continue
         for name, leaf in flatten(value, key):
             if name in manifest.items:
@@ -1236,7 +1226,7 @@ def _model_leaves(obj: dict[str, Any]) -> list[tuple[str, Any]]:
     return [
         (f"{key}.{local}", value)
         for key, model in obj.items()
-        if isinstance(key, str) and re.fullmatch(r"model\d*", key) and isinstance(model, dict)
+        if isinstance(key, str) and _MODEL_KEY.fullmatch(key) and isinstance(model, dict)
         for local, value in flatten(model)
     ]
 

@@ -17,7 +17,7 @@ import itertools
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -261,14 +261,18 @@ def refuse_left_behind(manifest: Manifest, command: str, model_alone: str) -> No
         )
 
 
-def refuse_copies_apart(manifest: Manifest, to: str) -> None:
+def refuse_copies_apart(manifest: Manifest, to: str, written: Iterable[str] | None = None) -> None:
     """Refuse a target of another format than Megatron's for a Megatron legacy save whose MTP stage
     trained its own copy of the word embeddings apart from the first stage's (``extras
     ["copies_apart"]``: ``--decoupled-lr`` at PP > 1, or MTP layers in a later chunk of the first
     pipeline rank): a checkpoint of one embedding would keep one copy and drop the other's training,
-    as Megatron's own targets refuse to (``megatron_write``'s source problems)."""
+    as Megatron's own targets refuse to (``megatron_write``'s source problems). ``written``: the
+    names an output of a selection writes (an export's --filter or --kind), refused only where they
+    hold the word embeddings (a selection without them writes neither copy)."""
     apart = manifest.extras.get("copies_apart")
     if apart is None:
+        return
+    if written is not None and not any(n.startswith("embedding.word_embeddings.") for n in written):
         return
     from ckpttool.formats.megatron_write import TWO_EMBEDDINGS_HINT
 
@@ -302,10 +306,10 @@ def unread_state(manifest: Manifest, target: str) -> list[str]:
         if kept
         else []
     )
-    return apart + _unread_pickled(manifest, target)
+    return apart + _unread_pickled(manifest)
 
 
-def _unread_pickled(manifest: Manifest, target: str) -> list[str]:
+def _unread_pickled(manifest: Manifest) -> list[str]:
     unread = list(manifest.extras.get("unread_state") or [])
     data = (manifest.extras.get("state_in_metadata") or {}).get("dataloader")
     if data is not None and manifest.format.startswith("megatron"):  # (no other format's writer has a place for it)

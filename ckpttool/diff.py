@@ -9,7 +9,6 @@ index.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -28,7 +27,7 @@ from ckpttool.dtypes import as_float, carrier, float32_to_bf16
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.geometry import Box
-from ckpttool.hashing import hash_bytes
+from ckpttool.hashing import hash_bytes, new_hasher
 from ckpttool.manifest import KEPT_BESIDE, KINDS, SCHEMA_VERSION, STATE_KINDS, Item, Manifest
 from ckpttool.naming import RANK_LABEL, canonical
 from ckpttool.values import check_tolerance, same_value
@@ -517,7 +516,7 @@ def _digest_of(value: Any) -> str:
     """A short digest of a value :func:`_comparable` gave, to tell two large values apart in a
     report: of every element (an array's ``repr`` leaves out all but its ends, so two arrays that
     differ in the middle showed one digest)."""
-    h = hashlib.sha256()
+    h = new_hasher("sha256")
     _feed(h, value)
     return "sha256 " + h.hexdigest()[:12]
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import math
 import os
 import re
@@ -44,7 +43,7 @@ from ckpttool.convert import (
 )
 from ckpttool.errors import CkptError, CorruptFileError, UsageError
 from ckpttool.export import refuse_findings
-from ckpttool.hashing import Written, collecting_written
+from ckpttool.hashing import Written, collecting_written, hash_bytes
 from ckpttool.io import (
     check_crcs_from_now,
     check_output,
@@ -919,7 +918,7 @@ def _same_on_every_rank(the_plan: Plan, manifest: Manifest, agreed: _Agreed, wor
         "seal": agreed.seal,
         "dry-run": agreed.dry_run,
         "options": target,
-        "source": hashlib.sha256(repr(source).encode(errors="surrogatepass")).hexdigest(),
+        "source": hash_bytes(repr(source).encode(errors="surrogatepass"), "sha256"),
         "plan": [(f.path, f.nbytes) for f in the_plan.files],  # (last: the arguments that made it are named first)
     }
     every: list[Any] = [None] * world

@@ -67,7 +67,7 @@ from ckpttool.seal import (
     in_file_order,
     member_crcs,
 )
-from ckpttool.values import LEARNING_RATE
+from ckpttool.values import LEARNING_RATE, flatten
 
 Severity = Literal["error", "warning", "info"]
 SEVERITY_ORDER = {"info": 0, "warning": 1, "error": 2}
@@ -2672,9 +2672,11 @@ def _check_tensors_in_value(report: VerifyReport, reader: Any, item: Item, manif
     except CkptError as exc:
         report.findings.append(_from_error(exc, item.name))
         return
-    for path, ref in _tensors_in(value):
+    for path, ref in flatten(value):  # (the walk the readers name nested state by)
+        if not isinstance(ref, TensorRef):
+            continue
         inner = Item(
-            name=f"{item.name}.{path}",
+            name=f"{item.name}.{path}" if path else item.name,
             kind=item.kind,
             dtype=ref.dtype,
             shape=ref.shape,
@@ -2686,24 +2688,6 @@ def _check_tensors_in_value(report: VerifyReport, reader: Any, item: Item, manif
             report.findings.append(_from_error(exc, inner.name))
             continue
         _census(report, inner, values, False, manifest)
-
-
-def _tensors_in(value: Any, depth: int = 0) -> Iterator[tuple[str, TensorRef]]:
-    """The tensors inside a value, each with its path (keys and indices, dotted)."""
-    if isinstance(value, TensorRef):
-        yield "", value
-        return
-    if depth > 32:
-        return
-    if isinstance(value, dict):
-        pairs: Iterable[tuple[Any, Any]] = value.items()
-    elif isinstance(value, list | tuple):
-        pairs = enumerate(value)
-    else:
-        return
-    for key, v in pairs:
-        for path, ref in _tensors_in(v, depth + 1):
-            yield f"{key}.{path}" if path else str(key), ref
 
 
 def _check_values_beside(report: VerifyReport, manifest: Manifest, besides: _Besides) -> None:

@@ -51,6 +51,12 @@ ForceDirOpt = Annotated[
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or notes on stderr.")]
+ContainerForceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--force", help="Replace OUTPUT if it exists: an earlier container or an empty file, never other data."
+    ),
+]
 SplitRuleOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -474,12 +480,11 @@ def verify(
             # always()`); written whole before the command stops (a second signal waits for it)
             from ckpttool import interrupt
 
-            word = "terminated (SIGTERM)" if isinstance(exc, interrupt.Terminated) else "interrupted (Ctrl-C)"
             stopped = VerifyReport(
                 path=str(path),
                 seal=str(manifest) if manifest else None,
                 deep=deep,
-                error=f"verify was {word} before it finished: the checkpoint was not judged",
+                error=f"verify was {_stopped(exc)[1]} before it finished: the checkpoint was not judged",
                 error_hint="run verify again to the end",
             )
             with interrupt.held():
@@ -990,12 +995,7 @@ def delta_create(
         Path, typer.Option("--output", "-o", help="The delta file to write.", show_default=False, parser=_a_path)
     ],
     workers: Annotated[int | None, typer.Option("--workers", min=1, help="Pieces coded at once.")] = None,
-    force: Annotated[
-        bool,
-        typer.Option(
-            "--force", help="Replace OUTPUT if it exists: an earlier container or an empty file, never other data."
-        ),
-    ] = False,
+    force: ContainerForceOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -1077,12 +1077,7 @@ def compress(
         Path, typer.Option("--output", "-o", help="The file to write.", show_default=False, parser=_a_path)
     ],
     workers: Annotated[int | None, typer.Option("--workers", min=1, help="Pieces coded at once.")] = None,
-    force: Annotated[
-        bool,
-        typer.Option(
-            "--force", help="Replace OUTPUT if it exists: an earlier container or an empty file, never other data."
-        ),
-    ] = False,
+    force: ContainerForceOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

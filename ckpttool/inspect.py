@@ -113,11 +113,14 @@ _UNREADABLE = ("corrupt-file", "truncated-file", "missing-file", "incomplete-sav
 def format_findings(manifest: Manifest) -> list[dict[str, Any]]:
     """What the format's reader found wrong while it still read the rest (``extras["findings"]``),
     each with its severity (the rule's where the finding gives none)."""
+    found = manifest.extras.get("findings") or ()
+    if not found:
+        return []  # (verify's rules, and all it imports, only where there is something to judge)
     from ckpttool.verify import RULES
 
     return [
         {**f, "severity": f.get("severity") or (RULES[f["rule"]].severity if f["rule"] in RULES else "error")}
-        for f in manifest.extras.get("findings") or ()
+        for f in found
     ]
 
 

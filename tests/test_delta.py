@@ -815,6 +815,44 @@ def test_pieces_coded_ahead_of_the_writer_are_bounded():
     assert most <= 8, most
 
 
+def test_create_codes_at_most_a_window_of_pieces_ahead_of_its_writer(tmp_path, monkeypatch):
+    """The same, through create itself: when the first frame is written, no more than twice the
+    workers' pieces have been handed to the coders (pool.map had handed them all)."""
+    import contextlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    submitted = [0]
+    seen: list[int] = []
+
+    class Counting(ThreadPoolExecutor):
+        def submit(self, *args, **kwargs):
+            submitted[0] += 1
+            return super().submit(*args, **kwargs)
+
+    real = delta.atomic_output
+
+    @contextlib.contextmanager
+    def watched(dest, **kwargs):
+        with real(dest, **kwargs) as fh:
+
+            class Writer:
+                def write(self, data):
+                    seen.append(submitted[0])
+                    return fh.write(data)
+
+                def __getattr__(self, name):
+                    return getattr(fh, name)
+
+            yield Writer()
+
+    monkeypatch.setattr(delta, "ThreadPoolExecutor", Counting)
+    monkeypatch.setattr(delta, "atomic_output", watched)
+    header = delta.create(FIXTURES / "dcp" / "fsdp2", tmp_path / "c.ckz", workers=2)
+    pieces = sum(len(f["tensors"]) + (f["other"] is not None) for f in header["files"].values())
+    assert pieces > 8 and submitted[0] == pieces
+    assert seen[1] <= 4, seen[:3]  # (seen[0]: the magic, before any piece; seen[1]: the first frame)
+
+
 def test_a_one_file_base_is_the_file_given_whatever_its_name(tmp_path):
     """A delta made against one file was applied by the file's recorded name: the chain's previous
     output (restored under another name), a renamed copy or a hub blob link was refused as

@@ -12,6 +12,7 @@ import functools
 import importlib
 import os
 import re
+import shlex
 from collections.abc import Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -151,8 +152,27 @@ def describe(path: str | Path) -> tuple[Adapter, Manifest]:
             ) from None
         if Path(path).is_dir() and (held := _checkpoints_in(Path(path))):
             raise _folder_of_checkpoints(Path(path), held) from None
+        if _is_container(Path(path)):
+            raise FormatNotRecognizedError(
+                str(path),
+                {},
+                message=f"{path}: a ckpttool container (written by 'ckpttool compress' or 'ckpttool delta create'), "
+                "not a checkpoint",
+                hint=f"restore it first: ckpttool decompress {shlex.quote(str(path))} -o DIR (a compressed "
+                f"checkpoint), or ckpttool delta apply BASE {shlex.quote(str(path))} -o DIR (a delta); then give DIR",
+            ) from None
         raise
     return adapter, _described(adapter, path)
+
+
+def _is_container(path: Path) -> bool:
+    """Whether ``path`` is a file that begins as the containers of compress and delta do, of any
+    version (``delta.MAGIC`` less its version: delta and its codecs are not imported for this)."""
+    try:
+        with path.open("rb") as fh:
+            return fh.read(9) == b"CKPTDELTA"
+    except OSError:
+        return False
 
 
 def _described(adapter: Adapter, path: str | Path) -> Manifest:

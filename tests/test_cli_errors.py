@@ -920,3 +920,19 @@ def test_reports_replace_earlier_reports_only(tmp_path):
         assert json.loads(report.read_text())["ok"] is True and "ckpttool verify" in junit.read_text()
     assert run_cli("verify", src, "--report", tmp_path / "empty.json").code == 0
     assert_clean(run_cli("verify", src, "--junit", report), 2, "is not a JUnit XML report")
+
+
+@pytest.mark.parametrize("argv", [("inspect",), ("verify",), ("seal",), ("diff",), ("convert", "--to", "torch", "-o", "out")])
+def test_a_container_given_as_a_checkpoint_says_how_to_restore_it(argv, tmp_path, packed_file):
+    """A file written by compress (or delta create) given where a checkpoint was meant got "not a
+    checkpoint format ckpttool reads" and seven formats' reasons: it is named, with the command
+    that restores it."""
+    args = [*argv[:1], packed_file, *argv[1:]]
+    if argv[0] == "diff":
+        args = ["diff", packed_file, FIXTURES / "dcp" / "fsdp2"]
+    before = tree_digests(packed_file.parent)
+    r = run_cli(*args, cwd=tmp_path)
+    assert_clean(r, 3, f"{packed_file}: a ckpttool container (written by 'ckpttool compress' or 'ckpttool delta create'), not a checkpoint")
+    assert f"hint: restore it first: ckpttool decompress {packed_file} -o DIR" in r.stderr, r.stderr
+    assert "megatron" not in r.stderr, r.stderr
+    assert tree_digests(packed_file.parent) == before

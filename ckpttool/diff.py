@@ -27,7 +27,7 @@ from ckpttool.dtypes import as_float, carrier, float32_to_bf16
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.geometry import Box
-from ckpttool.hashing import hash_bytes, new_hasher
+from ckpttool.hashing import new_hasher
 from ckpttool.manifest import KEPT_BESIDE, KINDS, SCHEMA_VERSION, STATE_KINDS, Item, Manifest
 from ckpttool.naming import RANK_LABEL, canonical
 from ckpttool.values import check_tolerance, same_value
@@ -353,7 +353,7 @@ def _diff(
                 )
                 continue
             try:
-                if _same_pieces(ra, ia, rb, ib):
+                if _same_pieces(ia, ib):
                     report.identical += 1
                     continue
                 d = _compare(key, ra, ia, rb, ib, atol, rtol)
@@ -367,7 +367,9 @@ def _diff(
                 report.identical += 1
             else:
                 report.values.append(d)
-            if d.within_tolerance:  # (the first copies agree: the others must too)
+            # (the first copies agree: the others must too; each the same as the other side's own
+            # copy where both cut the tensor alike, as a checkpoint against itself)
+            if d.within_tolerance and not (d.differing == 0 and _same_copies(ra, ia, rb, ib)):
                 report.copies += _copies_that_differ(key, ra, ia, rb, ib, atol, rtol)
             if progress is not None:
                 progress(ia.nbytes)
@@ -1008,28 +1010,39 @@ def _copies_that_differ(
     return out
 
 
-def _same_pieces(ra: PieceReader, ia: Item, rb: PieceReader, ib: Item) -> bool:
-    """Equal by digest, piece for piece, when both sides cut the tensor the same way (every copy of
-    it too: a rank's copy differing is a difference)."""
-    pa, pb = ia.pieces, ib.pieces
+def _piece_key(p: Any) -> tuple[Any, ...]:
+    return (p.box.offsets, p.box.sizes, p.flat or (-1, -1), p.replica)
 
-    def key(p: Any) -> tuple[Any, ...]:
-        return (p.box.offsets, p.box.sizes, p.flat or (-1, -1), p.replica)
 
-    if sorted(map(key, pa)) != sorted(map(key, pb)):
+def _same_copies(ra: PieceReader, ia: Item, rb: PieceReader, ib: Item) -> bool:
+    """Whether both sides cut the tensor the same way and every further copy (replica > 0) holds
+    the bytes of the other side's same copy (read here: :func:`_compare` reads first copies only)."""
+    if sorted(map(_piece_key, ia.pieces)) != sorted(map(_piece_key, ib.pieces)):
         return False
-    by_key = {key(p): p for p in pb}
-    for p in pa:
-        q = by_key[key(p)]
-        if p.checksum and q.checksum:
-            if p.checksum != q.checksum:
+    by_key = {_piece_key(q): q for q in ib.pieces}
+    for p in ia.pieces:
+        if p.replica:
+            q = by_key[_piece_key(p)]
+            va = _from("a", partial(ra.read, p, ia)).reshape(-1)
+            vb = _from("b", partial(rb.read, q, ib)).reshape(-1)
+            if not _equal_bytes(va, vb):
                 return False
-            continue
-        va = _from("a", partial(ra.read, p, ia)).reshape(-1).view(np.uint8)
-        vb = _from("b", partial(rb.read, q, ib)).reshape(-1).view(np.uint8)
-        if hash_bytes(va.data) != hash_bytes(vb.data):
-            return False
     return True
+
+
+def _same_pieces(ia: Item, ib: Item) -> bool:
+    """Equal by the digests the seals give, piece for piece, when both sides cut the tensor the same
+    way and every piece has one (every copy of it too: a rank's copy differing is a difference).
+    Nothing is read: a tensor this cannot say is equal is compared by :func:`_compare`, which reads
+    each side once (it was read here as well, then again to compare)."""
+    pa, pb = ia.pieces, ib.pieces
+    if not all(p.checksum for p in (*pa, *pb)):
+        return False
+
+    if sorted(map(_piece_key, pa)) != sorted(map(_piece_key, pb)):
+        return False
+    by_key = {_piece_key(p): p for p in pb}
+    return all(p.checksum == by_key[_piece_key(p)].checksum for p in pa)
 
 
 def _floats(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -1059,7 +1072,7 @@ def _int_gap(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
     return np.where(x >= y, x.astype(np.uint64) - y.astype(np.uint64), y.astype(np.uint64) - x.astype(np.uint64))
 
 
-_BLOCK = 1 << 22  # elements compared at a time: temporaries stay small whatever the tensor size
+_BLOCK = 1 << 16  # elements compared at a time: temporaries stay in the cache whatever the tensor size
 
 
 class _Accumulator:
@@ -1082,7 +1095,7 @@ class _Accumulator:
     def _add(self, va: np.ndarray, vb: np.ndarray, dtype_a: str, dtype_b: str, box: Box) -> None:
         for lo in range(0, va.size, _BLOCK):
             a, b = va[lo : lo + _BLOCK], vb[lo : lo + _BLOCK]
-            differs = (a.view(np.uint8).reshape(a.size, -1) != b.view(np.uint8).reshape(b.size, -1)).any(axis=1)
+            differs = _bits_differ(a, b)
             count = int(differs.sum())
             nb = _floats(b, dtype_b)  # (decoded once: bfloat16 and float8 go through a table)
             fb = (np.abs(nb) if nb.dtype.kind == "c" else nb).astype(np.float64)  # (magnitudes, for sq_b)
@@ -1101,6 +1114,15 @@ class _Accumulator:
             wide = np.complex128 if nb.dtype.kind == "c" or a.dtype.kind == "c" else np.float64
             self._add_values(_floats(a, dtype_a).astype(wide), nb.astype(wide))
 
+    def add_norm(self, vb: np.ndarray, dtype_b: str) -> None:
+        """A region equal on both sides: its part of |B|, as :meth:`add` counts it."""
+        with np.errstate(all="ignore"):
+            for lo in range(0, vb.size, _BLOCK):
+                nb = _floats(vb[lo : lo + _BLOCK], dtype_b)
+                fb = (np.abs(nb) if nb.dtype.kind == "c" else nb).astype(np.float64)
+                sq = float(np.dot(fb, fb))
+                self.sq_b += sq if math.isfinite(sq) else float(np.nansum(fb * fb))
+
     def _add_integers(self, gap: np.ndarray, fb: np.ndarray) -> None:
         """Integers (steps, token counts, masks): exact differences, and within tolerance only
         where no more than ``atol`` apart: a relative tolerance does not apply to counts (5 tokens
@@ -1116,13 +1138,22 @@ class _Accumulator:
         within ``atol + rtol * |b|``."""
         with np.errstate(invalid="ignore", over="ignore"):
             delta = np.abs(fa - fb)
+            mag = np.abs(fb)
+            sq_diff, sq_b = float(np.dot(delta, delta)), float(np.dot(mag, mag))
+            if math.isfinite(sq_diff) and math.isfinite(sq_b):
+                # every value finite (a NaN or an infinity would make a sum NaN or infinite; so does a
+                # square overflowing, taken the long way below as before): the same figures, fewer passes
+                self.max_abs = max(self.max_abs, float(delta.max()) if delta.size else 0.0)
+                self.sq_diff += sq_diff
+                self.sq_b += sq_b
+                self.ok = self.ok and bool(np.all(delta <= self.atol + self.rtol * mag))
+                return
             nan_a, nan_b = np.isnan(fa), np.isnan(fb)
             both_nan = nan_a & nan_b
             # NaN on one side only: as far apart as values get (nanmax would skip it: max abs 0)
             finite_delta = np.where(both_nan, 0.0, np.where(nan_a ^ nan_b, np.inf, delta))
             self.max_abs = max(self.max_abs, float(np.nanmax(finite_delta)) if finite_delta.size else 0.0)
             self.sq_diff += float(np.nansum(finite_delta * finite_delta))
-            mag = np.abs(fb)
             self.sq_b += float(np.nansum(mag * mag))
             # an infinity is close only to itself (as numpy.isclose has it): inf <= atol + rtol * inf held
             finite = np.isfinite(fa) & np.isfinite(fb)
@@ -1152,11 +1183,39 @@ def _compare(name: str, ra: PieceReader, ia: Item, rb: PieceReader, ib: Item, at
     assert ia.dtype is not None and ia.shape is not None and ib.dtype is not None
     acc = _Accumulator(atol, rtol)
     boxes = [b for p in ia.pieces if p.replica == 0 for b in regions(p)] or [Box.whole(ia.shape)]
+    alike: list[Box] = []  # regions equal byte for byte: only |B| is wanted of them, and only if another differs
     for box in boxes:
         va = _from("a", partial(assemble, ra, ia, box=box)).reshape(-1)
         vb = _from("b", partial(assemble, rb, ib, box=box)).reshape(-1)
+        if _equal_bytes(va, vb):
+            alike.append(box)
+            continue
         acc.add(va, vb, ia.dtype, ib.dtype, box)
+    if acc.n:  # (the relative L2 distance is over the whole tensor: B's equal regions count in |B|)
+        for box in alike:
+            acc.add_norm(_from("b", partial(assemble, rb, ib, box=box)).reshape(-1), ib.dtype)
     return acc.result(name, ia.name, ib.name, math.prod(ia.shape))
+
+
+def _bits_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per element of two flat arrays of one width, whether their bits differ."""
+    w = a.itemsize
+    if w == b.itemsize and w in (1, 2, 4, 8):
+        return np.asarray(a.view(f"u{w}") != b.view(f"u{w}"))
+    return np.asarray((a.view(np.uint8).reshape(a.size, -1) != b.view(np.uint8).reshape(b.size, -1)).any(axis=1))
+
+
+_EQUAL_BLOCK = 1 << 22
+"""bytes compared at once by :func:`_equal_bytes` (its temporary is one block of booleans)"""
+
+
+def _equal_bytes(va: np.ndarray, vb: np.ndarray) -> bool:
+    """Whether two flat arrays of one dtype hold the same bytes (compared block by block, to the
+    first block that differs)."""
+    if va.dtype != vb.dtype or va.size != vb.size:
+        return False
+    a, b = va.view(np.uint8), vb.view(np.uint8)
+    return all(np.array_equal(a[i : i + _EQUAL_BLOCK], b[i : i + _EQUAL_BLOCK]) for i in range(0, a.size, _EQUAL_BLOCK))
 
 
 __all__ = ["TOLERANCES", "DiffReport", "TensorDiff", "diff", "load_map"]

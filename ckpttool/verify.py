@@ -2703,31 +2703,30 @@ def _check_values_beside(report: VerifyReport, manifest: Manifest, besides: _Bes
 
 def _census(report: VerifyReport, item: Item, values: np.ndarray, stepping: bool, manifest: Manifest) -> None:
     """NaN/Inf count and first index, and min/max/mean/std/absmax, of one tensor's values; a
-    moment that should hold values (``stepping``) and is all zero."""
-    floats = as_float(values, item.dtype or "")
-    if floats is None and values.dtype.kind == "c":
-        floats = values  # (complex: NaN/Inf where either part is; statistics of the magnitudes)
-    if floats is None or floats.size == 0:
+    moment that should hold values (``stepping``) and is all zero. Computed block by block
+    (:class:`_Census`): the float64 temporaries stay in the cache, and the memory is the values'."""
+    flat = values.reshape(-1)
+    if flat.size == 0 or (as_float(flat[:1], item.dtype or "") is None and flat.dtype.kind != "c"):
         return
-    flat = floats.reshape(-1)
-    bad = ~np.isfinite(flat)
-    n_bad = int(bad.sum())
-    finite = flat[~bad] if n_bad else flat
-    # (a complex64 magnitude is computed in float32, where |3e38 + 3e38j| overflows: in complex128;
-    # one past float64's largest, |1.5e308 + 1.5e308j|, is given as inf)
-    with np.errstate(over="ignore", invalid="ignore"):
-        f64 = np.abs(finite.astype(np.complex128)) if finite.dtype.kind == "c" else finite.astype(np.float64)
-    absmax = float(np.abs(f64).max()) if f64.size else None
-    mean, std = _mean_std(f64, absmax)
+    census = _Census()
+    for lo in range(0, flat.size, _CENSUS_BLOCK):
+        census.add(_as_floats(flat[lo : lo + _CENSUS_BLOCK], item.dtype or ""), lo)
+    if census.absmax is not None and math.isfinite(census.absmax) and census.absmax >= 1e150:
+        # (std squares them: values near float64's largest are summed again, scaled by their absmax)
+        census.rescale(census.absmax)
+        for lo in range(0, flat.size, _CENSUS_BLOCK):
+            census.moments(_as_floats(flat[lo : lo + _CENSUS_BLOCK], item.dtype or ""))
+    n_bad = census.nan + census.inf
+    mean, std = census.mean_std()
     stats: dict[str, Any] = {
         "numel": int(flat.size),
-        "nan": int(np.isnan(flat).sum()),
-        "inf": int(np.isinf(flat).sum()),
-        "min": float(f64.min()) if f64.size else None,
-        "max": float(f64.max()) if f64.size else None,
+        "nan": census.nan,
+        "inf": census.inf,
+        "min": census.low,
+        "max": census.high,
         "mean": mean,
         "std": std,
-        "absmax": absmax,
+        "absmax": census.absmax,
     }
     report.stats[item.name] = stats
     if stats["absmax"] == 0 and not n_bad and stepping:
@@ -2735,8 +2734,8 @@ def _census(report: VerifyReport, item: Item, values: np.ndarray, stepping: bool
         report.findings.append(_zeroed(item, manifest))
     stats["first_nonfinite"] = None
     if n_bad:
-        first = int(np.argmax(bad))
-        index = [int(i) for i in np.unravel_index(first, item.shape or ())] if item.shape else []
+        assert census.first is not None
+        index = [int(i) for i in np.unravel_index(census.first, item.shape or ())] if item.shape else []
         stats["first_nonfinite"] = index
         holder = _piece_at(item, index)
         where = ""
@@ -2754,15 +2753,86 @@ def _census(report: VerifyReport, item: Item, values: np.ndarray, stepping: bool
         )
 
 
-def _mean_std(f64: np.ndarray, absmax: float | None) -> tuple[float | None, float | None]:
-    """Mean and standard deviation of finite float64 values, without the overflow to Inf that
-    summing values near float64's largest gives: computed on the values scaled by their absmax."""
-    if not f64.size or absmax is None or not math.isfinite(absmax):
-        return None, None
-    if not absmax or absmax < 1e150:  # (std squares them)
-        return float(f64.mean()), float(f64.std())
-    scaled = f64 / absmax
-    return float(scaled.mean()) * absmax, float(scaled.std()) * absmax
+_CENSUS_BLOCK = 1 << 16
+"""elements of a tensor :func:`_census` takes at a time (its float64 temporaries: 512 KiB each)"""
+
+
+def _as_floats(block: np.ndarray, dtype: str) -> np.ndarray:
+    """A block of values as numbers (bfloat16 and float8 decoded; complex kept complex)."""
+    floats = as_float(block, dtype)
+    return block if floats is None else floats
+
+
+class _Census:
+    """The figures of :func:`_census`, gathered block by block: counts, the first NaN or Inf, the
+    extremes of the finite values (of a complex tensor, of their magnitudes), and their mean and
+    variance merged block by block (Chan, Golub and LeVeque's pairwise update), on values divided
+    by ``scale``."""
+
+    def __init__(self) -> None:
+        self.nan = self.inf = 0
+        self.first: int | None = None
+        self.low: float | None = None
+        self.high: float | None = None
+        self.absmax: float | None = None
+        self.rescale(1.0)
+
+    def rescale(self, scale: float) -> None:
+        """Start the mean and variance again on values divided by ``scale``."""
+        self.scale, self.n, self.mean, self.m2 = scale, 0, 0.0, 0.0
+
+    def add(self, floats: np.ndarray, start: int) -> None:
+        """The block of values that begins at flat index ``start``."""
+        bad = ~np.isfinite(floats)
+        n_bad = int(bad.sum())
+        if n_bad:
+            nan = int(np.isnan(floats).sum())
+            self.nan, self.inf = self.nan + nan, self.inf + n_bad - nan
+            if self.first is None:
+                self.first = start + int(np.argmax(bad))
+        f64 = self._finite64(floats, bad if n_bad else None)
+        if not f64.size:
+            return
+        low, high = float(f64.min()), float(f64.max())
+        self.low = low if self.low is None else min(self.low, low)
+        self.high = high if self.high is None else max(self.high, high)
+        # (a complex64 magnitude is computed in complex128, where |3e38 + 3e38j| does not overflow;
+        # one past float64's largest, |1.5e308 + 1.5e308j|, is inf)
+        top = max(abs(low), abs(high))
+        self.absmax = top if self.absmax is None else max(self.absmax, top)
+        self._merge(f64)
+
+    def moments(self, floats: np.ndarray) -> None:
+        """The same block again, for the mean and variance alone (after :meth:`rescale`)."""
+        bad = ~np.isfinite(floats)
+        f64 = self._finite64(floats, bad if bad.any() else None)
+        if f64.size:
+            self._merge(f64)
+
+    @staticmethod
+    def _finite64(floats: np.ndarray, bad: np.ndarray | None) -> np.ndarray:
+        finite = floats[~bad] if bad is not None else floats
+        with np.errstate(over="ignore", invalid="ignore"):
+            return np.abs(finite.astype(np.complex128)) if finite.dtype.kind == "c" else finite.astype(np.float64)
+
+    def _merge(self, f64: np.ndarray) -> None:
+        with np.errstate(over="ignore", invalid="ignore"):
+            x = f64 / self.scale if self.scale != 1.0 else f64
+            n, mean = x.size, float(x.mean())
+            d = x - mean
+            m2 = float(np.dot(d, d))
+        total = self.n + n
+        delta = mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += m2 + delta * delta * self.n * n / total
+        self.n = total
+
+    def mean_std(self) -> tuple[float | None, float | None]:
+        """Mean and standard deviation of the finite values (None without any, or with a magnitude
+        past float64's largest)."""
+        if not self.n or self.absmax is None or not math.isfinite(self.absmax):
+            return None, None
+        return self.mean * self.scale, math.sqrt(max(self.m2, 0.0) / self.n) * self.scale
 
 
 def _nonfinite_copy(report: VerifyReport, reader: Any, item: Item, piece: Piece) -> None:

@@ -97,7 +97,7 @@ class TorchSaveAdapter:
                             kind=classify(name, is_tensor=True),
                             dtype=value.dtype,
                             shape=value.shape,
-                            pieces=[_pt.tensor_piece(rel, value, rank=0)],
+                            pieces=[_pt.tensor_piece(rel, value)],
                         )
                     )
                 else:
@@ -105,7 +105,7 @@ class TorchSaveAdapter:
                         Item(
                             name=name,
                             kind=classify(name, is_tensor=False),
-                            pieces=[_pt.object_piece(rel, name, rank=0)],
+                            pieces=[_pt.object_piece(rel, name)],
                         )
                     )
                     set_value(item, value)

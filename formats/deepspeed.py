@@ -551,6 +551,27 @@ def _tag_dir(path: Path) -> tuple[Path, Path]:
     return path.parent, path
 
 
+def flat_moments(gstate: Any, fp32: Any) -> dict[str, _unpickle.TensorRef]:
+    """The per-element state a ZeRO-1/2/3 partition's optimizer keeps beside its flat fp32 master
+    (``gstate``: the base optimizer's state of the partition): every flat tensor at least as long
+    as the master, whatever the optimizer calls it: Adam's ``exp_avg`` and ``exp_avg_sq``, SGD's
+    ``momentum_buffer``, Adagrad's ``sum``, RMSprop's ``square_avg`` (only Adam's were read: SGD's
+    momentum went unseen by every command, diff included). DeepSpeed 0.19 cuts the alignment
+    padding off the master and Adam's moments of a ZeRO-1/2 save, not off SGD's momentum: that one
+    is longer by the padding, which lies at its end."""
+    if not isinstance(gstate, dict) or not isinstance(fp32, _unpickle.TensorRef) or len(fp32.shape) != 1:
+        return {}
+    return {
+        k: v
+        for k, v in gstate.items()
+        if isinstance(k, str)
+        and k != "step"
+        and isinstance(v, _unpickle.TensorRef)
+        and len(v.shape) == 1
+        and v.shape[0] >= fp32.shape[0]
+    }
+
+
 def _zero0_names(first: dict[str, Any], groups: list[Any], state: dict[Any, Any]) -> dict[Any, str] | None:
     """Parameter names for a ZeRO-0 torch optimizer state (which keeps only indices)."""
     module = first.get("module") or {}
@@ -1749,15 +1770,8 @@ class _Builder:
             state = base.get("state") or {}
             for g, fp32 in enumerate(osd["single_partition_of_fp32_groups"]):
                 group_shapes = shapes[g] if g < len(shapes) else {}
-                refs = {"fp32": fp32}
                 gstate = state.get(g) or {}
-                refs.update(
-                    {
-                        k: v
-                        for k, v in gstate.items()
-                        if k in ("exp_avg", "exp_avg_sq") and isinstance(v, _unpickle.TensorRef)
-                    }
-                )
+                refs = {"fp32": fp32, **flat_moments(gstate, fp32)}
                 names = []
                 for param, frag in (mappings[g] if g < len(mappings) else {}).items():
                     shape = tuple(group_shapes.get(param, ()))
@@ -1799,14 +1813,7 @@ class _Builder:
                         a, z = max(lo, seg_lo), min(hi, seg_hi)
                         if a >= z:
                             continue
-                        refs = {"fp32": flats[s]}
-                        refs.update(
-                            {
-                                k: v
-                                for k, v in (state.get(s) or {}).items()
-                                if k in ("exp_avg", "exp_avg_sq") and isinstance(v, _unpickle.TensorRef)
-                            }
-                        )
+                        refs = {"fp32": flats[s], **flat_moments(state.get(s) or {}, flats[s])}
                         names = [(param, shape, a - lo, z - a, dp * part + (a - seg_lo))]
                         self.flat_state(rel, dp, names, refs, t, mp)
                     offset += part

@@ -100,6 +100,27 @@ def frozen_of(model: dict[str, Any]) -> list[tuple[str, Any]]:
     return [(n, v) for n, v in module.items() if n not in others and isinstance(v, _unpickle.TensorRef)]
 
 
+ADAM_STATE = frozenset({"step", "exp_avg", "exp_avg_sq"})
+"""the per-group state DeepSpeed's ZeRO optimizer files hold for Adam, the only optimizer the
+DeepSpeed writers lay out"""
+
+
+def refuse_other_optimizer(state: Any, rel: str, doing: str) -> None:
+    """Refuse a source whose optimizer keeps other state than Adam's (SGD's ``momentum_buffer``,
+    Adagrad's ``sum``, AMSGrad's ``max_exp_avg_sq``): the writers lay out Adam's moments alone, and
+    the refusal came late, as "<param>.exp_avg is not in the source checkpoint"."""
+    extra = sorted(
+        {str(k) for v in (state.values() if isinstance(state, dict) else ()) if isinstance(v, dict) for k in v}
+        - ADAM_STATE
+    )
+    if extra:
+        raise UsageError(
+            f"{rel}: optimizer state {extra} is not Adam's; {doing} is not supported yet (DeepSpeed's layout is "
+            "written for Adam's exp_avg and exp_avg_sq)",
+            hint="'ckpttool convert --to dcp' or '--to torch' carries it, every tensor named by its parameter",
+        )
+
+
 class ZeroWriter:
     """A ZeRO-1/2 checkpoint at ``dp`` ranks from one of either stage (``stage``: the output's,
     None: the source's). ZeRO-1 and ZeRO-2 save the same layout: a change of stage rewrites the
@@ -174,6 +195,8 @@ class ZeroWriter:
             list(s) != sorted(s) for s in (osd.get("round_robin_indices") or [])
         ):  # not saved by 0.19; refuse rather than guess if a version does
             raise UsageError(f"{optims[0]}: round-robin gradient ordering is not supported yet")
+        base = osd.get("base_optimizer_state")
+        refuse_other_optimizer(base.get("state") if isinstance(base, dict) else None, optims[0], "resharding it")
         shapes = self.model_obj.get("param_shapes")
         pads = osd.get("param_alignment_paddings") or []
         if not isinstance(shapes, list) or len(shapes) != len(osd["single_partition_of_fp32_groups"]):
@@ -555,18 +578,12 @@ class Zero3Writer:
                 continue
             for ids in zero3_sub_groups(params, dp, size):
                 self.subgroups.append((g, [params[k] for k in ids]))
+        refuse_other_optimizer(state, optims[0], "resharding it")
         for _, params in self.subgroups:
             for name, _shape in params:
                 for suffix in ("fp32", "exp_avg", "exp_avg_sq"):
                     if f"{name}.{suffix}" not in manifest.items:
                         raise CorruptFileError(f"{name}.{suffix} is not in the source checkpoint")
-        extra = set().union(
-            *((set(v) - {"step", "exp_avg", "exp_avg_sq"}) for v in state.values() if isinstance(v, dict))
-        )
-        if extra:
-            raise UsageError(
-                f"{optims[0]}: optimizer state {sorted(extra)} is not Adam's; resharding it is not supported yet"
-            )
         self.frozen = [
             (n, tuple(int(x) for x in s)) for n, s in (self.model_obj.get("frozen_param_shapes") or {}).items()
         ]
@@ -844,14 +861,7 @@ class Zero3From12Writer(Zero3Writer):
                 self.groups.append({"hyper": hyper, "step": step})
             for ids in zero3_sub_groups(params, dp, size):
                 self.subgroups.append((g, [params[k] for k in ids]))
-        extra = set().union(
-            *((set(v) - {"step", "exp_avg", "exp_avg_sq"}) for v in state.values() if isinstance(v, dict))
-        )
-        if extra:
-            raise UsageError(
-                f"{src.optim_rels[0]}: optimizer state {sorted(extra)} is not Adam's; writing ZeRO-3 from it is not "
-                "supported yet"
-            )
+        refuse_other_optimizer(state, src.optim_rels[0], "writing ZeRO-3 from it")
         module = model.get("module") if isinstance(model.get("module"), dict) else {}
         buffers = set(model.get("buffer_names") or [])
         self.frozen = [(n, tuple(v.shape)) for n, v in frozen_of(model)]

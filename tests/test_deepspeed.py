@@ -384,3 +384,58 @@ def test_unreadable_split_rules_are_refused(rules, tmp_path):
     r = run_cli("ls", src, cwd=tmp_path)
     assert r.code == 3 and "Traceback" not in r.stderr
     assert "mp_rank_00_model_states.pt: universal_checkpoint_info is not the split rules" in r.stderr
+
+
+SGD = ["sgd_zero0", "sgd_zero1", "sgd_zero3"]
+
+
+@pytest.mark.parametrize("name", SGD)
+def test_sgd_momentum_is_read_under_its_own_parameter(name, tmp_path):
+    """A run trained by SGD with momentum (fixtures/make_deepspeed_sgd_fixtures.py). ZeRO-1/3: the
+    momentum went unread (only Adam's exp_avg and exp_avg_sq were), and convert, export and diff
+    lost it without a word. ZeRO-0: it was named after the wrong parameter (the ids were matched by
+    exp_avg's shape alone, and the groups do not follow the module's order), so 0.bias's momentum
+    was 1.weight's 3x8. Each is now the engine's own, bit for bit, under its parameter's name."""
+    _, m = registry.describe(DS / name)
+    momenta = {n[: -len(".momentum_buffer")]: i for n, i in m.items.items() if n.endswith(".momentum_buffer")}
+    assert sorted(momenta) == ["0.bias", "0.weight", "1.bias", "1.weight"], sorted(m.items)
+    assert {n: tuple(i.shape or ()) for n, i in momenta.items()} == {
+        "0.weight": (8, 4), "0.bias": (8,), "1.weight": (3, 8), "1.bias": (3,)
+    }  # fmt: skip
+    out = tmp_path / "t"
+    r = run_cli("convert", DS / name, "--to", "torch", "-o", out)
+    assert r.code == 0, r.stderr
+    got = torch.load(out / "model.pt", weights_only=True)
+    for param, want in _ref(name, "momentum_buffer.").items():
+        assert same_bits(got[f"{param}.momentum_buffer"], want), param
+    fp32 = _ref(name, "fp32.")
+    masters = {k[: -len(".fp32")]: v for k, v in got.items() if k.endswith(".fp32")} or {k: got[k] for k in fp32}
+    assert masters.keys() == fp32.keys() and all(same_bits(masters[k], fp32[k]) for k in fp32)
+    assert run_cli("verify", DS / name).code == 0
+
+
+@pytest.mark.parametrize("name", ["sgd_zero1", "sgd_zero3"])
+def test_a_changed_sgd_momentum_is_a_difference_and_reshard_names_the_optimizer(name, tmp_path):
+    """diff of two saves whose momentum differed said "equal", exit 0; reshard stopped on
+    "0.weight.exp_avg is not in the source checkpoint", with no reason and no hint."""
+    import shutil
+
+    from tests.conftest import restamp_crcs
+
+    copy = tmp_path / "ck"
+    shutil.copytree(DS / name, copy)
+    adapter, m = registry.describe(copy)
+    item = m.items["1.weight.momentum_buffer"]
+    piece = item.pieces[0]
+    with adapter.reader(m) as reader:
+        off, _ = reader.raw_span(piece, item)
+    with open(copy / piece.file, "r+b") as fh:
+        fh.seek(off)
+        fh.write(b"\x00\x00\x80\x7f")  # (an infinity in place of its first value)
+    restamp_crcs(copy / piece.file)
+    r = run_cli("diff", DS / name, copy)
+    assert r.code == 1 and "1.weight.momentum_buffer" in r.stdout, r.stdout
+    r = run_cli("reshard", DS / name, "-o", tmp_path / "r", "--dp", "1")
+    assert r.code == 2 and "optimizer state ['momentum_buffer'] is not Adam's" in r.stderr, r.stderr
+    assert "hint: 'ckpttool convert --to dcp' or '--to torch' carries it" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "r").exists()

@@ -555,11 +555,11 @@ def _central_directory(
     where the end records begin) and a compressed member, which torch.save never writes: what
     verify passes, torch can load."""
 
-    def damaged(what: str) -> CorruptFileError:
+    def damaged(
+        what: str, hint: str = "torch.load fails on it too; restore the file from a good copy"
+    ) -> CorruptFileError:
         return CorruptFileError(
-            f"{display}: the zip index is damaged ({what})",
-            hint="torch.load fails on it too; restore the file from a good copy",
-            path=display if file is None else file,
+            f"{display}: the zip index is damaged ({what})", hint=hint, path=display if file is None else file
         )
 
     if length < _EOCD.size:
@@ -632,6 +632,12 @@ def _central_directory(
             raise damaged(f"{printable(name)} is marked as a folder (attributes {f[15]:#x})")
         if start_disk == 0xFFFF or start_disk not in (disk, 1):
             raise damaged(f"{printable(name)} starts on disk {start_disk}, not this one ({disk})")
+        if name in members:  # (torch's reader takes one copy and ckpttool's another: values no load gives)
+            raise damaged(
+                f"{printable(name)} is listed twice in the zip directory; torch.save writes each member once",
+                hint="torch.load reads one of the copies, and nothing says which was saved: restore the file from a "
+                "good copy",
+            )
         members[name] = _Member(name, method, crc, csize, usize, offset)
         pos += _CDH.size + name_len + extra_len + comment_len
     return members

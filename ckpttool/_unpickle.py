@@ -11,12 +11,14 @@ Each format module builds its allowlist from :data:`PLAIN` plus its own stubs.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import io
 import math
 import pickle
 import re
 import sys
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -204,6 +206,12 @@ class StorageRef:
     numel: int
     location: str
 
+    def __reduce__(self) -> tuple[Any, ...]:  # (copied and pickled by its fields: see __setstate__)
+        return (StorageRef, (self.key, self.dtype, self.numel, self.location))
+
+    def __setstate__(self, state: Any) -> None:
+        _built_after("storage")
+
 
 @dataclass(slots=True)
 class TensorRef:
@@ -217,6 +225,23 @@ class TensorRef:
     is_parameter: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     requires_grad: bool = False
+
+    def __reduce__(self) -> tuple[Any, ...]:  # (copied and pickled by its fields: see __setstate__)
+        return (
+            TensorRef,
+            (self.storage, self.storage_offset, self.shape, self.stride, self.dtype, self.is_parameter, self.extra,
+             self.requires_grad),
+        )  # fmt: skip
+
+    def __setstate__(self, state: Any) -> None:
+        _built_after("tensor")
+
+
+def _built_after(what: str) -> None:
+    """A pickle's BUILD on a tensor or storage record: it would set its offset, shape or dtype
+    after they were checked (an offset of -8 read the zip's own headers as the tensor's values).
+    torch's pickles never do (torch.load refuses them too)."""
+    raise pickle.UnpicklingError(f"a {what}'s fields set after it was built (BUILD): torch.save never writes that")
 
 
 def _dtype_of(storage: Any, explicit: Any = None) -> str:
@@ -466,18 +491,34 @@ def _np_dtype(code: Any, *_: Any) -> Any:
     return dt
 
 
+class _NdarrayClass:
+    """``numpy.ndarray`` as a pickle names it: accepted only as the class numpy's ``_reconstruct``
+    is given. The class itself, called (``ndarray((64,), 'u1')``), made an array of uninitialised
+    memory: the process's own bytes written into convert's output, and two reads of one file that
+    differed."""
+
+    def __init__(self, *_: Any) -> None:
+        raise _RefusedValue("numpy.ndarray(...) (an array of uninitialised memory)")
+
+
 def _np_reconstruct(cls: Any, shape: Any, typecode: Any) -> Any:
     import numpy as np
 
-    if cls is not np.ndarray:
+    if cls is not _NdarrayClass:
         raise pickle.UnpicklingError("numpy _reconstruct of a class other than ndarray")
-    return np.ndarray.__new__(np.ndarray, shape, typecode)
+    code = typecode.decode("latin-1") if isinstance(typecode, bytes) else typecode
+    dt = _np_dtype(code)  # (an object dtype refused here too)
+    if not (isinstance(shape, tuple) and all(type(n) is int and 0 <= n <= MAX_DIM for n in shape)):
+        raise pickle.UnpicklingError(f"numpy _reconstruct of shape {shape!r:.40}")
+    if math.prod(shape) * dt.itemsize > 1 << 20:  # (numpy pickles (0,): the values come with the state)
+        raise pickle.UnpicklingError(f"numpy _reconstruct of {math.prod(shape):,} elements")
+    return np.zeros(shape, dt)  # (zeros, not uninitialised memory, if no state follows)
 
 
 def _numpy() -> dict[tuple[str, str], Any]:
     import numpy as np
 
-    table: dict[tuple[str, str], Any] = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): _np_dtype}
+    table: dict[tuple[str, str], Any] = {("numpy", "ndarray"): _NdarrayClass, ("numpy", "dtype"): _np_dtype}
     for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
         table[(module, "_reconstruct")] = _np_reconstruct
     for name in (
@@ -565,7 +606,7 @@ def loads(
     if problem:
         raise CorruptFileError(f"{source}: {what} {problem}", hint="the file is damaged or hostile", path=source)
     try:
-        obj = _Unpickler(data, allow, source, what, persistent_load).load()
+        obj = _on_a_deep_stack(len(data), _Unpickler(data, allow, source, what, persistent_load).load)
     except (UnsafePickleError, _RefusedValue) as exc:
         refused = exc if isinstance(exc, UnsafePickleError) else UnsafePickleError(source, exc.name, what=what)
         refused.hostile = hostile([refused.global_name, *nested_globals(data)])  # (the bytes are in hand)
@@ -584,6 +625,54 @@ def loads(
     if problem:
         raise CorruptFileError(f"{source}: {what} {problem}", hint="the file is damaged or hostile", path=source)
     return obj
+
+
+_INLINE = 32 << 10
+"""pickles of at most this many bytes are read on the caller's own stack (see :func:`_on_a_deep_stack`)"""
+_STACK_PER_BYTE = 96
+"""bytes of C stack one byte of pickle can make the unpickler use, at most (a level of nested
+tuples costs one opcode byte and 50-80 bytes of stack to hash)"""
+_MAX_STACK = 8 << 30
+_STACK_LOCK = threading.Lock()  # (threading.stack_size is one setting for the whole process)
+
+
+def _on_a_deep_stack(size: int, load: Callable[[], Any]) -> Any:
+    """``load()`` (the unpickling of ``size`` bytes) where its C stack cannot run out. A pickle can
+    nest tuples a level a byte, and the unpickler hashes each dict key and set member as it reads
+    it, recursing through every level in C with no depth check: 150 KB nesting 150 000 levels
+    crashed the process on its 8 MB stack (a segmentation fault, no message, no report), before
+    the depth check that follows the load could refuse it. A pickle larger than ``_INLINE`` is read
+    in a thread of its own whose stack is ``_STACK_PER_BYTE`` times its size (memory is committed
+    only as far as it is used). Past ``_MAX_STACK`` (pickles over 80 MB), or where no such thread can
+    be had, it is read here as before."""
+    if size <= _INLINE:
+        return load()
+    got: list[Any] = []
+    failed: list[BaseException] = []
+    context = contextvars.copy_context()  # (the caller's context: a new thread starts with none)
+
+    def run() -> None:
+        try:
+            got.append(context.run(load))
+        except BaseException as exc:  # (raised again in the caller)
+            failed.append(exc)
+
+    worker: threading.Thread | None = threading.Thread(target=run, name="ckpttool-unpickle", daemon=True)
+    with _STACK_LOCK:
+        before = threading.stack_size()
+        try:
+            threading.stack_size(min(size * _STACK_PER_BYTE + (16 << 20), _MAX_STACK))
+            worker.start()  # type: ignore[union-attr]
+        except (RuntimeError, ValueError, MemoryError, OverflowError):
+            worker = None
+        finally:
+            threading.stack_size(before)
+    if worker is None:
+        return load()
+    worker.join()
+    if failed:
+        raise failed[0]
+    return got[0]
 
 
 MAX_WALK_STEPS = 8_000_000

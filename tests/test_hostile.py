@@ -336,3 +336,129 @@ def test_storage_entries_naming_files_outside_are_never_opened(tmp_path):
         watching = False
     assert report.findings, report
     assert opened == [], opened
+
+
+def _deep_key(levels: int) -> bytes:
+    """A pickle of one dict whose key is a tuple nested ``levels`` deep (one byte a level)."""
+    return b"\x80\x02}(" + b")" + b"\x85" * levels + b"K\x01u."
+
+
+def test_a_pickle_nesting_a_key_deeper_than_the_stack_is_refused_not_a_crash(tmp_path):
+    """300 KB of pickle nesting a dict key 300 000 tuples deep: the unpickler hashes the key in C,
+    recursing through every level, and ran out of stack: a segmentation fault (exit 139), no
+    message, no --junit report, in every command. Now read on a stack deep enough, then refused by
+    the depth check as any other nesting too deep: exit 3, or verify's finding with its reports."""
+    import io
+    import zipfile
+
+    import torch
+
+    dcp = tmp_path / "dcp"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2", dcp)
+    (dcp / ".metadata").write_bytes(_deep_key(300_000))
+    said = "DCP metadata pickle nests containers more than 200 levels deep"
+    assert_clean(run_cli("inspect", dcp), 3, said)
+    r = run_cli("verify", dcp, "--junit", tmp_path / "j.xml")  # (a finding on the damaged file: exit 1)
+    assert r.code == 1 and said in r.stdout and not r.stderr, (r.code, r.stderr)
+    assert said in (tmp_path / "j.xml").read_text()
+    pt = _with_pickle(tmp_path / "deep.pt", _deep_key(300_000))
+    assert_clean(run_cli("inspect", pt), 3, "nests containers more than 200 levels deep")
+
+
+def _with_pickle(path, pkl: bytes, extra: dict[str, bytes] | None = None):
+    """A torch.save file of one float32 tensor of 4 elements (storage ``0``) whose data.pkl is
+    ``pkl``, with ``extra`` members written after torch's."""
+    import io
+    import zipfile
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(4, dtype=torch.float32)}, buf)
+    with zipfile.ZipFile(buf) as z:
+        members = {i.filename: z.read(i.filename) for i in z.infolist()}
+    top = next(iter(members)).split("/")[0]
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, pkl if name.endswith("/data.pkl") else data)
+        for name, data in (extra or {}).items():
+            z.writestr(f"{top}/{name}", data)
+    return path
+
+
+def _tensor_pickle(build: bytes = b"", storage_build: bytes = b"") -> bytes:
+    """torch's pickle of {"w": tensor} by hand; ``build``: a BUILD's state applied to the tensor
+    record after it is made, ``storage_build`` one applied to the storage record."""
+    import struct
+
+    def u(s: str) -> bytes:
+        return b"X" + struct.pack("<I", len(s)) + s.encode()
+
+    def g(m: str, n: str) -> bytes:
+        return f"c{m}\n{n}\n".encode()
+
+    def i8(n: int) -> bytes:
+        return b"\x8a\x08" + n.to_bytes(8, "little", signed=True)
+
+    storage = b"(" + u("storage") + g("torch", "FloatStorage") + u("0") + u("cpu") + i8(4) + b"tQ" + storage_build
+    tensor = g("torch._utils", "_rebuild_tensor_v2") + b"(" + storage + i8(0) + b"(" + i8(4) + b"t(" + i8(1) + b"t\x89"
+    tensor += g("collections", "OrderedDict") + b")RtR" + build
+    return b"\x80\x02}(" + u("w") + tensor + b"u."
+
+
+def test_a_tensors_fields_set_after_it_was_built_are_refused(tmp_path):
+    """A BUILD after torch's _rebuild_tensor_v2 set the tensor's storage offset to -8 after its
+    geometry was checked: verify --deep passed and export wrote the zip's own header bytes as the
+    tensor's values (torch.load refuses the file). The same on the storage record. The first file
+    is read as the plain pickle it stands for, to show the construction."""
+    import struct
+
+    plain = _with_pickle(tmp_path / "plain.pt", _tensor_pickle())
+    assert run_cli("verify", plain, "--deep").code == 0
+    offset = b"N}X\x0e\x00\x00\x00storage_offset\x8a\x08" + struct.pack("<q", -8) + b"s\x86b"
+    numel = b"N}X\x05\x00\x00\x00numel\x8a\x08" + struct.pack("<q", 1 << 40) + b"s\x86b"
+    for name, pkl in (("offset", _tensor_pickle(build=offset)), ("numel", _tensor_pickle(storage_build=numel))):
+        pt = _with_pickle(tmp_path / f"{name}.pt", pkl)
+        what = "tensor" if name == "offset" else "storage"
+        for argv in (("inspect", pt), ("export", pt, "-o", tmp_path / f"{name}.safetensors")):
+            assert_clean(run_cli(*argv), 3, f"a {what}'s fields set after it was built (BUILD)")
+        assert not (tmp_path / f"{name}.safetensors").exists()
+
+
+def test_a_zip_member_listed_twice_is_refused(tmp_path):
+    """torch.load read the first archive/data/0 of a file that holds two, ckpttool the last: verify
+    --deep passed, and export wrote values no load of the file gives."""
+    import numpy as np
+
+    pt = _with_pickle(tmp_path / "dup.pt", _tensor_pickle(), {"data/0": (np.arange(4, dtype=np.float32) * 100).tobytes()})
+    for argv in (("inspect", pt), ("export", pt, "-o", tmp_path / "e.safetensors")):
+        r = run_cli(*argv)
+        assert_clean(r, 3, "archive/data/0 is listed twice in the zip directory")
+        assert "hint: torch.load reads one of the copies, and nothing says which was saved" in r.stderr
+    assert not (tmp_path / "e.safetensors").exists()
+
+
+def test_numpy_ndarray_called_from_a_pickle_is_refused(tmp_path):
+    """numpy.ndarray was allowed as a global that could be called: ndarray((64,), 'u1') made an
+    array of uninitialised memory, which convert wrote out (a heap pointer), and diff of a file
+    against itself said "different". _reconstruct took any typecode, an object array's among them.
+    A real numpy array (NumPy's RNG state) still reads, with its values."""
+    import struct
+
+    import numpy as np
+
+    def u(s: str) -> bytes:
+        return b"X" + struct.pack("<I", len(s)) + s.encode()
+
+    called = b"\x80\x02}(" + u("rng_state") + b"cnumpy\nndarray\n((K@tX\x02\x00\x00\x00u1tR" + b"u."
+    objects = b"\x80\x02}(" + u("a") + b"cnumpy.core.multiarray\n_reconstruct\n(cnumpy\nndarray\n(K\x00tC\x01OtR" + b"u."
+    for name, pkl, said in (("called", called, "numpy.ndarray(...) (an array of uninitialised memory)"),
+                            ("objects", objects, "numpy.dtype('O') (not a plain numeric dtype)")):  # fmt: skip
+        pt = _with_pickle(tmp_path / f"{name}.pt", pkl)
+        assert_clean(run_cli("inspect", pt), 3, said)
+    import torch
+
+    torch.save({"w": torch.ones(2), "arr": np.arange(5, dtype=np.float32)}, tmp_path / "ok.pt")
+    out = tmp_path / "out"
+    assert run_cli("convert", tmp_path / "ok.pt", "--to", "torch", "-o", out).code == 0
+    assert torch.load(out / "model.pt", weights_only=False)["arr"].tolist() == [0, 1, 2, 3, 4]

@@ -683,6 +683,25 @@ def tensor_span(archive: Archive, ref: _unpickle.TensorRef) -> tuple[int, int] |
     return span.offset + ref.storage_offset * itemsize, length
 
 
+BROADCAST_HINT = (
+    "torch.save of an expanded tensor (torch.zeros(1).expand(n)) keeps the expansion lazy; save it "
+    ".contiguous(), or the file is damaged or hostile"
+)
+
+
+def broadcast_problem(ref: _unpickle.TensorRef) -> str | None:
+    """Why a tensor is not expanded into memory: a broadcast view (strides of 0) far larger than
+    the elements it stores, past 256 MB (4 TB from one stored element took every command that read
+    it to an out-of-memory error); None for any other tensor."""
+    numel = math.prod(ref.shape)
+    stored = 1 + sum((n - 1) * s for n, s in zip(ref.shape, ref.stride, strict=True) if n > 0)
+    if numel > 1024 * stored and numel * lookup_dtype(ref.dtype).itemsize > 256 << 20:
+        return (
+            f"tensor of {numel:,} elements is a broadcast view of {stored:,} stored ones; ckpttool does not expand it"
+        )
+    return None
+
+
 def read_tensor(archive: Archive, ref: _unpickle.TensorRef, out: np.ndarray | None = None) -> np.ndarray:
     """The tensor's elements as a C-ordered numpy array of its carrier dtype.
 
@@ -701,14 +720,8 @@ def read_tensor(archive: Archive, ref: _unpickle.TensorRef, out: np.ndarray | No
             f"{ref.storage.key} which holds {span.length:,}",
             path=archive.display,
         )
-    stored = extent - ref.storage_offset
-    if numel > 1024 * stored and numel * itemsize > 256 << 20:
-        raise CorruptFileError(
-            f"{archive.display}: tensor of {numel:,} elements is a broadcast view of {stored:,} stored ones; "
-            "ckpttool does not expand it",
-            hint="the file is damaged or hostile (torch.save of an expanded tensor keeps the expansion lazy)",
-            path=archive.display,
-        )
+    if (problem := broadcast_problem(ref)) is not None:
+        raise CorruptFileError(f"{archive.display}: {problem}", hint=BROADCAST_HINT, path=archive.display)
     start = span.offset + ref.storage_offset * itemsize
     if is_c_contiguous(ref.shape, ref.stride):
         if out is None:

@@ -87,6 +87,9 @@ def assemble(reader: PieceReader, item: Item, out: np.ndarray | None = None, box
     assert item.dtype is not None and item.shape is not None
     target = box or Box.whole(item.shape)
     if out is None:
+        for piece in item.pieces:  # (what cannot be read, said before room is made for it)
+            if piece.replica == 0:
+                reader.refuse(piece, item)
         out = np.empty(target.sizes, dtype=carrier(item.dtype))
     elif out.shape != target.sizes:
         out = out.reshape(target.sizes)

@@ -30,6 +30,7 @@ from ckpttool.errors import CkptError, CorruptFileError, UsageError
 from ckpttool.export import (
     describe_split,
     refuse_findings,
+    refuse_unexpandable,
     refuse_unreadable,
     safetensors_selection,
     select,
@@ -389,6 +390,7 @@ def _plain_target(
             "nothing to write: the tensors selected are those of a parameter megatron-core never uses",
             hint="select others (--kind, --filter)",
         )
+    refuse_unexpandable(i for _, i in pairs)
     shards = _shards(pairs, limit)
     names = (
         ["model.safetensors"]

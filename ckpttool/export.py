@@ -24,7 +24,14 @@ from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointErr
 from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.formats.safetensors import NUMBERED, written_metadata
 from ckpttool.formats.torchsave import refuse_a_part
-from ckpttool.io import atomic_output, check_output, checking_crcs, finish_partial, refuse_overlap
+from ckpttool.io import (
+    atomic_output,
+    check_output,
+    checking_crcs,
+    finish_partial,
+    refuse_overlap,
+    refuse_replacing_other_file,
+)
 from ckpttool.manifest import KINDS, Item, Manifest, Piece
 
 _ALIGN = 8
@@ -92,10 +99,32 @@ def select(items: list[Item], *, kind: str = "all", pattern: str | None = None) 
     return chosen
 
 
+def _safetensors_head(head: bytes) -> bool:
+    """Whether a file begins as a safetensors file: its header's length, then the JSON's ``{``."""
+    return len(head) > 8 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") > 1
+
+
+def refuse_unexpandable(items: Iterable[Item]) -> None:
+    """Refuse to write an output of a tensor no command expands (a broadcast view of terabytes from
+    a few stored elements: ``formats._pt.UNEXPANDABLE``): every writer makes room for a tensor's
+    values before it reads them, and ran out of memory. Exit 3, nothing written."""
+    for i in items:
+        for p in i.pieces:
+            if isinstance(problem := p.locator.get("unexpandable"), str):
+                raise CorruptFileError(
+                    f"{p.file}: {i.name}: {problem}; nothing was written",
+                    hint="torch.save of an expanded tensor (torch.zeros(1).expand(n)) keeps the expansion lazy; save "
+                    "it .contiguous(), or the file is damaged or hostile",
+                    path=p.file,
+                )
+
+
 def refuse_unreadable(items: Iterable[Item], *, hint: str | None = None) -> None:
     """Refuse to write an output without an item of the source that could not be read (an unsafe
     pickle, damaged bytes): the output would be published, sealed and verified clean with that
     state gone. Exit 3, naming the first such item, its file and why."""
+    items = list(items)
+    refuse_unexpandable(items)
     bad = [i for i in items if i.error]
     if not bad:
         return
@@ -273,6 +302,8 @@ def export(
     if out_path.exists() and not force:
         raise UsageError(f"{out_path} exists", hint="choose another -o path or pass --force to replace it")
     replaces = check_output(out_path, force=force, directory=False, example="model.safetensors")
+    if replaces:  # (an earlier export, or an empty file; other data under the name is not lost to --force)
+        refuse_replacing_other_file(out_path, f"-o {output}", "a safetensors file", _safetensors_head)
     if out_path.suffix != ".safetensors":  # (read back, or by other tools, a file is known by its suffix)
         raise UsageError(
             f"-o {output}: export writes a safetensors file, which readers (ckpttool's among them) know by its "
@@ -292,6 +323,7 @@ def export(
     refuse_copies_apart(manifest, "export", (i.name for _, i in pairs))  # (one embedding written, as convert would)
     result.names = [n for n, _ in pairs]
     result.written = [i for _, i in pairs]
+    refuse_unexpandable(result.written)
 
     total = sum(tensor_nbytes(i) for i in result.written)
     with adapter.reader(manifest) as reader, atomic_output(out_path, replace=replaces) as f:

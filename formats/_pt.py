@@ -271,6 +271,11 @@ def nested_refusal(archive: _torchzip.Archive, value: Any) -> str | None:
     return _unpickle.nested_refusal(data)
 
 
+UNEXPANDABLE = "unexpandable"
+"""the locator key of a piece that is a broadcast view far larger than what it stores: why it is
+not read (:func:`ckpttool._torchzip.broadcast_problem`)"""
+
+
 def tensor_piece(
     rel: str,
     ref: _unpickle.TensorRef,
@@ -302,9 +307,18 @@ def tensor_piece(
             )
         shape, stride, offset = (numel,), (ref.stride[0],), ref.storage_offset + start * ref.stride[0]
         count = numel
+    locator: dict[str, Any] = {
+        "storage": ref.storage.key,
+        "storage_offset": offset,
+        "shape": list(shape),
+        "stride": list(stride),
+    }
+    view = _unpickle.TensorRef(ref.storage, offset, tuple(shape), tuple(stride), ref.dtype)
+    if (problem := _torchzip.broadcast_problem(view)) is not None:
+        locator[UNEXPANDABLE] = problem  # (no command makes room for it: PtReader.refuse, refuse_unreadable)
     return Piece(
         file=rel,
-        locator={"storage": ref.storage.key, "storage_offset": offset, "shape": list(shape), "stride": list(stride)},
+        locator=locator,
         box=box if box is not None else Box.whole(shape),
         flat=flat,
         rank=rank,
@@ -335,6 +349,15 @@ class PtReader(PieceReader):
         return archive
 
     def read(self, piece: Piece, item: Item, out: np.ndarray | None = None) -> np.ndarray:
+        return _torchzip.read_tensor(self.archive(piece.file), self._ref(piece, item), out)
+
+    def refuse(self, piece: Piece, item: Item) -> None:
+        if (problem := piece.locator.get(UNEXPANDABLE)) is not None:
+            raise CorruptFileError(
+                f"{piece.file}: {item.name}: {problem}", hint=_torchzip.BROADCAST_HINT, path=piece.file
+            )
+
+    def _ref(self, piece: Piece, item: Item) -> _unpickle.TensorRef:
         assert item.dtype is not None
         loc = piece.locator
         if "storage" not in loc:
@@ -343,8 +366,9 @@ class PtReader(PieceReader):
                 path=piece.file,
             )
         storage = _unpickle.StorageRef(key=loc["storage"], dtype=item.dtype, numel=0, location="cpu")
-        ref = _unpickle.TensorRef(storage, loc["storage_offset"], tuple(loc["shape"]), tuple(loc["stride"]), item.dtype)
-        return _torchzip.read_tensor(self.archive(piece.file), ref, out)
+        return _unpickle.TensorRef(
+            storage, loc["storage_offset"], tuple(loc["shape"]), tuple(loc["stride"]), item.dtype
+        )
 
     def archive_of(self, piece: Piece) -> _torchzip.Archive | None:
         return self.archive(piece.file)

@@ -462,3 +462,40 @@ def test_numpy_ndarray_called_from_a_pickle_is_refused(tmp_path):
     out = tmp_path / "out"
     assert run_cli("convert", tmp_path / "ok.pt", "--to", "torch", "-o", out).code == 0
     assert torch.load(out / "model.pt", weights_only=False)["arr"].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_a_broadcast_view_of_terabytes_is_named_not_an_out_of_memory_bug(tmp_path):
+    """torch.save keeps torch.zeros(1).expand(2**40) lazy: 1.8 kB on disk, 4 TB of values. verify
+    --deep, export, convert and diff made room for all of it and stopped on a MemoryError reported
+    as "internal error ... a bug in ckpttool". Each now names the tensor and why it is not read;
+    the other tensor of the file is still compared, and inspect, which reads no values, works."""
+    import torch
+
+    pt = tmp_path / "expand.pt"
+    torch.save({"w": torch.zeros(1).expand(2**40), "v": torch.ones(3)}, pt)
+    said = "w: tensor of 1,099,511,627,776 elements is a broadcast view of 1 stored ones; ckpttool does not expand it"
+    assert run_cli("inspect", pt).code == 0
+    r = run_cli("verify", pt, "--deep")
+    assert r.code == 1 and said in r.stdout and "internal error" not in r.stdout + r.stderr, (r.stdout, r.stderr)
+    for argv in (("export", pt, "-o", tmp_path / "e.safetensors"), *(("convert", pt, "--to", t, "-o", tmp_path / t)
+                 for t in ("torch", "dcp", "safetensors"))):  # fmt: skip
+        assert_clean(run_cli(*argv), 3, said + "; nothing was written")
+    r = run_cli("diff", pt, pt)
+    assert r.code == 3 and said in r.stdout and "compared 2 tensors: 1 identical" in r.stdout, r.stdout
+    assert not [p for p in tmp_path.iterdir() if p.name != "expand.pt"]
+
+
+def test_out_of_memory_is_the_machines_answer_not_a_bug(monkeypatch, capsys):
+    """A MemoryError was reported as "internal error ... this is a bug in ckpttool"."""
+    import typer
+
+    from ckpttool import cli
+
+    @cli._handles_errors
+    def command() -> None:
+        raise MemoryError("Unable to allocate 4.00 TiB")
+
+    with pytest.raises(typer.Exit) as stop:
+        command()
+    err = capsys.readouterr().err
+    assert stop.value.exit_code == 3 and "not enough memory: Unable to allocate 4.00 TiB" in err and "bug" not in err

@@ -1300,6 +1300,12 @@ def check_output(
     :func:`replacing` and ``atomic_output(replace=…)``, so that what appears later is not replaced."""
     out = Path(output)
     what = "directory" if directory else "file"
+    if os.fspath(output) == "-":  # (a file named "-" appeared in the working directory)
+        raise UsageError(
+            f"{flag} -: ckpttool writes its outputs to files, not to standard output",
+            hint="give a path (./- names a file called '-')"
+            + ("; --json prints the report on stdout" if flag == "--report" else ""),
+        )
     for part in out.parts:  # (before any stat: a longer name raises ENAMETOOLONG from every look at it)
         if len(os.fsencode(part)) > _NAME_MAX:
             raise UsageError(

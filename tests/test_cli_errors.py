@@ -936,3 +936,47 @@ def test_a_container_given_as_a_checkpoint_says_how_to_restore_it(argv, tmp_path
     assert f"hint: restore it first: ckpttool decompress {packed_file} -o DIR" in r.stderr, r.stderr
     assert "megatron" not in r.stderr, r.stderr
     assert tree_digests(packed_file.parent) == before
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [("verify", MODEL, "--report", "-"), ("verify", MODEL, "--junit", "-"), ("compress", MODEL, "-o", "-"),
+     ("convert", MODEL, "--to", "torch", "-o", "-"), ("export", FSDP2, "-o", "-")],
+)  # fmt: skip
+def test_a_dash_for_an_output_is_refused_not_a_file_named_dash(argv, tmp_path):
+    """`verify --report -` (meant as stdout) wrote a file named '-' into the working directory."""
+    r = run_cli(*argv, cwd=tmp_path)
+    assert r.code == 2 and "-: ckpttool writes its outputs to files, not to standard output" in r.stderr, r.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_export_force_replaces_an_earlier_export_not_other_data(tmp_path):
+    """export --force replaced any file named *.safetensors, notes or a config among them, where
+    compress, seal --out and the reports refuse to replace other data."""
+    other = tmp_path / "x.safetensors"
+    other.write_text("data\n")
+    assert_clean(run_cli("export", FSDP2, "-o", other, "--force"), 2, "exists and is not a safetensors file (5 bytes): not replaced")
+    assert other.read_text() == "data\n"
+    earlier = tmp_path / "y.safetensors"
+    assert run_cli("export", FSDP2, "-o", earlier).code == 0
+    assert run_cli("export", FSDP2, "-o", earlier, "--force", "--kind", "param").code == 0
+    empty = tmp_path / "z.safetensors"
+    empty.touch()
+    assert run_cli("export", FSDP2, "-o", empty, "--force").code == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [(("inspect", "/nonexistent", "--json"), 3), (("ls", "/nonexistent", "--json"), 3),
+     (("diff", "/nonexistent", MODEL, "--json"), 3), (("seal", "/nonexistent", "--json"), 3),
+     (("convert", MODEL, "--to", "torch", "-o", "-", "--json"), 2), (("export", "/nonexistent", "-o", "x.safetensors", "--json"), 3)],
+)  # fmt: skip
+def test_an_error_under_json_is_a_json_document_too(argv, code, tmp_path):
+    """Only verify printed JSON on an error: every other command printed nothing on stdout under
+    --json, and a script reading it failed on empty input instead of the reason."""
+    r = run_cli(*argv, cwd=tmp_path)
+    assert r.code == code and "error:" in r.stderr, (r.code, r.stderr)
+    doc = json.loads(r.stdout)
+    assert doc["schema_version"] == 1 and doc["error"]["exit_code"] == code and doc["error"]["message"], doc
+    assert doc["error"]["message"] in r.stderr.replace("\n", " ") or doc["error"]["message"][:40] in r.stderr
+    assert json.loads(run_cli("verify", "/nonexistent", "--json").stdout)["ok"] is False  # (verify's own report)

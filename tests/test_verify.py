@@ -1323,6 +1323,32 @@ def test_an_interrupted_verify_replaces_the_last_runs_reports(signal_class, tmp_
     assert "not judged" in junit.read_text() and 'failures="0" errors="0"' not in junit.read_text()
 
 
+def test_a_ctrl_c_during_verifys_checks_still_replaces_the_reports(tmp_path, monkeypatch):
+    """A Ctrl-C or SIGTERM that came during verify's imports and checks of its report paths (a
+    second or so, before the work began) stopped it with the last run's passing reports in place.
+    It is now held until the checks are done, and the reports say the checkpoint was not judged."""
+    import os
+    import signal
+
+    from typer.testing import CliRunner
+
+    from ckpttool import cli
+
+    report, junit = tmp_path / "r.json", tmp_path / "j.xml"
+    argv = ["verify", str(FIXTURES / "dcp" / "fsdp2"), "--report", str(report), "--junit", str(junit)]
+    assert CliRunner().invoke(cli.app, argv).exit_code == 0 and json.loads(report.read_text())["ok"] is True
+    checks = cli._verify_checks
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # (delivered here, in the main thread, while the checks run)
+        return checks(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "_verify_checks", interrupted)
+    result = CliRunner().invoke(cli.app, argv)
+    assert result.exit_code == 130, result.output
+    assert json.loads(report.read_text())["ok"] is False and "not judged" in junit.read_text()
+
+
 @pytest.mark.parametrize("rel", ["deepspeed/universal", "deepspeed/universal3"])
 def test_a_universal_checkpoints_frozen_parameters_want_no_moments(rel):
     """ds_to_universal writes a frozen parameter an fp32.pt and no moments, as its source held none:
@@ -2136,11 +2162,11 @@ def test_a_file_that_merely_holds_the_temporary_marker_is_no_interrupted_write(t
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "complex64", "float64"])
 def test_deep_statistics_block_by_block_are_numpys_over_the_whole(tmp_path, monkeypatch, dtype):
-    """--deep took each tensor's statistics over the whole tensor at once, in float64: a dozen
-    temporaries of twice its size (about 7x a float32 tensor's bytes at the peak, 3.5x slower than
-    block by block). They are gathered block by block now; here with blocks of 7 elements, a NaN and
-    an Inf in later blocks, and values near float64's largest (summed again, scaled), the figures
-    are numpy's over the whole tensor."""
+    """--deep took each tensor's statistics over the whole tensor at once, in float64: temporaries of
+    twice its size (its peak 3.3x a float32 tensor's bytes above the values, and 2.1x slower than
+    block by block: docs/benchmarks.md). They are gathered block by block now; here with blocks of
+    7 elements, a NaN and an Inf in later blocks, and values near float64's largest (summed again,
+    scaled), the figures are numpy's over the whole tensor."""
     import torch
 
     from ckpttool import verify as v

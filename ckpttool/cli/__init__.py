@@ -115,12 +115,15 @@ def _handles_errors(fn: F) -> F:
         # allocations (the library itself leaves the collector alone)
         gc.set_threshold(100_000, 50, 100)
         out = Output()
+        # with --json, an error is also a JSON document on stdout (a script reading it found nothing
+        # there); verify writes its own, a report that says why it could not judge
+        doc = bool(kwargs.get("json_out")) and fn.__name__ != "verify"
         try:
             return fn(*args, **kwargs)
         except CkptError as exc:
             if os.environ.get("CKPTTOOL_DEBUG"):
                 traceback.print_exc()
-            _say_error(out, exc.message + _and_others(exc), exc.hint)
+            _say_error(out, exc.message + _and_others(exc), exc.hint, doc and exc.exit_code)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt as exc:
             # typer turns Ctrl-C into exit 130 by itself, silently; say what happened (outputs in
@@ -145,7 +148,12 @@ def _handles_errors(fn: F) -> F:
                 traceback.print_exc()
             from ckpttool.io import OS_ERROR_HINT, os_error_line
 
-            _say_error(out, os_error_line(exc, kwargs.get("output")), OS_ERROR_HINT)
+            _say_error(out, os_error_line(exc, kwargs.get("output")), OS_ERROR_HINT, doc and 3)
+            raise typer.Exit(3) from None
+        except MemoryError as exc:
+            if os.environ.get("CKPTTOOL_DEBUG"):
+                traceback.print_exc()
+            _say_error(out, *_out_of_memory(exc), doc and 3)
             raise typer.Exit(3) from None
         except Exception as exc:
             if os.environ.get("CKPTTOOL_DEBUG"):
@@ -154,10 +162,21 @@ def _handles_errors(fn: F) -> F:
                 out,
                 f"internal error: {type(exc).__name__}: {exc}",
                 "this is a bug in ckpttool; rerun with CKPTTOOL_DEBUG=1 for the traceback and report it",
+                doc and 3,
             )
             raise typer.Exit(3) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _out_of_memory(exc: MemoryError) -> tuple[str, str]:
+    """Message and hint for memory the machine would not give: the environment's answer (or a
+    tensor larger than any memory), not a bug in ckpttool."""
+    return (
+        f"not enough memory: {exc or 'an allocation failed'}",
+        "the machine could not give what this needed; free memory, run it on a larger machine, or give "
+        "--max-memory where the command takes it",
+    )
 
 
 def _stopped(exc: KeyboardInterrupt) -> tuple[int, str]:
@@ -167,8 +186,19 @@ def _stopped(exc: KeyboardInterrupt) -> tuple[int, str]:
     return (143, "terminated") if isinstance(exc, Terminated) else (130, "interrupted")
 
 
-def _say_error(out: Output, message: str, hint: str | None) -> None:
-    """The error on stderr; where stderr's reader has gone, nothing (the exit code still says it)."""
+def _say_error(out: Output, message: str, hint: str | None, json_code: int | bool = False) -> None:
+    """The error on stderr; where stderr's reader has gone, nothing (the exit code still says it).
+    ``json_code``: the exit code, under --json, where the error is also a document on stdout
+    (``{"schema_version": 1, "error": {"message", "hint", "exit_code"}}``)."""
+    if json_code:
+        import json
+
+        doc = {"schema_version": 1, "error": {"message": message, "hint": hint, "exit_code": int(json_code)}}
+        try:
+            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+            sys.stdout.flush()
+        except (BrokenPipeError, ValueError):
+            pass
     try:
         out.error(message, hint)
     except BrokenPipeError:
@@ -439,30 +469,24 @@ def verify(
     Exit 0: nothing at or above --fail-on; 1: findings; 3: could not evaluate. On GitHub Actions
     findings also become annotations and a step summary.
     """
+    from ckpttool import interrupt
+
+    # a Ctrl-C or SIGTERM during the imports and the checks below (a second or so) is raised once
+    # they are done, in the try further down, where the reports say the checkpoint was not judged:
+    # it stopped the command with the last run's passing report left in place
+    holding = contextlib.ExitStack()
+    holding.enter_context(interrupt.held())
+    try:
+        checked, out, needed, severity = _verify_checks(
+            path, manifest, report_file, junit_file, fail_on, require, json_out, quiet
+        )
+    except BaseException:
+        holding.close()
+        raise
     from ckpttool.errors import UsageError
-    from ckpttool.io import check_output_file, refuse_overlap, refuse_replacing_other_file
-    from ckpttool.seal import default_seal_path
     from ckpttool.verify import VerifyReport
     from ckpttool.verify import verify as run
 
-    # (without --manifest, the seal is the one beside the checkpoint: a report written there would
-    # replace it, or be taken for it by the next verify)
-    seal = manifest if manifest is not None else default_seal_path(path)
-    for flag, given in (("--report", report_file), ("--junit", junit_file)):
-        if given is not None:  # checked before any work; a report never replaces what it reports on
-            refuse_overlap(given, flag=flag, checkpoint=path, seal=seal)
-            check_output_file(given, flag)
-            refuse_replacing_other_file(given, f"{flag} {given}", *_REPORT_HEADS[flag])
-    # the reports that may be replaced: those checked above (one made while verify ran is kept)
-    checked = {p for p in (report_file, junit_file) if p is not None and os.path.lexists(p)}
-    if report_file is not None and junit_file is not None and report_file.resolve() == junit_file.resolve():
-        raise UsageError(
-            f"--report and --junit both name {junit_file}: the JUnit XML would replace the JSON report",
-            hint="give each report a file of its own",
-        )
-    out = Output(json_mode=json_out, quiet=quiet)
-    needed = [s.strip() for given in require or () for s in given.split(",") if s.strip()]
-    severity: Severity = "warning" if fail_on == "warning" else "error"
     with out.progress("verify") as update:
         done = [0]
 
@@ -471,6 +495,7 @@ def verify(
             update(done[0], 0)
 
         try:
+            holding.close()  # (a signal held since the function began: raised here)
             if fail_on not in ("error", "warning"):
                 raise UsageError(f"--fail-on {fail_on!r}: expected error or warning")
             report = run(path, manifest_path=manifest, deep=deep, require=needed, workers=workers, progress=advance)
@@ -503,6 +528,8 @@ def verify(
                 from ckpttool.io import os_error_line
 
                 message, hint = os_error_line(exc), None
+            elif isinstance(exc, MemoryError):
+                message, hint = _out_of_memory(exc)
             else:
                 message, hint = f"internal error: {type(exc).__name__}: {exc}", "this is a bug in ckpttool"
             failed = VerifyReport(
@@ -513,6 +540,42 @@ def verify(
     _verify_outputs(out, report, severity, report_file, junit_file, checked)
     if report.failing(severity):
         raise typer.Exit(1)
+
+
+def _verify_checks(
+    path: Path,
+    manifest: Path | None,
+    report_file: Path | None,
+    junit_file: Path | None,
+    fail_on: str,
+    require: list[str] | None,
+    json_out: bool,
+    quiet: bool,
+) -> tuple[set[Path], Output, list[str], Severity]:
+    """verify's checks of its report paths, before any work: the reports that may be replaced (those
+    there before it ran: one made while it ran is kept), its output, the state required, and the
+    severity that fails."""
+    from ckpttool.errors import UsageError
+    from ckpttool.io import check_output_file, refuse_overlap, refuse_replacing_other_file
+    from ckpttool.seal import default_seal_path
+
+    # (without --manifest, the seal is the one beside the checkpoint: a report written there would
+    # replace it, or be taken for it by the next verify)
+    seal = manifest if manifest is not None else default_seal_path(path)
+    for flag, given in (("--report", report_file), ("--junit", junit_file)):
+        if given is not None:  # a report never replaces what it reports on
+            refuse_overlap(given, flag=flag, checkpoint=path, seal=seal)
+            check_output_file(given, flag)
+            refuse_replacing_other_file(given, f"{flag} {given}", *_REPORT_HEADS[flag])
+    checked = {p for p in (report_file, junit_file) if p is not None and os.path.lexists(p)}
+    if report_file is not None and junit_file is not None and report_file.resolve() == junit_file.resolve():
+        raise UsageError(
+            f"--report and --junit both name {junit_file}: the JUnit XML would replace the JSON report",
+            hint="give each report a file of its own",
+        )
+    needed = [s.strip() for given in require or () for s in given.split(",") if s.strip()]
+    severity: Severity = "warning" if fail_on == "warning" else "error"
+    return checked, Output(json_mode=json_out, quiet=quiet), needed, severity
 
 
 _REPORT_HEADS = {

@@ -731,17 +731,44 @@ def _state_in_pickles(
         side, value, other = ("A", da, "B") if da is not None else ("B", db, "A")
         said = value if isinstance(value, str) and value.startswith(name) else f"{name} ({value})"
         report.not_compared.append(f"{said} of {side}, its data position: {other} keeps none")
-    unread = [
-        (side, m.extras["unread_state"])
-        for side, m in (("A", ma), ("B", mb))
-        if m.extras.get("unread_state")
-        and (wanted is None or "optim" in wanted)
-        and (rx is None or "optim" in selected)
-    ]
-    for side, what in unread:
+    optim = (wanted is None or "optim" in wanted) and (rx is None or "optim" in selected)
+    ga, gb = (m.extras.get("param_groups") for m in (ma, mb))
+    if optim and isinstance(ga, dict) and isinstance(gb, dict) and ga and gb:
+        _param_groups(report, ga, gb)
+    unread = [(side, m.extras["unread_state"]) for side, m in (("A", ma), ("B", mb)) if m.extras.get("unread_state")]
+    for side, what in unread if optim else ():
         report.not_compared.append(
             f"{'; '.join(what)} of {side}, kept in its rank files' optimizer pickles (not read as items)"
         )
+
+
+_GROUP_KEYS = ("lr", "betas", "eps")
+"""the param groups' hyperparameters :func:`_param_groups` compares: the same set of values at any
+layout (how parameters fall into groups with their own weight decay, expert flags or steps changes
+with the layout and the optimizer's kind: those are not compared)"""
+
+
+def _param_groups(report: DiffReport, ga: dict[str, Any], gb: dict[str, Any]) -> None:
+    """Two Megatron checkpoints' param groups (``extras["param_groups"]``: file -> the groups'
+    plain values), kept in the rank files' pickles: the values of each of :data:`_GROUP_KEYS` over
+    every group of every file, compared as sets, whatever the layouts (a reshard changes how the
+    groups fall into files, not the learning rates and betas they hold). One that differs is a
+    value that differs, ``optimizer.param_groups.*.<key>`` (diff said "equal" of two saves whose lr
+    and betas differed)."""
+
+    def values(held: dict[str, Any]) -> dict[str, list[Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for groups in held.values():
+            for group in groups if isinstance(groups, list) else ():
+                for k, v in group.items() if isinstance(group, dict) else ():
+                    if k in _GROUP_KEYS:
+                        out.setdefault(k, {})[json.dumps(v, sort_keys=True)] = v
+        return {k: [vs[j] for j in sorted(vs)] for k, vs in out.items()}
+
+    va, vb = values(ga), values(gb)
+    for key in sorted(set(va) | set(vb)):
+        if va.get(key) != vb.get(key):
+            report.objects.append({"name": f"optimizer.param_groups.*.{key}", "a": va.get(key), "b": vb.get(key)})
 
 
 def _safetensors_metadata(

@@ -327,6 +327,18 @@ _TE_TO_LOCAL = {
 }
 
 
+_NOT_PLAIN = object()
+
+
+def _json_plain(v: Any) -> Any:
+    """A param group's value as JSON keeps it (a tuple as a list), or ``_NOT_PLAIN``."""
+    if v is None or type(v) in (bool, int, str) or (type(v) is float and math.isfinite(v)):
+        return v
+    if isinstance(v, list | tuple) and all(x is None or type(x) in (bool, int, float, str) for x in v):
+        return [x for x in v] if all(type(x) is not float or math.isfinite(x) for x in v) else _NOT_PLAIN
+    return _NOT_PLAIN
+
+
 def _note_unread(manifest: Manifest, opt: dict[str, Any], inner: dict[str, Any], stepped: bool, rel: str) -> None:
     """Record (``extras["unread_state"]``) the optimizer state of a rank file (a legacy one's, or a
     ``torch_dist`` save's ``common.pt``) that the manifest holds no items of: Megatron's writers
@@ -337,6 +349,10 @@ def _note_unread(manifest: Manifest, opt: dict[str, Any], inner: dict[str, Any],
     with the iteration."""
     groups = inner.get("param_groups")
     steps = [g["step"] for g in groups or () if isinstance(g, dict) and type(g.get("step")) in (int, float)]
+    hyper = [{k: _json_plain(v) for k, v in g.items() if k != "params" and _json_plain(v) is not _NOT_PLAIN}
+             for g in groups or () if isinstance(g, dict)]  # fmt: skip
+    if hyper:  # (what diff compares of two Megatron checkpoints' param groups, whatever their layouts)
+        manifest.extras.setdefault("param_groups", {})[rel] = hyper
     if steps:
         held: dict[str, list[float]] = manifest.extras.setdefault("group_steps", {})
         held.setdefault(rel, []).extend(float(x) for x in steps)

@@ -543,7 +543,10 @@ def _target_ep(src: _Source, target: MegatronTarget) -> int:
 
 def _target_etp(src: _Source, target: MegatronTarget) -> int:
     """The output's expert TP: as asked, else the source's when it split its experts its own way,
-    else TP (Megatron's default)."""
+    else TP (Megatron's default). A model without routed experts has none to split: an ETP asked
+    of it (1, which it is let give) is TP's, as Megatron's default."""
+    if not src.experts:
+        return src.etp or target.tp
     return target.etp or src.etp or target.tp
 
 
@@ -570,7 +573,9 @@ def validate(
     if tp < 1 or pp < 1 or ep < 1:
         return ["TP, PP and EP must be at least 1"]
     etp = _target_etp(src, target)
-    if target.etp is not None and (target.etp < 1 or not src.experts):
+    # (ETP=1 and EP=1 are the sizes a model without routed experts has: a script that gives the same
+    # sizes for every model is not refused for them)
+    if target.etp is not None and (target.etp < 1 or (not src.experts and target.etp > 1)):
         problems.append(
             f"ETP={target.etp}: " + ("must be at least 1" if src.experts else "the model has no routed experts")
         )
@@ -638,6 +643,8 @@ def _validate_hint(problems: list[str], dist_helps: bool, layout_help: str | Non
     avoid the MTP stage's copy of position embeddings (a legacy output from a source that is not a
     legacy save at PP > 1); ``layout_help``: how a pipeline layout for this model and target is
     written (:func:`_layout_help`), given where a layout is the target's."""
+    if all("the model has no routed experts" in p for p in problems):
+        return "the model has no routed experts: leave out --ep and --etp, or give them as 1"
     if layout_help is not None and (layout := [p for p in problems if p.startswith(_LAYOUT_PROBLEMS)]):
         rest = [p for p in problems if p not in layout]
         return layout_help + (f"; {_validate_hint(rest, dist_helps)}" if rest else "")

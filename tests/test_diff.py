@@ -768,3 +768,26 @@ def test_the_finite_shortcut_gives_the_figures_of_the_full_rules():
             with np.errstate(over="ignore"):
                 want = math.sqrt(float((gap**2).sum())) / math.sqrt(float((y**2).sum()))
             assert got.rel_l2 == (math.inf if big else pytest.approx(want, rel=1e-12))
+
+
+def test_megatron_param_groups_that_differ_are_a_difference(tmp_path):
+    """Megatron keeps its param groups (lr, betas, eps, weight decay) in the rank files' optimizer
+    pickles, not as items: two saves whose lr and betas differed were "equal" (exit 0) with a "not
+    compared" note, where DeepSpeed's were "different". The lr, betas and eps values over every
+    group of every file are compared, whatever the layouts: the same state at TP=2 PP=2 legacy and
+    torch_dist stays equal."""
+    legacy = FIXTURES / "megatron" / "legacy_tp2pp2"
+
+    def edit(tree) -> None:
+        for group in tree["optimizer"]["optimizer"]["param_groups"]:
+            group["lr"], group["betas"] = 0.5, (0.5, 0.5)
+
+    changed = rewritten_copy(tmp_path / "changed", legacy, edit)
+    report = diff(legacy, changed)
+    by_name = {o["name"]: o for o in report.objects}
+    assert report.different and by_name["optimizer.param_groups.*.lr"]["b"] == [0.5], report.objects
+    assert by_name["optimizer.param_groups.*.betas"]["a"] == [[0.9, 0.95]]
+    r = run_cli("diff", legacy, changed)
+    assert r.code == 1 and "optimizer.param_groups.*.lr" in r.stdout, r.stdout
+    same = diff(legacy, FIXTURES / "megatron" / "dist_tp2pp2", pattern=r"^(embedding|decoder|output_layer|optimizer)\.")
+    assert not same.different, same.to_json()

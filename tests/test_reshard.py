@@ -3161,6 +3161,24 @@ def test_megatron_experts_refusals(source, target, message, tmp_path):
     assert not out.exists()
 
 
+def test_expert_sizes_of_one_are_a_dense_models_own(tmp_path):
+    """--ep 1 --etp 1 (a script giving the same sizes for every model) was refused for a model
+    without experts ("ETP=1: the model has no routed experts") with a hint about heads and layers.
+    Sizes of 1 are its own: the output is the one without them, byte for byte; ETP=2 is refused
+    with a hint that names the options."""
+    seal = "ckpttool.manifest.json"  # (its own path and time in it)
+    for tp in (1, 2):  # (at TP=2, ETP=1 of a model with experts would leave a TP rank unsaved)
+        plain, ones = tmp_path / f"plain{tp}", tmp_path / f"ones{tp}"
+        reshard(LEGACY, plain, Target(tp=tp, pp=1))
+        reshard(LEGACY, ones, Target(tp=tp, pp=1, ep=1, etp=1))
+        assert {k: v for k, v in tree_digests(plain).items() if k != seal} == {
+            k: v for k, v in tree_digests(ones).items() if k != seal
+        }
+    r = run_cli("reshard", LEGACY, "-o", tmp_path / "x", "--tp", "1", "--pp", "1", "--etp", "2")
+    assert_clean(r, 2, "ETP=2: the model has no routed experts")
+    assert "hint: the model has no routed experts: leave out --ep and --etp, or give them as 1" in r.stderr
+
+
 def test_megatron_experts_to_torch_dist_is_what_megatron_saves(tmp_path):
     """Megatron-LM's MoE legacy checkpoint -> torch_dist: every tensor chunk (experts stacked as
     [layers, experts, ...]) and ShardedObject record (experts' _extra_state per layer and expert,
@@ -3295,7 +3313,7 @@ def test_megatron_expert_tensor_parallel_targets_refused(tmp_path):
     ranks of expert-DP rank 0), with or without the distributed optimizer, are refused before
     anything is written."""
     for src, target, match in [
-        (FIXTURES / "megatron" / "legacy_tp2pp2", Target(etp=1), "no routed experts"),
+        (FIXTURES / "megatron" / "legacy_tp2pp2", Target(etp=2), "no routed experts"),
         (ETP, Target(etp=3, ep=2), "cannot be split evenly"),
         (ETP, Target(ep=1), "a legacy checkpoint cannot hold this layout"),  # ETP x EP < TP: a TP rank unsaved
         (ETP_DISTOPT, Target(ep=1), "a legacy checkpoint cannot hold this layout"),

@@ -183,7 +183,9 @@ class Manifest:
             raise CorruptFileError(
                 f"{file + ': ' if file else ''}two entries of the checkpoint are both named {item.name!r} (a dotted "
                 "key and a nested one, or two files holding the same state)",
-                hint="the checkpoint was written by a tool ckpttool does not know, or it is damaged",
+                hint="ckpttool names a nested value by its keys joined with dots, so a key 'a.b' and a key 'b' "
+                "inside 'a' are one name to it: rename one and save again (else the checkpoint is damaged, or "
+                "written by a tool ckpttool does not know)",
                 path=file,
             )
         self.items[item.name] = item

@@ -1870,7 +1870,10 @@ class _Builder:
         groups = inner.get("param_groups") or []
         names = _zero0_names(first, groups, state)
         if names is not None:
-            self.m.extras["optimizer_names"] = "inferred from module parameter order and shapes (ZeRO-0 keeps none)"
+            self.m.extras["optimizer_names"] = (
+                "inferred from module parameter order and shapes (ZeRO-0 keeps none): param groups built in another "
+                "order than the module's would swap the state of parameters of one shape"
+            )
         masters = opt.get("fp32_groups") if isinstance(opt.get("fp32_groups"), list) else None
         for g, group in enumerate(groups):
             for i, pid in enumerate(group.get("params") or []):

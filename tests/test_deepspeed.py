@@ -439,3 +439,12 @@ def test_a_changed_sgd_momentum_is_a_difference_and_reshard_names_the_optimizer(
     assert r.code == 2 and "optimizer state ['momentum_buffer'] is not Adam's" in r.stderr, r.stderr
     assert "hint: 'ckpttool convert --to dcp' or '--to torch' carries it" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_inspect_says_zero0_optimizer_names_are_inferred():
+    """ZeRO-0 keeps the torch optimizer's integer ids; ckpttool names them by the module's order
+    and the state's shapes, which a param group built in another order defeats for parameters of
+    one shape. extras said so; no output did."""
+    r = run_cli("inspect", DS / "zero0")
+    assert r.code == 0 and "optimizer state names: inferred from module parameter order and shapes" in r.stdout
+    assert "optimizer state names" not in run_cli("inspect", DS / "zero1").stdout

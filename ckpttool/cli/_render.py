@@ -43,6 +43,8 @@ def inspect_report(out: Output, report: InspectReport) -> None:
     )
     if variant := m.extras.get("variant"):
         out.line(f"variant: {variant}")
+    if isinstance(named := m.extras.get("optimizer_names"), str):  # (ids matched by guess: said, not taken as read)
+        out.line(f"optimizer state names: {escape(named)}")
     if held := m.extras.get("state_files"):  # (a Hugging Face Trainer's files beside the model)
         by_file: dict[str, list[str]] = {}
         for state, rel in held.items():

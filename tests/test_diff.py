@@ -56,7 +56,9 @@ def test_a_non_tensor_value_on_one_side_only_is_a_difference(tmp_path):
     assert run_cli("diff", a, b).code == 1
 
 
-def test_one_perturbed_tensor_is_first_and_largest(tmp_path):
+def _perturbed(tmp_path):
+    """A copy of FSDP2 whose blocks.0.fc2.weight holds 123.0 at [row, 5] of its third piece (the CRCs
+    stored again: another save's values, not damage): the copy, its adapter, manifest and item."""
     copy = tmp_path / "ck"
     shutil.copytree(FSDP2, copy)
     adapter, m = registry.describe(copy)
@@ -67,6 +69,11 @@ def test_one_perturbed_tensor_is_first_and_largest(tmp_path):
         fh.seek(off + 4 * 5)
         fh.write(struct.pack("<f", 123.0))
     restamp_crcs(copy / item.pieces[2].file, item.pieces[2].locator["offset"], item.pieces[2].locator["length"])
+    return copy, adapter, m, item
+
+
+def test_one_perturbed_tensor_is_first_and_largest(tmp_path):
+    copy, adapter, m, item = _perturbed(tmp_path)
     report = diff(FSDP2, copy)
     assert report.different
     assert report.first.name == report.largest.name == "blocks.0.fc2.weight"
@@ -88,16 +95,7 @@ def test_each_piece_is_read_once_a_side_and_the_distance_counts_equal_pieces(tmp
     import numpy as np
     import torch
 
-    copy = tmp_path / "ck"
-    shutil.copytree(FSDP2, copy)
-    adapter, m = registry.describe(copy)
-    item = m.items["model.blocks.0.fc2.weight"]
-    with adapter.reader(m) as reader:
-        off, _ = reader.raw_span(item.pieces[2], item)
-    with open(copy / item.pieces[2].file, "r+b") as fh:
-        fh.seek(off + 4 * 5)
-        fh.write(struct.pack("<f", 123.0))
-    restamp_crcs(copy / item.pieces[2].file, item.pieces[2].locator["offset"], item.pieces[2].locator["length"])
+    copy, adapter, m, item = _perturbed(tmp_path)
     reads: dict[tuple[str, int, str], int] = {}
     cls = type(adapter.reader(m))
     plain = cls.read

@@ -15,11 +15,14 @@ import contextvars
 import functools
 import io
 import math
+import os
 import pickle
+import queue
 import re
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -629,11 +632,12 @@ def loads(
 
 _INLINE = 32 << 10
 """pickles of at most this many bytes are read on the caller's own stack (see :func:`_on_a_deep_stack`)"""
-_STACK_PER_BYTE = 96
-"""bytes of C stack one byte of pickle can make the unpickler use, at most (a level of nested
-tuples costs one opcode byte and 50-80 bytes of stack to hash)"""
-_MAX_STACK = 8 << 30
-_STACK_LOCK = threading.Lock()  # (threading.stack_size is one setting for the whole process)
+_DEEP_STACK = 1 << 30
+"""the stack of each deep reader: address space, committed only as far as it is used (a level of
+nested tuples costs 50-80 bytes of it to hash: about 13 million levels fit)"""
+_DEEP_READERS = 4
+_STACK_LOCK = threading.Lock()
+_deep: dict[str, Any] = {"queue": None, "pid": None}
 
 
 def _on_a_deep_stack(size: int, load: Callable[[], Any]) -> Any:
@@ -642,37 +646,51 @@ def _on_a_deep_stack(size: int, load: Callable[[], Any]) -> Any:
     it, recursing through every level in C with no depth check: 150 KB nesting 150 000 levels
     crashed the process on its 8 MB stack (a segmentation fault, no message, no report), before
     the depth check that follows the load could refuse it. A pickle larger than ``_INLINE`` is read
-    in a thread of its own whose stack is ``_STACK_PER_BYTE`` times its size (memory is committed
-    only as far as it is used). Past ``_MAX_STACK`` (pickles over 80 MB), or where no such thread can
-    be had, it is read here as before."""
+    by one of ``_DEEP_READERS`` threads with a stack of ``_DEEP_STACK``, started once (the stack
+    size is one setting for the whole process, changed only while they start: a thread another part
+    of the process started meanwhile would get one as large). Where they cannot be had (an address
+    space limit), it is read here as before."""
     if size <= _INLINE:
         return load()
-    got: list[Any] = []
-    failed: list[BaseException] = []
-    context = contextvars.copy_context()  # (the caller's context: a new thread starts with none)
-
-    def run() -> None:
-        try:
-            got.append(context.run(load))
-        except BaseException as exc:  # (raised again in the caller)
-            failed.append(exc)
-
-    worker: threading.Thread | None = threading.Thread(target=run, name="ckpttool-unpickle", daemon=True)
-    with _STACK_LOCK:
-        before = threading.stack_size()
-        try:
-            threading.stack_size(min(size * _STACK_PER_BYTE + (16 << 20), _MAX_STACK))
-            worker.start()  # type: ignore[union-attr]
-        except (RuntimeError, ValueError, MemoryError, OverflowError):
-            worker = None
-        finally:
-            threading.stack_size(before)
-    if worker is None:
+    readers = _deep_readers()
+    if readers is None:
         return load()
-    worker.join()
-    if failed:
-        raise failed[0]
-    return got[0]
+    done: Future[Any] = Future()
+    readers.put((contextvars.copy_context(), load, done))  # (the caller's context: a thread starts with none)
+    return done.result()
+
+
+def _deep_readers() -> queue.SimpleQueue[Any] | None:
+    """The deep readers' queue, their threads started on first use (again in a forked child, which
+    has none of its parent's threads); None where no thread with such a stack can be started."""
+    with _STACK_LOCK:
+        if _deep["pid"] != os.getpid():
+            _deep["pid"], _deep["queue"] = os.getpid(), None
+            tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
+            before = threading.stack_size()
+            started = 0
+            try:
+                threading.stack_size(_DEEP_STACK)
+                for k in range(_DEEP_READERS):
+                    name = f"ckpttool-unpickle-{k}"
+                    threading.Thread(target=_deep_reader, args=(tasks,), name=name, daemon=True).start()
+                    started += 1
+            except (RuntimeError, ValueError, MemoryError, OverflowError):
+                pass
+            finally:
+                threading.stack_size(before)
+            _deep["queue"] = tasks if started else None
+        queue_: queue.SimpleQueue[Any] | None = _deep["queue"]
+        return queue_
+
+
+def _deep_reader(tasks: queue.SimpleQueue[Any]) -> None:
+    while True:
+        context, load, done = tasks.get()
+        try:
+            done.set_result(context.run(load))
+        except BaseException as exc:  # (raised again in the caller)
+            done.set_exception(exc)
 
 
 MAX_WALK_STEPS = 8_000_000

@@ -357,6 +357,9 @@ def _diff(
                     report.identical += 1
                     continue
                 d = _compare(key, ra, ia, rb, ib, atol, rtol)
+                # (the further copies each the same as the other side's own where both cut the
+                # tensor alike, as a checkpoint against itself: a damaged copy is not read)
+                alike = d.differing == 0 and _same_copies(ra, ia, rb, ib)
             except _Unread as exc:  # (damaged bytes on a side: not read, never shown equal or different)
                 said = exc.error.message
                 if exc.error.rule == "checksum-mismatch":  # (the read that completed the member: the damage
@@ -367,9 +370,7 @@ def _diff(
                 report.identical += 1
             else:
                 report.values.append(d)
-            # (the first copies agree: the others must too; each the same as the other side's own
-            # copy where both cut the tensor alike, as a checkpoint against itself)
-            if d.within_tolerance and not (d.differing == 0 and _same_copies(ra, ia, rb, ib)):
+            if d.within_tolerance and not alike:  # (the first copies agree: the others must too)
                 report.copies += _copies_that_differ(key, ra, ia, rb, ib, atol, rtol)
             if progress is not None:
                 progress(ia.nbytes)
@@ -733,13 +734,19 @@ def _state_in_pickles(
         report.not_compared.append(f"{said} of {side}, its data position: {other} keeps none")
     optim = (wanted is None or "optim" in wanted) and (rx is None or "optim" in selected)
     ga, gb = (m.extras.get("param_groups") for m in (ma, mb))
-    if optim and isinstance(ga, dict) and isinstance(gb, dict) and ga and gb:
-        _param_groups(report, ga, gb)
+    groups = bool(optim and isinstance(ga, dict) and isinstance(gb, dict) and ga and gb)
+    if groups:
+        _param_groups(report, ga, gb)  # type: ignore[arg-type]
     unread = [(side, m.extras["unread_state"]) for side, m in (("A", ma), ("B", mb)) if m.extras.get("unread_state")]
     for side, what in unread if optim else ():
+        if groups:  # (their lr, betas and eps were compared above)
+            what = [_GROUPS_LEFT if w.startswith("the param groups") else w for w in what]
         report.not_compared.append(
             f"{'; '.join(what)} of {side}, kept in its rank files' optimizer pickles (not read as items)"
         )
+
+
+_GROUPS_LEFT = "the param groups' weight decay and other settings (their lr, betas and eps are compared)"
 
 
 _GROUP_KEYS = ("lr", "betas", "eps")

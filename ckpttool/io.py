@@ -1303,7 +1303,7 @@ def check_output(
     if os.fspath(output) == "-":  # (a file named "-" appeared in the working directory)
         raise UsageError(
             f"{flag} -: ckpttool writes its outputs to files, not to standard output",
-            hint="give a path (./- names a file called '-')"
+            hint="give a file's path (a file named '-' with its folder: /path/to/-)"
             + ("; --json prints the report on stdout" if flag == "--report" else ""),
         )
     for part in out.parts:  # (before any stat: a longer name raises ENAMETOOLONG from every look at it)

@@ -117,7 +117,7 @@ def _handles_errors(fn: F) -> F:
         out = Output()
         # with --json, an error is also a JSON document on stdout (a script reading it found nothing
         # there); verify writes its own, a report that says why it could not judge
-        doc = bool(kwargs.get("json_out")) and fn.__name__ != "verify"
+        doc = bool(kwargs.get("json_out")) and fn.__name__ != "verify" and not _a_later_rank()
         try:
             return fn(*args, **kwargs)
         except CkptError as exc:
@@ -184,6 +184,15 @@ def _stopped(exc: KeyboardInterrupt) -> tuple[int, str]:
     from ckpttool.interrupt import Terminated
 
     return (143, "terminated") if isinstance(exc, Terminated) else (130, "interrupted")
+
+
+def _a_later_rank() -> bool:
+    """Whether this process is a rank other than 0 of several torchrun started (rank 0 reports for
+    all: ``reshard.torchrun_world``, not imported for this)."""
+    try:
+        return int(os.environ["RANK"]) > 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except (KeyError, ValueError):
+        return False
 
 
 def _say_error(out: Output, message: str, hint: str | None, json_code: int | bool = False) -> None:
@@ -480,8 +489,16 @@ def verify(
         checked, out, needed, severity = _verify_checks(
             path, manifest, report_file, junit_file, fail_on, require, json_out, quiet
         )
-    except BaseException:
+    except BaseException as exc:
         holding.close()
+        if json_out and isinstance(exc, CkptError):  # (its report on stdout says why, as for any error)
+            from ckpttool.verify import VerifyReport
+
+            refused = VerifyReport(
+                path=str(path), seal=str(manifest) if manifest else None, deep=deep, error=exc.message,
+                error_hint=exc.hint,
+            )  # fmt: skip
+            Output(json_mode=True).json(refused.to_json("warning" if fail_on == "warning" else "error"))
         raise
     from ckpttool.errors import UsageError
     from ckpttool.verify import VerifyReport

@@ -691,6 +691,10 @@ def _deep_reader(tasks: queue.SimpleQueue[Any]) -> None:
             done.set_result(context.run(load))
         except BaseException as exc:  # (raised again in the caller)
             done.set_exception(exc)
+        # (let go before waiting for the next: ``load`` is the unpickler's bound method, whose memo
+        # holds every object it made, which stayed alive while the caller went on: 45% more memory
+        # at the peak of describing a DCP checkpoint of 20 000 chunks)
+        del context, load, done
 
 
 MAX_WALK_STEPS = 8_000_000

@@ -13,7 +13,7 @@ import io
 import math
 import struct
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -689,13 +689,13 @@ BROADCAST_HINT = (
 )
 
 
-def broadcast_problem(ref: _unpickle.TensorRef) -> str | None:
-    """Why a tensor is not expanded into memory: a broadcast view (strides of 0) far larger than
-    the elements it stores, past 256 MB (4 TB from one stored element took every command that read
-    it to an out-of-memory error); None for any other tensor."""
-    numel = math.prod(ref.shape)
-    stored = 1 + sum((n - 1) * s for n, s in zip(ref.shape, ref.stride, strict=True) if n > 0)
-    if numel > 1024 * stored and numel * lookup_dtype(ref.dtype).itemsize > 256 << 20:
+def broadcast_problem(shape: Sequence[int], stride: Sequence[int], dtype: str) -> str | None:
+    """Why a tensor view is not expanded into memory: a broadcast view (strides of 0) far larger
+    than the elements it stores, past 256 MB (4 TB from one stored element took every command that
+    read it to an out-of-memory error); None for any other view."""
+    numel = math.prod(shape)
+    stored = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True) if n > 0)
+    if numel > 1024 * stored and numel * lookup_dtype(dtype).itemsize > 256 << 20:
         return (
             f"tensor of {numel:,} elements is a broadcast view of {stored:,} stored ones; ckpttool does not expand it"
         )
@@ -720,7 +720,7 @@ def read_tensor(archive: Archive, ref: _unpickle.TensorRef, out: np.ndarray | No
             f"{ref.storage.key} which holds {span.length:,}",
             path=archive.display,
         )
-    if (problem := broadcast_problem(ref)) is not None:
+    if (problem := broadcast_problem(ref.shape, ref.stride, ref.dtype)) is not None:
         raise CorruptFileError(f"{archive.display}: {problem}", hint=BROADCAST_HINT, path=archive.display)
     start = span.offset + ref.storage_offset * itemsize
     if is_c_contiguous(ref.shape, ref.stride):

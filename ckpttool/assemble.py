@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from ckpttool import device
+from ckpttool._torchzip import BROADCAST_HINT
 from ckpttool.dtypes import carrier
 from ckpttool.errors import CorruptFileError
 from ckpttool.formats.base import PieceReader
@@ -78,6 +81,25 @@ def check_coverage(item: Item) -> None:
         )
 
 
+UNEXPANDABLE = "unexpandable"
+"""the locator key of a piece whose values no command expands, and why (a broadcast view of
+terabytes from a few stored elements: ``_torchzip.broadcast_problem``, set by ``_pt.tensor_piece``)"""
+
+
+def refuse_unexpandable(items: Iterable[Item], *, written: bool = False) -> None:
+    """Refuse a tensor with a piece marked :data:`UNEXPANDABLE`, before room is made for its values
+    (``assemble``, and every writer, which makes room for the largest tensor first: they ran out of
+    memory, reported as a bug). ``written``: said by a command that writes an output."""
+    for item in items:
+        for p in item.pieces:
+            if isinstance(problem := p.locator.get(UNEXPANDABLE), str):
+                raise CorruptFileError(
+                    f"{p.file}: {item.name}: {problem}" + ("; nothing was written" if written else ""),
+                    hint=BROADCAST_HINT,
+                    path=p.file,
+                )
+
+
 def assemble(reader: PieceReader, item: Item, out: np.ndarray | None = None, box: Box | None = None) -> np.ndarray:
     """The values of ``item`` inside ``box`` (default: the whole tensor) as a C-ordered array of the
     item's carrier dtype. Pieces whose region lies on contiguous memory of ``out`` are read straight
@@ -87,9 +109,7 @@ def assemble(reader: PieceReader, item: Item, out: np.ndarray | None = None, box
     assert item.dtype is not None and item.shape is not None
     target = box or Box.whole(item.shape)
     if out is None:
-        for piece in item.pieces:  # (what cannot be read, said before room is made for it)
-            if piece.replica == 0:
-                reader.refuse(piece, item)
+        refuse_unexpandable((item,))  # (said before room is made for it)
         out = np.empty(target.sizes, dtype=carrier(item.dtype))
     elif out.shape != target.sizes:
         out = out.reshape(target.sizes)

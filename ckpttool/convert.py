@@ -25,12 +25,11 @@ from typing import Any
 import numpy as np
 
 from ckpttool._directwrite import open_direct
-from ckpttool.assemble import check_coverage
+from ckpttool.assemble import check_coverage, refuse_unexpandable
 from ckpttool.errors import CkptError, CorruptFileError, UsageError
 from ckpttool.export import (
     describe_split,
     refuse_findings,
-    refuse_unexpandable,
     refuse_unreadable,
     safetensors_selection,
     select,
@@ -390,7 +389,7 @@ def _plain_target(
             "nothing to write: the tensors selected are those of a parameter megatron-core never uses",
             hint="select others (--kind, --filter)",
         )
-    refuse_unexpandable(i for _, i in pairs)
+    refuse_unexpandable((i for _, i in pairs), written=True)
     shards = _shards(pairs, limit)
     names = (
         ["model.safetensors"]

@@ -18,7 +18,7 @@ from typing import BinaryIO
 import numpy as np
 
 from ckpttool import registry
-from ckpttool.assemble import assemble, check_coverage
+from ckpttool.assemble import assemble, check_coverage, refuse_unexpandable
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, PartOfCheckpointError, UsageError
 from ckpttool.formats.base import Adapter, PieceReader
@@ -104,27 +104,12 @@ def _safetensors_head(head: bytes) -> bool:
     return len(head) > 8 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") > 1
 
 
-def refuse_unexpandable(items: Iterable[Item]) -> None:
-    """Refuse to write an output of a tensor no command expands (a broadcast view of terabytes from
-    a few stored elements: ``formats._pt.UNEXPANDABLE``): every writer makes room for a tensor's
-    values before it reads them, and ran out of memory. Exit 3, nothing written."""
-    for i in items:
-        for p in i.pieces:
-            if isinstance(problem := p.locator.get("unexpandable"), str):
-                raise CorruptFileError(
-                    f"{p.file}: {i.name}: {problem}; nothing was written",
-                    hint="torch.save of an expanded tensor (torch.zeros(1).expand(n)) keeps the expansion lazy; save "
-                    "it .contiguous(), or the file is damaged or hostile",
-                    path=p.file,
-                )
-
-
 def refuse_unreadable(items: Iterable[Item], *, hint: str | None = None) -> None:
     """Refuse to write an output without an item of the source that could not be read (an unsafe
     pickle, damaged bytes): the output would be published, sealed and verified clean with that
     state gone. Exit 3, naming the first such item, its file and why."""
     items = list(items)
-    refuse_unexpandable(items)
+    refuse_unexpandable(items, written=True)  # (every writer makes room for a tensor before it reads it)
     bad = [i for i in items if i.error]
     if not bad:
         return
@@ -323,7 +308,7 @@ def export(
     refuse_copies_apart(manifest, "export", (i.name for _, i in pairs))  # (one embedding written, as convert would)
     result.names = [n for n, _ in pairs]
     result.written = [i for _, i in pairs]
-    refuse_unexpandable(result.written)
+    refuse_unexpandable(result.written, written=True)
 
     total = sum(tensor_nbytes(i) for i in result.written)
     with adapter.reader(manifest) as reader, atomic_output(out_path, replace=replaces) as f:

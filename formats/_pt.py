@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ckpttool import _torchzip, _unpickle
+from ckpttool.assemble import UNEXPANDABLE
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, UnsafePickleError
 from ckpttool.formats.base import PieceReader
@@ -271,11 +272,6 @@ def nested_refusal(archive: _torchzip.Archive, value: Any) -> str | None:
     return _unpickle.nested_refusal(data)
 
 
-UNEXPANDABLE = "unexpandable"
-"""the locator key of a piece that is a broadcast view far larger than what it stores: why it is
-not read (:func:`ckpttool._torchzip.broadcast_problem`)"""
-
-
 def tensor_piece(
     rel: str,
     ref: _unpickle.TensorRef,
@@ -313,9 +309,8 @@ def tensor_piece(
         "shape": list(shape),
         "stride": list(stride),
     }
-    view = _unpickle.TensorRef(ref.storage, offset, tuple(shape), tuple(stride), ref.dtype)
-    if (problem := _torchzip.broadcast_problem(view)) is not None:
-        locator[UNEXPANDABLE] = problem  # (no command makes room for it: PtReader.refuse, refuse_unreadable)
+    if (problem := _torchzip.broadcast_problem(shape, stride, ref.dtype)) is not None:
+        locator[UNEXPANDABLE] = problem  # (no command makes room for it: assemble.refuse_unexpandable)
     return Piece(
         file=rel,
         locator=locator,
@@ -349,15 +344,6 @@ class PtReader(PieceReader):
         return archive
 
     def read(self, piece: Piece, item: Item, out: np.ndarray | None = None) -> np.ndarray:
-        return _torchzip.read_tensor(self.archive(piece.file), self._ref(piece, item), out)
-
-    def refuse(self, piece: Piece, item: Item) -> None:
-        if (problem := piece.locator.get(UNEXPANDABLE)) is not None:
-            raise CorruptFileError(
-                f"{piece.file}: {item.name}: {problem}", hint=_torchzip.BROADCAST_HINT, path=piece.file
-            )
-
-    def _ref(self, piece: Piece, item: Item) -> _unpickle.TensorRef:
         assert item.dtype is not None
         loc = piece.locator
         if "storage" not in loc:
@@ -366,9 +352,8 @@ class PtReader(PieceReader):
                 path=piece.file,
             )
         storage = _unpickle.StorageRef(key=loc["storage"], dtype=item.dtype, numel=0, location="cpu")
-        return _unpickle.TensorRef(
-            storage, loc["storage_offset"], tuple(loc["shape"]), tuple(loc["stride"]), item.dtype
-        )
+        ref = _unpickle.TensorRef(storage, loc["storage_offset"], tuple(loc["shape"]), tuple(loc["stride"]), item.dtype)
+        return _torchzip.read_tensor(self.archive(piece.file), ref, out)
 
     def archive_of(self, piece: Piece) -> _torchzip.Archive | None:
         return self.archive(piece.file)

@@ -77,11 +77,6 @@ class PieceReader:
         """The value of a non-tensor item, through the format's restricted unpickler."""
         raise NotImplementedError
 
-    def refuse(self, piece: Piece, item: Item) -> None:
-        """Raise the CkptError :meth:`read` would raise for ``piece`` before it reads anything, where
-        that is known from the manifest alone (a broadcast view of 4 TB): called by ``assemble``
-        before it makes room for the values. Nothing by default."""
-
     def archive_of(self, piece: Piece) -> Any:
         """The ``torch.save`` zip archive holding the piece (for CRC checks), or None when the format
         stores raw bytes."""

@@ -164,6 +164,12 @@ class _Mapped:
         self._maps.clear()
 
 
+def is_container_head(head: bytes) -> bool:
+    """Whether bytes begin as a compress or delta container of any version does (``MAGIC`` less
+    its version)."""
+    return head.startswith(MAGIC[: MAGIC.index(b"DELTA") + 5])
+
+
 def _checkpoint_files(manifest: Manifest, *, base: bool = False) -> list[tuple[str, int]]:
     """The files a container holds of a checkpoint (its seal with them: a sealed checkpoint comes
     back sealed), or, of a base, those a delta reads and checks: not its seal, nor its tracker,
@@ -224,9 +230,7 @@ def create(
         out_path, force=force, directory=False, example="step_1000.delta" if base else "step_1000.ckz"
     )
     if replaces:  # --force replaces an earlier container (or an empty file), never other data (a checkpoint's file)
-        ckio.refuse_replacing_other_file(
-            out_path, f"-o {out_path}", "a ckpttool container", lambda head: head.startswith(tuple(_MAGICS))
-        )
+        ckio.refuse_replacing_other_file(out_path, f"-o {out_path}", "a ckpttool container", is_container_head)
     t_adapter, tm = registry.describe(target)
     t_root, t_layout, t_files = _packed(target, t_adapter, tm)
     b_root: Path | None = None
@@ -478,7 +482,7 @@ def read_header(path: str | Path) -> dict[str, Any]:
             magic = fh.read(len(MAGIC))
             known = _MAGICS.get(magic)
             if known is None:
-                newer = magic.startswith(b"CKPTDELTA") and magic[9:-1].isdigit()
+                newer = is_container_head(magic) and magic[9:-1].isdigit()
                 raise CorruptFileError(
                     f"{p}: a container of a newer ckpttool ({magic.strip().decode()}); this one reads versions "
                     f"{', '.join(str(v) for v, _ in _MAGICS.values())}"

@@ -749,27 +749,20 @@ def _state_in_pickles(
 _GROUPS_LEFT = "the param groups' weight decay and other settings (their lr, betas and eps are compared)"
 
 
-_GROUP_KEYS = ("lr", "betas", "eps")
-"""the param groups' hyperparameters :func:`_param_groups` compares: the same set of values at any
-layout (how parameters fall into groups with their own weight decay, expert flags or steps changes
-with the layout and the optimizer's kind: those are not compared)"""
-
-
 def _param_groups(report: DiffReport, ga: dict[str, Any], gb: dict[str, Any]) -> None:
     """Two Megatron checkpoints' param groups (``extras["param_groups"]``: file -> the groups'
-    plain values), kept in the rank files' pickles: the values of each of :data:`_GROUP_KEYS` over
-    every group of every file, compared as sets, whatever the layouts (a reshard changes how the
-    groups fall into files, not the learning rates and betas they hold). One that differs is a
-    value that differs, ``optimizer.param_groups.*.<key>`` (diff said "equal" of two saves whose lr
-    and betas differed)."""
+    lr, betas and eps: ``formats.megatron.GROUP_HYPER``), kept in the rank files' pickles: each
+    one's values over every group of every file, compared as sets, whatever the layouts (a reshard
+    changes how the groups fall into files, not the learning rates and betas they hold). One that
+    differs is a value that differs, ``optimizer.param_groups.*.<key>`` (diff said "equal" of two
+    saves whose lr and betas differed)."""
 
     def values(held: dict[str, Any]) -> dict[str, list[Any]]:
         out: dict[str, dict[str, Any]] = {}
         for groups in held.values():
             for group in groups if isinstance(groups, list) else ():
                 for k, v in group.items() if isinstance(group, dict) else ():
-                    if k in _GROUP_KEYS:
-                        out.setdefault(k, {})[json.dumps(v, sort_keys=True)] = v
+                    out.setdefault(k, {})[json.dumps(v, sort_keys=True)] = v
         return {k: [vs[j] for j in sorted(vs)] for k, vs in out.items()}
 
     va, vb = values(ga), values(gb)
@@ -1044,19 +1037,27 @@ def _copies_that_differ(
     return out
 
 
-def _piece_key(p: Any) -> tuple[Any, ...]:
-    return (p.box.offsets, p.box.sizes, p.flat or (-1, -1), p.replica)
+def _paired(ia: Item, ib: Item) -> list[tuple[Any, Any]] | None:
+    """Each piece of A with B's of the same region and copy, where both sides cut the tensor the
+    same way (every copy of it too); None where they do not."""
+
+    def key(p: Any) -> tuple[Any, ...]:
+        return (p.box.offsets, p.box.sizes, p.flat or (-1, -1), p.replica)
+
+    if sorted(map(key, ia.pieces)) != sorted(map(key, ib.pieces)):
+        return None
+    by_key = {key(q): q for q in ib.pieces}
+    return [(p, by_key[key(p)]) for p in ia.pieces]
 
 
 def _same_copies(ra: PieceReader, ia: Item, rb: PieceReader, ib: Item) -> bool:
     """Whether both sides cut the tensor the same way and every further copy (replica > 0) holds
     the bytes of the other side's same copy (read here: :func:`_compare` reads first copies only)."""
-    if sorted(map(_piece_key, ia.pieces)) != sorted(map(_piece_key, ib.pieces)):
+    pairs = _paired(ia, ib)
+    if pairs is None:
         return False
-    by_key = {_piece_key(q): q for q in ib.pieces}
-    for p in ia.pieces:
+    for p, q in pairs:
         if p.replica:
-            q = by_key[_piece_key(p)]
             va = _from("a", partial(ra.read, p, ia)).reshape(-1)
             vb = _from("b", partial(rb.read, q, ib)).reshape(-1)
             if not _equal_bytes(va, vb):
@@ -1069,14 +1070,10 @@ def _same_pieces(ia: Item, ib: Item) -> bool:
     way and every piece has one (every copy of it too: a rank's copy differing is a difference).
     Nothing is read: a tensor this cannot say is equal is compared by :func:`_compare`, which reads
     each side once (it was read here as well, then again to compare)."""
-    pa, pb = ia.pieces, ib.pieces
-    if not all(p.checksum for p in (*pa, *pb)):
+    if not all(p.checksum for p in (*ia.pieces, *ib.pieces)):
         return False
-
-    if sorted(map(_piece_key, pa)) != sorted(map(_piece_key, pb)):
-        return False
-    by_key = {_piece_key(p): p for p in pb}
-    return all(p.checksum == by_key[_piece_key(p)].checksum for p in pa)
+    pairs = _paired(ia, ib)
+    return pairs is not None and all(p.checksum == q.checksum for p, q in pairs)
 
 
 def _floats(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -1109,6 +1106,17 @@ def _int_gap(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
 _BLOCK = 1 << 16  # elements compared at a time: temporaries stay in the cache whatever the tensor size
 
 
+def _magnitudes(values: np.ndarray) -> np.ndarray:
+    """Numbers (:func:`_floats`) as float64 magnitudes: a complex value's modulus."""
+    return (np.abs(values) if values.dtype.kind == "c" else values).astype(np.float64)
+
+
+def _norm_sq(fb: np.ndarray) -> float:
+    """The sum of squares of float64 magnitudes, NaN left out (NaN on both sides of an equal block)."""
+    sq = float(np.dot(fb, fb))
+    return sq if math.isfinite(sq) else float(np.nansum(fb * fb))
+
+
 class _Accumulator:
     """The figures of one tensor's comparison, gathered region by region (blocks of ``_BLOCK``
     elements: bits, then values as float64)."""
@@ -1132,10 +1140,9 @@ class _Accumulator:
             differs = _bits_differ(a, b)
             count = int(differs.sum())
             nb = _floats(b, dtype_b)  # (decoded once: bfloat16 and float8 go through a table)
-            fb = (np.abs(nb) if nb.dtype.kind == "c" else nb).astype(np.float64)  # (magnitudes, for sq_b)
+            fb = _magnitudes(nb)  # (for sq_b)
             if not count:
-                sq = float(np.dot(fb, fb))
-                self.sq_b += sq if math.isfinite(sq) else float(np.nansum(fb * fb))  # NaN on both sides
+                self.sq_b += _norm_sq(fb)
                 continue
             local = np.unravel_index(lo + int(np.argmax(differs)), box.sizes) if box.sizes else ()
             where = tuple(int(o) + int(i) for o, i in zip(box.offsets, local, strict=True))
@@ -1152,10 +1159,7 @@ class _Accumulator:
         """A region equal on both sides: its part of |B|, as :meth:`add` counts it."""
         with np.errstate(all="ignore"):
             for lo in range(0, vb.size, _BLOCK):
-                nb = _floats(vb[lo : lo + _BLOCK], dtype_b)
-                fb = (np.abs(nb) if nb.dtype.kind == "c" else nb).astype(np.float64)
-                sq = float(np.dot(fb, fb))
-                self.sq_b += sq if math.isfinite(sq) else float(np.nansum(fb * fb))
+                self.sq_b += _norm_sq(_magnitudes(_floats(vb[lo : lo + _BLOCK], dtype_b)))
 
     def _add_integers(self, gap: np.ndarray, fb: np.ndarray) -> None:
         """Integers (steps, token counts, masks): exact differences, and within tolerance only

@@ -22,7 +22,7 @@ from ckpttool.assemble import assemble, check_coverage, refuse_unexpandable
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, PartOfCheckpointError, UsageError
 from ckpttool.formats.base import Adapter, PieceReader
-from ckpttool.formats.safetensors import NUMBERED, written_metadata
+from ckpttool.formats.safetensors import NUMBERED, starts_as_safetensors, written_metadata
 from ckpttool.formats.torchsave import refuse_a_part
 from ckpttool.io import (
     atomic_output,
@@ -97,11 +97,6 @@ def select(items: list[Item], *, kind: str = "all", pattern: str | None = None) 
             hint=f"its items are named like {names}; 'ckpttool ls' lists them all",
         )
     return chosen
-
-
-def _safetensors_head(head: bytes) -> bool:
-    """Whether a file begins as a safetensors file: its header's length, then the JSON's ``{``."""
-    return len(head) > 8 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") > 1
 
 
 def refuse_unreadable(items: Iterable[Item], *, hint: str | None = None) -> None:
@@ -288,7 +283,7 @@ def export(
         raise UsageError(f"{out_path} exists", hint="choose another -o path or pass --force to replace it")
     replaces = check_output(out_path, force=force, directory=False, example="model.safetensors")
     if replaces:  # (an earlier export, or an empty file; other data under the name is not lost to --force)
-        refuse_replacing_other_file(out_path, f"-o {output}", "a safetensors file", _safetensors_head)
+        refuse_replacing_other_file(out_path, f"-o {output}", "a safetensors file", starts_as_safetensors)
     if out_path.suffix != ".safetensors":  # (read back, or by other tools, a file is known by its suffix)
         raise UsageError(
             f"-o {output}: export writes a safetensors file, which readers (ckpttool's among them) know by its "

@@ -166,11 +166,13 @@ def describe(path: str | Path) -> tuple[Adapter, Manifest]:
 
 
 def _is_container(path: Path) -> bool:
-    """Whether ``path`` is a file that begins as the containers of compress and delta do, of any
-    version (``delta.MAGIC`` less its version: delta and its codecs are not imported for this)."""
+    """Whether ``path`` is a file that begins as the containers of compress and delta do (asked
+    only of a path no format claims: delta and its codecs are imported for nothing else)."""
+    from ckpttool.delta import is_container_head
+
     try:
         with path.open("rb") as fh:
-            return fh.read(9) == b"CKPTDELTA"
+            return is_container_head(fh.read(16))
     except OSError:
         return False
 

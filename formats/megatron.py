@@ -327,16 +327,19 @@ _TE_TO_LOCAL = {
 }
 
 
-_NOT_PLAIN = object()
+GROUP_HYPER = ("lr", "betas", "eps")
+"""the param groups' values ``extras["param_groups"]`` keeps, which diff compares: the same set of
+values at any layout (how parameters fall into groups with their own weight decay, expert flags or
+steps changes with the layout and the optimizer's kind)"""
 
 
-def _json_plain(v: Any) -> Any:
-    """A param group's value as JSON keeps it (a tuple as a list), or ``_NOT_PLAIN``."""
-    if v is None or type(v) in (bool, int, str) or (type(v) is float and math.isfinite(v)):
+def _numbers(v: Any) -> list[float] | float | None:
+    """A finite number, or a tuple or list of them (betas) as a list; None for anything else."""
+    if type(v) in (int, float) and math.isfinite(v):
         return v
-    if isinstance(v, list | tuple) and all(x is None or type(x) in (bool, int, float, str) for x in v):
-        return [x for x in v] if all(type(x) is not float or math.isfinite(x) for x in v) else _NOT_PLAIN
-    return _NOT_PLAIN
+    if isinstance(v, list | tuple) and v and all(type(x) in (int, float) and math.isfinite(x) for x in v):
+        return list(v)
+    return None
 
 
 def _note_unread(manifest: Manifest, opt: dict[str, Any], inner: dict[str, Any], stepped: bool, rel: str) -> None:
@@ -349,9 +352,9 @@ def _note_unread(manifest: Manifest, opt: dict[str, Any], inner: dict[str, Any],
     with the iteration."""
     groups = inner.get("param_groups")
     steps = [g["step"] for g in groups or () if isinstance(g, dict) and type(g.get("step")) in (int, float)]
-    hyper = [{k: _json_plain(v) for k, v in g.items() if k != "params" and _json_plain(v) is not _NOT_PLAIN}
+    hyper = [{k: n for k in GROUP_HYPER if (n := _numbers(g.get(k))) is not None}
              for g in groups or () if isinstance(g, dict)]  # fmt: skip
-    if hyper:  # (what diff compares of two Megatron checkpoints' param groups, whatever their layouts)
+    if any(hyper):  # (what diff compares of two Megatron checkpoints' param groups, whatever their layouts)
         manifest.extras.setdefault("param_groups", {})[rel] = hyper
     if steps:
         held: dict[str, list[float]] = manifest.extras.setdefault("group_steps", {})

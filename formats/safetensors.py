@@ -693,18 +693,21 @@ class SafetensorsReader(PieceReader):
 
 
 def _safetensors_header(path: Path) -> bool:
-    """Whether a file starts as safetensors files do: an 8-byte little-endian header length that
-    fits in the file, then the JSON header's ``{``."""
+    """Whether a file starts as safetensors files do (:func:`starts_as_safetensors`)."""
     try:
         with open(path, "rb") as fh:
-            head = fh.read(9)
-            size = os.fstat(fh.fileno()).st_size
+            return starts_as_safetensors(fh.read(9), os.fstat(fh.fileno()).st_size)
     except OSError:
         return False
+
+
+def starts_as_safetensors(head: bytes, size: int | None = None) -> bool:
+    """Whether a file's first bytes are a safetensors file's: an 8-byte little-endian header length
+    (that fits in the file, its ``size`` where known), then the JSON header's ``{``."""
     if len(head) < 9 or head[8:9] != b"{":
         return False
     n = int.from_bytes(head[:8], "little")
-    return 2 <= n <= size - 8
+    return n >= 2 and (size is None or n <= size - 8)
 
 
 ADAPTER = SafetensorsAdapter()

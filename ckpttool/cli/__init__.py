@@ -492,16 +492,10 @@ def verify(
     except BaseException as exc:
         holding.close()
         if json_out and isinstance(exc, CkptError):  # (its report on stdout says why, as for any error)
-            from ckpttool.verify import VerifyReport
-
-            refused = VerifyReport(
-                path=str(path), seal=str(manifest) if manifest else None, deep=deep, error=exc.message,
-                error_hint=exc.hint,
-            )  # fmt: skip
-            Output(json_mode=True).json(refused.to_json("warning" if fail_on == "warning" else "error"))
+            refused = _unjudged(path, manifest, deep, exc.message, exc.hint)
+            Output(json_mode=True).json(refused.to_json(_failing_severity(fail_on)))
         raise
     from ckpttool.errors import UsageError
-    from ckpttool.verify import VerifyReport
     from ckpttool.verify import verify as run
 
     with out.progress("verify") as update:
@@ -522,13 +516,8 @@ def verify(
             # always()`); written whole before the command stops (a second signal waits for it)
             from ckpttool import interrupt
 
-            stopped = VerifyReport(
-                path=str(path),
-                seal=str(manifest) if manifest else None,
-                deep=deep,
-                error=f"verify was {_stopped(exc)[1]} before it finished: the checkpoint was not judged",
-                error_hint="run verify again to the end",
-            )
+            said = f"verify was {_stopped(exc)[1]} before it finished: the checkpoint was not judged"
+            stopped = _unjudged(path, manifest, deep, said, "run verify again to the end")
             with interrupt.held():
                 _verify_outputs(out, stopped, severity, report_file, junit_file, checked)
             raise
@@ -549,9 +538,7 @@ def verify(
                 message, hint = _out_of_memory(exc)
             else:
                 message, hint = f"internal error: {type(exc).__name__}: {exc}", "this is a bug in ckpttool"
-            failed = VerifyReport(
-                path=str(path), seal=str(manifest) if manifest else None, deep=deep, error=message, error_hint=hint
-            )
+            failed = _unjudged(path, manifest, deep, message, hint)
             _verify_outputs(out, failed, severity, report_file, junit_file, checked)
             raise
     _verify_outputs(out, report, severity, report_file, junit_file, checked)
@@ -591,8 +578,20 @@ def _verify_checks(
             hint="give each report a file of its own",
         )
     needed = [s.strip() for given in require or () for s in given.split(",") if s.strip()]
-    severity: Severity = "warning" if fail_on == "warning" else "error"
-    return checked, Output(json_mode=json_out, quiet=quiet), needed, severity
+    return checked, Output(json_mode=json_out, quiet=quiet), needed, _failing_severity(fail_on)
+
+
+def _failing_severity(fail_on: str) -> Severity:
+    return "warning" if fail_on == "warning" else "error"
+
+
+def _unjudged(path: Path, manifest: Path | None, deep: bool, message: str, hint: str | None) -> VerifyReport:
+    """verify's report of a checkpoint it could not judge (a refused option, a signal, an error),
+    saying why."""
+    from ckpttool.verify import VerifyReport
+
+    seal = str(manifest) if manifest else None
+    return VerifyReport(path=str(path), seal=seal, deep=deep, error=message, error_hint=hint)
 
 
 _REPORT_HEADS = {

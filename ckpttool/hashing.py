@@ -1,9 +1,12 @@
 """Checksums of files and of pieces, computed in one pass over each file.
 
-Every file is read once, sequentially, in chunks of ``CHUNK`` bytes read straight into one buffer.
+Every file is read once, front to back, in chunks of ``CHUNK`` bytes read straight into a buffer.
 Each chunk feeds the file's hasher and the hashers of the pieces whose raw bytes it
 overlaps, so sealing a checkpoint costs one read of its bytes. Files are spread over a pool of
-threads: reads release the GIL, and one core hashes (xxh3) far faster than storage delivers.
+threads: reads, xxh3, SHA-256 and CRC-32 all release the GIL. Where the pool has more threads than
+files (a checkpoint of a few large files on a machine of many cores), a large file gets several
+(:func:`_hash_in_lanes`): threads reading its chunks ahead into a ring of buffers, one feeding them
+in order to the file's hasher, others to the pieces' hashers, split between them.
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ from ckpttool._directwrite import open_direct
 
 Algo = Literal["xxh3-128", "sha256", "crc32"]
 CHUNK = 1 << 20
+LANE_MIN = 64 << 20
+"""A file this large or larger is hashed by several threads where the pool has threads to spare."""
+MAX_LANES = 6
+"""Threads for one file at most: one core's xxh3 of the file's digest, which no other can share,
+is the limit before that."""
 
 
 class _Hasher(Protocol):
@@ -119,9 +127,11 @@ def hash_file(
     algo: Algo,
     progress: Callable[[int], None] | None = None,
     cancel: threading.Event | None = None,
+    lanes: int = 1,
 ) -> tuple[FileDigest, dict[Any, str]]:
     """Digest of a whole file and of each span inside it, reading the file once. Raises
-    Cancelled soon after ``cancel`` is set."""
+    Cancelled soon after ``cancel`` is set. ``lanes``: threads it may use (this one included),
+    given to a file of ``LANE_MIN`` bytes or more (:func:`_hash_in_lanes`)."""
     path = root / rel
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -132,25 +142,12 @@ def hash_file(
         size = opened.st_size
         whole = new_hasher(algo)
         hashers = {s.key: new_hasher(s.algo or algo) for s in spans}
-        feeder = SpanFeeder((s.offset, s.length, hashers[s.key]) for s in spans)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        buf = bytearray(min(CHUNK, max(size, 1)))
-        view = memoryview(buf)
-        pos = 0
-        while pos < size:
-            if cancel is not None and cancel.is_set():
-                raise Cancelled(rel)
-            n = ckio.preadinto(fd, view[: min(len(buf), size - pos)], pos)
-            if n == 0:
-                break
-            chunk = view[:n]
-            whole.update(chunk)
-            for h, part in feeder.feeds(chunk, pos):
-                h.update(part)
-            if progress is not None:
-                progress(n)
-            pos += n
+        if lanes > 1 and size >= LANE_MIN:
+            pos = _hash_in_lanes(fd, size, whole, spans, hashers, min(lanes, MAX_LANES), rel, progress, cancel)
+        else:
+            pos = _hash_in_one(fd, size, whole, spans, hashers, rel, progress, cancel)
         now = os.fstat(fd)
         if pos < size or (now.st_size, now.st_mtime_ns) != (size, opened.st_mtime_ns):
             how = (
@@ -167,6 +164,179 @@ def hash_file(
         return FileDigest(rel, -1, None, str(exc)), {}
     finally:
         os.close(fd)
+
+
+def _hash_in_one(
+    fd: int,
+    size: int,
+    whole: _Hasher,
+    spans: list[Span],
+    hashers: dict[Any, _Hasher],
+    rel: str,
+    progress: Callable[[int], None] | None,
+    cancel: threading.Event | None,
+) -> int:
+    """Reads the file into one buffer, feeding every hasher; returns the bytes read."""
+    feeder = SpanFeeder((s.offset, s.length, hashers[s.key]) for s in spans)
+    buf = bytearray(min(CHUNK, max(size, 1)))
+    view = memoryview(buf)
+    pos = 0
+    while pos < size:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled(rel)
+        n = ckio.preadinto(fd, view[: min(len(buf), size - pos)], pos)
+        if n == 0:
+            break
+        chunk = view[:n]
+        whole.update(chunk)
+        for h, part in feeder.feeds(chunk, pos):
+            h.update(part)
+        if progress is not None:
+            progress(n)
+        pos += n
+    return pos
+
+
+def _span_groups(spans: list[Span], groups: int) -> list[list[Span]]:
+    """``spans`` split into at most ``groups`` lists of about the same cost to hash (a CRC-32 costs
+    about half an xxh3), each in file order."""
+    out: list[list[Span]] = [[] for _ in range(max(1, min(groups, len(spans))))]
+    load = [0.0] * len(out)
+    for s in sorted(spans, key=lambda s: -s.length):
+        k = load.index(min(load))
+        out[k].append(s)
+        load[k] += s.length * (0.5 if s.algo == "crc32" else 1.0)
+    return [sorted(g, key=lambda s: s.offset) for g in out if g]
+
+
+class _Ring:
+    """Chunks of one file read ahead into ``slots`` buffers by reader threads, each chunk handed to
+    every consumer in turn; a buffer is read into again once every consumer is done with it.
+    Chunk ``i`` lies in buffer ``i % slots``; reader ``j`` of ``r`` reads chunks ``j, j + r, ...``."""
+
+    def __init__(self, fd: int, size: int, chunk: int, slots: int, consumers: int) -> None:
+        self.fd, self.size, self.chunk, self.consumers = fd, size, chunk, consumers
+        self.chunks = -(-size // chunk)
+        self.bufs = [memoryview(bytearray(chunk)) for _ in range(min(slots, self.chunks))]
+        n = len(self.bufs)
+        self.loaded = [-1] * n  # the chunk each buffer holds, once read
+        self.length = [0] * n
+        self.left = [0] * n  # consumers not done with it
+        self.released = [s - n for s in range(n)]  # the last chunk each buffer was done with
+        self.cv = threading.Condition()
+        self.end = size  # where the file turned out to end, if short of size
+        self.failed: BaseException | None = None
+
+    def _free(self, i: int, s: int) -> bool:  # buffer s may take chunk i
+        return self.released[s] == i - len(self.bufs)
+
+    def _loaded(self, i: int, s: int) -> bool:  # chunk i is in buffer s, or lies past the file's end
+        return self.loaded[s] == i or i * self.chunk >= self.end
+
+    def _wait(self, ready: Callable[[int, int], bool], i: int, s: int, cancel: threading.Event | None) -> bool:
+        """Waits (holding ``cv``) until ``ready(i, s)``; False once the pass failed or was cancelled."""
+        while True:
+            if cancel is not None and cancel.is_set() and self.failed is None:
+                self.failed = Cancelled()
+                self.cv.notify_all()
+            if self.failed is not None:
+                return False
+            if ready(i, s):
+                return True
+            self.cv.wait(0.05)
+
+    def fail(self, exc: BaseException) -> None:
+        with self.cv:
+            if self.failed is None:
+                self.failed = exc
+            self.cv.notify_all()
+
+    def read(self, first: int, step: int, cancel: threading.Event | None) -> None:
+        n = len(self.bufs)
+        try:
+            for i in range(first, self.chunks, step):
+                s = i % n
+                with self.cv:
+                    if not self._wait(self._free, i, s, cancel) or i * self.chunk >= self.end:
+                        return
+                want = min(self.chunk, self.size - i * self.chunk)
+                got = ckio.preadinto(self.fd, self.bufs[s][:want], i * self.chunk)
+                with self.cv:
+                    if got < want:  # the file ended early: no chunk past this one is read
+                        self.end = min(self.end, i * self.chunk + got)
+                    self.loaded[s], self.length[s], self.left[s] = i, got, self.consumers
+                    self.cv.notify_all()
+        except BaseException as exc:
+            self.fail(exc)
+
+    def consume(self, feed: Callable[[memoryview, int], None], cancel: threading.Event | None) -> None:
+        """Hands every chunk, in order, to ``feed(bytes, offset)``; stops at the file's end."""
+        n = len(self.bufs)
+        try:
+            for i in range(self.chunks):
+                s = i % n
+                with self.cv:
+                    if not self._wait(self._loaded, i, s, cancel):
+                        return
+                    if self.loaded[s] != i:  # (the file ended before this chunk)
+                        return
+                    length = self.length[s]
+                if length:
+                    feed(self.bufs[s][:length], i * self.chunk)
+                with self.cv:
+                    self.left[s] -= 1
+                    if self.left[s] == 0:
+                        self.released[s] = i
+                        self.cv.notify_all()
+        except BaseException as exc:
+            self.fail(exc)
+
+
+def _hash_in_lanes(
+    fd: int,
+    size: int,
+    whole: _Hasher,
+    spans: list[Span],
+    hashers: dict[Any, _Hasher],
+    lanes: int,
+    rel: str,
+    progress: Callable[[int], None] | None,
+    cancel: threading.Event | None,
+    chunk: int | None = None,
+) -> int:
+    """:func:`_hash_in_one` with ``lanes`` threads (this one feeding the file's hasher): half the
+    others read ahead, the rest feed the spans' hashers, the spans split between them by bytes.
+    Returns the bytes read (short of ``size`` where the file ended early)."""
+    groups = _span_groups(spans, (lanes - 1) // 2) if spans else []
+    readers = max(1, lanes - 1 - len(groups))
+    ring = _Ring(fd, size, chunk or CHUNK, 2 * (readers + 1), 1 + len(groups))
+
+    def feed_whole(data: memoryview, at: int) -> None:
+        whole.update(data)
+        if progress is not None:
+            progress(len(data))
+
+    def feeding(group: list[Span]) -> Callable[[memoryview, int], None]:
+        feeds = SpanFeeder((s.offset, s.length, hashers[s.key]) for s in group).feeds
+
+        def feed(data: memoryview, at: int) -> None:
+            for h, part in feeds(data, at):
+                h.update(part)
+
+        return feed
+
+    threads = [threading.Thread(target=ring.read, args=(j, readers, cancel), daemon=True) for j in range(readers)]
+    threads += [threading.Thread(target=ring.consume, args=(feeding(g), cancel), daemon=True) for g in groups]
+    for t in threads:
+        t.start()
+    ring.consume(feed_whole, cancel)
+    for t in threads:
+        t.join()
+    if isinstance(ring.failed, Cancelled):
+        raise Cancelled(rel)
+    if ring.failed is not None:
+        raise ring.failed
+    return ring.end
 
 
 @dataclass(slots=True)
@@ -266,18 +436,35 @@ def hash_files(
 ) -> tuple[dict[str, FileDigest], dict[Any, str]]:
     """Hash ``files`` (relative to ``root``) and the spans inside them, files spread over threads."""
     files = list(files)
-    workers = workers or min(8, max(2, os.cpu_count() or 2))
+    workers = workers or default_workers()
     file_digests: dict[str, FileDigest] = {}
     span_digests: dict[Any, str] = {}
     sizes = {rel: _size(root / rel) for rel in files}
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    lanes = lanes_for(sizes.values(), workers)
+    with ThreadPoolExecutor(max_workers=min(workers, max(1, len(files)))) as pool:
         order = sorted(files, key=lambda r: -sizes[r])  # largest first: the workers finish together
-        futures = [pool.submit(hash_file, root, rel, spans.get(rel, []), algo, progress, cancel) for rel in order]
+        futures = [
+            pool.submit(hash_file, root, rel, spans.get(rel, []), algo, progress, cancel, lanes) for rel in order
+        ]
         for fut in futures:
             fd, sd = fut.result()
             file_digests[fd.path] = fd
             span_digests.update(sd)
     return file_digests, span_digests
+
+
+def default_workers() -> int:
+    """Threads of a hashing pass: one a core, between 2 and 8 (more ran slower on 16 cores: the
+    memory's bandwidth is spent by then; docs/benchmarks.md)."""
+    return min(8, max(2, os.cpu_count() or 2))
+
+
+def lanes_for(sizes: Iterable[int], workers: int) -> int:
+    """Threads that each file of ``LANE_MIN`` bytes or more may take when ``workers`` threads hash
+    files of these ``sizes``: those beyond one a file, shared evenly by the large files."""
+    sizes = list(sizes)
+    large = sum(1 for n in sizes if n >= LANE_MIN)
+    return max(1, (workers - (len(sizes) - large)) // large) if large else 1
 
 
 def _size(path: Path) -> int:

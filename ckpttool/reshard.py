@@ -17,16 +17,18 @@ any format). Each format's writer
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import math
 import os
+import queue
 import re
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context, resource_tracker
 from pathlib import Path
@@ -361,6 +363,10 @@ class _FileExec:
                     results[i] = self.writer.write(*f.key, tmp / f.path, reader, progress)
             self.known.update(known)
             return results
+        # this process writes files too, taking the next one as it finishes one, while the pool's
+        # processes start (a spawned interpreter takes a while) and then beside them: --workers N is N
+        # processes writing. The pool is handed a file each time one of its processes finishes one.
+        #
         # the workers never see Ctrl-C or SIGTERM: this process alone handles them, stops the workers
         # and removes the output in flight. They start with both blocked (a spawned interpreter keeps
         # the signal mask it was started with, for its whole life), here blocked in this thread for
@@ -369,33 +375,85 @@ class _FileExec:
         # instead lost those another thread took). Either is held back until every worker has been
         # sent its instructions (one raised between a worker's start and that write left it reading
         # an empty pipe, and it printed a traceback)
+        todo = collections.deque(zip(indices, chosen, strict=True))
+        lock = threading.Lock()
+        stop = threading.Event()  # (a file failed, or this process is stopping the pool)
+        done: queue.SimpleQueue[tuple[int, Future[Any]]] = queue.SimpleQueue()
+
+        def take() -> tuple[int, Any] | None:
+            with lock:
+                return todo.popleft() if todo and not stop.is_set() else None
+
+        def feed(pool: ProcessPoolExecutor, first: list[tuple[int, Future[Any]]]) -> None:
+            """Hands the pool the next file as each of its files is done; ends when none is left."""
+            running = {fut: i for i, fut in first}
+            while running:
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    done.put((running.pop(fut), fut))
+                    if fut.cancelled() or fut.exception() is not None:
+                        stop.set()
+                    nxt = take()
+                    if nxt is not None:
+                        try:
+                            running[pool.submit(_run_task, nxt[1].key, str(tmp / nxt[1].path))] = nxt[0]
+                        except RuntimeError:  # (the pool is being stopped)
+                            stop.set()
+
+        def collect() -> None:
+            while not done.empty():
+                i, fut = done.get()
+                result, nbytes, hashed, partial = fut.result()
+                results[i] = result
+                self.known.update(hashed)
+                self.partial += partial
+                if progress is not None:
+                    progress(nbytes)
+
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])  # (a signal raised here changed nothing)
         pool: ProcessPoolExecutor | None = None
+        feeder: threading.Thread | None = None
         try:
             with interrupt.held():
                 resource_tracker.ensure_running()  # (started later, it would unblock the two as it starts)
                 signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
                 try:
+                    helpers = min(workers, len(chosen)) - 1
                     pool = ProcessPoolExecutor(
-                        min(workers, len(chosen)),
+                        helpers,
                         mp_context=get_context("spawn"),
                         initializer=_init_worker,
                         initargs=(self.build, self.args, self.adapter, self.manifest, self.device, os.getpid()),
                     )
-                    futures = [pool.submit(_run_task, f.key, str(tmp / f.path)) for f in chosen]
+                    first = []
+                    for _ in range(helpers):  # (the last files: this process starts on the first ones)
+                        i, f = todo.pop()
+                        first.append((i, pool.submit(_run_task, f.key, str(tmp / f.path))))
+                    # (started with both signals blocked: a process it might start would keep them so)
+                    feeder = threading.Thread(target=feed, args=(pool, first), name="ckpttool-feed", daemon=True)
+                    feeder.start()
                 finally:
                     signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # (a signal that waited lands here)
-            for i, fut in zip(indices, futures, strict=True):
-                result, size, known, partial = fut.result()
-                results[i] = result
-                self.known.update(known)
-                self.partial += partial
-                if progress is not None:
-                    progress(size)
+            with (
+                device.using(self.device),
+                collecting_written() as known,
+                self.adapter.reader(self.manifest) as reader,
+            ):
+                while (nxt := take()) is not None:
+                    i, f = nxt
+                    (tmp / f.path).parent.mkdir(parents=True, exist_ok=True)
+                    results[i] = self.writer.write(*f.key, tmp / f.path, reader, progress)
+                    collect()
+            self.known.update(known)
+            feeder.join()
+            collect()
         except BaseException:
+            stop.set()
             try:
                 if pool is not None:
                     _stop(pool)
+                if feeder is not None:
+                    feeder.join()
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             raise

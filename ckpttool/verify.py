@@ -43,7 +43,7 @@ from ckpttool.formats import _pt
 from ckpttool.formats.base import Adapter
 from ckpttool.formats.rankshards import LOCAL_KEYS
 from ckpttool.geometry import Box, coverage, flat_range_boxes, intersect
-from ckpttool.hashing import FileDigest, Span, hash_bytes, hash_file, hash_files
+from ckpttool.hashing import FileDigest, Span, default_workers, hash_bytes, hash_file, hash_files, lanes_for
 from ckpttool.io import (
     RandomAccessFile,
     checking_crcs,
@@ -1691,7 +1691,8 @@ def _check_integrity(
     pieces: dict[tuple[str, int], str] = {}
     files: dict[str, FileDigest] = {}
     counted = {"files": 0, "bytes": 0}
-    pool_size = workers or min(8, max(2, os.cpu_count() or 2))
+    pool_size = workers or default_workers()
+    lanes = lanes_for((f.size for f in manifest.files if f.path in hashable), pool_size)
 
     def check(fut: Future[tuple[FileDigest, dict[Any, str]]], rel: str, spans: list[Span], expected: Expected) -> None:
         digest, digests = fut.result()
@@ -1722,7 +1723,8 @@ def _check_integrity(
             # decompressed, and it is still read for its digest, which the copy check compares)
             if rel is None or rel not in hashable:
                 return
-            pending.append((pool.submit(hash_file, root, rel, spans, "xxh3-128", progress), rel, spans, expected))
+            fut = pool.submit(hash_file, root, rel, spans, "xxh3-128", progress, None, lanes)
+            pending.append((fut, rel, spans, expected))
             while len(pending) > 2 * pool_size:
                 check(*pending.popleft())
 

@@ -390,7 +390,9 @@ def seal(
     hash_: Annotated[str, typer.Option("--hash", help="xxh3-128 (fast) or sha256 (to match external digests).")] = (
         "xxh3-128"
     ),
-    workers: Annotated[int | None, typer.Option("--workers", min=1, help="Files hashed at once.")] = None,
+    workers: Annotated[
+        int | None, typer.Option("--workers", min=1, help="Hashing threads (a large file may take several).")
+    ] = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -468,7 +470,9 @@ def verify(
     junit_file: Annotated[
         Path | None, typer.Option("--junit", help="Also write a JUnit XML report here.", parser=_a_path)
     ] = None,
-    workers: Annotated[int | None, typer.Option("--workers", min=1, help="Files read at once.")] = None,
+    workers: Annotated[
+        int | None, typer.Option("--workers", min=1, help="Reading threads (a large file may take several).")
+    ] = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

@@ -1,0 +1,129 @@
+"""The hashing pass of seal and verify: a large file hashed by several threads (lanes) gives the
+digests one thread gives, stops on a cancel, a read error or a file cut short, and never hangs."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+
+import pytest
+import xxhash
+
+from ckpttool import hashing
+from ckpttool import io as ckio
+from ckpttool.hashing import CHUNK, Cancelled, Span, hash_file, hash_files
+
+
+@pytest.fixture
+def big(tmp_path, monkeypatch):
+    """A 9.5 MiB file of random bytes, with lanes given to files of 1 MiB and more."""
+    monkeypatch.setattr(hashing, "LANE_MIN", CHUNK)
+    data = random.Random(7).randbytes(9 * CHUNK + CHUNK // 2)
+    (tmp_path / "big.bin").write_bytes(data)
+    return data
+
+
+def _spans(size: int, rng: random.Random) -> list[Span]:
+    """Spans of every kind: overlapping, crossing chunks, inside one chunk, empty, at the end, CRC-32."""
+    out = [Span(("whole", 0), 0, size), Span(("tail", 0), size - 5, 5), Span(("empty", 0), 3 * CHUNK, 0)]
+    for k in range(40):
+        at = rng.randrange(size)
+        out.append(Span(("p", k), at, rng.randrange(min(3 * CHUNK, size - at) + 1), "crc32" if k % 3 == 0 else None))
+    return out
+
+
+@pytest.mark.parametrize("lanes", [2, 3, 5, 8, 16])
+@pytest.mark.parametrize("algo", ["xxh3-128", "sha256"])
+def test_lanes_give_the_digests_of_one_thread(big, tmp_path, lanes, algo):
+    spans = _spans(len(big), random.Random(lanes))
+    one, one_spans = hash_file(tmp_path, "big.bin", spans, algo)
+    many, many_spans = hash_file(tmp_path, "big.bin", spans, algo, lanes=lanes)
+    assert many == one and one.digest is not None and one.size == len(big)
+    assert many_spans == one_spans and len(one_spans) == len({s.key for s in spans})
+    assert one_spans[("tail", 0)] == hashing.hash_bytes(big[-5:], algo)
+    if algo == "xxh3-128":
+        assert one.digest == xxhash.xxh3_128(big).hexdigest()
+
+
+def test_lanes_read_each_byte_once(big, tmp_path, monkeypatch):
+    read: list[tuple[int, int]] = []
+    real = ckio.preadinto
+
+    def counting(fd, buf, offset):
+        n = real(fd, buf, offset)
+        read.append((offset, n))
+        return n
+
+    monkeypatch.setattr(ckio, "preadinto", counting)
+    hash_file(tmp_path, "big.bin", _spans(len(big), random.Random(1)), "xxh3-128", lanes=6)
+    assert sorted(read) == [(i * CHUNK, min(CHUNK, len(big) - i * CHUNK)) for i in range(10)]
+
+
+def test_lanes_stop_when_cancelled(big, tmp_path):
+    stop = threading.Event()
+    seen: list[int] = []
+    before = set(threading.enumerate())
+
+    def progress(n: int) -> None:  # cancelled after the first chunk is hashed
+        seen.append(n)
+        stop.set()
+
+    with pytest.raises(Cancelled):
+        hash_files(tmp_path, ["big.bin"], {}, progress=progress, cancel=stop, workers=6)
+    assert seen == [CHUNK]
+    assert set(threading.enumerate()) <= before  # (no lane left waiting)
+
+
+def test_lanes_say_a_file_cut_short_while_read(big, tmp_path, monkeypatch):
+    real = ckio.preadinto
+    path = tmp_path / "big.bin"
+
+    def cutting(fd, buf, offset):
+        if offset >= 4 * CHUNK and path.stat().st_size > 4 * CHUNK:
+            os.truncate(path, 4 * CHUNK + 100)  # a writer truncates the file under the pass
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(ckio, "preadinto", cutting)
+    got, spans = hash_file(tmp_path, "big.bin", _spans(len(big), random.Random(2)), "xxh3-128", lanes=5)
+    assert got.changed and got.digest is None and spans == {}
+    assert "ended after" in (got.error or "") or "once read" in (got.error or ""), got.error
+
+
+def test_lanes_say_a_read_error(big, tmp_path, monkeypatch):
+    real = ckio.preadinto
+
+    def failing(fd, buf, offset):
+        if offset == 6 * CHUNK:
+            raise OSError(5, "Input/output error")
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(ckio, "preadinto", failing)
+    got, spans = hash_file(tmp_path, "big.bin", _spans(len(big), random.Random(3)), "xxh3-128", lanes=4)
+    assert got.digest is None and got.error == "[Errno 5] Input/output error" and spans == {}
+
+
+def test_threads_go_to_the_large_files(tmp_path, monkeypatch):
+    """The pool's threads beyond one a file go to the files of LANE_MIN bytes or more, evenly."""
+    monkeypatch.setattr(hashing, "LANE_MIN", 1000)
+    for k in range(3):
+        (tmp_path / f"large{k}").write_bytes(bytes(2000))
+    for k in range(4):
+        (tmp_path / f"small{k}").write_bytes(bytes(10))
+    given: dict[str, int] = {}
+    real = hashing.hash_file
+
+    def recording(root, rel, spans, algo, progress, cancel, lanes=1):
+        given[rel] = lanes
+        return real(root, rel, spans, algo, progress, cancel, lanes)
+
+    monkeypatch.setattr(hashing, "hash_file", recording)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    digests, _ = hash_files(tmp_path, files, {}, workers=16)
+    assert {rel: d.digest for rel, d in digests.items()} == {
+        rel: xxhash.xxh3_128((tmp_path / rel).read_bytes()).hexdigest() for rel in files
+    }
+    assert given == {**{f"large{k}": 4 for k in range(3)}, **{f"small{k}": 4 for k in range(4)}}
+    assert hashing.lanes_for([2000, 2000, 10], 8) == 3 and hashing.lanes_for([10, 10], 8) == 1
+    hash_files(tmp_path, files, {}, workers=2)
+    assert set(given.values()) == {1}

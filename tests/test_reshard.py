@@ -596,6 +596,25 @@ def test_workers_write_the_same_bytes(source, target, tmp_path):
     assert sa == sb
 
 
+def test_workers_n_is_n_processes_writing(tmp_path, monkeypatch):
+    """--workers 3: this process writes files too, beside two spawned ones (each spawned one is
+    handed a file before this process starts on the others): it writes some, not all."""
+    from ckpttool.formats.dcp_write import DcpWriter
+
+    here: list[str] = []
+    real = DcpWriter.write
+
+    def recording(self, *args, **kwargs):  # (a spawned worker imports the module afresh: not its calls)
+        here.append(Path(args[-3]).name)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DcpWriter, "write", recording)
+    reshard(FIXTURES / "dcp/fsdp2", tmp_path / "out", Target(dp=8), workers=3)
+    written = sorted(p.name for p in (tmp_path / "out").glob("*.distcp"))
+    assert len(written) == 8 and 1 <= len(here) <= 6 and set(here) < set(written), here
+    assert verify(tmp_path / "out").failing() == []
+
+
 @pytest.mark.parametrize(
     ("source", "target", "parted"),
     [

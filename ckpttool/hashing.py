@@ -177,7 +177,7 @@ def _hash_in_one(
     cancel: threading.Event | None,
 ) -> int:
     """Reads the file into one buffer, feeding every hasher; returns the bytes read."""
-    feeder = SpanFeeder((s.offset, s.length, hashers[s.key]) for s in spans)
+    feed = _feeding(spans, hashers)
     buf = bytearray(min(CHUNK, max(size, 1)))
     view = memoryview(buf)
     pos = 0
@@ -189,8 +189,7 @@ def _hash_in_one(
             break
         chunk = view[:n]
         whole.update(chunk)
-        for h, part in feeder.feeds(chunk, pos):
-            h.update(part)
+        feed(chunk, pos)
         if progress is not None:
             progress(n)
         pos += n
@@ -227,8 +226,8 @@ class _Ring:
         self.end = size  # where the file turned out to end, if short of size
         self.failed: BaseException | None = None
 
-    def _free(self, i: int, s: int) -> bool:  # buffer s may take chunk i
-        return self.released[s] == i - len(self.bufs)
+    def _free(self, i: int, s: int) -> bool:  # buffer s may take chunk i, or chunk i lies past the file's end
+        return self.released[s] == i - len(self.bufs) or i * self.chunk >= self.end
 
     def _loaded(self, i: int, s: int) -> bool:  # chunk i is in buffer s, or lies past the file's end
         return self.loaded[s] == i or i * self.chunk >= self.end
@@ -292,6 +291,17 @@ class _Ring:
             self.fail(exc)
 
 
+def _feeding(spans: list[Span], hashers: dict[Any, _Hasher]) -> Callable[[memoryview, int], None]:
+    """A feed of a file's bytes, in order, to the hashers of ``spans`` (by key in ``hashers``)."""
+    feeds = SpanFeeder((s.offset, s.length, hashers[s.key]) for s in spans).feeds
+
+    def feed(data: memoryview, at: int) -> None:
+        for h, part in feeds(data, at):
+            h.update(part)
+
+    return feed
+
+
 def _hash_in_lanes(
     fd: int,
     size: int,
@@ -304,31 +314,34 @@ def _hash_in_lanes(
     cancel: threading.Event | None,
     chunk: int | None = None,
 ) -> int:
-    """:func:`_hash_in_one` with ``lanes`` threads (this one feeding the file's hasher): half the
-    others read ahead, the rest feed the spans' hashers, the spans split between them by bytes.
-    Returns the bytes read (short of ``size`` where the file ended early)."""
-    groups = _span_groups(spans, (lanes - 1) // 2) if spans else []
+    """:func:`_hash_in_one` with ``lanes`` threads, this one feeding the file's hasher: of the
+    others, half read ahead and the rest feed the spans' hashers, the spans split between them by
+    bytes (with two lanes: one reads, this one feeds the spans too). Returns the bytes read (short
+    of ``size`` where the file ended early)."""
+    groups = _span_groups(spans, (lanes - 1) // 2) if spans and lanes > 2 else []
     readers = max(1, lanes - 1 - len(groups))
     ring = _Ring(fd, size, chunk or CHUNK, 2 * (readers + 1), 1 + len(groups))
+    feed_spans = _feeding(spans, hashers) if spans and not groups else None
 
     def feed_whole(data: memoryview, at: int) -> None:
         whole.update(data)
+        if feed_spans is not None:
+            feed_spans(data, at)
         if progress is not None:
             progress(len(data))
 
-    def feeding(group: list[Span]) -> Callable[[memoryview, int], None]:
-        feeds = SpanFeeder((s.offset, s.length, hashers[s.key]) for s in group).feeds
-
-        def feed(data: memoryview, at: int) -> None:
-            for h, part in feeds(data, at):
-                h.update(part)
-
-        return feed
-
     threads = [threading.Thread(target=ring.read, args=(j, readers, cancel), daemon=True) for j in range(readers)]
-    threads += [threading.Thread(target=ring.consume, args=(feeding(g), cancel), daemon=True) for g in groups]
-    for t in threads:
-        t.start()
+    threads += [threading.Thread(target=ring.consume, args=(_feeding(g, hashers), cancel), daemon=True) for g in groups]
+    started = []
+    try:
+        for t in threads:
+            t.start()
+            started.append(t)
+    except BaseException as exc:  # (can't start new thread: those started are told to stop)
+        ring.fail(exc)
+        for t in started:
+            t.join()
+        raise
     ring.consume(feed_whole, cancel)
     for t in threads:
         t.join()

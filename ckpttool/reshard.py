@@ -378,31 +378,50 @@ class _FileExec:
         todo = collections.deque(zip(indices, chosen, strict=True))
         lock = threading.Lock()
         stop = threading.Event()  # (a file failed, or this process is stopping the pool)
-        done: queue.SimpleQueue[tuple[int, Future[Any]]] = queue.SimpleQueue()
+        done: queue.SimpleQueue[tuple[int, Future[Any]] | None] = queue.SimpleQueue()
 
         def take() -> tuple[int, Any] | None:
             with lock:
                 return todo.popleft() if todo and not stop.is_set() else None
 
         def feed(pool: ProcessPoolExecutor, first: list[tuple[int, Future[Any]]]) -> None:
-            """Hands the pool the next file as each of its files is done; ends when none is left."""
+            """Hands the pool the next file as each of its files is done; posts each done one to
+            ``done``, then None. Stops at the first failure (raised at once by the caller, which
+            stops the pool), not waiting for the files still being written."""
             running = {fut: i for i, fut in first}
-            while running:
-                finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    done.put((running.pop(fut), fut))
-                    if fut.cancelled() or fut.exception() is not None:
-                        stop.set()
-                    nxt = take()
-                    if nxt is not None:
-                        try:
-                            running[pool.submit(_run_task, nxt[1].key, str(tmp / nxt[1].path))] = nxt[0]
-                        except RuntimeError:  # (the pool is being stopped)
+            try:
+                while running and not stop.is_set():
+                    finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                    for fut in finished:
+                        done.put((running.pop(fut), fut))
+                        if fut.cancelled() or fut.exception() is not None:
                             stop.set()
+                        elif (nxt := take()) is not None:
+                            running[pool.submit(_run_task, nxt[1].key, str(tmp / nxt[1].path))] = nxt[0]
+            except BaseException as exc:  # (the pool stopped under it: said, not lost)
+                stop.set()
+                failed: Future[Any] = Future()
+                failed.set_exception(exc)
+                done.put((-1, failed))
+            finally:
+                done.put(None)
 
-        def collect() -> None:
-            while not done.empty():
-                i, fut = done.get()
+        ended = [False]
+
+        def collect(block: bool) -> None:
+            """Takes in the files the pool has written (all of them, with ``block``); raises the
+            first failure."""
+            while len(results) < len(chosen):
+                try:
+                    got = done.get(timeout=0.2) if block else done.get_nowait()
+                except queue.Empty:  # (waited in steps: a Ctrl-C lands between them)
+                    if block and not ended[0]:
+                        continue
+                    return
+                if got is None:
+                    ended[0] = True
+                    continue
+                i, fut = got
                 result, nbytes, hashed, partial = fut.result()
                 results[i] = result
                 self.known.update(hashed)
@@ -439,14 +458,17 @@ class _FileExec:
                 collecting_written() as known,
                 self.adapter.reader(self.manifest) as reader,
             ):
+                # (a file the pool failed to write stops this loop once the file in hand is written)
                 while (nxt := take()) is not None:
                     i, f = nxt
                     (tmp / f.path).parent.mkdir(parents=True, exist_ok=True)
                     results[i] = self.writer.write(*f.key, tmp / f.path, reader, progress)
-                    collect()
+                    collect(block=False)
             self.known.update(known)
+            collect(block=True)
             feeder.join()
-            collect()
+            if len(results) < len(chosen):  # (not expected: every file the pool took is posted)
+                raise RuntimeError(f"{len(chosen) - len(results)} files were left unwritten by the worker pool")
         except BaseException:
             stop.set()
             try:

@@ -1692,7 +1692,9 @@ def _check_integrity(
     files: dict[str, FileDigest] = {}
     counted = {"files": 0, "bytes": 0}
     pool_size = workers or default_workers()
-    lanes = lanes_for((f.size for f in manifest.files if f.path in hashable), pool_size)
+    lanes = lanes_for(
+        (f.size for f in manifest.files if f.path in hashable and (only is None or f.path in only)), pool_size
+    )
 
     def check(fut: Future[tuple[FileDigest, dict[Any, str]]], rel: str, spans: list[Span], expected: Expected) -> None:
         digest, digests = fut.result()

@@ -127,3 +127,51 @@ def test_threads_go_to_the_large_files(tmp_path, monkeypatch):
     assert hashing.lanes_for([2000, 2000, 10], 8) == 3 and hashing.lanes_for([10, 10], 8) == 1
     hash_files(tmp_path, files, {}, workers=2)
     assert set(given.values()) == {1}
+
+
+def test_lanes_end_when_a_file_is_cut_short_under_a_slow_reader(tmp_path, monkeypatch):
+    """A reader that had gone ahead waits for a buffer that the chunks past the new end will never
+    free: it stops once the end is known (it waited for ever, and the pass with it)."""
+    import time
+
+    chunk = 4096
+    monkeypatch.setattr(hashing, "CHUNK", chunk)
+    monkeypatch.setattr(hashing, "LANE_MIN", chunk)
+    path = tmp_path / "f"
+    path.write_bytes(random.Random(5).randbytes(40 * chunk))
+    real = ckio.preadinto
+
+    def steered(fd, buf, offset):
+        if offset // chunk == 3:
+            time.sleep(0.3)
+            os.truncate(path, 3 * chunk + chunk // 2)
+        if offset // chunk == 5:
+            time.sleep(0.6)
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(ckio, "preadinto", steered)
+    got: list = []
+    worker = threading.Thread(target=lambda: got.append(hash_file(tmp_path, "f", [], "xxh3-128", lanes=4)), daemon=True)
+    worker.start()
+    worker.join(20)
+    assert not worker.is_alive(), "the pass hung"
+    assert got[0][0].changed and got[0][0].digest is None
+
+
+@pytest.mark.parametrize("lanes", [2, 3, 4, 6])
+def test_lanes_use_the_threads_given(big, tmp_path, monkeypatch, lanes):
+    """``lanes`` counts the calling thread: two lanes are one reader beside it, which then feeds the
+    spans too."""
+    started: list[threading.Thread] = []
+    real = threading.Thread.start
+
+    def counting(self):
+        started.append(self)
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", counting)
+    spans = _spans(len(big), random.Random(9))
+    one, one_spans = hash_file(tmp_path, "big.bin", spans, "xxh3-128")
+    many, many_spans = hash_file(tmp_path, "big.bin", spans, "xxh3-128", lanes=lanes)
+    assert (many, many_spans) == (one, one_spans)
+    assert len(started) == lanes - 1

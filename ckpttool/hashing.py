@@ -312,7 +312,6 @@ def _hash_in_lanes(
     rel: str,
     progress: Callable[[int], None] | None,
     cancel: threading.Event | None,
-    chunk: int | None = None,
 ) -> int:
     """:func:`_hash_in_one` with ``lanes`` threads, this one feeding the file's hasher: of the
     others, half read ahead and the rest feed the spans' hashers, the spans split between them by
@@ -320,7 +319,7 @@ def _hash_in_lanes(
     of ``size`` where the file ended early)."""
     groups = _span_groups(spans, (lanes - 1) // 2) if spans and lanes > 2 else []
     readers = max(1, lanes - 1 - len(groups))
-    ring = _Ring(fd, size, chunk or CHUNK, 2 * (readers + 1), 1 + len(groups))
+    ring = _Ring(fd, size, CHUNK, 2 * (readers + 1), 1 + len(groups))
     feed_spans = _feeding(spans, hashers) if spans and not groups else None
 
     def feed_whole(data: memoryview, at: int) -> None:

@@ -27,7 +27,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context, resource_tracker
@@ -353,15 +353,7 @@ class _FileExec:
         results: dict[int, Any] = {}
         chosen = [self.planned[i] for i in indices]
         if workers <= 1 or len(chosen) <= 1:
-            with (
-                device.using(self.device),
-                collecting_written() as known,
-                self.adapter.reader(self.manifest) as reader,
-            ):
-                for i, f in zip(indices, chosen, strict=True):
-                    (tmp / f.path).parent.mkdir(parents=True, exist_ok=True)
-                    results[i] = self.writer.write(*f.key, tmp / f.path, reader, progress)
-            self.known.update(known)
+            self._write_here(tmp, zip(indices, chosen, strict=True), results, progress)
             return results
         # this process writes files too, taking the next one as it finishes one, while the pool's
         # processes start (a spawned interpreter takes a while) and then beside them: --workers N is N
@@ -378,7 +370,7 @@ class _FileExec:
         todo = collections.deque(zip(indices, chosen, strict=True))
         lock = threading.Lock()
         stop = threading.Event()  # (a file failed, or this process is stopping the pool)
-        done: queue.SimpleQueue[tuple[int, Future[Any]] | None] = queue.SimpleQueue()
+        done: queue.SimpleQueue[tuple[int, Future[Any]]] = queue.SimpleQueue()
 
         def take() -> tuple[int, Any] | None:
             with lock:
@@ -386,8 +378,8 @@ class _FileExec:
 
         def feed(pool: ProcessPoolExecutor, first: list[tuple[int, Future[Any]]]) -> None:
             """Hands the pool the next file as each of its files is done; posts each done one to
-            ``done``, then None. Stops at the first failure (raised at once by the caller, which
-            stops the pool), not waiting for the files still being written."""
+            ``done``. Stops at the first failure (raised at once by the caller, which stops the
+            pool), not waiting for the files still being written."""
             running = {fut: i for i, fut in first}
             try:
                 while running and not stop.is_set():
@@ -403,25 +395,18 @@ class _FileExec:
                 failed: Future[Any] = Future()
                 failed.set_exception(exc)
                 done.put((-1, failed))
-            finally:
-                done.put(None)
-
-        ended = [False]
 
         def collect(block: bool) -> None:
-            """Takes in the files the pool has written (all of them, with ``block``); raises the
-            first failure."""
+            """Takes in the files the pool has written (with ``block``, until the feeder has
+            ended); raises the first failure."""
             while len(results) < len(chosen):
                 try:
-                    got = done.get(timeout=0.2) if block else done.get_nowait()
+                    i, fut = done.get(timeout=0.2) if block else done.get_nowait()
                 except queue.Empty:  # (waited in steps: a Ctrl-C lands between them)
-                    if block and not ended[0]:
+                    # (once the feeder has ended nothing more comes: what it posted last is taken first)
+                    if block and ((feeder is not None and feeder.is_alive()) or not done.empty()):
                         continue
                     return
-                if got is None:
-                    ended[0] = True
-                    continue
-                i, fut = got
                 result, nbytes, hashed, partial = fut.result()
                 results[i] = result
                 self.known.update(hashed)
@@ -453,18 +438,8 @@ class _FileExec:
                     feeder.start()
                 finally:
                     signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # (a signal that waited lands here)
-            with (
-                device.using(self.device),
-                collecting_written() as known,
-                self.adapter.reader(self.manifest) as reader,
-            ):
-                # (a file the pool failed to write stops this loop once the file in hand is written)
-                while (nxt := take()) is not None:
-                    i, f = nxt
-                    (tmp / f.path).parent.mkdir(parents=True, exist_ok=True)
-                    results[i] = self.writer.write(*f.key, tmp / f.path, reader, progress)
-                    collect(block=False)
-            self.known.update(known)
+            # (a file the pool failed to write stops take() once the file in hand is written)
+            self._write_here(tmp, iter(take, None), results, progress, between=lambda: collect(block=False))
             collect(block=True)
             feeder.join()
             if len(results) < len(chosen):  # (not expected: every file the pool took is posted)
@@ -481,6 +456,28 @@ class _FileExec:
             raise
         pool.shutdown(wait=True)
         return results
+
+    def _write_here(
+        self,
+        tmp: Path,
+        files: Iterable[tuple[int, Any]],
+        results: dict[int, Any],
+        progress: Callable[[int], None] | None,
+        between: Callable[[], None] | None = None,
+    ) -> None:
+        """Writes ``files`` (index, planned file) in this process, into ``results``; ``between``
+        runs after each."""
+        with (
+            device.using(self.device),
+            collecting_written() as known,
+            self.adapter.reader(self.manifest) as reader,
+        ):
+            for i, f in files:
+                (tmp / f.path).parent.mkdir(parents=True, exist_ok=True)
+                results[i] = self.writer.write(*f.key, tmp / f.path, reader, progress)
+                if between is not None:
+                    between()
+        self.known.update(known)
 
 
 _STOPS = (signal.SIGINT, signal.SIGTERM)

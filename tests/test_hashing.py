@@ -17,11 +17,21 @@ from ckpttool.hashing import CHUNK, Cancelled, Span, hash_file, hash_files
 
 @pytest.fixture
 def big(tmp_path, monkeypatch):
-    """A 9.5 MiB file of random bytes, with lanes given to files of 1 MiB and more."""
+    """A 9.5 MiB file of random bytes, with lanes given to files of 1 MiB and more; each test that
+    takes it must hash in lanes (not fall back on one thread, which would pass the checks too)."""
     monkeypatch.setattr(hashing, "LANE_MIN", CHUNK)
+    in_lanes: list[int] = []
+    real = hashing._hash_in_lanes
+
+    def counted(*args, **kwargs):
+        in_lanes.append(args[5])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hashing, "_hash_in_lanes", counted)
     data = random.Random(7).randbytes(9 * CHUNK + CHUNK // 2)
     (tmp_path / "big.bin").write_bytes(data)
-    return data
+    yield data
+    assert in_lanes and min(in_lanes) > 1, "the file was not hashed in lanes"
 
 
 def _spans(size: int, rng: random.Random) -> list[Span]:

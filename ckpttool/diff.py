@@ -357,9 +357,8 @@ def _diff(
                     report.identical += 1
                     continue
                 d = _compare(key, ra, ia, rb, ib, atol, rtol)
-                # (the further copies each the same as the other side's own where both cut the
-                # tensor alike, as a checkpoint against itself: a damaged copy is not read)
-                alike = d.differing == 0 and _same_copies(ra, ia, rb, ib)
+                # (the first copies agree: the others must too; a damaged copy is not read)
+                copies = _copies_that_differ(key, ra, ia, rb, ib, atol, rtol) if d.within_tolerance else []
             except _Unread as exc:  # (damaged bytes on a side: not read, never shown equal or different)
                 said = exc.error.message
                 if exc.error.rule == "checksum-mismatch":  # (the read that completed the member: the damage
@@ -370,8 +369,7 @@ def _diff(
                 report.identical += 1
             else:
                 report.values.append(d)
-            if d.within_tolerance and not alike:  # (the first copies agree: the others must too)
-                report.copies += _copies_that_differ(key, ra, ia, rb, ib, atol, rtol)
+            report.copies += copies
             if progress is not None:
                 progress(ia.nbytes)
     _unfinished_members(report, ma, mb)
@@ -1004,23 +1002,30 @@ def _copies_that_differ(
 ) -> list[dict[str, Any]]:
     """The copies (replica > 0) on either side whose values differ from the other side's for
     their region: a TP rank's norm or a DP rank's copy changed, which diff read past (it compared
-    the first copies only, "equal")."""
+    the first copies only, "equal"). Where both sides cut the tensor alike, a copy with the bytes
+    of the other side's same copy is passed after that one read of each (as a checkpoint against
+    itself). Damaged bytes raise _Unread, whatever the layouts."""
+    passed: set[int] = set()  # (pieces, by id, equal to their twin on the other side)
+    for p, q in _paired(ia, ib) or ():
+        if p.replica:
+            va = _from("a", partial(ra.read, p, ia)).reshape(-1)
+            vb = _from("b", partial(rb.read, q, ib)).reshape(-1)
+            if _equal_bytes(va, vb):
+                passed |= {id(p), id(q)}
     out: list[dict[str, Any]] = []
     for side, r_mine, mine, r_other, other in (("A", ra, ia, rb, ib), ("B", rb, ib, ra, ia)):
         assert mine.dtype is not None and other.dtype is not None
+        here, there = side.lower(), "b" if side == "A" else "a"
         for p in mine.pieces:
-            if not p.replica:
+            if not p.replica or id(p) in passed:
                 continue
             only = [replace(p, replica=0)]
             alone = Item(name=mine.name, kind=mine.kind, dtype=mine.dtype, shape=mine.shape, pieces=only)
             acc = _Accumulator(atol, rtol)
-            try:
-                for box in regions(p):
-                    va = assemble(r_mine, alone, box=box).reshape(-1)
-                    vb = assemble(r_other, other, box=box).reshape(-1)
-                    acc.add(va, vb, mine.dtype, other.dtype, box)
-            except CkptError:
-                continue
+            for box in regions(p):
+                va = _from(here, partial(assemble, r_mine, alone, box=box)).reshape(-1)
+                vb = _from(there, partial(assemble, r_other, other, box=box)).reshape(-1)
+                acc.add(va, vb, mine.dtype, other.dtype, box)
             res = acc.result(name, mine.name, other.name, 0)
             if not res.within_tolerance:
                 out.append(
@@ -1048,21 +1053,6 @@ def _paired(ia: Item, ib: Item) -> list[tuple[Any, Any]] | None:
         return None
     by_key = {key(q): q for q in ib.pieces}
     return [(p, by_key[key(p)]) for p in ia.pieces]
-
-
-def _same_copies(ra: PieceReader, ia: Item, rb: PieceReader, ib: Item) -> bool:
-    """Whether both sides cut the tensor the same way and every further copy (replica > 0) holds
-    the bytes of the other side's same copy (read here: :func:`_compare` reads first copies only)."""
-    pairs = _paired(ia, ib)
-    if pairs is None:
-        return False
-    for p, q in pairs:
-        if p.replica:
-            va = _from("a", partial(ra.read, p, ia)).reshape(-1)
-            vb = _from("b", partial(rb.read, q, ib)).reshape(-1)
-            if not _equal_bytes(va, vb):
-                return False
-    return True
 
 
 def _same_pieces(ia: Item, ib: Item) -> bool:

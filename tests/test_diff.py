@@ -810,3 +810,7 @@ def test_a_damaged_copy_of_a_replicated_tensor_is_not_read_not_a_crash(tmp_path)
     assert report.identical == report.compared - 1 and not report.values
     r = run_cli("diff", FIXTURES / "megatron" / "legacy_tp2pp2", b)
     assert r.code == 3 and "not read: decoder.layers.0.input_layernorm.weight" in r.stdout and "internal" not in r.stderr
+    # against another layout of the same save (torch_dist keeps one copy): the same, not passed over
+    # ("equal", exit 0, on damaged bytes)
+    across = diff(FIXTURES / "megatron" / "dist_tp2pp2", b)
+    assert [u["name"] for u in across.unread] == ["decoder.layers.0.input_layernorm.weight"], across.to_json()

@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -77,14 +76,18 @@ Runs = dict[str, list[tuple[float, int]]]
 
 
 def alternate(
-    cmds: dict[str, list[str]], repeat: int, reset: Callable[[str], None]
+    cmds: dict[str, list[str]],
+    repeat: int,
+    reset: Callable[[str], None],
+    ok: dict[str, tuple[int, ...]] | None = None,
 ) -> tuple[Runs, dict[str, tuple[float, float]]]:
     """Each command ``repeat`` times, taking turns, every run starting alike (``reset(name)``
     removes old outputs, then no dirty pages are left by the run before). The order rotates by one
     each round, so that every command runs as often in every position: on the virtual machines of
     docs/benchmarks.md a run that writes right after another big write pays for it (page-cache
-    memory just freed by the host comes back slowly), which favoured whichever came later. Returns
-    every run and the medians (wall seconds, peak RSS bytes) by name."""
+    memory just freed by the host comes back slowly), which favoured whichever came later. ``ok``:
+    the exit codes a command may end with (by name; 0 alone otherwise). Returns every run and the
+    medians (wall seconds, peak RSS bytes) by name."""
     results: Runs = {k: [] for k in cmds}
     names = list(cmds)
     for round_ in range(repeat):
@@ -92,7 +95,7 @@ def alternate(
         for name in names[shift:] + names[:shift]:
             reset(name)
             os.sync()
-            results[name].append(run(cmds[name]))
+            results[name].append(run(cmds[name], (ok or {}).get(name, (0,))))
     med = {k: (statistics.median(w for w, _ in v), statistics.median(r for _, r in v)) for k, v in results.items()}
     return results, med
 

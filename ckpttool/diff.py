@@ -23,7 +23,7 @@ import numpy as np
 from ckpttool import _unpickle, registry
 from ckpttool import io as ckio
 from ckpttool.assemble import assemble, regions
-from ckpttool.dtypes import as_float, carrier, float32_to_bf16
+from ckpttool.dtypes import as_numbers, carrier, float32_to_bf16
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.geometry import Box
@@ -443,7 +443,7 @@ def _tensor_and_value(report: DiffReport, key: str, ra: PieceReader, ia: Item, r
     number = value.summary is None and isinstance(value.value, bool | int | float)
     if tensor.dtype is not None and math.prod(tensor.shape or ()) == 1:
         try:
-            element = _floats(assemble(reader, tensor).reshape(-1), tensor.dtype)[0].item()
+            element = as_numbers(assemble(reader, tensor).reshape(-1), tensor.dtype)[0].item()
         except CkptError:
             report.unread.append(
                 {"name": key, "a": shown if ia.is_tensor else ia.value, "b": shown if ib.is_tensor else ib.value}
@@ -690,7 +690,7 @@ def _extra_masters(
                 continue
             try:
                 copy = assemble(reader, item).reshape(-1)
-                values = _floats(assemble(reader, param).reshape(-1), param.dtype or "float32")
+                values = as_numbers(assemble(reader, param).reshape(-1), param.dtype or "float32")
             except CkptError:
                 continue
             if np.array_equal(copy.view(np.uint32), values.astype(np.float32).view(np.uint32)):
@@ -736,9 +736,11 @@ def _state_in_pickles(
     if groups:
         _param_groups(report, ga, gb)  # type: ignore[arg-type]
     unread = [(side, m.extras["unread_state"]) for side, m in (("A", ma), ("B", mb)) if m.extras.get("unread_state")]
+    from ckpttool.formats.megatron import GROUPS_UNREAD
+
     for side, what in unread if optim else ():
         if groups:  # (their lr, betas and eps were compared above)
-            what = [_GROUPS_LEFT if w.startswith("the param groups") else w for w in what]
+            what = [_GROUPS_LEFT if w == GROUPS_UNREAD else w for w in what]
         report.not_compared.append(
             f"{'; '.join(what)} of {side}, kept in its rank files' optimizer pickles (not read as items)"
         )
@@ -1066,18 +1068,6 @@ def _same_pieces(ia: Item, ib: Item) -> bool:
     return pairs is not None and all(p.checksum == q.checksum for p, q in pairs)
 
 
-def _floats(values: np.ndarray, dtype: str) -> np.ndarray:
-    """Values as numbers: bfloat16 and float8 decoded from their bit patterns (float8 compared as
-    its codes said 448 and 416 were 1 apart), complex kept complex (its imaginary part was
-    dropped), anything else widened to float64."""
-    decoded = as_float(values, dtype)
-    if decoded is not None:
-        return decoded
-    if values.dtype.kind in "fc":
-        return values
-    return values.astype(np.float64)
-
-
 _INTEGERS = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"})
 
 
@@ -1097,7 +1087,7 @@ _BLOCK = 1 << 16  # elements compared at a time: temporaries stay in the cache w
 
 
 def _magnitudes(values: np.ndarray) -> np.ndarray:
-    """Numbers (:func:`_floats`) as float64 magnitudes: a complex value's modulus."""
+    """Numbers (:func:`ckpttool.dtypes.as_numbers`) as float64 magnitudes: a complex value's modulus."""
     return (np.abs(values) if values.dtype.kind == "c" else values).astype(np.float64)
 
 
@@ -1129,7 +1119,7 @@ class _Accumulator:
             a, b = va[lo : lo + _BLOCK], vb[lo : lo + _BLOCK]
             differs = _bits_differ(a, b)
             count = int(differs.sum())
-            nb = _floats(b, dtype_b)  # (decoded once: bfloat16 and float8 go through a table)
+            nb = as_numbers(b, dtype_b)  # (decoded once: bfloat16 and float8 go through a table)
             fb = _magnitudes(nb)  # (for sq_b)
             if not count:
                 self.sq_b += _norm_sq(fb)
@@ -1143,13 +1133,13 @@ class _Accumulator:
                 continue
             # complex values compared in the complex plane (a change of the imaginary part counts)
             wide = np.complex128 if nb.dtype.kind == "c" or a.dtype.kind == "c" else np.float64
-            self._add_values(_floats(a, dtype_a).astype(wide), nb.astype(wide))
+            self._add_values(as_numbers(a, dtype_a).astype(wide), nb.astype(wide))
 
     def add_norm(self, vb: np.ndarray, dtype_b: str) -> None:
         """A region equal on both sides: its part of |B|, as :meth:`add` counts it."""
         with np.errstate(all="ignore"):
             for lo in range(0, vb.size, _BLOCK):
-                self.sq_b += _norm_sq(_magnitudes(_floats(vb[lo : lo + _BLOCK], dtype_b)))
+                self.sq_b += _norm_sq(_magnitudes(as_numbers(vb[lo : lo + _BLOCK], dtype_b)))
 
     def _add_integers(self, gap: np.ndarray, fb: np.ndarray) -> None:
         """Integers (steps, token counts, masks): exact differences, and within tolerance only

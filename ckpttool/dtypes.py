@@ -140,6 +140,18 @@ def as_float(values: np.ndarray, name: str) -> np.ndarray | None:
     return None
 
 
+def as_numbers(values: np.ndarray, name: str) -> np.ndarray:
+    """Values as numbers numpy computes with: bfloat16 and float8 decoded from their bit patterns
+    (float8 compared as its codes said 448 and 416 were 1 apart), complex kept complex (its
+    imaginary part was dropped), anything else widened to float64."""
+    decoded = as_float(values, name)
+    if decoded is not None:
+        return decoded
+    if values.dtype.kind in "fc":
+        return values
+    return values.astype(np.float64)
+
+
 def float32_to_bf16(values: np.ndarray) -> np.ndarray:
     """float32 values narrowed to bfloat16 bit patterns (uint16) as torch's ``.to(torch.bfloat16)``
     rounds them on the CPU: to nearest, ties to even; a NaN becomes 0xFFFF (ATen's vectorised

@@ -37,7 +37,7 @@ from ckpttool import registry
 from ckpttool._torchzip import Archive, record_crc_errors, record_start
 from ckpttool._unpickle import TensorRef
 from ckpttool.assemble import assemble, regions
-from ckpttool.dtypes import as_float, float32_to_bf16
+from ckpttool.dtypes import as_float, as_numbers, float32_to_bf16
 from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedError, NotFoundError, PathEscapeError
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Adapter
@@ -2714,12 +2714,12 @@ def _census(report: VerifyReport, item: Item, values: np.ndarray, stepping: bool
         return
     census = _Census()
     for lo in range(0, flat.size, _CENSUS_BLOCK):
-        census.add(_as_floats(flat[lo : lo + _CENSUS_BLOCK], item.dtype or ""), lo)
+        census.add(as_numbers(flat[lo : lo + _CENSUS_BLOCK], item.dtype or ""), lo)
     if census.absmax is not None and math.isfinite(census.absmax) and census.absmax >= 1e150:
         # (std squares them: values near float64's largest are summed again, scaled by their absmax)
         census.rescale(census.absmax)
         for lo in range(0, flat.size, _CENSUS_BLOCK):
-            census.moments(_as_floats(flat[lo : lo + _CENSUS_BLOCK], item.dtype or ""))
+            census.moments(as_numbers(flat[lo : lo + _CENSUS_BLOCK], item.dtype or ""))
     n_bad = census.nan + census.inf
     mean, std = census.mean_std()
     stats: dict[str, Any] = {
@@ -2759,12 +2759,6 @@ def _census(report: VerifyReport, item: Item, values: np.ndarray, stepping: bool
 
 _CENSUS_BLOCK = 1 << 16
 """elements of a tensor :func:`_census` takes at a time (its float64 temporaries: 512 KiB each)"""
-
-
-def _as_floats(block: np.ndarray, dtype: str) -> np.ndarray:
-    """A block of values as numbers (bfloat16 and float8 decoded; complex kept complex)."""
-    floats = as_float(block, dtype)
-    return block if floats is None else floats
 
 
 class _Census:

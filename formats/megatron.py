@@ -333,6 +333,11 @@ values at any layout (how parameters fall into groups with their own weight deca
 steps changes with the layout and the optimizer's kind)"""
 
 
+GROUPS_UNREAD = "the param groups (lr, betas, eps, weight decay)"
+"""the ``extras["unread_state"]`` entry of the param groups (diff, which compares their
+:data:`GROUP_HYPER`, says what is left of them)"""
+
+
 def _numbers(v: Any) -> list[float] | float | None:
     """A finite number, or a tuple or list of them (betas) as a list; None for anything else."""
     if type(v) in (int, float) and math.isfinite(v):
@@ -364,7 +369,7 @@ def _note_unread(manifest: Manifest, opt: dict[str, Any], inner: dict[str, Any],
     if stepped:
         found.append("Adam's step")
     if inner.get("param_groups"):
-        found.append("the param groups (lr, betas, eps, weight decay)")
+        found.append(GROUPS_UNREAD)
     if isinstance(opt.get("grad_scaler"), dict):
         found.append("the fp16 loss scaler")
     unread += [f for f in found if f not in unread]

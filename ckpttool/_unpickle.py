@@ -12,6 +12,7 @@ Each format module builds its allowlist from :data:`PLAIN` plus its own stubs.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import io
 import math
@@ -200,6 +201,12 @@ class StorageType:
     dtype: str | None
 
 
+def _by_fields(self: Any) -> tuple[Any, ...]:
+    """``__reduce__`` of a record a pickle names (storage, tensor): copied and pickled as a call
+    with its fields, every one of them (a BUILD on it is refused: see ``__setstate__``)."""
+    return (type(self), tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+
+
 @dataclass(frozen=True, slots=True)
 class StorageRef:
     """A storage persisted in the archive as ``data/<key>``."""
@@ -209,8 +216,7 @@ class StorageRef:
     numel: int
     location: str
 
-    def __reduce__(self) -> tuple[Any, ...]:  # (copied and pickled by its fields: see __setstate__)
-        return (StorageRef, (self.key, self.dtype, self.numel, self.location))
+    __reduce__ = _by_fields
 
     def __setstate__(self, state: Any) -> None:
         _built_after("storage")
@@ -229,12 +235,7 @@ class TensorRef:
     extra: dict[str, Any] = field(default_factory=dict)
     requires_grad: bool = False
 
-    def __reduce__(self) -> tuple[Any, ...]:  # (copied and pickled by its fields: see __setstate__)
-        return (
-            TensorRef,
-            (self.storage, self.storage_offset, self.shape, self.stride, self.dtype, self.is_parameter, self.extra,
-             self.requires_grad),
-        )  # fmt: skip
+    __reduce__ = _by_fields
 
     def __setstate__(self, state: Any) -> None:
         _built_after("tensor")

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from ckpttool import device
-from ckpttool._torchzip import BROADCAST_HINT
+from ckpttool._torchzip import BROADCAST_HINT, broadcast_problem
 from ckpttool.dtypes import carrier
 from ckpttool.errors import CorruptFileError
 from ckpttool.formats.base import PieceReader
@@ -81,18 +81,18 @@ def check_coverage(item: Item) -> None:
         )
 
 
-UNEXPANDABLE = "unexpandable"
-"""the locator key of a piece whose values no command expands, and why (a broadcast view of
-terabytes from a few stored elements: ``_torchzip.broadcast_problem``, set by ``_pt.tensor_piece``)"""
-
-
 def refuse_unexpandable(items: Iterable[Item], *, written: bool = False) -> None:
-    """Refuse a tensor with a piece marked :data:`UNEXPANDABLE`, before room is made for its values
-    (``assemble``, and every writer, which makes room for the largest tensor first: they ran out of
-    memory, reported as a bug). ``written``: said by a command that writes an output."""
+    """Refuse a tensor with a piece no command expands (a strided view of a pickle, ``formats._pt``,
+    that broadcasts a few stored elements to terabytes: ``_torchzip.broadcast_problem``), before
+    room is made for its values (``assemble``, and every writer, which makes room for the largest
+    tensor first: they ran out of memory, reported as a bug). ``written``: said by a command that
+    writes an output."""
     for item in items:
         for p in item.pieces:
-            if isinstance(problem := p.locator.get(UNEXPANDABLE), str):
+            loc = p.locator
+            if "stride" not in loc or item.dtype is None:
+                continue
+            if (problem := broadcast_problem(loc["shape"], loc["stride"], item.dtype)) is not None:
                 raise CorruptFileError(
                     f"{p.file}: {item.name}: {problem}" + ("; nothing was written" if written else ""),
                     hint=BROADCAST_HINT,

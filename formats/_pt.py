@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from ckpttool import _torchzip, _unpickle
-from ckpttool.assemble import UNEXPANDABLE
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, UnsafePickleError
 from ckpttool.formats.base import PieceReader
@@ -309,8 +308,6 @@ def tensor_piece(
         "shape": list(shape),
         "stride": list(stride),
     }
-    if (problem := _torchzip.broadcast_problem(shape, stride, ref.dtype)) is not None:
-        locator[UNEXPANDABLE] = problem  # (no command makes room for it: assemble.refuse_unexpandable)
     return Piece(
         file=rel,
         locator=locator,

@@ -351,11 +351,6 @@ def test_a_pickle_nesting_a_key_deeper_than_the_stack_is_refused_not_a_crash(tmp
     recursing through every level, and ran out of stack: a segmentation fault (exit 139), no
     message, no --junit report, in every command. Now read on a stack deep enough, then refused by
     the depth check as any other nesting too deep: exit 3, or verify's finding with its reports."""
-    import io
-    import zipfile
-
-    import torch
-
     dcp = tmp_path / "dcp"
     shutil.copytree(FIXTURES / "dcp" / "fsdp2", dcp)
     (dcp / ".metadata").write_bytes(_deep_key(300_000))
@@ -376,16 +371,17 @@ def _with_pickle(path, pkl: bytes, extra: dict[str, bytes] | None = None):
 
     import torch
 
+    from tests._zips import replace_member
+
     buf = io.BytesIO()
     torch.save({"w": torch.arange(4, dtype=torch.float32)}, buf)
-    with zipfile.ZipFile(buf) as z:
-        members = {i.filename: z.read(i.filename) for i in z.infolist()}
-    top = next(iter(members)).split("/")[0]
-    with zipfile.ZipFile(path, "w") as z:
-        for name, data in members.items():
-            z.writestr(name, pkl if name.endswith("/data.pkl") else data)
-        for name, data in (extra or {}).items():
-            z.writestr(f"{top}/{name}", data)
+    path.write_bytes(replace_member(buf.getvalue(), "/data.pkl", lambda _: pkl))
+    if extra:
+        with zipfile.ZipFile(path) as z:
+            top = z.namelist()[0].split("/")[0]
+        with zipfile.ZipFile(path, "a") as z:
+            for name, data in extra.items():
+                z.writestr(f"{top}/{name}", data)
     return path
 
 
@@ -433,7 +429,8 @@ def test_a_zip_member_listed_twice_is_refused(tmp_path):
     --deep passed, and export wrote values no load of the file gives."""
     import numpy as np
 
-    pt = _with_pickle(tmp_path / "dup.pt", _tensor_pickle(), {"data/0": (np.arange(4, dtype=np.float32) * 100).tobytes()})
+    second = (np.arange(4, dtype=np.float32) * 100).tobytes()
+    pt = _with_pickle(tmp_path / "dup.pt", _tensor_pickle(), {"data/0": second})
     for argv in (("inspect", pt), ("export", pt, "-o", tmp_path / "e.safetensors")):
         r = run_cli(*argv)
         assert_clean(r, 3, "archive/data/0 is listed twice in the zip directory")
@@ -454,7 +451,8 @@ def test_numpy_ndarray_called_from_a_pickle_is_refused(tmp_path):
         return b"X" + struct.pack("<I", len(s)) + s.encode()
 
     called = b"\x80\x02}(" + u("rng_state") + b"cnumpy\nndarray\n((K@tX\x02\x00\x00\x00u1tR" + b"u."
-    objects = b"\x80\x02}(" + u("a") + b"cnumpy.core.multiarray\n_reconstruct\n(cnumpy\nndarray\n(K\x00tC\x01OtR" + b"u."
+    reconstruct = b"cnumpy.core.multiarray\n_reconstruct\n(cnumpy\nndarray\n(K\x00tC\x01OtR"
+    objects = b"\x80\x02}(" + u("a") + reconstruct + b"u."
     for name, pkl, said in (("called", called, "numpy.ndarray(...) (an array of uninitialised memory)"),
                             ("objects", objects, "numpy.dtype('O') (not a plain numeric dtype)")):  # fmt: skip
         pt = _with_pickle(tmp_path / f"{name}.pt", pkl)

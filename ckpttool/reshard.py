@@ -59,6 +59,7 @@ from ckpttool.io import (
     staged_dir,
 )
 from ckpttool.manifest import Manifest
+from ckpttool.ranks import torchrun_world
 
 OVERHEAD = 300 * 10**6
 """Memory of a worker process besides its tensor buffers (the interpreter, torch, the manifest)."""
@@ -880,16 +881,6 @@ class ReshardResult:
 
 
 # -- many processes, many nodes: the same command under torchrun ---------------------------------
-
-
-def torchrun_world() -> tuple[int, int] | None:
-    """(rank, world size) when this process is one of several that ``torchrun`` started (its
-    ``RANK`` and ``WORLD_SIZE``); None for a single process."""
-    try:
-        rank, world = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "1"))
-    except (KeyError, ValueError):
-        return None
-    return (rank, world) if world > 1 and 0 <= rank < world else None
 
 
 def share(files: list[PlanFile], world: int) -> list[list[int]]:

@@ -980,3 +980,14 @@ def test_an_error_under_json_is_a_json_document_too(argv, code, tmp_path):
     assert doc["schema_version"] == 1 and doc["error"]["exit_code"] == code and doc["error"]["message"], doc
     assert doc["error"]["message"] in r.stderr.replace("\n", " ") or doc["error"]["message"][:40] in r.stderr
     assert json.loads(run_cli("verify", "/nonexistent", "--json").stdout)["ok"] is False  # (verify's own report)
+
+
+def test_verify_refusing_its_options_under_json_prints_its_report(tmp_path):
+    """An option verify refuses before it reads anything (--report -): under --json its report on
+    stdout says it did not judge, and why; one document, not the other commands' error one."""
+    r = run_cli("verify", MODEL, "--report", "-", "--json", cwd=tmp_path)
+    assert r.code == 2 and "not to standard output" in r.stderr, (r.code, r.stderr)
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is False and doc["findings"] == [] and "exit_code" not in doc["error"], doc
+    assert "--report -: ckpttool writes its outputs to files, not to standard output" == doc["error"]["message"]
+    assert not list(tmp_path.iterdir())

@@ -23,6 +23,7 @@ from rich.markup import escape
 
 from ckpttool.cli._output import Output, dumps
 from ckpttool.errors import CkptError
+from ckpttool.ranks import torchrun_world
 
 if TYPE_CHECKING:
     from ckpttool.manifest import Item
@@ -105,8 +106,10 @@ def _and_others(exc: CkptError) -> str:
     return f" (and {len(names)} more {'file' + s + ' likewise' if alike else 'damaged file' + s}: {shown})"
 
 
-def _handles_errors(fn: F) -> F:
-    """Turn library errors into one message on stderr and the contract's exit code."""
+def _handles_errors(fn: F, *, json_errors: bool = True) -> F:
+    """Turn library errors into one message on stderr and the contract's exit code; under --json,
+    also a JSON document on stdout (``json_errors``; verify writes its own, a report that says why
+    it could not judge)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -116,8 +119,8 @@ def _handles_errors(fn: F) -> F:
         gc.set_threshold(100_000, 50, 100)
         out = Output()
         # with --json, an error is also a JSON document on stdout (a script reading it found nothing
-        # there); verify writes its own, a report that says why it could not judge
-        doc = bool(kwargs.get("json_out")) and fn.__name__ != "verify" and not _a_later_rank()
+        # there); rank 0 alone reports for all under torchrun
+        doc = json_errors and bool(kwargs.get("json_out")) and ((w := torchrun_world()) is None or w[0] == 0)
         try:
             return fn(*args, **kwargs)
         except CkptError as exc:
@@ -184,15 +187,6 @@ def _stopped(exc: KeyboardInterrupt) -> tuple[int, str]:
     from ckpttool.interrupt import Terminated
 
     return (143, "terminated") if isinstance(exc, Terminated) else (130, "interrupted")
-
-
-def _a_later_rank() -> bool:
-    """Whether this process is a rank other than 0 of several torchrun started (rank 0 reports for
-    all: ``reshard.torchrun_world``, not imported for this)."""
-    try:
-        return int(os.environ["RANK"]) > 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    except (KeyError, ValueError):
-        return False
 
 
 def _say_error(out: Output, message: str, hint: str | None, json_code: int | bool = False) -> None:
@@ -440,7 +434,7 @@ def seal(
     epilog="Examples:  ckpttool verify ckpt/step_1000  ·  ckpttool verify ckpt/ --deep --json  ·  "
     "ckpttool verify ckpt/ --require rng,dataloader --junit report.xml"
 )
-@_handles_errors
+@functools.partial(_handles_errors, json_errors=False)  # (its own JSON: a report saying why it could not judge)
 def verify(
     path: PathArg,
     manifest: Annotated[
@@ -790,7 +784,7 @@ def convert(
     from rich.filesize import decimal
 
     from ckpttool.convert import convert as run
-    from ckpttool.reshard import parse_split_rules, torchrun_world
+    from ckpttool.reshard import parse_split_rules
 
     out = Output(json_mode=json_out, quiet=quiet)
     result = run(
@@ -954,7 +948,7 @@ def reshard(
     from rich.filesize import decimal
 
     from ckpttool.manifest import SEAL_NAME
-    from ckpttool.reshard import Target, parse_split_rules, torchrun_world
+    from ckpttool.reshard import Target, parse_split_rules
     from ckpttool.reshard import reshard as run
 
     ranks = torchrun_world()

@@ -97,9 +97,24 @@ def kinds_by_sibling(items: Mapping[str, Item]) -> None:
             item.kind = "master" if last == "fp32" else "optim"
 
 
-MOMENTS = frozenset({"exp_avg", "exp_avg_sq", "momentum_buffer"})
-"""Last name segments of optimizer moments kept per parameter (``<param>.exp_avg``, as export and
-convert write Megatron's and DeepSpeed's); ``<param>.fp32`` is the fp32 master copy."""
+MOMENTS = frozenset(
+    {
+        "exp_avg",
+        "exp_avg_sq",
+        "max_exp_avg_sq",
+        "momentum_buffer",
+        "sum",
+        "square_avg",
+        "acc_delta",
+        "prev",
+        "step_size",
+    }
+)
+"""Last name segments of optimizer state kept per parameter with the parameter's own shape, as
+torch's optimizers name it (Adam, SGD, Adagrad, RMSprop, Adadelta, Rprop, AMSGrad; not Adafactor's
+factored ``row_var``/``col_var``, nor scalars such as ``step`` or ASGD's ``eta``): ``<param>.exp_avg``,
+as export and convert write Megatron's and DeepSpeed's, and by which a ZeRO-0 state's ids are
+matched to parameters (``formats._pt.match_param_ids``); ``<param>.fp32`` is the fp32 master copy."""
 
 
 def param_state(name: str, states: Iterable[str], wrappers: Iterable[str] = ()) -> tuple[str, str] | None:

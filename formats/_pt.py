@@ -21,6 +21,7 @@ from ckpttool.formats.base import PieceReader
 from ckpttool.geometry import Box
 from ckpttool.io import RandomAccessFile, confine
 from ckpttool.manifest import Item, Manifest, Piece
+from ckpttool.naming import MOMENTS
 from ckpttool.values import flatten
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -430,12 +431,6 @@ def archive_cache(reader: PieceReader) -> Callable[[str], _torchzip.Archive]:
     raise TypeError(f"expected a torch.save reader, got {type(reader).__name__}")
 
 
-SHAPED_STATE = ("exp_avg", "exp_avg_sq", "momentum_buffer", "sum", "square_avg", "acc_delta", "prev", "max_exp_avg_sq")
-"""Per-parameter state of torch's optimizers that has the parameter's own shape (Adam, SGD,
-Adagrad, RMSprop, Adadelta, Rprop, AMSGrad), by which :func:`match_param_ids` knows a parameter
-(not Adafactor's factored ``row_var``/``col_var``, nor scalars such as ``step`` or ASGD's ``eta``)"""
-
-
 def match_param_ids(
     order: list[tuple[str, tuple[int, ...]]], groups: list[Any], state: dict[Any, Any]
 ) -> dict[Any, tuple[str, int, int]] | None:
@@ -443,7 +438,7 @@ def match_param_ids(
 
     ``order`` is the model's parameters in registration order with their shapes. Each param group
     takes its parameters in that order (how Megatron and DeepSpeed build groups); they are matched
-    by the shape of their per-element state (:data:`SHAPED_STATE`: Adam's ``exp_avg``, SGD's
+    by the shape of their per-element state (``naming.MOMENTS``: Adam's ``exp_avg``, SGD's
     ``momentum_buffer``, ...; only ``exp_avg`` was looked at, and SGD's momentum of one parameter
     was named after the next). Returns id -> (name, group, position in group), or None if the
     state does not fit the model.
@@ -454,7 +449,7 @@ def match_param_ids(
         pos = 0
         for i, pid in enumerate(group.get("params") or []):
             held = state.get(pid) or {}
-            moment = next((held[k] for k in SHAPED_STATE if isinstance(held.get(k), _unpickle.TensorRef)), None)
+            moment = next((held[k] for k in MOMENTS if isinstance(held.get(k), _unpickle.TensorRef)), None)
             shape = moment.shape if moment is not None else None
             while pos < len(order) and (pos in taken or (shape is not None and order[pos][1] != shape)):
                 pos += 1

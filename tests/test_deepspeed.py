@@ -414,6 +414,28 @@ def test_sgd_momentum_is_read_under_its_own_parameter(name, tmp_path):
     assert run_cli("verify", DS / name).code == 0
 
 
+def test_every_per_parameter_state_of_torchs_optimizers_is_named_as_state():
+    """The state each of torch's optimizers keeps per parameter, with the parameter's shape, is what
+    the DeepSpeed reader reads under ``<param>.<state>`` (and ZeRO-0 matches ids by): every such name
+    is one naming.MOMENTS lists, so ``<param>.sum`` (Adagrad) read back from convert's output is the
+    optimizer's state, not a parameter (it was: naming knew Adam's and SGD's names only)."""
+    from ckpttool.naming import MOMENTS, classify
+
+    seen = set()
+    for make in (
+        lambda ps: torch.optim.Adam(ps, amsgrad=True),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adadelta, torch.optim.Rprop,
+    ):  # fmt: skip
+        w = torch.nn.Parameter(torch.ones(3, 2))
+        opt = make([w])
+        w.grad = torch.full((3, 2), 0.5)
+        opt.step()
+        seen |= {k for k, v in opt.state_dict()["state"][0].items() if torch.is_tensor(v) and v.shape == w.shape}
+    assert seen <= MOMENTS, seen - MOMENTS
+    assert {classify(f"layers.0.weight.{k}", is_tensor=True) for k in seen} == {"optim"}
+
+
 @pytest.mark.parametrize("name", ["sgd_zero1", "sgd_zero3"])
 def test_a_changed_sgd_momentum_is_a_difference_and_reshard_names_the_optimizer(name, tmp_path):
     """diff of two saves whose momentum differed said "equal", exit 0; reshard stopped on

@@ -196,7 +196,11 @@ def convert(
     if kind == "all" and pattern is None:  # (the whole state asked for: not written without some of it)
         refuse_left_behind(manifest, f"convert --to {to}", f"ckpttool convert SRC -o DST --to {to} --kind param")
     refuse_changed_since_sealed(Path(src), manifest)
-    refuse_copies_apart(manifest, to)
+    # (a selection that leaves the word embeddings out writes neither copy, as export says)
+    chosen = (
+        None if kind == "all" and pattern is None else select(list(manifest.items.values()), kind=kind, pattern=pattern)
+    )
+    refuse_copies_apart(manifest, to, None if chosen is None else (i.name for _, i in chosen))
     finish = functools.partial(_seal_staged, out=out) if seal_output else None
     with replacing(replaces):
         result = _plain_target(adapter, manifest, out, to, limit, world_size, kind, pattern, progress, finish)

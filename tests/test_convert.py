@@ -479,9 +479,15 @@ def test_two_trained_embeddings_are_refused_for_every_target(fixture, tmp_path):
         r = run_cli(*args)
         assert_clean(r, 2, "two word embeddings", "does not choose between them")
         assert not (tmp_path / "o").exists() and not (tmp_path / "o.safetensors").exists()
-    # (an export that leaves the word embeddings out writes no copy of them: it was refused all the same)
+    # (a selection that leaves the word embeddings out writes no copy of them: it was refused all the
+    # same, by export and then by convert)
     r = run_cli("export", src, "-o", tmp_path / "o.safetensors", "--filter", "decoder")
     assert r.code == 0 and (tmp_path / "o.safetensors").exists(), r.stderr
+    for to in ("safetensors", "torch", "dcp"):
+        r = run_cli("convert", src, "-o", tmp_path / to, "--to", to, "--filter", "decoder")
+        assert r.code == 0 and (tmp_path / to).is_dir(), r.stderr
+    r = run_cli("convert", src, "-o", tmp_path / "emb", "--to", "torch", "--filter", "embedding")
+    assert_clean(r, 2, "two word embeddings")
 
 
 def test_a_deepspeed_fp16_runs_loss_scaler_other_formats_lack_is_said(tmp_path):

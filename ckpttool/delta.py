@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import shlex
 import shutil
@@ -29,7 +28,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import zstandard
 
@@ -37,7 +36,7 @@ from ckpttool import codec, registry
 from ckpttool import io as ckio
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, NotFoundError, UsageError
-from ckpttool.hashing import hash_bytes, new_hasher
+from ckpttool.hashing import hash_bytes, hash_files, new_hasher
 from ckpttool.io import (
     WriterGate,
     atomic_output,
@@ -132,36 +131,46 @@ def _read(path: Path, ranges: list[tuple[int, int]]) -> bytes:
     return b"".join(parts)
 
 
-class _Mapped:
-    """Files mapped read-only for the duration of a create/apply: segments are zero-copy views."""
+class _Reader:
+    """Byte ranges of the files a create or apply reads, each read into a buffer this thread reuses
+    under a slot name (valid until the thread's next read into that slot). Read, not mapped: a file
+    cut short under a mapping kills the process with SIGBUS at the first touch of a page past its
+    new end, where a read comes back short and is an error that names the file."""
 
-    def __init__(self) -> None:
-        self._maps: dict[Path, Any] = {}
+    def view(self, path: Path, offset: int, length: int, slot: str) -> memoryview:
+        buf = codec.scratch("read-" + slot, length)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        try:
+            got = ckio.preadinto(fd, buf, offset)
+        finally:
+            os.close(fd)
+        if got != length:
+            raise CorruptFileError(
+                f"{path}: {got:,} of the {length:,} bytes at offset {offset:,} could be read: the file is shorter "
+                "than when this run began (cut short while it was read); nothing was written",
+                hint="something is writing to that file: let it finish, then run the command again",
+                path=str(path),
+            )
+        return buf
 
-    def view(self, path: Path, offset: int, length: int) -> memoryview:
-        mm = self._maps.get(path)
-        if mm is None:
-            with open(path, "rb") as fh:
-                size = os.fstat(fh.fileno()).st_size
-                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-            self._maps[path] = mm
-        if offset + length > len(mm):
-            raise CorruptFileError(f"{path}: {len(mm):,} bytes, needs {offset + length:,}: cut short", path=str(path))
-        return memoryview(mm)[offset : offset + length]
 
-    def digest(self, path: Path) -> str:
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-        return hash_bytes(self.view(path, 0, size)) if size else hash_bytes(b"")
-
-    def close(self) -> None:
-        for mm in self._maps.values():
-            if not isinstance(mm, bytes):
-                try:
-                    mm.close()
-                except BufferError:  # a view is still alive somewhere; the mapping goes with it
-                    pass
-        self._maps.clear()
+def _digests(paths: list[Path], workers: int, moved: Callable[[Path], NoReturn]) -> dict[Path, str]:
+    """The xxh3-128 of each file, files spread over ``workers`` threads; ``moved(path)`` (which
+    raises) for a file that changed while it was read."""
+    found, _ = hash_files(Path(), [str(p) for p in paths], {}, workers=workers)
+    out = {}
+    for path in paths:
+        d = found[str(path)]
+        if d.digest is None:
+            if d.changed:
+                moved(path)
+            raise CorruptFileError(
+                f"{path}: cannot be read ({d.error})",
+                hint="check the file's permissions and the disk it is on",
+                path=str(path),
+            )
+        out[path] = d.digest
+    return out
 
 
 def is_container_head(head: bytes) -> bool:
@@ -303,14 +312,14 @@ def create(
                 meta["dict_file"] = other_rel  # (absent: the base's file of the same path)
             return meta, [frame]
         assert seg is not None
-        values = maps.view(t_root / rel, seg.offset, seg.length)
-        base_bytes = maps.view(b_root / seg.base[0], seg.base[1], seg.length) if seg.base and b_root else None
+        values = maps.view(t_root / rel, seg.offset, seg.length, "target")
+        base_bytes = maps.view(b_root / seg.base[0], seg.base[1], seg.length, "base") if seg.base and b_root else None
         bases: list[Any] = [base_bytes]
         predict: dict[str, Any] | None = None
         m = seg.partner
         if m is not None and m.base is not None and base_bytes is not None and b_root is not None:
-            m_new = maps.view(t_root / rel, m.offset, m.length)
-            m_old = maps.view(b_root / m.base[0], m.base[1], m.length)
+            m_new = maps.view(t_root / rel, m.offset, m.length, "m_new")
+            m_old = maps.view(b_root / m.base[0], m.base[1], m.length, "m_old")
             coef = codec.ema2_fit(values, m_new, m_old, base_bytes)
             if coef is not None:
                 bases.append(codec.ema2_predict(m_new, m_old, base_bytes, coef))
@@ -330,28 +339,59 @@ def create(
         }
         return meta, frames
 
-    maps = _Mapped()
+    def target_moved(changed: list[str]) -> NoReturn:  # the container would hold a mix of two saves
+        raise IncompleteCheckpointError(
+            f"{target}: {', '.join(changed[:4])} changed while being packed; nothing was written",
+            hint="a save is still writing to it: wait for it to finish, or give the iteration folder",
+            path=changed[0],
+            rule="incomplete-save",
+        )
+
+    def base_moved(moved: list[str]) -> NoReturn:  # coded against bytes its digests do not vouch for
+        raise CkptError(
+            f"{base}: {', '.join(moved[:4])} changed while the delta was coded against it; nothing was written",
+            hint="something is writing to the base checkpoint: let it finish (or copy the base), then run "
+            "'ckpttool delta create' again",
+            path=moved[0],
+        )
+
+    def refuse_changed() -> None:
+        if changed := _changed(t_root, before):
+            target_moved(changed)
+        if moved := _changed(b_root, b_before):
+            base_moved(moved)
+
+    maps = _Reader()
+    threads = workers or min(8, os.cpu_count() or 2)
     before = _stamps(t_root, [rel for rel, _ in t_files])
     b_before = _stamps(b_root, list(b_files)) if b_root else {}
-    base_files = {rel: {"size": n, "xxh3": maps.digest(b_root / rel)} for rel, n in b_files.items()} if b_root else {}
+    t_paths = {t_root / rel: rel for rel, _ in t_files}
+    b_paths = {b_root / rel: rel for rel in b_files} if b_root else {}
+
+    def moved(path: Path) -> NoReturn:
+        if path in t_paths:
+            target_moved([t_paths[path]])
+        base_moved([b_paths[path]])
+
+    digests = _digests([*t_paths, *b_paths], threads, moved)  # (both sides' files at once)
+    base_files = {rel: {"size": n, "xxh3": digests[b_root / rel]} for rel, n in b_files.items()} if b_root else {}
     header_files: dict[str, dict[str, Any]] = {
         rel: {
             "size": size,
-            "xxh3": maps.digest(t_root / rel),
+            "xxh3": digests[t_root / rel],
             "mode": stat.S_IMODE(os.stat(t_root / rel).st_mode),  # (its execute bits are restored)
             "other": None,
             "tensors": [],
         }
         for rel, size in t_files
     }
-    try:
-        threads = workers or min(8, os.cpu_count() or 2)
-        with (
-            ThreadPoolExecutor(max_workers=threads) as pool,
-            atomic_output(out_path, replace=replaces) as fh,
-        ):
-            fh.write(MAGIC)
-            pos = len(MAGIC)
+    with (
+        ThreadPoolExecutor(max_workers=threads) as pool,
+        atomic_output(out_path, replace=replaces) as fh,
+    ):
+        fh.write(MAGIC)
+        pos = len(MAGIC)
+        try:
             for (rel, what, _, _), (meta, frames) in zip(jobs, _in_order(pool, code, jobs, 2 * threads), strict=True):
                 spans = []
                 for frame in frames:
@@ -365,44 +405,30 @@ def create(
                     header_files[rel]["tensors"].append(meta)
                 if progress is not None:
                     progress(meta.get("length") or meta.get("nbytes") or 0)
-            changed = _changed(t_root, before)
-            if changed:  # the container would hold a mix of two saves (a tracker naming another iteration)
-                raise IncompleteCheckpointError(
-                    f"{target}: {', '.join(changed[:4])} changed while being packed; nothing was written",
-                    hint="a save is still writing to it: wait for it to finish, or give the iteration folder",
-                    path=changed[0],
-                    rule="incomplete-save",
-                )
-            moved = _changed(b_root, b_before)
-            if moved:  # coded against bytes its digests do not vouch for: a delta no base restores
-                raise CkptError(
-                    f"{base}: {', '.join(moved[:4])} changed while the delta was coded against it; nothing was written",
-                    hint="something is writing to the base checkpoint: let it finish (or copy the base), then run "
-                    "'ckpttool delta create' again",
-                    path=moved[0],
-                )
-            header = {
-                "kind": DELTA_KIND if base is not None else PACK_KIND,
-                "version": VERSION,
-                "format": tm.format,
-                "target_is_file": Path(target).is_file(),
-                "target_name": Path(target).name,
-                "base": {"files": base_files} if b_root is not None else None,
-                "files": header_files,
-                "coded_bytes": pos - len(MAGIC),
-            }
-            blob = json.dumps(header, separators=(",", ":")).encode()
-            try:  # what decompress and apply will accept, checked before anything is published
-                _check_header(json.loads(blob), pos)
-            except _BadHeader as exc:
-                raise CkptError(
-                    f"{target}: cannot be packed: {exc}; nothing was written",
-                    hint="a file name with a backslash, or an entry ckpttool's containers cannot carry: rename or "
-                    "leave out that file",
-                ) from None
-            fh.write(trailer(blob))
-    finally:
-        maps.close()
+        except (CkptError, OSError):
+            refuse_changed()  # a file cut short or removed under the run: say that, not what its read met
+            raise
+        refuse_changed()
+        header = {
+            "kind": DELTA_KIND if base is not None else PACK_KIND,
+            "version": VERSION,
+            "format": tm.format,
+            "target_is_file": Path(target).is_file(),
+            "target_name": Path(target).name,
+            "base": {"files": base_files} if b_root is not None else None,
+            "files": header_files,
+            "coded_bytes": pos - len(MAGIC),
+        }
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        try:  # what decompress and apply will accept, checked before anything is published
+            _check_header(json.loads(blob), pos)
+        except _BadHeader as exc:
+            raise CkptError(
+                f"{target}: cannot be packed: {exc}; nothing was written",
+                hint="a file name with a backslash, or an entry ckpttool's containers cannot carry: rename or "
+                "leave out that file",
+            ) from None
+        fh.write(trailer(blob))
     header["left_out"] = _left_out(target, t_root, {rel for rel, _ in t_files})
     return header
 
@@ -711,7 +737,8 @@ def apply(
                 hint="choose another -o path, or remove the file yourself",
             ) from None
     based: Callable[[str], Path] | None = None  # a base file's path, by the name the delta records
-    d_maps, b_maps = _Mapped(), _Mapped()
+    maps = _Reader()
+    threads = workers or min(8, os.cpu_count() or 2)
     if header["kind"] == DELTA_KIND:
         if base is None:
             raise UsageError(
@@ -725,25 +752,33 @@ def apply(
                 path=str(base),
             )
         based, one = _base_files(Path(base), header["base"]["files"])
-        for rel, fp in header["base"]["files"].items():
+        recorded: dict[str, Any] = header["base"]["files"]
+
+        def mismatch(rel: str, there: bool) -> NoReturn:
+            how = "is not the file the delta was made against (size or xxh3 differ)" if there else "is not there"
+            said = f"not the file the delta was made against ({rel}: size or xxh3 differ)" if one else f"{rel} {how}"
+            raise DeltaMismatchError(
+                f"{base}: {said}; refused before writing anything",
+                hint="apply the delta to the exact base checkpoint it was created from (or the chain's previous "
+                "output)",
+                path=str(base),
+            )
+
+        def moved(path: Path) -> NoReturn:
+            raise CkptError(
+                f"{base}: {path} changed while it was read; nothing was written",
+                hint="something is writing to the base checkpoint: let it finish, then apply the delta again",
+                path=str(path),
+            )
+
+        for rel, fp in recorded.items():
             f = based(rel)
-            if not f.is_file() or f.stat().st_size != fp["size"] or b_maps.digest(f) != fp["xxh3"]:
-                how = (
-                    "is not there"
-                    if not f.is_file()
-                    else "is not the file the delta was made against (size or xxh3 differ)"
-                )
-                said = (
-                    f"{rel} {how}"
-                    if not one
-                    else f"not the file the delta was made against ({rel}: size or xxh3 differ)"
-                )
-                raise DeltaMismatchError(
-                    f"{base}: {said}; refused before writing anything",
-                    hint="apply the delta to the exact base checkpoint it was created from (or the chain's previous "
-                    "output)",
-                    path=str(base),
-                )
+            if not f.is_file() or f.stat().st_size != fp["size"]:
+                mismatch(rel, f.is_file())
+        digests = _digests([based(rel) for rel in recorded], threads, moved)
+        for rel, fp in recorded.items():
+            if digests[based(rel)] != fp["xxh3"]:
+                mismatch(rel, True)
     elif base is not None:
         raise UsageError(
             f"{delta} is a compressed checkpoint, not a delta: it takes no base",
@@ -766,7 +801,7 @@ def apply(
             for d in reversed(dest.relative_to(tmp).parents[:-1]):  # below tmp only: never re-create tmp
                 (tmp / d).mkdir(exist_ok=True)
             try:
-                digest = _rebuild_file(d_maps, Path(delta), rel, spec, b_maps, based, dest, gate.cancelled)
+                digest = _rebuild_file(maps, Path(delta), rel, spec, based, dest, gate.cancelled)
             except (zstandard.ZstdError, ValueError, OverflowError, MemoryError, IndexError) as exc:
                 raise CorruptFileError(
                     f"{delta}: the coded bytes of {rel} do not decode ({type(exc).__name__}: {exc}); "
@@ -796,16 +831,13 @@ def apply(
                 if (mode := spec["mode"] & 0o777 & allowed) != now:
                     os.chmod(dest, mode)
 
-        pool = ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 2))
+        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpttool-apply")
         try:
             list(pool.map(rebuild, header["files"].items()))
         except BaseException:
             gate.close()  # the threads inside stop before writing more and leave; then tmp is removed
             pool.shutdown(wait=True, cancel_futures=True)
             raise
-        finally:
-            d_maps.close()
-            b_maps.close()
         pool.shutdown(wait=True)
         if header.get("target_is_file"):
             (only,) = header["files"]
@@ -821,11 +853,10 @@ def apply(
 
 
 def _rebuild_file(
-    d_maps: _Mapped,
+    maps: _Reader,
     delta: Path,
     rel: str,
     spec: dict[str, Any],
-    b_maps: _Mapped,
     based: Callable[[str], Path] | None,
     dest: Path,
     cancelled: threading.Event,
@@ -844,7 +875,7 @@ def _rebuild_file(
             raw = _read(based(other.get("dict_file", rel)), [(int(a), int(n)) for a, n in other["dict"]])
             args["dict_data"] = zstandard.ZstdCompressionDict(raw, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
         ((off, n),) = other["frames"]
-        frame = d_maps.view(delta, off, n)
+        frame = maps.view(delta, off, n, "other")
         data = memoryview(codec.decompress_bounded(zstandard.ZstdDecompressor(**args), frame, other["nbytes"]))
         if len(data) != other["nbytes"]:
             raise ValueError(f"{len(data):,} non-tensor bytes where {other['nbytes']:,} are expected")
@@ -860,7 +891,7 @@ def _rebuild_file(
                 out = data[pos : pos + n]
                 pos += n
             else:
-                out = _decode_piece(d_maps, delta, t, fd, b_maps, based)
+                out = _decode_piece(maps, delta, t, fd, based)
             _pwrite(fd, out, offset)
             hasher.update(out)
         os.fsync(fd)
@@ -870,24 +901,36 @@ def _rebuild_file(
 
 
 def _decode_piece(
-    d_maps: _Mapped, delta: Path, t: dict[str, Any], fd: int, b_maps: _Mapped, based: Callable[[str], Path] | None
+    maps: _Reader, delta: Path, t: dict[str, Any], fd: int, based: Callable[[str], Path] | None
 ) -> memoryview:
     """One tensor piece, decoded into this thread's reused buffer."""
     n = t["length"]
     base_bytes: Any = None
     if t["base"] is not None and based is not None:
-        base_bytes = b_maps.view(based(t["base"][0]), t["base"][1], n)
+        base_bytes = maps.view(based(t["base"][0]), t["base"][1], n, "base")
     pred = t.get("predict")
     if pred is not None and base_bytes is not None and based is not None:
         m_new = codec.scratch("m_new", n)
         if ckio.preadinto(fd, m_new, pred["m_new"]) != n:
             raise ValueError("a prediction source outside the file")
-        m_old = b_maps.view(based(pred["m_old"][0]), pred["m_old"][1], n)
+        m_old = maps.view(based(pred["m_old"][0]), pred["m_old"][1], n, "m_old")
         base_bytes = codec.ema2_predict(m_new, m_old, base_bytes, tuple(pred["ema2"]))
     out = codec.scratch("out", n)
-    frames = [d_maps.view(delta, off, k) for off, k in t["frames"]]
+    frames = _frames(maps, delta, t["frames"])
     codec.decode_into(out, t["method"], frames, t["sizes"], base_bytes, t["width"], t["floating"])
     return out
+
+
+def _frames(maps: _Reader, delta: Path, spans: list[list[int]]) -> list[memoryview]:
+    """A piece's frames, read from the container at once where they lie end to end (as create
+    writes them), else one by one into their own buffers."""
+    if not spans:
+        return []
+    start, end = spans[0][0], spans[-1][0] + spans[-1][1]
+    if all(spans[i][0] + spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1)):
+        whole = maps.view(delta, start, end - start, "frames")
+        return [whole[off - start : off - start + k] for off, k in spans]
+    return [maps.view(delta, off, k, f"frame-{i}") for i, (off, k) in enumerate(spans)]
 
 
 def _pwrite(fd: int, data: memoryview, offset: int) -> None:

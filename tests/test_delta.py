@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -324,7 +325,7 @@ def test_ctrl_c_inside_thread_start_waits_for_the_unrecorded_worker(tmp_path, mo
 
     def interrupted_start(self):
         real_start(self)
-        if self.name.startswith("ThreadPoolExecutor"):
+        if self.name.startswith("ckpttool-apply"):  # (a thread of the pool that rebuilds the files)
             monkeypatch.setattr(threading.Thread, "start", real_start)
             assert inside.wait(5)
             raise KeyboardInterrupt  # as the signal handler would, inside start()
@@ -893,3 +894,56 @@ def test_a_link_to_a_folder_inside_is_said_to_be_left_out(tmp_path):
     (ck / "sub_link").symlink_to("sub")
     r = run_cli("compress", ck, "-o", tmp_path / "c.ckz")
     assert r.code == 0 and "not in the container" in r.stderr and "sub_link/ (a link to a folder)" in r.stderr, r.stderr
+
+
+_CUT_SHORT = r"""
+import os, sys
+from pathlib import Path
+from ckpttool import codec
+victim, hook = Path(sys.argv[1]), sys.argv[2]
+real = getattr(codec, hook)
+def cut_then(*args, **kwargs):
+    if victim.stat().st_size:
+        os.truncate(victim, 0)  # as a save that rewrites the file in place ('wb') does
+    return real(*args, **kwargs)
+setattr(codec, hook, cut_then)
+sys.argv = ["ckpttool", *sys.argv[3:]]
+from ckpttool.cli import main
+main()
+"""
+
+
+@pytest.mark.parametrize(
+    "victim, hook, command, said",
+    [
+        ("step_11", "encode_best", ["compress", "{step_11}", "-o", "{out}"], "step_11: __0_0.distcp changed while being packed"),
+        ("step_11", "encode_best", ["delta", "create", "{step_10}", "{step_11}", "-o", "{out}"], "changed while being packed"),
+        ("step_10", "encode_best", ["delta", "create", "{step_10}", "{step_11}", "-o", "{out}"], "changed while the delta was coded against it"),
+        ("step_10", "decode_into", ["delta", "apply", "{step_10}", "{delta}", "-o", "{out}"], "cut short while it was read"),
+    ],
+    ids=["compress-target", "create-target", "create-base", "apply-base"],
+)
+def test_a_file_cut_short_under_a_run_is_an_error_not_a_crash(tmp_path, victim, hook, command, said):
+    """A checkpoint file truncated while compress, delta create or delta apply reads it (a save
+    rewriting it in place): the files were memory-mapped, and the first touch of a page past the new
+    end killed the process with SIGBUS (exit -7, no message). Now the short read is an error naming the file, exit 3, and nothing is written."""
+    import subprocess
+    import sys
+
+    for step in ("step_10", "step_11"):
+        shutil.copytree(RUN / step, tmp_path / step)
+    d = tmp_path / "d.delta"
+    delta.create(tmp_path / "step_11", d, base=tmp_path / "step_10")
+    out = tmp_path / "out"
+    args = [a.format(step_10=tmp_path / "step_10", step_11=tmp_path / "step_11", delta=d, out=out) for a in command]
+    r = subprocess.run(
+        [sys.executable, "-c", _CUT_SHORT, str(tmp_path / victim / "__0_0.distcp"), hook, *args, "--workers", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1"},
+    )
+    assert r.returncode == 3, (r.returncode, r.stderr)
+    assert said in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert str(tmp_path / victim) in r.stderr or victim in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.delta", "step_10", "step_11"]

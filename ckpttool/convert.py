@@ -560,7 +560,8 @@ def _framework(
 
     if kind != "all" or pattern is not None:
         raise UsageError(
-            f"--to {to} writes the whole training state; --kind and --filter apply to safetensors, dcp and torch only"
+            f"--to {to} writes the whole training state; --kind and --filter apply to safetensors, dcp and torch only",
+            hint=f"drop --kind and --filter to write --to {to}, or write the selection --to safetensors, dcp or torch",
         )
     target = Target(to=to, split_rules=split_rules)
     done = reshard(

@@ -286,6 +286,10 @@ def rehearse(
         check_tolerance("--tolerance", tolerance)
     if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
         raise UsageError(f"--timeout {timeout}: expected a number of seconds above 0")
+    if device is not None and device.partition(":")[0] == "cuda":  # (other names are the harness's to judge)
+        from ckpttool.device import resolve
+
+        resolve(device)  # a machine without the GPU is told so, not that the harness failed to build
     _preflight(p)
     report = RehearseReport(path=str(p), harness=harness, steps=steps, tolerance=tolerance)
     traj = _trajectory(p / TRAJECTORY)

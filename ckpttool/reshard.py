@@ -556,7 +556,10 @@ def plan(
     if target.distributed_optimizer is not None and fmt not in ("megatron", "megatron-dist"):
         raise UsageError(f"--[no-]distributed-optimizer applies to --to megatron and megatron-dist only, not {fmt}")
     if target.zero_stage is not None and fmt != "deepspeed":
-        raise UsageError(f"--zero-stage applies to --to deepspeed only, not {fmt}")
+        raise UsageError(
+            f"--zero-stage applies to --to deepspeed only, not {fmt}",
+            hint="drop --zero-stage, or give --to deepspeed",
+        )
     if target.zero_stage is not None and target.zero_stage not in (1, 2, 3):
         raise UsageError(f"--zero-stage {target.zero_stage}: DeepSpeed's partitioned stages are 1, 2 and 3")
     if target.dp is not None and target.dp < 1:
@@ -566,7 +569,8 @@ def plan(
     if target.sub_group_size is not None and target.zero_stage != 3:
         raise UsageError(
             "--sub-group-size (0 or more) applies with --zero-stage 3 from a ZeRO-1/2 checkpoint (a ZeRO-3 one "
-            "records its own)"
+            "records its own)",
+            hint="add --zero-stage 3, or drop --sub-group-size",
         )
     if (target.pp_first is not None or target.pp_last is not None) and fmt not in ("megatron", "megatron-dist"):
         raise UsageError(f"--pp-first-layers and --pp-last-layers apply to Megatron targets only, not {fmt}")
@@ -680,7 +684,8 @@ class _MegatronExec(_FileExec):
         if target.dp is not None:
             raise UsageError(
                 "--dp does not apply to Megatron files (one per TP x PP x EP rank; the data-parallel size is "
-                "chosen when the run resumes)"
+                "chosen when the run resumes)",
+                hint="drop --dp: the run resumes from these files at the data-parallel size it is started with",
             )
         _check_coverage(manifest)  # (the optimizer's moments too: a gap would be written as whatever memory held)
         tp = target.tp or manifest.layout.tp or 1
@@ -832,6 +837,23 @@ class _UniversalExec(_FileExec):
                 f"the {manifest.layout.tp} TP ranks' copies of {named} are written as their mean (weights, fp32 "
                 "copies and moments), as the model's universal_checkpoint_info asks (parameter_to_average_patterns; "
                 "ds_to_universal does the same): where the copies differ, the output holds neither rank's values"
+            )
+        rows, rules = getattr(self.writer, "vocab_rows", 0), getattr(self.writer, "rules", None)
+        cut = [
+            n
+            for n in (getattr(self.writer, "kinds", None) or {})
+            if rules is not None
+            and rules.vocab(n)
+            and (item := manifest.items.get(f"{n}.fp32")) is not None
+            and item.shape
+            and item.shape[0] > rows
+        ]
+        if rows and cut:  # (diff of source and output reports these shapes as changed)
+            self.notes.append(
+                f"the fp32 copies and moments of {', '.join(cut[:3])}{' …' if len(cut) > 3 else ''} are cut to the "
+                f"{rows:,} rows of the vocabulary, their padding rows dropped, as the model's "
+                "universal_checkpoint_info asks (vocabulary_parameter_patterns, original_vocab_size; ds_to_universal "
+                "does the same): 'ckpttool diff' of the source and the output reports their shapes as changed"
             )
         if manifest.layout.zero_stage == 3:
             self.notes.append(

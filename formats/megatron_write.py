@@ -745,31 +745,35 @@ def _mtp_problems(manifest: Manifest, src: _Source, target: MegatronTarget, rank
     source_layout, source_vpp = args_pipeline(args)
     legacy_in = manifest.format == "megatron"
     decoupled = getattr(args, "decoupled_lr", None) is not None
+    aparts: dict[str, str | None] = {}
     for which, given, pp, vpp, staged in (  # (a legacy source, or a legacy output: torch_dist keeps no stage copies)
-        ("the source's", source_layout, src.pp, source_vpp, legacy_in),
-        ("the target", layout, target.pp, _target_vpp(args, target), rank_files),
+        ("source", source_layout, src.pp, source_vpp, legacy_in),
+        ("target", layout, target.pp, _target_vpp(args, target), rank_files),
     ):
         try:
-            apart = mtp_copy_apart(given, pp, vpp, decoupled) if staged else None
+            aparts[which] = mtp_copy_apart(given, pp, vpp, decoupled) if staged else None
         except ValueError:
-            apart = None  # (target_chunks names what is wrong with the layout)
-        if apart == "first rank":
-            problems.append(
-                f"{which} pipeline layout puts the MTP layers on the first pipeline rank, where megatron-core "
-                "never syncs their copy of the word embeddings (pretrain_gpt.py's embedding group is that rank "
-                "alone): the copy starts from zeros and trains apart; not supported"
-            )
-        elif apart == "decoupled" and which == "the source's":
-            problems.append(
-                "the source's MTP stage trained its own copy of the word embeddings (with --decoupled-lr at PP > 1 "
-                "megatron-core gives that copy the default LR: it marks only the first stage's embedding as one)"
-            )
-        elif apart == "decoupled":
-            problems.append(
-                "multi-token prediction layers with --decoupled-lr at PP > 1: megatron-core would give the MTP "
-                "stage's copy of the word embeddings the default LR (it marks only the first stage's embedding as "
-                "one), and a run resumed from these files would train two embeddings; not supported"
-            )
+            aparts[which] = None  # (target_chunks names what is wrong with the layout)
+    first = [w for w, apart in aparts.items() if apart == "first rank"]
+    if first:  # (said once where both layouts do it: a convert keeps the source's)
+        said = {"source": "the source's pipeline layout puts", "target": "the target pipeline layout puts"}
+        both = "the source and target pipeline layouts put"
+        problems.append(
+            f"{said[first[0]] if len(first) == 1 else both} the MTP layers on the first pipeline rank, where "
+            "megatron-core never syncs their copy of the word embeddings (pretrain_gpt.py's embedding group is that "
+            "rank alone): the copy starts from zeros and trains apart; not supported"
+        )
+    if aparts["source"] == "decoupled":
+        problems.append(
+            "the source's MTP stage trained its own copy of the word embeddings (with --decoupled-lr at PP > 1 "
+            "megatron-core gives that copy the default LR: it marks only the first stage's embedding as one)"
+        )
+    elif aparts["target"] == "decoupled":  # (the source's note says it already where both do)
+        problems.append(
+            "multi-token prediction layers with --decoupled-lr at PP > 1: megatron-core would give the MTP "
+            "stage's copy of the word embeddings the default LR (it marks only the first stage's embedding as "
+            "one), and a run resumed from these files would train two embeddings; not supported"
+        )
     # the MTP stage's copy of position embeddings would live in legacy files of a stage (torch_dist keeps
     # the model's embeddings once)
     stage_files = (target.pp > 1 and rank_files) or (src.pp > 1 and legacy_in)

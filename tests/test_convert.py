@@ -663,3 +663,16 @@ def test_a_tensor_under_a_torch_dist_common_key_is_said_not_carried_not_an_inter
     assert_clean(r, 0)
     assert "not carried: common.pt: my_fork.tokens_seen (a tensor)" in r.stdout + r.stderr
     assert run_cli("diff", src, tmp_path / "out").code == 0
+
+
+@pytest.mark.parametrize(("fixture", "cut"), [("tp2", True), ("tp2_glu", True), ("zero2", False)])
+def test_a_universal_output_that_drops_vocabulary_padding_says_so(fixture, cut, tmp_path):
+    """ds_to_universal cuts the vocabulary parameters' fp32 copies and moments to
+    original_vocab_size rows, and ours does the same; the output was written without a word, and
+    'ckpttool diff' of source and output then said "different" for six tensors."""
+    out = tmp_path / "u"
+    r = run_cli("convert", FIXTURES / "deepspeed" / fixture, "-o", out, "--to", "deepspeed-universal")
+    assert r.code == 0, r.stderr
+    said = "the fp32 copies and moments of emb.weight, head.weight are cut to the 31 rows of the vocabulary"
+    assert (said in r.stderr) == cut, r.stderr
+    assert diff(FIXTURES / "deepspeed" / fixture, out).different == cut  # (what the note is for)

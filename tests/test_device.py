@@ -203,3 +203,18 @@ def test_gpu_under_torchrun(tmp_path):
     assert len(report["ranks"]) == 2 and report["device"].startswith("cuda:")
     reshard(src, one, Target(tp=1, pp=2))
     _same_files(out, one)
+
+
+def test_without_a_gpu_rehearse_on_cuda_is_refused_as_reshard_is(tmp_path, cli):
+    """``rehearse --device cuda`` without a GPU said the harness could not be built ("Torch not
+    compiled with CUDA enabled") with a hint about --harness, which was not the problem."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    run = cli(
+        "rehearse", FIXTURES / "run/step_10", "--harness", "ckpttool.harness.tinygpt:factory", "--steps", "1",
+        "--device", "cuda",
+    )
+    assert run.code == 2 and "--device cuda: this machine has no CUDA device" in run.stderr, run.stderr
+    assert "--harness" not in run.stderr and "Traceback" not in run.stderr

@@ -23,7 +23,7 @@ from ckpttool.export import export
 from ckpttool.reshard import Target, reshard
 from ckpttool.verify import verify
 from tests._compare import same_bits
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, assert_clean, run_cli
 from tests.test_megatron import _expected
 from tests.test_reshard import STATE_KINDS, _drop_rng, _megatron_lm, _oracle, _rank_files, _ref, _tree, _with_args
 from tests.test_reshard_dist import ITER, _chunks, _megatron_core_load, _metadata, _record, _same_records
@@ -652,3 +652,19 @@ def test_megatron_core_loads_the_mtp_output_with_routed_experts(source, ep, dist
     assert len(result["ranks"]) == ep
     for rank in result["ranks"]:
         assert rank["problems"] == [] and rank["checked"] >= 60
+
+
+@pytest.mark.parametrize(
+    ("fixture", "said"),
+    [
+        ("legacy_pp2_mtpfirst", "the source and target pipeline layouts put the MTP layers on the first pipeline rank"),
+        ("legacy_pp2_mtp_decoupled", "the source's MTP stage trained its own copy of the word embeddings"),
+    ],
+)
+def test_a_refusal_both_layouts_share_is_said_once(fixture, said, tmp_path):
+    """convert keeps the source's layout, so a layout refused for the source is refused for the
+    target too: the message said the same thing twice, the second time as if about another layout."""
+    r = run_cli("convert", FIXTURES / "megatron" / fixture, "-o", tmp_path / "out", "--to", "megatron")
+    assert_clean(r, 2, said)
+    assert r.stderr.count("copy of the word embeddings") == 1, r.stderr
+    assert not (tmp_path / "out").exists()

@@ -317,3 +317,21 @@ def test_sub_group_size_reads_as_deepspeed_configs_write_it(tmp_path):
     for value in ("1.5", "-1", "lots", "1e400", "inf", "nan"):  # (1e400 was a traceback: OverflowError)
         r = run_cli("reshard", src, "-o", tmp_path / "x", "--dp", "2", "--zero-stage", "3", "--sub-group-size", value)
         assert r.code == 2 and "--sub-group-size" in r.stderr and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("reshard", "megatron/legacy_tp2pp2", "--dp", "2"),
+        ("reshard", "megatron/legacy_tp2pp2", "--zero-stage", "2"),
+        ("reshard", "deepspeed/zero2", "--dp", "1", "--sub-group-size", "8"),
+        ("convert", "deepspeed/zero2", "--to", "deepspeed", "--kind", "param"),
+    ],
+    ids=["dp-megatron", "zero-stage-megatron", "sub-group-size-zero2", "kind-deepspeed"],
+)
+def test_an_option_that_does_not_apply_is_refused_with_what_to_do(args, tmp_path):
+    """Each of these said what was wrong and left the user to work out the fix (no hint line)."""
+    command, src, *rest = args
+    r = run_cli(command, FIXTURES / src, "-o", tmp_path / "out", *rest)
+    assert r.code == 2 and "hint: " in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()

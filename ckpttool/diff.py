@@ -188,8 +188,8 @@ def _is_pattern(old: str) -> bool:
 
 def _renamed(key: str, old: str, new: str) -> str:
     """``key`` after the ``--map`` rename ``old`` -> ``new``."""
-    if not _is_pattern(old):
-        return new if key == old else key
+    if not _is_pattern(old):  # (as diff names items, or as ls does: model.fc1.weight is fc1.weight)
+        return canonical(new) if key == canonical(old) else key
     try:
         return re.sub(rf"^{old}$", new, key)
     except re.error as exc:  # (a replacement naming a group the pattern has not: known once it matches)
@@ -200,17 +200,24 @@ def _renamed(key: str, old: str, new: str) -> str:
 
 
 def _keyed(
-    manifest: Manifest, renames: dict[str, str], pattern: re.Pattern[str] | None, kinds: set[str] | None = None
+    manifest: Manifest,
+    renames: dict[str, str],
+    pattern: re.Pattern[str] | None,
+    kinds: set[str] | None = None,
+    used: set[str] | None = None,
 ) -> dict[str, Item]:
-    """The items of ``manifest`` by canonical name after the ``--map`` renames, filtered. Two items
-    that the renames give one name are refused: one of them would drop out of the comparison
-    unseen (A's ``layer.1.w`` gone, and "equal", under ``layer\\.(\\d+)\\.w=blk.0.w``)."""
+    """The items of ``manifest`` by canonical name after the ``--map`` renames, filtered (``used``
+    gathers the renames that matched a name). Two items that the renames give one name are
+    refused: one of them would drop out of the comparison unseen (A's ``layer.1.w`` gone, and
+    "equal", under ``layer\\.(\\d+)\\.w=blk.0.w``)."""
     out: dict[str, Item] = {}
     for item in manifest.items.values():
         if kinds is not None and item.kind not in kinds:
             continue
         key = canonical(item.name)
         for old, new in renames.items():
+            if used is not None and (re.fullmatch(old, key) if _is_pattern(old) else key == canonical(old)):
+                used.add(old)
             key = _renamed(key, old, new)
         if pattern is not None and not pattern.search(key):
             continue
@@ -268,7 +275,8 @@ def _diff(
         unknown = sorted(wanted - set(KINDS))
         if unknown:
             raise UsageError(f"--kind {', '.join(unknown)}: expected kinds among {', '.join(KINDS)}")
-    ka, kb = _keyed(ma, renames or {}, rx, wanted), _keyed(mb, {}, rx, wanted)
+    used: set[str] = set()
+    ka, kb = _keyed(ma, renames or {}, rx, wanted, used), _keyed(mb, {}, rx, wanted)
     if (rx or wanted) and not ka and not kb:  # (two checkpoints are not shown equal by comparing nothing)
         chosen = " and ".join(
             ([f"--filter {pattern!r}"] if rx else []) + ([f"--kind {','.join(sorted(wanted))}"] if wanted else [])
@@ -278,6 +286,12 @@ def _diff(
             hint="'ckpttool ls' lists the items and their kinds",
         )
     report = DiffReport(a=str(a), b=str(b), formats=(ma.format, mb.format), atol=atol, rtol=rtol)
+    if unused := [old for old in renames or {} if old not in used]:  # (a typo renamed nothing, unseen)
+        report.not_compared.append(
+            f"--map {', '.join(repr(o) for o in unused)}: no name of A{' (of the kinds selected)' if wanted else ''} "
+            "matches, so nothing was renamed by it (a pattern is matched against names as diff gives them: "
+            "without a model. or module. prefix)"
+        )
     report.removed = [k for k, i in ka.items() if i.is_tensor and k not in kb]
     report.added = [k for k, i in kb.items() if i.is_tensor and k not in ka]
     report.removed += _one_sided_objects(ma, mb, ka, kb)

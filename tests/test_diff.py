@@ -814,3 +814,28 @@ def test_a_damaged_copy_of_a_replicated_tensor_is_not_read_not_a_crash(tmp_path)
     # ("equal", exit 0, on damaged bytes)
     across = diff(FIXTURES / "megatron" / "dist_tp2pp2", b)
     assert [u["name"] for u in across.unread] == ["decoder.layers.0.input_layernorm.weight"], across.to_json()
+
+
+def test_a_map_names_items_as_ls_shows_them_and_says_what_matched_nothing(tmp_path):
+    """``--map model.1.bias=model.1.b`` (the names as ``ls`` prints them) renamed nothing, silently:
+    renames were matched against canonical names only (``1.bias``), and a rename that matched no
+    name of A was dropped without a word, so a typo in a map file read as a real difference."""
+    from safetensors.torch import load_file, save_file
+
+    a = tmp_path / "a.safetensors"
+    export(FIXTURES / "run" / "step_10", a)
+    b = tmp_path / "b.safetensors"
+    save_file({("model.1.b" if k == "model.1.bias" else k): v for k, v in load_file(a).items()}, b)
+    assert diff(a, b).different
+    report = diff(a, b, renames={"model.1.bias": "model.1.b"})
+    assert not report.different and not report.not_compared, report.not_compared
+    report = diff(a, b, renames={"model.1.bias": "model.1.b", "model.9.bias": "x", r"blk\.(\d+)": r"b.\1"})
+    assert not report.different
+    assert report.not_compared == [
+        r"--map 'model.9.bias', 'blk\\.(\\d+)': no name of A matches, so nothing was renamed by it (a pattern is "
+        "matched against names as diff gives them: without a model. or module. prefix)"
+    ]
+    mapping = tmp_path / "map.txt"
+    mapping.write_text("model.1.bias=model.1.b\nnope=x\n")
+    r = run_cli("diff", a, b, "--map", mapping)
+    assert r.code == 0 and "--map 'nope': no name of A matches" in r.stdout, (r.code, r.stdout, r.stderr)

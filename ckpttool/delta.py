@@ -36,7 +36,7 @@ from ckpttool import codec, registry
 from ckpttool import io as ckio
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, NotFoundError, UsageError
-from ckpttool.hashing import hash_bytes, hash_files, new_hasher
+from ckpttool.hashing import default_workers, hash_bytes, hash_files, new_hasher
 from ckpttool.io import (
     WriterGate,
     atomic_output,
@@ -127,46 +127,52 @@ def _read(path: Path, ranges: list[tuple[int, int]]) -> bytes:
         parts = []
         for off, n in ranges:
             fh.seek(off)
-            parts.append(fh.read(n))
+            parts.append(part := fh.read(n))
+            if len(part) != n:
+                raise _cut_short(path, len(part), n, off)
     return b"".join(parts)
 
 
-class _Reader:
-    """Byte ranges of the files a create or apply reads, each read into a buffer this thread reuses
-    under a slot name (valid until the thread's next read into that slot). Read, not mapped: a file
-    cut short under a mapping kills the process with SIGBUS at the first touch of a page past its
-    new end, where a read comes back short and is an error that names the file."""
-
-    def view(self, path: Path, offset: int, length: int, slot: str) -> memoryview:
-        buf = codec.scratch("read-" + slot, length)
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-        try:
-            got = ckio.preadinto(fd, buf, offset)
-        finally:
-            os.close(fd)
-        if got != length:
-            raise CorruptFileError(
-                f"{path}: {got:,} of the {length:,} bytes at offset {offset:,} could be read: the file is shorter "
-                "than when this run began (cut short while it was read); nothing was written",
-                hint="something is writing to that file: let it finish, then run the command again",
-                path=str(path),
-            )
-        return buf
+def _view(path: Path, offset: int, length: int, slot: str) -> memoryview:
+    """``length`` bytes of ``path`` at ``offset``, read into a buffer this thread reuses under
+    ``slot`` (valid until its next read into that slot). Read, not mapped: a file cut short under a
+    mapping kills the process with SIGBUS at the first touch of a page past its new end, where a
+    read comes back short and is an error that names the file."""
+    buf = codec.scratch("read-" + slot, length)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    try:
+        got = ckio.preadinto(fd, buf, offset)
+    finally:
+        os.close(fd)
+    if got != length:
+        raise _cut_short(path, got, length, offset)
+    return buf
 
 
-def _digests(paths: list[Path], workers: int, moved: Callable[[Path], NoReturn]) -> dict[Path, str]:
-    """The xxh3-128 of each file, files spread over ``workers`` threads; ``moved(path)`` (which
-    raises) for a file that changed while it was read."""
+def _cut_short(path: Path, got: int, length: int, offset: int) -> CorruptFileError:
+    return CorruptFileError(
+        f"{path}: {got:,} of the {length:,} bytes at offset {offset:,} could be read: the file is shorter than "
+        "when this run began (cut short while it was read); nothing was written",
+        hint="something is writing to that file: let it finish, then run the command again",
+        path=str(path),
+    )
+
+
+def _digests(paths: list[Path], workers: int, moved: Callable[[], None] | None = None) -> dict[Path, str]:
+    """The xxh3-128 of each file, files spread over ``workers`` threads. A file that changed while
+    it was read calls ``moved()`` first, which may raise the caller's own error."""
     found, _ = hash_files(Path(), [str(p) for p in paths], {}, workers=workers)
     out = {}
     for path in paths:
         d = found[str(path)]
         if d.digest is None:
-            if d.changed:
-                moved(path)
+            if d.changed and moved is not None:
+                moved()
             raise CorruptFileError(
-                f"{path}: cannot be read ({d.error})",
-                hint="check the file's permissions and the disk it is on",
+                f"{path}: cannot be read ({d.error}); nothing was written",
+                hint="something is writing to that file: let it finish, then run the command again"
+                if d.changed
+                else "check the file's permissions and the disk it is on",
                 path=str(path),
             )
         out[path] = d.digest
@@ -312,14 +318,14 @@ def create(
                 meta["dict_file"] = other_rel  # (absent: the base's file of the same path)
             return meta, [frame]
         assert seg is not None
-        values = maps.view(t_root / rel, seg.offset, seg.length, "target")
-        base_bytes = maps.view(b_root / seg.base[0], seg.base[1], seg.length, "base") if seg.base and b_root else None
+        values = _view(t_root / rel, seg.offset, seg.length, "target")
+        base_bytes = _view(b_root / seg.base[0], seg.base[1], seg.length, "base") if seg.base and b_root else None
         bases: list[Any] = [base_bytes]
         predict: dict[str, Any] | None = None
         m = seg.partner
         if m is not None and m.base is not None and base_bytes is not None and b_root is not None:
-            m_new = maps.view(t_root / rel, m.offset, m.length, "m_new")
-            m_old = maps.view(b_root / m.base[0], m.base[1], m.length, "m_old")
+            m_new = _view(t_root / rel, m.offset, m.length, "m_new")
+            m_old = _view(b_root / m.base[0], m.base[1], m.length, "m_old")
             coef = codec.ema2_fit(values, m_new, m_old, base_bytes)
             if coef is not None:
                 bases.append(codec.ema2_predict(m_new, m_old, base_bytes, coef))
@@ -339,41 +345,30 @@ def create(
         }
         return meta, frames
 
-    def target_moved(changed: list[str]) -> NoReturn:  # the container would hold a mix of two saves
-        raise IncompleteCheckpointError(
-            f"{target}: {', '.join(changed[:4])} changed while being packed; nothing was written",
-            hint="a save is still writing to it: wait for it to finish, or give the iteration folder",
-            path=changed[0],
-            rule="incomplete-save",
-        )
-
-    def base_moved(moved: list[str]) -> NoReturn:  # coded against bytes its digests do not vouch for
-        raise CkptError(
-            f"{base}: {', '.join(moved[:4])} changed while the delta was coded against it; nothing was written",
-            hint="something is writing to the base checkpoint: let it finish (or copy the base), then run "
-            "'ckpttool delta create' again",
-            path=moved[0],
-        )
-
     def refuse_changed() -> None:
-        if changed := _changed(t_root, before):
-            target_moved(changed)
-        if moved := _changed(b_root, b_before):
-            base_moved(moved)
+        """Refuse files that changed since the run began: their stamps (size, time) moved."""
+        if changed := _changed(t_root, before):  # the container would hold a mix of two saves
+            raise IncompleteCheckpointError(
+                f"{target}: {', '.join(changed[:4])} changed while being packed; nothing was written",
+                hint="a save is still writing to it: wait for it to finish, or give the iteration folder",
+                path=changed[0],
+                rule="incomplete-save",
+            )
+        if moved := _changed(b_root, b_before):  # coded against bytes its digests do not vouch for
+            raise CkptError(
+                f"{base}: {', '.join(moved[:4])} changed while the delta was coded against it; nothing was written",
+                hint="something is writing to the base checkpoint: let it finish (or copy the base), then run "
+                "'ckpttool delta create' again",
+                path=moved[0],
+            )
 
-    maps = _Reader()
-    threads = workers or min(8, os.cpu_count() or 2)
+    threads = workers or default_workers()
     before = _stamps(t_root, [rel for rel, _ in t_files])
     b_before = _stamps(b_root, list(b_files)) if b_root else {}
-    t_paths = {t_root / rel: rel for rel, _ in t_files}
-    b_paths = {b_root / rel: rel for rel in b_files} if b_root else {}
-
-    def moved(path: Path) -> NoReturn:
-        if path in t_paths:
-            target_moved([t_paths[path]])
-        base_moved([b_paths[path]])
-
-    digests = _digests([*t_paths, *b_paths], threads, moved)  # (both sides' files at once)
+    # (both sides' files in one pass; one that changes while it is hashed has moved its stamps)
+    digests = _digests(
+        [t_root / r for r, _ in t_files] + [b_root / r for r in b_files if b_root], threads, refuse_changed
+    )
     base_files = {rel: {"size": n, "xxh3": digests[b_root / rel]} for rel, n in b_files.items()} if b_root else {}
     header_files: dict[str, dict[str, Any]] = {
         rel: {
@@ -737,8 +732,7 @@ def apply(
                 hint="choose another -o path, or remove the file yourself",
             ) from None
     based: Callable[[str], Path] | None = None  # a base file's path, by the name the delta records
-    maps = _Reader()
-    threads = workers or min(8, os.cpu_count() or 2)
+    threads = workers or default_workers()
     if header["kind"] == DELTA_KIND:
         if base is None:
             raise UsageError(
@@ -764,18 +758,11 @@ def apply(
                 path=str(base),
             )
 
-        def moved(path: Path) -> NoReturn:
-            raise CkptError(
-                f"{base}: {path} changed while it was read; nothing was written",
-                hint="something is writing to the base checkpoint: let it finish, then apply the delta again",
-                path=str(path),
-            )
-
         for rel, fp in recorded.items():
             f = based(rel)
             if not f.is_file() or f.stat().st_size != fp["size"]:
                 mismatch(rel, f.is_file())
-        digests = _digests([based(rel) for rel in recorded], threads, moved)
+        digests = _digests([based(rel) for rel in recorded], threads)
         for rel, fp in recorded.items():
             if digests[based(rel)] != fp["xxh3"]:
                 mismatch(rel, True)
@@ -801,7 +788,7 @@ def apply(
             for d in reversed(dest.relative_to(tmp).parents[:-1]):  # below tmp only: never re-create tmp
                 (tmp / d).mkdir(exist_ok=True)
             try:
-                digest = _rebuild_file(maps, Path(delta), rel, spec, based, dest, gate.cancelled)
+                digest = _rebuild_file(Path(delta), rel, spec, based, dest, gate.cancelled)
             except (zstandard.ZstdError, ValueError, OverflowError, MemoryError, IndexError) as exc:
                 raise CorruptFileError(
                     f"{delta}: the coded bytes of {rel} do not decode ({type(exc).__name__}: {exc}); "
@@ -853,7 +840,6 @@ def apply(
 
 
 def _rebuild_file(
-    maps: _Reader,
     delta: Path,
     rel: str,
     spec: dict[str, Any],
@@ -875,7 +861,7 @@ def _rebuild_file(
             raw = _read(based(other.get("dict_file", rel)), [(int(a), int(n)) for a, n in other["dict"]])
             args["dict_data"] = zstandard.ZstdCompressionDict(raw, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
         ((off, n),) = other["frames"]
-        frame = maps.view(delta, off, n, "other")
+        frame = _view(delta, off, n, "other")
         data = memoryview(codec.decompress_bounded(zstandard.ZstdDecompressor(**args), frame, other["nbytes"]))
         if len(data) != other["nbytes"]:
             raise ValueError(f"{len(data):,} non-tensor bytes where {other['nbytes']:,} are expected")
@@ -891,7 +877,7 @@ def _rebuild_file(
                 out = data[pos : pos + n]
                 pos += n
             else:
-                out = _decode_piece(maps, delta, t, fd, based)
+                out = _decode_piece(delta, t, fd, based)
             _pwrite(fd, out, offset)
             hasher.update(out)
         os.fsync(fd)
@@ -900,37 +886,35 @@ def _rebuild_file(
         os.close(fd)
 
 
-def _decode_piece(
-    maps: _Reader, delta: Path, t: dict[str, Any], fd: int, based: Callable[[str], Path] | None
-) -> memoryview:
+def _decode_piece(delta: Path, t: dict[str, Any], fd: int, based: Callable[[str], Path] | None) -> memoryview:
     """One tensor piece, decoded into this thread's reused buffer."""
     n = t["length"]
     base_bytes: Any = None
     if t["base"] is not None and based is not None:
-        base_bytes = maps.view(based(t["base"][0]), t["base"][1], n, "base")
+        base_bytes = _view(based(t["base"][0]), t["base"][1], n, "base")
     pred = t.get("predict")
     if pred is not None and base_bytes is not None and based is not None:
         m_new = codec.scratch("m_new", n)
         if ckio.preadinto(fd, m_new, pred["m_new"]) != n:
             raise ValueError("a prediction source outside the file")
-        m_old = maps.view(based(pred["m_old"][0]), pred["m_old"][1], n, "m_old")
+        m_old = _view(based(pred["m_old"][0]), pred["m_old"][1], n, "m_old")
         base_bytes = codec.ema2_predict(m_new, m_old, base_bytes, tuple(pred["ema2"]))
     out = codec.scratch("out", n)
-    frames = _frames(maps, delta, t["frames"])
+    frames = _frames(delta, t["frames"])
     codec.decode_into(out, t["method"], frames, t["sizes"], base_bytes, t["width"], t["floating"])
     return out
 
 
-def _frames(maps: _Reader, delta: Path, spans: list[list[int]]) -> list[memoryview]:
+def _frames(delta: Path, spans: list[list[int]]) -> list[memoryview]:
     """A piece's frames, read from the container at once where they lie end to end (as create
     writes them), else one by one into their own buffers."""
     if not spans:
         return []
     start, end = spans[0][0], spans[-1][0] + spans[-1][1]
     if all(spans[i][0] + spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1)):
-        whole = maps.view(delta, start, end - start, "frames")
+        whole = _view(delta, start, end - start, "frames")
         return [whole[off - start : off - start + k] for off, k in spans]
-    return [maps.view(delta, off, k, f"frame-{i}") for i, (off, k) in enumerate(spans)]
+    return [_view(delta, off, k, f"frame-{i}") for i, (off, k) in enumerate(spans)]
 
 
 def _pwrite(fd: int, data: memoryview, offset: int) -> None:

@@ -186,12 +186,17 @@ def _is_pattern(old: str) -> bool:
     return any(c in old for c in "^$()[]*+?\\")
 
 
-def _renamed(key: str, old: str, new: str) -> str:
-    """``key`` after the ``--map`` rename ``old`` -> ``new``."""
-    if not _is_pattern(old):  # (as diff names items, or as ls does: model.fc1.weight is fc1.weight)
-        return canonical(new) if key == canonical(old) else key
+def _renamed(key: str, old: str, new: str) -> str | None:
+    """``key`` after the ``--map`` rename ``old`` -> ``new``, None where ``old`` does not name it.
+    Names are matched and given as diff gives them (canonical: ``model.fc1.weight``, as ``ls``
+    prints it, is ``fc1.weight``); a pattern matches the whole name."""
+    if not _is_pattern(old):
+        return canonical(new) if key == canonical(old) else None
+    m = re.fullmatch(old, key)
+    if m is None:
+        return None
     try:
-        return re.sub(rf"^{old}$", new, key)
+        return canonical(m.expand(new))
     except re.error as exc:  # (a replacement naming a group the pattern has not: known once it matches)
         raise UsageError(
             f"--map: the replacement {new!r} of {old!r} cannot be applied to {key!r} ({exc})",
@@ -216,9 +221,10 @@ def _keyed(
             continue
         key = canonical(item.name)
         for old, new in renames.items():
-            if used is not None and (re.fullmatch(old, key) if _is_pattern(old) else key == canonical(old)):
-                used.add(old)
-            key = _renamed(key, old, new)
+            if (renamed := _renamed(key, old, new)) is not None:
+                key = renamed
+                if used is not None:
+                    used.add(old)
         if pattern is not None and not pattern.search(key):
             continue
         if key in out and renames and canonical(out[key].name) != canonical(item.name):

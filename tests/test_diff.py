@@ -829,6 +829,9 @@ def test_a_map_names_items_as_ls_shows_them_and_says_what_matched_nothing(tmp_pa
     assert diff(a, b).different
     report = diff(a, b, renames={"model.1.bias": "model.1.b"})
     assert not report.different and not report.not_compared, report.not_compared
+    report = diff(a, b, renames={r"(\d+)\.bias": r"model.\1.b"})  # (a pattern's result spelled as ls spells it)
+    assert sorted(report.removed) == ["3.b", "4.b", "5.b"], report.removed  # (renamed; 1.b found in B, compared)
+    assert sorted(report.added) == ["3.bias", "4.bias", "5.bias"], report.added
     report = diff(a, b, renames={"model.1.bias": "model.1.b", "model.9.bias": "x", r"blk\.(\d+)": r"b.\1"})
     assert not report.different
     assert report.not_compared == [

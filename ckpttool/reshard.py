@@ -838,20 +838,10 @@ class _UniversalExec(_FileExec):
                 "copies and moments), as the model's universal_checkpoint_info asks (parameter_to_average_patterns; "
                 "ds_to_universal does the same): where the copies differ, the output holds neither rank's values"
             )
-        rows, rules = getattr(self.writer, "vocab_rows", 0), getattr(self.writer, "rules", None)
-        cut = [
-            n
-            for n in (getattr(self.writer, "kinds", None) or {})
-            if rules is not None
-            and rules.vocab(n)
-            and (item := manifest.items.get(f"{n}.fp32")) is not None
-            and item.shape
-            and item.shape[0] > rows
-        ]
-        if rows and cut:  # (diff of source and output reports these shapes as changed)
+        if cut := getattr(self.writer, "vocab_cut", []):  # (diff of source and output reports these shapes changed)
             self.notes.append(
                 f"the fp32 copies and moments of {', '.join(cut[:3])}{' …' if len(cut) > 3 else ''} are cut to the "
-                f"{rows:,} rows of the vocabulary, their padding rows dropped, as the model's "
+                f"{self.writer.vocab_rows:,} rows of the vocabulary, their padding rows dropped, as the model's "
                 "universal_checkpoint_info asks (vocabulary_parameter_patterns, original_vocab_size; ds_to_universal "
                 "does the same): 'ckpttool diff' of the source and the output reports their shapes as changed"
             )

@@ -1343,6 +1343,14 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
                 path=self.model_rel,
             )
         self.vocab_rows: int = rows if isinstance(rows, int) else 0
+        self.vocab_cut = [
+            n
+            for n in names
+            if self.rules.vocab(n)
+            and (i := manifest.items.get(f"{n}.fp32")) is not None
+            and (i.shape or (0,))[0] > self.vocab_rows
+        ]
+        """the vocabulary parameters whose fp32 copies and moments lose padding rows here (``write``)"""
         self.model_rels = sorted(f.path for f in manifest.files if _MODEL.match(f.path))
         self._name_dir(self.tag, manifest)
         module = self.model_obj.get("module") if isinstance(self.model_obj, dict) else None

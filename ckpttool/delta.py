@@ -123,14 +123,8 @@ def _gaps(size: int, segments: list[_Segment]) -> list[tuple[int, int]]:
 
 
 def _read(path: Path, ranges: list[tuple[int, int]]) -> bytes:
-    with open(path, "rb") as fh:
-        parts = []
-        for off, n in ranges:
-            fh.seek(off)
-            parts.append(part := fh.read(n))
-            if len(part) != n:
-                raise _cut_short(path, len(part), n, off)
-    return b"".join(parts)
+    with ckio.RandomAccessFile(path) as f:
+        return b"".join(f.read(off, n) for off, n in ranges)
 
 
 def _view(path: Path, offset: int, length: int, slot: str) -> memoryview:
@@ -139,29 +133,15 @@ def _view(path: Path, offset: int, length: int, slot: str) -> memoryview:
     mapping kills the process with SIGBUS at the first touch of a page past its new end, where a
     read comes back short and is an error that names the file."""
     buf = codec.scratch("read-" + slot, length)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-    try:
-        got = ckio.preadinto(fd, buf, offset)
-    finally:
-        os.close(fd)
-    if got != length:
-        raise _cut_short(path, got, length, offset)
+    with ckio.RandomAccessFile(path) as f:
+        f.read_into(offset, buf)
     return buf
-
-
-def _cut_short(path: Path, got: int, length: int, offset: int) -> CorruptFileError:
-    return CorruptFileError(
-        f"{path}: {got:,} of the {length:,} bytes at offset {offset:,} could be read: the file is shorter than "
-        "when this run began (cut short while it was read); nothing was written",
-        hint="something is writing to that file: let it finish, then run the command again",
-        path=str(path),
-    )
 
 
 def _digests(paths: list[Path], workers: int, moved: Callable[[], None] | None = None) -> dict[Path, str]:
     """The xxh3-128 of each file, files spread over ``workers`` threads. A file that changed while
     it was read calls ``moved()`` first, which may raise the caller's own error."""
-    found, _ = hash_files(Path(), [str(p) for p in paths], {}, workers=workers)
+    found, _ = hash_files(Path(), list(dict.fromkeys(str(p) for p in paths)), {}, workers=workers)
     out = {}
     for path in paths:
         d = found[str(path)]
@@ -906,15 +886,15 @@ def _decode_piece(delta: Path, t: dict[str, Any], fd: int, based: Callable[[str]
 
 
 def _frames(delta: Path, spans: list[list[int]]) -> list[memoryview]:
-    """A piece's frames, read from the container at once where they lie end to end (as create
-    writes them), else one by one into their own buffers."""
+    """A piece's frames, read from the container at once: create writes them end to end (others
+    are damage, raised as ValueError)."""
     if not spans:
         return []
-    start, end = spans[0][0], spans[-1][0] + spans[-1][1]
-    if all(spans[i][0] + spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1)):
-        whole = _view(delta, start, end - start, "frames")
-        return [whole[off - start : off - start + k] for off, k in spans]
-    return [_view(delta, off, k, f"frame-{i}") for i, (off, k) in enumerate(spans)]
+    if any(spans[i][0] + spans[i][1] != spans[i + 1][0] for i in range(len(spans) - 1)):
+        raise ValueError("a piece's frames do not lie end to end")
+    start = spans[0][0]
+    whole = _view(delta, start, spans[-1][0] + spans[-1][1] - start, "frames")
+    return [whole[off - start : off - start + k] for off, k in spans]
 
 
 def _pwrite(fd: int, data: memoryview, offset: int) -> None:

@@ -256,6 +256,13 @@ def _source_after(h):
     t["predict"]["m_new"] = later["offset"]
 
 
+def _frames_swapped(h):
+    """A piece's first two frames given in each other's place: each lies inside the coded data,
+    and apply read each from where the header said (create writes a piece's frames end to end)."""
+    t = next(t for f in h["files"].values() for t in f["tensors"] if len(t["frames"]) > 1)
+    t["frames"][0], t["frames"][1] = t["frames"][1], t["frames"][0]
+
+
 def _on_first(edit):
     return lambda h: edit(_first_predicted(h))
 
@@ -271,6 +278,7 @@ def _on_first(edit):
         (_on_first(lambda t: t.update(width=2)), "non-float32"),
         (_on_first(lambda t: t.update(base=[["a"], 0])), "base piece reference"),
         (lambda h: next(iter(h["files"].values()))["other"].update(dict_file="../../etc/passwd"), "a dictionary file"),
+        (_frames_swapped, "frames do not lie end to end"),
     ],
 )
 def test_forged_prediction_is_refused_before_writing(edit, reason, tmp_path):
@@ -919,7 +927,7 @@ main()
         ("step_11", "encode_best", ["compress", "{step_11}", "-o", "{out}"], "step_11: __0_0.distcp changed while being packed"),
         ("step_11", "encode_best", ["delta", "create", "{step_10}", "{step_11}", "-o", "{out}"], "changed while being packed"),
         ("step_10", "encode_best", ["delta", "create", "{step_10}", "{step_11}", "-o", "{out}"], "changed while the delta was coded against it"),
-        ("step_10", "decode_into", ["delta", "apply", "{step_10}", "{delta}", "-o", "{out}"], "cut short while it was read"),
+        ("step_10", "decode_into", ["delta", "apply", "{step_10}", "{delta}", "-o", "{out}"], "is 0 bytes but the checkpoint needs bytes"),
     ],
     ids=["compress-target", "create-target", "create-base", "apply-base"],
 )

@@ -186,22 +186,34 @@ def _is_pattern(old: str) -> bool:
     return any(c in old for c in "^$()[]*+?\\")
 
 
-def _renamed(key: str, old: str, new: str) -> str | None:
-    """``key`` after the ``--map`` rename ``old`` -> ``new``, None where ``old`` does not name it.
-    Names are matched and given as diff gives them (canonical: ``model.fc1.weight``, as ``ls``
-    prints it, is ``fc1.weight``); a pattern matches the whole name."""
-    if not _is_pattern(old):
-        return canonical(new) if key == canonical(old) else None
-    m = re.fullmatch(old, key)
-    if m is None:
-        return None
-    try:
-        return canonical(m.expand(new))
-    except re.error as exc:  # (a replacement naming a group the pattern has not: known once it matches)
-        raise UsageError(
-            f"--map: the replacement {new!r} of {old!r} cannot be applied to {key!r} ({exc})",
-            hint="a replacement refers to the pattern's groups as \\1, \\2 ... (or \\g<name>): use groups it has",
-        ) from None
+def _rules(renames: dict[str, str]) -> list[tuple[str, str, re.Pattern[str] | frozenset[str]]]:
+    """``--map``'s renames as (old, new, what ``old`` matches): a compiled pattern, or a name as diff
+    gives it and as ``ls`` prints it (``model.fc1.weight``, canonically ``fc1.weight``)."""
+    return [
+        (old, new, re.compile(old) if _is_pattern(old) else frozenset({old, canonical(old)}))
+        for old, new in renames.items()
+    ]
+
+
+def _renamed(key: str, old: str, new: str, match: re.Pattern[str] | frozenset[str], into: set[str]) -> str | None:
+    """``key`` after the ``--map`` rename ``old`` -> ``new``, None where ``old`` does not name it (a
+    pattern matches the whole name). The result is named as diff names B's items: as given where B
+    has that name, else canonical (``model.fc1.w`` is ``fc1.w``)."""
+    if isinstance(match, frozenset):
+        if key not in match:
+            return None
+        out = new
+    else:
+        if (m := match.fullmatch(key)) is None:
+            return None
+        try:
+            out = m.expand(new)
+        except re.error as exc:  # (a replacement naming a group the pattern has not: known once it matches)
+            raise UsageError(
+                f"--map: the replacement {new!r} of {old!r} cannot be applied to {key!r} ({exc})",
+                hint="a replacement refers to the pattern's groups as \\1, \\2 ... (or \\g<name>): use groups it has",
+            ) from None
+    return out if out in into else canonical(out)
 
 
 def _keyed(
@@ -210,18 +222,20 @@ def _keyed(
     pattern: re.Pattern[str] | None,
     kinds: set[str] | None = None,
     used: set[str] | None = None,
+    into: set[str] | None = None,
 ) -> dict[str, Item]:
-    """The items of ``manifest`` by canonical name after the ``--map`` renames, filtered (``used``
-    gathers the renames that matched a name). Two items that the renames give one name are
-    refused: one of them would drop out of the comparison unseen (A's ``layer.1.w`` gone, and
-    "equal", under ``layer\\.(\\d+)\\.w=blk.0.w``)."""
+    """The items of ``manifest`` by canonical name after the ``--map`` renames into the names
+    ``into`` (B's), filtered (``used`` gathers the renames that matched a name). Two items that the
+    renames give one name are refused: one of them would drop out of the comparison unseen (A's
+    ``layer.1.w`` gone, and "equal", under ``layer\\.(\\d+)\\.w=blk.0.w``)."""
+    rules = _rules(renames)
     out: dict[str, Item] = {}
     for item in manifest.items.values():
         if kinds is not None and item.kind not in kinds:
             continue
         key = canonical(item.name)
-        for old, new in renames.items():
-            if (renamed := _renamed(key, old, new)) is not None:
+        for old, new, match in rules:
+            if (renamed := _renamed(key, old, new, match, into or set())) is not None:
                 key = renamed
                 if used is not None:
                     used.add(old)
@@ -282,7 +296,8 @@ def _diff(
         if unknown:
             raise UsageError(f"--kind {', '.join(unknown)}: expected kinds among {', '.join(KINDS)}")
     used: set[str] = set()
-    ka, kb = _keyed(ma, renames or {}, rx, wanted, used), _keyed(mb, {}, rx, wanted)
+    kb = _keyed(mb, {}, rx, wanted)
+    ka = _keyed(ma, renames or {}, rx, wanted, used, into={canonical(i.name) for i in mb.items.values()})
     if (rx or wanted) and not ka and not kb:  # (two checkpoints are not shown equal by comparing nothing)
         chosen = " and ".join(
             ([f"--filter {pattern!r}"] if rx else []) + ([f"--kind {','.join(sorted(wanted))}"] if wanted else [])

@@ -838,6 +838,14 @@ def test_a_map_names_items_as_ls_shows_them_and_says_what_matched_nothing(tmp_pa
         r"--map 'model.9.bias', 'blk\\.(\\d+)': no name of A matches, so nothing was renamed by it (a pattern is "
         "matched against names as diff gives them: without a model. or module. prefix)"
     ]
+    # names as diff gives them, where canonical() would strip them further (model.model.fc.weight is
+    # model.fc.weight in diff's report, fc.weight once more)
+    import torch
+
+    save_file({"model.model.fc.weight": torch.ones(2)}, a2 := tmp_path / "a2.safetensors")
+    save_file({"model.model.fc.w": torch.ones(2)}, b2 := tmp_path / "b2.safetensors")
+    report = diff(a2, b2, renames={"model.fc.weight": "model.fc.w"})
+    assert not report.different and not report.not_compared, (report.added, report.removed, report.not_compared)
     mapping = tmp_path / "map.txt"
     mapping.write_text("model.1.bias=model.1.b\nnope=x\n")
     r = run_cli("diff", a, b, "--map", mapping)

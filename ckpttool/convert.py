@@ -184,7 +184,7 @@ def convert(
             split_rules=split_rules or {},
             seal_output=seal_output,
         )
-    from ckpttool.reshard import torchrun_world
+    from ckpttool.ranks import torchrun_world
 
     if torchrun_world() is not None:  # every rank would write the same files and race to publish them
         raise UsageError(
@@ -556,7 +556,8 @@ def _framework(
 ) -> ConvertResult:
     """``--to megatron|megatron-dist|deepspeed|deepspeed-universal``: ``reshard`` with the layout unchanged (a framework
     checkpoint keeps every entry: no ``--kind`` or ``--filter``)."""
-    from ckpttool.reshard import Target, reshard, torchrun_world
+    from ckpttool.ranks import torchrun_world
+    from ckpttool.reshard import Target, reshard
 
     if kind != "all" or pattern is not None:
         raise UsageError(

@@ -1343,12 +1343,8 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
                 path=self.model_rel,
             )
         self.vocab_rows: int = rows if isinstance(rows, int) else 0
-        self.vocab_cut = [
-            n
-            for n in names
-            if self.rules.vocab(n)
-            and (i := manifest.items.get(f"{n}.fp32")) is not None
-            and (i.shape or (0,))[0] > self.vocab_rows
+        self.vocab_cut = [  # (as write cuts them: rows of the first copy past the vocabulary's)
+            n for n in names if self.rules.vocab(n) and (self._copies(n, "fp32")[0].shape or (0,))[0] > self.vocab_rows
         ]
         """the vocabulary parameters whose fp32 copies and moments lose padding rows here (``write``)"""
         self.model_rels = sorted(f.path for f in manifest.files if _MODEL.match(f.path))

@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-import functools
 import io
 import math
 import os
 import pickle
 import queue
-import re
+import reprlib
+import struct
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -33,13 +34,108 @@ from ckpttool.errors import CorruptFileError, UnsafePickleError
 Allowlist = Mapping[tuple[str, str], Any]
 
 
+class _Brief(reprlib.Repr):
+    """``repr`` cut to a few levels and members: a pickle's values can be tuples shared through its
+    memo at every level, whose full repr would take longer than the age of the universe."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxtuple = self.maxlist = self.maxset = self.maxfrozenset = 6
+        self.maxdict = 4
+        self.maxstring = self.maxother = 60
+
+    def repr1(self, x: Any, level: int) -> str:
+        # (reprlib picks a method by the exact type's name: subclasses of containers and our records
+        # would fall back to their full repr)
+        if isinstance(x, dict):
+            return self.repr_dict(x, level)
+        if isinstance(x, tuple):
+            return self.repr_tuple(x, level)
+        if isinstance(x, list):
+            return self.repr_list(x, level)
+        if isinstance(x, Record | Fields):
+            return f"{type(x).__name__}(...)"
+        return super().repr1(x, level)
+
+
+_BRIEF = _Brief()
+
+
+def brief(value: Any, width: int = 80) -> str:
+    """``repr(value)`` for a message, at most ``width`` characters, in bounded time whatever the
+    value (see :class:`_Brief`)."""
+    text = _BRIEF.repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+_HASHING: contextvars.ContextVar[list[int]] = contextvars.ContextVar("ckpttool_unpickle_hashing")
+"""What the stand-ins that hash their arguments may still spend in the current load (MAX_HASHED at its start)."""
+
+
+def _hashed(values: Iterable[Any]) -> None:
+    """Charge hashing ``values`` (what ``set()``, ``frozenset()`` or a dict built from a pickle's
+    pairs is about to hash) to the load's budget: raises UnpicklingError past it. The unpickler's
+    own hashing is charged before it runs (:func:`_walk`); a call's is known only here. A tuple
+    costs its members and theirs, however often it recurs; each distinct one is looked into once."""
+    budget = _HASHING.get(None) or [MAX_HASHED]
+    costs: dict[int, int] = {}
+    for value in values:
+        if isinstance(value, tuple):
+            budget[0] -= _tuple_cost(value, costs)
+            if budget[0] < 0:
+                raise pickle.UnpicklingError(_HASH_BOMB)
+
+
+def _tuple_cost(root: tuple[Any, ...], costs: dict[int, int]) -> int:
+    """The members hashing ``root`` visits, nested tuples' included (``costs``: those known, by id)."""
+    todo: list[tuple[Any, ...]] = [root]
+    while todo:
+        t = todo[-1]
+        if id(t) in costs:
+            todo.pop()
+            continue
+        pending = [m for m in t if isinstance(m, tuple) and id(m) not in costs]
+        if pending:
+            todo.extend(pending)
+            continue
+        todo.pop()
+        costs[id(t)] = min(_CAP, len(t) + sum(costs[id(m)] for m in t if isinstance(m, tuple)))
+    return costs[id(root)]
+
+
+_BUILT_ON_GLOBAL = (
+    "sets state on a class, function or constant it names (BUILD), which would change it for every later read in "
+    "this process: no library writes that"
+)
+
+
+def _refuse_state(*_: Any) -> None:
+    """``__setstate__`` of the stand-ins a pickle names and of the records that take no state: a
+    BUILD on a global would otherwise change our stand-in for the rest of the process (the
+    ``dtype`` of ``torch.FloatStorage``, a function's ``__defaults__``)."""
+    raise pickle.UnpicklingError(_BUILT_ON_GLOBAL)
+
+
+def _set(*args: Any) -> set[Any]:
+    if args:
+        _hashed(args[0])
+    return set(*args)
+
+
+def _frozenset(*args: Any) -> frozenset[Any]:
+    if args:
+        _hashed(args[0])
+    return frozenset(*args)
+
+
 def _bytes(*args: Any) -> bytes:
     # protocol-2 pickles spell b"" as bytes() and bytearrays as bytearray(bytes)
     if not args:
         return b""
     if len(args) == 1 and isinstance(args[0], bytes | bytearray):
         return bytes(args[0])
-    raise pickle.UnpicklingError(f"bytes{args!r} is not a plain bytes value")
+    raise pickle.UnpicklingError(f"bytes{brief(args)} is not a plain bytes value")
 
 
 def _bytearray(*args: Any) -> bytearray:
@@ -49,7 +145,7 @@ def _bytearray(*args: Any) -> bytearray:
 def _codecs_encode(text: Any, encoding: str = "utf-8") -> bytes:
     # protocol-2 pickles spell bytes as _codecs.encode(str, "latin1")
     if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise pickle.UnpicklingError(f"_codecs.encode({type(text).__name__}, {encoding!r}) is not plain bytes")
+        raise pickle.UnpicklingError(f"_codecs.encode({type(text).__name__}, {brief(encoding, 40)}) is not plain bytes")
     return text.encode("latin1")
 
 
@@ -57,10 +153,28 @@ class OrderedDictStandIn(dict[Any, Any]):
     """``collections.OrderedDict``: a dict that also takes the attributes a pickle may set on it
     (``module.state_dict()`` carries ``_metadata``)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if args:  # (Python 2 pickled one as OrderedDict([[key, value], ...]): the keys are hashed here)
+            first = args[0]
+            if isinstance(first, dict):
+                _hashed(first.keys())
+            else:
+                _hashed(p[0] for p in first if isinstance(p, list | tuple) and p)
+        super().__init__(*args, **kwargs)
+
+    def __setstate__(self, state: Any) -> None:
+        # (what the unpickler's own BUILD would do: the attributes, from a dict or a (dict, slots) pair)
+        for part in state if isinstance(state, tuple) and len(state) == 2 else (state,):
+            if isinstance(part, dict):
+                _hashed(part.keys())
+                self.__dict__.update(part)
+            elif part is not None:
+                raise pickle.UnpicklingError(f"OrderedDict state of type {type(part).__name__}")
+
 
 _BUILTINS: dict[str, Any] = {
-    "set": set,
-    "frozenset": frozenset,
+    "set": _set,
+    "frozenset": _frozenset,
     "complex": complex,
     "slice": slice,
     "bytes": _bytes,
@@ -194,17 +308,20 @@ class TorchDType(str):
     __slots__ = ()
 
 
+def _by_fields(self: Any) -> tuple[Any, ...]:
+    """``__reduce__`` of a record a pickle names (storage, tensor): copied and pickled as a call
+    with its fields, every one of them (a BUILD on it is refused: see ``__setstate__``)."""
+    return (type(self), tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+
+
 @dataclass(frozen=True, slots=True)
 class StorageType:
     """A legacy typed-storage class (``torch.FloatStorage``) or ``torch.UntypedStorage``."""
 
     dtype: str | None
 
-
-def _by_fields(self: Any) -> tuple[Any, ...]:
-    """``__reduce__`` of a record a pickle names (storage, tensor): copied and pickled as a call
-    with its fields, every one of them (a BUILD on it is refused: see ``__setstate__``)."""
-    return (type(self), tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+    __reduce__ = _by_fields
+    __setstate__ = _refuse_state  # (a frozen dataclass with slots would take one, and change this global)
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,7 +368,7 @@ def _built_after(what: str) -> None:
 def _dtype_of(storage: Any, explicit: Any = None) -> str:
     if explicit is not None:
         if not isinstance(explicit, TorchDType):
-            raise pickle.UnpicklingError(f"tensor dtype {explicit!r:.40} is not a torch dtype")
+            raise pickle.UnpicklingError(f"tensor dtype {brief(explicit, 40)} is not a torch dtype")
         return str(explicit)
     if isinstance(storage, StorageRef) and storage.dtype is not None:
         return storage.dtype
@@ -270,7 +387,7 @@ def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any
         # the storage holds the values before the view: read as stored they came out conjugated or
         # negated (export, convert and diff alike), where torch.load gives the view's
         raise pickle.UnpicklingError(
-            f"a tensor saved as a lazy {' and '.join(bits)} view (torch's tensor metadata {meta!r:.80}), which "
+            f"a tensor saved as a lazy {' and '.join(bits)} view (torch's tensor metadata {brief(meta)}), which "
             "ckpttool does not read yet: its stored values are not the tensor's; save t.resolve_conj().resolve_neg()"
         )
     return ref
@@ -297,7 +414,7 @@ def _tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, dtype: An
         and all(v <= MAX_DIM for v in (*size, *stride, storage_offset))
         and math.prod(size) <= MAX_DIM
     ):
-        raise pickle.UnpicklingError(f"malformed tensor geometry: size={size!r:.80} stride={stride!r:.80}")
+        raise pickle.UnpicklingError(f"malformed tensor geometry: size={brief(size)} stride={brief(stride)}")
     return TensorRef(storage, storage_offset, size, stride, _dtype_of(storage, dtype))
 
 
@@ -310,6 +427,8 @@ def _rebuild_parameter(data: Any, *_rest: Any) -> Any:
 class _TensorType:
     """``torch.Tensor`` / ``torch.nn.Parameter`` named as the ``new_type`` of a rebuild."""
 
+    __setstate__ = _refuse_state
+
 
 def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
     # plain tensors with Python attributes are pickled through here; subclasses are refused by
@@ -318,7 +437,8 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> An
         raise pickle.UnpicklingError("tensor subclass")
     result = func(*args)
     if isinstance(result, TensorRef) and isinstance(state, dict):
-        result.extra.update({k: v for k, v in state.items() if isinstance(v, int | float | str | bool)})
+        kept = {k: v for k, v in state.items() if type(k) is str and isinstance(v, int | float | str | bool)}
+        result.extra.update(kept)  # (a name that is not a string is not hashed again)
     return result
 
 
@@ -331,11 +451,22 @@ class TorchSize(tuple[int, ...]):
 
 def _size(*args: Any) -> TorchSize:
     (values,) = args if args else ((),)
+    if not (isinstance(values, tuple) and all(type(v) is int for v in values)):  # (torch pickles a tuple of ints)
+        raise pickle.UnpicklingError(f"torch.Size({brief(values)})")
     return TorchSize(values)
 
 
 def _device(*args: Any) -> str:
+    if not all(type(a) is str or type(a) is int for a in args):  # ('cuda', 0): never a container
+        raise pickle.UnpicklingError(f"torch.device{brief(args)}")
     return ":".join(str(a) for a in args)
+
+
+def pathlib_path(*parts: Any) -> str:
+    """``pathlib.PosixPath`` and its kin, kept as the path's text."""
+    if not all(isinstance(p, str) for p in parts):
+        raise pickle.UnpicklingError(f"a path made of {brief(parts)}")
+    return "/".join(parts)
 
 
 TORCH_TENSORS: dict[tuple[str, str], Any] = {
@@ -359,12 +490,14 @@ TORCH_TENSORS: dict[tuple[str, str], Any] = {
 def storage_persistent_load(pid: Any) -> StorageRef:
     """``persistent_load`` for torch.save archives: ``('storage', type, key, location, numel)``."""
     if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-        raise pickle.UnpicklingError(f"unexpected persistent id {pid!r:.80}")
+        raise pickle.UnpicklingError(f"unexpected persistent id {brief(pid)}")
     _, storage_type, key, location, numel = pid
     if not isinstance(storage_type, StorageType) or not isinstance(numel, int) or numel < 0:
-        raise pickle.UnpicklingError(f"malformed storage reference {pid!r:.80}")
+        raise pickle.UnpicklingError(f"malformed storage reference {brief(pid)}")
     if not isinstance(key, str) or not key or "/" in key or key in (".", ".."):
-        raise pickle.UnpicklingError(f"malformed storage key {key!r:.40}")
+        raise pickle.UnpicklingError(f"malformed storage key {brief(key, 40)}")
+    if not isinstance(location, str):
+        raise pickle.UnpicklingError(f"malformed storage location {brief(location, 40)}")
     return StorageRef(key=key, dtype=storage_type.dtype, numel=numel, location=str(location))
 
 
@@ -384,14 +517,16 @@ class Record:
         elif isinstance(state, tuple) and len(state) == 2:  # (dict, slots) from __reduce_ex__
             for part in state:
                 if isinstance(part, dict):
+                    _hashed(part.keys())  # (its keys hashed again)
                     self.__dict__.update(part)
         elif isinstance(state, dict):
+            _hashed(state.keys())
             self.__dict__.update(state)
         else:
             self.__dict__["_state"] = state
 
     def __repr__(self) -> str:
-        return f"{self._qualname}({', '.join(f'{k}={v!r:.40}' for k, v in self.__dict__.items())})"
+        return f"{self._qualname}({', '.join(f'{k}={brief(v, 40)}' for k, v in self.__dict__.items())})"
 
 
 class Fields:
@@ -423,7 +558,7 @@ class Fields:
             part.clear()
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={getattr(self, k)!r:.40}" for k in self.__slots__ if hasattr(self, k))
+        fields = ", ".join(f"{k}={brief(getattr(self, k), 40)}" for k in self.__slots__ if hasattr(self, k))
         return f"{type(self).__name__}({fields})"
 
 
@@ -439,8 +574,11 @@ class EnumValue:
     enum: str
     value: Any
 
+    __reduce__ = _by_fields  # (copied and pickled with its fields; a BUILD on one is refused)
+    __setstate__ = _refuse_state
+
     def __str__(self) -> str:
-        return f"{self.enum.rsplit('.', 1)[-1]}({self.value!r})"
+        return f"{self.enum.rsplit('.', 1)[-1]}({brief(self.value, 40)})"
 
 
 def enum(qualname: str) -> Callable[..., EnumValue]:
@@ -491,7 +629,7 @@ def _np_dtype(code: Any, *_: Any) -> Any:
     except TypeError:
         dt = None
     if dt is None or dt.kind not in _NUMPY_KINDS or dt.fields is not None:
-        raise _RefusedValue(f"numpy.dtype({code!r:.40}) (not a plain numeric dtype)")
+        raise _RefusedValue(f"numpy.dtype({brief(code, 40)}) (not a plain numeric dtype)")
     return dt
 
 
@@ -504,6 +642,8 @@ class _NdarrayClass:
     def __init__(self, *_: Any) -> None:
         raise _RefusedValue("numpy.ndarray(...) (an array of uninitialised memory)")
 
+    __setstate__ = _refuse_state
+
 
 def _np_reconstruct(cls: Any, shape: Any, typecode: Any) -> Any:
     import numpy as np
@@ -513,10 +653,32 @@ def _np_reconstruct(cls: Any, shape: Any, typecode: Any) -> Any:
     code = typecode.decode("latin-1") if isinstance(typecode, bytes) else typecode
     dt = _np_dtype(code)  # (an object dtype refused here too)
     if not (isinstance(shape, tuple) and all(type(n) is int and 0 <= n <= MAX_DIM for n in shape)):
-        raise pickle.UnpicklingError(f"numpy _reconstruct of shape {shape!r:.40}")
+        raise pickle.UnpicklingError(f"numpy _reconstruct of shape {brief(shape, 40)}")
     if math.prod(shape) * dt.itemsize > 1 << 20:  # (numpy pickles (0,): the values come with the state)
         raise pickle.UnpicklingError(f"numpy _reconstruct of {math.prod(shape):,} elements")
-    return np.zeros(shape, dt)  # (zeros, not uninitialised memory, if no state follows)
+    return np.zeros(shape, dt).view(_pickled_array())  # (zeros, not uninitialised memory, if no state follows)
+
+
+_ARRAY_CLASS: list[type] = []
+
+
+def _pickled_array() -> type:
+    """The class of the numpy arrays a pickle makes (made on first use: numpy is imported only then).
+    Item assignment is refused: a SETITEM on one has numpy convert the value, and a tuple shared
+    through the memo at every level (see :func:`_walk`) takes that longer than the age of the
+    universe, in C. No library pickles one. Pickled again, it is a plain ``numpy.ndarray``."""
+    if not _ARRAY_CLASS:
+        import numpy as np
+
+        class PickledArray(np.ndarray):
+            def __setitem__(self, key: Any, value: Any) -> None:
+                raise pickle.UnpicklingError("item assignment on a numpy array from a pickle: no library writes that")
+
+            def __reduce__(self) -> Any:
+                return self.view(np.ndarray).__reduce__()
+
+        _ARRAY_CLASS.append(PickledArray)
+    return _ARRAY_CLASS[0]
 
 
 def _numpy() -> dict[tuple[str, str], Any]:
@@ -556,8 +718,8 @@ BYTES_IO: dict[tuple[str, str], Any] = {("io", "BytesIO"): OpaqueBytes, ("_io", 
 NAMESPACES: dict[tuple[str, str], Any] = {
     ("argparse", "Namespace"): record("argparse.Namespace"),
     ("types", "SimpleNamespace"): record("types.SimpleNamespace"),
-    ("pathlib", "PosixPath"): lambda *parts: "/".join(str(p) for p in parts),
-    ("pathlib", "WindowsPath"): lambda *parts: "/".join(str(p) for p in parts),
+    ("pathlib", "PosixPath"): pathlib_path,
+    ("pathlib", "WindowsPath"): pathlib_path,
     **BYTES_IO,
 }
 """Configuration containers (``argparse.Namespace`` of Megatron ``args``) and opaque byte blobs."""
@@ -583,9 +745,12 @@ class _Unpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         try:
-            return self._allow[(module, name)]
+            found = self._allow[(module, name)]
         except KeyError:
             raise UnsafePickleError(self._source, f"{module}.{name}", what=self._what) from None
+        if type(found) is types.FunctionType and "__setstate__" not in found.__dict__:
+            found.__setstate__ = _refuse_state  # type: ignore[attr-defined]  # (see _refuse_state)
+        return found
 
     def persistent_load(self, pid: Any) -> Any:
         if self._persistent is None:
@@ -606,9 +771,10 @@ def loads(
     ``source`` names the file (and item) in error messages. Raises UnsafePickleError for a global
     outside the allowlist and CorruptFileError for anything else that goes wrong.
     """
-    problem = _memo_bomb(data)
+    problem = _opcode_problem(data)
     if problem:
         raise CorruptFileError(f"{source}: {what} {problem}", hint="the file is damaged or hostile", path=source)
+    budget = _HASHING.set([MAX_HASHED])  # (what the stand-ins that hash may spend: see _hashed)
     try:
         obj = _on_a_deep_stack(len(data), _Unpickler(data, allow, source, what, persistent_load).load)
     except (UnsafePickleError, _RefusedValue) as exc:
@@ -625,6 +791,8 @@ def loads(
             hint="the file is damaged or was not written by the library the format expects",
             path=source,
         ) from None
+    finally:
+        _HASHING.reset(budget)
     problem = _shape_problem(obj)
     if problem:
         raise CorruptFileError(f"{source}: {what} {problem}", hint="the file is damaged or hostile", path=source)
@@ -635,7 +803,8 @@ _INLINE = 32 << 10
 """pickles of at most this many bytes are read on the caller's own stack (see :func:`_on_a_deep_stack`)"""
 _DEEP_STACK = 1 << 30
 """the stack of each deep reader: address space, committed only as far as it is used (a level of
-nested tuples costs 50-80 bytes of it to hash: about 13 million levels fit)"""
+nested tuples costs 50-80 bytes of it to hash: about 13 million levels fit, and MAX_HASHED keeps a
+hashed key to 10 million)"""
 _DEEP_READERS = 4
 _STACK_LOCK = threading.Lock()
 _deep: dict[str, Any] = {"queue": None, "pid": None}
@@ -699,115 +868,324 @@ def _deep_reader(tasks: queue.SimpleQueue[Any]) -> None:
 
 
 MAX_WALK_STEPS = 8_000_000
-"""Most strings, bytes and explicit memo stores the opcode walk steps through one at a time (a 75 MB
-DCP ``.metadata`` of 400 000 chunks has 610 000; eight million take about five seconds)."""
+"""Most strings, bytes and explicit memo stores a pickle may hold (a 75 MB DCP ``.metadata`` of
+400 000 chunks has 610 000): past it the pickle is refused rather than walked for minutes."""
+MAX_HASHED = 10_000_000
+"""Most tuple members the unpickler may hash over a whole pickle, beyond one per dict key and set
+member (checkpoints' keys are strings, ints and short tuples: a DCP ``.metadata`` of 400 000 chunks
+hashes about 400 000). Hashing recurses in C, a level of the reader's stack per nested tuple, so
+this also bounds how deep a hashed key can nest: ten million levels fit in ``_DEEP_STACK``."""
 _BOMB = "stores a value at a memo index far beyond its own length (the reader would allocate gigabytes for it)"
+_HASH_BOMB = (
+    f"makes dict keys or set members that would take more than {MAX_HASHED:,} steps to hash (tuples shared "
+    "through its memo and nested in each other): reading it would not finish"
+)
+_CAP = 1 << 40  # (a hashing cost past any budget: keeps the walk's sums small integers)
+_NEW_RECORD = b"\x81\x94}\x94("  # (after EMPTY_TUPLE: NEWOBJ MEMOIZE EMPTY_DICT MEMOIZE MARK)
+_SIZE_CALL = b"\x94\x85\x94R\x94"  # (after TUPLE2: MEMOIZE TUPLE1 MEMOIZE REDUCE MEMOIZE)
 
 
-def _memo_bomb(data: bytes) -> str | None:
-    """Whether a pickle stores into a memo index larger than the pickle itself. Python's unpickler
-    grows its memo table to the index it is given, so ten bytes can make it allocate gigabytes;
-    a real pickle numbers its memo entries from 0, one per stored object.
+def _opcode_problem(data: bytes) -> str | None:
+    """What makes a pickle unsafe to hand to the unpickler, found from its opcodes alone, or None
+    (see :func:`_walk`)."""
+    return _walk(data)[0]
 
-    The opcodes are walked up to STOP, skipping strings and bytes by their lengths, and every PUT's
-    index is looked at (a byte search for candidates does not help: torch's pickles spell ``torch``
-    and ``storage``, an ``r`` and four bytes that read as a huge index). Runs of opcodes whose
-    arguments have a fixed size (most of any pickle: MEMOIZE, BINGET, BININT1, MARK, TUPLE2...) are
-    skipped by one regular-expression match, so Python steps only through strings, bytes and
-    4-byte PUTs: a 75 MB DCP ``.metadata`` of 30 million opcodes is walked in about a tenth of the
-    time it takes to unpickle. A pickle that does not parse is not a bomb: the unpickler reports it.
-    One made of nothing but tiny strings would make the walk slow (a microsecond a step, against the
-    unpickler's tenth): more than MAX_WALK_STEPS such steps is refused. Returns what is wrong, or None."""
+
+def _walk(data: bytes) -> tuple[str | None, int]:
+    """What makes a pickle unsafe to hand to the unpickler, found from its opcodes alone, or None;
+    and how many tuple members beyond one per key the unpickler's hashing visits (what was charged).
+
+    The C unpickler trusts its input in ways that hang or exhaust the process before any check
+    on the result can run:
+
+    * a memo index larger than the pickle (it grows its memo table to the index it is given, so
+      ten bytes can make it allocate gigabytes; a real pickle numbers its memo entries from 0);
+    * a string or bytes longer than what is left (it allocates the length it is told first);
+    * dict keys or set members whose hashing takes longer than the age of the universe. CPython
+      does not cache a tuple's hash: ``t(k+1) = (t(k), t(k))``, built through the memo, is 700
+      bytes for 100 levels and 2**100 tuples to hash, in C, holding the GIL, so neither Ctrl-C nor
+      a signal stops it.
+
+    So every opcode is followed on a model of the unpickler's stack and memo in which a value is
+    only the number of objects hashing it visits: 1 for anything but a tuple (a string or number
+    caches its hash or is one; a list, dict or set cannot be hashed; what an allowlisted call
+    returns is hashed by identity, as a record, or by its arguments, as ``torch.Size(t)`` is by
+    ``t``, so it counts one more than them), one more than its members for a tuple. Each dict key
+    and set member the unpickler hashes is charged to MAX_HASHED. Hashing that Python code of ours
+    does (``set()``, a record's state set again) is charged where it happens (:func:`_hashed`).
+    The model follows CPython's ``_pickle.c``; it checks less than the unpickler does (the MARK
+    fences, the types), which only matters for a pickle the unpickler refuses anyway, and where
+    it cannot go on (a missing memo entry, a truncated pickle) it stops with None and lets the
+    unpickler report the damage."""
     limit = len(data)
-    table = _arg_skip()
-    run = _fixed_run()
-    i = steps = 0
-    while i < limit:
-        i = run.match(data, i).end()  # type: ignore[union-attr]  # the pattern matches the empty string
-        if i >= limit:
-            return None
-        steps += 1
-        if steps > MAX_WALK_STEPS:
-            return (
-                f"holds more than {MAX_WALK_STEPS:,} strings, bytes and memo stores (checkpoint pickles hold far "
-                "fewer); it is not read"
-            )
-        code = data[i]
-        i += 1
-        skip = table[code]
-        if skip is None:
-            return None
-        kind, n = skip
-        if kind == 0:
-            if code == 0x72 and i + 4 <= limit and int.from_bytes(data[i : i + 4], "little") > limit:  # LONG_BINPUT
-                return _BOMB
-            if code == 0x2E:  # STOP
-                return None
-            i += n
-        elif kind == 1:
-            for _ in range(n):
-                j = data.find(b"\n", i)
-                if j < 0:
-                    return None
-                if code == 0x70:  # PUT: its index as the unpickler parses it (sign, spaces, underscores)
-                    try:
-                        index = int(data[i:j])
-                    except ValueError:
-                        return None
+    fixed = _FIXED_PUSH
+    counted = _COUNTED
+    get4 = _U4
+    stack: list[int] = []
+    push = stack.append
+    pop = stack.pop
+    marks: list[int] = []
+    memo: list[int] = []
+    remember = memo.append
+    holes = 0  # memo slots skipped by an explicit index: MEMOIZE stores at the count of filled ones
+    spent = steps = i = 0
+    try:
+        while True:
+            code = data[i]
+            i += 1
+            if code == 0x94:  # MEMOIZE
+                if holes:
+                    holes += _memo_put(memo, len(memo) - holes, stack[-1])
+                else:
+                    remember(stack[-1])
+                continue
+            if code == 0x68:  # BINGET
+                push(memo[data[i]])
+                i += 1
+                continue
+            n = fixed[code]
+            if n >= 0:  # a number, None, a bool, an empty container: pushed, its argument skipped
+                if code == 0x29 and data[i : i + 5] == _NEW_RECORD and not holes:
+                    # (the opcodes torch's dataclasses pickle as: an instance made with no arguments, and
+                    # its state dict opened; a fifth of a DCP .metadata, one step instead of six)
+                    stack[-1] = 2
+                    remember(2)
+                    remember(1)
+                    push(1)
+                    marks.append(len(stack))
+                    i += 5
+                    continue
+                push(1)
+                i += n
+                continue
+            if code == 0x6A:  # LONG_BINGET
+                push(memo[get4(data, i)[0]])
+                i += 4
+                continue
+            if code == 0x28:  # MARK
+                marks.append(len(stack))
+                continue
+            if code == 0x81 or code == 0x52:  # NEWOBJ, REDUCE: a call's result, from class or callable and arguments
+                h = pop() + 1
+                stack[-1] = h if h < _CAP else _CAP
+                continue
+            if code == 0x86:  # TUPLE2
+                h = pop() + stack[-1] + 1
+                if data[i : i + 5] == _SIZE_CALL and not holes:  # (torch.Size((a, b)): another fifth, one step)
+                    pop()
+                    h = h if h < _CAP else _CAP
+                    remember(h)
+                    remember(h + 1)
+                    remember(h + 2)
+                    stack[-1] = h + 2
+                    i += 5
+                    continue
+                stack[-1] = h if h < _CAP else _CAP
+                continue
+            if code == 0x85:  # TUPLE1
+                h = stack[-1] + 1
+                stack[-1] = h if h < _CAP else _CAP
+                continue
+            if code == 0x62:  # BUILD: the state is set on the value below it (by Python: see Record)
+                pop()
+                continue
+            if code == 0x75:  # SETITEMS: keys and values into the dict below the MARK
+                x = marks.pop()
+                cost = sum(stack[x::2]) - (len(stack) - x) // 2
+                if cost:
+                    spent += cost
+                    if spent > MAX_HASHED:
+                        return _HASH_BOMB, spent
+                del stack[x:]
+                if data[i] == 0x62:  # (and the BUILD that follows a record's state dict)
+                    pop()
+                    i += 1
+                continue
+            n = counted[code]
+            if n:  # a string, bytes or long: its length, then that many bytes
+                if n == 1:
+                    length = data[i]
+                    i += 1
+                else:
+                    width = n & 15
+                    length = int.from_bytes(data[i : i + width], "little", signed=n > 15)
+                    if length < 0 or i + width > limit:
+                        return None, spent
+                    i += width
+                if i + length > limit:  # (the unpickler allocates the length it is told before reading)
+                    return (
+                        f"gives a string or bytes of {length:,} bytes at byte {i - 1 - (n & 15):,}, past its end "
+                        f"({limit:,} bytes): it is cut short or damaged"
+                    ), spent
+                i += length
+                push(1)
+                steps += 1
+                if steps > MAX_WALK_STEPS:
+                    return _too_many(), spent
+                continue
+            if code == 0x71 or code == 0x72:  # BINPUT, LONG_BINPUT
+                if code == 0x71:
+                    index = data[i]
+                    i += 1
+                else:
+                    if i + 4 > limit:
+                        return None, spent
+                    index = get4(data, i)[0]
+                    i += 4
                     if index > limit:
-                        return _BOMB
+                        return _BOMB, spent
+                if index == len(memo) and not holes:
+                    remember(stack[-1])
+                else:
+                    holes += _memo_put(memo, index, stack[-1])
+                steps += 1
+                if steps > MAX_WALK_STEPS:
+                    return _too_many(), spent
+                continue
+            if code == 0x74 or code == 0x91:  # TUPLE; FROZENSET (members hashed, its own hash cached)
+                x = marks.pop()
+                h = sum(stack[x:]) + 1
+                if code == 0x91:
+                    spent += h - 1 - (len(stack) - x)
+                    if spent > MAX_HASHED:
+                        return _HASH_BOMB, spent
+                    h = 1
+                del stack[x:]
+                push(h if h < _CAP else _CAP)
+                continue
+            if code == 0x65:  # APPENDS: into the list below the MARK (lists are not hashed)
+                del stack[marks.pop() :]
+                continue
+            if code == 0x61 or code == 0x30:  # APPEND; POP: the top value, or the MARK on top
+                if code == 0x30 and marks and marks[-1] == len(stack):
+                    marks.pop()
+                else:
+                    pop()
+                continue
+            if code == 0x73:  # SETITEM
+                cost = stack[-2] - 1
+                del stack[-2:]
+                if cost:
+                    spent += cost
+                    if spent > MAX_HASHED:
+                        return _HASH_BOMB, spent
+                continue
+            if code == 0x87:  # TUPLE3
+                h = pop() + pop() + stack[-1] + 1
+                stack[-1] = h if h < _CAP else _CAP
+                continue
+            if code == 0x51:  # BINPERSID: the persistent id replaced by what it names
+                h = stack[-1] + 1
+                stack[-1] = h if h < _CAP else _CAP
+                continue
+            if code == 0x93:  # STACK_GLOBAL
+                del stack[-2:]
+                push(1)
+                continue
+            if code == 0x95:  # FRAME: framing only, the opcodes inside follow
+                i += 8
+                continue
+            if code == 0x80:  # PROTO
+                i += 1
+                continue
+            if code == 0x2E:  # STOP
+                return None, spent
+            if code == 0x67 or code == 0x70:  # GET, PUT: the index as a line of text, parsed as int() does
+                j = data.index(b"\n", i)
+                index = int(data[i:j])
                 i = j + 1
-        else:
-            length = int.from_bytes(data[i : i + n], "little", signed=kind == 3)
-            if length < 0:
-                return None
-            if i + n + length > limit:  # (the unpickler allocates the length it is told before reading)
-                return (
-                    f"gives a string or bytes of {length:,} bytes at byte {i - 1:,}, past its end ({limit:,} bytes): "
-                    "it is cut short or damaged"
-                )
-            i += n + length
-    return None
+                if code == 0x67:
+                    push(memo[index])
+                    continue
+                if index > limit:
+                    return _BOMB, spent
+                if index < 0:
+                    return None, spent
+                holes += _memo_put(memo, index, stack[-1])
+                steps += 1
+                if steps > MAX_WALK_STEPS:
+                    return _too_many(), spent
+                continue
+            if code in (0x6C, 0x64, 0x90, 0x6F, 0x69, 0x31):  # LIST, DICT, ADDITEMS, OBJ, INST, POP_MARK
+                x = marks.pop()
+                if code == 0x64 or code == 0x90:  # DICT's keys, ADDITEMS' members: hashed
+                    items = stack[x::2] if code == 0x64 else stack[x:]
+                    spent += sum(items) - len(items)
+                    if spent > MAX_HASHED:
+                        return _HASH_BOMB, spent
+                h = sum(stack[x + 1 :]) + 2 if code == 0x6F else sum(stack[x:]) + 2  # (a call's result)
+                del stack[x:]
+                if code == 0x69:  # INST: the class named by two lines
+                    i = data.index(b"\n", data.index(b"\n", i) + 1) + 1
+                if code != 0x90 and code != 0x31:
+                    push(min(h, _CAP) if code == 0x6F or code == 0x69 else 1)
+                continue
+            if code == 0x63:  # GLOBAL: module and name on two lines
+                i = data.index(b"\n", data.index(b"\n", i) + 1) + 1
+                push(1)
+            elif code in (0x82, 0x83, 0x84):  # EXT1, EXT2, EXT4: a global from copyreg's registry
+                i += (1, 2, 4)[code - 0x82]
+                push(1)
+            elif code == 0x92:  # NEWOBJ_EX: class, arguments, keyword arguments
+                h = pop() + pop() + 2
+                stack[-1] = h if h < _CAP else _CAP
+            elif code == 0x32:  # DUP
+                push(stack[-1])
+            elif code in (0x46, 0x49, 0x4C, 0x53, 0x56, 0x50):  # FLOAT, INT, LONG, STRING, UNICODE, PERSID: a line
+                i = data.index(b"\n", i) + 1
+                push(2 if code == 0x50 else 1)
+            elif code != 0x98:  # (READONLY_BUFFER leaves its value) not an opcode: the unpickler says so
+                return None, spent
+    except (IndexError, ValueError, struct.error):  # (a GET of an unset entry, an argument cut short)
+        return None, spent
 
 
-@functools.cache
-def _fixed_run() -> re.Pattern[bytes]:
-    """A run of opcodes with fixed-size arguments, LONG_BINPUT (whose index is checked) and STOP
-    left out. Every opcode is one distinct byte, so the alternatives never overlap and the match
-    is possessive (no backtracking state kept)."""
-    by_size: dict[int, list[int]] = {}
-    for code, skip in enumerate(_arg_skip()):
-        if skip is not None and skip[0] == 0 and code not in (0x72, 0x2E):
-            by_size.setdefault(skip[1], []).append(code)
-    parts = [
-        b"[" + b"".join(re.escape(bytes([c])) for c in codes) + b"]" + b"." * n for n, codes in sorted(by_size.items())
-    ]
-    return re.compile(b"(?:" + b"|".join(parts) + b")*+", re.DOTALL)
+def _too_many() -> str:
+    return (
+        f"holds more than {MAX_WALK_STEPS:,} strings, bytes and memo stores (checkpoint pickles hold far fewer); "
+        "it is not read"
+    )
 
 
-@functools.cache
-def _arg_skip() -> tuple[tuple[int, int] | None, ...]:
-    """Per opcode byte: None (not an opcode), (0, n) a fixed n-byte argument, (1, n) n newline-ended
-    lines, (2, n) an n-byte length then that many bytes ((3, 4): a signed 4-byte length)."""
+def _memo_put(memo: list[Any], index: int, value: Any) -> int:
+    """Store ``value`` at ``index`` of the walk's memo; returns how many empty slots that made
+    (negative: filled). Empty slots are 0, a cost no value has."""
+    have = len(memo)
+    if index < have:
+        empty = memo[index] == 0
+        memo[index] = value
+        return -1 if empty else 0
+    memo.extend([0] * (index - have))
+    memo.append(value)
+    return index - have
+
+
+def _tables() -> tuple[list[int], list[int]]:
+    """Per opcode byte: the size of the argument of an opcode that pushes one plain value (-1 for
+    any other), and the width of the length before a string's, bytes' or long's bytes (0 for any
+    other; plus 16 where the length is signed)."""
     import pickletools
 
-    table: list[tuple[int, int] | None] = [None] * 256
+    fixed, counted = [-1] * 256, [0] * 256
+    plain = {"BININT", "BININT1", "BININT2", "BINFLOAT", "NONE", "NEWTRUE", "NEWFALSE", "NEXT_BUFFER"}
+    plain |= {"EMPTY_TUPLE", "EMPTY_DICT", "EMPTY_LIST", "EMPTY_SET"}
+    widths = {
+        pickletools.TAKEN_FROM_ARGUMENT1: 1,
+        pickletools.TAKEN_FROM_ARGUMENT4: 4 | 16,
+        pickletools.TAKEN_FROM_ARGUMENT4U: 4,
+        pickletools.TAKEN_FROM_ARGUMENT8U: 8,
+    }
     for op in pickletools.opcodes:
-        arg = op.arg
-        if arg is None:
-            table[ord(op.code)] = (0, 0)
-        elif arg.n >= 0:
-            table[ord(op.code)] = (0, arg.n)
-        elif arg.n == pickletools.UP_TO_NEWLINE:
-            table[ord(op.code)] = (1, 2 if arg.name == "stringnl_noescape_pair" else 1)
-        else:
-            table[ord(op.code)] = {
-                pickletools.TAKEN_FROM_ARGUMENT1: (2, 1),
-                pickletools.TAKEN_FROM_ARGUMENT4: (3, 4),
-                pickletools.TAKEN_FROM_ARGUMENT4U: (2, 4),
-                pickletools.TAKEN_FROM_ARGUMENT8U: (2, 8),
-            }[arg.n]
-    return tuple(table)
+        code = ord(op.code)
+        if op.name in plain:
+            fixed[code] = op.arg.n if op.arg is not None else 0
+        elif op.arg is not None and op.arg.n in widths:
+            counted[code] = widths[op.arg.n]
+    return fixed, counted
+
+
+_FIXED_PUSH, _COUNTED = _tables()
+_U4 = struct.Struct("<I").unpack_from
 
 
 MAX_DEPTH = 200

@@ -63,7 +63,7 @@ class _Record(_unpickle.Record):
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.__dict__})"
+        return f"{type(self).__name__}({_unpickle.brief(self.__dict__, 400)})"
 
 
 class _Metadata(_Record):
@@ -98,12 +98,15 @@ class _TensorProperties(_Record):
         # pickled as (dtype, layout, requires_grad, memory_format encoding, pin_memory)
         if isinstance(state, tuple) and len(state) == 5:
             if not isinstance(state[3], _MemFormat):  # torch refuses any other memory format too
-                raise ValueError(f"invalid torch.memory_format encoding {state[3]!r:.60} in TensorProperties")
+                what = _unpickle.brief(state[3], 60)
+                raise ValueError(f"invalid torch.memory_format encoding {what} in TensorProperties")
+            if not isinstance(state[0], str):
+                raise ValueError(f"TensorProperties dtype {_unpickle.brief(state[0], 60)} is not a torch dtype")
             self.dtype = str(state[0])
         elif isinstance(state, dict):
-            self.__dict__.update(state)
+            super().__setstate__(state)
         else:
-            raise ValueError(f"unexpected TensorProperties state {state!r:.80}")
+            raise ValueError(f"unexpected TensorProperties state {_unpickle.brief(state)}")
 
 
 class _StorageMeta(_Record):
@@ -129,17 +132,15 @@ class _StorageInfo(_unpickle.Fields):
     transform_descriptors: list[str] | None
 
 
-def _path(*parts: Any) -> str:
-    return "/".join(str(p) for p in parts)
-
-
 class _MemFormat(int):
     """A member of torch's ``_MEM_FORMAT_ENCODING`` (contiguous, channels last, preserve), by value."""
+
+    __slots__ = ()
 
 
 def _mem_format(value: Any) -> _MemFormat:
     if type(value) is not int or value not in (0, 1, 2):  # (as the enum's own lookup refuses)
-        raise ValueError(f"{value!r:.40} is not a valid _MEM_FORMAT_ENCODING")
+        raise ValueError(f"{_unpickle.brief(value, 40)} is not a valid _MEM_FORMAT_ENCODING")
     return _MemFormat(value)
 
 
@@ -151,8 +152,8 @@ _LAYOUTS = frozenset(
 
 
 def _layout(name: Any) -> str:
-    if name not in _LAYOUTS:  # (torch's lookup raises KeyError)
-        raise ValueError(f"unknown torch layout {name!r:.40}")
+    if type(name) is not str or name not in _LAYOUTS:  # (torch's lookup raises KeyError)
+        raise ValueError(f"unknown torch layout {_unpickle.brief(name, 40)}")
     return str(name)
 
 
@@ -171,12 +172,12 @@ METADATA_ALLOWLIST: dict[tuple[str, str], Any] = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch", "Size"): _unpickle.TORCH_TENSORS[("torch", "Size")],
     ("torch.serialization", "_get_layout"): _layout,
-    ("pathlib", "PosixPath"): _path,
-    ("pathlib", "WindowsPath"): _path,
-    ("pathlib", "PurePosixPath"): _path,
-    ("pathlib", "PureWindowsPath"): _path,
-    ("pathlib._local", "PosixPath"): _path,
-    ("pathlib._local", "WindowsPath"): _path,
+    ("pathlib", "PosixPath"): _unpickle.pathlib_path,
+    ("pathlib", "WindowsPath"): _unpickle.pathlib_path,
+    ("pathlib", "PurePosixPath"): _unpickle.pathlib_path,
+    ("pathlib", "PureWindowsPath"): _unpickle.pathlib_path,
+    ("pathlib._local", "PosixPath"): _unpickle.pathlib_path,
+    ("pathlib._local", "WindowsPath"): _unpickle.pathlib_path,
     **{("torch", name): _unpickle.TorchDType(dt.name) for name, dt in BY_NAME.items()},
     # megatron-core's planner keeps every rank's save plan in the metadata (``all_local_plans``)
     **{(_PLANNER, n): _unpickle.record(f"{_PLANNER}.{n}") for n in ("SavePlan", "WriteItem", "TensorWriteData")},

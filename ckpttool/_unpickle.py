@@ -670,14 +670,14 @@ def _pickled_array() -> type:
     if not _ARRAY_CLASS:
         import numpy as np
 
-        class PickledArray(np.ndarray):
+        class ndarray(np.ndarray):  # (named as numpy's: summaries and messages print the type's name)
             def __setitem__(self, key: Any, value: Any) -> None:
                 raise pickle.UnpicklingError("item assignment on a numpy array from a pickle: no library writes that")
 
             def __reduce__(self) -> Any:
                 return self.view(np.ndarray).__reduce__()
 
-        _ARRAY_CLASS.append(PickledArray)
+        _ARRAY_CLASS.append(ndarray)
     return _ARRAY_CLASS[0]
 
 

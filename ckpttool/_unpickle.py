@@ -17,6 +17,7 @@ import io
 import math
 import os
 import pickle
+import posixpath
 import queue
 import reprlib
 import struct
@@ -56,6 +57,8 @@ class _Brief(reprlib.Repr):
             return self.repr_list(x, level)
         if isinstance(x, Record | Fields):
             return f"{type(x).__name__}(...)"
+        if isinstance(x, int) and x.bit_length() > 256:
+            return f"<int of {x.bit_length():,} bits>"
         return super().repr1(x, level)
 
 
@@ -70,7 +73,11 @@ def brief(value: Any, width: int = 80) -> str:
 
 
 _HASHING: contextvars.ContextVar[list[int]] = contextvars.ContextVar("ckpttool_unpickle_hashing")
-"""What the stand-ins that hash their arguments may still spend in the current load (MAX_HASHED at its start)."""
+"""What the stand-ins may still spend in the current load: [hashing (what the walk left of
+MAX_HASHED), values copied (MAX_COPIED)]."""
+MAX_COPIED = 100_000
+"""Most values the stand-ins may copy in one load (``set(list)``, ``OrderedDict(pairs)``, ``bytearray``),
+beyond four per byte of the pickle (a pickle's own values take at least a byte each)."""
 
 
 def _hashed(values: Iterable[Any]) -> None:
@@ -78,13 +85,15 @@ def _hashed(values: Iterable[Any]) -> None:
     pairs is about to hash) to the load's budget: raises UnpicklingError past it. The unpickler's
     own hashing is charged before it runs (:func:`_walk`); a call's is known only here. A tuple
     costs its members and theirs, however often it recurs; each distinct one is looked into once."""
-    budget = _HASHING.get(None) or [MAX_HASHED]
+    budget = _HASHING.get(None) or [MAX_HASHED, MAX_COPIED]
     costs: dict[int, int] = {}
     for value in values:
         if isinstance(value, tuple):
             budget[0] -= _tuple_cost(value, costs)
-            if budget[0] < 0:
-                raise pickle.UnpicklingError(_HASH_BOMB)
+        elif type(value) is int:
+            budget[0] -= value.bit_length() >> 6  # (an int's hash is not cached: it costs its digits)
+        if budget[0] < 0:
+            raise pickle.UnpicklingError(_HASH_BOMB)
 
 
 def _tuple_cost(root: tuple[Any, ...], costs: dict[int, int]) -> int:
@@ -100,7 +109,13 @@ def _tuple_cost(root: tuple[Any, ...], costs: dict[int, int]) -> int:
             todo.extend(pending)
             continue
         todo.pop()
-        costs[id(t)] = min(_CAP, len(t) + sum(costs[id(m)] for m in t if isinstance(m, tuple)))
+        cost = len(t)
+        for m in t:
+            if isinstance(m, tuple):
+                cost += costs[id(m)]
+            elif type(m) is int:
+                cost += m.bit_length() >> 6  # (an int's hash is not cached: it costs its digits)
+        costs[id(t)] = min(_CAP, cost)
     return costs[id(root)]
 
 
@@ -117,16 +132,31 @@ def _refuse_state(*_: Any) -> None:
     raise pickle.UnpicklingError(_BUILT_ON_GLOBAL)
 
 
+def _copied(count: int) -> None:
+    """Charge ``count`` values a stand-in copies to the load's budget (a set() of a 100 000-item list,
+    called 300 times through the memo, made 1.2 GB of a 500 KB pickle)."""
+    budget = _HASHING.get(None) or [MAX_HASHED, MAX_COPIED]
+    budget[1] -= count
+    if budget[1] < 0:
+        raise pickle.UnpicklingError("makes more copies of values than it holds (set() called again and again)")
+
+
 def _set(*args: Any) -> set[Any]:
     if args:
-        _hashed(args[0])
-    return set(*args)
+        items = list(args[0])
+        _copied(len(items))
+        _hashed(items)
+        return set(items)
+    return set()
 
 
 def _frozenset(*args: Any) -> frozenset[Any]:
     if args:
-        _hashed(args[0])
-    return frozenset(*args)
+        items = list(args[0])
+        _copied(len(items))
+        _hashed(items)
+        return frozenset(items)
+    return frozenset()
 
 
 def _bytes(*args: Any) -> bytes:
@@ -139,7 +169,9 @@ def _bytes(*args: Any) -> bytes:
 
 
 def _bytearray(*args: Any) -> bytearray:
-    return bytearray(_bytes(*args))
+    data = _bytes(*args)
+    _copied(len(data) >> 3)  # (a copy of the pickle's bytes)
+    return bytearray(data)
 
 
 def _codecs_encode(text: Any, encoding: str = "utf-8") -> bytes:
@@ -159,7 +191,11 @@ class OrderedDictStandIn(dict[Any, Any]):
             if isinstance(first, dict):
                 _hashed(first.keys())
             else:
-                _hashed(p[0] for p in first if isinstance(p, list | tuple) and p)
+                pairs = list(first)
+                if not all(type(p) in (list, tuple) and len(p) == 2 for p in pairs):  # (dict() takes any 2 items)
+                    raise pickle.UnpicklingError("OrderedDict made from something other than [key, value] pairs")
+                _copied(len(pairs))
+                _hashed(p[0] for p in pairs)
         super().__init__(*args, **kwargs)
 
     def __setstate__(self, state: Any) -> None:
@@ -408,7 +444,7 @@ def _tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, dtype: An
         isinstance(storage_offset, int)
         and isinstance(size, tuple)
         and isinstance(stride, tuple)
-        and len(size) == len(stride)
+        and len(size) == len(stride) <= 64
         and all(isinstance(v, int) and v >= 0 for v in (*size, *stride))
         and storage_offset >= 0
         and all(v <= MAX_DIM for v in (*size, *stride, storage_offset))
@@ -451,22 +487,22 @@ class TorchSize(tuple[int, ...]):
 
 def _size(*args: Any) -> TorchSize:
     (values,) = args if args else ((),)
-    if not (isinstance(values, tuple) and all(type(v) is int for v in values)):  # (torch pickles a tuple of ints)
-        raise pickle.UnpicklingError(f"torch.Size({brief(values)})")
+    if not (isinstance(values, tuple) and len(values) <= 64 and all(type(v) is int for v in values)):
+        raise pickle.UnpicklingError(f"torch.Size({brief(values)})")  # (torch pickles a tuple of ints)
     return TorchSize(values)
 
 
 def _device(*args: Any) -> str:
-    if not all(type(a) is str or type(a) is int for a in args):  # ('cuda', 0): never a container
-        raise pickle.UnpicklingError(f"torch.device{brief(args)}")
+    if len(args) > 2 or not all(type(a) is int or (type(a) is str and len(a) <= 64) for a in args):
+        raise pickle.UnpicklingError(f"torch.device{brief(args)}")  # (('cuda', 0): never a container, never long)
     return ":".join(str(a) for a in args)
 
 
 def pathlib_path(*parts: Any) -> str:
-    """``pathlib.PosixPath`` and its kin, kept as the path's text."""
-    if not all(isinstance(p, str) for p in parts):
+    """``pathlib.PosixPath`` and its kin, kept as the path's text (``('/', 'tmp', 'x')``: ``/tmp/x``)."""
+    if not all(type(p) is str for p in parts) or sum(len(p) for p in parts) > 1 << 16:
         raise pickle.UnpicklingError(f"a path made of {brief(parts)}")
-    return "/".join(parts)
+    return posixpath.join(*parts) if parts else ""
 
 
 TORCH_TENSORS: dict[tuple[str, str], Any] = {
@@ -652,10 +688,11 @@ def _np_reconstruct(cls: Any, shape: Any, typecode: Any) -> Any:
         raise pickle.UnpicklingError("numpy _reconstruct of a class other than ndarray")
     code = typecode.decode("latin-1") if isinstance(typecode, bytes) else typecode
     dt = _np_dtype(code)  # (an object dtype refused here too)
-    if not (isinstance(shape, tuple) and all(type(n) is int and 0 <= n <= MAX_DIM for n in shape)):
+    if not (isinstance(shape, tuple) and len(shape) <= 64 and all(type(n) is int and 0 <= n <= MAX_DIM for n in shape)):
         raise pickle.UnpicklingError(f"numpy _reconstruct of shape {brief(shape, 40)}")
-    if math.prod(shape) * dt.itemsize > 1 << 20:  # (numpy pickles (0,): the values come with the state)
-        raise pickle.UnpicklingError(f"numpy _reconstruct of {math.prod(shape):,} elements")
+    count = math.prod(shape)
+    if count * dt.itemsize > 1 << 20:  # (numpy pickles (0,): the values come with the state)
+        raise pickle.UnpicklingError(f"numpy _reconstruct of {count:,} elements")
     return np.zeros(shape, dt).view(_pickled_array())  # (zeros, not uninitialised memory, if no state follows)
 
 
@@ -771,10 +808,10 @@ def loads(
     ``source`` names the file (and item) in error messages. Raises UnsafePickleError for a global
     outside the allowlist and CorruptFileError for anything else that goes wrong.
     """
-    problem = _opcode_problem(data)
+    problem, spent = _walk(data)
     if problem:
         raise CorruptFileError(f"{source}: {what} {problem}", hint="the file is damaged or hostile", path=source)
-    budget = _HASHING.set([MAX_HASHED])  # (what the stand-ins that hash may spend: see _hashed)
+    budget = _HASHING.set([MAX_HASHED - spent, MAX_COPIED + 4 * len(data)])  # (for _hashed, _copied)
     try:
         obj = _on_a_deep_stack(len(data), _Unpickler(data, allow, source, what, persistent_load).load)
     except (UnsafePickleError, _RefusedValue) as exc:
@@ -877,8 +914,8 @@ hashes about 400 000). Hashing recurses in C, a level of the reader's stack per 
 this also bounds how deep a hashed key can nest: ten million levels fit in ``_DEEP_STACK``."""
 _BOMB = "stores a value at a memo index far beyond its own length (the reader would allocate gigabytes for it)"
 _HASH_BOMB = (
-    f"makes dict keys or set members that would take more than {MAX_HASHED:,} steps to hash (tuples shared "
-    "through its memo and nested in each other): reading it would not finish"
+    f"makes dict keys or set members that would take more than {MAX_HASHED:,} steps to hash (tuples or large "
+    "numbers repeated through its memo): reading it would not finish"
 )
 _CAP = 1 << 40  # (a hashing cost past any budget: keeps the walk's sums small integers)
 _NEW_RECORD = b"\x81\x94}\x94("  # (after EMPTY_TUPLE: NEWOBJ MEMOIZE EMPTY_DICT MEMOIZE MARK)
@@ -928,6 +965,7 @@ def _walk(data: bytes) -> tuple[str | None, int]:
     memo: list[int] = []
     remember = memo.append
     holes = 0  # memo slots skipped by an explicit index: MEMOIZE stores at the count of filled ones
+    large: dict[int | None, Any] = {}  # the hashes of ints past 2**61, and their collisions (see _large_int)
     spent = steps = i = 0
     try:
         while True:
@@ -1010,7 +1048,7 @@ def _walk(data: bytes) -> tuple[str | None, int]:
                     width = n & 15
                     length = int.from_bytes(data[i : i + width], "little", signed=n > 15)
                     if length < 0 or i + width > limit:
-                        return None, spent
+                        return f"gives a length of {length:,} at byte {i - 1:,}: it is cut short or damaged", spent
                     i += width
                 if i + length > limit:  # (the unpickler allocates the length it is told before reading)
                     return (
@@ -1018,7 +1056,13 @@ def _walk(data: bytes) -> tuple[str | None, int]:
                         f"({limit:,} bytes): it is cut short or damaged"
                     ), spent
                 i += length
-                push(1)
+                if length >= 8 and (code == 0x8A or code == 0x8B):  # LONG1, LONG4 of 8 bytes or more
+                    problem = _large_int(int.from_bytes(data[i - length : i], "little", signed=True), large)
+                    if problem:
+                        return problem, spent
+                    push(1 + length // 8)  # (an int's hash is not cached: it costs its digits)
+                else:
+                    push(1)
                 steps += 1
                 if steps > MAX_WALK_STEPS:
                     return _too_many(), spent
@@ -1029,7 +1073,7 @@ def _walk(data: bytes) -> tuple[str | None, int]:
                     i += 1
                 else:
                     if i + 4 > limit:
-                        return None, spent
+                        return f"ends at byte {limit:,} before its STOP opcode: it is cut short or damaged", spent
                     index = get4(data, i)[0]
                     i += 4
                     if index > limit:
@@ -1090,9 +1134,9 @@ def _walk(data: bytes) -> tuple[str | None, int]:
                 continue
             if code == 0x2E:  # STOP
                 return None, spent
-            if code == 0x67 or code == 0x70:  # GET, PUT: the index as a line of text, parsed as int() does
+            if code == 0x67 or code == 0x70:  # GET, PUT: the index as a line of text
                 j = data.index(b"\n", i)
-                index = int(data[i:j])
+                index = _text_int(data[i:j])
                 i = j + 1
                 if code == 0x67:
                     push(memo[index])
@@ -1100,7 +1144,7 @@ def _walk(data: bytes) -> tuple[str | None, int]:
                 if index > limit:
                     return _BOMB, spent
                 if index < 0:
-                    return None, spent
+                    return f"stores at memo index {index} at byte {i:,}: it is damaged", spent
                 holes += _memo_put(memo, index, stack[-1])
                 steps += 1
                 if steps > MAX_WALK_STEPS:
@@ -1131,13 +1175,55 @@ def _walk(data: bytes) -> tuple[str | None, int]:
                 stack[-1] = h if h < _CAP else _CAP
             elif code == 0x32:  # DUP
                 push(stack[-1])
-            elif code in (0x46, 0x49, 0x4C, 0x53, 0x56, 0x50):  # FLOAT, INT, LONG, STRING, UNICODE, PERSID: a line
+            elif code in (0x49, 0x4C):  # INT, LONG: the number as a line of text
+                j = data.index(b"\n", i)
+                line, i = data[i:j], j + 1
+                if len(line) >= 19:  # (past 2**61 a number can share its hash with another)
+                    problem = _large_int(_text_int(line.rstrip(b"L")), large)
+                    if problem:
+                        return problem, spent
+                push(1 + len(line) // 19)
+            elif code in (0x46, 0x53, 0x56, 0x50):  # FLOAT, STRING, UNICODE, PERSID: a line of text
                 i = data.index(b"\n", i) + 1
                 push(2 if code == 0x50 else 1)
-            elif code != 0x98:  # (READONLY_BUFFER leaves its value) not an opcode: the unpickler says so
-                return None, spent
-    except (IndexError, ValueError, struct.error):  # (a GET of an unset entry, an argument cut short)
-        return None, spent
+            elif code != 0x98:  # (READONLY_BUFFER leaves its value)
+                return f"holds {code:#04x} at byte {i - 1:,}, which is not a pickle opcode: it is damaged", spent
+    except (IndexError, ValueError, struct.error):
+        # where the unpickler stops too (a GET of an entry never stored, more taken from the stack than
+        # was put on it, an argument cut short): said here, so that no difference between the model
+        # and the unpickler can let a pickle through unwalked
+        if i >= limit or (data[i - 1] in _LINE_OPS and data.find(b"\n", i) < 0):
+            return f"ends at byte {limit:,} before its STOP opcode: it is cut short or damaged", spent
+        return f"does not follow the pickle format near byte {i:,} (opcode {data[i - 1]:#04x}): it is damaged", spent
+
+
+_LINE_OPS = b"FILSVPcigp"  # (the opcodes whose arguments are lines of text)
+_MAX_COLLIDING = 1000
+"""Most distinct ints past 2**61 a pickle may hold that share a hash with another (none in a checkpoint)."""
+
+
+def _large_int(value: int, large: dict[int | None, Any]) -> str | None:
+    """Note an int past 2**61 met in a pickle: ints that far apart can share a hash (``n`` and
+    ``n + 2**61 - 1``), and a dict of ``k`` of them takes the unpickler ``k**2 / 2`` comparisons (in
+    C, holding the GIL: 100 000 of them in 1.3 MB took 67 s). Returns why the pickle is refused."""
+    key = hash(value)
+    seen = large.get(key)
+    if seen is None:
+        large[key] = value
+    elif seen != value:
+        large[None] = colliding = large.get(None, 0) + 1
+        if colliding > _MAX_COLLIDING:
+            return (
+                f"holds more than {_MAX_COLLIDING:,} distinct integers that share a hash with another (a dict of "
+                "them would take the unpickler time quadratic in their number): it is not read"
+            )
+    return None
+
+
+def _text_int(text: bytes) -> int:
+    """A number written as text, as the C unpickler reads it: to the first NUL (it parses a C string),
+    spaces, a sign and underscores allowed."""
+    return int(text.split(b"\0", 1)[0])
 
 
 def _too_many() -> str:

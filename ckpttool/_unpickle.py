@@ -141,22 +141,22 @@ def _copied(count: int) -> None:
         raise pickle.UnpicklingError("makes more copies of values than it holds (set() called again and again)")
 
 
+def _members(args: tuple[Any, ...]) -> list[Any]:
+    """The members ``set(*args)`` or ``frozenset(*args)`` is given, their copying and hashing charged."""
+    if len(args) > 1:
+        raise pickle.UnpicklingError(f"a set made of {len(args)} arguments")
+    items = list(args[0]) if args else []
+    _copied(len(items))
+    _hashed(items)
+    return items
+
+
 def _set(*args: Any) -> set[Any]:
-    if args:
-        items = list(args[0])
-        _copied(len(items))
-        _hashed(items)
-        return set(items)
-    return set()
+    return set(_members(args))
 
 
 def _frozenset(*args: Any) -> frozenset[Any]:
-    if args:
-        items = list(args[0])
-        _copied(len(items))
-        _hashed(items)
-        return frozenset(items)
-    return frozenset()
+    return frozenset(_members(args))
 
 
 def _bytes(*args: Any) -> bytes:

@@ -189,6 +189,7 @@ class OrderedDictStandIn(dict[Any, Any]):
         if args:  # (Python 2 pickled one as OrderedDict([[key, value], ...]): the keys are hashed here)
             first = args[0]
             if isinstance(first, dict):
+                _copied(len(first))
                 _hashed(first.keys())
             else:
                 pairs = list(first)
@@ -202,6 +203,7 @@ class OrderedDictStandIn(dict[Any, Any]):
         # (what the unpickler's own BUILD would do: the attributes, from a dict or a (dict, slots) pair)
         for part in state if isinstance(state, tuple) and len(state) == 2 else (state,):
             if isinstance(part, dict):
+                _copied(len(part))
                 _hashed(part.keys())
                 self.__dict__.update(part)
             elif part is not None:
@@ -473,6 +475,7 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> An
         raise pickle.UnpicklingError("tensor subclass")
     result = func(*args)
     if isinstance(result, TensorRef) and isinstance(state, dict):
+        _copied(len(state))
         kept = {k: v for k, v in state.items() if type(k) is str and isinstance(v, int | float | str | bool)}
         result.extra.update(kept)  # (a name that is not a string is not hashed again)
     return result
@@ -553,9 +556,11 @@ class Record:
         elif isinstance(state, tuple) and len(state) == 2:  # (dict, slots) from __reduce_ex__
             for part in state:
                 if isinstance(part, dict):
+                    _copied(len(part))  # (copied: the same state dict can be given again and again)
                     _hashed(part.keys())  # (its keys hashed again)
                     self.__dict__.update(part)
         elif isinstance(state, dict):
+            _copied(len(state))
             _hashed(state.keys())
             self.__dict__.update(state)
         else:

@@ -456,6 +456,12 @@ def test_what_else_makes_the_unpickler_or_a_stand_in_run_for_minutes_is_refused(
     items = b"".join(b"J" + i.to_bytes(4, "little") for i in range(100_000))
     sets = b"\x80\x04c__builtin__\nset\nq\x01](" + items + b"e\x85q\x03](" + b"h\x01h\x03R" * 300 + b"e."
     assert "more copies" in _refused_in_time(sets)
+    # a big dict given again and again to OrderedDict(d), or as a state set again: copied each time
+    keys = b"".join(b"\x8c" + bytes([len(k)]) + k + b"N" for k in (b"%x" % i for i in range(50_000)))
+    odicts = b"\x80\x02ccollections\nOrderedDict\nq\x00}(" + keys + b"u\x85q\x010" + b"h\x00h\x01R0" * 2000 + b"N."
+    assert "more copies" in _refused_in_time(odicts)
+    states = b"\x80\x02ccollections\nOrderedDict\nq\x00}(" + keys + b"uq\x010](" + b"h\x00)Rh\x01b" * 600 + b"e."
+    assert "more copies" in _refused_in_time(states)
     # torch.device(s, s, ...) and a path of a 1 MiB string repeated: joined, 1.5 GB
     big = b"\x8d" + (1 << 20).to_bytes(8, "little") + b"a" * (1 << 20) + b"q\x00"
     _refused_in_time(b"\x80\x04ctorch\ndevice\n(" + big + b"h\x00" * 1500 + b"tR.")

@@ -72,9 +72,9 @@ def brief(value: Any, width: int = 80) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-_HASHING: contextvars.ContextVar[list[int]] = contextvars.ContextVar("ckpttool_unpickle_hashing")
+_BUDGET: contextvars.ContextVar[list[int]] = contextvars.ContextVar("ckpttool_unpickle_budget")
 """What the stand-ins may still spend in the current load: [hashing (what the walk left of
-MAX_HASHED), values copied (MAX_COPIED)]."""
+MAX_HASHED), values copied (MAX_COPIED and four per byte of the pickle)]."""
 MAX_COPIED = 100_000
 """Most values the stand-ins may copy in one load (``set(list)``, ``OrderedDict(pairs)``, ``bytearray``),
 beyond four per byte of the pickle (a pickle's own values take at least a byte each)."""
@@ -85,7 +85,7 @@ def _hashed(values: Iterable[Any]) -> None:
     pairs is about to hash) to the load's budget: raises UnpicklingError past it. The unpickler's
     own hashing is charged before it runs (:func:`_walk`); a call's is known only here. A tuple
     costs its members and theirs, however often it recurs; each distinct one is looked into once."""
-    budget = _HASHING.get(None) or [MAX_HASHED, MAX_COPIED]
+    budget = _budget()
     costs: dict[int, int] = {}
     for value in values:
         if isinstance(value, tuple):
@@ -135,10 +135,25 @@ def _refuse_state(*_: Any) -> None:
 def _copied(count: int) -> None:
     """Charge ``count`` values a stand-in copies to the load's budget (a set() of a 100 000-item list,
     called 300 times through the memo, made 1.2 GB of a 500 KB pickle)."""
-    budget = _HASHING.get(None) or [MAX_HASHED, MAX_COPIED]
+    budget = _budget()
     budget[1] -= count
     if budget[1] < 0:
-        raise pickle.UnpicklingError("makes more copies of values than it holds (set() called again and again)")
+        raise pickle.UnpicklingError(
+            "makes more copies of values than it holds (set(), OrderedDict() or a state given again and again)"
+        )
+
+
+def _budget() -> list[int]:
+    """The current load's budget (see _BUDGET); a fresh one where a stand-in is called outside a load."""
+    return _BUDGET.get(None) or [MAX_HASHED, MAX_COPIED]
+
+
+def _dict_again(d: dict[Any, Any]) -> dict[Any, Any]:
+    """``d``, whose items a stand-in is about to copy and whose keys it hashes again (a state dict
+    set on a record, ``OrderedDict(d)``), both charged; the same dict can be given again and again."""
+    _copied(len(d))
+    _hashed(d.keys())
+    return d
 
 
 def _members(args: tuple[Any, ...]) -> list[Any]:
@@ -189,8 +204,7 @@ class OrderedDictStandIn(dict[Any, Any]):
         if args:  # (Python 2 pickled one as OrderedDict([[key, value], ...]): the keys are hashed here)
             first = args[0]
             if isinstance(first, dict):
-                _copied(len(first))
-                _hashed(first.keys())
+                _dict_again(first)
             else:
                 pairs = list(first)
                 if not all(type(p) in (list, tuple) and len(p) == 2 for p in pairs):  # (dict() takes any 2 items)
@@ -203,9 +217,7 @@ class OrderedDictStandIn(dict[Any, Any]):
         # (what the unpickler's own BUILD would do: the attributes, from a dict or a (dict, slots) pair)
         for part in state if isinstance(state, tuple) and len(state) == 2 else (state,):
             if isinstance(part, dict):
-                _copied(len(part))
-                _hashed(part.keys())
-                self.__dict__.update(part)
+                self.__dict__.update(_dict_again(part))
             elif part is not None:
                 raise pickle.UnpicklingError(f"OrderedDict state of type {type(part).__name__}")
 
@@ -556,13 +568,9 @@ class Record:
         elif isinstance(state, tuple) and len(state) == 2:  # (dict, slots) from __reduce_ex__
             for part in state:
                 if isinstance(part, dict):
-                    _copied(len(part))  # (copied: the same state dict can be given again and again)
-                    _hashed(part.keys())  # (its keys hashed again)
-                    self.__dict__.update(part)
+                    self.__dict__.update(_dict_again(part))
         elif isinstance(state, dict):
-            _copied(len(state))
-            _hashed(state.keys())
-            self.__dict__.update(state)
+            self.__dict__.update(_dict_again(state))
         else:
             self.__dict__["_state"] = state
 
@@ -816,7 +824,7 @@ def loads(
     problem, spent = _walk(data)
     if problem:
         raise CorruptFileError(f"{source}: {what} {problem}", hint="the file is damaged or hostile", path=source)
-    budget = _HASHING.set([MAX_HASHED - spent, MAX_COPIED + 4 * len(data)])  # (for _hashed, _copied)
+    budget = _BUDGET.set([MAX_HASHED - spent, MAX_COPIED + 4 * len(data)])  # (for _hashed, _copied)
     try:
         obj = _on_a_deep_stack(len(data), _Unpickler(data, allow, source, what, persistent_load).load)
     except (UnsafePickleError, _RefusedValue) as exc:
@@ -834,7 +842,7 @@ def loads(
             path=source,
         ) from None
     finally:
-        _HASHING.reset(budget)
+        _BUDGET.reset(budget)
     problem = _shape_problem(obj)
     if problem:
         raise CorruptFileError(f"{source}: {what} {problem}", hint="the file is damaged or hostile", path=source)
@@ -956,9 +964,10 @@ def _walk(data: bytes) -> tuple[str | None, int]:
     and set member the unpickler hashes is charged to MAX_HASHED. Hashing that Python code of ours
     does (``set()``, a record's state set again) is charged where it happens (:func:`_hashed`).
     The model follows CPython's ``_pickle.c``; it checks less than the unpickler does (the MARK
-    fences, the types), which only matters for a pickle the unpickler refuses anyway, and where
-    it cannot go on (a missing memo entry, a truncated pickle) it stops with None and lets the
-    unpickler report the damage."""
+    fences, the types), which only matters for a pickle the unpickler refuses anyway. Where it
+    cannot go on (a missing memo entry, a truncated pickle) it refuses the pickle itself: it fails
+    closed, so that no difference between the model and the unpickler lets a pickle through
+    unwalked (a NUL in a text memo index, which the unpickler reads to the NUL, once did)."""
     limit = len(data)
     fixed = _FIXED_PUSH
     counted = _COUNTED
@@ -970,7 +979,7 @@ def _walk(data: bytes) -> tuple[str | None, int]:
     memo: list[int] = []
     remember = memo.append
     holes = 0  # memo slots skipped by an explicit index: MEMOIZE stores at the count of filled ones
-    large: dict[int | None, Any] = {}  # the hashes of ints past 2**61, and their collisions (see _large_int)
+    large: tuple[set[int], set[int]] = (set(), set())  # ints past 2**61 and their hashes (see _large_int)
     spent = steps = i = 0
     try:
         while True:
@@ -1162,12 +1171,15 @@ def _walk(data: bytes) -> tuple[str | None, int]:
                     spent += sum(items) - len(items)
                     if spent > MAX_HASHED:
                         return _HASH_BOMB, spent
-                h = sum(stack[x + 1 :]) + 2 if code == 0x6F else sum(stack[x:]) + 2  # (a call's result)
+                if code == 0x6F or code == 0x69:  # a call's result: OBJ's class is below its arguments
+                    h = min(_CAP, sum(stack[x + 1 if code == 0x6F else x :]) + 2)
+                    if code == 0x69:  # (INST's class is named by two lines)
+                        i = data.index(b"\n", data.index(b"\n", i) + 1) + 1
                 del stack[x:]
-                if code == 0x69:  # INST: the class named by two lines
-                    i = data.index(b"\n", data.index(b"\n", i) + 1) + 1
-                if code != 0x90 and code != 0x31:
-                    push(min(h, _CAP) if code == 0x6F or code == 0x69 else 1)
+                if code == 0x6C or code == 0x64:  # a list or dict: hashing one fails at once
+                    push(1)
+                elif code == 0x6F or code == 0x69:
+                    push(h)
                 continue
             if code == 0x63:  # GLOBAL: module and name on two lines
                 i = data.index(b"\n", data.index(b"\n", i) + 1) + 1
@@ -1207,21 +1219,19 @@ _MAX_COLLIDING = 1000
 """Most distinct ints past 2**61 a pickle may hold that share a hash with another (none in a checkpoint)."""
 
 
-def _large_int(value: int, large: dict[int | None, Any]) -> str | None:
-    """Note an int past 2**61 met in a pickle: ints that far apart can share a hash (``n`` and
-    ``n + 2**61 - 1``), and a dict of ``k`` of them takes the unpickler ``k**2 / 2`` comparisons (in
-    C, holding the GIL: 100 000 of them in 1.3 MB took 67 s). Returns why the pickle is refused."""
-    key = hash(value)
-    seen = large.get(key)
-    if seen is None:
-        large[key] = value
-    elif seen != value:
-        large[None] = colliding = large.get(None, 0) + 1
-        if colliding > _MAX_COLLIDING:
-            return (
-                f"holds more than {_MAX_COLLIDING:,} distinct integers that share a hash with another (a dict of "
-                "them would take the unpickler time quadratic in their number): it is not read"
-            )
+def _large_int(value: int, large: tuple[set[int], set[int]]) -> str | None:
+    """Note an int past 2**61 met in a pickle (``large``: the distinct ones so far, their hashes):
+    ints that far apart can share a hash (``n`` and ``n + 2**61 - 1``), and a dict of ``k`` of them
+    takes the unpickler ``k**2 / 2`` comparisons (in C, holding the GIL: 100 000 of them in 1.3 MB
+    took 67 s). Returns why the pickle is refused."""
+    values, hashes = large
+    values.add(value)
+    hashes.add(hash(value))
+    if len(values) - len(hashes) > _MAX_COLLIDING:  # (each distinct value beyond one per hash collides)
+        return (
+            f"holds more than {_MAX_COLLIDING:,} distinct integers that share a hash with another (a dict of "
+            "them would take the unpickler time quadratic in their number): it is not read"
+        )
     return None
 
 
@@ -1252,9 +1262,9 @@ def _memo_put(memo: list[Any], index: int, value: Any) -> int:
 
 
 def _tables() -> tuple[list[int], list[int]]:
-    """Per opcode byte: the size of the argument of an opcode that pushes one plain value (-1 for
-    any other), and the width of the length before a string's, bytes' or long's bytes (0 for any
-    other; plus 16 where the length is signed)."""
+    """Per opcode byte: the size of the argument of an opcode that pushes one plain value (a
+    number, None, a bool, an empty container; -1 for any other), and the width of the length
+    before a string's, bytes' or long's bytes (0 for any other; plus 16 where the length is signed)."""
     import pickletools
 
     fixed, counted = [-1] * 256, [0] * 256

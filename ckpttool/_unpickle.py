@@ -15,6 +15,7 @@ import contextvars
 import dataclasses
 import io
 import math
+import ntpath
 import os
 import pickle
 import posixpath
@@ -520,6 +521,21 @@ def pathlib_path(*parts: Any) -> str:
     return posixpath.join(*parts) if parts else ""
 
 
+def _windows_path(*parts: Any) -> str:
+    pathlib_path(*parts)  # (the same checks)
+    return ntpath.join(*parts) if parts else ""  # (('C:\\', 'x'): C:\x, as Windows writes it)
+
+
+PATHS: dict[tuple[str, str], Any] = {
+    (module, f"{pure}{system}Path"): pathlib_path if system == "Posix" else _windows_path
+    for module in ("pathlib", "pathlib._local")  # (Python 3.13 moved the classes to pathlib._local)
+    for pure in ("", "Pure")
+    for system in ("Posix", "Windows")
+}
+"""``pathlib`` paths as Python 3.11 to 3.12 (``pathlib``) and 3.13 on (``pathlib._local``) pickle them:
+kept as their text."""
+
+
 TORCH_TENSORS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
     ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
@@ -670,7 +686,48 @@ class _RefusedValue(pickle.UnpicklingError):
         self.name = name
 
 
-def _np_dtype(code: Any, *_: Any) -> Any:
+class NumpyDType:
+    """``numpy.dtype(code, align, copy)`` as a pickle makes it, for a plain numeric ``code``; the BUILD
+    numpy writes after it sets its byte order (``>i4`` is pickled as ``dtype('i4', False, True)`` and the
+    state ``(3, '>', None, None, None, -1, -1, 0)``). A stand-in, not numpy's object: numpy's own
+    ``__setstate__`` takes field lists, sizes and flags, and ignores the state on its shared ``dtype('i4')``,
+    which read a big-endian array's bytes as little-endian. The arrays, scalars and buffers made from one
+    hold the real dtype (:meth:`dtype`); pickled again it is numpy's."""
+
+    __slots__ = ("_dtype", "_ordered")
+
+    def __init__(self, dtype: Any) -> None:
+        self._dtype = dtype
+        self._ordered = False
+
+    def dtype(self) -> Any:
+        return self._dtype
+
+    def __setstate__(self, state: Any) -> None:
+        plain = (None, None, None)  # (no subarray, names or fields: what numpy writes for a numeric dtype)
+        if not (
+            not self._ordered
+            and type(state) is tuple
+            and (len(state), state[0]) in ((8, 3), (9, 4))
+            and state[1] in ("<", ">", "=", "|")
+            and state[2:5] == plain
+            and all(type(n) is int and n in (-1, self._dtype.itemsize) for n in state[5:7])
+            and type(state[7]) is int
+            and state[7] == 0
+            and (len(state) == 8 or state[8] is None)
+        ):
+            raise pickle.UnpicklingError(f"numpy dtype state {brief(state, 80)} (not a plain numeric dtype's)")
+        self._dtype = self._dtype.newbyteorder(state[1])
+        self._ordered = True
+
+    def __reduce__(self) -> Any:
+        return self._dtype.__reduce__()
+
+    def __repr__(self) -> str:
+        return repr(self._dtype)
+
+
+def _np_dtype(code: Any, *_: Any) -> NumpyDType:
     import numpy as np
 
     try:
@@ -679,7 +736,7 @@ def _np_dtype(code: Any, *_: Any) -> Any:
         dt = None
     if dt is None or dt.kind not in _NUMPY_KINDS or dt.fields is not None:
         raise _RefusedValue(f"numpy.dtype({brief(code, 40)}) (not a plain numeric dtype)")
-    return dt
+    return NumpyDType(dt)
 
 
 class _NdarrayClass:
@@ -694,19 +751,57 @@ class _NdarrayClass:
     __setstate__ = _refuse_state
 
 
+def _np_shape(shape: Any, what: str) -> int:
+    """The element count of a pickled array's ``shape``, which must be a tuple of at most 64 sizes."""
+    if not (isinstance(shape, tuple) and len(shape) <= 64 and all(type(n) is int and 0 <= n <= MAX_DIM for n in shape)):
+        raise pickle.UnpicklingError(f"{what} of shape {brief(shape, 40)}")
+    return math.prod(shape)
+
+
 def _np_reconstruct(cls: Any, shape: Any, typecode: Any) -> Any:
     import numpy as np
 
     if cls is not _NdarrayClass:
         raise pickle.UnpicklingError("numpy _reconstruct of a class other than ndarray")
     code = typecode.decode("latin-1") if isinstance(typecode, bytes) else typecode
-    dt = _np_dtype(code)  # (an object dtype refused here too)
-    if not (isinstance(shape, tuple) and len(shape) <= 64 and all(type(n) is int and 0 <= n <= MAX_DIM for n in shape)):
-        raise pickle.UnpicklingError(f"numpy _reconstruct of shape {brief(shape, 40)}")
-    count = math.prod(shape)
+    dt = _np_dtype(code).dtype()  # (an object dtype refused here too)
+    count = _np_shape(shape, "numpy _reconstruct")
     if count * dt.itemsize > 1 << 20:  # (numpy pickles (0,): the values come with the state)
         raise pickle.UnpicklingError(f"numpy _reconstruct of {count:,} elements")
     return np.zeros(shape, dt).view(_pickled_array())  # (zeros, not uninitialised memory, if no state follows)
+
+
+def _np_values(what: str, data: Any, dtype: Any, count: int) -> Any:
+    """The real dtype of a pickled array or scalar, once its bytes are checked to hold ``count`` values."""
+    if type(dtype) is not NumpyDType:
+        raise pickle.UnpicklingError(f"{what} of dtype {brief(dtype, 40)} (not a plain numeric dtype)")
+    dt = dtype.dtype()
+    if type(data) not in (bytes, bytearray) or len(data) != count * dt.itemsize:
+        size = count * dt.itemsize
+        raise pickle.UnpicklingError(f"{what}: {brief(data, 40)} is not the {size:,} bytes of {count:,} {dt}")
+    return dt
+
+
+def _np_scalar(dtype: Any, data: Any = None) -> Any:
+    """``numpy._core.multiarray.scalar(dtype, bytes)``: a numpy number (``np.int64(5)`` in a cursor)."""
+    import numpy as np
+
+    return np.frombuffer(data, _np_values("numpy scalar", data, dtype, 1))[0]
+
+
+def _np_frombuffer(buf: Any, dtype: Any, shape: Any, order: Any, axis_order: Any = None) -> Any:
+    """``numpy._core.numeric._frombuffer``: an array pickled with protocol 5, its bytes in band."""
+    import numpy as np
+
+    dt = _np_values("numpy array", buf, dtype, _np_shape(shape, "numpy array"))
+    axes = isinstance(axis_order, tuple) and all(type(a) is int for a in axis_order)
+    if order == "K" and axes and sorted(axis_order) == list(range(len(shape))):
+        array = np.frombuffer(buf, dt).reshape(shape, order="C").transpose(axis_order)
+    elif order in ("C", "F") and axis_order is None:
+        array = np.frombuffer(buf, dt).reshape(shape, order=order)
+    else:
+        raise pickle.UnpicklingError(f"numpy array in order {brief(order, 20)} {brief(axis_order, 40)}")
+    return array.view(_pickled_array())
 
 
 _ARRAY_CLASS: list[type] = []
@@ -716,13 +811,23 @@ def _pickled_array() -> type:
     """The class of the numpy arrays a pickle makes (made on first use: numpy is imported only then).
     Item assignment is refused: a SETITEM on one has numpy convert the value, and a tuple shared
     through the memo at every level (see :func:`_walk`) takes that longer than the age of the
-    universe, in C. No library pickles one. Pickled again, it is a plain ``numpy.ndarray``."""
+    universe, in C. No library pickles one. Its state (numpy's BUILD) must be a plain numeric dtype's
+    bytes, of the right length. Pickled again, it is a plain ``numpy.ndarray``."""
     if not _ARRAY_CLASS:
         import numpy as np
 
         class ndarray(np.ndarray):  # (named as numpy's: summaries and messages print the type's name)
             def __setitem__(self, key: Any, value: Any) -> None:
                 raise pickle.UnpicklingError("item assignment on a numpy array from a pickle: no library writes that")
+
+            def __setstate__(self, state: Any) -> None:
+                if type(state) is not tuple or len(state) not in (4, 5) or (len(state) == 5 and state[0] != 1):
+                    raise pickle.UnpicklingError(f"numpy array state {brief(state, 80)}")
+                shape, dtype, fortran, raw = state[-4:]
+                dt = _np_values("numpy array", raw, dtype, _np_shape(shape, "numpy array"))
+                if type(fortran) is not bool:
+                    raise pickle.UnpicklingError(f"numpy array state with order {brief(fortran, 40)}")
+                np.ndarray.__setstate__(self, (1, shape, dt, fortran, raw))  # type: ignore[arg-type]
 
             def __reduce__(self) -> Any:
                 return self.view(np.ndarray).__reduce__()
@@ -735,8 +840,10 @@ def _numpy() -> dict[tuple[str, str], Any]:
     import numpy as np
 
     table: dict[tuple[str, str], Any] = {("numpy", "ndarray"): _NdarrayClass, ("numpy", "dtype"): _np_dtype}
-    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
-        table[(module, "_reconstruct")] = _np_reconstruct
+    for core in ("numpy.core", "numpy._core"):  # (numpy 1 and numpy 2)
+        table[(f"{core}.multiarray", "_reconstruct")] = _np_reconstruct
+        table[(f"{core}.multiarray", "scalar")] = _np_scalar
+        table[(f"{core}.numeric", "_frombuffer")] = _np_frombuffer
     for name in (
         "Bool",
         "Int8",
@@ -768,8 +875,7 @@ BYTES_IO: dict[tuple[str, str], Any] = {("io", "BytesIO"): OpaqueBytes, ("_io", 
 NAMESPACES: dict[tuple[str, str], Any] = {
     ("argparse", "Namespace"): record("argparse.Namespace"),
     ("types", "SimpleNamespace"): record("types.SimpleNamespace"),
-    ("pathlib", "PosixPath"): pathlib_path,
-    ("pathlib", "WindowsPath"): pathlib_path,
+    **PATHS,
     **BYTES_IO,
 }
 """Configuration containers (``argparse.Namespace`` of Megatron ``args``) and opaque byte blobs."""

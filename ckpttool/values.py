@@ -20,7 +20,10 @@ _MAX_ELEMENTS = 16
 
 
 def plain_value(value: Any) -> Any:
-    """``value`` if it is small and JSON-plain (for display in ``inspect``/``ls``), else None."""
+    """``value`` if it is small and JSON-plain (for display in ``inspect``/``ls``), else None; numpy's
+    booleans and real numbers (``np.int64(12)``) as Python's."""
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        value = value.item()
     if value is None or isinstance(value, bool | int | str):
         return value if not isinstance(value, str) or len(value) <= 200 else None
     if isinstance(value, float):

@@ -172,12 +172,7 @@ METADATA_ALLOWLIST: dict[tuple[str, str], Any] = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch", "Size"): _unpickle.TORCH_TENSORS[("torch", "Size")],
     ("torch.serialization", "_get_layout"): _layout,
-    ("pathlib", "PosixPath"): _unpickle.pathlib_path,
-    ("pathlib", "WindowsPath"): _unpickle.pathlib_path,
-    ("pathlib", "PurePosixPath"): _unpickle.pathlib_path,
-    ("pathlib", "PureWindowsPath"): _unpickle.pathlib_path,
-    ("pathlib._local", "PosixPath"): _unpickle.pathlib_path,
-    ("pathlib._local", "WindowsPath"): _unpickle.pathlib_path,
+    **_unpickle.PATHS,
     **{("torch", name): _unpickle.TorchDType(dt.name) for name, dt in BY_NAME.items()},
     # megatron-core's planner keeps every rank's save plan in the metadata (``all_local_plans``)
     **{(_PLANNER, n): _unpickle.record(f"{_PLANNER}.{n}") for n in ("SavePlan", "WriteItem", "TensorWriteData")},

@@ -546,6 +546,9 @@ _STAND_IN_ARGS = [
     ("dcp", b"torch.serialization\n_get_layout", 1, "unknown torch layout"),
     ("dcp", b"torch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING", 1, "_MEM_FORMAT_ENCODING"),
     ("dcp", b"pathlib\nPurePosixPath", 1, "a path made of"),
+    ("plain", b"pathlib._local\nPureWindowsPath", 2, "a path made of"),
+    ("numpy", b"numpy._core.multiarray\nscalar", 2, "numpy scalar of dtype"),
+    ("numpy", b"numpy._core.numeric\n_frombuffer", 5, "numpy array of shape"),
 ]
 
 
@@ -624,3 +627,146 @@ def test_a_build_on_a_global_changes_nothing(which):
         after[1].pop("__setstate__", None)
         assert after == before, (module, name)
         assert not hasattr(value, "zzz"), (module, name)
+
+
+# -- numpy values and paths as the libraries that write checkpoints pickle them ----------------------
+
+
+def _numpy_values():
+    np = pytest.importorskip("numpy")
+    return np, [
+        np.arange(6, dtype=">i4").reshape(2, 3),  # (big-endian: its byte order comes in the dtype's BUILD)
+        np.arange(6, dtype="<f8").reshape(3, 2).T,  # (Fortran order)
+        np.arange(24, dtype="u2").reshape(2, 3, 4).transpose(2, 0, 1),  # (protocol 5: order 'K', axes)
+        np.array([True, False]),
+        np.zeros((0, 3), "c8"),
+        np.arange(4, dtype=">f2"),
+        np.random.RandomState(7).get_state(),
+        np.int64(5),
+        np.float32(0.1),
+        np.bool_(True),
+        np.complex64(1 + 2j),
+        np.uint8(200),
+        np.float16(1.5),
+        {"cursor": np.int64(2**40 + 3), "lr": np.float64(3e-4)},
+        np.dtype(">i4"),
+    ]
+
+
+@pytest.mark.parametrize("protocol", [0, 1, 2, 3, 4, 5])
+def test_numpy_values_read_as_numpy_reads_them(protocol):
+    """numpy scalars (a data loader's ``np.int64`` cursor), arrays of protocol 5 (``_frombuffer``) and
+    big-endian arrays: the first two were refused as unsafe pickles; the third was read with its bytes
+    swapped, because numpy ignores a BUILD on the shared ``dtype('i4')`` our stand-in returned."""
+    np, values = _numpy_values()
+    allow = {**_unpickle.PLAIN, **_unpickle.numpy_arrays()}
+
+    def same(ours, theirs):
+        if isinstance(theirs, tuple | dict):
+            items = zip(ours, theirs, strict=True) if isinstance(theirs, tuple) else zip(ours.values(), theirs.values())
+            return type(ours) is type(theirs) and all(same(a, b) for a, b in items)
+        if isinstance(theirs, np.dtype):
+            return repr(ours) == repr(theirs) and pickle.loads(pickle.dumps(ours)) == theirs
+        ours_a, theirs_a = np.asarray(ours), np.asarray(theirs)
+        return (
+            type(ours).__name__ == type(theirs).__name__
+            and ours_a.dtype == theirs_a.dtype
+            and ours_a.shape == theirs_a.shape
+            and ours_a.tobytes(order="A") == theirs_a.tobytes(order="A")
+        )
+
+    for value in values:
+        data = pickle.dumps(value, protocol=protocol)
+        ours = _unpickle.loads(data, allow=allow, source="f.pkl")
+        assert same(ours, pickle.loads(data)), (value, ours)
+
+
+def test_a_numpy_file_with_scalars_verifies_clean(tmp_path):
+    """What a user saw: a torch.save file keeping a step counter as ``np.int64`` failed verify as an
+    unsafe pickle, and inspect stopped with exit 3."""
+    np = pytest.importorskip("numpy")
+    import torch
+
+    from ckpttool import verify as verify_mod
+    from ckpttool.cli import app
+    from typer.testing import CliRunner
+
+    path = tmp_path / "run.pt"
+    torch.save({"w": torch.ones(3), "step": np.int64(12), "rng": np.random.get_state()}, path)
+    torch.save({"w": torch.ones(3), "a": np.arange(4)}, tmp_path / "p5.pt", pickle_protocol=5)
+    for file in (path, tmp_path / "p5.pt"):
+        report = verify_mod.verify(file)
+        assert {f.rule for f in report.findings} == {"missing-state"}, [f.message for f in report.findings]
+        assert CliRunner().invoke(app, ["inspect", str(file)]).exit_code == 0
+    assert verify_mod.verify(path).step == 12  # (np.int64(12))
+
+
+_DTYPE = b"\x80\x02cnumpy\ndtype\nX\x02\x00\x00\x00i4\x89\x88\x87R"
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        b"(K\x03X\x01\x00\x00\x00>NX\x01\x00\x00\x00a\x85}NNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00t",  # names
+        b"(K\x03X\x01\x00\x00\x00>NNNK\x10J\xff\xff\xff\xffK\x00t",  # an item size of 16
+        b"(K\x03X\x01\x00\x00\x00>NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x3ft",  # object flags
+        b"(K\x03X\x01\x00\x00\x00?NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00t",  # no byte order
+        b"(K\x03X\x01\x00\x00\x00>NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb"
+        b"(K\x03X\x01\x00\x00\x00<NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00t",  # set twice
+        b"(K\x03X\x01\x00\x00\x00>" + _dag(_DEEP) + b"NNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00t",  # t(100)
+    ],
+)
+def test_a_numpy_dtype_takes_a_byte_order_and_nothing_else(state):
+    """numpy's own dtype ``__setstate__`` takes fields, sizes and flags (an object dtype over bytes
+    from the file is pointers made up by the file); the stand-in takes the byte order only, once."""
+    out = _refused_in_time(_DTYPE + state + b"b.", "numpy")
+    assert "not a plain numeric dtype's" in out, out
+
+
+class _Reduced:
+    """Pickles as ``fn(*args)`` with an optional BUILD ``state``: what numpy writes, with other values."""
+
+    def __init__(self, fn, args, state=None):
+        self.fn, self.args, self.state = fn, args, state
+
+    def __reduce__(self):
+        return (self.fn, self.args) if self.state is None else (self.fn, self.args, self.state)
+
+
+def test_numpy_arrays_and_scalars_hold_exactly_their_bytes():
+    """The bytes a pickle gives an array (its BUILD, protocol 5's buffer) or a scalar must be its
+    size in its dtype, its dtype the stand-in's, and its order one numpy writes."""
+    np = pytest.importorskip("numpy")
+    from numpy._core import multiarray, numeric
+
+    allow = {**_unpickle.PLAIN, **_unpickle.numpy_arrays()}
+    i2, empty = np.dtype("i2"), (np.ndarray, (0,), b"b")
+    for value, says in (
+        (_Reduced(multiarray.scalar, (np.dtype("i8"), b"\x05" * 7)), "is not the 8 bytes of 1 int64"),
+        (_Reduced(multiarray.scalar, ("i8", b"\x05" * 8)), "scalar of dtype 'i8' .not a plain numeric dtype"),
+        (_Reduced(numeric._frombuffer, (bytearray(4), i2, (3,), "C")), "is not the 6 bytes of 3 int16"),
+        (_Reduced(numeric._frombuffer, (bytearray(6), i2, (3,), "X")), "in order 'X'"),
+        (_Reduced(numeric._frombuffer, (bytearray(6), i2, (3, 1), "K", (0, 0))), "in order 'K'"),
+        (_Reduced(multiarray._reconstruct, empty, (1, (3,), i2, False, b"\x00" * 4)), "not the 6 bytes of 3"),
+        (_Reduced(multiarray._reconstruct, empty, (1, (3,), i2, 0, b"\x00" * 6)), "with order 0"),
+        (_Reduced(multiarray._reconstruct, empty, (2, (3,), i2, False, b"\x00" * 6)), "numpy array state"),
+        (_Reduced(multiarray._reconstruct, empty, (1, (3,), "i2", False, b"\x00" * 6)), "of dtype 'i2'"),
+    ):
+        data = pickle.dumps(value, protocol=4)
+        with pytest.raises(CorruptFileError, match=says):
+            _unpickle.loads(data, allow=allow, source="f.pkl")
+
+
+def test_paths_pickled_by_any_python_are_read_as_their_text():
+    """Python 3.13 pickles ``pathlib.PosixPath`` as ``pathlib._local.PosixPath``: a DCP ``.metadata``
+    or Megatron ``args`` holding one, written by 3.13, was refused as an unsafe pickle. Windows paths
+    keep their separators."""
+    from ckpttool.formats import dcp
+
+    py313 = b"\x80\x02cpathlib._local\n%s\nX\x04\x00\x00\x00/a/b\x85R."
+    py311 = b"\x80\x02cpathlib\n%s\nX\x03\x00\x00\x00C:\\X\x01\x00\x00\x00x\x86R."
+    for allow in (dcp.METADATA_ALLOWLIST, {**_unpickle.PLAIN, **_unpickle.NAMESPACES}):
+        for cls in (b"PosixPath", b"PurePosixPath", b"WindowsPath", b"PureWindowsPath"):
+            assert _unpickle.loads(py313 % cls, allow=allow, source="f") == "/a/b"
+        assert _unpickle.loads(py311 % b"PureWindowsPath", allow=allow, source="f") == "C:\\x"
+        assert _unpickle.loads(py311 % b"PurePosixPath", allow=allow, source="f") == "C:\\/x"

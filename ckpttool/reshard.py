@@ -415,6 +415,14 @@ class _FileExec:
                 if progress is not None:
                     progress(nbytes)
 
+        def watched(nbytes: int) -> None:
+            """``progress``, called by the writers as they go, also stops the file this process writes
+            once the pool has failed one (not a file of many gigabytes later)."""
+            if stop.is_set():
+                raise _PoolFailed
+            if progress is not None:
+                progress(nbytes)
+
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])  # (a signal raised here changed nothing)
         pool: ProcessPoolExecutor | None = None
         feeder: threading.Thread | None = None
@@ -439,8 +447,10 @@ class _FileExec:
                     feeder.start()
                 finally:
                     signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # (a signal that waited lands here)
-            # (a file the pool failed to write stops take() once the file in hand is written)
-            self._write_here(tmp, iter(take, None), results, progress, between=lambda: collect(block=False))
+            try:  # (a file the pool failed to write stops the one in hand at its next progress, and take())
+                self._write_here(tmp, iter(take, None), results, watched, between=lambda: collect(block=False))
+            except _PoolFailed:
+                pass  # (collect raises the pool's failure)
             collect(block=True)
             feeder.join()
             if len(results) < len(chosen):  # (not expected: every file the pool took is posted)
@@ -482,6 +492,10 @@ class _FileExec:
 
 
 _STOPS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _PoolFailed(Exception):
+    """The worker pool failed a file: the one this process writes is given up."""
 
 
 def _stop(pool: ProcessPoolExecutor) -> None:

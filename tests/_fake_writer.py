@@ -38,7 +38,11 @@ class Writer:
     def write(self, k: int, out: Path, reader: Any, progress: Any) -> tuple[int, bool]:
         _, seconds, fails = self.plan[k]
         in_worker = os.environ.get("FAKE_WRITER_WORKER") == "1"
-        time.sleep(seconds)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:  # (calling progress as a real writer does, archive by archive)
+            time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+            if progress is not None:
+                progress(0)
         if fails and in_worker:
             raise ValueError(f"file {k} failed in a worker")
         out.write_bytes(b"x" * 10)

@@ -637,6 +637,27 @@ def test_a_workers_failure_is_raised_without_waiting_for_the_others(tmp_path):
     assert multiprocessing.active_children() == []
 
 
+def test_a_workers_failure_stops_the_file_this_process_writes(tmp_path):
+    """This process writes a slow file while the pool's worker fails another: the failure is raised
+    at the slow file's next progress, not once it is written (a file of many gigabytes)."""
+    import multiprocessing
+    import time
+
+    from ckpttool.reshard import _FileExec
+    from tests import _fake_writer
+
+    plan = [("a", 60.0, False), ("b", 0.2, True)]  # (the worker is handed the last file: "b")
+    ex = _FileExec.__new__(_FileExec)
+    ex.adapter, ex.manifest, ex.build, ex.args, ex.layout = _fake_writer.Adapter(), "m", _fake_writer.build, (plan,), {}
+    ex.writer, ex.notes, ex.known, ex.partial, ex.device = _fake_writer.Writer(plan), [], {}, [], "cpu"
+    ex.planned = ex.writer.files()
+    began = time.monotonic()
+    with pytest.raises(ValueError, match="file 1 failed in a worker"):
+        ex.write_files(tmp_path, [0, 1], 2, None)
+    assert time.monotonic() - began < 30
+    assert multiprocessing.active_children() == []
+
+
 @pytest.mark.parametrize(
     ("source", "target", "parted"),
     [

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import datetime
 import io
 import math
 import ntpath
@@ -223,6 +224,63 @@ class OrderedDictStandIn(dict[Any, Any]):
                 raise pickle.UnpicklingError(f"OrderedDict state of type {type(part).__name__}")
 
 
+class TorchVersion(str):
+    """``torch.__version__`` (a ``torch.torch_version.TorchVersion``, a str) kept in a checkpoint: the
+    text, which a writer pickles back as torch's class."""
+
+    __slots__ = ()
+
+    def __new__(cls, *args: Any) -> TorchVersion:
+        if len(args) != 1 or type(args[0]) is not str or len(args[0]) > 256:
+            raise pickle.UnpicklingError(f"torch.torch_version.TorchVersion{brief(args)}")
+        return super().__new__(cls, args[0])
+
+    __setstate__ = _refuse_state
+
+
+def _datetime_args(what: str, args: tuple[Any, ...], most: int) -> tuple[Any, ...]:
+    """The arguments of a ``datetime`` class as Python pickles them (the packed bytes, or numbers, and
+    a fixed-offset time zone): anything else, a ``zoneinfo`` or ``pytz`` zone say, is refused; the
+    class checks the values."""
+    if len(args) > most or not all(
+        type(a) in (int, float) or (type(a) in (bytes, str) and len(a) <= 64) or type(a) is datetime.timezone
+        for a in args
+    ):
+        raise pickle.UnpicklingError(f"datetime.{what}{brief(args)}")
+    return args
+
+
+def _dt_datetime(*args: Any) -> datetime.datetime:
+    return datetime.datetime(*_datetime_args("datetime", args, 8))
+
+
+def _dt_date(*args: Any) -> datetime.date:
+    return datetime.date(*_datetime_args("date", args, 3))
+
+
+def _dt_time(*args: Any) -> datetime.time:
+    return datetime.time(*_datetime_args("time", args, 5))
+
+
+def _dt_timedelta(*args: Any) -> datetime.timedelta:
+    return datetime.timedelta(*_datetime_args("timedelta", args, 3))
+
+
+def _dt_timezone(offset: Any = None, *name: Any) -> datetime.timezone:
+    if type(offset) is not datetime.timedelta or not all(type(n) is str and len(n) <= 64 for n in name):
+        raise pickle.UnpicklingError(f"datetime.timezone({brief(offset, 40)}, {brief(name, 40)})")
+    return datetime.timezone(offset, *name)
+
+
+DATETIME: dict[tuple[str, str], Any] = {
+    ("datetime", "datetime"): _dt_datetime,
+    ("datetime", "date"): _dt_date,
+    ("datetime", "time"): _dt_time,
+    ("datetime", "timedelta"): _dt_timedelta,
+    ("datetime", "timezone"): _dt_timezone,
+}
+
+
 _BUILTINS: dict[str, Any] = {
     "set": _set,
     "frozenset": _frozenset,
@@ -236,8 +294,11 @@ PLAIN: dict[tuple[str, str], Any] = {
     **{(module, name): fn for module in ("builtins", "__builtin__") for name, fn in _BUILTINS.items()},
     ("_codecs", "encode"): _codecs_encode,
     ("collections", "OrderedDict"): OrderedDictStandIn,
+    **DATETIME,
+    ("torch.torch_version", "TorchVersion"): TorchVersion,
 }
-"""Globals that plain Python values (containers, numbers, bytes) need: safe for any format."""
+"""Globals that plain Python values (containers, numbers, bytes, times, ``torch.__version__``) need:
+safe for any format."""
 
 
 _RUNS_CODE_MODULES = frozenset(

@@ -363,6 +363,12 @@ class _Pickler(_PurePickler):
             self.write(pickle.REDUCE)
             self.memoize(obj)
             return
+        if t is _unpickle.TorchVersion:  # (as torch's str subclass pickles: NEWOBJ)
+            self.save(GlobalRef("torch.torch_version", "TorchVersion"))
+            self.save((str(obj),))
+            self.write(pickle.NEWOBJ)
+            self.memoize(obj)
+            return
         if t is _unpickle.TorchDType:
             self.save(GlobalRef("torch", str(obj)))
             return

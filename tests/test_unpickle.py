@@ -6,6 +6,7 @@ import io
 import os
 import pickle
 import random
+import re
 import subprocess
 from collections import OrderedDict
 
@@ -547,6 +548,9 @@ _STAND_IN_ARGS = [
     ("dcp", b"torch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING", 1, "_MEM_FORMAT_ENCODING"),
     ("dcp", b"pathlib\nPurePosixPath", 1, "a path made of"),
     ("plain", b"pathlib._local\nPureWindowsPath", 2, "a path made of"),
+    ("plain", b"datetime\ndatetime", 2, "datetime.datetime("),
+    ("plain", b"datetime\ntimezone", 2, "datetime.timezone("),
+    ("plain", b"torch.torch_version\nTorchVersion", 1, "torch.torch_version.TorchVersion("),
     ("numpy", b"numpy._core.multiarray\nscalar", 2, "numpy scalar of dtype"),
     ("numpy", b"numpy._core.numeric\n_frombuffer", 5, "numpy array of shape"),
 ]
@@ -770,3 +774,53 @@ def test_paths_pickled_by_any_python_are_read_as_their_text():
             assert _unpickle.loads(py313 % cls, allow=allow, source="f") == "/a/b"
         assert _unpickle.loads(py311 % b"PureWindowsPath", allow=allow, source="f") == "C:\\x"
         assert _unpickle.loads(py311 % b"PurePosixPath", allow=allow, source="f") == "C:\\/x"
+
+
+def test_times_and_torch_version_read_as_python_reads_them(tmp_path):
+    """``datetime`` values (a save's time stamp) and ``torch.__version__`` (a ``TorchVersion``) kept
+    in a checkpoint were refused as unsafe pickles. They read as Python reads them, and a converted
+    checkpoint keeps them as they were."""
+    import datetime as dt
+
+    import torch
+
+    east = dt.timezone(dt.timedelta(hours=-5), "EST")
+    values = [
+        dt.datetime(2026, 11, 26, 3, 0, 5, 7, tzinfo=east),
+        dt.datetime(2026, 1, 1, fold=1),
+        dt.date(2026, 1, 1),
+        dt.time(3, 4, tzinfo=dt.timezone.utc),
+        dt.timedelta(days=-1, seconds=3, microseconds=5),
+        dt.timezone(dt.timedelta(minutes=30)),
+    ]
+    for protocol in range(6):
+        for value in values + ([torch.__version__] if protocol >= 2 else []):  # (torch.save: protocol 2)
+            data = pickle.dumps(value, protocol=protocol)
+            ours, theirs = _unpickle.loads(data, allow=_unpickle.PLAIN, source="f.pkl"), pickle.loads(data)
+            assert ours == theirs and type(ours).__name__ == type(theirs).__name__, (protocol, value, ours)
+            assert hash(ours) == hash(theirs)
+            assert getattr(ours, "fold", 0) == getattr(theirs, "fold", 0) and str(ours) == str(theirs)
+
+    torch.save({"w": torch.ones(2), "v": torch.__version__, "at": values[0]}, tmp_path / "a.pt")
+    from ckpttool.convert import convert
+
+    convert(tmp_path / "a.pt", tmp_path / "out", to="torch")
+    back = torch.load(tmp_path / "out" / "model.pt", weights_only=False)  # (our own output)
+    assert back["at"] == values[0] and back["v"] == torch.__version__
+    assert type(back["v"]) is type(torch.__version__)
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (b"cdatetime\ntimezone\nK\x05\x85R", "datetime.timezone(5"),
+        (b"cdatetime\ndatetime\n(K\x01]tR", "datetime.datetime(1, []"),
+        (b"cdatetime\ndatetime\nC\n\x07\xea\x0b\x1a\x03\x00\x00\x00\x00\x00czoneinfo\nZoneInfo\n\x86R", "zoneinfo"),
+        (b"ctorch.torch_version\nTorchVersion\nK\x02\x85\x81", "TorchVersion(2,)"),
+        (b"ctorch.torch_version\nTorchVersion\nX\x01\x00\x00\x002\x85\x81}b", "sets state on"),
+        (b"cdatetime\ntimedelta\n)R}b", "could not be read"),
+    ],
+)
+def test_times_and_versions_take_what_python_writes_only(value, says):
+    with pytest.raises((CorruptFileError, UnsafePickleError), match=re.escape(says)):
+        _unpickle.loads(b"\x80\x02" + value + b".", allow=_unpickle.PLAIN, source="f.pkl")

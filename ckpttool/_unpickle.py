@@ -74,9 +74,10 @@ def brief(value: Any, width: int = 80) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-_BUDGET: contextvars.ContextVar[list[int]] = contextvars.ContextVar("ckpttool_unpickle_budget")
+_BUDGET: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("ckpttool_unpickle_budget")
 """What the stand-ins may still spend in the current load: [hashing (what the walk left of
-MAX_HASHED), values copied (MAX_COPIED and four per byte of the pickle)]."""
+MAX_HASHED), values copied (MAX_COPIED and four per byte of the pickle), the complex numbers made
+and their hashes (see :func:`_complex`)]."""
 MAX_COPIED = 100_000
 """Most values the stand-ins may copy in one load (``set(list)``, ``OrderedDict(pairs)``, ``bytearray``),
 beyond four per byte of the pickle (a pickle's own values take at least a byte each)."""
@@ -145,9 +146,13 @@ def _copied(count: int) -> None:
         )
 
 
-def _budget() -> list[int]:
+def _budget() -> list[Any]:
     """The current load's budget (see _BUDGET); a fresh one where a stand-in is called outside a load."""
-    return _BUDGET.get(None) or [MAX_HASHED, MAX_COPIED]
+    return _BUDGET.get(None) or _fresh_budget(MAX_HASHED, MAX_COPIED)
+
+
+def _fresh_budget(hashing: int, copies: int) -> list[Any]:
+    return [hashing, copies, (set(), set())]
 
 
 def _dict_again(d: dict[Any, Any]) -> dict[Any, Any]:
@@ -224,6 +229,24 @@ class OrderedDictStandIn(dict[Any, Any]):
                 raise pickle.UnpicklingError(f"OrderedDict state of type {type(part).__name__}")
 
 
+def _complex(*args: Any) -> complex:
+    """``complex(real, imag)``, counting the numbers that share a hash: ``hash(complex(a, b))`` is
+    ``hash(a) + 1000003 * hash(b)``, so any number of them can share one (``a = c - 1000003 * b``), and a
+    dict of ``k`` of them takes the unpickler ``k**2 / 2`` comparisons (30 000 in 1.3 MB took 5.6 s;
+    a million, two hours). As for large ints (see :func:`_large_int`), more than ``_MAX_COLLIDING``
+    are refused."""
+    value = complex(*args)
+    values, hashes = _budget()[2]
+    values.add(value)
+    hashes.add(hash(value))
+    if len(values) - len(hashes) > _MAX_COLLIDING:
+        raise pickle.UnpicklingError(
+            f"more than {_MAX_COLLIDING:,} distinct complex numbers that share a hash with another (a dict "
+            "of them would take the unpickler time quadratic in their number)"
+        )
+    return value
+
+
 class TorchVersion(str):
     """``torch.__version__`` (a ``torch.torch_version.TorchVersion``, a str) kept in a checkpoint: the
     text, which a writer pickles back as torch's class."""
@@ -284,7 +307,7 @@ DATETIME: dict[tuple[str, str], Any] = {
 _BUILTINS: dict[str, Any] = {
     "set": _set,
     "frozenset": _frozenset,
-    "complex": complex,
+    "complex": _complex,
     "slice": slice,
     "bytes": _bytes,
     "bytearray": _bytearray,
@@ -991,7 +1014,7 @@ def loads(
     problem, spent = _walk(data)
     if problem:
         raise CorruptFileError(f"{source}: {what} {problem}", hint="the file is damaged or hostile", path=source)
-    budget = _BUDGET.set([MAX_HASHED - spent, MAX_COPIED + 4 * len(data)])  # (for _hashed, _copied)
+    budget = _BUDGET.set(_fresh_budget(MAX_HASHED - spent, MAX_COPIED + 4 * len(data)))  # (for _hashed, _copied)
     try:
         obj = _on_a_deep_stack(len(data), _Unpickler(data, allow, source, what, persistent_load).load)
     except (UnsafePickleError, _RefusedValue) as exc:

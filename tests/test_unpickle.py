@@ -7,6 +7,7 @@ import os
 import pickle
 import random
 import re
+import struct
 import subprocess
 from collections import OrderedDict
 
@@ -449,6 +450,13 @@ def test_what_else_makes_the_unpickler_or_a_stand_in_run_for_minutes_is_refused(
 
     colliding = b"\x80\x04}(" + b"".join(long1(1 + i * P) + b"N" for i in range(2000)) + b"u."
     assert "share a hash" in _refused_in_time(colliding)
+    # complex numbers share a hash as easily (hash(a + bj) = hash(a) + 1000003 * hash(b)): 30 000 took 5.6 s
+    pairs = [(float(5_000_000_000 - 1000003 * b), float(b)) for b in range(100_000)]
+    assert len({hash(complex(*p)) for p in pairs}) == 1
+    made = b"".join(b"h\x00G" + struct.pack(">d", a) + b"G" + struct.pack(">d", b) + b"\x86RN" for a, b in pairs)
+    assert "complex numbers that share a hash" in _refused_in_time(b"\x80\x02c__builtin__\ncomplex\nq\x00}(" + made + b"u.")
+    few = {complex(*p): None for p in pairs[:900]} | {complex(i, -i): i for i in range(5000)}
+    assert _unpickle.loads(pickle.dumps(few, 2), allow=_unpickle.PLAIN, source="f") == few
     assert _unpickle._opcode_problem(pickle.dumps({1 + i * 7: None for i in range(5000)} | {2**100: 1})) is None
     # OrderedDict([p] * n): dict() takes the key of any two-item iterable, a dict's first key too
     odict = b"\x80\x02ccollections\nOrderedDict\n]}(" + _dag(8) + b"NK\x00Nua\x85R."

@@ -235,7 +235,11 @@ def _complex(*args: Any) -> complex:
     dict of ``k`` of them takes the unpickler ``k**2 / 2`` comparisons (30 000 in 1.3 MB took 5.6 s;
     a million, two hours). As for large ints (see :func:`_large_int`), more than ``_MAX_COLLIDING``
     are refused."""
-    value = complex(*args)
+    return _counted_complex(complex(*args))
+
+
+def _counted_complex(value: Any) -> Any:
+    """``value``, a complex number (Python's or numpy's), counted (see :func:`_complex`)."""
     values, hashes = _budget()[2]
     values.add(value)
     hashes.add(hash(value))
@@ -870,7 +874,8 @@ def _np_scalar(dtype: Any, data: Any = None) -> Any:
     """``numpy._core.multiarray.scalar(dtype, bytes)``: a numpy number (``np.int64(5)`` in a cursor)."""
     import numpy as np
 
-    return np.frombuffer(data, _np_values("numpy scalar", data, dtype, 1))[0]
+    value = np.frombuffer(data, _np_values("numpy scalar", data, dtype, 1))[0]
+    return _counted_complex(value) if value.dtype.kind == "c" else value  # (complex: see _complex)
 
 
 def _np_frombuffer(buf: Any, dtype: Any, shape: Any, order: Any, axis_order: Any = None) -> Any:

@@ -455,6 +455,9 @@ def test_what_else_makes_the_unpickler_or_a_stand_in_run_for_minutes_is_refused(
     assert len({hash(complex(*p)) for p in pairs}) == 1
     made = b"".join(b"h\x00G" + struct.pack(">d", a) + b"G" + struct.pack(">d", b) + b"\x86RN" for a, b in pairs)
     assert "complex numbers that share a hash" in _refused_in_time(b"\x80\x02c__builtin__\ncomplex\nq\x00}(" + made + b"u.")
+    scalar = b"\x80\x04cnumpy._core.multiarray\nscalar\nq\x00cnumpy\ndtype\nX\x03\x00\x00\x00c16\x85Rq\x01}("
+    made = b"".join(b"h\x00h\x01C\x10" + struct.pack("<dd", a, b) + b"\x86RN" for a, b in pairs)
+    assert "complex numbers that share a hash" in _refused_in_time(scalar + made + b"u.", "numpy")  # (numpy's)
     few = {complex(*p): None for p in pairs[:900]} | {complex(i, -i): i for i in range(5000)}
     assert _unpickle.loads(pickle.dumps(few, 2), allow=_unpickle.PLAIN, source="f") == few
     assert _unpickle._opcode_problem(pickle.dumps({1 + i * 7: None for i in range(5000)} | {2**100: 1})) is None

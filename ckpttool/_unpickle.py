@@ -433,6 +433,8 @@ def runs_code(global_name: str) -> bool:
     safety for any other global: the allowlists refuse those too; this only tells the ones that
     are hostile beyond doubt from a class a run keeps of its own."""
     module, _, name = global_name.rpartition(".")
+    if (module, name) in PATHS:  # (a path, kept as its text; ``pathlib.Path.write_text`` is not one)
+        return False
     if module in ("builtins", "__builtin__"):
         return name in _RUNS_CODE_BUILTINS
     return module.split(".")[0] in _RUNS_CODE_MODULES or f"{module}.".startswith(_RUNS_CODE_PREFIXES)
@@ -780,7 +782,8 @@ class NumpyDType:
     state ``(3, '>', None, None, None, -1, -1, 0)``). A stand-in, not numpy's object: numpy's own
     ``__setstate__`` takes field lists, sizes and flags, and ignores the state on its shared ``dtype('i4')``,
     which read a big-endian array's bytes as little-endian. The arrays, scalars and buffers made from one
-    hold the real dtype (:meth:`dtype`); pickled again it is numpy's."""
+    hold the real dtype (:attr:`dtype`, which also makes numpy take it as one); pickled again it is
+    numpy's."""
 
     __slots__ = ("_dtype", "_ordered")
 
@@ -788,8 +791,20 @@ class NumpyDType:
         self._dtype = dtype
         self._ordered = False
 
+    @property
     def dtype(self) -> Any:
         return self._dtype
+
+    def __eq__(self, other: object) -> bool:
+        import numpy as np
+
+        other = other._dtype if isinstance(other, NumpyDType) else other
+        if not isinstance(other, np.dtype):  # (never numpy's conversion of an arbitrary value)
+            return NotImplemented
+        return bool(self._dtype == other)
+
+    def __hash__(self) -> int:
+        return hash(self._dtype)
 
     def __setstate__(self, state: Any) -> None:
         plain = (None, None, None)  # (no subarray, names or fields: what numpy writes for a numeric dtype)
@@ -805,7 +820,9 @@ class NumpyDType:
             and (len(state) == 8 or state[8] is None)
         ):
             raise pickle.UnpicklingError(f"numpy dtype state {brief(state, 80)} (not a plain numeric dtype's)")
-        self._dtype = self._dtype.newbyteorder(state[1])
+        import numpy as np
+
+        self._dtype = np.dtype(self._dtype.newbyteorder(state[1]).str)  # (the native order as numpy's '=')
         self._ordered = True
 
     def __reduce__(self) -> Any:
@@ -813,6 +830,9 @@ class NumpyDType:
 
     def __repr__(self) -> str:
         return repr(self._dtype)
+
+    def __str__(self) -> str:
+        return str(self._dtype)
 
 
 def _np_dtype(code: Any, *_: Any) -> NumpyDType:
@@ -841,7 +861,12 @@ class _NdarrayClass:
 
 def _np_shape(shape: Any, what: str) -> int:
     """The element count of a pickled array's ``shape``, which must be a tuple of at most 64 sizes."""
-    if not (isinstance(shape, tuple) and len(shape) <= 64 and all(type(n) is int and 0 <= n <= MAX_DIM for n in shape)):
+    if not (
+        isinstance(shape, tuple)
+        and len(shape) <= 64
+        and all(type(n) is int and 0 <= n <= MAX_DIM for n in shape)
+        and math.prod(max(n, 1) for n in shape) <= MAX_DIM  # (numpy refuses to copy an empty (0, 2**48, 2**48))
+    ):
         raise pickle.UnpicklingError(f"{what} of shape {brief(shape, 40)}")
     return math.prod(shape)
 
@@ -852,10 +877,11 @@ def _np_reconstruct(cls: Any, shape: Any, typecode: Any) -> Any:
     if cls is not _NdarrayClass:
         raise pickle.UnpicklingError("numpy _reconstruct of a class other than ndarray")
     code = typecode.decode("latin-1") if isinstance(typecode, bytes) else typecode
-    dt = _np_dtype(code).dtype()  # (an object dtype refused here too)
+    dt = _np_dtype(code).dtype  # (an object dtype refused here too)
     count = _np_shape(shape, "numpy _reconstruct")
     if count * dt.itemsize > 1 << 20:  # (numpy pickles (0,): the values come with the state)
         raise pickle.UnpicklingError(f"numpy _reconstruct of {count:,} elements")
+    _copied(count * dt.itemsize >> 3)  # (made again and again through the memo: see _copied)
     return np.zeros(shape, dt).view(_pickled_array())  # (zeros, not uninitialised memory, if no state follows)
 
 
@@ -863,7 +889,7 @@ def _np_values(what: str, data: Any, dtype: Any, count: int) -> Any:
     """The real dtype of a pickled array or scalar, once its bytes are checked to hold ``count`` values."""
     if type(dtype) is not NumpyDType:
         raise pickle.UnpicklingError(f"{what} of dtype {brief(dtype, 40)} (not a plain numeric dtype)")
-    dt = dtype.dtype()
+    dt = dtype.dtype
     if type(data) not in (bytes, bytearray) or len(data) != count * dt.itemsize:
         size = count * dt.itemsize
         raise pickle.UnpicklingError(f"{what}: {brief(data, 40)} is not the {size:,} bytes of {count:,} {dt}")
@@ -916,6 +942,7 @@ def _pickled_array() -> type:
                 dt = _np_values("numpy array", raw, dtype, _np_shape(shape, "numpy array"))
                 if type(fortran) is not bool:
                     raise pickle.UnpicklingError(f"numpy array state with order {brief(fortran, 40)}")
+                _copied(len(raw) >> 3)  # (numpy copies the bytes to swap them: one state given to many arrays)
                 np.ndarray.__setstate__(self, (1, shape, dt, fortran, raw))  # type: ignore[arg-type]
 
             def __reduce__(self) -> Any:

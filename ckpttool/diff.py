@@ -9,6 +9,7 @@ index.
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import re
@@ -524,9 +525,17 @@ def _comparable(value: Any, depth: int = 0) -> Any:
     """``value`` as the plain data :func:`~ckpttool.values.same_value` compares: Python's plain
     values, NumPy arrays (NumPy's RNG state), sets (in an order of their own), ``bytearray`` as
     bytes, an ``io.BytesIO`` by its bytes, an allowlisted class's stand-in by its name and
-    attributes. _NotComparable for anything else (a tensor inside the value, nesting past 32)."""
-    if value is None or isinstance(value, bool | int | float | complex | str | bytes | np.ndarray):
+    attributes, a numpy number as a 0-d array, arrays in the machine's byte order, times by their
+    ``repr``. _NotComparable for anything else (a tensor inside the value, nesting past 32)."""
+    if isinstance(value, np.generic | np.ndarray):  # (numpy reads >i4 as <i4 at protocol 2, not at 5)
+        array = np.asarray(value)
+        return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
+    if value is None or isinstance(value, bool | int | float | complex | str | bytes):
         return value
+    if isinstance(value, datetime.date | datetime.time | datetime.timedelta | datetime.tzinfo):
+        return (type(value).__name__, repr(value))  # (an aware time equals the same instant elsewhere: not here)
+    if isinstance(value, _unpickle.NumpyDType):
+        return ("numpy.dtype", value.dtype.str)
     if depth > 32:
         raise _NotComparable("values nested more than 32 deep")
     if isinstance(value, bytearray):

@@ -46,6 +46,10 @@ def describe_value(value: Any) -> str:
         return repr(p)
     if isinstance(value, list | tuple | dict | set):
         return f"{type(value).__name__} of {len(value)}"
+    from ckpttool._unpickle import NumpyDType
+
+    if isinstance(value, NumpyDType):
+        return repr(value)  # (dtype('>i4'))
     return type(value).__name__
 
 
@@ -72,7 +76,7 @@ _LR_ELEMENTS = 1 << 16
 def _nonfinite(value: Any, longest: int, depth: int = 0) -> Iterator[str]:
     """``"NaN"`` and ``"Inf"`` for each such float ``value`` is or holds (in containers of at most
     ``longest`` elements, four deep)."""
-    if isinstance(value, float) and not math.isfinite(value):
+    if isinstance(value, float | np.floating) and not math.isfinite(value):  # (numpy's np.float32 too)
         yield "NaN" if math.isnan(value) else "Inf"
     elif depth < 4 and isinstance(value, list | tuple) and len(value) <= longest:
         for v in value:
@@ -152,7 +156,10 @@ def same_value(a: Any, b: Any) -> bool:
     """Two non-tensor values the same, as strictly as tensors are compared: a bool is not the int
     it equals (``True`` against ``1``), nor an int the float (``1`` against ``1.0``), and floats
     are the same only bit for bit (``0.0`` against ``-0.0`` differ; a NaN is the same NaN). A
-    tuple and a list of the same values are the same (formats keep sequences either way)."""
+    tuple and a list of the same values are the same (formats keep sequences either way). A numpy
+    number is a 0-d array, and arrays are compared in the machine's byte order (numpy reads a
+    big-endian array pickled with protocol 5 as it is, with 2 swapped)."""
+    a, b = (_native(np.asarray(v)) if isinstance(v, np.generic | np.ndarray) else v for v in (a, b))
     if isinstance(a, float) and isinstance(b, float):
         return struct.pack("<d", a) == struct.pack("<d", b)
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):  # (NumPy's RNG state holds one)
@@ -169,6 +176,10 @@ def same_value(a: Any, b: Any) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
     return bool(a == b)
+
+
+def _native(array: np.ndarray) -> np.ndarray:
+    return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
 
 
 def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

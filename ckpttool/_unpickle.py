@@ -239,7 +239,10 @@ def _complex(*args: Any) -> complex:
 
 
 def _counted_complex(value: Any) -> Any:
-    """``value``, a complex number (Python's or numpy's), counted (see :func:`_complex`)."""
+    """``value``, a complex number (Python's or numpy's), counted (see :func:`_complex`); one with a NaN
+    part hashes by identity and collides with none: not kept."""
+    if value != value:
+        return value
     values, hashes = _budget()[2]
     values.add(value)
     hashes.add(hash(value))
@@ -266,11 +269,16 @@ class TorchVersion(str):
 
 
 def _datetime_args(what: str, args: tuple[Any, ...], most: int) -> tuple[Any, ...]:
-    """The arguments of a ``datetime`` class as Python pickles them (the packed bytes, or numbers, and
-    a fixed-offset time zone): anything else, a ``zoneinfo`` or ``pytz`` zone say, is refused; the
-    class checks the values."""
+    """The arguments of a ``datetime`` class as Python pickles them (the packed bytes, or numbers of
+    at most 64 bits, and a fixed-offset time zone): anything else, a ``zoneinfo`` or ``pytz`` zone say,
+    or a number of a million digits that ``timedelta`` would work through at every call, is refused.
+    The class checks the values as far as Python's own unpickling does (of the packed bytes, the
+    month or hour only)."""
     if len(args) > most or not all(
-        type(a) in (int, float) or (type(a) in (bytes, str) and len(a) <= 64) or type(a) is datetime.timezone
+        (type(a) is int and a.bit_length() <= 64)
+        or type(a) is float
+        or (type(a) in (bytes, str) and len(a) <= 64)
+        or type(a) is datetime.timezone
         for a in args
     ):
         raise pickle.UnpicklingError(f"datetime.{what}{brief(args)}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import datetime
 import io
 import itertools
 import os
@@ -362,6 +363,9 @@ class _Pickler(_PurePickler):
             self.save((tuple(obj),))
             self.write(pickle.REDUCE)
             self.memoize(obj)
+            return
+        if (t is datetime.datetime or t is datetime.time) and obj.fold:  # (protocol 2 leaves the fold out)
+            self.save_reduce(*obj.__reduce_ex__(4), obj=obj)
             return
         if t is _unpickle.TorchVersion:  # (as torch's str subclass pickles: NEWOBJ)
             self.save(GlobalRef("torch.torch_version", "TorchVersion"))

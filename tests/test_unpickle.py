@@ -458,6 +458,8 @@ def test_what_else_makes_the_unpickler_or_a_stand_in_run_for_minutes_is_refused(
     scalar = b"\x80\x04cnumpy._core.multiarray\nscalar\nq\x00cnumpy\ndtype\nX\x03\x00\x00\x00c16\x85Rq\x01}("
     made = b"".join(b"h\x00h\x01C\x10" + struct.pack("<dd", a, b) + b"\x86RN" for a, b in pairs)
     assert "complex numbers that share a hash" in _refused_in_time(scalar + made + b"u.", "numpy")  # (numpy's)
+    nans = b"\x80\x02c__builtin__\ncomplex\nq\x00G\x7f\xf8" + bytes(6) + b"q\x01(" + b"h\x00h\x01\x85R" * 5000 + b"l."
+    assert len(_unpickle.loads(nans, allow=_unpickle.PLAIN, source="f")) == 5000  # (NaNs collide with nothing)
     few = {complex(*p): None for p in pairs[:900]} | {complex(i, -i): i for i in range(5000)}
     assert _unpickle.loads(pickle.dumps(few, 2), allow=_unpickle.PLAIN, source="f") == few
     assert _unpickle._opcode_problem(pickle.dumps({1 + i * 7: None for i in range(5000)} | {2**100: 1})) is None
@@ -819,13 +821,14 @@ def test_times_and_torch_version_read_as_python_reads_them(tmp_path):
             assert hash(ours) == hash(theirs)
             assert getattr(ours, "fold", 0) == getattr(theirs, "fold", 0) and str(ours) == str(theirs)
 
-    torch.save({"w": torch.ones(2), "v": torch.__version__, "at": values[0]}, tmp_path / "a.pt")
+    kept = {"w": torch.ones(2), "v": torch.__version__, "at": values[0], "fold": values[1], "t": dt.time(1, fold=1)}
+    torch.save(kept, tmp_path / "a.pt", pickle_protocol=4)  # (the fold is pickled from protocol 4 on)
     from ckpttool.convert import convert
 
-    convert(tmp_path / "a.pt", tmp_path / "out", to="torch")
+    convert(tmp_path / "a.pt", tmp_path / "out", to="torch")  # (which pickles with protocol 2)
     back = torch.load(tmp_path / "out" / "model.pt", weights_only=False)  # (our own output)
     assert back["at"] == values[0] and back["v"] == torch.__version__
-    assert type(back["v"]) is type(torch.__version__)
+    assert type(back["v"]) is type(torch.__version__) and back["fold"].fold == 1 and back["t"].fold == 1
 
 
 @pytest.mark.parametrize(
@@ -836,7 +839,8 @@ def test_times_and_torch_version_read_as_python_reads_them(tmp_path):
         (b"cdatetime\ndatetime\nC\n\x07\xea\x0b\x1a\x03\x00\x00\x00\x00\x00czoneinfo\nZoneInfo\n\x86R", "zoneinfo"),
         (b"ctorch.torch_version\nTorchVersion\nK\x02\x85\x81", "TorchVersion(2,)"),
         (b"ctorch.torch_version\nTorchVersion\nX\x01\x00\x00\x002\x85\x81}b", "sets state on"),
-        (b"cdatetime\ntimedelta\n)R}b", "could not be read"),
+        (b"cdatetime\ntimedelta\n)R}b", "object has no attribute '__dict__'"),
+        (b"cdatetime\ntimedelta\n\x8a\x09" + bytes(8) + b"\x01\x85R", "datetime.timedelta(18446744073709551616"),
     ],
 )
 def test_times_and_versions_take_what_python_writes_only(value, says):

@@ -615,21 +615,27 @@ def test_workers_n_is_n_processes_writing(tmp_path, monkeypatch):
     assert verify(tmp_path / "out").failing() == []
 
 
+def _fake_exec(plan):
+    """An executor over tests/_fake_writer.py's files: (name, seconds, fails in a worker) each."""
+    from ckpttool.reshard import _FileExec
+    from tests import _fake_writer
+
+    ex = _FileExec.__new__(_FileExec)
+    ex.adapter, ex.manifest, ex.build, ex.args, ex.layout = _fake_writer.Adapter(), "m", _fake_writer.build, (plan,), {}
+    ex.writer, ex.notes, ex.known, ex.partial, ex.device = _fake_writer.Writer(plan), [], {}, [], "cpu"
+    ex.planned = ex.writer.files()
+    return ex
+
+
 def test_a_workers_failure_is_raised_without_waiting_for_the_others(tmp_path):
     """One spawned worker fails its file while another still writes a slow one: the failure is
     raised at once (the pool stopped), not once the slow file is written."""
     import multiprocessing
     import time
 
-    from ckpttool.reshard import _FileExec
-    from tests import _fake_writer
-
     # this process writes "a"; the workers are handed "c" (slow) and "b" (fails) before it starts
     plan = [("a", 0.0, False), ("b", 0.2, True), ("c", 30.0, False)]
-    ex = _FileExec.__new__(_FileExec)
-    ex.adapter, ex.manifest, ex.build, ex.args, ex.layout = _fake_writer.Adapter(), "m", _fake_writer.build, (plan,), {}
-    ex.writer, ex.notes, ex.known, ex.partial, ex.device = _fake_writer.Writer(plan), [], {}, [], "cpu"
-    ex.planned = ex.writer.files()
+    ex = _fake_exec(plan)
     began = time.monotonic()
     with pytest.raises(ValueError, match="file 1 failed in a worker"):
         ex.write_files(tmp_path, [0, 1, 2], 3, None)
@@ -643,14 +649,8 @@ def test_a_workers_failure_stops_the_file_this_process_writes(tmp_path):
     import multiprocessing
     import time
 
-    from ckpttool.reshard import _FileExec
-    from tests import _fake_writer
-
     plan = [("a", 60.0, False), ("b", 0.2, True)]  # (the worker is handed the last file: "b")
-    ex = _FileExec.__new__(_FileExec)
-    ex.adapter, ex.manifest, ex.build, ex.args, ex.layout = _fake_writer.Adapter(), "m", _fake_writer.build, (plan,), {}
-    ex.writer, ex.notes, ex.known, ex.partial, ex.device = _fake_writer.Writer(plan), [], {}, [], "cpu"
-    ex.planned = ex.writer.files()
+    ex = _fake_exec(plan)
     began = time.monotonic()
     with pytest.raises(ValueError, match="file 1 failed in a worker"):
         ex.write_files(tmp_path, [0, 1], 2, None)

@@ -25,7 +25,6 @@ import pickle
 import pickletools
 import sys
 import time
-import uuid
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -39,41 +38,21 @@ def metadata(tensors: int, chunks: int) -> bytes:
     path = HERE / "_data" / f"metadata_{tensors}x{chunks}.pkl"
     if path.exists():
         return path.read_bytes()
-    import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
+    from ckpttool.formats.dcp_write import _torch_metadata
+    from ckpttool.geometry import Box
 
-    sdm: dict = {"step": BytesStorageMetadata()}
-    storage: dict = {}
+    keys: dict = {"step": None}
+    records: dict = {}
     planner: dict = {"step": ("step",)}
     for t in range(tensors):
         name = f"model.layers.{t // 12}.mlp.w{t % 12}.weight"
         planner[name] = tuple(name.split("."))
-        sdm[name] = TensorStorageMetadata(
-            properties=TensorProperties(dtype=torch.float32),
-            size=torch.Size([64 * chunks, 64]),
-            chunks=[
-                ChunkStorageMetadata(offsets=torch.Size([s * 64, 0]), sizes=torch.Size([64, 64])) for s in range(chunks)
-            ],
-        )
+        keys[name] = ("float32", (64 * chunks, 64), [Box((s * 64, 0), (64, 64)) for s in range(chunks)])
         for s in range(chunks):
-            where = f"__{(t * chunks + s) % 1000}_0.distcp"
-            storage[MetadataIndex(name, (s * 64, 0), index=s)] = _StorageInfo(where, t * 1000, 1000)
-    md = Metadata(
-        state_dict_metadata=sdm,
-        planner_data=planner,
-        storage_data=storage,
-        storage_meta=StorageMeta(checkpoint_id="/ckpt", save_id=str(uuid.uuid4())),
-    )
-    data = pickle.dumps(md)  # (as FileSystemWriter.finish: pickle.dump, the default protocol)
+            records.setdefault(f"__{(t * chunks + s) % 1000}_0.distcp", []).append(
+                (name, (s * 64, 0), t * 1000, 1000, s)
+            )
+    data = pickle.dumps(_torch_metadata(keys, records, planner, "/ckpt"))  # (as FileSystemWriter.finish: pickle.dump)
     path.parent.mkdir(exist_ok=True)
     path.write_bytes(data)
     return data

@@ -233,7 +233,7 @@ def _complex(*args: Any) -> complex:
     """``complex(real, imag)``, counting the numbers that share a hash: ``hash(complex(a, b))`` is
     ``hash(a) + 1000003 * hash(b)``, so any number of them can share one (``a = c - 1000003 * b``), and a
     dict of ``k`` of them takes the unpickler ``k**2 / 2`` comparisons (30 000 in 1.3 MB took 5.6 s;
-    a million, two hours). As for large ints (see :func:`_large_int`), more than ``_MAX_COLLIDING``
+    a million, two hours). As for large ints (see :func:`_colliding`), more than ``_MAX_COLLIDING``
     are refused."""
     return _counted_complex(complex(*args))
 
@@ -241,16 +241,8 @@ def _complex(*args: Any) -> complex:
 def _counted_complex(value: Any) -> Any:
     """``value``, a complex number (Python's or numpy's), counted (see :func:`_complex`); one with a NaN
     part hashes by identity and collides with none: not kept."""
-    if value != value:
-        return value
-    values, hashes = _budget()[2]
-    values.add(value)
-    hashes.add(hash(value))
-    if len(values) - len(hashes) > _MAX_COLLIDING:
-        raise pickle.UnpicklingError(
-            f"more than {_MAX_COLLIDING:,} distinct complex numbers that share a hash with another (a dict "
-            "of them would take the unpickler time quadratic in their number)"
-        )
+    if value == value and (problem := _colliding(value, _budget()[2], "complex numbers")):
+        raise pickle.UnpicklingError(problem)
     return value
 
 
@@ -285,7 +277,7 @@ def _datetime_args(what: str, args: tuple[Any, ...], most: int) -> tuple[Any, ..
     return args
 
 
-def _dt_datetime(*args: Any) -> datetime.datetime:
+def _dt_datetime(*args: Any) -> datetime.datetime:  # (module functions: the allowlists go to spawned workers)
     return datetime.datetime(*_datetime_args("datetime", args, 8))
 
 
@@ -612,16 +604,19 @@ def _device(*args: Any) -> str:
     return ":".join(str(a) for a in args)
 
 
-def pathlib_path(*parts: Any) -> str:
-    """``pathlib.PosixPath`` and its kin, kept as the path's text (``('/', 'tmp', 'x')``: ``/tmp/x``)."""
+def _path_parts(parts: tuple[Any, ...]) -> tuple[str, ...]:
     if not all(type(p) is str for p in parts) or sum(len(p) for p in parts) > 1 << 16:
         raise pickle.UnpicklingError(f"a path made of {brief(parts)}")
-    return posixpath.join(*parts) if parts else ""
+    return parts
+
+
+def pathlib_path(*parts: Any) -> str:
+    """``pathlib.PosixPath`` and its kin, kept as the path's text (``('/', 'tmp', 'x')``: ``/tmp/x``)."""
+    return posixpath.join(*_path_parts(parts)) if parts else ""
 
 
 def _windows_path(*parts: Any) -> str:
-    pathlib_path(*parts)  # (the same checks)
-    return ntpath.join(*parts) if parts else ""  # (('C:\\', 'x'): C:\x, as Windows writes it)
+    return ntpath.join(*_path_parts(parts)) if parts else ""  # (('C:\\', 'x'): C:\x, as Windows writes it)
 
 
 PATHS: dict[tuple[str, str], Any] = {
@@ -1209,7 +1204,7 @@ def _walk(data: bytes) -> tuple[str | None, int]:
     memo: list[int] = []
     remember = memo.append
     holes = 0  # memo slots skipped by an explicit index: MEMOIZE stores at the count of filled ones
-    large: tuple[set[int], set[int]] = (set(), set())  # ints past 2**61 and their hashes (see _large_int)
+    large: tuple[set[Any], set[int]] = (set(), set())  # ints past 2**61 and their hashes (see _colliding)
     spent = steps = i = 0
     try:
         while True:
@@ -1301,7 +1296,7 @@ def _walk(data: bytes) -> tuple[str | None, int]:
                     ), spent
                 i += length
                 if length >= 8 and (code == 0x8A or code == 0x8B):  # LONG1, LONG4 of 8 bytes or more
-                    problem = _large_int(int.from_bytes(data[i - length : i], "little", signed=True), large)
+                    problem = _colliding(int.from_bytes(data[i - length : i], "little", signed=True), large)
                     if problem:
                         return problem, spent
                     push(1 + length // 8)  # (an int's hash is not cached: it costs its digits)
@@ -1426,7 +1421,7 @@ def _walk(data: bytes) -> tuple[str | None, int]:
                 j = data.index(b"\n", i)
                 line, i = data[i:j], j + 1
                 if len(line) >= 19:  # (past 2**61 a number can share its hash with another)
-                    problem = _large_int(_text_int(line.rstrip(b"L")), large)
+                    problem = _colliding(_text_int(line.rstrip(b"L")), large)
                     if problem:
                         return problem, spent
                 push(1 + len(line) // 19)
@@ -1446,20 +1441,20 @@ def _walk(data: bytes) -> tuple[str | None, int]:
 
 _LINE_OPS = b"FILSVPcigp"  # (the opcodes whose arguments are lines of text)
 _MAX_COLLIDING = 1000
-"""Most distinct ints past 2**61 a pickle may hold that share a hash with another (none in a checkpoint)."""
+"""Most distinct numbers of a kind a pickle may hold that share a hash with another (none in a checkpoint)."""
 
 
-def _large_int(value: int, large: tuple[set[int], set[int]]) -> str | None:
-    """Note an int past 2**61 met in a pickle (``large``: the distinct ones so far, their hashes):
-    ints that far apart can share a hash (``n`` and ``n + 2**61 - 1``), and a dict of ``k`` of them
-    takes the unpickler ``k**2 / 2`` comparisons (in C, holding the GIL: 100 000 of them in 1.3 MB
-    took 67 s). Returns why the pickle is refused."""
-    values, hashes = large
+def _colliding(value: Any, seen: tuple[set[Any], set[int]], what: str = "integers") -> str | None:
+    """Note a number that can share its hash with others (``seen``: the distinct ones so far, their
+    hashes): an int past 2**61 (``n`` and ``n + 2**61 - 1`` share one: a dict of 100 000 of them in
+    1.3 MB took the unpickler 67 s of comparisons, ``k**2 / 2`` in C holding the GIL) or a complex
+    number (see :func:`_complex`). Returns why the pickle is refused."""
+    values, hashes = seen
     values.add(value)
     hashes.add(hash(value))
     if len(values) - len(hashes) > _MAX_COLLIDING:  # (each distinct value beyond one per hash collides)
         return (
-            f"holds more than {_MAX_COLLIDING:,} distinct integers that share a hash with another (a dict of "
+            f"holds more than {_MAX_COLLIDING:,} distinct {what} that share a hash with another (a dict of "
             "them would take the unpickler time quadratic in their number): it is not read"
         )
     return None

@@ -31,7 +31,7 @@ from ckpttool.geometry import Box
 from ckpttool.hashing import new_hasher
 from ckpttool.manifest import KEPT_BESIDE, KINDS, SCHEMA_VERSION, STATE_KINDS, Item, Manifest
 from ckpttool.naming import RANK_LABEL, canonical
-from ckpttool.values import check_tolerance, same_value
+from ckpttool.values import check_tolerance, native_array, same_value
 
 Tolerance = Literal["strict", "standard", "relaxed"]
 TOLERANCES: dict[str, tuple[float, float]] = {"strict": (0.0, 0.0), "standard": (1e-8, 1e-5), "relaxed": (1e-5, 1e-3)}
@@ -527,9 +527,8 @@ def _comparable(value: Any, depth: int = 0) -> Any:
     bytes, an ``io.BytesIO`` by its bytes, an allowlisted class's stand-in by its name and
     attributes, a numpy number as a 0-d array, arrays in the machine's byte order, times by their
     ``repr``. _NotComparable for anything else (a tensor inside the value, nesting past 32)."""
-    if isinstance(value, np.generic | np.ndarray):  # (numpy reads >i4 as <i4 at protocol 2, not at 5)
-        array = np.asarray(value)
-        return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
+    if isinstance(value, np.generic | np.ndarray):
+        return native_array(value)
     if value is None or isinstance(value, bool | int | float | complex | str | bytes):
         return value
     if isinstance(value, datetime.date | datetime.time | datetime.timedelta | datetime.tzinfo):

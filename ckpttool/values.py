@@ -159,7 +159,7 @@ def same_value(a: Any, b: Any) -> bool:
     tuple and a list of the same values are the same (formats keep sequences either way). A numpy
     number is a 0-d array, and arrays are compared in the machine's byte order (numpy reads a
     big-endian array pickled with protocol 5 as it is, with 2 swapped)."""
-    a, b = (_native(np.asarray(v)) if isinstance(v, np.generic | np.ndarray) else v for v in (a, b))
+    a, b = (native_array(v) if isinstance(v, np.generic | np.ndarray) else v for v in (a, b))
     if isinstance(a, float) and isinstance(b, float):
         return struct.pack("<d", a) == struct.pack("<d", b)
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):  # (NumPy's RNG state holds one)
@@ -178,7 +178,10 @@ def same_value(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _native(array: np.ndarray) -> np.ndarray:
+def native_array(value: Any) -> np.ndarray:
+    """A numpy array or number as an array in the machine's byte order (numpy reads ``>i4`` pickled
+    with protocol 2 as ``<i4``, with protocol 5 as it is)."""
+    array = np.asarray(value)
     return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
 
 

@@ -364,7 +364,7 @@ class _Pickler(_PurePickler):
             self.write(pickle.REDUCE)
             self.memoize(obj)
             return
-        if (t is datetime.datetime or t is datetime.time) and obj.fold:  # (protocol 2 leaves the fold out)
+        if t is datetime.datetime or t is datetime.time:  # (their protocol-4 state: protocol 2 leaves the fold out)
             self.save_reduce(*obj.__reduce_ex__(4), obj=obj)
             return
         if t is _unpickle.TorchVersion:  # (as torch's str subclass pickles: NEWOBJ)

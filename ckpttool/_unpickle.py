@@ -571,9 +571,20 @@ class _TensorType:
     __setstate__ = _refuse_state
 
 
+class WrapperType:
+    """A tensor subclass a format reads (DTensor: see :mod:`ckpttool._dtensor`), named as the
+    ``new_type`` of a rebuild: its ``rebuild(func, args, state)`` makes the value."""
+
+    @classmethod
+    def rebuild(cls, func: Any, args: Any, state: Any) -> Any:
+        raise NotImplementedError
+
+
 def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
     # plain tensors with Python attributes are pickled through here; subclasses are refused by
-    # the allowlist (new_type must be one of the two stand-ins above)
+    # the allowlist (new_type must be one of the two stand-ins above, or a wrapper a format reads)
+    if isinstance(new_type, type) and issubclass(new_type, WrapperType):
+        return new_type.rebuild(func, args, state)
     if new_type is not _TensorType:
         raise pickle.UnpicklingError("tensor subclass")
     result = func(*args)

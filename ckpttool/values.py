@@ -115,9 +115,10 @@ def is_container_leaf(value: Any) -> bool:
 
 
 def _is_tensor(value: Any) -> bool:
+    from ckpttool._dtensor import DTensorRef
     from ckpttool._unpickle import TensorRef
 
-    return isinstance(value, TensorRef)
+    return isinstance(value, TensorRef | DTensorRef)
 
 
 def _flatten(obj: Any, prefix: str, out: list[tuple[str, Any]], leaf: Callable[[Any], Any] | None) -> None:

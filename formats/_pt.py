@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ckpttool import _torchzip, _unpickle
+from ckpttool import _dtensor, _torchzip, _unpickle
 from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, UnsafePickleError
 from ckpttool.formats.base import PieceReader
@@ -318,6 +318,25 @@ def tensor_piece(
         replica=replica,
         nbytes=count * lookup_dtype(ref.dtype).itemsize,
     )
+
+
+def dtensor_parts(
+    rel: str, name: str, ref: _dtensor.DTensorRef
+) -> tuple[tuple[_unpickle.TensorRef, tuple[int, ...]], ...]:
+    """The regions of its global tensor that DTensor ``ref`` (leaf ``name`` of file ``rel``) holds:
+    each a view of its local tensor, and where that lies in the global one."""
+    try:
+        parts = _dtensor.local_parts(ref)
+    except _dtensor.DTensorError as exc:
+        if any(p[0] == "partial" for p in ref.placements):
+            raise CkptError(
+                f"{rel}: {name} is {exc}: each rank holds a term of a sum, not a piece of the tensor, and ckpttool "
+                "does not add the ranks' values",
+                hint="save it after .redistribute(placements=[Replicate()]) or .full_tensor(), or leave it out",
+                path=rel,
+            ) from None
+        raise CorruptFileError(f"{rel}: {name} is a DTensor with {exc}", path=rel) from None
+    return tuple((_dtensor.local_view(ref.local, at, shape), offset) for offset, shape, at in parts)
 
 
 def object_piece(rel: str, path: str, *, rank: int | None = None, replica: int = 0) -> Piece:

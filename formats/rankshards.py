@@ -8,11 +8,14 @@ Recognised file layouts (one directory = one checkpoint):
 - ``checkpoint_stepS_stageP.pt`` (pipeline stages, each with its own layers; a stack that every
   stage numbers from 0 is numbered across the stages).
 
+- ``rankR.pt``, ``rank_R.pt`` and ``<name>_rankR.pt`` (one name for every rank's file).
+
 Each file is a ``torch.save``'d dict. A tensor stored as ``{"local": t, "global_shape": [...],
 "global_offset": [...]}`` (also ``tensor``/``data`` and ``shape``/``offsets``) is one piece of the
-global tensor. A plain tensor saved under the same name by several ranks is one item with
-replicas, except RNG and dataloader state, which is per rank by nature: those items are named
-``<name>[rank=R]``.
+global tensor; so is a DTensor (FSDP2's and tensor parallelism's ``state_dict()`` values), placed
+by its spec (:mod:`ckpttool._dtensor`). A plain tensor saved under the same name by several ranks
+is one item with replicas, except RNG and dataloader state, which is per rank by nature: those
+items are named ``<name>[rank=R]``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpttool import _unpickle
+from ckpttool import _dtensor, _unpickle
 from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, raise_together
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection, claim
@@ -42,11 +45,13 @@ ALLOWLIST: dict[tuple[str, str], Any] = {
     **_unpickle.TORCH_TENSORS,
     **_unpickle.numpy_arrays(),
     **_unpickle.NAMESPACES,
+    **_dtensor.DTENSORS,
 }
 _PATTERNS = [
     re.compile(r"^shard_(?P<rank>\d+)_of_(?P<world>\d+)\.pt$"),
     re.compile(r"^shard_(?P<rank>\d+)\.pt$"),
     re.compile(r"^checkpoint_step(?P<step>\d+)_stage(?P<rank>\d+)\.pt$"),
+    re.compile(r"^(?P<stem>(?:[\w.-]*[_-])?)rank_?(?P<rank>\d+)\.pth?$"),
 ]
 _STEP_DIR = re.compile(r"^step_?(\d+)$")
 LOCAL_KEYS = ("local", "tensor", "data")
@@ -58,12 +63,21 @@ _PER_RANK_KINDS = ("rng", "dataloader")
 
 @dataclass(frozen=True, slots=True)
 class _Sharded:
-    local: _unpickle.TensorRef
+    """A rank's part of a global tensor: its regions, each a view of the local tensor and where
+    that lies in the global one."""
+
     shape: tuple[int, ...]
-    offset: tuple[int, ...]
+    dtype: str
+    parts: tuple[tuple[_unpickle.TensorRef, tuple[int, ...]], ...]
+    dtensor: _dtensor.DTensorRef | None = None
 
 
-def _sharded(value: Any) -> _Sharded | None:
+_TENSORS = (_unpickle.TensorRef, _dtensor.DTensorRef, _Sharded)
+
+
+def _sharded(value: Any) -> _Sharded | _dtensor.DTensorRef | None:
+    if isinstance(value, _dtensor.DTensorRef):
+        return value  # (placed by _placed, which names the file where it fails)
     if not isinstance(value, dict):
         return None
     local = next((value[k] for k in LOCAL_KEYS if k in value), None)
@@ -78,7 +92,13 @@ def _sharded(value: Any) -> _Sharded | None:
         and all(isinstance(v, int) and v >= 0 for v in (*shape, *offset))
     ):
         return None
-    return _Sharded(local, tuple(shape), tuple(offset))
+    return _Sharded(tuple(shape), local.dtype, ((local, tuple(offset)),))
+
+
+def _placed(rel: str, name: str, ref: _dtensor.DTensorRef) -> _Sharded:
+    """DTensor ``ref`` (leaf ``name`` of rank file ``rel``) as the regions of its global tensor that
+    its local tensor holds."""
+    return _Sharded(ref.shape, ref.dtype, _pt.dtensor_parts(rel, name, ref), ref)
 
 
 def _misplaced(
@@ -531,7 +551,7 @@ def _stage_numbering(stages: dict[int, list[tuple[str, Any]]]) -> dict[tuple[int
     params: set[str] = set()  # (the stacks of parameters)
     for stage, leaves in stages.items():
         for name, value in leaves:
-            kind = classify(name, is_tensor=isinstance(value, _unpickle.TensorRef | _Sharded))
+            kind = classify(name, is_tensor=isinstance(value, _TENSORS))
             if kind in _NUMBERED_KINDS and (m := _LAYER_INDEX.search(name)):
                 stack, n = m.group(1) or "", int(m.group(2))
                 held.setdefault(stack, {}).setdefault(stage, set()).add(n)
@@ -559,7 +579,7 @@ def _stage_numbering(stages: dict[int, list[tuple[str, Any]]]) -> dict[tuple[int
             m = _LAYER_INDEX.search(name)
             if not m or not (by := shift.get((m.group(1) or "", stage))):
                 continue
-            if classify(name, is_tensor=isinstance(value, _unpickle.TensorRef | _Sharded)) not in _PER_RANK_KINDS:
+            if classify(name, is_tensor=isinstance(value, _TENSORS)) not in _PER_RANK_KINDS:
                 renamed[stage, name] = f"{name[: m.start(2)]}{int(m.group(2)) + by}{name[m.end(2) :]}"
     return renamed
 
@@ -605,7 +625,9 @@ class RankShardsAdapter:
         shards = [p.name for p in path.iterdir() if _match(p.name)]
         if shards:
             return Detection(True, f"found per-rank shard files ({shards[0]}, ...)")
-        return Detection(False, "no shard_<rank>.pt, shard_<rank>_of_<n>.pt or checkpoint_step<s>_stage<p>.pt")
+        return Detection(
+            False, "no shard_<rank>.pt, shard_<rank>_of_<n>.pt, checkpoint_step<s>_stage<p>.pt or rank<r>.pt"
+        )
 
     def describe(self, path: Path) -> Manifest:
         manifest = Manifest(root=str(path), format=self.name)
@@ -644,6 +666,16 @@ class RankShardsAdapter:
                 if worlds[rel] != name_world:  # (named below as a file of another layout)
                     manifest.files.append(FileRecord(path=rel, size=size, role="aux"))
                     continue
+            other = _match(shards[rank]) if rank in shards else None
+            if other and "stem" in other.groupdict() and "stem" in m.groupdict() and other["stem"] != m["stem"]:
+                stems = sorted({other["stem"], m["stem"]})
+                raise CkptError(
+                    f"{path}: several files for each rank ({shards[rank]}, {rel}): ckpttool reads one file per rank "
+                    f"as one checkpoint",
+                    hint=f"check each set apart: move the {' and '.join(f'{s}rank*.pt' for s in stems)} files into "
+                    "folders of their own",
+                    path=rel,
+                )
             claim(shards, rank, rel, f"rank {rank}")
             manifest.files.append(FileRecord(path=rel, size=size, role="data", ranks=[rank]))
             if "step" in m.groupdict():
@@ -825,26 +857,28 @@ class RankShardsAdapter:
         manifest: Manifest, name: str, value: Any, rel: str, rank: int, replicas: ReplicaCounter, key: str
     ) -> None:
         """Add leaf ``name`` of rank file ``rel`` as (a piece of) item ``key``."""
+        if isinstance(value, _dtensor.DTensorRef):
+            value = _placed(rel, name, value)
         if isinstance(value, _Sharded):
-            ref = value.local
-            box = Box(value.offset, ref.shape)
-            if not box.within(value.shape):
-                raise CorruptFileError(
-                    f"{rel}: {name} local shard {list(ref.shape)} at {list(value.offset)} lies "
-                    f"outside its global shape {list(value.shape)}",
-                    path=rel,
-                )
             item = manifest.items.get(key) or manifest.add(
-                Item(name=key, kind=classify(key, is_tensor=True), dtype=ref.dtype, shape=value.shape)
+                Item(name=key, kind=classify(key, is_tensor=True), dtype=value.dtype, shape=value.shape)
             )
-            if item.dtype != ref.dtype or item.shape != value.shape:
+            if item.dtype != value.dtype or item.shape != value.shape:
                 raise CorruptFileError(
-                    f"{rel}: {name} is {ref.dtype}{list(value.shape)} here, {item.dtype}"
+                    f"{rel}: {name} is {value.dtype}{list(value.shape)} here, {item.dtype}"
                     f"{list(item.shape or ())} on another rank",
                     path=rel,
                 )
-            same = replicas.next(key, box)
-            item.pieces.append(_pt.tensor_piece(rel, ref, box=box, rank=rank, replica=same))
+            for ref, offset in value.parts:
+                box = Box(offset, ref.shape)
+                if not box.within(value.shape):
+                    raise CorruptFileError(
+                        f"{rel}: {name} local shard {list(ref.shape)} at {list(offset)} lies "
+                        f"outside its global shape {list(value.shape)}",
+                        path=rel,
+                    )
+                same = replicas.next(key, box)
+                item.pieces.append(_pt.tensor_piece(rel, ref, box=box, rank=rank, replica=same))
             return
         is_tensor = isinstance(value, _unpickle.TensorRef)
         kind = classify(key, is_tensor=is_tensor)

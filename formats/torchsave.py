@@ -13,10 +13,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ckpttool import _unpickle
+from ckpttool import _dtensor, _unpickle
 from ckpttool.errors import CkptError, FormatNotRecognizedError, PartOfCheckpointError, UnsafePickleError
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection
+from ckpttool.geometry import Box
 from ckpttool.harness import TRAJECTORY, TRAJECTORY_STATES
 from ckpttool.manifest import FileRecord, Item, Layout, Manifest, is_seal_name
 from ckpttool.naming import classify
@@ -30,6 +31,7 @@ ALLOWLIST: dict[tuple[str, str], Any] = {
     **_unpickle.TORCH_TENSORS,
     **_unpickle.numpy_arrays(),
     **_unpickle.BYTES_IO,
+    **_dtensor.DTENSORS,
 }
 
 
@@ -100,6 +102,16 @@ class TorchSaveAdapter:
                             pieces=[_pt.tensor_piece(rel, value)],
                         )
                     )
+                elif isinstance(value, _dtensor.DTensorRef):
+                    # one rank's part of the tensor (this file alone: the rest is in the other ranks')
+                    pieces = [
+                        _pt.tensor_piece(rel, ref, box=Box(offset, ref.shape))
+                        for ref, offset in _pt.dtensor_parts(rel, name, value)
+                    ]
+                    for piece in pieces:
+                        archive.storage_span(piece.locator["storage"])
+                    kind = classify(name, is_tensor=True)
+                    manifest.add(Item(name=name, kind=kind, dtype=value.dtype, shape=value.shape, pieces=pieces))
                 else:
                     item = manifest.add(
                         Item(
@@ -129,7 +141,7 @@ _NOT_ALONE = ("deepspeed", "megatron")
 _RANK_FILE = re.compile(
     r"^(mp_rank_\d+_model_states|zero_pp_rank_\d+_mp_rank_\d+_(optim|model)_states|layer_\d+-model_\d+-model_states"
     r"|bf16_zero_pp_rank_\d+_mp_rank_\d+_optim_states|model_optim_rng|distrib_optim|common"
-    r"|shard_\d+(_of_\d+)?|checkpoint_step\d+_stage\d+)\.pt$"
+    r"|shard_\d+(_of_\d+)?|checkpoint_step\d+_stage\d+)\.pt$|^([\w.-]*[_-])?rank_?\d+\.pth?$"
 )
 """the names of rank files (those formats', and per-rank shards': a DDP rank's may be the whole
 model, a TP or pipeline rank's is not); a ``pytorch_model.bin`` that zero_to_fp32 or a trainer

@@ -12,6 +12,7 @@ tests and against ``full_tensor()`` on real saves).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import math
@@ -31,6 +32,10 @@ from ckpttool._unpickle import (
 
 MAX_MESH_DIMS = 8
 """most dimensions a device mesh may have (torchtitan's deepest: pp, dp_replicate, dp_shard, cp, tp)"""
+MAX_SPLIT_FACTOR = 1 << 12
+"""largest ``_StridedShard`` split factor read (the ranks of the mesh dimensions that cut first)"""
+MAX_PARTS = 1 << 12
+"""most regions one rank's DTensor may hold (each a piece of the manifest)"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,18 +95,27 @@ def local_parts(ref: DTensorRef) -> list[tuple[tuple[int, ...], tuple[int, ...],
     chunks of ``ceil(n / k)`` (the last ones shorter or empty) and keeps the coordinate's chunk;
     ``_StridedShard(sf)`` first cuts them into ``sf`` such chunks, cuts each of those into ``k``,
     and keeps the coordinate's chunk of each, in order."""
-    if any(p[0] == "partial" for p in ref.placements):
-        raise DTensorError(f"a DTensor {ref.describe()} holding a pending {ref.placements[0][1]}")
+    for p in ref.placements:
+        if p[0] == "partial":
+            raise DTensorError(f"a DTensor {ref.describe()} holding a pending {p[1]}")
     runs: list[list[tuple[int, int]]] = [[(0, n)] if n else [] for n in ref.shape]
     for mesh_dim, p in enumerate(ref.placements):
         if p[0] not in ("shard", "strided"):
             continue
         k, c = ref.mesh_shape[mesh_dim], ref.coordinate[mesh_dim]
         dim = p[1]
-        if p[0] == "shard":
-            runs[dim] = _chunk(runs[dim], k, c)
-        else:
-            runs[dim] = [r for part in range(p[2]) for r in _chunk(_chunk(runs[dim], p[2], part), k, c)]
+        indices = _Indices(runs[dim])
+        total = indices.cum[-1]
+        # (_StridedShard: cut into sf chunks first, then each of those over the mesh dimension)
+        cuts = [(0, total)] if p[0] == "shard" else [_chunk(0, total, p[2], i) for i in range(p[2])]
+        kept: list[tuple[int, int]] = []
+        for lo, hi in cuts:
+            indices.take(*_chunk(lo, hi, k, c), kept)
+            if len(kept) > MAX_PARTS:
+                raise DTensorError(
+                    f"placements {ref.describe()} that cut dimension {dim} into more than {MAX_PARTS} runs"
+                )
+        runs[dim] = kept
     held = tuple(sum(n for _, n in r) for r in runs)
     if held != ref.local.shape:
         raise DTensorError(
@@ -110,6 +124,8 @@ def local_parts(ref: DTensorRef) -> list[tuple[tuple[int, ...], tuple[int, ...],
         )
     if any(not r for r in runs):  # (an empty local tensor: one empty region, at the origin)
         return [((0,) * len(ref.shape), ref.local.shape, (0,) * len(ref.shape))]
+    if math.prod(len(r) for r in runs) > MAX_PARTS:
+        raise DTensorError(f"placements {ref.describe()} that cut it into more than {MAX_PARTS} regions")
     local_starts = [list(itertools.accumulate((n for _, n in r), initial=0)) for r in runs]
     parts = []
     for picks in itertools.product(*(range(len(r)) for r in runs)):
@@ -120,23 +136,35 @@ def local_parts(ref: DTensorRef) -> list[tuple[tuple[int, ...], tuple[int, ...],
     return parts
 
 
-def _chunk(runs: list[tuple[int, int]], k: int, c: int) -> list[tuple[int, int]]:
-    """Chunk ``c`` of ``k`` of the indices ``runs`` hold, in order (``torch.chunk``'s sizes: ``ceil(n
-    / k)`` each, the last ones shorter or empty)."""
-    total = sum(n for _, n in runs)
-    size = -(-total // k)
-    lo, hi = min(c * size, total), min((c + 1) * size, total)
-    out: list[tuple[int, int]] = []
-    seen = 0
-    for start, n in runs:
-        a, b = max(lo, seen), min(hi, seen + n)
-        if a < b:
-            if out and out[-1][0] + out[-1][1] == start + a - seen:  # (adjacent: one run)
-                out[-1] = (out[-1][0], out[-1][1] + b - a)
-            else:
-                out.append((start + a - seen, b - a))
-        seen += n
-    return out
+def _chunk(lo: int, hi: int, k: int, c: int) -> tuple[int, int]:
+    """Chunk ``c`` of positions ``lo..hi`` cut into ``k`` as ``torch.chunk`` cuts them: ``ceil(n / k)``
+    each, the last ones shorter or empty."""
+    size = -(-(hi - lo) // k)
+    return min(lo + c * size, hi), min(lo + (c + 1) * size, hi)
+
+
+class _Indices:
+    """The global indices a dimension holds so far (runs of consecutive ones, in local order), by
+    position: ``take(a, b)`` appends those at positions ``a..b``."""
+
+    def __init__(self, runs: list[tuple[int, int]]) -> None:
+        self.runs = runs
+        self.cum = list(itertools.accumulate((n for _, n in runs), initial=0))
+
+    def take(self, a: int, b: int, out: list[tuple[int, int]]) -> None:
+        i = bisect.bisect_right(self.cum, a) - 1
+        while a < b and i < len(self.runs):
+            start, n = self.runs[i]
+            lo, hi = max(a, self.cum[i]), min(b, self.cum[i] + n)
+            if lo < hi:
+                at = start + lo - self.cum[i]
+                if out and out[-1][0] + out[-1][1] == at:  # (adjacent: one run)
+                    out[-1] = (out[-1][0], out[-1][1] + hi - lo)
+                else:
+                    out.append((at, hi - lo))
+            i += 1
+            if self.cum[i] >= b:
+                break
 
 
 def local_view(local: TensorRef, at: tuple[int, ...], shape: tuple[int, ...]) -> TensorRef:
@@ -352,7 +380,7 @@ def _placement(p: Any, ndim: int) -> tuple[Any, ...]:
     if name == "Shard":
         return ("shard", dim)
     sf = fields.get("split_factor")
-    if type(sf) is not int or not 0 < sf <= 1 << 20:
+    if type(sf) is not int or not 0 < sf <= MAX_SPLIT_FACTOR:
         raise pickle.UnpicklingError(f"_StridedShard split factor {brief(sf, 20)}")
     return ("strided", dim, sf)
 

@@ -3,6 +3,7 @@ fixtures/make_dtensor_shards_fixtures.py under torchrun."""
 
 from __future__ import annotations
 
+import pickle
 import random
 import re
 import shutil
@@ -83,6 +84,19 @@ def test_local_parts_refuse_a_local_tensor_its_placements_do_not_give():
         _dtensor.local_parts(_dtensor.DTensorRef(ref, (8, 4), (("shard", 0),), (2,), (0,)))
     with pytest.raises(_dtensor.DTensorError, match="pending sum"):
         _dtensor.local_parts(_dtensor.DTensorRef(ref, (3, 4), (("partial", "sum"),), (2,), (1,)))
+
+
+def test_local_parts_cap_the_regions_a_pickle_can_ask_for():
+    """A spec that cuts a rank's tensor into a region per element (16 384 here) is refused, in
+    milliseconds; so are split factors past the cap, read from a pickle."""
+    ref = _unpickle.TensorRef(_unpickle.StorageRef("0", "float32", 0, "cpu"), 0, (128, 128), (128, 1), "float32")
+    spec = _dtensor.DTensorRef(ref, (256, 256), (("strided", 0, 128), ("strided", 1, 128)), (2, 2), (0, 0))
+    with pytest.raises(_dtensor.DTensorError, match="more than 4096 regions"):
+        _dtensor.local_parts(spec)
+    strided = _dtensor.DTENSORS[("torch.distributed.tensor.placement_types", "_StridedShard")]()
+    strided.__setstate__({"dim": 0, "split_factor": 8192})
+    with pytest.raises(pickle.UnpicklingError, match="split factor 8192"):
+        _dtensor._placement(strided, 2)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -11,6 +11,7 @@ Each format module builds its allowlist from :data:`PLAIN` plus its own stubs.
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import dataclasses
 import datetime
@@ -224,9 +225,32 @@ class OrderedDictStandIn(dict[Any, Any]):
         # (what the unpickler's own BUILD would do: the attributes, from a dict or a (dict, slots) pair)
         for part in state if isinstance(state, tuple) and len(state) == 2 else (state,):
             if isinstance(part, dict):
+                # (an attribute named as a method, "items", would stand in for it on this dict)
+                if shadowing := [k for k in part if type(k) is not str or hasattr(OrderedDictStandIn, k)]:
+                    raise pickle.UnpicklingError(f"OrderedDict attributes named {brief(shadowing, 60)}")
                 self.__dict__.update(_dict_again(part))
             elif part is not None:
                 raise pickle.UnpicklingError(f"OrderedDict state of type {type(part).__name__}")
+
+
+class CounterStandIn(collections.Counter[Any]):
+    """``collections.Counter`` (which torch's ``weights_only`` load allows): a dict of counts, pickled
+    back as one."""
+
+    __setstate__ = _refuse_state  # (a Counter pickles no state)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if len(args) > 1 or kwargs:
+            raise pickle.UnpicklingError(f"Counter made of {len(args)} arguments and {len(kwargs)} keywords")
+        if args and isinstance(args[0], dict):
+            super().__init__(_dict_again(args[0]))
+        elif args:  # (elements to count: copied and hashed)
+            super().__init__(_members(args))
+        else:
+            super().__init__()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (collections.Counter, (dict(self),))
 
 
 def _complex(*args: Any) -> complex:
@@ -321,6 +345,7 @@ PLAIN: dict[tuple[str, str], Any] = {
     **{(module, name): fn for module in ("builtins", "__builtin__") for name, fn in _BUILTINS.items()},
     ("_codecs", "encode"): _codecs_encode,
     ("collections", "OrderedDict"): OrderedDictStandIn,
+    ("collections", "Counter"): CounterStandIn,
     **DATETIME,
     ("torch.torch_version", "TorchVersion"): TorchVersion,
 }

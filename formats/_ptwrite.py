@@ -180,6 +180,11 @@ def carry(
             ordered[k] = carry(v, archive_of, memo, now=now)
         ordered.__dict__.update(value.__dict__)
         return ordered
+    if isinstance(value, _unpickle.CounterStandIn):
+        counts = keep(_unpickle.CounterStandIn())
+        for k, v in value.items():
+            counts[k] = carry(v, archive_of, memo, now=now)
+        return counts
     if isinstance(value, dict):
         mapping = keep({})
         for k, v in value.items():

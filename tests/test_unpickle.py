@@ -897,3 +897,48 @@ def test_a_path_is_not_taken_for_a_global_that_runs_code():
     checkpoint) was named hostile: a path is a value; ``pathlib.Path.write_text`` is not."""
     assert not _unpickle.runs_code("pathlib.PosixPath") and not _unpickle.runs_code("pathlib._local.WindowsPath")
     assert _unpickle.runs_code("pathlib.Path.write_text") and _unpickle.runs_code("pathlib.Path")
+
+
+def test_a_counter_reads_as_torchs_weights_only_load_reads_it():
+    """``collections.Counter``, which torch.load(weights_only=True) allows, was refused as an unsafe
+    pickle. It reads as a Counter at every protocol, and one that asks for state, or for more than
+    one argument, is refused as torch's own would be."""
+    from collections import Counter
+
+    for protocol in range(6):
+        for value in (Counter({"a": 3, "b": 1}), Counter(), {"seen": Counter([1, 1, 2])}):
+            data = pickle.dumps(value, protocol=protocol)
+            ours = _unpickle.loads(data, allow=_unpickle.PLAIN, source="f.pkl")
+            assert ours == pickle.loads(data), (protocol, value)
+    assert isinstance(_unpickle.loads(pickle.dumps(Counter(a=1)), allow=_unpickle.PLAIN, source="f.pkl"), Counter)
+    for bad, says in [
+        (b"ccollections\nCounter\n)R}X\x01\x00\x00\x00xK\x01sb", "sets state on"),
+        (b"ccollections\nCounter\n}}\x86R", "Counter made of 2 arguments"),
+    ]:
+        with pytest.raises((CorruptFileError, UnsafePickleError), match=re.escape(says)):
+            _unpickle.loads(b"\x80\x02" + bad + b".", allow=_unpickle.PLAIN, source="f.pkl")
+
+
+def test_a_counter_is_written_back_as_a_counter():
+    from collections import Counter
+
+    from ckpttool.formats import _ptwrite
+
+    tree = _unpickle.loads(pickle.dumps({"n": Counter(a=2)}, protocol=2), allow=_unpickle.PLAIN, source="f.pkl")
+    data, _ = _ptwrite.dumps(_ptwrite.carry(tree, lambda: None))
+    assert b"ccollections\nCounter\n" in data
+    back = pickle.loads(data)
+    assert type(back["n"]) is Counter and back["n"] == Counter(a=2)
+
+
+def test_an_ordered_dict_attribute_may_not_stand_in_for_a_method():
+    """A module state dict's ``_metadata`` is an attribute; one named ``items`` would stand in for the
+    dict's own method wherever ckpttool walks the state (an internal error, exit 3): refused."""
+    od = OrderedDict(w=1)
+    od._metadata = {"": {"version": 1}}
+    data = pickle.dumps(od, protocol=2)
+    assert _unpickle.loads(data, allow=_unpickle.PLAIN, source="f.pkl").__dict__ == {"_metadata": {"": {"version": 1}}}
+    shadowing = data.replace(b"X\t\x00\x00\x00_metadata", b"X\x05\x00\x00\x00items")
+    assert shadowing != data
+    with pytest.raises(CorruptFileError, match=re.escape("OrderedDict attributes named ['items']")):
+        _unpickle.loads(shadowing, allow=_unpickle.PLAIN, source="f.pkl")

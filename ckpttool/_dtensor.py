@@ -13,6 +13,7 @@ tests and against ``full_tensor()`` on real saves).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -54,6 +55,9 @@ class DTensorRef:
     rank: int | None = None
     """the global rank that saved it, where the mesh says"""
     mesh_dim_names: tuple[str, ...] | None = None
+    world: tuple[tuple[str | None, int], ...] | None = None
+    """the dimensions (name, size) of the mesh the job made first (this one's root; this one where it
+    is a root), where the pickle says: their product is the world size"""
 
     @property
     def dtype(self) -> str:
@@ -330,9 +334,14 @@ def _dtensor(wrapper: _Wrapper, state: dict[str, Any]) -> DTensorRef:
     placements = tuple(_placement(p, len(wrapper.shape)) for p in raw)
     _check_order(fields.get("shard_order"), placements)
     rank = mesh.__dict__.get("_rank")
-    names = mesh.__dict__.get("_mesh_dim_names", mesh.__dict__.get("mesh_dim_names"))
-    if not (isinstance(names, tuple | list) and len(names) == len(mesh_shape) and all(type(n) is str for n in names)):
-        names = None
+    names = _dim_names(mesh.__dict__, len(mesh_shape))
+    root = mesh.__dict__.get("_root_mesh", mesh.__dict__.get("_parent_mesh"))
+    world: tuple[tuple[str | None, int], ...] | None = None
+    if root is None:
+        world = _dims(mesh.__dict__, mesh_shape)
+    elif isinstance(root, Record):
+        with contextlib.suppress(pickle.UnpicklingError):  # (a root mesh unread: no world size said)
+            world = _dims(root.__dict__, _mesh_shape(root.__dict__))
     return DTensorRef(
         local=local,
         shape=wrapper.shape,
@@ -340,8 +349,21 @@ def _dtensor(wrapper: _Wrapper, state: dict[str, Any]) -> DTensorRef:
         mesh_shape=mesh_shape,
         coordinate=tuple(coordinate),
         rank=rank if type(rank) is int and rank >= 0 else None,
-        mesh_dim_names=tuple(names) if names else None,
+        mesh_dim_names=names,
+        world=world,
     )
+
+
+def _dims(fields: dict[str, Any], shape: tuple[int, ...]) -> tuple[tuple[str | None, int], ...]:
+    names = _dim_names(fields, len(shape))
+    return tuple(zip(names or (None,) * len(shape), shape, strict=True))
+
+
+def _dim_names(fields: dict[str, Any], ndim: int) -> tuple[str, ...] | None:
+    names = fields.get("_mesh_dim_names", fields.get("mesh_dim_names"))
+    if isinstance(names, tuple | list) and len(names) == ndim and all(type(n) is str and len(n) < 64 for n in names):
+        return tuple(names)
+    return None
 
 
 def _mesh_shape(fields: dict[str, Any]) -> tuple[int, ...]:

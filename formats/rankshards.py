@@ -205,6 +205,15 @@ def _blocks_out_of_order(manifest: Manifest, shards: dict[int, str]) -> dict[str
     }
 
 
+def _said_by_mesh(shards: dict[int, str], said: dict[int, set[int | None]]) -> dict[str, Any] | None:
+    """Rank files whose DTensors' device mesh names another rank as the one that saved them."""
+    moved = {r: m for r, s in said.items() if len(s) == 1 and (m := next(iter(s))) is not None and m != r}
+    if not moved:
+        return None
+    context = "the device mesh pickled with each DTensor names the rank that saved it"
+    return _misplaced(shards, list(moved), "DTensors", context, [moved[r] for r in moved])
+
+
 def _saved_as(manifest: Manifest, shards: dict[int, str], inner: dict[int, str]) -> dict[str, Any] | None:
     """Rank files saved under another rank's name (:func:`_pt.saved_as`)."""
     found = _pt.saved_as(
@@ -598,6 +607,43 @@ def _keyed_by(state: dict[int, set[tuple[int, str]]], params: dict[str, dict[int
     return None
 
 
+def _missing(path: Path, shards: dict[int, str], missing: list[int], said: str, why: str) -> list[CkptError]:
+    """An error for each of the ``missing`` ranks' files (named after another rank's), of ``said``
+    ranks; where there are too many to list (or no file to name them after), one error raised."""
+    hint = "a rank did not finish saving or its file was deleted; use another checkpoint"
+    like = shards[min(shards)] if shards else None
+    if like is None or len(missing) > 64:
+        raise IncompleteCheckpointError(
+            f"{path}: {len(missing)} of {said} rank shards missing "
+            f"(ranks {', '.join(map(str, missing[:12]))}{' …' if len(missing) > 12 else ''})",
+            hint=hint,
+            path=str(path),
+            rule="missing-file",
+        )
+    return [
+        IncompleteCheckpointError(
+            f"{name}: rank {r}'s shard is missing ({len(missing)} of {said} ranks have no file here{why})",
+            hint=hint,
+            path=name,
+            rule="missing-file",
+            rank=r,
+        )
+        for r in missing
+        for name in [_named_like(like, r)]
+    ]
+
+
+_DP_NAMES = frozenset({"dp", "dp_shard", "dp_replicate", "fsdp", "ddp", "hsdp"})
+
+
+def _mesh_layout(world: tuple[tuple[str | None, int], ...]) -> Layout:
+    """The layout a DTensor's root mesh gives: its size, and the sizes of the dimensions it names as
+    data ("dp", "dp_shard", "dp_replicate", ...: multiplied), tensor, pipeline and expert parallel."""
+    sizes = dict.fromkeys(("tp", "pp", "ep"), None) | {n: k for n, k in world if n in ("tp", "pp", "ep")}
+    dp = [k for n, k in world if n in _DP_NAMES]
+    return Layout(world_size=math.prod(k for _, k in world), dp=math.prod(dp) if dp else None, **sizes)
+
+
 def _match(name: str) -> re.Match[str] | None:
     for pattern in _PATTERNS:
         m = pattern.match(name)
@@ -724,27 +770,7 @@ class RankShardsAdapter:
         if missing:
             said = f"{world}" if world is not None else f"at least {expect}"
             why = f"; the earlier save beside it has {before}" if world is None and before == expect else ""
-            hint = "a rank did not finish saving or its file was deleted; use another checkpoint"
-            like = shards[min(shards)] if shards else None
-            if like is None or len(missing) > 64:  # (no file to name them after, or too many to list)
-                raise IncompleteCheckpointError(
-                    f"{path}: {len(missing)} of {said} rank shards missing "
-                    f"(ranks {', '.join(map(str, missing[:12]))}{' …' if len(missing) > 12 else ''})",
-                    hint=hint,
-                    path=str(path),
-                    rule="missing-file",
-                )
-            damaged += [
-                IncompleteCheckpointError(
-                    f"{name}: rank {r}'s shard is missing ({len(missing)} of {said} ranks have no file here{why})",
-                    hint=hint,
-                    path=name,
-                    rule="missing-file",
-                    rank=r,
-                )
-                for r in missing
-                for name in [_named_like(like, r)]
-            ]
+            damaged += _missing(path, shards, missing, said, why)
         replicas = ReplicaCounter()
         claims: dict[str, int] = {}
         # pipeline stages' leaves are kept until every stage is read (their names may change with
@@ -752,6 +778,8 @@ class RankShardsAdapter:
         staged = any(_PATTERNS[2].match(rel) for rel in shards.values())
         kept: dict[int, list[tuple[str, Any]]] = {}
         inner: dict[int, str] = {}  # the name torch.save gave the archive inside each file
+        meshes: set[tuple[tuple[str | None, int], ...] | None] = set()  # the DTensors' root meshes
+        said_rank: dict[int, set[int | None]] = {}  # the ranks a file's DTensors' meshes say saved them
         for rank, rel in sorted(shards.items()):
             if (loaded := _pt.load_or_note(path, rel, ALLOWLIST, damaged)) is None:
                 damaged[-1].rank = rank
@@ -760,6 +788,10 @@ class RankShardsAdapter:
             archive.close()
             inner[rank] = archive.prefix.rstrip("/")
             leaves = flatten(obj if isinstance(obj, dict) else {"value": obj}, leaf=_sharded)
+            for _, v in leaves:
+                if isinstance(v, _dtensor.DTensorRef):
+                    meshes.add(v.world)
+                    said_rank.setdefault(rank, set()).add(v.rank)
             claimed = next((v for k, v in leaves if k in ("step", "iteration", "global_step")), None)
             if isinstance(claimed, int) and not isinstance(claimed, bool):
                 claims[rel] = claimed
@@ -767,6 +799,14 @@ class RankShardsAdapter:
                 kept[rank] = leaves
             else:
                 self._add_all(manifest, leaves, rel, rank, replicas, {})
+        # the DTensors' mesh gives the world size where nothing else does: the last ranks' files are
+        # then missing files, not only coverage gaps
+        mesh = next(iter(meshes)) if len(meshes) == 1 else None
+        layout = _mesh_layout(mesh) if mesh is not None else Layout()
+        if world is None and layout.world_size is not None and layout.world_size >= expect:
+            world, world_from = layout.world_size, "the DTensors' device mesh"
+            if late := [r for r in range(expect, world) if r not in shards]:
+                damaged += _missing(path, shards, late, str(world), f"; {world} is the DTensors' device mesh's size")
         raise_together(damaged)
         renamed = _stage_numbering(kept)
         for rank, leaves in kept.items():
@@ -798,7 +838,8 @@ class RankShardsAdapter:
             counted = list(claims.values())
             step = max(counted, key=counted.count)
         manifest.step = step
-        manifest.layout = Layout(world_size=world or len(shards))
+        layout.world_size = world or len(shards)
+        manifest.layout = layout
         if claims:
             manifest.extras["step_claims"] = claims
         if strays:
@@ -815,7 +856,8 @@ class RankShardsAdapter:
                 }
             )
         if out_of_order := (
-            _saved_as(manifest, shards, inner)
+            _said_by_mesh(shards, said_rank)
+            or _saved_as(manifest, shards, inner)
             or _copied_over(manifest, shards)
             or _blocks_out_of_order(manifest, shards)
             or _stages_out_of_order(manifest, shards)

@@ -240,3 +240,27 @@ def test_several_files_per_rank_are_named(tmp_path):
         shutil.copy(DT / "fsdp2_tp" / f"rank{r}.pt", ck / f"optim_rank{r}.pt")
     r = run_cli("inspect", ck)
     assert_clean(r, 3, "several files for each rank (model_rank0.pt, optim_rank0.pt)", "model_rank*.pt and optim_rank*")
+
+
+def test_the_device_mesh_gives_the_layout_and_the_world_size(tmp_path):
+    """Files named rank{r}.pt with no metadata.json: the DTensors' root mesh says the job had 4 ranks
+    on ("dp", "tp"), so the last rank's file deleted is a missing file, named, not only gaps."""
+    _, m = registry.describe(DT / "fsdp2_tp")
+    assert (m.layout.world_size, m.layout.dp, m.layout.tp, m.layout.pp) == (4, 2, 2, None)
+    assert registry.describe(DT / "fsdp2_uneven")[1].layout.dp == 4
+    ck = shutil.copytree(DT / "fsdp2_tp", tmp_path / "ck")
+    (ck / "rank3.pt").unlink()
+    report = verify(ck)
+    missing = [f for f in report.failing() if f.rule == "missing-file"]
+    assert [(f.file, f.rank) for f in missing] == [("rank3.pt", 3)], [f.message for f in report.failing()]
+    assert "4 is the DTensors' device mesh's size" in missing[0].message
+
+
+def test_files_whose_mesh_names_another_rank_are_misplaced(tmp_path):
+    ck = shutil.copytree(DT / "fsdp2_tp", tmp_path / "ck")
+    (ck / "rank1.pt").rename(ck / "tmp.pt")
+    (ck / "rank2.pt").rename(ck / "rank1.pt")
+    (ck / "tmp.pt").rename(ck / "rank2.pt")
+    found = [f for f in verify(ck).failing() if f.rule == "misplaced-file"]
+    assert len(found) == 1
+    assert "rank1.pt holds rank 2's DTensors, rank2.pt holds rank 1's DTensors" in found[0].message

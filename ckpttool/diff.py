@@ -373,7 +373,9 @@ def _diff(
                     report.unread.append({"name": key, "a": ia.error, "b": ib.error})
                 elif ia.is_tensor or ib.is_tensor:
                     _tensor_and_value(report, key, ra, ia, rb, ib)
-                elif ia.summary is not None or ib.summary is not None:  # (too large to keep: read both)
+                elif ia.summary is not None or ib.summary is not None or ia.nonfinite or ib.nonfinite:
+                    # (too large to keep, or holding a NaN or an Inf, which the manifest keeps as its text
+                    # ('inf', the string's own spelling) and without its sign bit: both read)
                     _compare_large_objects(report, key, ra, ia, rb, ib)
                 elif not same_value(ia.value, ib.value):
                     report.objects.append({"name": key, "a": ia.value, "b": ib.value})
@@ -501,7 +503,9 @@ def _compare_large_objects(report: DiffReport, key: str, ra: PieceReader, ia: It
     of more than 16 learning rates, a long string, a set, an ``io.BytesIO``): read from both sides
     and compared as the small ones are (:func:`_comparable`); a difference shown by their
     summaries. A value holding what diff cannot compare (a tensor inside a tuple, which DCP keeps
-    in one pickle) is said not to be compared: it was left out, and "equal" covered it."""
+    in one pickle; a whole state dict, which DCP saved with ``flatten_state_dict=False``) is said
+    not to be compared, and is not shown equal: it was left out, and "equal" covered it (two such
+    state dicts whose weights differed were "equal", exit 0)."""
     try:
         a, b = ra.read_object(ia), rb.read_object(ib)
         a, b = _comparable(a), _comparable(b)
@@ -510,11 +514,23 @@ def _compare_large_objects(report: DiffReport, key: str, ra: PieceReader, ia: It
         return
     except _NotComparable as exc:
         report.not_compared.append(f"{key}: it holds {exc}, which diff does not compare inside a value")
+        report.unread.append({"name": key, "a": ia.summary, "b": ib.summary})
         return
     if not same_value(a, b):
         shown_a = ia.value if ia.summary is None else f"{ia.summary} ({_digest_of(a)})"
         shown_b = ib.value if ib.summary is None else f"{ib.summary} ({_digest_of(b)})"
+        if shown_a == shown_b:  # (inf against 'inf', a NaN against the other NaN: told apart)
+            shown_a, shown_b = _typed(a), _typed(b)
         report.objects.append({"name": key, "a": shown_a, "b": shown_b})
+
+
+def _typed(value: Any) -> str:
+    """A value's text with its type, a NaN's with its sign (``float -nan``, ``str 'inf'``)."""
+    if isinstance(value, float) and math.isnan(value):
+        return f"float {'-' if math.copysign(1.0, value) < 0 else ''}nan"
+    if isinstance(value, list | tuple | dict):
+        return f"{type(value).__name__} {_unpickle.brief(value, 120)}"
+    return f"{type(value).__name__} {value!r}"
 
 
 class _NotComparable(Exception):

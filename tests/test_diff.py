@@ -883,3 +883,46 @@ def test_copies_within_tolerance_of_their_twins_are_read_once(tmp_path, monkeypa
     report = diff(ddp, b, atol=1e-3)
     assert not report.different and not report.copies, report.to_json()
     assert len(reads) == 2 * len(item.pieces) and all(n == 1 for n in reads.values()), reads
+
+
+def test_a_state_dict_saved_whole_is_not_shown_equal(tmp_path):
+    """dcp.save with flatten_state_dict=False keeps each top-level value, tensors and all, in one
+    pickle: two saves whose weights differed were "equal", exit 0 (0 tensors compared). Now they are
+    not shown equal (exit 3), and the value is named."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    m = torch.nn.Linear(3, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in "ab":
+            planner = DefaultSavePlanner(flatten_state_dict=False)
+            dcp.save({"model": m.state_dict(), "step": 1}, checkpoint_id=tmp_path / name, no_dist=True, planner=planner)
+            with torch.no_grad():
+                m.weight[0, 0] += 1.0
+    report = diff(tmp_path / "a", tmp_path / "b")
+    assert not report.different and [u["name"] for u in report.unread] == ["model"], report.to_json()
+    assert report.to_json()["equal"] is False
+    r = run_cli("diff", tmp_path / "a", tmp_path / "b")
+    assert r.code == 3 and "not compared: model: it holds a tensor" in r.stdout and "not shown equal" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "shown"),
+    [
+        (float("inf"), "inf", ("float inf", "str 'inf'")),
+        (float("nan"), -float("nan"), ("float nan", "float -nan")),
+        ([1.0, float("-inf")], [1.0, "-inf"], ("list [1.0, -inf]", "list [1.0, '-inf']")),
+    ],
+)
+def test_a_nonfinite_float_is_not_its_spelling(a, b, shown, tmp_path):
+    """The manifest keeps a NaN or an Inf as its text: float('inf') against the string 'inf' (and a
+    NaN against one with its sign bit set) were "equal". Both values are read and compared."""
+    import torch
+
+    for name, value in (("a", a), ("b", b)):
+        torch.save({"w": torch.ones(2), "best": value}, tmp_path / f"{name}.pt")
+    report = diff(tmp_path / "a.pt", tmp_path / "b.pt")
+    assert report.different and report.objects == [{"name": "best", "a": shown[0], "b": shown[1]}], report.objects
+    assert not diff(tmp_path / "a.pt", tmp_path / "a.pt").different

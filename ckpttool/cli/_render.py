@@ -192,6 +192,9 @@ def diff_report(out: Output, report: DiffReport) -> None:
     elif report.unread:
         n = len(report.unread)
         values = f"{n} value{'s' if n != 1 else ''}"
-        out.line(f"[yellow]not shown equal[/yellow]: {values} could not be read on one side or both", markup=True)
+        out.line(
+            f"[yellow]not shown equal[/yellow]: {values} could not be read or compared on one side or both",
+            markup=True,
+        )
     else:
         out.line("[green]equal[/green]" + (" within tolerance" if report.values else ""), markup=True)

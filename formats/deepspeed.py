@@ -1767,7 +1767,10 @@ class _Builder:
                     path=rel,
                 )
             base = osd.get("base_optimizer_state") or {}
-            state = base.get("state") or {}
+            if isinstance(base, list):  # (elastic_checkpoint: the partition's state of each group, in a list)
+                state, base = dict(enumerate(base)), {}
+            else:
+                state = base.get("state") or {}
             for g, fp32 in enumerate(osd["single_partition_of_fp32_groups"]):
                 group_shapes = shapes[g] if g < len(shapes) else {}
                 gstate = state.get(g) or {}

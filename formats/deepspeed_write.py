@@ -1449,7 +1449,8 @@ class UniversalWriter(_UniversalOut, ZeroWriter):
             osd = self.optim_obj["optimizer_state_dict"]
             sharded = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
             tree = {key: value for key, value in osd.items() if key not in sharded}
-            tree["param_groups"] = (osd.get("base_optimizer_state") or {}).get("param_groups")
+            base = osd.get("base_optimizer_state")
+            tree["param_groups"] = base.get("param_groups") if isinstance(base, dict) else None
             return _ptwrite.carry(tree, partial(archive, self.optim_rels[0]))
         if kind == "step":
             rel, step, _grad = self.held[name]

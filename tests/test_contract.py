@@ -71,7 +71,7 @@ def test_manifest_json_round_trip(path):
     assert Manifest.from_json_dict(data) == m
 
 
-DS_FIXTURES = ["zero0", "zero1", "zero2", "zero2_bf16", "zero3", "bf16_zero0", "bf16_optimizer", "pipeline", "pipeline_tied", "pipeline_bf16", "tp2", "tp2_glu", "autotp", "universal"]
+DS_FIXTURES = ["zero0", "zero1", "zero2", "zero2_elastic", "zero2_bf16", "zero3", "bf16_zero0", "bf16_optimizer", "pipeline", "pipeline_tied", "pipeline_bf16", "tp2", "tp2_glu", "autotp", "universal"]
 ALL_FIXTURES = [FIXTURES / "dcp" / n for n in DCP_FIXTURES] + [FIXTURES / "deepspeed" / n for n in DS_FIXTURES] + [
     FIXTURES / "rankshards" / "tp_manual" / "step_00000003",
     FIXTURES / "rankshards" / "ddp",

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckpttool import registry
+from ckpttool.diff import diff
 from ckpttool.export import export
 from tests._compare import same_bits
 from tests.conftest import AUTOTP_METADATA, FIXTURES, autotp_copy, rewritten_copy, run_cli
@@ -23,9 +24,9 @@ DS = FIXTURES / "deepspeed"
 MODEL_STATES = "global_step3/mp_rank_*_model_states.pt"
 ALL = [
     "zero0", "zero1", "zero2", "zero2_bf16", "zero3", "bf16_zero0", "bf16_optimizer", "pipeline", "pipeline_tied", "tp2", "tp2_glu",
-    "autotp", "pipeline_bf16",
+    "autotp", "pipeline_bf16", "zero2_elastic",
 ]
-ZERO_TO_FP32 = ["zero1", "zero2", "zero2_bf16", "zero3"]
+ZERO_TO_FP32 = ["zero1", "zero2", "zero2_bf16", "zero3", "zero2_elastic"]
 
 
 def _ref(name: str, prefix: str) -> dict[str, torch.Tensor]:
@@ -470,3 +471,14 @@ def test_inspect_says_zero0_optimizer_names_are_inferred():
     r = run_cli("inspect", DS / "zero0")
     assert r.code == 0 and "optimizer state names: inferred from module parameter order and shapes" in r.stdout
     assert "optimizer state names" not in run_cli("inspect", DS / "zero1").stdout
+
+
+def test_an_elastic_checkpoint_reads_as_the_same_run_saved_plainly():
+    """zero_optimization.elastic_checkpoint keeps each group's partition state in a list: every
+    command stopped with an internal AttributeError (exit 3). It reads as the plain ZeRO-2 save of
+    the same run: every tensor identical (the param groups it does not save aside); reshard refuses it."""
+    report = diff(DS / "zero2_elastic", DS / "zero2")
+    assert report.compared == report.identical == 65 and not report.values and not report.objects, report.to_json()
+    assert report.added and not report.removed and all(n.startswith("optimizer.param_groups.0.") for n in report.added)
+    r = run_cli("reshard", DS / "zero2_elastic", "-o", "out", "--dp", "1")
+    assert r.code == 2 and "an elastic ZeRO checkpoint" in r.stderr, r.stderr

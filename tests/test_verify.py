@@ -29,6 +29,7 @@ CLEAN = [
             "zero0",
             "zero1",
             "zero2",
+            "zero2_elastic",
             "zero2_bf16",
             "zero3",
             "bf16_zero0",

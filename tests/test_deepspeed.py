@@ -479,6 +479,6 @@ def test_an_elastic_checkpoint_reads_as_the_same_run_saved_plainly():
     the same run: every tensor identical (the param groups it does not save aside); reshard refuses it."""
     report = diff(DS / "zero2_elastic", DS / "zero2")
     assert report.compared == report.identical == 65 and not report.values and not report.objects, report.to_json()
-    assert report.added and not report.removed and all(n.startswith("optimizer.param_groups.0.") for n in report.added)
+    assert report.added and not report.removed and all(n.startswith("optimizer.param_groups.") for n in report.added)
     r = run_cli("reshard", DS / "zero2_elastic", "-o", "out", "--dp", "1")
     assert r.code == 2 and "an elastic ZeRO checkpoint" in r.stderr, r.stderr

@@ -164,6 +164,12 @@ class PathEscapeError(CkptError):
     named by metadata"""
 
 
+class UnsupportedError(CkptError):
+    """The checkpoint holds state of a kind ckpttool does not read yet, which every command would leave
+    out (DeepSpeed's MoE expert files, a DTensor holding a pending sum): it is not evaluated at all
+    (exit 3), never reported as damage nor passed over."""
+
+
 class UsageError(CkptError):
     """The request itself is wrong (bad option values, output exists, ...): exit 2."""
 

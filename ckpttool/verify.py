@@ -38,7 +38,14 @@ from ckpttool._torchzip import Archive, record_crc_errors, record_start
 from ckpttool._unpickle import TensorRef
 from ckpttool.assemble import assemble, regions
 from ckpttool.dtypes import as_float, as_numbers, float32_to_bf16
-from ckpttool.errors import CkptError, CorruptFileError, FormatNotRecognizedError, NotFoundError, PathEscapeError
+from ckpttool.errors import (
+    CkptError,
+    CorruptFileError,
+    FormatNotRecognizedError,
+    NotFoundError,
+    PathEscapeError,
+    UnsupportedError,
+)
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Adapter
 from ckpttool.formats.rankshards import LOCAL_KEYS
@@ -501,7 +508,7 @@ def _verify(
         if sealed is None:
             raise
         report.findings.append(_from_error(exc))
-    except NotFoundError:
+    except (NotFoundError, UnsupportedError):
         raise
     except CkptError as exc:
         report.findings += [_from_error(e) for e in (exc, *exc.others)]

@@ -16,7 +16,13 @@ import numpy as np
 
 from ckpttool import _dtensor, _torchzip, _unpickle
 from ckpttool.dtypes import dtype as lookup_dtype
-from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, UnsafePickleError
+from ckpttool.errors import (
+    CkptError,
+    CorruptFileError,
+    IncompleteCheckpointError,
+    UnsafePickleError,
+    UnsupportedError,
+)
 from ckpttool.formats.base import PieceReader
 from ckpttool.geometry import Box
 from ckpttool.io import RandomAccessFile, confine
@@ -329,7 +335,7 @@ def dtensor_parts(
         parts = _dtensor.local_parts(ref)
     except _dtensor.DTensorError as exc:
         if any(p[0] == "partial" for p in ref.placements):
-            raise CkptError(
+            raise UnsupportedError(
                 f"{rel}: {name} is {exc}: each rank holds a term of a sum, not a piece of the tensor, and ckpttool "
                 "does not add the ranks' values",
                 hint="save it after .redistribute(placements=[Replicate()]) or .full_tensor(), or leave it out",

@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool import _unpickle
-from ckpttool.errors import CkptError, CorruptFileError, IncompleteCheckpointError, name_from_above, raise_together
+from ckpttool.errors import (
+    CkptError,
+    CorruptFileError,
+    IncompleteCheckpointError,
+    UnsupportedError,
+    name_from_above,
+    raise_together,
+)
 from ckpttool.formats import _pt
 from ckpttool.formats.base import Detection, claim
 from ckpttool.geometry import Box, coverage, row_major_strides
@@ -56,6 +63,11 @@ _MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 _Z3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _OPTIM = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _LAYER = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
+_EXPERT_FILE = re.compile(
+    r"^(layer_\d+_expert_\d+_mp_rank_\d+_model_states|expp_rank_\d+_mp_rank_\d+_optim_states)\.pt$"
+)
+"""an MoE layer's expert weights (one file per expert), and the optimizer state of an expert-parallel
+rank when ZeRO is off (research/deepspeed.md 1.1)"""
 RECOVERY_SCRIPTS = {"zero_to_fp32.py", "zero_to_torch.py"}
 """the scripts DeepSpeed copies beside every save it writes (its files, not the run's)"""
 _RESERVED = {
@@ -684,6 +696,14 @@ class DeepSpeedAdapter:
         if save_dir != tag_dir:
             manifest.extras["tag"] = tag_dir.name
         manifest.files = roles
+        if experts := sorted(r.path for r in roles if _EXPERT_FILE.match(r.path.rsplit("/", 1)[-1])):
+            raise UnsupportedError(
+                f"{tag_dir}: a DeepSpeed MoE checkpoint ({plural(len(experts), 'expert file')}: {experts[0]}"
+                f"{' …' if len(experts) > 1 else ''}), which ckpttool does not read yet: every command would leave "
+                "the experts' weights and optimizer state out",
+                hint="check it with DeepSpeed's own tools (zero_to_fp32, load_checkpoint) for now",
+                path=experts[0],
+            )
         base_names = {rel: rel.rsplit("/", 1)[-1] for rel in [*files, *unread]}
         models: dict[int, str] = {}
         z3_models: dict[tuple[int, int], str] = {}

@@ -7,6 +7,7 @@ ds_to_universal where it runs (otherwise the live optimizer), ``module.*`` the e
 
 from __future__ import annotations
 
+import shutil
 from functools import partial
 from typing import Any
 
@@ -482,3 +483,18 @@ def test_an_elastic_checkpoint_reads_as_the_same_run_saved_plainly():
     assert report.added and not report.removed and all(n.startswith("optimizer.param_groups.") for n in report.added)
     r = run_cli("reshard", DS / "zero2_elastic", "-o", "out", "--dp", "1")
     assert r.code == 2 and "an elastic ZeRO checkpoint" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("name", ["layer_0_expert_3_mp_rank_00_model_states.pt", "expp_rank_1_mp_rank_00_optim_states.pt"])
+def test_an_moe_checkpoint_is_refused_not_read_without_its_experts(name, tmp_path):
+    """DeepSpeed's MoE layers keep each expert's weights in a file of its own (and, without ZeRO, each
+    expert-parallel rank's optimizer state): ckpttool read none of them, so verify passed, diff said
+    "equal" with experts changed and reshard wrote a checkpoint without experts (a real MoE save of
+    DeepSpeed 0.19.8, 4 experts, ep_size 2). Every command now refuses it, exit 3, naming a file."""
+    ck = shutil.copytree(DS / "zero2", tmp_path / "zero2")
+    shutil.copy(ck / "global_step3" / "mp_rank_00_model_states.pt", ck / "global_step3" / name)
+    for args in (("inspect", ck), ("verify", ck), ("diff", ck, DS / "zero2"), ("reshard", ck, "-o", tmp_path / "o", "--dp", "1")):
+        r = run_cli(*args)
+        assert r.code == 3 and f"a DeepSpeed MoE checkpoint (1 expert file: global_step3/{name})" in r.stderr, (args, r.stderr)
+        assert "Traceback" not in r.stderr
+    assert not (tmp_path / "o").exists()

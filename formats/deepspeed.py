@@ -34,7 +34,7 @@ from ckpttool.geometry import Box, coverage, row_major_strides
 from ckpttool.io import confine, escapes, list_files, read_tracker
 from ckpttool.manifest import FileRecord, Item, Kind, Layout, Manifest, Piece, ReplicaCounter
 from ckpttool.naming import MOMENTS, classify, plural
-from ckpttool.values import flatten, set_value
+from ckpttool.values import flatten, same_value, set_value
 
 SUBPARAM_SHAPE = "deepspeed.checkpoint.universal_checkpoint.SubparamShape"
 """the dataclass ds_to_universal saves with a parameter of sub-parameters (``sub_param_shape``)"""
@@ -806,6 +806,15 @@ class DeepSpeedAdapter:
             manifest.extras["frozen"] = frozen
         b.shared(_tied(files, [*(models[k] for k in sorted(models)), *(z3_models[k] for k in sorted(z3_models))]))
         b.common(first_model, models.get(0) or z3_models[min(z3_models)])
+        # each rank's own client state: ZeRO-3's every rank saves its own model states file, a model-
+        # parallel run each MP rank (ZeRO-0..2 write only DP rank 0's)
+        holders: dict[str, tuple[str, int | None]] = (
+            {f"rank={dp}" if not any(mp for _, mp in z3_models) else f"dp={dp},mp={mp}": (rel, dp)
+             for (dp, mp), rel in sorted(z3_models.items())}
+            if z3_models
+            else {f"mp={mp}": (rel, None) for mp, rel in sorted(models.items())}
+        )  # fmt: skip
+        b.client_state(holders)
         manifest.format_version = str(first_model.get("ds_version") or "") or None
         steps = first_model.get("global_steps")
         manifest.step = steps if isinstance(steps, int) else None
@@ -2031,12 +2040,36 @@ class _Builder:
         if sampler is not None:
             for name, value in flatten(sampler, "data_sampler"):
                 self.tensor_or_object(name, value, rel, "dataloader", rank=0)
-        for key, value in first.items():
-            if key in _RESERVED:
-                continue
-            for name, leaf in flatten(value, key):
-                kind = classify(name, is_tensor=isinstance(leaf, _unpickle.TensorRef))
-                self.tensor_or_object(name, leaf, rel, kind, rank=0)
+
+    def client_state(self, holders: dict[str, tuple[str, int | None]]) -> None:
+        """What the run passed to ``save_checkpoint(client_state=...)``, from each file that holds its
+        own (``holders``: each file and its DP rank, by the label its values are named with). Values
+        every file holds alike are one item (tensors: a replica a file); RNG and dataloader state,
+        and values the files hold differently, are an item a file, ``<name>[<label>]`` (only the
+        first file's were read: a ZeRO-3 run's other ranks' cursors were never seen, and diff said
+        "equal" of two runs whose rank 1 cursors differed)."""
+        leaves = {
+            label: {n: leaf for k, v in self.files[rel].items() if k not in _RESERVED for n, leaf in flatten(v, k)}
+            for label, (rel, _) in holders.items()
+        }
+        names = list(dict.fromkeys(n for found in leaves.values() for n in found))
+        for name in names:
+            held = {label: found[name] for label, found in leaves.items() if name in found}
+            first = next(iter(held.values()))
+            kind = classify(name, is_tensor=isinstance(first, _unpickle.TensorRef))
+            alike = len(held) == len(leaves) and (
+                all(isinstance(v, _unpickle.TensorRef) and v.shape == first.shape and v.dtype == first.dtype
+                    for v in held.values())
+                if isinstance(first, _unpickle.TensorRef)
+                else all(same_value(v, first) for v in held.values())
+            )  # fmt: skip
+            for i, (label, value) in enumerate(held.items()):
+                rel, rank = holders[label]
+                if alike and kind not in ("rng", "dataloader"):
+                    if i == 0 or isinstance(value, _unpickle.TensorRef):  # (tensors: a replica each, compared)
+                        self.tensor_or_object(name, value, rel, kind, rank=rank, path=name)
+                else:
+                    self.tensor_or_object(f"{name}[{label}]", value, rel, kind, rank=rank, path=name)
 
 
 ADAPTER = DeepSpeedAdapter()

@@ -498,3 +498,32 @@ def test_an_moe_checkpoint_is_refused_not_read_without_its_experts(name, tmp_pat
         assert r.code == 3 and f"a DeepSpeed MoE checkpoint (1 expert file: global_step3/{name})" in r.stderr, (args, r.stderr)
         assert "Traceback" not in r.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_each_zero3_ranks_client_state_is_read(tmp_path):
+    """ZeRO-3 has every rank save its own model states file, each with the client state the run
+    passed to save_checkpoint: only rank 0's was read (a ZeRO-3 save whose rank 1 cursor differed was
+    "equal"; DeepSpeed 0.19.8 runs, 2 ranks). Values the ranks hold alike are one item; a dataloader
+    cursor, and what differs, an item a rank."""
+    from ckpttool.formats import _pt, _ptwrite
+    from ckpttool.formats.deepspeed import ALLOWLIST
+
+    def with_client_state(dst, cursor1):
+        ck = shutil.copytree(DS / "zero3", dst)
+        for rank in (0, 1):
+            rel = f"global_step3/zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+            archive, tree, _ = _pt.load(DS / "zero3", rel, ALLOWLIST)
+            tree.update({"dataloader": {"cursor": 100 if rank == 0 else cursor1}, "seed": 7, "salt": rank})
+            _ptwrite.save(_ptwrite.carry(tree, lambda archive=archive: archive), ck / rel)
+            archive.close()
+            shutil.copystat(DS / "zero3" / rel, ck / rel)
+        return ck
+
+    a, b = with_client_state(tmp_path / "a", 101), with_client_state(tmp_path / "b", 150)
+    _, m = registry.describe(a)
+    values = {n: i.value for n, i in m.items.items() if n.startswith(("dataloader", "seed", "salt"))}
+    assert values == {
+        "dataloader.cursor[rank=0]": 100, "dataloader.cursor[rank=1]": 101, "seed": 7, "salt[rank=0]": 0, "salt[rank=1]": 1
+    }  # fmt: skip
+    report = diff(a, b)
+    assert [o["name"] for o in report.objects] == ["dataloader.cursor[rank=1]"], report.to_json()

@@ -113,6 +113,22 @@ _TORCH_DTYPES_NOT_READ = frozenset(
 """torch's dtypes (and their storage classes) that ckpttool's readers have no table entry for: a
 pickle naming one is refused as any global outside the allowlist, but said to be what it is."""
 
+_SHARDED_TENSOR = "a ShardedTensor (FSDP1's SHARDED_STATE_DICT and LOCAL_STATE_DICT values)"
+_TORCH_VALUES_NOT_READ = {
+    "torch._utils._rebuild_sparse_tensor": "a sparse tensor",
+    "torch._utils._rebuild_sparse_csr_tensor": "a sparse tensor",
+    "torch._utils._rebuild_meta_tensor_no_storage": "a tensor on the meta device (saved without its values)",
+    "torch._utils._rebuild_qtensor": "a quantized tensor",
+    "torch._utils._rebuild_nested_tensor": "a nested tensor",
+    "torch._utils._rebuild_device_tensor_from_numpy": "a tensor of a device saved through numpy",
+    "torch._utils._rebuild_device_tensor_from_cpu_tensor": "a tensor of a device saved through the CPU",
+    "torch._utils._rebuild_wrapper_subclass": "a tensor subclass",
+    "torch.distributed._shard.sharded_tensor.api.ShardedTensor": _SHARDED_TENSOR,
+    "torch.distributed._shard.sharded_tensor.ShardedTensor": _SHARDED_TENSOR,
+}
+"""torch's own pickled values that ckpttool does not read (``torch.load(weights_only=True)`` reads
+most): a pickle naming one is refused, but said to be what it is, not taken for a hostile one."""
+
 
 class UnsafePickleError(CkptError):
     """A pickle referenced a global outside the format's allowlist; nothing was executed."""
@@ -124,6 +140,17 @@ class UnsafePickleError(CkptError):
             hint = (
                 "torch.load(weights_only=True) reads it; ckpttool cannot inspect, verify or convert such a "
                 "checkpoint yet (a view of the tensor as torch.uint8 can be saved in its place)"
+            )
+        elif (value := _TORCH_VALUES_NOT_READ.get(global_name)) is not None:  # (torch's own kind of value)
+            message = f"{file}: {what} holds {value} ({global_name}), which ckpttool does not read yet"
+            hint = (
+                "torch writes this for such values (torch.load(weights_only=True) may read it); ckpttool cannot "
+                "inspect, verify or convert such a checkpoint yet"
+                + (
+                    "; saved through torch.distributed.checkpoint (dcp.save), the same state reads"
+                    if value == _SHARDED_TENSOR
+                    else ""
+                )
             )
         else:
             message = (

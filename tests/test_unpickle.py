@@ -942,3 +942,24 @@ def test_an_ordered_dict_attribute_may_not_stand_in_for_a_method():
     assert shadowing != data
     with pytest.raises(CorruptFileError, match=re.escape("OrderedDict attributes named ['items']")):
         _unpickle.loads(shadowing, allow=_unpickle.PLAIN, source="f.pkl")
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("sparse", "holds a sparse tensor (torch._utils._rebuild_sparse_tensor), which ckpttool does not read yet"),
+        ("meta", "holds a tensor on the meta device (saved without its values)"),
+    ],
+)
+def test_torchs_own_values_not_read_are_named_not_called_hostile(value, says, tmp_path):
+    """A sparse or a meta tensor (which torch.load(weights_only=True) reads) was refused with the hint
+    "the file may be hostile". It is still refused, but said to be what it is."""
+    import torch
+
+    from tests.conftest import assert_clean, run_cli
+
+    t = torch.eye(3).to_sparse() if value == "sparse" else torch.empty(2, 3, device="meta")
+    torch.save({"w": torch.ones(2), "x": t}, tmp_path / "a.pt")
+    r = run_cli("inspect", tmp_path / "a.pt")
+    assert_clean(r, 3, says)
+    assert "hostile" not in r.stderr

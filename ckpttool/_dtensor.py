@@ -26,6 +26,7 @@ from ckpttool._unpickle import (
     TensorRef,
     TorchDType,
     WrapperType,
+    _copied,
     _refuse_state,
     brief,
     record,
@@ -50,8 +51,8 @@ class DTensorRef:
     """per mesh dimension: ``("shard", dim)``, ``("strided", dim, split_factor)``, ``("replicate",)`` or
     ``("partial", reduce_op)``"""
     mesh_shape: tuple[int, ...]
-    coordinate: tuple[int, ...]
-    """this rank's place on the mesh"""
+    coordinate: tuple[int, ...] | None
+    """this rank's place on the mesh (None: the rank is not on it, and holds none of the tensor)"""
     rank: int | None = None
     """the global rank that saved it, where the mesh says"""
     mesh_dim_names: tuple[str, ...] | None = None
@@ -68,6 +69,8 @@ class DTensorRef:
         said = ", ".join(_placement_text(p) for p in self.placements)
         names = f" ({', '.join(self.mesh_dim_names)})" if self.mesh_dim_names else ""
         mesh = "x".join(map(str, self.mesh_shape)) if len(self.mesh_shape) > 1 else f"{self.mesh_shape[0]}-rank"
+        if self.coordinate is None:
+            return f"({said}) on a {mesh} mesh{names}, saved by a rank not on it"
         at = ", ".join(map(str, self.coordinate))
         return f"({said}) on a {mesh} mesh{names} at ({at})"
 
@@ -102,6 +105,8 @@ def local_parts(ref: DTensorRef) -> list[tuple[tuple[int, ...], tuple[int, ...],
     for p in ref.placements:
         if p[0] == "partial":
             raise DTensorError(f"a DTensor {ref.describe()} holding a pending {p[1]}")
+    if ref.coordinate is None:  # (an empty local tensor, checked as it was read)
+        return []
     runs: list[list[tuple[int, int]]] = [[(0, n)] if n else [] for n in ref.shape]
     for mesh_dim, p in enumerate(ref.placements):
         if p[0] not in ("shard", "strided"):
@@ -207,7 +212,7 @@ class DTensorType(WrapperType):
         parts = state if type(state) is tuple and len(state) == 2 else (state,)
         if not all(p is None or type(p) is dict for p in parts):
             raise pickle.UnpicklingError(f"a DTensor whose state is {brief(state, 60)}, not its attributes")
-        fields = {k: v for p in parts if p for k, v in p.items() if k in ("_local_tensor", "_spec")}
+        fields = {k: p[k] for p in parts if p for k in ("_local_tensor", "_spec") if k in p}  # (not walked: memo)
         return _dtensor(wrapper, fields)
 
 
@@ -320,9 +325,12 @@ def _dtensor(wrapper: _Wrapper, state: dict[str, Any]) -> DTensorRef:
         raise pickle.UnpicklingError(f"a DTensor whose device mesh is {type(mesh).__name__}")
     mesh_shape = _mesh_shape(mesh.__dict__)
     coordinate = mesh.__dict__.get("_coordinate_on_dim")
-    if coordinate is None:
-        raise pickle.UnpicklingError("a DTensor saved by a rank outside its device mesh (no coordinate on it)")
-    if not (
+    if coordinate is None:  # (a rank outside the mesh: it holds nothing of the tensor)
+        if math.prod(local.shape):
+            raise pickle.UnpicklingError(
+                f"a DTensor saved by a rank outside its device mesh (no coordinate on it) holding {list(local.shape)}"
+            )
+    elif not (
         isinstance(coordinate, list | tuple)
         and len(coordinate) == len(mesh_shape)
         and all(type(c) is int and 0 <= c < n for c, n in zip(coordinate, mesh_shape, strict=False))
@@ -347,7 +355,7 @@ def _dtensor(wrapper: _Wrapper, state: dict[str, Any]) -> DTensorRef:
         shape=wrapper.shape,
         placements=placements,
         mesh_shape=mesh_shape,
-        coordinate=tuple(coordinate),
+        coordinate=tuple(coordinate) if coordinate is not None else None,
         rank=rank if type(rank) is int and rank >= 0 else None,
         mesh_dim_names=names,
         world=world,
@@ -375,7 +383,8 @@ def _mesh_shape(fields: dict[str, Any]) -> tuple[int, ...]:
         axes = layout.__dict__.get("axes")
         if isinstance(axes, tuple) and 0 < len(axes) <= MAX_MESH_DIMS and all(isinstance(a, Record) for a in axes):
             sizes = [a.__dict__.get("shape") for a in axes]
-            if all(isinstance(s, tuple) and 0 < len(s) <= MAX_MESH_DIMS for s in sizes):
+            # (a mesh dimension of size 1 has the empty shape: its size, the empty product, is 1)
+            if all(isinstance(s, tuple) and len(s) <= MAX_MESH_DIMS for s in sizes):
                 shape = tuple(math.prod(_sizes(s, "device mesh layout")) for s in sizes)
                 if all(shape):
                     return shape
@@ -404,6 +413,7 @@ def _placement(p: Any, ndim: int) -> tuple[Any, ...]:
     sf = fields.get("split_factor")
     if type(sf) is not int or not 0 < sf <= MAX_SPLIT_FACTOR:
         raise pickle.UnpicklingError(f"_StridedShard split factor {brief(sf, 20)}")
+    _copied(sf)  # (placing it cuts the dimension sf times: charged as copies, a DTensor made again and again)
     return ("strided", dim, sf)
 
 

@@ -326,6 +326,34 @@ def tensor_piece(
     )
 
 
+MAX_EXTRA_REGIONS = 1 << 16
+"""most regions beyond one a DTensor that one file's DTensors may be cut into (a rank's strided
+shards: a few each; a pickle referring to one DTensor of 4096 regions a thousand times made 4 M)"""
+
+
+class DTensorPlacer:
+    """Places the DTensors of one file: each once, however often the pickle refers to it, and no
+    more than ``MAX_EXTRA_REGIONS`` regions beyond one a DTensor in all."""
+
+    def __init__(self, rel: str) -> None:
+        self.rel = rel
+        self._placed: dict[int, tuple[Any, Any]] = {}  # by id: the DTensor (kept alive) and its parts
+        self._extra = 0
+
+    def parts(self, name: str, ref: _dtensor.DTensorRef) -> tuple[tuple[_unpickle.TensorRef, tuple[int, ...]], ...]:
+        hit = self._placed.get(id(ref))
+        if hit is None:
+            hit = self._placed[id(ref)] = (ref, dtensor_parts(self.rel, name, ref))
+        self._extra += max(0, len(hit[1]) - 1)
+        if self._extra > MAX_EXTRA_REGIONS:
+            raise CorruptFileError(
+                f"{self.rel}: its DTensors are cut into more than {MAX_EXTRA_REGIONS:,} regions beyond one each "
+                "(a DTensor referred to again and again): it is not read",
+                path=self.rel,
+            )
+        return hit[1]
+
+
 def dtensor_parts(
     rel: str, name: str, ref: _dtensor.DTensorRef
 ) -> tuple[tuple[_unpickle.TensorRef, tuple[int, ...]], ...]:

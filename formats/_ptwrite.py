@@ -30,9 +30,10 @@ from typing import Any, BinaryIO, ClassVar
 
 import numpy as np
 
-from ckpttool import _torchzip, _unpickle, device
+from ckpttool import _dtensor, _torchzip, _unpickle, device
 from ckpttool._zipwrite import PARALLEL, WRITE_CHUNK, ZipWriter
 from ckpttool.dtypes import carrier
+from ckpttool.errors import UnsupportedError
 from ckpttool.formats.base import PlannedFile
 from ckpttool.geometry import row_major_strides
 from ckpttool.hashing import open_output
@@ -155,6 +156,12 @@ def carry(
         memo[id(value)] = (out, value)  # the source object stays alive: its id is not reused
         return out
 
+    if isinstance(value, _dtensor.DTensorRef):  # (a DTensor as a tensor is written as its item, assembled)
+        raise UnsupportedError(
+            f"a DTensor ({value.dtype}{list(value.shape)}) inside a value that is not a tensor (a Namespace, a list "
+            "beside other values): ckpttool writes a DTensor only as a tensor item of its own, assembled from the "
+            "ranks' files"
+        )
     if isinstance(value, _unpickle.TensorRef):
         ref = value
 

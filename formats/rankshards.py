@@ -95,10 +95,10 @@ def _sharded(value: Any) -> _Sharded | _dtensor.DTensorRef | None:
     return _Sharded(tuple(shape), local.dtype, ((local, tuple(offset)),))
 
 
-def _placed(rel: str, name: str, ref: _dtensor.DTensorRef) -> _Sharded:
-    """DTensor ``ref`` (leaf ``name`` of rank file ``rel``) as the regions of its global tensor that
-    its local tensor holds."""
-    return _Sharded(ref.shape, ref.dtype, _pt.dtensor_parts(rel, name, ref), ref)
+def _placed(placer: _pt.DTensorPlacer, name: str, ref: _dtensor.DTensorRef) -> _Sharded:
+    """DTensor ``ref`` (leaf ``name`` of rank file ``placer.rel``) as the regions of its global tensor
+    that its local tensor holds."""
+    return _Sharded(ref.shape, ref.dtype, placer.parts(name, ref), ref)
 
 
 def _misplaced(
@@ -788,10 +788,12 @@ class RankShardsAdapter:
             archive.close()
             inner[rank] = archive.prefix.rstrip("/")
             leaves = flatten(obj if isinstance(obj, dict) else {"value": obj}, leaf=_sharded)
-            for _, v in leaves:
+            placer = _pt.DTensorPlacer(rel)
+            for i, (n, v) in enumerate(leaves):
                 if isinstance(v, _dtensor.DTensorRef):
                     meshes.add(v.world)
                     said_rank.setdefault(rank, set()).add(v.rank)
+                    leaves[i] = (n, _placed(placer, n, v))
             claimed = next((v for k, v in leaves if k in ("step", "iteration", "global_step")), None)
             if isinstance(claimed, int) and not isinstance(claimed, bool):
                 claims[rel] = claimed
@@ -899,8 +901,6 @@ class RankShardsAdapter:
         manifest: Manifest, name: str, value: Any, rel: str, rank: int, replicas: ReplicaCounter, key: str
     ) -> None:
         """Add leaf ``name`` of rank file ``rel`` as (a piece of) item ``key``."""
-        if isinstance(value, _dtensor.DTensorRef):
-            value = _placed(rel, name, value)
         if isinstance(value, _Sharded):
             item = manifest.items.get(key) or manifest.add(
                 Item(name=key, kind=classify(key, is_tensor=True), dtype=value.dtype, shape=value.shape)

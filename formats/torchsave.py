@@ -89,6 +89,7 @@ class TorchSaveAdapter:
             # (a list or tuple of tensors or dicts at the top is walked into as one under a key is)
             walked = isinstance(obj, dict) or (isinstance(obj, list | tuple) and not is_container_leaf(obj))
             leaves = flatten(obj) if walked else [("", obj)]
+            placer = _pt.DTensorPlacer(rel)
             for name, value in leaves:
                 name = name or "value"
                 if isinstance(value, _unpickle.TensorRef):
@@ -104,10 +105,8 @@ class TorchSaveAdapter:
                     )
                 elif isinstance(value, _dtensor.DTensorRef):
                     # one rank's part of the tensor (this file alone: the rest is in the other ranks')
-                    pieces = [
-                        _pt.tensor_piece(rel, ref, box=Box(offset, ref.shape))
-                        for ref, offset in _pt.dtensor_parts(rel, name, value)
-                    ]
+                    parts = placer.parts(name, value)
+                    pieces = [_pt.tensor_piece(rel, ref, box=Box(offset, ref.shape)) for ref, offset in parts]
                     for piece in pieces:
                         archive.storage_span(piece.locator["storage"])
                     kind = classify(name, is_tensor=True)

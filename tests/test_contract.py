@@ -76,7 +76,7 @@ ALL_FIXTURES = [FIXTURES / "dcp" / n for n in DCP_FIXTURES] + [FIXTURES / "deeps
     FIXTURES / "rankshards" / "tp_manual" / "step_00000003",
     FIXTURES / "rankshards" / "ddp",
     FIXTURES / "rankshards" / "pipeline",
-    *(FIXTURES / "dtensor" / n for n in ("fsdp2_tp", "fsdp2_uneven", "placements", "strided")),
+    *(FIXTURES / "dtensor" / n for n in ("fsdp2_tp", "fsdp2_uneven", "placements", "strided", "submesh")),
     *(FIXTURES / "megatron" / n for n in ("dist_tp2", "dist_tp2pp2", "legacy_tp2pp2", "legacy_tp2pp2_distopt")),
     *(FIXTURES / "megatron" / n for n in ("legacy_pp2vpp2", "legacy_pp2vpp2_distopt", "dist_pp2vpp2")),
     FIXTURES / "megatron" / "legacy_pp2ep2",
@@ -97,7 +97,7 @@ EXPECTED = {
     "megatron/dist_pp2ep2": "megatron-dist",
     "dcp/fsdp2_hf": "safetensors", "safetensors/model.safetensors": "safetensors",
     "safetensors/sharded": "safetensors", "torch/train_state.pt": "torch",
-    **{f"dtensor/{n}": "rankshards" for n in ("fsdp2_tp", "fsdp2_uneven", "placements", "strided")}}
+    **{f"dtensor/{n}": "rankshards" for n in ("fsdp2_tp", "fsdp2_uneven", "placements", "strided", "submesh")}}
 
 
 @pytest.mark.parametrize("path", ALL_FIXTURES, ids=lambda p: str(p.relative_to(FIXTURES)))

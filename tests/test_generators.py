@@ -79,7 +79,7 @@ def test_dtensor_generator_round_trip(tmp_path):
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for layout in ("fsdp2_tp", "fsdp2_uneven", "placements", "strided"):
+    for layout in ("fsdp2_tp", "fsdp2_uneven", "placements", "strided", "submesh"):
         _, fresh = registry.describe(tmp_path / "dtensor" / layout)
         _, committed = registry.describe(FIXTURES / "dtensor" / layout)
         assert {k: (i.dtype, i.shape, [p.box for p in i.pieces]) for k, i in fresh.items.items()} == {

@@ -54,7 +54,7 @@ CLEAN = [
     "rankshards/tp_manual/step_00000003",
     "rankshards/ddp",
     "rankshards/pipeline",
-    *(f"dtensor/{n}" for n in ("fsdp2_tp", "fsdp2_uneven", "placements", "strided")),
+    *(f"dtensor/{n}" for n in ("fsdp2_tp", "fsdp2_uneven", "placements", "strided", "submesh")),
     "safetensors/sharded",
     "safetensors/model.safetensors",
     "torch/train_state.pt",

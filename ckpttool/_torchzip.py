@@ -702,18 +702,13 @@ def broadcast_problem(shape: Sequence[int], stride: Sequence[int], dtype: str) -
     return None
 
 
-def read_tensor(archive: Archive, ref: _unpickle.TensorRef, out: np.ndarray | None = None) -> np.ndarray:
-    """The tensor's elements as a C-ordered numpy array of its carrier dtype.
-
-    When ``out`` is given (a C-contiguous array of the right size) the bytes land there directly.
-    """
-    dt = lookup_dtype(ref.dtype)
-    itemsize = dt.itemsize
-    numel = math.prod(ref.shape)
+def check_view(archive: Archive, ref: _unpickle.TensorRef) -> tuple[Any, int]:
+    """Raise CorruptFileError where tensor ``ref`` (of at least one element) reaches past the end of
+    its storage, or is a broadcast view ckpttool does not expand; else the storage's span and the
+    elements of it the view reaches to. Reads nothing but the storage's zip header."""
     span = archive.storage_span(ref.storage.key)
-    if numel == 0:
-        return np.empty(ref.shape, dtype=carrier(ref.dtype)) if out is None else out
     extent = ref.storage_offset + 1 + sum((n - 1) * s for n, s in zip(ref.shape, ref.stride, strict=True))
+    itemsize = lookup_dtype(ref.dtype).itemsize
     if extent * itemsize > span.length:
         raise CorruptFileError(
             f"{archive.display}: tensor needs {extent * itemsize:,} bytes of storage "
@@ -722,6 +717,20 @@ def read_tensor(archive: Archive, ref: _unpickle.TensorRef, out: np.ndarray | No
         )
     if (problem := broadcast_problem(ref.shape, ref.stride, ref.dtype)) is not None:
         raise CorruptFileError(f"{archive.display}: {problem}", hint=BROADCAST_HINT, path=archive.display)
+    return span, extent
+
+
+def read_tensor(archive: Archive, ref: _unpickle.TensorRef, out: np.ndarray | None = None) -> np.ndarray:
+    """The tensor's elements as a C-ordered numpy array of its carrier dtype.
+
+    When ``out`` is given (a C-contiguous array of the right size) the bytes land there directly.
+    """
+    dt = lookup_dtype(ref.dtype)
+    itemsize = dt.itemsize
+    numel = math.prod(ref.shape)
+    if numel == 0:
+        return np.empty(ref.shape, dtype=carrier(ref.dtype)) if out is None else out
+    span, extent = check_view(archive, ref)
     start = span.offset + ref.storage_offset * itemsize
     if is_c_contiguous(ref.shape, ref.stride):
         if out is None:

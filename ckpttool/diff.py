@@ -25,6 +25,7 @@ from ckpttool import _unpickle, registry
 from ckpttool import io as ckio
 from ckpttool.assemble import assemble, regions
 from ckpttool.dtypes import as_numbers, carrier, float32_to_bf16
+from ckpttool.dtypes import dtype as lookup_dtype
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.formats.base import Adapter, PieceReader
 from ckpttool.geometry import Box
@@ -508,7 +509,7 @@ def _compare_large_objects(report: DiffReport, key: str, ra: PieceReader, ia: It
     state dicts whose weights differed were "equal", exit 0)."""
     try:
         a, b = ra.read_object(ia), rb.read_object(ib)
-        a, b = _comparable(a), _comparable(b)
+        a, b = _comparable(a, tensor=_tensors_in(ra, ia)), _comparable(b, tensor=_tensors_in(rb, ib))
     except (CkptError, NotImplementedError, KeyError):
         report.unread.append({"name": key, "a": ia.summary, "b": ib.summary})
         return
@@ -537,12 +538,24 @@ class _NotComparable(Exception):
     """A value holds something :func:`_comparable` has no plain form of (its args: what)."""
 
 
-def _comparable(value: Any, depth: int = 0) -> Any:
+_MAX_TENSOR_IN_VALUE = 64 << 20
+"""largest tensor inside a value (an RNG state, a pickled state dict) diff reads to compare"""
+
+
+def _tensors_in(reader: PieceReader, item: Item) -> Callable[[Any], np.ndarray] | None:
+    """How to read a tensor inside ``item``'s value, where the reader can (a torch.save file's, a
+    DCP record's): None elsewhere."""
+    read_in = getattr(reader, "read_in_object", None)
+    return partial(read_in, item) if read_in is not None else None
+
+
+def _comparable(value: Any, depth: int = 0, tensor: Callable[[Any], np.ndarray] | None = None) -> Any:
     """``value`` as the plain data :func:`~ckpttool.values.same_value` compares: Python's plain
     values, NumPy arrays (NumPy's RNG state), sets (in an order of their own), ``bytearray`` as
     bytes, an ``io.BytesIO`` by its bytes, an allowlisted class's stand-in by its name and
     attributes, a numpy number as a 0-d array, arrays in the machine's byte order, times by their
-    ``repr``. _NotComparable for anything else (a tensor inside the value, nesting past 32)."""
+    ``repr``, a tensor (read with ``tensor``, up to 64 MB) by its dtype, shape and bytes.
+    _NotComparable for anything else (a tensor where there is no way to read it, nesting past 32)."""
     if isinstance(value, np.generic | np.ndarray):
         return native_array(value)
     if value is None or isinstance(value, bool | int | float | complex | str | bytes):
@@ -558,17 +571,20 @@ def _comparable(value: Any, depth: int = 0) -> Any:
     if isinstance(value, _unpickle.OpaqueBytes):
         return ("io.BytesIO", value.data)
     if isinstance(value, set | frozenset):
-        return ("set", sorted((_comparable(v, depth + 1) for v in value), key=repr))
+        return ("set", sorted((_comparable(v, depth + 1, tensor) for v in value), key=repr))
     if isinstance(value, list | tuple):
-        return [_comparable(v, depth + 1) for v in value]
+        return [_comparable(v, depth + 1, tensor) for v in value]
     if isinstance(value, dict):
-        return {k: _comparable(v, depth + 1) for k, v in value.items()}
+        return {k: _comparable(v, depth + 1, tensor) for k, v in value.items()}
     if isinstance(value, _unpickle.Record):
-        return (type(value)._qualname, _comparable(dict(value.__dict__), depth + 1))
+        return (type(value)._qualname, _comparable(dict(value.__dict__), depth + 1, tensor))
     if isinstance(value, _unpickle.EnumValue):
         return ("enum", value.enum, value.value)
     if isinstance(value, _unpickle.TensorRef):
-        raise _NotComparable("a tensor")
+        nbytes = math.prod(value.shape) * lookup_dtype(value.dtype).itemsize
+        if tensor is None or nbytes > _MAX_TENSOR_IN_VALUE:
+            raise _NotComparable("a tensor")
+        return ("tensor", value.dtype, tuple(value.shape), np.ascontiguousarray(tensor(value)).tobytes())
     raise _NotComparable(f"a {type(value).__name__}")
 
 

@@ -409,6 +409,11 @@ class PtReader(PieceReader):
     def archive_of(self, piece: Piece) -> _torchzip.Archive | None:
         return self.archive(piece.file)
 
+    def read_in_object(self, item: Item, ref: _unpickle.TensorRef) -> np.ndarray:
+        """The values of a tensor inside a value item (an RNG state's), ``ref`` as
+        :meth:`read_object` gave it."""
+        return _torchzip.read_tensor(self.archive(item.pieces[0].file), ref)
+
     def raw_span(self, piece: Piece, item: Item) -> tuple[int, int] | None:
         assert item.dtype is not None
         loc = piece.locator
@@ -416,7 +421,10 @@ class PtReader(PieceReader):
             return None
         storage = _unpickle.StorageRef(key=loc["storage"], dtype=item.dtype, numel=0, location="cpu")
         ref = _unpickle.TensorRef(storage, loc["storage_offset"], tuple(loc["shape"]), tuple(loc["stride"]), item.dtype)
-        return _torchzip.tensor_span(self.archive(piece.file), ref)
+        archive = self.archive(piece.file)
+        if math.prod(ref.shape):  # (a view past its storage's end is damage to name: verify reads no values)
+            _torchzip.check_view(archive, ref)
+        return _torchzip.tensor_span(archive, ref)
 
     def _tree(self, rel: str) -> tuple[dict[str, Any], dict[str, Any]]:
         """File ``rel``'s pickled tree, and its leaves by dotted path (read once)."""

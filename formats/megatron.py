@@ -1096,6 +1096,11 @@ class MegatronDistReader(DcpReader):
             return self._pt.read_object(item)
         return super().read_object(item)
 
+    def read_in_object(self, item: Item, ref: _unpickle.TensorRef) -> Any:
+        if item.pieces and item.pieces[0].file == "common.pt":
+            return self._pt.read_in_object(item, ref)
+        return super().read_in_object(item, ref)
+
     def archive_of(self, piece: Piece) -> Any:
         """``common.pt``'s archive for its pieces (a value there may hold tensors), else the DCP
         record's."""

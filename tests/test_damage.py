@@ -21,7 +21,7 @@ from ckpttool.export import export
 from ckpttool.inspect import inspect
 from ckpttool.io import MemberCrcs, RandomAccessFile
 from ckpttool.verify import verify
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, run_cli
 
 CASES = ["dcp/fsdp2_per_item", "deepspeed/zero3", "megatron/legacy_tp2pp2", "megatron/dist_tp2", "rankshards/ddp",
          "safetensors/sharded", "torch/train_state.pt"]
@@ -371,3 +371,33 @@ def test_a_flipped_bit_in_a_zip_index_field_torch_fails_on_is_found(rel, field, 
     assert errors and any(target.name in (f.file or "") + f.message for f in errors), [f.message for f in report.findings]
     run = _run(["seal", str(root if src.is_dir() else target)], tmp_path)
     assert run.returncode == 3 and "Traceback" not in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("where", ["torch", "rankshards"])
+def test_a_view_past_its_storage_is_damage_without_deep(where, tmp_path):
+    """A tensor whose storage offset reaches past its storage (a damaged pickle) passed plain verify,
+    which reads no values: only export and verify --deep caught it. The view is checked against its
+    storage's size (its zip header only) by verify and by seal."""
+    import pickletools
+    import zipfile
+
+    import torch
+
+    src = tmp_path / "src.pt"
+    torch.save({"w": torch.arange(6.0), "step": 1}, src)
+    out = tmp_path / ("a.pt" if where == "torch" else "ck/shard_00000.pt")
+    out.parent.mkdir(exist_ok=True)
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(out, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename.endswith("data.pkl"):
+                ops = list(pickletools.genops(data))
+                at = next(pos for (op, _, pos), (nop, arg, _) in zip(ops, ops[1:]) if op.name == "BINPERSID")
+                assert data[at + 1 : at + 3] == b"K\x00"  # (the storage offset, 0)
+                data = data[: at + 1] + b"Kd" + data[at + 3 :]  # (100)
+            zout.writestr(info.filename, data)
+    target = out if where == "torch" else out.parent
+    r = run_cli("verify", target)
+    assert r.code == 1 and "corrupt-file" in r.stdout and "tensor needs 424 bytes of storage 0 which holds 24" in r.stdout
+    r = run_cli("seal", target, "--out", tmp_path / "seal.json")
+    assert r.code == 3 and "tensor needs 424 bytes" in r.stderr and not (tmp_path / "seal.json").exists()

@@ -336,10 +336,10 @@ def test_values_that_are_not_plain_data_are_compared_or_said_not_to_be(tmp_path)
         warnings.simplefilter("ignore")
         for name, state in zip("ab", states, strict=True):
             dcp.save(state, checkpoint_id=tmp_path / f"d{name}", no_dist=True)
-    changed = ["extra", "np", "s", "c", "ba"]
+    changed = ["extra", "np", "s", "c", "ba", "tup"]  # (the tuple's tensor read from its record and compared)
     report = diff(tmp_path / "da", tmp_path / "db")
     assert report.different and [o["name"] for o in report.objects] == changed, report.to_json()
-    assert report.not_compared == ["tup: it holds a tensor, which diff does not compare inside a value"]
+    assert report.not_compared == []
     same = diff(tmp_path / "da", tmp_path / "da")
     assert not same.different and not same.objects
     for args in (("seal", tmp_path / "da"), ("verify", tmp_path / "da")):
@@ -885,10 +885,11 @@ def test_copies_within_tolerance_of_their_twins_are_read_once(tmp_path, monkeypa
     assert len(reads) == 2 * len(item.pieces) and all(n == 1 for n in reads.values()), reads
 
 
-def test_a_state_dict_saved_whole_is_not_shown_equal(tmp_path):
+def test_a_state_dict_saved_whole_is_compared_tensors_and_all(tmp_path):
     """dcp.save with flatten_state_dict=False keeps each top-level value, tensors and all, in one
-    pickle: two saves whose weights differed were "equal", exit 0 (0 tensors compared). Now they are
-    not shown equal (exit 3), and the value is named."""
+    pickle: two saves whose weights differed were "equal", exit 0 (0 tensors compared). The tensors
+    inside a value are read and compared; one diff cannot read (past 64 MB, or where the format
+    gives no way) is not shown equal (exit 3)."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner
@@ -902,10 +903,21 @@ def test_a_state_dict_saved_whole_is_not_shown_equal(tmp_path):
             with torch.no_grad():
                 m.weight[0, 0] += 1.0
     report = diff(tmp_path / "a", tmp_path / "b")
+    assert report.different and [o["name"] for o in report.objects] == ["model"], report.to_json()
+    assert run_cli("diff", tmp_path / "a", tmp_path / "b").code == 1
+    assert run_cli("diff", tmp_path / "a", tmp_path / "a").code == 0
+    from ckpttool import diff as diff_module
+
+    saved = diff_module._MAX_TENSOR_IN_VALUE
+    diff_module._MAX_TENSOR_IN_VALUE = 4  # (a tensor too large to read inside a value)
+    try:
+        report = diff(tmp_path / "a", tmp_path / "a")
+    finally:
+        diff_module._MAX_TENSOR_IN_VALUE = saved
     assert not report.different and [u["name"] for u in report.unread] == ["model"], report.to_json()
-    assert report.to_json()["equal"] is False
-    r = run_cli("diff", tmp_path / "a", tmp_path / "b")
-    assert r.code == 3 and "not compared: model: it holds a tensor" in r.stdout and "not shown equal" in r.stdout
+    assert report.to_json()["equal"] is False and report.not_compared == [
+        "model: it holds a tensor, which diff does not compare inside a value"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,7 @@ Recognised file layouts (one directory = one checkpoint):
   ``step`` and ``world_size``);
 - ``shard_RRRRR_of_NNNNN.pt``;
 - ``checkpoint_stepS_stageP.pt`` (pipeline stages, each with its own layers; a stack that every
-  stage numbers from 0 is numbered across the stages).
-
+  stage numbers from 0 is numbered across the stages);
 - ``rankR.pt``, ``rank_R.pt`` and ``<name>_rankR.pt`` (one name for every rank's file).
 
 Each file is a ``torch.save``'d dict. A tensor stored as ``{"local": t, "global_shape": [...],
@@ -69,7 +68,6 @@ class _Sharded:
     shape: tuple[int, ...]
     dtype: str
     parts: tuple[tuple[_unpickle.TensorRef, tuple[int, ...]], ...]
-    dtensor: _dtensor.DTensorRef | None = None
 
 
 _TENSORS = (_unpickle.TensorRef, _dtensor.DTensorRef, _Sharded)
@@ -77,7 +75,7 @@ _TENSORS = (_unpickle.TensorRef, _dtensor.DTensorRef, _Sharded)
 
 def _sharded(value: Any) -> _Sharded | _dtensor.DTensorRef | None:
     if isinstance(value, _dtensor.DTensorRef):
-        return value  # (placed by _placed, which names the file where it fails)
+        return value  # (placed as each file is read: _placed)
     if not isinstance(value, dict):
         return None
     local = next((value[k] for k in LOCAL_KEYS if k in value), None)
@@ -98,7 +96,7 @@ def _sharded(value: Any) -> _Sharded | _dtensor.DTensorRef | None:
 def _placed(placer: _pt.DTensorPlacer, name: str, ref: _dtensor.DTensorRef) -> _Sharded:
     """DTensor ``ref`` (leaf ``name`` of rank file ``placer.rel``) as the regions of its global tensor
     that its local tensor holds."""
-    return _Sharded(ref.shape, ref.dtype, placer.parts(name, ref), ref)
+    return _Sharded(ref.shape, ref.dtype, placer.parts(name, ref))
 
 
 def _misplaced(
@@ -936,6 +934,9 @@ class RankShardsAdapter:
                 raise CorruptFileError(
                     f"{rel}: {name} is {value.dtype}{list(value.shape)} here but "
                     f"{item.dtype}{list(item.shape or ())} on another rank, and has no sharding spec",
+                    hint="a file replaced by another save's, or a trainer whose ranks each save their own part under "
+                    "the same names (ZeroRedundancyOptimizer's state_dict per rank), which ckpttool cannot tell "
+                    "apart: give the parts a sharding spec ({'local', 'global_shape', 'global_offset'}) or a name each",
                     path=rel,
                 )
             item.pieces.append(_pt.tensor_piece(rel, value, rank=rank, replica=replicas.next(key, None)))

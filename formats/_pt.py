@@ -343,7 +343,7 @@ class DTensorPlacer:
     def parts(self, name: str, ref: _dtensor.DTensorRef) -> tuple[tuple[_unpickle.TensorRef, tuple[int, ...]], ...]:
         hit = self._placed.get(id(ref))
         if hit is None:
-            hit = self._placed[id(ref)] = (ref, dtensor_parts(self.rel, name, ref))
+            hit = self._placed[id(ref)] = (ref, _dtensor_parts(self.rel, name, ref))
         self._extra += max(0, len(hit[1]) - 1)
         if self._extra > MAX_EXTRA_REGIONS:
             raise CorruptFileError(
@@ -354,7 +354,7 @@ class DTensorPlacer:
         return hit[1]
 
 
-def dtensor_parts(
+def _dtensor_parts(
     rel: str, name: str, ref: _dtensor.DTensorRef
 ) -> tuple[tuple[_unpickle.TensorRef, tuple[int, ...]], ...]:
     """The regions of its global tensor that DTensor ``ref`` (leaf ``name`` of file ``rel``) holds:

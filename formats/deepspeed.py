@@ -668,6 +668,15 @@ class DeepSpeedAdapter:
         listing = [(prefix + rel, size) for rel, size in list_files(tag_dir, relative_to=root)]
         if prefix:
             listing += [(p.name, os.stat(confine(root, p.name)).st_size) for p in sorted(root.iterdir()) if p.is_file()]
+        # (refused before any rank file is read)
+        if experts := sorted(rel for rel, _ in listing if _EXPERT_FILE.match(rel.rsplit("/", 1)[-1])):
+            raise UnsupportedError(
+                f"{tag_dir}: a DeepSpeed MoE checkpoint ({plural(len(experts), 'expert file')}: {experts[0]}"
+                f"{' …' if len(experts) > 1 else ''}), which ckpttool does not read yet: every command would leave "
+                "the experts' weights and optimizer state out",
+                hint="check it with DeepSpeed's own tools (zero_to_fp32, load_checkpoint) for now",
+                path=experts[0],
+            )
         files: dict[str, Any] = {}
         inner: dict[str, str] = {}  # the name torch.save gave the archive inside each file
         roles: list[FileRecord] = []
@@ -696,14 +705,6 @@ class DeepSpeedAdapter:
         if save_dir != tag_dir:
             manifest.extras["tag"] = tag_dir.name
         manifest.files = roles
-        if experts := sorted(r.path for r in roles if _EXPERT_FILE.match(r.path.rsplit("/", 1)[-1])):
-            raise UnsupportedError(
-                f"{tag_dir}: a DeepSpeed MoE checkpoint ({plural(len(experts), 'expert file')}: {experts[0]}"
-                f"{' …' if len(experts) > 1 else ''}), which ckpttool does not read yet: every command would leave "
-                "the experts' weights and optimizer state out",
-                hint="check it with DeepSpeed's own tools (zero_to_fp32, load_checkpoint) for now",
-                path=experts[0],
-            )
         base_names = {rel: rel.rsplit("/", 1)[-1] for rel in [*files, *unread]}
         models: dict[int, str] = {}
         z3_models: dict[tuple[int, int], str] = {}

@@ -70,12 +70,11 @@ class _Sharded:
     parts: tuple[tuple[_unpickle.TensorRef, tuple[int, ...]], ...]
 
 
-_TENSORS = (_unpickle.TensorRef, _dtensor.DTensorRef, _Sharded)
+_TENSORS = (_unpickle.TensorRef, _Sharded)
+"""a leaf that is a tensor once a rank file's DTensors are placed (as each file is read)"""
 
 
-def _sharded(value: Any) -> _Sharded | _dtensor.DTensorRef | None:
-    if isinstance(value, _dtensor.DTensorRef):
-        return value  # (placed as each file is read: _placed)
+def _sharded(value: Any) -> _Sharded | None:
     if not isinstance(value, dict):
         return None
     local = next((value[k] for k in LOCAL_KEYS if k in value), None)

@@ -107,8 +107,7 @@ class TorchSaveAdapter:
                     # one rank's part of the tensor (this file alone: the rest is in the other ranks')
                     parts = placer.parts(name, value)
                     pieces = [_pt.tensor_piece(rel, ref, box=Box(offset, ref.shape)) for ref, offset in parts]
-                    for piece in pieces:
-                        archive.storage_span(piece.locator["storage"])
+                    archive.storage_span(value.local.storage.key)  # the member exists, inside the file
                     kind = classify(name, is_tensor=True)
                     manifest.add(Item(name=name, kind=kind, dtype=value.dtype, shape=value.shape, pieces=pieces))
                 else:

@@ -485,17 +485,27 @@ def test_an_elastic_checkpoint_reads_as_the_same_run_saved_plainly():
     assert r.code == 2 and "an elastic ZeRO checkpoint" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("name", ["layer_0_expert_3_mp_rank_00_model_states.pt", "expp_rank_1_mp_rank_00_optim_states.pt"])
-def test_an_moe_checkpoint_is_refused_not_read_without_its_experts(name, tmp_path):
+@pytest.mark.parametrize(
+    ("name", "only", "said"),
+    [
+        ("moe_zero2", None, "4 expert files: global_step2/layer_0_expert_0_mp_rank_00_model_states.pt …"),
+        ("moe_zero0", "expp_rank_", "2 expert files: global_step2/expp_rank_0_mp_rank_00_optim_states.pt …"),
+    ],
+)
+def test_an_moe_checkpoint_is_refused_not_read_without_its_experts(name, only, said, tmp_path):
     """DeepSpeed's MoE layers keep each expert's weights in a file of its own (and, without ZeRO, each
     expert-parallel rank's optimizer state): ckpttool read none of them, so verify passed, diff said
-    "equal" with experts changed and reshard wrote a checkpoint without experts (a real MoE save of
-    DeepSpeed 0.19.8, 4 experts, ep_size 2). Every command now refuses it, exit 3, naming a file."""
-    ck = shutil.copytree(DS / "zero2", tmp_path / "zero2")
-    shutil.copy(ck / "global_step3" / "mp_rank_00_model_states.pt", ck / "global_step3" / name)
+    "equal" with experts changed and reshard wrote a checkpoint without experts (real saves of
+    DeepSpeed 0.19.8, 4 experts, ep_size 2). Every command now refuses it, exit 3, naming a file;
+    ``only``: the one kind of expert file left in the copy (each is told alone)."""
+    assert only is None or any(f.name.startswith(only) for f in (DS / name / "global_step2").iterdir())
+    ck = shutil.copytree(DS / name, tmp_path / name)
+    for f in (ck / "global_step2").iterdir():
+        if only and f.name.startswith("layer_"):
+            f.unlink()
     for args in (("inspect", ck), ("verify", ck), ("diff", ck, DS / "zero2"), ("reshard", ck, "-o", tmp_path / "o", "--dp", "1")):
         r = run_cli(*args)
-        assert r.code == 3 and f"a DeepSpeed MoE checkpoint (1 expert file: global_step3/{name})" in r.stderr, (args, r.stderr)
+        assert r.code == 3 and f"a DeepSpeed MoE checkpoint ({said})" in r.stderr, (args, r.stderr)
         assert "Traceback" not in r.stderr
     assert not (tmp_path / "o").exists()
 

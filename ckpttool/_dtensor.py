@@ -191,7 +191,6 @@ class _Wrapper:
 
     dtype: str
     shape: tuple[int, ...]
-    requires_grad: bool
 
     __setstate__ = _refuse_state
 
@@ -225,7 +224,7 @@ def _rebuild_wrapper_subclass(
         raise pickle.UnpicklingError(f"a DTensor of dtype {brief(dtype, 40)}")
     if layout != "torch.strided":
         raise pickle.UnpicklingError(f"a DTensor of layout {brief(layout, 40)}, which ckpttool does not read")
-    return _Wrapper(str(dtype), _sizes(size, "DTensor shape"), requires_grad is True)
+    return _Wrapper(str(dtype), _sizes(size, "DTensor shape"))
 
 
 def _get_layout(name: Any) -> str:

@@ -671,13 +671,14 @@ def is_c_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
 
 
 def tensor_span(archive: Archive, ref: _unpickle.TensorRef) -> tuple[int, int] | None:
-    """``(offset, length)`` in the source of a C-contiguous tensor's bytes; None if strided.
-    CorruptFileError where the view reaches past its storage's end (:func:`check_view`): a damaged
-    offset passed plain ``verify``, which locates the pieces without reading them."""
-    itemsize = lookup_dtype(ref.dtype).itemsize
-    length = math.prod(ref.shape) * itemsize
-    span = check_view(archive, ref)[0] if length else archive.storage_span(ref.storage.key)
+    """``(offset, length)`` in the source of a C-contiguous tensor's bytes; None if strided or if
+    the storage is too short to hold them (``read_tensor`` says why)."""
     if not is_c_contiguous(ref.shape, ref.stride):
+        return None
+    itemsize = lookup_dtype(ref.dtype).itemsize
+    span = archive.storage_span(ref.storage.key)
+    length = math.prod(ref.shape) * itemsize
+    if ref.storage_offset * itemsize + length > span.length:
         return None
     return span.offset + ref.storage_offset * itemsize, length
 

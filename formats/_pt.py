@@ -421,7 +421,10 @@ class PtReader(PieceReader):
             return None
         storage = _unpickle.StorageRef(key=loc["storage"], dtype=item.dtype, numel=0, location="cpu")
         ref = _unpickle.TensorRef(storage, loc["storage_offset"], tuple(loc["shape"]), tuple(loc["stride"]), item.dtype)
-        return _torchzip.tensor_span(self.archive(piece.file), ref)
+        archive = self.archive(piece.file)
+        if math.prod(ref.shape):  # (a view past its storage's end is damage to name: verify reads no values)
+            _torchzip.check_view(archive, ref)
+        return _torchzip.tensor_span(archive, ref)
 
     def _tree(self, rel: str) -> tuple[dict[str, Any], dict[str, Any]]:
         """File ``rel``'s pickled tree, and its leaves by dotted path (read once)."""

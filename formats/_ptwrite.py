@@ -238,8 +238,10 @@ def _carried_parts(
     def part(lo: int, buf: np.ndarray) -> None:
         archive = archive_of()
         if not span:
-            found = _torchzip.tensor_span(archive, ref)  # (a storage too short for it: the damage named)
-            assert found is not None, "only contiguous tensors are carried in parts"
+            found = _torchzip.tensor_span(archive, ref)
+            if found is None:  # the storage is too short for it: read_tensor names the damage
+                _torchzip.read_tensor(archive, ref)
+                raise AssertionError("unreachable: read_tensor accepted a tensor its storage cannot hold")
             span.append(found)
         start = span[0][0] + lo
         view = buf.reshape(-1).view(np.uint8)
